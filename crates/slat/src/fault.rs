@@ -1,0 +1,267 @@
+//! Second-stage page faults: the lock-free fast path and the slow path under the MMU lock.
+
+use crate::flush::PendingFlush;
+use crate::format::{bytes_per_entry, Access, LeafPerms, PteFormat, PAGE_SHIFT};
+use crate::memslot::{Memslot, MemslotSet};
+use crate::stats::{Sink, Stat};
+use crate::sync::{pin, Ordering};
+use crate::vm::{SlotHint, UpdateMode, Vcpu, Vm};
+use crate::walk::Walk;
+
+/// What the hardware walker saw when the access faulted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fault {
+    /// Guest physical address of the access.
+    pub gpa: u64,
+    /// The access.
+    pub access: Access,
+    /// A leaf with some hardware permission was present (a permission fault, like an EPT
+    /// violation with R, W or X set in the qualification); false for a not-present fault.
+    pub present: bool,
+}
+
+/// How a fault was resolved. The caller re-executes the access in every case but `NoSlot` and
+/// `ReadOnly`, which are exits to the VMM (MMIO).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultOutcome {
+    /// The slow path installed or upgraded a mapping.
+    Fixed,
+    /// The lock-free fast path fixed the entry (write protection or access tracking).
+    FixedFast,
+    /// Nothing to do: another vCPU fixed it, or the TLB entry was stale.
+    Spurious,
+    /// Lost a race (entry changed or frozen, memslots changed); re-execute the access.
+    Retry,
+    /// No memslot contains the address: an MMIO exit.
+    NoSlot,
+    /// A write to a read-only memslot: an MMIO exit.
+    ReadOnly,
+}
+
+/// Bounded retries of the fast path's compare-and-swap before it defers to the slow path.
+const FAST_PF_RETRIES: usize = 4;
+
+impl<F: PteFormat> Vm<F> {
+    /// Resolves a fault from a context outside guest mode: the fast path (if eligible and
+    /// enabled), then the slow path.
+    pub fn handle_fault(&self, vcpu: &mut Vcpu, fault: Fault) -> FaultOutcome {
+        if let Some(o) = self.fast_page_fault(vcpu, fault) {
+            return o;
+        }
+        self.slow_page_fault(vcpu, fault)
+    }
+
+    /// The lock-free fast path (invariant 5). Fixes only (a) write faults on leaves
+    /// write-protected for dirty logging (MMU-writable set, W clear) and (b) access-tracked
+    /// leaves; returns `None` when the slow path must run.
+    ///
+    /// A vCPU calls this *without leaving guest mode*: a remote flush then waits for the fix
+    /// to finish, which is what makes the dirty mark visible to any harvest that could have
+    /// missed it (see the comment at the CAS below). It never blocks.
+    pub fn fast_page_fault(&self, vcpu: &mut Vcpu, fault: Fault) -> Option<FaultOutcome> {
+        let eligible = self.config.fast_pf
+            && ((fault.present && fault.access == Access::Write)
+                || (!fault.present && !self.config.ad_bits));
+        if !eligible {
+            return None;
+        }
+        let gfn = fault.gpa >> PAGE_SHIFT;
+        let sink = Sink::Owned(&vcpu.counters);
+        let guard = pin();
+        for _ in 0..FAST_PF_RETRIES {
+            let mut it = Walk::<F>::new(&guard, self.root(), 1, gfn, gfn + 1);
+            while it.valid() && F::is_present(it.old) && !F::is_leaf(it.old, it.level) {
+                it.next();
+            }
+            if !it.valid() || !F::is_present(it.old) {
+                return None;
+            }
+            let old = it.old;
+            if F::permits(old, fault.access) {
+                sink.inc(Stat::PfSpurious);
+                return Some(FaultOutcome::Spurious);
+            }
+            let mut new = old;
+            if F::is_access_tracked(new) {
+                new = F::restore_access_tracked(new);
+            }
+            let mut mark: Option<&Memslot> = None;
+            if fault.access == Access::Write && !F::is_writable(new) {
+                if !F::is_mmu_writable(new) {
+                    return None;
+                }
+                // Read the memslots only after the entry: enabling logging publishes the
+                // bitmap before write-protecting, so seeing the protection implies seeing the
+                // bitmap.
+                let (set, hint) = refresh_hint(self, &mut vcpu.slot_hint);
+                let (i, slot) = set.find(gfn, *hint)?;
+                *hint = i;
+                if slot.is_logging() {
+                    // One huge leaf cannot be logged per 4 KiB page: split it in the slow path.
+                    if it.level > 1 {
+                        return None;
+                    }
+                    mark = Some(slot);
+                }
+                new = F::make_writable(new);
+            }
+            if new == old || !F::permits(new, fault.access) {
+                return None;
+            }
+            // Invariant 3: mark before W goes 0→1 (a write by another vCPU can follow the CAS
+            // at once). Mark again after it: a harvest may have consumed the first mark and
+            // found nothing to write-protect before our CAS; its flush waits for us (we are
+            // in guest mode), so the second mark lands before it returns and the page is in
+            // the next harvest.
+            if let Some(s) = mark {
+                if s.mark_dirty(gfn) {
+                    sink.inc(Stat::DirtyMarked);
+                }
+            }
+            let mut pending = PendingFlush::none();
+            let r = self.set_spte(&mut it, new, UpdateMode::Shared, sink, &mut pending);
+            self.complete_flush(pending);
+            if r.is_ok() {
+                if let Some(s) = mark {
+                    s.mark_dirty(gfn);
+                }
+                sink.inc(Stat::PfFast);
+                return Some(FaultOutcome::FixedFast);
+            }
+        }
+        None
+    }
+
+    /// The slow path, under the MMU lock in read mode (exclusive with the mutex variant). Must
+    /// be called outside guest mode: it can block on the lock, and the lock holder may be
+    /// waiting for this vCPU to acknowledge a flush.
+    pub fn slow_page_fault(&self, vcpu: &mut Vcpu, fault: Fault) -> FaultOutcome {
+        let gfn = fault.gpa >> PAGE_SHIFT;
+        // Allocate before any lock (a fault needs at most one page per level below the root).
+        vcpu.cache.top_up(&self.alloc, F::ROOT_LEVEL as usize);
+        let (set, hint) = refresh_hint(self, &mut vcpu.slot_hint);
+        let gen = set.generation();
+        let sink = Sink::Owned(&vcpu.counters);
+        let Some((i, slot)) = set.find(gfn, *hint) else {
+            sink.inc(Stat::PfNoSlot);
+            return FaultOutcome::NoSlot;
+        };
+        *hint = i;
+        if fault.access == Access::Write && slot.is_readonly() {
+            sink.inc(Stat::PfReadOnly);
+            return FaultOutcome::ReadOnly;
+        }
+        let logging = slot.is_logging();
+        let mut goal = slot.max_level::<F>(gfn);
+        let perms = LeafPerms {
+            host_writable: !slot.is_readonly(),
+            // Read faults in a logged slot map read-only (MMU-writable kept) so the first
+            // write is seen and logged by the fast path.
+            writable: !slot.is_readonly() && (fault.access == Access::Write || !logging),
+            exec: true,
+            ad_bits: self.config.ad_bits,
+        };
+
+        let lock = self.mmu_lock.read();
+        // A memslot change published after our lookup: what we computed may be stale.
+        if self.slots_gen.load(Ordering::Relaxed) != gen {
+            drop(lock);
+            sink.inc(Stat::PfRetry);
+            return FaultOutcome::Retry;
+        }
+        let guard = pin();
+        let mut pending = PendingFlush::none();
+        let mut it = Walk::<F>::new(&guard, self.root(), 1, gfn, gfn + 1);
+        let cache = &mut vcpu.cache;
+        let outcome = loop {
+            if !it.valid() {
+                break FaultOutcome::Retry;
+            }
+            let old = it.old;
+            if old == F::FROZEN {
+                break FaultOutcome::Retry;
+            }
+            if it.level == goal {
+                if F::is_present(old) && !F::is_leaf(old, it.level) {
+                    // A table already covers this range (left by dirty logging, say): map
+                    // inside it rather than collapse it here; recovery collapses tables.
+                    goal -= 1;
+                    it.next();
+                    continue;
+                }
+                if F::is_present(old) && F::permits(old, fault.access) {
+                    break FaultOutcome::Spurious;
+                }
+                let hva = slot.hva(gfn) & !(bytes_per_entry(goal) - 1);
+                debug_assert!(!F::is_present(old) || F::output_addr(old) == hva);
+                let new = F::make_leaf(hva, goal, perms);
+                let marks = logging && F::is_writable(new);
+                if marks && slot.mark_dirty(gfn) {
+                    sink.inc(Stat::DirtyMarked);
+                }
+                match self.set_spte(&mut it, new, UpdateMode::Shared, sink, &mut pending) {
+                    Ok(()) => break FaultOutcome::Fixed,
+                    Err(_) => break FaultOutcome::Retry,
+                }
+            }
+            if !F::is_present(old) {
+                let child = cache.take().expect("page cache topped up before the lock");
+                let new = F::make_table(child.addr());
+                match self.set_spte(&mut it, new, UpdateMode::Shared, sink, &mut pending) {
+                    Ok(()) => {
+                        child.into_linked();
+                    }
+                    Err(_) => {
+                        cache.put_back(child);
+                        break FaultOutcome::Retry;
+                    }
+                }
+            } else if F::is_leaf(old, it.level) {
+                // A huge leaf above the level we may map (dirty logging, or a smaller host
+                // page): split it into an equivalent table, no flush needed.
+                let child = cache.take().expect("page cache topped up before the lock");
+                for (idx, e) in child.page().entries.iter().enumerate() {
+                    e.store(F::split_child(old, it.level, idx), Ordering::Relaxed);
+                }
+                let new = F::make_table(child.addr());
+                match self.set_spte(&mut it, new, UpdateMode::Shared, sink, &mut pending) {
+                    Ok(()) => {
+                        child.into_linked();
+                        sink.inc(Stat::Splits);
+                    }
+                    Err(_) => {
+                        for e in child.page().entries.iter() {
+                            e.store(F::NON_PRESENT, Ordering::Relaxed);
+                        }
+                        cache.put_back(child);
+                        break FaultOutcome::Retry;
+                    }
+                }
+            }
+            it.next();
+        };
+        drop(it);
+        drop(guard);
+        drop(lock);
+        self.complete_flush(pending);
+        sink.inc(match outcome {
+            FaultOutcome::Fixed => Stat::PfFixed,
+            FaultOutcome::Spurious => Stat::PfSpurious,
+            _ => Stat::PfRetry,
+        });
+        outcome
+    }
+}
+
+/// The vCPU's memslot snapshot, refreshed if a newer set was published, and its slot hint.
+#[inline]
+fn refresh_hint<'v, F: PteFormat>(
+    vm: &Vm<F>,
+    h: &'v mut SlotHint,
+) -> (&'v MemslotSet, &'v mut usize) {
+    let gen = vm.slots_gen.load(Ordering::Acquire);
+    if h.set.generation() != gen {
+        h.set = vm.slots.load_full();
+    }
+    (&h.set, &mut h.index)
+}

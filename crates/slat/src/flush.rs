@@ -1,0 +1,158 @@
+//! Remote TLB flushes: the request/acknowledge protocol between the engine and vCPUs.
+//!
+//! A flush sets `REQ_TLB_FLUSH` on every vCPU, then waits for each vCPU that is in guest mode
+//! to acknowledge. A vCPU checks its requests at every access boundary while in guest mode and
+//! when it enters guest mode; it services a flush by emptying its TLB and publishing the flush
+//! generation it observed. A vCPU outside guest mode needs no wait: it will see the request
+//! before its next access. The two sides form a Dekker pair — the vCPU stores its mode then
+//! loads its requests, the flusher stores the request then loads the mode, both `SeqCst` — so at
+//! least one of them sees the other.
+//!
+//! Acknowledgement is by generation rather than by the request bit alone, so concurrent flushes
+//! coalesce: one TLB flush on the vCPU satisfies every flush requested before it took the bit.
+//!
+//! Every operation that unmaps, write-protects or unlinks returns a [`PendingFlush`], which is
+//! `#[must_use]` and owns the table pages the operation unlinked. The only way to free those
+//! pages is [`crate::Vm::complete_flush`], which flushes first (invariant 2).
+
+use crate::sync::{spin_hint, yield_now, AtomicU32, AtomicU64, Ordering};
+use crate::table::OwnedTable;
+
+/// Request bit: empty the TLB.
+pub const REQ_TLB_FLUSH: u32 = 1 << 0;
+
+const OUTSIDE_GUEST: u32 = 0;
+const IN_GUEST: u32 = 1;
+
+/// The part of a vCPU the flusher talks to.
+#[derive(Debug)]
+#[repr(align(128))]
+pub struct VcpuLink {
+    mode: AtomicU32,
+    requests: AtomicU32,
+    acked: AtomicU64,
+}
+
+impl VcpuLink {
+    pub(crate) fn new() -> Self {
+        VcpuLink {
+            mode: AtomicU32::new(OUTSIDE_GUEST),
+            requests: AtomicU32::new(0),
+            acked: AtomicU64::new(0),
+        }
+    }
+
+    /// Enters guest mode; returns the requests pending at entry, which the caller services
+    /// (with [`Self::service_requests`]) before its first access.
+    #[inline]
+    pub fn enter_guest(&self) -> u32 {
+        self.mode.store(IN_GUEST, Ordering::SeqCst);
+        self.requests.load(Ordering::SeqCst)
+    }
+
+    /// Leaves guest mode (a VM exit: fault, sync, end of a scheduling quantum). Every access
+    /// made before this is visible to a flusher that sees the vCPU outside.
+    #[inline]
+    pub fn exit_guest(&self) {
+        self.mode.store(OUTSIDE_GUEST, Ordering::Release);
+    }
+
+    /// Requests pending now (cheap; checked at every access boundary).
+    #[inline]
+    pub fn pending(&self) -> u32 {
+        self.requests.load(Ordering::Relaxed)
+    }
+
+    /// Services pending requests: for a TLB flush, calls `flush_tlb` and then acknowledges.
+    /// Returns the requests that were taken.
+    #[inline]
+    pub fn service_requests(&self, flush_gen: &AtomicU64, flush_tlb: impl FnOnce()) -> u32 {
+        // Take the bits before reading the generation: any flusher whose bit we consumed bumped
+        // the generation before setting the bit, so the generation we read covers it.
+        let reqs = self.requests.swap(0, Ordering::AcqRel);
+        if reqs & REQ_TLB_FLUSH != 0 {
+            let gen = flush_gen.load(Ordering::SeqCst);
+            flush_tlb();
+            // Release: the TLB flush and every earlier guest access happen-before the
+            // flusher's return.
+            self.acked.fetch_max(gen, Ordering::Release);
+        }
+        reqs
+    }
+
+    fn request(&self, bits: u32) {
+        self.requests.fetch_or(bits, Ordering::SeqCst);
+    }
+
+    /// Waits until this vCPU acknowledged `gen` or is outside guest mode.
+    fn wait_ack(&self, gen: u64) {
+        let mut spins = 0u32;
+        loop {
+            if self.acked.load(Ordering::Acquire) >= gen
+                || self.mode.load(Ordering::SeqCst) != IN_GUEST
+            {
+                return;
+            }
+            // A vCPU in guest mode acknowledges within one access, so spin first; if it does
+            // not, its thread is probably not running, and giving up our CPU lets it.
+            spins += 1;
+            if spins < 256 {
+                spin_hint();
+            } else {
+                yield_now();
+            }
+        }
+    }
+}
+
+/// The flush protocol's shared state: the generation counter.
+#[derive(Debug)]
+pub(crate) struct FlushGen(pub(crate) AtomicU64);
+
+impl FlushGen {
+    /// Requests a flush on `vcpus` and waits for the acknowledgements; returns whether any
+    /// vCPU had to be asked.
+    pub(crate) fn flush_all(&self, vcpus: &[crate::sync::Arc<VcpuLink>]) -> bool {
+        let gen = self.0.fetch_add(1, Ordering::SeqCst) + 1;
+        if vcpus.is_empty() {
+            return false;
+        }
+        for v in vcpus {
+            v.request(REQ_TLB_FLUSH);
+        }
+        for v in vcpus {
+            v.wait_ack(gen);
+        }
+        true
+    }
+}
+
+/// A TLB flush an operation still owes, and the table pages it unlinked (freed only once the
+/// flush completed and a reclamation grace period passed).
+#[must_use = "a pending flush must be completed with Vm::complete_flush"]
+#[derive(Debug, Default)]
+pub struct PendingFlush {
+    pub(crate) needed: bool,
+    pub(crate) graveyard: Vec<OwnedTable>,
+}
+
+impl PendingFlush {
+    /// No flush owed.
+    pub fn none() -> Self {
+        Self::default()
+    }
+    /// Something changed that hardware may have cached.
+    pub(crate) fn require(&mut self) {
+        self.needed = true;
+    }
+    /// Folds another pending flush into this one.
+    pub fn merge(&mut self, other: PendingFlush) {
+        self.needed |= other.needed;
+        let mut o = other;
+        self.graveyard.append(&mut o.graveyard);
+    }
+    /// A flush is owed.
+    pub fn is_needed(&self) -> bool {
+        self.needed || !self.graveyard.is_empty()
+    }
+}

@@ -1,0 +1,144 @@
+//! Page-table entry formats.
+//!
+//! The walker, the fault handler and every table operation are written against [`PteFormat`]
+//! only; they never look at a bit position. A format owns the encoding of leaves and tables,
+//! the software bits KVM keeps in SPTEs (MMU-present, host-writable, MMU-writable, saved
+//! permissions for access tracking) and the sentinel values (non-present, frozen).
+//!
+//! Level numbering follows KVM: level 1 holds 4 KiB leaves, level 2 covers 2 MiB per entry,
+//! level 3 covers 1 GiB, and the root table sits at [`PteFormat::ROOT_LEVEL`].
+
+pub mod ept;
+
+pub use ept::Ept;
+
+/// A page-table level, 1 (4 KiB entries) up to the format's root level.
+pub type Level = u8;
+
+/// The base page shift (4 KiB guest pages).
+pub const PAGE_SHIFT: u32 = 12;
+/// The base page size in bytes.
+pub const PAGE_SIZE: u64 = 1 << PAGE_SHIFT;
+/// Entries per table page.
+pub const ENTRIES_PER_TABLE: usize = 512;
+/// Index bits per level.
+pub const LEVEL_BITS: u32 = 9;
+/// The deepest root level any format uses (sizes fixed-length walk paths).
+pub const MAX_LEVELS: usize = 5;
+
+/// Number of 4 KiB pages one entry at `level` covers.
+#[inline]
+pub const fn pages_per_entry(level: Level) -> u64 {
+    1u64 << (LEVEL_BITS * (level as u32 - 1))
+}
+
+/// Bytes one entry at `level` covers.
+#[inline]
+pub const fn bytes_per_entry(level: Level) -> u64 {
+    PAGE_SIZE << (LEVEL_BITS * (level as u32 - 1))
+}
+
+/// Index of `gfn` in the table at `level`.
+#[inline]
+pub const fn table_index(gfn: u64, level: Level) -> usize {
+    ((gfn >> (LEVEL_BITS * (level as u32 - 1))) as usize) & (ENTRIES_PER_TABLE - 1)
+}
+
+/// The kind of guest memory access that faulted or is being translated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Access {
+    /// A data read.
+    Read,
+    /// A data write.
+    Write,
+    /// An instruction fetch.
+    Exec,
+}
+
+/// What a new leaf may allow, decided by the fault handler from the memslot and the access.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LeafPerms {
+    /// The host mapping may be written (clear for read-only memslots).
+    pub host_writable: bool,
+    /// The MMU allows making the leaf writable (set W and MMU-writable).
+    pub writable: bool,
+    /// Instruction fetches allowed.
+    pub exec: bool,
+    /// Hardware Accessed/Dirty bits are in use for this leaf (else access tracking by
+    /// clearing permissions, KVM's "A/D disabled" mode).
+    pub ad_bits: bool,
+}
+
+/// An encoding of second-stage page-table entries.
+///
+/// Implementations are zero-sized markers; all functions are pure bit manipulation on `u64`.
+/// Invariants every implementation keeps (checked by the engine's tests):
+/// - W ⇒ MMU-writable ⇒ host-writable;
+/// - [`Self::NON_PRESENT`] and [`Self::FROZEN`] are not present to software or hardware;
+/// - a table entry is never a leaf and vice versa at levels that allow both.
+pub trait PteFormat: Send + Sync + 'static + Sized {
+    /// Name shown in reports.
+    const NAME: &'static str;
+    /// Level of the root table.
+    const ROOT_LEVEL: Level;
+    /// Largest level at which a leaf (huge page) may be installed.
+    const MAX_LEAF_LEVEL: Level;
+    /// Guest physical address bits the format can translate.
+    const MAX_PHYS_BITS: u32;
+    /// The value of an empty entry (tables start zeroed, so this must be 0).
+    const NON_PRESENT: u64;
+    /// The sentinel for an entry in the middle of a multi-step update: whoever reads it backs
+    /// off (a fault retries) until the owner writes the final value.
+    const FROZEN: u64;
+
+    /// Software view: the entry maps something (a table or a leaf), even if hardware
+    /// permissions are currently removed for access tracking.
+    fn is_present(pte: u64) -> bool;
+    /// The entry is a leaf at `level` (always true at level 1 for present entries).
+    fn is_leaf(pte: u64, level: Level) -> bool;
+    /// Host address of the child table or of the mapped (huge) page.
+    fn output_addr(pte: u64) -> u64;
+    /// A non-leaf entry pointing at a child table at host address `child`.
+    fn make_table(child: u64) -> u64;
+    /// A leaf mapping host address `addr` (aligned to the level's size) at `level`.
+    fn make_leaf(addr: u64, level: Level, perms: LeafPerms) -> u64;
+
+    /// Hardware may write through this leaf.
+    fn is_writable(pte: u64) -> bool;
+    /// The MMU allows the leaf to become writable without the slow path (dirty-log
+    /// write protection keeps this set while clearing W).
+    fn is_mmu_writable(pte: u64) -> bool;
+    /// The host mapping allows writes.
+    fn is_host_writable(pte: u64) -> bool;
+    /// `pte` with W cleared and MMU-writable kept (write protection for dirty logging).
+    fn write_protect(pte: u64) -> u64;
+    /// `pte` with W set (and Dirty where A/D bits are in use). Caller checks MMU-writable.
+    fn make_writable(pte: u64) -> u64;
+
+    /// Hardware A/D bits are in use for this leaf.
+    fn ad_enabled(pte: u64) -> bool;
+    /// The leaf was accessed since it was last aged.
+    fn is_accessed(pte: u64) -> bool;
+    /// `pte` with hardware permissions removed and saved in software bits (A/D disabled) or
+    /// with the Accessed bit cleared (A/D enabled).
+    fn mark_access_tracked(pte: u64) -> u64;
+    /// The leaf's permissions are parked in software bits awaiting a fast-path restore.
+    fn is_access_tracked(pte: u64) -> bool;
+    /// Undo [`Self::mark_access_tracked`] (restore saved permissions).
+    fn restore_access_tracked(pte: u64) -> u64;
+    /// `pte` with the Accessed bit set, and Dirty too for a write (what the hardware walker
+    /// does on a translation). Returns `pte` unchanged when A/D bits are not in use.
+    fn set_accessed_dirty(pte: u64, access: Access) -> u64;
+
+    /// Hardware check: a translation through this leaf allows `access`.
+    fn permits(pte: u64, access: Access) -> bool;
+    /// Hardware check: the entry is a valid table pointer at `level` (hardware follows it).
+    fn hw_is_table(pte: u64, level: Level) -> bool;
+
+    /// The `index`-th child of huge leaf `huge` at `level`, as a leaf at `level - 1` mapping the
+    /// same host memory with the same permissions (eager or lazy split).
+    fn split_child(huge: u64, level: Level, index: usize) -> u64;
+    /// A huge leaf at `level` built from `child`, one of the leaves under the table it replaces
+    /// (in-place huge-page recovery). The output address is aligned down to the level size.
+    fn make_huge(child: u64, level: Level) -> u64;
+}

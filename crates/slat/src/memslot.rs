@@ -1,0 +1,358 @@
+//! Memslots: which guest-physical ranges are backed by which host memory.
+//!
+//! The set is immutable once published; changes build a new set under the slots lock and
+//! publish it with a new generation. The fault path reads the current set without a lock
+//! (a per-vCPU cached `Arc` revalidated by one atomic load of the generation, plus a last-slot
+//! hint) and re-checks the generation under the MMU lock before installing anything, so a
+//! translation computed from a slot that has since been deleted or moved is never installed.
+
+use crate::dirty::DirtyBitmap;
+use crate::format::{bytes_per_entry, pages_per_entry, Level, PteFormat, PAGE_SHIFT, PAGE_SIZE};
+use crate::sync::Arc;
+use bitflags::bitflags;
+
+/// A memslot identifier chosen by the VMM.
+pub type SlotId = u32;
+
+bitflags! {
+    /// Memslot flags, with KVM's values.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+    pub struct MemslotFlags: u32 {
+        /// Log writes in a dirty bitmap (or dirty ring); map at 4 KiB only.
+        const LOG_DIRTY_PAGES = 1 << 0;
+        /// Guest writes exit to the VMM; nothing is ever mapped writable.
+        const READONLY = 1 << 1;
+    }
+}
+
+/// Host memory backing a memslot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostRange {
+    /// Host virtual address of the first byte (4 KiB aligned).
+    pub addr: u64,
+    /// Bytes available from `addr`.
+    pub len: u64,
+    /// The page size the host maps this range with (4 KiB, 2 MiB or 1 GiB). Leaves are never
+    /// larger than this.
+    pub page_size: u64,
+}
+
+/// Why a memslot request was refused. Nothing changes when an error is returned.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MemslotError {
+    /// The new range overlaps an existing slot.
+    #[error("memslot {id}: guest range [{gpa:#x}, {end:#x}) overlaps memslot {other} [{other_gpa:#x}, {other_end:#x})")]
+    Overlap {
+        /// The slot being added or moved.
+        id: SlotId,
+        /// Its start.
+        gpa: u64,
+        /// Its end (exclusive).
+        end: u64,
+        /// The slot it collides with.
+        other: SlotId,
+        /// That slot's start.
+        other_gpa: u64,
+        /// That slot's end (exclusive).
+        other_end: u64,
+    },
+    /// A guest address, size or host address is not a multiple of 4 KiB.
+    #[error("memslot {id}: {what} {value:#x} is not 4 KiB aligned")]
+    Misaligned {
+        /// The slot.
+        id: SlotId,
+        /// Which value: "guest physical address", "size" or "host address".
+        what: &'static str,
+        /// The value.
+        value: u64,
+    },
+    /// The slot would be empty.
+    #[error("memslot {id}: size is zero")]
+    ZeroSize {
+        /// The slot.
+        id: SlotId,
+    },
+    /// The range ends beyond what the page-table format can translate.
+    #[error("memslot {id}: guest range [{gpa:#x}, +{size:#x}) exceeds the {bits}-bit guest physical address width")]
+    BeyondPhysWidth {
+        /// The slot.
+        id: SlotId,
+        /// Start.
+        gpa: u64,
+        /// Size.
+        size: u64,
+        /// Address width in bits.
+        bits: u32,
+    },
+    /// Flag bits this engine does not know.
+    #[error(
+        "memslot {id}: unknown flag bits {bits:#x} (known: LOG_DIRTY_PAGES=0x1, READONLY=0x2)"
+    )]
+    UnknownFlags {
+        /// The slot.
+        id: SlotId,
+        /// The unknown bits.
+        bits: u32,
+    },
+    /// No slot with this id.
+    #[error("memslot {id} does not exist")]
+    UnknownSlot {
+        /// The id asked for.
+        id: SlotId,
+    },
+    /// A slot with this id already exists.
+    #[error("memslot {id} already exists")]
+    DuplicateId {
+        /// The id.
+        id: SlotId,
+    },
+    /// The host range is shorter than the slot.
+    #[error("memslot {id}: host range holds {have:#x} bytes but the slot needs {need:#x}")]
+    HostRangeTooSmall {
+        /// The slot.
+        id: SlotId,
+        /// Bytes needed.
+        need: u64,
+        /// Bytes available.
+        have: u64,
+    },
+    /// The host page size is not 4 KiB, 2 MiB or 1 GiB.
+    #[error("memslot {id}: host page size {page_size:#x} is not 4 KiB, 2 MiB or 1 GiB")]
+    BadHostPageSize {
+        /// The slot.
+        id: SlotId,
+        /// The size given.
+        page_size: u64,
+    },
+    /// The operation needs dirty logging on the slot.
+    #[error("memslot {id} is not logging dirty pages")]
+    NotLogging {
+        /// The slot.
+        id: SlotId,
+    },
+    /// A caller-supplied bitmap buffer is too short.
+    #[error("memslot {id}: bitmap buffer holds {have} words but the slot needs {need}")]
+    BitmapTooSmall {
+        /// The slot.
+        id: SlotId,
+        /// Words needed.
+        need: usize,
+        /// Words given.
+        have: usize,
+    },
+}
+
+/// One memslot as published to the fault path.
+#[derive(Debug)]
+pub struct Memslot {
+    /// Identifier.
+    pub id: SlotId,
+    /// First guest frame.
+    pub base_gfn: u64,
+    /// Number of 4 KiB pages.
+    pub npages: u64,
+    /// Host address of the first page.
+    pub host_addr: u64,
+    /// Host page size of the backing.
+    pub host_page_size: u64,
+    /// Current flags.
+    pub flags: MemslotFlags,
+    pub(crate) dirty: Option<Arc<DirtyBitmap>>,
+}
+
+impl Memslot {
+    /// Guest physical address of the first byte.
+    pub fn gpa(&self) -> u64 {
+        self.base_gfn << PAGE_SHIFT
+    }
+    /// Size in bytes.
+    pub fn size(&self) -> u64 {
+        self.npages << PAGE_SHIFT
+    }
+    /// One past the last guest frame.
+    pub fn end_gfn(&self) -> u64 {
+        self.base_gfn + self.npages
+    }
+    /// The slot contains `gfn`.
+    #[inline]
+    pub fn contains(&self, gfn: u64) -> bool {
+        gfn.wrapping_sub(self.base_gfn) < self.npages
+    }
+    /// Host address backing `gfn` (which must be in the slot).
+    #[inline]
+    pub fn hva(&self, gfn: u64) -> u64 {
+        self.host_addr + ((gfn - self.base_gfn) << PAGE_SHIFT)
+    }
+    /// Dirty logging is on (and meaningful: read-only slots are never written).
+    #[inline]
+    pub fn is_logging(&self) -> bool {
+        self.dirty.is_some()
+    }
+    /// Read-only slot.
+    #[inline]
+    pub fn is_readonly(&self) -> bool {
+        self.flags.contains(MemslotFlags::READONLY)
+    }
+
+    /// The largest leaf level that may map `gfn`: limited by the host page size, by the slot's
+    /// edges (the whole huge range must be inside the slot) and by the guest and host addresses
+    /// being congruent modulo the huge size. Dirty-logged slots map at 4 KiB (invariant 7).
+    #[inline]
+    pub fn max_level<F: PteFormat>(&self, gfn: u64) -> Level {
+        if self.is_logging() {
+            return 1;
+        }
+        let mut level = F::MAX_LEAF_LEVEL;
+        while level > 1 {
+            let pages = pages_per_entry(level);
+            let first = gfn & !(pages - 1);
+            if self.host_page_size >= bytes_per_entry(level)
+                && first >= self.base_gfn
+                && first + pages <= self.end_gfn()
+                && ((self.hva(gfn) >> PAGE_SHIFT) & (pages - 1)) == (gfn & (pages - 1))
+            {
+                return level;
+            }
+            level -= 1;
+        }
+        1
+    }
+
+    pub(crate) fn mark_dirty(&self, gfn: u64) -> bool {
+        match &self.dirty {
+            Some(b) => {
+                b.set(gfn - self.base_gfn);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// An immutable, sorted set of memslots.
+#[derive(Debug, Default)]
+pub struct MemslotSet {
+    slots: Vec<Arc<Memslot>>,
+    generation: u64,
+}
+
+impl MemslotSet {
+    /// The generation this set was published with.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+    /// Slots sorted by guest address.
+    pub fn slots(&self) -> &[Arc<Memslot>] {
+        &self.slots
+    }
+    /// The slot with this id.
+    pub fn by_id(&self, id: SlotId) -> Option<&Arc<Memslot>> {
+        self.slots.iter().find(|s| s.id == id)
+    }
+    /// The slot containing `gfn`, trying index `hint` first; returns its index too.
+    #[inline]
+    pub fn find(&self, gfn: u64, hint: usize) -> Option<(usize, &Arc<Memslot>)> {
+        if let Some(s) = self.slots.get(hint) {
+            if s.contains(gfn) {
+                return Some((hint, s));
+            }
+        }
+        let i = self.slots.partition_point(|s| s.end_gfn() <= gfn);
+        match self.slots.get(i) {
+            Some(s) if s.contains(gfn) => Some((i, s)),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn with(
+        &self,
+        generation: u64,
+        change: impl FnOnce(&mut Vec<Arc<Memslot>>),
+    ) -> Self {
+        let mut slots = self.slots.clone();
+        change(&mut slots);
+        slots.sort_by_key(|s| s.base_gfn);
+        MemslotSet { slots, generation }
+    }
+}
+
+/// Validates a new slot placement; `ignore` is the slot being moved.
+pub(crate) fn validate_range<F: PteFormat>(
+    set: &MemslotSet,
+    id: SlotId,
+    gpa: u64,
+    size: u64,
+    ignore: Option<SlotId>,
+) -> Result<(), MemslotError> {
+    if size == 0 {
+        return Err(MemslotError::ZeroSize { id });
+    }
+    if gpa % PAGE_SIZE != 0 {
+        return Err(MemslotError::Misaligned {
+            id,
+            what: "guest physical address",
+            value: gpa,
+        });
+    }
+    if size % PAGE_SIZE != 0 {
+        return Err(MemslotError::Misaligned {
+            id,
+            what: "size",
+            value: size,
+        });
+    }
+    let limit = 1u64 << F::MAX_PHYS_BITS;
+    if gpa >= limit || size > limit - gpa {
+        return Err(MemslotError::BeyondPhysWidth {
+            id,
+            gpa,
+            size,
+            bits: F::MAX_PHYS_BITS,
+        });
+    }
+    let end = gpa + size;
+    for s in set.slots.iter().filter(|s| Some(s.id) != ignore) {
+        if gpa < s.gpa() + s.size() && s.gpa() < end {
+            return Err(MemslotError::Overlap {
+                id,
+                gpa,
+                end,
+                other: s.id,
+                other_gpa: s.gpa(),
+                other_end: s.gpa() + s.size(),
+            });
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn validate_flags(id: SlotId, bits: u32) -> Result<MemslotFlags, MemslotError> {
+    MemslotFlags::from_bits(bits).ok_or(MemslotError::UnknownFlags {
+        id,
+        bits: bits & !MemslotFlags::all().bits(),
+    })
+}
+
+pub(crate) fn validate_host(id: SlotId, size: u64, host: &HostRange) -> Result<(), MemslotError> {
+    if host.addr % PAGE_SIZE != 0 {
+        return Err(MemslotError::Misaligned {
+            id,
+            what: "host address",
+            value: host.addr,
+        });
+    }
+    if ![PAGE_SIZE, 2 << 20, 1 << 30].contains(&host.page_size) {
+        return Err(MemslotError::BadHostPageSize {
+            id,
+            page_size: host.page_size,
+        });
+    }
+    if host.len < size {
+        return Err(MemslotError::HostRangeTooSmall {
+            id,
+            need: size,
+            have: host.len,
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,229 @@
+//! Table pages: 4 KiB-aligned arrays of 512 atomic entries, their allocator and the per-vCPU
+//! caches faults allocate from.
+//!
+//! Entries hold host addresses of child tables, so a table page must never move or be freed
+//! while anything can still reach it. Pages are freed only through [`TableAlloc::free_deferred`],
+//! which the flush path calls after the remote TLB flush completed (invariant 2), and which then
+//! waits for an epoch grace period so lock-free software walkers are done too.
+
+use crate::format::ENTRIES_PER_TABLE;
+use crate::sync::{AtomicU64, Guard, Ordering};
+use std::ptr::NonNull;
+
+/// One page of a second-stage page table.
+#[repr(C, align(4096))]
+pub struct TablePage {
+    /// The 512 entries, read and updated atomically by software and hardware walkers.
+    pub entries: [AtomicU64; ENTRIES_PER_TABLE],
+}
+
+impl TablePage {
+    /// The table page at host address `addr`.
+    ///
+    /// # Safety
+    /// `addr` must be the address of a live `TablePage` that stays allocated for `'a`
+    /// (the caller is pinned in the reclamation epoch or holds the MMU lock for write and has
+    /// not freed it).
+    #[inline]
+    pub unsafe fn at<'a>(addr: u64) -> &'a TablePage {
+        // SAFETY: guaranteed by the caller (see above).
+        unsafe { &*(addr as *const TablePage) }
+    }
+
+    /// Host address of this page (what a table entry stores).
+    #[inline]
+    pub fn addr(&self) -> u64 {
+        self as *const TablePage as u64
+    }
+}
+
+/// A table page owned by nobody but the holder (in a cache, or unlinked and awaiting free).
+#[derive(Debug)]
+pub struct OwnedTable(NonNull<TablePage>);
+
+// SAFETY: an OwnedTable is a unique owner of a heap page of atomics; moving it between threads is
+// like moving a Box.
+unsafe impl Send for OwnedTable {}
+
+impl OwnedTable {
+    /// Host address of the page.
+    pub fn addr(&self) -> u64 {
+        self.0.as_ptr() as u64
+    }
+    /// The page (still exclusively ours; writes need no atomics but use them for uniformity).
+    pub fn page(&self) -> &TablePage {
+        // SAFETY: we own the allocation; it is live until `TableAlloc::free_now` consumes us.
+        unsafe { self.0.as_ref() }
+    }
+    /// Takes ownership of a table page that was unlinked from the tree.
+    ///
+    /// # Safety
+    /// `addr` must be a page allocated by a [`TableAlloc`] that is no longer linked anywhere and
+    /// that nobody else will free.
+    pub unsafe fn from_unlinked(addr: u64) -> OwnedTable {
+        // SAFETY: non-null by the caller's guarantee.
+        OwnedTable(unsafe { NonNull::new_unchecked(addr as *mut TablePage) })
+    }
+    /// Gives up ownership: the page is now linked into the tree.
+    pub fn into_linked(self) -> u64 {
+        let a = self.addr();
+        std::mem::forget(self);
+        a
+    }
+}
+
+impl Drop for OwnedTable {
+    fn drop(&mut self) {
+        // Every page must go back through its allocator so the live count stays exact; a drop
+        // here is a leak and a bug.
+        debug_assert!(
+            std::thread::panicking(),
+            "OwnedTable dropped without being freed"
+        );
+    }
+}
+
+/// Allocates and frees table pages and counts them. Shared by a VM and its deferred frees.
+#[derive(Debug)]
+pub struct TableAlloc {
+    live: AtomicU64,
+    allocated: AtomicU64,
+}
+
+impl Default for TableAlloc {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl TableAlloc {
+    /// A new allocator with no pages.
+    pub fn new() -> Self {
+        TableAlloc {
+            live: AtomicU64::new(0),
+            allocated: AtomicU64::new(0),
+        }
+    }
+
+    /// A zeroed (all non-present) page.
+    pub fn alloc(&self) -> OwnedTable {
+        self.live.fetch_add(1, Ordering::Relaxed);
+        self.allocated.fetch_add(1, Ordering::Relaxed);
+        OwnedTable(alloc_zeroed_page())
+    }
+
+    /// Frees a page nobody can reach (never linked, or a cache being torn down).
+    pub fn free_now(&self, t: OwnedTable) {
+        let p = t.0;
+        std::mem::forget(t);
+        free_page(p);
+        self.live.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Frees unlinked pages after every thread now pinned has unpinned. The caller has already
+    /// completed the remote TLB flush that made the unlink visible to hardware walkers.
+    pub(crate) fn free_deferred(
+        self: &crate::sync::Arc<Self>,
+        guard: &Guard,
+        pages: Vec<OwnedTable>,
+    ) {
+        if pages.is_empty() {
+            return;
+        }
+        let alloc = self.clone();
+        let addrs: Vec<u64> = pages.into_iter().map(OwnedTable::into_linked).collect();
+        guard.defer(move || {
+            for a in addrs {
+                // SAFETY: the page was unlinked, flushed from every TLB and the grace period has
+                // passed, so we are its only owner.
+                alloc.free_now(unsafe { OwnedTable::from_unlinked(a) });
+            }
+        });
+    }
+
+    /// Pages allocated and not yet freed (linked, cached, or awaiting a grace period).
+    pub fn live_pages(&self) -> u64 {
+        self.live.load(Ordering::Relaxed)
+    }
+
+    /// Pages ever allocated.
+    pub fn allocated_pages(&self) -> u64 {
+        self.allocated.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(not(loom))]
+fn alloc_zeroed_page() -> NonNull<TablePage> {
+    let layout = std::alloc::Layout::new::<TablePage>();
+    // SAFETY: the layout has non-zero size; all-zero bytes are a valid TablePage (atomics of 0,
+    // which is the non-present value of every format).
+    let p = unsafe { std::alloc::alloc_zeroed(layout) } as *mut TablePage;
+    match NonNull::new(p) {
+        Some(p) => p,
+        None => std::alloc::handle_alloc_error(layout),
+    }
+}
+
+#[cfg(not(loom))]
+fn free_page(p: NonNull<TablePage>) {
+    // SAFETY: `p` came from `alloc_zeroed_page` with the same layout and is freed exactly once.
+    unsafe {
+        std::alloc::dealloc(
+            p.as_ptr() as *mut u8,
+            std::alloc::Layout::new::<TablePage>(),
+        )
+    }
+}
+
+#[cfg(loom)]
+fn alloc_zeroed_page() -> NonNull<TablePage> {
+    let b = Box::new(TablePage {
+        entries: std::array::from_fn(|_| AtomicU64::new(0)),
+    });
+    // SAFETY: Box::into_raw never returns null.
+    unsafe { NonNull::new_unchecked(Box::into_raw(b)) }
+}
+
+#[cfg(loom)]
+fn free_page(p: NonNull<TablePage>) {
+    // SAFETY: allocated by Box in `alloc_zeroed_page`, freed once.
+    drop(unsafe { Box::from_raw(p.as_ptr()) });
+}
+
+/// Pages a vCPU keeps ready so a fault never allocates under the MMU lock.
+#[derive(Debug, Default)]
+pub struct PageCache {
+    pages: Vec<OwnedTable>,
+}
+
+impl PageCache {
+    /// Ensures at least `min` pages are cached (called before taking the MMU lock).
+    pub fn top_up(&mut self, alloc: &TableAlloc, min: usize) {
+        while self.pages.len() < min {
+            self.pages.push(alloc.alloc());
+        }
+    }
+    /// Takes a zeroed page.
+    pub fn take(&mut self) -> Option<OwnedTable> {
+        self.pages.pop()
+    }
+    /// Returns a page that lost an install race. Its entries are still all non-present except
+    /// when it was filled for a split, so the caller zeroes those before returning them.
+    pub fn put_back(&mut self, t: OwnedTable) {
+        self.pages.push(t);
+    }
+    /// Cached pages.
+    pub fn len(&self) -> usize {
+        self.pages.len()
+    }
+    /// No cached pages.
+    pub fn is_empty(&self) -> bool {
+        self.pages.is_empty()
+    }
+    /// Frees every cached page.
+    pub fn drain(&mut self, alloc: &TableAlloc) {
+        for t in self.pages.drain(..) {
+            alloc.free_now(t);
+        }
+    }
+}

@@ -1,0 +1,704 @@
+//! The VM: page-table root, MMU lock, memslots, vCPU registry, and the one SPTE-update path.
+
+use crate::flush::{FlushGen, PendingFlush, VcpuLink};
+use crate::format::{Level, PteFormat, PAGE_SHIFT};
+use crate::memslot::{
+    validate_flags, validate_host, validate_range, HostRange, Memslot, MemslotError, MemslotFlags,
+    MemslotSet, SlotId,
+};
+use crate::stats::{leaf_stat, Counters, Sink, Stat, Stats};
+use crate::sync::{self, pin, Arc, AtomicU64, Mutex, Ordering, Published, RwLock};
+use crate::table::{OwnedTable, PageCache, TableAlloc, TablePage};
+use crate::walk::Walk;
+use std::marker::PhantomData;
+
+/// Which lock serialises MMU operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MmuLockKind {
+    /// Reader/writer lock: faults and range operations share it and update entries with
+    /// compare-and-swap; zaps and harvest re-protection take it exclusively (KVM's TDP MMU).
+    #[default]
+    RwLock,
+    /// One big mutex: every fault is exclusive (KVM's legacy MMU before parallel faults).
+    Mutex,
+}
+
+impl MmuLockKind {
+    /// Name used on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            MmuLockKind::RwLock => "rwlock",
+            MmuLockKind::Mutex => "mutex",
+        }
+    }
+}
+
+/// Runtime configuration of a VM (the design variants).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VmConfig {
+    /// The MMU lock.
+    pub mmu_lock: MmuLockKind,
+    /// Fix write-protection and access-tracking faults without the MMU lock.
+    pub fast_pf: bool,
+    /// Hardware Accessed/Dirty bits in leaves (else access tracking clears permissions).
+    pub ad_bits: bool,
+    /// Split huge leaves when dirty logging is enabled (else lazily, at the first write fault).
+    pub eager_split: bool,
+}
+
+impl Default for VmConfig {
+    fn default() -> Self {
+        VmConfig {
+            mmu_lock: MmuLockKind::RwLock,
+            fast_pf: true,
+            ad_bits: true,
+            eager_split: true,
+        }
+    }
+}
+
+pub(crate) enum MmuLock {
+    Rw(RwLock<()>),
+    Mutex(Mutex<()>),
+}
+
+/// Held for a "read" (shared) MMU operation; exclusive under the mutex variant.
+#[allow(dead_code)]
+pub(crate) enum ReadGuard<'a> {
+    Rw(sync::RwLockReadGuard<'a, ()>),
+    Mutex(sync::MutexGuard<'a, ()>),
+}
+
+/// Held for an exclusive MMU operation.
+pub(crate) enum WriteGuard<'a> {
+    Rw(sync::RwLockWriteGuard<'a, ()>),
+    Mutex(sync::MutexGuard<'a, ()>),
+}
+
+impl WriteGuard<'_> {
+    /// Lets waiting faults run, then re-takes the lock.
+    pub(crate) fn bump(&mut self) {
+        match self {
+            WriteGuard::Rw(g) => sync::bump_write(g),
+            WriteGuard::Mutex(g) => sync::bump_mutex(g),
+        }
+    }
+}
+
+impl MmuLock {
+    pub(crate) fn read(&self) -> ReadGuard<'_> {
+        match self {
+            MmuLock::Rw(l) => ReadGuard::Rw(sync::read(l)),
+            MmuLock::Mutex(m) => ReadGuard::Mutex(sync::lock(m)),
+        }
+    }
+    pub(crate) fn write(&self) -> WriteGuard<'_> {
+        match self {
+            MmuLock::Rw(l) => WriteGuard::Rw(sync::write(l)),
+            MmuLock::Mutex(m) => WriteGuard::Mutex(sync::lock(m)),
+        }
+    }
+}
+
+/// How an entry update may race with others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum UpdateMode {
+    /// MMU lock held shared (or none): compare-and-swap against the walker's snapshot.
+    Shared,
+    /// MMU lock held exclusively: only lock-free fixers and hardware race with us, so an
+    /// exchange (never lost, never retried) suffices.
+    Exclusive,
+}
+
+/// The entry changed under us; the caller re-reads and retries, or gives up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Busy;
+
+/// A guest's second-stage MMU.
+pub struct Vm<F: PteFormat = crate::format::Ept> {
+    pub(crate) config: VmConfig,
+    /// Host address of the root table page (owned by the VM, freed on drop).
+    pub(crate) root: u64,
+    pub(crate) mmu_lock: MmuLock,
+    pub(crate) slots_lock: Mutex<()>,
+    pub(crate) slots: Published<MemslotSet>,
+    pub(crate) slots_gen: AtomicU64,
+    pub(crate) alloc: Arc<TableAlloc>,
+    pub(crate) counters: Counters,
+    pub(crate) vcpus: RwLock<Vec<Arc<VcpuLink>>>,
+    pub(crate) vcpu_counters: Mutex<Vec<Arc<Counters>>>,
+    pub(crate) flush_gen: Arc<FlushGen>,
+    _format: PhantomData<F>,
+}
+
+/// The engine's per-vCPU state: table-page cache, memslot hint, counters, flush link.
+pub struct Vcpu {
+    id: u32,
+    pub(crate) cache: PageCache,
+    pub(crate) slot_hint: SlotHint,
+    pub(crate) counters: Arc<Counters>,
+    pub(crate) link: Arc<VcpuLink>,
+    flush_gen: Arc<FlushGen>,
+    alloc: Arc<TableAlloc>,
+}
+
+pub(crate) struct SlotHint {
+    pub(crate) set: Arc<MemslotSet>,
+    pub(crate) index: usize,
+}
+
+impl Vcpu {
+    /// The vCPU index.
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// Enters guest mode; returns pending requests (service them before the first access).
+    #[inline]
+    pub fn enter_guest(&self) -> u32 {
+        self.link.enter_guest()
+    }
+
+    /// Leaves guest mode.
+    #[inline]
+    pub fn exit_guest(&self) {
+        self.link.exit_guest()
+    }
+
+    /// Requests pending now; check at every access boundary in guest mode.
+    #[inline]
+    pub fn pending_requests(&self) -> u32 {
+        self.link.pending()
+    }
+
+    /// Services pending requests: calls `flush_tlb` for a TLB flush, then acknowledges it.
+    #[inline]
+    pub fn service_requests(&self, flush_tlb: impl FnOnce()) -> u32 {
+        self.link.service_requests(&self.flush_gen.0, flush_tlb)
+    }
+}
+
+impl Drop for Vcpu {
+    fn drop(&mut self) {
+        self.link.exit_guest();
+        self.cache.drain(&self.alloc);
+    }
+}
+
+impl<F: PteFormat> Vm<F> {
+    /// Creates a VM with an empty page table and no memslots.
+    pub fn new(config: VmConfig) -> Arc<Self> {
+        let alloc = Arc::new(TableAlloc::new());
+        let root = alloc.alloc().into_linked();
+        let counters = Counters::default();
+        counters.add_shared(Stat::TablePages, 1);
+        Arc::new(Vm {
+            config,
+            root,
+            mmu_lock: match config.mmu_lock {
+                MmuLockKind::RwLock => MmuLock::Rw(RwLock::new(())),
+                MmuLockKind::Mutex => MmuLock::Mutex(Mutex::new(())),
+            },
+            slots_lock: Mutex::new(()),
+            slots: Published::new(MemslotSet::default()),
+            slots_gen: AtomicU64::new(0),
+            alloc,
+            counters,
+            vcpus: RwLock::new(Vec::new()),
+            vcpu_counters: Mutex::new(Vec::new()),
+            flush_gen: Arc::new(FlushGen(AtomicU64::new(0))),
+            _format: PhantomData,
+        })
+    }
+
+    /// The configuration the VM was created with.
+    pub fn config(&self) -> &VmConfig {
+        &self.config
+    }
+
+    /// Creates a vCPU. Flushes from now on wait for it whenever it is in guest mode.
+    pub fn create_vcpu(&self, id: u32) -> Vcpu {
+        let link = Arc::new(VcpuLink::new());
+        let counters = Arc::new(Counters::default());
+        sync::write(&self.vcpus).push(link.clone());
+        sync::lock(&self.vcpu_counters).push(counters.clone());
+        Vcpu {
+            id,
+            cache: PageCache::default(),
+            slot_hint: SlotHint {
+                set: self.slots.load_full(),
+                index: 0,
+            },
+            counters,
+            link,
+            flush_gen: self.flush_gen.clone(),
+            alloc: self.alloc.clone(),
+        }
+    }
+
+    /// Removes a vCPU from the flush protocol (call before dropping it).
+    pub fn destroy_vcpu(&self, vcpu: Vcpu) {
+        sync::write(&self.vcpus).retain(|l| !Arc::ptr_eq(l, &vcpu.link));
+        drop(vcpu);
+    }
+
+    /// A snapshot of the statistics.
+    pub fn stats(&self) -> Stats {
+        let blocks = sync::lock(&self.vcpu_counters);
+        Stats::sum(
+            std::iter::once(&self.counters).chain(blocks.iter().map(|c| &**c)),
+            self.alloc.live_pages(),
+        )
+    }
+
+    /// The table-page allocator (for leak accounting).
+    pub fn table_alloc(&self) -> &Arc<TableAlloc> {
+        &self.alloc
+    }
+
+    /// Host address of the root table (what the hardware walker starts from).
+    pub fn root_addr(&self) -> u64 {
+        self.root
+    }
+
+    /// The current memslot set.
+    pub fn memslots(&self) -> Arc<MemslotSet> {
+        self.slots.load_full()
+    }
+
+    pub(crate) fn root(&self) -> &TablePage {
+        // SAFETY: the root page lives as long as the VM.
+        unsafe { TablePage::at(self.root) }
+    }
+
+    pub(crate) fn sink(&self) -> Sink<'_> {
+        Sink::Shared(&self.counters)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // The one SPTE-update path.
+
+    /// Replaces the walker's current entry with `new`. Under [`UpdateMode::Shared`] this is a
+    /// compare-and-swap against `it.old` (invariant 1): on failure `it.old` holds the value that
+    /// won and the caller decides whether to retry. Bookkeeping for what changed (leaf gauges,
+    /// tables unlinked into `pending`) happens here and nowhere else.
+    pub(crate) fn set_spte(
+        &self,
+        it: &mut Walk<'_, F>,
+        new: u64,
+        mode: UpdateMode,
+        sink: Sink<'_>,
+        pending: &mut PendingFlush,
+    ) -> Result<(), Busy> {
+        debug_assert!(it.old != F::FROZEN || mode == UpdateMode::Exclusive);
+        let old = match mode {
+            UpdateMode::Shared => {
+                match it
+                    .sptep()
+                    .compare_exchange(it.old, new, Ordering::AcqRel, Ordering::Acquire)
+                {
+                    Ok(v) => v,
+                    Err(cur) => {
+                        it.old = cur;
+                        return Err(Busy);
+                    }
+                }
+            }
+            UpdateMode::Exclusive => it.sptep().swap(new, Ordering::AcqRel),
+        };
+        it.old = new;
+        self.handle_changed_spte(old, new, it.level, sink, pending);
+        Ok(())
+    }
+
+    fn handle_changed_spte(
+        &self,
+        old: u64,
+        new: u64,
+        level: Level,
+        sink: Sink<'_>,
+        pending: &mut PendingFlush,
+    ) {
+        let old_present = F::is_present(old);
+        let new_present = F::is_present(new);
+        let old_leaf = old_present && F::is_leaf(old, level);
+        let new_leaf = new_present && F::is_leaf(new, level);
+        if old_leaf != new_leaf || (old_present != new_present) {
+            if old_leaf {
+                sink.dec(leaf_stat(level));
+            }
+            if new_leaf {
+                sink.inc(leaf_stat(level));
+            }
+        }
+        let old_table = old_present && !old_leaf;
+        let new_table = new_present && !new_leaf;
+        if old_table && !(new_table && F::output_addr(new) == F::output_addr(old)) {
+            // A table left the tree: its translations may be cached by hardware walkers.
+            pending.require();
+            self.unlink_table(F::output_addr(old), level - 1, sink, pending);
+        }
+        if new_table && !(old_table && F::output_addr(new) == F::output_addr(old)) {
+            sink.inc(Stat::TablePages);
+            // A prefilled table (split) brings its leaves into the tree with it.
+            // SAFETY: the table was just linked by us and cannot have been freed: freeing needs
+            // a flush and a grace period that our caller's guard spans.
+            let t = unsafe { TablePage::at(F::output_addr(new)) };
+            let n = t
+                .entries
+                .iter()
+                .filter(|e| F::is_present(e.load(Ordering::Relaxed)))
+                .count() as u64;
+            if n > 0 {
+                sink.add(leaf_stat(level - 1), n);
+            }
+        }
+        if old_present
+            && (!new_present || (old_leaf && !F::is_writable(new) && F::is_writable(old)))
+        {
+            pending.require();
+        }
+    }
+
+    /// Takes a table out of the tree: freezes each entry (so a lock-free fixer racing on it
+    /// fails its CAS and re-walks), accounts and recurses, and queues the page for freeing.
+    fn unlink_table(&self, addr: u64, level: Level, sink: Sink<'_>, pending: &mut PendingFlush) {
+        // SAFETY: the table was reachable until our update, and its page is only freed through
+        // `pending`, after this function returns.
+        let t = unsafe { TablePage::at(addr) };
+        for e in t.entries.iter() {
+            let v = e.swap(F::FROZEN, Ordering::AcqRel);
+            if !F::is_present(v) {
+                continue;
+            }
+            if F::is_leaf(v, level) {
+                sink.dec(leaf_stat(level));
+            } else {
+                self.unlink_table(F::output_addr(v), level - 1, sink, pending);
+            }
+        }
+        sink.dec(Stat::TablePages);
+        // SAFETY: unlinked above, and nobody else unlinks it (our update removed its only
+        // parent entry).
+        pending
+            .graveyard
+            .push(unsafe { OwnedTable::from_unlinked(addr) });
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Flushes.
+
+    /// Flushes every vCPU's TLB and waits for the acknowledgements.
+    pub fn flush_remote_tlbs(&self) {
+        self.counters.add_shared(Stat::FlushRequests, 1);
+        let vcpus = sync::read(&self.vcpus);
+        if self.flush_gen.flush_all(&vcpus) {
+            self.counters.add_shared(Stat::Flushes, 1);
+        }
+    }
+
+    /// Performs the flush an operation owes, then hands its unlinked table pages to epoch
+    /// reclamation. The only way to free table pages.
+    pub fn complete_flush(&self, pending: PendingFlush) {
+        if !pending.is_needed() {
+            return;
+        }
+        self.flush_remote_tlbs();
+        let guard = pin();
+        self.alloc.free_deferred(&guard, pending.graveyard);
+        guard.flush();
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Zap.
+
+    /// Unmaps `[start_gfn, end_gfn)` under the exclusive MMU lock with one batched flush.
+    /// Tables wholly inside the range are freed; a huge leaf that straddles an edge is zapped
+    /// whole (it is only a cache of the memslot, the next fault rebuilds what is still needed).
+    pub fn zap_gfn_range(&self, start_gfn: u64, end_gfn: u64) {
+        let mut lock = self.mmu_lock.write();
+        let pending = self.zap_locked(&mut lock, start_gfn, end_gfn);
+        drop(lock);
+        self.complete_flush(pending);
+    }
+
+    pub(crate) fn zap_locked(
+        &self,
+        lock: &mut WriteGuard<'_>,
+        start: u64,
+        end: u64,
+    ) -> PendingFlush {
+        const YIELD_EVERY: u32 = 4096;
+        let mut pending = PendingFlush::none();
+        let mut guard = pin();
+        let root = self.root;
+        // SAFETY: the root lives as long as the VM.
+        let mut it = Walk::<F>::new(&guard, unsafe { TablePage::at(root) }, 1, start, end);
+        let mut visited = 0u32;
+        while it.valid() {
+            visited += 1;
+            if visited % YIELD_EVERY == 0 && it.can_yield() {
+                // Flush before letting faults in, as KVM does, so no vCPU keeps using a
+                // translation of memory the caller is about to release.
+                let p = std::mem::take(&mut pending);
+                self.complete_flush(p);
+                lock.bump();
+                it.mark_yielded();
+                drop(it);
+                guard = pin();
+                // SAFETY: as above.
+                it = Walk::new(&guard, unsafe { TablePage::at(root) }, 1, start, end);
+                continue;
+            }
+            let old = it.old;
+            if F::is_present(old)
+                && (F::is_leaf(old, it.level) || (it.gfn >= start && it.entry_end() <= end))
+            {
+                let _ = self.set_spte(
+                    &mut it,
+                    F::NON_PRESENT,
+                    UpdateMode::Exclusive,
+                    self.sink(),
+                    &mut pending,
+                );
+            }
+            it.next();
+        }
+        pending
+    }
+
+    /// Walks the whole table and counts leaves per level and linked tables (tests and
+    /// debugging: compare with [`Self::stats`]). Takes the MMU lock exclusively.
+    pub fn audit(&self) -> Audit {
+        let _lock = self.mmu_lock.write();
+        let guard = pin();
+        let mut a = Audit {
+            tables: 1,
+            ..Audit::default()
+        };
+        let mut it = Walk::<F>::new(
+            &guard,
+            self.root(),
+            1,
+            0,
+            1u64 << (F::MAX_PHYS_BITS - PAGE_SHIFT),
+        );
+        while it.valid() {
+            let v = it.old;
+            if F::is_present(v) {
+                if F::is_leaf(v, it.level) {
+                    a.leaves[it.level as usize - 1] += 1;
+                } else {
+                    a.tables += 1;
+                }
+            } else if v == F::FROZEN {
+                a.frozen += 1;
+            }
+            it.next();
+        }
+        a
+    }
+
+    /// The leaf mapping `gfn`, if any: (entry value, level). Lock-free read for tests and tools.
+    pub fn lookup(&self, gfn: u64) -> Option<(u64, Level)> {
+        let guard = pin();
+        let mut it = Walk::<F>::new(&guard, self.root(), 1, gfn, gfn + 1);
+        while it.valid() {
+            let v = it.old;
+            if !F::is_present(v) {
+                return None;
+            }
+            if F::is_leaf(v, it.level) {
+                return Some((v, it.level));
+            }
+            it.next();
+        }
+        None
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Memslots.
+
+    fn publish(&self, change: impl FnOnce(&mut Vec<Arc<Memslot>>)) {
+        let cur = self.slots.load_full();
+        let gen = cur.generation() + 1;
+        self.slots.store(Arc::new(cur.with(gen, change)));
+        // After the new set: a fault that reads this generation finds the new set; a fault that
+        // read an older one fails its re-check under the MMU lock.
+        self.slots_gen.store(gen, Ordering::SeqCst);
+    }
+
+    /// Adds a memslot mapping `[gpa, gpa + size)` onto `host`.
+    pub fn add_memslot(
+        &self,
+        id: SlotId,
+        gpa: u64,
+        size: u64,
+        host: HostRange,
+        flags: u32,
+    ) -> Result<(), MemslotError> {
+        let _s = sync::lock(&self.slots_lock);
+        let flags = validate_flags(id, flags)?;
+        let cur = self.slots.load_full();
+        if cur.by_id(id).is_some() {
+            return Err(MemslotError::DuplicateId { id });
+        }
+        validate_range::<F>(&cur, id, gpa, size, None)?;
+        validate_host(id, size, &host)?;
+        let npages = size >> PAGE_SHIFT;
+        let slot = Memslot {
+            id,
+            base_gfn: gpa >> PAGE_SHIFT,
+            npages,
+            host_addr: host.addr,
+            host_page_size: host.page_size,
+            flags,
+            dirty: self.new_bitmap(flags, npages),
+        };
+        self.publish(|v| v.push(Arc::new(slot)));
+        Ok(())
+    }
+
+    /// Deletes a memslot; its mappings are zapped and flushed before this returns, so the host
+    /// memory may be released afterwards.
+    pub fn delete_memslot(&self, id: SlotId) -> Result<(), MemslotError> {
+        let _s = sync::lock(&self.slots_lock);
+        let cur = self.slots.load_full();
+        let slot = cur
+            .by_id(id)
+            .ok_or(MemslotError::UnknownSlot { id })?
+            .clone();
+        self.publish(|v| v.retain(|s| s.id != id));
+        self.zap_gfn_range(slot.base_gfn, slot.end_gfn());
+        Ok(())
+    }
+
+    /// Moves a memslot to a new guest address (same host memory). The old range is zapped and
+    /// flushed before this returns.
+    pub fn move_memslot(&self, id: SlotId, new_gpa: u64) -> Result<(), MemslotError> {
+        let _s = sync::lock(&self.slots_lock);
+        let cur = self.slots.load_full();
+        let slot = cur
+            .by_id(id)
+            .ok_or(MemslotError::UnknownSlot { id })?
+            .clone();
+        validate_range::<F>(&cur, id, new_gpa, slot.size(), Some(id))?;
+        let moved = Memslot {
+            id,
+            base_gfn: new_gpa >> PAGE_SHIFT,
+            npages: slot.npages,
+            host_addr: slot.host_addr,
+            host_page_size: slot.host_page_size,
+            flags: slot.flags,
+            // Moving restarts the log, as in KVM (a move is a delete plus a create).
+            dirty: self.new_bitmap(slot.flags, slot.npages),
+        };
+        self.publish(|v| {
+            v.retain(|s| s.id != id);
+            v.push(Arc::new(moved));
+        });
+        self.zap_gfn_range(slot.base_gfn, slot.end_gfn());
+        Ok(())
+    }
+
+    /// Changes a memslot's flags: turning on READONLY zaps its mappings; turning on dirty
+    /// logging write-protects it (after an eager split, unless configured off); turning it off
+    /// drops the bitmap and recovers huge mappings.
+    pub fn set_memslot_flags(&self, id: SlotId, flags: u32) -> Result<(), MemslotError> {
+        let _s = sync::lock(&self.slots_lock);
+        let flags = validate_flags(id, flags)?;
+        let cur = self.slots.load_full();
+        let slot = cur
+            .by_id(id)
+            .ok_or(MemslotError::UnknownSlot { id })?
+            .clone();
+        if flags == slot.flags {
+            return Ok(());
+        }
+        let was_logging = slot.is_logging();
+        let keep_bitmap = slot
+            .dirty
+            .clone()
+            .filter(|_| Self::logs(flags) && was_logging);
+        let dirty = keep_bitmap.or_else(|| self.new_bitmap(flags, slot.npages));
+        let updated = Arc::new(Memslot {
+            id,
+            base_gfn: slot.base_gfn,
+            npages: slot.npages,
+            host_addr: slot.host_addr,
+            host_page_size: slot.host_page_size,
+            flags,
+            dirty,
+        });
+        self.publish(|v| {
+            v.retain(|s| s.id != id);
+            v.push(updated.clone());
+        });
+        let became_readonly =
+            flags.contains(MemslotFlags::READONLY) && !slot.flags.contains(MemslotFlags::READONLY);
+        if became_readonly {
+            self.zap_gfn_range(slot.base_gfn, slot.end_gfn());
+        } else if updated.is_logging() && !was_logging {
+            self.enable_dirty_logging(&updated);
+        } else if was_logging && !updated.is_logging() {
+            self.disable_dirty_logging(&updated);
+        }
+        Ok(())
+    }
+
+    fn logs(flags: MemslotFlags) -> bool {
+        flags.contains(MemslotFlags::LOG_DIRTY_PAGES) && !flags.contains(MemslotFlags::READONLY)
+    }
+
+    fn new_bitmap(
+        &self,
+        flags: MemslotFlags,
+        npages: u64,
+    ) -> Option<Arc<crate::dirty::DirtyBitmap>> {
+        Self::logs(flags).then(|| Arc::new(crate::dirty::DirtyBitmap::new(npages, false)))
+    }
+
+    /// Frees every table under the root. Exclusive access: no vCPU can run.
+    fn free_all(&mut self) {
+        fn free_rec<F: PteFormat>(alloc: &TableAlloc, addr: u64, level: Level, root: bool) {
+            // SAFETY: `&mut Vm` means no walker or vCPU is left; every linked page is live.
+            let t = unsafe { TablePage::at(addr) };
+            if level > 1 {
+                for e in t.entries.iter() {
+                    let v = e.load(Ordering::Relaxed);
+                    if F::is_present(v) && !F::is_leaf(v, level) {
+                        free_rec::<F>(alloc, F::output_addr(v), level - 1, false);
+                    }
+                }
+            }
+            if !root {
+                // SAFETY: reachable only from the tree being torn down.
+                alloc.free_now(unsafe { OwnedTable::from_unlinked(addr) });
+            }
+        }
+        free_rec::<F>(&self.alloc, self.root, F::ROOT_LEVEL, true);
+        for e in self.root().entries.iter() {
+            e.store(F::NON_PRESENT, Ordering::Relaxed);
+        }
+    }
+}
+
+impl<F: PteFormat> Drop for Vm<F> {
+    fn drop(&mut self) {
+        self.free_all();
+        // SAFETY: the root was allocated by `alloc` in `new` and is reachable from nothing else.
+        self.alloc
+            .free_now(unsafe { OwnedTable::from_unlinked(self.root) });
+    }
+}
+
+/// What [`Vm::audit`] found in the tree.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Audit {
+    /// Leaves per level (index 0 = 4 KiB).
+    pub leaves: [u64; 3],
+    /// Table pages, root included.
+    pub tables: u64,
+    /// Frozen entries (must be 0 when no operation is in flight).
+    pub frozen: u64,
+}

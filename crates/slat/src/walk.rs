@@ -1,0 +1,199 @@
+//! The one software walker: a pre-order iterator over the entries covering a GFN range, down to
+//! a minimum level, with a position that survives dropping the MMU lock.
+//!
+//! Every table operation (fault install, zap, write-protect, split, recover, age) is a loop over
+//! this iterator. The iterator only ever steps *down* into an entry it has just re-read, so an
+//! operation that links a new table at the current position walks into it on the next step, and
+//! one that unlinks a table steps over it. After [`Walk::mark_yielded`] the next step restarts
+//! from the root at the first GFN not yet visited, because the tables on the saved path may have
+//! been freed while the lock was dropped.
+
+use crate::format::{pages_per_entry, table_index, Level, PteFormat, MAX_LEVELS};
+use crate::sync::{AtomicU64, Guard, Ordering};
+use crate::table::TablePage;
+use std::marker::PhantomData;
+
+/// A position in a walk of `[start, end)` (GFNs).
+pub struct Walk<'g, F: PteFormat> {
+    path: [u64; MAX_LEVELS + 1],
+    root: u64,
+    min_level: Level,
+    end: u64,
+    /// The lowest GFN not yet fully visited; where a restart resumes.
+    next_gfn: u64,
+    yielded_gfn: u64,
+    /// First GFN covered by the current entry.
+    pub gfn: u64,
+    /// Level of the current entry.
+    pub level: Level,
+    /// The value of the current entry when it was last read (refreshed by failed updates).
+    pub old: u64,
+    valid: bool,
+    yielded: bool,
+    _guard: PhantomData<(&'g Guard, F)>,
+}
+
+impl<'g, F: PteFormat> Walk<'g, F> {
+    /// Starts a walk over `[start, end)` of the table rooted at `root`, visiting entries at
+    /// levels `>= min_level`. The guard keeps every page the walk reaches allocated.
+    pub fn new(
+        _guard: &'g Guard,
+        root: &TablePage,
+        min_level: Level,
+        start: u64,
+        end: u64,
+    ) -> Self {
+        debug_assert!(min_level >= 1 && min_level <= F::ROOT_LEVEL);
+        let mut w = Walk {
+            path: [0; MAX_LEVELS + 1],
+            root: root.addr(),
+            min_level,
+            end,
+            next_gfn: start,
+            yielded_gfn: start,
+            gfn: 0,
+            level: F::ROOT_LEVEL,
+            old: 0,
+            valid: start < end,
+            yielded: false,
+            _guard: PhantomData,
+        };
+        w.restart();
+        w
+    }
+
+    /// The walk still has a current entry.
+    #[inline]
+    pub fn valid(&self) -> bool {
+        self.valid
+    }
+
+    /// The current entry.
+    #[inline]
+    pub fn sptep(&self) -> &'g AtomicU64 {
+        // SAFETY: path[level] is a table reached from the root during this walk (or since the
+        // last restart) while the guard `'g` is held, so it has not been freed.
+        let t = unsafe { TablePage::at(self.path[self.level as usize]) };
+        &t.entries[table_index(self.gfn, self.level)]
+    }
+
+    /// Re-reads the current entry into [`Self::old`].
+    #[inline]
+    pub fn refresh(&mut self) -> u64 {
+        self.old = self.sptep().load(Ordering::Acquire);
+        self.old
+    }
+
+    /// One past the last GFN the current entry covers.
+    #[inline]
+    pub fn entry_end(&self) -> u64 {
+        self.gfn + pages_per_entry(self.level)
+    }
+
+    /// The caller dropped (or is about to drop) the lock or guard protecting the path; the next
+    /// step restarts from the root.
+    pub fn mark_yielded(&mut self) {
+        self.yielded = true;
+        self.yielded_gfn = self.next_gfn;
+    }
+
+    /// True if yielding now would make progress (something was visited since the last yield).
+    pub fn can_yield(&self) -> bool {
+        self.next_gfn != self.yielded_gfn
+    }
+
+    /// Moves to the next entry in pre-order.
+    pub fn next(&mut self) {
+        if !self.valid {
+            return;
+        }
+        if self.yielded {
+            self.restart();
+            return;
+        }
+        if self.try_step_down() {
+            return;
+        }
+        loop {
+            if self.try_step_side() {
+                return;
+            }
+            if !self.try_step_up() {
+                self.valid = false;
+                return;
+            }
+        }
+    }
+
+    /// Skips the subtree under the current entry (used after an entry was replaced by a leaf
+    /// or zapped, where stepping down would be wrong even if the re-read saw a table).
+    pub fn skip_children(&mut self) {
+        if !self.valid {
+            return;
+        }
+        loop {
+            if self.try_step_side() {
+                return;
+            }
+            if !self.try_step_up() {
+                self.valid = false;
+                return;
+            }
+        }
+    }
+
+    fn restart(&mut self) {
+        self.yielded = false;
+        self.level = F::ROOT_LEVEL;
+        self.path[self.level as usize] = self.root;
+        self.gfn = round_down(self.next_gfn, pages_per_entry(self.level));
+        self.valid = self.next_gfn < self.end;
+        if self.valid {
+            self.refresh();
+        }
+    }
+
+    fn try_step_down(&mut self) -> bool {
+        if self.level == self.min_level {
+            return false;
+        }
+        // Re-read: the visitor may have just linked a table here (walk into it) or removed one.
+        let e = self.sptep().load(Ordering::Acquire);
+        if !F::is_present(e) || F::is_leaf(e, self.level) {
+            return false;
+        }
+        self.level -= 1;
+        self.path[self.level as usize] = F::output_addr(e);
+        self.gfn = round_down(self.next_gfn, pages_per_entry(self.level));
+        self.refresh();
+        true
+    }
+
+    fn try_step_side(&mut self) -> bool {
+        if table_index(self.gfn, self.level) == crate::format::ENTRIES_PER_TABLE - 1 {
+            return false;
+        }
+        self.gfn += pages_per_entry(self.level);
+        self.next_gfn = self.gfn;
+        if self.gfn >= self.end {
+            self.valid = false;
+            return true;
+        }
+        self.refresh();
+        true
+    }
+
+    fn try_step_up(&mut self) -> bool {
+        if self.level == F::ROOT_LEVEL {
+            return false;
+        }
+        self.level += 1;
+        self.gfn = round_down(self.gfn, pages_per_entry(self.level));
+        true
+    }
+}
+
+#[inline]
+pub(crate) const fn round_down(v: u64, align: u64) -> u64 {
+    v & !(align - 1)
+}
