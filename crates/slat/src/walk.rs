@@ -125,23 +125,6 @@ impl<'g, F: PteFormat> Walk<'g, F> {
         }
     }
 
-    /// Skips the subtree under the current entry (used after an entry was replaced by a leaf
-    /// or zapped, where stepping down would be wrong even if the re-read saw a table).
-    pub fn skip_children(&mut self) {
-        if !self.valid {
-            return;
-        }
-        loop {
-            if self.try_step_side() {
-                return;
-            }
-            if !self.try_step_up() {
-                self.valid = false;
-                return;
-            }
-        }
-    }
-
     fn restart(&mut self) {
         self.yielded = false;
         self.level = F::ROOT_LEVEL;
