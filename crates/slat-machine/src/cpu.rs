@@ -1,0 +1,258 @@
+//! A simulated vCPU: guest-mode entry and exit, request servicing, the software TLB, and the
+//! hardware page walker that reads the real PTE format.
+//!
+//! Every guest access is: service pending requests → TLB lookup → on a miss, walk the table
+//! (setting A/D bits the way EPT hardware does) → on a missing or insufficient permission,
+//! try the engine's lock-free fast path *in guest mode*, else exit guest mode, run the slow
+//! path, and re-enter → retry → the real load or store on host memory.
+
+use crate::sched::PcpuPool;
+use crate::tlb::Tlb;
+use slat::format::{bytes_per_entry, table_index, PteFormat};
+use slat::table::TablePage;
+use slat::{Access, Fault, FaultOutcome, Vcpu, Vm};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Accesses between checks whether another vCPU waits for a physical CPU.
+const QUANTUM: u32 = 4096;
+
+/// Why an access could not complete: an exit to the VMM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    /// No memslot at this address (MMIO).
+    Mmio {
+        /// The address.
+        gpa: u64,
+    },
+    /// A write to a read-only memslot.
+    ReadOnly {
+        /// The address.
+        gpa: u64,
+    },
+}
+
+/// Counters of one vCPU's hardware activity.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CpuCounters {
+    /// Guest accesses completed.
+    pub accesses: u64,
+    /// Page walks (TLB misses).
+    pub walks: u64,
+    /// Faults taken (fast or slow).
+    pub faults: u64,
+    /// TLB flushes serviced.
+    pub tlb_flushes: u64,
+    /// Accessed/Dirty bit updates by the walker.
+    pub ad_updates: u64,
+}
+
+/// A vCPU thread's hardware state.
+pub struct Cpu<F: PteFormat> {
+    vm: Arc<Vm<F>>,
+    vcpu: Vcpu,
+    tlb: Tlb,
+    pool: Arc<PcpuPool>,
+    root: u64,
+    in_guest: bool,
+    quantum: u32,
+    /// Counters.
+    pub counters: CpuCounters,
+}
+
+impl<F: PteFormat> Cpu<F> {
+    /// A vCPU of `vm` with a TLB of `tlb_entries` entries, scheduled on `pool`.
+    pub fn new(vm: Arc<Vm<F>>, id: u32, tlb_entries: usize, pool: Arc<PcpuPool>) -> Self {
+        let vcpu = vm.create_vcpu(id);
+        let root = vm.root_addr();
+        Cpu {
+            vm,
+            vcpu,
+            tlb: Tlb::new(tlb_entries),
+            pool,
+            root,
+            in_guest: false,
+            quantum: 0,
+            counters: CpuCounters::default(),
+        }
+    }
+
+    /// The engine's vCPU.
+    pub fn vcpu(&self) -> &Vcpu {
+        &self.vcpu
+    }
+
+    /// Takes a physical CPU and enters guest mode.
+    pub fn enter(&mut self) {
+        debug_assert!(!self.in_guest);
+        self.pool.acquire();
+        self.enter_guest_mode();
+    }
+
+    /// Leaves guest mode and gives the physical CPU back (a sync exit: GUEST_SYNC, stop).
+    pub fn exit(&mut self) {
+        if self.in_guest {
+            self.vcpu.exit_guest();
+            self.in_guest = false;
+            self.pool.release();
+        }
+    }
+
+    #[inline]
+    fn enter_guest_mode(&mut self) {
+        if self.vcpu.enter_guest() != 0 {
+            self.service();
+        }
+        self.in_guest = true;
+    }
+
+    #[inline]
+    fn service(&mut self) {
+        let tlb = &mut self.tlb;
+        let counters = &mut self.counters;
+        self.vcpu.service_requests(|| {
+            tlb.flush();
+            counters.tlb_flushes += 1;
+        });
+    }
+
+    /// Checks requests and the quantum at an access boundary.
+    #[inline]
+    fn boundary(&mut self) {
+        if self.vcpu.pending_requests() != 0 {
+            self.service();
+        }
+        self.quantum += 1;
+        if self.quantum >= QUANTUM {
+            self.quantum = 0;
+            if self.pool.contended() {
+                self.exit();
+                self.enter();
+            }
+        }
+    }
+
+    /// Writes `val` to guest physical address `gpa` (8-byte aligned).
+    #[inline]
+    pub fn write_u64(&mut self, gpa: u64, val: u64) -> Result<(), Exit> {
+        let hva = self.translate(gpa, Access::Write)?;
+        // SAFETY: `hva` comes from a leaf the engine installed for a memslot, so it points into
+        // that slot's host memory, which the machine keeps mapped while vCPUs run; a slot
+        // deletion flushes this TLB (we acknowledge between accesses) before the VMM may unmap
+        // it. The address is 8-byte aligned (gpa is, and leaves are page aligned). Atomic access
+        // because other vCPUs and the host may touch the same page concurrently.
+        unsafe { AtomicU64::from_ptr(hva as *mut u64) }.store(val, Ordering::Relaxed);
+        self.counters.accesses += 1;
+        Ok(())
+    }
+
+    /// Reads the 8 bytes at guest physical address `gpa` (8-byte aligned).
+    #[inline]
+    pub fn read_u64(&mut self, gpa: u64) -> Result<u64, Exit> {
+        let hva = self.translate(gpa, Access::Read)?;
+        // SAFETY: as in `write_u64`.
+        let v = unsafe { AtomicU64::from_ptr(hva as *mut u64) }.load(Ordering::Relaxed);
+        self.counters.accesses += 1;
+        Ok(v)
+    }
+
+    /// Translates `gpa` for `access`, faulting as needed; returns the host address.
+    #[inline]
+    fn translate(&mut self, gpa: u64, access: Access) -> Result<u64, Exit> {
+        debug_assert!(self.in_guest, "guest access outside guest mode");
+        self.boundary();
+        let gfn = gpa >> 12;
+        let write = access == Access::Write;
+        loop {
+            if let Some(page) = self.tlb.lookup(gfn, write) {
+                return Ok(page + (gpa & 0xfff));
+            }
+            match self.walk(gpa, access) {
+                Ok(hva) => return Ok(hva),
+                Err(present) => self.fault(Fault {
+                    gpa,
+                    access,
+                    present,
+                })?,
+            }
+            // Requests may have arrived while we faulted (e.g. the flush of a harvest).
+            if self.vcpu.pending_requests() != 0 {
+                self.service();
+            }
+        }
+    }
+
+    /// The hardware page walk. `Err(present)` reports a fault and whether a leaf with some
+    /// permission was there (a permission fault) or not (a not-present fault).
+    #[inline]
+    fn walk(&mut self, gpa: u64, access: Access) -> Result<u64, bool> {
+        self.counters.walks += 1;
+        let gfn = gpa >> 12;
+        let mut table = self.root;
+        let mut level = F::ROOT_LEVEL;
+        loop {
+            // SAFETY: `table` is the root or a table reached through present entries during
+            // this access. A table unlinked meanwhile is freed only after a remote flush, which
+            // waits for us to reach an access boundary (we are in guest mode), so it is still
+            // allocated for the rest of this walk.
+            let t = unsafe { TablePage::at(table) };
+            let ep = &t.entries[table_index(gfn, level)];
+            let e = ep.load(Ordering::Acquire);
+            if F::hw_is_table(e, level) {
+                table = F::output_addr(e);
+                level -= 1;
+                continue;
+            }
+            if !F::permits(e, access) {
+                return Err(F::permits(e, Access::Read) || F::permits(e, Access::Exec));
+            }
+            let want = F::set_accessed_dirty(e, access);
+            if want != e {
+                // EPT sets A/D atomically; losing the race means the entry changed: re-walk.
+                self.counters.ad_updates += 1;
+                if ep
+                    .compare_exchange(e, want, Ordering::AcqRel, Ordering::Acquire)
+                    .is_err()
+                {
+                    table = self.root;
+                    level = F::ROOT_LEVEL;
+                    continue;
+                }
+            }
+            let size = bytes_per_entry(level);
+            let base = F::output_addr(e);
+            self.tlb.insert(gfn, level, base, F::is_writable(e));
+            return Ok(base + (gpa & (size - 1)));
+        }
+    }
+
+    #[inline]
+    fn fault(&mut self, f: Fault) -> Result<(), Exit> {
+        self.counters.faults += 1;
+        if let Some(o) = self.vm.fast_page_fault(&mut self.vcpu, f) {
+            return check(o, f.gpa);
+        }
+        // The slow path may block on the MMU lock, whose holder may be waiting for our flush
+        // acknowledgement: leave guest mode (keep the physical CPU; this is host work).
+        self.vcpu.exit_guest();
+        let o = self.vm.slow_page_fault(&mut self.vcpu, f);
+        self.enter_guest_mode();
+        check(o, f.gpa)
+    }
+
+    /// Consumes the CPU, unregistering its vCPU from the engine.
+    pub fn destroy(mut self) {
+        self.exit();
+        let Cpu { vm, vcpu, .. } = self;
+        vm.destroy_vcpu(vcpu);
+    }
+}
+
+#[inline]
+fn check(o: FaultOutcome, gpa: u64) -> Result<(), Exit> {
+    match o {
+        FaultOutcome::NoSlot => Err(Exit::Mmio { gpa }),
+        FaultOutcome::ReadOnly => Err(Exit::ReadOnly { gpa }),
+        _ => Ok(()),
+    }
+}

@@ -1,0 +1,377 @@
+//! The simulated machine: guest RAM, memslots laid out like KVM's memstress, and persistent
+//! vCPU threads that run one workload pass per host request.
+
+use crate::cpu::{Cpu, CpuCounters, Exit};
+use crate::memstress::{guest_pass, native_pass, PassParams};
+use crate::ram::{Backing, GuestRam, RamError};
+use crate::sched::PcpuPool;
+use crate::tlb::DEFAULT_TLB_ENTRIES;
+use parking_lot::Mutex;
+use slat::format::{PteFormat, PAGE_SHIFT, PAGE_SIZE};
+use slat::{Ept, HostRange, MemslotError, Vm, VmConfig};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// The first memslot id of the test region (KVM's MEMSTRESS_MEM_SLOT_INDEX).
+pub const FIRST_SLOT: u32 = 1;
+
+/// What to build.
+#[derive(Debug, Clone, Copy)]
+pub struct MachineConfig {
+    /// Engine variant switches.
+    pub vm: VmConfig,
+    /// Host memory behind guest RAM.
+    pub backing: Backing,
+    /// vCPU threads.
+    pub vcpus: usize,
+    /// Guest memory per vCPU (bytes, multiple of 4 KiB).
+    pub bytes_per_vcpu: u64,
+    /// Memslots the test region is split into.
+    pub slots: usize,
+    /// Every vCPU accesses the whole region instead of its own partition.
+    pub overlap: bool,
+    /// 4 KiB TLB entries per vCPU (power of two).
+    pub tlb_entries: usize,
+    /// Physical CPUs vCPUs are scheduled on (0 = the host's available parallelism).
+    pub pcpus: usize,
+    /// Pre-fault host memory so guest accesses do not take host page faults.
+    pub prefault: bool,
+}
+
+impl Default for MachineConfig {
+    fn default() -> Self {
+        MachineConfig {
+            vm: VmConfig::default(),
+            backing: Backing::Anonymous,
+            vcpus: 1,
+            bytes_per_vcpu: 1 << 30,
+            slots: 1,
+            overlap: false,
+            tlb_entries: DEFAULT_TLB_ENTRIES,
+            pcpus: 0,
+            prefault: true,
+        }
+    }
+}
+
+/// Why the machine could not be built or a pass failed.
+#[derive(Debug, thiserror::Error)]
+pub enum MachineError {
+    /// Guest RAM could not be mapped.
+    #[error(transparent)]
+    Ram(#[from] RamError),
+    /// The engine refused a memslot.
+    #[error(transparent)]
+    Memslot(#[from] MemslotError),
+    /// A configuration value is out of range.
+    #[error("{0}")]
+    Config(String),
+    /// A vCPU exited to the VMM during a workload (MMIO or read-only write).
+    #[error("vCPU {vcpu} exited unexpectedly: {exit:?}")]
+    UnexpectedExit {
+        /// The vCPU.
+        vcpu: usize,
+        /// The exit.
+        exit: Exit,
+    },
+    /// A vCPU thread could not be started.
+    #[error("cannot start vCPU thread: {0}")]
+    Thread(std::io::Error),
+}
+
+/// One vCPU's part of a pass.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct VcpuPass {
+    /// Time from the vCPU's start of the pass to its sync.
+    pub time: Duration,
+    /// Pages touched.
+    pub pages: u64,
+    /// Hardware counters accumulated during the pass.
+    pub counters: CpuCounters,
+}
+
+/// A completed pass.
+#[derive(Debug, Clone, Default)]
+pub struct PassReport {
+    /// From releasing the vCPUs to the last one's sync.
+    pub wall: Duration,
+    /// Per vCPU.
+    pub vcpus: Vec<VcpuPass>,
+}
+
+/// Where vCPU `i`'s region is.
+#[derive(Debug, Clone, Copy)]
+pub struct Layout {
+    /// Guest physical address of the test region.
+    pub gpa: u64,
+    /// Host address of the test region.
+    pub host: u64,
+    /// Bytes per vCPU.
+    pub bytes_per_vcpu: u64,
+    /// vCPUs.
+    pub vcpus: usize,
+    /// Whole-region access.
+    pub overlap: bool,
+}
+
+impl Layout {
+    /// Pages in the test region.
+    pub fn total_pages(&self) -> u64 {
+        self.bytes_per_vcpu * self.vcpus as u64 >> PAGE_SHIFT
+    }
+    /// (gpa, host, pages) of vCPU `i`'s region.
+    pub fn region(&self, i: usize) -> (u64, u64, u64) {
+        if self.overlap {
+            (self.gpa, self.host, self.total_pages())
+        } else {
+            let off = self.bytes_per_vcpu * i as u64;
+            (self.gpa + off, self.host + off, self.bytes_per_vcpu >> PAGE_SHIFT)
+        }
+    }
+}
+
+enum Job {
+    Pass(PassParams),
+    Stop,
+}
+
+struct Control {
+    start: Barrier,
+    done: Barrier,
+    job: Mutex<Option<Arc<Job>>>,
+    results: Mutex<Vec<Result<VcpuPass, Exit>>>,
+    stopped: AtomicBool,
+}
+
+/// The simulated machine.
+pub struct Machine<F: PteFormat = Ept> {
+    vm: Arc<Vm<F>>,
+    ram: GuestRam,
+    layout: Layout,
+    config: MachineConfig,
+    ctl: Arc<Control>,
+    threads: Vec<JoinHandle<()>>,
+    pool: Arc<PcpuPool>,
+}
+
+impl<F: PteFormat> Machine<F> {
+    /// Maps guest RAM, creates the VM and its memslots, and starts idle vCPU threads.
+    pub fn new(config: MachineConfig) -> Result<Self, MachineError> {
+        if config.vcpus == 0 {
+            return Err(MachineError::Config("at least one vCPU is needed".into()));
+        }
+        if config.bytes_per_vcpu == 0 || config.bytes_per_vcpu % PAGE_SIZE != 0 {
+            return Err(MachineError::Config(format!(
+                "guest memory per vCPU ({} bytes) must be a non-zero multiple of 4 KiB",
+                config.bytes_per_vcpu
+            )));
+        }
+        if !config.tlb_entries.is_power_of_two() {
+            return Err(MachineError::Config(format!(
+                "TLB entries ({}) must be a power of two",
+                config.tlb_entries
+            )));
+        }
+        let total = config.bytes_per_vcpu * config.vcpus as u64;
+        let pages = total >> PAGE_SHIFT;
+        if config.slots == 0 || pages % config.slots as u64 != 0 {
+            return Err(MachineError::Config(format!(
+                "{} memslots cannot split {pages} guest pages evenly",
+                config.slots
+            )));
+        }
+        let psize = config.backing.page_size();
+        let ram_len = total.div_ceil(psize) * psize;
+        let ram = GuestRam::new(config.backing, ram_len, config.prefault)?;
+        // KVM's memstress puts the test region at the top of the guest physical address space,
+        // aligned down to the backing page size.
+        let max_gfn = (1u64 << (F::MAX_PHYS_BITS - PAGE_SHIFT)) - 1;
+        let gpa = ((max_gfn + 1 - pages - 1) << PAGE_SHIFT) & !(psize.max(PAGE_SIZE) - 1);
+        let vm = Vm::<F>::new(config.vm);
+        let per_slot = total / config.slots as u64;
+        for s in 0..config.slots as u64 {
+            let host = ram.addr() + s * per_slot;
+            vm.add_memslot(
+                FIRST_SLOT + s as u32,
+                gpa + s * per_slot,
+                per_slot,
+                HostRange {
+                    addr: host,
+                    len: ram.addr() + ram.len() - host,
+                    page_size: psize,
+                },
+                0,
+            )?;
+        }
+        let layout = Layout {
+            gpa,
+            host: ram.addr(),
+            bytes_per_vcpu: config.bytes_per_vcpu,
+            vcpus: config.vcpus,
+            overlap: config.overlap,
+        };
+        let pcpus = if config.pcpus == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            config.pcpus
+        };
+        let pool = Arc::new(PcpuPool::new(pcpus));
+        let ctl = Arc::new(Control {
+            start: Barrier::new(config.vcpus + 1),
+            done: Barrier::new(config.vcpus + 1),
+            job: Mutex::new(None),
+            results: Mutex::new(vec![Ok(VcpuPass::default()); config.vcpus]),
+            stopped: AtomicBool::new(false),
+        });
+        let mut m = Machine {
+            vm,
+            ram,
+            layout,
+            config,
+            ctl,
+            threads: Vec::new(),
+            pool,
+        };
+        for i in 0..config.vcpus {
+            let cpu = Cpu::new(m.vm.clone(), i as u32, config.tlb_entries, m.pool.clone());
+            let ctl = m.ctl.clone();
+            let t = std::thread::Builder::new()
+                .name(format!("vcpu{i}"))
+                .spawn(move || vcpu_thread(cpu, i, layout, ctl));
+            match t {
+                Ok(h) => m.threads.push(h),
+                Err(e) => {
+                    // The threads already started wait at the start barrier, which now can never
+                    // fill; they are leaked with the error, which the caller reports and exits on.
+                    m.ctl.stopped.store(true, Ordering::SeqCst);
+                    m.threads.clear();
+                    return Err(MachineError::Thread(e));
+                }
+            }
+        }
+        Ok(m)
+    }
+
+    /// The engine.
+    pub fn vm(&self) -> &Arc<Vm<F>> {
+        &self.vm
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &MachineConfig {
+        &self.config
+    }
+
+    /// Where the test region is.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// Guest RAM.
+    pub fn ram(&self) -> &GuestRam {
+        &self.ram
+    }
+
+    /// Physical CPUs vCPUs are scheduled on.
+    pub fn pcpus(&self) -> usize {
+        self.pool.total()
+    }
+
+    /// Runs one memstress pass on every vCPU and waits for all of them (GUEST_SYNC).
+    pub fn run_pass(&self, params: PassParams) -> Result<PassReport, MachineError> {
+        *self.ctl.job.lock() = Some(Arc::new(Job::Pass(params)));
+        let t0 = Instant::now();
+        self.ctl.start.wait();
+        self.ctl.done.wait();
+        let wall = t0.elapsed();
+        let results = self.ctl.results.lock().clone();
+        let mut vcpus = Vec::with_capacity(results.len());
+        for (i, r) in results.into_iter().enumerate() {
+            match r {
+                Ok(v) => vcpus.push(v),
+                Err(exit) => return Err(MachineError::UnexpectedExit { vcpu: i, exit }),
+            }
+        }
+        Ok(PassReport { wall, vcpus })
+    }
+}
+
+impl<F: PteFormat> Drop for Machine<F> {
+    fn drop(&mut self) {
+        if self.threads.is_empty() {
+            return;
+        }
+        *self.ctl.job.lock() = Some(Arc::new(Job::Stop));
+        self.ctl.start.wait();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn vcpu_thread<F: PteFormat>(mut cpu: Cpu<F>, idx: usize, layout: Layout, ctl: Arc<Control>) {
+    loop {
+        ctl.start.wait();
+        let job = ctl.job.lock().clone();
+        let params = match job.as_deref() {
+            Some(Job::Pass(p)) if !ctl.stopped.load(Ordering::SeqCst) => *p,
+            _ => break,
+        };
+        let (gpa, _, pages) = layout.region(idx);
+        let before = cpu.counters;
+        let t0 = Instant::now();
+        cpu.enter();
+        let r = guest_pass(&mut cpu, gpa, pages, params, idx as u32);
+        cpu.exit();
+        let time = t0.elapsed();
+        let c = cpu.counters;
+        ctl.results.lock()[idx] = r.map(|()| VcpuPass {
+            time,
+            pages,
+            counters: CpuCounters {
+                accesses: c.accesses - before.accesses,
+                walks: c.walks - before.walks,
+                faults: c.faults - before.faults,
+                tlb_flushes: c.tlb_flushes - before.tlb_flushes,
+                ad_updates: c.ad_updates - before.ad_updates,
+            },
+        });
+        ctl.done.wait();
+    }
+    cpu.destroy();
+}
+
+/// Runs the memstress pattern of `layout` natively on `host` (same size and shape as the
+/// guest region) with one thread per vCPU; the native baseline of a pass.
+pub fn native_baseline(layout: Layout, host: u64, params: PassParams) -> PassReport {
+    let start = Arc::new(Barrier::new(layout.vcpus + 1));
+    let handles: Vec<_> = (0..layout.vcpus)
+        .map(|i| {
+            let start = start.clone();
+            std::thread::spawn(move || {
+                let (_, h, pages) = layout.region(i);
+                let h = h - layout.host + host;
+                start.wait();
+                let t0 = Instant::now();
+                native_pass(h, pages, params, i as u32);
+                VcpuPass {
+                    time: t0.elapsed(),
+                    pages,
+                    counters: CpuCounters::default(),
+                }
+            })
+        })
+        .collect();
+    start.wait();
+    let t0 = Instant::now();
+    let vcpus: Vec<VcpuPass> = handles
+        .into_iter()
+        .map(|h| h.join().unwrap_or_default())
+        .collect();
+    PassReport {
+        wall: t0.elapsed(),
+        vcpus,
+    }
+}

@@ -1,0 +1,116 @@
+//! A vCPU's software TLB: direct-mapped arrays of cached leaf translations per page size.
+//!
+//! Like a hardware TLB it caches only leaves (never table pointers), so a remote flush that
+//! empties it is enough for unlinked tables to become unreachable to this vCPU. A hit that
+//! lacks the permission an access needs is treated as a miss (hardware re-walks before it
+//! reports a fault), so a stale read-only entry never causes a spurious exit.
+
+use slat::format::{pages_per_entry, Level};
+
+/// Default 4 KiB entries: the order of a modern x86 second-level TLB (1536–2048 entries).
+pub const DEFAULT_TLB_ENTRIES: usize = 2048;
+const HUGE_2M_ENTRIES: usize = 32;
+const HUGE_1G_ENTRIES: usize = 4;
+
+const EMPTY: u64 = u64::MAX;
+const WRITABLE: u64 = 1;
+
+#[derive(Clone, Copy)]
+struct Entry {
+    /// First GFN the entry covers, or EMPTY.
+    tag: u64,
+    /// Host address of the page (aligned to its size), bit 0 = writable.
+    host: u64,
+}
+
+const EMPTY_ENTRY: Entry = Entry { tag: EMPTY, host: 0 };
+
+/// The TLB.
+pub struct Tlb {
+    small: Box<[Entry]>,
+    mid: [Entry; HUGE_2M_ENTRIES],
+    large: [Entry; HUGE_1G_ENTRIES],
+    mask: usize,
+    /// Lookups that missed.
+    pub misses: u64,
+    /// Full flushes performed.
+    pub flushes: u64,
+}
+
+impl Tlb {
+    /// A TLB with `entries` 4 KiB entries (a power of two, at least 1).
+    pub fn new(entries: usize) -> Tlb {
+        debug_assert!(entries.is_power_of_two());
+        Tlb {
+            small: vec![EMPTY_ENTRY; entries].into_boxed_slice(),
+            mid: [EMPTY_ENTRY; HUGE_2M_ENTRIES],
+            large: [EMPTY_ENTRY; HUGE_1G_ENTRIES],
+            mask: entries - 1,
+            misses: 0,
+            flushes: 0,
+        }
+    }
+
+    /// Host address for `gfn` if cached with the needed permission.
+    #[inline]
+    pub fn lookup(&mut self, gfn: u64, write: bool) -> Option<u64> {
+        let e = self.small[(gfn as usize) & self.mask];
+        if e.tag == gfn && (!write || e.host & WRITABLE != 0) {
+            return Some(e.host & !WRITABLE);
+        }
+        for (level, arr) in [(2u8, &self.mid[..]), (3u8, &self.large[..])] {
+            let n = pages_per_entry(level);
+            let tag = gfn & !(n - 1);
+            let e = arr[((gfn / n) as usize) & (arr.len() - 1)];
+            if e.tag == tag && (!write || e.host & WRITABLE != 0) {
+                return Some((e.host & !WRITABLE) + ((gfn - tag) << 12));
+            }
+        }
+        self.misses += 1;
+        None
+    }
+
+    /// Caches a leaf at `level` mapping `gfn`'s page at host address `host` (aligned).
+    #[inline]
+    pub fn insert(&mut self, gfn: u64, level: Level, host: u64, writable: bool) {
+        let n = pages_per_entry(level);
+        let tag = gfn & !(n - 1);
+        let e = Entry {
+            tag,
+            host: host | if writable { WRITABLE } else { 0 },
+        };
+        match level {
+            1 => self.small[(gfn as usize) & self.mask] = e,
+            2 => self.mid[((gfn / n) as usize) & (HUGE_2M_ENTRIES - 1)] = e,
+            _ => self.large[((gfn / n) as usize) & (HUGE_1G_ENTRIES - 1)] = e,
+        }
+    }
+
+    /// Drops every entry.
+    pub fn flush(&mut self) {
+        self.small.fill(EMPTY_ENTRY);
+        self.mid = [EMPTY_ENTRY; HUGE_2M_ENTRIES];
+        self.large = [EMPTY_ENTRY; HUGE_1G_ENTRIES];
+        self.flushes += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hit_miss_permissions_and_flush() {
+        let mut t = Tlb::new(16);
+        assert_eq!(t.lookup(5, false), None);
+        t.insert(5, 1, 0x1000_0000, false);
+        assert_eq!(t.lookup(5, false), Some(0x1000_0000));
+        assert_eq!(t.lookup(5, true), None, "read-only entry must not satisfy a write");
+        assert_eq!(t.lookup(21, false), None, "aliasing index must compare the tag");
+        t.insert(512 + 7, 2, 0x4000_0000, true);
+        assert_eq!(t.lookup(512 + 9, true), Some(0x4000_0000 + 9 * 4096));
+        t.flush();
+        assert_eq!(t.lookup(5, false), None);
+        assert_eq!(t.lookup(512 + 9, true), None);
+    }
+}
