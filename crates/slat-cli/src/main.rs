@@ -1,1 +1,55 @@
-fn main() {}
+//! The `slat` command: KVM-selftest-style benchmarks of the slat second-stage MMU.
+
+mod args;
+mod demand_paging;
+mod report;
+
+use clap::{Parser, Subcommand};
+
+/// slat: a concurrent user-space second-stage (EPT) MMU, benchmarked like KVM's selftests.
+#[derive(Debug, Parser)]
+#[command(name = "slat", version, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// First touch of all guest memory through the engine's fault path (demand_paging_test),
+    /// with a native baseline and the ratio.
+    DemandPaging(demand_paging::DemandPagingArgs),
+}
+
+fn main() {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            match e.kind() {
+                ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+                    let _ = e.print();
+                    std::process::exit(0);
+                }
+                ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+                    let _ = e.print();
+                    std::process::exit(2);
+                }
+                _ => {
+                    // One readable line: clap's first line names the flag and the problem.
+                    let text = e.render().to_string();
+                    let line = text.lines().next().unwrap_or("invalid arguments");
+                    eprintln!("slat: {}", line.trim_start_matches("error: "));
+                    std::process::exit(2);
+                }
+            }
+        }
+    };
+    let r = match &cli.command {
+        Command::DemandPaging(a) => demand_paging::run(a),
+    };
+    if let Err(e) = r {
+        eprintln!("slat: error: {e}");
+        std::process::exit(1);
+    }
+}

@@ -12,6 +12,8 @@ pub mod sched;
 pub mod tlb;
 
 pub use cpu::{Cpu, CpuCounters, Exit};
-pub use machine::{native_baseline, Layout, Machine, MachineConfig, MachineError, PassReport, VcpuPass};
+pub use machine::{
+    native_baseline, Layout, Machine, MachineConfig, MachineError, PassReport, VcpuPass,
+};
 pub use memstress::PassParams;
 pub use ram::{Backing, GuestRam, RamError};

@@ -127,7 +127,11 @@ impl Layout {
             (self.gpa, self.host, self.total_pages())
         } else {
             let off = self.bytes_per_vcpu * i as u64;
-            (self.gpa + off, self.host + off, self.bytes_per_vcpu >> PAGE_SHIFT)
+            (
+                self.gpa + off,
+                self.host + off,
+                self.bytes_per_vcpu >> PAGE_SHIFT,
+            )
         }
     }
 }

@@ -23,7 +23,10 @@ struct Entry {
     host: u64,
 }
 
-const EMPTY_ENTRY: Entry = Entry { tag: EMPTY, host: 0 };
+const EMPTY_ENTRY: Entry = Entry {
+    tag: EMPTY,
+    host: 0,
+};
 
 /// The TLB.
 pub struct Tlb {
@@ -105,8 +108,16 @@ mod tests {
         assert_eq!(t.lookup(5, false), None);
         t.insert(5, 1, 0x1000_0000, false);
         assert_eq!(t.lookup(5, false), Some(0x1000_0000));
-        assert_eq!(t.lookup(5, true), None, "read-only entry must not satisfy a write");
-        assert_eq!(t.lookup(21, false), None, "aliasing index must compare the tag");
+        assert_eq!(
+            t.lookup(5, true),
+            None,
+            "read-only entry must not satisfy a write"
+        );
+        assert_eq!(
+            t.lookup(21, false),
+            None,
+            "aliasing index must compare the tag"
+        );
         t.insert(512 + 7, 2, 0x4000_0000, true);
         assert_eq!(t.lookup(512 + 9, true), Some(0x4000_0000 + 9 * 4096));
         t.flush();

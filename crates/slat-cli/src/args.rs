@@ -1,0 +1,98 @@
+//! Flags shared by the benchmark subcommands and their value parsers.
+
+use clap::{Args, ValueEnum};
+use slat::{MmuLockKind, VmConfig};
+use slat_machine::ram::{parse_size, Backing};
+use slat_machine::tlb::DEFAULT_TLB_ENTRIES;
+
+/// Parses a KVM-selftest size (`1G`, `512M`, `4096`) that must be a multiple of 4 KiB.
+pub fn guest_size(s: &str) -> Result<u64, String> {
+    let v = parse_size(s).map_err(|e| e.to_string())?;
+    if v % 4096 != 0 {
+        return Err(format!(
+            "`{s}` is not a multiple of 4 KiB (the guest page size)"
+        ));
+    }
+    Ok(v)
+}
+
+/// Parses a backing source name.
+pub fn backing(s: &str) -> Result<Backing, String> {
+    Backing::parse(s).map_err(|e| e.to_string())
+}
+
+/// Parses a power-of-two count of at least 1.
+pub fn power_of_two(s: &str) -> Result<usize, String> {
+    let v: usize = s
+        .parse()
+        .map_err(|_| format!("`{s}` is not a positive integer"))?;
+    if v == 0 || !v.is_power_of_two() {
+        return Err(format!("`{s}` must be a power of two (1, 2, 4, ...)"));
+    }
+    Ok(v)
+}
+
+/// On or off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Switch {
+    /// Enabled.
+    On,
+    /// Disabled.
+    Off,
+}
+
+impl Switch {
+    /// As a bool.
+    pub fn on(self) -> bool {
+        self == Switch::On
+    }
+}
+
+/// The MMU lock variant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LockArg {
+    /// Reader/writer lock, faults in parallel (default; KVM's TDP MMU).
+    Rwlock,
+    /// One big lock, every fault exclusive (KVM's legacy MMU).
+    Mutex,
+}
+
+/// Engine and machine variant switches common to every simulated benchmark.
+#[derive(Debug, Clone, Args)]
+pub struct MachineArgs {
+    /// MMU lock: `rwlock` lets faults run in parallel; `mutex` makes every fault exclusive.
+    #[arg(long = "mmu-lock", value_enum, default_value = "rwlock")]
+    pub mmu_lock: LockArg,
+    /// Lock-free fast page fault for write-protection and access-tracking faults.
+    #[arg(long = "fast-pf", value_enum, default_value = "on")]
+    pub fast_pf: Switch,
+    /// Hardware Accessed/Dirty bits in EPT leaves (off: access tracking clears permissions).
+    #[arg(long = "ad-bits", value_enum, default_value = "on")]
+    pub ad_bits: Switch,
+    /// 4 KiB entries in each vCPU's software TLB (power of two).
+    #[arg(long = "tlb-entries", value_parser = power_of_two, default_value_t = DEFAULT_TLB_ENTRIES)]
+    pub tlb_entries: usize,
+    /// Physical CPUs the vCPU threads are scheduled on (default: all host CPUs). More vCPUs
+    /// than this take turns, like an overcommitted host.
+    #[arg(long = "pcpus")]
+    pub pcpus: Option<usize>,
+    /// Include host page faults: do not pre-fault guest RAM and baseline memory (host
+    /// first-touch is very slow on a nested host, so it is pre-faulted by default).
+    #[arg(long = "no-prefault")]
+    pub no_prefault: bool,
+}
+
+impl MachineArgs {
+    /// The engine configuration these flags select.
+    pub fn vm_config(&self) -> VmConfig {
+        VmConfig {
+            mmu_lock: match self.mmu_lock {
+                LockArg::Rwlock => MmuLockKind::RwLock,
+                LockArg::Mutex => MmuLockKind::Mutex,
+            },
+            fast_pf: self.fast_pf.on(),
+            ad_bits: self.ad_bits.on(),
+            ..VmConfig::default()
+        }
+    }
+}

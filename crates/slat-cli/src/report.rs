@@ -1,0 +1,53 @@
+//! Output helpers: the selftests' time format, progress lines on stderr, ratios.
+
+use std::io::{IsTerminal, Write};
+use std::time::{Duration, Instant};
+
+/// KVM selftests' `%ld.%.9lds`.
+pub fn ts(d: Duration) -> String {
+    format!("{}.{:09}s", d.as_secs(), d.subsec_nanos())
+}
+
+/// `a / b` as a ratio, guarding a zero baseline.
+pub fn ratio(a: Duration, b: Duration) -> f64 {
+    if b.is_zero() {
+        f64::INFINITY
+    } else {
+        a.as_secs_f64() / b.as_secs_f64()
+    }
+}
+
+/// A phase announced on stderr; its duration is printed when it took over a second.
+pub struct Phase {
+    name: String,
+    t0: Instant,
+    quiet: bool,
+}
+
+impl Phase {
+    /// Starts a phase (silent when `quiet`, e.g. under `--json` with stderr redirected).
+    pub fn start(name: impl Into<String>, quiet: bool) -> Phase {
+        let name = name.into();
+        if !quiet {
+            eprintln!("[slat] {name} ...");
+        }
+        Phase {
+            name,
+            t0: Instant::now(),
+            quiet,
+        }
+    }
+    /// Ends the phase.
+    pub fn done(self) {
+        let d = self.t0.elapsed();
+        if !self.quiet && d > Duration::from_secs(1) {
+            eprintln!("[slat] {} took {:.1}s", self.name, d.as_secs_f64());
+        }
+        let _ = std::io::stderr().flush();
+    }
+}
+
+/// Progress output is wanted: always on a terminal, and otherwise unless JSON was asked for.
+pub fn quiet(json: bool) -> bool {
+    json && !std::io::stderr().is_terminal()
+}
