@@ -119,7 +119,7 @@ pub struct Layout {
 impl Layout {
     /// Pages in the test region.
     pub fn total_pages(&self) -> u64 {
-        self.bytes_per_vcpu * self.vcpus as u64 >> PAGE_SHIFT
+        (self.bytes_per_vcpu * self.vcpus as u64) >> PAGE_SHIFT
     }
     /// (gpa, host, pages) of vCPU `i`'s region.
     pub fn region(&self, i: usize) -> (u64, u64, u64) {

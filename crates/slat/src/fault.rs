@@ -240,7 +240,6 @@ impl<F: PteFormat> Vm<F> {
             }
             it.next();
         };
-        drop(it);
         drop(guard);
         drop(lock);
         self.complete_flush(pending);

@@ -430,7 +430,7 @@ impl<F: PteFormat> Vm<F> {
     ) -> PendingFlush {
         const YIELD_EVERY: u32 = 4096;
         let mut pending = PendingFlush::none();
-        let mut guard = pin();
+        let guard = pin();
         let root = self.root;
         // SAFETY: the root lives as long as the VM.
         let mut it = Walk::<F>::new(&guard, unsafe { TablePage::at(root) }, 1, start, end);
@@ -443,11 +443,10 @@ impl<F: PteFormat> Vm<F> {
                 let p = std::mem::take(&mut pending);
                 self.complete_flush(p);
                 lock.bump();
+                // Entries on the saved path may have been freed meanwhile: restart from the
+                // root at the first GFN not yet visited.
                 it.mark_yielded();
-                drop(it);
-                guard = pin();
-                // SAFETY: as above.
-                it = Walk::new(&guard, unsafe { TablePage::at(root) }, 1, start, end);
+                it.next();
                 continue;
             }
             let old = it.old;

@@ -85,8 +85,10 @@ impl<F: PteFormat> Vm<F> {
         let mut it = Walk::<F>::new(&guard, self.root(), 1, start, end);
         while it.valid() {
             let old = it.old;
-            if F::is_present(old) && F::is_leaf(old, it.level) && F::is_writable(old) {
-                if self
+            if F::is_present(old)
+                && F::is_leaf(old, it.level)
+                && F::is_writable(old)
+                && self
                     .set_spte(
                         &mut it,
                         F::write_protect(old),
@@ -95,9 +97,8 @@ impl<F: PteFormat> Vm<F> {
                         pending,
                     )
                     .is_err()
-                {
-                    continue;
-                }
+            {
+                continue; // lost a race: re-examine the entry that won
             }
             it.next();
         }
@@ -118,8 +119,11 @@ impl<F: PteFormat> Vm<F> {
             let old = it.old;
             let bit = it.gfn.wrapping_sub(base_gfn);
             let wanted = it.level > 1 || (bit < 64 && mask & (1 << bit) != 0);
-            if wanted && F::is_present(old) && F::is_leaf(old, it.level) && F::is_writable(old) {
-                if self
+            if wanted
+                && F::is_present(old)
+                && F::is_leaf(old, it.level)
+                && F::is_writable(old)
+                && self
                     .set_spte(
                         &mut it,
                         F::write_protect(old),
@@ -128,9 +132,8 @@ impl<F: PteFormat> Vm<F> {
                         pending,
                     )
                     .is_err()
-                {
-                    continue;
-                }
+            {
+                continue; // lost a race: re-examine the entry that won
             }
             it.next();
         }
