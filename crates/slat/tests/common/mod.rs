@@ -1,0 +1,273 @@
+//! Helpers shared by the integration tests: host memory for memslots, a seeded PRNG, leak
+//! checks, and small accessors for what the engine exposes about a leaf.
+//!
+//! Every test binary includes this module and uses a different part of it.
+#![allow(dead_code)]
+
+use slat::format::{pages_per_entry, Level, PteFormat, PAGE_SHIFT, PAGE_SIZE};
+use slat::table::TableAlloc;
+use slat::{Ept, HostRange, Vcpu, Vm};
+use std::alloc::Layout;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// 2 MiB, the alignment of every [`HostMem`] so 2 MiB leaves can map it.
+pub const HUGE_2M: u64 = 2 << 20;
+/// 1 GiB.
+pub const HUGE_1G: u64 = 1 << 30;
+
+/// Zeroed, 2 MiB-aligned host memory backing a memslot; freed on drop.
+///
+/// The engine never dereferences guest memory, but the tests that pretend the host maps a range
+/// with 2 MiB pages still give it real, suitably aligned memory, so the addresses in leaves are
+/// addresses the test owns.
+pub struct HostMem {
+    ptr: *mut u8,
+    layout: Layout,
+}
+
+// SAFETY: HostMem uniquely owns its allocation, like a Box<[u8]>.
+unsafe impl Send for HostMem {}
+// SAFETY: the tests never write through it concurrently; only the address is shared.
+unsafe impl Sync for HostMem {}
+
+impl HostMem {
+    /// `len` bytes (rounded up to 4 KiB), 2 MiB aligned.
+    pub fn new(len: u64) -> Self {
+        Self::with_align(len, HUGE_2M)
+    }
+
+    /// `len` bytes (rounded up to 4 KiB) aligned to `align` (a power of two >= 4 KiB).
+    pub fn with_align(len: u64, align: u64) -> Self {
+        assert!(align.is_power_of_two() && align >= PAGE_SIZE);
+        let len = len.max(PAGE_SIZE).div_ceil(PAGE_SIZE) * PAGE_SIZE;
+        let layout = Layout::from_size_align(len as usize, align as usize).expect("host layout");
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        HostMem { ptr, layout }
+    }
+
+    /// Host address of the first byte.
+    pub fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+
+    /// Bytes allocated.
+    pub fn len(&self) -> u64 {
+        self.layout.size() as u64
+    }
+
+    /// The whole allocation as a memslot host range mapped with `page_size` pages.
+    pub fn range(&self, page_size: u64) -> HostRange {
+        HostRange {
+            addr: self.addr(),
+            len: self.len(),
+            page_size,
+        }
+    }
+
+    /// `[offset, offset + len)` of the allocation as a host range.
+    pub fn sub_range(&self, offset: u64, len: u64, page_size: u64) -> HostRange {
+        assert!(offset + len <= self.len(), "sub-range beyond the allocation");
+        HostRange {
+            addr: self.addr() + offset,
+            len,
+            page_size,
+        }
+    }
+}
+
+impl Drop for HostMem {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `with_align` with this layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
+    }
+}
+
+/// A host range that is never dereferenced: the engine only stores host addresses in leaves, so
+/// huge fake ranges (1 GiB pages, whole GiBs of "memory") cost nothing. The address is far above
+/// anything the allocator hands out in these tests.
+pub fn fake_host(addr: u64, len: u64, page_size: u64) -> HostRange {
+    HostRange {
+        addr,
+        len,
+        page_size,
+    }
+}
+
+/// xorshift64*: small, fast, good enough to drive randomised tests reproducibly.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator for `seed` (any value, zero included).
+    pub fn new(seed: u64) -> Self {
+        // Mix the seed (splitmix64 finaliser) so neighbouring seeds diverge at once; never 0.
+        let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        Rng(if z == 0 { 0x2545_f491_4f6c_dd1d } else { z })
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Uniform in `[0, n)` (`n > 0`).
+    pub fn below(&mut self, n: u64) -> u64 {
+        assert!(n > 0);
+        ((self.next_u64() as u128 * n as u128) >> 64) as u64
+    }
+
+    /// Uniform in `[lo, hi)`.
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.below(hi - lo)
+    }
+
+    /// True with probability `num / den`.
+    pub fn chance(&mut self, num: u64, den: u64) -> bool {
+        self.below(den) < num
+    }
+
+    /// A random element of a non-empty slice.
+    pub fn pick<'a, T>(&mut self, v: &'a [T]) -> &'a T {
+        &v[self.below(v.len() as u64) as usize]
+    }
+}
+
+/// The seed from `SLAT_TEST_SEED` (decimal or `0x` hex), else `default`.
+pub fn seed_from_env(default: u64) -> u64 {
+    match std::env::var("SLAT_TEST_SEED") {
+        Ok(s) => {
+            let s = s.trim();
+            let v = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+                Some(h) => u64::from_str_radix(h, 16),
+                None => s.parse(),
+            };
+            v.unwrap_or_else(|_| panic!("SLAT_TEST_SEED={s:?} is not a number"))
+        }
+        Err(_) => default,
+    }
+}
+
+/// Waits until `alloc` has exactly `expect_live` live pages: deferred frees run through the
+/// global epoch collector, which advances only when threads pin and flush, so this drives it.
+/// Panics (a leak, or an accounting bug if the count drops below) after ~2 s.
+pub fn wait_for_reclaim(alloc: &TableAlloc, expect_live: u64) {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let live = alloc.live_pages();
+        if live == expect_live {
+            return;
+        }
+        assert!(
+            live > expect_live,
+            "table pages freed twice? live {live} < expected {expect_live}"
+        );
+        if Instant::now() > deadline {
+            panic!(
+                "table pages leaked: {live} live, expected {expect_live} ({} ever allocated)",
+                alloc.allocated_pages()
+            );
+        }
+        // Each flush moves this thread's deferred frees to the global queue and tries to
+        // advance the epoch and collect; other test threads may be pinned for a moment.
+        for _ in 0..4 {
+            crossbeam_epoch::pin().flush();
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Destroys the vCPUs, drops the VM and asserts every table page it ever allocated is freed.
+pub fn teardown<F: PteFormat>(vm: Arc<Vm<F>>, vcpus: impl IntoIterator<Item = Vcpu>) {
+    let alloc = vm.table_alloc().clone();
+    for v in vcpus {
+        vm.destroy_vcpu(v);
+    }
+    assert_eq!(
+        Arc::strong_count(&vm),
+        1,
+        "test bug: someone still holds the VM"
+    );
+    drop(vm);
+    wait_for_reclaim(&alloc, 0);
+}
+
+/// The host address `gfn` translates to through `leaf` at `level`.
+pub fn leaf_hva(leaf: u64, level: Level, gfn: u64) -> u64 {
+    Ept::output_addr(leaf) + ((gfn & (pages_per_entry(level) - 1)) << PAGE_SHIFT)
+}
+
+/// Checks the audit of the tree against the statistics; returns the audit.
+pub fn check_audit<F: PteFormat>(vm: &Vm<F>, ctx: &str) -> slat::Audit {
+    let a = vm.audit();
+    let s = vm.stats();
+    assert_eq!(a.frozen, 0, "{ctx}: frozen entries left in the tree: {a:?}");
+    assert_eq!(
+        [s.leaves_4k, s.leaves_2m, s.leaves_1g],
+        a.leaves,
+        "{ctx}: leaf gauges disagree with the tree (stats {s:?}, audit {a:?})"
+    );
+    assert_eq!(
+        s.table_pages, a.tables,
+        "{ctx}: table gauge disagrees with the tree (stats {s:?}, audit {a:?})"
+    );
+    assert_eq!(
+        s.table_bytes,
+        a.tables * PAGE_SIZE,
+        "{ctx}: table_bytes is not table_pages * 4 KiB"
+    );
+    assert!(
+        s.table_pages_live >= s.table_pages,
+        "{ctx}: fewer live pages ({}) than linked tables ({})",
+        s.table_pages_live,
+        s.table_pages
+    );
+    a
+}
+
+/// Invariant 6 on one leaf: W ⇒ MMU-writable ⇒ host-writable.
+pub fn check_write_chain(leaf: u64, ctx: &str) {
+    if Ept::is_writable(leaf) {
+        assert!(
+            Ept::is_mmu_writable(leaf),
+            "{ctx}: W without MMU-writable: {leaf:#x}"
+        );
+    }
+    if Ept::is_mmu_writable(leaf) {
+        assert!(
+            Ept::is_host_writable(leaf),
+            "{ctx}: MMU-writable without host-writable: {leaf:#x}"
+        );
+    }
+}
+
+/// The gfns set in a dirty bitmap harvested from a slot starting at `base_gfn`.
+pub fn bitmap_gfns(base_gfn: u64, words: &[u64]) -> Vec<u64> {
+    let mut v = Vec::new();
+    for (i, &w) in words.iter().enumerate() {
+        let mut w = w;
+        while w != 0 {
+            let b = w.trailing_zeros() as u64;
+            v.push(base_gfn + 64 * i as u64 + b);
+            w &= w - 1;
+        }
+    }
+    v
+}
+
+/// Words a dirty bitmap for `npages` pages needs.
+pub fn bitmap_words(npages: u64) -> usize {
+    npages.div_ceil(64) as usize
+}
