@@ -155,12 +155,13 @@ impl<F: PteFormat> Vm<F> {
         let mut goal = slot.max_level::<F>(gfn);
         let perms = LeafPerms {
             host_writable: !slot.is_readonly(),
-            // Read faults in a logged slot map read-only (MMU-writable kept) so the first
-            // write is seen and logged by the fast path.
-            writable: !slot.is_readonly() && (fault.access == Access::Write || !logging),
+            writable: !slot.is_readonly(),
             exec: true,
             ad_bits: self.config.ad_bits,
         };
+        // Read faults in a logged slot map read-only with MMU-writable kept, so the first
+        // write is seen and logged by the fast path (a read does not dirty the page).
+        let map_read_only_logged = logging && perms.writable && fault.access != Access::Write;
 
         let lock = self.mmu_lock.read();
         // A memslot change published after our lookup: what we computed may be stale.
@@ -194,7 +195,13 @@ impl<F: PteFormat> Vm<F> {
                 }
                 let hva = slot.hva(gfn) & !(bytes_per_entry(goal) - 1);
                 debug_assert!(!F::is_present(old) || F::output_addr(old) == hva);
-                let new = F::make_leaf(hva, goal, perms);
+                let new = if map_read_only_logged {
+                    // Writable as far as the MMU is concerned, W clear: the first write is a
+                    // fast-path fault that logs it.
+                    F::write_protect(F::make_leaf(hva, goal, perms))
+                } else {
+                    F::make_leaf(hva, goal, perms)
+                };
                 let marks = logging && F::is_writable(new);
                 if marks && slot.mark_dirty(gfn) {
                     sink.inc(Stat::DirtyMarked);

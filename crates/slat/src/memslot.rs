@@ -116,6 +116,16 @@ pub enum MemslotError {
         /// Bytes available.
         have: u64,
     },
+    /// The host range does not fit the page-table format's output-address field.
+    #[error("memslot {id}: host range [{addr:#x}, +{size:#x}) cannot be mapped by the page-table format's address field")]
+    HostAddressUnmappable {
+        /// The slot.
+        id: SlotId,
+        /// Host start.
+        addr: u64,
+        /// Size.
+        size: u64,
+    },
     /// The host page size is not 4 KiB, 2 MiB or 1 GiB.
     #[error("memslot {id}: host page size {page_size:#x} is not 4 KiB, 2 MiB or 1 GiB")]
     BadHostPageSize {
@@ -333,13 +343,29 @@ pub(crate) fn validate_flags(id: SlotId, bits: u32) -> Result<MemslotFlags, Mems
     })
 }
 
-pub(crate) fn validate_host(id: SlotId, size: u64, host: &HostRange) -> Result<(), MemslotError> {
+pub(crate) fn validate_host<F: PteFormat>(
+    id: SlotId,
+    size: u64,
+    host: &HostRange,
+) -> Result<(), MemslotError> {
     if host.addr % PAGE_SIZE != 0 {
         return Err(MemslotError::Misaligned {
             id,
             what: "host address",
             value: host.addr,
         });
+    }
+    // The PTE address field must hold every host address of the slot.
+    let fits = |a: u64| F::output_addr(a) == a;
+    match host.addr.checked_add(size) {
+        Some(end) if fits(host.addr) && fits(end - PAGE_SIZE) => {}
+        _ => {
+            return Err(MemslotError::HostAddressUnmappable {
+                id,
+                addr: host.addr,
+                size,
+            })
+        }
     }
     if ![PAGE_SIZE, 2 << 20, 1 << 30].contains(&host.page_size) {
         return Err(MemslotError::BadHostPageSize {

@@ -525,6 +525,11 @@ impl<F: PteFormat> Vm<F> {
         // After the new set: a fault that reads this generation finds the new set; a fault that
         // read an older one fails its re-check under the MMU lock.
         self.slots_gen.store(gen, Ordering::SeqCst);
+        // Wait out faults that passed their generation check against the old set and still
+        // hold the MMU lock: after this, every fault that installs anything saw the new set
+        // (KVM's synchronize_srcu after a memslot swap). Without it, a fault could install a
+        // huge writable leaf behind the split/write-protect walk of enabling dirty logging.
+        drop(self.mmu_lock.write());
     }
 
     /// Adds a memslot mapping `[gpa, gpa + size)` onto `host`.
@@ -543,7 +548,7 @@ impl<F: PteFormat> Vm<F> {
             return Err(MemslotError::DuplicateId { id });
         }
         validate_range::<F>(&cur, id, gpa, size, None)?;
-        validate_host(id, size, &host)?;
+        validate_host::<F>(id, size, &host)?;
         let npages = size >> PAGE_SHIFT;
         let slot = Memslot {
             id,

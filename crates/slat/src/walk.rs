@@ -44,6 +44,8 @@ impl<'g, F: PteFormat> Walk<'g, F> {
         end: u64,
     ) -> Self {
         debug_assert!(min_level >= 1 && min_level <= F::ROOT_LEVEL);
+        // Table indices wrap above the format's width: never walk beyond it.
+        let end = end.min(1u64 << (F::MAX_PHYS_BITS - crate::format::PAGE_SHIFT));
         let mut w = Walk {
             path: [0; MAX_LEVELS + 1],
             root: root.addr(),
