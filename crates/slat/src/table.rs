@@ -123,14 +123,14 @@ impl TableAlloc {
     /// Frees unlinked pages after every thread now pinned has unpinned. The caller has already
     /// completed the remote TLB flush that made the unlink visible to hardware walkers.
     pub(crate) fn free_deferred(
-        self: &crate::sync::Arc<Self>,
+        this: &crate::sync::Arc<Self>,
         guard: &Guard,
         pages: Vec<OwnedTable>,
     ) {
         if pages.is_empty() {
             return;
         }
-        let alloc = self.clone();
+        let alloc = this.clone();
         let addrs: Vec<u64> = pages.into_iter().map(OwnedTable::into_linked).collect();
         guard.defer(move || {
             for a in addrs {

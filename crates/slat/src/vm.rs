@@ -405,7 +405,7 @@ impl<F: PteFormat> Vm<F> {
         }
         self.flush_remote_tlbs();
         let guard = pin();
-        self.alloc.free_deferred(&guard, pending.graveyard);
+        TableAlloc::free_deferred(&self.alloc, &guard, pending.graveyard);
         guard.flush();
     }
 

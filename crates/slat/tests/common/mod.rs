@@ -71,7 +71,10 @@ impl HostMem {
 
     /// `[offset, offset + len)` of the allocation as a host range.
     pub fn sub_range(&self, offset: u64, len: u64, page_size: u64) -> HostRange {
-        assert!(offset + len <= self.len(), "sub-range beyond the allocation");
+        assert!(
+            offset + len <= self.len(),
+            "sub-range beyond the allocation"
+        );
         HostRange {
             addr: self.addr() + offset,
             len,
