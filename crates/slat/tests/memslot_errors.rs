@@ -266,8 +266,8 @@ fn ranges_beyond_48_bits_are_refused_and_the_last_page_is_usable() {
     for (gpa, size) in [
         (top, PAGE_SIZE),
         (top - PAGE_SIZE, 2 * PAGE_SIZE),
-        (PAGE_SIZE, u64::MAX & !(PAGE_SIZE - 1)), // would overflow gpa + size
-        (u64::MAX & !(PAGE_SIZE - 1), PAGE_SIZE),
+        (PAGE_SIZE, !(PAGE_SIZE - 1)), // would overflow gpa + size
+        (!(PAGE_SIZE - 1), PAGE_SIZE),
     ] {
         let e = f.refused(&format!("[{gpa:#x}, +{size:#x})"), |vm| {
             vm.add_memslot(9, gpa, size, host(&m), 0)
@@ -552,7 +552,7 @@ fn host_addresses_beyond_the_pte_address_field_are_refused() {
         // The last page crosses bit 52.
         ((1u64 << 52) - PAGE_SIZE, 0),
         // addr + size wraps around.
-        (u64::MAX & !(PAGE_SIZE - 1), 0),
+        (!(PAGE_SIZE - 1), 0),
     ] {
         let e = f.refused(&format!("host {addr:#x}"), |vm| {
             vm.add_memslot(9, 0x1000_0000, len, fake_host(addr, len, PAGE_SIZE), flags)
