@@ -344,11 +344,16 @@ impl<F: PteFormat> Vm<F> {
             // SAFETY: the table was just linked by us and cannot have been freed: freeing needs
             // a flush and a grace period that our caller's guard spans.
             let t = unsafe { TablePage::at(F::output_addr(new)) };
-            let n = t
-                .entries
-                .iter()
-                .filter(|e| F::is_present(e.load(Ordering::Relaxed)))
-                .count() as u64;
+            // Only a split brings leaves along; a fresh table may already hold leaves other
+            // vCPUs installed (and counted) since we linked it.
+            let n = if !old_leaf {
+                0
+            } else {
+                t.entries
+                    .iter()
+                    .filter(|e| F::is_present(e.load(Ordering::Relaxed)))
+                    .count() as u64
+            };
             if n > 0 {
                 sink.add(leaf_stat(level - 1), n);
             }

@@ -57,7 +57,7 @@ fn run(config: VmConfig, seed: u64) {
         let vm = vm.clone();
         let stop = stop.clone();
         workers.push(std::thread::spawn(move || {
-            let mut rng = Rng(seed ^ ((t as u64 + 1) * 0x9e37_79b9_7f4a_7c15));
+            let mut rng = Rng(seed ^ (t as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
             let mut vcpu = vm.create_vcpu(t);
             let npages = SLOT_BYTES / 4096;
             while !stop.load(Ordering::Relaxed) {
