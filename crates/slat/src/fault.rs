@@ -2,7 +2,7 @@
 
 use crate::flush::PendingFlush;
 use crate::format::{bytes_per_entry, Access, LeafPerms, PteFormat, PAGE_SHIFT};
-use crate::memslot::{Memslot, MemslotSet};
+use crate::memslot::MemslotSet;
 use crate::stats::{Sink, Stat};
 use crate::sync::{pin, Ordering};
 use crate::vm::{SlotHint, UpdateMode, Vcpu, Vm};
@@ -36,16 +36,24 @@ pub enum FaultOutcome {
     NoSlot,
     /// A write to a read-only memslot: an MMIO exit.
     ReadOnly,
+    /// The vCPU's dirty ring has no room for the entry this write fix needs: exit to the
+    /// VMM, which harvests and resets the rings, then re-execute the access.
+    DirtyRingFull,
 }
 
 /// Bounded retries of the fast path's compare-and-swap before it defers to the slow path.
 const FAST_PF_RETRIES: usize = 4;
 
 impl<F: PteFormat> Vm<F> {
-    /// Resolves a fault from a context outside guest mode: the fast path (if eligible and
-    /// enabled), then the slow path.
+    /// Resolves a fault from a context outside guest mode (a vCPU without a TLB of its own:
+    /// tests, tools): the fast path in guest mode (if eligible and enabled), then the slow
+    /// path outside it. Flush requests that arrive meanwhile are acknowledged.
     pub fn handle_fault(&self, vcpu: &mut Vcpu, fault: Fault) -> FaultOutcome {
-        if let Some(o) = self.fast_page_fault(vcpu, fault) {
+        vcpu.enter_guest();
+        let fast = self.fast_page_fault(vcpu, fault);
+        vcpu.service_requests(|| {});
+        vcpu.exit_guest();
+        if let Some(o) = fast {
             return o;
         }
         self.slow_page_fault(vcpu, fault)
@@ -85,7 +93,7 @@ impl<F: PteFormat> Vm<F> {
             if F::is_access_tracked(new) {
                 new = F::restore_access_tracked(new);
             }
-            let mut mark: Option<&Memslot> = None;
+            let mut mark = None;
             if fault.access == Access::Write && !F::is_writable(new) {
                 if !F::is_mmu_writable(new) {
                     return None;
@@ -96,34 +104,29 @@ impl<F: PteFormat> Vm<F> {
                 let (set, hint) = refresh_hint(self, &mut vcpu.slot_hint);
                 let (i, slot) = set.find(gfn, *hint)?;
                 *hint = i;
-                if slot.is_logging() {
-                    // One huge leaf cannot be logged per 4 KiB page: split it in the slow path.
-                    if it.level > 1 {
-                        return None;
-                    }
-                    mark = Some(slot);
+                mark = self.mark_for(slot, vcpu.ring.as_deref());
+                // One huge leaf cannot be logged per 4 KiB page: split it in the slow path.
+                if mark.is_some() && it.level > 1 {
+                    return None;
                 }
                 new = F::make_writable(new);
             }
             if new == old || !F::permits(new, fault.access) {
                 return None;
             }
-            // Invariant 3: mark before W goes 0→1 (a write by another vCPU can follow the CAS
-            // at once). Mark again after it: a harvest may have consumed the first mark and
-            // found nothing to write-protect before our CAS; its flush waits for us (we are
-            // in guest mode), so the second mark lands before it returns and the page is in
-            // the next harvest.
-            if let Some(s) = mark {
-                if s.mark_dirty(gfn) {
-                    sink.inc(Stat::DirtyMarked);
+            // Invariant 3 (see `prepare_mark` / `commit_mark` for the bitmap and ring orders).
+            let ring = vcpu.ring.as_deref();
+            if let Some(m) = mark {
+                if !self.prepare_mark(m, ring, gfn, sink) {
+                    return None; // ring full: the slow path reports it
                 }
             }
             let mut pending = PendingFlush::none();
             let r = self.set_spte(&mut it, new, UpdateMode::Shared, sink, &mut pending);
             self.complete_flush(pending);
             if r.is_ok() {
-                if let Some(s) = mark {
-                    s.mark_dirty(gfn);
+                if let Some(m) = mark {
+                    self.commit_mark(m, ring, gfn, sink);
                 }
                 sink.inc(Stat::PfFast);
                 return Some(FaultOutcome::FixedFast);
@@ -174,6 +177,7 @@ impl<F: PteFormat> Vm<F> {
         let mut pending = PendingFlush::none();
         let mut it = Walk::<F>::new(&guard, self.root(), 1, gfn, gfn + 1);
         let cache = &mut vcpu.cache;
+        let ring = vcpu.ring.as_deref();
         let outcome = loop {
             if !it.valid() {
                 break FaultOutcome::Retry;
@@ -202,12 +206,23 @@ impl<F: PteFormat> Vm<F> {
                 } else {
                     F::make_leaf(hva, goal, perms)
                 };
-                let marks = logging && F::is_writable(new);
-                if marks && slot.mark_dirty(gfn) {
-                    sink.inc(Stat::DirtyMarked);
+                let mark = if F::is_writable(new) {
+                    self.mark_for(slot, ring)
+                } else {
+                    None
+                };
+                if let Some(m) = mark {
+                    if !self.prepare_mark(m, ring, gfn, sink) {
+                        break FaultOutcome::DirtyRingFull;
+                    }
                 }
                 match self.set_spte(&mut it, new, UpdateMode::Shared, sink, &mut pending) {
-                    Ok(()) => break FaultOutcome::Fixed,
+                    Ok(()) => {
+                        if let Some(m) = mark {
+                            self.commit_mark(m, ring, gfn, sink);
+                        }
+                        break FaultOutcome::Fixed;
+                    }
                     Err(_) => break FaultOutcome::Retry,
                 }
             }
@@ -253,6 +268,7 @@ impl<F: PteFormat> Vm<F> {
         sink.inc(match outcome {
             FaultOutcome::Fixed => Stat::PfFixed,
             FaultOutcome::Spurious => Stat::PfSpurious,
+            FaultOutcome::DirtyRingFull => Stat::PfRingFull,
             _ => Stat::PfRetry,
         });
         outcome

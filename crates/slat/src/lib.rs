@@ -29,6 +29,7 @@ pub mod dirty;
 mod fault;
 pub mod flush;
 pub mod format;
+mod huge_page;
 pub mod memslot;
 pub mod stats;
 mod sync;
@@ -36,6 +37,7 @@ pub mod table;
 mod vm;
 pub(crate) mod walk;
 
+pub use dirty::{DirtyLogError, GetLogVariant, RecoverVariant};
 pub use fault::{Fault, FaultOutcome};
 pub use format::{Access, Ept, Level, PteFormat};
 pub use memslot::{HostRange, Memslot, MemslotError, MemslotFlags, MemslotSet, SlotId};

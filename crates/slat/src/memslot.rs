@@ -6,7 +6,7 @@
 //! hint) and re-checks the generation under the MMU lock before installing anything, so a
 //! translation computed from a slot that has since been deleted or moved is never installed.
 
-use crate::dirty::DirtyBitmap;
+use crate::dirty::SlotBitmap;
 use crate::format::{bytes_per_entry, pages_per_entry, Level, PteFormat, PAGE_SHIFT, PAGE_SIZE};
 use crate::sync::Arc;
 use bitflags::bitflags;
@@ -134,22 +134,6 @@ pub enum MemslotError {
         /// The size given.
         page_size: u64,
     },
-    /// The operation needs dirty logging on the slot.
-    #[error("memslot {id} is not logging dirty pages")]
-    NotLogging {
-        /// The slot.
-        id: SlotId,
-    },
-    /// A caller-supplied bitmap buffer is too short.
-    #[error("memslot {id}: bitmap buffer holds {have} words but the slot needs {need}")]
-    BitmapTooSmall {
-        /// The slot.
-        id: SlotId,
-        /// Words needed.
-        need: usize,
-        /// Words given.
-        have: usize,
-    },
 }
 
 /// One memslot as published to the fault path.
@@ -167,7 +151,8 @@ pub struct Memslot {
     pub host_page_size: u64,
     /// Current flags.
     pub flags: MemslotFlags,
-    pub(crate) dirty: Option<Arc<DirtyBitmap>>,
+    /// The dirty bitmap (logging slots, unless the VM logs into rings only).
+    pub(crate) dirty: Option<Arc<SlotBitmap>>,
 }
 
 impl Memslot {
@@ -196,7 +181,7 @@ impl Memslot {
     /// Dirty logging is on (and meaningful: read-only slots are never written).
     #[inline]
     pub fn is_logging(&self) -> bool {
-        self.dirty.is_some()
+        self.flags.contains(MemslotFlags::LOG_DIRTY_PAGES) && !self.is_readonly()
     }
     /// Read-only slot.
     #[inline]
@@ -228,6 +213,8 @@ impl Memslot {
         1
     }
 
+    /// Sets `gfn`'s bit in the slot's bitmap; false if the slot has none.
+    #[inline]
     pub(crate) fn mark_dirty(&self, gfn: u64) -> bool {
         match &self.dirty {
             Some(b) => {

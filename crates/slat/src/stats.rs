@@ -42,9 +42,11 @@ pub enum Stat {
     Recoveries,
     /// Pages marked dirty.
     DirtyMarked,
+    /// Write faults refused because the vCPU's dirty ring was full.
+    PfRingFull,
 }
 
-const NSTATS: usize = Stat::DirtyMarked as usize + 1;
+const NSTATS: usize = Stat::PfRingFull as usize + 1;
 
 /// A block of counters, padded so two blocks never share a cache line.
 #[repr(align(128))]
@@ -150,6 +152,8 @@ pub struct Stats {
     pub recoveries: u64,
     /// Pages marked dirty.
     pub dirty_marked: u64,
+    /// Write faults refused because the vCPU's dirty ring was full.
+    pub pf_ring_full: u64,
 }
 
 impl Stats {
@@ -179,6 +183,7 @@ impl Stats {
             splits: g(Stat::Splits),
             recoveries: g(Stat::Recoveries),
             dirty_marked: g(Stat::DirtyMarked),
+            pf_ring_full: g(Stat::PfRingFull),
         }
     }
 }

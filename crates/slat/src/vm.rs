@@ -1,5 +1,6 @@
 //! The VM: page-table root, MMU lock, memslots, vCPU registry, and the one SPTE-update path.
 
+use crate::dirty::{DirtyMode, DirtyRing, GetLogVariant, RecoverVariant, SlotBitmap};
 use crate::flush::{FlushGen, PendingFlush, VcpuLink};
 use crate::format::{Level, PteFormat, PAGE_SHIFT};
 use crate::memslot::{
@@ -44,6 +45,10 @@ pub struct VmConfig {
     pub ad_bits: bool,
     /// Split huge leaves when dirty logging is enabled (else lazily, at the first write fault).
     pub eager_split: bool,
+    /// How GET_DIRTY_LOG snapshots the bitmap (without manual protection).
+    pub get_log: GetLogVariant,
+    /// How huge mappings come back when dirty logging stops.
+    pub recover: RecoverVariant,
 }
 
 impl Default for VmConfig {
@@ -53,6 +58,8 @@ impl Default for VmConfig {
             fast_pf: true,
             ad_bits: true,
             eager_split: true,
+            get_log: GetLogVariant::Xchg,
+            recover: RecoverVariant::InPlace,
         }
     }
 }
@@ -128,6 +135,8 @@ pub struct Vm<F: PteFormat = crate::format::Ept> {
     pub(crate) vcpus: RwLock<Vec<Arc<VcpuLink>>>,
     pub(crate) vcpu_counters: Mutex<Vec<Arc<Counters>>>,
     pub(crate) flush_gen: Arc<FlushGen>,
+    pub(crate) dirty_mode: Mutex<DirtyMode>,
+    pub(crate) rings: Mutex<Vec<Arc<DirtyRing>>>,
     _format: PhantomData<F>,
 }
 
@@ -138,6 +147,7 @@ pub struct Vcpu {
     pub(crate) slot_hint: SlotHint,
     pub(crate) counters: Arc<Counters>,
     pub(crate) link: Arc<VcpuLink>,
+    pub(crate) ring: Option<Arc<DirtyRing>>,
     flush_gen: Arc<FlushGen>,
     alloc: Arc<TableAlloc>,
 }
@@ -207,6 +217,8 @@ impl<F: PteFormat> Vm<F> {
             vcpus: RwLock::new(Vec::new()),
             vcpu_counters: Mutex::new(Vec::new()),
             flush_gen: Arc::new(FlushGen(AtomicU64::new(0))),
+            dirty_mode: Mutex::new(DirtyMode::default()),
+            rings: Mutex::new(Vec::new()),
             _format: PhantomData,
         })
     }
@@ -218,6 +230,7 @@ impl<F: PteFormat> Vm<F> {
 
     /// Creates a vCPU. Flushes from now on wait for it whenever it is in guest mode.
     pub fn create_vcpu(&self, id: u32) -> Vcpu {
+        let ring = self.new_vcpu_ring();
         let link = Arc::new(VcpuLink::new());
         let counters = Arc::new(Counters::default());
         sync::write(&self.vcpus).push(link.clone());
@@ -231,12 +244,14 @@ impl<F: PteFormat> Vm<F> {
             },
             counters,
             link,
+            ring,
             flush_gen: self.flush_gen.clone(),
             alloc: self.alloc.clone(),
         }
     }
 
-    /// Removes a vCPU from the flush protocol (call before dropping it).
+    /// Removes a vCPU from the flush protocol (call before dropping it). Its dirty ring stays
+    /// with the VM until the VM is dropped: entries not yet harvested are still owed to the VMM.
     pub fn destroy_vcpu(&self, vcpu: Vcpu) {
         sync::write(&self.vcpus).retain(|l| !Arc::ptr_eq(l, &vcpu.link));
         drop(vcpu);
@@ -659,12 +674,16 @@ impl<F: PteFormat> Vm<F> {
         flags.contains(MemslotFlags::LOG_DIRTY_PAGES) && !flags.contains(MemslotFlags::READONLY)
     }
 
-    fn new_bitmap(
-        &self,
-        flags: MemslotFlags,
-        npages: u64,
-    ) -> Option<Arc<crate::dirty::DirtyBitmap>> {
-        Self::logs(flags).then(|| Arc::new(crate::dirty::DirtyBitmap::new(npages, false)))
+    fn new_bitmap(&self, flags: MemslotFlags, npages: u64) -> Option<Arc<SlotBitmap>> {
+        let mode = self.dirty_mode();
+        let switch = self.config.get_log == GetLogVariant::Switch && !mode.manual();
+        (Self::logs(flags) && mode.uses_bitmap()).then(|| {
+            Arc::new(SlotBitmap::new(
+                npages,
+                mode.manual() && mode.initially_set(),
+                switch,
+            ))
+        })
     }
 
     /// Frees every table under the root. Exclusive access: no vCPU can run.

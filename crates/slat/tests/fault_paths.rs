@@ -653,7 +653,7 @@ fn disabling_dirty_logging_brings_huge_leaves_back() {
     vm.set_memslot_flags(1, 0).unwrap();
     assert!(matches!(
         vm.get_dirty_log(1, &mut [0; 16]),
-        Err(slat::MemslotError::NotLogging { id: 1 })
+        Err(slat::DirtyLogError::NotLogging { id: 1 })
     ));
     for off in [PAGE_SIZE, (2 << 20) + 9 * PAGE_SIZE] {
         let o = fault(&vm, &mut v, gpa + off, Access::Write, false);

@@ -7,7 +7,8 @@ mod common;
 use common::*;
 use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::{
-    Access, Ept, Fault, FaultOutcome, HostRange, MemslotError, MemslotFlags, Vcpu, Vm, VmConfig,
+    Access, DirtyLogError, Ept, Fault, FaultOutcome, HostRange, MemslotError, MemslotFlags, Vcpu,
+    Vm, VmConfig,
 };
 use std::sync::Arc;
 
@@ -84,11 +85,11 @@ impl Fixture {
     }
 
     /// Runs `op`, which must fail; checks nothing changed; returns the error.
-    fn refused(
+    fn refused<E: std::fmt::Debug + std::fmt::Display>(
         &self,
         what: &str,
-        op: impl FnOnce(&Vm<Ept>) -> Result<(), MemslotError>,
-    ) -> MemslotError {
+        op: impl FnOnce(&Vm<Ept>) -> Result<(), E>,
+    ) -> E {
         let before = view(&self.vm);
         let stats = self.vm.stats();
         let err = match op(&self.vm) {
@@ -344,7 +345,7 @@ fn unknown_slot_for_delete_move_set_flags_and_get_dirty_log() {
     let e = f.refused("get dirty log", |vm| {
         vm.get_dirty_log(42, &mut words).map(|_| ())
     });
-    assert!(matches!(e, MemslotError::UnknownSlot { id: 42 }), "{e:?}");
+    assert!(matches!(e, DirtyLogError::UnknownSlot { id: 42 }), "{e:?}");
     // A deleted slot is unknown too (and its mapping is gone).
     f.vm.delete_memslot(2).unwrap();
     let (gfn2, _) = f.mapped.pop().expect("slot 2's page");
@@ -423,7 +424,7 @@ fn dirty_log_of_a_slot_that_does_not_log_is_refused() {
     let e = f.refused("not logging", |vm| {
         vm.get_dirty_log(2, &mut words).map(|_| ())
     });
-    assert!(matches!(e, MemslotError::NotLogging { id: 2 }), "{e:?}");
+    assert!(matches!(e, DirtyLogError::NotLogging { id: 2 }), "{e:?}");
     // LOG on a read-only slot logs nothing: still not logging.
     let m = HostMem::new(MIB);
     f.vm.add_memslot(9, 0x1000_0000, MIB, host(&m), LOG | RO)
@@ -431,7 +432,7 @@ fn dirty_log_of_a_slot_that_does_not_log_is_refused() {
     let e = f.refused("read-only logging", |vm| {
         vm.get_dirty_log(9, &mut words).map(|_| ())
     });
-    assert!(matches!(e, MemslotError::NotLogging { id: 9 }), "{e:?}");
+    assert!(matches!(e, DirtyLogError::NotLogging { id: 9 }), "{e:?}");
     f.vm.delete_memslot(9).unwrap();
     f.finish();
 }
@@ -462,7 +463,7 @@ fn dirty_log_buffer_too_small_is_refused_and_loses_no_dirty_bits() {
             vm.get_dirty_log(9, &mut words).map(|_| ())
         });
         assert!(
-            matches!(e, MemslotError::BitmapTooSmall { id: 9, need: 3, have: h } if h == have),
+            matches!(e, DirtyLogError::BitmapTooSmall { id: 9, need: 3, have: h } if h == have),
             "{e:?}"
         );
         assert_eq!(f.vm.lookup((0x1000_0000 >> PAGE_SHIFT) + 129), before);

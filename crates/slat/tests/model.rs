@@ -27,8 +27,8 @@ mod common;
 use common::*;
 use slat::format::{bytes_per_entry, pages_per_entry, PteFormat, PAGE_SHIFT, PAGE_SIZE};
 use slat::{
-    Access, Ept, Fault, FaultOutcome, HostRange, MemslotError, MemslotFlags, MmuLockKind, Vcpu, Vm,
-    VmConfig,
+    Access, Ept, Fault, FaultOutcome, GetLogVariant, HostRange, MemslotError, MemslotFlags,
+    MmuLockKind, RecoverVariant, Vcpu, Vm, VmConfig,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -157,7 +157,7 @@ fn logs(flags: u32) -> bool {
 #[derive(Default)]
 struct Coverage {
     leaves_seen: [AtomicU64; 3],
-    outcomes: [AtomicU64; 6],
+    outcomes: [AtomicU64; 7],
     harvested: AtomicU64,
     refused: AtomicU64,
     zapped: AtomicU64,
@@ -172,6 +172,7 @@ fn outcome_index(o: FaultOutcome) -> usize {
         FaultOutcome::Retry => 3,
         FaultOutcome::NoSlot => 4,
         FaultOutcome::ReadOnly => 5,
+        FaultOutcome::DirtyRingFull => 6,
     }
 }
 
@@ -375,6 +376,7 @@ impl Run<'_> {
             FaultOutcome::Retry => s.pf_retry,
             FaultOutcome::NoSlot => s.pf_no_slot,
             FaultOutcome::ReadOnly => s.pf_read_only,
+            FaultOutcome::DirtyRingFull => s.pf_ring_full,
         };
         assert_eq!(
             counter(&after),
@@ -664,6 +666,34 @@ impl Run<'_> {
                 // Documented: turning READONLY on zaps the slot.
                 self.maybe.remove(base, end);
             }
+            if logs(old) && !logs(flags) && self.cfg.recover == RecoverVariant::InPlace {
+                // Documented: in-place recovery maps the whole huge range of any table that
+                // held a leaf (the memslot backs all of it).
+                let hit: Vec<(u64, u64)> = self
+                    .maybe
+                    .0
+                    .range(..end)
+                    .filter(|(_, &e)| e > base)
+                    .map(|(&a, &b)| (a.max(base), b.min(end)))
+                    .collect();
+                let slot = &self.slots[&id];
+                let mut grow = Vec::new();
+                for (a, b) in hit {
+                    let mut g = a;
+                    while g < b {
+                        let p = pages_per_entry(slot.max_level(g));
+                        let first = g & !(p - 1);
+                        if p > 1 {
+                            grow.push((first, first + p));
+                        }
+                        g = first + p;
+                    }
+                }
+                for (a, b) in grow {
+                    self.maybe.insert(a, b);
+                }
+            }
+            let s = self.slots.get_mut(&id).unwrap();
             if logs(flags) != logs(old) {
                 // A fresh log (or none).
                 s.written.clear();
@@ -706,7 +736,7 @@ impl Run<'_> {
         let after = self.vm.stats();
         if !logging {
             assert!(
-                matches!(r, Err(MemslotError::NotLogging { id: i }) if i == id),
+                matches!(r, Err(slat::DirtyLogError::NotLogging { id: i }) if i == id),
                 "{}: {r:?}",
                 self.ctx()
             );
@@ -852,7 +882,15 @@ fn templates() -> Backing {
 
 fn config_for(seed: u64) -> VmConfig {
     let d = VmConfig::default();
-    match seed % 5 {
+    match seed % 7 {
+        5 => VmConfig {
+            recover: RecoverVariant::Zap,
+            ..d
+        },
+        6 => VmConfig {
+            get_log: GetLogVariant::Switch,
+            ..d
+        },
         0 => d,
         1 => VmConfig {
             fast_pf: false,

@@ -1,6 +1,6 @@
 //! The per-memslot dirty bitmap: one bit per 4 KiB page, set by faults, harvested by the VMM.
 
-use crate::sync::{AtomicU64, Ordering};
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
 
 /// One bit per page of a memslot.
 #[derive(Debug)]
@@ -71,6 +71,17 @@ impl DirtyBitmap {
         self.words[i].swap(0, Ordering::AcqRel)
     }
 
+    /// Reads and clears word `i` with a plain load and store: only for a bitmap no marker can
+    /// reach any more (the inactive side of a [`SlotBitmap`] after a switch and a drain).
+    #[inline]
+    pub fn take_word_unshared(&self, i: usize) -> u64 {
+        let v = self.words[i].load(Ordering::Relaxed);
+        if v != 0 {
+            self.words[i].store(0, Ordering::Relaxed);
+        }
+        v
+    }
+
     /// Clears the bits of `mask` in word `i`; returns the bits that were actually set.
     #[inline]
     pub fn clear_bits(&self, i: usize, mask: u64) -> u64 {
@@ -83,6 +94,73 @@ impl DirtyBitmap {
             .iter()
             .map(|w| w.load(Ordering::Relaxed).count_ones() as u64)
             .sum()
+    }
+}
+
+/// A memslot's dirty log as the fault path sees it: the bitmap marks go to, and for the
+/// bitmap-switch harvest (seed `004`) a second bitmap that harvests swap with it.
+///
+/// The switch harvest flips `active`, waits until no marker can still be writing to the old
+/// side (see `Vm::get_dirty_log`), and then reads and clears the old side with plain loads and
+/// stores instead of one atomic exchange per word.
+#[derive(Debug)]
+pub struct SlotBitmap {
+    maps: [DirtyBitmap; 2],
+    active: AtomicU32,
+}
+
+impl SlotBitmap {
+    /// A log for `npages` pages; `initially_set` starts every bit set (manual protect with
+    /// INITIALLY_SET); `switch` allocates the second bitmap.
+    pub fn new(npages: u64, initially_set: bool, switch: bool) -> Self {
+        SlotBitmap {
+            maps: [
+                DirtyBitmap::new(npages, initially_set),
+                DirtyBitmap::new(if switch { npages } else { 0 }, false),
+            ],
+            active: AtomicU32::new(0),
+        }
+    }
+
+    /// The bitmap marks go to now.
+    #[inline]
+    pub fn active(&self) -> &DirtyBitmap {
+        &self.maps[self.active.load(Ordering::Acquire) as usize]
+    }
+
+    /// Marks page `rel` (slot-relative) in the active bitmap.
+    #[inline]
+    pub fn set(&self, rel: u64) {
+        self.active().set(rel)
+    }
+
+    /// Pages covered.
+    pub fn npages(&self) -> u64 {
+        self.maps[0].npages()
+    }
+
+    /// 64-bit words per bitmap.
+    pub fn nwords(&self) -> usize {
+        self.maps[0].nwords()
+    }
+
+    /// Has a second bitmap to switch to.
+    pub fn can_switch(&self) -> bool {
+        self.maps[1].nwords() == self.maps[0].nwords()
+    }
+
+    /// Makes the other bitmap active; returns the one marks went to until now. The caller
+    /// serialises switches (the slots lock) and must drain markers before reading the result.
+    pub(crate) fn switch(&self) -> &DirtyBitmap {
+        debug_assert!(self.can_switch());
+        let old = self.active.load(Ordering::Relaxed);
+        self.active.store(1 - old, Ordering::SeqCst);
+        &self.maps[old as usize]
+    }
+
+    /// Set bits in both bitmaps.
+    pub fn count(&self) -> u64 {
+        self.maps[0].count() + self.maps[1].count()
     }
 }
 

@@ -1,0 +1,110 @@
+//! Huge-page split (dirty logging needs 4 KiB leaves) and recovery (logging stopped: put the
+//! huge leaves back so the guest runs with few TLB misses again).
+
+use crate::flush::PendingFlush;
+use crate::format::{Level, PteFormat};
+use crate::memslot::Memslot;
+use crate::stats::Stat;
+use crate::sync::{pin, Ordering};
+use crate::table::TablePage;
+use crate::vm::{UpdateMode, Vm};
+use crate::walk::Walk;
+
+impl<F: PteFormat> Vm<F> {
+    /// Replaces every huge leaf in `[start, end)` with a table of equivalent smaller leaves,
+    /// down to 4 KiB (a 1 GiB leaf becomes 2 MiB leaves, which the pre-order walk then visits
+    /// and splits in turn). Updates are compare-and-swaps, so this runs under the MMU lock in
+    /// either mode, racing with faults; a lost race re-reads the entry. No flush: old and new
+    /// translations are identical. Returns the number of leaves split.
+    pub(crate) fn split_huge_pages(&self, start: u64, end: u64, pending: &mut PendingFlush) -> u64 {
+        let guard = pin();
+        let sink = self.sink();
+        let mut splits = 0;
+        let mut it = Walk::<F>::new(&guard, self.root(), 2, start, end);
+        while it.valid() {
+            let old = it.old;
+            if F::is_present(old) && it.level > 1 && F::is_leaf(old, it.level) {
+                // Filled before it is reachable, so plain stores suffice.
+                let child = self.alloc.alloc();
+                for (i, e) in child.page().entries.iter().enumerate() {
+                    e.store(F::split_child(old, it.level, i), Ordering::Relaxed);
+                }
+                let table = F::make_table(child.addr());
+                match self.set_spte(&mut it, table, UpdateMode::Shared, sink, pending) {
+                    Ok(()) => {
+                        child.into_linked();
+                        sink.inc(Stat::Splits);
+                        splits += 1;
+                    }
+                    Err(_) => {
+                        for e in child.page().entries.iter() {
+                            e.store(F::NON_PRESENT, Ordering::Relaxed);
+                        }
+                        self.alloc.free_now(child);
+                        continue; // re-examine the entry that won
+                    }
+                }
+            }
+            it.next();
+        }
+        splits
+    }
+
+    /// In-place huge-page recovery (KVM 6.12's `recover_huge_pages_range`): every table in the
+    /// slot whose whole range the slot may map with one leaf of the table's level is replaced
+    /// by that leaf, with one compare-and-swap, under the MMU lock in read mode. The huge leaf
+    /// takes its permissions from the first leaf found below (so write protection and access
+    /// tracking carry over and the fast path fixes them as usual). Tables nobody mapped
+    /// anything in are left alone. The unlinked tables go to `pending`; the caller flushes once.
+    /// Returns the number of tables replaced.
+    pub(crate) fn recover_huge_pages(&self, slot: &Memslot, pending: &mut PendingFlush) -> u64 {
+        debug_assert!(!slot.is_logging());
+        let guard = pin();
+        let sink = self.sink();
+        let mut recovered = 0;
+        let mut it = Walk::<F>::new(&guard, self.root(), 2, slot.base_gfn, slot.end_gfn());
+        while it.valid() {
+            let old = it.old;
+            let candidate = F::is_present(old)
+                && it.level <= F::MAX_LEAF_LEVEL
+                && !F::is_leaf(old, it.level)
+                && slot.max_level::<F>(it.gfn) >= it.level;
+            if candidate {
+                if let Some(leaf) = first_leaf::<F>(F::output_addr(old), it.level - 1) {
+                    let huge = F::make_huge(leaf, it.level);
+                    debug_assert_eq!(F::output_addr(huge), slot.hva(it.gfn));
+                    if self
+                        .set_spte(&mut it, huge, UpdateMode::Shared, sink, pending)
+                        .is_err()
+                    {
+                        continue; // re-examine the entry that won
+                    }
+                    sink.inc(Stat::Recoveries);
+                    recovered += 1;
+                }
+            }
+            it.next();
+        }
+        recovered
+    }
+}
+
+/// The first present leaf in the table at `addr` (of `level`) or below it.
+fn first_leaf<F: PteFormat>(addr: u64, level: Level) -> Option<u64> {
+    // SAFETY: the caller read a present entry pointing here inside its reclamation guard; an
+    // unlinked table stays allocated until every such guard is gone.
+    let t = unsafe { TablePage::at(addr) };
+    for e in t.entries.iter() {
+        let v = e.load(Ordering::Acquire);
+        if !F::is_present(v) {
+            continue;
+        }
+        if F::is_leaf(v, level) {
+            return Some(v);
+        }
+        if let Some(l) = first_leaf::<F>(F::output_addr(v), level - 1) {
+            return Some(l);
+        }
+    }
+    None
+}
