@@ -49,6 +49,7 @@ pub fn run(a: &DemandPagingArgs) -> Result<(), String> {
         tlb_entries: a.machine.tlb_entries,
         pcpus: a.machine.pcpus.unwrap_or(0),
         prefault,
+        dirty: Default::default(),
     };
     let total = a.bytes * a.vcpus as u64;
     let p = Phase::start(

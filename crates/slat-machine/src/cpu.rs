@@ -30,7 +30,13 @@ pub enum Exit {
         /// The address.
         gpa: u64,
     },
+    /// The dirty ring is full and no handler was installed to empty it.
+    DirtyRingFull,
 }
+
+/// Called on the vCPU thread, outside guest mode, when its dirty ring reached the soft limit
+/// (KVM_EXIT_DIRTY_RING_FULL): must harvest and reset the rings before returning.
+pub type RingFullHandler = Arc<dyn Fn() + Send + Sync>;
 
 /// Counters of one vCPU's hardware activity.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -45,6 +51,8 @@ pub struct CpuCounters {
     pub tlb_flushes: u64,
     /// Accessed/Dirty bit updates by the walker.
     pub ad_updates: u64,
+    /// Exits because the dirty ring was full.
+    pub ring_full_exits: u64,
 }
 
 /// A vCPU thread's hardware state.
@@ -56,6 +64,7 @@ pub struct Cpu<F: PteFormat> {
     root: u64,
     in_guest: bool,
     quantum: u32,
+    ring_full: Option<RingFullHandler>,
     /// Counters.
     pub counters: CpuCounters,
 }
@@ -73,8 +82,14 @@ impl<F: PteFormat> Cpu<F> {
             root,
             in_guest: false,
             quantum: 0,
+            ring_full: None,
             counters: CpuCounters::default(),
         }
+    }
+
+    /// Installs what a dirty-ring-full exit runs.
+    pub fn set_ring_full_handler(&mut self, h: RingFullHandler) {
+        self.ring_full = Some(h);
     }
 
     /// The engine's vCPU.
@@ -229,15 +244,35 @@ impl<F: PteFormat> Cpu<F> {
     #[inline]
     fn fault(&mut self, f: Fault) -> Result<(), Exit> {
         self.counters.faults += 1;
-        if let Some(o) = self.vm.fast_page_fault(&mut self.vcpu, f) {
-            return check(o, f.gpa);
+        let o = match self.vm.fast_page_fault(&mut self.vcpu, f) {
+            Some(o) => o,
+            None => {
+                // The slow path may block on the MMU lock, whose holder may be waiting for our
+                // flush acknowledgement: leave guest mode (keep the physical CPU; host work).
+                self.vcpu.exit_guest();
+                let o = self.vm.slow_page_fault(&mut self.vcpu, f);
+                self.enter_guest_mode();
+                o
+            }
+        };
+        if o == FaultOutcome::DirtyRingFull || self.vcpu.dirty_ring_full() {
+            self.ring_full_exit()?;
         }
-        // The slow path may block on the MMU lock, whose holder may be waiting for our flush
-        // acknowledgement: leave guest mode (keep the physical CPU; this is host work).
-        self.vcpu.exit_guest();
-        let o = self.vm.slow_page_fault(&mut self.vcpu, f);
-        self.enter_guest_mode();
         check(o, f.gpa)
+    }
+
+    /// KVM_EXIT_DIRTY_RING_FULL: leave guest mode and the physical CPU, let the handler empty
+    /// the rings, come back.
+    #[cold]
+    fn ring_full_exit(&mut self) -> Result<(), Exit> {
+        let Some(h) = self.ring_full.clone() else {
+            return Err(Exit::DirtyRingFull);
+        };
+        self.counters.ring_full_exits += 1;
+        self.exit();
+        h();
+        self.enter();
+        Ok(())
     }
 
     /// Consumes the CPU, unregistering its vCPU from the engine.
@@ -253,6 +288,7 @@ fn check(o: FaultOutcome, gpa: u64) -> Result<(), Exit> {
     match o {
         FaultOutcome::NoSlot => Err(Exit::Mmio { gpa }),
         FaultOutcome::ReadOnly => Err(Exit::ReadOnly { gpa }),
+        // Handled by the caller (a ring-full exit); re-execute the access.
         _ => Ok(()),
     }
 }

@@ -5,15 +5,17 @@
 #![deny(missing_docs)]
 
 pub mod cpu;
+pub mod dirty_oracle;
 pub mod machine;
 pub mod memstress;
 pub mod ram;
 pub mod sched;
 pub mod tlb;
 
-pub use cpu::{Cpu, CpuCounters, Exit};
+pub use cpu::{Cpu, CpuCounters, Exit, RingFullHandler};
 pub use machine::{
-    native_baseline, Layout, Machine, MachineConfig, MachineError, PassReport, VcpuPass,
+    native_baseline, DirtyConfig, Layout, Machine, MachineConfig, MachineError, PassReport,
+    VcpuPass, Workload,
 };
 pub use memstress::PassParams;
 pub use ram::{Backing, GuestRam, RamError};

@@ -1,15 +1,16 @@
 //! The simulated machine: guest RAM, memslots laid out like KVM's memstress, and persistent
 //! vCPU threads that run one workload pass per host request.
 
-use crate::cpu::{Cpu, CpuCounters, Exit};
-use crate::memstress::{guest_pass, native_pass, PassParams};
+use crate::cpu::{Cpu, CpuCounters, Exit, RingFullHandler};
+use crate::memstress::{guest_pass, native_pass, ParkMiller, PassParams};
 use crate::ram::{Backing, GuestRam, RamError};
 use crate::sched::PcpuPool;
 use crate::tlb::DEFAULT_TLB_ENTRIES;
 use parking_lot::Mutex;
 use slat::format::{PteFormat, PAGE_SHIFT, PAGE_SIZE};
-use slat::{Ept, HostRange, MemslotError, Vm, VmConfig};
-use std::sync::atomic::{AtomicBool, Ordering};
+use slat::memslot::MemslotFlags;
+use slat::{DirtyLogError, Ept, HostRange, MemslotError, SlotId, Vm, VmConfig};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -38,6 +39,20 @@ pub struct MachineConfig {
     pub pcpus: usize,
     /// Pre-fault host memory so guest accesses do not take host page faults.
     pub prefault: bool,
+    /// How the VM logs dirty pages.
+    pub dirty: DirtyConfig,
+}
+
+/// How the VM logs dirty pages; applied when the machine is built, before vCPUs exist.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DirtyConfig {
+    /// Manual dirty-log protection flags (`slat::dirty::MANUAL_PROTECT_ENABLE` |
+    /// `INITIALLY_SET`; 0 = GET clears and re-protects).
+    pub manual_protect: u32,
+    /// Dirty ring entries per vCPU (0 = bitmaps).
+    pub ring_entries: u32,
+    /// Keep bitmaps beside the rings.
+    pub ring_with_bitmap: bool,
 }
 
 impl Default for MachineConfig {
@@ -52,6 +67,7 @@ impl Default for MachineConfig {
             tlb_entries: DEFAULT_TLB_ENTRIES,
             pcpus: 0,
             prefault: true,
+            dirty: DirtyConfig::default(),
         }
     }
 }
@@ -79,15 +95,23 @@ pub enum MachineError {
     /// A vCPU thread could not be started.
     #[error("cannot start vCPU thread: {0}")]
     Thread(std::io::Error),
+    /// The engine refused a dirty-log request.
+    #[error(transparent)]
+    DirtyLog(#[from] DirtyLogError),
+    /// A workload is already running (or none is, for a halt).
+    #[error("{0}")]
+    Busy(&'static str),
 }
 
-/// One vCPU's part of a pass.
+/// One vCPU's part of a pass (or of a workload run until halted).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct VcpuPass {
     /// Time from the vCPU's start of the pass to its sync.
     pub time: Duration,
     /// Pages touched.
     pub pages: u64,
+    /// Full passes completed (a `Loop` may stop in the middle of one).
+    pub passes: u64,
     /// Hardware counters accumulated during the pass.
     pub counters: CpuCounters,
 }
@@ -136,8 +160,25 @@ impl Layout {
     }
 }
 
-enum Job {
+/// What the vCPUs run.
+#[derive(Debug, Clone)]
+pub enum Workload {
+    /// One memstress pass, then sync (what [`Machine::run_pass`] runs).
     Pass(PassParams),
+    /// Memstress passes back to back until halted (dirty_log_perf_test's `-e`).
+    Loop(PassParams),
+    /// dirty_log_test's guest: until halted, write the current `iteration` into the first
+    /// 8 bytes of pseudo-random pages of the vCPU's region (vCPU `i` seeds with `seed + i`).
+    Writer {
+        /// PRNG seed.
+        seed: u32,
+        /// The value written (the host bumps it between iterations).
+        iteration: Arc<AtomicU64>,
+    },
+}
+
+enum Job {
+    Run(Workload),
     Stop,
 }
 
@@ -147,6 +188,10 @@ struct Control {
     job: Mutex<Option<Arc<Job>>>,
     results: Mutex<Vec<Result<VcpuPass, Exit>>>,
     stopped: AtomicBool,
+    /// Ask running vCPUs to finish at the next check.
+    halt: AtomicBool,
+    /// A started workload has not been collected yet.
+    running: AtomicBool,
 }
 
 /// The simulated machine.
@@ -158,6 +203,8 @@ pub struct Machine<F: PteFormat = Ept> {
     ctl: Arc<Control>,
     threads: Vec<JoinHandle<()>>,
     pool: Arc<PcpuPool>,
+    /// Ring entries reaped by vCPUs on ring-full exits, not yet collected by the host.
+    reaped: Arc<Mutex<Vec<(SlotId, u64)>>>,
 }
 
 impl<F: PteFormat> Machine<F> {
@@ -194,6 +241,10 @@ impl<F: PteFormat> Machine<F> {
         let max_gfn = (1u64 << (F::MAX_PHYS_BITS - PAGE_SHIFT)) - 1;
         let gpa = ((max_gfn + 1 - pages - 1) << PAGE_SHIFT) & !(psize.max(PAGE_SIZE) - 1);
         let vm = Vm::<F>::new(config.vm);
+        vm.set_manual_dirty_log_protect(config.dirty.manual_protect)?;
+        if config.dirty.ring_entries != 0 {
+            vm.enable_dirty_ring(config.dirty.ring_entries, config.dirty.ring_with_bitmap)?;
+        }
         let per_slot = total / config.slots as u64;
         for s in 0..config.slots as u64 {
             let host = ram.addr() + s * per_slot;
@@ -228,6 +279,8 @@ impl<F: PteFormat> Machine<F> {
             job: Mutex::new(None),
             results: Mutex::new(vec![Ok(VcpuPass::default()); config.vcpus]),
             stopped: AtomicBool::new(false),
+            halt: AtomicBool::new(false),
+            running: AtomicBool::new(false),
         });
         let mut m = Machine {
             vm,
@@ -237,9 +290,13 @@ impl<F: PteFormat> Machine<F> {
             ctl,
             threads: Vec::new(),
             pool,
+            reaped: Arc::new(Mutex::new(Vec::new())),
         };
         for i in 0..config.vcpus {
-            let cpu = Cpu::new(m.vm.clone(), i as u32, config.tlb_entries, m.pool.clone());
+            let mut cpu = Cpu::new(m.vm.clone(), i as u32, config.tlb_entries, m.pool.clone());
+            if config.dirty.ring_entries != 0 {
+                cpu.set_ring_full_handler(m.ring_full_handler());
+            }
             let ctl = m.ctl.clone();
             let t = std::thread::Builder::new()
                 .name(format!("vcpu{i}"))
@@ -285,11 +342,38 @@ impl<F: PteFormat> Machine<F> {
 
     /// Runs one memstress pass on every vCPU and waits for all of them (GUEST_SYNC).
     pub fn run_pass(&self, params: PassParams) -> Result<PassReport, MachineError> {
-        *self.ctl.job.lock() = Some(Arc::new(Job::Pass(params)));
         let t0 = Instant::now();
+        self.start(Workload::Pass(params))?;
+        self.wait(t0)
+    }
+
+    /// Starts `w` on every vCPU and returns at once; [`Self::halt`] stops it (a `Pass` also
+    /// ends by itself, and `halt` then just collects it).
+    pub fn start(&self, w: Workload) -> Result<(), MachineError> {
+        if self.ctl.running.swap(true, Ordering::SeqCst) {
+            return Err(MachineError::Busy("a workload is already running"));
+        }
+        self.ctl.halt.store(false, Ordering::SeqCst);
+        *self.ctl.job.lock() = Some(Arc::new(Job::Run(w)));
         self.ctl.start.wait();
+        Ok(())
+    }
+
+    /// Asks the running workload to stop at the vCPUs' next check and waits for every vCPU to
+    /// leave guest mode.
+    pub fn halt(&self) -> Result<PassReport, MachineError> {
+        if !self.ctl.running.load(Ordering::SeqCst) {
+            return Err(MachineError::Busy("no workload is running"));
+        }
+        let t0 = Instant::now();
+        self.ctl.halt.store(true, Ordering::SeqCst);
+        self.wait(t0)
+    }
+
+    fn wait(&self, t0: Instant) -> Result<PassReport, MachineError> {
         self.ctl.done.wait();
         let wall = t0.elapsed();
+        self.ctl.running.store(false, Ordering::SeqCst);
         let results = self.ctl.results.lock().clone();
         let mut vcpus = Vec::with_capacity(results.len());
         for (i, r) in results.into_iter().enumerate() {
@@ -300,12 +384,69 @@ impl<F: PteFormat> Machine<F> {
         }
         Ok(PassReport { wall, vcpus })
     }
+
+    /// The ids of the test region's memslots, in guest-address order.
+    pub fn slot_ids(&self) -> impl Iterator<Item = SlotId> {
+        FIRST_SLOT..FIRST_SLOT + self.config.slots as u32
+    }
+
+    /// Pages per memslot.
+    pub fn pages_per_slot(&self) -> u64 {
+        self.layout.total_pages() / self.config.slots as u64
+    }
+
+    /// Turns dirty logging on or off on every memslot of the test region.
+    pub fn set_dirty_logging(&self, on: bool) -> Result<(), MachineError> {
+        let flags = if on {
+            MemslotFlags::LOG_DIRTY_PAGES.bits()
+        } else {
+            0
+        };
+        for id in self.slot_ids() {
+            self.vm.set_memslot_flags(id, flags)?;
+        }
+        Ok(())
+    }
+
+    /// Takes every dirty-ring entry not yet collected: first those vCPUs reaped on ring-full
+    /// exits, then each ring's. Calls `f(slot, offset)` per entry; returns how many. Follow
+    /// with `vm().reset_dirty_rings()` before reading the pages.
+    pub fn collect_dirty_rings(&self, mut f: impl FnMut(SlotId, u64)) -> u64 {
+        let reaped = std::mem::take(&mut *self.reaped.lock());
+        let mut n = reaped.len() as u64;
+        for (s, o) in reaped {
+            f(s, o);
+        }
+        for r in self.vm.dirty_rings() {
+            n += r.harvest(&mut f) as u64;
+        }
+        n
+    }
+
+    /// What a vCPU does on a ring-full exit, like QEMU's vCPU thread when the reaper lags:
+    /// harvest every ring into the machine's reaped list and reset them.
+    fn ring_full_handler(&self) -> RingFullHandler {
+        let vm = self.vm.clone();
+        let reaped = self.reaped.clone();
+        Arc::new(move || {
+            let mut out = reaped.lock();
+            for r in vm.dirty_rings() {
+                r.harvest(|s, o| out.push((s, o)));
+            }
+            drop(out);
+            // The ring is enabled (we were installed because it is): cannot be RingOff.
+            let _ = vm.reset_dirty_rings();
+        })
+    }
 }
 
 impl<F: PteFormat> Drop for Machine<F> {
     fn drop(&mut self) {
         if self.threads.is_empty() {
             return;
+        }
+        if self.ctl.running.load(Ordering::SeqCst) {
+            let _ = self.halt();
         }
         *self.ctl.job.lock() = Some(Arc::new(Job::Stop));
         self.ctl.start.wait();
@@ -319,32 +460,74 @@ fn vcpu_thread<F: PteFormat>(mut cpu: Cpu<F>, idx: usize, layout: Layout, ctl: A
     loop {
         ctl.start.wait();
         let job = ctl.job.lock().clone();
-        let params = match job.as_deref() {
-            Some(Job::Pass(p)) if !ctl.stopped.load(Ordering::SeqCst) => *p,
+        let w = match job.as_deref() {
+            Some(Job::Run(w)) if !ctl.stopped.load(Ordering::SeqCst) => w.clone(),
             _ => break,
         };
         let (gpa, _, pages) = layout.region(idx);
         let before = cpu.counters;
         let t0 = Instant::now();
         cpu.enter();
-        let r = guest_pass(&mut cpu, gpa, pages, params, idx as u32);
+        let r = run_workload(&mut cpu, &w, gpa, pages, idx as u32, &ctl.halt);
         cpu.exit();
         let time = t0.elapsed();
         let c = cpu.counters;
-        ctl.results.lock()[idx] = r.map(|()| VcpuPass {
+        ctl.results.lock()[idx] = r.map(|(touched, passes)| VcpuPass {
             time,
-            pages,
+            pages: touched,
+            passes,
             counters: CpuCounters {
                 accesses: c.accesses - before.accesses,
                 walks: c.walks - before.walks,
                 faults: c.faults - before.faults,
                 tlb_flushes: c.tlb_flushes - before.tlb_flushes,
                 ad_updates: c.ad_updates - before.ad_updates,
+                ring_full_exits: c.ring_full_exits - before.ring_full_exits,
             },
         });
         ctl.done.wait();
     }
     cpu.destroy();
+}
+
+/// Runs one workload on a vCPU in guest mode; returns (pages touched, full passes).
+fn run_workload<F: PteFormat>(
+    cpu: &mut Cpu<F>,
+    w: &Workload,
+    gpa: u64,
+    pages: u64,
+    idx: u32,
+    halt: &AtomicBool,
+) -> Result<(u64, u64), Exit> {
+    match w {
+        Workload::Pass(p) => {
+            guest_pass(cpu, gpa, pages, *p, idx, None)?;
+            Ok((pages, 1))
+        }
+        Workload::Loop(p) => {
+            let (mut touched, mut passes) = (0, 0);
+            while !halt.load(Ordering::Relaxed) {
+                let n = guest_pass(cpu, gpa, pages, *p, idx, Some(halt))?;
+                touched += n;
+                passes += (n == pages) as u64;
+            }
+            Ok((touched, passes))
+        }
+        Workload::Writer { seed, iteration } => {
+            let mut rng = ParkMiller::new(seed.wrapping_add(idx));
+            let mut writes = 0u64;
+            loop {
+                if writes % 64 == 0 && halt.load(Ordering::Relaxed) {
+                    return Ok((writes, 0));
+                }
+                // Two draws: pages beyond 2^31 stay reachable.
+                let r = ((rng.next_u32() as u64) << 31) | rng.next_u32() as u64;
+                let page = r % pages;
+                cpu.write_u64(gpa + page * PAGE_SIZE, iteration.load(Ordering::Relaxed))?;
+                writes += 1;
+            }
+        }
+    }
 }
 
 /// Runs the memstress pattern of `layout` natively on `host` (same size and shape as the
@@ -363,6 +546,7 @@ pub fn native_baseline(layout: Layout, host: u64, params: PassParams) -> PassRep
                 VcpuPass {
                     time: t0.elapsed(),
                     pages,
+                    passes: 1,
                     counters: CpuCounters::default(),
                 }
             })

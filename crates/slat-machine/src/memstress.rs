@@ -7,7 +7,7 @@
 
 use crate::cpu::{Cpu, Exit};
 use slat::format::{PteFormat, PAGE_SIZE};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// The value memstress writes.
 pub const MEMSTRESS_PATTERN: u64 = 0x0123_4567_89ab_cdef;
@@ -95,15 +95,20 @@ impl Iterator for Pattern {
     }
 }
 
-/// Runs one memstress pass of vCPU `vcpu_idx` over `pages` pages starting at `gpa`.
+/// Runs one memstress pass of vCPU `vcpu_idx` over `pages` pages starting at `gpa`; with
+/// `halt`, stops early once it is set (checked every 1024 pages). Returns the pages touched.
 pub fn guest_pass<F: PteFormat>(
     cpu: &mut Cpu<F>,
     gpa: u64,
     pages: u64,
     params: PassParams,
     vcpu_idx: u32,
-) -> Result<(), Exit> {
-    for (page, write) in Pattern::new(params, vcpu_idx, pages) {
+    halt: Option<&AtomicBool>,
+) -> Result<u64, Exit> {
+    for (n, (page, write)) in Pattern::new(params, vcpu_idx, pages).enumerate() {
+        if n % 1024 == 1023 && halt.is_some_and(|h| h.load(Ordering::Relaxed)) {
+            return Ok(n as u64);
+        }
         let a = gpa + page * PAGE_SIZE;
         if write {
             cpu.write_u64(a, MEMSTRESS_PATTERN)?;
@@ -111,7 +116,7 @@ pub fn guest_pass<F: PteFormat>(
             std::hint::black_box(cpu.read_u64(a)?);
         }
     }
-    Ok(())
+    Ok(pages)
 }
 
 /// The same pass straight on host memory at `host` (the native baseline).

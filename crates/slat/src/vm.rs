@@ -137,6 +137,8 @@ pub struct Vm<F: PteFormat = crate::format::Ept> {
     pub(crate) flush_gen: Arc<FlushGen>,
     pub(crate) dirty_mode: Mutex<DirtyMode>,
     pub(crate) rings: Mutex<Vec<Arc<DirtyRing>>>,
+    /// Deliberate protocol bugs (`crate::dirty::inject`), for tests of the oracles.
+    pub(crate) injected_bugs: crate::sync::AtomicU32,
     _format: PhantomData<F>,
 }
 
@@ -219,6 +221,7 @@ impl<F: PteFormat> Vm<F> {
             flush_gen: Arc::new(FlushGen(AtomicU64::new(0))),
             dirty_mode: Mutex::new(DirtyMode::default()),
             rings: Mutex::new(Vec::new()),
+            injected_bugs: crate::sync::AtomicU32::new(0),
             _format: PhantomData,
         })
     }

@@ -40,6 +40,14 @@ pub const MANUAL_PROTECT_ENABLE: u32 = 1 << 0;
 /// nothing; CLEAR protects gradually. Requires [`MANUAL_PROTECT_ENABLE`].
 pub const INITIALLY_SET: u32 = 1 << 1;
 
+/// Deliberate protocol bugs, so tests can prove that the dirty-log oracle catches a broken
+/// engine. Never set outside such tests.
+#[doc(hidden)]
+pub mod inject {
+    /// Harvests (GET, CLEAR, ring reset) write-protect but skip the remote TLB flush.
+    pub const SKIP_HARVEST_FLUSH: u32 = 1 << 0;
+}
+
 /// How GET_DIRTY_LOG (without manual protection) snapshots and clears the bitmap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum GetLogVariant {
@@ -274,6 +282,26 @@ impl<F: PteFormat> Vm<F> {
     /// Every vCPU's dirty ring, in vCPU creation order (empty without the ring).
     pub fn dirty_rings(&self) -> Vec<Arc<DirtyRing>> {
         sync::lock(&self.rings).clone()
+    }
+
+    /// Turns on the bugs in `bits` (see [`inject`]). For oracle tests only.
+    #[doc(hidden)]
+    pub fn inject_bugs(&self, bits: u32) {
+        self.injected_bugs
+            .store(bits, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The flush that ends a harvest (invariant 4), unless a test injected its omission.
+    fn complete_harvest(&self, pending: PendingFlush) {
+        let skip = self
+            .injected_bugs
+            .load(std::sync::atomic::Ordering::Relaxed)
+            & inject::SKIP_HARVEST_FLUSH
+            != 0;
+        if skip && pending.graveyard.is_empty() {
+            return;
+        }
+        self.complete_flush(pending);
     }
 
     // -----------------------------------------------------------------------------------------
@@ -553,7 +581,7 @@ impl<F: PteFormat> Vm<F> {
         if dirty > 0 {
             pending.require();
         }
-        self.complete_flush(pending);
+        self.complete_harvest(pending);
         Ok(dirty)
     }
 
@@ -627,7 +655,7 @@ impl<F: PteFormat> Vm<F> {
         if cleared > 0 {
             pending.require();
         }
-        self.complete_flush(pending);
+        self.complete_harvest(pending);
         Ok(cleared)
     }
 
@@ -667,7 +695,7 @@ impl<F: PteFormat> Vm<F> {
         if total > 0 {
             pending.require();
         }
-        self.complete_flush(pending);
+        self.complete_harvest(pending);
         Ok(total)
     }
 
