@@ -1,7 +1,7 @@
 //! Flags shared by the benchmark subcommands and their value parsers.
 
 use clap::{Args, ValueEnum};
-use slat::{MmuLockKind, VmConfig};
+use slat::{GetLogVariant, MmuLockKind, RecoverVariant, VmConfig};
 use slat_machine::ram::{parse_size, Backing};
 use slat_machine::tlb::DEFAULT_TLB_ENTRIES;
 
@@ -95,4 +95,75 @@ impl MachineArgs {
             ..VmConfig::default()
         }
     }
+}
+
+/// GET_DIRTY_LOG variant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum GetLogArg {
+    /// One atomic exchange per non-zero bitmap word (KVM today).
+    Xchg,
+    /// Switch to a second bitmap, then read the old one without atomics (seed 004).
+    Switch,
+}
+
+/// Huge-page recovery variant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RecoverArg {
+    /// Replace each 4 KiB table with one huge leaf in place (KVM 6.12+).
+    Inplace,
+    /// Zap the slot and let faults rebuild huge leaves.
+    Zap,
+}
+
+/// Dirty-logging variant switches.
+#[derive(Debug, Clone, Args)]
+pub struct DirtyArgs {
+    /// How GET_DIRTY_LOG snapshots the bitmap when it clears it (`-g`, or the ring's absence
+    /// of manual protect): per-word `xchg`, or the two-bitmap `switch` of seed 004.
+    #[arg(long = "get-dirty-log", value_enum, default_value = "xchg")]
+    pub get_log: GetLogArg,
+    /// Split huge leaves when logging is enabled (off: split lazily at the first write).
+    #[arg(long = "eager-split", value_enum, default_value = "on")]
+    pub eager_split: Switch,
+    /// How huge leaves come back when logging is disabled.
+    #[arg(long = "recover", value_enum, default_value = "inplace")]
+    pub recover: RecoverArg,
+}
+
+impl DirtyArgs {
+    /// Applies these switches to an engine configuration.
+    pub fn apply(&self, c: VmConfig) -> VmConfig {
+        VmConfig {
+            get_log: match self.get_log {
+                GetLogArg::Xchg => GetLogVariant::Xchg,
+                GetLogArg::Switch => GetLogVariant::Switch,
+            },
+            eager_split: self.eager_split.on(),
+            recover: match self.recover {
+                RecoverArg::Inplace => RecoverVariant::InPlace,
+                RecoverArg::Zap => RecoverVariant::Zap,
+            },
+            ..c
+        }
+    }
+}
+
+/// The machine a benchmark runs on. Only the simulated machine is built into this binary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendArg {
+    /// The simulated machine: vCPU threads through slat's page tables.
+    Sim,
+}
+
+/// Parses a dirty ring size: a power of two from 128 to 65536 entries.
+pub fn ring_size(s: &str) -> Result<u32, String> {
+    let v: u32 = s
+        .parse()
+        .map_err(|_| format!("`{s}` is not a positive integer"))?;
+    if !v.is_power_of_two() || !(128..=65536).contains(&v) {
+        return Err(format!(
+            "`{s}`: a dirty ring holds a power of two from 128 to 65536 entries"
+        ));
+    }
+    Ok(v)
 }

@@ -2,6 +2,8 @@
 
 mod args;
 mod demand_paging;
+mod dirty_log_perf;
+mod dirty_log_test;
 mod report;
 
 use clap::{Parser, Subcommand};
@@ -19,6 +21,13 @@ enum Command {
     /// First touch of all guest memory through the engine's fault path (demand_paging_test),
     /// with a native baseline and the ratio.
     DemandPaging(demand_paging::DemandPagingArgs),
+    /// Dirty logging for live migration (dirty_log_perf_test): populate, enable logging, N
+    /// iterations of dirtying memory and harvesting the log, disable logging; native baseline
+    /// and ratio for every pass.
+    DirtyLogPerf(dirty_log_perf::DirtyLogPerfArgs),
+    /// The dirty-log correctness oracle (dirty_log_test): writers stamp pages while the host
+    /// harvests; every page is checked, and any lost or misreported page fails the run.
+    DirtyLogTest(dirty_log_test::DirtyLogTestArgs),
 }
 
 fn main() {
@@ -47,6 +56,8 @@ fn main() {
     };
     let r = match &cli.command {
         Command::DemandPaging(a) => demand_paging::run(a),
+        Command::DirtyLogPerf(a) => dirty_log_perf::run(a),
+        Command::DirtyLogTest(a) => dirty_log_test::run(a),
     };
     if let Err(e) = r {
         eprintln!("slat: error: {e}");

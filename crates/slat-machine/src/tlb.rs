@@ -34,6 +34,8 @@ pub struct Tlb {
     mid: [Entry; HUGE_2M_ENTRIES],
     large: [Entry; HUGE_1G_ENTRIES],
     mask: usize,
+    /// A huge entry was inserted since the last flush (else skip those arrays on a miss).
+    has_huge: bool,
     /// Lookups that missed.
     pub misses: u64,
     /// Full flushes performed.
@@ -49,6 +51,7 @@ impl Tlb {
             mid: [EMPTY_ENTRY; HUGE_2M_ENTRIES],
             large: [EMPTY_ENTRY; HUGE_1G_ENTRIES],
             mask: entries - 1,
+            has_huge: false,
             misses: 0,
             flushes: 0,
         }
@@ -61,10 +64,18 @@ impl Tlb {
         if e.tag == gfn && (!write || e.host & WRITABLE != 0) {
             return Some(e.host & !WRITABLE);
         }
-        for (level, arr) in [(2u8, &self.mid[..]), (3u8, &self.large[..])] {
-            let n = pages_per_entry(level);
-            let tag = gfn & !(n - 1);
-            let e = arr[((gfn / n) as usize) & (arr.len() - 1)];
+        if self.has_huge {
+            return self.lookup_huge(gfn, write);
+        }
+        self.misses += 1;
+        None
+    }
+
+    #[inline]
+    fn lookup_huge(&mut self, gfn: u64, write: bool) -> Option<u64> {
+        for (shift, arr) in [(9u32, &self.mid[..]), (18u32, &self.large[..])] {
+            let tag = gfn >> shift << shift;
+            let e = arr[((gfn >> shift) as usize) & (arr.len() - 1)];
             if e.tag == tag && (!write || e.host & WRITABLE != 0) {
                 return Some((e.host & !WRITABLE) + ((gfn - tag) << 12));
             }
@@ -82,6 +93,7 @@ impl Tlb {
             tag,
             host: host | if writable { WRITABLE } else { 0 },
         };
+        self.has_huge |= level > 1;
         match level {
             1 => self.small[(gfn as usize) & self.mask] = e,
             2 => self.mid[((gfn / n) as usize) & (HUGE_2M_ENTRIES - 1)] = e,
@@ -94,6 +106,7 @@ impl Tlb {
         self.small.fill(EMPTY_ENTRY);
         self.mid = [EMPTY_ENTRY; HUGE_2M_ENTRIES];
         self.large = [EMPTY_ENTRY; HUGE_1G_ENTRIES];
+        self.has_huge = false;
         self.flushes += 1;
     }
 }

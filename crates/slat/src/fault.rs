@@ -4,7 +4,7 @@ use crate::flush::PendingFlush;
 use crate::format::{bytes_per_entry, Access, LeafPerms, PteFormat, PAGE_SHIFT};
 use crate::memslot::MemslotSet;
 use crate::stats::{Sink, Stat};
-use crate::sync::{pin, Ordering};
+use crate::sync::{guest_mode_guard, pin, Ordering};
 use crate::vm::{SlotHint, UpdateMode, Vcpu, Vm};
 use crate::walk::Walk;
 
@@ -75,12 +75,11 @@ impl<F: PteFormat> Vm<F> {
         }
         let gfn = fault.gpa >> PAGE_SHIFT;
         let sink = Sink::Owned(&vcpu.counters);
-        let guard = pin();
+        // SAFETY: the fast path runs in guest mode (documented contract, kept by
+        // `handle_fault` and the machine's vCPUs) and acknowledges no flush before returning.
+        let guard = unsafe { guest_mode_guard() };
         for _ in 0..FAST_PF_RETRIES {
-            let mut it = Walk::<F>::new(&guard, self.root(), 1, gfn, gfn + 1);
-            while it.valid() && F::is_present(it.old) && !F::is_leaf(it.old, it.level) {
-                it.next();
-            }
+            let mut it = Walk::<F>::to_leaf(&guard, self.root(), gfn);
             if !it.valid() || !F::is_present(it.old) {
                 return None;
             }

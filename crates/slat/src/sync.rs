@@ -133,23 +133,42 @@ impl<T> Published<T> {
 
 /// Proof that the current thread is inside a reclamation read-side section: table pages it can
 /// reach stay allocated until the guard is dropped.
+/// A vCPU in guest mode needs no pin: no page it can reach is freed before it acknowledges a
+/// flush, which it only does between accesses (see [`guest_mode_guard`]).
 #[cfg(not(loom))]
-pub(crate) struct Guard(crossbeam_epoch::Guard);
+pub(crate) struct Guard(Option<crossbeam_epoch::Guard>);
 
 #[cfg(not(loom))]
 pub(crate) fn pin() -> Guard {
-    Guard(crossbeam_epoch::pin())
+    Guard(Some(crossbeam_epoch::pin()))
+}
+
+/// The read-side protection of a vCPU in guest mode, for free.
+///
+/// # Safety
+/// The caller is a vCPU in guest mode and stays in it (without acknowledging a flush request)
+/// for as long as the guard lives: a table page is freed only after a remote flush completed,
+/// which waits for that acknowledgement, and after it was unlinked, so a walk that starts later
+/// cannot reach it.
+#[cfg(not(loom))]
+pub(crate) unsafe fn guest_mode_guard() -> Guard {
+    Guard(None)
 }
 
 #[cfg(not(loom))]
 impl Guard {
     /// Runs `f` once no thread pinned now can still be inside its section.
     pub(crate) fn defer<F: FnOnce() + Send + 'static>(&self, f: F) {
-        self.0.defer(f)
+        match &self.0 {
+            Some(g) => g.defer(f),
+            None => crossbeam_epoch::pin().defer(f),
+        }
     }
     /// Pushes this thread's deferred work to the global queue and tries to collect.
     pub(crate) fn flush(&self) {
-        self.0.flush()
+        if let Some(g) = &self.0 {
+            g.flush()
+        }
     }
 }
 
@@ -158,6 +177,12 @@ pub(crate) struct Guard;
 
 #[cfg(loom)]
 pub(crate) fn pin() -> Guard {
+    Guard
+}
+
+/// See the non-loom version.
+#[cfg(loom)]
+pub(crate) unsafe fn guest_mode_guard() -> Guard {
     Guard
 }
 

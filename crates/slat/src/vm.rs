@@ -341,6 +341,14 @@ impl<F: PteFormat> Vm<F> {
         let new_present = F::is_present(new);
         let old_leaf = old_present && F::is_leaf(old, level);
         let new_leaf = new_present && F::is_leaf(new, level);
+        if old_leaf && new_leaf {
+            // A permission or A/D change of one leaf (write protection, the fast path): no
+            // gauge moves, no table leaves; a flush is owed only if W was taken away.
+            if F::is_writable(old) && !F::is_writable(new) {
+                pending.require();
+            }
+            return;
+        }
         if old_leaf != new_leaf || (old_present != new_present) {
             if old_leaf {
                 sink.dec(leaf_stat(level));

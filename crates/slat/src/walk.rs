@@ -64,6 +64,72 @@ impl<'g, F: PteFormat> Walk<'g, F> {
         w
     }
 
+    /// A walk of the single GFN `gfn`, already positioned at the deepest entry on its path:
+    /// the leaf, or the first entry that is not present (the lock-free fast path's descent,
+    /// without the general iterator's side steps).
+    #[inline]
+    pub fn to_leaf(guard: &'g Guard, root: &TablePage, gfn: u64) -> Self {
+        let mut w = Walk {
+            path: [0; MAX_LEVELS + 1],
+            root: root.addr(),
+            min_level: 1,
+            end: gfn + 1,
+            next_gfn: gfn,
+            yielded_gfn: gfn,
+            gfn: round_down(gfn, pages_per_entry(F::ROOT_LEVEL)),
+            level: F::ROOT_LEVEL,
+            old: 0,
+            valid: gfn < (1u64 << (F::MAX_PHYS_BITS - crate::format::PAGE_SHIFT)),
+            yielded: false,
+            _guard: PhantomData,
+        };
+        let _ = guard;
+        if !w.valid {
+            return w;
+        }
+        w.path[w.level as usize] = w.root;
+        loop {
+            let e = w.refresh();
+            if w.level == 1 || !F::is_present(e) || F::is_leaf(e, w.level) {
+                return w;
+            }
+            w.level -= 1;
+            w.path[w.level as usize] = F::output_addr(e);
+            w.gfn = round_down(gfn, pages_per_entry(w.level));
+        }
+    }
+
+    /// A walk positioned at `gfn`'s entry in the table at `table` (of `level`), which the
+    /// caller reached through this guard, e.g. with [`Self::table`] of an earlier walk. Only
+    /// for updating that one entry: stepping on from it never climbs above `table`.
+    #[inline]
+    pub fn in_table(guard: &'g Guard, table: u64, level: Level, gfn: u64) -> Self {
+        let _ = guard;
+        let mut w = Walk {
+            path: [0; MAX_LEVELS + 1],
+            root: table,
+            min_level: level,
+            end: gfn + 1,
+            next_gfn: gfn,
+            yielded_gfn: gfn,
+            gfn,
+            level,
+            old: 0,
+            valid: true,
+            yielded: false,
+            _guard: PhantomData,
+        };
+        w.path[level as usize] = table;
+        w.refresh();
+        w
+    }
+
+    /// Address of the table holding the current entry.
+    #[inline]
+    pub fn table(&self) -> u64 {
+        self.path[self.level as usize]
+    }
+
     /// The walk still has a current entry.
     #[inline]
     pub fn valid(&self) -> bool {

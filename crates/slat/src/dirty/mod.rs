@@ -26,7 +26,7 @@ pub use ring::{
 };
 
 use crate::flush::PendingFlush;
-use crate::format::{PteFormat, PAGE_SIZE};
+use crate::format::{PteFormat, ENTRIES_PER_TABLE, PAGE_SIZE};
 use crate::memslot::{Memslot, SlotId};
 use crate::stats::{Sink, Stat};
 use crate::sync::{self, pin, Arc};
@@ -464,19 +464,55 @@ impl<F: PteFormat> Vm<F> {
         }
     }
 
-    /// Write-protects the 4 KiB pages `base_gfn + i` for each set bit `i` of `mask`, walking
-    /// only the leaf table that holds them; called under the exclusive MMU lock. A huge leaf
-    /// over the range (manual protect with INITIALLY_SET maps huge until CLEAR) is split
-    /// first when eager splitting is on, else write-protected whole.
+    /// Write-protects the 4 KiB pages `base_gfn + i` for each set bit `i` of `mask`, under the
+    /// exclusive MMU lock. The leaf table holding them is found once (one descent per 64
+    /// pages, or two when the window straddles tables) and only the set bits' entries are
+    /// touched, so the cost follows the dirty pages. A huge leaf over the window (manual
+    /// protect with INITIALLY_SET keeps huge leaves until CLEAR) takes the general walk.
     fn write_protect_masked(&self, base_gfn: u64, mask: u64, pending: &mut PendingFlush) {
-        if mask == 0 {
-            return;
-        }
-        let start = base_gfn + mask.trailing_zeros() as u64;
-        let end = base_gfn + 64 - mask.leading_zeros() as u64;
+        // The exclusive lock already keeps every table alive; the guard is what `Walk` asks for.
         let guard = pin();
         let sink = self.sink();
-        let mut it = Walk::<F>::new(&guard, self.root(), 1, start, end);
+        let mut table: Option<(u64, u64)> = None; // (first gfn, table address)
+        let mut m = mask;
+        while m != 0 {
+            let gfn = base_gfn + m.trailing_zeros() as u64;
+            m &= m - 1;
+            let t = match table {
+                Some((first, t)) if gfn.wrapping_sub(first) < ENTRIES_PER_TABLE as u64 => t,
+                _ => {
+                    let it = Walk::<F>::to_leaf(&guard, self.root(), gfn);
+                    if !it.valid() || it.level != 1 {
+                        if it.valid() && F::is_present(it.old) {
+                            self.write_protect_huge(gfn, pending);
+                        }
+                        table = None;
+                        continue;
+                    }
+                    table = Some((gfn & !(ENTRIES_PER_TABLE as u64 - 1), it.table()));
+                    it.table()
+                }
+            };
+            let mut it = Walk::<F>::in_table(&guard, t, 1, gfn);
+            while F::is_present(it.old) && F::is_writable(it.old) {
+                let new = F::write_protect(it.old);
+                if self
+                    .set_spte(&mut it, new, UpdateMode::Exclusive, sink, pending)
+                    .is_ok()
+                {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// A huge leaf covers `gfn` in a window being re-protected: split it (eager splitting), or
+    /// write-protect it whole.
+    #[cold]
+    fn write_protect_huge(&self, gfn: u64, pending: &mut PendingFlush) {
+        let guard = pin();
+        let sink = self.sink();
+        let mut it = Walk::<F>::new(&guard, self.root(), 1, gfn, gfn + 1);
         while it.valid() {
             let old = it.old;
             if !F::is_present(old) || !F::is_leaf(old, it.level) {
@@ -488,10 +524,7 @@ impl<F: PteFormat> Vm<F> {
                 it.refresh();
                 continue; // now a table: walk into it
             }
-            let bit = it.gfn.wrapping_sub(base_gfn);
-            let wanted = it.level > 1 || (bit < 64 && mask & (1 << bit) != 0);
-            if wanted
-                && F::is_writable(old)
+            if F::is_writable(old)
                 && self
                     .set_spte(
                         &mut it,

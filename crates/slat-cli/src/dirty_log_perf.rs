@@ -1,0 +1,362 @@
+//! `slat dirty-log-perf`: KVM's dirty_log_perf_test on the simulated machine — populate, enable
+//! logging, N iterations of (dirty memory, get dirty log, clear dirty log), disable logging —
+//! with, for every guest pass, the same pass on host memory in the same run and the ratio.
+
+use crate::args::{backing, guest_size, ring_size, BackendArg, DirtyArgs, MachineArgs};
+use crate::demand_paging::stats_json;
+use crate::report::{quiet, ratio, ts, Phase};
+use clap::Args;
+use serde_json::json;
+use slat::dirty::{INITIALLY_SET, MANUAL_PROTECT_ENABLE};
+use slat::format::PAGE_SIZE;
+use slat::Ept;
+use slat_machine::ram::{format_size, Backing, GuestRam};
+use slat_machine::{
+    native_baseline, DirtyConfig, Machine, MachineConfig, PassParams, PassReport, Workload,
+};
+use std::time::{Duration, Instant};
+
+/// Flags of `slat dirty-log-perf` (the selftest's, plus slat's variant switches).
+#[derive(Debug, Args)]
+pub struct DirtyLogPerfArgs {
+    /// Access pages in pseudo-random order instead of sequentially.
+    #[arg(short = 'a')]
+    pub random: bool,
+    /// Guest memory per vCPU (k/m/g/t suffixes, powers of 1024; a multiple of 4 KiB).
+    #[arg(short = 'b', value_parser = guest_size, default_value = "1G")]
+    pub bytes: u64,
+    /// Keep the vCPUs dirtying memory while dirty logging is disabled ("evil" mode).
+    #[arg(short = 'e')]
+    pub evil: bool,
+    /// Do not enable manual dirty-log protection: GET_DIRTY_LOG clears and re-protects, and
+    /// there is no CLEAR step.
+    #[arg(short = 'g')]
+    pub no_manual: bool,
+    /// Iterations of dirtying memory and harvesting the log (at least 2).
+    #[arg(short = 'i', value_parser = clap::value_parser!(u32).range(2..=100_000), default_value_t = 2)]
+    pub iterations: u32,
+    /// Overlap: every vCPU accesses all of guest memory instead of its own partition.
+    #[arg(short = 'o')]
+    pub overlap: bool,
+    /// Seed of the guest's pseudo-random generator (vCPU i uses seed + i).
+    #[arg(short = 'r', default_value_t = 1)]
+    pub seed: u32,
+    /// Host memory behind guest RAM: anonymous, anonymous_thp, anonymous_hugetlb (2 MiB),
+    /// anonymous_hugetlb_1gb, shmem.
+    #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
+    pub backing: Backing,
+    /// vCPUs.
+    #[arg(short = 'v', value_parser = clap::value_parser!(u32).range(1..=512), default_value_t = 1)]
+    pub vcpus: u32,
+    /// Percentage of accesses in the dirty passes that are writes (0-100).
+    #[arg(short = 'w', value_parser = clap::value_parser!(u32).range(0..=100), default_value_t = 100)]
+    pub write_percent: u32,
+    /// Memslots the guest memory is split into (must divide its pages evenly).
+    #[arg(short = 'x', value_parser = clap::value_parser!(u32).range(1..=32_000), default_value_t = 1)]
+    pub slots: u32,
+    /// Log into per-vCPU dirty rings of N entries (a power of two, 128-65536) instead of
+    /// bitmaps: "get dirty log" harvests the rings, "reset dirty rings" re-protects.
+    #[arg(long = "dirty-ring", value_parser = ring_size)]
+    pub dirty_ring: Option<u32>,
+    /// The machine to run on.
+    #[arg(long, value_enum, default_value = "sim")]
+    pub backend: BackendArg,
+    /// Print one JSON document with every figure instead of the text report.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub dirty: DirtyArgs,
+    #[command(flatten)]
+    pub machine: MachineArgs,
+}
+
+#[derive(Default)]
+struct Iteration {
+    dirty: Duration,
+    native: Duration,
+    get: Duration,
+    clear: Option<Duration>,
+    dirty_pages: u64,
+    ring_full_exits: u64,
+}
+
+/// Runs the benchmark.
+pub fn run(a: &DirtyLogPerfArgs) -> Result<(), String> {
+    let q = quiet(a.json);
+    let prefault = !a.machine.no_prefault;
+    let manual = a.dirty_ring.is_none() && !a.no_manual;
+    let dirty = match a.dirty_ring {
+        Some(n) => DirtyConfig {
+            ring_entries: n,
+            ..DirtyConfig::default()
+        },
+        None if manual => DirtyConfig {
+            manual_protect: MANUAL_PROTECT_ENABLE | INITIALLY_SET,
+            ..DirtyConfig::default()
+        },
+        None => DirtyConfig::default(),
+    };
+    let cfg = MachineConfig {
+        vm: a.dirty.apply(a.machine.vm_config()),
+        backing: a.backing,
+        vcpus: a.vcpus as usize,
+        bytes_per_vcpu: a.bytes,
+        slots: a.slots as usize,
+        overlap: a.overlap,
+        tlb_entries: a.machine.tlb_entries,
+        pcpus: a.machine.pcpus.unwrap_or(0),
+        prefault,
+        dirty,
+    };
+    let total = a.bytes * a.vcpus as u64;
+    let p = Phase::start(
+        format!(
+            "mapping {} of {} guest RAM and as much host memory for the native baseline",
+            format_size(total),
+            a.backing
+        ),
+        q,
+    );
+    let m = Machine::<Ept>::new(cfg).map_err(|e| e.to_string())?;
+    let psize = a.backing.page_size().max(PAGE_SIZE);
+    let native_ram = GuestRam::new(a.backing, total.div_ceil(psize) * psize, prefault)
+        .map_err(|e| e.to_string())?;
+    p.done();
+    let layout = m.layout();
+    let native = |params: PassParams| native_baseline(layout, native_ram.addr(), params);
+    let text = !a.json;
+    if text {
+        println!("Test iterations: {}", a.iterations);
+        println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
+        println!(
+            "guest physical test memory: [0x{:x}, 0x{:x})",
+            layout.gpa,
+            layout.gpa + total
+        );
+    }
+    let err = |e: slat_machine::MachineError| e.to_string();
+
+    // Populate: every vCPU writes its memory once, sequentially.
+    let populate_params = PassParams {
+        write_percent: 100,
+        random: false,
+        seed: a.seed,
+    };
+    let populate = m.run_pass(populate_params).map_err(err)?;
+    let populate_native = native(populate_params);
+    if text {
+        println!("Populate memory time: {}", ts(populate.wall));
+        print_native("Populate", &populate, &populate_native);
+    }
+
+    let t0 = Instant::now();
+    m.set_dirty_logging(true).map_err(err)?;
+    let enable = t0.elapsed();
+    if text {
+        println!("Enabling dirty logging time: {}", ts(enable));
+        println!();
+    }
+
+    let params = PassParams {
+        write_percent: a.write_percent,
+        random: a.random,
+        seed: a.seed,
+    };
+    let pps = m.pages_per_slot();
+    let mut bitmaps: Vec<Vec<u64>> = m
+        .slot_ids()
+        .map(|_| vec![0u64; pps.div_ceil(64) as usize])
+        .collect();
+    let mut iters = Vec::new();
+    let vm = m.vm().clone();
+    for i in 1..=a.iterations {
+        let mut it = Iteration::default();
+        let pass = m.run_pass(params).map_err(err)?;
+        it.dirty = pass.wall;
+        it.ring_full_exits = pass.vcpus.iter().map(|v| v.counters.ring_full_exits).sum();
+        if text {
+            println!("Iteration {i} dirty memory time: {}", ts(pass.wall));
+        }
+        let nat = native(params);
+        it.native = nat.wall;
+        if text {
+            println!(
+                "Iteration {i} native memory time: {} (guest/native {:.2}x)",
+                ts(nat.wall),
+                ratio(pass.wall, nat.wall)
+            );
+        }
+        if a.dirty_ring.is_some() {
+            let t0 = Instant::now();
+            it.dirty_pages = m.collect_dirty_rings(|_, _| {});
+            it.get = t0.elapsed();
+            let t0 = Instant::now();
+            vm.reset_dirty_rings().map_err(|e| e.to_string())?;
+            it.clear = Some(t0.elapsed());
+            if text {
+                println!("Iteration {i} get dirty log time: {}", ts(it.get));
+                println!(
+                    "Iteration {i} reset dirty rings time: {}",
+                    ts(it.clear.unwrap_or_default())
+                );
+            }
+        } else {
+            let t0 = Instant::now();
+            for (id, b) in m.slot_ids().zip(bitmaps.iter_mut()) {
+                it.dirty_pages += vm.get_dirty_log(id, b).map_err(|e| e.to_string())?;
+            }
+            it.get = t0.elapsed();
+            if text {
+                println!("Iteration {i} get dirty log time: {}", ts(it.get));
+            }
+            if manual {
+                let t0 = Instant::now();
+                for (id, b) in m.slot_ids().zip(bitmaps.iter()) {
+                    vm.clear_dirty_log(id, 0, pps, b)
+                        .map_err(|e| e.to_string())?;
+                }
+                let c = t0.elapsed();
+                it.clear = Some(c);
+                if text {
+                    println!("Iteration {i} clear dirty log time: {}", ts(c));
+                }
+            }
+        }
+        iters.push(it);
+    }
+
+    // Disable, with the vCPUs still dirtying memory under -e.
+    if a.evil {
+        m.start(Workload::Loop(params)).map_err(err)?;
+    }
+    let t0 = Instant::now();
+    m.set_dirty_logging(false).map_err(err)?;
+    let disable = t0.elapsed();
+    if a.evil {
+        m.halt().map_err(err)?;
+    }
+    let stats = vm.stats();
+    let get_total: Duration = iters.iter().map(|i| i.get).sum();
+    let clear_total: Option<Duration> = iters.iter().map(|i| i.clear).sum();
+    let n = a.iterations;
+    let ring = a.dirty_ring.is_some();
+    if text {
+        println!("Disabling dirty logging time: {}", ts(disable));
+        println!();
+        println!(
+            "Get dirty log over {n} iterations took {}. (Avg {}/iteration)",
+            ts(get_total),
+            ts(get_total / n)
+        );
+        if let Some(c) = clear_total {
+            let what = if ring {
+                "Reset dirty rings"
+            } else {
+                "Clear dirty log"
+            };
+            println!(
+                "{what} over {n} iterations took {}. (Avg {}/iteration)",
+                ts(c),
+                ts(c / n)
+            );
+        }
+        println!();
+        let dirty_pages: Vec<String> = iters.iter().map(|i| i.dirty_pages.to_string()).collect();
+        println!(
+            "Dirty pages harvested per iteration: {}",
+            dirty_pages.join(", ")
+        );
+        if ring {
+            let exits: u64 = iters.iter().map(|i| i.ring_full_exits).sum();
+            println!("Dirty ring full exits during the dirty passes: {exits}");
+        }
+        println!(
+            "Engine: {} slow faults, {} fast faults, {} spurious, {} retried; {} splits, {} recoveries; remote flushes {}/{} requested",
+            stats.pf_fixed,
+            stats.pf_fast,
+            stats.pf_spurious,
+            stats.pf_retry,
+            stats.splits,
+            stats.recoveries,
+            stats.remote_tlb_flush,
+            stats.remote_tlb_flush_requests
+        );
+        println!(
+            "Leaves now: {} x 4K, {} x 2M, {} x 1G; page tables: {} pages ({})",
+            stats.leaves_4k,
+            stats.leaves_2m,
+            stats.leaves_1g,
+            stats.table_pages,
+            format_size(stats.table_bytes)
+        );
+        println!(
+            "Machine: {} vCPU(s) on {} physical CPU(s); mmu lock {}, fast page fault {}, log {}, get-dirty-log {}, eager split {}, recover {}",
+            a.vcpus,
+            m.pcpus(),
+            cfg.vm.mmu_lock.name(),
+            on_off(cfg.vm.fast_pf),
+            if ring {
+                "dirty ring"
+            } else if manual {
+                "manual protect (get + clear)"
+            } else {
+                "get clears"
+            },
+            cfg.vm.get_log.name(),
+            on_off(cfg.vm.eager_split),
+            cfg.vm.recover.name()
+        );
+    } else {
+        let doc = json!({
+            "benchmark": "dirty-log-perf",
+            "backend": "sim",
+            "config": {
+                "vcpus": a.vcpus, "bytes_per_vcpu": a.bytes, "backing": a.backing.name(),
+                "iterations": n, "random": a.random, "overlap": a.overlap, "evil": a.evil,
+                "write_percent": a.write_percent, "slots": a.slots, "seed": a.seed,
+                "manual_protect": manual, "dirty_ring": a.dirty_ring,
+                "mmu_lock": cfg.vm.mmu_lock.name(), "fast_pf": cfg.vm.fast_pf,
+                "ad_bits": cfg.vm.ad_bits, "get_dirty_log": cfg.vm.get_log.name(),
+                "eager_split": cfg.vm.eager_split, "recover": cfg.vm.recover.name(),
+                "tlb_entries": cfg.tlb_entries, "pcpus": m.pcpus(), "prefault": prefault,
+            },
+            "populate_memory_time_s": populate.wall.as_secs_f64(),
+            "populate_native_time_s": populate_native.wall.as_secs_f64(),
+            "enabling_dirty_logging_time_s": enable.as_secs_f64(),
+            "iterations": iters.iter().enumerate().map(|(k, i)| json!({
+                "iteration": k + 1,
+                "dirty_memory_time_s": i.dirty.as_secs_f64(),
+                "native_memory_time_s": i.native.as_secs_f64(),
+                "ratio_guest_over_native": ratio(i.dirty, i.native),
+                "get_dirty_log_time_s": i.get.as_secs_f64(),
+                "clear_dirty_log_time_s": if ring { None } else { i.clear.map(|c| c.as_secs_f64()) },
+                "reset_dirty_rings_time_s": if ring { i.clear.map(|c| c.as_secs_f64()) } else { None },
+                "dirty_pages": i.dirty_pages,
+                "ring_full_exits": i.ring_full_exits,
+            })).collect::<Vec<_>>(),
+            "disabling_dirty_logging_time_s": disable.as_secs_f64(),
+            "get_dirty_log_total_s": get_total.as_secs_f64(),
+            "clear_dirty_log_total_s": clear_total.map(|c| c.as_secs_f64()),
+            "stats": stats_json(&stats),
+        });
+        println!("{doc:#}");
+    }
+    drop(native_ram);
+    Ok(())
+}
+
+fn print_native(what: &str, guest: &PassReport, native: &PassReport) {
+    println!(
+        "{what} native memory time: {} (guest/native {:.2}x)",
+        ts(native.wall),
+        ratio(guest.wall, native.wall)
+    );
+}
+
+fn on_off(b: bool) -> &'static str {
+    if b {
+        "on"
+    } else {
+        "off"
+    }
+}
