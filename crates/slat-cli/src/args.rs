@@ -118,8 +118,9 @@ pub enum RecoverArg {
 /// Dirty-logging variant switches.
 #[derive(Debug, Clone, Args)]
 pub struct DirtyArgs {
-    /// How GET_DIRTY_LOG snapshots the bitmap when it clears it (`-g`, or the ring's absence
-    /// of manual protect): per-word `xchg`, or the two-bitmap `switch` of seed 004.
+    /// How GET_DIRTY_LOG snapshots the bitmap when it clears it (with `-g`): per-word `xchg`,
+    /// or the two-bitmap `switch` of seed 004 (EXPERIMENTAL: a loom model finds a schedule
+    /// that loses a dirty mark; see ARCHITECTURE.md).
     #[arg(long = "get-dirty-log", value_enum, default_value = "xchg")]
     pub get_log: GetLogArg,
     /// Split huge leaves when logging is enabled (off: split lazily at the first write).

@@ -374,6 +374,10 @@ impl<F: PteFormat> Vm<F> {
     /// Marks the page at `gpa` dirty from outside any vCPU (a VMM or device write into guest
     /// memory), in the slot's bitmap. Returns whether the slot logs; refused without a bitmap.
     pub fn mark_page_dirty(&self, gpa: u64) -> Result<bool, DirtyLogError> {
+        // Shared MMU lock: a bitmap-switch harvest holds it exclusively from the switch to the
+        // read of the old bitmap, so this mark lands in a bitmap that harvest, or a later one,
+        // reads (vCPU marks are ordered by guest mode instead).
+        let _lock = self.mmu_lock.read();
         let set = self.slots.load_full();
         let gfn = gpa >> crate::format::PAGE_SHIFT;
         let Some((_, slot)) = set.find(gfn, 0) else {

@@ -135,7 +135,10 @@ impl DirtyRing {
     pub(crate) fn reset(&self, mut f: impl FnMut(SlotId, u64)) -> u32 {
         let mut i = self.reset_index.load(Ordering::Relaxed);
         let mut n = 0;
-        while i != self.dirty_index.load(Ordering::Acquire) {
+        // Follow the flags only: a harvester that saw an entry DIRTY may not yet see the
+        // vCPU's `dirty_index` move past it (the index is stored after the flags), and an
+        // entry it flagged for reset must be re-protected now, not at some later reset.
+        while n < self.size() {
             let e = self.entry(i);
             if e.flags.load(Ordering::Acquire) & DIRTY_GFN_RESET == 0 {
                 break;
