@@ -9,24 +9,12 @@ use common::*;
 use slat::dirty::{INITIALLY_SET, MANUAL_PROTECT_ENABLE};
 use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::{
-    Access, DirtyLogError, Ept, Fault, FaultOutcome, Level, MemslotFlags, PteFormat, Vcpu, Vm,
-    VmConfig,
+    Access, DirtyLogError, Ept, FaultOutcome, Level, MemslotFlags, PteFormat, Vcpu, Vm, VmConfig,
 };
 use std::sync::Arc;
 
 const LOG: u32 = MemslotFlags::LOG_DIRTY_PAGES.bits();
 const MIB: u64 = 1 << 20;
-
-fn fault(vm: &Vm<Ept>, vcpu: &mut Vcpu, gpa: u64, access: Access, present: bool) -> FaultOutcome {
-    vm.handle_fault(
-        vcpu,
-        Fault {
-            gpa,
-            access,
-            present,
-        },
-    )
-}
 
 /// A first write to an unmapped page: the slow path maps it writable.
 fn write_new(vm: &Vm<Ept>, vcpu: &mut Vcpu, gpa: u64) {

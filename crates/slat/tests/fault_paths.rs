@@ -21,17 +21,6 @@ use std::time::{Duration, Instant};
 const LOG: u32 = MemslotFlags::LOG_DIRTY_PAGES.bits();
 const RO: u32 = MemslotFlags::READONLY.bits();
 
-fn fault(vm: &Vm<Ept>, vcpu: &mut Vcpu, gpa: u64, access: Access, present: bool) -> FaultOutcome {
-    vm.handle_fault(
-        vcpu,
-        Fault {
-            gpa,
-            access,
-            present,
-        },
-    )
-}
-
 /// The leaf for `gpa`, checked to translate to `hva`; returns (entry, level).
 fn expect_mapped(vm: &Vm<Ept>, gpa: u64, hva: u64) -> (u64, Level) {
     let gfn = gpa >> PAGE_SHIFT;

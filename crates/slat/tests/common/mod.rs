@@ -6,7 +6,7 @@
 
 use slat::format::{pages_per_entry, Level, PteFormat, PAGE_SHIFT, PAGE_SIZE};
 use slat::table::TableAlloc;
-use slat::{Ept, HostRange, Vcpu, Vm};
+use slat::{Access, Ept, Fault, FaultOutcome, HostRange, Vcpu, Vm};
 use std::alloc::Layout;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -273,4 +273,22 @@ pub fn bitmap_gfns(base_gfn: u64, words: &[u64]) -> Vec<u64> {
 /// Words a dirty bitmap for `npages` pages needs.
 pub fn bitmap_words(npages: u64) -> usize {
     npages.div_ceil(64) as usize
+}
+
+/// Resolves one fault on `vcpu` as `Vm::handle_fault` does.
+pub fn fault(
+    vm: &Vm<Ept>,
+    vcpu: &mut Vcpu,
+    gpa: u64,
+    access: Access,
+    present: bool,
+) -> FaultOutcome {
+    vm.handle_fault(
+        vcpu,
+        Fault {
+            gpa,
+            access,
+            present,
+        },
+    )
 }
