@@ -11,9 +11,7 @@ mod common;
 use common::*;
 use slat::flush::REQ_TLB_FLUSH;
 use slat::format::{pages_per_entry, PteFormat, PAGE_SHIFT, PAGE_SIZE};
-use slat::{
-    Access, Ept, Fault, FaultOutcome, Level, MemslotFlags, MmuLockKind, Vcpu, Vm, VmConfig,
-};
+use slat::{Access, Ept, FaultOutcome, Level, MemslotFlags, MmuLockKind, Vcpu, Vm, VmConfig};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
