@@ -5,8 +5,13 @@
 //! when it enters guest mode; it services a flush by emptying its TLB and publishing the flush
 //! generation it observed. A vCPU outside guest mode needs no wait: it will see the request
 //! before its next access. The two sides form a Dekker pair — the vCPU stores its mode then
-//! loads its requests, the flusher stores the request then loads the mode, both `SeqCst` — so at
-//! least one of them sees the other.
+//! loads its requests, the flusher stores the request then loads the mode — so at least one of
+//! them sees the other. Each side separates its store from its load with a `SeqCst` fence (KVM's
+//! `smp_mb()` in `vcpu_enter_guest` / `kvm_make_all_cpus_request`): `SeqCst` *accesses* alone
+//! give the same guarantee on x86 and under the C++20 model, but loom does not model `SeqCst`
+//! loads (it treats them as acquire), and with them it reported a lost dirty mark in the
+//! bitmap-switch harvest that was the model's artefact, not the protocol's. Fences it models
+//! exactly, so the model checks the protocol we rely on.
 //!
 //! Acknowledgement is by generation rather than by the request bit alone, so concurrent flushes
 //! coalesce: one TLB flush on the vCPU satisfies every flush requested before it took the bit.
@@ -15,7 +20,7 @@
 //! `#[must_use]` and owns the table pages the operation unlinked. The only way to free those
 //! pages is [`crate::Vm::complete_flush`], which flushes first (invariant 2).
 
-use crate::sync::{spin_hint, yield_now, AtomicU32, AtomicU64, Ordering};
+use crate::sync::{fence, spin_hint, yield_now, AtomicU32, AtomicU64, Ordering};
 use crate::table::OwnedTable;
 
 /// Request bit: empty the TLB.
@@ -46,8 +51,11 @@ impl VcpuLink {
     /// (with [`Self::service_requests`]) before its first access.
     #[inline]
     pub fn enter_guest(&self) -> u32 {
-        self.mode.store(IN_GUEST, Ordering::SeqCst);
-        self.requests.load(Ordering::SeqCst)
+        self.mode.store(IN_GUEST, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        // Acquire: a request we see comes with everything its flusher did before asking (the
+        // bitmap switch, the write-protection).
+        self.requests.load(Ordering::Acquire)
     }
 
     /// Leaves guest mode (a VM exit: fault, sync, end of a scheduling quantum). Every access
@@ -81,7 +89,7 @@ impl VcpuLink {
     }
 
     fn request(&self, bits: u32) {
-        self.requests.fetch_or(bits, Ordering::SeqCst);
+        self.requests.fetch_or(bits, Ordering::Release);
     }
 
     /// Waits until this vCPU acknowledged `gen` or is outside guest mode.
@@ -89,7 +97,7 @@ impl VcpuLink {
         let mut spins = 0u32;
         loop {
             if self.acked.load(Ordering::Acquire) >= gen
-                || self.mode.load(Ordering::SeqCst) != IN_GUEST
+                || self.mode.load(Ordering::Acquire) != IN_GUEST
             {
                 return;
             }
@@ -120,6 +128,8 @@ impl FlushGen {
         for v in vcpus {
             v.request(REQ_TLB_FLUSH);
         }
+        // The flusher's half of the Dekker pair: requests stored, then modes loaded.
+        fence(Ordering::SeqCst);
         for v in vcpus {
             v.wait_ack(gen);
         }

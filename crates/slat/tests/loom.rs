@@ -123,7 +123,6 @@ fn fast_path_write_is_never_lost_to_a_harvest() {
 /// The bitmap-switch harvest (seed `004`): flip bitmaps, drain markers, read the old one
 /// without atomics.
 #[test]
-#[ignore = "finds a lost mark in the bitmap-switch variant (a fast-path mark lands in the old bitmap after the drain); open bug, variant is opt-in"]
 fn fast_path_write_is_never_lost_to_a_switch_harvest() {
     model(|| {
         fast_path_write_vs_harvest(VmConfig {
