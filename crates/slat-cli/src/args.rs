@@ -1,7 +1,7 @@
 //! Flags shared by the benchmark subcommands and their value parsers.
 
 use clap::{Args, ValueEnum};
-use slat::{GetLogVariant, MmuLockKind, RecoverVariant, VmConfig};
+use slat::{DirtyTrack, GetLogVariant, MmuLockKind, RecoverVariant, VmConfig};
 use slat_machine::ram::{parse_size, Backing};
 use slat_machine::tlb::DEFAULT_TLB_ENTRIES;
 
@@ -115,12 +115,23 @@ pub enum RecoverArg {
     Zap,
 }
 
+/// How logged slots see writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TrackArg {
+    /// Write-protect pages; the first write after a harvest takes a fast-path fault (KVM
+    /// without PML).
+    WriteProtect,
+    /// PML-like: pages stay writable with the Dirty bit clear; the hardware walker logs the
+    /// page when it sets D, so writes do not fault. Needs `--ad-bits on`; not with
+    /// `--dirty-ring`.
+    DBit,
+}
+
 /// Dirty-logging variant switches.
 #[derive(Debug, Clone, Args)]
 pub struct DirtyArgs {
     /// How GET_DIRTY_LOG snapshots the bitmap when it clears it (with `-g`): per-word `xchg`,
-    /// or the two-bitmap `switch` of seed 004 (EXPERIMENTAL: a loom model finds a schedule
-    /// that loses a dirty mark; see ARCHITECTURE.md).
+    /// or the two-bitmap `switch` of seed 004.
     #[arg(long = "get-dirty-log", value_enum, default_value = "xchg")]
     pub get_log: GetLogArg,
     /// Split huge leaves when logging is enabled (off: split lazily at the first write).
@@ -129,6 +140,10 @@ pub struct DirtyArgs {
     /// How huge leaves come back when logging is disabled.
     #[arg(long = "recover", value_enum, default_value = "inplace")]
     pub recover: RecoverArg,
+    /// How logged slots see writes: `write-protect` (a fault per first write) or `d-bit`
+    /// (hardware dirty bits, PML-like).
+    #[arg(long = "dirty-tracking", value_enum, default_value = "write-protect")]
+    pub tracking: TrackArg,
 }
 
 impl DirtyArgs {
@@ -144,8 +159,25 @@ impl DirtyArgs {
                 RecoverArg::Inplace => RecoverVariant::InPlace,
                 RecoverArg::Zap => RecoverVariant::Zap,
             },
+            dirty_track: match self.tracking {
+                TrackArg::WriteProtect => DirtyTrack::WriteProtect,
+                TrackArg::DBit => DirtyTrack::HardwareDirty,
+            },
             ..c
         }
+    }
+
+    /// Refuses combinations the engine cannot run, with the flag to change.
+    pub fn check(&self, c: &VmConfig, dirty_ring: bool) -> Result<(), String> {
+        if self.tracking == TrackArg::DBit && !c.ad_bits {
+            return Err(
+                "--dirty-tracking d-bit needs hardware dirty bits: drop --ad-bits off".into(),
+            );
+        }
+        if self.tracking == TrackArg::DBit && dirty_ring {
+            return Err("--dirty-tracking d-bit logs into bitmaps only: drop --dirty-ring or use --dirty-tracking write-protect".into());
+        }
+        Ok(())
     }
 }
 

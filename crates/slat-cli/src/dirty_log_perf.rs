@@ -5,6 +5,7 @@
 use crate::args::{backing, guest_size, ring_size, BackendArg, DirtyArgs, MachineArgs};
 use crate::demand_paging::stats_json;
 use crate::report::{quiet, ratio, ts, Phase};
+use crate::sweep::{check_distinct, combinations, enum_value, parse_vary, print_table, Key, Vary};
 use clap::Args;
 use serde_json::json;
 use slat::dirty::{INITIALLY_SET, MANUAL_PROTECT_ENABLE};
@@ -17,7 +18,7 @@ use slat_machine::{
 use std::time::{Duration, Instant};
 
 /// Flags of `slat dirty-log-perf` (the selftest's, plus slat's variant switches).
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct DirtyLogPerfArgs {
     /// Access pages in pseudo-random order instead of sequentially.
     #[arg(short = 'a')]
@@ -64,6 +65,13 @@ pub struct DirtyLogPerfArgs {
     /// Print one JSON document with every figure instead of the text report.
     #[arg(long)]
     pub json: bool,
+    /// Run the benchmark once per combination of the listed settings, in this process, and
+    /// print one table (KEY=V1,V2,...; repeat for more keys; keys: vcpus, fast-pf, mmu-lock,
+    /// ad-bits, get-dirty-log, dirty-tracking, eager-split, recover). Seed 000's table:
+    /// `--vary vcpus=1,2 --vary fast-pf=on,off --vary mmu-lock=rwlock,mutex`; seed 004's:
+    /// `-g --vary get-dirty-log=xchg,switch`.
+    #[arg(long = "vary", value_parser = parse_vary, value_name = "KEY=V1,V2")]
+    pub vary: Vec<Vary>,
     #[command(flatten)]
     pub dirty: DirtyArgs,
     #[command(flatten)]
@@ -80,8 +88,20 @@ struct Iteration {
     ring_full_exits: u64,
 }
 
-/// Runs the benchmark.
+/// Runs the benchmark (or the sweep `--vary` asks for).
 pub fn run(a: &DirtyLogPerfArgs) -> Result<(), String> {
+    if !a.vary.is_empty() {
+        return sweep(a);
+    }
+    let doc = measure(a)?;
+    if a.json {
+        println!("{doc:#}");
+    }
+    Ok(())
+}
+
+/// One run; prints the text report unless `a.json`, and returns every figure as JSON.
+fn measure(a: &DirtyLogPerfArgs) -> Result<serde_json::Value, String> {
     let q = quiet(a.json);
     let prefault = !a.machine.no_prefault;
     let manual = a.dirty_ring.is_none() && !a.no_manual;
@@ -96,8 +116,10 @@ pub fn run(a: &DirtyLogPerfArgs) -> Result<(), String> {
         },
         None => DirtyConfig::default(),
     };
+    let vm_config = a.dirty.apply(a.machine.vm_config());
+    a.dirty.check(&vm_config, a.dirty_ring.is_some())?;
     let cfg = MachineConfig {
-        vm: a.dirty.apply(a.machine.vm_config()),
+        vm: vm_config,
         backing: a.backing,
         vcpus: a.vcpus as usize,
         bytes_per_vcpu: a.bytes,
@@ -177,15 +199,6 @@ pub fn run(a: &DirtyLogPerfArgs) -> Result<(), String> {
         if text {
             println!("Iteration {i} dirty memory time: {}", ts(pass.wall));
         }
-        let nat = native(params);
-        it.native = nat.wall;
-        if text {
-            println!(
-                "Iteration {i} native memory time: {} (guest/native {:.2}x)",
-                ts(nat.wall),
-                ratio(pass.wall, nat.wall)
-            );
-        }
         if a.dirty_ring.is_some() {
             let t0 = Instant::now();
             it.dirty_pages = m.collect_dirty_rings(|_, _| {});
@@ -221,6 +234,18 @@ pub fn run(a: &DirtyLogPerfArgs) -> Result<(), String> {
                     println!("Iteration {i} clear dirty log time: {}", ts(c));
                 }
             }
+        }
+        // The native pass runs after the harvest, not between the guest pass and it: it
+        // touches every page of another gigabyte and would evict the page tables and bitmap
+        // the harvest reads, which a VMM's harvest right after the guest ran finds warm.
+        let nat = native(params);
+        it.native = nat.wall;
+        if text {
+            println!(
+                "Iteration {i} native memory time: {} (guest/native {:.2}x)",
+                ts(nat.wall),
+                ratio(pass.wall, nat.wall)
+            );
         }
         iters.push(it);
     }
@@ -290,7 +315,7 @@ pub fn run(a: &DirtyLogPerfArgs) -> Result<(), String> {
             format_size(stats.table_bytes)
         );
         println!(
-            "Machine: {} vCPU(s) on {} physical CPU(s); mmu lock {}, fast page fault {}, log {}, get-dirty-log {}, eager split {}, recover {}",
+            "Machine: {} vCPU(s) on {} physical CPU(s); mmu lock {}, fast page fault {}, log {}, get-dirty-log {}, dirty tracking {}, eager split {}, recover {}",
             a.vcpus,
             m.pcpus(),
             cfg.vm.mmu_lock.name(),
@@ -303,46 +328,46 @@ pub fn run(a: &DirtyLogPerfArgs) -> Result<(), String> {
                 "get clears"
             },
             cfg.vm.get_log.name(),
+            cfg.vm.dirty_track.name(),
             on_off(cfg.vm.eager_split),
             cfg.vm.recover.name()
         );
-    } else {
-        let doc = json!({
-            "benchmark": "dirty-log-perf",
-            "backend": "sim",
-            "config": {
-                "vcpus": a.vcpus, "bytes_per_vcpu": a.bytes, "backing": a.backing.name(),
-                "iterations": n, "random": a.random, "overlap": a.overlap, "evil": a.evil,
-                "write_percent": a.write_percent, "slots": a.slots, "seed": a.seed,
-                "manual_protect": manual, "dirty_ring": a.dirty_ring,
-                "mmu_lock": cfg.vm.mmu_lock.name(), "fast_pf": cfg.vm.fast_pf,
-                "ad_bits": cfg.vm.ad_bits, "get_dirty_log": cfg.vm.get_log.name(),
-                "eager_split": cfg.vm.eager_split, "recover": cfg.vm.recover.name(),
-                "tlb_entries": cfg.tlb_entries, "pcpus": m.pcpus(), "prefault": prefault,
-            },
-            "populate_memory_time_s": populate.wall.as_secs_f64(),
-            "populate_native_time_s": populate_native.wall.as_secs_f64(),
-            "enabling_dirty_logging_time_s": enable.as_secs_f64(),
-            "iterations": iters.iter().enumerate().map(|(k, i)| json!({
-                "iteration": k + 1,
-                "dirty_memory_time_s": i.dirty.as_secs_f64(),
-                "native_memory_time_s": i.native.as_secs_f64(),
-                "ratio_guest_over_native": ratio(i.dirty, i.native),
-                "get_dirty_log_time_s": i.get.as_secs_f64(),
-                "clear_dirty_log_time_s": if ring { None } else { i.clear.map(|c| c.as_secs_f64()) },
-                "reset_dirty_rings_time_s": if ring { i.clear.map(|c| c.as_secs_f64()) } else { None },
-                "dirty_pages": i.dirty_pages,
-                "ring_full_exits": i.ring_full_exits,
-            })).collect::<Vec<_>>(),
-            "disabling_dirty_logging_time_s": disable.as_secs_f64(),
-            "get_dirty_log_total_s": get_total.as_secs_f64(),
-            "clear_dirty_log_total_s": clear_total.map(|c| c.as_secs_f64()),
-            "stats": stats_json(&stats),
-        });
-        println!("{doc:#}");
     }
+    let doc = json!({
+        "benchmark": "dirty-log-perf",
+        "backend": "sim",
+        "config": {
+            "vcpus": a.vcpus, "bytes_per_vcpu": a.bytes, "backing": a.backing.name(),
+            "iterations": n, "random": a.random, "overlap": a.overlap, "evil": a.evil,
+            "write_percent": a.write_percent, "slots": a.slots, "seed": a.seed,
+            "manual_protect": manual, "dirty_ring": a.dirty_ring,
+            "mmu_lock": cfg.vm.mmu_lock.name(), "fast_pf": cfg.vm.fast_pf,
+            "ad_bits": cfg.vm.ad_bits, "get_dirty_log": cfg.vm.get_log.name(),
+            "dirty_tracking": cfg.vm.dirty_track.name(),
+            "eager_split": cfg.vm.eager_split, "recover": cfg.vm.recover.name(),
+            "tlb_entries": cfg.tlb_entries, "pcpus": m.pcpus(), "prefault": prefault,
+        },
+        "populate_memory_time_s": populate.wall.as_secs_f64(),
+        "populate_native_time_s": populate_native.wall.as_secs_f64(),
+        "enabling_dirty_logging_time_s": enable.as_secs_f64(),
+        "iterations": iters.iter().enumerate().map(|(k, i)| json!({
+            "iteration": k + 1,
+            "dirty_memory_time_s": i.dirty.as_secs_f64(),
+            "native_memory_time_s": i.native.as_secs_f64(),
+            "ratio_guest_over_native": ratio(i.dirty, i.native),
+            "get_dirty_log_time_s": i.get.as_secs_f64(),
+            "clear_dirty_log_time_s": if ring { None } else { i.clear.map(|c| c.as_secs_f64()) },
+            "reset_dirty_rings_time_s": if ring { i.clear.map(|c| c.as_secs_f64()) } else { None },
+            "dirty_pages": i.dirty_pages,
+            "ring_full_exits": i.ring_full_exits,
+        })).collect::<Vec<_>>(),
+        "disabling_dirty_logging_time_s": disable.as_secs_f64(),
+        "get_dirty_log_total_s": get_total.as_secs_f64(),
+        "clear_dirty_log_total_s": clear_total.map(|c| c.as_secs_f64()),
+        "stats": stats_json(&stats),
+    });
     drop(native_ram);
-    Ok(())
+    Ok(doc)
 }
 
 fn print_native(what: &str, guest: &PassReport, native: &PassReport) {
@@ -359,4 +384,115 @@ fn on_off(b: bool) -> &'static str {
     } else {
         "off"
     }
+}
+
+/// `--vary`: one run per combination, one table.
+fn sweep(a: &DirtyLogPerfArgs) -> Result<(), String> {
+    check_distinct(&a.vary)?;
+    let combos = combinations(&a.vary);
+    let mut rows = Vec::new();
+    let mut docs = Vec::new();
+    for (n, combo) in combos.iter().enumerate() {
+        let mut b = a.clone();
+        b.vary.clear();
+        b.json = true;
+        for (key, v) in combo {
+            match key {
+                Key::Vcpus => b.vcpus = v.parse().map_err(|_| format!("bad vcpus `{v}`"))?,
+                Key::FastPf => b.machine.fast_pf = enum_value(v),
+                Key::MmuLock => b.machine.mmu_lock = enum_value(v),
+                Key::AdBits => b.machine.ad_bits = enum_value(v),
+                Key::GetDirtyLog => b.dirty.get_log = enum_value(v),
+                Key::DirtyTracking => b.dirty.tracking = enum_value(v),
+                Key::EagerSplit => b.dirty.eager_split = enum_value(v),
+                Key::Recover => b.dirty.recover = enum_value(v),
+            }
+        }
+        let label: Vec<String> = combo
+            .iter()
+            .map(|(k, v)| format!("{}={v}", k.name()))
+            .collect();
+        if !quiet(a.json) {
+            eprintln!(
+                "[slat] sweep {}/{}: {}",
+                n + 1,
+                combos.len(),
+                label.join(" ")
+            );
+        }
+        let doc = measure(&b)?;
+        let iters = doc["iterations"].as_array().cloned().unwrap_or_default();
+        // Iteration 2 is the selftest's steady state (iteration 1 may still split or fault).
+        let it2 = &iters[1.min(iters.len().saturating_sub(1))];
+        let secs =
+            |v: &serde_json::Value| v.as_f64().map(|x| format!("{x:.6}")).unwrap_or("-".into());
+        let avg = |field: &str| {
+            let xs: Vec<f64> = iters.iter().filter_map(|i| i[field].as_f64()).collect();
+            if xs.is_empty() {
+                "-".to_string()
+            } else {
+                format!("{:.6}", xs.iter().sum::<f64>() / xs.len() as f64)
+            }
+        };
+        let mut row: Vec<String> = combo.iter().map(|(_, v)| v.clone()).collect();
+        row.extend([
+            secs(&doc["populate_memory_time_s"]),
+            secs(&doc["enabling_dirty_logging_time_s"]),
+            secs(&it2["dirty_memory_time_s"]),
+            secs(&it2["native_memory_time_s"]),
+            it2["ratio_guest_over_native"]
+                .as_f64()
+                .map(|r| format!("{r:.2}x"))
+                .unwrap_or("-".into()),
+            avg("get_dirty_log_time_s"),
+            if a.dirty_ring.is_some() {
+                avg("reset_dirty_rings_time_s")
+            } else {
+                avg("clear_dirty_log_time_s")
+            },
+            secs(&doc["disabling_dirty_logging_time_s"]),
+        ]);
+        rows.push(row);
+        docs.push(json!({ "settings": label, "result": doc }));
+    }
+    if a.json {
+        println!(
+            "{:#}",
+            json!({ "benchmark": "dirty-log-perf", "sweep": docs })
+        );
+        return Ok(());
+    }
+    println!(
+        "dirty-log-perf sweep: -b {} -i {}{}{}{}, one run per row, all in this process",
+        format_size(a.bytes),
+        a.iterations,
+        if a.no_manual { " -g" } else { "" },
+        if a.random { " -a" } else { "" },
+        if a.write_percent != 100 {
+            format!(" -w {}", a.write_percent)
+        } else {
+            String::new()
+        },
+    );
+    let mut head: Vec<String> = a.vary.iter().map(|v| v.key.name().to_string()).collect();
+    let clear = if a.dirty_ring.is_some() {
+        "reset rings avg (s)"
+    } else {
+        "clear avg (s)"
+    };
+    head.extend(
+        [
+            "populate (s)",
+            "enable (s)",
+            "iter 2 dirty (s)",
+            "iter 2 native (s)",
+            "guest/native",
+            "get avg (s)",
+            clear,
+            "disable (s)",
+        ]
+        .map(String::from),
+    );
+    print_table(&head, &rows);
+    Ok(())
 }

@@ -3,7 +3,7 @@
 //! after stopping the vCPUs, then checks every page: written ⇔ reported. Any mismatch is a
 //! failure (exit status 1).
 
-use crate::args::{backing, guest_size, MachineArgs};
+use crate::args::{backing, guest_size, DirtyArgs, MachineArgs, TrackArg};
 use crate::report::{quiet, Phase};
 use clap::{Args, ValueEnum};
 use serde_json::json;
@@ -66,6 +66,10 @@ pub struct DirtyLogTestArgs {
     /// Seed of the guest writers and of the host's harvest points.
     #[arg(short = 'r', default_value_t = 1)]
     pub seed: u32,
+    /// Every N iterations (0: never), turn dirty logging off and on again in the middle of
+    /// the iteration while the guest writes; pages written after the re-enable are checked.
+    #[arg(long = "toggle-every", default_value_t = 0)]
+    pub toggle_every: u32,
     /// Run with a deliberately broken engine and expect the oracle to fail.
     #[arg(long = "break", value_enum)]
     pub broken: Option<BreakArg>,
@@ -73,18 +77,30 @@ pub struct DirtyLogTestArgs {
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
+    pub dirty: DirtyArgs,
+    #[command(flatten)]
     pub machine: MachineArgs,
 }
 
 /// Runs the test; an error (or any mismatch) is a non-zero exit.
 pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
     let q = quiet(a.json);
-    let modes: Vec<LogMode> = match a.mode {
+    let mut modes: Vec<LogMode> = match a.mode {
         ModeArg::DirtyLog => vec![LogMode::DirtyLog],
         ModeArg::ClearLog => vec![LogMode::ClearLog],
         ModeArg::DirtyRing => vec![LogMode::DirtyRing],
         ModeArg::All => LogMode::ALL.to_vec(),
     };
+    let vm_config = a.dirty.apply(a.machine.vm_config());
+    if a.dirty.tracking == TrackArg::DBit && a.mode == ModeArg::All {
+        // The ring is not a log d-bit tracking can fill; say so rather than skip silently.
+        modes.retain(|m| *m != LogMode::DirtyRing);
+        if !a.json {
+            eprintln!("[slat] -M all with --dirty-tracking d-bit: checking dirty-log and clear-log (d-bit tracking logs into bitmaps, not rings)");
+        }
+    }
+    a.dirty
+        .check(&vm_config, modes.contains(&LogMode::DirtyRing))?;
     let bytes = a.bytes + 3 * 4096;
     let pages = bytes / 4096 * a.vcpus as u64;
     // The selftest clamps the ring to the test's pages.
@@ -94,7 +110,7 @@ pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
     let mut docs = Vec::new();
     for mode in modes {
         let cfg = MachineConfig {
-            vm: a.machine.vm_config(),
+            vm: vm_config,
             backing: a.backing,
             vcpus: a.vcpus as usize,
             bytes_per_vcpu: bytes,
@@ -135,13 +151,22 @@ pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
             iterations: a.iterations,
             interval: Duration::from_millis(a.interval_ms),
             seed: a.seed,
+            toggle_every: a.toggle_every,
         };
         let json = a.json;
         let r = dirty_oracle::run(&m, ocfg, |it| {
             if !json {
                 println!(
-                    "Iteration {:2}: dirty: {:<6} clean: {:<6} writes: {:<6}",
-                    it.iteration, it.dirty, it.clean, it.writes
+                    "Iteration {:2}: dirty: {:<6} clean: {:<6} writes: {:<6}{}",
+                    it.iteration,
+                    it.dirty,
+                    it.clean,
+                    it.writes,
+                    if it.toggled {
+                        " (logging toggled mid-iteration)"
+                    } else {
+                        ""
+                    }
                 );
             }
         })
@@ -173,7 +198,7 @@ pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
             "mode": mode.name(),
             "iterations": r.iterations.iter().map(|i| json!({
                 "iteration": i.iteration, "dirty": i.dirty, "clean": i.clean,
-                "writes": i.writes, "lost": i.lost, "spurious": i.spurious,
+                "writes": i.writes, "lost": i.lost, "spurious": i.spurious, "toggled": i.toggled,
             })).collect::<Vec<_>>(),
             "total_dirty": r.total_dirty(), "total_clean": r.total_clean(),
             "lost": lost, "spurious": spurious, "ring_full_exits": r.ring_full_exits,
@@ -189,7 +214,9 @@ pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
             "config": {
                 "iterations": a.iterations, "interval_ms": a.interval_ms, "vcpus": a.vcpus,
                 "bytes_per_vcpu": bytes, "backing": a.backing.name(), "seed": a.seed,
-                "ring_entries": ring, "broken": a.broken.is_some(),
+                "ring_entries": ring, "broken": a.broken.is_some(), "toggle_every": a.toggle_every,
+                "get_dirty_log": vm_config.get_log.name(), "dirty_tracking": vm_config.dirty_track.name(),
+                "fast_pf": vm_config.fast_pf, "mmu_lock": vm_config.mmu_lock.name(),
             },
             "modes": docs,
         });

@@ -5,6 +5,7 @@ mod demand_paging;
 mod dirty_log_perf;
 mod dirty_log_test;
 mod report;
+mod sweep;
 
 use clap::{Parser, Subcommand};
 

@@ -233,10 +233,17 @@ impl<F: PteFormat> Cpu<F> {
                     level = F::ROOT_LEVEL;
                     continue;
                 }
+                if !F::is_dirty(e) && F::is_dirty(want) {
+                    // D 0->1: what PML logs. Before the write this walk allows.
+                    self.vm.log_hardware_dirty(&mut self.vcpu, gfn);
+                }
             }
             let size = bytes_per_entry(level);
             let base = F::output_addr(e);
-            self.tlb.insert(gfn, level, base, F::is_writable(e));
+            // The TLB caches "dirty" with "writable", as x86 does: a translation loaded by a
+            // read of a clean leaf must walk again on the first write, to set D.
+            self.tlb
+                .insert(gfn, level, base, F::is_writable(want) && F::is_dirty(want));
             return Ok(base + (gpa & (size - 1)));
         }
     }

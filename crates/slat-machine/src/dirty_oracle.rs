@@ -11,7 +11,14 @@
 //!
 //! The vCPUs are stopped (out of guest mode) for the final harvest and the check, so the
 //! checked memory is stable. Values only grow, and iteration `k` starts after iteration
-//! `k - 1` was fully harvested, so "holds `k`" is exactly "written since the last check".
+//! `k - 1` was fully harvested, so "holds `k`'s stamp" is exactly "written since the last
+//! check".
+//!
+//! With [`OracleConfig::toggle_every`], some iterations also turn logging off and on again in
+//! the middle, with the writers running (recovery and eager split racing the writes). Turning
+//! logging off ends what the log promises — a VMM resends everything after that — so writes
+//! from before the re-enable are not checked: the host switches the writers to a second stamp
+//! once logging is on again, and every page holding the second stamp must be reported.
 
 use crate::machine::{DirtyConfig, Machine, MachineError, Workload, FIRST_SLOT};
 use slat::dirty::{INITIALLY_SET, MANUAL_PROTECT_ENABLE};
@@ -72,6 +79,9 @@ pub struct OracleConfig {
     pub interval: Duration,
     /// Seed of the guest writers and of the host's mid-iteration harvest point.
     pub seed: u32,
+    /// Every this many iterations (0: never), turn dirty logging off and on again in the
+    /// middle of the iteration while the guest writes.
+    pub toggle_every: u32,
 }
 
 /// One iteration's counts.
@@ -89,6 +99,8 @@ pub struct IterationReport {
     pub lost: u64,
     /// Pages reported but not written this iteration.
     pub spurious: u64,
+    /// Logging was turned off and on again in this iteration.
+    pub toggled: bool,
 }
 
 /// A whole run.
@@ -138,7 +150,10 @@ pub fn run<F: PteFormat>(
     let mut rng = crate::memstress::ParkMiller::new(cfg.seed ^ 0x5eed);
     m.set_dirty_logging(true)?;
     for k in 1..=cfg.iterations {
-        iteration.store(k as u64, Ordering::SeqCst);
+        // Stamps: 2k while the log covers the whole iteration, 2k + 1 after a re-enable.
+        let stamp = 2 * k as u64;
+        let toggled = cfg.toggle_every != 0 && k % cfg.toggle_every == 0;
+        iteration.store(stamp, Ordering::SeqCst);
         let t0 = Instant::now();
         m.start(Workload::Writer {
             seed: cfg.seed,
@@ -149,12 +164,19 @@ pub fn run<F: PteFormat>(
         let reap = Duration::from_micros(rng.next_u32() as u64 % interval_us);
         std::thread::sleep(reap.saturating_sub(t0.elapsed()));
         collect(m, cfg.mode, pps, &mut dirty)?;
+        if toggled {
+            m.set_dirty_logging(false)?;
+            m.set_dirty_logging(true)?;
+            // Only from now on does the log promise anything again.
+            iteration.store(stamp + 1, Ordering::SeqCst);
+        }
         std::thread::sleep(cfg.interval.saturating_sub(t0.elapsed()));
         let run = m.halt()?;
         collect(m, cfg.mode, pps, &mut dirty)?;
         let mut it = IterationReport {
             iteration: k,
             writes: run.vcpus.iter().map(|v| v.pages).sum(),
+            toggled,
             ..IterationReport::default()
         };
         report.ring_full_exits += run
@@ -162,7 +184,9 @@ pub fn run<F: PteFormat>(
             .iter()
             .map(|v| v.counters.ring_full_exits)
             .sum::<u64>();
-        let initially_all_set = cfg.mode == LogMode::ClearLog && k == 1;
+        // INITIALLY_SET bitmaps start (and restart, after a toggle) all set.
+        let all_set = cfg.mode == LogMode::ClearLog && (k == 1 || toggled);
+        let checked = if toggled { stamp + 1 } else { stamp };
         for p in 0..total {
             // SAFETY: the page lies in the test region of guest RAM, mapped while `m` lives;
             // the vCPUs are halted, and the read is 8-byte aligned and atomic.
@@ -174,16 +198,17 @@ pub fn run<F: PteFormat>(
             } else {
                 it.clean += 1;
             }
-            let written = v == k as u64;
-            if written && !reported {
+            let written = v == stamp || v == stamp + 1;
+            if v == checked && !reported {
                 it.lost += 1;
                 if report.errors.len() < 16 {
                     report.errors.push(format!(
-                        "iteration {k}: page {p} (gpa {:#x}) was written in this iteration but not reported dirty",
-                        layout.gpa + p * PAGE_SIZE
+                        "iteration {k}: page {p} (gpa {:#x}) was written in this iteration{} but not reported dirty",
+                        layout.gpa + p * PAGE_SIZE,
+                        if toggled { " after logging was re-enabled" } else { "" }
                     ));
                 }
-            } else if reported && !written && !initially_all_set {
+            } else if reported && !written && !all_set {
                 it.spurious += 1;
                 if report.errors.len() < 16 {
                     report.errors.push(format!(

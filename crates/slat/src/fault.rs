@@ -276,7 +276,7 @@ impl<F: PteFormat> Vm<F> {
 
 /// The vCPU's memslot snapshot, refreshed if a newer set was published, and its slot hint.
 #[inline]
-fn refresh_hint<'v, F: PteFormat>(
+pub(crate) fn refresh_hint<'v, F: PteFormat>(
     vm: &Vm<F>,
     h: &'v mut SlotHint,
 ) -> (&'v MemslotSet, &'v mut usize) {

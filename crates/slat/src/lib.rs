@@ -37,7 +37,7 @@ pub mod table;
 mod vm;
 pub(crate) mod walk;
 
-pub use dirty::{DirtyLogError, GetLogVariant, RecoverVariant};
+pub use dirty::{DirtyLogError, DirtyTrack, GetLogVariant, RecoverVariant};
 pub use fault::{Fault, FaultOutcome};
 pub use format::{Access, Ept, Level, PteFormat};
 pub use memslot::{HostRange, Memslot, MemslotError, MemslotFlags, MemslotSet, SlotId};

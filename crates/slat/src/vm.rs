@@ -1,6 +1,6 @@
 //! The VM: page-table root, MMU lock, memslots, vCPU registry, and the one SPTE-update path.
 
-use crate::dirty::{DirtyMode, DirtyRing, GetLogVariant, RecoverVariant, SlotBitmap};
+use crate::dirty::{DirtyMode, DirtyRing, DirtyTrack, GetLogVariant, RecoverVariant, SlotBitmap};
 use crate::flush::{FlushGen, PendingFlush, VcpuLink};
 use crate::format::{Level, PteFormat, PAGE_SHIFT};
 use crate::memslot::{
@@ -49,6 +49,8 @@ pub struct VmConfig {
     pub get_log: GetLogVariant,
     /// How huge mappings come back when dirty logging stops.
     pub recover: RecoverVariant,
+    /// How logged slots see writes: write protection, or hardware dirty bits (PML-like).
+    pub dirty_track: DirtyTrack,
 }
 
 impl Default for VmConfig {
@@ -60,6 +62,7 @@ impl Default for VmConfig {
             eager_split: true,
             get_log: GetLogVariant::Xchg,
             recover: RecoverVariant::InPlace,
+            dirty_track: DirtyTrack::WriteProtect,
         }
     }
 }
@@ -113,7 +116,8 @@ pub(crate) enum UpdateMode {
     /// MMU lock held shared (or none): compare-and-swap against the walker's snapshot.
     Shared,
     /// MMU lock held exclusively: only lock-free fixers and hardware race with us, so an
-    /// exchange (never lost, never retried) suffices.
+    /// exchange (never lost, never retried) suffices for entries they may change, and a
+    /// plain store for the rest ([`PteFormat::needs_atomic_update`]).
     Exclusive,
 }
 
@@ -298,8 +302,7 @@ impl<F: PteFormat> Vm<F> {
 
     /// Replaces the walker's current entry with `new`. Under [`UpdateMode::Shared`] this is a
     /// compare-and-swap against `it.old` (invariant 1): on failure `it.old` holds the value that
-    /// won and the caller decides whether to retry. Bookkeeping for what changed (leaf gauges,
-    /// tables unlinked into `pending`) happens here and nowhere else.
+    /// won and the caller decides whether to retry. See [`Self::update_spte`].
     pub(crate) fn set_spte(
         &self,
         it: &mut Walk<'_, F>,
@@ -308,28 +311,89 @@ impl<F: PteFormat> Vm<F> {
         sink: Sink<'_>,
         pending: &mut PendingFlush,
     ) -> Result<(), Busy> {
-        debug_assert!(it.old != F::FROZEN || mode == UpdateMode::Exclusive);
-        let old = match mode {
+        let mut old = it.old;
+        let r = self.update_spte(it.sptep(), it.level, &mut old, new, mode, sink, pending);
+        it.old = old;
+        r
+    }
+
+    /// The one SPTE update every change goes through, for callers that hold the entry's
+    /// address already (a harvest re-arming entries of one leaf table): `*old` is the value
+    /// the caller read. Shared mode: compare-and-swap, and on failure `*old` becomes the value
+    /// that won. Exclusive mode: an exchange if others may change the entry, else a plain
+    /// store. Bookkeeping for what changed (leaf gauges, tables unlinked into `pending`,
+    /// whether a flush is owed) happens here and nowhere else.
+    // Always inlined: callers pass constant levels and modes, which prunes most of it (a
+    // harvest's re-arm is then a few instructions around one store).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn update_spte(
+        &self,
+        sptep: &AtomicU64,
+        level: Level,
+        old: &mut u64,
+        new: u64,
+        mode: UpdateMode,
+        sink: Sink<'_>,
+        pending: &mut PendingFlush,
+    ) -> Result<(), Busy> {
+        debug_assert!(*old != F::FROZEN || mode == UpdateMode::Exclusive);
+        let prev = match mode {
             UpdateMode::Shared => {
-                match it
-                    .sptep()
-                    .compare_exchange(it.old, new, Ordering::AcqRel, Ordering::Acquire)
-                {
+                match sptep.compare_exchange(*old, new, Ordering::AcqRel, Ordering::Acquire) {
                     Ok(v) => v,
                     Err(cur) => {
-                        it.old = cur;
+                        *old = cur;
                         return Err(Busy);
                     }
                 }
             }
-            UpdateMode::Exclusive => it.sptep().swap(new, Ordering::AcqRel),
+            UpdateMode::Exclusive if F::needs_atomic_update(*old, level) => {
+                sptep.swap(new, Ordering::AcqRel)
+            }
+            UpdateMode::Exclusive => {
+                // Nobody else may write this entry while we hold the lock exclusively, so
+                // `*old` is still its value and a plain store suffices (no locked RMW).
+                debug_assert_eq!(sptep.load(Ordering::Relaxed), *old);
+                sptep.store(new, Ordering::Release);
+                *old
+            }
         };
-        it.old = new;
-        self.handle_changed_spte(old, new, it.level, sink, pending);
+        *old = new;
+        self.handle_changed_spte(prev, new, level, sink, pending);
         Ok(())
     }
 
+    #[inline(always)]
     fn handle_changed_spte(
+        &self,
+        old: u64,
+        new: u64,
+        level: Level,
+        sink: Sink<'_>,
+        pending: &mut PendingFlush,
+    ) {
+        if F::is_present(old)
+            && F::is_leaf(old, level)
+            && F::is_present(new)
+            && F::is_leaf(new, level)
+        {
+            // A permission or A/D change of one leaf (write protection, the fast path): no
+            // gauge moves, no table leaves; a flush is owed only if W was taken away, or D
+            // (a TLB entry caches "dirty": writes through it would not set D again).
+            if (F::is_writable(old) && !F::is_writable(new))
+                || (F::is_dirty(old) && !F::is_dirty(new))
+            {
+                pending.require();
+            }
+            return;
+        }
+        self.handle_changed_structure(old, new, level, sink, pending);
+    }
+
+    /// The rest of [`Self::handle_changed_spte`]: a leaf or table appeared or went away.
+    #[inline(never)]
+    fn handle_changed_structure(
         &self,
         old: u64,
         new: u64,
@@ -341,14 +405,6 @@ impl<F: PteFormat> Vm<F> {
         let new_present = F::is_present(new);
         let old_leaf = old_present && F::is_leaf(old, level);
         let new_leaf = new_present && F::is_leaf(new, level);
-        if old_leaf && new_leaf {
-            // A permission or A/D change of one leaf (write protection, the fast path): no
-            // gauge moves, no table leaves; a flush is owed only if W was taken away.
-            if F::is_writable(old) && !F::is_writable(new) {
-                pending.require();
-            }
-            return;
-        }
         if old_leaf != new_leaf || (old_present != new_present) {
             if old_leaf {
                 sink.dec(leaf_stat(level));

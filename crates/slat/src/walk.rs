@@ -99,31 +99,6 @@ impl<'g, F: PteFormat> Walk<'g, F> {
         }
     }
 
-    /// A walk positioned at `gfn`'s entry in the table at `table` (of `level`), which the
-    /// caller reached through this guard, e.g. with [`Self::table`] of an earlier walk. Only
-    /// for updating that one entry: stepping on from it never climbs above `table`.
-    #[inline]
-    pub fn in_table(guard: &'g Guard, table: u64, level: Level, gfn: u64) -> Self {
-        let _ = guard;
-        let mut w = Walk {
-            path: [0; MAX_LEVELS + 1],
-            root: table,
-            min_level: level,
-            end: gfn + 1,
-            next_gfn: gfn,
-            yielded_gfn: gfn,
-            gfn,
-            level,
-            old: 0,
-            valid: true,
-            yielded: false,
-            _guard: PhantomData,
-        };
-        w.path[level as usize] = table;
-        w.refresh();
-        w
-    }
-
     /// Address of the table holding the current entry.
     #[inline]
     pub fn table(&self) -> u64 {

@@ -26,10 +26,11 @@ pub use ring::{
 };
 
 use crate::flush::PendingFlush;
-use crate::format::{PteFormat, ENTRIES_PER_TABLE, PAGE_SIZE};
+use crate::format::{table_index, PteFormat, ENTRIES_PER_TABLE, PAGE_SIZE};
 use crate::memslot::{Memslot, SlotId};
 use crate::stats::{Sink, Stat};
-use crate::sync::{self, pin, Arc};
+use crate::sync::{self, pin, Arc, Ordering};
+use crate::table::TablePage;
 use crate::vm::{UpdateMode, Vcpu, Vm};
 use crate::walk::Walk;
 use ring::Coalesce;
@@ -85,6 +86,30 @@ impl RecoverVariant {
         match self {
             RecoverVariant::InPlace => "inplace",
             RecoverVariant::Zap => "zap",
+        }
+    }
+}
+
+/// How a logged slot learns that a page was written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DirtyTrack {
+    /// Write-protect every page (W clear, MMU-writable kept): the first write after a harvest
+    /// faults, and the lock-free fast path restores W and marks the page (KVM without PML).
+    #[default]
+    WriteProtect,
+    /// Hardware dirty bits, PML-like: pages stay writable with D clear; the hardware walker
+    /// sets D on the first write and logs the page to the engine in the same step
+    /// ([`Vm::log_hardware_dirty`]), so no write faults. Harvests clear D instead of W. Needs
+    /// A/D bits (leaves without them fall back to write protection); not with dirty rings.
+    HardwareDirty,
+}
+
+impl DirtyTrack {
+    /// Name used on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            DirtyTrack::WriteProtect => "write-protect",
+            DirtyTrack::HardwareDirty => "d-bit",
         }
     }
 }
@@ -181,6 +206,9 @@ pub enum DirtyLogError {
     /// A ring operation on a VM without dirty rings.
     #[error("the dirty ring is not enabled on this VM")]
     RingOff,
+    /// Hardware-dirty tracking logs into bitmaps only.
+    #[error("the dirty ring cannot be combined with hardware-dirty (D-bit) tracking: use write-protect tracking")]
+    RingWithHardwareDirty,
 }
 
 /// How a VM logs, fixed by the capability calls below.
@@ -255,6 +283,9 @@ impl<F: PteFormat> Vm<F> {
         let vcpus = sync::read(&self.vcpus).len();
         if vcpus != 0 {
             return Err(DirtyLogError::VcpusExist { vcpus });
+        }
+        if self.config.dirty_track == DirtyTrack::HardwareDirty {
+            return Err(DirtyLogError::RingWithHardwareDirty);
         }
         self.refuse_if_logging()?;
         mode.ring_entries = entries;
@@ -393,6 +424,39 @@ impl<F: PteFormat> Vm<F> {
         Ok(true)
     }
 
+    /// The hardware walker of `vcpu` set the Dirty bit of the leaf mapping `gfn` (a write
+    /// through a writable leaf whose D was clear): with [`DirtyTrack::HardwareDirty`], log the
+    /// page, as PML would. Called in guest mode, after the D update and before the write it
+    /// allows, so a harvest that missed the mark waits for it in its flush and the page is in
+    /// the next harvest; any other mode ignores it.
+    #[inline]
+    pub fn log_hardware_dirty(&self, vcpu: &mut Vcpu, gfn: u64) {
+        if self.config.dirty_track != DirtyTrack::HardwareDirty {
+            return;
+        }
+        let (set, hint) = crate::fault::refresh_hint(self, &mut vcpu.slot_hint);
+        let Some((i, slot)) = set.find(gfn, *hint) else {
+            return;
+        };
+        *hint = i;
+        if slot.is_logging() && slot.mark_dirty(gfn) {
+            Sink::Owned(&vcpu.counters).inc(Stat::DirtyMarked);
+        }
+    }
+
+    /// The value that re-arms logging on the 4 KiB leaf `old` (so its next write is seen), or
+    /// `None` if it is armed already: W cleared, or with hardware-dirty tracking D cleared.
+    #[inline]
+    fn rearmed(&self, old: u64) -> Option<u64> {
+        if !F::is_writable(old) {
+            return None;
+        }
+        if self.config.dirty_track == DirtyTrack::HardwareDirty && F::ad_enabled(old) {
+            return F::is_dirty(old).then(|| F::clear_dirty(old));
+        }
+        Some(F::write_protect(old))
+    }
+
     // -----------------------------------------------------------------------------------------
     // Enable and disable.
 
@@ -416,7 +480,7 @@ impl<F: PteFormat> Vm<F> {
             if self.config.eager_split {
                 self.split_huge_pages(start, end, &mut pending);
             }
-            self.write_protect_range(start, end, &mut pending);
+            self.rearm_range(start, end, &mut pending);
         }
         // One flush, outside the MMU lock: the VMM cannot read the log before we return.
         pending.require();
@@ -442,66 +506,87 @@ impl<F: PteFormat> Vm<F> {
         }
     }
 
-    /// Clears W (keeping MMU-writable) on every writable leaf in `[start, end)`.
-    fn write_protect_range(&self, start: u64, end: u64, pending: &mut PendingFlush) {
+    /// Arms logging on every leaf in `[start, end)`: 4 KiB leaves as [`Self::rearmed`] says;
+    /// huge leaves (left when eager splitting is off) are write-protected whole, so their first
+    /// write faults and the slow path maps 4 KiB inside them.
+    fn rearm_range(&self, start: u64, end: u64, pending: &mut PendingFlush) {
         let guard = pin();
         let sink = self.sink();
         let mut it = Walk::<F>::new(&guard, self.root(), 1, start, end);
         while it.valid() {
             let old = it.old;
-            if F::is_present(old)
-                && F::is_leaf(old, it.level)
-                && F::is_writable(old)
-                && self
-                    .set_spte(
-                        &mut it,
-                        F::write_protect(old),
-                        UpdateMode::Shared,
-                        sink,
-                        pending,
-                    )
+            let new = if !F::is_present(old) || !F::is_leaf(old, it.level) {
+                None
+            } else if it.level == 1 {
+                self.rearmed(old)
+            } else {
+                F::is_writable(old).then(|| F::write_protect(old))
+            };
+            if let Some(new) = new {
+                if self
+                    .set_spte(&mut it, new, UpdateMode::Shared, sink, pending)
                     .is_err()
-            {
-                continue; // lost a race: re-examine the entry that won
+                {
+                    continue; // lost a race: re-examine the entry that won
+                }
             }
             it.next();
         }
     }
 
-    /// Write-protects the 4 KiB pages `base_gfn + i` for each set bit `i` of `mask`, under the
-    /// exclusive MMU lock. The leaf table holding them is found once (one descent per 64
-    /// pages, or two when the window straddles tables) and only the set bits' entries are
-    /// touched, so the cost follows the dirty pages. A huge leaf over the window (manual
-    /// protect with INITIALLY_SET keeps huge leaves until CLEAR) takes the general walk.
-    fn write_protect_masked(&self, base_gfn: u64, mask: u64, pending: &mut PendingFlush) {
+    /// Re-arms logging ([`Self::rearmed`]) on the 4 KiB pages `base_gfn + i` for each set bit
+    /// `i` of `mask`, under the exclusive MMU lock. The leaf table holding them is found once
+    /// and remembered in `cursor` across calls, so a harvest descends once per leaf table that
+    /// holds dirty pages, and touches only the set bits' entries: the cost follows the dirty
+    /// pages. A huge leaf over the window (manual protect with INITIALLY_SET keeps huge leaves
+    /// until CLEAR) takes the general walk.
+    fn rearm_masked(
+        &self,
+        cursor: &mut LeafCursor,
+        base_gfn: u64,
+        mask: u64,
+        pending: &mut PendingFlush,
+    ) {
         // The exclusive lock already keeps every table alive; the guard is what `Walk` asks for.
         let guard = pin();
         let sink = self.sink();
-        let mut table: Option<(u64, u64)> = None; // (first gfn, table address)
         let mut m = mask;
         while m != 0 {
             let gfn = base_gfn + m.trailing_zeros() as u64;
             m &= m - 1;
-            let t = match table {
+            let t = match cursor.0 {
                 Some((first, t)) if gfn.wrapping_sub(first) < ENTRIES_PER_TABLE as u64 => t,
                 _ => {
                     let it = Walk::<F>::to_leaf(&guard, self.root(), gfn);
                     if !it.valid() || it.level != 1 {
                         if it.valid() && F::is_present(it.old) {
-                            self.write_protect_huge(gfn, pending);
+                            self.rearm_huge(gfn, pending);
                         }
-                        table = None;
+                        cursor.0 = None;
                         continue;
                     }
-                    table = Some((gfn & !(ENTRIES_PER_TABLE as u64 - 1), it.table()));
+                    cursor.0 = Some((gfn & !(ENTRIES_PER_TABLE as u64 - 1), it.table()));
                     it.table()
                 }
             };
-            let mut it = Walk::<F>::in_table(&guard, t, 1, gfn);
-            while F::is_present(it.old) && F::is_writable(it.old) {
-                let new = F::write_protect(it.old);
+            // SAFETY: `t` is a leaf table reached from the root under the exclusive MMU lock,
+            // which this harvest holds throughout: nothing can unlink, let alone free, it.
+            let sptep = &unsafe { TablePage::at(t) }.entries[table_index(gfn, 1)];
+            let mut old = sptep.load(Ordering::Acquire);
+            while F::is_present(old) {
+                let Some(new) = self.rearmed(old) else {
+                    break;
+                };
                 if self
-                    .set_spte(&mut it, new, UpdateMode::Exclusive, sink, pending)
+                    .update_spte(
+                        sptep,
+                        1,
+                        &mut old,
+                        new,
+                        UpdateMode::Exclusive,
+                        sink,
+                        pending,
+                    )
                     .is_ok()
                 {
                     break;
@@ -510,10 +595,10 @@ impl<F: PteFormat> Vm<F> {
         }
     }
 
-    /// A huge leaf covers `gfn` in a window being re-protected: split it (eager splitting), or
-    /// write-protect it whole.
+    /// A huge leaf covers `gfn` in a window being re-armed: split it (eager splitting) and
+    /// re-arm the page, or write-protect the huge leaf whole.
     #[cold]
-    fn write_protect_huge(&self, gfn: u64, pending: &mut PendingFlush) {
+    fn rearm_huge(&self, gfn: u64, pending: &mut PendingFlush) {
         let guard = pin();
         let sink = self.sink();
         let mut it = Walk::<F>::new(&guard, self.root(), 1, gfn, gfn + 1);
@@ -528,18 +613,18 @@ impl<F: PteFormat> Vm<F> {
                 it.refresh();
                 continue; // now a table: walk into it
             }
-            if F::is_writable(old)
-                && self
-                    .set_spte(
-                        &mut it,
-                        F::write_protect(old),
-                        UpdateMode::Exclusive,
-                        sink,
-                        pending,
-                    )
+            let new = if it.level == 1 {
+                self.rearmed(old)
+            } else {
+                F::is_writable(old).then(|| F::write_protect(old))
+            };
+            if let Some(new) = new {
+                if self
+                    .set_spte(&mut it, new, UpdateMode::Exclusive, sink, pending)
                     .is_err()
-            {
-                continue;
+                {
+                    continue;
+                }
             }
             it.next();
         }
@@ -603,6 +688,7 @@ impl<F: PteFormat> Vm<F> {
             } else {
                 None
             };
+            let mut cursor = LeafCursor::default();
             for (i, o) in out.iter_mut().enumerate().take(need) {
                 let mask = match old {
                     Some(b) => b.take_word_unshared(i),
@@ -611,7 +697,8 @@ impl<F: PteFormat> Vm<F> {
                 *o = mask;
                 if mask != 0 {
                     dirty += mask.count_ones() as u64;
-                    self.write_protect_masked(slot.base_gfn + 64 * i as u64, mask, &mut pending);
+                    let base = slot.base_gfn + 64 * i as u64;
+                    self.rearm_masked(&mut cursor, base, mask, &mut pending);
                 }
             }
         }
@@ -669,6 +756,7 @@ impl<F: PteFormat> Vm<F> {
         let first_word = (first_page / 64) as usize;
         let mut cleared = 0;
         let mut pending = PendingFlush::none();
+        let mut cursor = LeafCursor::default();
         {
             let _lock = self.mmu_lock.write();
             for (k, &want) in bitmap.iter().enumerate().take(words) {
@@ -685,7 +773,7 @@ impl<F: PteFormat> Vm<F> {
                 if mask != 0 {
                     cleared += mask.count_ones() as u64;
                     let base = slot.base_gfn + first_page + 64 * k as u64;
-                    self.write_protect_masked(base, mask, &mut pending);
+                    self.rearm_masked(&mut cursor, base, mask, &mut pending);
                 }
             }
         }
@@ -709,9 +797,10 @@ impl<F: PteFormat> Vm<F> {
         let set = self.slots.load_full();
         let mut total = 0u64;
         let mut pending = PendingFlush::none();
+        let mut cursor = LeafCursor::default();
         {
             let _lock = self.mmu_lock.write();
-            let protect = |run: Option<(SlotId, u64, u64)>, pending: &mut PendingFlush| {
+            let mut protect = |run: Option<(SlotId, u64, u64)>, pending: &mut PendingFlush| {
                 let Some((id, offset, mask)) = run else {
                     return;
                 };
@@ -720,7 +809,7 @@ impl<F: PteFormat> Vm<F> {
                 if !slot.is_logging() || last >= slot.npages {
                     return;
                 }
-                self.write_protect_masked(slot.base_gfn + offset, mask, pending);
+                self.rearm_masked(&mut cursor, slot.base_gfn + offset, mask, pending);
             };
             for ring in &rings {
                 let mut runs = Coalesce::default();
@@ -746,6 +835,11 @@ impl<F: PteFormat> Vm<F> {
         })
     }
 }
+
+/// The leaf table a harvest last descended to: (first GFN it maps, table address). Valid only
+/// under the exclusive MMU lock that the harvest holds throughout (no table can be unlinked).
+#[derive(Default)]
+struct LeafCursor(Option<(u64, u64)>);
 
 impl Vcpu {
     /// This vCPU's dirty ring is past its soft limit: it must exit to the VMM, which harvests

@@ -213,6 +213,36 @@ impl PteFormat for Ept {
     }
 
     #[inline]
+    fn is_dirty(pte: u64) -> bool {
+        !Self::ad_enabled(pte) || pte & EptBits::D.bits() != 0
+    }
+
+    #[inline]
+    fn clear_dirty(pte: u64) -> u64 {
+        if Self::ad_enabled(pte) {
+            pte & !EptBits::D.bits()
+        } else {
+            pte
+        }
+    }
+
+    #[inline]
+    fn needs_atomic_update(pte: u64, level: Level) -> bool {
+        if !Self::is_present(pte) || !Self::is_leaf(pte, level) {
+            // Tables and empty entries change only under the MMU lock (hardware sets no A/D on
+            // table entries in this model, and the fast path never touches them).
+            return false;
+        }
+        if Self::is_access_tracked(pte) || (Self::is_mmu_writable(pte) && !Self::is_writable(pte)) {
+            return true; // the fast path may restore access or W
+        }
+        // Hardware sets A on any access and D on a write through W.
+        Self::ad_enabled(pte)
+            && (pte & EptBits::A.bits() == 0
+                || (Self::is_writable(pte) && pte & EptBits::D.bits() == 0))
+    }
+
+    #[inline]
     fn permits(pte: u64, access: Access) -> bool {
         let need = match access {
             Access::Read => EptBits::R.bits(),
@@ -323,6 +353,29 @@ mod tests {
         let t = Ept::mark_access_tracked(leaf);
         assert!(!Ept::is_accessed(t) && Ept::permits(t, Access::Write));
         assert!(Ept::is_accessed(Ept::set_accessed_dirty(t, Access::Read)));
+    }
+
+    #[test]
+    fn only_entries_others_may_change_need_atomic_updates() {
+        let dirty = Ept::make_leaf(HOST, 1, rw(true));
+        assert!(Ept::is_dirty(dirty));
+        // Accessed, dirty, writable: neither hardware nor the fast path will touch it.
+        assert!(!Ept::needs_atomic_update(dirty, 1));
+        // Write-protected for logging: the fast path may set W.
+        assert!(Ept::needs_atomic_update(Ept::write_protect(dirty), 1));
+        // Writable and clean: hardware sets D on the next write.
+        let clean = Ept::clear_dirty(dirty);
+        assert!(!Ept::is_dirty(clean) && Ept::needs_atomic_update(clean, 1));
+        // Not accessed: hardware sets A.
+        assert!(Ept::needs_atomic_update(Ept::mark_access_tracked(dirty), 1));
+        // A/D disabled: only access tracking and write protection are volatile.
+        let noad = Ept::make_leaf(HOST, 1, rw(false));
+        assert!(Ept::is_dirty(noad) && !Ept::needs_atomic_update(noad, 1));
+        assert_eq!(Ept::clear_dirty(noad), noad);
+        assert!(Ept::needs_atomic_update(Ept::mark_access_tracked(noad), 1));
+        assert!(!Ept::needs_atomic_update(Ept::make_table(0x1000_0000), 2));
+        assert!(!Ept::needs_atomic_update(Ept::NON_PRESENT, 1));
+        assert!(!Ept::needs_atomic_update(Ept::FROZEN, 1));
     }
 
     #[test]

@@ -129,6 +129,19 @@ pub trait PteFormat: Send + Sync + 'static + Sized {
     /// `pte` with the Accessed bit set, and Dirty too for a write (what the hardware walker
     /// does on a translation). Returns `pte` unchanged when A/D bits are not in use.
     fn set_accessed_dirty(pte: u64, access: Access) -> u64;
+    /// Hardware recorded a write through this leaf (the Dirty bit). Without A/D bits nothing
+    /// is recorded and every writable leaf counts as dirty.
+    fn is_dirty(pte: u64) -> bool;
+    /// `pte` with the Dirty bit cleared, so hardware sets it (and, in hardware-dirty logging,
+    /// logs the page) on the next write. Unchanged without A/D bits.
+    fn clear_dirty(pte: u64) -> u64;
+    /// Someone other than the holder of the exclusive MMU lock may change this entry right now:
+    /// hardware setting A or D, or the lock-free fast path restoring W or access. Such an entry
+    /// is updated with an atomic exchange even under the exclusive lock; any other entry with a
+    /// plain store (KVM's `spte_needs_atomic_update`), which is what makes re-protecting a
+    /// fully dirty slot cheap: its leaves are accessed, dirty and writable, so nobody else may
+    /// touch them.
+    fn needs_atomic_update(pte: u64, level: Level) -> bool;
 
     /// Hardware check: a translation through this leaf allows `access`.
     fn permits(pte: u64, access: Access) -> bool;
