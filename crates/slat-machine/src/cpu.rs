@@ -203,22 +203,32 @@ impl<F: PteFormat> Cpu<F> {
     fn walk(&mut self, gpa: u64, access: Access) -> Result<u64, bool> {
         self.counters.walks += 1;
         let gfn = gpa >> 12;
-        let mut table = self.root;
-        let mut level = F::ROOT_LEVEL;
+        let (mut table, mut level) = match self.tlb.leaf_table(gfn) {
+            Some(t) => (t, 1),
+            None => (self.root, F::ROOT_LEVEL),
+        };
         loop {
-            // SAFETY: `table` is the root or a table reached through present entries during
-            // this access. A table unlinked meanwhile is freed only after a remote flush, which
-            // waits for us to reach an access boundary (we are in guest mode), so it is still
-            // allocated for the rest of this walk.
+            // SAFETY: `table` is the root, a table reached through present entries during
+            // this access, or the paging-structure cache's table, reached so since our last
+            // TLB flush. A table unlinked since is freed only after a remote flush, which
+            // waits for us to reach an access boundary while we are in guest mode, or which
+            // we service (emptying that cache) before our next access if we were outside; so
+            // it is still allocated for the rest of this walk.
             let t = unsafe { TablePage::at(table) };
             let ep = &t.entries[table_index(gfn, level)];
             let e = ep.load(Ordering::Acquire);
             if F::hw_is_table(e, level) {
                 table = F::output_addr(e);
                 level -= 1;
+                if level == 1 {
+                    self.tlb.insert_leaf_table(gfn, table);
+                }
                 continue;
             }
             if !F::permits(e, access) {
+                // A fault drops the cached structures used for this address (SDM 4.10.4.1):
+                // the fix may live in a table that replaced the cached one.
+                self.tlb.drop_leaf_table();
                 return Err(F::permits(e, Access::Read) || F::permits(e, Access::Exec));
             }
             let want = F::set_accessed_dirty(e, access);
@@ -229,6 +239,7 @@ impl<F: PteFormat> Cpu<F> {
                     .compare_exchange(e, want, Ordering::AcqRel, Ordering::Acquire)
                     .is_err()
                 {
+                    self.tlb.drop_leaf_table();
                     table = self.root;
                     level = F::ROOT_LEVEL;
                     continue;
