@@ -1,0 +1,1031 @@
+//! The KVM machine: a VM with the memstress layout, one thread per vCPU, workload passes, and
+//! the dirty-log operations (bitmap GET/CLEAR and per-vCPU rings).
+
+use crate::dirty::{self, DirtyRing};
+use crate::error::KvmError;
+use crate::guest::{self, control, param, GuestMode, LowLayout, SYNC_PORT};
+use crate::mem::{Backing, HostMemory, PAGE_SHIFT, PAGE_SIZE};
+use crate::memstress::{ParkMiller, PassParams};
+use crate::stats::{Stat, StatsFd};
+use kvm_bindings::{
+    kvm_enable_cap, kvm_userspace_memory_region, CpuId, KVM_CAP_DIRTY_LOG_RING,
+    KVM_CAP_DIRTY_LOG_RING_ACQ_REL, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_INITIALLY_SET,
+    KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_EXIT_DIRTY_RING_FULL, KVM_MAX_CPUID_ENTRIES,
+    KVM_MEM_LOG_DIRTY_PAGES,
+};
+use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
+use std::ffi::CString;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Barrier, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// The memslot id of the low slot (code, parameters, page tables, stacks).
+pub const LOW_SLOT: u32 = 0;
+/// The first memslot id of the test region (KVM's MEMSTRESS_MEM_SLOT_INDEX).
+pub const FIRST_SLOT: u32 = 1;
+/// The default KVM device.
+pub const DEFAULT_DEVICE: &str = "/dev/kvm";
+/// The highest guest physical address bit the test region may use: everything then lies under
+/// the first entry of the guest's level-4 table (one level-3 table maps it all), and it is
+/// below the 39 physical-address bits of the smallest x86-64 hosts, so the guest's page tables
+/// never hold an address with reserved bits set, whether KVM runs them with TDP or shadows
+/// them.
+pub const MAX_GPA_BITS: u32 = 39;
+
+/// How the VM logs dirty pages; applied when the machine is built, before vCPUs exist.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DirtyConfig {
+    /// `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` flags ([`MANUAL_PROTECT_ENABLE`] |
+    /// [`INITIALLY_SET`]; 0 = GET clears and re-protects).
+    pub manual_protect: u32,
+    /// Dirty ring entries per vCPU (0 = bitmaps). A power of two, at least 256 (one page).
+    pub ring_entries: u32,
+}
+
+/// `KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE`: GET copies the bitmap; CLEAR clears and re-protects.
+pub const MANUAL_PROTECT_ENABLE: u32 = KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE;
+/// `KVM_DIRTY_LOG_INITIALLY_SET`: enabling logging sets every bit and protects nothing.
+pub const INITIALLY_SET: u32 = KVM_DIRTY_LOG_INITIALLY_SET;
+
+/// What to build.
+#[derive(Debug, Clone)]
+pub struct KvmConfig {
+    /// Host memory behind the test region.
+    pub backing: Backing,
+    /// vCPUs (one thread each).
+    pub vcpus: usize,
+    /// Test memory per vCPU (bytes, multiple of 4 KiB).
+    pub bytes_per_vcpu: u64,
+    /// Memslots the test region is split into (ids `FIRST_SLOT..`).
+    pub slots: usize,
+    /// Every vCPU accesses the whole region instead of its own partition (`-o`).
+    pub overlap: bool,
+    /// Populate host memory at set-up, so guest accesses take no host page faults.
+    pub prefault: bool,
+    /// How the VM logs dirty pages.
+    pub dirty: DirtyConfig,
+    /// The privilege level the guest workload runs at.
+    pub guest_mode: GuestMode,
+    /// The KVM device to open.
+    pub device: String,
+}
+
+impl Default for KvmConfig {
+    fn default() -> Self {
+        KvmConfig {
+            backing: Backing::Anonymous,
+            vcpus: 1,
+            bytes_per_vcpu: 1 << 30,
+            slots: 1,
+            overlap: false,
+            prefault: true,
+            dirty: DirtyConfig::default(),
+            guest_mode: GuestMode::default(),
+            device: DEFAULT_DEVICE.to_string(),
+        }
+    }
+}
+
+/// What the host's KVM offers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostCaps {
+    /// `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2`: the flags it accepts (0 = unsupported).
+    pub manual_protect: u32,
+    /// Largest dirty ring in bytes (0 = no dirty ring).
+    pub dirty_ring_max_bytes: u32,
+    /// The ring offers the acquire/release variant (`KVM_CAP_DIRTY_LOG_RING_ACQ_REL`).
+    pub dirty_ring_acq_rel: bool,
+    /// Most vCPUs per VM.
+    pub max_vcpus: usize,
+    /// Memslots per address space.
+    pub memslots: usize,
+    /// Guest physical address bits (CPUID 0x80000008).
+    pub phys_bits: u32,
+}
+
+/// Opens `device` and reports what its KVM offers.
+pub fn host_caps(device: &str) -> Result<HostCaps, KvmError> {
+    let kvm = open(device)?;
+    let cpuid = kvm
+        .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+        .map_err(|e| KvmError::ioctl("KVM_GET_SUPPORTED_CPUID", e))?;
+    caps_of(&kvm, &cpuid)
+}
+
+fn open(device: &str) -> Result<Kvm, KvmError> {
+    let path = CString::new(device)
+        .map_err(|_| KvmError::Config(format!("device path {device:?} contains a NUL byte")))?;
+    Kvm::new_with_path(&path).map_err(|e| KvmError::device(device, e))
+}
+
+fn caps_of(kvm: &Kvm, cpuid: &CpuId) -> Result<HostCaps, KvmError> {
+    let raw = |c: u32| kvm.check_extension_raw(c as libc::c_ulong).max(0);
+    let acq_rel = raw(KVM_CAP_DIRTY_LOG_RING_ACQ_REL);
+    let plain = raw(KVM_CAP_DIRTY_LOG_RING);
+    let phys_bits = cpuid
+        .as_slice()
+        .iter()
+        .find(|e| e.function == 0x8000_0008)
+        .map_or(36, |e| e.eax & 0xff);
+    Ok(HostCaps {
+        manual_protect: raw(KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2) as u32,
+        dirty_ring_max_bytes: acq_rel.max(plain) as u32,
+        dirty_ring_acq_rel: acq_rel > 0,
+        max_vcpus: kvm.get_max_vcpus(),
+        memslots: kvm.get_nr_memslots(),
+        phys_bits,
+    })
+}
+
+/// Where the test region is, and which part of it vCPU `i` accesses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    /// Guest physical (= guest virtual) address of the test region.
+    pub gpa: u64,
+    /// Host address of the test region.
+    pub host: u64,
+    /// Bytes per vCPU.
+    pub bytes_per_vcpu: u64,
+    /// vCPUs.
+    pub vcpus: usize,
+    /// Whole-region access.
+    pub overlap: bool,
+}
+
+impl Layout {
+    /// Pages in the test region.
+    pub fn total_pages(&self) -> u64 {
+        (self.bytes_per_vcpu * self.vcpus as u64) >> PAGE_SHIFT
+    }
+    /// (gpa, host, pages) of vCPU `i`'s region.
+    pub fn region(&self, i: usize) -> (u64, u64, u64) {
+        if self.overlap {
+            (self.gpa, self.host, self.total_pages())
+        } else {
+            let off = self.bytes_per_vcpu * i as u64;
+            (
+                self.gpa + off,
+                self.host + off,
+                self.bytes_per_vcpu >> PAGE_SHIFT,
+            )
+        }
+    }
+}
+
+/// What the vCPUs run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Workload {
+    /// One memstress pass, then sync (what [`KvmMachine::run_pass`] runs).
+    Pass(PassParams),
+    /// Memstress passes back to back until halted (dirty_log_perf_test's `-e`).
+    Loop(PassParams),
+    /// dirty_log_test's guest: until halted, write `iteration` into the first 8 bytes of
+    /// pseudo-random pages of the vCPU's region (vCPU `i` seeds with `seed + i`; see
+    /// [`crate::memstress::WriterPattern`]). The value is fixed for the run (the simulated
+    /// machine's `Writer` takes an `Arc<AtomicU64>`; its oracle, like this crate's, changes it
+    /// only between runs, so an adapter passes the atomic's current value).
+    Writer {
+        /// PRNG seed.
+        seed: u32,
+        /// The value written.
+        iteration: u64,
+    },
+}
+
+/// One vCPU's part of a pass (or of a workload run until halted).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VcpuPass {
+    /// From the vCPU thread's first `KVM_RUN` of the pass to its sync exit.
+    pub time: Duration,
+    /// Pages touched (writes, for the writer).
+    pub pages: u64,
+    /// Full passes completed (a `Loop` may stop in the middle of one).
+    pub passes: u64,
+    /// `KVM_EXIT_DIRTY_RING_FULL` exits handled.
+    pub ring_full_exits: u64,
+    /// `KVM_RUN` calls (1 + exits handled inside the pass).
+    pub entries: u64,
+}
+
+/// A completed pass.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PassReport {
+    /// From releasing the vCPUs to the last one's sync.
+    pub wall: Duration,
+    /// Per vCPU.
+    pub vcpus: Vec<VcpuPass>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Job {
+    Run,
+    Stop,
+}
+
+struct Control {
+    start: Barrier,
+    done: Barrier,
+    job: Mutex<Job>,
+    results: Mutex<Vec<Result<VcpuPass, String>>>,
+    running: AtomicBool,
+}
+
+/// Rings of every vCPU, and entries taken by vCPUs on ring-full exits that the host has not
+/// collected yet. One lock: a ring is harvested by one thread at a time.
+struct Rings {
+    rings: Vec<DirtyRing>,
+    reaped: Vec<(u32, u64)>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks leaves plain data behind; keep going.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A VM on `/dev/kvm` laid out like KVM's memstress, with one thread per vCPU.
+///
+/// The API mirrors `slat_machine::Machine`, so one benchmark can drive either.
+pub struct KvmMachine {
+    threads: Vec<JoinHandle<()>>,
+    ctl: Arc<Control>,
+    rings: Arc<Mutex<Rings>>,
+    vm: Arc<VmFd>,
+    layout: Layout,
+    low_layout: LowLayout,
+    config: KvmConfig,
+    caps: HostCaps,
+    logging: Mutex<bool>,
+    /// Statistics fds of the VM and of each vCPU (`None` on kernels without them).
+    stats: Option<(StatsFd, Vec<StatsFd>)>,
+    // Memory goes last: it is unmapped after the vCPU threads are joined and the VM closed.
+    low: HostMemory,
+    ram: HostMemory,
+}
+
+impl KvmMachine {
+    /// Opens KVM, maps guest memory, creates the VM, its memslots and vCPUs (long mode, identity
+    /// paging), and starts idle vCPU threads.
+    pub fn new(config: KvmConfig) -> Result<Self, KvmError> {
+        if config.vcpus == 0 {
+            return Err(KvmError::Config("at least one vCPU is needed".into()));
+        }
+        if config.bytes_per_vcpu == 0 || config.bytes_per_vcpu % PAGE_SIZE != 0 {
+            return Err(KvmError::Config(format!(
+                "guest memory per vCPU ({} bytes) must be a non-zero multiple of 4 KiB",
+                config.bytes_per_vcpu
+            )));
+        }
+        let total = config
+            .bytes_per_vcpu
+            .checked_mul(config.vcpus as u64)
+            .ok_or_else(|| KvmError::Config("guest memory size overflows".into()))?;
+        let pages = total >> PAGE_SHIFT;
+        if config.slots == 0 || pages % config.slots as u64 != 0 {
+            return Err(KvmError::Config(format!(
+                "{} memslots cannot split {pages} guest pages evenly",
+                config.slots
+            )));
+        }
+        let per_slot = total / config.slots as u64;
+        if per_slot >> PAGE_SHIFT > u32::MAX as u64 {
+            return Err(KvmError::Config(format!(
+                "{per_slot} bytes per memslot is more than KVM's 2^32 pages"
+            )));
+        }
+        let ring = config.dirty.ring_entries;
+        if ring != 0 && (!ring.is_power_of_two() || ring < 256) {
+            return Err(KvmError::Config(format!(
+                "dirty ring entries ({ring}) must be a power of two of at least 256 (one page)"
+            )));
+        }
+        let mp = config.dirty.manual_protect;
+        if mp & !(MANUAL_PROTECT_ENABLE | INITIALLY_SET) != 0
+            || (mp & INITIALLY_SET != 0 && mp & MANUAL_PROTECT_ENABLE == 0)
+        {
+            return Err(KvmError::Config(format!(
+                "manual protect flags {mp:#x}: only MANUAL_PROTECT_ENABLE (1), optionally with \
+                 INITIALLY_SET (2), are valid"
+            )));
+        }
+        if ring != 0 && mp != 0 {
+            return Err(KvmError::Config(
+                "the dirty ring replaces the bitmap: manual protect does not apply to it".into(),
+            ));
+        }
+
+        let kvm = open(&config.device)?;
+        let cpuid = kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(|e| KvmError::ioctl("KVM_GET_SUPPORTED_CPUID", e))?;
+        let caps = caps_of(&kvm, &cpuid)?;
+        if config.vcpus > caps.max_vcpus {
+            return Err(KvmError::Config(format!(
+                "{} vCPUs requested; this host's KVM allows at most {}",
+                config.vcpus, caps.max_vcpus
+            )));
+        }
+        if config.slots + 1 > caps.memslots {
+            return Err(KvmError::Config(format!(
+                "{} memslots requested (plus the low slot); this host's KVM allows {}",
+                config.slots, caps.memslots
+            )));
+        }
+        if mp != 0 && caps.manual_protect & mp != mp {
+            return Err(KvmError::Unsupported {
+                capability: "KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2",
+                detail: if caps.manual_protect == 0 {
+                    String::new()
+                } else {
+                    format!(
+                        ": flags {mp:#x} requested, the host accepts {:#x}",
+                        caps.manual_protect
+                    )
+                },
+            });
+        }
+        if ring != 0 {
+            if caps.dirty_ring_max_bytes == 0 {
+                return Err(KvmError::unsupported("KVM_CAP_DIRTY_LOG_RING"));
+            }
+            let bytes = ring as u64 * 16;
+            if bytes > caps.dirty_ring_max_bytes as u64 {
+                return Err(KvmError::Unsupported {
+                    capability: "KVM_CAP_DIRTY_LOG_RING",
+                    detail: format!(
+                        ": a ring of {ring} entries ({bytes} bytes) is larger than the host's \
+                         maximum of {} bytes ({} entries)",
+                        caps.dirty_ring_max_bytes,
+                        caps.dirty_ring_max_bytes / 16
+                    ),
+                });
+            }
+        }
+
+        // Guest physical layout: the test region at the top of a 2^39 (or smaller, if the host
+        // has fewer bits) space, one page below the top like memstress, aligned down to the
+        // backing page size and to 2 MiB (the guest maps it with 2 MiB pages).
+        let gpa_bits = caps.phys_bits.min(MAX_GPA_BITS);
+        let top = 1u64 << gpa_bits;
+        let align = config.backing.page_size().max(2 << 20);
+        let probe_low = LowLayout::new(config.vcpus as u64, 0, 1);
+        let too_big = || {
+            KvmError::Config(format!(
+                "{total} bytes of test memory do not fit below the guest's 2^{gpa_bits} physical \
+                 address limit"
+            ))
+        };
+        let gpa = top
+            .checked_sub(total + PAGE_SIZE)
+            .map(|g| g & !(align - 1))
+            .ok_or_else(too_big)?;
+        let low_layout = LowLayout::new(config.vcpus as u64, gpa, gpa + total);
+        if gpa < low_layout.size.max(probe_low.size) {
+            return Err(too_big());
+        }
+
+        let ram_len = total.div_ceil(config.backing.page_size()) * config.backing.page_size();
+        let ram = HostMemory::new(config.backing, ram_len, config.prefault)?;
+        let low = HostMemory::new(Backing::Anonymous, low_layout.size, true)?;
+        {
+            // SAFETY: `low` is a fresh private mapping of `size` bytes that nothing else uses
+            // until the vCPUs exist.
+            let bytes = unsafe {
+                std::slice::from_raw_parts_mut(low.addr() as *mut u8, low.len() as usize)
+            };
+            guest::build_gdt(bytes, &low_layout);
+            guest::build_page_tables(bytes, &low_layout, gpa, gpa + total);
+            let code = guest::assemble(low_layout.code)?;
+            if code.len() as u64 > low_layout.code_len {
+                return Err(KvmError::Assembler(format!(
+                    "guest code is {} bytes; {} are reserved",
+                    code.len(),
+                    low_layout.code_len
+                )));
+            }
+            let at = low_layout.code as usize;
+            bytes[at..at + code.len()].copy_from_slice(&code);
+        }
+
+        let vm = kvm
+            .create_vm()
+            .map_err(|e| KvmError::ioctl("KVM_CREATE_VM", e))?;
+        // Intel without unrestricted guest needs a TSS region for real mode; harmless elsewhere.
+        // Placed just below 4 GiB, far from both slots.
+        let _ = vm.set_tss_address(0xfffb_d000);
+        if mp != 0 {
+            let mut cap = kvm_enable_cap {
+                cap: KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
+                ..Default::default()
+            };
+            cap.args[0] = mp as u64;
+            vm.enable_cap(&cap)
+                .map_err(|e| KvmError::ioctl("KVM_ENABLE_CAP(MANUAL_DIRTY_LOG_PROTECT2)", e))?;
+        }
+        if ring != 0 {
+            let mut cap = kvm_enable_cap {
+                cap: if caps.dirty_ring_acq_rel {
+                    KVM_CAP_DIRTY_LOG_RING_ACQ_REL
+                } else {
+                    KVM_CAP_DIRTY_LOG_RING
+                },
+                ..Default::default()
+            };
+            cap.args[0] = ring as u64 * 16;
+            vm.enable_cap(&cap)
+                .map_err(|e| KvmError::ioctl("KVM_ENABLE_CAP(DIRTY_LOG_RING)", e))?;
+        }
+        let region =
+            |slot: u32, gpa: u64, len: u64, host: u64, flags: u32| kvm_userspace_memory_region {
+                slot,
+                flags,
+                guest_phys_addr: gpa,
+                memory_size: len,
+                userspace_addr: host,
+            };
+        // SAFETY: the low mapping lives as long as the machine (it is dropped after the VM
+        // fd and the vCPU threads).
+        unsafe {
+            vm.set_user_memory_region(region(LOW_SLOT, 0, low.len(), low.addr(), 0))
+                .map_err(|e| KvmError::ioctl("KVM_SET_USER_MEMORY_REGION", e))?;
+        }
+        for s in 0..config.slots as u64 {
+            let r = region(
+                FIRST_SLOT + s as u32,
+                gpa + s * per_slot,
+                per_slot,
+                ram.addr() + s * per_slot,
+                0,
+            );
+            // SAFETY: as above, for the test region mapping; slots do not overlap.
+            unsafe {
+                vm.set_user_memory_region(r)
+                    .map_err(|e| KvmError::ioctl("KVM_SET_USER_MEMORY_REGION", e))?;
+            }
+        }
+
+        let layout = Layout {
+            gpa,
+            host: ram.addr(),
+            bytes_per_vcpu: config.bytes_per_vcpu,
+            vcpus: config.vcpus,
+            overlap: config.overlap,
+        };
+        let mut vcpus = Vec::with_capacity(config.vcpus);
+        let mut rings = Vec::new();
+        let mut vm_stats = StatsFd::open(&vm).ok();
+        let mut vcpu_stats = Vec::new();
+        for i in 0..config.vcpus {
+            let v = vm
+                .create_vcpu(i as u64)
+                .map_err(|e| KvmError::ioctl("KVM_CREATE_VCPU", e))?;
+            v.set_cpuid2(&cpuid)
+                .map_err(|e| KvmError::ioctl("KVM_SET_CPUID2", e))?;
+            let mut sregs = v
+                .get_sregs()
+                .map_err(|e| KvmError::ioctl("KVM_GET_SREGS", e))?;
+            guest::setup_long_mode(&mut sregs, &low_layout, config.guest_mode);
+            v.set_sregs(&sregs)
+                .map_err(|e| KvmError::ioctl("KVM_SET_SREGS", e))?;
+            v.set_regs(&guest::initial_regs(&low_layout, i, config.guest_mode))
+                .map_err(|e| KvmError::ioctl("KVM_SET_REGS", e))?;
+            if ring != 0 {
+                rings.push(DirtyRing::map(v.as_raw_fd(), ring)?);
+            }
+            if vm_stats.is_some() {
+                match StatsFd::open(&v) {
+                    Ok(s) => vcpu_stats.push(s),
+                    Err(_) => vm_stats = None,
+                }
+            }
+            vcpus.push(v);
+        }
+
+        let mut m = KvmMachine {
+            threads: Vec::new(),
+            ctl: Arc::new(Control {
+                start: Barrier::new(config.vcpus + 1),
+                done: Barrier::new(config.vcpus + 1),
+                job: Mutex::new(Job::Run),
+                results: Mutex::new(vec![Ok(VcpuPass::default()); config.vcpus]),
+                running: AtomicBool::new(false),
+            }),
+            rings: Arc::new(Mutex::new(Rings {
+                rings,
+                reaped: Vec::new(),
+            })),
+            vm: Arc::new(vm),
+            layout,
+            low_layout,
+            config,
+            caps,
+            logging: Mutex::new(false),
+            stats: vm_stats.map(|v| (v, vcpu_stats)),
+            low,
+            ram,
+        };
+        m.write_params_static();
+        for (i, v) in vcpus.into_iter().enumerate() {
+            let ctx = VcpuContext {
+                idx: i,
+                vcpu: v,
+                ctl: m.ctl.clone(),
+                rings: m.rings.clone(),
+                vm: m.vm.clone(),
+                block: m.low.addr() + m.low_layout.param_block(i),
+                regs: guest::initial_regs(&m.low_layout, i, m.config.guest_mode),
+            };
+            let t = std::thread::Builder::new()
+                .name(format!("kvm-vcpu{i}"))
+                .spawn(move || vcpu_thread(ctx));
+            match t {
+                Ok(h) => m.threads.push(h),
+                Err(e) => {
+                    // Release the threads already waiting at the start barrier with Stop; the
+                    // missing ones never arrive, so the barrier cannot be used: leak them.
+                    *lock(&m.ctl.job) = Job::Stop;
+                    m.threads.clear();
+                    return Err(KvmError::Thread(e));
+                }
+            }
+        }
+        Ok(m)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &KvmConfig {
+        &self.config
+    }
+
+    /// What the host's KVM offers.
+    pub fn caps(&self) -> HostCaps {
+        self.caps
+    }
+
+    /// Where the test region is.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// Where the code, parameters and page tables are in the low slot.
+    pub fn low_layout(&self) -> LowLayout {
+        self.low_layout
+    }
+
+    /// The VM fd (for ioctls this crate does not wrap).
+    pub fn vm_fd(&self) -> &VmFd {
+        &self.vm
+    }
+
+    /// KVM's counters for the VM (e.g. `remote_tlb_flush`, `pages_4k`, `mmu_shadow_zapped`).
+    /// Errors if the kernel has no binary statistics (`KVM_CAP_BINARY_STATS_FD`, Linux 5.14).
+    pub fn vm_stats(&self) -> Result<Vec<Stat>, KvmError> {
+        match &self.stats {
+            Some((vm, _)) => vm.read(),
+            None => Err(KvmError::unsupported("KVM_CAP_BINARY_STATS_FD")),
+        }
+    }
+
+    /// KVM's counters for vCPU `i` (e.g. `exits`, `pf_fixed`, `pf_emulate`,
+    /// `insn_emulation`), or for all vCPUs summed when `i` is `None`.
+    pub fn vcpu_stats(&self, i: Option<usize>) -> Result<Vec<Stat>, KvmError> {
+        let Some((_, vcpus)) = &self.stats else {
+            return Err(KvmError::unsupported("KVM_CAP_BINARY_STATS_FD"));
+        };
+        match i {
+            Some(i) => vcpus
+                .get(i)
+                .ok_or_else(|| KvmError::Config(format!("no vCPU {i}")))?
+                .read(),
+            None => {
+                let mut sum: Vec<Stat> = Vec::new();
+                for v in vcpus {
+                    for s in v.read()? {
+                        match sum.iter_mut().find(|t| t.name == s.name) {
+                            Some(t) if s.peak => t.value = t.value.max(s.value),
+                            Some(t) => t.value = t.value.wrapping_add(s.value),
+                            None => sum.push(s),
+                        }
+                    }
+                }
+                Ok(sum)
+            }
+        }
+    }
+
+    /// The ids of the test region's memslots, in guest-address order.
+    pub fn slot_ids(&self) -> impl Iterator<Item = u32> {
+        FIRST_SLOT..FIRST_SLOT + self.config.slots as u32
+    }
+
+    /// Pages per memslot.
+    pub fn pages_per_slot(&self) -> u64 {
+        self.layout.total_pages() / self.config.slots as u64
+    }
+
+    /// The first 8 bytes of page `page` of the test region (atomically; vCPUs may be writing).
+    /// `None` past the end.
+    pub fn page_value(&self, page: u64) -> Option<u64> {
+        (page < self.layout.total_pages()).then(|| {
+            // SAFETY: the page lies in the test region mapping, which lives as long as `self`;
+            // the address is page aligned and accessed atomically.
+            unsafe { AtomicU64::from_ptr((self.layout.host + page * PAGE_SIZE) as *mut u64) }
+                .load(Ordering::Relaxed)
+        })
+    }
+
+    /// Sets the first 8 bytes of page `page` of the test region from the host (not logged:
+    /// KVM logs guest writes only). `false` past the end.
+    pub fn set_page_value(&self, page: u64, value: u64) -> bool {
+        if page >= self.layout.total_pages() {
+            return false;
+        }
+        // SAFETY: as in `page_value`.
+        unsafe { AtomicU64::from_ptr((self.layout.host + page * PAGE_SIZE) as *mut u64) }
+            .store(value, Ordering::Relaxed);
+        true
+    }
+
+    fn low_u64(&self, at: u64) -> &AtomicU64 {
+        debug_assert!(at % 8 == 0 && at + 8 <= self.low.len());
+        // SAFETY: `at` is an aligned offset inside the low mapping, which lives as long as
+        // `self`; the guest shares these words, so they are only accessed atomically.
+        unsafe { AtomicU64::from_ptr((self.low.addr() + at) as *mut u64) }
+    }
+
+    /// Parameter block fields that never change.
+    fn write_params_static(&self) {
+        for i in 0..self.config.vcpus {
+            let b = self.low_layout.param_block(i);
+            let (gpa, _, pages) = self.layout.region(i);
+            self.low_u64(b + param::BASE).store(gpa, Ordering::Relaxed);
+            self.low_u64(b + param::PAGES)
+                .store(pages, Ordering::Relaxed);
+            self.low_u64(b + param::CONTROL)
+                .store(self.low_layout.control, Ordering::Relaxed);
+            self.low_u64(b + param::HUNDRED)
+                .store(100, Ordering::Relaxed);
+        }
+    }
+
+    /// Runs one memstress pass on every vCPU and waits for all of them (GUEST_SYNC).
+    pub fn run_pass(&self, params: PassParams) -> Result<PassReport, KvmError> {
+        let t0 = Instant::now();
+        self.start(Workload::Pass(params))?;
+        self.wait(t0)
+    }
+
+    /// Starts `w` on every vCPU and returns at once; [`Self::halt`] stops it (a `Pass` also
+    /// ends by itself, and `halt` then just collects it).
+    pub fn start(&self, w: Workload) -> Result<(), KvmError> {
+        if let Workload::Pass(p) | Workload::Loop(p) = w {
+            if p.write_percent > 100 {
+                return Err(KvmError::Config(format!(
+                    "write percent {} is not in 0..=100",
+                    p.write_percent
+                )));
+            }
+        }
+        if self.ctl.running.swap(true, Ordering::SeqCst) {
+            return Err(KvmError::Busy("a workload is already running"));
+        }
+        let (mode, seed, wp, random) = match w {
+            Workload::Pass(p) => (guest::MODE_PASS, p.seed, p.write_percent, p.random),
+            Workload::Loop(p) => (guest::MODE_LOOP, p.seed, p.write_percent, p.random),
+            Workload::Writer { seed, iteration } => {
+                self.low_u64(self.low_layout.control + control::ITERATION)
+                    .store(iteration, Ordering::Relaxed);
+                (guest::MODE_WRITER, seed, 100, true)
+            }
+        };
+        for i in 0..self.config.vcpus {
+            let b = self.low_layout.param_block(i);
+            let s = ParkMiller::normalize(seed.wrapping_add(i as u32));
+            self.low_u64(b + param::SEED)
+                .store(s as u64, Ordering::Relaxed);
+            self.low_u64(b + param::WRITE_PERCENT)
+                .store(wp as u64, Ordering::Relaxed);
+            self.low_u64(b + param::RANDOM)
+                .store(random as u64, Ordering::Relaxed);
+            self.low_u64(b + param::MODE).store(mode, Ordering::Relaxed);
+        }
+        self.low_u64(self.low_layout.control + control::HALT)
+            .store(0, Ordering::SeqCst);
+        *lock(&self.ctl.job) = Job::Run;
+        // The barrier orders the stores above before the vCPU threads' KVM_RUN.
+        self.ctl.start.wait();
+        Ok(())
+    }
+
+    /// Asks the running workload to stop at the vCPUs' next check and waits for every vCPU to
+    /// sync.
+    pub fn halt(&self) -> Result<PassReport, KvmError> {
+        if !self.ctl.running.load(Ordering::SeqCst) {
+            return Err(KvmError::Busy("no workload is running"));
+        }
+        let t0 = Instant::now();
+        self.low_u64(self.low_layout.control + control::HALT)
+            .store(1, Ordering::SeqCst);
+        self.wait(t0)
+    }
+
+    fn wait(&self, t0: Instant) -> Result<PassReport, KvmError> {
+        self.ctl.done.wait();
+        let wall = t0.elapsed();
+        self.ctl.running.store(false, Ordering::SeqCst);
+        let results = lock(&self.ctl.results).clone();
+        let mut vcpus = Vec::with_capacity(results.len());
+        for (i, r) in results.into_iter().enumerate() {
+            match r {
+                Ok(v) => vcpus.push(v),
+                Err(exit) => return Err(KvmError::UnexpectedExit { vcpu: i, exit }),
+            }
+        }
+        Ok(PassReport { wall, vcpus })
+    }
+
+    /// Turns dirty logging (`KVM_MEM_LOG_DIRTY_PAGES`) on or off on every memslot of the test
+    /// region (a flags-only `KVM_SET_USER_MEMORY_REGION`).
+    pub fn set_dirty_logging(&self, on: bool) -> Result<(), KvmError> {
+        let mut logging = lock(&self.logging);
+        let flags = if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 };
+        let per_slot = self.layout.total_pages() / self.config.slots as u64 * PAGE_SIZE;
+        for (s, id) in self.slot_ids().enumerate() {
+            let r = kvm_userspace_memory_region {
+                slot: id,
+                flags,
+                guest_phys_addr: self.layout.gpa + s as u64 * per_slot,
+                memory_size: per_slot,
+                userspace_addr: self.ram.addr() + s as u64 * per_slot,
+            };
+            // SAFETY: the same slot, range and host mapping as at creation; only flags change.
+            unsafe {
+                self.vm
+                    .set_user_memory_region(r)
+                    .map_err(|e| KvmError::ioctl("KVM_SET_USER_MEMORY_REGION", e))?;
+            }
+        }
+        *logging = on;
+        Ok(())
+    }
+
+    /// Whether dirty logging is on.
+    pub fn dirty_logging(&self) -> bool {
+        *lock(&self.logging)
+    }
+
+    fn check_bitmap_op(&self, slot: u32, words: usize, op: &str) -> Result<u64, KvmError> {
+        if self.config.dirty.ring_entries != 0 {
+            return Err(KvmError::DirtyLog(format!(
+                "{op}: the VM logs to dirty rings, which replace the bitmaps"
+            )));
+        }
+        if !self.slot_ids().any(|s| s == slot) {
+            return Err(KvmError::DirtyLog(format!(
+                "{op}: slot {slot} is not a test memslot"
+            )));
+        }
+        let pps = self.pages_per_slot();
+        if (words as u64) < pps.div_ceil(64) {
+            return Err(KvmError::DirtyLog(format!(
+                "{op}: a bitmap of {words} words cannot hold {pps} pages"
+            )));
+        }
+        Ok(pps)
+    }
+
+    /// `KVM_GET_DIRTY_LOG` of `slot` into `bitmap` (bit `p` = page `p` of the slot; at least
+    /// `pages_per_slot().div_ceil(64)` words). Without manual protect this also clears the
+    /// log and write-protects the pages; with it, it copies.
+    pub fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), KvmError> {
+        self.check_bitmap_op(slot, bitmap.len(), "KVM_GET_DIRTY_LOG")?;
+        if !self.dirty_logging() {
+            return Err(KvmError::DirtyLog(
+                "KVM_GET_DIRTY_LOG: dirty logging is off".into(),
+            ));
+        }
+        dirty::get_dirty_log(&*self.vm, slot, bitmap)
+    }
+
+    /// `KVM_CLEAR_DIRTY_LOG` (manual protect): clears and re-protects the pages of
+    /// `[first_page, first_page + num_pages)` of `slot` whose bits are set in `bitmap` (bit 0
+    /// = `first_page`). `first_page` must be a multiple of 64, and so must `num_pages` unless
+    /// the range reaches the end of the slot.
+    pub fn clear_dirty_log(
+        &self,
+        slot: u32,
+        first_page: u64,
+        num_pages: u64,
+        bitmap: &[u64],
+    ) -> Result<(), KvmError> {
+        let pps = self.check_bitmap_op(slot, usize::MAX, "KVM_CLEAR_DIRTY_LOG")?;
+        if self.config.dirty.manual_protect & MANUAL_PROTECT_ENABLE == 0 {
+            return Err(KvmError::DirtyLog(
+                "KVM_CLEAR_DIRTY_LOG needs manual protect (KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2)"
+                    .into(),
+            ));
+        }
+        let end = first_page.checked_add(num_pages);
+        if first_page % 64 != 0
+            || end.is_none_or(|e| e > pps)
+            || (num_pages % 64 != 0 && end != Some(pps))
+            || (bitmap.len() as u64) < num_pages.div_ceil(64)
+        {
+            return Err(KvmError::DirtyLog(format!(
+                "KVM_CLEAR_DIRTY_LOG: range of {num_pages} pages from page {first_page} with a \
+                 {}-word bitmap does not fit slot {slot} ({pps} pages; first page and length \
+                 must be multiples of 64 unless the range ends the slot)",
+                bitmap.len()
+            )));
+        }
+        if !self.dirty_logging() {
+            return Err(KvmError::DirtyLog(
+                "KVM_CLEAR_DIRTY_LOG: dirty logging is off".into(),
+            ));
+        }
+        dirty::clear_dirty_log(&*self.vm, slot, first_page, num_pages as u32, bitmap)
+    }
+
+    /// Takes every dirty-ring entry not yet collected: first those the vCPUs reaped on
+    /// ring-full exits, then each ring's (acquire of DIRTY, release of RESET). Calls
+    /// `f(slot, offset)` per entry (slot is `as_id << 16 | id`; address space 0 here); returns
+    /// how many. Follow with [`Self::reset_dirty_rings`] before reading the pages.
+    pub fn collect_dirty_rings(&self, mut f: impl FnMut(u32, u64)) -> u64 {
+        let mut r = lock(&self.rings);
+        let reaped = std::mem::take(&mut r.reaped);
+        let mut n = reaped.len() as u64;
+        for (s, o) in reaped {
+            f(s, o);
+        }
+        for ring in r.rings.iter_mut() {
+            n += ring.harvest(&mut f) as u64;
+        }
+        n
+    }
+
+    /// `KVM_RESET_DIRTY_RINGS`: re-protects the pages of every collected entry; returns how
+    /// many entries KVM reset.
+    pub fn reset_dirty_rings(&self) -> Result<u64, KvmError> {
+        if self.config.dirty.ring_entries == 0 {
+            return Err(KvmError::DirtyLog(
+                "KVM_RESET_DIRTY_RINGS: the VM has no dirty rings".into(),
+            ));
+        }
+        let _r = lock(&self.rings);
+        dirty::reset_dirty_rings(&*self.vm)
+    }
+}
+
+impl Drop for KvmMachine {
+    fn drop(&mut self) {
+        if self.threads.is_empty() {
+            return;
+        }
+        if self.ctl.running.load(Ordering::SeqCst) {
+            let _ = self.halt();
+        }
+        *lock(&self.ctl.job) = Job::Stop;
+        self.ctl.start.wait();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+struct VcpuContext {
+    idx: usize,
+    vcpu: VcpuFd,
+    ctl: Arc<Control>,
+    rings: Arc<Mutex<Rings>>,
+    vm: Arc<VmFd>,
+    /// Host address of this vCPU's parameter block.
+    block: u64,
+    regs: kvm_bindings::kvm_regs,
+}
+
+impl VcpuContext {
+    fn out(&self, field: u64) -> u64 {
+        // SAFETY: the block lies in the low mapping, which outlives the vCPU threads (the
+        // machine joins them before unmapping); the guest is out of guest mode (it synced).
+        unsafe { AtomicU64::from_ptr((self.block + field) as *mut u64) }.load(Ordering::Relaxed)
+    }
+
+    /// What a vCPU does on `KVM_EXIT_DIRTY_RING_FULL`, like QEMU's vCPU thread when the reaper
+    /// lags: harvest every ring into the machine's reaped list, then reset them.
+    fn ring_full(&self) -> Result<(), String> {
+        let mut r = lock(&self.rings);
+        let Rings { rings, reaped } = &mut *r;
+        for ring in rings.iter_mut() {
+            ring.harvest(|s, o| reaped.push((s, o)));
+        }
+        dirty::reset_dirty_rings(&*self.vm)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+
+    /// Runs the guest until it syncs.
+    fn run(&mut self) -> Result<VcpuPass, String> {
+        let mut p = VcpuPass::default();
+        let t0 = Instant::now();
+        loop {
+            p.entries += 1;
+            let exit = match self.vcpu.run() {
+                Ok(VcpuExit::IoOut(port, _)) if port == SYNC_PORT => break,
+                Ok(VcpuExit::Unsupported(r)) if r == KVM_EXIT_DIRTY_RING_FULL => {
+                    p.ring_full_exits += 1;
+                    self.ring_full()?;
+                    continue;
+                }
+                Ok(e) => format!("{e:?}"),
+                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => continue,
+                Err(e) => format!("KVM_RUN failed: {e}"),
+            };
+            let rip = self
+                .vcpu
+                .get_regs()
+                .map_or_else(|_| "unknown".to_string(), |r| format!("{:#x}", r.rip));
+            return Err(format!("{exit} at RIP {rip}"));
+        }
+        p.time = t0.elapsed();
+        p.pages = self.out(param::TOUCHED);
+        p.passes = self.out(param::PASSES);
+        Ok(p)
+    }
+}
+
+fn vcpu_thread(mut ctx: VcpuContext) {
+    let mut broken = false;
+    loop {
+        ctx.ctl.start.wait();
+        if matches!(*lock(&ctx.ctl.job), Job::Stop) {
+            break;
+        }
+        if broken {
+            // The last run ended somewhere in the guest: start the program over.
+            broken = ctx.vcpu.set_regs(&ctx.regs).is_err();
+        }
+        let r = if broken {
+            Err("cannot reset the vCPU's registers after an earlier failure".to_string())
+        } else {
+            ctx.run()
+        };
+        broken = r.is_err();
+        lock(&ctx.ctl.results)[ctx.idx] = r;
+        ctx.ctl.done.wait();
+    }
+}
+
+/// Runs the memstress pattern of `layout` natively on `mem` (at least as large as the test
+/// region) with one thread per vCPU: the native baseline of a pass. The wall time is the
+/// slowest thread's own time (the spawning thread may not run again until the workers finish).
+pub fn native_baseline(
+    layout: Layout,
+    mem: &HostMemory,
+    params: PassParams,
+) -> Result<PassReport, KvmError> {
+    let total = layout.bytes_per_vcpu * layout.vcpus as u64;
+    if mem.len() < total {
+        return Err(KvmError::Config(format!(
+            "native baseline needs {total} bytes of host memory, got {}",
+            mem.len()
+        )));
+    }
+    let base = mem.addr();
+    let start = Barrier::new(layout.vcpus + 1);
+    let vcpus = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..layout.vcpus)
+            .map(|i| {
+                let start = &start;
+                s.spawn(move || {
+                    let (gpa, _, pages) = layout.region(i);
+                    start.wait();
+                    let t0 = Instant::now();
+                    // SAFETY: `mem` holds the whole region (checked above) and outlives the
+                    // scope; other workers access it only atomically.
+                    unsafe {
+                        crate::memstress::native_pass(
+                            base + (gpa - layout.gpa),
+                            pages,
+                            params,
+                            i as u32,
+                        )
+                    };
+                    VcpuPass {
+                        time: t0.elapsed(),
+                        pages,
+                        passes: 1,
+                        ..VcpuPass::default()
+                    }
+                })
+            })
+            .collect();
+        start.wait();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_default())
+            .collect::<Vec<_>>()
+    });
+    let wall = vcpus.iter().map(|v| v.time).max().unwrap_or_default();
+    Ok(PassReport { wall, vcpus })
+}
