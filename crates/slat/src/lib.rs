@@ -25,6 +25,7 @@
 
 #![deny(missing_docs)]
 
+pub mod age;
 pub mod dirty;
 mod fault;
 pub mod flush;
@@ -37,6 +38,7 @@ pub mod table;
 mod vm;
 pub(crate) mod walk;
 
+pub use age::{AgeFlush, AgeReport, IdleBitmap, IdleError, WorkingSet};
 pub use dirty::{DirtyLogError, DirtyTrack, GetLogVariant, RecoverVariant};
 pub use fault::{Fault, FaultOutcome};
 pub use format::{Access, Ept, Level, PteFormat};

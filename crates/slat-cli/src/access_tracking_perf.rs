@@ -1,0 +1,534 @@
+//! `slat access-tracking-perf`: KVM's access_tracking_perf_test on the simulated machine —
+//! populate, write and read populated memory, mark it idle, write idle memory, mark it idle
+//! again, read idle memory — with, for every guest pass, the same pass on host memory in the
+//! same run and the ratio. Like the selftest it checks that after an access pass almost no page
+//! is still idle (the accesses were seen by aging), and fails otherwise.
+//!
+//! Marking idle is the engine's idle page tracking ([`slat::Vm::mark_idle`]): one host thread
+//! per vCPU marks that vCPU's pages (vCPU 0 marks everything with `-o`), as the selftest's
+//! vCPU threads write page_idle for their own memory.
+
+use crate::args::{backing, guest_size, MachineArgs, Switch};
+use crate::demand_paging::stats_json;
+use crate::report::{quiet, ratio, ts, Phase};
+use clap::{Args, ValueEnum};
+use serde_json::{json, Value};
+use slat::format::{PAGE_SHIFT, PAGE_SIZE};
+use slat::{AgeFlush, AgeReport, Ept, IdleBitmap, Vm};
+use slat_machine::ram::{format_size, Backing, GuestRam};
+use slat_machine::{native_baseline, Machine, MachineConfig, PassParams, PassReport};
+use std::time::{Duration, Instant};
+
+/// The selftest's limit: at least 90% of the pages must be seen accessed after an access pass.
+const MAX_STILL_IDLE: f64 = 0.10;
+
+/// What to do when too many pages are still idle after an access pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum IdleCheck {
+    /// Exit with an error (the selftest's default).
+    Fail,
+    /// Print a warning and go on (the selftest's `-w 1`).
+    Warn,
+}
+
+/// Flags of `slat access-tracking-perf` (the selftest's, plus slat's variant switches).
+#[derive(Debug, Args)]
+#[command(after_long_help = "\
+Lines, as the selftest prints them (`%-30s: %ld.%09lds`): Populating memory, Writing to \
+populated memory, Reading from populated memory, Mark memory idle, Writing to idle memory, \
+Mark memory idle, Reading from idle memory. After each guest pass a `native baseline` line \
+gives the same pass on host memory and the ratio; after each pass over idle memory a \
+`still idle` line gives the pages aging did not see accessed.
+
+Seed 000 (fast page fault for the TDP MMU) measured `Writing to idle memory` with A/D bits \
+off, so that every access to idle memory takes an access-tracking fault:
+  slat access-tracking-perf --compare --ad-bits off
+runs fast PF on/off x -v 1/-v 2 in this one process and prints one table.")]
+pub struct AccessTrackingPerfArgs {
+    /// vCPUs, each a thread accessing its own partition of guest memory.
+    #[arg(short = 'v', value_parser = clap::value_parser!(u32).range(1..=512), default_value_t = 1)]
+    pub vcpus: u32,
+    /// Guest memory per vCPU: bytes with an optional k/m/g/t suffix (powers of 1024), a
+    /// multiple of 4 KiB.
+    #[arg(short = 'b', value_parser = guest_size, default_value = "1G")]
+    pub bytes: u64,
+    /// Overlap: every vCPU accesses all of guest memory (and vCPU 0's thread marks it idle).
+    #[arg(short = 'o')]
+    pub overlap: bool,
+    /// Host memory behind guest RAM: anonymous, anonymous_thp, anonymous_hugetlb (2 MiB),
+    /// anonymous_hugetlb_1gb, shmem.
+    #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
+    pub backing: Backing,
+    /// Flush TLBs when marking idle (clear_flush_young). Off, like page_idle's clear_young:
+    /// accesses through translations the vCPUs cached before the marking go unseen.
+    #[arg(long = "age-flush", value_enum, default_value = "off")]
+    pub age_flush: Switch,
+    /// What happens when more than 10% of the pages are still idle after an access pass.
+    #[arg(long = "idle-check", value_enum, default_value = "fail")]
+    pub idle_check: IdleCheck,
+    /// Run the seed-000 comparison instead of one configuration: fast page fault on and off,
+    /// each with -v 1 and -v 2 (the given -b, -s, -o and --ad-bits), one table at the end.
+    #[arg(long)]
+    pub compare: bool,
+    /// Print one JSON document with every figure instead of the text report.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub machine: MachineArgs,
+}
+
+/// One guest pass and its native twin.
+struct Pass {
+    name: &'static str,
+    guest: PassReport,
+    native: PassReport,
+}
+
+impl Pass {
+    fn faults(&self) -> u64 {
+        self.guest.vcpus.iter().map(|v| v.counters.faults).sum()
+    }
+    fn json(&self) -> Value {
+        json!({
+            "name": self.name,
+            "time_s": self.guest.wall.as_secs_f64(),
+            "native_time_s": self.native.wall.as_secs_f64(),
+            "ratio_guest_over_native": ratio(self.guest.wall, self.native.wall),
+            "faults": self.faults(),
+            "walks": self.guest.vcpus.iter().map(|v| v.counters.walks).sum::<u64>(),
+            "ad_updates": self.guest.vcpus.iter().map(|v| v.counters.ad_updates).sum::<u64>(),
+        })
+    }
+}
+
+/// One marking of all guest memory as idle.
+struct Mark {
+    time: Duration,
+    report: AgeReport,
+    pages: u64,
+}
+
+impl Mark {
+    fn ms_per_gib(&self) -> f64 {
+        let gib = (self.pages << PAGE_SHIFT) as f64 / (1u64 << 30) as f64;
+        self.time.as_secs_f64() * 1e3 / gib
+    }
+    fn json(&self) -> Value {
+        json!({
+            "time_s": self.time.as_secs_f64(),
+            "ms_per_gib": self.ms_per_gib(),
+            "pages": self.pages,
+            "young_pages": self.report.young_pages,
+            "aged_leaves": self.report.aged_leaves,
+            "dirty_pages": self.report.dirty_pages,
+            "contended_leaves": self.report.contended_leaves,
+            "flushed": self.report.flushed,
+        })
+    }
+}
+
+/// Pages still idle after an access pass.
+struct IdleAfter {
+    pass: &'static str,
+    still_idle: u64,
+    pages: u64,
+}
+
+impl IdleAfter {
+    fn fraction(&self) -> f64 {
+        self.still_idle as f64 / self.pages.max(1) as f64
+    }
+}
+
+/// Everything one configuration measured.
+struct RunResult {
+    vcpus: u32,
+    fast_pf: bool,
+    passes: Vec<Pass>,
+    marks: Vec<Mark>,
+    idle: Vec<IdleAfter>,
+    stats: slat::Stats,
+    pcpus: usize,
+    warnings: Vec<String>,
+}
+
+impl RunResult {
+    fn pass(&self, name: &str) -> Option<&Pass> {
+        self.passes.iter().find(|p| p.name == name)
+    }
+}
+
+/// Runs the benchmark.
+pub fn run(a: &AccessTrackingPerfArgs) -> Result<(), String> {
+    if a.compare {
+        return compare(a);
+    }
+    let r = run_one(a, a.vcpus, a.machine.fast_pf.on(), !a.json)?;
+    if a.json {
+        println!("{:#}", run_json(a, &r));
+    } else {
+        summary(a, &r);
+    }
+    Ok(())
+}
+
+fn flush_mode(a: &AccessTrackingPerfArgs) -> AgeFlush {
+    if a.age_flush.on() {
+        AgeFlush::Flush
+    } else {
+        AgeFlush::NoFlush
+    }
+}
+
+/// One configuration, start to end. Prints the selftest's lines as it goes when `text`.
+fn run_one(
+    a: &AccessTrackingPerfArgs,
+    vcpus: u32,
+    fast_pf: bool,
+    text: bool,
+) -> Result<RunResult, String> {
+    let q = quiet(a.json);
+    let prefault = !a.machine.no_prefault;
+    let mut vm_cfg = a.machine.vm_config();
+    vm_cfg.fast_pf = fast_pf;
+    let cfg = MachineConfig {
+        vm: vm_cfg,
+        backing: a.backing,
+        vcpus: vcpus as usize,
+        bytes_per_vcpu: a.bytes,
+        slots: 1,
+        overlap: a.overlap,
+        tlb_entries: a.machine.tlb_entries,
+        pcpus: a.machine.pcpus.unwrap_or(0),
+        prefault,
+        dirty: Default::default(),
+    };
+    let total = a.bytes * vcpus as u64;
+    let p = Phase::start(
+        format!(
+            "mapping {} of {} guest RAM and as much host memory for the native baseline",
+            format_size(total),
+            a.backing
+        ),
+        q,
+    );
+    let m = Machine::<Ept>::new(cfg).map_err(|e| e.to_string())?;
+    let psize = a.backing.page_size().max(PAGE_SIZE);
+    let native_ram = GuestRam::new(a.backing, total.div_ceil(psize) * psize, prefault)
+        .map_err(|e| e.to_string())?;
+    p.done();
+    let layout = m.layout();
+    if text {
+        println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
+        println!(
+            "guest physical test memory: [0x{:x}, 0x{:x})",
+            layout.gpa,
+            layout.gpa + total
+        );
+    }
+    // One bitmap per marking thread: each vCPU's partition, or everything for vCPU 0 (-o).
+    let regions = if a.overlap { 1 } else { vcpus as usize };
+    let mut bitmaps = (0..regions)
+        .map(|i| {
+            let (gpa, _, pages) = layout.region(i);
+            IdleBitmap::new::<Ept>(gpa >> PAGE_SHIFT, pages).map_err(|e| e.to_string())
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut r = RunResult {
+        vcpus,
+        fast_pf,
+        passes: Vec::new(),
+        marks: Vec::new(),
+        idle: Vec::new(),
+        stats: slat::Stats::default(),
+        pcpus: m.pcpus(),
+        warnings: Vec::new(),
+    };
+    let write = PassParams {
+        write_percent: 100,
+        ..PassParams::default()
+    };
+    let read = PassParams {
+        write_percent: 0,
+        ..PassParams::default()
+    };
+    let access = |name: &'static str, params: PassParams, r: &mut RunResult| {
+        let guest = m.run_pass(params).map_err(|e| e.to_string())?;
+        let native = native_baseline(layout, native_ram.addr(), params);
+        if text {
+            println!("{:<30}: {}", name, ts(guest.wall));
+            println!(
+                "{:<30}: {} (guest/native {:.2}x)",
+                "  native baseline",
+                ts(native.wall),
+                ratio(guest.wall, native.wall)
+            );
+        }
+        r.passes.push(Pass {
+            name,
+            guest,
+            native,
+        });
+        Ok::<(), String>(())
+    };
+    let vm = m.vm().clone();
+    let flush = flush_mode(a);
+    let mark = |bitmaps: &mut [IdleBitmap], r: &mut RunResult| {
+        let m = mark_idle(&vm, bitmaps, flush);
+        if text {
+            println!("{:<30}: {}", "Mark memory idle", ts(m.time));
+        }
+        r.marks.push(m);
+    };
+    let check = |name: &'static str, bitmaps: &mut [IdleBitmap], r: &mut RunResult| {
+        let still_idle: u64 = bitmaps.iter_mut().map(|b| vm.read_idle(b)).sum();
+        let pages: u64 = bitmaps.iter().map(|b| b.npages()).sum();
+        let idle = IdleAfter {
+            pass: name,
+            still_idle,
+            pages,
+        };
+        if text {
+            println!(
+                "{:<30}: {} of {} pages ({:.2}%)",
+                "  still idle",
+                idle.still_idle,
+                idle.pages,
+                100.0 * idle.fraction()
+            );
+        }
+        let f = idle.fraction();
+        r.idle.push(idle);
+        if f < MAX_STILL_IDLE {
+            return Ok(());
+        }
+        let tlb = a.machine.tlb_entries;
+        let msg = format!(
+            "{still_idle} of {pages} pages ({:.1}%) are still idle after `{name}`; at most {:.0}% may be. \
+             With --age-flush off (clear_young, like page_idle) accesses through TLB entries cached \
+             before the marking are not seen, and each vCPU's TLB holds {tlb} 4 KiB, 32 2 MiB and 4 1 GiB \
+             translations: use more memory (-b), --age-flush on, or --idle-check warn",
+            100.0 * f,
+            100.0 * MAX_STILL_IDLE,
+        );
+        match a.idle_check {
+            IdleCheck::Fail => Err(msg),
+            IdleCheck::Warn => {
+                if !q {
+                    eprintln!("slat: warning: {msg}");
+                }
+                r.warnings.push(msg);
+                Ok(())
+            }
+        }
+    };
+
+    access("Populating memory", write, &mut r)?;
+    access("Writing to populated memory", write, &mut r)?;
+    access("Reading from populated memory", read, &mut r)?;
+    mark(&mut bitmaps, &mut r);
+    access("Writing to idle memory", write, &mut r)?;
+    check("Writing to idle memory", &mut bitmaps, &mut r)?;
+    mark(&mut bitmaps, &mut r);
+    access("Reading from idle memory", read, &mut r)?;
+    check("Reading from idle memory", &mut bitmaps, &mut r)?;
+    r.stats = vm.stats();
+    drop(m);
+    drop(native_ram);
+    Ok(r)
+}
+
+/// Marks every bitmap idle, one host thread per bitmap (the selftest's vCPU threads each mark
+/// their own memory), and times the whole marking.
+fn mark_idle(vm: &Vm<Ept>, bitmaps: &mut [IdleBitmap], flush: AgeFlush) -> Mark {
+    let pages = bitmaps.iter().map(|b| b.npages()).sum();
+    let t0 = Instant::now();
+    let reports: Vec<AgeReport> = if bitmaps.len() == 1 {
+        bitmaps
+            .iter_mut()
+            .map(|b| vm.mark_idle(b, flush, |_, _| {}))
+            .collect()
+    } else {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = bitmaps
+                .iter_mut()
+                .map(|b| s.spawn(move || vm.mark_idle(b, flush, |_, _| {})))
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or_default())
+                .collect()
+        })
+    };
+    let time = t0.elapsed();
+    let mut report = AgeReport::default();
+    for x in reports {
+        report.young_pages += x.young_pages;
+        report.aged_leaves += x.aged_leaves;
+        report.dirty_pages += x.dirty_pages;
+        report.contended_leaves += x.contended_leaves;
+        report.flushed |= x.flushed;
+    }
+    Mark {
+        time,
+        report,
+        pages,
+    }
+}
+
+fn on_off(b: bool) -> &'static str {
+    if b {
+        "on"
+    } else {
+        "off"
+    }
+}
+
+/// The figures after the selftest's lines.
+fn summary(a: &AccessTrackingPerfArgs, r: &RunResult) {
+    let s = &r.stats;
+    println!();
+    for (i, m) in r.marks.iter().enumerate() {
+        println!(
+            "Mark memory idle #{}: {:.3} ms per GiB; {} leaves aged ({} pages young), {} pages reported dirty{}",
+            i + 1,
+            m.ms_per_gib(),
+            m.report.aged_leaves,
+            m.report.young_pages,
+            m.report.dirty_pages,
+            if m.report.flushed { ", TLBs flushed" } else { "" }
+        );
+    }
+    for name in ["Writing to idle memory", "Reading from idle memory"] {
+        if let Some(p) = r.pass(name) {
+            println!(
+                "{name}: {} faults ({:.2}x native)",
+                p.faults(),
+                ratio(p.guest.wall, p.native.wall)
+            );
+        }
+    }
+    println!(
+        "Engine: {} slow faults, {} fast faults, {} spurious, {} retried; remote flushes {}/{} requested",
+        s.pf_fixed, s.pf_fast, s.pf_spurious, s.pf_retry, s.remote_tlb_flush, s.remote_tlb_flush_requests
+    );
+    println!(
+        "Leaves: {} x 4K, {} x 2M, {} x 1G",
+        s.leaves_4k, s.leaves_2m, s.leaves_1g
+    );
+    println!(
+        "Machine: {} vCPU(s) on {} physical CPU(s); {}, mmu lock {}, A/D bits {}, fast page fault {}, marking with {}",
+        r.vcpus,
+        r.pcpus,
+        a.backing,
+        a.machine.vm_config().mmu_lock.name(),
+        on_off(a.machine.ad_bits.on()),
+        on_off(r.fast_pf),
+        flush_mode(a).name()
+    );
+}
+
+fn run_json(a: &AccessTrackingPerfArgs, r: &RunResult) -> Value {
+    json!({
+        "benchmark": "access-tracking-perf",
+        "backend": "sim",
+        "config": {
+            "vcpus": r.vcpus, "bytes_per_vcpu": a.bytes, "backing": a.backing.name(),
+            "overlap": a.overlap, "ad_bits": a.machine.ad_bits.on(), "fast_pf": r.fast_pf,
+            "mmu_lock": a.machine.vm_config().mmu_lock.name(), "age_flush": a.age_flush.on(),
+            "tlb_entries": a.machine.tlb_entries, "pcpus": r.pcpus,
+            "prefault": !a.machine.no_prefault,
+        },
+        "passes": r.passes.iter().map(Pass::json).collect::<Vec<_>>(),
+        "mark_memory_idle": r.marks.iter().map(Mark::json).collect::<Vec<_>>(),
+        "still_idle": r.idle.iter().map(|i| json!({
+            "after": i.pass, "pages": i.pages, "still_idle": i.still_idle,
+            "fraction": i.fraction(),
+        })).collect::<Vec<_>>(),
+        "warnings": r.warnings,
+        "stats": stats_json(&r.stats),
+    })
+}
+
+/// Seed 000's table from one process: fast PF on/off × -v 1/-v 2.
+fn compare(a: &AccessTrackingPerfArgs) -> Result<(), String> {
+    let q = quiet(a.json);
+    let mut runs = Vec::new();
+    for vcpus in [1u32, 2] {
+        for fast_pf in [true, false] {
+            let p = Phase::start(
+                format!("run: -v {vcpus}, fast page fault {}", on_off(fast_pf)),
+                q,
+            );
+            runs.push(run_one(a, vcpus, fast_pf, false)?);
+            p.done();
+        }
+    }
+    if a.json {
+        let doc = json!({
+            "benchmark": "access-tracking-perf",
+            "compare": runs.iter().map(|r| run_json(a, r)).collect::<Vec<_>>(),
+        });
+        println!("{doc:#}");
+        return Ok(());
+    }
+    println!(
+        "access-tracking-perf --compare: -b {} per vCPU, {}{}, A/D bits {}, marking with {}",
+        format_size(a.bytes),
+        a.backing,
+        if a.overlap { ", -o" } else { "" },
+        on_off(a.machine.ad_bits.on()),
+        flush_mode(a).name()
+    );
+    if a.machine.ad_bits.on() {
+        println!(
+            "(A/D bits on: idle memory takes no faults, so fast PF hardly matters; seed 000 measured --ad-bits off)"
+        );
+    }
+    println!();
+    println!(
+        "| {:<22} | {:>16} | {:>22} | {:>12} | {:>7} | {:>24} | {:>7} | {:>8} |",
+        "variant",
+        "Mark memory idle",
+        "Writing to idle memory",
+        "native",
+        "ratio",
+        "Reading from idle memory",
+        "ratio",
+        "faults"
+    );
+    println!(
+        "|{:-<24}|{:-<18}|{:-<24}|{:-<14}|{:-<9}|{:-<26}|{:-<9}|{:-<10}|",
+        "", "", "", "", "", "", "", ""
+    );
+    for r in &runs {
+        let w = r.pass("Writing to idle memory");
+        let rd = r.pass("Reading from idle memory");
+        let mark = r.marks.first().map(|m| m.time).unwrap_or_default();
+        let cell = |p: Option<&Pass>| p.map(|p| ts(p.guest.wall)).unwrap_or_default();
+        let rat = |p: Option<&Pass>| {
+            p.map(|p| format!("{:.2}x", ratio(p.guest.wall, p.native.wall)))
+                .unwrap_or_default()
+        };
+        println!(
+            "| {:<22} | {:>16} | {:>22} | {:>12} | {:>7} | {:>24} | {:>7} | {:>8} |",
+            format!("-v {} fast PF {}", r.vcpus, on_off(r.fast_pf)),
+            ts(mark),
+            cell(w),
+            w.map(|p| ts(p.native.wall)).unwrap_or_default(),
+            rat(w),
+            cell(rd),
+            rat(rd),
+            w.map(|p| p.faults()).unwrap_or_default()
+        );
+    }
+    for r in &runs {
+        for w in &r.warnings {
+            println!(
+                "warning (-v {}, fast PF {}): {w}",
+                r.vcpus,
+                on_off(r.fast_pf)
+            );
+        }
+    }
+    Ok(())
+}

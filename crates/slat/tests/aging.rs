@@ -1,0 +1,790 @@
+//! Aging (`clear_young`, `clear_flush_young`, `test_young`) and idle page tracking, in both
+//! hardware modes and at every leaf size; and aging racing with vCPUs whose hardware walker
+//! sets A/D bits, with the lock-free fast path restoring access-tracked leaves, and with
+//! dirty-log harvests. Randomised tests print their seed (SLAT_TEST_SEED reruns one).
+#![cfg(not(loom))]
+
+mod common;
+
+use common::*;
+use slat::format::{pages_per_entry, table_index, PteFormat, PAGE_SHIFT, PAGE_SIZE};
+use slat::table::TablePage;
+use slat::{
+    Access, AgeFlush, Ept, Fault, FaultOutcome, IdleBitmap, IdleError, Level, MemslotFlags, Vcpu,
+    Vm, VmConfig,
+};
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const LOG: u32 = MemslotFlags::LOG_DIRTY_PAGES.bits();
+
+fn config(ad_bits: bool) -> VmConfig {
+    VmConfig {
+        ad_bits,
+        ..VmConfig::default()
+    }
+}
+
+/// The D bit of an A/D-enabled leaf (EPT bit 9).
+fn d_bit(leaf: u64) -> bool {
+    leaf & (1 << 9) != 0
+}
+
+/// A test vCPU without a TLB: every access walks the table the way `slat-machine`'s hardware
+/// walker does (setting A, and D on a write, with a compare-and-swap), faults through the fast
+/// path in guest mode and the slow path outside it, and acknowledges flushes only between
+/// accesses, so table pages it walks cannot be freed under it.
+struct HwCpu {
+    vm: Arc<Vm<Ept>>,
+    vcpu: Vcpu,
+    faults: u64,
+    fast: u64,
+}
+
+impl HwCpu {
+    fn new(vm: &Arc<Vm<Ept>>, id: u32) -> Self {
+        let vcpu = vm.create_vcpu(id);
+        HwCpu {
+            vm: vm.clone(),
+            vcpu,
+            faults: 0,
+            fast: 0,
+        }
+    }
+
+    /// One guest access to `gpa`, in guest mode from entry to completion (so the host's
+    /// flushes wait for it only while it runs: single-threaded tests can flush between
+    /// accesses).
+    fn access(&mut self, gpa: u64, access: Access) {
+        if self.vcpu.enter_guest() != 0 {
+            self.vcpu.service_requests(|| {});
+        }
+        loop {
+            match self.walk(gpa, access) {
+                Ok(()) => {
+                    self.vcpu.exit_guest();
+                    return;
+                }
+                Err(present) => {
+                    self.faults += 1;
+                    let f = Fault {
+                        gpa,
+                        access,
+                        present,
+                    };
+                    let o = match self.vm.fast_page_fault(&mut self.vcpu, f) {
+                        Some(o) => o,
+                        None => {
+                            self.vcpu.exit_guest();
+                            let o = self.vm.slow_page_fault(&mut self.vcpu, f);
+                            if self.vcpu.enter_guest() != 0 {
+                                self.vcpu.service_requests(|| {});
+                            }
+                            o
+                        }
+                    };
+                    if o == FaultOutcome::FixedFast {
+                        self.fast += 1;
+                    }
+                    assert!(
+                        !matches!(o, FaultOutcome::NoSlot | FaultOutcome::ReadOnly),
+                        "gpa {gpa:#x}: unexpected {o:?}"
+                    );
+                }
+            }
+            if self.vcpu.pending_requests() != 0 {
+                self.vcpu.service_requests(|| {});
+            }
+        }
+    }
+
+    fn walk(&self, gpa: u64, access: Access) -> Result<(), bool> {
+        let gfn = gpa >> PAGE_SHIFT;
+        let mut table = self.vm.root_addr();
+        let mut level: Level = Ept::ROOT_LEVEL;
+        loop {
+            // SAFETY: the root or a table reached through present entries during this access,
+            // in guest mode: a table unlinked meanwhile is freed only after a flush this vCPU
+            // acknowledges between accesses.
+            let t = unsafe { TablePage::at(table) };
+            let ep = &t.entries[table_index(gfn, level)];
+            let e = ep.load(Ordering::Acquire);
+            if Ept::hw_is_table(e, level) {
+                table = Ept::output_addr(e);
+                level -= 1;
+                continue;
+            }
+            if !Ept::permits(e, access) {
+                return Err(Ept::permits(e, Access::Read) || Ept::permits(e, Access::Exec));
+            }
+            let want = Ept::set_accessed_dirty(e, access);
+            if want != e
+                && ep
+                    .compare_exchange(e, want, Ordering::AcqRel, Ordering::Acquire)
+                    .is_err()
+            {
+                table = self.vm.root_addr();
+                level = Ept::ROOT_LEVEL;
+                continue;
+            }
+            return Ok(());
+        }
+    }
+
+    fn finish(self) -> Vcpu {
+        self.vcpu
+    }
+}
+
+/// A VM with one slot of `pages` 4 KiB pages at `gpa`, mapped by leaves of `level`.
+fn vm_with_leaf_size(ad_bits: bool, level: Level) -> (Arc<Vm<Ept>>, Option<HostMem>, u64, u64) {
+    let vm = Vm::<Ept>::new(config(ad_bits));
+    let gpa = 1u64 << 30;
+    let (host, mem, size) = match level {
+        1 => {
+            let m = HostMem::new(64 * PAGE_SIZE);
+            (m.range(PAGE_SIZE), Some(m), 64 * PAGE_SIZE)
+        }
+        2 => {
+            let m = HostMem::new(2 * HUGE_2M);
+            (m.range(HUGE_2M), Some(m), 2 * HUGE_2M)
+        }
+        // Fake, never dereferenced: the engine and the test walker only read tables.
+        _ => (fake_host(0x4000_0000_0000, HUGE_1G, HUGE_1G), None, HUGE_1G),
+    };
+    vm.add_memslot(1, gpa, size, host, 0).unwrap();
+    (vm, mem, gpa, size >> PAGE_SHIFT)
+}
+
+fn leaf(vm: &Vm<Ept>, gpa: u64) -> (u64, Level) {
+    vm.lookup(gpa >> PAGE_SHIFT)
+        .unwrap_or_else(|| panic!("gpa {gpa:#x} not mapped"))
+}
+
+#[test]
+fn age_and_test_age_with_ad_bits_at_every_leaf_size() {
+    for level in [1u8, 2, 3] {
+        let (vm, _mem, gpa, _) = vm_with_leaf_size(true, level);
+        let mut cpu = HwCpu::new(&vm, 0);
+        cpu.access(gpa, Access::Write);
+        let (l0, lv) = leaf(&vm, gpa);
+        assert_eq!(lv, level);
+        let pages = pages_per_entry(level);
+        let (g0, g1) = (gpa >> PAGE_SHIFT, (gpa >> PAGE_SHIFT) + pages);
+        assert!(
+            Ept::is_accessed(l0) && d_bit(l0),
+            "level {level}: fresh leaf {l0:#x}"
+        );
+
+        // Testing does not clear: twice young, leaf unchanged.
+        for _ in 0..2 {
+            let t = vm.test_young(g0, g1);
+            assert_eq!(
+                (t.young_pages, t.young_leaves, t.aged_leaves),
+                (pages, 1, 0)
+            );
+            assert_eq!(t.mapped_pages, pages);
+            assert_eq!(
+                leaf(&vm, gpa).0,
+                l0,
+                "level {level}: test_young changed the leaf"
+            );
+        }
+
+        let mut dirty = Vec::new();
+        let r = vm.clear_young(g0, g1, |g, n| dirty.push((g, n)));
+        assert_eq!(
+            (r.young_pages, r.aged_leaves, r.dirty_pages),
+            (pages, 1, pages)
+        );
+        assert!(!r.flushed);
+        assert_eq!(
+            dirty,
+            vec![(g0, pages)],
+            "level {level}: dirty leaf not reported"
+        );
+        let (l1, _) = leaf(&vm, gpa);
+        assert!(!Ept::is_accessed(l1), "level {level}: A still set: {l1:#x}");
+        assert!(d_bit(l1), "level {level}: aging cleared D: {l1:#x}");
+        assert!(
+            Ept::permits(l1, Access::Write),
+            "A/D mode must keep permissions"
+        );
+        assert_eq!(vm.test_young(g0, g1).young_pages, 0);
+        // Aging an old leaf changes nothing.
+        let again = vm.clear_young(g0, g1, |_, _| panic!("old leaf reported dirty"));
+        assert_eq!((again.young_pages, again.aged_leaves), (0, 0));
+
+        // The hardware walker sets A again on a read anywhere in the leaf; no fault.
+        let faults = cpu.faults;
+        cpu.access(gpa + (pages - 1) * PAGE_SIZE, Access::Read);
+        assert_eq!(
+            cpu.faults, faults,
+            "an A/D-mode access to an aged leaf faulted"
+        );
+        assert!(Ept::is_accessed(leaf(&vm, gpa).0));
+        assert_eq!(vm.test_young(g0, g1).young_pages, pages);
+        check_audit(&vm, "ad aging");
+        teardown(vm, [cpu.finish()]);
+    }
+}
+
+#[test]
+fn age_and_test_age_without_ad_bits_at_every_leaf_size() {
+    for level in [1u8, 2, 3] {
+        for first in [Access::Read, Access::Write] {
+            let ctx = format!("level {level}, {first:?} after aging");
+            let (vm, _mem, gpa, _) = vm_with_leaf_size(false, level);
+            let mut cpu = HwCpu::new(&vm, 0);
+            cpu.access(gpa, Access::Write);
+            let (l0, _) = leaf(&vm, gpa);
+            let pages = pages_per_entry(level);
+            let (g0, g1) = (gpa >> PAGE_SHIFT, (gpa >> PAGE_SHIFT) + pages);
+            assert!(Ept::is_writable(l0) && Ept::is_accessed(l0));
+            let t = vm.test_young(g0, g1);
+            assert_eq!((t.young_pages, t.aged_leaves), (pages, 0));
+            assert_eq!(leaf(&vm, gpa).0, l0, "{ctx}: test_young changed the leaf");
+
+            // A writable leaf is dirty: reported before W goes.
+            let mut dirty = Vec::new();
+            let r = vm.clear_young(g0, g1, |g, n| dirty.push((g, n)));
+            assert_eq!((r.aged_leaves, r.dirty_pages), (1, pages), "{ctx}");
+            assert_eq!(
+                dirty,
+                vec![(g0, pages)],
+                "{ctx}: the dirty page was dropped"
+            );
+            let (l1, lv1) = leaf(&vm, gpa);
+            assert_eq!(lv1, level);
+            assert!(
+                Ept::is_present(l1) && Ept::is_access_tracked(l1),
+                "{ctx}: {l1:#x}"
+            );
+            for a in [Access::Read, Access::Write, Access::Exec] {
+                assert!(!Ept::permits(l1, a), "{ctx}: tracked leaf permits {a:?}");
+            }
+            assert_eq!(Ept::output_addr(l1), Ept::output_addr(l0));
+            assert!(Ept::is_mmu_writable(l1), "{ctx}: aging lost MMU-writable");
+            assert_eq!(vm.test_young(g0, g1).young_pages, 0);
+            assert_eq!(
+                vm.stats().leaves_4k + vm.stats().leaves_2m + vm.stats().leaves_1g,
+                1
+            );
+
+            // The next access faults; the fast path restores without the MMU lock.
+            let fast = cpu.fast;
+            cpu.access(gpa + (pages - 1) * PAGE_SIZE, first);
+            assert_eq!(cpu.fast, fast + 1, "{ctx}: not fixed by the fast path");
+            let (l2, _) = leaf(&vm, gpa);
+            assert!(!Ept::is_access_tracked(l2), "{ctx}: {l2:#x}");
+            assert!(Ept::permits(l2, Access::Read) && Ept::permits(l2, Access::Exec));
+            assert_eq!(
+                Ept::is_writable(l2),
+                first == Access::Write,
+                "{ctx}: W after restore {l2:#x}"
+            );
+            assert_eq!(vm.test_young(g0, g1).young_pages, pages);
+            // A read-restored leaf is clean: the next aging reports nothing dirty.
+            let r = vm.clear_young(g0, g1, |_, _| {});
+            assert_eq!(
+                r.dirty_pages,
+                if first == Access::Write { pages } else { 0 }
+            );
+            check_audit(&vm, &ctx);
+            teardown(vm, [cpu.finish()]);
+        }
+    }
+}
+
+#[test]
+fn without_the_fast_path_the_slow_path_restores_tracked_leaves() {
+    let vm = Vm::<Ept>::new(VmConfig {
+        ad_bits: false,
+        fast_pf: false,
+        ..VmConfig::default()
+    });
+    let mem = HostMem::new(8 * PAGE_SIZE);
+    let gpa = 0x10_0000;
+    vm.add_memslot(1, gpa, mem.len(), mem.range(PAGE_SIZE), 0)
+        .unwrap();
+    let mut cpu = HwCpu::new(&vm, 0);
+    cpu.access(gpa, Access::Write);
+    let g = gpa >> PAGE_SHIFT;
+    assert_eq!(vm.clear_young(g, g + 8, |_, _| {}).aged_leaves, 1);
+    let before = vm.stats().pf_fixed;
+    cpu.access(gpa, Access::Write);
+    assert_eq!(cpu.fast, 0);
+    assert_eq!(
+        vm.stats().pf_fixed,
+        before + 1,
+        "the slow path did not fix it"
+    );
+    let (l, _) = leaf(&vm, gpa);
+    assert!(Ept::is_writable(l) && Ept::is_accessed(l));
+    check_audit(&vm, "slow restore");
+    teardown(vm, [cpu.finish()]);
+}
+
+#[test]
+fn huge_leaf_straddling_the_range_counts_only_pages_inside() {
+    for ad in [true, false] {
+        let (vm, _mem, gpa, _) = vm_with_leaf_size(ad, 2);
+        let mut cpu = HwCpu::new(&vm, 0);
+        cpu.access(gpa, Access::Read);
+        let g = gpa >> PAGE_SHIFT;
+        // 100 pages from the middle of the 2 MiB leaf: the whole leaf ages (one Accessed
+        // state), only the 100 pages count as young, but the dirty report covers the whole
+        // leaf (its W, without A/D bits, is gone for all 512 pages).
+        let mut dirty = Vec::new();
+        let r = vm.clear_young(g + 300, g + 400, |f, n| dirty.push((f, n)));
+        assert_eq!(
+            dirty,
+            vec![(g, 512)],
+            "ad {ad}: dirty report of a straddling leaf"
+        );
+        assert_eq!(r.dirty_pages, 512);
+        assert_eq!(
+            (r.young_pages, r.mapped_pages, r.aged_leaves),
+            (100, 100, 1)
+        );
+        assert_eq!(vm.test_young(g, g + 512).young_pages, 0, "ad {ad}");
+        // A range across chunk edges and beyond the slot still sees the leaf once.
+        cpu.access(gpa, Access::Read);
+        let r = vm.test_young(g.saturating_sub(5 * slat::age::CHUNK_PAGES), g + 1024);
+        assert_eq!((r.young_leaves, r.young_pages), (1, 512), "ad {ad}");
+        teardown(vm, [cpu.finish()]);
+    }
+}
+
+#[test]
+fn clear_flush_young_flushes_and_clear_young_does_not() {
+    for ad in [true, false] {
+        let vm = Vm::<Ept>::new(config(ad));
+        let mem = HostMem::new(16 * PAGE_SIZE);
+        let gpa = 0x20_0000;
+        vm.add_memslot(1, gpa, mem.len(), mem.range(PAGE_SIZE), 0)
+            .unwrap();
+        let mut cpu = HwCpu::new(&vm, 0);
+        let g = gpa >> PAGE_SHIFT;
+        for p in 0..16 {
+            cpu.access(gpa + p * PAGE_SIZE, Access::Write);
+        }
+        let req = |vm: &Vm<Ept>| vm.stats().remote_tlb_flush_requests;
+        // Without A/D bits this clears W on 16 writable leaves, which would owe a flush
+        // anywhere else: clear_young still does not flush.
+        let r0 = req(&vm);
+        let r = vm.clear_young(g, g + 16, |_, _| {});
+        assert_eq!(r.aged_leaves, 16);
+        assert_eq!(req(&vm), r0, "ad {ad}: clear_young flushed");
+        for p in 0..16 {
+            cpu.access(gpa + p * PAGE_SIZE, Access::Read);
+        }
+        let r = vm.clear_flush_young(g, g + 16, |_, _| {});
+        assert!(r.flushed && r.aged_leaves == 16);
+        assert_eq!(
+            req(&vm),
+            r0 + 1,
+            "ad {ad}: clear_flush_young did not flush once"
+        );
+        // Nothing young but something mapped: still one flush (translations cached since
+        // the clear_young above must not survive).
+        let r = vm.clear_flush_young(g, g + 16, |_, _| {});
+        assert!(r.flushed && r.aged_leaves == 0);
+        assert_eq!(req(&vm), r0 + 2);
+        // Nothing mapped: nothing to flush.
+        let r = vm.clear_flush_young(g + 16, g + 1024, |_, _| {});
+        assert!(!r.flushed && r.mapped_pages == 0);
+        assert_eq!(req(&vm), r0 + 2);
+        teardown(vm, [cpu.finish()]);
+    }
+}
+
+#[test]
+fn aging_a_logged_slot_keeps_every_dirty_page_in_the_log() {
+    for ad in [true, false] {
+        let vm = Vm::<Ept>::new(config(ad));
+        let mem = HostMem::new(64 * PAGE_SIZE);
+        let gpa = 0x40_0000;
+        let npages = 64;
+        vm.add_memslot(1, gpa, mem.len(), mem.range(PAGE_SIZE), LOG)
+            .unwrap();
+        let g = gpa >> PAGE_SHIFT;
+        let mut cpu = HwCpu::new(&vm, 0);
+        let harvest = |vm: &Vm<Ept>| {
+            let mut w = vec![0u64; 1];
+            vm.get_dirty_log(1, &mut w).unwrap();
+            bitmap_gfns(g, &w)
+        };
+        // Write the even pages, read the odd ones.
+        for p in 0..npages {
+            let a = if p % 2 == 0 {
+                Access::Write
+            } else {
+                Access::Read
+            };
+            cpu.access(gpa + p * PAGE_SIZE, a);
+        }
+        let mut reported = HashSet::new();
+        let r = vm.clear_young(g, g + npages, |first, n| {
+            reported.extend(first..first + n);
+        });
+        assert_eq!(r.aged_leaves, npages, "ad {ad}");
+        let evens: HashSet<u64> = (0..npages).filter(|p| p % 2 == 0).map(|p| g + p).collect();
+        if ad {
+            // D is "may have been written": the slow path pre-sets it on every leaf it builds
+            // MMU-writable, the read-only leaves of a logged slot included (a read fault there
+            // is write_protect(make_leaf(writable))), so the report may over-approximate.
+            assert!(
+                reported.is_superset(&evens),
+                "ad: a written page was not reported dirty"
+            );
+        } else {
+            // Without A/D bits, dirty is W, which only writes set: exact.
+            assert_eq!(
+                reported, evens,
+                "dirty report differs from the pages written"
+            );
+        }
+        // Aging neither consumed nor added log marks.
+        let h: HashSet<u64> = harvest(&vm).into_iter().collect();
+        assert_eq!(
+            h, evens,
+            "ad {ad}: the log lost or gained pages through aging"
+        );
+        // After the harvest, write every page: each write after aging is logged again.
+        vm.clear_young(g, g + npages, |_, _| {});
+        for p in 0..npages {
+            cpu.access(gpa + p * PAGE_SIZE, Access::Write);
+        }
+        let h = harvest(&vm);
+        assert_eq!(
+            h.len() as u64,
+            npages,
+            "ad {ad}: writes after aging were not logged"
+        );
+        for p in 0..npages {
+            check_write_chain(leaf(&vm, gpa + p * PAGE_SIZE).0, "logged");
+        }
+        check_audit(&vm, "logged aging");
+        teardown(vm, [cpu.finish()]);
+    }
+}
+
+#[test]
+fn idle_bitmap_tracks_exactly_the_pages_touched_since_marking() {
+    let seed = seed_from_env(0xa6e1);
+    eprintln!("seed {seed:#x} (SLAT_TEST_SEED reruns it)");
+    for ad in [true, false] {
+        let vm = Vm::<Ept>::new(config(ad));
+        // 200 pages, not a multiple of 64; the last 20 never mapped.
+        let npages = 200u64;
+        let mem = HostMem::new(npages * PAGE_SIZE);
+        let gpa = 0x80_0000;
+        vm.add_memslot(1, gpa, npages * PAGE_SIZE, mem.range(PAGE_SIZE), 0)
+            .unwrap();
+        let g = gpa >> PAGE_SHIFT;
+        let mut cpu = HwCpu::new(&vm, 0);
+        for p in 0..180 {
+            cpu.access(gpa + p * PAGE_SIZE, Access::Write);
+        }
+        let mut b = IdleBitmap::new::<Ept>(g, npages).unwrap();
+        assert_eq!(b.idle_pages(), 0);
+        // Flush, so the test's TLB-less vCPU and a real one would agree.
+        let r = vm.mark_idle(&mut b, AgeFlush::Flush, |_, _| {});
+        assert_eq!(r.aged_leaves, 180);
+        assert_eq!(b.idle_pages(), npages);
+        assert_eq!(
+            vm.read_idle(&mut b),
+            npages,
+            "ad {ad}: nothing was accessed yet"
+        );
+        let mut rng = Rng::new(seed ^ ad as u64);
+        let mut touched = HashSet::new();
+        for _ in 0..120 {
+            let p = rng.below(npages);
+            let a = *rng.pick(&[Access::Read, Access::Write]);
+            cpu.access(gpa + p * PAGE_SIZE, a);
+            touched.insert(p);
+        }
+        let idle = vm.read_idle(&mut b);
+        assert_eq!(
+            idle,
+            npages - touched.len() as u64,
+            "ad {ad} seed {seed:#x}"
+        );
+        for p in 0..npages {
+            assert_eq!(
+                b.is_idle(g + p),
+                Some(!touched.contains(&p)),
+                "ad {ad} seed {seed:#x}: page {p}"
+            );
+        }
+        assert_eq!(b.is_idle(g + npages), None);
+        assert_eq!(b.is_idle(g - 1), None);
+        // Reading changes nothing.
+        assert_eq!(vm.read_idle(&mut b), idle);
+        let ws = vm.working_set(&mut b);
+        assert_eq!(ws.touched_pages, touched.len() as u64);
+        assert!((ws.fraction() - touched.len() as f64 / npages as f64).abs() < 1e-12);
+        // Marking again makes everything idle again.
+        vm.mark_idle(&mut b, AgeFlush::NoFlush, |_, _| {});
+        assert_eq!(vm.read_idle(&mut b), npages);
+        teardown(vm, [cpu.finish()]);
+    }
+}
+
+#[test]
+fn idle_bitmap_rejects_bad_ranges() {
+    assert_eq!(IdleBitmap::new::<Ept>(0, 0), Err(IdleError::Empty));
+    let max = 1u64 << (48 - 12);
+    assert!(matches!(
+        IdleBitmap::new::<Ept>(max - 1, 2),
+        Err(IdleError::OutOfRange { .. })
+    ));
+    assert!(matches!(
+        IdleBitmap::new::<Ept>(u64::MAX, 1),
+        Err(IdleError::OutOfRange { .. })
+    ));
+    assert!(IdleBitmap::new::<Ept>(max - 1, 1).is_ok());
+    // Aging ranges beyond the format, empty or reversed, are no-ops, not panics.
+    let vm = Vm::<Ept>::new(VmConfig::default());
+    assert_eq!(
+        vm.clear_young(u64::MAX - 5, u64::MAX, |_, _| {})
+            .mapped_pages,
+        0
+    );
+    assert_eq!(vm.test_young(10, 5).mapped_pages, 0);
+    assert_eq!(vm.clear_flush_young(0, max, |_, _| {}).aged_leaves, 0);
+}
+
+/// vCPUs write and read random pages (their walker setting A/D, their faults taking both
+/// paths) while two host threads age random ranges over and over, with and without flushes, and
+/// test them. Afterwards: the tree is consistent, and no dirty state was lost — with A/D bits
+/// every written page's leaf still has D; without them every written page's leaf is still
+/// writable or was reported to `on_dirty`.
+#[test]
+fn aging_races_with_faults_fast_path_restores_and_hardware_ad_updates() {
+    let seed = seed_from_env(0xa9e5);
+    eprintln!("seed {seed:#x} (SLAT_TEST_SEED reruns it)");
+    for ad in [true, false] {
+        for huge in [false, true] {
+            let vm = Vm::<Ept>::new(config(ad));
+            let size = 8 * HUGE_2M;
+            let mem = HostMem::new(size);
+            let gpa = 1u64 << 32;
+            let psize = if huge { HUGE_2M } else { PAGE_SIZE };
+            vm.add_memslot(1, gpa, size, mem.range(psize), 0).unwrap();
+            let npages = size >> PAGE_SHIFT;
+            let g = gpa >> PAGE_SHIFT;
+            let stop = Arc::new(AtomicBool::new(false));
+            let reported = Arc::new(Mutex::new(HashSet::new()));
+            // Two agers, so passes also race each other on the same leaves.
+            let agers: Vec<_> = (0..2u64)
+                .map(|k| {
+                    let (vm, stop, reported) = (vm.clone(), stop.clone(), reported.clone());
+                    std::thread::spawn(move || {
+                        let mut rng = Rng::new(seed ^ (0xa6e + k));
+                        let (mut passes, mut aged) = (0u64, 0u64);
+                        while !stop.load(Ordering::Relaxed) {
+                            let lo = g + rng.below(npages);
+                            let hi = lo + 1 + rng.below(g + npages - lo);
+                            let mut rep = |f: u64, n: u64| {
+                                reported.lock().unwrap().extend(f..f + n);
+                            };
+                            let r = match rng.below(4) {
+                                0 => vm.clear_flush_young(lo, hi, &mut rep),
+                                1 => vm.test_young(lo, hi),
+                                _ => vm.clear_young(lo, hi, &mut rep),
+                            };
+                            aged += r.aged_leaves;
+                            passes += 1;
+                        }
+                        (passes, aged)
+                    })
+                })
+                .collect();
+            let deadline = Instant::now() + Duration::from_millis(400);
+            let workers: Vec<_> = (0..3u32)
+                .map(|t| {
+                    let vm = vm.clone();
+                    std::thread::spawn(move || {
+                        let mut rng = Rng::new(seed.wrapping_add(t as u64 + 1));
+                        let mut cpu = HwCpu::new(&vm, t);
+                        let mut written = HashSet::new();
+                        while Instant::now() < deadline {
+                            for _ in 0..256 {
+                                let p = rng.below(npages);
+                                let a = if rng.chance(1, 2) {
+                                    Access::Write
+                                } else {
+                                    Access::Read
+                                };
+                                cpu.access(gpa + p * PAGE_SIZE, a);
+                                if a == Access::Write {
+                                    written.insert(g + p);
+                                }
+                            }
+                        }
+                        let fast = cpu.fast;
+                        (cpu.finish(), written, fast)
+                    })
+                })
+                .collect();
+            let mut vcpus = Vec::new();
+            let mut written = HashSet::new();
+            let mut fast = 0;
+            for w in workers {
+                let (v, wr, f) = w.join().expect("worker");
+                vcpus.push(v);
+                written.extend(wr);
+                fast += f;
+            }
+            stop.store(true, Ordering::Relaxed);
+            let (mut passes, mut aged) = (0, 0);
+            for a in agers {
+                let (p, n) = a.join().expect("ager");
+                passes += p;
+                aged += n;
+            }
+            let ctx = format!("ad {ad} huge {huge} seed {seed:#x}");
+            assert!(
+                passes > 0 && aged > 0,
+                "{ctx}: the ager never aged anything"
+            );
+            if !ad {
+                assert!(fast > 0, "{ctx}: no fast-path restore happened");
+            }
+            let reported = reported.lock().unwrap();
+            for &gfn in &written {
+                let (l, _) = vm.lookup(gfn).expect("written page unmapped");
+                check_write_chain(l, &ctx);
+                if ad {
+                    assert!(d_bit(l), "{ctx}: gfn {gfn:#x} written but D clear: {l:#x}");
+                } else {
+                    assert!(
+                        Ept::is_writable(l) || reported.contains(&gfn),
+                        "{ctx}: gfn {gfn:#x} written, leaf {l:#x} not writable and never reported dirty"
+                    );
+                }
+            }
+            check_audit(&vm, &ctx);
+            teardown(vm, vcpus);
+        }
+    }
+}
+
+/// In a logged slot, with and without A/D bits: vCPUs write while a host thread ages (no
+/// flush) and another harvests the dirty log. Each page's last write must be reported by a
+/// harvest that completed after that write began: the fast path restores access-tracked leaves
+/// and logs the write, and a harvest after aging cleared W still flushes (its mark was
+/// pending), so no write slips through unlogged. (A union of all harvests would hide a write
+/// lost late in the run behind an earlier report of the same page.)
+#[test]
+fn no_dirty_page_is_lost_when_aging_races_with_harvests() {
+    let seed = seed_from_env(0x10c);
+    eprintln!("seed {seed:#x} (SLAT_TEST_SEED reruns it)");
+    for ad in [false, true] {
+        let vm = Vm::<Ept>::new(config(ad));
+        let npages = 2048u64;
+        let mem = HostMem::new(npages * PAGE_SIZE);
+        let gpa = 1u64 << 31;
+        vm.add_memslot(1, gpa, npages * PAGE_SIZE, mem.range(PAGE_SIZE), LOG)
+            .unwrap();
+        let g = gpa >> PAGE_SHIFT;
+        let stop = Arc::new(AtomicBool::new(false));
+        let ager = {
+            let (vm, stop) = (vm.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    n += vm.clear_young(g, g + npages, |_, _| {}).aged_leaves;
+                }
+                n
+            })
+        };
+        // Harvests completed so far; harvest k (from 1) is the k-th to return.
+        let completed = Arc::new(AtomicU64::new(0));
+        let harvester = {
+            let (vm, stop, completed) = (vm.clone(), stop.clone(), completed.clone());
+            std::thread::spawn(move || {
+                // Per page, the last harvest that reported it.
+                let mut last = vec![0u64; npages as usize];
+                let mut w = vec![0u64; bitmap_words(npages)];
+                let mut k = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    vm.get_dirty_log(1, &mut w).unwrap();
+                    k += 1;
+                    for gfn in bitmap_gfns(g, &w) {
+                        last[(gfn - g) as usize] = k;
+                    }
+                    completed.store(k, Ordering::SeqCst);
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                last
+            })
+        };
+        let deadline = Instant::now() + Duration::from_millis(400);
+        let workers: Vec<_> = (0..2u32)
+            .map(|t| {
+                let (vm, completed) = (vm.clone(), completed.clone());
+                std::thread::spawn(move || {
+                    let mut rng = Rng::new(seed.wrapping_add(t as u64 * 77 + 1));
+                    let mut cpu = HwCpu::new(&vm, t);
+                    // Per page: harvests completed before its last write began.
+                    let mut written = std::collections::HashMap::new();
+                    while Instant::now() < deadline {
+                        for _ in 0..128 {
+                            let p = rng.below(npages);
+                            let write = rng.chance(2, 3);
+                            let before = completed.load(Ordering::SeqCst);
+                            if write {
+                                cpu.access(gpa + p * PAGE_SIZE, Access::Write);
+                                written.insert(p, before);
+                            } else {
+                                cpu.access(gpa + p * PAGE_SIZE, Access::Read);
+                            }
+                        }
+                    }
+                    (cpu.finish(), written)
+                })
+            })
+            .collect();
+        let mut vcpus = Vec::new();
+        let mut written = std::collections::HashMap::new();
+        for w in workers {
+            let (v, wr) = w.join().expect("worker");
+            vcpus.push(v);
+            for (p, b) in wr {
+                let e = written.entry(p).or_insert(0);
+                *e = (*e).max(b);
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        let aged = ager.join().expect("ager");
+        let mut last = harvester.join().expect("harvester");
+        // The final harvest, vCPUs stopped.
+        let k = completed.load(Ordering::SeqCst) + 1;
+        let mut w = vec![0u64; bitmap_words(npages)];
+        vm.get_dirty_log(1, &mut w).unwrap();
+        for gfn in bitmap_gfns(g, &w) {
+            last[(gfn - g) as usize] = k;
+        }
+        let lost: Vec<_> = written
+            .iter()
+            .filter(|&(&p, &before)| last[p as usize] <= before)
+            .map(|(&p, _)| g + p)
+            .collect();
+        assert!(
+            lost.is_empty(),
+            "ad {ad} seed {seed:#x}: {} pages' last write was never harvested, e.g. {:x?}",
+            lost.len(),
+            &lost[..lost.len().min(8)]
+        );
+        assert!(aged > 0, "ad {ad}: the ager never aged anything");
+        assert!(k > 10, "ad {ad}: only {k} harvests");
+        check_audit(&vm, "aging + harvests");
+        teardown(vm, vcpus);
+    }
+}
