@@ -181,11 +181,86 @@ impl DirtyArgs {
     }
 }
 
-/// The machine a benchmark runs on. Only the simulated machine is built into this binary.
+/// The machine a benchmark runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BackendArg {
     /// The simulated machine: vCPU threads through slat's page tables.
     Sim,
+    /// The host's /dev/kvm: the same workload as real guests (slat-kvm).
+    Kvm,
+}
+
+impl BackendArg {
+    /// The name `--backend` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendArg::Sim => "sim",
+            BackendArg::Kvm => "kvm",
+        }
+    }
+}
+
+/// Checks a `--backend` list (each machine at most once) and, when it includes `kvm`, that no
+/// engine-only flag in `engine_only` (the flags set to a non-default value) was given.
+pub fn check_backends(list: &[BackendArg], engine_only: &[&str]) -> Result<(), String> {
+    for (i, b) in list.iter().enumerate() {
+        if list[..i].contains(b) {
+            return Err(format!("--backend lists `{}` twice", b.name()));
+        }
+    }
+    if list.contains(&BackendArg::Kvm) && !engine_only.is_empty() {
+        let (flags, verb, it) = match engine_only {
+            [one] => (one.to_string(), "applies", "it"),
+            many => (many.join(", "), "apply", "them"),
+        };
+        return Err(format!(
+            "{flags} {verb} only to the simulated engine, which --backend kvm does not run (drop {it}, or use --backend sim)"
+        ));
+    }
+    Ok(())
+}
+
+impl MachineArgs {
+    /// The engine-only flags of this group set to a non-default value.
+    pub fn engine_only(&self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        if self.mmu_lock != LockArg::Rwlock {
+            v.push("--mmu-lock");
+        }
+        if !self.fast_pf.on() {
+            v.push("--fast-pf");
+        }
+        if !self.ad_bits.on() {
+            v.push("--ad-bits");
+        }
+        if self.tlb_entries != DEFAULT_TLB_ENTRIES {
+            v.push("--tlb-entries");
+        }
+        if self.pcpus.is_some() {
+            v.push("--pcpus");
+        }
+        v
+    }
+}
+
+impl DirtyArgs {
+    /// The engine-only flags of this group set to a non-default value.
+    pub fn engine_only(&self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        if self.get_log != GetLogArg::Xchg {
+            v.push("--get-dirty-log");
+        }
+        if !self.eager_split.on() {
+            v.push("--eager-split");
+        }
+        if self.recover != RecoverArg::Inplace {
+            v.push("--recover");
+        }
+        if self.tracking != TrackArg::WriteProtect {
+            v.push("--dirty-tracking");
+        }
+        v
+    }
 }
 
 /// Parses a dirty ring size: a power of two from 128 to 65536 entries.

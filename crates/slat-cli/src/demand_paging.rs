@@ -2,14 +2,13 @@
 //! over all guest memory, every page faulted in through the engine — and, in the same run, the
 //! same pattern on host memory as the native baseline.
 
-use crate::args::{backing, guest_size, MachineArgs};
+use crate::args::{backing, check_backends, guest_size, BackendArg, MachineArgs};
+use crate::backend::{self, comparison_json, kvm_stats_line, print_comparison, Native, Row, Spec};
 use crate::report::{quiet, ratio, ts, Phase};
 use clap::Args;
 use serde_json::json;
-use slat::format::PAGE_SIZE;
-use slat::Ept;
-use slat_machine::ram::{format_size, Backing, GuestRam};
-use slat_machine::{native_baseline, Machine, MachineConfig, PassParams};
+use slat_machine::ram::{format_size, Backing};
+use slat_machine::PassParams;
 
 /// Flags of `slat demand-paging`.
 #[derive(Debug, Args)]
@@ -28,6 +27,10 @@ pub struct DemandPagingArgs {
     /// Overlap: every vCPU touches all of guest memory instead of its own partition.
     #[arg(short = 'o')]
     pub overlap: bool,
+    /// The machine(s) to run on: `sim`, `kvm` (the host's /dev/kvm), or `sim,kvm` to run both
+    /// in this process and print one table comparing them.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "sim")]
+    pub backend: Vec<BackendArg>,
     /// Print one JSON document with every figure instead of the text report.
     #[arg(long)]
     pub json: bool,
@@ -35,11 +38,28 @@ pub struct DemandPagingArgs {
     pub machine: MachineArgs,
 }
 
-/// Runs the benchmark.
+/// Runs the benchmark (on each machine `--backend` lists).
 pub fn run(a: &DemandPagingArgs) -> Result<(), String> {
+    check_backends(&a.backend, &a.machine.engine_only())?;
+    if let [first, second] = a.backend[..] {
+        return side_by_side(a, [first, second]);
+    }
+    let doc = measure(a, a.backend[0], !a.json)?;
+    if a.json {
+        println!("{doc:#}");
+    }
+    Ok(())
+}
+
+/// One run on `kind`; prints the text report when `text`, and returns every figure as JSON.
+fn measure(
+    a: &DemandPagingArgs,
+    kind: BackendArg,
+    text: bool,
+) -> Result<serde_json::Value, String> {
     let q = quiet(a.json);
     let prefault = !a.machine.no_prefault;
-    let cfg = MachineConfig {
+    let cfg = Spec {
         vm: a.machine.vm_config(),
         backing: a.backing,
         vcpus: a.vcpus as usize,
@@ -49,12 +69,14 @@ pub fn run(a: &DemandPagingArgs) -> Result<(), String> {
         tlb_entries: a.machine.tlb_entries,
         pcpus: a.machine.pcpus.unwrap_or(0),
         prefault,
-        dirty: Default::default(),
+        manual_protect: false,
+        ring_entries: 0,
     };
     let total = a.bytes * a.vcpus as u64;
     let p = Phase::start(
         format!(
-            "mapping {} of {} guest RAM{}",
+            "{}: mapping {} of {} guest RAM{}",
+            kind.name(),
             format_size(total),
             a.backing,
             if prefault {
@@ -65,10 +87,10 @@ pub fn run(a: &DemandPagingArgs) -> Result<(), String> {
         ),
         q,
     );
-    let m = Machine::<Ept>::new(cfg).map_err(|e| e.to_string())?;
+    let m = backend::create(kind, &cfg)?;
     p.done();
     let layout = m.layout();
-    if !a.json {
+    if text {
         println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
         println!(
             "guest physical test memory: [0x{:x}, 0x{:x})",
@@ -80,16 +102,16 @@ pub fn run(a: &DemandPagingArgs) -> Result<(), String> {
     }
     let params = PassParams::default();
     let p = Phase::start(format!("first-touch pass on {} vCPU(s)", a.vcpus), q);
-    let guest = m.run_pass(params).map_err(|e| e.to_string())?;
+    let guest = m.run_pass(params)?;
     p.done();
-    let stats = m.vm().stats();
-    let pcpus = m.pcpus();
+    let stats_doc = m.stats();
+    let sim = m.sim().map(|s| (s.vm().stats(), s.pcpus()));
+    let pcpus = sim.as_ref().map(|(_, p)| *p);
     drop(m);
 
     let p = Phase::start("native baseline: same pattern on host memory", q);
-    let native_ram = GuestRam::new(a.backing, layout_len(total, a.backing), prefault)
-        .map_err(|e| e.to_string())?;
-    let native = native_baseline(layout, native_ram.addr(), params);
+    let native_ram = Native::new(kind, layout, a.backing, prefault)?;
+    let native = native_ram.run(params)?;
     drop(native_ram);
     p.done();
 
@@ -99,34 +121,31 @@ pub fn run(a: &DemandPagingArgs) -> Result<(), String> {
     let overall = per_vcpu * a.vcpus as f64;
     let native_secs = native.wall.as_secs_f64();
     let native_overall = native.vcpus[0].pages as f64 / native_secs * a.vcpus as f64;
-    let faults = stats.pf_fixed + stats.pf_fast;
     let touched: u64 = guest.vcpus.iter().map(|v| v.pages).sum();
     let ns_per_page = guest.wall.as_nanos() as f64 / (touched as f64 / a.vcpus as f64);
     let r = ratio(guest.wall, native.wall);
-    if a.json {
-        let doc = json!({
-            "benchmark": "demand-paging",
-            "backend": "sim",
-            "config": {
-                "vcpus": a.vcpus, "bytes_per_vcpu": a.bytes, "backing": a.backing.name(),
-                "overlap": a.overlap, "prefault": prefault, "mmu_lock": cfg.vm.mmu_lock.name(),
-                "fast_pf": cfg.vm.fast_pf, "ad_bits": cfg.vm.ad_bits,
-                "tlb_entries": cfg.tlb_entries, "pcpus": pcpus,
-            },
-            "total_guest_execution_time_s": secs,
-            "per_vcpu_demand_paging_rate_pgs_per_s": per_vcpu,
-            "overall_demand_paging_rate_pgs_per_s": overall,
-            "ns_per_page_per_vcpu": ns_per_page,
-            "per_vcpu_time_s": guest.vcpus.iter().map(|v| v.time.as_secs_f64()).collect::<Vec<_>>(),
-            "native": {
-                "total_time_s": native_secs,
-                "overall_rate_pgs_per_s": native_overall,
-            },
-            "ratio_guest_over_native": r,
-            "stats": stats_json(&stats),
-        });
-        println!("{doc:#}");
-    } else {
+    let doc = json!({
+        "benchmark": "demand-paging",
+        "backend": kind.name(),
+        "config": {
+            "vcpus": a.vcpus, "bytes_per_vcpu": a.bytes, "backing": a.backing.name(),
+            "overlap": a.overlap, "prefault": prefault, "mmu_lock": cfg.vm.mmu_lock.name(),
+            "fast_pf": cfg.vm.fast_pf, "ad_bits": cfg.vm.ad_bits,
+            "tlb_entries": cfg.tlb_entries, "pcpus": pcpus,
+        },
+        "total_guest_execution_time_s": secs,
+        "per_vcpu_demand_paging_rate_pgs_per_s": per_vcpu,
+        "overall_demand_paging_rate_pgs_per_s": overall,
+        "ns_per_page_per_vcpu": ns_per_page,
+        "per_vcpu_time_s": guest.vcpus.iter().map(|v| v.time.as_secs_f64()).collect::<Vec<_>>(),
+        "native": {
+            "total_time_s": native_secs,
+            "overall_rate_pgs_per_s": native_overall,
+        },
+        "ratio_guest_over_native": r,
+        "stats": stats_doc,
+    });
+    if text {
         println!("All vCPU threads joined");
         println!("Total guest execution time:\t{}", ts(guest.wall));
         println!("Per-vcpu demand paging rate:\t{per_vcpu:.6} pgs/sec/vcpu");
@@ -145,6 +164,15 @@ pub fn run(a: &DemandPagingArgs) -> Result<(), String> {
         println!("Overall native rate:\t{native_overall:.6} pgs/sec");
         println!("Ratio guest/native time:\t{r:.2}x");
         println!();
+        let Some((stats, pcpus)) = sim else {
+            println!("{}", kvm_stats_line(&stats_doc));
+            println!(
+                "Machine: {} vCPU(s) on the host's /dev/kvm, {:.1} ns per page per vCPU",
+                a.vcpus, ns_per_page
+            );
+            return Ok(doc);
+        };
+        let faults = stats.pf_fixed + stats.pf_fast;
         println!(
             "Engine: {faults} faults ({} slow, {} fast, {} spurious, {} retried), {:.1} ns per page per vCPU",
             stats.pf_fixed, stats.pf_fast, stats.pf_spurious, stats.pf_retry, ns_per_page
@@ -167,12 +195,48 @@ pub fn run(a: &DemandPagingArgs) -> Result<(), String> {
             if cfg.vm.fast_pf { "on" } else { "off" }
         );
     }
-    Ok(())
+    Ok(doc)
 }
 
-fn layout_len(total: u64, b: Backing) -> u64 {
-    let ps = b.page_size().max(PAGE_SIZE);
-    total.div_ceil(ps) * ps
+/// `--backend sim,kvm`: the pass on both machines, one after the other, and one table.
+fn side_by_side(a: &DemandPagingArgs, kinds: [BackendArg; 2]) -> Result<(), String> {
+    let docs = [measure(a, kinds[0], false)?, measure(a, kinds[1], false)?];
+    let (n0, n1) = (kinds[0].name(), kinds[1].name());
+    let rows = [
+        (
+            "total guest execution time (s)",
+            "/total_guest_execution_time_s",
+        ),
+        ("native execution time (s)", "/native/total_time_s"),
+        (
+            "overall demand paging rate (pgs/s)",
+            "/overall_demand_paging_rate_pgs_per_s",
+        ),
+        ("ns per page per vCPU", "/ns_per_page_per_vcpu"),
+        ("guest/native", "/ratio_guest_over_native"),
+    ];
+    let table: Vec<Row> = rows
+        .iter()
+        .map(|(name, ptr)| {
+            (
+                *name,
+                docs[0].pointer(ptr).and_then(|v| v.as_f64()),
+                docs[1].pointer(ptr).and_then(|v| v.as_f64()),
+            )
+        })
+        .collect();
+    if a.json {
+        let doc = comparison_json("demand-paging", [n0, n1], &table, docs);
+        println!("{doc:#}");
+        return Ok(());
+    }
+    println!(
+        "demand-paging on {n0} and {n1}: -v {} -b {}, one run each, in this process",
+        a.vcpus,
+        format_size(a.bytes)
+    );
+    print_comparison([n0, n1], &table);
+    Ok(())
 }
 
 /// Every engine statistic as JSON.

@@ -2,19 +2,18 @@
 //! logging, N iterations of (dirty memory, get dirty log, clear dirty log), disable logging —
 //! with, for every guest pass, the same pass on host memory in the same run and the ratio.
 
-use crate::args::{backing, guest_size, ring_size, BackendArg, DirtyArgs, MachineArgs};
-use crate::demand_paging::stats_json;
+use crate::args::{
+    backing, check_backends, guest_size, ring_size, BackendArg, DirtyArgs, MachineArgs,
+};
+use crate::backend::{
+    self, comparison_json, kvm_stats_line, print_comparison, Native, Pass, Row, Spec,
+};
 use crate::report::{quiet, ratio, ts, Phase};
 use crate::sweep::{check_distinct, combinations, enum_value, parse_vary, print_table, Key, Vary};
 use clap::Args;
 use serde_json::json;
-use slat::dirty::{INITIALLY_SET, MANUAL_PROTECT_ENABLE};
-use slat::format::PAGE_SIZE;
-use slat::Ept;
-use slat_machine::ram::{format_size, Backing, GuestRam};
-use slat_machine::{
-    native_baseline, DirtyConfig, Machine, MachineConfig, PassParams, PassReport, Workload,
-};
+use slat_machine::ram::{format_size, Backing};
+use slat_machine::PassParams;
 use std::time::{Duration, Instant};
 
 /// Flags of `slat dirty-log-perf` (the selftest's, plus slat's variant switches).
@@ -59,9 +58,10 @@ pub struct DirtyLogPerfArgs {
     /// bitmaps: "get dirty log" harvests the rings, "reset dirty rings" re-protects.
     #[arg(long = "dirty-ring", value_parser = ring_size)]
     pub dirty_ring: Option<u32>,
-    /// The machine to run on.
-    #[arg(long, value_enum, default_value = "sim")]
-    pub backend: BackendArg,
+    /// The machine(s) to run on: `sim`, `kvm` (the host's /dev/kvm), or `sim,kvm` to run both
+    /// in this process and print one table comparing them.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "sim")]
+    pub backend: Vec<BackendArg>,
     /// Print one JSON document with every figure instead of the text report.
     #[arg(long)]
     pub json: bool,
@@ -90,10 +90,19 @@ struct Iteration {
 
 /// Runs the benchmark (or the sweep `--vary` asks for).
 pub fn run(a: &DirtyLogPerfArgs) -> Result<(), String> {
+    let mut engine_only = a.machine.engine_only();
+    engine_only.extend(a.dirty.engine_only());
+    if !a.vary.is_empty() {
+        engine_only.push("--vary");
+    }
+    check_backends(&a.backend, &engine_only)?;
+    if let [first, second] = a.backend[..] {
+        return side_by_side(a, [first, second]);
+    }
     if !a.vary.is_empty() {
         return sweep(a);
     }
-    let doc = measure(a)?;
+    let doc = measure(a, a.backend[0])?;
     if a.json {
         println!("{doc:#}");
     }
@@ -101,24 +110,13 @@ pub fn run(a: &DirtyLogPerfArgs) -> Result<(), String> {
 }
 
 /// One run; prints the text report unless `a.json`, and returns every figure as JSON.
-fn measure(a: &DirtyLogPerfArgs) -> Result<serde_json::Value, String> {
+fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> Result<serde_json::Value, String> {
     let q = quiet(a.json);
     let prefault = !a.machine.no_prefault;
     let manual = a.dirty_ring.is_none() && !a.no_manual;
-    let dirty = match a.dirty_ring {
-        Some(n) => DirtyConfig {
-            ring_entries: n,
-            ..DirtyConfig::default()
-        },
-        None if manual => DirtyConfig {
-            manual_protect: MANUAL_PROTECT_ENABLE | INITIALLY_SET,
-            ..DirtyConfig::default()
-        },
-        None => DirtyConfig::default(),
-    };
     let vm_config = a.dirty.apply(a.machine.vm_config());
     a.dirty.check(&vm_config, a.dirty_ring.is_some())?;
-    let cfg = MachineConfig {
+    let cfg = Spec {
         vm: vm_config,
         backing: a.backing,
         vcpus: a.vcpus as usize,
@@ -128,24 +126,24 @@ fn measure(a: &DirtyLogPerfArgs) -> Result<serde_json::Value, String> {
         tlb_entries: a.machine.tlb_entries,
         pcpus: a.machine.pcpus.unwrap_or(0),
         prefault,
-        dirty,
+        manual_protect: manual,
+        ring_entries: a.dirty_ring.unwrap_or(0),
     };
     let total = a.bytes * a.vcpus as u64;
     let p = Phase::start(
         format!(
-            "mapping {} of {} guest RAM and as much host memory for the native baseline",
+            "{}: mapping {} of {} guest RAM and as much host memory for the native baseline",
+            kind.name(),
             format_size(total),
             a.backing
         ),
         q,
     );
-    let m = Machine::<Ept>::new(cfg).map_err(|e| e.to_string())?;
-    let psize = a.backing.page_size().max(PAGE_SIZE);
-    let native_ram = GuestRam::new(a.backing, total.div_ceil(psize) * psize, prefault)
-        .map_err(|e| e.to_string())?;
-    p.done();
+    let m = backend::create(kind, &cfg)?;
     let layout = m.layout();
-    let native = |params: PassParams| native_baseline(layout, native_ram.addr(), params);
+    let native_ram = Native::new(kind, layout, a.backing, prefault)?;
+    p.done();
+    let native = |params: PassParams| native_ram.run(params);
     let text = !a.json;
     if text {
         println!("Test iterations: {}", a.iterations);
@@ -156,23 +154,21 @@ fn measure(a: &DirtyLogPerfArgs) -> Result<serde_json::Value, String> {
             layout.gpa + total
         );
     }
-    let err = |e: slat_machine::MachineError| e.to_string();
-
     // Populate: every vCPU writes its memory once, sequentially.
     let populate_params = PassParams {
         write_percent: 100,
         random: false,
         seed: a.seed,
     };
-    let populate = m.run_pass(populate_params).map_err(err)?;
-    let populate_native = native(populate_params);
+    let populate = m.run_pass(populate_params)?;
+    let populate_native = native(populate_params)?;
     if text {
         println!("Populate memory time: {}", ts(populate.wall));
         print_native("Populate", &populate, &populate_native);
     }
 
     let t0 = Instant::now();
-    m.set_dirty_logging(true).map_err(err)?;
+    m.set_dirty_logging(true)?;
     let enable = t0.elapsed();
     if text {
         println!("Enabling dirty logging time: {}", ts(enable));
@@ -185,26 +181,26 @@ fn measure(a: &DirtyLogPerfArgs) -> Result<serde_json::Value, String> {
         seed: a.seed,
     };
     let pps = m.pages_per_slot();
-    let mut bitmaps: Vec<Vec<u64>> = m
-        .slot_ids()
+    let slots = m.slot_ids();
+    let mut bitmaps: Vec<Vec<u64>> = slots
+        .iter()
         .map(|_| vec![0u64; pps.div_ceil(64) as usize])
         .collect();
     let mut iters = Vec::new();
-    let vm = m.vm().clone();
     for i in 1..=a.iterations {
         let mut it = Iteration::default();
-        let pass = m.run_pass(params).map_err(err)?;
+        let pass = m.run_pass(params)?;
         it.dirty = pass.wall;
-        it.ring_full_exits = pass.vcpus.iter().map(|v| v.counters.ring_full_exits).sum();
+        it.ring_full_exits = pass.vcpus.iter().map(|v| v.ring_full_exits).sum();
         if text {
             println!("Iteration {i} dirty memory time: {}", ts(pass.wall));
         }
         if a.dirty_ring.is_some() {
             let t0 = Instant::now();
-            it.dirty_pages = m.collect_dirty_rings(|_, _| {});
+            it.dirty_pages = m.collect_dirty_rings();
             it.get = t0.elapsed();
             let t0 = Instant::now();
-            vm.reset_dirty_rings().map_err(|e| e.to_string())?;
+            m.reset_dirty_rings()?;
             it.clear = Some(t0.elapsed());
             if text {
                 println!("Iteration {i} get dirty log time: {}", ts(it.get));
@@ -215,8 +211,8 @@ fn measure(a: &DirtyLogPerfArgs) -> Result<serde_json::Value, String> {
             }
         } else {
             let t0 = Instant::now();
-            for (id, b) in m.slot_ids().zip(bitmaps.iter_mut()) {
-                it.dirty_pages += vm.get_dirty_log(id, b).map_err(|e| e.to_string())?;
+            for (&id, b) in slots.iter().zip(bitmaps.iter_mut()) {
+                it.dirty_pages += m.get_dirty_log(id, b)?;
             }
             it.get = t0.elapsed();
             if text {
@@ -224,9 +220,8 @@ fn measure(a: &DirtyLogPerfArgs) -> Result<serde_json::Value, String> {
             }
             if manual {
                 let t0 = Instant::now();
-                for (id, b) in m.slot_ids().zip(bitmaps.iter()) {
-                    vm.clear_dirty_log(id, 0, pps, b)
-                        .map_err(|e| e.to_string())?;
+                for (&id, b) in slots.iter().zip(bitmaps.iter()) {
+                    m.clear_dirty_log(id, 0, pps, b)?;
                 }
                 let c = t0.elapsed();
                 it.clear = Some(c);
@@ -238,7 +233,7 @@ fn measure(a: &DirtyLogPerfArgs) -> Result<serde_json::Value, String> {
         // The native pass runs after the harvest, not between the guest pass and it: it
         // touches every page of another gigabyte and would evict the page tables and bitmap
         // the harvest reads, which a VMM's harvest right after the guest ran finds warm.
-        let nat = native(params);
+        let nat = native(params)?;
         it.native = nat.wall;
         if text {
             println!(
@@ -252,15 +247,16 @@ fn measure(a: &DirtyLogPerfArgs) -> Result<serde_json::Value, String> {
 
     // Disable, with the vCPUs still dirtying memory under -e.
     if a.evil {
-        m.start(Workload::Loop(params)).map_err(err)?;
+        m.start_loop(params)?;
     }
     let t0 = Instant::now();
-    m.set_dirty_logging(false).map_err(err)?;
+    m.set_dirty_logging(false)?;
     let disable = t0.elapsed();
     if a.evil {
-        m.halt().map_err(err)?;
+        m.halt()?;
     }
-    let stats = vm.stats();
+    let stats = m.stats();
+    let pcpus = m.sim().map(|s| s.pcpus());
     let get_total: Duration = iters.iter().map(|i| i.get).sum();
     let clear_total: Option<Duration> = iters.iter().map(|i| i.clear).sum();
     let n = a.iterations;
@@ -295,6 +291,53 @@ fn measure(a: &DirtyLogPerfArgs) -> Result<serde_json::Value, String> {
             let exits: u64 = iters.iter().map(|i| i.ring_full_exits).sum();
             println!("Dirty ring full exits during the dirty passes: {exits}");
         }
+        match m.sim() {
+            Some(sim) => print_engine(a, sim, &cfg, manual),
+            None => print_kvm(a, &stats, manual),
+        }
+    }
+    let doc = json!({
+        "benchmark": "dirty-log-perf",
+        "backend": kind.name(),
+        "config": {
+            "vcpus": a.vcpus, "bytes_per_vcpu": a.bytes, "backing": a.backing.name(),
+            "iterations": n, "random": a.random, "overlap": a.overlap, "evil": a.evil,
+            "write_percent": a.write_percent, "slots": a.slots, "seed": a.seed,
+            "manual_protect": manual, "dirty_ring": a.dirty_ring,
+            "mmu_lock": cfg.vm.mmu_lock.name(), "fast_pf": cfg.vm.fast_pf,
+            "ad_bits": cfg.vm.ad_bits, "get_dirty_log": cfg.vm.get_log.name(),
+            "dirty_tracking": cfg.vm.dirty_track.name(),
+            "eager_split": cfg.vm.eager_split, "recover": cfg.vm.recover.name(),
+            "tlb_entries": cfg.tlb_entries, "pcpus": pcpus, "prefault": prefault,
+        },
+        "populate_memory_time_s": populate.wall.as_secs_f64(),
+        "populate_native_time_s": populate_native.wall.as_secs_f64(),
+        "enabling_dirty_logging_time_s": enable.as_secs_f64(),
+        "iterations": iters.iter().enumerate().map(|(k, i)| json!({
+            "iteration": k + 1,
+            "dirty_memory_time_s": i.dirty.as_secs_f64(),
+            "native_memory_time_s": i.native.as_secs_f64(),
+            "ratio_guest_over_native": ratio(i.dirty, i.native),
+            "get_dirty_log_time_s": i.get.as_secs_f64(),
+            "clear_dirty_log_time_s": if ring { None } else { i.clear.map(|c| c.as_secs_f64()) },
+            "reset_dirty_rings_time_s": if ring { i.clear.map(|c| c.as_secs_f64()) } else { None },
+            "dirty_pages": i.dirty_pages,
+            "ring_full_exits": i.ring_full_exits,
+        })).collect::<Vec<_>>(),
+        "disabling_dirty_logging_time_s": disable.as_secs_f64(),
+        "get_dirty_log_total_s": get_total.as_secs_f64(),
+        "clear_dirty_log_total_s": clear_total.map(|c| c.as_secs_f64()),
+        "stats": stats,
+    });
+    drop(native_ram);
+    Ok(doc)
+}
+
+/// The simulated engine's counters and settings, after the selftest's lines.
+fn print_engine(a: &DirtyLogPerfArgs, m: &slat_machine::Machine, cfg: &Spec, manual: bool) {
+    let stats = m.vm().stats();
+    let ring = a.dirty_ring.is_some();
+    {
         println!(
             "Engine: {} slow faults, {} fast faults, {} spurious, {} retried; {} splits, {} recoveries; remote flushes {}/{} requested",
             stats.pf_fixed,
@@ -333,44 +376,25 @@ fn measure(a: &DirtyLogPerfArgs) -> Result<serde_json::Value, String> {
             cfg.vm.recover.name()
         );
     }
-    let doc = json!({
-        "benchmark": "dirty-log-perf",
-        "backend": "sim",
-        "config": {
-            "vcpus": a.vcpus, "bytes_per_vcpu": a.bytes, "backing": a.backing.name(),
-            "iterations": n, "random": a.random, "overlap": a.overlap, "evil": a.evil,
-            "write_percent": a.write_percent, "slots": a.slots, "seed": a.seed,
-            "manual_protect": manual, "dirty_ring": a.dirty_ring,
-            "mmu_lock": cfg.vm.mmu_lock.name(), "fast_pf": cfg.vm.fast_pf,
-            "ad_bits": cfg.vm.ad_bits, "get_dirty_log": cfg.vm.get_log.name(),
-            "dirty_tracking": cfg.vm.dirty_track.name(),
-            "eager_split": cfg.vm.eager_split, "recover": cfg.vm.recover.name(),
-            "tlb_entries": cfg.tlb_entries, "pcpus": m.pcpus(), "prefault": prefault,
-        },
-        "populate_memory_time_s": populate.wall.as_secs_f64(),
-        "populate_native_time_s": populate_native.wall.as_secs_f64(),
-        "enabling_dirty_logging_time_s": enable.as_secs_f64(),
-        "iterations": iters.iter().enumerate().map(|(k, i)| json!({
-            "iteration": k + 1,
-            "dirty_memory_time_s": i.dirty.as_secs_f64(),
-            "native_memory_time_s": i.native.as_secs_f64(),
-            "ratio_guest_over_native": ratio(i.dirty, i.native),
-            "get_dirty_log_time_s": i.get.as_secs_f64(),
-            "clear_dirty_log_time_s": if ring { None } else { i.clear.map(|c| c.as_secs_f64()) },
-            "reset_dirty_rings_time_s": if ring { i.clear.map(|c| c.as_secs_f64()) } else { None },
-            "dirty_pages": i.dirty_pages,
-            "ring_full_exits": i.ring_full_exits,
-        })).collect::<Vec<_>>(),
-        "disabling_dirty_logging_time_s": disable.as_secs_f64(),
-        "get_dirty_log_total_s": get_total.as_secs_f64(),
-        "clear_dirty_log_total_s": clear_total.map(|c| c.as_secs_f64()),
-        "stats": stats_json(&stats),
-    });
-    drop(native_ram);
-    Ok(doc)
 }
 
-fn print_native(what: &str, guest: &PassReport, native: &PassReport) {
+/// KVM's counters and the run's settings, after the selftest's lines.
+fn print_kvm(a: &DirtyLogPerfArgs, stats: &serde_json::Value, manual: bool) {
+    println!("{}", kvm_stats_line(stats));
+    println!(
+        "Machine: {} vCPU(s) on the host's /dev/kvm; log {}",
+        a.vcpus,
+        if a.dirty_ring.is_some() {
+            "dirty ring"
+        } else if manual {
+            "manual protect (get + clear)"
+        } else {
+            "get clears"
+        }
+    );
+}
+
+fn print_native(what: &str, guest: &Pass, native: &Pass) {
     println!(
         "{what} native memory time: {} (guest/native {:.2}x)",
         ts(native.wall),
@@ -420,37 +444,19 @@ fn sweep(a: &DirtyLogPerfArgs) -> Result<(), String> {
                 label.join(" ")
             );
         }
-        let doc = measure(&b)?;
-        let iters = doc["iterations"].as_array().cloned().unwrap_or_default();
-        // Iteration 2 is the selftest's steady state (iteration 1 may still split or fault).
-        let it2 = &iters[1.min(iters.len().saturating_sub(1))];
-        let secs =
-            |v: &serde_json::Value| v.as_f64().map(|x| format!("{x:.6}")).unwrap_or("-".into());
-        let avg = |field: &str| {
-            let xs: Vec<f64> = iters.iter().filter_map(|i| i[field].as_f64()).collect();
-            if xs.is_empty() {
-                "-".to_string()
-            } else {
-                format!("{:.6}", xs.iter().sum::<f64>() / xs.len() as f64)
-            }
-        };
+        let doc = measure(&b, a.backend[0])?;
+        let m = metrics(&doc, a.dirty_ring.is_some());
+        let secs = |x: Option<f64>| x.map(|x| format!("{x:.6}")).unwrap_or("-".into());
         let mut row: Vec<String> = combo.iter().map(|(_, v)| v.clone()).collect();
         row.extend([
-            secs(&doc["populate_memory_time_s"]),
-            secs(&doc["enabling_dirty_logging_time_s"]),
-            secs(&it2["dirty_memory_time_s"]),
-            secs(&it2["native_memory_time_s"]),
-            it2["ratio_guest_over_native"]
-                .as_f64()
-                .map(|r| format!("{r:.2}x"))
-                .unwrap_or("-".into()),
-            avg("get_dirty_log_time_s"),
-            if a.dirty_ring.is_some() {
-                avg("reset_dirty_rings_time_s")
-            } else {
-                avg("clear_dirty_log_time_s")
-            },
-            secs(&doc["disabling_dirty_logging_time_s"]),
+            secs(m.populate),
+            secs(m.enable),
+            secs(m.dirty2),
+            secs(m.native2),
+            m.ratio2.map(|r| format!("{r:.2}x")).unwrap_or("-".into()),
+            secs(m.get_avg),
+            secs(m.clear_avg),
+            secs(m.disable),
         ]);
         rows.push(row);
         docs.push(json!({ "settings": label, "result": doc }));
@@ -494,5 +500,110 @@ fn sweep(a: &DirtyLogPerfArgs) -> Result<(), String> {
         .map(String::from),
     );
     print_table(&head, &rows);
+    Ok(())
+}
+
+/// The figures a table row shows, from one run's JSON document.
+struct Metrics {
+    populate: Option<f64>,
+    enable: Option<f64>,
+    dirty2: Option<f64>,
+    native2: Option<f64>,
+    ratio2: Option<f64>,
+    get_avg: Option<f64>,
+    clear_avg: Option<f64>,
+    disable: Option<f64>,
+}
+
+fn metrics(doc: &serde_json::Value, ring: bool) -> Metrics {
+    let iters = doc["iterations"].as_array().cloned().unwrap_or_default();
+    // Iteration 2 is the selftest's steady state (iteration 1 may still split or fault).
+    let it2 = iters
+        .get(1.min(iters.len().saturating_sub(1)))
+        .cloned()
+        .unwrap_or_default();
+    let avg = |field: &str| {
+        let xs: Vec<f64> = iters.iter().filter_map(|i| i[field].as_f64()).collect();
+        (!xs.is_empty()).then(|| xs.iter().sum::<f64>() / xs.len() as f64)
+    };
+    Metrics {
+        populate: doc["populate_memory_time_s"].as_f64(),
+        enable: doc["enabling_dirty_logging_time_s"].as_f64(),
+        dirty2: it2["dirty_memory_time_s"].as_f64(),
+        native2: it2["native_memory_time_s"].as_f64(),
+        ratio2: it2["ratio_guest_over_native"].as_f64(),
+        get_avg: avg("get_dirty_log_time_s"),
+        clear_avg: avg(if ring {
+            "reset_dirty_rings_time_s"
+        } else {
+            "clear_dirty_log_time_s"
+        }),
+        disable: doc["disabling_dirty_logging_time_s"].as_f64(),
+    }
+}
+
+/// `--backend sim,kvm`: the same run on both machines, one after the other in this process,
+/// and one table of every phase with the ratio of the first to the second.
+fn side_by_side(a: &DirtyLogPerfArgs, kinds: [BackendArg; 2]) -> Result<(), String> {
+    let mut docs = Vec::new();
+    for kind in kinds {
+        let mut b = a.clone();
+        b.json = true;
+        if !quiet(a.json) {
+            eprintln!("[slat] running on {}", kind.name());
+        }
+        docs.push(measure(&b, kind)?);
+    }
+    let ring = a.dirty_ring.is_some();
+    let [x, y] = [0, 1].map(|k| metrics(&docs[k], ring));
+    let rows: Vec<Row> = vec![
+        ("populate memory", x.populate, y.populate),
+        ("enable dirty logging", x.enable, y.enable),
+        ("iteration 2 dirty memory", x.dirty2, y.dirty2),
+        ("iteration 2 native memory", x.native2, y.native2),
+        ("get dirty log avg", x.get_avg, y.get_avg),
+        (
+            if ring {
+                "reset dirty rings avg"
+            } else {
+                "clear dirty log avg"
+            },
+            x.clear_avg,
+            y.clear_avg,
+        ),
+        ("disable dirty logging", x.disable, y.disable),
+    ];
+    let (n0, n1) = (kinds[0].name(), kinds[1].name());
+    if a.json {
+        let [d0, d1] = [docs.remove(0), docs.remove(0)];
+        let doc = comparison_json("dirty-log-perf", [n0, n1], &rows, [d0, d1]);
+        println!("{doc:#}");
+        return Ok(());
+    }
+    println!(
+        "dirty-log-perf on {n0} and {n1}: -v {} -b {} -i {}{}{}{}, one run each, in this process; times in seconds",
+        a.vcpus,
+        format_size(a.bytes),
+        a.iterations,
+        if ring {
+            " --dirty-ring"
+        } else if a.no_manual {
+            " -g"
+        } else {
+            ""
+        },
+        if a.random { " -a" } else { "" },
+        if a.write_percent != 100 {
+            format!(" -w {}", a.write_percent)
+        } else {
+            String::new()
+        },
+    );
+    print_comparison([n0, n1], &rows);
+    println!(
+        "guest/native at iteration 2: {n0} {}, {n1} {}",
+        x.ratio2.map(|r| format!("{r:.2}x")).unwrap_or("-".into()),
+        y.ratio2.map(|r| format!("{r:.2}x")).unwrap_or("-".into())
+    );
     Ok(())
 }

@@ -3,15 +3,16 @@
 //! after stopping the vCPUs, then checks every page: written ⇔ reported. Any mismatch is a
 //! failure (exit status 1).
 
-use crate::args::{backing, guest_size, DirtyArgs, MachineArgs, TrackArg};
+use crate::args::{
+    backing, check_backends, guest_size, BackendArg, DirtyArgs, MachineArgs, TrackArg,
+};
+use crate::backend::{self, Spec};
 use crate::report::{quiet, Phase};
 use clap::{Args, ValueEnum};
 use serde_json::json;
 use slat::dirty::inject;
-use slat::Ept;
-use slat_machine::dirty_oracle::{self, LogMode, OracleConfig};
+use slat_machine::dirty_oracle::{LogMode, OracleConfig};
 use slat_machine::ram::{format_size, Backing};
-use slat_machine::{Machine, MachineConfig};
 use std::time::Duration;
 
 /// `-M`: which harvest protocols to check.
@@ -73,6 +74,10 @@ pub struct DirtyLogTestArgs {
     /// Run with a deliberately broken engine and expect the oracle to fail.
     #[arg(long = "break", value_enum)]
     pub broken: Option<BreakArg>,
+    /// The machine(s) to check: `sim`, `kvm` (the host's /dev/kvm), or `sim,kvm` (one after
+    /// the other).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "sim")]
+    pub backend: Vec<BackendArg>,
     /// Print one JSON document instead of the text report.
     #[arg(long)]
     pub json: bool,
@@ -82,8 +87,36 @@ pub struct DirtyLogTestArgs {
     pub machine: MachineArgs,
 }
 
-/// Runs the test; an error (or any mismatch) is a non-zero exit.
+/// Runs the test on every machine `--backend` lists; an error (or any mismatch) is a non-zero
+/// exit.
 pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
+    let mut engine_only = a.machine.engine_only();
+    engine_only.extend(a.dirty.engine_only());
+    if a.broken.is_some() {
+        engine_only.push("--break");
+    }
+    if a.toggle_every != 0 {
+        engine_only.push("--toggle-every");
+    }
+    check_backends(&a.backend, &engine_only)?;
+    let mut errors = Vec::new();
+    for &kind in &a.backend {
+        if let Err(e) = run_on(a, kind) {
+            errors.push(if a.backend.len() > 1 {
+                format!("{}: {e}", kind.name())
+            } else {
+                e
+            });
+        }
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors.join("; "))
+    }
+}
+
+fn run_on(a: &DirtyLogTestArgs, kind: BackendArg) -> Result<(), String> {
     let q = quiet(a.json);
     let mut modes: Vec<LogMode> = match a.mode {
         ModeArg::DirtyLog => vec![LogMode::DirtyLog],
@@ -109,7 +142,8 @@ pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
     let mut failed = Vec::new();
     let mut docs = Vec::new();
     for mode in modes {
-        let cfg = MachineConfig {
+        let dirty = mode.dirty_config(ring);
+        let cfg = Spec {
             vm: vm_config,
             backing: a.backing,
             vcpus: a.vcpus as usize,
@@ -119,20 +153,22 @@ pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
             tlb_entries: a.machine.tlb_entries,
             pcpus: a.machine.pcpus.unwrap_or(0),
             prefault: !a.machine.no_prefault,
-            dirty: mode.dirty_config(ring),
+            manual_protect: dirty.manual_protect != 0,
+            ring_entries: dirty.ring_entries,
         };
         let p = Phase::start(
             format!(
-                "mapping {} of {} guest RAM",
+                "{}: mapping {} of {} guest RAM",
+                kind.name(),
                 format_size(bytes * a.vcpus as u64),
                 a.backing
             ),
             q,
         );
-        let m = Machine::<Ept>::new(cfg).map_err(|e| e.to_string())?;
+        let m = backend::create(kind, &cfg)?;
         p.done();
-        if a.broken == Some(BreakArg::SkipHarvestFlush) {
-            m.vm().inject_bugs(inject::SKIP_HARVEST_FLUSH);
+        if let (Some(BreakArg::SkipHarvestFlush), Some(sim)) = (a.broken, m.sim()) {
+            sim.vm().inject_bugs(inject::SKIP_HARVEST_FLUSH);
         }
         let layout = m.layout();
         if !a.json {
@@ -154,7 +190,7 @@ pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
             toggle_every: a.toggle_every,
         };
         let json = a.json;
-        let r = dirty_oracle::run(&m, ocfg, |it| {
+        let r = m.dirty_oracle(mode, ocfg, &mut |it| {
             if !json {
                 println!(
                     "Iteration {:2}: dirty: {:<6} clean: {:<6} writes: {:<6}{}",
@@ -169,8 +205,7 @@ pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
                     }
                 );
             }
-        })
-        .map_err(|e| e.to_string())?;
+        })?;
         let (lost, spurious): (u64, u64) = r
             .iterations
             .iter()
@@ -210,7 +245,7 @@ pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
     }
     if a.json {
         let doc = json!({
-            "benchmark": "dirty-log-test", "backend": "sim",
+            "benchmark": "dirty-log-test", "backend": kind.name(),
             "config": {
                 "iterations": a.iterations, "interval_ms": a.interval_ms, "vcpus": a.vcpus,
                 "bytes_per_vcpu": bytes, "backing": a.backing.name(), "seed": a.seed,

@@ -1,6 +1,8 @@
 //! The `slat` command: KVM-selftest-style benchmarks of the slat second-stage MMU.
 
+mod access_tracking_perf;
 mod args;
+mod backend;
 mod demand_paging;
 mod dirty_log_perf;
 mod dirty_log_test;
@@ -29,6 +31,10 @@ enum Command {
     /// The dirty-log correctness oracle (dirty_log_test): writers stamp pages while the host
     /// harvests; every page is checked, and any lost or misreported page fails the run.
     DirtyLogTest(dirty_log_test::DirtyLogTestArgs),
+    /// Aging and idle page tracking (access_tracking_perf_test): populate, access, mark idle,
+    /// access idle memory; native baseline and ratio for every pass; `--compare` runs the
+    /// seed-000 table (fast page fault on/off, -v 1 and -v 2) in one process.
+    AccessTrackingPerf(access_tracking_perf::AccessTrackingPerfArgs),
 }
 
 fn main() {
@@ -59,6 +65,7 @@ fn main() {
         Command::DemandPaging(a) => demand_paging::run(a),
         Command::DirtyLogPerf(a) => dirty_log_perf::run(a),
         Command::DirtyLogTest(a) => dirty_log_test::run(a),
+        Command::AccessTrackingPerf(a) => access_tracking_perf::run(a),
     };
     if let Err(e) = r {
         eprintln!("slat: error: {e}");
