@@ -1,5 +1,7 @@
 //! Second-stage page faults: the lock-free fast path and the slow path under the MMU lock.
 
+use crate::cmo::CmoPolicy;
+use crate::dirty::RecoverVariant;
 use crate::flush::PendingFlush;
 use crate::format::{bytes_per_entry, Access, LeafPerms, PteFormat, PAGE_SHIFT};
 use crate::memslot::MemslotSet;
@@ -164,6 +166,17 @@ impl<F: PteFormat> Vm<F> {
         // Read faults in a logged slot map read-only with MMU-writable kept, so the first
         // write is seen and logged by the fast path (a read does not dirty the page).
         let map_read_only_logged = logging && perms.writable && fault.access != Access::Write;
+        // Cache maintenance (formats that need it). `Always` cleans the range this fault
+        // would map before anything else, whether or not another vCPU already mapped it (KVM
+        // arm64 before seed 001 patch 1, in `user_mem_abort`; permission faults skip it there
+        // too); `OnInstall` leaves it to the fault that installs the leaf, inside the
+        // break-before-make window.
+        let cmo_on_install = F::CACHE_MAINTENANCE && self.config.cmo == CmoPolicy::OnInstall;
+        if F::CACHE_MAINTENANCE && self.config.cmo == CmoPolicy::Always && !fault.present {
+            let len = bytes_per_entry(goal);
+            let hva = slot.hva(gfn) & !(len - 1);
+            self.clean_new_mapping(hva, len, fault.access == Access::Exec, sink);
+        }
 
         let lock = self.mmu_lock.read();
         // A memslot change published after our lookup: what we computed may be stale.
@@ -186,7 +199,8 @@ impl<F: PteFormat> Vm<F> {
                 break FaultOutcome::Retry;
             }
             if it.level == goal {
-                if F::is_present(old) && !F::is_leaf(old, it.level) {
+                let rebuild = F::is_present(old) && !F::is_leaf(old, it.level);
+                if rebuild && (logging || self.config.recover != RecoverVariant::OnFault) {
                     // A table already covers this range (left by dirty logging, say): map
                     // inside it rather than collapse it here; recovery collapses tables.
                     goal -= 1;
@@ -215,10 +229,21 @@ impl<F: PteFormat> Vm<F> {
                         break FaultOutcome::DirtyRingFull;
                     }
                 }
-                match self.set_spte(&mut it, new, UpdateMode::Shared, sink, &mut pending) {
+                // A new leaf where there was none, or a block rebuilt over a table, changes
+                // what the entry maps (break-before-make where the format needs it); an
+                // existing leaf only gains permissions.
+                let r = if F::is_present(old) && !rebuild {
+                    self.set_spte(&mut it, new, UpdateMode::Shared, sink, &mut pending)
+                } else {
+                    self.replace_spte(&mut it, new, cmo_on_install, sink, &mut pending)
+                };
+                match r {
                     Ok(()) => {
                         if let Some(m) = mark {
                             self.commit_mark(m, ring, gfn, sink);
+                        }
+                        if rebuild {
+                            sink.inc(Stat::Recoveries);
                         }
                         break FaultOutcome::Fixed;
                     }
@@ -228,6 +253,7 @@ impl<F: PteFormat> Vm<F> {
             if !F::is_present(old) {
                 let child = cache.take().expect("page cache topped up before the lock");
                 let new = F::make_table(child.addr());
+                // An empty entry becoming a table: nothing to break, nothing cached to flush.
                 match self.set_spte(&mut it, new, UpdateMode::Shared, sink, &mut pending) {
                     Ok(()) => {
                         child.into_linked();
@@ -239,13 +265,20 @@ impl<F: PteFormat> Vm<F> {
                 }
             } else if F::is_leaf(old, it.level) {
                 // A huge leaf above the level we may map (dirty logging, or a smaller host
-                // page): split it into an equivalent table, no flush needed.
+                // page): split it. Where both translations may coexist, into an equivalent
+                // table with one compare-and-swap and no flush. Under break-before-make the
+                // block must be invalidated and flushed anyway, and the new table is left
+                // empty but for what this fault maps, as KVM arm64 does ("accesses beyond
+                // 'end' ... are mapped lazily"): the rest of the block faults back in at
+                // 4 KiB, read-only where logging wants it.
                 let child = cache.take().expect("page cache topped up before the lock");
-                for (idx, e) in child.page().entries.iter().enumerate() {
-                    e.store(F::split_child(old, it.level, idx), Ordering::Relaxed);
+                if !F::BREAK_BEFORE_MAKE {
+                    for (idx, e) in child.page().entries.iter().enumerate() {
+                        e.store(F::split_child(old, it.level, idx), Ordering::Relaxed);
+                    }
                 }
                 let new = F::make_table(child.addr());
-                match self.set_spte(&mut it, new, UpdateMode::Shared, sink, &mut pending) {
+                match self.replace_spte(&mut it, new, false, sink, &mut pending) {
                     Ok(()) => {
                         child.into_linked();
                         sink.inc(Stat::Splits);

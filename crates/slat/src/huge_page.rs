@@ -7,15 +7,41 @@ use crate::memslot::Memslot;
 use crate::stats::Stat;
 use crate::sync::{pin, Ordering};
 use crate::table::TablePage;
-use crate::vm::{UpdateMode, Vm};
+use crate::vm::Vm;
 use crate::walk::Walk;
+
+/// In which order a table is replaced by a block when break-before-make applies (arm64): the
+/// window in which other vCPUs fault on the locked entry is the difference (seed 001 patch 2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RebuildOrder {
+    /// Invalidate the table entry, flush, unmap and free the old sub-tables, then install the
+    /// block (KVM arm64 before the patch): the entry stays invalid for the whole teardown.
+    BreakFirst,
+    /// Invalidate the table entry, flush, install the block, then unmap and free the old
+    /// sub-tables (after the patch): the entry is invalid only across the flush.
+    #[default]
+    InstallFirst,
+}
+
+impl RebuildOrder {
+    /// Name used on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            RebuildOrder::BreakFirst => "break-first",
+            RebuildOrder::InstallFirst => "install-first",
+        }
+    }
+}
 
 impl<F: PteFormat> Vm<F> {
     /// Replaces every huge leaf in `[start, end)` with a table of equivalent smaller leaves,
     /// down to 4 KiB (a 1 GiB leaf becomes 2 MiB leaves, which the pre-order walk then visits
     /// and splits in turn). Updates are compare-and-swaps, so this runs under the MMU lock in
-    /// either mode, racing with faults; a lost race re-reads the entry. No flush: old and new
-    /// translations are identical. Returns the number of leaves split.
+    /// either mode, racing with faults; a lost race re-reads the entry. No flush where the
+    /// format allows both translations at once (they are identical); with break-before-make
+    /// each block is invalidated and flushed before its table goes in (KVM arm64's
+    /// `kvm_pgtable_stage2_split`), and no cache maintenance: the memory is mapped already.
+    /// Returns the number of leaves split.
     pub(crate) fn split_huge_pages(&self, start: u64, end: u64, pending: &mut PendingFlush) -> u64 {
         let guard = pin();
         let sink = self.sink();
@@ -30,7 +56,7 @@ impl<F: PteFormat> Vm<F> {
                     e.store(F::split_child(old, it.level, i), Ordering::Relaxed);
                 }
                 let table = F::make_table(child.addr());
-                match self.set_spte(&mut it, table, UpdateMode::Shared, sink, pending) {
+                match self.replace_spte(&mut it, table, false, sink, pending) {
                     Ok(()) => {
                         child.into_linked();
                         sink.inc(Stat::Splits);
@@ -56,7 +82,8 @@ impl<F: PteFormat> Vm<F> {
     /// takes its permissions from the first leaf found below (so write protection and access
     /// tracking carry over and the fast path fixes them as usual). Tables nobody mapped
     /// anything in are left alone. The unlinked tables go to `pending`; the caller flushes once.
-    /// Returns the number of tables replaced.
+    /// With break-before-make each table is rebuilt as a block in the configured
+    /// [`RebuildOrder`] instead, with its own flush. Returns the number of tables replaced.
     pub(crate) fn recover_huge_pages(&self, slot: &Memslot, pending: &mut PendingFlush) -> u64 {
         debug_assert!(!slot.is_logging());
         let guard = pin();
@@ -74,7 +101,7 @@ impl<F: PteFormat> Vm<F> {
                     let huge = F::make_huge(leaf, it.level);
                     debug_assert_eq!(F::output_addr(huge), slot.hva(it.gfn));
                     if self
-                        .set_spte(&mut it, huge, UpdateMode::Shared, sink, pending)
+                        .replace_spte(&mut it, huge, false, sink, pending)
                         .is_err()
                     {
                         continue; // re-examine the entry that won

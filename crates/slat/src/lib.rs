@@ -26,11 +26,12 @@
 #![deny(missing_docs)]
 
 pub mod age;
+pub mod cmo;
 pub mod dirty;
 mod fault;
 pub mod flush;
 pub mod format;
-mod huge_page;
+pub mod huge_page;
 pub mod memslot;
 pub mod stats;
 mod sync;
@@ -39,9 +40,11 @@ mod vm;
 pub(crate) mod walk;
 
 pub use age::{AgeFlush, AgeReport, IdleBitmap, IdleError, WorkingSet};
+pub use cmo::CmoPolicy;
 pub use dirty::{DirtyLogError, DirtyTrack, GetLogVariant, RecoverVariant};
 pub use fault::{Fault, FaultOutcome};
-pub use format::{Access, Ept, Level, PteFormat};
+pub use format::{Access, Ept, Level, PteFormat, Stage2};
+pub use huge_page::RebuildOrder;
 pub use memslot::{HostRange, Memslot, MemslotError, MemslotFlags, MemslotSet, SlotId};
 pub use stats::Stats;
 pub use vm::{Audit, MmuLockKind, Vcpu, Vm, VmConfig};

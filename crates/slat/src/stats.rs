@@ -44,9 +44,17 @@ pub enum Stat {
     DirtyMarked,
     /// Write faults refused because the vCPU's dirty ring was full.
     PfRingFull,
+    /// Valid entries broken (invalidated and flushed) to change their output address or
+    /// size (break-before-make).
+    Breaks,
+    /// Cache-maintenance passes over new mappings (data-cache clean, instruction-cache
+    /// invalidate).
+    CacheCleans,
+    /// Bytes those passes covered.
+    CacheCleanBytes,
 }
 
-const NSTATS: usize = Stat::PfRingFull as usize + 1;
+const NSTATS: usize = Stat::CacheCleanBytes as usize + 1;
 
 /// A block of counters, padded so two blocks never share a cache line.
 #[repr(align(128))]
@@ -154,6 +162,12 @@ pub struct Stats {
     pub dirty_marked: u64,
     /// Write faults refused because the vCPU's dirty ring was full.
     pub pf_ring_full: u64,
+    /// Valid entries broken to change their output address or size (break-before-make).
+    pub bbm_breaks: u64,
+    /// Cache-maintenance passes over new mappings.
+    pub cache_cleans: u64,
+    /// Bytes those passes covered.
+    pub cache_clean_bytes: u64,
 }
 
 impl Stats {
@@ -184,6 +198,9 @@ impl Stats {
             recoveries: g(Stat::Recoveries),
             dirty_marked: g(Stat::DirtyMarked),
             pf_ring_full: g(Stat::PfRingFull),
+            bbm_breaks: g(Stat::Breaks),
+            cache_cleans: g(Stat::CacheCleans),
+            cache_clean_bytes: g(Stat::CacheCleanBytes),
         }
     }
 }

@@ -1,8 +1,10 @@
 //! The VM: page-table root, MMU lock, memslots, vCPU registry, and the one SPTE-update path.
 
+use crate::cmo::{clean_dcache_to_poc, invalidate_icache_to_pou, CmoPolicy};
 use crate::dirty::{DirtyMode, DirtyRing, DirtyTrack, GetLogVariant, RecoverVariant, SlotBitmap};
 use crate::flush::{FlushGen, PendingFlush, VcpuLink};
-use crate::format::{Level, PteFormat, PAGE_SHIFT};
+use crate::format::{bytes_per_entry, Access, Level, PteFormat, PAGE_SHIFT};
+use crate::huge_page::RebuildOrder;
 use crate::memslot::{
     validate_flags, validate_host, validate_range, HostRange, Memslot, MemslotError, MemslotFlags,
     MemslotSet, SlotId,
@@ -51,6 +53,11 @@ pub struct VmConfig {
     pub recover: RecoverVariant,
     /// How logged slots see writes: write protection, or hardware dirty bits (PML-like).
     pub dirty_track: DirtyTrack,
+    /// When faults perform cache maintenance for new mappings (formats that need it).
+    pub cmo: CmoPolicy,
+    /// In which order a table is replaced by a block under break-before-make (formats that
+    /// need it).
+    pub rebuild: RebuildOrder,
 }
 
 impl Default for VmConfig {
@@ -63,6 +70,8 @@ impl Default for VmConfig {
             get_log: GetLogVariant::Xchg,
             recover: RecoverVariant::InPlace,
             dirty_track: DirtyTrack::WriteProtect,
+            cmo: CmoPolicy::OnInstall,
+            rebuild: RebuildOrder::InstallFirst,
         }
     }
 }
@@ -362,6 +371,105 @@ impl<F: PteFormat> Vm<F> {
         *old = new;
         self.handle_changed_spte(prev, new, level, sink, pending);
         Ok(())
+    }
+
+    /// Replaces the walker's current entry with `new` where that changes what the entry maps:
+    /// an empty entry gets a leaf, a block becomes a table, a table becomes a block. (Changes of
+    /// permissions or A/D go through [`Self::set_spte`].)
+    ///
+    /// Without break-before-make this is one compare-and-swap; the caller's `pending` owes the
+    /// flush. With it (arm64), the entry is never seen with two different valid values:
+    /// 1. *break*: compare-and-swap the entry to `F::FROZEN` (KVM's `KVM_INVALID_PTE_LOCKED`),
+    ///    which every other walker treats as a fault to retry and no other writer touches, so
+    ///    the entry is ours until step 4;
+    /// 2. if the old value was valid, a completed remote TLB flush: no vCPU still translates
+    ///    through it, so the old and new translations never coexist (a TLB conflict);
+    /// 3. with `cmo`, cache maintenance over a new leaf's range: only the fault that owns the
+    ///    entry does it (seed 001 patch 1);
+    /// 4. *make*: publish `new` with a release store (a prefilled table's entries before it).
+    ///
+    /// An old table is torn down (entries frozen and accounted, pages queued for freeing)
+    /// during the break with [`RebuildOrder::BreakFirst`], so other vCPUs fault on the locked
+    /// entry for the whole teardown; after the make with [`RebuildOrder::InstallFirst`] (seed
+    /// 001 patch 2). Either way the pages were unreachable before the flush of step 2, so they
+    /// go to epoch reclamation without another flush, and `pending` is left untouched.
+    ///
+    /// The break and the make are the only entry writes outside [`Self::update_spte`]: the
+    /// transient locked value is not a change of mapping, so the bookkeeping is done once for
+    /// the whole old → new transition (or old → locked at a break-first teardown), here.
+    pub(crate) fn replace_spte(
+        &self,
+        it: &mut Walk<'_, F>,
+        new: u64,
+        cmo: bool,
+        sink: Sink<'_>,
+        pending: &mut PendingFlush,
+    ) -> Result<(), Busy> {
+        if !F::BREAK_BEFORE_MAKE {
+            return self.set_spte(it, new, UpdateMode::Shared, sink, pending);
+        }
+        let old = it.old;
+        let level = it.level;
+        let sptep = it.sptep();
+        if let Err(cur) =
+            sptep.compare_exchange(old, F::FROZEN, Ordering::AcqRel, Ordering::Acquire)
+        {
+            it.old = cur;
+            return Err(Busy);
+        }
+        let old_valid = F::is_present(old);
+        let break_first =
+            old_valid && !F::is_leaf(old, level) && self.config.rebuild == RebuildOrder::BreakFirst;
+        let mut teardown = PendingFlush::none();
+        if break_first {
+            self.handle_changed_spte(old, F::FROZEN, level, sink, &mut teardown);
+        }
+        if old_valid {
+            sink.inc(Stat::Breaks);
+            self.flush_remote_tlbs();
+        }
+        if cmo && F::is_present(new) && F::is_leaf(new, level) {
+            self.clean_new_mapping(
+                F::output_addr(new),
+                bytes_per_entry(level),
+                F::permits(new, Access::Exec),
+                sink,
+            );
+        }
+        sptep.store(new, Ordering::Release);
+        it.old = new;
+        if break_first {
+            self.handle_changed_spte(F::FROZEN, new, level, sink, &mut teardown);
+        } else {
+            self.handle_changed_spte(old, new, level, sink, &mut teardown);
+        }
+        self.retire_flushed(teardown);
+        Ok(())
+    }
+
+    /// Cache maintenance for a mapping about to be published: clean the data cache over it,
+    /// and invalidate the instruction cache too if it is executable.
+    pub(crate) fn clean_new_mapping(&self, addr: u64, len: u64, exec: bool, sink: Sink<'_>) {
+        clean_dcache_to_poc(addr, len);
+        sink.inc(Stat::CacheCleans);
+        sink.add(Stat::CacheCleanBytes, len);
+        if exec {
+            invalidate_icache_to_pou(addr, len);
+            sink.inc(Stat::CacheCleans);
+            sink.add(Stat::CacheCleanBytes, len);
+        }
+    }
+
+    /// Hands table pages to epoch reclamation without a flush of their own: only for pages
+    /// that were unreachable before a remote flush that has completed (a break-before-make
+    /// break). Everything else frees through [`Self::complete_flush`].
+    fn retire_flushed(&self, p: PendingFlush) {
+        if p.graveyard.is_empty() {
+            return;
+        }
+        let guard = pin();
+        TableAlloc::free_deferred(&self.alloc, &guard, p.graveyard);
+        guard.flush();
     }
 
     #[inline(always)]

@@ -78,6 +78,10 @@ pub enum RecoverVariant {
     InPlace,
     /// Zap the slot and let faults rebuild huge leaves (older KVM).
     Zap,
+    /// Leave the tables; a fault that finds a table where the slot allows a huge leaf
+    /// replaces the table with that leaf (KVM arm64: `stage2_map` coalesces on the next
+    /// translation fault in the range, break-before-make, in the [`crate::RebuildOrder`]).
+    OnFault,
 }
 
 impl RecoverVariant {
@@ -86,6 +90,7 @@ impl RecoverVariant {
         match self {
             RecoverVariant::InPlace => "inplace",
             RecoverVariant::Zap => "zap",
+            RecoverVariant::OnFault => "on-fault",
         }
     }
 }
@@ -451,7 +456,10 @@ impl<F: PteFormat> Vm<F> {
         if !F::is_writable(old) {
             return None;
         }
-        if self.config.dirty_track == DirtyTrack::HardwareDirty && F::ad_enabled(old) {
+        if self.config.dirty_track == DirtyTrack::HardwareDirty
+            && F::HARDWARE_DIRTY
+            && F::ad_enabled(old)
+        {
             return F::is_dirty(old).then(|| F::clear_dirty(old));
         }
         Some(F::write_protect(old))
@@ -494,6 +502,8 @@ impl<F: PteFormat> Vm<F> {
             return; // nothing bigger than 4 KiB can map it
         }
         match self.config.recover {
+            // Faults in the range rebuild huge leaves as they come.
+            crate::dirty::RecoverVariant::OnFault => {}
             crate::dirty::RecoverVariant::Zap => self.zap_gfn_range(slot.base_gfn, slot.end_gfn()),
             crate::dirty::RecoverVariant::InPlace => {
                 let mut pending = PendingFlush::none();

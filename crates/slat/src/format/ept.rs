@@ -66,6 +66,9 @@ impl PteFormat for Ept {
     // No RWX (hardware faults on it), no MMU-present (software treats it as busy), no A/D
     // (nothing propagates from it); bit 10 is otherwise unused, which makes it easy to spot.
     const FROZEN: u64 = 0x410;
+    const BREAK_BEFORE_MAKE: bool = false;
+    const CACHE_MAINTENANCE: bool = false;
+    const HARDWARE_DIRTY: bool = true;
 
     #[inline]
     fn is_present(pte: u64) -> bool {

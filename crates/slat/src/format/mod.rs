@@ -9,8 +9,10 @@
 //! level 3 covers 1 GiB, and the root table sits at [`PteFormat::ROOT_LEVEL`].
 
 pub mod ept;
+pub mod stage2;
 
 pub use ept::Ept;
+pub use stage2::Stage2;
 
 /// A page-table level, 1 (4 KiB entries) up to the format's root level.
 pub type Level = u8;
@@ -90,6 +92,19 @@ pub trait PteFormat: Send + Sync + 'static + Sized {
     /// The sentinel for an entry in the middle of a multi-step update: whoever reads it backs
     /// off (a fault retries) until the owner writes the final value.
     const FROZEN: u64;
+    /// Changing a valid entry's output address or size (a block split into a table, a table
+    /// rebuilt as a block) must go through an invalid entry and a TLB invalidation first
+    /// (arm64 break-before-make); otherwise one compare-and-swap suffices (x86 may cache both
+    /// translations at once, and they are equivalent).
+    const BREAK_BEFORE_MAKE: bool;
+    /// New mappings need the data cache cleaned to the point of coherency (and the
+    /// instruction cache invalidated for executable ones) before the guest may use them: the
+    /// guest may run with its caches off (arm64). x86 caches are coherent.
+    const CACHE_MAINTENANCE: bool;
+    /// Hardware records writes in the entry (a Dirty bit), so dirty logging may keep pages
+    /// writable and clear D instead of W. Without it, hardware-dirty tracking falls back to
+    /// write protection.
+    const HARDWARE_DIRTY: bool;
 
     /// Software view: the entry maps something (a table or a leaf), even if hardware
     /// permissions are currently removed for access tracking.

@@ -1,0 +1,122 @@
+//! Cache maintenance operations (CMOs) for formats whose guests may see memory without the
+//! host's caches ([`PteFormat::CACHE_MAINTENANCE`], arm64 stage-2).
+//!
+//! Before a new mapping is published, KVM arm64 cleans the data cache over the mapped range to
+//! the point of coherency (`dcache_clean_inval_poc`), so a guest running with its caches off
+//! reads what the host wrote, and invalidates the instruction cache to the point of unification
+//! for executable mappings (`icache_inval_pou`). Both walk the range a cache line at a time, so
+//! their cost grows with the mapping: a 1 GiB block costs 16 Mi line operations. That cost is
+//! what seed 001 patch 1 avoids repeating on every concurrent fault.
+//!
+//! On this x86 host the model does the same work for real: the data-cache clean is `clflushopt`
+//! over every line of the range (write back and invalidate, like `DC CIVAC`), and the
+//! instruction-cache invalidation is a second such pass. The flushed lines are really gone
+//! from the caches, so the guest's next accesses pay the misses too, as on hardware. Elsewhere
+//! the passes are a line-by-line volatile read, which keeps the per-line cost shape.
+//!
+//! [`PteFormat::CACHE_MAINTENANCE`]: crate::format::PteFormat::CACHE_MAINTENANCE
+
+/// Cache-line size the passes step by (64 bytes on every host this runs on).
+pub const CACHE_LINE: u64 = 64;
+
+/// When the fault path performs cache maintenance for a new mapping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CmoPolicy {
+    /// Every translation fault cleans the range it is about to map before doing anything
+    /// else, even when another vCPU has already mapped it (KVM arm64 before seed 001 patch 1:
+    /// CMOs in `user_mem_abort`).
+    Always,
+    /// Only the fault that actually installs a new leaf cleans it, after locking the entry and
+    /// before publishing it; concurrent faults on the same address find the entry locked or
+    /// mapped and skip it (seed 001 patch 1: CMOs in the map path).
+    #[default]
+    OnInstall,
+}
+
+impl CmoPolicy {
+    /// Name used on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            CmoPolicy::Always => "always",
+            CmoPolicy::OnInstall => "on-install",
+        }
+    }
+}
+
+/// Cleans and invalidates the data cache over `[addr, addr + len)` to the point of coherency.
+/// `addr` must be the start of host memory the caller maps (guest RAM): every line of the range
+/// must be mapped in this process.
+#[inline(never)]
+pub(crate) fn clean_dcache_to_poc(addr: u64, len: u64) {
+    flush_lines(addr, len);
+}
+
+/// Invalidates the instruction cache over `[addr, addr + len)` to the point of unification
+/// (x86 instruction fetch is coherent with data, so the model repeats the line pass to charge
+/// the cost the architecture would). Same contract as [`clean_dcache_to_poc`].
+#[inline(never)]
+pub(crate) fn invalidate_icache_to_pou(addr: u64, len: u64) {
+    flush_lines(addr, len);
+}
+
+#[cfg(all(target_arch = "x86_64", not(loom)))]
+fn flush_lines(addr: u64, len: u64) {
+    use std::sync::OnceLock;
+    static HAS_CLFLUSHOPT: OnceLock<bool> = OnceLock::new();
+    // CPUID.(EAX=7, ECX=0):EBX bit 23 (std's feature detection does not know CLFLUSHOPT).
+    let opt = *HAS_CLFLUSHOPT.get_or_init(|| {
+        // An old CPU without leaf 7 returns zeros here, which reads as "no CLFLUSHOPT".
+        let r = core::arch::x86_64::__cpuid_count(7, 0);
+        r.ebx & (1 << 23) != 0
+    });
+    let start = addr & !(CACHE_LINE - 1);
+    let end = addr + len;
+    let mut p = start;
+    while p < end {
+        if opt {
+            // SAFETY: CLFLUSHOPT was detected above; the caller guarantees the line is mapped
+            // host memory (guest RAM), and flushing a line changes no value in it.
+            unsafe {
+                core::arch::asm!("clflushopt [{0}]", in(reg) p, options(nostack, preserves_flags))
+            };
+        } else {
+            // SAFETY: CLFLUSH is in the x86-64 baseline; same contract as above.
+            unsafe { core::arch::x86_64::_mm_clflush(p as *const u8) };
+        }
+        p += CACHE_LINE;
+    }
+    // CLFLUSHOPT is weakly ordered: fence so every flush completes before the mapping is
+    // published (what the DSB after `DC CIVAC` does on arm64).
+    // SAFETY: a fence has no memory-safety requirements.
+    unsafe { core::arch::x86_64::_mm_mfence() };
+}
+
+#[cfg(any(not(target_arch = "x86_64"), loom))]
+fn flush_lines(addr: u64, len: u64) {
+    let start = addr & !(CACHE_LINE - 1);
+    let end = addr + len;
+    let mut p = start;
+    while p < end {
+        // SAFETY: the caller guarantees the line is mapped host memory (guest RAM); a read
+        // changes nothing.
+        unsafe { std::ptr::read_volatile(p as *const u8) };
+        p += CACHE_LINE;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passes_keep_memory_contents() {
+        let mut buf = vec![0u8; 3 * 4096 + 100];
+        for (i, b) in buf.iter_mut().enumerate() {
+            *b = i as u8;
+        }
+        let addr = buf.as_ptr() as u64;
+        clean_dcache_to_poc(addr + 1, 3 * 4096 - 1);
+        invalidate_icache_to_pou(addr, buf.len() as u64);
+        assert!(buf.iter().enumerate().all(|(i, b)| *b == i as u8));
+    }
+}
