@@ -32,6 +32,13 @@ pub enum Exit {
     },
     /// The dirty ring is full and no handler was installed to empty it.
     DirtyRingFull,
+    /// The walker was about to cache a translation of `gpa` while the TLB still held one of
+    /// another size for it: an arm64 TLB conflict abort, which only a broken break-before-make
+    /// causes (checked on formats that require it; x86 may hold both).
+    TlbConflict {
+        /// The address.
+        gpa: u64,
+    },
 }
 
 /// Called on the vCPU thread, outside guest mode, when its dirty ring reached the soft limit
@@ -53,6 +60,8 @@ pub struct CpuCounters {
     pub ad_updates: u64,
     /// Exits because the dirty ring was full.
     pub ring_full_exits: u64,
+    /// TLB conflicts (see [`Exit::TlbConflict`]).
+    pub tlb_conflicts: u64,
 }
 
 /// A vCPU thread's hardware state.
@@ -182,7 +191,11 @@ impl<F: PteFormat> Cpu<F> {
             if let Some(page) = self.tlb.lookup(gfn, write) {
                 return Ok(page + (gpa & 0xfff));
             }
+            let conflicts = self.counters.tlb_conflicts;
             match self.walk(gpa, access) {
+                Ok(_) if self.counters.tlb_conflicts != conflicts => {
+                    return Err(Exit::TlbConflict { gpa })
+                }
                 Ok(hva) => return Ok(hva),
                 Err(present) => self.fault(Fault {
                     gpa,
@@ -248,6 +261,9 @@ impl<F: PteFormat> Cpu<F> {
                     // D 0->1: what PML logs. Before the write this walk allows.
                     self.vm.log_hardware_dirty(&mut self.vcpu, gfn);
                 }
+            }
+            if F::BREAK_BEFORE_MAKE && self.tlb.conflicts(gfn, level) {
+                self.counters.tlb_conflicts += 1;
             }
             let size = bytes_per_entry(level);
             let base = F::output_addr(e);

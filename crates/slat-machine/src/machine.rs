@@ -483,6 +483,7 @@ fn vcpu_thread<F: PteFormat>(mut cpu: Cpu<F>, idx: usize, layout: Layout, ctl: A
                 tlb_flushes: c.tlb_flushes - before.tlb_flushes,
                 ad_updates: c.ad_updates - before.ad_updates,
                 ring_full_exits: c.ring_full_exits - before.ring_full_exits,
+                tlb_conflicts: c.tlb_conflicts - before.tlb_conflicts,
             },
         });
         ctl.done.wait();

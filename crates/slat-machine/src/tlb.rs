@@ -130,6 +130,24 @@ impl Tlb {
         self.leaf_table = None;
     }
 
+    /// Another entry of a different size also translates `gfn`: inserting a level-`level`
+    /// entry for it now would make a lookup hit twice. Arm64 raises a TLB conflict abort for
+    /// that (the reason break-before-make exists); x86 tolerates it. Checks only `gfn`'s own
+    /// slots, so it costs a few loads.
+    #[inline]
+    pub fn conflicts(&self, gfn: u64, level: Level) -> bool {
+        let small = level != 1 && self.small[(gfn as usize) & self.mask].tag == gfn;
+        if small || !self.has_huge {
+            return small;
+        }
+        [(2u8, 9u32, &self.mid[..]), (3, 18, &self.large[..])]
+            .iter()
+            .any(|&(l, shift, arr)| {
+                l != level
+                    && arr[((gfn >> shift) as usize) & (arr.len() - 1)].tag == gfn >> shift << shift
+            })
+    }
+
     /// Drops every entry.
     pub fn flush(&mut self) {
         self.leaf_table = None;
@@ -166,6 +184,23 @@ mod tests {
         t.flush();
         assert_eq!(t.lookup(5, false), None);
         assert_eq!(t.lookup(512 + 9, true), None);
+    }
+
+    #[test]
+    fn conflicts_are_entries_of_another_size_for_the_same_page() {
+        let mut t = Tlb::new(16);
+        t.insert(512 + 7, 2, 0x4000_0000, false);
+        assert!(
+            t.conflicts(512 + 9, 1),
+            "a 4 KiB entry under a cached 2 MiB one"
+        );
+        assert!(!t.conflicts(512 + 9, 2), "same size replaces, no conflict");
+        assert!(!t.conflicts(1024 + 9, 1), "another 2 MiB");
+        t.insert(5, 1, 0x1000_0000, false);
+        assert!(t.conflicts(5, 2) && t.conflicts(5, 3));
+        assert!(!t.conflicts(6, 2));
+        t.flush();
+        assert!(!t.conflicts(512 + 9, 1) && !t.conflicts(5, 2));
     }
 
     #[test]

@@ -47,6 +47,8 @@ pub const INITIALLY_SET: u32 = 1 << 1;
 pub mod inject {
     /// Harvests (GET, CLEAR, ring reset) write-protect but skip the remote TLB flush.
     pub const SKIP_HARVEST_FLUSH: u32 = 1 << 0;
+    /// Break-before-make skips the TLB invalidation between the break and the make.
+    pub const SKIP_BBM_FLUSH: u32 = 1 << 1;
 }
 
 /// How GET_DIRTY_LOG (without manual protection) snapshots and clears the bitmap.
