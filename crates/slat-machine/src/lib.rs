@@ -8,6 +8,7 @@ pub mod cpu;
 pub mod dirty_oracle;
 pub mod machine;
 pub mod memstress;
+pub mod page_table_stage;
 pub mod ram;
 pub mod sched;
 pub mod tlb;

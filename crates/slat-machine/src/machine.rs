@@ -3,6 +3,7 @@
 
 use crate::cpu::{Cpu, CpuCounters, Exit, RingFullHandler};
 use crate::memstress::{guest_pass, native_pass, ParkMiller, PassParams};
+use crate::page_table_stage::{guest_stage, StageParams};
 use crate::ram::{Backing, GuestRam, RamError};
 use crate::sched::PcpuPool;
 use crate::tlb::DEFAULT_TLB_ENTRIES;
@@ -41,6 +42,9 @@ pub struct MachineConfig {
     pub prefault: bool,
     /// How the VM logs dirty pages.
     pub dirty: DirtyConfig,
+    /// Guest physical address of the test region (`None`: the top of the guest physical
+    /// address space, as KVM's selftests place it). Must be aligned to the backing page size.
+    pub gpa: Option<u64>,
 }
 
 /// How the VM logs dirty pages; applied when the machine is built, before vCPUs exist.
@@ -68,6 +72,7 @@ impl Default for MachineConfig {
             pcpus: 0,
             prefault: true,
             dirty: DirtyConfig::default(),
+            gpa: None,
         }
     }
 }
@@ -175,6 +180,9 @@ pub enum Workload {
         /// The value written (the host bumps it between iterations).
         iteration: Arc<AtomicU64>,
     },
+    /// One stage of kvm_page_table_test over the vCPU's region (the whole region with
+    /// `overlap`, as that test runs), then sync.
+    Stage(StageParams),
 }
 
 enum Job {
@@ -239,7 +247,25 @@ impl<F: PteFormat> Machine<F> {
         // KVM's memstress puts the test region at the top of the guest physical address space,
         // aligned down to the backing page size.
         let max_gfn = (1u64 << (F::MAX_PHYS_BITS - PAGE_SHIFT)) - 1;
-        let gpa = ((max_gfn + 1 - pages - 1) << PAGE_SHIFT) & !(psize.max(PAGE_SIZE) - 1);
+        let align = psize.max(PAGE_SIZE);
+        let gpa = match config.gpa {
+            None => ((max_gfn + 1 - pages - 1) << PAGE_SHIFT) & !(align - 1),
+            Some(g) if g % align != 0 => {
+                return Err(MachineError::Config(format!(
+                    "guest physical offset {g:#x} is not aligned to the backing page size \
+                     ({align:#x})"
+                )))
+            }
+            Some(g) if (g >> PAGE_SHIFT).saturating_add(pages) > max_gfn + 1 => {
+                return Err(MachineError::Config(format!(
+                    "guest physical offset {g:#x} + {total:#x} bytes exceeds the {}-bit guest \
+                     physical address space of {}",
+                    F::MAX_PHYS_BITS,
+                    F::NAME
+                )))
+            }
+            Some(g) => g,
+        };
         let vm = Vm::<F>::new(config.vm);
         vm.set_manual_dirty_log_protect(config.dirty.manual_protect)?;
         if config.dirty.ring_entries != 0 {
@@ -342,8 +368,14 @@ impl<F: PteFormat> Machine<F> {
 
     /// Runs one memstress pass on every vCPU and waits for all of them (GUEST_SYNC).
     pub fn run_pass(&self, params: PassParams) -> Result<PassReport, MachineError> {
+        self.run(Workload::Pass(params))
+    }
+
+    /// Runs a workload that ends by itself (a pass, a page-table-test stage) on every vCPU and
+    /// waits for all of them.
+    pub fn run(&self, w: Workload) -> Result<PassReport, MachineError> {
         let t0 = Instant::now();
-        self.start(Workload::Pass(params))?;
+        self.start(w)?;
         self.wait(t0)
     }
 
@@ -513,6 +545,15 @@ fn run_workload<F: PteFormat>(
                 passes += (n == pages) as u64;
             }
             Ok((touched, passes))
+        }
+        Workload::Stage(p) => {
+            if p.bytes > pages * PAGE_SIZE {
+                return Err(Exit::Mmio {
+                    gpa: gpa + pages * PAGE_SIZE,
+                });
+            }
+            let n = guest_stage(cpu, gpa, *p, idx)?;
+            Ok((n, 1))
         }
         Workload::Writer { seed, iteration } => {
             let mut rng = ParkMiller::new(seed.wrapping_add(idx));

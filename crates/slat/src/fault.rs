@@ -160,7 +160,10 @@ impl<F: PteFormat> Vm<F> {
         let perms = LeafPerms {
             host_writable: !slot.is_readonly(),
             writable: !slot.is_readonly(),
-            exec: true,
+            // x86 KVM maps guest RAM executable up front; arm64 only for an instruction fetch,
+            // since an executable mapping costs an instruction-cache invalidation (a later
+            // fetch adds X through a permission fault).
+            exec: !F::CACHE_MAINTENANCE || fault.access == Access::Exec,
             ad_bits: self.config.ad_bits,
         };
         // Read faults in a logged slot map read-only with MMU-writable kept, so the first
@@ -212,6 +215,10 @@ impl<F: PteFormat> Vm<F> {
                 }
                 let hva = slot.hva(gfn) & !(bytes_per_entry(goal) - 1);
                 debug_assert!(!F::is_present(old) || F::output_addr(old) == hva);
+                let mut perms = perms;
+                if F::is_present(old) && !rebuild && F::permits(old, Access::Exec) {
+                    perms.exec = true; // an upgrade never takes a permission away
+                }
                 let new = if map_read_only_logged {
                     // Writable as far as the MMU is concerned, W clear: the first write is a
                     // fast-path fault that logs it.
@@ -233,6 +240,14 @@ impl<F: PteFormat> Vm<F> {
                 // what the entry maps (break-before-make where the format needs it); an
                 // existing leaf only gains permissions.
                 let r = if F::is_present(old) && !rebuild {
+                    if F::CACHE_MAINTENANCE
+                        && F::permits(new, Access::Exec)
+                        && !F::permits(old, Access::Exec)
+                    {
+                        // Adding X to a live leaf: invalidate the instruction cache first
+                        // (KVM's stage2_attr_walker), no data-cache clean needed.
+                        self.invalidate_icache_for(hva, bytes_per_entry(goal), sink);
+                    }
                     self.set_spte(&mut it, new, UpdateMode::Shared, sink, &mut pending)
                 } else {
                     self.replace_spte(&mut it, new, cmo_on_install, sink, &mut pending)

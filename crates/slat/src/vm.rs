@@ -467,10 +467,15 @@ impl<F: PteFormat> Vm<F> {
         sink.inc(Stat::CacheCleans);
         sink.add(Stat::CacheCleanBytes, len);
         if exec {
-            invalidate_icache_to_pou(addr, len);
-            sink.inc(Stat::CacheCleans);
-            sink.add(Stat::CacheCleanBytes, len);
+            self.invalidate_icache_for(addr, len, sink);
         }
+    }
+
+    /// Instruction-cache invalidation for a live mapping that becomes executable.
+    pub(crate) fn invalidate_icache_for(&self, addr: u64, len: u64, sink: Sink<'_>) {
+        invalidate_icache_to_pou(addr, len);
+        sink.inc(Stat::CacheCleans);
+        sink.add(Stat::CacheCleanBytes, len);
     }
 
     /// Hands table pages to epoch reclamation without a flush of their own: only for pages
