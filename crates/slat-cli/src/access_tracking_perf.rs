@@ -8,13 +8,13 @@
 //! per vCPU marks that vCPU's pages (vCPU 0 marks everything with `-o`), as the selftest's
 //! vCPU threads write page_idle for their own memory.
 
-use crate::args::{backing, guest_size, BackendArg, MachineArgs, Switch};
+use crate::args::{backing, guest_size, refuse, BackendArg, FormatArg, MachineArgs, Switch};
 use crate::demand_paging::stats_json;
-use crate::report::{quiet, ratio, ts, Phase};
+use crate::report::{bbm_cmo_line, quiet, ratio, ts, Phase};
 use clap::{Args, ValueEnum};
 use serde_json::{json, Value};
 use slat::format::{PAGE_SHIFT, PAGE_SIZE};
-use slat::{AgeFlush, AgeReport, Ept, IdleBitmap, Vm};
+use slat::{AgeFlush, AgeReport, Ept, IdleBitmap, PteFormat, Stage2, Vm};
 use slat_machine::ram::{format_size, Backing, GuestRam};
 use slat_machine::{native_baseline, Machine, MachineConfig, PassParams, PassReport};
 use std::time::{Duration, Instant};
@@ -165,6 +165,10 @@ impl RunResult {
 
 /// Runs the benchmark.
 pub fn run(a: &AccessTrackingPerfArgs) -> Result<(), String> {
+    a.machine
+        .format
+        .check_backends(&a.backend)
+        .unwrap_or_else(|e| refuse(e));
     if a.backend.contains(&BackendArg::Kvm) {
         // KVM ages guest memory only through the host's page_idle interface (the selftest's
         // route); without it there is nothing to measure, and a silent skip would mislead.
@@ -198,8 +202,21 @@ fn flush_mode(a: &AccessTrackingPerfArgs) -> AgeFlush {
     }
 }
 
-/// One configuration, start to end. Prints the selftest's lines as it goes when `text`.
+/// One configuration, start to end, on the format `--format` selects. Prints the selftest's
+/// lines as it goes when `text`.
 fn run_one(
+    a: &AccessTrackingPerfArgs,
+    vcpus: u32,
+    fast_pf: bool,
+    text: bool,
+) -> Result<RunResult, String> {
+    match a.machine.format {
+        FormatArg::Ept => run_format::<Ept>(a, vcpus, fast_pf, text),
+        FormatArg::Stage2 => run_format::<Stage2>(a, vcpus, fast_pf, text),
+    }
+}
+
+fn run_format<F: PteFormat>(
     a: &AccessTrackingPerfArgs,
     vcpus: u32,
     fast_pf: bool,
@@ -220,17 +237,19 @@ fn run_one(
         pcpus: a.machine.pcpus.unwrap_or(0),
         prefault,
         dirty: Default::default(),
+        gpa: None,
     };
     let total = a.bytes * vcpus as u64;
     let p = Phase::start(
         format!(
-            "mapping {} of {} guest RAM and as much host memory for the native baseline",
+            "mapping {} of {} guest RAM ({}) and as much host memory for the native baseline",
             format_size(total),
-            a.backing
+            a.backing,
+            a.machine.format.name()
         ),
         q,
     );
-    let m = Machine::<Ept>::new(cfg).map_err(|e| e.to_string())?;
+    let m = Machine::<F>::new(cfg).map_err(|e| e.to_string())?;
     let psize = a.backing.page_size().max(PAGE_SIZE);
     let native_ram = GuestRam::new(a.backing, total.div_ceil(psize) * psize, prefault)
         .map_err(|e| e.to_string())?;
@@ -238,6 +257,7 @@ fn run_one(
     let layout = m.layout();
     if text {
         println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
+        println!("{}", a.machine.format.header(&vm_cfg));
         println!(
             "guest physical test memory: [0x{:x}, 0x{:x})",
             layout.gpa,
@@ -249,7 +269,7 @@ fn run_one(
     let mut bitmaps = (0..regions)
         .map(|i| {
             let (gpa, _, pages) = layout.region(i);
-            IdleBitmap::new::<Ept>(gpa >> PAGE_SHIFT, pages).map_err(|e| e.to_string())
+            IdleBitmap::new::<F>(gpa >> PAGE_SHIFT, pages).map_err(|e| e.to_string())
         })
         .collect::<Result<Vec<_>, _>>()?;
     let mut r = RunResult {
@@ -358,7 +378,7 @@ fn run_one(
 
 /// Marks every bitmap idle, one host thread per bitmap (the selftest's vCPU threads each mark
 /// their own memory), and times the whole marking.
-fn mark_idle(vm: &Vm<Ept>, bitmaps: &mut [IdleBitmap], flush: AgeFlush) -> Mark {
+fn mark_idle<F: PteFormat>(vm: &Vm<F>, bitmaps: &mut [IdleBitmap], flush: AgeFlush) -> Mark {
     let pages = bitmaps.iter().map(|b| b.npages()).sum();
     let t0 = Instant::now();
     let reports: Vec<AgeReport> = if bitmaps.len() == 1 {
@@ -433,11 +453,15 @@ fn summary(a: &AccessTrackingPerfArgs, r: &RunResult) {
         "Leaves: {} x 4K, {} x 2M, {} x 1G",
         s.leaves_4k, s.leaves_2m, s.leaves_1g
     );
+    if let Some(line) = bbm_cmo_line(a.machine.format, s) {
+        println!("{line}");
+    }
     println!(
-        "Machine: {} vCPU(s) on {} physical CPU(s); {}, mmu lock {}, A/D bits {}, fast page fault {}, marking with {}",
+        "Machine: {} vCPU(s) on {} physical CPU(s); {}, format {}, mmu lock {}, A/D bits {}, fast page fault {}, marking with {}",
         r.vcpus,
         r.pcpus,
         a.backing,
+        a.machine.format.name(),
         a.machine.vm_config().mmu_lock.name(),
         on_off(a.machine.ad_bits.on()),
         on_off(r.fast_pf),
@@ -449,7 +473,9 @@ fn run_json(a: &AccessTrackingPerfArgs, r: &RunResult) -> Value {
     json!({
         "benchmark": "access-tracking-perf",
         "backend": "sim",
+        "format": a.machine.format.name(),
         "config": {
+            "format": a.machine.format.name(), "cmo": a.machine.vm_config().cmo.name(),
             "vcpus": r.vcpus, "bytes_per_vcpu": a.bytes, "backing": a.backing.name(),
             "overlap": a.overlap, "ad_bits": a.machine.ad_bits.on(), "fast_pf": r.fast_pf,
             "mmu_lock": a.machine.vm_config().mmu_lock.name(), "age_flush": a.age_flush.on(),
@@ -490,7 +516,8 @@ fn compare(a: &AccessTrackingPerfArgs) -> Result<(), String> {
         return Ok(());
     }
     println!(
-        "access-tracking-perf --compare: -b {} per vCPU, {}{}, A/D bits {}, marking with {}",
+        "access-tracking-perf --compare: --format {}, -b {} per vCPU, {}{}, A/D bits {}, marking with {}",
+        a.machine.format.name(),
         format_size(a.bytes),
         a.backing,
         if a.overlap { ", -o" } else { "" },

@@ -1,7 +1,10 @@
 //! Flags shared by the benchmark subcommands and their value parsers.
 
 use clap::{Args, ValueEnum};
-use slat::{DirtyTrack, GetLogVariant, MmuLockKind, RecoverVariant, VmConfig};
+use slat::{
+    CmoPolicy, DirtyTrack, Ept, GetLogVariant, MmuLockKind, PteFormat, RebuildOrder,
+    RecoverVariant, Stage2, VmConfig,
+};
 use slat_machine::ram::{parse_size, Backing};
 use slat_machine::tlb::DEFAULT_TLB_ENTRIES;
 
@@ -57,16 +60,145 @@ pub enum LockArg {
     Mutex,
 }
 
+/// Refuses a combination of flags: one line on stderr, exit status 2 (as clap does for a bad
+/// flag). Called before anything is built or run.
+pub fn refuse(msg: impl std::fmt::Display) -> ! {
+    eprintln!("slat: {msg}");
+    std::process::exit(2)
+}
+
+/// The second-stage page-table format of a simulated VM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FormatArg {
+    /// x86 EPT: hardware Accessed/Dirty bits, one compare-and-swap per change of mapping,
+    /// coherent caches.
+    Ept,
+    /// arm64 stage-2 (4 KiB granule): break-before-make when a block becomes a table or back,
+    /// data-cache maintenance for new mappings, no hardware dirty bit.
+    #[value(name = "stage2")]
+    Stage2,
+}
+
+/// What the reports say about a format, read from its [`PteFormat`] implementation.
+#[derive(Debug, Clone, Copy)]
+pub struct FormatInfo {
+    /// The engine's name for it (`x86-ept`, `arm64-stage2`).
+    pub engine_name: &'static str,
+    /// Hardware records writes in the entry (a Dirty bit).
+    pub hardware_dirty: bool,
+    /// Changes of output address or size go through an invalid entry and a flush.
+    pub break_before_make: bool,
+    /// New mappings need cache maintenance.
+    pub cache_maintenance: bool,
+}
+
+fn info<F: PteFormat>() -> FormatInfo {
+    FormatInfo {
+        engine_name: F::NAME,
+        hardware_dirty: F::HARDWARE_DIRTY,
+        break_before_make: F::BREAK_BEFORE_MAKE,
+        cache_maintenance: F::CACHE_MAINTENANCE,
+    }
+}
+
+impl FormatArg {
+    /// The name `--format` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            FormatArg::Ept => "ept",
+            FormatArg::Stage2 => "stage2",
+        }
+    }
+
+    /// The format's properties.
+    pub fn info(self) -> FormatInfo {
+        match self {
+            FormatArg::Ept => info::<Ept>(),
+            FormatArg::Stage2 => info::<Stage2>(),
+        }
+    }
+
+    /// The report's header line naming the format and, where they apply, the switches that
+    /// only it uses.
+    pub fn header(self, c: &VmConfig) -> String {
+        let i = self.info();
+        let mut extra = Vec::new();
+        if i.break_before_make {
+            extra.push(format!("break-before-make, rebuild {}", c.rebuild.name()));
+        }
+        if i.cache_maintenance {
+            extra.push(format!("cache maintenance {}", c.cmo.name()));
+        }
+        if !i.hardware_dirty {
+            extra.push("no hardware dirty bit".to_string());
+        }
+        if extra.is_empty() {
+            format!("Page table format: {} ({})", self.name(), i.engine_name)
+        } else {
+            format!(
+                "Page table format: {} ({}; {})",
+                self.name(),
+                i.engine_name,
+                extra.join(", ")
+            )
+        }
+    }
+
+    /// Refuses `--format stage2` on a list of machines that includes KVM.
+    pub fn check_backends(self, list: &[BackendArg]) -> Result<(), String> {
+        if self != FormatArg::Ept && list.contains(&BackendArg::Kvm) {
+            return Err(format!(
+                "--format {} needs the simulated machine: the kvm backend runs x86 guests on this host's KVM, whose page tables are not slat's (drop --format {0}, or use --backend sim)",
+                self.name()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Cache maintenance policy for new mappings (formats that need it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CmoArg {
+    /// Every translation fault cleans the range it would map first, even if another vCPU
+    /// mapped it meanwhile (KVM arm64 before seed 001 patch 1).
+    Always,
+    /// Only the fault that installs the leaf cleans it, inside the break-before-make window
+    /// (seed 001 patch 1).
+    OnInstall,
+}
+
+/// Order of a table-to-block rebuild under break-before-make.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RebuildArg {
+    /// Invalidate, flush, free the old sub-tables, then install the block: the entry is
+    /// invalid for the whole teardown (KVM arm64 before seed 001 patch 2).
+    BreakFirst,
+    /// Invalidate, flush, install the block, then free the sub-tables: the entry is invalid
+    /// only across the flush (seed 001 patch 2).
+    InstallFirst,
+}
+
 /// Engine and machine variant switches common to every simulated benchmark.
 #[derive(Debug, Clone, Args)]
 pub struct MachineArgs {
+    /// Second-stage page-table format of the VM: `ept` (x86 EPT) or `stage2` (arm64 stage-2:
+    /// break-before-make, cache maintenance of new mappings, no hardware dirty bit, so not
+    /// with --dirty-tracking d-bit). Simulated machine only: the kvm backend runs x86 guests.
+    #[arg(long = "format", value_enum, default_value = "ept")]
+    pub format: FormatArg,
+    /// Cache maintenance of new mappings: `always` (every translation fault cleans the range
+    /// first) or `on-install` (only the fault that installs the leaf). Only stage2 does cache
+    /// maintenance; no effect with --format ept.
+    #[arg(long = "cmo", value_enum, default_value = "on-install")]
+    pub cmo: CmoArg,
     /// MMU lock: `rwlock` lets faults run in parallel; `mutex` makes every fault exclusive.
     #[arg(long = "mmu-lock", value_enum, default_value = "rwlock")]
     pub mmu_lock: LockArg,
     /// Lock-free fast page fault for write-protection and access-tracking faults.
     #[arg(long = "fast-pf", value_enum, default_value = "on")]
     pub fast_pf: Switch,
-    /// Hardware Accessed/Dirty bits in EPT leaves (off: access tracking clears permissions).
+    /// Hardware Accessed/Dirty bits in EPT leaves, hardware Access-flag updates in stage2
+    /// leaves (off: access tracking clears permissions on ept, the Access flag on stage2).
     #[arg(long = "ad-bits", value_enum, default_value = "on")]
     pub ad_bits: Switch,
     /// 4 KiB entries in each vCPU's software TLB (power of two).
@@ -92,6 +224,10 @@ impl MachineArgs {
             },
             fast_pf: self.fast_pf.on(),
             ad_bits: self.ad_bits.on(),
+            cmo: match self.cmo {
+                CmoArg::Always => CmoPolicy::Always,
+                CmoArg::OnInstall => CmoPolicy::OnInstall,
+            },
             ..VmConfig::default()
         }
     }
@@ -113,6 +249,9 @@ pub enum RecoverArg {
     Inplace,
     /// Zap the slot and let faults rebuild huge leaves.
     Zap,
+    /// Leave the 4 KiB tables; a later translation fault where the backing allows a huge leaf
+    /// replaces the table with one (KVM arm64; in the --rebuild order on stage2).
+    OnFault,
 }
 
 /// How logged slots see writes.
@@ -122,8 +261,8 @@ pub enum TrackArg {
     /// without PML).
     WriteProtect,
     /// PML-like: pages stay writable with the Dirty bit clear; the hardware walker logs the
-    /// page when it sets D, so writes do not fault. Needs `--ad-bits on`; not with
-    /// `--dirty-ring`.
+    /// page when it sets D, so writes do not fault. Needs `--ad-bits on` and `--format ept`;
+    /// not with `--dirty-ring`.
     DBit,
 }
 
@@ -137,9 +276,17 @@ pub struct DirtyArgs {
     /// Split huge leaves when logging is enabled (off: split lazily at the first write).
     #[arg(long = "eager-split", value_enum, default_value = "on")]
     pub eager_split: Switch,
-    /// How huge leaves come back when logging is disabled.
+    /// How huge leaves come back when logging is disabled: `inplace` (each table replaced by
+    /// a huge leaf), `zap` (faults rebuild them), or `on-fault` (tables stay; a later
+    /// translation fault in the range rebuilds the huge leaf).
     #[arg(long = "recover", value_enum, default_value = "inplace")]
     pub recover: RecoverArg,
+    /// Order of a table-to-block rebuild under break-before-make (--recover inplace or
+    /// on-fault): `break-first` (the entry stays invalid while the old tables are freed) or
+    /// `install-first` (invalid only across the flush). Only stage2 breaks before make; no
+    /// effect with --format ept.
+    #[arg(long = "rebuild", value_enum, default_value = "install-first")]
+    pub rebuild: RebuildArg,
     /// How logged slots see writes: `write-protect` (a fault per first write) or `d-bit`
     /// (hardware dirty bits, PML-like).
     #[arg(long = "dirty-tracking", value_enum, default_value = "write-protect")]
@@ -158,6 +305,11 @@ impl DirtyArgs {
             recover: match self.recover {
                 RecoverArg::Inplace => RecoverVariant::InPlace,
                 RecoverArg::Zap => RecoverVariant::Zap,
+                RecoverArg::OnFault => RecoverVariant::OnFault,
+            },
+            rebuild: match self.rebuild {
+                RebuildArg::BreakFirst => RebuildOrder::BreakFirst,
+                RebuildArg::InstallFirst => RebuildOrder::InstallFirst,
             },
             dirty_track: match self.tracking {
                 TrackArg::WriteProtect => DirtyTrack::WriteProtect,
@@ -168,7 +320,14 @@ impl DirtyArgs {
     }
 
     /// Refuses combinations the engine cannot run, with the flag to change.
-    pub fn check(&self, c: &VmConfig, dirty_ring: bool) -> Result<(), String> {
+    pub fn check(&self, c: &VmConfig, format: FormatArg, dirty_ring: bool) -> Result<(), String> {
+        if self.tracking == TrackArg::DBit && !format.info().hardware_dirty {
+            // The engine would quietly write-protect instead; a d-bit figure would be a lie.
+            return Err(format!(
+                "--dirty-tracking d-bit needs a hardware dirty bit, which --format {} does not have (use --dirty-tracking write-protect, or --format ept)",
+                format.name()
+            ));
+        }
         if self.tracking == TrackArg::DBit && !c.ad_bits {
             return Err(
                 "--dirty-tracking d-bit needs hardware dirty bits: drop --ad-bits off".into(),
@@ -239,6 +398,9 @@ impl MachineArgs {
         if self.pcpus.is_some() {
             v.push("--pcpus");
         }
+        if self.cmo != CmoArg::OnInstall {
+            v.push("--cmo");
+        }
         v
     }
 }
@@ -258,6 +420,9 @@ impl DirtyArgs {
         }
         if self.tracking != TrackArg::WriteProtect {
             v.push("--dirty-tracking");
+        }
+        if self.rebuild != RebuildArg::InstallFirst {
+            v.push("--rebuild");
         }
         v
     }

@@ -3,11 +3,11 @@
 //! host's `/dev/kvm` (`slat-kvm`). A benchmark builds a machine with [`create`] and runs the
 //! same phases on either, so the two can be compared side by side in one process.
 
-use crate::args::BackendArg;
+use crate::args::{BackendArg, FormatArg};
 use serde_json::{json, Value};
 use slat::dirty::{INITIALLY_SET, MANUAL_PROTECT_ENABLE};
 use slat::format::PAGE_SIZE;
-use slat::{Ept, VmConfig};
+use slat::{Ept, PteFormat, Stage2, VmConfig};
 use slat_machine::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
 use slat_machine::ram::{Backing, GuestRam};
 use slat_machine::{DirtyConfig, Layout, Machine, MachineConfig, PassParams, Workload};
@@ -32,6 +32,8 @@ pub struct Spec {
     pub manual_protect: bool,
     /// Dirty ring entries per vCPU (0: bitmaps).
     pub ring_entries: u32,
+    /// Second-stage page-table format (the simulated machine only).
+    pub format: FormatArg,
     /// Engine switches (the simulated machine only).
     pub vm: VmConfig,
     /// Software TLB entries per vCPU (the simulated machine only).
@@ -101,38 +103,69 @@ pub trait Backend {
         progress: &mut dyn FnMut(&dirty_oracle::IterationReport),
     ) -> Result<OracleReport, String>;
     /// The simulated machine, for its engine-only reports and switches.
-    fn sim(&self) -> Option<&Machine<Ept>>;
+    fn sim(&self) -> Option<&dyn Sim>;
 }
 
-/// Builds the machine `kind` selects.
+/// The simulated machine's engine-only reports and switches, whatever its page-table format.
+pub trait Sim {
+    /// The engine's statistics.
+    fn engine_stats(&self) -> slat::Stats;
+    /// Physical CPUs the vCPU threads are scheduled on.
+    fn pcpus(&self) -> usize;
+    /// Deliberately breaks the engine (`slat::dirty::inject`), to see the oracle fail.
+    fn inject_bugs(&self, bits: u32);
+}
+
+impl<F: PteFormat> Sim for Machine<F> {
+    fn engine_stats(&self) -> slat::Stats {
+        self.vm().stats()
+    }
+    fn pcpus(&self) -> usize {
+        Machine::pcpus(self)
+    }
+    fn inject_bugs(&self, bits: u32) {
+        self.vm().inject_bugs(bits)
+    }
+}
+
+/// The simulated machine with page-table format `F`.
+fn sim_machine<F: PteFormat>(spec: &Spec) -> Result<Box<dyn Backend>, String> {
+    let dirty = DirtyConfig {
+        manual_protect: if spec.manual_protect {
+            MANUAL_PROTECT_ENABLE | INITIALLY_SET
+        } else {
+            0
+        },
+        ring_entries: spec.ring_entries,
+        ..DirtyConfig::default()
+    };
+    let m = Machine::<F>::new(MachineConfig {
+        vm: spec.vm,
+        backing: spec.backing,
+        vcpus: spec.vcpus,
+        bytes_per_vcpu: spec.bytes_per_vcpu,
+        slots: spec.slots,
+        overlap: spec.overlap,
+        tlb_entries: spec.tlb_entries,
+        pcpus: spec.pcpus,
+        prefault: spec.prefault,
+        dirty,
+        gpa: None,
+    })
+    .map_err(|e| e.to_string())?;
+    Ok(Box::new(m))
+}
+
+/// Builds the machine `kind` selects (on the simulated machine, with `spec.format`).
 pub fn create(kind: BackendArg, spec: &Spec) -> Result<Box<dyn Backend>, String> {
     match kind {
-        BackendArg::Sim => {
-            let dirty = DirtyConfig {
-                manual_protect: if spec.manual_protect {
-                    MANUAL_PROTECT_ENABLE | INITIALLY_SET
-                } else {
-                    0
-                },
-                ring_entries: spec.ring_entries,
-                ..DirtyConfig::default()
-            };
-            let m = Machine::<Ept>::new(MachineConfig {
-                vm: spec.vm,
-                backing: spec.backing,
-                vcpus: spec.vcpus,
-                bytes_per_vcpu: spec.bytes_per_vcpu,
-                slots: spec.slots,
-                overlap: spec.overlap,
-                tlb_entries: spec.tlb_entries,
-                pcpus: spec.pcpus,
-                prefault: spec.prefault,
-                dirty,
-            })
-            .map_err(|e| e.to_string())?;
-            Ok(Box::new(m))
-        }
+        BackendArg::Sim => match spec.format {
+            FormatArg::Ept => sim_machine::<Ept>(spec),
+            FormatArg::Stage2 => sim_machine::<Stage2>(spec),
+        },
         BackendArg::Kvm => {
+            // Checked with the other flags; a backstop for a caller that forgot.
+            spec.format.check_backends(&[kind])?;
             let dirty = slat_kvm::DirtyConfig {
                 manual_protect: if spec.manual_protect {
                     slat_kvm::MANUAL_PROTECT_ENABLE | slat_kvm::INITIALLY_SET
@@ -265,7 +298,7 @@ fn text<E: std::fmt::Display>(e: E) -> String {
     e.to_string()
 }
 
-impl Backend for Machine<Ept> {
+impl<F: PteFormat> Backend for Machine<F> {
     fn layout(&self) -> Layout {
         Machine::layout(self)
     }
@@ -319,7 +352,7 @@ impl Backend for Machine<Ept> {
     ) -> Result<OracleReport, String> {
         dirty_oracle::run(self, cfg, progress).map_err(text)
     }
-    fn sim(&self) -> Option<&Machine<Ept>> {
+    fn sim(&self) -> Option<&dyn Sim> {
         Some(self)
     }
 }
@@ -424,7 +457,7 @@ impl Backend for slat_kvm::KvmMachine {
             ring_full_exits: r.ring_full_exits,
         })
     }
-    fn sim(&self) -> Option<&Machine<Ept>> {
+    fn sim(&self) -> Option<&dyn Sim> {
         None
     }
 }

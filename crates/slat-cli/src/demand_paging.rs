@@ -2,9 +2,11 @@
 //! over all guest memory, every page faulted in through the engine — and, in the same run, the
 //! same pattern on host memory as the native baseline.
 
-use crate::args::{backing, check_backends, guest_size, BackendArg, MachineArgs};
+use crate::args::{backing, check_backends, guest_size, refuse, BackendArg, MachineArgs};
 use crate::backend::{self, comparison_json, kvm_stats_line, print_comparison, Native, Row, Spec};
-use crate::report::{quiet, ratio, ts, Phase};
+use crate::report::{
+    bbm_cmo_line, format_header, format_json, quiet, ratio, sim_format, ts, Phase,
+};
 use clap::Args;
 use serde_json::json;
 use slat_machine::ram::{format_size, Backing};
@@ -40,7 +42,11 @@ pub struct DemandPagingArgs {
 
 /// Runs the benchmark (on each machine `--backend` lists).
 pub fn run(a: &DemandPagingArgs) -> Result<(), String> {
-    check_backends(&a.backend, &a.machine.engine_only())?;
+    a.machine
+        .format
+        .check_backends(&a.backend)
+        .unwrap_or_else(|e| refuse(e));
+    check_backends(&a.backend, &a.machine.engine_only()).unwrap_or_else(|e| refuse(e));
     if let [first, second] = a.backend[..] {
         return side_by_side(a, [first, second]);
     }
@@ -60,6 +66,7 @@ fn measure(
     let q = quiet(a.json);
     let prefault = !a.machine.no_prefault;
     let cfg = Spec {
+        format: a.machine.format,
         vm: a.machine.vm_config(),
         backing: a.backing,
         vcpus: a.vcpus as usize,
@@ -75,8 +82,9 @@ fn measure(
     let total = a.bytes * a.vcpus as u64;
     let p = Phase::start(
         format!(
-            "{}: mapping {} of {} guest RAM{}",
+            "{}{}: mapping {} of {} guest RAM{}",
             kind.name(),
+            sim_format(kind, a.machine.format),
             format_size(total),
             a.backing,
             if prefault {
@@ -92,6 +100,7 @@ fn measure(
     let layout = m.layout();
     if text {
         println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
+        println!("{}", format_header(kind, a.machine.format, &cfg.vm));
         println!(
             "guest physical test memory: [0x{:x}, 0x{:x})",
             layout.gpa,
@@ -105,7 +114,7 @@ fn measure(
     let guest = m.run_pass(params)?;
     p.done();
     let stats_doc = m.stats();
-    let sim = m.sim().map(|s| (s.vm().stats(), s.pcpus()));
+    let sim = m.sim().map(|s| (s.engine_stats(), s.pcpus()));
     let pcpus = sim.as_ref().map(|(_, p)| *p);
     drop(m);
 
@@ -127,10 +136,12 @@ fn measure(
     let doc = json!({
         "benchmark": "demand-paging",
         "backend": kind.name(),
+        "format": format_json(kind, a.machine.format),
         "config": {
             "vcpus": a.vcpus, "bytes_per_vcpu": a.bytes, "backing": a.backing.name(),
             "overlap": a.overlap, "prefault": prefault, "mmu_lock": cfg.vm.mmu_lock.name(),
             "fast_pf": cfg.vm.fast_pf, "ad_bits": cfg.vm.ad_bits,
+            "format": format_json(kind, a.machine.format), "cmo": cfg.vm.cmo.name(),
             "tlb_entries": cfg.tlb_entries, "pcpus": pcpus,
         },
         "total_guest_execution_time_s": secs,
@@ -187,10 +198,14 @@ fn measure(
             stats.remote_tlb_flush,
             stats.remote_tlb_flush_requests
         );
+        if let Some(line) = bbm_cmo_line(a.machine.format, &stats) {
+            println!("{line}");
+        }
         println!(
-            "Machine: {} vCPU(s) on {} physical CPU(s), mmu lock {}, fast page fault {}",
+            "Machine: {} vCPU(s) on {} physical CPU(s), format {}, mmu lock {}, fast page fault {}",
             a.vcpus,
             pcpus,
+            a.machine.format.name(),
             cfg.vm.mmu_lock.name(),
             if cfg.vm.fast_pf { "on" } else { "off" }
         );
@@ -231,9 +246,10 @@ fn side_by_side(a: &DemandPagingArgs, kinds: [BackendArg; 2]) -> Result<(), Stri
         return Ok(());
     }
     println!(
-        "demand-paging on {n0} and {n1}: -v {} -b {}, one run each, in this process",
+        "demand-paging on {n0} and {n1}: -v {} -b {}, one run each, in this process; format {} on sim",
         a.vcpus,
-        format_size(a.bytes)
+        format_size(a.bytes),
+        a.machine.format.name()
     );
     print_comparison([n0, n1], &table);
     Ok(())
@@ -250,5 +266,7 @@ pub fn stats_json(s: &slat::Stats) -> serde_json::Value {
         "remote_tlb_flush_requests": s.remote_tlb_flush_requests,
         "remote_tlb_flush": s.remote_tlb_flush, "splits": s.splits,
         "recoveries": s.recoveries, "dirty_marked": s.dirty_marked,
+        "pf_ring_full": s.pf_ring_full, "bbm_breaks": s.bbm_breaks,
+        "cache_cleans": s.cache_cleans, "cache_clean_bytes": s.cache_clean_bytes,
     })
 }

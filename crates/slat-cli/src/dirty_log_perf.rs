@@ -3,12 +3,14 @@
 //! with, for every guest pass, the same pass on host memory in the same run and the ratio.
 
 use crate::args::{
-    backing, check_backends, guest_size, ring_size, BackendArg, DirtyArgs, MachineArgs,
+    backing, check_backends, guest_size, refuse, ring_size, BackendArg, DirtyArgs, MachineArgs,
 };
 use crate::backend::{
-    self, comparison_json, kvm_stats_line, print_comparison, Native, Pass, Row, Spec,
+    self, comparison_json, kvm_stats_line, print_comparison, Native, Pass, Row, Sim, Spec,
 };
-use crate::report::{quiet, ratio, ts, Phase};
+use crate::report::{
+    bbm_cmo_line, format_header, format_json, quiet, ratio, sim_format, ts, Phase,
+};
 use crate::sweep::{check_distinct, combinations, enum_value, parse_vary, print_table, Key, Vary};
 use clap::Args;
 use serde_json::json;
@@ -66,10 +68,11 @@ pub struct DirtyLogPerfArgs {
     #[arg(long)]
     pub json: bool,
     /// Run the benchmark once per combination of the listed settings, in this process, and
-    /// print one table (KEY=V1,V2,...; repeat for more keys; keys: vcpus, fast-pf, mmu-lock,
-    /// ad-bits, get-dirty-log, dirty-tracking, eager-split, recover). Seed 000's table:
-    /// `--vary vcpus=1,2 --vary fast-pf=on,off --vary mmu-lock=rwlock,mutex`; seed 004's:
-    /// `-g --vary get-dirty-log=xchg,switch`.
+    /// print one table (KEY=V1,V2,...; repeat for more keys; keys: vcpus, format, fast-pf,
+    /// mmu-lock, ad-bits, cmo, get-dirty-log, dirty-tracking, eager-split, recover, rebuild).
+    /// Seed 000's table: `--vary vcpus=1,2 --vary fast-pf=on,off --vary mmu-lock=rwlock,mutex`;
+    /// seed 004's: `-g --vary get-dirty-log=xchg,switch`; both formats: `--vary
+    /// format=ept,stage2`.
     #[arg(long = "vary", value_parser = parse_vary, value_name = "KEY=V1,V2")]
     pub vary: Vec<Vary>,
     #[command(flatten)]
@@ -95,18 +98,31 @@ pub fn run(a: &DirtyLogPerfArgs) -> Result<(), String> {
     if !a.vary.is_empty() {
         engine_only.push("--vary");
     }
-    check_backends(&a.backend, &engine_only)?;
+    a.machine
+        .format
+        .check_backends(&a.backend)
+        .unwrap_or_else(|e| refuse(e));
+    check_backends(&a.backend, &engine_only).unwrap_or_else(|e| refuse(e));
     if let [first, second] = a.backend[..] {
+        check(a).unwrap_or_else(|e| refuse(e));
         return side_by_side(a, [first, second]);
     }
     if !a.vary.is_empty() {
         return sweep(a);
     }
+    check(a).unwrap_or_else(|e| refuse(e));
     let doc = measure(a, a.backend[0])?;
     if a.json {
         println!("{doc:#}");
     }
     Ok(())
+}
+
+/// Refuses settings the engine cannot run together (before anything is built).
+fn check(a: &DirtyLogPerfArgs) -> Result<(), String> {
+    let vm_config = a.dirty.apply(a.machine.vm_config());
+    a.dirty
+        .check(&vm_config, a.machine.format, a.dirty_ring.is_some())
 }
 
 /// One run; prints the text report unless `a.json`, and returns every figure as JSON.
@@ -115,8 +131,9 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> Result<serde_json::Value, 
     let prefault = !a.machine.no_prefault;
     let manual = a.dirty_ring.is_none() && !a.no_manual;
     let vm_config = a.dirty.apply(a.machine.vm_config());
-    a.dirty.check(&vm_config, a.dirty_ring.is_some())?;
+    check(a)?;
     let cfg = Spec {
+        format: a.machine.format,
         vm: vm_config,
         backing: a.backing,
         vcpus: a.vcpus as usize,
@@ -132,8 +149,9 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> Result<serde_json::Value, 
     let total = a.bytes * a.vcpus as u64;
     let p = Phase::start(
         format!(
-            "{}: mapping {} of {} guest RAM and as much host memory for the native baseline",
+            "{}{}: mapping {} of {} guest RAM and as much host memory for the native baseline",
             kind.name(),
+            sim_format(kind, a.machine.format),
             format_size(total),
             a.backing
         ),
@@ -148,6 +166,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> Result<serde_json::Value, 
     if text {
         println!("Test iterations: {}", a.iterations);
         println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
+        println!("{}", format_header(kind, a.machine.format, &cfg.vm));
         println!(
             "guest physical test memory: [0x{:x}, 0x{:x})",
             layout.gpa,
@@ -299,7 +318,9 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> Result<serde_json::Value, 
     let doc = json!({
         "benchmark": "dirty-log-perf",
         "backend": kind.name(),
+        "format": format_json(kind, a.machine.format),
         "config": {
+            "format": format_json(kind, a.machine.format),
             "vcpus": a.vcpus, "bytes_per_vcpu": a.bytes, "backing": a.backing.name(),
             "iterations": n, "random": a.random, "overlap": a.overlap, "evil": a.evil,
             "write_percent": a.write_percent, "slots": a.slots, "seed": a.seed,
@@ -308,6 +329,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> Result<serde_json::Value, 
             "ad_bits": cfg.vm.ad_bits, "get_dirty_log": cfg.vm.get_log.name(),
             "dirty_tracking": cfg.vm.dirty_track.name(),
             "eager_split": cfg.vm.eager_split, "recover": cfg.vm.recover.name(),
+            "cmo": cfg.vm.cmo.name(), "rebuild": cfg.vm.rebuild.name(),
             "tlb_entries": cfg.tlb_entries, "pcpus": pcpus, "prefault": prefault,
         },
         "populate_memory_time_s": populate.wall.as_secs_f64(),
@@ -334,8 +356,8 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> Result<serde_json::Value, 
 }
 
 /// The simulated engine's counters and settings, after the selftest's lines.
-fn print_engine(a: &DirtyLogPerfArgs, m: &slat_machine::Machine, cfg: &Spec, manual: bool) {
-    let stats = m.vm().stats();
+fn print_engine(a: &DirtyLogPerfArgs, m: &dyn Sim, cfg: &Spec, manual: bool) {
+    let stats = m.engine_stats();
     let ring = a.dirty_ring.is_some();
     {
         println!(
@@ -357,10 +379,14 @@ fn print_engine(a: &DirtyLogPerfArgs, m: &slat_machine::Machine, cfg: &Spec, man
             stats.table_pages,
             format_size(stats.table_bytes)
         );
+        if let Some(line) = bbm_cmo_line(cfg.format, &stats) {
+            println!("{line}");
+        }
         println!(
-            "Machine: {} vCPU(s) on {} physical CPU(s); mmu lock {}, fast page fault {}, log {}, get-dirty-log {}, dirty tracking {}, eager split {}, recover {}",
+            "Machine: {} vCPU(s) on {} physical CPU(s); format {}, mmu lock {}, fast page fault {}, log {}, get-dirty-log {}, dirty tracking {}, eager split {}, recover {}",
             a.vcpus,
             m.pcpus(),
+            cfg.format.name(),
             cfg.vm.mmu_lock.name(),
             on_off(cfg.vm.fast_pf),
             if ring {
@@ -412,30 +438,46 @@ fn on_off(b: bool) -> &'static str {
 
 /// `--vary`: one run per combination, one table.
 fn sweep(a: &DirtyLogPerfArgs) -> Result<(), String> {
-    check_distinct(&a.vary)?;
+    check_distinct(&a.vary).unwrap_or_else(|e| refuse(e));
     let combos = combinations(&a.vary);
-    let mut rows = Vec::new();
-    let mut docs = Vec::new();
-    for (n, combo) in combos.iter().enumerate() {
+    // Every combination's settings, checked before the first run: a refusal at row 5 after
+    // minutes of measuring would waste them.
+    let mut runs = Vec::new();
+    for combo in &combos {
         let mut b = a.clone();
         b.vary.clear();
         b.json = true;
         for (key, v) in combo {
             match key {
-                Key::Vcpus => b.vcpus = v.parse().map_err(|_| format!("bad vcpus `{v}`"))?,
+                Key::Vcpus => {
+                    b.vcpus = v
+                        .parse()
+                        .unwrap_or_else(|_| refuse(format!("--vary vcpus: bad count `{v}`")))
+                }
+                Key::Format => b.machine.format = enum_value(v),
                 Key::FastPf => b.machine.fast_pf = enum_value(v),
                 Key::MmuLock => b.machine.mmu_lock = enum_value(v),
                 Key::AdBits => b.machine.ad_bits = enum_value(v),
+                Key::Cmo => b.machine.cmo = enum_value(v),
                 Key::GetDirtyLog => b.dirty.get_log = enum_value(v),
                 Key::DirtyTracking => b.dirty.tracking = enum_value(v),
                 Key::EagerSplit => b.dirty.eager_split = enum_value(v),
                 Key::Recover => b.dirty.recover = enum_value(v),
+                Key::Rebuild => b.dirty.rebuild = enum_value(v),
             }
         }
         let label: Vec<String> = combo
             .iter()
             .map(|(k, v)| format!("{}={v}", k.name()))
             .collect();
+        if let Err(e) = check(&b) {
+            refuse(format!("--vary row {}: {e}", label.join(" ")));
+        }
+        runs.push((b, label));
+    }
+    let mut rows = Vec::new();
+    let mut docs = Vec::new();
+    for (n, ((b, label), combo)) in runs.iter().zip(&combos).enumerate() {
         if !quiet(a.json) {
             eprintln!(
                 "[slat] sweep {}/{}: {}",
@@ -444,7 +486,7 @@ fn sweep(a: &DirtyLogPerfArgs) -> Result<(), String> {
                 label.join(" ")
             );
         }
-        let doc = measure(&b, a.backend[0])?;
+        let doc = measure(b, a.backend[0])?;
         let m = metrics(&doc, a.dirty_ring.is_some());
         let secs = |x: Option<f64>| x.map(|x| format!("{x:.6}")).unwrap_or("-".into());
         let mut row: Vec<String> = combo.iter().map(|(_, v)| v.clone()).collect();
@@ -468,8 +510,13 @@ fn sweep(a: &DirtyLogPerfArgs) -> Result<(), String> {
         );
         return Ok(());
     }
+    let format = if a.vary.iter().any(|v| v.key == Key::Format) {
+        String::new()
+    } else {
+        format!(" --format {}", a.machine.format.name())
+    };
     println!(
-        "dirty-log-perf sweep: -b {} -i {}{}{}{}, one run per row, all in this process",
+        "dirty-log-perf sweep:{format} -b {} -i {}{}{}{}, one run per row, all in this process",
         format_size(a.bytes),
         a.iterations,
         if a.no_manual { " -g" } else { "" },
@@ -581,7 +628,8 @@ fn side_by_side(a: &DirtyLogPerfArgs, kinds: [BackendArg; 2]) -> Result<(), Stri
         return Ok(());
     }
     println!(
-        "dirty-log-perf on {n0} and {n1}: -v {} -b {} -i {}{}{}{}, one run each, in this process; times in seconds",
+        "dirty-log-perf on {n0} and {n1}: --format {} (sim) -v {} -b {} -i {}{}{}{}, one run each, in this process; times in seconds",
+        a.machine.format.name(),
         a.vcpus,
         format_size(a.bytes),
         a.iterations,

@@ -4,10 +4,10 @@
 //! failure (exit status 1).
 
 use crate::args::{
-    backing, check_backends, guest_size, BackendArg, DirtyArgs, MachineArgs, TrackArg,
+    backing, check_backends, guest_size, refuse, BackendArg, DirtyArgs, MachineArgs, TrackArg,
 };
 use crate::backend::{self, Spec};
-use crate::report::{quiet, Phase};
+use crate::report::{format_header, format_json, quiet, sim_format, Phase};
 use clap::{Args, ValueEnum};
 use serde_json::json;
 use slat::dirty::inject;
@@ -98,7 +98,19 @@ pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
     if a.toggle_every != 0 {
         engine_only.push("--toggle-every");
     }
-    check_backends(&a.backend, &engine_only)?;
+    a.machine
+        .format
+        .check_backends(&a.backend)
+        .unwrap_or_else(|e| refuse(e));
+    check_backends(&a.backend, &engine_only).unwrap_or_else(|e| refuse(e));
+    let vm_config = a.dirty.apply(a.machine.vm_config());
+    a.dirty
+        .check(
+            &vm_config,
+            a.machine.format,
+            modes(a).contains(&LogMode::DirtyRing),
+        )
+        .unwrap_or_else(|e| refuse(e));
     let mut errors = Vec::new();
     for &kind in &a.backend {
         if let Err(e) = run_on(a, kind) {
@@ -116,24 +128,34 @@ pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
     }
 }
 
-fn run_on(a: &DirtyLogTestArgs, kind: BackendArg) -> Result<(), String> {
-    let q = quiet(a.json);
+/// The log modes `-M` selects (without the ring under `-M all` with d-bit tracking, which
+/// logs into bitmaps only).
+fn modes(a: &DirtyLogTestArgs) -> Vec<LogMode> {
     let mut modes: Vec<LogMode> = match a.mode {
         ModeArg::DirtyLog => vec![LogMode::DirtyLog],
         ModeArg::ClearLog => vec![LogMode::ClearLog],
         ModeArg::DirtyRing => vec![LogMode::DirtyRing],
         ModeArg::All => LogMode::ALL.to_vec(),
     };
-    let vm_config = a.dirty.apply(a.machine.vm_config());
     if a.dirty.tracking == TrackArg::DBit && a.mode == ModeArg::All {
-        // The ring is not a log d-bit tracking can fill; say so rather than skip silently.
         modes.retain(|m| *m != LogMode::DirtyRing);
-        if !a.json {
-            eprintln!("[slat] -M all with --dirty-tracking d-bit: checking dirty-log and clear-log (d-bit tracking logs into bitmaps, not rings)");
-        }
     }
-    a.dirty
-        .check(&vm_config, modes.contains(&LogMode::DirtyRing))?;
+    modes
+}
+
+fn run_on(a: &DirtyLogTestArgs, kind: BackendArg) -> Result<(), String> {
+    let q = quiet(a.json);
+    let modes = modes(a);
+    let vm_config = a.dirty.apply(a.machine.vm_config());
+    if a.dirty.tracking == TrackArg::DBit && a.mode == ModeArg::All && !a.json {
+        // The ring is not a log d-bit tracking can fill; say so rather than skip silently.
+        eprintln!("[slat] -M all with --dirty-tracking d-bit: checking dirty-log and clear-log (d-bit tracking logs into bitmaps, not rings)");
+    }
+    a.dirty.check(
+        &vm_config,
+        a.machine.format,
+        modes.contains(&LogMode::DirtyRing),
+    )?;
     let bytes = a.bytes + 3 * 4096;
     let pages = bytes / 4096 * a.vcpus as u64;
     // The selftest clamps the ring to the test's pages.
@@ -144,6 +166,7 @@ fn run_on(a: &DirtyLogTestArgs, kind: BackendArg) -> Result<(), String> {
     for mode in modes {
         let dirty = mode.dirty_config(ring);
         let cfg = Spec {
+            format: a.machine.format,
             vm: vm_config,
             backing: a.backing,
             vcpus: a.vcpus as usize,
@@ -158,8 +181,9 @@ fn run_on(a: &DirtyLogTestArgs, kind: BackendArg) -> Result<(), String> {
         };
         let p = Phase::start(
             format!(
-                "{}: mapping {} of {} guest RAM",
+                "{}{}: mapping {} of {} guest RAM",
                 kind.name(),
+                sim_format(kind, a.machine.format),
                 format_size(bytes * a.vcpus as u64),
                 a.backing
             ),
@@ -168,11 +192,12 @@ fn run_on(a: &DirtyLogTestArgs, kind: BackendArg) -> Result<(), String> {
         let m = backend::create(kind, &cfg)?;
         p.done();
         if let (Some(BreakArg::SkipHarvestFlush), Some(sim)) = (a.broken, m.sim()) {
-            sim.vm().inject_bugs(inject::SKIP_HARVEST_FLUSH);
+            sim.inject_bugs(inject::SKIP_HARVEST_FLUSH);
         }
         let layout = m.layout();
         if !a.json {
             println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
+            println!("{}", format_header(kind, a.machine.format, &vm_config));
             println!("guest physical test memory offset: 0x{:x}", layout.gpa);
             match mode {
                 LogMode::DirtyRing => println!(
@@ -246,7 +271,11 @@ fn run_on(a: &DirtyLogTestArgs, kind: BackendArg) -> Result<(), String> {
     if a.json {
         let doc = json!({
             "benchmark": "dirty-log-test", "backend": kind.name(),
+            "format": format_json(kind, a.machine.format),
             "config": {
+                "format": format_json(kind, a.machine.format),
+                "cmo": vm_config.cmo.name(), "rebuild": vm_config.rebuild.name(),
+                "recover": vm_config.recover.name(), "eager_split": vm_config.eager_split,
                 "iterations": a.iterations, "interval_ms": a.interval_ms, "vcpus": a.vcpus,
                 "bytes_per_vcpu": bytes, "backing": a.backing.name(), "seed": a.seed,
                 "ring_entries": ring, "broken": a.broken.is_some(), "toggle_every": a.toggle_every,

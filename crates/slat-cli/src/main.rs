@@ -6,6 +6,7 @@ mod backend;
 mod demand_paging;
 mod dirty_log_perf;
 mod dirty_log_test;
+mod page_table_test;
 mod report;
 mod sweep;
 
@@ -35,6 +36,10 @@ enum Command {
     /// access idle memory; native baseline and ratio for every pass; `--compare` runs the
     /// seed-000 table (fast page fault on/off, -v 1 and -v 2) in one process.
     AccessTrackingPerf(access_tracking_perf::AccessTrackingPerfArgs),
+    /// Create, update and rebuild mappings with every vCPU on the same memory
+    /// (kvm_page_table_test): per-stage times, faults, break-before-make and cache-maintenance
+    /// work, native baseline and ratio.
+    PageTableTest(page_table_test::PageTableTestArgs),
 }
 
 fn main() {
@@ -66,6 +71,7 @@ fn main() {
         Command::DirtyLogPerf(a) => dirty_log_perf::run(a),
         Command::DirtyLogTest(a) => dirty_log_test::run(a),
         Command::AccessTrackingPerf(a) => access_tracking_perf::run(a),
+        Command::PageTableTest(a) => page_table_test::run(a),
     };
     if let Err(e) = r {
         eprintln!("slat: error: {e}");

@@ -1,5 +1,9 @@
-//! Output helpers: the selftests' time format, progress lines on stderr, ratios.
+//! Output helpers: the selftests' time format, progress lines on stderr, ratios, and the
+//! page-table format's lines.
 
+use crate::args::{BackendArg, FormatArg};
+use serde_json::json;
+use slat_machine::ram::format_size;
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
@@ -50,4 +54,44 @@ impl Phase {
 /// Progress output is wanted: always on a terminal, and otherwise unless JSON was asked for.
 pub fn quiet(json: bool) -> bool {
     json && !std::io::stderr().is_terminal()
+}
+
+/// The format a run used, for JSON: the `--format` name on the simulated machine; `null` on
+/// KVM, whose page tables are the host's own, not slat's.
+pub fn format_json(kind: BackendArg, format: FormatArg) -> serde_json::Value {
+    match kind {
+        BackendArg::Sim => json!(format.name()),
+        BackendArg::Kvm => serde_json::Value::Null,
+    }
+}
+
+/// The header line naming the page-table format.
+pub fn format_header(kind: BackendArg, format: FormatArg, vm: &slat::VmConfig) -> String {
+    match kind {
+        BackendArg::Sim => format.header(vm),
+        BackendArg::Kvm => "Page table format: the host's own (KVM), not slat's".to_string(),
+    }
+}
+
+/// ` (stage2)` after the machine's name in progress lines, for a non-default format.
+pub fn sim_format(kind: BackendArg, format: FormatArg) -> String {
+    if kind == BackendArg::Sim && format != FormatArg::Ept {
+        format!(" ({})", format.name())
+    } else {
+        String::new()
+    }
+}
+
+/// Break-before-make and cache-maintenance counters, for formats that do either.
+pub fn bbm_cmo_line(format: FormatArg, s: &slat::Stats) -> Option<String> {
+    let i = format.info();
+    if !i.break_before_make && !i.cache_maintenance {
+        return None;
+    }
+    Some(format!(
+        "Break-before-make: {} entries broken; cache maintenance: {} passes over {}",
+        s.bbm_breaks,
+        s.cache_cleans,
+        format_size(s.cache_clean_bytes)
+    ))
 }

@@ -2,7 +2,9 @@
 //! process and print one table, so a seed's before/after comparison is one command and one
 //! run on one machine state, not numbers gathered from separate invocations.
 
-use crate::args::{GetLogArg, LockArg, RecoverArg, Switch, TrackArg};
+use crate::args::{
+    CmoArg, FormatArg, GetLogArg, LockArg, RebuildArg, RecoverArg, Switch, TrackArg,
+};
 use clap::ValueEnum;
 
 /// A setting a sweep may vary.
@@ -10,12 +12,16 @@ use clap::ValueEnum;
 pub enum Key {
     /// `-v`.
     Vcpus,
+    /// `--format`.
+    Format,
     /// `--fast-pf`.
     FastPf,
     /// `--mmu-lock`.
     MmuLock,
     /// `--ad-bits`.
     AdBits,
+    /// `--cmo`.
+    Cmo,
     /// `--get-dirty-log`.
     GetDirtyLog,
     /// `--dirty-tracking`.
@@ -24,17 +30,22 @@ pub enum Key {
     EagerSplit,
     /// `--recover`.
     Recover,
+    /// `--rebuild`.
+    Rebuild,
 }
 
-const KEYS: [(&str, Key); 8] = [
+const KEYS: [(&str, Key); 11] = [
     ("vcpus", Key::Vcpus),
+    ("format", Key::Format),
     ("fast-pf", Key::FastPf),
     ("mmu-lock", Key::MmuLock),
     ("ad-bits", Key::AdBits),
+    ("cmo", Key::Cmo),
     ("get-dirty-log", Key::GetDirtyLog),
     ("dirty-tracking", Key::DirtyTracking),
     ("eager-split", Key::EagerSplit),
     ("recover", Key::Recover),
+    ("rebuild", Key::Rebuild),
 ];
 
 impl Key {
@@ -94,6 +105,9 @@ pub fn parse_vary(s: &str) -> Result<Vary, String> {
             Key::GetDirtyLog => check_enum::<GetLogArg>(k, v)?,
             Key::DirtyTracking => check_enum::<TrackArg>(k, v)?,
             Key::Recover => check_enum::<RecoverArg>(k, v)?,
+            Key::Format => check_enum::<FormatArg>(k, v)?,
+            Key::Cmo => check_enum::<CmoArg>(k, v)?,
+            Key::Rebuild => check_enum::<RebuildArg>(k, v)?,
         }
     }
     Ok(Vary { key, values })
@@ -188,6 +202,13 @@ mod tests {
             .contains("not one of"));
         assert!(parse_vary("vcpus=0").unwrap_err().contains("1 to 512"));
         assert!(parse_vary("vcpus=1,,2").unwrap_err().contains("empty"));
+        assert!(parse_vary("format=ept,arm")
+            .unwrap_err()
+            .contains("ept, stage2"));
+        assert!(parse_vary("format=ept,stage2").is_ok());
+        assert!(parse_vary("recover=inplace,on-fault").is_ok());
+        assert!(parse_vary("cmo=always,on-install").is_ok());
+        assert!(parse_vary("rebuild=break-first,install-first").is_ok());
         let twice = [
             parse_vary("vcpus=1").unwrap(),
             parse_vary("vcpus=2").unwrap(),

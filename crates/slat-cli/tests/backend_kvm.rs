@@ -31,7 +31,7 @@ fn kvm_unavailable() -> bool {
 #[test]
 fn engine_only_flag_with_kvm_is_one_line_naming_it() {
     let (code, out, err) = slat(&["dirty-log-perf", "--backend", "kvm", "--fast-pf", "off"]);
-    assert_eq!(code, 1);
+    assert_eq!(code, 2);
     assert!(out.is_empty());
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.contains("--fast-pf"), "{err}");

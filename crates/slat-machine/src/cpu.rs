@@ -41,6 +41,10 @@ pub enum Exit {
     },
 }
 
+/// PAUSE instructions standing in for the guest entry and exit between a retried fault and the
+/// next (about 1.5 µs on current x86 cores).
+const RETRY_ROUND_TRIP_PAUSES: u32 = 64;
+
 /// Called on the vCPU thread, outside guest mode, when its dirty ring reached the soft limit
 /// (KVM_EXIT_DIRTY_RING_FULL): must harvest and reset the rings before returning.
 pub type RingFullHandler = Arc<dyn Fn() + Send + Sync>;
@@ -291,6 +295,17 @@ impl<F: PteFormat> Cpu<F> {
         };
         if o == FaultOutcome::DirtyRingFull || self.vcpu.dirty_ring_full() {
             self.ring_full_exit()?;
+        }
+        if o == FaultOutcome::Retry {
+            // The entry is locked or changing under another vCPU. On hardware the re-executed
+            // access faults again only after a return to the guest and a new exit, a round
+            // trip of a microsecond or two; a retry here costs a tenth of that, and a vCPU
+            // re-faulting that fast on a locked entry measurably slows the vCPU that holds it
+            // (on this nested 2-core host it doubled the time of a 2 MiB cache clean). The
+            // pause loop charges the round trip instead.
+            for _ in 0..RETRY_ROUND_TRIP_PAUSES {
+                std::hint::spin_loop();
+            }
         }
         check(o, f.gpa)
     }

@@ -1,0 +1,467 @@
+//! `slat page-table-test`: KVM's `kvm_page_table_test` (seed 001). Every vCPU walks the same
+//! region in three timed stages — create mappings, update them with dirty logging on (block
+//! splits, read-only → read-write), adjust them with logging off (blocks rebuilt) — so the
+//! figures are dominated by concurrent faults on the same addresses: what cache maintenance
+//! "only by the installing fault" and the "install first" block rebuild improve on arm64.
+//!
+//! Departures from the selftest, on purpose:
+//! - `-m` accepts only the guest modes the model implements (one: 48-bit IPA, 4 KiB granule);
+//! - each stage also reports the faults it took, the engine's break-before-make and
+//!   cache-maintenance work, and a native baseline of the same accesses with the ratio;
+//! - defaults follow KVM arm64: dirty logging splits blocks lazily (`--eager-split off`) and
+//!   blocks come back on the next fault after logging stops (`--recover on-fault`); the
+//!   engine's own defaults (eager split, in-place recovery) are one flag away.
+
+use crate::args::{backing, guest_size, refuse, MachineArgs, RebuildArg, RecoverArg, Switch};
+use crate::args::{BackendArg, FormatArg};
+use crate::report::{format_header, quiet, ratio, ts, Phase};
+use clap::Args;
+use serde_json::json;
+use slat::format::PAGE_SIZE;
+use slat::{CmoPolicy, PteFormat, RebuildOrder, RecoverVariant, Stats, VmConfig};
+use slat_machine::page_table_stage::{native_stage_baseline, Stage, StageParams};
+use slat_machine::ram::{format_size, Backing, GuestRam};
+use slat_machine::{Machine, MachineConfig, Workload};
+use std::time::Duration;
+
+/// Guest modes the model implements, as `-m` numbers them.
+const GUEST_MODES: [&str; 1] = ["PA-bits:48,  VA-bits:48,  4K pages"];
+
+/// Flags of `slat page-table-test`.
+#[derive(Debug, Args)]
+pub struct PageTableTestArgs {
+    /// Guest physical test memory offset (hex with 0x, or a size with a k/m/g/t suffix);
+    /// default: the top of the guest physical address space. Must be aligned to the backing
+    /// page size.
+    #[arg(short = 'p', value_parser = address)]
+    pub gpa: Option<u64>,
+    /// Guest mode: 0 = PA-bits:48, VA-bits:48, 4K pages (the only one the model implements).
+    #[arg(short = 'm', default_value_t = 0)]
+    pub mode: usize,
+    /// Test memory size, shared by all vCPUs: bytes with an optional k/m/g/t suffix (powers
+    /// of 1024), aligned up to the backing page size.
+    #[arg(short = 'b', value_parser = guest_size, default_value = "1G")]
+    pub bytes: u64,
+    /// vCPUs; all access the whole test memory (even ones write in the create stage, odd
+    /// ones read).
+    #[arg(short = 'v', value_parser = clap::value_parser!(u32).range(1..=512), default_value_t = 1)]
+    pub vcpus: u32,
+    /// Host memory behind guest RAM: anonymous, anonymous_thp, anonymous_hugetlb (2 MiB),
+    /// anonymous_hugetlb_1gb, shmem. Hugetlb needs pages reserved first, e.g.
+    /// `echo 600 > /proc/sys/vm/nr_hugepages` for 1 GiB of 2 MiB pages plus the baseline's.
+    #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
+    pub backing: Backing,
+    /// Split blocks when logging is enabled (`off`, KVM arm64's default: the first write to a
+    /// block splits it, and the rest of the block faults back in page by page).
+    #[arg(long = "eager-split", value_enum, default_value = "off")]
+    pub eager_split: Switch,
+    /// How blocks come back when logging stops: `on-fault` (KVM arm64: the next translation
+    /// fault in the range rebuilds the block), `inplace` (every table is rebuilt as a block when
+    /// logging is disabled), or `zap` (the slot is unmapped and faults rebuild blocks).
+    #[arg(long = "recover", value_enum, default_value = "on-fault")]
+    pub recover: RecoverArg,
+    /// Order of a table-to-block rebuild under break-before-make: `break-first` (the entry
+    /// stays invalid while the old tables are unmapped and freed, so other vCPUs fault on it)
+    /// or `install-first` (the block goes in right after the invalidation; the old tables are
+    /// freed afterwards). Only stage2 breaks before make; no effect with --format ept.
+    #[arg(long = "rebuild", value_enum, default_value = "install-first")]
+    pub rebuild: RebuildArg,
+    /// Run the seed-001 comparison in one process: the three stages for each of `--cmo
+    /// always|on-install` × `--rebuild break-first|install-first` (other flags as given), then
+    /// one table with the relative improvement of each patch. Needs --format stage2.
+    #[arg(long)]
+    pub compare: bool,
+    /// Print one JSON document with every figure instead of the text report.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub machine: MachineArgs,
+}
+
+/// `-p`: hex (`0x...`) or a size.
+fn address(s: &str) -> Result<u64, String> {
+    match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(h) => u64::from_str_radix(h, 16).map_err(|e| format!("bad hex address {s:?}: {e}")),
+        None => slat_machine::ram::parse_size(s).map_err(|e| e.to_string()),
+    }
+}
+
+/// One stage's figures.
+struct StageFigures {
+    stage: Stage,
+    time: Duration,
+    native: Duration,
+    faults: u64,
+    stats: Stats,
+    /// Time to switch logging before the stage (enable before update, disable before adjust).
+    logging_switch: Option<Duration>,
+}
+
+/// Runs the benchmark.
+pub fn run(a: &PageTableTestArgs) -> Result<(), String> {
+    if a.mode >= GUEST_MODES.len() {
+        refuse(format!(
+            "guest mode {} is not implemented; -m takes {}",
+            a.mode,
+            GUEST_MODES
+                .iter()
+                .enumerate()
+                .map(|(i, m)| format!(
+                    "{i} ({})",
+                    m.split_whitespace().collect::<Vec<_>>().join(" ")
+                ))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    if a.compare && a.machine.format != FormatArg::Stage2 {
+        refuse("--compare varies cache maintenance and the rebuild order, which only --format stage2 has");
+    }
+    let base = vm_config(a);
+    let configs: Vec<VmConfig> = if a.compare {
+        let mut v = Vec::new();
+        for rebuild in [RebuildOrder::BreakFirst, RebuildOrder::InstallFirst] {
+            for cmo in [CmoPolicy::Always, CmoPolicy::OnInstall] {
+                v.push(VmConfig {
+                    cmo,
+                    rebuild,
+                    ..base
+                });
+            }
+        }
+        v
+    } else {
+        vec![base]
+    };
+    let text = !a.json && !a.compare;
+    let mut runs = Vec::new();
+    for vm in &configs {
+        let r = match a.machine.format {
+            FormatArg::Ept => run_on::<slat::Ept>(a, *vm, text)?,
+            FormatArg::Stage2 => run_on::<slat::Stage2>(a, *vm, text)?,
+        };
+        runs.push((*vm, r));
+    }
+    if a.compare && !a.json {
+        print_comparison(a, &runs);
+    }
+    if a.json {
+        let docs: Vec<_> = runs.iter().map(|(vm, r)| to_json(a, vm, r)).collect();
+        if a.compare {
+            println!(
+                "{:#}",
+                json!({ "benchmark": "page-table-test", "compare": docs })
+            );
+        } else {
+            println!("{:#}", docs[0]);
+        }
+    }
+    Ok(())
+}
+
+/// One configuration's run.
+struct Run {
+    bytes: u64,
+    large: u64,
+    gpa: u64,
+    stages: Vec<StageFigures>,
+}
+
+/// The seed-001 table: stage times per configuration, and each patch's improvement.
+fn print_comparison(a: &PageTableTestArgs, runs: &[(VmConfig, Run)]) {
+    let time = |cmo: CmoPolicy, rebuild: RebuildOrder, stage: Stage| -> Duration {
+        runs.iter()
+            .find(|(vm, _)| vm.cmo == cmo && vm.rebuild == rebuild)
+            .and_then(|(_, r)| r.stages.iter().find(|f| f.stage == stage))
+            .map_or(Duration::ZERO, |f| f.time)
+    };
+    let gain = |before: Duration, after: Duration| {
+        if before.is_zero() {
+            0.0
+        } else {
+            100.0 * (before.as_secs_f64() - after.as_secs_f64()) / before.as_secs_f64()
+        }
+    };
+    println!(
+        "page-table-test --compare: -s {} -b {} -v {} --format stage2, eager split {}, recover {}",
+        a.backing.name(),
+        format_size(runs[0].1.bytes),
+        a.vcpus,
+        a.eager_split.on(),
+        runs[0].0.recover.name()
+    );
+    println!(
+        "{:<22} {:>14} {:>14} {:>14} {:>14}",
+        "stage", "always+brk1st", "oninst+brk1st", "always+inst1st", "oninst+inst1st"
+    );
+    for stage in Stage::ALL {
+        println!(
+            "{:<22} {:>13.6}s {:>13.6}s {:>13.6}s {:>13.6}s",
+            stage.name(),
+            time(CmoPolicy::Always, RebuildOrder::BreakFirst, stage).as_secs_f64(),
+            time(CmoPolicy::OnInstall, RebuildOrder::BreakFirst, stage).as_secs_f64(),
+            time(CmoPolicy::Always, RebuildOrder::InstallFirst, stage).as_secs_f64(),
+            time(CmoPolicy::OnInstall, RebuildOrder::InstallFirst, stage).as_secs_f64(),
+        );
+    }
+    println!();
+    println!(
+        "Patch 1 (CMOs only by the installing fault), always -> on-install, rebuild break-first:"
+    );
+    for stage in Stage::ALL {
+        let (b, af) = (
+            time(CmoPolicy::Always, RebuildOrder::BreakFirst, stage),
+            time(CmoPolicy::OnInstall, RebuildOrder::BreakFirst, stage),
+        );
+        println!(
+            "  {}: before {} -> after {}  {:+.2}%",
+            stage.name(),
+            ts(b),
+            ts(af),
+            gain(b, af)
+        );
+    }
+    println!("Patch 2 (install the block first), break-first -> install-first, cmo on-install:");
+    let (b, af) = (
+        time(
+            CmoPolicy::OnInstall,
+            RebuildOrder::BreakFirst,
+            Stage::AdjustMappings,
+        ),
+        time(
+            CmoPolicy::OnInstall,
+            RebuildOrder::InstallFirst,
+            Stage::AdjustMappings,
+        ),
+    );
+    println!(
+        "  {}: before {} -> after {}  {:+.2}%",
+        Stage::AdjustMappings.name(),
+        ts(b),
+        ts(af),
+        gain(b, af)
+    );
+    let faults = |rebuild: RebuildOrder| {
+        runs.iter()
+            .find(|(vm, _)| vm.cmo == CmoPolicy::OnInstall && vm.rebuild == rebuild)
+            .and_then(|(_, r)| r.stages.iter().find(|f| f.stage == Stage::AdjustMappings))
+            .map_or(0, |f| f.faults)
+    };
+    println!(
+        "  faults taken during {}: break-first {}, install-first {}",
+        Stage::AdjustMappings.name(),
+        faults(RebuildOrder::BreakFirst),
+        faults(RebuildOrder::InstallFirst)
+    );
+}
+
+fn vm_config(a: &PageTableTestArgs) -> VmConfig {
+    VmConfig {
+        eager_split: a.eager_split.on(),
+        recover: match a.recover {
+            RecoverArg::Inplace => RecoverVariant::InPlace,
+            RecoverArg::Zap => RecoverVariant::Zap,
+            RecoverArg::OnFault => RecoverVariant::OnFault,
+        },
+        rebuild: match a.rebuild {
+            RebuildArg::BreakFirst => RebuildOrder::BreakFirst,
+            RebuildArg::InstallFirst => RebuildOrder::InstallFirst,
+        },
+        ..a.machine.vm_config()
+    }
+}
+
+fn run_on<F: PteFormat>(a: &PageTableTestArgs, vm: VmConfig, text: bool) -> Result<Run, String> {
+    let q = quiet(a.json);
+    let large = a.backing.page_size().max(PAGE_SIZE);
+    let bytes = a.bytes.div_ceil(large) * large;
+    let vcpus = a.vcpus as usize;
+    // The machine gives each vCPU a partition; the test shares one region, so the partitions
+    // only size it (rounded up to whole pages) and the stages run over its first `bytes`.
+    let per_vcpu = (bytes / vcpus as u64).div_ceil(PAGE_SIZE) * PAGE_SIZE;
+    let prefault = !a.machine.no_prefault;
+    let p = Phase::start(
+        format!(
+            "sim ({}, cmo {}, rebuild {}): mapping {} of {} guest RAM and as much host memory for the native baseline",
+            a.machine.format.name(),
+            vm.cmo.name(),
+            vm.rebuild.name(),
+            format_size(bytes),
+            a.backing.name()
+        ),
+        q,
+    );
+    let m = Machine::<F>::new(MachineConfig {
+        vm,
+        backing: a.backing,
+        vcpus,
+        bytes_per_vcpu: per_vcpu,
+        overlap: true,
+        tlb_entries: a.machine.tlb_entries,
+        pcpus: a.machine.pcpus.unwrap_or(0),
+        prefault,
+        gpa: a.gpa,
+        ..MachineConfig::default()
+    })
+    .map_err(|e| e.to_string())?;
+    let native_ram = GuestRam::new(a.backing, bytes, prefault).map_err(|e| e.to_string())?;
+    p.done();
+    let layout = m.layout();
+    if text {
+        println!("Testing guest mode: {}", GUEST_MODES[a.mode]);
+        println!("Testing memory backing src type: {}", a.backing.name());
+        println!("Testing memory backing src granularity: {large:#x}");
+        println!("Testing memory size(aligned): {bytes:#x}");
+        println!("Guest physical test memory offset: {:#x}", layout.gpa);
+        println!("Host  virtual  test memory offset: {:#x}", layout.host);
+        println!("Number of testing vCPUs: {vcpus}");
+        println!("{}", format_header(BackendArg::Sim, a.machine.format, &vm));
+        println!(
+            "Dirty logging: eager split {}, blocks recovered {}",
+            if vm.eager_split { "on" } else { "off" },
+            vm.recover.name()
+        );
+        println!("Started all vCPUs successfully");
+    }
+    let mut figures = Vec::new();
+    for stage in Stage::ALL {
+        let logging_switch = match stage {
+            Stage::CreateMappings => None,
+            Stage::UpdateMappings | Stage::AdjustMappings => {
+                let on = stage == Stage::UpdateMappings;
+                let t0 = std::time::Instant::now();
+                m.set_dirty_logging(on).map_err(|e| e.to_string())?;
+                Some(t0.elapsed())
+            }
+        };
+        let params = StageParams {
+            stage,
+            large_page: large,
+            bytes,
+        };
+        let p = Phase::start(format!("{} on {vcpus} vCPU(s)", stage.name()), q);
+        let before = m.vm().stats();
+        let run = m.run(Workload::Stage(params)).map_err(|e| e.to_string())?;
+        let after = m.vm().stats();
+        p.done();
+        let native = native_stage_baseline(native_ram.addr(), params, vcpus);
+        let f = StageFigures {
+            stage,
+            time: run.wall,
+            native,
+            faults: run.vcpus.iter().map(|v| v.counters.faults).sum(),
+            stats: delta(&before, &after),
+            logging_switch,
+        };
+        if text {
+            print_stage(&f, a.machine.format);
+        }
+        figures.push(f);
+    }
+    Ok(Run {
+        bytes,
+        large,
+        gpa: layout.gpa,
+        stages: figures,
+    })
+}
+
+/// Counters that moved during a stage.
+fn delta(b: &Stats, a: &Stats) -> Stats {
+    Stats {
+        pf_fixed: a.pf_fixed - b.pf_fixed,
+        pf_fast: a.pf_fast - b.pf_fast,
+        pf_spurious: a.pf_spurious - b.pf_spurious,
+        pf_retry: a.pf_retry - b.pf_retry,
+        remote_tlb_flush: a.remote_tlb_flush - b.remote_tlb_flush,
+        splits: a.splits - b.splits,
+        recoveries: a.recoveries - b.recoveries,
+        bbm_breaks: a.bbm_breaks - b.bbm_breaks,
+        cache_cleans: a.cache_cleans - b.cache_cleans,
+        cache_clean_bytes: a.cache_clean_bytes - b.cache_clean_bytes,
+        ..*a
+    }
+}
+
+fn print_stage(f: &StageFigures, format: FormatArg) {
+    if let Some(d) = f.logging_switch {
+        let what = if f.stage == Stage::UpdateMappings {
+            "Enabling"
+        } else {
+            "Disabling"
+        };
+        println!("{what} dirty logging time: {}", ts(d));
+    }
+    println!("{}: total execution time: {}", f.stage.name(), ts(f.time));
+    let s = &f.stats;
+    println!(
+        "  faults taken: {} (slow path fixed {}, fast path {}, spurious {}, retried {})",
+        f.faults, s.pf_fixed, s.pf_fast, s.pf_spurious, s.pf_retry
+    );
+    println!(
+        "  blocks split: {}, rebuilt: {}; remote TLB flushes: {}",
+        s.splits, s.recoveries, s.remote_tlb_flush
+    );
+    let i = format.info();
+    if i.break_before_make || i.cache_maintenance {
+        println!(
+            "  break-before-make: {} entries broken; cache maintenance: {} passes over {}",
+            s.bbm_breaks,
+            s.cache_cleans,
+            format_size(s.cache_clean_bytes)
+        );
+    }
+    println!(
+        "  native: {} (guest/native {:.2}x)",
+        ts(f.native),
+        ratio(f.time, f.native)
+    );
+    println!();
+}
+
+fn to_json(a: &PageTableTestArgs, vm: &VmConfig, r: &Run) -> serde_json::Value {
+    let stages: Vec<_> = r
+        .stages
+        .iter()
+        .map(|f| {
+            let s = &f.stats;
+            json!({
+                "stage": f.stage.name(),
+                "time_s": f.time.as_secs_f64(),
+                "native_time_s": f.native.as_secs_f64(),
+                "ratio": ratio(f.time, f.native),
+                "logging_switch_time_s": f.logging_switch.map(|d| d.as_secs_f64()),
+                "faults": f.faults,
+                "pf_fixed": s.pf_fixed,
+                "pf_fast": s.pf_fast,
+                "pf_spurious": s.pf_spurious,
+                "pf_retry": s.pf_retry,
+                "splits": s.splits,
+                "rebuilds": s.recoveries,
+                "remote_tlb_flushes": s.remote_tlb_flush,
+                "bbm_breaks": s.bbm_breaks,
+                "cache_cleans": s.cache_cleans,
+                "cache_clean_bytes": s.cache_clean_bytes,
+            })
+        })
+        .collect();
+    json!({
+        "benchmark": "page-table-test",
+        "backend": "sim",
+        "format": a.machine.format.name(),
+        "guest_mode": GUEST_MODES[a.mode],
+        "backing": a.backing.name(),
+        "granularity": r.large,
+        "bytes": r.bytes,
+        "gpa": r.gpa,
+        "vcpus": a.vcpus,
+        "cmo": vm.cmo.name(),
+        "rebuild": vm.rebuild.name(),
+        "eager_split": vm.eager_split,
+        "recover": vm.recover.name(),
+        "mmu_lock": vm.mmu_lock.name(),
+        "fast_pf": vm.fast_pf,
+        "ad_bits": vm.ad_bits,
+        "stages": stages,
+    })
+}
