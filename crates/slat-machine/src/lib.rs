@@ -8,6 +8,7 @@ pub mod cpu;
 pub mod dirty_oracle;
 pub mod machine;
 pub mod memstress;
+pub mod paced;
 pub mod ram;
 pub mod sched;
 pub mod tlb;
@@ -18,4 +19,5 @@ pub use machine::{
     VcpuPass, Workload,
 };
 pub use memstress::PassParams;
+pub use paced::{PacedParams, Pacer};
 pub use ram::{Backing, GuestRam, RamError};

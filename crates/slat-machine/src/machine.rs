@@ -175,6 +175,9 @@ pub enum Workload {
         /// The value written (the host bumps it between iterations).
         iteration: Arc<AtomicU64>,
     },
+    /// Live migration's guest ([`crate::paced`]): memstress passes until halted, every write a
+    /// new value, at a write rate and throttle the host changes while it runs.
+    Paced(crate::paced::PacedParams),
 }
 
 enum Job {
@@ -527,6 +530,7 @@ fn run_workload<F: PteFormat>(
                 writes += 1;
             }
         }
+        Workload::Paced(p) => crate::paced::run(cpu, p, gpa, pages, idx, halt),
     }
 }
 
