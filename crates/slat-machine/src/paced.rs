@@ -139,6 +139,9 @@ pub(crate) fn run<F: PteFormat>(
                         .throttled_ns
                         .fetch_add(nap.as_nanos() as u64, Ordering::Relaxed);
                     slice_start = Instant::now();
+                    // A throttled vCPU is a slower vCPU: the nap earns no writes, so the
+                    // throttle cuts a rate-limited guest's rate by the same share.
+                    bucket.last = slice_start;
                 } else if t == 0 {
                     slice_start = now;
                 }

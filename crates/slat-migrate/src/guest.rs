@@ -416,7 +416,10 @@ impl KvmGuest {
                 let (on, period) = if rate == 0 || speed <= 0.0 {
                     (max_on.max(MIN_BURST), BURST_PERIOD)
                 } else {
-                    let want = rate as f64 * vcpus as f64 * BURST_PERIOD.as_secs_f64();
+                    // The throttle slows the guest: it gets that share less of its writes.
+                    let want = rate as f64 * vcpus as f64 * BURST_PERIOD.as_secs_f64()
+                        * (100 - throttle) as f64
+                        / 100.0;
                     let on = Duration::from_secs_f64(want / speed);
                     if on < MIN_BURST {
                         // Too little to write in one period: stretch the period instead.
