@@ -22,6 +22,10 @@ pub struct Faults {
     /// On failure, drop the pages harvested but not acknowledged instead of keeping them
     /// owed (Firecracker issue #4545's bug).
     pub skip_merge_back: bool,
+    /// Wait this long between the decision to stop pre-copy and the pause, with the guest
+    /// still writing: widens the window only the final harvest covers (harmless for a
+    /// correct source).
+    pub pause_delay: Option<std::time::Duration>,
 }
 
 /// Writes to the destination with an optional bandwidth cap.

@@ -455,6 +455,9 @@ impl Source {
         }
 
         // Stop-and-copy.
+        if let Some(d) = faults.pause_delay {
+            std::thread::sleep(d);
+        }
         let t_pause = Instant::now();
         self.guest.pause()?;
         report.precopy = t_pause - t_connect;

@@ -2,12 +2,14 @@
 //!
 //! ```text
 //! preamble   "SLATMIGR" | version u32 | page size u32              (source → destination, once)
-//! frame      type u8 | payload length u32 | crc32 u32 | payload    (either direction)
+//! frame      type u8 | length u32 | payload crc32 u32 | header crc32 u32 | payload
 //! ```
 //!
-//! Integers are little-endian. The CRC covers type, length and payload, so a flipped bit
-//! anywhere in a frame is caught before its contents are used; the length is bounded by
-//! [`MAX_FRAME`] before anything is allocated. Pages travel in batches ([`Msg::Pages`]) of
+//! Integers are little-endian. The header has a checksum of its own, so a corrupted length
+//! is caught before the reader waits for bytes that will never come (a length that points
+//! past the end would otherwise stall both sides until a timeout); it is also bounded by
+//! [`MAX_FRAME`] before anything is allocated. The payload checksum catches a flipped bit
+//! anywhere else before the contents are used. Pages travel in batches ([`Msg::Pages`]) of
 //! entries `page u64 | encoding u8 | [length u32 | bytes]`: a zero page is only a marker, a
 //! raw page its 4096 bytes, a compressed page its LZ4 block (which must decompress to
 //! exactly one page). Every decode is bounds-checked and returns a [`StreamError`]; nothing in
@@ -36,7 +38,7 @@ pub const MAX_HASHES: u32 = 4096;
 const MAX_TEXT: usize = 1024;
 
 const PREAMBLE_LEN: usize = 16;
-const HEADER_LEN: usize = 9;
+const HEADER_LEN: usize = 13;
 
 /// How a page travels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -581,10 +583,10 @@ fn seal(frame: &mut [u8], ty: u8) {
     let len = (frame.len() - HEADER_LEN) as u32;
     frame[0] = ty;
     frame[1..5].copy_from_slice(&len.to_le_bytes());
-    let mut h = crc32fast::Hasher::new();
-    h.update(&frame[..5]);
-    h.update(&frame[HEADER_LEN..]);
-    frame[5..9].copy_from_slice(&h.finalize().to_le_bytes());
+    let payload = crc32fast::hash(&frame[HEADER_LEN..]);
+    frame[5..9].copy_from_slice(&payload.to_le_bytes());
+    let header = crc32fast::hash(&frame[..9]);
+    frame[9..13].copy_from_slice(&header.to_le_bytes());
 }
 
 /// The stream preamble with `version` (tests send a wrong one).
@@ -671,6 +673,13 @@ impl<R: Read> FrameReader<R> {
         let ty = h[0];
         let len = u32::from_le_bytes([h[1], h[2], h[3], h[4]]);
         let crc = u32::from_le_bytes([h[5], h[6], h[7], h[8]]);
+        let hcrc = u32::from_le_bytes([h[9], h[10], h[11], h[12]]);
+        if crc32fast::hash(&h[..9]) != hcrc {
+            return Err(StreamError::Corrupt {
+                offset: start,
+                why: "checksum mismatch in a frame header".into(),
+            });
+        }
         if len > MAX_FRAME {
             return Err(StreamError::Corrupt {
                 offset: start,
@@ -684,10 +693,7 @@ impl<R: Read> FrameReader<R> {
                 offset: self.offset,
             });
         }
-        let mut hasher = crc32fast::Hasher::new();
-        hasher.update(&h[..5]);
-        hasher.update(&payload);
-        if hasher.finalize() != crc {
+        if crc32fast::hash(&payload) != crc {
             return Err(StreamError::Corrupt {
                 offset: start,
                 why: format!("checksum mismatch in a frame of type {ty} and {len} bytes"),
