@@ -6,6 +6,7 @@ mod backend;
 mod demand_paging;
 mod dirty_log_perf;
 mod dirty_log_test;
+mod migrate;
 mod report;
 mod sweep;
 
@@ -35,6 +36,14 @@ enum Command {
     /// access idle memory; native baseline and ratio for every pass; `--compare` runs the
     /// seed-000 table (fast page fault on/off, -v 1 and -v 2) in one process.
     AccessTrackingPerf(access_tracking_perf::AccessTrackingPerfArgs),
+    /// Live-migrate a guest under write load to `slat migrate-listen` over TCP (pre-copy with
+    /// the dirty log, auto-converge, verification at switch-over, retries).
+    Migrate(migrate::MigrateArgs),
+    /// Receive a live migration, verify it and run the guest.
+    MigrateListen(migrate::ListenArgs),
+    /// Both ends of a live migration in one process over loopback (seed 002's migrate-perf):
+    /// migration time, downtime, rounds, dirty rate, bandwidth, throttling.
+    MigratePerf(migrate::MigratePerfArgs),
 }
 
 fn main() {
@@ -66,6 +75,9 @@ fn main() {
         Command::DirtyLogPerf(a) => dirty_log_perf::run(a),
         Command::DirtyLogTest(a) => dirty_log_test::run(a),
         Command::AccessTrackingPerf(a) => access_tracking_perf::run(a),
+        Command::Migrate(a) => migrate::run_migrate(a),
+        Command::MigrateListen(a) => migrate::run_listen(a),
+        Command::MigratePerf(a) => migrate::run_perf(a),
     };
     if let Err(e) = r {
         eprintln!("slat: error: {e}");

@@ -155,7 +155,8 @@ impl Destination {
             });
         }
         let timeout = self.cfg.timeout;
-        let io = |e: std::io::Error| MigrateError::stream("accepting", StreamError::Io(e.to_string()));
+        let io =
+            |e: std::io::Error| MigrateError::stream("accepting", StreamError::Io(e.to_string()));
         s.set_read_timeout(Some(timeout)).map_err(io)?;
         s.set_write_timeout(Some(timeout)).map_err(io)?;
         s.set_nodelay(true).map_err(io)?;
@@ -191,7 +192,12 @@ impl Destination {
             .map_err(|e| MigrateError::stream("reading the hello", e))?
         {
             Msg::Hello(h) => h,
-            m => return Err(protocol("handshake", &format!("a {} message before the hello", m.name()))),
+            m => {
+                return Err(protocol(
+                    "handshake",
+                    &format!("a {} message before the hello", m.name()),
+                ))
+            }
         };
         let (guest, resumed) = self.session_for(&hello)?;
         let mut report = DestReport {
@@ -237,7 +243,10 @@ impl Destination {
             match m {
                 Msg::Pages(b) => {
                     if b.seq != seq {
-                        return Err(protocol(&phase, &format!("batch {} where {seq} was due", b.seq)));
+                        return Err(protocol(
+                            &phase,
+                            &format!("batch {} where {seq} was due", b.seq),
+                        ));
                     }
                     if let Some(&(p, _, _)) = b.entries.iter().find(|e| e.0 >= pages) {
                         return Err(MigrateError::stream(
@@ -270,7 +279,10 @@ impl Destination {
                     let t = Instant::now();
                     let end = first.checked_add(hashes.len() as u64);
                     if end.is_none_or(|e| e > nranges) {
-                        return Err(protocol(&phase, &format!("hashes for ranges {first}.. beyond the {nranges} ranges")));
+                        return Err(protocol(
+                            &phase,
+                            &format!("hashes for ranges {first}.. beyond the {nranges} ranges"),
+                        ));
                     }
                     for (k, h) in hashes.iter().enumerate() {
                         let i = first + k as u64;
@@ -333,7 +345,10 @@ impl Destination {
                     return Ok(report);
                 }
                 Msg::Commit => {
-                    return Err(protocol(&phase, "a commit before a successful verification"))
+                    return Err(protocol(
+                        &phase,
+                        "a commit before a successful verification",
+                    ))
                 }
                 Msg::Refuse(reason) => {
                     return Err(MigrateError::Refused {
@@ -341,7 +356,12 @@ impl Destination {
                         reason,
                     })
                 }
-                m => return Err(protocol(&phase, &format!("unexpected {} message", m.name()))),
+                m => {
+                    return Err(protocol(
+                        &phase,
+                        &format!("unexpected {} message", m.name()),
+                    ))
+                }
             }
         }
     }
@@ -412,7 +432,11 @@ impl Destination {
     }
 
     /// Runs the source's workload on this side's vCPUs for a moment.
-    fn run_guest(&self, guest: &Arc<dyn Guest>, hello: &Hello) -> Result<(u64, Duration), MigrateError> {
+    fn run_guest(
+        &self,
+        guest: &Arc<dyn Guest>,
+        hello: &Hello,
+    ) -> Result<(u64, Duration), MigrateError> {
         if self.cfg.resume_for.is_zero() {
             return Ok((0, Duration::ZERO));
         }

@@ -29,7 +29,9 @@ pub enum StreamError {
         expected: u32,
     },
     /// The connection ended in the middle of a frame (or of the preamble).
-    #[error("stream truncated: the connection closed in the middle of {what} after {offset} bytes")]
+    #[error(
+        "stream truncated: the connection closed in the middle of {what} after {offset} bytes"
+    )]
     Truncated {
         /// What was being read.
         what: &'static str,
@@ -114,7 +116,9 @@ pub enum MigrateError {
         reason: String,
     },
     /// The destination's memory did not match the source's at switch-over.
-    #[error("verification failed: {mismatched} of {ranges} ranges of {range_pages} pages differ{first}")]
+    #[error(
+        "verification failed: {mismatched} of {ranges} ranges of {range_pages} pages differ{first}"
+    )]
     Verification {
         /// Ranges compared.
         ranges: u64,

@@ -144,15 +144,16 @@ pub trait Guest: Send + Sync {
 pub fn build(spec: &GuestSpec) -> Result<Arc<dyn Guest>, GuestError> {
     let s = spec.shape;
     if s.vcpus == 0 || s.slots == 0 {
-        return Err(GuestError("at least one vCPU and one memslot are needed".into()));
+        return Err(GuestError(
+            "at least one vCPU and one memslot are needed".into(),
+        ));
     }
     match spec.backend {
         BackendKind::Sim => {
             let dirty = match spec.log {
                 LogMode::Get => DirtyConfig::default(),
                 LogMode::Clear => DirtyConfig {
-                    manual_protect: slat::dirty::MANUAL_PROTECT_ENABLE
-                        | slat::dirty::INITIALLY_SET,
+                    manual_protect: slat::dirty::MANUAL_PROTECT_ENABLE | slat::dirty::INITIALLY_SET,
                     ..DirtyConfig::default()
                 },
                 LogMode::Ring => DirtyConfig {
@@ -442,8 +443,8 @@ impl KvmGuest {
                     continue;
                 }
                 // The throttle slows the guest: it earns that share less of its writes.
-                allowance += rate as f64 * vcpus as f64 * dt.as_secs_f64() * (100 - throttle) as f64
-                    / 100.0;
+                allowance +=
+                    rate as f64 * vcpus as f64 * dt.as_secs_f64() * (100 - throttle) as f64 / 100.0;
                 // Do not bank more than a second of writes (e.g. across a long pause).
                 allowance = allowance.min(rate as f64 * vcpus as f64);
                 if allowance < 1.0 {
@@ -461,7 +462,11 @@ impl KvmGuest {
                 allowance -= w as f64;
                 if w > 0 {
                     let s = w as f64 / ran.as_secs_f64();
-                    speed = if speed <= 0.0 { s } else { 0.7 * speed + 0.3 * s };
+                    speed = if speed <= 0.0 {
+                        s
+                    } else {
+                        0.7 * speed + 0.3 * s
+                    };
                 }
             }
             Ok(())

@@ -326,7 +326,8 @@ impl Source {
     ) -> Result<MigrationReport, MigrateError> {
         let t_connect = Instant::now();
         let stream = connect(addr, self.cfg.timeout)?;
-        let io = |e: std::io::Error| MigrateError::stream("connecting", StreamError::Io(e.to_string()));
+        let io =
+            |e: std::io::Error| MigrateError::stream("connecting", StreamError::Io(e.to_string()));
         stream.set_nodelay(true).map_err(io)?;
         stream
             .set_write_timeout(Some(self.cfg.timeout))
@@ -466,8 +467,9 @@ impl Source {
         let t = Instant::now();
         if !faults.skip_final_harvest {
             let dirtied = self.guest.harvest(&mut self.owed)?;
+            // The last pre-copy round's writes reach up to the pause.
             if let Some(prev) = report.rounds.last_mut() {
-                prev.dirtied = dirtied;
+                prev.dirtied += dirtied;
                 report.dirtied += dirtied;
             }
         }
@@ -496,7 +498,9 @@ impl Source {
         for i in 0..nranges {
             let (a, b) = verify::range_pages(i, RANGE_PAGES, pages);
             hashes.push(verify::hash_range(i, mem.stopped_range(a, b)?));
-            if hashes.len() == 1024 || i + 1 == nranges {
+            // Frames of 256 hashes (64 MiB of guest memory): the destination hashes one
+            // while the next is computed here.
+            if hashes.len() == 256 || i + 1 == nranges {
                 let n = hashes.len() as u64;
                 conn.send(
                     &Msg::Hashes {
@@ -548,8 +552,7 @@ impl Source {
         self.migrated = true;
         // The destination runs the guest briefly and says so; not hearing it does not undo a
         // committed switch-over.
-        if let Ok(Msg::Resumed { touched, micros }) = conn.recv("the destination's resume report")
-        {
+        if let Ok(Msg::Resumed { touched, micros }) = conn.recv("the destination's resume report") {
             report.dest_resumed = Some((touched, Duration::from_micros(micros)));
         }
         report.throttle_max = ac.max();
@@ -570,9 +573,9 @@ impl Conn {
         match self.link.write_all(bytes) {
             Ok(()) => Ok(()),
             // The destination may have said why it stopped reading.
-            Err(e) => Err(self.refusal().unwrap_or_else(|| {
-                MigrateError::stream(phase, StreamError::io(&e, self.timeout))
-            })),
+            Err(e) => Err(self
+                .refusal()
+                .unwrap_or_else(|| MigrateError::stream(phase, StreamError::io(&e, self.timeout)))),
         }
     }
 
@@ -731,7 +734,9 @@ fn settle(
         }
         _ => Err(MigrateError::stream(
             phase,
-            StreamError::Protocol(format!("acknowledgement of batch {seq}, which is not the oldest in flight")),
+            StreamError::Protocol(format!(
+                "acknowledgement of batch {seq}, which is not the oldest in flight"
+            )),
         )),
     }
 }
@@ -764,10 +769,7 @@ fn connect(addr: &str, timeout: Duration) -> Result<TcpStream, MigrateError> {
 
 /// Reads the destination's frames on a thread of their own, so acknowledgements drain while
 /// the source is busy writing.
-fn spawn_reader(
-    s: TcpStream,
-    timeout: Duration,
-) -> Result<(Inbox, JoinHandle<()>), MigrateError> {
+fn spawn_reader(s: TcpStream, timeout: Duration) -> Result<(Inbox, JoinHandle<()>), MigrateError> {
     let (tx, rx) = mpsc::channel();
     let h = std::thread::Builder::new()
         .name("migrate-acks".into())

@@ -157,7 +157,11 @@ fn wrong_version_is_refused_and_the_source_runs_on() {
         ),
         "{de}"
     );
-    assert!(de.to_string().contains("stream version 99 is not supported"), "{de}");
+    assert!(
+        de.to_string()
+            .contains("stream version 99 is not supported"),
+        "{de}"
+    );
     assert!(e.to_string().contains("version 99"), "{e}");
     assert!(d.guest().is_none(), "no partial success");
     assert_running(&g, "wrong version");
@@ -282,7 +286,9 @@ fn forgetting_harvested_pages_is_caught_by_verification() {
 
 /// A source that stops pre-copy, lets the guest write 50 ms more, pauses, and then does or
 /// skips the final harvest.
-fn late_pause(skip_final_harvest: bool) -> (Arc<dyn Guest>, Source, Result<(), MigrateError>, String) {
+fn late_pause(
+    skip_final_harvest: bool,
+) -> (Arc<dyn Guest>, Source, Result<(), MigrateError>, String) {
     let g = source_guest(BackendKind::Sim, shape(4), LogMode::Clear);
     let mut cfg = source_config();
     cfg.faults.pause_delay = Some(Duration::from_millis(50));

@@ -16,7 +16,10 @@ fn migrate_in(log: LogMode) {
     let r = r.unwrap_or_else(|e| panic!("{}: {e}", log.name()));
     let d = d.into_iter().last().unwrap().unwrap();
     assert!(src.migrated());
-    assert!(!g.running(), "the source stays stopped after the switch-over");
+    assert!(
+        !g.running(),
+        "the source stays stopped after the switch-over"
+    );
     assert_eq!(r.verify_ranges, 128);
     assert!(d.verify.ok());
     assert!(r.rounds.len() >= 2, "full copy and stop-and-copy at least");
@@ -60,7 +63,10 @@ fn destination_resumes_the_guest() {
     let r = src.migrate(&addr, &mut |_| {}).unwrap();
     let (d, _dest) = h.join().unwrap();
     let d = d.into_iter().last().unwrap().unwrap();
-    assert!(d.run.0 > 0, "the destination's vCPUs wrote after the switch-over");
+    assert!(
+        d.run.0 > 0,
+        "the destination's vCPUs wrote after the switch-over"
+    );
     assert_eq!(r.dest_resumed.map(|x| x.0), Some(d.run.0));
 }
 
@@ -77,9 +83,17 @@ fn a_guest_outrunning_the_link_converges_by_throttling() {
     src.start_guest().unwrap();
     let (r, _, dest) = migrate_once(&mut src, BackendKind::Sim);
     let r = r.unwrap();
-    assert!(r.throttle_max >= 50, "auto-converge throttled: {:?}", r.throttle_changes);
+    assert!(
+        r.throttle_max >= 50,
+        "auto-converge throttled: {:?}",
+        r.throttle_changes
+    );
     assert!(r.throttled > Duration::ZERO);
     assert!(r.converged, "{:?}", r.rounds);
-    assert_eq!(g.throttle(), 0, "the throttle is lifted after the migration");
+    assert_eq!(
+        g.throttle(),
+        0,
+        "the throttle is lifted after the migration"
+    );
     assert_same_memory(&*g, &**dest.guest().unwrap());
 }

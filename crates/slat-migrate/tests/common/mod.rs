@@ -79,7 +79,10 @@ pub fn dest_config() -> DestConfig {
 pub fn spawn_dest(
     mut d: Destination,
     max_conns: usize,
-) -> (String, JoinHandle<(Vec<Result<DestReport, MigrateError>>, Destination)>) {
+) -> (
+    String,
+    JoinHandle<(Vec<Result<DestReport, MigrateError>>, Destination)>,
+) {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = l.local_addr().expect("addr").to_string();
     let h = std::thread::spawn(move || {
