@@ -52,7 +52,8 @@ pub enum CompressArg {
 /// Deliberately broken sources, to watch verification fail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BreakArg {
-    /// Skip the harvest after the vCPUs stop.
+    /// Skip the harvest after the vCPUs stop (and let the guest run 100 ms past the last
+    /// pre-copy harvest, so there is something only that harvest would have found).
     SkipFinalHarvest,
     /// Count pages as delivered when queued, not when acknowledged.
     SkipMergeBack,
@@ -433,7 +434,10 @@ impl MigrationArgs {
     fn config(&self) -> SourceConfig {
         let mut faults = Faults::default();
         match self.break_ {
-            Some(BreakArg::SkipFinalHarvest) => faults.skip_final_harvest = true,
+            Some(BreakArg::SkipFinalHarvest) => {
+                faults.skip_final_harvest = true;
+                faults.pause_delay = Some(Duration::from_millis(100));
+            }
             Some(BreakArg::SkipMergeBack) => faults.skip_merge_back = true,
             None => {}
         }
