@@ -793,10 +793,15 @@ fn sweep(a: &MigratePerfArgs) -> Result<(), String> {
         );
         return Ok(());
     }
+    let varied: Vec<&str> = keys.iter().map(|k| k.name()).collect();
     println!(
-        "migrate-perf sweep: {}; max downtime {} ms; one run per row, all in this process",
+        "migrate-perf sweep: {} vCPU(s), {} guest memory, {}% filled; base settings {}, max downtime {} ms; varied: {}; one run per row, all in this process",
+        a.guest.vcpus,
+        format_size(a.guest.bytes * a.guest.vcpus as u64),
+        a.guest.fill,
         a.guest.describe(),
-        a.migration.max_downtime
+        a.migration.max_downtime,
+        varied.join(", ")
     );
     let mut head: Vec<String> = keys.iter().map(|k| k.name().to_string()).collect();
     head.extend(

@@ -73,16 +73,13 @@ pub fn dest_config() -> DestConfig {
     }
 }
 
+/// What a destination thread returns: every connection's result, and the destination.
+pub type Served = (Vec<Result<DestReport, MigrateError>>, Destination);
+
 /// A destination serving connections on a thread until one migration completes or
 /// `max_conns` connections were served; returns every connection's result and the
 /// destination.
-pub fn spawn_dest(
-    mut d: Destination,
-    max_conns: usize,
-) -> (
-    String,
-    JoinHandle<(Vec<Result<DestReport, MigrateError>>, Destination)>,
-) {
+pub fn spawn_dest(mut d: Destination, max_conns: usize) -> (String, JoinHandle<Served>) {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = l.local_addr().expect("addr").to_string();
     let h = std::thread::spawn(move || {
