@@ -440,9 +440,15 @@ impl Destination {
         if self.cfg.resume_for.is_zero() {
             return Ok((0, Duration::ZERO));
         }
+        let mut work = hello.work;
+        if guest.backend() == crate::BackendKind::Kvm {
+            // The KVM guest's writer only writes; a simulated source's read share has no
+            // equivalent there, and refusing after the commit would strand the guest.
+            work.write_percent = 100;
+        }
         let w0 = guest.writes();
         let t = Instant::now();
-        guest.start(hello.work)?;
+        guest.start(work)?;
         std::thread::sleep(self.cfg.resume_for);
         guest.pause()?;
         Ok((guest.writes() - w0, t.elapsed()))

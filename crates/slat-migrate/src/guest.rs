@@ -660,9 +660,10 @@ impl<'g> Memory<'g> {
         }
         assert!(first <= end && end <= self.pages);
         // SAFETY: the range lies in the test region, mapped while the guest (borrowed by
-        // `self`) lives; no vCPU runs (checked above; only this migration starts them, and it
-        // holds the borrow), and the host writes guest memory only through `&mut`-free paths
-        // of this type on the other side of a migration, never on the same guest at once.
+        // `self`) lives. Nothing writes it while the slice lives: no vCPU runs (checked above;
+        // only the migration that holds this borrow starts them), and the only host writer,
+        // `stopped_write_page`, is called by the same thread between hashes, never while a
+        // slice from here is alive (callers hash the slice and drop it at once).
         Ok(unsafe {
             std::slice::from_raw_parts(
                 (self.base + first * PAGE_SIZE as u64) as *const u8,
