@@ -7,6 +7,7 @@ mod demand_paging;
 mod dirty_log_perf;
 mod dirty_log_test;
 mod page_table_test;
+mod migrate;
 mod report;
 mod sweep;
 
@@ -40,6 +41,14 @@ enum Command {
     /// (kvm_page_table_test): per-stage times, faults, break-before-make and cache-maintenance
     /// work, native baseline and ratio.
     PageTableTest(page_table_test::PageTableTestArgs),
+    /// Live-migrate a guest under write load to `slat migrate-listen` over TCP (pre-copy with
+    /// the dirty log, auto-converge, verification at switch-over, retries).
+    Migrate(migrate::MigrateArgs),
+    /// Receive a live migration, verify it and run the guest.
+    MigrateListen(migrate::ListenArgs),
+    /// Both ends of a live migration in one process over loopback (seed 002's migrate-perf):
+    /// migration time, downtime, rounds, dirty rate, bandwidth, throttling.
+    MigratePerf(migrate::MigratePerfArgs),
 }
 
 fn main() {
@@ -72,6 +81,9 @@ fn main() {
         Command::DirtyLogTest(a) => dirty_log_test::run(a),
         Command::AccessTrackingPerf(a) => access_tracking_perf::run(a),
         Command::PageTableTest(a) => page_table_test::run(a),
+        Command::Migrate(a) => migrate::run_migrate(a),
+        Command::MigrateListen(a) => migrate::run_listen(a),
+        Command::MigratePerf(a) => migrate::run_perf(a),
     };
     if let Err(e) = r {
         eprintln!("slat: error: {e}");

@@ -9,6 +9,7 @@ pub mod dirty_oracle;
 pub mod machine;
 pub mod memstress;
 pub mod page_table_stage;
+pub mod paced;
 pub mod ram;
 pub mod sched;
 pub mod tlb;
@@ -19,4 +20,5 @@ pub use machine::{
     VcpuPass, Workload,
 };
 pub use memstress::PassParams;
+pub use paced::{PacedParams, Pacer};
 pub use ram::{Backing, GuestRam, RamError};

@@ -183,6 +183,9 @@ pub enum Workload {
     /// One stage of kvm_page_table_test over the vCPU's region (the whole region with
     /// `overlap`, as that test runs), then sync.
     Stage(StageParams),
+    /// Live migration's guest ([`crate::paced`]): memstress passes until halted, every write a
+    /// new value, at a write rate and throttle the host changes while it runs.
+    Paced(crate::paced::PacedParams),
 }
 
 enum Job {
@@ -569,6 +572,7 @@ fn run_workload<F: PteFormat>(
                 writes += 1;
             }
         }
+        Workload::Paced(p) => crate::paced::run(cpu, p, gpa, pages, idx, halt),
     }
 }
 

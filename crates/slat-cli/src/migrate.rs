@@ -1,0 +1,1043 @@
+//! `slat migrate`, `slat migrate-listen` and `slat migrate-perf`: live migration of a guest
+//! under write load over TCP (`slat-migrate`), with the figures of seed 002's `migrate-perf`:
+//! total migration time, downtime, rounds, dirty rate, bandwidth, throttling, verification.
+
+use crate::args::{
+    backing, check_backends, guest_size, refuse, ring_size, BackendArg, FormatArg, MachineArgs,
+    Switch,
+};
+use crate::report::{quiet, ts};
+use clap::{Args, ValueEnum};
+use serde_json::{json, Value};
+use slat_machine::ram::{format_size, parse_size, Backing};
+use slat_migrate::guest::{self, BackendKind, GuestSpec, LogMode, Memory};
+use slat_migrate::stream::{Compression, Shape, WorkSpec};
+use slat_migrate::{
+    DestConfig, DestReport, Destination, Event, Faults, Guest, MigrationReport, Source,
+    SourceConfig,
+};
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The dirty log the source harvests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogArg {
+    /// GET_DIRTY_LOG clears and re-protects.
+    Get,
+    /// Manual protect with INITIALLY_SET: GET copies, CLEAR re-protects.
+    Clear,
+    /// Per-vCPU dirty rings: collect, then reset.
+    Ring,
+}
+
+impl LogArg {
+    fn mode(self) -> LogMode {
+        match self {
+            LogArg::Get => LogMode::Get,
+            LogArg::Clear => LogMode::Clear,
+            LogArg::Ring => LogMode::Ring,
+        }
+    }
+}
+
+/// Compression of page data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CompressArg {
+    /// Raw pages.
+    None,
+    /// LZ4 blocks where smaller.
+    Lz4,
+}
+
+/// Deliberately broken sources, to watch verification fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BreakArg {
+    /// Skip the harvest after the vCPUs stop (and let the guest run 100 ms past the last
+    /// pre-copy harvest, so there is something only that harvest would have found).
+    SkipFinalHarvest,
+    /// Count pages as delivered when queued, not when acknowledged.
+    SkipMergeBack,
+}
+
+/// The guest on the source and its workload.
+#[derive(Debug, Clone, Args)]
+pub struct GuestArgs {
+    /// Write pseudo-random pages instead of sweeping them in order.
+    #[arg(short = 'a')]
+    pub random: bool,
+    /// Guest memory per vCPU (k/m/g/t suffixes, powers of 1024; a multiple of 4 KiB).
+    #[arg(short = 'b', value_parser = guest_size, default_value = "1G")]
+    pub bytes: u64,
+    /// Overlap: every vCPU works on all of guest memory instead of its own partition.
+    #[arg(short = 'o')]
+    pub overlap: bool,
+    /// Seed of the guest's pseudo-random generator.
+    #[arg(short = 'r', default_value_t = 1)]
+    pub seed: u32,
+    /// Host memory behind guest RAM: anonymous, anonymous_thp, anonymous_hugetlb (2 MiB),
+    /// anonymous_hugetlb_1gb, shmem.
+    #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
+    pub backing: Backing,
+    /// vCPUs.
+    #[arg(short = 'v', value_parser = clap::value_parser!(u32).range(1..=512), default_value_t = 1)]
+    pub vcpus: u32,
+    /// Percentage of the guest's accesses that are writes (0-100).
+    #[arg(short = 'w', value_parser = clap::value_parser!(u32).range(0..=100), default_value_t = 100)]
+    pub write_percent: u32,
+    /// Memslots the guest memory is split into (must divide its pages evenly).
+    #[arg(short = 'x', value_parser = clap::value_parser!(u32).range(1..=32_000), default_value_t = 1)]
+    pub slots: u32,
+    /// Guest writes per second per vCPU while it is migrated (k/m suffixes; 0: as fast as
+    /// it can). Every write stores a new value, so each is a real change.
+    #[arg(long = "dirty-rate", value_parser = count, default_value = "10k")]
+    pub dirty_rate: u64,
+    /// Percent of guest pages filled with pseudo-random data before the run (the rest are
+    /// zero, and travel as zero-page markers until the guest writes them).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=100), default_value_t = 50)]
+    pub fill: u32,
+    /// How the source harvests dirty pages: `get` (GET_DIRTY_LOG clears), `clear` (manual
+    /// protect with INITIALLY_SET: GET copies, CLEAR re-protects) or `ring` (dirty rings).
+    #[arg(long = "log", value_enum, default_value = "clear")]
+    pub log: LogArg,
+    /// Dirty ring entries per vCPU with `--log ring` (a power of two, 128-65536).
+    #[arg(long = "dirty-ring", value_parser = ring_size, default_value = "65536")]
+    pub ring_entries: u32,
+    /// The machine: `sim` (slat's engine under simulated hardware) or `kvm` (/dev/kvm).
+    #[arg(long, value_enum, default_value = "sim")]
+    pub backend: BackendArg,
+    #[command(flatten)]
+    pub machine: MachineArgs,
+}
+
+/// How the source migrates.
+#[derive(Debug, Clone, Args)]
+pub struct MigrationArgs {
+    /// Longest acceptable stop-and-copy transfer in milliseconds: pre-copy ends once the
+    /// remaining dirty pages could be sent in this time at the measured bandwidth.
+    #[arg(long = "max-downtime", value_name = "MS", default_value_t = 300)]
+    pub max_downtime: u64,
+    /// Pre-copy rounds after the full copy before stopping regardless.
+    #[arg(long = "max-rounds", default_value_t = 30)]
+    pub max_rounds: u32,
+    /// Cap on the stream, in MiB per second (default: none).
+    #[arg(long, value_name = "MIB_PER_S")]
+    pub bandwidth: Option<u64>,
+    /// Page compression: none, or lz4 where it makes a page smaller.
+    #[arg(long, value_enum, default_value = "none")]
+    pub compress: CompressArg,
+    /// Throttle the vCPUs (QEMU-style, 20% then +10% steps) when the guest dirties memory
+    /// faster than the link sends it.
+    #[arg(long = "auto-converge", value_enum, default_value = "on")]
+    pub auto_converge: Switch,
+    /// How long the guest runs before migration starts, in milliseconds (its write rate then
+    /// is the baseline the migration is compared with).
+    #[arg(long, value_name = "MS", default_value_t = 500)]
+    pub warmup: u64,
+    /// Seconds without progress from the peer before an attempt fails.
+    #[arg(long, default_value_t = 30)]
+    pub timeout: u64,
+    /// A deliberately broken source (verification must catch it).
+    #[arg(long = "break", value_enum, hide = true)]
+    pub break_: Option<BreakArg>,
+    /// Faults for tests: cut-after=BYTES, corrupt-at=BYTES, version=N (first attempt only).
+    #[arg(long, hide = true, value_parser = inject)]
+    pub inject: Vec<Inject>,
+}
+
+/// An injected fault.
+#[derive(Debug, Clone, Copy)]
+pub enum Inject {
+    /// Cut the connection after this many bytes.
+    CutAfter(u64),
+    /// Flip the byte at this offset.
+    CorruptAt(u64),
+    /// Send this protocol version.
+    Version(u32),
+}
+
+fn inject(s: &str) -> Result<Inject, String> {
+    let (k, v) = s
+        .split_once('=')
+        .ok_or_else(|| format!("`{s}`: expected KEY=VALUE"))?;
+    let n: u64 = v.parse().map_err(|_| format!("`{v}` is not a number"))?;
+    match k {
+        "cut-after" => Ok(Inject::CutAfter(n)),
+        "corrupt-at" => Ok(Inject::CorruptAt(n)),
+        "version" => Ok(Inject::Version(n as u32)),
+        _ => Err(format!("`{k}`: one of cut-after, corrupt-at, version")),
+    }
+}
+
+/// A count with an optional k/m suffix (powers of 1000).
+fn count(s: &str) -> Result<u64, String> {
+    let t = s.trim().to_ascii_lowercase();
+    let (num, mul) = match t.chars().last() {
+        Some('k') => (&t[..t.len() - 1], 1_000),
+        Some('m') => (&t[..t.len() - 1], 1_000_000),
+        _ => (&t[..], 1),
+    };
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mul))
+        .ok_or_else(|| format!("`{s}` is not a count (e.g. 5000, 20k, 1m)"))
+}
+
+/// Flags of `slat migrate`.
+#[derive(Debug, Clone, Args)]
+pub struct MigrateArgs {
+    /// The destination, HOST:PORT (where `slat migrate-listen` runs).
+    #[arg(long)]
+    pub to: String,
+    /// Attempts after a failed one (the guest keeps running on the source meanwhile).
+    #[arg(long, default_value_t = 0)]
+    pub retries: u32,
+    /// Milliseconds between attempts.
+    #[arg(long = "retry-delay", value_name = "MS", default_value_t = 1000)]
+    pub retry_delay: u64,
+    /// Print one JSON document instead of the text report.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub guest: GuestArgs,
+    #[command(flatten)]
+    pub migration: MigrationArgs,
+}
+
+/// Flags of `slat migrate-listen`.
+#[derive(Debug, Clone, Args)]
+pub struct ListenArgs {
+    /// Address to listen on, e.g. 127.0.0.1:7000 (port 0: any free port, printed).
+    #[arg(long)]
+    pub listen: String,
+    /// The machine incoming guests run on.
+    #[arg(long, value_enum, default_value = "sim")]
+    pub backend: BackendArg,
+    /// Host memory behind guest RAM (as for the source).
+    #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
+    pub backing: Backing,
+    /// Milliseconds the guest runs here after the switch-over (0: leave it stopped).
+    #[arg(long = "resume-ms", default_value_t = 200)]
+    pub resume_ms: u64,
+    /// Failed incoming migrations to survive, keeping the guest's memory so the source can
+    /// reconnect and resume.
+    #[arg(long, default_value_t = 0)]
+    pub retries: u32,
+    /// Seconds without data from the source before an attempt fails.
+    #[arg(long, default_value_t = 30)]
+    pub timeout: u64,
+    /// Largest guest accepted (k/m/g suffixes; default: any).
+    #[arg(long = "max-memory", value_parser = parse_mem)]
+    pub max_memory: Option<u64>,
+    /// Print one JSON document instead of the text report.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub machine: MachineArgs,
+}
+
+fn parse_mem(s: &str) -> Result<u64, String> {
+    parse_size(s).map_err(|e| e.to_string())
+}
+
+/// Flags of `slat migrate-perf`.
+#[derive(Debug, Clone, Args)]
+pub struct MigratePerfArgs {
+    /// Milliseconds the guest runs on the destination after the switch-over.
+    #[arg(long = "resume-ms", default_value_t = 200)]
+    pub resume_ms: u64,
+    /// Run once per combination of the listed settings, in this process, and print one
+    /// table (KEY=V1,V2,...; repeatable; keys: log, dirty-rate, fast-pf, backend,
+    /// max-downtime, compress, auto-converge). Seed 002's table:
+    /// `--vary dirty-rate=2k,50k --vary log=get,clear,ring --vary fast-pf=on,off`.
+    #[arg(long = "vary", value_parser = parse_vary, value_name = "KEY=V1,V2")]
+    pub vary: Vec<(VaryKey, Vec<String>)>,
+    /// Print one JSON document instead of the text report.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub guest: GuestArgs,
+    #[command(flatten)]
+    pub migration: MigrationArgs,
+}
+
+/// A setting `--vary` can sweep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VaryKey {
+    /// `--log`.
+    Log,
+    /// `--dirty-rate`.
+    DirtyRate,
+    /// `--fast-pf`.
+    FastPf,
+    /// `--backend`.
+    Backend,
+    /// `--max-downtime`.
+    MaxDowntime,
+    /// `--compress`.
+    Compress,
+    /// `--auto-converge`.
+    AutoConverge,
+}
+
+impl VaryKey {
+    fn name(self) -> &'static str {
+        match self {
+            VaryKey::Log => "log",
+            VaryKey::DirtyRate => "dirty-rate",
+            VaryKey::FastPf => "fast-pf",
+            VaryKey::Backend => "backend",
+            VaryKey::MaxDowntime => "max-downtime",
+            VaryKey::Compress => "compress",
+            VaryKey::AutoConverge => "auto-converge",
+        }
+    }
+}
+
+fn parse_vary(s: &str) -> Result<(VaryKey, Vec<String>), String> {
+    let (k, vs) = s
+        .split_once('=')
+        .ok_or_else(|| format!("`{s}`: expected KEY=V1,V2,..."))?;
+    let key = [
+        VaryKey::Log,
+        VaryKey::DirtyRate,
+        VaryKey::FastPf,
+        VaryKey::Backend,
+        VaryKey::MaxDowntime,
+        VaryKey::Compress,
+        VaryKey::AutoConverge,
+    ]
+    .into_iter()
+    .find(|x| x.name() == k)
+    .ok_or_else(|| {
+        format!("`{k}`: keys are log, dirty-rate, fast-pf, backend, max-downtime, compress, auto-converge")
+    })?;
+    let values: Vec<String> = vs.split(',').map(|v| v.trim().to_string()).collect();
+    if values.iter().any(|v| v.is_empty()) {
+        return Err(format!("`{s}`: an empty value"));
+    }
+    // Check each value now, so a typo fails before any run.
+    let mut probe = MigratePerfArgs::probe()?;
+    for v in &values {
+        apply(&mut probe, key, v)?;
+    }
+    Ok((key, values))
+}
+
+impl MigratePerfArgs {
+    /// Defaults, for checking `--vary` values.
+    fn probe() -> Result<MigratePerfArgs, String> {
+        use clap::{FromArgMatches, Parser};
+        #[derive(Parser)]
+        struct P {
+            #[command(flatten)]
+            a: MigratePerfArgs,
+        }
+        let m = <P as clap::CommandFactory>::command()
+            .no_binary_name(true)
+            .try_get_matches_from(Vec::<String>::new())
+            .map_err(|e| e.to_string())?;
+        P::from_arg_matches(&m)
+            .map(|p| p.a)
+            .map_err(|e| e.to_string())
+    }
+}
+
+fn apply(a: &mut MigratePerfArgs, key: VaryKey, v: &str) -> Result<(), String> {
+    fn choice<T: ValueEnum>(v: &str, what: &str) -> Result<T, String> {
+        T::from_str(v, true).map_err(|_| format!("`{v}` is not a value of {what}"))
+    }
+    match key {
+        VaryKey::Log => a.guest.log = choice(v, "--log")?,
+        VaryKey::DirtyRate => a.guest.dirty_rate = count(v)?,
+        VaryKey::FastPf => a.guest.machine.fast_pf = choice(v, "--fast-pf")?,
+        VaryKey::Backend => a.guest.backend = choice(v, "--backend")?,
+        VaryKey::MaxDowntime => {
+            a.migration.max_downtime = v
+                .parse()
+                .map_err(|_| format!("`{v}` is not a number of milliseconds"))?
+        }
+        VaryKey::Compress => a.migration.compress = choice(v, "--compress")?,
+        VaryKey::AutoConverge => a.migration.auto_converge = choice(v, "--auto-converge")?,
+    }
+    Ok(())
+}
+
+fn kind(b: BackendArg) -> BackendKind {
+    match b {
+        BackendArg::Sim => BackendKind::Sim,
+        BackendArg::Kvm => BackendKind::Kvm,
+    }
+}
+
+impl GuestArgs {
+    fn check(&self) -> Result<(), String> {
+        self.machine
+            .format
+            .check_backends(&[self.backend])
+            .unwrap_or_else(|e| refuse(e));
+        check_backends(&[self.backend], &self.machine.engine_only())?;
+        if self.backend == BackendArg::Kvm && self.write_percent != 100 {
+            return Err(
+                "-w applies to --backend sim only: the kvm guest's writer writes on every access"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+
+    fn shape(&self) -> Shape {
+        Shape {
+            vcpus: self.vcpus,
+            bytes_per_vcpu: self.bytes,
+            slots: self.slots,
+            overlap: self.overlap,
+        }
+    }
+
+    fn spec(&self) -> GuestSpec {
+        GuestSpec {
+            backend: kind(self.backend),
+            shape: self.shape(),
+            backing: self.backing,
+            log: self.log.mode(),
+            ring_entries: self.ring_entries,
+            vm: self.machine.vm_config(),
+            stage2: self.machine.format == FormatArg::Stage2,
+            tlb_entries: self.machine.tlb_entries,
+            pcpus: self.machine.pcpus.unwrap_or(0),
+            prefault: !self.machine.no_prefault,
+        }
+    }
+
+    fn work(&self) -> WorkSpec {
+        WorkSpec {
+            write_percent: self.write_percent,
+            random: self.random,
+            seed: self.seed,
+            rate: self.dirty_rate,
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{}, {} vCPU(s), {} guest memory, log {}, dirty rate {}, {}% filled",
+            self.backend.name(),
+            self.vcpus,
+            format_size(self.bytes * self.vcpus as u64),
+            self.log.mode().name(),
+            if self.dirty_rate == 0 {
+                "unlimited".to_string()
+            } else {
+                format!("{} writes/s per vCPU", self.dirty_rate)
+            },
+            self.fill
+        )
+    }
+}
+
+impl MigrationArgs {
+    fn config(&self) -> SourceConfig {
+        let mut faults = Faults::default();
+        match self.break_ {
+            Some(BreakArg::SkipFinalHarvest) => {
+                faults.skip_final_harvest = true;
+                faults.pause_delay = Some(Duration::from_millis(100));
+            }
+            Some(BreakArg::SkipMergeBack) => faults.skip_merge_back = true,
+            None => {}
+        }
+        for i in &self.inject {
+            match *i {
+                Inject::CutAfter(n) => faults.cut_after = Some(n),
+                Inject::CorruptAt(n) => faults.corrupt_at = Some(n),
+                Inject::Version(v) => faults.version = Some(v),
+            }
+        }
+        SourceConfig {
+            max_downtime: Duration::from_millis(self.max_downtime),
+            max_rounds: self.max_rounds,
+            bandwidth: self.bandwidth.unwrap_or(0) << 20,
+            compression: match self.compress {
+                CompressArg::None => Compression::None,
+                CompressArg::Lz4 => Compression::Lz4,
+            },
+            auto_converge: self.auto_converge.on(),
+            timeout: Duration::from_secs(self.timeout.max(1)),
+            faults,
+            ..SourceConfig::default()
+        }
+    }
+}
+
+/// Builds, populates and fills the source guest; starts its workload and lets it warm up.
+/// Returns the guest, the source, and the guest's write rate during the warm-up (per second).
+fn prepare_source(
+    g: &GuestArgs,
+    m: &MigrationArgs,
+    q: bool,
+) -> Result<(Arc<dyn Guest>, Source, f64), String> {
+    g.check()?;
+    let total = g.bytes * g.vcpus as u64;
+    progress(
+        q,
+        &format!(
+            "source: mapping {} of {} guest RAM on {}, populating and filling {}%",
+            format_size(total),
+            g.backing,
+            g.backend.name(),
+            g.fill
+        ),
+    );
+    let guest = guest::build(&g.spec()).map_err(|e| e.to_string())?;
+    guest.populate().map_err(|e| e.to_string())?;
+    Memory::new(&*guest)
+        .stopped_fill(g.fill, g.seed as u64)
+        .map_err(|e| e.to_string())?;
+    let src = Source::new(guest.clone(), g.work(), m.config());
+    src.start_guest().map_err(|e| e.to_string())?;
+    let w0 = guest.writes();
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_millis(m.warmup));
+    let baseline = (guest.writes() - w0) as f64 / t0.elapsed().as_secs_f64().max(1e-9);
+    Ok((guest, src, baseline))
+}
+
+fn progress(q: bool, s: &str) {
+    if !q {
+        eprintln!("[slat] {s}");
+    }
+}
+
+/// Progress lines for the source's events.
+fn on_event(q: bool) -> impl FnMut(Event<'_>) {
+    move |e| {
+        if q {
+            return;
+        }
+        match e {
+            Event::Connected { resume, backend } => eprintln!(
+                "[slat] connected to a {backend} destination{}",
+                if resume {
+                    " that kept this guest's memory: resuming"
+                } else {
+                    ""
+                }
+            ),
+            Event::Round(r) => eprintln!(
+                "[slat] {} {}: {} pages ({} zero), {} in {:.3}s ({:.0} MiB/s), throttle {}%",
+                if r.stop_and_copy {
+                    "stop-and-copy"
+                } else {
+                    "round"
+                },
+                r.round,
+                r.pages,
+                r.zero_pages,
+                format_size(r.bytes),
+                r.time.as_secs_f64(),
+                r.bandwidth() / (1 << 20) as f64,
+                r.throttle
+            ),
+            Event::Throttle(t) => eprintln!("[slat] auto-converge: throttle {t}%"),
+            Event::Paused(n) => eprintln!("[slat] vCPUs paused; {n} pages to send"),
+        }
+    }
+}
+
+/// `slat migrate`.
+pub fn run_migrate(a: &MigrateArgs) -> Result<(), String> {
+    let q = quiet(a.json);
+    let (guest, mut src, baseline) = prepare_source(&a.guest, &a.migration, q)?;
+    let mut failures = Vec::new();
+    loop {
+        progress(
+            q,
+            &format!("migrating to {} (attempt {})", a.to, src.attempts() + 1),
+        );
+        match src.migrate(&a.to, &mut on_event(q)) {
+            Ok(r) => {
+                let doc = report_json(&a.guest, &a.migration, &r, baseline, &failures);
+                if a.json {
+                    println!("{doc:#}");
+                } else {
+                    print_report(&a.guest, &a.migration, &r, baseline);
+                }
+                return Ok(());
+            }
+            Err(e) => {
+                failures.push(e.to_string());
+                // Inject faults into the first attempt only: a retry shows the recovery.
+                src.config_mut().faults = Faults {
+                    skip_final_harvest: src.config_mut().faults.skip_final_harvest,
+                    skip_merge_back: src.config_mut().faults.skip_merge_back,
+                    ..Faults::default()
+                };
+                if failures.len() as u32 > a.retries {
+                    return Err(format!(
+                        "migration to {} failed{}: {e}; the guest keeps running on the source ({} writes so far, {} pages still owed)",
+                        a.to,
+                        if failures.len() > 1 { format!(" after {} attempts", failures.len()) } else { String::new() },
+                        guest.writes(),
+                        src.owed()
+                    ));
+                }
+                progress(
+                    q,
+                    &format!(
+                        "attempt {} failed: {e}; the guest keeps running here; retrying in {} ms",
+                        failures.len(),
+                        a.retry_delay
+                    ),
+                );
+                std::thread::sleep(Duration::from_millis(a.retry_delay));
+            }
+        }
+    }
+}
+
+/// `slat migrate-listen`.
+pub fn run_listen(a: &ListenArgs) -> Result<(), String> {
+    a.machine
+        .format
+        .check_backends(&[a.backend])
+        .unwrap_or_else(|e| refuse(e));
+    check_backends(&[a.backend], &a.machine.engine_only())?;
+    let q = quiet(a.json);
+    let listener =
+        TcpListener::bind(&a.listen).map_err(|e| format!("cannot listen on {}: {e}", a.listen))?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| format!("cannot listen on {}: {e}", a.listen))?;
+    progress(
+        q,
+        &format!(
+            "listening on {local} for a migration ({} machine)",
+            a.backend.name()
+        ),
+    );
+    let stage2 = a.machine.format == FormatArg::Stage2;
+    let (backend, backing, vm, tlb, pcpus, prefault) = (
+        kind(a.backend),
+        a.backing,
+        a.machine.vm_config(),
+        a.machine.tlb_entries,
+        a.machine.pcpus.unwrap_or(0),
+        !a.machine.no_prefault,
+    );
+    let factory: slat_migrate::Factory = Box::new(move |s: &Shape| {
+        guest::build(&GuestSpec {
+            backend,
+            shape: *s,
+            backing,
+            log: LogMode::Get,
+            ring_entries: 65536,
+            vm,
+            stage2,
+            tlb_entries: tlb,
+            pcpus,
+            prefault,
+        })
+    });
+    let cfg = DestConfig {
+        resume_for: Duration::from_millis(a.resume_ms),
+        timeout: Duration::from_secs(a.timeout.max(1)),
+        max_memory: a.max_memory.unwrap_or(0),
+    };
+    let mut dest = Destination::new(factory, cfg);
+    let mut failures = 0;
+    loop {
+        let (s, peer) = listener
+            .accept()
+            .map_err(|e| format!("accepting on {local}: {e}"))?;
+        progress(q, &format!("incoming migration from {peer}"));
+        match dest.serve(s) {
+            Ok(r) => {
+                if a.json {
+                    println!("{:#}", dest_json(&r));
+                } else {
+                    print_dest(&r);
+                }
+                return Ok(());
+            }
+            Err(e) => {
+                failures += 1;
+                if failures > a.retries {
+                    return Err(format!("incoming migration from {peer} failed: {e}"));
+                }
+                progress(q, &format!(
+                    "incoming migration from {peer} failed: {e}; {} waiting for the source to retry ({failures} of {})",
+                    if dest.holds_session() { "keeping the guest's memory and" } else { "" },
+                    a.retries
+                ));
+            }
+        }
+    }
+}
+
+/// One migration between two machines of this process over loopback.
+fn perf_once(a: &MigratePerfArgs) -> Result<(MigrationReport, DestReport, f64), String> {
+    let q = quiet(a.json);
+    let (_guest, mut src, baseline) = prepare_source(&a.guest, &a.migration, q)?;
+    progress(q, "destination: mapping the same guest memory");
+    let dspec = GuestSpec {
+        log: LogMode::Get,
+        ..a.guest.spec()
+    };
+    let dguest = guest::build(&dspec).map_err(|e| e.to_string())?;
+    let listener =
+        TcpListener::bind("127.0.0.1:0").map_err(|e| format!("cannot listen on loopback: {e}"))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| format!("cannot listen on loopback: {e}"))?
+        .to_string();
+    let cfg = DestConfig {
+        resume_for: Duration::from_millis(a.resume_ms),
+        timeout: Duration::from_secs(a.migration.timeout.max(1)),
+        max_memory: 0,
+    };
+    let dest = std::thread::spawn(move || Destination::with_guest(dguest, cfg).accept(&listener));
+    let r = src.migrate(&addr, &mut on_event(q));
+    let d = dest
+        .join()
+        .map_err(|_| "the destination thread panicked".to_string())?;
+    match (r, d) {
+        (Ok(r), Ok(d)) => Ok((r, d, baseline)),
+        (Err(e), Err(de)) => Err(format!("{e} (destination: {de})")),
+        (Err(e), Ok(_)) => Err(e.to_string()),
+        (Ok(_), Err(de)) => Err(format!("destination: {de}")),
+    }
+}
+
+/// `slat migrate-perf`.
+pub fn run_perf(a: &MigratePerfArgs) -> Result<(), String> {
+    if !a.vary.is_empty() {
+        return sweep(a);
+    }
+    let (r, d, baseline) = perf_once(a)?;
+    if a.json {
+        let mut doc = report_json(&a.guest, &a.migration, &r, baseline, &[]);
+        doc["benchmark"] = json!("migrate-perf");
+        doc["destination"] = dest_json(&d);
+        println!("{doc:#}");
+    } else {
+        print_report(&a.guest, &a.migration, &r, baseline);
+    }
+    Ok(())
+}
+
+fn sweep(a: &MigratePerfArgs) -> Result<(), String> {
+    let mut keys = Vec::new();
+    for (k, _) in &a.vary {
+        if keys.contains(k) {
+            return Err(format!("--vary lists `{}` twice", k.name()));
+        }
+        keys.push(*k);
+    }
+    // Every combination, the first key outermost.
+    let mut combos: Vec<Vec<(VaryKey, String)>> = vec![vec![]];
+    for (k, vs) in &a.vary {
+        combos = combos
+            .into_iter()
+            .flat_map(|c| {
+                vs.iter().map(move |v| {
+                    let mut c = c.clone();
+                    c.push((*k, v.clone()));
+                    c
+                })
+            })
+            .collect();
+    }
+    let q = quiet(a.json);
+    let mut rows = Vec::new();
+    let mut docs = Vec::new();
+    for (n, combo) in combos.iter().enumerate() {
+        let mut b = a.clone();
+        b.vary.clear();
+        b.json = true;
+        for (k, v) in combo {
+            apply(&mut b, *k, v)?;
+        }
+        let label: Vec<String> = combo
+            .iter()
+            .map(|(k, v)| format!("{}={v}", k.name()))
+            .collect();
+        progress(
+            q,
+            &format!("sweep {}/{}: {}", n + 1, combos.len(), label.join(" ")),
+        );
+        let mut row: Vec<String> = combo.iter().map(|(_, v)| v.clone()).collect();
+        match perf_once(&b) {
+            Ok((r, d, baseline)) => {
+                let rounds: Vec<String> = r.rounds.iter().map(|x| x.pages.to_string()).collect();
+                row.extend([
+                    format!("{:.3}", r.total.as_secs_f64()),
+                    format!("{:.1}", r.downtime.as_secs_f64() * 1e3),
+                    format!(
+                        "{:.1}",
+                        (r.final_harvest + r.final_send).as_secs_f64() * 1e3
+                    ),
+                    format!("{}", r.rounds.len()),
+                    rounds.join("/"),
+                    format!("{:.0}", r.dirty_rate()),
+                    format!("{:.0}", r.bandwidth() / (1 << 20) as f64),
+                    format!("{}%", r.throttle_max),
+                    format!("{:.0}/{:.0}", baseline, r.write_rate()),
+                    "ok".to_string(),
+                ]);
+                let mut doc = report_json(&b.guest, &b.migration, &r, baseline, &[]);
+                doc["destination"] = dest_json(&d);
+                docs.push(json!({ "settings": label, "result": doc }));
+            }
+            Err(e) => {
+                progress(q, &format!("sweep {}/{} failed: {e}", n + 1, combos.len()));
+                row.extend(std::iter::repeat_n("-".to_string(), 9));
+                row.push("FAILED".into());
+                docs.push(json!({ "settings": label, "error": e }));
+            }
+        }
+        rows.push(row);
+    }
+    if a.json {
+        println!(
+            "{:#}",
+            json!({ "benchmark": "migrate-perf", "sweep": docs })
+        );
+        return Ok(());
+    }
+    let varied: Vec<&str> = keys.iter().map(|k| k.name()).collect();
+    println!(
+        "migrate-perf sweep: {} vCPU(s), {} guest memory, {}% filled; base settings {}, max downtime {} ms; varied: {}; one run per row, all in this process",
+        a.guest.vcpus,
+        format_size(a.guest.bytes * a.guest.vcpus as u64),
+        a.guest.fill,
+        a.guest.describe(),
+        a.migration.max_downtime,
+        varied.join(", ")
+    );
+    let mut head: Vec<String> = keys.iter().map(|k| k.name().to_string()).collect();
+    head.extend(
+        [
+            "total (s)",
+            "downtime (ms)",
+            "of which copy (ms)",
+            "rounds",
+            "pages per round",
+            "dirty pages/s",
+            "MiB/s",
+            "throttle",
+            "guest writes/s before/during",
+            "verified",
+        ]
+        .map(String::from),
+    );
+    crate::sweep::print_table(&head, &rows);
+    if rows.iter().any(|r| r.last().is_some_and(|v| v == "FAILED")) {
+        return Err("some runs failed (see above)".into());
+    }
+    Ok(())
+}
+
+fn print_report(g: &GuestArgs, m: &MigrationArgs, r: &MigrationReport, baseline: f64) {
+    println!("Guest: {}", g.describe());
+    println!(
+        "Migration: attempt {}{}, to a {} destination; max downtime {} ms{}{}",
+        r.attempt,
+        if r.resumed {
+            " (resumed the destination's kept memory)"
+        } else {
+            ""
+        },
+        r.dest_backend,
+        m.max_downtime,
+        m.bandwidth
+            .map(|b| format!(", bandwidth cap {b} MiB/s"))
+            .unwrap_or_default(),
+        if m.compress == CompressArg::Lz4 {
+            ", lz4"
+        } else {
+            ""
+        },
+    );
+    for x in &r.rounds {
+        println!(
+            "{} {}: {} pages ({} zero), {} in {} ({:.0} MiB/s); dirtied meanwhile: {}{}",
+            if x.stop_and_copy {
+                "Stop-and-copy round"
+            } else {
+                "Round"
+            },
+            x.round,
+            x.pages,
+            x.zero_pages,
+            format_size(x.bytes),
+            ts(x.time),
+            x.bandwidth() / (1 << 20) as f64,
+            if x.stop_and_copy {
+                "-".to_string()
+            } else {
+                x.dirtied.to_string()
+            },
+            if x.throttle != 0 {
+                format!(", throttle {}%", x.throttle)
+            } else {
+                String::new()
+            },
+        );
+    }
+    println!("Total migration time: {}", ts(r.total));
+    println!(
+        "Downtime: {} (vCPUs paused to verified switch-over: final harvest {}, final pages {}, verification {})",
+        ts(r.downtime),
+        ts(r.final_harvest),
+        ts(r.final_send),
+        ts(r.verify)
+    );
+    println!(
+        "Rounds: {} ({}; expected stop-and-copy transfer {})",
+        r.rounds.len(),
+        if r.converged {
+            "converged"
+        } else {
+            "did not converge: stopped at --max-rounds"
+        },
+        ts(r.expected_final)
+    );
+    println!(
+        "Dirty rate: {:.0} pages/s harvested during pre-copy; guest writes {:.0}/s before migration, {:.0}/s during pre-copy",
+        r.dirty_rate(),
+        baseline,
+        r.write_rate()
+    );
+    println!(
+        "Bandwidth: {:.0} MiB/s average ({} pages, {} sent)",
+        r.bandwidth() / (1 << 20) as f64,
+        r.pages(),
+        format_size(r.bytes())
+    );
+    if r.throttle_max == 0 {
+        println!("Throttling: none");
+    } else {
+        let steps: Vec<String> = r
+            .throttle_changes
+            .iter()
+            .map(|(round, t)| format!("{t}% after round {round}"))
+            .collect();
+        println!(
+            "Throttling: up to {}% ({}); vCPUs kept out of the guest {:.3}s in total",
+            r.throttle_max,
+            steps.join(", "),
+            r.throttled.as_secs_f64()
+        );
+    }
+    println!(
+        "Verification: OK, {} ranges of {} pages ({}) match the source",
+        r.verify_ranges,
+        r.range_pages,
+        format_size(r.verify_ranges * r.range_pages as u64 * 4096)
+    );
+    match r.dest_resumed {
+        Some((n, d)) => println!(
+            "Destination resumed the guest: {n} pages touched in {}",
+            ts(d)
+        ),
+        None => println!("Destination resumed the guest: not reported"),
+    }
+}
+
+fn report_json(
+    g: &GuestArgs,
+    m: &MigrationArgs,
+    r: &MigrationReport,
+    baseline: f64,
+    failures: &[String],
+) -> Value {
+    json!({
+        "benchmark": "migrate",
+        "config": {
+            "backend": g.backend.name(), "vcpus": g.vcpus, "bytes_per_vcpu": g.bytes,
+            "backing": g.backing.name(), "slots": g.slots, "overlap": g.overlap,
+            "random": g.random, "write_percent": g.write_percent, "seed": g.seed,
+            "dirty_rate_per_vcpu": g.dirty_rate, "fill_percent": g.fill,
+            "log": g.log.mode().name(), "fast_pf": g.machine.fast_pf.on(),
+            "max_downtime_ms": m.max_downtime, "max_rounds": m.max_rounds,
+            "bandwidth_mib_per_s": m.bandwidth, "compress": m.compress == CompressArg::Lz4,
+            "auto_converge": m.auto_converge.on(),
+        },
+        "failed_attempts": failures,
+        "attempt": r.attempt,
+        "resumed": r.resumed,
+        "destination_backend": r.dest_backend,
+        "setup_s": r.setup.as_secs_f64(),
+        "total_s": r.total.as_secs_f64(),
+        "downtime_s": r.downtime.as_secs_f64(),
+        "final_harvest_s": r.final_harvest.as_secs_f64(),
+        "final_send_s": r.final_send.as_secs_f64(),
+        "verify_s": r.verify.as_secs_f64(),
+        "converged": r.converged,
+        "expected_final_transfer_s": r.expected_final.as_secs_f64(),
+        "rounds": r.rounds.iter().map(|x| json!({
+            "round": x.round, "pages": x.pages, "zero_pages": x.zero_pages, "bytes": x.bytes,
+            "time_s": x.time.as_secs_f64(), "dirtied": x.dirtied, "throttle_percent": x.throttle,
+            "stop_and_copy": x.stop_and_copy,
+        })).collect::<Vec<_>>(),
+        "pages": r.pages(),
+        "bytes": r.bytes(),
+        "bandwidth_bytes_per_s": r.bandwidth(),
+        "dirty_pages_per_s": r.dirty_rate(),
+        "guest_writes_per_s_before": baseline,
+        "guest_writes_per_s_during": r.write_rate(),
+        "throttle": {
+            "max_percent": r.throttle_max,
+            "changes": r.throttle_changes.iter().map(|(round, t)| json!({"after_round": round, "percent": t})).collect::<Vec<_>>(),
+            "vcpu_time_s": r.throttled.as_secs_f64(),
+        },
+        "verification": { "ok": true, "ranges": r.verify_ranges, "range_pages": r.range_pages },
+        "destination_resumed": r.dest_resumed.map(|(n, d)| json!({"pages_touched": n, "time_s": d.as_secs_f64()})),
+    })
+}
+
+fn print_dest(r: &DestReport) {
+    let size = r
+        .shape
+        .map(|s| format_size(s.total_pages() * 4096))
+        .unwrap_or_default();
+    println!(
+        "Incoming migration: {size} guest from a {} source (attempt {}{}), onto {}",
+        r.source_backend,
+        r.attempt,
+        if r.resumed { ", resumed" } else { "" },
+        r.backend
+    );
+    println!(
+        "Received: {} pages ({} zero) in {} rounds, {} of stream, in {}",
+        r.pages,
+        r.zero_pages,
+        r.rounds,
+        format_size(r.bytes),
+        ts(r.total)
+    );
+    println!(
+        "Verification: OK, {} ranges of {} pages match the source (hashing here took {})",
+        r.verify.ranges,
+        r.verify.range_pages,
+        ts(r.verify_time)
+    );
+    println!(
+        "Guest resumed here: {} pages touched in {}",
+        r.run.0,
+        ts(r.run.1)
+    );
+}
+
+fn dest_json(r: &DestReport) -> Value {
+    json!({
+        "session": r.session, "attempt": r.attempt, "resumed": r.resumed,
+        "source_backend": r.source_backend, "backend": r.backend,
+        "pages": r.pages, "zero_pages": r.zero_pages, "bytes": r.bytes, "rounds": r.rounds,
+        "setup_s": r.setup.as_secs_f64(), "total_s": r.total.as_secs_f64(),
+        "verification": { "ok": r.verify.ok(), "ranges": r.verify.ranges, "range_pages": r.verify.range_pages, "mismatched": r.verify.mismatched },
+        "verify_time_s": r.verify_time.as_secs_f64(),
+        "run": { "pages_touched": r.run.0, "time_s": r.run.1.as_secs_f64() },
+    })
+}

@@ -1,0 +1,213 @@
+//! `slat migrate`, `migrate-listen` and `migrate-perf` through the binary, with small guests:
+//! reports, JSON, one-line failures and exit codes, a cut connection resumed across
+//! processes, a broken source caught by verification.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+
+fn slat(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_slat"))
+        .args(args)
+        .output()
+        .expect("run slat");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Lines of stderr that are not progress lines.
+fn errors(err: &str) -> Vec<&str> {
+    err.lines().filter(|l| !l.starts_with("[slat]")).collect()
+}
+
+/// Starts `slat migrate-listen` on a free port; returns the child and its address.
+fn listen(extra: &[&str]) -> (Child, String, BufReader<std::process::ChildStderr>) {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_slat"))
+        .args([
+            "migrate-listen",
+            "--listen",
+            "127.0.0.1:0",
+            "--resume-ms",
+            "20",
+        ])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run slat migrate-listen");
+    let mut err = BufReader::new(c.stderr.take().expect("stderr"));
+    let mut line = String::new();
+    err.read_line(&mut line).expect("first line");
+    let addr = line
+        .split_whitespace()
+        .find(|w| w.starts_with("127.0.0.1:"))
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_string();
+    (c, addr, err)
+}
+
+fn finish(mut c: Child, mut err: BufReader<std::process::ChildStderr>) -> (i32, String, String) {
+    let mut rest = String::new();
+    let _ = std::io::Read::read_to_string(&mut err, &mut rest);
+    let code = c.wait().expect("wait").code().unwrap_or(-1);
+    let mut out = String::new();
+    if let Some(mut o) = c.stdout.take() {
+        let _ = std::io::Read::read_to_string(&mut o, &mut out);
+    }
+    (code, out, rest)
+}
+
+const SMALL: [&str; 6] = ["-v", "2", "-b", "8M", "--warmup", "30"];
+
+#[test]
+fn migrate_perf_reports_every_figure() {
+    let mut args = vec!["migrate-perf", "--resume-ms", "20", "--log", "ring"];
+    args.extend(SMALL);
+    let (code, out, err) = slat(&args);
+    assert_eq!(code, 0, "{out}\n{err}");
+    for line in [
+        "Total migration time:",
+        "Downtime:",
+        "Rounds:",
+        "Round 0: 4096 pages",
+        "Dirty rate:",
+        "Bandwidth:",
+        "Throttling:",
+        "Verification: OK, 64 ranges",
+        "Destination resumed the guest:",
+    ] {
+        assert!(out.contains(line), "{line}\n{out}");
+    }
+    let mut args = vec!["migrate-perf", "--json", "--compress", "lz4"];
+    args.extend(SMALL);
+    let (code, out, err) = slat(&args);
+    assert_eq!(code, 0, "{err}");
+    let doc: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(doc["verification"]["ok"], true);
+    assert_eq!(doc["destination"]["verification"]["ok"], true);
+    assert!(doc["downtime_s"].as_f64().unwrap() > 0.0);
+    assert!(doc["rounds"][0]["pages"].as_u64() == Some(4096));
+}
+
+#[test]
+fn migrate_perf_vary_prints_one_table() {
+    let mut args = vec![
+        "migrate-perf",
+        "--resume-ms",
+        "0",
+        "--vary",
+        "log=get,clear",
+        "--vary",
+        "fast-pf=on,off",
+    ];
+    args.extend(SMALL);
+    let (code, out, err) = slat(&args);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("downtime (ms)"), "{out}");
+    assert_eq!(out.matches(" ok").count(), 4, "{out}");
+}
+
+#[test]
+fn bad_flags_exit_2_with_one_line() {
+    for args in [
+        vec!["migrate", "--to", "127.0.0.1:1", "-b", "12Q"],
+        vec!["migrate", "--to", "127.0.0.1:1", "--log", "sometimes"],
+        vec!["migrate-perf", "--vary", "log=foo"],
+        vec!["migrate-perf", "--dirty-rate", "fast"],
+    ] {
+        let (code, out, err) = slat(&args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(out.is_empty());
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn unreachable_destination_fails_with_one_line_and_the_guest_running() {
+    let mut args = vec!["migrate", "--to", "127.0.0.1:1"];
+    args.extend(SMALL);
+    let (code, _, err) = slat(&args);
+    assert_eq!(code, 1, "{err}");
+    let e = errors(&err);
+    assert_eq!(e.len(), 1, "{err}");
+    assert!(
+        e[0].contains("cannot connect") && e[0].contains("keeps running on the source"),
+        "{err}"
+    );
+}
+
+#[test]
+fn wrong_version_fails_both_ends_with_one_line() {
+    let (dest, addr, derr) = listen(&[]);
+    let mut args = vec!["migrate", "--to", &addr, "--inject", "version=9"];
+    args.extend(SMALL);
+    let (code, _, err) = slat(&args);
+    assert_eq!(code, 1, "{err}");
+    assert_eq!(errors(&err).len(), 1, "{err}");
+    assert!(err.contains("version 9"), "{err}");
+    let (dcode, dout, derr) = finish(dest, derr);
+    assert_eq!(dcode, 1, "{derr}");
+    assert!(dout.is_empty(), "no partial success: {dout}");
+    let e = errors(&derr);
+    assert_eq!(e.len(), 1, "{derr}");
+    assert!(e[0].contains("stream version 9 is not supported"), "{derr}");
+}
+
+#[test]
+fn a_cut_connection_is_resumed_across_processes() {
+    let (dest, addr, derr) = listen(&["--retries", "1"]);
+    let mut args = vec![
+        "migrate",
+        "--to",
+        &addr,
+        "--inject",
+        "cut-after=1000000",
+        "--retries",
+        "1",
+        "--retry-delay",
+        "100",
+    ];
+    args.extend(SMALL);
+    let (code, out, err) = slat(&args);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(err.contains("attempt 1 failed"), "{err}");
+    assert!(out.contains("attempt 2 (resumed"), "{out}");
+    assert!(out.contains("Verification: OK"), "{out}");
+    let (dcode, dout, derr) = finish(dest, derr);
+    assert_eq!(dcode, 0, "{derr}");
+    assert!(dout.contains("resumed"), "{dout}");
+    assert!(dout.contains("Verification: OK"), "{dout}");
+}
+
+#[test]
+fn a_broken_source_is_caught_by_verification() {
+    let mut args = vec!["migrate-perf", "--break", "skip-final-harvest"];
+    args.extend(SMALL);
+    let (code, out, err) = slat(&args);
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(!out.contains("Verification: OK"), "{out}");
+    let e = errors(&err);
+    assert_eq!(e.len(), 1, "{err}");
+    assert!(e[0].contains("verification failed"), "{err}");
+}
+
+#[test]
+fn migrate_perf_on_kvm() {
+    if std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .is_err()
+    {
+        eprintln!("skipping: /dev/kvm cannot be opened on this host");
+        return;
+    }
+    let mut args = vec!["migrate-perf", "--backend", "kvm", "--resume-ms", "20"];
+    args.extend(SMALL);
+    let (code, out, err) = slat(&args);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("Verification: OK"), "{out}");
+    assert!(out.contains("to a kvm destination"), "{out}");
+}

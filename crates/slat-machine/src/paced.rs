@@ -1,0 +1,273 @@
+//! A memstress guest whose dirty rate the host controls while it runs: live migration's
+//! workload.
+//!
+//! Each vCPU runs memstress passes back to back over its region (sequential or pseudo-random
+//! pages, `write_percent` of the accesses writes) until halted, with two host controls read
+//! at run time through a shared [`Pacer`]:
+//!
+//! - a **rate limit** on writes per second per vCPU (a token bucket), so a migration can be
+//!   measured at a light or a heavy dirty rate;
+//! - a **throttle**, the fraction of each 10 ms slice the vCPU spends outside guest mode,
+//!   as QEMU's auto-converge puts vCPU threads to sleep when the guest dirties memory faster
+//!   than the link sends it.
+//!
+//! Unlike memstress, every write stores a value never written before (the vCPU index in the
+//! top byte and a per-vCPU counter below), so a page written twice changes twice: a migration
+//! that loses a write leaves a page that differs from the source, and verification sees it.
+//!
+//! Waiting happens outside guest mode, with the physical-CPU token given back: a vCPU asleep
+//! in guest mode would stall every remote flush (a harvest's among them) for its nap.
+
+use crate::cpu::{Cpu, Exit};
+use crate::memstress::{ParkMiller, PassParams};
+use slat::format::{PteFormat, PAGE_SIZE};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Accesses between looks at the clock, the halt flag and the pacer.
+const CHECK_EVERY: u64 = 64;
+/// The throttle's time slice (QEMU's CPU throttle uses 10 ms too).
+const SLICE: Duration = Duration::from_millis(10);
+/// Longest single nap: a halt is noticed within this much.
+const MAX_NAP: Duration = Duration::from_millis(2);
+/// Highest throttle accepted: a vCPU that never runs would never finish a pass.
+pub const MAX_THROTTLE_PERCENT: u32 = 99;
+
+/// Host controls of a running [`Workload::Paced`](crate::Workload::Paced), and what the
+/// vCPUs report back through it.
+#[derive(Debug, Default)]
+pub struct Pacer {
+    /// Writes per second per vCPU (0: unlimited).
+    rate: AtomicU64,
+    /// Percent of each slice spent outside guest mode (0: none).
+    throttle: AtomicU32,
+    /// Nanoseconds the vCPUs spent asleep because of the throttle, summed over vCPUs.
+    throttled_ns: AtomicU64,
+    /// Nanoseconds the vCPUs spent asleep because of the rate limit, summed over vCPUs.
+    paced_ns: AtomicU64,
+    /// Writes completed, summed over vCPUs (updated every [`CHECK_EVERY`] accesses).
+    writes: AtomicU64,
+}
+
+impl Pacer {
+    /// A pacer limiting each vCPU to `rate` writes per second (0: unlimited), unthrottled.
+    pub fn new(rate: u64) -> Arc<Pacer> {
+        let p = Pacer::default();
+        p.rate.store(rate, Ordering::Relaxed);
+        Arc::new(p)
+    }
+    /// Sets the per-vCPU write rate limit (0: unlimited); running vCPUs follow it at once.
+    pub fn set_rate(&self, rate: u64) {
+        self.rate.store(rate, Ordering::Relaxed);
+    }
+    /// The per-vCPU write rate limit.
+    pub fn rate(&self) -> u64 {
+        self.rate.load(Ordering::Relaxed)
+    }
+    /// Sets the throttle, clamped to [`MAX_THROTTLE_PERCENT`].
+    pub fn set_throttle(&self, percent: u32) {
+        self.throttle
+            .store(percent.min(MAX_THROTTLE_PERCENT), Ordering::Relaxed);
+    }
+    /// The throttle in percent.
+    pub fn throttle(&self) -> u32 {
+        self.throttle.load(Ordering::Relaxed)
+    }
+    /// Time the vCPUs spent asleep because of the throttle (summed over vCPUs).
+    pub fn throttled(&self) -> Duration {
+        Duration::from_nanos(self.throttled_ns.load(Ordering::Relaxed))
+    }
+    /// Time the vCPUs spent waiting for the rate limit (summed over vCPUs).
+    pub fn paced(&self) -> Duration {
+        Duration::from_nanos(self.paced_ns.load(Ordering::Relaxed))
+    }
+    /// Writes so far, summed over vCPUs (a little behind while the vCPUs run).
+    pub fn writes(&self) -> u64 {
+        self.writes.load(Ordering::Relaxed)
+    }
+}
+
+/// Parameters of a paced run.
+#[derive(Debug, Clone)]
+pub struct PacedParams {
+    /// Page order, write percentage and seed of each pass (a random order draws a new
+    /// sequence every pass, so passes do not repeat).
+    pub pass: PassParams,
+    /// Host controls.
+    pub pacer: Arc<Pacer>,
+}
+
+/// Runs the paced workload of vCPU `idx` over `pages` pages at `gpa` until `halt` is set.
+/// Returns (pages touched, full passes).
+pub(crate) fn run<F: PteFormat>(
+    cpu: &mut Cpu<F>,
+    params: &PacedParams,
+    gpa: u64,
+    pages: u64,
+    idx: u32,
+    halt: &AtomicBool,
+) -> Result<(u64, u64), Exit> {
+    let pacer = &*params.pacer;
+    let p = params.pass;
+    let mut value = (idx as u64) << 56;
+    let (mut touched, mut passes, mut unreported) = (0u64, 0u64, 0u64);
+    let mut bucket = Bucket::new(Instant::now());
+    let mut slice_start = Instant::now();
+    for pass in 0u32.. {
+        // A new sequence per pass for random order; the first pass is memstress's own.
+        let mut rng = ParkMiller::new(
+            p.seed
+                .wrapping_add(idx)
+                .wrapping_add(pass.wrapping_mul(0x9e37_79b9)),
+        );
+        for i in 0..pages {
+            if touched % CHECK_EVERY == 0 {
+                if halt.load(Ordering::Relaxed) {
+                    pacer.writes.fetch_add(unreported, Ordering::Relaxed);
+                    return Ok((touched, passes));
+                }
+                pacer.writes.fetch_add(unreported, Ordering::Relaxed);
+                unreported = 0;
+                let now = Instant::now();
+                // Throttle: after running (100 - t)% of a slice, sleep t% of it.
+                let t = pacer.throttle.load(Ordering::Relaxed);
+                if t != 0 && now.duration_since(slice_start) >= SLICE * (100 - t) / 100 {
+                    let nap = SLICE * t / 100;
+                    nap_outside_guest(cpu, nap, halt);
+                    pacer
+                        .throttled_ns
+                        .fetch_add(nap.as_nanos() as u64, Ordering::Relaxed);
+                    slice_start = Instant::now();
+                    // A throttled vCPU is a slower vCPU: the nap earns no writes, so the
+                    // throttle cuts a rate-limited guest's rate by the same share.
+                    bucket.last = slice_start;
+                } else if t == 0 {
+                    slice_start = now;
+                }
+                // Rate limit: wait until the bucket holds a token for the next write.
+                let rate = pacer.rate.load(Ordering::Relaxed);
+                while let Some(wait) = bucket.wait(rate, Instant::now()) {
+                    if halt.load(Ordering::Relaxed) {
+                        return Ok((touched, passes));
+                    }
+                    let nap = wait.min(MAX_NAP);
+                    let t0 = Instant::now();
+                    nap_outside_guest(cpu, nap, halt);
+                    pacer
+                        .paced_ns
+                        .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                }
+            }
+            let page = if p.random {
+                // Two draws: pages beyond 2^31 stay reachable.
+                (((rng.next_u32() as u64) << 31) | rng.next_u32() as u64) % pages
+            } else {
+                i
+            };
+            let write = match p.write_percent {
+                100 => true,
+                0 => false,
+                w => rng.next_u32() % 100 < w,
+            };
+            let a = gpa + page * PAGE_SIZE;
+            if write {
+                value += 1;
+                cpu.write_u64(a, value)?;
+                unreported += 1;
+                bucket.take();
+            } else {
+                std::hint::black_box(cpu.read_u64(a)?);
+            }
+            touched += 1;
+        }
+        passes += 1;
+    }
+    Ok((touched, passes))
+}
+
+/// Leaves guest mode (giving the physical CPU back), sleeps, comes back; the sleep ends early
+/// in steps of [`MAX_NAP`] once `halt` is set.
+fn nap_outside_guest<F: PteFormat>(cpu: &mut Cpu<F>, d: Duration, halt: &AtomicBool) {
+    cpu.exit();
+    let end = Instant::now() + d;
+    loop {
+        let now = Instant::now();
+        if now >= end || halt.load(Ordering::Relaxed) {
+            break;
+        }
+        std::thread::sleep((end - now).min(MAX_NAP));
+    }
+    cpu.enter();
+}
+
+/// A token bucket of writes: refilled at the current rate, holding at most 10 ms of it (at
+/// least [`CHECK_EVERY`] tokens, since writes are only checked that often).
+#[derive(Debug)]
+struct Bucket {
+    tokens: f64,
+    last: Instant,
+}
+
+impl Bucket {
+    fn new(now: Instant) -> Bucket {
+        Bucket {
+            tokens: 0.0,
+            last: now,
+        }
+    }
+
+    /// How long to wait before the next write may go, or `None` if it may go now.
+    fn wait(&mut self, rate: u64, now: Instant) -> Option<Duration> {
+        if rate == 0 {
+            self.tokens = 0.0;
+            self.last = now;
+            return None;
+        }
+        let cap = (rate as f64 / 100.0).max(CHECK_EVERY as f64);
+        let dt = now.duration_since(self.last).as_secs_f64();
+        self.last = now;
+        self.tokens = (self.tokens + dt * rate as f64).min(cap);
+        if self.tokens >= 1.0 {
+            None
+        } else {
+            Some(Duration::from_secs_f64((1.0 - self.tokens) / rate as f64))
+        }
+    }
+
+    fn take(&mut self) {
+        self.tokens -= 1.0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bucket_lets_the_rate_through_and_no_more() {
+        let t0 = Instant::now();
+        let mut b = Bucket::new(t0);
+        // Over one simulated second at 1000/s, about 1000 writes pass (plus the burst cap).
+        let mut passed = 0u64;
+        let mut now = t0;
+        while now.duration_since(t0) < Duration::from_secs(1) {
+            match b.wait(1000, now) {
+                None => {
+                    b.take();
+                    passed += 1;
+                }
+                Some(w) => now += w,
+            }
+        }
+        assert!((990..=1000 + CHECK_EVERY).contains(&passed), "{passed}");
+        assert!(b.wait(0, now).is_none());
+    }
+
+    #[test]
+    fn throttle_is_clamped() {
+        let p = Pacer::new(0);
+        p.set_throttle(150);
+        assert_eq!(p.throttle(), MAX_THROTTLE_PERCENT);
+    }
+}

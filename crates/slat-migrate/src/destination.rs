@@ -1,0 +1,465 @@
+//! The receiving end: checks the stream, builds (or reuses) a machine of the source's shape,
+//! writes pages into its guest RAM, acknowledges every batch, verifies all memory against the
+//! source's hashes, and on the source's commit runs the guest.
+//!
+//! A [`Destination`] outlives a connection: if a stream breaks, it keeps the session (the
+//! source's id, the machine and the pages written so far), and a source reconnecting with the
+//! same session id resumes instead of resending all memory. Pages of a batch that was not
+//! acknowledged may or may not have been written; the source still owes them and sends them
+//! again, so either is fine.
+//!
+//! Nothing the source sends can make this side panic or report success falsely: every frame is
+//! checksummed and bounds-checked ([`crate::stream`]), every page index is checked against the
+//! shape before anything is written, and success needs a hash match on every range of guest
+//! memory followed by an explicit commit.
+
+use crate::error::{GuestError, MigrateError, StreamError};
+use crate::guest::{Guest, Memory};
+use crate::stream::{self, FrameReader, Hello, Msg, Shape, PAGE_SIZE};
+use crate::verify::{self, VerifyReport, RANGE_PAGES};
+use std::io::Write;
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Builds a machine of the shape the source announces.
+pub type Factory = Box<dyn FnMut(&Shape) -> Result<Arc<dyn Guest>, GuestError> + Send>;
+
+/// How the destination behaves.
+#[derive(Debug, Clone)]
+pub struct DestConfig {
+    /// How long the guest runs here after the switch-over, to show it runs (zero: it is
+    /// left stopped, e.g. for a test that compares memory byte by byte).
+    pub resume_for: Duration,
+    /// Longest silence from the source before giving up.
+    pub timeout: Duration,
+    /// Largest guest accepted, bytes (0: any).
+    pub max_memory: u64,
+}
+
+impl Default for DestConfig {
+    fn default() -> Self {
+        DestConfig {
+            resume_for: Duration::from_millis(100),
+            timeout: Duration::from_secs(30),
+            max_memory: 0,
+        }
+    }
+}
+
+/// An incoming migration that completed.
+#[derive(Debug, Clone, Default)]
+pub struct DestReport {
+    /// The source's session id.
+    pub session: u64,
+    /// The source's attempt number.
+    pub attempt: u32,
+    /// This connection continued a session whose memory was kept from a broken one.
+    pub resumed: bool,
+    /// The source's machine.
+    pub source_backend: String,
+    /// This side's machine.
+    pub backend: String,
+    /// The guest's shape.
+    pub shape: Option<Shape>,
+    /// Pages written into guest memory.
+    pub pages: u64,
+    /// Of which zero-page markers.
+    pub zero_pages: u64,
+    /// Stream bytes read.
+    pub bytes: u64,
+    /// Rounds received.
+    pub rounds: u32,
+    /// Hello to welcome (building the machine).
+    pub setup: Duration,
+    /// Preamble to commit.
+    pub total: Duration,
+    /// The comparison of all memory with the source's hashes.
+    pub verify: VerifyReport,
+    /// Time spent hashing this side's memory.
+    pub verify_time: Duration,
+    /// The guest's run after the switch-over: pages touched and for how long.
+    pub run: (u64, Duration),
+}
+
+struct Session {
+    id: u64,
+    shape: Shape,
+    guest: Arc<dyn Guest>,
+}
+
+/// The receiving end.
+pub struct Destination {
+    factory: Option<Factory>,
+    cfg: DestConfig,
+    /// A machine given up front (its shape must match the source's).
+    prebuilt: Option<Arc<dyn Guest>>,
+    session: Option<Session>,
+    /// The guest after a completed migration.
+    done: Option<Arc<dyn Guest>>,
+}
+
+impl Destination {
+    /// A destination that builds a machine of each source's shape with `factory`.
+    pub fn new(factory: Factory, cfg: DestConfig) -> Destination {
+        Destination {
+            factory: Some(factory),
+            cfg,
+            prebuilt: None,
+            session: None,
+            done: None,
+        }
+    }
+
+    /// A destination that receives into `guest` (a source of another shape is refused).
+    pub fn with_guest(guest: Arc<dyn Guest>, cfg: DestConfig) -> Destination {
+        Destination {
+            factory: None,
+            cfg,
+            prebuilt: Some(guest),
+            session: None,
+            done: None,
+        }
+    }
+
+    /// The migrated guest, once a migration completed.
+    pub fn guest(&self) -> Option<&Arc<dyn Guest>> {
+        self.done.as_ref()
+    }
+
+    /// Whether a broken session's memory is kept for a resume.
+    pub fn holds_session(&self) -> bool {
+        self.session.is_some()
+    }
+
+    /// Accepts one connection on `listener` and serves it.
+    pub fn accept(&mut self, listener: &TcpListener) -> Result<DestReport, MigrateError> {
+        let (s, _) = listener.accept().map_err(|e| {
+            MigrateError::stream("accepting a connection", StreamError::Io(e.to_string()))
+        })?;
+        self.serve(s)
+    }
+
+    /// Receives one migration over `s`. On success the guest has run here; on failure the
+    /// session is kept for a source that reconnects.
+    pub fn serve(&mut self, s: TcpStream) -> Result<DestReport, MigrateError> {
+        if self.done.is_some() {
+            let mut w = &s;
+            let _ = stream::write_msg(
+                &mut w,
+                &Msg::Refuse("this destination already holds a migrated guest".into()),
+            );
+            return Err(MigrateError::Refused {
+                who: "destination",
+                reason: "this destination already holds a migrated guest".into(),
+            });
+        }
+        let timeout = self.cfg.timeout;
+        let io =
+            |e: std::io::Error| MigrateError::stream("accepting", StreamError::Io(e.to_string()));
+        s.set_read_timeout(Some(timeout)).map_err(io)?;
+        s.set_write_timeout(Some(timeout)).map_err(io)?;
+        s.set_nodelay(true).map_err(io)?;
+        let mut reader = FrameReader::new(s.try_clone().map_err(io)?, timeout);
+        let mut out = s;
+        let r = self.receive(&mut reader, &mut out);
+        if let Err(e) = &r {
+            // Tell the source why, if it still listens; it may already be gone.
+            let why = match e {
+                MigrateError::Refused { who: "source", .. } => None,
+                MigrateError::Refused { reason, .. } => Some(reason.clone()),
+                e => Some(e.to_string()),
+            };
+            if let Some(why) = why {
+                let _ = stream::write_msg(&mut out, &Msg::Refuse(why));
+            }
+        }
+        let _ = out.shutdown(std::net::Shutdown::Both);
+        r
+    }
+
+    fn receive(
+        &mut self,
+        reader: &mut FrameReader<TcpStream>,
+        out: &mut TcpStream,
+    ) -> Result<DestReport, MigrateError> {
+        let t0 = Instant::now();
+        reader
+            .read_preamble()
+            .map_err(|e| MigrateError::stream("reading the stream preamble", e))?;
+        let hello = match reader
+            .read_msg("the hello")
+            .map_err(|e| MigrateError::stream("reading the hello", e))?
+        {
+            Msg::Hello(h) => h,
+            m => {
+                return Err(protocol(
+                    "handshake",
+                    &format!("a {} message before the hello", m.name()),
+                ))
+            }
+        };
+        let (guest, resumed) = self.session_for(&hello)?;
+        let mut report = DestReport {
+            session: hello.session,
+            attempt: hello.attempt,
+            resumed,
+            source_backend: hello.backend.clone(),
+            backend: guest.backend().name().into(),
+            shape: Some(hello.shape),
+            setup: t0.elapsed(),
+            ..DestReport::default()
+        };
+        send(
+            out,
+            &Msg::Welcome {
+                resume: resumed,
+                backend: report.backend.clone(),
+            },
+            "handshake",
+        )?;
+
+        let mem = Memory::new(&*guest);
+        let pages = mem.pages();
+        let nranges = verify::ranges(pages, RANGE_PAGES);
+        let mut hashed = vec![false; nranges as usize];
+        let mut verdict = VerifyReport {
+            ranges: nranges,
+            range_pages: RANGE_PAGES,
+            ..VerifyReport::default()
+        };
+        let mut verified = false;
+        let mut seq = 0u64;
+        let mut buf = vec![0u8; PAGE_SIZE];
+        loop {
+            let phase = if verified {
+                "waiting for the commit".to_string()
+            } else {
+                format!("receiving round {}", report.rounds)
+            };
+            let m = reader
+                .read_msg("the switch-over")
+                .map_err(|e| MigrateError::stream(phase.clone(), e))?;
+            match m {
+                Msg::Pages(b) => {
+                    if b.seq != seq {
+                        return Err(protocol(
+                            &phase,
+                            &format!("batch {} where {seq} was due", b.seq),
+                        ));
+                    }
+                    if let Some(&(p, _, _)) = b.entries.iter().find(|e| e.0 >= pages) {
+                        return Err(MigrateError::stream(
+                            phase,
+                            StreamError::Corrupt {
+                                offset: reader.offset(),
+                                why: format!("page {p} is outside the guest's {pages} pages"),
+                            },
+                        ));
+                    }
+                    for (i, &(p, enc, _)) in b.entries.iter().enumerate() {
+                        b.page_into(i, &mut buf).map_err(|why| {
+                            MigrateError::stream(
+                                phase.clone(),
+                                StreamError::Corrupt {
+                                    offset: reader.offset(),
+                                    why,
+                                },
+                            )
+                        })?;
+                        mem.stopped_write_page(p, &buf)?;
+                        report.pages += 1;
+                        report.zero_pages += (enc == stream::Encoding::Zero) as u64;
+                    }
+                    send(out, &Msg::Ack { seq }, &phase)?;
+                    seq += 1;
+                }
+                Msg::RoundEnd { .. } => report.rounds += 1,
+                Msg::Hashes { first, hashes } => {
+                    let t = Instant::now();
+                    let end = first.checked_add(hashes.len() as u64);
+                    if end.is_none_or(|e| e > nranges) {
+                        return Err(protocol(
+                            &phase,
+                            &format!("hashes for ranges {first}.. beyond the {nranges} ranges"),
+                        ));
+                    }
+                    for (k, h) in hashes.iter().enumerate() {
+                        let i = first + k as u64;
+                        let (a, b) = verify::range_pages(i, RANGE_PAGES, pages);
+                        let mine = verify::hash_range(i, mem.stopped_range(a, b)?);
+                        hashed[i as usize] = true;
+                        if &mine != h {
+                            verdict.mismatched += 1;
+                            if verdict.first.len() < 8 {
+                                verdict.first.push(i);
+                            }
+                        }
+                    }
+                    report.verify_time += t.elapsed();
+                }
+                Msg::Verify {
+                    ranges,
+                    range_pages,
+                } => {
+                    if ranges != nranges || range_pages != RANGE_PAGES {
+                        return Err(protocol(&phase, &format!("verification of {ranges} ranges of {range_pages} pages; this guest has {nranges} of {RANGE_PAGES}")));
+                    }
+                    let missing = hashed.iter().filter(|h| !**h).count() as u64;
+                    verdict.mismatched += missing;
+                    send(
+                        out,
+                        &Msg::Verified {
+                            ranges: nranges,
+                            mismatched: verdict.mismatched,
+                            first: verdict.first.clone(),
+                        },
+                        &phase,
+                    )?;
+                    if !verdict.ok() {
+                        return Err(MigrateError::Verification {
+                            ranges: nranges,
+                            mismatched: verdict.mismatched,
+                            range_pages: RANGE_PAGES,
+                            first: verdict.describe_first(),
+                        });
+                    }
+                    verified = true;
+                }
+                Msg::Commit if verified => {
+                    report.total = t0.elapsed();
+                    report.verify = verdict;
+                    report.bytes = reader.offset();
+                    // The switch-over happened: the guest is this side's now.
+                    self.session = None;
+                    self.done = Some(guest.clone());
+                    report.run = self.run_guest(&guest, &hello)?;
+                    let (touched, d) = report.run;
+                    let _ = stream::write_msg(
+                        out,
+                        &Msg::Resumed {
+                            touched,
+                            micros: d.as_micros() as u64,
+                        },
+                    );
+                    return Ok(report);
+                }
+                Msg::Commit => {
+                    return Err(protocol(
+                        &phase,
+                        "a commit before a successful verification",
+                    ))
+                }
+                Msg::Refuse(reason) => {
+                    return Err(MigrateError::Refused {
+                        who: "source",
+                        reason,
+                    })
+                }
+                m => {
+                    return Err(protocol(
+                        &phase,
+                        &format!("unexpected {} message", m.name()),
+                    ))
+                }
+            }
+        }
+    }
+
+    /// The machine for `hello`'s guest, and whether it continues a kept session.
+    fn session_for(&mut self, hello: &Hello) -> Result<(Arc<dyn Guest>, bool), MigrateError> {
+        let shape = hello.shape;
+        let refuse = |reason: String| MigrateError::Refused {
+            who: "destination",
+            reason,
+        };
+        if shape.vcpus == 0
+            || shape.slots == 0
+            || shape.bytes_per_vcpu == 0
+            || shape.bytes_per_vcpu % PAGE_SIZE as u64 != 0
+            || shape.total_pages() % shape.slots as u64 != 0
+        {
+            return Err(refuse(format!("unusable guest shape {shape:?}")));
+        }
+        if hello.slots != shape.slot_layout() {
+            return Err(refuse(format!(
+                "memslot layout {:?} does not follow from the shape {shape:?}",
+                hello.slots
+            )));
+        }
+        if hello.range_pages != RANGE_PAGES {
+            return Err(refuse(format!(
+                "verification ranges of {} pages (this side uses {RANGE_PAGES})",
+                hello.range_pages
+            )));
+        }
+        let bytes = shape.total_pages() * PAGE_SIZE as u64;
+        if self.cfg.max_memory != 0 && bytes > self.cfg.max_memory {
+            return Err(refuse(format!(
+                "a guest of {bytes} bytes exceeds this destination's limit of {} bytes",
+                self.cfg.max_memory
+            )));
+        }
+        if let Some(s) = &self.session {
+            if s.id == hello.session && s.shape == shape {
+                return Ok((s.guest.clone(), true));
+            }
+        }
+        // A new session: the pages of any earlier one are overwritten by its full copy.
+        let guest = match (&self.prebuilt, &mut self.factory) {
+            (Some(g), _) => {
+                if g.shape() != shape {
+                    return Err(refuse(format!(
+                        "the source's guest {shape:?} does not match this destination's machine {:?}",
+                        g.shape()
+                    )));
+                }
+                g.clone()
+            }
+            (None, Some(f)) => {
+                // Drop a kept session's machine before building another.
+                self.session = None;
+                f(&shape).map_err(|e| refuse(format!("cannot build a machine: {e}")))?
+            }
+            (None, None) => return Err(refuse("no machine to receive into".into())),
+        };
+        self.session = Some(Session {
+            id: hello.session,
+            shape,
+            guest: guest.clone(),
+        });
+        Ok((guest, false))
+    }
+
+    /// Runs the source's workload on this side's vCPUs for a moment.
+    fn run_guest(
+        &self,
+        guest: &Arc<dyn Guest>,
+        hello: &Hello,
+    ) -> Result<(u64, Duration), MigrateError> {
+        if self.cfg.resume_for.is_zero() {
+            return Ok((0, Duration::ZERO));
+        }
+        let mut work = hello.work;
+        if guest.backend() == crate::BackendKind::Kvm {
+            // The KVM guest's writer only writes; a simulated source's read share has no
+            // equivalent there, and refusing after the commit would strand the guest.
+            work.write_percent = 100;
+        }
+        let w0 = guest.writes();
+        let t = Instant::now();
+        guest.start(work)?;
+        std::thread::sleep(self.cfg.resume_for);
+        guest.pause()?;
+        Ok((guest.writes() - w0, t.elapsed()))
+    }
+}
+
+fn send(out: &mut TcpStream, m: &Msg, phase: &str) -> Result<(), MigrateError> {
+    out.write_all(&stream::frame(m))
+        .map_err(|e| MigrateError::stream(phase.to_string(), StreamError::Io(e.to_string())))
+}
+
+fn protocol(phase: &str, why: &str) -> MigrateError {
+    MigrateError::stream(phase.to_string(), StreamError::Protocol(why.to_string()))
+}

@@ -1,0 +1,740 @@
+//! The guest a migration moves: a machine (simulated, or real on `/dev/kvm`) with its test
+//! region of guest RAM, a workload running on its vCPUs, and its dirty log.
+//!
+//! [`Guest`] is what the two ends need and nothing more: the shape, the host address of the
+//! test region, start/pause of the workload, a throttle, dirty logging on/off and one harvest
+//! in the machine's log mode. (`slat-cli` has a wider `Backend` trait; a library crate cannot
+//! depend on the binary's, and migration needs a running workload with a run-time dirty-rate
+//! control, which that trait does not have.)
+//!
+//! The source's vCPUs run the paced memstress of `slat-machine` (every write a new value, at
+//! a write rate and throttle changed while it runs). The KVM guest's code has no such control,
+//! so a driver thread runs its dirty-log writer in bursts, kicking the vCPUs out between them
+//! as QEMU's CPU throttle does: the length of each burst follows the measured write speed so
+//! that the average rate matches the one asked for.
+
+use crate::error::GuestError;
+use crate::page_set::PageSet;
+use crate::stream::{Shape, WorkSpec, PAGE_SIZE};
+use slat::{Ept, PteFormat, Stage2, VmConfig};
+use slat_machine::{
+    Backing, DirtyConfig, Machine, MachineConfig, PacedParams, Pacer, PassParams, Workload,
+};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Which machine runs the guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    /// The simulated machine on slat's page tables.
+    Sim,
+    /// A real guest on the host's `/dev/kvm`.
+    Kvm,
+}
+
+impl BackendKind {
+    /// The name the command line uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Sim => "sim",
+            BackendKind::Kvm => "kvm",
+        }
+    }
+}
+
+/// How the source harvests dirty pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogMode {
+    /// GET_DIRTY_LOG clears and re-protects.
+    Get,
+    /// Manual protect with INITIALLY_SET: GET copies, CLEAR clears and re-protects.
+    Clear,
+    /// Per-vCPU dirty rings: collect, then reset.
+    Ring,
+}
+
+impl LogMode {
+    /// The name the command line uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            LogMode::Get => "get",
+            LogMode::Clear => "clear",
+            LogMode::Ring => "ring",
+        }
+    }
+}
+
+/// What to build.
+#[derive(Debug, Clone, Copy)]
+pub struct GuestSpec {
+    /// The machine.
+    pub backend: BackendKind,
+    /// vCPUs, memory, memslots.
+    pub shape: Shape,
+    /// Host memory behind guest RAM.
+    pub backing: Backing,
+    /// The dirty log the source harvests (irrelevant on a destination).
+    pub log: LogMode,
+    /// Dirty ring entries per vCPU with [`LogMode::Ring`].
+    pub ring_entries: u32,
+    /// Engine switches (simulated machine only).
+    pub vm: VmConfig,
+    /// Second-stage page-table format (simulated machine only). Memory contents and the stream
+    /// do not depend on it, so a guest may move between formats.
+    pub stage2: bool,
+    /// Software TLB entries per vCPU (simulated machine only).
+    pub tlb_entries: usize,
+    /// Physical CPUs for the vCPUs, 0 = all (simulated machine only).
+    pub pcpus: usize,
+    /// Populate host memory at set-up.
+    pub prefault: bool,
+}
+
+impl GuestSpec {
+    /// A simulated guest of `shape` with default switches, logging in `log` mode.
+    pub fn sim(shape: Shape, log: LogMode) -> GuestSpec {
+        GuestSpec {
+            backend: BackendKind::Sim,
+            shape,
+            backing: Backing::Anonymous,
+            log,
+            ring_entries: 65536,
+            vm: VmConfig::default(),
+            stage2: false,
+            tlb_entries: slat_machine::tlb::DEFAULT_TLB_ENTRIES,
+            pcpus: 0,
+            prefault: true,
+        }
+    }
+}
+
+/// What a migration needs from a machine.
+pub trait Guest: Send + Sync {
+    /// The machine kind.
+    fn backend(&self) -> BackendKind;
+    /// vCPUs, memory and memslots.
+    fn shape(&self) -> Shape;
+    /// The log mode harvests use.
+    fn log_mode(&self) -> LogMode;
+    /// Host address of the test region: `shape().total_pages()` pages, contiguous, mapped
+    /// as long as the guest lives.
+    fn host_base(&self) -> u64;
+    /// Turns dirty logging on or off on every test memslot.
+    fn set_dirty_logging(&self, on: bool) -> Result<(), GuestError>;
+    /// Harvests the dirty log into `into` (page indexes in the test region), re-protecting
+    /// what it returns before returning; returns how many pages it reported.
+    fn harvest(&self, into: &mut PageSet) -> Result<u64, GuestError>;
+    /// Starts `work` on every vCPU (returns at once).
+    fn start(&self, work: WorkSpec) -> Result<(), GuestError>;
+    /// Stops the vCPUs (out of guest mode) and waits for them.
+    fn pause(&self) -> Result<(), GuestError>;
+    /// Whether a workload is running.
+    fn running(&self) -> bool;
+    /// Sets the throttle: percent of time the vCPUs are kept out of the guest.
+    fn set_throttle(&self, percent: u32);
+    /// The throttle now.
+    fn throttle(&self) -> u32;
+    /// vCPU time spent asleep because of the throttle, summed over vCPUs, since creation.
+    fn throttled(&self) -> Duration;
+    /// Guest writes since creation (a little behind while running).
+    fn writes(&self) -> u64;
+    /// One sequential write pass over every page (maps guest memory, as a booted guest has).
+    fn populate(&self) -> Result<(), GuestError>;
+}
+
+/// Builds the machine `spec` asks for.
+pub fn build(spec: &GuestSpec) -> Result<Arc<dyn Guest>, GuestError> {
+    let s = spec.shape;
+    if s.vcpus == 0 || s.slots == 0 {
+        return Err(GuestError(
+            "at least one vCPU and one memslot are needed".into(),
+        ));
+    }
+    match spec.backend {
+        BackendKind::Sim => {
+            let dirty = match spec.log {
+                LogMode::Get => DirtyConfig::default(),
+                LogMode::Clear => DirtyConfig {
+                    manual_protect: slat::dirty::MANUAL_PROTECT_ENABLE | slat::dirty::INITIALLY_SET,
+                    ..DirtyConfig::default()
+                },
+                LogMode::Ring => DirtyConfig {
+                    ring_entries: spec.ring_entries,
+                    ..DirtyConfig::default()
+                },
+            };
+            let config = MachineConfig {
+                vm: spec.vm,
+                backing: spec.backing,
+                vcpus: s.vcpus as usize,
+                bytes_per_vcpu: s.bytes_per_vcpu,
+                slots: s.slots as usize,
+                overlap: s.overlap,
+                tlb_entries: spec.tlb_entries,
+                pcpus: spec.pcpus,
+                prefault: spec.prefault,
+                dirty,
+                gpa: None,
+            };
+            if spec.stage2 {
+                sim_guest::<Stage2>(config, s, spec.log)
+            } else {
+                sim_guest::<Ept>(config, s, spec.log)
+            }
+        }
+        BackendKind::Kvm => {
+            let backing = match spec.backing {
+                Backing::Anonymous => slat_kvm::Backing::Anonymous,
+                Backing::AnonymousThp => slat_kvm::Backing::AnonymousThp,
+                Backing::AnonymousHugetlb2M => slat_kvm::Backing::AnonymousHugetlb2M,
+                Backing::AnonymousHugetlb1G => slat_kvm::Backing::AnonymousHugetlb1G,
+                Backing::Shmem => {
+                    return Err(GuestError(
+                        "-s shmem is not supported by the kvm backend (use anonymous, anonymous_thp or anonymous_hugetlb)".into(),
+                    ))
+                }
+            };
+            let dirty = match spec.log {
+                LogMode::Get => slat_kvm::DirtyConfig::default(),
+                LogMode::Clear => slat_kvm::DirtyConfig {
+                    manual_protect: slat_kvm::MANUAL_PROTECT_ENABLE | slat_kvm::INITIALLY_SET,
+                    ring_entries: 0,
+                },
+                LogMode::Ring => slat_kvm::DirtyConfig {
+                    manual_protect: 0,
+                    ring_entries: spec.ring_entries,
+                },
+            };
+            let m = slat_kvm::KvmMachine::new(slat_kvm::KvmConfig {
+                backing,
+                vcpus: s.vcpus as usize,
+                bytes_per_vcpu: s.bytes_per_vcpu,
+                slots: s.slots as usize,
+                overlap: s.overlap,
+                prefault: spec.prefault,
+                dirty,
+                ..slat_kvm::KvmConfig::default()
+            })
+            .map_err(GuestError::from)?;
+            Ok(Arc::new(KvmGuest {
+                m: Arc::new(m),
+                shape: s,
+                log: spec.log,
+                ctl: Arc::new(BurstControl::default()),
+                driver: Mutex::new(None),
+            }))
+        }
+    }
+}
+
+/// Adds the bits of `bitmap` (bit `i` = page `first + i`, `n` pages) to `into`.
+fn add_bitmap(into: &mut PageSet, first: u64, n: u64, bitmap: &[u64]) -> u64 {
+    if first % 64 == 0 {
+        return into.or_bitmap(first, &bitmap[..n.div_ceil(64) as usize]);
+    }
+    let mut count = 0;
+    for (w, &bits) in bitmap.iter().enumerate().take(n.div_ceil(64) as usize) {
+        let mut b = bits;
+        while b != 0 {
+            let i = w as u64 * 64 + b.trailing_zeros() as u64;
+            if i < n {
+                into.insert(first + i);
+                count += 1;
+            }
+            b &= b - 1;
+        }
+    }
+    count
+}
+
+fn sim_guest<F: PteFormat>(
+    config: MachineConfig,
+    shape: Shape,
+    log: LogMode,
+) -> Result<Arc<dyn Guest>, GuestError> {
+    let m = Machine::<F>::new(config).map_err(GuestError::from)?;
+    Ok(Arc::new(SimGuest {
+        m,
+        shape,
+        log,
+        pacer: Pacer::new(0),
+        running: AtomicBool::new(false),
+    }))
+}
+
+/// The simulated machine running the paced memstress.
+struct SimGuest<F: PteFormat> {
+    m: Machine<F>,
+    shape: Shape,
+    log: LogMode,
+    pacer: Arc<Pacer>,
+    running: AtomicBool,
+}
+
+impl<F: PteFormat> Guest for SimGuest<F> {
+    fn backend(&self) -> BackendKind {
+        BackendKind::Sim
+    }
+    fn shape(&self) -> Shape {
+        self.shape
+    }
+    fn log_mode(&self) -> LogMode {
+        self.log
+    }
+    fn host_base(&self) -> u64 {
+        self.m.layout().host
+    }
+    fn set_dirty_logging(&self, on: bool) -> Result<(), GuestError> {
+        self.m.set_dirty_logging(on).map_err(GuestError::from)
+    }
+    fn harvest(&self, into: &mut PageSet) -> Result<u64, GuestError> {
+        let vm = self.m.vm();
+        let pps = self.m.pages_per_slot();
+        let first_slot = slat_machine::machine::FIRST_SLOT;
+        match self.log {
+            LogMode::Get | LogMode::Clear => {
+                let mut buf = vec![0u64; pps.div_ceil(64) as usize];
+                let mut n = 0;
+                for (k, id) in self.m.slot_ids().enumerate() {
+                    vm.get_dirty_log(id, &mut buf).map_err(GuestError::from)?;
+                    n += add_bitmap(into, k as u64 * pps, pps, &buf);
+                    if self.log == LogMode::Clear {
+                        // Re-protect before the pages are read: a write after this faults
+                        // and is logged again; one before it is in what we read.
+                        vm.clear_dirty_log(id, 0, pps, &buf)
+                            .map_err(GuestError::from)?;
+                    }
+                }
+                Ok(n)
+            }
+            LogMode::Ring => {
+                let slots = self.shape.slots;
+                let mut n = 0;
+                self.m.collect_dirty_rings(|slot, off| {
+                    if slot >= first_slot && slot < first_slot + slots && off < pps {
+                        into.insert((slot - first_slot) as u64 * pps + off);
+                        n += 1;
+                    }
+                });
+                vm.reset_dirty_rings().map_err(GuestError::from)?;
+                Ok(n)
+            }
+        }
+    }
+    fn start(&self, work: WorkSpec) -> Result<(), GuestError> {
+        self.pacer.set_rate(work.rate);
+        self.m
+            .start(Workload::Paced(PacedParams {
+                pass: PassParams {
+                    write_percent: work.write_percent,
+                    random: work.random,
+                    seed: work.seed,
+                },
+                pacer: self.pacer.clone(),
+            }))
+            .map_err(GuestError::from)?;
+        self.running.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+    fn pause(&self) -> Result<(), GuestError> {
+        if !self.running.swap(false, Ordering::SeqCst) {
+            return Ok(());
+        }
+        self.m.halt().map(drop).map_err(GuestError::from)
+    }
+    fn running(&self) -> bool {
+        self.running.load(Ordering::SeqCst)
+    }
+    fn set_throttle(&self, percent: u32) {
+        self.pacer.set_throttle(percent);
+    }
+    fn throttle(&self) -> u32 {
+        self.pacer.throttle()
+    }
+    fn throttled(&self) -> Duration {
+        self.pacer.throttled()
+    }
+    fn writes(&self) -> u64 {
+        self.pacer.writes()
+    }
+    fn populate(&self) -> Result<(), GuestError> {
+        self.m
+            .run_pass(PassParams::default())
+            .map(drop)
+            .map_err(GuestError::from)
+    }
+}
+
+/// Controls shared with the KVM burst driver.
+#[derive(Debug, Default)]
+struct BurstControl {
+    /// Writes per second per vCPU (0: unlimited).
+    rate: AtomicU64,
+    throttle: AtomicU32,
+    stop: AtomicBool,
+    writes: AtomicU64,
+    throttled_ns: AtomicU64,
+    error: Mutex<Option<String>>,
+}
+
+/// A real guest on `/dev/kvm`, its writer run in bursts by a driver thread.
+struct KvmGuest {
+    m: Arc<slat_kvm::KvmMachine>,
+    shape: Shape,
+    log: LogMode,
+    ctl: Arc<BurstControl>,
+    driver: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// The driver's cycle under a throttle without a rate limit.
+const BURST_PERIOD: Duration = Duration::from_millis(20);
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl KvmGuest {
+    /// Runs the writer in bursts until told to stop.
+    ///
+    /// Without a rate limit or throttle the guest simply runs. Under a throttle alone, each
+    /// 20 ms period runs the guest for (100 - t)% of it. Under a rate limit the driver keeps
+    /// an allowance (rate × vCPUs × the unthrottled share, accrued over time) and runs a burst
+    /// only while the guest has written less than it; a burst is as long as the deficit at
+    /// the measured write speed. On this kind of host the guest writes ~10^8 pages/s and one
+    /// start/stop cycle costs 0.2–7 ms, so the smallest burst is already 10^4-10^6 writes:
+    /// writes come in lumps, and a low rate is exceeded (see the bound on the debt below).
+    fn drive(m: Arc<slat_kvm::KvmMachine>, ctl: Arc<BurstControl>, seed: u32, vcpus: u64) {
+        let mut burst = 0u64;
+        // Writes per second of all vCPUs while they run (learnt from each burst).
+        let mut speed: f64 = 0.0;
+        let mut allowance: f64 = 0.0;
+        let mut last = Instant::now();
+        let mut r = || -> Result<(), slat_kvm::KvmError> {
+            let mut run = |on: Duration| -> Result<(u64, Duration), slat_kvm::KvmError> {
+                burst += 1;
+                // Each burst stamps a value no burst wrote before, so rewriting a page
+                // changes it.
+                let t0 = Instant::now();
+                m.start(slat_kvm::Workload::Writer {
+                    seed: seed.wrapping_add((burst as u32).wrapping_mul(0x9e37_79b9)),
+                    iteration: (0x4b << 56) | burst,
+                })?;
+                if on.is_zero() {
+                    // Unpaced: run until something changes.
+                    while !ctl.stop.load(Ordering::Relaxed)
+                        && ctl.rate.load(Ordering::Relaxed) == 0
+                        && ctl.throttle.load(Ordering::Relaxed) == 0
+                    {
+                        std::thread::sleep(Duration::from_millis(2));
+                    }
+                } else {
+                    std::thread::sleep(on.saturating_sub(t0.elapsed()));
+                }
+                let w: u64 = m.halt()?.vcpus.iter().map(|v| v.pages).sum();
+                ctl.writes.fetch_add(w, Ordering::Relaxed);
+                Ok((w, t0.elapsed()))
+            };
+            while !ctl.stop.load(Ordering::Relaxed) {
+                let rate = ctl.rate.load(Ordering::Relaxed);
+                let throttle = ctl.throttle.load(Ordering::Relaxed).min(99);
+                let now = Instant::now();
+                let dt = now.duration_since(last);
+                last = now;
+                if throttle != 0 {
+                    ctl.throttled_ns.fetch_add(
+                        (dt.as_nanos() as u64 * throttle as u64 / 100) * vcpus,
+                        Ordering::Relaxed,
+                    );
+                }
+                if rate == 0 && throttle == 0 {
+                    run(Duration::ZERO)?;
+                    allowance = 0.0;
+                    continue;
+                }
+                if rate == 0 {
+                    let t0 = Instant::now();
+                    run(BURST_PERIOD * (100 - throttle) / 100)?;
+                    nap(&ctl, BURST_PERIOD.saturating_sub(t0.elapsed()));
+                    continue;
+                }
+                // The throttle slows the guest: it earns that share less of its writes.
+                allowance +=
+                    rate as f64 * vcpus as f64 * dt.as_secs_f64() * (100 - throttle) as f64 / 100.0;
+                // Do not bank more than a second of writes (e.g. across a long pause).
+                allowance = allowance.min(rate as f64 * vcpus as f64);
+                if allowance < 1.0 {
+                    let wait = (1.0 - allowance) / (rate as f64 * vcpus as f64);
+                    nap(&ctl, Duration::from_secs_f64(wait.min(0.002)));
+                    continue;
+                }
+                let on = if speed > 0.0 {
+                    Duration::from_secs_f64(allowance / speed).min(BURST_PERIOD)
+                } else {
+                    // First burst: as short as possible, to learn the speed.
+                    Duration::from_micros(1)
+                };
+                let (w, ran) = run(on.max(Duration::from_micros(1)))?;
+                // A lump (a slow cycle, e.g. the first entry into a fresh guest, can let
+                // 10^5-10^6 writes through) is paid back for at most 250 ms: the guest does
+                // not stall for seconds, at the price of a higher average than asked when
+                // every cycle overshoots. The reports measure the rate the guest really had.
+                allowance = (allowance - w as f64).max(-0.25 * rate as f64 * vcpus as f64);
+                if w > 0 {
+                    let s = w as f64 / ran.as_secs_f64();
+                    speed = if speed <= 0.0 {
+                        s
+                    } else {
+                        0.7 * speed + 0.3 * s
+                    };
+                }
+            }
+            Ok(())
+        };
+        if let Err(e) = r() {
+            *lock(&ctl.error) = Some(e.to_string());
+        }
+    }
+}
+
+/// Sleeps `d` in short steps, ending early when the driver is told to stop.
+fn nap(ctl: &BurstControl, d: Duration) {
+    let end = Instant::now() + d;
+    while !ctl.stop.load(Ordering::Relaxed) {
+        let now = Instant::now();
+        if now >= end {
+            break;
+        }
+        std::thread::sleep((end - now).min(Duration::from_millis(2)));
+    }
+}
+
+impl Guest for KvmGuest {
+    fn backend(&self) -> BackendKind {
+        BackendKind::Kvm
+    }
+    fn shape(&self) -> Shape {
+        self.shape
+    }
+    fn log_mode(&self) -> LogMode {
+        self.log
+    }
+    fn host_base(&self) -> u64 {
+        self.m.layout().host
+    }
+    fn set_dirty_logging(&self, on: bool) -> Result<(), GuestError> {
+        self.m.set_dirty_logging(on).map_err(GuestError::from)
+    }
+    fn harvest(&self, into: &mut PageSet) -> Result<u64, GuestError> {
+        let pps = self.m.pages_per_slot();
+        let first_slot = slat_kvm::FIRST_SLOT;
+        match self.log {
+            LogMode::Get | LogMode::Clear => {
+                let mut buf = vec![0u64; pps.div_ceil(64) as usize];
+                let mut n = 0;
+                let ids: Vec<u32> = self.m.slot_ids().collect();
+                for (k, id) in ids.into_iter().enumerate() {
+                    self.m
+                        .get_dirty_log(id, &mut buf)
+                        .map_err(GuestError::from)?;
+                    n += add_bitmap(into, k as u64 * pps, pps, &buf);
+                    if self.log == LogMode::Clear {
+                        self.m
+                            .clear_dirty_log(id, 0, pps, &buf)
+                            .map_err(GuestError::from)?;
+                    }
+                }
+                Ok(n)
+            }
+            LogMode::Ring => {
+                let slots = self.shape.slots;
+                let mut n = 0;
+                self.m.collect_dirty_rings(|slot, off| {
+                    // Address space 0 only; the low slot (code, stacks) never logs.
+                    if slot >= first_slot && slot < first_slot + slots && off < pps {
+                        into.insert((slot - first_slot) as u64 * pps + off);
+                        n += 1;
+                    }
+                });
+                self.m.reset_dirty_rings().map_err(GuestError::from)?;
+                Ok(n)
+            }
+        }
+    }
+    fn start(&self, work: WorkSpec) -> Result<(), GuestError> {
+        let mut d = lock(&self.driver);
+        if d.is_some() {
+            return Err(GuestError("a workload is already running".into()));
+        }
+        if work.write_percent != 100 {
+            return Err(GuestError(
+                "the kvm guest's writer writes on every access: -w applies to --backend sim only"
+                    .into(),
+            ));
+        }
+        self.ctl.rate.store(work.rate, Ordering::Relaxed);
+        self.ctl.stop.store(false, Ordering::Relaxed);
+        *lock(&self.ctl.error) = None;
+        let (m, ctl) = (self.m.clone(), self.ctl.clone());
+        let vcpus = self.shape.vcpus as u64;
+        let seed = work.seed;
+        let h = std::thread::Builder::new()
+            .name("kvm-burst".into())
+            .spawn(move || KvmGuest::drive(m, ctl, seed, vcpus))
+            .map_err(|e| GuestError(format!("cannot start the burst driver: {e}")))?;
+        *d = Some(h);
+        Ok(())
+    }
+    fn pause(&self) -> Result<(), GuestError> {
+        let Some(h) = lock(&self.driver).take() else {
+            return Ok(());
+        };
+        self.ctl.stop.store(true, Ordering::Relaxed);
+        if h.join().is_err() {
+            return Err(GuestError("the burst driver thread panicked".into()));
+        }
+        match lock(&self.ctl.error).take() {
+            Some(e) => Err(GuestError(e)),
+            None => Ok(()),
+        }
+    }
+    fn running(&self) -> bool {
+        lock(&self.driver).is_some()
+    }
+    fn set_throttle(&self, percent: u32) {
+        self.ctl.throttle.store(percent.min(99), Ordering::Relaxed);
+    }
+    fn throttle(&self) -> u32 {
+        self.ctl.throttle.load(Ordering::Relaxed)
+    }
+    fn throttled(&self) -> Duration {
+        Duration::from_nanos(self.ctl.throttled_ns.load(Ordering::Relaxed))
+    }
+    fn writes(&self) -> u64 {
+        self.ctl.writes.load(Ordering::Relaxed)
+    }
+    fn populate(&self) -> Result<(), GuestError> {
+        self.m
+            .run_pass(slat_kvm::PassParams::default())
+            .map(drop)
+            .map_err(GuestError::from)
+    }
+}
+
+impl Drop for KvmGuest {
+    fn drop(&mut self) {
+        let _ = self.pause();
+    }
+}
+
+/// Guest RAM of the test region, read and written by the host.
+///
+/// Reads while vCPUs run use relaxed atomic loads word by word (a vCPU may be storing to the
+/// same page; the dirty log, not this read, is what makes the copy right). Whole-range slices
+/// and writes are only handed out while the vCPUs are stopped, which the caller states by
+/// calling the `stopped_*` methods and which they check.
+pub struct Memory<'g> {
+    guest: &'g dyn Guest,
+    base: u64,
+    pages: u64,
+}
+
+impl<'g> Memory<'g> {
+    /// The test region of `guest`.
+    pub fn new(guest: &'g dyn Guest) -> Memory<'g> {
+        Memory {
+            guest,
+            base: guest.host_base(),
+            pages: guest.shape().total_pages(),
+        }
+    }
+
+    /// Pages in the region.
+    pub fn pages(&self) -> u64 {
+        self.pages
+    }
+
+    /// Copies page `p` into `out` (one page) while vCPUs may be writing it.
+    pub fn read_page(&self, p: u64, out: &mut [u8]) {
+        assert!(p < self.pages && out.len() == PAGE_SIZE);
+        let src = (self.base + p * PAGE_SIZE as u64) as *const u64;
+        for (i, chunk) in out.chunks_exact_mut(8).enumerate() {
+            // SAFETY: `p` is inside the test region, which stays mapped while the guest
+            // (borrowed by `self`) lives; the address is 8-byte aligned; vCPUs store to guest
+            // memory atomically, so an atomic load is the race-free way to read beside them.
+            let v = unsafe { AtomicU64::from_ptr(src.add(i) as *mut u64) }.load(Ordering::Relaxed);
+            chunk.copy_from_slice(&v.to_ne_bytes());
+        }
+    }
+
+    /// Pages `first..end` as bytes, while the vCPUs are stopped.
+    pub fn stopped_range(&self, first: u64, end: u64) -> Result<&[u8], GuestError> {
+        if self.guest.running() {
+            return Err(GuestError(
+                "guest memory was read as a whole while the vCPUs ran".into(),
+            ));
+        }
+        assert!(first <= end && end <= self.pages);
+        // SAFETY: the range lies in the test region, mapped while the guest (borrowed by
+        // `self`) lives. Nothing writes it while the slice lives: no vCPU runs (checked above;
+        // only the migration that holds this borrow starts them), and the only host writer,
+        // `stopped_write_page`, is called by the same thread between hashes, never while a
+        // slice from here is alive (callers hash the slice and drop it at once).
+        Ok(unsafe {
+            std::slice::from_raw_parts(
+                (self.base + first * PAGE_SIZE as u64) as *const u8,
+                ((end - first) * PAGE_SIZE as u64) as usize,
+            )
+        })
+    }
+
+    /// Writes page `p` while the vCPUs are stopped (the destination, before switch-over).
+    pub fn stopped_write_page(&self, p: u64, data: &[u8]) -> Result<(), GuestError> {
+        if self.guest.running() {
+            return Err(GuestError(
+                "guest memory was written while the vCPUs ran".into(),
+            ));
+        }
+        assert!(p < self.pages && data.len() == PAGE_SIZE);
+        // SAFETY: inside the mapped test region (as in `stopped_range`); no vCPU runs, and
+        // the destination is the only writer while it receives.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                (self.base + p * PAGE_SIZE as u64) as *mut u8,
+                PAGE_SIZE,
+            );
+        }
+        Ok(())
+    }
+
+    /// Fills `percent` of the pages (chosen by `seed`) with pseudo-random bytes and zeroes
+    /// the rest, while the vCPUs are stopped: a guest whose memory holds data, not only
+    /// the 8-byte stamps of its workload, so pages cost their real size on the wire and a
+    /// wrong byte anywhere shows in the hashes.
+    pub fn stopped_fill(&self, percent: u32, seed: u64) -> Result<(), GuestError> {
+        let mut page = vec![0u8; PAGE_SIZE];
+        for p in 0..self.pages {
+            let mut x = splitmix(seed ^ p.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            if x % 100 < percent as u64 {
+                for c in page.chunks_exact_mut(8) {
+                    x = splitmix(x);
+                    c.copy_from_slice(&x.to_ne_bytes());
+                }
+            } else {
+                page.fill(0);
+            }
+            self.stopped_write_page(p, &page)?;
+        }
+        Ok(())
+    }
+}
+
+/// SplitMix64: a fast, well-mixed step for filler bytes and seeded test schedules.
+pub fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}

@@ -1,0 +1,109 @@
+//! The source's sending side of the connection: a bandwidth cap, a byte count, and the
+//! fault injection the tests use to cut or corrupt a stream at a chosen byte.
+
+use std::io::{self, Write};
+use std::net::{Shutdown, TcpStream};
+use std::time::{Duration, Instant};
+
+/// Deliberate faults, for tests: a cut connection, a corrupted byte, a wrong protocol
+/// version, and a broken source that skips the final harvest or forgets harvested pages when
+/// an attempt fails. Never set outside tests and demonstrations.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Faults {
+    /// Shut the connection down once this many stream bytes were written.
+    pub cut_after: Option<u64>,
+    /// Flip the bits of the stream byte at this offset.
+    pub corrupt_at: Option<u64>,
+    /// Send this protocol version instead of ours.
+    pub version: Option<u32>,
+    /// Skip the harvest after the vCPUs stop (pages dirtied in the last round stay behind).
+    pub skip_final_harvest: bool,
+    /// On failure, drop the pages harvested but not acknowledged instead of keeping them
+    /// owed (Firecracker issue #4545's bug).
+    pub skip_merge_back: bool,
+    /// Wait this long between the decision to stop pre-copy and the pause, with the guest
+    /// still writing: widens the window only the final harvest covers (harmless for a
+    /// correct source).
+    pub pause_delay: Option<std::time::Duration>,
+}
+
+/// Writes to the destination with an optional bandwidth cap.
+pub(crate) struct Link {
+    s: TcpStream,
+    written: u64,
+    /// Bytes per second (0: unlimited).
+    cap: u64,
+    /// Start of the cap's accounting window, and bytes sent in it.
+    window: (Instant, u64),
+    faults: Faults,
+}
+
+/// The cap is enforced per chunk of this size, so a big frame does not go out in one burst.
+const CHUNK: usize = 64 << 10;
+
+impl Link {
+    pub(crate) fn new(s: TcpStream, cap: u64, faults: Faults) -> Link {
+        Link {
+            s,
+            written: 0,
+            cap,
+            window: (Instant::now(), 0),
+            faults,
+        }
+    }
+
+    /// Bytes written so far.
+    pub(crate) fn written(&self) -> u64 {
+        self.written
+    }
+
+    fn pace(&mut self, n: usize) {
+        if self.cap == 0 {
+            return;
+        }
+        let (t0, sent) = self.window;
+        let due = Duration::from_secs_f64((sent + n as u64) as f64 / self.cap as f64);
+        let elapsed = t0.elapsed();
+        if due > elapsed {
+            std::thread::sleep(due - elapsed);
+        }
+        // Restart the window now and then so an idle period does not bank a burst.
+        if elapsed > Duration::from_secs(1) {
+            self.window = (Instant::now(), 0);
+        } else {
+            self.window.1 += n as u64;
+        }
+    }
+}
+
+impl Write for Link {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let mut n = buf.len().min(CHUNK);
+        if let Some(cut) = self.faults.cut_after {
+            if self.written >= cut {
+                let _ = self.s.shutdown(Shutdown::Both);
+                return Err(io::Error::new(
+                    io::ErrorKind::ConnectionAborted,
+                    format!("connection cut after {cut} bytes (injected)"),
+                ));
+            }
+            n = n.min((cut - self.written) as usize);
+        }
+        self.pace(n);
+        let w = match self.faults.corrupt_at {
+            Some(at) if at >= self.written && at < self.written + n as u64 => {
+                let mut copy = buf[..n].to_vec();
+                copy[(at - self.written) as usize] ^= 0xff;
+                self.s.write(&copy)?
+            }
+            _ => self.s.write(&buf[..n])?,
+        };
+        self.written += w as u64;
+        Ok(w)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.s.flush()
+    }
+}

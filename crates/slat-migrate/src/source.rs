@@ -1,0 +1,788 @@
+//! The sending end: pre-copy rounds driven by the dirty log, auto-converge, stop-and-copy,
+//! verification and switch-over; and what survives a failed attempt.
+//!
+//! # What the source remembers between attempts
+//!
+//! [`Source`] owns one set, `owed`: the pages the destination does not provably hold in their
+//! current contents. A page enters it when a harvest reports it dirty (or, for a destination
+//! that starts empty, all pages at once) and leaves it only when the destination acknowledges
+//! the batch that carried it. Dirty logging stays on from the first attempt to the end, so a
+//! write at any time is either in the log or after the read that sent the page.
+//!
+//! A harvest *consumes* the log: once it returns, the engine (or KVM) no longer remembers
+//! those pages. If the connection breaks after a harvest and before the destination
+//! acknowledged the pages, they are still in `owed` — merged back — and the next attempt
+//! sends them first. A source that forgot them would resume into a destination with stale
+//! pages, which is the bug of Firecracker issue #4545 (a failed snapshot write lost the dirty
+//! bits KVM had already cleared); [`crate::Faults::skip_merge_back`] reproduces it so a test
+//! can watch verification catch it.
+//!
+//! # Rounds
+//!
+//! Round 0 sends everything owed (all memory for a fresh destination). Each later round
+//! first harvests; if the owed pages could then be sent within `max_downtime` at the
+//! bandwidth measured so far — or `max_rounds` are done — pre-copy ends. Otherwise the round
+//! sends them. The destination acknowledges every batch; a round ends when all its batches
+//! are acknowledged, and only then does the next harvest run (an acknowledgement arriving
+//! after a later harvest re-added the page would wrongly clear it).
+//!
+//! # Switch-over
+//!
+//! Pause the vCPUs → final harvest → send what is owed → hash all memory (vCPUs stopped)
+//! and send the hashes → the destination compares and answers → on a match, send
+//! `Commit`. Downtime is measured from the pause to the moment `Commit` is written: it
+//! includes the final harvest, the final pages, hashing on both sides and one round trip.
+//! On any failure before `Commit` the vCPUs run again on the source.
+
+use crate::error::{MigrateError, StreamError};
+use crate::guest::{splitmix, Guest, Memory};
+use crate::link::{Faults, Link};
+use crate::page_set::PageSet;
+use crate::stream::{
+    self, BatchBuilder, Compression, FrameReader, Hello, Msg, WorkSpec, MAX_BATCH_PAGES,
+    MAX_HASHES, PAGE_SIZE, VERSION,
+};
+use crate::throttle::AutoConverge;
+use crate::verify::{self, RANGE_PAGES};
+use std::collections::VecDeque;
+use std::io::Write;
+use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How the source migrates.
+#[derive(Debug, Clone)]
+pub struct SourceConfig {
+    /// Longest acceptable stop-and-copy transfer: pre-copy ends once the owed pages could be
+    /// sent in this time at the measured bandwidth.
+    pub max_downtime: Duration,
+    /// Pre-copy rounds after the full copy before stopping regardless.
+    pub max_rounds: u32,
+    /// Bytes per second on the wire (0: unlimited).
+    pub bandwidth: u64,
+    /// Compression of non-zero pages.
+    pub compression: Compression,
+    /// Throttle the vCPUs when the guest outruns the link.
+    pub auto_converge: bool,
+    /// First throttle step, percent.
+    pub throttle_initial: u32,
+    /// Later throttle steps, percent.
+    pub throttle_step: u32,
+    /// Pages per batch (one acknowledgement each).
+    pub batch_pages: u32,
+    /// Connect, write and acknowledgement timeout.
+    pub timeout: Duration,
+    /// Deliberate faults (tests).
+    #[doc(hidden)]
+    pub faults: Faults,
+}
+
+impl Default for SourceConfig {
+    fn default() -> Self {
+        SourceConfig {
+            max_downtime: Duration::from_millis(300),
+            max_rounds: 30,
+            bandwidth: 0,
+            compression: Compression::None,
+            auto_converge: true,
+            throttle_initial: 20,
+            throttle_step: 10,
+            batch_pages: 256,
+            timeout: Duration::from_secs(30),
+            faults: Faults::default(),
+        }
+    }
+}
+
+/// One round.
+#[derive(Debug, Clone, Default)]
+pub struct RoundReport {
+    /// 0: the full copy; the stop-and-copy round is the last.
+    pub round: u32,
+    /// Pages sent.
+    pub pages: u64,
+    /// Of which zero pages (sent as markers).
+    pub zero_pages: u64,
+    /// Bytes written to the socket.
+    pub bytes: u64,
+    /// From the first byte to the last acknowledgement.
+    pub time: Duration,
+    /// Pages the next harvest reported: what the guest dirtied while this round ran.
+    pub dirtied: u64,
+    /// Throttle while the round ran.
+    pub throttle: u32,
+    /// The round ran with the vCPUs stopped.
+    pub stop_and_copy: bool,
+}
+
+impl RoundReport {
+    /// Bytes per second.
+    pub fn bandwidth(&self) -> f64 {
+        rate(self.bytes as f64, self.time)
+    }
+}
+
+/// A completed migration.
+#[derive(Debug, Clone, Default)]
+pub struct MigrationReport {
+    /// Which attempt of this source succeeded (1 = the first).
+    pub attempt: u32,
+    /// The destination kept this guest's memory from an earlier attempt.
+    pub resumed: bool,
+    /// The destination's machine.
+    pub dest_backend: String,
+    /// Connect to the destination's welcome.
+    pub setup: Duration,
+    /// Connect to switch-over.
+    pub total: Duration,
+    /// vCPUs paused to switch-over (final harvest + final send + verification + round trip).
+    pub downtime: Duration,
+    /// Of the downtime: the harvest after the pause.
+    pub final_harvest: Duration,
+    /// Of the downtime: sending the last pages until acknowledged.
+    pub final_send: Duration,
+    /// Of the downtime: hashing on both sides and the answer.
+    pub verify: Duration,
+    /// Every round, the stop-and-copy round last.
+    pub rounds: Vec<RoundReport>,
+    /// Pre-copy ended because the rest fitted `max_downtime` (not because of `max_rounds`).
+    pub converged: bool,
+    /// The transfer time the last decision expected for the stop-and-copy round.
+    pub expected_final: Duration,
+    /// Highest throttle, percent.
+    pub throttle_max: u32,
+    /// (round, percent) at each throttle change.
+    pub throttle_changes: Vec<(u32, u32)>,
+    /// vCPU time taken away by the throttle during the attempt (summed over vCPUs).
+    pub throttled: Duration,
+    /// Guest writes from connect to pause.
+    pub guest_writes: u64,
+    /// Connect to pause.
+    pub precopy: Duration,
+    /// Pages the harvests reported after the full copy started (dirtied during pre-copy).
+    pub dirtied: u64,
+    /// Verification ranges compared (all matched).
+    pub verify_ranges: u64,
+    /// Pages per range.
+    pub range_pages: u32,
+    /// What the destination reported after running the guest: (pages touched, for how long).
+    pub dest_resumed: Option<(u64, Duration)>,
+}
+
+impl MigrationReport {
+    /// Pages sent over all rounds.
+    pub fn pages(&self) -> u64 {
+        self.rounds.iter().map(|r| r.pages).sum()
+    }
+    /// Bytes sent over all rounds (page batches only).
+    pub fn bytes(&self) -> u64 {
+        self.rounds.iter().map(|r| r.bytes).sum()
+    }
+    /// Average bandwidth over all rounds, bytes per second.
+    pub fn bandwidth(&self) -> f64 {
+        rate(
+            self.bytes() as f64,
+            self.rounds.iter().map(|r| r.time).sum(),
+        )
+    }
+    /// Pages dirtied per second during pre-copy (as the harvests saw them).
+    pub fn dirty_rate(&self) -> f64 {
+        rate(self.dirtied as f64, self.precopy)
+    }
+    /// Guest writes per second during pre-copy.
+    pub fn write_rate(&self) -> f64 {
+        rate(self.guest_writes as f64, self.precopy)
+    }
+}
+
+fn rate(x: f64, t: Duration) -> f64 {
+    if t.is_zero() {
+        0.0
+    } else {
+        x / t.as_secs_f64()
+    }
+}
+
+/// What the source reports while it works.
+#[derive(Debug)]
+pub enum Event<'a> {
+    /// The destination answered.
+    Connected {
+        /// It kept this guest's memory from an earlier attempt.
+        resume: bool,
+        /// Its machine.
+        backend: &'a str,
+    },
+    /// A round finished (its `dirtied` is filled in by the next harvest, so still 0 here).
+    Round(&'a RoundReport),
+    /// The throttle changed.
+    Throttle(u32),
+    /// The vCPUs stopped; this many pages are owed.
+    Paused(u64),
+}
+
+/// The sending end, owning a running guest; it survives failed attempts.
+pub struct Source {
+    guest: Arc<dyn Guest>,
+    work: WorkSpec,
+    cfg: SourceConfig,
+    owed: PageSet,
+    session: u64,
+    attempts: u32,
+    logging: bool,
+    migrated: bool,
+}
+
+/// Frames the reader thread received, or why it stopped.
+type Inbox = Receiver<Result<Msg, StreamError>>;
+
+impl Source {
+    /// A source for `guest`, whose workload is `work` (started by [`Source::start_guest`]).
+    pub fn new(guest: Arc<dyn Guest>, work: WorkSpec, cfg: SourceConfig) -> Source {
+        let pages = guest.shape().total_pages();
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+            ^ ((std::process::id() as u64) << 32);
+        Source {
+            guest,
+            work,
+            cfg,
+            owed: PageSet::full(pages),
+            session: splitmix(seed),
+            attempts: 0,
+            logging: false,
+            migrated: false,
+        }
+    }
+
+    /// The guest.
+    pub fn guest(&self) -> &Arc<dyn Guest> {
+        &self.guest
+    }
+
+    /// Starts the workload on the source's vCPUs.
+    pub fn start_guest(&self) -> Result<(), MigrateError> {
+        Ok(self.guest.start(self.work)?)
+    }
+
+    /// Pages the destination does not have yet, as far as this source knows.
+    pub fn owed(&self) -> u64 {
+        self.owed.count()
+    }
+
+    /// The guest has been switched over to a destination.
+    pub fn migrated(&self) -> bool {
+        self.migrated
+    }
+
+    /// Attempts so far.
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+
+    /// The configuration (tests change faults between attempts).
+    pub fn config_mut(&mut self) -> &mut SourceConfig {
+        &mut self.cfg
+    }
+
+    /// Migrates the guest to the destination listening at `addr`. On failure the guest keeps
+    /// running here, and a later call continues where the destination's memory allows.
+    pub fn migrate(
+        &mut self,
+        addr: &str,
+        progress: &mut dyn FnMut(Event<'_>),
+    ) -> Result<MigrationReport, MigrateError> {
+        if self.migrated {
+            return Err(MigrateError::AlreadyMigrated);
+        }
+        if self.cfg.batch_pages == 0 || self.cfg.batch_pages > MAX_BATCH_PAGES {
+            return Err(MigrateError::Config(format!(
+                "batch of {} pages: between 1 and {MAX_BATCH_PAGES}",
+                self.cfg.batch_pages
+            )));
+        }
+        self.attempts += 1;
+        let r = self.attempt(addr, progress);
+        self.guest.set_throttle(0);
+        if r.is_err() && !self.migrated && !self.guest.running() {
+            // The guest stopped for the switch-over that did not happen: it runs on here.
+            if let Err(e) = self.guest.start(self.work) {
+                let first = r.err().map(|e| e.to_string()).unwrap_or_default();
+                return Err(MigrateError::Guest(crate::GuestError(format!(
+                    "{first}; then the guest could not be restarted on the source: {e}"
+                ))));
+            }
+        }
+        r
+    }
+
+    fn attempt(
+        &mut self,
+        addr: &str,
+        progress: &mut dyn FnMut(Event<'_>),
+    ) -> Result<MigrationReport, MigrateError> {
+        let t_connect = Instant::now();
+        let stream = connect(addr, self.cfg.timeout)?;
+        let io =
+            |e: std::io::Error| MigrateError::stream("connecting", StreamError::Io(e.to_string()));
+        stream.set_nodelay(true).map_err(io)?;
+        stream
+            .set_write_timeout(Some(self.cfg.timeout))
+            .map_err(io)?;
+        let (inbox, reader) = spawn_reader(stream.try_clone().map_err(io)?, self.cfg.timeout)?;
+        let link = Link::new(
+            stream.try_clone().map_err(io)?,
+            self.cfg.bandwidth,
+            self.cfg.faults,
+        );
+        let mut conn = Conn {
+            link,
+            inbox,
+            timeout: self.cfg.timeout,
+        };
+        let r = self.run(&mut conn, t_connect, progress);
+        // Ends the reader thread (its read fails) whatever happened.
+        let _ = stream.shutdown(Shutdown::Both);
+        let _ = reader.join();
+        r
+    }
+
+    fn run(
+        &mut self,
+        conn: &mut Conn,
+        t_connect: Instant,
+        progress: &mut dyn FnMut(Event<'_>),
+    ) -> Result<MigrationReport, MigrateError> {
+        let shape = self.guest.shape();
+        let pages = shape.total_pages();
+        let faults = self.cfg.faults;
+        let mut report = MigrationReport {
+            attempt: self.attempts,
+            range_pages: RANGE_PAGES,
+            ..MigrationReport::default()
+        };
+        // Handshake.
+        let phase = "handshake";
+        conn.send_raw(&stream::preamble(faults.version.unwrap_or(VERSION)), phase)?;
+        conn.send(
+            &Msg::Hello(Hello {
+                session: self.session,
+                attempt: self.attempts,
+                shape,
+                slots: shape.slot_layout(),
+                work: self.work,
+                compression: self.cfg.compression,
+                range_pages: RANGE_PAGES,
+                backend: self.guest.backend().name().into(),
+            }),
+            phase,
+        )?;
+        match conn.recv(phase)? {
+            Msg::Welcome { resume, backend } => {
+                report.resumed = resume;
+                report.dest_backend = backend;
+            }
+            m => return Err(unexpected(phase, &m)),
+        }
+        report.setup = t_connect.elapsed();
+        if !report.resumed {
+            // A destination that starts empty needs every page.
+            self.owed.set_all();
+        }
+        progress(Event::Connected {
+            resume: report.resumed,
+            backend: &report.dest_backend,
+        });
+        if !self.logging {
+            self.guest.set_dirty_logging(true)?;
+            self.logging = true;
+        }
+        let writes0 = self.guest.writes();
+        let throttled0 = self.guest.throttled();
+        let mut ac = AutoConverge::new(
+            self.cfg.auto_converge,
+            self.cfg.throttle_initial,
+            self.cfg.throttle_step,
+        );
+        let mut sender = Sender {
+            builder: BatchBuilder::new(self.cfg.compression),
+            seq: 0,
+            batch: self.cfg.batch_pages as usize,
+            faults,
+        };
+
+        // Pre-copy.
+        let mut round = 0u32;
+        loop {
+            let dirtied = self.guest.harvest(&mut self.owed)?;
+            if let Some(prev) = report.rounds.last_mut() {
+                prev.dirtied = dirtied;
+                report.dirtied += dirtied;
+                if let Some(t) = ac.after_round(prev.round, dirtied, prev.pages) {
+                    self.guest.set_throttle(t);
+                    progress(Event::Throttle(t));
+                }
+            }
+            let owed = self.owed.count();
+            if round > 0 {
+                let sent: u64 = report.rounds.iter().map(|r| r.bytes).sum();
+                let spent: Duration = report.rounds.iter().map(|r| r.time).sum();
+                let per_page = sent as f64 / report.pages().max(1) as f64;
+                let bw = rate(sent as f64, spent).max(1.0);
+                let expect = Duration::from_secs_f64(owed as f64 * per_page / bw);
+                report.expected_final = expect;
+                if expect <= self.cfg.max_downtime {
+                    report.converged = true;
+                    break;
+                }
+                if round > self.cfg.max_rounds {
+                    break;
+                }
+            }
+            let r = sender.round(
+                conn,
+                &self.guest,
+                &mut self.owed,
+                round,
+                false,
+                &format!("round {round}"),
+            )?;
+            progress(Event::Round(&r));
+            report.rounds.push(r);
+            round += 1;
+        }
+
+        // Stop-and-copy.
+        if let Some(d) = faults.pause_delay {
+            std::thread::sleep(d);
+        }
+        let t_pause = Instant::now();
+        self.guest.pause()?;
+        report.precopy = t_pause - t_connect;
+        report.guest_writes = self.guest.writes() - writes0;
+        report.throttled = self.guest.throttled().saturating_sub(throttled0);
+        let t = Instant::now();
+        if !faults.skip_final_harvest {
+            let dirtied = self.guest.harvest(&mut self.owed)?;
+            // The last pre-copy round's writes reach up to the pause.
+            if let Some(prev) = report.rounds.last_mut() {
+                prev.dirtied += dirtied;
+                report.dirtied += dirtied;
+            }
+        }
+        report.final_harvest = t.elapsed();
+        progress(Event::Paused(self.owed.count()));
+        let t = Instant::now();
+        let last = sender.round(
+            conn,
+            &self.guest,
+            &mut self.owed,
+            round,
+            true,
+            "stop-and-copy",
+        )?;
+        report.final_send = t.elapsed();
+        progress(Event::Round(&last));
+        report.rounds.push(last);
+
+        // Verification: hashes of memory as it is now, with the vCPUs stopped.
+        let phase = "verification";
+        let t = Instant::now();
+        let mem = Memory::new(&*self.guest);
+        let nranges = verify::ranges(pages, RANGE_PAGES);
+        let mut hashes = Vec::with_capacity(MAX_HASHES as usize);
+        let mut first = 0u64;
+        for i in 0..nranges {
+            let (a, b) = verify::range_pages(i, RANGE_PAGES, pages);
+            hashes.push(verify::hash_range(i, mem.stopped_range(a, b)?));
+            // Frames of 256 hashes (64 MiB of guest memory): the destination hashes one
+            // while the next is computed here.
+            if hashes.len() == 256 || i + 1 == nranges {
+                let n = hashes.len() as u64;
+                conn.send(
+                    &Msg::Hashes {
+                        first,
+                        hashes: std::mem::take(&mut hashes),
+                    },
+                    phase,
+                )?;
+                first += n;
+            }
+        }
+        conn.send(
+            &Msg::Verify {
+                ranges: nranges,
+                range_pages: RANGE_PAGES,
+            },
+            phase,
+        )?;
+        match conn.recv(phase)? {
+            Msg::Verified {
+                ranges,
+                mismatched,
+                first,
+            } => {
+                let v = verify::VerifyReport {
+                    ranges,
+                    range_pages: RANGE_PAGES,
+                    mismatched,
+                    first,
+                };
+                if !v.ok() || ranges != nranges {
+                    return Err(MigrateError::Verification {
+                        ranges,
+                        mismatched,
+                        range_pages: RANGE_PAGES,
+                        first: v.describe_first(),
+                    });
+                }
+                report.verify_ranges = ranges;
+            }
+            m => return Err(unexpected(phase, &m)),
+        }
+        report.verify = t.elapsed();
+
+        // Switch-over.
+        conn.send(&Msg::Commit, "switch-over")?;
+        report.downtime = t_pause.elapsed();
+        report.total = t_connect.elapsed();
+        self.migrated = true;
+        // The destination runs the guest briefly and says so; not hearing it does not undo a
+        // committed switch-over.
+        if let Ok(Msg::Resumed { touched, micros }) = conn.recv("the destination's resume report") {
+            report.dest_resumed = Some((touched, Duration::from_micros(micros)));
+        }
+        report.throttle_max = ac.max();
+        report.throttle_changes = ac.changes.clone();
+        Ok(report)
+    }
+}
+
+/// The connection of one attempt.
+struct Conn {
+    link: Link,
+    inbox: Inbox,
+    timeout: Duration,
+}
+
+impl Conn {
+    fn send_raw(&mut self, bytes: &[u8], phase: &str) -> Result<(), MigrateError> {
+        match self.link.write_all(bytes) {
+            Ok(()) => Ok(()),
+            // The destination may have said why it stopped reading.
+            Err(e) => Err(self
+                .refusal()
+                .unwrap_or_else(|| MigrateError::stream(phase, StreamError::io(&e, self.timeout)))),
+        }
+    }
+
+    fn send(&mut self, m: &Msg, phase: &str) -> Result<(), MigrateError> {
+        self.send_raw(&stream::frame(m), phase)
+    }
+
+    /// A refusal the destination sent, if one is waiting.
+    fn refusal(&self) -> Option<MigrateError> {
+        let deadline = Instant::now() + Duration::from_millis(200);
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match self.inbox.recv_timeout(left) {
+                Ok(Ok(Msg::Refuse(reason))) => {
+                    return Some(MigrateError::Refused {
+                        who: "destination",
+                        reason,
+                    })
+                }
+                Ok(Ok(_)) => continue,
+                _ => return None,
+            }
+        }
+        None
+    }
+
+    /// The next message, waiting at most the timeout.
+    fn recv(&mut self, phase: &str) -> Result<Msg, MigrateError> {
+        match self.inbox.recv_timeout(self.timeout) {
+            Ok(Ok(Msg::Refuse(reason))) => Err(MigrateError::Refused {
+                who: "destination",
+                reason,
+            }),
+            Ok(Ok(m)) => Ok(m),
+            Ok(Err(e)) => Err(MigrateError::stream(phase, e)),
+            Err(RecvTimeoutError::Timeout) => Err(MigrateError::stream(
+                phase,
+                StreamError::Timeout(self.timeout),
+            )),
+            Err(RecvTimeoutError::Disconnected) => Err(MigrateError::stream(
+                phase,
+                StreamError::Closed { what: "the reply" },
+            )),
+        }
+    }
+
+    /// Like `recv`, without waiting.
+    fn try_recv(&mut self, phase: &str) -> Result<Option<Msg>, MigrateError> {
+        match self.inbox.try_recv() {
+            Ok(Ok(Msg::Refuse(reason))) => Err(MigrateError::Refused {
+                who: "destination",
+                reason,
+            }),
+            Ok(Ok(m)) => Ok(Some(m)),
+            Ok(Err(e)) => Err(MigrateError::stream(phase, e)),
+            Err(mpsc::TryRecvError::Empty) => Ok(None),
+            Err(mpsc::TryRecvError::Disconnected) => Err(MigrateError::stream(
+                phase,
+                StreamError::Closed {
+                    what: "the acknowledgements",
+                },
+            )),
+        }
+    }
+}
+
+/// Sends rounds of pages in batches and settles their acknowledgements.
+struct Sender {
+    builder: BatchBuilder,
+    seq: u64,
+    batch: usize,
+    faults: Faults,
+}
+
+impl Sender {
+    /// Sends every owed page; returns when the destination acknowledged all of them.
+    fn round(
+        &mut self,
+        conn: &mut Conn,
+        guest: &Arc<dyn Guest>,
+        owed: &mut PageSet,
+        round: u32,
+        stop_and_copy: bool,
+        phase: &str,
+    ) -> Result<RoundReport, MigrateError> {
+        let t0 = Instant::now();
+        let bytes0 = conn.link.written();
+        let throttle = guest.throttle();
+        let mem = Memory::new(&**guest);
+        let todo: Vec<u64> = owed.iter().collect();
+        let mut inflight: VecDeque<(u64, Vec<u64>)> = VecDeque::new();
+        let mut page = vec![0u8; PAGE_SIZE];
+        let mut zero = 0u64;
+        for chunk in todo.chunks(self.batch) {
+            self.builder.start(self.seq, round);
+            for &p in chunk {
+                mem.read_page(p, &mut page);
+                self.builder.push(p, &page);
+                if self.faults.skip_merge_back {
+                    // The bug under test: the page counts as delivered once it is queued.
+                    owed.remove(p);
+                }
+            }
+            zero += self.builder.zero as u64;
+            let frame = self.builder.frame();
+            if let Err(e) = conn.link.write_all(frame) {
+                return Err(conn.refusal().unwrap_or_else(|| {
+                    MigrateError::stream(phase, StreamError::io(&e, conn.timeout))
+                }));
+            }
+            inflight.push_back((self.seq, chunk.to_vec()));
+            self.seq += 1;
+            while let Some(m) = conn.try_recv(phase)? {
+                settle(m, &mut inflight, owed, phase)?;
+            }
+        }
+        conn.send(
+            &Msg::RoundEnd {
+                round,
+                pages: todo.len() as u64,
+            },
+            phase,
+        )?;
+        while !inflight.is_empty() {
+            let m = conn.recv(phase)?;
+            settle(m, &mut inflight, owed, phase)?;
+        }
+        Ok(RoundReport {
+            round,
+            pages: todo.len() as u64,
+            zero_pages: zero,
+            bytes: conn.link.written() - bytes0,
+            time: t0.elapsed(),
+            dirtied: 0,
+            throttle,
+            stop_and_copy,
+        })
+    }
+}
+
+/// Applies an acknowledgement: the pages of the oldest batch in flight have landed.
+fn settle(
+    m: Msg,
+    inflight: &mut VecDeque<(u64, Vec<u64>)>,
+    owed: &mut PageSet,
+    phase: &str,
+) -> Result<(), MigrateError> {
+    let Msg::Ack { seq } = m else {
+        return Err(unexpected(phase, &m));
+    };
+    match inflight.pop_front() {
+        Some((s, pages)) if s == seq => {
+            for p in pages {
+                owed.remove(p);
+            }
+            Ok(())
+        }
+        _ => Err(MigrateError::stream(
+            phase,
+            StreamError::Protocol(format!(
+                "acknowledgement of batch {seq}, which is not the oldest in flight"
+            )),
+        )),
+    }
+}
+
+fn unexpected(phase: &str, m: &Msg) -> MigrateError {
+    MigrateError::stream(
+        phase,
+        StreamError::Protocol(format!("unexpected {} message", m.name())),
+    )
+}
+
+fn connect(addr: &str, timeout: Duration) -> Result<TcpStream, MigrateError> {
+    let err = |why: String| MigrateError::Connect {
+        addr: addr.to_string(),
+        why,
+    };
+    let addrs: Vec<_> = addr
+        .to_socket_addrs()
+        .map_err(|e| err(e.to_string()))?
+        .collect();
+    let mut last = "no address".to_string();
+    for a in addrs {
+        match TcpStream::connect_timeout(&a, timeout) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = e.to_string(),
+        }
+    }
+    Err(err(last))
+}
+
+/// Reads the destination's frames on a thread of their own, so acknowledgements drain while
+/// the source is busy writing.
+fn spawn_reader(s: TcpStream, timeout: Duration) -> Result<(Inbox, JoinHandle<()>), MigrateError> {
+    let (tx, rx) = mpsc::channel();
+    let h = std::thread::Builder::new()
+        .name("migrate-acks".into())
+        .spawn(move || {
+            let mut r = FrameReader::new(s, timeout);
+            loop {
+                let m = r.read_msg("the destination's reply");
+                let stop = m.is_err();
+                if tx.send(m).is_err() || stop {
+                    break;
+                }
+            }
+        })
+        .map_err(|e| MigrateError::Config(format!("cannot start a thread: {e}")))?;
+    Ok((rx, h))
+}
