@@ -278,3 +278,32 @@ fn impossible_combinations_are_refused_with_one_line_and_exit_2() {
         assert!(!err.contains("panicked"), "slat {cmd}: {err}");
     }
 }
+
+#[test]
+fn live_migration_runs_on_stage2_and_verifies() {
+    let out = ok(&[
+        "migrate-perf",
+        "-v",
+        "2",
+        "-b",
+        "16M",
+        "-s",
+        "anonymous_thp",
+        "--format",
+        "stage2",
+        "--log",
+        "ring",
+    ]);
+    assert!(out.contains("Verification: OK"), "{out}");
+    let (code, _, err) = slat(&[
+        "migrate-perf",
+        "-b",
+        "16M",
+        "--format",
+        "stage2",
+        "--backend",
+        "kvm",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--format stage2"), "{err}");
+}
