@@ -4,8 +4,11 @@
 //! in every harvest mode, with hardware-dirty tracking, without the fast path, over THP while
 //! logging is toggled; and idle page tracking reports exactly the pages a guest pass touched.
 
+#[macro_use]
+mod common;
+
 use slat::format::{PAGE_SHIFT, PAGE_SIZE};
-use slat::{AgeFlush, DirtyTrack, Ept, IdleBitmap, VmConfig};
+use slat::{AgeFlush, DirtyTrack, IdleBitmap, PteFormat, VmConfig};
 use slat_machine::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
 use slat_machine::memstress::Pattern;
 use slat_machine::{Backing, Machine, MachineConfig, PassParams};
@@ -16,6 +19,14 @@ use std::time::Duration;
 
 const MIB: u64 = 1 << 20;
 
+both_formats! {
+    every_mode_is_exact_while_aging_with_and_without_ad_bits,
+    variants_are_exact_while_aging,
+    exact_while_logging_is_toggled_and_aging_runs,
+    idle_tracking_sees_exactly_the_pages_a_pass_touched,
+    clear_young_misses_accesses_through_cached_translations,
+}
+
 fn seed() -> u32 {
     std::env::var("SLAT_TEST_SEED")
         .ok()
@@ -23,8 +34,13 @@ fn seed() -> u32 {
         .unwrap_or(0xa9e0)
 }
 
-fn machine(mode: LogMode, vm: VmConfig, backing: Backing, vcpus: usize) -> Machine<Ept> {
-    Machine::<Ept>::new(MachineConfig {
+fn machine<F: PteFormat>(
+    mode: LogMode,
+    vm: VmConfig,
+    backing: Backing,
+    vcpus: usize,
+) -> Machine<F> {
+    Machine::<F>::new(MachineConfig {
         vm,
         backing,
         vcpus,
@@ -47,8 +63,8 @@ struct AgerReport {
 
 /// Runs the oracle on `m` while a host thread ages the test region with every form of aging
 /// (clear_young mostly, clear_flush_young, test_young, mark_idle/read_idle).
-fn oracle_with_aging(
-    m: &Machine<Ept>,
+fn oracle_with_aging<F: PteFormat>(
+    m: &Machine<F>,
     mode: LogMode,
     iterations: u32,
     seed: u32,
@@ -62,7 +78,7 @@ fn oracle_with_aging(
         let stop = stop.clone();
         std::thread::spawn(move || {
             let mut a = AgerReport::default();
-            let mut idle = IdleBitmap::new::<Ept>(g0, npages).expect("bitmap");
+            let mut idle = IdleBitmap::new::<F>(g0, npages).expect("bitmap");
             while !stop.load(Ordering::Relaxed) {
                 let r = match a.passes % 8 {
                     3 => vm.clear_flush_young(g0, g0 + npages, |_, _| {}),
@@ -114,8 +130,7 @@ fn assert_exact(r: &OracleReport, a: &AgerReport, what: &str, seed: u32) {
     );
 }
 
-#[test]
-fn every_mode_is_exact_while_aging_with_and_without_ad_bits() {
+fn every_mode_is_exact_while_aging_with_and_without_ad_bits<F: PteFormat>() {
     let s = seed();
     for ad_bits in [false, true] {
         for mode in LogMode::ALL {
@@ -123,7 +138,7 @@ fn every_mode_is_exact_while_aging_with_and_without_ad_bits() {
                 ad_bits,
                 ..VmConfig::default()
             };
-            let m = machine(mode, vm, Backing::Anonymous, 3);
+            let m = machine::<F>(mode, vm, Backing::Anonymous, 3);
             let (r, a) = oracle_with_aging(&m, mode, 8, s, 0);
             let what = format!("{} ad_bits {ad_bits}", mode.name());
             assert_exact(&r, &a, &what, s);
@@ -136,8 +151,7 @@ fn every_mode_is_exact_while_aging_with_and_without_ad_bits() {
     }
 }
 
-#[test]
-fn variants_are_exact_while_aging() {
+fn variants_are_exact_while_aging<F: PteFormat>() {
     let s = seed().wrapping_add(1);
     let d = VmConfig::default();
     let cases = [
@@ -151,7 +165,8 @@ fn variants_are_exact_while_aging() {
             },
             Backing::Anonymous,
         ),
-        // Hardware-dirty logging: aging clears A, never the D bits the log relies on.
+        // Hardware-dirty logging: aging clears A, never the D bits the log relies on. (Stage-2
+        // has no D bit: this runs its write-protection fallback, which must be exact too.)
         (
             LogMode::DirtyLog,
             VmConfig {
@@ -188,7 +203,7 @@ fn variants_are_exact_while_aging() {
         ),
     ];
     for (mode, vm, backing) in cases {
-        let m = machine(mode, vm, backing, 2);
+        let m = machine::<F>(mode, vm, backing, 2);
         m.run_pass(PassParams::default()).expect("populate");
         let g0 = m.layout().gpa >> PAGE_SHIFT;
         m.vm()
@@ -200,8 +215,7 @@ fn variants_are_exact_while_aging() {
 
 /// Logging toggled off and on in the middle of iterations over THP (huge-page recovery from
 /// leaves that may be access-tracked, eager split of huge leaves that may be) while aging runs.
-#[test]
-fn exact_while_logging_is_toggled_and_aging_runs() {
+fn exact_while_logging_is_toggled_and_aging_runs<F: PteFormat>() {
     let s = seed().wrapping_add(2);
     for ad_bits in [false, true] {
         for mode in [LogMode::DirtyLog, LogMode::DirtyRing] {
@@ -209,7 +223,7 @@ fn exact_while_logging_is_toggled_and_aging_runs() {
                 ad_bits,
                 ..VmConfig::default()
             };
-            let m = machine(mode, vm, Backing::AnonymousThp, 2);
+            let m = machine::<F>(mode, vm, Backing::AnonymousThp, 2);
             m.run_pass(PassParams::default()).expect("populate");
             let (r, a) = oracle_with_aging(&m, mode, 7, s, 2);
             assert_exact(
@@ -229,11 +243,10 @@ fn touched(params: PassParams, vcpu: u32, pages: u64) -> HashSet<u64> {
 
 /// Marked idle with a flush, every access afterwards is seen: the idle bitmap is exactly the
 /// complement of the pages a random pass touched, in both hardware modes, per vCPU region.
-#[test]
-fn idle_tracking_sees_exactly_the_pages_a_pass_touched() {
+fn idle_tracking_sees_exactly_the_pages_a_pass_touched<F: PteFormat>() {
     let s = seed().wrapping_add(3);
     for ad_bits in [true, false] {
-        let m = Machine::<Ept>::new(MachineConfig {
+        let m = Machine::<F>::new(MachineConfig {
             vm: VmConfig {
                 ad_bits,
                 ..VmConfig::default()
@@ -249,7 +262,7 @@ fn idle_tracking_sees_exactly_the_pages_a_pass_touched() {
         let mut bitmaps: Vec<IdleBitmap> = (0..2)
             .map(|i| {
                 let (gpa, _, pages) = layout.region(i);
-                IdleBitmap::new::<Ept>(gpa >> PAGE_SHIFT, pages).expect("bitmap")
+                IdleBitmap::new::<F>(gpa >> PAGE_SHIFT, pages).expect("bitmap")
             })
             .collect();
         for b in bitmaps.iter_mut() {
@@ -287,10 +300,9 @@ fn idle_tracking_sees_exactly_the_pages_a_pass_touched() {
 /// What clear_young without a flush means: translations the vCPU cached before the marking
 /// keep working without setting A (or faulting), so a region within TLB reach looks idle after
 /// a pass over it; with clear_flush_young it does not.
-#[test]
-fn clear_young_misses_accesses_through_cached_translations() {
+fn clear_young_misses_accesses_through_cached_translations<F: PteFormat>() {
     for ad_bits in [true, false] {
-        let m = Machine::<Ept>::new(MachineConfig {
+        let m = Machine::<F>::new(MachineConfig {
             vm: VmConfig {
                 ad_bits,
                 ..VmConfig::default()
@@ -304,7 +316,7 @@ fn clear_young_misses_accesses_through_cached_translations() {
         m.run_pass(PassParams::default()).expect("populate");
         let layout = m.layout();
         let vm = m.vm();
-        let mut b = IdleBitmap::new::<Ept>(layout.gpa >> PAGE_SHIFT, 256).expect("bitmap");
+        let mut b = IdleBitmap::new::<F>(layout.gpa >> PAGE_SHIFT, 256).expect("bitmap");
         let read = PassParams {
             write_percent: 0,
             ..PassParams::default()

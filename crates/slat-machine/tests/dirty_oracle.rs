@@ -3,9 +3,14 @@
 //! added, deleted, moved and switched in and out of logging; and a deliberately broken harvest
 //! (no TLB flush) is caught.
 
+#[macro_use]
+mod common;
+
 use slat::dirty::inject;
 use slat::memslot::MemslotFlags;
-use slat::{Access, DirtyTrack, Ept, Fault, GetLogVariant, HostRange, RecoverVariant, VmConfig};
+use slat::{
+    Access, DirtyTrack, Fault, GetLogVariant, HostRange, PteFormat, RecoverVariant, VmConfig,
+};
 use slat_machine::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
 use slat_machine::{Backing, GuestRam, Machine, MachineConfig};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -14,6 +19,18 @@ use std::time::Duration;
 
 const MIB: u64 = 1 << 20;
 
+both_formats! {
+    every_mode_with_four_vcpus_is_exact,
+    variants_and_huge_backings_are_exact,
+    // D bits: stage-2 has no hardware dirty bit (HardwareDirty falls back to write
+    // protection there, which every other test here covers).
+    #[ept_only]
+    hardware_dirty_tracking_is_exact,
+    exact_while_logging_is_toggled_on_the_checked_slot,
+    exact_while_other_slots_churn,
+    a_harvest_without_its_flush_is_caught,
+}
+
 fn seed() -> u32 {
     std::env::var("SLAT_TEST_SEED")
         .ok()
@@ -21,14 +38,14 @@ fn seed() -> u32 {
         .unwrap_or(0x0d1e)
 }
 
-fn machine(
+fn machine<F: PteFormat>(
     mode: LogMode,
     vm: VmConfig,
     backing: Backing,
     vcpus: usize,
     bytes: u64,
-) -> Machine<Ept> {
-    Machine::<Ept>::new(MachineConfig {
+) -> Machine<F> {
+    Machine::<F>::new(MachineConfig {
         vm,
         backing,
         vcpus,
@@ -40,12 +57,12 @@ fn machine(
     .expect("machine")
 }
 
-fn oracle(m: &Machine<Ept>, mode: LogMode, iterations: u32, seed: u32) -> OracleReport {
+fn oracle<F: PteFormat>(m: &Machine<F>, mode: LogMode, iterations: u32, seed: u32) -> OracleReport {
     oracle_toggling(m, mode, iterations, seed, 0)
 }
 
-fn oracle_toggling(
-    m: &Machine<Ept>,
+fn oracle_toggling<F: PteFormat>(
+    m: &Machine<F>,
     mode: LogMode,
     iterations: u32,
     seed: u32,
@@ -75,11 +92,10 @@ fn assert_exact(r: &OracleReport, what: &str, seed: u32) {
     );
 }
 
-#[test]
-fn every_mode_with_four_vcpus_is_exact() {
+fn every_mode_with_four_vcpus_is_exact<F: PteFormat>() {
     let s = seed();
     for mode in LogMode::ALL {
-        let m = machine(mode, VmConfig::default(), Backing::Anonymous, 4, 8 * MIB);
+        let m = machine::<F>(mode, VmConfig::default(), Backing::Anonymous, 4, 8 * MIB);
         let r = oracle(&m, mode, 8, s);
         assert_exact(&r, mode.name(), s);
         if mode == LogMode::DirtyRing {
@@ -89,8 +105,7 @@ fn every_mode_with_four_vcpus_is_exact() {
     }
 }
 
-#[test]
-fn variants_and_huge_backings_are_exact() {
+fn variants_and_huge_backings_are_exact<F: PteFormat>() {
     let s = seed().wrapping_add(1);
     let d = VmConfig::default();
     let cases = [
@@ -138,7 +153,7 @@ fn variants_and_huge_backings_are_exact() {
         ),
     ];
     for (mode, vm, backing) in cases {
-        let m = machine(mode, vm, backing, 2, 8 * MIB);
+        let m = machine::<F>(mode, vm, backing, 2, 8 * MIB);
         // Map huge first, so enabling logging has something to split.
         m.run_pass(Default::default()).expect("populate");
         let r = oracle(&m, mode, 6, s);
@@ -152,8 +167,7 @@ fn variants_and_huge_backings_are_exact() {
 
 /// Hardware-dirty (PML-like) tracking: pages stay writable, the walker logs D transitions,
 /// harvests clear D. Exact in both bitmap modes, with the switch GET too, and over THP.
-#[test]
-fn hardware_dirty_tracking_is_exact() {
+fn hardware_dirty_tracking_is_exact<F: PteFormat>() {
     let s = seed().wrapping_add(4);
     let d = VmConfig {
         dirty_track: DirtyTrack::HardwareDirty,
@@ -173,7 +187,7 @@ fn hardware_dirty_tracking_is_exact() {
         ),
     ];
     for (mode, vm, backing) in cases {
-        let m = machine(mode, vm, backing, 3, 8 * MIB);
+        let m = machine::<F>(mode, vm, backing, 3, 8 * MIB);
         m.run_pass(Default::default()).expect("populate");
         let r = oracle(&m, mode, 8, s);
         assert_exact(&r, &format!("d-bit {} {vm:?} {backing}", mode.name()), s);
@@ -188,7 +202,7 @@ fn hardware_dirty_tracking_is_exact() {
     }
     // And the broken harvest is caught in this mode too: without the flush, TLB entries that
     // cache "dirty" keep writing without setting D.
-    let m = machine(LogMode::DirtyLog, d, Backing::Anonymous, 1, 4 * MIB);
+    let m = machine::<F>(LogMode::DirtyLog, d, Backing::Anonymous, 1, 4 * MIB);
     m.vm().inject_bugs(inject::SKIP_HARVEST_FLUSH);
     let r = oracle(&m, LogMode::DirtyLog, 12, s);
     assert!(
@@ -200,12 +214,11 @@ fn hardware_dirty_tracking_is_exact() {
 /// Logging on the oracle's own slot is turned off and on again in the middle of iterations
 /// while the guest writes (huge-page recovery and eager split race the writers): every page
 /// written after the re-enable is reported, in every mode, and later iterations stay exact.
-#[test]
-fn exact_while_logging_is_toggled_on_the_checked_slot() {
+fn exact_while_logging_is_toggled_on_the_checked_slot<F: PteFormat>() {
     let s = seed().wrapping_add(5);
     for mode in LogMode::ALL {
         for backing in [Backing::Anonymous, Backing::AnonymousThp] {
-            let m = machine(mode, VmConfig::default(), backing, 3, 8 * MIB);
+            let m = machine::<F>(mode, VmConfig::default(), backing, 3, 8 * MIB);
             m.run_pass(Default::default()).expect("populate");
             let r = oracle_toggling(&m, mode, 9, s, 2);
             let what = format!("{} {backing} toggled", mode.name());
@@ -225,11 +238,10 @@ fn exact_while_logging_is_toggled_on_the_checked_slot() {
 
 /// Other memslots churn while the oracle runs: added, faulted, switched into and out of
 /// logging, moved, deleted; and the oracle's own region is zapped now and then.
-#[test]
-fn exact_while_other_slots_churn() {
+fn exact_while_other_slots_churn<F: PteFormat>() {
     let s = seed().wrapping_add(2);
     for mode in LogMode::ALL {
-        let m = machine(mode, VmConfig::default(), Backing::AnonymousThp, 3, 8 * MIB);
+        let m = machine::<F>(mode, VmConfig::default(), Backing::AnonymousThp, 3, 8 * MIB);
         m.run_pass(Default::default()).expect("populate");
         let vm = m.vm().clone();
         let layout = m.layout();
@@ -293,11 +305,10 @@ fn exact_while_other_slots_churn() {
 
 /// The oracle is not vacuous: a harvest that write-protects but skips the TLB flush lets
 /// vCPUs keep writing through stale writable TLB entries, and the oracle sees those pages lost.
-#[test]
-fn a_harvest_without_its_flush_is_caught() {
+fn a_harvest_without_its_flush_is_caught<F: PteFormat>() {
     let s = seed().wrapping_add(3);
     for mode in LogMode::ALL {
-        let m = machine(mode, VmConfig::default(), Backing::Anonymous, 1, 4 * MIB);
+        let m = machine::<F>(mode, VmConfig::default(), Backing::Anonymous, 1, 4 * MIB);
         m.vm().inject_bugs(inject::SKIP_HARVEST_FLUSH);
         let r = oracle(&m, mode, 12, s);
         assert!(

@@ -2,15 +2,23 @@
 //! the host zaps the region over and over (every zap waits for all in-guest vCPUs to ack),
 //! and every page holds the memstress pattern afterwards.
 
-use slat::Ept;
+#[macro_use]
+mod common;
+
+use slat::PteFormat;
 use slat_machine::memstress::MEMSTRESS_PATTERN;
 use slat_machine::{Backing, Machine, MachineConfig, PassParams};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-fn run(vcpus: usize, bytes: u64, passes: usize) {
-    let m = Machine::<Ept>::new(MachineConfig {
+both_formats! {
+    eight_vcpus_on_two_cores,
+    sixty_four_vcpus_small_memory,
+}
+
+fn run<F: PteFormat>(vcpus: usize, bytes: u64, passes: usize) {
+    let m = Machine::<F>::new(MachineConfig {
         backing: Backing::Anonymous,
         vcpus,
         bytes_per_vcpu: bytes,
@@ -65,12 +73,10 @@ fn run(vcpus: usize, bytes: u64, passes: usize) {
     assert_eq!(audit.frozen, 0);
 }
 
-#[test]
-fn eight_vcpus_on_two_cores() {
-    run(8, 4 << 20, 20);
+fn eight_vcpus_on_two_cores<F: PteFormat>() {
+    run::<F>(8, 4 << 20, 20);
 }
 
-#[test]
-fn sixty_four_vcpus_small_memory() {
-    run(64, 256 << 10, 10);
+fn sixty_four_vcpus_small_memory<F: PteFormat>() {
+    run::<F>(64, 256 << 10, 10);
 }

@@ -140,6 +140,17 @@ fn churn(vm: VmConfig, rounds: u32, seed: u32) -> Result<(), String> {
         std::thread::sleep(Duration::from_millis(3));
         m.halt().map_err(|e| e.to_string())?;
     }
+    // And one round whose splits and rebuilds do not depend on timing: a whole pass with
+    // logging on (writes split blocks), then one with it off (faults or the disable rebuild).
+    for on in [true, false] {
+        m.set_dirty_logging(on).map_err(|e| e.to_string())?;
+        m.run_pass(PassParams {
+            write_percent: 50,
+            random: true,
+            seed,
+        })
+        .map_err(|e| e.to_string())?;
+    }
     let st = m.vm().stats();
     let what = format!("{vm:?}");
     assert!(st.bbm_breaks > 0, "{what}: no block was broken: {st:?}");

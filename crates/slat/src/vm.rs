@@ -418,8 +418,8 @@ impl<F: PteFormat> Vm<F> {
             return Err(Busy);
         }
         let old_valid = F::is_present(old);
-        let break_first =
-            old_valid && !F::is_leaf(old, level) && self.config.rebuild == RebuildOrder::BreakFirst;
+        let old_table = old_valid && !F::is_leaf(old, level);
+        let break_first = old_table && self.config.rebuild == RebuildOrder::BreakFirst;
         let mut teardown = PendingFlush::none();
         if break_first {
             self.handle_changed_spte(old, F::FROZEN, level, sink, &mut teardown);
@@ -443,11 +443,16 @@ impl<F: PteFormat> Vm<F> {
                 sink,
             );
         }
+        if !old_table {
+            // Before publishing: a new table's leaves (a split's) are ours alone to count until
+            // then; once it is visible, faults may add leaves of their own and count them.
+            self.handle_changed_spte(old, new, level, sink, &mut teardown);
+        }
         sptep.store(new, Ordering::Release);
         it.old = new;
         if break_first {
             self.handle_changed_spte(F::FROZEN, new, level, sink, &mut teardown);
-        } else {
+        } else if old_table {
             self.handle_changed_spte(old, new, level, sink, &mut teardown);
         }
         if flushed {
@@ -580,7 +585,11 @@ impl<F: PteFormat> Vm<F> {
         // `pending`, after this function returns.
         let t = unsafe { TablePage::at(addr) };
         for e in t.entries.iter() {
-            let v = e.swap(F::FROZEN, Ordering::AcqRel);
+            let v = if F::BREAK_BEFORE_MAKE {
+                freeze_after_make::<F>(e)
+            } else {
+                e.swap(F::FROZEN, Ordering::AcqRel)
+            };
             if !F::is_present(v) {
                 continue;
             }
@@ -922,4 +931,26 @@ pub struct Audit {
     pub tables: u64,
     /// Frozen entries (must be 0 when no operation is in flight).
     pub frozen: u64,
+}
+
+/// Freezes an entry of a table being unlinked, under break-before-make. A locked entry (the
+/// value `F::FROZEN`) belongs to a breaker in [`Vm::replace_spte`] whose make is a plain store:
+/// swapping it to frozen now would let that store land in the dead table afterwards, and the
+/// breaker would count a leaf nobody can ever unlink. So wait for the make, then freeze what it
+/// published. The breaker is past its break, so it only has a flush (which never waits for us:
+/// we are outside guest mode) and its cache maintenance left before it stores.
+fn freeze_after_make<F: PteFormat>(e: &AtomicU64) -> u64 {
+    loop {
+        let v = e.load(Ordering::Acquire);
+        if v == F::FROZEN {
+            sync::spin_hint();
+            continue;
+        }
+        if e
+            .compare_exchange(v, F::FROZEN, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            return v;
+        }
+    }
 }

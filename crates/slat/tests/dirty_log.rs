@@ -3,27 +3,39 @@
 //! full), slots deleted or moved while logging, and huge-page recovery when logging stops.
 #![cfg(not(loom))]
 
+#[macro_use]
 mod common;
 
 use common::*;
 use slat::dirty::{INITIALLY_SET, MANUAL_PROTECT_ENABLE};
 use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::{
-    Access, DirtyLogError, Ept, FaultOutcome, Level, MemslotFlags, PteFormat, Vcpu, Vm, VmConfig,
+    Access, DirtyLogError, FaultOutcome, Level, MemslotFlags, PteFormat, Vcpu, Vm, VmConfig,
 };
 use std::sync::Arc;
 
 const LOG: u32 = MemslotFlags::LOG_DIRTY_PAGES.bits();
 const MIB: u64 = 1 << 20;
 
+both_formats! {
+    clear_errors_consume_nothing,
+    clear_reprotects_exactly_the_bits_cleared,
+    initially_set_protects_nothing_until_clear,
+    capability_errors,
+    ring_push_harvest_reset,
+    ring_full_refuses_the_write_until_reset,
+    slots_deleted_or_moved_while_logging,
+    huge_pages_recovered_in_place_or_zapped,
+}
+
 /// A first write to an unmapped page: the slow path maps it writable.
-fn write_new(vm: &Vm<Ept>, vcpu: &mut Vcpu, gpa: u64) {
+fn write_new<F: PteFormat>(vm: &Vm<F>, vcpu: &mut Vcpu, gpa: u64) {
     let o = fault(vm, vcpu, gpa, Access::Write, false);
     assert_eq!(o, FaultOutcome::Fixed, "first write to gpa {gpa:#x}");
 }
 
 /// A write to a mapped, write-protected page: the fast path makes it writable and logs it.
-fn write_protected(vm: &Vm<Ept>, vcpu: &mut Vcpu, gpa: u64) {
+fn write_protected<F: PteFormat>(vm: &Vm<F>, vcpu: &mut Vcpu, gpa: u64) {
     let o = fault(vm, vcpu, gpa, Access::Write, true);
     assert_eq!(
         o,
@@ -33,18 +45,18 @@ fn write_protected(vm: &Vm<Ept>, vcpu: &mut Vcpu, gpa: u64) {
 }
 
 /// The leaf mapping `gpa`, panicking if there is none.
-fn leaf(vm: &Vm<Ept>, gpa: u64) -> (u64, Level) {
+fn leaf<F: PteFormat>(vm: &Vm<F>, gpa: u64) -> (u64, Level) {
     vm.lookup(gpa >> PAGE_SHIFT)
         .unwrap_or_else(|| panic!("gpa {gpa:#x} is not mapped"))
 }
 
-fn writable(vm: &Vm<Ept>, gpa: u64) -> bool {
+fn writable<F: PteFormat>(vm: &Vm<F>, gpa: u64) -> bool {
     vm.lookup(gpa >> PAGE_SHIFT)
-        .is_some_and(|(l, _)| Ept::is_writable(l))
+        .is_some_and(|(l, _)| F::is_writable(l))
 }
 
 /// The slot-relative dirty pages GET reports (in manual mode this only copies).
-fn dirty_pages(vm: &Vm<Ept>, id: u32) -> Vec<u64> {
+fn dirty_pages<F: PteFormat>(vm: &Vm<F>, id: u32) -> Vec<u64> {
     let npages = vm.memslots().by_id(id).expect("slot").npages;
     let mut words = vec![0u64; bitmap_words(npages)];
     let n = vm.get_dirty_log(id, &mut words).expect("get_dirty_log");
@@ -73,11 +85,10 @@ fn harvest(vcpu: &Vcpu) -> Vec<(u32, u64)> {
 /// (what, slot, first_page, num_pages, bitmap, expected error) of a refused CLEAR.
 type ClearCase = (&'static str, u32, u64, u64, Vec<u64>, DirtyLogError);
 
-#[test]
-fn clear_errors_consume_nothing() {
+fn clear_errors_consume_nothing<F: PteFormat>() {
     // Without manual protection CLEAR is refused and GET still returns (and consumes) the bits.
     {
-        let vm = Vm::<Ept>::new(VmConfig::default());
+        let vm = Vm::<F>::new(VmConfig::default());
         let mut v = vm.create_vcpu(0);
         let m = HostMem::new(130 * PAGE_SIZE);
         vm.add_memslot(1, MIB, 130 * PAGE_SIZE, m.range(PAGE_SIZE), LOG)
@@ -98,7 +109,7 @@ fn clear_errors_consume_nothing() {
         teardown(vm, [v]);
     }
 
-    let vm = Vm::<Ept>::new(VmConfig::default());
+    let vm = Vm::<F>::new(VmConfig::default());
     vm.set_manual_dirty_log_protect(MANUAL_PROTECT_ENABLE)
         .unwrap();
     let mut v = vm.create_vcpu(0);
@@ -330,9 +341,8 @@ fn clear_errors_consume_nothing() {
     drop((m1, m2));
 }
 
-#[test]
-fn clear_reprotects_exactly_the_bits_cleared() {
-    let vm = Vm::<Ept>::new(VmConfig::default());
+fn clear_reprotects_exactly_the_bits_cleared<F: PteFormat>() {
+    let vm = Vm::<F>::new(VmConfig::default());
     vm.set_manual_dirty_log_protect(MANUAL_PROTECT_ENABLE)
         .unwrap();
     let mut v = vm.create_vcpu(0);
@@ -374,7 +384,7 @@ fn clear_reprotects_exactly_the_bits_cleared() {
     );
     assert!(!writable(&vm, base + 3 * PAGE_SIZE), "page 3 still W");
     assert!(
-        Ept::is_mmu_writable(leaf(&vm, base + 3 * PAGE_SIZE).0),
+        F::is_mmu_writable(leaf(&vm, base + 3 * PAGE_SIZE).0),
         "page 3 lost MMU-writable"
     );
     assert!(writable(&vm, base + 70 * PAGE_SIZE), "page 70 protected");
@@ -394,9 +404,8 @@ fn clear_reprotects_exactly_the_bits_cleared() {
     drop(m);
 }
 
-#[test]
-fn initially_set_protects_nothing_until_clear() {
-    let vm = Vm::<Ept>::new(VmConfig::default());
+fn initially_set_protects_nothing_until_clear<F: PteFormat>() {
+    let vm = Vm::<F>::new(VmConfig::default());
     vm.set_manual_dirty_log_protect(MANUAL_PROTECT_ENABLE | INITIALLY_SET)
         .unwrap();
     let mut v = vm.create_vcpu(0);
@@ -413,7 +422,7 @@ fn initially_set_protects_nothing_until_clear() {
     write_new(&vm, &mut v, base2 + 7 * PAGE_SIZE);
     let (huge, level) = leaf(&vm, base1);
     assert_eq!(level, 2, "2 MiB-backed slot not mapped by a huge leaf");
-    assert!(Ept::is_writable(huge));
+    assert!(F::is_writable(huge));
     let small = leaf(&vm, base2 + 7 * PAGE_SIZE);
     let before = vm.stats();
 
@@ -457,12 +466,12 @@ fn initially_set_protects_nothing_until_clear() {
         let (l, lvl) = leaf(&vm, base1 + p * PAGE_SIZE);
         assert_eq!(lvl, 1, "page {p} of slot 1 not mapped at 4 KiB after CLEAR");
         assert!(
-            !Ept::is_writable(l),
+            !F::is_writable(l),
             "page {p} of slot 1 writable after CLEAR"
         );
-        assert!(Ept::is_mmu_writable(l), "page {p} lost MMU-writable");
+        assert!(F::is_mmu_writable(l), "page {p} lost MMU-writable");
         assert_eq!(
-            leaf_hva(l, lvl, (base1 >> PAGE_SHIFT) + p),
+            leaf_hva::<F>(l, lvl, (base1 >> PAGE_SHIFT) + p),
             m1.addr() + p * PAGE_SIZE,
             "split changed the translation of page {p}"
         );
@@ -483,9 +492,8 @@ fn initially_set_protects_nothing_until_clear() {
     drop((m1, m2));
 }
 
-#[test]
-fn capability_errors() {
-    let vm = Vm::<Ept>::new(VmConfig::default());
+fn capability_errors<F: PteFormat>() {
+    let vm = Vm::<F>::new(VmConfig::default());
     assert_eq!(
         vm.set_manual_dirty_log_protect(4 | MANUAL_PROTECT_ENABLE),
         Err(DirtyLogError::UnknownFlags { bits: 4 }),
@@ -557,7 +565,7 @@ fn capability_errors() {
     teardown(vm, [v]);
 
     // Ring after a vCPU exists.
-    let vm = Vm::<Ept>::new(VmConfig::default());
+    let vm = Vm::<F>::new(VmConfig::default());
     let v = vm.create_vcpu(0);
     assert!(v.dirty_ring().is_none());
     assert_eq!(
@@ -568,7 +576,7 @@ fn capability_errors() {
     teardown(vm, [v]);
 
     // Ring with a bitmap: GET works next to the ring.
-    let vm = Vm::<Ept>::new(VmConfig::default());
+    let vm = Vm::<F>::new(VmConfig::default());
     assert_eq!(vm.enable_dirty_ring(65536, true), Ok(()));
     vm.add_memslot(3, MIB, 64 * PAGE_SIZE, m.range(PAGE_SIZE), LOG)
         .unwrap();
@@ -578,9 +586,8 @@ fn capability_errors() {
     drop(m);
 }
 
-#[test]
-fn ring_push_harvest_reset() {
-    let vm = Vm::<Ept>::new(VmConfig::default());
+fn ring_push_harvest_reset<F: PteFormat>() {
+    let vm = Vm::<F>::new(VmConfig::default());
     vm.enable_dirty_ring(128, false).unwrap();
     let mut v = vm.create_vcpu(0);
     let base = 4 * MIB;
@@ -621,8 +628,8 @@ fn ring_push_harvest_reset() {
     assert_eq!(ring.used(), 0, "reset left entries in use");
     for &p in &pages {
         let (l, _) = leaf(&vm, base + p * PAGE_SIZE);
-        assert!(!Ept::is_writable(l), "page {p} writable after reset");
-        assert!(Ept::is_mmu_writable(l), "page {p} lost MMU-writable");
+        assert!(!F::is_writable(l), "page {p} writable after reset");
+        assert!(F::is_mmu_writable(l), "page {p} lost MMU-writable");
     }
     assert_eq!(vm.reset_dirty_rings(), Ok(0), "second reset");
     // A new write pushes a new entry; unharvested entries are not reset.
@@ -644,9 +651,8 @@ fn ring_push_harvest_reset() {
     drop(m);
 }
 
-#[test]
-fn ring_full_refuses_the_write_until_reset() {
-    let vm = Vm::<Ept>::new(VmConfig::default());
+fn ring_full_refuses_the_write_until_reset<F: PteFormat>() {
+    let vm = Vm::<F>::new(VmConfig::default());
     vm.enable_dirty_ring(128, false).unwrap();
     let mut v = vm.create_vcpu(0);
     let base = 4 * MIB;
@@ -712,11 +718,10 @@ fn ring_full_refuses_the_write_until_reset() {
     drop(m);
 }
 
-#[test]
-fn slots_deleted_or_moved_while_logging() {
+fn slots_deleted_or_moved_while_logging<F: PteFormat>() {
     // Bitmap mode.
     {
-        let vm = Vm::<Ept>::new(VmConfig::default());
+        let vm = Vm::<F>::new(VmConfig::default());
         let alloc = vm.table_alloc().clone();
         let mut v = vm.create_vcpu(0);
         let m1 = HostMem::new(128 * PAGE_SIZE);
@@ -769,7 +774,7 @@ fn slots_deleted_or_moved_while_logging() {
     }
 
     // Ring mode.
-    let vm = Vm::<Ept>::new(VmConfig::default());
+    let vm = Vm::<F>::new(VmConfig::default());
     vm.enable_dirty_ring(128, false).unwrap();
     let mut v = vm.create_vcpu(0);
     let m1 = HostMem::new(64 * PAGE_SIZE);
@@ -819,8 +824,8 @@ fn slots_deleted_or_moved_while_logging() {
 /// A 4 MiB slot at 4 MiB with 2 MiB host pages and both halves mapped by huge leaves; logging is
 /// turned on, a few pages written, logging turned off. Returns the VM, vCPU, memory and the
 /// table count before logging.
-fn huge_log_cycle(config: VmConfig) -> (Arc<Vm<Ept>>, Vcpu, HostMem, u64) {
-    let vm = Vm::<Ept>::new(config);
+fn huge_log_cycle<F: PteFormat>(config: VmConfig) -> (Arc<Vm<F>>, Vcpu, HostMem, u64) {
+    let vm = Vm::<F>::new(config);
     let mut v = vm.create_vcpu(0);
     let base = 4 * MIB;
     let m = HostMem::new(4 * MIB);
@@ -846,10 +851,9 @@ fn huge_log_cycle(config: VmConfig) -> (Arc<Vm<Ept>>, Vcpu, HostMem, u64) {
     (vm, v, m, s0.table_pages)
 }
 
-#[test]
-fn huge_pages_recovered_in_place_or_zapped() {
+fn huge_pages_recovered_in_place_or_zapped<F: PteFormat>() {
     let base = 4 * MIB;
-    let (vm, v, m, tables) = huge_log_cycle(VmConfig::default());
+    let (vm, v, m, tables) = huge_log_cycle::<F>(VmConfig::default());
     let s = vm.stats();
     assert!(s.recoveries >= 2, "recoveries {}", s.recoveries);
     assert_eq!(s.leaves_2m, 2, "huge leaves not back: {s:?}");
@@ -865,17 +869,17 @@ fn huge_pages_recovered_in_place_or_zapped() {
         let (l, lvl) = leaf(&vm, gpa);
         assert_eq!(lvl, 2, "gpa {gpa:#x} not mapped huge after recovery");
         assert_eq!(
-            leaf_hva(l, lvl, gpa >> PAGE_SHIFT),
+            leaf_hva::<F>(l, lvl, gpa >> PAGE_SHIFT),
             m.addr() + off,
             "recovered leaf translates gpa {gpa:#x} wrongly"
         );
-        check_write_chain(l, "recovered");
+        check_write_chain::<F>(l, "recovered");
     }
     check_audit(&vm, "recovered in place");
     teardown(vm, [v]);
     drop(m);
 
-    let (vm, v, m, _) = huge_log_cycle(VmConfig {
+    let (vm, v, m, _) = huge_log_cycle::<F>(VmConfig {
         recover: slat::RecoverVariant::Zap,
         ..VmConfig::default()
     });
