@@ -6,8 +6,8 @@ mod backend;
 mod demand_paging;
 mod dirty_log_perf;
 mod dirty_log_test;
-mod page_table_test;
 mod migrate;
+mod page_table_test;
 mod report;
 mod sweep;
 

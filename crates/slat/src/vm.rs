@@ -946,8 +946,7 @@ fn freeze_after_make<F: PteFormat>(e: &AtomicU64) -> u64 {
             sync::spin_hint();
             continue;
         }
-        if e
-            .compare_exchange(v, F::FROZEN, Ordering::AcqRel, Ordering::Acquire)
+        if e.compare_exchange(v, F::FROZEN, Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
         {
             return v;
