@@ -144,6 +144,15 @@ fn churn(vm: VmConfig, rounds: u32, seed: u32) -> Result<(), String> {
     // logging on (writes split blocks), then one with it off (faults or the disable rebuild).
     for on in [true, false] {
         m.set_dirty_logging(on).map_err(|e| e.to_string())?;
+        if !on {
+            // Logging may have mapped every page at 4 KiB already, and a rebuild on fault
+            // needs a translation fault: unmap one page per 2 MiB so the pass takes some.
+            let l = m.layout();
+            let first = l.gpa >> 12;
+            for gfn in (first..first + l.total_pages()).step_by(512) {
+                m.vm().zap_gfn_range(gfn + 1, gfn + 2);
+            }
+        }
         m.run_pass(PassParams {
             write_percent: 50,
             random: true,
