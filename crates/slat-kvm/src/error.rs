@@ -66,6 +66,56 @@ pub enum KvmError {
     /// A dirty-log request that does not fit the VM's configuration or the slot.
     #[error("{0}")]
     DirtyLog(String),
+    /// A dirty bitmap whose length is not the number of words the ioctl reads or writes.
+    #[error(
+        "{op}: {pages} pages of slot {slot} need a bitmap of exactly {expected} u64 words, \
+         got {got}"
+    )]
+    BitmapLength {
+        /// `KVM_GET_DIRTY_LOG` or `KVM_CLEAR_DIRTY_LOG`.
+        op: &'static str,
+        /// The memslot (`as_id << 16 | id`).
+        slot: u32,
+        /// Pages the bitmap covers: the whole slot for GET, the range for CLEAR.
+        pages: u64,
+        /// Words KVM transfers: `pages` rounded up to a multiple of 64, over 64.
+        expected: u64,
+        /// Words given.
+        got: usize,
+    },
+    /// A `KVM_CLEAR_DIRTY_LOG` range KVM would refuse.
+    #[error(
+        "KVM_CLEAR_DIRTY_LOG: {num_pages} pages from page {first_page} of slot {slot} \
+         ({slot_pages} pages): {reason}"
+    )]
+    ClearRange {
+        /// The memslot.
+        slot: u32,
+        /// First page of the range.
+        first_page: u64,
+        /// Pages in the range.
+        num_pages: u64,
+        /// Pages in the slot.
+        slot_pages: u64,
+        /// Which rule the range breaks.
+        reason: &'static str,
+    },
+    /// A dirty ring size KVM would refuse, or one that is not the size of the vCPU's ring.
+    #[error("dirty ring of {entries} entries: {reason}")]
+    RingSize {
+        /// Entries asked for.
+        entries: u64,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A memslot this crate will not register.
+    #[error("memslot {slot}: {reason}")]
+    Memslot {
+        /// The memslot (`as_id << 16 | id`).
+        slot: u32,
+        /// Why.
+        reason: &'static str,
+    },
 }
 
 impl KvmError {

@@ -91,24 +91,41 @@ const HUGE_2M: u64 = 2 << 20;
 const CODE_LEN: u64 = 2 * PAGE;
 
 impl LowLayout {
-    /// The layout for `vcpus` vCPUs whose test region is `[region_start, region_end)`.
-    pub fn new(vcpus: u64, region_start: u64, region_end: u64) -> Self {
+    /// The layout for `vcpus` vCPUs whose test region is `[region_start, region_end)` (not
+    /// empty). Sizes that overflow are refused with [`KvmError::Config`].
+    pub fn new(vcpus: u64, region_start: u64, region_end: u64) -> Result<Self, KvmError> {
+        let bad = |what: &str| {
+            KvmError::Config(format!(
+                "low slot layout for {vcpus} vCPUs and region {region_start:#x}..{region_end:#x}: \
+                 {what}"
+            ))
+        };
+        if region_end <= region_start {
+            return Err(bad("the region is empty"));
+        }
         let first_gib = region_start >> 30;
         let last_gib = (region_end - 1) >> 30;
         // One PD for the low slot's GiB (0) and one per GiB the region touches.
         let pd_pages = 1 + (last_gib - first_gib + 1) - u64::from(first_gib == 0);
-        let param_pages = (vcpus * param::SIZE).div_ceil(PAGE);
+        let too_big = || bad("it does not fit a 64-bit address space");
+        let pages = |n: u64| n.checked_mul(PAGE).ok_or_else(too_big);
+        let param_pages = vcpus
+            .checked_mul(param::SIZE)
+            .ok_or_else(too_big)?
+            .div_ceil(PAGE);
         let gdt = PAGE;
         let tss = gdt + PAGE / 2;
         let pml4 = 2 * PAGE;
         let pdpt = 3 * PAGE;
         let control = 4 * PAGE;
         let params = 5 * PAGE;
-        let code = params + param_pages * PAGE;
-        let pd = code + CODE_LEN;
-        let stacks = pd + pd_pages * PAGE;
-        let end = stacks + vcpus * PAGE;
-        LowLayout {
+        let add = |a: u64, b: u64| a.checked_add(b).ok_or_else(too_big);
+        let code = add(params, pages(param_pages)?)?;
+        let pd = add(code, CODE_LEN)?;
+        let stacks = add(pd, pages(pd_pages)?)?;
+        let end = add(stacks, pages(vcpus)?)?;
+        let size = end.checked_next_multiple_of(HUGE_2M).ok_or_else(too_big)?;
+        Ok(LowLayout {
             gdt,
             tss,
             pml4,
@@ -120,13 +137,15 @@ impl LowLayout {
             code,
             code_len: CODE_LEN,
             stacks_top: end,
-            size: end.next_multiple_of(HUGE_2M),
-        }
+            size,
+        })
     }
 
     /// Guest address of vCPU `i`'s parameter block.
     pub fn param_block(&self, i: usize) -> u64 {
-        self.params + i as u64 * param::SIZE
+        // Only an address; whoever dereferences it checks it against the low slot.
+        self.params
+            .wrapping_add((i as u64).wrapping_mul(param::SIZE))
     }
 }
 
@@ -135,43 +154,85 @@ const PTE_RW: u64 = 1 << 1;
 const PTE_US: u64 = 1 << 2;
 const PTE_PS: u64 = 1 << 7;
 
+/// The 8 bytes of `mem` at `at`, or a typed error if they are not all inside it.
+fn word_at(mem: &mut [u8], at: u64) -> Result<&mut [u8], KvmError> {
+    let len = mem.len();
+    usize::try_from(at)
+        .ok()
+        .and_then(|a| mem.get_mut(a..a.checked_add(8)?))
+        .ok_or_else(|| {
+            KvmError::Config(format!(
+                "low slot of {len} bytes has no room for a word at {at:#x}"
+            ))
+        })
+}
+
+fn put(mem: &mut [u8], at: u64, v: u64) -> Result<(), KvmError> {
+    word_at(mem, at)?.copy_from_slice(&v.to_le_bytes());
+    Ok(())
+}
+
 /// Writes the identity page tables into `low` (the host view of the low slot): the low slot
 /// and `[region_start, region_end)` mapped with 2 MiB pages, user-accessible (CR4.SMEP and
-/// SMAP stay off, so CPL 0 code uses them too). `region_start` must be 2 MiB
-/// aligned and the region must end at or below 512 GiB.
-pub fn build_page_tables(low: &mut [u8], l: &LowLayout, region_start: u64, region_end: u64) {
-    let put = |mem: &mut [u8], at: u64, v: u64| {
-        let at = at as usize;
-        mem[at..at + 8].copy_from_slice(&v.to_le_bytes());
-    };
-    put(low, l.pml4, l.pdpt | PTE_P | PTE_RW | PTE_US);
-    // GiB index -> PD page, allocated in order.
+/// SMAP stay off, so CPL 0 code uses them too). `region_start` must be 2 MiB aligned and the
+/// region must end at or below 512 GiB; the tables must fit `l`'s level-2 pages and `low`
+/// ([`KvmError::Config`] otherwise).
+pub fn build_page_tables(
+    low: &mut [u8],
+    l: &LowLayout,
+    region_start: u64,
+    region_end: u64,
+) -> Result<(), KvmError> {
+    if region_start % HUGE_2M != 0 || region_end <= region_start || region_end > 512 << 30 {
+        return Err(KvmError::Config(format!(
+            "test region {region_start:#x}..{region_end:#x} must be 2 MiB aligned, not empty, \
+             and end at or below 512 GiB"
+        )));
+    }
+    if l.size > 512 << 30 {
+        return Err(KvmError::Config(
+            "the low slot must end below 512 GiB".into(),
+        ));
+    }
+    put(low, l.pml4, l.pdpt | PTE_P | PTE_RW | PTE_US)?;
+    // GiB index (below 512, checked above) -> PD page, allocated in order from `l.pd`.
+    let pd_end = l
+        .pd_pages
+        .checked_mul(PAGE)
+        .and_then(|b| l.pd.checked_add(b));
     let mut next_pd = l.pd;
-    let mut pd_of = |mem: &mut [u8], gib: u64| -> u64 {
+    let mut pd_of = |mem: &mut [u8], gib: u64| -> Result<u64, KvmError> {
         let e = l.pdpt + gib * 8;
-        let cur = u64::from_le_bytes(mem[e as usize..e as usize + 8].try_into().unwrap_or([0; 8]));
+        let cur = u64::from_le_bytes(word_at(mem, e)?.try_into().unwrap_or([0; 8]));
         if cur & PTE_P != 0 {
-            return cur & !0xfff;
+            return Ok(cur & !0xfff);
         }
         let pd = next_pd;
+        if pd_end.is_none_or(|end| pd >= end) {
+            return Err(KvmError::Config(format!(
+                "the layout's {} level-2 tables cannot map the region",
+                l.pd_pages
+            )));
+        }
         next_pd += PAGE;
-        put(mem, e, pd | PTE_P | PTE_RW | PTE_US);
-        pd
+        put(mem, e, pd | PTE_P | PTE_RW | PTE_US)?;
+        Ok(pd)
     };
-    let mut map = |mem: &mut [u8], start: u64, end: u64| {
+    let mut map = |mem: &mut [u8], start: u64, end: u64| -> Result<(), KvmError> {
         let mut a = start & !(HUGE_2M - 1);
         while a < end {
-            let pd = pd_of(mem, a >> 30);
+            let pd = pd_of(mem, a >> 30)?;
             put(
                 mem,
                 pd + ((a >> 21) & 511) * 8,
                 a | PTE_P | PTE_RW | PTE_US | PTE_PS,
-            );
+            )?;
             a += HUGE_2M;
         }
+        Ok(())
     };
-    map(low, 0, l.size);
-    map(low, region_start, region_end);
+    map(low, 0, l.size)?;
+    map(low, region_start, region_end)
 }
 
 /// Selector of the 64-bit TSS descriptor (two GDT slots).
@@ -180,17 +241,19 @@ const TSS_SELECTOR: u16 = 0x28;
 const GDT_LEN: u16 = TSS_SELECTOR + 16;
 
 /// Writes the GDT (null; kernel code 0x08 and data 0x10; user data 0x18 and code 0x20, used as
-/// 0x1b and 0x23 with RPL 3; 64-bit TSS 0x28) into `low`.
-pub fn build_gdt(low: &mut [u8], l: &LowLayout) {
-    let put = |mem: &mut [u8], at: u64, v: u64| {
-        let at = at as usize;
-        mem[at..at + 8].copy_from_slice(&v.to_le_bytes());
+/// 0x1b and 0x23 with RPL 3; 64-bit TSS 0x28) into `low` ([`KvmError::Config`] if it does not
+/// fit).
+pub fn build_gdt(low: &mut [u8], l: &LowLayout) -> Result<(), KvmError> {
+    let at = |off: u64| {
+        l.gdt
+            .checked_add(off)
+            .ok_or_else(|| KvmError::Config("the GDT address overflows".into()))
     };
-    put(low, l.gdt, 0);
-    put(low, l.gdt + 8, 0x00af_9b00_0000_ffff); // code: P, DPL 0, S, exec/read, accessed, L, G
-    put(low, l.gdt + 16, 0x00cf_9300_0000_ffff); // data: P, S, read/write, accessed, D/B, G
-    put(low, l.gdt + 24, 0x00cf_f300_0000_ffff); // user data: as data, DPL 3
-    put(low, l.gdt + 32, 0x00af_fb00_0000_ffff); // user code: as code, DPL 3
+    put(low, at(0)?, 0)?;
+    put(low, at(8)?, 0x00af_9b00_0000_ffff)?; // code: P, DPL 0, S, exec/read, accessed, L, G
+    put(low, at(16)?, 0x00cf_9300_0000_ffff)?; // data: P, S, read/write, accessed, D/B, G
+    put(low, at(24)?, 0x00cf_f300_0000_ffff)?; // user data: as data, DPL 3
+    put(low, at(32)?, 0x00af_fb00_0000_ffff)?; // user code: as code, DPL 3
     let base = l.tss;
     let limit = 0x67u64;
     let lo = (limit & 0xffff)
@@ -198,8 +261,8 @@ pub fn build_gdt(low: &mut [u8], l: &LowLayout) {
         | (0x8bu64 << 40) // P, type 11 (busy 64-bit TSS)
         | (((limit >> 16) & 0xf) << 48)
         | (((base >> 24) & 0xff) << 56);
-    put(low, l.gdt + TSS_SELECTOR as u64, lo);
-    put(low, l.gdt + TSS_SELECTOR as u64 + 8, base >> 32);
+    put(low, at(TSS_SELECTOR as u64)?, lo)?;
+    put(low, at(TSS_SELECTOR as u64 + 8)?, base >> 32)
 }
 
 fn segment(selector: u16, type_: u8, code: bool, dpl: u8) -> kvm_segment {
@@ -289,7 +352,9 @@ pub fn initial_regs(l: &LowLayout, i: usize, mode: GuestMode) -> kvm_regs {
     kvm_regs {
         rip: l.code,
         rdi: l.param_block(i),
-        rsp: l.stacks_top - i as u64 * PAGE,
+        // Only a register value (the layout puts vCPU i's stack there); wrapping keeps a
+        // nonsense `i` from panicking.
+        rsp: l.stacks_top.wrapping_sub((i as u64).wrapping_mul(PAGE)),
         rflags: RFLAGS_FIXED
             | match mode {
                 GuestMode::User => RFLAGS_IOPL3,
@@ -473,14 +538,14 @@ mod tests {
 
     #[test]
     fn code_assembles_and_fits() {
-        let l = LowLayout::new(4, 60 << 30, 64 << 30);
+        let l = LowLayout::new(4, 60 << 30, 64 << 30).unwrap();
         let code = assemble(l.code).unwrap();
         assert!(!code.is_empty() && code.len() as u64 <= l.code_len);
     }
 
     #[test]
     fn low_layout_covers_tables_and_stacks() {
-        let l = LowLayout::new(3, (512 << 30) - (2 << 30), 512 << 30);
+        let l = LowLayout::new(3, (512 << 30) - (2 << 30), 512 << 30).unwrap();
         // Two GiBs of region plus the low GiB.
         assert_eq!(l.pd_pages, 3);
         assert!(l.stacks_top <= l.size && l.size % HUGE_2M == 0);
@@ -490,9 +555,9 @@ mod tests {
     #[test]
     fn page_tables_map_low_and_region() {
         let (start, end) = (5u64 << 30, (5u64 << 30) + (6 << 20));
-        let l = LowLayout::new(1, start, end);
+        let l = LowLayout::new(1, start, end).unwrap();
         let mut low = vec![0u8; l.size as usize];
-        build_page_tables(&mut low, &l, start, end);
+        build_page_tables(&mut low, &l, start, end).unwrap();
         let get =
             |at: u64| u64::from_le_bytes(low[at as usize..at as usize + 8].try_into().unwrap());
         let walk = |va: u64| -> Option<u64> {
@@ -512,5 +577,39 @@ mod tests {
         assert_eq!(walk(end - 8), Some(end - 8));
         assert_eq!(walk(end), None);
         assert_eq!(walk(4 << 30), None);
+    }
+
+    #[test]
+    fn bad_layouts_and_buffers_are_typed_errors() {
+        // The old code panicked (subtraction overflow, slice index) on each of these.
+        assert!(LowLayout::new(1, 4 << 30, 4 << 30).is_err());
+        assert!(LowLayout::new(u64::MAX, 0, 1).is_err());
+        let l = LowLayout::new(1, 4 << 30, 6 << 30).unwrap();
+        let mut small = vec![0u8; 4096];
+        assert!(matches!(
+            build_gdt(&mut small[..8], &l),
+            Err(KvmError::Config(_))
+        ));
+        assert!(matches!(
+            build_page_tables(&mut small, &l, 4 << 30, 6 << 30),
+            Err(KvmError::Config(_))
+        ));
+        let mut low = vec![0u8; l.size as usize];
+        // A region the layout's level-2 tables were not sized for, past 512 GiB, unaligned.
+        for (s, e) in [
+            (0, 8 << 30),
+            (511 << 30, 513 << 30),
+            (4 << 30 | 4096, 5 << 30),
+        ] {
+            assert!(
+                matches!(
+                    build_page_tables(&mut low, &l, s, e),
+                    Err(KvmError::Config(_))
+                ),
+                "{s:#x}..{e:#x}"
+            );
+        }
+        build_page_tables(&mut low, &l, 4 << 30, 6 << 30).unwrap();
+        build_gdt(&mut low, &l).unwrap();
     }
 }

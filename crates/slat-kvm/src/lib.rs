@@ -69,9 +69,11 @@ pub mod error;
 pub mod guest;
 pub mod machine;
 pub mod mem;
+pub mod memslot;
 pub mod memstress;
 pub mod stats;
 
+pub use dirty::RingSize;
 pub use error::KvmError;
 pub use guest::GuestMode;
 pub use machine::{
@@ -80,4 +82,5 @@ pub use machine::{
     MAX_GPA_BITS,
 };
 pub use mem::{Backing, HostMemory, PAGE_SIZE};
+pub use memslot::Memslot;
 pub use memstress::{PassParams, MEMSTRESS_PATTERN};

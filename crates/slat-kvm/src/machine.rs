@@ -1,23 +1,22 @@
 //! The KVM machine: a VM with the memstress layout, one thread per vCPU, workload passes, and
 //! the dirty-log operations (bitmap GET/CLEAR and per-vCPU rings).
 
-use crate::dirty::{self, DirtyRing};
+use crate::dirty::{self, DirtyRing, RingSize};
 use crate::error::KvmError;
 use crate::guest::{self, control, param, GuestMode, LowLayout, SYNC_PORT};
 use crate::mem::{Backing, HostMemory, PAGE_SHIFT, PAGE_SIZE};
+use crate::memslot::Memslot;
 use crate::memstress::{ParkMiller, PassParams};
 use crate::stats::{Stat, StatsFd};
 use kvm_bindings::{
     kvm_enable_cap, kvm_userspace_memory_region, CpuId, KVM_CAP_DIRTY_LOG_RING,
     KVM_CAP_DIRTY_LOG_RING_ACQ_REL, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_INITIALLY_SET,
     KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_EXIT_DIRTY_RING_FULL, KVM_MAX_CPUID_ENTRIES,
-    KVM_MEM_LOG_DIRTY_PAGES,
 };
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
 use std::ffi::CString;
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Barrier, Mutex, MutexGuard};
+use std::sync::{Arc, Barrier, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -252,6 +251,9 @@ pub struct KvmMachine {
     ctl: Arc<Control>,
     rings: Arc<Mutex<Rings>>,
     vm: Arc<VmFd>,
+    /// The test region's memslots (ids `FIRST_SLOT..`), as registered: the dirty-log calls
+    /// size their bitmaps from these.
+    slots: Vec<Memslot>,
     layout: Layout,
     low_layout: LowLayout,
     config: KvmConfig,
@@ -345,11 +347,15 @@ impl KvmMachine {
                 },
             });
         }
-        if ring != 0 {
+        let entry = RingSize::ENTRY_BYTES;
+        let ring_size = if ring == 0 {
+            None
+        } else {
             if caps.dirty_ring_max_bytes == 0 {
                 return Err(KvmError::unsupported("KVM_CAP_DIRTY_LOG_RING"));
             }
-            let bytes = ring as u64 * 16;
+            // KVM's cap counts bytes, the configuration entries.
+            let bytes = u64::from(ring) * u64::from(entry);
             if bytes > caps.dirty_ring_max_bytes as u64 {
                 return Err(KvmError::Unsupported {
                     capability: "KVM_CAP_DIRTY_LOG_RING",
@@ -357,11 +363,12 @@ impl KvmMachine {
                         ": a ring of {ring} entries ({bytes} bytes) is larger than the host's \
                          maximum of {} bytes ({} entries)",
                         caps.dirty_ring_max_bytes,
-                        caps.dirty_ring_max_bytes / 16
+                        caps.dirty_ring_max_bytes / entry
                     ),
                 });
             }
-        }
+            Some(RingSize::from_entries(ring).map_err(|e| KvmError::Config(e.to_string()))?)
+        };
 
         // Guest physical layout: the test region at the top of a 2^39 (or smaller, if the host
         // has fewer bits) space, one page below the top like memstress, aligned down to the
@@ -369,7 +376,7 @@ impl KvmMachine {
         let gpa_bits = caps.phys_bits.min(MAX_GPA_BITS);
         let top = 1u64 << gpa_bits;
         let align = config.backing.page_size().max(2 << 20);
-        let probe_low = LowLayout::new(config.vcpus as u64, 0, 1);
+        let probe_low = LowLayout::new(config.vcpus as u64, 0, 1)?;
         let too_big = || {
             KvmError::Config(format!(
                 "{total} bytes of test memory do not fit below the guest's 2^{gpa_bits} physical \
@@ -380,7 +387,7 @@ impl KvmMachine {
             .checked_sub(total + PAGE_SIZE)
             .map(|g| g & !(align - 1))
             .ok_or_else(too_big)?;
-        let low_layout = LowLayout::new(config.vcpus as u64, gpa, gpa + total);
+        let low_layout = LowLayout::new(config.vcpus as u64, gpa, gpa + total)?;
         if gpa < low_layout.size.max(probe_low.size) {
             return Err(too_big());
         }
@@ -394,8 +401,8 @@ impl KvmMachine {
             let bytes = unsafe {
                 std::slice::from_raw_parts_mut(low.addr() as *mut u8, low.len() as usize)
             };
-            guest::build_gdt(bytes, &low_layout);
-            guest::build_page_tables(bytes, &low_layout, gpa, gpa + total);
+            guest::build_gdt(bytes, &low_layout)?;
+            guest::build_page_tables(bytes, &low_layout, gpa, gpa + total)?;
             let code = guest::assemble(low_layout.code)?;
             if code.len() as u64 > low_layout.code_len {
                 return Err(KvmError::Assembler(format!(
@@ -423,46 +430,36 @@ impl KvmMachine {
             vm.enable_cap(&cap)
                 .map_err(|e| KvmError::ioctl("KVM_ENABLE_CAP(MANUAL_DIRTY_LOG_PROTECT2)", e))?;
         }
-        if ring != 0 {
-            let mut cap = kvm_enable_cap {
-                cap: if caps.dirty_ring_acq_rel {
-                    KVM_CAP_DIRTY_LOG_RING_ACQ_REL
-                } else {
-                    KVM_CAP_DIRTY_LOG_RING
-                },
-                ..Default::default()
-            };
-            cap.args[0] = ring as u64 * 16;
-            vm.enable_cap(&cap)
-                .map_err(|e| KvmError::ioctl("KVM_ENABLE_CAP(DIRTY_LOG_RING)", e))?;
+        if let Some(size) = ring_size {
+            dirty::enable_dirty_ring(&vm, size, caps.dirty_ring_acq_rel)?;
         }
-        let region =
-            |slot: u32, gpa: u64, len: u64, host: u64, flags: u32| kvm_userspace_memory_region {
-                slot,
-                flags,
-                guest_phys_addr: gpa,
-                memory_size: len,
-                userspace_addr: host,
-            };
-        // SAFETY: the low mapping lives as long as the machine (it is dropped after the VM
-        // fd and the vCPU threads).
+        let vm = Arc::new(vm);
+        let region = |slot: u32, gpa: u64, len: u64, host: u64| kvm_userspace_memory_region {
+            slot,
+            flags: 0,
+            guest_phys_addr: gpa,
+            memory_size: len,
+            userspace_addr: host,
+        };
+        // SAFETY: the low mapping is guest memory only and stays mapped while the VM can reach
+        // it: the machine unmaps it last, after joining the vCPU threads (which own the vCPU
+        // fds) and dropping the VM fd, the rings (mappings of vCPU fds) and the memslot handles,
+        // its fields declared before `low`. Nothing deletes the slot.
         unsafe {
-            vm.set_user_memory_region(region(LOW_SLOT, 0, low.len(), low.addr(), 0))
-                .map_err(|e| KvmError::ioctl("KVM_SET_USER_MEMORY_REGION", e))?;
+            Memslot::register(&vm, region(LOW_SLOT, 0, low.len(), low.addr()))?;
         }
+        let mut slots = Vec::with_capacity(config.slots);
         for s in 0..config.slots as u64 {
             let r = region(
                 FIRST_SLOT + s as u32,
                 gpa + s * per_slot,
                 per_slot,
                 ram.addr() + s * per_slot,
-                0,
             );
-            // SAFETY: as above, for the test region mapping; slots do not overlap.
-            unsafe {
-                vm.set_user_memory_region(r)
-                    .map_err(|e| KvmError::ioctl("KVM_SET_USER_MEMORY_REGION", e))?;
-            }
+            // SAFETY: as above, for the test region mapping (`ram`, also unmapped last); the
+            // slots do not overlap, and each lies inside `ram` (`slots * per_slot = total <=
+            // ram_len`).
+            slots.push(unsafe { Memslot::register(&vm, r)? });
         }
 
         let layout = Layout {
@@ -474,7 +471,7 @@ impl KvmMachine {
         };
         let mut vcpus = Vec::with_capacity(config.vcpus);
         let mut rings = Vec::new();
-        let mut vm_stats = StatsFd::open(&vm).ok();
+        let mut vm_stats = StatsFd::open(&*vm).ok();
         let mut vcpu_stats = Vec::new();
         for i in 0..config.vcpus {
             let v = vm
@@ -490,8 +487,17 @@ impl KvmMachine {
                 .map_err(|e| KvmError::ioctl("KVM_SET_SREGS", e))?;
             v.set_regs(&guest::initial_regs(&low_layout, i, config.guest_mode))
                 .map_err(|e| KvmError::ioctl("KVM_SET_REGS", e))?;
-            if ring != 0 {
-                rings.push(DirtyRing::map(v.as_raw_fd(), ring)?);
+            if let Some(size) = ring_size {
+                let r = match DirtyRing::map(&v, size) {
+                    Err(KvmError::Unsupported { .. }) => {
+                        // SAFETY: this machine enabled the ring on this VM with exactly `size`
+                        // above, before creating any vCPU (KVM accepts the cap once): the
+                        // size the kernel (too old to let `map` check it) backs.
+                        unsafe { DirtyRing::map_unchecked(&v, size) }
+                    }
+                    r => r,
+                }?;
+                rings.push(r);
             }
             if vm_stats.is_some() {
                 match StatsFd::open(&v) {
@@ -515,7 +521,8 @@ impl KvmMachine {
                 rings,
                 reaped: Vec::new(),
             })),
-            vm: Arc::new(vm),
+            vm,
+            slots,
             layout,
             low_layout,
             config,
@@ -573,8 +580,17 @@ impl KvmMachine {
         self.low_layout
     }
 
-    /// The VM fd (for ioctls this crate does not wrap).
-    pub fn vm_fd(&self) -> &VmFd {
+    /// The VM fd, for ioctls this crate does not wrap.
+    ///
+    /// # Safety
+    ///
+    /// The caller must not delete, re-create or move the machine's memslots through it (e.g.
+    /// with `VmFd::set_user_memory_region`, whose own contract does not cover this), nor
+    /// change its dirty-log or dirty-ring configuration: the machine's dirty-log calls size
+    /// the bitmaps KVM writes from the slots as it registered them, and a slot deleted and
+    /// created again with another size would let KVM write past them. `VmFd::get_dirty_log`
+    /// of `kvm-ioctls` trusts its `memory_size` argument in the same way.
+    pub unsafe fn vm_fd(&self) -> &VmFd {
         &self.vm
     }
 
@@ -628,9 +644,11 @@ impl KvmMachine {
     /// `None` past the end.
     pub fn page_value(&self, page: u64) -> Option<u64> {
         (page < self.layout.total_pages()).then(|| {
-            // SAFETY: the page lies in the test region mapping, which lives as long as `self`;
-            // the address is page aligned and accessed atomically.
-            unsafe { AtomicU64::from_ptr((self.layout.host + page * PAGE_SIZE) as *mut u64) }
+            // SAFETY: `page < total_pages`, and `ram` maps at least the test region's
+            // `total_pages * 4 KiB` bytes (its length is that, rounded up to the backing's page
+            // size) for as long as `self` lives; the address is page aligned, and the word is
+            // accessed atomically because vCPUs may write it.
+            unsafe { AtomicU64::from_ptr((self.ram.addr() + page * PAGE_SIZE) as *mut u64) }
                 .load(Ordering::Relaxed)
         })
     }
@@ -642,13 +660,15 @@ impl KvmMachine {
             return false;
         }
         // SAFETY: as in `page_value`.
-        unsafe { AtomicU64::from_ptr((self.layout.host + page * PAGE_SIZE) as *mut u64) }
+        unsafe { AtomicU64::from_ptr((self.ram.addr() + page * PAGE_SIZE) as *mut u64) }
             .store(value, Ordering::Relaxed);
         true
     }
 
     fn low_u64(&self, at: u64) -> &AtomicU64 {
-        debug_assert!(at % 8 == 0 && at + 8 <= self.low.len());
+        // Offsets come from `low_layout`, never from callers; check anyway, the SAFETY
+        // argument below rests on it.
+        assert!(at % 8 == 0 && at.checked_add(8).is_some_and(|e| e <= self.low.len()));
         // SAFETY: `at` is an aligned offset inside the low mapping, which lives as long as
         // `self`; the guest shares these words, so they are only accessed atomically.
         unsafe { AtomicU64::from_ptr((self.low.addr() + at) as *mut u64) }
@@ -749,22 +769,8 @@ impl KvmMachine {
     /// region (a flags-only `KVM_SET_USER_MEMORY_REGION`).
     pub fn set_dirty_logging(&self, on: bool) -> Result<(), KvmError> {
         let mut logging = lock(&self.logging);
-        let flags = if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 };
-        let per_slot = self.layout.total_pages() / self.config.slots as u64 * PAGE_SIZE;
-        for (s, id) in self.slot_ids().enumerate() {
-            let r = kvm_userspace_memory_region {
-                slot: id,
-                flags,
-                guest_phys_addr: self.layout.gpa + s as u64 * per_slot,
-                memory_size: per_slot,
-                userspace_addr: self.ram.addr() + s as u64 * per_slot,
-            };
-            // SAFETY: the same slot, range and host mapping as at creation; only flags change.
-            unsafe {
-                self.vm
-                    .set_user_memory_region(r)
-                    .map_err(|e| KvmError::ioctl("KVM_SET_USER_MEMORY_REGION", e))?;
-            }
+        for slot in &self.slots {
+            slot.set_dirty_logging(on)?;
         }
         *logging = on;
         Ok(())
@@ -775,43 +781,41 @@ impl KvmMachine {
         *lock(&self.logging)
     }
 
-    fn check_bitmap_op(&self, slot: u32, words: usize, op: &str) -> Result<u64, KvmError> {
+    /// The test memslot `slot`, for a bitmap operation.
+    fn bitmap_slot(&self, slot: u32, op: &str) -> Result<&Memslot, KvmError> {
         if self.config.dirty.ring_entries != 0 {
             return Err(KvmError::DirtyLog(format!(
                 "{op}: the VM logs to dirty rings, which replace the bitmaps"
             )));
         }
-        if !self.slot_ids().any(|s| s == slot) {
-            return Err(KvmError::DirtyLog(format!(
-                "{op}: slot {slot} is not a test memslot"
-            )));
-        }
-        let pps = self.pages_per_slot();
-        if (words as u64) < pps.div_ceil(64) {
-            return Err(KvmError::DirtyLog(format!(
-                "{op}: a bitmap of {words} words cannot hold {pps} pages"
-            )));
-        }
-        Ok(pps)
+        self.slots
+            .iter()
+            .find(|s| s.id() == slot)
+            .ok_or_else(|| KvmError::DirtyLog(format!("{op}: slot {slot} is not a test memslot")))
     }
 
-    /// `KVM_GET_DIRTY_LOG` of `slot` into `bitmap` (bit `p` = page `p` of the slot; at least
-    /// `pages_per_slot().div_ceil(64)` words). Without manual protect this also clears the
-    /// log and write-protects the pages; with it, it copies.
+    /// `KVM_GET_DIRTY_LOG` of `slot` into `bitmap` (bit `p` = page `p` of the slot). Without
+    /// manual protect this also clears the log and write-protects the pages; with it, it
+    /// copies.
+    ///
+    /// `bitmap` must be exactly `pages_per_slot().div_ceil(64)` words, the words KVM writes
+    /// ([`KvmError::BitmapLength`] otherwise).
     pub fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), KvmError> {
-        self.check_bitmap_op(slot, bitmap.len(), "KVM_GET_DIRTY_LOG")?;
+        let s = self.bitmap_slot(slot, "KVM_GET_DIRTY_LOG")?;
         if !self.dirty_logging() {
             return Err(KvmError::DirtyLog(
                 "KVM_GET_DIRTY_LOG: dirty logging is off".into(),
             ));
         }
-        dirty::get_dirty_log(&*self.vm, slot, bitmap)
+        dirty::get_dirty_log(s, bitmap)
     }
 
     /// `KVM_CLEAR_DIRTY_LOG` (manual protect): clears and re-protects the pages of
     /// `[first_page, first_page + num_pages)` of `slot` whose bits are set in `bitmap` (bit 0
     /// = `first_page`). `first_page` must be a multiple of 64, and so must `num_pages` unless
-    /// the range reaches the end of the slot.
+    /// the range reaches the end of the slot ([`KvmError::ClearRange`]); `bitmap` must be
+    /// exactly `num_pages.div_ceil(64)` words, the words KVM reads
+    /// ([`KvmError::BitmapLength`]).
     pub fn clear_dirty_log(
         &self,
         slot: u32,
@@ -819,32 +823,19 @@ impl KvmMachine {
         num_pages: u64,
         bitmap: &[u64],
     ) -> Result<(), KvmError> {
-        let pps = self.check_bitmap_op(slot, usize::MAX, "KVM_CLEAR_DIRTY_LOG")?;
+        let s = self.bitmap_slot(slot, "KVM_CLEAR_DIRTY_LOG")?;
         if self.config.dirty.manual_protect & MANUAL_PROTECT_ENABLE == 0 {
             return Err(KvmError::DirtyLog(
                 "KVM_CLEAR_DIRTY_LOG needs manual protect (KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2)"
                     .into(),
             ));
         }
-        let end = first_page.checked_add(num_pages);
-        if first_page % 64 != 0
-            || end.is_none_or(|e| e > pps)
-            || (num_pages % 64 != 0 && end != Some(pps))
-            || (bitmap.len() as u64) < num_pages.div_ceil(64)
-        {
-            return Err(KvmError::DirtyLog(format!(
-                "KVM_CLEAR_DIRTY_LOG: range of {num_pages} pages from page {first_page} with a \
-                 {}-word bitmap does not fit slot {slot} ({pps} pages; first page and length \
-                 must be multiples of 64 unless the range ends the slot)",
-                bitmap.len()
-            )));
-        }
         if !self.dirty_logging() {
             return Err(KvmError::DirtyLog(
                 "KVM_CLEAR_DIRTY_LOG: dirty logging is off".into(),
             ));
         }
-        dirty::clear_dirty_log(&*self.vm, slot, first_page, num_pages as u32, bitmap)
+        dirty::clear_dirty_log(s, first_page, num_pages, bitmap)
     }
 
     /// Takes every dirty-ring entry not yet collected: first those the vCPUs reaped on
@@ -873,7 +864,7 @@ impl KvmMachine {
             ));
         }
         let _r = lock(&self.rings);
-        dirty::reset_dirty_rings(&*self.vm)
+        dirty::reset_dirty_rings(&self.vm)
     }
 }
 
@@ -919,7 +910,7 @@ impl VcpuContext {
         for ring in rings.iter_mut() {
             ring.harvest(|s, o| reaped.push((s, o)));
         }
-        dirty::reset_dirty_rings(&*self.vm)
+        dirty::reset_dirty_rings(&self.vm)
             .map(|_| ())
             .map_err(|e| e.to_string())
     }
@@ -979,53 +970,87 @@ fn vcpu_thread(mut ctx: VcpuContext) {
 /// Runs the memstress pattern of `layout` natively on `mem` (at least as large as the test
 /// region) with one thread per vCPU: the native baseline of a pass. The wall time is the
 /// slowest thread's own time (the spawning thread may not run again until the workers finish).
+///
+/// Only `bytes_per_vcpu`, `vcpus` and `overlap` of `layout` matter (vCPU `i` works on
+/// `mem[i * bytes_per_vcpu..]`, or all of it with overlap). Refused with
+/// [`KvmError::Config`]: `bytes_per_vcpu` zero or not a multiple of 4 KiB, a region size that
+/// overflows, or `mem` smaller than the region.
 pub fn native_baseline(
     layout: Layout,
     mem: &HostMemory,
     params: PassParams,
 ) -> Result<PassReport, KvmError> {
-    let total = layout.bytes_per_vcpu * layout.vcpus as u64;
+    let bytes = layout.bytes_per_vcpu;
+    if bytes == 0 || bytes % PAGE_SIZE != 0 {
+        return Err(KvmError::Config(format!(
+            "native baseline: memory per vCPU ({bytes} bytes) must be a non-zero multiple of 4 KiB"
+        )));
+    }
+    let total = u64::try_from(layout.vcpus)
+        .ok()
+        .and_then(|v| bytes.checked_mul(v))
+        .ok_or_else(|| KvmError::Config("native baseline: region size overflows".into()))?;
     if mem.len() < total {
         return Err(KvmError::Config(format!(
             "native baseline needs {total} bytes of host memory, got {}",
             mem.len()
         )));
     }
+    // (offset in `mem`, pages) of vCPU `i`: inside `[0, total)`, page aligned.
+    let region = |i: usize| {
+        if layout.overlap {
+            (0, total >> PAGE_SHIFT)
+        } else {
+            (bytes * i as u64, bytes >> PAGE_SHIFT)
+        }
+    };
     let base = mem.addr();
-    let start = Barrier::new(layout.vcpus + 1);
+    // The workers start together when the gate opens (the write lock is released); if a
+    // thread cannot be started, the gate opens with `true` and the started ones return.
+    let gate = RwLock::new(false);
+    let mut abort = gate.write().unwrap_or_else(|e| e.into_inner());
     let vcpus = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..layout.vcpus)
-            .map(|i| {
-                let start = &start;
-                s.spawn(move || {
-                    let (gpa, _, pages) = layout.region(i);
-                    start.wait();
-                    let t0 = Instant::now();
-                    // SAFETY: `mem` holds the whole region (checked above) and outlives the
-                    // scope; other workers access it only atomically.
-                    unsafe {
-                        crate::memstress::native_pass(
-                            base + (gpa - layout.gpa),
-                            pages,
-                            params,
-                            i as u32,
-                        )
-                    };
-                    VcpuPass {
-                        time: t0.elapsed(),
-                        pages,
-                        passes: 1,
-                        ..VcpuPass::default()
-                    }
+        let mut handles = Vec::with_capacity(layout.vcpus);
+        let mut failed = None;
+        for i in 0..layout.vcpus {
+            let gate = &gate;
+            let (off, pages) = region(i);
+            let worker = move || {
+                if *gate.read().unwrap_or_else(|e| e.into_inner()) {
+                    return None;
+                }
+                let t0 = Instant::now();
+                // SAFETY: `[base + off, base + off + pages * 4 KiB)` lies in `mem`: `off +
+                // pages * 4 KiB <= total <= mem.len()` (checked above), and `mem` outlives the
+                // scope. `base` and `off` are page aligned. Other workers access the range
+                // only atomically.
+                unsafe { crate::memstress::native_pass(base + off, pages, params, i as u32) };
+                Some(VcpuPass {
+                    time: t0.elapsed(),
+                    pages,
+                    passes: 1,
+                    ..VcpuPass::default()
                 })
-            })
-            .collect();
-        start.wait();
-        handles
+            };
+            match std::thread::Builder::new().spawn_scoped(s, worker) {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        *abort = failed.is_some();
+        drop(abort);
+        let done: Vec<_> = handles
             .into_iter()
-            .map(|h| h.join().unwrap_or_default())
-            .collect::<Vec<_>>()
-    });
+            .map(|h| h.join().ok().flatten().unwrap_or_default())
+            .collect();
+        match failed {
+            Some(e) => Err(KvmError::Thread(e)),
+            None => Ok(done),
+        }
+    })?;
     let wall = vcpus.iter().map(|v| v.time).max().unwrap_or_default();
     Ok(PassReport { wall, vcpus })
 }

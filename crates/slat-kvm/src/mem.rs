@@ -111,8 +111,10 @@ impl HostMemory {
         } else {
             0
         };
-        let total = usize::try_from(len + extra)
-            .map_err(|_| KvmError::Config(format!("mapping length {len} is too large")))?;
+        let total = len
+            .checked_add(extra)
+            .and_then(|t| usize::try_from(t).ok())
+            .ok_or_else(|| KvmError::Config(format!("mapping length {len} is too large")))?;
         // SAFETY: a fresh anonymous mapping at an address the kernel chooses; no existing
         // memory is affected.
         let p = unsafe {

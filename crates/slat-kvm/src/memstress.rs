@@ -143,12 +143,14 @@ impl Iterator for WriterPattern {
 ///
 /// # Safety
 ///
-/// `host` must be the start of a mapped, writable range of at least `pages` 4 KiB pages that
-/// stays mapped for the call; other threads may access it only atomically.
+/// `host` must be 8-byte aligned (the words are accessed as `AtomicU64`) and the start of a
+/// mapped, writable range of at least `pages` 4 KiB pages that stays mapped for the call;
+/// other threads may access it only atomically.
 pub unsafe fn native_pass(host: u64, pages: u64, params: PassParams, vcpu_idx: u32) {
     use std::sync::atomic::{AtomicU64, Ordering};
     for (page, write) in Pattern::new(params, vcpu_idx, pages) {
-        // SAFETY: in bounds and aligned by the caller's contract; atomic because other
+        // SAFETY: `page < pages`, so in bounds, and 8-byte aligned (`host` is, and 4096 is a
+        // multiple of 8), by the caller's contract; atomic because other
         // threads may touch the same page (overlap).
         let a = unsafe { AtomicU64::from_ptr((host + page * 4096) as *mut u64) };
         if write {

@@ -4,6 +4,7 @@
 
 use crate::error::KvmError;
 use kvm_bindings::{kvm_stats_header, KVM_STATS_TYPE_MASK, KVM_STATS_TYPE_PEAK};
+use kvm_ioctls::{VcpuFd, VmFd};
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd};
@@ -28,6 +29,24 @@ pub struct Stat {
     pub peak: bool,
 }
 
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for kvm_ioctls::VmFd {}
+    impl Sealed for kvm_ioctls::VcpuFd {}
+}
+
+/// A KVM object with binary statistics: a VM ([`VmFd`]) or a vCPU ([`VcpuFd`]).
+///
+/// Sealed: `KVM_GET_STATS_FD` on any other fd would be whatever that fd's driver does with the
+/// request number, and its return value would be taken as a new fd this crate owns.
+pub trait StatsSource: sealed::Sealed + AsRawFd {}
+impl StatsSource for VmFd {}
+impl StatsSource for VcpuFd {}
+
+/// Most descriptor bytes a statistics fd may announce (KVM's are a few KiB); a header that
+/// claims more is refused rather than allocated.
+const MAX_DESC_BYTES: usize = 1 << 20;
+
 /// An open statistics fd and its descriptors.
 #[derive(Debug)]
 pub struct StatsFd {
@@ -38,8 +57,9 @@ pub struct StatsFd {
 
 impl StatsFd {
     /// Opens the statistics of a VM or vCPU fd.
-    pub fn open(fd: &impl AsRawFd) -> Result<Self, KvmError> {
-        // SAFETY: the ioctl takes no argument and returns a new fd (or -1).
+    pub fn open(fd: &impl StatsSource) -> Result<Self, KvmError> {
+        // SAFETY: `fd` is a KVM VM or vCPU fd (the sealed trait), for which this request takes
+        // no argument and returns a new fd (or -1).
         let r = unsafe { ioctl(fd, nr::KVM_GET_STATS_FD()) };
         if r < 0 {
             let e = io::Error::last_os_error();
@@ -51,7 +71,8 @@ impl StatsFd {
                 source: e,
             });
         }
-        // SAFETY: `r` is a fresh fd we own.
+        // SAFETY: `r` is the fresh fd KVM_GET_STATS_FD of a KVM object just returned; nothing
+        // else owns it.
         let file = unsafe { File::from_raw_fd(r) };
         let io_err = |source| KvmError::Ioctl {
             op: "read(KVM stats fd)",
@@ -64,8 +85,19 @@ impl StatsFd {
         let (desc_offset, data_offset) = (word(&h, 16) as u64, word(&h, 20) as u64);
         // Each descriptor: flags u32, exponent i16, size u16, offset u32, bucket_size u32,
         // then the name.
-        let desc_size = 16 + name_size;
-        let mut d = vec![0u8; desc_size * num_desc];
+        let desc_size = name_size.checked_add(16);
+        let total = desc_size.and_then(|d| d.checked_mul(num_desc));
+        let (Some(desc_size), Some(total)) = (desc_size, total.filter(|&t| t <= MAX_DESC_BYTES))
+        else {
+            return Err(KvmError::Ioctl {
+                op: "read(KVM stats fd)",
+                source: io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("{num_desc} descriptors with {name_size}-byte names is implausible"),
+                ),
+            });
+        };
+        let mut d = vec![0u8; total];
         file.read_exact_at(&mut d, desc_offset).map_err(io_err)?;
         let mut descs = Vec::with_capacity(num_desc);
         for c in d.chunks_exact(desc_size) {
@@ -79,7 +111,7 @@ impl StatsFd {
             }
             descs.push((
                 String::from_utf8_lossy(&raw[..end]).into_owned(),
-                data_offset + offset,
+                data_offset.saturating_add(offset),
                 flags & KVM_STATS_TYPE_MASK == KVM_STATS_TYPE_PEAK,
             ));
         }

@@ -189,7 +189,7 @@ fn dirty_log_misuse_is_refused() {
     ));
     assert!(matches!(
         m.get_dirty_log(FIRST_SLOT, &mut buf[..words - 1]),
-        Err(KvmError::DirtyLog(_))
+        Err(KvmError::BitmapLength { .. })
     ));
     m.get_dirty_log(FIRST_SLOT, &mut buf).unwrap();
     // CLEAR without manual protect, ring ops without rings.
