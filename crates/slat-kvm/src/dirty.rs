@@ -20,6 +20,44 @@
 //! Every call takes the `kvm-ioctls` fd type of the object it acts on (`VmFd`, `VcpuFd`, or a
 //! [`Memslot`], which holds its `VmFd`), never a raw fd: an arbitrary fd would make the ioctl
 //! act on whatever object it is.
+//!
+//! ```no_run
+//! # fn main() -> Result<(), slat_kvm::KvmError> {
+//! use slat_kvm::dirty::{self, DirtyRing};
+//! let vm = kvm_ioctls::Kvm::new().unwrap().create_vm().unwrap();
+//! let size = slat_kvm::RingSize::from_entries(4096)?; // 64 KiB: the cap is given bytes
+//! dirty::enable_dirty_ring(&vm, size, false)?;
+//! let vcpu = vm.create_vcpu(0).unwrap();
+//! let mut ring = DirtyRing::map(&vcpu, size)?; // checks KVM's ring is 4096 entries
+//! ring.harvest(|slot, offset| println!("{slot} {offset}"));
+//! dirty::reset_dirty_rings(&vm)?;
+//! # Ok(()) }
+//! ```
+//!
+//! What the raw-fd forms allowed no longer compiles. A file is no vCPU:
+//!
+//! ```compile_fail,E0308
+//! # fn main() -> Result<(), slat_kvm::KvmError> {
+//! let f = std::fs::File::open("/dev/zero").unwrap();
+//! let size = slat_kvm::RingSize::from_entries(4096)?;
+//! let _ring = slat_kvm::dirty::DirtyRing::map(&f, size)?;
+//! # Ok(()) }
+//! ```
+//!
+//! nor a VM:
+//!
+//! ```compile_fail,E0308
+//! let f = std::fs::File::open("/dev/zero").unwrap();
+//! slat_kvm::dirty::reset_dirty_rings(&f).unwrap();
+//! ```
+//!
+//! and GET takes a [`Memslot`], not a VM fd with a slot number whose size nobody checked:
+//!
+//! ```compile_fail,E0308
+//! let vm = kvm_ioctls::Kvm::new().unwrap().create_vm().unwrap();
+//! let mut bitmap = [0u64; 1];
+//! slat_kvm::dirty::get_dirty_log(&vm, &mut bitmap).unwrap();
+//! ```
 
 use crate::error::KvmError;
 use crate::mem::PAGE_SIZE;

@@ -590,6 +590,14 @@ impl KvmMachine {
     /// the bitmaps KVM writes from the slots as it registered them, and a slot deleted and
     /// created again with another size would let KVM write past them. `VmFd::get_dirty_log`
     /// of `kvm-ioctls` trusts its `memory_size` argument in the same way.
+    ///
+    /// Without `unsafe` this does not compile:
+    ///
+    /// ```compile_fail,E0133
+    /// fn delete_slot_1(m: &slat_kvm::KvmMachine) {
+    ///     let vm = m.vm_fd();
+    /// }
+    /// ```
     pub unsafe fn vm_fd(&self) -> &VmFd {
         &self.vm
     }

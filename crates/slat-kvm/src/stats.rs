@@ -39,6 +39,16 @@ mod sealed {
 ///
 /// Sealed: `KVM_GET_STATS_FD` on any other fd would be whatever that fd's driver does with the
 /// request number, and its return value would be taken as a new fd this crate owns.
+///
+/// ```no_run
+/// let vm = kvm_ioctls::Kvm::new().unwrap().create_vm().unwrap();
+/// let stats = slat_kvm::stats::StatsFd::open(&vm);
+/// ```
+///
+/// ```compile_fail,E0277
+/// let f = std::fs::File::open("/dev/zero").unwrap();
+/// let stats = slat_kvm::stats::StatsFd::open(&f);
+/// ```
 pub trait StatsSource: sealed::Sealed + AsRawFd {}
 impl StatsSource for VmFd {}
 impl StatsSource for VcpuFd {}
