@@ -549,10 +549,13 @@ impl KvmMachine {
             match t {
                 Ok(h) => m.threads.push(h),
                 Err(e) => {
-                    // Release the threads already waiting at the start barrier with Stop; the
-                    // missing ones never arrive, so the barrier cannot be used: leak them.
+                    // The threads already started wait at the start barrier for parties that
+                    // never arrive, so they cannot be stopped: leak them, and the machine with
+                    // them. Its guest memory must not be unmapped while their vCPU fds (and
+                    // so the VM and its memslots) exist, which is for ever.
                     *lock(&m.ctl.job) = Job::Stop;
                     m.threads.clear();
+                    std::mem::forget(m);
                     return Err(KvmError::Thread(e));
                 }
             }
