@@ -292,7 +292,7 @@ fn run_format<F: PteFormat>(
     };
     let access = |name: &'static str, params: PassParams, r: &mut RunResult| {
         let guest = m.run_pass(params).map_err(|e| e.to_string())?;
-        let native = native_baseline(layout, native_ram.addr(), params);
+        let native = native_baseline(layout, &native_ram, params).map_err(|e| e.to_string())?;
         if text {
             println!("{:<30}: {}", name, ts(guest.wall));
             println!(

@@ -244,11 +244,9 @@ impl Native {
     /// One pass of the pattern on host memory.
     pub fn run(&self, p: PassParams) -> Result<Pass, String> {
         match self {
-            Native::Sim(layout, ram) => Ok(sim_pass(slat_machine::native_baseline(
-                *layout,
-                ram.addr(),
-                p,
-            ))),
+            Native::Sim(layout, ram) => slat_machine::native_baseline(*layout, ram, p)
+                .map(sim_pass)
+                .map_err(|e| e.to_string()),
             Native::Kvm(layout, mem) => slat_kvm::native_baseline(*layout, mem, kvm_params(p))
                 .map(kvm_pass)
                 .map_err(|e| e.to_string()),

@@ -354,7 +354,8 @@ fn run_on<F: PteFormat>(a: &PageTableTestArgs, vm: VmConfig, text: bool) -> Resu
         let run = m.run(Workload::Stage(params)).map_err(|e| e.to_string())?;
         let after = m.vm().stats();
         p.done();
-        let native = native_stage_baseline(native_ram.addr(), params, vcpus);
+        let native = native_stage_baseline(&native_ram, params, vcpus)
+            .ok_or("the native baseline's memory is smaller than the test region")?;
         let f = StageFigures {
             stage,
             time: run.wall,

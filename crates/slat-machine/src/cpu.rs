@@ -10,7 +10,7 @@ use crate::sched::PcpuPool;
 use crate::tlb::Tlb;
 use slat::format::{bytes_per_entry, table_index, PteFormat};
 use slat::table::TablePage;
-use slat::{Access, Fault, FaultOutcome, Vcpu, Vm};
+use slat::{Access, Fault, FaultOutcome, GuestMode, Vcpu, Vm};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -39,6 +39,15 @@ pub enum Exit {
         /// The address.
         gpa: u64,
     },
+    /// An 8-byte access at an address that is not 8-byte aligned (an alignment check): the
+    /// bytes could straddle two guest pages, which translate to unrelated host pages.
+    Unaligned {
+        /// The address.
+        gpa: u64,
+    },
+    /// A guest access while the vCPU is outside guest mode ([`Cpu::enter`] first): outside
+    /// it, flushes do not wait for this vCPU, so its TLB and walks could use freed tables.
+    NotInGuest,
 }
 
 /// PAUSE instructions standing in for the guest entry and exit between a retried fault and the
@@ -70,12 +79,12 @@ pub struct CpuCounters {
 
 /// A vCPU thread's hardware state.
 pub struct Cpu<F: PteFormat> {
-    vm: Arc<Vm<F>>,
-    vcpu: Vcpu,
+    vcpu: Vcpu<F>,
     tlb: Tlb,
     pool: Arc<PcpuPool>,
     root: u64,
-    in_guest: bool,
+    /// Present while in guest mode (and holding a physical CPU).
+    guest: Option<GuestMode>,
     quantum: u32,
     ring_full: Option<RingFullHandler>,
     /// Counters.
@@ -88,12 +97,11 @@ impl<F: PteFormat> Cpu<F> {
         let vcpu = vm.create_vcpu(id);
         let root = vm.root_addr();
         Cpu {
-            vm,
             vcpu,
             tlb: Tlb::new(tlb_entries),
             pool,
             root,
-            in_guest: false,
+            guest: None,
             quantum: 0,
             ring_full: None,
             counters: CpuCounters::default(),
@@ -106,32 +114,33 @@ impl<F: PteFormat> Cpu<F> {
     }
 
     /// The engine's vCPU.
-    pub fn vcpu(&self) -> &Vcpu {
+    pub fn vcpu(&self) -> &Vcpu<F> {
         &self.vcpu
     }
 
-    /// Takes a physical CPU and enters guest mode.
+    /// Takes a physical CPU and enters guest mode (nothing if already in it).
     pub fn enter(&mut self) {
-        debug_assert!(!self.in_guest);
+        if self.guest.is_some() {
+            return;
+        }
         self.pool.acquire();
         self.enter_guest_mode();
     }
 
     /// Leaves guest mode and gives the physical CPU back (a sync exit: GUEST_SYNC, stop).
     pub fn exit(&mut self) {
-        if self.in_guest {
-            self.vcpu.exit_guest();
-            self.in_guest = false;
+        if self.guest.take().is_some() {
             self.pool.release();
         }
     }
 
     #[inline]
     fn enter_guest_mode(&mut self) {
-        if self.vcpu.enter_guest() != 0 {
+        let guest = self.vcpu.enter_guest();
+        if guest.requests_at_entry() != 0 {
             self.service();
         }
-        self.in_guest = true;
+        self.guest = Some(guest);
     }
 
     #[inline]
@@ -160,21 +169,24 @@ impl<F: PteFormat> Cpu<F> {
         }
     }
 
-    /// Writes `val` to guest physical address `gpa` (8-byte aligned).
+    /// Writes `val` to guest physical address `gpa`, which must be 8-byte aligned
+    /// ([`Exit::Unaligned`] otherwise), in guest mode ([`Exit::NotInGuest`] otherwise).
     #[inline]
     pub fn write_u64(&mut self, gpa: u64, val: u64) -> Result<(), Exit> {
         let hva = self.translate(gpa, Access::Write)?;
-        // SAFETY: `hva` comes from a leaf the engine installed for a memslot, so it points into
-        // that slot's host memory, which the machine keeps mapped while vCPUs run; a slot
-        // deletion flushes this TLB (we acknowledge between accesses) before the VMM may unmap
-        // it. The address is 8-byte aligned (gpa is, and leaves are page aligned). Atomic access
-        // because other vCPUs and the host may touch the same page concurrently.
+        // SAFETY: `hva` is inside the host page of a leaf the engine installed for a memslot
+        // (`translate` adds only the offset of an 8-byte-aligned `gpa` within its 4 KiB page,
+        // so all 8 bytes are in that page). The memslot's `HostRange` keeps that memory mapped
+        // for as long as any leaf or cached translation of it can be used: a slot is removed
+        // only after its leaves are zapped and a flush this vCPU acknowledged (we do, between
+        // accesses, in guest mode). Atomic because other vCPUs and the host may touch the same
+        // page concurrently.
         unsafe { AtomicU64::from_ptr(hva as *mut u64) }.store(val, Ordering::Relaxed);
         self.counters.accesses += 1;
         Ok(())
     }
 
-    /// Reads the 8 bytes at guest physical address `gpa` (8-byte aligned).
+    /// Reads the 8 bytes at guest physical address `gpa` (8-byte aligned, in guest mode).
     #[inline]
     pub fn read_u64(&mut self, gpa: u64) -> Result<u64, Exit> {
         let hva = self.translate(gpa, Access::Read)?;
@@ -187,7 +199,12 @@ impl<F: PteFormat> Cpu<F> {
     /// Translates `gpa` for `access`, faulting as needed; returns the host address.
     #[inline]
     fn translate(&mut self, gpa: u64, access: Access) -> Result<u64, Exit> {
-        debug_assert!(self.in_guest, "guest access outside guest mode");
+        if gpa % 8 != 0 {
+            return Err(Exit::Unaligned { gpa });
+        }
+        if self.guest.is_none() {
+            return Err(Exit::NotInGuest);
+        }
         self.boundary();
         let gfn = gpa >> 12;
         let write = access == Access::Write;
@@ -263,7 +280,9 @@ impl<F: PteFormat> Cpu<F> {
                 }
                 if !F::is_dirty(e) && F::is_dirty(want) {
                     // D 0->1: what PML logs. Before the write this walk allows.
-                    self.vm.log_hardware_dirty(&mut self.vcpu, gfn);
+                    if let Some(guest) = &self.guest {
+                        self.vcpu.log_hardware_dirty(guest, gfn);
+                    }
                 }
             }
             if F::BREAK_BEFORE_MAKE && self.tlb.conflicts(gfn, level) {
@@ -282,13 +301,17 @@ impl<F: PteFormat> Cpu<F> {
     #[inline]
     fn fault(&mut self, f: Fault) -> Result<(), Exit> {
         self.counters.faults += 1;
-        let o = match self.vm.fast_page_fault(&mut self.vcpu, f) {
+        let fast = match &self.guest {
+            Some(guest) => self.vcpu.fast_page_fault(guest, f),
+            None => None,
+        };
+        let o = match fast {
             Some(o) => o,
             None => {
                 // The slow path may block on the MMU lock, whose holder may be waiting for our
                 // flush acknowledgement: leave guest mode (keep the physical CPU; host work).
-                self.vcpu.exit_guest();
-                let o = self.vm.slow_page_fault(&mut self.vcpu, f);
+                self.guest = None;
+                let o = self.vcpu.slow_page_fault(f);
                 self.enter_guest_mode();
                 o
             }
@@ -325,10 +348,16 @@ impl<F: PteFormat> Cpu<F> {
     }
 
     /// Consumes the CPU, unregistering its vCPU from the engine.
-    pub fn destroy(mut self) {
+    pub fn destroy(self) {
+        drop(self);
+    }
+}
+
+impl<F: PteFormat> Drop for Cpu<F> {
+    fn drop(&mut self) {
+        // Leave guest mode and give the physical CPU back; dropping the vCPU then removes it
+        // from the VM's flush protocol.
         self.exit();
-        let Cpu { vm, vcpu, .. } = self;
-        vm.destroy_vcpu(vcpu);
     }
 }
 

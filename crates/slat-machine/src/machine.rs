@@ -10,7 +10,7 @@ use crate::tlb::DEFAULT_TLB_ENTRIES;
 use parking_lot::Mutex;
 use slat::format::{PteFormat, PAGE_SHIFT, PAGE_SIZE};
 use slat::memslot::MemslotFlags;
-use slat::{DirtyLogError, Ept, HostRange, MemslotError, SlotId, Vm, VmConfig};
+use slat::{DirtyLogError, Ept, HostRange, HostRangeError, MemslotError, SlotId, Vm, VmConfig};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::thread::JoinHandle;
@@ -86,6 +86,9 @@ pub enum MachineError {
     /// The engine refused a memslot.
     #[error(transparent)]
     Memslot(#[from] MemslotError),
+    /// Guest RAM could not be cut into memslot ranges.
+    #[error(transparent)]
+    HostRange(#[from] HostRangeError),
     /// A configuration value is out of range.
     #[error("{0}")]
     Config(String),
@@ -208,7 +211,7 @@ struct Control {
 /// The simulated machine.
 pub struct Machine<F: PteFormat = Ept> {
     vm: Arc<Vm<F>>,
-    ram: GuestRam,
+    ram: Arc<GuestRam>,
     layout: Layout,
     config: MachineConfig,
     ctl: Arc<Control>,
@@ -236,7 +239,15 @@ impl<F: PteFormat> Machine<F> {
                 config.tlb_entries
             )));
         }
-        let total = config.bytes_per_vcpu * config.vcpus as u64;
+        let total = config
+            .bytes_per_vcpu
+            .checked_mul(config.vcpus as u64)
+            .ok_or_else(|| {
+                MachineError::Config(format!(
+                    "{} vCPUs x {:#x} bytes per vCPU overflows 64 bits",
+                    config.vcpus, config.bytes_per_vcpu
+                ))
+            })?;
         let pages = total >> PAGE_SHIFT;
         if config.slots == 0 || pages % config.slots as u64 != 0 {
             return Err(MachineError::Config(format!(
@@ -245,8 +256,10 @@ impl<F: PteFormat> Machine<F> {
             )));
         }
         let psize = config.backing.page_size();
-        let ram_len = total.div_ceil(psize) * psize;
-        let ram = GuestRam::new(config.backing, ram_len, config.prefault)?;
+        let ram_len = total.div_ceil(psize).checked_mul(psize).ok_or_else(|| {
+            MachineError::Config(format!("{total:#x} bytes of guest memory overflow 64 bits"))
+        })?;
+        let ram = Arc::new(GuestRam::new(config.backing, ram_len, config.prefault)?);
         // KVM's memstress puts the test region at the top of the guest physical address space,
         // aligned down to the backing page size.
         let max_gfn = (1u64 << (F::MAX_PHYS_BITS - PAGE_SHIFT)) - 1;
@@ -276,17 +289,14 @@ impl<F: PteFormat> Machine<F> {
         }
         let per_slot = total / config.slots as u64;
         for s in 0..config.slots as u64 {
-            let host = ram.addr() + s * per_slot;
+            let offset = s * per_slot;
+            let host = HostRange::slice(ram.clone(), offset, ram.len() - offset)?;
             vm.add_memslot(
                 FIRST_SLOT + s as u32,
-                gpa + s * per_slot,
+                gpa + offset,
                 per_slot,
-                HostRange {
-                    addr: host,
-                    len: ram.addr() + ram.len() - host,
-                    page_size: psize,
-                },
-                0,
+                host,
+                MemslotFlags::empty(),
             )?;
         }
         let layout = Layout {
@@ -433,9 +443,9 @@ impl<F: PteFormat> Machine<F> {
     /// Turns dirty logging on or off on every memslot of the test region.
     pub fn set_dirty_logging(&self, on: bool) -> Result<(), MachineError> {
         let flags = if on {
-            MemslotFlags::LOG_DIRTY_PAGES.bits()
+            MemslotFlags::LOG_DIRTY_PAGES
         } else {
-            0
+            MemslotFlags::empty()
         };
         for id in self.slot_ids() {
             self.vm.set_memslot_flags(id, flags)?;
@@ -576,35 +586,60 @@ fn run_workload<F: PteFormat>(
     }
 }
 
-/// Runs the memstress pattern of `layout` natively on `host` (same size and shape as the
-/// guest region) with one thread per vCPU; the native baseline of a pass.
-pub fn native_baseline(layout: Layout, host: u64, params: PassParams) -> PassReport {
-    let start = Arc::new(Barrier::new(layout.vcpus + 1));
-    let handles: Vec<_> = (0..layout.vcpus)
-        .map(|i| {
-            let start = start.clone();
-            std::thread::spawn(move || {
-                let (_, h, pages) = layout.region(i);
-                let h = h - layout.host + host;
-                start.wait();
-                let t0 = Instant::now();
-                native_pass(h, pages, params, i as u32);
-                VcpuPass {
-                    time: t0.elapsed(),
-                    pages,
-                    passes: 1,
-                    counters: CpuCounters::default(),
-                }
+/// Runs the memstress pattern of `layout` natively on `ram` (same size and shape as the
+/// guest region, `ram` standing where `layout.host` stood) with one thread per vCPU; the
+/// native baseline of a pass. Refused if the layout does not fit in `ram`.
+pub fn native_baseline(
+    layout: Layout,
+    ram: &GuestRam,
+    params: PassParams,
+) -> Result<PassReport, MachineError> {
+    let mut need = 0u64;
+    for i in 0..layout.vcpus {
+        let (_, h, pages) = layout.region(i);
+        let end = pages
+            .checked_mul(PAGE_SIZE)
+            .and_then(|b| b.checked_add(h.checked_sub(layout.host)?));
+        need = need.max(end.unwrap_or(u64::MAX));
+    }
+    if need > ram.len() {
+        return Err(MachineError::Config(format!(
+            "the native baseline needs {need:#x} bytes of host memory but has {:#x}",
+            ram.len()
+        )));
+    }
+    let host = ram.addr();
+    let start = Barrier::new(layout.vcpus + 1);
+    let vcpus: Vec<VcpuPass> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..layout.vcpus)
+            .map(|i| {
+                let start = &start;
+                s.spawn(move || {
+                    let (_, h, pages) = layout.region(i);
+                    let h = h - layout.host + host;
+                    start.wait();
+                    let t0 = Instant::now();
+                    // SAFETY: this region lies inside `ram` (checked above for every vCPU),
+                    // which is borrowed, so mapped, until the scope joins this thread;
+                    // `GuestRam` hands out no references to its bytes.
+                    unsafe { native_pass(h, pages, params, i as u32) };
+                    VcpuPass {
+                        time: t0.elapsed(),
+                        pages,
+                        passes: 1,
+                        counters: CpuCounters::default(),
+                    }
+                })
             })
-        })
-        .collect();
-    start.wait();
-    let vcpus: Vec<VcpuPass> = handles
-        .into_iter()
-        .map(|h| h.join().unwrap_or_default())
-        .collect();
+            .collect();
+        start.wait();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_default())
+            .collect()
+    });
     // The slowest thread's own time: this thread may not run again until the workers are
     // done (as many workers as cores), so a clock read here would start late.
     let wall = vcpus.iter().map(|v| v.time).max().unwrap_or_default();
-    PassReport { wall, vcpus }
+    Ok(PassReport { wall, vcpus })
 }

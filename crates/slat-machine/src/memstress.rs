@@ -120,11 +120,18 @@ pub fn guest_pass<F: PteFormat>(
 }
 
 /// The same pass straight on host memory at `host` (the native baseline).
-pub fn native_pass(host: u64, pages: u64, params: PassParams, vcpu_idx: u32) {
+///
+/// # Safety
+///
+/// `[host, host + pages * 4 KiB)` must be mapped readable and writable for the whole call,
+/// `host` 8-byte aligned, and no `&`/`&mut` references to those bytes may exist meanwhile
+/// (other threads may access them, atomically).
+pub(crate) unsafe fn native_pass(host: u64, pages: u64, params: PassParams, vcpu_idx: u32) {
     for (page, write) in Pattern::new(params, vcpu_idx, pages) {
         let p = (host + page * PAGE_SIZE) as *mut u64;
-        // SAFETY: the caller passes a mapped, writable host range of `pages` pages; the address
-        // is page aligned. Atomic because other threads may touch the same page (-o).
+        // SAFETY: `page < pages` (the pattern's range), so the address is inside the range the
+        // caller vouched for, and 8-byte aligned. Atomic because other threads may touch the
+        // same page (-o).
         let a = unsafe { AtomicU64::from_ptr(p) };
         if write {
             a.store(MEMSTRESS_PATTERN, Ordering::Relaxed);

@@ -141,11 +141,20 @@ pub fn guest_stage<F: PteFormat>(
 }
 
 /// The same stage straight on host memory at `host` (the native baseline).
-pub fn native_stage(host: u64, p: StageParams, vcpu_idx: u32) -> u64 {
+///
+/// # Safety
+///
+/// `[host, host + p.bytes)` must be mapped readable and writable for the whole call, `host`
+/// 8-byte aligned, and no `&`/`&mut` references to those bytes may exist meanwhile.
+unsafe fn native_stage(host: u64, p: StageParams, vcpu_idx: u32) -> u64 {
     let mut n = 0;
     for (off, write) in StageAccesses::new(p, vcpu_idx) {
-        // SAFETY: the caller passes a mapped, writable host range of `p.bytes`; offsets are 8-byte
-        // aligned and inside it. Atomic because every thread touches the same region.
+        if off % 8 != 0 || off.saturating_add(8) > p.bytes {
+            break; // never happens: the stage's offsets are aligned and inside `p.bytes`
+        }
+        // SAFETY: `off + 8 <= p.bytes` and `off` is 8-byte aligned (checked above), so the word
+        // is inside the range the caller vouched for. Atomic because every thread touches the
+        // same region.
         let a = unsafe { AtomicU64::from_ptr((host + off) as *mut u64) };
         if write {
             a.store(MEMSTRESS_PATTERN, Ordering::Relaxed);
@@ -157,25 +166,39 @@ pub fn native_stage(host: u64, p: StageParams, vcpu_idx: u32) -> u64 {
     n
 }
 
-/// The native baseline of a stage: `vcpus` threads each run [`native_stage`] over the same
-/// `p.bytes` at `host`, released together; returns the time until the last one finished.
-pub fn native_stage_baseline(host: u64, p: StageParams, vcpus: usize) -> std::time::Duration {
-    let start = std::sync::Arc::new(std::sync::Barrier::new(vcpus + 1));
-    let handles: Vec<_> = (0..vcpus)
-        .map(|i| {
-            let start = start.clone();
-            std::thread::spawn(move || {
-                start.wait();
-                native_stage(host, p, i as u32)
-            })
-        })
-        .collect();
-    start.wait();
-    let t0 = std::time::Instant::now();
-    for h in handles {
-        let _ = h.join();
+/// The native baseline of a stage: `vcpus` threads each run the stage over the same
+/// `p.bytes` at the start of `ram`, released together; returns the time until the last one
+/// finished, or `None` if `ram` is smaller than `p.bytes`.
+pub fn native_stage_baseline(
+    ram: &crate::ram::GuestRam,
+    p: StageParams,
+    vcpus: usize,
+) -> Option<std::time::Duration> {
+    if p.bytes > ram.len() {
+        return None;
     }
-    t0.elapsed()
+    let host = ram.addr();
+    let start = std::sync::Barrier::new(vcpus + 1);
+    Some(std::thread::scope(|s| {
+        let handles: Vec<_> = (0..vcpus)
+            .map(|i| {
+                let start = &start;
+                s.spawn(move || {
+                    start.wait();
+                    // SAFETY: `p.bytes <= ram.len()` (checked above) and `ram` is borrowed, so
+                    // mapped, until the scope's threads are joined; `GuestRam` hands out no
+                    // references to its bytes.
+                    unsafe { native_stage(host, p, i as u32) }
+                })
+            })
+            .collect();
+        start.wait();
+        let t0 = std::time::Instant::now();
+        for h in handles {
+            let _ = h.join();
+        }
+        t0.elapsed()
+    }))
 }
 
 #[cfg(test)]

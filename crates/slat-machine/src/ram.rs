@@ -396,6 +396,21 @@ impl GuestRam {
     }
 }
 
+// SAFETY: the mapping is read/write, page aligned (its address and length are multiples of
+// the backing's page size, at least 4 KiB) and stays mapped at a fixed address until `Drop`;
+// `GuestRam` hands out only its address, never references to its bytes.
+unsafe impl slat::HostMemory for GuestRam {
+    fn host_addr(&self) -> u64 {
+        self.addr()
+    }
+    fn len(&self) -> u64 {
+        self.len as u64
+    }
+    fn page_size(&self) -> u64 {
+        self.backing.page_size()
+    }
+}
+
 impl Drop for GuestRam {
     fn drop(&mut self) {
         // SAFETY: `ptr..ptr+len` is exactly the mapping created in `new` and

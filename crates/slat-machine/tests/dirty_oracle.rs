@@ -250,25 +250,26 @@ fn exact_while_other_slots_churn<F: PteFormat>() {
         let churn = {
             let (vm, stop, rounds) = (vm.clone(), stop.clone(), rounds.clone());
             std::thread::spawn(move || {
-                let ram = GuestRam::new(Backing::AnonymousThp, 8 * MIB, true).expect("ram");
+                // Shared with the memslots over it, which keep it mapped while they exist.
+                let ram =
+                    Arc::new(GuestRam::new(Backing::AnonymousThp, 8 * MIB, true).expect("ram"));
                 let mut vcpu = vm.create_vcpu(99);
-                let log = MemslotFlags::LOG_DIRTY_PAGES.bits();
+                let log = MemslotFlags::LOG_DIRTY_PAGES;
                 let mut i = 0u64;
                 while !stop.load(Ordering::Relaxed) {
                     let gpa = (1 + i % 3) * 64 * MIB;
-                    let host = HostRange {
-                        addr: ram.addr(),
-                        len: ram.len(),
-                        page_size: 2 * MIB,
-                    };
-                    vm.add_memslot(100, gpa, 4 * MIB, host, 0).expect("add");
+                    // All of it, mapped with 2 MiB (THP) pages.
+                    let host = HostRange::new(ram.clone()).expect("host range");
+                    assert_eq!(host.page_size(), 2 * MIB);
+                    vm.add_memslot(100, gpa, 4 * MIB, host, MemslotFlags::empty())
+                        .expect("add");
                     for p in (0..4 * MIB).step_by(64 << 10) {
                         let f = Fault {
                             gpa: gpa + p,
                             access: Access::Write,
                             present: false,
                         };
-                        vm.handle_fault(&mut vcpu, f);
+                        vcpu.handle_fault(f);
                     }
                     vm.set_memslot_flags(100, log).expect("log on");
                     for p in (0..4 * MIB).step_by(128 << 10) {
@@ -277,10 +278,11 @@ fn exact_while_other_slots_churn<F: PteFormat>() {
                             access: Access::Write,
                             present: true,
                         };
-                        vm.handle_fault(&mut vcpu, f);
+                        vcpu.handle_fault(f);
                     }
                     vm.move_memslot(100, gpa + 16 * MIB).expect("move");
-                    vm.set_memslot_flags(100, 0).expect("log off");
+                    vm.set_memslot_flags(100, MemslotFlags::empty())
+                        .expect("log off");
                     vm.delete_memslot(100).expect("delete");
                     if i % 4 == 0 {
                         let start = layout.gpa >> 12;
@@ -290,7 +292,7 @@ fn exact_while_other_slots_churn<F: PteFormat>() {
                     rounds.store(i, Ordering::Relaxed);
                     std::thread::sleep(Duration::from_micros(300));
                 }
-                vm.destroy_vcpu(vcpu);
+                drop(vcpu);
             })
         };
         let r = oracle(&m, mode, 10, s);

@@ -3,24 +3,24 @@
 //!
 //! `cargo run --release -p slat --example basic`
 
-use slat::{Access, Ept, Fault, FaultOutcome, HostRange, MemslotFlags, PteFormat, Vm, VmConfig};
-use std::alloc::{alloc_zeroed, dealloc, Layout};
+use slat::{
+    Access, Ept, Fault, FaultOutcome, HostBuffer, HostRange, MemslotFlags, PteFormat, Vm, VmConfig,
+};
+use std::sync::Arc;
 
 fn main() {
     const SIZE: u64 = 4 << 20; // 4 MiB of guest RAM
     const GPA: u64 = 0x1_0000_0000;
-    let layout = Layout::from_size_align(SIZE as usize, 2 << 20).expect("layout");
-    // SAFETY: non-zero size; freed with the same layout at the end.
-    let host = unsafe { alloc_zeroed(layout) };
-    assert!(!host.is_null(), "out of memory");
+    // Zeroed host memory, 2 MiB aligned; the memslot keeps it alive and it is freed when the
+    // last memslot over it is gone.
+    let host = HostBuffer::new(SIZE, 2 << 20)
+        .expect("allocate guest RAM")
+        .with_page_size(2 << 20); // pretend the host maps it with 2 MiB pages: huge leaves
+    let range = HostRange::new(Arc::new(host)).expect("host range");
 
     let vm = Vm::<Ept>::new(VmConfig::default());
-    let range = HostRange {
-        addr: host as u64,
-        len: SIZE,
-        page_size: 2 << 20, // pretend the host maps it with 2 MiB pages: huge leaves
-    };
-    vm.add_memslot(1, GPA, SIZE, range, 0).expect("add memslot");
+    vm.add_memslot(1, GPA, SIZE, range, MemslotFlags::empty())
+        .expect("add memslot");
     let mut vcpu = vm.create_vcpu(0);
 
     let write = |gpa, present| Fault {
@@ -29,7 +29,7 @@ fn main() {
         present,
     };
     for gpa in (GPA..GPA + SIZE).step_by(4096) {
-        match vm.handle_fault(&mut vcpu, write(gpa, false)) {
+        match vcpu.handle_fault(write(gpa, false)) {
             FaultOutcome::Fixed | FaultOutcome::Spurious => {}
             other => panic!("unexpected {other:?}"),
         }
@@ -42,18 +42,16 @@ fn main() {
     );
 
     // Dirty logging splits the huge leaves and write-protects every 4 KiB leaf.
-    vm.set_memslot_flags(1, MemslotFlags::LOG_DIRTY_PAGES.bits())
+    vm.set_memslot_flags(1, MemslotFlags::LOG_DIRTY_PAGES)
         .expect("enable logging");
-    let o = vm.handle_fault(&mut vcpu, write(GPA + 5 * 4096, true));
+    let o = vcpu.handle_fault(write(GPA + 5 * 4096, true));
     println!("write to a write-protected page: {o:?}");
     let mut bitmap = vec![0u64; (SIZE / 4096 / 64) as usize];
     let dirty = vm.get_dirty_log(1, &mut bitmap).expect("get dirty log");
     println!("harvested {dirty} dirty page(s): word 0 = {:#x}", bitmap[0]);
     println!("stats: {:?}", vm.stats());
 
-    vm.destroy_vcpu(vcpu);
-    vm.delete_memslot(1).expect("delete");
+    drop(vcpu);
+    vm.delete_memslot(1).expect("delete"); // the last owner of the host memory: freed here
     drop(vm);
-    // SAFETY: allocated above with this layout; no mapping refers to it any more.
-    unsafe { dealloc(host, layout) };
 }

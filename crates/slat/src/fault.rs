@@ -2,12 +2,14 @@
 
 use crate::cmo::CmoPolicy;
 use crate::dirty::RecoverVariant;
+use crate::flush::GuestMode;
 use crate::flush::PendingFlush;
 use crate::format::{bytes_per_entry, Access, LeafPerms, PteFormat, PAGE_SHIFT};
 use crate::memslot::MemslotSet;
 use crate::stats::{Sink, Stat};
+use crate::sync::Arc;
 use crate::sync::{guest_mode_guard, pin, Ordering};
-use crate::vm::{SlotHint, UpdateMode, Vcpu, Vm};
+use crate::vm::{SlotHint, UpdateMode, Vcpu, VcpuState, Vm};
 use crate::walk::Walk;
 
 /// What the hardware walker saw when the access faulted.
@@ -38,6 +40,10 @@ pub enum FaultOutcome {
     NoSlot,
     /// A write to a read-only memslot: an MMIO exit.
     ReadOnly,
+    /// The slow path was called while this vCPU is in guest mode (a [`GuestMode`] token of
+    /// it is alive). Nothing was done: the slow path may block on the MMU lock, whose holder
+    /// may be waiting for this vCPU to acknowledge a flush. Drop the token and call again.
+    InGuestMode,
     /// The vCPU's dirty ring has no room for the entry this write fix needs: exit to the
     /// VMM, which harvests and resets the rings, then re-execute the access.
     DirtyRingFull,
@@ -46,29 +52,51 @@ pub enum FaultOutcome {
 /// Bounded retries of the fast path's compare-and-swap before it defers to the slow path.
 const FAST_PF_RETRIES: usize = 4;
 
-impl<F: PteFormat> Vm<F> {
+impl<F: PteFormat> Vcpu<F> {
     /// Resolves a fault from a context outside guest mode (a vCPU without a TLB of its own:
     /// tests, tools): the fast path in guest mode (if eligible and enabled), then the slow
     /// path outside it. Flush requests that arrive meanwhile are acknowledged.
-    pub fn handle_fault(&self, vcpu: &mut Vcpu, fault: Fault) -> FaultOutcome {
-        vcpu.enter_guest();
-        let fast = self.fast_page_fault(vcpu, fault);
-        vcpu.service_requests(|| {});
-        vcpu.exit_guest();
+    pub fn handle_fault(&mut self, fault: Fault) -> FaultOutcome {
+        let guest = self.enter_guest();
+        let fast = self.fast_page_fault(&guest, fault);
+        self.service_requests(|| {});
+        drop(guest);
         if let Some(o) = fast {
             return o;
         }
-        self.slow_page_fault(vcpu, fault)
+        self.slow_page_fault(fault)
     }
 
     /// The lock-free fast path (invariant 5). Fixes only (a) write faults on leaves
     /// write-protected for dirty logging (MMU-writable set, W clear) and (b) access-tracked
     /// leaves; returns `None` when the slow path must run.
     ///
-    /// A vCPU calls this *without leaving guest mode*: a remote flush then waits for the fix
-    /// to finish, which is what makes the dirty mark visible to any harvest that could have
-    /// missed it (see the comment at the CAS below). It never blocks.
-    pub fn fast_page_fault(&self, vcpu: &mut Vcpu, fault: Fault) -> Option<FaultOutcome> {
+    /// It runs in guest mode, proved by `guest` (this vCPU's token; another vCPU's token makes
+    /// it return `None`): a remote flush then waits for the fix to finish, which is what keeps
+    /// the table pages it walks allocated without an epoch pin, and makes the dirty mark
+    /// visible to any harvest that could have missed it (see the comment at the CAS). It never
+    /// blocks.
+    pub fn fast_page_fault(&mut self, guest: &GuestMode, fault: Fault) -> Option<FaultOutcome> {
+        if !Arc::ptr_eq(&guest.link, &self.state.link) {
+            return None;
+        }
+        self.vm.fast_page_fault(&mut self.state, fault)
+    }
+
+    /// The slow path, under the MMU lock in read mode (exclusive with the mutex variant).
+    /// Outside guest mode only: with a [`GuestMode`] token of this vCPU alive it returns
+    /// [`FaultOutcome::InGuestMode`] and does nothing.
+    pub fn slow_page_fault(&mut self, fault: Fault) -> FaultOutcome {
+        if self.state.link.in_guest() {
+            return FaultOutcome::InGuestMode;
+        }
+        self.vm.slow_page_fault(&mut self.state, fault)
+    }
+}
+
+impl<F: PteFormat> Vm<F> {
+    /// See [`Vcpu::fast_page_fault`]; the caller checked that `vcpu` is in guest mode.
+    fn fast_page_fault(&self, vcpu: &mut VcpuState, fault: Fault) -> Option<FaultOutcome> {
         let eligible = self.config.fast_pf
             && ((fault.present && fault.access == Access::Write)
                 || (!fault.present && !self.config.ad_bits));
@@ -77,8 +105,9 @@ impl<F: PteFormat> Vm<F> {
         }
         let gfn = fault.gpa >> PAGE_SHIFT;
         let sink = Sink::Owned(&vcpu.counters);
-        // SAFETY: the fast path runs in guest mode (documented contract, kept by
-        // `handle_fault` and the machine's vCPUs) and acknowledges no flush before returning.
+        // SAFETY: `Vcpu::fast_page_fault` checked that a token of this vCPU is alive, so it is
+        // in guest mode until we return; it holds `&mut Vcpu`, so it cannot acknowledge a
+        // flush (that needs the vCPU) before we return.
         let guard = unsafe { guest_mode_guard() };
         for _ in 0..FAST_PF_RETRIES {
             let mut it = Walk::<F>::to_leaf(&guard, self.root(), gfn);
@@ -136,10 +165,8 @@ impl<F: PteFormat> Vm<F> {
         None
     }
 
-    /// The slow path, under the MMU lock in read mode (exclusive with the mutex variant). Must
-    /// be called outside guest mode: it can block on the lock, and the lock holder may be
-    /// waiting for this vCPU to acknowledge a flush.
-    pub fn slow_page_fault(&self, vcpu: &mut Vcpu, fault: Fault) -> FaultOutcome {
+    /// See [`Vcpu::slow_page_fault`]; the caller checked that `vcpu` is outside guest mode.
+    fn slow_page_fault(&self, vcpu: &mut VcpuState, fault: Fault) -> FaultOutcome {
         let gfn = fault.gpa >> PAGE_SHIFT;
         // Allocate before any lock (a fault needs at most one page per level below the root).
         vcpu.cache.top_up(&self.alloc, F::ROOT_LEVEL as usize);
@@ -210,7 +237,11 @@ impl<F: PteFormat> Vm<F> {
                     it.next();
                     continue;
                 }
-                if F::is_present(old) && F::permits(old, fault.access) {
+                // Only a *leaf* that permits the access makes the fault spurious. A table entry
+                // may carry permission bits of its own (EPT sets R/W/X on non-leaf entries), but
+                // the leaf below it is what faulted: taking the table's bits for the leaf's
+                // answered `Spurious` forever while the access kept faulting.
+                if !rebuild && F::is_present(old) && F::permits(old, fault.access) {
                     break FaultOutcome::Spurious;
                 }
                 let hva = slot.hva(gfn) & !(bytes_per_entry(goal) - 1);

@@ -20,7 +20,7 @@
 //! `#[must_use]` and owns the table pages the operation unlinked. The only way to free those
 //! pages is [`crate::Vm::complete_flush`], which flushes first (invariant 2).
 
-use crate::sync::{fence, spin_hint, yield_now, AtomicU32, AtomicU64, Ordering};
+use crate::sync::{fence, spin_hint, yield_now, Arc, AtomicU32, AtomicU64, Ordering};
 use crate::table::OwnedTable;
 
 /// Request bit: empty the TLB.
@@ -32,10 +32,45 @@ const IN_GUEST: u32 = 1;
 /// The part of a vCPU the flusher talks to.
 #[derive(Debug)]
 #[repr(align(128))]
-pub struct VcpuLink {
+pub(crate) struct VcpuLink {
     mode: AtomicU32,
     requests: AtomicU32,
     acked: AtomicU64,
+    /// Live [`GuestMode`] tokens of this vCPU: guest mode lasts while there is one. Only the
+    /// vCPU's owner changes it (entering needs `&mut Vcpu`); atomic because a token may be
+    /// dropped on another thread.
+    tokens: AtomicU32,
+}
+
+/// Proof that a vCPU is in guest mode, returned only by [`crate::Vcpu::enter_guest`]; the vCPU
+/// leaves guest mode when its last token is dropped.
+///
+/// While a vCPU is in guest mode every remote flush waits for it to acknowledge, which it does
+/// only between accesses ([`crate::Vcpu::service_requests`]). That is what lets the lock-free
+/// fast path ([`crate::Vcpu::fast_page_fault`]) read table pages without an epoch pin and
+/// makes its dirty marks visible to any harvest that could miss them, so the fast path takes
+/// the token and refuses one of another vCPU.
+#[must_use = "dropping the token leaves guest mode"]
+#[derive(Debug)]
+pub struct GuestMode {
+    pub(crate) link: Arc<VcpuLink>,
+    requests: u32,
+}
+
+impl GuestMode {
+    /// Requests that were pending when guest mode was entered: service them (with
+    /// [`crate::Vcpu::service_requests`]) before the first access.
+    pub fn requests_at_entry(&self) -> u32 {
+        self.requests
+    }
+}
+
+impl Drop for GuestMode {
+    fn drop(&mut self) {
+        if self.link.tokens.fetch_sub(1, Ordering::Relaxed) == 1 {
+            self.link.exit_guest();
+        }
+    }
 }
 
 impl VcpuLink {
@@ -44,37 +79,50 @@ impl VcpuLink {
             mode: AtomicU32::new(OUTSIDE_GUEST),
             requests: AtomicU32::new(0),
             acked: AtomicU64::new(0),
+            tokens: AtomicU32::new(0),
         }
     }
 
-    /// Enters guest mode; returns the requests pending at entry, which the caller services
-    /// (with [`Self::service_requests`]) before its first access.
+    /// Enters guest mode (or stays in it, with one more token); the token reports the
+    /// requests pending at entry, which the caller services before its first access.
     #[inline]
-    pub fn enter_guest(&self) -> u32 {
-        self.mode.store(IN_GUEST, Ordering::Relaxed);
-        fence(Ordering::SeqCst);
+    pub(crate) fn enter_guest(link: &Arc<Self>) -> GuestMode {
+        if link.tokens.fetch_add(1, Ordering::Relaxed) == 0 {
+            link.mode.store(IN_GUEST, Ordering::Relaxed);
+            fence(Ordering::SeqCst);
+        }
         // Acquire: a request we see comes with everything its flusher did before asking (the
         // bitmap switch, the write-protection).
-        self.requests.load(Ordering::Acquire)
+        let requests = link.requests.load(Ordering::Acquire);
+        GuestMode {
+            link: link.clone(),
+            requests,
+        }
+    }
+
+    /// True while a [`GuestMode`] token of this vCPU lives.
+    #[inline]
+    pub(crate) fn in_guest(&self) -> bool {
+        self.tokens.load(Ordering::Relaxed) != 0
     }
 
     /// Leaves guest mode (a VM exit: fault, sync, end of a scheduling quantum). Every access
     /// made before this is visible to a flusher that sees the vCPU outside.
     #[inline]
-    pub fn exit_guest(&self) {
+    fn exit_guest(&self) {
         self.mode.store(OUTSIDE_GUEST, Ordering::Release);
     }
 
     /// Requests pending now (cheap; checked at every access boundary).
     #[inline]
-    pub fn pending(&self) -> u32 {
+    pub(crate) fn pending(&self) -> u32 {
         self.requests.load(Ordering::Relaxed)
     }
 
     /// Services pending requests: for a TLB flush, calls `flush_tlb` and then acknowledges.
     /// Returns the requests that were taken.
     #[inline]
-    pub fn service_requests(&self, flush_gen: &AtomicU64, flush_tlb: impl FnOnce()) -> u32 {
+    pub(crate) fn service_requests(&self, flush_gen: &AtomicU64, flush_tlb: impl FnOnce()) -> u32 {
         // Take the bits before reading the generation: any flusher whose bit we consumed bumped
         // the generation before setting the bit, so the generation we read covers it.
         let reqs = self.requests.swap(0, Ordering::AcqRel);

@@ -8,6 +8,7 @@
 
 use crate::dirty::SlotBitmap;
 use crate::format::{bytes_per_entry, pages_per_entry, Level, PteFormat, PAGE_SHIFT, PAGE_SIZE};
+pub use crate::host_memory::HostRange;
 use crate::sync::Arc;
 use bitflags::bitflags;
 
@@ -23,18 +24,6 @@ bitflags! {
         /// Guest writes exit to the VMM; nothing is ever mapped writable.
         const READONLY = 1 << 1;
     }
-}
-
-/// Host memory backing a memslot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HostRange {
-    /// Host virtual address of the first byte (4 KiB aligned).
-    pub addr: u64,
-    /// Bytes available from `addr`.
-    pub len: u64,
-    /// The page size the host maps this range with (4 KiB, 2 MiB or 1 GiB). Leaves are never
-    /// larger than this.
-    pub page_size: u64,
 }
 
 /// Why a memslot request was refused. Nothing changes when an error is returned.
@@ -94,6 +83,12 @@ pub enum MemslotError {
         /// The unknown bits.
         bits: u32,
     },
+    /// READONLY was asked to change on an existing slot.
+    #[error("memslot {id}: READONLY cannot be changed on an existing slot (delete and re-add it)")]
+    ReadonlyChange {
+        /// The slot.
+        id: SlotId,
+    },
     /// No slot with this id.
     #[error("memslot {id} does not exist")]
     UnknownSlot {
@@ -149,6 +144,8 @@ pub struct Memslot {
     pub host_addr: u64,
     /// Host page size of the backing.
     pub host_page_size: u64,
+    /// The backing, held so that the host memory outlives every use of the slot.
+    pub(crate) host: HostRange,
     /// Current flags.
     pub flags: MemslotFlags,
     /// The dirty bitmap (logging slots, unless the VM logs into rings only).
@@ -323,11 +320,16 @@ pub(crate) fn validate_range<F: PteFormat>(
     Ok(())
 }
 
-pub(crate) fn validate_flags(id: SlotId, bits: u32) -> Result<MemslotFlags, MemslotError> {
-    MemslotFlags::from_bits(bits).ok_or(MemslotError::UnknownFlags {
-        id,
-        bits: bits & !MemslotFlags::all().bits(),
-    })
+/// Refuses bits this engine does not know (a value built with `from_bits_retain`).
+pub(crate) fn validate_flags(
+    id: SlotId,
+    flags: MemslotFlags,
+) -> Result<MemslotFlags, MemslotError> {
+    let unknown = flags.bits() & !MemslotFlags::all().bits();
+    if unknown != 0 {
+        return Err(MemslotError::UnknownFlags { id, bits: unknown });
+    }
+    Ok(flags)
 }
 
 pub(crate) fn validate_host<F: PteFormat>(
@@ -335,36 +337,36 @@ pub(crate) fn validate_host<F: PteFormat>(
     size: u64,
     host: &HostRange,
 ) -> Result<(), MemslotError> {
-    if host.addr % PAGE_SIZE != 0 {
+    if host.addr() % PAGE_SIZE != 0 {
         return Err(MemslotError::Misaligned {
             id,
             what: "host address",
-            value: host.addr,
+            value: host.addr(),
         });
     }
     // The PTE address field must hold every host address of the slot.
     let fits = |a: u64| F::output_addr(a) == a;
-    match host.addr.checked_add(size) {
-        Some(end) if fits(host.addr) && fits(end - PAGE_SIZE) => {}
+    match host.addr().checked_add(size) {
+        Some(end) if fits(host.addr()) && fits(end - PAGE_SIZE) => {}
         _ => {
             return Err(MemslotError::HostAddressUnmappable {
                 id,
-                addr: host.addr,
+                addr: host.addr(),
                 size,
             })
         }
     }
-    if ![PAGE_SIZE, 2 << 20, 1 << 30].contains(&host.page_size) {
+    if ![PAGE_SIZE, 2 << 20, 1 << 30].contains(&host.page_size()) {
         return Err(MemslotError::BadHostPageSize {
             id,
-            page_size: host.page_size,
+            page_size: host.page_size(),
         });
     }
-    if host.len < size {
+    if host.len() < size {
         return Err(MemslotError::HostRangeTooSmall {
             id,
             need: size,
-            have: host.len,
+            have: host.len(),
         });
     }
     Ok(())

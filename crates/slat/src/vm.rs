@@ -2,7 +2,7 @@
 
 use crate::cmo::{clean_dcache_to_poc, invalidate_icache_to_pou, CmoPolicy};
 use crate::dirty::{DirtyMode, DirtyRing, DirtyTrack, GetLogVariant, RecoverVariant, SlotBitmap};
-use crate::flush::{FlushGen, PendingFlush, VcpuLink};
+use crate::flush::{FlushGen, GuestMode, PendingFlush, VcpuLink};
 use crate::format::{bytes_per_entry, Access, Level, PteFormat, PAGE_SHIFT};
 use crate::huge_page::RebuildOrder;
 use crate::memslot::{
@@ -155,16 +155,23 @@ pub struct Vm<F: PteFormat = crate::format::Ept> {
     _format: PhantomData<F>,
 }
 
-/// The engine's per-vCPU state: table-page cache, memslot hint, counters, flush link.
-pub struct Vcpu {
-    id: u32,
+/// A vCPU of one VM: its table-page cache, memslot hint, counters and flush link, and the VM
+/// it belongs to. The fault handlers are its methods, so a vCPU can only ever fault on, mark
+/// dirty pages in and be flushed by its own VM. Dropping it removes it from the VM's flush
+/// protocol (its dirty ring stays with the VM: unharvested entries are still owed).
+pub struct Vcpu<F: PteFormat = crate::format::Ept> {
+    pub(crate) vm: std::sync::Arc<Vm<F>>,
+    pub(crate) state: VcpuState,
+}
+
+/// What the fault handlers change on a vCPU, apart from the VM it belongs to.
+pub(crate) struct VcpuState {
+    pub(crate) id: u32,
     pub(crate) cache: PageCache,
     pub(crate) slot_hint: SlotHint,
     pub(crate) counters: Arc<Counters>,
     pub(crate) link: Arc<VcpuLink>,
     pub(crate) ring: Option<Arc<DirtyRing>>,
-    flush_gen: Arc<FlushGen>,
-    alloc: Arc<TableAlloc>,
 }
 
 pub(crate) struct SlotHint {
@@ -172,52 +179,62 @@ pub(crate) struct SlotHint {
     pub(crate) index: usize,
 }
 
-impl Vcpu {
+impl<F: PteFormat> Vcpu<F> {
     /// The vCPU index.
     pub fn id(&self) -> u32 {
-        self.id
+        self.state.id
     }
 
-    /// Enters guest mode; returns pending requests (service them before the first access).
-    #[inline]
-    pub fn enter_guest(&self) -> u32 {
-        self.link.enter_guest()
+    /// The VM this vCPU belongs to.
+    pub fn vm(&self) -> &std::sync::Arc<Vm<F>> {
+        &self.vm
     }
 
-    /// Leaves guest mode.
+    /// Enters guest mode: from now until the returned token (and any other token of this
+    /// vCPU) is dropped, every remote flush waits for this vCPU to acknowledge it, which it
+    /// does in [`Self::service_requests`] between accesses. Service
+    /// [`GuestMode::requests_at_entry`] before the first access.
     #[inline]
-    pub fn exit_guest(&self) {
-        self.link.exit_guest()
+    pub fn enter_guest(&mut self) -> GuestMode {
+        VcpuLink::enter_guest(&self.state.link)
+    }
+
+    /// True while a [`GuestMode`] token of this vCPU lives.
+    #[inline]
+    pub fn in_guest(&self) -> bool {
+        self.state.link.in_guest()
     }
 
     /// Requests pending now; check at every access boundary in guest mode.
     #[inline]
     pub fn pending_requests(&self) -> u32 {
-        self.link.pending()
+        self.state.link.pending()
     }
 
-    /// Services pending requests: calls `flush_tlb` for a TLB flush, then acknowledges it.
+    /// Services pending requests: calls `flush_tlb` for a TLB flush, then acknowledges.
     #[inline]
     pub fn service_requests(&self, flush_tlb: impl FnOnce()) -> u32 {
-        self.link.service_requests(&self.flush_gen.0, flush_tlb)
+        self.state
+            .link
+            .service_requests(&self.vm.flush_gen.0, flush_tlb)
     }
 }
 
-impl Drop for Vcpu {
+impl<F: PteFormat> Drop for Vcpu<F> {
     fn drop(&mut self) {
-        self.link.exit_guest();
-        self.cache.drain(&self.alloc);
+        sync::write(&self.vm.vcpus).retain(|l| !Arc::ptr_eq(l, &self.state.link));
+        self.state.cache.drain(&self.vm.alloc);
     }
 }
 
 impl<F: PteFormat> Vm<F> {
     /// Creates a VM with an empty page table and no memslots.
-    pub fn new(config: VmConfig) -> Arc<Self> {
+    pub fn new(config: VmConfig) -> std::sync::Arc<Self> {
         let alloc = Arc::new(TableAlloc::new());
         let root = alloc.alloc().into_linked();
         let counters = Counters::default();
         counters.add_shared(Stat::TablePages, 1);
-        Arc::new(Vm {
+        std::sync::Arc::new(Vm {
             config,
             root,
             mmu_lock: match config.mmu_lock {
@@ -244,33 +261,28 @@ impl<F: PteFormat> Vm<F> {
         &self.config
     }
 
-    /// Creates a vCPU. Flushes from now on wait for it whenever it is in guest mode.
-    pub fn create_vcpu(&self, id: u32) -> Vcpu {
+    /// Creates a vCPU of this VM. Flushes from now on wait for it whenever it is in guest
+    /// mode; dropping it removes it.
+    pub fn create_vcpu(self: &std::sync::Arc<Self>, id: u32) -> Vcpu<F> {
         let ring = self.new_vcpu_ring();
         let link = Arc::new(VcpuLink::new());
         let counters = Arc::new(Counters::default());
         sync::write(&self.vcpus).push(link.clone());
         sync::lock(&self.vcpu_counters).push(counters.clone());
         Vcpu {
-            id,
-            cache: PageCache::default(),
-            slot_hint: SlotHint {
-                set: self.slots.load_full(),
-                index: 0,
+            vm: self.clone(),
+            state: VcpuState {
+                id,
+                cache: PageCache::default(),
+                slot_hint: SlotHint {
+                    set: self.slots.load_full(),
+                    index: 0,
+                },
+                counters,
+                link,
+                ring,
             },
-            counters,
-            link,
-            ring,
-            flush_gen: self.flush_gen.clone(),
-            alloc: self.alloc.clone(),
         }
-    }
-
-    /// Removes a vCPU from the flush protocol (call before dropping it). Its dirty ring stays
-    /// with the VM until the VM is dropped: entries not yet harvested are still owed to the VMM.
-    pub fn destroy_vcpu(&self, vcpu: Vcpu) {
-        sync::write(&self.vcpus).retain(|l| !Arc::ptr_eq(l, &vcpu.link));
-        drop(vcpu);
     }
 
     /// A snapshot of the statistics.
@@ -637,11 +649,20 @@ impl<F: PteFormat> Vm<F> {
     /// Unmaps `[start_gfn, end_gfn)` under the exclusive MMU lock with one batched flush.
     /// Tables wholly inside the range are freed; a huge leaf that straddles an edge is zapped
     /// whole (it is only a cache of the memslot, the next fault rebuilds what is still needed).
+    ///
+    /// The flush completes *before* the lock is released, as in KVM's `kvm_zap_gfn_range`. A
+    /// zapped entry is empty, and a fault that fills an empty entry owes no flush; if the
+    /// lock were released first, a fault could install a mapping of another size over the
+    /// range (a 4 KiB leaf where a 2 MiB leaf was, with logging on) while some vCPU still
+    /// caches the old one: two translations of one address, which arm64 forbids (a TLB
+    /// conflict abort; break-before-make's "break" is only complete after the flush). Faults
+    /// do not wait for vCPUs in guest mode, and vCPUs do not need the lock to acknowledge,
+    /// so flushing under the lock cannot deadlock.
     pub fn zap_gfn_range(&self, start_gfn: u64, end_gfn: u64) {
         let mut lock = self.mmu_lock.write();
         let pending = self.zap_locked(&mut lock, start_gfn, end_gfn);
-        drop(lock);
         self.complete_flush(pending);
+        drop(lock);
     }
 
     pub(crate) fn zap_locked(
@@ -754,14 +775,15 @@ impl<F: PteFormat> Vm<F> {
         drop(self.mmu_lock.write());
     }
 
-    /// Adds a memslot mapping `[gpa, gpa + size)` onto `host`.
+    /// Adds a memslot mapping `[gpa, gpa + size)` onto the first `size` bytes of `host`,
+    /// which the slot keeps alive (see [`crate::host_memory`]).
     pub fn add_memslot(
         &self,
         id: SlotId,
         gpa: u64,
         size: u64,
         host: HostRange,
-        flags: u32,
+        flags: MemslotFlags,
     ) -> Result<(), MemslotError> {
         let _s = sync::lock(&self.slots_lock);
         let flags = validate_flags(id, flags)?;
@@ -776,8 +798,9 @@ impl<F: PteFormat> Vm<F> {
             id,
             base_gfn: gpa >> PAGE_SHIFT,
             npages,
-            host_addr: host.addr,
-            host_page_size: host.page_size,
+            host_addr: host.addr(),
+            host_page_size: host.page_size(),
+            host,
             flags,
             dirty: self.new_bitmap(flags, npages),
         };
@@ -815,9 +838,13 @@ impl<F: PteFormat> Vm<F> {
             npages: slot.npages,
             host_addr: slot.host_addr,
             host_page_size: slot.host_page_size,
+            host: slot.host.clone(),
             flags: slot.flags,
-            // Moving restarts the log, as in KVM (a move is a delete plus a create).
-            dirty: self.new_bitmap(slot.flags, slot.npages),
+            // The log survives the move, as in KVM (`kvm_prepare_memory_region` hands the old
+            // bitmap to the new slot): its bits are slot-relative, and a page written before
+            // the move and not yet harvested must still be reported after it. Writers that
+            // still see the old slot mark the same bitmap.
+            dirty: slot.dirty.clone(),
         };
         self.publish(|v| {
             v.retain(|s| s.id != id);
@@ -827,10 +854,13 @@ impl<F: PteFormat> Vm<F> {
         Ok(())
     }
 
-    /// Changes a memslot's flags: turning on READONLY zaps its mappings; turning on dirty
-    /// logging write-protects it (after an eager split, unless configured off); turning it off
-    /// drops the bitmap and recovers huge mappings.
-    pub fn set_memslot_flags(&self, id: SlotId, flags: u32) -> Result<(), MemslotError> {
+    /// Changes a memslot's flags: turning dirty logging on write-protects the slot (after an
+    /// eager split, unless configured off); turning it off ends the log (its unharvested bits
+    /// are dropped, as KVM frees the bitmap: harvest first) and recovers huge mappings.
+    /// `READONLY` cannot change on an existing slot (KVM refuses it too): a read-only slot
+    /// does not log, so the toggle would silently end and restart the log, losing the pages
+    /// written before it. Delete and re-add the slot instead.
+    pub fn set_memslot_flags(&self, id: SlotId, flags: MemslotFlags) -> Result<(), MemslotError> {
         let _s = sync::lock(&self.slots_lock);
         let flags = validate_flags(id, flags)?;
         let cur = self.slots.load_full();
@@ -841,18 +871,22 @@ impl<F: PteFormat> Vm<F> {
         if flags == slot.flags {
             return Ok(());
         }
+        if (flags ^ slot.flags).contains(MemslotFlags::READONLY) {
+            return Err(MemslotError::ReadonlyChange { id });
+        }
         let was_logging = slot.is_logging();
-        let keep_bitmap = slot
-            .dirty
-            .clone()
-            .filter(|_| Self::logs(flags) && was_logging);
-        let dirty = keep_bitmap.or_else(|| self.new_bitmap(flags, slot.npages));
+        let dirty = if was_logging && Self::logs(flags) {
+            slot.dirty.clone()
+        } else {
+            self.new_bitmap(flags, slot.npages)
+        };
         let updated = Arc::new(Memslot {
             id,
             base_gfn: slot.base_gfn,
             npages: slot.npages,
             host_addr: slot.host_addr,
             host_page_size: slot.host_page_size,
+            host: slot.host.clone(),
             flags,
             dirty,
         });
@@ -860,11 +894,7 @@ impl<F: PteFormat> Vm<F> {
             v.retain(|s| s.id != id);
             v.push(updated.clone());
         });
-        let became_readonly =
-            flags.contains(MemslotFlags::READONLY) && !slot.flags.contains(MemslotFlags::READONLY);
-        if became_readonly {
-            self.zap_gfn_range(slot.base_gfn, slot.end_gfn());
-        } else if updated.is_logging() && !was_logging {
+        if updated.is_logging() && !was_logging {
             self.enable_dirty_logging(&updated);
         } else if was_logging && !updated.is_logging() {
             self.disable_dirty_logging(&updated);

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-const LOG: u32 = MemslotFlags::LOG_DIRTY_PAGES.bits();
+const LOG: MemslotFlags = MemslotFlags::LOG_DIRTY_PAGES;
 
 both_formats! {
     age_and_test_age_with_ad_bits_at_every_leaf_size,
@@ -57,36 +57,37 @@ fn d_bit<F: PteFormat>(leaf: u64) -> bool {
 /// path in guest mode and the slow path outside it, and acknowledges flushes only between
 /// accesses, so table pages it walks cannot be freed under it.
 struct HwCpu<F: PteFormat> {
-    vm: Arc<Vm<F>>,
-    vcpu: Vcpu,
+    vcpu: Vcpu<F>,
     faults: u64,
     fast: u64,
 }
 
 impl<F: PteFormat> HwCpu<F> {
     fn new(vm: &Arc<Vm<F>>, id: u32) -> Self {
-        let vcpu = vm.create_vcpu(id);
         HwCpu {
-            vm: vm.clone(),
-            vcpu,
+            vcpu: vm.create_vcpu(id),
             faults: 0,
             fast: 0,
         }
+    }
+
+    /// The VM this vCPU belongs to.
+    fn vm(&self) -> &Arc<Vm<F>> {
+        self.vcpu.vm()
     }
 
     /// One guest access to `gpa`, in guest mode from entry to completion (so the host's
     /// flushes wait for it only while it runs: single-threaded tests can flush between
     /// accesses).
     fn access(&mut self, gpa: u64, access: Access) {
-        if self.vcpu.enter_guest() != 0 {
+        let mut guest = self.vcpu.enter_guest();
+        if guest.requests_at_entry() != 0 {
             self.vcpu.service_requests(|| {});
         }
         loop {
             match self.walk(gpa, access) {
-                Ok(()) => {
-                    self.vcpu.exit_guest();
-                    return;
-                }
+                // Dropping the token leaves guest mode.
+                Ok(()) => return,
                 Err(present) => {
                     self.faults += 1;
                     let f = Fault {
@@ -94,12 +95,15 @@ impl<F: PteFormat> HwCpu<F> {
                         access,
                         present,
                     };
-                    let o = match self.vm.fast_page_fault(&mut self.vcpu, f) {
+                    let fast = self.vcpu.fast_page_fault(&guest, f);
+                    let o = match fast {
                         Some(o) => o,
                         None => {
-                            self.vcpu.exit_guest();
-                            let o = self.vm.slow_page_fault(&mut self.vcpu, f);
-                            if self.vcpu.enter_guest() != 0 {
+                            // The slow path runs outside guest mode.
+                            drop(guest);
+                            let o = self.vcpu.slow_page_fault(f);
+                            guest = self.vcpu.enter_guest();
+                            if guest.requests_at_entry() != 0 {
                                 self.vcpu.service_requests(|| {});
                             }
                             o
@@ -109,7 +113,12 @@ impl<F: PteFormat> HwCpu<F> {
                         self.fast += 1;
                     }
                     assert!(
-                        !matches!(o, FaultOutcome::NoSlot | FaultOutcome::ReadOnly),
+                        !matches!(
+                            o,
+                            FaultOutcome::NoSlot
+                                | FaultOutcome::ReadOnly
+                                | FaultOutcome::InGuestMode
+                        ),
                         "gpa {gpa:#x}: unexpected {o:?}"
                     );
                 }
@@ -122,7 +131,7 @@ impl<F: PteFormat> HwCpu<F> {
 
     fn walk(&self, gpa: u64, access: Access) -> Result<(), bool> {
         let gfn = gpa >> PAGE_SHIFT;
-        let mut table = self.vm.root_addr();
+        let mut table = self.vm().root_addr();
         let mut level: Level = F::ROOT_LEVEL;
         loop {
             // SAFETY: the root or a table reached through present entries during this access,
@@ -145,7 +154,7 @@ impl<F: PteFormat> HwCpu<F> {
                     .compare_exchange(e, want, Ordering::AcqRel, Ordering::Acquire)
                     .is_err()
             {
-                table = self.vm.root_addr();
+                table = self.vm().root_addr();
                 level = F::ROOT_LEVEL;
                 continue;
             }
@@ -153,7 +162,7 @@ impl<F: PteFormat> HwCpu<F> {
         }
     }
 
-    fn finish(self) -> Vcpu {
+    fn finish(self) -> Vcpu<F> {
         self.vcpu
     }
 }
@@ -180,7 +189,8 @@ fn vm_with_leaf_size<F: PteFormat>(
             (m.range(HUGE_1G), Some(m), HUGE_1G)
         }
     };
-    vm.add_memslot(1, gpa, size, host, 0).unwrap();
+    vm.add_memslot(1, gpa, size, host, MemslotFlags::empty())
+        .unwrap();
     (vm, mem, gpa, size >> PAGE_SHIFT)
 }
 
@@ -343,8 +353,14 @@ fn without_the_fast_path_the_slow_path_restores_tracked_leaves<F: PteFormat>() {
     });
     let mem = HostMem::new(8 * PAGE_SIZE);
     let gpa = 0x10_0000;
-    vm.add_memslot(1, gpa, mem.len(), mem.range(PAGE_SIZE), 0)
-        .unwrap();
+    vm.add_memslot(
+        1,
+        gpa,
+        mem.len(),
+        mem.range(PAGE_SIZE),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     let mut cpu = HwCpu::new(&vm, 0);
     cpu.access(gpa, Access::Write);
     let g = gpa >> PAGE_SHIFT;
@@ -398,8 +414,14 @@ fn clear_flush_young_flushes_and_clear_young_does_not<F: PteFormat>() {
         let vm = Vm::<F>::new(config(ad));
         let mem = HostMem::new(16 * PAGE_SIZE);
         let gpa = 0x20_0000;
-        vm.add_memslot(1, gpa, mem.len(), mem.range(PAGE_SIZE), 0)
-            .unwrap();
+        vm.add_memslot(
+            1,
+            gpa,
+            mem.len(),
+            mem.range(PAGE_SIZE),
+            MemslotFlags::empty(),
+        )
+        .unwrap();
         let mut cpu = HwCpu::new(&vm, 0);
         let g = gpa >> PAGE_SHIFT;
         for p in 0..16 {
@@ -514,8 +536,14 @@ fn idle_bitmap_tracks_exactly_the_pages_touched_since_marking<F: PteFormat>() {
         let npages = 200u64;
         let mem = HostMem::new(npages * PAGE_SIZE);
         let gpa = 0x80_0000;
-        vm.add_memslot(1, gpa, npages * PAGE_SIZE, mem.range(PAGE_SIZE), 0)
-            .unwrap();
+        vm.add_memslot(
+            1,
+            gpa,
+            npages * PAGE_SIZE,
+            mem.range(PAGE_SIZE),
+            MemslotFlags::empty(),
+        )
+        .unwrap();
         let g = gpa >> PAGE_SHIFT;
         let mut cpu = HwCpu::new(&vm, 0);
         for p in 0..180 {
@@ -605,7 +633,8 @@ fn aging_races_with_faults_fast_path_restores_and_hardware_ad_updates<F: PteForm
             let mem = HostMem::new(size);
             let gpa = 1u64 << 32;
             let psize = if huge { HUGE_2M } else { PAGE_SIZE };
-            vm.add_memslot(1, gpa, size, mem.range(psize), 0).unwrap();
+            vm.add_memslot(1, gpa, size, mem.range(psize), MemslotFlags::empty())
+                .unwrap();
             let npages = size >> PAGE_SHIFT;
             let g = gpa >> PAGE_SHIFT;
             let stop = Arc::new(AtomicBool::new(false));
@@ -757,7 +786,10 @@ fn no_dirty_page_is_lost_when_aging_races_with_harvests<F: PteFormat>() {
                 last
             })
         };
+        // 400 ms of writes, and at least 12 harvests during them (a loaded host schedules the
+        // harvester rarely), capped at 20 s.
         let deadline = Instant::now() + Duration::from_millis(400);
+        let cap = Instant::now() + Duration::from_secs(20);
         let workers: Vec<_> = (0..2u32)
             .map(|t| {
                 let (vm, completed) = (vm.clone(), completed.clone());
@@ -766,7 +798,11 @@ fn no_dirty_page_is_lost_when_aging_races_with_harvests<F: PteFormat>() {
                     let mut cpu = HwCpu::new(&vm, t);
                     // Per page: harvests completed before its last write began.
                     let mut written = std::collections::HashMap::new();
-                    while Instant::now() < deadline {
+                    let more = |c: &AtomicU64| {
+                        let now = Instant::now();
+                        now < cap && (now < deadline || c.load(Ordering::SeqCst) < 12)
+                    };
+                    while more(&completed) {
                         for _ in 0..128 {
                             let p = rng.below(npages);
                             let write = rng.chance(2, 3);

@@ -14,7 +14,7 @@ use slat::{
 };
 use std::sync::Arc;
 
-const LOG: u32 = MemslotFlags::LOG_DIRTY_PAGES.bits();
+const LOG: MemslotFlags = MemslotFlags::LOG_DIRTY_PAGES;
 const MIB: u64 = 1 << 20;
 
 both_formats! {
@@ -29,13 +29,13 @@ both_formats! {
 }
 
 /// A first write to an unmapped page: the slow path maps it writable.
-fn write_new<F: PteFormat>(vm: &Vm<F>, vcpu: &mut Vcpu, gpa: u64) {
+fn write_new<F: PteFormat>(vm: &Vm<F>, vcpu: &mut Vcpu<F>, gpa: u64) {
     let o = fault(vm, vcpu, gpa, Access::Write, false);
     assert_eq!(o, FaultOutcome::Fixed, "first write to gpa {gpa:#x}");
 }
 
 /// A write to a mapped, write-protected page: the fast path makes it writable and logs it.
-fn write_protected<F: PteFormat>(vm: &Vm<F>, vcpu: &mut Vcpu, gpa: u64) {
+fn write_protected<F: PteFormat>(vm: &Vm<F>, vcpu: &mut Vcpu<F>, gpa: u64) {
     let o = fault(vm, vcpu, gpa, Access::Write, true);
     assert_eq!(
         o,
@@ -70,7 +70,7 @@ fn dirty_pages<F: PteFormat>(vm: &Vm<F>, id: u32) -> Vec<u64> {
 }
 
 /// Everything the ring of `vcpu` has that was not yet harvested.
-fn harvest(vcpu: &Vcpu) -> Vec<(u32, u64)> {
+fn harvest<F: PteFormat>(vcpu: &Vcpu<F>) -> Vec<(u32, u64)> {
     let ring = vcpu.dirty_ring().expect("the VM uses dirty rings");
     let mut got = Vec::new();
     let n = ring.harvest(|s, o| got.push((s, o)));
@@ -118,8 +118,14 @@ fn clear_errors_consume_nothing<F: PteFormat>() {
     let m2 = HostMem::new(64 * PAGE_SIZE);
     vm.add_memslot(1, base, 130 * PAGE_SIZE, m1.range(PAGE_SIZE), LOG)
         .unwrap();
-    vm.add_memslot(2, 4 * MIB, 64 * PAGE_SIZE, m2.range(PAGE_SIZE), 0)
-        .unwrap();
+    vm.add_memslot(
+        2,
+        4 * MIB,
+        64 * PAGE_SIZE,
+        m2.range(PAGE_SIZE),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     let dirty = [3u64, 70, 128, 129];
     for p in dirty {
         write_new(&vm, &mut v, base + p * PAGE_SIZE);
@@ -348,8 +354,14 @@ fn clear_reprotects_exactly_the_bits_cleared<F: PteFormat>() {
     let mut v = vm.create_vcpu(0);
     let base = 2 * MIB;
     let m = HostMem::new(256 * PAGE_SIZE);
-    vm.add_memslot(1, base, 256 * PAGE_SIZE, m.range(PAGE_SIZE), 0)
-        .unwrap();
+    vm.add_memslot(
+        1,
+        base,
+        256 * PAGE_SIZE,
+        m.range(PAGE_SIZE),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     // Mapped writable before logging: enabling write-protects it.
     write_new(&vm, &mut v, base + 100 * PAGE_SIZE);
     assert!(writable(&vm, base + 100 * PAGE_SIZE));
@@ -414,10 +426,16 @@ fn initially_set_protects_nothing_until_clear<F: PteFormat>() {
     let base2 = 8 * MIB;
     let m1 = HostMem::with_align(HUGE_2M, HUGE_2M);
     let m2 = HostMem::new(100 * PAGE_SIZE);
-    vm.add_memslot(1, base1, HUGE_2M, m1.range(HUGE_2M), 0)
+    vm.add_memslot(1, base1, HUGE_2M, m1.range(HUGE_2M), MemslotFlags::empty())
         .unwrap();
-    vm.add_memslot(2, base2, 100 * PAGE_SIZE, m2.range(PAGE_SIZE), 0)
-        .unwrap();
+    vm.add_memslot(
+        2,
+        base2,
+        100 * PAGE_SIZE,
+        m2.range(PAGE_SIZE),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     write_new(&vm, &mut v, base1 + 0x5000);
     write_new(&vm, &mut v, base2 + 7 * PAGE_SIZE);
     let (huge, level) = leaf(&vm, base1);
@@ -533,7 +551,7 @@ fn capability_errors<F: PteFormat>() {
         vm.clear_dirty_log(3, 0, 64, &[!0]),
         Err(DirtyLogError::ManualProtectOff)
     );
-    vm.set_memslot_flags(3, 0).unwrap();
+    vm.set_memslot_flags(3, MemslotFlags::empty()).unwrap();
     assert_eq!(
         vm.set_manual_dirty_log_protect(MANUAL_PROTECT_ENABLE),
         Ok(())
@@ -745,12 +763,14 @@ fn slots_deleted_or_moved_while_logging<F: PteFormat>() {
             None,
             "deleted slot mapped"
         );
-        // Move slot 2: the log restarts and the old range is unmapped.
+        // Move slot 2: the log survives the move (as in KVM: its bits are slot-relative, and
+        // pages written before the move and not yet harvested are still owed), and the old
+        // range is unmapped.
         vm.move_memslot(2, 8 * MIB).unwrap();
         assert_eq!(
             dirty_pages(&vm, 2),
-            Vec::<u64>::new(),
-            "moved slot kept its log"
+            vec![1, 50, 127],
+            "moved slot lost the unharvested part of its log"
         );
         assert_eq!(
             vm.lookup(((4 * MIB) >> PAGE_SHIFT) + 1),
@@ -765,7 +785,7 @@ fn slots_deleted_or_moved_while_logging<F: PteFormat>() {
         );
         assert!(!writable(&vm, 8 * MIB + 9 * PAGE_SIZE));
         check_audit(&vm, "deleted (bitmap)");
-        vm.destroy_vcpu(v);
+        drop(v);
         assert_eq!(Arc::strong_count(&vm), 1);
         drop(vm);
         wait_for_reclaim(&alloc, 0);
@@ -824,12 +844,12 @@ fn slots_deleted_or_moved_while_logging<F: PteFormat>() {
 /// A 4 MiB slot at 4 MiB with 2 MiB host pages and both halves mapped by huge leaves; logging is
 /// turned on, a few pages written, logging turned off. Returns the VM, vCPU, memory and the
 /// table count before logging.
-fn huge_log_cycle<F: PteFormat>(config: VmConfig) -> (Arc<Vm<F>>, Vcpu, HostMem, u64) {
+fn huge_log_cycle<F: PteFormat>(config: VmConfig) -> (Arc<Vm<F>>, Vcpu<F>, HostMem, u64) {
     let vm = Vm::<F>::new(config);
     let mut v = vm.create_vcpu(0);
     let base = 4 * MIB;
     let m = HostMem::new(4 * MIB);
-    vm.add_memslot(1, base, 4 * MIB, m.range(HUGE_2M), 0)
+    vm.add_memslot(1, base, 4 * MIB, m.range(HUGE_2M), MemslotFlags::empty())
         .unwrap();
     write_new(&vm, &mut v, base + 0x3000);
     write_new(&vm, &mut v, base + HUGE_2M + 0x7000);
@@ -847,7 +867,7 @@ fn huge_log_cycle<F: PteFormat>(config: VmConfig) -> (Arc<Vm<F>>, Vcpu, HostMem,
     let mut words = vec![0u64; 16];
     assert_eq!(vm.get_dirty_log(1, &mut words), Ok(3));
     write_protected(&vm, &mut v, base + 0x9000);
-    vm.set_memslot_flags(1, 0).unwrap();
+    vm.set_memslot_flags(1, MemslotFlags::empty()).unwrap();
     (vm, v, m, s0.table_pages)
 }
 

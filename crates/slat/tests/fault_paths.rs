@@ -14,13 +14,15 @@ mod common;
 use common::*;
 use slat::flush::REQ_TLB_FLUSH;
 use slat::format::{pages_per_entry, PteFormat, PAGE_SHIFT, PAGE_SIZE};
-use slat::{Access, FaultOutcome, Level, MemslotFlags, MmuLockKind, Vcpu, Vm, VmConfig};
+use slat::{
+    Access, FaultOutcome, Level, MemslotError, MemslotFlags, MmuLockKind, Vcpu, Vm, VmConfig,
+};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const LOG: u32 = MemslotFlags::LOG_DIRTY_PAGES.bits();
-const RO: u32 = MemslotFlags::READONLY.bits();
+const LOG: MemslotFlags = MemslotFlags::LOG_DIRTY_PAGES;
+const RO: MemslotFlags = MemslotFlags::READONLY;
 
 both_formats! {
     second_vcpu_faulting_the_same_page_is_spurious,
@@ -80,8 +82,14 @@ fn second_vcpu_faulting_the_same_page_is_spurious<F: PteFormat>() {
     let vm = Vm::<F>::new(VmConfig::default());
     let mem = HostMem::new(16 * PAGE_SIZE);
     let gpa = 0x10_0000;
-    vm.add_memslot(1, gpa, mem.len(), mem.range(PAGE_SIZE), 0)
-        .unwrap();
+    vm.add_memslot(
+        1,
+        gpa,
+        mem.len(),
+        mem.range(PAGE_SIZE),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     let mut a = vm.create_vcpu(0);
     let mut b = vm.create_vcpu(1);
     let target = gpa + 5 * PAGE_SIZE + 0x123;
@@ -114,10 +122,22 @@ fn faults_outside_every_slot_are_no_slot_and_map_nothing<F: PteFormat>() {
     let vm = Vm::<F>::new(VmConfig::default());
     let m1 = HostMem::new(1 << 20);
     let m2 = HostMem::new(1 << 20);
-    vm.add_memslot(1, 1 << 20, 1 << 20, m1.range(PAGE_SIZE), 0)
-        .unwrap();
-    vm.add_memslot(2, 3 << 20, 1 << 20, m2.range(PAGE_SIZE), 0)
-        .unwrap();
+    vm.add_memslot(
+        1,
+        1 << 20,
+        1 << 20,
+        m1.range(PAGE_SIZE),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
+    vm.add_memslot(
+        2,
+        3 << 20,
+        1 << 20,
+        m2.range(PAGE_SIZE),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     let mut v = vm.create_vcpu(0);
     let outside = [
         0,
@@ -197,18 +217,51 @@ fn readonly_slot_maps_reads_without_write_permission_and_refuses_writes<F: PteFo
     assert_eq!(vm.stats().pf_read_only, 2);
     assert_eq!(vm.stats().pf_fast, 0);
 
-    // Lifting READONLY lets the write through, with the full W ⇒ MMU-W ⇒ host-W chain.
-    vm.set_memslot_flags(7, 0).unwrap();
+    // READONLY cannot be lifted on an existing slot (KVM refuses it too): the request is
+    // refused and changes nothing; the write still exits.
+    let before = vm.stats();
+    assert_eq!(
+        vm.set_memslot_flags(7, MemslotFlags::empty()),
+        Err(MemslotError::ReadonlyChange { id: 7 })
+    );
+    assert_eq!(vm.memslots().by_id(7).expect("slot 7").flags, RO);
+    assert_eq!(vm.lookup(gpa >> PAGE_SHIFT), Some((leaf, level)));
+    assert_eq!(
+        vm.stats().remote_tlb_flush_requests,
+        before.remote_tlb_flush_requests,
+        "a refused flag change flushed"
+    );
     assert_eq!(
         fault(&vm, &mut v, gpa, Access::Write, true),
+        FaultOutcome::ReadOnly
+    );
+
+    // Deleting the slot and re-adding it without READONLY lets the write through, with the
+    // full W ⇒ MMU-W ⇒ host-W chain.
+    vm.delete_memslot(7).unwrap();
+    assert_eq!(vm.lookup(gpa >> PAGE_SHIFT), None);
+    vm.add_memslot(7, base, 4 << 20, mem.range(HUGE_2M), MemslotFlags::empty())
+        .unwrap();
+    assert_eq!(
+        fault(&vm, &mut v, gpa, Access::Write, false),
         FaultOutcome::Fixed
     );
-    let (leaf, _) = expect_mapped(&vm, gpa, mem.addr() + 0x3000);
+    let (leaf, level) = expect_mapped(&vm, gpa, mem.addr() + 0x3000);
     assert!(F::is_writable(leaf) && F::is_host_writable(leaf));
 
-    // Setting it again zaps (with a flush) so no writable translation survives.
+    // Nor can READONLY be set on it: refused, and the writable mapping stays.
+    assert_eq!(
+        vm.set_memslot_flags(7, RO),
+        Err(MemslotError::ReadonlyChange { id: 7 })
+    );
+    assert_eq!(vm.lookup(gpa >> PAGE_SHIFT), Some((leaf, level)));
+
+    // Making the range read-only again takes a delete, which zaps (with a flush) so no
+    // writable translation survives, and a re-add with READONLY.
     let before = vm.stats();
-    vm.set_memslot_flags(7, RO).unwrap();
+    vm.delete_memslot(7).unwrap();
+    vm.add_memslot(7, base, 4 << 20, mem.range(HUGE_2M), RO)
+        .unwrap();
     assert_eq!(vm.lookup(gpa >> PAGE_SHIFT), None);
     assert!(vm.stats().remote_tlb_flush > before.remote_tlb_flush);
     assert_eq!(
@@ -228,12 +281,18 @@ fn two_mib_leaves_need_2m_host_pages_and_congruent_addresses<F: PteFormat>() {
 
     // A: 2 MiB host pages, guest and host 2 MiB aligned.
     let a = 0x1_0000_0000;
-    vm.add_memslot(1, a, 4 << 20, m_huge.range(HUGE_2M), 0)
+    vm.add_memslot(1, a, 4 << 20, m_huge.range(HUGE_2M), MemslotFlags::empty())
         .unwrap();
     // B: the same but the host maps with 4 KiB pages.
     let b = 0x2_0000_0000;
-    vm.add_memslot(2, b, 4 << 20, m_small.range(PAGE_SIZE), 0)
-        .unwrap();
+    vm.add_memslot(
+        2,
+        b,
+        4 << 20,
+        m_small.range(PAGE_SIZE),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     // C: 2 MiB host pages, but the host address is 4 KiB past a 2 MiB boundary while the guest
     // address is aligned: no 2 MiB guest frame lines up with a 2 MiB host page.
     let c = 0x3_0000_0000;
@@ -242,7 +301,7 @@ fn two_mib_leaves_need_2m_host_pages_and_congruent_addresses<F: PteFormat>() {
         c,
         4 << 20,
         m_skew.sub_range(PAGE_SIZE, 4 << 20, HUGE_2M),
-        0,
+        MemslotFlags::empty(),
     )
     .unwrap();
 
@@ -293,8 +352,14 @@ fn slot_edges_limit_huge_leaves<F: PteFormat>() {
     // the third: only the middle 2 MiB frame lies wholly inside the slot.
     let gpa = (64 << 20) + PAGE_SIZE;
     let size = (6 << 20) - 2 * PAGE_SIZE;
-    vm.add_memslot(1, gpa, size, mem.sub_range(PAGE_SIZE, size, HUGE_2M), 0)
-        .unwrap();
+    vm.add_memslot(
+        1,
+        gpa,
+        size,
+        mem.sub_range(PAGE_SIZE, size, HUGE_2M),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     let host = mem.addr() + PAGE_SIZE;
     let cases = [
         (gpa, 1),                             // first page: partial first frame
@@ -335,7 +400,7 @@ fn one_gib_leaves_for_1g_host_pages<F: PteFormat>() {
     let mem = HostMem::reserve(2 << 30, HUGE_1G);
     let host = mem.addr();
     let gpa = 1 << 30;
-    vm.add_memslot(1, gpa, 2 << 30, mem.range(HUGE_1G), 0)
+    vm.add_memslot(1, gpa, 2 << 30, mem.range(HUGE_1G), MemslotFlags::empty())
         .unwrap();
     // 1 GiB host pages but the guest address only 2 MiB-congruent: 2 MiB leaves at most.
     let mem2 = HostMem::reserve(HUGE_1G + HUGE_2M, HUGE_1G);
@@ -346,7 +411,7 @@ fn one_gib_leaves_for_1g_host_pages<F: PteFormat>() {
         gpa2,
         1 << 30,
         mem2.sub_range(HUGE_2M, 1 << 30, HUGE_1G),
-        0,
+        MemslotFlags::empty(),
     )
     .unwrap();
 
@@ -382,12 +447,12 @@ fn one_gib_leaves_for_1g_host_pages<F: PteFormat>() {
 }
 
 /// Enables logging on a slot holding two writable 2 MiB leaves and checks the eager split.
-fn logged_two_huge_leaves<F: PteFormat>(config: VmConfig) -> (Arc<Vm<F>>, Vcpu, HostMem, u64) {
+fn logged_two_huge_leaves<F: PteFormat>(config: VmConfig) -> (Arc<Vm<F>>, Vcpu<F>, HostMem, u64) {
     let vm = Vm::<F>::new(config);
     let mut v = vm.create_vcpu(0);
     let mem = HostMem::new(4 << 20);
     let gpa = 0x1000_0000;
-    vm.add_memslot(1, gpa, 4 << 20, mem.range(HUGE_2M), 0)
+    vm.add_memslot(1, gpa, 4 << 20, mem.range(HUGE_2M), MemslotFlags::empty())
         .unwrap();
     for off in [0, 2 << 20] {
         assert_eq!(
@@ -493,8 +558,14 @@ fn get_dirty_log_reprotects_exactly_the_returned_pages<F: PteFormat>() {
     let ogpa = 0x80_0000;
     vm.add_memslot(1, gpa, 256 * PAGE_SIZE, mem.range(PAGE_SIZE), LOG)
         .unwrap();
-    vm.add_memslot(2, ogpa, 16 * PAGE_SIZE, other.range(PAGE_SIZE), 0)
-        .unwrap();
+    vm.add_memslot(
+        2,
+        ogpa,
+        16 * PAGE_SIZE,
+        other.range(PAGE_SIZE),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     let written = [1u64, 63, 64, 130, 255];
     for p in written {
         assert_eq!(
@@ -632,7 +703,7 @@ fn lazy_split_write_protects_huge_leaves_and_splits_on_the_first_write<F: PteFor
     let mut v = vm.create_vcpu(0);
     let mem = HostMem::new(2 << 20);
     let gpa = 0x20_0000;
-    vm.add_memslot(1, gpa, 2 << 20, mem.range(HUGE_2M), 0)
+    vm.add_memslot(1, gpa, 2 << 20, mem.range(HUGE_2M), MemslotFlags::empty())
         .unwrap();
     assert_eq!(
         fault(&vm, &mut v, gpa, Access::Write, false),
@@ -684,7 +755,7 @@ fn disabling_dirty_logging_brings_huge_leaves_back<F: PteFormat>() {
         FaultOutcome::FixedFast
     );
     let before = vm.stats();
-    vm.set_memslot_flags(1, 0).unwrap();
+    vm.set_memslot_flags(1, MemslotFlags::empty()).unwrap();
     // Format difference: each table rebuilt as a block is a break-before-make.
     let breaks = if F::BREAK_BEFORE_MAKE { 2 } else { 0 };
     assert_eq!(vm.stats().bbm_breaks - before.bbm_breaks, breaks);
@@ -714,7 +785,7 @@ fn enabling_logging_splits_1g_leaves_down_to_4k<F: PteFormat>() {
     let gpa = 1 << 30;
     let mem = HostMem::reserve(HUGE_1G, HUGE_1G);
     let host = mem.addr();
-    vm.add_memslot(1, gpa, 1 << 30, mem.range(HUGE_1G), 0)
+    vm.add_memslot(1, gpa, 1 << 30, mem.range(HUGE_1G), MemslotFlags::empty())
         .unwrap();
     assert_eq!(
         fault(&vm, &mut v, gpa, Access::Write, false),
@@ -740,7 +811,7 @@ fn one_gib_mapped_at_4k_needs_at_most_2_1_mib_of_tables<F: PteFormat>() {
     let host = mem.addr();
     let gpa = 0;
     let npages = (1u64 << 30) / PAGE_SIZE;
-    vm.add_memslot(1, gpa, 1 << 30, mem.range(PAGE_SIZE), 0)
+    vm.add_memslot(1, gpa, 1 << 30, mem.range(PAGE_SIZE), MemslotFlags::empty())
         .unwrap();
     for p in 0..npages {
         let o = fault(&vm, &mut v, gpa + p * PAGE_SIZE, Access::Write, false);
@@ -770,7 +841,7 @@ fn zap_flushes_remote_tlbs_frees_tables_and_an_empty_zap_flushes_nothing<F: PteF
     let mut v = vm.create_vcpu(0);
     let mem = HostMem::new(4 << 20);
     let gpa = 0x4000_0000;
-    vm.add_memslot(1, gpa, 4 << 20, mem.range(PAGE_SIZE), 0)
+    vm.add_memslot(1, gpa, 4 << 20, mem.range(PAGE_SIZE), MemslotFlags::empty())
         .unwrap();
     // Map the first 2 MiB frame at 4 KiB (one leaf table) and a page in the second.
     for p in (0..512).chain([600]) {
@@ -824,7 +895,7 @@ fn zap_of_a_straddling_huge_leaf_removes_the_whole_leaf<F: PteFormat>() {
     let mut v = vm.create_vcpu(0);
     let mem = HostMem::new(4 << 20);
     let gpa = 0x4000_0000;
-    vm.add_memslot(1, gpa, 4 << 20, mem.range(HUGE_2M), 0)
+    vm.add_memslot(1, gpa, 4 << 20, mem.range(HUGE_2M), MemslotFlags::empty())
         .unwrap();
     for off in [0, 2 << 20] {
         assert_eq!(
@@ -844,12 +915,18 @@ fn zap_of_a_straddling_huge_leaf_removes_the_whole_leaf<F: PteFormat>() {
 }
 
 /// A VM with gfns 0..4 mapped, for the out-of-range tests.
-fn low_pages_mapped<F: PteFormat>() -> (Arc<Vm<F>>, Vcpu, HostMem) {
+fn low_pages_mapped<F: PteFormat>() -> (Arc<Vm<F>>, Vcpu<F>, HostMem) {
     let vm = Vm::<F>::new(VmConfig::default());
     let mut v = vm.create_vcpu(0);
     let mem = HostMem::new(64 * PAGE_SIZE);
-    vm.add_memslot(1, 0, 64 * PAGE_SIZE, mem.range(PAGE_SIZE), 0)
-        .unwrap();
+    vm.add_memslot(
+        1,
+        0,
+        64 * PAGE_SIZE,
+        mem.range(PAGE_SIZE),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     for p in 0..4 {
         assert_eq!(
             fault(&vm, &mut v, p * PAGE_SIZE, Access::Write, false),
@@ -895,14 +972,20 @@ fn remote_flush_waits_for_an_in_guest_vcpu_to_acknowledge<F: PteFormat>() {
     let mut v = vm.create_vcpu(0);
     let mem = HostMem::new(16 * PAGE_SIZE);
     let gpa = 0x10_0000;
-    vm.add_memslot(1, gpa, mem.len(), mem.range(PAGE_SIZE), 0)
-        .unwrap();
+    vm.add_memslot(
+        1,
+        gpa,
+        mem.len(),
+        mem.range(PAGE_SIZE),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     assert_eq!(
         fault(&vm, &mut v, gpa, Access::Write, false),
         FaultOutcome::Fixed
     );
-    let pending = v.enter_guest();
-    if pending != 0 {
+    let guest = v.enter_guest();
+    if guest.requests_at_entry() != 0 {
         v.service_requests(|| {});
     }
     let done = AtomicBool::new(false);
@@ -927,17 +1010,18 @@ fn remote_flush_waits_for_an_in_guest_vcpu_to_acknowledge<F: PteFormat>() {
         zapper.join().unwrap();
     });
     assert!(done.load(Ordering::SeqCst));
-    v.exit_guest();
+    drop(guest);
+    assert!(!v.in_guest());
     assert_eq!(vm.lookup(gpa >> PAGE_SHIFT), None);
     teardown(vm, [v]);
 }
 
 fn table_pages_live_covers_linked_tables_and_vcpu_caches<F: PteFormat>() {
     let vm = Vm::<F>::new(VmConfig::default());
-    let mut vcpus: Vec<Vcpu> = (0..3).map(|i| vm.create_vcpu(i)).collect();
+    let mut vcpus: Vec<Vcpu<F>> = (0..3).map(|i| vm.create_vcpu(i)).collect();
     let mem = HostMem::new(8 << 20);
     let gpa = 0x8000_0000;
-    vm.add_memslot(1, gpa, 8 << 20, mem.range(PAGE_SIZE), 0)
+    vm.add_memslot(1, gpa, 8 << 20, mem.range(PAGE_SIZE), MemslotFlags::empty())
         .unwrap();
     let s = vm.stats();
     assert_eq!((s.table_pages, s.table_pages_live), (1, 1), "{s:?}");
@@ -960,7 +1044,7 @@ fn table_pages_live_covers_linked_tables_and_vcpu_caches<F: PteFormat>() {
     let alloc = vm.table_alloc().clone();
     let linked = vm.stats().table_pages;
     for v in vcpus.drain(..) {
-        vm.destroy_vcpu(v);
+        drop(v);
     }
     assert_eq!(alloc.live_pages(), linked, "vCPU page caches not returned");
     teardown(vm, []);
@@ -974,7 +1058,7 @@ fn mutex_variant_faults_zaps_and_logs<F: PteFormat>() {
     let mut v = vm.create_vcpu(0);
     let mem = HostMem::new(4 << 20);
     let gpa = 0x20_0000;
-    vm.add_memslot(1, gpa, 4 << 20, mem.range(HUGE_2M), 0)
+    vm.add_memslot(1, gpa, 4 << 20, mem.range(HUGE_2M), MemslotFlags::empty())
         .unwrap();
     assert_eq!(
         fault(&vm, &mut v, gpa + 0x5000, Access::Write, false),
@@ -1002,8 +1086,14 @@ fn faults_racing_with_enable_logging_never_leave_huge_leaves<F: PteFormat>() {
     let slot_bytes = 256u64 << 20;
     let mem = HostMem::reserve(slot_bytes, HUGE_2M);
     let gpa = 0x1_0000_0000u64;
-    vm.add_memslot(1, gpa, slot_bytes, mem.range(HUGE_2M), 0)
-        .unwrap();
+    vm.add_memslot(
+        1,
+        gpa,
+        slot_bytes,
+        mem.range(HUGE_2M),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     let frames = slot_bytes / HUGE_2M;
     let stop = AtomicBool::new(false);
     let deadline = Instant::now() + Duration::from_millis(1500);
@@ -1021,7 +1111,7 @@ fn faults_racing_with_enable_logging_never_leave_huge_leaves<F: PteFormat>() {
                     let g = gpa + f * HUGE_2M + rng.below(512) * PAGE_SIZE;
                     let _ = fault(vm, &mut v, g, Access::Write, false);
                 }
-                vm.destroy_vcpu(v);
+                drop(v);
             });
         }
         while Instant::now() < deadline && violations == 0 {
@@ -1034,7 +1124,7 @@ fn faults_racing_with_enable_logging_never_leave_huge_leaves<F: PteFormat>() {
                     }
                 }
             }
-            vm.set_memslot_flags(1, 0).unwrap();
+            vm.set_memslot_flags(1, MemslotFlags::empty()).unwrap();
         }
         stop.store(true, Ordering::Relaxed);
     });

@@ -1,14 +1,21 @@
 //! Loom models of the engine's races, run on the real engine code compiled against loom's
 //! atomics, locks and Arc (`crates/slat/src/sync.rs`):
 //! `RUSTFLAGS="--cfg loom" cargo test -p slat --test loom --release`.
-//! Guest memory is never dereferenced by the engine, so a fake host address stands in for it.
+//! Each memslot is backed by a real (zeroed, 4 KiB) [`HostBuffer`], although the engine never
+//! dereferences guest memory on EPT.
 #![cfg(loom)]
 
 use loom::thread;
-use slat::{Access, Ept, Fault, FaultOutcome, HostRange, MemslotFlags, Vm, VmConfig};
+use slat::{Access, Ept, Fault, FaultOutcome, HostBuffer, HostRange, MemslotFlags, Vm, VmConfig};
+use std::sync::Arc;
 
 const GPA: u64 = 0x10_0000;
-const HOST: u64 = 0x7000_0000_0000;
+
+/// One page of host memory for the memslot at [`GPA`].
+fn host_page() -> HostRange {
+    let buf = HostBuffer::new(4096, 4096).expect("allocate a host page");
+    HostRange::new(Arc::new(buf)).expect("host range")
+}
 
 fn model(f: impl Fn() + Sync + Send + 'static) {
     let mut b = loom::model::Builder::new();
@@ -18,14 +25,10 @@ fn model(f: impl Fn() + Sync + Send + 'static) {
     b.check(f);
 }
 
-fn vm_with_page(config: VmConfig) -> loom::sync::Arc<Vm<Ept>> {
+fn vm_with_page(config: VmConfig) -> Arc<Vm<Ept>> {
     let vm = Vm::<Ept>::new(config);
-    let host = HostRange {
-        addr: HOST,
-        len: 4096,
-        page_size: 4096,
-    };
-    vm.add_memslot(1, GPA, 4096, host, 0).unwrap();
+    vm.add_memslot(1, GPA, 4096, host_page(), MemslotFlags::empty())
+        .unwrap();
     vm
 }
 
@@ -48,13 +51,13 @@ fn install_race_installs_once() {
                     };
                     let mut outcomes = Vec::new();
                     loop {
-                        let o = vm.handle_fault(&mut v, f);
+                        let o = v.handle_fault(f);
                         outcomes.push(o);
                         if o != FaultOutcome::Retry {
                             break;
                         }
                     }
-                    vm.destroy_vcpu(v);
+                    drop(v);
                     outcomes
                 })
             })
@@ -81,19 +84,19 @@ fn fast_path_write_vs_harvest(config: VmConfig) {
         access: Access::Write,
         present: false,
     };
-    assert_eq!(vm.handle_fault(&mut v, f), FaultOutcome::Fixed);
-    vm.set_memslot_flags(1, MemslotFlags::LOG_DIRTY_PAGES.bits())
+    assert_eq!(v.handle_fault(f), FaultOutcome::Fixed);
+    vm.set_memslot_flags(1, MemslotFlags::LOG_DIRTY_PAGES)
         .unwrap();
     let writer = {
-        let vm = vm.clone();
+        // The vCPU holds its VM.
         thread::spawn(move || {
             let f = Fault {
                 gpa: GPA,
                 access: Access::Write,
                 present: true,
             };
-            let o = vm.handle_fault(&mut v, f);
-            vm.destroy_vcpu(v);
+            let o = v.handle_fault(f);
+            drop(v);
             o
         })
     };
@@ -140,12 +143,7 @@ fn fast_path_write_is_never_lost_to_a_ring_reset() {
     model(|| {
         let vm = Vm::<Ept>::new(VmConfig::default());
         vm.enable_dirty_ring(128, false).unwrap();
-        let host = HostRange {
-            addr: HOST,
-            len: 4096,
-            page_size: 4096,
-        };
-        vm.add_memslot(1, GPA, 4096, host, MemslotFlags::LOG_DIRTY_PAGES.bits())
+        vm.add_memslot(1, GPA, 4096, host_page(), MemslotFlags::LOG_DIRTY_PAGES)
             .unwrap();
         let mut v = vm.create_vcpu(0);
         let f = Fault {
@@ -153,21 +151,21 @@ fn fast_path_write_is_never_lost_to_a_ring_reset() {
             access: Access::Write,
             present: false,
         };
-        assert_eq!(vm.handle_fault(&mut v, f), FaultOutcome::Fixed);
+        assert_eq!(v.handle_fault(f), FaultOutcome::Fixed);
         let ring = v.dirty_ring().unwrap().clone();
         // Harvest the install's entry and re-protect the page.
         assert_eq!(ring.harvest(|_, _| {}), 1);
         assert_eq!(vm.reset_dirty_rings().unwrap(), 1);
         let writer = {
-            let vm = vm.clone();
+            // The vCPU holds its VM.
             thread::spawn(move || {
                 let f = Fault {
                     gpa: GPA,
                     access: Access::Write,
                     present: true,
                 };
-                let o = vm.handle_fault(&mut v, f);
-                vm.destroy_vcpu(v);
+                let o = v.handle_fault(f);
+                drop(v);
                 o
             })
         };

@@ -13,8 +13,8 @@ use slat::{
 };
 use std::sync::Arc;
 
-const LOG: u32 = MemslotFlags::LOG_DIRTY_PAGES.bits();
-const RO: u32 = MemslotFlags::READONLY.bits();
+const LOG: MemslotFlags = MemslotFlags::LOG_DIRTY_PAGES;
+const RO: MemslotFlags = MemslotFlags::READONLY;
 const MIB: u64 = 1 << 20;
 
 both_formats! {
@@ -66,7 +66,7 @@ fn view<F: PteFormat>(vm: &Vm<F>) -> SlotView {
 /// A VM with two slots, each with one page mapped, and the state to compare against.
 struct Fixture<F: PteFormat> {
     vm: Arc<Vm<F>>,
-    vcpu: Vcpu,
+    vcpu: Vcpu<F>,
     mem: Vec<HostMem>,
     /// (gfn, leaf) pairs that must survive every refused request.
     mapped: Vec<(u64, (u64, u8))>,
@@ -81,7 +81,7 @@ impl<F: PteFormat> Fixture<F> {
         let m2 = HostMem::new(MIB);
         vm.add_memslot(1, 4 * MIB, 4 * MIB, m1.range(HUGE_2M), LOG)
             .unwrap();
-        vm.add_memslot(2, 16 * MIB, MIB, m2.range(PAGE_SIZE), 0)
+        vm.add_memslot(2, 16 * MIB, MIB, m2.range(PAGE_SIZE), MemslotFlags::empty())
             .unwrap();
         let mut mapped = Vec::new();
         for gpa in [4 * MIB + 0x5000, 16 * MIB + 0x3000] {
@@ -90,7 +90,7 @@ impl<F: PteFormat> Fixture<F> {
                 access: Access::Write,
                 present: false,
             };
-            assert_eq!(vm.handle_fault(&mut vcpu, f), FaultOutcome::Fixed);
+            assert_eq!(vcpu.handle_fault(f), FaultOutcome::Fixed);
             let gfn = gpa >> PAGE_SHIFT;
             mapped.push((gfn, vm.lookup(gfn).expect("just mapped")));
         }
@@ -170,7 +170,7 @@ fn overlapping_ranges_are_refused_and_touching_ones_accepted<F: PteFormat>() {
         (3 * MIB, MIB + PAGE_SIZE),           // its first page only
     ] {
         let e = f.refused(&format!("add [{gpa:#x}, +{size:#x})"), |vm| {
-            vm.add_memslot(9, gpa, size, host(&m), 0)
+            vm.add_memslot(9, gpa, size, host(&m), MemslotFlags::empty())
         });
         assert!(
             matches!(
@@ -183,31 +183,36 @@ fn overlapping_ranges_are_refused_and_touching_ones_accepted<F: PteFormat>() {
     }
     // Overlapping slot 2 ([16, 17) MiB) names slot 2.
     let e = f.refused("add over slot 2", |vm| {
-        vm.add_memslot(9, 16 * MIB + 0x1000, PAGE_SIZE, host(&m), 0)
+        vm.add_memslot(
+            9,
+            16 * MIB + 0x1000,
+            PAGE_SIZE,
+            host(&m),
+            MemslotFlags::empty(),
+        )
     });
     assert!(matches!(e, MemslotError::Overlap { other: 2, .. }), "{e:?}");
 
     // Touching on either side is fine.
     let m3 = HostMem::new(4 * MIB);
     let m4 = HostMem::new(8 * MIB);
-    f.vm.add_memslot(3, 0, 4 * MIB, host(&m3), 0).unwrap();
-    f.vm.add_memslot(4, 8 * MIB, 8 * MIB, host(&m4), 0).unwrap();
+    f.vm.add_memslot(3, 0, 4 * MIB, host(&m3), MemslotFlags::empty())
+        .unwrap();
+    f.vm.add_memslot(4, 8 * MIB, 8 * MIB, host(&m4), MemslotFlags::empty())
+        .unwrap();
     let ids: Vec<u32> = f.vm.memslots().slots().iter().map(|s| s.id).collect();
     assert_eq!(ids, vec![3, 1, 4, 2], "slots not sorted by guest address");
     // The new neighbours fault in right up to the shared edges.
     let mut v = f.vm.create_vcpu(1);
     for gpa in [4 * MIB - PAGE_SIZE, 8 * MIB, 16 * MIB - PAGE_SIZE] {
-        let o = f.vm.handle_fault(
-            &mut v,
-            Fault {
-                gpa,
-                access: Access::Read,
-                present: false,
-            },
-        );
+        let o = v.handle_fault(Fault {
+            gpa,
+            access: Access::Read,
+            present: false,
+        });
         assert_eq!(o, FaultOutcome::Fixed, "{gpa:#x}");
     }
-    f.vm.destroy_vcpu(v);
+    drop(v);
     f.vm.delete_memslot(3).unwrap();
     f.vm.delete_memslot(4).unwrap();
     f.finish();
@@ -216,7 +221,9 @@ fn overlapping_ranges_are_refused_and_touching_ones_accepted<F: PteFormat>() {
 fn misaligned_guest_address_size_and_host_address<F: PteFormat>() {
     let f = Fixture::<F>::new();
     let m = HostMem::new(4 * MIB);
-    let e = f.refused("gpa", |vm| vm.add_memslot(9, 0x1000_0800, MIB, host(&m), 0));
+    let e = f.refused("gpa", |vm| {
+        vm.add_memslot(9, 0x1000_0800, MIB, host(&m), MemslotFlags::empty())
+    });
     assert!(
         matches!(
             e,
@@ -229,19 +236,19 @@ fn misaligned_guest_address_size_and_host_address<F: PteFormat>() {
         "{e:?}"
     );
     let e = f.refused("size", |vm| {
-        vm.add_memslot(9, 0x1000_0000, MIB + 1, host(&m), 0)
+        vm.add_memslot(9, 0x1000_0000, MIB + 1, host(&m), MemslotFlags::empty())
     });
     assert!(
         matches!(e, MemslotError::Misaligned { id: 9, what: "size", value } if value == MIB + 1),
         "{e:?}"
     );
-    let bad_host = HostRange {
-        addr: m.addr() + 8,
-        len: MIB,
-        page_size: PAGE_SIZE,
-    };
+    // A safe `HostRange` cannot be misaligned (`HostRange::slice` refuses it): only a raw
+    // one can reach the engine's check.
+    // SAFETY: the address is inside `m`, which outlives the call, and `add_memslot` refuses
+    // the range, so nothing ever touches it.
+    let bad_host = unsafe { HostRange::from_raw(m.addr() + 8, MIB, PAGE_SIZE) };
     let e = f.refused("host", |vm| {
-        vm.add_memslot(9, 0x1000_0000, MIB, bad_host, 0)
+        vm.add_memslot(9, 0x1000_0000, MIB, bad_host, MemslotFlags::empty())
     });
     assert!(
         matches!(e, MemslotError::Misaligned { id: 9, what: "host address", value } if value == m.addr() + 8),
@@ -268,7 +275,7 @@ fn zero_size_is_refused<F: PteFormat>() {
     let f = Fixture::<F>::new();
     let m = HostMem::new(MIB);
     let e = f.refused("zero size", |vm| {
-        vm.add_memslot(9, 0x1000_0000, 0, host(&m), 0)
+        vm.add_memslot(9, 0x1000_0000, 0, host(&m), MemslotFlags::empty())
     });
     assert!(matches!(e, MemslotError::ZeroSize { id: 9 }), "{e:?}");
     f.finish();
@@ -285,7 +292,7 @@ fn ranges_beyond_48_bits_are_refused_and_the_last_page_is_usable<F: PteFormat>()
         (!(PAGE_SIZE - 1), PAGE_SIZE),
     ] {
         let e = f.refused(&format!("[{gpa:#x}, +{size:#x})"), |vm| {
-            vm.add_memslot(9, gpa, size, host(&m), 0)
+            vm.add_memslot(9, gpa, size, host(&m), MemslotFlags::empty())
         });
         assert!(
             matches!(e, MemslotError::BeyondPhysWidth { id: 9, gpa: g, size: s, bits: 48 } if g == gpa && s == size),
@@ -299,17 +306,20 @@ fn ranges_beyond_48_bits_are_refused_and_the_last_page_is_usable<F: PteFormat>()
     );
 
     // The very last page is allowed, and faults in.
-    f.vm.add_memslot(9, top - 16 * PAGE_SIZE, 16 * PAGE_SIZE, host(&m), 0)
-        .unwrap();
+    f.vm.add_memslot(
+        9,
+        top - 16 * PAGE_SIZE,
+        16 * PAGE_SIZE,
+        host(&m),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     let mut v = f.vm.create_vcpu(1);
-    let o = f.vm.handle_fault(
-        &mut v,
-        Fault {
-            gpa: top - 1,
-            access: Access::Write,
-            present: false,
-        },
-    );
+    let o = v.handle_fault(Fault {
+        gpa: top - 1,
+        access: Access::Write,
+        present: false,
+    });
     assert_eq!(o, FaultOutcome::Fixed);
     let (leaf, level) =
         f.vm.lookup((top >> PAGE_SHIFT) - 1)
@@ -318,7 +328,7 @@ fn ranges_beyond_48_bits_are_refused_and_the_last_page_is_usable<F: PteFormat>()
         leaf_hva::<F>(leaf, level, (top >> PAGE_SHIFT) - 1),
         m.addr() + 15 * PAGE_SIZE
     );
-    f.vm.destroy_vcpu(v);
+    drop(v);
     f.vm.delete_memslot(9).unwrap();
     f.finish();
 }
@@ -327,15 +337,16 @@ fn unknown_flag_bits_are_refused<F: PteFormat>() {
     let f = Fixture::<F>::new();
     let m = HostMem::new(MIB);
     for (bits, unknown) in [(0x4u32, 0x4u32), (0x7, 0x4), (0x8000_0001, 0x8000_0000)] {
+        let flags = MemslotFlags::from_bits_retain(bits);
         let e = f.refused(&format!("add flags {bits:#x}"), |vm| {
-            vm.add_memslot(9, 0x1000_0000, MIB, host(&m), bits)
+            vm.add_memslot(9, 0x1000_0000, MIB, host(&m), flags)
         });
         assert!(
             matches!(e, MemslotError::UnknownFlags { id: 9, bits: b } if b == unknown),
             "{e:?}"
         );
         let e = f.refused(&format!("set flags {bits:#x}"), |vm| {
-            vm.set_memslot_flags(2, bits)
+            vm.set_memslot_flags(2, flags)
         });
         assert!(
             matches!(e, MemslotError::UnknownFlags { id: 2, bits: b } if b == unknown),
@@ -374,7 +385,7 @@ fn duplicate_ids_are_refused<F: PteFormat>() {
     let m = HostMem::new(MIB);
     // A free range, so only the id is wrong.
     let e = f.refused("duplicate", |vm| {
-        vm.add_memslot(2, 0x1000_0000, MIB, host(&m), 0)
+        vm.add_memslot(2, 0x1000_0000, MIB, host(&m), MemslotFlags::empty())
     });
     assert!(matches!(e, MemslotError::DuplicateId { id: 2 }), "{e:?}");
     f.finish();
@@ -383,13 +394,9 @@ fn duplicate_ids_are_refused<F: PteFormat>() {
 fn host_range_shorter_than_the_slot_is_refused<F: PteFormat>() {
     let f = Fixture::<F>::new();
     let m = HostMem::new(MIB);
-    let short = HostRange {
-        addr: m.addr(),
-        len: MIB - PAGE_SIZE,
-        page_size: PAGE_SIZE,
-    };
+    let short = m.sub_range(0, MIB - PAGE_SIZE, PAGE_SIZE);
     let e = f.refused("short host", |vm| {
-        vm.add_memslot(9, 0x1000_0000, MIB, short, 0)
+        vm.add_memslot(9, 0x1000_0000, MIB, short, MemslotFlags::empty())
     });
     assert!(
         matches!(e, MemslotError::HostRangeTooSmall { id: 9, need, have } if need == MIB && have == MIB - PAGE_SIZE),
@@ -410,13 +417,9 @@ fn host_page_sizes_other_than_4k_2m_1g_are_refused<F: PteFormat>() {
         HUGE_2M + PAGE_SIZE,
         512 << 30,
     ] {
-        let r = HostRange {
-            addr: m.addr(),
-            len: m.len(),
-            page_size: ps,
-        };
+        let r = m.range(ps);
         let e = f.refused(&format!("page size {ps:#x}"), |vm| {
-            vm.add_memslot(9, 0x1000_0000, MIB, r, 0)
+            vm.add_memslot(9, 0x1000_0000, MIB, r, MemslotFlags::empty())
         });
         assert!(
             matches!(e, MemslotError::BadHostPageSize { id: 9, page_size } if page_size == ps),
@@ -453,14 +456,11 @@ fn dirty_log_buffer_too_small_is_refused_and_loses_no_dirty_bits<F: PteFormat>()
         .unwrap();
     let mut v = f.vm.create_vcpu(1);
     for p in [0u64, 129] {
-        let o = f.vm.handle_fault(
-            &mut v,
-            Fault {
-                gpa: 0x1000_0000 + p * PAGE_SIZE,
-                access: Access::Write,
-                present: false,
-            },
-        );
+        let o = v.handle_fault(Fault {
+            gpa: 0x1000_0000 + p * PAGE_SIZE,
+            access: Access::Write,
+            present: false,
+        });
         assert_eq!(o, FaultOutcome::Fixed);
     }
     let before = f.vm.lookup((0x1000_0000 >> PAGE_SHIFT) + 129);
@@ -479,7 +479,7 @@ fn dirty_log_buffer_too_small_is_refused_and_loses_no_dirty_bits<F: PteFormat>()
     let mut words = vec![0u64; 5];
     assert_eq!(f.vm.get_dirty_log(9, &mut words).unwrap(), 2);
     assert_eq!(words, vec![1, 0, 1 << 1, 0, 0]);
-    f.vm.destroy_vcpu(v);
+    drop(v);
     f.vm.delete_memslot(9).unwrap();
     f.finish();
 }
@@ -502,14 +502,11 @@ fn refused_move_leaves_the_slot_in_place_and_mapped<F: PteFormat>() {
     f.vm.move_memslot(2, 8 * MIB).unwrap();
     let mut v = f.vm.create_vcpu(1);
     let gpa = 8 * MIB + 0x3000;
-    let o = f.vm.handle_fault(
-        &mut v,
-        Fault {
-            gpa,
-            access: Access::Read,
-            present: false,
-        },
-    );
+    let o = v.handle_fault(Fault {
+        gpa,
+        access: Access::Read,
+        present: false,
+    });
     assert_eq!(o, FaultOutcome::Fixed);
     let (leaf, level) = f.vm.lookup(gpa >> PAGE_SHIFT).unwrap();
     assert_eq!(
@@ -517,16 +514,13 @@ fn refused_move_leaves_the_slot_in_place_and_mapped<F: PteFormat>() {
         host_addr,
         "moved slot lost its host memory"
     );
-    let o = f.vm.handle_fault(
-        &mut v,
-        Fault {
-            gpa: 16 * MIB + 0x3000,
-            access: Access::Read,
-            present: false,
-        },
-    );
+    let o = v.handle_fault(Fault {
+        gpa: 16 * MIB + 0x3000,
+        access: Access::Read,
+        present: false,
+    });
     assert_eq!(o, FaultOutcome::NoSlot, "the old range still resolves");
-    f.vm.destroy_vcpu(v);
+    drop(v);
     let Fixture { vm, vcpu, mem, .. } = f;
     check_audit(&vm, "after the moves");
     teardown(vm, [vcpu]);
@@ -537,7 +531,7 @@ fn setting_the_same_flags_publishes_nothing<F: PteFormat>() {
     let f = Fixture::<F>::new();
     let before = view(&f.vm);
     f.vm.set_memslot_flags(1, LOG).unwrap();
-    f.vm.set_memslot_flags(2, 0).unwrap();
+    f.vm.set_memslot_flags(2, MemslotFlags::empty()).unwrap();
     assert_eq!(view(&f.vm), before);
     for &(gfn, leaf) in &f.mapped {
         assert_eq!(f.vm.lookup(gfn), Some(leaf));
@@ -557,12 +551,12 @@ fn host_addresses_beyond_the_pte_address_field_are_refused<F: PteFormat>() {
         // EPT bit 58 is MMU-writable, bit 57 host-writable: a read-only slot would map
         // writable (stage-2 keeps its software bits at 55-58).
         (1u64 << 58, RO),
-        (1u64 << 52, 0),
-        (oa_limit, 0),
+        (1u64 << 52, MemslotFlags::empty()),
+        (oa_limit, MemslotFlags::empty()),
         // The last page crosses the limit.
-        (oa_limit - PAGE_SIZE, 0),
+        (oa_limit - PAGE_SIZE, MemslotFlags::empty()),
         // addr + size wraps around.
-        (!(PAGE_SIZE - 1), 0),
+        (!(PAGE_SIZE - 1), MemslotFlags::empty()),
     ] {
         let e = f.refused(&format!("host {addr:#x}"), |vm| {
             vm.add_memslot(9, 0x1000_0000, len, fake_host(addr, len, PAGE_SIZE), flags)
@@ -574,8 +568,14 @@ fn host_addresses_beyond_the_pte_address_field_are_refused<F: PteFormat>() {
     }
     // The highest range that fits is accepted, and maps where it says.
     let top = oa_limit - len;
-    f.vm.add_memslot(9, 0x1000_0000, len, fake_host(top, len, PAGE_SIZE), 0)
-        .unwrap();
+    f.vm.add_memslot(
+        9,
+        0x1000_0000,
+        len,
+        fake_host(top, len, PAGE_SIZE),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     if F::CACHE_MAINTENANCE {
         // Format difference (test harness, not engine): a stage-2 fault cleans the data cache
         // over the page it maps, which must be memory this process maps (`slat::cmo`), and
@@ -586,19 +586,16 @@ fn host_addresses_beyond_the_pte_address_field_are_refused<F: PteFormat>() {
         return;
     }
     let mut v = f.vm.create_vcpu(1);
-    let o = f.vm.handle_fault(
-        &mut v,
-        Fault {
-            gpa: 0x1000_0000 + PAGE_SIZE,
-            access: Access::Write,
-            present: false,
-        },
-    );
+    let o = v.handle_fault(Fault {
+        gpa: 0x1000_0000 + PAGE_SIZE,
+        access: Access::Write,
+        present: false,
+    });
     assert_eq!(o, FaultOutcome::Fixed);
     let gfn = (0x1000_0000 >> PAGE_SHIFT) + 1;
     let (leaf, level) = f.vm.lookup(gfn).unwrap();
     assert_eq!(leaf_hva::<F>(leaf, level, gfn), top + PAGE_SIZE);
-    f.vm.destroy_vcpu(v);
+    drop(v);
     f.vm.delete_memslot(9).unwrap();
     f.finish();
 }

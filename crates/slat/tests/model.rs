@@ -5,16 +5,17 @@
 //! behind by earlier zaps, and zapping a straddling huge leaf removes more than was asked). It
 //! keeps what must hold whatever the shape:
 //! - `maybe`: GFNs that may be mapped — the ranges of leaves installed by faults since the last
-//!   zap / delete / move / read-only switch covering them. A mapped GFN outside it is a stale
-//!   translation (zap or memslot change that did not remove it); every mapped GFN must lie in a
-//!   slot and translate to that slot's host page; a GFN just faulted must be mapped.
+//!   zap / delete / move covering them. A mapped GFN outside it is a stale translation (zap or
+//!   memslot change that did not remove it); every mapped GFN must lie in a slot and translate
+//!   to that slot's host page; a GFN just faulted must be mapped.
 //! - leaf size: never above what the host page size, the slot's edges and guest/host
 //!   congruence allow; 4 KiB only in dirty-logged slots (invariant 7).
 //! - permissions: W ⇒ MMU-writable ⇒ host-writable, nothing writable in a read-only slot
 //!   (invariant 6), and in a logged slot every writable page is one the guest wrote (or at
 //!   least accessed) since the last harvest (invariant 3).
 //! - dirty logs: a harvest returns every page written since the last one (and only pages
-//!   accessed since), and leaves nothing writable in the slot (invariant 4).
+//!   accessed since), moves included (a moved slot keeps its log), and leaves nothing writable
+//!   in the slot (invariant 4).
 //! - bookkeeping: the tree audit equals the statistics, nothing is frozen, fault counters move
 //!   by one per fault, anything that removes translations flushes.
 //!
@@ -35,8 +36,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-const LOG: u32 = MemslotFlags::LOG_DIRTY_PAGES.bits();
-const RO: u32 = MemslotFlags::READONLY.bits();
+const LOG: MemslotFlags = MemslotFlags::LOG_DIRTY_PAGES;
+const RO: MemslotFlags = MemslotFlags::READONLY;
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 /// Guest physical space the test plays in.
@@ -97,13 +98,42 @@ impl Ranges {
 /// A memslot the test can place: fixed host memory, a list of guest positions.
 struct Template {
     id: u32,
-    host: u64,
+    /// The host memory; the slot is `[offset, offset + size)` of it.
+    mem: HostMem,
+    offset: u64,
     size: u64,
     page_size: u64,
     positions: Vec<u64>,
     can_log: bool,
     /// Small enough to check every page in a sweep.
     small: bool,
+}
+
+impl Template {
+    /// Host address of the slot's first byte.
+    fn host(&self) -> u64 {
+        self.mem.addr() + self.offset
+    }
+
+    /// The slot's host memory, which the memslot keeps alive.
+    fn range(&self) -> HostRange {
+        self.mem.sub_range(self.offset, self.size, self.page_size)
+    }
+
+    /// The model of a new slot (template `tpl`, this one) at `gpa`.
+    fn slot_model(&self, tpl: usize, gpa: u64, flags: MemslotFlags) -> SlotM {
+        SlotM {
+            tpl,
+            id: self.id,
+            base: gpa >> PAGE_SHIFT,
+            npages: self.size >> PAGE_SHIFT,
+            host: self.host(),
+            page_size: self.page_size,
+            flags,
+            written: BTreeSet::new(),
+            accessed: BTreeSet::new(),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -114,7 +144,7 @@ struct SlotM {
     npages: u64,
     host: u64,
     page_size: u64,
-    flags: u32,
+    flags: MemslotFlags,
     /// Pages written (write faults resolved) since logging started or the last harvest.
     written: BTreeSet<u64>,
     /// Pages read or executed in that time.
@@ -132,7 +162,7 @@ impl SlotM {
         self.host + ((g - self.base) << PAGE_SHIFT)
     }
     fn ro(&self) -> bool {
-        self.flags & RO != 0
+        self.flags.contains(RO)
     }
     fn logging(&self) -> bool {
         logs(self.flags)
@@ -154,8 +184,8 @@ impl SlotM {
     }
 }
 
-fn logs(flags: u32) -> bool {
-    flags & LOG != 0 && flags & RO == 0
+fn logs(flags: MemslotFlags) -> bool {
+    flags.contains(LOG) && !flags.contains(RO)
 }
 
 /// What the runs exercised, summed over seeds (so the test cannot pass vacuously).
@@ -178,6 +208,7 @@ fn outcome_index(o: FaultOutcome) -> usize {
         FaultOutcome::NoSlot => 4,
         FaultOutcome::ReadOnly => 5,
         FaultOutcome::DirtyRingFull => 6,
+        FaultOutcome::InGuestMode => unreachable!("checked by the caller"),
     }
 }
 
@@ -187,7 +218,7 @@ struct Run<'a, F: PteFormat> {
     what: String,
     cfg: VmConfig,
     vm: Arc<Vm<F>>,
-    vcpus: Vec<Vcpu>,
+    vcpus: Vec<Vcpu<F>>,
     rng: Rng,
     tpls: &'a [Template],
     slots: BTreeMap<u32, SlotM>,
@@ -370,7 +401,13 @@ impl<F: PteFormat> Run<'_, F> {
             access,
             present,
         };
-        let o = self.vm.handle_fault(&mut self.vcpus[vi], f);
+        let o = self.vcpus[vi].handle_fault(f);
+        assert_ne!(
+            o,
+            FaultOutcome::InGuestMode,
+            "{}: handle_fault runs the slow path outside guest mode",
+            self.ctx()
+        );
         let after = self.vm.stats();
         let post = self.vm.lookup(g);
         self.cov.outcomes[outcome_index(o)].fetch_add(1, Ordering::Relaxed);
@@ -386,6 +423,7 @@ impl<F: PteFormat> Run<'_, F> {
             FaultOutcome::NoSlot => s.pf_no_slot,
             FaultOutcome::ReadOnly => s.pf_read_only,
             FaultOutcome::DirtyRingFull => s.pf_ring_full,
+            FaultOutcome::InGuestMode => unreachable!("checked above"),
         };
         assert_eq!(
             counter(&after),
@@ -532,9 +570,9 @@ impl<F: PteFormat> Run<'_, F> {
             .collect()
     }
 
-    fn random_flags(&mut self, can_log: bool) -> u32 {
+    fn random_flags(&mut self, can_log: bool) -> MemslotFlags {
         let f = match self.rng.below(8) {
-            0..=2 => 0,
+            0..=2 => MemslotFlags::empty(),
             3..=5 => LOG,
             6 => RO,
             _ => LOG | RO,
@@ -553,31 +591,13 @@ impl<F: PteFormat> Run<'_, F> {
         let t = &self.tpls[ti];
         let gpa = *self.rng.pick(&t.positions);
         let flags = self.random_flags(t.can_log);
-        self.what = format!("add slot {} at {gpa:#x} flags {flags:#x}", t.id);
+        self.what = format!("add slot {} at {gpa:#x} flags {flags:?}", t.id);
         let clash = self.overlap(gpa >> PAGE_SHIFT, t.size >> PAGE_SHIFT, u32::MAX);
         let gen = self.vm.memslots().generation();
-        let host = HostRange {
-            addr: t.host,
-            len: t.size,
-            page_size: t.page_size,
-        };
-        let r = self.vm.add_memslot(t.id, gpa, t.size, host, flags);
+        let r = self.vm.add_memslot(t.id, gpa, t.size, t.range(), flags);
         if clash.is_empty() {
             r.unwrap_or_else(|e| panic!("{}: refused: {e}", self.ctx()));
-            self.slots.insert(
-                t.id,
-                SlotM {
-                    tpl: ti,
-                    id: t.id,
-                    base: gpa >> PAGE_SHIFT,
-                    npages: t.size >> PAGE_SHIFT,
-                    host: t.host,
-                    page_size: t.page_size,
-                    flags,
-                    written: BTreeSet::new(),
-                    accessed: BTreeSet::new(),
-                },
-            );
+            self.slots.insert(t.id, t.slot_model(ti, gpa, flags));
         } else {
             self.cov.refused.fetch_add(1, Ordering::Relaxed);
             assert!(
@@ -640,8 +660,13 @@ impl<F: PteFormat> Run<'_, F> {
             self.maybe.remove(old_base, old_base + npages);
             let s = self.slots.get_mut(&id).unwrap();
             s.base = gpa >> PAGE_SHIFT;
-            s.written.clear();
-            s.accessed.clear();
+            // The log survives the move (as in KVM): pages written before it and not yet
+            // harvested are still owed, at the same slot-relative offsets.
+            let rebase = |set: &BTreeSet<u64>| -> BTreeSet<u64> {
+                set.iter().map(|g| g - old_base + s.base).collect()
+            };
+            s.written = rebase(&s.written);
+            s.accessed = rebase(&s.accessed);
             self.check_range(old_base, old_base + npages, 256);
             self.check_slot(id, false);
         } else {
@@ -666,20 +691,42 @@ impl<F: PteFormat> Run<'_, F> {
         let can_log = self.tpls[self.slots[&id].tpl].can_log;
         let flags = self.random_flags(can_log);
         let old = self.slots[&id].flags;
-        self.what = format!("set slot {id} flags {old:#x} -> {flags:#x}");
+        self.what = format!("set slot {id} flags {old:?} -> {flags:?}");
+        let gen = self.vm.memslots().generation();
         let before = self.vm.stats();
-        self.vm
-            .set_memslot_flags(id, flags)
-            .unwrap_or_else(|e| panic!("{}: {e}", self.ctx()));
+        let r = self.vm.set_memslot_flags(id, flags);
         let after = self.vm.stats();
+        if (flags ^ old).contains(RO) {
+            // Documented: READONLY cannot change on an existing slot. Refused, nothing changes.
+            assert_eq!(
+                r,
+                Err(MemslotError::ReadonlyChange { id }),
+                "{}",
+                self.ctx()
+            );
+            assert_eq!(self.vm.memslots().generation(), gen, "{}", self.ctx());
+            assert_eq!(
+                self.vm.memslots().by_id(id).unwrap().flags,
+                old,
+                "{}",
+                self.ctx()
+            );
+            assert_eq!(
+                after.remote_tlb_flush_requests,
+                before.remote_tlb_flush_requests,
+                "{}: a refused flag change flushed",
+                self.ctx()
+            );
+            self.cov.refused.fetch_add(1, Ordering::Relaxed);
+            self.check_slot(id, false);
+            // What a VMM does instead: delete the slot and add it back with the new flags.
+            return self.readd(id, flags);
+        }
+        r.unwrap_or_else(|e| panic!("{}: {e}", self.ctx()));
         let s = self.slots.get_mut(&id).unwrap();
         s.flags = flags;
         let (base, end) = (s.base, s.end());
         if flags != old {
-            if flags & RO != 0 && old & RO == 0 {
-                // Documented: turning READONLY on zaps the slot.
-                self.maybe.remove(base, end);
-            }
             if logs(old) && !logs(flags) && self.cfg.recover == RecoverVariant::InPlace {
                 // Documented: in-place recovery maps the whole huge range of any table that
                 // held a leaf (the memslot backs all of it).
@@ -729,6 +776,41 @@ impl<F: PteFormat> Run<'_, F> {
             );
         }
         self.check_slot(id, flags != old);
+        self.audit();
+    }
+
+    /// Deletes slot `id` and adds it back at the same place with `flags` (a fresh slot: no
+    /// mappings, a fresh log).
+    fn readd(&mut self, id: u32, flags: MemslotFlags) {
+        let (ti, base, npages) = {
+            let s = &self.slots[&id];
+            (s.tpl, s.base, s.npages)
+        };
+        self.what = format!("re-add slot {id} with flags {flags:?}");
+        let before = self.vm.stats();
+        self.vm
+            .delete_memslot(id)
+            .unwrap_or_else(|e| panic!("{}: delete: {e}", self.ctx()));
+        let after = self.vm.stats();
+        if (after.leaves_4k, after.leaves_2m, after.leaves_1g)
+            != (before.leaves_4k, before.leaves_2m, before.leaves_1g)
+        {
+            assert!(
+                after.remote_tlb_flush_requests > before.remote_tlb_flush_requests,
+                "{}: delete removed translations without a remote flush",
+                self.ctx()
+            );
+        }
+        self.slots.remove(&id);
+        self.maybe.remove(base, base + npages);
+        self.check_range(base, base + npages, 256);
+        let t = &self.tpls[ti];
+        let gpa = base << PAGE_SHIFT;
+        self.vm
+            .add_memslot(id, gpa, t.size, t.range(), flags)
+            .unwrap_or_else(|e| panic!("{}: re-add: {e}", self.ctx()));
+        self.slots.insert(id, t.slot_model(ti, gpa, flags));
+        self.check_slot(id, true);
         self.audit();
     }
 
@@ -811,15 +893,14 @@ impl<F: PteFormat> Run<'_, F> {
 /// never written (only mapped: stage-2 cache maintenance reads what a fault maps, so each seed
 /// would otherwise pay for faulting in 2 GiB of zero pages again). Lives until the process
 /// exits.
-fn gib_backing() -> u64 {
+fn gib_backing() -> HostMem {
     static MEM: std::sync::OnceLock<HostMem> = std::sync::OnceLock::new();
     MEM.get_or_init(|| HostMem::reserve(2 * GIB, HUGE_1G))
-        .addr()
+        .clone()
 }
 
-/// Memory behind the templates; lives as long as a seed's VM.
+/// The templates of a seed; each holds its host memory (and each memslot over it, its part).
 struct Backing {
-    _mem: Vec<HostMem>,
     tpls: Vec<Template>,
 }
 
@@ -833,7 +914,8 @@ fn templates() -> Backing {
         // 2 MiB host pages, aligned guest positions: 2 MiB leaves.
         Template {
             id: 1,
-            host: huge.addr(),
+            mem: huge,
+            offset: 0,
             size: 8 * MIB,
             page_size: HUGE_2M,
             positions: vec![0, 16 * MIB, GIB, GIB + 8 * MIB, 3 * GIB - 2 * MIB],
@@ -844,7 +926,8 @@ fn templates() -> Backing {
         // straddles a 1 GiB boundary, one overlaps slot 1's positions.
         Template {
             id: 2,
-            host: small.addr(),
+            mem: small,
+            offset: 0,
             size: 6 * MIB - 3 * PAGE_SIZE,
             page_size: PAGE_SIZE,
             positions: vec![8 * MIB, 16 * MIB + 0x3000, 4 * GIB - MIB, 64 * MIB],
@@ -855,7 +938,8 @@ fn templates() -> Backing {
         // guest position is aligned: never congruent, always 4 KiB.
         Template {
             id: 3,
-            host: skew.addr() + PAGE_SIZE,
+            mem: skew,
+            offset: PAGE_SIZE,
             size: 4 * MIB,
             page_size: HUGE_2M,
             positions: vec![32 * MIB, GIB + 2 * MIB, 128 * MIB],
@@ -866,7 +950,8 @@ fn templates() -> Backing {
         // only the middle frame can be huge.
         Template {
             id: 4,
-            host: edges.addr() + PAGE_SIZE,
+            mem: edges,
+            offset: PAGE_SIZE,
             size: 6 * MIB - 2 * PAGE_SIZE,
             page_size: HUGE_2M,
             positions: vec![
@@ -881,7 +966,8 @@ fn templates() -> Backing {
         // 2 MiB leaves at the 2 MiB-congruent one. Not logged (a split is 262144 leaves).
         Template {
             id: 5,
-            host: gib_backing(),
+            mem: gib_backing(),
+            offset: 0,
             size: 2 * GIB,
             page_size: HUGE_1G,
             positions: vec![4 * GIB, 8 * GIB, 12 * GIB + 2 * MIB, 3 * GIB],
@@ -890,7 +976,8 @@ fn templates() -> Backing {
         },
         Template {
             id: 6,
-            host: tiny.addr(),
+            mem: tiny,
+            offset: 0,
             size: 130 * PAGE_SIZE,
             page_size: PAGE_SIZE,
             positions: vec![20 * MIB, 48 * MIB - 64 * PAGE_SIZE, GIB - PAGE_SIZE * 130],
@@ -898,10 +985,7 @@ fn templates() -> Backing {
             small: true,
         },
     ];
-    Backing {
-        _mem: vec![huge, small, skew, edges, tiny],
-        tpls,
-    }
+    Backing { tpls }
 }
 
 fn config_for(seed: u64) -> VmConfig {

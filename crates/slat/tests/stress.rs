@@ -8,9 +8,9 @@
 #[macro_use]
 mod common;
 
+use common::HostMem;
 use slat::format::{bytes_per_entry, pages_per_entry};
-use slat::{Access, Fault, HostRange, MemslotFlags, PteFormat, Vm, VmConfig};
-use std::alloc::{alloc_zeroed, dealloc, Layout};
+use slat::{Access, Fault, FaultOutcome, MemslotFlags, PteFormat, Vm, VmConfig};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -47,18 +47,13 @@ fn seed() -> u64 {
 }
 
 fn run<F: PteFormat>(config: VmConfig, seed: u64) {
-    let layout = Layout::from_size_align(2 * SLOT_BYTES as usize, 2 << 20).unwrap();
-    // SAFETY: non-zero size, freed below with the same layout after the VM is gone.
-    let host = unsafe { alloc_zeroed(layout) } as u64;
-    assert_ne!(host, 0);
+    // Zeroed, 2 MiB aligned; the memslots keep it alive until the VM is gone.
+    let mem = HostMem::new(2 * SLOT_BYTES);
     let vm = Vm::<F>::new(config);
-    let r = |addr| HostRange {
-        addr,
-        len: SLOT_BYTES,
-        page_size: 2 << 20,
-    };
-    vm.add_memslot(1, A, SLOT_BYTES, r(host), 0).unwrap();
-    vm.add_memslot(2, C, SLOT_BYTES, r(host + SLOT_BYTES), 0)
+    let r = |offset| mem.sub_range(offset, SLOT_BYTES, 2 << 20);
+    vm.add_memslot(1, A, SLOT_BYTES, r(0), MemslotFlags::empty())
+        .unwrap();
+    vm.add_memslot(2, C, SLOT_BYTES, r(SLOT_BYTES), MemslotFlags::empty())
         .unwrap();
     let alloc = vm.table_alloc().clone();
     let stop = Arc::new(AtomicBool::new(false));
@@ -73,7 +68,8 @@ fn run<F: PteFormat>(config: VmConfig, seed: u64) {
             let mut vcpu = vm.create_vcpu(t);
             let npages = SLOT_BYTES / 4096;
             while !stop.load(Ordering::Relaxed) {
-                if vcpu.enter_guest() != 0 {
+                let mut guest = vcpu.enter_guest();
+                if guest.requests_at_entry() != 0 {
                     vcpu.service_requests(|| {});
                 }
                 for _ in 0..64 {
@@ -95,17 +91,20 @@ fn run<F: PteFormat>(config: VmConfig, seed: u64) {
                         access,
                         present,
                     };
-                    if vm.fast_page_fault(&mut vcpu, f).is_none() {
-                        vcpu.exit_guest();
-                        vm.slow_page_fault(&mut vcpu, f);
-                        if vcpu.enter_guest() != 0 {
+                    if vcpu.fast_page_fault(&guest, f).is_none() {
+                        // Leave guest mode for the slow path (it may block on the MMU lock).
+                        drop(guest);
+                        let o = vcpu.slow_page_fault(f);
+                        assert_ne!(o, FaultOutcome::InGuestMode, "slow path in guest mode");
+                        guest = vcpu.enter_guest();
+                        if guest.requests_at_entry() != 0 {
                             vcpu.service_requests(|| {});
                         }
                     }
                 }
-                vcpu.exit_guest();
+                drop(guest);
             }
-            vm.destroy_vcpu(vcpu);
+            drop(vcpu);
         }));
     }
 
@@ -127,9 +126,9 @@ fn run<F: PteFormat>(config: VmConfig, seed: u64) {
             2 => {
                 logging = !logging;
                 let f = if logging {
-                    MemslotFlags::LOG_DIRTY_PAGES.bits()
+                    MemslotFlags::LOG_DIRTY_PAGES
                 } else {
-                    0
+                    MemslotFlags::empty()
                 };
                 vm.set_memslot_flags(2, f).unwrap();
             }
@@ -192,8 +191,7 @@ fn run<F: PteFormat>(config: VmConfig, seed: u64) {
         std::thread::sleep(Duration::from_millis(1));
     }
     assert_eq!(alloc.live_pages(), 0, "{ctx}: table pages leaked");
-    // SAFETY: the VM (the only user of this memory) is gone.
-    unsafe { dealloc(host as *mut u8, layout) };
+    drop(mem);
 }
 
 fn rwlock_fast_pf<F: PteFormat>() {

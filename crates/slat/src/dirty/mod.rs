@@ -25,13 +25,14 @@ pub use ring::{
     RING_RESERVED_ENTRIES,
 };
 
+use crate::flush::GuestMode;
 use crate::flush::PendingFlush;
 use crate::format::{table_index, PteFormat, ENTRIES_PER_TABLE, PAGE_SIZE};
 use crate::memslot::{Memslot, SlotId};
 use crate::stats::{Sink, Stat};
 use crate::sync::{self, pin, Arc, Ordering};
 use crate::table::TablePage;
-use crate::vm::{UpdateMode, Vcpu, Vm};
+use crate::vm::{UpdateMode, Vcpu, VcpuState, Vm};
 use crate::walk::Walk;
 use ring::Coalesce;
 
@@ -437,7 +438,7 @@ impl<F: PteFormat> Vm<F> {
     /// allows, so a harvest that missed the mark waits for it in its flush and the page is in
     /// the next harvest; any other mode ignores it.
     #[inline]
-    pub fn log_hardware_dirty(&self, vcpu: &mut Vcpu, gfn: u64) {
+    pub(crate) fn log_hardware_dirty(&self, vcpu: &mut VcpuState, gfn: u64) {
         if self.config.dirty_track != DirtyTrack::HardwareDirty {
             return;
         }
@@ -853,16 +854,28 @@ impl<F: PteFormat> Vm<F> {
 #[derive(Default)]
 struct LeafCursor(Option<(u64, u64)>);
 
-impl Vcpu {
+impl<F: PteFormat> Vcpu<F> {
     /// This vCPU's dirty ring is past its soft limit: it must exit to the VMM, which harvests
     /// and resets, before running guest code again (KVM_EXIT_DIRTY_RING_FULL).
     #[inline]
     pub fn dirty_ring_full(&self) -> bool {
-        self.ring.as_ref().is_some_and(|r| r.soft_full())
+        self.state.ring.as_ref().is_some_and(|r| r.soft_full())
     }
 
     /// This vCPU's dirty ring, if the VM uses rings.
     pub fn dirty_ring(&self) -> Option<&Arc<DirtyRing>> {
-        self.ring.as_ref()
+        self.state.ring.as_ref()
+    }
+
+    /// This vCPU's hardware walker set the Dirty bit of the leaf mapping `gfn` (a write
+    /// through a leaf with D clear): with hardware-dirty tracking, log the page — what PML
+    /// does, done at once (see `ARCHITECTURE.md`). Call it in guest mode (`guest`), before the
+    /// write the walk allows: a harvest's flush then waits for the mark.
+    #[inline]
+    pub fn log_hardware_dirty(&mut self, guest: &GuestMode, gfn: u64) {
+        // A token of another vCPU proves nothing about this one's mode; marking is still
+        // harmless (a spurious dirty page), so mark either way.
+        let _ = guest;
+        self.vm.log_hardware_dirty(&mut self.state, gfn);
     }
 }

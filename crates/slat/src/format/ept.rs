@@ -57,7 +57,9 @@ const RWX: u64 = EptBits::R.bits() | EptBits::W.bits() | EptBits::X.bits();
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Ept;
 
-impl PteFormat for Ept {
+// SAFETY: the encoding round-trips addresses and classifies entries exactly; the unit tests
+// below check each transform against the architecture's layout.
+unsafe impl PteFormat for Ept {
     const NAME: &'static str = "x86-ept";
     const ROOT_LEVEL: Level = 4;
     const MAX_LEAF_LEVEL: Level = 3;

@@ -78,7 +78,20 @@ pub struct LeafPerms {
 /// - W ⇒ MMU-writable ⇒ host-writable;
 /// - [`Self::NON_PRESENT`] and [`Self::FROZEN`] are not present to software or hardware;
 /// - a table entry is never a leaf and vice versa at levels that allow both.
-pub trait PteFormat: Send + Sync + 'static + Sized {
+///
+/// # Safety
+///
+/// The engine and the simulated hardware dereference what these functions decode, so an
+/// implementation must be exact about addresses and structure: [`Self::output_addr`] of
+/// [`Self::make_table`]`(a)` is `a`, and of a leaf made by [`Self::make_leaf`],
+/// [`Self::make_huge`] or [`Self::split_child`] the address it was given (or computed from
+/// the huge leaf), unchanged by every permission, A/D or access-tracking transform;
+/// `is_present`/`is_leaf`/`hw_is_table` classify exactly the values these functions make
+/// (and [`Self::NON_PRESENT`] and [`Self::FROZEN`] as not present), so no table entry is ever
+/// read as a leaf or a leaf as a table; and `MAX_PHYS_BITS`, `ROOT_LEVEL` and
+/// `MAX_LEAF_LEVEL` describe the walk the table indices follow. A format that breaks this
+/// makes the engine read and write memory that is not a table page.
+pub unsafe trait PteFormat: Send + Sync + 'static + Sized {
     /// Name shown in reports.
     const NAME: &'static str;
     /// Level of the root table.

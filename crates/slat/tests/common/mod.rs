@@ -18,20 +18,37 @@ pub const HUGE_2M: u64 = 2 << 20;
 /// 1 GiB.
 pub const HUGE_1G: u64 = 1 << 30;
 
-/// Zeroed, 2 MiB-aligned host memory backing a memslot; freed on drop.
+/// Zeroed, 2 MiB-aligned host memory backing a memslot; freed when the last of this handle
+/// and the memslots over it is dropped.
 ///
-/// The engine never dereferences guest memory, but the tests that pretend the host maps a range
-/// with 2 MiB pages still give it real, suitably aligned memory, so the addresses in leaves are
-/// addresses the test owns.
-pub struct HostMem {
+/// The engine never dereferences guest memory on EPT, but the tests that pretend the host maps
+/// a range with 2 MiB pages still give it real, suitably aligned memory, so the addresses in
+/// leaves are addresses the test owns.
+#[derive(Clone)]
+pub struct HostMem(Arc<Block>);
+
+/// The allocation behind a [`HostMem`].
+pub struct Block {
     ptr: *mut u8,
     layout: Layout,
 }
 
-// SAFETY: HostMem uniquely owns its allocation, like a Box<[u8]>.
-unsafe impl Send for HostMem {}
-// SAFETY: the tests never write through it concurrently; only the address is shared.
-unsafe impl Sync for HostMem {}
+// SAFETY: Block uniquely owns its allocation, like a Box<[u8]>; its bytes are only reached
+// through raw pointers and atomics.
+unsafe impl Send for Block {}
+// SAFETY: as above; `&Block` exposes only the address and length.
+unsafe impl Sync for Block {}
+
+// SAFETY: the allocation is live, 4 KiB aligned (at least) and a 4 KiB multiple long until
+// the last `Arc<Block>` drops; no references to its bytes are handed out.
+unsafe impl slat::HostMemory for Block {
+    fn host_addr(&self) -> u64 {
+        self.ptr as u64
+    }
+    fn len(&self) -> u64 {
+        self.layout.size() as u64
+    }
+}
 
 impl HostMem {
     /// `len` bytes (rounded up to 4 KiB), 2 MiB aligned.
@@ -41,87 +58,77 @@ impl HostMem {
 
     /// `len` bytes (rounded up to 4 KiB) aligned to `align` (a power of two >= 4 KiB).
     pub fn with_align(len: u64, align: u64) -> Self {
-        assert!(align.is_power_of_two() && align >= PAGE_SIZE);
-        let len = len.max(PAGE_SIZE).div_ceil(PAGE_SIZE) * PAGE_SIZE;
-        let layout = Layout::from_size_align(len as usize, align as usize).expect("host layout");
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            std::alloc::handle_alloc_error(layout);
-        }
-        HostMem { ptr, layout }
+        Self::alloc(len, align, true)
     }
 
     /// `len` bytes (rounded up to 4 KiB) of address space aligned to `align`, *not* zeroed and
     /// never read or written by the tests: for big slots whose pages only need to be real host
     /// addresses (1 GiB host pages, whole GiBs of "memory"). Untouched, they cost only address
     /// space. Formats with cache maintenance (stage-2) do touch them: a fault cleans the data
-    /// cache over the range it maps, which must be mapped in this process (`slat::cmo`), so an
-    /// arbitrary unmapped address (see [`fake_host`]) would crash the test there.
+    /// cache over the range it maps.
     pub fn reserve(len: u64, align: u64) -> Self {
+        Self::alloc(len, align, false)
+    }
+
+    fn alloc(len: u64, align: u64, zeroed: bool) -> Self {
         assert!(align.is_power_of_two() && align >= PAGE_SIZE);
         let len = len.max(PAGE_SIZE).div_ceil(PAGE_SIZE) * PAGE_SIZE;
         let layout = Layout::from_size_align(len as usize, align as usize).expect("host layout");
-        // SAFETY: the layout has a non-zero size. The memory stays uninitialised: the tests
-        // only hand its addresses to the engine, which never reads guest memory through Rust
-        // references (cache maintenance flushes lines, it reads no values).
-        let ptr = unsafe { std::alloc::alloc(layout) };
+        // SAFETY: the layout has a non-zero size. Uninitialised memory (`reserve`) is never
+        // read through Rust references: the engine only flushes its cache lines.
+        let ptr = unsafe {
+            if zeroed {
+                std::alloc::alloc_zeroed(layout)
+            } else {
+                std::alloc::alloc(layout)
+            }
+        };
         if ptr.is_null() {
             std::alloc::handle_alloc_error(layout);
         }
-        HostMem { ptr, layout }
+        HostMem(Arc::new(Block { ptr, layout }))
     }
 
     /// Host address of the first byte.
     pub fn addr(&self) -> u64 {
-        self.ptr as u64
+        self.0.ptr as u64
     }
 
     /// Bytes allocated.
     pub fn len(&self) -> u64 {
-        self.layout.size() as u64
+        self.0.layout.size() as u64
     }
 
     /// The whole allocation as a memslot host range mapped with `page_size` pages.
     pub fn range(&self, page_size: u64) -> HostRange {
-        HostRange {
-            addr: self.addr(),
-            len: self.len(),
-            page_size,
-        }
+        HostRange::new(self.0.clone())
+            .expect("whole allocation")
+            .with_page_size(page_size)
     }
 
     /// `[offset, offset + len)` of the allocation as a host range.
     pub fn sub_range(&self, offset: u64, len: u64, page_size: u64) -> HostRange {
-        assert!(
-            offset + len <= self.len(),
-            "sub-range beyond the allocation"
-        );
-        HostRange {
-            addr: self.addr() + offset,
-            len,
-            page_size,
-        }
+        HostRange::slice(self.0.clone(), offset, len)
+            .expect("sub-range inside the allocation")
+            .with_page_size(page_size)
     }
 }
 
-impl Drop for HostMem {
+impl Drop for Block {
     fn drop(&mut self) {
-        // SAFETY: allocated in `with_align` with this layout, freed once.
+        // SAFETY: allocated in `HostMem::alloc` with this layout, freed once.
         unsafe { std::alloc::dealloc(self.ptr, self.layout) }
     }
 }
 
 /// A host range at an arbitrary address, not mapped in this process: for memslots that are
-/// refused, or never faulted in. A fault on a format with cache maintenance (stage-2) cleans
-/// the cache over the range it maps, which must be mapped: use [`HostMem::reserve`] for
-/// slots that are faulted in.
+/// refused, or whose pages are never touched. Only EPT VMs may fault such a slot in (the
+/// engine stores EPT leaves' addresses without touching them; stage-2 cleans the cache over a
+/// new mapping): use [`HostMem::reserve`] for slots that are faulted in on every format.
 pub fn fake_host(addr: u64, len: u64, page_size: u64) -> HostRange {
-    HostRange {
-        addr,
-        len,
-        page_size,
-    }
+    // SAFETY: the tests that use this either have the slot refused (never touched) or fault
+    // it in on EPT without any vCPU hardware, where nothing dereferences the addresses.
+    unsafe { HostRange::from_raw(addr, len, page_size) }
 }
 
 /// xorshift64*: small, fast, good enough to drive randomised tests reproducibly.
@@ -216,10 +223,10 @@ pub fn wait_for_reclaim(alloc: &TableAlloc, expect_live: u64) {
 }
 
 /// Destroys the vCPUs, drops the VM and asserts every table page it ever allocated is freed.
-pub fn teardown<F: PteFormat>(vm: Arc<Vm<F>>, vcpus: impl IntoIterator<Item = Vcpu>) {
+pub fn teardown<F: PteFormat>(vm: Arc<Vm<F>>, vcpus: impl IntoIterator<Item = Vcpu<F>>) {
     let alloc = vm.table_alloc().clone();
     for v in vcpus {
-        vm.destroy_vcpu(v);
+        drop(v);
     }
     assert_eq!(
         Arc::strong_count(&vm),
@@ -312,19 +319,20 @@ pub fn bitmap_words(npages: u64) -> usize {
 /// Resolves one fault on `vcpu` as `Vm::handle_fault` does.
 pub fn fault<F: PteFormat>(
     vm: &Vm<F>,
-    vcpu: &mut Vcpu,
+    vcpu: &mut Vcpu<F>,
     gpa: u64,
     access: Access,
     present: bool,
 ) -> FaultOutcome {
-    vm.handle_fault(
-        vcpu,
-        Fault {
-            gpa,
-            access,
-            present,
-        },
-    )
+    assert!(
+        std::ptr::eq(&**vcpu.vm(), vm),
+        "test bug: vCPU of another VM"
+    );
+    vcpu.handle_fault(Fault {
+        gpa,
+        access,
+        present,
+    })
 }
 
 /// `F` is x86 EPT. For the few expectations that differ by format for reasons the format
