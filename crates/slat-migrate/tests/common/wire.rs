@@ -276,3 +276,23 @@ pub fn image(pages: u64, fill: u64, seed: u64) -> Vec<u8> {
     }
     v
 }
+
+/// Splits a recorded stream into its preamble and frames by their headers' lengths (a tail
+/// too short for its header's length is the last "frame").
+pub fn split(bytes: &[u8]) -> (Vec<u8>, Vec<Vec<u8>>) {
+    let pre = bytes.len().min(16);
+    let mut frames = Vec::new();
+    let mut at = pre;
+    while at < bytes.len() {
+        let rest = &bytes[at..];
+        let n = if rest.len() >= HEADER {
+            let len = u32::from_le_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
+            (HEADER + len).min(rest.len())
+        } else {
+            rest.len()
+        };
+        frames.push(rest[..n].to_vec());
+        at += n;
+    }
+    (bytes[..pre].to_vec(), frames)
+}
