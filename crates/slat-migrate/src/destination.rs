@@ -164,9 +164,7 @@ impl Destination {
         let io =
             |e: std::io::Error| MigrateError::stream("accepting", StreamError::Io(e.to_string()));
         if timeout.is_zero() {
-            return Err(MigrateError::Config(
-                "a destination's timeout must not be zero".into(),
-            ));
+            return Err(MigrateError::ZeroTimeout);
         }
         s.set_read_timeout(Some(timeout)).map_err(io)?;
         s.set_write_timeout(Some(timeout)).map_err(io)?;

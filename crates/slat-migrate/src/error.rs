@@ -278,6 +278,18 @@ pub enum ShapeError {
         /// Memslots asked for.
         slots: u32,
     },
+    /// More pages than the machine's page-table format addresses.
+    #[error(
+        "a guest of {pages} pages does not fit {format}'s {bits}-bit guest physical address space"
+    )]
+    AddressSpace {
+        /// Pages in the guest.
+        pages: u64,
+        /// The format's name.
+        format: &'static str,
+        /// Its guest physical address bits.
+        bits: u32,
+    },
     /// Memslots that do not split the pages evenly.
     #[error("{slots} memslots cannot split {pages} pages evenly")]
     UnevenSlots {
@@ -382,6 +394,20 @@ pub enum MemoryError {
         /// Its length.
         len: usize,
     },
+    /// A machine that maps less (or other) memory than its shape has.
+    #[error("the machine maps {mapped:?} bytes for a guest of {pages} pages")]
+    Mapped {
+        /// Pages the shape has.
+        pages: u64,
+        /// Bytes the machine maps (`None`: its own size overflows).
+        mapped: Option<u64>,
+    },
+}
+
+impl From<ShapeError> for GuestError {
+    fn from(e: ShapeError) -> GuestError {
+        GuestError(e.to_string())
+    }
 }
 
 impl From<MemoryError> for GuestError {
@@ -456,6 +482,9 @@ pub enum MigrateError {
     /// A configuration value is unusable.
     #[error("{0}")]
     Config(String),
+    /// A zero timeout: the peer could hold this side forever.
+    #[error("the timeout must not be zero (a silent peer would hold this side forever)")]
+    ZeroTimeout,
     /// The guest was already migrated away by an earlier attempt.
     #[error("the guest has already been migrated away")]
     AlreadyMigrated,

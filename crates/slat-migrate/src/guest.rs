@@ -13,7 +13,7 @@
 //! as QEMU's CPU throttle does: the length of each burst follows the measured write speed so
 //! that the average rate matches the one asked for.
 
-use crate::error::{GuestError, MemoryError};
+use crate::error::{GuestError, MemoryError, ShapeError};
 use crate::page_set::PageSet;
 use crate::stream::{Shape, WorkSpec, PAGE_SIZE};
 use slat::{Ept, PteFormat, Stage2, VmConfig};
@@ -154,7 +154,7 @@ pub trait Guest: Send + Sync {
 /// mapped — for a shape whose sizes add up.
 pub fn build(spec: &GuestSpec) -> Result<Arc<dyn Guest>, GuestError> {
     let s = spec.shape;
-    let pages = s.check().map_err(GuestError::from)?;
+    let pages = s.check()?;
     match spec.backend {
         BackendKind::Sim => {
             let dirty = match spec.log {
@@ -224,9 +224,7 @@ pub fn build(spec: &GuestSpec) -> Result<Arc<dyn Guest>, GuestError> {
             let l = m.layout();
             let mapped = l.bytes_per_vcpu.checked_mul(l.vcpus as u64);
             if mapped != Some(pages * PAGE_SIZE as u64) {
-                return Err(GuestError(format!(
-                    "the kvm machine maps {mapped:?} bytes for a guest of {pages} pages"
-                )));
+                return Err(MemoryError::Mapped { pages, mapped }.into());
             }
             Ok(Arc::new(KvmGuest {
                 m: Arc::new(m),
@@ -270,19 +268,21 @@ fn sim_guest<F: PteFormat>(
     // place the region below address 0.
     let fits = pages < 1u64 << (F::MAX_PHYS_BITS - crate::stream::PAGE_SIZE.trailing_zeros());
     if !fits {
-        return Err(GuestError(format!(
-            "a guest of {pages} pages does not fit {}'s {}-bit guest physical address space",
-            F::NAME,
-            F::MAX_PHYS_BITS
-        )));
+        return Err(ShapeError::AddressSpace {
+            pages,
+            format: F::NAME,
+            bits: F::MAX_PHYS_BITS,
+        }
+        .into());
     }
     let m = Machine::<F>::new(config).map_err(GuestError::from)?;
     // Every index is checked against `pages`; make sure the mapping really holds them.
     if m.ram().len() < pages * PAGE_SIZE as u64 {
-        return Err(GuestError(format!(
-            "the machine maps {} bytes for a guest of {pages} pages",
-            m.ram().len()
-        )));
+        return Err(MemoryError::Mapped {
+            pages,
+            mapped: Some(m.ram().len()),
+        }
+        .into());
     }
     Ok(Arc::new(SimGuest {
         m,

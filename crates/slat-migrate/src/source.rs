@@ -298,6 +298,9 @@ impl Source {
         if self.migrated {
             return Err(MigrateError::AlreadyMigrated);
         }
+        if self.cfg.timeout.is_zero() {
+            return Err(MigrateError::ZeroTimeout);
+        }
         if self.cfg.batch_pages == 0 || self.cfg.batch_pages > MAX_BATCH_PAGES {
             return Err(MigrateError::Config(format!(
                 "batch of {} pages: between 1 and {MAX_BATCH_PAGES}",
