@@ -121,7 +121,7 @@ impl GuestMemory {
             };
             if !fits {
                 return Err(format!(
-                    "{}{}: {} of guest memory does not fit the {bits}-bit guest physical address space of {whose}",
+                    "{}{}: {} of guest memory exceeds the {bits}-bit guest physical address space of {whose}",
                     match gpa {
                         Some(g) => format!("-p {g:#x} + "),
                         None => String::new(),
