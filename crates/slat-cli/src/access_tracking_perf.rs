@@ -8,8 +8,11 @@
 //! per vCPU marks that vCPU's pages (vCPU 0 marks everything with `-o`), as the selftest's
 //! vCPU threads write page_idle for their own memory.
 
-use crate::args::{backing, guest_size, refuse, BackendArg, FormatArg, MachineArgs, Switch};
+use crate::args::{
+    backing, check_backends, guest_size, refuse, BackendArg, FormatArg, MachineArgs, Switch,
+};
 use crate::demand_paging::stats_json;
+use crate::limits::GuestMemory;
 use crate::report::{bbm_cmo_line, quiet, ratio, ts, Phase};
 use clap::{Args, ValueEnum};
 use serde_json::{json, Value};
@@ -169,19 +172,21 @@ pub fn run(a: &AccessTrackingPerfArgs) -> Result<(), String> {
         .format
         .check_backends(&a.backend)
         .unwrap_or_else(|e| refuse(e));
+    check_backends(&a.backend, &[]).unwrap_or_else(|e| refuse(e));
     if a.backend.contains(&BackendArg::Kvm) {
         // KVM ages guest memory only through the host's page_idle interface (the selftest's
-        // route); without it there is nothing to measure, and a silent skip would mislead.
+        // route), which slat does not drive: no host can run this, so it is bad input.
         const PAGE_IDLE: &str = "/sys/kernel/mm/page_idle/bitmap";
         if !std::path::Path::new(PAGE_IDLE).exists() {
-            return Err(format!(
+            refuse(format!(
                 "access-tracking-perf --backend kvm needs {PAGE_IDLE} (a kernel built with CONFIG_IDLE_PAGE_TRACKING), which this host lacks; use --backend sim"
             ));
         }
-        return Err(format!(
+        refuse(format!(
             "access-tracking-perf --backend kvm is not built yet (this host has {PAGE_IDLE}, but slat does not drive it); use --backend sim"
         ));
     }
+    check(a).unwrap_or_else(|e| refuse(e));
     if a.compare {
         return compare(a);
     }
@@ -192,6 +197,16 @@ pub fn run(a: &AccessTrackingPerfArgs) -> Result<(), String> {
         summary(a, &r);
     }
     Ok(())
+}
+
+/// Sizes the machine can hold: `-v` × `-b` without overflow (`--compare` runs up to 2 vCPUs),
+/// in the format's guest physical address space, on this host together with the native
+/// baseline (both are mapped at once).
+fn check(a: &AccessTrackingPerfArgs) -> Result<(), String> {
+    let vcpus = if a.compare { 2 } else { a.vcpus };
+    let mem = GuestMemory::per_vcpu(vcpus, a.bytes)?;
+    mem.fits_gpa(&[BackendArg::Sim], a.machine.format, None)?;
+    mem.fits_host(a.backing, 2, a.machine.tlb_bytes(vcpus))
 }
 
 fn flush_mode(a: &AccessTrackingPerfArgs) -> AgeFlush {

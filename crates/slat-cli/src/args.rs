@@ -24,13 +24,19 @@ pub fn backing(s: &str) -> Result<Backing, String> {
     Backing::parse(s).map_err(|e| e.to_string())
 }
 
-/// Parses a power-of-two count of at least 1.
-pub fn power_of_two(s: &str) -> Result<usize, String> {
+/// Most software TLB entries per vCPU: 16 MiB of entries each (a real TLB has a few thousand).
+pub const MAX_TLB_ENTRIES: usize = 1 << 20;
+
+/// Parses a TLB size: a power of two from 1 to [`MAX_TLB_ENTRIES`] (each vCPU allocates that
+/// many entries, so the count is bounded here, not found out by a failed allocation).
+pub fn tlb_entries(s: &str) -> Result<usize, String> {
     let v: usize = s
         .parse()
         .map_err(|_| format!("`{s}` is not a positive integer"))?;
-    if v == 0 || !v.is_power_of_two() {
-        return Err(format!("`{s}` must be a power of two (1, 2, 4, ...)"));
+    if v == 0 || !v.is_power_of_two() || v > MAX_TLB_ENTRIES {
+        return Err(format!(
+            "`{s}` must be a power of two from 1 to {MAX_TLB_ENTRIES}"
+        ));
     }
     Ok(v)
 }
@@ -201,8 +207,8 @@ pub struct MachineArgs {
     /// leaves (off: access tracking clears permissions on ept, the Access flag on stage2).
     #[arg(long = "ad-bits", value_enum, default_value = "on")]
     pub ad_bits: Switch,
-    /// 4 KiB entries in each vCPU's software TLB (power of two).
-    #[arg(long = "tlb-entries", value_parser = power_of_two, default_value_t = DEFAULT_TLB_ENTRIES)]
+    /// 4 KiB entries in each vCPU's software TLB (a power of two, at most 1048576).
+    #[arg(long = "tlb-entries", value_parser = tlb_entries, default_value_t = DEFAULT_TLB_ENTRIES)]
     pub tlb_entries: usize,
     /// Physical CPUs the vCPU threads are scheduled on (default: all host CPUs). More vCPUs
     /// than this take turns, like an overcommitted host.
@@ -215,6 +221,12 @@ pub struct MachineArgs {
 }
 
 impl MachineArgs {
+    /// Bytes the simulated machine allocates for `vcpus` vCPUs' TLBs (16 bytes an entry).
+    pub fn tlb_bytes(&self, vcpus: u32) -> u64 {
+        // Both factors are bounded (512 vCPUs, MAX_TLB_ENTRIES): no overflow.
+        vcpus as u64 * self.tlb_entries as u64 * 16
+    }
+
     /// The engine configuration these flags select.
     pub fn vm_config(&self) -> VmConfig {
         VmConfig {
@@ -426,6 +438,17 @@ impl DirtyArgs {
         }
         v
     }
+}
+
+/// Refuses a dirty ring the KVM machine cannot have: KVM's ring is at least one page of
+/// 16-byte entries (256). `flag` names where the size came from.
+pub fn check_kvm_ring(backends: &[BackendArg], entries: u32, flag: &str) -> Result<(), String> {
+    if backends.contains(&BackendArg::Kvm) && entries < 256 {
+        return Err(format!(
+            "{flag}: a kvm dirty ring has at least 256 entries (one page), not {entries}"
+        ));
+    }
+    Ok(())
 }
 
 /// Parses a dirty ring size: a power of two from 128 to 65536 entries.

@@ -4,6 +4,7 @@
 
 use crate::args::{backing, check_backends, guest_size, refuse, BackendArg, MachineArgs};
 use crate::backend::{self, comparison_json, kvm_stats_line, print_comparison, Native, Row, Spec};
+use crate::limits::{check_backing, GuestMemory};
 use crate::report::{
     bbm_cmo_line, format_header, format_json, quiet, ratio, sim_format, ts, Phase,
 };
@@ -47,6 +48,7 @@ pub fn run(a: &DemandPagingArgs) -> Result<(), String> {
         .check_backends(&a.backend)
         .unwrap_or_else(|e| refuse(e));
     check_backends(&a.backend, &a.machine.engine_only()).unwrap_or_else(|e| refuse(e));
+    check(a).unwrap_or_else(|e| refuse(e));
     if let [first, second] = a.backend[..] {
         return side_by_side(a, [first, second]);
     }
@@ -55,6 +57,15 @@ pub fn run(a: &DemandPagingArgs) -> Result<(), String> {
         println!("{doc:#}");
     }
     Ok(())
+}
+
+/// Sizes the machines can hold: `-v` × `-b` without overflow, in the guest physical address
+/// space of each machine, on this host (the guest, then the native baseline, one at a time).
+fn check(a: &DemandPagingArgs) -> Result<(), String> {
+    check_backing(&a.backend, a.backing)?;
+    let mem = GuestMemory::per_vcpu(a.vcpus, a.bytes)?;
+    mem.fits_gpa(&a.backend, a.machine.format, None)?;
+    mem.fits_host(a.backing, 1, a.machine.tlb_bytes(a.vcpus))
 }
 
 /// One run on `kind`; prints the text report when `text`, and returns every figure as JSON.

@@ -3,11 +3,13 @@
 //! with, for every guest pass, the same pass on host memory in the same run and the ratio.
 
 use crate::args::{
-    backing, check_backends, guest_size, refuse, ring_size, BackendArg, DirtyArgs, MachineArgs,
+    backing, check_backends, check_kvm_ring, guest_size, refuse, ring_size, BackendArg, DirtyArgs,
+    MachineArgs,
 };
 use crate::backend::{
     self, comparison_json, kvm_stats_line, print_comparison, Native, Pass, Row, Sim, Spec,
 };
+use crate::limits::{check_backing, GuestMemory};
 use crate::report::{
     bbm_cmo_line, format_header, format_json, quiet, ratio, sim_format, ts, Phase,
 };
@@ -118,11 +120,22 @@ pub fn run(a: &DirtyLogPerfArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// Refuses settings the engine cannot run together (before anything is built).
+/// Refuses settings the engine cannot run together (before anything is built), and sizes the
+/// machines cannot hold: `-v` × `-b` without overflow, split evenly by `-x`, in the guest
+/// physical address space of each machine, on this host together with the native baseline
+/// (both are mapped at once).
 fn check(a: &DirtyLogPerfArgs) -> Result<(), String> {
     let vm_config = a.dirty.apply(a.machine.vm_config());
     a.dirty
-        .check(&vm_config, a.machine.format, a.dirty_ring.is_some())
+        .check(&vm_config, a.machine.format, a.dirty_ring.is_some())?;
+    check_backing(&a.backend, a.backing)?;
+    if let Some(ring) = a.dirty_ring {
+        check_kvm_ring(&a.backend, ring, "--dirty-ring")?;
+    }
+    let mem = GuestMemory::per_vcpu(a.vcpus, a.bytes)?;
+    mem.slots_divide(a.slots)?;
+    mem.fits_gpa(&a.backend, a.machine.format, None)?;
+    mem.fits_host(a.backing, 2, a.machine.tlb_bytes(a.vcpus))
 }
 
 /// One run; prints the text report unless `a.json`, and returns every figure as JSON.

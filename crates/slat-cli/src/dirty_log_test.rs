@@ -4,9 +4,11 @@
 //! failure (exit status 1).
 
 use crate::args::{
-    backing, check_backends, guest_size, refuse, BackendArg, DirtyArgs, MachineArgs, TrackArg,
+    backing, check_backends, check_kvm_ring, guest_size, refuse, ring_size, BackendArg, DirtyArgs,
+    MachineArgs, TrackArg,
 };
 use crate::backend::{self, Spec};
+use crate::limits::{check_backing, GuestMemory};
 use crate::report::{format_header, format_json, quiet, sim_format, Phase};
 use clap::{Args, ValueEnum};
 use serde_json::json;
@@ -49,7 +51,7 @@ pub struct DirtyLogTestArgs {
     pub interval_ms: u64,
     /// Dirty ring entries per vCPU (dirty-ring mode): a power of two from 128 to 65536,
     /// lowered to the largest power of two not above the test's pages, as in the selftest.
-    #[arg(short = 'c', value_parser = clap::value_parser!(u32).range(128..=65536), default_value_t = 65536)]
+    #[arg(short = 'c', value_parser = ring_size, default_value_t = 65536)]
     pub ring_entries: u32,
     /// Guest memory per vCPU (k/m/g/t suffixes, a multiple of 4 KiB); 3 pages are added so
     /// the memslot is not a multiple of 64 pages, as in the selftest.
@@ -111,6 +113,7 @@ pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
             modes(a).contains(&LogMode::DirtyRing),
         )
         .unwrap_or_else(|e| refuse(e));
+    check(a).unwrap_or_else(|e| refuse(e));
     let mut errors = Vec::new();
     for &kind in &a.backend {
         if let Err(e) = run_on(a, kind) {
@@ -126,6 +129,34 @@ pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
     } else {
         Err(errors.join("; "))
     }
+}
+
+/// The selftest adds 3 pages to each vCPU's memory, so the memslot is not a multiple of 64
+/// pages.
+const EXTRA_BYTES: u64 = 3 * 4096;
+
+/// Sizes the machines can hold: `-v` × (`-b` + 3 pages) without overflow, in the guest physical
+/// address space of each machine, on this host; and a ring KVM can have.
+fn check(a: &DirtyLogTestArgs) -> Result<(), String> {
+    check_backing(&a.backend, a.backing)?;
+    let mem = GuestMemory::per_vcpu_plus(a.vcpus, a.bytes, EXTRA_BYTES)?;
+    mem.fits_gpa(&a.backend, a.machine.format, None)?;
+    mem.fits_host(a.backing, 1, a.machine.tlb_bytes(a.vcpus))?;
+    if modes(a).contains(&LogMode::DirtyRing) {
+        check_kvm_ring(
+            &a.backend,
+            ring(a, mem.pages()),
+            "-c (lowered to the test's pages)",
+        )?;
+    }
+    Ok(())
+}
+
+/// The ring size: `-c`, clamped to the largest power of two not above the test's pages (as
+/// the selftest does), at least 128.
+fn ring(a: &DirtyLogTestArgs, pages: u64) -> u32 {
+    let max_ring = 1u64 << (63 - pages.max(1).leading_zeros());
+    (a.ring_entries as u64).min(max_ring).max(128) as u32
 }
 
 /// The log modes `-M` selects (without the ring under `-M all` with d-bit tracking, which
@@ -156,11 +187,10 @@ fn run_on(a: &DirtyLogTestArgs, kind: BackendArg) -> Result<(), String> {
         a.machine.format,
         modes.contains(&LogMode::DirtyRing),
     )?;
-    let bytes = a.bytes + 3 * 4096;
-    let pages = bytes / 4096 * a.vcpus as u64;
-    // The selftest clamps the ring to the test's pages.
-    let max_ring = 1u64 << (63 - pages.leading_zeros());
-    let ring = (a.ring_entries as u64).min(max_ring).max(128) as u32;
+    // Checked by `check`: no overflow.
+    let mem = GuestMemory::per_vcpu_plus(a.vcpus, a.bytes, EXTRA_BYTES)?;
+    let bytes = a.bytes + EXTRA_BYTES;
+    let ring = ring(a, mem.pages());
     let mut failed = Vec::new();
     let mut docs = Vec::new();
     for mode in modes {

@@ -6,6 +6,7 @@ mod backend;
 mod demand_paging;
 mod dirty_log_perf;
 mod dirty_log_test;
+mod limits;
 mod migrate;
 mod page_table_test;
 mod report;

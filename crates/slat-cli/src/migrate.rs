@@ -3,9 +3,10 @@
 //! total migration time, downtime, rounds, dirty rate, bandwidth, throttling, verification.
 
 use crate::args::{
-    backing, check_backends, guest_size, refuse, ring_size, BackendArg, FormatArg, MachineArgs,
-    Switch,
+    backing, check_backends, check_kvm_ring, guest_size, refuse, ring_size, BackendArg, FormatArg,
+    MachineArgs, Switch,
 };
+use crate::limits::{check_backing, GuestMemory};
 use crate::report::{quiet, ts};
 use clap::{Args, ValueEnum};
 use serde_json::{json, Value};
@@ -117,11 +118,11 @@ pub struct MigrationArgs {
     /// remaining dirty pages could be sent in this time at the measured bandwidth.
     #[arg(long = "max-downtime", value_name = "MS", default_value_t = 300)]
     pub max_downtime: u64,
-    /// Pre-copy rounds after the full copy before stopping regardless.
-    #[arg(long = "max-rounds", default_value_t = 30)]
+    /// Pre-copy rounds after the full copy before stopping regardless (0-1000000).
+    #[arg(long = "max-rounds", value_parser = clap::value_parser!(u32).range(0..=1_000_000), default_value_t = 30)]
     pub max_rounds: u32,
-    /// Cap on the stream, in MiB per second (default: none).
-    #[arg(long, value_name = "MIB_PER_S")]
+    /// Cap on the stream, in MiB per second (at least 1; default: none).
+    #[arg(long, value_name = "MIB_PER_S", value_parser = clap::value_parser!(u64).range(1..=MAX_BANDWIDTH_MIB))]
     pub bandwidth: Option<u64>,
     /// Page compression: none, or lz4 where it makes a page smaller.
     #[arg(long, value_enum, default_value = "none")]
@@ -134,8 +135,9 @@ pub struct MigrationArgs {
     /// is the baseline the migration is compared with).
     #[arg(long, value_name = "MS", default_value_t = 500)]
     pub warmup: u64,
-    /// Seconds without progress from the peer before an attempt fails.
-    #[arg(long, default_value_t = 30)]
+    /// Seconds without data from the destination before an attempt fails (1-86400; there is
+    /// no "never": 0 is refused).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=MAX_TIMEOUT_S), default_value_t = 30)]
     pub timeout: u64,
     /// A deliberately broken source (verification must catch it).
     #[arg(long = "break", value_enum, hide = true)]
@@ -223,10 +225,13 @@ pub struct ListenArgs {
     /// reconnect and resume.
     #[arg(long, default_value_t = 0)]
     pub retries: u32,
-    /// Seconds without data from the source before an attempt fails.
-    #[arg(long, default_value_t = 30)]
+    /// Seconds without data from a connected source before the incoming migration fails
+    /// (1-86400; there is no "never": 0 is refused, so a silent source cannot hold the
+    /// destination forever). Waiting for a source to connect has no time limit.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=MAX_TIMEOUT_S), default_value_t = 30)]
     pub timeout: u64,
-    /// Largest guest accepted (k/m/g suffixes; default: any).
+    /// Largest guest accepted (k/m/g/t suffixes; default: the host's RAM and swap, which
+    /// bound a larger value too).
     #[arg(long = "max-memory", value_parser = parse_mem)]
     pub max_memory: Option<u64>,
     /// Print one JSON document instead of the text report.
@@ -235,6 +240,12 @@ pub struct ListenArgs {
     #[command(flatten)]
     pub machine: MachineArgs,
 }
+
+/// Longest `--timeout`: a day.
+const MAX_TIMEOUT_S: u64 = 86_400;
+
+/// Largest `--bandwidth`: MiB per second whose bytes per second fit 64 bits.
+const MAX_BANDWIDTH_MIB: u64 = u64::MAX >> 20;
 
 fn parse_mem(s: &str) -> Result<u64, String> {
     parse_size(s).map_err(|e| e.to_string())
@@ -371,18 +382,31 @@ fn kind(b: BackendArg) -> BackendKind {
 }
 
 impl GuestArgs {
-    fn check(&self) -> Result<(), String> {
-        self.machine
-            .format
-            .check_backends(&[self.backend])
-            .unwrap_or_else(|e| refuse(e));
-        check_backends(&[self.backend], &self.machine.engine_only())?;
+    /// Refuses flags that cannot run together and sizes that cannot be held: `-v` × `-b`
+    /// without overflow, split evenly by `-x`, in the machine's guest physical address space,
+    /// and `copies` guests of it at once on this host (the source, and for `migrate-perf` the
+    /// destination in the same process).
+    fn check(&self, copies: u64) -> Result<(), String> {
+        let backends = [self.backend];
+        self.machine.format.check_backends(&backends)?;
+        check_backends(&backends, &self.machine.engine_only())?;
+        check_backing(&backends, self.backing)?;
         if self.backend == BackendArg::Kvm && self.write_percent != 100 {
             return Err(
                 "-w applies to --backend sim only: the kvm guest's writer writes on every access"
                     .into(),
             );
         }
+        if self.log == LogArg::Ring {
+            check_kvm_ring(&backends, self.ring_entries, "--dirty-ring")?;
+        }
+        let mem = GuestMemory::per_vcpu(self.vcpus, self.bytes)?;
+        mem.slots_divide(self.slots)?;
+        mem.fits_gpa(&backends, self.machine.format, None)?;
+        let tlb = self.machine.tlb_bytes(self.vcpus).saturating_mul(copies);
+        mem.fits_host(self.backing, copies, tlb)?;
+        // The library's own check of the shape it will send (and a destination will check).
+        self.shape().check().map_err(|e| e.to_string())?;
         Ok(())
     }
 
@@ -457,13 +481,14 @@ impl MigrationArgs {
         SourceConfig {
             max_downtime: Duration::from_millis(self.max_downtime),
             max_rounds: self.max_rounds,
+            // At most MAX_BANDWIDTH_MIB: the bytes per second fit.
             bandwidth: self.bandwidth.unwrap_or(0) << 20,
             compression: match self.compress {
                 CompressArg::None => Compression::None,
                 CompressArg::Lz4 => Compression::Lz4,
             },
             auto_converge: self.auto_converge.on(),
-            timeout: Duration::from_secs(self.timeout.max(1)),
+            timeout: Duration::from_secs(self.timeout),
             faults,
             ..SourceConfig::default()
         }
@@ -477,7 +502,6 @@ fn prepare_source(
     m: &MigrationArgs,
     q: bool,
 ) -> Result<(Arc<dyn Guest>, Source, f64), String> {
-    g.check()?;
     let total = g.bytes * g.vcpus as u64;
     progress(
         q,
@@ -547,6 +571,7 @@ fn on_event(q: bool) -> impl FnMut(Event<'_>) {
 
 /// `slat migrate`.
 pub fn run_migrate(a: &MigrateArgs) -> Result<(), String> {
+    a.guest.check(1).unwrap_or_else(|e| refuse(e));
     let q = quiet(a.json);
     let (guest, mut src, baseline) = prepare_source(&a.guest, &a.migration, q)?;
     let mut failures = Vec::new();
@@ -602,7 +627,8 @@ pub fn run_listen(a: &ListenArgs) -> Result<(), String> {
         .format
         .check_backends(&[a.backend])
         .unwrap_or_else(|e| refuse(e));
-    check_backends(&[a.backend], &a.machine.engine_only())?;
+    check_backends(&[a.backend], &a.machine.engine_only()).unwrap_or_else(|e| refuse(e));
+    check_backing(&[a.backend], a.backing).unwrap_or_else(|e| refuse(e));
     let q = quiet(a.json);
     let listener =
         TcpListener::bind(&a.listen).map_err(|e| format!("cannot listen on {}: {e}", a.listen))?;
@@ -641,7 +667,7 @@ pub fn run_listen(a: &ListenArgs) -> Result<(), String> {
     });
     let cfg = DestConfig {
         resume_for: Duration::from_millis(a.resume_ms),
-        timeout: Duration::from_secs(a.timeout.max(1)),
+        timeout: Duration::from_secs(a.timeout),
         max_memory: a.max_memory.unwrap_or(0),
     };
     let mut dest = Destination::new(factory, cfg);
@@ -693,7 +719,7 @@ fn perf_once(a: &MigratePerfArgs) -> Result<(MigrationReport, DestReport, f64), 
         .to_string();
     let cfg = DestConfig {
         resume_for: Duration::from_millis(a.resume_ms),
-        timeout: Duration::from_secs(a.migration.timeout.max(1)),
+        timeout: Duration::from_secs(a.migration.timeout),
         max_memory: 0,
     };
     let dest = std::thread::spawn(move || Destination::with_guest(dguest, cfg).accept(&listener));
@@ -714,6 +740,7 @@ pub fn run_perf(a: &MigratePerfArgs) -> Result<(), String> {
     if !a.vary.is_empty() {
         return sweep(a);
     }
+    a.guest.check(2).unwrap_or_else(|e| refuse(e));
     let (r, d, baseline) = perf_once(a)?;
     if a.json {
         let mut doc = report_json(&a.guest, &a.migration, &r, baseline, &[]);
@@ -730,7 +757,7 @@ fn sweep(a: &MigratePerfArgs) -> Result<(), String> {
     let mut keys = Vec::new();
     for (k, _) in &a.vary {
         if keys.contains(k) {
-            return Err(format!("--vary lists `{}` twice", k.name()));
+            refuse(format!("--vary lists `{}` twice", k.name()));
         }
         keys.push(*k);
     }
@@ -749,19 +776,28 @@ fn sweep(a: &MigratePerfArgs) -> Result<(), String> {
             .collect();
     }
     let q = quiet(a.json);
-    let mut rows = Vec::new();
-    let mut docs = Vec::new();
-    for (n, combo) in combos.iter().enumerate() {
+    // Every row's settings, checked before the first run: a refusal at row 5 after minutes
+    // of migrating would waste them.
+    let mut runs = Vec::new();
+    for combo in &combos {
         let mut b = a.clone();
         b.vary.clear();
         b.json = true;
         for (k, v) in combo {
-            apply(&mut b, *k, v)?;
+            apply(&mut b, *k, v).unwrap_or_else(|e| refuse(e));
         }
         let label: Vec<String> = combo
             .iter()
             .map(|(k, v)| format!("{}={v}", k.name()))
             .collect();
+        if let Err(e) = b.guest.check(2) {
+            refuse(format!("--vary row {}: {e}", label.join(" ")));
+        }
+        runs.push((b, label));
+    }
+    let mut rows = Vec::new();
+    let mut docs = Vec::new();
+    for (n, ((b, label), combo)) in runs.into_iter().zip(&combos).enumerate() {
         progress(
             q,
             &format!("sweep {}/{}: {}", n + 1, combos.len(), label.join(" ")),

@@ -16,6 +16,7 @@
 
 use crate::args::{backing, guest_size, refuse, MachineArgs, RebuildArg, RecoverArg, Switch};
 use crate::args::{BackendArg, FormatArg};
+use crate::limits::GuestMemory;
 use crate::report::{format_header, quiet, ratio, ts, Phase};
 use clap::Args;
 use serde_json::json;
@@ -120,6 +121,7 @@ pub fn run(a: &PageTableTestArgs) -> Result<(), String> {
     if a.compare && a.machine.format != FormatArg::Stage2 {
         refuse("--compare varies cache maintenance and the rebuild order, which only --format stage2 has");
     }
+    check(a).unwrap_or_else(|e| refuse(e));
     let base = vm_config(a);
     let configs: Vec<VmConfig> = if a.compare {
         let mut v = Vec::new();
@@ -160,6 +162,48 @@ pub fn run(a: &PageTableTestArgs) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The test memory (`-b` aligned up to the backing page size) and what the machine maps for
+/// it: one partition per vCPU, each rounded up to whole pages. Checked arithmetic.
+fn sizes(a: &PageTableTestArgs) -> Result<(u64, u64, u64), String> {
+    let large = a.backing.page_size().max(PAGE_SIZE);
+    let overflow = || {
+        format!(
+            "-b {} -v {}: the test memory overflows 64 bits",
+            a.bytes, a.vcpus
+        )
+    };
+    let bytes = a
+        .bytes
+        .div_ceil(large)
+        .checked_mul(large)
+        .ok_or_else(overflow)?;
+    let per_vcpu = (bytes / a.vcpus as u64).div_ceil(PAGE_SIZE) * PAGE_SIZE;
+    let total = per_vcpu.checked_mul(a.vcpus as u64).ok_or_else(overflow)?;
+    Ok((bytes, per_vcpu, total))
+}
+
+/// Sizes and addresses the machine can hold: the memory without overflow, `-p` aligned to the
+/// backing page size and with the memory inside the format's guest physical address space,
+/// on this host together with the native baseline (both are mapped at once).
+fn check(a: &PageTableTestArgs) -> Result<(), String> {
+    let (_, _, total) = sizes(a)?;
+    let align = a.backing.page_size().max(PAGE_SIZE);
+    if let Some(g) = a.gpa {
+        if g % align != 0 {
+            return Err(format!(
+                "-p {g:#x}: the guest physical offset is not aligned to the backing page size ({align:#x}, -s {})",
+                a.backing.name()
+            ));
+        }
+    }
+    let mem = GuestMemory {
+        flags: format!("-b {} -v {}", a.bytes, a.vcpus),
+        bytes: total,
+    };
+    mem.fits_gpa(&[BackendArg::Sim], a.machine.format, a.gpa)?;
+    mem.fits_host(a.backing, 2, a.machine.tlb_bytes(a.vcpus))
 }
 
 /// One configuration's run.
@@ -282,11 +326,10 @@ fn vm_config(a: &PageTableTestArgs) -> VmConfig {
 fn run_on<F: PteFormat>(a: &PageTableTestArgs, vm: VmConfig, text: bool) -> Result<Run, String> {
     let q = quiet(a.json);
     let large = a.backing.page_size().max(PAGE_SIZE);
-    let bytes = a.bytes.div_ceil(large) * large;
     let vcpus = a.vcpus as usize;
     // The machine gives each vCPU a partition; the test shares one region, so the partitions
     // only size it (rounded up to whole pages) and the stages run over its first `bytes`.
-    let per_vcpu = (bytes / vcpus as u64).div_ceil(PAGE_SIZE) * PAGE_SIZE;
+    let (bytes, per_vcpu, _) = sizes(a)?;
     let prefault = !a.machine.no_prefault;
     let p = Phase::start(
         format!(

@@ -8,12 +8,22 @@
 //! acknowledged may or may not have been written; the source still owes them and sends them
 //! again, so either is fine.
 //!
-//! Nothing the source sends can make this side panic or report success falsely: every frame is
-//! checksummed and bounds-checked ([`crate::stream`]), every page index is checked against the
-//! shape before anything is written, and success needs a hash match on every range of guest
-//! memory followed by an explicit commit.
+//! Nothing the source sends can make this side panic, abort, allocate without bound, write
+//! outside guest memory or report success falsely:
+//!
+//! - every frame is checksummed and bounds-checked ([`crate::stream`]);
+//! - the hello's shape is checked with checked arithmetic ([`Shape::check`]) and bounded by
+//!   [`DestConfig::max_memory`] and the host's RAM and swap before a machine is built, and its
+//!   memslot list must follow from it entry by entry;
+//! - every page index is checked against the pages the machine really mapped
+//!   ([`Guest::pages`]) before anything of its batch is written, and [`Memory`] checks again;
+//! - the frames must come in the protocol's order: batches in sequence and labelled with the
+//!   round in progress, each round's end naming its number and the pages its batches carried,
+//!   then hashes (each range at most once, inside the guest), the verification request for
+//!   this guest's ranges, and the commit; anything else is a [`ProtocolError`];
+//! - success needs a hash match on every range of guest memory followed by an explicit commit.
 
-use crate::error::{GuestError, MigrateError, StreamError};
+use crate::error::{GuestError, HelloError, MigrateError, ProtocolError, StreamError};
 use crate::guest::{Guest, Memory};
 use crate::stream::{self, FrameReader, Hello, Msg, Shape, PAGE_SIZE};
 use crate::verify::{self, VerifyReport, RANGE_PAGES};
@@ -31,9 +41,10 @@ pub struct DestConfig {
     /// How long the guest runs here after the switch-over, to show it runs (zero: it is
     /// left stopped, e.g. for a test that compares memory byte by byte).
     pub resume_for: Duration,
-    /// Longest silence from the source before giving up.
+    /// Longest silence from the source before giving up (must not be zero).
     pub timeout: Duration,
-    /// Largest guest accepted, bytes (0: any).
+    /// Largest guest accepted, bytes (0: no limit of its own). The host's RAM and swap bound
+    /// it in any case ([`crate::limits::memory_limit`]).
     pub max_memory: u64,
 }
 
@@ -144,19 +155,17 @@ impl Destination {
     /// session is kept for a source that reconnects.
     pub fn serve(&mut self, s: TcpStream) -> Result<DestReport, MigrateError> {
         if self.done.is_some() {
+            let e = HelloError::AlreadyMigrated;
             let mut w = &s;
-            let _ = stream::write_msg(
-                &mut w,
-                &Msg::Refuse("this destination already holds a migrated guest".into()),
-            );
-            return Err(MigrateError::Refused {
-                who: "destination",
-                reason: "this destination already holds a migrated guest".into(),
-            });
+            let _ = stream::write_msg(&mut w, &Msg::Refuse(e.to_string()));
+            return Err(e.into());
         }
         let timeout = self.cfg.timeout;
         let io =
             |e: std::io::Error| MigrateError::stream("accepting", StreamError::Io(e.to_string()));
+        if timeout.is_zero() {
+            return Err(MigrateError::ZeroTimeout);
+        }
         s.set_read_timeout(Some(timeout)).map_err(io)?;
         s.set_write_timeout(Some(timeout)).map_err(io)?;
         s.set_nodelay(true).map_err(io)?;
@@ -168,6 +177,7 @@ impl Destination {
             let why = match e {
                 MigrateError::Refused { who: "source", .. } => None,
                 MigrateError::Refused { reason, .. } => Some(reason.clone()),
+                MigrateError::Rejected(h) => Some(h.to_string()),
                 e => Some(e.to_string()),
             };
             if let Some(why) = why {
@@ -195,7 +205,7 @@ impl Destination {
             m => {
                 return Err(protocol(
                     "handshake",
-                    &format!("a {} message before the hello", m.name()),
+                    ProtocolError::BeforeHello { msg: m.name() },
                 ))
             }
         };
@@ -219,51 +229,69 @@ impl Destination {
             "handshake",
         )?;
 
+        // The bound of every page index: what the machine mapped, not what the hello says.
         let mem = Memory::new(&*guest);
         let pages = mem.pages();
         let nranges = verify::ranges(pages, RANGE_PAGES);
+        // One flag per range; `nranges` follows from memory this side mapped.
         let mut hashed = vec![false; nranges as usize];
         let mut verdict = VerifyReport {
             ranges: nranges,
             range_pages: RANGE_PAGES,
             ..VerifyReport::default()
         };
-        let mut verified = false;
+        let mut state = State::Rounds;
         let mut seq = 0u64;
+        // Pages the batches of the round in progress carried.
+        let mut round_pages = 0u64;
         let mut buf = vec![0u8; PAGE_SIZE];
         loop {
-            let phase = if verified {
-                "waiting for the commit".to_string()
-            } else {
-                format!("receiving round {}", report.rounds)
+            let phase = match state {
+                State::Rounds => format!("receiving round {}", report.rounds),
+                State::Hashes => "receiving the verification hashes".to_string(),
+                State::Verified => "waiting for the commit".to_string(),
             };
             let m = reader
                 .read_msg("the switch-over")
                 .map_err(|e| MigrateError::stream(phase.clone(), e))?;
-            match m {
-                Msg::Pages(b) => {
+            match (state, m) {
+                (State::Rounds, Msg::Pages(b)) => {
                     if b.seq != seq {
                         return Err(protocol(
                             &phase,
-                            &format!("batch {} where {seq} was due", b.seq),
+                            ProtocolError::BatchOrder {
+                                got: b.seq,
+                                want: seq,
+                            },
                         ));
                     }
-                    if let Some(&(p, _, _)) = b.entries.iter().find(|e| e.0 >= pages) {
+                    if b.round != report.rounds {
+                        return Err(protocol(
+                            &phase,
+                            ProtocolError::BatchRound {
+                                seq,
+                                got: b.round,
+                                want: report.rounds,
+                            },
+                        ));
+                    }
+                    // Every index first: nothing of a batch is written unless all of it fits.
+                    if let Some(&(page, _, _)) = b.entries.iter().find(|e| e.0 >= pages) {
                         return Err(MigrateError::stream(
                             phase,
-                            StreamError::Corrupt {
+                            StreamError::Page {
                                 offset: reader.offset(),
-                                why: format!("page {p} is outside the guest's {pages} pages"),
+                                err: crate::PageError::OutOfRange { page, pages },
                             },
                         ));
                     }
                     for (i, &(p, enc, _)) in b.entries.iter().enumerate() {
-                        b.page_into(i, &mut buf).map_err(|why| {
+                        b.page_into(i, &mut buf).map_err(|err| {
                             MigrateError::stream(
                                 phase.clone(),
-                                StreamError::Corrupt {
+                                StreamError::Page {
                                     offset: reader.offset(),
-                                    why,
+                                    err,
                                 },
                             )
                         })?;
@@ -271,24 +299,78 @@ impl Destination {
                         report.pages += 1;
                         report.zero_pages += (enc == stream::Encoding::Zero) as u64;
                     }
+                    // At most MAX_BATCH_PAGES per batch: the sums cannot overflow before the
+                    // sequence number would.
+                    round_pages += b.entries.len() as u64;
                     send(out, &Msg::Ack { seq }, &phase)?;
-                    seq += 1;
+                    seq = seq.checked_add(1).ok_or_else(|| {
+                        protocol(&phase, ProtocolError::Overflow { what: "batch" })
+                    })?;
                 }
-                Msg::RoundEnd { .. } => report.rounds += 1,
-                Msg::Hashes { first, hashes } => {
+                (
+                    State::Rounds,
+                    Msg::RoundEnd {
+                        round,
+                        pages: announced,
+                    },
+                ) => {
+                    if round != report.rounds {
+                        return Err(protocol(
+                            &phase,
+                            ProtocolError::RoundOrder {
+                                got: round,
+                                want: report.rounds,
+                            },
+                        ));
+                    }
+                    if announced != round_pages {
+                        return Err(protocol(
+                            &phase,
+                            ProtocolError::RoundPages {
+                                round,
+                                announced,
+                                received: round_pages,
+                            },
+                        ));
+                    }
+                    report.rounds = report.rounds.checked_add(1).ok_or_else(|| {
+                        protocol(&phase, ProtocolError::Overflow { what: "round" })
+                    })?;
+                    round_pages = 0;
+                }
+                (State::Rounds | State::Hashes, Msg::Hashes { first, hashes }) => {
+                    if round_pages != 0 {
+                        return Err(protocol(
+                            &phase,
+                            ProtocolError::HashesMidRound {
+                                round: report.rounds,
+                            },
+                        ));
+                    }
+                    state = State::Hashes;
                     let t = Instant::now();
-                    let end = first.checked_add(hashes.len() as u64);
+                    let count = hashes.len() as u64;
+                    let end = first.checked_add(count);
                     if end.is_none_or(|e| e > nranges) {
                         return Err(protocol(
                             &phase,
-                            &format!("hashes for ranges {first}.. beyond the {nranges} ranges"),
+                            ProtocolError::HashRange {
+                                first,
+                                count,
+                                ranges: nranges,
+                            },
                         ));
                     }
                     for (k, h) in hashes.iter().enumerate() {
+                        // `first + k < end <= nranges`: no overflow, and the index is in bounds.
                         let i = first + k as u64;
+                        let seen = &mut hashed[i as usize];
+                        if *seen {
+                            return Err(protocol(&phase, ProtocolError::HashTwice { range: i }));
+                        }
+                        *seen = true;
                         let (a, b) = verify::range_pages(i, RANGE_PAGES, pages);
                         let mine = verify::hash_range(i, mem.stopped_range(a, b)?);
-                        hashed[i as usize] = true;
                         if &mine != h {
                             verdict.mismatched += 1;
                             if verdict.first.len() < 8 {
@@ -298,12 +380,23 @@ impl Destination {
                     }
                     report.verify_time += t.elapsed();
                 }
-                Msg::Verify {
-                    ranges,
-                    range_pages,
-                } => {
+                (
+                    State::Rounds | State::Hashes,
+                    Msg::Verify {
+                        ranges,
+                        range_pages,
+                    },
+                ) => {
                     if ranges != nranges || range_pages != RANGE_PAGES {
-                        return Err(protocol(&phase, &format!("verification of {ranges} ranges of {range_pages} pages; this guest has {nranges} of {RANGE_PAGES}")));
+                        return Err(protocol(
+                            &phase,
+                            ProtocolError::VerifyLayout {
+                                ranges,
+                                range_pages,
+                                want_ranges: nranges,
+                                want_range_pages: RANGE_PAGES,
+                            },
+                        ));
                     }
                     let missing = hashed.iter().filter(|h| !**h).count() as u64;
                     verdict.mismatched += missing;
@@ -324,9 +417,9 @@ impl Destination {
                             first: verdict.describe_first(),
                         });
                     }
-                    verified = true;
+                    state = State::Verified;
                 }
-                Msg::Commit if verified => {
+                (State::Verified, Msg::Commit) => {
                     report.total = t0.elapsed();
                     report.verify = verdict;
                     report.bytes = reader.offset();
@@ -339,27 +432,28 @@ impl Destination {
                         out,
                         &Msg::Resumed {
                             touched,
-                            micros: d.as_micros() as u64,
+                            micros: d.as_micros().try_into().unwrap_or(u64::MAX),
                         },
                     );
                     return Ok(report);
                 }
-                Msg::Commit => {
-                    return Err(protocol(
-                        &phase,
-                        "a commit before a successful verification",
-                    ))
-                }
-                Msg::Refuse(reason) => {
+                (_, Msg::Commit) => return Err(protocol(&phase, ProtocolError::EarlyCommit)),
+                (_, Msg::Refuse(reason)) => {
                     return Err(MigrateError::Refused {
                         who: "source",
                         reason,
                     })
                 }
-                m => {
+                (State::Hashes | State::Verified, m @ (Msg::Pages(_) | Msg::RoundEnd { .. })) => {
                     return Err(protocol(
                         &phase,
-                        &format!("unexpected {} message", m.name()),
+                        ProtocolError::AfterHashes { msg: m.name() },
+                    ))
+                }
+                (_, m) => {
+                    return Err(protocol(
+                        &phase,
+                        ProtocolError::Unexpected { msg: m.name() },
                     ))
                 }
             }
@@ -367,38 +461,46 @@ impl Destination {
     }
 
     /// The machine for `hello`'s guest, and whether it continues a kept session.
+    ///
+    /// Everything the hello says about sizes is checked here, before anything is mapped:
+    /// the shape's arithmetic and counts, each memslot entry against the shape, the range
+    /// size, the workload's percentage, and the memory against this destination's limit
+    /// and the host's RAM and swap. A machine built for it must then map exactly the pages
+    /// the shape has.
     fn session_for(&mut self, hello: &Hello) -> Result<(Arc<dyn Guest>, bool), MigrateError> {
         let shape = hello.shape;
-        let refuse = |reason: String| MigrateError::Refused {
-            who: "destination",
-            reason,
-        };
-        if shape.vcpus == 0
-            || shape.slots == 0
-            || shape.bytes_per_vcpu == 0
-            || shape.bytes_per_vcpu % PAGE_SIZE as u64 != 0
-            || shape.total_pages() % shape.slots as u64 != 0
-        {
-            return Err(refuse(format!("unusable guest shape {shape:?}")));
+        let pages = shape.check().map_err(HelloError::from)?;
+        if hello.slots.len() != shape.slots as usize {
+            return Err(HelloError::SlotCount {
+                listed: hello.slots.len(),
+                slots: shape.slots,
+            }
+            .into());
         }
-        if hello.slots != shape.slot_layout() {
-            return Err(refuse(format!(
-                "memslot layout {:?} does not follow from the shape {shape:?}",
-                hello.slots
-            )));
+        // `check` passed: `slots` divides `pages`, and `index * pps < pages`.
+        let pps = pages / shape.slots as u64;
+        for (index, &got) in hello.slots.iter().enumerate() {
+            let want = (index as u64 * pps, pps);
+            if got != want {
+                return Err(HelloError::SlotEntry { index, got, want }.into());
+            }
         }
         if hello.range_pages != RANGE_PAGES {
-            return Err(refuse(format!(
-                "verification ranges of {} pages (this side uses {RANGE_PAGES})",
-                hello.range_pages
-            )));
+            return Err(HelloError::RangePages {
+                got: hello.range_pages,
+                want: RANGE_PAGES,
+            }
+            .into());
         }
-        let bytes = shape.total_pages() * PAGE_SIZE as u64;
-        if self.cfg.max_memory != 0 && bytes > self.cfg.max_memory {
-            return Err(refuse(format!(
-                "a guest of {bytes} bytes exceeds this destination's limit of {} bytes",
-                self.cfg.max_memory
-            )));
+        if hello.work.write_percent > 100 {
+            return Err(HelloError::WritePercent(hello.work.write_percent).into());
+        }
+        // `check` bounded the memory by 2^48 bytes: no overflow.
+        let bytes = pages * PAGE_SIZE as u64;
+        if let Some((limit, why)) = crate::limits::memory_limit(self.cfg.max_memory) {
+            if bytes > limit {
+                return Err(HelloError::TooBig { bytes, limit, why }.into());
+            }
         }
         if let Some(s) = &self.session {
             if s.id == hello.session && s.shape == shape {
@@ -409,20 +511,28 @@ impl Destination {
         let guest = match (&self.prebuilt, &mut self.factory) {
             (Some(g), _) => {
                 if g.shape() != shape {
-                    return Err(refuse(format!(
-                        "the source's guest {shape:?} does not match this destination's machine {:?}",
-                        g.shape()
-                    )));
+                    return Err(HelloError::Mismatch {
+                        theirs: shape,
+                        ours: g.shape(),
+                    }
+                    .into());
                 }
                 g.clone()
             }
             (None, Some(f)) => {
                 // Drop a kept session's machine before building another.
                 self.session = None;
-                f(&shape).map_err(|e| refuse(format!("cannot build a machine: {e}")))?
+                f(&shape).map_err(HelloError::Build)?
             }
-            (None, None) => return Err(refuse("no machine to receive into".into())),
+            (None, None) => return Err(HelloError::NoMachine.into()),
         };
+        if guest.pages() != pages {
+            return Err(HelloError::Built {
+                want: pages,
+                got: guest.pages(),
+            }
+            .into());
+        }
         self.session = Some(Session {
             id: hello.session,
             shape,
@@ -451,8 +561,19 @@ impl Destination {
         guest.start(work)?;
         std::thread::sleep(self.cfg.resume_for);
         guest.pause()?;
-        Ok((guest.writes() - w0, t.elapsed()))
+        Ok((guest.writes().saturating_sub(w0), t.elapsed()))
     }
+}
+
+/// Where the receive loop is in the protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Pre-copy and stop-and-copy rounds: batches and round ends.
+    Rounds,
+    /// Verification hashes (no more pages).
+    Hashes,
+    /// Verified: only the commit may follow.
+    Verified,
 }
 
 fn send(out: &mut TcpStream, m: &Msg, phase: &str) -> Result<(), MigrateError> {
@@ -460,6 +581,6 @@ fn send(out: &mut TcpStream, m: &Msg, phase: &str) -> Result<(), MigrateError> {
         .map_err(|e| MigrateError::stream(phase.to_string(), StreamError::Io(e.to_string())))
 }
 
-fn protocol(phase: &str, why: &str) -> MigrateError {
-    MigrateError::stream(phase.to_string(), StreamError::Protocol(why.to_string()))
+fn protocol(phase: &str, why: ProtocolError) -> MigrateError {
+    MigrateError::stream(phase.to_string(), StreamError::Protocol(why))
 }

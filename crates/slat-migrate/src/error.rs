@@ -1,5 +1,6 @@
 //! What can go wrong, as one readable line each.
 
+use crate::stream::{Shape, MAX_GUEST_BYTES, MAX_SLOTS, MAX_VCPUS, PAGE_SIZE};
 use std::time::Duration;
 
 /// Why a stream could not be read: every way a peer's bytes can be wrong or missing. The
@@ -54,7 +55,15 @@ pub enum StreamError {
     },
     /// A well-formed frame that the protocol does not allow here.
     #[error("protocol error: {0}")]
-    Protocol(String),
+    Protocol(#[from] ProtocolError),
+    /// A page entry of a batch that cannot go into guest memory.
+    #[error("stream corrupted at byte {offset}: {err}")]
+    Page {
+        /// Stream offset of the frame (or of the reader when the batch was applied).
+        offset: u64,
+        /// What is wrong with the page.
+        err: PageError,
+    },
     /// The peer sent nothing for too long.
     #[error("no data from the peer for {0:?}")]
     Timeout(Duration),
@@ -72,6 +81,338 @@ impl StreamError {
             }
             _ => StreamError::Io(e.to_string()),
         }
+    }
+}
+
+/// A well-formed frame the protocol does not allow where it arrived, or whose numbers do not
+/// add up with what came before. Every field of the peer's frames that counts, orders or
+/// indexes something is checked against this side's state; a mismatch is one of these.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProtocolError {
+    /// Anything but a hello opened the stream.
+    #[error("a {msg} message before the hello")]
+    BeforeHello {
+        /// The message's name.
+        msg: &'static str,
+    },
+    /// A message this side never expects from the peer, or not at this point.
+    #[error("unexpected {msg} message")]
+    Unexpected {
+        /// The message's name.
+        msg: &'static str,
+    },
+    /// A message that belongs before the hashes arrived after them.
+    #[error("a {msg} message after the verification hashes")]
+    AfterHashes {
+        /// The message's name.
+        msg: &'static str,
+    },
+    /// A batch out of sequence.
+    #[error("batch {got} where {want} was due")]
+    BatchOrder {
+        /// The batch's sequence number.
+        got: u64,
+        /// The one due.
+        want: u64,
+    },
+    /// A batch labelled with another round than the one in progress.
+    #[error("batch {seq} belongs to round {got}, but round {want} is in progress")]
+    BatchRound {
+        /// The batch.
+        seq: u64,
+        /// Its round.
+        got: u32,
+        /// The round in progress.
+        want: u32,
+    },
+    /// The end of a round out of sequence.
+    #[error("the end of round {got} where round {want} was in progress")]
+    RoundOrder {
+        /// The round that ended.
+        got: u32,
+        /// The round in progress.
+        want: u32,
+    },
+    /// A round's end announced another page count than its batches carried.
+    #[error("round {round} announced {announced} pages, but its batches carried {received}")]
+    RoundPages {
+        /// The round.
+        round: u32,
+        /// What its end said.
+        announced: u64,
+        /// What arrived.
+        received: u64,
+    },
+    /// More rounds or batches than a counter holds.
+    #[error("the {what} counter overflows")]
+    Overflow {
+        /// Which counter.
+        what: &'static str,
+    },
+    /// Hashes arrived while a round was still open.
+    #[error("hashes in the middle of round {round}")]
+    HashesMidRound {
+        /// The open round.
+        round: u32,
+    },
+    /// Hashes for ranges outside the guest.
+    #[error("hashes for {count} ranges from {first}, beyond the guest's {ranges} ranges")]
+    HashRange {
+        /// First range.
+        first: u64,
+        /// Hashes in the frame.
+        count: u64,
+        /// Ranges the guest has.
+        ranges: u64,
+    },
+    /// A range hashed twice.
+    #[error("range {range} was hashed twice")]
+    HashTwice {
+        /// The range.
+        range: u64,
+    },
+    /// A verification request for another layout of ranges than this guest's.
+    #[error(
+        "verification of {ranges} ranges of {range_pages} pages; this guest has {want_ranges} of {want_range_pages}"
+    )]
+    VerifyLayout {
+        /// Ranges asked for.
+        ranges: u64,
+        /// Pages per range asked for.
+        range_pages: u32,
+        /// Ranges here.
+        want_ranges: u64,
+        /// Pages per range here.
+        want_range_pages: u32,
+    },
+    /// A commit before verification passed.
+    #[error("a commit before a successful verification")]
+    EarlyCommit,
+    /// An acknowledgement of a batch that is not the oldest in flight.
+    #[error("acknowledgement of batch {seq}, which is not the oldest in flight")]
+    AckOrder {
+        /// The batch acknowledged.
+        seq: u64,
+    },
+}
+
+/// Why one page entry of a batch cannot be written to guest memory.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PageError {
+    /// The page index is past the end of the destination's guest memory.
+    #[error("page {page} is outside the guest's {pages} pages")]
+    OutOfRange {
+        /// The index.
+        page: u64,
+        /// Pages of guest memory here.
+        pages: u64,
+    },
+    /// The LZ4 block is malformed.
+    #[error("page {page} does not decompress ({why})")]
+    Decompress {
+        /// The page.
+        page: u64,
+        /// What the decoder found.
+        why: &'static str,
+    },
+    /// The LZ4 block decompresses to something other than one page.
+    #[error("page {page} decompresses to {len} bytes, not {PAGE_SIZE}")]
+    Size {
+        /// The page.
+        page: u64,
+        /// Bytes it gave.
+        len: usize,
+    },
+    /// An entry index past the batch, or an entry whose bytes lie outside the payload.
+    #[error(
+        "entry {index} of a batch of {len} entries does not exist or lies outside the payload"
+    )]
+    Entry {
+        /// The entry.
+        index: usize,
+        /// Entries in the batch.
+        len: usize,
+    },
+    /// The output buffer is not one page.
+    #[error("a page buffer of {len} bytes (a page is {PAGE_SIZE})")]
+    Buffer {
+        /// Its length.
+        len: usize,
+    },
+}
+
+/// Why a guest shape cannot be built: the checks every shape passes before a machine is
+/// built for it or a page is addressed with it, whether a source announced it or a user
+/// asked for it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShapeError {
+    /// No vCPU, or more than a guest may have.
+    #[error("{vcpus} vCPUs (a guest has 1 to {MAX_VCPUS})")]
+    Vcpus {
+        /// vCPUs asked for.
+        vcpus: u32,
+    },
+    /// Memory per vCPU that is zero or not whole pages.
+    #[error("{bytes} bytes per vCPU (a non-zero multiple of {PAGE_SIZE})")]
+    BytesPerVcpu {
+        /// Bytes asked for.
+        bytes: u64,
+    },
+    /// vCPUs × memory per vCPU does not fit 64 bits.
+    #[error("{vcpus} vCPUs x {bytes_per_vcpu} bytes per vCPU overflows 64 bits")]
+    Overflow {
+        /// vCPUs.
+        vcpus: u32,
+        /// Bytes per vCPU.
+        bytes_per_vcpu: u64,
+    },
+    /// More memory than the guest physical address space holds.
+    #[error("{bytes} bytes of guest memory do not fit the {MAX_GUEST_BYTES}-byte guest physical address space")]
+    TooBig {
+        /// Bytes in total.
+        bytes: u64,
+    },
+    /// No memslot, or more than a guest may have.
+    #[error("{slots} memslots (a guest has 1 to {MAX_SLOTS})")]
+    Slots {
+        /// Memslots asked for.
+        slots: u32,
+    },
+    /// More pages than the machine's page-table format addresses.
+    #[error(
+        "a guest of {pages} pages does not fit {format}'s {bits}-bit guest physical address space"
+    )]
+    AddressSpace {
+        /// Pages in the guest.
+        pages: u64,
+        /// The format's name.
+        format: &'static str,
+        /// Its guest physical address bits.
+        bits: u32,
+    },
+    /// Memslots that do not split the pages evenly.
+    #[error("{slots} memslots cannot split {pages} pages evenly")]
+    UnevenSlots {
+        /// Memslots.
+        slots: u32,
+        /// Pages.
+        pages: u64,
+    },
+}
+
+/// Why a destination will not take the guest a source announced.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HelloError {
+    /// The shape is not one a machine can be built for.
+    #[error("unusable guest shape: {0}")]
+    Shape(#[from] ShapeError),
+    /// The memslot list has another length than the shape's memslot count.
+    #[error("the hello lists {listed} memslots, its shape has {slots}")]
+    SlotCount {
+        /// Entries in the list.
+        listed: usize,
+        /// Memslots in the shape.
+        slots: u32,
+    },
+    /// A memslot entry that does not follow from the shape (equal, consecutive memslots).
+    #[error("memslot {index} is {got:?} (first page, pages), the shape gives {want:?}")]
+    SlotEntry {
+        /// The entry.
+        index: usize,
+        /// What the hello lists.
+        got: (u64, u64),
+        /// What the shape gives.
+        want: (u64, u64),
+    },
+    /// Verification ranges of another size.
+    #[error("verification ranges of {got} pages (this side uses {want})")]
+    RangePages {
+        /// The source's.
+        got: u32,
+        /// Ours.
+        want: u32,
+    },
+    /// A write percentage over 100.
+    #[error("a workload writing on {0}% of its accesses")]
+    WritePercent(u32),
+    /// More memory than this destination takes.
+    #[error("a guest of {bytes} bytes exceeds this destination's limit of {limit} bytes ({why})")]
+    TooBig {
+        /// The guest's memory.
+        bytes: u64,
+        /// The limit.
+        limit: u64,
+        /// Where the limit comes from.
+        why: &'static str,
+    },
+    /// The destination's own machine has another shape.
+    #[error("the source's guest {theirs:?} does not match this destination's machine {ours:?}")]
+    Mismatch {
+        /// The source's shape.
+        theirs: Shape,
+        /// This side's.
+        ours: Shape,
+    },
+    /// The machine built for the shape does not have its memory.
+    #[error("the machine built for {want} pages maps {got}")]
+    Built {
+        /// Pages the shape has.
+        want: u64,
+        /// Pages the machine maps.
+        got: u64,
+    },
+    /// The machine could not be built.
+    #[error("cannot build a machine: {0}")]
+    Build(GuestError),
+    /// Nothing to receive into.
+    #[error("no machine to receive into")]
+    NoMachine,
+    /// A migration already completed here.
+    #[error("this destination already holds a migrated guest")]
+    AlreadyMigrated,
+}
+
+/// Guest memory addressed outside the test region, with the wrong buffer, or while vCPUs run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MemoryError {
+    /// Whole-range access while the vCPUs ran.
+    #[error("guest memory was {0} while the vCPUs ran")]
+    Running(&'static str),
+    /// Pages outside the region.
+    #[error("pages {first}..{end} are outside the guest's {pages} pages")]
+    OutOfRange {
+        /// First page.
+        first: u64,
+        /// End page (exclusive).
+        end: u64,
+        /// Pages in the region.
+        pages: u64,
+    },
+    /// A buffer that is not one page.
+    #[error("a page buffer of {len} bytes (a page is {PAGE_SIZE})")]
+    Buffer {
+        /// Its length.
+        len: usize,
+    },
+    /// A machine that maps less (or other) memory than its shape has.
+    #[error("the machine maps {mapped:?} bytes for a guest of {pages} pages")]
+    Mapped {
+        /// Pages the shape has.
+        pages: u64,
+        /// Bytes the machine maps (`None`: its own size overflows).
+        mapped: Option<u64>,
+    },
+}
+
+impl From<ShapeError> for GuestError {
+    fn from(e: ShapeError) -> GuestError {
+        GuestError(e.to_string())
+    }
+}
+
+impl From<MemoryError> for GuestError {
+    fn from(e: MemoryError) -> GuestError {
+        GuestError(e.to_string())
     }
 }
 
@@ -132,9 +473,18 @@ pub enum MigrateError {
     /// The guest machine failed.
     #[error("guest: {0}")]
     Guest(#[from] GuestError),
+    /// Guest memory was addressed wrongly (a bug on this side, reported instead of a panic).
+    #[error("guest memory: {0}")]
+    Memory(#[from] MemoryError),
+    /// This destination will not take the source's guest (and told the source why).
+    #[error("refused the incoming guest: {0}")]
+    Rejected(#[from] HelloError),
     /// A configuration value is unusable.
     #[error("{0}")]
     Config(String),
+    /// A zero timeout: the peer could hold this side forever.
+    #[error("the timeout must not be zero (a silent peer would hold this side forever)")]
+    ZeroTimeout,
     /// The guest was already migrated away by an earlier attempt.
     #[error("the guest has already been migrated away")]
     AlreadyMigrated,

@@ -13,7 +13,7 @@
 //! as QEMU's CPU throttle does: the length of each burst follows the measured write speed so
 //! that the average rate matches the one asked for.
 
-use crate::error::GuestError;
+use crate::error::{GuestError, MemoryError, ShapeError};
 use crate::page_set::PageSet;
 use crate::stream::{Shape, WorkSpec, PAGE_SIZE};
 use slat::{Ept, PteFormat, Stage2, VmConfig};
@@ -118,9 +118,12 @@ pub trait Guest: Send + Sync {
     fn shape(&self) -> Shape;
     /// The log mode harvests use.
     fn log_mode(&self) -> LogMode;
-    /// Host address of the test region: `shape().total_pages()` pages, contiguous, mapped
-    /// as long as the guest lives.
+    /// Host address of the test region: [`Guest::pages`] pages, contiguous, mapped as long
+    /// as the guest lives.
     fn host_base(&self) -> u64;
+    /// Pages of the test region as the machine mapped them: the bound every page index is
+    /// checked against before guest memory is read or written.
+    fn pages(&self) -> u64;
     /// Turns dirty logging on or off on every test memslot.
     fn set_dirty_logging(&self, on: bool) -> Result<(), GuestError>;
     /// Harvests the dirty log into `into` (page indexes in the test region), re-protecting
@@ -145,13 +148,13 @@ pub trait Guest: Send + Sync {
 }
 
 /// Builds the machine `spec` asks for.
+///
+/// The shape is checked first ([`Shape::check`]: vCPU and memslot counts, checked products,
+/// the guest physical address space), so a machine is only ever built — and memory only ever
+/// mapped — for a shape whose sizes add up.
 pub fn build(spec: &GuestSpec) -> Result<Arc<dyn Guest>, GuestError> {
     let s = spec.shape;
-    if s.vcpus == 0 || s.slots == 0 {
-        return Err(GuestError(
-            "at least one vCPU and one memslot are needed".into(),
-        ));
-    }
+    let pages = s.check()?;
     match spec.backend {
         BackendKind::Sim => {
             let dirty = match spec.log {
@@ -179,9 +182,9 @@ pub fn build(spec: &GuestSpec) -> Result<Arc<dyn Guest>, GuestError> {
                 gpa: None,
             };
             if spec.stage2 {
-                sim_guest::<Stage2>(config, s, spec.log)
+                sim_guest::<Stage2>(config, s, pages, spec.log)
             } else {
-                sim_guest::<Ept>(config, s, spec.log)
+                sim_guest::<Ept>(config, s, pages, spec.log)
             }
         }
         BackendKind::Kvm => {
@@ -218,9 +221,15 @@ pub fn build(spec: &GuestSpec) -> Result<Arc<dyn Guest>, GuestError> {
                 ..slat_kvm::KvmConfig::default()
             })
             .map_err(GuestError::from)?;
+            let l = m.layout();
+            let mapped = l.bytes_per_vcpu.checked_mul(l.vcpus as u64);
+            if mapped != Some(pages * PAGE_SIZE as u64) {
+                return Err(MemoryError::Mapped { pages, mapped }.into());
+            }
             Ok(Arc::new(KvmGuest {
                 m: Arc::new(m),
                 shape: s,
+                pages,
                 log: spec.log,
                 ctl: Arc::new(BurstControl::default()),
                 driver: Mutex::new(None),
@@ -252,11 +261,32 @@ fn add_bitmap(into: &mut PageSet, first: u64, n: u64, bitmap: &[u64]) -> u64 {
 fn sim_guest<F: PteFormat>(
     config: MachineConfig,
     shape: Shape,
+    pages: u64,
     log: LogMode,
 ) -> Result<Arc<dyn Guest>, GuestError> {
+    // `Shape::check` bounded the memory by a 48-bit space; a format with fewer bits would
+    // place the region below address 0.
+    let fits = pages < 1u64 << (F::MAX_PHYS_BITS - crate::stream::PAGE_SIZE.trailing_zeros());
+    if !fits {
+        return Err(ShapeError::AddressSpace {
+            pages,
+            format: F::NAME,
+            bits: F::MAX_PHYS_BITS,
+        }
+        .into());
+    }
     let m = Machine::<F>::new(config).map_err(GuestError::from)?;
+    // Every index is checked against `pages`; make sure the mapping really holds them.
+    if m.ram().len() < pages * PAGE_SIZE as u64 {
+        return Err(MemoryError::Mapped {
+            pages,
+            mapped: Some(m.ram().len()),
+        }
+        .into());
+    }
     Ok(Arc::new(SimGuest {
         m,
+        pages,
         shape,
         log,
         pacer: Pacer::new(0),
@@ -267,6 +297,7 @@ fn sim_guest<F: PteFormat>(
 /// The simulated machine running the paced memstress.
 struct SimGuest<F: PteFormat> {
     m: Machine<F>,
+    pages: u64,
     shape: Shape,
     log: LogMode,
     pacer: Arc<Pacer>,
@@ -285,6 +316,9 @@ impl<F: PteFormat> Guest for SimGuest<F> {
     }
     fn host_base(&self) -> u64 {
         self.m.layout().host
+    }
+    fn pages(&self) -> u64 {
+        self.pages
     }
     fn set_dirty_logging(&self, on: bool) -> Result<(), GuestError> {
         self.m.set_dirty_logging(on).map_err(GuestError::from)
@@ -383,6 +417,7 @@ struct BurstControl {
 struct KvmGuest {
     m: Arc<slat_kvm::KvmMachine>,
     shape: Shape,
+    pages: u64,
     log: LogMode,
     ctl: Arc<BurstControl>,
     driver: Mutex<Option<JoinHandle<()>>>,
@@ -523,6 +558,9 @@ impl Guest for KvmGuest {
     fn host_base(&self) -> u64 {
         self.m.layout().host
     }
+    fn pages(&self) -> u64 {
+        self.pages
+    }
     fn set_dirty_logging(&self, on: bool) -> Result<(), GuestError> {
         self.m.set_dirty_logging(on).map_err(GuestError::from)
     }
@@ -641,12 +679,12 @@ pub struct Memory<'g> {
 }
 
 impl<'g> Memory<'g> {
-    /// The test region of `guest`.
+    /// The test region of `guest`: as many pages as its machine mapped ([`Guest::pages`]).
     pub fn new(guest: &'g dyn Guest) -> Memory<'g> {
         Memory {
             guest,
             base: guest.host_base(),
-            pages: guest.shape().total_pages(),
+            pages: guest.pages(),
         }
     }
 
@@ -655,56 +693,71 @@ impl<'g> Memory<'g> {
         self.pages
     }
 
+    /// Host address of page `p`, or why there is none.
+    fn page_addr(&self, first: u64, end: u64) -> Result<u64, MemoryError> {
+        if first > end || end > self.pages {
+            return Err(MemoryError::OutOfRange {
+                first,
+                end,
+                pages: self.pages,
+            });
+        }
+        // `first <= pages`, and `pages` pages are mapped at `base`: no overflow.
+        Ok(self.base + first * PAGE_SIZE as u64)
+    }
+
     /// Copies page `p` into `out` (one page) while vCPUs may be writing it.
-    pub fn read_page(&self, p: u64, out: &mut [u8]) {
-        assert!(p < self.pages && out.len() == PAGE_SIZE);
-        let src = (self.base + p * PAGE_SIZE as u64) as *const u64;
+    pub fn read_page(&self, p: u64, out: &mut [u8]) -> Result<(), MemoryError> {
+        if out.len() != PAGE_SIZE {
+            return Err(MemoryError::Buffer { len: out.len() });
+        }
+        let src = self.page_addr(p, p.saturating_add(1))? as *const u64;
         for (i, chunk) in out.chunks_exact_mut(8).enumerate() {
-            // SAFETY: `p` is inside the test region, which stays mapped while the guest
-            // (borrowed by `self`) lives; the address is 8-byte aligned; vCPUs store to guest
-            // memory atomically, so an atomic load is the race-free way to read beside them.
+            // SAFETY: `p` is inside the test region (checked above against the pages the
+            // machine mapped), which stays mapped while the guest (borrowed by `self`) lives;
+            // `i < 512`, so the word is inside the page; the address is 8-byte aligned; vCPUs
+            // store to guest memory atomically, so an atomic load is the race-free way to read
+            // beside them.
             let v = unsafe { AtomicU64::from_ptr(src.add(i) as *mut u64) }.load(Ordering::Relaxed);
             chunk.copy_from_slice(&v.to_ne_bytes());
         }
+        Ok(())
     }
 
     /// Pages `first..end` as bytes, while the vCPUs are stopped.
-    pub fn stopped_range(&self, first: u64, end: u64) -> Result<&[u8], GuestError> {
+    pub fn stopped_range(&self, first: u64, end: u64) -> Result<&[u8], MemoryError> {
         if self.guest.running() {
-            return Err(GuestError(
-                "guest memory was read as a whole while the vCPUs ran".into(),
-            ));
+            return Err(MemoryError::Running("read as a whole"));
         }
-        assert!(first <= end && end <= self.pages);
-        // SAFETY: the range lies in the test region, mapped while the guest (borrowed by
-        // `self`) lives. Nothing writes it while the slice lives: no vCPU runs (checked above;
-        // only the migration that holds this borrow starts them), and the only host writer,
-        // `stopped_write_page`, is called by the same thread between hashes, never while a
-        // slice from here is alive (callers hash the slice and drop it at once).
+        let addr = self.page_addr(first, end)?;
+        // SAFETY: the range lies in the test region (checked against the pages the machine
+        // mapped), mapped while the guest (borrowed by `self`) lives. Nothing writes it while
+        // the slice lives: no vCPU runs (checked above; only the migration that holds this
+        // borrow starts them), and the only host writer, `stopped_write_page`, is called by
+        // the same thread between hashes, never while a slice from here is alive (callers
+        // hash the slice and drop it at once).
         Ok(unsafe {
             std::slice::from_raw_parts(
-                (self.base + first * PAGE_SIZE as u64) as *const u8,
+                addr as *const u8,
                 ((end - first) * PAGE_SIZE as u64) as usize,
             )
         })
     }
 
     /// Writes page `p` while the vCPUs are stopped (the destination, before switch-over).
-    pub fn stopped_write_page(&self, p: u64, data: &[u8]) -> Result<(), GuestError> {
+    pub fn stopped_write_page(&self, p: u64, data: &[u8]) -> Result<(), MemoryError> {
         if self.guest.running() {
-            return Err(GuestError(
-                "guest memory was written while the vCPUs ran".into(),
-            ));
+            return Err(MemoryError::Running("written"));
         }
-        assert!(p < self.pages && data.len() == PAGE_SIZE);
-        // SAFETY: inside the mapped test region (as in `stopped_range`); no vCPU runs, and
-        // the destination is the only writer while it receives.
+        if data.len() != PAGE_SIZE {
+            return Err(MemoryError::Buffer { len: data.len() });
+        }
+        let addr = self.page_addr(p, p.saturating_add(1))?;
+        // SAFETY: page `p` is inside the mapped test region (checked above against the pages
+        // the machine mapped) and `data` is one page; no vCPU runs, and the destination is
+        // the only writer while it receives.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                data.as_ptr(),
-                (self.base + p * PAGE_SIZE as u64) as *mut u8,
-                PAGE_SIZE,
-            );
+            std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, PAGE_SIZE);
         }
         Ok(())
     }
@@ -713,7 +766,7 @@ impl<'g> Memory<'g> {
     /// the rest, while the vCPUs are stopped: a guest whose memory holds data, not only
     /// the 8-byte stamps of its workload, so pages cost their real size on the wire and a
     /// wrong byte anywhere shows in the hashes.
-    pub fn stopped_fill(&self, percent: u32, seed: u64) -> Result<(), GuestError> {
+    pub fn stopped_fill(&self, percent: u32, seed: u64) -> Result<(), MemoryError> {
         let mut page = vec![0u8; PAGE_SIZE];
         for p in 0..self.pages {
             let mut x = splitmix(seed ^ p.wrapping_mul(0x9e37_79b9_7f4a_7c15));

@@ -7,7 +7,13 @@
 //! - [`source`]: rounds, convergence, stop-and-copy, and the pages owed across attempts.
 //! - [`destination`]: receive, acknowledge, verify, resume the guest.
 //! - [`throttle`]: auto-converge; [`verify`]: range hashes; [`link`]: the sending socket with
-//!   a bandwidth cap and test faults.
+//!   a bandwidth cap and test faults; [`limits`]: how much guest memory this host can hold.
+//!
+//! Everything that arrives from the network is untrusted: every count, size, index and
+//! offset in it is checked (with checked arithmetic) against what this side has before it is
+//! used, and a bad stream is a typed error — never a panic, an abort, a huge allocation or a
+//! write outside guest memory. `tests/fuzz.rs` holds the decoder and a live destination to
+//! that with random and mutated streams.
 //!
 //! ```no_run
 //! use slat_migrate::{guest, DestConfig, Destination, Source, SourceConfig};
@@ -34,6 +40,7 @@
 pub mod destination;
 pub mod error;
 pub mod guest;
+pub mod limits;
 pub mod link;
 pub mod page_set;
 pub mod source;
@@ -42,7 +49,10 @@ pub mod throttle;
 pub mod verify;
 
 pub use destination::{DestConfig, DestReport, Destination, Factory};
-pub use error::{GuestError, MigrateError, StreamError};
+pub use error::{
+    GuestError, HelloError, MemoryError, MigrateError, PageError, ProtocolError, ShapeError,
+    StreamError,
+};
 pub use guest::{BackendKind, Guest, GuestSpec, LogMode};
 pub use link::Faults;
 pub use page_set::PageSet;

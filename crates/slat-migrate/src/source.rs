@@ -34,7 +34,7 @@
 //! includes the final harvest, the final pages, hashing on both sides and one round trip.
 //! On any failure before `Commit` the vCPUs run again on the source.
 
-use crate::error::{MigrateError, StreamError};
+use crate::error::{MigrateError, ProtocolError, StreamError};
 use crate::guest::{splitmix, Guest, Memory};
 use crate::link::{Faults, Link};
 use crate::page_set::PageSet;
@@ -47,7 +47,7 @@ use crate::verify::{self, RANGE_PAGES};
 use std::collections::VecDeque;
 use std::io::Write;
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -241,7 +241,7 @@ type Inbox = Receiver<Result<Msg, StreamError>>;
 impl Source {
     /// A source for `guest`, whose workload is `work` (started by [`Source::start_guest`]).
     pub fn new(guest: Arc<dyn Guest>, work: WorkSpec, cfg: SourceConfig) -> Source {
-        let pages = guest.shape().total_pages();
+        let pages = guest.pages();
         let seed = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64)
@@ -298,6 +298,9 @@ impl Source {
         if self.migrated {
             return Err(MigrateError::AlreadyMigrated);
         }
+        if self.cfg.timeout.is_zero() {
+            return Err(MigrateError::ZeroTimeout);
+        }
         if self.cfg.batch_pages == 0 || self.cfg.batch_pages > MAX_BATCH_PAGES {
             return Err(MigrateError::Config(format!(
                 "batch of {} pages: between 1 and {MAX_BATCH_PAGES}",
@@ -344,8 +347,10 @@ impl Source {
             timeout: self.cfg.timeout,
         };
         let r = self.run(&mut conn, t_connect, progress);
-        // Ends the reader thread (its read fails) whatever happened.
+        // Ends the reader thread whatever happened: its read fails, and with the inbox gone a
+        // send it is blocked in (the channel is bounded) fails too.
         let _ = stream.shutdown(Shutdown::Both);
+        drop(conn);
         let _ = reader.join();
         r
     }
@@ -357,7 +362,7 @@ impl Source {
         progress: &mut dyn FnMut(Event<'_>),
     ) -> Result<MigrationReport, MigrateError> {
         let shape = self.guest.shape();
-        let pages = shape.total_pages();
+        let pages = self.guest.pages();
         let faults = self.cfg.faults;
         let mut report = MigrationReport {
             attempt: self.attempts,
@@ -438,7 +443,7 @@ impl Source {
                     report.converged = true;
                     break;
                 }
-                if round > self.cfg.max_rounds {
+                if round > self.cfg.max_rounds || round == u32::MAX {
                     break;
                 }
             }
@@ -669,9 +674,15 @@ impl Sender {
         let mut page = vec![0u8; PAGE_SIZE];
         let mut zero = 0u64;
         for chunk in todo.chunks(self.batch) {
+            // A window of batches in flight: the destination's acknowledgements (and so the
+            // reader's bounded inbox) never run more than this far behind.
+            while inflight.len() >= MAX_INFLIGHT {
+                let m = conn.recv(phase)?;
+                settle(m, &mut inflight, owed, phase)?;
+            }
             self.builder.start(self.seq, round);
             for &p in chunk {
-                mem.read_page(p, &mut page);
+                mem.read_page(p, &mut page)?;
                 self.builder.push(p, &page);
                 if self.faults.skip_merge_back {
                     // The bug under test: the page counts as delivered once it is queued.
@@ -734,9 +745,7 @@ fn settle(
         }
         _ => Err(MigrateError::stream(
             phase,
-            StreamError::Protocol(format!(
-                "acknowledgement of batch {seq}, which is not the oldest in flight"
-            )),
+            StreamError::Protocol(ProtocolError::AckOrder { seq }),
         )),
     }
 }
@@ -744,7 +753,7 @@ fn settle(
 fn unexpected(phase: &str, m: &Msg) -> MigrateError {
     MigrateError::stream(
         phase,
-        StreamError::Protocol(format!("unexpected {} message", m.name())),
+        StreamError::Protocol(ProtocolError::Unexpected { msg: m.name() }),
     )
 }
 
@@ -767,16 +776,37 @@ fn connect(addr: &str, timeout: Duration) -> Result<TcpStream, MigrateError> {
     Err(err(last))
 }
 
+/// Batches sent and not yet acknowledged, at most.
+const MAX_INFLIGHT: usize = 1024;
+
+/// Frames the reader thread holds for the source, at most: the acknowledgements of a full
+/// window and the few other replies. A destination that sends more is not read from until
+/// the source catches up (its socket fills; it cannot make this side buffer without bound).
+const INBOX: usize = MAX_INFLIGHT + 16;
+
 /// Reads the destination's frames on a thread of their own, so acknowledgements drain while
-/// the source is busy writing.
+/// the source is busy writing. Only the frames a destination sends are passed on (all of
+/// them small); any other ends the connection.
 fn spawn_reader(s: TcpStream, timeout: Duration) -> Result<(Inbox, JoinHandle<()>), MigrateError> {
-    let (tx, rx) = mpsc::channel();
+    let (tx, rx): (SyncSender<_>, _) = mpsc::sync_channel(INBOX);
     let h = std::thread::Builder::new()
         .name("migrate-acks".into())
         .spawn(move || {
             let mut r = FrameReader::new(s, timeout);
             loop {
-                let m = r.read_msg("the destination's reply");
+                let m = match r.read_msg("the destination's reply") {
+                    Ok(
+                        m @ (Msg::Welcome { .. }
+                        | Msg::Refuse(_)
+                        | Msg::Ack { .. }
+                        | Msg::Verified { .. }
+                        | Msg::Resumed { .. }),
+                    ) => Ok(m),
+                    Ok(m) => Err(StreamError::Protocol(ProtocolError::Unexpected {
+                        msg: m.name(),
+                    })),
+                    Err(e) => Err(e),
+                };
                 let stop = m.is_err();
                 if tx.send(m).is_err() || stop {
                     break;

@@ -13,12 +13,18 @@
 //! entries `page u64 | encoding u8 | [length u32 | bytes]`: a zero page is only a marker, a
 //! raw page its 4096 bytes, a compressed page its LZ4 block (which must decompress to
 //! exactly one page). Every decode is bounds-checked and returns a [`StreamError`]; nothing in
-//! here panics on bad input.
+//! here panics on bad input. Counts are bounded before anything is allocated for them
+//! ([`MAX_BATCH_PAGES`], [`MAX_HASHES`], [`MAX_SLOTS`]), and text fields are capped and have
+//! their control characters escaped, so a peer's words print as one harmless line.
+//!
+//! Sizes a peer announces — the [`Shape`] — are checked by [`Shape::check`] with checked
+//! arithmetic against [`MAX_VCPUS`], [`MAX_SLOTS`] and [`MAX_GUEST_BYTES`]; the destination
+//! then bounds them by what it is willing and able to map.
 //!
 //! The preamble is outside the frames so that a destination can reject another protocol
 //! version before trying to parse a frame whose layout may have changed.
 
-use crate::error::StreamError;
+use crate::error::{PageError, ShapeError, StreamError};
 use std::io::{Read, Write};
 use std::time::Duration;
 
@@ -36,6 +42,13 @@ pub const MAX_BATCH_PAGES: u32 = 512;
 pub const MAX_HASHES: u32 = 4096;
 /// Longest reason string in a [`Msg::Refuse`].
 const MAX_TEXT: usize = 1024;
+/// Most vCPUs in a guest (as the command line allows; each is a thread on a destination).
+pub const MAX_VCPUS: u32 = 512;
+/// Most memslots in a guest (as the command line allows; KVM has 32764 per address space).
+pub const MAX_SLOTS: u32 = 32_000;
+/// Most guest memory: a 48-bit guest physical address space, less the page above the test
+/// region (the simulated machine places it one page below the top, as KVM's selftests do).
+pub const MAX_GUEST_BYTES: u64 = (1 << 48) - PAGE_SIZE as u64;
 
 const PREAMBLE_LEN: usize = 16;
 const HEADER_LEN: usize = 13;
@@ -86,16 +99,59 @@ pub struct Shape {
 }
 
 impl Shape {
-    /// Pages in the test region.
-    pub fn total_pages(&self) -> u64 {
-        self.bytes_per_vcpu.saturating_mul(self.vcpus as u64) / PAGE_SIZE as u64
+    /// Checks the shape with checked arithmetic: 1 to [`MAX_VCPUS`] vCPUs, a non-zero whole
+    /// number of pages per vCPU, vCPUs × memory within [`MAX_GUEST_BYTES`], and 1 to
+    /// [`MAX_SLOTS`] memslots that split the pages evenly. Returns the pages in the test region.
+    pub fn check(&self) -> Result<u64, ShapeError> {
+        if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
+            return Err(ShapeError::Vcpus { vcpus: self.vcpus });
+        }
+        if self.bytes_per_vcpu == 0 || self.bytes_per_vcpu % PAGE_SIZE as u64 != 0 {
+            return Err(ShapeError::BytesPerVcpu {
+                bytes: self.bytes_per_vcpu,
+            });
+        }
+        let bytes =
+            self.bytes_per_vcpu
+                .checked_mul(self.vcpus as u64)
+                .ok_or(ShapeError::Overflow {
+                    vcpus: self.vcpus,
+                    bytes_per_vcpu: self.bytes_per_vcpu,
+                })?;
+        if bytes > MAX_GUEST_BYTES {
+            return Err(ShapeError::TooBig { bytes });
+        }
+        if self.slots == 0 || self.slots > MAX_SLOTS {
+            return Err(ShapeError::Slots { slots: self.slots });
+        }
+        let pages = bytes / PAGE_SIZE as u64;
+        if pages % self.slots as u64 != 0 {
+            return Err(ShapeError::UnevenSlots {
+                slots: self.slots,
+                pages,
+            });
+        }
+        Ok(pages)
     }
-    /// Pages per memslot.
+    /// Bytes in the test region (0 for a shape that fails [`Shape::check`]).
+    pub fn total_bytes(&self) -> u64 {
+        self.total_pages() * PAGE_SIZE as u64
+    }
+    /// Pages in the test region (0 for a shape that fails [`Shape::check`]: nothing is ever
+    /// addressed through a shape that does not add up).
+    pub fn total_pages(&self) -> u64 {
+        self.check().unwrap_or(0)
+    }
+    /// Pages per memslot (0 for a shape that fails [`Shape::check`]).
     pub fn pages_per_slot(&self) -> u64 {
         self.total_pages() / self.slots.max(1) as u64
     }
-    /// The memslot layout: (first page, pages) of each slot in the test region.
+    /// The memslot layout: (first page, pages) of each slot in the test region (empty for a
+    /// shape that fails [`Shape::check`], so at most [`MAX_SLOTS`] entries).
     pub fn slot_layout(&self) -> Vec<(u64, u64)> {
+        if self.check().is_err() {
+            return Vec::new();
+        }
         let pps = self.pages_per_slot();
         (0..self.slots as u64).map(|s| (s * pps, pps)).collect()
     }
@@ -213,24 +269,56 @@ pub struct Batch {
 }
 
 impl Batch {
-    /// Writes the page of entry `i` into `out` (exactly one page).
-    pub fn page_into(&self, i: usize, out: &mut [u8]) -> Result<(), String> {
-        let (_, enc, r) = &self.entries[i];
+    /// Writes the page of entry `i` into `out` (exactly one page). A `Batch` from the decoder
+    /// has every entry's bytes inside `data`; one built otherwise is checked all the same.
+    pub fn page_into(&self, i: usize, out: &mut [u8]) -> Result<(), PageError> {
+        let entry = PageError::Entry {
+            index: i,
+            len: self.entries.len(),
+        };
+        let (page, enc, r) = self.entries.get(i).ok_or(entry.clone())?;
+        let bytes = self.data.get(r.clone()).ok_or(entry)?;
+        if out.len() != PAGE_SIZE {
+            return Err(PageError::Buffer { len: out.len() });
+        }
         match enc {
             Encoding::Zero => out.fill(0),
-            Encoding::Raw => out.copy_from_slice(&self.data[r.clone()]),
+            Encoding::Raw if bytes.len() == PAGE_SIZE => out.copy_from_slice(bytes),
+            Encoding::Raw => {
+                return Err(PageError::Size {
+                    page: *page,
+                    len: bytes.len(),
+                })
+            }
             Encoding::Lz4 => {
-                let n = lz4_flex::block::decompress_into(&self.data[r.clone()], out)
-                    .map_err(|e| format!("page {} does not decompress: {e}", self.entries[i].0))?;
+                let n = lz4_flex::block::decompress_into(bytes, out).map_err(|e| {
+                    PageError::Decompress {
+                        page: *page,
+                        why: lz4_reason(&e),
+                    }
+                })?;
                 if n != PAGE_SIZE {
-                    return Err(format!(
-                        "page {} decompresses to {n} bytes, not {PAGE_SIZE}",
-                        self.entries[i].0
-                    ));
+                    return Err(PageError::Size {
+                        page: *page,
+                        len: n,
+                    });
                 }
             }
         }
         Ok(())
+    }
+}
+
+/// What was wrong with an LZ4 block, without allocating.
+fn lz4_reason(e: &lz4_flex::block::DecompressError) -> &'static str {
+    use lz4_flex::block::DecompressError as E;
+    match e {
+        E::OutputTooSmall { .. } => "it is larger than one page",
+        E::LiteralOutOfBounds => "a literal runs past the block",
+        E::ExpectedAnotherByte => "the block ends early",
+        E::OffsetZero => "a match at offset zero",
+        E::OffsetOutOfBounds => "a match before the start of the page",
+        _ => "malformed block",
     }
 }
 
@@ -369,9 +457,10 @@ impl Msg {
                     overlap: d.flag()?,
                 };
                 let n = d.u32()? as usize;
-                if n > 65_536 {
-                    return Err(d.bad(format!("hello lists {n} memslots")));
+                if n > MAX_SLOTS as usize {
+                    return Err(d.bad(format!("hello lists {n} memslots (at most {MAX_SLOTS})")));
                 }
+                d.need(n, 16)?;
                 let mut slots = Vec::with_capacity(n);
                 for _ in 0..n {
                     slots.push((d.u64()?, d.u64()?));
@@ -410,6 +499,8 @@ impl Msg {
                 if n > MAX_BATCH_PAGES {
                     return Err(d.bad(format!("a batch of {n} pages (at most {MAX_BATCH_PAGES})")));
                 }
+                // Each entry is at least its page index and encoding.
+                d.need(n as usize, 9)?;
                 let mut entries = Vec::with_capacity(n as usize);
                 for _ in 0..n {
                     let page = d.u64()?;
@@ -427,7 +518,7 @@ impl Msg {
                     };
                     let start = d.at;
                     d.skip(len)?;
-                    entries.push((page, enc, start..start + len));
+                    entries.push((page, enc, start..d.at));
                 }
                 d.end()?;
                 return Ok(Msg::Pages(Batch {
@@ -448,6 +539,7 @@ impl Msg {
                 if n > MAX_HASHES {
                     return Err(d.bad(format!("{n} hashes in one frame (at most {MAX_HASHES})")));
                 }
+                d.need(n as usize, 32)?;
                 let mut hashes = Vec::with_capacity(n as usize);
                 for _ in 0..n {
                     let mut h = [0u8; 32];
@@ -467,6 +559,7 @@ impl Msg {
                 if n > 64 {
                     return Err(d.bad(format!("{n} mismatch examples")));
                 }
+                d.need(n as usize, 8)?;
                 let mut first = Vec::with_capacity(n as usize);
                 for _ in 0..n {
                     first.push(d.u64()?);
@@ -776,6 +869,17 @@ impl<'a> Dec<'a> {
     fn skip(&mut self, n: usize) -> Result<(), StreamError> {
         self.bytes(n).map(drop)
     }
+    /// Fails unless `count` items of at least `size` bytes each can still follow: checked
+    /// before a vector for them is allocated.
+    fn need(&self, count: usize, size: usize) -> Result<(), StreamError> {
+        let left = self.b.len() - self.at;
+        match count.checked_mul(size) {
+            Some(n) if n <= left => Ok(()),
+            _ => Err(self.bad(format!(
+                "{count} entries of {size} bytes announced, {left} bytes left in the frame"
+            ))),
+        }
+    }
     fn u8(&mut self) -> Result<u8, StreamError> {
         Ok(self.bytes(1)?[0])
     }
@@ -803,7 +907,18 @@ impl<'a> Dec<'a> {
             return Err(self.bad(format!("text of {n} bytes")));
         }
         let t = self.bytes(n)?;
-        String::from_utf8(t.to_vec()).map_err(|_| self.bad("text is not UTF-8".into()))
+        let t = std::str::from_utf8(t).map_err(|_| self.bad("text is not UTF-8".into()))?;
+        // A peer's words end up in this side's one-line messages: no newlines, no escape
+        // sequences for the terminal.
+        let mut out = String::with_capacity(t.len());
+        for c in t.chars() {
+            if c.is_control() {
+                out.extend(c.escape_default());
+            } else {
+                out.push(c);
+            }
+        }
+        Ok(out)
     }
     fn end(&self) -> Result<(), StreamError> {
         if self.at == self.b.len() {

@@ -24,10 +24,11 @@ pub fn ranges(pages: u64, range_pages: u32) -> u64 {
     pages.div_ceil(range_pages.max(1) as u64)
 }
 
-/// Pages `first..end` of range `index`, clipped to `pages`.
+/// Pages `first..end` of range `index`, clipped to `pages` (an index past the end gives an
+/// empty range at `pages`).
 pub fn range_pages(index: u64, range_pages: u32, pages: u64) -> (u64, u64) {
-    let first = index * range_pages as u64;
-    (first, (first + range_pages as u64).min(pages))
+    let first = index.saturating_mul(range_pages as u64).min(pages);
+    (first, first.saturating_add(range_pages as u64).min(pages))
 }
 
 /// The outcome the destination reports.
@@ -58,8 +59,9 @@ impl VerifyReport {
             .first
             .iter()
             .map(|&r| {
-                let a = r * self.range_pages as u64;
-                format!("pages {a}..{}", a + self.range_pages as u64)
+                // The indexes may come from the peer: no overflow whatever they are.
+                let a = r.saturating_mul(self.range_pages as u64);
+                format!("pages {a}..{}", a.saturating_add(self.range_pages as u64))
             })
             .collect();
         format!(" (first: {})", v.join(", "))
@@ -80,5 +82,17 @@ mod tests {
         assert_eq!(hash_range(3, &b), hash_range(3, &b));
         assert_eq!(ranges(130, 64), 3);
         assert_eq!(range_pages(2, 64, 130), (128, 130));
+        assert_eq!(range_pages(u64::MAX, 64, 130), (130, 130));
+    }
+
+    #[test]
+    fn describing_hostile_range_indexes_does_not_overflow() {
+        let v = VerifyReport {
+            ranges: 1,
+            range_pages: RANGE_PAGES,
+            mismatched: 1,
+            first: vec![u64::MAX, 1 << 60],
+        };
+        assert!(v.describe_first().contains(&u64::MAX.to_string()));
     }
 }

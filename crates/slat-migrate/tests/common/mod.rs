@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod wire;
+
 use slat_migrate::guest::{self, BackendKind, GuestSpec, LogMode, Memory};
 use slat_migrate::stream::{Shape, WorkSpec};
 use slat_migrate::{

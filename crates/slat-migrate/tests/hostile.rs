@@ -1,0 +1,301 @@
+//! A hostile source against a live destination, one defect at a time: each test sends a
+//! crafted stream over loopback and checks that the destination refuses it with a typed error
+//! and one line — before mapping anything for a shape that does not add up, and without ever
+//! writing outside guest memory or accepting frames out of the protocol's order.
+
+mod common;
+
+use common::wire::{self, ty, Payload};
+use common::{dest_config, spawn_dest};
+use slat_migrate::guest::{self, GuestSpec, LogMode, Memory};
+use slat_migrate::stream::{self, BatchBuilder, Compression, FrameReader, Msg, Shape};
+use slat_migrate::{DestConfig, Destination, MigrateError};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A factory that records every shape it is asked to build (and builds small ones).
+fn recording_factory() -> (slat_migrate::Factory, Arc<Mutex<Vec<Shape>>>) {
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    let a = asked.clone();
+    let f: slat_migrate::Factory = Box::new(move |s: &Shape| {
+        a.lock().unwrap().push(*s);
+        guest::build(&GuestSpec::sim(*s, LogMode::Get))
+    });
+    (f, asked)
+}
+
+/// Sends `frames` after a valid preamble to a fresh destination; returns its result, its
+/// replies and the shapes its factory was asked for.
+fn against_destination(
+    frames: &[Vec<u8>],
+    cfg: DestConfig,
+) -> (
+    Result<slat_migrate::DestReport, MigrateError>,
+    Vec<Msg>,
+    Vec<Shape>,
+) {
+    let (f, asked) = recording_factory();
+    let (addr, h) = spawn_dest(Destination::new(f, cfg), 1);
+    let mut bytes = stream::preamble(stream::VERSION).to_vec();
+    for fr in frames {
+        bytes.extend_from_slice(fr);
+    }
+    let raw = wire::exchange(&addr, bytes, TIMEOUT);
+    let (mut results, _) = h.join().expect("the destination thread panicked");
+    let asked = asked.lock().unwrap().clone();
+    (results.remove(0), wire::replies(&raw), asked)
+}
+
+/// The destination failed with one line and told the source why (first reply a refusal);
+/// returns the error's text.
+fn refused(r: &Result<slat_migrate::DestReport, MigrateError>, replies: &[Msg]) -> String {
+    let e = match r {
+        Ok(_) => panic!("the destination accepted a hostile stream; replies {replies:?}"),
+        Err(e) => e.to_string(),
+    };
+    assert_eq!(e.lines().count(), 1, "{e}");
+    e
+}
+
+fn hello_frame(shape: Shape, slots: &[(u64, u64)]) -> Vec<u8> {
+    wire::hello_payload(7, 1, &shape, slots, &wire::writer(), 0, 64, b"sim").frame(ty::HELLO)
+}
+
+/// The adversarial tester's stream: vCPUs x bytes per vCPU overflows 64 bits (4 x 2^62 - 16K
+/// wraps to 16 KiB), with the memslot list a saturating product gives. It used to pass the
+/// checks, map 16 KiB, answer Welcome, then allocate 64 TiB of verification flags and abort;
+/// with that allocation granted, later pages were written outside the 16 KiB.
+#[test]
+fn a_hello_whose_size_overflows_is_refused_before_anything_is_built() {
+    let shape = Shape {
+        vcpus: 4,
+        bytes_per_vcpu: 4_611_686_018_427_392_000,
+        slots: 1,
+        overlap: false,
+    };
+    let saturated = u64::MAX / 4096;
+    let frames = vec![hello_frame(shape, &[(0, saturated)])];
+    let (r, replies, asked) = against_destination(&frames, dest_config());
+    let e = refused(&r, &replies);
+    assert!(e.contains("overflows"), "{e}");
+    assert!(asked.is_empty(), "a machine was built for {asked:?}");
+    assert!(
+        matches!(replies.first(), Some(Msg::Refuse(why)) if why.contains("overflows")),
+        "{replies:?}"
+    );
+}
+
+/// A shape whose pages divide into 2^32 - 1 memslots: the layout check used to allocate the
+/// whole layout (64 GiB) to compare it with the hello's list.
+#[test]
+fn a_hello_with_billions_of_memslots_is_refused() {
+    let slots = u32::MAX;
+    let shape = Shape {
+        vcpus: 1,
+        bytes_per_vcpu: 4096 * slots as u64,
+        slots,
+        overlap: false,
+    };
+    let frames = vec![hello_frame(shape, &[(0, 1)])];
+    let (r, replies, asked) = against_destination(&frames, dest_config());
+    let e = refused(&r, &replies);
+    assert!(e.contains("memslots"), "{e}");
+    assert!(asked.is_empty(), "a machine was built for {asked:?}");
+}
+
+/// More guest memory than the host's RAM and swap is refused before the factory maps it,
+/// also when the destination has no limit of its own.
+#[test]
+fn a_hello_beyond_the_host_is_refused_without_a_configured_limit() {
+    let shape = Shape {
+        vcpus: 512,
+        bytes_per_vcpu: 64 << 30,
+        slots: 512,
+        overlap: false,
+    };
+    let pps = (64u64 << 30) / 4096;
+    let slots: Vec<(u64, u64)> = (0..512).map(|s| (s * pps, pps)).collect();
+    let frames = vec![hello_frame(shape, &slots)];
+    let (r, replies, asked) = against_destination(&frames, dest_config());
+    let e = refused(&r, &replies);
+    assert!(e.contains("RAM and swap"), "{e}");
+    assert!(asked.is_empty(), "a machine was built for {asked:?}");
+}
+
+fn small() -> Shape {
+    Shape {
+        vcpus: 2,
+        bytes_per_vcpu: 64 << 10,
+        slots: 2,
+        overlap: false,
+    }
+}
+
+/// A page index past the guest's memory is refused before anything of its batch is written.
+#[test]
+fn a_page_beyond_the_guest_is_refused() {
+    let v = wire::valid_stream(small(), &wire::image(32, 50, 1), Compression::None, 8, &[]);
+    let mut frames = vec![v.frames[0].clone()];
+    let mut b = BatchBuilder::new(Compression::None);
+    b.start(0, 0);
+    b.push(1, &[7u8; 4096]);
+    b.push(32, &[7u8; 4096]);
+    frames.push(b.frame().to_vec());
+    let (r, replies, _) = against_destination(&frames, dest_config());
+    let e = refused(&r, &replies);
+    assert!(e.contains("page 32 is outside the guest's 32 pages"), "{e}");
+}
+
+/// A valid stream with one frame replaced: the destination must refuse it.
+fn with_frame(at: usize, frame: Vec<u8>, insert: bool) -> String {
+    let v = wire::valid_stream(small(), &wire::image(32, 50, 2), Compression::Lz4, 8, &[]);
+    let mut frames = v.frames.clone();
+    if insert {
+        frames.insert(at, frame);
+    } else {
+        frames[at] = frame;
+    }
+    let (r, replies, _) = against_destination(&frames, dest_config());
+    refused(&r, &replies)
+}
+
+/// The unmodified stream of `with_frame` migrates (so the refusals below are the frame's).
+#[test]
+fn the_crafted_streams_are_valid_without_the_hostile_frame() {
+    let v = wire::valid_stream(small(), &wire::image(32, 50, 2), Compression::Lz4, 8, &[]);
+    let (r, replies, _) = against_destination(&v.frames, dest_config());
+    assert!(r.is_ok(), "{r:?} {replies:?}");
+}
+
+/// Pages after the verification used to be written into a guest already verified (and the
+/// commit then ran a guest whose memory no hash had checked).
+#[test]
+fn pages_after_the_verification_are_refused() {
+    let v = wire::valid_stream(small(), &wire::image(32, 50, 2), Compression::Lz4, 8, &[]);
+    let mut b = BatchBuilder::new(Compression::None);
+    b.start(4, 0);
+    b.push(3, &[0xee; 4096]);
+    // Just before the commit, after Verify.
+    let e = with_frame(v.frames.len() - 1, b.frame().to_vec(), true);
+    assert!(e.contains("after the verification hashes"), "{e}");
+}
+
+/// A round's end must name the round in progress and the pages its batches carried.
+#[test]
+fn round_ends_must_match_their_batches() {
+    let e = with_frame(
+        5,
+        stream::frame(&Msg::RoundEnd {
+            round: 0,
+            pages: 1_000_000,
+        }),
+        false,
+    );
+    assert!(e.contains("announced 1000000 pages"), "{e}");
+    let e = with_frame(
+        1,
+        stream::frame(&Msg::RoundEnd { round: 9, pages: 0 }),
+        true,
+    );
+    assert!(e.contains("the end of round 9"), "{e}");
+}
+
+/// Each range is hashed once: a repeated hash (which made hashing work unbounded by the
+/// guest's size, and could double-count) is refused.
+#[test]
+fn each_range_is_hashed_once() {
+    let v = wire::valid_stream(small(), &wire::image(32, 50, 2), Compression::Lz4, 8, &[]);
+    let hashes_at = v.frames.len() - 3;
+    let dup = v.frames[hashes_at].clone();
+    let e = with_frame(hashes_at, dup, true);
+    assert!(e.contains("hashed twice"), "{e}");
+}
+
+/// Guest memory addressed past its end is an error, not a panic.
+#[test]
+fn guest_memory_out_of_range_is_an_error() {
+    let g = guest::build(&GuestSpec::sim(small(), LogMode::Get)).unwrap();
+    let mem = Memory::new(&*g);
+    let pages = mem.pages();
+    let page = vec![1u8; 4096];
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        (
+            mem.stopped_write_page(pages, &page).is_err(),
+            mem.stopped_write_page(u64::MAX, &page).is_err(),
+            mem.stopped_write_page(0, &page[..100]).is_err(),
+            mem.stopped_range(0, pages + 1).is_err(),
+            mem.stopped_range(3, 2).is_err(),
+        )
+    }));
+    assert_eq!(r.ok(), Some((true, true, true, true, true)));
+}
+
+/// A batch entry that does not exist, or an output buffer that is not a page, is an error.
+#[test]
+fn batch_entries_are_checked() {
+    let mut b = BatchBuilder::new(Compression::Lz4);
+    b.start(0, 0);
+    b.push(1, &[5u8; 4096]);
+    let f = b.frame().to_vec();
+    let Ok(Msg::Pages(batch)) = FrameReader::new(&f[..], TIMEOUT).read_msg("test") else {
+        panic!("not a batch")
+    };
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut out = vec![0u8; 4096];
+        let mut short = vec![0u8; 10];
+        (
+            batch.page_into(0, &mut out).is_ok(),
+            batch.page_into(1, &mut out).is_err(),
+            batch.page_into(usize::MAX, &mut out).is_err(),
+            batch.page_into(0, &mut short).is_err(),
+        )
+    }));
+    assert_eq!(r.ok(), Some((true, true, true, true)));
+}
+
+/// A peer's text (a refusal's reason, a backend name) prints as one line without terminal
+/// escapes.
+#[test]
+fn peer_text_is_one_harmless_line() {
+    let f = Payload::default()
+        .text(b"no\nsecond line\x1b[2J\r")
+        .frame(ty::REFUSE);
+    let Ok(Msg::Refuse(why)) = FrameReader::new(&f[..], TIMEOUT).read_msg("test") else {
+        panic!("not a refusal")
+    };
+    assert!(!why.chars().any(char::is_control), "{why:?}");
+    assert!(
+        why.starts_with("no") && why.contains("second line"),
+        "{why:?}"
+    );
+}
+
+/// A destination that answers with a multi-line refusal: the source's error stays one line.
+#[test]
+fn a_hostile_refusal_reaches_the_source_as_one_line() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let peer = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut r = FrameReader::new(s.try_clone().unwrap(), TIMEOUT);
+        r.read_preamble().unwrap();
+        r.read_msg("hello").unwrap();
+        let f = Payload::default()
+            .text(b"go away\n\x1b[31mslat: migration complete")
+            .frame(ty::REFUSE);
+        std::io::Write::write_all(&mut s, &f).unwrap();
+    });
+    let g = common::source_guest(
+        slat_migrate::BackendKind::Sim,
+        small(),
+        slat_migrate::LogMode::Get,
+    );
+    let mut src = slat_migrate::Source::new(g, common::work(1000), common::source_config());
+    src.start_guest().unwrap();
+    let e = src.migrate(&addr, &mut |_| {}).unwrap_err().to_string();
+    peer.join().unwrap();
+    assert_eq!(e.lines().count(), 1, "{e}");
+    assert!(!e.contains('\x1b'), "{e:?}");
+}
