@@ -111,7 +111,16 @@ impl GuestSpec {
 }
 
 /// What a migration needs from a machine.
-pub trait Guest: Send + Sync {
+///
+/// # Safety
+///
+/// [`Memory`] reads and writes guest memory through [`Guest::host_base`] without further
+/// checks, so an implementor guarantees: `[host_base(), host_base() + pages() * 4 KiB)` is
+/// mapped readable and writable, 8-byte aligned, and stays so for as long as the guest lives;
+/// its bytes are only ever accessed through raw pointers or atomics (never lent out as
+/// references) by the guest's own code; and [`Guest::running`] is true whenever any vCPU may
+/// write that memory.
+pub unsafe trait Guest: Send + Sync {
     /// The machine kind.
     fn backend(&self) -> BackendKind;
     /// vCPUs, memory and memslots.
@@ -304,7 +313,9 @@ struct SimGuest<F: PteFormat> {
     running: AtomicBool,
 }
 
-impl<F: PteFormat> Guest for SimGuest<F> {
+// SAFETY: the test region is the machine's `GuestRam` (mapped, page aligned, never lent out as
+// references), owned by the machine this guest owns; `running` reflects the vCPU threads.
+unsafe impl<F: PteFormat> Guest for SimGuest<F> {
     fn backend(&self) -> BackendKind {
         BackendKind::Sim
     }
@@ -545,7 +556,9 @@ fn nap(ctl: &BurstControl, d: Duration) {
     }
 }
 
-impl Guest for KvmGuest {
+// SAFETY: the test region is the KVM machine's owned host mapping, alive as long as the
+// machine this guest owns; `running` reflects the vCPU threads and the burst driver.
+unsafe impl Guest for KvmGuest {
     fn backend(&self) -> BackendKind {
         BackendKind::Kvm
     }
