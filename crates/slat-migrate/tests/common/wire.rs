@@ -232,8 +232,10 @@ pub fn valid_stream(
 }
 
 /// Sends `bytes` to `addr` from a thread of its own (then closes the sending side) and reads
-/// the replies until the destination closes; returns the raw replies.
-pub fn exchange(addr: &str, bytes: Vec<u8>, timeout: Duration) -> Vec<u8> {
+/// the replies until the destination closes; returns the raw replies and whether they ended
+/// cleanly. They may not: a destination that stops reading with bytes of ours unread (after a
+/// commit, or an error) closes with a reset, and the kernel then drops replies not yet read.
+pub fn exchange_all(addr: &str, bytes: Vec<u8>, timeout: Duration) -> (Vec<u8>, bool) {
     let s = TcpStream::connect(addr).expect("connect to the destination");
     s.set_read_timeout(Some(timeout)).expect("read timeout");
     s.set_write_timeout(Some(timeout)).expect("write timeout");
@@ -245,10 +247,15 @@ pub fn exchange(addr: &str, bytes: Vec<u8>, timeout: Duration) -> Vec<u8> {
     });
     let mut out = Vec::new();
     let mut r = &s;
-    let _ = r.read_to_end(&mut out);
+    let clean = r.read_to_end(&mut out).is_ok();
     let _ = s.shutdown(Shutdown::Both);
     let _ = writer.join();
-    out
+    (out, clean)
+}
+
+/// [`exchange_all`] without the flag.
+pub fn exchange(addr: &str, bytes: Vec<u8>, timeout: Duration) -> Vec<u8> {
+    exchange_all(addr, bytes, timeout).0
 }
 
 /// The destination's replies, decoded until the first error or the end.
