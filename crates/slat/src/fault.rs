@@ -134,6 +134,9 @@ impl<F: PteFormat> Vm<F> {
                 let (set, hint) = refresh_hint(self, &mut vcpu.slot_hint);
                 let (i, slot) = set.find(gfn, *hint)?;
                 *hint = i;
+                if slot.is_invalid() {
+                    return None; // a move is in progress: the slow path retries
+                }
                 mark = self.mark_for(slot, vcpu.ring.as_deref());
                 // One huge leaf cannot be logged per 4 KiB page: split it in the slow path.
                 if mark.is_some() && it.level > 1 {
@@ -178,6 +181,11 @@ impl<F: PteFormat> Vm<F> {
             return FaultOutcome::NoSlot;
         };
         *hint = i;
+        if slot.is_invalid() {
+            // Moving away (see `Vm::move_memslot`): re-execute until the move completes.
+            sink.inc(Stat::PfRetry);
+            return FaultOutcome::Retry;
+        }
         if fault.access == Access::Write && slot.is_readonly() {
             sink.inc(Stat::PfReadOnly);
             return FaultOutcome::ReadOnly;

@@ -132,7 +132,7 @@ pub enum MemslotError {
 }
 
 /// One memslot as published to the fault path.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Memslot {
     /// Identifier.
     pub id: SlotId,
@@ -144,12 +144,19 @@ pub struct Memslot {
     pub host_addr: u64,
     /// Host page size of the backing.
     pub host_page_size: u64,
-    /// The backing, held so that the host memory outlives every use of the slot.
+    /// The backing, held so that the host memory outlives every use of the slot (never read:
+    /// the fault path uses `host_addr`; holding it is the point).
+    #[allow(dead_code)]
     pub(crate) host: HostRange,
     /// Current flags.
     pub flags: MemslotFlags,
     /// The dirty bitmap (logging slots, unless the VM logs into rings only).
     pub(crate) dirty: Option<Arc<SlotBitmap>>,
+    /// The slot is leaving this guest range (a move in progress; KVM's
+    /// `KVM_MEMSLOT_INVALID`). Faults refuse it and retry, so nothing new is mapped, but
+    /// dirty marks still find it: a vCPU that set D through a leaf the move has not yet
+    /// zapped logs that write in the slot's (shared) log instead of dropping it.
+    pub(crate) invalid: bool,
 }
 
 impl Memslot {
@@ -179,6 +186,11 @@ impl Memslot {
     #[inline]
     pub fn is_logging(&self) -> bool {
         self.flags.contains(MemslotFlags::LOG_DIRTY_PAGES) && !self.is_readonly()
+    }
+    /// A move of this slot is in progress and this copy marks its old range; faults retry.
+    #[inline]
+    pub fn is_invalid(&self) -> bool {
+        self.invalid
     }
     /// Read-only slot.
     #[inline]

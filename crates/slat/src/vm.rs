@@ -803,6 +803,7 @@ impl<F: PteFormat> Vm<F> {
             host,
             flags,
             dirty: self.new_bitmap(flags, npages),
+            invalid: false,
         };
         self.publish(|v| v.push(Arc::new(slot)));
         Ok(())
@@ -823,7 +824,8 @@ impl<F: PteFormat> Vm<F> {
     }
 
     /// Moves a memslot to a new guest address (same host memory). The old range is zapped and
-    /// flushed before this returns.
+    /// flushed before this returns; while the move runs, neither range maps (faults on the old
+    /// one retry, on the new one exit as MMIO, as in KVM).
     pub fn move_memslot(&self, id: SlotId, new_gpa: u64) -> Result<(), MemslotError> {
         let _s = sync::lock(&self.slots_lock);
         let cur = self.slots.load_full();
@@ -832,25 +834,34 @@ impl<F: PteFormat> Vm<F> {
             .ok_or(MemslotError::UnknownSlot { id })?
             .clone();
         validate_range::<F>(&cur, id, new_gpa, slot.size(), Some(id))?;
-        let moved = Memslot {
-            id,
-            base_gfn: new_gpa >> PAGE_SHIFT,
-            npages: slot.npages,
-            host_addr: slot.host_addr,
-            host_page_size: slot.host_page_size,
-            host: slot.host.clone(),
-            flags: slot.flags,
-            // The log survives the move, as in KVM (`kvm_prepare_memory_region` hands the old
-            // bitmap to the new slot): its bits are slot-relative, and a page written before
-            // the move and not yet harvested must still be reported after it. Writers that
-            // still see the old slot mark the same bitmap.
-            dirty: slot.dirty.clone(),
-        };
+        // Step 1: the old range stays published, invalid (KVM's `kvm_invalidate_memslot`).
+        // A vCPU may still write through a leaf of the old range until the zap below has
+        // flushed; with hardware-dirty tracking it logs that write by looking the gfn up, and
+        // an invalid copy there is what it finds. Publishing the new range at once instead
+        // dropped such marks (found by the churn oracle).
+        let invalid = Arc::new(Memslot {
+            invalid: true,
+            ..(*slot).clone()
+        });
         self.publish(|v| {
             v.retain(|s| s.id != id);
-            v.push(Arc::new(moved));
+            v.push(invalid);
         });
+        // Step 2: zap and flush under the MMU lock: afterwards no vCPU holds or walks a leaf
+        // of the old range, so nothing can mark through it any more.
         self.zap_gfn_range(slot.base_gfn, slot.end_gfn());
+        // Step 3: the new range. The log survives the move, as in KVM
+        // (`kvm_prepare_memory_region` hands the old bitmap to the new slot): its bits are
+        // slot-relative, and a page written before the move and not yet harvested must still
+        // be reported after it.
+        let moved = Arc::new(Memslot {
+            base_gfn: new_gpa >> PAGE_SHIFT,
+            ..(*slot).clone()
+        });
+        self.publish(|v| {
+            v.retain(|s| s.id != id);
+            v.push(moved);
+        });
         Ok(())
     }
 
@@ -881,14 +892,9 @@ impl<F: PteFormat> Vm<F> {
             self.new_bitmap(flags, slot.npages)
         };
         let updated = Arc::new(Memslot {
-            id,
-            base_gfn: slot.base_gfn,
-            npages: slot.npages,
-            host_addr: slot.host_addr,
-            host_page_size: slot.host_page_size,
-            host: slot.host.clone(),
             flags,
             dirty,
+            ..(*slot).clone()
         });
         self.publish(|v| {
             v.retain(|s| s.id != id);
