@@ -24,7 +24,9 @@
 //!   which logging was off on their slot promise nothing (turning logging off ends the log: the
 //!   host harvests first, and re-sends the slot after turning logging on again).
 //! - Exactness: a page reported by harvest `h` must have a write in flight or completed after
-//!   the previous harvest began (except the all-ones first harvest of INITIALLY_SET).
+//!   the previous harvest began (except the all-ones first harvest of INITIALLY_SET), or one
+//!   given up then because the round stopped while its slot was moving (its fault logged the
+//!   page before the store, which then never happened: KVM reports such a page too).
 //! - At the end of a round, with the vCPUs stopped and a final harvest done, the VMM's copy of
 //!   every checked page (refreshed from guest memory for each reported page, as a migration
 //!   would) must equal guest memory: each write stores a value never written before, so any
@@ -513,6 +515,11 @@ struct Shared {
     aux_gpa: AtomicU64,
     /// Per checked page: the latest completed write (`pack`).
     rec: Vec<AtomicU64>,
+    /// Per checked page: the latest write abandoned when the round stopped (`pack`, `c` the
+    /// epoch it was given up at). Its fault may have logged the page already (a mark is
+    /// made when W is granted, before the access retries, as in KVM) although the store never
+    /// happened (the slot moved away first): a report of it is not spurious. It owes nothing.
+    abandoned: Vec<AtomicU64>,
     /// Per vCPU: 1 + the checked page it is writing now (0: none).
     inflight: Vec<AtomicU64>,
     /// Per checked page: the guest address of its last write (for failure reports).
@@ -534,6 +541,7 @@ impl Shared {
             checked_gpa: std::array::from_fn(|s| AtomicU64::new(checked_gpa(s, 0))),
             aux_gpa: AtomicU64::new(aux_gpa(0)),
             rec: (0..TOTAL).map(|_| AtomicU64::new(0)).collect(),
+            abandoned: (0..TOTAL).map(|_| AtomicU64::new(0)).collect(),
             inflight: (0..vcpus).map(|_| AtomicU64::new(0)).collect(),
             wrote_at: (0..TOTAL).map(|_| AtomicU64::new(0)).collect(),
             moves: Mutex::new(Vec::new()),
@@ -678,6 +686,9 @@ impl<F: PteFormat> Guest<F> {
             self.mine[idx] = val;
             self.sh.wrote_at[idx].store(gpa, Ordering::Relaxed);
             self.out.writes += 1;
+        } else {
+            let c = self.sh.epoch.load(Ordering::SeqCst);
+            self.sh.abandoned[idx].fetch_max(pack(b, c), Ordering::SeqCst);
         }
         self.sh.inflight[self.v].store(0, Ordering::SeqCst);
         Ok(())
@@ -1296,7 +1307,9 @@ impl<'a, F: PteFormat> Host<'a, F> {
                 continue;
             }
             let rec = self.sh.rec[idx].load(Ordering::SeqCst);
-            if unpack(rec).is_none_or(|(_, c)| c < prev_start) {
+            let tried = self.sh.abandoned[idx].load(Ordering::SeqCst);
+            let recent = |r: u64| unpack(r).is_some_and(|(_, c)| c >= prev_start);
+            if !recent(rec) && !recent(tried) {
                 bad.push(format!(
                     "{} reported by harvest {h} (previous harvest began at epoch {prev_start}), \
                      last write {}",
