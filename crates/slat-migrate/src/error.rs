@@ -64,8 +64,9 @@ pub enum StreamError {
         /// What is wrong with the page.
         err: PageError,
     },
-    /// The peer sent nothing for too long.
-    #[error("no data from the peer for {0:?}")]
+    /// The peer sent nothing for too long, or took longer than that to complete a frame's
+    /// header or payload (a trickling peer).
+    #[error("the peer sent nothing, or did not complete a frame, within {0:?}")]
     Timeout(Duration),
     /// A socket error.
     #[error("connection error: {0}")]

@@ -798,7 +798,16 @@ impl<R: Read> FrameReader<R> {
     /// Fills `buf`. `Ok(false)`: the stream ended cleanly before its first byte.
     fn fill(&mut self, buf: &mut [u8], what: &'static str) -> Result<bool, StreamError> {
         let mut got = 0;
+        // The socket's read timeout bounds each read, not the frame: a peer trickling a byte
+        // just inside it would hold the destination for as long as it likes. The whole header
+        // or payload must arrive within the timeout (a 4 MiB frame at the slowest
+        // `--bandwidth`, 1 MiB/s, takes 4 s); so a stalled frame fails within twice the
+        // timeout at most.
+        let start = std::time::Instant::now();
         while got < buf.len() {
+            if got > 0 && start.elapsed() > self.timeout {
+                return Err(StreamError::Timeout(self.timeout));
+            }
             match self.r.read(&mut buf[got..]) {
                 Ok(0) if got == 0 => return Ok(false),
                 Ok(0) => {

@@ -299,3 +299,40 @@ fn a_hostile_refusal_reaches_the_source_as_one_line() {
     assert_eq!(e.lines().count(), 1, "{e}");
     assert!(!e.contains('\x1b'), "{e:?}");
 }
+
+/// A source that trickles its hello one byte at a time, each just inside the socket's read
+/// timeout, used to hold the destination for as long as it liked (every read succeeded): the
+/// whole frame must now arrive within the timeout.
+#[test]
+fn a_trickling_source_times_out_within_the_frame_deadline() {
+    use std::io::Write;
+    let timeout = Duration::from_millis(600);
+    let cfg = DestConfig {
+        timeout,
+        ..dest_config()
+    };
+    let (f, asked) = recording_factory();
+    let (addr, h) = spawn_dest(Destination::new(f, cfg), 1);
+    let mut bytes = stream::preamble(stream::VERSION).to_vec();
+    bytes.extend_from_slice(&hello_frame(small(), &[(0, 64)]));
+    let mut s = std::net::TcpStream::connect(&addr).expect("connect");
+    let t0 = std::time::Instant::now();
+    // One byte every 200 ms: 150+ bytes would take 30 s; the old reader waited it out.
+    for b in bytes {
+        if s.write_all(&[b]).is_err() || t0.elapsed() > Duration::from_secs(20) {
+            break; // the destination hung up (the fix) or we gave up (the bug)
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (mut results, _) = h.join().expect("the destination thread panicked");
+    let elapsed = t0.elapsed();
+    match results.remove(0) {
+        Err(e) => assert!(e.to_string().contains("did not complete a frame"), "{e}"),
+        Ok(_) => panic!("a trickled stream was accepted after {elapsed:?}"),
+    }
+    assert!(
+        elapsed < Duration::from_secs(10),
+        "the destination waited {elapsed:?} for a trickled frame (timeout {timeout:?})"
+    );
+    assert!(asked.lock().unwrap().is_empty(), "a machine was built");
+}
