@@ -104,6 +104,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         dirty: slat_kvm::DirtyConfig {
             manual_protect: slat_kvm::MANUAL_PROTECT_ENABLE | slat_kvm::INITIALLY_SET,
             ring_entries: 0,
+            ..slat_kvm::DirtyConfig::default()
         },
         ..KvmConfig::default()
     })?;
@@ -140,6 +141,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         dirty: slat_kvm::DirtyConfig {
             manual_protect: 0,
             ring_entries: entries,
+            ..slat_kvm::DirtyConfig::default()
         },
         ..KvmConfig::default()
     })?;

@@ -4,9 +4,7 @@
 use crate::dirty::{self, DirtyRing, RingSize};
 use crate::error::KvmError;
 use crate::guest::{self, control, param, GuestMode, LowLayout, SYNC_PORT};
-use crate::mem::{Backing, HostMemory, PAGE_SHIFT, PAGE_SIZE};
 use crate::memslot::Memslot;
-use crate::memstress::{ParkMiller, PassParams};
 use crate::stats::{Stat, StatsFd};
 use kvm_bindings::{
     kvm_enable_cap, kvm_userspace_memory_region, CpuId, KVM_CAP_DIRTY_LOG_RING,
@@ -14,16 +12,18 @@ use kvm_bindings::{
     KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_EXIT_DIRTY_RING_FULL, KVM_MAX_CPUID_ENTRIES,
 };
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
+use slat_workload::{
+    Backing, DirtyConfig, GuestRam, Layout, ParkMiller, PassParams, TestMachine, FIRST_SLOT,
+    INITIALLY_SET, MANUAL_PROTECT_ENABLE, PAGE_SHIFT, PAGE_SIZE,
+};
 use std::ffi::CString;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Barrier, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Barrier, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// The memslot id of the low slot (code, parameters, page tables, stacks).
 pub const LOW_SLOT: u32 = 0;
-/// The first memslot id of the test region (KVM's MEMSTRESS_MEM_SLOT_INDEX).
-pub const FIRST_SLOT: u32 = 1;
 /// The default KVM device.
 pub const DEFAULT_DEVICE: &str = "/dev/kvm";
 /// The highest guest physical address bit the test region may use: everything then lies under
@@ -33,20 +33,11 @@ pub const DEFAULT_DEVICE: &str = "/dev/kvm";
 /// them.
 pub const MAX_GPA_BITS: u32 = 39;
 
-/// How the VM logs dirty pages; applied when the machine is built, before vCPUs exist.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct DirtyConfig {
-    /// `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` flags ([`MANUAL_PROTECT_ENABLE`] |
-    /// [`INITIALLY_SET`]; 0 = GET clears and re-protects).
-    pub manual_protect: u32,
-    /// Dirty ring entries per vCPU (0 = bitmaps). A power of two, at least 256 (one page).
-    pub ring_entries: u32,
-}
-
-/// `KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE`: GET copies the bitmap; CLEAR clears and re-protects.
-pub const MANUAL_PROTECT_ENABLE: u32 = KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE;
-/// `KVM_DIRTY_LOG_INITIALLY_SET`: enabling logging sets every bit and protects nothing.
-pub const INITIALLY_SET: u32 = KVM_DIRTY_LOG_INITIALLY_SET;
+// `slat-workload` spells KVM's dirty-log flags without depending on KVM's headers.
+const _: () = assert!(
+    MANUAL_PROTECT_ENABLE == KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE
+        && INITIALLY_SET == KVM_DIRTY_LOG_INITIALLY_SET
+);
 
 /// What to build.
 #[derive(Debug, Clone)]
@@ -138,41 +129,6 @@ fn caps_of(kvm: &Kvm, cpuid: &CpuId) -> Result<HostCaps, KvmError> {
     })
 }
 
-/// Where the test region is, and which part of it vCPU `i` accesses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Layout {
-    /// Guest physical (= guest virtual) address of the test region.
-    pub gpa: u64,
-    /// Host address of the test region.
-    pub host: u64,
-    /// Bytes per vCPU.
-    pub bytes_per_vcpu: u64,
-    /// vCPUs.
-    pub vcpus: usize,
-    /// Whole-region access.
-    pub overlap: bool,
-}
-
-impl Layout {
-    /// Pages in the test region.
-    pub fn total_pages(&self) -> u64 {
-        (self.bytes_per_vcpu * self.vcpus as u64) >> PAGE_SHIFT
-    }
-    /// (gpa, host, pages) of vCPU `i`'s region.
-    pub fn region(&self, i: usize) -> (u64, u64, u64) {
-        if self.overlap {
-            (self.gpa, self.host, self.total_pages())
-        } else {
-            let off = self.bytes_per_vcpu * i as u64;
-            (
-                self.gpa + off,
-                self.host + off,
-                self.bytes_per_vcpu >> PAGE_SHIFT,
-            )
-        }
-    }
-}
-
 /// What the vCPUs run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Workload {
@@ -193,29 +149,19 @@ pub enum Workload {
     },
 }
 
-/// One vCPU's part of a pass (or of a workload run until halted).
+/// What KVM counts per vCPU beside the shared fields of [`VcpuPass`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct VcpuPass {
-    /// From the vCPU thread's first `KVM_RUN` of the pass to its sync exit.
-    pub time: Duration,
-    /// Pages touched (writes, for the writer).
-    pub pages: u64,
-    /// Full passes completed (a `Loop` may stop in the middle of one).
-    pub passes: u64,
-    /// `KVM_EXIT_DIRTY_RING_FULL` exits handled.
-    pub ring_full_exits: u64,
+pub struct KvmCounters {
     /// `KVM_RUN` calls (1 + exits handled inside the pass).
     pub entries: u64,
 }
 
+/// One vCPU's part of a pass: from its first `KVM_RUN` of the pass to its sync exit; its
+/// `ring_full_exits` counts `KVM_EXIT_DIRTY_RING_FULL` exits handled.
+pub type VcpuPass = slat_workload::VcpuPass<KvmCounters>;
+
 /// A completed pass.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PassReport {
-    /// From releasing the vCPUs to the last one's sync.
-    pub wall: Duration,
-    /// Per vCPU.
-    pub vcpus: Vec<VcpuPass>,
-}
+pub type PassReport = slat_workload::PassReport<KvmCounters>;
 
 #[derive(Debug, Clone, Copy)]
 enum Job {
@@ -262,8 +208,8 @@ pub struct KvmMachine {
     /// Statistics fds of the VM and of each vCPU (`None` on kernels without them).
     stats: Option<(StatsFd, Vec<StatsFd>)>,
     // Memory goes last: it is unmapped after the vCPU threads are joined and the VM closed.
-    low: HostMemory,
-    ram: HostMemory,
+    low: GuestRam,
+    ram: GuestRam,
 }
 
 impl KvmMachine {
@@ -295,6 +241,18 @@ impl KvmMachine {
             return Err(KvmError::Config(format!(
                 "{per_slot} bytes per memslot is more than KVM's 2^32 pages"
             )));
+        }
+        if config.backing == Backing::Shmem {
+            return Err(KvmError::Config(
+                "-s shmem is not supported by the kvm backend (use anonymous, anonymous_thp or \
+                 anonymous_hugetlb)"
+                    .into(),
+            ));
+        }
+        if config.dirty.ring_with_bitmap {
+            return Err(KvmError::Config(
+                "dirty rings with bitmaps beside them are a switch of the simulated engine".into(),
+            ));
         }
         let ring = config.dirty.ring_entries;
         if ring != 0 && (!ring.is_power_of_two() || ring < 256) {
@@ -393,8 +351,8 @@ impl KvmMachine {
         }
 
         let ram_len = total.div_ceil(config.backing.page_size()) * config.backing.page_size();
-        let ram = HostMemory::new(config.backing, ram_len, config.prefault)?;
-        let low = HostMemory::new(Backing::Anonymous, low_layout.size, true)?;
+        let ram = GuestRam::new(config.backing, ram_len, config.prefault)?;
+        let low = GuestRam::new(Backing::Anonymous, low_layout.size, true)?;
         {
             // SAFETY: `low` is a fresh private mapping of `size` bytes that nothing else uses
             // until the vCPUs exist.
@@ -749,6 +707,13 @@ impl KvmMachine {
         Ok(())
     }
 
+    /// Changes the value a running [`Workload::Writer`] writes: the guest reads it from the
+    /// control page before every write.
+    pub fn set_writer_value(&self, value: u64) {
+        self.low_u64(self.low_layout.control + control::ITERATION)
+            .store(value, Ordering::Relaxed);
+    }
+
     /// Asks the running workload to stop at the vCPUs' next check and waits for every vCPU to
     /// sync.
     pub fn halt(&self) -> Result<PassReport, KvmError> {
@@ -931,7 +896,7 @@ impl VcpuContext {
         let mut p = VcpuPass::default();
         let t0 = Instant::now();
         loop {
-            p.entries += 1;
+            p.counters.entries += 1;
             let exit = match self.vcpu.run() {
                 Ok(VcpuExit::IoOut(port, _)) if port == SYNC_PORT => break,
                 Ok(VcpuExit::Unsupported(r)) if r == KVM_EXIT_DIRTY_RING_FULL => {
@@ -978,90 +943,73 @@ fn vcpu_thread(mut ctx: VcpuContext) {
     }
 }
 
-/// Runs the memstress pattern of `layout` natively on `mem` (at least as large as the test
-/// region) with one thread per vCPU: the native baseline of a pass. The wall time is the
-/// slowest thread's own time (the spawning thread may not run again until the workers finish).
-///
-/// Only `bytes_per_vcpu`, `vcpus` and `overlap` of `layout` matter (vCPU `i` works on
-/// `mem[i * bytes_per_vcpu..]`, or all of it with overlap). Refused with
-/// [`KvmError::Config`]: `bytes_per_vcpu` zero or not a multiple of 4 KiB, a region size that
-/// overflows, or `mem` smaller than the region.
+/// Runs the memstress pattern of `layout` natively on `mem` with one thread per vCPU: the
+/// native baseline of a pass ([`slat_workload::native_baseline`], whose refusals become
+/// [`KvmError::Config`]).
 pub fn native_baseline(
     layout: Layout,
-    mem: &HostMemory,
+    mem: &GuestRam,
     params: PassParams,
 ) -> Result<PassReport, KvmError> {
-    let bytes = layout.bytes_per_vcpu;
-    if bytes == 0 || bytes % PAGE_SIZE != 0 {
-        return Err(KvmError::Config(format!(
-            "native baseline: memory per vCPU ({bytes} bytes) must be a non-zero multiple of 4 KiB"
-        )));
+    Ok(slat_workload::native_baseline(layout, mem, params)?)
+}
+
+impl TestMachine for KvmMachine {
+    type Error = KvmError;
+    type Counters = KvmCounters;
+
+    fn layout(&self) -> Layout {
+        self.layout
     }
-    let total = u64::try_from(layout.vcpus)
-        .ok()
-        .and_then(|v| bytes.checked_mul(v))
-        .ok_or_else(|| KvmError::Config("native baseline: region size overflows".into()))?;
-    if mem.len() < total {
-        return Err(KvmError::Config(format!(
-            "native baseline needs {total} bytes of host memory, got {}",
-            mem.len()
-        )));
+    fn dirty_config(&self) -> DirtyConfig {
+        self.config.dirty
     }
-    // (offset in `mem`, pages) of vCPU `i`: inside `[0, total)`, page aligned.
-    let region = |i: usize| {
-        if layout.overlap {
-            (0, total >> PAGE_SHIFT)
-        } else {
-            (bytes * i as u64, bytes >> PAGE_SHIFT)
-        }
-    };
-    let base = mem.addr();
-    // The workers start together when the gate opens (the write lock is released); if a
-    // thread cannot be started, the gate opens with `true` and the started ones return.
-    let gate = RwLock::new(false);
-    let mut abort = gate.write().unwrap_or_else(|e| e.into_inner());
-    let vcpus = std::thread::scope(|s| {
-        let mut handles = Vec::with_capacity(layout.vcpus);
-        let mut failed = None;
-        for i in 0..layout.vcpus {
-            let gate = &gate;
-            let (off, pages) = region(i);
-            let worker = move || {
-                if *gate.read().unwrap_or_else(|e| e.into_inner()) {
-                    return None;
-                }
-                let t0 = Instant::now();
-                // SAFETY: `[base + off, base + off + pages * 4 KiB)` lies in `mem`: `off +
-                // pages * 4 KiB <= total <= mem.len()` (checked above), and `mem` outlives the
-                // scope. `base` and `off` are page aligned. Other workers access the range
-                // only atomically.
-                unsafe { crate::memstress::native_pass(base + off, pages, params, i as u32) };
-                Some(VcpuPass {
-                    time: t0.elapsed(),
-                    pages,
-                    passes: 1,
-                    ..VcpuPass::default()
-                })
-            };
-            match std::thread::Builder::new().spawn_scoped(s, worker) {
-                Ok(h) => handles.push(h),
-                Err(e) => {
-                    failed = Some(e);
-                    break;
-                }
-            }
-        }
-        *abort = failed.is_some();
-        drop(abort);
-        let done: Vec<_> = handles
-            .into_iter()
-            .map(|h| h.join().ok().flatten().unwrap_or_default())
-            .collect();
-        match failed {
-            Some(e) => Err(KvmError::Thread(e)),
-            None => Ok(done),
-        }
-    })?;
-    let wall = vcpus.iter().map(|v| v.time).max().unwrap_or_default();
-    Ok(PassReport { wall, vcpus })
+    fn test_slots(&self) -> std::ops::Range<u32> {
+        FIRST_SLOT..FIRST_SLOT + self.config.slots as u32
+    }
+    fn pages_per_slot(&self) -> u64 {
+        KvmMachine::pages_per_slot(self)
+    }
+    fn run_pass(&self, params: PassParams) -> Result<PassReport, KvmError> {
+        KvmMachine::run_pass(self, params)
+    }
+    fn start_loop(&self, params: PassParams) -> Result<(), KvmError> {
+        self.start(Workload::Loop(params))
+    }
+    fn start_writer(&self, seed: u32, value: u64) -> Result<(), KvmError> {
+        self.start(Workload::Writer {
+            seed,
+            iteration: value,
+        })
+    }
+    fn set_writer_value(&self, value: u64) {
+        KvmMachine::set_writer_value(self, value)
+    }
+    fn halt(&self) -> Result<PassReport, KvmError> {
+        KvmMachine::halt(self)
+    }
+    fn set_dirty_logging(&self, on: bool) -> Result<(), KvmError> {
+        KvmMachine::set_dirty_logging(self, on)
+    }
+    fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), KvmError> {
+        KvmMachine::get_dirty_log(self, slot, bitmap)
+    }
+    fn clear_dirty_log(
+        &self,
+        slot: u32,
+        first: u64,
+        num: u64,
+        bitmap: &[u64],
+    ) -> Result<(), KvmError> {
+        KvmMachine::clear_dirty_log(self, slot, first, num, bitmap)
+    }
+    fn collect_dirty_rings(&self, f: &mut dyn FnMut(u32, u64)) -> u64 {
+        KvmMachine::collect_dirty_rings(self, f)
+    }
+    fn reset_dirty_rings(&self) -> Result<u64, KvmError> {
+        KvmMachine::reset_dirty_rings(self)
+    }
+    fn page_value(&self, page: u64) -> Option<u64> {
+        KvmMachine::page_value(self, page)
+    }
 }

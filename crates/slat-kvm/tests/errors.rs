@@ -62,6 +62,7 @@ fn bad_dirty_configurations_are_refused() {
             dirty: DirtyConfig {
                 ring_entries: ring,
                 manual_protect: 0,
+                ..DirtyConfig::default()
             },
             ..base.clone()
         });
@@ -71,6 +72,7 @@ fn bad_dirty_configurations_are_refused() {
         dirty: DirtyConfig {
             ring_entries: 0,
             manual_protect: INITIALLY_SET,
+            ..DirtyConfig::default()
         },
         ..base.clone()
     });
@@ -79,6 +81,7 @@ fn bad_dirty_configurations_are_refused() {
         dirty: DirtyConfig {
             ring_entries: 1024,
             manual_protect: MANUAL_PROTECT_ENABLE,
+            ..DirtyConfig::default()
         },
         ..base
     });
@@ -135,6 +138,7 @@ fn ring_larger_than_the_host_allows_is_unsupported() {
         dirty: DirtyConfig {
             ring_entries: entries,
             manual_protect: 0,
+            ..DirtyConfig::default()
         },
         ..KvmConfig::default()
     })

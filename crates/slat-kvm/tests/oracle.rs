@@ -22,6 +22,7 @@ fn oracle(mode: LogMode, slots: usize, ring_entries: u32) {
         iterations: 8,
         interval: Duration::from_millis(30),
         seed: 42,
+        toggle_every: 0,
     };
     let mut seen = 0;
     let r = run(&m, cfg, |it| {
@@ -96,6 +97,7 @@ fn oracle_refuses_a_machine_built_for_another_mode() {
         iterations: 1,
         interval: Duration::from_millis(1),
         seed: 1,
+        toggle_every: 0,
     };
     assert!(matches!(run(&m, cfg, |_| {}), Err(KvmError::Config(_))));
     let cfg = OracleConfig {

@@ -17,9 +17,8 @@ use crate::error::{GuestError, MemoryError, ShapeError};
 use crate::page_set::PageSet;
 use crate::stream::{Shape, WorkSpec, PAGE_SIZE};
 use slat::{Ept, PteFormat, Stage2, VmConfig};
-use slat_machine::{
-    Backing, DirtyConfig, Machine, MachineConfig, PacedParams, Pacer, PassParams, Workload,
-};
+use slat_machine::{Backing, Machine, MachineConfig, PacedParams, Pacer, PassParams, Workload};
+use slat_workload::{DirtyConfig, TestMachine, INITIALLY_SET, MANUAL_PROTECT_ENABLE};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -164,19 +163,19 @@ pub unsafe trait Guest: Send + Sync {
 pub fn build(spec: &GuestSpec) -> Result<Arc<dyn Guest>, GuestError> {
     let s = spec.shape;
     let pages = s.check()?;
+    let dirty = match spec.log {
+        LogMode::Get => DirtyConfig::default(),
+        LogMode::Clear => DirtyConfig {
+            manual_protect: MANUAL_PROTECT_ENABLE | INITIALLY_SET,
+            ..DirtyConfig::default()
+        },
+        LogMode::Ring => DirtyConfig {
+            ring_entries: spec.ring_entries,
+            ..DirtyConfig::default()
+        },
+    };
     match spec.backend {
         BackendKind::Sim => {
-            let dirty = match spec.log {
-                LogMode::Get => DirtyConfig::default(),
-                LogMode::Clear => DirtyConfig {
-                    manual_protect: slat::dirty::MANUAL_PROTECT_ENABLE | slat::dirty::INITIALLY_SET,
-                    ..DirtyConfig::default()
-                },
-                LogMode::Ring => DirtyConfig {
-                    ring_entries: spec.ring_entries,
-                    ..DirtyConfig::default()
-                },
-            };
             let config = MachineConfig {
                 vm: spec.vm,
                 backing: spec.backing,
@@ -197,30 +196,8 @@ pub fn build(spec: &GuestSpec) -> Result<Arc<dyn Guest>, GuestError> {
             }
         }
         BackendKind::Kvm => {
-            let backing = match spec.backing {
-                Backing::Anonymous => slat_kvm::Backing::Anonymous,
-                Backing::AnonymousThp => slat_kvm::Backing::AnonymousThp,
-                Backing::AnonymousHugetlb2M => slat_kvm::Backing::AnonymousHugetlb2M,
-                Backing::AnonymousHugetlb1G => slat_kvm::Backing::AnonymousHugetlb1G,
-                Backing::Shmem => {
-                    return Err(GuestError(
-                        "-s shmem is not supported by the kvm backend (use anonymous, anonymous_thp or anonymous_hugetlb)".into(),
-                    ))
-                }
-            };
-            let dirty = match spec.log {
-                LogMode::Get => slat_kvm::DirtyConfig::default(),
-                LogMode::Clear => slat_kvm::DirtyConfig {
-                    manual_protect: slat_kvm::MANUAL_PROTECT_ENABLE | slat_kvm::INITIALLY_SET,
-                    ring_entries: 0,
-                },
-                LogMode::Ring => slat_kvm::DirtyConfig {
-                    manual_protect: 0,
-                    ring_entries: spec.ring_entries,
-                },
-            };
             let m = slat_kvm::KvmMachine::new(slat_kvm::KvmConfig {
-                backing,
+                backing: spec.backing,
                 vcpus: s.vcpus as usize,
                 bytes_per_vcpu: s.bytes_per_vcpu,
                 slots: s.slots as usize,
@@ -265,6 +242,46 @@ fn add_bitmap(into: &mut PageSet, first: u64, n: u64, bitmap: &[u64]) -> u64 {
         }
     }
     count
+}
+
+/// One harvest of `m`'s dirty log in `log` mode into `into` (page indexes in the test
+/// region), re-protecting what it returns before returning; returns how many pages it
+/// reported. The same for both machines: only the test slots count (rings also log the KVM
+/// guest's low slot, which never holds test pages).
+fn harvest<M: TestMachine + ?Sized>(
+    m: &M,
+    log: LogMode,
+    into: &mut PageSet,
+) -> Result<u64, M::Error> {
+    let pps = m.pages_per_slot();
+    let slots = m.test_slots();
+    match log {
+        LogMode::Get | LogMode::Clear => {
+            let mut buf = vec![0u64; pps.div_ceil(64) as usize];
+            let mut n = 0;
+            for (k, id) in slots.enumerate() {
+                m.get_dirty_log(id, &mut buf)?;
+                n += add_bitmap(into, k as u64 * pps, pps, &buf);
+                if log == LogMode::Clear {
+                    // Re-protect before the pages are read: a write after this faults and is
+                    // logged again; one before it is in what we read.
+                    m.clear_dirty_log(id, 0, pps, &buf)?;
+                }
+            }
+            Ok(n)
+        }
+        LogMode::Ring => {
+            let mut n = 0;
+            m.collect_dirty_rings(&mut |slot, off| {
+                if slots.contains(&slot) && off < pps {
+                    into.insert((slot - slots.start) as u64 * pps + off);
+                    n += 1;
+                }
+            });
+            m.reset_dirty_rings()?;
+            Ok(n)
+        }
+    }
 }
 
 fn sim_guest<F: PteFormat>(
@@ -335,38 +352,7 @@ unsafe impl<F: PteFormat> Guest for SimGuest<F> {
         self.m.set_dirty_logging(on).map_err(GuestError::from)
     }
     fn harvest(&self, into: &mut PageSet) -> Result<u64, GuestError> {
-        let vm = self.m.vm();
-        let pps = self.m.pages_per_slot();
-        let first_slot = slat_machine::machine::FIRST_SLOT;
-        match self.log {
-            LogMode::Get | LogMode::Clear => {
-                let mut buf = vec![0u64; pps.div_ceil(64) as usize];
-                let mut n = 0;
-                for (k, id) in self.m.slot_ids().enumerate() {
-                    vm.get_dirty_log(id, &mut buf).map_err(GuestError::from)?;
-                    n += add_bitmap(into, k as u64 * pps, pps, &buf);
-                    if self.log == LogMode::Clear {
-                        // Re-protect before the pages are read: a write after this faults
-                        // and is logged again; one before it is in what we read.
-                        vm.clear_dirty_log(id, 0, pps, &buf)
-                            .map_err(GuestError::from)?;
-                    }
-                }
-                Ok(n)
-            }
-            LogMode::Ring => {
-                let slots = self.shape.slots;
-                let mut n = 0;
-                self.m.collect_dirty_rings(|slot, off| {
-                    if slot >= first_slot && slot < first_slot + slots && off < pps {
-                        into.insert((slot - first_slot) as u64 * pps + off);
-                        n += 1;
-                    }
-                });
-                vm.reset_dirty_rings().map_err(GuestError::from)?;
-                Ok(n)
-            }
-        }
+        harvest(&self.m, self.log, into).map_err(GuestError::from)
     }
     fn start(&self, work: WorkSpec) -> Result<(), GuestError> {
         self.pacer.set_rate(work.rate);
@@ -578,40 +564,7 @@ unsafe impl Guest for KvmGuest {
         self.m.set_dirty_logging(on).map_err(GuestError::from)
     }
     fn harvest(&self, into: &mut PageSet) -> Result<u64, GuestError> {
-        let pps = self.m.pages_per_slot();
-        let first_slot = slat_kvm::FIRST_SLOT;
-        match self.log {
-            LogMode::Get | LogMode::Clear => {
-                let mut buf = vec![0u64; pps.div_ceil(64) as usize];
-                let mut n = 0;
-                let ids: Vec<u32> = self.m.slot_ids().collect();
-                for (k, id) in ids.into_iter().enumerate() {
-                    self.m
-                        .get_dirty_log(id, &mut buf)
-                        .map_err(GuestError::from)?;
-                    n += add_bitmap(into, k as u64 * pps, pps, &buf);
-                    if self.log == LogMode::Clear {
-                        self.m
-                            .clear_dirty_log(id, 0, pps, &buf)
-                            .map_err(GuestError::from)?;
-                    }
-                }
-                Ok(n)
-            }
-            LogMode::Ring => {
-                let slots = self.shape.slots;
-                let mut n = 0;
-                self.m.collect_dirty_rings(|slot, off| {
-                    // Address space 0 only; the low slot (code, stacks) never logs.
-                    if slot >= first_slot && slot < first_slot + slots && off < pps {
-                        into.insert((slot - first_slot) as u64 * pps + off);
-                        n += 1;
-                    }
-                });
-                self.m.reset_dirty_rings().map_err(GuestError::from)?;
-                Ok(n)
-            }
-        }
+        harvest(&*self.m, self.log, into).map_err(GuestError::from)
     }
     fn start(&self, work: WorkSpec) -> Result<(), GuestError> {
         let mut d = lock(&self.driver);
