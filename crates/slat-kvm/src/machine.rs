@@ -13,12 +13,12 @@ use kvm_bindings::{
 };
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
 use slat_workload::{
-    Backing, DirtyConfig, GuestRam, Layout, ParkMiller, PassParams, TestMachine, FIRST_SLOT,
-    INITIALLY_SET, MANUAL_PROTECT_ENABLE, PAGE_SHIFT, PAGE_SIZE,
+    Backing, DirtyConfig, GuestRam, Layout, ParkMiller, PassParams, Rendezvous, TestMachine,
+    FIRST_SLOT, INITIALLY_SET, MANUAL_PROTECT_ENABLE, PAGE_SHIFT, PAGE_SIZE,
 };
 use std::ffi::CString;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Barrier, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -163,19 +163,9 @@ pub type VcpuPass = slat_workload::VcpuPass<KvmCounters>;
 /// A completed pass.
 pub type PassReport = slat_workload::PassReport<KvmCounters>;
 
-#[derive(Debug, Clone, Copy)]
-enum Job {
-    Run,
-    Stop,
-}
-
-struct Control {
-    start: Barrier,
-    done: Barrier,
-    job: Mutex<Job>,
-    results: Mutex<Vec<Result<VcpuPass, String>>>,
-    running: AtomicBool,
-}
+/// The host's rendezvous with the vCPU threads. The job itself is in the guest's parameter
+/// blocks, written before the release.
+type Control = Rendezvous<(), VcpuPass, String>;
 
 /// Rings of every vCPU, and entries taken by vCPUs on ring-full exits that the host has not
 /// collected yet. One lock: a ring is harvested by one thread at a time.
@@ -468,13 +458,7 @@ impl KvmMachine {
 
         let mut m = KvmMachine {
             threads: Vec::new(),
-            ctl: Arc::new(Control {
-                start: Barrier::new(config.vcpus + 1),
-                done: Barrier::new(config.vcpus + 1),
-                job: Mutex::new(Job::Run),
-                results: Mutex::new(vec![Ok(VcpuPass::default()); config.vcpus]),
-                running: AtomicBool::new(false),
-            }),
+            ctl: Arc::new(Control::new(config.vcpus)),
             rings: Arc::new(Mutex::new(Rings {
                 rings,
                 reaped: Vec::new(),
@@ -511,7 +495,7 @@ impl KvmMachine {
                     // never arrive, so they cannot be stopped: leak them, and the machine with
                     // them. Its guest memory must not be unmapped while their vCPU fds (and
                     // so the VM and its memslots) exist, which is for ever.
-                    *lock(&m.ctl.job) = Job::Stop;
+                    m.ctl.abandon();
                     m.threads.clear();
                     std::mem::forget(m);
                     return Err(KvmError::Thread(e));
@@ -676,7 +660,7 @@ impl KvmMachine {
                 )));
             }
         }
-        if self.ctl.running.swap(true, Ordering::SeqCst) {
+        if !self.ctl.claim() {
             return Err(KvmError::Busy("a workload is already running"));
         }
         let (mode, seed, wp, random) = match w {
@@ -701,9 +685,8 @@ impl KvmMachine {
         }
         self.low_u64(self.low_layout.control + control::HALT)
             .store(0, Ordering::SeqCst);
-        *lock(&self.ctl.job) = Job::Run;
-        // The barrier orders the stores above before the vCPU threads' KVM_RUN.
-        self.ctl.start.wait();
+        // The release orders the stores above before the vCPU threads' KVM_RUN.
+        self.ctl.release(());
         Ok(())
     }
 
@@ -717,7 +700,7 @@ impl KvmMachine {
     /// Asks the running workload to stop at the vCPUs' next check and waits for every vCPU to
     /// sync.
     pub fn halt(&self) -> Result<PassReport, KvmError> {
-        if !self.ctl.running.load(Ordering::SeqCst) {
+        if !self.ctl.running() {
             return Err(KvmError::Busy("no workload is running"));
         }
         let t0 = Instant::now();
@@ -727,17 +710,8 @@ impl KvmMachine {
     }
 
     fn wait(&self, t0: Instant) -> Result<PassReport, KvmError> {
-        self.ctl.done.wait();
-        let wall = t0.elapsed();
-        self.ctl.running.store(false, Ordering::SeqCst);
-        let results = lock(&self.ctl.results).clone();
-        let mut vcpus = Vec::with_capacity(results.len());
-        for (i, r) in results.into_iter().enumerate() {
-            match r {
-                Ok(v) => vcpus.push(v),
-                Err(exit) => return Err(KvmError::UnexpectedExit { vcpu: i, exit }),
-            }
-        }
+        let (wall, results) = self.ctl.collect(t0);
+        let vcpus = results.map_err(|(vcpu, exit)| KvmError::UnexpectedExit { vcpu, exit })?;
         Ok(PassReport { wall, vcpus })
     }
 
@@ -849,11 +823,10 @@ impl Drop for KvmMachine {
         if self.threads.is_empty() {
             return;
         }
-        if self.ctl.running.load(Ordering::SeqCst) {
+        if self.ctl.running() {
             let _ = self.halt();
         }
-        *lock(&self.ctl.job) = Job::Stop;
-        self.ctl.start.wait();
+        self.ctl.stop();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -923,11 +896,7 @@ impl VcpuContext {
 
 fn vcpu_thread(mut ctx: VcpuContext) {
     let mut broken = false;
-    loop {
-        ctx.ctl.start.wait();
-        if matches!(*lock(&ctx.ctl.job), Job::Stop) {
-            break;
-        }
+    while ctx.ctl.next_job().is_some() {
         if broken {
             // The last run ended somewhere in the guest: start the program over.
             broken = ctx.vcpu.set_regs(&ctx.regs).is_err();
@@ -938,8 +907,7 @@ fn vcpu_thread(mut ctx: VcpuContext) {
             ctx.run()
         };
         broken = r.is_err();
-        lock(&ctx.ctl.results)[ctx.idx] = r;
-        ctx.ctl.done.wait();
+        ctx.ctl.report(ctx.idx, r);
     }
 }
 

@@ -12,9 +12,9 @@ use slat::format::{PteFormat, PAGE_SHIFT, PAGE_SIZE};
 use slat::memslot::MemslotFlags;
 use slat::{DirtyLogError, Ept, HostRange, HostRangeError, MemslotError, SlotId, Vm, VmConfig};
 pub use slat_workload::{DirtyConfig, Layout, FIRST_SLOT};
-use slat_workload::{TestMachine, WorkloadError};
+use slat_workload::{Rendezvous, TestMachine, WorkloadError};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Barrier};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -138,22 +138,8 @@ pub enum Workload {
     Paced(crate::paced::PacedParams),
 }
 
-enum Job {
-    Run(Workload),
-    Stop,
-}
-
-struct Control {
-    start: Barrier,
-    done: Barrier,
-    job: Mutex<Option<Arc<Job>>>,
-    results: Mutex<Vec<Result<VcpuPass, Exit>>>,
-    stopped: AtomicBool,
-    /// Ask running vCPUs to finish at the next check.
-    halt: AtomicBool,
-    /// A started workload has not been collected yet.
-    running: AtomicBool,
-}
+/// The host's rendezvous with the vCPU threads: every vCPU runs the same workload.
+type Control = Rendezvous<Workload, VcpuPass, Exit>;
 
 /// The simulated machine.
 pub struct Machine<F: PteFormat = Ept> {
@@ -162,6 +148,8 @@ pub struct Machine<F: PteFormat = Ept> {
     layout: Layout,
     config: MachineConfig,
     ctl: Arc<Control>,
+    /// Asks running vCPUs to finish at their next check.
+    halt: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
     pool: Arc<PcpuPool>,
     /// Ring entries reaped by vCPUs on ring-full exits, not yet collected by the host.
@@ -261,21 +249,14 @@ impl<F: PteFormat> Machine<F> {
             config.pcpus
         };
         let pool = Arc::new(PcpuPool::new(pcpus));
-        let ctl = Arc::new(Control {
-            start: Barrier::new(config.vcpus + 1),
-            done: Barrier::new(config.vcpus + 1),
-            job: Mutex::new(None),
-            results: Mutex::new(vec![Ok(VcpuPass::default()); config.vcpus]),
-            stopped: AtomicBool::new(false),
-            halt: AtomicBool::new(false),
-            running: AtomicBool::new(false),
-        });
+        let ctl = Arc::new(Control::new(config.vcpus));
         let mut m = Machine {
             vm,
             ram,
             layout,
             config,
             ctl,
+            halt: Arc::new(AtomicBool::new(false)),
             threads: Vec::new(),
             pool,
             reaped: Arc::new(Mutex::new(Vec::new())),
@@ -286,16 +267,16 @@ impl<F: PteFormat> Machine<F> {
             if config.dirty.ring_entries != 0 {
                 cpu.set_ring_full_handler(m.ring_full_handler());
             }
-            let ctl = m.ctl.clone();
+            let (ctl, halt) = (m.ctl.clone(), m.halt.clone());
             let t = std::thread::Builder::new()
                 .name(format!("vcpu{i}"))
-                .spawn(move || vcpu_thread(cpu, i, layout, ctl));
+                .spawn(move || vcpu_thread(cpu, i, layout, &ctl, &halt));
             match t {
                 Ok(h) => m.threads.push(h),
                 Err(e) => {
                     // The threads already started wait at the start barrier, which now can never
                     // fill; they are leaked with the error, which the caller reports and exits on.
-                    m.ctl.stopped.store(true, Ordering::SeqCst);
+                    m.ctl.abandon();
                     m.threads.clear();
                     return Err(MachineError::Thread(e));
                 }
@@ -358,38 +339,28 @@ impl<F: PteFormat> Machine<F> {
     /// Starts `w` on every vCPU and returns at once; [`Self::halt`] stops it (a `Pass` also
     /// ends by itself, and `halt` then just collects it).
     pub fn start(&self, w: Workload) -> Result<(), MachineError> {
-        if self.ctl.running.swap(true, Ordering::SeqCst) {
+        if !self.ctl.claim() {
             return Err(MachineError::Busy("a workload is already running"));
         }
-        self.ctl.halt.store(false, Ordering::SeqCst);
-        *self.ctl.job.lock() = Some(Arc::new(Job::Run(w)));
-        self.ctl.start.wait();
+        self.halt.store(false, Ordering::SeqCst);
+        self.ctl.release(w);
         Ok(())
     }
 
     /// Asks the running workload to stop at the vCPUs' next check and waits for every vCPU to
     /// leave guest mode.
     pub fn halt(&self) -> Result<PassReport, MachineError> {
-        if !self.ctl.running.load(Ordering::SeqCst) {
+        if !self.ctl.running() {
             return Err(MachineError::Busy("no workload is running"));
         }
         let t0 = Instant::now();
-        self.ctl.halt.store(true, Ordering::SeqCst);
+        self.halt.store(true, Ordering::SeqCst);
         self.wait(t0)
     }
 
     fn wait(&self, t0: Instant) -> Result<PassReport, MachineError> {
-        self.ctl.done.wait();
-        let wall = t0.elapsed();
-        self.ctl.running.store(false, Ordering::SeqCst);
-        let results = self.ctl.results.lock().clone();
-        let mut vcpus = Vec::with_capacity(results.len());
-        for (i, r) in results.into_iter().enumerate() {
-            match r {
-                Ok(v) => vcpus.push(v),
-                Err(exit) => return Err(MachineError::UnexpectedExit { vcpu: i, exit }),
-            }
-        }
+        let (wall, results) = self.ctl.collect(t0);
+        let vcpus = results.map_err(|(vcpu, exit)| MachineError::UnexpectedExit { vcpu, exit })?;
         Ok(PassReport { wall, vcpus })
     }
 
@@ -453,34 +424,33 @@ impl<F: PteFormat> Drop for Machine<F> {
         if self.threads.is_empty() {
             return;
         }
-        if self.ctl.running.load(Ordering::SeqCst) {
+        if self.ctl.running() {
             let _ = self.halt();
         }
-        *self.ctl.job.lock() = Some(Arc::new(Job::Stop));
-        self.ctl.start.wait();
+        self.ctl.stop();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
     }
 }
 
-fn vcpu_thread<F: PteFormat>(mut cpu: Cpu<F>, idx: usize, layout: Layout, ctl: Arc<Control>) {
-    loop {
-        ctl.start.wait();
-        let job = ctl.job.lock().clone();
-        let w = match job.as_deref() {
-            Some(Job::Run(w)) if !ctl.stopped.load(Ordering::SeqCst) => w.clone(),
-            _ => break,
-        };
+fn vcpu_thread<F: PteFormat>(
+    mut cpu: Cpu<F>,
+    idx: usize,
+    layout: Layout,
+    ctl: &Control,
+    halt: &AtomicBool,
+) {
+    while let Some(w) = ctl.next_job() {
         let (gpa, _, pages) = layout.region(idx);
         let before = cpu.counters;
         let t0 = Instant::now();
         cpu.enter();
-        let r = run_workload(&mut cpu, &w, gpa, pages, idx as u32, &ctl.halt);
+        let r = run_workload(&mut cpu, &w, gpa, pages, idx as u32, halt);
         cpu.exit();
         let time = t0.elapsed();
         let c = cpu.counters;
-        ctl.results.lock()[idx] = r.map(|(touched, passes)| VcpuPass {
+        let r = r.map(|(touched, passes)| VcpuPass {
             time,
             pages: touched,
             passes,
@@ -495,7 +465,7 @@ fn vcpu_thread<F: PteFormat>(mut cpu: Cpu<F>, idx: usize, layout: Layout, ctl: A
                 tlb_conflicts: c.tlb_conflicts - before.tlb_conflicts,
             },
         });
-        ctl.done.wait();
+        ctl.report(idx, r);
     }
     cpu.destroy();
 }

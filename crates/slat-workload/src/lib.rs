@@ -10,6 +10,7 @@
 //! | [`layout`] | [`Layout`] of the test region, [`PAGE_SIZE`], [`FIRST_SLOT`] |
 //! | [`pattern`] | [`PassParams`], [`ParkMiller`], [`Pattern`], [`WriterPattern`], [`MEMSTRESS_PATTERN`], [`native_pass`] |
 //! | [`pass`] | [`VcpuPass`], [`PassReport`] |
+//! | [`rendezvous`] | [`Rendezvous`]: the host releases its vCPU threads with a job and waits for them to sync |
 //! | [`native`] | [`native_baseline`] |
 //! | [`dirty_config`] | [`DirtyConfig`], [`MANUAL_PROTECT_ENABLE`], [`INITIALLY_SET`] |
 //! | [`test_machine`] | [`TestMachine`], the trait both machines implement |
@@ -45,6 +46,7 @@ pub mod layout;
 pub mod native;
 pub mod pass;
 pub mod pattern;
+pub mod rendezvous;
 pub mod size;
 pub mod test_machine;
 
@@ -56,5 +58,6 @@ pub use layout::{Layout, FIRST_SLOT, PAGE_SHIFT, PAGE_SIZE};
 pub use native::native_baseline;
 pub use pass::{PassReport, VcpuPass};
 pub use pattern::{native_pass, ParkMiller, PassParams, Pattern, WriterPattern, MEMSTRESS_PATTERN};
+pub use rendezvous::Rendezvous;
 pub use size::{format_size, parse_size, SizeError};
 pub use test_machine::TestMachine;
