@@ -13,8 +13,8 @@ use kvm_bindings::{
 };
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
 use slat_workload::{
-    Backing, DirtyConfig, GuestRam, Layout, ParkMiller, PassParams, Rendezvous, TestMachine,
-    FIRST_SLOT, INITIALLY_SET, MANUAL_PROTECT_ENABLE, PAGE_SHIFT, PAGE_SIZE,
+    Backing, DirtyConfig, GuestRam, Layout, ParkMiller, PassParams, RegionSize, Rendezvous,
+    TestMachine, FIRST_SLOT, INITIALLY_SET, MANUAL_PROTECT_ENABLE, PAGE_SHIFT, PAGE_SIZE,
 };
 use std::ffi::CString;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -206,27 +206,8 @@ impl KvmMachine {
     /// Opens KVM, maps guest memory, creates the VM, its memslots and vCPUs (long mode, identity
     /// paging), and starts idle vCPU threads.
     pub fn new(config: KvmConfig) -> Result<Self, KvmError> {
-        if config.vcpus == 0 {
-            return Err(KvmError::Config("at least one vCPU is needed".into()));
-        }
-        if config.bytes_per_vcpu == 0 || config.bytes_per_vcpu % PAGE_SIZE != 0 {
-            return Err(KvmError::Config(format!(
-                "guest memory per vCPU ({} bytes) must be a non-zero multiple of 4 KiB",
-                config.bytes_per_vcpu
-            )));
-        }
-        let total = config
-            .bytes_per_vcpu
-            .checked_mul(config.vcpus as u64)
-            .ok_or_else(|| KvmError::Config("guest memory size overflows".into()))?;
-        let pages = total >> PAGE_SHIFT;
-        if config.slots == 0 || pages % config.slots as u64 != 0 {
-            return Err(KvmError::Config(format!(
-                "{} memslots cannot split {pages} guest pages evenly",
-                config.slots
-            )));
-        }
-        let per_slot = total / config.slots as u64;
+        let RegionSize { total, per_slot } =
+            RegionSize::new(config.vcpus, config.bytes_per_vcpu, config.slots)?;
         if per_slot >> PAGE_SHIFT > u32::MAX as u64 {
             return Err(KvmError::Config(format!(
                 "{per_slot} bytes per memslot is more than KVM's 2^32 pages"
@@ -932,11 +913,8 @@ impl TestMachine for KvmMachine {
     fn dirty_config(&self) -> DirtyConfig {
         self.config.dirty
     }
-    fn test_slots(&self) -> std::ops::Range<u32> {
-        FIRST_SLOT..FIRST_SLOT + self.config.slots as u32
-    }
-    fn pages_per_slot(&self) -> u64 {
-        KvmMachine::pages_per_slot(self)
+    fn slot_count(&self) -> usize {
+        self.config.slots
     }
     fn run_pass(&self, params: PassParams) -> Result<PassReport, KvmError> {
         KvmMachine::run_pass(self, params)

@@ -12,7 +12,7 @@ use slat::format::{PteFormat, PAGE_SHIFT, PAGE_SIZE};
 use slat::memslot::MemslotFlags;
 use slat::{DirtyLogError, Ept, HostRange, HostRangeError, MemslotError, SlotId, Vm, VmConfig};
 pub use slat_workload::{DirtyConfig, Layout, FIRST_SLOT};
-use slat_workload::{Rendezvous, TestMachine, WorkloadError};
+use slat_workload::{RegionSize, Rendezvous, TestMachine, WorkloadError};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -161,37 +161,15 @@ pub struct Machine<F: PteFormat = Ept> {
 impl<F: PteFormat> Machine<F> {
     /// Maps guest RAM, creates the VM and its memslots, and starts idle vCPU threads.
     pub fn new(config: MachineConfig) -> Result<Self, MachineError> {
-        if config.vcpus == 0 {
-            return Err(MachineError::Config("at least one vCPU is needed".into()));
-        }
-        if config.bytes_per_vcpu == 0 || config.bytes_per_vcpu % PAGE_SIZE != 0 {
-            return Err(MachineError::Config(format!(
-                "guest memory per vCPU ({} bytes) must be a non-zero multiple of 4 KiB",
-                config.bytes_per_vcpu
-            )));
-        }
         if !config.tlb_entries.is_power_of_two() {
             return Err(MachineError::Config(format!(
                 "TLB entries ({}) must be a power of two",
                 config.tlb_entries
             )));
         }
-        let total = config
-            .bytes_per_vcpu
-            .checked_mul(config.vcpus as u64)
-            .ok_or_else(|| {
-                MachineError::Config(format!(
-                    "{} vCPUs x {:#x} bytes per vCPU overflows 64 bits",
-                    config.vcpus, config.bytes_per_vcpu
-                ))
-            })?;
+        let RegionSize { total, per_slot } =
+            RegionSize::new(config.vcpus, config.bytes_per_vcpu, config.slots)?;
         let pages = total >> PAGE_SHIFT;
-        if config.slots == 0 || pages % config.slots as u64 != 0 {
-            return Err(MachineError::Config(format!(
-                "{} memslots cannot split {pages} guest pages evenly",
-                config.slots
-            )));
-        }
         let psize = config.backing.page_size();
         let ram_len = total.div_ceil(psize).checked_mul(psize).ok_or_else(|| {
             MachineError::Config(format!("{total:#x} bytes of guest memory overflow 64 bits"))
@@ -224,7 +202,6 @@ impl<F: PteFormat> Machine<F> {
         if config.dirty.ring_entries != 0 {
             vm.enable_dirty_ring(config.dirty.ring_entries, config.dirty.ring_with_bitmap)?;
         }
-        let per_slot = total / config.slots as u64;
         for s in 0..config.slots as u64 {
             let offset = s * per_slot;
             let host = HostRange::slice(ram.clone(), offset, ram.len() - offset)?;
@@ -542,11 +519,8 @@ impl<F: PteFormat> TestMachine for Machine<F> {
     fn dirty_config(&self) -> DirtyConfig {
         self.config.dirty
     }
-    fn test_slots(&self) -> std::ops::Range<u32> {
-        FIRST_SLOT..FIRST_SLOT + self.config.slots as u32
-    }
-    fn pages_per_slot(&self) -> u64 {
-        Machine::pages_per_slot(self)
+    fn slot_count(&self) -> usize {
+        self.config.slots
     }
     fn run_pass(&self, params: PassParams) -> Result<PassReport, MachineError> {
         Machine::run_pass(self, params)

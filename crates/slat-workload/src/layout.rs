@@ -1,6 +1,8 @@
 //! Where the test region is in guest physical and host memory, and which part of it each vCPU
 //! accesses (KVM memstress's layout).
 
+use crate::error::WorkloadError;
+
 /// The guest page size both machines use for the test region (x86-64 and 4 KiB stage-2).
 pub const PAGE_SIZE: u64 = 4096;
 /// log2 of [`PAGE_SIZE`].
@@ -44,5 +46,49 @@ impl Layout {
                 self.bytes_per_vcpu >> PAGE_SHIFT,
             )
         }
+    }
+}
+
+/// The test region's size, checked as both machines need it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegionSize {
+    /// Bytes in the test region (`vcpus * bytes_per_vcpu`).
+    pub total: u64,
+    /// Bytes per memslot.
+    pub per_slot: u64,
+}
+
+impl RegionSize {
+    /// The region of `vcpus` × `bytes_per_vcpu` split into `slots` equal memslots. Refused:
+    /// no vCPU, memory per vCPU zero or not a multiple of 4 KiB, a total that overflows, or
+    /// pages that `slots` cannot split evenly.
+    pub fn new(vcpus: usize, bytes_per_vcpu: u64, slots: usize) -> Result<Self, WorkloadError> {
+        if vcpus == 0 {
+            return Err(WorkloadError::Config("at least one vCPU is needed".into()));
+        }
+        if bytes_per_vcpu == 0 || bytes_per_vcpu % PAGE_SIZE != 0 {
+            return Err(WorkloadError::Config(format!(
+                "guest memory per vCPU ({bytes_per_vcpu} bytes) must be a non-zero multiple of \
+                 4 KiB"
+            )));
+        }
+        let total = u64::try_from(vcpus)
+            .ok()
+            .and_then(|v| bytes_per_vcpu.checked_mul(v))
+            .ok_or_else(|| {
+                WorkloadError::Config(format!(
+                    "{vcpus} vCPUs x {bytes_per_vcpu:#x} bytes per vCPU overflows 64 bits"
+                ))
+            })?;
+        let pages = total >> PAGE_SHIFT;
+        if slots == 0 || pages % slots as u64 != 0 {
+            return Err(WorkloadError::Config(format!(
+                "{slots} memslots cannot split {pages} guest pages evenly"
+            )));
+        }
+        Ok(RegionSize {
+            total,
+            per_slot: total / slots as u64,
+        })
     }
 }

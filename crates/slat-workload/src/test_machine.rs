@@ -4,7 +4,7 @@
 
 use crate::dirty_config::DirtyConfig;
 use crate::error::WorkloadError;
-use crate::layout::Layout;
+use crate::layout::{Layout, FIRST_SLOT};
 use crate::pass::PassReport;
 use crate::pattern::PassParams;
 use std::ops::Range;
@@ -25,10 +25,16 @@ pub trait TestMachine {
     fn layout(&self) -> Layout;
     /// How the machine logs dirty pages (fixed when it was built).
     fn dirty_config(&self) -> DirtyConfig;
+    /// Memslots the test region is split into (equal, ids [`FIRST_SLOT`]`..`).
+    fn slot_count(&self) -> usize;
     /// The ids of the test region's memslots, in guest-address order.
-    fn test_slots(&self) -> Range<u32>;
+    fn test_slots(&self) -> Range<u32> {
+        FIRST_SLOT..FIRST_SLOT + self.slot_count() as u32
+    }
     /// Pages per memslot.
-    fn pages_per_slot(&self) -> u64;
+    fn pages_per_slot(&self) -> u64 {
+        self.layout().total_pages() / self.slot_count().max(1) as u64
+    }
 
     /// Runs one memstress pass on every vCPU and waits for all of them (GUEST_SYNC).
     fn run_pass(&self, params: PassParams) -> Result<PassReport<Self::Counters>, Self::Error>;
