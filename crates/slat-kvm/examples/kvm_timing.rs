@@ -2,6 +2,7 @@
 //! kvm_timing -- [vcpus] [MiB per vCPU] [backing] [user|kernel]`
 //! (defaults 1, 256, anonymous, user).
 
+use slat_kvm::TestMachine;
 use slat_kvm::{Backing, KvmConfig, KvmMachine, PassParams};
 use std::time::Instant;
 

@@ -496,11 +496,6 @@ impl KvmMachine {
         self.caps
     }
 
-    /// Where the test region is.
-    pub fn layout(&self) -> Layout {
-        self.layout
-    }
-
     /// Where the code, parameters and page tables are in the low slot.
     pub fn low_layout(&self) -> LowLayout {
         self.low_layout
@@ -569,24 +564,6 @@ impl KvmMachine {
         FIRST_SLOT..FIRST_SLOT + self.config.slots as u32
     }
 
-    /// Pages per memslot.
-    pub fn pages_per_slot(&self) -> u64 {
-        self.layout.total_pages() / self.config.slots as u64
-    }
-
-    /// The first 8 bytes of page `page` of the test region (atomically; vCPUs may be writing).
-    /// `None` past the end.
-    pub fn page_value(&self, page: u64) -> Option<u64> {
-        (page < self.layout.total_pages()).then(|| {
-            // SAFETY: `page < total_pages`, and `ram` maps at least the test region's
-            // `total_pages * 4 KiB` bytes (its length is that, rounded up to the backing's page
-            // size) for as long as `self` lives; the address is page aligned, and the word is
-            // accessed atomically because vCPUs may write it.
-            unsafe { AtomicU64::from_ptr((self.ram.addr() + page * PAGE_SIZE) as *mut u64) }
-                .load(Ordering::Relaxed)
-        })
-    }
-
     /// Sets the first 8 bytes of page `page` of the test region from the host (not logged:
     /// KVM logs guest writes only). `false` past the end.
     pub fn set_page_value(&self, page: u64, value: u64) -> bool {
@@ -621,13 +598,6 @@ impl KvmMachine {
             self.low_u64(b + param::HUNDRED)
                 .store(100, Ordering::Relaxed);
         }
-    }
-
-    /// Runs one memstress pass on every vCPU and waits for all of them (GUEST_SYNC).
-    pub fn run_pass(&self, params: PassParams) -> Result<PassReport, KvmError> {
-        let t0 = Instant::now();
-        self.start(Workload::Pass(params))?;
-        self.wait(t0)
     }
 
     /// Starts `w` on every vCPU and returns at once; [`Self::halt`] stops it (a `Pass` also
@@ -671,40 +641,10 @@ impl KvmMachine {
         Ok(())
     }
 
-    /// Changes the value a running [`Workload::Writer`] writes: the guest reads it from the
-    /// control page before every write.
-    pub fn set_writer_value(&self, value: u64) {
-        self.low_u64(self.low_layout.control + control::ITERATION)
-            .store(value, Ordering::Relaxed);
-    }
-
-    /// Asks the running workload to stop at the vCPUs' next check and waits for every vCPU to
-    /// sync.
-    pub fn halt(&self) -> Result<PassReport, KvmError> {
-        if !self.ctl.running() {
-            return Err(KvmError::Busy("no workload is running"));
-        }
-        let t0 = Instant::now();
-        self.low_u64(self.low_layout.control + control::HALT)
-            .store(1, Ordering::SeqCst);
-        self.wait(t0)
-    }
-
     fn wait(&self, t0: Instant) -> Result<PassReport, KvmError> {
         let (wall, results) = self.ctl.collect(t0);
         let vcpus = results.map_err(|(vcpu, exit)| KvmError::UnexpectedExit { vcpu, exit })?;
         Ok(PassReport { wall, vcpus })
-    }
-
-    /// Turns dirty logging (`KVM_MEM_LOG_DIRTY_PAGES`) on or off on every memslot of the test
-    /// region (a flags-only `KVM_SET_USER_MEMORY_REGION`).
-    pub fn set_dirty_logging(&self, on: bool) -> Result<(), KvmError> {
-        let mut logging = lock(&self.logging);
-        for slot in &self.slots {
-            slot.set_dirty_logging(on)?;
-        }
-        *logging = on;
-        Ok(())
     }
 
     /// Whether dirty logging is on.
@@ -723,79 +663,6 @@ impl KvmMachine {
             .iter()
             .find(|s| s.id() == slot)
             .ok_or_else(|| KvmError::DirtyLog(format!("{op}: slot {slot} is not a test memslot")))
-    }
-
-    /// `KVM_GET_DIRTY_LOG` of `slot` into `bitmap` (bit `p` = page `p` of the slot). Without
-    /// manual protect this also clears the log and write-protects the pages; with it, it
-    /// copies.
-    ///
-    /// `bitmap` must be exactly `pages_per_slot().div_ceil(64)` words, the words KVM writes
-    /// ([`KvmError::BitmapLength`] otherwise).
-    pub fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), KvmError> {
-        let s = self.bitmap_slot(slot, "KVM_GET_DIRTY_LOG")?;
-        if !self.dirty_logging() {
-            return Err(KvmError::DirtyLog(
-                "KVM_GET_DIRTY_LOG: dirty logging is off".into(),
-            ));
-        }
-        dirty::get_dirty_log(s, bitmap)
-    }
-
-    /// `KVM_CLEAR_DIRTY_LOG` (manual protect): clears and re-protects the pages of
-    /// `[first_page, first_page + num_pages)` of `slot` whose bits are set in `bitmap` (bit 0
-    /// = `first_page`). `first_page` must be a multiple of 64, and so must `num_pages` unless
-    /// the range reaches the end of the slot ([`KvmError::ClearRange`]); `bitmap` must be
-    /// exactly `num_pages.div_ceil(64)` words, the words KVM reads
-    /// ([`KvmError::BitmapLength`]).
-    pub fn clear_dirty_log(
-        &self,
-        slot: u32,
-        first_page: u64,
-        num_pages: u64,
-        bitmap: &[u64],
-    ) -> Result<(), KvmError> {
-        let s = self.bitmap_slot(slot, "KVM_CLEAR_DIRTY_LOG")?;
-        if self.config.dirty.manual_protect & MANUAL_PROTECT_ENABLE == 0 {
-            return Err(KvmError::DirtyLog(
-                "KVM_CLEAR_DIRTY_LOG needs manual protect (KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2)"
-                    .into(),
-            ));
-        }
-        if !self.dirty_logging() {
-            return Err(KvmError::DirtyLog(
-                "KVM_CLEAR_DIRTY_LOG: dirty logging is off".into(),
-            ));
-        }
-        dirty::clear_dirty_log(s, first_page, num_pages, bitmap)
-    }
-
-    /// Takes every dirty-ring entry not yet collected: first those the vCPUs reaped on
-    /// ring-full exits, then each ring's (acquire of DIRTY, release of RESET). Calls
-    /// `f(slot, offset)` per entry (slot is `as_id << 16 | id`; address space 0 here); returns
-    /// how many. Follow with [`Self::reset_dirty_rings`] before reading the pages.
-    pub fn collect_dirty_rings(&self, mut f: impl FnMut(u32, u64)) -> u64 {
-        let mut r = lock(&self.rings);
-        let reaped = std::mem::take(&mut r.reaped);
-        let mut n = reaped.len() as u64;
-        for (s, o) in reaped {
-            f(s, o);
-        }
-        for ring in r.rings.iter_mut() {
-            n += ring.harvest(&mut f) as u64;
-        }
-        n
-    }
-
-    /// `KVM_RESET_DIRTY_RINGS`: re-protects the pages of every collected entry; returns how
-    /// many entries KVM reset.
-    pub fn reset_dirty_rings(&self) -> Result<u64, KvmError> {
-        if self.config.dirty.ring_entries == 0 {
-            return Err(KvmError::DirtyLog(
-                "KVM_RESET_DIRTY_RINGS: the VM has no dirty rings".into(),
-            ));
-        }
-        let _r = lock(&self.rings);
-        dirty::reset_dirty_rings(&self.vm)
     }
 }
 
@@ -907,6 +774,7 @@ impl TestMachine for KvmMachine {
     type Error = KvmError;
     type Counters = KvmCounters;
 
+    /// Where the test region is.
     fn layout(&self) -> Layout {
         self.layout
     }
@@ -916,9 +784,14 @@ impl TestMachine for KvmMachine {
     fn slot_count(&self) -> usize {
         self.config.slots
     }
+
+    /// Runs one memstress pass on every vCPU and waits for all of them (GUEST_SYNC).
     fn run_pass(&self, params: PassParams) -> Result<PassReport, KvmError> {
-        KvmMachine::run_pass(self, params)
+        let t0 = Instant::now();
+        self.start(Workload::Pass(params))?;
+        self.wait(t0)
     }
+
     fn start_loop(&self, params: PassParams) -> Result<(), KvmError> {
         self.start(Workload::Loop(params))
     }
@@ -928,34 +801,120 @@ impl TestMachine for KvmMachine {
             iteration: value,
         })
     }
+
+    /// Changes the value a running [`Workload::Writer`] writes: the guest reads it from the
+    /// control page before every write.
     fn set_writer_value(&self, value: u64) {
-        KvmMachine::set_writer_value(self, value)
+        self.low_u64(self.low_layout.control + control::ITERATION)
+            .store(value, Ordering::Relaxed);
     }
+
+    /// Asks the running workload to stop at the vCPUs' next check and waits for every vCPU to
+    /// sync.
     fn halt(&self) -> Result<PassReport, KvmError> {
-        KvmMachine::halt(self)
+        if !self.ctl.running() {
+            return Err(KvmError::Busy("no workload is running"));
+        }
+        let t0 = Instant::now();
+        self.low_u64(self.low_layout.control + control::HALT)
+            .store(1, Ordering::SeqCst);
+        self.wait(t0)
     }
+
+    /// Turns dirty logging (`KVM_MEM_LOG_DIRTY_PAGES`) on or off on every memslot of the test
+    /// region (a flags-only `KVM_SET_USER_MEMORY_REGION`).
     fn set_dirty_logging(&self, on: bool) -> Result<(), KvmError> {
-        KvmMachine::set_dirty_logging(self, on)
+        let mut logging = lock(&self.logging);
+        for slot in &self.slots {
+            slot.set_dirty_logging(on)?;
+        }
+        *logging = on;
+        Ok(())
     }
+
+    /// `KVM_GET_DIRTY_LOG` of `slot` into `bitmap` (bit `p` = page `p` of the slot). Without
+    /// manual protect this also clears the log and write-protects the pages; with it, it
+    /// copies.
+    ///
+    /// `bitmap` must be exactly `pages_per_slot().div_ceil(64)` words, the words KVM writes
+    /// ([`KvmError::BitmapLength`] otherwise).
     fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), KvmError> {
-        KvmMachine::get_dirty_log(self, slot, bitmap)
+        let s = self.bitmap_slot(slot, "KVM_GET_DIRTY_LOG")?;
+        if !self.dirty_logging() {
+            return Err(KvmError::DirtyLog(
+                "KVM_GET_DIRTY_LOG: dirty logging is off".into(),
+            ));
+        }
+        dirty::get_dirty_log(s, bitmap)
     }
+
+    /// `KVM_CLEAR_DIRTY_LOG` (manual protect): clears and re-protects the pages of
+    /// `[first_page, first_page + num_pages)` of `slot` whose bits are set in `bitmap` (bit 0
+    /// = `first_page`). `first_page` must be a multiple of 64, and so must `num_pages` unless
+    /// the range reaches the end of the slot ([`KvmError::ClearRange`]); `bitmap` must be
+    /// exactly `num_pages.div_ceil(64)` words, the words KVM reads
+    /// ([`KvmError::BitmapLength`]).
     fn clear_dirty_log(
         &self,
         slot: u32,
-        first: u64,
-        num: u64,
+        first_page: u64,
+        num_pages: u64,
         bitmap: &[u64],
     ) -> Result<(), KvmError> {
-        KvmMachine::clear_dirty_log(self, slot, first, num, bitmap)
+        let s = self.bitmap_slot(slot, "KVM_CLEAR_DIRTY_LOG")?;
+        if self.config.dirty.manual_protect & MANUAL_PROTECT_ENABLE == 0 {
+            return Err(KvmError::DirtyLog(
+                "KVM_CLEAR_DIRTY_LOG needs manual protect (KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2)"
+                    .into(),
+            ));
+        }
+        if !self.dirty_logging() {
+            return Err(KvmError::DirtyLog(
+                "KVM_CLEAR_DIRTY_LOG: dirty logging is off".into(),
+            ));
+        }
+        dirty::clear_dirty_log(s, first_page, num_pages, bitmap)
     }
-    fn collect_dirty_rings(&self, f: &mut dyn FnMut(u32, u64)) -> u64 {
-        KvmMachine::collect_dirty_rings(self, f)
+
+    /// Takes every dirty-ring entry not yet collected: first those the vCPUs reaped on
+    /// ring-full exits, then each ring's (acquire of DIRTY, release of RESET). Calls
+    /// `f(slot, offset)` per entry (slot is `as_id << 16 | id`; address space 0 here); returns
+    /// how many. Follow with [`Self::reset_dirty_rings`] before reading the pages.
+    fn collect_dirty_rings(&self, mut f: impl FnMut(u32, u64)) -> u64 {
+        let mut r = lock(&self.rings);
+        let reaped = std::mem::take(&mut r.reaped);
+        let mut n = reaped.len() as u64;
+        for (s, o) in reaped {
+            f(s, o);
+        }
+        for ring in r.rings.iter_mut() {
+            n += ring.harvest(&mut f) as u64;
+        }
+        n
     }
+
+    /// `KVM_RESET_DIRTY_RINGS`: re-protects the pages of every collected entry; returns how
+    /// many entries KVM reset.
     fn reset_dirty_rings(&self) -> Result<u64, KvmError> {
-        KvmMachine::reset_dirty_rings(self)
+        if self.config.dirty.ring_entries == 0 {
+            return Err(KvmError::DirtyLog(
+                "KVM_RESET_DIRTY_RINGS: the VM has no dirty rings".into(),
+            ));
+        }
+        let _r = lock(&self.rings);
+        dirty::reset_dirty_rings(&self.vm)
     }
+
+    /// The first 8 bytes of page `page` of the test region (atomically; vCPUs may be writing).
+    /// `None` past the end.
     fn page_value(&self, page: u64) -> Option<u64> {
-        KvmMachine::page_value(self, page)
+        (page < self.layout.total_pages()).then(|| {
+            // SAFETY: `page < total_pages`, and `ram` maps at least the test region's
+            // `total_pages * 4 KiB` bytes (its length is that, rounded up to the backing's page
+            // size) for as long as `self` lives; the address is page aligned, and the word is
+            // accessed atomically because vCPUs may write it.
+            unsafe { AtomicU64::from_ptr((self.ram.addr() + page * PAGE_SIZE) as *mut u64) }
+                .load(Ordering::Relaxed)
+        })
     }
 }

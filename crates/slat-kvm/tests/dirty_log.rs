@@ -4,6 +4,7 @@
 mod common;
 
 use common::{expected_writes, get_region_log, machine_or_skip, pages_of, to_bitmap};
+use slat_kvm::TestMachine;
 use slat_kvm::{
     DirtyConfig, KvmConfig, KvmError, KvmMachine, PassParams, FIRST_SLOT, INITIALLY_SET,
     MANUAL_PROTECT_ENABLE,

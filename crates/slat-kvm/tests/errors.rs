@@ -4,6 +4,7 @@
 mod common;
 
 use common::{kvm_unavailable, machine_or_skip};
+use slat_kvm::TestMachine;
 use slat_kvm::{
     DirtyConfig, KvmConfig, KvmError, KvmMachine, PassParams, FIRST_SLOT, INITIALLY_SET,
     MANUAL_PROTECT_ENABLE,

@@ -4,6 +4,7 @@
 mod common;
 
 use common::{expected_writes, machine_or_skip};
+use slat_kvm::TestMachine;
 use slat_kvm::{GuestMode, KvmConfig, PassParams, Workload, MEMSTRESS_PATTERN};
 
 /// Runs one pass with `params` on a fresh 2-vCPU machine and compares every page.

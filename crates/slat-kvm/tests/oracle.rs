@@ -4,6 +4,7 @@ mod common;
 
 use common::machine_or_skip;
 use slat_kvm::dirty_oracle::{run, LogMode, OracleConfig};
+use slat_kvm::TestMachine;
 use slat_kvm::{KvmConfig, KvmError};
 use std::time::Duration;
 

@@ -558,7 +558,7 @@ impl<F: PteFormat> TestMachine for Machine<F> {
         self.vm.clear_dirty_log(slot, first, num, bitmap)?;
         Ok(())
     }
-    fn collect_dirty_rings(&self, f: &mut dyn FnMut(u32, u64)) -> u64 {
+    fn collect_dirty_rings(&self, f: impl FnMut(u32, u64)) -> u64 {
         Machine::collect_dirty_rings(self, f)
     }
     fn reset_dirty_rings(&self) -> Result<u64, MachineError> {

@@ -67,7 +67,7 @@ pub trait TestMachine {
     /// Takes every dirty-ring entry not yet collected (those vCPUs reaped on ring-full exits
     /// first), calling `f(slot, offset)` per entry; returns how many. Follow with
     /// [`TestMachine::reset_dirty_rings`] before reading the pages.
-    fn collect_dirty_rings(&self, f: &mut dyn FnMut(u32, u64)) -> u64;
+    fn collect_dirty_rings(&self, f: impl FnMut(u32, u64)) -> u64;
     /// RESET_DIRTY_RINGS: re-protects the pages of every collected entry; returns how many
     /// entries were reset.
     fn reset_dirty_rings(&self) -> Result<u64, Self::Error>;
