@@ -12,6 +12,7 @@ use kvm_bindings::{
     KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_EXIT_DIRTY_RING_FULL, KVM_MAX_CPUID_ENTRIES,
 };
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
+use slat_workload::TestRegion;
 use slat_workload::{
     Backing, DirtyConfig, GuestRam, Layout, ParkMiller, PassParams, RegionSize, Rendezvous,
     TestMachine, FIRST_SLOT, INITIALLY_SET, MANUAL_PROTECT_ENABLE, PAGE_SHIFT, PAGE_SIZE,
@@ -190,7 +191,7 @@ pub struct KvmMachine {
     /// The test region's memslots (ids `FIRST_SLOT..`), as registered: the dirty-log calls
     /// size their bitmaps from these.
     slots: Vec<Memslot>,
-    layout: Layout,
+    region: TestRegion,
     low_layout: LowLayout,
     config: KvmConfig,
     caps: HostCaps,
@@ -446,7 +447,11 @@ impl KvmMachine {
             })),
             vm,
             slots,
-            layout,
+            region: TestRegion {
+                layout,
+                slots: config.slots,
+                dirty: config.dirty,
+            },
             low_layout,
             config,
             caps,
@@ -567,7 +572,7 @@ impl KvmMachine {
     /// Sets the first 8 bytes of page `page` of the test region from the host (not logged:
     /// KVM logs guest writes only). `false` past the end.
     pub fn set_page_value(&self, page: u64, value: u64) -> bool {
-        if page >= self.layout.total_pages() {
+        if page >= self.region.layout.total_pages() {
             return false;
         }
         // SAFETY: as in `page_value`.
@@ -589,7 +594,7 @@ impl KvmMachine {
     fn write_params_static(&self) {
         for i in 0..self.config.vcpus {
             let b = self.low_layout.param_block(i);
-            let (gpa, _, pages) = self.layout.region(i);
+            let (gpa, _, pages) = self.region.layout.region(i);
             self.low_u64(b + param::BASE).store(gpa, Ordering::Relaxed);
             self.low_u64(b + param::PAGES)
                 .store(pages, Ordering::Relaxed);
@@ -774,15 +779,8 @@ impl TestMachine for KvmMachine {
     type Error = KvmError;
     type Counters = KvmCounters;
 
-    /// Where the test region is.
-    fn layout(&self) -> Layout {
-        self.layout
-    }
-    fn dirty_config(&self) -> DirtyConfig {
-        self.config.dirty
-    }
-    fn slot_count(&self) -> usize {
-        self.config.slots
+    fn region(&self) -> &TestRegion {
+        &self.region
     }
 
     /// Runs one memstress pass on every vCPU and waits for all of them (GUEST_SYNC).
@@ -908,7 +906,7 @@ impl TestMachine for KvmMachine {
     /// The first 8 bytes of page `page` of the test region (atomically; vCPUs may be writing).
     /// `None` past the end.
     fn page_value(&self, page: u64) -> Option<u64> {
-        (page < self.layout.total_pages()).then(|| {
+        (page < self.region.layout.total_pages()).then(|| {
             // SAFETY: `page < total_pages`, and `ram` maps at least the test region's
             // `total_pages * 4 KiB` bytes (its length is that, rounded up to the backing's page
             // size) for as long as `self` lives; the address is page aligned, and the word is

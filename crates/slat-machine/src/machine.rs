@@ -12,7 +12,7 @@ use slat::format::{PteFormat, PAGE_SHIFT, PAGE_SIZE};
 use slat::memslot::MemslotFlags;
 use slat::{DirtyLogError, Ept, HostRange, HostRangeError, MemslotError, SlotId, Vm, VmConfig};
 pub use slat_workload::{DirtyConfig, Layout, FIRST_SLOT};
-use slat_workload::{RegionSize, Rendezvous, TestMachine, WorkloadError};
+use slat_workload::{RegionSize, Rendezvous, TestMachine, TestRegion, WorkloadError};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -145,7 +145,7 @@ type Control = Rendezvous<Workload, VcpuPass, Exit>;
 pub struct Machine<F: PteFormat = Ept> {
     vm: Arc<Vm<F>>,
     ram: Arc<GuestRam>,
-    layout: Layout,
+    region: TestRegion,
     config: MachineConfig,
     ctl: Arc<Control>,
     /// Asks running vCPUs to finish at their next check.
@@ -230,7 +230,11 @@ impl<F: PteFormat> Machine<F> {
         let mut m = Machine {
             vm,
             ram,
-            layout,
+            region: TestRegion {
+                layout,
+                slots: config.slots,
+                dirty: config.dirty,
+            },
             config,
             ctl,
             halt: Arc::new(AtomicBool::new(false)),
@@ -274,7 +278,7 @@ impl<F: PteFormat> Machine<F> {
 
     /// Where the test region is.
     pub fn layout(&self) -> Layout {
-        self.layout
+        self.region.layout
     }
 
     /// Guest RAM.
@@ -286,7 +290,7 @@ impl<F: PteFormat> Machine<F> {
     /// writing). `None` past the end.
     pub fn page_value(&self, page: u64) -> Option<u64> {
         let off = page.checked_mul(PAGE_SIZE)?;
-        (page < self.layout.total_pages() && off < self.ram.len()).then(|| {
+        (page < self.region.layout.total_pages() && off < self.ram.len()).then(|| {
             // SAFETY: `off` lies inside guest RAM (checked above), which `self` keeps mapped;
             // the address is page aligned, and the word is accessed atomically because vCPUs
             // may write it.
@@ -348,7 +352,7 @@ impl<F: PteFormat> Machine<F> {
 
     /// Pages per memslot.
     pub fn pages_per_slot(&self) -> u64 {
-        self.layout.total_pages() / self.config.slots as u64
+        self.region.layout.total_pages() / self.config.slots as u64
     }
 
     /// Turns dirty logging on or off on every memslot of the test region.
@@ -513,14 +517,8 @@ impl<F: PteFormat> TestMachine for Machine<F> {
     type Error = MachineError;
     type Counters = CpuCounters;
 
-    fn layout(&self) -> Layout {
-        self.layout
-    }
-    fn dirty_config(&self) -> DirtyConfig {
-        self.config.dirty
-    }
-    fn slot_count(&self) -> usize {
-        self.config.slots
+    fn region(&self) -> &TestRegion {
+        &self.region
     }
     fn run_pass(&self, params: PassParams) -> Result<PassReport, MachineError> {
         Machine::run_pass(self, params)

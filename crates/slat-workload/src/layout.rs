@@ -92,3 +92,16 @@ impl RegionSize {
         })
     }
 }
+
+/// What a machine's test region is: where it is, how many memslots it is split into, and how
+/// they log dirty pages. Fixed when the machine is built; [`crate::TestMachine`] derives its
+/// shape queries from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TestRegion {
+    /// Where the region is, and which part of it each vCPU accesses.
+    pub layout: Layout,
+    /// Memslots the region is split into (equal, ids [`FIRST_SLOT`]`..`).
+    pub slots: usize,
+    /// How the memslots log dirty pages.
+    pub dirty: crate::DirtyConfig,
+}

@@ -4,7 +4,7 @@
 
 use crate::dirty_config::DirtyConfig;
 use crate::error::WorkloadError;
-use crate::layout::{Layout, FIRST_SLOT};
+use crate::layout::{Layout, TestRegion, FIRST_SLOT};
 use crate::pass::PassReport;
 use crate::pattern::PassParams;
 use std::ops::Range;
@@ -21,12 +21,20 @@ pub trait TestMachine {
     /// The machine's own per-vCPU counters in a [`PassReport`].
     type Counters: Copy + Default + std::fmt::Debug;
 
+    /// The test region: layout, memslots and dirty logging, as the machine was built.
+    fn region(&self) -> &TestRegion;
     /// Where the test region is.
-    fn layout(&self) -> Layout;
+    fn layout(&self) -> Layout {
+        self.region().layout
+    }
     /// How the machine logs dirty pages (fixed when it was built).
-    fn dirty_config(&self) -> DirtyConfig;
+    fn dirty_config(&self) -> DirtyConfig {
+        self.region().dirty
+    }
     /// Memslots the test region is split into (equal, ids [`FIRST_SLOT`]`..`).
-    fn slot_count(&self) -> usize;
+    fn slot_count(&self) -> usize {
+        self.region().slots
+    }
     /// The ids of the test region's memslots, in guest-address order.
     fn test_slots(&self) -> Range<u32> {
         FIRST_SLOT..FIRST_SLOT + self.slot_count() as u32
