@@ -402,16 +402,8 @@ impl<F: PteFormat> Machine<F> {
 
 impl<F: PteFormat> Drop for Machine<F> {
     fn drop(&mut self) {
-        if self.threads.is_empty() {
-            return;
-        }
-        if self.ctl.running() {
-            let _ = self.halt();
-        }
-        self.ctl.stop();
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
+        let threads = std::mem::take(&mut self.threads);
+        self.ctl.shut_down(threads, || drop(self.halt()));
     }
 }
 

@@ -4,6 +4,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Barrier, Mutex, MutexGuard};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// The host side and the vCPU-thread side of one machine's passes. `J` is the job every vCPU
@@ -69,11 +70,21 @@ impl<J: Clone, R: Clone + Default, E: Clone> Rendezvous<J, R, E> {
         (wall, Ok(out))
     }
 
-    /// Host, when the machine goes away (after collecting any running job): tells the vCPU
-    /// threads to exit and releases them.
-    pub fn stop(&self) {
+    /// Host, when the machine goes away: stops a running job with `halt` (which collects
+    /// it), tells the vCPU threads to exit, releases them and joins `threads`. Nothing to do
+    /// without threads (a machine whose construction failed leaked them, waiting for ever).
+    pub fn shut_down(&self, threads: Vec<JoinHandle<()>>, halt: impl FnOnce()) {
+        if threads.is_empty() {
+            return;
+        }
+        if self.running() {
+            halt();
+        }
         *lock(&self.job) = None;
         self.start.wait();
+        for t in threads {
+            let _ = t.join();
+        }
     }
 
     /// Host, when a vCPU thread could not be started: the threads already started wait for
