@@ -207,8 +207,8 @@ impl KvmMachine {
     /// Opens KVM, maps guest memory, creates the VM, its memslots and vCPUs (long mode, identity
     /// paging), and starts idle vCPU threads.
     pub fn new(config: KvmConfig) -> Result<Self, KvmError> {
-        let RegionSize { total, per_slot } =
-            RegionSize::new(config.vcpus, config.bytes_per_vcpu, config.slots)?;
+        let size = RegionSize::new(config.vcpus, config.bytes_per_vcpu, config.slots)?;
+        let (total, per_slot) = (size.total, size.per_slot);
         if per_slot >> PAGE_SHIFT > u32::MAX as u64 {
             return Err(KvmError::Config(format!(
                 "{per_slot} bytes per memslot is more than KVM's 2^32 pages"
@@ -392,13 +392,7 @@ impl KvmMachine {
             slots.push(unsafe { Memslot::register(&vm, r)? });
         }
 
-        let layout = Layout {
-            gpa,
-            host: ram.addr(),
-            bytes_per_vcpu: config.bytes_per_vcpu,
-            vcpus: config.vcpus,
-            overlap: config.overlap,
-        };
+        let layout = size.layout(gpa, ram.addr(), config.overlap);
         let mut vcpus = Vec::with_capacity(config.vcpus);
         let mut rings = Vec::new();
         let mut vm_stats = StatsFd::open(&*vm).ok();

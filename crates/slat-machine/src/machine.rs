@@ -167,8 +167,8 @@ impl<F: PteFormat> Machine<F> {
                 config.tlb_entries
             )));
         }
-        let RegionSize { total, per_slot } =
-            RegionSize::new(config.vcpus, config.bytes_per_vcpu, config.slots)?;
+        let size = RegionSize::new(config.vcpus, config.bytes_per_vcpu, config.slots)?;
+        let (total, per_slot) = (size.total, size.per_slot);
         let pages = total >> PAGE_SHIFT;
         let psize = config.backing.page_size();
         let ram_len = total.div_ceil(psize).checked_mul(psize).ok_or_else(|| {
@@ -213,13 +213,7 @@ impl<F: PteFormat> Machine<F> {
                 MemslotFlags::empty(),
             )?;
         }
-        let layout = Layout {
-            gpa,
-            host: ram.addr(),
-            bytes_per_vcpu: config.bytes_per_vcpu,
-            vcpus: config.vcpus,
-            overlap: config.overlap,
-        };
+        let layout = size.layout(gpa, ram.addr(), config.overlap);
         let pcpus = if config.pcpus == 0 {
             std::thread::available_parallelism().map_or(1, |n| n.get())
         } else {

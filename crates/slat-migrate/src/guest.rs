@@ -342,6 +342,12 @@ trait Driver<M>: Send + Sync {
     fn pause(&self, m: &M) -> Result<(), GuestError>;
     /// Whether a workload is running.
     fn running(&self) -> bool;
+    /// The throttle and write count of the workload.
+    fn pacing(&self) -> &dyn Pacing;
+}
+
+/// The controls and counters of a running migration workload.
+trait Pacing: Send + Sync {
     /// Sets the throttle (percent of time kept out of the guest).
     fn set_throttle(&self, percent: u32);
     /// The throttle now.
@@ -350,6 +356,21 @@ trait Driver<M>: Send + Sync {
     fn throttled(&self) -> Duration;
     /// Guest writes since creation.
     fn writes(&self) -> u64;
+}
+
+impl Pacing for Pacer {
+    fn set_throttle(&self, percent: u32) {
+        Pacer::set_throttle(self, percent)
+    }
+    fn throttle(&self) -> u32 {
+        Pacer::throttle(self)
+    }
+    fn throttled(&self) -> Duration {
+        Pacer::throttled(self)
+    }
+    fn writes(&self) -> u64 {
+        Pacer::writes(self)
+    }
 }
 
 /// A [`TestMachine`] whose test region is memory it owns for as long as it lives.
@@ -411,16 +432,16 @@ where
         self.driver.running()
     }
     fn set_throttle(&self, percent: u32) {
-        self.driver.set_throttle(percent)
+        self.driver.pacing().set_throttle(percent)
     }
     fn throttle(&self) -> u32 {
-        self.driver.throttle()
+        self.driver.pacing().throttle()
     }
     fn throttled(&self) -> Duration {
-        self.driver.throttled()
+        self.driver.pacing().throttled()
     }
     fn writes(&self) -> u64 {
-        self.driver.writes()
+        self.driver.pacing().writes()
     }
     fn populate(&self) -> Result<(), GuestError> {
         TestMachine::run_pass(&*self.m, PassParams::default())
@@ -468,17 +489,23 @@ impl<F: PteFormat> Driver<Machine<F>> for PacedDriver {
     fn running(&self) -> bool {
         self.running.load(Ordering::SeqCst)
     }
+    fn pacing(&self) -> &dyn Pacing {
+        &*self.pacer
+    }
+}
+
+impl Pacing for BurstControl {
     fn set_throttle(&self, percent: u32) {
-        self.pacer.set_throttle(percent);
+        self.throttle.store(percent.min(99), Ordering::Relaxed);
     }
     fn throttle(&self) -> u32 {
-        self.pacer.throttle()
+        self.throttle.load(Ordering::Relaxed)
     }
     fn throttled(&self) -> Duration {
-        self.pacer.throttled()
+        Duration::from_nanos(self.throttled_ns.load(Ordering::Relaxed))
     }
     fn writes(&self) -> u64 {
-        self.pacer.writes()
+        self.writes.load(Ordering::Relaxed)
     }
 }
 
@@ -672,17 +699,8 @@ impl Driver<slat_kvm::KvmMachine> for BurstDriver {
     fn running(&self) -> bool {
         lock(&self.thread).is_some()
     }
-    fn set_throttle(&self, percent: u32) {
-        self.ctl.throttle.store(percent.min(99), Ordering::Relaxed);
-    }
-    fn throttle(&self) -> u32 {
-        self.ctl.throttle.load(Ordering::Relaxed)
-    }
-    fn throttled(&self) -> Duration {
-        Duration::from_nanos(self.ctl.throttled_ns.load(Ordering::Relaxed))
-    }
-    fn writes(&self) -> u64 {
-        self.ctl.writes.load(Ordering::Relaxed)
+    fn pacing(&self) -> &dyn Pacing {
+        &*self.ctl
     }
 }
 

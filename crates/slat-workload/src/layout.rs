@@ -52,6 +52,10 @@ impl Layout {
 /// The test region's size, checked as both machines need it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RegionSize {
+    /// vCPUs.
+    pub vcpus: usize,
+    /// Bytes per vCPU.
+    pub bytes_per_vcpu: u64,
     /// Bytes in the test region (`vcpus * bytes_per_vcpu`).
     pub total: u64,
     /// Bytes per memslot.
@@ -87,9 +91,22 @@ impl RegionSize {
             )));
         }
         Ok(RegionSize {
+            vcpus,
+            bytes_per_vcpu,
             total,
             per_slot: total / slots as u64,
         })
+    }
+
+    /// The layout of this region at guest physical address `gpa` and host address `host`.
+    pub fn layout(&self, gpa: u64, host: u64, overlap: bool) -> Layout {
+        Layout {
+            gpa,
+            host,
+            bytes_per_vcpu: self.bytes_per_vcpu,
+            vcpus: self.vcpus,
+            overlap,
+        }
     }
 }
 
