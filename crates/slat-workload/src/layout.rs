@@ -56,6 +56,8 @@ pub struct RegionSize {
     pub vcpus: usize,
     /// Bytes per vCPU.
     pub bytes_per_vcpu: u64,
+    /// Memslots.
+    pub slots: usize,
     /// Bytes in the test region (`vcpus * bytes_per_vcpu`).
     pub total: u64,
     /// Bytes per memslot.
@@ -93,6 +95,7 @@ impl RegionSize {
         Ok(RegionSize {
             vcpus,
             bytes_per_vcpu,
+            slots,
             total,
             per_slot: total / slots as u64,
         })
