@@ -251,8 +251,8 @@ fn map_memory(
         // until the vCPUs exist.
         let bytes =
             unsafe { std::slice::from_raw_parts_mut(low.addr() as *mut u8, low.len() as usize) };
-        guest::build_gdt(bytes, &low_layout)?;
-        guest::build_page_tables(bytes, &low_layout, gpa, gpa + total)?;
+        guest::build_gdt(bytes, low_layout)?;
+        guest::build_page_tables(bytes, low_layout, gpa, gpa + total)?;
         let code = guest::assemble(low_layout.code)?;
         if code.len() as u64 > low_layout.code_len {
             return Err(KvmError::Assembler(format!(
@@ -353,21 +353,21 @@ fn create_vcpus(
 ) -> Result<VcpuParts, KvmError> {
     let mut vcpus = Vec::with_capacity(config.vcpus);
     let mut rings = Vec::new();
-    let mut vm_stats = StatsFd::open(&*vm).ok();
+    let mut vm_stats = StatsFd::open(vm).ok();
     let mut vcpu_stats = Vec::new();
     for i in 0..config.vcpus {
         let v = vm
             .create_vcpu(i as u64)
             .map_err(|e| KvmError::ioctl("KVM_CREATE_VCPU", e))?;
-        v.set_cpuid2(&cpuid)
+        v.set_cpuid2(cpuid)
             .map_err(|e| KvmError::ioctl("KVM_SET_CPUID2", e))?;
         let mut sregs = v
             .get_sregs()
             .map_err(|e| KvmError::ioctl("KVM_GET_SREGS", e))?;
-        guest::setup_long_mode(&mut sregs, &low_layout, config.guest_mode);
+        guest::setup_long_mode(&mut sregs, low_layout, config.guest_mode);
         v.set_sregs(&sregs)
             .map_err(|e| KvmError::ioctl("KVM_SET_SREGS", e))?;
-        v.set_regs(&guest::initial_regs(&low_layout, i, config.guest_mode))
+        v.set_regs(&guest::initial_regs(low_layout, i, config.guest_mode))
             .map_err(|e| KvmError::ioctl("KVM_SET_REGS", e))?;
         if let Some(size) = ring_size {
             let r = match DirtyRing::map(&v, size) {

@@ -546,7 +546,7 @@ impl<F: PteFormat> TestMachine for Machine<F> {
         Machine::collect_dirty_rings(self, f)
     }
     fn reset_dirty_rings(&self) -> Result<u64, MachineError> {
-        Ok(self.vm.reset_dirty_rings()? as u64)
+        Ok(self.vm.reset_dirty_rings()?)
     }
     fn page_value(&self, page: u64) -> Option<u64> {
         Machine::page_value(self, page)
