@@ -426,9 +426,8 @@ pub enum Workload {
     Loop(PassParams),
     /// dirty_log_test's guest: until halted, write `iteration` into the first 8 bytes of
     /// pseudo-random pages of the vCPU's region (vCPU `i` seeds with `seed + i`; see
-    /// [`crate::memstress::WriterPattern`]). The value is fixed for the run (the simulated
-    /// machine's `Writer` takes an `Arc<AtomicU64>`; its oracle, like this crate's, changes it
-    /// only between runs, so an adapter passes the atomic's current value).
+    /// [`crate::memstress::WriterPattern`]). The guest reads the value from the control page
+    /// before every write, so [`TestMachine::set_writer_value`] changes it while it runs.
     Writer {
         /// PRNG seed.
         seed: u32,
@@ -469,7 +468,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// A VM on `/dev/kvm` laid out like KVM's memstress, with one thread per vCPU.
 ///
-/// The API mirrors `slat_machine::Machine`, so one benchmark can drive either.
+/// Like `slat_machine::Machine`, it is a [`TestMachine`], so one benchmark (and the dirty-log
+/// oracle) drives either.
 pub struct KvmMachine {
     threads: Vec<JoinHandle<()>>,
     ctl: Arc<Control>,
