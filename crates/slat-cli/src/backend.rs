@@ -2,16 +2,26 @@
 //! machine of `slat-machine` (vCPU threads through slat's page tables) and real guests on the
 //! host's `/dev/kvm` (`slat-kvm`). A benchmark builds a machine with [`create`] and runs the
 //! same phases on either, so the two can be compared side by side in one process.
+//!
+//! Both machines implement `slat_workload::TestMachine` and share its types (layout, pass
+//! reports, the dirty-log oracle), so [`Backend`] is that trait made object-safe for a
+//! `Box<dyn Backend>` (machine errors become the one-line messages the CLI prints) plus what
+//! only the CLI needs ([`CliMachine`]: statistics as JSON and the simulated engine's extras).
 
 use crate::args::{BackendArg, FormatArg};
 use serde_json::{json, Value};
-use slat::dirty::{INITIALLY_SET, MANUAL_PROTECT_ENABLE};
-use slat::format::PAGE_SIZE;
 use slat::{Ept, PteFormat, Stage2, VmConfig};
 use slat_machine::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
 use slat_machine::ram::{Backing, GuestRam};
-use slat_machine::{DirtyConfig, Layout, Machine, MachineConfig, PassParams, Workload};
-use std::time::Duration;
+use slat_machine::{Machine, MachineConfig};
+use slat_workload::{
+    native_baseline, DirtyConfig, Layout, PassParams, TestMachine, INITIALLY_SET,
+    MANUAL_PROTECT_ENABLE, PAGE_SIZE,
+};
+use std::ops::Range;
+
+/// A completed pass, without either machine's own counters.
+pub type Pass = slat_workload::PassReport;
 
 /// What to build, on either machine.
 #[derive(Debug, Clone, Copy)]
@@ -42,28 +52,23 @@ pub struct Spec {
     pub pcpus: usize,
 }
 
-/// One vCPU's part of a pass.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct VcpuPass {
-    /// The vCPU's own time.
-    pub time: Duration,
-    /// Pages touched.
-    pub pages: u64,
-    /// Dirty-ring-full exits taken.
-    pub ring_full_exits: u64,
+impl Spec {
+    /// How the machine logs dirty pages (the same on both machines).
+    fn dirty(&self) -> DirtyConfig {
+        DirtyConfig {
+            manual_protect: if self.manual_protect {
+                MANUAL_PROTECT_ENABLE | INITIALLY_SET
+            } else {
+                0
+            },
+            ring_entries: self.ring_entries,
+            ..DirtyConfig::default()
+        }
+    }
 }
 
-/// A completed pass.
-#[derive(Debug, Clone, Default)]
-pub struct Pass {
-    /// From releasing the vCPUs to the last one's sync.
-    pub wall: Duration,
-    /// Per vCPU.
-    pub vcpus: Vec<VcpuPass>,
-}
-
-/// What benchmarks drive: a VM with memslots over a test region, vCPUs running memstress
-/// passes, and the dirty log (bitmaps or rings).
+/// What benchmarks drive: [`TestMachine`] behind a `dyn`, with its errors as one-line
+/// messages, plus [`CliMachine`]. Every [`TestMachine`] that is a [`CliMachine`] is one.
 pub trait Backend {
     /// Where the test region is.
     fn layout(&self) -> Layout;
@@ -106,6 +111,14 @@ pub trait Backend {
     fn sim(&self) -> Option<&dyn Sim>;
 }
 
+/// What only the CLI asks of a machine, beside [`TestMachine`].
+pub trait CliMachine {
+    /// The machine's counters as JSON (engine statistics, or KVM's binary VM stats).
+    fn stats(&self) -> Value;
+    /// The simulated machine, for its engine-only reports and switches.
+    fn sim(&self) -> Option<&dyn Sim>;
+}
+
 /// The simulated machine's engine-only reports and switches, whatever its page-table format.
 pub trait Sim {
     /// The engine's statistics.
@@ -128,17 +141,98 @@ impl<F: PteFormat> Sim for Machine<F> {
     }
 }
 
+impl<F: PteFormat> CliMachine for Machine<F> {
+    fn stats(&self) -> Value {
+        crate::demand_paging::stats_json(&self.vm().stats())
+    }
+    fn sim(&self) -> Option<&dyn Sim> {
+        Some(self)
+    }
+}
+
+impl CliMachine for slat_kvm::KvmMachine {
+    fn stats(&self) -> Value {
+        match self.vm_stats() {
+            Ok(stats) => Value::Object(
+                stats
+                    .into_iter()
+                    .map(|s| (s.name, json!(s.value)))
+                    .collect(),
+            ),
+            Err(e) => json!({ "unavailable": e.to_string() }),
+        }
+    }
+    fn sim(&self) -> Option<&dyn Sim> {
+        None
+    }
+}
+
+fn text<E: std::fmt::Display>(e: E) -> String {
+    e.to_string()
+}
+
+impl<M: TestMachine + CliMachine> Backend for M {
+    fn layout(&self) -> Layout {
+        TestMachine::layout(self)
+    }
+    fn slot_ids(&self) -> Vec<u32> {
+        let slots: Range<u32> = self.test_slots();
+        slots.collect()
+    }
+    fn pages_per_slot(&self) -> u64 {
+        TestMachine::pages_per_slot(self)
+    }
+    fn run_pass(&self, p: PassParams) -> Result<Pass, String> {
+        TestMachine::run_pass(self, p)
+            .map(|r| r.without_counters())
+            .map_err(text)
+    }
+    fn start_loop(&self, p: PassParams) -> Result<(), String> {
+        TestMachine::start_loop(self, p).map_err(text)
+    }
+    fn halt(&self) -> Result<(), String> {
+        TestMachine::halt(self).map(drop).map_err(text)
+    }
+    fn set_dirty_logging(&self, on: bool) -> Result<(), String> {
+        TestMachine::set_dirty_logging(self, on).map_err(text)
+    }
+    fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<u64, String> {
+        TestMachine::get_dirty_log(self, slot, bitmap).map_err(text)?;
+        Ok(bitmap.iter().map(|w| w.count_ones() as u64).sum())
+    }
+    fn clear_dirty_log(
+        &self,
+        slot: u32,
+        first: u64,
+        num: u64,
+        bitmap: &[u64],
+    ) -> Result<(), String> {
+        TestMachine::clear_dirty_log(self, slot, first, num, bitmap).map_err(text)
+    }
+    fn collect_dirty_rings(&self) -> u64 {
+        TestMachine::collect_dirty_rings(self, &mut |_, _| {})
+    }
+    fn reset_dirty_rings(&self) -> Result<(), String> {
+        TestMachine::reset_dirty_rings(self).map(drop).map_err(text)
+    }
+    fn stats(&self) -> Value {
+        CliMachine::stats(self)
+    }
+    fn dirty_oracle(
+        &self,
+        _mode: LogMode,
+        cfg: OracleConfig,
+        progress: &mut dyn FnMut(&dirty_oracle::IterationReport),
+    ) -> Result<OracleReport, String> {
+        dirty_oracle::run(self, cfg, progress).map_err(text)
+    }
+    fn sim(&self) -> Option<&dyn Sim> {
+        CliMachine::sim(self)
+    }
+}
+
 /// The simulated machine with page-table format `F`.
 fn sim_machine<F: PteFormat>(spec: &Spec) -> Result<Box<dyn Backend>, String> {
-    let dirty = DirtyConfig {
-        manual_protect: if spec.manual_protect {
-            MANUAL_PROTECT_ENABLE | INITIALLY_SET
-        } else {
-            0
-        },
-        ring_entries: spec.ring_entries,
-        ..DirtyConfig::default()
-    };
     let m = Machine::<F>::new(MachineConfig {
         vm: spec.vm,
         backing: spec.backing,
@@ -149,10 +243,10 @@ fn sim_machine<F: PteFormat>(spec: &Spec) -> Result<Box<dyn Backend>, String> {
         tlb_entries: spec.tlb_entries,
         pcpus: spec.pcpus,
         prefault: spec.prefault,
-        dirty,
+        dirty: spec.dirty(),
         gpa: None,
     })
-    .map_err(|e| e.to_string())?;
+    .map_err(text)?;
     Ok(Box::new(m))
 }
 
@@ -166,297 +260,58 @@ pub fn create(kind: BackendArg, spec: &Spec) -> Result<Box<dyn Backend>, String>
         BackendArg::Kvm => {
             // Checked with the other flags; a backstop for a caller that forgot.
             spec.format.check_backends(&[kind])?;
-            let dirty = slat_kvm::DirtyConfig {
-                manual_protect: if spec.manual_protect {
-                    slat_kvm::MANUAL_PROTECT_ENABLE | slat_kvm::INITIALLY_SET
-                } else {
-                    0
-                },
-                ring_entries: spec.ring_entries,
-            };
             let m = slat_kvm::KvmMachine::new(slat_kvm::KvmConfig {
-                backing: kvm_backing(spec.backing)?,
+                backing: spec.backing,
                 vcpus: spec.vcpus,
                 bytes_per_vcpu: spec.bytes_per_vcpu,
                 slots: spec.slots,
                 overlap: spec.overlap,
                 prefault: spec.prefault,
-                dirty,
+                dirty: spec.dirty(),
                 ..slat_kvm::KvmConfig::default()
             })
-            .map_err(|e| e.to_string())?;
+            .map_err(text)?;
             Ok(Box::new(m))
         }
     }
 }
 
-fn kvm_backing(b: Backing) -> Result<slat_kvm::Backing, String> {
-    Ok(match b {
-        Backing::Anonymous => slat_kvm::Backing::Anonymous,
-        Backing::AnonymousThp => slat_kvm::Backing::AnonymousThp,
-        Backing::AnonymousHugetlb2M => slat_kvm::Backing::AnonymousHugetlb2M,
-        Backing::AnonymousHugetlb1G => slat_kvm::Backing::AnonymousHugetlb1G,
-        Backing::Shmem => {
-            return Err("-s shmem is not supported by the kvm backend (use anonymous, anonymous_thp or anonymous_hugetlb)".into())
-        }
-    })
-}
-
 /// Host memory the size of a test region, for the native baseline: the same memstress pattern
-/// run by plain host threads, with the implementation of the backend it is compared with.
-pub enum Native {
-    /// slat-machine's baseline.
-    Sim(Layout, GuestRam),
-    /// slat-kvm's baseline.
-    Kvm(slat_kvm::Layout, slat_kvm::HostMemory),
+/// run by plain host threads (one implementation, whichever machine it is compared with).
+pub struct Native {
+    layout: Layout,
+    ram: GuestRam,
 }
 
 impl Native {
-    /// Maps (and, with `prefault`, populates) the memory for `layout`.
+    /// Maps (and, with `prefault`, populates) the memory for `layout`, with a backing the
+    /// machine `kind` accepts.
     pub fn new(
         kind: BackendArg,
         layout: Layout,
         backing: Backing,
         prefault: bool,
     ) -> Result<Native, String> {
-        let total = layout.bytes_per_vcpu * layout.vcpus as u64;
+        if kind == BackendArg::Kvm && backing == Backing::Shmem {
+            // Checked with the other flags; a backstop, so both sides of a comparison match.
+            return Err("-s shmem is not supported by the kvm backend (use anonymous, anonymous_thp or anonymous_hugetlb)".into());
+        }
+        let total = layout
+            .bytes_per_vcpu
+            .checked_mul(layout.vcpus as u64)
+            .ok_or("the native baseline's region size overflows")?;
         let psize = backing.page_size().max(PAGE_SIZE);
-        let len = total.div_ceil(psize) * psize;
-        Ok(match kind {
-            BackendArg::Sim => Native::Sim(
-                layout,
-                GuestRam::new(backing, len, prefault).map_err(|e| e.to_string())?,
-            ),
-            BackendArg::Kvm => Native::Kvm(
-                slat_kvm::Layout {
-                    gpa: layout.gpa,
-                    host: layout.host,
-                    bytes_per_vcpu: layout.bytes_per_vcpu,
-                    vcpus: layout.vcpus,
-                    overlap: layout.overlap,
-                },
-                slat_kvm::HostMemory::new(kvm_backing(backing)?, len, prefault)
-                    .map_err(|e| e.to_string())?,
-            ),
-        })
+        let len = total
+            .div_ceil(psize)
+            .checked_mul(psize)
+            .ok_or("the native baseline's region size overflows")?;
+        let ram = GuestRam::new(backing, len, prefault).map_err(text)?;
+        Ok(Native { layout, ram })
     }
 
     /// One pass of the pattern on host memory.
     pub fn run(&self, p: PassParams) -> Result<Pass, String> {
-        match self {
-            Native::Sim(layout, ram) => slat_machine::native_baseline(*layout, ram, p)
-                .map(sim_pass)
-                .map_err(|e| e.to_string()),
-            Native::Kvm(layout, mem) => slat_kvm::native_baseline(*layout, mem, kvm_params(p))
-                .map(kvm_pass)
-                .map_err(|e| e.to_string()),
-        }
-    }
-}
-
-fn sim_pass(r: slat_machine::PassReport) -> Pass {
-    Pass {
-        wall: r.wall,
-        vcpus: r
-            .vcpus
-            .iter()
-            .map(|v| VcpuPass {
-                time: v.time,
-                pages: v.pages,
-                ring_full_exits: v.counters.ring_full_exits,
-            })
-            .collect(),
-    }
-}
-
-fn kvm_pass(r: slat_kvm::PassReport) -> Pass {
-    Pass {
-        wall: r.wall,
-        vcpus: r
-            .vcpus
-            .iter()
-            .map(|v| VcpuPass {
-                time: v.time,
-                pages: v.pages,
-                ring_full_exits: v.ring_full_exits,
-            })
-            .collect(),
-    }
-}
-
-fn kvm_params(p: PassParams) -> slat_kvm::PassParams {
-    slat_kvm::PassParams {
-        write_percent: p.write_percent,
-        random: p.random,
-        seed: p.seed,
-    }
-}
-
-fn text<E: std::fmt::Display>(e: E) -> String {
-    e.to_string()
-}
-
-impl<F: PteFormat> Backend for Machine<F> {
-    fn layout(&self) -> Layout {
-        Machine::layout(self)
-    }
-    fn slot_ids(&self) -> Vec<u32> {
-        Machine::slot_ids(self).collect()
-    }
-    fn pages_per_slot(&self) -> u64 {
-        Machine::pages_per_slot(self)
-    }
-    fn run_pass(&self, p: PassParams) -> Result<Pass, String> {
-        Machine::run_pass(self, p).map(sim_pass).map_err(text)
-    }
-    fn start_loop(&self, p: PassParams) -> Result<(), String> {
-        self.start(Workload::Loop(p)).map_err(text)
-    }
-    fn halt(&self) -> Result<(), String> {
-        Machine::halt(self).map(drop).map_err(text)
-    }
-    fn set_dirty_logging(&self, on: bool) -> Result<(), String> {
-        Machine::set_dirty_logging(self, on).map_err(text)
-    }
-    fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<u64, String> {
-        self.vm().get_dirty_log(slot, bitmap).map_err(text)
-    }
-    fn clear_dirty_log(
-        &self,
-        slot: u32,
-        first: u64,
-        num: u64,
-        bitmap: &[u64],
-    ) -> Result<(), String> {
-        self.vm()
-            .clear_dirty_log(slot, first, num, bitmap)
-            .map(drop)
-            .map_err(text)
-    }
-    fn collect_dirty_rings(&self) -> u64 {
-        Machine::collect_dirty_rings(self, |_, _| {})
-    }
-    fn reset_dirty_rings(&self) -> Result<(), String> {
-        self.vm().reset_dirty_rings().map(drop).map_err(text)
-    }
-    fn stats(&self) -> Value {
-        crate::demand_paging::stats_json(&self.vm().stats())
-    }
-    fn dirty_oracle(
-        &self,
-        _mode: LogMode,
-        cfg: OracleConfig,
-        progress: &mut dyn FnMut(&dirty_oracle::IterationReport),
-    ) -> Result<OracleReport, String> {
-        dirty_oracle::run(self, cfg, progress).map_err(text)
-    }
-    fn sim(&self) -> Option<&dyn Sim> {
-        Some(self)
-    }
-}
-
-impl Backend for slat_kvm::KvmMachine {
-    fn layout(&self) -> Layout {
-        let l = slat_kvm::KvmMachine::layout(self);
-        Layout {
-            gpa: l.gpa,
-            host: l.host,
-            bytes_per_vcpu: l.bytes_per_vcpu,
-            vcpus: l.vcpus,
-            overlap: l.overlap,
-        }
-    }
-    fn slot_ids(&self) -> Vec<u32> {
-        slat_kvm::KvmMachine::slot_ids(self).collect()
-    }
-    fn pages_per_slot(&self) -> u64 {
-        slat_kvm::KvmMachine::pages_per_slot(self)
-    }
-    fn run_pass(&self, p: PassParams) -> Result<Pass, String> {
-        slat_kvm::KvmMachine::run_pass(self, kvm_params(p))
-            .map(kvm_pass)
-            .map_err(text)
-    }
-    fn start_loop(&self, p: PassParams) -> Result<(), String> {
-        self.start(slat_kvm::Workload::Loop(kvm_params(p)))
-            .map_err(text)
-    }
-    fn halt(&self) -> Result<(), String> {
-        slat_kvm::KvmMachine::halt(self).map(drop).map_err(text)
-    }
-    fn set_dirty_logging(&self, on: bool) -> Result<(), String> {
-        slat_kvm::KvmMachine::set_dirty_logging(self, on).map_err(text)
-    }
-    fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<u64, String> {
-        slat_kvm::KvmMachine::get_dirty_log(self, slot, bitmap).map_err(text)?;
-        Ok(bitmap.iter().map(|w| w.count_ones() as u64).sum())
-    }
-    fn clear_dirty_log(
-        &self,
-        slot: u32,
-        first: u64,
-        num: u64,
-        bitmap: &[u64],
-    ) -> Result<(), String> {
-        slat_kvm::KvmMachine::clear_dirty_log(self, slot, first, num, bitmap).map_err(text)
-    }
-    fn collect_dirty_rings(&self) -> u64 {
-        slat_kvm::KvmMachine::collect_dirty_rings(self, |_, _| {})
-    }
-    fn reset_dirty_rings(&self) -> Result<(), String> {
-        slat_kvm::KvmMachine::reset_dirty_rings(self)
-            .map(drop)
-            .map_err(text)
-    }
-    fn stats(&self) -> Value {
-        match self.vm_stats() {
-            Ok(stats) => Value::Object(
-                stats
-                    .into_iter()
-                    .map(|s| (s.name, json!(s.value)))
-                    .collect(),
-            ),
-            Err(e) => json!({ "unavailable": e.to_string() }),
-        }
-    }
-    fn dirty_oracle(
-        &self,
-        mode: LogMode,
-        cfg: OracleConfig,
-        progress: &mut dyn FnMut(&dirty_oracle::IterationReport),
-    ) -> Result<OracleReport, String> {
-        if cfg.toggle_every != 0 {
-            return Err("--toggle-every is a check of the simulated engine; the kvm backend cannot apply it (drop it, or use --backend sim)".into());
-        }
-        let mode = match mode {
-            LogMode::DirtyLog => slat_kvm::dirty_oracle::LogMode::DirtyLog,
-            LogMode::ClearLog => slat_kvm::dirty_oracle::LogMode::ClearLog,
-            LogMode::DirtyRing => slat_kvm::dirty_oracle::LogMode::DirtyRing,
-        };
-        let kcfg = slat_kvm::dirty_oracle::OracleConfig {
-            mode,
-            iterations: cfg.iterations,
-            interval: cfg.interval,
-            seed: cfg.seed,
-        };
-        let convert = |i: &slat_kvm::dirty_oracle::IterationReport| dirty_oracle::IterationReport {
-            iteration: i.iteration,
-            dirty: i.dirty,
-            clean: i.clean,
-            writes: i.writes,
-            lost: i.lost,
-            spurious: i.spurious,
-            toggled: false,
-        };
-        let r = slat_kvm::dirty_oracle::run(self, kcfg, |i| progress(&convert(i))).map_err(text)?;
-        Ok(OracleReport {
-            iterations: r.iterations.iter().map(convert).collect(),
-            errors: r.errors,
-            ring_full_exits: r.ring_full_exits,
-        })
-    }
-    fn sim(&self) -> Option<&dyn Sim> {
-        None
+        native_baseline(self.layout, &self.ram, p).map_err(text)
     }
 }
 

@@ -2,6 +2,7 @@
 //! kvm_timing -- [vcpus] [MiB per vCPU] [backing] [user|kernel]`
 //! (defaults 1, 256, anonymous, user).
 
+use slat_kvm::TestMachine;
 use slat_kvm::{Backing, KvmConfig, KvmMachine, PassParams};
 use std::time::Instant;
 
@@ -104,6 +105,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         dirty: slat_kvm::DirtyConfig {
             manual_protect: slat_kvm::MANUAL_PROTECT_ENABLE | slat_kvm::INITIALLY_SET,
             ring_entries: 0,
+            ..slat_kvm::DirtyConfig::default()
         },
         ..KvmConfig::default()
     })?;
@@ -140,6 +142,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         dirty: slat_kvm::DirtyConfig {
             manual_protect: 0,
             ring_entries: entries,
+            ..slat_kvm::DirtyConfig::default()
         },
         ..KvmConfig::default()
     })?;

@@ -60,13 +60,13 @@
 //! ```
 
 use crate::error::KvmError;
-use crate::mem::PAGE_SIZE;
 use crate::memslot::{bitmap_words, Memslot};
 use kvm_bindings::{
     kvm_clear_dirty_log, kvm_dirty_gfn, kvm_dirty_log, kvm_enable_cap, KVM_CAP_DIRTY_LOG_RING,
     KVM_CAP_DIRTY_LOG_RING_ACQ_REL, KVM_DIRTY_LOG_PAGE_OFFSET,
 };
 use kvm_ioctls::{VcpuFd, VmFd};
+use slat_workload::PAGE_SIZE;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::ptr::NonNull;

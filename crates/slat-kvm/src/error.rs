@@ -108,6 +108,9 @@ pub enum KvmError {
         /// What is wrong with it.
         reason: String,
     },
+    /// Guest memory could not be mapped (or the hugetlb pool is short).
+    #[error(transparent)]
+    Ram(#[from] slat_workload::RamError),
     /// A memslot this crate will not register.
     #[error("memslot {slot}: {reason}")]
     Memslot {
@@ -116,6 +119,16 @@ pub enum KvmError {
         /// Why.
         reason: &'static str,
     },
+}
+
+impl From<slat_workload::WorkloadError> for KvmError {
+    /// A refusal of the shared workload code is a configuration error here too.
+    fn from(e: slat_workload::WorkloadError) -> Self {
+        match e {
+            slat_workload::WorkloadError::Config(m) => KvmError::Config(m),
+            slat_workload::WorkloadError::Thread(e) => KvmError::Thread(e),
+        }
+    }
 }
 
 impl KvmError {

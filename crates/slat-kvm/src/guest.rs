@@ -9,9 +9,9 @@
 //! pass, and the vCPU's registers are only set once, when it is created.
 
 use crate::error::KvmError;
-use crate::memstress::{ParkMiller, MEMSTRESS_PATTERN};
 use iced_x86::code_asm::*;
 use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs};
+use slat_workload::{ParkMiller, MEMSTRESS_PATTERN};
 
 /// The I/O port the guest writes to at the end of each pass.
 pub const SYNC_PORT: u16 = 0x88;

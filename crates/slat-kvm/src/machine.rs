@@ -4,9 +4,7 @@
 use crate::dirty::{self, DirtyRing, RingSize};
 use crate::error::KvmError;
 use crate::guest::{self, control, param, GuestMode, LowLayout, SYNC_PORT};
-use crate::mem::{Backing, HostMemory, PAGE_SHIFT, PAGE_SIZE};
 use crate::memslot::Memslot;
-use crate::memstress::{ParkMiller, PassParams};
 use crate::stats::{Stat, StatsFd};
 use kvm_bindings::{
     kvm_enable_cap, kvm_userspace_memory_region, CpuId, KVM_CAP_DIRTY_LOG_RING,
@@ -14,16 +12,19 @@ use kvm_bindings::{
     KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_EXIT_DIRTY_RING_FULL, KVM_MAX_CPUID_ENTRIES,
 };
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
+use slat_workload::TestRegion;
+use slat_workload::{
+    Backing, DirtyConfig, GuestRam, Layout, ParkMiller, PassParams, RegionSize, Rendezvous,
+    TestMachine, FIRST_SLOT, INITIALLY_SET, MANUAL_PROTECT_ENABLE, PAGE_SHIFT, PAGE_SIZE,
+};
 use std::ffi::CString;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Barrier, Mutex, MutexGuard, RwLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// The memslot id of the low slot (code, parameters, page tables, stacks).
 pub const LOW_SLOT: u32 = 0;
-/// The first memslot id of the test region (KVM's MEMSTRESS_MEM_SLOT_INDEX).
-pub const FIRST_SLOT: u32 = 1;
 /// The default KVM device.
 pub const DEFAULT_DEVICE: &str = "/dev/kvm";
 /// The highest guest physical address bit the test region may use: everything then lies under
@@ -33,20 +34,11 @@ pub const DEFAULT_DEVICE: &str = "/dev/kvm";
 /// them.
 pub const MAX_GPA_BITS: u32 = 39;
 
-/// How the VM logs dirty pages; applied when the machine is built, before vCPUs exist.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct DirtyConfig {
-    /// `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` flags ([`MANUAL_PROTECT_ENABLE`] |
-    /// [`INITIALLY_SET`]; 0 = GET clears and re-protects).
-    pub manual_protect: u32,
-    /// Dirty ring entries per vCPU (0 = bitmaps). A power of two, at least 256 (one page).
-    pub ring_entries: u32,
-}
-
-/// `KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE`: GET copies the bitmap; CLEAR clears and re-protects.
-pub const MANUAL_PROTECT_ENABLE: u32 = KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE;
-/// `KVM_DIRTY_LOG_INITIALLY_SET`: enabling logging sets every bit and protects nothing.
-pub const INITIALLY_SET: u32 = KVM_DIRTY_LOG_INITIALLY_SET;
+// `slat-workload` spells KVM's dirty-log flags without depending on KVM's headers.
+const _: () = assert!(
+    MANUAL_PROTECT_ENABLE == KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE
+        && INITIALLY_SET == KVM_DIRTY_LOG_INITIALLY_SET
+);
 
 /// What to build.
 #[derive(Debug, Clone)]
@@ -113,6 +105,293 @@ pub fn host_caps(device: &str) -> Result<HostCaps, KvmError> {
     caps_of(&kvm, &cpuid)
 }
 
+/// The checks of `config` that need no host: the region's size, and a dirty-log
+/// configuration KVM could accept.
+fn check_config(config: &KvmConfig) -> Result<RegionSize, KvmError> {
+    let size = RegionSize::new(config.vcpus, config.bytes_per_vcpu, config.slots)?;
+    let per_slot = size.per_slot;
+    if per_slot >> PAGE_SHIFT > u32::MAX as u64 {
+        return Err(KvmError::Config(format!(
+            "{per_slot} bytes per memslot is more than KVM's 2^32 pages"
+        )));
+    }
+    if config.backing == Backing::Shmem {
+        return Err(KvmError::Config(
+            "-s shmem is not supported by the kvm backend (use anonymous, anonymous_thp or \
+             anonymous_hugetlb)"
+                .into(),
+        ));
+    }
+    if config.dirty.ring_with_bitmap {
+        return Err(KvmError::Config(
+            "dirty rings with bitmaps beside them are a switch of the simulated engine".into(),
+        ));
+    }
+    let ring = config.dirty.ring_entries;
+    if ring != 0 && (!ring.is_power_of_two() || ring < 256) {
+        return Err(KvmError::Config(format!(
+            "dirty ring entries ({ring}) must be a power of two of at least 256 (one page)"
+        )));
+    }
+    let mp = config.dirty.manual_protect;
+    if mp & !(MANUAL_PROTECT_ENABLE | INITIALLY_SET) != 0
+        || (mp & INITIALLY_SET != 0 && mp & MANUAL_PROTECT_ENABLE == 0)
+    {
+        return Err(KvmError::Config(format!(
+            "manual protect flags {mp:#x}: only MANUAL_PROTECT_ENABLE (1), optionally with \
+             INITIALLY_SET (2), are valid"
+        )));
+    }
+    if ring != 0 && mp != 0 {
+        return Err(KvmError::Config(
+            "the dirty ring replaces the bitmap: manual protect does not apply to it".into(),
+        ));
+    }
+
+    Ok(size)
+}
+
+/// The checks of `config` against what the host's KVM offers; the dirty ring's size, if any.
+fn check_host(config: &KvmConfig, caps: &HostCaps) -> Result<Option<RingSize>, KvmError> {
+    let (ring, mp) = (config.dirty.ring_entries, config.dirty.manual_protect);
+    if config.vcpus > caps.max_vcpus {
+        return Err(KvmError::Config(format!(
+            "{} vCPUs requested; this host's KVM allows at most {}",
+            config.vcpus, caps.max_vcpus
+        )));
+    }
+    if config.slots + 1 > caps.memslots {
+        return Err(KvmError::Config(format!(
+            "{} memslots requested (plus the low slot); this host's KVM allows {}",
+            config.slots, caps.memslots
+        )));
+    }
+    if mp != 0 && caps.manual_protect & mp != mp {
+        return Err(KvmError::Unsupported {
+            capability: "KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2",
+            detail: if caps.manual_protect == 0 {
+                String::new()
+            } else {
+                format!(
+                    ": flags {mp:#x} requested, the host accepts {:#x}",
+                    caps.manual_protect
+                )
+            },
+        });
+    }
+    let entry = RingSize::ENTRY_BYTES;
+    let ring_size = if ring == 0 {
+        None
+    } else {
+        if caps.dirty_ring_max_bytes == 0 {
+            return Err(KvmError::unsupported("KVM_CAP_DIRTY_LOG_RING"));
+        }
+        // KVM's cap counts bytes, the configuration entries.
+        let bytes = u64::from(ring) * u64::from(entry);
+        if bytes > caps.dirty_ring_max_bytes as u64 {
+            return Err(KvmError::Unsupported {
+                capability: "KVM_CAP_DIRTY_LOG_RING",
+                detail: format!(
+                    ": a ring of {ring} entries ({bytes} bytes) is larger than the host's \
+                     maximum of {} bytes ({} entries)",
+                    caps.dirty_ring_max_bytes,
+                    caps.dirty_ring_max_bytes / entry
+                ),
+            });
+        }
+        Some(RingSize::from_entries(ring).map_err(|e| KvmError::Config(e.to_string()))?)
+    };
+    Ok(ring_size)
+}
+
+/// Where the test region of `total` bytes goes in guest physical memory, and the low slot's
+/// layout below it.
+fn place_region(
+    config: &KvmConfig,
+    caps: &HostCaps,
+    total: u64,
+) -> Result<(u64, LowLayout), KvmError> {
+    // Guest physical layout: the test region at the top of a 2^39 (or smaller, if the host
+    // has fewer bits) space, one page below the top like memstress, aligned down to the
+    // backing page size and to 2 MiB (the guest maps it with 2 MiB pages).
+    let gpa_bits = caps.phys_bits.min(MAX_GPA_BITS);
+    let top = 1u64 << gpa_bits;
+    let align = config.backing.page_size().max(2 << 20);
+    let probe_low = LowLayout::new(config.vcpus as u64, 0, 1)?;
+    let too_big = || {
+        KvmError::Config(format!(
+            "{total} bytes of test memory do not fit below the guest's 2^{gpa_bits} physical \
+             address limit"
+        ))
+    };
+    let gpa = top
+        .checked_sub(total + PAGE_SIZE)
+        .map(|g| g & !(align - 1))
+        .ok_or_else(too_big)?;
+    let low_layout = LowLayout::new(config.vcpus as u64, gpa, gpa + total)?;
+    if gpa < low_layout.size.max(probe_low.size) {
+        return Err(too_big());
+    }
+    Ok((gpa, low_layout))
+}
+
+/// Maps the test region (`total` bytes rounded up to the backing's page size) and the low
+/// slot, and writes the GDT, page tables and guest code into the low slot.
+fn map_memory(
+    config: &KvmConfig,
+    low_layout: &LowLayout,
+    gpa: u64,
+    total: u64,
+) -> Result<(GuestRam, GuestRam), KvmError> {
+    let ram_len = total.div_ceil(config.backing.page_size()) * config.backing.page_size();
+    let ram = GuestRam::new(config.backing, ram_len, config.prefault)?;
+    let low = GuestRam::new(Backing::Anonymous, low_layout.size, true)?;
+    {
+        // SAFETY: `low` is a fresh private mapping of `size` bytes that nothing else uses
+        // until the vCPUs exist.
+        let bytes =
+            unsafe { std::slice::from_raw_parts_mut(low.addr() as *mut u8, low.len() as usize) };
+        guest::build_gdt(bytes, low_layout)?;
+        guest::build_page_tables(bytes, low_layout, gpa, gpa + total)?;
+        let code = guest::assemble(low_layout.code)?;
+        if code.len() as u64 > low_layout.code_len {
+            return Err(KvmError::Assembler(format!(
+                "guest code is {} bytes; {} are reserved",
+                code.len(),
+                low_layout.code_len
+            )));
+        }
+        let at = low_layout.code as usize;
+        bytes[at..at + code.len()].copy_from_slice(&code);
+    }
+    Ok((ram, low))
+}
+
+/// Creates the VM with its dirty-log configuration: manual protect flags `mp`, the dirty
+/// ring of `ring_size`.
+fn create_vm(
+    kvm: &Kvm,
+    mp: u32,
+    ring_size: Option<RingSize>,
+    caps: &HostCaps,
+) -> Result<VmFd, KvmError> {
+    let vm = kvm
+        .create_vm()
+        .map_err(|e| KvmError::ioctl("KVM_CREATE_VM", e))?;
+    // Intel without unrestricted guest needs a TSS region for real mode; harmless elsewhere.
+    // Placed just below 4 GiB, far from both slots.
+    let _ = vm.set_tss_address(0xfffb_d000);
+    if mp != 0 {
+        let mut cap = kvm_enable_cap {
+            cap: KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
+            ..Default::default()
+        };
+        cap.args[0] = mp as u64;
+        vm.enable_cap(&cap)
+            .map_err(|e| KvmError::ioctl("KVM_ENABLE_CAP(MANUAL_DIRTY_LOG_PROTECT2)", e))?;
+    }
+    if let Some(size) = ring_size {
+        dirty::enable_dirty_ring(&vm, size, caps.dirty_ring_acq_rel)?;
+    }
+    Ok(vm)
+}
+
+/// Registers the low slot over `low` and the test region's slots over `ram` at `gpa`.
+///
+/// # Safety
+///
+/// `low` and `ram` must stay mapped for as long as the VM can reach them: until the VM fd,
+/// every vCPU fd and ring mapping, and the returned memslot handles are gone. `ram` must hold
+/// `size.total` bytes.
+unsafe fn register_slots(
+    vm: &Arc<VmFd>,
+    low: &GuestRam,
+    ram: &GuestRam,
+    gpa: u64,
+    size: &RegionSize,
+) -> Result<Vec<Memslot>, KvmError> {
+    let (per_slot, nslots) = (size.per_slot, size.slots as u64);
+    let region = |slot: u32, gpa: u64, len: u64, host: u64| kvm_userspace_memory_region {
+        slot,
+        flags: 0,
+        guest_phys_addr: gpa,
+        memory_size: len,
+        userspace_addr: host,
+    };
+    // SAFETY: the low mapping is guest memory only and stays mapped while the VM can reach
+    // it (the caller's contract). Nothing deletes the slot.
+    unsafe {
+        Memslot::register(vm, region(LOW_SLOT, 0, low.len(), low.addr()))?;
+    }
+    let mut slots = Vec::with_capacity(nslots as usize);
+    for s in 0..nslots {
+        let r = region(
+            FIRST_SLOT + s as u32,
+            gpa + s * per_slot,
+            per_slot,
+            ram.addr() + s * per_slot,
+        );
+        // SAFETY: as above, for the test region mapping `ram`; the slots do not overlap, and
+        // each lies inside `ram` (`slots * per_slot = total <= ram.len()`, the caller's
+        // contract).
+        slots.push(unsafe { Memslot::register(vm, r)? });
+    }
+    Ok(slots)
+}
+
+/// The vCPU fds, their dirty rings, and the statistics fds of the VM and each vCPU.
+type VcpuParts = (Vec<VcpuFd>, Vec<DirtyRing>, Option<(StatsFd, Vec<StatsFd>)>);
+
+/// Creates the vCPUs in long mode at the guest's entry point, maps their dirty rings, and
+/// opens the statistics fds (`None` if the kernel lacks them).
+fn create_vcpus(
+    vm: &VmFd,
+    cpuid: &CpuId,
+    low_layout: &LowLayout,
+    config: &KvmConfig,
+    ring_size: Option<RingSize>,
+) -> Result<VcpuParts, KvmError> {
+    let mut vcpus = Vec::with_capacity(config.vcpus);
+    let mut rings = Vec::new();
+    let mut vm_stats = StatsFd::open(vm).ok();
+    let mut vcpu_stats = Vec::new();
+    for i in 0..config.vcpus {
+        let v = vm
+            .create_vcpu(i as u64)
+            .map_err(|e| KvmError::ioctl("KVM_CREATE_VCPU", e))?;
+        v.set_cpuid2(cpuid)
+            .map_err(|e| KvmError::ioctl("KVM_SET_CPUID2", e))?;
+        let mut sregs = v
+            .get_sregs()
+            .map_err(|e| KvmError::ioctl("KVM_GET_SREGS", e))?;
+        guest::setup_long_mode(&mut sregs, low_layout, config.guest_mode);
+        v.set_sregs(&sregs)
+            .map_err(|e| KvmError::ioctl("KVM_SET_SREGS", e))?;
+        v.set_regs(&guest::initial_regs(low_layout, i, config.guest_mode))
+            .map_err(|e| KvmError::ioctl("KVM_SET_REGS", e))?;
+        if let Some(size) = ring_size {
+            let r = match DirtyRing::map(&v, size) {
+                Err(KvmError::Unsupported { .. }) => {
+                    // SAFETY: this machine enabled the ring on this VM with exactly `size`
+                    // above, before creating any vCPU (KVM accepts the cap once): the
+                    // size the kernel (too old to let `map` check it) backs.
+                    unsafe { DirtyRing::map_unchecked(&v, size) }
+                }
+                r => r,
+            }?;
+            rings.push(r);
+        }
+        if vm_stats.is_some() {
+            match StatsFd::open(&v) {
+                Ok(s) => vcpu_stats.push(s),
+                Err(_) => vm_stats = None,
+            }
+        }
+        vcpus.push(v);
+    }
+    Ok((vcpus, rings, vm_stats.map(|v| (v, vcpu_stats))))
+}
+
 fn open(device: &str) -> Result<Kvm, KvmError> {
     let path = CString::new(device)
         .map_err(|_| KvmError::Config(format!("device path {device:?} contains a NUL byte")))?;
@@ -138,41 +417,6 @@ fn caps_of(kvm: &Kvm, cpuid: &CpuId) -> Result<HostCaps, KvmError> {
     })
 }
 
-/// Where the test region is, and which part of it vCPU `i` accesses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Layout {
-    /// Guest physical (= guest virtual) address of the test region.
-    pub gpa: u64,
-    /// Host address of the test region.
-    pub host: u64,
-    /// Bytes per vCPU.
-    pub bytes_per_vcpu: u64,
-    /// vCPUs.
-    pub vcpus: usize,
-    /// Whole-region access.
-    pub overlap: bool,
-}
-
-impl Layout {
-    /// Pages in the test region.
-    pub fn total_pages(&self) -> u64 {
-        (self.bytes_per_vcpu * self.vcpus as u64) >> PAGE_SHIFT
-    }
-    /// (gpa, host, pages) of vCPU `i`'s region.
-    pub fn region(&self, i: usize) -> (u64, u64, u64) {
-        if self.overlap {
-            (self.gpa, self.host, self.total_pages())
-        } else {
-            let off = self.bytes_per_vcpu * i as u64;
-            (
-                self.gpa + off,
-                self.host + off,
-                self.bytes_per_vcpu >> PAGE_SHIFT,
-            )
-        }
-    }
-}
-
 /// What the vCPUs run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Workload {
@@ -182,9 +426,8 @@ pub enum Workload {
     Loop(PassParams),
     /// dirty_log_test's guest: until halted, write `iteration` into the first 8 bytes of
     /// pseudo-random pages of the vCPU's region (vCPU `i` seeds with `seed + i`; see
-    /// [`crate::memstress::WriterPattern`]). The value is fixed for the run (the simulated
-    /// machine's `Writer` takes an `Arc<AtomicU64>`; its oracle, like this crate's, changes it
-    /// only between runs, so an adapter passes the atomic's current value).
+    /// [`crate::memstress::WriterPattern`]). The guest reads the value from the control page
+    /// before every write, so [`TestMachine::set_writer_value`] changes it while it runs.
     Writer {
         /// PRNG seed.
         seed: u32,
@@ -193,43 +436,23 @@ pub enum Workload {
     },
 }
 
-/// One vCPU's part of a pass (or of a workload run until halted).
+/// What KVM counts per vCPU beside the shared fields of [`VcpuPass`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct VcpuPass {
-    /// From the vCPU thread's first `KVM_RUN` of the pass to its sync exit.
-    pub time: Duration,
-    /// Pages touched (writes, for the writer).
-    pub pages: u64,
-    /// Full passes completed (a `Loop` may stop in the middle of one).
-    pub passes: u64,
-    /// `KVM_EXIT_DIRTY_RING_FULL` exits handled.
-    pub ring_full_exits: u64,
+pub struct KvmCounters {
     /// `KVM_RUN` calls (1 + exits handled inside the pass).
     pub entries: u64,
 }
 
+/// One vCPU's part of a pass: from its first `KVM_RUN` of the pass to its sync exit; its
+/// `ring_full_exits` counts `KVM_EXIT_DIRTY_RING_FULL` exits handled.
+pub type VcpuPass = slat_workload::VcpuPass<KvmCounters>;
+
 /// A completed pass.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PassReport {
-    /// From releasing the vCPUs to the last one's sync.
-    pub wall: Duration,
-    /// Per vCPU.
-    pub vcpus: Vec<VcpuPass>,
-}
+pub type PassReport = slat_workload::PassReport<KvmCounters>;
 
-#[derive(Debug, Clone, Copy)]
-enum Job {
-    Run,
-    Stop,
-}
-
-struct Control {
-    start: Barrier,
-    done: Barrier,
-    job: Mutex<Job>,
-    results: Mutex<Vec<Result<VcpuPass, String>>>,
-    running: AtomicBool,
-}
+/// The host's rendezvous with the vCPU threads. The job itself is in the guest's parameter
+/// blocks, written before the release.
+type Control = Rendezvous<(), VcpuPass, String>;
 
 /// Rings of every vCPU, and entries taken by vCPUs on ring-full exits that the host has not
 /// collected yet. One lock: a ring is harvested by one thread at a time.
@@ -245,7 +468,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// A VM on `/dev/kvm` laid out like KVM's memstress, with one thread per vCPU.
 ///
-/// The API mirrors `slat_machine::Machine`, so one benchmark can drive either.
+/// Like `slat_machine::Machine`, it is a [`TestMachine`], so one benchmark (and the dirty-log
+/// oracle) drives either.
 pub struct KvmMachine {
     threads: Vec<JoinHandle<()>>,
     ctl: Arc<Control>,
@@ -254,7 +478,7 @@ pub struct KvmMachine {
     /// The test region's memslots (ids `FIRST_SLOT..`), as registered: the dirty-log calls
     /// size their bitmaps from these.
     slots: Vec<Memslot>,
-    layout: Layout,
+    region: TestRegion,
     low_layout: LowLayout,
     config: KvmConfig,
     caps: HostCaps,
@@ -262,305 +486,93 @@ pub struct KvmMachine {
     /// Statistics fds of the VM and of each vCPU (`None` on kernels without them).
     stats: Option<(StatsFd, Vec<StatsFd>)>,
     // Memory goes last: it is unmapped after the vCPU threads are joined and the VM closed.
-    low: HostMemory,
-    ram: HostMemory,
+    low: GuestRam,
+    ram: GuestRam,
 }
 
 impl KvmMachine {
     /// Opens KVM, maps guest memory, creates the VM, its memslots and vCPUs (long mode, identity
     /// paging), and starts idle vCPU threads.
     pub fn new(config: KvmConfig) -> Result<Self, KvmError> {
-        if config.vcpus == 0 {
-            return Err(KvmError::Config("at least one vCPU is needed".into()));
-        }
-        if config.bytes_per_vcpu == 0 || config.bytes_per_vcpu % PAGE_SIZE != 0 {
-            return Err(KvmError::Config(format!(
-                "guest memory per vCPU ({} bytes) must be a non-zero multiple of 4 KiB",
-                config.bytes_per_vcpu
-            )));
-        }
-        let total = config
-            .bytes_per_vcpu
-            .checked_mul(config.vcpus as u64)
-            .ok_or_else(|| KvmError::Config("guest memory size overflows".into()))?;
-        let pages = total >> PAGE_SHIFT;
-        if config.slots == 0 || pages % config.slots as u64 != 0 {
-            return Err(KvmError::Config(format!(
-                "{} memslots cannot split {pages} guest pages evenly",
-                config.slots
-            )));
-        }
-        let per_slot = total / config.slots as u64;
-        if per_slot >> PAGE_SHIFT > u32::MAX as u64 {
-            return Err(KvmError::Config(format!(
-                "{per_slot} bytes per memslot is more than KVM's 2^32 pages"
-            )));
-        }
-        let ring = config.dirty.ring_entries;
-        if ring != 0 && (!ring.is_power_of_two() || ring < 256) {
-            return Err(KvmError::Config(format!(
-                "dirty ring entries ({ring}) must be a power of two of at least 256 (one page)"
-            )));
-        }
-        let mp = config.dirty.manual_protect;
-        if mp & !(MANUAL_PROTECT_ENABLE | INITIALLY_SET) != 0
-            || (mp & INITIALLY_SET != 0 && mp & MANUAL_PROTECT_ENABLE == 0)
-        {
-            return Err(KvmError::Config(format!(
-                "manual protect flags {mp:#x}: only MANUAL_PROTECT_ENABLE (1), optionally with \
-                 INITIALLY_SET (2), are valid"
-            )));
-        }
-        if ring != 0 && mp != 0 {
-            return Err(KvmError::Config(
-                "the dirty ring replaces the bitmap: manual protect does not apply to it".into(),
-            ));
-        }
-
+        let size = check_config(&config)?;
         let kvm = open(&config.device)?;
         let cpuid = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(|e| KvmError::ioctl("KVM_GET_SUPPORTED_CPUID", e))?;
         let caps = caps_of(&kvm, &cpuid)?;
-        if config.vcpus > caps.max_vcpus {
-            return Err(KvmError::Config(format!(
-                "{} vCPUs requested; this host's KVM allows at most {}",
-                config.vcpus, caps.max_vcpus
-            )));
-        }
-        if config.slots + 1 > caps.memslots {
-            return Err(KvmError::Config(format!(
-                "{} memslots requested (plus the low slot); this host's KVM allows {}",
-                config.slots, caps.memslots
-            )));
-        }
-        if mp != 0 && caps.manual_protect & mp != mp {
-            return Err(KvmError::Unsupported {
-                capability: "KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2",
-                detail: if caps.manual_protect == 0 {
-                    String::new()
-                } else {
-                    format!(
-                        ": flags {mp:#x} requested, the host accepts {:#x}",
-                        caps.manual_protect
-                    )
-                },
-            });
-        }
-        let entry = RingSize::ENTRY_BYTES;
-        let ring_size = if ring == 0 {
-            None
-        } else {
-            if caps.dirty_ring_max_bytes == 0 {
-                return Err(KvmError::unsupported("KVM_CAP_DIRTY_LOG_RING"));
-            }
-            // KVM's cap counts bytes, the configuration entries.
-            let bytes = u64::from(ring) * u64::from(entry);
-            if bytes > caps.dirty_ring_max_bytes as u64 {
-                return Err(KvmError::Unsupported {
-                    capability: "KVM_CAP_DIRTY_LOG_RING",
-                    detail: format!(
-                        ": a ring of {ring} entries ({bytes} bytes) is larger than the host's \
-                         maximum of {} bytes ({} entries)",
-                        caps.dirty_ring_max_bytes,
-                        caps.dirty_ring_max_bytes / entry
-                    ),
-                });
-            }
-            Some(RingSize::from_entries(ring).map_err(|e| KvmError::Config(e.to_string()))?)
-        };
-
-        // Guest physical layout: the test region at the top of a 2^39 (or smaller, if the host
-        // has fewer bits) space, one page below the top like memstress, aligned down to the
-        // backing page size and to 2 MiB (the guest maps it with 2 MiB pages).
-        let gpa_bits = caps.phys_bits.min(MAX_GPA_BITS);
-        let top = 1u64 << gpa_bits;
-        let align = config.backing.page_size().max(2 << 20);
-        let probe_low = LowLayout::new(config.vcpus as u64, 0, 1)?;
-        let too_big = || {
-            KvmError::Config(format!(
-                "{total} bytes of test memory do not fit below the guest's 2^{gpa_bits} physical \
-                 address limit"
-            ))
-        };
-        let gpa = top
-            .checked_sub(total + PAGE_SIZE)
-            .map(|g| g & !(align - 1))
-            .ok_or_else(too_big)?;
-        let low_layout = LowLayout::new(config.vcpus as u64, gpa, gpa + total)?;
-        if gpa < low_layout.size.max(probe_low.size) {
-            return Err(too_big());
-        }
-
-        let ram_len = total.div_ceil(config.backing.page_size()) * config.backing.page_size();
-        let ram = HostMemory::new(config.backing, ram_len, config.prefault)?;
-        let low = HostMemory::new(Backing::Anonymous, low_layout.size, true)?;
-        {
-            // SAFETY: `low` is a fresh private mapping of `size` bytes that nothing else uses
-            // until the vCPUs exist.
-            let bytes = unsafe {
-                std::slice::from_raw_parts_mut(low.addr() as *mut u8, low.len() as usize)
-            };
-            guest::build_gdt(bytes, &low_layout)?;
-            guest::build_page_tables(bytes, &low_layout, gpa, gpa + total)?;
-            let code = guest::assemble(low_layout.code)?;
-            if code.len() as u64 > low_layout.code_len {
-                return Err(KvmError::Assembler(format!(
-                    "guest code is {} bytes; {} are reserved",
-                    code.len(),
-                    low_layout.code_len
-                )));
-            }
-            let at = low_layout.code as usize;
-            bytes[at..at + code.len()].copy_from_slice(&code);
-        }
-
-        let vm = kvm
-            .create_vm()
-            .map_err(|e| KvmError::ioctl("KVM_CREATE_VM", e))?;
-        // Intel without unrestricted guest needs a TSS region for real mode; harmless elsewhere.
-        // Placed just below 4 GiB, far from both slots.
-        let _ = vm.set_tss_address(0xfffb_d000);
-        if mp != 0 {
-            let mut cap = kvm_enable_cap {
-                cap: KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
-                ..Default::default()
-            };
-            cap.args[0] = mp as u64;
-            vm.enable_cap(&cap)
-                .map_err(|e| KvmError::ioctl("KVM_ENABLE_CAP(MANUAL_DIRTY_LOG_PROTECT2)", e))?;
-        }
-        if let Some(size) = ring_size {
-            dirty::enable_dirty_ring(&vm, size, caps.dirty_ring_acq_rel)?;
-        }
-        let vm = Arc::new(vm);
-        let region = |slot: u32, gpa: u64, len: u64, host: u64| kvm_userspace_memory_region {
-            slot,
-            flags: 0,
-            guest_phys_addr: gpa,
-            memory_size: len,
-            userspace_addr: host,
-        };
-        // SAFETY: the low mapping is guest memory only and stays mapped while the VM can reach
-        // it: the machine unmaps it last, after joining the vCPU threads (which own the vCPU
-        // fds) and dropping the VM fd, the rings (mappings of vCPU fds) and the memslot handles,
-        // its fields declared before `low`. Nothing deletes the slot.
-        unsafe {
-            Memslot::register(&vm, region(LOW_SLOT, 0, low.len(), low.addr()))?;
-        }
-        let mut slots = Vec::with_capacity(config.slots);
-        for s in 0..config.slots as u64 {
-            let r = region(
-                FIRST_SLOT + s as u32,
-                gpa + s * per_slot,
-                per_slot,
-                ram.addr() + s * per_slot,
-            );
-            // SAFETY: as above, for the test region mapping (`ram`, also unmapped last); the
-            // slots do not overlap, and each lies inside `ram` (`slots * per_slot = total <=
-            // ram_len`).
-            slots.push(unsafe { Memslot::register(&vm, r)? });
-        }
-
-        let layout = Layout {
-            gpa,
-            host: ram.addr(),
-            bytes_per_vcpu: config.bytes_per_vcpu,
-            vcpus: config.vcpus,
-            overlap: config.overlap,
-        };
-        let mut vcpus = Vec::with_capacity(config.vcpus);
-        let mut rings = Vec::new();
-        let mut vm_stats = StatsFd::open(&*vm).ok();
-        let mut vcpu_stats = Vec::new();
-        for i in 0..config.vcpus {
-            let v = vm
-                .create_vcpu(i as u64)
-                .map_err(|e| KvmError::ioctl("KVM_CREATE_VCPU", e))?;
-            v.set_cpuid2(&cpuid)
-                .map_err(|e| KvmError::ioctl("KVM_SET_CPUID2", e))?;
-            let mut sregs = v
-                .get_sregs()
-                .map_err(|e| KvmError::ioctl("KVM_GET_SREGS", e))?;
-            guest::setup_long_mode(&mut sregs, &low_layout, config.guest_mode);
-            v.set_sregs(&sregs)
-                .map_err(|e| KvmError::ioctl("KVM_SET_SREGS", e))?;
-            v.set_regs(&guest::initial_regs(&low_layout, i, config.guest_mode))
-                .map_err(|e| KvmError::ioctl("KVM_SET_REGS", e))?;
-            if let Some(size) = ring_size {
-                let r = match DirtyRing::map(&v, size) {
-                    Err(KvmError::Unsupported { .. }) => {
-                        // SAFETY: this machine enabled the ring on this VM with exactly `size`
-                        // above, before creating any vCPU (KVM accepts the cap once): the
-                        // size the kernel (too old to let `map` check it) backs.
-                        unsafe { DirtyRing::map_unchecked(&v, size) }
-                    }
-                    r => r,
-                }?;
-                rings.push(r);
-            }
-            if vm_stats.is_some() {
-                match StatsFd::open(&v) {
-                    Ok(s) => vcpu_stats.push(s),
-                    Err(_) => vm_stats = None,
-                }
-            }
-            vcpus.push(v);
-        }
-
-        let mut m = KvmMachine {
+        let ring_size = check_host(&config, &caps)?;
+        let (gpa, low_layout) = place_region(&config, &caps, size.total)?;
+        let (ram, low) = map_memory(&config, &low_layout, gpa, size.total)?;
+        let vm = Arc::new(create_vm(
+            &kvm,
+            config.dirty.manual_protect,
+            ring_size,
+            &caps,
+        )?);
+        // SAFETY: `ram` and `low` end up in the machine built below, which unmaps them last:
+        // after joining the vCPU threads (which own the vCPU fds) and dropping the VM fd, the
+        // rings (mappings of vCPU fds) and the memslot handles, its fields declared before
+        // `low` and `ram`; if the machine is leaked instead, so are they. Nothing deletes the
+        // slots. `size.total <= ram.len()` (`map_memory` rounds it up).
+        let slots = unsafe { register_slots(&vm, &low, &ram, gpa, &size) }?;
+        let layout = size.layout(gpa, ram.addr(), config.overlap);
+        let (vcpus, rings, stats) = create_vcpus(&vm, &cpuid, &low_layout, &config, ring_size)?;
+        let m = KvmMachine {
             threads: Vec::new(),
-            ctl: Arc::new(Control {
-                start: Barrier::new(config.vcpus + 1),
-                done: Barrier::new(config.vcpus + 1),
-                job: Mutex::new(Job::Run),
-                results: Mutex::new(vec![Ok(VcpuPass::default()); config.vcpus]),
-                running: AtomicBool::new(false),
-            }),
+            ctl: Arc::new(Control::new(config.vcpus)),
             rings: Arc::new(Mutex::new(Rings {
                 rings,
                 reaped: Vec::new(),
             })),
             vm,
             slots,
-            layout,
+            region: TestRegion {
+                layout,
+                slots: config.slots,
+                dirty: config.dirty,
+            },
             low_layout,
             config,
             caps,
             logging: Mutex::new(false),
-            stats: vm_stats.map(|v| (v, vcpu_stats)),
+            stats,
             low,
             ram,
         };
         m.write_params_static();
+        m.start_vcpu_threads(vcpus)
+    }
+
+    /// Starts one thread per vCPU, each owning its vCPU fd, idle until the first job.
+    fn start_vcpu_threads(mut self, vcpus: Vec<VcpuFd>) -> Result<Self, KvmError> {
         for (i, v) in vcpus.into_iter().enumerate() {
             let ctx = VcpuContext {
                 idx: i,
                 vcpu: v,
-                ctl: m.ctl.clone(),
-                rings: m.rings.clone(),
-                vm: m.vm.clone(),
-                block: m.low.addr() + m.low_layout.param_block(i),
-                regs: guest::initial_regs(&m.low_layout, i, m.config.guest_mode),
+                ctl: self.ctl.clone(),
+                rings: self.rings.clone(),
+                vm: self.vm.clone(),
+                block: self.low.addr() + self.low_layout.param_block(i),
+                regs: guest::initial_regs(&self.low_layout, i, self.config.guest_mode),
             };
             let t = std::thread::Builder::new()
                 .name(format!("kvm-vcpu{i}"))
                 .spawn(move || vcpu_thread(ctx));
             match t {
-                Ok(h) => m.threads.push(h),
+                Ok(h) => self.threads.push(h),
                 Err(e) => {
                     // The threads already started wait at the start barrier for parties that
                     // never arrive, so they cannot be stopped: leak them, and the machine with
                     // them. Its guest memory must not be unmapped while their vCPU fds (and
                     // so the VM and its memslots) exist, which is for ever.
-                    *lock(&m.ctl.job) = Job::Stop;
-                    m.threads.clear();
-                    std::mem::forget(m);
+                    self.ctl.abandon();
+                    self.threads.clear();
+                    std::mem::forget(self);
                     return Err(KvmError::Thread(e));
                 }
             }
         }
-        Ok(m)
+        Ok(self)
     }
 
     /// The configuration.
@@ -571,11 +583,6 @@ impl KvmMachine {
     /// What the host's KVM offers.
     pub fn caps(&self) -> HostCaps {
         self.caps
-    }
-
-    /// Where the test region is.
-    pub fn layout(&self) -> Layout {
-        self.layout
     }
 
     /// Where the code, parameters and page tables are in the low slot.
@@ -646,28 +653,10 @@ impl KvmMachine {
         FIRST_SLOT..FIRST_SLOT + self.config.slots as u32
     }
 
-    /// Pages per memslot.
-    pub fn pages_per_slot(&self) -> u64 {
-        self.layout.total_pages() / self.config.slots as u64
-    }
-
-    /// The first 8 bytes of page `page` of the test region (atomically; vCPUs may be writing).
-    /// `None` past the end.
-    pub fn page_value(&self, page: u64) -> Option<u64> {
-        (page < self.layout.total_pages()).then(|| {
-            // SAFETY: `page < total_pages`, and `ram` maps at least the test region's
-            // `total_pages * 4 KiB` bytes (its length is that, rounded up to the backing's page
-            // size) for as long as `self` lives; the address is page aligned, and the word is
-            // accessed atomically because vCPUs may write it.
-            unsafe { AtomicU64::from_ptr((self.ram.addr() + page * PAGE_SIZE) as *mut u64) }
-                .load(Ordering::Relaxed)
-        })
-    }
-
     /// Sets the first 8 bytes of page `page` of the test region from the host (not logged:
     /// KVM logs guest writes only). `false` past the end.
     pub fn set_page_value(&self, page: u64, value: u64) -> bool {
-        if page >= self.layout.total_pages() {
+        if page >= self.region.layout.total_pages() {
             return false;
         }
         // SAFETY: as in `page_value`.
@@ -689,7 +678,7 @@ impl KvmMachine {
     fn write_params_static(&self) {
         for i in 0..self.config.vcpus {
             let b = self.low_layout.param_block(i);
-            let (gpa, _, pages) = self.layout.region(i);
+            let (gpa, _, pages) = self.region.layout.region(i);
             self.low_u64(b + param::BASE).store(gpa, Ordering::Relaxed);
             self.low_u64(b + param::PAGES)
                 .store(pages, Ordering::Relaxed);
@@ -698,13 +687,6 @@ impl KvmMachine {
             self.low_u64(b + param::HUNDRED)
                 .store(100, Ordering::Relaxed);
         }
-    }
-
-    /// Runs one memstress pass on every vCPU and waits for all of them (GUEST_SYNC).
-    pub fn run_pass(&self, params: PassParams) -> Result<PassReport, KvmError> {
-        let t0 = Instant::now();
-        self.start(Workload::Pass(params))?;
-        self.wait(t0)
     }
 
     /// Starts `w` on every vCPU and returns at once; [`Self::halt`] stops it (a `Pass` also
@@ -718,7 +700,7 @@ impl KvmMachine {
                 )));
             }
         }
-        if self.ctl.running.swap(true, Ordering::SeqCst) {
+        if !self.ctl.claim() {
             return Err(KvmError::Busy("a workload is already running"));
         }
         let (mode, seed, wp, random) = match w {
@@ -743,48 +725,15 @@ impl KvmMachine {
         }
         self.low_u64(self.low_layout.control + control::HALT)
             .store(0, Ordering::SeqCst);
-        *lock(&self.ctl.job) = Job::Run;
-        // The barrier orders the stores above before the vCPU threads' KVM_RUN.
-        self.ctl.start.wait();
+        // The release orders the stores above before the vCPU threads' KVM_RUN.
+        self.ctl.release(());
         Ok(())
-    }
-
-    /// Asks the running workload to stop at the vCPUs' next check and waits for every vCPU to
-    /// sync.
-    pub fn halt(&self) -> Result<PassReport, KvmError> {
-        if !self.ctl.running.load(Ordering::SeqCst) {
-            return Err(KvmError::Busy("no workload is running"));
-        }
-        let t0 = Instant::now();
-        self.low_u64(self.low_layout.control + control::HALT)
-            .store(1, Ordering::SeqCst);
-        self.wait(t0)
     }
 
     fn wait(&self, t0: Instant) -> Result<PassReport, KvmError> {
-        self.ctl.done.wait();
-        let wall = t0.elapsed();
-        self.ctl.running.store(false, Ordering::SeqCst);
-        let results = lock(&self.ctl.results).clone();
-        let mut vcpus = Vec::with_capacity(results.len());
-        for (i, r) in results.into_iter().enumerate() {
-            match r {
-                Ok(v) => vcpus.push(v),
-                Err(exit) => return Err(KvmError::UnexpectedExit { vcpu: i, exit }),
-            }
-        }
+        let (wall, results) = self.ctl.collect(t0);
+        let vcpus = results.map_err(|(vcpu, exit)| KvmError::UnexpectedExit { vcpu, exit })?;
         Ok(PassReport { wall, vcpus })
-    }
-
-    /// Turns dirty logging (`KVM_MEM_LOG_DIRTY_PAGES`) on or off on every memslot of the test
-    /// region (a flags-only `KVM_SET_USER_MEMORY_REGION`).
-    pub fn set_dirty_logging(&self, on: bool) -> Result<(), KvmError> {
-        let mut logging = lock(&self.logging);
-        for slot in &self.slots {
-            slot.set_dirty_logging(on)?;
-        }
-        *logging = on;
-        Ok(())
     }
 
     /// Whether dirty logging is on.
@@ -804,94 +753,12 @@ impl KvmMachine {
             .find(|s| s.id() == slot)
             .ok_or_else(|| KvmError::DirtyLog(format!("{op}: slot {slot} is not a test memslot")))
     }
-
-    /// `KVM_GET_DIRTY_LOG` of `slot` into `bitmap` (bit `p` = page `p` of the slot). Without
-    /// manual protect this also clears the log and write-protects the pages; with it, it
-    /// copies.
-    ///
-    /// `bitmap` must be exactly `pages_per_slot().div_ceil(64)` words, the words KVM writes
-    /// ([`KvmError::BitmapLength`] otherwise).
-    pub fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), KvmError> {
-        let s = self.bitmap_slot(slot, "KVM_GET_DIRTY_LOG")?;
-        if !self.dirty_logging() {
-            return Err(KvmError::DirtyLog(
-                "KVM_GET_DIRTY_LOG: dirty logging is off".into(),
-            ));
-        }
-        dirty::get_dirty_log(s, bitmap)
-    }
-
-    /// `KVM_CLEAR_DIRTY_LOG` (manual protect): clears and re-protects the pages of
-    /// `[first_page, first_page + num_pages)` of `slot` whose bits are set in `bitmap` (bit 0
-    /// = `first_page`). `first_page` must be a multiple of 64, and so must `num_pages` unless
-    /// the range reaches the end of the slot ([`KvmError::ClearRange`]); `bitmap` must be
-    /// exactly `num_pages.div_ceil(64)` words, the words KVM reads
-    /// ([`KvmError::BitmapLength`]).
-    pub fn clear_dirty_log(
-        &self,
-        slot: u32,
-        first_page: u64,
-        num_pages: u64,
-        bitmap: &[u64],
-    ) -> Result<(), KvmError> {
-        let s = self.bitmap_slot(slot, "KVM_CLEAR_DIRTY_LOG")?;
-        if self.config.dirty.manual_protect & MANUAL_PROTECT_ENABLE == 0 {
-            return Err(KvmError::DirtyLog(
-                "KVM_CLEAR_DIRTY_LOG needs manual protect (KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2)"
-                    .into(),
-            ));
-        }
-        if !self.dirty_logging() {
-            return Err(KvmError::DirtyLog(
-                "KVM_CLEAR_DIRTY_LOG: dirty logging is off".into(),
-            ));
-        }
-        dirty::clear_dirty_log(s, first_page, num_pages, bitmap)
-    }
-
-    /// Takes every dirty-ring entry not yet collected: first those the vCPUs reaped on
-    /// ring-full exits, then each ring's (acquire of DIRTY, release of RESET). Calls
-    /// `f(slot, offset)` per entry (slot is `as_id << 16 | id`; address space 0 here); returns
-    /// how many. Follow with [`Self::reset_dirty_rings`] before reading the pages.
-    pub fn collect_dirty_rings(&self, mut f: impl FnMut(u32, u64)) -> u64 {
-        let mut r = lock(&self.rings);
-        let reaped = std::mem::take(&mut r.reaped);
-        let mut n = reaped.len() as u64;
-        for (s, o) in reaped {
-            f(s, o);
-        }
-        for ring in r.rings.iter_mut() {
-            n += ring.harvest(&mut f) as u64;
-        }
-        n
-    }
-
-    /// `KVM_RESET_DIRTY_RINGS`: re-protects the pages of every collected entry; returns how
-    /// many entries KVM reset.
-    pub fn reset_dirty_rings(&self) -> Result<u64, KvmError> {
-        if self.config.dirty.ring_entries == 0 {
-            return Err(KvmError::DirtyLog(
-                "KVM_RESET_DIRTY_RINGS: the VM has no dirty rings".into(),
-            ));
-        }
-        let _r = lock(&self.rings);
-        dirty::reset_dirty_rings(&self.vm)
-    }
 }
 
 impl Drop for KvmMachine {
     fn drop(&mut self) {
-        if self.threads.is_empty() {
-            return;
-        }
-        if self.ctl.running.load(Ordering::SeqCst) {
-            let _ = self.halt();
-        }
-        *lock(&self.ctl.job) = Job::Stop;
-        self.ctl.start.wait();
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
+        let threads = std::mem::take(&mut self.threads);
+        self.ctl.shut_down(threads, || drop(self.halt()));
     }
 }
 
@@ -931,7 +798,7 @@ impl VcpuContext {
         let mut p = VcpuPass::default();
         let t0 = Instant::now();
         loop {
-            p.entries += 1;
+            p.counters.entries += 1;
             let exit = match self.vcpu.run() {
                 Ok(VcpuExit::IoOut(port, _)) if port == SYNC_PORT => break,
                 Ok(VcpuExit::Unsupported(r)) if r == KVM_EXIT_DIRTY_RING_FULL => {
@@ -958,11 +825,7 @@ impl VcpuContext {
 
 fn vcpu_thread(mut ctx: VcpuContext) {
     let mut broken = false;
-    loop {
-        ctx.ctl.start.wait();
-        if matches!(*lock(&ctx.ctl.job), Job::Stop) {
-            break;
-        }
+    while ctx.ctl.next_job().is_some() {
         if broken {
             // The last run ended somewhere in the guest: start the program over.
             broken = ctx.vcpu.set_regs(&ctx.regs).is_err();
@@ -973,95 +836,159 @@ fn vcpu_thread(mut ctx: VcpuContext) {
             ctx.run()
         };
         broken = r.is_err();
-        lock(&ctx.ctl.results)[ctx.idx] = r;
-        ctx.ctl.done.wait();
+        ctx.ctl.report(ctx.idx, r);
     }
 }
 
-/// Runs the memstress pattern of `layout` natively on `mem` (at least as large as the test
-/// region) with one thread per vCPU: the native baseline of a pass. The wall time is the
-/// slowest thread's own time (the spawning thread may not run again until the workers finish).
-///
-/// Only `bytes_per_vcpu`, `vcpus` and `overlap` of `layout` matter (vCPU `i` works on
-/// `mem[i * bytes_per_vcpu..]`, or all of it with overlap). Refused with
-/// [`KvmError::Config`]: `bytes_per_vcpu` zero or not a multiple of 4 KiB, a region size that
-/// overflows, or `mem` smaller than the region.
+/// Runs the memstress pattern of `layout` natively on `mem` with one thread per vCPU: the
+/// native baseline of a pass ([`slat_workload::native_baseline`], whose refusals become
+/// [`KvmError::Config`]).
 pub fn native_baseline(
     layout: Layout,
-    mem: &HostMemory,
+    mem: &GuestRam,
     params: PassParams,
 ) -> Result<PassReport, KvmError> {
-    let bytes = layout.bytes_per_vcpu;
-    if bytes == 0 || bytes % PAGE_SIZE != 0 {
-        return Err(KvmError::Config(format!(
-            "native baseline: memory per vCPU ({bytes} bytes) must be a non-zero multiple of 4 KiB"
-        )));
+    Ok(slat_workload::native_baseline(layout, mem, params)?)
+}
+
+impl TestMachine for KvmMachine {
+    type Error = KvmError;
+    type Counters = KvmCounters;
+
+    fn region(&self) -> &TestRegion {
+        &self.region
     }
-    let total = u64::try_from(layout.vcpus)
-        .ok()
-        .and_then(|v| bytes.checked_mul(v))
-        .ok_or_else(|| KvmError::Config("native baseline: region size overflows".into()))?;
-    if mem.len() < total {
-        return Err(KvmError::Config(format!(
-            "native baseline needs {total} bytes of host memory, got {}",
-            mem.len()
-        )));
+
+    /// Runs one memstress pass on every vCPU and waits for all of them (GUEST_SYNC).
+    fn run_pass(&self, params: PassParams) -> Result<PassReport, KvmError> {
+        let t0 = Instant::now();
+        self.start(Workload::Pass(params))?;
+        self.wait(t0)
     }
-    // (offset in `mem`, pages) of vCPU `i`: inside `[0, total)`, page aligned.
-    let region = |i: usize| {
-        if layout.overlap {
-            (0, total >> PAGE_SHIFT)
-        } else {
-            (bytes * i as u64, bytes >> PAGE_SHIFT)
+
+    fn start_loop(&self, params: PassParams) -> Result<(), KvmError> {
+        self.start(Workload::Loop(params))
+    }
+    fn start_writer(&self, seed: u32, value: u64) -> Result<(), KvmError> {
+        self.start(Workload::Writer {
+            seed,
+            iteration: value,
+        })
+    }
+
+    /// Changes the value a running [`Workload::Writer`] writes: the guest reads it from the
+    /// control page before every write.
+    fn set_writer_value(&self, value: u64) {
+        self.low_u64(self.low_layout.control + control::ITERATION)
+            .store(value, Ordering::Relaxed);
+    }
+
+    /// Asks the running workload to stop at the vCPUs' next check and waits for every vCPU to
+    /// sync.
+    fn halt(&self) -> Result<PassReport, KvmError> {
+        if !self.ctl.running() {
+            return Err(KvmError::Busy("no workload is running"));
         }
-    };
-    let base = mem.addr();
-    // The workers start together when the gate opens (the write lock is released); if a
-    // thread cannot be started, the gate opens with `true` and the started ones return.
-    let gate = RwLock::new(false);
-    let mut abort = gate.write().unwrap_or_else(|e| e.into_inner());
-    let vcpus = std::thread::scope(|s| {
-        let mut handles = Vec::with_capacity(layout.vcpus);
-        let mut failed = None;
-        for i in 0..layout.vcpus {
-            let gate = &gate;
-            let (off, pages) = region(i);
-            let worker = move || {
-                if *gate.read().unwrap_or_else(|e| e.into_inner()) {
-                    return None;
-                }
-                let t0 = Instant::now();
-                // SAFETY: `[base + off, base + off + pages * 4 KiB)` lies in `mem`: `off +
-                // pages * 4 KiB <= total <= mem.len()` (checked above), and `mem` outlives the
-                // scope. `base` and `off` are page aligned. Other workers access the range
-                // only atomically.
-                unsafe { crate::memstress::native_pass(base + off, pages, params, i as u32) };
-                Some(VcpuPass {
-                    time: t0.elapsed(),
-                    pages,
-                    passes: 1,
-                    ..VcpuPass::default()
-                })
-            };
-            match std::thread::Builder::new().spawn_scoped(s, worker) {
-                Ok(h) => handles.push(h),
-                Err(e) => {
-                    failed = Some(e);
-                    break;
-                }
-            }
+        let t0 = Instant::now();
+        self.low_u64(self.low_layout.control + control::HALT)
+            .store(1, Ordering::SeqCst);
+        self.wait(t0)
+    }
+
+    /// Turns dirty logging (`KVM_MEM_LOG_DIRTY_PAGES`) on or off on every memslot of the test
+    /// region (a flags-only `KVM_SET_USER_MEMORY_REGION`).
+    fn set_dirty_logging(&self, on: bool) -> Result<(), KvmError> {
+        let mut logging = lock(&self.logging);
+        for slot in &self.slots {
+            slot.set_dirty_logging(on)?;
         }
-        *abort = failed.is_some();
-        drop(abort);
-        let done: Vec<_> = handles
-            .into_iter()
-            .map(|h| h.join().ok().flatten().unwrap_or_default())
-            .collect();
-        match failed {
-            Some(e) => Err(KvmError::Thread(e)),
-            None => Ok(done),
+        *logging = on;
+        Ok(())
+    }
+
+    /// `KVM_GET_DIRTY_LOG` of `slot` into `bitmap` (bit `p` = page `p` of the slot). Without
+    /// manual protect this also clears the log and write-protects the pages; with it, it
+    /// copies.
+    ///
+    /// `bitmap` must be exactly `pages_per_slot().div_ceil(64)` words, the words KVM writes
+    /// ([`KvmError::BitmapLength`] otherwise).
+    fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), KvmError> {
+        let s = self.bitmap_slot(slot, "KVM_GET_DIRTY_LOG")?;
+        if !self.dirty_logging() {
+            return Err(KvmError::DirtyLog(
+                "KVM_GET_DIRTY_LOG: dirty logging is off".into(),
+            ));
         }
-    })?;
-    let wall = vcpus.iter().map(|v| v.time).max().unwrap_or_default();
-    Ok(PassReport { wall, vcpus })
+        dirty::get_dirty_log(s, bitmap)
+    }
+
+    /// `KVM_CLEAR_DIRTY_LOG` (manual protect): clears and re-protects the pages of
+    /// `[first_page, first_page + num_pages)` of `slot` whose bits are set in `bitmap` (bit 0
+    /// = `first_page`). `first_page` must be a multiple of 64, and so must `num_pages` unless
+    /// the range reaches the end of the slot ([`KvmError::ClearRange`]); `bitmap` must be
+    /// exactly `num_pages.div_ceil(64)` words, the words KVM reads
+    /// ([`KvmError::BitmapLength`]).
+    fn clear_dirty_log(
+        &self,
+        slot: u32,
+        first_page: u64,
+        num_pages: u64,
+        bitmap: &[u64],
+    ) -> Result<(), KvmError> {
+        let s = self.bitmap_slot(slot, "KVM_CLEAR_DIRTY_LOG")?;
+        if self.config.dirty.manual_protect & MANUAL_PROTECT_ENABLE == 0 {
+            return Err(KvmError::DirtyLog(
+                "KVM_CLEAR_DIRTY_LOG needs manual protect (KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2)"
+                    .into(),
+            ));
+        }
+        if !self.dirty_logging() {
+            return Err(KvmError::DirtyLog(
+                "KVM_CLEAR_DIRTY_LOG: dirty logging is off".into(),
+            ));
+        }
+        dirty::clear_dirty_log(s, first_page, num_pages, bitmap)
+    }
+
+    /// Takes every dirty-ring entry not yet collected: first those the vCPUs reaped on
+    /// ring-full exits, then each ring's (acquire of DIRTY, release of RESET). Calls
+    /// `f(slot, offset)` per entry (slot is `as_id << 16 | id`; address space 0 here); returns
+    /// how many. Follow with [`Self::reset_dirty_rings`] before reading the pages.
+    fn collect_dirty_rings(&self, mut f: impl FnMut(u32, u64)) -> u64 {
+        let mut r = lock(&self.rings);
+        let reaped = std::mem::take(&mut r.reaped);
+        let mut n = reaped.len() as u64;
+        for (s, o) in reaped {
+            f(s, o);
+        }
+        for ring in r.rings.iter_mut() {
+            n += ring.harvest(&mut f) as u64;
+        }
+        n
+    }
+
+    /// `KVM_RESET_DIRTY_RINGS`: re-protects the pages of every collected entry; returns how
+    /// many entries KVM reset.
+    fn reset_dirty_rings(&self) -> Result<u64, KvmError> {
+        if self.config.dirty.ring_entries == 0 {
+            return Err(KvmError::DirtyLog(
+                "KVM_RESET_DIRTY_RINGS: the VM has no dirty rings".into(),
+            ));
+        }
+        let _r = lock(&self.rings);
+        dirty::reset_dirty_rings(&self.vm)
+    }
+
+    /// The first 8 bytes of page `page` of the test region (atomically; vCPUs may be writing).
+    /// `None` past the end.
+    fn page_value(&self, page: u64) -> Option<u64> {
+        (page < self.region.layout.total_pages()).then(|| {
+            // SAFETY: `page < total_pages`, and `ram` maps at least the test region's
+            // `total_pages * 4 KiB` bytes (its length is that, rounded up to the backing's page
+            // size) for as long as `self` lives; the address is page aligned, and the word is
+            // accessed atomically because vCPUs may write it.
+            unsafe { AtomicU64::from_ptr((self.ram.addr() + page * PAGE_SIZE) as *mut u64) }
+                .load(Ordering::Relaxed)
+        })
+    }
 }

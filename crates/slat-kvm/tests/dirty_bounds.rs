@@ -15,6 +15,7 @@ use kvm_bindings::{
 };
 use kvm_ioctls::{Kvm, VmFd};
 use slat_kvm::dirty::{self, DirtyRing};
+use slat_kvm::TestMachine;
 use slat_kvm::{
     Backing, HostMemory, KvmConfig, KvmError, Layout, Memslot, PassParams, RingSize, FIRST_SLOT,
 };

@@ -4,6 +4,7 @@
 mod common;
 
 use common::{expected_writes, get_region_log, machine_or_skip, pages_of, to_bitmap};
+use slat_kvm::TestMachine;
 use slat_kvm::{
     DirtyConfig, KvmConfig, KvmError, KvmMachine, PassParams, FIRST_SLOT, INITIALLY_SET,
     MANUAL_PROTECT_ENABLE,
@@ -86,6 +87,7 @@ fn manual_protect_get_copies_and_clear_clears_only_its_range() {
     let Some(m) = machine_or_skip(config(DirtyConfig {
         manual_protect: MANUAL_PROTECT_ENABLE,
         ring_entries: 0,
+        ..DirtyConfig::default()
     })) else {
         return;
     };
@@ -146,6 +148,7 @@ fn initially_set_reports_every_page_until_cleared() {
     let Some(m) = machine_or_skip(config(DirtyConfig {
         manual_protect: MANUAL_PROTECT_ENABLE | INITIALLY_SET,
         ring_entries: 0,
+        ..DirtyConfig::default()
     })) else {
         return;
     };
@@ -188,6 +191,7 @@ fn dirty_ring_harvest_and_reset() {
     let Some(m) = machine_or_skip(config(DirtyConfig {
         manual_protect: 0,
         ring_entries: 4096,
+        ..DirtyConfig::default()
     })) else {
         return;
     };
@@ -224,6 +228,7 @@ fn full_ring_exits_are_handled_and_nothing_is_lost() {
     let Some(m) = machine_or_skip(config(DirtyConfig {
         manual_protect: 0,
         ring_entries: 256,
+        ..DirtyConfig::default()
     })) else {
         return;
     };

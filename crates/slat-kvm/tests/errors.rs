@@ -4,6 +4,7 @@
 mod common;
 
 use common::{kvm_unavailable, machine_or_skip};
+use slat_kvm::TestMachine;
 use slat_kvm::{
     DirtyConfig, KvmConfig, KvmError, KvmMachine, PassParams, FIRST_SLOT, INITIALLY_SET,
     MANUAL_PROTECT_ENABLE,
@@ -62,6 +63,7 @@ fn bad_dirty_configurations_are_refused() {
             dirty: DirtyConfig {
                 ring_entries: ring,
                 manual_protect: 0,
+                ..DirtyConfig::default()
             },
             ..base.clone()
         });
@@ -71,6 +73,7 @@ fn bad_dirty_configurations_are_refused() {
         dirty: DirtyConfig {
             ring_entries: 0,
             manual_protect: INITIALLY_SET,
+            ..DirtyConfig::default()
         },
         ..base.clone()
     });
@@ -79,6 +82,7 @@ fn bad_dirty_configurations_are_refused() {
         dirty: DirtyConfig {
             ring_entries: 1024,
             manual_protect: MANUAL_PROTECT_ENABLE,
+            ..DirtyConfig::default()
         },
         ..base
     });
@@ -135,6 +139,7 @@ fn ring_larger_than_the_host_allows_is_unsupported() {
         dirty: DirtyConfig {
             ring_entries: entries,
             manual_protect: 0,
+            ..DirtyConfig::default()
         },
         ..KvmConfig::default()
     })

@@ -4,6 +4,7 @@
 mod common;
 
 use common::{expected_writes, machine_or_skip};
+use slat_kvm::TestMachine;
 use slat_kvm::{GuestMode, KvmConfig, PassParams, Workload, MEMSTRESS_PATTERN};
 
 /// Runs one pass with `params` on a fresh 2-vCPU machine and compares every page.
@@ -26,7 +27,11 @@ fn check_pass_in(guest_mode: GuestMode, overlap: bool, params: PassParams) {
     let report = m.run_pass(params).expect("pass");
     let pages_each = layout.region(0).2;
     for v in &report.vcpus {
-        assert_eq!((v.pages, v.passes, v.entries), (pages_each, 1, 1), "{v:?}");
+        assert_eq!(
+            (v.pages, v.passes, v.counters.entries),
+            (pages_each, 1, 1),
+            "{v:?}"
+        );
     }
     let want = expected_writes(&layout, params);
     let writes = want.iter().filter(|&&w| w).count();

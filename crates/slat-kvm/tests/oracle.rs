@@ -4,6 +4,7 @@ mod common;
 
 use common::machine_or_skip;
 use slat_kvm::dirty_oracle::{run, LogMode, OracleConfig};
+use slat_kvm::TestMachine;
 use slat_kvm::{KvmConfig, KvmError};
 use std::time::Duration;
 
@@ -22,6 +23,7 @@ fn oracle(mode: LogMode, slots: usize, ring_entries: u32) {
         iterations: 8,
         interval: Duration::from_millis(30),
         seed: 42,
+        toggle_every: 0,
     };
     let mut seen = 0;
     let r = run(&m, cfg, |it| {
@@ -96,6 +98,7 @@ fn oracle_refuses_a_machine_built_for_another_mode() {
         iterations: 1,
         interval: Duration::from_millis(1),
         seed: 1,
+        toggle_every: 0,
     };
     assert!(matches!(run(&m, cfg, |_| {}), Err(KvmError::Config(_))));
     let cfg = OracleConfig {

@@ -5,7 +5,10 @@
 #![deny(missing_docs)]
 
 pub mod cpu;
-pub mod dirty_oracle;
+/// The dirty-log oracle, shared with the KVM machine ([`Machine`] is a [`TestMachine`]).
+pub mod dirty_oracle {
+    pub use slat_workload::dirty_oracle::*;
+}
 pub mod machine;
 pub mod memstress;
 pub mod paced;
@@ -22,3 +25,4 @@ pub use machine::{
 pub use memstress::PassParams;
 pub use paced::{PacedParams, Pacer};
 pub use ram::{Backing, GuestRam, RamError};
+pub use slat_workload::{TestMachine, FIRST_SLOT};

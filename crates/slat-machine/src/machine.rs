@@ -2,7 +2,7 @@
 //! vCPU threads that run one workload pass per host request.
 
 use crate::cpu::{Cpu, CpuCounters, Exit, RingFullHandler};
-use crate::memstress::{guest_pass, native_pass, ParkMiller, PassParams};
+use crate::memstress::{guest_pass, PassParams, WriterPattern};
 use crate::page_table_stage::{guest_stage, StageParams};
 use crate::ram::{Backing, GuestRam, RamError};
 use crate::sched::PcpuPool;
@@ -11,13 +11,12 @@ use parking_lot::Mutex;
 use slat::format::{PteFormat, PAGE_SHIFT, PAGE_SIZE};
 use slat::memslot::MemslotFlags;
 use slat::{DirtyLogError, Ept, HostRange, HostRangeError, MemslotError, SlotId, Vm, VmConfig};
+pub use slat_workload::{DirtyConfig, Layout, FIRST_SLOT};
+use slat_workload::{RegionSize, Rendezvous, TestMachine, TestRegion, WorkloadError};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Barrier};
+use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
-
-/// The first memslot id of the test region (KVM's MEMSTRESS_MEM_SLOT_INDEX).
-pub const FIRST_SLOT: u32 = 1;
+use std::time::Instant;
 
 /// What to build.
 #[derive(Debug, Clone, Copy)]
@@ -45,18 +44,6 @@ pub struct MachineConfig {
     /// Guest physical address of the test region (`None`: the top of the guest physical
     /// address space, as KVM's selftests place it). Must be aligned to the backing page size.
     pub gpa: Option<u64>,
-}
-
-/// How the VM logs dirty pages; applied when the machine is built, before vCPUs exist.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct DirtyConfig {
-    /// Manual dirty-log protection flags (`slat::dirty::MANUAL_PROTECT_ENABLE` |
-    /// `INITIALLY_SET`; 0 = GET clears and re-protects).
-    pub manual_protect: u32,
-    /// Dirty ring entries per vCPU (0 = bitmaps).
-    pub ring_entries: u32,
-    /// Keep bitmaps beside the rings.
-    pub ring_with_bitmap: bool,
 }
 
 impl Default for MachineConfig {
@@ -111,62 +98,22 @@ pub enum MachineError {
     Busy(&'static str),
 }
 
-/// One vCPU's part of a pass (or of a workload run until halted).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct VcpuPass {
-    /// Time from the vCPU's start of the pass to its sync.
-    pub time: Duration,
-    /// Pages touched.
-    pub pages: u64,
-    /// Full passes completed (a `Loop` may stop in the middle of one).
-    pub passes: u64,
-    /// Hardware counters accumulated during the pass.
-    pub counters: CpuCounters,
-}
-
-/// A completed pass.
-#[derive(Debug, Clone, Default)]
-pub struct PassReport {
-    /// From releasing the vCPUs to the last one's sync.
-    pub wall: Duration,
-    /// Per vCPU.
-    pub vcpus: Vec<VcpuPass>,
-}
-
-/// Where vCPU `i`'s region is.
-#[derive(Debug, Clone, Copy)]
-pub struct Layout {
-    /// Guest physical address of the test region.
-    pub gpa: u64,
-    /// Host address of the test region.
-    pub host: u64,
-    /// Bytes per vCPU.
-    pub bytes_per_vcpu: u64,
-    /// vCPUs.
-    pub vcpus: usize,
-    /// Whole-region access.
-    pub overlap: bool,
-}
-
-impl Layout {
-    /// Pages in the test region.
-    pub fn total_pages(&self) -> u64 {
-        (self.bytes_per_vcpu * self.vcpus as u64) >> PAGE_SHIFT
-    }
-    /// (gpa, host, pages) of vCPU `i`'s region.
-    pub fn region(&self, i: usize) -> (u64, u64, u64) {
-        if self.overlap {
-            (self.gpa, self.host, self.total_pages())
-        } else {
-            let off = self.bytes_per_vcpu * i as u64;
-            (
-                self.gpa + off,
-                self.host + off,
-                self.bytes_per_vcpu >> PAGE_SHIFT,
-            )
+impl From<WorkloadError> for MachineError {
+    /// A refusal of the shared workload code is a configuration error here too.
+    fn from(e: WorkloadError) -> Self {
+        match e {
+            WorkloadError::Config(m) => MachineError::Config(m),
+            WorkloadError::Thread(e) => MachineError::Thread(e),
         }
     }
 }
+
+/// One vCPU's part of a pass (or of a workload run until halted), with the simulated
+/// hardware's counters accumulated during it.
+pub type VcpuPass = slat_workload::VcpuPass<CpuCounters>;
+
+/// A completed pass.
+pub type PassReport = slat_workload::PassReport<CpuCounters>;
 
 /// What the vCPUs run.
 #[derive(Debug, Clone)]
@@ -191,70 +138,38 @@ pub enum Workload {
     Paced(crate::paced::PacedParams),
 }
 
-enum Job {
-    Run(Workload),
-    Stop,
-}
-
-struct Control {
-    start: Barrier,
-    done: Barrier,
-    job: Mutex<Option<Arc<Job>>>,
-    results: Mutex<Vec<Result<VcpuPass, Exit>>>,
-    stopped: AtomicBool,
-    /// Ask running vCPUs to finish at the next check.
-    halt: AtomicBool,
-    /// A started workload has not been collected yet.
-    running: AtomicBool,
-}
+/// The host's rendezvous with the vCPU threads: every vCPU runs the same workload.
+type Control = Rendezvous<Workload, VcpuPass, Exit>;
 
 /// The simulated machine.
 pub struct Machine<F: PteFormat = Ept> {
     vm: Arc<Vm<F>>,
     ram: Arc<GuestRam>,
-    layout: Layout,
+    region: TestRegion,
     config: MachineConfig,
     ctl: Arc<Control>,
+    /// Asks running vCPUs to finish at their next check.
+    halt: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
     pool: Arc<PcpuPool>,
     /// Ring entries reaped by vCPUs on ring-full exits, not yet collected by the host.
     reaped: Arc<Mutex<Vec<(SlotId, u64)>>>,
+    /// The value [`TestMachine::start_writer`]'s writers write (changed while they run).
+    writer_value: Arc<AtomicU64>,
 }
 
 impl<F: PteFormat> Machine<F> {
     /// Maps guest RAM, creates the VM and its memslots, and starts idle vCPU threads.
     pub fn new(config: MachineConfig) -> Result<Self, MachineError> {
-        if config.vcpus == 0 {
-            return Err(MachineError::Config("at least one vCPU is needed".into()));
-        }
-        if config.bytes_per_vcpu == 0 || config.bytes_per_vcpu % PAGE_SIZE != 0 {
-            return Err(MachineError::Config(format!(
-                "guest memory per vCPU ({} bytes) must be a non-zero multiple of 4 KiB",
-                config.bytes_per_vcpu
-            )));
-        }
         if !config.tlb_entries.is_power_of_two() {
             return Err(MachineError::Config(format!(
                 "TLB entries ({}) must be a power of two",
                 config.tlb_entries
             )));
         }
-        let total = config
-            .bytes_per_vcpu
-            .checked_mul(config.vcpus as u64)
-            .ok_or_else(|| {
-                MachineError::Config(format!(
-                    "{} vCPUs x {:#x} bytes per vCPU overflows 64 bits",
-                    config.vcpus, config.bytes_per_vcpu
-                ))
-            })?;
+        let size = RegionSize::new(config.vcpus, config.bytes_per_vcpu, config.slots)?;
+        let (total, per_slot) = (size.total, size.per_slot);
         let pages = total >> PAGE_SHIFT;
-        if config.slots == 0 || pages % config.slots as u64 != 0 {
-            return Err(MachineError::Config(format!(
-                "{} memslots cannot split {pages} guest pages evenly",
-                config.slots
-            )));
-        }
         let psize = config.backing.page_size();
         let ram_len = total.div_ceil(psize).checked_mul(psize).ok_or_else(|| {
             MachineError::Config(format!("{total:#x} bytes of guest memory overflow 64 bits"))
@@ -287,7 +202,6 @@ impl<F: PteFormat> Machine<F> {
         if config.dirty.ring_entries != 0 {
             vm.enable_dirty_ring(config.dirty.ring_entries, config.dirty.ring_with_bitmap)?;
         }
-        let per_slot = total / config.slots as u64;
         for s in 0..config.slots as u64 {
             let offset = s * per_slot;
             let host = HostRange::slice(ram.clone(), offset, ram.len() - offset)?;
@@ -299,53 +213,45 @@ impl<F: PteFormat> Machine<F> {
                 MemslotFlags::empty(),
             )?;
         }
-        let layout = Layout {
-            gpa,
-            host: ram.addr(),
-            bytes_per_vcpu: config.bytes_per_vcpu,
-            vcpus: config.vcpus,
-            overlap: config.overlap,
-        };
+        let layout = size.layout(gpa, ram.addr(), config.overlap);
         let pcpus = if config.pcpus == 0 {
             std::thread::available_parallelism().map_or(1, |n| n.get())
         } else {
             config.pcpus
         };
         let pool = Arc::new(PcpuPool::new(pcpus));
-        let ctl = Arc::new(Control {
-            start: Barrier::new(config.vcpus + 1),
-            done: Barrier::new(config.vcpus + 1),
-            job: Mutex::new(None),
-            results: Mutex::new(vec![Ok(VcpuPass::default()); config.vcpus]),
-            stopped: AtomicBool::new(false),
-            halt: AtomicBool::new(false),
-            running: AtomicBool::new(false),
-        });
+        let ctl = Arc::new(Control::new(config.vcpus));
         let mut m = Machine {
             vm,
             ram,
-            layout,
+            region: TestRegion {
+                layout,
+                slots: config.slots,
+                dirty: config.dirty,
+            },
             config,
             ctl,
+            halt: Arc::new(AtomicBool::new(false)),
             threads: Vec::new(),
             pool,
             reaped: Arc::new(Mutex::new(Vec::new())),
+            writer_value: Arc::new(AtomicU64::new(0)),
         };
         for i in 0..config.vcpus {
             let mut cpu = Cpu::new(m.vm.clone(), i as u32, config.tlb_entries, m.pool.clone());
             if config.dirty.ring_entries != 0 {
                 cpu.set_ring_full_handler(m.ring_full_handler());
             }
-            let ctl = m.ctl.clone();
+            let (ctl, halt) = (m.ctl.clone(), m.halt.clone());
             let t = std::thread::Builder::new()
                 .name(format!("vcpu{i}"))
-                .spawn(move || vcpu_thread(cpu, i, layout, ctl));
+                .spawn(move || vcpu_thread(cpu, i, layout, &ctl, &halt));
             match t {
                 Ok(h) => m.threads.push(h),
                 Err(e) => {
                     // The threads already started wait at the start barrier, which now can never
                     // fill; they are leaked with the error, which the caller reports and exits on.
-                    m.ctl.stopped.store(true, Ordering::SeqCst);
+                    m.ctl.abandon();
                     m.threads.clear();
                     return Err(MachineError::Thread(e));
                 }
@@ -366,12 +272,25 @@ impl<F: PteFormat> Machine<F> {
 
     /// Where the test region is.
     pub fn layout(&self) -> Layout {
-        self.layout
+        self.region.layout
     }
 
     /// Guest RAM.
     pub fn ram(&self) -> &GuestRam {
         &self.ram
+    }
+
+    /// The first 8 bytes of page `page` of the test region (atomically; vCPUs may be
+    /// writing). `None` past the end.
+    pub fn page_value(&self, page: u64) -> Option<u64> {
+        let off = page.checked_mul(PAGE_SIZE)?;
+        (page < self.region.layout.total_pages() && off < self.ram.len()).then(|| {
+            // SAFETY: `off` lies inside guest RAM (checked above), which `self` keeps mapped;
+            // the address is page aligned, and the word is accessed atomically because vCPUs
+            // may write it.
+            unsafe { AtomicU64::from_ptr((self.ram.addr() + off) as *mut u64) }
+                .load(Ordering::Relaxed)
+        })
     }
 
     /// Physical CPUs vCPUs are scheduled on.
@@ -395,38 +314,28 @@ impl<F: PteFormat> Machine<F> {
     /// Starts `w` on every vCPU and returns at once; [`Self::halt`] stops it (a `Pass` also
     /// ends by itself, and `halt` then just collects it).
     pub fn start(&self, w: Workload) -> Result<(), MachineError> {
-        if self.ctl.running.swap(true, Ordering::SeqCst) {
+        if !self.ctl.claim() {
             return Err(MachineError::Busy("a workload is already running"));
         }
-        self.ctl.halt.store(false, Ordering::SeqCst);
-        *self.ctl.job.lock() = Some(Arc::new(Job::Run(w)));
-        self.ctl.start.wait();
+        self.halt.store(false, Ordering::SeqCst);
+        self.ctl.release(w);
         Ok(())
     }
 
     /// Asks the running workload to stop at the vCPUs' next check and waits for every vCPU to
     /// leave guest mode.
     pub fn halt(&self) -> Result<PassReport, MachineError> {
-        if !self.ctl.running.load(Ordering::SeqCst) {
+        if !self.ctl.running() {
             return Err(MachineError::Busy("no workload is running"));
         }
         let t0 = Instant::now();
-        self.ctl.halt.store(true, Ordering::SeqCst);
+        self.halt.store(true, Ordering::SeqCst);
         self.wait(t0)
     }
 
     fn wait(&self, t0: Instant) -> Result<PassReport, MachineError> {
-        self.ctl.done.wait();
-        let wall = t0.elapsed();
-        self.ctl.running.store(false, Ordering::SeqCst);
-        let results = self.ctl.results.lock().clone();
-        let mut vcpus = Vec::with_capacity(results.len());
-        for (i, r) in results.into_iter().enumerate() {
-            match r {
-                Ok(v) => vcpus.push(v),
-                Err(exit) => return Err(MachineError::UnexpectedExit { vcpu: i, exit }),
-            }
-        }
+        let (wall, results) = self.ctl.collect(t0);
+        let vcpus = results.map_err(|(vcpu, exit)| MachineError::UnexpectedExit { vcpu, exit })?;
         Ok(PassReport { wall, vcpus })
     }
 
@@ -437,7 +346,7 @@ impl<F: PteFormat> Machine<F> {
 
     /// Pages per memslot.
     pub fn pages_per_slot(&self) -> u64 {
-        self.layout.total_pages() / self.config.slots as u64
+        self.region.layout.total_pages() / self.config.slots as u64
     }
 
     /// Turns dirty logging on or off on every memslot of the test region.
@@ -487,40 +396,32 @@ impl<F: PteFormat> Machine<F> {
 
 impl<F: PteFormat> Drop for Machine<F> {
     fn drop(&mut self) {
-        if self.threads.is_empty() {
-            return;
-        }
-        if self.ctl.running.load(Ordering::SeqCst) {
-            let _ = self.halt();
-        }
-        *self.ctl.job.lock() = Some(Arc::new(Job::Stop));
-        self.ctl.start.wait();
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
+        let threads = std::mem::take(&mut self.threads);
+        self.ctl.shut_down(threads, || drop(self.halt()));
     }
 }
 
-fn vcpu_thread<F: PteFormat>(mut cpu: Cpu<F>, idx: usize, layout: Layout, ctl: Arc<Control>) {
-    loop {
-        ctl.start.wait();
-        let job = ctl.job.lock().clone();
-        let w = match job.as_deref() {
-            Some(Job::Run(w)) if !ctl.stopped.load(Ordering::SeqCst) => w.clone(),
-            _ => break,
-        };
+fn vcpu_thread<F: PteFormat>(
+    mut cpu: Cpu<F>,
+    idx: usize,
+    layout: Layout,
+    ctl: &Control,
+    halt: &AtomicBool,
+) {
+    while let Some(w) = ctl.next_job() {
         let (gpa, _, pages) = layout.region(idx);
         let before = cpu.counters;
         let t0 = Instant::now();
         cpu.enter();
-        let r = run_workload(&mut cpu, &w, gpa, pages, idx as u32, &ctl.halt);
+        let r = run_workload(&mut cpu, &w, gpa, pages, idx as u32, halt);
         cpu.exit();
         let time = t0.elapsed();
         let c = cpu.counters;
-        ctl.results.lock()[idx] = r.map(|(touched, passes)| VcpuPass {
+        let r = r.map(|(touched, passes)| VcpuPass {
             time,
             pages: touched,
             passes,
+            ring_full_exits: c.ring_full_exits - before.ring_full_exits,
             counters: CpuCounters {
                 accesses: c.accesses - before.accesses,
                 walks: c.walks - before.walks,
@@ -531,7 +432,7 @@ fn vcpu_thread<F: PteFormat>(mut cpu: Cpu<F>, idx: usize, layout: Layout, ctl: A
                 tlb_conflicts: c.tlb_conflicts - before.tlb_conflicts,
             },
         });
-        ctl.done.wait();
+        ctl.report(idx, r);
     }
     cpu.destroy();
 }
@@ -569,15 +470,15 @@ fn run_workload<F: PteFormat>(
             Ok((n, 1))
         }
         Workload::Writer { seed, iteration } => {
-            let mut rng = ParkMiller::new(seed.wrapping_add(idx));
+            let mut writer = WriterPattern::new(*seed, idx, pages);
             let mut writes = 0u64;
             loop {
                 if writes % 64 == 0 && halt.load(Ordering::Relaxed) {
                     return Ok((writes, 0));
                 }
-                // Two draws: pages beyond 2^31 stay reachable.
-                let r = ((rng.next_u32() as u64) << 31) | rng.next_u32() as u64;
-                let page = r % pages;
+                let Some(page) = writer.next() else {
+                    return Ok((writes, 0));
+                };
                 cpu.write_u64(gpa + page * PAGE_SIZE, iteration.load(Ordering::Relaxed))?;
                 writes += 1;
             }
@@ -588,58 +489,66 @@ fn run_workload<F: PteFormat>(
 
 /// Runs the memstress pattern of `layout` natively on `ram` (same size and shape as the
 /// guest region, `ram` standing where `layout.host` stood) with one thread per vCPU; the
-/// native baseline of a pass. Refused if the layout does not fit in `ram`.
+/// native baseline of a pass ([`slat_workload::native_baseline`]). Refused if the layout does
+/// not fit in `ram`.
 pub fn native_baseline(
     layout: Layout,
     ram: &GuestRam,
     params: PassParams,
 ) -> Result<PassReport, MachineError> {
-    let mut need = 0u64;
-    for i in 0..layout.vcpus {
-        let (_, h, pages) = layout.region(i);
-        let end = pages
-            .checked_mul(PAGE_SIZE)
-            .and_then(|b| b.checked_add(h.checked_sub(layout.host)?));
-        need = need.max(end.unwrap_or(u64::MAX));
+    Ok(slat_workload::native_baseline(layout, ram, params)?)
+}
+
+impl<F: PteFormat> TestMachine for Machine<F> {
+    type Error = MachineError;
+    type Counters = CpuCounters;
+
+    fn region(&self) -> &TestRegion {
+        &self.region
     }
-    if need > ram.len() {
-        return Err(MachineError::Config(format!(
-            "the native baseline needs {need:#x} bytes of host memory but has {:#x}",
-            ram.len()
-        )));
+    fn run_pass(&self, params: PassParams) -> Result<PassReport, MachineError> {
+        Machine::run_pass(self, params)
     }
-    let host = ram.addr();
-    let start = Barrier::new(layout.vcpus + 1);
-    let vcpus: Vec<VcpuPass> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..layout.vcpus)
-            .map(|i| {
-                let start = &start;
-                s.spawn(move || {
-                    let (_, h, pages) = layout.region(i);
-                    let h = h - layout.host + host;
-                    start.wait();
-                    let t0 = Instant::now();
-                    // SAFETY: this region lies inside `ram` (checked above for every vCPU),
-                    // which is borrowed, so mapped, until the scope joins this thread;
-                    // `GuestRam` hands out no references to its bytes.
-                    unsafe { native_pass(h, pages, params, i as u32) };
-                    VcpuPass {
-                        time: t0.elapsed(),
-                        pages,
-                        passes: 1,
-                        counters: CpuCounters::default(),
-                    }
-                })
-            })
-            .collect();
-        start.wait();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_default())
-            .collect()
-    });
-    // The slowest thread's own time: this thread may not run again until the workers are
-    // done (as many workers as cores), so a clock read here would start late.
-    let wall = vcpus.iter().map(|v| v.time).max().unwrap_or_default();
-    Ok(PassReport { wall, vcpus })
+    fn start_loop(&self, params: PassParams) -> Result<(), MachineError> {
+        self.start(Workload::Loop(params))
+    }
+    fn start_writer(&self, seed: u32, value: u64) -> Result<(), MachineError> {
+        self.writer_value.store(value, Ordering::SeqCst);
+        self.start(Workload::Writer {
+            seed,
+            iteration: self.writer_value.clone(),
+        })
+    }
+    fn set_writer_value(&self, value: u64) {
+        self.writer_value.store(value, Ordering::SeqCst);
+    }
+    fn halt(&self) -> Result<PassReport, MachineError> {
+        Machine::halt(self)
+    }
+    fn set_dirty_logging(&self, on: bool) -> Result<(), MachineError> {
+        Machine::set_dirty_logging(self, on)
+    }
+    fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), MachineError> {
+        self.vm.get_dirty_log(slot, bitmap)?;
+        Ok(())
+    }
+    fn clear_dirty_log(
+        &self,
+        slot: u32,
+        first: u64,
+        num: u64,
+        bitmap: &[u64],
+    ) -> Result<(), MachineError> {
+        self.vm.clear_dirty_log(slot, first, num, bitmap)?;
+        Ok(())
+    }
+    fn collect_dirty_rings(&self, f: impl FnMut(u32, u64)) -> u64 {
+        Machine::collect_dirty_rings(self, f)
+    }
+    fn reset_dirty_rings(&self) -> Result<u64, MachineError> {
+        Ok(self.vm.reset_dirty_rings()?)
+    }
+    fn page_value(&self, page: u64) -> Option<u64> {
+        Machine::page_value(self, page)
+    }
 }

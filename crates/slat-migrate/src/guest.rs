@@ -17,9 +17,8 @@ use crate::error::{GuestError, MemoryError, ShapeError};
 use crate::page_set::PageSet;
 use crate::stream::{Shape, WorkSpec, PAGE_SIZE};
 use slat::{Ept, PteFormat, Stage2, VmConfig};
-use slat_machine::{
-    Backing, DirtyConfig, Machine, MachineConfig, PacedParams, Pacer, PassParams, Workload,
-};
+use slat_machine::{Backing, Machine, MachineConfig, PacedParams, Pacer, PassParams, Workload};
+use slat_workload::{DirtyConfig, TestMachine, INITIALLY_SET, MANUAL_PROTECT_ENABLE};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -164,19 +163,19 @@ pub unsafe trait Guest: Send + Sync {
 pub fn build(spec: &GuestSpec) -> Result<Arc<dyn Guest>, GuestError> {
     let s = spec.shape;
     let pages = s.check()?;
+    let dirty = match spec.log {
+        LogMode::Get => DirtyConfig::default(),
+        LogMode::Clear => DirtyConfig {
+            manual_protect: MANUAL_PROTECT_ENABLE | INITIALLY_SET,
+            ..DirtyConfig::default()
+        },
+        LogMode::Ring => DirtyConfig {
+            ring_entries: spec.ring_entries,
+            ..DirtyConfig::default()
+        },
+    };
     match spec.backend {
         BackendKind::Sim => {
-            let dirty = match spec.log {
-                LogMode::Get => DirtyConfig::default(),
-                LogMode::Clear => DirtyConfig {
-                    manual_protect: slat::dirty::MANUAL_PROTECT_ENABLE | slat::dirty::INITIALLY_SET,
-                    ..DirtyConfig::default()
-                },
-                LogMode::Ring => DirtyConfig {
-                    ring_entries: spec.ring_entries,
-                    ..DirtyConfig::default()
-                },
-            };
             let config = MachineConfig {
                 vm: spec.vm,
                 backing: spec.backing,
@@ -197,30 +196,8 @@ pub fn build(spec: &GuestSpec) -> Result<Arc<dyn Guest>, GuestError> {
             }
         }
         BackendKind::Kvm => {
-            let backing = match spec.backing {
-                Backing::Anonymous => slat_kvm::Backing::Anonymous,
-                Backing::AnonymousThp => slat_kvm::Backing::AnonymousThp,
-                Backing::AnonymousHugetlb2M => slat_kvm::Backing::AnonymousHugetlb2M,
-                Backing::AnonymousHugetlb1G => slat_kvm::Backing::AnonymousHugetlb1G,
-                Backing::Shmem => {
-                    return Err(GuestError(
-                        "-s shmem is not supported by the kvm backend (use anonymous, anonymous_thp or anonymous_hugetlb)".into(),
-                    ))
-                }
-            };
-            let dirty = match spec.log {
-                LogMode::Get => slat_kvm::DirtyConfig::default(),
-                LogMode::Clear => slat_kvm::DirtyConfig {
-                    manual_protect: slat_kvm::MANUAL_PROTECT_ENABLE | slat_kvm::INITIALLY_SET,
-                    ring_entries: 0,
-                },
-                LogMode::Ring => slat_kvm::DirtyConfig {
-                    manual_protect: 0,
-                    ring_entries: spec.ring_entries,
-                },
-            };
             let m = slat_kvm::KvmMachine::new(slat_kvm::KvmConfig {
-                backing,
+                backing: spec.backing,
                 vcpus: s.vcpus as usize,
                 bytes_per_vcpu: s.bytes_per_vcpu,
                 slots: s.slots as usize,
@@ -235,13 +212,12 @@ pub fn build(spec: &GuestSpec) -> Result<Arc<dyn Guest>, GuestError> {
             if mapped != Some(pages * PAGE_SIZE as u64) {
                 return Err(MemoryError::Mapped { pages, mapped }.into());
             }
-            Ok(Arc::new(KvmGuest {
+            Ok(Arc::new(MachineGuest {
                 m: Arc::new(m),
                 shape: s,
                 pages,
                 log: spec.log,
-                ctl: Arc::new(BurstControl::default()),
-                driver: Mutex::new(None),
+                driver: BurstDriver::default(),
             }))
         }
     }
@@ -265,6 +241,46 @@ fn add_bitmap(into: &mut PageSet, first: u64, n: u64, bitmap: &[u64]) -> u64 {
         }
     }
     count
+}
+
+/// One harvest of `m`'s dirty log in `log` mode into `into` (page indexes in the test
+/// region), re-protecting what it returns before returning; returns how many pages it
+/// reported. The same for both machines: only the test slots count (rings also log the KVM
+/// guest's low slot, which never holds test pages).
+fn harvest<M: TestMachine + ?Sized>(
+    m: &M,
+    log: LogMode,
+    into: &mut PageSet,
+) -> Result<u64, M::Error> {
+    let pps = m.pages_per_slot();
+    let slots = m.test_slots();
+    match log {
+        LogMode::Get | LogMode::Clear => {
+            let mut buf = vec![0u64; pps.div_ceil(64) as usize];
+            let mut n = 0;
+            for (k, id) in slots.enumerate() {
+                m.get_dirty_log(id, &mut buf)?;
+                n += add_bitmap(into, k as u64 * pps, pps, &buf);
+                if log == LogMode::Clear {
+                    // Re-protect before the pages are read: a write after this faults and is
+                    // logged again; one before it is in what we read.
+                    m.clear_dirty_log(id, 0, pps, &buf)?;
+                }
+            }
+            Ok(n)
+        }
+        LogMode::Ring => {
+            let mut n = 0;
+            m.collect_dirty_rings(&mut |slot, off| {
+                if slots.contains(&slot) && off < pps {
+                    into.insert((slot - slots.start) as u64 * pps + off);
+                    n += 1;
+                }
+            });
+            m.reset_dirty_rings()?;
+            Ok(n)
+        }
+    }
 }
 
 fn sim_guest<F: PteFormat>(
@@ -293,31 +309,100 @@ fn sim_guest<F: PteFormat>(
         }
         .into());
     }
-    Ok(Arc::new(SimGuest {
-        m,
+    Ok(Arc::new(MachineGuest {
+        m: Arc::new(m),
         pages,
         shape,
         log,
-        pacer: Pacer::new(0),
-        running: AtomicBool::new(false),
+        driver: PacedDriver {
+            pacer: Pacer::new(0),
+            running: AtomicBool::new(false),
+        },
     }))
 }
 
-/// The simulated machine running the paced memstress.
-struct SimGuest<F: PteFormat> {
-    m: Machine<F>,
+/// A machine running a migration's workload: what both machines share, over
+/// [`TestMachine`]; `D` runs the workload the way the machine can.
+struct MachineGuest<M, D: Driver<M>> {
+    m: Arc<M>,
     pages: u64,
     shape: Shape,
     log: LogMode,
-    pacer: Arc<Pacer>,
-    running: AtomicBool,
+    driver: D,
 }
 
+/// How a guest's workload runs on machine `M`: the part of [`Guest`] the two machines do
+/// differently.
+trait Driver<M>: Send + Sync {
+    /// The machine kind.
+    const BACKEND: BackendKind;
+    /// Starts `work` on `m`'s vCPUs (returns at once).
+    fn start(&self, m: &Arc<M>, shape: Shape, work: WorkSpec) -> Result<(), GuestError>;
+    /// Stops the vCPUs and waits for them.
+    fn pause(&self, m: &M) -> Result<(), GuestError>;
+    /// Whether a workload is running.
+    fn running(&self) -> bool;
+    /// The throttle and write count of the workload.
+    fn pacing(&self) -> &dyn Pacing;
+}
+
+/// The controls and counters of a running migration workload.
+trait Pacing: Send + Sync {
+    /// Sets the throttle (percent of time kept out of the guest).
+    fn set_throttle(&self, percent: u32);
+    /// The throttle now.
+    fn throttle(&self) -> u32;
+    /// vCPU time spent asleep because of the throttle, summed over vCPUs.
+    fn throttled(&self) -> Duration;
+    /// Guest writes since creation.
+    fn writes(&self) -> u64;
+}
+
+impl Pacing for Pacer {
+    fn set_throttle(&self, percent: u32) {
+        Pacer::set_throttle(self, percent)
+    }
+    fn throttle(&self) -> u32 {
+        Pacer::throttle(self)
+    }
+    fn throttled(&self) -> Duration {
+        Pacer::throttled(self)
+    }
+    fn writes(&self) -> u64 {
+        Pacer::writes(self)
+    }
+}
+
+/// A [`TestMachine`] whose test region is memory it owns for as long as it lives.
+///
+/// # Safety
+///
+/// `[layout().host, layout().host + layout().total_pages() * 4 KiB)` is a read/write mapping,
+/// page aligned, owned by the machine and mapped until it is dropped, whose bytes are never
+/// lent out as references; and no vCPU writes it unless a workload started through the machine
+/// is running.
+unsafe trait OwnsTestRegion: TestMachine {}
+
 // SAFETY: the test region is the machine's `GuestRam` (mapped, page aligned, never lent out as
-// references), owned by the machine this guest owns; `running` reflects the vCPU threads.
-unsafe impl<F: PteFormat> Guest for SimGuest<F> {
+// references), owned by the machine and unmapped only when it drops; the vCPU threads run only
+// between a start and the halt that collects it.
+unsafe impl<F: PteFormat> OwnsTestRegion for Machine<F> {}
+
+// SAFETY: the test region is the KVM machine's own `GuestRam` mapping, unmapped only after its
+// vCPU threads are joined and the VM closed; the guest runs only between a start and the halt
+// that collects it.
+unsafe impl OwnsTestRegion for slat_kvm::KvmMachine {}
+
+// SAFETY: `host_base` and `pages` describe the machine's own test region (`OwnsTestRegion`;
+// `build` checked that the mapping holds `pages` pages), which lives as long as this guest
+// holds the machine; `running` is true whenever the driver has a workload running.
+unsafe impl<M, D> Guest for MachineGuest<M, D>
+where
+    M: OwnsTestRegion + Send + Sync,
+    D: Driver<M>,
+{
     fn backend(&self) -> BackendKind {
-        BackendKind::Sim
+        D::BACKEND
     }
     fn shape(&self) -> Shape {
         self.shape
@@ -332,83 +417,95 @@ unsafe impl<F: PteFormat> Guest for SimGuest<F> {
         self.pages
     }
     fn set_dirty_logging(&self, on: bool) -> Result<(), GuestError> {
-        self.m.set_dirty_logging(on).map_err(GuestError::from)
+        TestMachine::set_dirty_logging(&*self.m, on).map_err(GuestError::from)
     }
     fn harvest(&self, into: &mut PageSet) -> Result<u64, GuestError> {
-        let vm = self.m.vm();
-        let pps = self.m.pages_per_slot();
-        let first_slot = slat_machine::machine::FIRST_SLOT;
-        match self.log {
-            LogMode::Get | LogMode::Clear => {
-                let mut buf = vec![0u64; pps.div_ceil(64) as usize];
-                let mut n = 0;
-                for (k, id) in self.m.slot_ids().enumerate() {
-                    vm.get_dirty_log(id, &mut buf).map_err(GuestError::from)?;
-                    n += add_bitmap(into, k as u64 * pps, pps, &buf);
-                    if self.log == LogMode::Clear {
-                        // Re-protect before the pages are read: a write after this faults
-                        // and is logged again; one before it is in what we read.
-                        vm.clear_dirty_log(id, 0, pps, &buf)
-                            .map_err(GuestError::from)?;
-                    }
-                }
-                Ok(n)
-            }
-            LogMode::Ring => {
-                let slots = self.shape.slots;
-                let mut n = 0;
-                self.m.collect_dirty_rings(|slot, off| {
-                    if slot >= first_slot && slot < first_slot + slots && off < pps {
-                        into.insert((slot - first_slot) as u64 * pps + off);
-                        n += 1;
-                    }
-                });
-                vm.reset_dirty_rings().map_err(GuestError::from)?;
-                Ok(n)
-            }
-        }
+        harvest(&*self.m, self.log, into).map_err(GuestError::from)
     }
     fn start(&self, work: WorkSpec) -> Result<(), GuestError> {
+        self.driver.start(&self.m, self.shape, work)
+    }
+    fn pause(&self) -> Result<(), GuestError> {
+        self.driver.pause(&self.m)
+    }
+    fn running(&self) -> bool {
+        self.driver.running()
+    }
+    fn set_throttle(&self, percent: u32) {
+        self.driver.pacing().set_throttle(percent)
+    }
+    fn throttle(&self) -> u32 {
+        self.driver.pacing().throttle()
+    }
+    fn throttled(&self) -> Duration {
+        self.driver.pacing().throttled()
+    }
+    fn writes(&self) -> u64 {
+        self.driver.pacing().writes()
+    }
+    fn populate(&self) -> Result<(), GuestError> {
+        TestMachine::run_pass(&*self.m, PassParams::default())
+            .map(drop)
+            .map_err(GuestError::from)
+    }
+}
+
+impl<M, D: Driver<M>> Drop for MachineGuest<M, D> {
+    fn drop(&mut self) {
+        let _ = self.driver.pause(&self.m);
+    }
+}
+
+/// The simulated machine's vCPUs run the paced memstress, whose rate and throttle the host
+/// changes while it runs.
+struct PacedDriver {
+    pacer: Arc<Pacer>,
+    running: AtomicBool,
+}
+
+impl<F: PteFormat> Driver<Machine<F>> for PacedDriver {
+    const BACKEND: BackendKind = BackendKind::Sim;
+
+    fn start(&self, m: &Arc<Machine<F>>, _shape: Shape, work: WorkSpec) -> Result<(), GuestError> {
         self.pacer.set_rate(work.rate);
-        self.m
-            .start(Workload::Paced(PacedParams {
-                pass: PassParams {
-                    write_percent: work.write_percent,
-                    random: work.random,
-                    seed: work.seed,
-                },
-                pacer: self.pacer.clone(),
-            }))
-            .map_err(GuestError::from)?;
+        m.start(Workload::Paced(PacedParams {
+            pass: PassParams {
+                write_percent: work.write_percent,
+                random: work.random,
+                seed: work.seed,
+            },
+            pacer: self.pacer.clone(),
+        }))
+        .map_err(GuestError::from)?;
         self.running.store(true, Ordering::SeqCst);
         Ok(())
     }
-    fn pause(&self) -> Result<(), GuestError> {
+    fn pause(&self, m: &Machine<F>) -> Result<(), GuestError> {
         if !self.running.swap(false, Ordering::SeqCst) {
             return Ok(());
         }
-        self.m.halt().map(drop).map_err(GuestError::from)
+        m.halt().map(drop).map_err(GuestError::from)
     }
     fn running(&self) -> bool {
         self.running.load(Ordering::SeqCst)
     }
+    fn pacing(&self) -> &dyn Pacing {
+        &*self.pacer
+    }
+}
+
+impl Pacing for BurstControl {
     fn set_throttle(&self, percent: u32) {
-        self.pacer.set_throttle(percent);
+        self.throttle.store(percent.min(99), Ordering::Relaxed);
     }
     fn throttle(&self) -> u32 {
-        self.pacer.throttle()
+        self.throttle.load(Ordering::Relaxed)
     }
     fn throttled(&self) -> Duration {
-        self.pacer.throttled()
+        Duration::from_nanos(self.throttled_ns.load(Ordering::Relaxed))
     }
     fn writes(&self) -> u64 {
-        self.pacer.writes()
-    }
-    fn populate(&self) -> Result<(), GuestError> {
-        self.m
-            .run_pass(PassParams::default())
-            .map(drop)
-            .map_err(GuestError::from)
+        self.writes.load(Ordering::Relaxed)
     }
 }
 
@@ -424,14 +521,12 @@ struct BurstControl {
     error: Mutex<Option<String>>,
 }
 
-/// A real guest on `/dev/kvm`, its writer run in bursts by a driver thread.
-struct KvmGuest {
-    m: Arc<slat_kvm::KvmMachine>,
-    shape: Shape,
-    pages: u64,
-    log: LogMode,
+/// A real guest on `/dev/kvm`: the guest's code has no rate control, so a driver thread runs
+/// its writer in bursts.
+#[derive(Default)]
+struct BurstDriver {
     ctl: Arc<BurstControl>,
-    driver: Mutex<Option<JoinHandle<()>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 /// The driver's cycle under a throttle without a rate limit.
@@ -441,7 +536,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-impl KvmGuest {
+impl BurstDriver {
     /// Runs the writer in bursts until told to stop.
     ///
     /// Without a rate limit or throttle the guest simply runs. Under a throttle alone, each
@@ -556,65 +651,16 @@ fn nap(ctl: &BurstControl, d: Duration) {
     }
 }
 
-// SAFETY: the test region is the KVM machine's owned host mapping, alive as long as the
-// machine this guest owns; `running` reflects the vCPU threads and the burst driver.
-unsafe impl Guest for KvmGuest {
-    fn backend(&self) -> BackendKind {
-        BackendKind::Kvm
-    }
-    fn shape(&self) -> Shape {
-        self.shape
-    }
-    fn log_mode(&self) -> LogMode {
-        self.log
-    }
-    fn host_base(&self) -> u64 {
-        self.m.layout().host
-    }
-    fn pages(&self) -> u64 {
-        self.pages
-    }
-    fn set_dirty_logging(&self, on: bool) -> Result<(), GuestError> {
-        self.m.set_dirty_logging(on).map_err(GuestError::from)
-    }
-    fn harvest(&self, into: &mut PageSet) -> Result<u64, GuestError> {
-        let pps = self.m.pages_per_slot();
-        let first_slot = slat_kvm::FIRST_SLOT;
-        match self.log {
-            LogMode::Get | LogMode::Clear => {
-                let mut buf = vec![0u64; pps.div_ceil(64) as usize];
-                let mut n = 0;
-                let ids: Vec<u32> = self.m.slot_ids().collect();
-                for (k, id) in ids.into_iter().enumerate() {
-                    self.m
-                        .get_dirty_log(id, &mut buf)
-                        .map_err(GuestError::from)?;
-                    n += add_bitmap(into, k as u64 * pps, pps, &buf);
-                    if self.log == LogMode::Clear {
-                        self.m
-                            .clear_dirty_log(id, 0, pps, &buf)
-                            .map_err(GuestError::from)?;
-                    }
-                }
-                Ok(n)
-            }
-            LogMode::Ring => {
-                let slots = self.shape.slots;
-                let mut n = 0;
-                self.m.collect_dirty_rings(|slot, off| {
-                    // Address space 0 only; the low slot (code, stacks) never logs.
-                    if slot >= first_slot && slot < first_slot + slots && off < pps {
-                        into.insert((slot - first_slot) as u64 * pps + off);
-                        n += 1;
-                    }
-                });
-                self.m.reset_dirty_rings().map_err(GuestError::from)?;
-                Ok(n)
-            }
-        }
-    }
-    fn start(&self, work: WorkSpec) -> Result<(), GuestError> {
-        let mut d = lock(&self.driver);
+impl Driver<slat_kvm::KvmMachine> for BurstDriver {
+    const BACKEND: BackendKind = BackendKind::Kvm;
+
+    fn start(
+        &self,
+        m: &Arc<slat_kvm::KvmMachine>,
+        shape: Shape,
+        work: WorkSpec,
+    ) -> Result<(), GuestError> {
+        let mut d = lock(&self.thread);
         if d.is_some() {
             return Err(GuestError("a workload is already running".into()));
         }
@@ -627,18 +673,18 @@ unsafe impl Guest for KvmGuest {
         self.ctl.rate.store(work.rate, Ordering::Relaxed);
         self.ctl.stop.store(false, Ordering::Relaxed);
         *lock(&self.ctl.error) = None;
-        let (m, ctl) = (self.m.clone(), self.ctl.clone());
-        let vcpus = self.shape.vcpus as u64;
+        let (m, ctl) = (m.clone(), self.ctl.clone());
+        let vcpus = shape.vcpus as u64;
         let seed = work.seed;
         let h = std::thread::Builder::new()
             .name("kvm-burst".into())
-            .spawn(move || KvmGuest::drive(m, ctl, seed, vcpus))
+            .spawn(move || BurstDriver::drive(m, ctl, seed, vcpus))
             .map_err(|e| GuestError(format!("cannot start the burst driver: {e}")))?;
         *d = Some(h);
         Ok(())
     }
-    fn pause(&self) -> Result<(), GuestError> {
-        let Some(h) = lock(&self.driver).take() else {
+    fn pause(&self, _m: &slat_kvm::KvmMachine) -> Result<(), GuestError> {
+        let Some(h) = lock(&self.thread).take() else {
             return Ok(());
         };
         self.ctl.stop.store(true, Ordering::Relaxed);
@@ -651,31 +697,10 @@ unsafe impl Guest for KvmGuest {
         }
     }
     fn running(&self) -> bool {
-        lock(&self.driver).is_some()
+        lock(&self.thread).is_some()
     }
-    fn set_throttle(&self, percent: u32) {
-        self.ctl.throttle.store(percent.min(99), Ordering::Relaxed);
-    }
-    fn throttle(&self) -> u32 {
-        self.ctl.throttle.load(Ordering::Relaxed)
-    }
-    fn throttled(&self) -> Duration {
-        Duration::from_nanos(self.ctl.throttled_ns.load(Ordering::Relaxed))
-    }
-    fn writes(&self) -> u64 {
-        self.ctl.writes.load(Ordering::Relaxed)
-    }
-    fn populate(&self) -> Result<(), GuestError> {
-        self.m
-            .run_pass(slat_kvm::PassParams::default())
-            .map(drop)
-            .map_err(GuestError::from)
-    }
-}
-
-impl Drop for KvmGuest {
-    fn drop(&mut self) {
-        let _ = self.pause();
+    fn pacing(&self) -> &dyn Pacing {
+        &*self.ctl
     }
 }
 

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use slat_kvm::memstress::Pattern;
+use slat_kvm::TestMachine;
 use slat_kvm::{KvmConfig, KvmError, KvmMachine, Layout, PassParams, DEFAULT_DEVICE};
 
 /// The machine, or `None` (after saying so on stderr) when the host has no usable /dev/kvm.

@@ -1,7 +1,7 @@
-//! The memstress workload's parameters and its host-side reference model.
+//! The memstress workload's parameters and its reference model, shared by both machines.
 //!
-//! The guest code in [`crate::guest`] implements exactly this model (and so does
-//! `slat-machine`'s simulated vCPU): per pass each vCPU touches each page of its region once —
+//! The guest code `slat-kvm` assembles (`slat_kvm::guest`) implements exactly this model, and
+//! `slat-machine`'s simulated vCPUs walk these iterators: per pass each vCPU touches each page of its region once —
 //! in order, or at pages drawn from a Park–Miller generator seeded with `seed + vcpu index`,
 //! restarted at every pass — writing [`MEMSTRESS_PATTERN`] to the first 8 bytes with
 //! probability `write_percent` (one more draw per access when it is strictly between 0 and
@@ -152,7 +152,7 @@ pub unsafe fn native_pass(host: u64, pages: u64, params: PassParams, vcpu_idx: u
         // SAFETY: `page < pages`, so in bounds, and 8-byte aligned (`host` is, and 4096 is a
         // multiple of 8), by the caller's contract; atomic because other
         // threads may touch the same page (overlap).
-        let a = unsafe { AtomicU64::from_ptr((host + page * 4096) as *mut u64) };
+        let a = unsafe { AtomicU64::from_ptr((host + page * crate::PAGE_SIZE) as *mut u64) };
         if write {
             a.store(MEMSTRESS_PATTERN, Ordering::Relaxed);
         } else {
@@ -188,5 +188,18 @@ mod tests {
     fn sequential_pattern_touches_each_page_once() {
         let v: Vec<_> = Pattern::new(PassParams::default(), 0, 5).collect();
         assert_eq!(v, (0..5).map(|p| (p, true)).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn write_percent_is_respected_roughly() {
+        let params = PassParams {
+            write_percent: 30,
+            random: true,
+            seed: 7,
+        };
+        let n = 100_000;
+        let writes = Pattern::new(params, 3, n).filter(|&(_, w)| w).count() as f64;
+        assert!((writes / n as f64 - 0.3).abs() < 0.02, "{writes}");
+        assert!(Pattern::new(params, 3, n).all(|(p, _)| p < n));
     }
 }

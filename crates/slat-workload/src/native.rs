@@ -1,0 +1,98 @@
+//! The native baseline: the memstress pattern of a layout run by plain host threads on host
+//! memory, to compare a guest pass with.
+
+use crate::error::WorkloadError;
+use crate::guest_ram::GuestRam;
+use crate::layout::{Layout, PAGE_SHIFT, PAGE_SIZE};
+use crate::pass::{PassReport, VcpuPass};
+use crate::pattern::{native_pass, PassParams};
+use std::sync::RwLock;
+use std::time::Instant;
+
+/// Runs the memstress pattern of `layout` natively on `mem` (at least as large as the test
+/// region) with one thread per vCPU: the native baseline of a pass. The wall time is the
+/// slowest thread's own time (the spawning thread may not run again until the workers finish).
+///
+/// Only `bytes_per_vcpu`, `vcpus` and `overlap` of `layout` matter (vCPU `i` works on
+/// `mem[i * bytes_per_vcpu..]`, or all of it with overlap). Refused with
+/// [`WorkloadError::Config`]: `bytes_per_vcpu` zero or not a multiple of 4 KiB, a region size
+/// that overflows, or `mem` smaller than the region.
+pub fn native_baseline<C: Default + Send>(
+    layout: Layout,
+    mem: &GuestRam,
+    params: PassParams,
+) -> Result<PassReport<C>, WorkloadError> {
+    let bytes = layout.bytes_per_vcpu;
+    if bytes == 0 || bytes % PAGE_SIZE != 0 {
+        return Err(WorkloadError::Config(format!(
+            "native baseline: memory per vCPU ({bytes} bytes) must be a non-zero multiple of 4 KiB"
+        )));
+    }
+    let total = u64::try_from(layout.vcpus)
+        .ok()
+        .and_then(|v| bytes.checked_mul(v))
+        .ok_or_else(|| WorkloadError::Config("native baseline: region size overflows".into()))?;
+    if mem.len() < total {
+        return Err(WorkloadError::Config(format!(
+            "native baseline needs {total} bytes of host memory, got {}",
+            mem.len()
+        )));
+    }
+    // (offset in `mem`, pages) of vCPU `i`: inside `[0, total)`, page aligned.
+    let region = |i: usize| {
+        if layout.overlap {
+            (0, total >> PAGE_SHIFT)
+        } else {
+            (bytes * i as u64, bytes >> PAGE_SHIFT)
+        }
+    };
+    let base = mem.addr();
+    // The workers start together when the gate opens (the write lock is released); if a
+    // thread cannot be started, the gate opens with `true` and the started ones return.
+    let gate = RwLock::new(false);
+    let mut abort = gate.write().unwrap_or_else(|e| e.into_inner());
+    let vcpus = std::thread::scope(|s| {
+        let mut handles = Vec::with_capacity(layout.vcpus);
+        let mut failed = None;
+        for i in 0..layout.vcpus {
+            let gate = &gate;
+            let (off, pages) = region(i);
+            let worker = move || {
+                if *gate.read().unwrap_or_else(|e| e.into_inner()) {
+                    return None;
+                }
+                let t0 = Instant::now();
+                // SAFETY: `[base + off, base + off + pages * 4 KiB)` lies in `mem`: `off +
+                // pages * 4 KiB <= total <= mem.len()` (checked above), and `mem` is borrowed
+                // for the scope. `base` and `off` are page aligned. Other workers access the
+                // range only atomically, and `GuestRam` lends out no references to its bytes.
+                unsafe { native_pass(base + off, pages, params, i as u32) };
+                Some(VcpuPass {
+                    time: t0.elapsed(),
+                    pages,
+                    passes: 1,
+                    ..VcpuPass::default()
+                })
+            };
+            match std::thread::Builder::new().spawn_scoped(s, worker) {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        *abort = failed.is_some();
+        drop(abort);
+        let done: Vec<_> = handles
+            .into_iter()
+            .map(|h| h.join().ok().flatten().unwrap_or_default())
+            .collect();
+        match failed {
+            Some(e) => Err(WorkloadError::Thread(e)),
+            None => Ok(done),
+        }
+    })?;
+    let wall = vcpus.iter().map(|v| v.time).max().unwrap_or_default();
+    Ok(PassReport { wall, vcpus })
+}

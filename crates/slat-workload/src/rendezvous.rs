@@ -1,0 +1,108 @@
+//! The host's rendezvous with its vCPU threads, as both machines run them: the host hands out
+//! a job and releases every vCPU thread at once, each runs it and reports, and the host waits
+//! until all of them have synced (KVM selftests' GUEST_SYNC).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Barrier, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// The host side and the vCPU-thread side of one machine's passes. `J` is the job every vCPU
+/// runs, `R` a vCPU's result and `E` why a vCPU failed.
+pub struct Rendezvous<J, R, E> {
+    start: Barrier,
+    done: Barrier,
+    /// `None` tells the vCPU threads to exit.
+    job: Mutex<Option<J>>,
+    results: Mutex<Vec<Result<R, E>>>,
+    /// A started job has not been collected yet.
+    running: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks leaves plain data behind; keep going.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl<J: Clone, R: Clone + Default, E: Clone> Rendezvous<J, R, E> {
+    /// The rendezvous of `vcpus` vCPU threads with the host.
+    pub fn new(vcpus: usize) -> Self {
+        Rendezvous {
+            start: Barrier::new(vcpus + 1),
+            done: Barrier::new(vcpus + 1),
+            job: Mutex::new(None),
+            results: Mutex::new(vec![Ok(R::default()); vcpus]),
+            running: AtomicBool::new(false),
+        }
+    }
+
+    /// Host: claims the vCPUs for a job; `false` if one is running and not yet collected.
+    pub fn claim(&self) -> bool {
+        !self.running.swap(true, Ordering::SeqCst)
+    }
+
+    /// Host: whether a claimed job has not been collected yet.
+    pub fn running(&self) -> bool {
+        self.running.load(Ordering::SeqCst)
+    }
+
+    /// Host, after [`Rendezvous::claim`]: releases every vCPU thread with `job`. The barrier
+    /// orders the host's stores before it ahead of the vCPU threads' run.
+    pub fn release(&self, job: J) {
+        *lock(&self.job) = Some(job);
+        self.start.wait();
+    }
+
+    /// Host: waits for every vCPU thread to report; returns the time from `t0` to the last
+    /// one's sync and every result, or the first failed vCPU and why.
+    pub fn collect(&self, t0: Instant) -> (Duration, Result<Vec<R>, (usize, E)>) {
+        self.done.wait();
+        let wall = t0.elapsed();
+        self.running.store(false, Ordering::SeqCst);
+        let results = lock(&self.results).clone();
+        let mut out = Vec::with_capacity(results.len());
+        for (i, r) in results.into_iter().enumerate() {
+            match r {
+                Ok(v) => out.push(v),
+                Err(e) => return (wall, Err((i, e))),
+            }
+        }
+        (wall, Ok(out))
+    }
+
+    /// Host, when the machine goes away: stops a running job with `halt` (which collects
+    /// it), tells the vCPU threads to exit, releases them and joins `threads`. Nothing to do
+    /// without threads (a machine whose construction failed leaked them, waiting for ever).
+    pub fn shut_down(&self, threads: Vec<JoinHandle<()>>, halt: impl FnOnce()) {
+        if threads.is_empty() {
+            return;
+        }
+        if self.running() {
+            halt();
+        }
+        *lock(&self.job) = None;
+        self.start.wait();
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+
+    /// Host, when a vCPU thread could not be started: the threads already started wait for
+    /// parties that never arrive, so they can never be released; make sure that if they were,
+    /// they would exit.
+    pub fn abandon(&self) {
+        *lock(&self.job) = None;
+    }
+
+    /// vCPU thread: waits to be released; the job to run, or `None` to exit.
+    pub fn next_job(&self) -> Option<J> {
+        self.start.wait();
+        lock(&self.job).clone()
+    }
+
+    /// vCPU thread `idx`: reports the job's result and syncs with the host.
+    pub fn report(&self, idx: usize, r: Result<R, E>) {
+        lock(&self.results)[idx] = r;
+        self.done.wait();
+    }
+}
