@@ -9,7 +9,7 @@
 //! vCPU threads write page_idle for their own memory.
 
 use crate::args::{
-    backing, check_backends, guest_size, refuse, BackendArg, FormatArg, MachineArgs, Switch,
+    backing, check_backends, guest_size, BackendArg, FormatArg, MachineArgs, Switch,
 };
 use crate::demand_paging::stats_json;
 use crate::limits::GuestMemory;
@@ -167,26 +167,26 @@ impl RunResult {
 }
 
 /// Runs the benchmark.
-pub fn run(a: &AccessTrackingPerfArgs) -> Result<(), String> {
+pub fn run(a: &AccessTrackingPerfArgs) -> crate::error::CliResult {
     a.machine
         .format
         .check_backends(&a.backend)
-        .unwrap_or_else(|e| refuse(e));
-    check_backends(&a.backend, &[]).unwrap_or_else(|e| refuse(e));
+        .map_err(crate::error::CliError::bad)?;
+    check_backends(&a.backend, &[]).map_err(crate::error::CliError::bad)?;
     if a.backend.contains(&BackendArg::Kvm) {
         // KVM ages guest memory only through the host's page_idle interface (the selftest's
         // route), which slat does not drive: no host can run this, so it is bad input.
         const PAGE_IDLE: &str = "/sys/kernel/mm/page_idle/bitmap";
         if !std::path::Path::new(PAGE_IDLE).exists() {
-            refuse(format!(
+            return Err(crate::error::CliError::bad(format!(
                 "access-tracking-perf --backend kvm needs {PAGE_IDLE} (a kernel built with CONFIG_IDLE_PAGE_TRACKING), which this host lacks; use --backend sim"
-            ));
+            )));
         }
-        refuse(format!(
+        return Err(crate::error::CliError::bad(format!(
             "access-tracking-perf --backend kvm is not built yet (this host has {PAGE_IDLE}, but slat does not drive it); use --backend sim"
-        ));
+        )));
     }
-    check(a).unwrap_or_else(|e| refuse(e));
+    check(a).map_err(crate::error::CliError::bad)?;
     if a.compare {
         return compare(a);
     }
@@ -509,7 +509,7 @@ fn run_json(a: &AccessTrackingPerfArgs, r: &RunResult) -> Value {
 }
 
 /// Seed 000's table from one process: fast PF on/off × -v 1/-v 2.
-fn compare(a: &AccessTrackingPerfArgs) -> Result<(), String> {
+fn compare(a: &AccessTrackingPerfArgs) -> crate::error::CliResult {
     let q = quiet(a.json);
     let mut runs = Vec::new();
     for vcpus in [1u32, 2] {

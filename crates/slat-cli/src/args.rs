@@ -66,12 +66,6 @@ pub enum LockArg {
     Mutex,
 }
 
-/// Refuses a combination of flags: one line on stderr, exit status 2 (as clap does for a bad
-/// flag). Called before anything is built or run.
-pub fn refuse(msg: impl std::fmt::Display) -> ! {
-    eprintln!("slat: {msg}");
-    std::process::exit(2)
-}
 
 /// The second-stage page-table format of a simulated VM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -462,4 +456,21 @@ pub fn ring_size(s: &str) -> Result<u32, String> {
         ));
     }
     Ok(v)
+}
+
+/// How a benchmark's results are reported: shared by every benchmark subcommand.
+#[derive(Debug, Clone, Args)]
+pub struct OutputArgs {
+    /// Print one JSON document with every figure instead of the text report (with the schema
+    /// version, the slat version and the host facts the numbers depend on).
+    #[arg(long)]
+    pub json: bool,
+    /// Run the benchmark N times in this process and add the median, minimum, maximum and
+    /// spread ((max - min) / median) of every headline figure, in text and JSON (1-1000).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000), default_value_t = 1)]
+    pub repeat: u32,
+    /// Also draw the run's figures into an SVG file: per-iteration dirty and harvest times
+    /// (dirty-log-perf), one line per metric across the rows of a --vary sweep.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<std::path::PathBuf>,
 }

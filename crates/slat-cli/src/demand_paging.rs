@@ -2,7 +2,7 @@
 //! over all guest memory, every page faulted in through the engine — and, in the same run, the
 //! same pattern on host memory as the native baseline.
 
-use crate::args::{backing, check_backends, guest_size, refuse, BackendArg, MachineArgs};
+use crate::args::{backing, check_backends, guest_size, BackendArg, MachineArgs};
 use crate::backend::{self, comparison_json, kvm_stats_line, print_comparison, Native, Row, Spec};
 use crate::limits::{check_backing, GuestMemory};
 use crate::report::{
@@ -42,13 +42,13 @@ pub struct DemandPagingArgs {
 }
 
 /// Runs the benchmark (on each machine `--backend` lists).
-pub fn run(a: &DemandPagingArgs) -> Result<(), String> {
+pub fn run(a: &DemandPagingArgs) -> crate::error::CliResult {
     a.machine
         .format
         .check_backends(&a.backend)
-        .unwrap_or_else(|e| refuse(e));
-    check_backends(&a.backend, &a.machine.engine_only()).unwrap_or_else(|e| refuse(e));
-    check(a).unwrap_or_else(|e| refuse(e));
+        .map_err(crate::error::CliError::bad)?;
+    check_backends(&a.backend, &a.machine.engine_only()).map_err(crate::error::CliError::bad)?;
+    check(a).map_err(crate::error::CliError::bad)?;
     if let [first, second] = a.backend[..] {
         return side_by_side(a, [first, second]);
     }
@@ -225,7 +225,7 @@ fn measure(
 }
 
 /// `--backend sim,kvm`: the pass on both machines, one after the other, and one table.
-fn side_by_side(a: &DemandPagingArgs, kinds: [BackendArg; 2]) -> Result<(), String> {
+fn side_by_side(a: &DemandPagingArgs, kinds: [BackendArg; 2]) -> crate::error::CliResult {
     let docs = [measure(a, kinds[0], false)?, measure(a, kinds[1], false)?];
     let (n0, n1) = (kinds[0].name(), kinds[1].name());
     let rows = [

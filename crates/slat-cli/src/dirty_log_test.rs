@@ -4,7 +4,7 @@
 //! failure (exit status 1).
 
 use crate::args::{
-    backing, check_backends, check_kvm_ring, guest_size, refuse, ring_size, BackendArg, DirtyArgs,
+    backing, check_backends, check_kvm_ring, guest_size, ring_size, BackendArg, DirtyArgs,
     MachineArgs, TrackArg,
 };
 use crate::backend::{self, Spec};
@@ -91,7 +91,7 @@ pub struct DirtyLogTestArgs {
 
 /// Runs the test on every machine `--backend` lists; an error (or any mismatch) is a non-zero
 /// exit.
-pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
+pub fn run(a: &DirtyLogTestArgs) -> crate::error::CliResult {
     let mut engine_only = a.machine.engine_only();
     engine_only.extend(a.dirty.engine_only());
     if a.broken.is_some() {
@@ -103,8 +103,8 @@ pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
     a.machine
         .format
         .check_backends(&a.backend)
-        .unwrap_or_else(|e| refuse(e));
-    check_backends(&a.backend, &engine_only).unwrap_or_else(|e| refuse(e));
+        .map_err(crate::error::CliError::bad)?;
+    check_backends(&a.backend, &engine_only).map_err(crate::error::CliError::bad)?;
     let vm_config = a.dirty.apply(a.machine.vm_config());
     a.dirty
         .check(
@@ -112,8 +112,8 @@ pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
             a.machine.format,
             modes(a).contains(&LogMode::DirtyRing),
         )
-        .unwrap_or_else(|e| refuse(e));
-    check(a).unwrap_or_else(|e| refuse(e));
+        .map_err(crate::error::CliError::bad)?;
+    check(a).map_err(crate::error::CliError::bad)?;
     let mut errors = Vec::new();
     for &kind in &a.backend {
         if let Err(e) = run_on(a, kind) {
@@ -127,7 +127,7 @@ pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
     if errors.is_empty() {
         Ok(())
     } else {
-        Err(errors.join("; "))
+        Err(errors.join("; ").into())
     }
 }
 

@@ -6,9 +6,13 @@ mod backend;
 mod demand_paging;
 mod dirty_log_perf;
 mod dirty_log_test;
+mod error;
+mod host;
 mod limits;
 mod migrate;
+mod output;
 mod page_table_test;
+mod plot;
 mod report;
 mod sweep;
 
@@ -87,7 +91,9 @@ fn main() {
         Command::MigratePerf(a) => migrate::run_perf(a),
     };
     if let Err(e) = r {
-        eprintln!("slat: error: {e}");
-        std::process::exit(1);
+        // The one place an error becomes an exit status: 2 for refused input, 1 for a failed
+        // run.
+        eprintln!("slat: {e}");
+        std::process::exit(e.exit_code());
     }
 }

@@ -3,7 +3,7 @@
 //! total migration time, downtime, rounds, dirty rate, bandwidth, throttling, verification.
 
 use crate::args::{
-    backing, check_backends, check_kvm_ring, guest_size, refuse, ring_size, BackendArg, FormatArg,
+    backing, check_backends, check_kvm_ring, guest_size, ring_size, BackendArg, FormatArg,
     MachineArgs, Switch,
 };
 use crate::limits::{check_backing, GuestMemory};
@@ -570,8 +570,8 @@ fn on_event(q: bool) -> impl FnMut(Event<'_>) {
 }
 
 /// `slat migrate`.
-pub fn run_migrate(a: &MigrateArgs) -> Result<(), String> {
-    a.guest.check(1).unwrap_or_else(|e| refuse(e));
+pub fn run_migrate(a: &MigrateArgs) -> crate::error::CliResult {
+    a.guest.check(1).map_err(crate::error::CliError::bad)?;
     let q = quiet(a.json);
     let (guest, mut src, baseline) = prepare_source(&a.guest, &a.migration, q)?;
     let mut failures = Vec::new();
@@ -605,7 +605,8 @@ pub fn run_migrate(a: &MigrateArgs) -> Result<(), String> {
                         if failures.len() > 1 { format!(" after {} attempts", failures.len()) } else { String::new() },
                         guest.writes(),
                         src.owed()
-                    ));
+                    )
+                    .into());
                 }
                 progress(
                     q,
@@ -622,13 +623,13 @@ pub fn run_migrate(a: &MigrateArgs) -> Result<(), String> {
 }
 
 /// `slat migrate-listen`.
-pub fn run_listen(a: &ListenArgs) -> Result<(), String> {
+pub fn run_listen(a: &ListenArgs) -> crate::error::CliResult {
     a.machine
         .format
         .check_backends(&[a.backend])
-        .unwrap_or_else(|e| refuse(e));
-    check_backends(&[a.backend], &a.machine.engine_only()).unwrap_or_else(|e| refuse(e));
-    check_backing(&[a.backend], a.backing).unwrap_or_else(|e| refuse(e));
+        .map_err(crate::error::CliError::bad)?;
+    check_backends(&[a.backend], &a.machine.engine_only()).map_err(crate::error::CliError::bad)?;
+    check_backing(&[a.backend], a.backing).map_err(crate::error::CliError::bad)?;
     let q = quiet(a.json);
     let listener =
         TcpListener::bind(&a.listen).map_err(|e| format!("cannot listen on {}: {e}", a.listen))?;
@@ -689,7 +690,7 @@ pub fn run_listen(a: &ListenArgs) -> Result<(), String> {
             Err(e) => {
                 failures += 1;
                 if failures > a.retries {
-                    return Err(format!("incoming migration from {peer} failed: {e}"));
+                    return Err(format!("incoming migration from {peer} failed: {e}").into());
                 }
                 progress(q, &format!(
                     "incoming migration from {peer} failed: {e}; {} waiting for the source to retry ({failures} of {})",
@@ -736,11 +737,11 @@ fn perf_once(a: &MigratePerfArgs) -> Result<(MigrationReport, DestReport, f64), 
 }
 
 /// `slat migrate-perf`.
-pub fn run_perf(a: &MigratePerfArgs) -> Result<(), String> {
+pub fn run_perf(a: &MigratePerfArgs) -> crate::error::CliResult {
     if !a.vary.is_empty() {
         return sweep(a);
     }
-    a.guest.check(2).unwrap_or_else(|e| refuse(e));
+    a.guest.check(2).map_err(crate::error::CliError::bad)?;
     let (r, d, baseline) = perf_once(a)?;
     if a.json {
         let mut doc = report_json(&a.guest, &a.migration, &r, baseline, &[]);
@@ -753,11 +754,11 @@ pub fn run_perf(a: &MigratePerfArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn sweep(a: &MigratePerfArgs) -> Result<(), String> {
+fn sweep(a: &MigratePerfArgs) -> crate::error::CliResult {
     let mut keys = Vec::new();
     for (k, _) in &a.vary {
         if keys.contains(k) {
-            refuse(format!("--vary lists `{}` twice", k.name()));
+            return Err(crate::error::CliError::bad(format!("--vary lists `{}` twice", k.name())));
         }
         keys.push(*k);
     }
@@ -784,14 +785,14 @@ fn sweep(a: &MigratePerfArgs) -> Result<(), String> {
         b.vary.clear();
         b.json = true;
         for (k, v) in combo {
-            apply(&mut b, *k, v).unwrap_or_else(|e| refuse(e));
+            apply(&mut b, *k, v).map_err(crate::error::CliError::bad)?;
         }
         let label: Vec<String> = combo
             .iter()
             .map(|(k, v)| format!("{}={v}", k.name()))
             .collect();
         if let Err(e) = b.guest.check(2) {
-            refuse(format!("--vary row {}: {e}", label.join(" ")));
+            return Err(crate::error::CliError::bad(format!("--vary row {}: {e}", label.join(" "))));
         }
         runs.push((b, label));
     }

@@ -14,7 +14,7 @@
 //! - the stage figures count the logging switch before the stage (in-place recovery happens
 //!   there), and its time is printed on its own line.
 
-use crate::args::{backing, guest_size, refuse, MachineArgs, RebuildArg, RecoverArg, Switch};
+use crate::args::{backing, guest_size, MachineArgs, RebuildArg, RecoverArg, Switch};
 use crate::args::{BackendArg, FormatArg};
 use crate::limits::GuestMemory;
 use crate::report::{format_header, quiet, ratio, ts, Phase};
@@ -102,9 +102,9 @@ struct StageFigures {
 }
 
 /// Runs the benchmark.
-pub fn run(a: &PageTableTestArgs) -> Result<(), String> {
+pub fn run(a: &PageTableTestArgs) -> crate::error::CliResult {
     if a.mode >= GUEST_MODES.len() {
-        refuse(format!(
+        return Err(crate::error::CliError::bad(format!(
             "guest mode {} is not implemented; -m takes {}",
             a.mode,
             GUEST_MODES
@@ -116,12 +116,12 @@ pub fn run(a: &PageTableTestArgs) -> Result<(), String> {
                 ))
                 .collect::<Vec<_>>()
                 .join(", ")
-        ));
+        )));
     }
     if a.compare && a.machine.format != FormatArg::Stage2 {
-        refuse("--compare varies cache maintenance and the rebuild order, which only --format stage2 has");
+        return Err(crate::error::CliError::bad("--compare varies cache maintenance and the rebuild order, which only --format stage2 has"));
     }
-    check(a).unwrap_or_else(|e| refuse(e));
+    check(a).map_err(crate::error::CliError::bad)?;
     let base = vm_config(a);
     let configs: Vec<VmConfig> = if a.compare {
         let mut v = Vec::new();
