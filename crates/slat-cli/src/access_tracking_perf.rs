@@ -192,7 +192,7 @@ pub fn run(a: &AccessTrackingPerfArgs) -> crate::error::CliResult {
     }
     let r = run_one(a, a.vcpus, a.machine.fast_pf.on(), !a.json)?;
     if a.json {
-        println!("{:#}", run_json(a, &r));
+        crate::output::print_json(&run_json(a, &r), &a.backend)?;
     } else {
         summary(a, &r);
     }
@@ -527,8 +527,7 @@ fn compare(a: &AccessTrackingPerfArgs) -> crate::error::CliResult {
             "benchmark": "access-tracking-perf",
             "compare": runs.iter().map(|r| run_json(a, r)).collect::<Vec<_>>(),
         });
-        println!("{doc:#}");
-        return Ok(());
+        return crate::output::print_json(&doc, &a.backend);
     }
     println!(
         "access-tracking-perf --compare: --format {}, -b {} per vCPU, {}{}, A/D bits {}, marking with {}",

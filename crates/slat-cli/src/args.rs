@@ -66,7 +66,6 @@ pub enum LockArg {
     Mutex,
 }
 
-
 /// The second-stage page-table format of a simulated VM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum FormatArg {

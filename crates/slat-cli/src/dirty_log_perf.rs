@@ -83,7 +83,6 @@ pub struct DirtyLogPerfArgs {
     pub out: OutputArgs,
 }
 
-
 /// The benchmark's name in reports.
 const NAME: &str = "dirty-log-perf";
 
@@ -195,9 +194,7 @@ impl Report {
     /// Iteration 2, the selftest's steady state (iteration 1 may still split or fault); the
     /// last iteration when there is only one.
     fn steady(&self) -> Option<&Iteration> {
-        self.iterations
-            .get(1)
-            .or_else(|| self.iterations.last())
+        self.iterations.get(1).or_else(|| self.iterations.last())
     }
 
     fn avg(&self, f: impl Fn(&Iteration) -> Option<Duration>) -> Option<f64> {
@@ -728,7 +725,10 @@ fn plot_iterations(r: &Report, repeat: u32, path: &std::path::Path) -> CliResult
         points: r
             .iterations
             .iter()
-            .map(|i| (i.iteration as f64, f(i).map(|d| d.as_secs_f64() * 1e3)))
+            .map(|i| {
+                let x = i.iteration as f64 - 1.0;
+                (x, f(i).map(|d| d.as_secs_f64() * 1e3))
+            })
             .collect(),
     };
     let mut lines = vec![
@@ -757,7 +757,12 @@ fn plot_iterations(r: &Report, repeat: u32, path: &std::path::Path) -> CliResult
         x_desc: "iteration",
         y_desc: "time (ms, lower is better)",
         series: lines,
-        x_names: None,
+        x_names: Some(
+            r.iterations
+                .iter()
+                .map(|i| i.iteration.to_string())
+                .collect(),
+        ),
     }
     .draw(path)
 }
@@ -778,14 +783,22 @@ fn sweep(a: &DirtyLogPerfArgs) -> CliResult {
         }
         let label: Vec<String> = combo.iter().map(|s| s.label()).collect();
         if let Err(e) = check(&b) {
-            return Err(CliError::bad(format!("--vary row {}: {e}", label.join(" "))));
+            return Err(CliError::bad(format!(
+                "--vary row {}: {e}",
+                label.join(" ")
+            )));
         }
         runs.push((b, label));
     }
     let mut rows = Vec::new();
     for (n, (b, label)) in runs.into_iter().enumerate() {
         if !quiet(a.out.json) {
-            eprintln!("[slat] sweep {}/{}: {}", n + 1, combos.len(), label.join(" "));
+            eprintln!(
+                "[slat] sweep {}/{}: {}",
+                n + 1,
+                combos.len(),
+                label.join(" ")
+            );
         }
         let result = measure(&b, a.backend[0])?;
         rows.push(SweepRow {

@@ -60,7 +60,10 @@ impl HostFacts {
 mod tests {
     #[test]
     fn reads_the_selected_word() {
-        assert_eq!(super::selected("always [madvise] never").as_deref(), Some("madvise"));
+        assert_eq!(
+            super::selected("always [madvise] never").as_deref(),
+            Some("madvise")
+        );
         assert_eq!(super::selected("never"), None);
     }
 }

@@ -584,7 +584,7 @@ pub fn run_migrate(a: &MigrateArgs) -> crate::error::CliResult {
             Ok(r) => {
                 let doc = report_json(&a.guest, &a.migration, &r, baseline, &failures);
                 if a.json {
-                    println!("{doc:#}");
+                    crate::output::print_json(&doc, &[a.guest.backend])?;
                 } else {
                     print_report(&a.guest, &a.migration, &r, baseline);
                 }
@@ -681,7 +681,7 @@ pub fn run_listen(a: &ListenArgs) -> crate::error::CliResult {
         match dest.serve(s) {
             Ok(r) => {
                 if a.json {
-                    println!("{:#}", dest_json(&r));
+                    crate::output::print_json(&dest_json(&r), &[a.backend])?;
                 } else {
                     print_dest(&r);
                 }
@@ -747,7 +747,7 @@ pub fn run_perf(a: &MigratePerfArgs) -> crate::error::CliResult {
         let mut doc = report_json(&a.guest, &a.migration, &r, baseline, &[]);
         doc["benchmark"] = json!("migrate-perf");
         doc["destination"] = dest_json(&d);
-        println!("{doc:#}");
+        crate::output::print_json(&doc, &[a.guest.backend])?;
     } else {
         print_report(&a.guest, &a.migration, &r, baseline);
     }
@@ -758,7 +758,10 @@ fn sweep(a: &MigratePerfArgs) -> crate::error::CliResult {
     let mut keys = Vec::new();
     for (k, _) in &a.vary {
         if keys.contains(k) {
-            return Err(crate::error::CliError::bad(format!("--vary lists `{}` twice", k.name())));
+            return Err(crate::error::CliError::bad(format!(
+                "--vary lists `{}` twice",
+                k.name()
+            )));
         }
         keys.push(*k);
     }
@@ -792,7 +795,10 @@ fn sweep(a: &MigratePerfArgs) -> crate::error::CliResult {
             .map(|(k, v)| format!("{}={v}", k.name()))
             .collect();
         if let Err(e) = b.guest.check(2) {
-            return Err(crate::error::CliError::bad(format!("--vary row {}: {e}", label.join(" "))));
+            return Err(crate::error::CliError::bad(format!(
+                "--vary row {}: {e}",
+                label.join(" ")
+            )));
         }
         runs.push((b, label));
     }
@@ -836,11 +842,8 @@ fn sweep(a: &MigratePerfArgs) -> crate::error::CliResult {
         rows.push(row);
     }
     if a.json {
-        println!(
-            "{:#}",
-            json!({ "benchmark": "migrate-perf", "sweep": docs })
-        );
-        return Ok(());
+        let doc = json!({ "benchmark": "migrate-perf", "sweep": docs });
+        return crate::output::print_json(&doc, &[a.guest.backend]);
     }
     let varied: Vec<&str> = keys.iter().map(|k| k.name()).collect();
     println!(
@@ -868,7 +871,7 @@ fn sweep(a: &MigratePerfArgs) -> crate::error::CliResult {
         ]
         .map(String::from),
     );
-    crate::sweep::print_table(&head, &rows);
+    crate::output::print_table(&head, &rows);
     if rows.iter().any(|r| r.last().is_some_and(|v| v == "FAILED")) {
         return Err("some runs failed (see above)".into());
     }

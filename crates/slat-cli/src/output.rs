@@ -134,7 +134,6 @@ pub enum Better {
     /// Times, ratios of guest over native time: smaller is better.
     Lower,
     /// Rates (pages or bytes per second): larger is better.
-    #[allow(dead_code)] // no benchmark reports a rate metric yet
     Higher,
 }
 
@@ -159,9 +158,14 @@ pub struct Metric<R> {
     pub get: fn(&R) -> Option<f64>,
 }
 
-/// A figure in a table cell: six decimals, or `-` when the run has none.
+/// A figure in a table cell: six decimals below 1000 (seconds resolve to the microsecond),
+/// whole numbers above (rates), or `-` when the run has none.
 pub fn cell(x: Option<f64>) -> String {
-    x.map(|x| format!("{x:.6}")).unwrap_or_else(|| "-".into())
+    match x {
+        Some(x) if x.abs() >= 1000.0 => format!("{x:.0}"),
+        Some(x) => format!("{x:.6}"),
+        None => "-".into(),
+    }
 }
 
 /// A ratio in a table cell.

@@ -153,12 +153,10 @@ pub fn run(a: &PageTableTestArgs) -> crate::error::CliResult {
     if a.json {
         let docs: Vec<_> = runs.iter().map(|(vm, r)| to_json(a, vm, r)).collect();
         if a.compare {
-            println!(
-                "{:#}",
-                json!({ "benchmark": "page-table-test", "compare": docs })
-            );
+            let doc = json!({ "benchmark": "page-table-test", "compare": docs });
+            crate::output::print_json(&doc, &[])?;
         } else {
-            println!("{:#}", docs[0]);
+            crate::output::print_json(&docs[0], &[])?;
         }
     }
     Ok(())

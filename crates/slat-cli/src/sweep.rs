@@ -3,8 +3,8 @@
 //! run on one machine state, not numbers gathered from separate invocations.
 
 use crate::args::{
-    CmoArg, DirtyArgs, FormatArg, GetLogArg, LockArg, MachineArgs, RebuildArg, RecoverArg,
-    Switch, TrackArg,
+    CmoArg, DirtyArgs, FormatArg, GetLogArg, LockArg, MachineArgs, RebuildArg, RecoverArg, Switch,
+    TrackArg,
 };
 use clap::ValueEnum;
 
@@ -248,10 +248,7 @@ mod tests {
         let b = parse_vary("vcpus=1,2").unwrap();
         let c = combinations(&[a, b]);
         assert_eq!(c.len(), 4);
-        assert_eq!(
-            c[1],
-            vec![Setting::FastPf(Switch::On), Setting::Vcpus(2)]
-        );
+        assert_eq!(c[1], vec![Setting::FastPf(Switch::On), Setting::Vcpus(2)]);
     }
 
     #[test]
@@ -277,4 +274,3 @@ mod tests {
         assert!(check_distinct(&twice).is_err());
     }
 }
-pub use crate::output::print_table;
