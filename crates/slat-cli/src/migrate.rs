@@ -7,6 +7,7 @@ use crate::args::{
     MachineArgs, Switch,
 };
 use crate::limits::{check_backing, GuestMemory};
+use crate::plot::{draw_stacked, Chart, Series};
 use crate::report::{quiet, ts};
 use clap::{Args, ValueEnum};
 use serde_json::{json, Value};
@@ -200,6 +201,10 @@ pub struct MigrateArgs {
     /// Print one JSON document instead of the text report.
     #[arg(long)]
     pub json: bool,
+    /// Also draw the migration's convergence into an SVG file: pages sent and pages the guest
+    /// dirtied meanwhile (still owed) per round, and the auto-converge throttle per round.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub guest: GuestArgs,
     #[command(flatten)]
@@ -262,10 +267,15 @@ pub struct MigratePerfArgs {
     /// max-downtime, compress, auto-converge). Seed 002's table:
     /// `--vary dirty-rate=2k,50k --vary log=get,clear,ring --vary fast-pf=on,off`.
     #[arg(long = "vary", value_parser = parse_vary, value_name = "KEY=V1,V2")]
-    pub vary: Vec<(VaryKey, Vec<String>)>,
+    pub vary: Vec<(VaryKey, Vec<MigSetting>)>,
     /// Print one JSON document instead of the text report.
     #[arg(long)]
     pub json: bool,
+    /// Also draw into an SVG file: the migration's convergence (pages sent and pages still
+    /// owed per round, and the throttle per round); with --vary, the total migration time and
+    /// downtime of every row.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub guest: GuestArgs,
     #[command(flatten)]
@@ -305,7 +315,74 @@ impl VaryKey {
     }
 }
 
-fn parse_vary(s: &str) -> Result<(VaryKey, Vec<String>), String> {
+/// One value of a setting `--vary` sweeps, parsed once when the flag is read; `text` is the
+/// value as written (`2k`), for the table and labels.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigSetting {
+    /// The parsed value.
+    pub value: MigValue,
+    /// As written on the command line.
+    pub text: String,
+}
+
+/// A parsed `--vary` value of migrate-perf.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MigValue {
+    /// `log=...`.
+    Log(LogArg),
+    /// `dirty-rate=...`.
+    DirtyRate(u64),
+    /// `fast-pf=...`.
+    FastPf(Switch),
+    /// `backend=...`.
+    Backend(BackendArg),
+    /// `max-downtime=...` (ms).
+    MaxDowntime(u64),
+    /// `compress=...`.
+    Compress(CompressArg),
+    /// `auto-converge=...`.
+    AutoConverge(Switch),
+}
+
+impl MigValue {
+    fn key(self) -> VaryKey {
+        match self {
+            MigValue::Log(_) => VaryKey::Log,
+            MigValue::DirtyRate(_) => VaryKey::DirtyRate,
+            MigValue::FastPf(_) => VaryKey::FastPf,
+            MigValue::Backend(_) => VaryKey::Backend,
+            MigValue::MaxDowntime(_) => VaryKey::MaxDowntime,
+            MigValue::Compress(_) => VaryKey::Compress,
+            MigValue::AutoConverge(_) => VaryKey::AutoConverge,
+        }
+    }
+}
+
+impl MigSetting {
+    fn label(&self) -> String {
+        format!("{}={}", self.value.key().name(), self.text)
+    }
+}
+
+fn parse_value(key: VaryKey, v: &str) -> Result<MigValue, String> {
+    fn choice<T: ValueEnum>(v: &str, what: &str) -> Result<T, String> {
+        T::from_str(v, true).map_err(|_| format!("`{v}` is not a value of {what}"))
+    }
+    Ok(match key {
+        VaryKey::Log => MigValue::Log(choice(v, "--log")?),
+        VaryKey::DirtyRate => MigValue::DirtyRate(count(v)?),
+        VaryKey::FastPf => MigValue::FastPf(choice(v, "--fast-pf")?),
+        VaryKey::Backend => MigValue::Backend(choice(v, "--backend")?),
+        VaryKey::MaxDowntime => MigValue::MaxDowntime(
+            v.parse()
+                .map_err(|_| format!("`{v}` is not a number of milliseconds"))?,
+        ),
+        VaryKey::Compress => MigValue::Compress(choice(v, "--compress")?),
+        VaryKey::AutoConverge => MigValue::AutoConverge(choice(v, "--auto-converge")?),
+    })
+}
+
+fn parse_vary(s: &str) -> Result<(VaryKey, Vec<MigSetting>), String> {
     let (k, vs) = s
         .split_once('=')
         .ok_or_else(|| format!("`{s}`: expected KEY=V1,V2,..."))?;
@@ -323,55 +400,32 @@ fn parse_vary(s: &str) -> Result<(VaryKey, Vec<String>), String> {
     .ok_or_else(|| {
         format!("`{k}`: keys are log, dirty-rate, fast-pf, backend, max-downtime, compress, auto-converge")
     })?;
-    let values: Vec<String> = vs.split(',').map(|v| v.trim().to_string()).collect();
-    if values.iter().any(|v| v.is_empty()) {
+    let texts: Vec<&str> = vs.split(',').map(str::trim).collect();
+    if texts.iter().any(|v| v.is_empty()) {
         return Err(format!("`{s}`: an empty value"));
     }
-    // Check each value now, so a typo fails before any run.
-    let mut probe = MigratePerfArgs::probe()?;
-    for v in &values {
-        apply(&mut probe, key, v)?;
-    }
+    let values = texts
+        .iter()
+        .map(|t| {
+            Ok(MigSetting {
+                value: parse_value(key, t)?,
+                text: t.to_string(),
+            })
+        })
+        .collect::<Result<_, String>>()?;
     Ok((key, values))
 }
 
-impl MigratePerfArgs {
-    /// Defaults, for checking `--vary` values.
-    fn probe() -> Result<MigratePerfArgs, String> {
-        use clap::{FromArgMatches, Parser};
-        #[derive(Parser)]
-        struct P {
-            #[command(flatten)]
-            a: MigratePerfArgs,
-        }
-        let m = <P as clap::CommandFactory>::command()
-            .no_binary_name(true)
-            .try_get_matches_from(Vec::<String>::new())
-            .map_err(|e| e.to_string())?;
-        P::from_arg_matches(&m)
-            .map(|p| p.a)
-            .map_err(|e| e.to_string())
+fn apply(a: &mut MigratePerfArgs, v: MigValue) {
+    match v {
+        MigValue::Log(x) => a.guest.log = x,
+        MigValue::DirtyRate(x) => a.guest.dirty_rate = x,
+        MigValue::FastPf(x) => a.guest.machine.fast_pf = x,
+        MigValue::Backend(x) => a.guest.backend = x,
+        MigValue::MaxDowntime(x) => a.migration.max_downtime = x,
+        MigValue::Compress(x) => a.migration.compress = x,
+        MigValue::AutoConverge(x) => a.migration.auto_converge = x,
     }
-}
-
-fn apply(a: &mut MigratePerfArgs, key: VaryKey, v: &str) -> Result<(), String> {
-    fn choice<T: ValueEnum>(v: &str, what: &str) -> Result<T, String> {
-        T::from_str(v, true).map_err(|_| format!("`{v}` is not a value of {what}"))
-    }
-    match key {
-        VaryKey::Log => a.guest.log = choice(v, "--log")?,
-        VaryKey::DirtyRate => a.guest.dirty_rate = count(v)?,
-        VaryKey::FastPf => a.guest.machine.fast_pf = choice(v, "--fast-pf")?,
-        VaryKey::Backend => a.guest.backend = choice(v, "--backend")?,
-        VaryKey::MaxDowntime => {
-            a.migration.max_downtime = v
-                .parse()
-                .map_err(|_| format!("`{v}` is not a number of milliseconds"))?
-        }
-        VaryKey::Compress => a.migration.compress = choice(v, "--compress")?,
-        VaryKey::AutoConverge => a.migration.auto_converge = choice(v, "--auto-converge")?,
-    }
-    Ok(())
 }
 
 fn kind(b: BackendArg) -> BackendKind {
@@ -583,6 +637,9 @@ pub fn run_migrate(a: &MigrateArgs) -> crate::error::CliResult {
         match src.migrate(&a.to, &mut on_event(q)) {
             Ok(r) => {
                 let doc = report_json(&a.guest, &a.migration, &r, baseline, &failures);
+                if let Some(path) = &a.plot {
+                    plot_convergence(&r, path)?;
+                }
                 if a.json {
                     crate::output::print_json(&doc, &[a.guest.backend])?;
                 } else {
@@ -743,6 +800,9 @@ pub fn run_perf(a: &MigratePerfArgs) -> crate::error::CliResult {
     }
     a.guest.check(2).map_err(crate::error::CliError::bad)?;
     let (r, d, baseline) = perf_once(a)?;
+    if let Some(path) = &a.plot {
+        plot_convergence(&r, path)?;
+    }
     if a.json {
         let mut doc = report_json(&a.guest, &a.migration, &r, baseline, &[]);
         doc["benchmark"] = json!("migrate-perf");
@@ -755,30 +815,12 @@ pub fn run_perf(a: &MigratePerfArgs) -> crate::error::CliResult {
 }
 
 fn sweep(a: &MigratePerfArgs) -> crate::error::CliResult {
-    let mut keys = Vec::new();
-    for (k, _) in &a.vary {
-        if keys.contains(k) {
-            return Err(crate::error::CliError::bad(format!(
-                "--vary lists `{}` twice",
-                k.name()
-            )));
-        }
-        keys.push(*k);
-    }
+    let keys: Vec<VaryKey> = a.vary.iter().map(|(k, _)| *k).collect();
+    let names: Vec<&str> = keys.iter().map(|k| k.name()).collect();
+    crate::sweep::check_distinct_names(&names).map_err(crate::error::CliError::bad)?;
     // Every combination, the first key outermost.
-    let mut combos: Vec<Vec<(VaryKey, String)>> = vec![vec![]];
-    for (k, vs) in &a.vary {
-        combos = combos
-            .into_iter()
-            .flat_map(|c| {
-                vs.iter().map(move |v| {
-                    let mut c = c.clone();
-                    c.push((*k, v.clone()));
-                    c
-                })
-            })
-            .collect();
-    }
+    let axes: Vec<&[MigSetting]> = a.vary.iter().map(|(_, v)| &v[..]).collect();
+    let combos = crate::sweep::cross(&axes);
     let q = quiet(a.json);
     // Every row's settings, checked before the first run: a refusal at row 5 after minutes
     // of migrating would waste them.
@@ -787,13 +829,10 @@ fn sweep(a: &MigratePerfArgs) -> crate::error::CliResult {
         let mut b = a.clone();
         b.vary.clear();
         b.json = true;
-        for (k, v) in combo {
-            apply(&mut b, *k, v).map_err(crate::error::CliError::bad)?;
+        for v in combo {
+            apply(&mut b, v.value);
         }
-        let label: Vec<String> = combo
-            .iter()
-            .map(|(k, v)| format!("{}={v}", k.name()))
-            .collect();
+        let label: Vec<String> = combo.iter().map(MigSetting::label).collect();
         if let Err(e) = b.guest.check(2) {
             return Err(crate::error::CliError::bad(format!(
                 "--vary row {}: {e}",
@@ -804,14 +843,16 @@ fn sweep(a: &MigratePerfArgs) -> crate::error::CliResult {
     }
     let mut rows = Vec::new();
     let mut docs = Vec::new();
+    let mut plotted = Vec::new();
     for (n, ((b, label), combo)) in runs.into_iter().zip(&combos).enumerate() {
         progress(
             q,
             &format!("sweep {}/{}: {}", n + 1, combos.len(), label.join(" ")),
         );
-        let mut row: Vec<String> = combo.iter().map(|(_, v)| v.clone()).collect();
+        let mut row: Vec<String> = combo.iter().map(|v| v.text.clone()).collect();
         match perf_once(&b) {
             Ok((r, d, baseline)) => {
+                plotted.push((label.join(" "), Some((r.total, r.downtime))));
                 let rounds: Vec<String> = r.rounds.iter().map(|x| x.pages.to_string()).collect();
                 row.extend([
                     format!("{:.3}", r.total.as_secs_f64()),
@@ -833,6 +874,7 @@ fn sweep(a: &MigratePerfArgs) -> crate::error::CliResult {
                 docs.push(json!({ "settings": label, "result": doc }));
             }
             Err(e) => {
+                plotted.push((label.join(" "), None));
                 progress(q, &format!("sweep {}/{} failed: {e}", n + 1, combos.len()));
                 row.extend(std::iter::repeat_n("-".to_string(), 9));
                 row.push("FAILED".into());
@@ -840,6 +882,9 @@ fn sweep(a: &MigratePerfArgs) -> crate::error::CliResult {
             }
         }
         rows.push(row);
+    }
+    if let Some(path) = &a.plot {
+        plot_sweep(&plotted, path)?;
     }
     if a.json {
         let doc = json!({ "benchmark": "migrate-perf", "sweep": docs });
@@ -1080,4 +1125,80 @@ fn dest_json(r: &DestReport) -> Value {
         "verify_time_s": r.verify_time.as_secs_f64(),
         "run": { "pages_touched": r.run.0, "time_s": r.run.1.as_secs_f64() },
     })
+}
+
+/// `--plot` of one migration: pages sent and pages dirtied meanwhile (owed to the next round)
+/// per round, and the throttle per round.
+fn plot_convergence(r: &MigrationReport, path: &std::path::Path) -> crate::error::CliResult {
+    let x = |x: &slat_migrate::source::RoundReport| x.round as f64;
+    let pages = Chart {
+        title: format!(
+            "migration convergence: {} rounds, downtime {:.1} ms",
+            r.rounds.len(),
+            r.downtime.as_secs_f64() * 1e3
+        ),
+        x_desc: "round (0: full copy; the last: stop-and-copy)",
+        y_desc: "pages",
+        series: vec![
+            Series {
+                name: "pages sent in the round".into(),
+                points: r
+                    .rounds
+                    .iter()
+                    .map(|p| (x(p), Some(p.pages as f64)))
+                    .collect(),
+            },
+            Series {
+                name: "pages owed after the round (dirtied while it ran)".into(),
+                points: r
+                    .rounds
+                    .iter()
+                    .map(|p| (x(p), Some(p.dirtied as f64)))
+                    .collect(),
+            },
+        ],
+        x_names: Some(r.rounds.iter().map(|p| p.round.to_string()).collect()),
+    };
+    let throttle = Chart {
+        title: format!("auto-converge throttle (max {}%)", r.throttle_max),
+        x_desc: "round",
+        y_desc: "vCPU throttle (%)",
+        series: vec![Series {
+            name: "throttle while the round ran (%)".into(),
+            points: r
+                .rounds
+                .iter()
+                .map(|p| (x(p), Some(p.throttle as f64)))
+                .collect(),
+        }],
+        x_names: Some(r.rounds.iter().map(|p| p.round.to_string()).collect()),
+    };
+    draw_stacked(&[pages, throttle], path)
+}
+
+/// `--plot` of a sweep: total migration time and downtime of every row (a failed row leaves a
+/// gap).
+fn plot_sweep(
+    rows: &[(String, Option<(Duration, Duration)>)],
+    path: &std::path::Path,
+) -> crate::error::CliResult {
+    let series = |name: &str, f: fn(&(Duration, Duration)) -> Duration| Series {
+        name: name.to_string(),
+        points: rows
+            .iter()
+            .enumerate()
+            .map(|(i, (_, r))| (i as f64, r.as_ref().map(|r| f(r).as_secs_f64() * 1e3)))
+            .collect(),
+    };
+    Chart {
+        title: "migrate-perf --vary: one migration per row".into(),
+        x_desc: "settings",
+        y_desc: "time (ms, lower is better)",
+        series: vec![
+            series("total migration time", |r| r.0),
+            series("downtime", |r| r.1),
+        ],
+        x_names: Some(rows.iter().map(|(l, _)| l.clone()).collect()),
+    }
+    .draw(path)
 }

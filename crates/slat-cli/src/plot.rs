@@ -57,9 +57,28 @@ fn span(xs: impl Iterator<Item = f64>) -> (f64, f64) {
     }
 }
 
+/// Draws `charts` one above the other into `path`.
+pub fn draw_stacked(charts: &[Chart], path: &Path) -> CliResult {
+    let height = 420 * charts.len().max(1) as u32;
+    let root = SVGBackend::new(path, (1000, height)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| plot_err(path, e))?;
+    for (c, area) in charts.iter().zip(root.split_evenly((charts.len(), 1))) {
+        c.draw_on(&area, path)?;
+    }
+    root.present().map_err(|e| plot_err(path, e))
+}
+
 impl Chart<'_> {
     /// Draws the chart into `path`.
     pub fn draw(&self, path: &Path) -> CliResult {
+        draw_stacked(std::slice::from_ref(self), path)
+    }
+
+    fn draw_on(
+        &self,
+        root: &DrawingArea<SVGBackend, plotters::coord::Shift>,
+        path: &Path,
+    ) -> CliResult {
         let points = || {
             self.series
                 .iter()
@@ -72,9 +91,7 @@ impl Chart<'_> {
         } else {
             (x0, x1)
         };
-        let root = SVGBackend::new(path, (1000, 560)).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| plot_err(path, e))?;
-        let mut chart = ChartBuilder::on(&root)
+        let mut chart = ChartBuilder::on(root)
             .caption(&self.title, ("sans-serif", 20))
             .margin(16)
             .x_label_area_size(48)
@@ -125,7 +142,6 @@ impl Chart<'_> {
             .border_style(BLACK)
             .draw()
             .map_err(|e| plot_err(path, e))?;
-        root.present().map_err(|e| plot_err(path, e))?;
         Ok(())
     }
 }

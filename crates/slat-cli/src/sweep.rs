@@ -207,16 +207,17 @@ pub fn parse_vary(s: &str) -> Result<Vary, String> {
     Ok(Vary { key, values })
 }
 
-/// Every combination of the values, first key slowest.
-pub fn combinations(vary: &[Vary]) -> Vec<Vec<Setting>> {
-    let mut out: Vec<Vec<Setting>> = vec![Vec::new()];
-    for v in vary {
+/// Every combination of one value from each axis, first axis slowest. Shared by every
+/// subcommand with `--vary`, whatever its settings are.
+pub fn cross<S: Clone>(axes: &[&[S]]) -> Vec<Vec<S>> {
+    let mut out: Vec<Vec<S>> = vec![Vec::new()];
+    for axis in axes {
         out = out
             .into_iter()
             .flat_map(|prefix| {
-                v.values.iter().map(move |val| {
+                axis.iter().map(move |val| {
                     let mut p = prefix.clone();
-                    p.push(*val);
+                    p.push(val.clone());
                     p
                 })
             })
@@ -225,17 +226,29 @@ pub fn combinations(vary: &[Vary]) -> Vec<Vec<Setting>> {
     out
 }
 
-/// Refuses a key given twice (the cross product would be ambiguous).
-pub fn check_distinct(vary: &[Vary]) -> Result<(), String> {
-    for (i, a) in vary.iter().enumerate() {
-        if vary[..i].iter().any(|b| b.key == a.key) {
+/// Refuses a key given twice (the cross product would be ambiguous); `names` are the keys in
+/// the order given.
+pub fn check_distinct_names(names: &[&str]) -> Result<(), String> {
+    for (i, a) in names.iter().enumerate() {
+        if names[..i].contains(a) {
             return Err(format!(
-                "--vary {} given twice: list all its values in one flag",
-                a.key.name()
+                "--vary {a} given twice: list all its values in one flag"
             ));
         }
     }
     Ok(())
+}
+
+/// Every combination of the values, first key slowest.
+pub fn combinations(vary: &[Vary]) -> Vec<Vec<Setting>> {
+    let axes: Vec<&[Setting]> = vary.iter().map(|v| &v.values[..]).collect();
+    cross(&axes)
+}
+
+/// Refuses a key given twice.
+pub fn check_distinct(vary: &[Vary]) -> Result<(), String> {
+    let names: Vec<&str> = vary.iter().map(|v| v.key.name()).collect();
+    check_distinct_names(&names)
 }
 
 #[cfg(test)]
