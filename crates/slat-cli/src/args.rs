@@ -159,10 +159,10 @@ impl FormatArg {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum CmoArg {
     /// Every translation fault cleans the range it would map first, even if another vCPU
-    /// mapped it meanwhile (KVM arm64 before seed 001 patch 1).
+    /// mapped it meanwhile (what KVM arm64 did before cleaning moved to the installing fault).
     Always,
     /// Only the fault that installs the leaf cleans it, inside the break-before-make window
-    /// (seed 001 patch 1).
+    /// (a fault that finds the range already mapped does no cache maintenance).
     OnInstall,
 }
 
@@ -170,10 +170,11 @@ pub enum CmoArg {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum RebuildArg {
     /// Invalidate, flush, free the old sub-tables, then install the block: the entry is
-    /// invalid for the whole teardown (KVM arm64 before seed 001 patch 2).
+    /// invalid for the whole teardown, and vCPUs touching it fault meanwhile (what KVM arm64
+    /// did before reordering the rebuild).
     BreakFirst,
     /// Invalidate, flush, install the block, then free the sub-tables: the entry is invalid
-    /// only across the flush (seed 001 patch 2).
+    /// only across the flush.
     InstallFirst,
 }
 
@@ -243,7 +244,8 @@ impl MachineArgs {
 pub enum GetLogArg {
     /// One atomic exchange per non-zero bitmap word (KVM today).
     Xchg,
-    /// Switch to a second bitmap, then read the old one without atomics (seed 004).
+    /// Switch to a second bitmap, then read the old one without atomics (a proposed
+    /// optimization of KVM's GET_DIRTY_LOG).
     Switch,
 }
 
@@ -275,7 +277,7 @@ pub enum TrackArg {
 #[derive(Debug, Clone, Args)]
 pub struct DirtyArgs {
     /// How GET_DIRTY_LOG snapshots the bitmap when it clears it (with `-g`): per-word `xchg`,
-    /// or the two-bitmap `switch` of seed 004.
+    /// or `switch` (swap in a second bitmap, then read the old one without atomics).
     #[arg(long = "get-dirty-log", value_enum, default_value = "xchg")]
     pub get_log: GetLogArg,
     /// Split huge leaves when logging is enabled (off: split lazily at the first write).
@@ -472,4 +474,24 @@ pub struct OutputArgs {
     /// (dirty-log-perf), one line per metric across the rows of a --vary sweep.
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<std::path::PathBuf>,
+}
+
+/// The guest and its memory: flags shared by every benchmark that runs vCPUs over a
+/// partitioned guest memory (page-table-test has its own: there all vCPUs share one region).
+#[derive(Debug, Clone, Args)]
+pub struct Workload {
+    /// vCPUs, each a thread working on its own partition of guest memory (all of it with -o).
+    #[arg(short = 'v', value_parser = clap::value_parser!(u32).range(1..=512), default_value_t = 1)]
+    pub vcpus: u32,
+    /// Guest memory per vCPU: bytes with an optional k/m/g/t suffix (powers of 1024), a
+    /// multiple of 4 KiB.
+    #[arg(short = 'b', value_parser = guest_size, default_value = "1G")]
+    pub bytes: u64,
+    /// Host memory behind guest RAM: anonymous, anonymous_thp, anonymous_hugetlb (2 MiB pages),
+    /// anonymous_hugetlb_1gb, shmem.
+    #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
+    pub backing: Backing,
+    /// Overlap: every vCPU works on all of guest memory instead of its own partition.
+    #[arg(short = 'o')]
+    pub overlap: bool,
 }

@@ -2,7 +2,7 @@
 //! over all guest memory, every page faulted in through the engine — and, in the same run, the
 //! same pattern on host memory as the native baseline.
 
-use crate::args::{backing, check_backends, guest_size, BackendArg, MachineArgs, OutputArgs};
+use crate::args::{check_backends, BackendArg, MachineArgs, OutputArgs, Workload};
 use crate::backend::{self, kvm_stats_line, Native, Spec};
 use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
@@ -11,27 +11,15 @@ use crate::report::{bbm_cmo_line, format_header, quiet, ratio, sim_format, ts, P
 use clap::Args;
 use serde::Serialize;
 use serde_json::json;
-use slat_machine::ram::{format_size, Backing};
+use slat_machine::ram::format_size;
 use slat_machine::PassParams;
 use std::time::Duration;
 
 /// Flags of `slat demand-paging`.
 #[derive(Debug, Args)]
 pub struct DemandPagingArgs {
-    /// vCPUs, each a thread touching its own partition of guest memory.
-    #[arg(short = 'v', value_parser = clap::value_parser!(u32).range(1..=512), default_value_t = 1)]
-    pub vcpus: u32,
-    /// Guest memory per vCPU: bytes with an optional k/m/g/t suffix (powers of 1024), a
-    /// multiple of 4 KiB.
-    #[arg(short = 'b', value_parser = guest_size, default_value = "1G")]
-    pub bytes: u64,
-    /// Host memory behind guest RAM: anonymous, anonymous_thp, anonymous_hugetlb (2 MiB),
-    /// anonymous_hugetlb_1gb, shmem.
-    #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
-    pub backing: Backing,
-    /// Overlap: every vCPU touches all of guest memory instead of its own partition.
-    #[arg(short = 'o')]
-    pub overlap: bool,
+    #[command(flatten)]
+    pub work: Workload,
     /// The machine(s) to run on: `sim`, `kvm` (the host's /dev/kvm), or `sim,kvm` to run both
     /// in this process and print one table comparing them.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "sim")]
@@ -160,6 +148,11 @@ pub fn run(a: &DemandPagingArgs) -> CliResult {
         ));
     }
     if let [first, second] = a.backend[..] {
+        if a.out.repeat > 1 {
+            return Err(CliError::bad(
+                "--repeat runs one machine: drop it, or give one --backend",
+            ));
+        }
         return side_by_side(a, [first, second]);
     }
     let mut runs = Vec::new();
@@ -190,21 +183,21 @@ pub fn run(a: &DemandPagingArgs) -> CliResult {
 /// Sizes the machines can hold: `-v` × `-b` without overflow, in the guest physical address
 /// space of each machine, on this host (the guest, then the native baseline, one at a time).
 fn check(a: &DemandPagingArgs) -> Result<(), String> {
-    check_backing(&a.backend, a.backing)?;
-    let mem = GuestMemory::per_vcpu(a.vcpus, a.bytes)?;
+    check_backing(&a.backend, a.work.backing)?;
+    let mem = GuestMemory::per_vcpu(a.work.vcpus, a.work.bytes)?;
     mem.fits_gpa(&a.backend, a.machine.format, None)?;
-    mem.fits_host(a.backing, 1, a.machine.tlb_bytes(a.vcpus))
+    mem.fits_host(a.work.backing, 1, a.machine.tlb_bytes(a.work.vcpus))
 }
 
 fn spec(a: &DemandPagingArgs) -> Spec {
     Spec {
         format: a.machine.format,
         vm: a.machine.vm_config(),
-        backing: a.backing,
-        vcpus: a.vcpus as usize,
-        bytes_per_vcpu: a.bytes,
+        backing: a.work.backing,
+        vcpus: a.work.vcpus as usize,
+        bytes_per_vcpu: a.work.bytes,
         slots: 1,
-        overlap: a.overlap,
+        overlap: a.work.overlap,
         tlb_entries: a.machine.tlb_entries,
         pcpus: a.machine.pcpus.unwrap_or(0),
         prefault: !a.machine.no_prefault,
@@ -222,8 +215,8 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
             "{}{}: mapping {} of {} guest RAM{}",
             kind.name(),
             sim_format(kind, a.machine.format),
-            format_size(a.bytes * a.vcpus as u64),
-            a.backing,
+            format_size(a.work.bytes * a.work.vcpus as u64),
+            a.work.backing,
             if cfg.prefault {
                 " (pre-faulting host pages)"
             } else {
@@ -236,7 +229,7 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
     p.done();
     let layout = m.layout();
     let params = PassParams::default();
-    let p = Phase::start(format!("first-touch pass on {} vCPU(s)", a.vcpus), q);
+    let p = Phase::start(format!("first-touch pass on {} vCPU(s)", a.work.vcpus), q);
     let guest = m.run_pass(params)?;
     p.done();
     let stats = m.stats();
@@ -244,22 +237,23 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
     drop(m);
 
     let p = Phase::start("native baseline: same pattern on host memory", q);
-    let native_ram = Native::new(kind, layout, a.backing, cfg.prefault)?;
+    let native_ram = Native::new(kind, layout, a.work.backing, cfg.prefault)?;
     let native = native_ram.run(params)?;
     drop(native_ram);
     p.done();
 
     let per_vcpu = guest.vcpus[0].pages as f64 / guest.wall.as_secs_f64();
-    let native_overall = native.vcpus[0].pages as f64 / native.wall.as_secs_f64() * a.vcpus as f64;
+    let native_overall =
+        native.vcpus[0].pages as f64 / native.wall.as_secs_f64() * a.work.vcpus as f64;
     let touched: u64 = guest.vcpus.iter().map(|v| v.pages).sum();
-    let ns_per_page = guest.wall.as_nanos() as f64 / (touched as f64 / a.vcpus as f64);
+    let ns_per_page = guest.wall.as_nanos() as f64 / (touched as f64 / a.work.vcpus as f64);
     let machine_lines = match &sim {
         Some((s, pcpus)) => engine_lines(a, &cfg, s, *pcpus, ns_per_page),
         None => vec![
             kvm_stats_line(&stats),
             format!(
                 "Machine: {} vCPU(s) on the host's /dev/kvm, {:.1} ns per page per vCPU",
-                a.vcpus, ns_per_page
+                a.work.vcpus, ns_per_page
             ),
         ],
     };
@@ -277,14 +271,14 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
         format: vm.format,
         config: Config {
             vm,
-            vcpus: a.vcpus,
-            bytes_per_vcpu: a.bytes,
-            backing: a.backing.name(),
-            overlap: a.overlap,
+            vcpus: a.work.vcpus,
+            bytes_per_vcpu: a.work.bytes,
+            backing: a.work.backing.name(),
+            overlap: a.work.overlap,
         },
         total: guest.wall,
         per_vcpu_rate: per_vcpu,
-        overall_rate: per_vcpu * a.vcpus as f64,
+        overall_rate: per_vcpu * a.work.vcpus as f64,
         ns_per_page_per_vcpu: ns_per_page,
         per_vcpu_time_s: guest.vcpus.iter().map(|v| v.time.as_secs_f64()).collect(),
         native: NativeFigures {
@@ -326,7 +320,7 @@ fn engine_lines(
     lines.extend(bbm_cmo_line(a.machine.format, stats));
     lines.push(format!(
         "Machine: {} vCPU(s) on {} physical CPU(s), format {}, mmu lock {}, fast page fault {}",
-        a.vcpus,
+        a.work.vcpus,
         pcpus,
         a.machine.format.name(),
         cfg.vm.mmu_lock.name(),
@@ -387,8 +381,8 @@ fn side_by_side(a: &DemandPagingArgs, kinds: [BackendArg; 2]) -> CliResult {
     }
     println!(
         "demand-paging on {n0} and {n1}: -v {} -b {}, one run each, in this process; format {} on sim",
-        a.vcpus,
-        format_size(a.bytes),
+        a.work.vcpus,
+        format_size(a.work.bytes),
         a.machine.format.name()
     );
     cmp.print();

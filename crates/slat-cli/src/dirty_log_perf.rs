@@ -3,8 +3,8 @@
 //! with, for every guest pass, the same pass on host memory in the same run and the ratio.
 
 use crate::args::{
-    backing, check_backends, check_kvm_ring, guest_size, ring_size, BackendArg, DirtyArgs,
-    MachineArgs, OutputArgs,
+    check_backends, check_kvm_ring, ring_size, BackendArg, DirtyArgs, MachineArgs, OutputArgs,
+    Workload,
 };
 use crate::backend::{self, kvm_stats_line, Backend, Native, Pass, Sim, Spec};
 use crate::error::{CliError, CliResult};
@@ -17,19 +17,18 @@ use crate::report::{bbm_cmo_line, format_header, quiet, ratio, sim_format, ts, P
 use crate::sweep::{check_distinct, combinations, parse_vary, Key, Vary};
 use clap::Args;
 use serde::Serialize;
-use slat_machine::ram::{format_size, Backing};
+use slat_machine::ram::format_size;
 use slat_machine::PassParams;
 use std::time::{Duration, Instant};
 
 /// Flags of `slat dirty-log-perf` (the selftest's, plus slat's variant switches).
 #[derive(Debug, Clone, Args)]
 pub struct DirtyLogPerfArgs {
+    #[command(flatten)]
+    pub work: Workload,
     /// Access pages in pseudo-random order instead of sequentially.
     #[arg(short = 'a')]
     pub random: bool,
-    /// Guest memory per vCPU (k/m/g/t suffixes, powers of 1024; a multiple of 4 KiB).
-    #[arg(short = 'b', value_parser = guest_size, default_value = "1G")]
-    pub bytes: u64,
     /// Keep the vCPUs dirtying memory while dirty logging is disabled ("evil" mode).
     #[arg(short = 'e')]
     pub evil: bool,
@@ -40,19 +39,9 @@ pub struct DirtyLogPerfArgs {
     /// Iterations of dirtying memory and harvesting the log (at least 2).
     #[arg(short = 'i', value_parser = clap::value_parser!(u32).range(2..=100_000), default_value_t = 2)]
     pub iterations: u32,
-    /// Overlap: every vCPU accesses all of guest memory instead of its own partition.
-    #[arg(short = 'o')]
-    pub overlap: bool,
     /// Seed of the guest's pseudo-random generator (vCPU i uses seed + i).
     #[arg(short = 'r', default_value_t = 1)]
     pub seed: u32,
-    /// Host memory behind guest RAM: anonymous, anonymous_thp, anonymous_hugetlb (2 MiB),
-    /// anonymous_hugetlb_1gb, shmem.
-    #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
-    pub backing: Backing,
-    /// vCPUs.
-    #[arg(short = 'v', value_parser = clap::value_parser!(u32).range(1..=512), default_value_t = 1)]
-    pub vcpus: u32,
     /// Percentage of accesses in the dirty passes that are writes (0-100).
     #[arg(short = 'w', value_parser = clap::value_parser!(u32).range(0..=100), default_value_t = 100)]
     pub write_percent: u32,
@@ -70,9 +59,9 @@ pub struct DirtyLogPerfArgs {
     /// Run the benchmark once per combination of the listed settings, in this process, and
     /// print one table (KEY=V1,V2,...; repeat for more keys; keys: vcpus, format, fast-pf,
     /// mmu-lock, ad-bits, cmo, get-dirty-log, dirty-tracking, eager-split, recover, rebuild).
-    /// Seed 000's table: `--vary vcpus=1,2 --vary fast-pf=on,off --vary mmu-lock=rwlock,mutex`;
-    /// seed 004's: `-g --vary get-dirty-log=xchg,switch`; both formats: `--vary
-    /// format=ept,stage2`.
+    /// Fast page fault and MMU lock: `--vary vcpus=1,2 --vary fast-pf=on,off --vary
+    /// mmu-lock=rwlock,mutex`; the two GET_DIRTY_LOG variants: `-g --vary
+    /// get-dirty-log=xchg,switch`; both page-table formats: `--vary format=ept,stage2`.
     #[arg(long = "vary", value_parser = parse_vary, value_name = "KEY=V1,V2")]
     pub vary: Vec<Vary>,
     #[command(flatten)]
@@ -291,6 +280,11 @@ pub fn run(a: &DirtyLogPerfArgs) -> CliResult {
         .check_backends(&a.backend)
         .map_err(CliError::bad)?;
     check_backends(&a.backend, &engine_only).map_err(CliError::bad)?;
+    if a.out.repeat > 1 && (a.backend.len() > 1 || !a.vary.is_empty()) {
+        return Err(CliError::bad(
+            "--repeat runs one configuration on one machine: drop it, or drop --vary and the second --backend",
+        ));
+    }
     if let [first, second] = a.backend[..] {
         check(a).map_err(CliError::bad)?;
         return side_by_side(a, [first, second]);
@@ -348,14 +342,14 @@ fn check(a: &DirtyLogPerfArgs) -> Result<(), String> {
     let vm_config = a.dirty.apply(a.machine.vm_config());
     a.dirty
         .check(&vm_config, a.machine.format, a.dirty_ring.is_some())?;
-    check_backing(&a.backend, a.backing)?;
+    check_backing(&a.backend, a.work.backing)?;
     if let Some(ring) = a.dirty_ring {
         check_kvm_ring(&a.backend, ring, "--dirty-ring")?;
     }
-    let mem = GuestMemory::per_vcpu(a.vcpus, a.bytes)?;
+    let mem = GuestMemory::per_vcpu(a.work.vcpus, a.work.bytes)?;
     mem.slots_divide(a.slots)?;
     mem.fits_gpa(&a.backend, a.machine.format, None)?;
-    mem.fits_host(a.backing, 2, a.machine.tlb_bytes(a.vcpus))
+    mem.fits_host(a.work.backing, 2, a.machine.tlb_bytes(a.work.vcpus))
 }
 
 /// The machine spec the flags describe.
@@ -363,11 +357,11 @@ fn spec(a: &DirtyLogPerfArgs) -> Spec {
     Spec {
         format: a.machine.format,
         vm: a.dirty.apply(a.machine.vm_config()),
-        backing: a.backing,
-        vcpus: a.vcpus as usize,
-        bytes_per_vcpu: a.bytes,
+        backing: a.work.backing,
+        vcpus: a.work.vcpus as usize,
+        bytes_per_vcpu: a.work.bytes,
         slots: a.slots as usize,
-        overlap: a.overlap,
+        overlap: a.work.overlap,
         tlb_entries: a.machine.tlb_entries,
         pcpus: a.machine.pcpus.unwrap_or(0),
         prefault: !a.machine.no_prefault,
@@ -387,13 +381,13 @@ fn build(
             "{}{}: mapping {} of {} guest RAM and as much host memory for the native baseline",
             kind.name(),
             sim_format(kind, a.machine.format),
-            format_size(a.bytes * a.vcpus as u64),
-            a.backing
+            format_size(a.work.bytes * a.work.vcpus as u64),
+            a.work.backing
         ),
         quiet(a.out.json),
     );
     let m = backend::create(kind, cfg)?;
-    let native = Native::new(kind, m.layout(), a.backing, cfg.prefault)?;
+    let native = Native::new(kind, m.layout(), a.work.backing, cfg.prefault)?;
     p.done();
     Ok((m, native))
 }
@@ -537,12 +531,12 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         format: vm.format,
         config: Config {
             vm,
-            vcpus: a.vcpus,
-            bytes_per_vcpu: a.bytes,
-            backing: a.backing.name(),
+            vcpus: a.work.vcpus,
+            bytes_per_vcpu: a.work.bytes,
+            backing: a.work.backing.name(),
             iterations: a.iterations,
             random: a.random,
-            overlap: a.overlap,
+            overlap: a.work.overlap,
             evil: a.evil,
             write_percent: a.write_percent,
             slots: a.slots,
@@ -684,7 +678,7 @@ fn engine_lines(a: &DirtyLogPerfArgs, m: &dyn Sim, cfg: &Spec) -> Vec<String> {
     lines.extend(bbm_cmo_line(cfg.format, &stats));
     lines.push(format!(
         "Machine: {} vCPU(s) on {} physical CPU(s); format {}, mmu lock {}, fast page fault {}, log {}, get-dirty-log {}, dirty tracking {}, eager split {}, recover {}",
-        a.vcpus,
+        a.work.vcpus,
         m.pcpus(),
         cfg.format.name(),
         cfg.vm.mmu_lock.name(),
@@ -704,7 +698,7 @@ fn kvm_lines(a: &DirtyLogPerfArgs, stats: &serde_json::Value, manual: bool) -> V
         kvm_stats_line(stats),
         format!(
             "Machine: {} vCPU(s) on the host's /dev/kvm; log {}",
-            a.vcpus,
+            a.work.vcpus,
             log_kind(a, manual)
         ),
     ]
@@ -779,7 +773,7 @@ fn sweep(a: &DirtyLogPerfArgs) -> CliResult {
         b.vary.clear();
         b.out.json = true;
         for s in combo {
-            s.apply(&mut b.vcpus, &mut b.machine, &mut b.dirty);
+            s.apply(&mut b.work.vcpus, &mut b.machine, &mut b.dirty);
         }
         let label: Vec<String> = combo.iter().map(|s| s.label()).collect();
         if let Err(e) = check(&b) {
@@ -831,7 +825,7 @@ fn print_sweep_title(a: &DirtyLogPerfArgs) {
     };
     println!(
         "dirty-log-perf sweep:{format} -b {} -i {}{}{}{}, one run per row, all in this process",
-        format_size(a.bytes),
+        format_size(a.work.bytes),
         a.iterations,
         if a.no_manual { " -g" } else { "" },
         if a.random { " -a" } else { "" },
@@ -896,8 +890,8 @@ fn side_by_side(a: &DirtyLogPerfArgs, kinds: [BackendArg; 2]) -> CliResult {
     println!(
         "dirty-log-perf on {n0} and {n1}: --format {} (sim) -v {} -b {} -i {}{}{}{}, one run each, in this process; times in seconds",
         a.machine.format.name(),
-        a.vcpus,
-        format_size(a.bytes),
+        a.work.vcpus,
+        format_size(a.work.bytes),
         a.iterations,
         if ring {
             " --dirty-ring"

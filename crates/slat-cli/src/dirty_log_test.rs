@@ -4,8 +4,8 @@
 //! failure (exit status 1).
 
 use crate::args::{
-    backing, check_backends, check_kvm_ring, guest_size, ring_size, BackendArg, DirtyArgs,
-    MachineArgs, OutputArgs, TrackArg,
+    check_backends, check_kvm_ring, ring_size, BackendArg, DirtyArgs, MachineArgs, OutputArgs,
+    TrackArg, Workload,
 };
 use crate::backend::{self, Spec};
 use crate::error::{CliError, CliResult};
@@ -16,7 +16,7 @@ use clap::{Args, ValueEnum};
 use serde::Serialize;
 use slat::dirty::inject;
 use slat_machine::dirty_oracle::{LogMode, OracleConfig};
-use slat_machine::ram::{format_size, Backing};
+use slat_machine::ram::format_size;
 use std::time::Duration;
 
 /// `-M`: which harvest protocols to check.
@@ -43,6 +43,8 @@ pub enum BreakArg {
 /// Flags of `slat dirty-log-test`.
 #[derive(Debug, Args)]
 pub struct DirtyLogTestArgs {
+    #[command(flatten)]
+    pub work: Workload,
     /// Log mode: dirty-log, clear-log, dirty-ring, or all.
     #[arg(short = 'M', value_enum, default_value = "all")]
     pub mode: ModeArg,
@@ -56,19 +58,6 @@ pub struct DirtyLogTestArgs {
     /// lowered to the largest power of two not above the test's pages, as in the selftest.
     #[arg(short = 'c', value_parser = ring_size, default_value_t = 65536)]
     pub ring_entries: u32,
-    /// Guest memory per vCPU (k/m/g/t suffixes, a multiple of 4 KiB); 3 pages are added so
-    /// the memslot is not a multiple of 64 pages, as in the selftest.
-    #[arg(short = 'b', value_parser = guest_size, default_value = "1G")]
-    pub bytes: u64,
-    /// vCPUs writing at once (the selftest uses 1).
-    #[arg(short = 'v', value_parser = clap::value_parser!(u32).range(1..=512), default_value_t = 1)]
-    pub vcpus: u32,
-    /// Every vCPU writes anywhere in guest memory instead of its own partition.
-    #[arg(short = 'o')]
-    pub overlap: bool,
-    /// Host memory behind guest RAM: anonymous, anonymous_thp, anonymous_hugetlb, ...
-    #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
-    pub backing: Backing,
     /// Seed of the guest writers and of the host's harvest points.
     #[arg(short = 'r', default_value_t = 1)]
     pub seed: u32,
@@ -215,10 +204,10 @@ const EXTRA_BYTES: u64 = 3 * 4096;
 /// Sizes the machines can hold: `-v` × (`-b` + 3 pages) without overflow, in the guest physical
 /// address space of each machine, on this host; and a ring KVM can have.
 fn check(a: &DirtyLogTestArgs) -> Result<(), String> {
-    check_backing(&a.backend, a.backing)?;
-    let mem = GuestMemory::per_vcpu_plus(a.vcpus, a.bytes, EXTRA_BYTES)?;
+    check_backing(&a.backend, a.work.backing)?;
+    let mem = GuestMemory::per_vcpu_plus(a.work.vcpus, a.work.bytes, EXTRA_BYTES)?;
     mem.fits_gpa(&a.backend, a.machine.format, None)?;
-    mem.fits_host(a.backing, 1, a.machine.tlb_bytes(a.vcpus))?;
+    mem.fits_host(a.work.backing, 1, a.machine.tlb_bytes(a.work.vcpus))?;
     if modes(a).contains(&LogMode::DirtyRing) {
         check_kvm_ring(
             &a.backend,
@@ -402,11 +391,11 @@ fn spec(a: &DirtyLogTestArgs, vm: slat::VmConfig, mode: LogMode, ring: u32) -> S
     Spec {
         format: a.machine.format,
         vm,
-        backing: a.backing,
-        vcpus: a.vcpus as usize,
-        bytes_per_vcpu: a.bytes + EXTRA_BYTES,
+        backing: a.work.backing,
+        vcpus: a.work.vcpus as usize,
+        bytes_per_vcpu: a.work.bytes + EXTRA_BYTES,
         slots: 1,
-        overlap: a.overlap,
+        overlap: a.work.overlap,
         tlb_entries: a.machine.tlb_entries,
         pcpus: a.machine.pcpus.unwrap_or(0),
         prefault: !a.machine.no_prefault,
@@ -427,8 +416,8 @@ fn check_mode(
             "{}{}: mapping {} of {} guest RAM",
             kind.name(),
             sim_format(kind, a.machine.format),
-            format_size(cfg.bytes_per_vcpu * a.vcpus as u64),
-            a.backing
+            format_size(cfg.bytes_per_vcpu * a.work.vcpus as u64),
+            a.work.backing
         ),
         quiet(a.out.json),
     );
@@ -491,7 +480,8 @@ fn run_on(a: &DirtyLogTestArgs, kind: BackendArg) -> CliResult<Report> {
         )
         .map_err(CliError::bad)?;
     // Checked by `check`: no overflow.
-    let mem = GuestMemory::per_vcpu_plus(a.vcpus, a.bytes, EXTRA_BYTES).map_err(CliError::bad)?;
+    let mem = GuestMemory::per_vcpu_plus(a.work.vcpus, a.work.bytes, EXTRA_BYTES)
+        .map_err(CliError::bad)?;
     let ring = ring(a, mem.pages());
     let reports = modes
         .iter()
@@ -513,9 +503,9 @@ fn run_on(a: &DirtyLogTestArgs, kind: BackendArg) -> CliResult<Report> {
             vm,
             iterations: a.iterations,
             interval_ms: a.interval_ms,
-            vcpus: a.vcpus,
-            bytes_per_vcpu: a.bytes + EXTRA_BYTES,
-            backing: a.backing.name(),
+            vcpus: a.work.vcpus,
+            bytes_per_vcpu: a.work.bytes + EXTRA_BYTES,
+            backing: a.work.backing.name(),
             seed: a.seed,
             ring_entries: ring,
             broken: a.broken.is_some(),

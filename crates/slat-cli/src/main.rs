@@ -36,11 +36,13 @@ enum Command {
     /// and ratio for every pass.
     DirtyLogPerf(dirty_log_perf::DirtyLogPerfArgs),
     /// The dirty-log correctness oracle (dirty_log_test): writers stamp pages while the host
-    /// harvests; every page is checked, and any lost or misreported page fails the run.
+    /// harvests; every page is checked, and any lost or misreported page fails the run. As in
+    /// the selftest, 3 pages are added to each vCPU's -b so the memslot is not a multiple of
+    /// 64 pages.
     DirtyLogTest(dirty_log_test::DirtyLogTestArgs),
     /// Aging and idle page tracking (access_tracking_perf_test): populate, access, mark idle,
-    /// access idle memory; native baseline and ratio for every pass; `--compare` runs the
-    /// seed-000 table (fast page fault on/off, -v 1 and -v 2) in one process.
+    /// access idle memory; native baseline and ratio for every pass; `--compare` runs fast page
+    /// fault on and off, each with -v 1 and -v 2, in one process.
     AccessTrackingPerf(access_tracking_perf::AccessTrackingPerfArgs),
     /// Create, update and rebuild mappings with every vCPU on the same memory
     /// (kvm_page_table_test): per-stage times, faults, break-before-make and cache-maintenance
@@ -51,7 +53,7 @@ enum Command {
     Migrate(migrate::MigrateArgs),
     /// Receive a live migration, verify it and run the guest.
     MigrateListen(migrate::ListenArgs),
-    /// Both ends of a live migration in one process over loopback (seed 002's migrate-perf):
+    /// Both ends of a live migration in one process over loopback:
     /// migration time, downtime, rounds, dirty rate, bandwidth, throttling.
     MigratePerf(migrate::MigratePerfArgs),
 }

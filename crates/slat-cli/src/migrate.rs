@@ -3,10 +3,11 @@
 //! total migration time, downtime, rounds, dirty rate, bandwidth, throttling, verification.
 
 use crate::args::{
-    backing, check_backends, check_kvm_ring, guest_size, ring_size, BackendArg, FormatArg,
-    MachineArgs, Switch,
+    backing, check_backends, check_kvm_ring, ring_size, BackendArg, FormatArg, MachineArgs, Switch,
+    Workload,
 };
 use crate::limits::{check_backing, GuestMemory};
+use crate::output::{print_json, summarize, Better, Metric, Repeated};
 use crate::plot::{draw_stacked, Chart, Series};
 use crate::report::{quiet, ts};
 use clap::{Args, ValueEnum};
@@ -65,25 +66,14 @@ pub enum BreakArg {
 /// The guest on the source and its workload.
 #[derive(Debug, Clone, Args)]
 pub struct GuestArgs {
+    #[command(flatten)]
+    pub work: Workload,
     /// Write pseudo-random pages instead of sweeping them in order.
     #[arg(short = 'a')]
     pub random: bool,
-    /// Guest memory per vCPU (k/m/g/t suffixes, powers of 1024; a multiple of 4 KiB).
-    #[arg(short = 'b', value_parser = guest_size, default_value = "1G")]
-    pub bytes: u64,
-    /// Overlap: every vCPU works on all of guest memory instead of its own partition.
-    #[arg(short = 'o')]
-    pub overlap: bool,
     /// Seed of the guest's pseudo-random generator.
     #[arg(short = 'r', default_value_t = 1)]
     pub seed: u32,
-    /// Host memory behind guest RAM: anonymous, anonymous_thp, anonymous_hugetlb (2 MiB),
-    /// anonymous_hugetlb_1gb, shmem.
-    #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
-    pub backing: Backing,
-    /// vCPUs.
-    #[arg(short = 'v', value_parser = clap::value_parser!(u32).range(1..=512), default_value_t = 1)]
-    pub vcpus: u32,
     /// Percentage of the guest's accesses that are writes (0-100).
     #[arg(short = 'w', value_parser = clap::value_parser!(u32).range(0..=100), default_value_t = 100)]
     pub write_percent: u32,
@@ -264,7 +254,7 @@ pub struct MigratePerfArgs {
     pub resume_ms: u64,
     /// Run once per combination of the listed settings, in this process, and print one
     /// table (KEY=V1,V2,...; repeatable; keys: log, dirty-rate, fast-pf, backend,
-    /// max-downtime, compress, auto-converge). Seed 002's table:
+    /// max-downtime, compress, auto-converge). For example, dirty rate × log × fast page fault:
     /// `--vary dirty-rate=2k,50k --vary log=get,clear,ring --vary fast-pf=on,off`.
     #[arg(long = "vary", value_parser = parse_vary, value_name = "KEY=V1,V2")]
     pub vary: Vec<(VaryKey, Vec<MigSetting>)>,
@@ -273,9 +263,14 @@ pub struct MigratePerfArgs {
     pub json: bool,
     /// Also draw into an SVG file: the migration's convergence (pages sent and pages still
     /// owed per round, and the throttle per round); with --vary, the total migration time and
-    /// downtime of every row.
+    /// downtime of every row. With --repeat, the first run's convergence.
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<std::path::PathBuf>,
+    /// Migrate N times in this process and add the median, minimum, maximum and spread
+    /// ((max - min) / median) of the headline figures, in text and JSON (1-1000; not with
+    /// --vary).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000), default_value_t = 1)]
+    pub repeat: u32,
     #[command(flatten)]
     pub guest: GuestArgs,
     #[command(flatten)]
@@ -444,7 +439,7 @@ impl GuestArgs {
         let backends = [self.backend];
         self.machine.format.check_backends(&backends)?;
         check_backends(&backends, &self.machine.engine_only())?;
-        check_backing(&backends, self.backing)?;
+        check_backing(&backends, self.work.backing)?;
         if self.backend == BackendArg::Kvm && self.write_percent != 100 {
             return Err(
                 "-w applies to --backend sim only: the kvm guest's writer writes on every access"
@@ -454,11 +449,14 @@ impl GuestArgs {
         if self.log == LogArg::Ring {
             check_kvm_ring(&backends, self.ring_entries, "--dirty-ring")?;
         }
-        let mem = GuestMemory::per_vcpu(self.vcpus, self.bytes)?;
+        let mem = GuestMemory::per_vcpu(self.work.vcpus, self.work.bytes)?;
         mem.slots_divide(self.slots)?;
         mem.fits_gpa(&backends, self.machine.format, None)?;
-        let tlb = self.machine.tlb_bytes(self.vcpus).saturating_mul(copies);
-        mem.fits_host(self.backing, copies, tlb)?;
+        let tlb = self
+            .machine
+            .tlb_bytes(self.work.vcpus)
+            .saturating_mul(copies);
+        mem.fits_host(self.work.backing, copies, tlb)?;
         // The library's own check of the shape it will send (and a destination will check).
         self.shape().check().map_err(|e| e.to_string())?;
         Ok(())
@@ -466,10 +464,10 @@ impl GuestArgs {
 
     fn shape(&self) -> Shape {
         Shape {
-            vcpus: self.vcpus,
-            bytes_per_vcpu: self.bytes,
+            vcpus: self.work.vcpus,
+            bytes_per_vcpu: self.work.bytes,
             slots: self.slots,
-            overlap: self.overlap,
+            overlap: self.work.overlap,
         }
     }
 
@@ -477,7 +475,7 @@ impl GuestArgs {
         GuestSpec {
             backend: kind(self.backend),
             shape: self.shape(),
-            backing: self.backing,
+            backing: self.work.backing,
             log: self.log.mode(),
             ring_entries: self.ring_entries,
             vm: self.machine.vm_config(),
@@ -501,8 +499,8 @@ impl GuestArgs {
         format!(
             "{}, {} vCPU(s), {} guest memory, log {}, dirty rate {}, {}% filled",
             self.backend.name(),
-            self.vcpus,
-            format_size(self.bytes * self.vcpus as u64),
+            self.work.vcpus,
+            format_size(self.work.bytes * self.work.vcpus as u64),
             self.log.mode().name(),
             if self.dirty_rate == 0 {
                 "unlimited".to_string()
@@ -556,13 +554,13 @@ fn prepare_source(
     m: &MigrationArgs,
     q: bool,
 ) -> Result<(Arc<dyn Guest>, Source, f64), String> {
-    let total = g.bytes * g.vcpus as u64;
+    let total = g.work.bytes * g.work.vcpus as u64;
     progress(
         q,
         &format!(
             "source: mapping {} of {} guest RAM on {}, populating and filling {}%",
             format_size(total),
-            g.backing,
+            g.work.backing,
             g.backend.name(),
             g.fill
         ),
@@ -796,23 +794,87 @@ fn perf_once(a: &MigratePerfArgs) -> Result<(MigrationReport, DestReport, f64), 
 /// `slat migrate-perf`.
 pub fn run_perf(a: &MigratePerfArgs) -> crate::error::CliResult {
     if !a.vary.is_empty() {
+        if a.repeat > 1 {
+            return Err(crate::error::CliError::bad(
+                "--repeat with --vary: a sweep runs each row once; drop one of them",
+            ));
+        }
         return sweep(a);
     }
     a.guest.check(2).map_err(crate::error::CliError::bad)?;
-    let (r, d, baseline) = perf_once(a)?;
-    if let Some(path) = &a.plot {
-        plot_convergence(&r, path)?;
-    }
-    if a.json {
+    let mut runs = Vec::new();
+    for n in 0..a.repeat {
+        if a.repeat > 1 {
+            progress(quiet(a.json), &format!("run {}/{}", n + 1, a.repeat));
+        }
+        let (r, d, baseline) = perf_once(a)?;
+        if n == 0 {
+            if let Some(path) = &a.plot {
+                plot_convergence(&r, path)?;
+            }
+        }
         let mut doc = report_json(&a.guest, &a.migration, &r, baseline, &[]);
         doc["benchmark"] = json!("migrate-perf");
         doc["destination"] = dest_json(&d);
-        crate::output::print_json(&doc, &[a.guest.backend])?;
-    } else {
-        print_report(&a.guest, &a.migration, &r, baseline);
+        if !a.json {
+            print_report(&a.guest, &a.migration, &r, baseline);
+        }
+        runs.push(((r, baseline), doc));
+    }
+    if a.repeat > 1 {
+        let typed: Vec<(MigrationReport, f64)> = runs.iter().map(|(t, _)| t.clone()).collect();
+        let rep = Repeated {
+            benchmark: "migrate-perf",
+            repeat: typed.len(),
+            summary: PERF_METRICS.iter().map(|m| summarize(m, &typed)).collect(),
+            runs: runs.into_iter().map(|(_, doc)| doc).collect(),
+        };
+        if a.json {
+            return print_json(&rep, &[a.guest.backend]);
+        }
+        rep.print();
+        return Ok(());
+    }
+    if a.json {
+        print_json(&runs[0].1, &[a.guest.backend])?;
     }
     Ok(())
 }
+
+/// The figures `--repeat` summarizes, from a migration's report and the guest's write rate
+/// before it.
+const PERF_METRICS: &[Metric<(MigrationReport, f64)>] = &[
+    Metric {
+        name: "total migration time",
+        unit: "s",
+        better: Better::Lower,
+        get: |(r, _)| Some(r.total.as_secs_f64()),
+    },
+    Metric {
+        name: "downtime",
+        unit: "s",
+        better: Better::Lower,
+        get: |(r, _)| Some(r.downtime.as_secs_f64()),
+    },
+    Metric {
+        name: "rounds",
+        unit: "rounds",
+        better: Better::Lower,
+        get: |(r, _)| Some(r.rounds.len() as f64),
+    },
+    Metric {
+        name: "bandwidth",
+        unit: "bytes/s",
+        better: Better::Higher,
+        get: |(r, _)| Some(r.bandwidth()),
+    },
+    Metric {
+        name: "guest writes during migration",
+        unit: "writes/s",
+        better: Better::Higher,
+        get: |(r, _)| Some(r.write_rate()),
+    },
+];
 
 fn sweep(a: &MigratePerfArgs) -> crate::error::CliResult {
     let keys: Vec<VaryKey> = a.vary.iter().map(|(k, _)| *k).collect();
@@ -893,8 +955,8 @@ fn sweep(a: &MigratePerfArgs) -> crate::error::CliResult {
     let varied: Vec<&str> = keys.iter().map(|k| k.name()).collect();
     println!(
         "migrate-perf sweep: {} vCPU(s), {} guest memory, {}% filled; base settings {}, max downtime {} ms; varied: {}; one run per row, all in this process",
-        a.guest.vcpus,
-        format_size(a.guest.bytes * a.guest.vcpus as u64),
+        a.guest.work.vcpus,
+        format_size(a.guest.work.bytes * a.guest.work.vcpus as u64),
         a.guest.fill,
         a.guest.describe(),
         a.migration.max_downtime,
@@ -1040,8 +1102,8 @@ fn report_json(
     json!({
         "benchmark": "migrate",
         "config": {
-            "backend": g.backend.name(), "vcpus": g.vcpus, "bytes_per_vcpu": g.bytes,
-            "backing": g.backing.name(), "slots": g.slots, "overlap": g.overlap,
+            "backend": g.backend.name(), "vcpus": g.work.vcpus, "bytes_per_vcpu": g.work.bytes,
+            "backing": g.work.backing.name(), "slots": g.slots, "overlap": g.work.overlap,
             "random": g.random, "write_percent": g.write_percent, "seed": g.seed,
             "dirty_rate_per_vcpu": g.dirty_rate, "fill_percent": g.fill,
             "log": g.log.mode().name(), "fast_pf": g.machine.fast_pf.on(),

@@ -14,7 +14,7 @@
 //! - the stage figures count the logging switch before the stage (in-place recovery happens
 //!   there), and its time is printed on its own line.
 
-use crate::args::{backing, guest_size, MachineArgs, RebuildArg, RecoverArg, Switch};
+use crate::args::{backing, guest_size, MachineArgs, OutputArgs, RebuildArg, RecoverArg, Switch};
 use crate::args::{BackendArg, FormatArg};
 use crate::limits::GuestMemory;
 use crate::report::{format_header, quiet, ratio, ts, Phase};
@@ -70,14 +70,14 @@ pub struct PageTableTestArgs {
     /// freed afterwards). Only stage2 breaks before make; no effect with --format ept.
     #[arg(long = "rebuild", value_enum, default_value = "install-first")]
     pub rebuild: RebuildArg,
-    /// Run the seed-001 comparison in one process: the three stages for each of `--cmo
+    /// Run a comparison in one process: the three stages for each of `--cmo
     /// always|on-install` × `--rebuild break-first|install-first` (other flags as given), then
-    /// one table with the relative improvement of each patch. Needs --format stage2.
+    /// one table with the relative improvement of `--cmo on-install` and of `--rebuild
+    /// install-first`. Needs --format stage2.
     #[arg(long)]
     pub compare: bool,
-    /// Print one JSON document with every figure instead of the text report.
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub out: OutputArgs,
     #[command(flatten)]
     pub machine: MachineArgs,
 }
@@ -91,6 +91,7 @@ fn address(s: &str) -> Result<u64, String> {
 }
 
 /// One stage's figures.
+#[derive(Clone)]
 struct StageFigures {
     stage: Stage,
     time: Duration,
@@ -138,19 +139,51 @@ pub fn run(a: &PageTableTestArgs) -> crate::error::CliResult {
     } else {
         vec![base]
     };
-    let text = !a.json && !a.compare;
-    let mut runs = Vec::new();
-    for vm in &configs {
-        let r = match a.machine.format {
-            FormatArg::Ept => run_on::<slat::Ept>(a, *vm, text)?,
-            FormatArg::Stage2 => run_on::<slat::Stage2>(a, *vm, text)?,
-        };
-        runs.push((*vm, r));
+    if a.out.plot.is_some() {
+        return Err(crate::error::CliError::bad(
+            "--plot: page-table-test has no series to draw yet; drop --plot",
+        ));
     }
-    if a.compare && !a.json {
+    if a.compare && a.out.repeat > 1 {
+        return Err(crate::error::CliError::bad(
+            "--repeat with --compare: the comparison already runs every configuration; drop one of them",
+        ));
+    }
+    let text = !a.out.json && !a.compare;
+    let mut runs = Vec::new();
+    for n in 0..a.out.repeat {
+        if a.out.repeat > 1 && !quiet(a.out.json) {
+            eprintln!("[slat] run {}/{}", n + 1, a.out.repeat);
+        }
+        for vm in &configs {
+            let r = match a.machine.format {
+                FormatArg::Ept => run_on::<slat::Ept>(a, *vm, text)?,
+                FormatArg::Stage2 => run_on::<slat::Stage2>(a, *vm, text)?,
+            };
+            runs.push((*vm, r));
+        }
+    }
+    if a.out.repeat > 1 {
+        let typed: Vec<Run> = runs.iter().map(|(_, r)| r.clone()).collect();
+        let rep = crate::output::Repeated {
+            benchmark: "page-table-test",
+            repeat: typed.len(),
+            summary: METRICS
+                .iter()
+                .map(|m| crate::output::summarize(m, &typed))
+                .collect(),
+            runs: runs.iter().map(|(vm, r)| to_json(a, vm, r)).collect(),
+        };
+        if a.out.json {
+            return crate::output::print_json(&rep, &[]);
+        }
+        rep.print();
+        return Ok(());
+    }
+    if a.compare && !a.out.json {
         print_comparison(a, &runs);
     }
-    if a.json {
+    if a.out.json {
         let docs: Vec<_> = runs.iter().map(|(vm, r)| to_json(a, vm, r)).collect();
         if a.compare {
             let doc = json!({ "benchmark": "page-table-test", "compare": docs });
@@ -205,6 +238,7 @@ fn check(a: &PageTableTestArgs) -> Result<(), String> {
 }
 
 /// One configuration's run.
+#[derive(Clone)]
 struct Run {
     bytes: u64,
     large: u64,
@@ -322,7 +356,7 @@ fn vm_config(a: &PageTableTestArgs) -> VmConfig {
 }
 
 fn run_on<F: PteFormat>(a: &PageTableTestArgs, vm: VmConfig, text: bool) -> Result<Run, String> {
-    let q = quiet(a.json);
+    let q = quiet(a.out.json);
     let large = a.backing.page_size().max(PAGE_SIZE);
     let vcpus = a.vcpus as usize;
     // The machine gives each vCPU a partition; the test shares one region, so the partitions
@@ -517,3 +551,32 @@ fn to_json(a: &PageTableTestArgs, vm: &VmConfig, r: &Run) -> serde_json::Value {
         "stages": stages,
     })
 }
+
+fn stage_time(r: &Run, stage: Stage) -> Option<f64> {
+    r.stages
+        .iter()
+        .find(|f| f.stage == stage)
+        .map(|f| f.time.as_secs_f64())
+}
+
+/// The figures `--repeat` summarizes: each stage's time.
+const METRICS: &[crate::output::Metric<Run>] = &[
+    crate::output::Metric {
+        name: "create mappings",
+        unit: "s",
+        better: crate::output::Better::Lower,
+        get: |r| stage_time(r, Stage::CreateMappings),
+    },
+    crate::output::Metric {
+        name: "update mappings",
+        unit: "s",
+        better: crate::output::Better::Lower,
+        get: |r| stage_time(r, Stage::UpdateMappings),
+    },
+    crate::output::Metric {
+        name: "adjust mappings",
+        unit: "s",
+        better: crate::output::Better::Lower,
+        get: |r| stage_time(r, Stage::AdjustMappings),
+    },
+];

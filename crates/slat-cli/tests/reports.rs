@@ -296,7 +296,7 @@ fn comparison_and_sweep_json_match_their_schemas() {
 fn the_other_benchmarks_carry_the_envelope() {
     validate(
         "envelope.json",
-        &json(&["access-tracking-perf", "-b", "4M"]),
+        &json(&["access-tracking-perf", "-b", "4M", "--idle-check", "warn"]),
     );
     validate("envelope.json", &json(&["page-table-test", "-b", "4M"]));
     validate(
