@@ -14,7 +14,7 @@ use crate::args::{
 use crate::demand_paging::stats_json;
 use crate::error::CliError;
 use crate::limits::GuestMemory;
-use crate::output::{print_json, summarize, Better, Metric, Repeated};
+use crate::output::{print_json, summarize, Better, Metric, Repeated, VmSettings};
 use crate::report::{bbm_cmo_line, quiet, ratio, ts, Phase};
 use clap::{Args, ValueEnum};
 use serde_json::{json, Value};
@@ -561,18 +561,37 @@ fn summary(a: &AccessTrackingPerfArgs, r: &RunResult) {
     );
 }
 
+/// The run's settings, as the report records them.
+#[derive(serde::Serialize)]
+struct Config {
+    #[serde(flatten)]
+    vm: VmSettings,
+    vcpus: u32,
+    bytes_per_vcpu: u64,
+    backing: &'static str,
+    overlap: bool,
+    age_flush: bool,
+}
+
 fn run_json(a: &AccessTrackingPerfArgs, r: &RunResult) -> Value {
     json!({
         "benchmark": "access-tracking-perf",
         "backend": "sim",
         "format": a.machine.format.name(),
-        "config": {
-            "format": a.machine.format.name(), "cmo": a.machine.vm_config().cmo.name(),
-            "vcpus": r.vcpus, "bytes_per_vcpu": a.work.bytes, "backing": a.work.backing.name(),
-            "overlap": a.work.overlap, "ad_bits": a.machine.ad_bits.on(), "fast_pf": r.fast_pf,
-            "mmu_lock": a.machine.vm_config().mmu_lock.name(), "age_flush": a.age_flush.on(),
-            "tlb_entries": a.machine.tlb_entries, "pcpus": r.pcpus,
-            "prefault": !a.machine.no_prefault,
+        "config": Config {
+            vm: VmSettings::new(
+                BackendArg::Sim,
+                a.machine.format,
+                &machine_config(a, r.vcpus, r.fast_pf).vm,
+                a.machine.tlb_entries,
+                Some(r.pcpus),
+                !a.machine.no_prefault,
+            ),
+            vcpus: r.vcpus,
+            bytes_per_vcpu: a.work.bytes,
+            backing: a.work.backing.name(),
+            overlap: a.work.overlap,
+            age_flush: a.age_flush.on(),
         },
         "passes": r.passes.iter().map(Pass::json).collect::<Vec<_>>(),
         "mark_memory_idle": r.marks.iter().map(Mark::json).collect::<Vec<_>>(),

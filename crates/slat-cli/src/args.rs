@@ -470,8 +470,10 @@ pub struct OutputArgs {
     /// spread ((max - min) / median) of every headline figure, in text and JSON (1-1000).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000), default_value_t = 1)]
     pub repeat: u32,
-    /// Also draw the run's figures into an SVG file: per-iteration dirty and harvest times
-    /// (dirty-log-perf), one line per metric across the rows of a --vary sweep.
+    /// Also draw the run's figures into an SVG file. dirty-log-perf: the dirty, harvest and
+    /// native time of every iteration (the first run's, with --repeat or two backends), or
+    /// with --vary one line per time metric across the rows. Benchmarks with nothing to draw
+    /// refuse it.
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<std::path::PathBuf>,
 }

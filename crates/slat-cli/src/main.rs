@@ -10,6 +10,7 @@ mod error;
 mod host;
 mod limits;
 mod migrate;
+mod migrate_report;
 mod output;
 mod page_table_test;
 mod plot;

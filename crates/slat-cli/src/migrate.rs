@@ -7,11 +7,12 @@ use crate::args::{
     Workload,
 };
 use crate::limits::{check_backing, GuestMemory};
+use crate::migrate_report::{DestinationDoc, Migration};
 use crate::output::{print_json, summarize, Better, Metric, Repeated};
 use crate::plot::{draw_stacked, Chart, Series};
 use crate::report::{quiet, ts};
 use clap::{Args, ValueEnum};
-use serde_json::{json, Value};
+use serde_json::json;
 use slat_machine::ram::{format_size, parse_size, Backing};
 use slat_migrate::guest::{self, BackendKind, GuestSpec, LogMode, Memory};
 use slat_migrate::stream::{Compression, Shape, WorkSpec};
@@ -35,7 +36,7 @@ pub enum LogArg {
 }
 
 impl LogArg {
-    fn mode(self) -> LogMode {
+    pub fn mode(self) -> LogMode {
         match self {
             LogArg::Get => LogMode::Get,
             LogArg::Clear => LogMode::Clear,
@@ -634,7 +635,8 @@ pub fn run_migrate(a: &MigrateArgs) -> crate::error::CliResult {
         );
         match src.migrate(&a.to, &mut on_event(q)) {
             Ok(r) => {
-                let doc = report_json(&a.guest, &a.migration, &r, baseline, &failures);
+                let doc =
+                    Migration::new("migrate", &a.guest, &a.migration, &r, baseline, &failures);
                 if let Some(path) = &a.plot {
                     plot_convergence(&r, path)?;
                 }
@@ -736,7 +738,7 @@ pub fn run_listen(a: &ListenArgs) -> crate::error::CliResult {
         match dest.serve(s) {
             Ok(r) => {
                 if a.json {
-                    crate::output::print_json(&dest_json(&r), &[a.backend])?;
+                    crate::output::print_json(&DestinationDoc::new(&r), &[a.backend])?;
                 } else {
                     print_dest(&r);
                 }
@@ -813,9 +815,8 @@ pub fn run_perf(a: &MigratePerfArgs) -> crate::error::CliResult {
                 plot_convergence(&r, path)?;
             }
         }
-        let mut doc = report_json(&a.guest, &a.migration, &r, baseline, &[]);
-        doc["benchmark"] = json!("migrate-perf");
-        doc["destination"] = dest_json(&d);
+        let mut doc = Migration::new("migrate-perf", &a.guest, &a.migration, &r, baseline, &[]);
+        doc.destination = Some(DestinationDoc::new(&d));
         if !a.json {
             print_report(&a.guest, &a.migration, &r, baseline);
         }
@@ -931,8 +932,9 @@ fn sweep(a: &MigratePerfArgs) -> crate::error::CliResult {
                     format!("{:.0}/{:.0}", baseline, r.write_rate()),
                     "ok".to_string(),
                 ]);
-                let mut doc = report_json(&b.guest, &b.migration, &r, baseline, &[]);
-                doc["destination"] = dest_json(&d);
+                let mut doc =
+                    Migration::new("migrate-perf", &b.guest, &b.migration, &r, baseline, &[]);
+                doc.destination = Some(DestinationDoc::new(&d));
                 docs.push(json!({ "settings": label, "result": doc }));
             }
             Err(e) => {
@@ -1092,58 +1094,6 @@ fn print_report(g: &GuestArgs, m: &MigrationArgs, r: &MigrationReport, baseline:
     }
 }
 
-fn report_json(
-    g: &GuestArgs,
-    m: &MigrationArgs,
-    r: &MigrationReport,
-    baseline: f64,
-    failures: &[String],
-) -> Value {
-    json!({
-        "benchmark": "migrate",
-        "config": {
-            "backend": g.backend.name(), "vcpus": g.work.vcpus, "bytes_per_vcpu": g.work.bytes,
-            "backing": g.work.backing.name(), "slots": g.slots, "overlap": g.work.overlap,
-            "random": g.random, "write_percent": g.write_percent, "seed": g.seed,
-            "dirty_rate_per_vcpu": g.dirty_rate, "fill_percent": g.fill,
-            "log": g.log.mode().name(), "fast_pf": g.machine.fast_pf.on(),
-            "max_downtime_ms": m.max_downtime, "max_rounds": m.max_rounds,
-            "bandwidth_mib_per_s": m.bandwidth, "compress": m.compress == CompressArg::Lz4,
-            "auto_converge": m.auto_converge.on(),
-        },
-        "failed_attempts": failures,
-        "attempt": r.attempt,
-        "resumed": r.resumed,
-        "destination_backend": r.dest_backend,
-        "setup_s": r.setup.as_secs_f64(),
-        "total_s": r.total.as_secs_f64(),
-        "downtime_s": r.downtime.as_secs_f64(),
-        "final_harvest_s": r.final_harvest.as_secs_f64(),
-        "final_send_s": r.final_send.as_secs_f64(),
-        "verify_s": r.verify.as_secs_f64(),
-        "converged": r.converged,
-        "expected_final_transfer_s": r.expected_final.as_secs_f64(),
-        "rounds": r.rounds.iter().map(|x| json!({
-            "round": x.round, "pages": x.pages, "zero_pages": x.zero_pages, "bytes": x.bytes,
-            "time_s": x.time.as_secs_f64(), "dirtied": x.dirtied, "throttle_percent": x.throttle,
-            "stop_and_copy": x.stop_and_copy,
-        })).collect::<Vec<_>>(),
-        "pages": r.pages(),
-        "bytes": r.bytes(),
-        "bandwidth_bytes_per_s": r.bandwidth(),
-        "dirty_pages_per_s": r.dirty_rate(),
-        "guest_writes_per_s_before": baseline,
-        "guest_writes_per_s_during": r.write_rate(),
-        "throttle": {
-            "max_percent": r.throttle_max,
-            "changes": r.throttle_changes.iter().map(|(round, t)| json!({"after_round": round, "percent": t})).collect::<Vec<_>>(),
-            "vcpu_time_s": r.throttled.as_secs_f64(),
-        },
-        "verification": { "ok": true, "ranges": r.verify_ranges, "range_pages": r.range_pages },
-        "destination_resumed": r.dest_resumed.map(|(n, d)| json!({"pages_touched": n, "time_s": d.as_secs_f64()})),
-    })
-}
-
 fn print_dest(r: &DestReport) {
     let size = r
         .shape
@@ -1175,18 +1125,6 @@ fn print_dest(r: &DestReport) {
         r.run.0,
         ts(r.run.1)
     );
-}
-
-fn dest_json(r: &DestReport) -> Value {
-    json!({
-        "session": r.session, "attempt": r.attempt, "resumed": r.resumed,
-        "source_backend": r.source_backend, "backend": r.backend,
-        "pages": r.pages, "zero_pages": r.zero_pages, "bytes": r.bytes, "rounds": r.rounds,
-        "setup_s": r.setup.as_secs_f64(), "total_s": r.total.as_secs_f64(),
-        "verification": { "ok": r.verify.ok(), "ranges": r.verify.ranges, "range_pages": r.verify.range_pages, "mismatched": r.verify.mismatched },
-        "verify_time_s": r.verify_time.as_secs_f64(),
-        "run": { "pages_touched": r.run.0, "time_s": r.run.1.as_secs_f64() },
-    })
 }
 
 /// `--plot` of one migration: pages sent and pages dirtied meanwhile (owed to the next round)

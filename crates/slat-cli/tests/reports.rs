@@ -299,20 +299,20 @@ fn the_other_benchmarks_carry_the_envelope() {
         &json(&["access-tracking-perf", "-b", "4M", "--idle-check", "warn"]),
     );
     validate("envelope.json", &json(&["page-table-test", "-b", "4M"]));
-    validate(
-        "envelope.json",
-        &json(&[
-            "migrate-perf",
-            "-v",
-            "1",
-            "-b",
-            "4M",
-            "--warmup",
-            "20",
-            "--resume-ms",
-            "0",
-        ]),
-    );
+    let d = json(&[
+        "migrate-perf",
+        "-v",
+        "1",
+        "-b",
+        "4M",
+        "--warmup",
+        "20",
+        "--resume-ms",
+        "0",
+    ]);
+    validate("migrate.json", &d);
+    assert_eq!(d["benchmark"], "migrate-perf");
+    assert!(d["destination"]["verification"]["ok"].as_bool().unwrap());
 }
 
 fn summary<'a>(d: &'a Value, metric: &str) -> &'a Value {
@@ -459,4 +459,105 @@ fn plot_writes_a_sweep_and_a_migration() {
     for series in ["pages owed", "throttle"] {
         assert!(svg.contains(series), "{series} missing");
     }
+}
+
+#[test]
+fn repeat_works_on_the_other_benchmarks() {
+    let d = json(&[
+        "access-tracking-perf",
+        "-b",
+        "4M",
+        "--idle-check",
+        "warn",
+        "--repeat",
+        "2",
+    ]);
+    validate("repeated.json", &d);
+    assert_eq!(summary(&d, "writing to idle memory")["runs"], 2);
+    let d = json(&["page-table-test", "-b", "4M", "--repeat", "2"]);
+    validate("repeated.json", &d);
+    assert_eq!(summary(&d, "create mappings")["runs"], 2);
+    let d = json(&[
+        "migrate-perf",
+        "-v",
+        "1",
+        "-b",
+        "4M",
+        "--warmup",
+        "20",
+        "--resume-ms",
+        "0",
+        "--repeat",
+        "2",
+    ]);
+    validate("repeated.json", &d);
+    assert_eq!(summary(&d, "bandwidth")["better"], "higher");
+    let d = json(&[
+        "dirty-log-test",
+        "-b",
+        "4M",
+        "-i",
+        "2",
+        "-I",
+        "5",
+        "-M",
+        "dirty-log",
+        "--repeat",
+        "2",
+    ]);
+    validate("repeated.json", &d);
+    assert_eq!(summary(&d, "lost pages")["max"], 0.0);
+}
+
+#[test]
+fn repeat_and_plot_refuse_what_they_cannot_do() {
+    for args in [
+        vec![
+            "dirty-log-perf",
+            "-b",
+            "4M",
+            "--repeat",
+            "2",
+            "--vary",
+            "fast-pf=on,off",
+        ],
+        vec![
+            "dirty-log-perf",
+            "-b",
+            "4M",
+            "--repeat",
+            "2",
+            "--backend",
+            "sim,kvm",
+        ],
+        vec![
+            "migrate-perf",
+            "-b",
+            "4M",
+            "--repeat",
+            "2",
+            "--vary",
+            "log=get,clear",
+        ],
+        vec!["dirty-log-test", "-b", "4M", "--plot", "x.svg"],
+        vec!["dirty-log-perf", "-b", "4M", "--repeat", "0"],
+    ] {
+        let (code, out, err) = slat(&args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(out.is_empty(), "{args:?}: {out}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn an_unwritable_plot_is_a_runtime_failure() {
+    let (code, _, err) = slat(&[
+        "dirty-log-perf",
+        "-b",
+        "4M",
+        "--plot",
+        "/nonexistent-dir/x.svg",
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("plot"), "{err}");
 }
