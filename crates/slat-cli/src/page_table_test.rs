@@ -505,51 +505,90 @@ fn print_stage(f: &StageFigures, format: FormatArg) {
     println!();
 }
 
-fn to_json(a: &PageTableTestArgs, vm: &VmConfig, r: &Run) -> serde_json::Value {
-    let stages: Vec<_> = r
+/// One stage's figures, as the report records them.
+#[derive(serde::Serialize)]
+struct StageRow {
+    stage: &'static str,
+    time_s: f64,
+    native_time_s: f64,
+    ratio: f64,
+    logging_switch_time_s: Option<f64>,
+    faults: u64,
+    pf_fixed: u64,
+    pf_fast: u64,
+    pf_spurious: u64,
+    pf_retry: u64,
+    splits: u64,
+    rebuilds: u64,
+    remote_tlb_flushes: u64,
+    bbm_breaks: u64,
+    cache_cleans: u64,
+    cache_clean_bytes: u64,
+}
+
+/// One configuration's run, as its JSON document carries it (the settings at the top level,
+/// as the page-table test always had them).
+#[derive(serde::Serialize)]
+struct Report {
+    benchmark: &'static str,
+    backend: &'static str,
+    #[serde(flatten)]
+    vm: crate::output::VmSettings,
+    guest_mode: &'static str,
+    backing: &'static str,
+    granularity: u64,
+    bytes: u64,
+    gpa: u64,
+    vcpus: u32,
+    stages: Vec<StageRow>,
+}
+
+/// The report of one run, for JSON.
+fn to_json(a: &PageTableTestArgs, vm: &VmConfig, r: &Run) -> Report {
+    let stages = r
         .stages
         .iter()
         .map(|f| {
             let s = &f.stats;
-            json!({
-                "stage": f.stage.name(),
-                "time_s": f.time.as_secs_f64(),
-                "native_time_s": f.native.as_secs_f64(),
-                "ratio": ratio(f.time, f.native),
-                "logging_switch_time_s": f.logging_switch.map(|d| d.as_secs_f64()),
-                "faults": f.faults,
-                "pf_fixed": s.pf_fixed,
-                "pf_fast": s.pf_fast,
-                "pf_spurious": s.pf_spurious,
-                "pf_retry": s.pf_retry,
-                "splits": s.splits,
-                "rebuilds": s.recoveries,
-                "remote_tlb_flushes": s.remote_tlb_flush,
-                "bbm_breaks": s.bbm_breaks,
-                "cache_cleans": s.cache_cleans,
-                "cache_clean_bytes": s.cache_clean_bytes,
-            })
+            StageRow {
+                stage: f.stage.name(),
+                time_s: f.time.as_secs_f64(),
+                native_time_s: f.native.as_secs_f64(),
+                ratio: ratio(f.time, f.native),
+                logging_switch_time_s: f.logging_switch.map(|d| d.as_secs_f64()),
+                faults: f.faults,
+                pf_fixed: s.pf_fixed,
+                pf_fast: s.pf_fast,
+                pf_spurious: s.pf_spurious,
+                pf_retry: s.pf_retry,
+                splits: s.splits,
+                rebuilds: s.recoveries,
+                remote_tlb_flushes: s.remote_tlb_flush,
+                bbm_breaks: s.bbm_breaks,
+                cache_cleans: s.cache_cleans,
+                cache_clean_bytes: s.cache_clean_bytes,
+            }
         })
         .collect();
-    json!({
-        "benchmark": "page-table-test",
-        "backend": "sim",
-        "format": a.machine.format.name(),
-        "guest_mode": GUEST_MODES[a.mode],
-        "backing": a.backing.name(),
-        "granularity": r.large,
-        "bytes": r.bytes,
-        "gpa": r.gpa,
-        "vcpus": a.vcpus,
-        "cmo": vm.cmo.name(),
-        "rebuild": vm.rebuild.name(),
-        "eager_split": vm.eager_split,
-        "recover": vm.recover.name(),
-        "mmu_lock": vm.mmu_lock.name(),
-        "fast_pf": vm.fast_pf,
-        "ad_bits": vm.ad_bits,
-        "stages": stages,
-    })
+    Report {
+        benchmark: "page-table-test",
+        backend: "sim",
+        vm: crate::output::VmSettings::new(
+            crate::args::BackendArg::Sim,
+            a.machine.format,
+            vm,
+            a.machine.tlb_entries,
+            a.machine.pcpus,
+            !a.machine.no_prefault,
+        ),
+        guest_mode: GUEST_MODES[a.mode],
+        backing: a.backing.name(),
+        granularity: r.large,
+        bytes: r.bytes,
+        gpa: r.gpa,
+        vcpus: a.vcpus,
+        stages,
+    }
 }
 
 fn stage_time(r: &Run, stage: Stage) -> Option<f64> {
