@@ -83,6 +83,19 @@ fn main() {
             }
         }
     };
+    if !matches!(
+        cli.command,
+        Command::Migrate(_) | Command::MigrateListen(_) | Command::MigratePerf(_)
+    ) {
+        // Die of SIGPIPE like other command-line tools when stdout is a closed pipe (`slat ...
+        // | head`), instead of the panic `println!` raises on EPIPE. Not for the migration
+        // commands: their sockets must see EPIPE as an error, not kill the process.
+        // SAFETY: called before this process starts any thread; it only restores the default
+        // disposition of one signal.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let r = match &cli.command {
         Command::DemandPaging(a) => demand_paging::run(a),
         Command::DirtyLogPerf(a) => dirty_log_perf::run(a),
