@@ -458,3 +458,39 @@ pub fn print_table(head: &[String], rows: &[Vec<String>]) {
         line(r);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Serialize)]
+    struct R(Option<f64>);
+
+    const M: Metric<R> = Metric {
+        name: "x",
+        unit: "s",
+        better: Better::Lower,
+        get: |r| r.0,
+    };
+
+    #[test]
+    fn summary_of_odd_even_and_missing_runs() {
+        let s = summarize(&M, &[R(Some(3.0)), R(Some(1.0)), R(Some(2.0))]);
+        assert_eq!((s.median, s.min, s.max), (Some(2.0), Some(1.0), Some(3.0)));
+        assert_eq!(s.spread, Some(1.0));
+        let s = summarize(&M, &[R(Some(4.0)), R(None), R(Some(2.0))]);
+        assert_eq!((s.runs, s.median), (2, Some(3.0)));
+        let s = summarize(&M, &[R(None)]);
+        assert_eq!((s.runs, s.median, s.spread), (0, None, None));
+    }
+
+    #[test]
+    fn comparison_divides_first_by_second() {
+        let (a, b) = (R(Some(1.0)), R(Some(4.0)));
+        let c = Comparison::new("t", ["sim", "kvm"], &[M], [&a, &b]);
+        assert_eq!(c.comparison[0].ratio_first_over_second, Some(0.25));
+        let z = R(Some(0.0));
+        let c = Comparison::new("t", ["sim", "kvm"], &[M], [&a, &z]);
+        assert_eq!(c.comparison[0].ratio_first_over_second, None);
+    }
+}
