@@ -343,6 +343,36 @@ fn idle_verdict(
     }
 }
 
+/// One bitmap per marking thread: each vCPU's partition, or everything for vCPU 0 (-o).
+fn idle_bitmaps<F: PteFormat>(
+    a: &AccessTrackingPerfArgs,
+    vcpus: u32,
+    layout: &slat_machine::Layout,
+) -> Result<Vec<IdleBitmap>, String> {
+    let regions = if a.work.overlap { 1 } else { vcpus as usize };
+    (0..regions)
+        .map(|i| {
+            let (gpa, _, pages) = layout.region(i);
+            IdleBitmap::new::<F>(gpa >> PAGE_SHIFT, pages).map_err(|e| e.to_string())
+        })
+        .collect()
+}
+
+impl RunResult {
+    fn new(vcpus: u32, fast_pf: bool, pcpus: usize) -> RunResult {
+        RunResult {
+            vcpus,
+            fast_pf,
+            passes: Vec::new(),
+            marks: Vec::new(),
+            idle: Vec::new(),
+            stats: slat::Stats::default(),
+            pcpus,
+            warnings: Vec::new(),
+        }
+    }
+}
+
 fn run_format<F: PteFormat>(
     a: &AccessTrackingPerfArgs,
     vcpus: u32,
@@ -377,24 +407,8 @@ fn run_format<F: PteFormat>(
             layout.gpa + total
         );
     }
-    // One bitmap per marking thread: each vCPU's partition, or everything for vCPU 0 (-o).
-    let regions = if a.work.overlap { 1 } else { vcpus as usize };
-    let mut bitmaps = (0..regions)
-        .map(|i| {
-            let (gpa, _, pages) = layout.region(i);
-            IdleBitmap::new::<F>(gpa >> PAGE_SHIFT, pages).map_err(|e| e.to_string())
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let mut r = RunResult {
-        vcpus,
-        fast_pf,
-        passes: Vec::new(),
-        marks: Vec::new(),
-        idle: Vec::new(),
-        stats: slat::Stats::default(),
-        pcpus: m.pcpus(),
-        warnings: Vec::new(),
-    };
+    let mut bitmaps = idle_bitmaps::<F>(a, vcpus, &layout)?;
+    let mut r = RunResult::new(vcpus, fast_pf, m.pcpus());
     let write = PassParams {
         write_percent: 100,
         ..PassParams::default()
