@@ -9,16 +9,18 @@
 //! vCPU threads write page_idle for their own memory.
 
 use crate::args::{
-    backing, check_backends, guest_size, refuse, BackendArg, FormatArg, MachineArgs, Switch,
+    check_backends, BackendArg, FormatArg, MachineArgs, OutputArgs, Switch, Workload,
 };
 use crate::demand_paging::stats_json;
+use crate::error::CliError;
 use crate::limits::GuestMemory;
+use crate::output::{print_json, summarize, Better, Metric, Repeated, VmSettings};
 use crate::report::{bbm_cmo_line, quiet, ratio, ts, Phase};
 use clap::{Args, ValueEnum};
 use serde_json::{json, Value};
 use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::{AgeFlush, AgeReport, Ept, IdleBitmap, PteFormat, Stage2, Vm};
-use slat_machine::ram::{format_size, Backing, GuestRam};
+use slat_machine::ram::{format_size, GuestRam};
 use slat_machine::{native_baseline, Machine, MachineConfig, PassParams, PassReport};
 use std::time::{Duration, Instant};
 
@@ -48,20 +50,8 @@ off, so that every access to idle memory takes an access-tracking fault:
   slat access-tracking-perf --compare --ad-bits off
 runs fast PF on/off x -v 1/-v 2 in this one process and prints one table.")]
 pub struct AccessTrackingPerfArgs {
-    /// vCPUs, each a thread accessing its own partition of guest memory.
-    #[arg(short = 'v', value_parser = clap::value_parser!(u32).range(1..=512), default_value_t = 1)]
-    pub vcpus: u32,
-    /// Guest memory per vCPU: bytes with an optional k/m/g/t suffix (powers of 1024), a
-    /// multiple of 4 KiB.
-    #[arg(short = 'b', value_parser = guest_size, default_value = "1G")]
-    pub bytes: u64,
-    /// Overlap: every vCPU accesses all of guest memory (and vCPU 0's thread marks it idle).
-    #[arg(short = 'o')]
-    pub overlap: bool,
-    /// Host memory behind guest RAM: anonymous, anonymous_thp, anonymous_hugetlb (2 MiB),
-    /// anonymous_hugetlb_1gb, shmem.
-    #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
-    pub backing: Backing,
+    #[command(flatten)]
+    pub work: Workload,
     /// Flush TLBs when marking idle (clear_flush_young). Off, like page_idle's clear_young:
     /// accesses through translations the vCPUs cached before the marking go unseen.
     #[arg(long = "age-flush", value_enum, default_value = "off")]
@@ -69,7 +59,7 @@ pub struct AccessTrackingPerfArgs {
     /// What happens when more than 10% of the pages are still idle after an access pass.
     #[arg(long = "idle-check", value_enum, default_value = "fail")]
     pub idle_check: IdleCheck,
-    /// Run the seed-000 comparison instead of one configuration: fast page fault on and off,
+    /// Run a comparison instead of one configuration: fast page fault on and off,
     /// each with -v 1 and -v 2 (the given -b, -s, -o and --ad-bits), one table at the end.
     #[arg(long)]
     pub compare: bool,
@@ -78,9 +68,8 @@ pub struct AccessTrackingPerfArgs {
     /// when it is missing.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "sim")]
     pub backend: Vec<BackendArg>,
-    /// Print one JSON document with every figure instead of the text report.
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub out: OutputArgs,
     #[command(flatten)]
     pub machine: MachineArgs,
 }
@@ -167,46 +156,114 @@ impl RunResult {
 }
 
 /// Runs the benchmark.
-pub fn run(a: &AccessTrackingPerfArgs) -> Result<(), String> {
+pub fn run(a: &AccessTrackingPerfArgs) -> crate::error::CliResult {
     a.machine
         .format
         .check_backends(&a.backend)
-        .unwrap_or_else(|e| refuse(e));
-    check_backends(&a.backend, &[]).unwrap_or_else(|e| refuse(e));
+        .map_err(crate::error::CliError::bad)?;
+    check_backends(&a.backend, &[]).map_err(crate::error::CliError::bad)?;
     if a.backend.contains(&BackendArg::Kvm) {
         // KVM ages guest memory only through the host's page_idle interface (the selftest's
         // route), which slat does not drive: no host can run this, so it is bad input.
         const PAGE_IDLE: &str = "/sys/kernel/mm/page_idle/bitmap";
         if !std::path::Path::new(PAGE_IDLE).exists() {
-            refuse(format!(
+            return Err(crate::error::CliError::bad(format!(
                 "access-tracking-perf --backend kvm needs {PAGE_IDLE} (a kernel built with CONFIG_IDLE_PAGE_TRACKING), which this host lacks; use --backend sim"
-            ));
+            )));
         }
-        refuse(format!(
+        return Err(crate::error::CliError::bad(format!(
             "access-tracking-perf --backend kvm is not built yet (this host has {PAGE_IDLE}, but slat does not drive it); use --backend sim"
-        ));
+        )));
     }
-    check(a).unwrap_or_else(|e| refuse(e));
+    check(a).map_err(crate::error::CliError::bad)?;
     if a.compare {
         return compare(a);
     }
-    let r = run_one(a, a.vcpus, a.machine.fast_pf.on(), !a.json)?;
-    if a.json {
-        println!("{:#}", run_json(a, &r));
-    } else {
-        summary(a, &r);
+    if a.out.plot.is_some() {
+        return Err(CliError::bad(
+            "--plot: access-tracking-perf has no series to draw yet; drop --plot",
+        ));
+    }
+    let mut runs = Vec::new();
+    for n in 0..a.out.repeat {
+        if a.out.repeat > 1 && !quiet(a.out.json) {
+            eprintln!("[slat] run {}/{}", n + 1, a.out.repeat);
+        }
+        let r = run_one(a, a.work.vcpus, a.machine.fast_pf.on(), !a.out.json)?;
+        if !a.out.json {
+            summary(a, &r);
+        }
+        runs.push(r);
+    }
+    if a.out.repeat > 1 {
+        let rep = Repeated {
+            benchmark: "access-tracking-perf",
+            repeat: runs.len(),
+            summary: METRICS.iter().map(|m| summarize(m, &runs)).collect(),
+            runs: runs.iter().map(|r| run_json(a, r)).collect(),
+        };
+        if a.out.json {
+            return print_json(&rep, &a.backend);
+        }
+        rep.print();
+        return Ok(());
+    }
+    if a.out.json {
+        print_json(&run_json(a, &runs[0]), &a.backend)?;
     }
     Ok(())
 }
+
+fn pass_time(r: &RunResult, name: &str) -> Option<f64> {
+    r.pass(name).map(|p| p.guest.wall.as_secs_f64())
+}
+
+fn pass_ratio(r: &RunResult, name: &str) -> Option<f64> {
+    r.pass(name).map(|p| ratio(p.guest.wall, p.native.wall))
+}
+
+/// The headline figures `--repeat` summarizes.
+const METRICS: &[Metric<RunResult>] = &[
+    Metric {
+        name: "populating memory",
+        unit: "s",
+        better: Better::Lower,
+        get: |r| pass_time(r, "Populating memory"),
+    },
+    Metric {
+        name: "writing to idle memory",
+        unit: "s",
+        better: Better::Lower,
+        get: |r| pass_time(r, "Writing to idle memory"),
+    },
+    Metric {
+        name: "writing to idle memory guest/native",
+        unit: "x",
+        better: Better::Lower,
+        get: |r| pass_ratio(r, "Writing to idle memory"),
+    },
+    Metric {
+        name: "reading from idle memory",
+        unit: "s",
+        better: Better::Lower,
+        get: |r| pass_time(r, "Reading from idle memory"),
+    },
+    Metric {
+        name: "mark memory idle (first)",
+        unit: "s",
+        better: Better::Lower,
+        get: |r| r.marks.first().map(|m| m.time.as_secs_f64()),
+    },
+];
 
 /// Sizes the machine can hold: `-v` × `-b` without overflow (`--compare` runs up to 2 vCPUs),
 /// in the format's guest physical address space, on this host together with the native
 /// baseline (both are mapped at once).
 fn check(a: &AccessTrackingPerfArgs) -> Result<(), String> {
-    let vcpus = if a.compare { 2 } else { a.vcpus };
-    let mem = GuestMemory::per_vcpu(vcpus, a.bytes)?;
+    let vcpus = if a.compare { 2 } else { a.work.vcpus };
+    let mem = GuestMemory::per_vcpu(vcpus, a.work.bytes)?;
     mem.fits_gpa(&[BackendArg::Sim], a.machine.format, None)?;
-    mem.fits_host(a.backing, 2, a.machine.tlb_bytes(vcpus))
+    mem.fits_host(a.work.backing, 2, a.machine.tlb_bytes(vcpus))
 }
 
 fn flush_mode(a: &AccessTrackingPerfArgs) -> AgeFlush {
@@ -231,42 +288,113 @@ fn run_one(
     }
 }
 
+/// The simulated machine for one configuration.
+fn machine_config(a: &AccessTrackingPerfArgs, vcpus: u32, fast_pf: bool) -> MachineConfig {
+    let mut vm = a.machine.vm_config();
+    vm.fast_pf = fast_pf;
+    MachineConfig {
+        vm,
+        backing: a.work.backing,
+        vcpus: vcpus as usize,
+        bytes_per_vcpu: a.work.bytes,
+        slots: 1,
+        overlap: a.work.overlap,
+        tlb_entries: a.machine.tlb_entries,
+        pcpus: a.machine.pcpus.unwrap_or(0),
+        prefault: !a.machine.no_prefault,
+        dirty: Default::default(),
+        gpa: None,
+    }
+}
+
+/// Whether too many pages stayed idle after an access pass: an error under `--idle-check
+/// fail`, a warning recorded in `r` under `warn`.
+fn idle_verdict(
+    a: &AccessTrackingPerfArgs,
+    quiet: bool,
+    idle: &IdleAfter,
+    r: &mut RunResult,
+) -> Result<(), String> {
+    let f = idle.fraction();
+    if f < MAX_STILL_IDLE {
+        return Ok(());
+    }
+    let tlb = a.machine.tlb_entries;
+    let msg = format!(
+        "{} of {} pages ({:.1}%) are still idle after `{}`; at most {:.0}% may be. \
+         With --age-flush off (clear_young, like page_idle) accesses through TLB entries cached \
+         before the marking are not seen, and each vCPU's TLB holds {tlb} 4 KiB, 32 2 MiB and 4 1 GiB \
+         translations: use more memory (-b), --age-flush on, or --idle-check warn",
+        idle.still_idle,
+        idle.pages,
+        100.0 * f,
+        idle.pass,
+        100.0 * MAX_STILL_IDLE,
+    );
+    match a.idle_check {
+        IdleCheck::Fail => Err(msg),
+        IdleCheck::Warn => {
+            if !quiet {
+                eprintln!("slat: warning: {msg}");
+            }
+            r.warnings.push(msg);
+            Ok(())
+        }
+    }
+}
+
+/// One bitmap per marking thread: each vCPU's partition, or everything for vCPU 0 (-o).
+fn idle_bitmaps<F: PteFormat>(
+    a: &AccessTrackingPerfArgs,
+    vcpus: u32,
+    layout: &slat_machine::Layout,
+) -> Result<Vec<IdleBitmap>, String> {
+    let regions = if a.work.overlap { 1 } else { vcpus as usize };
+    (0..regions)
+        .map(|i| {
+            let (gpa, _, pages) = layout.region(i);
+            IdleBitmap::new::<F>(gpa >> PAGE_SHIFT, pages).map_err(|e| e.to_string())
+        })
+        .collect()
+}
+
+impl RunResult {
+    fn new(vcpus: u32, fast_pf: bool, pcpus: usize) -> RunResult {
+        RunResult {
+            vcpus,
+            fast_pf,
+            passes: Vec::new(),
+            marks: Vec::new(),
+            idle: Vec::new(),
+            stats: slat::Stats::default(),
+            pcpus,
+            warnings: Vec::new(),
+        }
+    }
+}
+
 fn run_format<F: PteFormat>(
     a: &AccessTrackingPerfArgs,
     vcpus: u32,
     fast_pf: bool,
     text: bool,
 ) -> Result<RunResult, String> {
-    let q = quiet(a.json);
-    let prefault = !a.machine.no_prefault;
-    let mut vm_cfg = a.machine.vm_config();
-    vm_cfg.fast_pf = fast_pf;
-    let cfg = MachineConfig {
-        vm: vm_cfg,
-        backing: a.backing,
-        vcpus: vcpus as usize,
-        bytes_per_vcpu: a.bytes,
-        slots: 1,
-        overlap: a.overlap,
-        tlb_entries: a.machine.tlb_entries,
-        pcpus: a.machine.pcpus.unwrap_or(0),
-        prefault,
-        dirty: Default::default(),
-        gpa: None,
-    };
-    let total = a.bytes * vcpus as u64;
+    let q = quiet(a.out.json);
+    let cfg = machine_config(a, vcpus, fast_pf);
+    let (vm_cfg, prefault) = (cfg.vm, cfg.prefault);
+    let total = a.work.bytes * vcpus as u64;
     let p = Phase::start(
         format!(
             "mapping {} of {} guest RAM ({}) and as much host memory for the native baseline",
             format_size(total),
-            a.backing,
+            a.work.backing,
             a.machine.format.name()
         ),
         q,
     );
     let m = Machine::<F>::new(cfg).map_err(|e| e.to_string())?;
-    let psize = a.backing.page_size().max(PAGE_SIZE);
-    let native_ram = GuestRam::new(a.backing, total.div_ceil(psize) * psize, prefault)
+    let psize = a.work.backing.page_size().max(PAGE_SIZE);
+    let native_ram = GuestRam::new(a.work.backing, total.div_ceil(psize) * psize, prefault)
         .map_err(|e| e.to_string())?;
     p.done();
     let layout = m.layout();
@@ -279,24 +407,8 @@ fn run_format<F: PteFormat>(
             layout.gpa + total
         );
     }
-    // One bitmap per marking thread: each vCPU's partition, or everything for vCPU 0 (-o).
-    let regions = if a.overlap { 1 } else { vcpus as usize };
-    let mut bitmaps = (0..regions)
-        .map(|i| {
-            let (gpa, _, pages) = layout.region(i);
-            IdleBitmap::new::<F>(gpa >> PAGE_SHIFT, pages).map_err(|e| e.to_string())
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let mut r = RunResult {
-        vcpus,
-        fast_pf,
-        passes: Vec::new(),
-        marks: Vec::new(),
-        idle: Vec::new(),
-        stats: slat::Stats::default(),
-        pcpus: m.pcpus(),
-        warnings: Vec::new(),
-    };
+    let mut bitmaps = idle_bitmaps::<F>(a, vcpus, &layout)?;
+    let mut r = RunResult::new(vcpus, fast_pf, m.pcpus());
     let write = PassParams {
         write_percent: 100,
         ..PassParams::default()
@@ -350,30 +462,9 @@ fn run_format<F: PteFormat>(
                 100.0 * idle.fraction()
             );
         }
-        let f = idle.fraction();
+        let verdict = idle_verdict(a, q, &idle, r);
         r.idle.push(idle);
-        if f < MAX_STILL_IDLE {
-            return Ok(());
-        }
-        let tlb = a.machine.tlb_entries;
-        let msg = format!(
-            "{still_idle} of {pages} pages ({:.1}%) are still idle after `{name}`; at most {:.0}% may be. \
-             With --age-flush off (clear_young, like page_idle) accesses through TLB entries cached \
-             before the marking are not seen, and each vCPU's TLB holds {tlb} 4 KiB, 32 2 MiB and 4 1 GiB \
-             translations: use more memory (-b), --age-flush on, or --idle-check warn",
-            100.0 * f,
-            100.0 * MAX_STILL_IDLE,
-        );
-        match a.idle_check {
-            IdleCheck::Fail => Err(msg),
-            IdleCheck::Warn => {
-                if !q {
-                    eprintln!("slat: warning: {msg}");
-                }
-                r.warnings.push(msg);
-                Ok(())
-            }
-        }
+        verdict
     };
 
     access("Populating memory", write, &mut r)?;
@@ -475,7 +566,7 @@ fn summary(a: &AccessTrackingPerfArgs, r: &RunResult) {
         "Machine: {} vCPU(s) on {} physical CPU(s); {}, format {}, mmu lock {}, A/D bits {}, fast page fault {}, marking with {}",
         r.vcpus,
         r.pcpus,
-        a.backing,
+        a.work.backing,
         a.machine.format.name(),
         a.machine.vm_config().mmu_lock.name(),
         on_off(a.machine.ad_bits.on()),
@@ -484,18 +575,37 @@ fn summary(a: &AccessTrackingPerfArgs, r: &RunResult) {
     );
 }
 
+/// The run's settings, as the report records them.
+#[derive(serde::Serialize)]
+struct Config {
+    #[serde(flatten)]
+    vm: VmSettings,
+    vcpus: u32,
+    bytes_per_vcpu: u64,
+    backing: &'static str,
+    overlap: bool,
+    age_flush: bool,
+}
+
 fn run_json(a: &AccessTrackingPerfArgs, r: &RunResult) -> Value {
     json!({
         "benchmark": "access-tracking-perf",
         "backend": "sim",
         "format": a.machine.format.name(),
-        "config": {
-            "format": a.machine.format.name(), "cmo": a.machine.vm_config().cmo.name(),
-            "vcpus": r.vcpus, "bytes_per_vcpu": a.bytes, "backing": a.backing.name(),
-            "overlap": a.overlap, "ad_bits": a.machine.ad_bits.on(), "fast_pf": r.fast_pf,
-            "mmu_lock": a.machine.vm_config().mmu_lock.name(), "age_flush": a.age_flush.on(),
-            "tlb_entries": a.machine.tlb_entries, "pcpus": r.pcpus,
-            "prefault": !a.machine.no_prefault,
+        "config": Config {
+            vm: VmSettings::new(
+                BackendArg::Sim,
+                a.machine.format,
+                &machine_config(a, r.vcpus, r.fast_pf).vm,
+                a.machine.tlb_entries,
+                Some(r.pcpus),
+                !a.machine.no_prefault,
+            ),
+            vcpus: r.vcpus,
+            bytes_per_vcpu: a.work.bytes,
+            backing: a.work.backing.name(),
+            overlap: a.work.overlap,
+            age_flush: a.age_flush.on(),
         },
         "passes": r.passes.iter().map(Pass::json).collect::<Vec<_>>(),
         "mark_memory_idle": r.marks.iter().map(Mark::json).collect::<Vec<_>>(),
@@ -509,8 +619,8 @@ fn run_json(a: &AccessTrackingPerfArgs, r: &RunResult) -> Value {
 }
 
 /// Seed 000's table from one process: fast PF on/off × -v 1/-v 2.
-fn compare(a: &AccessTrackingPerfArgs) -> Result<(), String> {
-    let q = quiet(a.json);
+fn compare(a: &AccessTrackingPerfArgs) -> crate::error::CliResult {
+    let q = quiet(a.out.json);
     let mut runs = Vec::new();
     for vcpus in [1u32, 2] {
         for fast_pf in [true, false] {
@@ -522,26 +632,25 @@ fn compare(a: &AccessTrackingPerfArgs) -> Result<(), String> {
             p.done();
         }
     }
-    if a.json {
+    if a.out.json {
         let doc = json!({
             "benchmark": "access-tracking-perf",
             "compare": runs.iter().map(|r| run_json(a, r)).collect::<Vec<_>>(),
         });
-        println!("{doc:#}");
-        return Ok(());
+        return crate::output::print_json(&doc, &a.backend);
     }
     println!(
         "access-tracking-perf --compare: --format {}, -b {} per vCPU, {}{}, A/D bits {}, marking with {}",
         a.machine.format.name(),
-        format_size(a.bytes),
-        a.backing,
-        if a.overlap { ", -o" } else { "" },
+        format_size(a.work.bytes),
+        a.work.backing,
+        if a.work.overlap { ", -o" } else { "" },
         on_off(a.machine.ad_bits.on()),
         flush_mode(a).name()
     );
     if a.machine.ad_bits.on() {
         println!(
-            "(A/D bits on: idle memory takes no faults, so fast PF hardly matters; seed 000 measured --ad-bits off)"
+            "(A/D bits on: idle memory takes no faults, so fast PF hardly matters; compare with --ad-bits off to see it)"
         );
     }
     println!();

@@ -66,13 +66,6 @@ pub enum LockArg {
     Mutex,
 }
 
-/// Refuses a combination of flags: one line on stderr, exit status 2 (as clap does for a bad
-/// flag). Called before anything is built or run.
-pub fn refuse(msg: impl std::fmt::Display) -> ! {
-    eprintln!("slat: {msg}");
-    std::process::exit(2)
-}
-
 /// The second-stage page-table format of a simulated VM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum FormatArg {
@@ -166,10 +159,10 @@ impl FormatArg {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum CmoArg {
     /// Every translation fault cleans the range it would map first, even if another vCPU
-    /// mapped it meanwhile (KVM arm64 before seed 001 patch 1).
+    /// mapped it meanwhile (what KVM arm64 did before cleaning moved to the installing fault).
     Always,
     /// Only the fault that installs the leaf cleans it, inside the break-before-make window
-    /// (seed 001 patch 1).
+    /// (a fault that finds the range already mapped does no cache maintenance).
     OnInstall,
 }
 
@@ -177,10 +170,11 @@ pub enum CmoArg {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum RebuildArg {
     /// Invalidate, flush, free the old sub-tables, then install the block: the entry is
-    /// invalid for the whole teardown (KVM arm64 before seed 001 patch 2).
+    /// invalid for the whole teardown, and vCPUs touching it fault meanwhile (what KVM arm64
+    /// did before reordering the rebuild).
     BreakFirst,
     /// Invalidate, flush, install the block, then free the sub-tables: the entry is invalid
-    /// only across the flush (seed 001 patch 2).
+    /// only across the flush.
     InstallFirst,
 }
 
@@ -250,7 +244,8 @@ impl MachineArgs {
 pub enum GetLogArg {
     /// One atomic exchange per non-zero bitmap word (KVM today).
     Xchg,
-    /// Switch to a second bitmap, then read the old one without atomics (seed 004).
+    /// Switch to a second bitmap, then read the old one without atomics (a proposed
+    /// optimization of KVM's GET_DIRTY_LOG).
     Switch,
 }
 
@@ -282,7 +277,7 @@ pub enum TrackArg {
 #[derive(Debug, Clone, Args)]
 pub struct DirtyArgs {
     /// How GET_DIRTY_LOG snapshots the bitmap when it clears it (with `-g`): per-word `xchg`,
-    /// or the two-bitmap `switch` of seed 004.
+    /// or `switch` (swap in a second bitmap, then read the old one without atomics).
     #[arg(long = "get-dirty-log", value_enum, default_value = "xchg")]
     pub get_log: GetLogArg,
     /// Split huge leaves when logging is enabled (off: split lazily at the first write).
@@ -462,4 +457,43 @@ pub fn ring_size(s: &str) -> Result<u32, String> {
         ));
     }
     Ok(v)
+}
+
+/// How a benchmark's results are reported: shared by every benchmark subcommand.
+#[derive(Debug, Clone, Args)]
+pub struct OutputArgs {
+    /// Print one JSON document with every figure instead of the text report (with the schema
+    /// version, the slat version and the host facts the numbers depend on).
+    #[arg(long)]
+    pub json: bool,
+    /// Run the benchmark N times in this process and add the median, minimum, maximum and
+    /// spread ((max - min) / median) of every headline figure, in text and JSON (1-1000).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000), default_value_t = 1)]
+    pub repeat: u32,
+    /// Also draw the run's figures into an SVG file. dirty-log-perf: the dirty, harvest and
+    /// native time of every iteration (the first run's, with --repeat or two backends), or
+    /// with --vary one line per time metric across the rows. Benchmarks with nothing to draw
+    /// refuse it.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<std::path::PathBuf>,
+}
+
+/// The guest and its memory: flags shared by every benchmark that runs vCPUs over a
+/// partitioned guest memory (page-table-test has its own: there all vCPUs share one region).
+#[derive(Debug, Clone, Args)]
+pub struct Workload {
+    /// vCPUs, each a thread working on its own partition of guest memory (all of it with -o).
+    #[arg(short = 'v', value_parser = clap::value_parser!(u32).range(1..=512), default_value_t = 1)]
+    pub vcpus: u32,
+    /// Guest memory per vCPU: bytes with an optional k/m/g/t suffix (powers of 1024), a
+    /// multiple of 4 KiB.
+    #[arg(short = 'b', value_parser = guest_size, default_value = "1G")]
+    pub bytes: u64,
+    /// Host memory behind guest RAM: anonymous, anonymous_thp, anonymous_hugetlb (2 MiB pages),
+    /// anonymous_hugetlb_1gb, shmem.
+    #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
+    pub backing: Backing,
+    /// Overlap: every vCPU works on all of guest memory instead of its own partition.
+    #[arg(short = 'o')]
+    pub overlap: bool,
 }

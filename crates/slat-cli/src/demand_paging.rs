@@ -2,59 +2,180 @@
 //! over all guest memory, every page faulted in through the engine — and, in the same run, the
 //! same pattern on host memory as the native baseline.
 
-use crate::args::{backing, check_backends, guest_size, refuse, BackendArg, MachineArgs};
-use crate::backend::{self, comparison_json, kvm_stats_line, print_comparison, Native, Row, Spec};
+use crate::args::{check_backends, BackendArg, MachineArgs, OutputArgs, Workload};
+use crate::backend::{self, kvm_stats_line, Native, Spec};
+use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
-use crate::report::{
-    bbm_cmo_line, format_header, format_json, quiet, ratio, sim_format, ts, Phase,
-};
+use crate::output::{print_json, secs, Better, Comparison, Metric, Repeated, VmSettings};
+use crate::report::{bbm_cmo_line, format_header, quiet, ratio, sim_format, ts, Phase};
 use clap::Args;
+use serde::Serialize;
 use serde_json::json;
-use slat_machine::ram::{format_size, Backing};
+use slat_machine::ram::format_size;
 use slat_machine::PassParams;
+use std::time::Duration;
 
 /// Flags of `slat demand-paging`.
 #[derive(Debug, Args)]
 pub struct DemandPagingArgs {
-    /// vCPUs, each a thread touching its own partition of guest memory.
-    #[arg(short = 'v', value_parser = clap::value_parser!(u32).range(1..=512), default_value_t = 1)]
-    pub vcpus: u32,
-    /// Guest memory per vCPU: bytes with an optional k/m/g/t suffix (powers of 1024), a
-    /// multiple of 4 KiB.
-    #[arg(short = 'b', value_parser = guest_size, default_value = "1G")]
-    pub bytes: u64,
-    /// Host memory behind guest RAM: anonymous, anonymous_thp, anonymous_hugetlb (2 MiB),
-    /// anonymous_hugetlb_1gb, shmem.
-    #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
-    pub backing: Backing,
-    /// Overlap: every vCPU touches all of guest memory instead of its own partition.
-    #[arg(short = 'o')]
-    pub overlap: bool,
+    #[command(flatten)]
+    pub work: Workload,
     /// The machine(s) to run on: `sim`, `kvm` (the host's /dev/kvm), or `sim,kvm` to run both
     /// in this process and print one table comparing them.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "sim")]
     pub backend: Vec<BackendArg>,
-    /// Print one JSON document with every figure instead of the text report.
-    #[arg(long)]
-    pub json: bool,
     #[command(flatten)]
     pub machine: MachineArgs,
+    #[command(flatten)]
+    pub out: OutputArgs,
 }
 
+const NAME: &str = "demand-paging";
+
+/// The run's settings, as the report records them.
+#[derive(Debug, Clone, Serialize)]
+pub struct Config {
+    /// Engine and machine settings.
+    #[serde(flatten)]
+    pub vm: VmSettings,
+    /// `-v`.
+    pub vcpus: u32,
+    /// `-b`.
+    pub bytes_per_vcpu: u64,
+    /// `-s`.
+    pub backing: &'static str,
+    /// `-o`.
+    pub overlap: bool,
+}
+
+/// The native baseline's figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct NativeFigures {
+    /// The same pattern by host threads on host memory.
+    #[serde(rename = "total_time_s", serialize_with = "secs")]
+    pub total: Duration,
+    /// Its rate over every thread.
+    #[serde(rename = "overall_rate_pgs_per_s")]
+    pub overall_rate: f64,
+}
+
+/// Everything one run of demand-paging measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// `demand-paging`.
+    pub benchmark: &'static str,
+    /// `sim` or `kvm`.
+    pub backend: &'static str,
+    /// The page-table format (`null` on kvm).
+    pub format: Option<&'static str>,
+    /// The settings.
+    pub config: Config,
+    /// The first-touch pass, all vCPUs.
+    #[serde(rename = "total_guest_execution_time_s", serialize_with = "secs")]
+    pub total: Duration,
+    /// Pages per second per vCPU.
+    #[serde(rename = "per_vcpu_demand_paging_rate_pgs_per_s")]
+    pub per_vcpu_rate: f64,
+    /// Pages per second over every vCPU.
+    #[serde(rename = "overall_demand_paging_rate_pgs_per_s")]
+    pub overall_rate: f64,
+    /// Nanoseconds per page per vCPU.
+    pub ns_per_page_per_vcpu: f64,
+    /// Each vCPU's pass time.
+    pub per_vcpu_time_s: Vec<f64>,
+    /// The native baseline.
+    pub native: NativeFigures,
+    /// total / native total.
+    pub ratio_guest_over_native: f64,
+    /// The machine's counters.
+    pub stats: serde_json::Value,
+    /// The lines describing the machine after the selftest's.
+    #[serde(skip)]
+    pub machine_lines: Vec<String>,
+    /// The header line naming the page-table format.
+    #[serde(skip)]
+    pub format_header: String,
+    /// Start of guest test memory.
+    #[serde(skip)]
+    pub gpa: u64,
+}
+
+/// The headline figures.
+const METRICS: &[Metric<Report>] = &[
+    Metric {
+        name: "total guest execution time",
+        unit: "s",
+        better: Better::Lower,
+        get: |r| Some(r.total.as_secs_f64()),
+    },
+    Metric {
+        name: "native execution time",
+        unit: "s",
+        better: Better::Lower,
+        get: |r| Some(r.native.total.as_secs_f64()),
+    },
+    Metric {
+        name: "overall demand paging rate",
+        unit: "pgs/s",
+        better: Better::Higher,
+        get: |r| Some(r.overall_rate),
+    },
+    Metric {
+        name: "ns per page per vCPU",
+        unit: "ns",
+        better: Better::Lower,
+        get: |r| Some(r.ns_per_page_per_vcpu),
+    },
+    Metric {
+        name: "guest/native",
+        unit: "x",
+        better: Better::Lower,
+        get: |r| Some(r.ratio_guest_over_native),
+    },
+];
+
 /// Runs the benchmark (on each machine `--backend` lists).
-pub fn run(a: &DemandPagingArgs) -> Result<(), String> {
+pub fn run(a: &DemandPagingArgs) -> CliResult {
     a.machine
         .format
         .check_backends(&a.backend)
-        .unwrap_or_else(|e| refuse(e));
-    check_backends(&a.backend, &a.machine.engine_only()).unwrap_or_else(|e| refuse(e));
-    check(a).unwrap_or_else(|e| refuse(e));
+        .map_err(CliError::bad)?;
+    check_backends(&a.backend, &a.machine.engine_only()).map_err(CliError::bad)?;
+    check(a).map_err(CliError::bad)?;
+    if a.out.plot.is_some() {
+        return Err(CliError::bad(
+            "--plot: demand-paging measures one pass, there is no series to draw; drop --plot",
+        ));
+    }
     if let [first, second] = a.backend[..] {
+        if a.out.repeat > 1 {
+            return Err(CliError::bad(
+                "--repeat runs one machine: drop it, or give one --backend",
+            ));
+        }
         return side_by_side(a, [first, second]);
     }
-    let doc = measure(a, a.backend[0], !a.json)?;
-    if a.json {
-        println!("{doc:#}");
+    let mut runs = Vec::new();
+    for n in 0..a.out.repeat {
+        if a.out.repeat > 1 && !quiet(a.out.json) {
+            eprintln!("[slat] run {}/{}", n + 1, a.out.repeat);
+        }
+        let r = measure(a, a.backend[0])?;
+        if !a.out.json {
+            print_text(&r);
+        }
+        runs.push(r);
+    }
+    if a.out.repeat > 1 {
+        let rep = Repeated::new(NAME, METRICS, runs);
+        if a.out.json {
+            return print_json(&rep, &a.backend);
+        }
+        rep.print();
+        return Ok(());
+    }
+    if a.out.json {
+        print_json(&runs[0], &a.backend)?;
     }
     Ok(())
 }
@@ -62,43 +183,41 @@ pub fn run(a: &DemandPagingArgs) -> Result<(), String> {
 /// Sizes the machines can hold: `-v` × `-b` without overflow, in the guest physical address
 /// space of each machine, on this host (the guest, then the native baseline, one at a time).
 fn check(a: &DemandPagingArgs) -> Result<(), String> {
-    check_backing(&a.backend, a.backing)?;
-    let mem = GuestMemory::per_vcpu(a.vcpus, a.bytes)?;
+    check_backing(&a.backend, a.work.backing)?;
+    let mem = GuestMemory::per_vcpu(a.work.vcpus, a.work.bytes)?;
     mem.fits_gpa(&a.backend, a.machine.format, None)?;
-    mem.fits_host(a.backing, 1, a.machine.tlb_bytes(a.vcpus))
+    mem.fits_host(a.work.backing, 1, a.machine.tlb_bytes(a.work.vcpus))
 }
 
-/// One run on `kind`; prints the text report when `text`, and returns every figure as JSON.
-fn measure(
-    a: &DemandPagingArgs,
-    kind: BackendArg,
-    text: bool,
-) -> Result<serde_json::Value, String> {
-    let q = quiet(a.json);
-    let prefault = !a.machine.no_prefault;
-    let cfg = Spec {
+fn spec(a: &DemandPagingArgs) -> Spec {
+    Spec {
         format: a.machine.format,
         vm: a.machine.vm_config(),
-        backing: a.backing,
-        vcpus: a.vcpus as usize,
-        bytes_per_vcpu: a.bytes,
+        backing: a.work.backing,
+        vcpus: a.work.vcpus as usize,
+        bytes_per_vcpu: a.work.bytes,
         slots: 1,
-        overlap: a.overlap,
+        overlap: a.work.overlap,
         tlb_entries: a.machine.tlb_entries,
         pcpus: a.machine.pcpus.unwrap_or(0),
-        prefault,
+        prefault: !a.machine.no_prefault,
         manual_protect: false,
         ring_entries: 0,
-    };
-    let total = a.bytes * a.vcpus as u64;
+    }
+}
+
+/// One run on `kind`: the guest's first-touch pass, then the native baseline.
+fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
+    let q = quiet(a.out.json);
+    let cfg = spec(a);
     let p = Phase::start(
         format!(
             "{}{}: mapping {} of {} guest RAM{}",
             kind.name(),
             sim_format(kind, a.machine.format),
-            format_size(total),
-            a.backing,
-            if prefault {
+            format_size(a.work.bytes * a.work.vcpus as u64),
+            a.work.backing,
+            if cfg.prefault {
                 " (pre-faulting host pages)"
             } else {
                 ""
@@ -109,97 +228,85 @@ fn measure(
     let m = backend::create(kind, &cfg)?;
     p.done();
     let layout = m.layout();
-    if text {
-        println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
-        println!("{}", format_header(kind, a.machine.format, &cfg.vm));
-        println!(
-            "guest physical test memory: [0x{:x}, 0x{:x})",
-            layout.gpa,
-            layout.gpa + total
-        );
-        println!("Finished creating vCPUs and starting uffd threads");
-        println!("Started all vCPUs");
-    }
     let params = PassParams::default();
-    let p = Phase::start(format!("first-touch pass on {} vCPU(s)", a.vcpus), q);
+    let p = Phase::start(format!("first-touch pass on {} vCPU(s)", a.work.vcpus), q);
     let guest = m.run_pass(params)?;
     p.done();
-    let stats_doc = m.stats();
+    let stats = m.stats();
     let sim = m.sim().map(|s| (s.engine_stats(), s.pcpus()));
-    let pcpus = sim.as_ref().map(|(_, p)| *p);
     drop(m);
 
     let p = Phase::start("native baseline: same pattern on host memory", q);
-    let native_ram = Native::new(kind, layout, a.backing, prefault)?;
+    let native_ram = Native::new(kind, layout, a.work.backing, cfg.prefault)?;
     let native = native_ram.run(params)?;
     drop(native_ram);
     p.done();
 
-    let secs = guest.wall.as_secs_f64();
-    let pages0 = guest.vcpus[0].pages;
-    let per_vcpu = pages0 as f64 / secs;
-    let overall = per_vcpu * a.vcpus as f64;
-    let native_secs = native.wall.as_secs_f64();
-    let native_overall = native.vcpus[0].pages as f64 / native_secs * a.vcpus as f64;
+    let per_vcpu = guest.vcpus[0].pages as f64 / guest.wall.as_secs_f64();
+    let native_overall =
+        native.vcpus[0].pages as f64 / native.wall.as_secs_f64() * a.work.vcpus as f64;
     let touched: u64 = guest.vcpus.iter().map(|v| v.pages).sum();
-    let ns_per_page = guest.wall.as_nanos() as f64 / (touched as f64 / a.vcpus as f64);
-    let r = ratio(guest.wall, native.wall);
-    let doc = json!({
-        "benchmark": "demand-paging",
-        "backend": kind.name(),
-        "format": format_json(kind, a.machine.format),
-        "config": {
-            "vcpus": a.vcpus, "bytes_per_vcpu": a.bytes, "backing": a.backing.name(),
-            "overlap": a.overlap, "prefault": prefault, "mmu_lock": cfg.vm.mmu_lock.name(),
-            "fast_pf": cfg.vm.fast_pf, "ad_bits": cfg.vm.ad_bits,
-            "format": format_json(kind, a.machine.format), "cmo": cfg.vm.cmo.name(),
-            "tlb_entries": cfg.tlb_entries, "pcpus": pcpus,
-        },
-        "total_guest_execution_time_s": secs,
-        "per_vcpu_demand_paging_rate_pgs_per_s": per_vcpu,
-        "overall_demand_paging_rate_pgs_per_s": overall,
-        "ns_per_page_per_vcpu": ns_per_page,
-        "per_vcpu_time_s": guest.vcpus.iter().map(|v| v.time.as_secs_f64()).collect::<Vec<_>>(),
-        "native": {
-            "total_time_s": native_secs,
-            "overall_rate_pgs_per_s": native_overall,
-        },
-        "ratio_guest_over_native": r,
-        "stats": stats_doc,
-    });
-    if text {
-        println!("All vCPU threads joined");
-        println!("Total guest execution time:\t{}", ts(guest.wall));
-        println!("Per-vcpu demand paging rate:\t{per_vcpu:.6} pgs/sec/vcpu");
-        println!("Overall demand paging rate:\t{overall:.6} pgs/sec");
-        println!();
-        println!(
-            "Native baseline ({}, same pattern on host memory{}):",
-            a.backing,
-            if prefault {
-                ", pre-faulted"
-            } else {
-                ", with host faults"
-            }
-        );
-        println!("Total native execution time:\t{}", ts(native.wall));
-        println!("Overall native rate:\t{native_overall:.6} pgs/sec");
-        println!("Ratio guest/native time:\t{r:.2}x");
-        println!();
-        let Some((stats, pcpus)) = sim else {
-            println!("{}", kvm_stats_line(&stats_doc));
-            println!(
+    let ns_per_page = guest.wall.as_nanos() as f64 / (touched as f64 / a.work.vcpus as f64);
+    let machine_lines = match &sim {
+        Some((s, pcpus)) => engine_lines(a, &cfg, s, *pcpus, ns_per_page),
+        None => vec![
+            kvm_stats_line(&stats),
+            format!(
                 "Machine: {} vCPU(s) on the host's /dev/kvm, {:.1} ns per page per vCPU",
-                a.vcpus, ns_per_page
-            );
-            return Ok(doc);
-        };
-        let faults = stats.pf_fixed + stats.pf_fast;
-        println!(
+                a.work.vcpus, ns_per_page
+            ),
+        ],
+    };
+    let vm = VmSettings::new(
+        kind,
+        a.machine.format,
+        &cfg.vm,
+        cfg.tlb_entries,
+        sim.as_ref().map(|(_, p)| *p),
+        cfg.prefault,
+    );
+    Ok(Report {
+        benchmark: NAME,
+        backend: kind.name(),
+        format: vm.format,
+        config: Config {
+            vm,
+            vcpus: a.work.vcpus,
+            bytes_per_vcpu: a.work.bytes,
+            backing: a.work.backing.name(),
+            overlap: a.work.overlap,
+        },
+        total: guest.wall,
+        per_vcpu_rate: per_vcpu,
+        overall_rate: per_vcpu * a.work.vcpus as f64,
+        ns_per_page_per_vcpu: ns_per_page,
+        per_vcpu_time_s: guest.vcpus.iter().map(|v| v.time.as_secs_f64()).collect(),
+        native: NativeFigures {
+            total: native.wall,
+            overall_rate: native_overall,
+        },
+        ratio_guest_over_native: ratio(guest.wall, native.wall),
+        stats,
+        machine_lines,
+        format_header: format_header(kind, a.machine.format, &cfg.vm),
+        gpa: layout.gpa,
+    })
+}
+
+fn engine_lines(
+    a: &DemandPagingArgs,
+    cfg: &Spec,
+    stats: &slat::Stats,
+    pcpus: usize,
+    ns_per_page: f64,
+) -> Vec<String> {
+    let faults = stats.pf_fixed + stats.pf_fast;
+    let mut lines = vec![
+        format!(
             "Engine: {faults} faults ({} slow, {} fast, {} spurious, {} retried), {:.1} ns per page per vCPU",
             stats.pf_fixed, stats.pf_fast, stats.pf_spurious, stats.pf_retry, ns_per_page
-        );
-        println!(
+        ),
+        format!(
             "Leaves: {} x 4K, {} x 2M, {} x 1G; page tables: {} pages ({}); remote flushes: {}/{} requested",
             stats.leaves_4k,
             stats.leaves_2m,
@@ -208,61 +315,77 @@ fn measure(
             format_size(stats.table_bytes),
             stats.remote_tlb_flush,
             stats.remote_tlb_flush_requests
-        );
-        if let Some(line) = bbm_cmo_line(a.machine.format, &stats) {
-            println!("{line}");
+        ),
+    ];
+    lines.extend(bbm_cmo_line(a.machine.format, stats));
+    lines.push(format!(
+        "Machine: {} vCPU(s) on {} physical CPU(s), format {}, mmu lock {}, fast page fault {}",
+        a.work.vcpus,
+        pcpus,
+        a.machine.format.name(),
+        cfg.vm.mmu_lock.name(),
+        if cfg.vm.fast_pf { "on" } else { "off" }
+    ));
+    lines
+}
+
+/// The selftest's text report, then slat's native baseline and machine lines.
+fn print_text(r: &Report) {
+    let c = &r.config;
+    let total = c.bytes_per_vcpu * c.vcpus as u64;
+    println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
+    println!("{}", r.format_header);
+    println!(
+        "guest physical test memory: [0x{:x}, 0x{:x})",
+        r.gpa,
+        r.gpa + total
+    );
+    println!("Finished creating vCPUs and starting uffd threads");
+    println!("Started all vCPUs");
+    println!("All vCPU threads joined");
+    println!("Total guest execution time:\t{}", ts(r.total));
+    println!(
+        "Per-vcpu demand paging rate:\t{:.6} pgs/sec/vcpu",
+        r.per_vcpu_rate
+    );
+    println!("Overall demand paging rate:\t{:.6} pgs/sec", r.overall_rate);
+    println!();
+    println!(
+        "Native baseline ({}, same pattern on host memory{}):",
+        c.backing,
+        if c.vm.prefault {
+            ", pre-faulted"
+        } else {
+            ", with host faults"
         }
-        println!(
-            "Machine: {} vCPU(s) on {} physical CPU(s), format {}, mmu lock {}, fast page fault {}",
-            a.vcpus,
-            pcpus,
-            a.machine.format.name(),
-            cfg.vm.mmu_lock.name(),
-            if cfg.vm.fast_pf { "on" } else { "off" }
-        );
+    );
+    println!("Total native execution time:\t{}", ts(r.native.total));
+    println!("Overall native rate:\t{:.6} pgs/sec", r.native.overall_rate);
+    println!(
+        "Ratio guest/native time:\t{:.2}x",
+        r.ratio_guest_over_native
+    );
+    println!();
+    for l in &r.machine_lines {
+        println!("{l}");
     }
-    Ok(doc)
 }
 
 /// `--backend sim,kvm`: the pass on both machines, one after the other, and one table.
-fn side_by_side(a: &DemandPagingArgs, kinds: [BackendArg; 2]) -> Result<(), String> {
-    let docs = [measure(a, kinds[0], false)?, measure(a, kinds[1], false)?];
+fn side_by_side(a: &DemandPagingArgs, kinds: [BackendArg; 2]) -> CliResult {
+    let runs = [measure(a, kinds[0])?, measure(a, kinds[1])?];
     let (n0, n1) = (kinds[0].name(), kinds[1].name());
-    let rows = [
-        (
-            "total guest execution time (s)",
-            "/total_guest_execution_time_s",
-        ),
-        ("native execution time (s)", "/native/total_time_s"),
-        (
-            "overall demand paging rate (pgs/s)",
-            "/overall_demand_paging_rate_pgs_per_s",
-        ),
-        ("ns per page per vCPU", "/ns_per_page_per_vcpu"),
-        ("guest/native", "/ratio_guest_over_native"),
-    ];
-    let table: Vec<Row> = rows
-        .iter()
-        .map(|(name, ptr)| {
-            (
-                *name,
-                docs[0].pointer(ptr).and_then(|v| v.as_f64()),
-                docs[1].pointer(ptr).and_then(|v| v.as_f64()),
-            )
-        })
-        .collect();
-    if a.json {
-        let doc = comparison_json("demand-paging", [n0, n1], &table, docs);
-        println!("{doc:#}");
-        return Ok(());
+    let cmp = Comparison::new(NAME, [n0, n1], METRICS, [&runs[0], &runs[1]]);
+    if a.out.json {
+        return print_json(&cmp, &a.backend);
     }
     println!(
         "demand-paging on {n0} and {n1}: -v {} -b {}, one run each, in this process; format {} on sim",
-        a.vcpus,
-        format_size(a.bytes),
+        a.work.vcpus,
+        format_size(a.work.bytes),
         a.machine.format.name()
     );
-    print_comparison([n0, n1], &table);
+    cmp.print();
     Ok(())
 }
 

@@ -3,32 +3,32 @@
 //! with, for every guest pass, the same pass on host memory in the same run and the ratio.
 
 use crate::args::{
-    backing, check_backends, check_kvm_ring, guest_size, refuse, ring_size, BackendArg, DirtyArgs,
-    MachineArgs,
+    check_backends, check_kvm_ring, ring_size, BackendArg, DirtyArgs, MachineArgs, OutputArgs,
+    Workload,
 };
-use crate::backend::{
-    self, comparison_json, kvm_stats_line, print_comparison, Native, Pass, Row, Sim, Spec,
-};
+use crate::backend::{self, kvm_stats_line, Backend, Native, Pass, Sim, Spec};
+use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
-use crate::report::{
-    bbm_cmo_line, format_header, format_json, quiet, ratio, sim_format, ts, Phase,
+use crate::output::{
+    opt_secs, print_json, secs, Better, Comparison, Metric, Repeated, Sweep, SweepRow, VmSettings,
 };
-use crate::sweep::{check_distinct, combinations, enum_value, parse_vary, print_table, Key, Vary};
+use crate::plot::{Chart, Series};
+use crate::report::{bbm_cmo_line, format_header, quiet, ratio, sim_format, ts, Phase};
+use crate::sweep::{check_distinct, combinations, parse_vary, Key, Vary};
 use clap::Args;
-use serde_json::json;
-use slat_machine::ram::{format_size, Backing};
+use serde::Serialize;
+use slat_machine::ram::format_size;
 use slat_machine::PassParams;
 use std::time::{Duration, Instant};
 
 /// Flags of `slat dirty-log-perf` (the selftest's, plus slat's variant switches).
 #[derive(Debug, Clone, Args)]
 pub struct DirtyLogPerfArgs {
+    #[command(flatten)]
+    pub work: Workload,
     /// Access pages in pseudo-random order instead of sequentially.
     #[arg(short = 'a')]
     pub random: bool,
-    /// Guest memory per vCPU (k/m/g/t suffixes, powers of 1024; a multiple of 4 KiB).
-    #[arg(short = 'b', value_parser = guest_size, default_value = "1G")]
-    pub bytes: u64,
     /// Keep the vCPUs dirtying memory while dirty logging is disabled ("evil" mode).
     #[arg(short = 'e')]
     pub evil: bool,
@@ -39,19 +39,9 @@ pub struct DirtyLogPerfArgs {
     /// Iterations of dirtying memory and harvesting the log (at least 2).
     #[arg(short = 'i', value_parser = clap::value_parser!(u32).range(2..=100_000), default_value_t = 2)]
     pub iterations: u32,
-    /// Overlap: every vCPU accesses all of guest memory instead of its own partition.
-    #[arg(short = 'o')]
-    pub overlap: bool,
     /// Seed of the guest's pseudo-random generator (vCPU i uses seed + i).
     #[arg(short = 'r', default_value_t = 1)]
     pub seed: u32,
-    /// Host memory behind guest RAM: anonymous, anonymous_thp, anonymous_hugetlb (2 MiB),
-    /// anonymous_hugetlb_1gb, shmem.
-    #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
-    pub backing: Backing,
-    /// vCPUs.
-    #[arg(short = 'v', value_parser = clap::value_parser!(u32).range(1..=512), default_value_t = 1)]
-    pub vcpus: u32,
     /// Percentage of accesses in the dirty passes that are writes (0-100).
     #[arg(short = 'w', value_parser = clap::value_parser!(u32).range(0..=100), default_value_t = 100)]
     pub write_percent: u32,
@@ -66,35 +56,220 @@ pub struct DirtyLogPerfArgs {
     /// in this process and print one table comparing them.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "sim")]
     pub backend: Vec<BackendArg>,
-    /// Print one JSON document with every figure instead of the text report.
-    #[arg(long)]
-    pub json: bool,
     /// Run the benchmark once per combination of the listed settings, in this process, and
     /// print one table (KEY=V1,V2,...; repeat for more keys; keys: vcpus, format, fast-pf,
     /// mmu-lock, ad-bits, cmo, get-dirty-log, dirty-tracking, eager-split, recover, rebuild).
-    /// Seed 000's table: `--vary vcpus=1,2 --vary fast-pf=on,off --vary mmu-lock=rwlock,mutex`;
-    /// seed 004's: `-g --vary get-dirty-log=xchg,switch`; both formats: `--vary
-    /// format=ept,stage2`.
+    /// Fast page fault and MMU lock: `--vary vcpus=1,2 --vary fast-pf=on,off --vary
+    /// mmu-lock=rwlock,mutex`; the two GET_DIRTY_LOG variants: `-g --vary
+    /// get-dirty-log=xchg,switch`; both page-table formats: `--vary format=ept,stage2`.
     #[arg(long = "vary", value_parser = parse_vary, value_name = "KEY=V1,V2")]
     pub vary: Vec<Vary>,
     #[command(flatten)]
     pub dirty: DirtyArgs,
     #[command(flatten)]
     pub machine: MachineArgs,
+    #[command(flatten)]
+    pub out: OutputArgs,
 }
 
-#[derive(Default)]
-struct Iteration {
-    dirty: Duration,
-    native: Duration,
-    get: Duration,
-    clear: Option<Duration>,
-    dirty_pages: u64,
-    ring_full_exits: u64,
+/// The benchmark's name in reports.
+const NAME: &str = "dirty-log-perf";
+
+/// The run's settings, as the report records them.
+#[derive(Debug, Clone, Serialize)]
+pub struct Config {
+    /// Engine and machine settings.
+    #[serde(flatten)]
+    pub vm: VmSettings,
+    /// `-v`.
+    pub vcpus: u32,
+    /// `-b`.
+    pub bytes_per_vcpu: u64,
+    /// `-s`.
+    pub backing: &'static str,
+    /// `-i`.
+    pub iterations: u32,
+    /// `-a`.
+    pub random: bool,
+    /// `-o`.
+    pub overlap: bool,
+    /// `-e`.
+    pub evil: bool,
+    /// `-w`.
+    pub write_percent: u32,
+    /// `-x`.
+    pub slots: u32,
+    /// `-r`.
+    pub seed: u32,
+    /// Manual dirty-log protection (GET then CLEAR; off with `-g` or a dirty ring).
+    pub manual_protect: bool,
+    /// `--dirty-ring` entries.
+    pub dirty_ring: Option<u32>,
 }
 
-/// Runs the benchmark (or the sweep `--vary` asks for).
-pub fn run(a: &DirtyLogPerfArgs) -> Result<(), String> {
+/// One iteration of dirtying memory and harvesting the log.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Iteration {
+    /// 1-based.
+    pub iteration: u32,
+    /// The guest's dirty pass.
+    #[serde(rename = "dirty_memory_time_s", serialize_with = "secs")]
+    pub dirty: Duration,
+    /// The same pass by host threads on host memory.
+    #[serde(rename = "native_memory_time_s", serialize_with = "secs")]
+    pub native: Duration,
+    /// dirty / native.
+    pub ratio_guest_over_native: f64,
+    /// GET_DIRTY_LOG over every slot, or harvesting the rings.
+    #[serde(rename = "get_dirty_log_time_s", serialize_with = "secs")]
+    pub get: Duration,
+    /// CLEAR_DIRTY_LOG (manual protect, bitmaps).
+    #[serde(rename = "clear_dirty_log_time_s", serialize_with = "opt_secs")]
+    pub clear: Option<Duration>,
+    /// Resetting the dirty rings (with `--dirty-ring`).
+    #[serde(rename = "reset_dirty_rings_time_s", serialize_with = "opt_secs")]
+    pub reset: Option<Duration>,
+    /// Pages the harvest reported.
+    pub dirty_pages: u64,
+    /// Exits because a vCPU's ring was full.
+    pub ring_full_exits: u64,
+}
+
+/// Everything one run of dirty-log-perf measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// `dirty-log-perf`.
+    pub benchmark: &'static str,
+    /// `sim` or `kvm`.
+    pub backend: &'static str,
+    /// The page-table format (`null` on kvm).
+    pub format: Option<&'static str>,
+    /// The settings.
+    pub config: Config,
+    /// First write of all memory.
+    #[serde(rename = "populate_memory_time_s", serialize_with = "secs")]
+    pub populate: Duration,
+    /// The same on host memory.
+    #[serde(rename = "populate_native_time_s", serialize_with = "secs")]
+    pub populate_native: Duration,
+    /// Enabling dirty logging on every slot.
+    #[serde(rename = "enabling_dirty_logging_time_s", serialize_with = "secs")]
+    pub enable: Duration,
+    /// The iterations.
+    pub iterations: Vec<Iteration>,
+    /// Disabling dirty logging (huge pages recovered).
+    #[serde(rename = "disabling_dirty_logging_time_s", serialize_with = "secs")]
+    pub disable: Duration,
+    /// Sum of the get times.
+    #[serde(rename = "get_dirty_log_total_s", serialize_with = "secs")]
+    pub get_total: Duration,
+    /// Sum of the clear (or ring reset) times; `null` when there is no such step.
+    #[serde(rename = "clear_dirty_log_total_s", serialize_with = "opt_secs")]
+    pub clear_total: Option<Duration>,
+    /// The machine's counters (the engine's on sim, KVM's VM statistics on kvm).
+    pub stats: serde_json::Value,
+    /// The lines describing the machine after the selftest's (engine counters, settings).
+    #[serde(skip)]
+    pub machine_lines: Vec<String>,
+    /// The header line naming the page-table format.
+    #[serde(skip)]
+    pub format_header: String,
+    /// Start of guest test memory.
+    #[serde(skip)]
+    pub gpa: u64,
+}
+
+impl Report {
+    /// Iteration 2, the selftest's steady state (iteration 1 may still split or fault); the
+    /// last iteration when there is only one.
+    fn steady(&self) -> Option<&Iteration> {
+        self.iterations.get(1).or_else(|| self.iterations.last())
+    }
+
+    fn avg(&self, f: impl Fn(&Iteration) -> Option<Duration>) -> Option<f64> {
+        let xs: Vec<f64> = self
+            .iterations
+            .iter()
+            .filter_map(|i| f(i).map(|d| d.as_secs_f64()))
+            .collect();
+        (!xs.is_empty()).then(|| xs.iter().sum::<f64>() / xs.len() as f64)
+    }
+
+    fn ring(&self) -> bool {
+        self.config.dirty_ring.is_some()
+    }
+}
+
+/// The headline figures, for the comparison, sweep and repeat tables.
+pub const METRICS: &[Metric<Report>] = &[
+    Metric {
+        name: "populate memory",
+        unit: "s",
+        better: Better::Lower,
+        get: |r| Some(r.populate.as_secs_f64()),
+    },
+    Metric {
+        name: "enable dirty logging",
+        unit: "s",
+        better: Better::Lower,
+        get: |r| Some(r.enable.as_secs_f64()),
+    },
+    Metric {
+        name: "iteration 2 dirty memory",
+        unit: "s",
+        better: Better::Lower,
+        get: |r| r.steady().map(|i| i.dirty.as_secs_f64()),
+    },
+    Metric {
+        name: "iteration 2 native memory",
+        unit: "s",
+        better: Better::Lower,
+        get: |r| r.steady().map(|i| i.native.as_secs_f64()),
+    },
+    Metric {
+        name: "iteration 2 guest/native",
+        unit: "x",
+        better: Better::Lower,
+        get: |r| r.steady().map(|i| i.ratio_guest_over_native),
+    },
+    Metric {
+        name: "get dirty log avg",
+        unit: "s",
+        better: Better::Lower,
+        get: |r| r.avg(|i| Some(i.get)),
+    },
+    Metric {
+        name: "clear dirty log avg",
+        unit: "s",
+        better: Better::Lower,
+        get: |r| r.avg(|i| i.clear),
+    },
+    Metric {
+        name: "reset dirty rings avg",
+        unit: "s",
+        better: Better::Lower,
+        get: |r| r.avg(|i| i.reset),
+    },
+    Metric {
+        name: "disable dirty logging",
+        unit: "s",
+        better: Better::Lower,
+        get: |r| Some(r.disable.as_secs_f64()),
+    },
+];
+
+/// The metrics a run with (or without) a dirty ring has: the clear step or the ring reset.
+fn metrics(ring: bool) -> Vec<&'static Metric<Report>> {
+    let skip = if ring {
+        "clear dirty log avg"
+    } else {
+        "reset dirty rings avg"
+    };
+    METRICS.iter().filter(|m| m.name != skip).collect()
+}
+
+/// Runs the benchmark (or the sweep `--vary` asks for, or the comparison `--backend a,b`).
+pub fn run(a: &DirtyLogPerfArgs) -> CliResult {
     let mut engine_only = a.machine.engine_only();
     engine_only.extend(a.dirty.engine_only());
     if !a.vary.is_empty() {
@@ -103,21 +278,60 @@ pub fn run(a: &DirtyLogPerfArgs) -> Result<(), String> {
     a.machine
         .format
         .check_backends(&a.backend)
-        .unwrap_or_else(|e| refuse(e));
-    check_backends(&a.backend, &engine_only).unwrap_or_else(|e| refuse(e));
+        .map_err(CliError::bad)?;
+    check_backends(&a.backend, &engine_only).map_err(CliError::bad)?;
+    if a.out.repeat > 1 && (a.backend.len() > 1 || !a.vary.is_empty()) {
+        return Err(CliError::bad(
+            "--repeat runs one configuration on one machine: drop it, or drop --vary and the second --backend",
+        ));
+    }
     if let [first, second] = a.backend[..] {
-        check(a).unwrap_or_else(|e| refuse(e));
+        check(a).map_err(CliError::bad)?;
         return side_by_side(a, [first, second]);
     }
     if !a.vary.is_empty() {
         return sweep(a);
     }
-    check(a).unwrap_or_else(|e| refuse(e));
-    let doc = measure(a, a.backend[0])?;
-    if a.json {
-        println!("{doc:#}");
+    check(a).map_err(CliError::bad)?;
+    let kind = a.backend[0];
+    let mut runs = Vec::new();
+    for n in 0..a.out.repeat {
+        if a.out.repeat > 1 && !quiet(a.out.json) {
+            eprintln!("[slat] run {}/{}", n + 1, a.out.repeat);
+        }
+        let r = measure(a, kind)?;
+        if !a.out.json {
+            print_text(&r);
+        }
+        runs.push(r);
+    }
+    if let Some(path) = &a.out.plot {
+        plot_iterations(&runs[0], a.out.repeat, path)?;
+    }
+    if a.out.repeat > 1 {
+        let rep = Repeated::new(NAME, &owned(&metrics(a.dirty_ring.is_some())), runs);
+        if a.out.json {
+            return print_json(&rep, &a.backend);
+        }
+        rep.print();
+        return Ok(());
+    }
+    if a.out.json {
+        print_json(&runs[0], &a.backend)?;
     }
     Ok(())
+}
+
+/// A metric list by value (metrics are plain data: a name, a unit and a function).
+fn owned(ms: &[&Metric<Report>]) -> Vec<Metric<Report>> {
+    ms.iter()
+        .map(|m| Metric {
+            name: m.name,
+            unit: m.unit,
+            better: m.better,
+            get: m.get,
+        })
+        .collect()
 }
 
 /// Refuses settings the engine cannot run together (before anything is built), and sizes the
@@ -128,64 +342,152 @@ fn check(a: &DirtyLogPerfArgs) -> Result<(), String> {
     let vm_config = a.dirty.apply(a.machine.vm_config());
     a.dirty
         .check(&vm_config, a.machine.format, a.dirty_ring.is_some())?;
-    check_backing(&a.backend, a.backing)?;
+    check_backing(&a.backend, a.work.backing)?;
     if let Some(ring) = a.dirty_ring {
         check_kvm_ring(&a.backend, ring, "--dirty-ring")?;
     }
-    let mem = GuestMemory::per_vcpu(a.vcpus, a.bytes)?;
+    let mem = GuestMemory::per_vcpu(a.work.vcpus, a.work.bytes)?;
     mem.slots_divide(a.slots)?;
     mem.fits_gpa(&a.backend, a.machine.format, None)?;
-    mem.fits_host(a.backing, 2, a.machine.tlb_bytes(a.vcpus))
+    mem.fits_host(a.work.backing, 2, a.machine.tlb_bytes(a.work.vcpus))
 }
 
-/// One run; prints the text report unless `a.json`, and returns every figure as JSON.
-fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> Result<serde_json::Value, String> {
-    let q = quiet(a.json);
-    let prefault = !a.machine.no_prefault;
-    let manual = a.dirty_ring.is_none() && !a.no_manual;
-    let vm_config = a.dirty.apply(a.machine.vm_config());
-    check(a)?;
-    let cfg = Spec {
+/// The machine spec the flags describe.
+fn spec(a: &DirtyLogPerfArgs) -> Spec {
+    Spec {
         format: a.machine.format,
-        vm: vm_config,
-        backing: a.backing,
-        vcpus: a.vcpus as usize,
-        bytes_per_vcpu: a.bytes,
+        vm: a.dirty.apply(a.machine.vm_config()),
+        backing: a.work.backing,
+        vcpus: a.work.vcpus as usize,
+        bytes_per_vcpu: a.work.bytes,
         slots: a.slots as usize,
-        overlap: a.overlap,
+        overlap: a.work.overlap,
         tlb_entries: a.machine.tlb_entries,
         pcpus: a.machine.pcpus.unwrap_or(0),
-        prefault,
-        manual_protect: manual,
+        prefault: !a.machine.no_prefault,
+        manual_protect: a.dirty_ring.is_none() && !a.no_manual,
         ring_entries: a.dirty_ring.unwrap_or(0),
-    };
-    let total = a.bytes * a.vcpus as u64;
+    }
+}
+
+/// The guest machine and the host memory of the native baseline, mapped.
+fn build(
+    a: &DirtyLogPerfArgs,
+    kind: BackendArg,
+    cfg: &Spec,
+) -> CliResult<(Box<dyn Backend>, Native)> {
     let p = Phase::start(
         format!(
             "{}{}: mapping {} of {} guest RAM and as much host memory for the native baseline",
             kind.name(),
             sim_format(kind, a.machine.format),
-            format_size(total),
-            a.backing
+            format_size(a.work.bytes * a.work.vcpus as u64),
+            a.work.backing
         ),
-        q,
+        quiet(a.out.json),
     );
-    let m = backend::create(kind, &cfg)?;
-    let layout = m.layout();
-    let native_ram = Native::new(kind, layout, a.backing, prefault)?;
+    let m = backend::create(kind, cfg)?;
+    let native = Native::new(kind, m.layout(), a.work.backing, cfg.prefault)?;
     p.done();
-    let native = |params: PassParams| native_ram.run(params);
-    let text = !a.json;
-    if text {
-        println!("Test iterations: {}", a.iterations);
-        println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
-        println!("{}", format_header(kind, a.machine.format, &cfg.vm));
-        println!(
-            "guest physical test memory: [0x{:x}, 0x{:x})",
-            layout.gpa,
-            layout.gpa + total
-        );
+    Ok((m, native))
+}
+
+/// The harvest buffers: one bitmap per slot.
+struct Harvest {
+    slots: Vec<u32>,
+    pages_per_slot: u64,
+    bitmaps: Vec<Vec<u64>>,
+}
+
+impl Harvest {
+    fn new(m: &dyn Backend) -> Harvest {
+        let pps = m.pages_per_slot();
+        let slots = m.slot_ids();
+        let bitmaps = slots
+            .iter()
+            .map(|_| vec![0u64; pps.div_ceil(64) as usize])
+            .collect();
+        Harvest {
+            slots,
+            pages_per_slot: pps,
+            bitmaps,
+        }
     }
+
+    /// Harvests the log into `it`: the rings, or GET (and CLEAR under manual protect) on every
+    /// slot.
+    fn run(&mut self, m: &dyn Backend, spec: &Spec, it: &mut Iteration) -> CliResult {
+        if spec.ring_entries != 0 {
+            let t0 = Instant::now();
+            it.dirty_pages = m.collect_dirty_rings();
+            it.get = t0.elapsed();
+            let t0 = Instant::now();
+            m.reset_dirty_rings()?;
+            it.reset = Some(t0.elapsed());
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        for (&id, b) in self.slots.iter().zip(self.bitmaps.iter_mut()) {
+            it.dirty_pages += m.get_dirty_log(id, b)?;
+        }
+        it.get = t0.elapsed();
+        if spec.manual_protect {
+            let t0 = Instant::now();
+            for (&id, b) in self.slots.iter().zip(self.bitmaps.iter()) {
+                m.clear_dirty_log(id, 0, self.pages_per_slot, b)?;
+            }
+            it.clear = Some(t0.elapsed());
+        }
+        Ok(())
+    }
+}
+
+/// One iteration: the guest dirties memory, the host harvests the log, then the same pass runs
+/// natively.
+fn iterate(
+    m: &dyn Backend,
+    native: &Native,
+    harvest: &mut Harvest,
+    spec: &Spec,
+    params: PassParams,
+    i: u32,
+) -> CliResult<Iteration> {
+    let pass = m.run_pass(params)?;
+    let mut it = Iteration {
+        iteration: i,
+        dirty: pass.wall,
+        ring_full_exits: pass.vcpus.iter().map(|v| v.ring_full_exits).sum(),
+        ..Iteration::default()
+    };
+    harvest.run(m, spec, &mut it)?;
+    // The native pass runs after the harvest, not between the guest pass and it: it touches
+    // every page of another gigabyte and would evict the page tables and bitmap the harvest
+    // reads, which a VMM's harvest right after the guest ran finds warm.
+    let nat: Pass = native.run(params)?;
+    it.native = nat.wall;
+    it.ratio_guest_over_native = ratio(pass.wall, nat.wall);
+    Ok(it)
+}
+
+/// Disables dirty logging, with the vCPUs still dirtying memory under `-e`.
+fn disable(m: &dyn Backend, evil: bool, params: PassParams) -> CliResult<Duration> {
+    if evil {
+        m.start_loop(params)?;
+    }
+    let t0 = Instant::now();
+    m.set_dirty_logging(false)?;
+    let d = t0.elapsed();
+    if evil {
+        m.halt()?;
+    }
+    Ok(d)
+}
+
+/// One run on `kind`: populate, enable logging, the iterations, disable logging.
+fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
+    check(a).map_err(CliError::bad)?;
+    let cfg = spec(a);
+    let (m, native) = build(a, kind, &cfg)?;
     // Populate: every vCPU writes its memory once, sequentially.
     let populate_params = PassParams {
         write_percent: 100,
@@ -193,187 +495,167 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> Result<serde_json::Value, 
         seed: a.seed,
     };
     let populate = m.run_pass(populate_params)?;
-    let populate_native = native(populate_params)?;
-    if text {
-        println!("Populate memory time: {}", ts(populate.wall));
-        print_native("Populate", &populate, &populate_native);
-    }
-
+    let populate_native = native.run(populate_params)?;
     let t0 = Instant::now();
     m.set_dirty_logging(true)?;
     let enable = t0.elapsed();
-    if text {
-        println!("Enabling dirty logging time: {}", ts(enable));
-        println!();
-    }
-
     let params = PassParams {
         write_percent: a.write_percent,
         random: a.random,
         seed: a.seed,
     };
-    let pps = m.pages_per_slot();
-    let slots = m.slot_ids();
-    let mut bitmaps: Vec<Vec<u64>> = slots
-        .iter()
-        .map(|_| vec![0u64; pps.div_ceil(64) as usize])
-        .collect();
-    let mut iters = Vec::new();
-    for i in 1..=a.iterations {
-        let mut it = Iteration::default();
-        let pass = m.run_pass(params)?;
-        it.dirty = pass.wall;
-        it.ring_full_exits = pass.vcpus.iter().map(|v| v.ring_full_exits).sum();
-        if text {
-            println!("Iteration {i} dirty memory time: {}", ts(pass.wall));
-        }
-        if a.dirty_ring.is_some() {
-            let t0 = Instant::now();
-            it.dirty_pages = m.collect_dirty_rings();
-            it.get = t0.elapsed();
-            let t0 = Instant::now();
-            m.reset_dirty_rings()?;
-            it.clear = Some(t0.elapsed());
-            if text {
-                println!("Iteration {i} get dirty log time: {}", ts(it.get));
-                println!(
-                    "Iteration {i} reset dirty rings time: {}",
-                    ts(it.clear.unwrap_or_default())
-                );
-            }
-        } else {
-            let t0 = Instant::now();
-            for (&id, b) in slots.iter().zip(bitmaps.iter_mut()) {
-                it.dirty_pages += m.get_dirty_log(id, b)?;
-            }
-            it.get = t0.elapsed();
-            if text {
-                println!("Iteration {i} get dirty log time: {}", ts(it.get));
-            }
-            if manual {
-                let t0 = Instant::now();
-                for (&id, b) in slots.iter().zip(bitmaps.iter()) {
-                    m.clear_dirty_log(id, 0, pps, b)?;
-                }
-                let c = t0.elapsed();
-                it.clear = Some(c);
-                if text {
-                    println!("Iteration {i} clear dirty log time: {}", ts(c));
-                }
-            }
-        }
-        // The native pass runs after the harvest, not between the guest pass and it: it
-        // touches every page of another gigabyte and would evict the page tables and bitmap
-        // the harvest reads, which a VMM's harvest right after the guest ran finds warm.
-        let nat = native(params)?;
-        it.native = nat.wall;
-        if text {
-            println!(
-                "Iteration {i} native memory time: {} (guest/native {:.2}x)",
-                ts(nat.wall),
-                ratio(pass.wall, nat.wall)
-            );
-        }
-        iters.push(it);
-    }
-
-    // Disable, with the vCPUs still dirtying memory under -e.
-    if a.evil {
-        m.start_loop(params)?;
-    }
-    let t0 = Instant::now();
-    m.set_dirty_logging(false)?;
-    let disable = t0.elapsed();
-    if a.evil {
-        m.halt()?;
-    }
+    let mut harvest = Harvest::new(m.as_ref());
+    let iterations = (1..=a.iterations)
+        .map(|i| iterate(m.as_ref(), &native, &mut harvest, &cfg, params, i))
+        .collect::<CliResult<Vec<_>>>()?;
+    let disable = disable(m.as_ref(), a.evil, params)?;
     let stats = m.stats();
     let pcpus = m.sim().map(|s| s.pcpus());
-    let get_total: Duration = iters.iter().map(|i| i.get).sum();
-    let clear_total: Option<Duration> = iters.iter().map(|i| i.clear).sum();
-    let n = a.iterations;
-    let ring = a.dirty_ring.is_some();
-    if text {
-        println!("Disabling dirty logging time: {}", ts(disable));
-        println!();
-        println!(
-            "Get dirty log over {n} iterations took {}. (Avg {}/iteration)",
-            ts(get_total),
-            ts(get_total / n)
-        );
-        if let Some(c) = clear_total {
-            let what = if ring {
-                "Reset dirty rings"
-            } else {
-                "Clear dirty log"
-            };
-            println!(
-                "{what} over {n} iterations took {}. (Avg {}/iteration)",
-                ts(c),
-                ts(c / n)
-            );
-        }
-        println!();
-        let dirty_pages: Vec<String> = iters.iter().map(|i| i.dirty_pages.to_string()).collect();
-        println!(
-            "Dirty pages harvested per iteration: {}",
-            dirty_pages.join(", ")
-        );
-        if ring {
-            let exits: u64 = iters.iter().map(|i| i.ring_full_exits).sum();
-            println!("Dirty ring full exits during the dirty passes: {exits}");
-        }
-        match m.sim() {
-            Some(sim) => print_engine(a, sim, &cfg, manual),
-            None => print_kvm(a, &stats, manual),
-        }
-    }
-    let doc = json!({
-        "benchmark": "dirty-log-perf",
-        "backend": kind.name(),
-        "format": format_json(kind, a.machine.format),
-        "config": {
-            "format": format_json(kind, a.machine.format),
-            "vcpus": a.vcpus, "bytes_per_vcpu": a.bytes, "backing": a.backing.name(),
-            "iterations": n, "random": a.random, "overlap": a.overlap, "evil": a.evil,
-            "write_percent": a.write_percent, "slots": a.slots, "seed": a.seed,
-            "manual_protect": manual, "dirty_ring": a.dirty_ring,
-            "mmu_lock": cfg.vm.mmu_lock.name(), "fast_pf": cfg.vm.fast_pf,
-            "ad_bits": cfg.vm.ad_bits, "get_dirty_log": cfg.vm.get_log.name(),
-            "dirty_tracking": cfg.vm.dirty_track.name(),
-            "eager_split": cfg.vm.eager_split, "recover": cfg.vm.recover.name(),
-            "cmo": cfg.vm.cmo.name(), "rebuild": cfg.vm.rebuild.name(),
-            "tlb_entries": cfg.tlb_entries, "pcpus": pcpus, "prefault": prefault,
+    let machine_lines = match m.sim() {
+        Some(sim) => engine_lines(a, sim, &cfg),
+        None => kvm_lines(a, &stats, cfg.manual_protect),
+    };
+    let get_total = iterations.iter().map(|i| i.get).sum();
+    let clear_total = iterations.iter().map(|i| i.clear.or(i.reset)).sum();
+    let vm = VmSettings::new(
+        kind,
+        a.machine.format,
+        &cfg.vm,
+        cfg.tlb_entries,
+        pcpus,
+        cfg.prefault,
+    );
+    Ok(Report {
+        benchmark: NAME,
+        backend: kind.name(),
+        format: vm.format,
+        config: Config {
+            vm,
+            vcpus: a.work.vcpus,
+            bytes_per_vcpu: a.work.bytes,
+            backing: a.work.backing.name(),
+            iterations: a.iterations,
+            random: a.random,
+            overlap: a.work.overlap,
+            evil: a.evil,
+            write_percent: a.write_percent,
+            slots: a.slots,
+            seed: a.seed,
+            manual_protect: cfg.manual_protect,
+            dirty_ring: a.dirty_ring,
         },
-        "populate_memory_time_s": populate.wall.as_secs_f64(),
-        "populate_native_time_s": populate_native.wall.as_secs_f64(),
-        "enabling_dirty_logging_time_s": enable.as_secs_f64(),
-        "iterations": iters.iter().enumerate().map(|(k, i)| json!({
-            "iteration": k + 1,
-            "dirty_memory_time_s": i.dirty.as_secs_f64(),
-            "native_memory_time_s": i.native.as_secs_f64(),
-            "ratio_guest_over_native": ratio(i.dirty, i.native),
-            "get_dirty_log_time_s": i.get.as_secs_f64(),
-            "clear_dirty_log_time_s": if ring { None } else { i.clear.map(|c| c.as_secs_f64()) },
-            "reset_dirty_rings_time_s": if ring { i.clear.map(|c| c.as_secs_f64()) } else { None },
-            "dirty_pages": i.dirty_pages,
-            "ring_full_exits": i.ring_full_exits,
-        })).collect::<Vec<_>>(),
-        "disabling_dirty_logging_time_s": disable.as_secs_f64(),
-        "get_dirty_log_total_s": get_total.as_secs_f64(),
-        "clear_dirty_log_total_s": clear_total.map(|c| c.as_secs_f64()),
-        "stats": stats,
-    });
-    drop(native_ram);
-    Ok(doc)
+        populate: populate.wall,
+        populate_native: populate_native.wall,
+        enable,
+        iterations,
+        disable,
+        get_total,
+        clear_total,
+        stats,
+        machine_lines,
+        format_header: format_header(kind, a.machine.format, &cfg.vm),
+        gpa: m.layout().gpa,
+    })
+}
+
+/// The selftest's text report of one run, then slat's machine lines.
+fn print_text(r: &Report) {
+    let c = &r.config;
+    let total = c.bytes_per_vcpu * c.vcpus as u64;
+    println!("Test iterations: {}", c.iterations);
+    println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
+    println!("{}", r.format_header);
+    println!(
+        "guest physical test memory: [0x{:x}, 0x{:x})",
+        r.gpa,
+        r.gpa + total
+    );
+    println!("Populate memory time: {}", ts(r.populate));
+    println!(
+        "Populate native memory time: {} (guest/native {:.2}x)",
+        ts(r.populate_native),
+        ratio(r.populate, r.populate_native)
+    );
+    println!("Enabling dirty logging time: {}", ts(r.enable));
+    println!();
+    for it in &r.iterations {
+        print_iteration(it);
+    }
+    println!("Disabling dirty logging time: {}", ts(r.disable));
+    println!();
+    print_totals(r);
+    for l in &r.machine_lines {
+        println!("{l}");
+    }
+}
+
+fn print_iteration(it: &Iteration) {
+    let i = it.iteration;
+    println!("Iteration {i} dirty memory time: {}", ts(it.dirty));
+    println!("Iteration {i} get dirty log time: {}", ts(it.get));
+    if let Some(c) = it.reset {
+        println!("Iteration {i} reset dirty rings time: {}", ts(c));
+    }
+    if let Some(c) = it.clear {
+        println!("Iteration {i} clear dirty log time: {}", ts(c));
+    }
+    println!(
+        "Iteration {i} native memory time: {} (guest/native {:.2}x)",
+        ts(it.native),
+        it.ratio_guest_over_native
+    );
+}
+
+fn print_totals(r: &Report) {
+    let n = r.config.iterations;
+    println!(
+        "Get dirty log over {n} iterations took {}. (Avg {}/iteration)",
+        ts(r.get_total),
+        ts(r.get_total / n)
+    );
+    if let Some(c) = r.clear_total {
+        let what = if r.ring() {
+            "Reset dirty rings"
+        } else {
+            "Clear dirty log"
+        };
+        println!(
+            "{what} over {n} iterations took {}. (Avg {}/iteration)",
+            ts(c),
+            ts(c / n)
+        );
+    }
+    println!();
+    let dirty_pages: Vec<String> = r
+        .iterations
+        .iter()
+        .map(|i| i.dirty_pages.to_string())
+        .collect();
+    println!(
+        "Dirty pages harvested per iteration: {}",
+        dirty_pages.join(", ")
+    );
+    if r.ring() {
+        let exits: u64 = r.iterations.iter().map(|i| i.ring_full_exits).sum();
+        println!("Dirty ring full exits during the dirty passes: {exits}");
+    }
+}
+
+fn log_kind(a: &DirtyLogPerfArgs, manual: bool) -> &'static str {
+    if a.dirty_ring.is_some() {
+        "dirty ring"
+    } else if manual {
+        "manual protect (get + clear)"
+    } else {
+        "get clears"
+    }
 }
 
 /// The simulated engine's counters and settings, after the selftest's lines.
-fn print_engine(a: &DirtyLogPerfArgs, m: &dyn Sim, cfg: &Spec, manual: bool) {
+fn engine_lines(a: &DirtyLogPerfArgs, m: &dyn Sim, cfg: &Spec) -> Vec<String> {
     let stats = m.engine_stats();
-    let ring = a.dirty_ring.is_some();
-    {
-        println!(
+    let mut lines = vec![
+        format!(
             "Engine: {} slow faults, {} fast faults, {} spurious, {} retried; {} splits, {} recoveries; remote flushes {}/{} requested",
             stats.pf_fixed,
             stats.pf_fast,
@@ -383,62 +665,43 @@ fn print_engine(a: &DirtyLogPerfArgs, m: &dyn Sim, cfg: &Spec, manual: bool) {
             stats.recoveries,
             stats.remote_tlb_flush,
             stats.remote_tlb_flush_requests
-        );
-        println!(
+        ),
+        format!(
             "Leaves now: {} x 4K, {} x 2M, {} x 1G; page tables: {} pages ({})",
             stats.leaves_4k,
             stats.leaves_2m,
             stats.leaves_1g,
             stats.table_pages,
             format_size(stats.table_bytes)
-        );
-        if let Some(line) = bbm_cmo_line(cfg.format, &stats) {
-            println!("{line}");
-        }
-        println!(
-            "Machine: {} vCPU(s) on {} physical CPU(s); format {}, mmu lock {}, fast page fault {}, log {}, get-dirty-log {}, dirty tracking {}, eager split {}, recover {}",
-            a.vcpus,
-            m.pcpus(),
-            cfg.format.name(),
-            cfg.vm.mmu_lock.name(),
-            on_off(cfg.vm.fast_pf),
-            if ring {
-                "dirty ring"
-            } else if manual {
-                "manual protect (get + clear)"
-            } else {
-                "get clears"
-            },
-            cfg.vm.get_log.name(),
-            cfg.vm.dirty_track.name(),
-            on_off(cfg.vm.eager_split),
-            cfg.vm.recover.name()
-        );
-    }
+        ),
+    ];
+    lines.extend(bbm_cmo_line(cfg.format, &stats));
+    lines.push(format!(
+        "Machine: {} vCPU(s) on {} physical CPU(s); format {}, mmu lock {}, fast page fault {}, log {}, get-dirty-log {}, dirty tracking {}, eager split {}, recover {}",
+        a.work.vcpus,
+        m.pcpus(),
+        cfg.format.name(),
+        cfg.vm.mmu_lock.name(),
+        on_off(cfg.vm.fast_pf),
+        log_kind(a, cfg.manual_protect),
+        cfg.vm.get_log.name(),
+        cfg.vm.dirty_track.name(),
+        on_off(cfg.vm.eager_split),
+        cfg.vm.recover.name()
+    ));
+    lines
 }
 
 /// KVM's counters and the run's settings, after the selftest's lines.
-fn print_kvm(a: &DirtyLogPerfArgs, stats: &serde_json::Value, manual: bool) {
-    println!("{}", kvm_stats_line(stats));
-    println!(
-        "Machine: {} vCPU(s) on the host's /dev/kvm; log {}",
-        a.vcpus,
-        if a.dirty_ring.is_some() {
-            "dirty ring"
-        } else if manual {
-            "manual protect (get + clear)"
-        } else {
-            "get clears"
-        }
-    );
-}
-
-fn print_native(what: &str, guest: &Pass, native: &Pass) {
-    println!(
-        "{what} native memory time: {} (guest/native {:.2}x)",
-        ts(native.wall),
-        ratio(guest.wall, native.wall)
-    );
+fn kvm_lines(a: &DirtyLogPerfArgs, stats: &serde_json::Value, manual: bool) -> Vec<String> {
+    vec![
+        kvm_stats_line(stats),
+        format!(
+            "Machine: {} vCPU(s) on the host's /dev/kvm; log {}",
+            a.work.vcpus,
+            log_kind(a, manual)
+        ),
+    ]
 }
 
 fn on_off(b: bool) -> &'static str {
@@ -449,9 +712,58 @@ fn on_off(b: bool) -> &'static str {
     }
 }
 
+/// `--plot` of one run: the dirty, harvest and native times of every iteration.
+fn plot_iterations(r: &Report, repeat: u32, path: &std::path::Path) -> CliResult {
+    let series = |name: &str, f: &dyn Fn(&Iteration) -> Option<Duration>| Series {
+        name: name.to_string(),
+        points: r
+            .iterations
+            .iter()
+            .map(|i| {
+                let x = i.iteration as f64 - 1.0;
+                (x, f(i).map(|d| d.as_secs_f64() * 1e3))
+            })
+            .collect(),
+    };
+    let mut lines = vec![
+        series("dirty memory (guest pass)", &|i| Some(i.dirty)),
+        series("get dirty log (harvest)", &|i| Some(i.get)),
+    ];
+    if r.iterations.iter().any(|i| i.clear.is_some()) {
+        lines.push(series("clear dirty log", &|i| i.clear));
+    }
+    if r.iterations.iter().any(|i| i.reset.is_some()) {
+        lines.push(series("reset dirty rings", &|i| i.reset));
+    }
+    lines.push(series("native memory (host pass)", &|i| Some(i.native)));
+    let of = if repeat > 1 {
+        format!(", run 1 of {repeat}")
+    } else {
+        String::new()
+    };
+    Chart {
+        title: format!(
+            "dirty-log-perf on {}: -v {} -b {}{of}",
+            r.backend,
+            r.config.vcpus,
+            format_size(r.config.bytes_per_vcpu)
+        ),
+        x_desc: "iteration",
+        y_desc: "time (ms, lower is better)",
+        series: lines,
+        x_names: Some(
+            r.iterations
+                .iter()
+                .map(|i| i.iteration.to_string())
+                .collect(),
+        ),
+    }
+    .draw(path)
+}
+
 /// `--vary`: one run per combination, one table.
-fn sweep(a: &DirtyLogPerfArgs) -> Result<(), String> {
-    check_distinct(&a.vary).unwrap_or_else(|e| refuse(e));
+fn sweep(a: &DirtyLogPerfArgs) -> CliResult {
+    check_distinct(&a.vary).map_err(CliError::bad)?;
     let combos = combinations(&a.vary);
     // Every combination's settings, checked before the first run: a refusal at row 5 after
     // minutes of measuring would waste them.
@@ -459,39 +771,22 @@ fn sweep(a: &DirtyLogPerfArgs) -> Result<(), String> {
     for combo in &combos {
         let mut b = a.clone();
         b.vary.clear();
-        b.json = true;
-        for (key, v) in combo {
-            match key {
-                Key::Vcpus => {
-                    b.vcpus = v
-                        .parse()
-                        .unwrap_or_else(|_| refuse(format!("--vary vcpus: bad count `{v}`")))
-                }
-                Key::Format => b.machine.format = enum_value(v),
-                Key::FastPf => b.machine.fast_pf = enum_value(v),
-                Key::MmuLock => b.machine.mmu_lock = enum_value(v),
-                Key::AdBits => b.machine.ad_bits = enum_value(v),
-                Key::Cmo => b.machine.cmo = enum_value(v),
-                Key::GetDirtyLog => b.dirty.get_log = enum_value(v),
-                Key::DirtyTracking => b.dirty.tracking = enum_value(v),
-                Key::EagerSplit => b.dirty.eager_split = enum_value(v),
-                Key::Recover => b.dirty.recover = enum_value(v),
-                Key::Rebuild => b.dirty.rebuild = enum_value(v),
-            }
+        b.out.json = true;
+        for s in combo {
+            s.apply(&mut b.work.vcpus, &mut b.machine, &mut b.dirty);
         }
-        let label: Vec<String> = combo
-            .iter()
-            .map(|(k, v)| format!("{}={v}", k.name()))
-            .collect();
+        let label: Vec<String> = combo.iter().map(|s| s.label()).collect();
         if let Err(e) = check(&b) {
-            refuse(format!("--vary row {}: {e}", label.join(" ")));
+            return Err(CliError::bad(format!(
+                "--vary row {}: {e}",
+                label.join(" ")
+            )));
         }
         runs.push((b, label));
     }
     let mut rows = Vec::new();
-    let mut docs = Vec::new();
-    for (n, ((b, label), combo)) in runs.iter().zip(&combos).enumerate() {
-        if !quiet(a.json) {
+    for (n, (b, label)) in runs.into_iter().enumerate() {
+        if !quiet(a.out.json) {
             eprintln!(
                 "[slat] sweep {}/{}: {}",
                 n + 1,
@@ -499,30 +794,30 @@ fn sweep(a: &DirtyLogPerfArgs) -> Result<(), String> {
                 label.join(" ")
             );
         }
-        let doc = measure(b, a.backend[0])?;
-        let m = metrics(&doc, a.dirty_ring.is_some());
-        let secs = |x: Option<f64>| x.map(|x| format!("{x:.6}")).unwrap_or("-".into());
-        let mut row: Vec<String> = combo.iter().map(|(_, v)| v.clone()).collect();
-        row.extend([
-            secs(m.populate),
-            secs(m.enable),
-            secs(m.dirty2),
-            secs(m.native2),
-            m.ratio2.map(|r| format!("{r:.2}x")).unwrap_or("-".into()),
-            secs(m.get_avg),
-            secs(m.clear_avg),
-            secs(m.disable),
-        ]);
-        rows.push(row);
-        docs.push(json!({ "settings": label, "result": doc }));
+        let result = measure(&b, a.backend[0])?;
+        rows.push(SweepRow {
+            settings: label,
+            result,
+        });
     }
-    if a.json {
-        println!(
-            "{:#}",
-            json!({ "benchmark": "dirty-log-perf", "sweep": docs })
-        );
-        return Ok(());
+    let sweep = Sweep {
+        benchmark: NAME,
+        sweep: rows,
+    };
+    let ms = owned(&metrics(a.dirty_ring.is_some()));
+    if let Some(path) = &a.out.plot {
+        plot_sweep(&sweep, &ms, path)?;
     }
+    if a.out.json {
+        return print_json(&sweep, &a.backend);
+    }
+    print_sweep_title(a);
+    let keys: Vec<&str> = a.vary.iter().map(|v| v.key.name()).collect();
+    sweep.print(&keys, &ms);
+    Ok(())
+}
+
+fn print_sweep_title(a: &DirtyLogPerfArgs) {
     let format = if a.vary.iter().any(|v| v.key == Key::Format) {
         String::new()
     } else {
@@ -530,7 +825,7 @@ fn sweep(a: &DirtyLogPerfArgs) -> Result<(), String> {
     };
     println!(
         "dirty-log-perf sweep:{format} -b {} -i {}{}{}{}, one run per row, all in this process",
-        format_size(a.bytes),
+        format_size(a.work.bytes),
         a.iterations,
         if a.no_manual { " -g" } else { "" },
         if a.random { " -a" } else { "" },
@@ -540,111 +835,63 @@ fn sweep(a: &DirtyLogPerfArgs) -> Result<(), String> {
             String::new()
         },
     );
-    let mut head: Vec<String> = a.vary.iter().map(|v| v.key.name().to_string()).collect();
-    let clear = if a.dirty_ring.is_some() {
-        "reset rings avg (s)"
-    } else {
-        "clear avg (s)"
-    };
-    head.extend(
-        [
-            "populate (s)",
-            "enable (s)",
-            "iter 2 dirty (s)",
-            "iter 2 native (s)",
-            "guest/native",
-            "get avg (s)",
-            clear,
-            "disable (s)",
-        ]
-        .map(String::from),
-    );
-    print_table(&head, &rows);
-    Ok(())
 }
 
-/// The figures a table row shows, from one run's JSON document.
-struct Metrics {
-    populate: Option<f64>,
-    enable: Option<f64>,
-    dirty2: Option<f64>,
-    native2: Option<f64>,
-    ratio2: Option<f64>,
-    get_avg: Option<f64>,
-    clear_avg: Option<f64>,
-    disable: Option<f64>,
-}
-
-fn metrics(doc: &serde_json::Value, ring: bool) -> Metrics {
-    let iters = doc["iterations"].as_array().cloned().unwrap_or_default();
-    // Iteration 2 is the selftest's steady state (iteration 1 may still split or fault).
-    let it2 = iters
-        .get(1.min(iters.len().saturating_sub(1)))
-        .cloned()
-        .unwrap_or_default();
-    let avg = |field: &str| {
-        let xs: Vec<f64> = iters.iter().filter_map(|i| i[field].as_f64()).collect();
-        (!xs.is_empty()).then(|| xs.iter().sum::<f64>() / xs.len() as f64)
-    };
-    Metrics {
-        populate: doc["populate_memory_time_s"].as_f64(),
-        enable: doc["enabling_dirty_logging_time_s"].as_f64(),
-        dirty2: it2["dirty_memory_time_s"].as_f64(),
-        native2: it2["native_memory_time_s"].as_f64(),
-        ratio2: it2["ratio_guest_over_native"].as_f64(),
-        get_avg: avg("get_dirty_log_time_s"),
-        clear_avg: avg(if ring {
-            "reset_dirty_rings_time_s"
-        } else {
-            "clear_dirty_log_time_s"
-        }),
-        disable: doc["disabling_dirty_logging_time_s"].as_f64(),
+/// `--plot` of a sweep: one line per time metric across the rows.
+fn plot_sweep(s: &Sweep<Report>, ms: &[Metric<Report>], path: &std::path::Path) -> CliResult {
+    let series = ms
+        .iter()
+        .filter(|m| m.unit == "s")
+        .map(|m| Series {
+            name: m.name.to_string(),
+            points: s
+                .sweep
+                .iter()
+                .enumerate()
+                .map(|(i, row)| (i as f64, (m.get)(&row.result).map(|x| x * 1e3)))
+                .collect(),
+        })
+        .collect();
+    Chart {
+        title: "dirty-log-perf --vary: one run per row".to_string(),
+        x_desc: "settings",
+        y_desc: "time (ms, lower is better)",
+        series,
+        x_names: Some(s.sweep.iter().map(|r| r.settings.join(" ")).collect()),
     }
+    .draw(path)
 }
 
 /// `--backend sim,kvm`: the same run on both machines, one after the other in this process,
 /// and one table of every phase with the ratio of the first to the second.
-fn side_by_side(a: &DirtyLogPerfArgs, kinds: [BackendArg; 2]) -> Result<(), String> {
-    let mut docs = Vec::new();
+fn side_by_side(a: &DirtyLogPerfArgs, kinds: [BackendArg; 2]) -> CliResult {
+    let mut reports = Vec::new();
     for kind in kinds {
-        let mut b = a.clone();
-        b.json = true;
-        if !quiet(a.json) {
+        if !quiet(a.out.json) {
             eprintln!("[slat] running on {}", kind.name());
         }
-        docs.push(measure(&b, kind)?);
+        reports.push(measure(a, kind)?);
     }
-    let ring = a.dirty_ring.is_some();
-    let [x, y] = [0, 1].map(|k| metrics(&docs[k], ring));
-    let rows: Vec<Row> = vec![
-        ("populate memory", x.populate, y.populate),
-        ("enable dirty logging", x.enable, y.enable),
-        ("iteration 2 dirty memory", x.dirty2, y.dirty2),
-        ("iteration 2 native memory", x.native2, y.native2),
-        ("get dirty log avg", x.get_avg, y.get_avg),
-        (
-            if ring {
-                "reset dirty rings avg"
-            } else {
-                "clear dirty log avg"
-            },
-            x.clear_avg,
-            y.clear_avg,
-        ),
-        ("disable dirty logging", x.disable, y.disable),
-    ];
+    let ms = owned(&metrics(a.dirty_ring.is_some()));
+    let cmp = Comparison::new(
+        NAME,
+        [kinds[0].name(), kinds[1].name()],
+        &ms,
+        [&reports[0], &reports[1]],
+    );
+    if let Some(path) = &a.out.plot {
+        plot_iterations(&reports[0], 1, path)?;
+    }
+    if a.out.json {
+        return print_json(&cmp, &a.backend);
+    }
     let (n0, n1) = (kinds[0].name(), kinds[1].name());
-    if a.json {
-        let [d0, d1] = [docs.remove(0), docs.remove(0)];
-        let doc = comparison_json("dirty-log-perf", [n0, n1], &rows, [d0, d1]);
-        println!("{doc:#}");
-        return Ok(());
-    }
+    let ring = a.dirty_ring.is_some();
     println!(
         "dirty-log-perf on {n0} and {n1}: --format {} (sim) -v {} -b {} -i {}{}{}{}, one run each, in this process; times in seconds",
         a.machine.format.name(),
-        a.vcpus,
-        format_size(a.bytes),
+        a.work.vcpus,
+        format_size(a.work.bytes),
         a.iterations,
         if ring {
             " --dirty-ring"
@@ -660,11 +907,6 @@ fn side_by_side(a: &DirtyLogPerfArgs, kinds: [BackendArg; 2]) -> Result<(), Stri
             String::new()
         },
     );
-    print_comparison([n0, n1], &rows);
-    println!(
-        "guest/native at iteration 2: {n0} {}, {n1} {}",
-        x.ratio2.map(|r| format!("{r:.2}x")).unwrap_or("-".into()),
-        y.ratio2.map(|r| format!("{r:.2}x")).unwrap_or("-".into())
-    );
+    cmp.print();
     Ok(())
 }

@@ -4,17 +4,19 @@
 //! failure (exit status 1).
 
 use crate::args::{
-    backing, check_backends, check_kvm_ring, guest_size, refuse, ring_size, BackendArg, DirtyArgs,
-    MachineArgs, TrackArg,
+    check_backends, check_kvm_ring, ring_size, BackendArg, DirtyArgs, MachineArgs, OutputArgs,
+    TrackArg, Workload,
 };
 use crate::backend::{self, Spec};
+use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
-use crate::report::{format_header, format_json, quiet, sim_format, Phase};
+use crate::output::{print_json, Better, Metric, Repeated, VmSettings};
+use crate::report::{format_header, quiet, sim_format, Phase};
 use clap::{Args, ValueEnum};
-use serde_json::json;
+use serde::Serialize;
 use slat::dirty::inject;
 use slat_machine::dirty_oracle::{LogMode, OracleConfig};
-use slat_machine::ram::{format_size, Backing};
+use slat_machine::ram::format_size;
 use std::time::Duration;
 
 /// `-M`: which harvest protocols to check.
@@ -33,13 +35,16 @@ pub enum ModeArg {
 /// `--break`: a deliberately broken engine, to see the oracle fail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BreakArg {
-    /// Harvests write-protect but skip the remote TLB flush (invariant 4 broken).
+    /// Harvests write-protect pages but skip the remote TLB flush, so a vCPU can keep writing
+    /// through a stale writable TLB entry without the page being logged.
     SkipHarvestFlush,
 }
 
 /// Flags of `slat dirty-log-test`.
 #[derive(Debug, Args)]
 pub struct DirtyLogTestArgs {
+    #[command(flatten)]
+    pub work: Workload,
     /// Log mode: dirty-log, clear-log, dirty-ring, or all.
     #[arg(short = 'M', value_enum, default_value = "all")]
     pub mode: ModeArg,
@@ -53,19 +58,6 @@ pub struct DirtyLogTestArgs {
     /// lowered to the largest power of two not above the test's pages, as in the selftest.
     #[arg(short = 'c', value_parser = ring_size, default_value_t = 65536)]
     pub ring_entries: u32,
-    /// Guest memory per vCPU (k/m/g/t suffixes, a multiple of 4 KiB); 3 pages are added so
-    /// the memslot is not a multiple of 64 pages, as in the selftest.
-    #[arg(short = 'b', value_parser = guest_size, default_value = "1G")]
-    pub bytes: u64,
-    /// vCPUs writing at once (the selftest uses 1).
-    #[arg(short = 'v', value_parser = clap::value_parser!(u32).range(1..=512), default_value_t = 1)]
-    pub vcpus: u32,
-    /// Every vCPU writes anywhere in guest memory instead of its own partition.
-    #[arg(short = 'o')]
-    pub overlap: bool,
-    /// Host memory behind guest RAM: anonymous, anonymous_thp, anonymous_hugetlb, ...
-    #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
-    pub backing: Backing,
     /// Seed of the guest writers and of the host's harvest points.
     #[arg(short = 'r', default_value_t = 1)]
     pub seed: u32,
@@ -80,18 +72,17 @@ pub struct DirtyLogTestArgs {
     /// the other).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "sim")]
     pub backend: Vec<BackendArg>,
-    /// Print one JSON document instead of the text report.
-    #[arg(long)]
-    pub json: bool,
     #[command(flatten)]
     pub dirty: DirtyArgs,
     #[command(flatten)]
     pub machine: MachineArgs,
+    #[command(flatten)]
+    pub out: OutputArgs,
 }
 
-/// Runs the test on every machine `--backend` lists; an error (or any mismatch) is a non-zero
-/// exit.
-pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
+/// Runs the test on every machine `--backend` lists (`--repeat` times); an error (or any
+/// mismatch) is a non-zero exit.
+pub fn run(a: &DirtyLogTestArgs) -> CliResult {
     let mut engine_only = a.machine.engine_only();
     engine_only.extend(a.dirty.engine_only());
     if a.broken.is_some() {
@@ -103,8 +94,8 @@ pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
     a.machine
         .format
         .check_backends(&a.backend)
-        .unwrap_or_else(|e| refuse(e));
-    check_backends(&a.backend, &engine_only).unwrap_or_else(|e| refuse(e));
+        .map_err(CliError::bad)?;
+    check_backends(&a.backend, &engine_only).map_err(CliError::bad)?;
     let vm_config = a.dirty.apply(a.machine.vm_config());
     a.dirty
         .check(
@@ -112,23 +103,98 @@ pub fn run(a: &DirtyLogTestArgs) -> Result<(), String> {
             a.machine.format,
             modes(a).contains(&LogMode::DirtyRing),
         )
-        .unwrap_or_else(|e| refuse(e));
-    check(a).unwrap_or_else(|e| refuse(e));
-    let mut errors = Vec::new();
-    for &kind in &a.backend {
-        if let Err(e) = run_on(a, kind) {
-            errors.push(if a.backend.len() > 1 {
-                format!("{}: {e}", kind.name())
-            } else {
-                e
-            });
+        .map_err(CliError::bad)?;
+    check(a).map_err(CliError::bad)?;
+    if a.out.plot.is_some() {
+        return Err(CliError::bad(
+            "--plot: dirty-log-test has no time series to draw (it is a correctness check); drop --plot",
+        ));
+    }
+    let mut runs = Vec::new();
+    for n in 0..a.out.repeat {
+        if a.out.repeat > 1 && !quiet(a.out.json) {
+            eprintln!("[slat] run {}/{}", n + 1, a.out.repeat);
+        }
+        let mut reports = Vec::new();
+        for &kind in &a.backend {
+            let r = run_on(a, kind)?;
+            if !a.out.json {
+                print_text(&r);
+            }
+            reports.push(r);
+        }
+        runs.push(reports);
+    }
+    let failed: Vec<String> = runs
+        .iter()
+        .flatten()
+        .filter(|r| !r.pass)
+        .map(|r| r.failure(a.backend.len() > 1, a.seed))
+        .collect();
+    if a.out.json {
+        emit_json(a, runs)?;
+    } else if a.out.repeat > 1 {
+        for (i, kind) in a.backend.iter().enumerate() {
+            let one: Vec<Report> = runs.iter().map(|r| r[i].clone()).collect();
+            if a.backend.len() > 1 {
+                println!("\n{}:", kind.name());
+            }
+            Repeated::new(NAME, METRICS, one).print();
         }
     }
-    if errors.is_empty() {
+    if failed.is_empty() {
         Ok(())
     } else {
-        Err(errors.join("; "))
+        let mut failed = failed;
+        failed.dedup();
+        Err(failed.join("; ").into())
     }
+}
+
+/// The one JSON document: a run's report, a `--backend a,b` pair, or `--repeat` summaries.
+fn emit_json(a: &DirtyLogTestArgs, runs: Vec<Vec<Report>>) -> CliResult {
+    let per_backend = |i: usize| -> Vec<Report> { runs.iter().map(|r| r[i].clone()).collect() };
+    match (a.out.repeat, a.backend.len()) {
+        (1, 1) => print_json(&runs[0][0], &a.backend),
+        (1, _) => print_json(
+            &Both {
+                benchmark: NAME,
+                backends: a.backend.iter().map(|k| k.name()).collect(),
+                pass: runs[0].iter().all(|r| r.pass),
+                runs: runs[0].clone(),
+            },
+            &a.backend,
+        ),
+        (_, 1) => print_json(&Repeated::new(NAME, METRICS, per_backend(0)), &a.backend),
+        (_, n) => print_json(
+            &BothRepeated {
+                benchmark: NAME,
+                backends: a.backend.iter().map(|k| k.name()).collect(),
+                repeated: (0..n)
+                    .map(|i| Repeated::new(NAME, METRICS, per_backend(i)))
+                    .collect(),
+            },
+            &a.backend,
+        ),
+    }
+}
+
+/// `--backend a,b --json`: both machines' reports in one document.
+#[derive(Serialize)]
+struct Both {
+    benchmark: &'static str,
+    backends: Vec<&'static str>,
+    /// Every mode passed on every machine.
+    pass: bool,
+    runs: Vec<Report>,
+}
+
+/// `--backend a,b --repeat N --json`.
+#[derive(Serialize)]
+struct BothRepeated {
+    benchmark: &'static str,
+    backends: Vec<&'static str>,
+    repeated: Vec<Repeated<Report>>,
 }
 
 /// The selftest adds 3 pages to each vCPU's memory, so the memslot is not a multiple of 64
@@ -138,10 +204,10 @@ const EXTRA_BYTES: u64 = 3 * 4096;
 /// Sizes the machines can hold: `-v` × (`-b` + 3 pages) without overflow, in the guest physical
 /// address space of each machine, on this host; and a ring KVM can have.
 fn check(a: &DirtyLogTestArgs) -> Result<(), String> {
-    check_backing(&a.backend, a.backing)?;
-    let mem = GuestMemory::per_vcpu_plus(a.vcpus, a.bytes, EXTRA_BYTES)?;
+    check_backing(&a.backend, a.work.backing)?;
+    let mem = GuestMemory::per_vcpu_plus(a.work.vcpus, a.work.bytes, EXTRA_BYTES)?;
     mem.fits_gpa(&a.backend, a.machine.format, None)?;
-    mem.fits_host(a.backing, 1, a.machine.tlb_bytes(a.vcpus))?;
+    mem.fits_host(a.work.backing, 1, a.machine.tlb_bytes(a.work.vcpus))?;
     if modes(a).contains(&LogMode::DirtyRing) {
         check_kvm_ring(
             &a.backend,
@@ -174,155 +240,328 @@ fn modes(a: &DirtyLogTestArgs) -> Vec<LogMode> {
     modes
 }
 
-fn run_on(a: &DirtyLogTestArgs, kind: BackendArg) -> Result<(), String> {
-    let q = quiet(a.json);
+const NAME: &str = "dirty-log-test";
+
+/// The run's settings, as the report records them.
+#[derive(Debug, Clone, Serialize)]
+pub struct Config {
+    /// Engine and machine settings.
+    #[serde(flatten)]
+    pub vm: VmSettings,
+    /// `-i`.
+    pub iterations: u32,
+    /// `-I`.
+    pub interval_ms: u64,
+    /// `-v`.
+    pub vcpus: u32,
+    /// `-b` plus the selftest's 3 pages.
+    pub bytes_per_vcpu: u64,
+    /// `-s`.
+    pub backing: &'static str,
+    /// `-r`.
+    pub seed: u32,
+    /// Ring entries per vCPU (dirty-ring mode), after lowering to the test's pages.
+    pub ring_entries: u32,
+    /// `--break` was given.
+    pub broken: bool,
+    /// `--toggle-every`.
+    pub toggle_every: u32,
+}
+
+/// One iteration of the oracle.
+#[derive(Debug, Clone, Serialize)]
+pub struct IterationRow {
+    /// 1-based.
+    pub iteration: u32,
+    /// Pages reported dirty.
+    pub dirty: u64,
+    /// Pages reported clean.
+    pub clean: u64,
+    /// Writes the guest made.
+    pub writes: u64,
+    /// Written pages not reported.
+    pub lost: u64,
+    /// Reported pages not written.
+    pub spurious: u64,
+    /// Logging was switched off and on in this iteration.
+    pub toggled: bool,
+}
+
+/// One log mode's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModeReport {
+    /// `dirty-log`, `clear-log` or `dirty-ring`.
+    pub mode: &'static str,
+    /// The iterations.
+    pub iterations: Vec<IterationRow>,
+    /// Pages checked dirty over every iteration.
+    pub total_dirty: u64,
+    /// Pages checked clean.
+    pub total_clean: u64,
+    /// Written pages not reported.
+    pub lost: u64,
+    /// Reported pages not written.
+    pub spurious: u64,
+    /// Exits because a ring was full.
+    pub ring_full_exits: u64,
+    /// Every mismatch, in words.
+    pub errors: Vec<String>,
+    /// No mismatch.
+    pub pass: bool,
+    /// Start of guest test memory.
+    #[serde(skip)]
+    pub gpa: u64,
+}
+
+/// Everything one run on one machine checked.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// `dirty-log-test`.
+    pub benchmark: &'static str,
+    /// `sim` or `kvm`.
+    pub backend: &'static str,
+    /// The page-table format (`null` on kvm).
+    pub format: Option<&'static str>,
+    /// The settings.
+    pub config: Config,
+    /// One per log mode checked.
+    pub modes: Vec<ModeReport>,
+    /// Every mode passed.
+    pub pass: bool,
+    /// The header line naming the page-table format.
+    #[serde(skip)]
+    pub format_header: String,
+}
+
+impl Report {
+    fn failure(&self, name_backend: bool, seed: u32) -> String {
+        let failed: Vec<&str> = self
+            .modes
+            .iter()
+            .filter(|m| !m.pass)
+            .map(|m| m.mode)
+            .collect();
+        let msg = format!(
+            "dirty log mismatch in mode(s) {} (seed {seed}): pages were lost or misreported",
+            failed.join(", ")
+        );
+        if name_backend {
+            format!("{}: {msg}", self.backend)
+        } else {
+            msg
+        }
+    }
+
+    fn sum(&self, f: impl Fn(&ModeReport) -> u64) -> Option<f64> {
+        Some(self.modes.iter().map(f).sum::<u64>() as f64)
+    }
+}
+
+/// The figures `--repeat` summarizes.
+const METRICS: &[Metric<Report>] = &[
+    Metric {
+        name: "dirty pages checked",
+        unit: "pages",
+        better: Better::Higher,
+        get: |r| r.sum(|m| m.total_dirty),
+    },
+    Metric {
+        name: "lost pages",
+        unit: "pages",
+        better: Better::Lower,
+        get: |r| r.sum(|m| m.lost),
+    },
+    Metric {
+        name: "spurious pages",
+        unit: "pages",
+        better: Better::Lower,
+        get: |r| r.sum(|m| m.spurious),
+    },
+    Metric {
+        name: "dirty ring full exits",
+        unit: "exits",
+        better: Better::Lower,
+        get: |r| r.sum(|m| m.ring_full_exits),
+    },
+];
+
+/// The machine spec for one log mode.
+fn spec(a: &DirtyLogTestArgs, vm: slat::VmConfig, mode: LogMode, ring: u32) -> Spec {
+    let dirty = mode.dirty_config(ring);
+    Spec {
+        format: a.machine.format,
+        vm,
+        backing: a.work.backing,
+        vcpus: a.work.vcpus as usize,
+        bytes_per_vcpu: a.work.bytes + EXTRA_BYTES,
+        slots: 1,
+        overlap: a.work.overlap,
+        tlb_entries: a.machine.tlb_entries,
+        pcpus: a.machine.pcpus.unwrap_or(0),
+        prefault: !a.machine.no_prefault,
+        manual_protect: dirty.manual_protect != 0,
+        ring_entries: dirty.ring_entries,
+    }
+}
+
+/// Checks one log mode on a fresh machine.
+fn check_mode(
+    a: &DirtyLogTestArgs,
+    kind: BackendArg,
+    cfg: &Spec,
+    mode: LogMode,
+) -> CliResult<ModeReport> {
+    let p = Phase::start(
+        format!(
+            "{}{}: mapping {} of {} guest RAM",
+            kind.name(),
+            sim_format(kind, a.machine.format),
+            format_size(cfg.bytes_per_vcpu * a.work.vcpus as u64),
+            a.work.backing
+        ),
+        quiet(a.out.json),
+    );
+    let m = backend::create(kind, cfg)?;
+    p.done();
+    if let (Some(BreakArg::SkipHarvestFlush), Some(sim)) = (a.broken, m.sim()) {
+        sim.inject_bugs(inject::SKIP_HARVEST_FLUSH);
+    }
+    let ocfg = OracleConfig {
+        mode,
+        iterations: a.iterations,
+        interval: Duration::from_millis(a.interval_ms),
+        seed: a.seed,
+        toggle_every: a.toggle_every,
+    };
+    let r = m.dirty_oracle(mode, ocfg, &mut |_| {})?;
+    let (lost, spurious): (u64, u64) = r
+        .iterations
+        .iter()
+        .fold((0, 0), |(l, s), i| (l + i.lost, s + i.spurious));
+    Ok(ModeReport {
+        mode: mode.name(),
+        iterations: r
+            .iterations
+            .iter()
+            .map(|i| IterationRow {
+                iteration: i.iteration,
+                dirty: i.dirty,
+                clean: i.clean,
+                writes: i.writes,
+                lost: i.lost,
+                spurious: i.spurious,
+                toggled: i.toggled,
+            })
+            .collect(),
+        total_dirty: r.total_dirty(),
+        total_clean: r.total_clean(),
+        lost,
+        spurious,
+        ring_full_exits: r.ring_full_exits,
+        errors: r.errors.clone(),
+        pass: r.mismatches() == 0,
+        gpa: m.layout().gpa,
+    })
+}
+
+/// Every log mode on `kind`.
+fn run_on(a: &DirtyLogTestArgs, kind: BackendArg) -> CliResult<Report> {
     let modes = modes(a);
     let vm_config = a.dirty.apply(a.machine.vm_config());
-    if a.dirty.tracking == TrackArg::DBit && a.mode == ModeArg::All && !a.json {
+    if a.dirty.tracking == TrackArg::DBit && a.mode == ModeArg::All && !a.out.json {
         // The ring is not a log d-bit tracking can fill; say so rather than skip silently.
         eprintln!("[slat] -M all with --dirty-tracking d-bit: checking dirty-log and clear-log (d-bit tracking logs into bitmaps, not rings)");
     }
-    a.dirty.check(
-        &vm_config,
-        a.machine.format,
-        modes.contains(&LogMode::DirtyRing),
-    )?;
+    a.dirty
+        .check(
+            &vm_config,
+            a.machine.format,
+            modes.contains(&LogMode::DirtyRing),
+        )
+        .map_err(CliError::bad)?;
     // Checked by `check`: no overflow.
-    let mem = GuestMemory::per_vcpu_plus(a.vcpus, a.bytes, EXTRA_BYTES)?;
-    let bytes = a.bytes + EXTRA_BYTES;
+    let mem = GuestMemory::per_vcpu_plus(a.work.vcpus, a.work.bytes, EXTRA_BYTES)
+        .map_err(CliError::bad)?;
     let ring = ring(a, mem.pages());
-    let mut failed = Vec::new();
-    let mut docs = Vec::new();
-    for mode in modes {
-        let dirty = mode.dirty_config(ring);
-        let cfg = Spec {
-            format: a.machine.format,
-            vm: vm_config,
-            backing: a.backing,
-            vcpus: a.vcpus as usize,
-            bytes_per_vcpu: bytes,
-            slots: 1,
-            overlap: a.overlap,
-            tlb_entries: a.machine.tlb_entries,
-            pcpus: a.machine.pcpus.unwrap_or(0),
-            prefault: !a.machine.no_prefault,
-            manual_protect: dirty.manual_protect != 0,
-            ring_entries: dirty.ring_entries,
-        };
-        let p = Phase::start(
-            format!(
-                "{}{}: mapping {} of {} guest RAM",
-                kind.name(),
-                sim_format(kind, a.machine.format),
-                format_size(bytes * a.vcpus as u64),
-                a.backing
-            ),
-            q,
-        );
-        let m = backend::create(kind, &cfg)?;
-        p.done();
-        if let (Some(BreakArg::SkipHarvestFlush), Some(sim)) = (a.broken, m.sim()) {
-            sim.inject_bugs(inject::SKIP_HARVEST_FLUSH);
-        }
-        let layout = m.layout();
-        if !a.json {
-            println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
-            println!("{}", format_header(kind, a.machine.format, &vm_config));
-            println!("guest physical test memory offset: 0x{:x}", layout.gpa);
-            match mode {
-                LogMode::DirtyRing => println!(
-                    "Testing Log Mode '{}' (ring: {ring} entries per vCPU)",
-                    mode.name()
-                ),
-                _ => println!("Testing Log Mode '{}'", mode.name()),
-            }
-        }
-        let ocfg = OracleConfig {
-            mode,
+    let reports = modes
+        .iter()
+        .map(|&mode| check_mode(a, kind, &spec(a, vm_config, mode, ring), mode))
+        .collect::<CliResult<Vec<_>>>()?;
+    let vm = VmSettings::new(
+        kind,
+        a.machine.format,
+        &vm_config,
+        a.machine.tlb_entries,
+        None,
+        !a.machine.no_prefault,
+    );
+    Ok(Report {
+        benchmark: NAME,
+        backend: kind.name(),
+        format: vm.format,
+        config: Config {
+            vm,
             iterations: a.iterations,
-            interval: Duration::from_millis(a.interval_ms),
+            interval_ms: a.interval_ms,
+            vcpus: a.work.vcpus,
+            bytes_per_vcpu: a.work.bytes + EXTRA_BYTES,
+            backing: a.work.backing.name(),
             seed: a.seed,
+            ring_entries: ring,
+            broken: a.broken.is_some(),
             toggle_every: a.toggle_every,
-        };
-        let json = a.json;
-        let r = m.dirty_oracle(mode, ocfg, &mut |it| {
-            if !json {
-                println!(
-                    "Iteration {:2}: dirty: {:<6} clean: {:<6} writes: {:<6}{}",
-                    it.iteration,
-                    it.dirty,
-                    it.clean,
-                    it.writes,
-                    if it.toggled {
-                        " (logging toggled mid-iteration)"
-                    } else {
-                        ""
-                    }
-                );
-            }
-        })?;
-        let (lost, spurious): (u64, u64) = r
-            .iterations
-            .iter()
-            .fold((0, 0), |(l, s), i| (l + i.lost, s + i.spurious));
-        if !a.json {
+        },
+        pass: reports.iter().all(|m| m.pass),
+        modes: reports,
+        format_header: format_header(kind, a.machine.format, &vm_config),
+    })
+}
+
+/// The selftest's text report of one machine's run.
+fn print_text(r: &Report) {
+    for m in &r.modes {
+        println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
+        println!("{}", r.format_header);
+        println!("guest physical test memory offset: 0x{:x}", m.gpa);
+        if m.mode == LogMode::DirtyRing.name() {
             println!(
-                "Total bits checked: dirty ({}), clear ({})",
-                r.total_dirty(),
-                r.total_clean()
+                "Testing Log Mode '{}' (ring: {} entries per vCPU)",
+                m.mode, r.config.ring_entries
             );
-            if mode == LogMode::DirtyRing {
-                println!("Dirty ring full exits: {}", r.ring_full_exits);
-            }
-            for e in &r.errors {
-                println!("MISMATCH: {e}");
-            }
+        } else {
+            println!("Testing Log Mode '{}'", m.mode);
+        }
+        for it in &m.iterations {
             println!(
-                "Log mode '{}': {} ({lost} lost, {spurious} spurious pages)",
-                mode.name(),
-                if r.mismatches() == 0 { "PASS" } else { "FAIL" }
+                "Iteration {:2}: dirty: {:<6} clean: {:<6} writes: {:<6}{}",
+                it.iteration,
+                it.dirty,
+                it.clean,
+                it.writes,
+                if it.toggled {
+                    " (logging toggled mid-iteration)"
+                } else {
+                    ""
+                }
             );
-            println!();
         }
-        docs.push(json!({
-            "mode": mode.name(),
-            "iterations": r.iterations.iter().map(|i| json!({
-                "iteration": i.iteration, "dirty": i.dirty, "clean": i.clean,
-                "writes": i.writes, "lost": i.lost, "spurious": i.spurious, "toggled": i.toggled,
-            })).collect::<Vec<_>>(),
-            "total_dirty": r.total_dirty(), "total_clean": r.total_clean(),
-            "lost": lost, "spurious": spurious, "ring_full_exits": r.ring_full_exits,
-            "errors": r.errors, "pass": r.mismatches() == 0,
-        }));
-        if r.mismatches() != 0 {
-            failed.push(mode.name());
+        println!(
+            "Total bits checked: dirty ({}), clear ({})",
+            m.total_dirty, m.total_clean
+        );
+        if m.mode == LogMode::DirtyRing.name() {
+            println!("Dirty ring full exits: {}", m.ring_full_exits);
         }
-    }
-    if a.json {
-        let doc = json!({
-            "benchmark": "dirty-log-test", "backend": kind.name(),
-            "format": format_json(kind, a.machine.format),
-            "config": {
-                "format": format_json(kind, a.machine.format),
-                "cmo": vm_config.cmo.name(), "rebuild": vm_config.rebuild.name(),
-                "recover": vm_config.recover.name(), "eager_split": vm_config.eager_split,
-                "iterations": a.iterations, "interval_ms": a.interval_ms, "vcpus": a.vcpus,
-                "bytes_per_vcpu": bytes, "backing": a.backing.name(), "seed": a.seed,
-                "ring_entries": ring, "broken": a.broken.is_some(), "toggle_every": a.toggle_every,
-                "get_dirty_log": vm_config.get_log.name(), "dirty_tracking": vm_config.dirty_track.name(),
-                "fast_pf": vm_config.fast_pf, "mmu_lock": vm_config.mmu_lock.name(),
-            },
-            "modes": docs,
-        });
-        println!("{doc:#}");
-    }
-    if failed.is_empty() {
-        Ok(())
-    } else {
-        Err(format!(
-            "dirty log mismatch in mode(s) {} (seed {}): pages were lost or misreported",
-            failed.join(", "),
-            a.seed
-        ))
+        for e in &m.errors {
+            println!("MISMATCH: {e}");
+        }
+        println!(
+            "Log mode '{}': {} ({} lost, {} spurious pages)",
+            m.mode,
+            if m.pass { "PASS" } else { "FAIL" },
+            m.lost,
+            m.spurious
+        );
+        println!();
     }
 }

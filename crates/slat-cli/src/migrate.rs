@@ -3,13 +3,16 @@
 //! total migration time, downtime, rounds, dirty rate, bandwidth, throttling, verification.
 
 use crate::args::{
-    backing, check_backends, check_kvm_ring, guest_size, refuse, ring_size, BackendArg, FormatArg,
-    MachineArgs, Switch,
+    backing, check_backends, check_kvm_ring, ring_size, BackendArg, FormatArg, MachineArgs, Switch,
+    Workload,
 };
 use crate::limits::{check_backing, GuestMemory};
+use crate::migrate_report::{DestinationDoc, Migration};
+use crate::output::{print_json, summarize, Better, Metric, Repeated};
+use crate::plot::{draw_stacked, Chart, Series};
 use crate::report::{quiet, ts};
 use clap::{Args, ValueEnum};
-use serde_json::{json, Value};
+use serde_json::json;
 use slat_machine::ram::{format_size, parse_size, Backing};
 use slat_migrate::guest::{self, BackendKind, GuestSpec, LogMode, Memory};
 use slat_migrate::stream::{Compression, Shape, WorkSpec};
@@ -33,7 +36,7 @@ pub enum LogArg {
 }
 
 impl LogArg {
-    fn mode(self) -> LogMode {
+    pub fn mode(self) -> LogMode {
         match self {
             LogArg::Get => LogMode::Get,
             LogArg::Clear => LogMode::Clear,
@@ -64,25 +67,14 @@ pub enum BreakArg {
 /// The guest on the source and its workload.
 #[derive(Debug, Clone, Args)]
 pub struct GuestArgs {
+    #[command(flatten)]
+    pub work: Workload,
     /// Write pseudo-random pages instead of sweeping them in order.
     #[arg(short = 'a')]
     pub random: bool,
-    /// Guest memory per vCPU (k/m/g/t suffixes, powers of 1024; a multiple of 4 KiB).
-    #[arg(short = 'b', value_parser = guest_size, default_value = "1G")]
-    pub bytes: u64,
-    /// Overlap: every vCPU works on all of guest memory instead of its own partition.
-    #[arg(short = 'o')]
-    pub overlap: bool,
     /// Seed of the guest's pseudo-random generator.
     #[arg(short = 'r', default_value_t = 1)]
     pub seed: u32,
-    /// Host memory behind guest RAM: anonymous, anonymous_thp, anonymous_hugetlb (2 MiB),
-    /// anonymous_hugetlb_1gb, shmem.
-    #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
-    pub backing: Backing,
-    /// vCPUs.
-    #[arg(short = 'v', value_parser = clap::value_parser!(u32).range(1..=512), default_value_t = 1)]
-    pub vcpus: u32,
     /// Percentage of the guest's accesses that are writes (0-100).
     #[arg(short = 'w', value_parser = clap::value_parser!(u32).range(0..=100), default_value_t = 100)]
     pub write_percent: u32,
@@ -200,6 +192,10 @@ pub struct MigrateArgs {
     /// Print one JSON document instead of the text report.
     #[arg(long)]
     pub json: bool,
+    /// Also draw the migration's convergence into an SVG file: pages sent and pages the guest
+    /// dirtied meanwhile (still owed) per round, and the auto-converge throttle per round.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub guest: GuestArgs,
     #[command(flatten)]
@@ -259,13 +255,23 @@ pub struct MigratePerfArgs {
     pub resume_ms: u64,
     /// Run once per combination of the listed settings, in this process, and print one
     /// table (KEY=V1,V2,...; repeatable; keys: log, dirty-rate, fast-pf, backend,
-    /// max-downtime, compress, auto-converge). Seed 002's table:
+    /// max-downtime, compress, auto-converge). For example, dirty rate × log × fast page fault:
     /// `--vary dirty-rate=2k,50k --vary log=get,clear,ring --vary fast-pf=on,off`.
     #[arg(long = "vary", value_parser = parse_vary, value_name = "KEY=V1,V2")]
-    pub vary: Vec<(VaryKey, Vec<String>)>,
+    pub vary: Vec<(VaryKey, Vec<MigSetting>)>,
     /// Print one JSON document instead of the text report.
     #[arg(long)]
     pub json: bool,
+    /// Also draw into an SVG file: the migration's convergence (pages sent and pages still
+    /// owed per round, and the throttle per round); with --vary, the total migration time and
+    /// downtime of every row. With --repeat, the first run's convergence.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<std::path::PathBuf>,
+    /// Migrate N times in this process and add the median, minimum, maximum and spread
+    /// ((max - min) / median) of the headline figures, in text and JSON (1-1000; not with
+    /// --vary).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000), default_value_t = 1)]
+    pub repeat: u32,
     #[command(flatten)]
     pub guest: GuestArgs,
     #[command(flatten)]
@@ -305,7 +311,74 @@ impl VaryKey {
     }
 }
 
-fn parse_vary(s: &str) -> Result<(VaryKey, Vec<String>), String> {
+/// One value of a setting `--vary` sweeps, parsed once when the flag is read; `text` is the
+/// value as written (`2k`), for the table and labels.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigSetting {
+    /// The parsed value.
+    pub value: MigValue,
+    /// As written on the command line.
+    pub text: String,
+}
+
+/// A parsed `--vary` value of migrate-perf.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MigValue {
+    /// `log=...`.
+    Log(LogArg),
+    /// `dirty-rate=...`.
+    DirtyRate(u64),
+    /// `fast-pf=...`.
+    FastPf(Switch),
+    /// `backend=...`.
+    Backend(BackendArg),
+    /// `max-downtime=...` (ms).
+    MaxDowntime(u64),
+    /// `compress=...`.
+    Compress(CompressArg),
+    /// `auto-converge=...`.
+    AutoConverge(Switch),
+}
+
+impl MigValue {
+    fn key(self) -> VaryKey {
+        match self {
+            MigValue::Log(_) => VaryKey::Log,
+            MigValue::DirtyRate(_) => VaryKey::DirtyRate,
+            MigValue::FastPf(_) => VaryKey::FastPf,
+            MigValue::Backend(_) => VaryKey::Backend,
+            MigValue::MaxDowntime(_) => VaryKey::MaxDowntime,
+            MigValue::Compress(_) => VaryKey::Compress,
+            MigValue::AutoConverge(_) => VaryKey::AutoConverge,
+        }
+    }
+}
+
+impl MigSetting {
+    fn label(&self) -> String {
+        format!("{}={}", self.value.key().name(), self.text)
+    }
+}
+
+fn parse_value(key: VaryKey, v: &str) -> Result<MigValue, String> {
+    fn choice<T: ValueEnum>(v: &str, what: &str) -> Result<T, String> {
+        T::from_str(v, true).map_err(|_| format!("`{v}` is not a value of {what}"))
+    }
+    Ok(match key {
+        VaryKey::Log => MigValue::Log(choice(v, "--log")?),
+        VaryKey::DirtyRate => MigValue::DirtyRate(count(v)?),
+        VaryKey::FastPf => MigValue::FastPf(choice(v, "--fast-pf")?),
+        VaryKey::Backend => MigValue::Backend(choice(v, "--backend")?),
+        VaryKey::MaxDowntime => MigValue::MaxDowntime(
+            v.parse()
+                .map_err(|_| format!("`{v}` is not a number of milliseconds"))?,
+        ),
+        VaryKey::Compress => MigValue::Compress(choice(v, "--compress")?),
+        VaryKey::AutoConverge => MigValue::AutoConverge(choice(v, "--auto-converge")?),
+    })
+}
+
+fn parse_vary(s: &str) -> Result<(VaryKey, Vec<MigSetting>), String> {
     let (k, vs) = s
         .split_once('=')
         .ok_or_else(|| format!("`{s}`: expected KEY=V1,V2,..."))?;
@@ -323,55 +396,32 @@ fn parse_vary(s: &str) -> Result<(VaryKey, Vec<String>), String> {
     .ok_or_else(|| {
         format!("`{k}`: keys are log, dirty-rate, fast-pf, backend, max-downtime, compress, auto-converge")
     })?;
-    let values: Vec<String> = vs.split(',').map(|v| v.trim().to_string()).collect();
-    if values.iter().any(|v| v.is_empty()) {
+    let texts: Vec<&str> = vs.split(',').map(str::trim).collect();
+    if texts.iter().any(|v| v.is_empty()) {
         return Err(format!("`{s}`: an empty value"));
     }
-    // Check each value now, so a typo fails before any run.
-    let mut probe = MigratePerfArgs::probe()?;
-    for v in &values {
-        apply(&mut probe, key, v)?;
-    }
+    let values = texts
+        .iter()
+        .map(|t| {
+            Ok(MigSetting {
+                value: parse_value(key, t)?,
+                text: t.to_string(),
+            })
+        })
+        .collect::<Result<_, String>>()?;
     Ok((key, values))
 }
 
-impl MigratePerfArgs {
-    /// Defaults, for checking `--vary` values.
-    fn probe() -> Result<MigratePerfArgs, String> {
-        use clap::{FromArgMatches, Parser};
-        #[derive(Parser)]
-        struct P {
-            #[command(flatten)]
-            a: MigratePerfArgs,
-        }
-        let m = <P as clap::CommandFactory>::command()
-            .no_binary_name(true)
-            .try_get_matches_from(Vec::<String>::new())
-            .map_err(|e| e.to_string())?;
-        P::from_arg_matches(&m)
-            .map(|p| p.a)
-            .map_err(|e| e.to_string())
+fn apply(a: &mut MigratePerfArgs, v: MigValue) {
+    match v {
+        MigValue::Log(x) => a.guest.log = x,
+        MigValue::DirtyRate(x) => a.guest.dirty_rate = x,
+        MigValue::FastPf(x) => a.guest.machine.fast_pf = x,
+        MigValue::Backend(x) => a.guest.backend = x,
+        MigValue::MaxDowntime(x) => a.migration.max_downtime = x,
+        MigValue::Compress(x) => a.migration.compress = x,
+        MigValue::AutoConverge(x) => a.migration.auto_converge = x,
     }
-}
-
-fn apply(a: &mut MigratePerfArgs, key: VaryKey, v: &str) -> Result<(), String> {
-    fn choice<T: ValueEnum>(v: &str, what: &str) -> Result<T, String> {
-        T::from_str(v, true).map_err(|_| format!("`{v}` is not a value of {what}"))
-    }
-    match key {
-        VaryKey::Log => a.guest.log = choice(v, "--log")?,
-        VaryKey::DirtyRate => a.guest.dirty_rate = count(v)?,
-        VaryKey::FastPf => a.guest.machine.fast_pf = choice(v, "--fast-pf")?,
-        VaryKey::Backend => a.guest.backend = choice(v, "--backend")?,
-        VaryKey::MaxDowntime => {
-            a.migration.max_downtime = v
-                .parse()
-                .map_err(|_| format!("`{v}` is not a number of milliseconds"))?
-        }
-        VaryKey::Compress => a.migration.compress = choice(v, "--compress")?,
-        VaryKey::AutoConverge => a.migration.auto_converge = choice(v, "--auto-converge")?,
-    }
-    Ok(())
 }
 
 fn kind(b: BackendArg) -> BackendKind {
@@ -390,7 +440,7 @@ impl GuestArgs {
         let backends = [self.backend];
         self.machine.format.check_backends(&backends)?;
         check_backends(&backends, &self.machine.engine_only())?;
-        check_backing(&backends, self.backing)?;
+        check_backing(&backends, self.work.backing)?;
         if self.backend == BackendArg::Kvm && self.write_percent != 100 {
             return Err(
                 "-w applies to --backend sim only: the kvm guest's writer writes on every access"
@@ -400,11 +450,14 @@ impl GuestArgs {
         if self.log == LogArg::Ring {
             check_kvm_ring(&backends, self.ring_entries, "--dirty-ring")?;
         }
-        let mem = GuestMemory::per_vcpu(self.vcpus, self.bytes)?;
+        let mem = GuestMemory::per_vcpu(self.work.vcpus, self.work.bytes)?;
         mem.slots_divide(self.slots)?;
         mem.fits_gpa(&backends, self.machine.format, None)?;
-        let tlb = self.machine.tlb_bytes(self.vcpus).saturating_mul(copies);
-        mem.fits_host(self.backing, copies, tlb)?;
+        let tlb = self
+            .machine
+            .tlb_bytes(self.work.vcpus)
+            .saturating_mul(copies);
+        mem.fits_host(self.work.backing, copies, tlb)?;
         // The library's own check of the shape it will send (and a destination will check).
         self.shape().check().map_err(|e| e.to_string())?;
         Ok(())
@@ -412,10 +465,10 @@ impl GuestArgs {
 
     fn shape(&self) -> Shape {
         Shape {
-            vcpus: self.vcpus,
-            bytes_per_vcpu: self.bytes,
+            vcpus: self.work.vcpus,
+            bytes_per_vcpu: self.work.bytes,
             slots: self.slots,
-            overlap: self.overlap,
+            overlap: self.work.overlap,
         }
     }
 
@@ -423,7 +476,7 @@ impl GuestArgs {
         GuestSpec {
             backend: kind(self.backend),
             shape: self.shape(),
-            backing: self.backing,
+            backing: self.work.backing,
             log: self.log.mode(),
             ring_entries: self.ring_entries,
             vm: self.machine.vm_config(),
@@ -447,8 +500,8 @@ impl GuestArgs {
         format!(
             "{}, {} vCPU(s), {} guest memory, log {}, dirty rate {}, {}% filled",
             self.backend.name(),
-            self.vcpus,
-            format_size(self.bytes * self.vcpus as u64),
+            self.work.vcpus,
+            format_size(self.work.bytes * self.work.vcpus as u64),
             self.log.mode().name(),
             if self.dirty_rate == 0 {
                 "unlimited".to_string()
@@ -502,13 +555,13 @@ fn prepare_source(
     m: &MigrationArgs,
     q: bool,
 ) -> Result<(Arc<dyn Guest>, Source, f64), String> {
-    let total = g.bytes * g.vcpus as u64;
+    let total = g.work.bytes * g.work.vcpus as u64;
     progress(
         q,
         &format!(
             "source: mapping {} of {} guest RAM on {}, populating and filling {}%",
             format_size(total),
-            g.backing,
+            g.work.backing,
             g.backend.name(),
             g.fill
         ),
@@ -570,8 +623,8 @@ fn on_event(q: bool) -> impl FnMut(Event<'_>) {
 }
 
 /// `slat migrate`.
-pub fn run_migrate(a: &MigrateArgs) -> Result<(), String> {
-    a.guest.check(1).unwrap_or_else(|e| refuse(e));
+pub fn run_migrate(a: &MigrateArgs) -> crate::error::CliResult {
+    a.guest.check(1).map_err(crate::error::CliError::bad)?;
     let q = quiet(a.json);
     let (guest, mut src, baseline) = prepare_source(&a.guest, &a.migration, q)?;
     let mut failures = Vec::new();
@@ -582,9 +635,13 @@ pub fn run_migrate(a: &MigrateArgs) -> Result<(), String> {
         );
         match src.migrate(&a.to, &mut on_event(q)) {
             Ok(r) => {
-                let doc = report_json(&a.guest, &a.migration, &r, baseline, &failures);
+                let doc =
+                    Migration::new("migrate", &a.guest, &a.migration, &r, baseline, &failures);
+                if let Some(path) = &a.plot {
+                    plot_convergence(&r, path)?;
+                }
                 if a.json {
-                    println!("{doc:#}");
+                    crate::output::print_json(&doc, &[a.guest.backend])?;
                 } else {
                     print_report(&a.guest, &a.migration, &r, baseline);
                 }
@@ -605,7 +662,8 @@ pub fn run_migrate(a: &MigrateArgs) -> Result<(), String> {
                         if failures.len() > 1 { format!(" after {} attempts", failures.len()) } else { String::new() },
                         guest.writes(),
                         src.owed()
-                    ));
+                    )
+                    .into());
                 }
                 progress(
                     q,
@@ -622,13 +680,13 @@ pub fn run_migrate(a: &MigrateArgs) -> Result<(), String> {
 }
 
 /// `slat migrate-listen`.
-pub fn run_listen(a: &ListenArgs) -> Result<(), String> {
+pub fn run_listen(a: &ListenArgs) -> crate::error::CliResult {
     a.machine
         .format
         .check_backends(&[a.backend])
-        .unwrap_or_else(|e| refuse(e));
-    check_backends(&[a.backend], &a.machine.engine_only()).unwrap_or_else(|e| refuse(e));
-    check_backing(&[a.backend], a.backing).unwrap_or_else(|e| refuse(e));
+        .map_err(crate::error::CliError::bad)?;
+    check_backends(&[a.backend], &a.machine.engine_only()).map_err(crate::error::CliError::bad)?;
+    check_backing(&[a.backend], a.backing).map_err(crate::error::CliError::bad)?;
     let q = quiet(a.json);
     let listener =
         TcpListener::bind(&a.listen).map_err(|e| format!("cannot listen on {}: {e}", a.listen))?;
@@ -680,7 +738,7 @@ pub fn run_listen(a: &ListenArgs) -> Result<(), String> {
         match dest.serve(s) {
             Ok(r) => {
                 if a.json {
-                    println!("{:#}", dest_json(&r));
+                    crate::output::print_json(&DestinationDoc::new(&r), &[a.backend])?;
                 } else {
                     print_dest(&r);
                 }
@@ -689,7 +747,7 @@ pub fn run_listen(a: &ListenArgs) -> Result<(), String> {
             Err(e) => {
                 failures += 1;
                 if failures > a.retries {
-                    return Err(format!("incoming migration from {peer} failed: {e}"));
+                    return Err(format!("incoming migration from {peer} failed: {e}").into());
                 }
                 progress(q, &format!(
                     "incoming migration from {peer} failed: {e}; {} waiting for the source to retry ({failures} of {})",
@@ -736,45 +794,96 @@ fn perf_once(a: &MigratePerfArgs) -> Result<(MigrationReport, DestReport, f64), 
 }
 
 /// `slat migrate-perf`.
-pub fn run_perf(a: &MigratePerfArgs) -> Result<(), String> {
+pub fn run_perf(a: &MigratePerfArgs) -> crate::error::CliResult {
     if !a.vary.is_empty() {
+        if a.repeat > 1 {
+            return Err(crate::error::CliError::bad(
+                "--repeat with --vary: a sweep runs each row once; drop one of them",
+            ));
+        }
         return sweep(a);
     }
-    a.guest.check(2).unwrap_or_else(|e| refuse(e));
-    let (r, d, baseline) = perf_once(a)?;
+    a.guest.check(2).map_err(crate::error::CliError::bad)?;
+    let mut runs = Vec::new();
+    for n in 0..a.repeat {
+        if a.repeat > 1 {
+            progress(quiet(a.json), &format!("run {}/{}", n + 1, a.repeat));
+        }
+        let (r, d, baseline) = perf_once(a)?;
+        if n == 0 {
+            if let Some(path) = &a.plot {
+                plot_convergence(&r, path)?;
+            }
+        }
+        let mut doc = Migration::new("migrate-perf", &a.guest, &a.migration, &r, baseline, &[]);
+        doc.destination = Some(DestinationDoc::new(&d));
+        if !a.json {
+            print_report(&a.guest, &a.migration, &r, baseline);
+        }
+        runs.push(((r, baseline), doc));
+    }
+    if a.repeat > 1 {
+        let typed: Vec<(MigrationReport, f64)> = runs.iter().map(|(t, _)| t.clone()).collect();
+        let rep = Repeated {
+            benchmark: "migrate-perf",
+            repeat: typed.len(),
+            summary: PERF_METRICS.iter().map(|m| summarize(m, &typed)).collect(),
+            runs: runs.into_iter().map(|(_, doc)| doc).collect(),
+        };
+        if a.json {
+            return print_json(&rep, &[a.guest.backend]);
+        }
+        rep.print();
+        return Ok(());
+    }
     if a.json {
-        let mut doc = report_json(&a.guest, &a.migration, &r, baseline, &[]);
-        doc["benchmark"] = json!("migrate-perf");
-        doc["destination"] = dest_json(&d);
-        println!("{doc:#}");
-    } else {
-        print_report(&a.guest, &a.migration, &r, baseline);
+        print_json(&runs[0].1, &[a.guest.backend])?;
     }
     Ok(())
 }
 
-fn sweep(a: &MigratePerfArgs) -> Result<(), String> {
-    let mut keys = Vec::new();
-    for (k, _) in &a.vary {
-        if keys.contains(k) {
-            refuse(format!("--vary lists `{}` twice", k.name()));
-        }
-        keys.push(*k);
-    }
+/// The figures `--repeat` summarizes, from a migration's report and the guest's write rate
+/// before it.
+const PERF_METRICS: &[Metric<(MigrationReport, f64)>] = &[
+    Metric {
+        name: "total migration time",
+        unit: "s",
+        better: Better::Lower,
+        get: |(r, _)| Some(r.total.as_secs_f64()),
+    },
+    Metric {
+        name: "downtime",
+        unit: "s",
+        better: Better::Lower,
+        get: |(r, _)| Some(r.downtime.as_secs_f64()),
+    },
+    Metric {
+        name: "rounds",
+        unit: "rounds",
+        better: Better::Lower,
+        get: |(r, _)| Some(r.rounds.len() as f64),
+    },
+    Metric {
+        name: "bandwidth",
+        unit: "bytes/s",
+        better: Better::Higher,
+        get: |(r, _)| Some(r.bandwidth()),
+    },
+    Metric {
+        name: "guest writes during migration",
+        unit: "writes/s",
+        better: Better::Higher,
+        get: |(r, _)| Some(r.write_rate()),
+    },
+];
+
+fn sweep(a: &MigratePerfArgs) -> crate::error::CliResult {
+    let keys: Vec<VaryKey> = a.vary.iter().map(|(k, _)| *k).collect();
+    let names: Vec<&str> = keys.iter().map(|k| k.name()).collect();
+    crate::sweep::check_distinct_names(&names).map_err(crate::error::CliError::bad)?;
     // Every combination, the first key outermost.
-    let mut combos: Vec<Vec<(VaryKey, String)>> = vec![vec![]];
-    for (k, vs) in &a.vary {
-        combos = combos
-            .into_iter()
-            .flat_map(|c| {
-                vs.iter().map(move |v| {
-                    let mut c = c.clone();
-                    c.push((*k, v.clone()));
-                    c
-                })
-            })
-            .collect();
-    }
+    let axes: Vec<&[MigSetting]> = a.vary.iter().map(|(_, v)| &v[..]).collect();
+    let combos = crate::sweep::cross(&axes);
     let q = quiet(a.json);
     // Every row's settings, checked before the first run: a refusal at row 5 after minutes
     // of migrating would waste them.
@@ -783,28 +892,30 @@ fn sweep(a: &MigratePerfArgs) -> Result<(), String> {
         let mut b = a.clone();
         b.vary.clear();
         b.json = true;
-        for (k, v) in combo {
-            apply(&mut b, *k, v).unwrap_or_else(|e| refuse(e));
+        for v in combo {
+            apply(&mut b, v.value);
         }
-        let label: Vec<String> = combo
-            .iter()
-            .map(|(k, v)| format!("{}={v}", k.name()))
-            .collect();
+        let label: Vec<String> = combo.iter().map(MigSetting::label).collect();
         if let Err(e) = b.guest.check(2) {
-            refuse(format!("--vary row {}: {e}", label.join(" ")));
+            return Err(crate::error::CliError::bad(format!(
+                "--vary row {}: {e}",
+                label.join(" ")
+            )));
         }
         runs.push((b, label));
     }
     let mut rows = Vec::new();
     let mut docs = Vec::new();
+    let mut plotted = Vec::new();
     for (n, ((b, label), combo)) in runs.into_iter().zip(&combos).enumerate() {
         progress(
             q,
             &format!("sweep {}/{}: {}", n + 1, combos.len(), label.join(" ")),
         );
-        let mut row: Vec<String> = combo.iter().map(|(_, v)| v.clone()).collect();
+        let mut row: Vec<String> = combo.iter().map(|v| v.text.clone()).collect();
         match perf_once(&b) {
             Ok((r, d, baseline)) => {
+                plotted.push((label.join(" "), Some((r.total, r.downtime))));
                 let rounds: Vec<String> = r.rounds.iter().map(|x| x.pages.to_string()).collect();
                 row.extend([
                     format!("{:.3}", r.total.as_secs_f64()),
@@ -821,11 +932,13 @@ fn sweep(a: &MigratePerfArgs) -> Result<(), String> {
                     format!("{:.0}/{:.0}", baseline, r.write_rate()),
                     "ok".to_string(),
                 ]);
-                let mut doc = report_json(&b.guest, &b.migration, &r, baseline, &[]);
-                doc["destination"] = dest_json(&d);
+                let mut doc =
+                    Migration::new("migrate-perf", &b.guest, &b.migration, &r, baseline, &[]);
+                doc.destination = Some(DestinationDoc::new(&d));
                 docs.push(json!({ "settings": label, "result": doc }));
             }
             Err(e) => {
+                plotted.push((label.join(" "), None));
                 progress(q, &format!("sweep {}/{} failed: {e}", n + 1, combos.len()));
                 row.extend(std::iter::repeat_n("-".to_string(), 9));
                 row.push("FAILED".into());
@@ -834,18 +947,18 @@ fn sweep(a: &MigratePerfArgs) -> Result<(), String> {
         }
         rows.push(row);
     }
+    if let Some(path) = &a.plot {
+        plot_sweep(&plotted, path)?;
+    }
     if a.json {
-        println!(
-            "{:#}",
-            json!({ "benchmark": "migrate-perf", "sweep": docs })
-        );
-        return Ok(());
+        let doc = json!({ "benchmark": "migrate-perf", "sweep": docs });
+        return crate::output::print_json(&doc, &[a.guest.backend]);
     }
     let varied: Vec<&str> = keys.iter().map(|k| k.name()).collect();
     println!(
         "migrate-perf sweep: {} vCPU(s), {} guest memory, {}% filled; base settings {}, max downtime {} ms; varied: {}; one run per row, all in this process",
-        a.guest.vcpus,
-        format_size(a.guest.bytes * a.guest.vcpus as u64),
+        a.guest.work.vcpus,
+        format_size(a.guest.work.bytes * a.guest.work.vcpus as u64),
         a.guest.fill,
         a.guest.describe(),
         a.migration.max_downtime,
@@ -867,7 +980,7 @@ fn sweep(a: &MigratePerfArgs) -> Result<(), String> {
         ]
         .map(String::from),
     );
-    crate::sweep::print_table(&head, &rows);
+    crate::output::print_table(&head, &rows);
     if rows.iter().any(|r| r.last().is_some_and(|v| v == "FAILED")) {
         return Err("some runs failed (see above)".into());
     }
@@ -981,58 +1094,6 @@ fn print_report(g: &GuestArgs, m: &MigrationArgs, r: &MigrationReport, baseline:
     }
 }
 
-fn report_json(
-    g: &GuestArgs,
-    m: &MigrationArgs,
-    r: &MigrationReport,
-    baseline: f64,
-    failures: &[String],
-) -> Value {
-    json!({
-        "benchmark": "migrate",
-        "config": {
-            "backend": g.backend.name(), "vcpus": g.vcpus, "bytes_per_vcpu": g.bytes,
-            "backing": g.backing.name(), "slots": g.slots, "overlap": g.overlap,
-            "random": g.random, "write_percent": g.write_percent, "seed": g.seed,
-            "dirty_rate_per_vcpu": g.dirty_rate, "fill_percent": g.fill,
-            "log": g.log.mode().name(), "fast_pf": g.machine.fast_pf.on(),
-            "max_downtime_ms": m.max_downtime, "max_rounds": m.max_rounds,
-            "bandwidth_mib_per_s": m.bandwidth, "compress": m.compress == CompressArg::Lz4,
-            "auto_converge": m.auto_converge.on(),
-        },
-        "failed_attempts": failures,
-        "attempt": r.attempt,
-        "resumed": r.resumed,
-        "destination_backend": r.dest_backend,
-        "setup_s": r.setup.as_secs_f64(),
-        "total_s": r.total.as_secs_f64(),
-        "downtime_s": r.downtime.as_secs_f64(),
-        "final_harvest_s": r.final_harvest.as_secs_f64(),
-        "final_send_s": r.final_send.as_secs_f64(),
-        "verify_s": r.verify.as_secs_f64(),
-        "converged": r.converged,
-        "expected_final_transfer_s": r.expected_final.as_secs_f64(),
-        "rounds": r.rounds.iter().map(|x| json!({
-            "round": x.round, "pages": x.pages, "zero_pages": x.zero_pages, "bytes": x.bytes,
-            "time_s": x.time.as_secs_f64(), "dirtied": x.dirtied, "throttle_percent": x.throttle,
-            "stop_and_copy": x.stop_and_copy,
-        })).collect::<Vec<_>>(),
-        "pages": r.pages(),
-        "bytes": r.bytes(),
-        "bandwidth_bytes_per_s": r.bandwidth(),
-        "dirty_pages_per_s": r.dirty_rate(),
-        "guest_writes_per_s_before": baseline,
-        "guest_writes_per_s_during": r.write_rate(),
-        "throttle": {
-            "max_percent": r.throttle_max,
-            "changes": r.throttle_changes.iter().map(|(round, t)| json!({"after_round": round, "percent": t})).collect::<Vec<_>>(),
-            "vcpu_time_s": r.throttled.as_secs_f64(),
-        },
-        "verification": { "ok": true, "ranges": r.verify_ranges, "range_pages": r.range_pages },
-        "destination_resumed": r.dest_resumed.map(|(n, d)| json!({"pages_touched": n, "time_s": d.as_secs_f64()})),
-    })
-}
-
 fn print_dest(r: &DestReport) {
     let size = r
         .shape
@@ -1066,14 +1127,78 @@ fn print_dest(r: &DestReport) {
     );
 }
 
-fn dest_json(r: &DestReport) -> Value {
-    json!({
-        "session": r.session, "attempt": r.attempt, "resumed": r.resumed,
-        "source_backend": r.source_backend, "backend": r.backend,
-        "pages": r.pages, "zero_pages": r.zero_pages, "bytes": r.bytes, "rounds": r.rounds,
-        "setup_s": r.setup.as_secs_f64(), "total_s": r.total.as_secs_f64(),
-        "verification": { "ok": r.verify.ok(), "ranges": r.verify.ranges, "range_pages": r.verify.range_pages, "mismatched": r.verify.mismatched },
-        "verify_time_s": r.verify_time.as_secs_f64(),
-        "run": { "pages_touched": r.run.0, "time_s": r.run.1.as_secs_f64() },
-    })
+/// `--plot` of one migration: pages sent and pages dirtied meanwhile (owed to the next round)
+/// per round, and the throttle per round.
+fn plot_convergence(r: &MigrationReport, path: &std::path::Path) -> crate::error::CliResult {
+    let x = |x: &slat_migrate::source::RoundReport| x.round as f64;
+    let pages = Chart {
+        title: format!(
+            "migration convergence: {} rounds, downtime {:.1} ms",
+            r.rounds.len(),
+            r.downtime.as_secs_f64() * 1e3
+        ),
+        x_desc: "round (0: full copy; the last: stop-and-copy)",
+        y_desc: "pages",
+        series: vec![
+            Series {
+                name: "pages sent in the round".into(),
+                points: r
+                    .rounds
+                    .iter()
+                    .map(|p| (x(p), Some(p.pages as f64)))
+                    .collect(),
+            },
+            Series {
+                name: "pages owed after the round (dirtied while it ran)".into(),
+                points: r
+                    .rounds
+                    .iter()
+                    .map(|p| (x(p), Some(p.dirtied as f64)))
+                    .collect(),
+            },
+        ],
+        x_names: Some(r.rounds.iter().map(|p| p.round.to_string()).collect()),
+    };
+    let throttle = Chart {
+        title: format!("auto-converge throttle (max {}%)", r.throttle_max),
+        x_desc: "round",
+        y_desc: "vCPU throttle (%)",
+        series: vec![Series {
+            name: "throttle while the round ran (%)".into(),
+            points: r
+                .rounds
+                .iter()
+                .map(|p| (x(p), Some(p.throttle as f64)))
+                .collect(),
+        }],
+        x_names: Some(r.rounds.iter().map(|p| p.round.to_string()).collect()),
+    };
+    draw_stacked(&[pages, throttle], path)
+}
+
+/// `--plot` of a sweep: total migration time and downtime of every row (a failed row leaves a
+/// gap).
+fn plot_sweep(
+    rows: &[(String, Option<(Duration, Duration)>)],
+    path: &std::path::Path,
+) -> crate::error::CliResult {
+    let series = |name: &str, f: fn(&(Duration, Duration)) -> Duration| Series {
+        name: name.to_string(),
+        points: rows
+            .iter()
+            .enumerate()
+            .map(|(i, (_, r))| (i as f64, r.as_ref().map(|r| f(r).as_secs_f64() * 1e3)))
+            .collect(),
+    };
+    Chart {
+        title: "migrate-perf --vary: one migration per row".into(),
+        x_desc: "settings",
+        y_desc: "time (ms, lower is better)",
+        series: vec![
+            series("total migration time", |r| r.0),
+            series("downtime", |r| r.1),
+        ],
+        x_names: Some(rows.iter().map(|(l, _)| l.clone()).collect()),
+    }
+    .draw(path)
 }

@@ -14,7 +14,7 @@
 //! - the stage figures count the logging switch before the stage (in-place recovery happens
 //!   there), and its time is printed on its own line.
 
-use crate::args::{backing, guest_size, refuse, MachineArgs, RebuildArg, RecoverArg, Switch};
+use crate::args::{backing, guest_size, MachineArgs, OutputArgs, RebuildArg, RecoverArg, Switch};
 use crate::args::{BackendArg, FormatArg};
 use crate::limits::GuestMemory;
 use crate::report::{format_header, quiet, ratio, ts, Phase};
@@ -70,14 +70,14 @@ pub struct PageTableTestArgs {
     /// freed afterwards). Only stage2 breaks before make; no effect with --format ept.
     #[arg(long = "rebuild", value_enum, default_value = "install-first")]
     pub rebuild: RebuildArg,
-    /// Run the seed-001 comparison in one process: the three stages for each of `--cmo
+    /// Run a comparison in one process: the three stages for each of `--cmo
     /// always|on-install` × `--rebuild break-first|install-first` (other flags as given), then
-    /// one table with the relative improvement of each patch. Needs --format stage2.
+    /// one table with the relative improvement of `--cmo on-install` and of `--rebuild
+    /// install-first`. Needs --format stage2.
     #[arg(long)]
     pub compare: bool,
-    /// Print one JSON document with every figure instead of the text report.
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub out: OutputArgs,
     #[command(flatten)]
     pub machine: MachineArgs,
 }
@@ -91,6 +91,7 @@ fn address(s: &str) -> Result<u64, String> {
 }
 
 /// One stage's figures.
+#[derive(Clone)]
 struct StageFigures {
     stage: Stage,
     time: Duration,
@@ -102,9 +103,9 @@ struct StageFigures {
 }
 
 /// Runs the benchmark.
-pub fn run(a: &PageTableTestArgs) -> Result<(), String> {
+pub fn run(a: &PageTableTestArgs) -> crate::error::CliResult {
     if a.mode >= GUEST_MODES.len() {
-        refuse(format!(
+        return Err(crate::error::CliError::bad(format!(
             "guest mode {} is not implemented; -m takes {}",
             a.mode,
             GUEST_MODES
@@ -116,12 +117,12 @@ pub fn run(a: &PageTableTestArgs) -> Result<(), String> {
                 ))
                 .collect::<Vec<_>>()
                 .join(", ")
-        ));
+        )));
     }
     if a.compare && a.machine.format != FormatArg::Stage2 {
-        refuse("--compare varies cache maintenance and the rebuild order, which only --format stage2 has");
+        return Err(crate::error::CliError::bad("--compare varies cache maintenance and the rebuild order, which only --format stage2 has"));
     }
-    check(a).unwrap_or_else(|e| refuse(e));
+    check(a).map_err(crate::error::CliError::bad)?;
     let base = vm_config(a);
     let configs: Vec<VmConfig> = if a.compare {
         let mut v = Vec::new();
@@ -138,27 +139,57 @@ pub fn run(a: &PageTableTestArgs) -> Result<(), String> {
     } else {
         vec![base]
     };
-    let text = !a.json && !a.compare;
-    let mut runs = Vec::new();
-    for vm in &configs {
-        let r = match a.machine.format {
-            FormatArg::Ept => run_on::<slat::Ept>(a, *vm, text)?,
-            FormatArg::Stage2 => run_on::<slat::Stage2>(a, *vm, text)?,
-        };
-        runs.push((*vm, r));
+    if a.out.plot.is_some() {
+        return Err(crate::error::CliError::bad(
+            "--plot: page-table-test has no series to draw yet; drop --plot",
+        ));
     }
-    if a.compare && !a.json {
+    if a.compare && a.out.repeat > 1 {
+        return Err(crate::error::CliError::bad(
+            "--repeat with --compare: the comparison already runs every configuration; drop one of them",
+        ));
+    }
+    let text = !a.out.json && !a.compare;
+    let mut runs = Vec::new();
+    for n in 0..a.out.repeat {
+        if a.out.repeat > 1 && !quiet(a.out.json) {
+            eprintln!("[slat] run {}/{}", n + 1, a.out.repeat);
+        }
+        for vm in &configs {
+            let r = match a.machine.format {
+                FormatArg::Ept => run_on::<slat::Ept>(a, *vm, text)?,
+                FormatArg::Stage2 => run_on::<slat::Stage2>(a, *vm, text)?,
+            };
+            runs.push((*vm, r));
+        }
+    }
+    if a.out.repeat > 1 {
+        let typed: Vec<Run> = runs.iter().map(|(_, r)| r.clone()).collect();
+        let rep = crate::output::Repeated {
+            benchmark: "page-table-test",
+            repeat: typed.len(),
+            summary: METRICS
+                .iter()
+                .map(|m| crate::output::summarize(m, &typed))
+                .collect(),
+            runs: runs.iter().map(|(vm, r)| to_json(a, vm, r)).collect(),
+        };
+        if a.out.json {
+            return crate::output::print_json(&rep, &[]);
+        }
+        rep.print();
+        return Ok(());
+    }
+    if a.compare && !a.out.json {
         print_comparison(a, &runs);
     }
-    if a.json {
+    if a.out.json {
         let docs: Vec<_> = runs.iter().map(|(vm, r)| to_json(a, vm, r)).collect();
         if a.compare {
-            println!(
-                "{:#}",
-                json!({ "benchmark": "page-table-test", "compare": docs })
-            );
+            let doc = json!({ "benchmark": "page-table-test", "compare": docs });
+            crate::output::print_json(&doc, &[])?;
         } else {
-            println!("{:#}", docs[0]);
+            crate::output::print_json(&docs[0], &[])?;
         }
     }
     Ok(())
@@ -207,6 +238,7 @@ fn check(a: &PageTableTestArgs) -> Result<(), String> {
 }
 
 /// One configuration's run.
+#[derive(Clone)]
 struct Run {
     bytes: u64,
     large: u64,
@@ -324,7 +356,7 @@ fn vm_config(a: &PageTableTestArgs) -> VmConfig {
 }
 
 fn run_on<F: PteFormat>(a: &PageTableTestArgs, vm: VmConfig, text: bool) -> Result<Run, String> {
-    let q = quiet(a.json);
+    let q = quiet(a.out.json);
     let large = a.backing.page_size().max(PAGE_SIZE);
     let vcpus = a.vcpus as usize;
     // The machine gives each vCPU a partition; the test shares one region, so the partitions
@@ -473,49 +505,117 @@ fn print_stage(f: &StageFigures, format: FormatArg) {
     println!();
 }
 
-fn to_json(a: &PageTableTestArgs, vm: &VmConfig, r: &Run) -> serde_json::Value {
-    let stages: Vec<_> = r
+/// One stage's figures, as the report records them.
+#[derive(serde::Serialize)]
+struct StageRow {
+    stage: &'static str,
+    time_s: f64,
+    native_time_s: f64,
+    ratio: f64,
+    logging_switch_time_s: Option<f64>,
+    faults: u64,
+    pf_fixed: u64,
+    pf_fast: u64,
+    pf_spurious: u64,
+    pf_retry: u64,
+    splits: u64,
+    rebuilds: u64,
+    remote_tlb_flushes: u64,
+    bbm_breaks: u64,
+    cache_cleans: u64,
+    cache_clean_bytes: u64,
+}
+
+/// One configuration's run, as its JSON document carries it (the settings at the top level,
+/// as the page-table test always had them).
+#[derive(serde::Serialize)]
+struct Report {
+    benchmark: &'static str,
+    backend: &'static str,
+    #[serde(flatten)]
+    vm: crate::output::VmSettings,
+    guest_mode: &'static str,
+    backing: &'static str,
+    granularity: u64,
+    bytes: u64,
+    gpa: u64,
+    vcpus: u32,
+    stages: Vec<StageRow>,
+}
+
+/// The report of one run, for JSON.
+fn to_json(a: &PageTableTestArgs, vm: &VmConfig, r: &Run) -> Report {
+    let stages = r
         .stages
         .iter()
         .map(|f| {
             let s = &f.stats;
-            json!({
-                "stage": f.stage.name(),
-                "time_s": f.time.as_secs_f64(),
-                "native_time_s": f.native.as_secs_f64(),
-                "ratio": ratio(f.time, f.native),
-                "logging_switch_time_s": f.logging_switch.map(|d| d.as_secs_f64()),
-                "faults": f.faults,
-                "pf_fixed": s.pf_fixed,
-                "pf_fast": s.pf_fast,
-                "pf_spurious": s.pf_spurious,
-                "pf_retry": s.pf_retry,
-                "splits": s.splits,
-                "rebuilds": s.recoveries,
-                "remote_tlb_flushes": s.remote_tlb_flush,
-                "bbm_breaks": s.bbm_breaks,
-                "cache_cleans": s.cache_cleans,
-                "cache_clean_bytes": s.cache_clean_bytes,
-            })
+            StageRow {
+                stage: f.stage.name(),
+                time_s: f.time.as_secs_f64(),
+                native_time_s: f.native.as_secs_f64(),
+                ratio: ratio(f.time, f.native),
+                logging_switch_time_s: f.logging_switch.map(|d| d.as_secs_f64()),
+                faults: f.faults,
+                pf_fixed: s.pf_fixed,
+                pf_fast: s.pf_fast,
+                pf_spurious: s.pf_spurious,
+                pf_retry: s.pf_retry,
+                splits: s.splits,
+                rebuilds: s.recoveries,
+                remote_tlb_flushes: s.remote_tlb_flush,
+                bbm_breaks: s.bbm_breaks,
+                cache_cleans: s.cache_cleans,
+                cache_clean_bytes: s.cache_clean_bytes,
+            }
         })
         .collect();
-    json!({
-        "benchmark": "page-table-test",
-        "backend": "sim",
-        "format": a.machine.format.name(),
-        "guest_mode": GUEST_MODES[a.mode],
-        "backing": a.backing.name(),
-        "granularity": r.large,
-        "bytes": r.bytes,
-        "gpa": r.gpa,
-        "vcpus": a.vcpus,
-        "cmo": vm.cmo.name(),
-        "rebuild": vm.rebuild.name(),
-        "eager_split": vm.eager_split,
-        "recover": vm.recover.name(),
-        "mmu_lock": vm.mmu_lock.name(),
-        "fast_pf": vm.fast_pf,
-        "ad_bits": vm.ad_bits,
-        "stages": stages,
-    })
+    Report {
+        benchmark: "page-table-test",
+        backend: "sim",
+        vm: crate::output::VmSettings::new(
+            crate::args::BackendArg::Sim,
+            a.machine.format,
+            vm,
+            a.machine.tlb_entries,
+            a.machine.pcpus,
+            !a.machine.no_prefault,
+        ),
+        guest_mode: GUEST_MODES[a.mode],
+        backing: a.backing.name(),
+        granularity: r.large,
+        bytes: r.bytes,
+        gpa: r.gpa,
+        vcpus: a.vcpus,
+        stages,
+    }
 }
+
+fn stage_time(r: &Run, stage: Stage) -> Option<f64> {
+    r.stages
+        .iter()
+        .find(|f| f.stage == stage)
+        .map(|f| f.time.as_secs_f64())
+}
+
+/// The figures `--repeat` summarizes: each stage's time.
+const METRICS: &[crate::output::Metric<Run>] = &[
+    crate::output::Metric {
+        name: "create mappings",
+        unit: "s",
+        better: crate::output::Better::Lower,
+        get: |r| stage_time(r, Stage::CreateMappings),
+    },
+    crate::output::Metric {
+        name: "update mappings",
+        unit: "s",
+        better: crate::output::Better::Lower,
+        get: |r| stage_time(r, Stage::UpdateMappings),
+    },
+    crate::output::Metric {
+        name: "adjust mappings",
+        unit: "s",
+        better: crate::output::Better::Lower,
+        get: |r| stage_time(r, Stage::AdjustMappings),
+    },
+];

@@ -2,7 +2,6 @@
 //! page-table format's lines.
 
 use crate::args::{BackendArg, FormatArg};
-use serde_json::json;
 use slat_machine::ram::format_size;
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
@@ -54,15 +53,6 @@ impl Phase {
 /// Progress output is wanted: always on a terminal, and otherwise unless JSON was asked for.
 pub fn quiet(json: bool) -> bool {
     json && !std::io::stderr().is_terminal()
-}
-
-/// The format a run used, for JSON: the `--format` name on the simulated machine; `null` on
-/// KVM, whose page tables are the host's own, not slat's.
-pub fn format_json(kind: BackendArg, format: FormatArg) -> serde_json::Value {
-    match kind {
-        BackendArg::Sim => json!(format.name()),
-        BackendArg::Kvm => serde_json::Value::Null,
-    }
 }
 
 /// The header line naming the page-table format.

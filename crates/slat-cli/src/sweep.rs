@@ -3,7 +3,8 @@
 //! run on one machine state, not numbers gathered from separate invocations.
 
 use crate::args::{
-    CmoArg, FormatArg, GetLogArg, LockArg, RebuildArg, RecoverArg, Switch, TrackArg,
+    CmoArg, DirtyArgs, FormatArg, GetLogArg, LockArg, MachineArgs, RebuildArg, RecoverArg, Switch,
+    TrackArg,
 };
 use clap::ValueEnum;
 
@@ -58,22 +59,127 @@ impl Key {
     }
 }
 
+/// One value of a varied setting, parsed once when the flag is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Setting {
+    /// `vcpus=N`.
+    Vcpus(u32),
+    /// `format=...`.
+    Format(FormatArg),
+    /// `fast-pf=...`.
+    FastPf(Switch),
+    /// `mmu-lock=...`.
+    MmuLock(LockArg),
+    /// `ad-bits=...`.
+    AdBits(Switch),
+    /// `cmo=...`.
+    Cmo(CmoArg),
+    /// `get-dirty-log=...`.
+    GetDirtyLog(GetLogArg),
+    /// `dirty-tracking=...`.
+    DirtyTracking(TrackArg),
+    /// `eager-split=...`.
+    EagerSplit(Switch),
+    /// `recover=...`.
+    Recover(RecoverArg),
+    /// `rebuild=...`.
+    Rebuild(RebuildArg),
+}
+
+fn value_name<E: ValueEnum>(e: &E) -> String {
+    e.to_possible_value()
+        .map(|p| p.get_name().to_string())
+        .unwrap_or_default()
+}
+
+impl Setting {
+    /// The key it sets.
+    pub fn key(self) -> Key {
+        match self {
+            Setting::Vcpus(_) => Key::Vcpus,
+            Setting::Format(_) => Key::Format,
+            Setting::FastPf(_) => Key::FastPf,
+            Setting::MmuLock(_) => Key::MmuLock,
+            Setting::AdBits(_) => Key::AdBits,
+            Setting::Cmo(_) => Key::Cmo,
+            Setting::GetDirtyLog(_) => Key::GetDirtyLog,
+            Setting::DirtyTracking(_) => Key::DirtyTracking,
+            Setting::EagerSplit(_) => Key::EagerSplit,
+            Setting::Recover(_) => Key::Recover,
+            Setting::Rebuild(_) => Key::Rebuild,
+        }
+    }
+
+    /// The value as written on the command line.
+    pub fn value(self) -> String {
+        match self {
+            Setting::Vcpus(n) => n.to_string(),
+            Setting::Format(v) => value_name(&v),
+            Setting::FastPf(v) | Setting::AdBits(v) | Setting::EagerSplit(v) => value_name(&v),
+            Setting::MmuLock(v) => value_name(&v),
+            Setting::Cmo(v) => value_name(&v),
+            Setting::GetDirtyLog(v) => value_name(&v),
+            Setting::DirtyTracking(v) => value_name(&v),
+            Setting::Recover(v) => value_name(&v),
+            Setting::Rebuild(v) => value_name(&v),
+        }
+    }
+
+    /// `key=value`.
+    pub fn label(self) -> String {
+        format!("{}={}", self.key().name(), self.value())
+    }
+
+    /// Applies the setting to a run's vCPU count and switches.
+    pub fn apply(self, vcpus: &mut u32, machine: &mut MachineArgs, dirty: &mut DirtyArgs) {
+        match self {
+            Setting::Vcpus(n) => *vcpus = n,
+            Setting::Format(v) => machine.format = v,
+            Setting::FastPf(v) => machine.fast_pf = v,
+            Setting::MmuLock(v) => machine.mmu_lock = v,
+            Setting::AdBits(v) => machine.ad_bits = v,
+            Setting::Cmo(v) => machine.cmo = v,
+            Setting::GetDirtyLog(v) => dirty.get_log = v,
+            Setting::DirtyTracking(v) => dirty.tracking = v,
+            Setting::EagerSplit(v) => dirty.eager_split = v,
+            Setting::Recover(v) => dirty.recover = v,
+            Setting::Rebuild(v) => dirty.rebuild = v,
+        }
+    }
+}
+
 /// One `--vary` flag: a key and the values to try, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Vary {
     /// What is varied.
     pub key: Key,
-    /// The values, already checked to be valid for the key.
-    pub values: Vec<String>,
+    /// The values, parsed.
+    pub values: Vec<Setting>,
 }
 
-fn check_enum<E: ValueEnum>(key: &str, v: &str) -> Result<(), String> {
-    E::from_str(v, true).map(|_| ()).map_err(|_| {
-        let names: Vec<String> = E::value_variants()
-            .iter()
-            .filter_map(|e| e.to_possible_value().map(|p| p.get_name().to_string()))
-            .collect();
+fn choice<E: ValueEnum>(key: &str, v: &str) -> Result<E, String> {
+    E::from_str(v, true).map_err(|_| {
+        let names: Vec<String> = E::value_variants().iter().map(value_name).collect();
         format!("--vary {key}: `{v}` is not one of {}", names.join(", "))
+    })
+}
+
+fn parse_value(key: Key, k: &str, v: &str) -> Result<Setting, String> {
+    Ok(match key {
+        Key::Vcpus => match v.parse::<u32>() {
+            Ok(n) if (1..=512).contains(&n) => Setting::Vcpus(n),
+            _ => return Err(format!("--vary vcpus: `{v}` is not a count from 1 to 512")),
+        },
+        Key::FastPf => Setting::FastPf(choice(k, v)?),
+        Key::AdBits => Setting::AdBits(choice(k, v)?),
+        Key::EagerSplit => Setting::EagerSplit(choice(k, v)?),
+        Key::MmuLock => Setting::MmuLock(choice(k, v)?),
+        Key::GetDirtyLog => Setting::GetDirtyLog(choice(k, v)?),
+        Key::DirtyTracking => Setting::DirtyTracking(choice(k, v)?),
+        Key::Recover => Setting::Recover(choice(k, v)?),
+        Key::Format => Setting::Format(choice(k, v)?),
+        Key::Cmo => Setting::Cmo(choice(k, v)?),
+        Key::Rebuild => Setting::Rebuild(choice(k, v)?),
     })
 }
 
@@ -90,39 +196,28 @@ pub fn parse_vary(s: &str) -> Result<Vary, String> {
             let names: Vec<&str> = KEYS.iter().map(|(n, _)| *n).collect();
             format!("--vary: unknown key `{k}` (known: {})", names.join(", "))
         })?;
-    let values: Vec<String> = vs.split(',').map(|v| v.trim().to_string()).collect();
-    if values.iter().any(|v| v.is_empty()) {
+    let raw: Vec<&str> = vs.split(',').map(str::trim).collect();
+    if raw.iter().any(|v| v.is_empty()) {
         return Err(format!("--vary {k}: empty value in `{vs}`"));
     }
-    for v in &values {
-        match key {
-            Key::Vcpus => match v.parse::<u32>() {
-                Ok(n) if (1..=512).contains(&n) => {}
-                _ => return Err(format!("--vary vcpus: `{v}` is not a count from 1 to 512")),
-            },
-            Key::FastPf | Key::AdBits | Key::EagerSplit => check_enum::<Switch>(k, v)?,
-            Key::MmuLock => check_enum::<LockArg>(k, v)?,
-            Key::GetDirtyLog => check_enum::<GetLogArg>(k, v)?,
-            Key::DirtyTracking => check_enum::<TrackArg>(k, v)?,
-            Key::Recover => check_enum::<RecoverArg>(k, v)?,
-            Key::Format => check_enum::<FormatArg>(k, v)?,
-            Key::Cmo => check_enum::<CmoArg>(k, v)?,
-            Key::Rebuild => check_enum::<RebuildArg>(k, v)?,
-        }
-    }
+    let values = raw
+        .iter()
+        .map(|v| parse_value(key, k, v))
+        .collect::<Result<_, _>>()?;
     Ok(Vary { key, values })
 }
 
-/// Every combination of the values, first key slowest: each a list of (key, value).
-pub fn combinations(vary: &[Vary]) -> Vec<Vec<(Key, String)>> {
-    let mut out: Vec<Vec<(Key, String)>> = vec![Vec::new()];
-    for v in vary {
+/// Every combination of one value from each axis, first axis slowest. Shared by every
+/// subcommand with `--vary`, whatever its settings are.
+pub fn cross<S: Clone>(axes: &[&[S]]) -> Vec<Vec<S>> {
+    let mut out: Vec<Vec<S>> = vec![Vec::new()];
+    for axis in axes {
         out = out
             .into_iter()
             .flat_map(|prefix| {
-                v.values.iter().map(move |val| {
+                axis.iter().map(move |val| {
                     let mut p = prefix.clone();
-                    p.push((v.key, val.clone()));
+                    p.push(val.clone());
                     p
                 })
             })
@@ -131,50 +226,29 @@ pub fn combinations(vary: &[Vary]) -> Vec<Vec<(Key, String)>> {
     out
 }
 
-/// Refuses a key given twice (the cross product would be ambiguous).
-pub fn check_distinct(vary: &[Vary]) -> Result<(), String> {
-    for (i, a) in vary.iter().enumerate() {
-        if vary[..i].iter().any(|b| b.key == a.key) {
+/// Refuses a key given twice (the cross product would be ambiguous); `names` are the keys in
+/// the order given.
+pub fn check_distinct_names(names: &[&str]) -> Result<(), String> {
+    for (i, a) in names.iter().enumerate() {
+        if names[..i].contains(a) {
             return Err(format!(
-                "--vary {} given twice: list all its values in one flag",
-                a.key.name()
+                "--vary {a} given twice: list all its values in one flag"
             ));
         }
     }
     Ok(())
 }
 
-/// Parses a value `parse_vary` accepted.
-pub fn enum_value<E: ValueEnum>(v: &str) -> E {
-    // parse_vary validated every value against the same enum.
-    E::from_str(v, true).unwrap_or_else(|_| unreachable!("validated by parse_vary"))
+/// Every combination of the values, first key slowest.
+pub fn combinations(vary: &[Vary]) -> Vec<Vec<Setting>> {
+    let axes: Vec<&[Setting]> = vary.iter().map(|v| &v.values[..]).collect();
+    cross(&axes)
 }
 
-/// Prints a Markdown table: `head` columns, then `rows`.
-pub fn print_table(head: &[String], rows: &[Vec<String>]) {
-    let widths: Vec<usize> = (0..head.len())
-        .map(|c| {
-            rows.iter()
-                .map(|r| r[c].len())
-                .chain([head[c].len()])
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    let line = |cells: &[String]| {
-        let padded: Vec<String> = cells
-            .iter()
-            .zip(&widths)
-            .map(|(c, w)| format!("{c:>w$}"))
-            .collect();
-        println!("| {} |", padded.join(" | "));
-    };
-    line(head);
-    let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
-    println!("|-{}-|", rule.join("-|-"));
-    for r in rows {
-        line(r);
-    }
+/// Refuses a key given twice.
+pub fn check_distinct(vary: &[Vary]) -> Result<(), String> {
+    let names: Vec<&str> = vary.iter().map(|v| v.key.name()).collect();
+    check_distinct_names(&names)
 }
 
 #[cfg(test)]
@@ -187,10 +261,7 @@ mod tests {
         let b = parse_vary("vcpus=1,2").unwrap();
         let c = combinations(&[a, b]);
         assert_eq!(c.len(), 4);
-        assert_eq!(
-            c[1],
-            vec![(Key::FastPf, "on".into()), (Key::Vcpus, "2".into())]
-        );
+        assert_eq!(c[1], vec![Setting::FastPf(Switch::On), Setting::Vcpus(2)]);
     }
 
     #[test]

@@ -1,0 +1,49 @@
+//! The CLI's errors. Every subcommand returns [`CliError`]; `main` alone turns one into a line
+//! on stderr and an exit status: 2 for input the command refuses (nothing was run, or the
+//! settings cannot work together), 1 for a failure while running (a machine error, a lost
+//! dirty page, a failed migration).
+
+use thiserror::Error;
+
+/// Why a subcommand stopped.
+#[derive(Debug, Error)]
+pub enum CliError {
+    /// The flags cannot run: the message names the flag and what to change. Exit status 2.
+    #[error("{0}")]
+    BadInput(String),
+    /// The run failed. Exit status 1.
+    #[error("error: {0}")]
+    Runtime(String),
+}
+
+impl CliError {
+    /// A refusal of the given flags (exit status 2).
+    pub fn bad(msg: impl std::fmt::Display) -> CliError {
+        CliError::BadInput(msg.to_string())
+    }
+
+    /// The exit status `main` uses for this error.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            CliError::BadInput(_) => 2,
+            CliError::Runtime(_) => 1,
+        }
+    }
+}
+
+/// Machine and engine errors are runtime failures.
+impl From<String> for CliError {
+    fn from(e: String) -> CliError {
+        CliError::Runtime(e)
+    }
+}
+
+/// A runtime failure described in words.
+impl From<&str> for CliError {
+    fn from(e: &str) -> CliError {
+        CliError::Runtime(e.to_string())
+    }
+}
+
+/// The result of a subcommand.
+pub type CliResult<T = ()> = Result<T, CliError>;

@@ -1,0 +1,336 @@
+//! The typed reports of `slat migrate`, `migrate-listen` and `migrate-perf`, serialized into
+//! their JSON documents (the field names are the ones the documents always had).
+
+use crate::migrate::{CompressArg, GuestArgs, MigrationArgs};
+use crate::output::secs;
+use serde::Serialize;
+use slat_migrate::{DestReport, MigrationReport};
+use std::time::Duration;
+
+/// The source's settings.
+#[derive(Debug, Clone, Serialize)]
+pub struct Config {
+    /// `--backend`.
+    pub backend: &'static str,
+    /// `-v`.
+    pub vcpus: u32,
+    /// `-b`.
+    pub bytes_per_vcpu: u64,
+    /// `-s`.
+    pub backing: &'static str,
+    /// `-x`.
+    pub slots: u32,
+    /// `-o`.
+    pub overlap: bool,
+    /// `-a`.
+    pub random: bool,
+    /// `-w`.
+    pub write_percent: u32,
+    /// `-r`.
+    pub seed: u32,
+    /// `--dirty-rate`.
+    pub dirty_rate_per_vcpu: u64,
+    /// `--fill`.
+    pub fill_percent: u32,
+    /// `--log`.
+    pub log: &'static str,
+    /// `--fast-pf`.
+    pub fast_pf: bool,
+    /// `--max-downtime`.
+    pub max_downtime_ms: u64,
+    /// `--max-rounds`.
+    pub max_rounds: u32,
+    /// `--bandwidth`.
+    pub bandwidth_mib_per_s: Option<u64>,
+    /// `--compress lz4`.
+    pub compress: bool,
+    /// `--auto-converge`.
+    pub auto_converge: bool,
+}
+
+/// One pre-copy round (the last is the stop-and-copy).
+#[derive(Debug, Clone, Serialize)]
+pub struct Round {
+    /// 0: the full copy.
+    pub round: u32,
+    /// Pages sent.
+    pub pages: u64,
+    /// Of which zero pages.
+    pub zero_pages: u64,
+    /// Bytes written to the socket.
+    pub bytes: u64,
+    /// From the first byte to the last acknowledgement.
+    #[serde(rename = "time_s", serialize_with = "secs")]
+    pub time: Duration,
+    /// Pages the guest dirtied while the round ran: owed to the next round.
+    pub dirtied: u64,
+    /// Throttle while the round ran.
+    pub throttle_percent: u32,
+    /// The vCPUs were stopped.
+    pub stop_and_copy: bool,
+}
+
+/// A throttle change.
+#[derive(Debug, Clone, Serialize)]
+pub struct ThrottleChange {
+    /// The round after which it changed.
+    pub after_round: u32,
+    /// The new throttle.
+    pub percent: u32,
+}
+
+/// Auto-converge.
+#[derive(Debug, Clone, Serialize)]
+pub struct Throttle {
+    /// The highest throttle.
+    pub max_percent: u32,
+    /// Every change.
+    pub changes: Vec<ThrottleChange>,
+    /// vCPU time spent throttled.
+    #[serde(rename = "vcpu_time_s", serialize_with = "secs")]
+    pub vcpu_time: Duration,
+}
+
+/// The verification at switch-over.
+#[derive(Debug, Clone, Serialize)]
+pub struct Verification {
+    /// Every range matched.
+    pub ok: bool,
+    /// Ranges compared.
+    pub ranges: u64,
+    /// Pages per range.
+    pub range_pages: u32,
+    /// Ranges that did not match (destination side only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mismatched: Option<u64>,
+}
+
+/// The guest's run on the destination after the switch-over.
+#[derive(Debug, Clone, Serialize)]
+pub struct Resumed {
+    /// Pages it touched.
+    pub pages_touched: u64,
+    /// How long it ran.
+    #[serde(rename = "time_s", serialize_with = "secs")]
+    pub time: Duration,
+}
+
+/// What the destination reports.
+#[derive(Debug, Clone, Serialize)]
+pub struct DestinationDoc {
+    /// The migration session's id.
+    pub session: u64,
+    /// Which attempt of the source.
+    pub attempt: u32,
+    /// The session resumed an earlier, interrupted one.
+    pub resumed: bool,
+    /// The source's machine.
+    pub source_backend: String,
+    /// This machine.
+    pub backend: String,
+    /// Pages received.
+    pub pages: u64,
+    /// Of which zero pages.
+    pub zero_pages: u64,
+    /// Bytes received.
+    pub bytes: u64,
+    /// Rounds received.
+    pub rounds: u32,
+    /// Connection to first page.
+    #[serde(rename = "setup_s", serialize_with = "secs")]
+    pub setup: Duration,
+    /// The whole session.
+    #[serde(rename = "total_s", serialize_with = "secs")]
+    pub total: Duration,
+    /// The verification.
+    pub verification: Verification,
+    /// Time verifying.
+    #[serde(rename = "verify_time_s", serialize_with = "secs")]
+    pub verify_time: Duration,
+    /// The guest's run after the switch-over.
+    pub run: Resumed,
+}
+
+impl DestinationDoc {
+    /// From the destination's report.
+    pub fn new(r: &DestReport) -> DestinationDoc {
+        DestinationDoc {
+            session: r.session,
+            attempt: r.attempt,
+            resumed: r.resumed,
+            source_backend: r.source_backend.clone(),
+            backend: r.backend.clone(),
+            pages: r.pages,
+            zero_pages: r.zero_pages,
+            bytes: r.bytes,
+            rounds: r.rounds,
+            setup: r.setup,
+            total: r.total,
+            verification: Verification {
+                ok: r.verify.ok(),
+                ranges: r.verify.ranges,
+                range_pages: r.verify.range_pages,
+                mismatched: Some(r.verify.mismatched),
+            },
+            verify_time: r.verify_time,
+            run: Resumed {
+                pages_touched: r.run.0,
+                time: r.run.1,
+            },
+        }
+    }
+}
+
+/// One migration, as the source saw it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Migration {
+    /// `migrate` or `migrate-perf`.
+    pub benchmark: &'static str,
+    /// The settings.
+    pub config: Config,
+    /// Why earlier attempts failed.
+    pub failed_attempts: Vec<String>,
+    /// The attempt that succeeded.
+    pub attempt: u32,
+    /// It resumed an interrupted session.
+    pub resumed: bool,
+    /// The destination's machine.
+    pub destination_backend: String,
+    /// Connection and handshake.
+    #[serde(rename = "setup_s", serialize_with = "secs")]
+    pub setup: Duration,
+    /// The whole migration.
+    #[serde(rename = "total_s", serialize_with = "secs")]
+    pub total: Duration,
+    /// vCPUs stopped.
+    #[serde(rename = "downtime_s", serialize_with = "secs")]
+    pub downtime: Duration,
+    /// The last harvest, vCPUs stopped.
+    #[serde(rename = "final_harvest_s", serialize_with = "secs")]
+    pub final_harvest: Duration,
+    /// The last send, vCPUs stopped.
+    #[serde(rename = "final_send_s", serialize_with = "secs")]
+    pub final_send: Duration,
+    /// The verification at switch-over.
+    #[serde(rename = "verify_s", serialize_with = "secs")]
+    pub verify: Duration,
+    /// Pre-copy converged below --max-downtime.
+    pub converged: bool,
+    /// The stop-and-copy time pre-copy expected.
+    #[serde(rename = "expected_final_transfer_s", serialize_with = "secs")]
+    pub expected_final: Duration,
+    /// Every round.
+    pub rounds: Vec<Round>,
+    /// Pages sent.
+    pub pages: u64,
+    /// Bytes sent.
+    pub bytes: u64,
+    /// Bytes per second.
+    pub bandwidth_bytes_per_s: f64,
+    /// Pages the guest dirtied per second during pre-copy.
+    pub dirty_pages_per_s: f64,
+    /// The guest's writes per second before the migration.
+    pub guest_writes_per_s_before: f64,
+    /// And during it.
+    pub guest_writes_per_s_during: f64,
+    /// Auto-converge.
+    pub throttle: Throttle,
+    /// The verification.
+    pub verification: Verification,
+    /// The guest's run on the destination, as reported back.
+    pub destination_resumed: Option<Resumed>,
+    /// The destination's own report (migrate-perf, both ends in this process).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub destination: Option<DestinationDoc>,
+}
+
+impl Migration {
+    /// From the source's report.
+    pub fn new(
+        benchmark: &'static str,
+        g: &GuestArgs,
+        m: &MigrationArgs,
+        r: &MigrationReport,
+        baseline: f64,
+        failures: &[String],
+    ) -> Migration {
+        Migration {
+            benchmark,
+            config: Config {
+                backend: g.backend.name(),
+                vcpus: g.work.vcpus,
+                bytes_per_vcpu: g.work.bytes,
+                backing: g.work.backing.name(),
+                slots: g.slots,
+                overlap: g.work.overlap,
+                random: g.random,
+                write_percent: g.write_percent,
+                seed: g.seed,
+                dirty_rate_per_vcpu: g.dirty_rate,
+                fill_percent: g.fill,
+                log: g.log.mode().name(),
+                fast_pf: g.machine.fast_pf.on(),
+                max_downtime_ms: m.max_downtime,
+                max_rounds: m.max_rounds,
+                bandwidth_mib_per_s: m.bandwidth,
+                compress: m.compress == CompressArg::Lz4,
+                auto_converge: m.auto_converge.on(),
+            },
+            failed_attempts: failures.to_vec(),
+            attempt: r.attempt,
+            resumed: r.resumed,
+            destination_backend: r.dest_backend.clone(),
+            setup: r.setup,
+            total: r.total,
+            downtime: r.downtime,
+            final_harvest: r.final_harvest,
+            final_send: r.final_send,
+            verify: r.verify,
+            converged: r.converged,
+            expected_final: r.expected_final,
+            rounds: r
+                .rounds
+                .iter()
+                .map(|x| Round {
+                    round: x.round,
+                    pages: x.pages,
+                    zero_pages: x.zero_pages,
+                    bytes: x.bytes,
+                    time: x.time,
+                    dirtied: x.dirtied,
+                    throttle_percent: x.throttle,
+                    stop_and_copy: x.stop_and_copy,
+                })
+                .collect(),
+            pages: r.pages(),
+            bytes: r.bytes(),
+            bandwidth_bytes_per_s: r.bandwidth(),
+            dirty_pages_per_s: r.dirty_rate(),
+            guest_writes_per_s_before: baseline,
+            guest_writes_per_s_during: r.write_rate(),
+            throttle: Throttle {
+                max_percent: r.throttle_max,
+                changes: r
+                    .throttle_changes
+                    .iter()
+                    .map(|&(after_round, percent)| ThrottleChange {
+                        after_round,
+                        percent,
+                    })
+                    .collect(),
+                vcpu_time: r.throttled,
+            },
+            verification: Verification {
+                ok: true,
+                ranges: r.verify_ranges,
+                range_pages: r.range_pages,
+                mismatched: None,
+            },
+            destination_resumed: r.dest_resumed.map(|(n, d)| Resumed {
+                pages_touched: n,
+                time: d,
+            }),
+            destination: None,
+        }
+    }
+}

@@ -1,0 +1,496 @@
+//! Shared rendering of typed reports: the JSON document every run prints (one per run, with
+//! the schema version, the slat version and the host facts), the metric tables that the
+//! `--backend sim,kvm` comparison, the `--vary` sweep and the `--repeat` summary are drawn
+//! from, and the VM settings every report carries.
+//!
+//! A benchmark's report is a plain `#[derive(Serialize)]` struct. Tables never read figures
+//! back out of JSON: each benchmark lists its [`Metric`]s, each a name, a unit, which way is
+//! better and a function from the report to the figure.
+
+use crate::args::{BackendArg, FormatArg};
+use crate::error::{CliError, CliResult};
+use crate::host::HostFacts;
+use serde::{Serialize, Serializer};
+use std::time::Duration;
+
+/// Version of the JSON documents' layout; raised whenever a field is renamed, removed or
+/// changes meaning (adding a field does not raise it).
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// The document printed by `--json`: the envelope, then the body's fields at the top level.
+#[derive(Serialize)]
+pub struct Document<'a, B: Serialize> {
+    /// [`SCHEMA_VERSION`].
+    pub schema_version: u32,
+    /// The slat version that produced it.
+    pub slat_version: &'static str,
+    /// The host the numbers were measured on.
+    pub host: HostFacts,
+    /// The report.
+    #[serde(flatten)]
+    pub body: &'a B,
+}
+
+/// Prints `body` as the run's one JSON document.
+pub fn print_json<B: Serialize>(body: &B, backends: &[BackendArg]) -> CliResult {
+    let doc = Document {
+        schema_version: SCHEMA_VERSION,
+        slat_version: env!("CARGO_PKG_VERSION"),
+        host: HostFacts::collect(backends),
+        body,
+    };
+    let text = serde_json::to_string_pretty(&doc)
+        .map_err(|e| CliError::Runtime(format!("cannot encode the report as JSON: {e}")))?;
+    println!("{text}");
+    Ok(())
+}
+
+/// Serializes a duration as seconds (a float), the unit of every `*_s` field.
+pub fn secs<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64())
+}
+
+/// Serializes an optional duration as seconds or `null`.
+pub fn opt_secs<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_some(&d.as_secs_f64()),
+        None => s.serialize_none(),
+    }
+}
+
+/// The engine and machine settings of a run, as every report's `config` carries them. Built
+/// in one place ([`VmSettings::new`]) from what the flags selected.
+#[derive(Debug, Clone, Serialize)]
+pub struct VmSettings {
+    /// `--format` on the simulated machine; `null` on kvm (the host's own page tables).
+    pub format: Option<&'static str>,
+    /// `--mmu-lock`.
+    pub mmu_lock: &'static str,
+    /// `--fast-pf`.
+    pub fast_pf: bool,
+    /// `--ad-bits`.
+    pub ad_bits: bool,
+    /// `--get-dirty-log`.
+    pub get_dirty_log: &'static str,
+    /// `--dirty-tracking`.
+    pub dirty_tracking: &'static str,
+    /// `--eager-split`.
+    pub eager_split: bool,
+    /// `--recover`.
+    pub recover: &'static str,
+    /// `--cmo`.
+    pub cmo: &'static str,
+    /// `--rebuild`.
+    pub rebuild: &'static str,
+    /// `--tlb-entries`.
+    pub tlb_entries: usize,
+    /// Physical CPUs the simulated vCPUs ran on (`null` on kvm).
+    pub pcpus: Option<usize>,
+    /// Guest RAM and baseline memory were pre-faulted (no `--no-prefault`).
+    pub prefault: bool,
+}
+
+impl VmSettings {
+    /// The settings of a run on `kind`.
+    pub fn new(
+        kind: BackendArg,
+        format: FormatArg,
+        vm: &slat::VmConfig,
+        tlb_entries: usize,
+        pcpus: Option<usize>,
+        prefault: bool,
+    ) -> VmSettings {
+        VmSettings {
+            format: format_name(kind, format),
+            mmu_lock: vm.mmu_lock.name(),
+            fast_pf: vm.fast_pf,
+            ad_bits: vm.ad_bits,
+            get_dirty_log: vm.get_log.name(),
+            dirty_tracking: vm.dirty_track.name(),
+            eager_split: vm.eager_split,
+            recover: vm.recover.name(),
+            cmo: vm.cmo.name(),
+            rebuild: vm.rebuild.name(),
+            tlb_entries,
+            pcpus,
+            prefault,
+        }
+    }
+}
+
+/// The format a run used: the `--format` name on the simulated machine; `None` on KVM, whose
+/// page tables are the host's own, not slat's.
+pub fn format_name(kind: BackendArg, format: FormatArg) -> Option<&'static str> {
+    match kind {
+        BackendArg::Sim => Some(format.name()),
+        BackendArg::Kvm => None,
+    }
+}
+
+/// Which way a metric improves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Better {
+    /// Times, ratios of guest over native time: smaller is better.
+    Lower,
+    /// Rates (pages or bytes per second): larger is better.
+    Higher,
+}
+
+impl Better {
+    fn word(self) -> &'static str {
+        match self {
+            Better::Lower => "lower",
+            Better::Higher => "higher",
+        }
+    }
+}
+
+/// One figure of a report, addressed by a typed accessor.
+pub struct Metric<R> {
+    /// Its name in tables and JSON (`iteration 2 dirty memory`).
+    pub name: &'static str,
+    /// Its unit (`s`, `x` for a ratio, `pages/s`).
+    pub unit: &'static str,
+    /// Which way is better.
+    pub better: Better,
+    /// Reads it from a report (`None` when the run has no such figure).
+    pub get: fn(&R) -> Option<f64>,
+}
+
+/// A figure in a table cell: six decimals below 1000 (seconds resolve to the microsecond),
+/// whole numbers above (rates), or `-` when the run has none.
+pub fn cell(x: Option<f64>) -> String {
+    match x {
+        Some(x) if x.abs() >= 1000.0 => format!("{x:.0}"),
+        Some(x) => format!("{x:.6}"),
+        None => "-".into(),
+    }
+}
+
+/// A ratio in a table cell.
+pub fn ratio_cell(r: Option<f64>) -> String {
+    match r {
+        Some(r) if r < 0.01 => format!("{r:.5}x"),
+        Some(r) => format!("{r:.2}x"),
+        None => "-".into(),
+    }
+}
+
+fn quotient(p: Option<f64>, q: Option<f64>) -> Option<f64> {
+    match (p, q) {
+        (Some(p), Some(q)) if q > 0.0 => Some(p / q),
+        _ => None,
+    }
+}
+
+/// One row of a two-machine comparison.
+#[derive(Debug, Clone, Serialize)]
+pub struct CompareRow {
+    /// The metric's name.
+    pub metric: &'static str,
+    /// Its unit.
+    pub unit: &'static str,
+    /// Which way is better.
+    pub better: Better,
+    /// On the first machine.
+    pub first: Option<f64>,
+    /// On the second machine.
+    pub second: Option<f64>,
+    /// first / second.
+    pub ratio_first_over_second: Option<f64>,
+}
+
+/// A `--backend A,B` run: both reports in full and the table comparing them.
+#[derive(Serialize)]
+pub struct Comparison<'a, R: Serialize> {
+    /// The benchmark's name.
+    pub benchmark: &'static str,
+    /// The two machines, in the order run.
+    pub backends: [&'static str; 2],
+    /// One row per metric.
+    pub comparison: Vec<CompareRow>,
+    /// The two reports, in the order of `backends`.
+    pub runs: [&'a R; 2],
+}
+
+impl<'a, R: Serialize> Comparison<'a, R> {
+    /// Compares `runs` metric by metric.
+    pub fn new(
+        benchmark: &'static str,
+        backends: [&'static str; 2],
+        metrics: &[Metric<R>],
+        runs: [&'a R; 2],
+    ) -> Self {
+        let comparison = metrics
+            .iter()
+            .map(|m| {
+                let (p, q) = ((m.get)(runs[0]), (m.get)(runs[1]));
+                CompareRow {
+                    metric: m.name,
+                    unit: m.unit,
+                    better: m.better,
+                    first: p,
+                    second: q,
+                    ratio_first_over_second: quotient(p, q),
+                }
+            })
+            .collect();
+        Comparison {
+            benchmark,
+            backends,
+            comparison,
+            runs,
+        }
+    }
+
+    /// The table: metric, the value on each machine, and their ratio.
+    pub fn print(&self) {
+        let [n0, n1] = self.backends;
+        let head: Vec<String> = vec!["metric".into(), n0.into(), n1.into(), format!("{n0}/{n1}")];
+        let body: Vec<Vec<String>> = self
+            .comparison
+            .iter()
+            .map(|r| {
+                let f = if r.unit == "x" { ratio_cell } else { cell };
+                vec![
+                    r.metric.to_string(),
+                    f(r.first),
+                    f(r.second),
+                    ratio_cell(r.ratio_first_over_second),
+                ]
+            })
+            .collect();
+        print_table(&head, &body);
+    }
+}
+
+/// One row of a `--vary` sweep: the settings and the run's report.
+#[derive(Serialize)]
+pub struct SweepRow<R: Serialize> {
+    /// `key=value` for every varied key.
+    pub settings: Vec<String>,
+    /// The run.
+    pub result: R,
+}
+
+/// A `--vary` sweep: every row's report.
+#[derive(Serialize)]
+pub struct Sweep<R: Serialize> {
+    /// The benchmark's name.
+    pub benchmark: &'static str,
+    /// One per combination, first key slowest.
+    pub sweep: Vec<SweepRow<R>>,
+}
+
+impl<R: Serialize> Sweep<R> {
+    /// The table: the varied values, then every metric's figure.
+    pub fn print(&self, keys: &[&str], metrics: &[Metric<R>]) {
+        let mut head: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+        head.extend(metrics.iter().map(|m| unit_head(m.name, m.unit)));
+        let rows: Vec<Vec<String>> = self
+            .sweep
+            .iter()
+            .map(|row| {
+                let mut cells: Vec<String> = row
+                    .settings
+                    .iter()
+                    .map(|s| s.split_once('=').map_or(s.as_str(), |(_, v)| v).to_string())
+                    .collect();
+                cells.extend(metrics.iter().map(|m| {
+                    let v = (m.get)(&row.result);
+                    if m.unit == "x" {
+                        ratio_cell(v)
+                    } else {
+                        cell(v)
+                    }
+                }));
+                cells
+            })
+            .collect();
+        print_table(&head, &rows);
+    }
+}
+
+fn unit_head(name: &str, unit: &str) -> String {
+    if unit == "x" {
+        name.to_string()
+    } else {
+        format!("{name} ({unit})")
+    }
+}
+
+/// Median, minimum, maximum and spread of one metric over `--repeat` runs.
+#[derive(Debug, Clone, Serialize)]
+pub struct MetricSummary {
+    /// The metric's name.
+    pub metric: &'static str,
+    /// Its unit.
+    pub unit: &'static str,
+    /// Which way is better.
+    pub better: Better,
+    /// Runs that had the figure.
+    pub runs: usize,
+    /// The median (the mean of the middle two for an even count).
+    pub median: Option<f64>,
+    /// The smallest.
+    pub min: Option<f64>,
+    /// The largest.
+    pub max: Option<f64>,
+    /// (max - min) / median: how far apart the runs were, relative to the median.
+    pub spread: Option<f64>,
+}
+
+/// Summarizes one metric over runs.
+pub fn summarize<R>(m: &Metric<R>, runs: &[R]) -> MetricSummary {
+    let mut xs: Vec<f64> = runs.iter().filter_map(|r| (m.get)(r)).collect();
+    xs.sort_by(|a, b| a.total_cmp(b));
+    let n = xs.len();
+    let median = match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(xs[n / 2]),
+        _ => Some((xs[n / 2 - 1] + xs[n / 2]) / 2.0),
+    };
+    let (min, max) = (xs.first().copied(), xs.last().copied());
+    let spread = match (median, min, max) {
+        (Some(md), Some(lo), Some(hi)) if md > 0.0 => Some((hi - lo) / md),
+        _ => None,
+    };
+    MetricSummary {
+        metric: m.name,
+        unit: m.unit,
+        better: m.better,
+        runs: n,
+        median,
+        min,
+        max,
+        spread,
+    }
+}
+
+/// `--repeat N`: every run's report and the summary of each metric.
+#[derive(Serialize)]
+pub struct Repeated<R: Serialize> {
+    /// The benchmark's name.
+    pub benchmark: &'static str,
+    /// Times the benchmark ran.
+    pub repeat: usize,
+    /// One per metric.
+    pub summary: Vec<MetricSummary>,
+    /// The runs, in order.
+    pub runs: Vec<R>,
+}
+
+impl<R: Serialize> Repeated<R> {
+    /// Summarizes `runs`.
+    pub fn new(benchmark: &'static str, metrics: &[Metric<R>], runs: Vec<R>) -> Self {
+        Repeated {
+            benchmark,
+            repeat: runs.len(),
+            summary: metrics.iter().map(|m| summarize(m, &runs)).collect(),
+            runs,
+        }
+    }
+
+    /// The summary table, and what its columns mean.
+    pub fn print(&self) {
+        println!();
+        println!(
+            "Summary over {} runs (spread = (max - min) / median; the better column says which way each figure improves):",
+            self.repeat
+        );
+        let head: Vec<String> = ["metric", "median", "min", "max", "spread", "better"]
+            .map(String::from)
+            .to_vec();
+        let rows: Vec<Vec<String>> = self
+            .summary
+            .iter()
+            .map(|s| {
+                let f = |x: Option<f64>| {
+                    if s.unit == "x" {
+                        ratio_cell(x)
+                    } else {
+                        cell(x)
+                    }
+                };
+                vec![
+                    unit_head(s.metric, s.unit),
+                    f(s.median),
+                    f(s.min),
+                    f(s.max),
+                    s.spread
+                        .map(|p| format!("{:.1}%", p * 100.0))
+                        .unwrap_or_else(|| "-".into()),
+                    s.better.word().to_string(),
+                ]
+            })
+            .collect();
+        print_table(&head, &rows);
+        if self.summary.iter().any(|s| s.unit == "x") {
+            println!("guest/native: the guest pass's time over the same pass by host threads on host memory; 1.00x is native speed, lower is better");
+        }
+    }
+}
+
+/// Prints a Markdown table: `head` columns, then `rows`.
+pub fn print_table(head: &[String], rows: &[Vec<String>]) {
+    let widths: Vec<usize> = (0..head.len())
+        .map(|c| {
+            rows.iter()
+                .map(|r| r[c].len())
+                .chain([head[c].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let line = |cells: &[String]| {
+        let padded: Vec<String> = cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:>w$}"))
+            .collect();
+        println!("| {} |", padded.join(" | "));
+    };
+    line(head);
+    let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
+    println!("|-{}-|", rule.join("-|-"));
+    for r in rows {
+        line(r);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Serialize)]
+    struct R(Option<f64>);
+
+    const M: Metric<R> = Metric {
+        name: "x",
+        unit: "s",
+        better: Better::Lower,
+        get: |r| r.0,
+    };
+
+    #[test]
+    fn summary_of_odd_even_and_missing_runs() {
+        let s = summarize(&M, &[R(Some(3.0)), R(Some(1.0)), R(Some(2.0))]);
+        assert_eq!((s.median, s.min, s.max), (Some(2.0), Some(1.0), Some(3.0)));
+        assert_eq!(s.spread, Some(1.0));
+        let s = summarize(&M, &[R(Some(4.0)), R(None), R(Some(2.0))]);
+        assert_eq!((s.runs, s.median), (2, Some(3.0)));
+        let s = summarize(&M, &[R(None)]);
+        assert_eq!((s.runs, s.median, s.spread), (0, None, None));
+    }
+
+    #[test]
+    fn comparison_divides_first_by_second() {
+        let (a, b) = (R(Some(1.0)), R(Some(4.0)));
+        let c = Comparison::new("t", ["sim", "kvm"], &[M], [&a, &b]);
+        assert_eq!(c.comparison[0].ratio_first_over_second, Some(0.25));
+        let z = R(Some(0.0));
+        let c = Comparison::new("t", ["sim", "kvm"], &[M], [&a, &z]);
+        assert_eq!(c.comparison[0].ratio_first_over_second, None);
+    }
+}

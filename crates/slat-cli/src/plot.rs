@@ -1,0 +1,147 @@
+//! `--plot FILE.svg`: line charts of a run's figures, drawn with plotters' SVG backend.
+
+use crate::error::{CliError, CliResult};
+use plotters::prelude::*;
+use std::path::Path;
+
+/// One line of a chart: its legend and its points.
+pub struct Series {
+    /// Legend text.
+    pub name: String,
+    /// (x, y) points, in x order; a `None` y leaves a gap (the point is skipped).
+    pub points: Vec<(f64, Option<f64>)>,
+}
+
+/// A chart: title, axis descriptions, the lines, and optional names for integer x positions
+/// (a sweep's rows).
+pub struct Chart<'a> {
+    /// Caption above the plot.
+    pub title: String,
+    /// What x is.
+    pub x_desc: &'a str,
+    /// What y is.
+    pub y_desc: &'a str,
+    /// The lines.
+    pub series: Vec<Series>,
+    /// Labels of x = 0, 1, 2, ... instead of numbers.
+    pub x_names: Option<Vec<String>>,
+}
+
+const COLORS: [RGBColor; 8] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+];
+
+fn plot_err(path: &Path, e: impl std::fmt::Display) -> CliError {
+    CliError::Runtime(format!("cannot draw the plot {}: {e}", path.display()))
+}
+
+/// The range of the values, widened so a flat line is not on the frame.
+fn span(xs: impl Iterator<Item = f64>) -> (f64, f64) {
+    let (lo, hi) = xs.fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), x| {
+        (l.min(x), h.max(x))
+    });
+    if !lo.is_finite() {
+        return (0.0, 1.0);
+    }
+    if hi > lo {
+        (lo, hi)
+    } else {
+        (lo - 0.5, hi + 0.5)
+    }
+}
+
+/// Draws `charts` one above the other into `path`.
+pub fn draw_stacked(charts: &[Chart], path: &Path) -> CliResult {
+    let height = 420 * charts.len().max(1) as u32;
+    let root = SVGBackend::new(path, (1000, height)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| plot_err(path, e))?;
+    for (c, area) in charts.iter().zip(root.split_evenly((charts.len(), 1))) {
+        c.draw_on(&area, path)?;
+    }
+    root.present().map_err(|e| plot_err(path, e))
+}
+
+impl Chart<'_> {
+    /// Draws the chart into `path`.
+    pub fn draw(&self, path: &Path) -> CliResult {
+        draw_stacked(std::slice::from_ref(self), path)
+    }
+
+    fn draw_on(
+        &self,
+        root: &DrawingArea<SVGBackend, plotters::coord::Shift>,
+        path: &Path,
+    ) -> CliResult {
+        let points = || {
+            self.series
+                .iter()
+                .flat_map(|s| s.points.iter().filter_map(|&(x, y)| y.map(|y| (x, y))))
+        };
+        let (x0, x1) = span(points().map(|p| p.0));
+        let (_, y1) = span(points().map(|p| p.1));
+        let (x0, x1) = if self.x_names.is_some() {
+            (x0 - 0.5, x1 + 0.5)
+        } else {
+            (x0, x1)
+        };
+        let mut chart = ChartBuilder::on(root)
+            .caption(&self.title, ("sans-serif", 20))
+            .margin(16)
+            .x_label_area_size(48)
+            .y_label_area_size(80)
+            .build_cartesian_2d(x0..x1, 0.0..y1 * 1.1)
+            .map_err(|e| plot_err(path, e))?;
+        let names = self.x_names.clone();
+        let x_fmt = move |x: &f64| match &names {
+            Some(n) => {
+                let i = x.round();
+                if (x - i).abs() < 1e-6 && i >= 0.0 {
+                    n.get(i as usize).cloned().unwrap_or_default()
+                } else {
+                    String::new()
+                }
+            }
+            None => format!("{x}"),
+        };
+        let n_ticks = self.x_names.as_ref().map_or(10, |n| n.len() * 2 + 1);
+        chart
+            .configure_mesh()
+            .x_desc(self.x_desc)
+            .y_desc(self.y_desc)
+            .x_labels(n_ticks)
+            .x_label_formatter(&x_fmt)
+            .draw()
+            .map_err(|e| plot_err(path, e))?;
+        for (i, s) in self.series.iter().enumerate() {
+            let color = COLORS[i % COLORS.len()];
+            let pts: Vec<(f64, f64)> = s
+                .points
+                .iter()
+                .filter_map(|&(x, y)| y.map(|y| (x, y)))
+                .collect();
+            chart
+                .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+                .map_err(|e| plot_err(path, e))?
+                .label(s.name.clone())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+            chart
+                .draw_series(pts.into_iter().map(|p| Circle::new(p, 3, color.filled())))
+                .map_err(|e| plot_err(path, e))?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| plot_err(path, e))?;
+        Ok(())
+    }
+}

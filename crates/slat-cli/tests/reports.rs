@@ -1,0 +1,566 @@
+//! The reports through the `slat` binary: every benchmark's `--json` document validates
+//! against its schema in `crates/slat-cli/schema/`, `--repeat` adds consistent medians, minima
+//! and maxima, and `--plot` writes an SVG with the expected series. Small sizes, so the file
+//! runs in a few seconds.
+//!
+//! The schemas are checked by a small validator written here: it understands the keywords the
+//! schema files use (`type`, `enum`, `required`, `properties`, `items`, `minimum`, `allOf`,
+//! `oneOf`, `$ref` to a file and to `#/$defs/...`), and refuses any other keyword, so a schema
+//! can not quietly rely on one it ignores.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn slat(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_slat"))
+        .args(args)
+        .output()
+        .expect("run slat");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn ok(args: &[&str]) -> String {
+    let (code, out, err) = slat(args);
+    assert_eq!(code, 0, "slat {}:\n{out}\n{err}", args.join(" "));
+    out
+}
+
+/// Runs `args` with `--json`; the output must be exactly one JSON document.
+fn json(args: &[&str]) -> Value {
+    let mut v = args.to_vec();
+    v.push("--json");
+    let out = ok(&v);
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("slat {}: {e}\n{out}", v.join(" ")))
+}
+
+fn schema_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("schema")
+}
+
+fn load(file: &str) -> Value {
+    let p = schema_dir().join(file);
+    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+const KEYWORDS: [&str; 16] = [
+    "$schema",
+    "$id",
+    "$defs",
+    "$ref",
+    "title",
+    "description",
+    "type",
+    "enum",
+    "required",
+    "properties",
+    "items",
+    "minimum",
+    "allOf",
+    "oneOf",
+    "additionalProperties",
+    "const",
+];
+
+fn type_ok(t: &str, v: &Value) -> bool {
+    match t {
+        "null" => v.is_null(),
+        "boolean" => v.is_boolean(),
+        "integer" => v.is_i64() || v.is_u64(),
+        "number" => v.is_number(),
+        "string" => v.is_string(),
+        "array" => v.is_array(),
+        "object" => v.is_object(),
+        other => panic!("unknown type {other}"),
+    }
+}
+
+/// Errors of `v` against `schema` (from `file`), each with the JSON path.
+fn check(file: &str, schema: &Value, v: &Value, path: &str, errs: &mut Vec<String>) {
+    let obj = schema.as_object().expect("a schema is an object");
+    for k in obj.keys() {
+        assert!(
+            KEYWORDS.contains(&k.as_str()),
+            "{file}: keyword {k} not supported"
+        );
+    }
+    if let Some(r) = obj.get("$ref").and_then(Value::as_str) {
+        let (f, frag) = r.split_once('#').unwrap_or((r, ""));
+        let f = if f.is_empty() { file } else { f };
+        let root = load(f);
+        let mut target = &root;
+        for part in frag.split('/').filter(|p| !p.is_empty()) {
+            target = &target[part];
+        }
+        assert!(!target.is_null(), "{file}: $ref {r} not found");
+        check(f, target, v, path, errs);
+    }
+    if let Some(all) = obj.get("allOf").and_then(Value::as_array) {
+        for s in all {
+            check(file, s, v, path, errs);
+        }
+    }
+    if let Some(one) = obj.get("oneOf").and_then(Value::as_array) {
+        let passing = one
+            .iter()
+            .filter(|s| {
+                let mut e = Vec::new();
+                check(file, s, v, path, &mut e);
+                e.is_empty()
+            })
+            .count();
+        if passing != 1 {
+            errs.push(format!("{path}: matches {passing} of the oneOf schemas"));
+        }
+    }
+    if let Some(t) = obj.get("type") {
+        let ok = match t {
+            Value::String(t) => type_ok(t, v),
+            Value::Array(ts) => ts.iter().any(|t| type_ok(t.as_str().unwrap(), v)),
+            _ => panic!("{file}: bad type"),
+        };
+        if !ok {
+            errs.push(format!("{path}: {v} is not of type {t}"));
+            return;
+        }
+    }
+    if let Some(e) = obj.get("enum").and_then(Value::as_array) {
+        if !e.contains(v) {
+            errs.push(format!("{path}: {v} is not one of {e:?}"));
+        }
+    }
+    if let Some(m) = obj.get("minimum").and_then(Value::as_f64) {
+        if v.as_f64().is_some_and(|x| x < m) {
+            errs.push(format!("{path}: {v} is below {m}"));
+        }
+    }
+    if let (Some(req), Some(o)) = (obj.get("required").and_then(Value::as_array), v.as_object()) {
+        for k in req {
+            if !o.contains_key(k.as_str().unwrap()) {
+                errs.push(format!("{path}: missing {k}"));
+            }
+        }
+    }
+    if let (Some(props), Some(o)) = (
+        obj.get("properties").and_then(Value::as_object),
+        v.as_object(),
+    ) {
+        for (k, s) in props {
+            if let Some(x) = o.get(k) {
+                check(file, s, x, &format!("{path}.{k}"), errs);
+            }
+        }
+    }
+    if let (Some(items), Some(a)) = (obj.get("items"), v.as_array()) {
+        for (i, x) in a.iter().enumerate() {
+            check(file, items, x, &format!("{path}[{i}]"), errs);
+        }
+    }
+}
+
+fn validate(file: &str, doc: &Value) {
+    let mut errs = Vec::new();
+    check(file, &load(file), doc, "$", &mut errs);
+    assert!(errs.is_empty(), "{file}:\n{}\n{doc:#}", errs.join("\n"));
+}
+
+#[test]
+fn the_validator_rejects_what_it_should() {
+    let doc = json(&["dirty-log-perf", "-v", "1", "-b", "4M", "-i", "2"]);
+    let mut bad = doc.clone();
+    bad["iterations"][0]["dirty_pages"] = Value::from("many");
+    let mut errs = Vec::new();
+    check(
+        "dirty-log-perf.json",
+        &load("dirty-log-perf.json"),
+        &bad,
+        "$",
+        &mut errs,
+    );
+    assert!(errs.iter().any(|e| e.contains("dirty_pages")), "{errs:?}");
+    let mut bad = doc;
+    bad.as_object_mut().unwrap().remove("host");
+    let mut errs = Vec::new();
+    check(
+        "dirty-log-perf.json",
+        &load("dirty-log-perf.json"),
+        &bad,
+        "$",
+        &mut errs,
+    );
+    assert!(errs.iter().any(|e| e.contains("host")), "{errs:?}");
+}
+
+#[test]
+fn dirty_log_perf_json_matches_its_schema_on_both_machines() {
+    for backend in ["sim", "kvm"] {
+        let d = json(&[
+            "dirty-log-perf",
+            "-v",
+            "1",
+            "-b",
+            "4M",
+            "-i",
+            "2",
+            "--backend",
+            backend,
+        ]);
+        validate("dirty-log-perf.json", &d);
+        assert_eq!(d["schema_version"], 1);
+        let privilege = &d["host"]["kvm_guest_privilege"];
+        assert_eq!(privilege.is_null(), backend == "sim", "{d:#}");
+    }
+    let d = json(&[
+        "dirty-log-perf",
+        "-b",
+        "4M",
+        "--dirty-ring",
+        "256",
+        "--backend",
+        "kvm",
+    ]);
+    validate("dirty-log-perf.json", &d);
+    assert!(d["iterations"][0]["reset_dirty_rings_time_s"].is_number());
+}
+
+#[test]
+fn demand_paging_json_matches_its_schema() {
+    validate("demand-paging.json", &json(&["demand-paging", "-b", "4M"]));
+    validate(
+        "demand-paging.json",
+        &json(&["demand-paging", "-b", "4M", "--backend", "kvm"]),
+    );
+}
+
+#[test]
+fn dirty_log_test_prints_one_document_for_two_machines() {
+    let args = [
+        "dirty-log-test",
+        "-b",
+        "4M",
+        "-i",
+        "2",
+        "-I",
+        "5",
+        "-M",
+        "clear-log",
+    ];
+    validate("dirty-log-test.json", &json(&args));
+    let mut both = args.to_vec();
+    both.extend(["--backend", "sim,kvm"]);
+    let d = json(&both);
+    validate("dirty-log-test.json", &d);
+    assert_eq!(d["runs"].as_array().map(Vec::len), Some(2), "{d:#}");
+    assert_eq!(d["pass"], true);
+}
+
+#[test]
+fn comparison_and_sweep_json_match_their_schemas() {
+    let d = json(&["dirty-log-perf", "-b", "4M", "--backend", "sim,kvm"]);
+    validate("comparison.json", &d);
+    for run in d["runs"].as_array().unwrap() {
+        // The runs inside carry no envelope of their own: check the report part.
+        let mut e = Vec::new();
+        let s = load("dirty-log-perf.json");
+        check(
+            "dirty-log-perf.json",
+            &s["$defs"]["report"],
+            run,
+            "$",
+            &mut e,
+        );
+        assert!(e.is_empty(), "{e:?}");
+    }
+    let rows: Vec<&str> = d["comparison"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["metric"].as_str().unwrap())
+        .collect();
+    assert!(rows.contains(&"iteration 2 dirty memory"), "{rows:?}");
+    validate(
+        "comparison.json",
+        &json(&["demand-paging", "-b", "4M", "--backend", "sim,kvm"]),
+    );
+    let d = json(&["dirty-log-perf", "-b", "4M", "--vary", "fast-pf=on,off"]);
+    validate("sweep.json", &d);
+    assert_eq!(d["sweep"][1]["settings"][0], "fast-pf=off");
+}
+
+#[test]
+fn the_other_benchmarks_json_match_their_schemas() {
+    validate(
+        "access-tracking-perf.json",
+        &json(&["access-tracking-perf", "-b", "4M", "--idle-check", "warn"]),
+    );
+    validate(
+        "page-table-test.json",
+        &json(&["page-table-test", "-b", "4M"]),
+    );
+    let d = json(&[
+        "migrate-perf",
+        "-v",
+        "1",
+        "-b",
+        "4M",
+        "--warmup",
+        "20",
+        "--resume-ms",
+        "0",
+    ]);
+    validate("migrate.json", &d);
+    assert_eq!(d["benchmark"], "migrate-perf");
+    assert!(d["destination"]["verification"]["ok"].as_bool().unwrap());
+}
+
+fn summary<'a>(d: &'a Value, metric: &str) -> &'a Value {
+    d["summary"]
+        .as_array()
+        .expect("summary")
+        .iter()
+        .find(|s| s["metric"] == metric)
+        .unwrap_or_else(|| panic!("no {metric} in {d:#}"))
+}
+
+#[test]
+fn repeat_reports_consistent_medians() {
+    let d = json(&["dirty-log-perf", "-b", "4M", "-i", "3", "--repeat", "3"]);
+    validate("repeated.json", &d);
+    assert_eq!(d["repeat"], 3);
+    assert_eq!(d["runs"].as_array().map(Vec::len), Some(3));
+    for s in d["summary"].as_array().unwrap() {
+        if s["runs"] == 0 {
+            continue;
+        }
+        let (lo, md, hi) = (
+            s["min"].as_f64().unwrap(),
+            s["median"].as_f64().unwrap(),
+            s["max"].as_f64().unwrap(),
+        );
+        assert!(lo <= md && md <= hi, "{s}");
+    }
+    // The median is the middle of the three runs' own figures.
+    let s = summary(&d, "populate memory");
+    let mut xs: Vec<f64> = d["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["populate_memory_time_s"].as_f64().unwrap())
+        .collect();
+    xs.sort_by(f64::total_cmp);
+    assert_eq!(s["median"].as_f64(), Some(xs[1]));
+    assert_eq!(s["min"].as_f64(), Some(xs[0]));
+    assert_eq!(s["max"].as_f64(), Some(xs[2]));
+    assert_eq!(s["better"], "lower");
+
+    let d = json(&["demand-paging", "-b", "4M", "--repeat", "2"]);
+    validate("repeated.json", &d);
+    assert_eq!(
+        summary(&d, "overall demand paging rate")["better"],
+        "higher"
+    );
+
+    let out = ok(&["dirty-log-perf", "-b", "4M", "--repeat", "2"]);
+    assert_eq!(
+        out.matches("Iteration 2 dirty memory time:").count(),
+        2,
+        "{out}"
+    );
+    for line in [
+        "Summary over 2 runs",
+        "median",
+        "spread",
+        "lower",
+        "1.00x is native speed",
+    ] {
+        assert!(out.contains(line), "{line}\n{out}");
+    }
+}
+
+fn temp_svg(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("slat-plot-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+fn read_svg(p: &Path) -> String {
+    let s = std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    assert!(
+        s.trim_start().starts_with("<svg") && s.trim_end().ends_with("</svg>"),
+        "{s}"
+    );
+    s
+}
+
+#[test]
+fn plot_writes_the_iteration_series() {
+    let p = temp_svg("dlp.svg");
+    let out = ok(&[
+        "dirty-log-perf",
+        "-b",
+        "4M",
+        "-i",
+        "3",
+        "--plot",
+        p.to_str().unwrap(),
+    ]);
+    assert!(out.contains("Iteration 3 dirty memory time:"), "{out}");
+    let svg = read_svg(&p);
+    for series in [
+        "dirty memory (guest pass)",
+        "get dirty log (harvest)",
+        "clear dirty log",
+        "native memory (host pass)",
+    ] {
+        assert!(svg.contains(series), "{series} missing");
+    }
+    // One line per series.
+    assert!(svg.matches("<polyline").count() >= 4, "{svg}");
+}
+
+#[test]
+fn plot_writes_a_sweep_and_a_migration() {
+    let p = temp_svg("sweep.svg");
+    ok(&[
+        "dirty-log-perf",
+        "-b",
+        "4M",
+        "--vary",
+        "vcpus=1,2",
+        "--plot",
+        p.to_str().unwrap(),
+    ]);
+    let svg = read_svg(&p);
+    for label in [
+        "vcpus=1",
+        "vcpus=2",
+        "iteration 2 dirty memory",
+        "get dirty log avg",
+    ] {
+        assert!(svg.contains(label), "{label} missing");
+    }
+    let p = temp_svg("migrate.svg");
+    ok(&[
+        "migrate-perf",
+        "-v",
+        "1",
+        "-b",
+        "4M",
+        "--warmup",
+        "20",
+        "--resume-ms",
+        "0",
+        "--plot",
+        p.to_str().unwrap(),
+    ]);
+    let svg = read_svg(&p);
+    for series in ["pages owed", "throttle"] {
+        assert!(svg.contains(series), "{series} missing");
+    }
+}
+
+#[test]
+fn repeat_works_on_the_other_benchmarks() {
+    let d = json(&[
+        "access-tracking-perf",
+        "-b",
+        "4M",
+        "--idle-check",
+        "warn",
+        "--repeat",
+        "2",
+    ]);
+    validate("repeated.json", &d);
+    assert_eq!(summary(&d, "writing to idle memory")["runs"], 2);
+    let d = json(&["page-table-test", "-b", "4M", "--repeat", "2"]);
+    validate("repeated.json", &d);
+    assert_eq!(summary(&d, "create mappings")["runs"], 2);
+    let d = json(&[
+        "migrate-perf",
+        "-v",
+        "1",
+        "-b",
+        "4M",
+        "--warmup",
+        "20",
+        "--resume-ms",
+        "0",
+        "--repeat",
+        "2",
+    ]);
+    validate("repeated.json", &d);
+    assert_eq!(summary(&d, "bandwidth")["better"], "higher");
+    let d = json(&[
+        "dirty-log-test",
+        "-b",
+        "4M",
+        "-i",
+        "2",
+        "-I",
+        "5",
+        "-M",
+        "dirty-log",
+        "--repeat",
+        "2",
+    ]);
+    validate("repeated.json", &d);
+    assert_eq!(summary(&d, "lost pages")["max"], 0.0);
+}
+
+#[test]
+fn repeat_and_plot_refuse_what_they_cannot_do() {
+    for args in [
+        vec![
+            "dirty-log-perf",
+            "-b",
+            "4M",
+            "--repeat",
+            "2",
+            "--vary",
+            "fast-pf=on,off",
+        ],
+        vec![
+            "dirty-log-perf",
+            "-b",
+            "4M",
+            "--repeat",
+            "2",
+            "--backend",
+            "sim,kvm",
+        ],
+        vec![
+            "migrate-perf",
+            "-b",
+            "4M",
+            "--repeat",
+            "2",
+            "--vary",
+            "log=get,clear",
+        ],
+        vec!["dirty-log-test", "-b", "4M", "--plot", "x.svg"],
+        vec!["dirty-log-perf", "-b", "4M", "--repeat", "0"],
+    ] {
+        let (code, out, err) = slat(&args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(out.is_empty(), "{args:?}: {out}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn an_unwritable_plot_is_a_runtime_failure() {
+    let (code, _, err) = slat(&[
+        "dirty-log-perf",
+        "-b",
+        "4M",
+        "--plot",
+        "/nonexistent-dir/x.svg",
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("plot"), "{err}");
+}
