@@ -19,29 +19,7 @@
 /// Cache-line size the passes step by (64 bytes on every host this runs on).
 pub const CACHE_LINE: u64 = 64;
 
-/// When the fault path performs cache maintenance for a new mapping.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum CmoPolicy {
-    /// Every translation fault cleans the range it is about to map before doing anything
-    /// else, even when another vCPU has already mapped it (KVM arm64 before seed 001 patch 1:
-    /// CMOs in `user_mem_abort`).
-    Always,
-    /// Only the fault that actually installs a new leaf cleans it, after locking the entry and
-    /// before publishing it; concurrent faults on the same address find the entry locked or
-    /// mapped and skip it (seed 001 patch 1: CMOs in the map path).
-    #[default]
-    OnInstall,
-}
-
-impl CmoPolicy {
-    /// Name used on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            CmoPolicy::Always => "always",
-            CmoPolicy::OnInstall => "on-install",
-        }
-    }
-}
+pub use crate::config::CmoPolicy;
 
 /// Cleans and invalidates the data cache over `[addr, addr + len)` to the point of coherency.
 /// `addr` must be the start of host memory the caller maps (guest RAM): every line of the range

@@ -10,28 +10,7 @@ use crate::table::TablePage;
 use crate::vm::Vm;
 use crate::walk::Walk;
 
-/// In which order a table is replaced by a block when break-before-make applies (arm64): the
-/// window in which other vCPUs fault on the locked entry is the difference (seed 001 patch 2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum RebuildOrder {
-    /// Invalidate the table entry, flush, unmap and free the old sub-tables, then install the
-    /// block (KVM arm64 before the patch): the entry stays invalid for the whole teardown.
-    BreakFirst,
-    /// Invalidate the table entry, flush, install the block, then unmap and free the old
-    /// sub-tables (after the patch): the entry is invalid only across the flush.
-    #[default]
-    InstallFirst,
-}
-
-impl RebuildOrder {
-    /// Name used on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            RebuildOrder::BreakFirst => "break-first",
-            RebuildOrder::InstallFirst => "install-first",
-        }
-    }
-}
+pub use crate::config::RebuildOrder;
 
 impl<F: PteFormat> Vm<F> {
     /// Replaces every huge leaf in `[start, end)` with a table of equivalent smaller leaves,

@@ -29,6 +29,7 @@
 
 pub mod age;
 pub mod cmo;
+pub mod config;
 pub mod dirty;
 mod fault;
 pub mod flush;
@@ -39,11 +40,13 @@ pub mod memslot;
 pub mod stats;
 mod sync;
 pub mod table;
+mod test_hooks;
 mod vm;
 pub(crate) mod walk;
 
 pub use age::{AgeFlush, AgeReport, IdleBitmap, IdleError, WorkingSet};
 pub use cmo::CmoPolicy;
+pub use config::{MmuLockKind, ParseVariantError, VmConfig};
 pub use dirty::{DirtyLogError, DirtyTrack, GetLogVariant, RecoverVariant};
 pub use fault::{Fault, FaultOutcome};
 pub use flush::GuestMode;
@@ -52,4 +55,4 @@ pub use host_memory::{HostBuffer, HostBufferError, HostMemory, HostRangeError};
 pub use huge_page::RebuildOrder;
 pub use memslot::{HostRange, Memslot, MemslotError, MemslotFlags, MemslotSet, SlotId};
 pub use stats::Stats;
-pub use vm::{Audit, MmuLockKind, Vcpu, Vm, VmConfig};
+pub use vm::{Audit, Vcpu, Vm};

@@ -1,10 +1,10 @@
 //! The VM: page-table root, MMU lock, memslots, vCPU registry, and the one SPTE-update path.
 
-use crate::cmo::{clean_dcache_to_poc, invalidate_icache_to_pou, CmoPolicy};
-use crate::dirty::{DirtyMode, DirtyRing, DirtyTrack, GetLogVariant, RecoverVariant, SlotBitmap};
+use crate::cmo::{clean_dcache_to_poc, invalidate_icache_to_pou};
+use crate::config::{MmuLockKind, RebuildOrder, VmConfig};
+use crate::dirty::{DirtyMode, DirtyRing, GetLogVariant, SlotBitmap};
 use crate::flush::{FlushGen, GuestMode, PendingFlush, VcpuLink};
 use crate::format::{bytes_per_entry, Access, Level, PteFormat, PAGE_SHIFT};
-use crate::huge_page::RebuildOrder;
 use crate::memslot::{
     validate_flags, validate_host, validate_range, HostRange, Memslot, MemslotError, MemslotFlags,
     MemslotSet, SlotId,
@@ -14,67 +14,6 @@ use crate::sync::{self, pin, Arc, AtomicU64, Mutex, Ordering, Published, RwLock}
 use crate::table::{OwnedTable, PageCache, TableAlloc, TablePage};
 use crate::walk::Walk;
 use std::marker::PhantomData;
-
-/// Which lock serialises MMU operations.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum MmuLockKind {
-    /// Reader/writer lock: faults and range operations share it and update entries with
-    /// compare-and-swap; zaps and harvest re-protection take it exclusively (KVM's TDP MMU).
-    #[default]
-    RwLock,
-    /// One big mutex: every fault is exclusive (KVM's legacy MMU before parallel faults).
-    Mutex,
-}
-
-impl MmuLockKind {
-    /// Name used on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            MmuLockKind::RwLock => "rwlock",
-            MmuLockKind::Mutex => "mutex",
-        }
-    }
-}
-
-/// Runtime configuration of a VM (the design variants).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct VmConfig {
-    /// The MMU lock.
-    pub mmu_lock: MmuLockKind,
-    /// Fix write-protection and access-tracking faults without the MMU lock.
-    pub fast_pf: bool,
-    /// Hardware Accessed/Dirty bits in leaves (else access tracking clears permissions).
-    pub ad_bits: bool,
-    /// Split huge leaves when dirty logging is enabled (else lazily, at the first write fault).
-    pub eager_split: bool,
-    /// How GET_DIRTY_LOG snapshots the bitmap (without manual protection).
-    pub get_log: GetLogVariant,
-    /// How huge mappings come back when dirty logging stops.
-    pub recover: RecoverVariant,
-    /// How logged slots see writes: write protection, or hardware dirty bits (PML-like).
-    pub dirty_track: DirtyTrack,
-    /// When faults perform cache maintenance for new mappings (formats that need it).
-    pub cmo: CmoPolicy,
-    /// In which order a table is replaced by a block under break-before-make (formats that
-    /// need it).
-    pub rebuild: RebuildOrder,
-}
-
-impl Default for VmConfig {
-    fn default() -> Self {
-        VmConfig {
-            mmu_lock: MmuLockKind::RwLock,
-            fast_pf: true,
-            ad_bits: true,
-            eager_split: true,
-            get_log: GetLogVariant::Xchg,
-            recover: RecoverVariant::InPlace,
-            dirty_track: DirtyTrack::WriteProtect,
-            cmo: CmoPolicy::OnInstall,
-            rebuild: RebuildOrder::InstallFirst,
-        }
-    }
-}
 
 pub(crate) enum MmuLock {
     Rw(RwLock<()>),
@@ -150,8 +89,8 @@ pub struct Vm<F: PteFormat = crate::format::Ept> {
     pub(crate) flush_gen: Arc<FlushGen>,
     pub(crate) dirty_mode: Mutex<DirtyMode>,
     pub(crate) rings: Mutex<Vec<Arc<DirtyRing>>>,
-    /// Deliberate protocol bugs (`crate::dirty::inject`), for tests of the oracles.
-    pub(crate) injected_bugs: crate::sync::AtomicU32,
+    /// Deliberate protocol bugs (feature `test-hooks`), for tests of the oracles.
+    pub(crate) hooks: crate::test_hooks::Hooks,
     _format: PhantomData<F>,
 }
 
@@ -251,7 +190,7 @@ impl<F: PteFormat> Vm<F> {
             flush_gen: Arc::new(FlushGen(AtomicU64::new(0))),
             dirty_mode: Mutex::new(DirtyMode::default()),
             rings: Mutex::new(Vec::new()),
-            injected_bugs: crate::sync::AtomicU32::new(0),
+            hooks: crate::test_hooks::Hooks::new(),
             _format: PhantomData,
         })
     }
@@ -439,9 +378,7 @@ impl<F: PteFormat> Vm<F> {
         let mut flushed = false;
         if old_valid {
             sink.inc(Stat::Breaks);
-            let skip = self.injected_bugs.load(Ordering::Relaxed)
-                & crate::dirty::inject::SKIP_BBM_FLUSH
-                != 0;
+            let skip = self.hooks.active(crate::test_hooks::inject::SKIP_BBM_FLUSH);
             if !skip {
                 self.flush_remote_tlbs();
                 flushed = true;

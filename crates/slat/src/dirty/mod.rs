@@ -42,85 +42,12 @@ pub const MANUAL_PROTECT_ENABLE: u32 = 1 << 0;
 /// nothing; CLEAR protects gradually. Requires [`MANUAL_PROTECT_ENABLE`].
 pub const INITIALLY_SET: u32 = 1 << 1;
 
-/// Deliberate protocol bugs, so tests can prove that the dirty-log oracle catches a broken
-/// engine. Never set outside such tests.
+/// Deliberate protocol bugs for oracle tests (feature `test-hooks`).
+#[cfg(feature = "test-hooks")]
 #[doc(hidden)]
-pub mod inject {
-    /// Harvests (GET, CLEAR, ring reset) write-protect but skip the remote TLB flush.
-    pub const SKIP_HARVEST_FLUSH: u32 = 1 << 0;
-    /// Break-before-make skips the TLB invalidation between the break and the make.
-    pub const SKIP_BBM_FLUSH: u32 = 1 << 1;
-}
+pub use crate::test_hooks::inject;
 
-/// How GET_DIRTY_LOG (without manual protection) snapshots and clears the bitmap.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum GetLogVariant {
-    /// One atomic exchange per non-zero word (KVM today).
-    #[default]
-    Xchg,
-    /// Two bitmaps per slot: switch marks to the other one, wait for in-flight markers, then
-    /// read and clear the old one without atomics (seed `004`).
-    Switch,
-}
-
-impl GetLogVariant {
-    /// Name used on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            GetLogVariant::Xchg => "xchg",
-            GetLogVariant::Switch => "switch",
-        }
-    }
-}
-
-/// How huge mappings come back when logging stops.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum RecoverVariant {
-    /// Replace each table the backing allows with one huge leaf, in place (KVM 6.12+).
-    #[default]
-    InPlace,
-    /// Zap the slot and let faults rebuild huge leaves (older KVM).
-    Zap,
-    /// Leave the tables; a fault that finds a table where the slot allows a huge leaf
-    /// replaces the table with that leaf (KVM arm64: `stage2_map` coalesces on the next
-    /// translation fault in the range, break-before-make, in the [`crate::RebuildOrder`]).
-    OnFault,
-}
-
-impl RecoverVariant {
-    /// Name used on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            RecoverVariant::InPlace => "inplace",
-            RecoverVariant::Zap => "zap",
-            RecoverVariant::OnFault => "on-fault",
-        }
-    }
-}
-
-/// How a logged slot learns that a page was written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum DirtyTrack {
-    /// Write-protect every page (W clear, MMU-writable kept): the first write after a harvest
-    /// faults, and the lock-free fast path restores W and marks the page (KVM without PML).
-    #[default]
-    WriteProtect,
-    /// Hardware dirty bits, PML-like: pages stay writable with D clear; the hardware walker
-    /// sets D on the first write and logs the page to the engine in the same step
-    /// ([`Vm::log_hardware_dirty`]), so no write faults. Harvests clear D instead of W. Needs
-    /// A/D bits (leaves without them fall back to write protection); not with dirty rings.
-    HardwareDirty,
-}
-
-impl DirtyTrack {
-    /// Name used on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            DirtyTrack::WriteProtect => "write-protect",
-            DirtyTrack::HardwareDirty => "d-bit",
-        }
-    }
-}
+pub use crate::config::{DirtyTrack, GetLogVariant, RecoverVariant};
 
 /// Why a dirty-log request was refused. Nothing changes when an error is returned: no bit is
 /// consumed, no page protected.
@@ -324,19 +251,17 @@ impl<F: PteFormat> Vm<F> {
     }
 
     /// Turns on the bugs in `bits` (see [`inject`]). For oracle tests only.
+    #[cfg(feature = "test-hooks")]
     #[doc(hidden)]
     pub fn inject_bugs(&self, bits: u32) {
-        self.injected_bugs
-            .store(bits, std::sync::atomic::Ordering::SeqCst);
+        self.hooks.set(bits);
     }
 
     /// The flush that ends a harvest (invariant 4), unless a test injected its omission.
     fn complete_harvest(&self, pending: PendingFlush) {
         let skip = self
-            .injected_bugs
-            .load(std::sync::atomic::Ordering::Relaxed)
-            & inject::SKIP_HARVEST_FLUSH
-            != 0;
+            .hooks
+            .active(crate::test_hooks::inject::SKIP_HARVEST_FLUSH);
         if skip && pending.graveyard.is_empty() {
             return;
         }
