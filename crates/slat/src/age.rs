@@ -11,7 +11,7 @@
 //!   Nothing faults.
 //! - **A/D bits disabled**: aging *access-tracks* the leaf: R and X are saved in software bits
 //!   and R, W, X cleared, so the next access faults, and the lock-free fast path
-//!   ([`Vm::fast_page_fault`]) restores the saved permissions (and W as well for a write to an
+//!   ([`crate::Vcpu::fast_page_fault`]) restores the saved permissions (and W as well for a write to an
 //!   MMU-writable leaf, logging the page first in a dirty-logged slot). W is not saved: it comes
 //!   back through the same fast path as dirty-log write protection.
 //!
@@ -23,7 +23,7 @@
 //! that consumes a mark completes a remote flush, so a stale writable TLB entry left by aging
 //! is flushed before that harvest returns (invariant 4 holds).
 //!
-//! **Flushing.** [`Vm::clear_young`] does not flush TLBs, like Linux's `clear_young` notifier
+//! **Flushing.** [`crate::Vm::clear_young`] does not flush TLBs, like Linux's `clear_young` notifier
 //! (page_idle, MGLRU) and KVM's x86 `clear_flush_young` (which elides the flush): a vCPU keeps
 //! using translations it cached before the pass, so
 //! - with A/D bits, accesses through a cached entry do not set A again: those pages look idle
@@ -32,10 +32,10 @@
 //!   cached *writable* entry keeps allowing writes after W was cleared. Those writes are
 //!   invisible to later aging passes (the leaf is already old and not writable), so a caller
 //!   that tracks host dirtiness must treat pages passed to `on_dirty` as dirty until it unmaps
-//!   them ([`Vm::zap_gfn_range`], which flushes) before cleaning them, as Linux's writeback does
+//!   them ([`crate::Vm::zap_gfn_range`], which flushes) before cleaning them, as Linux's writeback does
 //!   through the invalidate notifier.
 //!
-//! [`Vm::clear_flush_young`] completes a remote flush whenever the range maps anything (also
+//! [`crate::Vm::clear_flush_young`] completes a remote flush whenever the range maps anything (also
 //! when every leaf was already old: translations cached since an earlier `clear_young` would
 //! otherwise survive it), so every access made after it returns is seen by the next test or
 //! aging pass.
@@ -53,12 +53,13 @@
 //! table (walk into it). After a few lost races in a row on one leaf the pass leaves it
 //! young, as KVM does: it is evidently in use.
 
-use crate::flush::PendingFlush;
 use crate::format::{pages_per_entry, table_index, Level, PteFormat, PAGE_SHIFT};
+use crate::mmu::flush::PendingFlush;
+use crate::mmu::spte::UpdateMode;
+use crate::mmu::table::TablePage;
+use crate::mmu::walk::Walk;
+use crate::mmu::Mmu;
 use crate::sync::{pin, AtomicU64, Ordering};
-use crate::table::TablePage;
-use crate::vm::{UpdateMode, Vm};
-use crate::walk::Walk;
 
 /// Guest pages (64 MiB) an aging pass covers per acquisition of the MMU lock (read mode).
 pub const CHUNK_PAGES: u64 = 1 << 14;
@@ -161,8 +162,8 @@ pub enum IdleError {
 /// Idle page tracking for a range of guest pages (Linux's `/sys/kernel/mm/page_idle/bitmap`,
 /// one bit per 4 KiB guest page, owned by the caller).
 ///
-/// [`Vm::mark_idle`] sets every bit and ages the range; [`Vm::read_idle`] clears the bit of
-/// every page whose leaf was accessed since, and [`Vm::working_set`] turns that into the
+/// [`crate::Vm::mark_idle`] sets every bit and ages the range; [`crate::Vm::read_idle`] clears the bit of
+/// every page whose leaf was accessed since, and [`crate::Vm::working_set`] turns that into the
 /// fraction touched. A page that is not mapped stays idle (nothing could access it without a
 /// fault mapping it young). Huge leaves have one Accessed state for all their pages, so
 /// touching one page of a 2 MiB leaf makes all 512 non-idle, as with Linux's transparent huge
@@ -275,7 +276,7 @@ impl WorkingSet {
     }
 }
 
-impl<F: PteFormat> Vm<F> {
+impl<F: PteFormat> Mmu<F> {
     /// Ages `[start_gfn, end_gfn)` without flushing TLBs (Linux's `clear_young`, KVM's
     /// `kvm_age_gfn`): every young leaf becomes old, clearing A (A/D bits) or access-tracking it
     /// (no A/D bits). Before this returns, `on_dirty(first_gfn, pages)` receives the pages of
@@ -284,7 +285,7 @@ impl<F: PteFormat> Vm<F> {
     /// dirty state that clearing W takes out of the tree is handed to the caller. Runs
     /// concurrently with faults; see the module documentation for what TLB entries cached
     /// before the pass mean.
-    pub fn clear_young(
+    pub(crate) fn clear_young(
         &self,
         start_gfn: u64,
         end_gfn: u64,
@@ -295,7 +296,7 @@ impl<F: PteFormat> Vm<F> {
 
     /// [`Self::clear_young`], then a remote TLB flush if the range maps anything, so every
     /// access made after this returns is seen (Linux's `clear_flush_young`).
-    pub fn clear_flush_young(
+    pub(crate) fn clear_flush_young(
         &self,
         start_gfn: u64,
         end_gfn: u64,
@@ -305,7 +306,7 @@ impl<F: PteFormat> Vm<F> {
     }
 
     /// Ages `[start_gfn, end_gfn)`, flushing or not as `flush` says.
-    pub fn age_gfn_range(
+    pub(crate) fn age_gfn_range(
         &self,
         start_gfn: u64,
         end_gfn: u64,
@@ -344,7 +345,7 @@ impl<F: PteFormat> Vm<F> {
     /// Reports which leaves in `[start_gfn, end_gfn)` are young, changing nothing (KVM's
     /// `kvm_test_age_gfn`). A page accessed through a TLB entry cached before the last aging
     /// pass may still look old (see the module documentation).
-    pub fn test_young(&self, start_gfn: u64, end_gfn: u64) -> AgeReport {
+    pub(crate) fn test_young(&self, start_gfn: u64, end_gfn: u64) -> AgeReport {
         let mut pending = PendingFlush::none();
         let r = self.age_walk(
             start_gfn,
@@ -361,7 +362,7 @@ impl<F: PteFormat> Vm<F> {
 
     /// Marks every page of `bitmap` idle and ages its range, flushing or not as `flush` says
     /// (page_idle writes use [`AgeFlush::NoFlush`]). `on_dirty` as in [`Self::clear_young`].
-    pub fn mark_idle(
+    pub(crate) fn mark_idle(
         &self,
         bitmap: &mut IdleBitmap,
         flush: AgeFlush,
@@ -374,7 +375,7 @@ impl<F: PteFormat> Vm<F> {
     /// Clears the idle bit of every page whose leaf is young, i.e. was accessed since the
     /// range was marked idle (or was mapped since), and returns the pages still idle. Changes
     /// no entry, so reading twice gives the same answer unless the guest ran in between.
-    pub fn read_idle(&self, bitmap: &mut IdleBitmap) -> u64 {
+    pub(crate) fn read_idle(&self, bitmap: &mut IdleBitmap) -> u64 {
         let mut pending = PendingFlush::none();
         let (start, end) = (bitmap.start_gfn, bitmap.end_gfn());
         self.age_walk(
@@ -392,7 +393,7 @@ impl<F: PteFormat> Vm<F> {
 
     /// How much of `bitmap`'s range was touched since [`Self::mark_idle`]: refreshes the
     /// bitmap with [`Self::read_idle`] and counts the pages that are no longer idle.
-    pub fn working_set(&self, bitmap: &mut IdleBitmap) -> WorkingSet {
+    pub(crate) fn working_set(&self, bitmap: &mut IdleBitmap) -> WorkingSet {
         let idle = self.read_idle(bitmap);
         WorkingSet {
             touched_pages: bitmap.npages - idle,
@@ -402,7 +403,7 @@ impl<F: PteFormat> Vm<F> {
 
     /// The one aging walk: visits every leaf in `[start, end)`, calls `young(first, pages)`
     /// with the in-range GFNs of each young one and, for [`Op::Age`], makes it old with a
-    /// compare-and-swap through [`Vm::update_spte`].
+    /// compare-and-swap through [`Mmu::update_spte`].
     ///
     /// The walk stops at level 2: a huge leaf is handled where the walker finds it, and a table
     /// of 4 KiB leaves is swept entry by entry in a plain loop over the table page (stepping the
@@ -418,7 +419,7 @@ impl<F: PteFormat> Vm<F> {
     ) -> AgeReport {
         let end = end.min(1u64 << (F::MAX_PHYS_BITS - PAGE_SHIFT));
         let mut p = AgePass {
-            vm: self,
+            mmu: self,
             op,
             start,
             end,
@@ -437,7 +438,7 @@ impl<F: PteFormat> Vm<F> {
             // fast path racing with them (their plain stores, `needs_atomic_update`). Dropped
             // between chunks so a waiting exclusive holder gets in; each chunk is finished
             // before the next, so the pass always progresses.
-            let lock = self.mmu_lock.read();
+            let lock = self.lock.read();
             let guard = pin();
             let mut it = Walk::<F>::new(&guard, self.root(), 2, p.chunk, chunk_end);
             while it.valid() {
@@ -488,7 +489,7 @@ impl<F: PteFormat> Vm<F> {
 
 /// The state of one aging or test pass.
 struct AgePass<'a, F: PteFormat, Y: FnMut(u64, u64), D: FnMut(u64, u64)> {
-    vm: &'a Vm<F>,
+    mmu: &'a Mmu<F>,
     op: Op,
     start: u64,
     end: u64,
@@ -530,8 +531,8 @@ impl<F: PteFormat, Y: FnMut(u64, u64), D: FnMut(u64, u64)> AgePass<'_, F, Y, D> 
                 true
             } else {
                 let new = F::mark_access_tracked(cur);
-                let sink = self.vm.sink();
-                match self.vm.update_spte(
+                let sink = self.mmu.sink();
+                match self.mmu.update_spte(
                     sptep,
                     level,
                     old,

@@ -20,6 +20,25 @@
 pub const CACHE_LINE: u64 = 64;
 
 pub use crate::config::CmoPolicy;
+use crate::stats::{Sink, Stat};
+
+/// Cache maintenance for a mapping about to be published: clean the data cache over it,
+/// and invalidate the instruction cache too if it is executable.
+pub(crate) fn clean_new_mapping(addr: u64, len: u64, exec: bool, sink: Sink<'_>) {
+    clean_dcache_to_poc(addr, len);
+    sink.inc(Stat::CacheCleans);
+    sink.add(Stat::CacheCleanBytes, len);
+    if exec {
+        invalidate_icache_for(addr, len, sink);
+    }
+}
+
+/// Instruction-cache invalidation for a live mapping that becomes executable.
+pub(crate) fn invalidate_icache_for(addr: u64, len: u64, sink: Sink<'_>) {
+    invalidate_icache_to_pou(addr, len);
+    sink.inc(Stat::CacheCleans);
+    sink.add(Stat::CacheCleanBytes, len);
+}
 
 /// Cleans and invalidates the data cache over `[addr, addr + len)` to the point of coherency.
 /// `addr` must be the start of host memory the caller maps (guest RAM): every line of the range

@@ -1,18 +1,18 @@
 //! Huge-page split (dirty logging needs 4 KiB leaves) and recovery (logging stopped: put the
 //! huge leaves back so the guest runs with few TLB misses again).
 
-use crate::flush::PendingFlush;
 use crate::format::{Level, PteFormat};
 use crate::memslot::Memslot;
+use crate::mmu::flush::PendingFlush;
+use crate::mmu::table::TablePage;
+use crate::mmu::walk::Walk;
+use crate::mmu::Mmu;
 use crate::stats::Stat;
 use crate::sync::{pin, Ordering};
-use crate::table::TablePage;
-use crate::vm::Vm;
-use crate::walk::Walk;
 
 pub use crate::config::RebuildOrder;
 
-impl<F: PteFormat> Vm<F> {
+impl<F: PteFormat> Mmu<F> {
     /// Replaces every huge leaf in `[start, end)` with a table of equivalent smaller leaves,
     /// down to 4 KiB (a 1 GiB leaf becomes 2 MiB leaves, which the pre-order walk then visits
     /// and splits in turn). Updates are compare-and-swaps, so this runs under the MMU lock in

@@ -27,32 +27,42 @@
 
 #![deny(missing_docs)]
 
+// The layers, lowest first; a module uses only modules of lower layers
+// (`tests/layering.rs` checks it):
+//   sync, format, stats, host_memory, test_hooks, config → cmo → mmu (table, walk, lock, spte,
+//   flush, zap, inspect) → dirty::bitmap → memslot → dirty::ring → huge_page → dirty → age,
+//   fault → vm → vcpu, hw → lib.
 pub mod age;
 pub mod cmo;
 pub mod config;
 pub mod dirty;
 mod fault;
-pub mod flush;
 pub mod format;
 pub mod host_memory;
 pub mod huge_page;
+pub mod hw;
 pub mod memslot;
+mod mmu;
 pub mod stats;
 mod sync;
-pub mod table;
 mod test_hooks;
+mod vcpu;
 mod vm;
-pub(crate) mod walk;
+
+pub use mmu::flush;
 
 pub use age::{AgeFlush, AgeReport, IdleBitmap, IdleError, WorkingSet};
-pub use cmo::CmoPolicy;
-pub use config::{MmuLockKind, ParseVariantError, VmConfig};
-pub use dirty::{DirtyLogError, DirtyTrack, GetLogVariant, RecoverVariant};
+pub use config::{
+    CmoPolicy, DirtyTrack, GetLogVariant, MmuLockKind, ParseVariantError, RebuildOrder,
+    RecoverVariant, VmConfig,
+};
+pub use dirty::DirtyLogError;
 pub use fault::{Fault, FaultOutcome};
 pub use flush::GuestMode;
 pub use format::{Access, Ept, Level, PteFormat, Stage2};
 pub use host_memory::{HostBuffer, HostBufferError, HostMemory, HostRangeError};
-pub use huge_page::RebuildOrder;
 pub use memslot::{HostRange, Memslot, MemslotError, MemslotFlags, MemslotSet, SlotId};
+pub use mmu::inspect::Audit;
 pub use stats::Stats;
-pub use vm::{Audit, Vcpu, Vm};
+pub use vcpu::Vcpu;
+pub use vm::Vm;

@@ -20,8 +20,8 @@
 //! `#[must_use]` and owns the table pages the operation unlinked. The only way to free those
 //! pages is [`crate::Vm::complete_flush`], which flushes first (invariant 2).
 
+use crate::mmu::table::OwnedTable;
 use crate::sync::{fence, spin_hint, yield_now, Arc, AtomicU32, AtomicU64, Ordering};
-use crate::table::OwnedTable;
 
 /// Request bit: empty the TLB.
 pub const REQ_TLB_FLUSH: u32 = 1 << 0;
