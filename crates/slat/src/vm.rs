@@ -3,7 +3,7 @@
 //! every public operation is a short method here that hands the parts its module needs to it.
 //! No feature module names `Vm` (the layering test checks it): each works on the parts.
 
-use crate::age::{AgeFlush, AgeReport, IdleBitmap, WorkingSet};
+use crate::age::{self, AgeFlush, AgeReport, IdleBitmap, WorkingSet};
 use crate::config::VmConfig;
 use crate::dirty::{mark_page_dirty, DirtyLog, DirtyLogError, DirtyRing};
 use crate::format::{Level, PteFormat};
@@ -247,7 +247,7 @@ impl<F: PteFormat> Vm<F> {
         end_gfn: u64,
         on_dirty: impl FnMut(u64, u64),
     ) -> AgeReport {
-        self.mmu.clear_young(start_gfn, end_gfn, on_dirty)
+        age::clear_young(&self.mmu, start_gfn, end_gfn, on_dirty)
     }
 
     /// [`Self::clear_young`], then a remote TLB flush if the range maps anything, so every
@@ -258,7 +258,7 @@ impl<F: PteFormat> Vm<F> {
         end_gfn: u64,
         on_dirty: impl FnMut(u64, u64),
     ) -> AgeReport {
-        self.mmu.clear_flush_young(start_gfn, end_gfn, on_dirty)
+        age::clear_flush_young(&self.mmu, start_gfn, end_gfn, on_dirty)
     }
 
     /// Ages `[start_gfn, end_gfn)`, flushing or not as `flush` says.
@@ -269,14 +269,14 @@ impl<F: PteFormat> Vm<F> {
         flush: AgeFlush,
         on_dirty: impl FnMut(u64, u64),
     ) -> AgeReport {
-        self.mmu.age_gfn_range(start_gfn, end_gfn, flush, on_dirty)
+        age::age_gfn_range(&self.mmu, start_gfn, end_gfn, flush, on_dirty)
     }
 
     /// Reports which leaves in `[start_gfn, end_gfn)` are young, changing nothing (KVM's
     /// `kvm_test_age_gfn`). A page accessed through a TLB entry cached before the last aging
     /// pass may still look old (see [`crate::age`]).
     pub fn test_young(&self, start_gfn: u64, end_gfn: u64) -> AgeReport {
-        self.mmu.test_young(start_gfn, end_gfn)
+        age::test_young(&self.mmu, start_gfn, end_gfn)
     }
 
     /// Marks every page of `bitmap` idle and ages its range, flushing or not as `flush` says
@@ -287,19 +287,19 @@ impl<F: PteFormat> Vm<F> {
         flush: AgeFlush,
         on_dirty: impl FnMut(u64, u64),
     ) -> AgeReport {
-        self.mmu.mark_idle(bitmap, flush, on_dirty)
+        age::mark_idle(&self.mmu, bitmap, flush, on_dirty)
     }
 
     /// Clears the idle bit of every page whose leaf is young, i.e. was accessed since the
     /// range was marked idle (or was mapped since), and returns the pages still idle. Changes
     /// no entry, so reading twice gives the same answer unless the guest ran in between.
     pub fn read_idle(&self, bitmap: &mut IdleBitmap) -> u64 {
-        self.mmu.read_idle(bitmap)
+        age::read_idle(&self.mmu, bitmap)
     }
 
     /// How much of `bitmap`'s range was touched since [`Self::mark_idle`]: refreshes the
     /// bitmap with [`Self::read_idle`] and counts the pages that are no longer idle.
     pub fn working_set(&self, bitmap: &mut IdleBitmap) -> WorkingSet {
-        self.mmu.working_set(bitmap)
+        age::working_set(&self.mmu, bitmap)
     }
 }

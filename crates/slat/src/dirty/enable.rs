@@ -1,9 +1,11 @@
 //! Turning logging on (write-protect or clear D on every leaf, after an eager split) and off
 //! (huge mappings come back).
 
+use super::rearm::rearm_range;
 use super::DirtyLog;
 use crate::config::RecoverVariant;
 use crate::format::{PteFormat, PAGE_SIZE};
+use crate::huge_page::{recover_huge_pages, split_huge_pages};
 use crate::memslot::Memslot;
 use crate::mmu::flush::PendingFlush;
 use crate::mmu::Mmu;
@@ -27,9 +29,9 @@ impl DirtyLog {
         {
             let _lock = mmu.lock.read();
             if mmu.config.eager_split {
-                mmu.split_huge_pages(start, end, &mut pending);
+                split_huge_pages(mmu, start, end, &mut pending);
             }
-            mmu.rearm_range(start, end, &mut pending);
+            rearm_range(mmu, start, end, &mut pending);
         }
         // One flush, outside the MMU lock: the VMM cannot read the log before we return.
         pending.require();
@@ -50,7 +52,7 @@ impl DirtyLog {
                 let mut pending = PendingFlush::none();
                 {
                     let _lock = mmu.lock.read();
-                    mmu.recover_huge_pages(slot, &mut pending);
+                    recover_huge_pages(mmu, slot, &mut pending);
                 }
                 mmu.complete_flush(pending);
             }

@@ -1,7 +1,7 @@
 //! Harvests (invariant 4: snapshot-and-clear, re-arm exactly what was returned, flush,
 //! return): GET_DIRTY_LOG, CLEAR_DIRTY_LOG, RESET_DIRTY_RINGS.
 
-use super::rearm::LeafCursor;
+use super::rearm::{rearm_masked, LeafCursor};
 use super::ring::Coalesce;
 use super::{DirtyLog, DirtyLogError};
 use crate::config::GetLogVariant;
@@ -74,14 +74,14 @@ impl DirtyLog {
                 if mask != 0 {
                     dirty += mask.count_ones() as u64;
                     let base = slot.base_gfn + 64 * i as u64;
-                    mmu.rearm_masked(&mut cursor, base, mask, &mut pending);
+                    rearm_masked(mmu, &mut cursor, base, mask, &mut pending);
                 }
             }
         }
         if dirty > 0 {
             pending.require();
         }
-        mmu.complete_harvest(pending);
+        complete_harvest(mmu, pending);
         Ok(dirty)
     }
 
@@ -151,14 +151,14 @@ impl DirtyLog {
                 if mask != 0 {
                     cleared += mask.count_ones() as u64;
                     let base = slot.base_gfn + first_page + 64 * k as u64;
-                    mmu.rearm_masked(&mut cursor, base, mask, &mut pending);
+                    rearm_masked(mmu, &mut cursor, base, mask, &mut pending);
                 }
             }
         }
         if cleared > 0 {
             pending.require();
         }
-        mmu.complete_harvest(pending);
+        complete_harvest(mmu, pending);
         Ok(cleared)
     }
 
@@ -191,7 +191,7 @@ impl DirtyLog {
                 if !slot.is_logging() || last >= slot.npages {
                     return;
                 }
-                mmu.rearm_masked(&mut cursor, slot.base_gfn + offset, mask, pending);
+                rearm_masked(mmu, &mut cursor, slot.base_gfn + offset, mask, pending);
             };
             for ring in &rings {
                 let mut runs = Coalesce::default();
@@ -203,22 +203,20 @@ impl DirtyLog {
         if total > 0 {
             pending.require();
         }
-        mmu.complete_harvest(pending);
+        complete_harvest(mmu, pending);
         Ok(total)
     }
 }
 
-impl<F: PteFormat> Mmu<F> {
-    /// The flush that ends a harvest (invariant 4), unless a test injected its omission.
-    fn complete_harvest(&self, pending: PendingFlush) {
-        let skip = self
-            .hooks
-            .active(crate::test_hooks::inject::SKIP_HARVEST_FLUSH);
-        if skip && pending.graveyard.is_empty() {
-            return;
-        }
-        self.complete_flush(pending);
+/// The flush that ends a harvest (invariant 4), unless a test injected its omission.
+fn complete_harvest<F: PteFormat>(mmu: &Mmu<F>, pending: PendingFlush) {
+    let skip = mmu
+        .hooks
+        .active(crate::test_hooks::inject::SKIP_HARVEST_FLUSH);
+    if skip && pending.graveyard.is_empty() {
+        return;
     }
+    mmu.complete_flush(pending);
 }
 
 fn logged_slot(slots: &Memslots, id: SlotId) -> Result<Arc<Memslot>, DirtyLogError> {
