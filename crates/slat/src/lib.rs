@@ -24,14 +24,24 @@
 //! assert_eq!(vm.stats().leaves_4k, 1);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+//!
+//! # Layout
+//!
+//! One concept per module, in layers; a module uses only modules below it (the allowed graph
+//! is spelled out and checked by `tests/layering.rs`):
+//!
+//! | layer | modules |
+//! |---|---|
+//! | base | `sync` (std/loom switch), [`config`] ([`VmConfig`], variant enums), [`format`], [`stats`], [`host_memory`], `test_hooks` |
+//! | cache maintenance | [`cmo`] |
+//! | page table | `mmu`: `table`, `walk` (the one walker), `lock`, `spte` (the one SPTE-update path), [`flush`] (`PendingFlush`), `zap`, `inspect` |
+//! | memslots | `dirty::bitmap` (a slot's bitmap), [`memslot`] (the set, publishing, operations), `dirty::ring` |
+//! | features | [`huge_page`] (split, recovery), [`dirty`] (mark, capabilities, enable, re-arm, harvest), [`age`], `fault` (fast and slow path) |
+//! | facade | [`Vm`] (holds the page table, the memslots and the dirty log; its methods hand each module the parts it needs), [`Vcpu`] |
+//! | hardware | [`hw`]: what a hardware walker and TLB need (the root, table entries, guest mode) |
 
 #![deny(missing_docs)]
 
-// The layers, lowest first; a module uses only modules of lower layers
-// (`tests/layering.rs` checks it):
-//   sync, format, stats, host_memory, test_hooks, config → cmo → mmu (table, walk, lock, spte,
-//   flush, zap, inspect) → dirty::bitmap → memslot → dirty::ring → huge_page → dirty → age,
-//   fault → vm → vcpu, hw → lib.
 pub mod age;
 pub mod cmo;
 pub mod config;

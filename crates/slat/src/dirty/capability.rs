@@ -33,7 +33,7 @@ impl DirtyLog {
     /// Enables per-vCPU dirty rings of `entries` entries (`KVM_CAP_DIRTY_LOG_RING`). Must come
     /// before any vCPU exists and while no slot logs. Without `with_bitmap` the slots get no
     /// bitmap and GET/CLEAR are refused; with it (`KVM_CAP_DIRTY_LOG_RING_WITH_BITMAP`) the
-    /// bitmap collects marks made without a vCPU ([`Vm::mark_page_dirty`]).
+    /// bitmap collects marks made without a vCPU ([`crate::Vm::mark_page_dirty`]).
     pub(crate) fn enable_ring<F: PteFormat>(
         &self,
         mmu: &Mmu<F>,

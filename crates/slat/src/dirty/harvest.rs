@@ -21,7 +21,7 @@ impl DirtyLog {
     /// Without manual protection the bits are cleared, the pages they name write-protected and
     /// a remote flush completed before this returns (invariant 4), by per-word exchange or by
     /// the bitmap switch ([`GetLogVariant`]). With manual protection the bitmap is only copied;
-    /// [`Self::clear_dirty_log`] does the rest.
+    /// [`crate::Vm::clear_dirty_log`] does the rest.
     pub(crate) fn get_dirty_log<F: PteFormat>(
         &self,
         mmu: &Mmu<F>,

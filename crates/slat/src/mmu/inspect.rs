@@ -7,7 +7,7 @@ use crate::sync::pin;
 
 impl<F: PteFormat> Mmu<F> {
     /// Walks the whole table and counts leaves per level and linked tables (tests and
-    /// debugging: compare with [`Self::stats`]). Takes the MMU lock exclusively.
+    /// debugging: compare with [`crate::Vm::stats`]). Takes the MMU lock exclusively.
     pub fn audit(&self) -> Audit {
         let _lock = self.lock.write();
         let guard = pin();
@@ -56,7 +56,7 @@ impl<F: PteFormat> Mmu<F> {
     }
 }
 
-/// What [`Vm::audit`] found in the tree.
+/// What [`crate::Vm::audit`] found in the tree.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Audit {
     /// Leaves per level (index 0 = 4 KiB).
