@@ -5,7 +5,7 @@
 
 use crate::age::{self, AgeFlush, AgeReport, IdleBitmap, WorkingSet};
 use crate::config::VmConfig;
-use crate::dirty::{mark_page_dirty, DirtyLog, DirtyLogError, DirtyRing};
+use crate::dirty::{disable_logging, mark_page_dirty, DirtyLog, DirtyLogError, DirtyRing};
 use crate::format::{Level, PteFormat};
 use crate::memslot::{HostRange, MemslotError, MemslotFlags, MemslotSet, Memslots, SlotId};
 use crate::mmu::flush::PendingFlush;
@@ -152,7 +152,7 @@ impl<F: PteFormat> Vm<F> {
         if slot.is_logging() && !change.was_logging {
             self.dirty.enable_logging(&self.mmu, slot);
         } else if change.was_logging && !slot.is_logging() {
-            DirtyLog::disable_logging(&self.mmu, slot);
+            disable_logging(&self.mmu, slot);
         }
         Ok(())
     }

@@ -37,25 +37,25 @@ impl DirtyLog {
         pending.require();
         mmu.complete_flush(pending);
     }
+}
 
-    /// Called with the slots lock held after a slot with logging off was published: the 4 KiB
-    /// mappings logging forced become huge again where the backing allows.
-    pub(crate) fn disable_logging<F: PteFormat>(mmu: &Mmu<F>, slot: &Memslot) {
-        if slot.host_page_size <= PAGE_SIZE {
-            return; // nothing bigger than 4 KiB can map it
-        }
-        match mmu.config.recover {
-            // Faults in the range rebuild huge leaves as they come.
-            RecoverVariant::OnFault => {}
-            RecoverVariant::Zap => mmu.zap_gfn_range(slot.base_gfn, slot.end_gfn()),
-            RecoverVariant::InPlace => {
-                let mut pending = PendingFlush::none();
-                {
-                    let _lock = mmu.lock.read();
-                    recover_huge_pages(mmu, slot, &mut pending);
-                }
-                mmu.complete_flush(pending);
+/// Called with the slots lock held after a slot with logging off was published: the 4 KiB
+/// mappings logging forced become huge again where the backing allows.
+pub(crate) fn disable_logging<F: PteFormat>(mmu: &Mmu<F>, slot: &Memslot) {
+    if slot.host_page_size <= PAGE_SIZE {
+        return; // nothing bigger than 4 KiB can map it
+    }
+    match mmu.config.recover {
+        // Faults in the range rebuild huge leaves as they come.
+        RecoverVariant::OnFault => {}
+        RecoverVariant::Zap => mmu.zap_gfn_range(slot.base_gfn, slot.end_gfn()),
+        RecoverVariant::InPlace => {
+            let mut pending = PendingFlush::none();
+            {
+                let _lock = mmu.lock.read();
+                recover_huge_pages(mmu, slot, &mut pending);
             }
+            mmu.complete_flush(pending);
         }
     }
 }

@@ -31,6 +31,7 @@ pub use ring::{
     RING_RESERVED_ENTRIES,
 };
 
+pub(crate) use enable::disable_logging;
 pub(crate) use mark::{commit_mark, log_hardware_dirty, mark_for, mark_page_dirty, prepare_mark};
 
 use crate::memslot::{logs, MemslotFlags, SlotId};
