@@ -32,7 +32,7 @@
 //!
 //! | layer | modules |
 //! |---|---|
-//! | base | `sync` (std/loom switch), [`config`] ([`VmConfig`], variant enums), [`format`], [`stats`], [`host_memory`], `test_hooks` |
+//! | base | `sync` (std/loom switch), [`config`] ([`VmConfig`], variant enums), [`format`](mod@format), [`stats`], [`host_memory`], `test_hooks` |
 //! | cache maintenance | [`cmo`] |
 //! | page table | `mmu`: `table`, `walk` (the one walker), `lock`, `spte` (the one SPTE-update path), [`flush`] (`PendingFlush`), `zap`, `inspect` |
 //! | memslots | `dirty::bitmap` (a slot's bitmap), [`memslot`] (the set, publishing, operations), `dirty::ring` |

@@ -70,10 +70,14 @@ impl<F: PteFormat> Vm<F> {
         self.mmu.complete_flush(pending)
     }
 
-    /// Unmaps `[start_gfn, end_gfn)` under the exclusive MMU lock with one batched flush,
-    /// completed before the lock is released (see [`crate::mmu::zap`] for why). Tables wholly
-    /// inside the range are freed; a huge leaf that straddles an edge is zapped whole (it is
-    /// only a cache of the memslot, the next fault rebuilds what is still needed).
+    /// Unmaps `[start_gfn, end_gfn)` under the exclusive MMU lock with one batched flush.
+    /// Tables wholly inside the range are freed; a huge leaf that straddles an edge is zapped
+    /// whole (it is only a cache of the memslot, the next fault rebuilds what is still needed).
+    ///
+    /// The flush completes *before* the lock is released, as in KVM's `kvm_zap_gfn_range`: a
+    /// zapped entry is empty, and a fault that fills an empty entry owes no flush, so with the
+    /// lock released first a fault could install a mapping of another size over the range
+    /// while some vCPU still caches the old one (a TLB conflict abort on arm64).
     pub fn zap_gfn_range(&self, start_gfn: u64, end_gfn: u64) {
         self.mmu.zap_gfn_range(start_gfn, end_gfn)
     }
