@@ -25,7 +25,7 @@ impl<F: PteFormat> Vm<F> {
         let ring = self.dirty.new_vcpu_ring();
         let link = Arc::new(VcpuLink::new());
         let counters = Arc::new(Counters::default());
-        sync::write(&self.mmu.vcpus).push(link.clone());
+        self.mmu.flush.join(link.clone());
         sync::lock(&self.vcpu_counters).push(counters.clone());
         Vcpu {
             vm: self.clone(),
@@ -76,9 +76,7 @@ impl<F: PteFormat> Vcpu<F> {
     /// Services pending requests: calls `flush_tlb` for a TLB flush, then acknowledges.
     #[inline]
     pub fn service_requests(&self, flush_tlb: impl FnOnce()) -> u32 {
-        self.state
-            .link
-            .service_requests(&self.vm.mmu.flush_gen.0, flush_tlb)
+        self.vm.mmu.flush.service(&self.state.link, flush_tlb)
     }
 
     /// Resolves a fault from a context outside guest mode (a vCPU without a TLB of its own:
@@ -155,7 +153,7 @@ impl<F: PteFormat> Vcpu<F> {
 
 impl<F: PteFormat> Drop for Vcpu<F> {
     fn drop(&mut self) {
-        sync::write(&self.vm.mmu.vcpus).retain(|l| !Arc::ptr_eq(l, &self.state.link));
+        self.vm.mmu.flush.leave(&self.state.link);
         self.state.cache.drain(&self.vm.mmu.alloc);
     }
 }

@@ -51,7 +51,7 @@ impl DirtyLog {
                 entries: mode.ring_entries,
             });
         }
-        let vcpus = sync::read(&mmu.vcpus).len();
+        let vcpus = mmu.flush.len();
         if vcpus != 0 {
             return Err(DirtyLogError::VcpusExist { vcpus });
         }

@@ -17,9 +17,9 @@ pub(crate) mod zap;
 use crate::config::VmConfig;
 use crate::format::{Level, PteFormat};
 use crate::stats::{Counters, Sink, Stat};
-use crate::sync::{self, pin, Arc, AtomicU64, Ordering, RwLock};
+use crate::sync::{pin, Arc, Ordering};
 use crate::test_hooks::Hooks;
-use flush::{FlushGen, PendingFlush, VcpuLink};
+use flush::{FlushDomain, PendingFlush};
 use lock::MmuLock;
 use std::marker::PhantomData;
 use table::{OwnedTable, TableAlloc, TablePage};
@@ -34,8 +34,7 @@ pub(crate) struct Mmu<F: PteFormat> {
     /// Counters of operations without a vCPU (vCPUs count in blocks of their own).
     pub(crate) counters: Counters,
     /// Every vCPU's flush link: a remote flush waits for each one in guest mode.
-    pub(crate) vcpus: RwLock<Vec<Arc<VcpuLink>>>,
-    pub(crate) flush_gen: Arc<FlushGen>,
+    pub(crate) flush: FlushDomain,
     /// Deliberate protocol bugs (feature `test-hooks`), for tests of the oracles.
     pub(crate) hooks: Hooks,
     _format: PhantomData<F>,
@@ -53,8 +52,7 @@ impl<F: PteFormat> Mmu<F> {
             lock: MmuLock::new(config.mmu_lock),
             alloc,
             counters,
-            vcpus: RwLock::new(Vec::new()),
-            flush_gen: Arc::new(FlushGen(AtomicU64::new(0))),
+            flush: FlushDomain::new(),
             hooks: Hooks::new(),
             _format: PhantomData,
         }
@@ -77,8 +75,7 @@ impl<F: PteFormat> Mmu<F> {
     /// Flushes every vCPU's TLB and waits for the acknowledgements.
     pub fn flush_remote_tlbs(&self) {
         self.counters.add_shared(Stat::FlushRequests, 1);
-        let vcpus = sync::read(&self.vcpus);
-        if self.flush_gen.flush_all(&vcpus) {
+        if self.flush.flush_all() {
             self.counters.add_shared(Stat::Flushes, 1);
         }
     }
