@@ -15,6 +15,11 @@
 //!
 //! Each costs in proportion to the dirty pages: zero words cost one load, and re-protection
 //! walks only the leaf tables that hold set bits.
+//!
+//! Files: `bitmap.rs` and `ring.rs` (the logs), `mark.rs` (marking, invariant 3),
+//! `capability.rs` (manual protect, rings), `enable.rs` (logging on and off), `rearm.rs`
+//! (write-protect or clear D again), `harvest.rs` (GET, CLEAR, ring reset). `DirtyLog` is
+//! the VM's dirty-log state; the page table and memslots are passed in by the facade.
 
 mod capability;
 mod enable;

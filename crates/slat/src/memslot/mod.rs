@@ -5,6 +5,10 @@
 //! (a per-vCPU cached `Arc` revalidated by one atomic load of the generation, plus a last-slot
 //! hint) and re-checks the generation under the MMU lock before installing anything, so a
 //! translation computed from a slot that has since been deleted or moved is never installed.
+//!
+//! Files: this one (a slot, the set, flags, errors), `published.rs` (`Memslots`: the slots
+//! lock, the published set and its generation, vCPU snapshots), `ops.rs` (add, delete, move,
+//! change flags), `validate.rs` (checks before anything changes).
 
 use crate::dirty::bitmap::SlotBitmap;
 use crate::format::{bytes_per_entry, pages_per_entry, Level, PteFormat, PAGE_SHIFT};
