@@ -8,8 +8,7 @@
 
 use crate::sched::PcpuPool;
 use crate::tlb::Tlb;
-use slat::format::{bytes_per_entry, table_index, PteFormat};
-use slat::table::TablePage;
+use slat::hw::{self, bytes_per_entry, table_index, PteFormat, TablePage};
 use slat::{Access, Fault, FaultOutcome, GuestMode, Vcpu, Vm};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -95,7 +94,7 @@ impl<F: PteFormat> Cpu<F> {
     /// A vCPU of `vm` with a TLB of `tlb_entries` entries, scheduled on `pool`.
     pub fn new(vm: Arc<Vm<F>>, id: u32, tlb_entries: usize, pool: Arc<PcpuPool>) -> Self {
         let vcpu = vm.create_vcpu(id);
-        let root = vm.root_addr();
+        let root = hw::root_addr(&vm);
         Cpu {
             vcpu,
             tlb: Tlb::new(tlb_entries),

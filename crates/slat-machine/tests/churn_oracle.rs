@@ -1585,7 +1585,7 @@ fn start_churn<F: PteFormat>(
 fn run_round<F: PteFormat>(cfg: &RoundCfg, inject_bugs: u32) -> Result<RoundOut, Failure> {
     let vm = new_vm::<F>(cfg)?;
     vm.inject_bugs(inject_bugs);
-    let alloc = vm.table_alloc().clone();
+    let alloc = slat::hw::table_alloc(&vm).clone();
     let r = run_vm(&vm, cfg);
     drop(vm);
     let out = r?;
@@ -1662,7 +1662,7 @@ fn add_vcpu(t: &mut VcpuOut, v: &VcpuOut) {
 /// Every table page of the dropped VM is freed: the VM frees its tree at once, pages
 /// unlinked earlier wait for an epoch grace period. Pinning (through a scratch VM's lookups:
 /// this crate does not depend on crossbeam-epoch) makes the collector advance and free them.
-fn wait_for_reclaim<F: PteFormat>(alloc: &slat::table::TableAlloc) -> Result<(), Failure> {
+fn wait_for_reclaim<F: PteFormat>(alloc: &slat::hw::TableAlloc) -> Result<(), Failure> {
     let scratch = Vm::<F>::new(VmConfig::default());
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {

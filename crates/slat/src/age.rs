@@ -11,7 +11,7 @@
 //!   Nothing faults.
 //! - **A/D bits disabled**: aging *access-tracks* the leaf: R and X are saved in software bits
 //!   and R, W, X cleared, so the next access faults, and the lock-free fast path
-//!   ([`Vm::fast_page_fault`]) restores the saved permissions (and W as well for a write to an
+//!   ([`crate::Vcpu::fast_page_fault`]) restores the saved permissions (and W as well for a write to an
 //!   MMU-writable leaf, logging the page first in a dirty-logged slot). W is not saved: it comes
 //!   back through the same fast path as dirty-log write protection.
 //!
@@ -23,7 +23,7 @@
 //! that consumes a mark completes a remote flush, so a stale writable TLB entry left by aging
 //! is flushed before that harvest returns (invariant 4 holds).
 //!
-//! **Flushing.** [`Vm::clear_young`] does not flush TLBs, like Linux's `clear_young` notifier
+//! **Flushing.** [`crate::Vm::clear_young`] does not flush TLBs, like Linux's `clear_young` notifier
 //! (page_idle, MGLRU) and KVM's x86 `clear_flush_young` (which elides the flush): a vCPU keeps
 //! using translations it cached before the pass, so
 //! - with A/D bits, accesses through a cached entry do not set A again: those pages look idle
@@ -32,10 +32,10 @@
 //!   cached *writable* entry keeps allowing writes after W was cleared. Those writes are
 //!   invisible to later aging passes (the leaf is already old and not writable), so a caller
 //!   that tracks host dirtiness must treat pages passed to `on_dirty` as dirty until it unmaps
-//!   them ([`Vm::zap_gfn_range`], which flushes) before cleaning them, as Linux's writeback does
+//!   them ([`crate::Vm::zap_gfn_range`], which flushes) before cleaning them, as Linux's writeback does
 //!   through the invalidate notifier.
 //!
-//! [`Vm::clear_flush_young`] completes a remote flush whenever the range maps anything (also
+//! [`crate::Vm::clear_flush_young`] completes a remote flush whenever the range maps anything (also
 //! when every leaf was already old: translations cached since an earlier `clear_young` would
 //! otherwise survive it), so every access made after it returns is seen by the next test or
 //! aging pass.
@@ -53,12 +53,13 @@
 //! table (walk into it). After a few lost races in a row on one leaf the pass leaves it
 //! young, as KVM does: it is evidently in use.
 
-use crate::flush::PendingFlush;
 use crate::format::{pages_per_entry, table_index, Level, PteFormat, PAGE_SHIFT};
+use crate::mmu::flush::PendingFlush;
+use crate::mmu::spte::UpdateMode;
+use crate::mmu::table::TablePage;
+use crate::mmu::walk::Walk;
+use crate::mmu::Mmu;
 use crate::sync::{pin, AtomicU64, Ordering};
-use crate::table::TablePage;
-use crate::vm::{UpdateMode, Vm};
-use crate::walk::Walk;
 
 /// Guest pages (64 MiB) an aging pass covers per acquisition of the MMU lock (read mode).
 pub const CHUNK_PAGES: u64 = 1 << 14;
@@ -161,8 +162,8 @@ pub enum IdleError {
 /// Idle page tracking for a range of guest pages (Linux's `/sys/kernel/mm/page_idle/bitmap`,
 /// one bit per 4 KiB guest page, owned by the caller).
 ///
-/// [`Vm::mark_idle`] sets every bit and ages the range; [`Vm::read_idle`] clears the bit of
-/// every page whose leaf was accessed since, and [`Vm::working_set`] turns that into the
+/// [`crate::Vm::mark_idle`] sets every bit and ages the range; [`crate::Vm::read_idle`] clears the bit of
+/// every page whose leaf was accessed since, and [`crate::Vm::working_set`] turns that into the
 /// fraction touched. A page that is not mapped stays idle (nothing could access it without a
 /// fault mapping it young). Huge leaves have one Accessed state for all their pages, so
 /// touching one page of a 2 MiB leaf makes all 512 non-idle, as with Linux's transparent huge
@@ -275,220 +276,221 @@ impl WorkingSet {
     }
 }
 
-impl<F: PteFormat> Vm<F> {
-    /// Ages `[start_gfn, end_gfn)` without flushing TLBs (Linux's `clear_young`, KVM's
-    /// `kvm_age_gfn`): every young leaf becomes old, clearing A (A/D bits) or access-tracking it
-    /// (no A/D bits). Before this returns, `on_dirty(first_gfn, pages)` receives the pages of
-    /// every leaf the pass aged while it was dirty (all of a huge leaf's pages, also those
-    /// outside the range, since they share its W bit; adjacent leaves in one call), so the
-    /// dirty state that clearing W takes out of the tree is handed to the caller. Runs
-    /// concurrently with faults; see the module documentation for what TLB entries cached
-    /// before the pass mean.
-    pub fn clear_young(
-        &self,
-        start_gfn: u64,
-        end_gfn: u64,
-        on_dirty: impl FnMut(u64, u64),
-    ) -> AgeReport {
-        self.age_gfn_range(start_gfn, end_gfn, AgeFlush::NoFlush, on_dirty)
-    }
+/// Ages `[start_gfn, end_gfn)` without flushing TLBs (Linux's `clear_young`, KVM's
+/// `kvm_age_gfn`): every young leaf becomes old, clearing A (A/D bits) or access-tracking it
+/// (no A/D bits). Before this returns, `on_dirty(first_gfn, pages)` receives the pages of
+/// every leaf the pass aged while it was dirty (all of a huge leaf's pages, also those
+/// outside the range, since they share its W bit; adjacent leaves in one call), so the
+/// dirty state that clearing W takes out of the tree is handed to the caller. Runs
+/// concurrently with faults; see the module documentation for what TLB entries cached
+/// before the pass mean.
+pub(crate) fn clear_young<F: PteFormat>(
+    mmu: &Mmu<F>,
+    start_gfn: u64,
+    end_gfn: u64,
+    on_dirty: impl FnMut(u64, u64),
+) -> AgeReport {
+    age_gfn_range(mmu, start_gfn, end_gfn, AgeFlush::NoFlush, on_dirty)
+}
 
-    /// [`Self::clear_young`], then a remote TLB flush if the range maps anything, so every
-    /// access made after this returns is seen (Linux's `clear_flush_young`).
-    pub fn clear_flush_young(
-        &self,
-        start_gfn: u64,
-        end_gfn: u64,
-        on_dirty: impl FnMut(u64, u64),
-    ) -> AgeReport {
-        self.age_gfn_range(start_gfn, end_gfn, AgeFlush::Flush, on_dirty)
-    }
+/// [`clear_young`], then a remote TLB flush if the range maps anything, so every
+/// access made after this returns is seen (Linux's `clear_flush_young`).
+pub(crate) fn clear_flush_young<F: PteFormat>(
+    mmu: &Mmu<F>,
+    start_gfn: u64,
+    end_gfn: u64,
+    on_dirty: impl FnMut(u64, u64),
+) -> AgeReport {
+    age_gfn_range(mmu, start_gfn, end_gfn, AgeFlush::Flush, on_dirty)
+}
 
-    /// Ages `[start_gfn, end_gfn)`, flushing or not as `flush` says.
-    pub fn age_gfn_range(
-        &self,
-        start_gfn: u64,
-        end_gfn: u64,
-        flush: AgeFlush,
-        on_dirty: impl FnMut(u64, u64),
-    ) -> AgeReport {
-        let mut pending = PendingFlush::none();
-        let mut r = self.age_walk(
-            start_gfn,
-            end_gfn,
-            Op::Age,
-            &mut pending,
-            |_, _| {},
-            on_dirty,
-        );
-        // Aging only changes leaves into leaves: no table leaves the tree, so nothing waits for
-        // this flush to be freed, and skipping it (clear_young) leaks nothing. What it costs
-        // is only the visibility of accesses through cached translations.
-        debug_assert!(pending.graveyard.is_empty());
-        match flush {
-            AgeFlush::NoFlush => drop(pending),
-            AgeFlush::Flush => {
-                // Whenever anything is mapped, even if every leaf was old already: a leaf aged
-                // by an earlier clear_young may still be cached, and accesses through it would
-                // stay unseen (Linux flushes only young entries and has that blind spot).
-                if r.mapped_pages > 0 {
-                    pending.require();
-                    r.flushed = true;
-                }
-                self.complete_flush(pending);
+/// Ages `[start_gfn, end_gfn)`, flushing or not as `flush` says.
+pub(crate) fn age_gfn_range<F: PteFormat>(
+    mmu: &Mmu<F>,
+    start_gfn: u64,
+    end_gfn: u64,
+    flush: AgeFlush,
+    on_dirty: impl FnMut(u64, u64),
+) -> AgeReport {
+    let mut pending = PendingFlush::none();
+    let mut r = age_walk(
+        mmu,
+        start_gfn,
+        end_gfn,
+        Op::Age,
+        &mut pending,
+        |_, _| {},
+        on_dirty,
+    );
+    // Aging only changes leaves into leaves: no table leaves the tree, so nothing waits for
+    // this flush to be freed, and skipping it (clear_young) leaks nothing. What it costs
+    // is only the visibility of accesses through cached translations.
+    debug_assert!(pending.graveyard.is_empty());
+    match flush {
+        AgeFlush::NoFlush => drop(pending),
+        AgeFlush::Flush => {
+            // Whenever anything is mapped, even if every leaf was old already: a leaf aged
+            // by an earlier clear_young may still be cached, and accesses through it would
+            // stay unseen (Linux flushes only young entries and has that blind spot).
+            if r.mapped_pages > 0 {
+                pending.require();
+                r.flushed = true;
             }
-        }
-        r
-    }
-
-    /// Reports which leaves in `[start_gfn, end_gfn)` are young, changing nothing (KVM's
-    /// `kvm_test_age_gfn`). A page accessed through a TLB entry cached before the last aging
-    /// pass may still look old (see the module documentation).
-    pub fn test_young(&self, start_gfn: u64, end_gfn: u64) -> AgeReport {
-        let mut pending = PendingFlush::none();
-        let r = self.age_walk(
-            start_gfn,
-            end_gfn,
-            Op::Test,
-            &mut pending,
-            |_, _| {},
-            |_, _| {},
-        );
-        debug_assert!(!pending.is_needed());
-        drop(pending);
-        r
-    }
-
-    /// Marks every page of `bitmap` idle and ages its range, flushing or not as `flush` says
-    /// (page_idle writes use [`AgeFlush::NoFlush`]). `on_dirty` as in [`Self::clear_young`].
-    pub fn mark_idle(
-        &self,
-        bitmap: &mut IdleBitmap,
-        flush: AgeFlush,
-        on_dirty: impl FnMut(u64, u64),
-    ) -> AgeReport {
-        bitmap.set_all();
-        self.age_gfn_range(bitmap.start_gfn, bitmap.end_gfn(), flush, on_dirty)
-    }
-
-    /// Clears the idle bit of every page whose leaf is young, i.e. was accessed since the
-    /// range was marked idle (or was mapped since), and returns the pages still idle. Changes
-    /// no entry, so reading twice gives the same answer unless the guest ran in between.
-    pub fn read_idle(&self, bitmap: &mut IdleBitmap) -> u64 {
-        let mut pending = PendingFlush::none();
-        let (start, end) = (bitmap.start_gfn, bitmap.end_gfn());
-        self.age_walk(
-            start,
-            end,
-            Op::Test,
-            &mut pending,
-            |first, pages| bitmap.clear_range(first, first + pages),
-            |_, _| {},
-        );
-        debug_assert!(!pending.is_needed());
-        drop(pending);
-        bitmap.idle_pages()
-    }
-
-    /// How much of `bitmap`'s range was touched since [`Self::mark_idle`]: refreshes the
-    /// bitmap with [`Self::read_idle`] and counts the pages that are no longer idle.
-    pub fn working_set(&self, bitmap: &mut IdleBitmap) -> WorkingSet {
-        let idle = self.read_idle(bitmap);
-        WorkingSet {
-            touched_pages: bitmap.npages - idle,
-            total_pages: bitmap.npages,
+            mmu.complete_flush(pending);
         }
     }
+    r
+}
 
-    /// The one aging walk: visits every leaf in `[start, end)`, calls `young(first, pages)`
-    /// with the in-range GFNs of each young one and, for [`Op::Age`], makes it old with a
-    /// compare-and-swap through [`Vm::update_spte`].
-    ///
-    /// The walk stops at level 2: a huge leaf is handled where the walker finds it, and a table
-    /// of 4 KiB leaves is swept entry by entry in a plain loop over the table page (stepping the
-    /// general iterator through 512 leaves costs more than the compare-and-swaps themselves).
-    fn age_walk(
-        &self,
-        start: u64,
-        end: u64,
-        op: Op,
-        pending: &mut PendingFlush,
-        young: impl FnMut(u64, u64),
-        on_dirty: impl FnMut(u64, u64),
-    ) -> AgeReport {
-        let end = end.min(1u64 << (F::MAX_PHYS_BITS - PAGE_SHIFT));
-        let mut p = AgePass {
-            vm: self,
-            op,
-            start,
-            end,
-            chunk: start,
-            pending,
-            // Neighbouring leaves are reported as one run: one call per run rather than per
-            // leaf.
-            young: Runs::new(young),
-            on_dirty: Runs::new(on_dirty),
-            r: AgeReport::default(),
-        };
-        while p.chunk < end {
-            let chunk_end = end.min(p.chunk.saturating_add(CHUNK_PAGES));
-            // The MMU lock in read mode, per chunk: faults run alongside (they share it), and
-            // exclusive holders (zaps, harvest re-arms) may rely on no software writer but the
-            // fast path racing with them (their plain stores, `needs_atomic_update`). Dropped
-            // between chunks so a waiting exclusive holder gets in; each chunk is finished
-            // before the next, so the pass always progresses.
-            let lock = self.mmu_lock.read();
-            let guard = pin();
-            let mut it = Walk::<F>::new(&guard, self.root(), 2, p.chunk, chunk_end);
-            while it.valid() {
-                let old = it.old;
-                if !F::is_present(old) {
-                    it.next();
-                } else if F::is_leaf(old, it.level) {
-                    // `false`: lost a race; `it.old` holds the value that won (young again,
-                    // zapped, or a table now, which the next round sweeps).
-                    let sptep = it.sptep();
-                    let (level, gfn) = (it.level, it.gfn);
-                    if p.leaf(sptep, level, gfn, &mut it.old) {
-                        it.next();
-                    }
-                } else if it.level == 2 {
-                    let lo = it.gfn.max(p.chunk);
-                    let hi = it.entry_end().min(chunk_end);
-                    // SAFETY: a table reached from the root through present entries under
-                    // the guard (and the read lock): it stays allocated while the guard lives,
-                    // even if unlinked meanwhile (then its entries are frozen, and every
-                    // compare-and-swap on them fails).
-                    let t = unsafe { TablePage::at(F::output_addr(old)) };
-                    for gfn in lo..hi {
-                        let sptep = &t.entries[table_index(gfn, 1)];
-                        let mut cur = sptep.load(Ordering::Acquire);
-                        // A 4 KiB entry that is present is a leaf; one that went away under a
-                        // lost race (zapped, frozen) has nothing left to age.
-                        if F::is_present(cur) {
-                            p.leaf(sptep, 1, gfn, &mut cur);
-                        }
-                    }
-                    it.next();
-                } else {
+/// Reports which leaves in `[start_gfn, end_gfn)` are young, changing nothing (KVM's
+/// `kvm_test_age_gfn`). A page accessed through a TLB entry cached before the last aging
+/// pass may still look old (see the module documentation).
+pub(crate) fn test_young<F: PteFormat>(mmu: &Mmu<F>, start_gfn: u64, end_gfn: u64) -> AgeReport {
+    let mut pending = PendingFlush::none();
+    let r = age_walk(
+        mmu,
+        start_gfn,
+        end_gfn,
+        Op::Test,
+        &mut pending,
+        |_, _| {},
+        |_, _| {},
+    );
+    debug_assert!(!pending.is_needed());
+    drop(pending);
+    r
+}
+
+/// Marks every page of `bitmap` idle and ages its range, flushing or not as `flush` says
+/// (page_idle writes use [`AgeFlush::NoFlush`]). `on_dirty` as in [`clear_young`].
+pub(crate) fn mark_idle<F: PteFormat>(
+    mmu: &Mmu<F>,
+    bitmap: &mut IdleBitmap,
+    flush: AgeFlush,
+    on_dirty: impl FnMut(u64, u64),
+) -> AgeReport {
+    bitmap.set_all();
+    age_gfn_range(mmu, bitmap.start_gfn, bitmap.end_gfn(), flush, on_dirty)
+}
+
+/// Clears the idle bit of every page whose leaf is young, i.e. was accessed since the
+/// range was marked idle (or was mapped since), and returns the pages still idle. Changes
+/// no entry, so reading twice gives the same answer unless the guest ran in between.
+pub(crate) fn read_idle<F: PteFormat>(mmu: &Mmu<F>, bitmap: &mut IdleBitmap) -> u64 {
+    let mut pending = PendingFlush::none();
+    let (start, end) = (bitmap.start_gfn, bitmap.end_gfn());
+    age_walk(
+        mmu,
+        start,
+        end,
+        Op::Test,
+        &mut pending,
+        |first, pages| bitmap.clear_range(first, first + pages),
+        |_, _| {},
+    );
+    debug_assert!(!pending.is_needed());
+    drop(pending);
+    bitmap.idle_pages()
+}
+
+/// How much of `bitmap`'s range was touched since [`mark_idle`]: refreshes the
+/// bitmap with [`read_idle`] and counts the pages that are no longer idle.
+pub(crate) fn working_set<F: PteFormat>(mmu: &Mmu<F>, bitmap: &mut IdleBitmap) -> WorkingSet {
+    let idle = read_idle(mmu, bitmap);
+    WorkingSet {
+        touched_pages: bitmap.npages - idle,
+        total_pages: bitmap.npages,
+    }
+}
+
+/// The one aging walk: visits every leaf in `[start, end)`, calls `young(first, pages)`
+/// with the in-range GFNs of each young one and, for [`Op::Age`], makes it old with a
+/// compare-and-swap through [`Mmu::update_spte`].
+///
+/// The walk stops at level 2: a huge leaf is handled where the walker finds it, and a table
+/// of 4 KiB leaves is swept entry by entry in a plain loop over the table page (stepping the
+/// general iterator through 512 leaves costs more than the compare-and-swaps themselves).
+fn age_walk<F: PteFormat>(
+    mmu: &Mmu<F>,
+    start: u64,
+    end: u64,
+    op: Op,
+    pending: &mut PendingFlush,
+    young: impl FnMut(u64, u64),
+    on_dirty: impl FnMut(u64, u64),
+) -> AgeReport {
+    let end = end.min(1u64 << (F::MAX_PHYS_BITS - PAGE_SHIFT));
+    let mut p = AgePass {
+        mmu,
+        op,
+        start,
+        end,
+        chunk: start,
+        pending,
+        // Neighbouring leaves are reported as one run: one call per run rather than per
+        // leaf.
+        young: Runs::new(young),
+        on_dirty: Runs::new(on_dirty),
+        r: AgeReport::default(),
+    };
+    while p.chunk < end {
+        let chunk_end = end.min(p.chunk.saturating_add(CHUNK_PAGES));
+        // The MMU lock in read mode, per chunk: faults run alongside (they share it), and
+        // exclusive holders (zaps, harvest re-arms) may rely on no software writer but the
+        // fast path racing with them (their plain stores, `needs_atomic_update`). Dropped
+        // between chunks so a waiting exclusive holder gets in; each chunk is finished
+        // before the next, so the pass always progresses.
+        let lock = mmu.lock.read();
+        let guard = pin();
+        let mut it = Walk::<F>::new(&guard, mmu.root(), 2, p.chunk, chunk_end);
+        while it.valid() {
+            let old = it.old;
+            if !F::is_present(old) {
+                it.next();
+            } else if F::is_leaf(old, it.level) {
+                // `false`: lost a race; `it.old` holds the value that won (young again,
+                // zapped, or a table now, which the next round sweeps).
+                let sptep = it.sptep();
+                let (level, gfn) = (it.level, it.gfn);
+                if p.leaf(sptep, level, gfn, &mut it.old) {
                     it.next();
                 }
+            } else if it.level == 2 {
+                let lo = it.gfn.max(p.chunk);
+                let hi = it.entry_end().min(chunk_end);
+                // SAFETY: a table reached from the root through present entries under
+                // the guard (and the read lock): it stays allocated while the guard lives,
+                // even if unlinked meanwhile (then its entries are frozen, and every
+                // compare-and-swap on them fails).
+                let t = unsafe { TablePage::at(F::output_addr(old)) };
+                for gfn in lo..hi {
+                    let sptep = &t.entries[table_index(gfn, 1)];
+                    let mut cur = sptep.load(Ordering::Acquire);
+                    // A 4 KiB entry that is present is a leaf; one that went away under a
+                    // lost race (zapped, frozen) has nothing left to age.
+                    if F::is_present(cur) {
+                        p.leaf(sptep, 1, gfn, &mut cur);
+                    }
+                }
+                it.next();
+            } else {
+                it.next();
             }
-            // The walk (which borrows the guard) and the guard end before the lock does.
-            drop(guard);
-            drop(lock);
-            p.r.yields += 1;
-            p.chunk = chunk_end;
         }
-        p.young.finish();
-        p.on_dirty.finish();
-        p.r
+        // The walk (which borrows the guard) and the guard end before the lock does.
+        drop(guard);
+        drop(lock);
+        p.r.yields += 1;
+        p.chunk = chunk_end;
     }
+    p.young.finish();
+    p.on_dirty.finish();
+    p.r
 }
 
 /// The state of one aging or test pass.
 struct AgePass<'a, F: PteFormat, Y: FnMut(u64, u64), D: FnMut(u64, u64)> {
-    vm: &'a Vm<F>,
+    mmu: &'a Mmu<F>,
     op: Op,
     start: u64,
     end: u64,
@@ -530,8 +532,8 @@ impl<F: PteFormat, Y: FnMut(u64, u64), D: FnMut(u64, u64)> AgePass<'_, F, Y, D> 
                 true
             } else {
                 let new = F::mark_access_tracked(cur);
-                let sink = self.vm.sink();
-                match self.vm.update_spte(
+                let sink = self.mmu.sink();
+                match self.mmu.update_spte(
                     sptep,
                     level,
                     old,

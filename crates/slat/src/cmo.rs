@@ -19,28 +19,25 @@
 /// Cache-line size the passes step by (64 bytes on every host this runs on).
 pub const CACHE_LINE: u64 = 64;
 
-/// When the fault path performs cache maintenance for a new mapping.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum CmoPolicy {
-    /// Every translation fault cleans the range it is about to map before doing anything
-    /// else, even when another vCPU has already mapped it (KVM arm64 before seed 001 patch 1:
-    /// CMOs in `user_mem_abort`).
-    Always,
-    /// Only the fault that actually installs a new leaf cleans it, after locking the entry and
-    /// before publishing it; concurrent faults on the same address find the entry locked or
-    /// mapped and skip it (seed 001 patch 1: CMOs in the map path).
-    #[default]
-    OnInstall,
+pub use crate::config::CmoPolicy;
+use crate::stats::{Sink, Stat};
+
+/// Cache maintenance for a mapping about to be published: clean the data cache over it,
+/// and invalidate the instruction cache too if it is executable.
+pub(crate) fn clean_new_mapping(addr: u64, len: u64, exec: bool, sink: Sink<'_>) {
+    clean_dcache_to_poc(addr, len);
+    sink.inc(Stat::CacheCleans);
+    sink.add(Stat::CacheCleanBytes, len);
+    if exec {
+        invalidate_icache_for(addr, len, sink);
+    }
 }
 
-impl CmoPolicy {
-    /// Name used on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            CmoPolicy::Always => "always",
-            CmoPolicy::OnInstall => "on-install",
-        }
-    }
+/// Instruction-cache invalidation for a live mapping that becomes executable.
+pub(crate) fn invalidate_icache_for(addr: u64, len: u64, sink: Sink<'_>) {
+    invalidate_icache_to_pou(addr, len);
+    sink.inc(Stat::CacheCleans);
+    sink.add(Stat::CacheCleanBytes, len);
 }
 
 /// Cleans and invalidates the data cache over `[addr, addr + len)` to the point of coherency.

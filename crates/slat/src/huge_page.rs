@@ -1,119 +1,105 @@
 //! Huge-page split (dirty logging needs 4 KiB leaves) and recovery (logging stopped: put the
 //! huge leaves back so the guest runs with few TLB misses again).
 
-use crate::flush::PendingFlush;
 use crate::format::{Level, PteFormat};
 use crate::memslot::Memslot;
+use crate::mmu::flush::PendingFlush;
+use crate::mmu::table::TablePage;
+use crate::mmu::walk::Walk;
+use crate::mmu::Mmu;
 use crate::stats::Stat;
 use crate::sync::{pin, Ordering};
-use crate::table::TablePage;
-use crate::vm::Vm;
-use crate::walk::Walk;
 
-/// In which order a table is replaced by a block when break-before-make applies (arm64): the
-/// window in which other vCPUs fault on the locked entry is the difference (seed 001 patch 2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum RebuildOrder {
-    /// Invalidate the table entry, flush, unmap and free the old sub-tables, then install the
-    /// block (KVM arm64 before the patch): the entry stays invalid for the whole teardown.
-    BreakFirst,
-    /// Invalidate the table entry, flush, install the block, then unmap and free the old
-    /// sub-tables (after the patch): the entry is invalid only across the flush.
-    #[default]
-    InstallFirst,
-}
+pub use crate::config::RebuildOrder;
 
-impl RebuildOrder {
-    /// Name used on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            RebuildOrder::BreakFirst => "break-first",
-            RebuildOrder::InstallFirst => "install-first",
-        }
-    }
-}
-
-impl<F: PteFormat> Vm<F> {
-    /// Replaces every huge leaf in `[start, end)` with a table of equivalent smaller leaves,
-    /// down to 4 KiB (a 1 GiB leaf becomes 2 MiB leaves, which the pre-order walk then visits
-    /// and splits in turn). Updates are compare-and-swaps, so this runs under the MMU lock in
-    /// either mode, racing with faults; a lost race re-reads the entry. No flush where the
-    /// format allows both translations at once (they are identical); with break-before-make
-    /// each block is invalidated and flushed before its table goes in (KVM arm64's
-    /// `kvm_pgtable_stage2_split`), and no cache maintenance: the memory is mapped already.
-    /// Returns the number of leaves split.
-    pub(crate) fn split_huge_pages(&self, start: u64, end: u64, pending: &mut PendingFlush) -> u64 {
-        let guard = pin();
-        let sink = self.sink();
-        let mut splits = 0;
-        let mut it = Walk::<F>::new(&guard, self.root(), 2, start, end);
-        while it.valid() {
-            let old = it.old;
-            if F::is_present(old) && it.level > 1 && F::is_leaf(old, it.level) {
-                // Filled before it is reachable, so plain stores suffice.
-                let child = self.alloc.alloc();
-                for (i, e) in child.page().entries.iter().enumerate() {
-                    e.store(F::split_child(old, it.level, i), Ordering::Relaxed);
+/// Replaces every huge leaf in `[start, end)` with a table of equivalent smaller leaves,
+/// down to 4 KiB (a 1 GiB leaf becomes 2 MiB leaves, which the pre-order walk then visits
+/// and splits in turn). Updates are compare-and-swaps, so this runs under the MMU lock in
+/// either mode, racing with faults; a lost race re-reads the entry. No flush where the
+/// format allows both translations at once (they are identical); with break-before-make
+/// each block is invalidated and flushed before its table goes in (KVM arm64's
+/// `kvm_pgtable_stage2_split`), and no cache maintenance: the memory is mapped already.
+/// Returns the number of leaves split.
+pub(crate) fn split_huge_pages<F: PteFormat>(
+    mmu: &Mmu<F>,
+    start: u64,
+    end: u64,
+    pending: &mut PendingFlush,
+) -> u64 {
+    let guard = pin();
+    let sink = mmu.sink();
+    let mut splits = 0;
+    let mut it = Walk::<F>::new(&guard, mmu.root(), 2, start, end);
+    while it.valid() {
+        let old = it.old;
+        if F::is_present(old) && it.level > 1 && F::is_leaf(old, it.level) {
+            // Filled before it is reachable, so plain stores suffice.
+            let child = mmu.alloc.alloc();
+            for (i, e) in child.page().entries.iter().enumerate() {
+                e.store(F::split_child(old, it.level, i), Ordering::Relaxed);
+            }
+            let table = F::make_table(child.addr());
+            match mmu.replace_spte(&mut it, table, false, sink, pending) {
+                Ok(()) => {
+                    child.into_linked();
+                    sink.inc(Stat::Splits);
+                    splits += 1;
                 }
-                let table = F::make_table(child.addr());
-                match self.replace_spte(&mut it, table, false, sink, pending) {
-                    Ok(()) => {
-                        child.into_linked();
-                        sink.inc(Stat::Splits);
-                        splits += 1;
+                Err(_) => {
+                    for e in child.page().entries.iter() {
+                        e.store(F::NON_PRESENT, Ordering::Relaxed);
                     }
-                    Err(_) => {
-                        for e in child.page().entries.iter() {
-                            e.store(F::NON_PRESENT, Ordering::Relaxed);
-                        }
-                        self.alloc.free_now(child);
-                        continue; // re-examine the entry that won
-                    }
+                    mmu.alloc.free_now(child);
+                    continue; // re-examine the entry that won
                 }
             }
-            it.next();
         }
-        splits
+        it.next();
     }
+    splits
+}
 
-    /// In-place huge-page recovery (KVM 6.12's `recover_huge_pages_range`): every table in the
-    /// slot whose whole range the slot may map with one leaf of the table's level is replaced
-    /// by that leaf, with one compare-and-swap, under the MMU lock in read mode. The huge leaf
-    /// takes its permissions from the first leaf found below (so write protection and access
-    /// tracking carry over and the fast path fixes them as usual). Tables nobody mapped
-    /// anything in are left alone. The unlinked tables go to `pending`; the caller flushes once.
-    /// With break-before-make each table is rebuilt as a block in the configured
-    /// [`RebuildOrder`] instead, with its own flush. Returns the number of tables replaced.
-    pub(crate) fn recover_huge_pages(&self, slot: &Memslot, pending: &mut PendingFlush) -> u64 {
-        debug_assert!(!slot.is_logging());
-        let guard = pin();
-        let sink = self.sink();
-        let mut recovered = 0;
-        let mut it = Walk::<F>::new(&guard, self.root(), 2, slot.base_gfn, slot.end_gfn());
-        while it.valid() {
-            let old = it.old;
-            let candidate = F::is_present(old)
-                && it.level <= F::MAX_LEAF_LEVEL
-                && !F::is_leaf(old, it.level)
-                && slot.max_level::<F>(it.gfn) >= it.level;
-            if candidate {
-                if let Some(leaf) = first_leaf::<F>(F::output_addr(old), it.level - 1) {
-                    let huge = F::make_huge(leaf, it.level);
-                    debug_assert_eq!(F::output_addr(huge), slot.hva(it.gfn));
-                    if self
-                        .replace_spte(&mut it, huge, false, sink, pending)
-                        .is_err()
-                    {
-                        continue; // re-examine the entry that won
-                    }
-                    sink.inc(Stat::Recoveries);
-                    recovered += 1;
+/// In-place huge-page recovery (KVM 6.12's `recover_huge_pages_range`): every table in the
+/// slot whose whole range the slot may map with one leaf of the table's level is replaced
+/// by that leaf, with one compare-and-swap, under the MMU lock in read mode. The huge leaf
+/// takes its permissions from the first leaf found below (so write protection and access
+/// tracking carry over and the fast path fixes them as usual). Tables nobody mapped
+/// anything in are left alone. The unlinked tables go to `pending`; the caller flushes once.
+/// With break-before-make each table is rebuilt as a block in the configured
+/// [`RebuildOrder`] instead, with its own flush. Returns the number of tables replaced.
+pub(crate) fn recover_huge_pages<F: PteFormat>(
+    mmu: &Mmu<F>,
+    slot: &Memslot,
+    pending: &mut PendingFlush,
+) -> u64 {
+    debug_assert!(!slot.is_logging());
+    let guard = pin();
+    let sink = mmu.sink();
+    let mut recovered = 0;
+    let mut it = Walk::<F>::new(&guard, mmu.root(), 2, slot.base_gfn, slot.end_gfn());
+    while it.valid() {
+        let old = it.old;
+        let candidate = F::is_present(old)
+            && it.level <= F::MAX_LEAF_LEVEL
+            && !F::is_leaf(old, it.level)
+            && slot.max_level::<F>(it.gfn) >= it.level;
+        if candidate {
+            if let Some(leaf) = first_leaf::<F>(F::output_addr(old), it.level - 1) {
+                let huge = F::make_huge(leaf, it.level);
+                debug_assert_eq!(F::output_addr(huge), slot.hva(it.gfn));
+                if mmu
+                    .replace_spte(&mut it, huge, false, sink, pending)
+                    .is_err()
+                {
+                    continue; // re-examine the entry that won
                 }
+                sink.inc(Stat::Recoveries);
+                recovered += 1;
             }
-            it.next();
         }
-        recovered
+        it.next();
     }
+    recovered
 }
 
 /// The first present leaf in the table at `addr` (of `level`) or below it.

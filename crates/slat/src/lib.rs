@@ -24,32 +24,55 @@
 //! assert_eq!(vm.stats().leaves_4k, 1);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+//!
+//! # Layout
+//!
+//! One concept per module, in layers; a module uses only modules below it (the allowed graph
+//! is spelled out and checked by `tests/layering.rs`):
+//!
+//! | layer | modules |
+//! |---|---|
+//! | base | `sync` (std/loom switch), [`config`] ([`VmConfig`], variant enums), [`format`](mod@format), [`stats`], [`host_memory`], `test_hooks` |
+//! | cache maintenance | [`cmo`] |
+//! | page table | `mmu`: `table`, `walk` (the one walker), `lock`, `spte` (the one SPTE-update path), [`flush`] (`PendingFlush`), `zap`, `inspect` |
+//! | memslots | `dirty::bitmap` (a slot's bitmap), [`memslot`] (the set, publishing, operations), `dirty::ring` |
+//! | features | [`huge_page`] (split, recovery), [`dirty`] (mark, capabilities, enable, re-arm, harvest), [`age`], `fault` (fast and slow path) |
+//! | facade | [`Vm`] (holds the page table, the memslots and the dirty log; its methods hand each module the parts it needs), [`Vcpu`] |
+//! | hardware | [`hw`]: what a hardware walker and TLB need (the root, table entries, guest mode) |
 
 #![deny(missing_docs)]
 
 pub mod age;
 pub mod cmo;
+pub mod config;
 pub mod dirty;
 mod fault;
-pub mod flush;
 pub mod format;
 pub mod host_memory;
 pub mod huge_page;
+pub mod hw;
 pub mod memslot;
+mod mmu;
 pub mod stats;
 mod sync;
-pub mod table;
+mod test_hooks;
+mod vcpu;
 mod vm;
-pub(crate) mod walk;
+
+pub use mmu::flush;
 
 pub use age::{AgeFlush, AgeReport, IdleBitmap, IdleError, WorkingSet};
-pub use cmo::CmoPolicy;
-pub use dirty::{DirtyLogError, DirtyTrack, GetLogVariant, RecoverVariant};
+pub use config::{
+    CmoPolicy, DirtyTrack, GetLogVariant, MmuLockKind, ParseVariantError, RebuildOrder,
+    RecoverVariant, VmConfig,
+};
+pub use dirty::DirtyLogError;
 pub use fault::{Fault, FaultOutcome};
 pub use flush::GuestMode;
 pub use format::{Access, Ept, Level, PteFormat, Stage2};
 pub use host_memory::{HostBuffer, HostBufferError, HostMemory, HostRangeError};
-pub use huge_page::RebuildOrder;
 pub use memslot::{HostRange, Memslot, MemslotError, MemslotFlags, MemslotSet, SlotId};
+pub use mmu::inspect::Audit;
 pub use stats::Stats;
-pub use vm::{Audit, MmuLockKind, Vcpu, Vm, VmConfig};
+pub use vcpu::Vcpu;
+pub use vm::Vm;

@@ -9,7 +9,7 @@ mod common;
 
 use common::*;
 use slat::format::{pages_per_entry, table_index, PteFormat, PAGE_SHIFT, PAGE_SIZE};
-use slat::table::TablePage;
+use slat::hw::TablePage;
 use slat::{
     Access, AgeFlush, Fault, FaultOutcome, IdleBitmap, IdleError, Level, MemslotFlags, Vcpu, Vm,
     VmConfig,
@@ -131,7 +131,7 @@ impl<F: PteFormat> HwCpu<F> {
 
     fn walk(&self, gpa: u64, access: Access) -> Result<(), bool> {
         let gfn = gpa >> PAGE_SHIFT;
-        let mut table = self.vm().root_addr();
+        let mut table = slat::hw::root_addr(self.vm());
         let mut level: Level = F::ROOT_LEVEL;
         loop {
             // SAFETY: the root or a table reached through present entries during this access,
@@ -154,7 +154,7 @@ impl<F: PteFormat> HwCpu<F> {
                     .compare_exchange(e, want, Ordering::AcqRel, Ordering::Acquire)
                     .is_err()
             {
-                table = self.vm().root_addr();
+                table = slat::hw::root_addr(self.vm());
                 level = F::ROOT_LEVEL;
                 continue;
             }

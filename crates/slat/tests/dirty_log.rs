@@ -740,7 +740,7 @@ fn slots_deleted_or_moved_while_logging<F: PteFormat>() {
     // Bitmap mode.
     {
         let vm = Vm::<F>::new(VmConfig::default());
-        let alloc = vm.table_alloc().clone();
+        let alloc = slat::hw::table_alloc(&vm).clone();
         let mut v = vm.create_vcpu(0);
         let m1 = HostMem::new(128 * PAGE_SIZE);
         let m2 = HostMem::new(128 * PAGE_SIZE);

@@ -852,7 +852,7 @@ fn zap_flushes_remote_tlbs_frees_tables_and_an_empty_zap_flushes_nothing<F: PteF
     }
     let s0 = vm.stats();
     assert_eq!(s0.table_pages, 5, "{s0:?}"); // root, L3, L2, two L1
-    let alloc = vm.table_alloc().clone();
+    let alloc = slat::hw::table_alloc(&vm).clone();
     let live0 = alloc.live_pages();
 
     // Zap the whole first frame: its leaf table leaves the tree and is eventually freed.
@@ -1041,7 +1041,7 @@ fn table_pages_live_covers_linked_tables_and_vcpu_caches<F: PteFormat>() {
     }
     check_audit(&vm, "three vCPUs");
     // Destroying a vCPU returns its cached pages.
-    let alloc = vm.table_alloc().clone();
+    let alloc = slat::hw::table_alloc(&vm).clone();
     let linked = vm.stats().table_pages;
     for v in vcpus.drain(..) {
         drop(v);

@@ -38,7 +38,7 @@ fn vm_with_page(config: VmConfig) -> Arc<Vm<Ept>> {
 fn install_race_installs_once() {
     model(|| {
         let vm = vm_with_page(VmConfig::default());
-        let alloc = vm.table_alloc().clone();
+        let alloc = slat::hw::table_alloc(&vm).clone();
         let hs: Vec<_> = (0..2)
             .map(|i| {
                 let vm = vm.clone();

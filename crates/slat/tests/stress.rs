@@ -55,7 +55,7 @@ fn run<F: PteFormat>(config: VmConfig, seed: u64) {
         .unwrap();
     vm.add_memslot(2, C, SLOT_BYTES, r(SLOT_BYTES), MemslotFlags::empty())
         .unwrap();
-    let alloc = vm.table_alloc().clone();
+    let alloc = slat::hw::table_alloc(&vm).clone();
     let stop = Arc::new(AtomicBool::new(false));
     let deadline = Instant::now() + Duration::from_millis(1500);
 

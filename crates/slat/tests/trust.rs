@@ -347,7 +347,7 @@ fn vcpu_keeps_its_vm_alive_and_host_memory_outlives_the_slot<F: PteFormat>() {
     vm.add_memslot(1, GPA, 4 * MIB, range, MemslotFlags::empty())
         .unwrap();
     let mut v = vm.create_vcpu(0);
-    let alloc = vm.table_alloc().clone();
+    let alloc = slat::hw::table_alloc(&vm).clone();
     drop(vm); // the vCPU holds the VM
     assert!(weak.upgrade().is_some(), "the slot holds the memory");
     let o = v.handle_fault(Fault {

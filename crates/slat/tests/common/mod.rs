@@ -6,7 +6,7 @@
 #![allow(dead_code)]
 
 use slat::format::{pages_per_entry, Level, PteFormat, PAGE_SHIFT, PAGE_SIZE};
-use slat::table::TableAlloc;
+use slat::hw::TableAlloc;
 use slat::{Access, Ept, Fault, FaultOutcome, HostRange, Vcpu, Vm};
 use std::alloc::Layout;
 use std::any::TypeId;
@@ -224,7 +224,7 @@ pub fn wait_for_reclaim(alloc: &TableAlloc, expect_live: u64) {
 
 /// Destroys the vCPUs, drops the VM and asserts every table page it ever allocated is freed.
 pub fn teardown<F: PteFormat>(vm: Arc<Vm<F>>, vcpus: impl IntoIterator<Item = Vcpu<F>>) {
-    let alloc = vm.table_alloc().clone();
+    let alloc = slat::hw::table_alloc(&vm).clone();
     for v in vcpus {
         drop(v);
     }

@@ -212,14 +212,6 @@ impl PageCache {
     pub fn put_back(&mut self, t: OwnedTable) {
         self.pages.push(t);
     }
-    /// Cached pages.
-    pub fn len(&self) -> usize {
-        self.pages.len()
-    }
-    /// No cached pages.
-    pub fn is_empty(&self) -> bool {
-        self.pages.is_empty()
-    }
     /// Frees every cached page.
     pub fn drain(&mut self, alloc: &TableAlloc) {
         for t in self.pages.drain(..) {

@@ -5,12 +5,23 @@
 //! (a per-vCPU cached `Arc` revalidated by one atomic load of the generation, plus a last-slot
 //! hint) and re-checks the generation under the MMU lock before installing anything, so a
 //! translation computed from a slot that has since been deleted or moved is never installed.
+//!
+//! Files: this one (a slot, the set, flags, errors), `published.rs` (`Memslots`: the slots
+//! lock, the published set and its generation, vCPU snapshots), `ops.rs` (add, delete, move,
+//! change flags), `validate.rs` (checks before anything changes).
 
-use crate::dirty::SlotBitmap;
-use crate::format::{bytes_per_entry, pages_per_entry, Level, PteFormat, PAGE_SHIFT, PAGE_SIZE};
+use crate::dirty::bitmap::SlotBitmap;
+use crate::format::{bytes_per_entry, pages_per_entry, Level, PteFormat, PAGE_SHIFT};
 pub use crate::host_memory::HostRange;
 use crate::sync::Arc;
 use bitflags::bitflags;
+
+mod ops;
+mod published;
+mod validate;
+
+pub(crate) use ops::logs;
+pub(crate) use published::{Memslots, SlotHint};
 
 /// A memslot identifier chosen by the VMM.
 pub type SlotId = u32;
@@ -280,106 +291,4 @@ impl MemslotSet {
         slots.sort_by_key(|s| s.base_gfn);
         MemslotSet { slots, generation }
     }
-}
-
-/// Validates a new slot placement; `ignore` is the slot being moved.
-pub(crate) fn validate_range<F: PteFormat>(
-    set: &MemslotSet,
-    id: SlotId,
-    gpa: u64,
-    size: u64,
-    ignore: Option<SlotId>,
-) -> Result<(), MemslotError> {
-    if size == 0 {
-        return Err(MemslotError::ZeroSize { id });
-    }
-    if gpa % PAGE_SIZE != 0 {
-        return Err(MemslotError::Misaligned {
-            id,
-            what: "guest physical address",
-            value: gpa,
-        });
-    }
-    if size % PAGE_SIZE != 0 {
-        return Err(MemslotError::Misaligned {
-            id,
-            what: "size",
-            value: size,
-        });
-    }
-    let limit = 1u64 << F::MAX_PHYS_BITS;
-    if gpa >= limit || size > limit - gpa {
-        return Err(MemslotError::BeyondPhysWidth {
-            id,
-            gpa,
-            size,
-            bits: F::MAX_PHYS_BITS,
-        });
-    }
-    let end = gpa + size;
-    for s in set.slots.iter().filter(|s| Some(s.id) != ignore) {
-        if gpa < s.gpa() + s.size() && s.gpa() < end {
-            return Err(MemslotError::Overlap {
-                id,
-                gpa,
-                end,
-                other: s.id,
-                other_gpa: s.gpa(),
-                other_end: s.gpa() + s.size(),
-            });
-        }
-    }
-    Ok(())
-}
-
-/// Refuses bits this engine does not know (a value built with `from_bits_retain`).
-pub(crate) fn validate_flags(
-    id: SlotId,
-    flags: MemslotFlags,
-) -> Result<MemslotFlags, MemslotError> {
-    let unknown = flags.bits() & !MemslotFlags::all().bits();
-    if unknown != 0 {
-        return Err(MemslotError::UnknownFlags { id, bits: unknown });
-    }
-    Ok(flags)
-}
-
-pub(crate) fn validate_host<F: PteFormat>(
-    id: SlotId,
-    size: u64,
-    host: &HostRange,
-) -> Result<(), MemslotError> {
-    if host.addr() % PAGE_SIZE != 0 {
-        return Err(MemslotError::Misaligned {
-            id,
-            what: "host address",
-            value: host.addr(),
-        });
-    }
-    // The PTE address field must hold every host address of the slot.
-    let fits = |a: u64| F::output_addr(a) == a;
-    match host.addr().checked_add(size) {
-        Some(end) if fits(host.addr()) && fits(end - PAGE_SIZE) => {}
-        _ => {
-            return Err(MemslotError::HostAddressUnmappable {
-                id,
-                addr: host.addr(),
-                size,
-            })
-        }
-    }
-    if ![PAGE_SIZE, 2 << 20, 1 << 30].contains(&host.page_size()) {
-        return Err(MemslotError::BadHostPageSize {
-            id,
-            page_size: host.page_size(),
-        });
-    }
-    if host.len() < size {
-        return Err(MemslotError::HostRangeTooSmall {
-            id,
-            need: size,
-            have: host.len(),
-        });
-    }
-    Ok(())
 }

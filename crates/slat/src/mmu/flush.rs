@@ -20,8 +20,8 @@
 //! `#[must_use]` and owns the table pages the operation unlinked. The only way to free those
 //! pages is [`crate::Vm::complete_flush`], which flushes first (invariant 2).
 
-use crate::sync::{fence, spin_hint, yield_now, Arc, AtomicU32, AtomicU64, Ordering};
-use crate::table::OwnedTable;
+use crate::mmu::table::OwnedTable;
+use crate::sync::{self, fence, spin_hint, yield_now, Arc, AtomicU32, AtomicU64, Ordering, RwLock};
 
 /// Request bit: empty the TLB.
 pub const REQ_TLB_FLUSH: u32 = 1 << 0;
@@ -161,24 +161,56 @@ impl VcpuLink {
     }
 }
 
-/// The flush protocol's shared state: the generation counter.
+/// The vCPUs a remote flush waits for, and the generation they acknowledge.
 #[derive(Debug)]
-pub(crate) struct FlushGen(pub(crate) AtomicU64);
+pub(crate) struct FlushDomain {
+    vcpus: RwLock<Vec<Arc<VcpuLink>>>,
+    gen: AtomicU64,
+}
 
-impl FlushGen {
-    /// Requests a flush on `vcpus` and waits for the acknowledgements; returns whether any
+impl FlushDomain {
+    pub(crate) fn new() -> Self {
+        FlushDomain {
+            vcpus: RwLock::new(Vec::new()),
+            gen: AtomicU64::new(0),
+        }
+    }
+
+    /// From now on, flushes wait for `link` whenever its vCPU is in guest mode.
+    pub(crate) fn join(&self, link: Arc<VcpuLink>) {
+        sync::write(&self.vcpus).push(link);
+    }
+
+    /// Flushes stop waiting for `link` (its vCPU is going away).
+    pub(crate) fn leave(&self, link: &Arc<VcpuLink>) {
+        sync::write(&self.vcpus).retain(|l| !Arc::ptr_eq(l, link));
+    }
+
+    /// vCPUs that joined and have not left.
+    pub(crate) fn len(&self) -> usize {
+        sync::read(&self.vcpus).len()
+    }
+
+    /// Services `link`'s pending requests (see [`VcpuLink::service_requests`]).
+    #[inline]
+    pub(crate) fn service(&self, link: &VcpuLink, flush_tlb: impl FnOnce()) -> u32 {
+        link.service_requests(&self.gen, flush_tlb)
+    }
+
+    /// Requests a flush on every vCPU and waits for the acknowledgements; returns whether any
     /// vCPU had to be asked.
-    pub(crate) fn flush_all(&self, vcpus: &[crate::sync::Arc<VcpuLink>]) -> bool {
-        let gen = self.0.fetch_add(1, Ordering::SeqCst) + 1;
+    pub(crate) fn flush_all(&self) -> bool {
+        let vcpus = sync::read(&self.vcpus);
+        let gen = self.gen.fetch_add(1, Ordering::SeqCst) + 1;
         if vcpus.is_empty() {
             return false;
         }
-        for v in vcpus {
+        for v in vcpus.iter() {
             v.request(REQ_TLB_FLUSH);
         }
         // The flusher's half of the Dekker pair: requests stored, then modes loaded.
         fence(Ordering::SeqCst);
-        for v in vcpus {
+        for v in vcpus.iter() {
             v.wait_ack(gen);
         }
         true

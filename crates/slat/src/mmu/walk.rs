@@ -9,8 +9,8 @@
 //! been freed while the lock was dropped.
 
 use crate::format::{pages_per_entry, table_index, Level, PteFormat, MAX_LEVELS};
+use crate::mmu::table::TablePage;
 use crate::sync::{AtomicU64, Guard, Ordering};
-use crate::table::TablePage;
 use std::marker::PhantomData;
 
 /// A position in a walk of `[start, end)` (GFNs).

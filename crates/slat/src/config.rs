@@ -1,0 +1,237 @@
+//! A VM's runtime configuration ([`VmConfig`]) and the design variants it chooses between.
+//!
+//! Every variant enum has a command-line spelling: [`std::fmt::Display`] prints it and
+//! [`std::str::FromStr`] parses it back (the same words the `slat` binary accepts, e.g.
+//! `on-fault`, `install-first`, `d-bit`).
+
+use std::fmt;
+use std::str::FromStr;
+
+/// A variant name that is not one of the spellings its enum accepts.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown {what} `{given}` (expected one of: {})", expected.join(", "))]
+pub struct ParseVariantError {
+    /// What was being parsed ("MMU lock", "recovery variant", ...).
+    pub what: &'static str,
+    /// The text given.
+    pub given: String,
+    /// The accepted spellings.
+    pub expected: &'static [&'static str],
+}
+
+/// Declares a variant enum's spellings once: `name()`, `ALL`, `Display` and `FromStr` come
+/// from the same table, so printing and parsing cannot drift apart.
+macro_rules! spelled {
+    ($ty:ident, $what:literal, { $($variant:ident => $name:literal),+ $(,)? }) => {
+        impl $ty {
+            /// Every variant, in declaration order.
+            pub const ALL: &'static [$ty] = &[$($ty::$variant),+];
+
+            /// Name used on the command line.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $name),+
+                }
+            }
+        }
+
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+
+        impl FromStr for $ty {
+            type Err = ParseVariantError;
+
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                match s {
+                    $($name => Ok($ty::$variant),)+
+                    _ => Err(ParseVariantError {
+                        what: $what,
+                        given: s.to_string(),
+                        expected: &[$($name),+],
+                    }),
+                }
+            }
+        }
+    };
+}
+
+/// Which lock serialises MMU operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MmuLockKind {
+    /// Reader/writer lock: faults and range operations share it and update entries with
+    /// compare-and-swap; zaps and harvest re-protection take it exclusively (KVM's TDP MMU).
+    #[default]
+    RwLock,
+    /// One big mutex: every fault is exclusive (KVM's legacy MMU before parallel faults).
+    Mutex,
+}
+
+spelled!(MmuLockKind, "MMU lock", { RwLock => "rwlock", Mutex => "mutex" });
+
+/// How GET_DIRTY_LOG (without manual protection) snapshots and clears the bitmap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GetLogVariant {
+    /// One atomic exchange per non-zero word (KVM today).
+    #[default]
+    Xchg,
+    /// Two bitmaps per slot: switch marks to the other one, wait for in-flight markers, then
+    /// read and clear the old one without atomics (seed `004`).
+    Switch,
+}
+
+spelled!(GetLogVariant, "GET_DIRTY_LOG variant", { Xchg => "xchg", Switch => "switch" });
+
+/// How huge mappings come back when logging stops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RecoverVariant {
+    /// Replace each table the backing allows with one huge leaf, in place (KVM 6.12+).
+    #[default]
+    InPlace,
+    /// Zap the slot and let faults rebuild huge leaves (older KVM).
+    Zap,
+    /// Leave the tables; a fault that finds a table where the slot allows a huge leaf
+    /// replaces the table with that leaf (KVM arm64: `stage2_map` coalesces on the next
+    /// translation fault in the range, break-before-make, in the [`RebuildOrder`]).
+    OnFault,
+}
+
+spelled!(RecoverVariant, "recovery variant", {
+    InPlace => "inplace",
+    Zap => "zap",
+    OnFault => "on-fault",
+});
+
+/// How a logged slot learns that a page was written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DirtyTrack {
+    /// Write-protect every page (W clear, MMU-writable kept): the first write after a harvest
+    /// faults, and the lock-free fast path restores W and marks the page (KVM without PML).
+    #[default]
+    WriteProtect,
+    /// Hardware dirty bits, PML-like: pages stay writable with D clear; the hardware walker
+    /// sets D on the first write and logs the page to the engine in the same step
+    /// ([`crate::Vcpu::log_hardware_dirty`]), so no write faults. Harvests clear D instead of
+    /// W. Needs A/D bits (leaves without them fall back to write protection); not with dirty
+    /// rings.
+    HardwareDirty,
+}
+
+spelled!(DirtyTrack, "dirty tracking", {
+    WriteProtect => "write-protect",
+    HardwareDirty => "d-bit",
+});
+
+/// When the fault path performs cache maintenance for a new mapping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CmoPolicy {
+    /// Every translation fault cleans the range it is about to map before doing anything
+    /// else, even when another vCPU has already mapped it (KVM arm64 before seed 001 patch 1:
+    /// CMOs in `user_mem_abort`).
+    Always,
+    /// Only the fault that actually installs a new leaf cleans it, after locking the entry and
+    /// before publishing it; concurrent faults on the same address find the entry locked or
+    /// mapped and skip it (seed 001 patch 1: CMOs in the map path).
+    #[default]
+    OnInstall,
+}
+
+spelled!(CmoPolicy, "cache-maintenance policy", {
+    Always => "always",
+    OnInstall => "on-install",
+});
+
+/// In which order a table is replaced by a block when break-before-make applies (arm64): the
+/// window in which other vCPUs fault on the locked entry is the difference (seed 001 patch 2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RebuildOrder {
+    /// Invalidate the table entry, flush, unmap and free the old sub-tables, then install the
+    /// block (KVM arm64 before the patch): the entry stays invalid for the whole teardown.
+    BreakFirst,
+    /// Invalidate the table entry, flush, install the block, then unmap and free the old
+    /// sub-tables (after the patch): the entry is invalid only across the flush.
+    #[default]
+    InstallFirst,
+}
+
+spelled!(RebuildOrder, "rebuild order", {
+    BreakFirst => "break-first",
+    InstallFirst => "install-first",
+});
+
+/// Runtime configuration of a VM (the design variants).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VmConfig {
+    /// The MMU lock.
+    pub mmu_lock: MmuLockKind,
+    /// Fix write-protection and access-tracking faults without the MMU lock.
+    pub fast_pf: bool,
+    /// Hardware Accessed/Dirty bits in leaves (else access tracking clears permissions).
+    pub ad_bits: bool,
+    /// Split huge leaves when dirty logging is enabled (else lazily, at the first write fault).
+    pub eager_split: bool,
+    /// How GET_DIRTY_LOG snapshots the bitmap (without manual protection).
+    pub get_log: GetLogVariant,
+    /// How huge mappings come back when dirty logging stops.
+    pub recover: RecoverVariant,
+    /// How logged slots see writes: write protection, or hardware dirty bits (PML-like).
+    pub dirty_track: DirtyTrack,
+    /// When faults perform cache maintenance for new mappings (formats that need it).
+    pub cmo: CmoPolicy,
+    /// In which order a table is replaced by a block under break-before-make (formats that
+    /// need it).
+    pub rebuild: RebuildOrder,
+}
+
+impl Default for VmConfig {
+    fn default() -> Self {
+        VmConfig {
+            mmu_lock: MmuLockKind::RwLock,
+            fast_pf: true,
+            ad_bits: true,
+            eager_split: true,
+            get_log: GetLogVariant::Xchg,
+            recover: RecoverVariant::InPlace,
+            dirty_track: DirtyTrack::WriteProtect,
+            cmo: CmoPolicy::OnInstall,
+            rebuild: RebuildOrder::InstallFirst,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round_trips<T>(all: &[T])
+    where
+        T: Copy + fmt::Display + FromStr<Err = ParseVariantError> + PartialEq + fmt::Debug,
+    {
+        for &v in all {
+            assert_eq!(v.to_string().parse::<T>(), Ok(v));
+        }
+        assert!("no-such-variant".parse::<T>().is_err());
+    }
+
+    #[test]
+    fn every_variant_round_trips_through_its_cli_spelling() {
+        round_trips(MmuLockKind::ALL);
+        round_trips(GetLogVariant::ALL);
+        round_trips(RecoverVariant::ALL);
+        round_trips(DirtyTrack::ALL);
+        round_trips(CmoPolicy::ALL);
+        round_trips(RebuildOrder::ALL);
+    }
+
+    #[test]
+    fn spellings_are_the_ones_users_type() {
+        assert_eq!("on-fault".parse(), Ok(RecoverVariant::OnFault));
+        assert_eq!("install-first".parse(), Ok(RebuildOrder::InstallFirst));
+        assert_eq!("d-bit".parse(), Ok(DirtyTrack::HardwareDirty));
+        assert_eq!("on-install".parse(), Ok(CmoPolicy::OnInstall));
+        assert_eq!("rwlock".parse(), Ok(MmuLockKind::RwLock));
+        assert_eq!("xchg".parse(), Ok(GetLogVariant::Xchg));
+    }
+}

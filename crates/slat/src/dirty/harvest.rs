@@ -1,0 +1,232 @@
+//! Harvests (invariant 4: snapshot-and-clear, re-arm exactly what was returned, flush,
+//! return): GET_DIRTY_LOG, CLEAR_DIRTY_LOG, RESET_DIRTY_RINGS.
+
+use super::rearm::{rearm_masked, LeafCursor};
+use super::ring::Coalesce;
+use super::{DirtyLog, DirtyLogError};
+use crate::config::GetLogVariant;
+use crate::format::PteFormat;
+use crate::memslot::{Memslot, Memslots, SlotId};
+use crate::mmu::flush::PendingFlush;
+use crate::mmu::Mmu;
+use crate::sync::Arc;
+
+impl DirtyLog {
+    // -----------------------------------------------------------------------------------------
+    // Harvests.
+
+    /// KVM_GET_DIRTY_LOG: fills `out` with the slot's dirty bitmap (one bit per page,
+    /// `ceil(npages / 64)` words) and returns the number of dirty pages.
+    ///
+    /// Without manual protection the bits are cleared, the pages they name write-protected and
+    /// a remote flush completed before this returns (invariant 4), by per-word exchange or by
+    /// the bitmap switch ([`GetLogVariant`]). With manual protection the bitmap is only copied;
+    /// [`crate::Vm::clear_dirty_log`] does the rest.
+    pub(crate) fn get_dirty_log<F: PteFormat>(
+        &self,
+        mmu: &Mmu<F>,
+        slots: &Memslots,
+        id: SlotId,
+        out: &mut [u64],
+    ) -> Result<u64, DirtyLogError> {
+        let _s = slots.lock();
+        let slot = logged_slot(slots, id)?;
+        let Some(bitmap) = slot.dirty.as_deref() else {
+            return Err(DirtyLogError::NoBitmap { id });
+        };
+        let need = bitmap.nwords();
+        if out.len() < need {
+            return Err(DirtyLogError::BitmapTooSmall {
+                id,
+                need,
+                have: out.len(),
+            });
+        }
+        let mut dirty = 0u64;
+        if self.mode().manual() {
+            let active = bitmap.active();
+            for (i, o) in out.iter_mut().enumerate().take(need) {
+                *o = active.word(i);
+                dirty += o.count_ones() as u64;
+            }
+            return Ok(dirty);
+        }
+        let mut pending = PendingFlush::none();
+        {
+            let _lock = mmu.lock.write();
+            let old = if mmu.config.get_log == GetLogVariant::Switch && bitmap.can_switch() {
+                let old = bitmap.switch();
+                // Markers that loaded the old side are either slow-path faults, which hold the
+                // MMU lock we own exclusively, or fast-path fixes, which run in guest mode: a
+                // completed flush waits them out, and afterwards nobody writes the old side.
+                mmu.flush_remote_tlbs();
+                Some(old)
+            } else {
+                None
+            };
+            let mut cursor = LeafCursor::default();
+            for (i, o) in out.iter_mut().enumerate().take(need) {
+                let mask = match old {
+                    Some(b) => b.take_word_unshared(i),
+                    None => bitmap.active().take_word(i),
+                };
+                *o = mask;
+                if mask != 0 {
+                    dirty += mask.count_ones() as u64;
+                    let base = slot.base_gfn + 64 * i as u64;
+                    rearm_masked(mmu, &mut cursor, base, mask, &mut pending);
+                }
+            }
+        }
+        if dirty > 0 {
+            pending.require();
+        }
+        complete_harvest(mmu, pending);
+        Ok(dirty)
+    }
+
+    /// KVM_CLEAR_DIRTY_LOG: for pages `first_page + i` with bit `i` of `bitmap` set, clears
+    /// their dirty bits and write-protects those whose bit was actually set, then completes a
+    /// remote flush. `first_page` must be a multiple of 64 and `num_pages` too unless the range
+    /// ends the slot; bits beyond `num_pages` are ignored. Needs manual protection. Returns the
+    /// number of bits cleared.
+    pub(crate) fn clear_dirty_log<F: PteFormat>(
+        &self,
+        mmu: &Mmu<F>,
+        slots: &Memslots,
+        id: SlotId,
+        first_page: u64,
+        num_pages: u64,
+        bitmap: &[u64],
+    ) -> Result<u64, DirtyLogError> {
+        let _s = slots.lock();
+        if !self.mode().manual() {
+            return Err(DirtyLogError::ManualProtectOff);
+        }
+        let slot = logged_slot(slots, id)?;
+        let Some(log) = slot.dirty.as_deref() else {
+            return Err(DirtyLogError::NoBitmap { id });
+        };
+        if first_page % 64 != 0 {
+            return Err(DirtyLogError::ClearUnaligned { id, first_page });
+        }
+        let npages = slot.npages;
+        if first_page > npages
+            || num_pages > npages - first_page
+            || (num_pages < npages - first_page && num_pages % 64 != 0)
+        {
+            return Err(DirtyLogError::ClearRange {
+                id,
+                first_page,
+                num_pages,
+                npages,
+            });
+        }
+        let words = num_pages.div_ceil(64) as usize;
+        if bitmap.len() < words {
+            return Err(DirtyLogError::BitmapTooSmall {
+                id,
+                need: words,
+                have: bitmap.len(),
+            });
+        }
+        let active = log.active();
+        let first_word = (first_page / 64) as usize;
+        let mut cleared = 0;
+        let mut pending = PendingFlush::none();
+        let mut cursor = LeafCursor::default();
+        {
+            let _lock = mmu.lock.write();
+            for (k, &want) in bitmap.iter().enumerate().take(words) {
+                let left = num_pages - 64 * k as u64;
+                let want = if left < 64 {
+                    want & ((1u64 << left) - 1)
+                } else {
+                    want
+                };
+                if want == 0 {
+                    continue;
+                }
+                let mask = active.clear_bits(first_word + k, want);
+                if mask != 0 {
+                    cleared += mask.count_ones() as u64;
+                    let base = slot.base_gfn + first_page + 64 * k as u64;
+                    rearm_masked(mmu, &mut cursor, base, mask, &mut pending);
+                }
+            }
+        }
+        if cleared > 0 {
+            pending.require();
+        }
+        complete_harvest(mmu, pending);
+        Ok(cleared)
+    }
+
+    /// KVM_RESET_DIRTY_RINGS: frees every harvested ring entry and write-protects its page
+    /// (runs of entries in one 64-page window share one walk), then completes a remote flush.
+    /// Entries of slots deleted or no longer logging since they were pushed are dropped.
+    /// Returns the number of entries reset.
+    pub(crate) fn reset_rings<F: PteFormat>(
+        &self,
+        mmu: &Mmu<F>,
+        slots: &Memslots,
+    ) -> Result<u64, DirtyLogError> {
+        let _s = slots.lock();
+        if self.mode().ring_entries == 0 {
+            return Err(DirtyLogError::RingOff);
+        }
+        let rings = self.rings();
+        let set = slots.load();
+        let mut total = 0u64;
+        let mut pending = PendingFlush::none();
+        let mut cursor = LeafCursor::default();
+        {
+            let _lock = mmu.lock.write();
+            let mut protect = |run: Option<(SlotId, u64, u64)>, pending: &mut PendingFlush| {
+                let Some((id, offset, mask)) = run else {
+                    return;
+                };
+                let Some(slot) = set.by_id(id) else { return };
+                let last = offset + 63 - mask.leading_zeros() as u64;
+                if !slot.is_logging() || last >= slot.npages {
+                    return;
+                }
+                rearm_masked(mmu, &mut cursor, slot.base_gfn + offset, mask, pending);
+            };
+            for ring in &rings {
+                let mut runs = Coalesce::default();
+                total +=
+                    ring.reset(|slot, offset| protect(runs.add(slot, offset), &mut pending)) as u64;
+                protect(runs.finish(), &mut pending);
+            }
+        }
+        if total > 0 {
+            pending.require();
+        }
+        complete_harvest(mmu, pending);
+        Ok(total)
+    }
+}
+
+/// The flush that ends a harvest (invariant 4), unless a test injected its omission.
+fn complete_harvest<F: PteFormat>(mmu: &Mmu<F>, pending: PendingFlush) {
+    let skip = mmu
+        .hooks
+        .active(crate::test_hooks::inject::SKIP_HARVEST_FLUSH);
+    if skip && pending.graveyard.is_empty() {
+        return;
+    }
+    mmu.complete_flush(pending);
+}
+
+fn logged_slot(slots: &Memslots, id: SlotId) -> Result<Arc<Memslot>, DirtyLogError> {
+    let set = slots.load();
+    let slot = set.by_id(id).ok_or(DirtyLogError::UnknownSlot { id })?;
+    if !slot.is_logging() {
+        return Err(DirtyLogError::NotLogging { id });
+    }
+    if slot.dirty.is_none() {
+        return Err(DirtyLogError::NoBitmap { id });
+    }
+    Ok(slot.clone())
+}

@@ -1,0 +1,124 @@
+//! Marking a page dirty: the two halves of a write fix in a logged slot (invariant 3), marks
+//! from outside any vCPU, and hardware-dirty (PML-like) marks.
+
+use super::{DirtyLogError, DirtyRing, DirtyTrack};
+use crate::config::VmConfig;
+use crate::format::{PteFormat, PAGE_SHIFT};
+use crate::memslot::{Memslot, Memslots, SlotHint};
+use crate::mmu::Mmu;
+use crate::stats::{Counters, Sink, Stat};
+
+/// A write fix in a logged slot in two steps around the SPTE update that sets W
+/// ([`prepare_mark`], then [`commit_mark`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Mark<'s> {
+    /// Set the bitmap bit (done before the update, redone after it).
+    Bitmap(&'s Memslot),
+    /// Push to the vCPU's ring (after the update).
+    Ring(&'s Memslot),
+}
+
+/// How a write fix to `slot` is logged, if it is.
+#[inline]
+pub(crate) fn mark_for<'s>(slot: &'s Memslot, ring: Option<&DirtyRing>) -> Option<Mark<'s>> {
+    if !slot.is_logging() {
+        None
+    } else if ring.is_some() {
+        Some(Mark::Ring(slot))
+    } else {
+        Some(Mark::Bitmap(slot))
+    }
+}
+
+/// First half of logging a write fix: called before the update that sets W. With a bitmap
+/// the bit is set now (invariant 3: a write by another vCPU can follow the update at
+/// once). With a ring nothing is pushed yet, but the ring must have room for the push that
+/// follows: `false` means it has none and W must not be set.
+#[inline]
+pub(crate) fn prepare_mark(
+    mark: Mark<'_>,
+    ring: Option<&DirtyRing>,
+    gfn: u64,
+    sink: Sink<'_>,
+) -> bool {
+    match mark {
+        Mark::Bitmap(slot) => {
+            if slot.mark_dirty(gfn) {
+                sink.inc(Stat::DirtyMarked);
+            }
+            true
+        }
+        Mark::Ring(_) => ring.is_some_and(|r| r.has_room()),
+    }
+}
+
+/// Second half, after the update that set W succeeded. Bitmap: mark again — a harvest may
+/// have consumed the first mark and found nothing to protect before the update; its flush
+/// waits for this vCPU (the fast path runs in guest mode), so the second mark lands
+/// before that harvest returns and the page is in the next one. Ring: push the entry.
+#[inline]
+pub(crate) fn commit_mark(mark: Mark<'_>, ring: Option<&DirtyRing>, gfn: u64, sink: Sink<'_>) {
+    match mark {
+        Mark::Bitmap(slot) => {
+            slot.mark_dirty(gfn);
+        }
+        Mark::Ring(slot) => {
+            if let Some(r) = ring {
+                r.push(slot.id, gfn - slot.base_gfn);
+                sink.inc(Stat::DirtyMarked);
+            }
+        }
+    }
+}
+
+/// Marks the page at `gpa` dirty from outside any vCPU (a VMM or device write into guest
+/// memory), in the slot's bitmap. Returns whether the slot logs; refused without a bitmap.
+pub(crate) fn mark_page_dirty<F: PteFormat>(
+    mmu: &Mmu<F>,
+    slots: &Memslots,
+    gpa: u64,
+) -> Result<bool, DirtyLogError> {
+    // Shared MMU lock: a bitmap-switch harvest holds it exclusively from the switch to the
+    // read of the old bitmap, so this mark lands in a bitmap that harvest, or a later one,
+    // reads (vCPU marks are ordered by guest mode instead).
+    let _lock = mmu.lock.read();
+    let set = slots.load();
+    let gfn = gpa >> PAGE_SHIFT;
+    let Some((_, slot)) = set.find(gfn, 0) else {
+        return Ok(false);
+    };
+    if !slot.is_logging() {
+        return Ok(false);
+    }
+    if !slot.mark_dirty(gfn) {
+        return Err(DirtyLogError::NoBitmap { id: slot.id });
+    }
+    mmu.counters.add_shared(Stat::DirtyMarked, 1);
+    Ok(true)
+}
+
+/// A vCPU's hardware walker set the Dirty bit of the leaf mapping `gfn` (a write through a
+/// writable leaf whose D was clear): with [`DirtyTrack::HardwareDirty`], log the page, as PML
+/// would. Called in guest mode, after the D update and before the write it allows, so a
+/// harvest that missed the mark waits for it in its flush and the page is in the next
+/// harvest; any other mode ignores it. `hint` and `counters` are the vCPU's.
+#[inline]
+pub(crate) fn log_hardware_dirty(
+    config: &VmConfig,
+    slots: &Memslots,
+    hint: &mut SlotHint,
+    counters: &Counters,
+    gfn: u64,
+) {
+    if config.dirty_track != DirtyTrack::HardwareDirty {
+        return;
+    }
+    let (set, hint) = slots.refresh(hint);
+    let Some((i, slot)) = set.find(gfn, *hint) else {
+        return;
+    };
+    *hint = i;
+    if slot.is_logging() && slot.mark_dirty(gfn) {
+        Sink::Owned(counters).inc(Stat::DirtyMarked);
+    }
+}

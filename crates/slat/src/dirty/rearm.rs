@@ -1,0 +1,162 @@
+//! Re-arming logging on leaves (so their next write is seen): whole ranges when logging is
+//! enabled, and exactly the harvested pages in a harvest.
+
+use super::DirtyTrack;
+use crate::format::{table_index, PteFormat, ENTRIES_PER_TABLE};
+use crate::huge_page::split_huge_pages;
+use crate::mmu::flush::PendingFlush;
+use crate::mmu::spte::UpdateMode;
+use crate::mmu::table::TablePage;
+use crate::mmu::walk::Walk;
+use crate::mmu::Mmu;
+use crate::sync::{pin, Ordering};
+
+/// The value that re-arms logging on the 4 KiB leaf `old` (so its next write is seen), or
+/// `None` if it is armed already: W cleared, or with hardware-dirty tracking D cleared.
+#[inline]
+fn rearmed<F: PteFormat>(mmu: &Mmu<F>, old: u64) -> Option<u64> {
+    if !F::is_writable(old) {
+        return None;
+    }
+    if mmu.config.dirty_track == DirtyTrack::HardwareDirty
+        && F::HARDWARE_DIRTY
+        && F::ad_enabled(old)
+    {
+        return F::is_dirty(old).then(|| F::clear_dirty(old));
+    }
+    Some(F::write_protect(old))
+}
+
+/// Arms logging on every leaf in `[start, end)`: 4 KiB leaves as [`rearmed`] says;
+/// huge leaves (left when eager splitting is off) are write-protected whole, so their first
+/// write faults and the slow path maps 4 KiB inside them.
+pub(super) fn rearm_range<F: PteFormat>(
+    mmu: &Mmu<F>,
+    start: u64,
+    end: u64,
+    pending: &mut PendingFlush,
+) {
+    let guard = pin();
+    let sink = mmu.sink();
+    let mut it = Walk::<F>::new(&guard, mmu.root(), 1, start, end);
+    while it.valid() {
+        let old = it.old;
+        let new = if !F::is_present(old) || !F::is_leaf(old, it.level) {
+            None
+        } else if it.level == 1 {
+            rearmed(mmu, old)
+        } else {
+            F::is_writable(old).then(|| F::write_protect(old))
+        };
+        if let Some(new) = new {
+            if mmu
+                .set_spte(&mut it, new, UpdateMode::Shared, sink, pending)
+                .is_err()
+            {
+                continue; // lost a race: re-examine the entry that won
+            }
+        }
+        it.next();
+    }
+}
+
+/// Re-arms logging ([`rearmed`]) on the 4 KiB pages `base_gfn + i` for each set bit
+/// `i` of `mask`, under the exclusive MMU lock. The leaf table holding them is found once
+/// and remembered in `cursor` across calls, so a harvest descends once per leaf table that
+/// holds dirty pages, and touches only the set bits' entries: the cost follows the dirty
+/// pages. A huge leaf over the window (manual protect with INITIALLY_SET keeps huge leaves
+/// until CLEAR) takes the general walk.
+pub(super) fn rearm_masked<F: PteFormat>(
+    mmu: &Mmu<F>,
+    cursor: &mut LeafCursor,
+    base_gfn: u64,
+    mask: u64,
+    pending: &mut PendingFlush,
+) {
+    // The exclusive lock already keeps every table alive; the guard is what `Walk` asks for.
+    let guard = pin();
+    let sink = mmu.sink();
+    let mut m = mask;
+    while m != 0 {
+        let gfn = base_gfn + m.trailing_zeros() as u64;
+        m &= m - 1;
+        let t = match cursor.0 {
+            Some((first, t)) if gfn.wrapping_sub(first) < ENTRIES_PER_TABLE as u64 => t,
+            _ => {
+                let it = Walk::<F>::to_leaf(&guard, mmu.root(), gfn);
+                if !it.valid() || it.level != 1 {
+                    if it.valid() && F::is_present(it.old) {
+                        rearm_huge(mmu, gfn, pending);
+                    }
+                    cursor.0 = None;
+                    continue;
+                }
+                cursor.0 = Some((gfn & !(ENTRIES_PER_TABLE as u64 - 1), it.table()));
+                it.table()
+            }
+        };
+        // SAFETY: `t` is a leaf table reached from the root under the exclusive MMU lock,
+        // which this harvest holds throughout: nothing can unlink, let alone free, it.
+        let sptep = &unsafe { TablePage::at(t) }.entries[table_index(gfn, 1)];
+        let mut old = sptep.load(Ordering::Acquire);
+        while F::is_present(old) {
+            let Some(new) = rearmed(mmu, old) else {
+                break;
+            };
+            if mmu
+                .update_spte(
+                    sptep,
+                    1,
+                    &mut old,
+                    new,
+                    UpdateMode::Exclusive,
+                    sink,
+                    pending,
+                )
+                .is_ok()
+            {
+                break;
+            }
+        }
+    }
+}
+
+/// A huge leaf covers `gfn` in a window being re-armed: split it (eager splitting) and
+/// re-arm the page, or write-protect the huge leaf whole.
+#[cold]
+fn rearm_huge<F: PteFormat>(mmu: &Mmu<F>, gfn: u64, pending: &mut PendingFlush) {
+    let guard = pin();
+    let sink = mmu.sink();
+    let mut it = Walk::<F>::new(&guard, mmu.root(), 1, gfn, gfn + 1);
+    while it.valid() {
+        let old = it.old;
+        if !F::is_present(old) || !F::is_leaf(old, it.level) {
+            it.next();
+            continue;
+        }
+        if it.level > 1 && mmu.config.eager_split {
+            split_huge_pages(mmu, it.gfn, it.entry_end(), pending);
+            it.refresh();
+            continue; // now a table: walk into it
+        }
+        let new = if it.level == 1 {
+            rearmed(mmu, old)
+        } else {
+            F::is_writable(old).then(|| F::write_protect(old))
+        };
+        if let Some(new) = new {
+            if mmu
+                .set_spte(&mut it, new, UpdateMode::Exclusive, sink, pending)
+                .is_err()
+            {
+                continue;
+            }
+        }
+        it.next();
+    }
+}
+
+/// The leaf table a harvest last descended to: (first GFN it maps, table address). Valid only
+/// under the exclusive MMU lock that the harvest holds throughout (no table can be unlinked).
+#[derive(Default)]
+pub(super) struct LeafCursor(Option<(u64, u64)>);

@@ -1,0 +1,147 @@
+//! Second-stage page faults: the lock-free fast path (here) and the slow path under the MMU
+//! lock ([`slow`]). The public entry points are methods of [`crate::Vcpu`].
+
+mod slow;
+
+pub(crate) use slow::slow_page_fault;
+
+use crate::dirty::{commit_mark, mark_for, prepare_mark, DirtyRing};
+use crate::format::{Access, PteFormat, PAGE_SHIFT};
+use crate::memslot::{Memslots, SlotHint};
+use crate::mmu::flush::{PendingFlush, VcpuLink};
+use crate::mmu::spte::UpdateMode;
+use crate::mmu::table::PageCache;
+use crate::mmu::walk::Walk;
+use crate::mmu::Mmu;
+use crate::stats::{Counters, Sink, Stat};
+use crate::sync::{guest_mode_guard, Arc};
+
+/// What the hardware walker saw when the access faulted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fault {
+    /// Guest physical address of the access.
+    pub gpa: u64,
+    /// The access.
+    pub access: Access,
+    /// A leaf with some hardware permission was present (a permission fault, like an EPT
+    /// violation with R, W or X set in the qualification); false for a not-present fault.
+    pub present: bool,
+}
+
+/// How a fault was resolved. The caller re-executes the access in every case but `NoSlot` and
+/// `ReadOnly`, which are exits to the VMM (MMIO).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultOutcome {
+    /// The slow path installed or upgraded a mapping.
+    Fixed,
+    /// The lock-free fast path fixed the entry (write protection or access tracking).
+    FixedFast,
+    /// Nothing to do: another vCPU fixed it, or the TLB entry was stale.
+    Spurious,
+    /// Lost a race (entry changed or frozen, memslots changed); re-execute the access.
+    Retry,
+    /// No memslot contains the address: an MMIO exit.
+    NoSlot,
+    /// A write to a read-only memslot: an MMIO exit.
+    ReadOnly,
+    /// The slow path was called while this vCPU is in guest mode (a [`crate::flush::GuestMode`] token of
+    /// it is alive). Nothing was done: the slow path may block on the MMU lock, whose holder
+    /// may be waiting for this vCPU to acknowledge a flush. Drop the token and call again.
+    InGuestMode,
+    /// The vCPU's dirty ring has no room for the entry this write fix needs: exit to the
+    /// VMM, which harvests and resets the rings, then re-execute the access.
+    DirtyRingFull,
+}
+
+/// What the fault handlers change on a vCPU, apart from the VM it belongs to.
+pub(crate) struct VcpuState {
+    pub(crate) id: u32,
+    /// Table pages topped up outside the MMU lock, so a fault never allocates under it.
+    pub(crate) cache: PageCache,
+    pub(crate) slot_hint: SlotHint,
+    pub(crate) counters: Arc<Counters>,
+    pub(crate) link: Arc<VcpuLink>,
+    pub(crate) ring: Option<Arc<DirtyRing>>,
+}
+
+/// Bounded retries of the fast path's compare-and-swap before it defers to the slow path.
+const FAST_PF_RETRIES: usize = 4;
+
+/// The lock-free fast path (see [`crate::Vcpu::fast_page_fault`]); the caller checked that
+/// `vcpu` is in guest mode.
+pub(crate) fn fast_page_fault<F: PteFormat>(
+    mmu: &Mmu<F>,
+    slots: &Memslots,
+    vcpu: &mut VcpuState,
+    fault: Fault,
+) -> Option<FaultOutcome> {
+    let eligible = mmu.config.fast_pf
+        && ((fault.present && fault.access == Access::Write)
+            || (!fault.present && !mmu.config.ad_bits));
+    if !eligible {
+        return None;
+    }
+    let gfn = fault.gpa >> PAGE_SHIFT;
+    let sink = Sink::Owned(&vcpu.counters);
+    // SAFETY: `Vcpu::fast_page_fault` checked that a token of this vCPU is alive, so it is
+    // in guest mode until we return; it holds `&mut Vcpu`, so it cannot acknowledge a
+    // flush (that needs the vCPU) before we return.
+    let guard = unsafe { guest_mode_guard() };
+    for _ in 0..FAST_PF_RETRIES {
+        let mut it = Walk::<F>::to_leaf(&guard, mmu.root(), gfn);
+        if !it.valid() || !F::is_present(it.old) {
+            return None;
+        }
+        let old = it.old;
+        if F::permits(old, fault.access) {
+            sink.inc(Stat::PfSpurious);
+            return Some(FaultOutcome::Spurious);
+        }
+        let mut new = old;
+        if F::is_access_tracked(new) {
+            new = F::restore_access_tracked(new);
+        }
+        let mut mark = None;
+        if fault.access == Access::Write && !F::is_writable(new) {
+            if !F::is_mmu_writable(new) {
+                return None;
+            }
+            // Read the memslots only after the entry: enabling logging publishes the
+            // bitmap before write-protecting, so seeing the protection implies seeing the
+            // bitmap.
+            let (set, hint) = slots.refresh(&mut vcpu.slot_hint);
+            let (i, slot) = set.find(gfn, *hint)?;
+            *hint = i;
+            if slot.is_invalid() {
+                return None; // a move is in progress: the slow path retries
+            }
+            mark = mark_for(slot, vcpu.ring.as_deref());
+            // One huge leaf cannot be logged per 4 KiB page: split it in the slow path.
+            if mark.is_some() && it.level > 1 {
+                return None;
+            }
+            new = F::make_writable(new);
+        }
+        if new == old || !F::permits(new, fault.access) {
+            return None;
+        }
+        // Invariant 3 (see `prepare_mark` / `commit_mark` for the bitmap and ring orders).
+        let ring = vcpu.ring.as_deref();
+        if let Some(m) = mark {
+            if !prepare_mark(m, ring, gfn, sink) {
+                return None; // ring full: the slow path reports it
+            }
+        }
+        let mut pending = PendingFlush::none();
+        let r = mmu.set_spte(&mut it, new, UpdateMode::Shared, sink, &mut pending);
+        mmu.complete_flush(pending);
+        if r.is_ok() {
+            if let Some(m) = mark {
+                commit_mark(m, ring, gfn, sink);
+            }
+            sink.inc(Stat::PfFast);
+            return Some(FaultOutcome::FixedFast);
+        }
+    }
+    None
+}

@@ -1,0 +1,106 @@
+//! Checks of a memslot request before anything changes: range, flags, host memory.
+
+use super::{HostRange, MemslotError, MemslotFlags, MemslotSet, SlotId};
+use crate::format::{PteFormat, PAGE_SIZE};
+
+/// Validates a new slot placement; `ignore` is the slot being moved.
+pub(crate) fn validate_range<F: PteFormat>(
+    set: &MemslotSet,
+    id: SlotId,
+    gpa: u64,
+    size: u64,
+    ignore: Option<SlotId>,
+) -> Result<(), MemslotError> {
+    if size == 0 {
+        return Err(MemslotError::ZeroSize { id });
+    }
+    if gpa % PAGE_SIZE != 0 {
+        return Err(MemslotError::Misaligned {
+            id,
+            what: "guest physical address",
+            value: gpa,
+        });
+    }
+    if size % PAGE_SIZE != 0 {
+        return Err(MemslotError::Misaligned {
+            id,
+            what: "size",
+            value: size,
+        });
+    }
+    let limit = 1u64 << F::MAX_PHYS_BITS;
+    if gpa >= limit || size > limit - gpa {
+        return Err(MemslotError::BeyondPhysWidth {
+            id,
+            gpa,
+            size,
+            bits: F::MAX_PHYS_BITS,
+        });
+    }
+    let end = gpa + size;
+    for s in set.slots.iter().filter(|s| Some(s.id) != ignore) {
+        if gpa < s.gpa() + s.size() && s.gpa() < end {
+            return Err(MemslotError::Overlap {
+                id,
+                gpa,
+                end,
+                other: s.id,
+                other_gpa: s.gpa(),
+                other_end: s.gpa() + s.size(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Refuses bits this engine does not know (a value built with `from_bits_retain`).
+pub(crate) fn validate_flags(
+    id: SlotId,
+    flags: MemslotFlags,
+) -> Result<MemslotFlags, MemslotError> {
+    let unknown = flags.bits() & !MemslotFlags::all().bits();
+    if unknown != 0 {
+        return Err(MemslotError::UnknownFlags { id, bits: unknown });
+    }
+    Ok(flags)
+}
+
+pub(crate) fn validate_host<F: PteFormat>(
+    id: SlotId,
+    size: u64,
+    host: &HostRange,
+) -> Result<(), MemslotError> {
+    if host.addr() % PAGE_SIZE != 0 {
+        return Err(MemslotError::Misaligned {
+            id,
+            what: "host address",
+            value: host.addr(),
+        });
+    }
+    // The PTE address field must hold every host address of the slot.
+    let fits = |a: u64| F::output_addr(a) == a;
+    match host.addr().checked_add(size) {
+        Some(end) if fits(host.addr()) && fits(end - PAGE_SIZE) => {}
+        _ => {
+            return Err(MemslotError::HostAddressUnmappable {
+                id,
+                addr: host.addr(),
+                size,
+            })
+        }
+    }
+    if ![PAGE_SIZE, 2 << 20, 1 << 30].contains(&host.page_size()) {
+        return Err(MemslotError::BadHostPageSize {
+            id,
+            page_size: host.page_size(),
+        });
+    }
+    if host.len() < size {
+        return Err(MemslotError::HostRangeTooSmall {
+            id,
+            need: size,
+            have: host.len(),
+        });
+    }
+    Ok(())
+}

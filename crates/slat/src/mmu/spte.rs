@@ -1,0 +1,330 @@
+//! The one SPTE-update path: every change of a table entry goes through
+//! [`Mmu::update_spte`] (or its walker form [`Mmu::set_spte`]), or through
+//! [`Mmu::replace_spte`] where break-before-make needs the entry locked first. The bookkeeping
+//! of a change (leaf gauges, unlinked tables frozen and queued in the operation's
+//! [`PendingFlush`], whether a flush is owed) happens here and nowhere else.
+
+use super::flush::PendingFlush;
+use super::table::{OwnedTable, TableAlloc, TablePage};
+use super::walk::Walk;
+use super::Mmu;
+use crate::cmo::clean_new_mapping;
+use crate::config::RebuildOrder;
+use crate::format::{bytes_per_entry, Access, Level, PteFormat};
+use crate::stats::{leaf_stat, Sink, Stat};
+use crate::sync::{self, pin, AtomicU64, Ordering};
+
+/// How an entry update may race with others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum UpdateMode {
+    /// MMU lock held shared (or none): compare-and-swap against the walker's snapshot.
+    Shared,
+    /// MMU lock held exclusively: only lock-free fixers and hardware race with us, so an
+    /// exchange (never lost, never retried) suffices for entries they may change, and a
+    /// plain store for the rest ([`PteFormat::needs_atomic_update`]).
+    Exclusive,
+}
+
+/// The entry changed under us; the caller re-reads and retries, or gives up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Busy;
+
+impl<F: PteFormat> Mmu<F> {
+    /// Replaces the walker's current entry with `new`. Under [`UpdateMode::Shared`] this is a
+    /// compare-and-swap against `it.old` (invariant 1): on failure `it.old` holds the value that
+    /// won and the caller decides whether to retry. See [`Self::update_spte`].
+    pub(crate) fn set_spte(
+        &self,
+        it: &mut Walk<'_, F>,
+        new: u64,
+        mode: UpdateMode,
+        sink: Sink<'_>,
+        pending: &mut PendingFlush,
+    ) -> Result<(), Busy> {
+        let mut old = it.old;
+        let r = self.update_spte(it.sptep(), it.level, &mut old, new, mode, sink, pending);
+        it.old = old;
+        r
+    }
+
+    /// The one SPTE update every change goes through, for callers that hold the entry's
+    /// address already (a harvest re-arming entries of one leaf table): `*old` is the value
+    /// the caller read. Shared mode: compare-and-swap, and on failure `*old` becomes the value
+    /// that won. Exclusive mode: an exchange if others may change the entry, else a plain
+    /// store. Bookkeeping for what changed (leaf gauges, tables unlinked into `pending`,
+    /// whether a flush is owed) happens here and nowhere else.
+    // Always inlined: callers pass constant levels and modes, which prunes most of it (a
+    // harvest's re-arm is then a few instructions around one store).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn update_spte(
+        &self,
+        sptep: &AtomicU64,
+        level: Level,
+        old: &mut u64,
+        new: u64,
+        mode: UpdateMode,
+        sink: Sink<'_>,
+        pending: &mut PendingFlush,
+    ) -> Result<(), Busy> {
+        debug_assert!(*old != F::FROZEN || mode == UpdateMode::Exclusive);
+        let prev = match mode {
+            UpdateMode::Shared => {
+                match sptep.compare_exchange(*old, new, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(v) => v,
+                    Err(cur) => {
+                        *old = cur;
+                        return Err(Busy);
+                    }
+                }
+            }
+            UpdateMode::Exclusive if F::needs_atomic_update(*old, level) => {
+                sptep.swap(new, Ordering::AcqRel)
+            }
+            UpdateMode::Exclusive => {
+                // Nobody else may write this entry while we hold the lock exclusively, so
+                // `*old` is still its value and a plain store suffices (no locked RMW).
+                debug_assert_eq!(sptep.load(Ordering::Relaxed), *old);
+                sptep.store(new, Ordering::Release);
+                *old
+            }
+        };
+        *old = new;
+        self.handle_changed_spte(prev, new, level, sink, pending);
+        Ok(())
+    }
+
+    /// Replaces the walker's current entry with `new` where that changes what the entry maps:
+    /// an empty entry gets a leaf, a block becomes a table, a table becomes a block. (Changes of
+    /// permissions or A/D go through [`Self::set_spte`].)
+    ///
+    /// Without break-before-make this is one compare-and-swap; the caller's `pending` owes the
+    /// flush. With it (arm64), the entry is never seen with two different valid values:
+    /// 1. *break*: compare-and-swap the entry to `F::FROZEN` (KVM's `KVM_INVALID_PTE_LOCKED`),
+    ///    which every other walker treats as a fault to retry and no other writer touches, so
+    ///    the entry is ours until step 4;
+    /// 2. if the old value was valid, a completed remote TLB flush: no vCPU still translates
+    ///    through it, so the old and new translations never coexist (a TLB conflict);
+    /// 3. with `cmo`, cache maintenance over a new leaf's range: only the fault that owns the
+    ///    entry does it (seed 001 patch 1);
+    /// 4. *make*: publish `new` with a release store (a prefilled table's entries before it).
+    ///
+    /// An old table is torn down (entries frozen and accounted, pages queued for freeing)
+    /// during the break with [`RebuildOrder::BreakFirst`], so other vCPUs fault on the locked
+    /// entry for the whole teardown; after the make with [`RebuildOrder::InstallFirst`] (seed
+    /// 001 patch 2). Either way the pages were unreachable before the flush of step 2, so they
+    /// go to epoch reclamation without another flush, and `pending` is left untouched.
+    ///
+    /// The break and the make are the only entry writes outside [`Self::update_spte`]: the
+    /// transient locked value is not a change of mapping, so the bookkeeping is done once for
+    /// the whole old → new transition (or old → locked at a break-first teardown), here.
+    pub(crate) fn replace_spte(
+        &self,
+        it: &mut Walk<'_, F>,
+        new: u64,
+        cmo: bool,
+        sink: Sink<'_>,
+        pending: &mut PendingFlush,
+    ) -> Result<(), Busy> {
+        if !F::BREAK_BEFORE_MAKE {
+            return self.set_spte(it, new, UpdateMode::Shared, sink, pending);
+        }
+        let old = it.old;
+        let level = it.level;
+        let sptep = it.sptep();
+        if let Err(cur) =
+            sptep.compare_exchange(old, F::FROZEN, Ordering::AcqRel, Ordering::Acquire)
+        {
+            it.old = cur;
+            return Err(Busy);
+        }
+        let old_valid = F::is_present(old);
+        let old_table = old_valid && !F::is_leaf(old, level);
+        let break_first = old_table && self.config.rebuild == RebuildOrder::BreakFirst;
+        let mut teardown = PendingFlush::none();
+        if break_first {
+            self.handle_changed_spte(old, F::FROZEN, level, sink, &mut teardown);
+        }
+        let mut flushed = false;
+        if old_valid {
+            sink.inc(Stat::Breaks);
+            let skip = self.hooks.active(crate::test_hooks::inject::SKIP_BBM_FLUSH);
+            if !skip {
+                self.flush_remote_tlbs();
+                flushed = true;
+            }
+        }
+        if cmo && F::is_present(new) && F::is_leaf(new, level) {
+            clean_new_mapping(
+                F::output_addr(new),
+                bytes_per_entry(level),
+                F::permits(new, Access::Exec),
+                sink,
+            );
+        }
+        if !old_table {
+            // Before publishing: a new table's leaves (a split's) are ours alone to count until
+            // then; once it is visible, faults may add leaves of their own and count them.
+            self.handle_changed_spte(old, new, level, sink, &mut teardown);
+        }
+        sptep.store(new, Ordering::Release);
+        it.old = new;
+        if break_first {
+            self.handle_changed_spte(F::FROZEN, new, level, sink, &mut teardown);
+        } else if old_table {
+            self.handle_changed_spte(old, new, level, sink, &mut teardown);
+        }
+        if flushed {
+            self.retire_flushed(teardown);
+        } else {
+            // Nothing was flushed (an empty entry was filled, or a test skipped the flush):
+            // whatever was unlinked waits for the caller's flush.
+            pending.merge(teardown);
+        }
+        Ok(())
+    }
+
+    /// that were unreachable before a remote flush that has completed (a break-before-make
+    /// break). Everything else frees through [`Self::complete_flush`].
+    fn retire_flushed(&self, p: PendingFlush) {
+        if p.graveyard.is_empty() {
+            return;
+        }
+        let guard = pin();
+        TableAlloc::free_deferred(&self.alloc, &guard, p.graveyard);
+        guard.flush();
+    }
+
+    #[inline(always)]
+    fn handle_changed_spte(
+        &self,
+        old: u64,
+        new: u64,
+        level: Level,
+        sink: Sink<'_>,
+        pending: &mut PendingFlush,
+    ) {
+        if F::is_present(old)
+            && F::is_leaf(old, level)
+            && F::is_present(new)
+            && F::is_leaf(new, level)
+        {
+            // A permission or A/D change of one leaf (write protection, the fast path): no
+            // gauge moves, no table leaves; a flush is owed only if W was taken away, or D
+            // (a TLB entry caches "dirty": writes through it would not set D again).
+            if (F::is_writable(old) && !F::is_writable(new))
+                || (F::is_dirty(old) && !F::is_dirty(new))
+            {
+                pending.require();
+            }
+            return;
+        }
+        self.handle_changed_structure(old, new, level, sink, pending);
+    }
+
+    /// The rest of [`Self::handle_changed_spte`]: a leaf or table appeared or went away.
+    #[inline(never)]
+    fn handle_changed_structure(
+        &self,
+        old: u64,
+        new: u64,
+        level: Level,
+        sink: Sink<'_>,
+        pending: &mut PendingFlush,
+    ) {
+        let old_present = F::is_present(old);
+        let new_present = F::is_present(new);
+        let old_leaf = old_present && F::is_leaf(old, level);
+        let new_leaf = new_present && F::is_leaf(new, level);
+        if old_leaf != new_leaf || (old_present != new_present) {
+            if old_leaf {
+                sink.dec(leaf_stat(level));
+            }
+            if new_leaf {
+                sink.inc(leaf_stat(level));
+            }
+        }
+        let old_table = old_present && !old_leaf;
+        let new_table = new_present && !new_leaf;
+        if old_table && !(new_table && F::output_addr(new) == F::output_addr(old)) {
+            // A table left the tree: its translations may be cached by hardware walkers.
+            pending.require();
+            self.unlink_table(F::output_addr(old), level - 1, sink, pending);
+        }
+        if new_table && !(old_table && F::output_addr(new) == F::output_addr(old)) {
+            sink.inc(Stat::TablePages);
+            // A prefilled table (split) brings its leaves into the tree with it.
+            // SAFETY: the table was just linked by us and cannot have been freed: freeing needs
+            // a flush and a grace period that our caller's guard spans.
+            let t = unsafe { TablePage::at(F::output_addr(new)) };
+            // Only a split brings leaves along; a fresh table may already hold leaves other
+            // vCPUs installed (and counted) since we linked it.
+            let n = if !old_leaf {
+                0
+            } else {
+                t.entries
+                    .iter()
+                    .filter(|e| F::is_present(e.load(Ordering::Relaxed)))
+                    .count() as u64
+            };
+            if n > 0 {
+                sink.add(leaf_stat(level - 1), n);
+            }
+        }
+        if old_present
+            && (!new_present || (old_leaf && !F::is_writable(new) && F::is_writable(old)))
+        {
+            pending.require();
+        }
+    }
+
+    /// Takes a table out of the tree: freezes each entry (so a lock-free fixer racing on it
+    /// fails its CAS and re-walks), accounts and recurses, and queues the page for freeing.
+    fn unlink_table(&self, addr: u64, level: Level, sink: Sink<'_>, pending: &mut PendingFlush) {
+        // SAFETY: the table was reachable until our update, and its page is only freed through
+        // `pending`, after this function returns.
+        let t = unsafe { TablePage::at(addr) };
+        for e in t.entries.iter() {
+            let v = if F::BREAK_BEFORE_MAKE {
+                freeze_after_make::<F>(e)
+            } else {
+                e.swap(F::FROZEN, Ordering::AcqRel)
+            };
+            if !F::is_present(v) {
+                continue;
+            }
+            if F::is_leaf(v, level) {
+                sink.dec(leaf_stat(level));
+            } else {
+                self.unlink_table(F::output_addr(v), level - 1, sink, pending);
+            }
+        }
+        sink.dec(Stat::TablePages);
+        // SAFETY: unlinked above, and nobody else unlinks it (our update removed its only
+        // parent entry).
+        pending
+            .graveyard
+            .push(unsafe { OwnedTable::from_unlinked(addr) });
+    }
+}
+
+/// Freezes an entry of a table being unlinked, under break-before-make. A locked entry (the
+/// value `F::FROZEN`) belongs to a breaker in [`Mmu::replace_spte`] whose make is a plain store:
+/// swapping it to frozen now would let that store land in the dead table afterwards, and the
+/// breaker would count a leaf nobody can ever unlink. So wait for the make, then freeze what it
+/// published. The breaker is past its break, so it only has a flush (which never waits for us:
+/// we are outside guest mode) and its cache maintenance left before it stores.
+fn freeze_after_make<F: PteFormat>(e: &AtomicU64) -> u64 {
+    loop {
+        let v = e.load(Ordering::Acquire);
+        if v == F::FROZEN {
+            sync::spin_hint();
+            continue;
+        }
+        if e.compare_exchange(v, F::FROZEN, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            return v;
+        }
+    }
+}
