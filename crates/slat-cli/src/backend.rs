@@ -126,6 +126,7 @@ pub trait Sim {
     /// Physical CPUs the vCPU threads are scheduled on.
     fn pcpus(&self) -> usize;
     /// Deliberately breaks the engine (`slat::dirty::inject`), to see the oracle fail.
+    #[cfg(feature = "broken-engine")]
     fn inject_bugs(&self, bits: u32);
 }
 
@@ -136,6 +137,7 @@ impl<F: PteFormat> Sim for Machine<F> {
     fn pcpus(&self) -> usize {
         Machine::pcpus(self)
     }
+    #[cfg(feature = "broken-engine")]
     fn inject_bugs(&self, bits: u32) {
         self.vm().inject_bugs(bits)
     }

@@ -14,6 +14,7 @@ use crate::output::{print_json, Better, Metric, Repeated, VmSettings};
 use crate::report::{format_header, quiet, sim_format, Phase};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
+#[cfg(feature = "broken-engine")]
 use slat::dirty::inject;
 use slat_machine::dirty_oracle::{LogMode, OracleConfig};
 use slat_machine::ram::format_size;
@@ -86,6 +87,12 @@ pub fn run(a: &DirtyLogTestArgs) -> CliResult {
     let mut engine_only = a.machine.engine_only();
     engine_only.extend(a.dirty.engine_only());
     if a.broken.is_some() {
+        if !cfg!(feature = "broken-engine") {
+            return Err(CliError::bad(
+                "--break needs an engine built with its deliberate bugs: \
+                 cargo build --release -p slat-cli --features broken-engine",
+            ));
+        }
         engine_only.push("--break");
     }
     if a.toggle_every != 0 {
@@ -423,6 +430,7 @@ fn check_mode(
     );
     let m = backend::create(kind, cfg)?;
     p.done();
+    #[cfg(feature = "broken-engine")]
     if let (Some(BreakArg::SkipHarvestFlush), Some(sim)) = (a.broken, m.sim()) {
         sim.inject_bugs(inject::SKIP_HARVEST_FLUSH);
     }

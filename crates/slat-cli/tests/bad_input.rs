@@ -336,3 +336,20 @@ fn a_zero_timeout_is_refused_and_the_help_says_so() {
         assert!(flat.contains("0 is refused"), "{cmd} --help: {out}");
     }
 }
+
+/// The shipped binary carries no deliberate engine bugs: `--break` names the build feature
+/// that has them (`cargo test` builds the CLI without it).
+#[test]
+#[cfg(not(feature = "broken-engine"))]
+fn break_needs_the_broken_engine_build() {
+    refused(
+        &[
+            "dirty-log-test",
+            "--break",
+            "skip-harvest-flush",
+            "-b",
+            "4M",
+        ],
+        &["--break", "broken-engine"],
+    );
+}

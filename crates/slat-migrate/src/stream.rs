@@ -805,7 +805,8 @@ impl<R: Read> FrameReader<R> {
         // timeout at most.
         let start = std::time::Instant::now();
         while got < buf.len() {
-            if got > 0 && start.elapsed() > self.timeout {
+            // A zero timeout means none (in-memory readers; sockets refuse zero).
+            if got > 0 && !self.timeout.is_zero() && start.elapsed() > self.timeout {
                 return Err(StreamError::Timeout(self.timeout));
             }
             match self.r.read(&mut buf[got..]) {
