@@ -2,12 +2,14 @@
 //! over all guest memory, every page faulted in through the engine — and, in the same run, the
 //! same pattern on host memory as the native baseline.
 
-use crate::args::{check_backends, BackendArg, MachineArgs, OutputArgs, Workload};
+use crate::args::{check_backends, BackendArg, MachineArgs, OutputArgs, PinArgs, Workload};
 use crate::backend::{self, kvm_stats_line, Native, Spec};
 use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
 use crate::output::{print_json, secs, Better, Comparison, Metric, Repeated, VmSettings};
-use crate::report::{bbm_cmo_line, format_header, quiet, ratio, sim_format, ts, Phase};
+use crate::report::{
+    bbm_cmo_line, format_header, pinned_line, quiet, ratio, sim_format, ts, Phase,
+};
 use clap::Args;
 use serde::Serialize;
 use serde_json::json;
@@ -24,6 +26,8 @@ pub struct DemandPagingArgs {
     /// in this process and print one table comparing them.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "sim")]
     pub backend: Vec<BackendArg>,
+    #[command(flatten)]
+    pub pin: PinArgs,
     #[command(flatten)]
     pub machine: MachineArgs,
     #[command(flatten)]
@@ -46,6 +50,9 @@ pub struct Config {
     pub backing: &'static str,
     /// `-o`.
     pub overlap: bool,
+    /// `-c`: vCPU i's thread was pinned to `pinned_cpus[i]` (read back from the kernel).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pinned_cpus: Option<Vec<usize>>,
 }
 
 /// The native baseline's figures.
@@ -184,6 +191,7 @@ pub fn run(a: &DemandPagingArgs) -> CliResult {
 /// space of each machine, on this host (the guest, then the native baseline, one at a time).
 fn check(a: &DemandPagingArgs) -> Result<(), String> {
     check_backing(&a.backend, a.work.backing)?;
+    a.pin.plan(a.work.vcpus)?;
     let mem = GuestMemory::per_vcpu(a.work.vcpus, a.work.bytes)?;
     mem.fits_gpa(&a.backend, a.machine.format, None)?;
     mem.fits_host(a.work.backing, 1, a.machine.tlb_bytes(a.work.vcpus))
@@ -226,6 +234,8 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
         q,
     );
     let m = backend::create(kind, &cfg)?;
+    let plan = a.pin.plan(a.work.vcpus).map_err(CliError::bad)?;
+    let pinned_cpus = backend::apply_pinning(m.as_ref(), plan.as_ref())?;
     p.done();
     let layout = m.layout();
     let params = PassParams::default();
@@ -247,7 +257,7 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
         native.vcpus[0].pages as f64 / native.wall.as_secs_f64() * a.work.vcpus as f64;
     let touched: u64 = guest.vcpus.iter().map(|v| v.pages).sum();
     let ns_per_page = guest.wall.as_nanos() as f64 / (touched as f64 / a.work.vcpus as f64);
-    let machine_lines = match &sim {
+    let mut machine_lines = match &sim {
         Some((s, pcpus)) => engine_lines(a, &cfg, s, *pcpus, ns_per_page),
         None => vec![
             kvm_stats_line(&stats),
@@ -257,6 +267,7 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
             ),
         ],
     };
+    machine_lines.extend(pinned_line(pinned_cpus.as_deref()));
     let vm = VmSettings::new(
         kind,
         a.machine.format,
@@ -275,6 +286,7 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
             bytes_per_vcpu: a.work.bytes,
             backing: a.work.backing.name(),
             overlap: a.work.overlap,
+            pinned_cpus,
         },
         total: guest.wall,
         per_vcpu_rate: per_vcpu,

@@ -5,6 +5,7 @@
 //! | module | holds |
 //! |---|---|
 //! | [`backing`] | [`Backing`]: the selftests' `-s` kinds of host memory |
+//! | [`cpus`] | `-c` CPU lists, [`cpus::PinPlan`], [`cpus::VcpuTids`]: pinning vCPU threads |
 //! | [`guest_ram`] | [`GuestRam`]: one host mapping of a backing (hugetlb pool check, THP, prefault, [`GuestRam::thp_bytes`]) |
 //! | [`size`] | [`parse_size`], [`format_size`], [`SizeError`] |
 //! | [`layout`] | [`Layout`] of the test region, [`PAGE_SIZE`], [`FIRST_SLOT`] |
@@ -38,6 +39,7 @@
 #![deny(missing_docs)]
 
 pub mod backing;
+pub mod cpus;
 pub mod dirty_config;
 pub mod dirty_oracle;
 pub mod error;
