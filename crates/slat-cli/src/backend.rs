@@ -111,6 +111,8 @@ pub trait Backend {
     fn sim(&self) -> Option<&dyn Sim>;
     /// Pins vCPU i's thread to `cpus[i]`; returns each thread's affinity read back.
     fn pin_vcpus(&self, cpus: &[usize]) -> Result<Vec<Vec<usize>>, String>;
+    /// The test region's guest RAM.
+    fn guest_ram(&self) -> &GuestRam;
 }
 
 /// What only the CLI asks of a machine, beside [`TestMachine`].
@@ -119,6 +121,8 @@ pub trait CliMachine {
     fn stats(&self) -> Value;
     /// The simulated machine, for its engine-only reports and switches.
     fn sim(&self) -> Option<&dyn Sim>;
+    /// The test region's guest RAM.
+    fn guest_ram(&self) -> &GuestRam;
 }
 
 /// The simulated machine's engine-only reports and switches, whatever its page-table format.
@@ -150,6 +154,9 @@ impl<F: PteFormat> CliMachine for Machine<F> {
     fn sim(&self) -> Option<&dyn Sim> {
         Some(self)
     }
+    fn guest_ram(&self) -> &GuestRam {
+        self.ram()
+    }
 }
 
 impl CliMachine for slat_kvm::KvmMachine {
@@ -166,6 +173,9 @@ impl CliMachine for slat_kvm::KvmMachine {
     }
     fn sim(&self) -> Option<&dyn Sim> {
         None
+    }
+    fn guest_ram(&self) -> &GuestRam {
+        self.ram()
     }
 }
 
@@ -233,6 +243,9 @@ impl<M: TestMachine + CliMachine> Backend for M {
     }
     fn pin_vcpus(&self, cpus: &[usize]) -> Result<Vec<Vec<usize>>, String> {
         TestMachine::pin_vcpus(self, cpus).map_err(text)
+    }
+    fn guest_ram(&self) -> &GuestRam {
+        CliMachine::guest_ram(self)
     }
 }
 

@@ -159,3 +159,152 @@ fn idle_check_auto_and_w() {
     ]);
     assert_eq!(code, 2, "{err}");
 }
+
+/// The run's `uffd` figures, checked: every page served once and verified.
+fn served(d: &Value, pages_4k: u64, page_size: u64) {
+    let u = &d["uffd"];
+    assert_eq!(u["page_size"], page_size, "{u}");
+    assert_eq!(u["pages_served"], pages_4k * 4096 / page_size, "{u}");
+    assert_eq!(u["pages_verified"], pages_4k, "{u}");
+    let per: u64 = u["per_handler_pages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .sum();
+    assert_eq!(per, u["pages_served"].as_u64().unwrap(), "{u}");
+}
+
+#[test]
+fn uffd_missing_serves_every_page() {
+    let d = json(&["demand-paging", "-u", "MISSING", "-v", "2", "-b", "8M"]);
+    served(&d, 4096, 4096);
+    assert_eq!(d["uffd"]["mode"], "MISSING");
+    assert_eq!(d["uffd"]["ioctl"], "UFFDIO_COPY");
+    assert_eq!(d["uffd"]["uffds"], 2);
+    assert_eq!(d["config"]["prefault"], false);
+    let out = ok(&[
+        "demand-paging",
+        "-u",
+        "MISSING",
+        "-b",
+        "4M",
+        "-d",
+        "1",
+        "-r",
+        "2",
+    ]);
+    assert!(
+        out.contains("Finished creating vCPUs and starting uffd threads"),
+        "{out}"
+    );
+    assert!(
+        out.contains("userfaultfd -u MISSING: 1024 pages served with UFFDIO_COPY"),
+        "{out}"
+    );
+    assert!(
+        out.contains("by 2 handler thread(s) on 1 userfaultfd(s)"),
+        "{out}"
+    );
+    assert!(out.contains("delay 1 us"), "{out}");
+    // 2 MiB pages: one copy per huge page, one userfaultfd with -a.
+    let d = json(&[
+        "demand-paging",
+        "-u",
+        "MISSING",
+        "-v",
+        "2",
+        "-b",
+        "4M",
+        "-s",
+        "anonymous_thp",
+        "-a",
+    ]);
+    served(&d, 2048, 2 << 20);
+    assert_eq!(d["uffd"]["uffds"], 1);
+}
+
+#[test]
+fn uffd_minor_serves_every_page() {
+    let d = json(&[
+        "demand-paging",
+        "-u",
+        "MINOR",
+        "-v",
+        "2",
+        "-b",
+        "8M",
+        "-s",
+        "shmem",
+    ]);
+    served(&d, 4096, 4096);
+    assert_eq!(d["uffd"]["ioctl"], "UFFDIO_CONTINUE");
+}
+
+#[test]
+fn uffd_on_kvm_serves_every_page() {
+    if !std::path::Path::new("/dev/kvm").exists() {
+        eprintln!("no /dev/kvm: skipped");
+        return;
+    }
+    let d = json(&[
+        "demand-paging",
+        "-u",
+        "MISSING",
+        "-v",
+        "2",
+        "-b",
+        "4M",
+        "--backend",
+        "kvm",
+    ]);
+    served(&d, 2048, 4096);
+}
+
+#[test]
+fn no_uffd_no_uffd_line() {
+    let out = ok(&["demand-paging", "-b", "1M"]);
+    assert!(!out.contains("uffd"), "{out}");
+    assert!(out.contains("Finished creating vCPUs\n"), "{out}");
+    let d = json(&["demand-paging", "-b", "1M"]);
+    assert!(d.get("uffd").is_none());
+}
+
+#[test]
+fn uffd_bad_input_exits_2() {
+    refused(&["demand-paging", "-b", "1M", "-u", "MINOR"], "-s shmem");
+    refused(&["demand-paging", "-b", "1M", "-u", "SOMETIMES"], "-u");
+    refused(&["demand-paging", "-b", "1M", "-d", "10"], "-d");
+    refused(&["demand-paging", "-b", "1M", "-a"], "-a");
+    refused(&["demand-paging", "-b", "1M", "-r", "2"], "-r");
+    refused(
+        &[
+            "demand-paging",
+            "-b",
+            "1M",
+            "-u",
+            "MISSING",
+            "-d",
+            "2000000",
+        ],
+        "-d",
+    );
+    refused(
+        &["demand-paging", "-b", "1M", "-u", "MISSING", "-r", "0"],
+        "-r",
+    );
+    refused(
+        &[
+            "demand-paging",
+            "-b",
+            "1M",
+            "-u",
+            "MINOR",
+            "-s",
+            "shmem",
+            "--backend",
+            "kvm",
+        ],
+        "shmem",
+    );
+}

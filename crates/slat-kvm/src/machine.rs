@@ -589,6 +589,12 @@ impl KvmMachine {
         &self.config
     }
 
+    /// The test region's guest RAM (registered with KVM as the test memslots), e.g. to serve
+    /// its first touches through userfaultfd.
+    pub fn ram(&self) -> &GuestRam {
+        &self.ram
+    }
+
     /// What the host's KVM offers.
     pub fn caps(&self) -> HostCaps {
         self.caps

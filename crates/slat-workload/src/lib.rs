@@ -14,6 +14,7 @@
 //! | [`rendezvous`] | [`Rendezvous`]: the host releases its vCPU threads with a job and waits for them to sync |
 //! | [`native`] | [`native_baseline`] |
 //! | [`dirty_config`] | [`DirtyConfig`], [`MANUAL_PROTECT_ENABLE`], [`INITIALLY_SET`] |
+//! | [`uffd`] | demand paging through userfaultfd: [`uffd::UffdServer`] (MISSING / MINOR handler threads) |
 //! | [`test_machine`] | [`TestMachine`], the trait both machines implement |
 //! | [`dirty_oracle`] | the dirty-log oracle, one generic [`dirty_oracle::run`] |
 //!
@@ -51,6 +52,7 @@ pub mod pattern;
 pub mod rendezvous;
 pub mod size;
 pub mod test_machine;
+pub mod uffd;
 
 pub use backing::Backing;
 pub use dirty_config::{DirtyConfig, INITIALLY_SET, MANUAL_PROTECT_ENABLE};
