@@ -517,6 +517,12 @@ pub struct PinArgs {
     /// on --pcpus physical-CPU tokens; `kvm`: the threads that run KVM_RUN).
     #[arg(short = 'c', value_name = "CPU_LIST", value_parser = cpu_list)]
     pub cpus: Option<CpuList>,
+    /// Guest mode, numbered as the selftests' -m: only 0 (PA-bits:48, VA-bits:48, 4K pages),
+    /// the one mode the selftests run on x86; their other modes are arm64 guests, which
+    /// neither machine runs (--format stage2 is slat's arm64 page-table format, not a guest
+    /// mode).
+    #[arg(short = 'm', value_name = "MODE", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=0))]
+    pub mode: u32,
 }
 
 impl PinArgs {

@@ -308,3 +308,11 @@ fn uffd_bad_input_exits_2() {
         "shmem",
     );
 }
+
+#[test]
+fn guest_mode_is_the_one_x86_mode() {
+    for bench in ["demand-paging", "dirty-log-perf", "access-tracking-perf"] {
+        refused(&[bench, "-b", "1M", "-m", "1"], "-m");
+    }
+    ok(&["demand-paging", "-b", "1M", "-m", "0"]);
+}
