@@ -513,8 +513,9 @@ pub struct PinArgs {
     /// Pin vCPU i's thread to the i-th host CPU of this list with sched_setaffinity, as the
     /// selftests' -c: CPU numbers and inclusive ranges (`0,1,3-5`), one per vCPU; one more
     /// entry pins the main (benchmark-driving) thread too. Each CPU must be online and allowed
-    /// for this process. Pins the vCPU threads of either machine (`sim`: they still take turns
-    /// on --pcpus physical-CPU tokens; `kvm`: the threads that run KVM_RUN).
+    /// for this process. Pins the vCPU threads of either machine (`sim`: the threads that run
+    /// the simulated vCPUs, which still share --pcpus simulated physical CPUs; `kvm`: the
+    /// threads that enter the guest with KVM_RUN).
     #[arg(short = 'c', value_name = "CPU_LIST", value_parser = cpu_list)]
     pub cpus: Option<CpuList>,
     /// Guest mode, numbered as the selftests' -m: only 0 (PA-bits:48, VA-bits:48, 4K pages),
