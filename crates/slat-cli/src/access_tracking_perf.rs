@@ -9,19 +9,21 @@
 //! vCPU threads write page_idle for their own memory.
 
 use crate::args::{
-    check_backends, BackendArg, FormatArg, MachineArgs, OutputArgs, Switch, Workload,
+    check_backends, BackendArg, FormatArg, MachineArgs, OutputArgs, PinArgs, Switch, Workload,
 };
 use crate::demand_paging::stats_json;
 use crate::error::CliError;
 use crate::limits::GuestMemory;
 use crate::output::{print_json, summarize, Better, Metric, Repeated, VmSettings};
-use crate::report::{bbm_cmo_line, quiet, ratio, ts, Phase};
+use crate::report::{bbm_cmo_line, pinned_line, quiet, ratio, ts, Phase};
 use clap::{Args, ValueEnum};
-use serde_json::{json, Value};
+use serde::Serialize;
+use serde_json::Value;
 use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::{AgeFlush, AgeReport, Ept, IdleBitmap, PteFormat, Stage2, Vm};
 use slat_machine::ram::{format_size, GuestRam};
 use slat_machine::{native_baseline, Machine, MachineConfig, PassParams, PassReport};
+use slat_workload::TestMachine;
 use std::time::{Duration, Instant};
 
 /// The selftest's limit: at least 90% of the pages must be seen accessed after an access pass.
@@ -30,10 +32,70 @@ const MAX_STILL_IDLE: f64 = 0.10;
 /// What to do when too many pages are still idle after an access pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum IdleCheck {
-    /// Exit with an error (the selftest's default).
+    /// Exit with an error (the selftest's `-w 0`).
     Fail,
     /// Print a warning and go on (the selftest's `-w 1`).
     Warn,
+    /// The selftest's default (`-w -1`): warn when this host is itself a virtual machine
+    /// (the `hypervisor` CPU flag) or NUMA balancing is on, where the selftest cannot trust
+    /// the host's idle bits; fail otherwise.
+    Auto,
+}
+
+/// What `--idle-check auto` decided, and why.
+fn auto_idle_check() -> (IdleCheck, String) {
+    let vm = std::fs::read_to_string("/proc/cpuinfo")
+        .map(|c| {
+            c.lines()
+                .filter(|l| l.starts_with("flags"))
+                .any(|l| l.split_whitespace().any(|f| f == "hypervisor"))
+        })
+        .unwrap_or(false);
+    let numa = std::fs::read_to_string("/proc/sys/kernel/numa_balancing")
+        .map(|v| v.trim() != "0")
+        .unwrap_or(false);
+    match (vm, numa) {
+        (true, _) => (
+            IdleCheck::Warn,
+            "auto: this host is a virtual machine (hypervisor CPU flag), so too many idle pages only warn".into(),
+        ),
+        (false, true) => (
+            IdleCheck::Warn,
+            "auto: NUMA balancing is on (/proc/sys/kernel/numa_balancing), so too many idle pages only warn".into(),
+        ),
+        (false, false) => (
+            IdleCheck::Fail,
+            "auto: not a virtual machine and no NUMA balancing, so too many idle pages fail".into(),
+        ),
+    }
+}
+
+impl AccessTrackingPerfArgs {
+    /// The idle-page check in force (`-w` over `--idle-check`; `auto` resolved) and, for
+    /// `auto`, why.
+    fn idle_check(&self) -> (IdleCheck, Option<String>) {
+        let asked = match self.idle_warn {
+            Some(w) if w > 0 => IdleCheck::Warn,
+            Some(0) => IdleCheck::Fail,
+            Some(_) => IdleCheck::Auto,
+            None => self.idle_check,
+        };
+        match asked {
+            IdleCheck::Auto => {
+                let (c, why) = auto_idle_check();
+                (c, Some(why))
+            }
+            c => (c, None),
+        }
+    }
+}
+
+fn idle_check_name(c: IdleCheck) -> &'static str {
+    match c {
+        IdleCheck::Fail => "fail",
+        IdleCheck::Warn => "warn",
+        IdleCheck::Auto => "auto",
+    }
 }
 
 /// Flags of `slat access-tracking-perf` (the selftest's, plus slat's variant switches).
@@ -56,9 +118,20 @@ pub struct AccessTrackingPerfArgs {
     /// accesses through translations the vCPUs cached before the marking go unseen.
     #[arg(long = "age-flush", value_enum, default_value = "off")]
     pub age_flush: Switch,
-    /// What happens when more than 10% of the pages are still idle after an access pass.
-    #[arg(long = "idle-check", value_enum, default_value = "fail")]
+    /// What happens when more than 10% of the pages are still idle after an access pass:
+    /// `fail` (exit with an error), `warn` (print a warning and go on), or `auto` (the
+    /// selftest's default: warn when this host is itself a virtual machine, seen from the
+    /// `hypervisor` CPU flag, or NUMA balancing is on; fail otherwise).
+    #[arg(long = "idle-check", value_enum, default_value = "auto")]
     pub idle_check: IdleCheck,
+    /// The selftest's spelling of --idle-check: N > 0 warn, 0 fail, N < 0 auto.
+    #[arg(
+        short = 'w',
+        value_name = "N",
+        allow_negative_numbers = true,
+        conflicts_with = "idle_check"
+    )]
+    pub idle_warn: Option<i64>,
     /// Run a comparison instead of one configuration: fast page fault on and off,
     /// each with -v 1 and -v 2 (the given -b, -s, -o and --ad-bits), one table at the end.
     #[arg(long)]
@@ -68,6 +141,8 @@ pub struct AccessTrackingPerfArgs {
     /// when it is missing.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "sim")]
     pub backend: Vec<BackendArg>,
+    #[command(flatten)]
+    pub pin: PinArgs,
     #[command(flatten)]
     pub out: OutputArgs,
     #[command(flatten)]
@@ -85,17 +160,70 @@ impl Pass {
     fn faults(&self) -> u64 {
         self.guest.vcpus.iter().map(|v| v.counters.faults).sum()
     }
-    fn json(&self) -> Value {
-        json!({
-            "name": self.name,
-            "time_s": self.guest.wall.as_secs_f64(),
-            "native_time_s": self.native.wall.as_secs_f64(),
-            "ratio_guest_over_native": ratio(self.guest.wall, self.native.wall),
-            "faults": self.faults(),
-            "walks": self.guest.vcpus.iter().map(|v| v.counters.walks).sum::<u64>(),
-            "ad_updates": self.guest.vcpus.iter().map(|v| v.counters.ad_updates).sum::<u64>(),
-        })
+    fn json(&self) -> PassJson {
+        PassJson {
+            name: self.name,
+            time_s: self.guest.wall.as_secs_f64(),
+            native_time_s: self.native.wall.as_secs_f64(),
+            ratio_guest_over_native: ratio(self.guest.wall, self.native.wall),
+            faults: self.faults(),
+            walks: self.guest.vcpus.iter().map(|v| v.counters.walks).sum(),
+            ad_updates: self.guest.vcpus.iter().map(|v| v.counters.ad_updates).sum(),
+        }
     }
+}
+
+/// One guest pass in the JSON report.
+#[derive(Serialize)]
+struct PassJson {
+    /// The selftest's line.
+    name: &'static str,
+    /// The guest pass.
+    time_s: f64,
+    /// The same pass on host memory.
+    native_time_s: f64,
+    /// time_s / native_time_s.
+    ratio_guest_over_native: f64,
+    /// Faults the vCPUs took.
+    faults: u64,
+    /// Page-table walks.
+    walks: u64,
+    /// Accessed/Dirty bit updates by the walker.
+    ad_updates: u64,
+}
+
+/// One marking in the JSON report.
+#[derive(Serialize)]
+struct MarkJson {
+    /// The marking.
+    time_s: f64,
+    /// Its cost per GiB marked.
+    ms_per_gib: f64,
+    /// Pages marked.
+    pages: u64,
+    /// Pages found young.
+    young_pages: u64,
+    /// Leaves aged.
+    aged_leaves: u64,
+    /// Pages reported dirty.
+    dirty_pages: u64,
+    /// Leaves another thread was changing.
+    contended_leaves: u64,
+    /// TLBs were flushed.
+    flushed: bool,
+}
+
+/// Pages still idle after an access pass, in the JSON report.
+#[derive(Serialize)]
+struct IdleJson {
+    /// The access pass.
+    after: &'static str,
+    /// Pages checked.
+    pages: u64,
+    /// Pages aging did not see accessed.
+    still_idle: u64,
+    /// still_idle / pages.
+    fraction: f64,
 }
 
 /// One marking of all guest memory as idle.
@@ -110,17 +238,17 @@ impl Mark {
         let gib = (self.pages << PAGE_SHIFT) as f64 / (1u64 << 30) as f64;
         self.time.as_secs_f64() * 1e3 / gib
     }
-    fn json(&self) -> Value {
-        json!({
-            "time_s": self.time.as_secs_f64(),
-            "ms_per_gib": self.ms_per_gib(),
-            "pages": self.pages,
-            "young_pages": self.report.young_pages,
-            "aged_leaves": self.report.aged_leaves,
-            "dirty_pages": self.report.dirty_pages,
-            "contended_leaves": self.report.contended_leaves,
-            "flushed": self.report.flushed,
-        })
+    fn json(&self) -> MarkJson {
+        MarkJson {
+            time_s: self.time.as_secs_f64(),
+            ms_per_gib: self.ms_per_gib(),
+            pages: self.pages,
+            young_pages: self.report.young_pages,
+            aged_leaves: self.report.aged_leaves,
+            dirty_pages: self.report.dirty_pages,
+            contended_leaves: self.report.contended_leaves,
+            flushed: self.report.flushed,
+        }
     }
 }
 
@@ -147,6 +275,7 @@ struct RunResult {
     stats: slat::Stats,
     pcpus: usize,
     warnings: Vec<String>,
+    pinned: Option<Vec<usize>>,
 }
 
 impl RunResult {
@@ -176,6 +305,11 @@ pub fn run(a: &AccessTrackingPerfArgs) -> crate::error::CliResult {
         )));
     }
     check(a).map_err(crate::error::CliError::bad)?;
+    if a.compare && a.pin.cpus.is_some() {
+        return Err(CliError::bad(
+            "-c: --compare runs -v 1 and -v 2, which need different CPU lists; drop -c or --compare",
+        ));
+    }
     if a.compare {
         return compare(a);
     }
@@ -261,6 +395,9 @@ const METRICS: &[Metric<RunResult>] = &[
 /// baseline (both are mapped at once).
 fn check(a: &AccessTrackingPerfArgs) -> Result<(), String> {
     let vcpus = if a.compare { 2 } else { a.work.vcpus };
+    if !a.compare {
+        a.pin.plan(vcpus)?;
+    }
     let mem = GuestMemory::per_vcpu(vcpus, a.work.bytes)?;
     mem.fits_gpa(&[BackendArg::Sim], a.machine.format, None)?;
     mem.fits_host(a.work.backing, 2, a.machine.tlb_bytes(vcpus))
@@ -331,8 +468,8 @@ fn idle_verdict(
         idle.pass,
         100.0 * MAX_STILL_IDLE,
     );
-    match a.idle_check {
-        IdleCheck::Fail => Err(msg),
+    match a.idle_check().0 {
+        IdleCheck::Fail | IdleCheck::Auto => Err(msg),
         IdleCheck::Warn => {
             if !quiet {
                 eprintln!("slat: warning: {msg}");
@@ -369,6 +506,7 @@ impl RunResult {
             stats: slat::Stats::default(),
             pcpus,
             warnings: Vec::new(),
+            pinned: None,
         }
     }
 }
@@ -393,6 +531,18 @@ fn run_format<F: PteFormat>(
         q,
     );
     let m = Machine::<F>::new(cfg).map_err(|e| e.to_string())?;
+    let pinned = match a.pin.plan(vcpus)? {
+        Some(plan) => {
+            let got = m.pin_vcpus(&plan.vcpus).map_err(|e| format!("-c: {e}"))?;
+            crate::backend::check_pinned(&plan.vcpus, &got)?;
+            if let Some(cpu) = plan.main {
+                slat_workload::cpus::pin_thread(0, cpu)
+                    .map_err(|e| format!("-c: cannot pin the main thread to CPU {cpu}: {e}"))?;
+            }
+            Some(plan.vcpus)
+        }
+        None => None,
+    };
     let psize = a.work.backing.page_size().max(PAGE_SIZE);
     let native_ram = GuestRam::new(a.work.backing, total.div_ceil(psize) * psize, prefault)
         .map_err(|e| e.to_string())?;
@@ -409,6 +559,15 @@ fn run_format<F: PteFormat>(
     }
     let mut bitmaps = idle_bitmaps::<F>(a, vcpus, &layout)?;
     let mut r = RunResult::new(vcpus, fast_pf, m.pcpus());
+    r.pinned = pinned;
+    if text {
+        let (c, why) = a.idle_check();
+        println!(
+            "Idle page check: {}{}",
+            idle_check_name(c),
+            why.map(|w| format!(" ({w})")).unwrap_or_default()
+        );
+    }
     let write = PassParams {
         write_percent: 100,
         ..PassParams::default()
@@ -562,6 +721,9 @@ fn summary(a: &AccessTrackingPerfArgs, r: &RunResult) {
     if let Some(line) = bbm_cmo_line(a.machine.format, s) {
         println!("{line}");
     }
+    if let Some(line) = pinned_line(r.pinned.as_deref()) {
+        println!("{line}");
+    }
     println!(
         "Machine: {} vCPU(s) on {} physical CPU(s); {}, format {}, mmu lock {}, A/D bits {}, fast page fault {}, marking with {}",
         r.vcpus,
@@ -576,7 +738,7 @@ fn summary(a: &AccessTrackingPerfArgs, r: &RunResult) {
 }
 
 /// The run's settings, as the report records them.
-#[derive(serde::Serialize)]
+#[derive(Serialize)]
 struct Config {
     #[serde(flatten)]
     vm: VmSettings,
@@ -585,14 +747,44 @@ struct Config {
     backing: &'static str,
     overlap: bool,
     age_flush: bool,
+    /// The idle-page check in force: `fail` or `warn` (`auto` resolved).
+    idle_check: &'static str,
+    /// Why, when `auto` chose it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    idle_check_reason: Option<String>,
+    /// `-c`: vCPU i's thread was pinned to `pinned_cpus[i]` (read back from the kernel).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pinned_cpus: Option<Vec<usize>>,
 }
 
-fn run_json(a: &AccessTrackingPerfArgs, r: &RunResult) -> Value {
-    json!({
-        "benchmark": "access-tracking-perf",
-        "backend": "sim",
-        "format": a.machine.format.name(),
-        "config": Config {
+/// One configuration's JSON report.
+#[derive(Serialize)]
+struct RunJson {
+    benchmark: &'static str,
+    backend: &'static str,
+    format: &'static str,
+    config: Config,
+    passes: Vec<PassJson>,
+    mark_memory_idle: Vec<MarkJson>,
+    still_idle: Vec<IdleJson>,
+    warnings: Vec<String>,
+    stats: Value,
+}
+
+/// `--compare --json`.
+#[derive(Serialize)]
+struct CompareJson {
+    benchmark: &'static str,
+    compare: Vec<RunJson>,
+}
+
+fn run_json(a: &AccessTrackingPerfArgs, r: &RunResult) -> RunJson {
+    let (check, why) = a.idle_check();
+    RunJson {
+        benchmark: "access-tracking-perf",
+        backend: "sim",
+        format: a.machine.format.name(),
+        config: Config {
             vm: VmSettings::new(
                 BackendArg::Sim,
                 a.machine.format,
@@ -606,16 +798,25 @@ fn run_json(a: &AccessTrackingPerfArgs, r: &RunResult) -> Value {
             backing: a.work.backing.name(),
             overlap: a.work.overlap,
             age_flush: a.age_flush.on(),
+            idle_check: idle_check_name(check),
+            idle_check_reason: why,
+            pinned_cpus: r.pinned.clone(),
         },
-        "passes": r.passes.iter().map(Pass::json).collect::<Vec<_>>(),
-        "mark_memory_idle": r.marks.iter().map(Mark::json).collect::<Vec<_>>(),
-        "still_idle": r.idle.iter().map(|i| json!({
-            "after": i.pass, "pages": i.pages, "still_idle": i.still_idle,
-            "fraction": i.fraction(),
-        })).collect::<Vec<_>>(),
-        "warnings": r.warnings,
-        "stats": stats_json(&r.stats),
-    })
+        passes: r.passes.iter().map(Pass::json).collect(),
+        mark_memory_idle: r.marks.iter().map(Mark::json).collect(),
+        still_idle: r
+            .idle
+            .iter()
+            .map(|i| IdleJson {
+                after: i.pass,
+                pages: i.pages,
+                still_idle: i.still_idle,
+                fraction: i.fraction(),
+            })
+            .collect(),
+        warnings: r.warnings.clone(),
+        stats: stats_json(&r.stats),
+    }
 }
 
 /// Seed 000's table from one process: fast PF on/off × -v 1/-v 2.
@@ -633,10 +834,10 @@ fn compare(a: &AccessTrackingPerfArgs) -> crate::error::CliResult {
         }
     }
     if a.out.json {
-        let doc = json!({
-            "benchmark": "access-tracking-perf",
-            "compare": runs.iter().map(|r| run_json(a, r)).collect::<Vec<_>>(),
-        });
+        let doc = CompareJson {
+            benchmark: "access-tracking-perf",
+            compare: runs.iter().map(|r| run_json(a, r)).collect(),
+        };
         return crate::output::print_json(&doc, &a.backend);
     }
     println!(

@@ -497,3 +497,41 @@ pub struct Workload {
     #[arg(short = 'o')]
     pub overlap: bool,
 }
+
+/// A `-c` CPU list as given (`0,1,3-5`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CpuList(pub Vec<usize>);
+
+/// Parses a `-c` CPU list.
+pub fn cpu_list(s: &str) -> Result<CpuList, String> {
+    slat_workload::cpus::parse_cpu_list(s).map(CpuList)
+}
+
+/// vCPU pinning (the selftests' `-c`).
+#[derive(Debug, Clone, Args)]
+pub struct PinArgs {
+    /// Pin vCPU i's thread to the i-th host CPU of this list with sched_setaffinity, as the
+    /// selftests' -c: CPU numbers and inclusive ranges (`0,1,3-5`), one per vCPU; one more
+    /// entry pins the main (benchmark-driving) thread too. Each CPU must be online and allowed
+    /// for this process. Pins the vCPU threads of either machine (`sim`: the threads that run
+    /// the simulated vCPUs, which still share --pcpus simulated physical CPUs; `kvm`: the
+    /// threads that enter the guest with KVM_RUN).
+    #[arg(short = 'c', value_name = "CPU_LIST", value_parser = cpu_list)]
+    pub cpus: Option<CpuList>,
+    /// Guest mode, numbered as the selftests' -m: only 0 (PA-bits:48, VA-bits:48, 4K pages),
+    /// the one mode the selftests run on x86; their other modes are arm64 guests, which
+    /// neither machine runs (--format stage2 is slat's arm64 page-table format, not a guest
+    /// mode).
+    #[arg(short = 'm', value_name = "MODE", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=0))]
+    pub mode: u32,
+}
+
+impl PinArgs {
+    /// Checks the list for `vcpus` vCPUs against this host.
+    pub fn plan(&self, vcpus: u32) -> Result<Option<slat_workload::cpus::PinPlan>, String> {
+        self.cpus
+            .as_ref()
+            .map(|l| slat_workload::cpus::PinPlan::new(&l.0, vcpus as usize))
+            .transpose()
+    }
+}

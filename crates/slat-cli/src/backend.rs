@@ -109,6 +109,10 @@ pub trait Backend {
     ) -> Result<OracleReport, String>;
     /// The simulated machine, for its engine-only reports and switches.
     fn sim(&self) -> Option<&dyn Sim>;
+    /// Pins vCPU i's thread to `cpus[i]`; returns each thread's affinity read back.
+    fn pin_vcpus(&self, cpus: &[usize]) -> Result<Vec<Vec<usize>>, String>;
+    /// The test region's guest RAM.
+    fn guest_ram(&self) -> &GuestRam;
 }
 
 /// What only the CLI asks of a machine, beside [`TestMachine`].
@@ -117,6 +121,8 @@ pub trait CliMachine {
     fn stats(&self) -> Value;
     /// The simulated machine, for its engine-only reports and switches.
     fn sim(&self) -> Option<&dyn Sim>;
+    /// The test region's guest RAM.
+    fn guest_ram(&self) -> &GuestRam;
 }
 
 /// The simulated machine's engine-only reports and switches, whatever its page-table format.
@@ -150,6 +156,9 @@ impl<F: PteFormat> CliMachine for Machine<F> {
     fn sim(&self) -> Option<&dyn Sim> {
         Some(self)
     }
+    fn guest_ram(&self) -> &GuestRam {
+        self.ram()
+    }
 }
 
 impl CliMachine for slat_kvm::KvmMachine {
@@ -166,6 +175,9 @@ impl CliMachine for slat_kvm::KvmMachine {
     }
     fn sim(&self) -> Option<&dyn Sim> {
         None
+    }
+    fn guest_ram(&self) -> &GuestRam {
+        self.ram()
     }
 }
 
@@ -231,6 +243,44 @@ impl<M: TestMachine + CliMachine> Backend for M {
     fn sim(&self) -> Option<&dyn Sim> {
         CliMachine::sim(self)
     }
+    fn pin_vcpus(&self, cpus: &[usize]) -> Result<Vec<Vec<usize>>, String> {
+        TestMachine::pin_vcpus(self, cpus).map_err(text)
+    }
+    fn guest_ram(&self) -> &GuestRam {
+        CliMachine::guest_ram(self)
+    }
+}
+
+/// Applies a `-c` plan to a machine's vCPU threads (and the calling thread, if the plan has
+/// a CPU for it) and checks with `sched_getaffinity` that each thread now runs on exactly its
+/// CPU. Returns the vCPUs' CPUs as the kernel reports them.
+pub fn apply_pinning(
+    m: &dyn Backend,
+    plan: Option<&slat_workload::cpus::PinPlan>,
+) -> Result<Option<Vec<usize>>, String> {
+    let Some(plan) = plan else { return Ok(None) };
+    let got = m
+        .pin_vcpus(&plan.vcpus)
+        .map_err(|e| format!("-c: cannot pin the vCPU threads: {e}"))?;
+    check_pinned(&plan.vcpus, &got)?;
+    if let Some(cpu) = plan.main {
+        slat_workload::cpus::pin_thread(0, cpu)
+            .map_err(|e| format!("-c: cannot pin the main thread to CPU {cpu}: {e}"))?;
+    }
+    Ok(Some(plan.vcpus.clone()))
+}
+
+/// Errors unless thread i's affinity is exactly `[want[i]]`.
+pub fn check_pinned(want: &[usize], got: &[Vec<usize>]) -> Result<(), String> {
+    for (i, (w, g)) in want.iter().zip(got).enumerate() {
+        if g.as_slice() != [*w] {
+            return Err(format!(
+                "-c: vCPU {i}'s thread runs on CPUs {} after pinning it to CPU {w}",
+                slat_workload::cpus::format_cpu_list(g)
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The simulated machine with page-table format `F`.

@@ -1,29 +1,76 @@
-//! `slat demand-paging`: KVM's demand_paging_test without userfaultfd — one first-touch pass
-//! over all guest memory, every page faulted in through the engine — and, in the same run, the
-//! same pattern on host memory as the native baseline.
+//! `slat demand-paging`: KVM's demand_paging_test — one first-touch pass over all guest
+//! memory, every page faulted in through the engine (or KVM), with `-u MISSING|MINOR` each
+//! first touch of the host memory behind it served by userfaultfd handler threads — and, in
+//! the same run, the same pattern on host memory as the native baseline.
 
-use crate::args::{check_backends, BackendArg, MachineArgs, OutputArgs, Workload};
+use crate::args::{check_backends, BackendArg, MachineArgs, OutputArgs, PinArgs, Workload};
 use crate::backend::{self, kvm_stats_line, Native, Spec};
 use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
 use crate::output::{print_json, secs, Better, Comparison, Metric, Repeated, VmSettings};
-use crate::report::{bbm_cmo_line, format_header, quiet, ratio, sim_format, ts, Phase};
-use clap::Args;
+use crate::report::{
+    bbm_cmo_line, format_header, pinned_line, quiet, ratio, sim_format, ts, Phase,
+};
+use clap::{Args, ValueEnum};
 use serde::Serialize;
 use serde_json::json;
 use slat_machine::ram::format_size;
 use slat_machine::PassParams;
+use slat_workload::uffd::{self, UffdMode, UffdReport, UffdServer};
+use slat_workload::MEMSTRESS_PATTERN;
 use std::time::Duration;
+
+/// `-u`: how userfaultfd resolves first touches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum UffdArg {
+    /// Guest RAM starts unpopulated; each first touch is a missing-page fault the handler
+    /// resolves by copying in a page of 0xAB bytes (UFFDIO_COPY).
+    #[value(name = "MISSING")]
+    Missing,
+    /// Guest RAM (shared memory, -s shmem) is filled with 0xAB bytes in the page cache first,
+    /// with no page-table entries; each first touch is a minor fault the handler resolves by
+    /// mapping the cached page (UFFDIO_CONTINUE).
+    #[value(name = "MINOR")]
+    Minor,
+}
+
+impl UffdArg {
+    fn mode(self) -> UffdMode {
+        match self {
+            UffdArg::Missing => UffdMode::Missing,
+            UffdArg::Minor => UffdMode::Minor,
+        }
+    }
+}
 
 /// Flags of `slat demand-paging`.
 #[derive(Debug, Args)]
 pub struct DemandPagingArgs {
     #[command(flatten)]
     pub work: Workload,
+    /// Serve guest RAM's first touches through userfaultfd (demand_paging_test's -u): guest
+    /// RAM is registered with one userfaultfd per vCPU's memory, and handler threads resolve
+    /// each fault of the vCPUs (sim) or of KVM (kvm) one backing page at a time. MISSING or
+    /// MINOR (MINOR needs -s shmem). Guest RAM is not pre-faulted with -u.
+    #[arg(short = 'u', value_enum, ignore_case = true, value_name = "MODE")]
+    pub uffd: Option<UffdArg>,
+    /// Microseconds each userfaultfd handler waits before serving a fault (needs -u; at most
+    /// 1000000).
+    #[arg(short = 'd', value_name = "DELAY_US", value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    pub delay_us: Option<u64>,
+    /// One userfaultfd for all of guest memory instead of one per vCPU (needs -u; implied by
+    /// -o).
+    #[arg(short = 'a')]
+    pub single_uffd: bool,
+    /// Handler threads reading each userfaultfd (needs -u; 1-64).
+    #[arg(short = 'r', value_name = "READERS", value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub readers: Option<u32>,
     /// The machine(s) to run on: `sim`, `kvm` (the host's /dev/kvm), or `sim,kvm` to run both
     /// in this process and print one table comparing them.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "sim")]
     pub backend: Vec<BackendArg>,
+    #[command(flatten)]
+    pub pin: PinArgs,
     #[command(flatten)]
     pub machine: MachineArgs,
     #[command(flatten)]
@@ -46,6 +93,9 @@ pub struct Config {
     pub backing: &'static str,
     /// `-o`.
     pub overlap: bool,
+    /// `-c`: vCPU i's thread was pinned to `pinned_cpus[i]` (read back from the kernel).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pinned_cpus: Option<Vec<usize>>,
 }
 
 /// The native baseline's figures.
@@ -57,6 +107,32 @@ pub struct NativeFigures {
     /// Its rate over every thread.
     #[serde(rename = "overall_rate_pgs_per_s")]
     pub overall_rate: f64,
+}
+
+/// What the userfaultfd handlers did (`-u`).
+#[derive(Debug, Clone, Serialize)]
+pub struct UffdFigures {
+    /// `MISSING` or `MINOR`.
+    pub mode: &'static str,
+    /// `UFFDIO_COPY` or `UFFDIO_CONTINUE`.
+    pub ioctl: &'static str,
+    /// userfaultfds.
+    pub uffds: usize,
+    /// Handler threads per userfaultfd (`-r`).
+    pub readers_per_uffd: usize,
+    /// Bytes each fault paged in (the backing's page size).
+    pub page_size: u64,
+    /// `-d`.
+    pub delay_us: u64,
+    /// Faults the handlers resolved.
+    pub pages_served: u64,
+    /// Faults on pages already served (woken, `EEXIST`).
+    pub already_present: u64,
+    /// Each handler thread's resolved faults.
+    pub per_handler_pages: Vec<u64>,
+    /// 4 KiB guest pages checked after the pass: every one held the served 0xAB pattern
+    /// (and the guest's write).
+    pub pages_verified: u64,
 }
 
 /// Everything one run of demand-paging measured.
@@ -89,6 +165,9 @@ pub struct Report {
     pub ratio_guest_over_native: f64,
     /// The machine's counters.
     pub stats: serde_json::Value,
+    /// `-u`: the userfaultfd handlers' figures.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uffd: Option<UffdFigures>,
     /// The lines describing the machine after the selftest's.
     #[serde(skip)]
     pub machine_lines: Vec<String>,
@@ -184,6 +263,22 @@ pub fn run(a: &DemandPagingArgs) -> CliResult {
 /// space of each machine, on this host (the guest, then the native baseline, one at a time).
 fn check(a: &DemandPagingArgs) -> Result<(), String> {
     check_backing(&a.backend, a.work.backing)?;
+    a.pin.plan(a.work.vcpus)?;
+    match a.uffd {
+        None => {
+            let given = [
+                (a.delay_us.is_some(), "-d"),
+                (a.single_uffd, "-a"),
+                (a.readers.is_some(), "-r"),
+            ];
+            if let Some((_, f)) = given.iter().find(|(g, _)| *g) {
+                return Err(format!(
+                    "{f} configures userfaultfd handlers, which run only with -u MISSING or -u MINOR"
+                ));
+            }
+        }
+        Some(u) => uffd::check_support(u.mode(), a.work.backing)?,
+    }
     let mem = GuestMemory::per_vcpu(a.work.vcpus, a.work.bytes)?;
     mem.fits_gpa(&a.backend, a.machine.format, None)?;
     mem.fits_host(a.work.backing, 1, a.machine.tlb_bytes(a.work.vcpus))
@@ -200,7 +295,8 @@ fn spec(a: &DemandPagingArgs) -> Spec {
         overlap: a.work.overlap,
         tlb_entries: a.machine.tlb_entries,
         pcpus: a.machine.pcpus.unwrap_or(0),
-        prefault: !a.machine.no_prefault,
+        // With -u the handlers must see every first touch: nothing is populated up front.
+        prefault: !a.machine.no_prefault && a.uffd.is_none(),
         manual_protect: false,
         ring_entries: 0,
     }
@@ -226,17 +322,38 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
         q,
     );
     let m = backend::create(kind, &cfg)?;
+    let plan = a.pin.plan(a.work.vcpus).map_err(CliError::bad)?;
+    let pinned_cpus = backend::apply_pinning(m.as_ref(), plan.as_ref())?;
     p.done();
     let layout = m.layout();
     let params = PassParams::default();
     let p = Phase::start(format!("first-touch pass on {} vCPU(s)", a.work.vcpus), q);
-    let guest = m.run_pass(params)?;
+    let (guest, uffd) = match a.uffd {
+        None => (m.run_pass(params)?, None),
+        Some(u) => {
+            let ram = m.guest_ram();
+            let regions = uffd_regions(a, ram.len(), ram.page_size());
+            let delay = Duration::from_micros(a.delay_us.unwrap_or(0));
+            let readers = a.readers.unwrap_or(1) as usize;
+            // SAFETY: the vCPU threads are idle until `run_pass` (nothing else accesses guest
+            // RAM while the server starts), and the server borrows `ram`, so it is stopped
+            // (its threads joined) before the machine can unmap it.
+            let server = unsafe { UffdServer::start(ram, &regions, u.mode(), readers, delay) }
+                .map_err(|e| format!("-u {}: {e}", u.mode().name()))?;
+            let pass = m.run_pass(params);
+            let report = server.stop();
+            let pass = pass?;
+            let figures = uffd_figures(a, &report, ram)?;
+            (pass, Some(figures))
+        }
+    };
     p.done();
     let stats = m.stats();
     let sim = m.sim().map(|s| (s.engine_stats(), s.pcpus()));
     drop(m);
 
     let p = Phase::start("native baseline: same pattern on host memory", q);
+    // With -u the guest RAM was not pre-faulted, nor is the baseline's: both pay first touch.
     let native_ram = Native::new(kind, layout, a.work.backing, cfg.prefault)?;
     let native = native_ram.run(params)?;
     drop(native_ram);
@@ -247,7 +364,7 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
         native.vcpus[0].pages as f64 / native.wall.as_secs_f64() * a.work.vcpus as f64;
     let touched: u64 = guest.vcpus.iter().map(|v| v.pages).sum();
     let ns_per_page = guest.wall.as_nanos() as f64 / (touched as f64 / a.work.vcpus as f64);
-    let machine_lines = match &sim {
+    let mut machine_lines = match &sim {
         Some((s, pcpus)) => engine_lines(a, &cfg, s, *pcpus, ns_per_page),
         None => vec![
             kvm_stats_line(&stats),
@@ -257,6 +374,7 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
             ),
         ],
     };
+    machine_lines.extend(pinned_line(pinned_cpus.as_deref()));
     let vm = VmSettings::new(
         kind,
         a.machine.format,
@@ -275,6 +393,7 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
             bytes_per_vcpu: a.work.bytes,
             backing: a.work.backing.name(),
             overlap: a.work.overlap,
+            pinned_cpus,
         },
         total: guest.wall,
         per_vcpu_rate: per_vcpu,
@@ -287,6 +406,7 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
         },
         ratio_guest_over_native: ratio(guest.wall, native.wall),
         stats,
+        uffd,
         machine_lines,
         format_header: format_header(kind, a.machine.format, &cfg.vm),
         gpa: layout.gpa,
@@ -340,7 +460,11 @@ fn print_text(r: &Report) {
         r.gpa,
         r.gpa + total
     );
-    println!("Finished creating vCPUs and starting uffd threads");
+    if r.uffd.is_some() {
+        println!("Finished creating vCPUs and starting uffd threads");
+    } else {
+        println!("Finished creating vCPUs");
+    }
     println!("Started all vCPUs");
     println!("All vCPU threads joined");
     println!("Total guest execution time:\t{}", ts(r.total));
@@ -349,6 +473,23 @@ fn print_text(r: &Report) {
         r.per_vcpu_rate
     );
     println!("Overall demand paging rate:\t{:.6} pgs/sec", r.overall_rate);
+    if let Some(u) = &r.uffd {
+        println!(
+            "userfaultfd -u {}: {} pages served with {} ({} each) by {} handler thread(s) on {} userfaultfd(s), {} already present, delay {} us",
+            u.mode,
+            u.pages_served,
+            u.ioctl,
+            format_size(u.page_size),
+            u.per_handler_pages.len(),
+            u.uffds,
+            u.already_present,
+            u.delay_us
+        );
+        println!(
+            "userfaultfd: all {} guest pages verified to hold the served 0xAB pattern",
+            u.pages_verified
+        );
+    }
     println!();
     println!(
         "Native baseline ({}, same pattern on host memory{}):",
@@ -369,6 +510,44 @@ fn print_text(r: &Report) {
     for l in &r.machine_lines {
         println!("{l}");
     }
+}
+
+/// The ranges of guest RAM with a userfaultfd each: one per vCPU's memory, or one for all
+/// of it with -a, -o, or when a vCPU's memory is not a whole number of backing pages.
+fn uffd_regions(a: &DemandPagingArgs, ram_len: u64, psize: u64) -> Vec<(u64, u64)> {
+    let b = a.work.bytes;
+    if a.single_uffd || a.work.overlap || a.work.vcpus == 1 || b % psize != 0 {
+        return vec![(0, ram_len)];
+    }
+    (0..a.work.vcpus as u64).map(|i| (i * b, b)).collect()
+}
+
+/// The handlers' figures, after checking that every guest page was served.
+fn uffd_figures(
+    a: &DemandPagingArgs,
+    r: &UffdReport,
+    ram: &slat_machine::ram::GuestRam,
+) -> Result<UffdFigures, String> {
+    let total = a.work.bytes * a.work.vcpus as u64;
+    let (checked, bad) = uffd::verify_served(ram, total, MEMSTRESS_PATTERN);
+    if bad != 0 {
+        return Err(format!(
+            "-u {}: {bad} of {checked} guest pages do not hold the pattern the userfaultfd handlers serve: they were not paged in by the handlers",
+            r.mode.name()
+        ));
+    }
+    Ok(UffdFigures {
+        mode: r.mode.name(),
+        ioctl: r.mode.ioctl_name(),
+        uffds: r.uffds,
+        readers_per_uffd: r.readers,
+        page_size: r.page_size,
+        delay_us: r.delay.as_micros() as u64,
+        pages_served: r.pages(),
+        already_present: r.eexist(),
+        per_handler_pages: r.handlers.iter().map(|h| h.pages).collect(),
+        pages_verified: checked,
+    })
 }
 
 /// `--backend sim,kvm`: the pass on both machines, one after the other, and one table.

@@ -4,7 +4,7 @@
 
 use crate::args::{
     check_backends, check_kvm_ring, ring_size, BackendArg, DirtyArgs, MachineArgs, OutputArgs,
-    Workload,
+    PinArgs, Workload,
 };
 use crate::backend::{self, kvm_stats_line, Backend, Native, Pass, Sim, Spec};
 use crate::error::{CliError, CliResult};
@@ -13,7 +13,9 @@ use crate::output::{
     opt_secs, print_json, secs, Better, Comparison, Metric, Repeated, Sweep, SweepRow, VmSettings,
 };
 use crate::plot::{Chart, Series};
-use crate::report::{bbm_cmo_line, format_header, quiet, ratio, sim_format, ts, Phase};
+use crate::report::{
+    bbm_cmo_line, format_header, pinned_line, quiet, ratio, sim_format, ts, Phase,
+};
 use crate::sweep::{check_distinct, combinations, parse_vary, Key, Vary};
 use clap::Args;
 use serde::Serialize;
@@ -65,6 +67,8 @@ pub struct DirtyLogPerfArgs {
     #[arg(long = "vary", value_parser = parse_vary, value_name = "KEY=V1,V2")]
     pub vary: Vec<Vary>,
     #[command(flatten)]
+    pub pin: PinArgs,
+    #[command(flatten)]
     pub dirty: DirtyArgs,
     #[command(flatten)]
     pub machine: MachineArgs,
@@ -105,6 +109,9 @@ pub struct Config {
     pub manual_protect: bool,
     /// `--dirty-ring` entries.
     pub dirty_ring: Option<u32>,
+    /// `-c`: vCPU i's thread was pinned to `pinned_cpus[i]` (read back from the kernel).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pinned_cpus: Option<Vec<usize>>,
 }
 
 /// One iteration of dirtying memory and harvesting the log.
@@ -346,6 +353,7 @@ fn check(a: &DirtyLogPerfArgs) -> Result<(), String> {
     if let Some(ring) = a.dirty_ring {
         check_kvm_ring(&a.backend, ring, "--dirty-ring")?;
     }
+    a.pin.plan(a.work.vcpus)?;
     let mem = GuestMemory::per_vcpu(a.work.vcpus, a.work.bytes)?;
     mem.slots_divide(a.slots)?;
     mem.fits_gpa(&a.backend, a.machine.format, None)?;
@@ -488,6 +496,8 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
     check(a).map_err(CliError::bad)?;
     let cfg = spec(a);
     let (m, native) = build(a, kind, &cfg)?;
+    let plan = a.pin.plan(a.work.vcpus).map_err(CliError::bad)?;
+    let pinned_cpus = backend::apply_pinning(m.as_ref(), plan.as_ref())?;
     // Populate: every vCPU writes its memory once, sequentially.
     let populate_params = PassParams {
         write_percent: 100,
@@ -511,10 +521,11 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
     let disable = disable(m.as_ref(), a.evil, params)?;
     let stats = m.stats();
     let pcpus = m.sim().map(|s| s.pcpus());
-    let machine_lines = match m.sim() {
+    let mut machine_lines = match m.sim() {
         Some(sim) => engine_lines(a, sim, &cfg),
         None => kvm_lines(a, &stats, cfg.manual_protect),
     };
+    machine_lines.extend(pinned_line(pinned_cpus.as_deref()));
     let get_total = iterations.iter().map(|i| i.get).sum();
     let clear_total = iterations.iter().map(|i| i.clear.or(i.reset)).sum();
     let vm = VmSettings::new(
@@ -543,6 +554,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
             seed: a.seed,
             manual_protect: cfg.manual_protect,
             dirty_ring: a.dirty_ring,
+            pinned_cpus,
         },
         populate: populate.wall,
         populate_native: populate_native.wall,

@@ -85,3 +85,18 @@ pub fn bbm_cmo_line(format: FormatArg, s: &slat::Stats) -> Option<String> {
         format_size(s.cache_clean_bytes)
     ))
 }
+
+/// The `-c` line: where each vCPU's thread runs, as `sched_getaffinity` reported it after
+/// pinning (nothing without `-c`).
+pub fn pinned_line(cpus: Option<&[usize]>) -> Option<String> {
+    let cpus = cpus?;
+    let each: Vec<String> = cpus
+        .iter()
+        .enumerate()
+        .map(|(i, c)| format!("vCPU {i} on CPU {c}"))
+        .collect();
+    Some(format!(
+        "Pinned (-c, affinity read back with sched_getaffinity): {}",
+        each.join(", ")
+    ))
+}

@@ -238,6 +238,23 @@ fn demand_paging_json_matches_its_schema() {
 }
 
 #[test]
+fn uffd_and_pinning_reports_match_their_schemas() {
+    let d = json(&["demand-paging", "-b", "4M", "-u", "MISSING", "-c", "0"]);
+    assert!(d["uffd"].is_object());
+    validate("demand-paging.json", &d);
+    let d = json(&["demand-paging", "-b", "4M", "-u", "MINOR", "-s", "shmem"]);
+    validate("demand-paging.json", &d);
+    validate(
+        "dirty-log-perf.json",
+        &json(&["dirty-log-perf", "-b", "4M", "-c", "0"]),
+    );
+    validate(
+        "access-tracking-perf.json",
+        &json(&["access-tracking-perf", "-b", "4M", "-c", "0", "-w", "1"]),
+    );
+}
+
+#[test]
 fn dirty_log_test_prints_one_document_for_two_machines() {
     let args = [
         "dirty-log-test",

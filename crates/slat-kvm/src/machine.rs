@@ -12,6 +12,7 @@ use kvm_bindings::{
     KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_EXIT_DIRTY_RING_FULL, KVM_MAX_CPUID_ENTRIES,
 };
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
+use slat_workload::cpus::VcpuTids;
 use slat_workload::TestRegion;
 use slat_workload::{
     Backing, DirtyConfig, GuestRam, Layout, ParkMiller, PassParams, RegionSize, Rendezvous,
@@ -483,6 +484,8 @@ pub struct KvmMachine {
     config: KvmConfig,
     caps: HostCaps,
     logging: Mutex<bool>,
+    /// The vCPU threads' kernel ids, for pinning.
+    tids: Arc<VcpuTids>,
     /// Statistics fds of the VM and of each vCPU (`None` on kernels without them).
     stats: Option<(StatsFd, Vec<StatsFd>)>,
     // Memory goes last: it is unmapped after the vCPU threads are joined and the VM closed.
@@ -517,6 +520,7 @@ impl KvmMachine {
         let slots = unsafe { register_slots(&vm, &low, &ram, gpa, &size) }?;
         let layout = size.layout(gpa, ram.addr(), config.overlap);
         let (vcpus, rings, stats) = create_vcpus(&vm, &cpuid, &low_layout, &config, ring_size)?;
+        let tids = Arc::new(VcpuTids::new(config.vcpus));
         let m = KvmMachine {
             threads: Vec::new(),
             ctl: Arc::new(Control::new(config.vcpus)),
@@ -535,6 +539,7 @@ impl KvmMachine {
             config,
             caps,
             logging: Mutex::new(false),
+            tids,
             stats,
             low,
             ram,
@@ -555,9 +560,13 @@ impl KvmMachine {
                 block: self.low.addr() + self.low_layout.param_block(i),
                 regs: guest::initial_regs(&self.low_layout, i, self.config.guest_mode),
             };
+            let tids = self.tids.clone();
             let t = std::thread::Builder::new()
                 .name(format!("kvm-vcpu{i}"))
-                .spawn(move || vcpu_thread(ctx));
+                .spawn(move || {
+                    tids.publish(i);
+                    vcpu_thread(ctx)
+                });
             match t {
                 Ok(h) => self.threads.push(h),
                 Err(e) => {
@@ -578,6 +587,12 @@ impl KvmMachine {
     /// The configuration.
     pub fn config(&self) -> &KvmConfig {
         &self.config
+    }
+
+    /// The test region's guest RAM (registered with KVM as the test memslots), e.g. to serve
+    /// its first touches through userfaultfd.
+    pub fn ram(&self) -> &GuestRam {
+        &self.ram
     }
 
     /// What the host's KVM offers.
@@ -990,5 +1005,9 @@ impl TestMachine for KvmMachine {
             unsafe { AtomicU64::from_ptr((self.ram.addr() + page * PAGE_SIZE) as *mut u64) }
                 .load(Ordering::Relaxed)
         })
+    }
+
+    fn pin_vcpus(&self, cpus: &[usize]) -> Result<Vec<Vec<usize>>, KvmError> {
+        self.tids.pin(cpus).map_err(KvmError::Thread)
     }
 }

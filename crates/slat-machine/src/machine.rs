@@ -11,6 +11,7 @@ use parking_lot::Mutex;
 use slat::format::{PteFormat, PAGE_SHIFT, PAGE_SIZE};
 use slat::memslot::MemslotFlags;
 use slat::{DirtyLogError, Ept, HostRange, HostRangeError, MemslotError, SlotId, Vm, VmConfig};
+use slat_workload::cpus::VcpuTids;
 pub use slat_workload::{DirtyConfig, Layout, FIRST_SLOT};
 use slat_workload::{RegionSize, Rendezvous, TestMachine, TestRegion, WorkloadError};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -156,6 +157,8 @@ pub struct Machine<F: PteFormat = Ept> {
     reaped: Arc<Mutex<Vec<(SlotId, u64)>>>,
     /// The value [`TestMachine::start_writer`]'s writers write (changed while they run).
     writer_value: Arc<AtomicU64>,
+    /// The vCPU threads' kernel ids, for pinning.
+    tids: Arc<VcpuTids>,
 }
 
 impl<F: PteFormat> Machine<F> {
@@ -236,16 +239,20 @@ impl<F: PteFormat> Machine<F> {
             pool,
             reaped: Arc::new(Mutex::new(Vec::new())),
             writer_value: Arc::new(AtomicU64::new(0)),
+            tids: Arc::new(VcpuTids::new(config.vcpus)),
         };
         for i in 0..config.vcpus {
             let mut cpu = Cpu::new(m.vm.clone(), i as u32, config.tlb_entries, m.pool.clone());
             if config.dirty.ring_entries != 0 {
                 cpu.set_ring_full_handler(m.ring_full_handler());
             }
-            let (ctl, halt) = (m.ctl.clone(), m.halt.clone());
+            let (ctl, halt, tids) = (m.ctl.clone(), m.halt.clone(), m.tids.clone());
             let t = std::thread::Builder::new()
                 .name(format!("vcpu{i}"))
-                .spawn(move || vcpu_thread(cpu, i, layout, &ctl, &halt));
+                .spawn(move || {
+                    tids.publish(i);
+                    vcpu_thread(cpu, i, layout, &ctl, &halt)
+                });
             match t {
                 Ok(h) => m.threads.push(h),
                 Err(e) => {
@@ -550,5 +557,8 @@ impl<F: PteFormat> TestMachine for Machine<F> {
     }
     fn page_value(&self, page: u64) -> Option<u64> {
         Machine::page_value(self, page)
+    }
+    fn pin_vcpus(&self, cpus: &[usize]) -> Result<Vec<Vec<usize>>, MachineError> {
+        self.tids.pin(cpus).map_err(MachineError::Thread)
     }
 }

@@ -5,6 +5,7 @@
 //! | module | holds |
 //! |---|---|
 //! | [`backing`] | [`Backing`]: the selftests' `-s` kinds of host memory |
+//! | [`cpus`] | `-c` CPU lists, [`cpus::PinPlan`], [`cpus::VcpuTids`]: pinning vCPU threads |
 //! | [`guest_ram`] | [`GuestRam`]: one host mapping of a backing (hugetlb pool check, THP, prefault, [`GuestRam::thp_bytes`]) |
 //! | [`size`] | [`parse_size`], [`format_size`], [`SizeError`] |
 //! | [`layout`] | [`Layout`] of the test region, [`PAGE_SIZE`], [`FIRST_SLOT`] |
@@ -13,6 +14,7 @@
 //! | [`rendezvous`] | [`Rendezvous`]: the host releases its vCPU threads with a job and waits for them to sync |
 //! | [`native`] | [`native_baseline`] |
 //! | [`dirty_config`] | [`DirtyConfig`], [`MANUAL_PROTECT_ENABLE`], [`INITIALLY_SET`] |
+//! | [`uffd`] | demand paging through userfaultfd: [`uffd::UffdServer`] (MISSING / MINOR handler threads) |
 //! | [`test_machine`] | [`TestMachine`], the trait both machines implement |
 //! | [`dirty_oracle`] | the dirty-log oracle, one generic [`dirty_oracle::run`] |
 //!
@@ -38,6 +40,7 @@
 #![deny(missing_docs)]
 
 pub mod backing;
+pub mod cpus;
 pub mod dirty_config;
 pub mod dirty_oracle;
 pub mod error;
@@ -49,6 +52,7 @@ pub mod pattern;
 pub mod rendezvous;
 pub mod size;
 pub mod test_machine;
+pub mod uffd;
 
 pub use backing::Backing;
 pub use dirty_config::{DirtyConfig, INITIALLY_SET, MANUAL_PROTECT_ENABLE};

@@ -80,6 +80,10 @@ pub trait TestMachine {
     /// entries were reset.
     fn reset_dirty_rings(&self) -> Result<u64, Self::Error>;
 
+    /// Pins vCPU `i`'s thread to host CPU `cpus[i]` (`sched_setaffinity`, one CPU per vCPU)
+    /// and returns each thread's affinity as the kernel reports it afterwards.
+    fn pin_vcpus(&self, cpus: &[usize]) -> Result<Vec<Vec<usize>>, Self::Error>;
+
     /// The first 8 bytes of page `page` of the test region (read atomically: vCPUs may be
     /// writing). `None` past the end.
     fn page_value(&self, page: u64) -> Option<u64>;
