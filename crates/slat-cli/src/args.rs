@@ -504,7 +504,9 @@ pub struct CpuList(pub Vec<usize>);
 
 /// Parses a `-c` CPU list.
 pub fn cpu_list(s: &str) -> Result<CpuList, String> {
-    slat_workload::cpus::parse_cpu_list(s).map(CpuList)
+    slat_workload::cpus::parse_cpu_list(s)
+        .map(CpuList)
+        .map_err(|e| e.to_string())
 }
 
 /// vCPU pinning (the selftests' `-c`).
@@ -533,5 +535,6 @@ impl PinArgs {
             .as_ref()
             .map(|l| slat_workload::cpus::PinPlan::new(&l.0, vcpus as usize))
             .transpose()
+            .map_err(|e| e.to_string())
     }
 }

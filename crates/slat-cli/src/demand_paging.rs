@@ -277,7 +277,7 @@ fn check(a: &DemandPagingArgs) -> Result<(), String> {
                 ));
             }
         }
-        Some(u) => uffd::check_support(u.mode(), a.work.backing)?,
+        Some(u) => uffd::check_support(u.mode(), a.work.backing).map_err(|e| e.to_string())?,
     }
     let mem = GuestMemory::per_vcpu(a.work.vcpus, a.work.bytes)?;
     mem.fits_gpa(&a.backend, a.machine.format, None)?;

@@ -14,21 +14,103 @@ use std::time::{Duration, Instant};
 /// Largest CPU number a list may name (the kernel's `cpu_set_t` holds 1024).
 pub const MAX_CPU: usize = 1023;
 
+/// Why a CPU list or a pinning plan was refused (messages name the selftests' `-c`).
+#[derive(Debug, thiserror::Error)]
+pub enum CpuListError {
+    /// Nothing in the list.
+    #[error("the CPU list is empty")]
+    Empty,
+    /// A part is neither a number nor a range.
+    #[error("`{part}` in CPU list `{list}` is not a CPU number or a range like 3-5")]
+    NotACpu {
+        /// The part.
+        part: String,
+        /// The whole list.
+        list: String,
+    },
+    /// A CPU number beyond [`MAX_CPU`].
+    #[error("CPU {cpu} in `{list}` is above {MAX_CPU}")]
+    TooHigh {
+        /// The number.
+        cpu: usize,
+        /// The whole list.
+        list: String,
+    },
+    /// A range whose end is below its start.
+    #[error("range `{part}` in CPU list `{list}` is backwards")]
+    Backwards {
+        /// The range.
+        part: String,
+        /// The whole list.
+        list: String,
+    },
+    /// More entries than any plan can use.
+    #[error("CPU list `{list}` is too long")]
+    TooLong {
+        /// The whole list.
+        list: String,
+    },
+    /// Fewer CPUs than vCPUs.
+    #[error("-c names {given} CPU(s) for {vcpus} vCPUs: give one CPU per vCPU (and optionally one more for the main thread)")]
+    TooFew {
+        /// CPUs named.
+        given: usize,
+        /// vCPUs.
+        vcpus: usize,
+    },
+    /// More than one CPU per vCPU plus the main thread's.
+    #[error("-c names {given} CPUs for {vcpus} vCPU(s): at most one per vCPU plus one for the main thread")]
+    TooMany {
+        /// CPUs named.
+        given: usize,
+        /// vCPUs.
+        vcpus: usize,
+    },
+    /// A CPU that is not online.
+    #[error("-c: CPU {cpu} is not online (online: {online})")]
+    Offline {
+        /// The CPU.
+        cpu: usize,
+        /// The online CPUs, as a list.
+        online: String,
+    },
+    /// A CPU outside this process's affinity mask.
+    #[error("-c: CPU {cpu} is not in this process's affinity mask (allowed: {allowed})")]
+    NotAllowed {
+        /// The CPU.
+        cpu: usize,
+        /// The allowed CPUs, as a list.
+        allowed: String,
+    },
+    /// The host's CPU sets could not be read.
+    #[error("cannot read {what}: {source}")]
+    Host {
+        /// Which set.
+        what: &'static str,
+        /// Why.
+        source: io::Error,
+    },
+}
+
 /// Parses a CPU list: comma-separated CPU numbers and inclusive ranges (`0,1,3-5`), in the
 /// order given (ranges expand ascending). Repeats are allowed (two vCPUs may share a CPU).
-pub fn parse_cpu_list(s: &str) -> Result<Vec<usize>, String> {
+pub fn parse_cpu_list(s: &str) -> Result<Vec<usize>, CpuListError> {
     let mut out = Vec::new();
     if s.trim().is_empty() {
-        return Err("the CPU list is empty".into());
+        return Err(CpuListError::Empty);
     }
     for part in s.split(',') {
         let part = part.trim();
-        let num = |t: &str| -> Result<usize, String> {
-            let v: usize = t.trim().parse().map_err(|_| {
-                format!("`{part}` in CPU list `{s}` is not a CPU number or a range like 3-5")
+        let num = |t: &str| -> Result<usize, CpuListError> {
+            let v: usize = t.trim().parse().map_err(|_| CpuListError::NotACpu {
+                part: part.into(),
+                list: s.into(),
             })?;
             if v > MAX_CPU {
-                return Err(format!("CPU {v} in `{s}` is above {MAX_CPU}"));
+                return Err(CpuListError::TooHigh {
+                    cpu: v,
+                    list: s.into(),
+                });
             }
             Ok(v)
         };
@@ -36,14 +118,17 @@ pub fn parse_cpu_list(s: &str) -> Result<Vec<usize>, String> {
             Some((lo, hi)) => {
                 let (lo, hi) = (num(lo)?, num(hi)?);
                 if lo > hi {
-                    return Err(format!("range `{part}` in CPU list `{s}` is backwards"));
+                    return Err(CpuListError::Backwards {
+                        part: part.into(),
+                        list: s.into(),
+                    });
                 }
                 out.extend(lo..=hi);
             }
             None => out.push(num(part)?),
         }
         if out.len() > MAX_CPU + 1 + 512 {
-            return Err(format!("CPU list `{s}` is too long"));
+            return Err(CpuListError::TooLong { list: s.into() });
         }
     }
     Ok(out)
@@ -72,10 +157,15 @@ pub struct PinPlan {
 impl PinPlan {
     /// Checks `list` (from [`parse_cpu_list`]) for `nr_vcpus` vCPUs: one CPU per vCPU, then
     /// at most one for the main thread, each online and allowed for this process.
-    pub fn new(list: &[usize], nr_vcpus: usize) -> Result<PinPlan, String> {
-        let online = online_cpus().map_err(|e| format!("cannot read the online CPUs: {e}"))?;
-        let allowed =
-            allowed_cpus().map_err(|e| format!("cannot read this process's CPUs: {e}"))?;
+    pub fn new(list: &[usize], nr_vcpus: usize) -> Result<PinPlan, CpuListError> {
+        let online = online_cpus().map_err(|source| CpuListError::Host {
+            what: "the online CPUs",
+            source,
+        })?;
+        let allowed = allowed_cpus().map_err(|source| CpuListError::Host {
+            what: "this process's CPUs",
+            source,
+        })?;
         Self::check(list, nr_vcpus, &online, &allowed)
     }
 
@@ -85,31 +175,22 @@ impl PinPlan {
         nr_vcpus: usize,
         online: &[usize],
         allowed: &[usize],
-    ) -> Result<PinPlan, String> {
-        if list.len() < nr_vcpus {
-            return Err(format!(
-                "-c names {} CPU(s) for {nr_vcpus} vCPUs: give one CPU per vCPU (and optionally one more for the main thread)",
-                list.len()
-            ));
+    ) -> Result<PinPlan, CpuListError> {
+        let (given, vcpus) = (list.len(), nr_vcpus);
+        if given < vcpus {
+            return Err(CpuListError::TooFew { given, vcpus });
         }
-        if list.len() > nr_vcpus + 1 {
-            return Err(format!(
-                "-c names {} CPUs for {nr_vcpus} vCPU(s): at most one per vCPU plus one for the main thread",
-                list.len()
-            ));
+        if given > vcpus + 1 {
+            return Err(CpuListError::TooMany { given, vcpus });
         }
-        for &c in list {
-            if !online.contains(&c) {
-                return Err(format!(
-                    "-c: CPU {c} is not online (online: {})",
-                    format_cpu_list(online)
-                ));
+        for &cpu in list {
+            if !online.contains(&cpu) {
+                let online = format_cpu_list(online);
+                return Err(CpuListError::Offline { cpu, online });
             }
-            if !allowed.contains(&c) {
-                return Err(format!(
-                    "-c: CPU {c} is not in this process's affinity mask (allowed: {})",
-                    format_cpu_list(allowed)
-                ));
+            if !allowed.contains(&cpu) {
+                let allowed = format_cpu_list(allowed);
+                return Err(CpuListError::NotAllowed { cpu, allowed });
             }
         }
         Ok(PinPlan {
@@ -243,7 +324,7 @@ mod tests {
         assert_eq!(parse_cpu_list("2").unwrap(), vec![2]);
         assert_eq!(parse_cpu_list("1,1").unwrap(), vec![1, 1]);
         for bad in ["", "a", "1,", "5-3", "-1", "1-", "99999", "0,,1"] {
-            let e = parse_cpu_list(bad).unwrap_err();
+            let e = parse_cpu_list(bad).unwrap_err().to_string();
             assert!(!e.contains('\n'), "{e}");
         }
         assert_eq!(format_cpu_list(&[5, 0, 1, 2, 3, 5]), "0-3,5");
@@ -258,13 +339,16 @@ mod tests {
         assert_eq!(p.main, Some(3));
         assert!(PinPlan::check(&[1], 2, &on, &on)
             .unwrap_err()
+            .to_string()
             .contains("one CPU per vCPU"));
         assert!(PinPlan::check(&[0, 1, 2, 3], 2, &on, &on).is_err());
         assert!(PinPlan::check(&[7], 1, &on, &on)
             .unwrap_err()
+            .to_string()
             .contains("not online"));
         assert!(PinPlan::check(&[2], 1, &on, &[0, 1])
             .unwrap_err()
+            .to_string()
             .contains("affinity"));
     }
 

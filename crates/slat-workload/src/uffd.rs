@@ -108,7 +108,7 @@ impl UffdMode {
     }
 
     /// The kernel feature bits the backing needs in this mode, or why it cannot be used.
-    fn features(self, backing: Backing) -> Result<u64, String> {
+    fn features(self, backing: Backing) -> Result<u64, UffdError> {
         match (self, backing) {
             (UffdMode::Missing, Backing::Anonymous | Backing::AnonymousThp) => Ok(0),
             (UffdMode::Missing, Backing::AnonymousHugetlb2M | Backing::AnonymousHugetlb1G) => {
@@ -116,10 +116,7 @@ impl UffdMode {
             }
             (UffdMode::Missing, Backing::Shmem) => Ok(UFFD_FEATURE_MISSING_SHMEM),
             (UffdMode::Minor, Backing::Shmem) => Ok(UFFD_FEATURE_MINOR_SHMEM),
-            (UffdMode::Minor, b) => Err(format!(
-                "-u MINOR needs shared memory already in the page cache, which -s {} is not: use -s shmem",
-                b.name()
-            )),
+            (UffdMode::Minor, b) => Err(UffdError::MinorNeedsShmem { backing: b.name() }),
         }
     }
 }
@@ -161,25 +158,51 @@ fn open_uffd(features: u64) -> io::Result<(OwnedFd, u64)> {
 
 /// Whether this host can serve `backing` memory in `mode`: userfaultfd is available to this
 /// process and the kernel has the features the mode needs. One line saying why not.
-pub fn check_support(mode: UffdMode, backing: Backing) -> Result<(), String> {
+pub fn check_support(mode: UffdMode, backing: Backing) -> Result<(), UffdError> {
     let need = mode.features(backing)?;
-    let (_, have) = open_uffd(0).map_err(|e| {
+    let (_, have) = open_uffd(0).map_err(|source| {
         let knob = std::fs::read_to_string("/proc/sys/vm/unprivileged_userfaultfd")
             .map(|v| v.trim().to_string())
             .unwrap_or_else(|_| "?".into());
-        format!(
-            "-u: cannot create a userfaultfd ({e}); /proc/sys/vm/unprivileged_userfaultfd is {knob} (1 lets unprivileged processes use it; root always can)"
-        )
+        UffdError::Unavailable { source, knob }
     })?;
     if have & need != need {
-        return Err(format!(
-            "-u {}: this kernel's userfaultfd lacks {} for -s {}",
-            mode.name(),
-            feature_name(need),
-            backing.name()
-        ));
+        return Err(UffdError::MissingFeature {
+            mode: mode.name(),
+            feature: feature_name(need),
+            backing: backing.name(),
+        });
     }
     Ok(())
+}
+
+/// Why userfaultfd cannot serve this run (messages name the selftest's `-u` and `-s`).
+#[derive(Debug, thiserror::Error)]
+pub enum UffdError {
+    /// MINOR faults need page-cache pages.
+    #[error("-u MINOR needs shared memory already in the page cache, which -s {backing} is not: use -s shmem")]
+    MinorNeedsShmem {
+        /// The backing asked for.
+        backing: &'static str,
+    },
+    /// No userfaultfd at all.
+    #[error("-u: cannot create a userfaultfd ({source}); /proc/sys/vm/unprivileged_userfaultfd is {knob} (1 lets unprivileged processes use it; root always can)")]
+    Unavailable {
+        /// The syscall's error.
+        source: io::Error,
+        /// The sysctl's value.
+        knob: String,
+    },
+    /// The kernel lacks a feature this backing needs.
+    #[error("-u {mode}: this kernel's userfaultfd lacks {feature} for -s {backing}")]
+    MissingFeature {
+        /// MISSING or MINOR.
+        mode: &'static str,
+        /// The feature.
+        feature: &'static str,
+        /// The backing.
+        backing: &'static str,
+    },
 }
 
 /// What one handler thread did.
@@ -612,7 +635,9 @@ mod tests {
 
     #[test]
     fn minor_needs_shared_memory() {
-        let e = check_support(UffdMode::Minor, Backing::Anonymous).unwrap_err();
+        let e = check_support(UffdMode::Minor, Backing::Anonymous)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("-s shmem"), "{e}");
     }
 }
