@@ -20,9 +20,9 @@ use clap::{Args, ValueEnum};
 use serde::Serialize;
 use serde_json::Value;
 use slat::format::{PAGE_SHIFT, PAGE_SIZE};
-use slat::{AgeFlush, AgeReport, Ept, IdleBitmap, PteFormat, Stage2, Vm};
+use slat::{AgeFlush, AgeReport, Ept, IdleBitmap, PteFormat, Stage2, Vm, VmConfig};
 use slat_machine::ram::{format_size, GuestRam};
-use slat_machine::{native_baseline, Machine, MachineConfig, PassParams, PassReport};
+use slat_machine::{native_baseline, Layout, Machine, MachineConfig, PassParams, PassReport};
 use slat_workload::TestMachine;
 use std::time::{Duration, Instant};
 
@@ -531,43 +531,18 @@ fn run_format<F: PteFormat>(
         q,
     );
     let m = Machine::<F>::new(cfg).map_err(|e| e.to_string())?;
-    let pinned = match a.pin.plan(vcpus)? {
-        Some(plan) => {
-            let got = m.pin_vcpus(&plan.vcpus).map_err(|e| format!("-c: {e}"))?;
-            crate::backend::check_pinned(&plan.vcpus, &got)?;
-            if let Some(cpu) = plan.main {
-                slat_workload::cpus::pin_thread(0, cpu)
-                    .map_err(|e| format!("-c: cannot pin the main thread to CPU {cpu}: {e}"))?;
-            }
-            Some(plan.vcpus)
-        }
-        None => None,
-    };
+    let pinned = pin(a, &m, vcpus)?;
     let psize = a.work.backing.page_size().max(PAGE_SIZE);
     let native_ram = GuestRam::new(a.work.backing, total.div_ceil(psize) * psize, prefault)
         .map_err(|e| e.to_string())?;
     p.done();
     let layout = m.layout();
     if text {
-        println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
-        println!("{}", a.machine.format.header(&vm_cfg));
-        println!(
-            "guest physical test memory: [0x{:x}, 0x{:x})",
-            layout.gpa,
-            layout.gpa + total
-        );
+        print_header(a, &vm_cfg, &layout, total);
     }
     let mut bitmaps = idle_bitmaps::<F>(a, vcpus, &layout)?;
     let mut r = RunResult::new(vcpus, fast_pf, m.pcpus());
     r.pinned = pinned;
-    if text {
-        let (c, why) = a.idle_check();
-        println!(
-            "Idle page check: {}{}",
-            idle_check_name(c),
-            why.map(|w| format!(" ({w})")).unwrap_or_default()
-        );
-    }
     let write = PassParams {
         write_percent: 100,
         ..PassParams::default()
@@ -639,6 +614,41 @@ fn run_format<F: PteFormat>(
     drop(m);
     drop(native_ram);
     Ok(r)
+}
+
+/// `-c`: pins the vCPU threads (and the main thread if the list names one more CPU).
+fn pin<F: PteFormat>(
+    a: &AccessTrackingPerfArgs,
+    m: &Machine<F>,
+    vcpus: u32,
+) -> Result<Option<Vec<usize>>, String> {
+    let Some(plan) = a.pin.plan(vcpus)? else {
+        return Ok(None);
+    };
+    let got = m.pin_vcpus(&plan.vcpus).map_err(|e| format!("-c: {e}"))?;
+    crate::backend::check_pinned(&plan.vcpus, &got)?;
+    if let Some(cpu) = plan.main {
+        slat_workload::cpus::pin_thread(0, cpu)
+            .map_err(|e| format!("-c: cannot pin the main thread to CPU {cpu}: {e}"))?;
+    }
+    Ok(Some(plan.vcpus))
+}
+
+/// The selftest's header lines, the test memory, and how the idle check will judge.
+fn print_header(a: &AccessTrackingPerfArgs, vm_cfg: &VmConfig, layout: &Layout, total: u64) {
+    println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
+    println!("{}", a.machine.format.header(vm_cfg));
+    println!(
+        "guest physical test memory: [0x{:x}, 0x{:x})",
+        layout.gpa,
+        layout.gpa + total
+    );
+    let (c, why) = a.idle_check();
+    println!(
+        "Idle page check: {}{}",
+        idle_check_name(c),
+        why.map(|w| format!(" ({w})")).unwrap_or_default()
+    );
 }
 
 /// Marks every bitmap idle, one host thread per bitmap (the selftest's vCPU threads each mark

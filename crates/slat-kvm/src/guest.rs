@@ -400,6 +400,9 @@ pub fn assemble(ip: u64) -> Result<Vec<u8>, KvmError> {
     build(ip).map_err(asm_err)
 }
 
+// Over 120 lines on purpose: this is the guest program's listing, read top to bottom like
+// its assembly source; its three sections (memstress, writer, GUEST_SYNC) jump to each
+// other's labels, which one function keeps in one place.
 fn build(ip: u64) -> Result<Vec<u8>, IcedError> {
     let mut a = CodeAssembler::new(64)?;
     let mut entry = a.create_label();
