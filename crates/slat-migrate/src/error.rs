@@ -395,6 +395,14 @@ pub enum MemoryError {
         /// Its length.
         len: usize,
     },
+    /// A buffer for a range of pages that is not the range's size.
+    #[error("a buffer of {len} bytes for a range of {want} bytes")]
+    RangeBuffer {
+        /// Its length.
+        len: usize,
+        /// The range's size.
+        want: u64,
+    },
     /// A machine that maps less (or other) memory than its shape has.
     #[error("the machine maps {mapped:?} bytes for a guest of {pages} pages")]
     Mapped {

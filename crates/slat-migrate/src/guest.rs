@@ -116,9 +116,10 @@ impl GuestSpec {
 /// [`Memory`] reads and writes guest memory through [`Guest::host_base`] without further
 /// checks, so an implementor guarantees: `[host_base(), host_base() + pages() * 4 KiB)` is
 /// mapped readable and writable, 8-byte aligned, and stays so for as long as the guest lives;
-/// its bytes are only ever accessed through raw pointers or atomics (never lent out as
-/// references) by the guest's own code; and [`Guest::running`] is true whenever any vCPU may
-/// write that memory.
+/// the guest's own code accesses its bytes only atomically (or, for a KVM vCPU, by hardware
+/// outside the program) and never lends them out as references, so [`Memory`]'s atomic
+/// accesses race with nothing; and [`Guest::running`] is true whenever any vCPU may write that
+/// memory.
 pub unsafe trait Guest: Send + Sync {
     /// The machine kind.
     fn backend(&self) -> BackendKind;
@@ -706,10 +707,24 @@ impl Driver<slat_kvm::KvmMachine> for BurstDriver {
 
 /// Guest RAM of the test region, read and written by the host.
 ///
-/// Reads while vCPUs run use relaxed atomic loads word by word (a vCPU may be storing to the
-/// same page; the dirty log, not this read, is what makes the copy right). Whole-range slices
-/// and writes are only handed out while the vCPUs are stopped, which the caller states by
-/// calling the `stopped_*` methods and which they check.
+/// Every access goes through relaxed atomic loads and stores of aligned 8-byte words, and
+/// nothing here hands out a reference into guest memory. That is what keeps it sound from
+/// safe code: a vCPU storing to a page (atomically, as [`Guest`]'s contract requires), or
+/// another thread's `Memory` writing it, races with nothing here in the language's sense;
+/// at worst a copy holds a mix of old and new words, which the dirty log (during pre-copy)
+/// and the verification (at switch-over) account for.
+///
+/// The `stopped_*` methods also check that no vCPU runs: not for soundness but for meaning
+/// (a hash or a received page is only right for memory that does not change meanwhile).
+///
+/// Why copy out rather than lend `&[u8]` over guest memory: a slice would need the guest to
+/// stay stopped, and no other writer to run, for as long as it lives. A `running()` check when
+/// it is made does not ensure that (another holder of the `Arc<dyn Guest>` can start the vCPUs
+/// a moment later, and a data race on memory behind a shared reference is undefined
+/// behaviour); a guard blocking `Guest::start` would put a lock into every machine and a
+/// deadlock into any caller that forgot to drop it; an `unsafe fn` would move the problem to
+/// every caller. A copy of one verification range (256 KiB, reused) costs a cache-resident
+/// memcpy beside the BLAKE3 hash of the same bytes, and misuse is then impossible.
 pub struct Memory<'g> {
     guest: &'g dyn Guest,
     base: u64,
@@ -731,7 +746,8 @@ impl<'g> Memory<'g> {
         self.pages
     }
 
-    /// Host address of page `p`, or why there is none.
+    /// Host address of page `first`, for an access to pages `first..end`, or why there is
+    /// none.
     fn page_addr(&self, first: u64, end: u64) -> Result<u64, MemoryError> {
         if first > end || end > self.pages {
             return Err(MemoryError::OutOfRange {
@@ -744,42 +760,59 @@ impl<'g> Memory<'g> {
         Ok(self.base + first * PAGE_SIZE as u64)
     }
 
+    /// Copies `out.len()` bytes (a multiple of 8) from host address `addr` word by word.
+    ///
+    /// Callers pass an address and length that `page_addr` checked: inside the mapped test
+    /// region, 8-byte aligned.
+    fn load_words(&self, addr: u64, out: &mut [u8]) {
+        let src = addr as *const u64;
+        for (i, chunk) in out.chunks_exact_mut(8).enumerate() {
+            // SAFETY: the caller checked that `[addr, addr + out.len())` lies in the test
+            // region, which stays mapped while the guest (borrowed by `self`) lives, and that
+            // `addr` is 8-byte aligned; `i * 8 < out.len()`, so the word is inside it. Every
+            // other access to guest memory is atomic (the vCPUs, by `Guest`'s contract, and
+            // this type's stores), so an atomic load races with nothing.
+            let v = unsafe { AtomicU64::from_ptr(src.add(i) as *mut u64) }.load(Ordering::Relaxed);
+            chunk.copy_from_slice(&v.to_ne_bytes());
+        }
+    }
+
     /// Copies page `p` into `out` (one page) while vCPUs may be writing it.
     pub fn read_page(&self, p: u64, out: &mut [u8]) -> Result<(), MemoryError> {
         if out.len() != PAGE_SIZE {
             return Err(MemoryError::Buffer { len: out.len() });
         }
-        let src = self.page_addr(p, p.saturating_add(1))? as *const u64;
-        for (i, chunk) in out.chunks_exact_mut(8).enumerate() {
-            // SAFETY: `p` is inside the test region (checked above against the pages the
-            // machine mapped), which stays mapped while the guest (borrowed by `self`) lives;
-            // `i < 512`, so the word is inside the page; the address is 8-byte aligned; vCPUs
-            // store to guest memory atomically, so an atomic load is the race-free way to read
-            // beside them.
-            let v = unsafe { AtomicU64::from_ptr(src.add(i) as *mut u64) }.load(Ordering::Relaxed);
-            chunk.copy_from_slice(&v.to_ne_bytes());
-        }
+        let addr = self.page_addr(p, p.saturating_add(1))?;
+        self.load_words(addr, out);
         Ok(())
     }
 
-    /// Pages `first..end` as bytes, while the vCPUs are stopped.
-    pub fn stopped_range(&self, first: u64, end: u64) -> Result<&[u8], MemoryError> {
+    /// Copies pages `first..end` into `out` (exactly their size), while the vCPUs are stopped.
+    pub fn stopped_read(&self, first: u64, end: u64, out: &mut [u8]) -> Result<(), MemoryError> {
         if self.guest.running() {
             return Err(MemoryError::Running("read as a whole"));
         }
         let addr = self.page_addr(first, end)?;
-        // SAFETY: the range lies in the test region (checked against the pages the machine
-        // mapped), mapped while the guest (borrowed by `self`) lives. Nothing writes it while
-        // the slice lives: no vCPU runs (checked above; only the migration that holds this
-        // borrow starts them), and the only host writer, `stopped_write_page`, is called by
-        // the same thread between hashes, never while a slice from here is alive (callers
-        // hash the slice and drop it at once).
-        Ok(unsafe {
-            std::slice::from_raw_parts(
-                addr as *const u8,
-                ((end - first) * PAGE_SIZE as u64) as usize,
-            )
-        })
+        // `end <= pages`, whose bytes fit the 48-bit guest space: no overflow.
+        let want = (end - first) * PAGE_SIZE as u64;
+        if out.len() as u64 != want {
+            return Err(MemoryError::RangeBuffer {
+                len: out.len(),
+                want,
+            });
+        }
+        self.load_words(addr, out);
+        Ok(())
+    }
+
+    /// Pages `first..end`, copied out while the vCPUs are stopped.
+    pub fn stopped_range(&self, first: u64, end: u64) -> Result<Vec<u8>, MemoryError> {
+        self.page_addr(first, end)?;
+        let want = (end - first) * PAGE_SIZE as u64;
+        let len = usize::try_from(want).map_err(|_| MemoryError::RangeBuffer { len: 0, want })?;
+        let mut out = vec![0u8; len];
+        self.stopped_read(first, end, &mut out)?;
+        Ok(out)
     }
 
     /// Writes page `p` while the vCPUs are stopped (the destination, before switch-over).
@@ -790,12 +823,17 @@ impl<'g> Memory<'g> {
         if data.len() != PAGE_SIZE {
             return Err(MemoryError::Buffer { len: data.len() });
         }
-        let addr = self.page_addr(p, p.saturating_add(1))?;
-        // SAFETY: page `p` is inside the mapped test region (checked above against the pages
-        // the machine mapped) and `data` is one page; no vCPU runs, and the destination is
-        // the only writer while it receives.
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, PAGE_SIZE);
+        let dst = self.page_addr(p, p.saturating_add(1))? as *const u64;
+        for (i, chunk) in data.chunks_exact(8).enumerate() {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(chunk);
+            // SAFETY: page `p` is inside the mapped test region (checked above against the
+            // pages the machine mapped), which stays mapped while the guest (borrowed by
+            // `self`) lives; `i < 512`, so the word is inside the page, 8-byte aligned. The
+            // store is atomic, like every other access to guest memory, so a vCPU started
+            // meanwhile or another writer races with nothing.
+            unsafe { AtomicU64::from_ptr(dst.add(i) as *mut u64) }
+                .store(u64::from_ne_bytes(w), Ordering::Relaxed);
         }
         Ok(())
     }
