@@ -13,7 +13,7 @@
 //! as QEMU's CPU throttle does: the length of each burst follows the measured write speed so
 //! that the average rate matches the one asked for.
 
-use crate::error::{GuestError, MemoryError, ShapeError};
+use crate::error::{Cause, GuestError, MemoryError, ShapeError};
 use crate::page_set::PageSet;
 use crate::stream::{Shape, WorkSpec, PAGE_SIZE};
 use slat::{Ept, PteFormat, Stage2, VmConfig};
@@ -207,7 +207,7 @@ pub fn build(spec: &GuestSpec) -> Result<Arc<dyn Guest>, GuestError> {
                 dirty,
                 ..slat_kvm::KvmConfig::default()
             })
-            .map_err(GuestError::from)?;
+            .map_err(GuestError::machine)?;
             let l = m.layout();
             let mapped = l.bytes_per_vcpu.checked_mul(l.vcpus as u64);
             if mapped != Some(pages * PAGE_SIZE as u64) {
@@ -301,7 +301,7 @@ fn sim_guest<F: PteFormat>(
         }
         .into());
     }
-    let m = Machine::<F>::new(config).map_err(GuestError::from)?;
+    let m = Machine::<F>::new(config).map_err(GuestError::machine)?;
     // Every index is checked against `pages`; make sure the mapping really holds them.
     if m.ram().len() < pages * PAGE_SIZE as u64 {
         return Err(MemoryError::Mapped {
@@ -418,10 +418,10 @@ where
         self.pages
     }
     fn set_dirty_logging(&self, on: bool) -> Result<(), GuestError> {
-        TestMachine::set_dirty_logging(&*self.m, on).map_err(GuestError::from)
+        TestMachine::set_dirty_logging(&*self.m, on).map_err(GuestError::machine)
     }
     fn harvest(&self, into: &mut PageSet) -> Result<u64, GuestError> {
-        harvest(&*self.m, self.log, into).map_err(GuestError::from)
+        harvest(&*self.m, self.log, into).map_err(GuestError::machine)
     }
     fn start(&self, work: WorkSpec) -> Result<(), GuestError> {
         self.driver.start(&self.m, self.shape, work)
@@ -447,7 +447,7 @@ where
     fn populate(&self) -> Result<(), GuestError> {
         TestMachine::run_pass(&*self.m, PassParams::default())
             .map(drop)
-            .map_err(GuestError::from)
+            .map_err(GuestError::machine)
     }
 }
 
@@ -477,7 +477,7 @@ impl<F: PteFormat> Driver<Machine<F>> for PacedDriver {
             },
             pacer: self.pacer.clone(),
         }))
-        .map_err(GuestError::from)?;
+        .map_err(GuestError::machine)?;
         self.running.store(true, Ordering::SeqCst);
         Ok(())
     }
@@ -485,7 +485,7 @@ impl<F: PteFormat> Driver<Machine<F>> for PacedDriver {
         if !self.running.swap(false, Ordering::SeqCst) {
             return Ok(());
         }
-        m.halt().map(drop).map_err(GuestError::from)
+        m.halt().map(drop).map_err(GuestError::machine)
     }
     fn running(&self) -> bool {
         self.running.load(Ordering::SeqCst)
@@ -519,7 +519,7 @@ struct BurstControl {
     stop: AtomicBool,
     writes: AtomicU64,
     throttled_ns: AtomicU64,
-    error: Mutex<Option<String>>,
+    error: Mutex<Option<slat_kvm::KvmError>>,
 }
 
 /// A real guest on `/dev/kvm`: the guest's code has no rate control, so a driver thread runs
@@ -635,7 +635,7 @@ impl BurstDriver {
             Ok(())
         };
         if let Err(e) = r() {
-            *lock(&ctl.error) = Some(e.to_string());
+            *lock(&ctl.error) = Some(e);
         }
     }
 }
@@ -663,13 +663,10 @@ impl Driver<slat_kvm::KvmMachine> for BurstDriver {
     ) -> Result<(), GuestError> {
         let mut d = lock(&self.thread);
         if d.is_some() {
-            return Err(GuestError("a workload is already running".into()));
+            return Err(GuestError::AlreadyRunning);
         }
         if work.write_percent != 100 {
-            return Err(GuestError(
-                "the kvm guest's writer writes on every access: -w applies to --backend sim only"
-                    .into(),
-            ));
+            return Err(GuestError::KvmReads);
         }
         self.ctl.rate.store(work.rate, Ordering::Relaxed);
         self.ctl.stop.store(false, Ordering::Relaxed);
@@ -680,7 +677,7 @@ impl Driver<slat_kvm::KvmMachine> for BurstDriver {
         let h = std::thread::Builder::new()
             .name("kvm-burst".into())
             .spawn(move || BurstDriver::drive(m, ctl, seed, vcpus))
-            .map_err(|e| GuestError(format!("cannot start the burst driver: {e}")))?;
+            .map_err(|e| GuestError::DriverThread(Cause::new(e)))?;
         *d = Some(h);
         Ok(())
     }
@@ -690,10 +687,10 @@ impl Driver<slat_kvm::KvmMachine> for BurstDriver {
         };
         self.ctl.stop.store(true, Ordering::Relaxed);
         if h.join().is_err() {
-            return Err(GuestError("the burst driver thread panicked".into()));
+            return Err(GuestError::DriverPanicked);
         }
         match lock(&self.ctl.error).take() {
-            Some(e) => Err(GuestError(e)),
+            Some(e) => Err(GuestError::machine(e)),
             None => Ok(()),
         }
     }

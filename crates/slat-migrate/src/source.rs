@@ -34,7 +34,7 @@
 //! includes the final harvest, the final pages, hashing on both sides and one round trip.
 //! On any failure before `Commit` the vCPUs run again on the source.
 
-use crate::error::{MigrateError, ProtocolError, StreamError};
+use crate::error::{Cause, MigrateError, ProtocolError, StreamError};
 use crate::guest::{splitmix, Guest, Memory};
 use crate::link::{Faults, Link};
 use crate::page_set::PageSet;
@@ -302,21 +302,18 @@ impl Source {
             return Err(MigrateError::ZeroTimeout);
         }
         if self.cfg.batch_pages == 0 || self.cfg.batch_pages > MAX_BATCH_PAGES {
-            return Err(MigrateError::Config(format!(
-                "batch of {} pages: between 1 and {MAX_BATCH_PAGES}",
-                self.cfg.batch_pages
-            )));
+            return Err(MigrateError::BatchPages(self.cfg.batch_pages));
         }
         self.attempts += 1;
         let r = self.attempt(addr, progress);
         self.guest.set_throttle(0);
         if r.is_err() && !self.migrated && !self.guest.running() {
             // The guest stopped for the switch-over that did not happen: it runs on here.
-            if let Err(e) = self.guest.start(self.work) {
-                let first = r.err().map(|e| e.to_string()).unwrap_or_default();
-                return Err(MigrateError::Guest(crate::GuestError(format!(
-                    "{first}; then the guest could not be restarted on the source: {e}"
-                ))));
+            if let (Err(restart), Err(first)) = (self.guest.start(self.work), &r) {
+                return Err(MigrateError::Restart {
+                    first: Box::new(first.clone()),
+                    restart,
+                });
             }
         }
         r
@@ -861,6 +858,6 @@ fn spawn_reader(s: TcpStream, timeout: Duration) -> Result<(Inbox, JoinHandle<()
                 }
             }
         })
-        .map_err(|e| MigrateError::Config(format!("cannot start a thread: {e}")))?;
+        .map_err(|e| MigrateError::Thread(Cause::new(e)))?;
     Ok((rx, h))
 }
