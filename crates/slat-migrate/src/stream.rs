@@ -735,7 +735,10 @@ pub struct FrameReader<R> {
 }
 
 impl<R: Read> FrameReader<R> {
-    /// Reads from `r`; `timeout` is the read timeout set on the socket, named in errors.
+    /// Reads from `r`; `timeout` is the read timeout set on the socket, named in errors, and
+    /// the time a frame's header or payload has to arrive in. A zero `timeout` sets no such
+    /// deadline: for readers over memory (a socket has none that is zero, and both ends of a
+    /// migration refuse a zero timeout before they read).
     pub fn new(r: R, timeout: Duration) -> FrameReader<R> {
         FrameReader {
             r,
@@ -831,7 +834,7 @@ impl<R: Read> FrameReader<R> {
         // timeout at most.
         let start = std::time::Instant::now();
         while got < buf.len() {
-            if got > 0 && start.elapsed() > self.timeout {
+            if got > 0 && !self.timeout.is_zero() && start.elapsed() > self.timeout {
                 return Err(StreamError::Timeout(self.timeout));
             }
             match self.r.read(&mut buf[got..]) {
