@@ -713,9 +713,9 @@ pub enum RunError {
     #[error("{source_end} (destination: {destination})")]
     BothEnds {
         /// The source's error.
-        source_end: MigrateError,
+        source_end: Box<MigrateError>,
         /// The destination's.
-        destination: MigrateError,
+        destination: Box<MigrateError>,
     },
     /// migrate-perf's destination failed after the source succeeded.
     #[error("destination: {0}")]
@@ -976,8 +976,8 @@ fn perf_once(a: &MigratePerfArgs) -> Result<(MigrationReport, DestReport, f64), 
     match (r, d) {
         (Ok(r), Ok(d)) => Ok((r, d, baseline)),
         (Err(source_end), Err(destination)) => Err(RunError::BothEnds {
-            source_end,
-            destination,
+            source_end: Box::new(source_end),
+            destination: Box::new(destination),
         }),
         (Err(e), Ok(_)) => Err(e.into()),
         (Ok(_), Err(de)) => Err(RunError::Destination(de)),

@@ -347,25 +347,52 @@ fn durations_and_counts_of_the_migrate_commands_are_bounded() {
     };
     // Each is a sleep or a loop of the command: a huge value is a typo that would hang it.
     refused(&with(&["--warmup", "600001"]), &["--warmup", "600000"]);
-    refused(&with(&["--retry-delay", "600001"]), &["--retry-delay", "600000"]);
+    refused(
+        &with(&["--retry-delay", "600001"]),
+        &["--retry-delay", "600000"],
+    );
     refused(&with(&["--retries", "1001"]), &["--retries", "1000"]);
     refused(&with(&["--max-downtime", "3600001"]), &["--max-downtime"]);
     refused(&with(&["--dirty-rate", "1001m"]), &["--dirty-rate"]);
     refused(&with(&["--inject", "version=4294967296"]), &["--inject"]);
     refused(
-        &["migrate-listen", "--listen", "127.0.0.1:0", "--resume-ms", "600001"],
+        &[
+            "migrate-listen",
+            "--listen",
+            "127.0.0.1:0",
+            "--resume-ms",
+            "600001",
+        ],
         &["--resume-ms", "600000"],
     );
     refused(
-        &["migrate-listen", "--listen", "127.0.0.1:0", "--retries", "1001"],
+        &[
+            "migrate-listen",
+            "--listen",
+            "127.0.0.1:0",
+            "--retries",
+            "1001",
+        ],
         &["--retries"],
     );
     refused(
-        &["migrate-perf", "-b", "4M", "--resume-ms", "18446744073709551615"],
+        &[
+            "migrate-perf",
+            "-b",
+            "4M",
+            "--resume-ms",
+            "18446744073709551615",
+        ],
         &["--resume-ms"],
     );
     refused(
-        &["migrate-perf", "-b", "4M", "--vary", "max-downtime=10,3600001"],
+        &[
+            "migrate-perf",
+            "-b",
+            "4M",
+            "--vary",
+            "max-downtime=10,3600001",
+        ],
         &["--vary", "3600001"],
     );
     refused(
@@ -374,7 +401,13 @@ fn durations_and_counts_of_the_migrate_commands_are_bounded() {
     );
     // What migrate-listen cannot do, it refuses.
     refused(
-        &["migrate-listen", "--listen", "127.0.0.1:0", "--plot", "x.svg"],
+        &[
+            "migrate-listen",
+            "--listen",
+            "127.0.0.1:0",
+            "--plot",
+            "x.svg",
+        ],
         &["--plot"],
     );
     // The help says where each bound is.

@@ -349,7 +349,10 @@ fn whole_range_reads_are_copies_and_need_stopped_vcpus() {
     mem.stopped_write_page(0, &[9u8; 4096]).unwrap();
     assert!(before[..4096].iter().all(|&b| b == 7));
     let mut buf = vec![0u8; 4096];
-    assert!(mem.stopped_read(0, 2, &mut buf).is_err(), "a buffer of the wrong size");
+    assert!(
+        mem.stopped_read(0, 2, &mut buf).is_err(),
+        "a buffer of the wrong size"
+    );
     mem.stopped_read(0, 1, &mut buf).unwrap();
     assert!(buf.iter().all(|&b| b == 9));
     let work = stream::WorkSpec {
