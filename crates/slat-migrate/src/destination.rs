@@ -23,7 +23,9 @@
 //!   this guest's ranges, and the commit; anything else is a [`ProtocolError`];
 //! - success needs a hash match on every range of guest memory followed by an explicit commit.
 
-use crate::error::{GuestError, HelloError, MigrateError, PageError, ProtocolError, StreamError};
+use crate::error::{
+    Cause, GuestError, HelloError, MigrateError, PageError, ProtocolError, StreamError,
+};
 use crate::guest::{Guest, Memory};
 use crate::stream::{self, Batch, FrameReader, Hello, Msg, Shape, PAGE_SIZE};
 use crate::verify::{self, VerifyReport, RANGE_PAGES};
@@ -146,7 +148,7 @@ impl Destination {
     /// Accepts one connection on `listener` and serves it.
     pub fn accept(&mut self, listener: &TcpListener) -> Result<DestReport, MigrateError> {
         let (s, _) = listener.accept().map_err(|e| {
-            MigrateError::stream("accepting a connection", StreamError::Io(e.to_string()))
+            MigrateError::stream("accepting a connection", StreamError::Io(Cause::new(e)))
         })?;
         self.serve(s)
     }
@@ -162,7 +164,7 @@ impl Destination {
         }
         let timeout = self.cfg.timeout;
         let io =
-            |e: std::io::Error| MigrateError::stream("accepting", StreamError::Io(e.to_string()));
+            |e: std::io::Error| MigrateError::stream("accepting", StreamError::Io(Cause::new(e)));
         if timeout.is_zero() {
             return Err(MigrateError::ZeroTimeout);
         }
@@ -660,7 +662,7 @@ enum State {
 
 fn send(out: &mut TcpStream, m: &Msg, phase: &str) -> Result<(), MigrateError> {
     out.write_all(&stream::frame(m))
-        .map_err(|e| MigrateError::stream(phase.to_string(), StreamError::Io(e.to_string())))
+        .map_err(|e| MigrateError::stream(phase, StreamError::Io(Cause::new(e))))
 }
 
 fn protocol(phase: &str, why: ProtocolError) -> MigrateError {

@@ -73,17 +73,17 @@ pub enum StreamError {
     Timeout(Duration),
     /// A socket error.
     #[error("connection error: {0}")]
-    Io(String),
+    Io(Cause),
 }
 
 impl StreamError {
     /// Maps a socket error, telling timeouts apart.
-    pub(crate) fn io(e: &std::io::Error, timeout: Duration) -> StreamError {
+    pub(crate) fn io(e: std::io::Error, timeout: Duration) -> StreamError {
         match e.kind() {
             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
                 StreamError::Timeout(timeout)
             }
-            _ => StreamError::Io(e.to_string()),
+            _ => StreamError::Io(Cause::new(e)),
         }
     }
 }
@@ -573,7 +573,7 @@ pub enum MigrateError {
         /// The address tried.
         addr: String,
         /// The socket error.
-        why: String,
+        why: Cause,
     },
     /// The stream broke or carried bad data (`phase`: where the migration was).
     #[error("{phase}: {err}")]

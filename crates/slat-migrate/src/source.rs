@@ -327,7 +327,7 @@ impl Source {
         let t_connect = Instant::now();
         let stream = connect(addr, self.cfg.timeout)?;
         let io =
-            |e: std::io::Error| MigrateError::stream("connecting", StreamError::Io(e.to_string()));
+            |e: std::io::Error| MigrateError::stream("connecting", StreamError::Io(Cause::new(e)));
         stream.set_nodelay(true).map_err(io)?;
         stream
             .set_write_timeout(Some(self.cfg.timeout))
@@ -625,7 +625,7 @@ impl Conn {
             // The destination may have said why it stopped reading.
             Err(e) => Err(self
                 .refusal()
-                .unwrap_or_else(|| MigrateError::stream(phase, StreamError::io(&e, self.timeout)))),
+                .unwrap_or_else(|| MigrateError::stream(phase, StreamError::io(e, self.timeout)))),
         }
     }
 
@@ -738,7 +738,7 @@ impl Sender {
             let frame = self.builder.frame();
             if let Err(e) = conn.link.write_all(frame) {
                 return Err(conn.refusal().unwrap_or_else(|| {
-                    MigrateError::stream(phase, StreamError::io(&e, conn.timeout))
+                    MigrateError::stream(phase, StreamError::io(e, conn.timeout))
                 }));
             }
             inflight.push_back((self.seq, chunk.to_vec()));
@@ -803,19 +803,16 @@ fn unexpected(phase: &str, m: &Msg) -> MigrateError {
 }
 
 fn connect(addr: &str, timeout: Duration) -> Result<TcpStream, MigrateError> {
-    let err = |why: String| MigrateError::Connect {
+    let err = |e: std::io::Error| MigrateError::Connect {
         addr: addr.to_string(),
-        why,
+        why: Cause::new(e),
     };
-    let addrs: Vec<_> = addr
-        .to_socket_addrs()
-        .map_err(|e| err(e.to_string()))?
-        .collect();
-    let mut last = "no address".to_string();
+    let addrs: Vec<_> = addr.to_socket_addrs().map_err(err)?.collect();
+    let mut last = std::io::Error::other("no address");
     for a in addrs {
         match TcpStream::connect_timeout(&a, timeout) {
             Ok(s) => return Ok(s),
-            Err(e) => last = e.to_string(),
+            Err(e) => last = e,
         }
     }
     Err(err(last))

@@ -850,7 +850,7 @@ impl<R: Read> FrameReader<R> {
                     self.offset += n as u64;
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(StreamError::io(&e, self.timeout)),
+                Err(e) => return Err(StreamError::io(e, self.timeout)),
             }
         }
         Ok(true)
