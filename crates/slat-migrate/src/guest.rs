@@ -757,40 +757,11 @@ impl<'g> Memory<'g> {
         Ok(self.base + first * PAGE_SIZE as u64)
     }
 
-    /// Copies `out.len()` bytes (a multiple of 8) from host address `addr` word by word.
-    ///
-    /// Callers pass an address and length that `page_addr` checked: inside the mapped test
-    /// region, 8-byte aligned.
-    fn load_words(&self, addr: u64, out: &mut [u8]) {
-        let src = addr as *const u64;
-        for (i, chunk) in out.chunks_exact_mut(8).enumerate() {
-            // SAFETY: the caller checked that `[addr, addr + out.len())` lies in the test
-            // region, which stays mapped while the guest (borrowed by `self`) lives, and that
-            // `addr` is 8-byte aligned; `i * 8 < out.len()`, so the word is inside it. Every
-            // other access to guest memory is atomic (the vCPUs, by `Guest`'s contract, and
-            // this type's stores), so an atomic load races with nothing.
-            let v = unsafe { AtomicU64::from_ptr(src.add(i) as *mut u64) }.load(Ordering::Relaxed);
-            chunk.copy_from_slice(&v.to_ne_bytes());
-        }
-    }
-
-    /// Copies page `p` into `out` (one page) while vCPUs may be writing it.
-    pub fn read_page(&self, p: u64, out: &mut [u8]) -> Result<(), MemoryError> {
-        if out.len() != PAGE_SIZE {
-            return Err(MemoryError::Buffer { len: out.len() });
-        }
-        let addr = self.page_addr(p, p.saturating_add(1))?;
-        self.load_words(addr, out);
-        Ok(())
-    }
-
-    /// Copies pages `first..end` into `out` (exactly their size), while the vCPUs are stopped.
-    pub fn stopped_read(&self, first: u64, end: u64, out: &mut [u8]) -> Result<(), MemoryError> {
-        if self.guest.running() {
-            return Err(MemoryError::Running("read as a whole"));
-        }
+    /// Copies pages `first..end` into `out` (exactly their size) word by word, whether or not
+    /// vCPUs run.
+    fn load_pages(&self, first: u64, end: u64, out: &mut [u8]) -> Result<(), MemoryError> {
         let addr = self.page_addr(first, end)?;
-        // `end <= pages`, whose bytes fit the 48-bit guest space: no overflow.
+        // `first <= end <= pages`, whose bytes fit the 48-bit guest space: no overflow.
         let want = (end - first) * PAGE_SIZE as u64;
         if out.len() as u64 != want {
             return Err(MemoryError::RangeBuffer {
@@ -798,8 +769,34 @@ impl<'g> Memory<'g> {
                 want,
             });
         }
-        self.load_words(addr, out);
+        let src = addr as *const u64;
+        for (i, chunk) in out.chunks_exact_mut(8).enumerate() {
+            // SAFETY: `[addr, addr + out.len())` is pages `first..end` of the test region
+            // (checked above against the pages the machine mapped), which stays mapped while
+            // the guest (borrowed by `self`) lives; `addr` is page aligned and
+            // `i * 8 < out.len()`, so the word is aligned and inside it. Every other access
+            // to guest memory is atomic (the vCPUs', by `Guest`'s contract, and this type's
+            // stores), so an atomic load races with nothing.
+            let v = unsafe { AtomicU64::from_ptr(src.add(i) as *mut u64) }.load(Ordering::Relaxed);
+            chunk.copy_from_slice(&v.to_ne_bytes());
+        }
         Ok(())
+    }
+
+    /// Copies page `p` into `out` (one page) while vCPUs may be writing it.
+    pub fn read_page(&self, p: u64, out: &mut [u8]) -> Result<(), MemoryError> {
+        if out.len() != PAGE_SIZE {
+            return Err(MemoryError::Buffer { len: out.len() });
+        }
+        self.load_pages(p, p.saturating_add(1), out)
+    }
+
+    /// Copies pages `first..end` into `out` (exactly their size), while the vCPUs are stopped.
+    pub fn stopped_read(&self, first: u64, end: u64, out: &mut [u8]) -> Result<(), MemoryError> {
+        if self.guest.running() {
+            return Err(MemoryError::Running("read as a whole"));
+        }
+        self.load_pages(first, end, out)
     }
 
     /// Pages `first..end`, copied out while the vCPUs are stopped.
