@@ -472,7 +472,9 @@ pub struct OutputArgs {
     pub repeat: u32,
     /// Also draw the run's figures into an SVG file. dirty-log-perf: the dirty, harvest and
     /// native time of every iteration (the first run's, with --repeat or two backends), or
-    /// with --vary one line per time metric across the rows. Benchmarks with nothing to draw
+    /// with --vary one line per time metric across the rows. migrate and migrate-perf: the
+    /// migration's convergence (pages sent and still owed, and the throttle, per round), or
+    /// with --vary the total time and downtime of every row. Benchmarks with nothing to draw
     /// refuse it.
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<std::path::PathBuf>,

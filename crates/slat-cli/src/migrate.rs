@@ -3,24 +3,25 @@
 //! total migration time, downtime, rounds, dirty rate, bandwidth, throttling, verification.
 
 use crate::args::{
-    backing, check_backends, check_kvm_ring, ring_size, BackendArg, FormatArg, MachineArgs, Switch,
-    Workload,
+    backing, check_backends, check_kvm_ring, ring_size, BackendArg, FormatArg, MachineArgs,
+    OutputArgs, Switch, Workload,
 };
+use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
 use crate::migrate_report::{DestinationDoc, Migration};
 use crate::output::{print_json, summarize, Better, Metric, Repeated};
 use crate::plot::{draw_stacked, Chart, Series};
 use crate::report::{quiet, ts};
 use clap::{Args, ValueEnum};
-use serde_json::json;
+use serde::Serialize;
 use slat_machine::ram::{format_size, parse_size, Backing};
 use slat_migrate::guest::{self, BackendKind, GuestSpec, LogMode, Memory};
 use slat_migrate::stream::{Compression, Shape, WorkSpec};
 use slat_migrate::{
-    DestConfig, DestReport, Destination, Event, Faults, Guest, MigrationReport, Source,
-    SourceConfig,
+    DestConfig, DestReport, Destination, Event, Faults, Guest, GuestError, MemoryError,
+    MigrateError, MigrationReport, Source, SourceConfig,
 };
-use std::net::TcpListener;
+use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -82,8 +83,8 @@ pub struct GuestArgs {
     #[arg(short = 'x', value_parser = clap::value_parser!(u32).range(1..=32_000), default_value_t = 1)]
     pub slots: u32,
     /// Guest writes per second per vCPU while it is migrated (k/m suffixes; 0: as fast as
-    /// it can). Every write stores a new value, so each is a real change.
-    #[arg(long = "dirty-rate", value_parser = count, default_value = "10k")]
+    /// it can; at most 1000m). Every write stores a new value, so each is a real change.
+    #[arg(long = "dirty-rate", value_parser = dirty_rate, default_value = "10k")]
     pub dirty_rate: u64,
     /// Percent of guest pages filled with pseudo-random data before the run (the rest are
     /// zero, and travel as zero-page markers until the guest writes them).
@@ -107,8 +108,9 @@ pub struct GuestArgs {
 #[derive(Debug, Clone, Args)]
 pub struct MigrationArgs {
     /// Longest acceptable stop-and-copy transfer in milliseconds: pre-copy ends once the
-    /// remaining dirty pages could be sent in this time at the measured bandwidth.
-    #[arg(long = "max-downtime", value_name = "MS", default_value_t = 300)]
+    /// remaining dirty pages could be sent in this time at the measured bandwidth
+    /// (0-3600000).
+    #[arg(long = "max-downtime", value_name = "MS", value_parser = clap::value_parser!(u64).range(0..=MAX_DOWNTIME_MS), default_value_t = 300)]
     pub max_downtime: u64,
     /// Pre-copy rounds after the full copy before stopping regardless (0-1000000).
     #[arg(long = "max-rounds", value_parser = clap::value_parser!(u32).range(0..=1_000_000), default_value_t = 30)]
@@ -124,8 +126,8 @@ pub struct MigrationArgs {
     #[arg(long = "auto-converge", value_enum, default_value = "on")]
     pub auto_converge: Switch,
     /// How long the guest runs before migration starts, in milliseconds (its write rate then
-    /// is the baseline the migration is compared with).
-    #[arg(long, value_name = "MS", default_value_t = 500)]
+    /// is the baseline the migration is compared with; 0-600000).
+    #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(0..=MAX_WAIT_MS), default_value_t = 500)]
     pub warmup: u64,
     /// Seconds without data from the destination before an attempt fails (1-86400; there is
     /// no "never": 0 is refused).
@@ -150,21 +152,67 @@ pub enum Inject {
     Version(u32),
 }
 
-fn inject(s: &str) -> Result<Inject, String> {
+/// Why a value of a migrate command's flag is refused (clap prints it on one line and exits
+/// with status 2).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FlagError {
+    /// `--inject` without `=`.
+    #[error("`{0}`: expected KEY=VALUE")]
+    NotKeyValue(String),
+    /// Not a decimal number.
+    #[error("`{0}` is not a number")]
+    NotNumber(String),
+    /// `--inject version=` past 32 bits.
+    #[error("`{0}` is not a 32-bit version")]
+    Version(String),
+    /// An `--inject` key that does not exist.
+    #[error("`{0}`: one of cut-after, corrupt-at, version")]
+    InjectKey(String),
+    /// Not a count with an optional k/m suffix.
+    #[error("`{0}` is not a count (e.g. 5000, 20k, 1m)")]
+    NotCount(String),
+    /// A `--dirty-rate` over [`MAX_DIRTY_RATE`].
+    #[error("`{0}`: at most {MAX_DIRTY_RATE} writes per second per vCPU (1000m)")]
+    DirtyRate(String),
+    /// A `--max-downtime` of `--vary` that is not 0 to [`MAX_DOWNTIME_MS`].
+    #[error("`{0}` is not a number of milliseconds from 0 to {MAX_DOWNTIME_MS}")]
+    MaxDowntime(String),
+    /// A `--vary` value that is not one of its flag's.
+    #[error("`{value}` is not a value of {flag}")]
+    NotAValue {
+        /// As written.
+        value: String,
+        /// The flag it would set.
+        flag: &'static str,
+    },
+    /// The shape of `--vary` itself (`sweep.rs` words it).
+    #[error("{0}")]
+    Vary(String),
+}
+
+impl From<String> for FlagError {
+    fn from(e: String) -> FlagError {
+        FlagError::Vary(e)
+    }
+}
+
+fn inject(s: &str) -> Result<Inject, FlagError> {
     let (k, v) = s
         .split_once('=')
-        .ok_or_else(|| format!("`{s}`: expected KEY=VALUE"))?;
-    let n: u64 = v.parse().map_err(|_| format!("`{v}` is not a number"))?;
+        .ok_or_else(|| FlagError::NotKeyValue(s.into()))?;
+    let n: u64 = v.parse().map_err(|_| FlagError::NotNumber(v.into()))?;
     match k {
         "cut-after" => Ok(Inject::CutAfter(n)),
         "corrupt-at" => Ok(Inject::CorruptAt(n)),
-        "version" => Ok(Inject::Version(n as u32)),
-        _ => Err(format!("`{k}`: one of cut-after, corrupt-at, version")),
+        "version" => u32::try_from(n)
+            .map(Inject::Version)
+            .map_err(|_| FlagError::Version(v.into())),
+        _ => Err(FlagError::InjectKey(k.into())),
     }
 }
 
 /// A count with an optional k/m suffix (powers of 1000).
-fn count(s: &str) -> Result<u64, String> {
+fn count(s: &str) -> Result<u64, FlagError> {
     let t = s.trim().to_ascii_lowercase();
     let (num, mul) = match t.chars().last() {
         Some('k') => (&t[..t.len() - 1], 1_000),
@@ -174,7 +222,28 @@ fn count(s: &str) -> Result<u64, String> {
     num.parse::<u64>()
         .ok()
         .and_then(|n| n.checked_mul(mul))
-        .ok_or_else(|| format!("`{s}` is not a count (e.g. 5000, 20k, 1m)"))
+        .ok_or_else(|| FlagError::NotCount(s.into()))
+}
+
+/// Most guest writes per second per vCPU `--dirty-rate` takes (0 is unlimited): a billion,
+/// beyond what any vCPU writes, and far from the arithmetic limits of the pacing.
+pub const MAX_DIRTY_RATE: u64 = 1_000_000_000;
+
+/// Parses `--dirty-rate` (a count, at most [`MAX_DIRTY_RATE`]).
+fn dirty_rate(s: &str) -> Result<u64, FlagError> {
+    let n = count(s)?;
+    if n > MAX_DIRTY_RATE {
+        return Err(FlagError::DirtyRate(s.into()));
+    }
+    Ok(n)
+}
+
+/// Parses a `--max-downtime` of `--vary` (milliseconds, at most [`MAX_DOWNTIME_MS`]).
+fn max_downtime(s: &str) -> Result<u64, FlagError> {
+    match s.parse::<u64>() {
+        Ok(n) if n <= MAX_DOWNTIME_MS => Ok(n),
+        _ => Err(FlagError::MaxDowntime(s.into())),
+    }
 }
 
 /// Flags of `slat migrate`.
@@ -183,19 +252,18 @@ pub struct MigrateArgs {
     /// The destination, HOST:PORT (where `slat migrate-listen` runs).
     #[arg(long)]
     pub to: String,
-    /// Attempts after a failed one (the guest keeps running on the source meanwhile).
-    #[arg(long, default_value_t = 0)]
+    /// Attempts after a failed one (the guest keeps running on the source meanwhile; 0-1000).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=MAX_RETRIES as i64), default_value_t = 0)]
     pub retries: u32,
-    /// Milliseconds between attempts.
-    #[arg(long = "retry-delay", value_name = "MS", default_value_t = 1000)]
+    /// Milliseconds between attempts (0-600000).
+    #[arg(long = "retry-delay", value_name = "MS", value_parser = clap::value_parser!(u64).range(0..=MAX_WAIT_MS), default_value_t = 1000)]
     pub retry_delay: u64,
-    /// Print one JSON document instead of the text report.
-    #[arg(long)]
-    pub json: bool,
-    /// Also draw the migration's convergence into an SVG file: pages sent and pages the guest
-    /// dirtied meanwhile (still owed) per round, and the auto-converge throttle per round.
-    #[arg(long, value_name = "FILE.svg")]
-    pub plot: Option<std::path::PathBuf>,
+    // `--json`; `--repeat N` migrates N freshly built guests one after the other (the
+    // destination must take N: `slat migrate-listen --repeat N`); `--plot FILE.svg` draws the
+    // (first) migration's convergence: pages sent and pages the guest dirtied meanwhile (still
+    // owed) per round, and the auto-converge throttle per round.
+    #[command(flatten)]
+    pub out: OutputArgs,
     #[command(flatten)]
     pub guest: GuestArgs,
     #[command(flatten)]
@@ -214,12 +282,13 @@ pub struct ListenArgs {
     /// Host memory behind guest RAM (as for the source).
     #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
     pub backing: Backing,
-    /// Milliseconds the guest runs here after the switch-over (0: leave it stopped).
-    #[arg(long = "resume-ms", default_value_t = 200)]
+    /// Milliseconds the guest runs here after the switch-over (0: leave it stopped;
+    /// at most 600000).
+    #[arg(long = "resume-ms", value_parser = clap::value_parser!(u64).range(0..=MAX_WAIT_MS), default_value_t = 200)]
     pub resume_ms: u64,
     /// Failed incoming migrations to survive, keeping the guest's memory so the source can
-    /// reconnect and resume.
-    #[arg(long, default_value_t = 0)]
+    /// reconnect and resume (0-1000; with --repeat, per migration).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=MAX_RETRIES as i64), default_value_t = 0)]
     pub retries: u32,
     /// Seconds without data from a connected source before the incoming migration fails
     /// (1-86400; there is no "never": 0 is refused, so a silent source cannot hold the
@@ -228,11 +297,13 @@ pub struct ListenArgs {
     pub timeout: u64,
     /// Largest guest accepted (k/m/g/t suffixes; default: the host's RAM and swap, which
     /// bound a larger value too).
-    #[arg(long = "max-memory", value_parser = parse_mem)]
+    #[arg(long = "max-memory", value_parser = parse_size)]
     pub max_memory: Option<u64>,
-    /// Print one JSON document instead of the text report.
-    #[arg(long)]
-    pub json: bool,
+    // `--json`; `--repeat N` receives N migrations one after the other (from `slat migrate
+    // --repeat N`), each into a machine of its own; `--plot` is refused (the source draws the
+    // migration).
+    #[command(flatten)]
+    pub out: OutputArgs,
     #[command(flatten)]
     pub machine: MachineArgs,
 }
@@ -240,18 +311,24 @@ pub struct ListenArgs {
 /// Longest `--timeout`: a day.
 const MAX_TIMEOUT_S: u64 = 86_400;
 
+/// Longest `--warmup`, `--resume-ms` and `--retry-delay`, in milliseconds: ten minutes (each
+/// is a sleep of the command; a longer one is a typo, not a measurement).
+pub const MAX_WAIT_MS: u64 = 600_000;
+
+/// Longest `--max-downtime`, in milliseconds: an hour.
+pub const MAX_DOWNTIME_MS: u64 = 3_600_000;
+
+/// Most `--retries` (of `migrate` and of `migrate-listen`).
+pub const MAX_RETRIES: u32 = 1000;
+
 /// Largest `--bandwidth`: MiB per second whose bytes per second fit 64 bits.
 const MAX_BANDWIDTH_MIB: u64 = u64::MAX >> 20;
-
-fn parse_mem(s: &str) -> Result<u64, String> {
-    parse_size(s).map_err(|e| e.to_string())
-}
 
 /// Flags of `slat migrate-perf`.
 #[derive(Debug, Clone, Args)]
 pub struct MigratePerfArgs {
-    /// Milliseconds the guest runs on the destination after the switch-over.
-    #[arg(long = "resume-ms", default_value_t = 200)]
+    /// Milliseconds the guest runs on the destination after the switch-over (0-600000).
+    #[arg(long = "resume-ms", value_parser = clap::value_parser!(u64).range(0..=MAX_WAIT_MS), default_value_t = 200)]
     pub resume_ms: u64,
     /// Run once per combination of the listed settings, in this process, and print one
     /// table (KEY=V1,V2,...; repeatable; keys: log, dirty-rate, fast-pf, backend,
@@ -259,19 +336,12 @@ pub struct MigratePerfArgs {
     /// `--vary dirty-rate=2k,50k --vary log=get,clear,ring --vary fast-pf=on,off`.
     #[arg(long = "vary", value_parser = parse_vary, value_name = "KEY=V1,V2")]
     pub vary: Vec<(VaryKey, Vec<MigSetting>)>,
-    /// Print one JSON document instead of the text report.
-    #[arg(long)]
-    pub json: bool,
-    /// Also draw into an SVG file: the migration's convergence (pages sent and pages still
-    /// owed per round, and the throttle per round); with --vary, the total migration time and
-    /// downtime of every row. With --repeat, the first run's convergence.
-    #[arg(long, value_name = "FILE.svg")]
-    pub plot: Option<std::path::PathBuf>,
-    /// Migrate N times in this process and add the median, minimum, maximum and spread
-    /// ((max - min) / median) of the headline figures, in text and JSON (1-1000; not with
-    /// --vary).
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000), default_value_t = 1)]
-    pub repeat: u32,
+    // `--json`; `--repeat N` migrates N times in this process (not with --vary); `--plot
+    // FILE.svg` draws the migration's convergence (pages sent and pages still owed per round,
+    // and the throttle per round; with --repeat, the first run's), or with --vary the total
+    // migration time and downtime of every row.
+    #[command(flatten)]
+    pub out: OutputArgs,
     #[command(flatten)]
     pub guest: GuestArgs,
     #[command(flatten)]
@@ -297,17 +367,22 @@ pub enum VaryKey {
     AutoConverge,
 }
 
+/// The keys of migrate-perf's `--vary`, by name.
+const KEYS: [(&str, VaryKey); 7] = [
+    ("log", VaryKey::Log),
+    ("dirty-rate", VaryKey::DirtyRate),
+    ("fast-pf", VaryKey::FastPf),
+    ("backend", VaryKey::Backend),
+    ("max-downtime", VaryKey::MaxDowntime),
+    ("compress", VaryKey::Compress),
+    ("auto-converge", VaryKey::AutoConverge),
+];
+
 impl VaryKey {
     fn name(self) -> &'static str {
-        match self {
-            VaryKey::Log => "log",
-            VaryKey::DirtyRate => "dirty-rate",
-            VaryKey::FastPf => "fast-pf",
-            VaryKey::Backend => "backend",
-            VaryKey::MaxDowntime => "max-downtime",
-            VaryKey::Compress => "compress",
-            VaryKey::AutoConverge => "auto-converge",
-        }
+        KEYS.iter()
+            .find(|(_, k)| *k == self)
+            .map_or("?", |(n, _)| *n)
     }
 }
 
@@ -360,56 +435,32 @@ impl MigSetting {
     }
 }
 
-fn parse_value(key: VaryKey, v: &str) -> Result<MigValue, String> {
-    fn choice<T: ValueEnum>(v: &str, what: &str) -> Result<T, String> {
-        T::from_str(v, true).map_err(|_| format!("`{v}` is not a value of {what}"))
+fn parse_value(key: VaryKey, v: &str) -> Result<MigValue, FlagError> {
+    fn choice<T: ValueEnum>(v: &str, flag: &'static str) -> Result<T, FlagError> {
+        T::from_str(v, true).map_err(|_| FlagError::NotAValue {
+            value: v.into(),
+            flag,
+        })
     }
     Ok(match key {
         VaryKey::Log => MigValue::Log(choice(v, "--log")?),
-        VaryKey::DirtyRate => MigValue::DirtyRate(count(v)?),
+        VaryKey::DirtyRate => MigValue::DirtyRate(dirty_rate(v)?),
         VaryKey::FastPf => MigValue::FastPf(choice(v, "--fast-pf")?),
         VaryKey::Backend => MigValue::Backend(choice(v, "--backend")?),
-        VaryKey::MaxDowntime => MigValue::MaxDowntime(
-            v.parse()
-                .map_err(|_| format!("`{v}` is not a number of milliseconds"))?,
-        ),
+        VaryKey::MaxDowntime => MigValue::MaxDowntime(max_downtime(v)?),
         VaryKey::Compress => MigValue::Compress(choice(v, "--compress")?),
         VaryKey::AutoConverge => MigValue::AutoConverge(choice(v, "--auto-converge")?),
     })
 }
 
-fn parse_vary(s: &str) -> Result<(VaryKey, Vec<MigSetting>), String> {
-    let (k, vs) = s
-        .split_once('=')
-        .ok_or_else(|| format!("`{s}`: expected KEY=V1,V2,..."))?;
-    let key = [
-        VaryKey::Log,
-        VaryKey::DirtyRate,
-        VaryKey::FastPf,
-        VaryKey::Backend,
-        VaryKey::MaxDowntime,
-        VaryKey::Compress,
-        VaryKey::AutoConverge,
-    ]
-    .into_iter()
-    .find(|x| x.name() == k)
-    .ok_or_else(|| {
-        format!("`{k}`: keys are log, dirty-rate, fast-pf, backend, max-downtime, compress, auto-converge")
-    })?;
-    let texts: Vec<&str> = vs.split(',').map(str::trim).collect();
-    if texts.iter().any(|v| v.is_empty()) {
-        return Err(format!("`{s}`: an empty value"));
-    }
-    let values = texts
-        .iter()
-        .map(|t| {
-            Ok(MigSetting {
-                value: parse_value(key, t)?,
-                text: t.to_string(),
-            })
+/// Parses `--vary KEY=V1,V2,...` with the shared parser of `sweep.rs`.
+fn parse_vary(s: &str) -> Result<(VaryKey, Vec<MigSetting>), FlagError> {
+    crate::sweep::parse_keyed(s, &KEYS, |key, _, v| {
+        Ok(MigSetting {
+            value: parse_value(key, v)?,
+            text: v.to_string(),
         })
-        .collect::<Result<_, String>>()?;
-    Ok((key, values))
+    })
 }
 
 fn apply(a: &mut MigratePerfArgs, v: MigValue) {
@@ -436,30 +487,34 @@ impl GuestArgs {
     /// without overflow, split evenly by `-x`, in the machine's guest physical address space,
     /// and `copies` guests of it at once on this host (the source, and for `migrate-perf` the
     /// destination in the same process).
-    fn check(&self, copies: u64) -> Result<(), String> {
+    fn check(&self, copies: u64) -> CliResult {
         let backends = [self.backend];
-        self.machine.format.check_backends(&backends)?;
-        check_backends(&backends, &self.machine.engine_only())?;
-        check_backing(&backends, self.work.backing)?;
+        self.machine
+            .format
+            .check_backends(&backends)
+            .map_err(CliError::bad)?;
+        check_backends(&backends, &self.machine.engine_only()).map_err(CliError::bad)?;
+        check_backing(&backends, self.work.backing).map_err(CliError::bad)?;
         if self.backend == BackendArg::Kvm && self.write_percent != 100 {
-            return Err(
-                "-w applies to --backend sim only: the kvm guest's writer writes on every access"
-                    .into(),
-            );
+            return Err(CliError::bad(
+                "-w applies to --backend sim only: the kvm guest's writer writes on every access",
+            ));
         }
         if self.log == LogArg::Ring {
-            check_kvm_ring(&backends, self.ring_entries, "--dirty-ring")?;
+            check_kvm_ring(&backends, self.ring_entries, "--dirty-ring").map_err(CliError::bad)?;
         }
-        let mem = GuestMemory::per_vcpu(self.work.vcpus, self.work.bytes)?;
-        mem.slots_divide(self.slots)?;
-        mem.fits_gpa(&backends, self.machine.format, None)?;
+        let mem = GuestMemory::per_vcpu(self.work.vcpus, self.work.bytes).map_err(CliError::bad)?;
+        mem.slots_divide(self.slots).map_err(CliError::bad)?;
+        mem.fits_gpa(&backends, self.machine.format, None)
+            .map_err(CliError::bad)?;
         let tlb = self
             .machine
             .tlb_bytes(self.work.vcpus)
             .saturating_mul(copies);
-        mem.fits_host(self.work.backing, copies, tlb)?;
+        mem.fits_host(self.work.backing, copies, tlb)
+            .map_err(CliError::bad)?;
         // The library's own check of the shape it will send (and a destination will check).
-        self.shape().check().map_err(|e| e.to_string())?;
+        self.shape().check().map_err(CliError::bad)?;
         Ok(())
     }
 
@@ -554,7 +609,7 @@ fn prepare_source(
     g: &GuestArgs,
     m: &MigrationArgs,
     q: bool,
-) -> Result<(Arc<dyn Guest>, Source, f64), String> {
+) -> Result<(Arc<dyn Guest>, Source, f64), RunError> {
     let total = g.work.bytes * g.work.vcpus as u64;
     progress(
         q,
@@ -566,13 +621,11 @@ fn prepare_source(
             g.fill
         ),
     );
-    let guest = guest::build(&g.spec()).map_err(|e| e.to_string())?;
-    guest.populate().map_err(|e| e.to_string())?;
-    Memory::new(&*guest)
-        .stopped_fill(g.fill, g.seed as u64)
-        .map_err(|e| e.to_string())?;
+    let guest = guest::build(&g.spec())?;
+    guest.populate()?;
+    Memory::new(&*guest).stopped_fill(g.fill, g.seed as u64)?;
     let src = Source::new(guest.clone(), g.work(), m.config());
-    src.start_guest().map_err(|e| e.to_string())?;
+    src.start_guest()?;
     let w0 = guest.writes();
     let t0 = Instant::now();
     std::thread::sleep(Duration::from_millis(m.warmup));
@@ -622,10 +675,123 @@ fn on_event(q: bool) -> impl FnMut(Event<'_>) {
     }
 }
 
-/// `slat migrate`.
-pub fn run_migrate(a: &MigrateArgs) -> crate::error::CliResult {
-    a.guest.check(1).map_err(crate::error::CliError::bad)?;
-    let q = quiet(a.json);
+/// Why a migrate command failed while it ran: exit status 1 (flags it refuses are
+/// [`CliError::BadInput`], exit status 2, before anything runs).
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The migration failed.
+    #[error(transparent)]
+    Migrate(#[from] MigrateError),
+    /// The guest machine failed.
+    #[error(transparent)]
+    Guest(#[from] GuestError),
+    /// Guest memory could not be filled.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// The listening socket could not be opened.
+    #[error("cannot listen on {addr}: {err}")]
+    Listen {
+        /// Where.
+        addr: String,
+        /// The socket error.
+        #[source]
+        err: std::io::Error,
+    },
+    /// A connection could not be accepted.
+    #[error("accepting on {addr}: {err}")]
+    Accept {
+        /// The listening address.
+        addr: SocketAddr,
+        /// The socket error.
+        #[source]
+        err: std::io::Error,
+    },
+    /// migrate-perf's destination thread panicked.
+    #[error("the destination thread panicked")]
+    DestinationPanicked,
+    /// Both ends of migrate-perf failed.
+    #[error("{source_end} (destination: {destination})")]
+    BothEnds {
+        /// The source's error.
+        source_end: Box<MigrateError>,
+        /// The destination's.
+        destination: Box<MigrateError>,
+    },
+    /// migrate-perf's destination failed after the source succeeded.
+    #[error("destination: {0}")]
+    Destination(MigrateError),
+    /// `slat migrate` used up its attempts.
+    #[error(
+        "migration to {to} failed{}: {err}; the guest keeps running on the source ({writes} writes so far, {owed} pages still owed)",
+        after_attempts(*attempts)
+    )]
+    GaveUp {
+        /// The destination.
+        to: String,
+        /// Attempts made.
+        attempts: usize,
+        /// The last attempt's error.
+        err: MigrateError,
+        /// Guest writes so far.
+        writes: u64,
+        /// Pages still owed to the destination.
+        owed: u64,
+    },
+    /// `slat migrate-listen` used up its retries.
+    #[error("incoming migration from {peer} failed: {err}")]
+    Incoming {
+        /// The source's address.
+        peer: SocketAddr,
+        /// Why.
+        err: MigrateError,
+    },
+    /// Rows of a sweep failed (each is reported in the table).
+    #[error("some runs failed (see above)")]
+    SweepFailed,
+}
+
+fn after_attempts(n: usize) -> String {
+    if n > 1 {
+        format!(" after {n} attempts")
+    } else {
+        String::new()
+    }
+}
+
+/// A failed run is a runtime failure: exit status 1.
+impl From<RunError> for CliError {
+    fn from(e: RunError) -> CliError {
+        CliError::Runtime(e.to_string())
+    }
+}
+
+/// `slat migrate`: one migration, or `--repeat N` of freshly built guests.
+pub fn run_migrate(a: &MigrateArgs) -> CliResult {
+    a.guest.check(1)?;
+    let q = quiet(a.out.json);
+    let mut runs = Vec::new();
+    for n in 0..a.out.repeat {
+        if a.out.repeat > 1 {
+            progress(q, &format!("run {}/{}", n + 1, a.out.repeat));
+        }
+        let (r, baseline, failures) = migrate_once(a, q)?;
+        let doc = Migration::new("migrate", &a.guest, &a.migration, &r, baseline, &failures);
+        if n == 0 {
+            if let Some(path) = &a.out.plot {
+                plot_convergence(&r, path)?;
+            }
+        }
+        if !a.out.json {
+            print_report(&a.guest, &a.migration, &r, baseline);
+        }
+        runs.push(((r, baseline), doc));
+    }
+    print_runs("migrate", &a.out, a.guest.backend, runs)
+}
+
+/// Builds a source guest and migrates it to `--to`, retrying as `--retries` allows. Returns
+/// the report, the guest's write rate before the migration and why earlier attempts failed.
+fn migrate_once(a: &MigrateArgs, q: bool) -> Result<(MigrationReport, f64, Vec<String>), RunError> {
     let (guest, mut src, baseline) = prepare_source(&a.guest, &a.migration, q)?;
     let mut failures = Vec::new();
     loop {
@@ -633,66 +799,61 @@ pub fn run_migrate(a: &MigrateArgs) -> crate::error::CliResult {
             q,
             &format!("migrating to {} (attempt {})", a.to, src.attempts() + 1),
         );
-        match src.migrate(&a.to, &mut on_event(q)) {
-            Ok(r) => {
-                let doc =
-                    Migration::new("migrate", &a.guest, &a.migration, &r, baseline, &failures);
-                if let Some(path) = &a.plot {
-                    plot_convergence(&r, path)?;
-                }
-                if a.json {
-                    crate::output::print_json(&doc, &[a.guest.backend])?;
-                } else {
-                    print_report(&a.guest, &a.migration, &r, baseline);
-                }
-                return Ok(());
-            }
-            Err(e) => {
-                failures.push(e.to_string());
-                // Inject faults into the first attempt only: a retry shows the recovery.
-                src.config_mut().faults = Faults {
-                    skip_final_harvest: src.config_mut().faults.skip_final_harvest,
-                    skip_merge_back: src.config_mut().faults.skip_merge_back,
-                    ..Faults::default()
-                };
-                if failures.len() as u32 > a.retries {
-                    return Err(format!(
-                        "migration to {} failed{}: {e}; the guest keeps running on the source ({} writes so far, {} pages still owed)",
-                        a.to,
-                        if failures.len() > 1 { format!(" after {} attempts", failures.len()) } else { String::new() },
-                        guest.writes(),
-                        src.owed()
-                    )
-                    .into());
-                }
-                progress(
-                    q,
-                    &format!(
-                        "attempt {} failed: {e}; the guest keeps running here; retrying in {} ms",
-                        failures.len(),
-                        a.retry_delay
-                    ),
-                );
-                std::thread::sleep(Duration::from_millis(a.retry_delay));
-            }
+        let err = match src.migrate(&a.to, &mut on_event(q)) {
+            Ok(r) => return Ok((r, baseline, failures)),
+            Err(e) => e,
+        };
+        failures.push(err.to_string());
+        // Inject faults into the first attempt only: a retry shows the recovery.
+        let faults = &mut src.config_mut().faults;
+        *faults = Faults {
+            skip_final_harvest: faults.skip_final_harvest,
+            skip_merge_back: faults.skip_merge_back,
+            ..Faults::default()
+        };
+        if failures.len() as u32 > a.retries {
+            return Err(RunError::GaveUp {
+                to: a.to.clone(),
+                attempts: failures.len(),
+                err,
+                writes: guest.writes(),
+                owed: src.owed(),
+            });
         }
+        progress(
+            q,
+            &format!(
+                "attempt {} failed: {err}; the guest keeps running here; retrying in {} ms",
+                failures.len(),
+                a.retry_delay
+            ),
+        );
+        std::thread::sleep(Duration::from_millis(a.retry_delay));
     }
 }
 
-/// `slat migrate-listen`.
-pub fn run_listen(a: &ListenArgs) -> crate::error::CliResult {
+/// `slat migrate-listen`: receives one migration, or `--repeat N` one after the other.
+pub fn run_listen(a: &ListenArgs) -> CliResult {
     a.machine
         .format
         .check_backends(&[a.backend])
-        .map_err(crate::error::CliError::bad)?;
-    check_backends(&[a.backend], &a.machine.engine_only()).map_err(crate::error::CliError::bad)?;
-    check_backing(&[a.backend], a.backing).map_err(crate::error::CliError::bad)?;
-    let q = quiet(a.json);
-    let listener =
-        TcpListener::bind(&a.listen).map_err(|e| format!("cannot listen on {}: {e}", a.listen))?;
-    let local = listener
-        .local_addr()
-        .map_err(|e| format!("cannot listen on {}: {e}", a.listen))?;
+        .map_err(CliError::bad)?;
+    check_backends(&[a.backend], &a.machine.engine_only()).map_err(CliError::bad)?;
+    check_backing(&[a.backend], a.backing).map_err(CliError::bad)?;
+    if a.out.plot.is_some() {
+        return Err(CliError::bad(
+            "--plot: migrate-listen has nothing to draw (the source's `slat migrate --plot` draws the migration)",
+        ));
+    }
+    let q = quiet(a.out.json);
+    let listener = TcpListener::bind(&a.listen).map_err(|err| RunError::Listen {
+        addr: a.listen.clone(),
+        err,
+    })?;
+    let local = listener.local_addr().map_err(|err| RunError::Listen {
+        addr: a.listen.clone(),
+        err,
+    })?;
     progress(
         q,
         &format!(
@@ -700,6 +861,69 @@ pub fn run_listen(a: &ListenArgs) -> crate::error::CliResult {
             a.backend.name()
         ),
     );
+    let mut docs = Vec::new();
+    for n in 0..a.out.repeat {
+        if a.out.repeat > 1 {
+            progress(q, &format!("migration {}/{}", n + 1, a.out.repeat));
+        }
+        let r = receive_one(a, &listener, local, q)?;
+        if !a.out.json {
+            print_dest(&r);
+        }
+        docs.push(DestinationDoc::new(&r));
+    }
+    if docs.len() > 1 {
+        let rep = Repeated::new("migrate-listen", DEST_METRICS, docs);
+        if a.out.json {
+            return print_json(&rep, &[a.backend]);
+        }
+        rep.print();
+        return Ok(());
+    }
+    if a.out.json {
+        print_json(&docs[0], &[a.backend])?;
+    }
+    Ok(())
+}
+
+/// Serves connections on `listener` until one migration completes, into a destination of its
+/// own, surviving `--retries` failed ones.
+fn receive_one(
+    a: &ListenArgs,
+    listener: &TcpListener,
+    local: SocketAddr,
+    q: bool,
+) -> Result<DestReport, RunError> {
+    let cfg = DestConfig {
+        resume_for: Duration::from_millis(a.resume_ms),
+        timeout: Duration::from_secs(a.timeout),
+        max_memory: a.max_memory.unwrap_or(0),
+    };
+    let mut dest = Destination::new(factory(a), cfg);
+    let mut failures = 0;
+    loop {
+        let (s, peer) = listener
+            .accept()
+            .map_err(|err| RunError::Accept { addr: local, err })?;
+        progress(q, &format!("incoming migration from {peer}"));
+        let err = match dest.serve(s) {
+            Ok(r) => return Ok(r),
+            Err(err) => err,
+        };
+        failures += 1;
+        if failures > a.retries {
+            return Err(RunError::Incoming { peer, err });
+        }
+        progress(q, &format!(
+            "incoming migration from {peer} failed: {err}; {} waiting for the source to retry ({failures} of {})",
+            if dest.holds_session() { "keeping the guest's memory and" } else { "" },
+            a.retries
+        ));
+    }
+}
+
+/// Builds a machine of each incoming guest's shape with migrate-listen's settings.
+fn factory(a: &ListenArgs) -> slat_migrate::Factory {
     let stage2 = a.machine.format == FormatArg::Stage2;
     let (backend, backing, vm, tlb, pcpus, prefault) = (
         kind(a.backend),
@@ -709,7 +933,7 @@ pub fn run_listen(a: &ListenArgs) -> crate::error::CliResult {
         a.machine.pcpus.unwrap_or(0),
         !a.machine.no_prefault,
     );
-    let factory: slat_migrate::Factory = Box::new(move |s: &Shape| {
+    Box::new(move |s: &Shape| {
         guest::build(&GuestSpec {
             backend,
             shape: *s,
@@ -722,59 +946,25 @@ pub fn run_listen(a: &ListenArgs) -> crate::error::CliResult {
             pcpus,
             prefault,
         })
-    });
-    let cfg = DestConfig {
-        resume_for: Duration::from_millis(a.resume_ms),
-        timeout: Duration::from_secs(a.timeout),
-        max_memory: a.max_memory.unwrap_or(0),
-    };
-    let mut dest = Destination::new(factory, cfg);
-    let mut failures = 0;
-    loop {
-        let (s, peer) = listener
-            .accept()
-            .map_err(|e| format!("accepting on {local}: {e}"))?;
-        progress(q, &format!("incoming migration from {peer}"));
-        match dest.serve(s) {
-            Ok(r) => {
-                if a.json {
-                    crate::output::print_json(&DestinationDoc::new(&r), &[a.backend])?;
-                } else {
-                    print_dest(&r);
-                }
-                return Ok(());
-            }
-            Err(e) => {
-                failures += 1;
-                if failures > a.retries {
-                    return Err(format!("incoming migration from {peer} failed: {e}").into());
-                }
-                progress(q, &format!(
-                    "incoming migration from {peer} failed: {e}; {} waiting for the source to retry ({failures} of {})",
-                    if dest.holds_session() { "keeping the guest's memory and" } else { "" },
-                    a.retries
-                ));
-            }
-        }
-    }
+    })
 }
 
 /// One migration between two machines of this process over loopback.
-fn perf_once(a: &MigratePerfArgs) -> Result<(MigrationReport, DestReport, f64), String> {
-    let q = quiet(a.json);
+fn perf_once(a: &MigratePerfArgs) -> Result<(MigrationReport, DestReport, f64), RunError> {
+    let q = quiet(a.out.json);
     let (_guest, mut src, baseline) = prepare_source(&a.guest, &a.migration, q)?;
     progress(q, "destination: mapping the same guest memory");
     let dspec = GuestSpec {
         log: LogMode::Get,
         ..a.guest.spec()
     };
-    let dguest = guest::build(&dspec).map_err(|e| e.to_string())?;
-    let listener =
-        TcpListener::bind("127.0.0.1:0").map_err(|e| format!("cannot listen on loopback: {e}"))?;
-    let addr = listener
-        .local_addr()
-        .map_err(|e| format!("cannot listen on loopback: {e}"))?
-        .to_string();
+    let dguest = guest::build(&dspec)?;
+    let loopback = |err| RunError::Listen {
+        addr: "loopback".into(),
+        err,
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(loopback)?;
+    let addr = listener.local_addr().map_err(loopback)?.to_string();
     let cfg = DestConfig {
         resume_for: Duration::from_millis(a.resume_ms),
         timeout: Duration::from_secs(a.migration.timeout),
@@ -782,65 +972,108 @@ fn perf_once(a: &MigratePerfArgs) -> Result<(MigrationReport, DestReport, f64), 
     };
     let dest = std::thread::spawn(move || Destination::with_guest(dguest, cfg).accept(&listener));
     let r = src.migrate(&addr, &mut on_event(q));
-    let d = dest
-        .join()
-        .map_err(|_| "the destination thread panicked".to_string())?;
+    let d = dest.join().map_err(|_| RunError::DestinationPanicked)?;
     match (r, d) {
         (Ok(r), Ok(d)) => Ok((r, d, baseline)),
-        (Err(e), Err(de)) => Err(format!("{e} (destination: {de})")),
-        (Err(e), Ok(_)) => Err(e.to_string()),
-        (Ok(_), Err(de)) => Err(format!("destination: {de}")),
+        (Err(source_end), Err(destination)) => Err(RunError::BothEnds {
+            source_end: Box::new(source_end),
+            destination: Box::new(destination),
+        }),
+        (Err(e), Ok(_)) => Err(e.into()),
+        (Ok(_), Err(de)) => Err(RunError::Destination(de)),
     }
 }
 
 /// `slat migrate-perf`.
-pub fn run_perf(a: &MigratePerfArgs) -> crate::error::CliResult {
+pub fn run_perf(a: &MigratePerfArgs) -> CliResult {
     if !a.vary.is_empty() {
-        if a.repeat > 1 {
-            return Err(crate::error::CliError::bad(
+        if a.out.repeat > 1 {
+            return Err(CliError::bad(
                 "--repeat with --vary: a sweep runs each row once; drop one of them",
             ));
         }
         return sweep(a);
     }
-    a.guest.check(2).map_err(crate::error::CliError::bad)?;
+    a.guest.check(2)?;
     let mut runs = Vec::new();
-    for n in 0..a.repeat {
-        if a.repeat > 1 {
-            progress(quiet(a.json), &format!("run {}/{}", n + 1, a.repeat));
+    for n in 0..a.out.repeat {
+        if a.out.repeat > 1 {
+            progress(
+                quiet(a.out.json),
+                &format!("run {}/{}", n + 1, a.out.repeat),
+            );
         }
         let (r, d, baseline) = perf_once(a)?;
         if n == 0 {
-            if let Some(path) = &a.plot {
+            if let Some(path) = &a.out.plot {
                 plot_convergence(&r, path)?;
             }
         }
         let mut doc = Migration::new("migrate-perf", &a.guest, &a.migration, &r, baseline, &[]);
         doc.destination = Some(DestinationDoc::new(&d));
-        if !a.json {
+        if !a.out.json {
             print_report(&a.guest, &a.migration, &r, baseline);
         }
         runs.push(((r, baseline), doc));
     }
-    if a.repeat > 1 {
+    print_runs("migrate-perf", &a.out, a.guest.backend, runs)
+}
+
+/// Prints the runs' JSON (one document, or with `--repeat` the summary and every run) or, for
+/// the text report (each run's already printed), the `--repeat` summary.
+fn print_runs(
+    benchmark: &'static str,
+    out: &OutputArgs,
+    backend: BackendArg,
+    runs: Vec<((MigrationReport, f64), Migration)>,
+) -> CliResult {
+    if runs.len() > 1 {
         let typed: Vec<(MigrationReport, f64)> = runs.iter().map(|(t, _)| t.clone()).collect();
         let rep = Repeated {
-            benchmark: "migrate-perf",
+            benchmark,
             repeat: typed.len(),
             summary: PERF_METRICS.iter().map(|m| summarize(m, &typed)).collect(),
             runs: runs.into_iter().map(|(_, doc)| doc).collect(),
         };
-        if a.json {
-            return print_json(&rep, &[a.guest.backend]);
+        if out.json {
+            return print_json(&rep, &[backend]);
         }
         rep.print();
         return Ok(());
     }
-    if a.json {
-        print_json(&runs[0].1, &[a.guest.backend])?;
+    match runs.first() {
+        Some((_, doc)) if out.json => print_json(doc, &[backend]),
+        _ => Ok(()),
     }
-    Ok(())
 }
+
+/// The figures `migrate-listen --repeat` summarizes, from the destination's report.
+const DEST_METRICS: &[Metric<DestinationDoc>] = &[
+    Metric {
+        name: "total migration time",
+        unit: "s",
+        better: Better::Lower,
+        get: |d| Some(d.total.as_secs_f64()),
+    },
+    Metric {
+        name: "setup",
+        unit: "s",
+        better: Better::Lower,
+        get: |d| Some(d.setup.as_secs_f64()),
+    },
+    Metric {
+        name: "verification hashing",
+        unit: "s",
+        better: Better::Lower,
+        get: |d| Some(d.verify_time.as_secs_f64()),
+    },
+    Metric {
+        name: "stream received",
+        unit: "bytes",
+        better: Better::Lower,
+        get: |d| Some(d.bytes as f64),
+    },
+];
 
 /// The figures `--repeat` summarizes, from a migration's report and the guest's write rate
 /// before it.
@@ -877,33 +1110,44 @@ const PERF_METRICS: &[Metric<(MigrationReport, f64)>] = &[
     },
 ];
 
-fn sweep(a: &MigratePerfArgs) -> crate::error::CliResult {
+/// One row of migrate-perf's `--vary` JSON: the settings and the migration's report, or why
+/// it failed (a failed row does not stop the sweep).
+#[derive(Serialize)]
+struct SweepRow {
+    /// `key=value` of every varied key.
+    settings: Vec<String>,
+    #[serde(flatten)]
+    outcome: Outcome,
+}
+
+/// A sweep row's result.
+#[derive(Serialize)]
+enum Outcome {
+    /// The migration.
+    #[serde(rename = "result")]
+    Done(Box<Migration>),
+    /// Why it failed.
+    #[serde(rename = "error")]
+    Failed(String),
+}
+
+/// migrate-perf's `--vary` JSON document.
+#[derive(Serialize)]
+struct SweepDoc {
+    benchmark: &'static str,
+    sweep: Vec<SweepRow>,
+}
+
+/// `--vary`: one migration per combination (the cross product of `sweep.rs`), one table.
+fn sweep(a: &MigratePerfArgs) -> CliResult {
     let keys: Vec<VaryKey> = a.vary.iter().map(|(k, _)| *k).collect();
     let names: Vec<&str> = keys.iter().map(|k| k.name()).collect();
-    crate::sweep::check_distinct_names(&names).map_err(crate::error::CliError::bad)?;
+    crate::sweep::check_distinct_names(&names).map_err(CliError::bad)?;
     // Every combination, the first key outermost.
     let axes: Vec<&[MigSetting]> = a.vary.iter().map(|(_, v)| &v[..]).collect();
     let combos = crate::sweep::cross(&axes);
-    let q = quiet(a.json);
-    // Every row's settings, checked before the first run: a refusal at row 5 after minutes
-    // of migrating would waste them.
-    let mut runs = Vec::new();
-    for combo in &combos {
-        let mut b = a.clone();
-        b.vary.clear();
-        b.json = true;
-        for v in combo {
-            apply(&mut b, v.value);
-        }
-        let label: Vec<String> = combo.iter().map(MigSetting::label).collect();
-        if let Err(e) = b.guest.check(2) {
-            return Err(crate::error::CliError::bad(format!(
-                "--vary row {}: {e}",
-                label.join(" ")
-            )));
-        }
-        runs.push((b, label));
-    }
+    let runs = sweep_rows(a, &combos)?;
+    let q = quiet(a.out.json);
     let mut rows = Vec::new();
     let mut docs = Vec::new();
     let mut plotted = Vec::new();
@@ -913,47 +1157,94 @@ fn sweep(a: &MigratePerfArgs) -> crate::error::CliResult {
             &format!("sweep {}/{}: {}", n + 1, combos.len(), label.join(" ")),
         );
         let mut row: Vec<String> = combo.iter().map(|v| v.text.clone()).collect();
-        match perf_once(&b) {
+        let outcome = match perf_once(&b) {
             Ok((r, d, baseline)) => {
                 plotted.push((label.join(" "), Some((r.total, r.downtime))));
-                let rounds: Vec<String> = r.rounds.iter().map(|x| x.pages.to_string()).collect();
-                row.extend([
-                    format!("{:.3}", r.total.as_secs_f64()),
-                    format!("{:.1}", r.downtime.as_secs_f64() * 1e3),
-                    format!(
-                        "{:.1}",
-                        (r.final_harvest + r.final_send).as_secs_f64() * 1e3
-                    ),
-                    format!("{}", r.rounds.len()),
-                    rounds.join("/"),
-                    format!("{:.0}", r.dirty_rate()),
-                    format!("{:.0}", r.bandwidth() / (1 << 20) as f64),
-                    format!("{}%", r.throttle_max),
-                    format!("{:.0}/{:.0}", baseline, r.write_rate()),
-                    "ok".to_string(),
-                ]);
+                row.extend(sweep_cells(&r, baseline));
                 let mut doc =
                     Migration::new("migrate-perf", &b.guest, &b.migration, &r, baseline, &[]);
                 doc.destination = Some(DestinationDoc::new(&d));
-                docs.push(json!({ "settings": label, "result": doc }));
+                Outcome::Done(Box::new(doc))
             }
             Err(e) => {
                 plotted.push((label.join(" "), None));
                 progress(q, &format!("sweep {}/{} failed: {e}", n + 1, combos.len()));
                 row.extend(std::iter::repeat_n("-".to_string(), 9));
                 row.push("FAILED".into());
-                docs.push(json!({ "settings": label, "error": e }));
+                Outcome::Failed(e.to_string())
             }
-        }
+        };
+        docs.push(SweepRow {
+            settings: label,
+            outcome,
+        });
         rows.push(row);
     }
-    if let Some(path) = &a.plot {
+    if let Some(path) = &a.out.plot {
         plot_sweep(&plotted, path)?;
     }
-    if a.json {
-        let doc = json!({ "benchmark": "migrate-perf", "sweep": docs });
-        return crate::output::print_json(&doc, &[a.guest.backend]);
+    if a.out.json {
+        let doc = SweepDoc {
+            benchmark: "migrate-perf",
+            sweep: docs,
+        };
+        return print_json(&doc, &[a.guest.backend]);
     }
+    print_sweep(a, &keys, &rows);
+    if rows.iter().any(|r| r.last().is_some_and(|v| v == "FAILED")) {
+        return Err(RunError::SweepFailed.into());
+    }
+    Ok(())
+}
+
+/// Every row's arguments and label, each checked before the first run: a refusal at row 5
+/// after minutes of migrating would waste them.
+fn sweep_rows(
+    a: &MigratePerfArgs,
+    combos: &[Vec<MigSetting>],
+) -> Result<Vec<(MigratePerfArgs, Vec<String>)>, CliError> {
+    let mut runs = Vec::new();
+    for combo in combos {
+        let mut b = a.clone();
+        b.vary.clear();
+        b.out.json = true;
+        for v in combo {
+            apply(&mut b, v.value);
+        }
+        let label: Vec<String> = combo.iter().map(MigSetting::label).collect();
+        if let Err(e) = b.guest.check(2) {
+            return Err(CliError::bad(format!(
+                "--vary row {}: {e}",
+                label.join(" ")
+            )));
+        }
+        runs.push((b, label));
+    }
+    Ok(runs)
+}
+
+/// A successful row's figures, in the order of [`print_sweep`]'s columns.
+fn sweep_cells(r: &MigrationReport, baseline: f64) -> [String; 10] {
+    let rounds: Vec<String> = r.rounds.iter().map(|x| x.pages.to_string()).collect();
+    [
+        format!("{:.3}", r.total.as_secs_f64()),
+        format!("{:.1}", r.downtime.as_secs_f64() * 1e3),
+        format!(
+            "{:.1}",
+            (r.final_harvest + r.final_send).as_secs_f64() * 1e3
+        ),
+        format!("{}", r.rounds.len()),
+        rounds.join("/"),
+        format!("{:.0}", r.dirty_rate()),
+        format!("{:.0}", r.bandwidth() / (1 << 20) as f64),
+        format!("{}%", r.throttle_max),
+        format!("{:.0}/{:.0}", baseline, r.write_rate()),
+        "ok".to_string(),
+    ]
+}
+
+/// The sweep's title and table.
+fn print_sweep(a: &MigratePerfArgs, keys: &[VaryKey], rows: &[Vec<String>]) {
     let varied: Vec<&str> = keys.iter().map(|k| k.name()).collect();
     println!(
         "migrate-perf sweep: {} vCPU(s), {} guest memory, {}% filled; base settings {}, max downtime {} ms; varied: {}; one run per row, all in this process",
@@ -964,7 +1255,7 @@ fn sweep(a: &MigratePerfArgs) -> crate::error::CliResult {
         a.migration.max_downtime,
         varied.join(", ")
     );
-    let mut head: Vec<String> = keys.iter().map(|k| k.name().to_string()).collect();
+    let mut head: Vec<String> = varied.iter().map(|k| k.to_string()).collect();
     head.extend(
         [
             "total (s)",
@@ -980,11 +1271,7 @@ fn sweep(a: &MigratePerfArgs) -> crate::error::CliResult {
         ]
         .map(String::from),
     );
-    crate::output::print_table(&head, &rows);
-    if rows.iter().any(|r| r.last().is_some_and(|v| v == "FAILED")) {
-        return Err("some runs failed (see above)".into());
-    }
-    Ok(())
+    crate::output::print_table(&head, rows);
 }
 
 fn print_report(g: &GuestArgs, m: &MigrationArgs, r: &MigrationReport, baseline: f64) {
@@ -1129,7 +1416,7 @@ fn print_dest(r: &DestReport) {
 
 /// `--plot` of one migration: pages sent and pages dirtied meanwhile (owed to the next round)
 /// per round, and the throttle per round.
-fn plot_convergence(r: &MigrationReport, path: &std::path::Path) -> crate::error::CliResult {
+fn plot_convergence(r: &MigrationReport, path: &std::path::Path) -> CliResult {
     let x = |x: &slat_migrate::source::RoundReport| x.round as f64;
     let pages = Chart {
         title: format!(
@@ -1181,7 +1468,7 @@ fn plot_convergence(r: &MigrationReport, path: &std::path::Path) -> crate::error
 fn plot_sweep(
     rows: &[(String, Option<(Duration, Duration)>)],
     path: &std::path::Path,
-) -> crate::error::CliResult {
+) -> CliResult {
     let series = |name: &str, f: fn(&(Duration, Duration)) -> Duration| Series {
         name: name.to_string(),
         points: rows

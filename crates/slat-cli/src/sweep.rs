@@ -185,26 +185,39 @@ fn parse_value(key: Key, k: &str, v: &str) -> Result<Setting, String> {
 
 /// Parses `KEY=V1,V2,...`.
 pub fn parse_vary(s: &str) -> Result<Vary, String> {
+    let (key, values) = parse_keyed(s, &KEYS, parse_value)?;
+    Ok(Vary { key, values })
+}
+
+/// Parses `KEY=V1,V2,...` against a subcommand's own keys: `keys` names each, `value` parses
+/// one value (given the key, its name and the text). Every subcommand's `--vary` is read here;
+/// its own refusals are words (`E: From<String>`), the values' are the subcommand's.
+pub fn parse_keyed<K: Copy, S, E: From<String>>(
+    s: &str,
+    keys: &[(&str, K)],
+    value: impl Fn(K, &str, &str) -> Result<S, E>,
+) -> Result<(K, Vec<S>), E> {
+    let example = keys.first().map_or("KEY", |(n, _)| *n);
     let (k, vs) = s
         .split_once('=')
-        .ok_or_else(|| format!("`{s}`: expected KEY=V1,V2,... (e.g. fast-pf=on,off)"))?;
-    let key = KEYS
+        .ok_or_else(|| format!("`{s}`: expected KEY=V1,V2,... (e.g. {example}=...)"))?;
+    let key = keys
         .iter()
         .find(|(n, _)| *n == k)
         .map(|(_, key)| *key)
         .ok_or_else(|| {
-            let names: Vec<&str> = KEYS.iter().map(|(n, _)| *n).collect();
+            let names: Vec<&str> = keys.iter().map(|(n, _)| *n).collect();
             format!("--vary: unknown key `{k}` (known: {})", names.join(", "))
         })?;
     let raw: Vec<&str> = vs.split(',').map(str::trim).collect();
     if raw.iter().any(|v| v.is_empty()) {
-        return Err(format!("--vary {k}: empty value in `{vs}`"));
+        return Err(format!("--vary {k}: empty value in `{vs}`").into());
     }
     let values = raw
         .iter()
-        .map(|v| parse_value(key, k, v))
+        .map(|v| value(key, k, v))
         .collect::<Result<_, _>>()?;
-    Ok(Vary { key, values })
+    Ok((key, values))
 }
 
 /// Every combination of one value from each axis, first axis slowest. Shared by every

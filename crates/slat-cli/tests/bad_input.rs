@@ -353,3 +353,95 @@ fn break_needs_the_broken_engine_build() {
         &["--break", "broken-engine"],
     );
 }
+
+#[test]
+fn durations_and_counts_of_the_migrate_commands_are_bounded() {
+    let to = ["migrate", "--to", "127.0.0.1:1", "-b", "4M"];
+    let with = |extra: &[&'static str]| {
+        let mut v = to.to_vec();
+        v.extend_from_slice(extra);
+        v
+    };
+    // Each is a sleep or a loop of the command: a huge value is a typo that would hang it.
+    refused(&with(&["--warmup", "600001"]), &["--warmup", "600000"]);
+    refused(
+        &with(&["--retry-delay", "600001"]),
+        &["--retry-delay", "600000"],
+    );
+    refused(&with(&["--retries", "1001"]), &["--retries", "1000"]);
+    refused(&with(&["--max-downtime", "3600001"]), &["--max-downtime"]);
+    refused(&with(&["--dirty-rate", "1001m"]), &["--dirty-rate"]);
+    refused(&with(&["--inject", "version=4294967296"]), &["--inject"]);
+    refused(
+        &[
+            "migrate-listen",
+            "--listen",
+            "127.0.0.1:0",
+            "--resume-ms",
+            "600001",
+        ],
+        &["--resume-ms", "600000"],
+    );
+    refused(
+        &[
+            "migrate-listen",
+            "--listen",
+            "127.0.0.1:0",
+            "--retries",
+            "1001",
+        ],
+        &["--retries"],
+    );
+    refused(
+        &[
+            "migrate-perf",
+            "-b",
+            "4M",
+            "--resume-ms",
+            "18446744073709551615",
+        ],
+        &["--resume-ms"],
+    );
+    refused(
+        &[
+            "migrate-perf",
+            "-b",
+            "4M",
+            "--vary",
+            "max-downtime=10,3600001",
+        ],
+        &["--vary", "3600001"],
+    );
+    refused(
+        &["migrate-perf", "-b", "4M", "--vary", "dirty-rate=1k,2000m"],
+        &["--vary", "2000m"],
+    );
+    // What migrate-listen cannot do, it refuses.
+    refused(
+        &[
+            "migrate-listen",
+            "--listen",
+            "127.0.0.1:0",
+            "--plot",
+            "x.svg",
+        ],
+        &["--plot"],
+    );
+    // The help says where each bound is.
+    for (cmd, flags) in [
+        ("migrate", &["--warmup", "--retry-delay", "--retries"][..]),
+        ("migrate-listen", &["--resume-ms", "--retries"][..]),
+        ("migrate-perf", &["--resume-ms", "--warmup"][..]),
+    ] {
+        let (code, out, _) = slat_within(&[cmd, "--help"], Duration::from_secs(30));
+        assert_eq!(code, 0);
+        let flat = out.split_whitespace().collect::<Vec<_>>().join(" ");
+        for f in flags {
+            assert!(flat.contains(f), "{cmd} --help: {out}");
+        }
+        assert!(
+            flat.contains("0-600000") || flat.contains("at most 600000"),
+            "{cmd} --help: {out}"
+        );
+    }
+}

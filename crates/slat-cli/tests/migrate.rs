@@ -211,3 +211,31 @@ fn migrate_perf_on_kvm() {
     assert!(out.contains("Verification: OK"), "{out}");
     assert!(out.contains("to a kvm destination"), "{out}");
 }
+
+#[test]
+fn migrate_repeat_moves_n_guests_to_a_listen_repeat() {
+    let (dest, addr, derr) = listen(&["--repeat", "2"]);
+    let mut args = vec!["migrate", "--to", &addr, "--repeat", "2", "--json"];
+    args.extend(SMALL);
+    let (code, out, err) = slat(&args);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let doc: serde_json::Value = serde_json::from_str(&out).expect("one JSON document");
+    assert_eq!(doc["benchmark"], "migrate");
+    assert_eq!(doc["repeat"], 2);
+    assert_eq!(doc["runs"].as_array().map(Vec::len), Some(2));
+    for run in doc["runs"].as_array().unwrap() {
+        assert_eq!(run["verification"]["ok"], true);
+    }
+    let downtime = doc["summary"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["metric"] == "downtime")
+        .expect("a downtime summary");
+    assert_eq!(downtime["runs"], 2);
+    assert!(downtime["min"].as_f64() <= downtime["max"].as_f64());
+    let (dcode, dout, derr) = finish(dest, derr);
+    assert_eq!(dcode, 0, "{derr}");
+    assert_eq!(dout.matches("Verification: OK").count(), 2, "{dout}");
+    assert!(dout.contains("Summary over 2 runs"), "{dout}");
+}

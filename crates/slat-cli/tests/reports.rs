@@ -581,3 +581,53 @@ fn an_unwritable_plot_is_a_runtime_failure() {
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("plot"), "{err}");
 }
+
+#[test]
+fn migrate_repeat_json_matches_the_schemas() {
+    use std::io::BufRead;
+    let mut dest = Command::new(env!("CARGO_BIN_EXE_slat"))
+        .args([
+            "migrate-listen",
+            "--listen",
+            "127.0.0.1:0",
+            "--resume-ms",
+            "0",
+            "--repeat",
+            "2",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run slat migrate-listen");
+    let mut err = std::io::BufReader::new(dest.stderr.take().expect("stderr"));
+    let mut line = String::new();
+    err.read_line(&mut line).expect("first line");
+    let addr = line
+        .split_whitespace()
+        .find(|w| w.starts_with("127.0.0.1:"))
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_string();
+    let d = json(&[
+        "migrate", "--to", &addr, "-b", "4M", "--warmup", "20", "--repeat", "2",
+    ]);
+    validate("repeated.json", &d);
+    assert_eq!(d["benchmark"], "migrate");
+    let schema = load("migrate.json");
+    for run in d["runs"].as_array().expect("runs") {
+        let mut errs = Vec::new();
+        check(
+            "migrate.json",
+            &schema["$defs"]["migration"],
+            run,
+            "$",
+            &mut errs,
+        );
+        assert!(errs.is_empty(), "{}\n{run:#}", errs.join("\n"));
+    }
+    // (Its progress lines, which name the port, are quiet under --json: read as text.)
+    let out = dest.wait_with_output().expect("migrate-listen");
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(text.matches("Verification: OK").count(), 2, "{text}");
+    assert!(text.contains("Summary over 2 runs"), "{text}");
+}

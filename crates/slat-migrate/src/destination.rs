@@ -23,9 +23,11 @@
 //!   this guest's ranges, and the commit; anything else is a [`ProtocolError`];
 //! - success needs a hash match on every range of guest memory followed by an explicit commit.
 
-use crate::error::{GuestError, HelloError, MigrateError, ProtocolError, StreamError};
+use crate::error::{
+    Cause, GuestError, HelloError, MigrateError, PageError, ProtocolError, StreamError,
+};
 use crate::guest::{Guest, Memory};
-use crate::stream::{self, FrameReader, Hello, Msg, Shape, PAGE_SIZE};
+use crate::stream::{self, Batch, FrameReader, Hello, Msg, Shape, PAGE_SIZE};
 use crate::verify::{self, VerifyReport, RANGE_PAGES};
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};
@@ -146,7 +148,7 @@ impl Destination {
     /// Accepts one connection on `listener` and serves it.
     pub fn accept(&mut self, listener: &TcpListener) -> Result<DestReport, MigrateError> {
         let (s, _) = listener.accept().map_err(|e| {
-            MigrateError::stream("accepting a connection", StreamError::Io(e.to_string()))
+            MigrateError::stream("accepting a connection", StreamError::Io(Cause::new(e)))
         })?;
         self.serve(s)
     }
@@ -162,7 +164,7 @@ impl Destination {
         }
         let timeout = self.cfg.timeout;
         let io =
-            |e: std::io::Error| MigrateError::stream("accepting", StreamError::Io(e.to_string()));
+            |e: std::io::Error| MigrateError::stream("accepting", StreamError::Io(Cause::new(e)));
         if timeout.is_zero() {
             return Err(MigrateError::ZeroTimeout);
         }
@@ -188,29 +190,17 @@ impl Destination {
         r
     }
 
+    /// Receives one migration: the handshake, then the protocol's frames in order (each kind
+    /// handled by a step of [`Incoming`]), until the commit runs the guest here.
     fn receive(
         &mut self,
         reader: &mut FrameReader<TcpStream>,
         out: &mut TcpStream,
     ) -> Result<DestReport, MigrateError> {
         let t0 = Instant::now();
-        reader
-            .read_preamble()
-            .map_err(|e| MigrateError::stream("reading the stream preamble", e))?;
-        let hello = match reader
-            .read_msg("the hello")
-            .map_err(|e| MigrateError::stream("reading the hello", e))?
-        {
-            Msg::Hello(h) => h,
-            m => {
-                return Err(protocol(
-                    "handshake",
-                    ProtocolError::BeforeHello { msg: m.name() },
-                ))
-            }
-        };
+        let hello = read_hello(reader)?;
         let (guest, resumed) = self.session_for(&hello)?;
-        let mut report = DestReport {
+        let report = DestReport {
             session: hello.session,
             attempt: hello.attempt,
             resumed,
@@ -228,157 +218,19 @@ impl Destination {
             },
             "handshake",
         )?;
-
-        // The bound of every page index: what the machine mapped, not what the hello says.
-        let mem = Memory::new(&*guest);
-        let pages = mem.pages();
-        let nranges = verify::ranges(pages, RANGE_PAGES);
-        // One flag per range; `nranges` follows from memory this side mapped.
-        let mut hashed = vec![false; nranges as usize];
-        let mut verdict = VerifyReport {
-            ranges: nranges,
-            range_pages: RANGE_PAGES,
-            ..VerifyReport::default()
-        };
-        let mut state = State::Rounds;
-        let mut seq = 0u64;
-        // Pages the batches of the round in progress carried.
-        let mut round_pages = 0u64;
-        let mut buf = vec![0u8; PAGE_SIZE];
+        let mut inc = Incoming::new(&*guest, report);
         loop {
-            let phase = match state {
-                State::Rounds => format!("receiving round {}", report.rounds),
-                State::Hashes => "receiving the verification hashes".to_string(),
-                State::Verified => "waiting for the commit".to_string(),
-            };
+            let phase = inc.phase();
             let m = reader
                 .read_msg("the switch-over")
                 .map_err(|e| MigrateError::stream(phase.clone(), e))?;
-            match (state, m) {
-                (State::Rounds, Msg::Pages(b)) => {
-                    if b.seq != seq {
-                        return Err(protocol(
-                            &phase,
-                            ProtocolError::BatchOrder {
-                                got: b.seq,
-                                want: seq,
-                            },
-                        ));
-                    }
-                    if b.round != report.rounds {
-                        return Err(protocol(
-                            &phase,
-                            ProtocolError::BatchRound {
-                                seq,
-                                got: b.round,
-                                want: report.rounds,
-                            },
-                        ));
-                    }
-                    // Every index first: nothing of a batch is written unless all of it fits.
-                    if let Some(&(page, _, _)) = b.entries.iter().find(|e| e.0 >= pages) {
-                        return Err(MigrateError::stream(
-                            phase,
-                            StreamError::Page {
-                                offset: reader.offset(),
-                                err: crate::PageError::OutOfRange { page, pages },
-                            },
-                        ));
-                    }
-                    for (i, &(p, enc, _)) in b.entries.iter().enumerate() {
-                        b.page_into(i, &mut buf).map_err(|err| {
-                            MigrateError::stream(
-                                phase.clone(),
-                                StreamError::Page {
-                                    offset: reader.offset(),
-                                    err,
-                                },
-                            )
-                        })?;
-                        mem.stopped_write_page(p, &buf)?;
-                        report.pages += 1;
-                        report.zero_pages += (enc == stream::Encoding::Zero) as u64;
-                    }
-                    // At most MAX_BATCH_PAGES per batch: the sums cannot overflow before the
-                    // sequence number would.
-                    round_pages += b.entries.len() as u64;
-                    send(out, &Msg::Ack { seq }, &phase)?;
-                    seq = seq.checked_add(1).ok_or_else(|| {
-                        protocol(&phase, ProtocolError::Overflow { what: "batch" })
-                    })?;
-                }
-                (
-                    State::Rounds,
-                    Msg::RoundEnd {
-                        round,
-                        pages: announced,
-                    },
-                ) => {
-                    if round != report.rounds {
-                        return Err(protocol(
-                            &phase,
-                            ProtocolError::RoundOrder {
-                                got: round,
-                                want: report.rounds,
-                            },
-                        ));
-                    }
-                    if announced != round_pages {
-                        return Err(protocol(
-                            &phase,
-                            ProtocolError::RoundPages {
-                                round,
-                                announced,
-                                received: round_pages,
-                            },
-                        ));
-                    }
-                    report.rounds = report.rounds.checked_add(1).ok_or_else(|| {
-                        protocol(&phase, ProtocolError::Overflow { what: "round" })
-                    })?;
-                    round_pages = 0;
+            match (inc.state, m) {
+                (State::Rounds, Msg::Pages(b)) => inc.pages(&b, &phase, reader.offset(), out)?,
+                (State::Rounds, Msg::RoundEnd { round, pages }) => {
+                    inc.round_end(round, pages, &phase)?
                 }
                 (State::Rounds | State::Hashes, Msg::Hashes { first, hashes }) => {
-                    if round_pages != 0 {
-                        return Err(protocol(
-                            &phase,
-                            ProtocolError::HashesMidRound {
-                                round: report.rounds,
-                            },
-                        ));
-                    }
-                    state = State::Hashes;
-                    let t = Instant::now();
-                    let count = hashes.len() as u64;
-                    let end = first.checked_add(count);
-                    if end.is_none_or(|e| e > nranges) {
-                        return Err(protocol(
-                            &phase,
-                            ProtocolError::HashRange {
-                                first,
-                                count,
-                                ranges: nranges,
-                            },
-                        ));
-                    }
-                    for (k, h) in hashes.iter().enumerate() {
-                        // `first + k < end <= nranges`: no overflow, and the index is in bounds.
-                        let i = first + k as u64;
-                        let seen = &mut hashed[i as usize];
-                        if *seen {
-                            return Err(protocol(&phase, ProtocolError::HashTwice { range: i }));
-                        }
-                        *seen = true;
-                        let (a, b) = verify::range_pages(i, RANGE_PAGES, pages);
-                        let mine = verify::hash_range(i, mem.stopped_range(a, b)?);
-                        if &mine != h {
-                            verdict.mismatched += 1;
-                            if verdict.first.len() < 8 {
-                                verdict.first.push(i);
-                            }
-                        }
-                    }
-                    report.verify_time += t.elapsed();
+                    inc.hashes(first, &hashes, &phase)?
                 }
                 (
                     State::Rounds | State::Hashes,
@@ -386,55 +238,10 @@ impl Destination {
                         ranges,
                         range_pages,
                     },
-                ) => {
-                    if ranges != nranges || range_pages != RANGE_PAGES {
-                        return Err(protocol(
-                            &phase,
-                            ProtocolError::VerifyLayout {
-                                ranges,
-                                range_pages,
-                                want_ranges: nranges,
-                                want_range_pages: RANGE_PAGES,
-                            },
-                        ));
-                    }
-                    let missing = hashed.iter().filter(|h| !**h).count() as u64;
-                    verdict.mismatched += missing;
-                    send(
-                        out,
-                        &Msg::Verified {
-                            ranges: nranges,
-                            mismatched: verdict.mismatched,
-                            first: verdict.first.clone(),
-                        },
-                        &phase,
-                    )?;
-                    if !verdict.ok() {
-                        return Err(MigrateError::Verification {
-                            ranges: nranges,
-                            mismatched: verdict.mismatched,
-                            range_pages: RANGE_PAGES,
-                            first: verdict.describe_first(),
-                        });
-                    }
-                    state = State::Verified;
-                }
+                ) => inc.verify(ranges, range_pages, &phase, out)?,
                 (State::Verified, Msg::Commit) => {
-                    report.total = t0.elapsed();
-                    report.verify = verdict;
-                    report.bytes = reader.offset();
-                    // The switch-over happened: the guest is this side's now.
-                    self.session = None;
-                    self.done = Some(guest.clone());
-                    report.run = self.run_guest(&guest, &hello)?;
-                    let (touched, d) = report.run;
-                    let _ = stream::write_msg(
-                        out,
-                        &Msg::Resumed {
-                            touched,
-                            micros: d.as_micros().try_into().unwrap_or(u64::MAX),
-                        },
-                    );
+                    let mut report = inc.finish(t0, reader.offset());
+                    self.commit(&guest, &hello, &mut report, out)?;
                     return Ok(report);
                 }
                 (_, Msg::Commit) => return Err(protocol(&phase, ProtocolError::EarlyCommit)),
@@ -458,6 +265,29 @@ impl Destination {
                 }
             }
         }
+    }
+
+    /// The switch-over: the guest is this side's now. Runs it for a moment and tells the
+    /// source how that went.
+    fn commit(
+        &mut self,
+        guest: &Arc<dyn Guest>,
+        hello: &Hello,
+        report: &mut DestReport,
+        out: &mut TcpStream,
+    ) -> Result<(), MigrateError> {
+        self.session = None;
+        self.done = Some(guest.clone());
+        report.run = self.run_guest(guest, hello)?;
+        let (touched, d) = report.run;
+        let _ = stream::write_msg(
+            out,
+            &Msg::Resumed {
+                touched,
+                micros: d.as_micros().try_into().unwrap_or(u64::MAX),
+            },
+        );
+        Ok(())
     }
 
     /// The machine for `hello`'s guest, and whether it continues a kept session.
@@ -565,6 +395,260 @@ impl Destination {
     }
 }
 
+/// Reads the preamble and the hello that must follow it.
+fn read_hello(reader: &mut FrameReader<TcpStream>) -> Result<Hello, MigrateError> {
+    reader
+        .read_preamble()
+        .map_err(|e| MigrateError::stream("reading the stream preamble", e))?;
+    match reader
+        .read_msg("the hello")
+        .map_err(|e| MigrateError::stream("reading the hello", e))?
+    {
+        Msg::Hello(h) => Ok(h),
+        m => Err(protocol(
+            "handshake",
+            ProtocolError::BeforeHello { msg: m.name() },
+        )),
+    }
+}
+
+/// One connection's receive state after the handshake: where the protocol is, what arrived,
+/// and the comparison of the hashes so far. Each frame kind the protocol allows is one step.
+struct Incoming<'g> {
+    /// The bound of every page index: what the machine mapped, not what the hello says.
+    mem: Memory<'g>,
+    /// Ranges of this guest's memory.
+    nranges: u64,
+    /// One flag per range (`nranges` follows from memory this side mapped).
+    hashed: Vec<bool>,
+    verdict: VerifyReport,
+    state: State,
+    /// The batch due next.
+    seq: u64,
+    /// Pages the batches of the round in progress carried.
+    round_pages: u64,
+    /// One page, decoded.
+    buf: Vec<u8>,
+    /// One verification range, copied out of guest memory.
+    range: Vec<u8>,
+    report: DestReport,
+}
+
+impl<'g> Incoming<'g> {
+    fn new(guest: &'g dyn Guest, report: DestReport) -> Incoming<'g> {
+        let mem = Memory::new(guest);
+        let nranges = verify::ranges(mem.pages(), RANGE_PAGES);
+        Incoming {
+            mem,
+            nranges,
+            hashed: vec![false; nranges as usize],
+            verdict: VerifyReport {
+                ranges: nranges,
+                range_pages: RANGE_PAGES,
+                ..VerifyReport::default()
+            },
+            state: State::Rounds,
+            seq: 0,
+            round_pages: 0,
+            buf: vec![0u8; PAGE_SIZE],
+            range: vec![0u8; RANGE_PAGES as usize * PAGE_SIZE],
+            report,
+        }
+    }
+
+    /// Where the protocol is, for error messages.
+    fn phase(&self) -> String {
+        match self.state {
+            State::Rounds => format!("receiving round {}", self.report.rounds),
+            State::Hashes => "receiving the verification hashes".to_string(),
+            State::Verified => "waiting for the commit".to_string(),
+        }
+    }
+
+    /// A batch of pages: checks its sequence, round and every index, writes its pages and
+    /// acknowledges it. `offset` is the stream offset, for errors.
+    fn pages(
+        &mut self,
+        b: &Batch,
+        phase: &str,
+        offset: u64,
+        out: &mut TcpStream,
+    ) -> Result<(), MigrateError> {
+        let (seq, pages) = (self.seq, self.mem.pages());
+        if b.seq != seq {
+            return Err(protocol(
+                phase,
+                ProtocolError::BatchOrder {
+                    got: b.seq,
+                    want: seq,
+                },
+            ));
+        }
+        if b.round != self.report.rounds {
+            return Err(protocol(
+                phase,
+                ProtocolError::BatchRound {
+                    seq,
+                    got: b.round,
+                    want: self.report.rounds,
+                },
+            ));
+        }
+        let page_error = |err| MigrateError::stream(phase, StreamError::Page { offset, err });
+        // Every index first: nothing of a batch is written unless all of it fits.
+        if let Some(&(page, _, _)) = b.entries.iter().find(|e| e.0 >= pages) {
+            return Err(page_error(PageError::OutOfRange { page, pages }));
+        }
+        for (i, &(p, enc, _)) in b.entries.iter().enumerate() {
+            b.page_into(i, &mut self.buf).map_err(page_error)?;
+            self.mem.stopped_write_page(p, &self.buf)?;
+            self.report.pages += 1;
+            self.report.zero_pages += (enc == stream::Encoding::Zero) as u64;
+        }
+        // At most MAX_BATCH_PAGES per batch: the sums cannot overflow before the sequence
+        // number would.
+        self.round_pages += b.entries.len() as u64;
+        send(out, &Msg::Ack { seq }, phase)?;
+        self.seq = seq
+            .checked_add(1)
+            .ok_or_else(|| protocol(phase, ProtocolError::Overflow { what: "batch" }))?;
+        Ok(())
+    }
+
+    /// The end of a round: it must be the round in progress and count the pages its batches
+    /// carried.
+    fn round_end(&mut self, round: u32, announced: u64, phase: &str) -> Result<(), MigrateError> {
+        if round != self.report.rounds {
+            return Err(protocol(
+                phase,
+                ProtocolError::RoundOrder {
+                    got: round,
+                    want: self.report.rounds,
+                },
+            ));
+        }
+        if announced != self.round_pages {
+            return Err(protocol(
+                phase,
+                ProtocolError::RoundPages {
+                    round,
+                    announced,
+                    received: self.round_pages,
+                },
+            ));
+        }
+        self.report.rounds = self
+            .report
+            .rounds
+            .checked_add(1)
+            .ok_or_else(|| protocol(phase, ProtocolError::Overflow { what: "round" }))?;
+        self.round_pages = 0;
+        Ok(())
+    }
+
+    /// Hashes of ranges `first..`: each range inside the guest and hashed once, compared
+    /// with this side's memory.
+    fn hashes(&mut self, first: u64, hashes: &[[u8; 32]], phase: &str) -> Result<(), MigrateError> {
+        if self.round_pages != 0 {
+            return Err(protocol(
+                phase,
+                ProtocolError::HashesMidRound {
+                    round: self.report.rounds,
+                },
+            ));
+        }
+        self.state = State::Hashes;
+        let t = Instant::now();
+        let count = hashes.len() as u64;
+        let end = first.checked_add(count);
+        if end.is_none_or(|e| e > self.nranges) {
+            return Err(protocol(
+                phase,
+                ProtocolError::HashRange {
+                    first,
+                    count,
+                    ranges: self.nranges,
+                },
+            ));
+        }
+        let pages = self.mem.pages();
+        for (k, h) in hashes.iter().enumerate() {
+            // `first + k < end <= nranges`: no overflow, and the index is in bounds.
+            let i = first + k as u64;
+            let seen = &mut self.hashed[i as usize];
+            if *seen {
+                return Err(protocol(phase, ProtocolError::HashTwice { range: i }));
+            }
+            *seen = true;
+            let (a, b) = verify::range_pages(i, RANGE_PAGES, pages);
+            // `b - a <= RANGE_PAGES`: the range fits the buffer.
+            let bytes = &mut self.range[..(b - a) as usize * PAGE_SIZE];
+            self.mem.stopped_read(a, b, bytes)?;
+            if &verify::hash_range(i, bytes) != h {
+                self.verdict.mismatched += 1;
+                if self.verdict.first.len() < 8 {
+                    self.verdict.first.push(i);
+                }
+            }
+        }
+        self.report.verify_time += t.elapsed();
+        Ok(())
+    }
+
+    /// The verification request: it must name this guest's ranges; a range without a hash
+    /// counts as differing. Answers the source, and fails unless everything matched.
+    fn verify(
+        &mut self,
+        ranges: u64,
+        range_pages: u32,
+        phase: &str,
+        out: &mut TcpStream,
+    ) -> Result<(), MigrateError> {
+        if ranges != self.nranges || range_pages != RANGE_PAGES {
+            return Err(protocol(
+                phase,
+                ProtocolError::VerifyLayout {
+                    ranges,
+                    range_pages,
+                    want_ranges: self.nranges,
+                    want_range_pages: RANGE_PAGES,
+                },
+            ));
+        }
+        let missing = self.hashed.iter().filter(|h| !**h).count() as u64;
+        self.verdict.mismatched += missing;
+        send(
+            out,
+            &Msg::Verified {
+                ranges: self.nranges,
+                mismatched: self.verdict.mismatched,
+                first: self.verdict.first.clone(),
+            },
+            phase,
+        )?;
+        if !self.verdict.ok() {
+            return Err(MigrateError::Verification {
+                ranges: self.nranges,
+                mismatched: self.verdict.mismatched,
+                range_pages: RANGE_PAGES,
+                first: self.verdict.describe_first(),
+            });
+        }
+        self.state = State::Verified;
+        Ok(())
+    }
+
+    /// The report at the commit: `t0` was the preamble, `bytes` the stream read.
+    fn finish(self, t0: Instant, bytes: u64) -> DestReport {
+        DestReport {
+            total: t0.elapsed(),
+            verify: self.verdict,
+            bytes,
+            ..self.report
+        }
+    }
+}
+
 /// Where the receive loop is in the protocol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -578,7 +662,7 @@ enum State {
 
 fn send(out: &mut TcpStream, m: &Msg, phase: &str) -> Result<(), MigrateError> {
     out.write_all(&stream::frame(m))
-        .map_err(|e| MigrateError::stream(phase.to_string(), StreamError::Io(e.to_string())))
+        .map_err(|e| MigrateError::stream(phase, StreamError::Io(Cause::new(e))))
 }
 
 fn protocol(phase: &str, why: ProtocolError) -> MigrateError {

@@ -1,6 +1,9 @@
 //! What can go wrong, as one readable line each.
 
-use crate::stream::{Shape, MAX_GUEST_BYTES, MAX_SLOTS, MAX_VCPUS, PAGE_SIZE};
+use crate::stream::{
+    Shape, MAX_BATCH_PAGES, MAX_GUEST_BYTES, MAX_HASHES, MAX_SLOTS, MAX_VCPUS, PAGE_SIZE,
+};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Why a stream could not be read: every way a peer's bytes can be wrong or missing. The
@@ -51,7 +54,7 @@ pub enum StreamError {
         /// Stream offset of the frame.
         offset: u64,
         /// What is wrong.
-        why: String,
+        why: Corruption,
     },
     /// A well-formed frame that the protocol does not allow here.
     #[error("protocol error: {0}")]
@@ -70,19 +73,99 @@ pub enum StreamError {
     Timeout(Duration),
     /// A socket error.
     #[error("connection error: {0}")]
-    Io(String),
+    Io(Cause),
 }
 
 impl StreamError {
     /// Maps a socket error, telling timeouts apart.
-    pub(crate) fn io(e: &std::io::Error, timeout: Duration) -> StreamError {
+    pub(crate) fn io(e: std::io::Error, timeout: Duration) -> StreamError {
         match e.kind() {
             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
                 StreamError::Timeout(timeout)
             }
-            _ => StreamError::Io(e.to_string()),
+            _ => StreamError::Io(Cause::new(e)),
         }
     }
+}
+
+/// What is wrong with a frame that failed its checksum or does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Corruption {
+    /// The header's own checksum failed.
+    #[error("checksum mismatch in a frame header")]
+    HeaderChecksum,
+    /// A frame longer than any the protocol sends.
+    #[error("frame length {len} exceeds the limit of {max}")]
+    FrameTooLong {
+        /// The announced length.
+        len: u32,
+        /// The limit.
+        max: u32,
+    },
+    /// The payload's checksum failed.
+    #[error("checksum mismatch in a frame of type {ty} and {len} bytes")]
+    PayloadChecksum {
+        /// The frame type.
+        ty: u8,
+        /// Its length.
+        len: u32,
+    },
+    /// A frame type this side does not know.
+    #[error("unknown frame type {0}")]
+    UnknownType(u8),
+    /// A hello listing more memslots than a guest may have.
+    #[error("hello lists {0} memslots (at most {MAX_SLOTS})")]
+    TooManySlots(usize),
+    /// A compression this side does not know.
+    #[error("unknown compression {0}")]
+    UnknownCompression(u8),
+    /// A batch of more pages than a batch may carry.
+    #[error("a batch of {0} pages (at most {MAX_BATCH_PAGES})")]
+    BatchTooBig(u32),
+    /// A compressed page of a length no page compresses to.
+    #[error("compressed page of {0} bytes")]
+    CompressedLen(usize),
+    /// A page encoding this side does not know.
+    #[error("unknown page encoding {0}")]
+    UnknownEncoding(u8),
+    /// More hashes in one frame than a frame may carry.
+    #[error("{0} hashes in one frame (at most {MAX_HASHES})")]
+    TooManyHashes(u32),
+    /// More examples of differing ranges than the protocol sends.
+    #[error("{0} mismatch examples")]
+    TooManyExamples(u32),
+    /// A field past the end of the payload.
+    #[error("frame payload ends early ({len} bytes, needed {need} more at {at})")]
+    EndsEarly {
+        /// Payload bytes.
+        len: usize,
+        /// Bytes the field needs.
+        need: usize,
+        /// Where it starts.
+        at: usize,
+    },
+    /// A count of entries that the rest of the payload cannot hold.
+    #[error("{count} entries of {size} bytes announced, {left} bytes left in the frame")]
+    Entries {
+        /// Entries announced.
+        count: usize,
+        /// Least bytes per entry.
+        size: usize,
+        /// Bytes left.
+        left: usize,
+    },
+    /// A boolean that is neither 0 nor 1.
+    #[error("flag byte {0}")]
+    Flag(u8),
+    /// A text longer than the protocol sends.
+    #[error("text of {0} bytes")]
+    TextLen(usize),
+    /// A text that is not UTF-8.
+    #[error("text is not UTF-8")]
+    NotUtf8,
+    /// Bytes after the message's last field.
+    #[error("{0} unexpected bytes after the message")]
+    Trailing(usize),
 }
 
 /// A well-formed frame the protocol does not allow where it arrived, or whose numbers do not
@@ -395,6 +478,14 @@ pub enum MemoryError {
         /// Its length.
         len: usize,
     },
+    /// A buffer for a range of pages that is not the range's size.
+    #[error("a buffer of {len} bytes for a range of {want} bytes")]
+    RangeBuffer {
+        /// Its length.
+        len: usize,
+        /// The range's size.
+        want: u64,
+    },
     /// A machine that maps less (or other) memory than its shape has.
     #[error("the machine maps {mapped:?} bytes for a guest of {pages} pages")]
     Mapped {
@@ -405,26 +496,69 @@ pub enum MemoryError {
     },
 }
 
-impl From<ShapeError> for GuestError {
-    fn from(e: ShapeError) -> GuestError {
-        GuestError(e.to_string())
+/// An error of another crate (the machine, the OS) kept with its source chain, shareable and
+/// comparable by what it says: machine errors are neither `Clone` nor `PartialEq`, and the
+/// errors here are both.
+#[derive(Debug, Clone)]
+pub struct Cause(pub Arc<dyn std::error::Error + Send + Sync>);
+
+impl Cause {
+    /// Wraps `e`.
+    pub fn new<E: std::error::Error + Send + Sync + 'static>(e: E) -> Cause {
+        Cause(Arc::new(e))
     }
 }
 
-impl From<MemoryError> for GuestError {
-    fn from(e: MemoryError) -> GuestError {
-        GuestError(e.to_string())
+impl std::fmt::Display for Cause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
     }
 }
+
+impl std::error::Error for Cause {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+impl PartialEq for Cause {
+    fn eq(&self, other: &Cause) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl Eq for Cause {}
 
 /// Why the guest machine refused an operation.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct GuestError(pub String);
+pub enum GuestError {
+    /// The machine (simulated or KVM) failed.
+    #[error(transparent)]
+    Machine(Cause),
+    /// The shape cannot be built.
+    #[error(transparent)]
+    Shape(#[from] ShapeError),
+    /// The machine's memory is not what the shape needs.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// `start` while a workload runs.
+    #[error("a workload is already running")]
+    AlreadyRunning,
+    /// A read share on the KVM guest, whose writer only writes.
+    #[error("the kvm guest's writer writes on every access: -w applies to --backend sim only")]
+    KvmReads,
+    /// The KVM burst driver's thread could not be started.
+    #[error("cannot start the burst driver: {0}")]
+    DriverThread(Cause),
+    /// The KVM burst driver's thread panicked.
+    #[error("the burst driver thread panicked")]
+    DriverPanicked,
+}
 
 impl GuestError {
-    pub(crate) fn from<E: std::fmt::Display>(e: E) -> GuestError {
-        GuestError(e.to_string())
+    /// A machine's error.
+    pub(crate) fn machine<E: std::error::Error + Send + Sync + 'static>(e: E) -> GuestError {
+        GuestError::Machine(Cause::new(e))
     }
 }
 
@@ -439,7 +573,7 @@ pub enum MigrateError {
         /// The address tried.
         addr: String,
         /// The socket error.
-        why: String,
+        why: Cause,
     },
     /// The stream broke or carried bad data (`phase`: where the migration was).
     #[error("{phase}: {err}")]
@@ -480,9 +614,20 @@ pub enum MigrateError {
     /// This destination will not take the source's guest (and told the source why).
     #[error("refused the incoming guest: {0}")]
     Rejected(#[from] HelloError),
-    /// A configuration value is unusable.
-    #[error("{0}")]
-    Config(String),
+    /// A batch size the stream cannot carry.
+    #[error("batch of {0} pages: between 1 and {MAX_BATCH_PAGES}")]
+    BatchPages(u32),
+    /// A thread of the migration could not be started.
+    #[error("cannot start a thread: {0}")]
+    Thread(Cause),
+    /// An attempt failed after the vCPUs stopped, and they could not run again on the source.
+    #[error("guest: {first}; then the guest could not be restarted on the source: {restart}")]
+    Restart {
+        /// Why the attempt failed.
+        first: Box<MigrateError>,
+        /// Why the guest did not start again.
+        restart: GuestError,
+    },
     /// A zero timeout: the peer could hold this side forever.
     #[error("the timeout must not be zero (a silent peer would hold this side forever)")]
     ZeroTimeout,

@@ -13,7 +13,7 @@
 //! as QEMU's CPU throttle does: the length of each burst follows the measured write speed so
 //! that the average rate matches the one asked for.
 
-use crate::error::{GuestError, MemoryError, ShapeError};
+use crate::error::{Cause, GuestError, MemoryError, ShapeError};
 use crate::page_set::PageSet;
 use crate::stream::{Shape, WorkSpec, PAGE_SIZE};
 use slat::{Ept, PteFormat, Stage2, VmConfig};
@@ -116,9 +116,10 @@ impl GuestSpec {
 /// [`Memory`] reads and writes guest memory through [`Guest::host_base`] without further
 /// checks, so an implementor guarantees: `[host_base(), host_base() + pages() * 4 KiB)` is
 /// mapped readable and writable, 8-byte aligned, and stays so for as long as the guest lives;
-/// its bytes are only ever accessed through raw pointers or atomics (never lent out as
-/// references) by the guest's own code; and [`Guest::running`] is true whenever any vCPU may
-/// write that memory.
+/// the guest's own code accesses its bytes only atomically (or, for a KVM vCPU, by hardware
+/// outside the program) and never lends them out as references, so [`Memory`]'s atomic
+/// accesses race with nothing; and [`Guest::running`] is true whenever any vCPU may write that
+/// memory.
 pub unsafe trait Guest: Send + Sync {
     /// The machine kind.
     fn backend(&self) -> BackendKind;
@@ -206,7 +207,7 @@ pub fn build(spec: &GuestSpec) -> Result<Arc<dyn Guest>, GuestError> {
                 dirty,
                 ..slat_kvm::KvmConfig::default()
             })
-            .map_err(GuestError::from)?;
+            .map_err(GuestError::machine)?;
             let l = m.layout();
             let mapped = l.bytes_per_vcpu.checked_mul(l.vcpus as u64);
             if mapped != Some(pages * PAGE_SIZE as u64) {
@@ -300,7 +301,7 @@ fn sim_guest<F: PteFormat>(
         }
         .into());
     }
-    let m = Machine::<F>::new(config).map_err(GuestError::from)?;
+    let m = Machine::<F>::new(config).map_err(GuestError::machine)?;
     // Every index is checked against `pages`; make sure the mapping really holds them.
     if m.ram().len() < pages * PAGE_SIZE as u64 {
         return Err(MemoryError::Mapped {
@@ -417,10 +418,10 @@ where
         self.pages
     }
     fn set_dirty_logging(&self, on: bool) -> Result<(), GuestError> {
-        TestMachine::set_dirty_logging(&*self.m, on).map_err(GuestError::from)
+        TestMachine::set_dirty_logging(&*self.m, on).map_err(GuestError::machine)
     }
     fn harvest(&self, into: &mut PageSet) -> Result<u64, GuestError> {
-        harvest(&*self.m, self.log, into).map_err(GuestError::from)
+        harvest(&*self.m, self.log, into).map_err(GuestError::machine)
     }
     fn start(&self, work: WorkSpec) -> Result<(), GuestError> {
         self.driver.start(&self.m, self.shape, work)
@@ -446,7 +447,7 @@ where
     fn populate(&self) -> Result<(), GuestError> {
         TestMachine::run_pass(&*self.m, PassParams::default())
             .map(drop)
-            .map_err(GuestError::from)
+            .map_err(GuestError::machine)
     }
 }
 
@@ -476,7 +477,7 @@ impl<F: PteFormat> Driver<Machine<F>> for PacedDriver {
             },
             pacer: self.pacer.clone(),
         }))
-        .map_err(GuestError::from)?;
+        .map_err(GuestError::machine)?;
         self.running.store(true, Ordering::SeqCst);
         Ok(())
     }
@@ -484,7 +485,7 @@ impl<F: PteFormat> Driver<Machine<F>> for PacedDriver {
         if !self.running.swap(false, Ordering::SeqCst) {
             return Ok(());
         }
-        m.halt().map(drop).map_err(GuestError::from)
+        m.halt().map(drop).map_err(GuestError::machine)
     }
     fn running(&self) -> bool {
         self.running.load(Ordering::SeqCst)
@@ -518,7 +519,7 @@ struct BurstControl {
     stop: AtomicBool,
     writes: AtomicU64,
     throttled_ns: AtomicU64,
-    error: Mutex<Option<String>>,
+    error: Mutex<Option<slat_kvm::KvmError>>,
 }
 
 /// A real guest on `/dev/kvm`: the guest's code has no rate control, so a driver thread runs
@@ -634,7 +635,7 @@ impl BurstDriver {
             Ok(())
         };
         if let Err(e) = r() {
-            *lock(&ctl.error) = Some(e.to_string());
+            *lock(&ctl.error) = Some(e);
         }
     }
 }
@@ -662,13 +663,10 @@ impl Driver<slat_kvm::KvmMachine> for BurstDriver {
     ) -> Result<(), GuestError> {
         let mut d = lock(&self.thread);
         if d.is_some() {
-            return Err(GuestError("a workload is already running".into()));
+            return Err(GuestError::AlreadyRunning);
         }
         if work.write_percent != 100 {
-            return Err(GuestError(
-                "the kvm guest's writer writes on every access: -w applies to --backend sim only"
-                    .into(),
-            ));
+            return Err(GuestError::KvmReads);
         }
         self.ctl.rate.store(work.rate, Ordering::Relaxed);
         self.ctl.stop.store(false, Ordering::Relaxed);
@@ -679,7 +677,7 @@ impl Driver<slat_kvm::KvmMachine> for BurstDriver {
         let h = std::thread::Builder::new()
             .name("kvm-burst".into())
             .spawn(move || BurstDriver::drive(m, ctl, seed, vcpus))
-            .map_err(|e| GuestError(format!("cannot start the burst driver: {e}")))?;
+            .map_err(|e| GuestError::DriverThread(Cause::new(e)))?;
         *d = Some(h);
         Ok(())
     }
@@ -689,10 +687,10 @@ impl Driver<slat_kvm::KvmMachine> for BurstDriver {
         };
         self.ctl.stop.store(true, Ordering::Relaxed);
         if h.join().is_err() {
-            return Err(GuestError("the burst driver thread panicked".into()));
+            return Err(GuestError::DriverPanicked);
         }
         match lock(&self.ctl.error).take() {
-            Some(e) => Err(GuestError(e)),
+            Some(e) => Err(GuestError::machine(e)),
             None => Ok(()),
         }
     }
@@ -706,10 +704,24 @@ impl Driver<slat_kvm::KvmMachine> for BurstDriver {
 
 /// Guest RAM of the test region, read and written by the host.
 ///
-/// Reads while vCPUs run use relaxed atomic loads word by word (a vCPU may be storing to the
-/// same page; the dirty log, not this read, is what makes the copy right). Whole-range slices
-/// and writes are only handed out while the vCPUs are stopped, which the caller states by
-/// calling the `stopped_*` methods and which they check.
+/// Every access goes through relaxed atomic loads and stores of aligned 8-byte words, and
+/// nothing here hands out a reference into guest memory. That is what keeps it sound from
+/// safe code: a vCPU storing to a page (atomically, as [`Guest`]'s contract requires), or
+/// another thread's `Memory` writing it, races with nothing here in the language's sense;
+/// at worst a copy holds a mix of old and new words, which the dirty log (during pre-copy)
+/// and the verification (at switch-over) account for.
+///
+/// The `stopped_*` methods also check that no vCPU runs: not for soundness but for meaning
+/// (a hash or a received page is only right for memory that does not change meanwhile).
+///
+/// Why copy out rather than lend `&[u8]` over guest memory: a slice would need the guest to
+/// stay stopped, and no other writer to run, for as long as it lives. A `running()` check when
+/// it is made does not ensure that (another holder of the `Arc<dyn Guest>` can start the vCPUs
+/// a moment later, and a data race on memory behind a shared reference is undefined
+/// behaviour); a guard blocking `Guest::start` would put a lock into every machine and a
+/// deadlock into any caller that forgot to drop it; an `unsafe fn` would move the problem to
+/// every caller. A copy of one verification range (256 KiB, reused) costs a cache-resident
+/// memcpy beside the BLAKE3 hash of the same bytes, and misuse is then impossible.
 pub struct Memory<'g> {
     guest: &'g dyn Guest,
     base: u64,
@@ -731,7 +743,8 @@ impl<'g> Memory<'g> {
         self.pages
     }
 
-    /// Host address of page `p`, or why there is none.
+    /// Host address of page `first`, for an access to pages `first..end`, or why there is
+    /// none.
     fn page_addr(&self, first: u64, end: u64) -> Result<u64, MemoryError> {
         if first > end || end > self.pages {
             return Err(MemoryError::OutOfRange {
@@ -744,42 +757,56 @@ impl<'g> Memory<'g> {
         Ok(self.base + first * PAGE_SIZE as u64)
     }
 
-    /// Copies page `p` into `out` (one page) while vCPUs may be writing it.
-    pub fn read_page(&self, p: u64, out: &mut [u8]) -> Result<(), MemoryError> {
-        if out.len() != PAGE_SIZE {
-            return Err(MemoryError::Buffer { len: out.len() });
+    /// Copies pages `first..end` into `out` (exactly their size) word by word, whether or not
+    /// vCPUs run.
+    fn load_pages(&self, first: u64, end: u64, out: &mut [u8]) -> Result<(), MemoryError> {
+        let addr = self.page_addr(first, end)?;
+        // `first <= end <= pages`, whose bytes fit the 48-bit guest space: no overflow.
+        let want = (end - first) * PAGE_SIZE as u64;
+        if out.len() as u64 != want {
+            return Err(MemoryError::RangeBuffer {
+                len: out.len(),
+                want,
+            });
         }
-        let src = self.page_addr(p, p.saturating_add(1))? as *const u64;
+        let src = addr as *const u64;
         for (i, chunk) in out.chunks_exact_mut(8).enumerate() {
-            // SAFETY: `p` is inside the test region (checked above against the pages the
-            // machine mapped), which stays mapped while the guest (borrowed by `self`) lives;
-            // `i < 512`, so the word is inside the page; the address is 8-byte aligned; vCPUs
-            // store to guest memory atomically, so an atomic load is the race-free way to read
-            // beside them.
+            // SAFETY: `[addr, addr + out.len())` is pages `first..end` of the test region
+            // (checked above against the pages the machine mapped), which stays mapped while
+            // the guest (borrowed by `self`) lives; `addr` is page aligned and
+            // `i * 8 < out.len()`, so the word is aligned and inside it. Every other access
+            // to guest memory is atomic (the vCPUs', by `Guest`'s contract, and this type's
+            // stores), so an atomic load races with nothing.
             let v = unsafe { AtomicU64::from_ptr(src.add(i) as *mut u64) }.load(Ordering::Relaxed);
             chunk.copy_from_slice(&v.to_ne_bytes());
         }
         Ok(())
     }
 
-    /// Pages `first..end` as bytes, while the vCPUs are stopped.
-    pub fn stopped_range(&self, first: u64, end: u64) -> Result<&[u8], MemoryError> {
+    /// Copies page `p` into `out` (one page) while vCPUs may be writing it.
+    pub fn read_page(&self, p: u64, out: &mut [u8]) -> Result<(), MemoryError> {
+        if out.len() != PAGE_SIZE {
+            return Err(MemoryError::Buffer { len: out.len() });
+        }
+        self.load_pages(p, p.saturating_add(1), out)
+    }
+
+    /// Copies pages `first..end` into `out` (exactly their size), while the vCPUs are stopped.
+    pub fn stopped_read(&self, first: u64, end: u64, out: &mut [u8]) -> Result<(), MemoryError> {
         if self.guest.running() {
             return Err(MemoryError::Running("read as a whole"));
         }
-        let addr = self.page_addr(first, end)?;
-        // SAFETY: the range lies in the test region (checked against the pages the machine
-        // mapped), mapped while the guest (borrowed by `self`) lives. Nothing writes it while
-        // the slice lives: no vCPU runs (checked above; only the migration that holds this
-        // borrow starts them), and the only host writer, `stopped_write_page`, is called by
-        // the same thread between hashes, never while a slice from here is alive (callers
-        // hash the slice and drop it at once).
-        Ok(unsafe {
-            std::slice::from_raw_parts(
-                addr as *const u8,
-                ((end - first) * PAGE_SIZE as u64) as usize,
-            )
-        })
+        self.load_pages(first, end, out)
+    }
+
+    /// Pages `first..end`, copied out while the vCPUs are stopped.
+    pub fn stopped_range(&self, first: u64, end: u64) -> Result<Vec<u8>, MemoryError> {
+        self.page_addr(first, end)?;
+        let want = (end - first) * PAGE_SIZE as u64;
+        let len = usize::try_from(want).map_err(|_| MemoryError::RangeBuffer { len: 0, want })?;
+        let mut out = vec![0u8; len];
+        self.stopped_read(first, end, &mut out)?;
+        Ok(out)
     }
 
     /// Writes page `p` while the vCPUs are stopped (the destination, before switch-over).
@@ -790,12 +817,17 @@ impl<'g> Memory<'g> {
         if data.len() != PAGE_SIZE {
             return Err(MemoryError::Buffer { len: data.len() });
         }
-        let addr = self.page_addr(p, p.saturating_add(1))?;
-        // SAFETY: page `p` is inside the mapped test region (checked above against the pages
-        // the machine mapped) and `data` is one page; no vCPU runs, and the destination is
-        // the only writer while it receives.
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, PAGE_SIZE);
+        let dst = self.page_addr(p, p.saturating_add(1))? as *const u64;
+        for (i, chunk) in data.chunks_exact(8).enumerate() {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(chunk);
+            // SAFETY: page `p` is inside the mapped test region (checked above against the
+            // pages the machine mapped), which stays mapped while the guest (borrowed by
+            // `self`) lives; `i < 512`, so the word is inside the page, 8-byte aligned. The
+            // store is atomic, like every other access to guest memory, so a vCPU started
+            // meanwhile or another writer races with nothing.
+            unsafe { AtomicU64::from_ptr(dst.add(i) as *mut u64) }
+                .store(u64::from_ne_bytes(w), Ordering::Relaxed);
         }
         Ok(())
     }

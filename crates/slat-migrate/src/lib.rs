@@ -50,8 +50,8 @@ pub mod verify;
 
 pub use destination::{DestConfig, DestReport, Destination, Factory};
 pub use error::{
-    GuestError, HelloError, MemoryError, MigrateError, PageError, ProtocolError, ShapeError,
-    StreamError,
+    Cause, Corruption, GuestError, HelloError, MemoryError, MigrateError, PageError, ProtocolError,
+    ShapeError, StreamError,
 };
 pub use guest::{BackendKind, Guest, GuestSpec, LogMode};
 pub use link::Faults;

@@ -34,7 +34,7 @@
 //! includes the final harvest, the final pages, hashing on both sides and one round trip.
 //! On any failure before `Commit` the vCPUs run again on the source.
 
-use crate::error::{MigrateError, ProtocolError, StreamError};
+use crate::error::{Cause, MigrateError, ProtocolError, StreamError};
 use crate::guest::{splitmix, Guest, Memory};
 use crate::link::{Faults, Link};
 use crate::page_set::PageSet;
@@ -302,21 +302,18 @@ impl Source {
             return Err(MigrateError::ZeroTimeout);
         }
         if self.cfg.batch_pages == 0 || self.cfg.batch_pages > MAX_BATCH_PAGES {
-            return Err(MigrateError::Config(format!(
-                "batch of {} pages: between 1 and {MAX_BATCH_PAGES}",
-                self.cfg.batch_pages
-            )));
+            return Err(MigrateError::BatchPages(self.cfg.batch_pages));
         }
         self.attempts += 1;
         let r = self.attempt(addr, progress);
         self.guest.set_throttle(0);
         if r.is_err() && !self.migrated && !self.guest.running() {
             // The guest stopped for the switch-over that did not happen: it runs on here.
-            if let Err(e) = self.guest.start(self.work) {
-                let first = r.err().map(|e| e.to_string()).unwrap_or_default();
-                return Err(MigrateError::Guest(crate::GuestError(format!(
-                    "{first}; then the guest could not be restarted on the source: {e}"
-                ))));
+            if let (Err(restart), Err(first)) = (self.guest.start(self.work), &r) {
+                return Err(MigrateError::Restart {
+                    first: Box::new(first.clone()),
+                    restart,
+                });
             }
         }
         r
@@ -330,7 +327,7 @@ impl Source {
         let t_connect = Instant::now();
         let stream = connect(addr, self.cfg.timeout)?;
         let io =
-            |e: std::io::Error| MigrateError::stream("connecting", StreamError::Io(e.to_string()));
+            |e: std::io::Error| MigrateError::stream("connecting", StreamError::Io(Cause::new(e)));
         stream.set_nodelay(true).map_err(io)?;
         stream
             .set_write_timeout(Some(self.cfg.timeout))
@@ -355,43 +352,20 @@ impl Source {
         r
     }
 
+    /// One attempt over `conn`: the handshake, pre-copy, stop-and-copy, verification and
+    /// switch-over, each a step below.
     fn run(
         &mut self,
         conn: &mut Conn,
         t_connect: Instant,
         progress: &mut dyn FnMut(Event<'_>),
     ) -> Result<MigrationReport, MigrateError> {
-        let shape = self.guest.shape();
-        let pages = self.guest.pages();
-        let faults = self.cfg.faults;
         let mut report = MigrationReport {
             attempt: self.attempts,
             range_pages: RANGE_PAGES,
             ..MigrationReport::default()
         };
-        // Handshake.
-        let phase = "handshake";
-        conn.send_raw(&stream::preamble(faults.version.unwrap_or(VERSION)), phase)?;
-        conn.send(
-            &Msg::Hello(Hello {
-                session: self.session,
-                attempt: self.attempts,
-                shape,
-                slots: shape.slot_layout(),
-                work: self.work,
-                compression: self.cfg.compression,
-                range_pages: RANGE_PAGES,
-                backend: self.guest.backend().name().into(),
-            }),
-            phase,
-        )?;
-        match conn.recv(phase)? {
-            Msg::Welcome { resume, backend } => {
-                report.resumed = resume;
-                report.dest_backend = backend;
-            }
-            m => return Err(unexpected(phase, &m)),
-        }
+        self.handshake(conn, &mut report)?;
         report.setup = t_connect.elapsed();
         if !report.resumed {
             // A destination that starts empty needs every page.
@@ -416,10 +390,83 @@ impl Source {
             builder: BatchBuilder::new(self.cfg.compression),
             seq: 0,
             batch: self.cfg.batch_pages as usize,
-            faults,
+            faults: self.cfg.faults,
         };
+        let round = self.precopy(conn, &mut sender, &mut ac, &mut report, progress)?;
 
-        // Pre-copy.
+        if let Some(d) = self.cfg.faults.pause_delay {
+            std::thread::sleep(d);
+        }
+        let t_pause = Instant::now();
+        self.guest.pause()?;
+        report.precopy = t_pause - t_connect;
+        report.guest_writes = self.guest.writes() - writes0;
+        report.throttled = self.guest.throttled().saturating_sub(throttled0);
+        self.stop_and_copy(conn, &mut sender, round, &mut report, progress)?;
+
+        let t = Instant::now();
+        report.verify_ranges = self.verify(conn)?;
+        report.verify = t.elapsed();
+
+        // Switch-over: from the written `Commit` on, the guest is the destination's.
+        conn.send(&Msg::Commit, "switch-over")?;
+        report.downtime = t_pause.elapsed();
+        report.total = t_connect.elapsed();
+        self.migrated = true;
+        // The destination runs the guest briefly and says so; not hearing it does not undo a
+        // committed switch-over.
+        if let Ok(Msg::Resumed { touched, micros }) = conn.recv("the destination's resume report") {
+            report.dest_resumed = Some((touched, Duration::from_micros(micros)));
+        }
+        report.throttle_max = ac.max();
+        report.throttle_changes = ac.changes.clone();
+        Ok(report)
+    }
+
+    /// Sends the preamble and the hello; records the destination's welcome in `report`.
+    fn handshake(
+        &mut self,
+        conn: &mut Conn,
+        report: &mut MigrationReport,
+    ) -> Result<(), MigrateError> {
+        let phase = "handshake";
+        let shape = self.guest.shape();
+        let version = self.cfg.faults.version.unwrap_or(VERSION);
+        conn.send_raw(&stream::preamble(version), phase)?;
+        conn.send(
+            &Msg::Hello(Hello {
+                session: self.session,
+                attempt: self.attempts,
+                shape,
+                slots: shape.slot_layout(),
+                work: self.work,
+                compression: self.cfg.compression,
+                range_pages: RANGE_PAGES,
+                backend: self.guest.backend().name().into(),
+            }),
+            phase,
+        )?;
+        match conn.recv(phase)? {
+            Msg::Welcome { resume, backend } => {
+                report.resumed = resume;
+                report.dest_backend = backend;
+                Ok(())
+            }
+            m => Err(unexpected(phase, &m)),
+        }
+    }
+
+    /// Pre-copy: round 0 sends everything owed; each later round first harvests, and ends
+    /// pre-copy when the rest fits `max_downtime` (or after `max_rounds`). Returns the number
+    /// of the round that comes next (the stop-and-copy round).
+    fn precopy(
+        &mut self,
+        conn: &mut Conn,
+        sender: &mut Sender,
+        ac: &mut AutoConverge,
+        report: &mut MigrationReport,
+        progress: &mut dyn FnMut(Event<'_>),
+    ) -> Result<u32, MigrateError> {
         let mut round = 0u32;
         loop {
             let dirtied = self.guest.harvest(&mut self.owed)?;
@@ -431,21 +478,8 @@ impl Source {
                     progress(Event::Throttle(t));
                 }
             }
-            let owed = self.owed.count();
-            if round > 0 {
-                let sent: u64 = report.rounds.iter().map(|r| r.bytes).sum();
-                let spent: Duration = report.rounds.iter().map(|r| r.time).sum();
-                let per_page = sent as f64 / report.pages().max(1) as f64;
-                let bw = rate(sent as f64, spent).max(1.0);
-                let expect = Duration::from_secs_f64(owed as f64 * per_page / bw);
-                report.expected_final = expect;
-                if expect <= self.cfg.max_downtime {
-                    report.converged = true;
-                    break;
-                }
-                if round > self.cfg.max_rounds || round == u32::MAX {
-                    break;
-                }
+            if round > 0 && self.precopy_done(round, report) {
+                return Ok(round);
             }
             let r = sender.round(
                 conn,
@@ -459,18 +493,37 @@ impl Source {
             report.rounds.push(r);
             round += 1;
         }
+    }
 
-        // Stop-and-copy.
-        if let Some(d) = faults.pause_delay {
-            std::thread::sleep(d);
+    /// Whether pre-copy ends before round `round` (> 0): the owed pages could be sent within
+    /// `max_downtime` at the bandwidth measured so far (recorded in `report`), or the rounds
+    /// are used up.
+    fn precopy_done(&self, round: u32, report: &mut MigrationReport) -> bool {
+        let owed = self.owed.count();
+        let sent: u64 = report.rounds.iter().map(|r| r.bytes).sum();
+        let spent: Duration = report.rounds.iter().map(|r| r.time).sum();
+        let per_page = sent as f64 / report.pages().max(1) as f64;
+        let bw = rate(sent as f64, spent).max(1.0);
+        let expect = Duration::from_secs_f64(owed as f64 * per_page / bw);
+        report.expected_final = expect;
+        if expect <= self.cfg.max_downtime {
+            report.converged = true;
+            return true;
         }
-        let t_pause = Instant::now();
-        self.guest.pause()?;
-        report.precopy = t_pause - t_connect;
-        report.guest_writes = self.guest.writes() - writes0;
-        report.throttled = self.guest.throttled().saturating_sub(throttled0);
+        round > self.cfg.max_rounds || round == u32::MAX
+    }
+
+    /// With the vCPUs paused: the final harvest, then the stop-and-copy round `round`.
+    fn stop_and_copy(
+        &mut self,
+        conn: &mut Conn,
+        sender: &mut Sender,
+        round: u32,
+        report: &mut MigrationReport,
+        progress: &mut dyn FnMut(Event<'_>),
+    ) -> Result<(), MigrateError> {
         let t = Instant::now();
-        if !faults.skip_final_harvest {
+        if !self.cfg.faults.skip_final_harvest {
             let dirtied = self.guest.harvest(&mut self.owed)?;
             // The last pre-copy round's writes reach up to the pause.
             if let Some(prev) = report.rounds.last_mut() {
@@ -492,28 +545,31 @@ impl Source {
         report.final_send = t.elapsed();
         progress(Event::Round(&last));
         report.rounds.push(last);
+        Ok(())
+    }
 
-        // Verification: hashes of memory as it is now, with the vCPUs stopped.
+    /// Verification: sends the hashes of memory as it is now (the vCPUs stopped) and the
+    /// request; returns the ranges the destination found all matching.
+    fn verify(&self, conn: &mut Conn) -> Result<u64, MigrateError> {
         let phase = "verification";
-        let t = Instant::now();
+        let pages = self.guest.pages();
         let mem = Memory::new(&*self.guest);
         let nranges = verify::ranges(pages, RANGE_PAGES);
-        let mut hashes = Vec::with_capacity(MAX_HASHES as usize);
+        let mut hashes = Vec::with_capacity(HASHES_PER_FRAME);
+        let mut buf = vec![0u8; RANGE_PAGES as usize * PAGE_SIZE];
         let mut first = 0u64;
         for i in 0..nranges {
             let (a, b) = verify::range_pages(i, RANGE_PAGES, pages);
-            hashes.push(verify::hash_range(i, mem.stopped_range(a, b)?));
+            // `b - a <= RANGE_PAGES`: the range fits the buffer.
+            let bytes = &mut buf[..(b - a) as usize * PAGE_SIZE];
+            mem.stopped_read(a, b, bytes)?;
+            hashes.push(verify::hash_range(i, bytes));
             // Frames of 256 hashes (64 MiB of guest memory): the destination hashes one
             // while the next is computed here.
-            if hashes.len() == 256 || i + 1 == nranges {
+            if hashes.len() == HASHES_PER_FRAME || i + 1 == nranges {
                 let n = hashes.len() as u64;
-                conn.send(
-                    &Msg::Hashes {
-                        first,
-                        hashes: std::mem::take(&mut hashes),
-                    },
-                    phase,
-                )?;
+                let hashes = std::mem::replace(&mut hashes, Vec::with_capacity(HASHES_PER_FRAME));
+                conn.send(&Msg::Hashes { first, hashes }, phase)?;
                 first += n;
             }
         }
@@ -544,27 +600,16 @@ impl Source {
                         first: v.describe_first(),
                     });
                 }
-                report.verify_ranges = ranges;
+                Ok(ranges)
             }
-            m => return Err(unexpected(phase, &m)),
+            m => Err(unexpected(phase, &m)),
         }
-        report.verify = t.elapsed();
-
-        // Switch-over.
-        conn.send(&Msg::Commit, "switch-over")?;
-        report.downtime = t_pause.elapsed();
-        report.total = t_connect.elapsed();
-        self.migrated = true;
-        // The destination runs the guest briefly and says so; not hearing it does not undo a
-        // committed switch-over.
-        if let Ok(Msg::Resumed { touched, micros }) = conn.recv("the destination's resume report") {
-            report.dest_resumed = Some((touched, Duration::from_micros(micros)));
-        }
-        report.throttle_max = ac.max();
-        report.throttle_changes = ac.changes.clone();
-        Ok(report)
     }
 }
+
+/// Hashes per `Hashes` frame.
+const HASHES_PER_FRAME: usize = 256;
+const _: () = assert!(HASHES_PER_FRAME <= MAX_HASHES as usize);
 
 /// The connection of one attempt.
 struct Conn {
@@ -580,7 +625,7 @@ impl Conn {
             // The destination may have said why it stopped reading.
             Err(e) => Err(self
                 .refusal()
-                .unwrap_or_else(|| MigrateError::stream(phase, StreamError::io(&e, self.timeout)))),
+                .unwrap_or_else(|| MigrateError::stream(phase, StreamError::io(e, self.timeout)))),
         }
     }
 
@@ -693,7 +738,7 @@ impl Sender {
             let frame = self.builder.frame();
             if let Err(e) = conn.link.write_all(frame) {
                 return Err(conn.refusal().unwrap_or_else(|| {
-                    MigrateError::stream(phase, StreamError::io(&e, conn.timeout))
+                    MigrateError::stream(phase, StreamError::io(e, conn.timeout))
                 }));
             }
             inflight.push_back((self.seq, chunk.to_vec()));
@@ -758,19 +803,16 @@ fn unexpected(phase: &str, m: &Msg) -> MigrateError {
 }
 
 fn connect(addr: &str, timeout: Duration) -> Result<TcpStream, MigrateError> {
-    let err = |why: String| MigrateError::Connect {
+    let err = |e: std::io::Error| MigrateError::Connect {
         addr: addr.to_string(),
-        why,
+        why: Cause::new(e),
     };
-    let addrs: Vec<_> = addr
-        .to_socket_addrs()
-        .map_err(|e| err(e.to_string()))?
-        .collect();
-    let mut last = "no address".to_string();
+    let addrs: Vec<_> = addr.to_socket_addrs().map_err(err)?.collect();
+    let mut last = std::io::Error::other("no address");
     for a in addrs {
         match TcpStream::connect_timeout(&a, timeout) {
             Ok(s) => return Ok(s),
-            Err(e) => last = e.to_string(),
+            Err(e) => last = e,
         }
     }
     Err(err(last))
@@ -813,6 +855,6 @@ fn spawn_reader(s: TcpStream, timeout: Duration) -> Result<(Inbox, JoinHandle<()
                 }
             }
         })
-        .map_err(|e| MigrateError::Config(format!("cannot start a thread: {e}")))?;
+        .map_err(|e| MigrateError::Thread(Cause::new(e)))?;
     Ok((rx, h))
 }

@@ -24,7 +24,7 @@
 //! The preamble is outside the frames so that a destination can reject another protocol
 //! version before trying to parse a frame whose layout may have changed.
 
-use crate::error::{PageError, ShapeError, StreamError};
+use crate::error::{Corruption, PageError, ShapeError, StreamError};
 use std::io::{Read, Write};
 use std::time::Duration;
 
@@ -441,135 +441,33 @@ impl Msg {
 
     /// Parses a frame whose checksum passed.
     fn decode(ty: u8, payload: Vec<u8>, offset: u64) -> Result<Msg, StreamError> {
+        if ty == T_PAGES {
+            // The batch keeps the payload: its pages are decoded where they are written.
+            return Dec::pages(payload, offset);
+        }
         let mut d = Dec {
             b: &payload,
             at: 0,
             offset,
         };
         let m = match ty {
-            T_HELLO => {
-                let session = d.u64()?;
-                let attempt = d.u32()?;
-                let shape = Shape {
-                    vcpus: d.u32()?,
-                    bytes_per_vcpu: d.u64()?,
-                    slots: d.u32()?,
-                    overlap: d.flag()?,
-                };
-                let n = d.u32()? as usize;
-                if n > MAX_SLOTS as usize {
-                    return Err(d.bad(format!("hello lists {n} memslots (at most {MAX_SLOTS})")));
-                }
-                d.need(n, 16)?;
-                let mut slots = Vec::with_capacity(n);
-                for _ in 0..n {
-                    slots.push((d.u64()?, d.u64()?));
-                }
-                let work = WorkSpec {
-                    write_percent: d.u32()?,
-                    random: d.flag()?,
-                    seed: d.u32()?,
-                    rate: d.u64()?,
-                };
-                let compression = match d.u8()? {
-                    0 => Compression::None,
-                    1 => Compression::Lz4,
-                    c => return Err(d.bad(format!("unknown compression {c}"))),
-                };
-                Msg::Hello(Hello {
-                    session,
-                    attempt,
-                    shape,
-                    slots,
-                    work,
-                    compression,
-                    range_pages: d.u32()?,
-                    backend: d.text()?,
-                })
-            }
+            T_HELLO => Msg::Hello(d.hello()?),
             T_WELCOME => Msg::Welcome {
                 resume: d.flag()?,
                 backend: d.text()?,
             },
             T_REFUSE => Msg::Refuse(d.text()?),
-            T_PAGES => {
-                let seq = d.u64()?;
-                let round = d.u32()?;
-                let n = d.u32()?;
-                if n > MAX_BATCH_PAGES {
-                    return Err(d.bad(format!("a batch of {n} pages (at most {MAX_BATCH_PAGES})")));
-                }
-                // Each entry is at least its page index and encoding.
-                d.need(n as usize, 9)?;
-                let mut entries = Vec::with_capacity(n as usize);
-                for _ in 0..n {
-                    let page = d.u64()?;
-                    let (enc, len) = match d.u8()? {
-                        0 => (Encoding::Zero, 0),
-                        1 => (Encoding::Raw, PAGE_SIZE),
-                        2 => {
-                            let len = d.u32()? as usize;
-                            if len == 0 || len > PAGE_SIZE + PAGE_SIZE / 255 + 16 {
-                                return Err(d.bad(format!("compressed page of {len} bytes")));
-                            }
-                            (Encoding::Lz4, len)
-                        }
-                        e => return Err(d.bad(format!("unknown page encoding {e}"))),
-                    };
-                    let start = d.at;
-                    d.skip(len)?;
-                    entries.push((page, enc, start..d.at));
-                }
-                d.end()?;
-                return Ok(Msg::Pages(Batch {
-                    seq,
-                    round,
-                    entries,
-                    data: payload,
-                }));
-            }
             T_ACK => Msg::Ack { seq: d.u64()? },
             T_ROUND_END => Msg::RoundEnd {
                 round: d.u32()?,
                 pages: d.u64()?,
             },
-            T_HASHES => {
-                let first = d.u64()?;
-                let n = d.u32()?;
-                if n > MAX_HASHES {
-                    return Err(d.bad(format!("{n} hashes in one frame (at most {MAX_HASHES})")));
-                }
-                d.need(n as usize, 32)?;
-                let mut hashes = Vec::with_capacity(n as usize);
-                for _ in 0..n {
-                    let mut h = [0u8; 32];
-                    h.copy_from_slice(d.bytes(32)?);
-                    hashes.push(h);
-                }
-                Msg::Hashes { first, hashes }
-            }
+            T_HASHES => d.hashes()?,
             T_VERIFY => Msg::Verify {
                 ranges: d.u64()?,
                 range_pages: d.u32()?,
             },
-            T_VERIFIED => {
-                let ranges = d.u64()?;
-                let mismatched = d.u64()?;
-                let n = d.u32()?;
-                if n > 64 {
-                    return Err(d.bad(format!("{n} mismatch examples")));
-                }
-                d.need(n as usize, 8)?;
-                let mut first = Vec::with_capacity(n as usize);
-                for _ in 0..n {
-                    first.push(d.u64()?);
-                }
-                Msg::Verified {
-                    ranges,
-                    mismatched,
-                    first,
-                }
-            }
+            T_VERIFIED => d.verified()?,
             T_COMMIT => Msg::Commit,
             T_RESUMED => Msg::Resumed {
                 touched: d.u64()?,
@@ -578,12 +476,137 @@ impl Msg {
             t => {
                 return Err(StreamError::Corrupt {
                     offset,
-                    why: format!("unknown frame type {t}"),
+                    why: Corruption::UnknownType(t),
                 })
             }
         };
         d.end()?;
         Ok(m)
+    }
+}
+
+impl Dec<'_> {
+    /// The fields of a hello (the memslot list bounded before it is allocated).
+    fn hello(&mut self) -> Result<Hello, StreamError> {
+        let d = self;
+        let session = d.u64()?;
+        let attempt = d.u32()?;
+        let shape = Shape {
+            vcpus: d.u32()?,
+            bytes_per_vcpu: d.u64()?,
+            slots: d.u32()?,
+            overlap: d.flag()?,
+        };
+        let n = d.u32()? as usize;
+        if n > MAX_SLOTS as usize {
+            return Err(d.bad(Corruption::TooManySlots(n)));
+        }
+        d.need(n, 16)?;
+        let mut slots = Vec::with_capacity(n);
+        for _ in 0..n {
+            slots.push((d.u64()?, d.u64()?));
+        }
+        let work = WorkSpec {
+            write_percent: d.u32()?,
+            random: d.flag()?,
+            seed: d.u32()?,
+            rate: d.u64()?,
+        };
+        let compression = match d.u8()? {
+            0 => Compression::None,
+            1 => Compression::Lz4,
+            c => return Err(d.bad(Corruption::UnknownCompression(c))),
+        };
+        Ok(Hello {
+            session,
+            attempt,
+            shape,
+            slots,
+            work,
+            compression,
+            range_pages: d.u32()?,
+            backend: d.text()?,
+        })
+    }
+
+    /// A batch of pages: its entries are located (each inside the payload) but not decoded.
+    fn pages(payload: Vec<u8>, offset: u64) -> Result<Msg, StreamError> {
+        let mut d = Dec {
+            b: &payload,
+            at: 0,
+            offset,
+        };
+        let seq = d.u64()?;
+        let round = d.u32()?;
+        let n = d.u32()?;
+        if n > MAX_BATCH_PAGES {
+            return Err(d.bad(Corruption::BatchTooBig(n)));
+        }
+        // Each entry is at least its page index and encoding.
+        d.need(n as usize, 9)?;
+        let mut entries = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            let page = d.u64()?;
+            let (enc, len) = match d.u8()? {
+                0 => (Encoding::Zero, 0),
+                1 => (Encoding::Raw, PAGE_SIZE),
+                2 => {
+                    let len = d.u32()? as usize;
+                    if len == 0 || len > PAGE_SIZE + PAGE_SIZE / 255 + 16 {
+                        return Err(d.bad(Corruption::CompressedLen(len)));
+                    }
+                    (Encoding::Lz4, len)
+                }
+                e => return Err(d.bad(Corruption::UnknownEncoding(e))),
+            };
+            let start = d.at;
+            d.skip(len)?;
+            entries.push((page, enc, start..d.at));
+        }
+        d.end()?;
+        Ok(Msg::Pages(Batch {
+            seq,
+            round,
+            entries,
+            data: payload,
+        }))
+    }
+
+    /// A frame of verification hashes (their count bounded before they are allocated).
+    fn hashes(&mut self) -> Result<Msg, StreamError> {
+        let first = self.u64()?;
+        let n = self.u32()?;
+        if n > MAX_HASHES {
+            return Err(self.bad(Corruption::TooManyHashes(n)));
+        }
+        self.need(n as usize, 32)?;
+        let mut hashes = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            let mut h = [0u8; 32];
+            h.copy_from_slice(self.bytes(32)?);
+            hashes.push(h);
+        }
+        Ok(Msg::Hashes { first, hashes })
+    }
+
+    /// The destination's verdict (at most 64 examples of differing ranges).
+    fn verified(&mut self) -> Result<Msg, StreamError> {
+        let ranges = self.u64()?;
+        let mismatched = self.u64()?;
+        let n = self.u32()?;
+        if n > 64 {
+            return Err(self.bad(Corruption::TooManyExamples(n)));
+        }
+        self.need(n as usize, 8)?;
+        let mut first = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            first.push(self.u64()?);
+        }
+        Ok(Msg::Verified {
+            ranges,
+            mismatched,
+            first,
+        })
     }
 }
 
@@ -712,7 +735,10 @@ pub struct FrameReader<R> {
 }
 
 impl<R: Read> FrameReader<R> {
-    /// Reads from `r`; `timeout` is the read timeout set on the socket, named in errors.
+    /// Reads from `r`; `timeout` is the read timeout set on the socket, named in errors, and
+    /// the time a frame's header or payload has to arrive in. A zero `timeout` sets no such
+    /// deadline: for readers over memory (a socket has none that is zero, and both ends of a
+    /// migration refuse a zero timeout before they read).
     pub fn new(r: R, timeout: Duration) -> FrameReader<R> {
         FrameReader {
             r,
@@ -770,13 +796,16 @@ impl<R: Read> FrameReader<R> {
         if crc32fast::hash(&h[..9]) != hcrc {
             return Err(StreamError::Corrupt {
                 offset: start,
-                why: "checksum mismatch in a frame header".into(),
+                why: Corruption::HeaderChecksum,
             });
         }
         if len > MAX_FRAME {
             return Err(StreamError::Corrupt {
                 offset: start,
-                why: format!("frame length {len} exceeds the limit of {MAX_FRAME}"),
+                why: Corruption::FrameTooLong {
+                    len,
+                    max: MAX_FRAME,
+                },
             });
         }
         let mut payload = vec![0u8; len as usize];
@@ -789,7 +818,7 @@ impl<R: Read> FrameReader<R> {
         if crc32fast::hash(&payload) != crc {
             return Err(StreamError::Corrupt {
                 offset: start,
-                why: format!("checksum mismatch in a frame of type {ty} and {len} bytes"),
+                why: Corruption::PayloadChecksum { ty, len },
             });
         }
         Msg::decode(ty, payload, start)
@@ -822,7 +851,7 @@ impl<R: Read> FrameReader<R> {
                     self.offset += n as u64;
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(StreamError::io(&e, self.timeout)),
+                Err(e) => return Err(StreamError::io(e, self.timeout)),
             }
         }
         Ok(true)
@@ -854,7 +883,7 @@ struct Dec<'a> {
 }
 
 impl<'a> Dec<'a> {
-    fn bad(&self, why: String) -> StreamError {
+    fn bad(&self, why: Corruption) -> StreamError {
         StreamError::Corrupt {
             offset: self.offset,
             why,
@@ -868,12 +897,11 @@ impl<'a> Dec<'a> {
                 self.at = e;
                 Ok(s)
             }
-            None => Err(self.bad(format!(
-                "frame payload ends early ({} bytes, needed {} more at {})",
-                self.b.len(),
-                n,
-                self.at
-            ))),
+            None => Err(self.bad(Corruption::EndsEarly {
+                len: self.b.len(),
+                need: n,
+                at: self.at,
+            })),
         }
     }
     fn skip(&mut self, n: usize) -> Result<(), StreamError> {
@@ -885,9 +913,7 @@ impl<'a> Dec<'a> {
         let left = self.b.len() - self.at;
         match count.checked_mul(size) {
             Some(n) if n <= left => Ok(()),
-            _ => Err(self.bad(format!(
-                "{count} entries of {size} bytes announced, {left} bytes left in the frame"
-            ))),
+            _ => Err(self.bad(Corruption::Entries { count, size, left })),
         }
     }
     fn u8(&mut self) -> Result<u8, StreamError> {
@@ -897,7 +923,7 @@ impl<'a> Dec<'a> {
         match self.u8()? {
             0 => Ok(false),
             1 => Ok(true),
-            v => Err(self.bad(format!("flag byte {v}"))),
+            v => Err(self.bad(Corruption::Flag(v))),
         }
     }
     fn u32(&mut self) -> Result<u32, StreamError> {
@@ -914,10 +940,10 @@ impl<'a> Dec<'a> {
         let s = self.bytes(2)?;
         let n = u16::from_le_bytes([s[0], s[1]]) as usize;
         if n > MAX_TEXT {
-            return Err(self.bad(format!("text of {n} bytes")));
+            return Err(self.bad(Corruption::TextLen(n)));
         }
         let t = self.bytes(n)?;
-        let t = std::str::from_utf8(t).map_err(|_| self.bad("text is not UTF-8".into()))?;
+        let t = std::str::from_utf8(t).map_err(|_| self.bad(Corruption::NotUtf8))?;
         // A peer's words end up in this side's one-line messages: no newlines, no escape
         // sequences for the terminal.
         let mut out = String::with_capacity(t.len());
@@ -934,10 +960,7 @@ impl<'a> Dec<'a> {
         if self.at == self.b.len() {
             Ok(())
         } else {
-            Err(self.bad(format!(
-                "{} unexpected bytes after the message",
-                self.b.len() - self.at
-            )))
+            Err(self.bad(Corruption::Trailing(self.b.len() - self.at)))
         }
     }
 }

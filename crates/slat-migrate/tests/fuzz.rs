@@ -918,9 +918,7 @@ fn serve(
         }
         let image = d.guest().map(|g: &Arc<dyn Guest>| {
             let m = Memory::new(&**g);
-            m.stopped_range(0, m.pages())
-                .map(<[u8]>::to_vec)
-                .unwrap_or_default()
+            m.stopped_range(0, m.pages()).unwrap_or_default()
         });
         let _ = tx.send((results, image));
     });

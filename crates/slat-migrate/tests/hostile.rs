@@ -336,3 +336,37 @@ fn a_trickling_source_times_out_within_the_frame_deadline() {
     );
     assert!(asked.lock().unwrap().is_empty(), "a machine was built");
 }
+
+/// Whole-range reads hand out copies, never references into guest memory: a guest started
+/// (or a page written) after the read cannot change what the caller holds, and a read while
+/// the vCPUs run is refused rather than returning a torn snapshot.
+#[test]
+fn whole_range_reads_are_copies_and_need_stopped_vcpus() {
+    let g = guest::build(&GuestSpec::sim(small(), LogMode::Get)).unwrap();
+    let mem = Memory::new(&*g);
+    mem.stopped_write_page(0, &[7u8; 4096]).unwrap();
+    let before = mem.stopped_range(0, 2).unwrap();
+    mem.stopped_write_page(0, &[9u8; 4096]).unwrap();
+    assert!(before[..4096].iter().all(|&b| b == 7));
+    let mut buf = vec![0u8; 4096];
+    assert!(
+        mem.stopped_read(0, 2, &mut buf).is_err(),
+        "a buffer of the wrong size"
+    );
+    mem.stopped_read(0, 1, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 9));
+    let work = stream::WorkSpec {
+        write_percent: 100,
+        random: true,
+        seed: 3,
+        rate: 1000,
+    };
+    g.start(work).unwrap();
+    assert!(mem.stopped_read(0, 1, &mut buf).is_err());
+    assert!(mem.stopped_range(0, 1).is_err());
+    assert!(mem.stopped_write_page(1, &[1u8; 4096]).is_err());
+    // Reading page by page beside running vCPUs is what pre-copy does.
+    mem.read_page(0, &mut buf).unwrap();
+    g.pause().unwrap();
+    assert!(before[..4096].iter().all(|&b| b == 7));
+}
