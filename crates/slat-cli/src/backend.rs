@@ -15,7 +15,7 @@ use slat_machine::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
 use slat_machine::ram::{Backing, GuestRam};
 use slat_machine::{Machine, MachineConfig};
 use slat_workload::{
-    native_baseline, DirtyConfig, Layout, PassParams, TestMachine, INITIALLY_SET,
+    native_baseline, DirtyConfig, Layout, PassParams, RegionSpec, TestMachine, INITIALLY_SET,
     MANUAL_PROTECT_ENABLE, PAGE_SIZE,
 };
 use std::ops::Range;
@@ -26,22 +26,8 @@ pub type Pass = slat_workload::PassReport;
 /// What to build, on either machine.
 #[derive(Debug, Clone, Copy)]
 pub struct Spec {
-    /// Host memory behind guest RAM.
-    pub backing: Backing,
-    /// vCPUs.
-    pub vcpus: usize,
-    /// Guest memory per vCPU (bytes, a multiple of 4 KiB).
-    pub bytes_per_vcpu: u64,
-    /// Memslots the test region is split into.
-    pub slots: usize,
-    /// Every vCPU accesses the whole region.
-    pub overlap: bool,
-    /// Pre-fault host memory.
-    pub prefault: bool,
-    /// Manual dirty-log protect with INITIALLY_SET (GET copies, CLEAR re-protects).
-    pub manual_protect: bool,
-    /// Dirty ring entries per vCPU (0: bitmaps).
-    pub ring_entries: u32,
+    /// The test region: shape, host memory, prefault, dirty logging (both machines).
+    pub region: RegionSpec,
     /// Second-stage page-table format (the simulated machine only).
     pub format: FormatArg,
     /// Engine switches (the simulated machine only).
@@ -53,17 +39,23 @@ pub struct Spec {
 }
 
 impl Spec {
-    /// How the machine logs dirty pages (the same on both machines).
-    fn dirty(&self) -> DirtyConfig {
-        DirtyConfig {
-            manual_protect: if self.manual_protect {
-                MANUAL_PROTECT_ENABLE | INITIALLY_SET
-            } else {
-                0
-            },
-            ring_entries: self.ring_entries,
-            ..DirtyConfig::default()
-        }
+    /// Manual dirty-log protect (GET copies, CLEAR re-protects).
+    pub fn manual_protect(&self) -> bool {
+        self.region.dirty.manual_protect != 0
+    }
+}
+
+/// How the CLI's benchmarks log: manual protect with INITIALLY_SET (GET copies, CLEAR
+/// re-protects), or `ring_entries` per vCPU (0: bitmaps).
+pub fn dirty_config(manual_protect: bool, ring_entries: u32) -> DirtyConfig {
+    DirtyConfig {
+        manual_protect: if manual_protect {
+            MANUAL_PROTECT_ENABLE | INITIALLY_SET
+        } else {
+            0
+        },
+        ring_entries,
+        ..DirtyConfig::default()
     }
 }
 
@@ -285,19 +277,15 @@ pub fn check_pinned(want: &[usize], got: &[Vec<usize>]) -> Result<(), String> {
 
 /// The simulated machine with page-table format `F`.
 fn sim_machine<F: PteFormat>(spec: &Spec) -> Result<Box<dyn Backend>, String> {
-    let m = Machine::<F>::new(MachineConfig {
-        vm: spec.vm,
-        backing: spec.backing,
-        vcpus: spec.vcpus,
-        bytes_per_vcpu: spec.bytes_per_vcpu,
-        slots: spec.slots,
-        overlap: spec.overlap,
-        tlb_entries: spec.tlb_entries,
-        pcpus: spec.pcpus,
-        prefault: spec.prefault,
-        dirty: spec.dirty(),
-        gpa: None,
-    })
+    let m = Machine::<F>::new(
+        MachineConfig {
+            vm: spec.vm,
+            tlb_entries: spec.tlb_entries,
+            pcpus: spec.pcpus,
+            ..MachineConfig::default()
+        }
+        .with_region(&spec.region),
+    )
     .map_err(text)?;
     Ok(Box::new(m))
 }
@@ -312,17 +300,9 @@ pub fn create(kind: BackendArg, spec: &Spec) -> Result<Box<dyn Backend>, String>
         BackendArg::Kvm => {
             // Checked with the other flags; a backstop for a caller that forgot.
             spec.format.check_backends(&[kind])?;
-            let m = slat_kvm::KvmMachine::new(slat_kvm::KvmConfig {
-                backing: spec.backing,
-                vcpus: spec.vcpus,
-                bytes_per_vcpu: spec.bytes_per_vcpu,
-                slots: spec.slots,
-                overlap: spec.overlap,
-                prefault: spec.prefault,
-                dirty: spec.dirty(),
-                ..slat_kvm::KvmConfig::default()
-            })
-            .map_err(text)?;
+            let m =
+                slat_kvm::KvmMachine::new(slat_kvm::KvmConfig::default().with_region(&spec.region))
+                    .map_err(text)?;
             Ok(Box::new(m))
         }
     }

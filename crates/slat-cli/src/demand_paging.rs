@@ -18,6 +18,7 @@ use slat_machine::ram::format_size;
 use slat_machine::PassParams;
 use slat_workload::uffd::{self, UffdMode, UffdReport, UffdServer};
 use slat_workload::MEMSTRESS_PATTERN;
+use slat_workload::{DirtyConfig, RegionSpec};
 use std::time::Duration;
 
 /// `-u`: how userfaultfd resolves first touches.
@@ -286,19 +287,20 @@ fn check(a: &DemandPagingArgs) -> Result<(), String> {
 
 fn spec(a: &DemandPagingArgs) -> Spec {
     Spec {
+        region: RegionSpec {
+            backing: a.work.backing,
+            vcpus: a.work.vcpus as usize,
+            bytes_per_vcpu: a.work.bytes,
+            slots: 1,
+            overlap: a.work.overlap,
+            // With -u the handlers must see every first touch: nothing is populated up front.
+            prefault: !a.machine.no_prefault && a.uffd.is_none(),
+            dirty: DirtyConfig::default(),
+        },
         format: a.machine.format,
         vm: a.machine.vm_config(),
-        backing: a.work.backing,
-        vcpus: a.work.vcpus as usize,
-        bytes_per_vcpu: a.work.bytes,
-        slots: 1,
-        overlap: a.work.overlap,
         tlb_entries: a.machine.tlb_entries,
         pcpus: a.machine.pcpus.unwrap_or(0),
-        // With -u the handlers must see every first touch: nothing is populated up front.
-        prefault: !a.machine.no_prefault && a.uffd.is_none(),
-        manual_protect: false,
-        ring_entries: 0,
     }
 }
 
@@ -313,7 +315,7 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
             sim_format(kind, a.machine.format),
             format_size(a.work.bytes * a.work.vcpus as u64),
             a.work.backing,
-            if cfg.prefault {
+            if cfg.region.prefault {
                 " (pre-faulting host pages)"
             } else {
                 ""
@@ -354,7 +356,7 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
 
     let p = Phase::start("native baseline: same pattern on host memory", q);
     // With -u the guest RAM was not pre-faulted, nor is the baseline's: both pay first touch.
-    let native_ram = Native::new(kind, layout, a.work.backing, cfg.prefault)?;
+    let native_ram = Native::new(kind, layout, a.work.backing, cfg.region.prefault)?;
     let native = native_ram.run(params)?;
     drop(native_ram);
     p.done();
@@ -381,7 +383,7 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
         &cfg.vm,
         cfg.tlb_entries,
         sim.as_ref().map(|(_, p)| *p),
-        cfg.prefault,
+        cfg.region.prefault,
     );
     Ok(Report {
         benchmark: NAME,

@@ -6,7 +6,7 @@ use crate::args::{
     check_backends, check_kvm_ring, ring_size, BackendArg, DirtyArgs, MachineArgs, OutputArgs,
     PinArgs, Workload,
 };
-use crate::backend::{self, kvm_stats_line, Backend, Native, Pass, Sim, Spec};
+use crate::backend::{self, dirty_config, kvm_stats_line, Backend, Native, Pass, Sim, Spec};
 use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
 use crate::output::{
@@ -21,6 +21,7 @@ use clap::Args;
 use serde::Serialize;
 use slat_machine::ram::format_size;
 use slat_machine::PassParams;
+use slat_workload::RegionSpec;
 use std::time::{Duration, Instant};
 
 /// Flags of `slat dirty-log-perf` (the selftest's, plus slat's variant switches).
@@ -363,18 +364,22 @@ fn check(a: &DirtyLogPerfArgs) -> Result<(), String> {
 /// The machine spec the flags describe.
 fn spec(a: &DirtyLogPerfArgs) -> Spec {
     Spec {
+        region: RegionSpec {
+            backing: a.work.backing,
+            vcpus: a.work.vcpus as usize,
+            bytes_per_vcpu: a.work.bytes,
+            slots: a.slots as usize,
+            overlap: a.work.overlap,
+            prefault: !a.machine.no_prefault,
+            dirty: dirty_config(
+                a.dirty_ring.is_none() && !a.no_manual,
+                a.dirty_ring.unwrap_or(0),
+            ),
+        },
         format: a.machine.format,
         vm: a.dirty.apply(a.machine.vm_config()),
-        backing: a.work.backing,
-        vcpus: a.work.vcpus as usize,
-        bytes_per_vcpu: a.work.bytes,
-        slots: a.slots as usize,
-        overlap: a.work.overlap,
         tlb_entries: a.machine.tlb_entries,
         pcpus: a.machine.pcpus.unwrap_or(0),
-        prefault: !a.machine.no_prefault,
-        manual_protect: a.dirty_ring.is_none() && !a.no_manual,
-        ring_entries: a.dirty_ring.unwrap_or(0),
     }
 }
 
@@ -395,7 +400,7 @@ fn build(
         quiet(a.out.json),
     );
     let m = backend::create(kind, cfg)?;
-    let native = Native::new(kind, m.layout(), a.work.backing, cfg.prefault)?;
+    let native = Native::new(kind, m.layout(), a.work.backing, cfg.region.prefault)?;
     p.done();
     Ok((m, native))
 }
@@ -425,7 +430,7 @@ impl Harvest {
     /// Harvests the log into `it`: the rings, or GET (and CLEAR under manual protect) on every
     /// slot.
     fn run(&mut self, m: &dyn Backend, spec: &Spec, it: &mut Iteration) -> CliResult {
-        if spec.ring_entries != 0 {
+        if spec.region.dirty.ring_entries != 0 {
             let t0 = Instant::now();
             it.dirty_pages = m.collect_dirty_rings();
             it.get = t0.elapsed();
@@ -439,7 +444,7 @@ impl Harvest {
             it.dirty_pages += m.get_dirty_log(id, b)?;
         }
         it.get = t0.elapsed();
-        if spec.manual_protect {
+        if spec.region.dirty.manual_protect != 0 {
             let t0 = Instant::now();
             for (&id, b) in self.slots.iter().zip(self.bitmaps.iter()) {
                 m.clear_dirty_log(id, 0, self.pages_per_slot, b)?;
@@ -523,7 +528,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
     let pcpus = m.sim().map(|s| s.pcpus());
     let mut machine_lines = match m.sim() {
         Some(sim) => engine_lines(a, sim, &cfg),
-        None => kvm_lines(a, &stats, cfg.manual_protect),
+        None => kvm_lines(a, &stats, cfg.manual_protect()),
     };
     machine_lines.extend(pinned_line(pinned_cpus.as_deref()));
     let get_total = iterations.iter().map(|i| i.get).sum();
@@ -534,7 +539,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         &cfg.vm,
         cfg.tlb_entries,
         pcpus,
-        cfg.prefault,
+        cfg.region.prefault,
     );
     Ok(Report {
         benchmark: NAME,
@@ -552,7 +557,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
             write_percent: a.write_percent,
             slots: a.slots,
             seed: a.seed,
-            manual_protect: cfg.manual_protect,
+            manual_protect: cfg.manual_protect(),
             dirty_ring: a.dirty_ring,
             pinned_cpus,
         },
@@ -695,7 +700,7 @@ fn engine_lines(a: &DirtyLogPerfArgs, m: &dyn Sim, cfg: &Spec) -> Vec<String> {
         cfg.format.name(),
         cfg.vm.mmu_lock.name(),
         on_off(cfg.vm.fast_pf),
-        log_kind(a, cfg.manual_protect),
+        log_kind(a, cfg.manual_protect()),
         cfg.vm.get_log.name(),
         cfg.vm.dirty_track.name(),
         on_off(cfg.vm.eager_split),

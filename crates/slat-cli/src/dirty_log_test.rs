@@ -7,7 +7,7 @@ use crate::args::{
     check_backends, check_kvm_ring, ring_size, BackendArg, DirtyArgs, MachineArgs, OutputArgs,
     TrackArg, Workload,
 };
-use crate::backend::{self, Spec};
+use crate::backend::{self, dirty_config, Spec};
 use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
 use crate::output::{print_json, Better, Metric, Repeated, VmSettings};
@@ -18,6 +18,7 @@ use serde::Serialize;
 use slat::dirty::inject;
 use slat_machine::dirty_oracle::{LogMode, OracleConfig};
 use slat_machine::ram::format_size;
+use slat_workload::RegionSpec;
 use std::time::Duration;
 
 /// `-M`: which harvest protocols to check.
@@ -396,18 +397,19 @@ const METRICS: &[Metric<Report>] = &[
 fn spec(a: &DirtyLogTestArgs, vm: slat::VmConfig, mode: LogMode, ring: u32) -> Spec {
     let dirty = mode.dirty_config(ring);
     Spec {
+        region: RegionSpec {
+            backing: a.work.backing,
+            vcpus: a.work.vcpus as usize,
+            bytes_per_vcpu: a.work.bytes + EXTRA_BYTES,
+            slots: 1,
+            overlap: a.work.overlap,
+            prefault: !a.machine.no_prefault,
+            dirty: dirty_config(dirty.manual_protect != 0, dirty.ring_entries),
+        },
         format: a.machine.format,
         vm,
-        backing: a.work.backing,
-        vcpus: a.work.vcpus as usize,
-        bytes_per_vcpu: a.work.bytes + EXTRA_BYTES,
-        slots: 1,
-        overlap: a.work.overlap,
         tlb_entries: a.machine.tlb_entries,
         pcpus: a.machine.pcpus.unwrap_or(0),
-        prefault: !a.machine.no_prefault,
-        manual_protect: dirty.manual_protect != 0,
-        ring_entries: dirty.ring_entries,
     }
 }
 
@@ -423,7 +425,7 @@ fn check_mode(
             "{}{}: mapping {} of {} guest RAM",
             kind.name(),
             sim_format(kind, a.machine.format),
-            format_size(cfg.bytes_per_vcpu * a.work.vcpus as u64),
+            format_size(cfg.region.bytes_per_vcpu * a.work.vcpus as u64),
             a.work.backing
         ),
         quiet(a.out.json),

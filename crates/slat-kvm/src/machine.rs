@@ -64,6 +64,22 @@ pub struct KvmConfig {
     pub device: String,
 }
 
+impl KvmConfig {
+    /// This configuration with the test region `r` (shape, backing, prefault, dirty logging).
+    pub fn with_region(self, r: &slat_workload::RegionSpec) -> KvmConfig {
+        KvmConfig {
+            backing: r.backing,
+            vcpus: r.vcpus,
+            bytes_per_vcpu: r.bytes_per_vcpu,
+            slots: r.slots,
+            overlap: r.overlap,
+            prefault: r.prefault,
+            dirty: r.dirty,
+            ..self
+        }
+    }
+}
+
 impl Default for KvmConfig {
     fn default() -> Self {
         KvmConfig {

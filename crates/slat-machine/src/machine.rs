@@ -47,6 +47,22 @@ pub struct MachineConfig {
     pub gpa: Option<u64>,
 }
 
+impl MachineConfig {
+    /// This configuration with the test region `r` (shape, backing, prefault, dirty logging).
+    pub fn with_region(self, r: &slat_workload::RegionSpec) -> MachineConfig {
+        MachineConfig {
+            backing: r.backing,
+            vcpus: r.vcpus,
+            bytes_per_vcpu: r.bytes_per_vcpu,
+            slots: r.slots,
+            overlap: r.overlap,
+            prefault: r.prefault,
+            dirty: r.dirty,
+            ..self
+        }
+    }
+}
+
 impl Default for MachineConfig {
     fn default() -> Self {
         MachineConfig {

@@ -18,7 +18,7 @@ use crate::page_set::PageSet;
 use crate::stream::{Shape, WorkSpec, PAGE_SIZE};
 use slat::{Ept, PteFormat, Stage2, VmConfig};
 use slat_machine::{Backing, Machine, MachineConfig, PacedParams, Pacer, PassParams, Workload};
-use slat_workload::{DirtyConfig, TestMachine, INITIALLY_SET, MANUAL_PROTECT_ENABLE};
+use slat_workload::{DirtyConfig, RegionSpec, TestMachine, INITIALLY_SET, MANUAL_PROTECT_ENABLE};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -175,21 +175,24 @@ pub fn build(spec: &GuestSpec) -> Result<Arc<dyn Guest>, GuestError> {
             ..DirtyConfig::default()
         },
     };
+    let region = RegionSpec {
+        backing: spec.backing,
+        vcpus: s.vcpus as usize,
+        bytes_per_vcpu: s.bytes_per_vcpu,
+        slots: s.slots as usize,
+        overlap: s.overlap,
+        prefault: spec.prefault,
+        dirty,
+    };
     match spec.backend {
         BackendKind::Sim => {
             let config = MachineConfig {
                 vm: spec.vm,
-                backing: spec.backing,
-                vcpus: s.vcpus as usize,
-                bytes_per_vcpu: s.bytes_per_vcpu,
-                slots: s.slots as usize,
-                overlap: s.overlap,
                 tlb_entries: spec.tlb_entries,
                 pcpus: spec.pcpus,
-                prefault: spec.prefault,
-                dirty,
-                gpa: None,
-            };
+                ..MachineConfig::default()
+            }
+            .with_region(&region);
             if spec.stage2 {
                 sim_guest::<Stage2>(config, s, pages, spec.log)
             } else {
@@ -197,17 +200,8 @@ pub fn build(spec: &GuestSpec) -> Result<Arc<dyn Guest>, GuestError> {
             }
         }
         BackendKind::Kvm => {
-            let m = slat_kvm::KvmMachine::new(slat_kvm::KvmConfig {
-                backing: spec.backing,
-                vcpus: s.vcpus as usize,
-                bytes_per_vcpu: s.bytes_per_vcpu,
-                slots: s.slots as usize,
-                overlap: s.overlap,
-                prefault: spec.prefault,
-                dirty,
-                ..slat_kvm::KvmConfig::default()
-            })
-            .map_err(GuestError::machine)?;
+            let m = slat_kvm::KvmMachine::new(slat_kvm::KvmConfig::default().with_region(&region))
+                .map_err(GuestError::machine)?;
             let l = m.layout();
             let mapped = l.bytes_per_vcpu.checked_mul(l.vcpus as u64);
             if mapped != Some(pages * PAGE_SIZE as u64) {

@@ -113,6 +113,42 @@ impl RegionSize {
     }
 }
 
+/// What to build on either machine: the test region's shape, the host memory behind it and
+/// how it logs dirty pages. `slat_machine::MachineConfig::with_region` and
+/// `slat_kvm::KvmConfig::with_region` take it, so a caller that drives both machines (the CLI,
+/// migration) describes the region once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegionSpec {
+    /// Host memory behind the region.
+    pub backing: crate::Backing,
+    /// vCPUs (one thread each).
+    pub vcpus: usize,
+    /// Memory per vCPU (bytes, a multiple of 4 KiB).
+    pub bytes_per_vcpu: u64,
+    /// Memslots the region is split into (ids [`FIRST_SLOT`]`..`).
+    pub slots: usize,
+    /// Every vCPU accesses the whole region instead of its own partition (`-o`).
+    pub overlap: bool,
+    /// Populate host memory at set-up, so guest accesses take no host page faults.
+    pub prefault: bool,
+    /// How the memslots log dirty pages.
+    pub dirty: crate::DirtyConfig,
+}
+
+impl Default for RegionSpec {
+    fn default() -> Self {
+        RegionSpec {
+            backing: crate::Backing::Anonymous,
+            vcpus: 1,
+            bytes_per_vcpu: 1 << 30,
+            slots: 1,
+            overlap: false,
+            prefault: true,
+            dirty: crate::DirtyConfig::default(),
+        }
+    }
+}
+
 /// What a machine's test region is: where it is, how many memslots it is split into, and how
 /// they log dirty pages. Fixed when the machine is built; [`crate::TestMachine`] derives its
 /// shape queries from it.

@@ -58,7 +58,7 @@ pub use backing::Backing;
 pub use dirty_config::{DirtyConfig, INITIALLY_SET, MANUAL_PROTECT_ENABLE};
 pub use error::WorkloadError;
 pub use guest_ram::{GuestRam, RamError};
-pub use layout::{Layout, RegionSize, TestRegion, FIRST_SLOT, PAGE_SHIFT, PAGE_SIZE};
+pub use layout::{Layout, RegionSize, RegionSpec, TestRegion, FIRST_SLOT, PAGE_SHIFT, PAGE_SIZE};
 pub use native::native_baseline;
 pub use pass::{PassReport, VcpuPass};
 pub use pattern::{native_pass, ParkMiller, PassParams, Pattern, WriterPattern, MEMSTRESS_PATTERN};
