@@ -96,7 +96,9 @@ impl Chart<'_> {
             .margin(16)
             .x_label_area_size(48)
             .y_label_area_size(80)
-            .build_cartesian_2d(x0..x1, 0.0..y1 * 1.1)
+            // Headroom above the data for the legend (upper right), one row per series, so
+            // it does not hide the highest points.
+            .build_cartesian_2d(x0..x1, 0.0..y1 * (1.1 + 0.09 * self.series.len() as f64))
             .map_err(|e| plot_err(path, e))?;
         let names = self.x_names.clone();
         let x_fmt = move |x: &f64| match &names {
