@@ -41,6 +41,45 @@ pub fn tlb_entries(s: &str) -> Result<usize, String> {
     Ok(v)
 }
 
+/// An engine variant enum as a flag value: its spellings (`slat::config`) are the possible
+/// values clap lists and checks, and the enum's own `FromStr` parses them, so the choices are
+/// declared once, in the engine.
+pub trait Variant: Copy + Send + Sync + std::str::FromStr + 'static {
+    /// Every variant.
+    const ALL: &'static [Self];
+    /// Its spelling.
+    fn name(self) -> &'static str;
+}
+
+macro_rules! variant {
+    ($($ty:ty),+) => {$(
+        impl Variant for $ty {
+            const ALL: &'static [Self] = <$ty>::ALL;
+            fn name(self) -> &'static str {
+                <$ty>::name(self)
+            }
+        }
+    )+};
+}
+variant!(
+    MmuLockKind,
+    CmoPolicy,
+    RebuildOrder,
+    GetLogVariant,
+    RecoverVariant,
+    DirtyTrack
+);
+
+/// The clap value parser of an engine variant enum (see [`Variant`]).
+pub fn variant<T: Variant>() -> impl clap::builder::TypedValueParser<Value = T>
+where
+    T::Err: std::error::Error + Send + Sync + 'static,
+{
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(T::ALL.iter().map(|v| v.name()))
+        .try_map(|s| s.parse::<T>())
+}
+
 /// On or off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Switch {
@@ -55,15 +94,6 @@ impl Switch {
     pub fn on(self) -> bool {
         self == Switch::On
     }
-}
-
-/// The MMU lock variant.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LockArg {
-    /// Reader/writer lock, faults in parallel (default; KVM's TDP MMU).
-    Rwlock,
-    /// One big lock, every fault exclusive (KVM's legacy MMU).
-    Mutex,
 }
 
 /// The second-stage page-table format of a simulated VM.
@@ -155,29 +185,6 @@ impl FormatArg {
     }
 }
 
-/// Cache maintenance policy for new mappings (formats that need it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum CmoArg {
-    /// Every translation fault cleans the range it would map first, even if another vCPU
-    /// mapped it meanwhile (what KVM arm64 did before cleaning moved to the installing fault).
-    Always,
-    /// Only the fault that installs the leaf cleans it, inside the break-before-make window
-    /// (a fault that finds the range already mapped does no cache maintenance).
-    OnInstall,
-}
-
-/// Order of a table-to-block rebuild under break-before-make.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum RebuildArg {
-    /// Invalidate, flush, free the old sub-tables, then install the block: the entry is
-    /// invalid for the whole teardown, and vCPUs touching it fault meanwhile (what KVM arm64
-    /// did before reordering the rebuild).
-    BreakFirst,
-    /// Invalidate, flush, install the block, then free the sub-tables: the entry is invalid
-    /// only across the flush.
-    InstallFirst,
-}
-
 /// Engine and machine variant switches common to every simulated benchmark.
 #[derive(Debug, Clone, Args)]
 pub struct MachineArgs {
@@ -189,11 +196,11 @@ pub struct MachineArgs {
     /// Cache maintenance of new mappings: `always` (every translation fault cleans the range
     /// first) or `on-install` (only the fault that installs the leaf). Only stage2 does cache
     /// maintenance; no effect with --format ept.
-    #[arg(long = "cmo", value_enum, default_value = "on-install")]
-    pub cmo: CmoArg,
+    #[arg(long = "cmo", value_parser = variant::<CmoPolicy>(), default_value = "on-install")]
+    pub cmo: CmoPolicy,
     /// MMU lock: `rwlock` lets faults run in parallel; `mutex` makes every fault exclusive.
-    #[arg(long = "mmu-lock", value_enum, default_value = "rwlock")]
-    pub mmu_lock: LockArg,
+    #[arg(long = "mmu-lock", value_parser = variant::<MmuLockKind>(), default_value = "rwlock")]
+    pub mmu_lock: MmuLockKind,
     /// Lock-free fast page fault for write-protection and access-tracking faults.
     #[arg(long = "fast-pf", value_enum, default_value = "on")]
     pub fast_pf: Switch,
@@ -224,53 +231,13 @@ impl MachineArgs {
     /// The engine configuration these flags select.
     pub fn vm_config(&self) -> VmConfig {
         VmConfig {
-            mmu_lock: match self.mmu_lock {
-                LockArg::Rwlock => MmuLockKind::RwLock,
-                LockArg::Mutex => MmuLockKind::Mutex,
-            },
+            mmu_lock: self.mmu_lock,
             fast_pf: self.fast_pf.on(),
             ad_bits: self.ad_bits.on(),
-            cmo: match self.cmo {
-                CmoArg::Always => CmoPolicy::Always,
-                CmoArg::OnInstall => CmoPolicy::OnInstall,
-            },
+            cmo: self.cmo,
             ..VmConfig::default()
         }
     }
-}
-
-/// GET_DIRTY_LOG variant.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum GetLogArg {
-    /// One atomic exchange per non-zero bitmap word (KVM today).
-    Xchg,
-    /// Switch to a second bitmap, then read the old one without atomics (a proposed
-    /// optimization of KVM's GET_DIRTY_LOG).
-    Switch,
-}
-
-/// Huge-page recovery variant.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum RecoverArg {
-    /// Replace each 4 KiB table with one huge leaf in place (KVM 6.12+).
-    Inplace,
-    /// Zap the slot and let faults rebuild huge leaves.
-    Zap,
-    /// Leave the 4 KiB tables; a later translation fault where the backing allows a huge leaf
-    /// replaces the table with one (KVM arm64; in the --rebuild order on stage2).
-    OnFault,
-}
-
-/// How logged slots see writes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum TrackArg {
-    /// Write-protect pages; the first write after a harvest takes a fast-path fault (KVM
-    /// without PML).
-    WriteProtect,
-    /// PML-like: pages stay writable with the Dirty bit clear; the hardware walker logs the
-    /// page when it sets D, so writes do not fault. Needs `--ad-bits on` and `--format ept`;
-    /// not with `--dirty-ring`.
-    DBit,
 }
 
 /// Dirty-logging variant switches.
@@ -278,69 +245,56 @@ pub enum TrackArg {
 pub struct DirtyArgs {
     /// How GET_DIRTY_LOG snapshots the bitmap when it clears it (with `-g`): per-word `xchg`,
     /// or `switch` (swap in a second bitmap, then read the old one without atomics).
-    #[arg(long = "get-dirty-log", value_enum, default_value = "xchg")]
-    pub get_log: GetLogArg,
+    #[arg(long = "get-dirty-log", value_parser = variant::<GetLogVariant>(), default_value = "xchg")]
+    pub get_log: GetLogVariant,
     /// Split huge leaves when logging is enabled (off: split lazily at the first write).
     #[arg(long = "eager-split", value_enum, default_value = "on")]
     pub eager_split: Switch,
     /// How huge leaves come back when logging is disabled: `inplace` (each table replaced by
     /// a huge leaf), `zap` (faults rebuild them), or `on-fault` (tables stay; a later
     /// translation fault in the range rebuilds the huge leaf).
-    #[arg(long = "recover", value_enum, default_value = "inplace")]
-    pub recover: RecoverArg,
+    #[arg(long = "recover", value_parser = variant::<RecoverVariant>(), default_value = "inplace")]
+    pub recover: RecoverVariant,
     /// Order of a table-to-block rebuild under break-before-make (--recover inplace or
     /// on-fault): `break-first` (the entry stays invalid while the old tables are freed) or
     /// `install-first` (invalid only across the flush). Only stage2 breaks before make; no
     /// effect with --format ept.
-    #[arg(long = "rebuild", value_enum, default_value = "install-first")]
-    pub rebuild: RebuildArg,
+    #[arg(long = "rebuild", value_parser = variant::<RebuildOrder>(), default_value = "install-first")]
+    pub rebuild: RebuildOrder,
     /// How logged slots see writes: `write-protect` (a fault per first write) or `d-bit`
     /// (hardware dirty bits, PML-like).
-    #[arg(long = "dirty-tracking", value_enum, default_value = "write-protect")]
-    pub tracking: TrackArg,
+    #[arg(long = "dirty-tracking", value_parser = variant::<DirtyTrack>(), default_value = "write-protect")]
+    pub tracking: DirtyTrack,
 }
 
 impl DirtyArgs {
     /// Applies these switches to an engine configuration.
     pub fn apply(&self, c: VmConfig) -> VmConfig {
         VmConfig {
-            get_log: match self.get_log {
-                GetLogArg::Xchg => GetLogVariant::Xchg,
-                GetLogArg::Switch => GetLogVariant::Switch,
-            },
+            get_log: self.get_log,
             eager_split: self.eager_split.on(),
-            recover: match self.recover {
-                RecoverArg::Inplace => RecoverVariant::InPlace,
-                RecoverArg::Zap => RecoverVariant::Zap,
-                RecoverArg::OnFault => RecoverVariant::OnFault,
-            },
-            rebuild: match self.rebuild {
-                RebuildArg::BreakFirst => RebuildOrder::BreakFirst,
-                RebuildArg::InstallFirst => RebuildOrder::InstallFirst,
-            },
-            dirty_track: match self.tracking {
-                TrackArg::WriteProtect => DirtyTrack::WriteProtect,
-                TrackArg::DBit => DirtyTrack::HardwareDirty,
-            },
+            recover: self.recover,
+            rebuild: self.rebuild,
+            dirty_track: self.tracking,
             ..c
         }
     }
 
     /// Refuses combinations the engine cannot run, with the flag to change.
     pub fn check(&self, c: &VmConfig, format: FormatArg, dirty_ring: bool) -> Result<(), String> {
-        if self.tracking == TrackArg::DBit && !format.info().hardware_dirty {
+        if self.tracking == DirtyTrack::HardwareDirty && !format.info().hardware_dirty {
             // The engine would quietly write-protect instead; a d-bit figure would be a lie.
             return Err(format!(
                 "--dirty-tracking d-bit needs a hardware dirty bit, which --format {} does not have (use --dirty-tracking write-protect, or --format ept)",
                 format.name()
             ));
         }
-        if self.tracking == TrackArg::DBit && !c.ad_bits {
+        if self.tracking == DirtyTrack::HardwareDirty && !c.ad_bits {
             return Err(
                 "--dirty-tracking d-bit needs hardware dirty bits: drop --ad-bits off".into(),
             );
         }
-        if self.tracking == TrackArg::DBit && dirty_ring {
+        if self.tracking == DirtyTrack::HardwareDirty && dirty_ring {
             return Err("--dirty-tracking d-bit logs into bitmaps only: drop --dirty-ring or use --dirty-tracking write-protect".into());
         }
         Ok(())
@@ -390,7 +344,7 @@ impl MachineArgs {
     /// The engine-only flags of this group set to a non-default value.
     pub fn engine_only(&self) -> Vec<&'static str> {
         let mut v = Vec::new();
-        if self.mmu_lock != LockArg::Rwlock {
+        if self.mmu_lock != MmuLockKind::RwLock {
             v.push("--mmu-lock");
         }
         if !self.fast_pf.on() {
@@ -405,7 +359,7 @@ impl MachineArgs {
         if self.pcpus.is_some() {
             v.push("--pcpus");
         }
-        if self.cmo != CmoArg::OnInstall {
+        if self.cmo != CmoPolicy::OnInstall {
             v.push("--cmo");
         }
         v
@@ -416,19 +370,19 @@ impl DirtyArgs {
     /// The engine-only flags of this group set to a non-default value.
     pub fn engine_only(&self) -> Vec<&'static str> {
         let mut v = Vec::new();
-        if self.get_log != GetLogArg::Xchg {
+        if self.get_log != GetLogVariant::Xchg {
             v.push("--get-dirty-log");
         }
         if !self.eager_split.on() {
             v.push("--eager-split");
         }
-        if self.recover != RecoverArg::Inplace {
+        if self.recover != RecoverVariant::InPlace {
             v.push("--recover");
         }
-        if self.tracking != TrackArg::WriteProtect {
+        if self.tracking != DirtyTrack::WriteProtect {
             v.push("--dirty-tracking");
         }
-        if self.rebuild != RebuildArg::InstallFirst {
+        if self.rebuild != RebuildOrder::InstallFirst {
             v.push("--rebuild");
         }
         v

@@ -5,7 +5,7 @@
 
 use crate::args::{
     check_backends, check_kvm_ring, ring_size, BackendArg, DirtyArgs, MachineArgs, OutputArgs,
-    TrackArg, Workload,
+    Workload,
 };
 use crate::backend::{self, dirty_config, Spec};
 use crate::error::{CliError, CliResult};
@@ -16,6 +16,7 @@ use clap::{Args, ValueEnum};
 use serde::Serialize;
 #[cfg(feature = "broken-engine")]
 use slat::dirty::inject;
+use slat::DirtyTrack;
 use slat_machine::dirty_oracle::{LogMode, OracleConfig};
 use slat_machine::ram::format_size;
 use slat_workload::RegionSpec;
@@ -242,7 +243,7 @@ fn modes(a: &DirtyLogTestArgs) -> Vec<LogMode> {
         ModeArg::DirtyRing => vec![LogMode::DirtyRing],
         ModeArg::All => LogMode::ALL.to_vec(),
     };
-    if a.dirty.tracking == TrackArg::DBit && a.mode == ModeArg::All {
+    if a.dirty.tracking == DirtyTrack::HardwareDirty && a.mode == ModeArg::All {
         modes.retain(|m| *m != LogMode::DirtyRing);
     }
     modes
@@ -478,7 +479,7 @@ fn check_mode(
 fn run_on(a: &DirtyLogTestArgs, kind: BackendArg) -> CliResult<Report> {
     let modes = modes(a);
     let vm_config = a.dirty.apply(a.machine.vm_config());
-    if a.dirty.tracking == TrackArg::DBit && a.mode == ModeArg::All && !a.out.json {
+    if a.dirty.tracking == DirtyTrack::HardwareDirty && a.mode == ModeArg::All && !a.out.json {
         // The ring is not a log d-bit tracking can fill; say so rather than skip silently.
         eprintln!("[slat] -M all with --dirty-tracking d-bit: checking dirty-log and clear-log (d-bit tracking logs into bitmaps, not rings)");
     }

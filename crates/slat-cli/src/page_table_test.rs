@@ -14,7 +14,7 @@
 //! - the stage figures count the logging switch before the stage (in-place recovery happens
 //!   there), and its time is printed on its own line.
 
-use crate::args::{backing, guest_size, MachineArgs, OutputArgs, RebuildArg, RecoverArg, Switch};
+use crate::args::{backing, guest_size, variant, MachineArgs, OutputArgs, Switch};
 use crate::args::{BackendArg, FormatArg};
 use crate::limits::GuestMemory;
 use crate::report::{format_header, quiet, ratio, ts, Phase};
@@ -62,14 +62,14 @@ pub struct PageTableTestArgs {
     /// range rebuilds the block; KVM arm64, the default with --format stage2), `inplace` (every
     /// table is rebuilt as a block when logging is disabled; KVM x86 6.12+, the default with
     /// --format ept), or `zap` (the slot is unmapped and faults rebuild blocks).
-    #[arg(long = "recover", value_enum)]
-    pub recover: Option<RecoverArg>,
+    #[arg(long = "recover", value_parser = variant::<RecoverVariant>())]
+    pub recover: Option<RecoverVariant>,
     /// Order of a table-to-block rebuild under break-before-make: `break-first` (the entry
     /// stays invalid while the old tables are unmapped and freed, so other vCPUs fault on it)
     /// or `install-first` (the block goes in right after the invalidation; the old tables are
     /// freed afterwards). Only stage2 breaks before make; no effect with --format ept.
-    #[arg(long = "rebuild", value_enum, default_value = "install-first")]
-    pub rebuild: RebuildArg,
+    #[arg(long = "rebuild", value_parser = variant::<RebuildOrder>(), default_value = "install-first")]
+    pub rebuild: RebuildOrder,
     /// Run a comparison in one process: the three stages for each of `--cmo
     /// always|on-install` × `--rebuild break-first|install-first` (other flags as given), then
     /// one table with the relative improvement of `--cmo on-install` and of `--rebuild
@@ -338,19 +338,14 @@ fn vm_config(a: &PageTableTestArgs) -> VmConfig {
     VmConfig {
         eager_split: a.eager_split.on(),
         recover: match a.recover {
-            Some(RecoverArg::Inplace) => RecoverVariant::InPlace,
-            Some(RecoverArg::Zap) => RecoverVariant::Zap,
-            Some(RecoverArg::OnFault) => RecoverVariant::OnFault,
+            Some(r) => r,
             // Each architecture's KVM: x86 rebuilds huge pages when logging stops (and splits
             // by filling a table, so no fault would come to rebuild them), arm64 on the next
             // fault.
             None if a.machine.format == FormatArg::Ept => RecoverVariant::InPlace,
             None => RecoverVariant::OnFault,
         },
-        rebuild: match a.rebuild {
-            RebuildArg::BreakFirst => RebuildOrder::BreakFirst,
-            RebuildArg::InstallFirst => RebuildOrder::InstallFirst,
-        },
+        rebuild: a.rebuild,
         ..a.machine.vm_config()
     }
 }

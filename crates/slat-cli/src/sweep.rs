@@ -2,11 +2,9 @@
 //! process and print one table, so a seed's before/after comparison is one command and one
 //! run on one machine state, not numbers gathered from separate invocations.
 
-use crate::args::{
-    CmoArg, DirtyArgs, FormatArg, GetLogArg, LockArg, MachineArgs, RebuildArg, RecoverArg, Switch,
-    TrackArg,
-};
+use crate::args::{DirtyArgs, FormatArg, MachineArgs, Switch, Variant};
 use clap::ValueEnum;
+use slat::{CmoPolicy, DirtyTrack, GetLogVariant, MmuLockKind, RebuildOrder, RecoverVariant};
 
 /// A setting a sweep may vary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,21 +67,21 @@ pub enum Setting {
     /// `fast-pf=...`.
     FastPf(Switch),
     /// `mmu-lock=...`.
-    MmuLock(LockArg),
+    MmuLock(MmuLockKind),
     /// `ad-bits=...`.
     AdBits(Switch),
     /// `cmo=...`.
-    Cmo(CmoArg),
+    Cmo(CmoPolicy),
     /// `get-dirty-log=...`.
-    GetDirtyLog(GetLogArg),
+    GetDirtyLog(GetLogVariant),
     /// `dirty-tracking=...`.
-    DirtyTracking(TrackArg),
+    DirtyTracking(DirtyTrack),
     /// `eager-split=...`.
     EagerSplit(Switch),
     /// `recover=...`.
-    Recover(RecoverArg),
+    Recover(RecoverVariant),
     /// `rebuild=...`.
-    Rebuild(RebuildArg),
+    Rebuild(RebuildOrder),
 }
 
 fn value_name<E: ValueEnum>(e: &E) -> String {
@@ -116,12 +114,12 @@ impl Setting {
             Setting::Vcpus(n) => n.to_string(),
             Setting::Format(v) => value_name(&v),
             Setting::FastPf(v) | Setting::AdBits(v) | Setting::EagerSplit(v) => value_name(&v),
-            Setting::MmuLock(v) => value_name(&v),
-            Setting::Cmo(v) => value_name(&v),
-            Setting::GetDirtyLog(v) => value_name(&v),
-            Setting::DirtyTracking(v) => value_name(&v),
-            Setting::Recover(v) => value_name(&v),
-            Setting::Rebuild(v) => value_name(&v),
+            Setting::MmuLock(v) => v.to_string(),
+            Setting::Cmo(v) => v.to_string(),
+            Setting::GetDirtyLog(v) => v.to_string(),
+            Setting::DirtyTracking(v) => v.to_string(),
+            Setting::Recover(v) => v.to_string(),
+            Setting::Rebuild(v) => v.to_string(),
         }
     }
 
@@ -164,6 +162,14 @@ fn choice<E: ValueEnum>(key: &str, v: &str) -> Result<E, String> {
     })
 }
 
+/// An engine variant by its spelling (`slat::config`), refused with the accepted ones.
+fn engine<E: Variant>(key: &str, v: &str) -> Result<E, String> {
+    v.parse::<E>().map_err(|_| {
+        let names: Vec<&str> = E::ALL.iter().map(|e| e.name()).collect();
+        format!("--vary {key}: `{v}` is not one of {}", names.join(", "))
+    })
+}
+
 fn parse_value(key: Key, k: &str, v: &str) -> Result<Setting, String> {
     Ok(match key {
         Key::Vcpus => match v.parse::<u32>() {
@@ -173,13 +179,13 @@ fn parse_value(key: Key, k: &str, v: &str) -> Result<Setting, String> {
         Key::FastPf => Setting::FastPf(choice(k, v)?),
         Key::AdBits => Setting::AdBits(choice(k, v)?),
         Key::EagerSplit => Setting::EagerSplit(choice(k, v)?),
-        Key::MmuLock => Setting::MmuLock(choice(k, v)?),
-        Key::GetDirtyLog => Setting::GetDirtyLog(choice(k, v)?),
-        Key::DirtyTracking => Setting::DirtyTracking(choice(k, v)?),
-        Key::Recover => Setting::Recover(choice(k, v)?),
+        Key::MmuLock => Setting::MmuLock(engine(k, v)?),
+        Key::GetDirtyLog => Setting::GetDirtyLog(engine(k, v)?),
+        Key::DirtyTracking => Setting::DirtyTracking(engine(k, v)?),
+        Key::Recover => Setting::Recover(engine(k, v)?),
         Key::Format => Setting::Format(choice(k, v)?),
-        Key::Cmo => Setting::Cmo(choice(k, v)?),
-        Key::Rebuild => Setting::Rebuild(choice(k, v)?),
+        Key::Cmo => Setting::Cmo(engine(k, v)?),
+        Key::Rebuild => Setting::Rebuild(engine(k, v)?),
     })
 }
 
