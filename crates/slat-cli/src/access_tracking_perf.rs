@@ -22,7 +22,9 @@ use serde_json::Value;
 use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::{AgeFlush, AgeReport, Ept, IdleBitmap, PteFormat, Stage2, Vm, VmConfig};
 use slat_machine::ram::{format_size, GuestRam};
-use slat_machine::{native_baseline, Layout, Machine, MachineConfig, PassParams, PassReport};
+use slat_machine::{
+    native_baseline, Layout, Machine, MachineConfig, PassParams, PassReport, RegionSpec,
+};
 use slat_workload::TestMachine;
 use std::time::{Duration, Instant};
 
@@ -431,15 +433,17 @@ fn machine_config(a: &AccessTrackingPerfArgs, vcpus: u32, fast_pf: bool) -> Mach
     vm.fast_pf = fast_pf;
     MachineConfig {
         vm,
-        backing: a.work.backing,
-        vcpus: vcpus as usize,
-        bytes_per_vcpu: a.work.bytes,
-        slots: 1,
-        overlap: a.work.overlap,
+        region: RegionSpec {
+            backing: a.work.backing,
+            vcpus: vcpus as usize,
+            bytes_per_vcpu: a.work.bytes,
+            slots: 1,
+            overlap: a.work.overlap,
+            prefault: !a.machine.no_prefault,
+            dirty: Default::default(),
+        },
         tlb_entries: a.machine.tlb_entries,
         pcpus: a.machine.pcpus.unwrap_or(0),
-        prefault: !a.machine.no_prefault,
-        dirty: Default::default(),
         gpa: None,
     }
 }
@@ -519,7 +523,7 @@ fn run_format<F: PteFormat>(
 ) -> Result<RunResult, String> {
     let q = quiet(a.out.json);
     let cfg = machine_config(a, vcpus, fast_pf);
-    let (vm_cfg, prefault) = (cfg.vm, cfg.prefault);
+    let (vm_cfg, prefault) = (cfg.vm, cfg.region.prefault);
     let total = a.work.bytes * vcpus as u64;
     let p = Phase::start(
         format!(

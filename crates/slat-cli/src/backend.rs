@@ -277,15 +277,13 @@ pub fn check_pinned(want: &[usize], got: &[Vec<usize>]) -> Result<(), String> {
 
 /// The simulated machine with page-table format `F`.
 fn sim_machine<F: PteFormat>(spec: &Spec) -> Result<Box<dyn Backend>, String> {
-    let m = Machine::<F>::new(
-        MachineConfig {
-            vm: spec.vm,
-            tlb_entries: spec.tlb_entries,
-            pcpus: spec.pcpus,
-            ..MachineConfig::default()
-        }
-        .with_region(&spec.region),
-    )
+    let m = Machine::<F>::new(MachineConfig {
+        vm: spec.vm,
+        region: spec.region,
+        tlb_entries: spec.tlb_entries,
+        pcpus: spec.pcpus,
+        ..MachineConfig::default()
+    })
     .map_err(text)?;
     Ok(Box::new(m))
 }
@@ -300,9 +298,11 @@ pub fn create(kind: BackendArg, spec: &Spec) -> Result<Box<dyn Backend>, String>
         BackendArg::Kvm => {
             // Checked with the other flags; a backstop for a caller that forgot.
             spec.format.check_backends(&[kind])?;
-            let m =
-                slat_kvm::KvmMachine::new(slat_kvm::KvmConfig::default().with_region(&spec.region))
-                    .map_err(text)?;
+            let m = slat_kvm::KvmMachine::new(slat_kvm::KvmConfig {
+                region: spec.region,
+                ..slat_kvm::KvmConfig::default()
+            })
+            .map_err(text)?;
             Ok(Box::new(m))
         }
     }

@@ -24,7 +24,7 @@ use slat::format::PAGE_SIZE;
 use slat::{CmoPolicy, PteFormat, RebuildOrder, RecoverVariant, Stats, VmConfig};
 use slat_machine::page_table_stage::{native_stage_baseline, Stage, StageParams};
 use slat_machine::ram::{format_size, Backing, GuestRam};
-use slat_machine::{Machine, MachineConfig, Workload};
+use slat_machine::{Machine, MachineConfig, RegionSpec, Workload};
 use std::time::Duration;
 
 /// Guest modes the model implements, as `-m` numbers them.
@@ -371,15 +371,17 @@ fn run_on<F: PteFormat>(a: &PageTableTestArgs, vm: VmConfig, text: bool) -> Resu
     );
     let m = Machine::<F>::new(MachineConfig {
         vm,
-        backing: a.backing,
-        vcpus,
-        bytes_per_vcpu: per_vcpu,
-        overlap: true,
+        region: RegionSpec {
+            backing: a.backing,
+            vcpus,
+            bytes_per_vcpu: per_vcpu,
+            overlap: true,
+            prefault,
+            ..RegionSpec::default()
+        },
         tlb_entries: a.machine.tlb_entries,
         pcpus: a.machine.pcpus.unwrap_or(0),
-        prefault,
         gpa: a.gpa,
-        ..MachineConfig::default()
     })
     .map_err(|e| e.to_string())?;
     let native_ram = GuestRam::new(a.backing, bytes, prefault).map_err(|e| e.to_string())?;

@@ -3,7 +3,7 @@
 //! (defaults 1, 256, anonymous, user).
 
 use slat_kvm::TestMachine;
-use slat_kvm::{Backing, KvmConfig, KvmMachine, PassParams};
+use slat_kvm::{Backing, KvmConfig, KvmMachine, PassParams, RegionSpec};
 use std::time::Instant;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -23,9 +23,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let t = Instant::now();
     let m = KvmMachine::new(KvmConfig {
-        vcpus,
-        bytes_per_vcpu: mib << 20,
-        backing,
+        region: RegionSpec {
+            vcpus,
+            bytes_per_vcpu: mib << 20,
+            backing,
+            ..RegionSpec::default()
+        },
         guest_mode,
         ..KvmConfig::default()
     })?;
@@ -98,15 +101,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // Manual protect: GET copies, CLEAR re-protects.
     let m = KvmMachine::new(KvmConfig {
-        vcpus,
-        bytes_per_vcpu: mib << 20,
-        backing,
-        guest_mode,
-        dirty: slat_kvm::DirtyConfig {
-            manual_protect: slat_kvm::MANUAL_PROTECT_ENABLE | slat_kvm::INITIALLY_SET,
-            ring_entries: 0,
-            ..slat_kvm::DirtyConfig::default()
+        region: RegionSpec {
+            vcpus,
+            bytes_per_vcpu: mib << 20,
+            backing,
+            dirty: slat_kvm::DirtyConfig {
+                manual_protect: slat_kvm::MANUAL_PROTECT_ENABLE | slat_kvm::INITIALLY_SET,
+                ring_entries: 0,
+                ..slat_kvm::DirtyConfig::default()
+            },
+            ..RegionSpec::default()
         },
+        guest_mode,
         ..KvmConfig::default()
     })?;
     m.run_pass(seq)?;
@@ -135,15 +141,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Ok(());
     }
     let m = KvmMachine::new(KvmConfig {
-        vcpus,
-        bytes_per_vcpu: mib << 20,
-        backing,
-        guest_mode,
-        dirty: slat_kvm::DirtyConfig {
-            manual_protect: 0,
-            ring_entries: entries,
-            ..slat_kvm::DirtyConfig::default()
+        region: RegionSpec {
+            vcpus,
+            bytes_per_vcpu: mib << 20,
+            backing,
+            dirty: slat_kvm::DirtyConfig {
+                manual_protect: 0,
+                ring_entries: entries,
+                ..slat_kvm::DirtyConfig::default()
+            },
+            ..RegionSpec::default()
         },
+        guest_mode,
         ..KvmConfig::default()
     })?;
     m.run_pass(seq)?;

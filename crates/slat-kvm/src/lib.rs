@@ -99,5 +99,6 @@ pub use mem::{Backing, HostMemory, PAGE_SIZE};
 pub use memslot::Memslot;
 pub use memstress::{PassParams, MEMSTRESS_PATTERN};
 pub use slat_workload::{
-    DirtyConfig, GuestRam, Layout, TestMachine, FIRST_SLOT, INITIALLY_SET, MANUAL_PROTECT_ENABLE,
+    DirtyConfig, GuestRam, Layout, RegionSpec, TestMachine, FIRST_SLOT, INITIALLY_SET,
+    MANUAL_PROTECT_ENABLE,
 };

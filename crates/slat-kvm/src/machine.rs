@@ -13,10 +13,10 @@ use kvm_bindings::{
 };
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
 use slat_workload::cpus::VcpuTids;
-use slat_workload::TestRegion;
 use slat_workload::{
-    Backing, DirtyConfig, GuestRam, Layout, ParkMiller, PassParams, RegionSize, Rendezvous,
-    TestMachine, FIRST_SLOT, INITIALLY_SET, MANUAL_PROTECT_ENABLE, PAGE_SHIFT, PAGE_SIZE,
+    Backing, GuestRam, Layout, ParkMiller, PassParams, RegionSize, RegionSpec, Rendezvous,
+    TestMachine, TestRegion, FIRST_SLOT, INITIALLY_SET, MANUAL_PROTECT_ENABLE, PAGE_SHIFT,
+    PAGE_SIZE,
 };
 use std::ffi::CString;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -44,52 +44,19 @@ const _: () = assert!(
 /// What to build.
 #[derive(Debug, Clone)]
 pub struct KvmConfig {
-    /// Host memory behind the test region.
-    pub backing: Backing,
-    /// vCPUs (one thread each).
-    pub vcpus: usize,
-    /// Test memory per vCPU (bytes, multiple of 4 KiB).
-    pub bytes_per_vcpu: u64,
-    /// Memslots the test region is split into (ids `FIRST_SLOT..`).
-    pub slots: usize,
-    /// Every vCPU accesses the whole region instead of its own partition (`-o`).
-    pub overlap: bool,
-    /// Populate host memory at set-up, so guest accesses take no host page faults.
-    pub prefault: bool,
-    /// How the VM logs dirty pages.
-    pub dirty: DirtyConfig,
+    /// The test region: its shape, the host memory behind it, whether it is pre-faulted and how
+    /// it logs dirty pages.
+    pub region: RegionSpec,
     /// The privilege level the guest workload runs at.
     pub guest_mode: GuestMode,
     /// The KVM device to open.
     pub device: String,
 }
 
-impl KvmConfig {
-    /// This configuration with the test region `r` (shape, backing, prefault, dirty logging).
-    pub fn with_region(self, r: &slat_workload::RegionSpec) -> KvmConfig {
-        KvmConfig {
-            backing: r.backing,
-            vcpus: r.vcpus,
-            bytes_per_vcpu: r.bytes_per_vcpu,
-            slots: r.slots,
-            overlap: r.overlap,
-            prefault: r.prefault,
-            dirty: r.dirty,
-            ..self
-        }
-    }
-}
-
 impl Default for KvmConfig {
     fn default() -> Self {
         KvmConfig {
-            backing: Backing::Anonymous,
-            vcpus: 1,
-            bytes_per_vcpu: 1 << 30,
-            slots: 1,
-            overlap: false,
-            prefault: true,
-            dirty: DirtyConfig::default(),
+            region: RegionSpec::default(),
             guest_mode: GuestMode::default(),
             device: DEFAULT_DEVICE.to_string(),
         }
@@ -125,32 +92,36 @@ pub fn host_caps(device: &str) -> Result<HostCaps, KvmError> {
 /// The checks of `config` that need no host: the region's size, and a dirty-log
 /// configuration KVM could accept.
 fn check_config(config: &KvmConfig) -> Result<RegionSize, KvmError> {
-    let size = RegionSize::new(config.vcpus, config.bytes_per_vcpu, config.slots)?;
+    let size = RegionSize::new(
+        config.region.vcpus,
+        config.region.bytes_per_vcpu,
+        config.region.slots,
+    )?;
     let per_slot = size.per_slot;
     if per_slot >> PAGE_SHIFT > u32::MAX as u64 {
         return Err(KvmError::Config(format!(
             "{per_slot} bytes per memslot is more than KVM's 2^32 pages"
         )));
     }
-    if config.backing == Backing::Shmem {
+    if config.region.backing == Backing::Shmem {
         return Err(KvmError::Config(
             "-s shmem is not supported by the kvm backend (use anonymous, anonymous_thp or \
              anonymous_hugetlb)"
                 .into(),
         ));
     }
-    if config.dirty.ring_with_bitmap {
+    if config.region.dirty.ring_with_bitmap {
         return Err(KvmError::Config(
             "dirty rings with bitmaps beside them are a switch of the simulated engine".into(),
         ));
     }
-    let ring = config.dirty.ring_entries;
+    let ring = config.region.dirty.ring_entries;
     if ring != 0 && (!ring.is_power_of_two() || ring < 256) {
         return Err(KvmError::Config(format!(
             "dirty ring entries ({ring}) must be a power of two of at least 256 (one page)"
         )));
     }
-    let mp = config.dirty.manual_protect;
+    let mp = config.region.dirty.manual_protect;
     if mp & !(MANUAL_PROTECT_ENABLE | INITIALLY_SET) != 0
         || (mp & INITIALLY_SET != 0 && mp & MANUAL_PROTECT_ENABLE == 0)
     {
@@ -170,17 +141,20 @@ fn check_config(config: &KvmConfig) -> Result<RegionSize, KvmError> {
 
 /// The checks of `config` against what the host's KVM offers; the dirty ring's size, if any.
 fn check_host(config: &KvmConfig, caps: &HostCaps) -> Result<Option<RingSize>, KvmError> {
-    let (ring, mp) = (config.dirty.ring_entries, config.dirty.manual_protect);
-    if config.vcpus > caps.max_vcpus {
+    let (ring, mp) = (
+        config.region.dirty.ring_entries,
+        config.region.dirty.manual_protect,
+    );
+    if config.region.vcpus > caps.max_vcpus {
         return Err(KvmError::Config(format!(
             "{} vCPUs requested; this host's KVM allows at most {}",
-            config.vcpus, caps.max_vcpus
+            config.region.vcpus, caps.max_vcpus
         )));
     }
-    if config.slots + 1 > caps.memslots {
+    if config.region.slots + 1 > caps.memslots {
         return Err(KvmError::Config(format!(
             "{} memslots requested (plus the low slot); this host's KVM allows {}",
-            config.slots, caps.memslots
+            config.region.slots, caps.memslots
         )));
     }
     if mp != 0 && caps.manual_protect & mp != mp {
@@ -233,8 +207,8 @@ fn place_region(
     // backing page size and to 2 MiB (the guest maps it with 2 MiB pages).
     let gpa_bits = caps.phys_bits.min(MAX_GPA_BITS);
     let top = 1u64 << gpa_bits;
-    let align = config.backing.page_size().max(2 << 20);
-    let probe_low = LowLayout::new(config.vcpus as u64, 0, 1)?;
+    let align = config.region.backing.page_size().max(2 << 20);
+    let probe_low = LowLayout::new(config.region.vcpus as u64, 0, 1)?;
     let too_big = || {
         KvmError::Config(format!(
             "{total} bytes of test memory do not fit below the guest's 2^{gpa_bits} physical \
@@ -245,7 +219,7 @@ fn place_region(
         .checked_sub(total + PAGE_SIZE)
         .map(|g| g & !(align - 1))
         .ok_or_else(too_big)?;
-    let low_layout = LowLayout::new(config.vcpus as u64, gpa, gpa + total)?;
+    let low_layout = LowLayout::new(config.region.vcpus as u64, gpa, gpa + total)?;
     if gpa < low_layout.size.max(probe_low.size) {
         return Err(too_big());
     }
@@ -260,8 +234,9 @@ fn map_memory(
     gpa: u64,
     total: u64,
 ) -> Result<(GuestRam, GuestRam), KvmError> {
-    let ram_len = total.div_ceil(config.backing.page_size()) * config.backing.page_size();
-    let ram = GuestRam::new(config.backing, ram_len, config.prefault)?;
+    let ram_len =
+        total.div_ceil(config.region.backing.page_size()) * config.region.backing.page_size();
+    let ram = GuestRam::new(config.region.backing, ram_len, config.region.prefault)?;
     let low = GuestRam::new(Backing::Anonymous, low_layout.size, true)?;
     {
         // SAFETY: `low` is a fresh private mapping of `size` bytes that nothing else uses
@@ -368,11 +343,11 @@ fn create_vcpus(
     config: &KvmConfig,
     ring_size: Option<RingSize>,
 ) -> Result<VcpuParts, KvmError> {
-    let mut vcpus = Vec::with_capacity(config.vcpus);
+    let mut vcpus = Vec::with_capacity(config.region.vcpus);
     let mut rings = Vec::new();
     let mut vm_stats = StatsFd::open(vm).ok();
     let mut vcpu_stats = Vec::new();
-    for i in 0..config.vcpus {
+    for i in 0..config.region.vcpus {
         let v = vm
             .create_vcpu(i as u64)
             .map_err(|e| KvmError::ioctl("KVM_CREATE_VCPU", e))?;
@@ -524,7 +499,7 @@ impl KvmMachine {
         let (ram, low) = map_memory(&config, &low_layout, gpa, size.total)?;
         let vm = Arc::new(create_vm(
             &kvm,
-            config.dirty.manual_protect,
+            config.region.dirty.manual_protect,
             ring_size,
             &caps,
         )?);
@@ -534,12 +509,12 @@ impl KvmMachine {
         // `low` and `ram`; if the machine is leaked instead, so are they. Nothing deletes the
         // slots. `size.total <= ram.len()` (`map_memory` rounds it up).
         let slots = unsafe { register_slots(&vm, &low, &ram, gpa, &size) }?;
-        let layout = size.layout(gpa, ram.addr(), config.overlap);
+        let layout = size.layout(gpa, ram.addr(), config.region.overlap);
         let (vcpus, rings, stats) = create_vcpus(&vm, &cpuid, &low_layout, &config, ring_size)?;
-        let tids = Arc::new(VcpuTids::new(config.vcpus));
+        let tids = Arc::new(VcpuTids::new(config.region.vcpus));
         let m = KvmMachine {
             threads: Vec::new(),
-            ctl: Arc::new(Control::new(config.vcpus)),
+            ctl: Arc::new(Control::new(config.region.vcpus)),
             rings: Arc::new(Mutex::new(Rings {
                 rings,
                 reaped: Vec::new(),
@@ -548,8 +523,8 @@ impl KvmMachine {
             slots,
             region: TestRegion {
                 layout,
-                slots: config.slots,
-                dirty: config.dirty,
+                slots: config.region.slots,
+                dirty: config.region.dirty,
             },
             low_layout,
             config,
@@ -681,7 +656,7 @@ impl KvmMachine {
 
     /// The ids of the test region's memslots, in guest-address order.
     pub fn slot_ids(&self) -> impl Iterator<Item = u32> {
-        FIRST_SLOT..FIRST_SLOT + self.config.slots as u32
+        FIRST_SLOT..FIRST_SLOT + self.config.region.slots as u32
     }
 
     /// Sets the first 8 bytes of page `page` of the test region from the host (not logged:
@@ -707,7 +682,7 @@ impl KvmMachine {
 
     /// Parameter block fields that never change.
     fn write_params_static(&self) {
-        for i in 0..self.config.vcpus {
+        for i in 0..self.config.region.vcpus {
             let b = self.low_layout.param_block(i);
             let (gpa, _, pages) = self.region.layout.region(i);
             self.low_u64(b + param::BASE).store(gpa, Ordering::Relaxed);
@@ -743,7 +718,7 @@ impl KvmMachine {
                 (guest::MODE_WRITER, seed, 100, true)
             }
         };
-        for i in 0..self.config.vcpus {
+        for i in 0..self.config.region.vcpus {
             let b = self.low_layout.param_block(i);
             let s = ParkMiller::normalize(seed.wrapping_add(i as u32));
             self.low_u64(b + param::SEED)
@@ -774,7 +749,7 @@ impl KvmMachine {
 
     /// The test memslot `slot`, for a bitmap operation.
     fn bitmap_slot(&self, slot: u32, op: &str) -> Result<&Memslot, KvmError> {
-        if self.config.dirty.ring_entries != 0 {
+        if self.config.region.dirty.ring_entries != 0 {
             return Err(KvmError::DirtyLog(format!(
                 "{op}: the VM logs to dirty rings, which replace the bitmaps"
             )));
@@ -967,7 +942,7 @@ impl TestMachine for KvmMachine {
         bitmap: &[u64],
     ) -> Result<(), KvmError> {
         let s = self.bitmap_slot(slot, "KVM_CLEAR_DIRTY_LOG")?;
-        if self.config.dirty.manual_protect & MANUAL_PROTECT_ENABLE == 0 {
+        if self.config.region.dirty.manual_protect & MANUAL_PROTECT_ENABLE == 0 {
             return Err(KvmError::DirtyLog(
                 "KVM_CLEAR_DIRTY_LOG needs manual protect (KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2)"
                     .into(),
@@ -1001,7 +976,7 @@ impl TestMachine for KvmMachine {
     /// `KVM_RESET_DIRTY_RINGS`: re-protects the pages of every collected entry; returns how
     /// many entries KVM reset.
     fn reset_dirty_rings(&self) -> Result<u64, KvmError> {
-        if self.config.dirty.ring_entries == 0 {
+        if self.config.region.dirty.ring_entries == 0 {
             return Err(KvmError::DirtyLog(
                 "KVM_RESET_DIRTY_RINGS: the VM has no dirty rings".into(),
             ));

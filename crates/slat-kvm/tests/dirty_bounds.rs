@@ -17,7 +17,8 @@ use kvm_ioctls::{Kvm, VmFd};
 use slat_kvm::dirty::{self, DirtyRing};
 use slat_kvm::TestMachine;
 use slat_kvm::{
-    Backing, HostMemory, KvmConfig, KvmError, Layout, Memslot, PassParams, RingSize, FIRST_SLOT,
+    Backing, HostMemory, KvmConfig, KvmError, Layout, Memslot, PassParams, RegionSpec, RingSize,
+    FIRST_SLOT,
 };
 use std::sync::Arc;
 
@@ -127,7 +128,10 @@ fn machine_get_refuses_a_bitmap_longer_or_shorter_than_the_slot() {
     // The old machine call accepted any bitmap at least as long as the slot's (KVM filled a
     // prefix and the rest looked like a result); the raw call in `dirty` accepted any length.
     let Some(m) = machine_or_skip(KvmConfig {
-        bytes_per_vcpu: 1 << 20,
+        region: RegionSpec {
+            bytes_per_vcpu: 1 << 20,
+            ..RegionSpec::default()
+        },
         ..KvmConfig::default()
     }) else {
         return;

@@ -6,8 +6,8 @@ mod common;
 use common::{expected_writes, get_region_log, machine_or_skip, pages_of, to_bitmap};
 use slat_kvm::TestMachine;
 use slat_kvm::{
-    DirtyConfig, KvmConfig, KvmError, KvmMachine, PassParams, FIRST_SLOT, INITIALLY_SET,
-    MANUAL_PROTECT_ENABLE,
+    DirtyConfig, KvmConfig, KvmError, KvmMachine, PassParams, RegionSpec, FIRST_SLOT,
+    INITIALLY_SET, MANUAL_PROTECT_ENABLE,
 };
 use std::collections::BTreeSet;
 
@@ -19,10 +19,13 @@ const HALF_RANDOM: PassParams = PassParams {
 
 fn config(dirty: DirtyConfig) -> KvmConfig {
     KvmConfig {
-        vcpus: 2,
-        bytes_per_vcpu: 2 << 20,
-        slots: 2,
-        dirty,
+        region: RegionSpec {
+            vcpus: 2,
+            bytes_per_vcpu: 2 << 20,
+            slots: 2,
+            dirty,
+            ..RegionSpec::default()
+        },
         ..KvmConfig::default()
     }
 }

@@ -6,8 +6,8 @@ mod common;
 use common::{kvm_unavailable, machine_or_skip};
 use slat_kvm::TestMachine;
 use slat_kvm::{
-    DirtyConfig, KvmConfig, KvmError, KvmMachine, PassParams, FIRST_SLOT, INITIALLY_SET,
-    MANUAL_PROTECT_ENABLE,
+    DirtyConfig, KvmConfig, KvmError, KvmMachine, PassParams, RegionSpec, FIRST_SLOT,
+    INITIALLY_SET, MANUAL_PROTECT_ENABLE,
 };
 
 fn config_error(c: KvmConfig) -> String {
@@ -21,32 +21,50 @@ fn config_error(c: KvmConfig) -> String {
 #[test]
 fn bad_sizes_are_refused() {
     let base = KvmConfig {
-        bytes_per_vcpu: 1 << 20,
+        region: RegionSpec {
+            bytes_per_vcpu: 1 << 20,
+            ..RegionSpec::default()
+        },
         ..KvmConfig::default()
     };
     let m = config_error(KvmConfig {
-        bytes_per_vcpu: 0,
+        region: RegionSpec {
+            bytes_per_vcpu: 0,
+            ..base.region
+        },
         ..base.clone()
     });
     assert!(m.contains("multiple of 4 KiB"), "{m}");
     let m = config_error(KvmConfig {
-        bytes_per_vcpu: 4097,
+        region: RegionSpec {
+            bytes_per_vcpu: 4097,
+            ..base.region
+        },
         ..base.clone()
     });
     assert!(m.contains("multiple of 4 KiB"), "{m}");
     let m = config_error(KvmConfig {
-        vcpus: 0,
+        region: RegionSpec {
+            vcpus: 0,
+            ..base.region
+        },
         ..base.clone()
     });
     assert!(m.contains("vCPU"), "{m}");
     let m = config_error(KvmConfig {
-        slots: 3,
+        region: RegionSpec {
+            slots: 3,
+            ..base.region
+        },
         ..base.clone()
     });
     assert!(m.contains("3 memslots"), "{m}");
     let m = config_error(KvmConfig {
-        vcpus: usize::MAX,
-        bytes_per_vcpu: 1 << 30,
+        region: RegionSpec {
+            vcpus: usize::MAX,
+            bytes_per_vcpu: 1 << 30,
+            ..base.region
+        },
         ..base.clone()
     });
     assert!(m.contains("overflows"), "{m}");
@@ -55,34 +73,46 @@ fn bad_sizes_are_refused() {
 #[test]
 fn bad_dirty_configurations_are_refused() {
     let base = KvmConfig {
-        bytes_per_vcpu: 1 << 20,
+        region: RegionSpec {
+            bytes_per_vcpu: 1 << 20,
+            ..RegionSpec::default()
+        },
         ..KvmConfig::default()
     };
     for ring in [100, 128, 3000] {
         let m = config_error(KvmConfig {
-            dirty: DirtyConfig {
-                ring_entries: ring,
-                manual_protect: 0,
-                ..DirtyConfig::default()
+            region: RegionSpec {
+                dirty: DirtyConfig {
+                    ring_entries: ring,
+                    manual_protect: 0,
+                    ..DirtyConfig::default()
+                },
+                ..base.region
             },
             ..base.clone()
         });
         assert!(m.contains("power of two"), "{m}");
     }
     let m = config_error(KvmConfig {
-        dirty: DirtyConfig {
-            ring_entries: 0,
-            manual_protect: INITIALLY_SET,
-            ..DirtyConfig::default()
+        region: RegionSpec {
+            dirty: DirtyConfig {
+                ring_entries: 0,
+                manual_protect: INITIALLY_SET,
+                ..DirtyConfig::default()
+            },
+            ..base.region
         },
         ..base.clone()
     });
     assert!(m.contains("MANUAL_PROTECT_ENABLE"), "{m}");
     let m = config_error(KvmConfig {
-        dirty: DirtyConfig {
-            ring_entries: 1024,
-            manual_protect: MANUAL_PROTECT_ENABLE,
-            ..DirtyConfig::default()
+        region: RegionSpec {
+            dirty: DirtyConfig {
+                ring_entries: 1024,
+                manual_protect: MANUAL_PROTECT_ENABLE,
+                ..DirtyConfig::default()
+            },
+            ..base.region
         },
         ..base
     });
@@ -92,7 +122,10 @@ fn bad_dirty_configurations_are_refused() {
 #[test]
 fn missing_device_names_it_and_the_fix() {
     let e = KvmMachine::new(KvmConfig {
-        bytes_per_vcpu: 1 << 20,
+        region: RegionSpec {
+            bytes_per_vcpu: 1 << 20,
+            ..RegionSpec::default()
+        },
         device: "/nonexistent/kvm".into(),
         ..KvmConfig::default()
     })
@@ -112,7 +145,10 @@ fn device_that_is_not_kvm_is_reported() {
     let path = std::env::temp_dir().join(format!("slat-kvm-not-kvm-{}", std::process::id()));
     std::fs::write(&path, b"not kvm").unwrap();
     let e = KvmMachine::new(KvmConfig {
-        bytes_per_vcpu: 1 << 20,
+        region: RegionSpec {
+            bytes_per_vcpu: 1 << 20,
+            ..RegionSpec::default()
+        },
         device: path.to_string_lossy().into_owned(),
         ..KvmConfig::default()
     })
@@ -135,11 +171,14 @@ fn ring_larger_than_the_host_allows_is_unsupported() {
         caps.dirty_ring_max_bytes / 16 * 2
     };
     let e = KvmMachine::new(KvmConfig {
-        bytes_per_vcpu: 1 << 20,
-        dirty: DirtyConfig {
-            ring_entries: entries,
-            manual_protect: 0,
-            ..DirtyConfig::default()
+        region: RegionSpec {
+            bytes_per_vcpu: 1 << 20,
+            dirty: DirtyConfig {
+                ring_entries: entries,
+                manual_protect: 0,
+                ..DirtyConfig::default()
+            },
+            ..RegionSpec::default()
         },
         ..KvmConfig::default()
     })
@@ -160,8 +199,11 @@ fn too_much_memory_for_the_guest_address_space_is_refused() {
     }
     // 1 TiB does not fit below 2^39; the check comes before any memory is mapped.
     let m = config_error(KvmConfig {
-        vcpus: 2,
-        bytes_per_vcpu: 512 << 30,
+        region: RegionSpec {
+            vcpus: 2,
+            bytes_per_vcpu: 512 << 30,
+            ..RegionSpec::default()
+        },
         ..KvmConfig::default()
     });
     assert!(m.contains("physical address limit"), "{m}");
@@ -170,7 +212,10 @@ fn too_much_memory_for_the_guest_address_space_is_refused() {
 #[test]
 fn dirty_log_misuse_is_refused() {
     let Some(m) = machine_or_skip(KvmConfig {
-        bytes_per_vcpu: 1 << 20,
+        region: RegionSpec {
+            bytes_per_vcpu: 1 << 20,
+            ..RegionSpec::default()
+        },
         ..KvmConfig::default()
     }) else {
         return;
@@ -226,8 +271,11 @@ fn machine_can_be_shared_between_threads() {
 #[test]
 fn kvm_statistics_count_the_sync_exits() {
     let Some(m) = machine_or_skip(KvmConfig {
-        vcpus: 2,
-        bytes_per_vcpu: 1 << 20,
+        region: RegionSpec {
+            vcpus: 2,
+            bytes_per_vcpu: 1 << 20,
+            ..RegionSpec::default()
+        },
         ..KvmConfig::default()
     }) else {
         return;

@@ -5,7 +5,7 @@ mod common;
 
 use common::{expected_writes, machine_or_skip};
 use slat_kvm::TestMachine;
-use slat_kvm::{GuestMode, KvmConfig, PassParams, Workload, MEMSTRESS_PATTERN};
+use slat_kvm::{GuestMode, KvmConfig, PassParams, RegionSpec, Workload, MEMSTRESS_PATTERN};
 
 /// Runs one pass with `params` on a fresh 2-vCPU machine and compares every page.
 fn check_pass(overlap: bool, params: PassParams) {
@@ -14,10 +14,13 @@ fn check_pass(overlap: bool, params: PassParams) {
 
 fn check_pass_in(guest_mode: GuestMode, overlap: bool, params: PassParams) {
     let Some(m) = machine_or_skip(KvmConfig {
-        vcpus: 2,
-        bytes_per_vcpu: 2 << 20,
-        slots: 2,
-        overlap,
+        region: RegionSpec {
+            vcpus: 2,
+            bytes_per_vcpu: 2 << 20,
+            slots: 2,
+            overlap,
+            ..RegionSpec::default()
+        },
         guest_mode,
         ..KvmConfig::default()
     }) else {
@@ -148,8 +151,11 @@ fn kernel_mode_guest_matches_the_model() {
 #[test]
 fn read_only_pass_writes_nothing() {
     let Some(m) = machine_or_skip(KvmConfig {
-        vcpus: 2,
-        bytes_per_vcpu: 1 << 20,
+        region: RegionSpec {
+            vcpus: 2,
+            bytes_per_vcpu: 1 << 20,
+            ..RegionSpec::default()
+        },
         ..KvmConfig::default()
     }) else {
         return;
@@ -170,8 +176,11 @@ fn passes_repeat_with_fresh_parameters() {
     // The guest starts over from its parameter block after each sync: a second pass with other
     // parameters must follow them (here: write everything after a read-only pass).
     let Some(m) = machine_or_skip(KvmConfig {
-        vcpus: 1,
-        bytes_per_vcpu: 1 << 20,
+        region: RegionSpec {
+            vcpus: 1,
+            bytes_per_vcpu: 1 << 20,
+            ..RegionSpec::default()
+        },
         ..KvmConfig::default()
     }) else {
         return;
@@ -196,8 +205,11 @@ fn passes_repeat_with_fresh_parameters() {
 #[test]
 fn loop_runs_until_halted_and_counts_like_the_simulator() {
     let Some(m) = machine_or_skip(KvmConfig {
-        vcpus: 2,
-        bytes_per_vcpu: 4 << 20,
+        region: RegionSpec {
+            vcpus: 2,
+            bytes_per_vcpu: 4 << 20,
+            ..RegionSpec::default()
+        },
         ..KvmConfig::default()
     }) else {
         return;
@@ -227,8 +239,11 @@ fn loop_runs_until_halted_and_counts_like_the_simulator() {
 #[test]
 fn writer_stamps_pages_of_its_own_partition() {
     let Some(m) = machine_or_skip(KvmConfig {
-        vcpus: 2,
-        bytes_per_vcpu: 1 << 20,
+        region: RegionSpec {
+            vcpus: 2,
+            bytes_per_vcpu: 1 << 20,
+            ..RegionSpec::default()
+        },
         ..KvmConfig::default()
     }) else {
         return;
@@ -263,8 +278,11 @@ fn writer_stamps_pages_of_its_own_partition() {
 #[test]
 fn native_baseline_writes_the_same_pages_as_the_guest() {
     let Some(m) = machine_or_skip(KvmConfig {
-        vcpus: 2,
-        bytes_per_vcpu: 1 << 20,
+        region: RegionSpec {
+            vcpus: 2,
+            bytes_per_vcpu: 1 << 20,
+            ..RegionSpec::default()
+        },
         ..KvmConfig::default()
     }) else {
         return;

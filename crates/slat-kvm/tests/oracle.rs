@@ -5,15 +5,18 @@ mod common;
 use common::machine_or_skip;
 use slat_kvm::dirty_oracle::{run, LogMode, OracleConfig};
 use slat_kvm::TestMachine;
-use slat_kvm::{KvmConfig, KvmError};
+use slat_kvm::{KvmConfig, KvmError, RegionSpec};
 use std::time::Duration;
 
 fn oracle(mode: LogMode, slots: usize, ring_entries: u32) {
     let Some(m) = machine_or_skip(KvmConfig {
-        vcpus: 2,
-        bytes_per_vcpu: 4 << 20,
-        slots,
-        dirty: mode.dirty_config(ring_entries),
+        region: RegionSpec {
+            vcpus: 2,
+            bytes_per_vcpu: 4 << 20,
+            slots,
+            dirty: mode.dirty_config(ring_entries),
+            ..RegionSpec::default()
+        },
         ..KvmConfig::default()
     }) else {
         return;
@@ -87,8 +90,11 @@ fn oracle_dirty_ring_small() {
 #[test]
 fn oracle_refuses_a_machine_built_for_another_mode() {
     let Some(m) = machine_or_skip(KvmConfig {
-        vcpus: 1,
-        bytes_per_vcpu: 1 << 20,
+        region: RegionSpec {
+            vcpus: 1,
+            bytes_per_vcpu: 1 << 20,
+            ..RegionSpec::default()
+        },
         ..KvmConfig::default()
     }) else {
         return;

@@ -25,4 +25,4 @@ pub use machine::{
 pub use memstress::PassParams;
 pub use paced::{PacedParams, Pacer};
 pub use ram::{Backing, GuestRam, RamError};
-pub use slat_workload::{TestMachine, FIRST_SLOT};
+pub use slat_workload::{RegionSpec, TestMachine, FIRST_SLOT};

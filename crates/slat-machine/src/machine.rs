@@ -4,7 +4,7 @@
 use crate::cpu::{Cpu, CpuCounters, Exit, RingFullHandler};
 use crate::memstress::{guest_pass, PassParams, WriterPattern};
 use crate::page_table_stage::{guest_stage, StageParams};
-use crate::ram::{Backing, GuestRam, RamError};
+use crate::ram::{GuestRam, RamError};
 use crate::sched::PcpuPool;
 use crate::tlb::DEFAULT_TLB_ENTRIES;
 use parking_lot::Mutex;
@@ -13,7 +13,7 @@ use slat::memslot::MemslotFlags;
 use slat::{DirtyLogError, Ept, HostRange, HostRangeError, MemslotError, SlotId, Vm, VmConfig};
 use slat_workload::cpus::VcpuTids;
 pub use slat_workload::{DirtyConfig, Layout, FIRST_SLOT};
-use slat_workload::{RegionSize, Rendezvous, TestMachine, TestRegion, WorkloadError};
+use slat_workload::{RegionSize, RegionSpec, Rendezvous, TestMachine, TestRegion, WorkloadError};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -24,58 +24,25 @@ use std::time::Instant;
 pub struct MachineConfig {
     /// Engine variant switches.
     pub vm: VmConfig,
-    /// Host memory behind guest RAM.
-    pub backing: Backing,
-    /// vCPU threads.
-    pub vcpus: usize,
-    /// Guest memory per vCPU (bytes, multiple of 4 KiB).
-    pub bytes_per_vcpu: u64,
-    /// Memslots the test region is split into.
-    pub slots: usize,
-    /// Every vCPU accesses the whole region instead of its own partition.
-    pub overlap: bool,
+    /// The test region: its shape, the host memory behind it, whether it is pre-faulted and how
+    /// it logs dirty pages.
+    pub region: RegionSpec,
     /// 4 KiB TLB entries per vCPU (power of two).
     pub tlb_entries: usize,
     /// Physical CPUs vCPUs are scheduled on (0 = the host's available parallelism).
     pub pcpus: usize,
-    /// Pre-fault host memory so guest accesses do not take host page faults.
-    pub prefault: bool,
-    /// How the VM logs dirty pages.
-    pub dirty: DirtyConfig,
     /// Guest physical address of the test region (`None`: the top of the guest physical
     /// address space, as KVM's selftests place it). Must be aligned to the backing page size.
     pub gpa: Option<u64>,
-}
-
-impl MachineConfig {
-    /// This configuration with the test region `r` (shape, backing, prefault, dirty logging).
-    pub fn with_region(self, r: &slat_workload::RegionSpec) -> MachineConfig {
-        MachineConfig {
-            backing: r.backing,
-            vcpus: r.vcpus,
-            bytes_per_vcpu: r.bytes_per_vcpu,
-            slots: r.slots,
-            overlap: r.overlap,
-            prefault: r.prefault,
-            dirty: r.dirty,
-            ..self
-        }
-    }
 }
 
 impl Default for MachineConfig {
     fn default() -> Self {
         MachineConfig {
             vm: VmConfig::default(),
-            backing: Backing::Anonymous,
-            vcpus: 1,
-            bytes_per_vcpu: 1 << 30,
-            slots: 1,
-            overlap: false,
+            region: RegionSpec::default(),
             tlb_entries: DEFAULT_TLB_ENTRIES,
             pcpus: 0,
-            prefault: true,
-            dirty: DirtyConfig::default(),
             gpa: None,
         }
     }
@@ -186,14 +153,22 @@ impl<F: PteFormat> Machine<F> {
                 config.tlb_entries
             )));
         }
-        let size = RegionSize::new(config.vcpus, config.bytes_per_vcpu, config.slots)?;
+        let size = RegionSize::new(
+            config.region.vcpus,
+            config.region.bytes_per_vcpu,
+            config.region.slots,
+        )?;
         let (total, per_slot) = (size.total, size.per_slot);
         let pages = total >> PAGE_SHIFT;
-        let psize = config.backing.page_size();
+        let psize = config.region.backing.page_size();
         let ram_len = total.div_ceil(psize).checked_mul(psize).ok_or_else(|| {
             MachineError::Config(format!("{total:#x} bytes of guest memory overflow 64 bits"))
         })?;
-        let ram = Arc::new(GuestRam::new(config.backing, ram_len, config.prefault)?);
+        let ram = Arc::new(GuestRam::new(
+            config.region.backing,
+            ram_len,
+            config.region.prefault,
+        )?);
         // KVM's memstress puts the test region at the top of the guest physical address space,
         // aligned down to the backing page size.
         let max_gfn = (1u64 << (F::MAX_PHYS_BITS - PAGE_SHIFT)) - 1;
@@ -217,11 +192,14 @@ impl<F: PteFormat> Machine<F> {
             Some(g) => g,
         };
         let vm = Vm::<F>::new(config.vm);
-        vm.set_manual_dirty_log_protect(config.dirty.manual_protect)?;
-        if config.dirty.ring_entries != 0 {
-            vm.enable_dirty_ring(config.dirty.ring_entries, config.dirty.ring_with_bitmap)?;
+        vm.set_manual_dirty_log_protect(config.region.dirty.manual_protect)?;
+        if config.region.dirty.ring_entries != 0 {
+            vm.enable_dirty_ring(
+                config.region.dirty.ring_entries,
+                config.region.dirty.ring_with_bitmap,
+            )?;
         }
-        for s in 0..config.slots as u64 {
+        for s in 0..config.region.slots as u64 {
             let offset = s * per_slot;
             let host = HostRange::slice(ram.clone(), offset, ram.len() - offset)?;
             vm.add_memslot(
@@ -232,21 +210,21 @@ impl<F: PteFormat> Machine<F> {
                 MemslotFlags::empty(),
             )?;
         }
-        let layout = size.layout(gpa, ram.addr(), config.overlap);
+        let layout = size.layout(gpa, ram.addr(), config.region.overlap);
         let pcpus = if config.pcpus == 0 {
             std::thread::available_parallelism().map_or(1, |n| n.get())
         } else {
             config.pcpus
         };
         let pool = Arc::new(PcpuPool::new(pcpus));
-        let ctl = Arc::new(Control::new(config.vcpus));
+        let ctl = Arc::new(Control::new(config.region.vcpus));
         let mut m = Machine {
             vm,
             ram,
             region: TestRegion {
                 layout,
-                slots: config.slots,
-                dirty: config.dirty,
+                slots: config.region.slots,
+                dirty: config.region.dirty,
             },
             config,
             ctl,
@@ -255,11 +233,11 @@ impl<F: PteFormat> Machine<F> {
             pool,
             reaped: Arc::new(Mutex::new(Vec::new())),
             writer_value: Arc::new(AtomicU64::new(0)),
-            tids: Arc::new(VcpuTids::new(config.vcpus)),
+            tids: Arc::new(VcpuTids::new(config.region.vcpus)),
         };
-        for i in 0..config.vcpus {
+        for i in 0..config.region.vcpus {
             let mut cpu = Cpu::new(m.vm.clone(), i as u32, config.tlb_entries, m.pool.clone());
-            if config.dirty.ring_entries != 0 {
+            if config.region.dirty.ring_entries != 0 {
                 cpu.set_ring_full_handler(m.ring_full_handler());
             }
             let (ctl, halt, tids) = (m.ctl.clone(), m.halt.clone(), m.tids.clone());
@@ -364,12 +342,12 @@ impl<F: PteFormat> Machine<F> {
 
     /// The ids of the test region's memslots, in guest-address order.
     pub fn slot_ids(&self) -> impl Iterator<Item = SlotId> {
-        FIRST_SLOT..FIRST_SLOT + self.config.slots as u32
+        FIRST_SLOT..FIRST_SLOT + self.config.region.slots as u32
     }
 
     /// Pages per memslot.
     pub fn pages_per_slot(&self) -> u64 {
-        self.region.layout.total_pages() / self.config.slots as u64
+        self.region.layout.total_pages() / self.config.region.slots as u64
     }
 
     /// Turns dirty logging on or off on every memslot of the test region.

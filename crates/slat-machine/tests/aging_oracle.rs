@@ -11,7 +11,7 @@ use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::{AgeFlush, DirtyTrack, IdleBitmap, PteFormat, VmConfig};
 use slat_machine::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
 use slat_machine::memstress::Pattern;
-use slat_machine::{Backing, Machine, MachineConfig, PassParams};
+use slat_machine::{Backing, Machine, MachineConfig, PassParams, RegionSpec};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -42,10 +42,13 @@ fn machine<F: PteFormat>(
 ) -> Machine<F> {
     Machine::<F>::new(MachineConfig {
         vm,
-        backing,
-        vcpus,
-        bytes_per_vcpu: 8 * MIB,
-        dirty: mode.dirty_config(512),
+        region: RegionSpec {
+            backing,
+            vcpus,
+            bytes_per_vcpu: 8 * MIB,
+            dirty: mode.dirty_config(512),
+            ..RegionSpec::default()
+        },
         ..MachineConfig::default()
     })
     .expect("machine")
@@ -251,8 +254,11 @@ fn idle_tracking_sees_exactly_the_pages_a_pass_touched<F: PteFormat>() {
                 ad_bits,
                 ..VmConfig::default()
             },
-            vcpus: 2,
-            bytes_per_vcpu: 4 * MIB,
+            region: RegionSpec {
+                vcpus: 2,
+                bytes_per_vcpu: 4 * MIB,
+                ..RegionSpec::default()
+            },
             ..MachineConfig::default()
         })
         .expect("machine");
@@ -307,9 +313,12 @@ fn clear_young_misses_accesses_through_cached_translations<F: PteFormat>() {
                 ad_bits,
                 ..VmConfig::default()
             },
-            vcpus: 1,
-            // 256 pages: all fit in the 2048-entry TLB, without conflicts.
-            bytes_per_vcpu: 256 * PAGE_SIZE,
+            region: RegionSpec {
+                vcpus: 1,
+                // 256 pages: all fit in the 2048-entry TLB, without conflicts.
+                bytes_per_vcpu: 256 * PAGE_SIZE,
+                ..RegionSpec::default()
+            },
             ..MachineConfig::default()
         })
         .expect("machine");

@@ -12,7 +12,7 @@ use slat::{
     Access, DirtyTrack, Fault, GetLogVariant, HostRange, PteFormat, RecoverVariant, VmConfig,
 };
 use slat_machine::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
-use slat_machine::{Backing, GuestRam, Machine, MachineConfig};
+use slat_machine::{Backing, GuestRam, Machine, MachineConfig, RegionSpec};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -47,11 +47,14 @@ fn machine<F: PteFormat>(
 ) -> Machine<F> {
     Machine::<F>::new(MachineConfig {
         vm,
-        backing,
-        vcpus,
-        bytes_per_vcpu: bytes,
-        // A small ring, so vCPUs take ring-full exits all the time.
-        dirty: mode.dirty_config(512),
+        region: RegionSpec {
+            backing,
+            vcpus,
+            bytes_per_vcpu: bytes,
+            // A small ring, so vCPUs take ring-full exits all the time.
+            dirty: mode.dirty_config(512),
+            ..RegionSpec::default()
+        },
         ..MachineConfig::default()
     })
     .expect("machine")

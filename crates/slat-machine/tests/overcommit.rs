@@ -7,7 +7,7 @@ mod common;
 
 use slat::PteFormat;
 use slat_machine::memstress::MEMSTRESS_PATTERN;
-use slat_machine::{Backing, Machine, MachineConfig, PassParams};
+use slat_machine::{Backing, Machine, MachineConfig, PassParams, RegionSpec};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,9 +19,12 @@ both_formats! {
 
 fn run<F: PteFormat>(vcpus: usize, bytes: u64, passes: usize) {
     let m = Machine::<F>::new(MachineConfig {
-        backing: Backing::Anonymous,
-        vcpus,
-        bytes_per_vcpu: bytes,
+        region: RegionSpec {
+            backing: Backing::Anonymous,
+            vcpus,
+            bytes_per_vcpu: bytes,
+            ..RegionSpec::default()
+        },
         ..MachineConfig::default()
     })
     .expect("machine");

@@ -2,7 +2,7 @@
 //! `/proc/self/task/<tid>/status` (`Cpus_allowed_list`) names the one CPU it was pinned to,
 //! and a pass still runs.
 
-use slat_machine::{Machine, MachineConfig, PassParams};
+use slat_machine::{Machine, MachineConfig, PassParams, RegionSpec};
 use slat_workload::cpus::allowed_cpus;
 use slat_workload::TestMachine;
 use std::fs;
@@ -28,8 +28,11 @@ fn vcpu_threads_are_pinned() {
     let cpus = allowed_cpus().expect("affinity");
     let (a, b) = (*cpus.last().unwrap(), cpus[0]);
     let m = Machine::<slat::Ept>::new(MachineConfig {
-        vcpus: 2,
-        bytes_per_vcpu: 1 << 20,
+        region: RegionSpec {
+            vcpus: 2,
+            bytes_per_vcpu: 1 << 20,
+            ..RegionSpec::default()
+        },
         ..MachineConfig::default()
     })
     .expect("machine");

@@ -5,7 +5,7 @@
 
 use slat::{CmoPolicy, RebuildOrder, RecoverVariant, Stage2, VmConfig};
 use slat_machine::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
-use slat_machine::{Backing, Machine, MachineConfig, PassParams, Workload};
+use slat_machine::{Backing, Machine, MachineConfig, PassParams, RegionSpec, Workload};
 use std::time::Duration;
 
 const MIB: u64 = 1 << 20;
@@ -20,10 +20,13 @@ fn seed() -> u32 {
 fn machine(mode: LogMode, vm: VmConfig, backing: Backing, vcpus: usize) -> Machine<Stage2> {
     Machine::<Stage2>::new(MachineConfig {
         vm,
-        backing,
-        vcpus,
-        bytes_per_vcpu: 8 * MIB,
-        dirty: mode.dirty_config(512),
+        region: RegionSpec {
+            backing,
+            vcpus,
+            bytes_per_vcpu: 8 * MIB,
+            dirty: mode.dirty_config(512),
+            ..RegionSpec::default()
+        },
         ..MachineConfig::default()
     })
     .expect("machine")
@@ -117,10 +120,13 @@ fn populate(m: &Machine<Stage2>) {
 fn churn(vm: VmConfig, rounds: u32, seed: u32) -> Result<(), String> {
     let m = Machine::<Stage2>::new(MachineConfig {
         vm,
-        backing: Backing::AnonymousThp,
-        vcpus: 4,
-        bytes_per_vcpu: 4 * MIB,
-        overlap: true,
+        region: RegionSpec {
+            backing: Backing::AnonymousThp,
+            vcpus: 4,
+            bytes_per_vcpu: 4 * MIB,
+            overlap: true,
+            ..RegionSpec::default()
+        },
         ..MachineConfig::default()
     })
     .map_err(|e| e.to_string())?;

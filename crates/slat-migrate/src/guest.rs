@@ -188,11 +188,11 @@ pub fn build(spec: &GuestSpec) -> Result<Arc<dyn Guest>, GuestError> {
         BackendKind::Sim => {
             let config = MachineConfig {
                 vm: spec.vm,
+                region,
                 tlb_entries: spec.tlb_entries,
                 pcpus: spec.pcpus,
                 ..MachineConfig::default()
-            }
-            .with_region(&region);
+            };
             if spec.stage2 {
                 sim_guest::<Stage2>(config, s, pages, spec.log)
             } else {
@@ -200,8 +200,11 @@ pub fn build(spec: &GuestSpec) -> Result<Arc<dyn Guest>, GuestError> {
             }
         }
         BackendKind::Kvm => {
-            let m = slat_kvm::KvmMachine::new(slat_kvm::KvmConfig::default().with_region(&region))
-                .map_err(GuestError::machine)?;
+            let m = slat_kvm::KvmMachine::new(slat_kvm::KvmConfig {
+                region,
+                ..slat_kvm::KvmConfig::default()
+            })
+            .map_err(GuestError::machine)?;
             let l = m.layout();
             let mapped = l.bytes_per_vcpu.checked_mul(l.vcpus as u64);
             if mapped != Some(pages * PAGE_SIZE as u64) {

@@ -114,9 +114,9 @@ impl RegionSize {
 }
 
 /// What to build on either machine: the test region's shape, the host memory behind it and
-/// how it logs dirty pages. `slat_machine::MachineConfig::with_region` and
-/// `slat_kvm::KvmConfig::with_region` take it, so a caller that drives both machines (the CLI,
-/// migration) describes the region once.
+/// how it logs dirty pages. `slat_machine::MachineConfig` and `slat_kvm::KvmConfig` hold it as
+/// their `region`, so a caller that drives both machines (the CLI, migration) describes the
+/// region once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RegionSpec {
     /// Host memory behind the region.
