@@ -92,13 +92,13 @@ pub use dirty::RingSize;
 pub use error::KvmError;
 pub use guest::GuestMode;
 pub use machine::{
-    host_caps, native_baseline, HostCaps, KvmConfig, KvmCounters, KvmMachine, PassReport, VcpuPass,
-    Workload, DEFAULT_DEVICE, LOW_SLOT, MAX_GPA_BITS,
+    host_caps, HostCaps, KvmConfig, KvmCounters, KvmMachine, PassReport, VcpuPass, Workload,
+    DEFAULT_DEVICE, LOW_SLOT, MAX_GPA_BITS,
 };
 pub use mem::{Backing, HostMemory, PAGE_SIZE};
 pub use memslot::Memslot;
 pub use memstress::{PassParams, MEMSTRESS_PATTERN};
 pub use slat_workload::{
-    DirtyConfig, GuestRam, Layout, RegionSpec, TestMachine, FIRST_SLOT, INITIALLY_SET,
-    MANUAL_PROTECT_ENABLE,
+    native_baseline, DirtyConfig, GuestRam, Layout, RegionSpec, TestMachine, FIRST_SLOT,
+    INITIALLY_SET, MANUAL_PROTECT_ENABLE,
 };

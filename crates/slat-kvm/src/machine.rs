@@ -14,9 +14,8 @@ use kvm_bindings::{
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
 use slat_workload::cpus::VcpuTids;
 use slat_workload::{
-    Backing, GuestRam, Layout, ParkMiller, PassParams, RegionSize, RegionSpec, Rendezvous,
-    TestMachine, TestRegion, FIRST_SLOT, INITIALLY_SET, MANUAL_PROTECT_ENABLE, PAGE_SHIFT,
-    PAGE_SIZE,
+    Backing, GuestRam, ParkMiller, PassParams, RegionSize, RegionSpec, Rendezvous, TestMachine,
+    TestRegion, FIRST_SLOT, INITIALLY_SET, MANUAL_PROTECT_ENABLE, PAGE_SHIFT, PAGE_SIZE,
 };
 use std::ffi::CString;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -844,17 +843,6 @@ fn vcpu_thread(mut ctx: VcpuContext) {
         broken = r.is_err();
         ctx.ctl.report(ctx.idx, r);
     }
-}
-
-/// Runs the memstress pattern of `layout` natively on `mem` with one thread per vCPU: the
-/// native baseline of a pass ([`slat_workload::native_baseline`], whose refusals become
-/// [`KvmError::Config`]).
-pub fn native_baseline(
-    layout: Layout,
-    mem: &GuestRam,
-    params: PassParams,
-) -> Result<PassReport, KvmError> {
-    Ok(slat_workload::native_baseline(layout, mem, params)?)
 }
 
 impl TestMachine for KvmMachine {

@@ -396,7 +396,7 @@ fn native_baseline_refuses_layouts_that_do_not_fit_its_memory() {
         overlap: false,
     };
     let p = PassParams::default();
-    slat_kvm::native_baseline(layout, &mem, p).unwrap();
+    slat_kvm::native_baseline::<()>(layout, &mem, p).unwrap();
     for (bytes, vcpus, what) in [
         // Not a whole number of pages: vCPU 1's words would be misaligned. The old code ran
         // this (vCPUs = 1 here, so it wrote only aligned words) and returned Ok.
@@ -407,7 +407,7 @@ fn native_baseline_refuses_layouts_that_do_not_fit_its_memory() {
         (1 << 63, 2, "overflows"),
         (4 << 20, 2, "needs"),
     ] {
-        let r = slat_kvm::native_baseline(
+        let r = slat_kvm::native_baseline::<()>(
             Layout {
                 bytes_per_vcpu: bytes,
                 vcpus,
@@ -415,7 +415,8 @@ fn native_baseline_refuses_layouts_that_do_not_fit_its_memory() {
             },
             &mem,
             p,
-        );
+        )
+        .map_err(KvmError::from);
         match r {
             Err(KvmError::Config(m)) => assert!(m.contains(what), "{m}"),
             r => panic!("{bytes} bytes x {vcpus}: {r:?}"),

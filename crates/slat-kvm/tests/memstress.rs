@@ -300,7 +300,7 @@ fn native_baseline_writes_the_same_pages_as_the_guest() {
         true,
     )
     .unwrap();
-    let r = slat_kvm::native_baseline(layout, &mem, params).unwrap();
+    let r = slat_kvm::native_baseline::<()>(layout, &mem, params).unwrap();
     assert_eq!(r.vcpus.len(), 2);
     for p in 0..layout.total_pages() {
         // SAFETY: in bounds of `mem`, which the baseline threads no longer touch.

@@ -19,10 +19,9 @@ pub mod tlb;
 
 pub use cpu::{Cpu, CpuCounters, Exit, RingFullHandler};
 pub use machine::{
-    native_baseline, DirtyConfig, Layout, Machine, MachineConfig, MachineError, PassReport,
-    VcpuPass, Workload,
+    DirtyConfig, Layout, Machine, MachineConfig, MachineError, PassReport, VcpuPass, Workload,
 };
 pub use memstress::PassParams;
 pub use paced::{PacedParams, Pacer};
 pub use ram::{Backing, GuestRam, RamError};
-pub use slat_workload::{RegionSpec, TestMachine, FIRST_SLOT};
+pub use slat_workload::{native_baseline, RegionSpec, TestMachine, FIRST_SLOT};

@@ -488,18 +488,6 @@ fn run_workload<F: PteFormat>(
     }
 }
 
-/// Runs the memstress pattern of `layout` natively on `ram` (same size and shape as the
-/// guest region, `ram` standing where `layout.host` stood) with one thread per vCPU; the
-/// native baseline of a pass ([`slat_workload::native_baseline`]). Refused if the layout does
-/// not fit in `ram`.
-pub fn native_baseline(
-    layout: Layout,
-    ram: &GuestRam,
-    params: PassParams,
-) -> Result<PassReport, MachineError> {
-    Ok(slat_workload::native_baseline(layout, ram, params)?)
-}
-
 impl<F: PteFormat> TestMachine for Machine<F> {
     type Error = MachineError;
     type Counters = CpuCounters;
