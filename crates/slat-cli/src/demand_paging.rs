@@ -531,6 +531,14 @@ fn uffd_figures(
     ram: &slat_machine::ram::GuestRam,
 ) -> Result<UffdFigures, String> {
     let total = a.work.bytes * a.work.vcpus as u64;
+    if r.failed() != 0 {
+        return Err(format!(
+            "-u {}: the handlers could not {} {} page(s)",
+            r.mode.name(),
+            r.mode.ioctl_name(),
+            r.failed()
+        ));
+    }
     let (checked, bad) = uffd::verify_served(ram, total, MEMSTRESS_PATTERN);
     if bad != 0 {
         return Err(format!(

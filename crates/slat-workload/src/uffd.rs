@@ -28,6 +28,7 @@ const UFFD_API: u64 = 0xAA;
 const UFFDIO_API: u64 = 0xC018_AA3F;
 const UFFDIO_REGISTER: u64 = 0xC020_AA00;
 const UFFDIO_WAKE: u64 = 0x8010_AA02;
+const UFFDIO_UNREGISTER: u64 = 0x8010_AA01;
 const UFFDIO_COPY: u64 = 0xC028_AA03;
 const UFFDIO_CONTINUE: u64 = 0xC020_AA07;
 const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
@@ -212,6 +213,9 @@ pub struct HandlerStats {
     pub pages: u64,
     /// Faults on pages another thread had already served (`EEXIST`: woken instead).
     pub eexist: u64,
+    /// Faults it could not serve (the copy or continue failed): the page was unregistered so
+    /// the access completes without the handler, and the page-content check then fails.
+    pub failed: u64,
     /// Time from the first fault it took to the last one it served.
     pub busy: Duration,
 }
@@ -241,6 +245,10 @@ impl UffdReport {
     /// Faults found already served.
     pub fn eexist(&self) -> u64 {
         self.handlers.iter().map(|h| h.eexist).sum()
+    }
+    /// Faults the handlers could not serve.
+    pub fn failed(&self) -> u64 {
+        self.handlers.iter().map(|h| h.failed).sum()
     }
 }
 
@@ -457,8 +465,12 @@ impl Handler {
                     Ok(true) => st.pages += 1,
                     Ok(false) => st.eexist += 1,
                     Err(_) => {
-                        // Wake the faulting thread anyway: it retries the access, and the page
-                        // is either present now or it faults again.
+                        // A failure that persists would make the faulting thread fault again
+                        // forever: take the page out of userfaultfd's hands (its access then
+                        // completes as an ordinary fault), count it, and let the page check
+                        // report it.
+                        st.failed += 1;
+                        self.unregister(addr);
                         self.wake(addr);
                     }
                 }
@@ -515,6 +527,16 @@ impl Handler {
                 _ => return Err(e),
             }
         }
+    }
+
+    fn unregister(&self, addr: u64) {
+        let mut r = UffdioRange {
+            start: addr,
+            len: self.page_size,
+        };
+        // SAFETY: UFFDIO_UNREGISTER reads one `struct uffdio_range` (`r`); the kernel checks
+        // the range against this userfaultfd's registrations.
+        unsafe { libc::ioctl(self.uffd.as_raw_fd(), UFFDIO_UNREGISTER as _, &mut r) };
     }
 
     fn wake(&self, addr: u64) {
