@@ -75,6 +75,17 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// KVM refused to enable the dirty ring.
+    #[error(
+        "KVM_ENABLE_CAP(DIRTY_LOG_RING) of {bytes} bytes failed: {source} (KVM enables the ring \
+         once per VM, before any vCPU is created, and only with a size it supports)"
+    )]
+    RingEnable {
+        /// The size asked for, in bytes (what the capability takes).
+        bytes: u32,
+        /// What KVM said.
+        source: io::Error,
+    },
     /// A memslot this crate will not register or adopt.
     #[error("memslot {slot}: {reason}")]
     Memslot {

@@ -316,7 +316,33 @@ impl RingSize {
 /// Enables the per-vCPU dirty ring on `vm` with `size` (`KVM_ENABLE_CAP` of
 /// `KVM_CAP_DIRTY_LOG_RING_ACQ_REL` if `acq_rel`, else `KVM_CAP_DIRTY_LOG_RING`, with the
 /// size in bytes). KVM accepts this once, before any vCPU exists.
+///
+/// Checked first: the capability ([`Error::Unsupported`]) and the largest ring it reports
+/// ([`Error::RingSize`]). KVM's own refusals (a vCPU already exists, the ring was already
+/// enabled, a size below what the host needs) are [`Error::RingEnable`].
 pub fn enable_dirty_ring(vm: &VmFd, size: RingSize, acq_rel: bool) -> Result<(), Error> {
+    let (cap_nr, name) = if acq_rel {
+        (
+            KVM_CAP_DIRTY_LOG_RING_ACQ_REL,
+            "KVM_CAP_DIRTY_LOG_RING_ACQ_REL",
+        )
+    } else {
+        (KVM_CAP_DIRTY_LOG_RING, "KVM_CAP_DIRTY_LOG_RING")
+    };
+    // The capability answers the largest ring in bytes (0: none).
+    let max = vm.check_extension_raw(cap_nr.into());
+    if max <= 0 {
+        return Err(Error::Unsupported {
+            capability: name,
+            detail: String::new(),
+        });
+    }
+    if u64::from(size.bytes()) > max as u64 {
+        return Err(Error::RingSize {
+            entries: size.entries().into(),
+            reason: format!("this host's largest ring is {max} bytes"),
+        });
+    }
     let mut cap = kvm_enable_cap {
         cap: if acq_rel {
             KVM_CAP_DIRTY_LOG_RING_ACQ_REL
@@ -326,8 +352,10 @@ pub fn enable_dirty_ring(vm: &VmFd, size: RingSize, acq_rel: bool) -> Result<(),
         ..Default::default()
     };
     cap.args[0] = size.bytes().into();
-    vm.enable_cap(&cap)
-        .map_err(|e| Error::ioctl("KVM_ENABLE_CAP(DIRTY_LOG_RING)", e))
+    vm.enable_cap(&cap).map_err(|e| Error::RingEnable {
+        bytes: size.bytes(),
+        source: io::Error::from_raw_os_error(e.errno()),
+    })
 }
 
 /// Enables manual dirty-log protection on `vm` (`KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` with

@@ -177,6 +177,10 @@ impl From<slat_dirty::Error> for KvmError {
             },
             E::RingSize { entries, reason } => KvmError::RingSize { entries, reason },
             E::Memslot { slot, reason } => KvmError::Memslot { slot, reason },
+            E::RingEnable { source, .. } => KvmError::Ioctl {
+                op: "KVM_ENABLE_CAP(DIRTY_LOG_RING)",
+                source,
+            },
             E::Harvest(m) => KvmError::DirtyLog(m),
         }
     }
