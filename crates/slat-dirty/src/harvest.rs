@@ -420,6 +420,13 @@ impl DirtySet<'_> {
         )
     }
 
+    /// [`Harvester::collect`] while this set is out — e.g. on `KVM_EXIT_DIRTY_RING_FULL`
+    /// during the copy. What it collects was dirtied after the take: it goes to the pages owed
+    /// (the next take), not into this set.
+    pub fn collect(&mut self) -> Result<u64, Error> {
+        self.h.collect()
+    }
+
     /// The pages are copied: they are owed no more.
     pub fn commit(mut self) {
         self.settled = true;
