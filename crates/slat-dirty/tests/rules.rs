@@ -175,8 +175,8 @@ fn harvester_refuses_what_would_not_fit() {
     hv.mark_words(0, &[0, u64::MAX]).unwrap();
     let set = hv.take().unwrap();
     assert_eq!(set.ranges(0).collect::<Vec<_>>(), [(64, 1)]);
-    for i in 0..2 {
-        assert_eq!(set.bitmap(i).unwrap().len() as u64, slots[i].bitmap_words());
+    for (i, s) in slots.iter().enumerate() {
+        assert_eq!(set.bitmap(i).unwrap().len() as u64, s.bitmap_words());
     }
     assert!(set.bitmap(2).is_none());
     assert_eq!(set.ranges(7).count(), 0);
@@ -217,12 +217,7 @@ fn adopted_slots_are_checked_and_size_the_bitmaps() {
         userspace_addr: addr,
     };
     let addr = mem[1].ptr as u64;
-    for (size, addr) in [
-        (0, addr),
-        (4095, addr),
-        (4096, addr + 1),
-        (4096, u64::MAX & !4095),
-    ] {
+    for (size, addr) in [(0, addr), (4095, addr), (4096, addr + 1), (4096, !4095)] {
         // SAFETY: each of these is refused before the handle exists (checked below), so no
         // handle ever describes a slot wrongly.
         let r = unsafe { Memslot::adopt(&vm, region(size, addr)) };
