@@ -94,11 +94,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for (k, p) in pages.iter().enumerate() {
             list[8 + 8 * k..16 + 8 * k].copy_from_slice(&(RAM_GPA + p * 4096).to_le_bytes());
         }
-        loop {
-            match vcpu.run()? {
-                VcpuExit::IoOut(0x88, _) => return Ok(()),
-                e => return Err(format!("unexpected exit {e:?}").into()),
-            }
+        // One pass: the writer exits once, at its `out`.
+        match vcpu.run()? {
+            VcpuExit::IoOut(0x88, _) => Ok(()),
+            e => Err(format!("unexpected exit {e:?}").into()),
         }
     };
     let print = |what: &str, set: &slat_dirty::DirtySet<'_>| {
