@@ -212,6 +212,43 @@ impl Harvester {
         )
     }
 
+    /// Merges the VMM-side writes `vm-memory` recorded for the region behind slot
+    /// `slot_index`: takes and resets `bitmap` (`AtomicBitmap::get_and_reset`) and owes its
+    /// pages. The bits are owed from then on, so nothing is lost if a later take fails.
+    ///
+    /// `bitmap` must cover exactly the slot with 4 KiB pages: `len()` equal to the slot's
+    /// pages and `byte_size()` to its bytes ([`Error::BitmapLength`] otherwise; the bitmap
+    /// is then left untouched). (`AtomicBitmap` does not expose its page size; one other than
+    /// 4 KiB with these two sizes would only mark the wrong pages, never memory outside.)
+    #[cfg(feature = "vm-memory")]
+    pub fn mark_atomic_bitmap(
+        &mut self,
+        slot_index: usize,
+        bitmap: &vm_memory::bitmap::AtomicBitmap,
+    ) -> Result<(), Error> {
+        let i = self.index(slot_index)?;
+        let s = &self.slots[i];
+        let bytes = s.pages().checked_mul(crate::PAGE_SIZE);
+        if u64::try_from(bitmap.len()) != Ok(s.pages())
+            || u64::try_from(bitmap.byte_size()).ok() != bytes
+        {
+            return Err(Error::BitmapLength {
+                op: "Harvester::mark_atomic_bitmap",
+                slot: s.id(),
+                pages: s.pages(),
+                expected: s.bitmap_words(),
+                got: bitmap.len().div_ceil(64),
+            });
+        }
+        let words = bitmap.get_and_reset();
+        or_into(
+            s,
+            &mut self.owed[i],
+            &words,
+            "Harvester::mark_atomic_bitmap",
+        )
+    }
+
     /// Marks `pages` pages of slot `slot_index` from `first_page` as owed (VMM writes).
     pub fn mark_pages(
         &mut self,

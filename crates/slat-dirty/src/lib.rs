@@ -16,7 +16,8 @@
 //!   returns a [`DirtySet`] to copy; [`DirtySet::commit`] when the copy succeeded; abort (or
 //!   drop) and every page of the set is reported again by the next take. Writes the VMM made
 //!   itself (devices, `vm-memory`'s `AtomicBitmap::get_and_reset`) are merged with
-//!   [`Harvester::mark_words`] / [`Harvester::mark_pages`].
+//!   [`Harvester::mark_words`] / [`Harvester::mark_pages`], or, with the `vm-memory` feature,
+//!   straight from the `AtomicBitmap` (`Harvester::mark_atomic_bitmap`).
 //!
 //! No safe function of this crate lets KVM (or this crate) write outside a buffer or a
 //! mapping: bitmap lengths come from the slot, ring indices are masked into a mapping whose
@@ -40,6 +41,9 @@ pub use log::{
 };
 pub use memslot::{bitmap_words, Memslot};
 pub use ranges::{ranges, Ranges};
+/// The `vm-memory` this crate was built with (feature `vm-memory`), for its `AtomicBitmap`.
+#[cfg(feature = "vm-memory")]
+pub use vm_memory;
 
 /// log2 of the page size KVM's dirty logs count in (x86-64: 4 KiB).
 pub const PAGE_SHIFT: u32 = 12;

@@ -241,3 +241,33 @@ fn adopted_slots_are_checked_and_size_the_bitmaps() {
         ));
     }
 }
+
+#[cfg(feature = "vm-memory")]
+#[test]
+fn a_vm_memory_atomic_bitmap_merges_into_the_take_and_is_reset() {
+    use slat_dirty::vm_memory::bitmap::AtomicBitmap;
+    use std::num::NonZeroUsize;
+    let Some((_vm, slots, _mem)) = two_slots() else {
+        return;
+    };
+    let mut hv = Harvester::new(slots, LogMode::Get).unwrap();
+    let page = NonZeroUsize::new(4096).unwrap();
+    // Slot 1 has 130 pages; a bitmap of another size is refused and left alone.
+    let wrong = AtomicBitmap::new(129 * 4096, page);
+    wrong.set_addr_range(0, 4096);
+    assert!(matches!(
+        hv.mark_atomic_bitmap(1, &wrong),
+        Err(Error::BitmapLength { .. })
+    ));
+    assert!(wrong.is_bit_set(0));
+    let b = AtomicBitmap::new(130 * 4096, page);
+    b.set_addr_range(63 * 4096, 2 * 4096); // pages 63 and 64: across a word edge
+    b.set_addr_range(129 * 4096, 1); // the last page
+    hv.mark_atomic_bitmap(1, &b).unwrap();
+    assert!(!b.is_bit_set(63) && !b.is_bit_set(129), "taken and reset");
+    let set = hv.take().unwrap();
+    assert_eq!(set.ranges(1).collect::<Vec<_>>(), [(63, 2), (129, 1)]);
+    set.abort();
+    // Aborted: still owed.
+    assert_eq!(hv.take().unwrap().pages(), 3);
+}
