@@ -69,6 +69,9 @@ pub enum LogMode {
 }
 
 /// Tracks the dirty pages of some memslots of one VM; see the [module](self) documentation.
+///
+/// It must be the only reader of those slots' logs (no other GET, CLEAR or ring harvest of
+/// them): another reader would take bits this harvester then never sees.
 #[derive(Debug)]
 pub struct Harvester {
     slots: Vec<Memslot>,
@@ -76,7 +79,7 @@ pub struct Harvester {
     rings: Vec<DirtyRing>,
     /// Per slot: pages owed (reported, not yet committed). Exactly `bitmap_words` long.
     owed: Vec<Vec<u64>>,
-    /// Scratch bitmap for manual protect's GET (the largest slot's length).
+    /// Scratch bitmap for GET (the largest slot's length).
     scratch: Vec<u64>,
     /// Ring entries for a slot this harvester does not track, or past its end.
     foreign: u64,
@@ -137,8 +140,8 @@ impl Harvester {
             owed.push(vec![0u64; w]);
         }
         let scratch = match mode {
-            LogMode::ManualProtect { .. } => vec![0u64; largest],
-            _ => Vec::new(),
+            LogMode::Get | LogMode::ManualProtect { .. } => vec![0u64; largest],
+            LogMode::Ring => Vec::new(),
         };
         Ok(Harvester {
             slots,
@@ -269,13 +272,13 @@ impl Harvester {
             LogMode::Get => {
                 let mut n = 0;
                 for (s, owed) in self.slots.iter().zip(&mut self.owed) {
-                    // GET writes exactly `owed.len()` words... but it *overwrites*: read into
-                    // a fresh buffer, then OR, so nothing owed is replaced.
-                    let mut got = vec![0u64; owed.len()];
-                    get_dirty_log(s, &mut got)?;
+                    // GET overwrites its buffer: read into the scratch, then OR, so nothing
+                    // owed is replaced.
+                    let got = &mut self.scratch[..owed.len()];
+                    get_dirty_log(s, got)?;
                     // From here KVM has cleared these bits: they live only in `got` until
                     // merged, and nothing between can fail.
-                    for (o, g) in owed.iter_mut().zip(&got) {
+                    for (o, g) in owed.iter_mut().zip(got.iter()) {
                         n += u64::from(g.count_ones());
                         *o |= g;
                     }
