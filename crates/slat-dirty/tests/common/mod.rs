@@ -117,7 +117,46 @@ const WRITER: [u8; 31] = [
     0xeb, 0xe1, // jmp 0
 ];
 
+/// The concurrent writer: until the halt flag (`[r13 + 8]`) is set, pass after pass, stores
+/// the pass number (`rbx`, from 1) into the first 8 bytes of each page listed at `r13 + 16..`
+/// (`[r13]` of them, at least one); then `out 0x88, al`.
+const LOOPING_WRITER: [u8; 37] = [
+    0x49, 0x8b, 0x4d, 0x00, // mov rcx, [r13]
+    0x49, 0x8d, 0x75, 0x10, // lea rsi, [r13 + 16]
+    0x48, 0xff, 0xc3, // inc rbx
+    0x48, 0x8b, 0x06, // next: mov rax, [rsi]
+    0x48, 0x89, 0x18, // mov [rax], rbx
+    0x48, 0x83, 0xc6, 0x08, // add rsi, 8
+    0x48, 0xff, 0xc9, // dec rcx
+    0x75, 0xf1, // jnz next
+    0x49, 0x83, 0x7d, 0x08, 0x00, // cmp qword [r13 + 8], 0
+    0x74, 0xdf, // je 0
+    0xe6, 0x88, // out 0x88, al
+    0xeb, 0xdb, // jmp 0
+];
+
+/// Most pages the looping writer's list holds.
+pub const MAX_LOOP_LIST: usize = 510;
+
 impl TinyVm {
+    /// Replaces the guest code with the looping writer over `pages`, halt flag clear.
+    pub fn load_looping_writer(&mut self, pages: &[(usize, u64)]) {
+        assert!(!pages.is_empty() && pages.len() <= MAX_LOOP_LIST);
+        let code = self.layout.code as usize;
+        let ctl = self.layout.control as usize;
+        let low = self.low.bytes_mut();
+        low[code..code + LOOPING_WRITER.len()].copy_from_slice(&LOOPING_WRITER);
+        low[ctl..ctl + 8].copy_from_slice(&(pages.len() as u64).to_le_bytes());
+        low[ctl + 8..ctl + 16].copy_from_slice(&0u64.to_le_bytes());
+        for (k, &(s, p)) in pages.iter().enumerate() {
+            let at = ctl + 16 + 8 * k;
+            low[at..at + 8].copy_from_slice(&(SLOT_GPA[s] + p * 4096).to_le_bytes());
+        }
+        let mut regs = guest::initial_regs(&self.layout, 0, GuestMode::User);
+        regs.r13 = self.layout.control;
+        self.vcpu.set_regs(&regs).unwrap();
+    }
+
     /// The VM, logging set up as `setup`, or `None` without /dev/kvm.
     pub fn new(setup: Setup) -> Option<TinyVm> {
         if kvm_unavailable() {
@@ -243,4 +282,21 @@ pub fn pass_with(
             e => panic!("unexpected exit {e:?}"),
         }
     }
+}
+
+/// The first 8 bytes of page `page` of `m`, read while the guest may be writing them.
+pub fn read_word(m: &Mapping, page: u64) -> u64 {
+    let off = page as usize * 4096;
+    assert!(off + 8 <= m.len);
+    // SAFETY: inside the mapping (checked), 8-aligned (page aligned); a volatile read, since
+    // the guest may store to it concurrently (an aligned 8-byte store is not torn on x86-64).
+    unsafe { m.ptr.add(off).cast::<u64>().read_volatile() }
+}
+
+/// Sets the looping writer's halt flag.
+pub fn set_halt(low: &mut Mapping, control: u64) {
+    let at = control as usize + 8;
+    assert!(at + 8 <= low.len);
+    // SAFETY: inside the mapping (checked), 8-aligned; volatile since the guest polls it.
+    unsafe { low.ptr.add(at).cast::<u64>().write_volatile(1) }
 }
