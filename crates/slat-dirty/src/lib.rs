@@ -11,7 +11,7 @@
 //!   is sized from the slot, never from a length the caller claims. A slot is created through
 //!   [`Memslot::register`] or, if the caller already registered it, described with
 //!   [`Memslot::adopt`]; both are `unsafe` and state what the caller promises.
-//! - [`ranges`]: bitmap → `(first_page, pages)` runs, a word at a time, skipping zero words.
+//! - [`ranges`](mod@ranges): bitmap → `(first_page, pages)` runs, a word at a time, skipping zero words.
 //! - [`harvest`]: one transactional harvest over the three log modes: [`Harvester::take`]
 //!   returns a [`DirtySet`] to copy; [`DirtySet::commit`] when the copy succeeded; abort (or
 //!   drop) and every page of the set is reported again by the next take. Writes the VMM made
