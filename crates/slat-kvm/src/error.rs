@@ -131,6 +131,61 @@ impl From<slat_workload::WorkloadError> for KvmError {
     }
 }
 
+impl From<slat_dirty::Error> for KvmError {
+    /// The dirty-log library's errors are the same variants here.
+    fn from(e: slat_dirty::Error) -> Self {
+        use slat_dirty::Error as E;
+        match e {
+            E::Unsupported { capability, detail } => KvmError::Unsupported { capability, detail },
+            E::Ioctl { op, source } => KvmError::Ioctl { op, source },
+            E::Mmap {
+                what,
+                len,
+                source,
+                hint,
+            } => KvmError::Mmap {
+                what,
+                len,
+                source,
+                hint,
+            },
+            E::BitmapLength {
+                op,
+                slot,
+                pages,
+                expected,
+                got,
+            } => KvmError::BitmapLength {
+                op,
+                slot,
+                pages,
+                expected,
+                got,
+            },
+            E::ClearRange {
+                slot,
+                first_page,
+                num_pages,
+                slot_pages,
+                reason,
+            } => KvmError::ClearRange {
+                slot,
+                first_page,
+                num_pages,
+                slot_pages,
+                reason,
+            },
+            E::RingSize { entries, reason } => KvmError::RingSize { entries, reason },
+            E::Memslot { slot, reason } => KvmError::Memslot { slot, reason },
+            E::RingEnable { source, .. } => KvmError::Ioctl {
+                op: "KVM_ENABLE_CAP(DIRTY_LOG_RING)",
+                source,
+            },
+            E::Harvest(m) => KvmError::DirtyLog(m),
+        }
+    }
+}
+
 impl KvmError {
     /// An ioctl error from `kvm-ioctls` / `vmm-sys-util`.
     pub(crate) fn ioctl(op: &'static str, e: vmm_sys_util::errno::Error) -> Self {

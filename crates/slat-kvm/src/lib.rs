@@ -98,6 +98,7 @@ pub use machine::{
 pub use mem::{Backing, HostMemory, PAGE_SIZE};
 pub use memslot::Memslot;
 pub use memstress::{PassParams, MEMSTRESS_PATTERN};
+pub use slat_dirty::Error as DirtyError;
 pub use slat_workload::{
     native_baseline, DirtyConfig, GuestRam, Layout, RegionSpec, TestMachine, FIRST_SLOT,
     INITIALLY_SET, MANUAL_PROTECT_ENABLE,

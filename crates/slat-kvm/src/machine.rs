@@ -362,7 +362,7 @@ fn create_vcpus(
             .map_err(|e| KvmError::ioctl("KVM_SET_REGS", e))?;
         if let Some(size) = ring_size {
             let r = match DirtyRing::map(&v, size) {
-                Err(KvmError::Unsupported { .. }) => {
+                Err(slat_dirty::Error::Unsupported { .. }) => {
                     // SAFETY: this machine enabled the ring on this VM with exactly `size`
                     // above, before creating any vCPU (KVM accepts the cap once): the
                     // size the kernel (too old to let `map` check it) backs.
@@ -913,7 +913,7 @@ impl TestMachine for KvmMachine {
                 "KVM_GET_DIRTY_LOG: dirty logging is off".into(),
             ));
         }
-        dirty::get_dirty_log(s, bitmap)
+        dirty::get_dirty_log(s, bitmap).map_err(KvmError::from)
     }
 
     /// `KVM_CLEAR_DIRTY_LOG` (manual protect): clears and re-protects the pages of
@@ -941,7 +941,7 @@ impl TestMachine for KvmMachine {
                 "KVM_CLEAR_DIRTY_LOG: dirty logging is off".into(),
             ));
         }
-        dirty::clear_dirty_log(s, first_page, num_pages, bitmap)
+        dirty::clear_dirty_log(s, first_page, num_pages, bitmap).map_err(KvmError::from)
     }
 
     /// Takes every dirty-ring entry not yet collected: first those the vCPUs reaped on
@@ -970,7 +970,7 @@ impl TestMachine for KvmMachine {
             ));
         }
         let _r = lock(&self.rings);
-        dirty::reset_dirty_rings(&self.vm)
+        dirty::reset_dirty_rings(&self.vm).map_err(KvmError::from)
     }
 
     /// The first 8 bytes of page `page` of the test region (atomically; vCPUs may be writing).

@@ -17,8 +17,8 @@ use kvm_ioctls::{Kvm, VmFd};
 use slat_kvm::dirty::{self, DirtyRing};
 use slat_kvm::TestMachine;
 use slat_kvm::{
-    Backing, HostMemory, KvmConfig, KvmError, Layout, Memslot, PassParams, RegionSpec, RingSize,
-    FIRST_SLOT,
+    Backing, DirtyError, HostMemory, KvmConfig, KvmError, Layout, Memslot, PassParams, RegionSpec,
+    RingSize, FIRST_SLOT,
 };
 use std::sync::Arc;
 
@@ -101,7 +101,7 @@ fn get_writes_exactly_the_words_of_the_slot_and_refuses_other_lengths() {
             }
             let mut w = vec![SENTINEL; words + 1];
             match dirty::get_dirty_log(slot, &mut w[..len]) {
-                Err(KvmError::BitmapLength {
+                Err(DirtyError::BitmapLength {
                     op: "KVM_GET_DIRTY_LOG",
                     slot: id,
                     pages: p,
@@ -191,7 +191,7 @@ fn clear_checks_its_range_and_bitmap_like_kvm_and_clears_exactly() {
     ] {
         let bits = vec![u64::MAX; 3];
         match dirty::clear_dirty_log(slot, first, n, &bits) {
-            Err(e @ KvmError::ClearRange { .. }) => {
+            Err(e @ DirtyError::ClearRange { .. }) => {
                 assert!(e.to_string().contains(rule), "{first}+{n}: {e}")
             }
             r => panic!("{first}+{n}: {r:?}"),
@@ -209,7 +209,7 @@ fn clear_checks_its_range_and_bitmap_like_kvm_and_clears_exactly() {
         assert!(
             matches!(
                 dirty::clear_dirty_log(slot, first, n, &bits),
-                Err(KvmError::BitmapLength { op: "KVM_CLEAR_DIRTY_LOG", expected, got, .. })
+                Err(DirtyError::BitmapLength { op: "KVM_CLEAR_DIRTY_LOG", expected, got, .. })
                     if expected == n.div_ceil(64) && got == len
             ),
             "{first}+{n} with {len} words"
@@ -281,7 +281,7 @@ fn memslot_registration_refuses_what_would_delete_or_misdescribe_a_slot() {
         // SAFETY: every one of these is refused before the ioctl (the test checks it); none
         // reaches KVM, so no memory is registered.
         match unsafe { Memslot::register(&b.vm, r) } {
-            Err(e @ KvmError::Memslot { slot: 9, .. }) => {
+            Err(e @ DirtyError::Memslot { slot: 9, .. }) => {
                 assert!(e.to_string().contains(what), "{e}")
             }
             other => panic!("{r:?}: {other:?}"),
@@ -299,7 +299,7 @@ fn memslot_registration_refuses_what_would_delete_or_misdescribe_a_slot() {
     // SAFETY: the range is the first half of the slot's own memory, which `b` keeps mapped
     // for the VM's lifetime; KVM refuses the change anyway (checked).
     let r = unsafe { Memslot::register(&b.vm, resize) };
-    assert!(matches!(r, Err(KvmError::Ioctl { .. })), "{r:?}");
+    assert!(matches!(r, Err(DirtyError::Ioctl { .. })), "{r:?}");
     assert_eq!(b.slots[0].pages(), 16);
     drop(mem);
 }
@@ -308,7 +308,10 @@ fn memslot_registration_refuses_what_would_delete_or_misdescribe_a_slot() {
 fn ring_sizes_are_validated_and_convert_between_entries_and_bytes() {
     for bad in [0, 1, 3, 16, 100, 128, 255, 257, 3000, 1 << 17, u32::MAX] {
         assert!(
-            matches!(RingSize::from_entries(bad), Err(KvmError::RingSize { .. })),
+            matches!(
+                RingSize::from_entries(bad),
+                Err(DirtyError::RingSize { .. })
+            ),
             "{bad} entries"
         );
     }
@@ -322,7 +325,7 @@ fn ring_sizes_are_validated_and_convert_between_entries_and_bytes() {
     assert_eq!(RingSize::from_bytes(4096).unwrap().entries(), 256);
     for bad in [0, 8, 4100, 4096 + 16, 1 << 21, u64::MAX] {
         assert!(
-            matches!(RingSize::from_bytes(bad), Err(KvmError::RingSize { .. })),
+            matches!(RingSize::from_bytes(bad), Err(DirtyError::RingSize { .. })),
             "{bad} bytes"
         );
     }
@@ -355,7 +358,7 @@ fn ring_map_refuses_a_size_other_than_the_one_enabled() {
     };
     for wrong in [256, 1024, 4096] {
         match DirtyRing::map(&vcpu, e(wrong)) {
-            Err(KvmError::RingSize { entries, .. }) => assert_eq!(entries, u64::from(wrong)),
+            Err(DirtyError::RingSize { entries, .. }) => assert_eq!(entries, u64::from(wrong)),
             r => panic!("{wrong} entries: {r:?}"),
         }
     }
@@ -366,7 +369,7 @@ fn ring_map_refuses_a_size_other_than_the_one_enabled() {
     // No ring enabled at all.
     let (_vm2, vcpu2) = ring_vm(None).unwrap();
     let r = DirtyRing::map(&vcpu2, e(256));
-    assert!(matches!(r, Err(KvmError::RingSize { .. })), "{r:?}");
+    assert!(matches!(r, Err(DirtyError::RingSize { .. })), "{r:?}");
 }
 
 #[test]

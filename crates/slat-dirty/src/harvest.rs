@@ -1,0 +1,490 @@
+//! Transactional harvests: one API over the three ways KVM logs dirty pages.
+//!
+//! A [`Harvester`] owns the [`Memslot`]s it tracks (and, for the ring, the vCPUs'
+//! [`DirtyRing`]s) and a bitmap per slot of pages it *owes*: pages reported dirty that no
+//! committed harvest has covered yet. [`Harvester::take`] pulls everything KVM has logged into
+//! those bitmaps, re-arms the log, and hands the whole owed set over as a [`DirtySet`]. The
+//! caller copies the pages of the set (to a migration stream, a snapshot, a reset source) and
+//! then either [`DirtySet::commit`]s — the pages are no longer owed — or aborts
+//! ([`DirtySet::abort`], or just drops the set, e.g. on `?`): every page of the set is owed
+//! again and the next take reports it, merged with whatever was dirtied since.
+//!
+//! # Why nothing is lost
+//!
+//! A page's contents must be copied *after* the log was re-armed for it, otherwise a write
+//! that lands after the copy but before the re-arm is neither in the copy nor in the next
+//! harvest. So every take re-arms before it returns, and the set is returned only then:
+//!
+//! - [`LogMode::Get`]: `KVM_GET_DIRTY_LOG` atomically takes the bitmap and write-protects the
+//!   pages it reported (flushing TLBs) before it returns. A write after that faults and sets
+//!   the bit again; the next take sees it.
+//! - [`LogMode::ManualProtect`]: GET only copies the bitmap. The take then issues
+//!   `KVM_CLEAR_DIRTY_LOG`, in the caller's chunk size, for exactly the bits GET returned —
+//!   clearing and write-protecting those pages — before returning. If CLEAR waited for
+//!   `commit` instead (after the copy), a write between the copy and the CLEAR would be wiped
+//!   by the CLEAR and be in no copy: lost. Clearing first, a write after the CLEAR sets the bit
+//!   again (next take), and a write between GET and CLEAR to a reported page lands before the
+//!   copy starts, so the copy has it. A page first dirtied between GET and CLEAR has its bit
+//!   set but not in the mask, so the CLEAR leaves it for the next take.
+//! - [`LogMode::Ring`]: each entry is collected (flagged RESET) into the owed bitmaps, then
+//!   `KVM_RESET_DIRTY_RINGS` write-protects the collected pages again, all before the take
+//!   returns. A write between collection and reset hits a still-writable page and is seen by
+//!   the copy, which starts after the reset; a write after the reset faults and pushes a new
+//!   entry.
+//!
+//! Since the log is re-armed at take time, what is at stake on failure is only the set
+//! itself: its bits exist nowhere else (KVM has cleared them). Abort puts them back into the
+//! owed bitmaps, so the next take reports them again — the same remedy Firecracker adopted for
+//! failed snapshots (merging the bits back). Commit drops them. A failure inside `take`
+//! itself (an ioctl error on the second slot, say) is covered the same way: bits are moved
+//! into the owed bitmaps as soon as KVM hands them over, before anything else can fail, and the
+//! error leaves them owed.
+//!
+//! Writes KVM does not see — by the VMM itself or its devices (`vm-memory` records them in an
+//! `AtomicBitmap`; `get_and_reset()` gives its words) — are merged with
+//! [`Harvester::mark_words`] or [`Harvester::mark_pages`] before a take, or
+//! [`DirtySet::mark_words`] into a set being copied.
+
+use crate::error::Error;
+use crate::log::{clear_dirty_log, get_dirty_log, reset_dirty_rings, DirtyRing};
+use crate::memslot::Memslot;
+use crate::ranges::{ranges, Ranges};
+
+/// How the VM logs dirty pages (it must have been set up so: see each variant).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogMode {
+    /// `KVM_GET_DIRTY_LOG` clears as it reads (the VM has no manual protect).
+    Get,
+    /// Manual protect ([`crate::enable_manual_protect`], with or without `INITIALLY_SET`): GET
+    /// copies, then `KVM_CLEAR_DIRTY_LOG` in chunks of `chunk_pages` pages (a non-zero
+    /// multiple of 64; the last chunk of a slot may be shorter) re-protects. Chunks without a
+    /// dirty page are not cleared at all. With `INITIALLY_SET` the first take reports every
+    /// page (the initial full copy).
+    ManualProtect {
+        /// Pages per `KVM_CLEAR_DIRTY_LOG` call.
+        chunk_pages: u64,
+    },
+    /// The per-vCPU dirty ring ([`crate::enable_dirty_ring`]); the harvester owns the rings.
+    Ring,
+}
+
+/// Tracks the dirty pages of some memslots of one VM; see the [module](self) documentation.
+///
+/// It must be the only reader of those slots' logs (no other GET, CLEAR or ring harvest of
+/// them): another reader would take bits this harvester then never sees.
+#[derive(Debug)]
+pub struct Harvester {
+    slots: Vec<Memslot>,
+    mode: LogMode,
+    rings: Vec<DirtyRing>,
+    /// Per slot: pages owed (reported, not yet committed). Exactly `bitmap_words` long.
+    owed: Vec<Vec<u64>>,
+    /// Scratch bitmap for GET (the largest slot's length).
+    scratch: Vec<u64>,
+    /// Ring entries for a slot this harvester does not track, or past its end.
+    foreign: u64,
+}
+
+fn words_of(slot: &Memslot) -> Result<usize, Error> {
+    usize::try_from(slot.bitmap_words())
+        .map_err(|_| Error::Harvest(format!("slot {} is too large for this host", slot.id())))
+}
+
+impl Harvester {
+    /// A harvester of `slots` (all of one VM, distinct) logged with `mode`, which must be
+    /// [`LogMode::Get`] or [`LogMode::ManualProtect`] (see [`Harvester::with_rings`]).
+    /// Dirty logging is not switched on here: see [`Memslot::set_dirty_logging`].
+    pub fn new(slots: Vec<Memslot>, mode: LogMode) -> Result<Self, Error> {
+        if mode == LogMode::Ring {
+            return Err(Error::Harvest(
+                "the ring mode needs the vCPUs' rings: use Harvester::with_rings".into(),
+            ));
+        }
+        Self::build(slots, mode, Vec::new())
+    }
+
+    /// A harvester of `slots` logged through the dirty rings `rings` (one per vCPU of the VM;
+    /// more can be added with [`Harvester::add_ring`]).
+    pub fn with_rings(slots: Vec<Memslot>, rings: Vec<DirtyRing>) -> Result<Self, Error> {
+        Self::build(slots, LogMode::Ring, rings)
+    }
+
+    fn build(slots: Vec<Memslot>, mode: LogMode, rings: Vec<DirtyRing>) -> Result<Self, Error> {
+        if slots.is_empty() {
+            return Err(Error::Harvest("no memslot to track".into()));
+        }
+        for (i, s) in slots.iter().enumerate() {
+            if slots[..i].iter().any(|t| t.id() == s.id()) {
+                return Err(Error::Harvest(format!("slot {} given twice", s.id())));
+            }
+            if !slots[0].same_vm(s) {
+                return Err(Error::Harvest(format!(
+                    "slot {} belongs to another VM than slot {}",
+                    s.id(),
+                    slots[0].id()
+                )));
+            }
+        }
+        if let LogMode::ManualProtect { chunk_pages } = mode {
+            if chunk_pages == 0 || chunk_pages % 64 != 0 {
+                return Err(Error::Harvest(format!(
+                    "a CLEAR chunk of {chunk_pages} pages: it must be a non-zero multiple of 64"
+                )));
+            }
+        }
+        let mut owed = Vec::with_capacity(slots.len());
+        let mut largest = 0;
+        for s in &slots {
+            let w = words_of(s)?;
+            largest = largest.max(w);
+            owed.push(vec![0u64; w]);
+        }
+        let scratch = match mode {
+            LogMode::Get | LogMode::ManualProtect { .. } => vec![0u64; largest],
+            LogMode::Ring => Vec::new(),
+        };
+        Ok(Harvester {
+            slots,
+            mode,
+            rings,
+            owed,
+            scratch,
+            foreign: 0,
+        })
+    }
+
+    /// Adds a vCPU's ring (ring mode only).
+    pub fn add_ring(&mut self, ring: DirtyRing) -> Result<(), Error> {
+        if self.mode != LogMode::Ring {
+            return Err(Error::Harvest(
+                "rings are only used in the ring mode".into(),
+            ));
+        }
+        self.rings.push(ring);
+        Ok(())
+    }
+
+    /// The slots tracked, in the order the sets index them.
+    pub fn slots(&self) -> &[Memslot] {
+        &self.slots
+    }
+
+    /// The log mode.
+    pub fn mode(&self) -> LogMode {
+        self.mode
+    }
+
+    /// Ring entries seen so far for slots this harvester does not track (or past their end);
+    /// they are collected and reset but reported nowhere.
+    pub fn foreign_entries(&self) -> u64 {
+        self.foreign
+    }
+
+    /// Pages owed now (reported or marked, not yet committed), without asking KVM.
+    pub fn owed_pages(&self) -> u64 {
+        self.owed
+            .iter()
+            .flatten()
+            .map(|w| u64::from(w.count_ones()))
+            .sum()
+    }
+
+    fn index(&self, slot_index: usize) -> Result<usize, Error> {
+        if slot_index < self.slots.len() {
+            Ok(slot_index)
+        } else {
+            Err(Error::Harvest(format!(
+                "slot index {slot_index}: the harvester tracks {} slots",
+                self.slots.len()
+            )))
+        }
+    }
+
+    /// Merges writes KVM did not log (by the VMM or its devices) into the pages owed: `words`
+    /// is a bitmap of slot `slot_index` (an index into [`Harvester::slots`]), exactly
+    /// [`Memslot::bitmap_words`] long — e.g. `vm-memory`'s `AtomicBitmap::get_and_reset()`
+    /// of the region behind the slot, with a 4 KiB page size. Bits past the slot's end are
+    /// ignored.
+    pub fn mark_words(&mut self, slot_index: usize, words: &[u64]) -> Result<(), Error> {
+        let i = self.index(slot_index)?;
+        or_into(
+            &self.slots[i],
+            &mut self.owed[i],
+            words,
+            "Harvester::mark_words",
+        )
+    }
+
+    /// Merges the VMM-side writes `vm-memory` recorded for the region behind slot
+    /// `slot_index`: takes and resets `bitmap` (`AtomicBitmap::get_and_reset`) and owes its
+    /// pages. The bits are owed from then on, so nothing is lost if a later take fails.
+    ///
+    /// `bitmap` must cover exactly the slot with 4 KiB pages: `len()` equal to the slot's
+    /// pages and `byte_size()` to its bytes ([`Error::BitmapLength`] otherwise; the bitmap
+    /// is then left untouched). (`AtomicBitmap` does not expose its page size; one other than
+    /// 4 KiB with these two sizes would only mark the wrong pages, never memory outside.)
+    #[cfg(feature = "vm-memory")]
+    pub fn mark_atomic_bitmap(
+        &mut self,
+        slot_index: usize,
+        bitmap: &vm_memory::bitmap::AtomicBitmap,
+    ) -> Result<(), Error> {
+        let i = self.index(slot_index)?;
+        let s = &self.slots[i];
+        let bytes = s.pages().checked_mul(crate::PAGE_SIZE);
+        if u64::try_from(bitmap.len()) != Ok(s.pages())
+            || u64::try_from(bitmap.byte_size()).ok() != bytes
+        {
+            return Err(Error::BitmapLength {
+                op: "Harvester::mark_atomic_bitmap",
+                slot: s.id(),
+                pages: s.pages(),
+                expected: s.bitmap_words(),
+                got: bitmap.len().div_ceil(64),
+            });
+        }
+        let words = bitmap.get_and_reset();
+        or_into(
+            s,
+            &mut self.owed[i],
+            &words,
+            "Harvester::mark_atomic_bitmap",
+        )
+    }
+
+    /// Marks `pages` pages of slot `slot_index` from `first_page` as owed (VMM writes).
+    pub fn mark_pages(
+        &mut self,
+        slot_index: usize,
+        first_page: u64,
+        pages: u64,
+    ) -> Result<(), Error> {
+        let i = self.index(slot_index)?;
+        set_range(&self.slots[i], &mut self.owed[i], first_page, pages)
+    }
+
+    /// Pulls everything KVM has logged into the pages owed and re-arms the log for those pages
+    /// (GET; GET + CLEAR; collect the rings + reset), without handing a set over. This is what
+    /// a VMM calls on `KVM_EXIT_DIRTY_RING_FULL` before re-entering the vCPU (the entries stay
+    /// owed until a take). Returns the pages KVM reported (for the ring: entries collected).
+    pub fn collect(&mut self) -> Result<u64, Error> {
+        match self.mode {
+            LogMode::Get => {
+                let mut n = 0;
+                for (s, owed) in self.slots.iter().zip(&mut self.owed) {
+                    // GET overwrites its buffer: read into the scratch, then OR, so nothing
+                    // owed is replaced.
+                    let got = &mut self.scratch[..owed.len()];
+                    get_dirty_log(s, got)?;
+                    // From here KVM has cleared these bits: they live only in `got` until
+                    // merged, and nothing between can fail.
+                    for (o, g) in owed.iter_mut().zip(got.iter()) {
+                        n += u64::from(g.count_ones());
+                        *o |= g;
+                    }
+                }
+                Ok(n)
+            }
+            LogMode::ManualProtect { chunk_pages } => {
+                let mut n = 0;
+                for (s, owed) in self.slots.iter().zip(&mut self.owed) {
+                    let got = &mut self.scratch[..owed.len()];
+                    get_dirty_log(s, got)?;
+                    // Owe the pages before re-protecting any of them (CLEAR may fail midway:
+                    // then the uncleared ones are reported again, harmlessly).
+                    for (o, g) in owed.iter_mut().zip(got.iter()) {
+                        n += u64::from(g.count_ones());
+                        *o |= g;
+                    }
+                    clear_chunks(s, got, chunk_pages)?;
+                }
+                Ok(n)
+            }
+            LogMode::Ring => {
+                let mut n = 0u64;
+                let (slots, owed, foreign) = (&self.slots, &mut self.owed, &mut self.foreign);
+                for ring in &mut self.rings {
+                    n += u64::from(ring.harvest(|slot, offset| {
+                        match slots.iter().position(|s| s.id() == slot) {
+                            Some(i) if offset < slots[i].pages() => {
+                                // offset < pages, so the word index is in the bitmap.
+                                owed[i][(offset / 64) as usize] |= 1 << (offset % 64);
+                            }
+                            _ => *foreign += 1,
+                        }
+                    }));
+                }
+                // Every collected entry is owed; now re-protect those pages.
+                reset_dirty_rings(self.slots[0].vm())?;
+                Ok(n)
+            }
+        }
+    }
+
+    /// Takes the dirty set: collects (see [`Harvester::collect`]), re-arming the log, and hands
+    /// every owed page over. Copy the pages, then [`DirtySet::commit`]; dropping the set
+    /// without committing makes them owed again. On an error nothing is lost either: what was
+    /// collected stays owed.
+    pub fn take(&mut self) -> Result<DirtySet<'_>, Error> {
+        self.collect()?;
+        let bitmaps = self
+            .owed
+            .iter_mut()
+            .map(|o| std::mem::replace(o, vec![0u64; o.len()]))
+            .collect();
+        Ok(DirtySet {
+            h: self,
+            bitmaps,
+            settled: false,
+        })
+    }
+}
+
+/// Clears (re-protects) the pages of `bits` (a whole-slot bitmap) in chunks of `chunk` pages,
+/// skipping chunks with no bit set.
+fn clear_chunks(s: &Memslot, bits: &[u64], chunk: u64) -> Result<(), Error> {
+    let pages = s.pages();
+    let mut first = 0u64;
+    while first < pages {
+        let n = chunk.min(pages - first);
+        // first and chunk are multiples of 64, so the chunk starts on a word.
+        let w0 = (first / 64) as usize;
+        let w1 = w0 + n.div_ceil(64) as usize;
+        let words = &bits[w0..w1];
+        if words.iter().any(|&w| w != 0) {
+            clear_dirty_log(s, first, n, words)?;
+        }
+        first += n;
+    }
+    Ok(())
+}
+
+/// ORs the `words` of a whole-slot bitmap into `into`, which is the slot's length.
+fn or_into(s: &Memslot, into: &mut [u64], words: &[u64], op: &'static str) -> Result<(), Error> {
+    if words.len() != into.len() {
+        return Err(Error::BitmapLength {
+            op,
+            slot: s.id(),
+            pages: s.pages(),
+            expected: into.len() as u64,
+            got: words.len(),
+        });
+    }
+    for (o, w) in into.iter_mut().zip(words) {
+        *o |= w;
+    }
+    // Bits past the slot's last page mean nothing: drop them.
+    let tail = s.pages() % 64;
+    if tail != 0 {
+        if let Some(last) = into.last_mut() {
+            *last &= (1u64 << tail) - 1;
+        }
+    }
+    Ok(())
+}
+
+/// Sets the bits of `pages` pages from `first` in a whole-slot bitmap, checked against the slot.
+fn set_range(s: &Memslot, into: &mut [u64], first: u64, pages: u64) -> Result<(), Error> {
+    let end = first.checked_add(pages).filter(|&e| e <= s.pages());
+    let Some(end) = end else {
+        return Err(Error::Harvest(format!(
+            "pages {first}..{first}+{pages} are not inside slot {} ({} pages)",
+            s.id(),
+            s.pages()
+        )));
+    };
+    let mut p = first;
+    while p < end {
+        let bit = p % 64;
+        let n = (64 - bit).min(end - p);
+        let mask = if n == 64 {
+            u64::MAX
+        } else {
+            ((1u64 << n) - 1) << bit
+        };
+        into[(p / 64) as usize] |= mask;
+        p += n;
+    }
+    Ok(())
+}
+
+/// A harvested dirty set: per tracked slot, a bitmap of the pages to copy. Commit it once they
+/// are copied; dropped uncommitted (or [aborted](DirtySet::abort)), its pages are owed again.
+#[derive(Debug)]
+#[must_use = "dropping a dirty set without commit() makes its pages owed again"]
+pub struct DirtySet<'h> {
+    h: &'h mut Harvester,
+    bitmaps: Vec<Vec<u64>>,
+    settled: bool,
+}
+
+impl DirtySet<'_> {
+    /// The slots, in the order of [`DirtySet::bitmap`]'s index.
+    pub fn slots(&self) -> &[Memslot] {
+        &self.h.slots
+    }
+
+    /// The bitmap of slot `i` (bit `p` = page `p` of the slot), `None` past the last slot.
+    pub fn bitmap(&self, i: usize) -> Option<&[u64]> {
+        self.bitmaps.get(i).map(Vec::as_slice)
+    }
+
+    /// The dirty runs `(first_page, pages)` of slot `i` (empty past the last slot).
+    pub fn ranges(&self, i: usize) -> Ranges<'_> {
+        let pages = self.h.slots.get(i).map_or(0, Memslot::pages);
+        ranges(self.bitmap(i).unwrap_or(&[]), pages)
+    }
+
+    /// Dirty pages in the set.
+    pub fn pages(&self) -> u64 {
+        self.bitmaps
+            .iter()
+            .flatten()
+            .map(|w| u64::from(w.count_ones()))
+            .sum()
+    }
+
+    /// True if no page is dirty.
+    pub fn is_empty(&self) -> bool {
+        self.bitmaps.iter().flatten().all(|&w| w == 0)
+    }
+
+    /// Merges VMM-side writes into this set (see [`Harvester::mark_words`]).
+    pub fn mark_words(&mut self, slot_index: usize, words: &[u64]) -> Result<(), Error> {
+        let i = self.h.index(slot_index)?;
+        or_into(
+            &self.h.slots[i],
+            &mut self.bitmaps[i],
+            words,
+            "DirtySet::mark_words",
+        )
+    }
+
+    /// [`Harvester::collect`] while this set is out — e.g. on `KVM_EXIT_DIRTY_RING_FULL`
+    /// during the copy. What it collects was dirtied after the take: it goes to the pages owed
+    /// (the next take), not into this set.
+    pub fn collect(&mut self) -> Result<u64, Error> {
+        self.h.collect()
+    }
+
+    /// The pages are copied: they are owed no more.
+    pub fn commit(mut self) {
+        self.settled = true;
+    }
+
+    /// The copy failed: every page of the set is owed again (the same as dropping the set).
+    pub fn abort(self) {}
+}
+
+impl Drop for DirtySet<'_> {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        for (o, b) in self.h.owed.iter_mut().zip(&self.bitmaps) {
+            for (x, y) in o.iter_mut().zip(b) {
+                *x |= y;
+            }
+        }
+    }
+}
