@@ -66,59 +66,12 @@ pub enum KvmError {
     /// A dirty-log request that does not fit the VM's configuration or the slot.
     #[error("{0}")]
     DirtyLog(String),
-    /// A dirty bitmap whose length is not the number of words the ioctl reads or writes.
-    #[error(
-        "{op}: {pages} pages of slot {slot} need a bitmap of exactly {expected} u64 words, \
-         got {got}"
-    )]
-    BitmapLength {
-        /// `KVM_GET_DIRTY_LOG` or `KVM_CLEAR_DIRTY_LOG`.
-        op: &'static str,
-        /// The memslot (`as_id << 16 | id`).
-        slot: u32,
-        /// Pages the bitmap covers: the whole slot for GET, the range for CLEAR.
-        pages: u64,
-        /// Words KVM transfers: `pages` rounded up to a multiple of 64, over 64.
-        expected: u64,
-        /// Words given.
-        got: usize,
-    },
-    /// A `KVM_CLEAR_DIRTY_LOG` range KVM would refuse.
-    #[error(
-        "KVM_CLEAR_DIRTY_LOG: {num_pages} pages from page {first_page} of slot {slot} \
-         ({slot_pages} pages): {reason}"
-    )]
-    ClearRange {
-        /// The memslot.
-        slot: u32,
-        /// First page of the range.
-        first_page: u64,
-        /// Pages in the range.
-        num_pages: u64,
-        /// Pages in the slot.
-        slot_pages: u64,
-        /// Which rule the range breaks.
-        reason: &'static str,
-    },
-    /// A dirty ring size KVM would refuse, or one that is not the size of the vCPU's ring.
-    #[error("dirty ring of {entries} entries: {reason}")]
-    RingSize {
-        /// Entries asked for.
-        entries: u64,
-        /// What is wrong with it.
-        reason: String,
-    },
+    /// A dirty-log refusal of `slat-dirty` (bitmap length, CLEAR range, ring size, memslot).
+    #[error(transparent)]
+    Dirty(slat_dirty::Error),
     /// Guest memory could not be mapped (or the hugetlb pool is short).
     #[error(transparent)]
     Ram(#[from] slat_workload::RamError),
-    /// A memslot this crate will not register.
-    #[error("memslot {slot}: {reason}")]
-    Memslot {
-        /// The memslot (`as_id << 16 | id`).
-        slot: u32,
-        /// Why.
-        reason: &'static str,
-    },
 }
 
 impl From<slat_workload::WorkloadError> for KvmError {
@@ -149,39 +102,12 @@ impl From<slat_dirty::Error> for KvmError {
                 source,
                 hint,
             },
-            E::BitmapLength {
-                op,
-                slot,
-                pages,
-                expected,
-                got,
-            } => KvmError::BitmapLength {
-                op,
-                slot,
-                pages,
-                expected,
-                got,
-            },
-            E::ClearRange {
-                slot,
-                first_page,
-                num_pages,
-                slot_pages,
-                reason,
-            } => KvmError::ClearRange {
-                slot,
-                first_page,
-                num_pages,
-                slot_pages,
-                reason,
-            },
-            E::RingSize { entries, reason } => KvmError::RingSize { entries, reason },
-            E::Memslot { slot, reason } => KvmError::Memslot { slot, reason },
             E::RingEnable { source, .. } => KvmError::Ioctl {
                 op: "KVM_ENABLE_CAP(DIRTY_LOG_RING)",
                 source,
             },
             E::Harvest(m) => KvmError::DirtyLog(m),
+            e => KvmError::Dirty(e),
         }
     }
 }

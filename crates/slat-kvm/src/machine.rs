@@ -905,7 +905,7 @@ impl TestMachine for KvmMachine {
     /// copies.
     ///
     /// `bitmap` must be exactly `pages_per_slot().div_ceil(64)` words, the words KVM writes
-    /// ([`KvmError::BitmapLength`] otherwise).
+    /// ([`KvmError::Dirty`] otherwise).
     fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), KvmError> {
         let s = self.bitmap_slot(slot, "KVM_GET_DIRTY_LOG")?;
         if !self.dirty_logging() {
@@ -919,9 +919,9 @@ impl TestMachine for KvmMachine {
     /// `KVM_CLEAR_DIRTY_LOG` (manual protect): clears and re-protects the pages of
     /// `[first_page, first_page + num_pages)` of `slot` whose bits are set in `bitmap` (bit 0
     /// = `first_page`). `first_page` must be a multiple of 64, and so must `num_pages` unless
-    /// the range reaches the end of the slot ([`KvmError::ClearRange`]); `bitmap` must be
+    /// the range reaches the end of the slot ([`KvmError::Dirty`]); `bitmap` must be
     /// exactly `num_pages.div_ceil(64)` words, the words KVM reads
-    /// ([`KvmError::BitmapLength`]).
+    /// ([`KvmError::Dirty`]).
     fn clear_dirty_log(
         &self,
         slot: u32,

@@ -143,7 +143,7 @@ fn machine_get_refuses_a_bitmap_longer_or_shorter_than_the_slot() {
         assert!(
             matches!(
                 m.get_dirty_log(FIRST_SLOT, &mut buf),
-                Err(KvmError::BitmapLength { expected, got, .. })
+                Err(KvmError::Dirty(DirtyError::BitmapLength { expected, got, .. }))
                     if expected == words as u64 && got == len
             ),
             "{len} words"

@@ -4,11 +4,11 @@
 mod common;
 
 use common::{kvm_unavailable, machine_or_skip};
-use slat_kvm::TestMachine;
 use slat_kvm::{
     DirtyConfig, KvmConfig, KvmError, KvmMachine, PassParams, RegionSpec, FIRST_SLOT,
     INITIALLY_SET, MANUAL_PROTECT_ENABLE,
 };
+use slat_kvm::{DirtyError, TestMachine};
 
 fn config_error(c: KvmConfig) -> String {
     match KvmMachine::new(c) {
@@ -239,7 +239,7 @@ fn dirty_log_misuse_is_refused() {
     ));
     assert!(matches!(
         m.get_dirty_log(FIRST_SLOT, &mut buf[..words - 1]),
-        Err(KvmError::BitmapLength { .. })
+        Err(KvmError::Dirty(DirtyError::BitmapLength { .. }))
     ));
     m.get_dirty_log(FIRST_SLOT, &mut buf).unwrap();
     // CLEAR without manual protect, ring ops without rings.
