@@ -7,7 +7,7 @@ use crate::args::{check_backends, BackendArg, MachineArgs, OutputArgs, PinArgs, 
 use crate::backend::{self, kvm_stats_line, Native, Spec};
 use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
-use crate::output::{print_json, secs, Better, Comparison, Metric, Repeated, VmSettings};
+use crate::output::{print_json, secs, Better, Comparison, Metric, Repeated, RunHead, VmSettings};
 use crate::report::{
     bbm_cmo_line, format_header, pinned_line, quiet, ratio, sim_format, ts, Phase,
 };
@@ -139,12 +139,9 @@ pub struct UffdFigures {
 /// Everything one run of demand-paging measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
-    /// `demand-paging`.
-    pub benchmark: &'static str,
-    /// `sim` or `kvm`.
-    pub backend: &'static str,
-    /// The page-table format (`null` on kvm).
-    pub format: Option<&'static str>,
+    /// Which benchmark ran on which machine.
+    #[serde(flatten)]
+    pub head: RunHead,
     /// The settings.
     pub config: Config,
     /// The first-touch pass, all vCPUs.
@@ -386,9 +383,11 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
         cfg.region.prefault,
     );
     Ok(Report {
-        benchmark: NAME,
-        backend: kind.name(),
-        format: vm.format,
+        head: RunHead {
+            benchmark: NAME,
+            backend: kind.name(),
+            format: vm.format,
+        },
         config: Config {
             vm,
             vcpus: a.work.vcpus,

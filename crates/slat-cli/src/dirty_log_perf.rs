@@ -10,7 +10,8 @@ use crate::backend::{self, dirty_config, kvm_stats_line, Backend, Native, Pass, 
 use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
 use crate::output::{
-    opt_secs, print_json, secs, Better, Comparison, Metric, Repeated, Sweep, SweepRow, VmSettings,
+    opt_secs, print_json, secs, Better, Comparison, Metric, Repeated, RunHead, Sweep, SweepRow,
+    VmSettings,
 };
 use crate::plot::{Chart, Series};
 use crate::report::{
@@ -146,12 +147,9 @@ pub struct Iteration {
 /// Everything one run of dirty-log-perf measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
-    /// `dirty-log-perf`.
-    pub benchmark: &'static str,
-    /// `sim` or `kvm`.
-    pub backend: &'static str,
-    /// The page-table format (`null` on kvm).
-    pub format: Option<&'static str>,
+    /// Which benchmark ran on which machine.
+    #[serde(flatten)]
+    pub head: RunHead,
     /// The settings.
     pub config: Config,
     /// First write of all memory.
@@ -542,9 +540,11 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         cfg.region.prefault,
     );
     Ok(Report {
-        benchmark: NAME,
-        backend: kind.name(),
-        format: vm.format,
+        head: RunHead {
+            benchmark: NAME,
+            backend: kind.name(),
+            format: vm.format,
+        },
         config: Config {
             vm,
             vcpus: a.work.vcpus,
@@ -761,7 +761,7 @@ fn plot_iterations(r: &Report, repeat: u32, path: &std::path::Path) -> CliResult
     Chart {
         title: format!(
             "dirty-log-perf on {}: -v {} -b {}{of}",
-            r.backend,
+            r.head.backend,
             r.config.vcpus,
             format_size(r.config.bytes_per_vcpu)
         ),

@@ -10,7 +10,7 @@ use crate::args::{
 use crate::backend::{self, dirty_config, Spec};
 use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
-use crate::output::{print_json, Better, Metric, Repeated, VmSettings};
+use crate::output::{print_json, Better, Metric, Repeated, RunHead, VmSettings};
 use crate::report::{format_header, quiet, sim_format, Phase};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
@@ -325,12 +325,9 @@ pub struct ModeReport {
 /// Everything one run on one machine checked.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
-    /// `dirty-log-test`.
-    pub benchmark: &'static str,
-    /// `sim` or `kvm`.
-    pub backend: &'static str,
-    /// The page-table format (`null` on kvm).
-    pub format: Option<&'static str>,
+    /// Which benchmark ran on which machine.
+    #[serde(flatten)]
+    pub head: RunHead,
     /// The settings.
     pub config: Config,
     /// One per log mode checked.
@@ -355,7 +352,7 @@ impl Report {
             failed.join(", ")
         );
         if name_backend {
-            format!("{}: {msg}", self.backend)
+            format!("{}: {msg}", self.head.backend)
         } else {
             msg
         }
@@ -507,9 +504,11 @@ fn run_on(a: &DirtyLogTestArgs, kind: BackendArg) -> CliResult<Report> {
         !a.machine.no_prefault,
     );
     Ok(Report {
-        benchmark: NAME,
-        backend: kind.name(),
-        format: vm.format,
+        head: RunHead {
+            benchmark: NAME,
+            backend: kind.name(),
+            format: vm.format,
+        },
         config: Config {
             vm,
             iterations: a.iterations,

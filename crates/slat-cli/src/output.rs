@@ -494,3 +494,15 @@ mod tests {
         assert_eq!(c.comparison[0].ratio_first_over_second, None);
     }
 }
+
+/// Which benchmark ran on which machine: the head of every single-run report (flattened into
+/// its JSON, so the document keeps `benchmark`, `backend` and `format` at the top).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct RunHead {
+    /// The subcommand, e.g. `dirty-log-perf`.
+    pub benchmark: &'static str,
+    /// `sim` or `kvm`.
+    pub backend: &'static str,
+    /// The page-table format (`null` on kvm).
+    pub format: Option<&'static str>,
+}
