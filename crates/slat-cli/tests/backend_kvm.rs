@@ -1,19 +1,9 @@
 //! `--backend kvm` and `--backend sim,kvm` through the `slat` binary, with small sizes. Skipped
 //! (with a message) when the host has no usable /dev/kvm.
 
-use std::process::Command;
+mod common;
 
-fn slat(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_slat"))
-        .args(args)
-        .output()
-        .expect("run slat");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use common::slat;
 
 fn kvm_unavailable() -> bool {
     if std::fs::OpenOptions::new()

@@ -3,35 +3,10 @@
 //! combinations that cannot work are refused with one line and exit status 2. Small sizes, so
 //! the whole file runs in about a second.
 
+mod common;
+
+use common::{json, ok, slat};
 use serde_json::Value;
-use std::process::Command;
-
-fn slat(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_slat"))
-        .args(args)
-        .output()
-        .expect("run slat");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-/// Runs `args`, expects success, returns stdout.
-fn ok(args: &[&str]) -> String {
-    let (code, out, err) = slat(args);
-    assert_eq!(code, 0, "slat {}:\n{out}\n{err}", args.join(" "));
-    out
-}
-
-/// Runs `args` with `--json`, expects success, returns the document.
-fn json(args: &[&str]) -> Value {
-    let mut v = args.to_vec();
-    v.push("--json");
-    let out = ok(&v);
-    serde_json::from_str(&out).unwrap_or_else(|e| panic!("slat {}: {e}\n{out}", v.join(" ")))
-}
 
 const STAGE2_HEADER: &str = "Page table format: stage2 (arm64-stage2; break-before-make";
 

@@ -2,20 +2,11 @@
 //! reports, JSON, one-line failures and exit codes, a cut connection resumed across
 //! processes, a broken source caught by verification.
 
+mod common;
+
+use common::slat;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
-
-fn slat(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_slat"))
-        .args(args)
-        .output()
-        .expect("run slat");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 /// Lines of stderr that are not progress lines.
 fn errors(err: &str) -> Vec<&str> {

@@ -2,33 +2,10 @@
 //! `demand-paging -u MISSING|MINOR` serves every first touch through userfaultfd, and
 //! access-tracking-perf's `--idle-check auto` / `-w`.
 
+mod common;
+
+use common::{json, ok, slat};
 use serde_json::Value;
-use std::process::Command;
-
-fn slat(args: &[&str]) -> (i32, String, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_slat"))
-        .args(args)
-        .output()
-        .expect("run slat");
-    (
-        o.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
-}
-
-fn ok(args: &[&str]) -> String {
-    let (code, out, err) = slat(args);
-    assert_eq!(code, 0, "slat {}:\n{out}\n{err}", args.join(" "));
-    out
-}
-
-fn json(args: &[&str]) -> Value {
-    let mut v = args.to_vec();
-    v.push("--json");
-    let out = ok(&v);
-    serde_json::from_str(&out).unwrap_or_else(|e| panic!("slat {}: {e}\n{out}", v.join(" ")))
-}
 
 /// Exit 2, nothing on stdout, one line on stderr containing `needle`.
 fn refused(args: &[&str], needle: &str) {

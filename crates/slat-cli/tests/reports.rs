@@ -8,35 +8,12 @@
 //! `oneOf`, `$ref` to a file and to `#/$defs/...`), and refuses any other keyword, so a schema
 //! can not quietly rely on one it ignores.
 
+mod common;
+
+use common::{json, ok, slat};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-
-fn slat(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_slat"))
-        .args(args)
-        .output()
-        .expect("run slat");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn ok(args: &[&str]) -> String {
-    let (code, out, err) = slat(args);
-    assert_eq!(code, 0, "slat {}:\n{out}\n{err}", args.join(" "));
-    out
-}
-
-/// Runs `args` with `--json`; the output must be exactly one JSON document.
-fn json(args: &[&str]) -> Value {
-    let mut v = args.to_vec();
-    v.push("--json");
-    let out = ok(&v);
-    serde_json::from_str(&out).unwrap_or_else(|e| panic!("slat {}: {e}\n{out}", v.join(" ")))
-}
 
 fn schema_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("schema")
