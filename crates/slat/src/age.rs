@@ -536,6 +536,7 @@ impl<F: PteFormat, Y: FnMut(u64, u64), D: FnMut(u64, u64)> AgePass<'_, F, Y, D> 
                 match self.mmu.update_spte(
                     sptep,
                     level,
+                    gfn,
                     old,
                     new,
                     UpdateMode::Shared,

@@ -161,6 +161,33 @@ spelled!(RebuildOrder, "rebuild order", {
     InstallFirst => "install-first",
 });
 
+/// How harvests and enable-logging find the leaves they write-protect (seed 002).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WrprotVariant {
+    /// The one walker from the root, under the MMU lock (exclusive for harvests, shared for
+    /// enable-logging); no reverse map is kept (today's behaviour).
+    #[default]
+    Walk,
+    /// Look each page up in the reverse map, under the same lock as `walk`.
+    Rmap,
+    /// No MMU lock: epoch-pinned reverse-map lookups, the table header validated, W cleared
+    /// with one compare-and-swap (huge leaves made read-only, not zapped), then the flush.
+    RmapLockless,
+}
+
+spelled!(WrprotVariant, "write-protect variant", {
+    Walk => "walk",
+    Rmap => "rmap",
+    RmapLockless => "rmap-lockless",
+});
+
+impl WrprotVariant {
+    /// The reverse map is kept (by the SPTE-update path).
+    pub fn keeps_rmap(self) -> bool {
+        self != WrprotVariant::Walk
+    }
+}
+
 /// Runtime configuration of a VM (the design variants).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct VmConfig {
@@ -183,6 +210,8 @@ pub struct VmConfig {
     /// In which order a table is replaced by a block under break-before-make (formats that
     /// need it).
     pub rebuild: RebuildOrder,
+    /// How write protection for dirty logging finds leaves (and whether a reverse map is kept).
+    pub wrprot: WrprotVariant,
 }
 
 impl Default for VmConfig {
@@ -197,6 +226,7 @@ impl Default for VmConfig {
             dirty_track: DirtyTrack::WriteProtect,
             cmo: CmoPolicy::OnInstall,
             rebuild: RebuildOrder::InstallFirst,
+            wrprot: WrprotVariant::Walk,
         }
     }
 }
@@ -223,6 +253,7 @@ mod tests {
         round_trips(DirtyTrack::ALL);
         round_trips(CmoPolicy::ALL);
         round_trips(RebuildOrder::ALL);
+        round_trips(WrprotVariant::ALL);
     }
 
     #[test]
@@ -233,5 +264,6 @@ mod tests {
         assert_eq!("on-install".parse(), Ok(CmoPolicy::OnInstall));
         assert_eq!("rwlock".parse(), Ok(MmuLockKind::RwLock));
         assert_eq!("xchg".parse(), Ok(GetLogVariant::Xchg));
+        assert_eq!("rmap-lockless".parse(), Ok(WrprotVariant::RmapLockless));
     }
 }

@@ -64,7 +64,7 @@ pub use mmu::flush;
 pub use age::{AgeFlush, AgeReport, IdleBitmap, IdleError, WorkingSet};
 pub use config::{
     CmoPolicy, DirtyTrack, GetLogVariant, MmuLockKind, ParseVariantError, RebuildOrder,
-    RecoverVariant, VmConfig,
+    RecoverVariant, VmConfig, WrprotVariant,
 };
 pub use dirty::DirtyLogError;
 pub use fault::{Fault, FaultOutcome};

@@ -88,6 +88,14 @@ impl<F: PteFormat> Vm<F> {
         self.mmu.audit()
     }
 
+    /// Checks the reverse map against the tree (tests; see ARCHITECTURE.md, "The reverse
+    /// map"): every leaf is in it with its table, and nothing else; with `wrprot` `walk` it is
+    /// empty. Returns the number of leaves, or what disagreed. Call it with no operation in
+    /// flight.
+    pub fn audit_rmap(&self) -> Result<u64, String> {
+        self.mmu.audit_rmap()
+    }
+
     /// The leaf mapping `gfn`, if any: (entry value, level). Lock-free read for tests and tools.
     pub fn lookup(&self, gfn: u64) -> Option<(u64, Level)> {
         self.mmu.lookup(gfn)

@@ -30,7 +30,7 @@ use common::*;
 use slat::format::{bytes_per_entry, pages_per_entry, PteFormat, PAGE_SHIFT, PAGE_SIZE};
 use slat::{
     Access, Fault, FaultOutcome, GetLogVariant, HostRange, MemslotError, MemslotFlags, MmuLockKind,
-    RecoverVariant, Vcpu, Vm, VmConfig,
+    RecoverVariant, Vcpu, Vm, VmConfig, WrprotVariant,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -989,7 +989,12 @@ fn templates() -> Backing {
 }
 
 fn config_for(seed: u64) -> VmConfig {
-    let d = VmConfig::default();
+    // The write-protect variant cycles independently of the rest (every 7 seeds), so each
+    // variant meets each other configuration across the 20 seeds.
+    let d = VmConfig {
+        wrprot: WrprotVariant::ALL[(seed / 7 % 3) as usize],
+        ..VmConfig::default()
+    };
     match seed % 7 {
         5 => VmConfig {
             recover: RecoverVariant::Zap,
@@ -1046,6 +1051,11 @@ fn run_seed<F: PteFormat>(seed: u64, ops: usize, cov: &Coverage) {
         for i in 0..ops {
             run.op = i;
             run.step();
+            // The reverse map against the tree after every operation (every leaf in it with
+            // its table, nothing else; empty with `walk`).
+            if let Err(e) = run.vm.audit_rmap() {
+                panic!("rmap audit after {}: {e}", run.what);
+            }
             if i % 64 == 0 {
                 run.audit();
             }

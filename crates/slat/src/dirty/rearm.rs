@@ -107,6 +107,7 @@ pub(super) fn rearm_masked<F: PteFormat>(
                 .update_spte(
                     sptep,
                     1,
+                    gfn,
                     &mut old,
                     new,
                     UpdateMode::Exclusive,

@@ -56,6 +56,8 @@ impl Memslots {
             dirty: bitmap(flags, npages),
             invalid: false,
         };
+        // Before anything can map the range: its leaves go into this rmap.
+        mmu.rmap.register(slot.base_gfn, npages);
         self.publish(mmu, |v| v.push(Arc::new(slot)));
         Ok(())
     }
@@ -77,6 +79,7 @@ impl Memslots {
         let slot = self.existing(id)?;
         self.publish(mmu, |v| v.retain(|s| s.id != id));
         mmu.zap_gfn_range(slot.base_gfn, slot.end_gfn());
+        mmu.rmap.unregister(slot.base_gfn);
         Ok(())
     }
 
@@ -106,6 +109,8 @@ impl Memslots {
         // Step 2: zap and flush under the MMU lock: afterwards no vCPU holds or walks a leaf
         // of the old range, so nothing can mark through it any more.
         mmu.zap_gfn_range(slot.base_gfn, slot.end_gfn());
+        mmu.rmap.unregister(slot.base_gfn);
+        mmu.rmap.register(new_gpa >> PAGE_SHIFT, slot.npages);
         // Step 3: the new range. The log survives the move, as in KVM
         // (`kvm_prepare_memory_region` hands the old bitmap to the new slot): its bits are
         // slot-relative, and a page written before the move and not yet harvested must still

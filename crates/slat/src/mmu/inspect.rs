@@ -66,3 +66,84 @@ pub struct Audit {
     /// Frozen entries (must be 0 when no operation is in flight).
     pub frozen: u64,
 }
+
+impl<F: PteFormat> Mmu<F> {
+    /// Checks the reverse map against the tree (tests): every present leaf at levels 1–3 is in
+    /// the rmap of the range holding it, naming its table, and every set rmap slot names a
+    /// linked table whose header and entry agree — nothing else. Takes the MMU lock
+    /// exclusively; call it when no operation is in flight. With `wrprot` `walk` the rmap must
+    /// be empty. Returns the leaves checked, or what disagreed.
+    pub fn audit_rmap(&self) -> Result<u64, String> {
+        let _lock = self.lock.write();
+        let guard = pin();
+        let mut leaves = std::collections::HashSet::new();
+        let mut it = Walk::<F>::new(
+            &guard,
+            self.root(),
+            1,
+            0,
+            1u64 << (F::MAX_PHYS_BITS - PAGE_SHIFT),
+        );
+        while it.valid() {
+            let v = it.old;
+            if F::is_present(v) && F::is_leaf(v, it.level) {
+                if self.rmap.enabled() {
+                    let Some(s) = self.rmap.find(it.gfn) else {
+                        return Err(format!(
+                            "leaf at gfn {:#x} level {} outside every registered range",
+                            it.gfn, it.level
+                        ));
+                    };
+                    let got = s
+                        .slot(it.gfn, it.level)
+                        .map(|x| x.load(crate::sync::Ordering::Acquire));
+                    if got != Some(it.table()) {
+                        return Err(format!(
+                            "leaf at gfn {:#x} level {} in table {:#x}: rmap has {:?}",
+                            it.gfn,
+                            it.level,
+                            it.table(),
+                            got
+                        ));
+                    }
+                }
+                leaves.insert((it.gfn, it.level));
+            }
+            it.next();
+        }
+        let mut set = 0u64;
+        for s in self.rmap.all().iter() {
+            for (gfn, level, t) in s.entries() {
+                set += 1;
+                if !leaves.contains(&(gfn, level)) {
+                    return Err(format!(
+                        "rmap names table {t:#x} for gfn {gfn:#x} level {level}, which no leaf maps"
+                    ));
+                }
+                // SAFETY: the slot names the table of a leaf the walk above just found linked,
+                // under the exclusive lock we still hold.
+                let page = unsafe { super::table::TablePage::at(t) };
+                let want = super::table::TableMeta::pack(
+                    gfn & !(crate::format::pages_per_entry(level + 1) - 1),
+                    level,
+                );
+                if page.meta().get() != want {
+                    return Err(format!(
+                        "table {t:#x} header {:#x}, expected gfn {gfn:#x} level {level}",
+                        page.meta().get()
+                    ));
+                }
+            }
+        }
+        if set != leaves.len() as u64 && self.rmap.enabled() {
+            return Err(format!("{} leaves but {set} rmap slots set", leaves.len()));
+        }
+        if self.rmap.leaked() != 0 {
+            return Err(format!(
+                "{} rmap slots were left set when their range was unregistered",
+                self.rmap.leaked()
+            ));
+        }
+        Ok(leaves.len() as u64)
+    }
+}

@@ -9,6 +9,7 @@
 pub mod flush;
 pub(crate) mod inspect;
 pub(crate) mod lock;
+pub(crate) mod rmap;
 pub(crate) mod spte;
 pub mod table;
 pub(crate) mod walk;
@@ -17,10 +18,11 @@ pub(crate) mod zap;
 use crate::config::VmConfig;
 use crate::format::{Level, PteFormat};
 use crate::stats::{Counters, Sink, Stat};
-use crate::sync::{pin, Arc, Ordering};
+use crate::sync::{Arc, Ordering};
 use crate::test_hooks::Hooks;
 use flush::{FlushDomain, PendingFlush};
 use lock::MmuLock;
+use rmap::Rmap;
 use std::marker::PhantomData;
 use table::{OwnedTable, TableAlloc, TablePage};
 
@@ -37,13 +39,17 @@ pub(crate) struct Mmu<F: PteFormat> {
     pub(crate) flush: FlushDomain,
     /// Deliberate protocol bugs (feature `test-hooks`), for tests of the oracles.
     pub(crate) hooks: Hooks,
+    /// The reverse map (kept only with `VmConfig::wrprot` `rmap` / `rmap-lockless`).
+    pub(crate) rmap: Arc<Rmap>,
     _format: PhantomData<F>,
 }
 
 impl<F: PteFormat> Mmu<F> {
     pub(crate) fn new(config: VmConfig) -> Self {
         let alloc = Arc::new(TableAlloc::new());
-        let root = alloc.alloc().into_linked();
+        let root_page = alloc.alloc();
+        root_page.page().meta().set(0, F::ROOT_LEVEL);
+        let root = root_page.into_linked();
         let counters = Counters::default();
         counters.add_shared(Stat::TablePages, 1);
         Mmu {
@@ -54,6 +60,7 @@ impl<F: PteFormat> Mmu<F> {
             counters,
             flush: FlushDomain::new(),
             hooks: Hooks::new(),
+            rmap: Arc::new(Rmap::new(config.wrprot.keeps_rmap())),
             _format: PhantomData,
         }
     }
@@ -87,9 +94,7 @@ impl<F: PteFormat> Mmu<F> {
             return;
         }
         self.flush_remote_tlbs();
-        let guard = pin();
-        TableAlloc::free_deferred(&self.alloc, &guard, pending.graveyard);
-        guard.flush();
+        Rmap::retire(&self.rmap, &self.alloc, pending.graveyard);
     }
 
     /// Frees every table under the root. Exclusive access: no vCPU can run.

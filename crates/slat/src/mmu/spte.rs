@@ -5,14 +5,14 @@
 //! [`PendingFlush`], whether a flush is owed) happens here and nowhere else.
 
 use super::flush::PendingFlush;
-use super::table::{OwnedTable, TableAlloc, TablePage};
+use super::table::{OwnedTable, TablePage};
 use super::walk::Walk;
 use super::Mmu;
 use crate::cmo::clean_new_mapping;
 use crate::config::RebuildOrder;
-use crate::format::{bytes_per_entry, Access, Level, PteFormat};
+use crate::format::{bytes_per_entry, pages_per_entry, Access, Level, PteFormat};
 use crate::stats::{leaf_stat, Sink, Stat};
-use crate::sync::{self, pin, AtomicU64, Ordering};
+use crate::sync::{self, AtomicU64, Ordering};
 
 /// How an entry update may race with others.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,14 +42,23 @@ impl<F: PteFormat> Mmu<F> {
         pending: &mut PendingFlush,
     ) -> Result<(), Busy> {
         let mut old = it.old;
-        let r = self.update_spte(it.sptep(), it.level, &mut old, new, mode, sink, pending);
+        let r = self.update_spte(
+            it.sptep(),
+            it.level,
+            it.gfn,
+            &mut old,
+            new,
+            mode,
+            sink,
+            pending,
+        );
         it.old = old;
         r
     }
 
     /// The one SPTE update every change goes through, for callers that hold the entry's
     /// address already (a harvest re-arming entries of one leaf table): `*old` is the value
-    /// the caller read. Shared mode: compare-and-swap, and on failure `*old` becomes the value
+    /// the caller read, `gfn` the first gfn the entry maps. Shared mode: compare-and-swap, and on failure `*old` becomes the value
     /// that won. Exclusive mode: an exchange if others may change the entry, else a plain
     /// store. Bookkeeping for what changed (leaf gauges, tables unlinked into `pending`,
     /// whether a flush is owed) happens here and nowhere else.
@@ -61,6 +70,7 @@ impl<F: PteFormat> Mmu<F> {
         &self,
         sptep: &AtomicU64,
         level: Level,
+        gfn: u64,
         old: &mut u64,
         new: u64,
         mode: UpdateMode,
@@ -68,11 +78,24 @@ impl<F: PteFormat> Mmu<F> {
         pending: &mut PendingFlush,
     ) -> Result<(), Busy> {
         debug_assert!(*old != F::FROZEN || mode == UpdateMode::Exclusive);
+        let table = table_of(sptep);
+        let links_table = level > 1
+            && F::is_present(new)
+            && !F::is_leaf(new, level)
+            && !(F::is_present(*old)
+                && !F::is_leaf(*old, level)
+                && F::output_addr(*old) == F::output_addr(new));
+        if links_table {
+            self.before_publishing_table(gfn, level, *old, new);
+        }
         let prev = match mode {
             UpdateMode::Shared => {
                 match sptep.compare_exchange(*old, new, Ordering::AcqRel, Ordering::Acquire) {
                     Ok(v) => v,
                     Err(cur) => {
+                        if links_table {
+                            self.unpublished_table_lost(gfn, level, *old, new);
+                        }
                         *old = cur;
                         return Err(Busy);
                     }
@@ -90,8 +113,44 @@ impl<F: PteFormat> Mmu<F> {
             }
         };
         *old = new;
-        self.handle_changed_spte(prev, new, level, sink, pending);
+        self.handle_changed_spte(gfn, table, prev, new, level, sink, pending);
         Ok(())
+    }
+
+    /// A table is about to be published at (`gfn`, `level`): record in its header what it
+    /// maps, and if it replaces a leaf (a split, prefilled with the leaf's pages), put its
+    /// leaves in the rmap now. Those leaves inherit W with no dirty mark after them, so they
+    /// must be findable before anyone can write through them (the seed's order). The page is
+    /// still ours alone: nothing else writes its header or its entries yet.
+    #[cold]
+    fn before_publishing_table(&self, gfn: u64, level: Level, old: u64, new: u64) {
+        // SAFETY: `new` names a table page the caller owns and is about to link.
+        let child = unsafe { TablePage::at(F::output_addr(new)) };
+        child.meta().set(gfn, level - 1);
+        if self.rmap.enabled() && F::is_present(old) && F::is_leaf(old, level) {
+            let step = pages_per_entry(level - 1);
+            for (i, e) in child.entries.iter().enumerate() {
+                let v = e.load(Ordering::Relaxed);
+                if F::is_present(v) && F::is_leaf(v, level - 1) {
+                    self.rmap
+                        .insert(gfn + i as u64 * step, level - 1, child.addr());
+                }
+            }
+        }
+    }
+
+    /// The compare-and-swap that would have published a split's table failed: take its leaves
+    /// out of the rmap again (nobody else can have inserted this unpublished page).
+    #[cold]
+    fn unpublished_table_lost(&self, gfn: u64, level: Level, old: u64, new: u64) {
+        if !(self.rmap.enabled() && F::is_present(old) && F::is_leaf(old, level)) {
+            return;
+        }
+        let step = pages_per_entry(level - 1);
+        let child = F::output_addr(new);
+        for i in 0..crate::format::ENTRIES_PER_TABLE as u64 {
+            self.rmap.remove(gfn + i * step, level - 1, child);
+        }
     }
 
     /// Replaces the walker's current entry with `new` where that changes what the entry maps:
@@ -131,7 +190,9 @@ impl<F: PteFormat> Mmu<F> {
         }
         let old = it.old;
         let level = it.level;
+        let gfn = it.gfn;
         let sptep = it.sptep();
+        let table = table_of(sptep);
         if let Err(cur) =
             sptep.compare_exchange(old, F::FROZEN, Ordering::AcqRel, Ordering::Acquire)
         {
@@ -143,7 +204,15 @@ impl<F: PteFormat> Mmu<F> {
         let break_first = old_table && self.config.rebuild == RebuildOrder::BreakFirst;
         let mut teardown = PendingFlush::none();
         if break_first {
-            self.handle_changed_spte(old, F::FROZEN, level, sink, &mut teardown);
+            self.handle_changed_spte(gfn, table, old, F::FROZEN, level, sink, &mut teardown);
+        }
+        if level > 1
+            && F::is_present(new)
+            && !F::is_leaf(new, level)
+            && !(old_table && F::output_addr(old) == F::output_addr(new))
+        {
+            // The entry is locked: the make below is the publication.
+            self.before_publishing_table(gfn, level, old, new);
         }
         let mut flushed = false;
         if old_valid {
@@ -165,14 +234,14 @@ impl<F: PteFormat> Mmu<F> {
         if !old_table {
             // Before publishing: a new table's leaves (a split's) are ours alone to count until
             // then; once it is visible, faults may add leaves of their own and count them.
-            self.handle_changed_spte(old, new, level, sink, &mut teardown);
+            self.handle_changed_spte(gfn, table, old, new, level, sink, &mut teardown);
         }
         sptep.store(new, Ordering::Release);
         it.old = new;
         if break_first {
-            self.handle_changed_spte(F::FROZEN, new, level, sink, &mut teardown);
+            self.handle_changed_spte(gfn, table, F::FROZEN, new, level, sink, &mut teardown);
         } else if old_table {
-            self.handle_changed_spte(old, new, level, sink, &mut teardown);
+            self.handle_changed_spte(gfn, table, old, new, level, sink, &mut teardown);
         }
         if flushed {
             self.retire_flushed(teardown);
@@ -190,14 +259,15 @@ impl<F: PteFormat> Mmu<F> {
         if p.graveyard.is_empty() {
             return;
         }
-        let guard = pin();
-        TableAlloc::free_deferred(&self.alloc, &guard, p.graveyard);
-        guard.flush();
+        super::rmap::Rmap::retire(&self.rmap, &self.alloc, p.graveyard);
     }
 
     #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
     fn handle_changed_spte(
         &self,
+        gfn: u64,
+        table: u64,
         old: u64,
         new: u64,
         level: Level,
@@ -219,13 +289,16 @@ impl<F: PteFormat> Mmu<F> {
             }
             return;
         }
-        self.handle_changed_structure(old, new, level, sink, pending);
+        self.handle_changed_structure(gfn, table, old, new, level, sink, pending);
     }
 
     /// The rest of [`Self::handle_changed_spte`]: a leaf or table appeared or went away.
     #[inline(never)]
+    #[allow(clippy::too_many_arguments)]
     fn handle_changed_structure(
         &self,
+        gfn: u64,
+        table: u64,
         old: u64,
         new: u64,
         level: Level,
@@ -244,12 +317,24 @@ impl<F: PteFormat> Mmu<F> {
                 sink.inc(leaf_stat(level));
             }
         }
+        if self.rmap.enabled() {
+            // After the compare-and-swap that published the leaf, before the caller's second
+            // dirty mark (make writable → entry in the rmap → dirty bit). A leaf → leaf change
+            // of the same level never gets here (`handle_changed_spte` returns first), and a
+            // leaf replaced by another leaf of the same level keeps its slot.
+            if old_leaf && !new_leaf {
+                self.rmap.remove(gfn, level, table);
+            }
+            if new_leaf && !old_leaf {
+                self.rmap.insert(gfn, level, table);
+            }
+        }
         let old_table = old_present && !old_leaf;
         let new_table = new_present && !new_leaf;
         if old_table && !(new_table && F::output_addr(new) == F::output_addr(old)) {
             // A table left the tree: its translations may be cached by hardware walkers.
             pending.require();
-            self.unlink_table(F::output_addr(old), level - 1, sink, pending);
+            self.unlink_table(F::output_addr(old), gfn, level - 1, sink, pending);
         }
         if new_table && !(old_table && F::output_addr(new) == F::output_addr(old)) {
             sink.inc(Stat::TablePages);
@@ -280,11 +365,20 @@ impl<F: PteFormat> Mmu<F> {
 
     /// Takes a table out of the tree: freezes each entry (so a lock-free fixer racing on it
     /// fails its CAS and re-walks), accounts and recurses, and queues the page for freeing.
-    fn unlink_table(&self, addr: u64, level: Level, sink: Sink<'_>, pending: &mut PendingFlush) {
+    fn unlink_table(
+        &self,
+        addr: u64,
+        gfn: u64,
+        level: Level,
+        sink: Sink<'_>,
+        pending: &mut PendingFlush,
+    ) {
         // SAFETY: the table was reachable until our update, and its page is only freed through
         // `pending`, after this function returns.
         let t = unsafe { TablePage::at(addr) };
-        for e in t.entries.iter() {
+        let step = pages_per_entry(level);
+        for (i, e) in t.entries.iter().enumerate() {
+            let egfn = gfn + i as u64 * step;
             let v = if F::BREAK_BEFORE_MAKE {
                 freeze_after_make::<F>(e)
             } else {
@@ -295,8 +389,13 @@ impl<F: PteFormat> Mmu<F> {
             }
             if F::is_leaf(v, level) {
                 sink.dec(leaf_stat(level));
+                if self.rmap.enabled() {
+                    // After the freeze: a racing inserter of this leaf either already inserted
+                    // (removed here) or is still pinned (cleared by `Rmap::retire`'s sweep).
+                    self.rmap.remove(egfn, level, addr);
+                }
             } else {
-                self.unlink_table(F::output_addr(v), level - 1, sink, pending);
+                self.unlink_table(F::output_addr(v), egfn, level - 1, sink, pending);
             }
         }
         sink.dec(Stat::TablePages);
@@ -306,6 +405,12 @@ impl<F: PteFormat> Mmu<F> {
             .graveyard
             .push(unsafe { OwnedTable::from_unlinked(addr) });
     }
+}
+
+/// Host address of the table page holding `sptep` (pages are 4 KiB-aligned arrays of entries).
+#[inline(always)]
+fn table_of(sptep: &AtomicU64) -> u64 {
+    sptep as *const AtomicU64 as u64 & !(crate::format::PAGE_SIZE - 1)
 }
 
 /// Freezes an entry of a table being unlinked, under break-before-make. A locked entry (the

@@ -11,10 +11,52 @@ use crate::sync::{AtomicU64, Guard, Ordering};
 use std::ptr::NonNull;
 
 /// One page of a second-stage page table.
+///
+/// Only [`TableAlloc`] makes them (the private field), always inside a [`TableFrame`], so every
+/// `TablePage` is followed by its [`TableMeta`] header.
 #[repr(C, align(4096))]
 pub struct TablePage {
     /// The 512 entries, read and updated atomically by software and hardware walkers.
     pub entries: [AtomicU64; ENTRIES_PER_TABLE],
+    _frame: (),
+}
+
+/// What a table page maps (KVM's `sp->gfn` and `sp->role.level`): written before the page is
+/// published, read by lock-free rmap readers to validate a table address they were given.
+#[derive(Debug)]
+#[repr(C)]
+pub(crate) struct TableMeta {
+    /// `first_gfn << 3 | level` (0 = not yet linked anywhere).
+    packed: AtomicU64,
+}
+
+impl TableMeta {
+    /// Packs a first gfn and a level.
+    #[inline]
+    pub(crate) fn pack(first_gfn: u64, level: u8) -> u64 {
+        (first_gfn << 3) | level as u64
+    }
+    /// Records what the page maps. Called by the only owner of an unpublished page (or under
+    /// the exclusive lock for the root); publication (a release CAS or store of the parent
+    /// entry, or a release store of an rmap slot after it) makes it visible.
+    #[inline]
+    pub(crate) fn set(&self, first_gfn: u64, level: u8) {
+        self.packed
+            .store(Self::pack(first_gfn, level), Ordering::Relaxed);
+    }
+    /// The packed value (compare with [`Self::pack`]).
+    #[inline]
+    pub(crate) fn get(&self) -> u64 {
+        self.packed.load(Ordering::Relaxed)
+    }
+}
+
+/// The allocation unit: a table page and its header (8 KiB with the alignment; the header
+/// cannot live inside the page, which hardware walkers read as 512 entries).
+#[repr(C, align(4096))]
+struct TableFrame {
+    page: TablePage,
+    meta: TableMeta,
 }
 
 impl TablePage {
@@ -34,6 +76,15 @@ impl TablePage {
     #[inline]
     pub fn addr(&self) -> u64 {
         self as *const TablePage as u64
+    }
+
+    /// The page's header: which gfn range and level it maps.
+    #[inline]
+    pub(crate) fn meta(&self) -> &TableMeta {
+        // SAFETY: a `TablePage` cannot be constructed outside this module (private field), and
+        // this module makes them only as the first field of a `TableFrame` (repr(C)), so the
+        // header lives at the same allocation, after the page, for as long as `self` does.
+        unsafe { &(*(self as *const TablePage as *const TableFrame)).meta }
     }
 }
 
@@ -154,9 +205,10 @@ impl TableAlloc {
 
 #[cfg(not(loom))]
 fn alloc_zeroed_page() -> NonNull<TablePage> {
-    let layout = std::alloc::Layout::new::<TablePage>();
-    // SAFETY: the layout has non-zero size; all-zero bytes are a valid TablePage (atomics of 0,
-    // which is the non-present value of every format).
+    let layout = std::alloc::Layout::new::<TableFrame>();
+    // SAFETY: the layout has non-zero size; all-zero bytes are a valid TableFrame (atomics of 0,
+    // which is the non-present value of every format and an unset header). The page is the
+    // frame's first field, so the pointer is the page's too.
     let p = unsafe { std::alloc::alloc_zeroed(layout) } as *mut TablePage;
     match NonNull::new(p) {
         Some(p) => p,
@@ -170,24 +222,30 @@ fn free_page(p: NonNull<TablePage>) {
     unsafe {
         std::alloc::dealloc(
             p.as_ptr() as *mut u8,
-            std::alloc::Layout::new::<TablePage>(),
+            std::alloc::Layout::new::<TableFrame>(),
         )
     }
 }
 
 #[cfg(loom)]
 fn alloc_zeroed_page() -> NonNull<TablePage> {
-    let b = Box::new(TablePage {
-        entries: std::array::from_fn(|_| AtomicU64::new(0)),
+    let b = Box::new(TableFrame {
+        page: TablePage {
+            entries: std::array::from_fn(|_| AtomicU64::new(0)),
+            _frame: (),
+        },
+        meta: TableMeta {
+            packed: AtomicU64::new(0),
+        },
     });
-    // SAFETY: Box::into_raw never returns null.
-    unsafe { NonNull::new_unchecked(Box::into_raw(b)) }
+    // SAFETY: Box::into_raw never returns null; the page is the frame's first field.
+    unsafe { NonNull::new_unchecked(Box::into_raw(b) as *mut TablePage) }
 }
 
 #[cfg(loom)]
 fn free_page(p: NonNull<TablePage>) {
-    // SAFETY: allocated by Box in `alloc_zeroed_page`, freed once.
-    drop(unsafe { Box::from_raw(p.as_ptr()) });
+    // SAFETY: allocated as a boxed TableFrame in `alloc_zeroed_page`, freed once.
+    drop(unsafe { Box::from_raw(p.as_ptr() as *mut TableFrame) });
 }
 
 /// Pages a vCPU keeps ready so a fault never allocates under the MMU lock.
