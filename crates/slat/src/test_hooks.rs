@@ -10,6 +10,12 @@ pub mod inject {
     pub const SKIP_HARVEST_FLUSH: u32 = 1 << 0;
     /// Break-before-make skips the TLB invalidation between the break and the make.
     pub const SKIP_BBM_FLUSH: u32 = 1 << 1;
+    /// The lock-free rmap write-protect (`wrprot` `rmap-lockless`) finds the leaf but skips
+    /// its compare-and-swap.
+    pub const SKIP_LOCKLESS_CAS: u32 = 1 << 2;
+    /// The SPTE-update path does not put new leaves in the rmap (the broken order: the dirty
+    /// bit is visible and the writable leaf cannot be found).
+    pub const SKIP_RMAP_INSERT: u32 = 1 << 3;
 }
 
 /// The bugs a VM was told to commit.

@@ -4,7 +4,7 @@
 use super::rearm::{rearm_masked, LeafCursor};
 use super::ring::Coalesce;
 use super::{DirtyLog, DirtyLogError};
-use crate::config::GetLogVariant;
+use crate::config::{GetLogVariant, WrprotVariant};
 use crate::format::PteFormat;
 use crate::memslot::{Memslot, Memslots, SlotId};
 use crate::mmu::flush::PendingFlush;
@@ -53,12 +53,16 @@ impl DirtyLog {
         }
         let mut pending = PendingFlush::none();
         {
-            let _lock = mmu.lock.write();
+            let _lock = harvest_lock(mmu);
             let old = if mmu.config.get_log == GetLogVariant::Switch && bitmap.can_switch() {
                 let old = bitmap.switch();
                 // Markers that loaded the old side are either slow-path faults, which hold the
                 // MMU lock we own exclusively, or fast-path fixes, which run in guest mode: a
                 // completed flush waits them out, and afterwards nobody writes the old side.
+                // Without the lock (`rmap-lockless`), taking it once waits the slow paths out.
+                if _lock.is_none() {
+                    drop(mmu.lock.write());
+                }
                 mmu.flush_remote_tlbs();
                 Some(old)
             } else {
@@ -136,7 +140,7 @@ impl DirtyLog {
         let mut pending = PendingFlush::none();
         let mut cursor = LeafCursor::default();
         {
-            let _lock = mmu.lock.write();
+            let _lock = harvest_lock(mmu);
             for (k, &want) in bitmap.iter().enumerate().take(words) {
                 let left = num_pages - 64 * k as u64;
                 let want = if left < 64 {
@@ -181,7 +185,7 @@ impl DirtyLog {
         let mut pending = PendingFlush::none();
         let mut cursor = LeafCursor::default();
         {
-            let _lock = mmu.lock.write();
+            let _lock = harvest_lock(mmu);
             let mut protect = |run: Option<(SlotId, u64, u64)>, pending: &mut PendingFlush| {
                 let Some((id, offset, mask)) = run else {
                     return;
@@ -206,6 +210,12 @@ impl DirtyLog {
         complete_harvest(mmu, pending);
         Ok(total)
     }
+}
+
+/// The MMU lock a harvest holds while it re-arms pages: exclusive, except with `rmap-lockless`,
+/// which takes none (it re-arms with compare-and-swaps, pinned in the epoch).
+fn harvest_lock<F: PteFormat>(mmu: &Mmu<F>) -> Option<crate::mmu::lock::WriteGuard<'_>> {
+    (mmu.config.wrprot != WrprotVariant::RmapLockless).then(|| mmu.lock.write())
 }
 
 /// The flush that ends a harvest (invariant 4), unless a test injected its omission.

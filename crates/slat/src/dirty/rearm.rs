@@ -2,14 +2,16 @@
 //! enabled, and exactly the harvested pages in a harvest.
 
 use super::DirtyTrack;
-use crate::format::{table_index, PteFormat, ENTRIES_PER_TABLE};
+use crate::config::WrprotVariant;
+use crate::format::{pages_per_entry, table_index, Level, PteFormat, ENTRIES_PER_TABLE};
 use crate::huge_page::split_huge_pages;
 use crate::mmu::flush::PendingFlush;
+use crate::mmu::rmap::{validated, SlotRmap, RMAP_LEVELS};
 use crate::mmu::spte::UpdateMode;
 use crate::mmu::table::TablePage;
 use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
-use crate::sync::{pin, Ordering};
+use crate::sync::{pin, Guard, Ordering};
 
 /// The value that re-arms logging on the 4 KiB leaf `old` (so its next write is seen), or
 /// `None` if it is armed already: W cleared, or with hardware-dirty tracking D cleared.
@@ -41,6 +43,10 @@ pub(super) fn rearm_range<F: PteFormat>(
     let mut it = Walk::<F>::new(&guard, mmu.root(), 1, start, end);
     while it.valid() {
         let old = it.old;
+        if mmu.rmap.enabled() && F::is_present(old) && F::is_leaf(old, it.level) {
+            // Enabling logging is where the rmap is made exact for the logged period.
+            mmu.rmap_reassert(it.gfn, it.level, it.table());
+        }
         let new = if !F::is_present(old) || !F::is_leaf(old, it.level) {
             None
         } else if it.level == 1 {
@@ -73,6 +79,10 @@ pub(super) fn rearm_masked<F: PteFormat>(
     mask: u64,
     pending: &mut PendingFlush,
 ) {
+    if mmu.config.wrprot == WrprotVariant::RmapLockless {
+        rearm_masked_lockless(mmu, base_gfn, mask, pending);
+        return;
+    }
     // The exclusive lock already keeps every table alive; the guard is what `Walk` asks for.
     let guard = pin();
     let sink = mmu.sink();
@@ -82,6 +92,21 @@ pub(super) fn rearm_masked<F: PteFormat>(
         m &= m - 1;
         let t = match cursor.0 {
             Some((first, t)) if gfn.wrapping_sub(first) < ENTRIES_PER_TABLE as u64 => t,
+            _ if mmu.config.wrprot == WrprotVariant::Rmap => match rmap_lookup(mmu, gfn) {
+                RmapHit::Leaf4k(t) => {
+                    cursor.0 = Some((gfn & !(ENTRIES_PER_TABLE as u64 - 1), t));
+                    t
+                }
+                RmapHit::Huge => {
+                    rearm_huge(mmu, gfn, pending);
+                    cursor.0 = None;
+                    continue;
+                }
+                RmapHit::None => {
+                    cursor.0 = None;
+                    continue;
+                }
+            },
             _ => {
                 let it = Walk::<F>::to_leaf(&guard, mmu.root(), gfn);
                 if !it.valid() || it.level != 1 {
@@ -161,3 +186,134 @@ fn rearm_huge<F: PteFormat>(mmu: &Mmu<F>, gfn: u64, pending: &mut PendingFlush) 
 /// under the exclusive MMU lock that the harvest holds throughout (no table can be unlinked).
 #[derive(Default)]
 pub(super) struct LeafCursor(Option<(u64, u64)>);
+
+/// What the rmap says maps a gfn (variant `rmap`, under the exclusive MMU lock).
+enum RmapHit {
+    /// A 4 KiB leaf in this leaf table.
+    Leaf4k(u64),
+    /// A huge leaf.
+    Huge,
+    /// Nothing: the rmap is exact (ARCHITECTURE.md, "The reverse map").
+    None,
+}
+
+fn rmap_lookup<F: PteFormat>(mmu: &Mmu<F>, gfn: u64) -> RmapHit {
+    let Some(s) = mmu.rmap.find(gfn) else {
+        return RmapHit::None;
+    };
+    for level in 1..=RMAP_LEVELS as Level {
+        let Some(slot) = s.slot(gfn, level) else {
+            continue;
+        };
+        // SAFETY: under the exclusive MMU lock no table is unlinked, let alone freed, and a
+        // set slot names a page not yet freed (`Rmap::retire`); the lock holder is our caller.
+        let Some(page) = (unsafe { validated(slot, gfn, level) }) else {
+            continue;
+        };
+        let e = page.entries[table_index(gfn, level)].load(Ordering::Acquire);
+        if F::is_present(e) && F::is_leaf(e, level) {
+            return if level == 1 {
+                RmapHit::Leaf4k(page.addr())
+            } else {
+                RmapHit::Huge
+            };
+        }
+    }
+    RmapHit::None
+}
+
+/// Variant `rmap-lockless`: re-arms the pages `base_gfn + i` for each set bit `i` of `mask`
+/// without the MMU lock. Pinned in the epoch, each page is looked up in the rmap at every
+/// level; a table whose header confirms the entry is trusted; W (or D) is cleared with one
+/// compare-and-swap through the SPTE-update path, a huge leaf made read-only (never zapped
+/// nor split here: the write that faults on it splits it). A lost race re-reads.
+///
+/// Why nothing is missed: a harvest consumed the page's mark before calling this. Every
+/// writable leaf is in the rmap before the mark that follows it is set (a fault inserts after
+/// its compare-and-swap and marks after that; a split inserts its leaves before publishing
+/// them; the fast path only sets W on leaves already in it), so the mark we consumed was set
+/// after the leaf was findable, and this lookup, which comes after the consumption, finds it
+/// (the mark's release / the consumption's acquire order the rmap store before our load). A
+/// leaf made writable after our lookup sets the mark again after doing so, and the next
+/// harvest reports it. The caller completes a flush before returning (invariant 4).
+fn rearm_masked_lockless<F: PteFormat>(
+    mmu: &Mmu<F>,
+    base_gfn: u64,
+    mask: u64,
+    pending: &mut PendingFlush,
+) {
+    let Some(s) = mmu.rmap.find(base_gfn) else {
+        return;
+    };
+    let guard = pin();
+    let mut m = mask;
+    while m != 0 {
+        let gfn = base_gfn + m.trailing_zeros() as u64;
+        m &= m - 1;
+        protect_lockless(mmu, &s, &guard, gfn, pending);
+    }
+}
+
+/// Re-arms whatever leaf the rmap names for `gfn`, at each level (see
+/// [`rearm_masked_lockless`]); the guard proves the epoch pin.
+fn protect_lockless<F: PteFormat>(
+    mmu: &Mmu<F>,
+    s: &SlotRmap,
+    _guard: &Guard,
+    gfn: u64,
+    pending: &mut PendingFlush,
+) {
+    let sink = mmu.sink();
+    for level in 1..=RMAP_LEVELS as Level {
+        let Some(slot) = s.slot(gfn, level) else {
+            continue;
+        };
+        // SAFETY: `_guard` pins us; a set slot names a page whose free waits for a grace
+        // period that starts after the slot is cleared (`Rmap::retire`).
+        let Some(page) = (unsafe { validated(slot, gfn, level) }) else {
+            continue;
+        };
+        let sptep = &page.entries[table_index(gfn, level)];
+        let first = gfn & !(pages_per_entry(level) - 1);
+        // Acquire: pairs with the release of whoever made it writable.
+        let mut old = sptep.load(Ordering::Acquire);
+        loop {
+            // Frozen (its table is being unlinked), a table (split since), or empty (zapped):
+            // nothing this level maps any more.
+            if !F::is_present(old) || !F::is_leaf(old, level) {
+                break;
+            }
+            let new = if level == 1 {
+                rearmed(mmu, old)
+            } else {
+                F::is_writable(old).then(|| F::write_protect(old))
+            };
+            let Some(new) = new else {
+                break;
+            };
+            if mmu
+                .hooks
+                .active(crate::test_hooks::inject::SKIP_LOCKLESS_CAS)
+            {
+                break;
+            }
+            // Invariant 1: a compare-and-swap against the value we read; on failure `old`
+            // is the value that won and we look at it again.
+            if mmu
+                .update_spte(
+                    sptep,
+                    level,
+                    first,
+                    &mut old,
+                    new,
+                    crate::mmu::spte::UpdateMode::Shared,
+                    sink,
+                    pending,
+                )
+                .is_ok()
+            {
+                break;
+            }
+        }
+    }
+}

@@ -45,11 +45,6 @@ impl SlotRmap {
         (((base_gfn + npages - 1) >> sh) - (base_gfn >> sh) + 1) as usize
     }
 
-    /// First gfn of the range.
-    pub(crate) fn base_gfn(&self) -> u64 {
-        self.base_gfn
-    }
-
     /// One past the last gfn.
     pub(crate) fn end_gfn(&self) -> u64 {
         self.base_gfn + self.npages

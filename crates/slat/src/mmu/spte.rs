@@ -88,6 +88,17 @@ impl<F: PteFormat> Mmu<F> {
         if links_table {
             self.before_publishing_table(gfn, level, *old, new);
         }
+        // A leaf appears here: into the rmap *before* it is published, so whoever can see the
+        // leaf (a vCPU that then makes it writable and marks the page, a harvest that consumed
+        // that mark) can also see the rmap entry — a stronger form of the seed's order "make
+        // writable → entry in the rmap → dirty bit". (A permission change of a leaf keeps its
+        // entry: this is false for every harvest and fast-path update.)
+        let adds_leaf = F::is_present(new)
+            && F::is_leaf(new, level)
+            && !(F::is_present(*old) && F::is_leaf(*old, level));
+        if adds_leaf && self.rmap.enabled() {
+            self.rmap_insert_leaf(gfn, level, table);
+        }
         let prev = match mode {
             UpdateMode::Shared => {
                 match sptep.compare_exchange(*old, new, Ordering::AcqRel, Ordering::Acquire) {
@@ -96,12 +107,27 @@ impl<F: PteFormat> Mmu<F> {
                         if links_table {
                             self.unpublished_table_lost(gfn, level, *old, new);
                         }
+                        if adds_leaf
+                            && self.rmap.enabled()
+                            && !(F::is_present(cur) && F::is_leaf(cur, level))
+                        {
+                            // Undo, unless a leaf won the race here: its installer inserted
+                            // the same table first. Anyone else racing to install a leaf
+                            // expected the same old value and fails too.
+                            self.rmap.remove(gfn, level, table);
+                        }
                         *old = cur;
                         return Err(Busy);
                     }
                 }
             }
-            UpdateMode::Exclusive if F::needs_atomic_update(*old, level) => {
+            // With `rmap-lockless` a harvest clears W without the lock, so even an entry
+            // hardware and the fast path leave alone may change under an exclusive holder:
+            // exchange, and account for the value that was really there.
+            UpdateMode::Exclusive
+                if F::needs_atomic_update(*old, level)
+                    || self.config.wrprot == crate::config::WrprotVariant::RmapLockless =>
+            {
                 sptep.swap(new, Ordering::AcqRel)
             }
             UpdateMode::Exclusive => {
@@ -134,6 +160,32 @@ impl<F: PteFormat> Mmu<F> {
                 if F::is_present(v) && F::is_leaf(v, level - 1) {
                     self.rmap
                         .insert(gfn + i as u64 * step, level - 1, child.addr());
+                }
+            }
+        }
+    }
+
+    /// Inserts a leaf about to be published (unless a test hook breaks the order on purpose).
+    #[inline(never)]
+    fn rmap_insert_leaf(&self, gfn: u64, level: Level, table: u64) {
+        if self
+            .hooks
+            .active(crate::test_hooks::inject::SKIP_RMAP_INSERT)
+        {
+            return;
+        }
+        self.rmap.insert(gfn, level, table);
+    }
+
+    /// Puts a leaf the caller found linked back in the rmap if its slot does not name its
+    /// table (enabling logging, under the MMU lock in a slot that now maps 4 KiB only, so no
+    /// shared-lock restructuring races it). Repairs what a race between two shared-lock
+    /// restructurings may have left while the slot was not logged (ARCHITECTURE.md).
+    pub(crate) fn rmap_reassert(&self, gfn: u64, level: Level, table: u64) {
+        if let Some(s) = self.rmap.find(gfn) {
+            if let Some(slot) = s.slot(gfn, level) {
+                if slot.load(Ordering::Relaxed) != table {
+                    slot.store(table, Ordering::Release);
                 }
             }
         }
@@ -213,6 +265,14 @@ impl<F: PteFormat> Mmu<F> {
         {
             // The entry is locked: the make below is the publication.
             self.before_publishing_table(gfn, level, old, new);
+        }
+        if self.rmap.enabled()
+            && F::is_present(new)
+            && F::is_leaf(new, level)
+            && !(old_valid && F::is_leaf(old, level))
+        {
+            // Before the make, as in `update_spte`.
+            self.rmap_insert_leaf(gfn, level, table);
         }
         let mut flushed = false;
         if old_valid {
@@ -325,9 +385,7 @@ impl<F: PteFormat> Mmu<F> {
             if old_leaf && !new_leaf {
                 self.rmap.remove(gfn, level, table);
             }
-            if new_leaf && !old_leaf {
-                self.rmap.insert(gfn, level, table);
-            }
+            // Insertion happened before publication (`update_spte`, `replace_spte`).
         }
         let old_table = old_present && !old_leaf;
         let new_table = new_present && !new_leaf;
