@@ -56,7 +56,7 @@ use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::memslot::MemslotFlags;
 use slat::{
     AgeFlush, AgeReport, CmoPolicy, DirtyTrack, GetLogVariant, HostRange, IdleBitmap, MemslotError,
-    MmuLockKind, PteFormat, RebuildOrder, RecoverVariant, SlotId, Vm, VmConfig,
+    MmuLockKind, PteFormat, RebuildOrder, RecoverVariant, SlotId, Vm, VmConfig, WrprotVariant,
 };
 use slat_machine::sched::PcpuPool;
 use slat_machine::{Backing, Cpu, CpuCounters, Exit, GuestRam, RingFullHandler};
@@ -407,6 +407,15 @@ fn random_vm(r: &mut Rng, dirty_track: DirtyTrack, get_log: GetLogVariant) -> Vm
         dirty_track,
         cmo: r.pick(&[CmoPolicy::Always, CmoPolicy::OnInstall]),
         rebuild: r.pick(&[RebuildOrder::BreakFirst, RebuildOrder::InstallFirst]),
+        // Seed 002: harvests walk, look pages up in the rmap, or do so without the MMU lock.
+        // `SLAT_TEST_WRPROT=walk|rmap|rmap-lockless` pins it (to compare a failing round).
+        wrprot: {
+            let w = r.pick(WrprotVariant::ALL);
+            match std::env::var("SLAT_TEST_WRPROT") {
+                Ok(v) => v.parse().expect("SLAT_TEST_WRPROT"),
+                Err(_) => w,
+            }
+        },
     }
 }
 
@@ -421,7 +430,7 @@ impl fmt::Display for RoundCfg {
         write!(
             f,
             "mode={}{ring} backing={} vcpus={} tlb={} lock={} fast_pf={} ad_bits={} \
-             eager_split={} recover={} rebuild={} cmo={} churn=[toggle={} zap={} age={} aux={} \
+             eager_split={} recover={} rebuild={} cmo={} wrprot={} churn=[toggle={} zap={} age={} aux={} \
              move_checked={} ro_slots={}] duration={:?} harvest_gap={:?} churn_gap={:?}",
             self.mode_name(),
             self.backing,
@@ -434,6 +443,7 @@ impl fmt::Display for RoundCfg {
             v.recover.name(),
             v.rebuild.name(),
             v.cmo.name(),
+            v.wrprot.name(),
             c.toggle,
             c.zap,
             c.age,
@@ -1639,6 +1649,9 @@ fn check_quiet<F: PteFormat>(vm: &Vm<F>, out: &RoundOut) -> Result<(), Failure> 
     if a.frozen != 0 {
         return Err(other(format!("locked entries left in the tree: {a:?}")));
     }
+    // The reverse map (seed 002) against the tree: every leaf in it, nothing else.
+    vm.audit_rmap()
+        .map_err(|e| other(format!("rmap audit ({}): {e}", vm.config().wrprot)))?;
     Ok(())
 }
 

@@ -256,6 +256,10 @@ fn rearm_masked_lockless<F: PteFormat>(
 
 /// Re-arms whatever leaf the rmap names for `gfn`, at each level (see
 /// [`rearm_masked_lockless`]); the guard proves the epoch pin.
+///
+/// A slot whose entry has become a table (a split published between the new leaves' slots
+/// and the removal of the old one) is followed down: the split stores its new slots before
+/// it removes the old one, so a reader that finds neither is not in that window.
 fn protect_lockless<F: PteFormat>(
     mmu: &Mmu<F>,
     s: &SlotRmap,
@@ -263,7 +267,6 @@ fn protect_lockless<F: PteFormat>(
     gfn: u64,
     pending: &mut PendingFlush,
 ) {
-    let sink = mmu.sink();
     for level in 1..=RMAP_LEVELS as Level {
         let Some(slot) = s.slot(gfn, level) else {
             continue;
@@ -273,47 +276,70 @@ fn protect_lockless<F: PteFormat>(
         let Some(page) = (unsafe { validated(slot, gfn, level) }) else {
             continue;
         };
-        let sptep = &page.entries[table_index(gfn, level)];
-        let first = gfn & !(pages_per_entry(level) - 1);
-        // Acquire: pairs with the release of whoever made it writable.
+        let mut lvl = level;
+        let mut sptep = &page.entries[table_index(gfn, lvl)];
+        // Acquire: pairs with the release of whoever published the entry (and its table).
         let mut old = sptep.load(Ordering::Acquire);
-        loop {
-            // Frozen (its table is being unlinked), a table (split since), or empty (zapped):
-            // nothing this level maps any more.
-            if !F::is_present(old) || !F::is_leaf(old, level) {
-                break;
-            }
-            let new = if level == 1 {
-                rearmed(mmu, old)
-            } else {
-                F::is_writable(old).then(|| F::write_protect(old))
-            };
-            let Some(new) = new else {
-                break;
-            };
-            if mmu
-                .hooks
-                .active(crate::test_hooks::inject::SKIP_LOCKLESS_CAS)
-            {
-                break;
-            }
-            // Invariant 1: a compare-and-swap against the value we read; on failure `old`
-            // is the value that won and we look at it again.
-            if mmu
-                .update_spte(
-                    sptep,
-                    level,
-                    first,
-                    &mut old,
-                    new,
-                    crate::mmu::spte::UpdateMode::Shared,
-                    sink,
-                    pending,
-                )
-                .is_ok()
-            {
-                break;
-            }
+        while lvl > 1 && F::is_present(old) && !F::is_leaf(old, lvl) {
+            // SAFETY: a table entry read while pinned names a page not yet freed (invariant
+            // 2: unlinked pages wait for a grace period that our pin holds back).
+            let t = unsafe { TablePage::at(F::output_addr(old)) };
+            lvl -= 1;
+            sptep = &t.entries[table_index(gfn, lvl)];
+            old = sptep.load(Ordering::Acquire);
+        }
+        protect_entry(mmu, sptep, lvl, gfn, old, pending);
+    }
+}
+
+/// Clears W (or D) on the leaf `sptep` at `level` (read as `old`) with compare-and-swaps,
+/// re-reading after a lost race, until it is armed or no longer a leaf.
+fn protect_entry<F: PteFormat>(
+    mmu: &Mmu<F>,
+    sptep: &crate::sync::AtomicU64,
+    level: Level,
+    gfn: u64,
+    mut old: u64,
+    pending: &mut PendingFlush,
+) {
+    let sink = mmu.sink();
+    let first = gfn & !(pages_per_entry(level) - 1);
+    loop {
+        // Frozen (its table is being unlinked), a table (split since), or empty (zapped):
+        // nothing this entry maps any more.
+        if !F::is_present(old) || !F::is_leaf(old, level) {
+            return;
+        }
+        let new = if level == 1 {
+            rearmed(mmu, old)
+        } else {
+            F::is_writable(old).then(|| F::write_protect(old))
+        };
+        let Some(new) = new else {
+            return;
+        };
+        if mmu
+            .hooks
+            .active(crate::test_hooks::inject::SKIP_LOCKLESS_CAS)
+        {
+            return;
+        }
+        // Invariant 1: a compare-and-swap against the value we read; on failure `old` is
+        // the value that won and we look at it again.
+        if mmu
+            .update_spte(
+                sptep,
+                level,
+                first,
+                &mut old,
+                new,
+                crate::mmu::spte::UpdateMode::Shared,
+                sink,
+                pending,
+            )
+            .is_ok()
+        {
+            return;
         }
     }
 }

@@ -163,6 +163,17 @@ impl Rmap {
         }
     }
 
+    /// Like [`Self::insert`], but only into an empty slot (a split racing other splits of the
+    /// same leaf, before its compare-and-swap).
+    #[inline]
+    pub(crate) fn claim(&self, gfn: u64, level: Level, table: u64) {
+        if let Some(s) = self.find(gfn) {
+            if let Some(slot) = s.slot(gfn, level) {
+                let _ = slot.compare_exchange(0, table, Ordering::AcqRel, Ordering::Relaxed);
+            }
+        }
+    }
+
     /// The leaf at `level` for `gfn` in `table` went away. Only clears a slot that still names
     /// `table`: another table may already have taken over the gfn (a split's new leaves).
     #[inline]

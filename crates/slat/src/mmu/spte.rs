@@ -86,7 +86,7 @@ impl<F: PteFormat> Mmu<F> {
                 && !F::is_leaf(*old, level)
                 && F::output_addr(*old) == F::output_addr(new));
         if links_table {
-            self.before_publishing_table(gfn, level, *old, new);
+            self.before_publishing_table(gfn, level, *old, new, mode == UpdateMode::Shared);
         }
         // A leaf appears here: into the rmap *before* it is published, so whoever can see the
         // leaf (a vCPU that then makes it writable and marks the page, a harvest that consumed
@@ -138,6 +138,9 @@ impl<F: PteFormat> Mmu<F> {
                 *old
             }
         };
+        if links_table && mode == UpdateMode::Shared {
+            self.split_published(gfn, level, prev, new);
+        }
         *old = new;
         self.handle_changed_spte(gfn, table, prev, new, level, sink, pending);
         Ok(())
@@ -148,20 +151,55 @@ impl<F: PteFormat> Mmu<F> {
     /// leaves in the rmap now. Those leaves inherit W with no dirty mark after them, so they
     /// must be findable before anyone can write through them (the seed's order). The page is
     /// still ours alone: nothing else writes its header or its entries yet.
+    ///
+    /// `racing`: other splits of the same leaf may be doing the same with their own tables
+    /// (a compare-and-swap publishes one of them). Then a slot is only *claimed* if empty
+    /// (never overwriting a winner's), and the winner stores its tables again right after
+    /// its compare-and-swap ([`Self::split_published`]). Without `racing` (the entry is
+    /// locked by break-before-make) the slots are simply stored.
     #[cold]
-    fn before_publishing_table(&self, gfn: u64, level: Level, old: u64, new: u64) {
+    fn before_publishing_table(&self, gfn: u64, level: Level, old: u64, new: u64, racing: bool) {
         // SAFETY: `new` names a table page the caller owns and is about to link.
         let child = unsafe { TablePage::at(F::output_addr(new)) };
         child.meta().set(gfn, level - 1);
         if self.rmap.enabled() && F::is_present(old) && F::is_leaf(old, level) {
-            let step = pages_per_entry(level - 1);
-            for (i, e) in child.entries.iter().enumerate() {
-                let v = e.load(Ordering::Relaxed);
-                if F::is_present(v) && F::is_leaf(v, level - 1) {
-                    self.rmap
-                        .insert(gfn + i as u64 * step, level - 1, child.addr());
+            self.insert_children(child, gfn, level - 1, racing);
+        }
+    }
+
+    /// Puts the leaves of a split's table in the rmap (see [`Self::before_publishing_table`]).
+    fn insert_children(&self, child: &TablePage, gfn: u64, level: Level, claim: bool) {
+        if self
+            .hooks
+            .active(crate::test_hooks::inject::SKIP_RMAP_INSERT)
+        {
+            return;
+        }
+        let step = pages_per_entry(level);
+        for (i, e) in child.entries.iter().enumerate() {
+            let v = e.load(Ordering::Relaxed);
+            if F::is_present(v) && F::is_leaf(v, level) {
+                let g = gfn + i as u64 * step;
+                if claim {
+                    self.rmap.claim(g, level, child.addr());
+                } else {
+                    self.rmap.insert(g, level, child.addr());
                 }
             }
+        }
+    }
+
+    /// A split's table won its compare-and-swap: store its leaves' slots (a losing split may
+    /// have claimed them first and will clear only slots still naming its own table). Done
+    /// before the old leaf's slot is removed, so a lock-free reader finds either the old
+    /// slot (naming a table whose entry now leads to the new table) or the new ones.
+    #[cold]
+    fn split_published(&self, gfn: u64, level: Level, old: u64, new: u64) {
+        if self.rmap.enabled() && F::is_present(old) && F::is_leaf(old, level) {
+            // SAFETY: just linked by us; freeing it needs a flush and a grace period our
+            // caller's pin (or lock) spans.
+            let child = unsafe { TablePage::at(F::output_addr(new)) };
+            self.insert_children(child, gfn, level - 1, false);
         }
     }
 
@@ -264,7 +302,7 @@ impl<F: PteFormat> Mmu<F> {
             && !(old_table && F::output_addr(old) == F::output_addr(new))
         {
             // The entry is locked: the make below is the publication.
-            self.before_publishing_table(gfn, level, old, new);
+            self.before_publishing_table(gfn, level, old, new, false);
         }
         if self.rmap.enabled()
             && F::is_present(new)
