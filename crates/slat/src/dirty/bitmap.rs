@@ -51,6 +51,20 @@ impl DirtyBitmap {
         }
     }
 
+    /// Marks page `rel` again after the SPTE update that made it writable, always with the
+    /// locked RMW. A plain load that still sees the first mark may be reading a value a
+    /// harvest has already taken away (nothing orders that harvest's exchange before the
+    /// load); skipping the RMW then leaves the page writable with its bit clear. With the RMW,
+    /// either the harvest's exchange comes later in this word's modification order and
+    /// acquires our release, so it sees the writable entry and its rmap slot and protects it,
+    /// or it came earlier and the bit is set again for the next harvest (seed 002's order,
+    /// writable → rmap → dirty bit, needs the last step to be a real write).
+    #[inline]
+    pub fn set_after_update(&self, rel: u64) {
+        let bit = 1u64 << (rel % 64);
+        self.words[(rel / 64) as usize].fetch_or(bit, Ordering::AcqRel);
+    }
+
     /// Page `rel` is marked.
     pub fn test(&self, rel: u64) -> bool {
         self.words[(rel / 64) as usize].load(Ordering::Acquire) & (1u64 << (rel % 64)) != 0
@@ -132,6 +146,12 @@ impl SlotBitmap {
     #[inline]
     pub fn set(&self, rel: u64) {
         self.active().set(rel)
+    }
+
+    /// [`DirtyBitmap::set_after_update`] on the active bitmap.
+    #[inline]
+    pub fn set_after_update(&self, rel: u64) {
+        self.active().set_after_update(rel)
     }
 
     /// Pages covered.

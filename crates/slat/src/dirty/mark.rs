@@ -60,7 +60,7 @@ pub(crate) fn prepare_mark(
 pub(crate) fn commit_mark(mark: Mark<'_>, ring: Option<&DirtyRing>, gfn: u64, sink: Sink<'_>) {
     match mark {
         Mark::Bitmap(slot) => {
-            slot.mark_dirty(gfn);
+            slot.mark_dirty_after_update(gfn);
         }
         Mark::Ring(slot) => {
             if let Some(r) = ring {

@@ -244,6 +244,14 @@ impl Memslot {
             None => false,
         }
     }
+
+    /// Marks `gfn` again after the update that made it writable (see
+    /// [`crate::dirty::bitmap::SlotBitmap::set_after_update`]).
+    pub(crate) fn mark_dirty_after_update(&self, gfn: u64) {
+        if let Some(b) = &self.dirty {
+            b.set_after_update(gfn - self.base_gfn);
+        }
+    }
 }
 
 /// An immutable, sorted set of memslots.
