@@ -3,7 +3,7 @@
 use clap::{Args, ValueEnum};
 use slat::{
     CmoPolicy, DirtyTrack, Ept, GetLogVariant, MmuLockKind, PteFormat, RebuildOrder,
-    RecoverVariant, Stage2, VmConfig,
+    RecoverVariant, Stage2, VmConfig, WrprotVariant,
 };
 use slat_machine::ram::{parse_size, Backing};
 use slat_machine::tlb::DEFAULT_TLB_ENTRIES;
@@ -67,7 +67,8 @@ variant!(
     RebuildOrder,
     GetLogVariant,
     RecoverVariant,
-    DirtyTrack
+    DirtyTrack,
+    WrprotVariant
 );
 
 /// The clap value parser of an engine variant enum (see [`Variant`]).
@@ -265,6 +266,11 @@ pub struct DirtyArgs {
     /// (hardware dirty bits, PML-like).
     #[arg(long = "dirty-tracking", value_parser = variant::<DirtyTrack>(), default_value = "write-protect")]
     pub tracking: DirtyTrack,
+    /// How harvests and enable-logging find the pages they write-protect (seed 002): `walk`
+    /// (the page-table walk under the MMU lock), `rmap` (reverse-map lookups, same lock) or
+    /// `rmap-lockless` (reverse-map lookups and one compare-and-swap each, no MMU lock).
+    #[arg(long = "wrprot", value_parser = variant::<WrprotVariant>(), default_value = "walk")]
+    pub wrprot: WrprotVariant,
 }
 
 impl DirtyArgs {
@@ -276,6 +282,7 @@ impl DirtyArgs {
             recover: self.recover,
             rebuild: self.rebuild,
             dirty_track: self.tracking,
+            wrprot: self.wrprot,
             ..c
         }
     }
@@ -384,6 +391,9 @@ impl DirtyArgs {
         }
         if self.rebuild != RebuildOrder::InstallFirst {
             v.push("--rebuild");
+        }
+        if self.wrprot != WrprotVariant::Walk {
+            v.push("--wrprot");
         }
         v
     }

@@ -62,7 +62,7 @@ pub struct DirtyLogPerfArgs {
     pub backend: Vec<BackendArg>,
     /// Run the benchmark once per combination of the listed settings, in this process, and
     /// print one table (KEY=V1,V2,...; repeat for more keys; keys: vcpus, format, fast-pf,
-    /// mmu-lock, ad-bits, cmo, get-dirty-log, dirty-tracking, eager-split, recover, rebuild).
+    /// mmu-lock, ad-bits, cmo, get-dirty-log, dirty-tracking, eager-split, recover, rebuild, wrprot).
     /// Fast page fault and MMU lock: `--vary vcpus=1,2 --vary fast-pf=on,off --vary
     /// mmu-lock=rwlock,mutex`; the two GET_DIRTY_LOG variants: `-g --vary
     /// get-dirty-log=xchg,switch`; both page-table formats: `--vary format=ept,stage2`.
@@ -694,7 +694,7 @@ fn engine_lines(a: &DirtyLogPerfArgs, m: &dyn Sim, cfg: &Spec) -> Vec<String> {
     ];
     lines.extend(bbm_cmo_line(cfg.format, &stats));
     lines.push(format!(
-        "Machine: {} vCPU(s) on {} physical CPU(s); format {}, mmu lock {}, fast page fault {}, log {}, get-dirty-log {}, dirty tracking {}, eager split {}, recover {}",
+        "Machine: {} vCPU(s) on {} physical CPU(s); format {}, mmu lock {}, fast page fault {}, log {}, get-dirty-log {}, dirty tracking {}, eager split {}, recover {}, wrprot {}",
         a.work.vcpus,
         m.pcpus(),
         cfg.format.name(),
@@ -704,7 +704,8 @@ fn engine_lines(a: &DirtyLogPerfArgs, m: &dyn Sim, cfg: &Spec) -> Vec<String> {
         cfg.vm.get_log.name(),
         cfg.vm.dirty_track.name(),
         on_off(cfg.vm.eager_split),
-        cfg.vm.recover.name()
+        cfg.vm.recover.name(),
+        cfg.vm.wrprot.name()
     ));
     lines
 }

@@ -100,6 +100,11 @@ pub struct GuestArgs {
     /// The machine: `sim` (slat's engine under simulated hardware) or `kvm` (/dev/kvm).
     #[arg(long, value_enum, default_value = "sim")]
     pub backend: BackendArg,
+    /// How the source's harvests find the pages they write-protect (seed 002; `--backend sim`
+    /// only): `walk` (page-table walk under the MMU lock), `rmap` (reverse-map lookups, same
+    /// lock) or `rmap-lockless` (reverse-map lookups and one compare-and-swap each, no lock).
+    #[arg(long = "wrprot", value_parser = crate::args::variant::<slat::WrprotVariant>(), default_value = "walk")]
+    pub wrprot: slat::WrprotVariant,
     #[command(flatten)]
     pub machine: MachineArgs,
 }
@@ -332,7 +337,7 @@ pub struct MigratePerfArgs {
     pub resume_ms: u64,
     /// Run once per combination of the listed settings, in this process, and print one
     /// table (KEY=V1,V2,...; repeatable; keys: log, dirty-rate, fast-pf, backend,
-    /// max-downtime, compress, auto-converge). For example, dirty rate × log × fast page fault:
+    /// max-downtime, compress, auto-converge, wrprot). For example, dirty rate × log × fast page fault:
     /// `--vary dirty-rate=2k,50k --vary log=get,clear,ring --vary fast-pf=on,off`.
     #[arg(long = "vary", value_parser = parse_vary, value_name = "KEY=V1,V2")]
     pub vary: Vec<(VaryKey, Vec<MigSetting>)>,
@@ -365,10 +370,12 @@ pub enum VaryKey {
     Compress,
     /// `--auto-converge`.
     AutoConverge,
+    /// `--wrprot`.
+    Wrprot,
 }
 
 /// The keys of migrate-perf's `--vary`, by name.
-const KEYS: [(&str, VaryKey); 7] = [
+const KEYS: [(&str, VaryKey); 8] = [
     ("log", VaryKey::Log),
     ("dirty-rate", VaryKey::DirtyRate),
     ("fast-pf", VaryKey::FastPf),
@@ -376,6 +383,7 @@ const KEYS: [(&str, VaryKey); 7] = [
     ("max-downtime", VaryKey::MaxDowntime),
     ("compress", VaryKey::Compress),
     ("auto-converge", VaryKey::AutoConverge),
+    ("wrprot", VaryKey::Wrprot),
 ];
 
 impl VaryKey {
@@ -413,6 +421,8 @@ pub enum MigValue {
     Compress(CompressArg),
     /// `auto-converge=...`.
     AutoConverge(Switch),
+    /// `wrprot=...`.
+    Wrprot(slat::WrprotVariant),
 }
 
 impl MigValue {
@@ -425,6 +435,7 @@ impl MigValue {
             MigValue::MaxDowntime(_) => VaryKey::MaxDowntime,
             MigValue::Compress(_) => VaryKey::Compress,
             MigValue::AutoConverge(_) => VaryKey::AutoConverge,
+            MigValue::Wrprot(_) => VaryKey::Wrprot,
         }
     }
 }
@@ -450,6 +461,10 @@ fn parse_value(key: VaryKey, v: &str) -> Result<MigValue, FlagError> {
         VaryKey::MaxDowntime => MigValue::MaxDowntime(max_downtime(v)?),
         VaryKey::Compress => MigValue::Compress(choice(v, "--compress")?),
         VaryKey::AutoConverge => MigValue::AutoConverge(choice(v, "--auto-converge")?),
+        VaryKey::Wrprot => MigValue::Wrprot(v.parse().map_err(|_| FlagError::NotAValue {
+            value: v.into(),
+            flag: "--wrprot",
+        })?),
     })
 }
 
@@ -472,6 +487,7 @@ fn apply(a: &mut MigratePerfArgs, v: MigValue) {
         MigValue::MaxDowntime(x) => a.migration.max_downtime = x,
         MigValue::Compress(x) => a.migration.compress = x,
         MigValue::AutoConverge(x) => a.migration.auto_converge = x,
+        MigValue::Wrprot(x) => a.guest.wrprot = x,
     }
 }
 
@@ -493,7 +509,11 @@ impl GuestArgs {
             .format
             .check_backends(&backends)
             .map_err(CliError::bad)?;
-        check_backends(&backends, &self.machine.engine_only()).map_err(CliError::bad)?;
+        let mut engine_only = self.machine.engine_only();
+        if self.wrprot != slat::WrprotVariant::Walk {
+            engine_only.push("--wrprot");
+        }
+        check_backends(&backends, &engine_only).map_err(CliError::bad)?;
         check_backing(&backends, self.work.backing).map_err(CliError::bad)?;
         if self.backend == BackendArg::Kvm && self.write_percent != 100 {
             return Err(CliError::bad(
@@ -534,7 +554,10 @@ impl GuestArgs {
             backing: self.work.backing,
             log: self.log.mode(),
             ring_entries: self.ring_entries,
-            vm: self.machine.vm_config(),
+            vm: slat::VmConfig {
+                wrprot: self.wrprot,
+                ..self.machine.vm_config()
+            },
             stage2: self.machine.format == FormatArg::Stage2,
             tlb_entries: self.machine.tlb_entries,
             pcpus: self.machine.pcpus.unwrap_or(0),

@@ -82,6 +82,8 @@ pub struct VmSettings {
     pub cmo: &'static str,
     /// `--rebuild`.
     pub rebuild: &'static str,
+    /// `--wrprot` (seed 002).
+    pub wrprot: &'static str,
     /// `--tlb-entries`.
     pub tlb_entries: usize,
     /// Physical CPUs the simulated vCPUs ran on (`null` on kvm).
@@ -111,6 +113,7 @@ impl VmSettings {
             recover: vm.recover.name(),
             cmo: vm.cmo.name(),
             rebuild: vm.rebuild.name(),
+            wrprot: vm.wrprot.name(),
             tlb_entries,
             pcpus,
             prefault,

@@ -4,7 +4,9 @@
 
 use crate::args::{DirtyArgs, FormatArg, MachineArgs, Switch, Variant};
 use clap::ValueEnum;
-use slat::{CmoPolicy, DirtyTrack, GetLogVariant, MmuLockKind, RebuildOrder, RecoverVariant};
+use slat::{
+    CmoPolicy, DirtyTrack, GetLogVariant, MmuLockKind, RebuildOrder, RecoverVariant, WrprotVariant,
+};
 
 /// A setting a sweep may vary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,9 +33,11 @@ pub enum Key {
     Recover,
     /// `--rebuild`.
     Rebuild,
+    /// `--wrprot`.
+    Wrprot,
 }
 
-const KEYS: [(&str, Key); 11] = [
+const KEYS: [(&str, Key); 12] = [
     ("vcpus", Key::Vcpus),
     ("format", Key::Format),
     ("fast-pf", Key::FastPf),
@@ -45,6 +49,7 @@ const KEYS: [(&str, Key); 11] = [
     ("eager-split", Key::EagerSplit),
     ("recover", Key::Recover),
     ("rebuild", Key::Rebuild),
+    ("wrprot", Key::Wrprot),
 ];
 
 impl Key {
@@ -82,6 +87,8 @@ pub enum Setting {
     Recover(RecoverVariant),
     /// `rebuild=...`.
     Rebuild(RebuildOrder),
+    /// `wrprot=...`.
+    Wrprot(WrprotVariant),
 }
 
 fn value_name<E: ValueEnum>(e: &E) -> String {
@@ -105,6 +112,7 @@ impl Setting {
             Setting::EagerSplit(_) => Key::EagerSplit,
             Setting::Recover(_) => Key::Recover,
             Setting::Rebuild(_) => Key::Rebuild,
+            Setting::Wrprot(_) => Key::Wrprot,
         }
     }
 
@@ -120,6 +128,7 @@ impl Setting {
             Setting::DirtyTracking(v) => v.to_string(),
             Setting::Recover(v) => v.to_string(),
             Setting::Rebuild(v) => v.to_string(),
+            Setting::Wrprot(v) => v.to_string(),
         }
     }
 
@@ -142,6 +151,7 @@ impl Setting {
             Setting::EagerSplit(v) => dirty.eager_split = v,
             Setting::Recover(v) => dirty.recover = v,
             Setting::Rebuild(v) => dirty.rebuild = v,
+            Setting::Wrprot(v) => dirty.wrprot = v,
         }
     }
 }
@@ -186,6 +196,7 @@ fn parse_value(key: Key, k: &str, v: &str) -> Result<Setting, String> {
         Key::Format => Setting::Format(choice(k, v)?),
         Key::Cmo => Setting::Cmo(engine(k, v)?),
         Key::Rebuild => Setting::Rebuild(engine(k, v)?),
+        Key::Wrprot => Setting::Wrprot(engine(k, v)?),
     })
 }
 

@@ -14,7 +14,7 @@
 //! ```text
 //! sync, config, format, stats, host_memory, test_hooks   (no engine state)
 //! cmo                                                    (cache maintenance)
-//! mmu        table, walk, lock, spte (the one update path), flush, zap, inspect
+//! mmu        table, walk, lock, spte (the one update path), rmap, flush, zap, inspect
 //! dirty::bitmap                                          (a slot's bitmap)
 //! memslot    the set, publishing, operations
 //! dirty::ring                                            (per-vCPU rings of {slot, offset})

@@ -12,13 +12,14 @@ use std::ptr::NonNull;
 
 /// One page of a second-stage page table.
 ///
-/// Only [`TableAlloc`] makes them (the private field), always inside a [`TableFrame`], so every
-/// `TablePage` is followed by its [`TableMeta`] header.
+/// Only [`TableAlloc`] makes them (`#[non_exhaustive]`: no other crate can, and in this crate
+/// only this module does), always inside a [`TableFrame`], so every `TablePage` is followed by
+/// its [`TableMeta`] header.
 #[repr(C, align(4096))]
+#[non_exhaustive]
 pub struct TablePage {
     /// The 512 entries, read and updated atomically by software and hardware walkers.
     pub entries: [AtomicU64; ENTRIES_PER_TABLE],
-    _frame: (),
 }
 
 /// What a table page maps (KVM's `sp->gfn` and `sp->role.level`): written before the page is
@@ -81,9 +82,10 @@ impl TablePage {
     /// The page's header: which gfn range and level it maps.
     #[inline]
     pub(crate) fn meta(&self) -> &TableMeta {
-        // SAFETY: a `TablePage` cannot be constructed outside this module (private field), and
-        // this module makes them only as the first field of a `TableFrame` (repr(C)), so the
-        // header lives at the same allocation, after the page, for as long as `self` does.
+        // SAFETY: a `TablePage` cannot be constructed outside this crate (non_exhaustive), this
+        // crate constructs them only in this module, and only as the first field of a
+        // `TableFrame` (repr(C)), so the header lives in the same allocation, after the page,
+        // for as long as `self` does.
         unsafe { &(*(self as *const TablePage as *const TableFrame)).meta }
     }
 }
@@ -232,7 +234,6 @@ fn alloc_zeroed_page() -> NonNull<TablePage> {
     let b = Box::new(TableFrame {
         page: TablePage {
             entries: std::array::from_fn(|_| AtomicU64::new(0)),
-            _frame: (),
         },
         meta: TableMeta {
             packed: AtomicU64::new(0),
