@@ -288,7 +288,13 @@ fn protect_lockless<F: PteFormat>(
             sptep = &t.entries[table_index(gfn, lvl)];
             old = sptep.load(Ordering::Acquire);
         }
+        let leaf = F::is_present(old) && F::is_leaf(old, lvl);
         protect_entry(mmu, sptep, lvl, gfn, old, pending);
+        if leaf {
+            // The one leaf that maps `gfn` (the rmap is exact in a logged slot): no need to
+            // look at the levels above.
+            return;
+        }
     }
 }
 

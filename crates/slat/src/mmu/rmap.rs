@@ -138,6 +138,24 @@ impl Rmap {
         self.leaked.load(Ordering::Relaxed)
     }
 
+    /// Runs `f` on the slot of (`gfn`, `level`), if a registered range holds it. No reference
+    /// count is touched: every fault that installs a leaf comes through here.
+    #[inline]
+    fn with_slot(&self, gfn: u64, level: Level, f: impl FnOnce(&AtomicU64)) {
+        if !self.enabled {
+            return;
+        }
+        self.set.with(|v| {
+            if let Some(slot) = v
+                .iter()
+                .find(|s| s.covers(gfn))
+                .and_then(|s| s.slot(gfn, level))
+            {
+                f(slot)
+            }
+        })
+    }
+
     /// The rmap of the range holding `gfn`.
     #[inline]
     pub(crate) fn find(&self, gfn: u64) -> Option<Arc<SlotRmap>> {
@@ -156,33 +174,25 @@ impl Rmap {
     /// address sees the table's header and the leaf that was published before this.
     #[inline]
     pub(crate) fn insert(&self, gfn: u64, level: Level, table: u64) {
-        if let Some(s) = self.find(gfn) {
-            if let Some(slot) = s.slot(gfn, level) {
-                slot.store(table, Ordering::Release);
-            }
-        }
+        self.with_slot(gfn, level, |slot| slot.store(table, Ordering::Release));
     }
 
     /// Like [`Self::insert`], but only into an empty slot (a split racing other splits of the
     /// same leaf, before its compare-and-swap).
     #[inline]
     pub(crate) fn claim(&self, gfn: u64, level: Level, table: u64) {
-        if let Some(s) = self.find(gfn) {
-            if let Some(slot) = s.slot(gfn, level) {
-                let _ = slot.compare_exchange(0, table, Ordering::AcqRel, Ordering::Relaxed);
-            }
-        }
+        self.with_slot(gfn, level, |slot| {
+            let _ = slot.compare_exchange(0, table, Ordering::AcqRel, Ordering::Relaxed);
+        });
     }
 
     /// The leaf at `level` for `gfn` in `table` went away. Only clears a slot that still names
     /// `table`: another table may already have taken over the gfn (a split's new leaves).
     #[inline]
     pub(crate) fn remove(&self, gfn: u64, level: Level, table: u64) {
-        if let Some(s) = self.find(gfn) {
-            if let Some(slot) = s.slot(gfn, level) {
-                let _ = slot.compare_exchange(table, 0, Ordering::AcqRel, Ordering::Relaxed);
-            }
-        }
+        self.with_slot(gfn, level, |slot| {
+            let _ = slot.compare_exchange(table, 0, Ordering::AcqRel, Ordering::Relaxed);
+        });
     }
 
     /// Hands unlinked, flushed table pages to reclamation. Without the rmap: one grace period.
