@@ -506,6 +506,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         write_percent: 100,
         random: false,
         seed: a.seed,
+        timed: false,
     };
     let populate = m.run_pass(populate_params)?;
     let populate_native = native.run(populate_params)?;
@@ -516,6 +517,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         write_percent: a.write_percent,
         random: a.random,
         seed: a.seed,
+        timed: false,
     };
     let mut harvest = Harvest::new(m.as_ref());
     let iterations = (1..=a.iterations)

@@ -738,7 +738,11 @@ impl KvmMachine {
     fn wait(&self, t0: Instant) -> Result<PassReport, KvmError> {
         let (wall, results) = self.ctl.collect(t0);
         let vcpus = results.map_err(|(vcpu, exit)| KvmError::UnexpectedExit { vcpu, exit })?;
-        Ok(PassReport { wall, vcpus })
+        Ok(PassReport {
+            wall,
+            vcpus,
+            latency: Vec::new(),
+        })
     }
 
     /// Whether dirty logging is on.
@@ -851,6 +855,9 @@ impl TestMachine for KvmMachine {
 
     fn region(&self) -> &TestRegion {
         &self.region
+    }
+    fn write_latency(&self) -> slat_workload::WriteLatency {
+        slat_workload::WriteLatency::AllWrites
     }
 
     /// Runs one memstress pass on every vCPU and waits for all of them (GUEST_SYNC).

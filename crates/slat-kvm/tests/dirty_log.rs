@@ -15,6 +15,7 @@ const HALF_RANDOM: PassParams = PassParams {
     write_percent: 50,
     random: true,
     seed: 11,
+    timed: false,
 };
 
 fn config(dirty: DirtyConfig) -> KvmConfig {
@@ -128,6 +129,7 @@ fn manual_protect_get_copies_and_clear_clears_only_its_range() {
         write_percent: 100,
         random: false,
         seed: 1,
+        timed: false,
     };
     m.run_pass(seq).unwrap();
     let all = to_bitmap(&expected_writes(&m.layout(), seq));

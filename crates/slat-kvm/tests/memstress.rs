@@ -80,6 +80,7 @@ fn random_all_writes_partitioned() {
             write_percent: 100,
             random: true,
             seed: 7,
+            timed: false,
         },
     );
 }
@@ -92,6 +93,7 @@ fn sequential_half_writes_partitioned() {
             write_percent: 50,
             random: false,
             seed: 3,
+            timed: false,
         },
     );
 }
@@ -104,6 +106,7 @@ fn random_thirty_percent_writes_partitioned() {
             write_percent: 30,
             random: true,
             seed: 12345,
+            timed: false,
         },
     );
 }
@@ -116,6 +119,7 @@ fn random_half_writes_overlapped() {
             write_percent: 50,
             random: true,
             seed: 99,
+            timed: false,
         },
     );
 }
@@ -129,6 +133,7 @@ fn seed_zero_and_wrapping_seed_match_the_model() {
             write_percent: 100,
             random: true,
             seed: u32::MAX,
+            timed: false,
         },
     );
 }
@@ -143,6 +148,7 @@ fn kernel_mode_guest_matches_the_model() {
             write_percent: 50,
             random: true,
             seed: 8,
+            timed: false,
         },
     );
     check_pass_in(GuestMode::Kernel, true, PassParams::default());
@@ -165,6 +171,7 @@ fn read_only_pass_writes_nothing() {
             write_percent: 0,
             random: true,
             seed: 5,
+            timed: false,
         })
         .unwrap();
     assert_eq!(r.vcpus.len(), 2);
@@ -192,6 +199,7 @@ fn passes_repeat_with_fresh_parameters() {
                 write_percent: wp,
                 random: false,
                 seed: 1,
+                timed: false,
             })
             .unwrap();
         assert_eq!(r.vcpus[0].pages, total);
@@ -291,6 +299,7 @@ fn native_baseline_writes_the_same_pages_as_the_guest() {
         write_percent: 40,
         random: true,
         seed: 21,
+        timed: false,
     };
     m.run_pass(params).unwrap();
     let layout = m.layout();

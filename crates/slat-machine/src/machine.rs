@@ -337,7 +337,11 @@ impl<F: PteFormat> Machine<F> {
     fn wait(&self, t0: Instant) -> Result<PassReport, MachineError> {
         let (wall, results) = self.ctl.collect(t0);
         let vcpus = results.map_err(|(vcpu, exit)| MachineError::UnexpectedExit { vcpu, exit })?;
-        Ok(PassReport { wall, vcpus })
+        Ok(PassReport {
+            wall,
+            vcpus,
+            latency: Vec::new(),
+        })
     }
 
     /// The ids of the test region's memslots, in guest-address order.
@@ -494,6 +498,9 @@ impl<F: PteFormat> TestMachine for Machine<F> {
 
     fn region(&self) -> &TestRegion {
         &self.region
+    }
+    fn write_latency(&self) -> slat_workload::WriteLatency {
+        slat_workload::WriteLatency::Faults
     }
     fn run_pass(&self, params: PassParams) -> Result<PassReport, MachineError> {
         Machine::run_pass(self, params)

@@ -280,6 +280,7 @@ fn idle_tracking_sees_exactly_the_pages_a_pass_touched<F: PteFormat>() {
             write_percent: 50,
             random: true,
             seed: s,
+            timed: false,
         };
         m.run_pass(params).expect("random pass");
         for (i, b) in bitmaps.iter_mut().enumerate() {

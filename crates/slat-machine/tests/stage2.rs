@@ -136,6 +136,7 @@ fn churn(vm: VmConfig, rounds: u32, seed: u32) -> Result<(), String> {
         write_percent: 50,
         random: true,
         seed,
+        timed: false,
     };
     for _ in 0..rounds {
         m.start(Workload::Loop(params)).map_err(|e| e.to_string())?;
@@ -163,6 +164,7 @@ fn churn(vm: VmConfig, rounds: u32, seed: u32) -> Result<(), String> {
             write_percent: 50,
             random: true,
             seed,
+            timed: false,
         })
         .map_err(|e| e.to_string())?;
     }

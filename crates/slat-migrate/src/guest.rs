@@ -471,6 +471,7 @@ impl<F: PteFormat> Driver<Machine<F>> for PacedDriver {
                 write_percent: work.write_percent,
                 random: work.random,
                 seed: work.seed,
+                timed: false,
             },
             pacer: self.pacer.clone(),
         }))

@@ -1,5 +1,6 @@
 //! What a pass (or a workload run until halted) reports, per vCPU and in all.
 
+use crate::latency::{merged, LatencyHistogram};
 use std::time::Duration;
 
 /// One vCPU's part of a pass (or of a workload run until halted). `C` holds the counters only
@@ -19,12 +20,15 @@ pub struct VcpuPass<C = ()> {
 }
 
 /// A completed pass.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct PassReport<C = ()> {
     /// From releasing the vCPUs to the last one's sync.
     pub wall: Duration,
     /// Per vCPU.
     pub vcpus: Vec<VcpuPass<C>>,
+    /// Per vCPU, its write latencies when the pass was timed ([`crate::PassParams::timed`]);
+    /// empty otherwise. What a machine counts as a write's latency: [`crate::WriteLatency`].
+    pub latency: Vec<LatencyHistogram>,
 }
 
 impl<C> VcpuPass<C> {
@@ -47,12 +51,18 @@ impl<C> PassReport<C> {
         PassReport {
             wall: self.wall,
             vcpus: self.vcpus.iter().map(VcpuPass::without_counters).collect(),
+            latency: self.latency.clone(),
         }
     }
 
     /// Pages touched by every vCPU.
     pub fn pages(&self) -> u64 {
         self.vcpus.iter().map(|v| v.pages).sum()
+    }
+
+    /// Every vCPU's write latencies in one histogram (empty when the pass was not timed).
+    pub fn merged_latency(&self) -> LatencyHistogram {
+        merged(&self.latency)
     }
 
     /// Dirty-ring-full exits taken by every vCPU.

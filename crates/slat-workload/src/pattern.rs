@@ -19,6 +19,9 @@ pub struct PassParams {
     pub random: bool,
     /// PRNG seed (vCPU `i` uses `seed + i`).
     pub seed: u32,
+    /// Record each vCPU's write latencies into [`crate::PassReport::latency`] (what a machine
+    /// can time: [`crate::WriteLatency`]). Costs a clock read per write (or per fault).
+    pub timed: bool,
 }
 
 impl Default for PassParams {
@@ -27,6 +30,7 @@ impl Default for PassParams {
             write_percent: 100,
             random: false,
             seed: 1,
+            timed: false,
         }
     }
 }
@@ -196,6 +200,7 @@ mod tests {
             write_percent: 30,
             random: true,
             seed: 7,
+            timed: false,
         };
         let n = 100_000;
         let writes = Pattern::new(params, 3, n).filter(|&(_, w)| w).count() as f64;

@@ -4,6 +4,7 @@
 
 use crate::dirty_config::DirtyConfig;
 use crate::error::WorkloadError;
+use crate::latency::WriteLatency;
 use crate::layout::{Layout, TestRegion, FIRST_SLOT};
 use crate::pass::PassReport;
 use crate::pattern::PassParams;
@@ -43,6 +44,10 @@ pub trait TestMachine {
     fn pages_per_slot(&self) -> u64 {
         self.layout().total_pages() / self.slot_count().max(1) as u64
     }
+
+    /// What this machine records as a write's latency in a timed pass
+    /// ([`PassParams::timed`]).
+    fn write_latency(&self) -> WriteLatency;
 
     /// Runs one memstress pass on every vCPU and waits for all of them (GUEST_SYNC).
     fn run_pass(&self, params: PassParams) -> Result<PassReport<Self::Counters>, Self::Error>;
