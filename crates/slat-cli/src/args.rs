@@ -504,3 +504,146 @@ impl PinArgs {
             .map_err(|e| e.to_string())
     }
 }
+
+/// How dirty-log-perf logs and harvests: GET that clears, GET + CLEAR (manual protect) in
+/// chunks, or per-vCPU dirty rings.
+#[derive(Debug, Clone, Args)]
+pub struct LogArgs {
+    /// Do not enable manual dirty-log protection: GET_DIRTY_LOG clears and re-protects, and
+    /// there is no CLEAR step.
+    #[arg(short = 'g')]
+    pub no_manual: bool,
+    /// Log into per-vCPU dirty rings of N entries (a power of two, 128-65536) instead of
+    /// bitmaps: "get dirty log" harvests the rings, "reset dirty rings" re-protects.
+    #[arg(long = "dirty-ring", value_parser = ring_size)]
+    pub dirty_ring: Option<u32>,
+    /// Pages per CLEAR_DIRTY_LOG call under manual protect: a power of two from 64 (KVM's
+    /// unit: CLEAR takes whole 64-page words) or `slot` for one call per memslot. A migration
+    /// that re-protects a chunk just before copying it clears in small chunks.
+    #[arg(long = "clear-chunk", value_parser = clear_chunk, default_value = "slot")]
+    pub clear_chunk: ClearChunk,
+}
+
+/// Pages per CLEAR_DIRTY_LOG call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClearChunk {
+    /// One call per memslot.
+    Slot,
+    /// This many pages per call (a power of two, at least 64).
+    Pages(u64),
+}
+
+impl ClearChunk {
+    /// As written on the command line.
+    pub fn name(self) -> String {
+        match self {
+            ClearChunk::Slot => "slot".into(),
+            ClearChunk::Pages(n) => n.to_string(),
+        }
+    }
+
+    /// Pages per call for a slot of `pages_per_slot` pages (at least 1).
+    pub fn pages(self, pages_per_slot: u64) -> u64 {
+        match self {
+            ClearChunk::Slot => pages_per_slot.max(1),
+            ClearChunk::Pages(n) => n.min(pages_per_slot).max(1),
+        }
+    }
+}
+
+/// The largest chunk accepted: 2^40 pages (4 PiB) is past any slot either machine holds.
+const MAX_CLEAR_CHUNK: u64 = 1 << 40;
+
+/// Parses `--clear-chunk`.
+pub fn clear_chunk(s: &str) -> Result<ClearChunk, String> {
+    if s == "slot" {
+        return Ok(ClearChunk::Slot);
+    }
+    match s.parse::<u64>() {
+        Ok(n) if n.is_power_of_two() && (64..=MAX_CLEAR_CHUNK).contains(&n) => {
+            Ok(ClearChunk::Pages(n))
+        }
+        _ => Err(format!(
+            "`{s}`: pages per CLEAR_DIRTY_LOG are a power of two from 64 to 2^40, or `slot`"
+        )),
+    }
+}
+
+/// How the log is harvested, as one choice (`--vary log=get,clear,ring`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogKind {
+    /// GET_DIRTY_LOG clears and re-protects (`-g`).
+    Get,
+    /// Manual protect: GET copies, CLEAR re-protects (in `--clear-chunk` pages).
+    Clear,
+    /// Per-vCPU dirty rings (`--dirty-ring`, 4096 entries unless given).
+    Ring,
+}
+
+/// Ring entries when `--vary log=ring` is asked for without `--dirty-ring`.
+pub const DEFAULT_RING_ENTRIES: u32 = 4096;
+
+impl LogArgs {
+    /// The harvest these flags select.
+    pub fn kind(&self) -> LogKind {
+        match (self.dirty_ring, self.no_manual) {
+            (Some(_), _) => LogKind::Ring,
+            (None, true) => LogKind::Get,
+            (None, false) => LogKind::Clear,
+        }
+    }
+
+    /// Selects a harvest, keeping the ring size and chunk given.
+    pub fn set_kind(&mut self, k: LogKind) {
+        match k {
+            LogKind::Get => (self.no_manual, self.dirty_ring) = (true, None),
+            LogKind::Clear => (self.no_manual, self.dirty_ring) = (false, None),
+            LogKind::Ring => {
+                self.no_manual = false;
+                self.dirty_ring = Some(self.dirty_ring.unwrap_or(DEFAULT_RING_ENTRIES));
+            }
+        }
+    }
+
+    /// Refuses a chunk size where there is no CLEAR step.
+    pub fn check(&self) -> Result<(), String> {
+        if self.clear_chunk != ClearChunk::Slot && self.kind() != LogKind::Clear {
+            return Err("--clear-chunk sizes CLEAR_DIRTY_LOG calls, which only manual protect makes: drop it, or drop -g / --dirty-ring".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod log_tests {
+    use super::*;
+
+    #[test]
+    fn clear_chunks_parse_and_clamp() {
+        assert_eq!(clear_chunk("slot"), Ok(ClearChunk::Slot));
+        assert_eq!(clear_chunk("64"), Ok(ClearChunk::Pages(64)));
+        for bad in ["0", "32", "100", "-64", "x", "", "2199023255552"] {
+            assert!(clear_chunk(bad).is_err(), "{bad}");
+        }
+        assert_eq!(ClearChunk::Pages(4096).pages(512), 512);
+        assert_eq!(ClearChunk::Slot.pages(0), 1);
+    }
+
+    #[test]
+    fn log_kinds_round_trip() {
+        let mut l = LogArgs {
+            no_manual: false,
+            dirty_ring: Some(256),
+            clear_chunk: ClearChunk::Slot,
+        };
+        for k in [LogKind::Get, LogKind::Clear, LogKind::Ring] {
+            l.set_kind(k);
+            assert_eq!(l.kind(), k);
+        }
+        assert_eq!(l.dirty_ring, Some(DEFAULT_RING_ENTRIES));
+        l.clear_chunk = ClearChunk::Pages(64);
+        assert!(l.check().is_err());
+        l.set_kind(LogKind::Clear);
+        assert!(l.check().is_ok());
+    }
+}

@@ -15,8 +15,8 @@ use slat_machine::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
 use slat_machine::ram::{Backing, GuestRam};
 use slat_machine::{Machine, MachineConfig};
 use slat_workload::{
-    native_baseline, DirtyConfig, Layout, PassParams, RegionSpec, TestMachine, INITIALLY_SET,
-    MANUAL_PROTECT_ENABLE, PAGE_SIZE,
+    native_baseline, DirtyConfig, Layout, PassParams, RegionSpec, TestMachine, WriteLatency,
+    INITIALLY_SET, MANUAL_PROTECT_ENABLE, PAGE_SIZE,
 };
 use std::ops::Range;
 
@@ -72,8 +72,10 @@ pub trait Backend {
     fn run_pass(&self, p: PassParams) -> Result<Pass, String>;
     /// Memstress passes back to back until [`Backend::halt`].
     fn start_loop(&self, p: PassParams) -> Result<(), String>;
-    /// Stops the vCPUs.
-    fn halt(&self) -> Result<(), String>;
+    /// Stops the vCPUs; reports what they did since [`Backend::start_loop`].
+    fn halt(&self) -> Result<Pass, String>;
+    /// What the machine records as a write's latency in a timed pass.
+    fn write_latency(&self) -> WriteLatency;
     /// Dirty logging on every test memslot.
     fn set_dirty_logging(&self, on: bool) -> Result<(), String>;
     /// GET_DIRTY_LOG of `slot` into `bitmap`; returns the pages reported.
@@ -196,8 +198,13 @@ impl<M: TestMachine + CliMachine> Backend for M {
     fn start_loop(&self, p: PassParams) -> Result<(), String> {
         TestMachine::start_loop(self, p).map_err(text)
     }
-    fn halt(&self) -> Result<(), String> {
-        TestMachine::halt(self).map(drop).map_err(text)
+    fn halt(&self) -> Result<Pass, String> {
+        TestMachine::halt(self)
+            .map(|r| r.without_counters())
+            .map_err(text)
+    }
+    fn write_latency(&self) -> WriteLatency {
+        TestMachine::write_latency(self)
     }
     fn set_dirty_logging(&self, on: bool) -> Result<(), String> {
         TestMachine::set_dirty_logging(self, on).map_err(text)

@@ -3,11 +3,13 @@
 //! with, for every guest pass, the same pass on host memory in the same run and the ratio.
 
 use crate::args::{
-    check_backends, check_kvm_ring, ring_size, BackendArg, DirtyArgs, MachineArgs, OutputArgs,
-    PinArgs, Workload,
+    check_backends, check_kvm_ring, BackendArg, ClearChunk, DirtyArgs, LogArgs, MachineArgs,
+    OutputArgs, PinArgs, Workload,
 };
 use crate::backend::{self, dirty_config, kvm_stats_line, Backend, Native, Pass, Sim, Spec};
+use crate::concurrent_harvest::{self, ConcurrentReport, QuietPasses};
 use crate::error::{CliError, CliResult};
+use crate::harvest::{Harvest, HarvestTimes};
 use crate::limits::{check_backing, GuestMemory};
 use crate::output::{
     opt_secs, print_json, secs, Better, Comparison, Metric, Repeated, RunHead, Sweep, SweepRow,
@@ -36,10 +38,6 @@ pub struct DirtyLogPerfArgs {
     /// Keep the vCPUs dirtying memory while dirty logging is disabled ("evil" mode).
     #[arg(short = 'e')]
     pub evil: bool,
-    /// Do not enable manual dirty-log protection: GET_DIRTY_LOG clears and re-protects, and
-    /// there is no CLEAR step.
-    #[arg(short = 'g')]
-    pub no_manual: bool,
     /// Iterations of dirtying memory and harvesting the log (at least 2).
     #[arg(short = 'i', value_parser = clap::value_parser!(u32).range(2..=100_000), default_value_t = 2)]
     pub iterations: u32,
@@ -52,17 +50,29 @@ pub struct DirtyLogPerfArgs {
     /// Memslots the guest memory is split into (must divide its pages evenly).
     #[arg(short = 'x', value_parser = clap::value_parser!(u32).range(1..=32_000), default_value_t = 1)]
     pub slots: u32,
-    /// Log into per-vCPU dirty rings of N entries (a power of two, 128-65536) instead of
-    /// bitmaps: "get dirty log" harvests the rings, "reset dirty rings" re-protects.
-    #[arg(long = "dirty-ring", value_parser = ring_size)]
-    pub dirty_ring: Option<u32>,
+    #[command(flatten)]
+    pub log: LogArgs,
+    /// After the iterations, keep every vCPU writing in a loop while the host harvests the log
+    /// -i more times (the seed's migrate-perf shape), and report harvest time, guest write
+    /// throughput and per-vCPU write latency percentiles with and without harvests running.
+    /// The iterations are then timed too (their passes are the "no harvest running" side).
+    #[arg(long)]
+    pub concurrent: bool,
+    /// With --concurrent: milliseconds the vCPUs write before each harvest (0: harvests back
+    /// to back). Default: the mean time of one dirty pass of the iterations, so each
+    /// concurrent harvest finds about as many dirty pages as a stopped one.
+    #[arg(long = "harvest-interval", value_name = "MS", requires = "concurrent", value_parser = clap::value_parser!(u64).range(0..=60_000))]
+    pub harvest_interval: Option<u64>,
     /// The machine(s) to run on: `sim`, `kvm` (the host's /dev/kvm), or `sim,kvm` to run both
     /// in this process and print one table comparing them.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "sim")]
     pub backend: Vec<BackendArg>,
     /// Run the benchmark once per combination of the listed settings, in this process, and
     /// print one table (KEY=V1,V2,...; repeat for more keys; keys: vcpus, format, fast-pf,
-    /// mmu-lock, ad-bits, cmo, get-dirty-log, dirty-tracking, eager-split, recover, rebuild, wrprot).
+    /// mmu-lock, ad-bits, cmo, get-dirty-log, dirty-tracking, eager-split, recover, rebuild,
+    /// wrprot, log, clear-chunk). On `--backend kvm` only vcpus, log (get, clear, ring) and
+    /// clear-chunk apply. The seed's table: `--concurrent --vary wrprot=walk,rmap,rmap-lockless
+    /// --vary log=get,clear,ring --vary vcpus=1,2`.
     /// Fast page fault and MMU lock: `--vary vcpus=1,2 --vary fast-pf=on,off --vary
     /// mmu-lock=rwlock,mutex`; the two GET_DIRTY_LOG variants: `-g --vary
     /// get-dirty-log=xchg,switch`; both page-table formats: `--vary format=ept,stage2`.
@@ -111,6 +121,10 @@ pub struct Config {
     pub manual_protect: bool,
     /// `--dirty-ring` entries.
     pub dirty_ring: Option<u32>,
+    /// `--clear-chunk`: pages per CLEAR_DIRTY_LOG call (`slot`: one per memslot).
+    pub clear_chunk: String,
+    /// `--concurrent`.
+    pub concurrent: bool,
     /// `-c`: vCPU i's thread was pinned to `pinned_cpus[i]` (read back from the kernel).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pinned_cpus: Option<Vec<usize>>,
@@ -129,17 +143,9 @@ pub struct Iteration {
     pub native: Duration,
     /// dirty / native.
     pub ratio_guest_over_native: f64,
-    /// GET_DIRTY_LOG over every slot, or harvesting the rings.
-    #[serde(rename = "get_dirty_log_time_s", serialize_with = "secs")]
-    pub get: Duration,
-    /// CLEAR_DIRTY_LOG (manual protect, bitmaps).
-    #[serde(rename = "clear_dirty_log_time_s", serialize_with = "opt_secs")]
-    pub clear: Option<Duration>,
-    /// Resetting the dirty rings (with `--dirty-ring`).
-    #[serde(rename = "reset_dirty_rings_time_s", serialize_with = "opt_secs")]
-    pub reset: Option<Duration>,
-    /// Pages the harvest reported.
-    pub dirty_pages: u64,
+    /// The harvest after the pass.
+    #[serde(flatten)]
+    pub harvest: HarvestTimes,
     /// Exits because a vCPU's ring was full.
     pub ring_full_exits: u64,
 }
@@ -172,6 +178,9 @@ pub struct Report {
     /// Sum of the clear (or ring reset) times; `null` when there is no such step.
     #[serde(rename = "clear_dirty_log_total_s", serialize_with = "opt_secs")]
     pub clear_total: Option<Duration>,
+    /// `--concurrent`: harvests while the vCPUs write, against harvests while they are stopped.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub concurrent: Option<ConcurrentReport>,
     /// The machine's counters (the engine's on sim, KVM's VM statistics on kvm).
     pub stats: serde_json::Value,
     /// The lines describing the machine after the selftest's (engine counters, settings).
@@ -203,6 +212,10 @@ impl Report {
 
     fn ring(&self) -> bool {
         self.config.dirty_ring.is_some()
+    }
+
+    fn contrast(&self) -> Option<&ConcurrentReport> {
+        self.concurrent.as_ref()
     }
 }
 
@@ -242,19 +255,19 @@ pub const METRICS: &[Metric<Report>] = &[
         name: "get dirty log avg",
         unit: "s",
         better: Better::Lower,
-        get: |r| r.avg(|i| Some(i.get)),
+        get: |r| r.avg(|i| Some(i.harvest.get)),
     },
     Metric {
         name: "clear dirty log avg",
         unit: "s",
         better: Better::Lower,
-        get: |r| r.avg(|i| i.clear),
+        get: |r| r.avg(|i| i.harvest.clear),
     },
     Metric {
         name: "reset dirty rings avg",
         unit: "s",
         better: Better::Lower,
-        get: |r| r.avg(|i| i.reset),
+        get: |r| r.avg(|i| i.harvest.reset),
     },
     Metric {
         name: "disable dirty logging",
@@ -264,9 +277,58 @@ pub const METRICS: &[Metric<Report>] = &[
     },
 ];
 
-/// The metrics a run with (or without) a dirty ring has: the clear step or the ring reset.
-fn metrics(ring: bool) -> Vec<&'static Metric<Report>> {
-    let skip = if ring {
+/// The headline figures of `--concurrent`: the seed's table (harvest time under concurrent
+/// writers against stopped ones, guest write throughput, vCPU write latency).
+pub const CONCURRENT_METRICS: &[Metric<Report>] = &[
+    Metric {
+        name: "harvest avg, vCPUs stopped",
+        unit: "s",
+        better: Better::Lower,
+        get: |r| r.contrast().map(|c| c.quiet.harvest_avg.as_secs_f64()),
+    },
+    Metric {
+        name: "harvest avg, vCPUs writing",
+        unit: "s",
+        better: Better::Lower,
+        get: |r| r.contrast().map(|c| c.concurrent.harvest_avg.as_secs_f64()),
+    },
+    Metric {
+        name: "guest writes during harvests",
+        unit: "pages/s",
+        better: Better::Higher,
+        get: |r| r.contrast().map(|c| c.concurrent.guest_pages_per_s),
+    },
+    Metric {
+        name: "write p99, no harvest",
+        unit: "us",
+        better: Better::Lower,
+        get: |r| r.contrast().map(|c| us(c.quiet.write_latency.p99_ns)),
+    },
+    Metric {
+        name: "write p99, during harvests",
+        unit: "us",
+        better: Better::Lower,
+        get: |r| r.contrast().map(|c| us(c.concurrent.write_latency.p99_ns)),
+    },
+    Metric {
+        name: "write max, during harvests",
+        unit: "us",
+        better: Better::Lower,
+        get: |r| r.contrast().map(|c| us(c.concurrent.write_latency.max_ns)),
+    },
+];
+
+fn us(ns: u64) -> f64 {
+    ns as f64 / 1e3
+}
+
+/// The metrics of a run: the concurrent contrast with `--concurrent`; otherwise the
+/// selftest's phases, with the clear step or the ring reset.
+fn metrics(a: &DirtyLogPerfArgs) -> Vec<&'static Metric<Report>> {
+    if a.concurrent {
+        return CONCURRENT_METRICS.iter().collect();
+    }
+    let skip = if a.log.dirty_ring.is_some() {
         "clear dirty log avg"
     } else {
         "reset dirty rings avg"
@@ -278,8 +340,8 @@ fn metrics(ring: bool) -> Vec<&'static Metric<Report>> {
 pub fn run(a: &DirtyLogPerfArgs) -> CliResult {
     let mut engine_only = a.machine.engine_only();
     engine_only.extend(a.dirty.engine_only());
-    if !a.vary.is_empty() {
-        engine_only.push("--vary");
+    if a.vary.iter().any(|v| v.key.engine_only()) {
+        engine_only.push("--vary (of an engine setting)");
     }
     a.machine
         .format
@@ -315,7 +377,7 @@ pub fn run(a: &DirtyLogPerfArgs) -> CliResult {
         plot_iterations(&runs[0], a.out.repeat, path)?;
     }
     if a.out.repeat > 1 {
-        let rep = Repeated::new(NAME, &owned(&metrics(a.dirty_ring.is_some())), runs);
+        let rep = Repeated::new(NAME, &owned(&metrics(a)), runs);
         if a.out.json {
             return print_json(&rep, &a.backend);
         }
@@ -345,11 +407,12 @@ fn owned(ms: &[&Metric<Report>]) -> Vec<Metric<Report>> {
 /// physical address space of each machine, on this host together with the native baseline
 /// (both are mapped at once).
 fn check(a: &DirtyLogPerfArgs) -> Result<(), String> {
+    a.log.check()?;
     let vm_config = a.dirty.apply(a.machine.vm_config());
     a.dirty
-        .check(&vm_config, a.machine.format, a.dirty_ring.is_some())?;
+        .check(&vm_config, a.machine.format, a.log.dirty_ring.is_some())?;
     check_backing(&a.backend, a.work.backing)?;
-    if let Some(ring) = a.dirty_ring {
+    if let Some(ring) = a.log.dirty_ring {
         check_kvm_ring(&a.backend, ring, "--dirty-ring")?;
     }
     a.pin.plan(a.work.vcpus)?;
@@ -370,8 +433,8 @@ fn spec(a: &DirtyLogPerfArgs) -> Spec {
             overlap: a.work.overlap,
             prefault: !a.machine.no_prefault,
             dirty: dirty_config(
-                a.dirty_ring.is_none() && !a.no_manual,
-                a.dirty_ring.unwrap_or(0),
+                a.log.dirty_ring.is_none() && !a.log.no_manual,
+                a.log.dirty_ring.unwrap_or(0),
             ),
         },
         format: a.machine.format,
@@ -403,58 +466,8 @@ fn build(
     Ok((m, native))
 }
 
-/// The harvest buffers: one bitmap per slot.
-struct Harvest {
-    slots: Vec<u32>,
-    pages_per_slot: u64,
-    bitmaps: Vec<Vec<u64>>,
-}
-
-impl Harvest {
-    fn new(m: &dyn Backend) -> Harvest {
-        let pps = m.pages_per_slot();
-        let slots = m.slot_ids();
-        let bitmaps = slots
-            .iter()
-            .map(|_| vec![0u64; pps.div_ceil(64) as usize])
-            .collect();
-        Harvest {
-            slots,
-            pages_per_slot: pps,
-            bitmaps,
-        }
-    }
-
-    /// Harvests the log into `it`: the rings, or GET (and CLEAR under manual protect) on every
-    /// slot.
-    fn run(&mut self, m: &dyn Backend, spec: &Spec, it: &mut Iteration) -> CliResult {
-        if spec.region.dirty.ring_entries != 0 {
-            let t0 = Instant::now();
-            it.dirty_pages = m.collect_dirty_rings();
-            it.get = t0.elapsed();
-            let t0 = Instant::now();
-            m.reset_dirty_rings()?;
-            it.reset = Some(t0.elapsed());
-            return Ok(());
-        }
-        let t0 = Instant::now();
-        for (&id, b) in self.slots.iter().zip(self.bitmaps.iter_mut()) {
-            it.dirty_pages += m.get_dirty_log(id, b)?;
-        }
-        it.get = t0.elapsed();
-        if spec.region.dirty.manual_protect != 0 {
-            let t0 = Instant::now();
-            for (&id, b) in self.slots.iter().zip(self.bitmaps.iter()) {
-                m.clear_dirty_log(id, 0, self.pages_per_slot, b)?;
-            }
-            it.clear = Some(t0.elapsed());
-        }
-        Ok(())
-    }
-}
-
 /// One iteration: the guest dirties memory, the host harvests the log, then the same pass runs
-/// natively.
+/// natively. Returns the guest pass too (its latencies, when timed).
 fn iterate(
     m: &dyn Backend,
     native: &Native,
@@ -462,22 +475,37 @@ fn iterate(
     spec: &Spec,
     params: PassParams,
     i: u32,
-) -> CliResult<Iteration> {
+) -> CliResult<(Iteration, Pass)> {
     let pass = m.run_pass(params)?;
-    let mut it = Iteration {
-        iteration: i,
-        dirty: pass.wall,
-        ring_full_exits: pass.vcpus.iter().map(|v| v.ring_full_exits).sum(),
-        ..Iteration::default()
-    };
-    harvest.run(m, spec, &mut it)?;
+    let h = harvest.run(m, spec)?;
     // The native pass runs after the harvest, not between the guest pass and it: it touches
     // every page of another gigabyte and would evict the page tables and bitmap the harvest
     // reads, which a VMM's harvest right after the guest ran finds warm.
-    let nat: Pass = native.run(params)?;
-    it.native = nat.wall;
-    it.ratio_guest_over_native = ratio(pass.wall, nat.wall);
-    Ok(it)
+    let nat: Pass = native.run(PassParams {
+        timed: false,
+        ..params
+    })?;
+    let it = Iteration {
+        iteration: i,
+        dirty: pass.wall,
+        native: nat.wall,
+        ratio_guest_over_native: ratio(pass.wall, nat.wall),
+        harvest: h,
+        ring_full_exits: pass.ring_full_exits(),
+    };
+    Ok((it, pass))
+}
+
+/// The time the vCPUs write before each concurrent harvest: `--harvest-interval`, or the mean
+/// dirty pass of the iterations.
+fn interval(a: &DirtyLogPerfArgs, iterations: &[Iteration]) -> Duration {
+    match a.harvest_interval {
+        Some(ms) => Duration::from_millis(ms),
+        None => {
+            let n = iterations.len().max(1) as u32;
+            iterations.iter().map(|i| i.dirty).sum::<Duration>() / n
+        }
+    }
 }
 
 /// Disables dirty logging, with the vCPUs still dirtying memory under `-e`.
@@ -517,12 +545,38 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         write_percent: a.write_percent,
         random: a.random,
         seed: a.seed,
-        timed: false,
+        timed: a.concurrent,
     };
-    let mut harvest = Harvest::new(m.as_ref());
-    let iterations = (1..=a.iterations)
-        .map(|i| iterate(m.as_ref(), &native, &mut harvest, &cfg, params, i))
-        .collect::<CliResult<Vec<_>>>()?;
+    let mut harvest = Harvest::new(m.as_ref(), a.log.clear_chunk);
+    let mut quiet_passes = QuietPasses::default();
+    let mut iterations = Vec::new();
+    for i in 1..=a.iterations {
+        let (it, pass) = iterate(m.as_ref(), &native, &mut harvest, &cfg, params, i)?;
+        quiet_passes.keep(i, pass, it.harvest);
+        iterations.push(it);
+    }
+    let concurrent = if a.concurrent {
+        let p = Phase::start(
+            format!(
+                "concurrent harvest: {} harvests while the vCPUs write",
+                a.iterations
+            ),
+            quiet(a.out.json),
+        );
+        let r = concurrent_harvest::run(
+            m.as_ref(),
+            &cfg,
+            &mut harvest,
+            params,
+            a.iterations,
+            interval(a, &iterations),
+            &quiet_passes,
+        )?;
+        p.done();
+        Some(r)
+    } else {
+        None
+    };
     let disable = disable(m.as_ref(), a.evil, params)?;
     let stats = m.stats();
     let pcpus = m.sim().map(|s| s.pcpus());
@@ -531,8 +585,11 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         None => kvm_lines(a, &stats, cfg.manual_protect()),
     };
     machine_lines.extend(pinned_line(pinned_cpus.as_deref()));
-    let get_total = iterations.iter().map(|i| i.get).sum();
-    let clear_total = iterations.iter().map(|i| i.clear.or(i.reset)).sum();
+    let get_total = iterations.iter().map(|i| i.harvest.get).sum();
+    let clear_total = iterations
+        .iter()
+        .map(|i| i.harvest.clear.or(i.harvest.reset))
+        .sum();
     let vm = VmSettings::new(
         kind,
         a.machine.format,
@@ -560,7 +617,9 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
             slots: a.slots,
             seed: a.seed,
             manual_protect: cfg.manual_protect(),
-            dirty_ring: a.dirty_ring,
+            dirty_ring: a.log.dirty_ring,
+            clear_chunk: a.log.clear_chunk.name(),
+            concurrent: a.concurrent,
             pinned_cpus,
         },
         populate: populate.wall,
@@ -570,6 +629,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         disable,
         get_total,
         clear_total,
+        concurrent,
         stats,
         machine_lines,
         format_header: format_header(kind, a.machine.format, &cfg.vm),
@@ -603,6 +663,13 @@ fn print_text(r: &Report) {
     println!("Disabling dirty logging time: {}", ts(r.disable));
     println!();
     print_totals(r);
+    if let Some(c) = &r.concurrent {
+        println!();
+        for l in c.lines() {
+            println!("{l}");
+        }
+        println!();
+    }
     for l in &r.machine_lines {
         println!("{l}");
     }
@@ -611,11 +678,11 @@ fn print_text(r: &Report) {
 fn print_iteration(it: &Iteration) {
     let i = it.iteration;
     println!("Iteration {i} dirty memory time: {}", ts(it.dirty));
-    println!("Iteration {i} get dirty log time: {}", ts(it.get));
-    if let Some(c) = it.reset {
+    println!("Iteration {i} get dirty log time: {}", ts(it.harvest.get));
+    if let Some(c) = it.harvest.reset {
         println!("Iteration {i} reset dirty rings time: {}", ts(c));
     }
-    if let Some(c) = it.clear {
+    if let Some(c) = it.harvest.clear {
         println!("Iteration {i} clear dirty log time: {}", ts(c));
     }
     println!(
@@ -648,7 +715,7 @@ fn print_totals(r: &Report) {
     let dirty_pages: Vec<String> = r
         .iterations
         .iter()
-        .map(|i| i.dirty_pages.to_string())
+        .map(|i| i.harvest.dirty_pages.to_string())
         .collect();
     println!(
         "Dirty pages harvested per iteration: {}",
@@ -661,7 +728,7 @@ fn print_totals(r: &Report) {
 }
 
 fn log_kind(a: &DirtyLogPerfArgs, manual: bool) -> &'static str {
-    if a.dirty_ring.is_some() {
+    if a.log.dirty_ring.is_some() {
         "dirty ring"
     } else if manual {
         "manual protect (get + clear)"
@@ -747,13 +814,13 @@ fn plot_iterations(r: &Report, repeat: u32, path: &std::path::Path) -> CliResult
     };
     let mut lines = vec![
         series("dirty memory (guest pass)", &|i| Some(i.dirty)),
-        series("get dirty log (harvest)", &|i| Some(i.get)),
+        series("get dirty log (harvest)", &|i| Some(i.harvest.get)),
     ];
-    if r.iterations.iter().any(|i| i.clear.is_some()) {
-        lines.push(series("clear dirty log", &|i| i.clear));
+    if r.iterations.iter().any(|i| i.harvest.clear.is_some()) {
+        lines.push(series("clear dirty log", &|i| i.harvest.clear));
     }
-    if r.iterations.iter().any(|i| i.reset.is_some()) {
-        lines.push(series("reset dirty rings", &|i| i.reset));
+    if r.iterations.iter().any(|i| i.harvest.reset.is_some()) {
+        lines.push(series("reset dirty rings", &|i| i.harvest.reset));
     }
     lines.push(series("native memory (host pass)", &|i| Some(i.native)));
     let of = if repeat > 1 {
@@ -793,7 +860,7 @@ fn sweep(a: &DirtyLogPerfArgs) -> CliResult {
         b.vary.clear();
         b.out.json = true;
         for s in combo {
-            s.apply(&mut b.work.vcpus, &mut b.machine, &mut b.dirty);
+            s.apply(&mut b.work.vcpus, &mut b.machine, &mut b.dirty, &mut b.log);
         }
         let label: Vec<String> = combo.iter().map(|s| s.label()).collect();
         if let Err(e) = check(&b) {
@@ -824,7 +891,7 @@ fn sweep(a: &DirtyLogPerfArgs) -> CliResult {
         benchmark: NAME,
         sweep: rows,
     };
-    let ms = owned(&metrics(a.dirty_ring.is_some()));
+    let ms = owned(&metrics(a));
     if let Some(path) = &a.out.plot {
         plot_sweep(&sweep, &ms, path)?;
     }
@@ -844,17 +911,37 @@ fn print_sweep_title(a: &DirtyLogPerfArgs) {
         format!(" --format {}", a.machine.format.name())
     };
     println!(
-        "dirty-log-perf sweep:{format} -b {} -i {}{}{}{}, one run per row, all in this process",
+        "dirty-log-perf sweep:{format} -b {} -i {}{}, one run per row, all in this process",
         format_size(a.work.bytes),
         a.iterations,
-        if a.no_manual { " -g" } else { "" },
-        if a.random { " -a" } else { "" },
-        if a.write_percent != 100 {
-            format!(" -w {}", a.write_percent)
-        } else {
-            String::new()
-        },
+        run_flags(a)
     );
+}
+
+/// The flags beside -v/-b/-i that shape what a table shows, as the user typed them.
+fn run_flags(a: &DirtyLogPerfArgs) -> String {
+    let mut f = String::new();
+    if let Some(n) = a.log.dirty_ring {
+        f += &format!(" --dirty-ring {n}");
+    } else if a.log.no_manual {
+        f += " -g";
+    }
+    if a.log.clear_chunk != ClearChunk::Slot {
+        f += &format!(" --clear-chunk {}", a.log.clear_chunk.name());
+    }
+    if a.random {
+        f += " -a";
+    }
+    if a.write_percent != 100 {
+        f += &format!(" -w {}", a.write_percent);
+    }
+    if a.concurrent {
+        f += " --concurrent";
+        if let Some(ms) = a.harvest_interval {
+            f += &format!(" --harvest-interval {ms}");
+        }
+    }
+    f
 }
 
 /// `--plot` of a sweep: one line per time metric across the rows.
@@ -892,7 +979,7 @@ fn side_by_side(a: &DirtyLogPerfArgs, kinds: [BackendArg; 2]) -> CliResult {
         }
         reports.push(measure(a, kind)?);
     }
-    let ms = owned(&metrics(a.dirty_ring.is_some()));
+    let ms = owned(&metrics(a));
     let cmp = Comparison::new(
         NAME,
         [kinds[0].name(), kinds[1].name()],
@@ -906,26 +993,13 @@ fn side_by_side(a: &DirtyLogPerfArgs, kinds: [BackendArg; 2]) -> CliResult {
         return print_json(&cmp, &a.backend);
     }
     let (n0, n1) = (kinds[0].name(), kinds[1].name());
-    let ring = a.dirty_ring.is_some();
     println!(
-        "dirty-log-perf on {n0} and {n1}: --format {} (sim) -v {} -b {} -i {}{}{}{}, one run each, in this process; times in seconds",
+        "dirty-log-perf on {n0} and {n1}: --format {} (sim) -v {} -b {} -i {}{}, one run each, in this process",
         a.machine.format.name(),
         a.work.vcpus,
         format_size(a.work.bytes),
         a.iterations,
-        if ring {
-            " --dirty-ring"
-        } else if a.no_manual {
-            " -g"
-        } else {
-            ""
-        },
-        if a.random { " -a" } else { "" },
-        if a.write_percent != 100 {
-            format!(" -w {}", a.write_percent)
-        } else {
-            String::new()
-        },
+        run_flags(a)
     );
     cmp.print();
     Ok(())

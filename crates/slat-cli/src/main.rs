@@ -3,11 +3,14 @@
 mod access_tracking_perf;
 mod args;
 mod backend;
+mod concurrent_harvest;
 mod demand_paging;
 mod dirty_log_perf;
 mod dirty_log_test;
 mod error;
+mod harvest;
 mod host;
+mod latency;
 mod limits;
 mod migrate;
 mod migrate_report;
@@ -59,6 +62,21 @@ enum Command {
     MigratePerf(migrate::MigratePerfArgs),
 }
 
+/// Clap's error as one line: the problem and what it lists under it (the missing flags, the
+/// accepted values, a tip), without the usage and help pointer that follow.
+fn one_line(text: &str) -> String {
+    let parts: Vec<&str> = text
+        .lines()
+        .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    match parts.join(" ") {
+        s if s.is_empty() => "invalid arguments".into(),
+        s => s.trim_start_matches("error: ").to_string(),
+    }
+}
+
 fn main() {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
@@ -74,10 +92,7 @@ fn main() {
                     std::process::exit(2);
                 }
                 _ => {
-                    // One readable line: clap's first line names the flag and the problem.
-                    let text = e.render().to_string();
-                    let line = text.lines().next().unwrap_or("invalid arguments");
-                    eprintln!("slat: {}", line.trim_start_matches("error: "));
+                    eprintln!("slat: {}", one_line(&e.render().to_string()));
                     std::process::exit(2);
                 }
             }

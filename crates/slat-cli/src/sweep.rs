@@ -2,7 +2,9 @@
 //! process and print one table, so a seed's before/after comparison is one command and one
 //! run on one machine state, not numbers gathered from separate invocations.
 
-use crate::args::{DirtyArgs, FormatArg, MachineArgs, Switch, Variant};
+use crate::args::{
+    clear_chunk, ClearChunk, DirtyArgs, FormatArg, LogArgs, LogKind, MachineArgs, Switch, Variant,
+};
 use clap::ValueEnum;
 use slat::{
     CmoPolicy, DirtyTrack, GetLogVariant, MmuLockKind, RebuildOrder, RecoverVariant, WrprotVariant,
@@ -35,9 +37,13 @@ pub enum Key {
     Rebuild,
     /// `--wrprot`.
     Wrprot,
+    /// The harvest: `-g` (get), manual protect (clear), `--dirty-ring` (ring).
+    Log,
+    /// `--clear-chunk`.
+    ClearChunk,
 }
 
-const KEYS: [(&str, Key); 12] = [
+const KEYS: [(&str, Key); 14] = [
     ("vcpus", Key::Vcpus),
     ("format", Key::Format),
     ("fast-pf", Key::FastPf),
@@ -50,6 +56,8 @@ const KEYS: [(&str, Key); 12] = [
     ("recover", Key::Recover),
     ("rebuild", Key::Rebuild),
     ("wrprot", Key::Wrprot),
+    ("log", Key::Log),
+    ("clear-chunk", Key::ClearChunk),
 ];
 
 impl Key {
@@ -59,6 +67,12 @@ impl Key {
             .find(|(_, k)| *k == self)
             .map(|(n, _)| *n)
             .unwrap_or("?")
+    }
+
+    /// Whether the key sets an engine switch (refused with `--backend kvm`, which does not run
+    /// the engine); the vCPU count and the harvest apply to both machines.
+    pub fn engine_only(self) -> bool {
+        !matches!(self, Key::Vcpus | Key::Log | Key::ClearChunk)
     }
 }
 
@@ -89,6 +103,10 @@ pub enum Setting {
     Rebuild(RebuildOrder),
     /// `wrprot=...`.
     Wrprot(WrprotVariant),
+    /// `log=get|clear|ring`.
+    Log(LogKind),
+    /// `clear-chunk=N|slot`.
+    ClearChunk(ClearChunk),
 }
 
 fn value_name<E: ValueEnum>(e: &E) -> String {
@@ -113,6 +131,8 @@ impl Setting {
             Setting::Recover(_) => Key::Recover,
             Setting::Rebuild(_) => Key::Rebuild,
             Setting::Wrprot(_) => Key::Wrprot,
+            Setting::Log(_) => Key::Log,
+            Setting::ClearChunk(_) => Key::ClearChunk,
         }
     }
 
@@ -129,6 +149,8 @@ impl Setting {
             Setting::Recover(v) => v.to_string(),
             Setting::Rebuild(v) => v.to_string(),
             Setting::Wrprot(v) => v.to_string(),
+            Setting::Log(v) => value_name(&v),
+            Setting::ClearChunk(v) => v.name(),
         }
     }
 
@@ -137,8 +159,14 @@ impl Setting {
         format!("{}={}", self.key().name(), self.value())
     }
 
-    /// Applies the setting to a run's vCPU count and switches.
-    pub fn apply(self, vcpus: &mut u32, machine: &mut MachineArgs, dirty: &mut DirtyArgs) {
+    /// Applies the setting to a run's vCPU count, switches and harvest.
+    pub fn apply(
+        self,
+        vcpus: &mut u32,
+        machine: &mut MachineArgs,
+        dirty: &mut DirtyArgs,
+        log: &mut LogArgs,
+    ) {
         match self {
             Setting::Vcpus(n) => *vcpus = n,
             Setting::Format(v) => machine.format = v,
@@ -152,6 +180,8 @@ impl Setting {
             Setting::Recover(v) => dirty.recover = v,
             Setting::Rebuild(v) => dirty.rebuild = v,
             Setting::Wrprot(v) => dirty.wrprot = v,
+            Setting::Log(v) => log.set_kind(v),
+            Setting::ClearChunk(v) => log.clear_chunk = v,
         }
     }
 }
@@ -197,6 +227,10 @@ fn parse_value(key: Key, k: &str, v: &str) -> Result<Setting, String> {
         Key::Cmo => Setting::Cmo(engine(k, v)?),
         Key::Rebuild => Setting::Rebuild(engine(k, v)?),
         Key::Wrprot => Setting::Wrprot(engine(k, v)?),
+        Key::Log => Setting::Log(choice(k, v)?),
+        Key::ClearChunk => {
+            Setting::ClearChunk(clear_chunk(v).map_err(|e| format!("--vary {k}: {e}"))?)
+        }
     })
 }
 
@@ -310,6 +344,14 @@ mod tests {
         assert!(parse_vary("recover=inplace,on-fault").is_ok());
         assert!(parse_vary("cmo=always,on-install").is_ok());
         assert!(parse_vary("rebuild=break-first,install-first").is_ok());
+        assert!(parse_vary("log=get,clear,ring").is_ok());
+        assert!(parse_vary("log=bitmap")
+            .unwrap_err()
+            .contains("get, clear, ring"));
+        assert!(parse_vary("clear-chunk=64,4096,slot").is_ok());
+        assert!(parse_vary("clear-chunk=63")
+            .unwrap_err()
+            .contains("power of two"));
         let twice = [
             parse_vary("vcpus=1").unwrap(),
             parse_vary("vcpus=2").unwrap(),

@@ -445,3 +445,44 @@ fn durations_and_counts_of_the_migrate_commands_are_bounded() {
         );
     }
 }
+
+#[test]
+fn harvest_flags_that_cannot_apply_are_refused() {
+    refused(
+        &["dirty-log-perf", "-b", "4M", "-g", "--clear-chunk", "64"],
+        &["--clear-chunk", "-g"],
+    );
+    refused(
+        &["dirty-log-perf", "-b", "4M", "--clear-chunk", "100"],
+        &["--clear-chunk", "power of two"],
+    );
+    refused(
+        &["dirty-log-perf", "-b", "4M", "--harvest-interval", "5"],
+        &["--concurrent"],
+    );
+    refused(
+        &[
+            "dirty-log-perf",
+            "-b",
+            "4M",
+            "--vary",
+            "log=get,clear",
+            "--vary",
+            "clear-chunk=64",
+        ],
+        &["--vary row", "--clear-chunk"],
+    );
+    // The harvest and vCPU keys apply to KVM; engine keys do not.
+    refused(
+        &[
+            "dirty-log-perf",
+            "-b",
+            "4M",
+            "--backend",
+            "kvm",
+            "--vary",
+            "wrprot=walk,rmap",
+        ],
+        &["--vary", "simulated engine"],
+    );
+}

@@ -206,6 +206,69 @@ fn dirty_log_perf_json_matches_its_schema_on_both_machines() {
 }
 
 #[test]
+fn concurrent_harvest_json_matches_its_schema_on_both_machines() {
+    for backend in ["sim", "kvm"] {
+        for log in [
+            &["-g"][..],
+            &["--clear-chunk", "64"],
+            &["--dirty-ring", "256"],
+        ] {
+            let mut args = vec![
+                "dirty-log-perf",
+                "-b",
+                "4M",
+                "-i",
+                "3",
+                "--concurrent",
+                "--harvest-interval",
+                "1",
+                "--backend",
+                backend,
+            ];
+            args.extend_from_slice(log);
+            let d = json(&args);
+            validate("dirty-log-perf.json", &d);
+            let c = &d["concurrent"];
+            assert_eq!(c["concurrent_harvests"].as_array().map(Vec::len), Some(3));
+            assert_eq!(c["quiet"]["harvests"], 2, "{d:#}");
+            // The quiet passes were timed: every machine records something in them (every
+            // page's first write after a harvest faults, or exits).
+            assert!(
+                c["quiet"]["write_latency"]["count"].as_u64() > Some(0),
+                "{d:#}"
+            );
+            assert_eq!(c["quiet"]["stalls"].is_object(), backend == "kvm", "{d:#}");
+        }
+    }
+}
+
+#[test]
+fn a_kvm_sweep_varies_the_harvest() {
+    let d = json(&[
+        "dirty-log-perf",
+        "-b",
+        "4M",
+        "-i",
+        "2",
+        "--backend",
+        "kvm",
+        "--vary",
+        "log=get,clear,ring",
+        "--vary",
+        "vcpus=1,2",
+    ]);
+    validate("sweep.json", &d);
+    let rows = d["sweep"].as_array().expect("rows");
+    assert_eq!(rows.len(), 6);
+    assert_eq!(
+        rows[4]["settings"],
+        serde_json::json!(["log=ring", "vcpus=1"])
+    );
+    assert!(rows[4]["result"]["config"]["dirty_ring"].is_u64());
+    assert_eq!(rows[0]["result"]["config"]["manual_protect"], false);
+}
+
+#[test]
 fn demand_paging_json_matches_its_schema() {
     validate("demand-paging.json", &json(&["demand-paging", "-b", "4M"]));
     validate(
