@@ -9,6 +9,7 @@
 //! pass, and the vCPU's registers are only set once, when it is created.
 
 use crate::error::KvmError;
+use crate::histogram;
 use iced_x86::code_asm::*;
 use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs};
 use slat_workload::{ParkMiller, MEMSTRESS_PATTERN};
@@ -45,9 +46,16 @@ pub mod param {
     pub const TOUCHED: u64 = 64;
     /// Out: full passes completed.
     pub const PASSES: u64 = 72;
+    /// Non-zero: the memstress modes time every write into the histogram at `HIST`.
+    pub const TIMED: u64 = 80;
+    /// Guest address of the vCPU's histogram page ([`crate::histogram`]); only this vCPU
+    /// writes it.
+    pub const HIST: u64 = 88;
     /// Bytes per block.
     pub const SIZE: u64 = 128;
 }
+
+const _: () = assert!(param::HIST + 8 <= param::SIZE);
 
 /// Control page fields (byte offsets).
 pub mod control {
@@ -80,6 +88,8 @@ pub struct LowLayout {
     pub code: u64,
     /// Bytes reserved for the code.
     pub code_len: u64,
+    /// vCPU 0's write-latency histogram page ([`crate::histogram`]); vCPU i's is i pages on.
+    pub hists: u64,
     /// Top of vCPU 0's stack (each vCPU gets one page below the previous one's).
     pub stacks_top: u64,
     /// Size of the low slot (a multiple of 2 MiB).
@@ -122,7 +132,8 @@ impl LowLayout {
         let add = |a: u64, b: u64| a.checked_add(b).ok_or_else(too_big);
         let code = add(params, pages(param_pages)?)?;
         let pd = add(code, CODE_LEN)?;
-        let stacks = add(pd, pages(pd_pages)?)?;
+        let hists = add(pd, pages(pd_pages)?)?;
+        let stacks = add(hists, pages(vcpus)?)?;
         let end = add(stacks, pages(vcpus)?)?;
         let size = end.checked_next_multiple_of(HUGE_2M).ok_or_else(too_big)?;
         Ok(LowLayout {
@@ -136,6 +147,7 @@ impl LowLayout {
             params,
             code,
             code_len: CODE_LEN,
+            hists,
             stacks_top: end,
             size,
         })
@@ -146,6 +158,13 @@ impl LowLayout {
         // Only an address; whoever dereferences it checks it against the low slot.
         self.params
             .wrapping_add((i as u64).wrapping_mul(param::SIZE))
+    }
+
+    /// Guest address of vCPU `i`'s histogram page.
+    pub fn hist_page(&self, i: usize) -> u64 {
+        // Only an address, as for `param_block`.
+        self.hists
+            .wrapping_add((i as u64).wrapping_mul(histogram::PAGE))
     }
 }
 
@@ -311,6 +330,8 @@ pub fn setup_long_mode(sregs: &mut kvm_sregs, l: &LowLayout, mode: GuestMode) {
     const EFER_LMA: u64 = 1 << 10;
     sregs.cr0 = CR0_PE | CR0_MP | CR0_ET | CR0_NE | CR0_WP | CR0_PG;
     sregs.cr3 = l.pml4;
+    // CR4.TSD (bit 2) stays clear: timed passes execute `rdtsc` at CPL 3, which TSD would
+    // turn into a #GP (and, with no IDT, a shutdown).
     sregs.cr4 = CR4_PAE | CR4_OSFXSR | CR4_OSXMMEXCPT;
     sregs.efer = EFER_LME | EFER_LMA;
     let (code_sel, data_sel, dpl) = match mode {
@@ -390,12 +411,77 @@ fn emit_next(a: &mut CodeAssembler) -> Result<(), IcedError> {
     Ok(())
 }
 
+/// Emits `rax = TSC` (clobbers rdx).
+fn emit_rdtsc(a: &mut CodeAssembler) -> Result<(), IcedError> {
+    a.rdtsc()?;
+    a.shl(rdx, 32)?;
+    a.or(rax, rdx)?;
+    Ok(())
+}
+
+/// Emits, at `entry`, the memstress write of `rbp` to `[rcx]` timed with the TSC, the cycles
+/// it took added to the histogram at `[rdi + param::HIST]` ([`histogram::bucket`], and the
+/// max); then jumps to `done`. Clobbers rax, rcx, rdx; borrows rbx through the stack.
+///
+/// The window is `lfence; rdtsc; lfence; <store>; lfence; rdtsc`. The first `lfence` keeps
+/// the page choice before it out of the window, the second keeps the store from starting
+/// before the first read. The third makes the second read wait until the store has *retired*:
+/// a store retires only after its translation and permission checks, and a write to a
+/// write-protected page faults precisely, before retirement, so the VM exit it causes, the
+/// host's handling (including any wait for KVM's MMU lock held by a concurrent harvest) and
+/// the store's re-execution all fall inside the window. What stays outside is the store
+/// buffer's drain to the cache, which the vCPU does not wait for (an `mfence` would add that
+/// memory latency to every sample). `rdtscp` would order the same way on the end side, but
+/// needs the guest's CPUID to offer it, clobbers rcx, and still needs an `lfence` to start
+/// the window, so plain `rdtsc` serves both ends. It runs at CPL 3 because CR4.TSD is clear
+/// ([`setup_long_mode`]), and at CPL 0 regardless.
+fn emit_timed_write(
+    a: &mut CodeAssembler,
+    entry: &mut CodeLabel,
+    done: CodeLabel,
+) -> Result<(), IcedError> {
+    let mut forward = a.create_label();
+    let mut not_max = a.create_label();
+    let mut have_bucket = a.create_label();
+    a.set_label(entry)?;
+    a.push(rbx)?;
+    a.lfence()?;
+    emit_rdtsc(a)?;
+    a.lfence()?;
+    a.mov(rbx, rax)?;
+    a.mov(qword_ptr(rcx), rbp)?;
+    a.lfence()?;
+    emit_rdtsc(a)?;
+    a.sub(rax, rbx)?;
+    a.pop(rbx)?;
+    // A TSC that went backwards (the vCPU moved to a host CPU whose TSC lags) counts as 0.
+    a.jae(forward)?;
+    a.xor(eax, eax)?;
+    a.set_label(&mut forward)?;
+    a.mov(rdx, qword_ptr(rdi + param::HIST))?;
+    a.cmp(rax, qword_ptr(rdx + histogram::MAX))?;
+    a.jbe(not_max)?;
+    a.mov(qword_ptr(rdx + histogram::MAX), rax)?;
+    a.set_label(&mut not_max)?;
+    // bucket = v below EXACT, else 8 s + (v >> s) with s = msb(v) - 3.
+    a.cmp(rax, histogram::EXACT as i32)?;
+    a.jb(have_bucket)?;
+    a.bsr(rcx, rax)?;
+    a.sub(ecx, 3)?;
+    a.shr(rax, cl)?;
+    a.lea(rax, qword_ptr(rax + rcx * 8))?;
+    a.set_label(&mut have_bucket)?;
+    a.inc(qword_ptr(rdx + rax * 8 + histogram::COUNTS))?;
+    a.jmp(done)?;
+    Ok(())
+}
+
 /// Assembles the guest program for address `ip`.
 ///
 /// Registers: `rdi` parameter block, `rsi` region base, `r9` pages, `r8` PRNG state, `r10`
 /// write percent, `r11` random flag, `r12` mode, `r13` control page, `r14` page counter of the
 /// pass, `r15` pages touched (or writes), `rbx` passes, `rbp` the memstress pattern; `rax`,
-/// `rcx`, `rdx` scratch.
+/// `rcx`, `rdx` scratch. A timed write borrows `rbx` through the stack.
 pub fn assemble(ip: u64) -> Result<Vec<u8>, KvmError> {
     build(ip).map_err(asm_err)
 }
@@ -420,6 +506,7 @@ fn build(ip: u64) -> Result<Vec<u8>, IcedError> {
     let mut writer_loop = a.create_label();
     let mut writer_go = a.create_label();
     let mut sync = a.create_label();
+    let mut timed_write = a.create_label();
 
     a.set_label(&mut entry)?;
     a.mov(rsi, qword_ptr(rdi + param::BASE))?;
@@ -485,6 +572,9 @@ fn build(ip: u64) -> Result<Vec<u8>, IcedError> {
     a.mov(rax, qword_ptr(rcx))?;
     a.jmp(next_page)?;
     a.set_label(&mut do_write)?;
+    // All an untimed pass pays for timing: this test, on writes only (an L1-resident word).
+    a.cmp(qword_ptr(rdi + param::TIMED), 0)?;
+    a.jne(timed_write)?;
     a.mov(qword_ptr(rcx), rbp)?;
     a.set_label(&mut next_page)?;
     a.inc(r14)?;
@@ -500,6 +590,8 @@ fn build(ip: u64) -> Result<Vec<u8>, IcedError> {
     a.set_label(&mut halted_mid_pass)?;
     a.add(r15, r14)?;
     a.jmp(sync)?;
+
+    emit_timed_write(&mut a, &mut timed_write, next_page)?;
 
     // ---- dirty-log writer: until halted (checked every 64 writes), store the iteration value
     // at page ((next << 31) | next) % pages.
@@ -553,6 +645,20 @@ mod tests {
         assert_eq!(l.pd_pages, 3);
         assert!(l.stacks_top <= l.size && l.size % HUGE_2M == 0);
         assert!(l.params + 3 * param::SIZE <= l.code);
+        // Histogram pages after the level-2 tables, before the lowest stack page.
+        assert!(l.pd + l.pd_pages * PAGE <= l.hists);
+        assert_eq!(l.hist_page(2) + PAGE, l.stacks_top - 3 * PAGE);
+    }
+
+    #[test]
+    fn user_mode_may_read_the_tsc() {
+        const CR4_TSD: u64 = 1 << 2;
+        let l = LowLayout::new(1, 4 << 30, 6 << 30).unwrap();
+        for mode in [GuestMode::User, GuestMode::Kernel] {
+            let mut sregs = kvm_sregs::default();
+            setup_long_mode(&mut sregs, &l, mode);
+            assert_eq!(sregs.cr4 & CR4_TSD, 0, "{mode:?}");
+        }
     }
 
     #[test]

@@ -31,7 +31,8 @@
 //!   0x2000          level-4 table, then the one level-3 table
 //!   0x4000          control page: halt flag, writer's iteration value
 //!   0x5000          one 128-byte parameter block per vCPU
-//!   ...             guest code, level-2 tables, one stack page per vCPU
+//!   ...             guest code, level-2 tables, one write-latency histogram page per vCPU,
+//!                   one stack page per vCPU
 //! ...               (unmapped hole)
 //! gpa               test region: slots FIRST_SLOT.. of equal size, vCPU i's partition at
 //!                   gpa + i * bytes_per_vcpu (or all of it with overlap)
@@ -56,6 +57,11 @@
 //! for [`Workload::Writer`], as the simulated machine does). On `KVM_EXIT_DIRTY_RING_FULL` the
 //! vCPU thread harvests and resets the rings itself and re-enters.
 //!
+//! A timed pass ([`PassParams::timed`]) has the guest time each of its memstress writes with
+//! the TSC into a histogram page of its own ([`histogram`]); after the sync the host converts
+//! it into nanoseconds with the frequency `KVM_GET_TSC_KHZ` reports, one histogram per vCPU in
+//! [`PassReport::latency`](slat_workload::PassReport::latency).
+//!
 //! # Errors
 //!
 //! Everything returns [`KvmError`]: a missing `/dev/kvm` names the device and the fix; a
@@ -66,6 +72,7 @@
 pub mod dirty;
 pub mod error;
 pub mod guest;
+pub mod histogram;
 pub mod machine;
 pub mod memslot;
 pub mod stats;

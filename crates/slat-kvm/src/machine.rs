@@ -4,6 +4,7 @@
 use crate::dirty::{self, DirtyRing, RingSize};
 use crate::error::KvmError;
 use crate::guest::{self, control, param, GuestMode, LowLayout, SYNC_PORT};
+use crate::histogram;
 use crate::memslot::Memslot;
 use crate::stats::{Stat, StatsFd};
 use kvm_bindings::{
@@ -14,11 +15,13 @@ use kvm_bindings::{
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
 use slat_workload::cpus::VcpuTids;
 use slat_workload::{
-    Backing, GuestRam, ParkMiller, PassParams, RegionSize, RegionSpec, Rendezvous, TestMachine,
-    TestRegion, FIRST_SLOT, INITIALLY_SET, MANUAL_PROTECT_ENABLE, PAGE_SHIFT, PAGE_SIZE,
+    Backing, GuestRam, LatencyHistogram, ParkMiller, PassParams, RegionSize, RegionSpec,
+    Rendezvous, TestMachine, TestRegion, FIRST_SLOT, INITIALLY_SET, MANUAL_PROTECT_ENABLE,
+    PAGE_SHIFT, PAGE_SIZE,
 };
 use std::ffi::CString;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -383,6 +386,16 @@ fn create_vcpus(
     Ok((vcpus, rings, vm_stats.map(|v| (v, vcpu_stats))))
 }
 
+/// The guest's TSC frequency (`KVM_GET_TSC_KHZ` of vCPU 0), or why it is unknown. Every vCPU
+/// has the VM's default frequency: this crate never calls `KVM_SET_TSC_KHZ`.
+fn tsc_khz_of(vcpus: &[VcpuFd]) -> Result<NonZeroU32, String> {
+    let v = vcpus.first().ok_or("the VM has no vCPU")?;
+    let khz = v
+        .get_tsc_khz()
+        .map_err(|e| format!("KVM_GET_TSC_KHZ failed: {e}"))?;
+    NonZeroU32::new(khz).ok_or_else(|| "KVM_GET_TSC_KHZ reports 0 kHz".to_string())
+}
+
 fn open(device: &str) -> Result<Kvm, KvmError> {
     let path = CString::new(device)
         .map_err(|_| KvmError::Config(format!("device path {device:?} contains a NUL byte")))?;
@@ -478,6 +491,10 @@ pub struct KvmMachine {
     tids: Arc<VcpuTids>,
     /// Statistics fds of the VM and of each vCPU (`None` on kernels without them).
     stats: Option<(StatsFd, Vec<StatsFd>)>,
+    /// The guest's TSC frequency, to convert timed writes to nanoseconds; why not, if unknown.
+    tsc_khz: Result<NonZeroU32, String>,
+    /// The running workload times its writes (set by `start`, read when collecting it).
+    timed: AtomicBool,
     // Memory goes last: it is unmapped after the vCPU threads are joined and the VM closed.
     low: GuestRam,
     ram: GuestRam,
@@ -511,6 +528,7 @@ impl KvmMachine {
         let layout = size.layout(gpa, ram.addr(), config.region.overlap);
         let (vcpus, rings, stats) = create_vcpus(&vm, &cpuid, &low_layout, &config, ring_size)?;
         let tids = Arc::new(VcpuTids::new(config.region.vcpus));
+        let tsc_khz = tsc_khz_of(&vcpus);
         let m = KvmMachine {
             threads: Vec::new(),
             ctl: Arc::new(Control::new(config.region.vcpus)),
@@ -531,6 +549,8 @@ impl KvmMachine {
             logging: Mutex::new(false),
             tids,
             stats,
+            tsc_khz,
+            timed: AtomicBool::new(false),
             low,
             ram,
         };
@@ -691,32 +711,73 @@ impl KvmMachine {
                 .store(self.low_layout.control, Ordering::Relaxed);
             self.low_u64(b + param::HUNDRED)
                 .store(100, Ordering::Relaxed);
+            self.low_u64(b + param::HIST)
+                .store(self.low_layout.hist_page(i), Ordering::Relaxed);
         }
     }
 
-    /// Starts `w` on every vCPU and returns at once; [`Self::halt`] stops it (a `Pass` also
-    /// ends by itself, and `halt` then just collects it).
-    pub fn start(&self, w: Workload) -> Result<(), KvmError> {
-        if let Workload::Pass(p) | Workload::Loop(p) = w {
-            if p.write_percent > 100 {
-                return Err(KvmError::Config(format!(
-                    "write percent {} is not in 0..=100",
-                    p.write_percent
-                )));
+    /// The guest's TSC frequency in kHz (`KVM_GET_TSC_KHZ`), which timed passes need;
+    /// [`KvmError::Unsupported`] if KVM did not report one.
+    pub fn tsc_khz(&self) -> Result<NonZeroU32, KvmError> {
+        self.tsc_khz.clone().map_err(|why| KvmError::Unsupported {
+            capability: "KVM_CAP_GET_TSC_KHZ",
+            detail: format!(": {why}; timed passes need the guest's TSC frequency"),
+        })
+    }
+
+    /// Zeroes every vCPU's histogram page before a timed workload.
+    fn clear_histograms(&self) {
+        for i in 0..self.config.region.vcpus {
+            let page = self.low_layout.hist_page(i);
+            for at in (0..histogram::USED).step_by(8) {
+                self.low_u64(page + at).store(0, Ordering::Relaxed);
             }
         }
-        if !self.ctl.claim() {
-            return Err(KvmError::Busy("a workload is already running"));
+    }
+
+    /// vCPU `i`'s in-guest histogram as the guest left it: the counter of each
+    /// [`histogram::bucket`] of TSC cycles, and the most cycles one write took (`None` for a
+    /// vCPU the machine does not have). Meaningful after a timed workload, until the next one
+    /// starts.
+    pub fn guest_histogram(&self, i: usize) -> Option<(Vec<u64>, u64)> {
+        if i >= self.config.region.vcpus {
+            return None;
         }
-        let (mode, seed, wp, random) = match w {
-            Workload::Pass(p) => (guest::MODE_PASS, p.seed, p.write_percent, p.random),
-            Workload::Loop(p) => (guest::MODE_LOOP, p.seed, p.write_percent, p.random),
-            Workload::Writer { seed, iteration } => {
-                self.low_u64(self.low_layout.control + control::ITERATION)
-                    .store(iteration, Ordering::Relaxed);
-                (guest::MODE_WRITER, seed, 100, true)
-            }
+        let page = self.low_layout.hist_page(i);
+        let word = |at: u64| self.low_u64(page + at).load(Ordering::Relaxed);
+        let counts = (0..histogram::BUCKETS as u64)
+            .map(|b| word(histogram::COUNTS + b * 8))
+            .collect();
+        Some((counts, word(histogram::MAX)))
+    }
+
+    /// vCPU `i`'s histogram in nanoseconds, read once the vCPU is out of guest mode.
+    fn read_histogram(&self, i: usize, tsc_khz: NonZeroU32) -> LatencyHistogram {
+        let (counts, max) = self.guest_histogram(i).unwrap_or_default();
+        histogram::to_latency(&counts, max, tsc_khz)
+    }
+
+    /// Refuses a workload the guest cannot run as asked; whether it is timed.
+    fn check_workload(&self, w: &Workload) -> Result<bool, KvmError> {
+        let (Workload::Pass(p) | Workload::Loop(p)) = w else {
+            return Ok(false);
         };
+        if p.write_percent > 100 {
+            return Err(KvmError::Config(format!(
+                "write percent {} is not in 0..=100",
+                p.write_percent
+            )));
+        }
+        if p.timed {
+            // Refuse before running anything: without the TSC frequency the cycles could
+            // only become guessed nanoseconds.
+            self.tsc_khz()?;
+        }
+        Ok(p.timed)
+    }
+
+    /// The parameter block fields of one workload, on every vCPU.
+    fn write_params_job(&self, mode: u64, seed: u32, wp: u32, random: bool, timed: bool) {
         for i in 0..self.config.region.vcpus {
             let b = self.low_layout.param_block(i);
             let s = ParkMiller::normalize(seed.wrapping_add(i as u32));
@@ -727,7 +788,32 @@ impl KvmMachine {
             self.low_u64(b + param::RANDOM)
                 .store(random as u64, Ordering::Relaxed);
             self.low_u64(b + param::MODE).store(mode, Ordering::Relaxed);
+            self.low_u64(b + param::TIMED)
+                .store(u64::from(timed), Ordering::Relaxed);
         }
+    }
+
+    /// Starts `w` on every vCPU and returns at once; [`Self::halt`] stops it (a `Pass` also
+    /// ends by itself, and `halt` then just collects it).
+    pub fn start(&self, w: Workload) -> Result<(), KvmError> {
+        let timed = self.check_workload(&w)?;
+        if !self.ctl.claim() {
+            return Err(KvmError::Busy("a workload is already running"));
+        }
+        self.timed.store(timed, Ordering::Relaxed);
+        if timed {
+            self.clear_histograms();
+        }
+        let (mode, seed, wp, random) = match w {
+            Workload::Pass(p) => (guest::MODE_PASS, p.seed, p.write_percent, p.random),
+            Workload::Loop(p) => (guest::MODE_LOOP, p.seed, p.write_percent, p.random),
+            Workload::Writer { seed, iteration } => {
+                self.low_u64(self.low_layout.control + control::ITERATION)
+                    .store(iteration, Ordering::Relaxed);
+                (guest::MODE_WRITER, seed, 100, true)
+            }
+        };
+        self.write_params_job(mode, seed, wp, random, timed);
         self.low_u64(self.low_layout.control + control::HALT)
             .store(0, Ordering::SeqCst);
         // The release orders the stores above before the vCPU threads' KVM_RUN.
@@ -738,10 +824,18 @@ impl KvmMachine {
     fn wait(&self, t0: Instant) -> Result<PassReport, KvmError> {
         let (wall, results) = self.ctl.collect(t0);
         let vcpus = results.map_err(|(vcpu, exit)| KvmError::UnexpectedExit { vcpu, exit })?;
+        // Every vCPU has synced (the barrier in `collect` orders its guest's stores before
+        // these loads), so its histogram is final.
+        let latency = match (self.timed.load(Ordering::Relaxed), self.tsc_khz.as_ref()) {
+            (true, Ok(&khz)) => (0..vcpus.len())
+                .map(|i| self.read_histogram(i, khz))
+                .collect(),
+            _ => Vec::new(),
+        };
         Ok(PassReport {
             wall,
             vcpus,
-            latency: Vec::new(),
+            latency,
         })
     }
 
