@@ -55,11 +55,11 @@ pub enum WriteLatency {
 }
 
 impl WriteLatency {
-    /// A short name for reports (`faulting writes` / `all writes, in-guest TSC`).
+    /// What the histogram holds, for reports.
     pub fn describe(self) -> &'static str {
         match self {
             WriteLatency::Faults => "faulting writes",
-            WriteLatency::AllWrites => "all writes, timed in-guest (TSC)",
+            WriteLatency::AllWrites => "every write, timed in-guest with the TSC",
         }
     }
 }
