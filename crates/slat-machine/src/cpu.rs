@@ -5,13 +5,19 @@
 //! (setting A/D bits the way EPT hardware does) → on a missing or insufficient permission,
 //! try the engine's lock-free fast path *in guest mode*, else exit guest mode, run the slow
 //! path, and re-enter → retry → the real load or store on host memory.
+//!
+//! A timed pass ([`Cpu::start_timing`]) writes with [`Cpu::write_u64_timed`], which times each
+//! write that faults from the fault to its completion; an untimed pass pays one predictable
+//! branch per fault and never reads the clock.
 
 use crate::sched::PcpuPool;
 use crate::tlb::Tlb;
 use slat::hw::{self, bytes_per_entry, table_index, PteFormat, TablePage};
 use slat::{Access, Fault, FaultOutcome, GuestMode, Vcpu, Vm};
+use slat_workload::latency::{latency_histogram, record_latency, LatencyHistogram};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 /// Accesses between checks whether another vCPU waits for a physical CPU.
 const QUANTUM: u32 = 4096;
@@ -86,6 +92,11 @@ pub struct Cpu<F: PteFormat> {
     guest: Option<GuestMode>,
     quantum: u32,
     ring_full: Option<RingFullHandler>,
+    /// The latencies of faulting writes, during a timed pass.
+    latency: Option<LatencyHistogram>,
+    /// When the timed write in progress found it had to fault (moved later by the time spent
+    /// in ring-full exits, which is the VMM's harvest, not the fault's).
+    fault_start: Option<Instant>,
     /// Counters.
     pub counters: CpuCounters,
 }
@@ -103,6 +114,8 @@ impl<F: PteFormat> Cpu<F> {
             guest: None,
             quantum: 0,
             ring_full: None,
+            latency: None,
+            fault_start: None,
             counters: CpuCounters::default(),
         }
     }
@@ -110,6 +123,19 @@ impl<F: PteFormat> Cpu<F> {
     /// Installs what a dirty-ring-full exit runs.
     pub fn set_ring_full_handler(&mut self, h: RingFullHandler) {
         self.ring_full = Some(h);
+    }
+
+    /// Starts a timed pass: [`Cpu::write_u64_timed`] records into a new, empty histogram.
+    /// Until [`Cpu::take_latency`], every write must go through it (a fault of
+    /// [`Cpu::write_u64`] would leave its start for the next timed write).
+    pub fn start_timing(&mut self) {
+        self.latency = Some(latency_histogram());
+    }
+
+    /// Ends a timed pass: the latencies recorded since [`Cpu::start_timing`] (`None` if the
+    /// pass was not timed).
+    pub fn take_latency(&mut self) -> Option<LatencyHistogram> {
+        self.latency.take()
     }
 
     /// The engine's vCPU.
@@ -173,7 +199,15 @@ impl<F: PteFormat> Cpu<F> {
     #[inline]
     pub fn write_u64(&mut self, gpa: u64, val: u64) -> Result<(), Exit> {
         let hva = self.translate(gpa, Access::Write)?;
-        // SAFETY: `hva` is inside the host page of a leaf the engine installed for a memslot
+        self.store(hva, val);
+        Ok(())
+    }
+
+    /// The store of a write whose translation `hva` the walk or the TLB just gave.
+    #[inline]
+    fn store(&mut self, hva: u64, val: u64) {
+        // SAFETY: `hva` is what `translate` just returned (both callers store right after it),
+        // so it is inside the host page of a leaf the engine installed for a memslot
         // (`translate` adds only the offset of an 8-byte-aligned `gpa` within its 4 KiB page,
         // so all 8 bytes are in that page). The memslot's `HostRange` keeps that memory mapped
         // for as long as any leaf or cached translation of it can be used: a slot is removed
@@ -182,7 +216,39 @@ impl<F: PteFormat> Cpu<F> {
         // page concurrently.
         unsafe { AtomicU64::from_ptr(hva as *mut u64) }.store(val, Ordering::Relaxed);
         self.counters.accesses += 1;
+    }
+
+    /// [`Cpu::write_u64`] in a timed pass: if the write faults, records the time from the
+    /// fault to the write's completion (retries included) in the pass's histogram.
+    #[inline]
+    pub fn write_u64_timed(&mut self, gpa: u64, val: u64) -> Result<(), Exit> {
+        let r = self.translate(gpa, Access::Write);
+        // A write that exits never completes: its start must not leak into the next one.
+        let hva = r.inspect_err(|_| self.fault_start = None)?;
+        self.store(hva, val);
+        if let Some(t0) = self.fault_start.take() {
+            self.record_fault_latency(t0);
+        }
         Ok(())
+    }
+
+    /// In a timed pass, at a fault: starts timing the access if it is a write and its first
+    /// fault (a retried write keeps its first start).
+    #[cold]
+    #[inline(never)]
+    fn start_fault_timer(&mut self, write: bool) {
+        if write && self.fault_start.is_none() {
+            self.fault_start = Some(Instant::now());
+        }
+    }
+
+    /// Records the latency of a faulting write that just completed, its fault found at `t0`.
+    #[cold]
+    fn record_fault_latency(&mut self, t0: Instant) {
+        let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        if let Some(h) = &mut self.latency {
+            record_latency(h, ns);
+        }
     }
 
     /// Reads the 8 bytes at guest physical address `gpa` (8-byte aligned, in guest mode).
@@ -195,7 +261,8 @@ impl<F: PteFormat> Cpu<F> {
         Ok(v)
     }
 
-    /// Translates `gpa` for `access`, faulting as needed; returns the host address.
+    /// Translates `gpa` for `access`, faulting as needed; returns the host address. In a timed
+    /// pass, a write notes when it found it had to fault in `fault_start`.
     #[inline]
     fn translate(&mut self, gpa: u64, access: Access) -> Result<u64, Exit> {
         if gpa % 8 != 0 {
@@ -299,6 +366,13 @@ impl<F: PteFormat> Cpu<F> {
 
     #[inline]
     fn fault(&mut self, f: Fault) -> Result<(), Exit> {
+        // A timed write's clock starts here, before the engine's handlers. Untimed passes pay
+        // this one predictable branch per fault: a timed copy of the access loop instead would
+        // call the handlers from two places, and the compiler then stops inlining them, which
+        // cost untimed passes over twice as much (measured on dirty-log-perf).
+        if self.latency.is_some() {
+            self.start_fault_timer(f.access == Access::Write);
+        }
         self.counters.faults += 1;
         let fast = match &self.guest {
             Some(guest) => self.vcpu.fast_page_fault(guest, f),
@@ -340,9 +414,13 @@ impl<F: PteFormat> Cpu<F> {
             return Err(Exit::DirtyRingFull);
         };
         self.counters.ring_full_exits += 1;
+        let t0 = self.fault_start.is_some().then(Instant::now);
         self.exit();
         h();
         self.enter();
+        if let (Some(t0), Some(start)) = (t0, &mut self.fault_start) {
+            *start += t0.elapsed();
+        }
         Ok(())
     }
 

@@ -12,12 +12,13 @@ use slat::format::{PteFormat, PAGE_SHIFT, PAGE_SIZE};
 use slat::memslot::MemslotFlags;
 use slat::{DirtyLogError, Ept, HostRange, HostRangeError, MemslotError, SlotId, Vm, VmConfig};
 use slat_workload::cpus::VcpuTids;
+use slat_workload::latency::LatencyHistogram;
 pub use slat_workload::{DirtyConfig, Layout, FIRST_SLOT};
 use slat_workload::{RegionSize, RegionSpec, Rendezvous, TestMachine, TestRegion, WorkloadError};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// What to build.
 #[derive(Debug, Clone, Copy)]
@@ -122,8 +123,28 @@ pub enum Workload {
     Paced(crate::paced::PacedParams),
 }
 
+impl Workload {
+    /// Whether the vCPUs time their faulting writes ([`PassParams::timed`]); the dirty-log
+    /// writer and the page-table stages have no pass parameters and are never timed.
+    fn timed(&self) -> bool {
+        match self {
+            Workload::Pass(p) | Workload::Loop(p) => p.timed,
+            Workload::Paced(p) => p.pass.timed,
+            Workload::Writer { .. } | Workload::Stage(_) => false,
+        }
+    }
+}
+
+/// What a vCPU thread reports: its part of the workload and, when it was timed, its faulting
+/// writes' latencies (kept apart because [`VcpuPass`] is `Copy`).
+#[derive(Debug, Clone, Default)]
+struct VcpuResult {
+    pass: VcpuPass,
+    latency: Option<LatencyHistogram>,
+}
+
 /// The host's rendezvous with the vCPU threads: every vCPU runs the same workload.
-type Control = Rendezvous<Workload, VcpuPass, Exit>;
+type Control = Rendezvous<Workload, VcpuResult, Exit>;
 
 /// The simulated machine.
 pub struct Machine<F: PteFormat = Ept> {
@@ -336,11 +357,18 @@ impl<F: PteFormat> Machine<F> {
 
     fn wait(&self, t0: Instant) -> Result<PassReport, MachineError> {
         let (wall, results) = self.ctl.collect(t0);
-        let vcpus = results.map_err(|(vcpu, exit)| MachineError::UnexpectedExit { vcpu, exit })?;
+        let mut results =
+            results.map_err(|(vcpu, exit)| MachineError::UnexpectedExit { vcpu, exit })?;
+        // Every vCPU ran the same workload: all timed (one histogram each, in vCPU order) or
+        // none (an empty Vec, which allocates nothing).
+        let latency = results
+            .iter_mut()
+            .filter_map(|r| r.latency.take())
+            .collect();
         Ok(PassReport {
             wall,
-            vcpus,
-            latency: Vec::new(),
+            vcpus: results.iter().map(|r| r.pass).collect(),
+            latency,
         })
     }
 
@@ -416,30 +444,49 @@ fn vcpu_thread<F: PteFormat>(
     while let Some(w) = ctl.next_job() {
         let (gpa, _, pages) = layout.region(idx);
         let before = cpu.counters;
+        if w.timed() {
+            // Allocated here, on the vCPU thread that fills it, before the clock starts.
+            cpu.start_timing();
+        }
         let t0 = Instant::now();
         cpu.enter();
         let r = run_workload(&mut cpu, &w, gpa, pages, idx as u32, halt);
         cpu.exit();
         let time = t0.elapsed();
+        let latency = cpu.take_latency();
         let c = cpu.counters;
-        let r = r.map(|(touched, passes)| VcpuPass {
-            time,
-            pages: touched,
-            passes,
-            ring_full_exits: c.ring_full_exits - before.ring_full_exits,
-            counters: CpuCounters {
-                accesses: c.accesses - before.accesses,
-                walks: c.walks - before.walks,
-                faults: c.faults - before.faults,
-                tlb_flushes: c.tlb_flushes - before.tlb_flushes,
-                ad_updates: c.ad_updates - before.ad_updates,
-                ring_full_exits: c.ring_full_exits - before.ring_full_exits,
-                tlb_conflicts: c.tlb_conflicts - before.tlb_conflicts,
-            },
+        let r = r.map(|(touched, passes)| VcpuResult {
+            pass: pass_of(time, touched, passes, before, c),
+            latency,
         });
         ctl.report(idx, r);
     }
     cpu.destroy();
+}
+
+/// A vCPU's part of a workload: what it did and its counters' growth from `before` to `c`.
+fn pass_of(
+    time: Duration,
+    touched: u64,
+    passes: u64,
+    before: CpuCounters,
+    c: CpuCounters,
+) -> VcpuPass {
+    VcpuPass {
+        time,
+        pages: touched,
+        passes,
+        ring_full_exits: c.ring_full_exits - before.ring_full_exits,
+        counters: CpuCounters {
+            accesses: c.accesses - before.accesses,
+            walks: c.walks - before.walks,
+            faults: c.faults - before.faults,
+            tlb_flushes: c.tlb_flushes - before.tlb_flushes,
+            ad_updates: c.ad_updates - before.ad_updates,
+            ring_full_exits: c.ring_full_exits - before.ring_full_exits,
+            tlb_conflicts: c.tlb_conflicts - before.tlb_conflicts,
+        },
+    }
 }
 
 /// Runs one workload on a vCPU in guest mode; returns (pages touched, full passes).

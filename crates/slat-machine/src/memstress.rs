@@ -16,7 +16,25 @@ pub use slat_workload::pattern::{
 
 /// Runs one memstress pass of vCPU `vcpu_idx` over `pages` pages starting at `gpa`; with
 /// `halt`, stops early once it is set (checked every 1024 pages). Returns the pages touched.
+/// A timed pass ([`PassParams::timed`]) times its faulting writes; the caller started the
+/// vCPU's timing ([`Cpu::start_timing`]).
 pub fn guest_pass<F: PteFormat>(
+    cpu: &mut Cpu<F>,
+    gpa: u64,
+    pages: u64,
+    params: PassParams,
+    vcpu_idx: u32,
+    halt: Option<&AtomicBool>,
+) -> Result<u64, Exit> {
+    // Chosen once per pass, so an untimed pass's loop does not test it per write.
+    if params.timed {
+        pass::<F, true>(cpu, gpa, pages, params, vcpu_idx, halt)
+    } else {
+        pass::<F, false>(cpu, gpa, pages, params, vcpu_idx, halt)
+    }
+}
+
+fn pass<F: PteFormat, const TIMED: bool>(
     cpu: &mut Cpu<F>,
     gpa: u64,
     pages: u64,
@@ -29,7 +47,9 @@ pub fn guest_pass<F: PteFormat>(
             return Ok(n as u64);
         }
         let a = gpa + page * PAGE_SIZE;
-        if write {
+        if write && TIMED {
+            cpu.write_u64_timed(a, MEMSTRESS_PATTERN)?;
+        } else if write {
             cpu.write_u64(a, MEMSTRESS_PATTERN)?;
         } else {
             std::hint::black_box(cpu.read_u64(a)?);

@@ -99,8 +99,25 @@ pub struct PacedParams {
 }
 
 /// Runs the paced workload of vCPU `idx` over `pages` pages at `gpa` until `halt` is set.
-/// Returns (pages touched, full passes).
+/// Returns (pages touched, full passes). With `params.pass.timed`, times the faulting writes
+/// (the caller started the vCPU's timing).
 pub(crate) fn run<F: PteFormat>(
+    cpu: &mut Cpu<F>,
+    params: &PacedParams,
+    gpa: u64,
+    pages: u64,
+    idx: u32,
+    halt: &AtomicBool,
+) -> Result<(u64, u64), Exit> {
+    // Chosen once per run, so an untimed run's loop does not test it per write.
+    if params.pass.timed {
+        run_paced::<F, true>(cpu, params, gpa, pages, idx, halt)
+    } else {
+        run_paced::<F, false>(cpu, params, gpa, pages, idx, halt)
+    }
+}
+
+fn run_paced<F: PteFormat, const TIMED: bool>(
     cpu: &mut Cpu<F>,
     params: &PacedParams,
     gpa: u64,
@@ -173,7 +190,11 @@ pub(crate) fn run<F: PteFormat>(
             let a = gpa + page * PAGE_SIZE;
             if write {
                 value += 1;
-                cpu.write_u64(a, value)?;
+                if TIMED {
+                    cpu.write_u64_timed(a, value)?;
+                } else {
+                    cpu.write_u64(a, value)?;
+                }
                 unreported += 1;
                 bucket.take();
             } else {
