@@ -92,9 +92,11 @@ impl Harvest {
         let mut first = 0u64;
         while first < self.pages_per_slot {
             let num = step.min(self.pages_per_slot - first);
+            // Exactly the chunk's words: KVM's CLEAR reads num/64 words, and the typed API
+            // refuses any other length.
             let word = (first / 64) as usize;
-            let words = &bitmap[word.min(bitmap.len())..];
-            m.clear_dirty_log(id, first, num, words)?;
+            let end = (word + num.div_ceil(64) as usize).min(bitmap.len());
+            m.clear_dirty_log(id, first, num, &bitmap[word.min(end)..end])?;
             first += num;
         }
         Ok(())
