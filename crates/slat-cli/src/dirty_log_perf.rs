@@ -70,8 +70,8 @@ pub struct DirtyLogPerfArgs {
     /// Run the benchmark once per combination of the listed settings, in this process, and
     /// print one table (KEY=V1,V2,...; repeat for more keys; keys: vcpus, format, fast-pf,
     /// mmu-lock, ad-bits, cmo, get-dirty-log, dirty-tracking, eager-split, recover, rebuild,
-    /// wrprot, log, clear-chunk). On `--backend kvm` only vcpus, log (get, clear, ring) and
-    /// clear-chunk apply. The seed's table: `--concurrent --vary wrprot=walk,rmap,rmap-lockless
+    /// wrprot, log, clear-chunk). log: get, clear, clear:N (CLEAR in chunks of N pages), ring.
+    /// On `--backend kvm` only vcpus, log and clear-chunk apply. The seed's table: `--concurrent --vary wrprot=walk,rmap,rmap-lockless
     /// --vary log=get,clear,ring --vary vcpus=1,2`.
     /// Fast page fault and MMU lock: `--vary vcpus=1,2 --vary fast-pf=on,off --vary
     /// mmu-lock=rwlock,mutex`; the two GET_DIRTY_LOG variants: `-g --vary

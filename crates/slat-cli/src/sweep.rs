@@ -103,8 +103,8 @@ pub enum Setting {
     Rebuild(RebuildOrder),
     /// `wrprot=...`.
     Wrprot(WrprotVariant),
-    /// `log=get|clear|ring`.
-    Log(LogKind),
+    /// `log=get|clear|clear:N|ring` (`clear:N`: CLEAR in chunks of N pages).
+    Log(LogKind, Option<ClearChunk>),
     /// `clear-chunk=N|slot`.
     ClearChunk(ClearChunk),
 }
@@ -131,7 +131,7 @@ impl Setting {
             Setting::Recover(_) => Key::Recover,
             Setting::Rebuild(_) => Key::Rebuild,
             Setting::Wrprot(_) => Key::Wrprot,
-            Setting::Log(_) => Key::Log,
+            Setting::Log(..) => Key::Log,
             Setting::ClearChunk(_) => Key::ClearChunk,
         }
     }
@@ -149,7 +149,8 @@ impl Setting {
             Setting::Recover(v) => v.to_string(),
             Setting::Rebuild(v) => v.to_string(),
             Setting::Wrprot(v) => v.to_string(),
-            Setting::Log(v) => value_name(&v),
+            Setting::Log(v, None) => value_name(&v),
+            Setting::Log(v, Some(c)) => format!("{}:{}", value_name(&v), c.name()),
             Setting::ClearChunk(v) => v.name(),
         }
     }
@@ -180,7 +181,12 @@ impl Setting {
             Setting::Recover(v) => dirty.recover = v,
             Setting::Rebuild(v) => dirty.rebuild = v,
             Setting::Wrprot(v) => dirty.wrprot = v,
-            Setting::Log(v) => log.set_kind(v),
+            Setting::Log(v, chunk) => {
+                log.set_kind(v);
+                if let Some(c) = chunk {
+                    log.clear_chunk = c;
+                }
+            }
             Setting::ClearChunk(v) => log.clear_chunk = v,
         }
     }
@@ -227,7 +233,18 @@ fn parse_value(key: Key, k: &str, v: &str) -> Result<Setting, String> {
         Key::Cmo => Setting::Cmo(engine(k, v)?),
         Key::Rebuild => Setting::Rebuild(engine(k, v)?),
         Key::Wrprot => Setting::Wrprot(engine(k, v)?),
-        Key::Log => Setting::Log(choice(k, v)?),
+        Key::Log => match v.split_once(':') {
+            Some(("clear", n)) => Setting::Log(
+                LogKind::Clear,
+                Some(clear_chunk(n).map_err(|e| format!("--vary {k}: {e}"))?),
+            ),
+            Some(_) => {
+                return Err(format!(
+                    "--vary {k}: `{v}`: only clear takes a chunk size (clear:N)"
+                ))
+            }
+            None => Setting::Log(choice(k, v)?, None),
+        },
         Key::ClearChunk => {
             Setting::ClearChunk(clear_chunk(v).map_err(|e| format!("--vary {k}: {e}"))?)
         }
@@ -344,7 +361,13 @@ mod tests {
         assert!(parse_vary("recover=inplace,on-fault").is_ok());
         assert!(parse_vary("cmo=always,on-install").is_ok());
         assert!(parse_vary("rebuild=break-first,install-first").is_ok());
-        assert!(parse_vary("log=get,clear,ring").is_ok());
+        assert!(parse_vary("log=get,clear,ring,clear:64,clear:slot").is_ok());
+        assert!(parse_vary("log=get:64").unwrap_err().contains("only clear"));
+        assert!(parse_vary("log=clear:65")
+            .unwrap_err()
+            .contains("power of two"));
+        let l = parse_vary("log=clear:4096").unwrap();
+        assert_eq!(l.values[0].label(), "log=clear:4096");
         assert!(parse_vary("log=bitmap")
             .unwrap_err()
             .contains("get, clear, ring"));
