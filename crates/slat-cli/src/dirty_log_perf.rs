@@ -905,13 +905,14 @@ fn sweep(a: &DirtyLogPerfArgs) -> CliResult {
 }
 
 fn print_sweep_title(a: &DirtyLogPerfArgs) {
-    let format = if a.vary.iter().any(|v| v.key == Key::Format) {
+    let format = if a.vary.iter().any(|v| v.key == Key::Format) || a.backend[0] != BackendArg::Sim {
         String::new()
     } else {
         format!(" --format {}", a.machine.format.name())
     };
     println!(
-        "dirty-log-perf sweep:{format} -b {} -i {}{}, one run per row, all in this process",
+        "dirty-log-perf sweep on {}:{format} -b {} -i {}{}, one run per row, all in this process",
+        a.backend[0].name(),
         format_size(a.work.bytes),
         a.iterations,
         run_flags(a)
