@@ -180,39 +180,180 @@ impl Guard {
     }
 }
 
+/// Under loom: the guard's id in the reclamation model ([`epoch_model`]), `None` for a vCPU in
+/// guest mode (not registered: it is protected by the flush protocol, not by a pin).
 #[cfg(loom)]
-pub(crate) struct Guard;
+pub(crate) struct Guard(Option<u64>);
 
+/// Pins the thread (registers a guard in [`epoch_model`]) and, as crossbeam's pin does, ends
+/// with a `SeqCst` fence: a reader pinned after a deferral sees what the deferrer did before it.
 #[cfg(loom)]
 pub(crate) fn pin() -> Guard {
-    Guard
+    let id = epoch_model::register();
+    fence(Ordering::SeqCst);
+    Guard(Some(id))
 }
 
 /// See the non-loom version.
 #[cfg(loom)]
 pub(crate) unsafe fn guest_mode_guard() -> Guard {
-    Guard
+    Guard(None)
 }
 
 #[cfg(loom)]
 impl Guard {
-    // Loom does not model reclamation; deferred frees run when the model's VM is dropped, via the
-    // allocator's graveyard, which is the most conservative schedule possible.
+    /// Queues `f` until every guard alive now has been dropped (see [`epoch_model`]). The
+    /// `SeqCst` fence stands for the one crossbeam issues when it seals deferred work with the
+    /// current epoch; whoever runs `f` fences too, so `f` sees what preceded the deferral.
     pub(crate) fn defer<F: FnOnce() + Send + 'static>(&self, f: F) {
-        LOOM_DEFERRED.with(|d| d.borrow_mut().push(Box::new(f)));
+        fence(Ordering::SeqCst);
+        epoch_model::defer(Box::new(f));
     }
+    /// Runs deferred work that waits for no guard any more (deferred with nobody pinned).
     pub(crate) fn flush(&self) {
-        let fs: Vec<_> = LOOM_DEFERRED.with(|d| std::mem::take(&mut *d.borrow_mut()));
-        for f in fs {
-            f();
-        }
+        epoch_model::collect(None);
     }
 }
 
 #[cfg(loom)]
-type Deferred = Box<dyn FnOnce() + Send>;
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if let Some(id) = self.0 {
+            epoch_model::collect(Some(id));
+        }
+    }
+}
 
+/// The reclamation model under loom: an ideal grace period, the earliest any epoch scheme
+/// could free. A deferred closure waits for exactly the guards alive when it was deferred
+/// (including the deferrer's own) and runs, in the thread that drops the last of them, as soon
+/// as they are all gone; guards taken after the deferral do not hold it back. Frees therefore
+/// come as early as a correct scheme allows, and a reader that is not protected by a pin that
+/// predates the deferral sees its page freed (`TablePage::at` checks, under loom).
+///
+/// The bookkeeping is plain data behind a `std` mutex, invisible to loom (all loom threads run
+/// on one OS thread, and the lock is never held across a loom scheduling point), so it adds no
+/// interleavings and no synchronisation to the model: the only loom-visible effects are the
+/// `SeqCst` fences of pin, defer and run. The state is a `loom::lazy_static`, reset for every
+/// execution; it is first touched when a VM is created ([`touch`]): a lazy static's first
+/// access is a release that every later access acquires, and from the VM's creator, before it
+/// shares the VM, that links no threads the model would otherwise leave unordered.
 #[cfg(loom)]
-std::thread_local! {
-    static LOOM_DEFERRED: std::cell::RefCell<Vec<Deferred>> = const { std::cell::RefCell::new(Vec::new()) };
+pub(crate) mod epoch_model {
+    use loom::sync::atomic::{fence, Ordering};
+
+    type Deferred = Box<dyn FnOnce() + Send>;
+
+    struct Waiting {
+        /// Guards alive at the deferral that are still alive.
+        on: Vec<u64>,
+        /// The loom thread that deferred (for [`frees_held_back`]).
+        by: loom::thread::ThreadId,
+        f: Deferred,
+    }
+
+    #[derive(Default)]
+    struct State {
+        next_id: u64,
+        /// Live guards: (id, loom thread).
+        active: Vec<(u64, loom::thread::ThreadId)>,
+        queue: Vec<Waiting>,
+        /// Closures that became runnable when another thread than their deferrer unpinned:
+        /// a reader's pin held a free back (coverage for the models).
+        held_back: u64,
+        /// Loom threads now running deferred work (one entry per nesting level).
+        running: Vec<loom::thread::ThreadId>,
+    }
+
+    pub(crate) struct Epoch(std::sync::Mutex<State>);
+
+    impl Drop for Epoch {
+        fn drop(&mut self) {
+            // End of an execution (outside it). Closures still queued (a guard was leaked, or
+            // the execution failed) hold loom objects that cannot be dropped here: leak them;
+            // on a passing execution loom's leak check then reports their `Arc`s.
+            let st = self.0.get_mut().unwrap_or_else(|e| e.into_inner());
+            for w in st.queue.drain(..) {
+                std::mem::forget(w);
+            }
+        }
+    }
+
+    loom::lazy_static! {
+        static ref EPOCH: Epoch = Epoch(std::sync::Mutex::new(State::default()));
+    }
+
+    fn state() -> std::sync::MutexGuard<'static, State> {
+        EPOCH.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Initialises the model's state for this execution (called by the VM's creator, before it
+    /// shares the VM with other threads).
+    pub(crate) fn touch() {
+        drop(state());
+    }
+
+    pub(super) fn register() -> u64 {
+        let mut st = state();
+        st.next_id += 1;
+        let id = st.next_id;
+        st.active.push((id, loom::thread::current().id()));
+        id
+    }
+
+    pub(super) fn defer(f: Deferred) {
+        let mut st = state();
+        let on = st.active.iter().map(|&(id, _)| id).collect();
+        let by = loom::thread::current().id();
+        st.queue.push(Waiting { on, by, f });
+    }
+
+    /// Drops guard `id` (if any) and runs every closure that waits for no live guard any
+    /// more. Closures run outside the lock; one that pins and defers (retire's first grace
+    /// period) queues the next stage, which the drop of its own guard collects: the chain is
+    /// as long as the retire's stages, so this is bounded.
+    pub(super) fn collect(id: Option<u64>) {
+        let me = loom::thread::current().id();
+        let ready: Vec<Deferred> = {
+            let mut st = state();
+            if let Some(id) = id {
+                st.active.retain(|&(g, _)| g != id);
+                for w in st.queue.iter_mut() {
+                    w.on.retain(|&g| g != id);
+                }
+            }
+            if std::thread::panicking() {
+                return; // the execution failed already; leave the work queued
+            }
+            let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut st.queue)
+                .into_iter()
+                .partition(|w| w.on.is_empty());
+            st.queue = waiting;
+            st.held_back += ready.iter().filter(|w| w.by != me).count() as u64;
+            ready.into_iter().map(|w| w.f).collect()
+        };
+        for f in ready {
+            // Whoever runs deferred work has synchronised with the deferral (crossbeam's
+            // collector fences before it looks at the epoch).
+            fence(Ordering::SeqCst);
+            state().running.push(me);
+            f();
+            let mut st = state();
+            if let Some(i) = st.running.iter().rposition(|&t| t == me) {
+                st.running.remove(i);
+            }
+        }
+    }
+
+    /// The current loom thread is running deferred work (a retire's sweep, a free).
+    pub(crate) fn in_deferred() -> bool {
+        let me = loom::thread::current().id();
+        state().running.contains(&me)
+    }
+
+    /// Deferred closures (this execution) freed by another thread than the one that deferred
+    /// them, because that thread's pin held them back.
+    pub(crate) fn frees_held_back() -> u64 {
+        state().held_back
+    }
 }

@@ -58,6 +58,11 @@ impl TableMeta {
 struct TableFrame {
     page: TablePage,
     meta: TableMeta,
+    /// Under loom: where the page is in its life ([`loom_life`]). A `std` atomic: loom threads
+    /// run on one OS thread, so it follows the model's schedule exactly and adds nothing to
+    /// the model.
+    #[cfg(loom)]
+    life: std::sync::atomic::AtomicU8,
 }
 
 impl TablePage {
@@ -70,7 +75,10 @@ impl TablePage {
     #[inline]
     pub unsafe fn at<'a>(addr: u64) -> &'a TablePage {
         // SAFETY: guaranteed by the caller (see above).
-        unsafe { &*(addr as *const TablePage) }
+        let page = unsafe { &*(addr as *const TablePage) };
+        #[cfg(loom)]
+        loom_life::check_use(page);
+        page
     }
 
     /// Host address of this page (what a table entry stores).
@@ -115,7 +123,10 @@ impl OwnedTable {
     /// that nobody else will free.
     pub unsafe fn from_unlinked(addr: u64) -> OwnedTable {
         // SAFETY: non-null by the caller's guarantee.
-        OwnedTable(unsafe { NonNull::new_unchecked(addr as *mut TablePage) })
+        let t = OwnedTable(unsafe { NonNull::new_unchecked(addr as *mut TablePage) });
+        #[cfg(loom)]
+        loom_life::advance(t.page(), loom_life::UNLINKED);
+        t
     }
     /// Gives up ownership: the page is now linked into the tree.
     pub fn into_linked(self) -> u64 {
@@ -152,6 +163,11 @@ impl Default for TableAlloc {
 impl TableAlloc {
     /// A new allocator with no pages.
     pub fn new() -> Self {
+        #[cfg(loom)]
+        {
+            crate::sync::epoch_model::touch();
+            loom_life::touch();
+        }
         TableAlloc {
             live: AtomicU64::new(0),
             allocated: AtomicU64::new(0),
@@ -184,6 +200,10 @@ impl TableAlloc {
             return;
         }
         let alloc = this.clone();
+        #[cfg(loom)]
+        for t in &pages {
+            loom_life::advance(t.page(), loom_life::FREE_PENDING);
+        }
         let addrs: Vec<u64> = pages.into_iter().map(OwnedTable::into_linked).collect();
         guard.defer(move || {
             for a in addrs {
@@ -238,15 +258,154 @@ fn alloc_zeroed_page() -> NonNull<TablePage> {
         meta: TableMeta {
             packed: AtomicU64::new(0),
         },
+        life: std::sync::atomic::AtomicU8::new(loom_life::LIVE),
     });
     // SAFETY: Box::into_raw never returns null; the page is the frame's first field.
     unsafe { NonNull::new_unchecked(Box::into_raw(b) as *mut TablePage) }
 }
 
+/// Under loom a freed page is poisoned, not deallocated: its memory stays valid for the rest
+/// of the execution, so a use after free is reported (by [`TablePage::at`]) instead of being
+/// undefined behaviour in the checker. The frame goes to the execution's graveyard, which
+/// deallocates it when the execution ends.
 #[cfg(loom)]
 fn free_page(p: NonNull<TablePage>) {
-    // SAFETY: allocated as a boxed TableFrame in `alloc_zeroed_page`, freed once.
-    drop(unsafe { Box::from_raw(p.as_ptr() as *mut TableFrame) });
+    // SAFETY: `p` came from `alloc_zeroed_page` and is never deallocated before the
+    // execution's graveyard is dropped, so it is a live page.
+    let page = unsafe { p.as_ref() };
+    loom_life::free(page);
+}
+
+/// Loom's view of a table page's life: live → unlinked (an owner took it back from the tree)
+/// → free pending (handed to the last grace period) → freed (poisoned). Per execution.
+#[cfg(loom)]
+pub(crate) mod loom_life {
+    use super::{TableFrame, TablePage};
+    use std::sync::atomic::Ordering::SeqCst;
+
+    pub(crate) const LIVE: u8 = 0;
+    pub(crate) const UNLINKED: u8 = 1;
+    pub(crate) const FREE_PENDING: u8 = 2;
+    pub(crate) const FREED: u8 = 3;
+
+    #[derive(Default)]
+    struct Report {
+        /// Frames freed in this execution (deallocated when it ends).
+        graveyard: Vec<usize>,
+        /// The first use after free (or double free) seen.
+        uaf: Option<String>,
+        reads_unlinked: u64,
+        reads_free_pending: u64,
+    }
+
+    struct Graveyard(std::sync::Mutex<Report>);
+
+    impl Drop for Graveyard {
+        fn drop(&mut self) {
+            let r = self.0.get_mut().unwrap_or_else(|e| e.into_inner());
+            for a in r.graveyard.drain(..) {
+                // SAFETY: each frame came from `Box::into_raw` in `alloc_zeroed_page`, is in
+                // the graveyard once (a double free is reported, not recorded twice), and the
+                // execution that could reach it is over.
+                drop(unsafe { Box::from_raw(a as *mut TableFrame) });
+            }
+            // A use after free not already reported by the model itself fails the execution.
+            if let Some(m) = r.uaf.take() {
+                if !std::thread::panicking() {
+                    panic!("{m}");
+                }
+            }
+        }
+    }
+
+    loom::lazy_static! {
+        static ref GRAVEYARD: Graveyard = Graveyard(std::sync::Mutex::new(Report::default()));
+    }
+
+    fn report() -> std::sync::MutexGuard<'static, Report> {
+        GRAVEYARD.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Initialises this execution's report from the VM's creator, before other threads can
+    /// reach it: a loom lazy static's first access is a release that every later access
+    /// acquires, which must not link threads the model would otherwise leave unordered.
+    pub(crate) fn touch() {
+        drop(report());
+    }
+
+    fn frame(page: &TablePage) -> &TableFrame {
+        // SAFETY: every `TablePage` is the first field of a `TableFrame` (see `meta`).
+        unsafe { &*(page as *const TablePage as *const TableFrame) }
+    }
+
+    fn life(page: &TablePage) -> u8 {
+        frame(page).life.load(SeqCst)
+    }
+
+    pub(crate) fn advance(page: &TablePage, to: u8) {
+        frame(page).life.fetch_max(to, SeqCst);
+    }
+
+    fn uaf(m: String) {
+        let mut r = report();
+        r.uaf.get_or_insert(m);
+    }
+
+    pub(crate) fn free(page: &TablePage) {
+        let was = frame(page).life.swap(FREED, SeqCst);
+        if was == FREED {
+            uaf(format!(
+                "use after free of table page {:#x}: freed twice",
+                page.addr()
+            ));
+        } else {
+            report().graveyard.push(page.addr() as usize);
+        }
+    }
+
+    pub(crate) fn check_use(page: &TablePage) {
+        match life(page) {
+            LIVE => {}
+            // Coverage counts readers only, not the retire's own sweep.
+            UNLINKED | FREE_PENDING if crate::sync::epoch_model::in_deferred() => {}
+            UNLINKED => report().reads_unlinked += 1,
+            FREE_PENDING => report().reads_free_pending += 1,
+            _ => uaf(format!(
+                "use after free of table page {:#x}: reached after its last grace period",
+                page.addr()
+            )),
+        }
+    }
+
+    pub(crate) fn take_uaf() -> Option<String> {
+        report().uaf.take()
+    }
+
+    pub(crate) fn reads() -> (u64, u64) {
+        let r = report();
+        (r.reads_unlinked, r.reads_free_pending)
+    }
+}
+
+#[cfg(loom)]
+impl TablePage {
+    /// Loom only: the first use after free of a table page seen in this execution (a page
+    /// reached through [`TablePage::at`] after it was freed, or freed twice), taken so the
+    /// model reports it from its main thread. One not taken fails the execution at its end.
+    pub fn loom_use_after_free() -> Option<String> {
+        loom_life::take_uaf()
+    }
+    /// Loom only, coverage: pages reached through [`TablePage::at`] in this execution (outside
+    /// deferred work) after they were unlinked, and after their free was handed to the last
+    /// grace period.
+    pub fn loom_reads_of_retiring_pages() -> (u64, u64) {
+        loom_life::reads()
+    }
+    /// Loom only, coverage: deferred frees run by another thread than the one that deferred
+    /// them, because that thread was still pinned.
+    pub fn loom_frees_held_back() -> u64 {
+        crate::sync::epoch_model::frees_held_back()
+    }
 }
 
 /// Pages a vCPU keeps ready so a fault never allocates under the MMU lock.
