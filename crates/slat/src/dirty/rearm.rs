@@ -290,6 +290,10 @@ fn protect_lockless<F: PteFormat>(
         }
         let leaf = F::is_present(old) && F::is_leaf(old, lvl);
         protect_entry(mmu, sptep, lvl, gfn, old, pending);
+        // Under loom: the page must still be allocated after the compare-and-swap too (a use
+        // that outlived the pin would show here, not only at the lookup).
+        #[cfg(loom)]
+        crate::mmu::table::loom_life::check_use(page);
         if leaf {
             // The one leaf that maps `gfn` (the rmap is exact in a logged slot): no need to
             // look at the levels above.
