@@ -345,7 +345,10 @@ fn measure(a: &SnapshotPerfArgs, kind: BackendArg, ks: &[u64]) -> CliResult<Run>
                 a.machine.format,
                 &vm,
                 a.machine.tlb_entries,
-                sim_only(a.machine.pcpus.unwrap_or(0)),
+                sim_only(a.machine.pcpus.unwrap_or_else(|| {
+                    // The simulated machine's default: every host CPU.
+                    std::thread::available_parallelism().map_or(1, usize::from)
+                })),
                 !a.machine.no_prefault,
             ),
             vcpus: a.work.vcpus,
