@@ -105,6 +105,10 @@ fn bad_input_exits_2_with_one_line() {
         &["snapshot-perf", "-g", "--dirty-ring", "256"],
         &["snapshot-perf", "--backend", "kvm", "--format", "stage2"],
         &["snapshot-perf", "--backend", "sim,sim"],
+        // 4 x (2^62 - 16 KiB) wraps to 16 KiB in 64 bits.
+        &["snapshot-perf", "-v", "4", "-b", "4611686018427392000"],
+        // 32 PiB: more than the host and a 48-bit guest physical space.
+        &["snapshot-perf", "-v", "512", "-b", "64T"],
     ] {
         let (code, out, err) = slat(args);
         assert_eq!(code, 2, "{args:?}: {out}{err}");

@@ -118,6 +118,10 @@ impl<'m, M: TestMachine + ?Sized> MachineSnapshot<'m, M> {
 
     /// Resets the test region to the snapshot: harvests the dirty log (re-arming it), then
     /// copies back each dirty page once.
+    ///
+    /// After an error, pages the failed harvest had taken may be in neither the log nor the
+    /// snapshot's page set any more: [`Self::reset_all`] restores the region whatever was
+    /// lost.
     pub fn reset(&mut self) -> Res<ResetReport, M> {
         let (harvest, rearm) = self.log.harvest()?;
         let t = Instant::now();
