@@ -43,7 +43,10 @@ fn reset_rounds(setup: Setup) {
     for round in 0..20 {
         let written = pages(round);
         vm.pass(&written);
-        assert!(snap.verify().is_err(), "{setup:?} round {round}: nothing written");
+        assert!(
+            snap.verify().is_err(),
+            "{setup:?} round {round}: nothing written"
+        );
         // Re-arm (take), then copy, then commit.
         let set = vm.harvester.take().unwrap();
         dirty.add_dirty_set(&set).unwrap();
