@@ -18,6 +18,7 @@ mod output;
 mod page_table_test;
 mod plot;
 mod report;
+mod snapshot_perf;
 mod sweep;
 
 use clap::{Parser, Subcommand};
@@ -60,6 +61,10 @@ enum Command {
     /// Both ends of a live migration in one process over loopback:
     /// migration time, downtime, rounds, dirty rate, bandwidth, throttling.
     MigratePerf(migrate::MigratePerfArgs),
+    /// Snapshot-fuzzer resets: the guest dirties k pages per iteration and the host copies
+    /// back only the dirty pages (harvest, re-arm, copy); reset time per k against a memcpy
+    /// floor measured in the same run and against a full-copy reset of all guest RAM.
+    SnapshotPerf(snapshot_perf::SnapshotPerfArgs),
 }
 
 /// Clap's error as one line: the problem and what it lists under it (the missing flags, the
@@ -120,6 +125,7 @@ fn main() {
         Command::Migrate(a) => migrate::run_migrate(a),
         Command::MigrateListen(a) => migrate::run_listen(a),
         Command::MigratePerf(a) => migrate::run_perf(a),
+        Command::SnapshotPerf(a) => snapshot_perf::run(a),
     };
     if let Err(e) = r {
         // The one place an error becomes an exit status: 2 for refused input, 1 for a failed

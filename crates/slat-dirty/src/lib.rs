@@ -18,6 +18,9 @@
 //!   itself (devices, `vm-memory`'s `AtomicBitmap::get_and_reset`) are merged with
 //!   [`Harvester::mark_words`] / [`Harvester::mark_pages`], or, with the `vm-memory` feature,
 //!   straight from the `AtomicBitmap` (`Harvester::mark_atomic_bitmap`).
+//! - [`snapshot`]: snapshot and reset of guest memory for fuzzers and sandboxes — copy back
+//!   only the dirty pages ([`Snapshot`], [`DirtyPages`]), incremental snapshots
+//!   ([`ChildSnapshot`]), byte-exact verification; re-arm the log before the copy.
 //!
 //! No safe function of this crate lets KVM (or this crate) write outside a buffer or a
 //! mapping: bitmap lengths come from the slot, ring indices are masked into a mapping whose
@@ -31,6 +34,7 @@ pub mod harvest;
 pub mod log;
 pub mod memslot;
 pub mod ranges;
+pub mod snapshot;
 
 pub use error::Error;
 pub use harvest::{DirtySet, Harvester, LogMode};
@@ -41,6 +45,7 @@ pub use log::{
 };
 pub use memslot::{bitmap_words, Memslot};
 pub use ranges::{ranges, Ranges};
+pub use snapshot::{ChildSnapshot, DirtyPages, GuestRegion, ResetStats, Snapshot, SnapshotError};
 /// The `vm-memory` this crate was built with (feature `vm-memory`), for its `AtomicBitmap`.
 #[cfg(feature = "vm-memory")]
 pub use vm_memory;

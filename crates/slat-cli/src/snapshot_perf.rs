@@ -1,0 +1,795 @@
+//! `slat snapshot-perf`: what a snapshot fuzzer's or sandbox's reset costs when it copies back
+//! only the dirty pages (`slat_snapshot::MachineSnapshot` over `slat_dirty::Snapshot`), against
+//! the floor for the same work (memcpy of as many pages between two host buffers, measured in
+//! the same run) and against a full-copy reset of all guest RAM.
+//!
+//! **How the guest dirties exactly k pages.** Each machine's memstress pass touches every page
+//! of each vCPU's region once. So for each k the benchmark builds the machine with a region of
+//! **k pages per vCPU**: a sequential pass then writes exactly `k × vCPUs` pages (a random
+//! pass, `-a`, the distinct pages its draws hit), and every reset's page count is checked
+//! against the shared memstress model (a mismatch fails the run). The full-copy reset is
+//! measured on the machine of the full `-b` per vCPU (the `all` row), so it copies all the
+//! RAM `-v` × `-b` describes. What this choice costs: a harvest on a k-page machine reads a
+//! k-page bitmap, where a guest of `-b` per vCPU with k dirty pages reads a `-b` bitmap — the
+//! harvest column of small k is a lower bound for a large guest (dirty rings do not have this
+//! term). Each row's RAM is in its `ram_pages`.
+
+use crate::args::{
+    check_backends, check_kvm_ring, BackendArg, ClearChunk, FormatArg, LogArgs, MachineArgs,
+    OutputArgs, Workload,
+};
+use crate::backend::dirty_config;
+use crate::error::{CliError, CliResult};
+use crate::limits::{check_backing, GuestMemory};
+use crate::output::{
+    format_name, print_json, print_table, summarize, Better, Metric, MetricSummary, VmSettings,
+};
+use crate::report::{quiet, Phase};
+use clap::Args;
+use hdrhistogram::Histogram;
+use serde::Serialize;
+use slat::{Ept, PteFormat, Stage2};
+use slat_machine::{Machine, MachineConfig};
+use slat_snapshot::{MachineSnapshot, ResetReport};
+use slat_workload::{GuestRam, PassParams, Pattern, RegionSpec, TestMachine, PAGE_SIZE};
+use std::time::{Duration, Instant};
+
+/// Flags of `slat snapshot-perf`.
+#[derive(Debug, Args)]
+pub struct SnapshotPerfArgs {
+    #[command(flatten)]
+    pub work: Workload,
+    /// Pages each vCPU dirties per iteration: a comma-separated list of page counts and `all`
+    /// (every page of -b). Each k runs on a machine whose region is k pages per vCPU (a pass
+    /// covers each page of a vCPU's region once, so it dirties exactly k pages; the full-copy
+    /// reset runs on the machine of all of -b). Default: 1, 4, 16, 64, ...
+    /// up to -b, and all.
+    #[arg(short = 'k', value_name = "PAGES,...", value_delimiter = ',', value_parser = k_value)]
+    pub k: Vec<KValue>,
+    /// Dirty pages in pseudo-random order (each vCPU draws k pages with repetition, so fewer
+    /// than k distinct pages are dirtied) instead of sequentially (exactly k).
+    #[arg(short = 'a')]
+    pub random: bool,
+    /// Iterations (one pass and one reset each) per k (1-1000000).
+    #[arg(short = 'i', value_parser = clap::value_parser!(u32).range(1..=1_000_000), default_value_t = 100)]
+    pub iterations: u32,
+    /// After every reset, compare all of guest memory with the snapshot byte for byte; a
+    /// difference fails the run (exit status 1). Not timed.
+    #[arg(long)]
+    pub verify: bool,
+    #[command(flatten)]
+    pub log: LogArgs,
+    /// The machine(s) to run on: `sim`, `kvm` (the host's /dev/kvm), or `sim,kvm` to run both
+    /// in this process and print a table comparing their reset times.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "sim")]
+    pub backend: Vec<BackendArg>,
+    #[command(flatten)]
+    pub machine: MachineArgs,
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+/// One `-k` value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KValue {
+    /// This many pages per vCPU.
+    Pages(u64),
+    /// Every page of -b.
+    All,
+}
+
+/// Parses a `-k` value: a positive page count or `all`.
+fn k_value(s: &str) -> Result<KValue, String> {
+    if s == "all" {
+        return Ok(KValue::All);
+    }
+    match s.parse::<u64>() {
+        Ok(0) | Err(_) => Err(format!(
+            "`{s}` is not a page count (a positive integer) or `all`"
+        )),
+        Ok(n) => Ok(KValue::Pages(n)),
+    }
+}
+
+const NAME: &str = "snapshot-perf";
+
+/// The run's settings, as the report records them.
+#[derive(Debug, Clone, Serialize)]
+pub struct Config {
+    /// Engine and machine settings.
+    #[serde(flatten)]
+    pub vm: VmSettings,
+    /// `-v`.
+    pub vcpus: u32,
+    /// `-b`.
+    pub bytes_per_vcpu: u64,
+    /// `-s`.
+    pub backing: &'static str,
+    /// `-o`.
+    pub overlap: bool,
+    /// `-a`.
+    pub random: bool,
+    /// `-i`.
+    pub iterations: u32,
+    /// `get` (GET clears), `clear` (GET + CLEAR) or `ring`.
+    pub log: &'static str,
+    /// `--verify`.
+    pub verify: bool,
+}
+
+/// Figures of one k.
+#[derive(Debug, Clone, Serialize)]
+pub struct KRow {
+    /// Pages per vCPU the machine's region has (each vCPU's pass covers them).
+    pub k_per_vcpu: u64,
+    /// Pages of the machine's test region (`k × vCPUs`).
+    pub ram_pages: u64,
+    /// Mean pages copied back per reset (each dirty page once).
+    pub dirty_pages: f64,
+    /// Resets measured.
+    pub resets: u64,
+    /// Resets per second of reset time (harvest + re-arm + copy).
+    pub resets_per_s: f64,
+    /// Median reset, µs.
+    pub reset_p50_us: f64,
+    /// 99th percentile reset, µs.
+    pub reset_p99_us: f64,
+    /// Mean reset, µs.
+    pub reset_mean_us: f64,
+    /// Mean reset over mean dirty pages, µs.
+    pub us_per_dirty_page: f64,
+    /// Mean time reading the log (GET_DIRTY_LOG, or collecting ring entries), µs.
+    pub harvest_mean_us: f64,
+    /// Mean time re-arming it separately (CLEAR_DIRTY_LOG, RESET_DIRTY_RINGS), µs; 0 when GET
+    /// re-armed.
+    pub rearm_mean_us: f64,
+    /// Mean time copying pages back, µs.
+    pub copy_mean_us: f64,
+    /// Median memcpy of as many pages between two host buffers (the floor), µs.
+    pub floor_p50_us: f64,
+    /// 99th percentile of the floor, µs.
+    pub floor_p99_us: f64,
+    /// reset p50 / floor p50.
+    pub ratio_reset_over_floor: Option<f64>,
+    /// full-copy reset p50 / this reset p50: how much the dirty log saves.
+    pub ratio_full_over_reset: Option<f64>,
+    /// Resets checked byte for byte (`--verify`).
+    pub verified: u64,
+}
+
+/// The full-copy reset: all of the `-b` machine's RAM copied back.
+#[derive(Debug, Clone, Serialize)]
+pub struct FullCopy {
+    /// Pages copied per reset.
+    pub pages: u64,
+    /// Resets measured.
+    pub resets: u64,
+    /// Median, µs.
+    pub p50_us: f64,
+    /// 99th percentile, µs.
+    pub p99_us: f64,
+    /// Mean, µs.
+    pub mean_us: f64,
+}
+
+/// One run on one machine.
+#[derive(Debug, Clone, Serialize)]
+pub struct Run {
+    /// `sim` or `kvm`.
+    pub backend: &'static str,
+    /// The page-table format (`null` on kvm).
+    pub format: Option<&'static str>,
+    /// Settings.
+    pub config: Config,
+    /// One per k, in `-k` order.
+    pub rows: Vec<KRow>,
+    /// The full-copy reset.
+    pub full_copy: FullCopy,
+}
+
+/// One reset-p50 summary over `--repeat` runs.
+#[derive(Debug, Clone, Serialize)]
+pub struct KSummary {
+    /// The machine.
+    pub backend: &'static str,
+    /// The row.
+    pub k_per_vcpu: u64,
+    /// Reset p50 over the runs.
+    pub reset_p50_us: MetricSummary,
+}
+
+/// The document: every run (backends × repeats) and the per-k summary.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// `snapshot-perf`.
+    pub benchmark: &'static str,
+    /// `--repeat`.
+    pub repeat: u32,
+    /// The machines, in the order run.
+    pub backends: Vec<&'static str>,
+    /// Backend-major, then repeat.
+    pub runs: Vec<Run>,
+    /// Per backend and k: the reset p50 over the repeats.
+    pub summary: Vec<KSummary>,
+}
+
+/// Runs the benchmark.
+pub fn run(a: &SnapshotPerfArgs) -> CliResult {
+    check(a).map_err(CliError::bad)?;
+    let ks = k_list(a);
+    let mut runs = Vec::new();
+    for &kind in &a.backend {
+        for n in 0..a.out.repeat {
+            if a.out.repeat > 1 && !quiet(a.out.json) {
+                eprintln!("[slat] {} run {}/{}", kind.name(), n + 1, a.out.repeat);
+            }
+            let r = measure(a, kind, &ks)?;
+            if !a.out.json {
+                print_run(&r);
+            }
+            runs.push(r);
+        }
+    }
+    let report = Report {
+        benchmark: NAME,
+        repeat: a.out.repeat,
+        backends: a.backend.iter().map(|b| b.name()).collect(),
+        summary: summary(&runs, a.out.repeat as usize),
+        runs,
+    };
+    if a.out.json {
+        return print_json(&report, &a.backend);
+    }
+    if a.out.repeat > 1 {
+        print_summary(&report);
+    }
+    if a.backend.len() == 2 {
+        print_comparison(&report);
+    }
+    Ok(())
+}
+
+/// Refuses what cannot run, with the flag to change (exit status 2).
+fn check(a: &SnapshotPerfArgs) -> Result<(), String> {
+    a.machine.format.check_backends(&a.backend)?;
+    check_backends(&a.backend, &a.machine.engine_only())?;
+    if a.out.plot.is_some() {
+        return Err("--plot: snapshot-perf has no series to draw; drop --plot".into());
+    }
+    if a.log.clear_chunk != ClearChunk::Slot {
+        return Err(
+            "--clear-chunk: snapshot-perf re-arms a whole memslot per CLEAR; drop --clear-chunk"
+                .into(),
+        );
+    }
+    if a.log.dirty_ring.is_some() && a.log.no_manual {
+        return Err("-g selects GET that clears, --dirty-ring the rings: give one".into());
+    }
+    check_backing(&a.backend, a.work.backing)?;
+    if let Some(ring) = a.log.dirty_ring {
+        check_kvm_ring(&a.backend, ring, "--dirty-ring")?;
+    }
+    let mem = GuestMemory::per_vcpu(a.work.vcpus, a.work.bytes)?;
+    mem.fits_gpa(&a.backend, a.machine.format, None)?;
+    // The machine, the snapshot and the floor's two buffers.
+    mem.fits_host(a.work.backing, 4, a.machine.tlb_bytes(a.work.vcpus))?;
+    let all = a.work.bytes / PAGE_SIZE;
+    if let Some(KValue::Pages(k)) =
+        a.k.iter()
+            .find(|k| matches!(k, KValue::Pages(p) if *p > all))
+    {
+        return Err(format!(
+            "-k {k}: more pages than -b gives each vCPU ({all}); use at most {all}, or `all`"
+        ));
+    }
+    Ok(())
+}
+
+/// The k of each row, in pages per vCPU: `-k`, or powers of 4 up to -b and all of it.
+fn k_list(a: &SnapshotPerfArgs) -> Vec<u64> {
+    let all = a.work.bytes / PAGE_SIZE;
+    if a.k.is_empty() {
+        let mut v: Vec<u64> = std::iter::successors(Some(1u64), |k| k.checked_mul(4))
+            .take_while(|&k| k < all)
+            .collect();
+        v.push(all);
+        return v;
+    }
+    a.k.iter()
+        .map(|k| match k {
+            KValue::Pages(p) => *p,
+            KValue::All => all,
+        })
+        .collect()
+}
+
+fn log_name(a: &SnapshotPerfArgs) -> &'static str {
+    match (a.log.dirty_ring, a.log.no_manual) {
+        (Some(_), _) => "ring",
+        (None, true) => "get",
+        (None, false) => "clear",
+    }
+}
+
+/// Every k on machine `kind`, then the full-copy reset on the machine of all of -b.
+fn measure(a: &SnapshotPerfArgs, kind: BackendArg, ks: &[u64]) -> CliResult<Run> {
+    let all = a.work.bytes / PAGE_SIZE;
+    let mut rows = Vec::new();
+    for &k in ks {
+        let phase = Phase::start(
+            format!("{}: k = {k} pages per vCPU", kind.name()),
+            quiet(a.out.json),
+        );
+        let (row, _) = on_machine(a, kind, k, false)?;
+        rows.push(row);
+        phase.done();
+    }
+    let phase = Phase::start(
+        format!("{}: full-copy reset of {all} pages per vCPU", kind.name()),
+        quiet(a.out.json),
+    );
+    let (_, full) = on_machine(a, kind, all, true)?;
+    phase.done();
+    let full = full.ok_or("the full-copy reset did not run")?;
+    for r in &mut rows {
+        r.ratio_full_over_reset = ratio(full.p50_us, r.reset_p50_us);
+    }
+    let vm = a.machine.vm_config();
+    let sim_only = |x| (kind == BackendArg::Sim).then_some(x);
+    Ok(Run {
+        backend: kind.name(),
+        format: format_name(kind, a.machine.format),
+        config: Config {
+            vm: VmSettings::new(
+                kind,
+                a.machine.format,
+                &vm,
+                a.machine.tlb_entries,
+                sim_only(a.machine.pcpus.unwrap_or_else(|| {
+                    // The simulated machine's default: every host CPU.
+                    std::thread::available_parallelism().map_or(1, usize::from)
+                })),
+                !a.machine.no_prefault,
+            ),
+            vcpus: a.work.vcpus,
+            bytes_per_vcpu: a.work.bytes,
+            backing: a.work.backing.name(),
+            overlap: a.work.overlap,
+            random: a.random,
+            iterations: a.iterations,
+            log: log_name(a),
+            verify: a.verify,
+        },
+        rows,
+        full_copy: full,
+    })
+}
+
+/// Builds machine `kind` with `k` pages per vCPU and measures it.
+fn on_machine(
+    a: &SnapshotPerfArgs,
+    kind: BackendArg,
+    k: u64,
+    full: bool,
+) -> CliResult<(KRow, Option<FullCopy>)> {
+    let region = RegionSpec {
+        backing: a.work.backing,
+        vcpus: a.work.vcpus as usize,
+        bytes_per_vcpu: k * PAGE_SIZE,
+        slots: 1,
+        overlap: a.work.overlap,
+        prefault: !a.machine.no_prefault,
+        dirty: dirty_config(
+            a.log.dirty_ring.is_none() && !a.log.no_manual,
+            a.log.dirty_ring.unwrap_or(0),
+        ),
+    };
+    match (kind, a.machine.format) {
+        (BackendArg::Sim, FormatArg::Ept) => sim::<Ept>(a, region, full),
+        (BackendArg::Sim, FormatArg::Stage2) => sim::<Stage2>(a, region, full),
+        (BackendArg::Kvm, _) => {
+            let m = slat_kvm::KvmMachine::new(slat_kvm::KvmConfig {
+                region,
+                ..slat_kvm::KvmConfig::default()
+            })
+            .map_err(|e| CliError::Runtime(e.to_string()))?;
+            Bench::new(a, &m, m.ram()).run(full)
+        }
+    }
+}
+
+fn sim<F: PteFormat>(
+    a: &SnapshotPerfArgs,
+    region: RegionSpec,
+    full: bool,
+) -> CliResult<(KRow, Option<FullCopy>)> {
+    let m = Machine::<F>::new(MachineConfig {
+        vm: a.machine.vm_config(),
+        region,
+        tlb_entries: a.machine.tlb_entries,
+        pcpus: a.machine.pcpus.unwrap_or(0),
+        ..MachineConfig::default()
+    })
+    .map_err(|e| CliError::Runtime(e.to_string()))?;
+    Bench::new(a, &m, m.ram()).run(full)
+}
+
+/// One machine's measurement.
+struct Bench<'a, M: TestMachine> {
+    a: &'a SnapshotPerfArgs,
+    m: &'a M,
+    ram: &'a GuestRam,
+}
+
+fn runtime<E: std::fmt::Display>(e: E) -> CliError {
+    CliError::Runtime(e.to_string())
+}
+
+/// Nanoseconds from 1 ns to an hour, 3 significant digits.
+fn hist() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 3_600_000_000_000, 3).expect("valid bounds and precision")
+}
+
+fn us(h: &Histogram<u64>, q: f64) -> f64 {
+    h.value_at_quantile(q) as f64 / 1000.0
+}
+
+fn ratio(p: f64, q: f64) -> Option<f64> {
+    (q > 0.0).then(|| p / q)
+}
+
+/// Sums of a reset's parts.
+#[derive(Default)]
+struct Split {
+    pages: u64,
+    harvest: Duration,
+    rearm: Duration,
+    copy: Duration,
+}
+
+impl Split {
+    fn add(&mut self, r: &ResetReport) {
+        self.pages += r.pages;
+        self.harvest += r.harvest;
+        self.rearm += r.rearm;
+        self.copy += r.copy;
+    }
+}
+
+impl<'a, M: TestMachine> Bench<'a, M> {
+    fn new(a: &'a SnapshotPerfArgs, m: &'a M, ram: &'a GuestRam) -> Self {
+        Bench { a, m, ram }
+    }
+
+    /// Iteration `i`'s pass: a new seed each time, so random passes dirty other pages.
+    fn params(&self, i: u32) -> PassParams {
+        PassParams {
+            write_percent: 100,
+            random: self.a.random,
+            seed: i.wrapping_add(2),
+            timed: false,
+        }
+    }
+
+    /// Distinct pages the memstress model writes in a pass with `p`.
+    fn model_pages(&self, p: PassParams) -> u64 {
+        let l = self.m.layout();
+        let mut hit = vec![false; l.total_pages() as usize];
+        for i in 0..l.vcpus {
+            let (gpa, _, pages) = l.region(i);
+            let first = (gpa - l.gpa) / PAGE_SIZE;
+            for (page, write) in Pattern::new(p, i as u32, pages) {
+                hit[(first + page) as usize] |= write;
+            }
+        }
+        hit.iter().filter(|&&h| h).count() as u64
+    }
+
+    fn pass(&self, i: u32) -> CliResult<PassParams> {
+        let p = self.params(i);
+        self.m.run_pass(p).map_err(runtime)?;
+        Ok(p)
+    }
+
+    fn verify(&self, snap: &MachineSnapshot<'_, M>, what: &str, i: u32) -> CliResult<bool> {
+        if !self.a.verify {
+            return Ok(false);
+        }
+        snap.verify()
+            .map_err(|e| CliError::Runtime(format!("--verify: after {what} {i}: {e}")))?;
+        Ok(true)
+    }
+
+    /// A pass to populate the mappings, the snapshot, then the iterations (and the full-copy
+    /// resets when `full`).
+    fn run(&self, full: bool) -> CliResult<(KRow, Option<FullCopy>)> {
+        let l = self.m.layout();
+        let ram_pages = l.total_pages();
+        // First touch outside the measurement: resets then meet steady-state mappings.
+        self.pass(u32::MAX - 2)?;
+        // SAFETY: `ram` is `m`'s guest RAM (both from the same machine, in `on_machine`), and
+        // the guest runs only through `run_pass`, which returns with every vCPU stopped, so
+        // nothing writes the RAM during take, reset or verify.
+        let mut snap = unsafe { MachineSnapshot::take(self.m, self.ram) }.map_err(runtime)?;
+        let mut floor = Floor::new(ram_pages);
+        let (mut h, mut fh, mut split) = (hist(), hist(), Split::default());
+        let mut verified = 0;
+        for i in 0..self.a.iterations {
+            let p = self.pass(i)?;
+            let r = snap.reset().map_err(runtime)?;
+            let want = self.model_pages(p);
+            if r.pages != want {
+                return Err(CliError::Runtime(format!(
+                    "reset {i}: the dirty log listed {} pages, the pass wrote {want}",
+                    r.pages
+                )));
+            }
+            record(&mut h, r.total());
+            split.add(&r);
+            record(&mut fh, floor.copy(r.pages));
+            verified += u64::from(self.verify(&snap, "reset", i)?);
+        }
+        let full = if full {
+            Some(self.full_copy(&mut snap, ram_pages)?)
+        } else {
+            None
+        };
+        Ok((self.row(&h, &fh, &split, ram_pages, verified), full))
+    }
+
+    /// `-i` full-copy resets, each after a pass.
+    fn full_copy(&self, snap: &mut MachineSnapshot<'_, M>, pages: u64) -> CliResult<FullCopy> {
+        let mut h = hist();
+        for i in 0..self.a.iterations {
+            self.pass(i)?;
+            let r = snap.reset_all().map_err(runtime)?;
+            record(&mut h, r.copy);
+            self.verify(snap, "full-copy reset", i)?;
+        }
+        Ok(FullCopy {
+            pages,
+            resets: h.len(),
+            p50_us: us(&h, 0.5),
+            p99_us: us(&h, 0.99),
+            mean_us: h.mean() / 1000.0,
+        })
+    }
+
+    fn row(
+        &self,
+        h: &Histogram<u64>,
+        fh: &Histogram<u64>,
+        s: &Split,
+        ram_pages: u64,
+        verified: u64,
+    ) -> KRow {
+        let n = h.len().max(1) as f64;
+        let total = (s.harvest + s.rearm + s.copy).as_secs_f64();
+        let mean_us = h.mean() / 1000.0;
+        let dirty = s.pages as f64 / n;
+        let mean = |d: Duration| d.as_secs_f64() * 1e6 / n;
+        KRow {
+            k_per_vcpu: ram_pages / self.m.layout().vcpus as u64,
+            ram_pages,
+            dirty_pages: dirty,
+            resets: h.len(),
+            resets_per_s: if total > 0.0 { n / total } else { 0.0 },
+            reset_p50_us: us(h, 0.5),
+            reset_p99_us: us(h, 0.99),
+            reset_mean_us: mean_us,
+            us_per_dirty_page: ratio(mean_us, dirty).unwrap_or(0.0),
+            harvest_mean_us: mean(s.harvest),
+            rearm_mean_us: mean(s.rearm),
+            copy_mean_us: mean(s.copy),
+            floor_p50_us: us(fh, 0.5),
+            floor_p99_us: us(fh, 0.99),
+            ratio_reset_over_floor: ratio(us(h, 0.5), us(fh, 0.5)),
+            ratio_full_over_reset: None,
+            verified,
+        }
+    }
+}
+
+fn record(h: &mut Histogram<u64>, d: Duration) {
+    // A duration past the histogram's range (an hour) is clamped, never dropped; 0 ns counts
+    // as the lowest bucket.
+    h.saturating_record(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX).max(1));
+}
+
+/// The floor: the same number of 4 KiB copies between two host buffers of the machine's RAM
+/// size, page by page (a reset copies pages, not one contiguous run).
+struct Floor {
+    src: Vec<u8>,
+    dst: Vec<u8>,
+}
+
+impl Floor {
+    fn new(pages: u64) -> Self {
+        let n = (pages * PAGE_SIZE) as usize;
+        // Non-zero, so neither buffer is the shared zero page.
+        Floor {
+            src: vec![0xa5; n],
+            dst: vec![0x5a; n],
+        }
+    }
+
+    /// Copies `pages` pages (at most the buffers'), timed.
+    fn copy(&mut self, pages: u64) -> Duration {
+        let ps = PAGE_SIZE as usize;
+        let t = Instant::now();
+        for (d, s) in self
+            .dst
+            .chunks_exact_mut(ps)
+            .zip(self.src.chunks_exact(ps))
+            .take(pages as usize)
+        {
+            d.copy_from_slice(s);
+        }
+        std::hint::black_box(&mut self.dst);
+        t.elapsed()
+    }
+}
+
+/// Per backend and k, the reset p50 over the repeats.
+fn summary(runs: &[Run], repeat: usize) -> Vec<KSummary> {
+    const P50: Metric<f64> = Metric {
+        name: "reset p50",
+        unit: "us",
+        better: Better::Lower,
+        get: |x| Some(*x),
+    };
+    let mut out = Vec::new();
+    for group in runs.chunks(repeat.max(1)) {
+        for (j, row) in group[0].rows.iter().enumerate() {
+            let xs: Vec<f64> = group.iter().map(|r| r.rows[j].reset_p50_us).collect();
+            out.push(KSummary {
+                backend: group[0].backend,
+                k_per_vcpu: row.k_per_vcpu,
+                reset_p50_us: summarize(&P50, &xs),
+            });
+        }
+    }
+    out
+}
+
+fn f1(x: f64) -> String {
+    format!("{x:.1}")
+}
+
+fn f2(x: f64) -> String {
+    format!("{x:.2}")
+}
+
+fn rx(x: Option<f64>) -> String {
+    x.map_or_else(|| "-".into(), |r| format!("{r:.2}x"))
+}
+
+fn print_run(r: &Run) {
+    let c = &r.config;
+    println!(
+        "snapshot-perf on {}{}: {} vCPUs, log {}, {} order, {} iterations per k{}",
+        r.backend,
+        r.format.map_or(String::new(), |f| format!(" ({f})")),
+        c.vcpus,
+        c.log,
+        if c.random { "random" } else { "sequential" },
+        c.iterations,
+        if c.verify {
+            ", every reset verified byte for byte"
+        } else {
+            ""
+        }
+    );
+    let head: Vec<String> = [
+        "k/vCPU",
+        "dirty pages",
+        "resets/s",
+        "reset p50 us",
+        "p99 us",
+        "us/page",
+        "harvest us",
+        "re-arm us",
+        "copy us",
+        "floor p50 us",
+        "floor p99 us",
+        "reset/floor",
+        "full/reset",
+    ]
+    .map(String::from)
+    .to_vec();
+    let rows: Vec<Vec<String>> = r
+        .rows
+        .iter()
+        .map(|k| {
+            vec![
+                k.k_per_vcpu.to_string(),
+                f1(k.dirty_pages),
+                format!("{:.0}", k.resets_per_s),
+                f1(k.reset_p50_us),
+                f1(k.reset_p99_us),
+                format!("{:.3}", k.us_per_dirty_page),
+                f2(k.harvest_mean_us),
+                f2(k.rearm_mean_us),
+                f2(k.copy_mean_us),
+                f1(k.floor_p50_us),
+                f1(k.floor_p99_us),
+                rx(k.ratio_reset_over_floor),
+                rx(k.ratio_full_over_reset),
+            ]
+        })
+        .collect();
+    print_table(&head, &rows);
+    let f = &r.full_copy;
+    println!(
+        "Full-copy reset of all {} pages: p50 {} us, p99 {} us, mean {} us ({} resets).",
+        f.pages,
+        f1(f.p50_us),
+        f1(f.p99_us),
+        f1(f.mean_us),
+        f.resets
+    );
+    println!("Each k runs on a machine of k pages per vCPU (so a pass dirties exactly k); floor = memcpy of as many pages between two host buffers; full/reset = full-copy reset p50 over this reset's p50.");
+    println!();
+}
+
+fn print_summary(rep: &Report) {
+    println!(
+        "Reset p50 over {} runs (spread = (max - min) / median):",
+        rep.repeat
+    );
+    let head: Vec<String> = [
+        "backend",
+        "k/vCPU",
+        "median us",
+        "min us",
+        "max us",
+        "spread",
+    ]
+    .map(String::from)
+    .to_vec();
+    let opt = |x: Option<f64>| x.map_or_else(|| "-".into(), f1);
+    let rows: Vec<Vec<String>> = rep
+        .summary
+        .iter()
+        .map(|s| {
+            let m = &s.reset_p50_us;
+            vec![
+                s.backend.to_string(),
+                s.k_per_vcpu.to_string(),
+                opt(m.median),
+                opt(m.min),
+                opt(m.max),
+                m.spread
+                    .map_or_else(|| "-".into(), |p| format!("{:.1}%", p * 100.0)),
+            ]
+        })
+        .collect();
+    print_table(&head, &rows);
+}
+
+/// `--backend A,B`: reset p50 per k on each machine and their ratio (first runs only).
+fn print_comparison(rep: &Report) {
+    let repeat = rep.repeat.max(1) as usize;
+    let (a, b) = (&rep.runs[0], &rep.runs[repeat]);
+    println!("Reset p50 (us), {} vs {}:", a.backend, b.backend);
+    let head: Vec<String> = vec![
+        "k/vCPU".into(),
+        a.backend.into(),
+        b.backend.into(),
+        format!("{}/{}", a.backend, b.backend),
+    ];
+    let rows: Vec<Vec<String>> = a
+        .rows
+        .iter()
+        .zip(&b.rows)
+        .map(|(x, y)| {
+            vec![
+                x.k_per_vcpu.to_string(),
+                f1(x.reset_p50_us),
+                f1(y.reset_p50_us),
+                rx(ratio(x.reset_p50_us, y.reset_p50_us)),
+            ]
+        })
+        .collect();
+    print_table(&head, &rows);
+}
