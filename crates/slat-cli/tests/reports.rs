@@ -3,173 +3,27 @@
 //! and maxima, and `--plot` writes an SVG with the expected series. Small sizes, so the file
 //! runs in a few seconds.
 //!
-//! The schemas are checked by a small validator written here: it understands the keywords the
-//! schema files use (`type`, `enum`, `required`, `properties`, `items`, `minimum`, `allOf`,
-//! `oneOf`, `$ref` to a file and to `#/$defs/...`), and refuses any other keyword, so a schema
-//! can not quietly rely on one it ignores.
+//! The schemas are checked by the validator in `common/schema.rs`, which refuses any keyword
+//! it does not enforce.
 
 mod common;
 
+use common::schema::{check, errors, load, validate};
 use common::{json, ok, slat};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-
-fn schema_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("schema")
-}
-
-fn load(file: &str) -> Value {
-    let p = schema_dir().join(file);
-    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
-}
-
-const KEYWORDS: [&str; 16] = [
-    "$schema",
-    "$id",
-    "$defs",
-    "$ref",
-    "title",
-    "description",
-    "type",
-    "enum",
-    "required",
-    "properties",
-    "items",
-    "minimum",
-    "allOf",
-    "oneOf",
-    "additionalProperties",
-    "const",
-];
-
-fn type_ok(t: &str, v: &Value) -> bool {
-    match t {
-        "null" => v.is_null(),
-        "boolean" => v.is_boolean(),
-        "integer" => v.is_i64() || v.is_u64(),
-        "number" => v.is_number(),
-        "string" => v.is_string(),
-        "array" => v.is_array(),
-        "object" => v.is_object(),
-        other => panic!("unknown type {other}"),
-    }
-}
-
-/// Errors of `v` against `schema` (from `file`), each with the JSON path.
-fn check(file: &str, schema: &Value, v: &Value, path: &str, errs: &mut Vec<String>) {
-    let obj = schema.as_object().expect("a schema is an object");
-    for k in obj.keys() {
-        assert!(
-            KEYWORDS.contains(&k.as_str()),
-            "{file}: keyword {k} not supported"
-        );
-    }
-    if let Some(r) = obj.get("$ref").and_then(Value::as_str) {
-        let (f, frag) = r.split_once('#').unwrap_or((r, ""));
-        let f = if f.is_empty() { file } else { f };
-        let root = load(f);
-        let mut target = &root;
-        for part in frag.split('/').filter(|p| !p.is_empty()) {
-            target = &target[part];
-        }
-        assert!(!target.is_null(), "{file}: $ref {r} not found");
-        check(f, target, v, path, errs);
-    }
-    if let Some(all) = obj.get("allOf").and_then(Value::as_array) {
-        for s in all {
-            check(file, s, v, path, errs);
-        }
-    }
-    if let Some(one) = obj.get("oneOf").and_then(Value::as_array) {
-        let passing = one
-            .iter()
-            .filter(|s| {
-                let mut e = Vec::new();
-                check(file, s, v, path, &mut e);
-                e.is_empty()
-            })
-            .count();
-        if passing != 1 {
-            errs.push(format!("{path}: matches {passing} of the oneOf schemas"));
-        }
-    }
-    if let Some(t) = obj.get("type") {
-        let ok = match t {
-            Value::String(t) => type_ok(t, v),
-            Value::Array(ts) => ts.iter().any(|t| type_ok(t.as_str().unwrap(), v)),
-            _ => panic!("{file}: bad type"),
-        };
-        if !ok {
-            errs.push(format!("{path}: {v} is not of type {t}"));
-            return;
-        }
-    }
-    if let Some(e) = obj.get("enum").and_then(Value::as_array) {
-        if !e.contains(v) {
-            errs.push(format!("{path}: {v} is not one of {e:?}"));
-        }
-    }
-    if let Some(m) = obj.get("minimum").and_then(Value::as_f64) {
-        if v.as_f64().is_some_and(|x| x < m) {
-            errs.push(format!("{path}: {v} is below {m}"));
-        }
-    }
-    if let (Some(req), Some(o)) = (obj.get("required").and_then(Value::as_array), v.as_object()) {
-        for k in req {
-            if !o.contains_key(k.as_str().unwrap()) {
-                errs.push(format!("{path}: missing {k}"));
-            }
-        }
-    }
-    if let (Some(props), Some(o)) = (
-        obj.get("properties").and_then(Value::as_object),
-        v.as_object(),
-    ) {
-        for (k, s) in props {
-            if let Some(x) = o.get(k) {
-                check(file, s, x, &format!("{path}.{k}"), errs);
-            }
-        }
-    }
-    if let (Some(items), Some(a)) = (obj.get("items"), v.as_array()) {
-        for (i, x) in a.iter().enumerate() {
-            check(file, items, x, &format!("{path}[{i}]"), errs);
-        }
-    }
-}
-
-fn validate(file: &str, doc: &Value) {
-    let mut errs = Vec::new();
-    check(file, &load(file), doc, "$", &mut errs);
-    assert!(errs.is_empty(), "{file}:\n{}\n{doc:#}", errs.join("\n"));
-}
 
 #[test]
 fn the_validator_rejects_what_it_should() {
     let doc = json(&["dirty-log-perf", "-v", "1", "-b", "4M", "-i", "2"]);
     let mut bad = doc.clone();
     bad["iterations"][0]["dirty_pages"] = Value::from("many");
-    let mut errs = Vec::new();
-    check(
-        "dirty-log-perf.json",
-        &load("dirty-log-perf.json"),
-        &bad,
-        "$",
-        &mut errs,
-    );
+    let errs = errors("dirty-log-perf.json", &bad);
     assert!(errs.iter().any(|e| e.contains("dirty_pages")), "{errs:?}");
     let mut bad = doc;
     bad.as_object_mut().unwrap().remove("host");
-    let mut errs = Vec::new();
-    check(
-        "dirty-log-perf.json",
-        &load("dirty-log-perf.json"),
-        &bad,
-        "$",
-        &mut errs,
-    );
+    let errs = errors("dirty-log-perf.json", &bad);
     assert!(errs.iter().any(|e| e.contains("host")), "{errs:?}");
 }
 

@@ -3,9 +3,8 @@
 //! figures hang together, `--verify` runs, and bad input exits 2 with one line.
 
 mod common;
-#[path = "common/schema.rs"]
-mod schema;
 
+use common::schema;
 use common::{json, slat};
 use serde_json::Value;
 

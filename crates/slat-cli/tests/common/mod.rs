@@ -2,6 +2,8 @@
 
 #![allow(dead_code)] // each test file uses what it needs
 
+pub mod schema;
+
 use serde_json::Value;
 use std::process::Command;
 

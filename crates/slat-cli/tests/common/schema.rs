@@ -1,8 +1,7 @@
 //! A JSON-schema validator for the keywords `crates/slat-cli/schema/*.json` use (`type`,
 //! `enum`, `const`, `required`, `properties`, `additionalProperties: false`, `items`,
 //! `minimum`, `allOf`, `oneOf`, `$ref` to a file and to `#/$defs/...`); any other keyword is
-//! refused, so a schema cannot rely on one it ignores. Include it with
-//! `#[path = "common/schema.rs"] mod schema;`.
+//! refused, so a schema cannot rely on one it ignores (`common::schema`).
 
 #![allow(dead_code)]
 
@@ -63,7 +62,8 @@ pub fn validate(file: &str, doc: &Value) {
     assert!(errs.is_empty(), "{file}:\n{}\n{doc:#}", errs.join("\n"));
 }
 
-fn check(file: &str, schema: &Value, v: &Value, path: &str, errs: &mut Vec<String>) {
+/// Appends the errors of `v` against `schema` (a part of file `file`), each with its path.
+pub fn check(file: &str, schema: &Value, v: &Value, path: &str, errs: &mut Vec<String>) {
     let obj = schema.as_object().expect("a schema is an object");
     for k in obj.keys() {
         assert!(
