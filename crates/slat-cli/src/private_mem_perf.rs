@@ -438,12 +438,13 @@ fn print_probes(p: &Probes) {
     );
     if let Some(t) = &g.timing {
         println!(
-            "guest_memfd: fallocate {} in {:.6}s ({:.2} GB/s; direct-map 2M splits {}, TLB shootdowns {}) vs anonymous fill {:.6}s ({:.2} GB/s)",
+            "guest_memfd: fallocate {} in {:.6}s ({:.2} GB/s; direct-map 2M splits {}, TLB shootdowns {}, CAL irqs {}) vs anonymous fill {:.6}s ({:.2} GB/s)",
             format_size(t.bytes),
             t.guest_memfd_fallocate_s,
             t.guest_memfd_gb_per_s,
             opt(t.guest_memfd_counters.level2_splits),
             opt(t.guest_memfd_counters.tlb_shootdowns),
+            opt(t.guest_memfd_counters.function_call_irqs),
             t.anonymous_fill_s,
             t.anonymous_gb_per_s
         );
@@ -452,7 +453,7 @@ fn print_probes(p: &Probes) {
 
 fn print_run(run: &Run, samples_ms: u64) {
     let head: Vec<String> = [
-        "fill", "GB/s", "ns/page", "x memfd", "2M splits", "1G splits", "TLB shootdowns",
+        "fill", "GB/s", "ns/page", "x memfd", "2M splits", "1G splits", "TLB shootdowns", "CAL irqs",
         "DirectMap4k", "DirectMap2M", "DirectMap1G", "setup s", "teardown s",
     ]
     .map(String::from)
@@ -470,6 +471,7 @@ fn print_run(run: &Run, samples_ms: u64) {
                 opt(x.counters.level2_splits),
                 opt(x.counters.level3_splits),
                 opt(x.counters.tlb_shootdowns),
+                opt(x.counters.function_call_irqs),
                 kib(x.direct_map_delta.k4),
                 kib(x.direct_map_delta.m2),
                 kib(x.direct_map_delta.g1),

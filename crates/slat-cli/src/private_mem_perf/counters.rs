@@ -47,6 +47,8 @@ pub struct Snapshot {
     pub level3_collapses: Option<u64>,
     /// TLB shootdown interrupts, summed over every CPU.
     pub tlb_shootdowns: Option<u64>,
+    /// Function-call interrupts (`CAL`), summed over every CPU.
+    pub function_calls: Option<u64>,
     /// Direct-map coverage.
     pub direct_map: DirectMap,
 }
@@ -62,8 +64,12 @@ pub struct Deltas {
     pub level2_collapses: Option<u64>,
     /// New 1 GiB collapses.
     pub level3_collapses: Option<u64>,
-    /// TLB shootdown interrupts received by all CPUs.
+    /// TLB shootdown interrupts received by all CPUs (user-address flushes: x86 counts
+    /// them in `flush_tlb_func`).
     pub tlb_shootdowns: Option<u64>,
+    /// Function-call interrupts received by all CPUs: a kernel-range flush such as the one
+    /// after a direct-map change runs on every CPU through these, not the `TLB` row.
+    pub function_call_irqs: Option<u64>,
 }
 
 impl Snapshot {
@@ -77,7 +83,8 @@ impl Snapshot {
             level3_splits: vmstat_field(&vm, "direct_map_level3_splits"),
             level2_collapses: vmstat_field(&vm, "direct_map_level2_collapses"),
             level3_collapses: vmstat_field(&vm, "direct_map_level3_collapses"),
-            tlb_shootdowns: tlb_shootdowns(&irq),
+            tlb_shootdowns: irq_row(&irq, "TLB:"),
+            function_calls: irq_row(&irq, "CAL:"),
             direct_map: DirectMap {
                 k4: meminfo_kib(&mi, "DirectMap4k"),
                 m2: meminfo_kib(&mi, "DirectMap2M"),
@@ -94,6 +101,7 @@ impl Snapshot {
             level2_collapses: grew(self.level2_collapses, later.level2_collapses),
             level3_collapses: grew(self.level3_collapses, later.level3_collapses),
             tlb_shootdowns: grew(self.tlb_shootdowns, later.tlb_shootdowns),
+            function_call_irqs: grew(self.function_calls, later.function_calls),
         }
     }
 }
@@ -144,11 +152,12 @@ fn meminfo_kib(text: &str, name: &str) -> Option<u64> {
     })
 }
 
-/// The `TLB:` row of `/proc/interrupts`: one count per CPU, then the description; summed.
-fn tlb_shootdowns(text: &str) -> Option<u64> {
+/// A row of `/proc/interrupts` (`TLB:`, `CAL:`): one count per CPU, then the description;
+/// summed.
+fn irq_row(text: &str, row: &str) -> Option<u64> {
     let line = text
         .lines()
-        .find(|l| l.split_whitespace().next() == Some("TLB:"))?;
+        .find(|l| l.split_whitespace().next() == Some(row))?;
     let counts: Vec<u64> = line
         .split_whitespace()
         .skip(1)
@@ -176,9 +185,10 @@ mod tests {
         assert_eq!(meminfo_kib(mi, "DirectMap2M"), Some(2070528));
         assert_eq!(meminfo_kib(mi, "DirectMap1G"), None);
         let irq = "           CPU0       CPU1\n NMI:  0 0 Non-maskable\n TLB:    1478074    1432175   TLB shootdowns\n";
-        assert_eq!(tlb_shootdowns(irq), Some(2_910_249));
-        assert_eq!(tlb_shootdowns(" TLB: TLB shootdowns\n"), None);
-        assert_eq!(tlb_shootdowns("garbage"), None);
+        assert_eq!(irq_row(irq, "TLB:"), Some(2_910_249));
+        assert_eq!(irq_row(irq, "CAL:"), None);
+        assert_eq!(irq_row(" TLB: TLB shootdowns\n", "TLB:"), None);
+        assert_eq!(irq_row("garbage", "TLB:"), None);
     }
 
     #[test]

@@ -36,7 +36,8 @@ pub struct GmemProbe {
 pub struct GmemTiming {
     /// Bytes of each.
     pub bytes: u64,
-    /// `fallocate(guest_memfd, 0, 0, bytes)`.
+    /// `fallocate(guest_memfd, FALLOC_FL_KEEP_SIZE, 0, bytes)` (the only allocating mode
+    /// guest_memfd accepts).
     pub guest_memfd_fallocate_s: f64,
     /// Its rate, 10^9 bytes per second.
     pub guest_memfd_gb_per_s: f64,
@@ -118,8 +119,9 @@ fn time(file: &File, bytes: u64) -> Result<GmemTiming, String> {
     let len = libc::off_t::try_from(bytes).map_err(|_| "the size overflows off_t".to_string())?;
     let before = Snapshot::read();
     let t0 = Instant::now();
+    // guest_memfd refuses fallocate without KEEP_SIZE (its size is fixed at creation).
     // SAFETY: fallocate on a descriptor this function borrows, with no pointers.
-    let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
+    let r = unsafe { libc::fallocate(file.as_raw_fd(), libc::FALLOC_FL_KEEP_SIZE, 0, len) };
     let gmem = t0.elapsed();
     if r != 0 {
         return Err(format!(

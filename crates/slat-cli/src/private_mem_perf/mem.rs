@@ -205,6 +205,8 @@ pub struct Sample {
     pub level3_splits: Option<u64>,
     /// TLB shootdown interrupts in the interval.
     pub tlb_shootdowns: Option<u64>,
+    /// Function-call interrupts in the interval (kernel-range TLB flushes).
+    pub function_call_irqs: Option<u64>,
 }
 
 /// A timed fill.
@@ -308,5 +310,6 @@ fn interval(t0: Instant, a: &(Instant, u64, Snapshot), b: &(Instant, u64, Snapsh
         level2_splits: d.level2_splits,
         level3_splits: d.level3_splits,
         tlb_shootdowns: d.tlb_shootdowns,
+        function_call_irqs: d.function_call_irqs,
     }
 }
