@@ -264,16 +264,15 @@ pub fn run(a: &PrivateMemPerfArgs) -> CliResult {
 /// Refuses what cannot run; returns the total bytes.
 fn check(a: &PrivateMemPerfArgs) -> Result<u64, String> {
     if a.backend == PrivBackend::Sim {
-        return Err("--backend sim (a simulated direct map) is not built yet: use --backend host".into());
+        return Err(
+            "--backend sim (a simulated direct map) is not built yet: use --backend host".into(),
+        );
     }
     if a.out.plot.is_some() {
         return Err(
             "--plot: private-mem-perf has no plot yet (the samples are in --json); drop --plot"
                 .into(),
         );
-    }
-    if a.bytes == 0 {
-        return Err("-b 0: each thread needs at least one 4 KiB page".into());
     }
     let mem = GuestMemory::per_vcpu(a.threads, a.bytes)?;
     // One fill's memory is mapped at a time (each is unmapped before the next).
@@ -353,7 +352,9 @@ fn one_fill(
     let t1 = Instant::now();
     drop(region);
     let teardown = t1.elapsed();
-    Ok(make_row(variant, len as u64, &f, setup, teardown, &before, &after))
+    Ok(make_row(
+        variant, len as u64, &f, setup, teardown, &before, &after,
+    ))
 }
 
 fn gbps(bytes: u64, d: Duration) -> f64 {
@@ -453,8 +454,19 @@ fn print_probes(p: &Probes) {
 
 fn print_run(run: &Run, samples_ms: u64) {
     let head: Vec<String> = [
-        "fill", "GB/s", "ns/page", "x memfd", "2M splits", "1G splits", "TLB shootdowns", "CAL irqs",
-        "DirectMap4k", "DirectMap2M", "DirectMap1G", "setup s", "teardown s",
+        "fill",
+        "GB/s",
+        "ns/page",
+        "x memfd",
+        "2M splits",
+        "1G splits",
+        "TLB shootdowns",
+        "CAL irqs",
+        "DirectMap4k",
+        "DirectMap2M",
+        "DirectMap1G",
+        "setup s",
+        "teardown s",
     ]
     .map(String::from)
     .to_vec();
@@ -500,7 +512,13 @@ fn print_summary(summary: &[MetricSummary], repeat: usize) {
     let rows: Vec<Vec<String>> = summary
         .iter()
         .map(|s| {
-            let f = |x| if s.unit == "x" { ratio_cell(x) } else { cell(x) };
+            let f = |x| {
+                if s.unit == "x" {
+                    ratio_cell(x)
+                } else {
+                    cell(x)
+                }
+            };
             vec![
                 format!("{} ({})", s.metric, s.unit),
                 f(s.median),

@@ -285,7 +285,11 @@ fn sample(
             Err(RecvTimeoutError::Timeout) => false,
             Ok(()) | Err(RecvTimeoutError::Disconnected) => true,
         };
-        let now = (Instant::now(), done.load(Ordering::Relaxed), Snapshot::read());
+        let now = (
+            Instant::now(),
+            done.load(Ordering::Relaxed),
+            Snapshot::read(),
+        );
         out.push(interval(t0, &prev, &now));
         prev = now;
         if end {

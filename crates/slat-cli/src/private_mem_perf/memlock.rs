@@ -29,7 +29,10 @@ fn limit(v: libc::rlim_t) -> Option<u64> {
 /// The effective capability set's `CAP_IPC_LOCK` bit, from `/proc/self/status`.
 fn has_ipc_lock() -> Option<bool> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let hex = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?.trim();
+    let hex = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))?
+        .trim();
     let caps = u64::from_str_radix(hex, 16).ok()?;
     Some(caps & (1 << CAP_IPC_LOCK) != 0)
 }
