@@ -415,7 +415,7 @@ fn print_text(r: &Report) {
         }
         print_run(run, r.config.samples_ms);
     }
-    println!("\nfirst fill: the direct map as this host had it; second fill: after munmap, close and re-create, over pages whose direct-map entries the first fill already split to 4 KiB (the split columns say how much each fill split). x memfd: time per page over the memfd floor's.");
+    println!("\nfirst fill: the direct map as this host had it; second fill: after munmap, close and re-create, over pages whose direct-map entries the first fill already split to 4 KiB. The split columns say how much each fill split: the kernel does not merge a split direct map back, so a first fill that splits little ran over pages an earlier run (or process) had already split. x memfd: time per page over the memfd floor's. TLB shootdowns counts user-address flushes only; the kernel-range flush after each direct-map change reaches the other CPUs as function-call interrupts (CAL).");
     if r.repeat > 1 {
         print_summary(&r.summary, r.repeat);
     }
@@ -424,11 +424,15 @@ fn print_text(r: &Report) {
 fn print_probes(p: &Probes) {
     let m = &p.memlock;
     println!(
-        "memfd_secret: available; RLIMIT_MEMLOCK {} (hard {}), {} bytes needed: {}",
+        "memfd_secret: available; RLIMIT_MEMLOCK {} (hard {}), {} locked at once: {}{}",
         m.soft_before.map_or("unlimited".into(), format_size),
         m.hard.map_or("unlimited".into(), format_size),
-        m.needed_bytes,
-        m.action
+        format_size(m.needed_bytes),
+        m.action,
+        match (m.action, m.soft_after) {
+            ("raised-soft-limit", Some(s)) => format!(" to {}", format_size(s)),
+            _ => String::new(),
+        }
     );
     let g = &p.guest_memfd;
     println!(

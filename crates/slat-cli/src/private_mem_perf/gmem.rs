@@ -97,7 +97,7 @@ pub fn probe(bytes: u64) -> GmemProbe {
             // closes it on every path (before the VM, which it keeps a reference to anyway).
             let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
             p.supported = true;
-            match time(&file, bytes) {
+            match time(file, bytes) {
                 Ok(t) => {
                     p.detail = format!("KVM_CAP_GUEST_MEMFD = {cap}; KVM_CREATE_GUEST_MEMFD works on a default VM; populated by fallocate");
                     p.timing = Some(t);
@@ -114,8 +114,9 @@ pub fn probe(bytes: u64) -> GmemProbe {
     p
 }
 
-/// Times fallocate of the guest_memfd, then a fill of anonymous memory of the same size.
-fn time(file: &File, bytes: u64) -> Result<GmemTiming, String> {
+/// Times fallocate of the guest_memfd, closes it (so that only one of the two is held at a
+/// time), then times a fill of anonymous memory of the same size.
+fn time(file: File, bytes: u64) -> Result<GmemTiming, String> {
     let len = libc::off_t::try_from(bytes).map_err(|_| "the size overflows off_t".to_string())?;
     let before = Snapshot::read();
     let t0 = Instant::now();
@@ -130,6 +131,7 @@ fn time(file: &File, bytes: u64) -> Result<GmemTiming, String> {
         ));
     }
     let counters = before.until(&Snapshot::read());
+    drop(file);
     let usize_len = usize::try_from(bytes).map_err(|_| "the size overflows usize".to_string())?;
     let mut anon = Region::new(Kind::Anon, usize_len).map_err(|e| e.to_string())?;
     let f = fill(&mut anon, 1, Duration::from_secs(1));

@@ -14,6 +14,8 @@ pub struct Memlock {
     pub needed_bytes: u64,
     /// The soft limit before the run (`null`: unlimited).
     pub soft_before: Option<u64>,
+    /// The soft limit the run had (`null`: unlimited).
+    pub soft_after: Option<u64>,
     /// The hard limit (`null`: unlimited).
     pub hard: Option<u64>,
     /// The process holds `CAP_IPC_LOCK` (the limit does not apply); `null` if unreadable.
@@ -52,18 +54,19 @@ pub fn prepare(needed: u64) -> Result<Memlock, String> {
     }
     let (soft, hard) = (limit(rl.rlim_cur), limit(rl.rlim_max));
     let cap = has_ipc_lock();
-    let m = |action| Memlock {
+    let m = |action, soft_after| Memlock {
         needed_bytes: needed,
         soft_before: soft,
+        soft_after,
         hard,
         cap_ipc_lock: cap,
         action,
     };
     if soft.is_none_or(|s| s >= needed) {
-        return Ok(m("within-limit"));
+        return Ok(m("within-limit", soft));
     }
     if cap == Some(true) {
-        return Ok(m("bypassed-by-cap-ipc-lock"));
+        return Ok(m("bypassed-by-cap-ipc-lock", soft));
     }
     if hard.is_none_or(|h| h >= needed) {
         let raised = libc::rlimit {
@@ -72,7 +75,7 @@ pub fn prepare(needed: u64) -> Result<Memlock, String> {
         };
         // SAFETY: setrlimit reads one rlimit from a struct this function owns.
         if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &raised) } == 0 {
-            return Ok(m("raised-soft-limit"));
+            return Ok(m("raised-soft-limit", Some(needed)));
         }
     }
     Err(format!(
