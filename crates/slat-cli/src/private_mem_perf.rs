@@ -62,8 +62,10 @@ pub struct PrivateMemPerfArgs {
     /// (100-1000); the last sample of a fill is the shorter remainder.
     #[arg(long = "samples-ms", value_name = "MS", value_parser = clap::value_parser!(u64).range(100..=1000), default_value_t = 100)]
     pub samples_ms: u64,
-    /// The machine: `host` (this host's kernel, memfd_secret). `sim` (a simulated direct map)
-    /// is not built yet and is refused.
+    /// The machine: `host` (this host's kernel, memfd_secret; the direct-map entries it splits
+    /// stay split after the run, as the kernel does not merge them back, so later first fills
+    /// on this host split less). `sim` (a simulated direct map) is not built yet and is
+    /// refused.
     #[arg(long, value_enum, default_value = "host")]
     pub backend: PrivBackend,
     #[command(flatten)]
@@ -207,12 +209,12 @@ const METRICS: &[Metric<Run>] = &[
         },
     },
     Metric {
-        name: "first fill TLB shootdowns",
+        name: "first fill function-call irqs",
         unit: "irqs",
         better: Better::Lower,
         get: |r| {
             row(r, "secret-first")
-                .and_then(|x| x.counters.tlb_shootdowns)
+                .and_then(|x| x.counters.function_call_irqs)
                 .map(|n| n as f64)
         },
     },
