@@ -22,7 +22,6 @@ mod memlock;
 use crate::args::{guest_size, OutputArgs};
 use crate::error::{CliError, CliResult};
 use crate::host::HostFacts;
-use crate::limits::GuestMemory;
 use crate::output::{
     cell, print_table, ratio_cell, summarize, Better, Metric, MetricSummary, SCHEMA_VERSION,
 };
@@ -31,7 +30,7 @@ use clap::{Args, ValueEnum};
 use counters::{Deltas, DirectMap, DirectMapDelta, Snapshot};
 use mem::{Fill, Kind, Region, Sample};
 use serde::Serialize;
-use slat_machine::ram::{format_size, Backing};
+use slat_machine::ram::format_size;
 use std::time::{Duration, Instant};
 
 const NAME: &str = "private-mem-perf";
@@ -276,10 +275,20 @@ fn check(a: &PrivateMemPerfArgs) -> Result<u64, String> {
                 .into(),
         );
     }
-    let mem = GuestMemory::per_vcpu(a.threads, a.bytes)?;
+    let flags = format!("-v {} x -b {}", a.threads, a.bytes);
+    let total = a
+        .bytes
+        .checked_mul(u64::from(a.threads))
+        .ok_or_else(|| format!("{flags}: the memory overflows 64 bits"))?;
     // One fill's memory is mapped at a time (each is unmapped before the next).
-    mem.fits_host(Backing::Anonymous, 1, 0)?;
-    Ok(mem.bytes)
+    match slat_migrate::limits::host_memory() {
+        Some(host) if total > host => Err(format!(
+            "{flags}: {} of memory is more than this host's {} of RAM and swap",
+            format_size(total),
+            format_size(host)
+        )),
+        _ => Ok(total),
+    }
 }
 
 /// The document with the envelope: this report has `backend` of its own (`host`), which
