@@ -9,7 +9,9 @@
 //! The secret memory is filled twice: first into the direct map as this host has it, then —
 //! after unmapping and closing it, which returns its pages to the allocator with 4 KiB
 //! direct-map entries that are not merged back — again, which mostly gets those pages back
-//! and so finds them already split. The split counters say how much of each fill split.
+//! and so finds them already split. The split counters say how much of each fill split. A last
+//! memfd fill then runs over pages the secret fills left split: what a fragmented direct map
+//! costs ordinary faults (the kernel zeroes each new page through it).
 //!
 //! `--backend sim` (a simulated direct map) is planned: the report keeps a `backend` field and
 //! generic per-variant rows so it can be added beside `host`.
@@ -74,7 +76,7 @@ pub struct PrivateMemPerfArgs {
 /// One fill of one kind of memory.
 #[derive(Debug, Clone, Serialize)]
 pub struct Row {
-    /// `memfd`, `secret-first` or `secret-second`.
+    /// `memfd`, `secret-first`, `secret-second` or `memfd-after`.
     pub variant: &'static str,
     /// What the fill measured.
     pub description: &'static str,
@@ -106,12 +108,12 @@ pub struct Row {
     pub samples: Vec<Sample>,
 }
 
-/// One run: the three fills.
+/// One run: the four fills.
 #[derive(Debug, Clone, Serialize)]
 pub struct Run {
     /// `host`.
     pub backend: &'static str,
-    /// memfd, then memfd_secret twice.
+    /// memfd, memfd_secret twice, memfd again.
     pub rows: Vec<Row>,
 }
 
@@ -196,6 +198,12 @@ const METRICS: &[Metric<Run>] = &[
         unit: "x",
         better: Better::Lower,
         get: |r| row(r, "secret-second").and_then(|x| x.ratio_over_memfd),
+    },
+    Metric {
+        name: "memfd after / memfd",
+        unit: "x",
+        better: Better::Lower,
+        get: |r| row(r, "memfd-after").and_then(|x| x.ratio_over_memfd),
     },
     Metric {
         name: "first fill 2M splits",
@@ -314,7 +322,7 @@ fn print_document(report: &Report) -> CliResult {
     Ok(())
 }
 
-/// The three fills of one run.
+/// The four fills of one run.
 fn measure(a: &PrivateMemPerfArgs, len: usize) -> CliResult<Run> {
     let every = Duration::from_millis(a.samples_ms);
     let threads = a.threads as usize;
@@ -323,6 +331,7 @@ fn measure(a: &PrivateMemPerfArgs, len: usize) -> CliResult<Run> {
         ("memfd", Kind::Memfd),
         ("secret-first", Kind::Secret),
         ("secret-second", Kind::Secret),
+        ("memfd-after", Kind::Memfd),
     ] {
         let phase = crate::report::Phase::start(format!("{variant} fill"), quiet(a.out.json));
         rows.push(one_fill(variant, kind, len, threads, every)?);
@@ -342,7 +351,8 @@ fn describe(variant: &str) -> &'static str {
     match variant {
         "memfd" => "native floor: plain memfd_create memory, the same shared-file fault path, pages stay in the direct map",
         "secret-first" => "memfd_secret, first fill: each page is removed from the direct map as this host has it, splitting any 2M/1G leaf that covers it",
-        _ => "memfd_secret, second fill after munmap+close and re-create: freed pages keep 4 KiB direct-map entries, so this fill mostly finds its pages already split",
+        "secret-second" => "memfd_secret, second fill after munmap+close and re-create: freed pages keep 4 KiB direct-map entries, so this fill mostly finds its pages already split",
+        _ => "plain memfd again, after the secret fills: its pages now mostly have 4 KiB direct-map entries, so this is what a split direct map costs ordinary faults (the kernel zeroes each page through the direct map)",
     }
 }
 
@@ -426,7 +436,7 @@ fn print_text(r: &Report) {
         }
         print_run(run, r.config.samples_ms);
     }
-    println!("\nfirst fill: the direct map as this host had it; second fill: after munmap, close and re-create, over pages whose direct-map entries the first fill already split to 4 KiB. The split columns say how much each fill split: the kernel does not merge a split direct map back, so a first fill that splits little ran over pages an earlier run (or process) had already split. x memfd: time per page over the memfd floor's. TLB shootdowns counts user-address flushes only; the kernel-range flush after each direct-map change reaches the other CPUs as function-call interrupts (CAL).");
+    println!("\nfirst fill: the direct map as this host had it; second fill: after munmap, close and re-create, over pages whose direct-map entries the first fill already split to 4 KiB. The split columns say how much each fill split: the kernel does not merge a split direct map back, so a first fill that splits little ran over pages an earlier run (or process) had already split. memfd-after: plain memfd again, over pages the secret fills left with a split direct map. x memfd: time per page over the first memfd fill's. TLB shootdowns counts user-address flushes only; the kernel-range flush after each direct-map change reaches the other CPUs as function-call interrupts (CAL).");
     if r.repeat > 1 {
         print_summary(&r.summary, r.repeat);
     }

@@ -1,6 +1,6 @@
 //! `slat private-mem-perf --backend host` through the binary: its `--json` validates against
 //! `schema/private-mem-perf.json` (the validator refuses a broken document), the figures hang
-//! together (three fills, rates above zero, samples that add up to the fill, counter deltas that
+//! together (four fills, rates above zero, samples that add up to the fill, counter deltas that
 //! match the before/after readings), `--repeat` summarizes, the text says whose cost it is,
 //! and bad input exits 2 with one line. Small sizes: a memfd_secret fill runs at a few hundred
 //! MB/s on a nested host.
@@ -99,7 +99,10 @@ fn json_matches_its_schema_and_the_figures_hang_together() {
         .iter()
         .map(|r| r["variant"].as_str().unwrap())
         .collect();
-    assert_eq!(variants, ["memfd", "secret-first", "secret-second"]);
+    assert_eq!(
+        variants,
+        ["memfd", "secret-first", "secret-second", "memfd-after"]
+    );
     for r in rows {
         row_hangs_together(r, 2, 16 << 20);
     }
@@ -126,7 +129,7 @@ fn repeat_summarizes_every_headline_figure() {
     assert_eq!(d["repeat"], 2);
     assert_eq!(d["runs"].as_array().unwrap().len(), 2);
     let summary = d["summary"].as_array().unwrap();
-    assert_eq!(summary.len(), 7);
+    assert_eq!(summary.len(), 8);
     for m in summary {
         if m["runs"] == 0 {
             continue;
