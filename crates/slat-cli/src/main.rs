@@ -17,6 +17,7 @@ mod migrate_report;
 mod output;
 mod page_table_test;
 mod plot;
+mod private_mem_perf;
 mod report;
 mod snapshot_perf;
 mod sweep;
@@ -65,6 +66,10 @@ enum Command {
     /// back only the dirty pages (harvest, re-arm, copy); reset time per k against a memcpy
     /// floor measured in the same run and against a full-copy reset of all guest RAM.
     SnapshotPerf(snapshot_perf::SnapshotPerfArgs),
+    /// The host kernel's cost of private memory (seed 003): threads fault in memfd_secret
+    /// memory, whose pages the kernel removes from its direct map (splitting huge leaves),
+    /// against plain memfd memory; direct-map splits, DirectMap sizes, TLB shootdowns.
+    PrivateMemPerf(private_mem_perf::PrivateMemPerfArgs),
 }
 
 /// Clap's error as one line: the problem and what it lists under it (the missing flags, the
@@ -126,6 +131,7 @@ fn main() {
         Command::MigrateListen(a) => migrate::run_listen(a),
         Command::MigratePerf(a) => migrate::run_perf(a),
         Command::SnapshotPerf(a) => snapshot_perf::run(a),
+        Command::PrivateMemPerf(a) => private_mem_perf::run(a),
     };
     if let Err(e) = r {
         // The one place an error becomes an exit status: 2 for refused input, 1 for a failed

@@ -1,0 +1,319 @@
+//! The memory a fill faults in — a `memfd_secret(2)` file (each page the kernel allocates for
+//! it is removed from the kernel's direct map, splitting a 2 MiB or 1 GiB leaf first), a plain
+//! `memfd_create(2)` file (the same shared-file fault path without the direct-map work) or
+//! anonymous memory — and the timed, sampled fill of it by N threads.
+
+use super::counters::Snapshot;
+use serde::Serialize;
+use std::fs::File;
+use std::io;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+use thiserror::Error;
+
+/// The page the fill writes once each (and the only page size memfd_secret has).
+pub const PAGE: usize = 4096;
+
+/// Pages a thread writes between two updates of the shared progress counter: often enough for
+/// 100 ms samples, rare enough that the counter's cache line does not slow the fill.
+const PROGRESS_PAGES: usize = 64;
+
+/// What backs a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// `memfd_create`: shared memory, in the direct map.
+    Memfd,
+    /// `memfd_secret`: shared memory removed from the direct map page by page.
+    Secret,
+    /// Private anonymous memory (the guest_memfd comparison).
+    Anon,
+}
+
+/// Why a region could not be set up.
+#[derive(Debug, Error)]
+pub enum MemError {
+    /// The kernel has no memfd_secret, or refuses it to this process.
+    #[error("memfd_secret(2) is unavailable here: {0}")]
+    SecretUnavailable(String),
+    /// Creating the file failed.
+    #[error("{what} failed: {err}")]
+    Create { what: &'static str, err: io::Error },
+    /// Sizing the file failed.
+    #[error("ftruncate of the {what} file to {len} bytes failed: {err}")]
+    Truncate {
+        what: &'static str,
+        len: usize,
+        err: io::Error,
+    },
+    /// Mapping failed.
+    #[error("mmap of {len} bytes of {what} failed: {err}{hint}")]
+    Map {
+        what: &'static str,
+        len: usize,
+        err: io::Error,
+        hint: &'static str,
+    },
+}
+
+impl Kind {
+    /// The name reports use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Memfd => "memfd",
+            Kind::Secret => "memfd_secret",
+            Kind::Anon => "anonymous",
+        }
+    }
+}
+
+/// Opens a memfd_secret file: the probe and every secret region use this.
+pub fn secret_fd() -> Result<File, MemError> {
+    // SAFETY: memfd_secret takes one flags argument and returns a new descriptor or -1; no
+    // memory of this process is passed to the kernel.
+    let fd = unsafe { libc::syscall(libc::SYS_memfd_secret, libc::O_CLOEXEC) };
+    if fd < 0 {
+        let err = io::Error::last_os_error();
+        return Err(MemError::SecretUnavailable(secret_why(&err)));
+    }
+    // SAFETY: the syscall just returned this descriptor, which nothing else owns; the File
+    // closes it on every path.
+    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd as i32) }))
+}
+
+/// Why memfd_secret failed, in the terms of what to change.
+fn secret_why(err: &io::Error) -> String {
+    match err.raw_os_error() {
+        Some(libc::ENOSYS) => format!(
+            "{err} (ENOSYS: the kernel is built without CONFIG_SECRETMEM, or it is disabled — boot with secretmem.enable=1 — or it cannot change its direct map)"
+        ),
+        Some(libc::EPERM) => {
+            format!("{err} (EPERM: a seccomp filter or security module forbids the syscall)")
+        }
+        _ => err.to_string(),
+    }
+}
+
+fn memfd() -> Result<File, MemError> {
+    // SAFETY: the name is a NUL-terminated literal; memfd_create returns a new descriptor or -1.
+    let fd = unsafe { libc::memfd_create(c"slat-private-mem".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(MemError::Create {
+            what: "memfd_create",
+            err: io::Error::last_os_error(),
+        });
+    }
+    // SAFETY: a descriptor just returned by memfd_create, owned by nothing else.
+    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// A mapped region: unmapped, and its file closed, when dropped.
+pub struct Region {
+    ptr: *mut u8,
+    len: usize,
+    // Closed after the unmapping (fields drop after `Drop::drop` runs).
+    _file: Option<File>,
+}
+
+impl Region {
+    /// Creates and maps `len` bytes (a non-zero multiple of [`PAGE`]) of `kind`, unpopulated.
+    pub fn new(kind: Kind, len: usize) -> Result<Region, MemError> {
+        let file = match kind {
+            Kind::Memfd => Some(memfd()?),
+            Kind::Secret => Some(secret_fd()?),
+            Kind::Anon => None,
+        };
+        if let Some(f) = &file {
+            f.set_len(len as u64).map_err(|err| MemError::Truncate {
+                what: kind.name(),
+                len,
+                err,
+            })?;
+        }
+        let (flags, fd) = match &file {
+            Some(f) => (libc::MAP_SHARED, std::os::fd::AsRawFd::as_raw_fd(f)),
+            None => (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1),
+        };
+        // SAFETY: a fresh mapping at an address the kernel chooses, of a file this function
+        // owns (or anonymous memory); nothing else in the process refers to it.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                fd,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            let err = io::Error::last_os_error();
+            let hint = match (kind, err.raw_os_error()) {
+                (Kind::Secret, Some(libc::EAGAIN)) => {
+                    " (secret memory is locked memory: RLIMIT_MEMLOCK is too small)"
+                }
+                _ => "",
+            };
+            return Err(MemError::Map {
+                what: kind.name(),
+                len,
+                err,
+                hint,
+            });
+        }
+        Ok(Region {
+            ptr: p.cast(),
+            len,
+            _file: file,
+        })
+    }
+
+    /// The whole region, for the fill threads to split.
+    fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` maps `len` readable and writable bytes for as long as `self` lives, and
+        // the `&mut self` borrow makes this the only reference to them.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping `new` created; no slice of it outlives `self`
+        // (`bytes` borrows `self`). A failure would leave the mapping until exit: nothing to do.
+        unsafe {
+            libc::munmap(self.ptr.cast(), self.len);
+        }
+    }
+}
+
+/// One sampling interval of a fill.
+#[derive(Debug, Clone, Serialize)]
+pub struct Sample {
+    /// End of the interval, seconds from the start of the fill.
+    pub t_s: f64,
+    /// Length of the interval (the last one is usually shorter).
+    pub interval_s: f64,
+    /// Bytes faulted in during the interval.
+    pub bytes: u64,
+    /// Their rate, 10^9 bytes per second.
+    pub gb_per_s: f64,
+    /// New 2 MiB → 4 KiB direct-map splits in the interval.
+    pub level2_splits: Option<u64>,
+    /// New 1 GiB → 2 MiB direct-map splits in the interval.
+    pub level3_splits: Option<u64>,
+    /// TLB shootdown interrupts in the interval.
+    pub tlb_shootdowns: Option<u64>,
+    /// Function-call interrupts in the interval (kernel-range TLB flushes).
+    pub function_call_irqs: Option<u64>,
+}
+
+/// A timed fill.
+#[derive(Debug, Clone)]
+pub struct Fill {
+    /// From the start barrier to the last thread's last page.
+    pub elapsed: Duration,
+    /// Each thread's time over its share.
+    pub per_thread: Vec<Duration>,
+    /// The sampler's intervals.
+    pub samples: Vec<Sample>,
+}
+
+/// Writes one byte in every page of `region`, split evenly over `threads` threads, while a
+/// sampler records the progress and the direct-map counters every `every`.
+pub fn fill(region: &mut Region, threads: usize, every: Duration) -> Fill {
+    let share = region.len / threads;
+    let done = AtomicU64::new(0);
+    let start = Barrier::new(threads + 2);
+    let (stop, stopped) = mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        let (done_ref, start_ref) = (&done, &start);
+        let sampler = s.spawn(move || sample(done_ref, start_ref, stopped, every));
+        let workers: Vec<_> = region
+            .bytes()
+            .chunks_mut(share)
+            .map(|part| s.spawn(|| touch(part, &done, &start)))
+            .collect();
+        start.wait();
+        let t0 = Instant::now();
+        let per_thread: Vec<Duration> = workers
+            .into_iter()
+            .map(|w| w.join().expect("a fill thread panicked"))
+            .collect();
+        let elapsed = t0.elapsed();
+        drop(stop);
+        let samples = sampler.join().expect("the sampler panicked");
+        Fill {
+            elapsed,
+            per_thread,
+            samples,
+        }
+    })
+}
+
+/// One thread's share: one write per page, as `stress --vm-keep` does.
+fn touch(part: &mut [u8], done: &AtomicU64, start: &Barrier) -> Duration {
+    start.wait();
+    let t0 = Instant::now();
+    for chunk in part.chunks_mut(PAGE * PROGRESS_PAGES) {
+        for page in chunk.chunks_mut(PAGE) {
+            page[0] = 1;
+        }
+        done.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+    }
+    // The writes are the benchmark: keep the compiler from proving them unobserved.
+    std::hint::black_box(&*part);
+    t0.elapsed()
+}
+
+/// The sampler: every `every` until the fill ends (the channel closes), then a last, shorter
+/// interval so that even a fill shorter than one interval has a sample.
+fn sample(
+    done: &AtomicU64,
+    start: &Barrier,
+    stopped: mpsc::Receiver<()>,
+    every: Duration,
+) -> Vec<Sample> {
+    start.wait();
+    let t0 = Instant::now();
+    let mut prev = (t0, 0u64, Snapshot::read());
+    let mut out = Vec::new();
+    loop {
+        let next = prev.0 + every;
+        let end = match stopped.recv_timeout(next.saturating_duration_since(Instant::now())) {
+            Err(RecvTimeoutError::Timeout) => false,
+            Ok(()) | Err(RecvTimeoutError::Disconnected) => true,
+        };
+        let now = (
+            Instant::now(),
+            done.load(Ordering::Relaxed),
+            Snapshot::read(),
+        );
+        out.push(interval(t0, &prev, &now));
+        prev = now;
+        if end {
+            return out;
+        }
+    }
+}
+
+fn interval(t0: Instant, a: &(Instant, u64, Snapshot), b: &(Instant, u64, Snapshot)) -> Sample {
+    let secs = b.0.duration_since(a.0).as_secs_f64();
+    let bytes = b.1.saturating_sub(a.1);
+    let d = a.2.until(&b.2);
+    Sample {
+        t_s: b.0.duration_since(t0).as_secs_f64(),
+        interval_s: secs,
+        bytes,
+        gb_per_s: if secs > 0.0 {
+            bytes as f64 / secs / 1e9
+        } else {
+            0.0
+        },
+        level2_splits: d.level2_splits,
+        level3_splits: d.level3_splits,
+        tlb_shootdowns: d.tlb_shootdowns,
+        function_call_irqs: d.function_call_irqs,
+    }
+}
