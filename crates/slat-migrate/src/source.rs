@@ -58,7 +58,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// A round's pages: taken from the guest's harvester, committed as they are acknowledged.
-type PageSet<'h> = slat_dirty::DirtySet<'h, GuestLog>;
+type RoundSet<'h> = slat_dirty::DirtySet<'h, GuestLog>;
 
 /// How the source migrates.
 #[derive(Debug, Clone)]
@@ -737,7 +737,7 @@ impl Sender {
         &mut self,
         conn: &mut Conn,
         guest: &Arc<dyn Guest>,
-        owed: &mut PageSet<'_>,
+        owed: &mut RoundSet<'_>,
         round: u32,
         stop_and_copy: bool,
         phase: &str,
@@ -810,7 +810,7 @@ type Page = (usize, u64, u64);
 
 /// The pages of `set`, in test-region order (slots are in guest-address order and together
 /// cover the test region).
-fn pages_of(set: &PageSet<'_>) -> Vec<Page> {
+fn pages_of(set: &RoundSet<'_>) -> Vec<Page> {
     let mut out = Vec::with_capacity(usize::try_from(set.pages()).unwrap_or(0));
     let mut start = 0u64;
     for (i, s) in set.slot_info().iter().enumerate() {
@@ -827,7 +827,7 @@ fn pages_of(set: &PageSet<'_>) -> Vec<Page> {
 fn settle(
     m: Msg,
     inflight: &mut VecDeque<(u64, Vec<Page>)>,
-    owed: &mut PageSet<'_>,
+    owed: &mut RoundSet<'_>,
     phase: &str,
 ) -> Result<(), MigrateError> {
     let Msg::Ack { seq } = m else {
