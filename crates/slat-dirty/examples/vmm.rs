@@ -1,12 +1,13 @@
 //! What a VMM author writes: a KVM VM from `kvm-ioctls` with memory this program maps, a tiny
-//! guest that writes a few pages, and transactional harvests of its dirty pages.
+//! guest that writes a few pages, transactional harvests of its dirty pages, and a snapshot of
+//! guest RAM reset from those harvests (copying back only the dirty pages).
 //!
-//! `cargo run -p slat-dirty --example vmm` (needs /dev/kvm). The guest is set up in 64-bit
+//! `cargo run --release -p slat-dirty --example vmm` (needs /dev/kvm). The guest is set up in 64-bit
 //! user mode with `slat_kvm::guest`'s page-table and GDT helpers; any VMM's own setup works.
 
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
 use kvm_ioctls::{Kvm, VcpuExit};
-use slat_dirty::{Harvester, LogMode, Memslot};
+use slat_dirty::{DirtyPages, GuestRegion, Harvester, LogMode, Memslot, Snapshot};
 use slat_kvm::guest::{self, GuestMode, LowLayout};
 use std::sync::Arc;
 
@@ -139,5 +140,34 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let set = harvester.take()?;
     print("after commit", &set);
     set.commit();
+
+    // Snapshot and reset, as a fuzzer loops: re-arm the log (take + commit), copy the RAM
+    // once, then after each run copy back only what the guest dirtied — taken (and so
+    // re-armed) before the copy, committed after it; a failed copy (`?`) drops the set, which
+    // owes its pages to the next take.
+    harvester.take()?.commit();
+    // SAFETY: `ram` stays mapped for the rest of the program; only the vCPU writes it, and
+    // never while the snapshot is taken, reset or verified (it runs only inside `run_guest`);
+    // this program no longer touches `ram` itself.
+    let region = unsafe { GuestRegion::new(ram.as_mut_ptr(), ram.len() as u64)? };
+    let snap = Snapshot::take(vec![region])?;
+    let mut dirty = DirtyPages::new(&[RAM_PAGES]);
+    for (run, pages) in [&[1u64, 2, 3][..], &[100, 101, 255], &[3, 7, 64, 65, 66]]
+        .into_iter()
+        .enumerate()
+    {
+        run_guest(pages)?;
+        let changed = snap.verify().is_err();
+        let set = harvester.take()?;
+        dirty.add_dirty_set(&set)?;
+        let stats = snap.reset(&mut dirty)?;
+        set.commit();
+        snap.verify()?;
+        println!(
+            "reset {run}: guest changed memory: {changed}; {} dirty pages copied back; \
+             memory equals the snapshot",
+            stats.pages
+        );
+    }
     Ok(())
 }

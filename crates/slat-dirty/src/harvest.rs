@@ -1,8 +1,12 @@
 //! Transactional harvests: one API over the three ways KVM logs dirty pages.
 //!
-//! A [`Harvester`] owns the [`Memslot`]s it tracks (and, for the ring, the vCPUs'
-//! [`DirtyRing`]s) and a bitmap per slot of pages it *owes*: pages reported dirty that no
-//! committed harvest has covered yet. [`Harvester::take`] pulls everything KVM has logged into
+//! A [`Harvester`] owns the source of the log it harvests — a [`DirtyLogSource`]: by default
+//! [`KvmLog`], the [`Memslot`]s of a VMM's own VM (and, for the ring, the vCPUs'
+//! [`DirtyRing`]s); slat's benchmark machines bring their own — and a bitmap per slot of pages
+//! it *owes*: pages reported dirty that no committed harvest has covered yet. The
+//! transactional part below is the same for every source; the guarantees hold for any source
+//! that keeps the [`DirtyLogSource`] contract (KVM's semantics). [`Harvester::take`] pulls
+//! everything KVM has logged into
 //! those bitmaps, re-arms the log, and hands the whole owed set over as a [`DirtySet`]. The
 //! caller copies the pages of the set (to a migration stream, a snapshot, a reset source) and
 //! then either [`DirtySet::commit`]s — the pages are no longer owed — or aborts
@@ -46,9 +50,10 @@
 //! [`DirtySet::mark_words`] into a set being copied.
 
 use crate::error::Error;
-use crate::log::{clear_dirty_log, get_dirty_log, reset_dirty_rings, DirtyRing};
+use crate::log::DirtyRing;
 use crate::memslot::Memslot;
 use crate::ranges::{ranges, Ranges};
+use crate::source::{DirtyLogSource, KvmLog, SlotInfo};
 
 /// How the VM logs dirty pages (it must have been set up so: see each variant).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,14 +75,19 @@ pub enum LogMode {
 
 /// Tracks the dirty pages of some memslots of one VM; see the [module](self) documentation.
 ///
+/// `S` is where the log comes from: by default a VMM's own KVM VM ([`KvmLog`], built by
+/// [`Harvester::new`] and [`Harvester::with_rings`]); any [`DirtyLogSource`] through
+/// [`Harvester::from_source`] (slat's benchmark machines: `slat_snapshot::MachineLog`).
+///
 /// It must be the only reader of those slots' logs (no other GET, CLEAR or ring harvest of
 /// them): another reader would take bits this harvester then never sees.
 #[derive(Debug)]
-pub struct Harvester {
-    slots: Vec<Memslot>,
+pub struct Harvester<S: DirtyLogSource = KvmLog> {
+    source: S,
+    /// The source's slots, read once: every bitmap below is sized from them.
+    slots: Vec<SlotInfo>,
     mode: LogMode,
-    rings: Vec<DirtyRing>,
-    /// Per slot: pages owed (reported, not yet committed). Exactly `bitmap_words` long.
+    /// Per slot: pages owed (reported, not yet committed). Exactly `ceil(pages / 64)` long.
     owed: Vec<Vec<u64>>,
     /// Scratch bitmap for GET (the largest slot's length).
     scratch: Vec<u64>,
@@ -85,12 +95,33 @@ pub struct Harvester {
     foreign: u64,
 }
 
-fn words_of(slot: &Memslot) -> Result<usize, Error> {
-    usize::try_from(slot.bitmap_words())
-        .map_err(|_| Error::Harvest(format!("slot {} is too large for this host", slot.id())))
+/// Words of `slot`'s bitmaps, if this host can hold them.
+fn words_of(slot: &SlotInfo) -> Result<usize, Error> {
+    usize::try_from(slot.pages.div_ceil(64))
+        .map_err(|_| Error::Harvest(format!("slot {} is too large for this host", slot.id)))
 }
 
-impl Harvester {
+/// Refuses what no harvest can work with: no slot, a slot twice, a bad CLEAR chunk.
+fn check_source(slots: &[SlotInfo], mode: LogMode) -> Result<(), Error> {
+    if slots.is_empty() {
+        return Err(Error::Harvest("no memslot to track".into()));
+    }
+    for (i, s) in slots.iter().enumerate() {
+        if slots[..i].iter().any(|t| t.id == s.id) {
+            return Err(Error::Harvest(format!("slot {} given twice", s.id)));
+        }
+    }
+    if let LogMode::ManualProtect { chunk_pages } = mode {
+        if chunk_pages == 0 || chunk_pages % 64 != 0 {
+            return Err(Error::Harvest(format!(
+                "a CLEAR chunk of {chunk_pages} pages: it must be a non-zero multiple of 64"
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl Harvester<KvmLog> {
     /// A harvester of `slots` (all of one VM, distinct) logged with `mode`, which must be
     /// [`LogMode::Get`] or [`LogMode::ManualProtect`] (see [`Harvester::with_rings`]).
     /// Dirty logging is not switched on here: see [`Memslot::set_dirty_logging`].
@@ -100,72 +131,61 @@ impl Harvester {
                 "the ring mode needs the vCPUs' rings: use Harvester::with_rings".into(),
             ));
         }
-        Self::build(slots, mode, Vec::new())
+        Self::from_source(KvmLog::new(slots, mode, Vec::new())?)
     }
 
     /// A harvester of `slots` logged through the dirty rings `rings` (one per vCPU of the VM;
     /// more can be added with [`Harvester::add_ring`]).
     pub fn with_rings(slots: Vec<Memslot>, rings: Vec<DirtyRing>) -> Result<Self, Error> {
-        Self::build(slots, LogMode::Ring, rings)
+        Self::from_source(KvmLog::new(slots, LogMode::Ring, rings)?)
     }
 
-    fn build(slots: Vec<Memslot>, mode: LogMode, rings: Vec<DirtyRing>) -> Result<Self, Error> {
-        if slots.is_empty() {
-            return Err(Error::Harvest("no memslot to track".into()));
-        }
-        for (i, s) in slots.iter().enumerate() {
-            if slots[..i].iter().any(|t| t.id() == s.id()) {
-                return Err(Error::Harvest(format!("slot {} given twice", s.id())));
-            }
-            if !slots[0].same_vm(s) {
-                return Err(Error::Harvest(format!(
-                    "slot {} belongs to another VM than slot {}",
-                    s.id(),
-                    slots[0].id()
-                )));
-            }
-        }
-        if let LogMode::ManualProtect { chunk_pages } = mode {
-            if chunk_pages == 0 || chunk_pages % 64 != 0 {
-                return Err(Error::Harvest(format!(
-                    "a CLEAR chunk of {chunk_pages} pages: it must be a non-zero multiple of 64"
-                )));
-            }
-        }
-        let mut owed = Vec::with_capacity(slots.len());
-        let mut largest = 0;
-        for s in &slots {
-            let w = words_of(s)?;
-            largest = largest.max(w);
-            owed.push(vec![0u64; w]);
-        }
+    /// Adds a vCPU's ring (ring mode only).
+    pub fn add_ring(&mut self, ring: DirtyRing) -> Result<(), Error> {
+        self.source.add_ring(ring)
+    }
+
+    /// The slots tracked, in the order the sets index them.
+    pub fn slots(&self) -> &[Memslot] {
+        self.source.memslots()
+    }
+}
+
+impl<S: DirtyLogSource> Harvester<S> {
+    /// A harvester of everything `source` tracks, in its mode. Every bitmap is sized from the
+    /// source's slots, read here once. Refused: no slot, a slot id twice, a CLEAR chunk that
+    /// is not a non-zero multiple of 64, a slot too large for this host.
+    pub fn from_source(source: S) -> Result<Self, Error> {
+        let slots = source.slots();
+        let mode = source.mode();
+        check_source(&slots, mode)?;
+        let owed = slots
+            .iter()
+            .map(|s| Ok(vec![0u64; words_of(s)?]))
+            .collect::<Result<Vec<_>, Error>>()?;
+        let largest = owed.iter().map(Vec::len).max().unwrap_or(0);
         let scratch = match mode {
             LogMode::Get | LogMode::ManualProtect { .. } => vec![0u64; largest],
             LogMode::Ring => Vec::new(),
         };
         Ok(Harvester {
+            source,
             slots,
             mode,
-            rings,
             owed,
             scratch,
             foreign: 0,
         })
     }
 
-    /// Adds a vCPU's ring (ring mode only).
-    pub fn add_ring(&mut self, ring: DirtyRing) -> Result<(), Error> {
-        if self.mode != LogMode::Ring {
-            return Err(Error::Harvest(
-                "rings are only used in the ring mode".into(),
-            ));
-        }
-        self.rings.push(ring);
-        Ok(())
+    /// The source of the log (for what it reports about itself; reading its log directly
+    /// would take bits this harvester then never sees).
+    pub fn source(&self) -> &S {
+        &self.source
     }
 
-    /// The slots tracked, in the order the sets index them.
-    pub fn slots(&self) -> &[Memslot] {
+    /// The tracked slots' ids and sizes, in the order the sets index them.
+    pub fn slot_info(&self) -> &[SlotInfo] {
         &self.slots
     }
 
@@ -180,13 +200,9 @@ impl Harvester {
         self.foreign
     }
 
-    /// Pages owed now (reported or marked, not yet committed), without asking KVM.
+    /// Pages owed now (reported or marked, not yet committed), without asking the source.
     pub fn owed_pages(&self) -> u64 {
-        self.owed
-            .iter()
-            .flatten()
-            .map(|w| u64::from(w.count_ones()))
-            .sum()
+        count(self.owed.iter().flatten())
     }
 
     fn index(&self, slot_index: usize) -> Result<usize, Error> {
@@ -200,11 +216,11 @@ impl Harvester {
         }
     }
 
-    /// Merges writes KVM did not log (by the VMM or its devices) into the pages owed: `words`
-    /// is a bitmap of slot `slot_index` (an index into [`Harvester::slots`]), exactly
-    /// [`Memslot::bitmap_words`] long — e.g. `vm-memory`'s `AtomicBitmap::get_and_reset()`
-    /// of the region behind the slot, with a 4 KiB page size. Bits past the slot's end are
-    /// ignored.
+    /// Merges writes the log did not see (by the VMM or its devices) into the pages owed:
+    /// `words` is a bitmap of slot `slot_index` (an index into [`Harvester::slot_info`]),
+    /// exactly `ceil(pages / 64)` words long — e.g. `vm-memory`'s
+    /// `AtomicBitmap::get_and_reset()` of the region behind the slot, with a 4 KiB page size.
+    /// Bits past the slot's end are ignored.
     pub fn mark_words(&mut self, slot_index: usize, words: &[u64]) -> Result<(), Error> {
         let i = self.index(slot_index)?;
         or_into(
@@ -231,15 +247,15 @@ impl Harvester {
     ) -> Result<(), Error> {
         let i = self.index(slot_index)?;
         let s = &self.slots[i];
-        let bytes = s.pages().checked_mul(crate::PAGE_SIZE);
-        if u64::try_from(bitmap.len()) != Ok(s.pages())
+        let bytes = s.pages.checked_mul(crate::PAGE_SIZE);
+        if u64::try_from(bitmap.len()) != Ok(s.pages)
             || u64::try_from(bitmap.byte_size()).ok() != bytes
         {
             return Err(Error::BitmapLength {
                 op: "Harvester::mark_atomic_bitmap",
-                slot: s.id(),
-                pages: s.pages(),
-                expected: s.bitmap_words(),
+                slot: s.id,
+                pages: s.pages,
+                expected: s.pages.div_ceil(64),
                 got: bitmap.len().div_ceil(64),
             });
         }
@@ -260,112 +276,166 @@ impl Harvester {
         pages: u64,
     ) -> Result<(), Error> {
         let i = self.index(slot_index)?;
-        set_range(&self.slots[i], &mut self.owed[i], first_page, pages)
+        set_range(&self.slots[i], &mut self.owed[i], first_page, pages, true)
     }
 
-    /// Pulls everything KVM has logged into the pages owed and re-arms the log for those pages
+    /// Marks every page of every tracked slot as owed: the next take hands over all memory
+    /// (e.g. a migration to a destination that starts empty).
+    pub fn mark_all(&mut self) {
+        for (s, o) in self.slots.iter().zip(&mut self.owed) {
+            o.fill(u64::MAX);
+            trim(s, o);
+        }
+    }
+
+    /// Pulls everything the log holds into the pages owed and re-arms the log for those pages
     /// (GET; GET + CLEAR; collect the rings + reset), without handing a set over. This is what
     /// a VMM calls on `KVM_EXIT_DIRTY_RING_FULL` before re-entering the vCPU (the entries stay
-    /// owed until a take). Returns the pages KVM reported (for the ring: entries collected).
-    pub fn collect(&mut self) -> Result<u64, Error> {
+    /// owed until a take). Returns the pages the log reported (for the ring: entries of
+    /// tracked slots).
+    pub fn collect(&mut self) -> Result<u64, S::Error> {
         match self.mode {
-            LogMode::Get => {
-                let mut n = 0;
-                for (s, owed) in self.slots.iter().zip(&mut self.owed) {
-                    // GET overwrites its buffer: read into the scratch, then OR, so nothing
-                    // owed is replaced.
-                    let got = &mut self.scratch[..owed.len()];
-                    get_dirty_log(s, got)?;
-                    // From here KVM has cleared these bits: they live only in `got` until
-                    // merged, and nothing between can fail.
-                    for (o, g) in owed.iter_mut().zip(got.iter()) {
-                        n += u64::from(g.count_ones());
-                        *o |= g;
-                    }
-                }
-                Ok(n)
-            }
-            LogMode::ManualProtect { chunk_pages } => {
-                let mut n = 0;
-                for (s, owed) in self.slots.iter().zip(&mut self.owed) {
-                    let got = &mut self.scratch[..owed.len()];
-                    get_dirty_log(s, got)?;
-                    // Owe the pages before re-protecting any of them (CLEAR may fail midway:
-                    // then the uncleared ones are reported again, harmlessly).
-                    for (o, g) in owed.iter_mut().zip(got.iter()) {
-                        n += u64::from(g.count_ones());
-                        *o |= g;
-                    }
-                    clear_chunks(s, got, chunk_pages)?;
-                }
-                Ok(n)
-            }
-            LogMode::Ring => {
-                let mut n = 0u64;
-                let (slots, owed, foreign) = (&self.slots, &mut self.owed, &mut self.foreign);
-                for ring in &mut self.rings {
-                    n += u64::from(ring.harvest(|slot, offset| {
-                        match slots.iter().position(|s| s.id() == slot) {
-                            Some(i) if offset < slots[i].pages() => {
-                                // offset < pages, so the word index is in the bitmap.
-                                owed[i][(offset / 64) as usize] |= 1 << (offset % 64);
-                            }
-                            _ => *foreign += 1,
-                        }
-                    }));
-                }
-                // Every collected entry is owed; now re-protect those pages.
-                reset_dirty_rings(self.slots[0].vm())?;
-                Ok(n)
+            LogMode::Get => self.collect_bitmaps(None),
+            LogMode::ManualProtect { chunk_pages } => self.collect_bitmaps(Some(chunk_pages)),
+            LogMode::Ring => self.collect_rings(),
+        }
+    }
+
+    /// GET of every slot, each followed by CLEAR of what it returned in chunks of `clear`
+    /// pages with manual protect.
+    fn collect_bitmaps(&mut self, clear: Option<u64>) -> Result<u64, S::Error> {
+        let mut n = 0;
+        for (i, (s, owed)) in self.slots.iter().zip(&mut self.owed).enumerate() {
+            // GET overwrites its buffer: read into the scratch, then OR, so nothing owed is
+            // replaced.
+            let got = &mut self.scratch[..owed.len()];
+            got.fill(0);
+            let r = self.source.get_log(i, got);
+            // From here the log may have let go of these bits: owe them before anything else
+            // can fail — even if the source failed after handing some over. (With manual
+            // protect, owe before re-protecting: a CLEAR failing midway leaves bits the next
+            // GET reports again, harmlessly.)
+            n += or_counted(s, owed, got);
+            r?;
+            if let Some(chunk) = clear {
+                clear_chunks(&mut self.source, i, s.pages, got, chunk)?;
             }
         }
+        Ok(n)
+    }
+
+    /// Collects the ring entries into the pages owed, then resets the rings.
+    fn collect_rings(&mut self) -> Result<u64, S::Error> {
+        let mut n = 0u64;
+        let (slots, owed, foreign) = (&self.slots, &mut self.owed, &mut self.foreign);
+        // Each entry is owed the moment it is handed over, so a failure after some entries
+        // (here or in the reset) loses none of them.
+        self.source.collect_ring(&mut |slot, offset| {
+            match slots.iter().position(|s| s.id == slot) {
+                Some(i) if offset < slots[i].pages => {
+                    // offset < pages, so the word index is in the bitmap.
+                    owed[i][(offset / 64) as usize] |= 1 << (offset % 64);
+                    n += 1;
+                }
+                _ => *foreign += 1,
+            }
+        })?;
+        // Every collected entry is owed; now re-protect those pages.
+        self.source.reset_rings()?;
+        Ok(n)
     }
 
     /// Takes the dirty set: collects (see [`Harvester::collect`]), re-arming the log, and hands
     /// every owed page over. Copy the pages, then [`DirtySet::commit`]; dropping the set
     /// without committing makes them owed again. On an error nothing is lost either: what was
     /// collected stays owed.
-    pub fn take(&mut self) -> Result<DirtySet<'_>, Error> {
-        self.collect()?;
+    pub fn take(&mut self) -> Result<DirtySet<'_, S>, S::Error> {
+        let collected = self.collect()?;
+        Ok(self.hand_over(collected))
+    }
+
+    /// Hands the pages owed now over as a set without reading the log: pages the log holds
+    /// stay there for the next take. Every owed page was re-armed when it was collected (or
+    /// was marked by the caller), so copying them is safe; what this misses is only what was
+    /// dirtied since the last collect. (slat-migrate's test knob that skips the final
+    /// harvest uses it to show verification catching the pages it misses.)
+    pub fn take_owed(&mut self) -> DirtySet<'_, S> {
+        self.hand_over(0)
+    }
+
+    /// Moves every owed page into a new set.
+    fn hand_over(&mut self, collected: u64) -> DirtySet<'_, S> {
         let bitmaps = self
             .owed
             .iter_mut()
             .map(|o| std::mem::replace(o, vec![0u64; o.len()]))
             .collect();
-        Ok(DirtySet {
+        DirtySet {
             h: self,
             bitmaps,
+            collected,
             settled: false,
-        })
+        }
     }
 }
 
-/// Clears (re-protects) the pages of `bits` (a whole-slot bitmap) in chunks of `chunk` pages,
-/// skipping chunks with no bit set.
-fn clear_chunks(s: &Memslot, bits: &[u64], chunk: u64) -> Result<(), Error> {
-    let pages = s.pages();
+/// Set bits among `words`.
+fn count<'a>(words: impl IntoIterator<Item = &'a u64>) -> u64 {
+    words.into_iter().map(|w| u64::from(w.count_ones())).sum()
+}
+
+/// ORs the whole-slot bitmap `got` into `owed` (the same length), dropping bits past the
+/// slot's end; returns how many bits it held inside the slot.
+fn or_counted(s: &SlotInfo, owed: &mut [u64], got: &mut [u64]) -> u64 {
+    trim(s, got);
+    for (o, g) in owed.iter_mut().zip(got.iter()) {
+        *o |= g;
+    }
+    count(got.iter())
+}
+
+/// Clears (re-protects) the pages of `bits` (a whole-slot bitmap of slot `i`, `pages` pages)
+/// in chunks of `chunk` pages, skipping chunks with no bit set.
+fn clear_chunks<S: DirtyLogSource>(
+    source: &mut S,
+    i: usize,
+    pages: u64,
+    bits: &[u64],
+    chunk: u64,
+) -> Result<(), S::Error> {
     let mut first = 0u64;
     while first < pages {
         let n = chunk.min(pages - first);
-        // first and chunk are multiples of 64, so the chunk starts on a word.
+        // first and chunk are multiples of 64, so the chunk starts on a word; `bits` covers
+        // the slot, so the chunk's words are inside it.
         let w0 = (first / 64) as usize;
         let w1 = w0 + n.div_ceil(64) as usize;
         let words = &bits[w0..w1];
         if words.iter().any(|&w| w != 0) {
-            clear_dirty_log(s, first, n, words)?;
+            source.clear_log(i, first, n, words)?;
         }
         first += n;
     }
     Ok(())
 }
 
+/// Clears the bits past the slot's last page in a whole-slot bitmap: they are no pages.
+fn trim(s: &SlotInfo, bits: &mut [u64]) {
+    let tail = s.pages % 64;
+    if tail != 0 {
+        if let Some(last) = bits.last_mut() {
+            *last &= (1u64 << tail) - 1;
+        }
+    }
+}
+
 /// ORs the `words` of a whole-slot bitmap into `into`, which is the slot's length.
-fn or_into(s: &Memslot, into: &mut [u64], words: &[u64], op: &'static str) -> Result<(), Error> {
+fn or_into(s: &SlotInfo, into: &mut [u64], words: &[u64], op: &'static str) -> Result<(), Error> {
     if words.len() != into.len() {
         return Err(Error::BitmapLength {
             op,
-            slot: s.id(),
-            pages: s.pages(),
+            slot: s.id,
+            pages: s.pages,
             expected: into.len() as u64,
             got: words.len(),
         });
@@ -373,24 +443,24 @@ fn or_into(s: &Memslot, into: &mut [u64], words: &[u64], op: &'static str) -> Re
     for (o, w) in into.iter_mut().zip(words) {
         *o |= w;
     }
-    // Bits past the slot's last page mean nothing: drop them.
-    let tail = s.pages() % 64;
-    if tail != 0 {
-        if let Some(last) = into.last_mut() {
-            *last &= (1u64 << tail) - 1;
-        }
-    }
+    trim(s, into);
     Ok(())
 }
 
-/// Sets the bits of `pages` pages from `first` in a whole-slot bitmap, checked against the slot.
-fn set_range(s: &Memslot, into: &mut [u64], first: u64, pages: u64) -> Result<(), Error> {
-    let end = first.checked_add(pages).filter(|&e| e <= s.pages());
+/// Sets (`set`) or clears the bits of `pages` pages from `first` in a whole-slot bitmap,
+/// checked against the slot.
+fn set_range(
+    s: &SlotInfo,
+    into: &mut [u64],
+    first: u64,
+    pages: u64,
+    set: bool,
+) -> Result<(), Error> {
+    let end = first.checked_add(pages).filter(|&e| e <= s.pages);
     let Some(end) = end else {
         return Err(Error::Harvest(format!(
             "pages {first}..{first}+{pages} are not inside slot {} ({} pages)",
-            s.id(),
-            s.pages()
+            s.id, s.pages
         )));
     };
     let mut p = first;
@@ -402,7 +472,13 @@ fn set_range(s: &Memslot, into: &mut [u64], first: u64, pages: u64) -> Result<()
         } else {
             ((1u64 << n) - 1) << bit
         };
-        into[(p / 64) as usize] |= mask;
+        // p < end <= pages, so the word is in the slot's bitmap.
+        let w = &mut into[(p / 64) as usize];
+        if set {
+            *w |= mask;
+        } else {
+            *w &= !mask;
+        }
         p += n;
     }
     Ok(())
@@ -412,15 +488,24 @@ fn set_range(s: &Memslot, into: &mut [u64], first: u64, pages: u64) -> Result<()
 /// are copied; dropped uncommitted (or [aborted](DirtySet::abort)), its pages are owed again.
 #[derive(Debug)]
 #[must_use = "dropping a dirty set without commit() makes its pages owed again"]
-pub struct DirtySet<'h> {
-    h: &'h mut Harvester,
+pub struct DirtySet<'h, S: DirtyLogSource = KvmLog> {
+    h: &'h mut Harvester<S>,
     bitmaps: Vec<Vec<u64>>,
+    /// What the take's collect reported.
+    collected: u64,
     settled: bool,
 }
 
-impl DirtySet<'_> {
+impl DirtySet<'_, KvmLog> {
     /// The slots, in the order of [`DirtySet::bitmap`]'s index.
     pub fn slots(&self) -> &[Memslot] {
+        self.h.slots()
+    }
+}
+
+impl<S: DirtyLogSource> DirtySet<'_, S> {
+    /// The slots' ids and sizes, in the order of [`DirtySet::bitmap`]'s index.
+    pub fn slot_info(&self) -> &[SlotInfo] {
         &self.h.slots
     }
 
@@ -431,17 +516,20 @@ impl DirtySet<'_> {
 
     /// The dirty runs `(first_page, pages)` of slot `i` (empty past the last slot).
     pub fn ranges(&self, i: usize) -> Ranges<'_> {
-        let pages = self.h.slots.get(i).map_or(0, Memslot::pages);
+        let pages = self.h.slots.get(i).map_or(0, |s| s.pages);
         ranges(self.bitmap(i).unwrap_or(&[]), pages)
     }
 
     /// Dirty pages in the set.
     pub fn pages(&self) -> u64 {
-        self.bitmaps
-            .iter()
-            .flatten()
-            .map(|w| u64::from(w.count_ones()))
-            .sum()
+        count(self.bitmaps.iter().flatten())
+    }
+
+    /// Pages the log reported in the take that made this set (ring: entries of tracked
+    /// slots), before they were merged with the pages already owed: what was dirtied since
+    /// the take before.
+    pub fn collected(&self) -> u64 {
+        self.collected
     }
 
     /// True if no page is dirty.
@@ -460,10 +548,30 @@ impl DirtySet<'_> {
         )
     }
 
+    /// A partial commit: `pages` pages of slot `slot_index` from `first_page` are copied (a
+    /// migration's destination acknowledged them) and leave the set, so an abort no longer
+    /// owes them again. Pages dirtied since the take are not affected: they are in the log or
+    /// owed, not in this set.
+    pub fn commit_pages(
+        &mut self,
+        slot_index: usize,
+        first_page: u64,
+        pages: u64,
+    ) -> Result<(), Error> {
+        let i = self.h.index(slot_index)?;
+        set_range(
+            &self.h.slots[i],
+            &mut self.bitmaps[i],
+            first_page,
+            pages,
+            false,
+        )
+    }
+
     /// [`Harvester::collect`] while this set is out — e.g. on `KVM_EXIT_DIRTY_RING_FULL`
     /// during the copy. What it collects was dirtied after the take: it goes to the pages owed
     /// (the next take), not into this set.
-    pub fn collect(&mut self) -> Result<u64, Error> {
+    pub fn collect(&mut self) -> Result<u64, S::Error> {
         self.h.collect()
     }
 
@@ -476,7 +584,7 @@ impl DirtySet<'_> {
     pub fn abort(self) {}
 }
 
-impl Drop for DirtySet<'_> {
+impl<S: DirtyLogSource> Drop for DirtySet<'_, S> {
     fn drop(&mut self) {
         if self.settled {
             return;

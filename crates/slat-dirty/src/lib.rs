@@ -12,7 +12,9 @@
 //!   [`Memslot::register`] or, if the caller already registered it, described with
 //!   [`Memslot::adopt`]; both are `unsafe` and state what the caller promises.
 //! - [`ranges`](mod@ranges): bitmap → `(first_page, pages)` runs, a word at a time, skipping zero words.
-//! - [`harvest`]: one transactional harvest over the three log modes: [`Harvester::take`]
+//! - [`harvest`]: one transactional harvest over the three log modes, generic over where the
+//!   log comes from ([`DirtyLogSource`]: a VMM's own VM through [`KvmLog`], the default, or
+//!   any other source, e.g. slat's benchmark machines): [`Harvester::take`]
 //!   returns a [`DirtySet`] to copy; [`DirtySet::commit`] when the copy succeeded; abort (or
 //!   drop) and every page of the set is reported again by the next take. Writes the VMM made
 //!   itself (devices, `vm-memory`'s `AtomicBitmap::get_and_reset`) are merged with
@@ -35,6 +37,7 @@ pub mod log;
 pub mod memslot;
 pub mod ranges;
 pub mod snapshot;
+pub mod source;
 
 pub use error::Error;
 pub use harvest::{DirtySet, Harvester, LogMode};
@@ -46,6 +49,7 @@ pub use log::{
 pub use memslot::{bitmap_words, Memslot};
 pub use ranges::{ranges, Ranges};
 pub use snapshot::{ChildSnapshot, DirtyPages, GuestRegion, ResetStats, Snapshot, SnapshotError};
+pub use source::{DirtyLogSource, KvmLog, SlotInfo};
 /// The `vm-memory` this crate was built with (feature `vm-memory`), for its `AtomicBitmap`.
 #[cfg(feature = "vm-memory")]
 pub use vm_memory;

@@ -324,7 +324,10 @@ impl DirtyPages {
     }
 
     /// Adds every page of a [`crate::DirtySet`], its slot `i` taken as region `i`.
-    pub fn add_dirty_set(&mut self, set: &crate::DirtySet<'_>) -> Result<(), SnapshotError> {
+    pub fn add_dirty_set<S: crate::DirtyLogSource>(
+        &mut self,
+        set: &crate::DirtySet<'_, S>,
+    ) -> Result<(), SnapshotError> {
         let mut i = 0;
         while let Some(bitmap) = set.bitmap(i) {
             self.add_bitmap(i, 0, bitmap)?;

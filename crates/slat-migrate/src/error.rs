@@ -553,12 +553,21 @@ pub enum GuestError {
     /// The KVM burst driver's thread panicked.
     #[error("the burst driver thread panicked")]
     DriverPanicked,
+    /// The dirty-log harvester refused the machine's log or a request (a page outside the
+    /// test region's memslots).
+    #[error("dirty-log harvester: {0}")]
+    Harvest(Cause),
 }
 
 impl GuestError {
     /// A machine's error.
     pub(crate) fn machine<E: std::error::Error + Send + Sync + 'static>(e: E) -> GuestError {
         GuestError::Machine(Cause::new(e))
+    }
+
+    /// A refusal of `slat_dirty`'s harvester.
+    pub(crate) fn harvest(e: slat_dirty::Error) -> GuestError {
+        GuestError::Harvest(Cause::new(e))
     }
 }
 

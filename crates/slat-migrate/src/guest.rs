@@ -2,8 +2,9 @@
 //! region of guest RAM, a workload running on its vCPUs, and its dirty log.
 //!
 //! [`Guest`] is what the two ends need and nothing more: the shape, the host address of the
-//! test region, start/pause of the workload, a throttle, dirty logging on/off and one harvest
-//! in the machine's log mode. (`slat-cli` has a wider `Backend` trait; a library crate cannot
+//! test region, start/pause of the workload, a throttle, dirty logging on/off and the
+//! machine's dirty log as a [`GuestHarvester`] — `slat_dirty`'s transactional harvester, the
+//! one a VMM uses on its own KVM VM, over `slat_snapshot::MachineLog` (either machine). (`slat-cli` has a wider `Backend` trait; a library crate cannot
 //! depend on the binary's, and migration needs a running workload with a run-time dirty-rate
 //! control, which that trait does not have.)
 //!
@@ -14,9 +15,9 @@
 //! that the average rate matches the one asked for.
 
 use crate::error::{Cause, GuestError, MemoryError, ShapeError};
-use crate::page_set::PageSet;
 use crate::stream::{Shape, WorkSpec, PAGE_SIZE};
 use slat::{Ept, PteFormat, Stage2, VmConfig};
+use slat_dirty::{DirtyLogSource, Harvester, SlotInfo};
 use slat_machine::{Backing, Machine, MachineConfig, PacedParams, Pacer, PassParams, Workload};
 use slat_workload::{DirtyConfig, RegionSpec, TestMachine, INITIALLY_SET, MANUAL_PROTECT_ENABLE};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -135,9 +136,10 @@ pub unsafe trait Guest: Send + Sync {
     fn pages(&self) -> u64;
     /// Turns dirty logging on or off on every test memslot.
     fn set_dirty_logging(&self, on: bool) -> Result<(), GuestError>;
-    /// Harvests the dirty log into `into` (page indexes in the test region), re-protecting
-    /// what it returns before returning; returns how many pages it reported.
-    fn harvest(&self, into: &mut PageSet) -> Result<u64, GuestError>;
+    /// A harvester of the test region's dirty log (one tracked slot per memslot, in
+    /// guest-address order, covering [`Guest::pages`] together), in the machine's log mode.
+    /// Its takes re-arm the log before they return; a set dropped uncommitted is owed again.
+    fn dirty_log(&self) -> Result<GuestHarvester, GuestError>;
     /// Starts `work` on every vCPU (returns at once).
     fn start(&self, work: WorkSpec) -> Result<(), GuestError>;
     /// Stops the vCPUs (out of guest mode) and waits for them.
@@ -221,63 +223,48 @@ pub fn build(spec: &GuestSpec) -> Result<Arc<dyn Guest>, GuestError> {
     }
 }
 
-/// Adds the bits of `bitmap` (bit `i` = page `first + i`, `n` pages) to `into`.
-fn add_bitmap(into: &mut PageSet, first: u64, n: u64, bitmap: &[u64]) -> u64 {
-    if first % 64 == 0 {
-        return into.or_bitmap(first, &bitmap[..n.div_ceil(64) as usize]);
-    }
-    let mut count = 0;
-    for (w, &bits) in bitmap.iter().enumerate().take(n.div_ceil(64) as usize) {
-        let mut b = bits;
-        while b != 0 {
-            let i = w as u64 * 64 + b.trailing_zeros() as u64;
-            if i < n {
-                into.insert(first + i);
-                count += 1;
-            }
-            b &= b - 1;
-        }
-    }
-    count
-}
+/// A guest's dirty log as the source harvests it: any machine's, errors as [`GuestError`].
+pub type GuestLog = Box<dyn DirtyLogSource<Error = GuestError> + Send>;
 
-/// One harvest of `m`'s dirty log in `log` mode into `into` (page indexes in the test
-/// region), re-protecting what it returns before returning; returns how many pages it
-/// reported. The same for both machines: only the test slots count (rings also log the KVM
-/// guest's low slot, which never holds test pages).
-fn harvest<M: TestMachine + ?Sized>(
-    m: &M,
-    log: LogMode,
-    into: &mut PageSet,
-) -> Result<u64, M::Error> {
-    let pps = m.pages_per_slot();
-    let slots = m.test_slots();
-    match log {
-        LogMode::Get | LogMode::Clear => {
-            let mut buf = vec![0u64; pps.div_ceil(64) as usize];
-            let mut n = 0;
-            for (k, id) in slots.enumerate() {
-                m.get_dirty_log(id, &mut buf)?;
-                n += add_bitmap(into, k as u64 * pps, pps, &buf);
-                if log == LogMode::Clear {
-                    // Re-protect before the pages are read: a write after this faults and is
-                    // logged again; one before it is in what we read.
-                    m.clear_dirty_log(id, 0, pps, &buf)?;
-                }
-            }
-            Ok(n)
-        }
-        LogMode::Ring => {
-            let mut n = 0;
-            m.collect_dirty_rings(&mut |slot, off| {
-                if slots.contains(&slot) && off < pps {
-                    into.insert((slot - slots.start) as u64 * pps + off);
-                    n += 1;
-                }
-            });
-            m.reset_dirty_rings()?;
-            Ok(n)
-        }
+/// The transactional harvester of a guest's dirty log ([`Guest::dirty_log`]).
+pub type GuestHarvester = Harvester<GuestLog>;
+
+/// A dirty-log source whose errors become [`GuestError`]s, so every machine's log has the one
+/// type [`GuestLog`].
+struct GuestErrors<S>(S);
+
+impl<S> DirtyLogSource for GuestErrors<S>
+where
+    S: DirtyLogSource,
+    S::Error: std::error::Error + Send + Sync + 'static,
+{
+    type Error = GuestError;
+
+    fn slots(&self) -> Vec<SlotInfo> {
+        self.0.slots()
+    }
+    fn mode(&self) -> slat_dirty::LogMode {
+        self.0.mode()
+    }
+    fn get_log(&mut self, slot: usize, bitmap: &mut [u64]) -> Result<(), GuestError> {
+        self.0.get_log(slot, bitmap).map_err(GuestError::machine)
+    }
+    fn clear_log(
+        &mut self,
+        slot: usize,
+        first_page: u64,
+        pages: u64,
+        bitmap: &[u64],
+    ) -> Result<(), GuestError> {
+        self.0
+            .clear_log(slot, first_page, pages, bitmap)
+            .map_err(GuestError::machine)
+    }
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, GuestError> {
+        self.0.collect_ring(f).map_err(GuestError::machine)
+    }
+    fn reset_rings(&mut self) -> Result<u64, GuestError> {
+        self.0.reset_rings().map_err(GuestError::machine)
     }
 }
 
@@ -396,7 +383,7 @@ unsafe impl OwnsTestRegion for slat_kvm::KvmMachine {}
 // holds the machine; `running` is true whenever the driver has a workload running.
 unsafe impl<M, D> Guest for MachineGuest<M, D>
 where
-    M: OwnsTestRegion + Send + Sync,
+    M: OwnsTestRegion + Send + Sync + 'static,
     D: Driver<M>,
 {
     fn backend(&self) -> BackendKind {
@@ -417,8 +404,11 @@ where
     fn set_dirty_logging(&self, on: bool) -> Result<(), GuestError> {
         TestMachine::set_dirty_logging(&*self.m, on).map_err(GuestError::machine)
     }
-    fn harvest(&self, into: &mut PageSet) -> Result<u64, GuestError> {
-        harvest(&*self.m, self.log, into).map_err(GuestError::machine)
+    fn dirty_log(&self) -> Result<GuestHarvester, GuestError> {
+        let log = slat_snapshot::MachineLog::new(self.m.clone());
+        // `build` chose the machine's dirty configuration from `self.log`, so the log's mode
+        // is that one.
+        Harvester::from_source(Box::new(GuestErrors(log)) as GuestLog).map_err(GuestError::harvest)
     }
     fn start(&self, work: WorkSpec) -> Result<(), GuestError> {
         self.driver.start(&self.m, self.shape, work)

@@ -53,7 +53,7 @@ pub use error::{
     Cause, Corruption, GuestError, HelloError, MemoryError, MigrateError, PageError, ProtocolError,
     ShapeError, StreamError,
 };
-pub use guest::{BackendKind, Guest, GuestSpec, LogMode};
+pub use guest::{BackendKind, Guest, GuestHarvester, GuestLog, GuestSpec, LogMode};
 pub use link::Faults;
 pub use page_set::PageSet;
 pub use source::{Event, MigrationReport, RoundReport, Source, SourceConfig};

@@ -3,19 +3,24 @@
 //!
 //! # What the source remembers between attempts
 //!
-//! [`Source`] owns one set, `owed`: the pages the destination does not provably hold in their
-//! current contents. A page enters it when a harvest reports it dirty (or, for a destination
-//! that starts empty, all pages at once) and leaves it only when the destination acknowledges
-//! the batch that carried it. Dirty logging stays on from the first attempt to the end, so a
-//! write at any time is either in the log or after the read that sent the page.
+//! [`Source`] owns the guest's dirty log as a transactional harvester
+//! ([`crate::GuestHarvester`], `slat_dirty`'s — the one a VMM uses on its own KVM VM) whose
+//! *owed* pages are the pages the destination does not provably hold in their current
+//! contents. A page is owed when a take reports it dirty (or, for a destination that starts
+//! empty, all pages at once: `mark_all`). Each round takes the owed pages as a set; a page
+//! leaves the set ([`slat_dirty::DirtySet::commit_pages`]) only when the destination
+//! acknowledges the batch that carried it, and the round commits the (then empty) set. Dirty
+//! logging stays on from the first attempt to the end, so a write at any time is either in the
+//! log or after the read that sent the page.
 //!
-//! A harvest *consumes* the log: once it returns, the engine (or KVM) no longer remembers
-//! those pages. If the connection breaks after a harvest and before the destination
-//! acknowledged the pages, they are still in `owed` — merged back — and the next attempt
-//! sends them first. A source that forgot them would resume into a destination with stale
-//! pages, which is the bug of Firecracker issue #4545 (a failed snapshot write lost the dirty
-//! bits KVM had already cleared); [`crate::Faults::skip_merge_back`] reproduces it so a test
-//! can watch verification catch it.
+//! A take *consumes* the log: once it returns, the engine (or KVM) no longer remembers those
+//! pages. If the connection breaks after a take and before the destination acknowledged the
+//! pages, the set is dropped on the error path — aborted — and its pages are owed again, so
+//! the next attempt sends them first. A source that forgot them would resume into a
+//! destination with stale pages, which is the bug of Firecracker issue #4545 (a failed
+//! snapshot write lost the dirty bits KVM had already cleared);
+//! [`crate::Faults::skip_merge_back`] reproduces it (pages leave the set when queued, not when
+//! acknowledged) so a test can watch verification catch it.
 //!
 //! # Rounds
 //!
@@ -34,10 +39,10 @@
 //! includes the final harvest, the final pages, hashing on both sides and one round trip.
 //! On any failure before `Commit` the vCPUs run again on the source.
 
+use crate::error::GuestError;
 use crate::error::{Cause, MigrateError, ProtocolError, StreamError};
-use crate::guest::{splitmix, Guest, Memory};
+use crate::guest::{splitmix, Guest, GuestHarvester, GuestLog, Memory};
 use crate::link::{Faults, Link};
-use crate::page_set::PageSet;
 use crate::stream::{
     self, BatchBuilder, Compression, FrameReader, Hello, Msg, WorkSpec, MAX_BATCH_PAGES,
     MAX_HASHES, PAGE_SIZE, VERSION,
@@ -51,6 +56,9 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+/// A round's pages: taken from the guest's harvester, committed as they are acknowledged.
+type RoundSet<'h> = slat_dirty::DirtySet<'h, GuestLog>;
 
 /// How the source migrates.
 #[derive(Debug, Clone)]
@@ -228,7 +236,9 @@ pub struct Source {
     guest: Arc<dyn Guest>,
     work: WorkSpec,
     cfg: SourceConfig,
-    owed: PageSet,
+    /// The guest's dirty log and the pages owed, from the first attempt on (before it, every
+    /// page is owed).
+    log: Option<GuestHarvester>,
     session: u64,
     attempts: u32,
     logging: bool,
@@ -241,7 +251,6 @@ type Inbox = Receiver<Result<Msg, StreamError>>;
 impl Source {
     /// A source for `guest`, whose workload is `work` (started by [`Source::start_guest`]).
     pub fn new(guest: Arc<dyn Guest>, work: WorkSpec, cfg: SourceConfig) -> Source {
-        let pages = guest.pages();
         let seed = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64)
@@ -250,7 +259,7 @@ impl Source {
             guest,
             work,
             cfg,
-            owed: PageSet::full(pages),
+            log: None,
             session: splitmix(seed),
             attempts: 0,
             logging: false,
@@ -270,7 +279,9 @@ impl Source {
 
     /// Pages the destination does not have yet, as far as this source knows.
     pub fn owed(&self) -> u64 {
-        self.owed.count()
+        self.log
+            .as_ref()
+            .map_or(self.guest.pages(), GuestHarvester::owed_pages)
     }
 
     /// The guest has been switched over to a destination.
@@ -367,9 +378,10 @@ impl Source {
         };
         self.handshake(conn, &mut report)?;
         report.setup = t_connect.elapsed();
+        let log = harvester(&mut self.log, &*self.guest)?;
         if !report.resumed {
             // A destination that starts empty needs every page.
-            self.owed.set_all();
+            log.mark_all();
         }
         progress(Event::Connected {
             resume: report.resumed,
@@ -467,9 +479,12 @@ impl Source {
         report: &mut MigrationReport,
         progress: &mut dyn FnMut(Event<'_>),
     ) -> Result<u32, MigrateError> {
+        let log = harvester(&mut self.log, &*self.guest)?;
         let mut round = 0u32;
         loop {
-            let dirtied = self.guest.harvest(&mut self.owed)?;
+            // Re-armed before it returns; dropped on an error below, it is owed again.
+            let mut set = log.take()?;
+            let dirtied = set.collected();
             if let Some(prev) = report.rounds.last_mut() {
                 prev.dirtied = dirtied;
                 report.dirtied += dirtied;
@@ -478,39 +493,25 @@ impl Source {
                     progress(Event::Throttle(t));
                 }
             }
-            if round > 0 && self.precopy_done(round, report) {
+            if round > 0 && precopy_done(&self.cfg, set.pages(), round, report) {
+                // Not sent: owed again, for the take after the pause.
+                set.abort();
                 return Ok(round);
             }
             let r = sender.round(
                 conn,
                 &self.guest,
-                &mut self.owed,
+                &mut set,
                 round,
                 false,
                 &format!("round {round}"),
             )?;
+            // Every page was acknowledged (and left the set) before the round returned.
+            set.commit();
             progress(Event::Round(&r));
             report.rounds.push(r);
             round += 1;
         }
-    }
-
-    /// Whether pre-copy ends before round `round` (> 0): the owed pages could be sent within
-    /// `max_downtime` at the bandwidth measured so far (recorded in `report`), or the rounds
-    /// are used up.
-    fn precopy_done(&self, round: u32, report: &mut MigrationReport) -> bool {
-        let owed = self.owed.count();
-        let sent: u64 = report.rounds.iter().map(|r| r.bytes).sum();
-        let spent: Duration = report.rounds.iter().map(|r| r.time).sum();
-        let per_page = sent as f64 / report.pages().max(1) as f64;
-        let bw = rate(sent as f64, spent).max(1.0);
-        let expect = Duration::from_secs_f64(owed as f64 * per_page / bw);
-        report.expected_final = expect;
-        if expect <= self.cfg.max_downtime {
-            report.converged = true;
-            return true;
-        }
-        round > self.cfg.max_rounds || round == u32::MAX
     }
 
     /// With the vCPUs paused: the final harvest, then the stop-and-copy round `round`.
@@ -522,26 +523,23 @@ impl Source {
         report: &mut MigrationReport,
         progress: &mut dyn FnMut(Event<'_>),
     ) -> Result<(), MigrateError> {
+        let log = harvester(&mut self.log, &*self.guest)?;
         let t = Instant::now();
-        if !self.cfg.faults.skip_final_harvest {
-            let dirtied = self.guest.harvest(&mut self.owed)?;
-            // The last pre-copy round's writes reach up to the pause.
-            if let Some(prev) = report.rounds.last_mut() {
-                prev.dirtied += dirtied;
-                report.dirtied += dirtied;
-            }
+        let mut set = if self.cfg.faults.skip_final_harvest {
+            log.take_owed()
+        } else {
+            log.take()?
+        };
+        // The last pre-copy round's writes reach up to the pause.
+        if let Some(prev) = report.rounds.last_mut() {
+            prev.dirtied += set.collected();
+            report.dirtied += set.collected();
         }
         report.final_harvest = t.elapsed();
-        progress(Event::Paused(self.owed.count()));
+        progress(Event::Paused(set.pages()));
         let t = Instant::now();
-        let last = sender.round(
-            conn,
-            &self.guest,
-            &mut self.owed,
-            round,
-            true,
-            "stop-and-copy",
-        )?;
+        let last = sender.round(conn, &self.guest, &mut set, round, true, "stop-and-copy")?;
+        set.commit();
         report.final_send = t.elapsed();
         progress(Event::Round(&last));
         report.rounds.push(last);
@@ -605,6 +603,39 @@ impl Source {
             m => Err(unexpected(phase, &m)),
         }
     }
+}
+
+/// Whether pre-copy ends before round `round` (> 0): the `owed` pages could be sent within
+/// `max_downtime` at the bandwidth measured so far (recorded in `report`), or the rounds are
+/// used up.
+fn precopy_done(cfg: &SourceConfig, owed: u64, round: u32, report: &mut MigrationReport) -> bool {
+    let sent: u64 = report.rounds.iter().map(|r| r.bytes).sum();
+    let spent: Duration = report.rounds.iter().map(|r| r.time).sum();
+    let per_page = sent as f64 / report.pages().max(1) as f64;
+    let bw = rate(sent as f64, spent).max(1.0);
+    let expect = Duration::from_secs_f64(owed as f64 * per_page / bw);
+    report.expected_final = expect;
+    if expect <= cfg.max_downtime {
+        report.converged = true;
+        return true;
+    }
+    round > cfg.max_rounds || round == u32::MAX
+}
+
+/// The guest's harvester, made on first use with every page owed.
+fn harvester<'a>(
+    log: &'a mut Option<GuestHarvester>,
+    guest: &dyn Guest,
+) -> Result<&'a mut GuestHarvester, GuestError> {
+    let h = match log.take() {
+        Some(h) => h,
+        None => {
+            let mut h = guest.dirty_log()?;
+            h.mark_all();
+            h
+        }
+    };
+    Ok(log.insert(h))
 }
 
 /// Hashes per `Hashes` frame.
@@ -700,12 +731,13 @@ struct Sender {
 }
 
 impl Sender {
-    /// Sends every owed page; returns when the destination acknowledged all of them.
+    /// Sends every page of `owed`; returns when the destination acknowledged all of them
+    /// (each acknowledged page has left the set).
     fn round(
         &mut self,
         conn: &mut Conn,
         guest: &Arc<dyn Guest>,
-        owed: &mut PageSet,
+        owed: &mut RoundSet<'_>,
         round: u32,
         stop_and_copy: bool,
         phase: &str,
@@ -714,8 +746,8 @@ impl Sender {
         let bytes0 = conn.link.written();
         let throttle = guest.throttle();
         let mem = Memory::new(&**guest);
-        let todo: Vec<u64> = owed.iter().collect();
-        let mut inflight: VecDeque<(u64, Vec<u64>)> = VecDeque::new();
+        let todo = pages_of(owed);
+        let mut inflight: VecDeque<(u64, Vec<Page>)> = VecDeque::new();
         let mut page = vec![0u8; PAGE_SIZE];
         let mut zero = 0u64;
         for chunk in todo.chunks(self.batch) {
@@ -726,12 +758,13 @@ impl Sender {
                 settle(m, &mut inflight, owed, phase)?;
             }
             self.builder.start(self.seq, round);
-            for &p in chunk {
+            for &(slot, off, p) in chunk {
                 mem.read_page(p, &mut page)?;
                 self.builder.push(p, &page);
                 if self.faults.skip_merge_back {
                     // The bug under test: the page counts as delivered once it is queued.
-                    owed.remove(p);
+                    owed.commit_pages(slot, off, 1)
+                        .map_err(GuestError::harvest)?;
                 }
             }
             zero += self.builder.zero as u64;
@@ -771,11 +804,30 @@ impl Sender {
     }
 }
 
-/// Applies an acknowledgement: the pages of the oldest batch in flight have landed.
+/// A page of a round: (slot index in the harvester, page in the slot, page in the test
+/// region).
+type Page = (usize, u64, u64);
+
+/// The pages of `set`, in test-region order (slots are in guest-address order and together
+/// cover the test region).
+fn pages_of(set: &RoundSet<'_>) -> Vec<Page> {
+    let mut out = Vec::with_capacity(usize::try_from(set.pages()).unwrap_or(0));
+    let mut start = 0u64;
+    for (i, s) in set.slot_info().iter().enumerate() {
+        for (first, n) in set.ranges(i) {
+            out.extend((first..first + n).map(|p| (i, p, start + p)));
+        }
+        start += s.pages;
+    }
+    out
+}
+
+/// Applies an acknowledgement: the pages of the oldest batch in flight have landed, and leave
+/// the set (a later abort does not owe them again).
 fn settle(
     m: Msg,
-    inflight: &mut VecDeque<(u64, Vec<u64>)>,
-    owed: &mut PageSet,
+    inflight: &mut VecDeque<(u64, Vec<Page>)>,
+    owed: &mut RoundSet<'_>,
     phase: &str,
 ) -> Result<(), MigrateError> {
     let Msg::Ack { seq } = m else {
@@ -783,8 +835,9 @@ fn settle(
     };
     match inflight.pop_front() {
         Some((s, pages)) if s == seq => {
-            for p in pages {
-                owed.remove(p);
+            for (slot, off, _) in pages {
+                owed.commit_pages(slot, off, 1)
+                    .map_err(GuestError::harvest)?;
             }
             Ok(())
         }

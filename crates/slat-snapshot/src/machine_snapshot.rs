@@ -1,5 +1,6 @@
 //! [`MachineSnapshot`]: one snapshot-and-reset driver over any [`TestMachine`].
 
+use crate::machine_log::{LogTimes, MachineHarvester, MachineLog};
 use slat_dirty::snapshot::{DirtyPages, GuestRegion, ResetStats, Snapshot, SnapshotError};
 use slat_workload::{GuestRam, TestMachine, PAGE_SIZE};
 use std::time::{Duration, Instant};
@@ -13,6 +14,9 @@ pub enum ResetError<E: std::error::Error + 'static> {
     /// The snapshot refused the harvest (a page past its slot) or found a difference.
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),
+    /// No harvester can track the machine's test region (no memslot, say).
+    #[error(transparent)]
+    Harvest(slat_dirty::Error),
     /// The RAM given is not where the machine's test region is.
     #[error("the test region at {host:#x} ({len} bytes) is not inside the guest RAM given ({ram_addr:#x}, {ram_len} bytes)")]
     NotTheMachinesRam {
@@ -54,7 +58,11 @@ impl ResetReport {
 /// Region `i` of the snapshot is memslot `FIRST_SLOT + i`, so a slot's bitmap is its region's
 /// page set. Dirty logging stays on while the snapshot is used.
 pub struct MachineSnapshot<'m, M: TestMachine + ?Sized> {
-    log: Log<'m, M>,
+    machine: &'m M,
+    /// The machine's log, harvested transactionally: a failed copy leaves its pages owed.
+    log: MachineHarvester<&'m M>,
+    /// The pages of one harvest, per region (= memslot).
+    dirty: DirtyPages,
     snap: Snapshot,
 }
 
@@ -102,35 +110,42 @@ impl<'m, M: TestMachine + ?Sized> MachineSnapshot<'m, M> {
         machine
             .set_dirty_logging(true)
             .map_err(ResetError::Machine)?;
-        let pps = machine.pages_per_slot();
-        let mut log = Log {
-            machine,
-            dirty: DirtyPages::new(&vec![pps; regions.len()]),
-            bitmap: vec![0; pps.div_ceil(64) as usize],
-        };
+        let mut log = MachineLog::harvester(machine).map_err(ResetError::Harvest)?;
         // Re-arm, then copy (`slat_dirty::snapshot`'s module docs): what the log held is
         // discarded, as guest memory is about to equal the snapshot.
-        log.harvest()?;
-        log.dirty.clear();
+        log.take().map_err(ResetError::Machine)?.commit();
         let snap = Snapshot::take(regions)?;
-        Ok(MachineSnapshot { log, snap })
+        Ok(MachineSnapshot {
+            machine,
+            log,
+            dirty: DirtyPages::new(&vec![machine.pages_per_slot(); machine.slot_count()]),
+            snap,
+        })
     }
 
-    /// Resets the test region to the snapshot: harvests the dirty log (re-arming it), then
-    /// copies back each dirty page once.
+    /// Resets the test region to the snapshot: takes the dirty set (the take re-arms the
+    /// log), copies back each of its pages once, and commits the set.
     ///
-    /// After an error, pages the failed harvest had taken may be in neither the log nor the
-    /// snapshot's page set any more: [`Self::reset_all`] restores the region whatever was
-    /// lost.
+    /// If the copy fails the set is aborted: its pages are owed again, so the next reset
+    /// copies them with whatever was dirtied since. A failed take leaves what it had collected
+    /// owed in the same way: no error loses a page.
     pub fn reset(&mut self) -> Res<ResetReport, M> {
-        let (harvest, rearm) = self.log.harvest()?;
+        // Whatever an earlier failed take spent is not this reset's.
+        self.log.source().take_times();
+        let set = self.log.take().map_err(ResetError::Machine)?;
+        self.dirty.clear();
+        // On `?` the set drops uncommitted: aborted.
+        self.dirty.add_dirty_set(&set)?;
         let t = Instant::now();
-        let ResetStats { pages, .. } = self.snap.reset(&mut self.log.dirty)?;
+        let ResetStats { pages, .. } = self.snap.reset(&mut self.dirty)?;
+        let copy = t.elapsed();
+        set.commit();
+        let LogTimes { read, rearm } = self.log.source().take_times();
         Ok(ResetReport {
             pages,
-            harvest,
+            harvest: read,
             rearm,
-            copy: t.elapsed(),
+            copy,
         })
     }
 
@@ -138,13 +153,15 @@ impl<'m, M: TestMachine + ?Sized> MachineSnapshot<'m, M> {
     /// tracking); the log is harvested and re-armed first, untimed, so the next
     /// [`Self::reset`] starts from a clean log.
     pub fn reset_all(&mut self) -> Res<ResetReport, M> {
-        self.log.harvest()?;
-        self.log.dirty.clear();
+        let set = self.log.take().map_err(ResetError::Machine)?;
         let t = Instant::now();
         let ResetStats { pages, .. } = self.snap.reset_all();
+        let copy = t.elapsed();
+        // Every page, the set's included, is the snapshot's again.
+        set.commit();
         Ok(ResetReport {
             pages,
-            copy: t.elapsed(),
+            copy,
             ..ResetReport::default()
         })
     }
@@ -161,71 +178,6 @@ impl<'m, M: TestMachine + ?Sized> MachineSnapshot<'m, M> {
 
     /// The machine.
     pub fn machine(&self) -> &'m M {
-        self.log.machine
-    }
-}
-
-/// The machine's dirty log, harvested into a page set per memslot.
-struct Log<'m, M: TestMachine + ?Sized> {
-    machine: &'m M,
-    dirty: DirtyPages,
-    /// One slot's GET_DIRTY_LOG bitmap.
-    bitmap: Vec<u64>,
-}
-
-impl<M: TestMachine + ?Sized> Log<'_, M> {
-    /// Adds every page the log holds to `dirty` and re-arms the log; returns the time spent
-    /// reading and, separately, re-arming.
-    fn harvest(&mut self) -> Res<(Duration, Duration), M> {
-        let d = self.machine.dirty_config();
-        if d.ring_entries != 0 {
-            self.harvest_rings()
-        } else {
-            self.harvest_bitmaps(d.manual_protect != 0)
-        }
-    }
-
-    /// GET (which re-arms) or, with manual protect, GET then CLEAR of the same bits.
-    fn harvest_bitmaps(&mut self, manual: bool) -> Res<(Duration, Duration), M> {
-        let m = self.machine;
-        let (mut read, mut rearm) = (Duration::ZERO, Duration::ZERO);
-        for (i, slot) in m.test_slots().enumerate() {
-            let t = Instant::now();
-            m.get_dirty_log(slot, &mut self.bitmap)
-                .map_err(ResetError::Machine)?;
-            self.dirty.add_bitmap(i, 0, &self.bitmap)?;
-            read += t.elapsed();
-            if manual {
-                let t = Instant::now();
-                m.clear_dirty_log(slot, 0, m.pages_per_slot(), &self.bitmap)
-                    .map_err(ResetError::Machine)?;
-                rearm += t.elapsed();
-            }
-        }
-        Ok((read, rearm))
-    }
-
-    /// Collects the ring entries of the test slots, then RESET_DIRTY_RINGS. Entries of other
-    /// slots (KVM's and the VMM's own) are not the test region's; an offset past a test slot
-    /// is refused.
-    fn harvest_rings(&mut self) -> Res<(Duration, Duration), M> {
-        let m = self.machine;
-        let slots = m.test_slots();
-        let mut bad = None;
-        let t = Instant::now();
-        let dirty = &mut self.dirty;
-        m.collect_dirty_rings(|slot, offset| {
-            if slots.contains(&slot) && bad.is_none() {
-                bad = dirty.add_page((slot - slots.start) as usize, offset).err();
-            }
-        });
-        let read = t.elapsed();
-        let t = Instant::now();
-        m.reset_dirty_rings().map_err(ResetError::Machine)?;
-        let rearm = t.elapsed();
-        match bad {
-            Some(e) => Err(e.into()),
-            None => Ok((read, rearm)),
-        }
+        self.machine
     }
 }

@@ -1,0 +1,195 @@
+//! Where a [`crate::Harvester`]'s log comes from: the [`DirtyLogSource`] trait, and
+//! [`KvmLog`], its implementation over a VMM's own KVM VM (memslot handles and dirty rings).
+//!
+//! The transactional part of a harvest — owed bitmaps, re-arm before the set is returned,
+//! abort puts the set back — does not depend on who keeps the log, so it is written once in
+//! [`crate::harvest`] over this trait. A source only says which slots it tracks and performs
+//! the four log operations KVM has (GET, CLEAR, collect the rings, reset them). slat's own
+//! benchmark machines implement it in `slat-snapshot` (`MachineLog`), over their
+//! `TestMachine` trait.
+
+use crate::error::Error;
+use crate::harvest::LogMode;
+use crate::log::{clear_dirty_log, get_dirty_log, reset_dirty_rings, DirtyRing};
+use crate::memslot::Memslot;
+
+/// One tracked memslot as a source reports it: the id its ring entries carry and its page
+/// count, which sizes every bitmap of the slot (GET buffers, owed pages, sets).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotInfo {
+    /// The slot id as ring entries name it (KVM: `as_id << 16 | id`).
+    pub id: u32,
+    /// Pages in the slot.
+    pub pages: u64,
+}
+
+/// A dirty log a [`crate::Harvester`] can harvest: the tracked slots, addressed by their
+/// index in [`DirtyLogSource::slots`], and the log operations of one [`LogMode`].
+///
+/// # Contract (what the harvester relies on to lose nothing)
+///
+/// - [`slots`](Self::slots) and [`mode`](Self::mode) never change: the harvester reads them
+///   once, when it is built, and sizes every buffer from them.
+/// - [`get_log`](Self::get_log) writes the slot's log into `bitmap` (exactly
+///   `ceil(pages / 64)` words; the source may refuse any other length). Without manual
+///   protect it also clears and re-protects the pages it reports. Bits it wrote before
+///   failing are owed by the harvester all the same, so a source that consumes bits and then
+///   fails (KVM's GET clears before it copies out) loses nothing.
+/// - [`clear_log`](Self::clear_log) (manual protect) clears and re-protects the pages of
+///   `first_page..first_page + pages` whose bits are set in `bitmap` (bit 0 = `first_page`).
+/// - [`collect_ring`](Self::collect_ring) hands every ring entry not handed over before to
+///   `f(slot id, offset)`; entries given to `f` are the harvester's even if the call then
+///   fails. [`reset_rings`](Self::reset_rings) re-protects the pages of every collected entry.
+///
+/// Implementations are safe to get wrong in the sense of Rust: every buffer the harvester
+/// hands over is a slice, so a bad source can only report wrong pages, never touch memory.
+pub trait DirtyLogSource {
+    /// Why a log operation failed.
+    type Error;
+
+    /// The tracked slots, in the order the harvester's sets index them.
+    fn slots(&self) -> Vec<SlotInfo>;
+    /// How the log works (fixed for the source's life).
+    fn mode(&self) -> LogMode;
+    /// GET of slot `slot` (an index into [`DirtyLogSource::slots`]) into `bitmap`.
+    fn get_log(&mut self, slot: usize, bitmap: &mut [u64]) -> Result<(), Self::Error>;
+    /// CLEAR of the set bits of `bitmap` over `first_page..first_page + pages` of `slot`.
+    fn clear_log(
+        &mut self,
+        slot: usize,
+        first_page: u64,
+        pages: u64,
+        bitmap: &[u64],
+    ) -> Result<(), Self::Error>;
+    /// Hands every uncollected ring entry to `f(slot id, offset)`; returns how many.
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, Self::Error>;
+    /// Re-protects the pages of every collected ring entry; returns how many were reset.
+    fn reset_rings(&mut self) -> Result<u64, Self::Error>;
+}
+
+impl<S: DirtyLogSource + ?Sized> DirtyLogSource for Box<S> {
+    type Error = S::Error;
+
+    fn slots(&self) -> Vec<SlotInfo> {
+        (**self).slots()
+    }
+    fn mode(&self) -> LogMode {
+        (**self).mode()
+    }
+    fn get_log(&mut self, slot: usize, bitmap: &mut [u64]) -> Result<(), Self::Error> {
+        (**self).get_log(slot, bitmap)
+    }
+    fn clear_log(
+        &mut self,
+        slot: usize,
+        first_page: u64,
+        pages: u64,
+        bitmap: &[u64],
+    ) -> Result<(), Self::Error> {
+        (**self).clear_log(slot, first_page, pages, bitmap)
+    }
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, Self::Error> {
+        (**self).collect_ring(f)
+    }
+    fn reset_rings(&mut self) -> Result<u64, Self::Error> {
+        (**self).reset_rings()
+    }
+}
+
+/// The log of a VMM's own KVM VM: [`Memslot`] handles (which know their sizes) and, in the
+/// ring mode, the vCPUs' [`DirtyRing`]s. What [`crate::Harvester::new`] and
+/// [`crate::Harvester::with_rings`] build.
+#[derive(Debug)]
+pub struct KvmLog {
+    slots: Vec<Memslot>,
+    mode: LogMode,
+    rings: Vec<DirtyRing>,
+}
+
+impl KvmLog {
+    /// The log of `slots` (all of one VM, distinct, at least one) in `mode`; the ring mode
+    /// takes the vCPUs' `rings`, the others none.
+    pub fn new(slots: Vec<Memslot>, mode: LogMode, rings: Vec<DirtyRing>) -> Result<Self, Error> {
+        let Some(first) = slots.first() else {
+            return Err(Error::Harvest("no memslot to track".into()));
+        };
+        if let Some(s) = slots.iter().find(|s| !first.same_vm(s)) {
+            return Err(Error::Harvest(format!(
+                "slot {} belongs to another VM than slot {}",
+                s.id(),
+                first.id()
+            )));
+        }
+        if mode != LogMode::Ring && !rings.is_empty() {
+            return Err(Error::Harvest(
+                "rings are only used in the ring mode".into(),
+            ));
+        }
+        Ok(KvmLog { slots, mode, rings })
+    }
+
+    /// The slots, in the order the sets index them.
+    pub fn memslots(&self) -> &[Memslot] {
+        &self.slots
+    }
+
+    /// Adds a vCPU's ring (ring mode only).
+    pub fn add_ring(&mut self, ring: DirtyRing) -> Result<(), Error> {
+        if self.mode != LogMode::Ring {
+            return Err(Error::Harvest(
+                "rings are only used in the ring mode".into(),
+            ));
+        }
+        self.rings.push(ring);
+        Ok(())
+    }
+
+    fn slot(&self, i: usize) -> Result<&Memslot, Error> {
+        self.slots.get(i).ok_or_else(|| {
+            Error::Harvest(format!(
+                "slot index {i}: the log tracks {} slots",
+                self.slots.len()
+            ))
+        })
+    }
+}
+
+impl DirtyLogSource for KvmLog {
+    type Error = Error;
+
+    fn slots(&self) -> Vec<SlotInfo> {
+        self.slots
+            .iter()
+            .map(|s| SlotInfo {
+                id: s.id(),
+                pages: s.pages(),
+            })
+            .collect()
+    }
+    fn mode(&self) -> LogMode {
+        self.mode
+    }
+    fn get_log(&mut self, slot: usize, bitmap: &mut [u64]) -> Result<(), Error> {
+        // The length is checked against the handle's own page count, KVM's.
+        get_dirty_log(self.slot(slot)?, bitmap)
+    }
+    fn clear_log(
+        &mut self,
+        slot: usize,
+        first_page: u64,
+        pages: u64,
+        bitmap: &[u64],
+    ) -> Result<(), Error> {
+        clear_dirty_log(self.slot(slot)?, first_page, pages, bitmap)
+    }
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, Error> {
+        Ok(self
+            .rings
+            .iter_mut()
+            .map(|r| u64::from(r.harvest(&mut *f)))
+            .sum())
+    }
+    fn reset_rings(&mut self) -> Result<u64, Error> {
+        reset_dirty_rings(self.slot(0)?.vm())
+    }
+}
