@@ -42,7 +42,6 @@ pub mod error;
 pub mod guest;
 pub mod limits;
 pub mod link;
-pub mod page_set;
 pub mod source;
 pub mod stream;
 pub mod throttle;
@@ -55,5 +54,4 @@ pub use error::{
 };
 pub use guest::{BackendKind, Guest, GuestHarvester, GuestLog, GuestSpec, LogMode};
 pub use link::Faults;
-pub use page_set::PageSet;
 pub use source::{Event, MigrationReport, RoundReport, Source, SourceConfig};
