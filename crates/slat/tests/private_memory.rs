@@ -445,7 +445,11 @@ fn run_oracle<F: PteFormat>(seed: u64, duration: Duration, bugs: u32) -> Result<
         HostRange::new(shared.clone()).unwrap(),
         HostRange::new(private.clone()).unwrap(),
     );
+    // Deliberate engine bugs exist only with the feature (the sabotage check).
+    #[cfg(feature = "test-hooks")]
     vm.inject_bugs(bugs);
+    #[cfg(not(feature = "test-hooks"))]
+    assert_eq!(bugs, 0, "bugs can only be injected with feature test-hooks");
     let oracle = Arc::new(Oracle {
         seed,
         shared,
@@ -465,7 +469,7 @@ fn run_oracle<F: PteFormat>(seed: u64, duration: Duration, bugs: u32) -> Result<
     let vcpus: Vec<_> = (0..3u32)
         .map(|id| {
             let (o, v) = (oracle.clone(), vm.create_vcpu(id));
-            std::thread::spawn(move || vcpu_loop(&o, v, seed ^ (u64::from(id) + 1) * 0x9e37))
+            std::thread::spawn(move || vcpu_loop(&o, v, seed ^ ((u64::from(id) + 1) * 0x9e37)))
         })
         .collect();
     let conversions = converter(&vm, &oracle, seed, deadline);
