@@ -27,6 +27,25 @@
 //! the slow path never upgrades a leaf whose host address differs from what it would map,
 //! it retries until the zap has removed it. So after (3) no leaf of the old kind exists, and
 //! its flush means no vCPU still caches one (invariant 4's order, for conversions).
+//!
+//! **Huge pages.** A slot with a private backing maps at 4 KiB only (`Memslot::max_level`),
+//! so a leaf never covers pages of both kinds; KVM instead tracks mixed huge ranges per level
+//! (`KVM_LPAGE_MIXED_FLAG`). The fast path leaves such slots to the slow path, which checks
+//! the attribute (`fault/mod.rs`).
+//!
+//! **Dirty logging.** A slot with a private backing refuses `LOG_DIRTY_PAGES` (and
+//! `READONLY`), at creation and later (`MemslotError::PrivateIncompatibleFlags`), as KVM's
+//! `check_memory_region_flags` does for guest_memfd slots: the host cannot read private
+//! memory, so logging it for migration is meaningless (confidential migration goes through
+//! the platform's firmware), and a read-only private page has no meaning. Shared-only slots
+//! log exactly as before, and a conversion never touches another slot's log.
+//!
+//! **Aging.** Unchanged and kind-blind: the aging calls take gfn ranges from the caller and
+//! age whatever leaves are there. KVM's MMU notifiers age only shared mappings (private
+//! memory is not on the host's LRU); a VMM here does the same by passing shared ranges. Aging
+//! a private leaf is still safe: with A/D bits off the next access faults, and since the fast
+//! path leaves private-capable slots alone, the slow path restores it after checking the
+//! access against the attribute.
 
 use super::ops::SlotsHeld;
 use super::{Memslot, Memslots, SlotId};
