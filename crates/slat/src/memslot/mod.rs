@@ -226,13 +226,15 @@ impl Memslot {
     pub fn has_private_backing(&self) -> bool {
         self.private.is_some()
     }
-    /// `gfn` (in the slot) is currently private. Read after the memslot generation (see
-    /// `memslot/attributes.rs` for the order against conversions).
+    /// `gfn` is currently private (false outside the slot). Faults read it after the memslot
+    /// generation (see `memslot/attributes.rs` for the order against conversions).
     #[inline]
     pub fn is_private(&self, gfn: u64) -> bool {
-        self.private
-            .as_ref()
-            .is_some_and(|p| p.attrs.is_private(gfn - self.base_gfn))
+        self.contains(gfn)
+            && self
+                .private
+                .as_ref()
+                .is_some_and(|p| p.attrs.is_private(gfn - self.base_gfn))
     }
     /// Host address backing `gfn` for an access of this kind: the private pool or the shared
     /// range (`private` without a private backing falls back to the shared range; callers
