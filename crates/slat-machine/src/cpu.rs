@@ -50,6 +50,16 @@ pub enum Exit {
         /// The address.
         gpa: u64,
     },
+    /// The access's kind (this CPU's accesses are all shared) disagrees with the page's
+    /// memory attribute (KVM_EXIT_MEMORY_FAULT): the VMM converts the page or stops.
+    MemoryFault {
+        /// The faulting page.
+        gpa: u64,
+        /// Bytes covered.
+        size: u64,
+        /// The access was private.
+        private: bool,
+    },
     /// A guest access while the vCPU is outside guest mode ([`Cpu::enter`] first): outside
     /// it, flushes do not wait for this vCPU, so its TLB and walks could use freed tables.
     NotInGuest,
@@ -285,6 +295,7 @@ impl<F: PteFormat> Cpu<F> {
                 }
                 Ok(hva) => return Ok(hva),
                 Err(present) => self.fault(Fault {
+                    private: false,
                     gpa,
                     access,
                     present,
@@ -443,6 +454,9 @@ fn check(o: FaultOutcome, gpa: u64) -> Result<(), Exit> {
     match o {
         FaultOutcome::NoSlot => Err(Exit::Mmio { gpa }),
         FaultOutcome::ReadOnly => Err(Exit::ReadOnly { gpa }),
+        FaultOutcome::MemoryFault { gpa, size, private } => {
+            Err(Exit::MemoryFault { gpa, size, private })
+        }
         // Handled by the caller (a ring-full exit); re-execute the access.
         _ => Ok(()),
     }

@@ -281,6 +281,7 @@ fn exact_while_other_slots_churn<F: PteFormat>() {
                         .expect("add");
                     for p in (0..4 * MIB).step_by(64 << 10) {
                         let f = Fault {
+                            private: false,
                             gpa: gpa + p,
                             access: Access::Write,
                             present: false,
@@ -290,6 +291,7 @@ fn exact_while_other_slots_churn<F: PteFormat>() {
                     vm.set_memslot_flags(100, log).expect("log on");
                     for p in (0..4 * MIB).step_by(128 << 10) {
                         let f = Fault {
+                            private: false,
                             gpa: gpa + p,
                             access: Access::Write,
                             present: true,

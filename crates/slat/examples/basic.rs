@@ -24,6 +24,7 @@ fn main() {
     let mut vcpu = vm.create_vcpu(0);
 
     let write = |gpa, present| Fault {
+        private: false,
         gpa,
         access: Access::Write,
         present,

@@ -19,7 +19,7 @@
 //! let host = HostRange::new(Arc::new(HostBuffer::new(4096, 4096)?))?;
 //! vm.add_memslot(1, 0x10_0000, 4096, host, MemslotFlags::empty())?;
 //! let mut vcpu = vm.create_vcpu(0);
-//! let f = Fault { gpa: 0x10_0000, access: Access::Write, present: false };
+//! let f = Fault { gpa: 0x10_0000, access: Access::Write, present: false, private: false };
 //! assert_eq!(vcpu.handle_fault(f), FaultOutcome::Fixed);
 //! assert_eq!(vm.stats().leaves_4k, 1);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
@@ -71,7 +71,10 @@ pub use fault::{Fault, FaultOutcome};
 pub use flush::GuestMode;
 pub use format::{Access, Ept, Level, PteFormat, Stage2};
 pub use host_memory::{HostBuffer, HostBufferError, HostMemory, HostRangeError};
-pub use memslot::{HostRange, Memslot, MemslotError, MemslotFlags, MemslotSet, SlotId};
+pub use memslot::{
+    HostRange, MemoryAttributeError, MemoryAttributes, Memslot, MemslotError, MemslotFlags,
+    MemslotSet, SlotId,
+};
 pub use mmu::inspect::Audit;
 pub use stats::Stats;
 pub use vcpu::Vcpu;

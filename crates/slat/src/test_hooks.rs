@@ -16,6 +16,9 @@ pub mod inject {
     /// The SPTE-update path does not put new leaves in the rmap (the broken order: the dirty
     /// bit is visible and the writable leaf cannot be found).
     pub const SKIP_RMAP_INSERT: u32 = 1 << 3;
+    /// `set_memory_attributes` converts pages but skips the zap (and its flush), so leaves
+    /// of the old kind survive the conversion.
+    pub const SKIP_CONVERSION_ZAP: u32 = 1 << 4;
 }
 
 /// The bugs a VM was told to commit.

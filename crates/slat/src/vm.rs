@@ -7,7 +7,10 @@ use crate::age::{self, AgeFlush, AgeReport, IdleBitmap, WorkingSet};
 use crate::config::VmConfig;
 use crate::dirty::{disable_logging, mark_page_dirty, DirtyLog, DirtyLogError, DirtyRing};
 use crate::format::{Level, PteFormat};
-use crate::memslot::{HostRange, MemslotError, MemslotFlags, MemslotSet, Memslots, SlotId};
+use crate::memslot::{
+    HostRange, MemoryAttributeError, MemoryAttributes, MemslotError, MemslotFlags, MemslotSet,
+    Memslots, SlotId,
+};
 use crate::mmu::flush::PendingFlush;
 use crate::mmu::inspect::Audit;
 use crate::mmu::Mmu;
@@ -123,9 +126,57 @@ impl<F: PteFormat> Vm<F> {
             gpa,
             size,
             host,
+            None,
             flags,
             |flags, npages| self.dirty.new_bitmap(get_log, flags, npages),
         )
+    }
+
+    /// Adds a memslot with a second, private backing (a guest_memfd-like pool): `host` backs
+    /// the slot's shared pages, `private` its `PRIVATE` pages (see
+    /// [`Self::set_memory_attributes`]); the slot keeps both alive. Every page starts shared.
+    /// Such a slot refuses `LOG_DIRTY_PAGES` and `READONLY`, now and later, as KVM does for
+    /// guest_memfd slots ([`MemslotError::PrivateIncompatibleFlags`]), and maps at 4 KiB.
+    pub fn add_memslot_with_private(
+        &self,
+        id: SlotId,
+        gpa: u64,
+        size: u64,
+        host: HostRange,
+        private: HostRange,
+        flags: MemslotFlags,
+    ) -> Result<(), MemslotError> {
+        let held = self.slots.lock();
+        let get_log = self.mmu.config.get_log;
+        self.slots.add(
+            &held,
+            &self.mmu,
+            id,
+            gpa,
+            size,
+            host,
+            Some(private),
+            flags,
+            |flags, npages| self.dirty.new_bitmap(get_log, flags, npages),
+        )
+    }
+
+    /// `KVM_SET_MEMORY_ATTRIBUTES`: makes `[first_gfn, first_gfn + npages)` private
+    /// (`attrs` = [`MemoryAttributes::PRIVATE`]) or shared (empty). The range must lie inside
+    /// memslots with no hole, and `PRIVATE` needs a private backing in each slot it touches;
+    /// otherwise a [`MemoryAttributeError`] and nothing changes. If any page changes kind,
+    /// the range is zapped and the flush completed before this returns: afterwards no vCPU
+    /// can use a mapping of the old kind, and the next fault maps the backing the attribute
+    /// selects (or exits with [`crate::FaultOutcome::MemoryFault`] if its access disagrees).
+    pub fn set_memory_attributes(
+        &self,
+        first_gfn: u64,
+        npages: u64,
+        attrs: MemoryAttributes,
+    ) -> Result<(), MemoryAttributeError> {
+        let held = self.slots.lock();
+        self.slots
+            .set_attributes(&held, &self.mmu, first_gfn, npages, attrs)
     }
 
     /// Deletes a memslot; its mappings are zapped and flushed before this returns, so the host

@@ -91,6 +91,7 @@ impl<F: PteFormat> HwCpu<F> {
                 Err(present) => {
                     self.faults += 1;
                     let f = Fault {
+                        private: false,
                         gpa,
                         access,
                         present,

@@ -46,7 +46,14 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("dirty::bitmap", &["sync"]),
     (
         "memslot",
-        &["sync", "format", "host_memory", "mmu", "dirty::bitmap"],
+        &[
+            "sync",
+            "format",
+            "host_memory",
+            "test_hooks",
+            "mmu",
+            "dirty::bitmap",
+        ],
     ),
     ("dirty::ring", &["sync", "memslot"]),
     (

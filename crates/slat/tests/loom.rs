@@ -45,6 +45,7 @@ fn install_race_installs_once() {
                 thread::spawn(move || {
                     let mut v = vm.create_vcpu(i);
                     let f = Fault {
+                        private: false,
                         gpa: GPA,
                         access: Access::Write,
                         present: false,
@@ -80,6 +81,7 @@ fn fast_path_write_vs_harvest(config: VmConfig) {
     let vm = vm_with_page(config);
     let mut v = vm.create_vcpu(0);
     let f = Fault {
+        private: false,
         gpa: GPA,
         access: Access::Write,
         present: false,
@@ -91,6 +93,7 @@ fn fast_path_write_vs_harvest(config: VmConfig) {
         // The vCPU holds its VM.
         thread::spawn(move || {
             let f = Fault {
+                private: false,
                 gpa: GPA,
                 access: Access::Write,
                 present: true,
@@ -147,6 +150,7 @@ fn fast_path_write_is_never_lost_to_a_ring_reset() {
             .unwrap();
         let mut v = vm.create_vcpu(0);
         let f = Fault {
+            private: false,
             gpa: GPA,
             access: Access::Write,
             present: false,
@@ -160,6 +164,7 @@ fn fast_path_write_is_never_lost_to_a_ring_reset() {
             // The vCPU holds its VM.
             thread::spawn(move || {
                 let f = Fault {
+                    private: false,
                     gpa: GPA,
                     access: Access::Write,
                     present: true,

@@ -46,6 +46,7 @@ fn zap_and_fault_never_show_a_second_size_to_a_vcpu_caching_the_block() {
         let mut a = vm.create_vcpu(0);
         let mut b = vm.create_vcpu(1);
         let read = Fault {
+            private: false,
             gpa: GPA,
             access: Access::Read,
             present: false,
@@ -92,6 +93,7 @@ fn zap_and_fault_never_show_a_second_size_to_a_vcpu_caching_the_block() {
             thread::spawn(move || vm.zap_gfn_range(base + 5, base + 6))
         };
         let write = Fault {
+            private: false,
             gpa: GPA + 7 * 4096,
             access: Access::Write,
             present: false,

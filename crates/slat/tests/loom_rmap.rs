@@ -44,6 +44,7 @@ fn lockless() -> VmConfig {
 
 fn write(present: bool) -> Fault {
     Fault {
+        private: false,
         gpa: GPA,
         access: Access::Write,
         present,
@@ -143,6 +144,7 @@ fn host_pages(n: u64) -> HostRange {
 
 fn write_at(gpa: u64) -> Fault {
     Fault {
+        private: false,
         gpa,
         access: Access::Write,
         present: false,

@@ -86,6 +86,7 @@ impl<F: PteFormat> Fixture<F> {
         let mut mapped = Vec::new();
         for gpa in [4 * MIB + 0x5000, 16 * MIB + 0x3000] {
             let f = Fault {
+                private: false,
                 gpa,
                 access: Access::Write,
                 present: false,
@@ -206,6 +207,7 @@ fn overlapping_ranges_are_refused_and_touching_ones_accepted<F: PteFormat>() {
     let mut v = f.vm.create_vcpu(1);
     for gpa in [4 * MIB - PAGE_SIZE, 8 * MIB, 16 * MIB - PAGE_SIZE] {
         let o = v.handle_fault(Fault {
+            private: false,
             gpa,
             access: Access::Read,
             present: false,
@@ -316,6 +318,7 @@ fn ranges_beyond_48_bits_are_refused_and_the_last_page_is_usable<F: PteFormat>()
     .unwrap();
     let mut v = f.vm.create_vcpu(1);
     let o = v.handle_fault(Fault {
+        private: false,
         gpa: top - 1,
         access: Access::Write,
         present: false,
@@ -457,6 +460,7 @@ fn dirty_log_buffer_too_small_is_refused_and_loses_no_dirty_bits<F: PteFormat>()
     let mut v = f.vm.create_vcpu(1);
     for p in [0u64, 129] {
         let o = v.handle_fault(Fault {
+            private: false,
             gpa: 0x1000_0000 + p * PAGE_SIZE,
             access: Access::Write,
             present: false,
@@ -503,6 +507,7 @@ fn refused_move_leaves_the_slot_in_place_and_mapped<F: PteFormat>() {
     let mut v = f.vm.create_vcpu(1);
     let gpa = 8 * MIB + 0x3000;
     let o = v.handle_fault(Fault {
+        private: false,
         gpa,
         access: Access::Read,
         present: false,
@@ -515,6 +520,7 @@ fn refused_move_leaves_the_slot_in_place_and_mapped<F: PteFormat>() {
         "moved slot lost its host memory"
     );
     let o = v.handle_fault(Fault {
+        private: false,
         gpa: 16 * MIB + 0x3000,
         access: Access::Read,
         present: false,
@@ -587,6 +593,7 @@ fn host_addresses_beyond_the_pte_address_field_are_refused<F: PteFormat>() {
     }
     let mut v = f.vm.create_vcpu(1);
     let o = v.handle_fault(Fault {
+        private: false,
         gpa: 0x1000_0000 + PAGE_SIZE,
         access: Access::Write,
         present: false,

@@ -209,6 +209,7 @@ fn outcome_index(o: FaultOutcome) -> usize {
         FaultOutcome::ReadOnly => 5,
         FaultOutcome::DirtyRingFull => 6,
         FaultOutcome::InGuestMode => unreachable!("checked by the caller"),
+        FaultOutcome::MemoryFault { .. } => unreachable!("the model has no private memory"),
     }
 }
 
@@ -397,6 +398,7 @@ impl<F: PteFormat> Run<'_, F> {
         self.what = format!("fault gpa {gpa:#x} {access:?} present={present} vcpu {vi}");
         let before = self.vm.stats();
         let f = Fault {
+            private: false,
             gpa,
             access,
             present,
@@ -424,6 +426,7 @@ impl<F: PteFormat> Run<'_, F> {
             FaultOutcome::ReadOnly => s.pf_read_only,
             FaultOutcome::DirtyRingFull => s.pf_ring_full,
             FaultOutcome::InGuestMode => unreachable!("checked above"),
+            FaultOutcome::MemoryFault { .. } => unreachable!("the model has no private memory"),
         };
         assert_eq!(
             counter(&after),

@@ -87,6 +87,7 @@ fn run<F: PteFormat>(config: VmConfig, seed: u64) {
                         .lookup(gpa >> 12)
                         .is_some_and(|(e, _)| F::permits(e, Access::Read));
                     let f = Fault {
+                        private: false,
                         gpa,
                         access,
                         present,

@@ -40,6 +40,7 @@ both_formats! {
 
 fn write<F: PteFormat>(vcpu: &mut slat::Vcpu<F>, gpa: u64, present: bool) -> FaultOutcome {
     vcpu.handle_fault(Fault {
+        private: false,
         gpa,
         access: Access::Write,
         present,
@@ -166,6 +167,7 @@ fn fault_under_a_leftover_table_rebuilds_the_block_with_on_fault_recovery<F: Pte
     let mut outcomes = Vec::new();
     for _ in 0..8 {
         let o = v.handle_fault(Fault {
+            private: false,
             gpa: target,
             access: Access::Read,
             present: false,
@@ -202,6 +204,7 @@ fn zap_flushes_before_a_fault_can_install_another_size<F: PteFormat>() {
     let base = GPA >> PAGE_SHIFT;
     assert_eq!(
         a.handle_fault(Fault {
+            private: false,
             gpa: GPA,
             access: Access::Read,
             present: false
@@ -234,6 +237,7 @@ fn zap_flushes_before_a_fault_can_install_another_size<F: PteFormat>() {
             let deadline = Instant::now() + Duration::from_secs(20);
             loop {
                 let o = b.handle_fault(Fault {
+                    private: false,
                     gpa: GPA + 7 * PAGE_SIZE,
                     access: Access::Write,
                     present: false,
@@ -281,6 +285,7 @@ fn guest_mode_token_of_another_vcpu_is_refused<F: PteFormat>() {
     let mut b = vm.create_vcpu(1);
     assert_eq!(
         a.handle_fault(Fault {
+            private: false,
             gpa: GPA,
             access: Access::Read,
             present: false
@@ -288,6 +293,7 @@ fn guest_mode_token_of_another_vcpu_is_refused<F: PteFormat>() {
         FaultOutcome::Fixed
     );
     let f = Fault {
+        private: false,
         gpa: GPA,
         access: Access::Write,
         present: true,
@@ -315,6 +321,7 @@ fn slow_path_in_guest_mode_does_nothing<F: PteFormat>() {
         .unwrap();
     let mut v = vm.create_vcpu(0);
     let f = Fault {
+        private: false,
         gpa: GPA,
         access: Access::Read,
         present: false,
@@ -351,6 +358,7 @@ fn vcpu_keeps_its_vm_alive_and_host_memory_outlives_the_slot<F: PteFormat>() {
     drop(vm); // the vCPU holds the VM
     assert!(weak.upgrade().is_some(), "the slot holds the memory");
     let o = v.handle_fault(Fault {
+        private: false,
         gpa: GPA + 2 * MIB,
         access: Access::Write,
         present: false,
@@ -360,6 +368,7 @@ fn vcpu_keeps_its_vm_alive_and_host_memory_outlives_the_slot<F: PteFormat>() {
     vm.delete_memslot(1).unwrap();
     // The vCPU's memslot snapshot may still list the slot until it faults again.
     let _ = v.handle_fault(Fault {
+        private: false,
         gpa: GPA,
         access: Access::Read,
         present: false,

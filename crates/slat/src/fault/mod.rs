@@ -26,10 +26,14 @@ pub struct Fault {
     /// A leaf with some hardware permission was present (a permission fault, like an EPT
     /// violation with R, W or X set in the qualification); false for a not-present fault.
     pub present: bool,
+    /// The access is private (a confidential guest's encrypted access: KVM's
+    /// `PFERR_PRIVATE_ACCESS` / `fault->is_private`). It must agree with the page's
+    /// [`crate::MemoryAttributes`], or the fault exits with [`FaultOutcome::MemoryFault`].
+    pub private: bool,
 }
 
 /// How a fault was resolved. The caller re-executes the access in every case but `NoSlot` and
-/// `ReadOnly`, which are exits to the VMM (MMIO).
+/// `ReadOnly`, which are exits to the VMM (MMIO), and `MemoryFault`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FaultOutcome {
     /// The slow path installed or upgraded a mapping.
@@ -51,6 +55,17 @@ pub enum FaultOutcome {
     /// The vCPU's dirty ring has no room for the entry this write fix needs: exit to the
     /// VMM, which harvests and resets the rings, then re-execute the access.
     DirtyRingFull,
+    /// The access's kind (private or shared) disagrees with the page's memory attribute:
+    /// nothing was mapped. An exit to the VMM (KVM_EXIT_MEMORY_FAULT), which converts the
+    /// range with `Vm::set_memory_attributes` (or kills the guest) and re-executes the access.
+    MemoryFault {
+        /// Guest physical address of the faulting page (4 KiB aligned).
+        gpa: u64,
+        /// Bytes covered (one 4 KiB page).
+        size: u64,
+        /// The access was private (the page is shared), or shared (the page is private).
+        private: bool,
+    },
 }
 
 /// What the fault handlers change on a vCPU, apart from the VM it belongs to.
@@ -82,6 +97,9 @@ pub(crate) fn fast_page_fault<F: PteFormat>(
         return None;
     }
     let gfn = fault.gpa >> PAGE_SHIFT;
+    if in_private_capable_slot(slots, vcpu, gfn, fault) {
+        return None;
+    }
     let sink = Sink::Owned(&vcpu.counters);
     // SAFETY: `Vcpu::fast_page_fault` checked that a token of this vCPU is alive, so it is
     // in guest mode until we return; it holds `&mut Vcpu`, so it cannot acknowledge a
@@ -144,4 +162,23 @@ pub(crate) fn fast_page_fault<F: PteFormat>(
         }
     }
     None
+}
+
+/// The fast path leaves faults in slots with a private backing (and every private access) to
+/// the slow path, which checks the access against the page's attribute: restoring an
+/// access-tracked leaf here would let an access of the wrong kind through without that check.
+/// Such slots never log dirty pages, so only access-tracking fixes are given up.
+#[inline]
+fn in_private_capable_slot(slots: &Memslots, vcpu: &mut VcpuState, gfn: u64, fault: Fault) -> bool {
+    if fault.private {
+        return true;
+    }
+    let (set, hint) = slots.refresh(&mut vcpu.slot_hint);
+    match set.find(gfn, *hint) {
+        Some((i, slot)) => {
+            *hint = i;
+            slot.has_private_backing()
+        }
+        None => false,
+    }
 }

@@ -7,7 +7,7 @@ use super::{Fault, FaultOutcome, VcpuState};
 use crate::cmo::{clean_new_mapping, invalidate_icache_for};
 use crate::config::{CmoPolicy, RecoverVariant, VmConfig};
 use crate::dirty::{commit_mark, mark_for, prepare_mark, DirtyRing};
-use crate::format::{bytes_per_entry, Access, LeafPerms, Level, PteFormat, PAGE_SHIFT};
+use crate::format::{bytes_per_entry, Access, LeafPerms, Level, PteFormat, PAGE_SHIFT, PAGE_SIZE};
 use crate::memslot::{Memslot, MemslotSet, Memslots};
 use crate::mmu::flush::PendingFlush;
 use crate::mmu::spte::UpdateMode;
@@ -21,6 +21,8 @@ use crate::sync::{pin, Ordering};
 struct Plan<'s> {
     slot: &'s Memslot,
     gfn: u64,
+    /// The page is private: map it from the slot's private backing.
+    private: bool,
     access: Access,
     /// The level of the leaf to install; lowered when a table already covers it.
     goal: Level,
@@ -55,7 +57,7 @@ pub(crate) fn slow_page_fault<F: PteFormat>(
     // permission faults skip it there too).
     if F::CACHE_MAINTENANCE && mmu.config.cmo == CmoPolicy::Always && !fault.present {
         let len = bytes_per_entry(plan.goal);
-        let hva = plan.slot.hva(plan.gfn) & !(len - 1);
+        let hva = plan.hva() & !(len - 1);
         clean_new_mapping(hva, len, fault.access == Access::Exec, sink);
     }
 
@@ -80,8 +82,15 @@ pub(crate) fn slow_page_fault<F: PteFormat>(
     outcome
 }
 
+impl Plan<'_> {
+    /// Host address of the page to map, in the backing the attribute selected.
+    fn hva(&self) -> u64 {
+        self.slot.hva_for(self.gfn, self.private)
+    }
+}
+
 /// Finds the slot and decides what to map, or the exit the fault is (`NoSlot`, `ReadOnly`,
-/// or `Retry` while the slot moves).
+/// `MemoryFault`, or `Retry` while the slot moves).
 fn plan<'s, F: PteFormat>(
     config: &VmConfig,
     set: &'s MemslotSet,
@@ -104,6 +113,16 @@ fn plan<'s, F: PteFormat>(
         sink.inc(Stat::PfReadOnly);
         return Err(FaultOutcome::ReadOnly);
     }
+    // Read after the generation (`refresh`), re-checked under the MMU lock: see
+    // `memslot/attributes.rs` for why a racing conversion cannot leave a leaf of this kind.
+    let private = slot.is_private(gfn);
+    if private != fault.private {
+        return Err(FaultOutcome::MemoryFault {
+            gpa: fault.gpa & !(PAGE_SIZE - 1),
+            size: PAGE_SIZE,
+            private: fault.private,
+        });
+    }
     let logging = slot.is_logging();
     let perms = LeafPerms {
         host_writable: !slot.is_readonly(),
@@ -117,6 +136,7 @@ fn plan<'s, F: PteFormat>(
     Ok(Plan {
         slot,
         gfn,
+        private,
         access: fault.access,
         goal: slot.max_level::<F>(gfn),
         logging,
@@ -198,8 +218,12 @@ fn install_at_goal<F: PteFormat>(
     if !rebuild && F::is_present(old) && F::permits(old, plan.access) {
         return Some(FaultOutcome::Spurious);
     }
-    let hva = plan.slot.hva(plan.gfn) & !(bytes_per_entry(goal) - 1);
-    debug_assert!(!F::is_present(old) || F::output_addr(old) == hva);
+    let hva = plan.hva() & !(bytes_per_entry(goal) - 1);
+    if F::is_present(old) && !rebuild && F::output_addr(old) != hva {
+        // A leaf of the other kind that a conversion has not zapped yet (its zap yields the
+        // lock now and then): never upgrade it into this backing, wait for the zap.
+        return Some(FaultOutcome::Retry);
+    }
     let mut perms = plan.perms;
     if F::is_present(old) && !rebuild && F::permits(old, Access::Exec) {
         perms.exec = true; // an upgrade never takes a permission away

@@ -16,10 +16,13 @@ pub use crate::host_memory::HostRange;
 use crate::sync::Arc;
 use bitflags::bitflags;
 
+mod attributes;
 mod ops;
 mod published;
 mod validate;
 
+pub(crate) use attributes::AttributeBitmap;
+pub use attributes::{MemoryAttributeError, MemoryAttributes};
 pub(crate) use ops::logs;
 pub(crate) use published::{Memslots, SlotHint};
 
@@ -132,6 +135,16 @@ pub enum MemslotError {
         /// Size.
         size: u64,
     },
+    /// A slot with a private backing cannot log dirty pages or be read-only (KVM refuses
+    /// both on guest_memfd slots: the host cannot read private memory, so a log of it is
+    /// useless, and private memory has no read-only mode).
+    #[error("memslot {id}: a slot with a private backing cannot have flags {bits:#x} (LOG_DIRTY_PAGES or READONLY)")]
+    PrivateIncompatibleFlags {
+        /// The slot.
+        id: SlotId,
+        /// The refused flags.
+        bits: u32,
+    },
     /// The host page size is not 4 KiB, 2 MiB or 1 GiB.
     #[error("memslot {id}: host page size {page_size:#x} is not 4 KiB, 2 MiB or 1 GiB")]
     BadHostPageSize {
@@ -168,6 +181,21 @@ pub struct Memslot {
     /// dirty marks still find it: a vCPU that set D through a leaf the move has not yet
     /// zapped logs that write in the slot's (shared) log instead of dropping it.
     pub(crate) invalid: bool,
+    /// The private (guest_memfd-like) backing and the per-page attributes choosing between
+    /// it and `host`; `None` for a slot that is shared everywhere.
+    pub(crate) private: Option<PrivateBacking>,
+}
+
+/// A memslot's second backing, for pages whose attribute is `PRIVATE`.
+#[derive(Debug, Clone)]
+pub(crate) struct PrivateBacking {
+    /// Host address of the private page of the slot's first gfn.
+    pub(crate) host_addr: u64,
+    /// Held so the private memory outlives every use of the slot (as `Memslot::host`).
+    #[allow(dead_code)]
+    pub(crate) host: HostRange,
+    /// One bit per page: private or shared. Shared by every published copy of the slot.
+    pub(crate) attrs: Arc<AttributeBitmap>,
 }
 
 impl Memslot {
@@ -193,6 +221,34 @@ impl Memslot {
     pub fn hva(&self, gfn: u64) -> u64 {
         self.host_addr + ((gfn - self.base_gfn) << PAGE_SHIFT)
     }
+    /// The slot has a private backing (pages may be made `PRIVATE`).
+    #[inline]
+    pub fn has_private_backing(&self) -> bool {
+        self.private.is_some()
+    }
+    /// `gfn` is currently private (false outside the slot). Faults read it after the memslot
+    /// generation (see `memslot/attributes.rs` for the order against conversions).
+    #[inline]
+    pub fn is_private(&self, gfn: u64) -> bool {
+        self.contains(gfn)
+            && self
+                .private
+                .as_ref()
+                .is_some_and(|p| p.attrs.is_private(gfn - self.base_gfn))
+    }
+    /// Host address backing `gfn` for an access of this kind: the private pool or the shared
+    /// range (`private` without a private backing falls back to the shared range; callers
+    /// check the attribute first).
+    #[inline]
+    pub(crate) fn hva_for(&self, gfn: u64, private: bool) -> u64 {
+        match &self.private {
+            Some(p) if private => p.host_addr + ((gfn - self.base_gfn) << PAGE_SHIFT),
+            _ => self.hva(gfn),
+        }
+    }
+    pub(crate) fn attrs(&self) -> Option<&AttributeBitmap> {
+        self.private.as_ref().map(|p| &*p.attrs)
+    }
     /// Dirty logging is on (and meaningful: read-only slots are never written).
     #[inline]
     pub fn is_logging(&self) -> bool {
@@ -214,7 +270,10 @@ impl Memslot {
     /// being congruent modulo the huge size. Dirty-logged slots map at 4 KiB (invariant 7).
     #[inline]
     pub fn max_level<F: PteFormat>(&self, gfn: u64) -> Level {
-        if self.is_logging() {
+        // A slot with a private backing maps at 4 KiB: a huge leaf would cover pages of both
+        // kinds after a partial conversion (KVM tracks mixed ranges per huge page instead;
+        // not done here).
+        if self.is_logging() || self.private.is_some() {
             return 1;
         }
         let mut level = F::MAX_LEAF_LEVEL;

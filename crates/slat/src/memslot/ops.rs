@@ -2,8 +2,11 @@
 //! caller's guard is the proof) and publishes a new set; delete and move zap the old range and
 //! complete its flush before they return.
 
-use super::validate::{validate_flags, validate_host, validate_range};
-use super::{HostRange, Memslot, MemslotError, MemslotFlags, Memslots, SlotId};
+use super::validate::{validate_flags, validate_host, validate_private_flags, validate_range};
+use super::{
+    AttributeBitmap, HostRange, Memslot, MemslotError, MemslotFlags, Memslots, PrivateBacking,
+    SlotId,
+};
 use crate::dirty::bitmap::SlotBitmap;
 use crate::format::{PteFormat, PAGE_SHIFT};
 use crate::mmu::Mmu;
@@ -24,7 +27,8 @@ pub(crate) fn logs(flags: MemslotFlags) -> bool {
 }
 
 impl Memslots {
-    /// Adds a slot; `bitmap(flags, npages)` makes its dirty bitmap, if it gets one.
+    /// Adds a slot, with a private backing if `private` is given (all its pages start
+    /// shared); `bitmap(flags, npages)` makes its dirty bitmap, if it gets one.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn add<F: PteFormat>(
         &self,
@@ -34,6 +38,7 @@ impl Memslots {
         gpa: u64,
         size: u64,
         host: HostRange,
+        private: Option<HostRange>,
         flags: MemslotFlags,
         bitmap: impl FnOnce(MemslotFlags, u64) -> Option<Arc<SlotBitmap>>,
     ) -> Result<(), MemslotError> {
@@ -44,7 +49,16 @@ impl Memslots {
         }
         validate_range::<F>(&cur, id, gpa, size, None)?;
         validate_host::<F>(id, size, &host)?;
+        if let Some(p) = &private {
+            validate_private_flags(id, flags)?;
+            validate_host::<F>(id, size, p)?;
+        }
         let npages = size >> PAGE_SHIFT;
+        let private = private.map(|p| PrivateBacking {
+            host_addr: p.addr(),
+            host: p,
+            attrs: Arc::new(AttributeBitmap::new(npages)),
+        });
         let slot = Memslot {
             id,
             base_gfn: gpa >> PAGE_SHIFT,
@@ -55,6 +69,7 @@ impl Memslots {
             flags,
             dirty: bitmap(flags, npages),
             invalid: false,
+            private,
         };
         // Before anything can map the range: its leaves go into this rmap.
         mmu.rmap.register(slot.base_gfn, npages);
@@ -144,6 +159,9 @@ impl Memslots {
         }
         if (flags ^ slot.flags).contains(MemslotFlags::READONLY) {
             return Err(MemslotError::ReadonlyChange { id });
+        }
+        if slot.has_private_backing() {
+            validate_private_flags(id, flags)?;
         }
         let was_logging = slot.is_logging();
         let dirty = if was_logging && logs(flags) {

@@ -65,6 +65,20 @@ pub(crate) fn validate_flags(
     Ok(flags)
 }
 
+/// A slot with a private backing neither logs nor is read-only (KVM's
+/// `check_memory_region_flags` refuses both with `KVM_MEM_GUEST_MEMFD`).
+pub(crate) fn validate_private_flags(id: SlotId, flags: MemslotFlags) -> Result<(), MemslotError> {
+    let refused = flags & (MemslotFlags::LOG_DIRTY_PAGES | MemslotFlags::READONLY);
+    if refused.is_empty() {
+        Ok(())
+    } else {
+        Err(MemslotError::PrivateIncompatibleFlags {
+            id,
+            bits: refused.bits(),
+        })
+    }
+}
+
 pub(crate) fn validate_host<F: PteFormat>(
     id: SlotId,
     size: u64,

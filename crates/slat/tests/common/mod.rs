@@ -329,6 +329,7 @@ pub fn fault<F: PteFormat>(
         "test bug: vCPU of another VM"
     );
     vcpu.handle_fault(Fault {
+        private: false,
         gpa,
         access,
         present,
