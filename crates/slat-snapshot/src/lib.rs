@@ -12,6 +12,10 @@
 //! **re-armed before** the take returns (the ordering argument is in
 //! [`slat_dirty::snapshot`]) — copies its pages back and commits it (or aborts it if the copy
 //! fails). The snapshot itself is `slat_dirty`'s: no ioctl of its own.
+//!
+//! [`MachineSnapshot::take_child`] takes an incremental snapshot over it ([`MachineChild`],
+//! over `slat_dirty`'s [`ChildSnapshot`]): only the pages written since the base; resets go to
+//! the child or back to the base, each copying only what changed.
 
 #![deny(missing_docs)]
 
@@ -20,7 +24,7 @@ mod machine_snapshot;
 
 pub use machine_log::{LogTimes, MachineHarvester, MachineLog};
 
-pub use machine_snapshot::{MachineSnapshot, ResetError, ResetReport};
-pub use slat_dirty::snapshot::{DirtyPages, Snapshot, SnapshotError};
+pub use machine_snapshot::{MachineChild, MachineSnapshot, ResetError, ResetReport};
+pub use slat_dirty::snapshot::{ChildSnapshot, DirtyPages, Snapshot, SnapshotError};
 #[doc(no_inline)]
 pub use slat_workload::TestMachine;

@@ -1,7 +1,9 @@
 //! [`MachineSnapshot`]: one snapshot-and-reset driver over any [`TestMachine`].
 
 use crate::machine_log::{LogTimes, MachineHarvester, MachineLog};
-use slat_dirty::snapshot::{DirtyPages, GuestRegion, ResetStats, Snapshot, SnapshotError};
+use slat_dirty::snapshot::{
+    ChildSnapshot, DirtyPages, GuestRegion, ResetStats, Snapshot, SnapshotError,
+};
 use slat_workload::{GuestRam, TestMachine, PAGE_SIZE};
 use std::time::{Duration, Instant};
 
@@ -63,6 +65,10 @@ pub struct MachineSnapshot<'m, M: TestMachine + ?Sized> {
     log: MachineHarvester<&'m M>,
     /// The pages of one harvest, per region (= memslot).
     dirty: DirtyPages,
+    /// Pages where guest memory differs from the snapshot that the log does not list: a
+    /// child's own pages while memory last equalled that child ([`MachineChild`]). Every
+    /// reset to the base copies them back too, then empties the set.
+    owed: DirtyPages,
     snap: Snapshot,
 }
 
@@ -119,6 +125,7 @@ impl<'m, M: TestMachine + ?Sized> MachineSnapshot<'m, M> {
             machine,
             log,
             dirty: DirtyPages::new(&vec![machine.pages_per_slot(); machine.slot_count()]),
+            owed: DirtyPages::new(&vec![machine.pages_per_slot(); machine.slot_count()]),
             snap,
         })
     }
@@ -130,23 +137,21 @@ impl<'m, M: TestMachine + ?Sized> MachineSnapshot<'m, M> {
     /// copies them with whatever was dirtied since. A failed take leaves what it had collected
     /// owed in the same way: no error loses a page.
     pub fn reset(&mut self) -> Res<ResetReport, M> {
-        // Whatever an earlier failed take spent is not this reset's.
-        self.log.source().take_times();
-        let set = self.log.take().map_err(ResetError::Machine)?;
-        self.dirty.clear();
-        // On `?` the set drops uncommitted: aborted.
-        self.dirty.add_dirty_set(&set)?;
-        let t = Instant::now();
-        let ResetStats { pages, .. } = self.snap.reset(&mut self.dirty)?;
-        let copy = t.elapsed();
-        set.commit();
-        let LogTimes { read, rearm } = self.log.source().take_times();
-        Ok(ResetReport {
-            pages,
-            harvest: read,
-            rearm,
-            copy,
-        })
+        let regions = self.machine.slot_count();
+        let MachineSnapshot {
+            log,
+            dirty,
+            owed,
+            snap,
+            ..
+        } = self;
+        let (report, _) = reset_with(log, dirty, |dirty| {
+            add_all(dirty, owed, regions)?;
+            let stats = snap.reset(dirty)?;
+            owed.clear();
+            Ok(stats)
+        })?;
+        Ok(report)
     }
 
     /// Resets by copying the whole test region back (what a reset costs without dirty
@@ -157,7 +162,8 @@ impl<'m, M: TestMachine + ?Sized> MachineSnapshot<'m, M> {
         let t = Instant::now();
         let ResetStats { pages, .. } = self.snap.reset_all();
         let copy = t.elapsed();
-        // Every page, the set's included, is the snapshot's again.
+        // Every page, the set's and the owed ones included, is the snapshot's again.
+        self.owed.clear();
         set.commit();
         Ok(ResetReport {
             pages,
@@ -178,6 +184,182 @@ impl<'m, M: TestMachine + ?Sized> MachineSnapshot<'m, M> {
 
     /// The machine.
     pub fn machine(&self) -> &'m M {
+        self.machine
+    }
+
+    /// Takes an incremental snapshot of the test region as it is now, over this one (as Nyx
+    /// does, and Hyperlight's proposal): takes the dirty set (re-arming the log), copies only
+    /// the pages written since memory last equalled this snapshot, and commits the set. The
+    /// child holds `self` mutably: reset to it with [`MachineChild::reset`], back to this
+    /// snapshot with [`MachineChild::reset_to_base`]; once it is dropped, [`Self::reset`]
+    /// returns to this snapshot from whichever of the two memory last equalled.
+    ///
+    /// The contract of [`Self::take`] covers the child: no workload runs while it is taken,
+    /// reset or verified.
+    pub fn take_child(&mut self) -> Res<MachineChild<'_, 'm, M>, M> {
+        let MachineSnapshot {
+            machine,
+            log,
+            dirty,
+            owed,
+            snap,
+        } = self;
+        let snap: &Snapshot = snap;
+        log.source().take_times();
+        let set = log.take().map_err(ResetError::Machine)?;
+        dirty.clear();
+        // On `?` the set drops uncommitted: aborted, its pages owed again.
+        dirty.add_dirty_set(&set)?;
+        add_all(dirty, owed, machine.slot_count())?;
+        let child = snap.child(dirty)?;
+        set.commit();
+        log.source().take_times();
+        // Memory equals the child now: it differs from the base at the child's own pages,
+        // which the log no longer lists.
+        std::mem::swap(dirty, owed);
+        dirty.clear();
+        let own = owed.clone();
+        Ok(MachineChild {
+            machine: *machine,
+            own,
+            log,
+            dirty,
+            owed,
+            child,
+            at_child: true,
+        })
+    }
+}
+
+/// Adds every page of `from` to `to`, both sized for the same `regions` regions.
+fn add_all(to: &mut DirtyPages, from: &DirtyPages, regions: usize) -> Result<(), SnapshotError> {
+    for region in 0..regions {
+        for &p in from.pages(region) {
+            to.add_page(region, p)?;
+        }
+    }
+    Ok(())
+}
+
+/// One reset: takes the dirty set (re-arming the log), adds its pages to `dirty`, lets `copy`
+/// copy them back (it empties `dirty`), commits the set. A failed take, add or copy leaves the
+/// set's pages owed again (the set drops uncommitted: aborted), so no error loses a page.
+fn reset_with<M: TestMachine + ?Sized>(
+    log: &mut MachineHarvester<&M>,
+    dirty: &mut DirtyPages,
+    copy: impl FnOnce(&mut DirtyPages) -> Result<ResetStats, SnapshotError>,
+) -> Res<(ResetReport, ResetStats), M> {
+    // Whatever an earlier failed take spent is not this reset's.
+    log.source().take_times();
+    let set = log.take().map_err(ResetError::Machine)?;
+    // What a failed reset left here is only pages copied once more: harmless, but not this
+    // reset's count.
+    dirty.clear();
+    dirty.add_dirty_set(&set)?;
+    let t = Instant::now();
+    let stats = copy(dirty)?;
+    let copy = t.elapsed();
+    set.commit();
+    let LogTimes { read, rearm } = log.source().take_times();
+    let report = ResetReport {
+        pages: stats.pages,
+        harvest: read,
+        rearm,
+        copy,
+    };
+    Ok((report, stats))
+}
+
+/// An incremental snapshot of a machine's test region over a [`MachineSnapshot`]
+/// ([`MachineSnapshot::take_child`]): the pages written between the base and the child,
+/// the base for every other page. Resets copy back only the pages dirtied since memory last
+/// equalled the child (or the base), plus — when switching between the two — the child's own
+/// pages.
+pub struct MachineChild<'a, 'm, M: TestMachine + ?Sized> {
+    machine: &'m M,
+    log: &'a mut MachineHarvester<&'m M>,
+    /// The parent's work list.
+    dirty: &'a mut DirtyPages,
+    /// The parent's owed pages: the child's own pages while memory last equalled the child,
+    /// empty while it last equalled the base.
+    owed: &'a mut DirtyPages,
+    /// The child's own pages.
+    own: DirtyPages,
+    child: ChildSnapshot<'a>,
+    /// Whether memory last equalled the child (else the base).
+    at_child: bool,
+}
+
+impl<M: TestMachine + ?Sized> MachineChild<'_, '_, M> {
+    /// Resets the test region to the child: takes the dirty set (re-arming the log), copies
+    /// back its pages (and the child's own pages if memory last equalled the base), commits
+    /// the set. Errors leave the set's pages owed, as [`MachineSnapshot::reset`] does.
+    pub fn reset(&mut self) -> Res<ResetReport, M> {
+        let regions = self.machine.slot_count();
+        let MachineChild {
+            log,
+            dirty,
+            owed,
+            own,
+            child,
+            at_child,
+            ..
+        } = self;
+        let (report, _) = reset_with(log, dirty, |dirty| {
+            if !*at_child {
+                add_all(dirty, own, regions)?;
+            }
+            let stats = child.reset(dirty)?;
+            if !*at_child {
+                add_all(owed, own, regions)?;
+                *at_child = true;
+            }
+            Ok(stats)
+        })?;
+        Ok(report)
+    }
+
+    /// Resets the test region to the base snapshot: takes the dirty set (re-arming the log),
+    /// copies back its pages and the child's own pages if memory last equalled the child,
+    /// commits the set. The child stays usable: a later [`Self::reset`] returns to it.
+    pub fn reset_to_base(&mut self) -> Res<ResetReport, M> {
+        let regions = self.machine.slot_count();
+        let MachineChild {
+            log,
+            dirty,
+            owed,
+            child,
+            at_child,
+            ..
+        } = self;
+        let (report, _) = reset_with(log, dirty, |dirty| {
+            add_all(dirty, owed, regions)?;
+            let stats = child.base().reset(dirty)?;
+            owed.clear();
+            *at_child = false;
+            Ok(stats)
+        })?;
+        Ok(report)
+    }
+
+    /// Compares the test region with the child (its own pages, the base's elsewhere) byte
+    /// for byte.
+    pub fn verify(&self) -> Result<(), SnapshotError> {
+        self.child.verify()
+    }
+
+    /// Compares the test region with the base snapshot byte for byte.
+    pub fn verify_base(&self) -> Result<(), SnapshotError> {
+        self.child.base().verify()
+    }
+
+    /// Pages the child holds itself (written between the base and the child).
+    pub fn own_pages(&self) -> u64 {
+        self.child.own_pages()
+    }
+
+    /// The machine.
+    pub fn machine(&self) -> &'_ M {
         self.machine
     }
 }

@@ -1,6 +1,8 @@
 //! Reset on both machines, every log mode, several vCPUs: after every iteration of guest
 //! writes, the reset test region equals the snapshot byte for byte (checked against the
 //! snapshot and against this test's own copy), and every page the guest wrote was copied.
+//! Incremental (child) snapshots on both machines, every log mode: reset to the child and back
+//! to the base, byte-exact.
 
 use slat_machine::dirty_oracle::LogMode;
 use slat_machine::{Machine, MachineConfig};
@@ -172,4 +174,121 @@ fn the_ram_must_hold_the_test_region() {
         r,
         Err(slat_snapshot::ResetError::NotTheMachinesRam { .. })
     ));
+}
+
+/// Incremental snapshots: base taken; pass A; child taken; pass B; reset to the child equals
+/// the state after A; pass C; reset to the base equals the base; then back to the child from
+/// the base, and to the base again after the child is dropped (each byte-exact against this
+/// test's own copies).
+fn child_is_exact<M: TestMachine>(m: &M, ram: &GuestRam) {
+    // Map every page first: KVM may log a page the first time a read faults it in, so the
+    // exact page counts below hold only once the guest has touched the whole region.
+    m.run_pass(PassParams::default()).expect("priming pass");
+    fill(m, 0xc41d);
+    // SAFETY: `ram` is `m`'s RAM; passes run only through `run_pass`, which returns with the
+    // vCPUs stopped, so nothing writes it during take, reset or verify (of base or child).
+    let mut snap = unsafe { MachineSnapshot::take(m, ram) }.expect("snapshot");
+    let base = region_bytes(m);
+    // The guest writes one value, so passes differ only in which pages they write: 30 %
+    // random writes keep each pass's pages apart from the others'.
+    let pass = |seed: u32, random: bool| {
+        let params = PassParams {
+            write_percent: if random { 30 } else { 100 },
+            random,
+            seed,
+            timed: false,
+        };
+        m.run_pass(params).expect("pass");
+        params
+    };
+    let a = pass(7, true);
+    let after_a = region_bytes(m);
+    assert!(after_a != base, "pass A changed nothing");
+    {
+        let mut child = snap.take_child().expect("child");
+        assert_eq!(child.own_pages(), written_pages(m, a));
+        child.verify().expect("equal right after the child");
+        for round in 0..3u32 {
+            let b = pass(11 + round, true);
+            assert!(region_bytes(m) != after_a, "pass B changed nothing");
+            let r = child.reset().expect("reset to the child");
+            // From the child: exactly the pages B wrote (the first round), those and the
+            // child's own pages (later rounds start from the base).
+            if round == 0 {
+                assert_eq!(r.pages, written_pages(m, b), "{r:?}");
+            }
+            child.verify().expect("child after reset");
+            assert!(
+                region_bytes(m) == after_a,
+                "round {round}: not the state after A"
+            );
+            pass(21 + round, true);
+            child.reset_to_base().expect("reset to the base");
+            child.verify_base().expect("base after reset");
+            assert!(region_bytes(m) == base, "round {round}: not the base");
+        }
+        // Drop the child while memory equals it: the base still resets exactly.
+        pass(31, true);
+        child.reset().expect("reset to the child");
+        assert!(region_bytes(m) == after_a);
+    }
+    pass(32, true);
+    snap.reset().expect("reset to the base after the child");
+    snap.verify().expect("base");
+    assert!(region_bytes(m) == base, "the dropped child's pages stayed");
+    assert_eq!(snap.reset().expect("reset").pages, 0);
+}
+
+fn sim_child(mode: LogMode) {
+    let m = Machine::<slat::Ept>::new(MachineConfig {
+        region: region(mode),
+        ..MachineConfig::default()
+    })
+    .expect("machine");
+    child_is_exact(&m, m.ram());
+}
+
+fn kvm_child(mode: LogMode) {
+    let m = match slat_kvm::KvmMachine::new(slat_kvm::KvmConfig {
+        region: region(mode),
+        ..slat_kvm::KvmConfig::default()
+    }) {
+        Ok(m) => m,
+        Err(e @ slat_kvm::KvmError::DeviceUnavailable { .. }) => {
+            eprintln!("skipping: /dev/kvm unavailable: {e}");
+            return;
+        }
+        Err(e) => panic!("cannot build the KVM machine: {e}"),
+    };
+    child_is_exact(&m, m.ram());
+}
+
+#[test]
+fn sim_child_dirty_log() {
+    sim_child(LogMode::DirtyLog)
+}
+
+#[test]
+fn sim_child_clear_log() {
+    sim_child(LogMode::ClearLog)
+}
+
+#[test]
+fn sim_child_dirty_ring() {
+    sim_child(LogMode::DirtyRing)
+}
+
+#[test]
+fn kvm_child_dirty_log() {
+    kvm_child(LogMode::DirtyLog)
+}
+
+#[test]
+fn kvm_child_clear_log() {
+    kvm_child(LogMode::ClearLog)
+}
+
+#[test]
+fn kvm_child_dirty_ring() {
+    kvm_child(LogMode::DirtyRing)
 }
