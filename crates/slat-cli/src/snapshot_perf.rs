@@ -13,6 +13,11 @@
 //! k-page bitmap, where a guest of `-b` per vCPU with k dirty pages reads a `-b` bitmap — the
 //! harvest column of small k is a lower bound for a large guest (dirty rings do not have this
 //! term). Each row's RAM is in its `ram_pages`.
+//!
+//! `--vary KEY=V1,V2` (`sweep.rs`): one such run per combination of vCPU count, harvest,
+//! order and machine, in this process, and one table.
+
+mod sweep;
 
 use crate::args::{
     check_backends, check_kvm_ring, BackendArg, ClearChunk, FormatArg, LogArgs, MachineArgs,
@@ -35,7 +40,7 @@ use slat_workload::{GuestRam, PassParams, Pattern, RegionSpec, TestMachine, PAGE
 use std::time::{Duration, Instant};
 
 /// Flags of `slat snapshot-perf`.
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct SnapshotPerfArgs {
     #[command(flatten)]
     pub work: Workload,
@@ -65,6 +70,13 @@ pub struct SnapshotPerfArgs {
     pub backend: Vec<BackendArg>,
     #[command(flatten)]
     pub machine: MachineArgs,
+    /// Run once per combination of the listed settings, in this process, and print one
+    /// table of combination x k (KEY=V1,V2,...; repeatable). Keys: vcpus (1-512), log (get,
+    /// clear, ring), order (seq, random: -a), backend (sim, kvm). Each row is a full run over
+    /// the -k list. Not with --repeat. For example:
+    /// `--vary log=get,clear,ring --vary vcpus=1,2`.
+    #[arg(long = "vary", value_parser = sweep::parse_vary, value_name = "KEY=V1,V2")]
+    pub vary: Vec<(sweep::VaryKey, Vec<sweep::SnapSetting>)>,
     #[command(flatten)]
     pub out: OutputArgs,
 }
@@ -215,6 +227,9 @@ pub struct Report {
 
 /// Runs the benchmark.
 pub fn run(a: &SnapshotPerfArgs) -> CliResult {
+    if !a.vary.is_empty() {
+        return sweep::run(a);
+    }
     check(a).map_err(CliError::bad)?;
     let ks = k_list(a);
     let mut runs = Vec::new();
