@@ -131,7 +131,8 @@ impl<'m, M: TestMachine + ?Sized> MachineSnapshot<'m, M> {
     }
 
     /// Resets the test region to the snapshot: takes the dirty set (the take re-arms the
-    /// log), copies back each of its pages once, and commits the set.
+    /// log), copies back each of its pages once — with the own pages of a dropped
+    /// [`MachineChild`] if memory last equalled that child — and commits the set.
     ///
     /// If the copy fails the set is aborted: its pages are owed again, so the next reset
     /// copies them with whatever was dirtied since. A failed take leaves what it had collected
@@ -290,7 +291,7 @@ pub struct MachineChild<'a, 'm, M: TestMachine + ?Sized> {
     at_child: bool,
 }
 
-impl<M: TestMachine + ?Sized> MachineChild<'_, '_, M> {
+impl<'m, M: TestMachine + ?Sized> MachineChild<'_, 'm, M> {
     /// Resets the test region to the child: takes the dirty set (re-arming the log), copies
     /// back its pages (and the child's own pages if memory last equalled the base), commits
     /// the set. Errors leave the set's pages owed, as [`MachineSnapshot::reset`] does.
@@ -359,7 +360,7 @@ impl<M: TestMachine + ?Sized> MachineChild<'_, '_, M> {
     }
 
     /// The machine.
-    pub fn machine(&self) -> &'_ M {
+    pub fn machine(&self) -> &'m M {
         self.machine
     }
 }
