@@ -117,19 +117,7 @@ impl<F: PteFormat> Vm<F> {
         host: HostRange,
         flags: MemslotFlags,
     ) -> Result<(), MemslotError> {
-        let held = self.slots.lock();
-        let get_log = self.mmu.config.get_log;
-        self.slots.add(
-            &held,
-            &self.mmu,
-            id,
-            gpa,
-            size,
-            host,
-            None,
-            flags,
-            |flags, npages| self.dirty.new_bitmap(get_log, flags, npages),
-        )
+        self.add_slot(id, gpa, size, host, None, flags)
     }
 
     /// Adds a memslot with a second, private backing (a guest_memfd-like pool): `host` backs
@@ -146,6 +134,18 @@ impl<F: PteFormat> Vm<F> {
         private: HostRange,
         flags: MemslotFlags,
     ) -> Result<(), MemslotError> {
+        self.add_slot(id, gpa, size, host, Some(private), flags)
+    }
+
+    fn add_slot(
+        &self,
+        id: SlotId,
+        gpa: u64,
+        size: u64,
+        host: HostRange,
+        private: Option<HostRange>,
+        flags: MemslotFlags,
+    ) -> Result<(), MemslotError> {
         let held = self.slots.lock();
         let get_log = self.mmu.config.get_log;
         self.slots.add(
@@ -155,7 +155,7 @@ impl<F: PteFormat> Vm<F> {
             gpa,
             size,
             host,
-            Some(private),
+            private,
             flags,
             |flags, npages| self.dirty.new_bitmap(get_log, flags, npages),
         )
