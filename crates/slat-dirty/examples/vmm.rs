@@ -7,7 +7,7 @@
 
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
 use kvm_ioctls::{Kvm, VcpuExit};
-use slat_dirty::{DirtyPages, GuestRegion, Harvester, LogMode, Memslot, Snapshot};
+use slat_dirty::{GuestRegion, Harvester, LogMode, Memslot, Snapshot};
 use slat_kvm::guest::{self, GuestMode, LowLayout};
 use std::sync::Arc;
 
@@ -151,7 +151,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // this program no longer touches `ram` itself.
     let region = unsafe { GuestRegion::new(ram.as_mut_ptr(), ram.len() as u64)? };
     let snap = Snapshot::take(vec![region])?;
-    let mut dirty = DirtyPages::new(&[RAM_PAGES]);
+    let mut dirty = snap.dirty_pages();
     for (run, pages) in [&[1u64, 2, 3][..], &[100, 101, 255], &[3, 7, 64, 65, 66]]
         .into_iter()
         .enumerate()

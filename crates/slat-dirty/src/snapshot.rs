@@ -242,8 +242,10 @@ pub struct DirtyPages {
 }
 
 impl DirtyPages {
-    /// An empty set over regions of these page counts.
-    pub fn new(region_pages: &[u64]) -> Self {
+    /// An empty set over regions of these page counts. Not public: a bitmap is allocated per
+    /// region, so the counts must be those of regions that exist ([`Snapshot::dirty_pages`]),
+    /// never a number a caller made up (2^60 pages would abort the process).
+    fn new(region_pages: &[u64]) -> Self {
         DirtyPages {
             regions: region_pages.iter().map(|&p| RegionMarks::new(p)).collect(),
         }

@@ -183,7 +183,9 @@ fn page_indices_are_bounds_checked_and_nothing_is_written() {
     snap.reset(&mut dirty).unwrap();
     assert_eq!(mem.bytes(), before, "no page written");
     // A set sized for other regions is refused before anything is copied.
-    let mut other = DirtyPages::new(&[5]);
+    let mut other_mem = Mem::new(5, 3);
+    let other_snap = Snapshot::take(vec![other_mem.region(0, 5)]).unwrap();
+    let mut other = other_snap.dirty_pages();
     other.add_page(0, 1).unwrap();
     assert!(matches!(
         snap.reset(&mut other),

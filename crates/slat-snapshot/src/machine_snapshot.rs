@@ -124,8 +124,8 @@ impl<'m, M: TestMachine + ?Sized> MachineSnapshot<'m, M> {
         Ok(MachineSnapshot {
             machine,
             log,
-            dirty: DirtyPages::new(&vec![machine.pages_per_slot(); machine.slot_count()]),
-            owed: DirtyPages::new(&vec![machine.pages_per_slot(); machine.slot_count()]),
+            dirty: snap.dirty_pages(),
+            owed: snap.dirty_pages(),
             snap,
         })
     }
