@@ -9,7 +9,7 @@ use crate::args::{
 use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
 use crate::migrate_report::{DestinationDoc, Migration};
-use crate::output::{print_json, summarize, Better, Metric, Repeated};
+use crate::output::{print_json, summarize, Better, FallibleRow, Metric, Repeated, RowOutcome};
 use crate::plot::{draw_stacked, Chart, Series};
 use crate::report::{quiet, ts};
 use clap::{Args, ValueEnum};
@@ -1133,32 +1133,11 @@ const PERF_METRICS: &[Metric<(MigrationReport, f64)>] = &[
     },
 ];
 
-/// One row of migrate-perf's `--vary` JSON: the settings and the migration's report, or why
-/// it failed (a failed row does not stop the sweep).
-#[derive(Serialize)]
-struct SweepRow {
-    /// `key=value` of every varied key.
-    settings: Vec<String>,
-    #[serde(flatten)]
-    outcome: Outcome,
-}
-
-/// A sweep row's result.
-#[derive(Serialize)]
-enum Outcome {
-    /// The migration.
-    #[serde(rename = "result")]
-    Done(Box<Migration>),
-    /// Why it failed.
-    #[serde(rename = "error")]
-    Failed(String),
-}
-
 /// migrate-perf's `--vary` JSON document.
 #[derive(Serialize)]
 struct SweepDoc {
     benchmark: &'static str,
-    sweep: Vec<SweepRow>,
+    sweep: Vec<FallibleRow<Migration>>,
 }
 
 /// `--vary`: one migration per combination (the cross product of `sweep.rs`), one table.
@@ -1187,17 +1166,17 @@ fn sweep(a: &MigratePerfArgs) -> CliResult {
                 let mut doc =
                     Migration::new("migrate-perf", &b.guest, &b.migration, &r, baseline, &[]);
                 doc.destination = Some(DestinationDoc::new(&d));
-                Outcome::Done(Box::new(doc))
+                RowOutcome::Done(Box::new(doc))
             }
             Err(e) => {
                 plotted.push((label.join(" "), None));
                 progress(q, &format!("sweep {}/{} failed: {e}", n + 1, combos.len()));
                 row.extend(std::iter::repeat_n("-".to_string(), 9));
                 row.push("FAILED".into());
-                Outcome::Failed(e.to_string())
+                RowOutcome::Failed(e.to_string())
             }
         };
-        docs.push(SweepRow {
+        docs.push(FallibleRow {
             settings: label,
             outcome,
         });

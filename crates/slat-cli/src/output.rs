@@ -462,6 +462,28 @@ pub fn print_table(head: &[String], rows: &[Vec<String>]) {
     }
 }
 
+/// One row of a `--vary` JSON document whose rows may fail: the `key=value` of every varied
+/// key, and the row's report or why it failed (a failed row does not stop the sweep).
+#[derive(Serialize)]
+pub struct FallibleRow<T> {
+    /// `key=value` of every varied key.
+    pub settings: Vec<String>,
+    /// The report, or the error.
+    #[serde(flatten)]
+    pub outcome: RowOutcome<T>,
+}
+
+/// A [`FallibleRow`]'s result.
+#[derive(Serialize)]
+pub enum RowOutcome<T> {
+    /// The row's report.
+    #[serde(rename = "result")]
+    Done(Box<T>),
+    /// Why it failed.
+    #[serde(rename = "error")]
+    Failed(String),
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,7 +5,7 @@
 use super::{check, f1, k_list, measure, rx, Run, SnapshotPerfArgs, NAME};
 use crate::args::{BackendArg, LogKind};
 use crate::error::{CliError, CliResult};
-use crate::output::{print_json, print_table};
+use crate::output::{print_json, print_table, FallibleRow, RowOutcome};
 use crate::report::quiet;
 use serde::Serialize;
 
@@ -131,34 +131,13 @@ pub fn parse_vary(s: &str) -> Result<(VaryKey, Vec<SnapSetting>), String> {
     crate::sweep::parse_keyed(s, &KEYS, parse_value)
 }
 
-/// One row of the `--vary` JSON: the settings and the run over every k, or why it failed (a
-/// failed row does not stop the sweep; the command then exits 1).
-#[derive(Serialize)]
-struct SweepRow {
-    /// `key=value` of every varied key.
-    settings: Vec<String>,
-    #[serde(flatten)]
-    outcome: Outcome,
-}
-
-/// A row's result.
-#[derive(Serialize)]
-enum Outcome {
-    /// The run, as the `runs` of a report without `--vary` hold it.
-    #[serde(rename = "result")]
-    Done(Box<Run>),
-    /// Why it failed.
-    #[serde(rename = "error")]
-    Failed(String),
-}
-
 /// The `--vary` JSON document.
 #[derive(Serialize)]
 struct SweepDoc {
     benchmark: &'static str,
     /// The varied keys, in the order given (the first varies slowest).
     varied: Vec<&'static str>,
-    sweep: Vec<SweepRow>,
+    sweep: Vec<FallibleRow<Run>>,
 }
 
 /// Every row's flags and label, each checked before the first run: a refusal at row 5 after
@@ -237,7 +216,7 @@ pub fn run(a: &SnapshotPerfArgs) -> CliResult {
                     ]);
                     table.push(row);
                 }
-                Outcome::Done(Box::new(r))
+                RowOutcome::Done(Box::new(r))
             }
             Err(e) => {
                 failed += 1;
@@ -248,10 +227,10 @@ pub fn run(a: &SnapshotPerfArgs) -> CliResult {
                 row.extend(std::iter::repeat_n("-".to_string(), 5));
                 row.push("FAILED".into());
                 table.push(row);
-                Outcome::Failed(e.to_string())
+                RowOutcome::Failed(e.to_string())
             }
         };
-        docs.push(SweepRow {
+        docs.push(FallibleRow {
             settings: label,
             outcome,
         });
