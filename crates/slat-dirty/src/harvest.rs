@@ -101,6 +101,20 @@ fn words_of(slot: &SlotInfo) -> Result<usize, Error> {
         .map_err(|_| Error::Harvest(format!("slot {} is too large for this host", slot.id)))
 }
 
+/// A zeroed bitmap for `slot`. A source is safe code and may claim any page count: an
+/// allocation this host cannot make is a typed error, not an abort.
+fn bitmap_for(slot: &SlotInfo) -> Result<Vec<u64>, Error> {
+    let words = words_of(slot)?;
+    Vec::<u64>::new().try_reserve_exact(words).map_err(|_| {
+        Error::Harvest(format!(
+            "slot {} ({} pages): its bitmap cannot be allocated on this host",
+            slot.id, slot.pages
+        ))
+    })?;
+    // Zeroed pages come from the allocator lazily; the reservation above proved it can.
+    Ok(vec![0u64; words])
+}
+
 /// Refuses what no harvest can work with: no slot, a slot twice, a bad CLEAR chunk.
 fn check_source(slots: &[SlotInfo], mode: LogMode) -> Result<(), Error> {
     if slots.is_empty() {
@@ -161,7 +175,7 @@ impl<S: DirtyLogSource> Harvester<S> {
         check_source(&slots, mode)?;
         let owed = slots
             .iter()
-            .map(|s| Ok(vec![0u64; words_of(s)?]))
+            .map(bitmap_for)
             .collect::<Result<Vec<_>, Error>>()?;
         let largest = owed.iter().map(Vec::len).max().unwrap_or(0);
         let scratch = match mode {
