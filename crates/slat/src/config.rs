@@ -267,3 +267,23 @@ mod tests {
         assert_eq!("rmap-lockless".parse(), Ok(WrprotVariant::RmapLockless));
     }
 }
+
+/// What the host kernel's direct map does when a pool page is given to a guest as private
+/// memory (seed 003; see `direct_map`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DirectMapPolicy {
+    /// Start with the largest leaves (1 GiB / 2 MiB) and split on demand under the global
+    /// lock, then remove the 4 KiB leaf (the seed's baseline, SNP today).
+    #[default]
+    Split2M,
+    /// Pre-split to 4 KiB at start; acceptance removes one 4 KiB leaf under the lock.
+    Pre4K,
+    /// Leave the direct map alone (TDX-style): acceptance only records the assignment.
+    Untouched,
+}
+
+spelled!(DirectMapPolicy, "direct-map policy", {
+    Split2M => "2m-split",
+    Pre4K => "4k",
+    Untouched => "none",
+});

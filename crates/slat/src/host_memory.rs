@@ -153,6 +153,30 @@ impl HostRange {
         }
     }
 
+    /// `[offset, offset + len)` of this range (both multiples of 4 KiB), kept alive the same
+    /// way (a raw range's sub-range carries the same caller guarantee).
+    pub fn subrange(&self, offset: u64, len: u64) -> Result<Self, HostRangeError> {
+        if offset % PAGE_SIZE != 0 || len % PAGE_SIZE != 0 {
+            return Err(HostRangeError::Misaligned { offset, len });
+        }
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => {}
+            _ => {
+                return Err(HostRangeError::OutOfBounds {
+                    offset,
+                    len,
+                    size: self.len,
+                })
+            }
+        }
+        Ok(HostRange {
+            owner: self.owner.clone(),
+            addr: self.addr + offset,
+            len,
+            page_size: self.page_size,
+        })
+    }
+
     /// Host address of the first byte.
     pub fn addr(&self) -> u64 {
         self.addr

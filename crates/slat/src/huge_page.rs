@@ -11,53 +11,8 @@ use crate::stats::Stat;
 use crate::sync::{pin, Ordering};
 
 pub use crate::config::RebuildOrder;
-
-/// Replaces every huge leaf in `[start, end)` with a table of equivalent smaller leaves,
-/// down to 4 KiB (a 1 GiB leaf becomes 2 MiB leaves, which the pre-order walk then visits
-/// and splits in turn). Updates are compare-and-swaps, so this runs under the MMU lock in
-/// either mode, racing with faults; a lost race re-reads the entry. No flush where the
-/// format allows both translations at once (they are identical); with break-before-make
-/// each block is invalidated and flushed before its table goes in (KVM arm64's
-/// `kvm_pgtable_stage2_split`), and no cache maintenance: the memory is mapped already.
-/// Returns the number of leaves split.
-pub(crate) fn split_huge_pages<F: PteFormat>(
-    mmu: &Mmu<F>,
-    start: u64,
-    end: u64,
-    pending: &mut PendingFlush,
-) -> u64 {
-    let guard = pin();
-    let sink = mmu.sink();
-    let mut splits = 0;
-    let mut it = Walk::<F>::new(&guard, mmu.root(), 2, start, end);
-    while it.valid() {
-        let old = it.old;
-        if F::is_present(old) && it.level > 1 && F::is_leaf(old, it.level) {
-            // Filled before it is reachable, so plain stores suffice.
-            let child = mmu.alloc.alloc();
-            for (i, e) in child.page().entries.iter().enumerate() {
-                e.store(F::split_child(old, it.level, i), Ordering::Relaxed);
-            }
-            let table = F::make_table(child.addr());
-            match mmu.replace_spte(&mut it, table, false, sink, pending) {
-                Ok(()) => {
-                    child.into_linked();
-                    sink.inc(Stat::Splits);
-                    splits += 1;
-                }
-                Err(_) => {
-                    for e in child.page().entries.iter() {
-                        e.store(F::NON_PRESENT, Ordering::Relaxed);
-                    }
-                    mmu.alloc.free_now(child);
-                    continue; // re-examine the entry that won
-                }
-            }
-        }
-        it.next();
-    }
-    splits
-}
+/// The split is a table operation (`mmu::split`): the direct map uses it too.
+pub(crate) use crate::mmu::split::split_huge_pages;
 
 /// In-place huge-page recovery (KVM 6.12's `recover_huge_pages_range`): every table in the
 /// slot whose whole range the slot may map with one leaf of the table's level is replaced

@@ -36,7 +36,7 @@
 //! | cache maintenance | [`cmo`] |
 //! | page table | `mmu`: `table`, `walk` (the one walker), `lock`, `spte` (the one SPTE-update path), [`flush`] (`PendingFlush`), `zap`, `inspect` |
 //! | memslots | `dirty::bitmap` (a slot's bitmap), [`memslot`] (the set, publishing, operations), `dirty::ring` |
-//! | features | [`huge_page`] (split, recovery), [`dirty`] (mark, capabilities, enable, re-arm, harvest), [`age`], `fault` (fast and slow path) |
+//! | features | [`huge_page`] (split, recovery), [`direct_map`] (the host kernel's direct map over a private pool, lazy acceptance), [`dirty`] (mark, capabilities, enable, re-arm, harvest), [`age`], `fault` (fast and slow path) |
 //! | facade | [`Vm`] (holds the page table, the memslots and the dirty log; its methods hand each module the parts it needs), [`Vcpu`] |
 //! | hardware | [`hw`]: what a hardware walker and TLB need (the root, table entries, guest mode) |
 
@@ -45,6 +45,7 @@
 pub mod age;
 pub mod cmo;
 pub mod config;
+pub mod direct_map;
 pub mod dirty;
 mod fault;
 pub mod format;
@@ -63,8 +64,8 @@ pub use mmu::flush;
 
 pub use age::{AgeFlush, AgeReport, IdleBitmap, IdleError, WorkingSet};
 pub use config::{
-    CmoPolicy, DirtyTrack, GetLogVariant, MmuLockKind, ParseVariantError, RebuildOrder,
-    RecoverVariant, VmConfig, WrprotVariant,
+    CmoPolicy, DirectMapPolicy, DirtyTrack, GetLogVariant, MmuLockKind, ParseVariantError,
+    RebuildOrder, RecoverVariant, VmConfig, WrprotVariant,
 };
 pub use dirty::DirtyLogError;
 pub use fault::{Fault, FaultOutcome};

@@ -5,6 +5,7 @@
 
 use crate::age::{self, AgeFlush, AgeReport, IdleBitmap, WorkingSet};
 use crate::config::VmConfig;
+use crate::direct_map::PrivateMemory;
 use crate::dirty::{disable_logging, mark_page_dirty, DirtyLog, DirtyLogError, DirtyRing};
 use crate::format::{Level, PteFormat};
 use crate::memslot::{
@@ -125,16 +126,24 @@ impl<F: PteFormat> Vm<F> {
     /// [`Self::set_memory_attributes`]); the slot keeps both alive. Every page starts shared.
     /// Such a slot refuses `LOG_DIRTY_PAGES` and `READONLY`, now and later, as KVM does for
     /// guest_memfd slots ([`MemslotError::PrivateIncompatibleFlags`]), and maps at 4 KiB.
+    ///
+    /// `private` is plain host memory (a [`HostRange`]), or a range of a host direct map's
+    /// pool ([`crate::direct_map::DirectMap::bind`]): then a private fault first accepts its
+    /// page (removes it from the direct map), and a conversion back to shared or the slot's
+    /// deletion releases it. A pool range serves one slot only
+    /// ([`MemslotError::PrivateAlreadyBound`]). Call this, [`Self::set_memory_attributes`]
+    /// and [`Self::delete_memslot`] from a thread that is not an online
+    /// [`crate::direct_map::HostCpu`]: they may wait for a kernel TLB flush.
     pub fn add_memslot_with_private(
         &self,
         id: SlotId,
         gpa: u64,
         size: u64,
         host: HostRange,
-        private: HostRange,
+        private: impl Into<PrivateMemory>,
         flags: MemslotFlags,
     ) -> Result<(), MemslotError> {
-        self.add_slot(id, gpa, size, host, Some(private), flags)
+        self.add_slot(id, gpa, size, host, Some(private.into()), flags)
     }
 
     fn add_slot(
@@ -143,7 +152,7 @@ impl<F: PteFormat> Vm<F> {
         gpa: u64,
         size: u64,
         host: HostRange,
-        private: Option<HostRange>,
+        private: Option<PrivateMemory>,
         flags: MemslotFlags,
     ) -> Result<(), MemslotError> {
         let held = self.slots.lock();

@@ -15,6 +15,7 @@
 //! sync, config, format, stats, host_memory, test_hooks   (no engine state)
 //! cmo                                                    (cache maintenance)
 //! mmu        table, walk, lock, spte (the one update path), rmap, flush, zap, inspect
+//! direct_map                                             (the host kernel's direct map)
 //! dirty::bitmap                                          (a slot's bitmap)
 //! memslot    the set, publishing, operations
 //! dirty::ring                                            (per-vCPU rings of {slot, offset})
@@ -45,6 +46,10 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ),
     ("dirty::bitmap", &["sync"]),
     (
+        "direct_map",
+        &["sync", "config", "format", "stats", "host_memory", "mmu"],
+    ),
+    (
         "memslot",
         &[
             "sync",
@@ -52,6 +57,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "host_memory",
             "test_hooks",
             "mmu",
+            "direct_map",
             "dirty::bitmap",
         ],
     ),
@@ -79,13 +85,29 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "fault",
         &[
-            "sync", "config", "format", "stats", "cmo", "mmu", "memslot", "dirty",
+            "sync",
+            "config",
+            "format",
+            "stats",
+            "cmo",
+            "mmu",
+            "direct_map",
+            "memslot",
+            "dirty",
         ],
     ),
     (
         "vm",
         &[
-            "sync", "config", "format", "stats", "mmu", "memslot", "dirty", "age",
+            "sync",
+            "config",
+            "format",
+            "stats",
+            "mmu",
+            "direct_map",
+            "memslot",
+            "dirty",
+            "age",
         ],
     ),
     (
@@ -107,6 +129,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "test_hooks",
             "cmo",
             "mmu",
+            "direct_map",
             "dirty::bitmap",
             "memslot",
             "dirty::ring",

@@ -6,6 +6,7 @@
 use super::{Fault, FaultOutcome, VcpuState};
 use crate::cmo::{clean_new_mapping, invalidate_icache_for};
 use crate::config::{CmoPolicy, RecoverVariant, VmConfig};
+use crate::direct_map::Acceptance;
 use crate::dirty::{commit_mark, mark_for, prepare_mark, DirtyRing};
 use crate::format::{bytes_per_entry, Access, LeafPerms, Level, PteFormat, PAGE_SHIFT, PAGE_SIZE};
 use crate::memslot::{Memslot, MemslotSet, Memslots};
@@ -64,6 +65,14 @@ pub(crate) fn slow_page_fault<F: PteFormat>(
     let lock = mmu.lock.read();
     // A memslot change published after our lookup: what we computed may be stale.
     if slots.generation() != gen {
+        drop(lock);
+        sink.inc(Stat::PfRetry);
+        return FaultOutcome::Retry;
+    }
+    // Lazy acceptance, under the lock after the re-check: a conversion back to shared waits
+    // out lock holders before it releases pages, so it never misses one accepted here, and
+    // no fault accepts after it looked (`memslot/attributes.rs`, step 4).
+    if plan.private && plan.slot.accept_private(plan.gfn) == Acceptance::InProgress {
         drop(lock);
         sink.inc(Stat::PfRetry);
         return FaultOutcome::Retry;

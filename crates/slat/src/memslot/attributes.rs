@@ -202,6 +202,16 @@ impl Memslots {
         {
             mmu.zap_gfn_range(first_gfn, first_gfn + npages);
         }
+        // (4): back to shared, no guest maps the private pages any more: the host gets them
+        // back in its direct map (scrubbed). Acceptances in flight finished under the MMU
+        // lock before (2)'s wait returned, so none is missed (see `direct_map`).
+        if !private {
+            for p in &pieces {
+                if let Some(lease) = p.slot.private.as_ref().and_then(|b| b.lease.as_ref()) {
+                    lease.release_range(p.lo, p.hi);
+                }
+            }
+        }
         Ok(())
     }
 }

@@ -10,6 +10,7 @@
 //! lock, the published set and its generation, vCPU snapshots), `ops.rs` (add, delete, move,
 //! change flags), `validate.rs` (checks before anything changes).
 
+use crate::direct_map::{Acceptance, PoolLease};
 use crate::dirty::bitmap::SlotBitmap;
 use crate::format::{bytes_per_entry, pages_per_entry, Level, PteFormat, PAGE_SHIFT};
 pub use crate::host_memory::HostRange;
@@ -145,6 +146,13 @@ pub enum MemslotError {
         /// The refused flags.
         bits: u32,
     },
+    /// The private backing is a direct-map pool range another memslot already took (a
+    /// guest_memfd range binds to one slot, else two guest pages would share a frame).
+    #[error("memslot {id}: its private pool range is already bound to another memslot")]
+    PrivateAlreadyBound {
+        /// The slot.
+        id: SlotId,
+    },
     /// The host page size is not 4 KiB, 2 MiB or 1 GiB.
     #[error("memslot {id}: host page size {page_size:#x} is not 4 KiB, 2 MiB or 1 GiB")]
     BadHostPageSize {
@@ -194,6 +202,9 @@ pub(crate) struct PrivateBacking {
     /// Held so the private memory outlives every use of the slot (as `Memslot::host`).
     #[allow(dead_code)]
     pub(crate) host: HostRange,
+    /// The direct-map pool range the pages come from, if any: private faults accept pages
+    /// through it, conversions to shared release them.
+    pub(crate) lease: Option<std::sync::Arc<PoolLease>>,
     /// One bit per page: private or shared. Shared by every published copy of the slot.
     pub(crate) attrs: Arc<AttributeBitmap>,
 }
@@ -244,6 +255,14 @@ impl Memslot {
         match &self.private {
             Some(p) if private => p.host_addr + ((gfn - self.base_gfn) << PAGE_SHIFT),
             _ => self.hva(gfn),
+        }
+    }
+    /// Lazy acceptance of `gfn`'s private page (in the slot, private) before it is mapped:
+    /// `Already` when the backing has no direct map.
+    pub(crate) fn accept_private(&self, gfn: u64) -> Acceptance {
+        match self.private.as_ref().and_then(|p| p.lease.as_ref()) {
+            Some(lease) => lease.accept(gfn - self.base_gfn),
+            None => Acceptance::Already,
         }
     }
     pub(crate) fn attrs(&self) -> Option<&AttributeBitmap> {

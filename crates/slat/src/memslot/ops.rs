@@ -7,6 +7,7 @@ use super::{
     AttributeBitmap, HostRange, Memslot, MemslotError, MemslotFlags, Memslots, PrivateBacking,
     SlotId,
 };
+use crate::direct_map::PrivateMemory;
 use crate::dirty::bitmap::SlotBitmap;
 use crate::format::{PteFormat, PAGE_SHIFT};
 use crate::mmu::Mmu;
@@ -38,7 +39,7 @@ impl Memslots {
         gpa: u64,
         size: u64,
         host: HostRange,
-        private: Option<HostRange>,
+        private: Option<PrivateMemory>,
         flags: MemslotFlags,
         bitmap: impl FnOnce(MemslotFlags, u64) -> Option<Arc<SlotBitmap>>,
     ) -> Result<(), MemslotError> {
@@ -51,12 +52,17 @@ impl Memslots {
         validate_host::<F>(id, size, &host)?;
         if let Some(p) = &private {
             validate_private_flags(id, flags)?;
-            validate_host::<F>(id, size, p)?;
+            validate_host::<F>(id, size, &p.range)?;
+            // Last: a lease taken by a slot that is then refused would be spent.
+            if p.lease.as_ref().is_some_and(|l| !l.take_for_slot()) {
+                return Err(MemslotError::PrivateAlreadyBound { id });
+            }
         }
         let npages = size >> PAGE_SHIFT;
         let private = private.map(|p| PrivateBacking {
-            host_addr: p.addr(),
-            host: p,
+            host_addr: p.range.addr(),
+            host: p.range,
+            lease: p.lease,
             attrs: Arc::new(AttributeBitmap::new(npages)),
         });
         let slot = Memslot {
@@ -95,6 +101,11 @@ impl Memslots {
         self.publish(mmu, |v| v.retain(|s| s.id != id));
         mmu.zap_gfn_range(slot.base_gfn, slot.end_gfn());
         mmu.rmap.unregister(slot.base_gfn);
+        // No guest maps the private pages any more: give them back to the host's direct map
+        // now, on the VMM's thread (the lease's own drop may come later, anywhere).
+        if let Some(lease) = slot.private.as_ref().and_then(|p| p.lease.as_ref()) {
+            lease.release_range(0, slot.npages);
+        }
         Ok(())
     }
 

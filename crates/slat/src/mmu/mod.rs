@@ -10,6 +10,7 @@ pub mod flush;
 pub(crate) mod inspect;
 pub(crate) mod lock;
 pub(crate) mod rmap;
+pub(crate) mod split;
 pub(crate) mod spte;
 pub mod table;
 pub(crate) mod walk;

@@ -1,0 +1,68 @@
+//! Host CPUs in the direct map's flush protocol: a kernel TLB flush (after a page left the
+//! direct map) is acknowledged by every host CPU that is online, exactly as a guest TLB flush
+//! is by every vCPU in guest mode — the same request/acknowledge protocol (`mmu::flush`).
+
+use super::DirectMap;
+use crate::mmu::flush::{GuestMode, VcpuLink};
+use crate::sync::Arc;
+
+/// Handles to the map are plain `std` (as `Vm`'s are); the flush links are the engine's.
+type MapHandle = std::sync::Arc<DirectMap>;
+
+/// A host CPU (a thread that may hold direct-map translations in its kernel TLB). Leaves
+/// the flush protocol when dropped.
+#[derive(Debug)]
+pub struct HostCpu {
+    map: MapHandle,
+    link: Arc<VcpuLink>,
+}
+
+/// Proof that a [`HostCpu`] is online: while one lives, every kernel TLB flush waits for the
+/// CPU to acknowledge with [`HostCpu::service`] (at its next access boundary). Take it only
+/// while the thread runs and checks for requests; drop it before the thread blocks (on a
+/// lock, a sleep, or a flush of its own), or a flusher would wait for it.
+#[must_use = "dropping the token takes the CPU offline"]
+#[derive(Debug)]
+pub struct Online(#[allow(dead_code)] GuestMode);
+
+impl Online {
+    /// Requests that were pending when the CPU came online: service them first.
+    pub fn requests_at_entry(&self) -> u32 {
+        self.0.requests_at_entry()
+    }
+}
+
+impl HostCpu {
+    pub(super) fn join(map: MapHandle) -> HostCpu {
+        let link = Arc::new(VcpuLink::new());
+        map.mmu.flush.join(link.clone());
+        HostCpu { map, link }
+    }
+
+    /// Comes online (see [`Online`]).
+    pub fn online(&mut self) -> Online {
+        Online(VcpuLink::enter_guest(&self.link))
+    }
+
+    /// Requests pending now (one relaxed load: cheap enough for every access boundary).
+    #[inline]
+    pub fn pending(&self) -> u32 {
+        self.link.pending()
+    }
+
+    /// Services pending requests: on a kernel TLB flush, runs `flush_tlb`, then acknowledges.
+    pub fn service(&self, flush_tlb: impl FnOnce()) -> u32 {
+        self.map.mmu.flush.service(&self.link, flush_tlb)
+    }
+
+    /// The direct map this CPU caches.
+    pub fn direct_map(&self) -> &MapHandle {
+        &self.map
+    }
+}
+
+impl Drop for HostCpu {
+    fn drop(&mut self) {
+        self.map.mmu.flush.leave(&self.link);
+    }
+}
