@@ -445,6 +445,7 @@ fn machine_config(a: &AccessTrackingPerfArgs, vcpus: u32, fast_pf: bool) -> Mach
         tlb_entries: a.machine.tlb_entries,
         pcpus: a.machine.pcpus.unwrap_or(0),
         gpa: None,
+        private: None,
     }
 }
 

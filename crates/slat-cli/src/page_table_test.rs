@@ -382,6 +382,7 @@ fn run_on<F: PteFormat>(a: &PageTableTestArgs, vm: VmConfig, text: bool) -> Resu
         tlb_entries: a.machine.tlb_entries,
         pcpus: a.machine.pcpus.unwrap_or(0),
         gpa: a.gpa,
+        private: None,
     })
     .map_err(|e| e.to_string())?;
     let native_ram = GuestRam::new(a.backing, bytes, prefault).map_err(|e| e.to_string())?;

@@ -12,6 +12,7 @@
 
 use crate::sched::PcpuPool;
 use crate::tlb::Tlb;
+use slat::direct_map::{HostCpu, Online};
 use slat::hw::{self, bytes_per_entry, table_index, PteFormat, TablePage};
 use slat::{Access, Fault, FaultOutcome, GuestMode, Vcpu, Vm};
 use slat_workload::latency::{latency_histogram, record_latency, LatencyHistogram};
@@ -50,8 +51,8 @@ pub enum Exit {
         /// The address.
         gpa: u64,
     },
-    /// The access's kind (this CPU's accesses are all shared) disagrees with the page's
-    /// memory attribute (KVM_EXIT_MEMORY_FAULT): the VMM converts the page or stops.
+    /// The access's kind (private or shared, see [`Cpu::set_private`]) disagrees with the
+    /// page's memory attribute (KVM_EXIT_MEMORY_FAULT): the VMM converts the page or stops.
     MemoryFault {
         /// The faulting page.
         gpa: u64,
@@ -90,6 +91,8 @@ pub struct CpuCounters {
     pub ring_full_exits: u64,
     /// TLB conflicts (see [`Exit::TlbConflict`]).
     pub tlb_conflicts: u64,
+    /// Kernel TLB flushes of the host direct map this CPU acknowledged.
+    pub kernel_tlb_flushes: u64,
 }
 
 /// A vCPU thread's hardware state.
@@ -107,6 +110,14 @@ pub struct Cpu<F: PteFormat> {
     /// When the timed write in progress found it had to fault (moved later by the time spent
     /// in ring-full exits, which is the VMM's harvest, not the fault's).
     fault_start: Option<Instant>,
+    /// Ordinary accesses are private (a confidential guest mapping its memory with the
+    /// C-bit set); [`Cpu::write_u64_as`] picks the kind per access.
+    private: bool,
+    /// Host addresses of private memory (SNP's RMP, reduced to "is this page a guest's
+    /// private page"): the walker faults when an access's kind disagrees with its leaf's.
+    rmp: Option<(u64, u64)>,
+    /// This thread as a host CPU of the direct map, online exactly while in guest mode.
+    host: Option<(HostCpu, Option<Online>)>,
     /// Counters.
     pub counters: CpuCounters,
 }
@@ -126,8 +137,30 @@ impl<F: PteFormat> Cpu<F> {
             ring_full: None,
             latency: None,
             fault_start: None,
+            private: false,
+            rmp: None,
+            host: None,
             counters: CpuCounters::default(),
         }
+    }
+
+    /// Makes ordinary accesses private (or shared again), as a confidential guest does.
+    pub fn set_private(&mut self, private: bool) {
+        self.private = private;
+    }
+
+    /// Declares `[start, end)` (host addresses) the private pool: a leaf into it serves only
+    /// private accesses, any other leaf only shared ones (the hardware's RMP check).
+    pub fn set_private_pool(&mut self, start: u64, end: u64) {
+        self.rmp = Some((start, end));
+    }
+
+    /// Runs this thread as `host`, a host CPU of a direct map: online (waited for by kernel
+    /// TLB flushes) exactly while in guest mode, and acknowledging at access boundaries.
+    /// Call outside guest mode.
+    pub fn attach_host_cpu(&mut self, host: HostCpu) {
+        debug_assert!(self.guest.is_none());
+        self.host = Some((host, None));
     }
 
     /// Installs what a dirty-ring-full exit runs.
@@ -164,7 +197,8 @@ impl<F: PteFormat> Cpu<F> {
 
     /// Leaves guest mode and gives the physical CPU back (a sync exit: GUEST_SYNC, stop).
     pub fn exit(&mut self) {
-        if self.guest.take().is_some() {
+        if self.guest.is_some() {
+            self.leave_guest_mode();
             self.pool.release();
         }
     }
@@ -176,6 +210,39 @@ impl<F: PteFormat> Cpu<F> {
             self.service();
         }
         self.guest = Some(guest);
+        if self.host.is_some() {
+            self.host_online();
+        }
+    }
+
+    /// Leaves guest mode (keeping the physical CPU): the slow path may block.
+    #[inline]
+    fn leave_guest_mode(&mut self) {
+        self.guest = None;
+        if let Some((_, online)) = &mut self.host {
+            *online = None;
+        }
+    }
+
+    #[cold]
+    fn host_online(&mut self) {
+        if let Some((cpu, online)) = &mut self.host {
+            let token = cpu.online();
+            if token.requests_at_entry() != 0 {
+                self.counters.kernel_tlb_flushes += 1;
+                cpu.service(|| {});
+            }
+            *online = Some(token);
+        }
+    }
+
+    #[cold]
+    fn host_service(&mut self) {
+        if let Some((cpu, _)) = &self.host {
+            let counters = &mut self.counters;
+            // This CPU caches no direct-map translation: acknowledging is the whole flush.
+            cpu.service(|| counters.kernel_tlb_flushes += 1);
+        }
     }
 
     #[inline]
@@ -194,6 +261,11 @@ impl<F: PteFormat> Cpu<F> {
         if self.vcpu.pending_requests() != 0 {
             self.service();
         }
+        if let Some((cpu, _)) = &self.host {
+            if cpu.pending() != 0 {
+                self.host_service();
+            }
+        }
         self.quantum += 1;
         if self.quantum >= QUANTUM {
             self.quantum = 0;
@@ -208,9 +280,23 @@ impl<F: PteFormat> Cpu<F> {
     /// ([`Exit::Unaligned`] otherwise), in guest mode ([`Exit::NotInGuest`] otherwise).
     #[inline]
     pub fn write_u64(&mut self, gpa: u64, val: u64) -> Result<(), Exit> {
-        let hva = self.translate(gpa, Access::Write)?;
+        let hva = self.translate(gpa, Access::Write, self.private)?;
         self.store(hva, val);
         Ok(())
+    }
+
+    /// [`Cpu::write_u64`] as a private (`true`) or shared access, whatever
+    /// [`Cpu::set_private`] says.
+    pub fn write_u64_as(&mut self, gpa: u64, val: u64, private: bool) -> Result<(), Exit> {
+        let hva = self.translate(gpa, Access::Write, private)?;
+        self.store(hva, val);
+        Ok(())
+    }
+
+    /// [`Cpu::read_u64`] as a private (`true`) or shared access.
+    pub fn read_u64_as(&mut self, gpa: u64, private: bool) -> Result<u64, Exit> {
+        let hva = self.translate(gpa, Access::Read, private)?;
+        Ok(self.load(hva))
     }
 
     /// The store of a write whose translation `hva` the walk or the TLB just gave.
@@ -232,7 +318,7 @@ impl<F: PteFormat> Cpu<F> {
     /// fault to the write's completion (retries included) in the pass's histogram.
     #[inline]
     pub fn write_u64_timed(&mut self, gpa: u64, val: u64) -> Result<(), Exit> {
-        let r = self.translate(gpa, Access::Write);
+        let r = self.translate(gpa, Access::Write, self.private);
         // A write that exits never completes: its start must not leak into the next one.
         let hva = r.inspect_err(|_| self.fault_start = None)?;
         self.store(hva, val);
@@ -264,17 +350,24 @@ impl<F: PteFormat> Cpu<F> {
     /// Reads the 8 bytes at guest physical address `gpa` (8-byte aligned, in guest mode).
     #[inline]
     pub fn read_u64(&mut self, gpa: u64) -> Result<u64, Exit> {
-        let hva = self.translate(gpa, Access::Read)?;
-        // SAFETY: as in `write_u64`.
-        let v = unsafe { AtomicU64::from_ptr(hva as *mut u64) }.load(Ordering::Relaxed);
-        self.counters.accesses += 1;
-        Ok(v)
+        let hva = self.translate(gpa, Access::Read, self.private)?;
+        Ok(self.load(hva))
     }
 
-    /// Translates `gpa` for `access`, faulting as needed; returns the host address. In a timed
-    /// pass, a write notes when it found it had to fault in `fault_start`.
+    /// The load of a read whose translation `hva` the walk or the TLB just gave.
     #[inline]
-    fn translate(&mut self, gpa: u64, access: Access) -> Result<u64, Exit> {
+    fn load(&mut self, hva: u64) -> u64 {
+        // SAFETY: as in `store`.
+        let v = unsafe { AtomicU64::from_ptr(hva as *mut u64) }.load(Ordering::Relaxed);
+        self.counters.accesses += 1;
+        v
+    }
+
+    /// Translates `gpa` for `access` of this kind (`private`), faulting as needed; returns the
+    /// host address. In a timed pass, a write notes when it found it had to fault in
+    /// `fault_start`.
+    #[inline]
+    fn translate(&mut self, gpa: u64, access: Access, private: bool) -> Result<u64, Exit> {
         if gpa % 8 != 0 {
             return Err(Exit::Unaligned { gpa });
         }
@@ -285,17 +378,17 @@ impl<F: PteFormat> Cpu<F> {
         let gfn = gpa >> 12;
         let write = access == Access::Write;
         loop {
-            if let Some(page) = self.tlb.lookup(gfn, write) {
+            if let Some(page) = self.tlb.lookup(gfn, write, private) {
                 return Ok(page + (gpa & 0xfff));
             }
             let conflicts = self.counters.tlb_conflicts;
-            match self.walk(gpa, access) {
+            match self.walk(gpa, access, private) {
                 Ok(_) if self.counters.tlb_conflicts != conflicts => {
                     return Err(Exit::TlbConflict { gpa })
                 }
                 Ok(hva) => return Ok(hva),
                 Err(present) => self.fault(Fault {
-                    private: false,
+                    private,
                     gpa,
                     access,
                     present,
@@ -311,7 +404,7 @@ impl<F: PteFormat> Cpu<F> {
     /// The hardware page walk. `Err(present)` reports a fault and whether a leaf with some
     /// permission was there (a permission fault) or not (a not-present fault).
     #[inline]
-    fn walk(&mut self, gpa: u64, access: Access) -> Result<u64, bool> {
+    fn walk(&mut self, gpa: u64, access: Access, private: bool) -> Result<u64, bool> {
         self.counters.walks += 1;
         let gfn = gpa >> 12;
         let (mut table, mut level) = match self.tlb.leaf_table(gfn) {
@@ -342,6 +435,15 @@ impl<F: PteFormat> Cpu<F> {
                 self.tlb.drop_leaf_table();
                 return Err(F::permits(e, Access::Read) || F::permits(e, Access::Exec));
             }
+            if let Some((lo, hi)) = self.rmp {
+                // The RMP check: a private access through a shared page, or the reverse, is a
+                // fault the engine turns into a memory-fault exit (or a retry, while a
+                // conversion is still zapping the old leaf).
+                if (lo..hi).contains(&F::output_addr(e)) != private {
+                    self.tlb.drop_leaf_table();
+                    return Err(true);
+                }
+            }
             let want = F::set_accessed_dirty(e, access);
             if want != e {
                 // EPT sets A/D atomically; losing the race means the entry changed: re-walk.
@@ -369,8 +471,8 @@ impl<F: PteFormat> Cpu<F> {
             let base = F::output_addr(e);
             // The TLB caches "dirty" with "writable", as x86 does: a translation loaded by a
             // read of a clean leaf must walk again on the first write, to set D.
-            self.tlb
-                .insert(gfn, level, base, F::is_writable(want) && F::is_dirty(want));
+            let writable = F::is_writable(want) && F::is_dirty(want);
+            self.tlb.insert(gfn, level, base, writable, private);
             return Ok(base + (gpa & (size - 1)));
         }
     }
@@ -394,7 +496,8 @@ impl<F: PteFormat> Cpu<F> {
             None => {
                 // The slow path may block on the MMU lock, whose holder may be waiting for our
                 // flush acknowledgement: leave guest mode (keep the physical CPU; host work).
-                self.guest = None;
+                // Offline for the direct map too: the fault may flush its kernel TLBs.
+                self.leave_guest_mode();
                 let o = self.vcpu.slow_page_fault(f);
                 self.enter_guest_mode();
                 o

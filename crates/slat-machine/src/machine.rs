@@ -8,9 +8,13 @@ use crate::ram::{GuestRam, RamError};
 use crate::sched::PcpuPool;
 use crate::tlb::DEFAULT_TLB_ENTRIES;
 use parking_lot::Mutex;
+use slat::direct_map::{DirectMap, DirectMapConfig, DirectMapError};
 use slat::format::{PteFormat, PAGE_SHIFT, PAGE_SIZE};
 use slat::memslot::MemslotFlags;
-use slat::{DirtyLogError, Ept, HostRange, HostRangeError, MemslotError, SlotId, Vm, VmConfig};
+use slat::{
+    DirtyLogError, Ept, HostRange, HostRangeError, MemoryAttributeError, MemoryAttributes,
+    MemslotError, SlotId, Vm, VmConfig,
+};
 use slat_workload::cpus::VcpuTids;
 use slat_workload::latency::LatencyHistogram;
 pub use slat_workload::{DirtyConfig, Layout, FIRST_SLOT};
@@ -35,6 +39,10 @@ pub struct MachineConfig {
     /// Guest physical address of the test region (`None`: the top of the guest physical
     /// address space, as KVM's selftests place it). Must be aligned to the backing page size.
     pub gpa: Option<u64>,
+    /// A confidential guest (seed 003): the test region is private memory from a pool under a
+    /// host direct map of this configuration. Every page starts `PRIVATE` and unaccepted, the
+    /// vCPUs' accesses are private, and each first touch accepts its page lazily.
+    pub private: Option<DirectMapConfig>,
 }
 
 impl Default for MachineConfig {
@@ -45,6 +53,7 @@ impl Default for MachineConfig {
             tlb_entries: DEFAULT_TLB_ENTRIES,
             pcpus: 0,
             gpa: None,
+            private: None,
         }
     }
 }
@@ -78,6 +87,12 @@ pub enum MachineError {
     /// The engine refused a dirty-log request.
     #[error(transparent)]
     DirtyLog(#[from] DirtyLogError),
+    /// The private pool's direct map could not be built or bound.
+    #[error(transparent)]
+    DirectMap(#[from] DirectMapError),
+    /// The engine refused a memory-attribute change.
+    #[error(transparent)]
+    MemoryAttributes(#[from] MemoryAttributeError),
     /// A workload is already running (or none is, for a halt).
     #[error("{0}")]
     Busy(&'static str),
@@ -163,6 +178,8 @@ pub struct Machine<F: PteFormat = Ept> {
     writer_value: Arc<AtomicU64>,
     /// The vCPU threads' kernel ids, for pinning.
     tids: Arc<VcpuTids>,
+    /// The private pool's direct map (a confidential guest).
+    direct_map: Option<Arc<DirectMap>>,
 }
 
 impl<F: PteFormat> Machine<F> {
@@ -220,16 +237,26 @@ impl<F: PteFormat> Machine<F> {
                 config.region.dirty.ring_with_bitmap,
             )?;
         }
+        let direct_map = match config.private {
+            Some(dm) => Some(private_pool(dm, ram_len, config.region.prefault)?),
+            None => None,
+        };
         for s in 0..config.region.slots as u64 {
             let offset = s * per_slot;
             let host = HostRange::slice(ram.clone(), offset, ram.len() - offset)?;
-            vm.add_memslot(
-                FIRST_SLOT + s as u32,
-                gpa + offset,
-                per_slot,
-                host,
-                MemslotFlags::empty(),
-            )?;
+            let id = FIRST_SLOT + s as u32;
+            match &direct_map {
+                Some(map) => {
+                    let private = map.bind(offset, per_slot)?;
+                    let flags = MemslotFlags::empty();
+                    vm.add_memslot_with_private(id, gpa + offset, per_slot, host, private, flags)?
+                }
+                None => vm.add_memslot(id, gpa + offset, per_slot, host, MemslotFlags::empty())?,
+            }
+        }
+        if direct_map.is_some() {
+            // A confidential guest starts with all of its memory private and unaccepted.
+            vm.set_memory_attributes(gpa >> PAGE_SHIFT, pages, MemoryAttributes::PRIVATE)?;
         }
         let layout = size.layout(gpa, ram.addr(), config.region.overlap);
         let pcpus = if config.pcpus == 0 {
@@ -255,9 +282,16 @@ impl<F: PteFormat> Machine<F> {
             reaped: Arc::new(Mutex::new(Vec::new())),
             writer_value: Arc::new(AtomicU64::new(0)),
             tids: Arc::new(VcpuTids::new(config.region.vcpus)),
+            direct_map,
         };
         for i in 0..config.region.vcpus {
             let mut cpu = Cpu::new(m.vm.clone(), i as u32, config.tlb_entries, m.pool.clone());
+            if let Some(map) = &m.direct_map {
+                let pool = map.pool();
+                cpu.set_private(true);
+                cpu.set_private_pool(pool.addr(), pool.addr() + pool.len());
+                cpu.attach_host_cpu(map.host_cpu());
+            }
             if config.region.dirty.ring_entries != 0 {
                 cpu.set_ring_full_handler(m.ring_full_handler());
             }
@@ -285,6 +319,12 @@ impl<F: PteFormat> Machine<F> {
     /// The engine.
     pub fn vm(&self) -> &Arc<Vm<F>> {
         &self.vm
+    }
+
+    /// The host direct map over the private pool, for a confidential guest
+    /// ([`MachineConfig::private`]).
+    pub fn direct_map(&self) -> Option<&Arc<DirectMap>> {
+        self.direct_map.as_ref()
     }
 
     /// The configuration.
@@ -485,6 +525,7 @@ fn pass_of(
             ad_updates: c.ad_updates - before.ad_updates,
             ring_full_exits: c.ring_full_exits - before.ring_full_exits,
             tlb_conflicts: c.tlb_conflicts - before.tlb_conflicts,
+            kernel_tlb_flushes: c.kernel_tlb_flushes - before.kernel_tlb_flushes,
         },
     }
 }
@@ -597,4 +638,23 @@ impl<F: PteFormat> TestMachine for Machine<F> {
     fn pin_vcpus(&self, cpus: &[usize]) -> Result<Vec<Vec<usize>>, MachineError> {
         self.tids.pin(cpus).map_err(MachineError::Thread)
     }
+}
+
+/// The private pool of a confidential guest (as big as its RAM, 2 MiB aligned so the direct
+/// map can start with huge leaves) and the direct map over it.
+fn private_pool(
+    config: DirectMapConfig,
+    len: u64,
+    prefault: bool,
+) -> Result<Arc<DirectMap>, MachineError> {
+    const HUGE: u64 = 2 << 20;
+    let len = len.div_ceil(HUGE).checked_mul(HUGE).ok_or_else(|| {
+        MachineError::Config(format!("a {len:#x}-byte private pool overflows 64 bits"))
+    })?;
+    let pool = Arc::new(GuestRam::new(
+        crate::ram::Backing::AnonymousThp,
+        len,
+        prefault,
+    )?);
+    Ok(DirectMap::new(HostRange::new(pool)?, config)?)
 }

@@ -19,12 +19,15 @@ const HUGE_1G_ENTRIES: usize = 4;
 
 const EMPTY: u64 = u64::MAX;
 const WRITABLE: u64 = 1;
+/// The translation was made for private accesses (SNP tags TLB entries with the C-bit, so a
+/// shared access never hits a private translation, nor the reverse).
+const PRIVATE: u64 = 2;
 
 #[derive(Clone, Copy)]
 struct Entry {
     /// First GFN the entry covers, or EMPTY.
     tag: u64,
-    /// Host address of the page (aligned to its size), bit 0 = writable.
+    /// Host address of the page (aligned to its size), bit 0 = writable, bit 1 = private.
     host: u64,
 }
 
@@ -65,41 +68,46 @@ impl Tlb {
         }
     }
 
-    /// Host address for `gfn` if cached with the needed permission.
+    /// Host address for `gfn` if cached with the needed permission, for an access of this
+    /// kind (`private`).
     #[inline]
-    pub fn lookup(&mut self, gfn: u64, write: bool) -> Option<u64> {
+    pub fn lookup(&mut self, gfn: u64, write: bool, private: bool) -> Option<u64> {
+        // The bits that must match: W if writing, and the kind always.
+        let mask = PRIVATE | write as u64;
+        let want = (private as u64) << 1 | write as u64;
         let e = self.small[(gfn as usize) & self.mask];
-        if e.tag == gfn && (!write || e.host & WRITABLE != 0) {
-            return Some(e.host & !WRITABLE);
+        if e.tag == gfn && e.host & mask == want {
+            return Some(e.host & !(WRITABLE | PRIVATE));
         }
         if self.has_huge {
-            return self.lookup_huge(gfn, write);
+            return self.lookup_huge(gfn, mask, want);
         }
         self.misses += 1;
         None
     }
 
     #[inline]
-    fn lookup_huge(&mut self, gfn: u64, write: bool) -> Option<u64> {
+    fn lookup_huge(&mut self, gfn: u64, mask: u64, want: u64) -> Option<u64> {
         for (shift, arr) in [(9u32, &self.mid[..]), (18u32, &self.large[..])] {
             let tag = gfn >> shift << shift;
             let e = arr[((gfn >> shift) as usize) & (arr.len() - 1)];
-            if e.tag == tag && (!write || e.host & WRITABLE != 0) {
-                return Some((e.host & !WRITABLE) + ((gfn - tag) << 12));
+            if e.tag == tag && e.host & mask == want {
+                return Some((e.host & !(WRITABLE | PRIVATE)) + ((gfn - tag) << 12));
             }
         }
         self.misses += 1;
         None
     }
 
-    /// Caches a leaf at `level` mapping `gfn`'s page at host address `host` (aligned).
+    /// Caches a leaf at `level` mapping `gfn`'s page at host address `host` (aligned), for
+    /// accesses of one kind (`private`).
     #[inline]
-    pub fn insert(&mut self, gfn: u64, level: Level, host: u64, writable: bool) {
+    pub fn insert(&mut self, gfn: u64, level: Level, host: u64, writable: bool, private: bool) {
         let n = pages_per_entry(level);
         let tag = gfn & !(n - 1);
         let e = Entry {
             tag,
-            host: host | if writable { WRITABLE } else { 0 },
+            host: host | if writable { WRITABLE } else { 0 } | if private { PRIVATE } else { 0 },
         };
         self.has_huge |= level > 1;
         match level {
@@ -166,37 +174,65 @@ mod tests {
     #[test]
     fn hit_miss_permissions_and_flush() {
         let mut t = Tlb::new(16);
-        assert_eq!(t.lookup(5, false), None);
-        t.insert(5, 1, 0x1000_0000, false);
-        assert_eq!(t.lookup(5, false), Some(0x1000_0000));
+        assert_eq!(t.lookup(5, false, false), None);
+        t.insert(5, 1, 0x1000_0000, false, false);
+        assert_eq!(t.lookup(5, false, false), Some(0x1000_0000));
         assert_eq!(
-            t.lookup(5, true),
+            t.lookup(5, true, false),
             None,
             "read-only entry must not satisfy a write"
         );
         assert_eq!(
-            t.lookup(21, false),
+            t.lookup(21, false, false),
             None,
             "aliasing index must compare the tag"
         );
-        t.insert(512 + 7, 2, 0x4000_0000, true);
-        assert_eq!(t.lookup(512 + 9, true), Some(0x4000_0000 + 9 * 4096));
+        t.insert(512 + 7, 2, 0x4000_0000, true, false);
+        assert_eq!(t.lookup(512 + 9, true, false), Some(0x4000_0000 + 9 * 4096));
         t.flush();
-        assert_eq!(t.lookup(5, false), None);
-        assert_eq!(t.lookup(512 + 9, true), None);
+        assert_eq!(t.lookup(5, false, false), None);
+        assert_eq!(t.lookup(512 + 9, true, false), None);
+    }
+
+    #[test]
+    fn a_translation_serves_only_accesses_of_its_kind() {
+        let mut t = Tlb::new(16);
+        t.insert(5, 1, 0x1000_0000, true, true);
+        assert_eq!(t.lookup(5, true, true), Some(0x1000_0000));
+        assert_eq!(t.lookup(5, false, true), Some(0x1000_0000));
+        assert_eq!(
+            t.lookup(5, false, false),
+            None,
+            "shared read, private entry"
+        );
+        assert_eq!(
+            t.lookup(5, true, false),
+            None,
+            "shared write, private entry"
+        );
+        t.insert(512 + 7, 2, 0x4000_0000, false, false);
+        assert_eq!(
+            t.lookup(512 + 9, false, true),
+            None,
+            "private read, shared entry"
+        );
+        assert_eq!(
+            t.lookup(512 + 9, false, false),
+            Some(0x4000_0000 + 9 * 4096)
+        );
     }
 
     #[test]
     fn conflicts_are_entries_of_another_size_for_the_same_page() {
         let mut t = Tlb::new(16);
-        t.insert(512 + 7, 2, 0x4000_0000, false);
+        t.insert(512 + 7, 2, 0x4000_0000, false, false);
         assert!(
             t.conflicts(512 + 9, 1),
             "a 4 KiB entry under a cached 2 MiB one"
         );
         assert!(!t.conflicts(512 + 9, 2), "same size replaces, no conflict");
         assert!(!t.conflicts(1024 + 9, 1), "another 2 MiB");
-        t.insert(5, 1, 0x1000_0000, false);
+        t.insert(5, 1, 0x1000_0000, false, false);
         assert!(t.conflicts(5, 2) && t.conflicts(5, 3));
         assert!(!t.conflicts(6, 2));
         t.flush();
