@@ -202,10 +202,12 @@ impl<F: PteFormat> Machine<F> {
         let ram_len = total.div_ceil(psize).checked_mul(psize).ok_or_else(|| {
             MachineError::Config(format!("{total:#x} bytes of guest memory overflow 64 bits"))
         })?;
+        // A confidential guest's pages come from its private pool (prefaulted instead): the
+        // shared RAM is only touched by shared accesses.
         let ram = Arc::new(GuestRam::new(
             config.region.backing,
             ram_len,
-            config.region.prefault,
+            config.region.prefault && config.private.is_none(),
         )?);
         // KVM's memstress puts the test region at the top of the guest physical address space,
         // aligned down to the backing page size.

@@ -404,3 +404,50 @@ fn unsafe_write(hva: u64, v: u64) {
     // SAFETY: `hva` is an 8-byte aligned address inside a live `HostMem` pool of the caller.
     unsafe { AtomicU64::from_ptr(hva as *mut u64) }.store(v, Ordering::Relaxed);
 }
+
+/// A VM dropped with private pages still accepted (no `delete_memslot`): its lease hands the
+/// range to the map, which releases the pages at its next operation and only then lets the
+/// range be bound again.
+#[test]
+fn a_dropped_binding_gives_its_pages_back() {
+    let (mem, map) = pool(2 * MIB, config(DirectMapPolicy::Split2M, false, true));
+    let vm = Vm::<Ept>::new(VmConfig::default());
+    let shared = HostMem::new(2 * MIB);
+    let gpa = 1u64 << 30;
+    let private = map.bind(0, 2 * MIB).unwrap();
+    vm.add_memslot_with_private(
+        1,
+        gpa,
+        2 * MIB,
+        shared.range(PAGE_SIZE),
+        private,
+        MemslotFlags::empty(),
+    )
+    .unwrap();
+    vm.set_memory_attributes(gpa >> PAGE_SHIFT, 512, MemoryAttributes::PRIVATE)
+        .unwrap();
+    let mut v = vm.create_vcpu(0);
+    let f = Fault {
+        gpa,
+        access: Access::Write,
+        present: false,
+        private: true,
+    };
+    assert_eq!(v.handle_fault(f), FaultOutcome::Fixed);
+    assert_eq!(map.stats().assigned, 1);
+    drop(v);
+    drop(vm);
+    assert!(
+        matches!(
+            map.bind(0, PAGE_SIZE),
+            Err(DirectMapError::AlreadyBound { .. })
+        ),
+        "bindable only after its pages are back"
+    );
+    map.release_orphans();
+    assert_eq!(map.stats().assigned, 0);
+    check_invariant(&mem, &map, "orphans released");
+    assert_eq!(map.audit().leaves, [0, 1, 0], "collapsed back");
+    assert!(map.bind(0, 2 * MIB).is_ok());
+    check_no_leak(&map, "orphans");
+}

@@ -170,6 +170,10 @@ pub struct DirectMap {
     states: FrameStates,
     /// Pool ranges bound to memslots, as (first frame, frames).
     bound: Mutex<Vec<(u64, u64)>>,
+    /// Ranges whose lease was dropped with pages still assigned, as (first frame, frames):
+    /// released by the next operation that may wait for the lock and a flush (a lease may be
+    /// dropped on an online CPU, which must not block on the lock: a holder may be flushing).
+    orphans: Mutex<Vec<(u64, u64)>>,
     accepted: AtomicU64,
     released: AtomicU64,
     collapses: AtomicU64,
@@ -214,6 +218,7 @@ impl DirectMap {
             cpa_lock: Mutex::new(()),
             states: FrameStates::new(frames),
             bound: Mutex::new(Vec::new()),
+            orphans: Mutex::new(Vec::new()),
             accepted: AtomicU64::new(0),
             released: AtomicU64::new(0),
             collapses: AtomicU64::new(0),
@@ -318,6 +323,7 @@ impl DirectMap {
     }
 
     pub(crate) fn accept_frame(&self, f: u64) -> Acceptance {
+        self.release_orphans();
         if self.states.is_assigned(f) {
             return Acceptance::Already;
         }
@@ -350,7 +356,29 @@ impl DirectMap {
     /// binding): waits for an acceptance in flight, scrubs it, maps it again. Returns whether
     /// it was assigned.
     pub fn release(&self, hva: u64) -> Result<bool, DirectMapError> {
+        self.release_orphans();
         Ok(self.release_frame(self.frame_of(hva)?, true))
+    }
+
+    /// Releases what dropped leases left assigned. Call from a thread that is not an online
+    /// [`HostCpu`] (acceptance and release call it too).
+    pub fn release_orphans(&self) {
+        let ranges = {
+            let mut o = sync::lock(&self.orphans);
+            if o.is_empty() {
+                return;
+            }
+            std::mem::take(&mut *o)
+        };
+        for (first, frames) in ranges {
+            for f in first..first + frames {
+                if self.states.is_claimed(f) {
+                    self.release_frame(f, true);
+                }
+            }
+            // Bindable again only now that nothing of it is assigned.
+            sync::lock(&self.bound).retain(|&r| r != (first, frames));
+        }
     }
 
     /// Releases frame `f`; `may_collapse` is false where the caller cannot wait for a flush
@@ -409,12 +437,21 @@ impl DirectMap {
 
     /// Removes the 4 KiB leaf of `gfn`, splitting a huge leaf over it first; flushes after
     /// the lock is dropped when configured. Returns whether it split.
+    ///
+    /// A split flushes every host CPU *under the lock*, as Linux's `__split_large_page` does
+    /// (`flush_tlb_all`): the leaf changed size, and x86 must not keep a 2 MiB and a 4 KiB
+    /// translation of one address. That flush is the cost a pre-split direct map avoids.
     fn unmap_frame(&self, gfn: u64) -> bool {
         let mut pending = PendingFlush::none();
         let split = {
             let _lock = self.lock_cpa();
             let block = gfn & !(BLOCK_PAGES - 1);
-            let splits = split_huge_pages(&self.mmu, block, block + BLOCK_PAGES, &mut pending);
+            let mut split = PendingFlush::none();
+            let splits = split_huge_pages(&self.mmu, block, block + BLOCK_PAGES, &mut split);
+            if splits != 0 {
+                split.require();
+                self.mmu.complete_flush(split);
+            }
             self.clear_leaf(gfn, &mut pending);
             splits != 0
         };
@@ -422,7 +459,7 @@ impl DirectMap {
             self.mmu.complete_flush(pending);
         } else {
             // Without the flush other CPUs may keep a stale translation of the page (the
-            // risk the seed's option takes). A split or a removal frees no table page.
+            // risk the seed's option takes). A removal frees no table page.
             debug_assert!(pending.graveyard.is_empty());
         }
         split
@@ -557,6 +594,7 @@ impl DirectMap {
     /// Walks the whole table (taking the lock, so no change is in flight): leaves per level,
     /// linked tables, and whether the live table pages are exactly the linked ones.
     pub fn audit(&self) -> DirectMapAudit {
+        self.release_orphans();
         let _lock = sync::lock(&self.cpa_lock);
         let a = self.mmu.audit();
         DirectMapAudit {

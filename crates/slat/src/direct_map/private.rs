@@ -107,16 +107,13 @@ impl PoolLease {
         self.map.accept_frame(self.first + rel)
     }
 
-    /// Releases the claimed pages of `[lo, hi)` (range-relative); returns how many.
+    /// Releases the claimed pages of `[lo, hi)` (range-relative); returns how many. From a
+    /// thread that is not an online host CPU (the VMM's, converting or deleting).
     pub(crate) fn release_range(&self, lo: u64, hi: u64) -> u64 {
-        self.release(lo, hi, true)
-    }
-
-    fn release(&self, lo: u64, hi: u64, may_collapse: bool) -> u64 {
         let mut n = 0;
         for rel in lo..hi.min(self.frames) {
             let f = self.first + rel;
-            if self.map.states.is_claimed(f) && self.map.release_frame(f, may_collapse) {
+            if self.map.states.is_claimed(f) && self.map.release_frame(f, true) {
                 n += 1;
             }
         }
@@ -126,10 +123,16 @@ impl PoolLease {
 
 impl Drop for PoolLease {
     fn drop(&mut self) {
-        // Whatever thread drops the last copy (a vCPU refreshing its memslots, even): no
-        // collapse, so no flush to wait for. `Vm::delete_memslot` released with collapse.
-        self.release(0, self.frames, false);
-        let mut bound = sync::lock(&self.map.bound);
-        bound.retain(|&(f, n)| (f, n) != (self.first, self.frames));
+        // Whatever thread drops the last copy (a vCPU refreshing its memslots, even) must not
+        // block on the direct map's lock: hand the range to the map, which releases what is
+        // still assigned at its next operation and only then lets it be bound again.
+        // (`Vm::delete_memslot` released everything already, so usually nothing is left.)
+        let (first, frames) = (self.first, self.frames);
+        let assigned = (first..first + frames).any(|f| self.map.states.is_claimed(f));
+        if assigned {
+            sync::lock(&self.map.orphans).push((first, frames));
+        } else {
+            sync::lock(&self.map.bound).retain(|&r| r != (first, frames));
+        }
     }
 }
