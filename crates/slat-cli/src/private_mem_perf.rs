@@ -13,15 +13,17 @@
 //! memfd fill then runs over pages the secret fills left split: what a fragmented direct map
 //! costs ordinary faults (the kernel zeroes each new page through it).
 //!
-//! `--backend sim` (a simulated direct map) is planned: the report keeps a `backend` field and
-//! generic per-variant rows so it can be added beside `host`.
+//! `--backend sim` runs the seed's benchmark on the simulated machine instead ([`sim`]): a
+//! confidential guest faulting in its private memory through slat's engine and a simulated
+//! host direct map, one row per direct-map variant.
 
 mod counters;
 mod gmem;
 mod mem;
 mod memlock;
+mod sim;
 
-use crate::args::{guest_size, OutputArgs};
+use crate::args::{guest_size, OutputArgs, Switch};
 use crate::error::{CliError, CliResult};
 use crate::host::HostFacts;
 use crate::output::{
@@ -32,6 +34,7 @@ use clap::{Args, ValueEnum};
 use counters::{Deltas, DirectMap, DirectMapDelta, Snapshot};
 use mem::{Fill, Kind, Region, Sample};
 use serde::Serialize;
+use slat::direct_map::DirectMapPolicy;
 use slat_machine::ram::format_size;
 use std::time::{Duration, Instant};
 
@@ -45,18 +48,19 @@ const WHOSE: &str = "the host kernel's cost of faulting in memory removed from i
 pub enum PrivBackend {
     /// This host's kernel: memfd_secret against memfd.
     Host,
-    /// A simulated direct map (not built yet: refused).
+    /// The simulated machine: a confidential guest's vCPUs fault in private memory through
+    /// slat's engine and a simulated host direct map.
     Sim,
 }
 
 /// Flags of `slat private-mem-perf`.
 #[derive(Debug, Args)]
 pub struct PrivateMemPerfArgs {
-    /// Threads, each faulting in its own share of the memory (1-512).
+    /// Threads (host) or vCPUs (sim), each faulting in its own share of the memory (1-512).
     #[arg(short = 'v', value_parser = clap::value_parser!(u32).range(1..=512), default_value_t = 1)]
     pub threads: u32,
-    /// Memory per thread: bytes with an optional k/m/g/t suffix (powers of 1024), a non-zero
-    /// multiple of 4 KiB. Each fill maps threads x this at once.
+    /// Memory per thread or vCPU: bytes with an optional k/m/g/t suffix (powers of 1024), a
+    /// non-zero multiple of 4 KiB. Each fill maps threads x this at once.
     #[arg(short = 'b', value_parser = guest_size, default_value = "256M")]
     pub bytes: u64,
     /// Milliseconds between two samples of the fill rate and the direct-map counters
@@ -65,10 +69,30 @@ pub struct PrivateMemPerfArgs {
     pub samples_ms: u64,
     /// The machine: `host` (this host's kernel, memfd_secret; the direct-map entries it splits
     /// stay split after the run, as the kernel does not merge them back, so later first fills
-    /// on this host split less). `sim` (a simulated direct map) is not built yet and is
-    /// refused.
+    /// on this host split less). `sim` (a simulated confidential guest and host direct map,
+    /// one row per variant, by default every --direct-map policy with --kernel-flush off and
+    /// on).
     #[arg(long, value_enum, default_value = "host")]
     pub backend: PrivBackend,
+    /// sim: the host direct map's policy. `2m-split`: huge leaves, each split on demand under
+    /// one global lock with a flush of every host CPU (the seed's baseline); `4k`: pre-split
+    /// to 4 KiB at start; `none`: left alone (TDX-style). Without it and without --vary, the
+    /// run covers all three.
+    #[arg(long = "direct-map", value_name = "POLICY", value_parser = parse_policy)]
+    pub direct_map: Option<DirectMapPolicy>,
+    /// sim: after each page leaves the direct map, flush every host CPU's kernel TLB and wait
+    /// for each vCPU thread to acknowledge (what "cratered performance" in the seed). Without
+    /// it and without --vary, the run covers off and on.
+    #[arg(long = "kernel-flush", value_enum, value_name = "on|off")]
+    pub kernel_flush: Option<Switch>,
+    /// sim: when a whole 2 MiB block of the direct map is back (the conversion to shared), put
+    /// the 2 MiB leaf back (2m-split only).
+    #[arg(long)]
+    pub collapse: bool,
+    /// sim: one row per combination, `KEY=V1,V2,...`, repeatable; keys `direct-map`
+    /// (2m-split,4k,none) and `kernel-flush` (off,on). A key given here overrides its flag.
+    #[arg(long, value_name = "KEY=V1,V2,...")]
+    pub vary: Vec<String>,
     #[command(flatten)]
     pub out: OutputArgs,
 }
@@ -227,9 +251,80 @@ const METRICS: &[Metric<Run>] = &[
     },
 ];
 
+fn parse_policy(s: &str) -> Result<DirectMapPolicy, String> {
+    s.parse()
+        .map_err(|e: slat::ParseVariantError| e.to_string())
+}
+
+/// The sim backend's plan: the flags and `--vary` resolved into rows.
+fn sim_plan(a: &PrivateMemPerfArgs, total: u64) -> Result<sim::SimPlan, String> {
+    let mut policies = match a.direct_map {
+        Some(p) => vec![p],
+        None if a.vary.is_empty() => DirectMapPolicy::ALL.to_vec(),
+        None => vec![DirectMapPolicy::default()],
+    };
+    let mut flushes = match a.kernel_flush {
+        Some(f) => vec![f.on()],
+        None if a.vary.is_empty() => vec![false, true],
+        None => vec![false],
+    };
+    for v in &a.vary {
+        let (key, list) = v.split_once('=').ok_or_else(|| {
+            format!("--vary {v}: expected KEY=V1,V2,... (keys: direct-map, kernel-flush)")
+        })?;
+        let values: Vec<&str> = list.split(',').collect();
+        match key {
+            "direct-map" => {
+                policies = values.iter().map(|x| parse_policy(x)).collect::<Result<_, _>>().map_err(|e| format!("--vary {v}: {e}"))?
+            }
+            "kernel-flush" => {
+                flushes = values
+                    .iter()
+                    .map(|x| match *x {
+                        "on" => Ok(true),
+                        "off" => Ok(false),
+                        _ => Err(format!("--vary {v}: kernel-flush takes on or off, not {x:?}")),
+                    })
+                    .collect::<Result<_, _>>()?
+            }
+            _ => {
+                return Err(format!(
+                    "--vary {v}: unknown key {key:?} (private-mem-perf varies direct-map and kernel-flush)"
+                ))
+            }
+        }
+    }
+    let mut variants = Vec::new();
+    for &policy in &policies {
+        for &kernel_flush in &flushes {
+            let v = sim::Variant {
+                policy,
+                kernel_flush,
+            };
+            if !variants.contains(&v) {
+                variants.push(v);
+            }
+        }
+    }
+    let _ = total;
+    Ok(sim::SimPlan {
+        vcpus: a.threads,
+        bytes: a.bytes,
+        samples: Duration::from_millis(a.samples_ms),
+        variants,
+        collapse: a.collapse,
+        repeat: a.out.repeat,
+        json: a.out.json,
+    })
+}
+
 /// Runs `slat private-mem-perf`.
 pub fn run(a: &PrivateMemPerfArgs) -> CliResult {
     let total = check(a).map_err(CliError::bad)?;
+    if a.backend == PrivBackend::Sim {
+        let plan = sim_plan(a, total).map_err(CliError::bad)?;
+        return sim::run(&plan);
+    }
     mem::secret_fd().map_err(|e| CliError::Runtime(e.to_string()))?;
     let memlock = memlock::prepare(total).map_err(CliError::Runtime)?;
     let len = usize::try_from(total).map_err(|_| CliError::bad("-v x -b overflows usize"))?;
@@ -272,10 +367,18 @@ pub fn run(a: &PrivateMemPerfArgs) -> CliResult {
 
 /// Refuses what cannot run; returns the total bytes.
 fn check(a: &PrivateMemPerfArgs) -> Result<u64, String> {
-    if a.backend == PrivBackend::Sim {
-        return Err(
-            "--backend sim (a simulated direct map) is not built yet: use --backend host".into(),
-        );
+    if a.backend == PrivBackend::Host {
+        let sim_only = [
+            ("--direct-map", a.direct_map.is_some()),
+            ("--kernel-flush", a.kernel_flush.is_some()),
+            ("--collapse", a.collapse),
+            ("--vary", !a.vary.is_empty()),
+        ];
+        if let Some((flag, _)) = sim_only.iter().find(|(_, given)| *given) {
+            return Err(format!(
+                "{flag} configures the simulated direct map: add --backend sim (the host kernel's direct map is what it is)"
+            ));
+        }
     }
     if a.out.plot.is_some() {
         return Err(

@@ -194,8 +194,77 @@ fn the_text_says_whose_cost_it_is() {
 fn bad_input_exits_2_with_one_line() {
     for (args, needle) in [
         (
-            &["private-mem-perf", "--backend", "sim"][..],
-            "not built yet",
+            &["private-mem-perf", "--direct-map", "4k"][..],
+            "--backend sim",
+        ),
+        (
+            &["private-mem-perf", "--kernel-flush", "on"],
+            "--backend sim",
+        ),
+        (&["private-mem-perf", "--collapse"], "--backend sim"),
+        (
+            &["private-mem-perf", "--vary", "direct-map=4k"],
+            "--backend sim",
+        ),
+        (
+            &["private-mem-perf", "--backend", "sim", "--direct-map", "3m"],
+            "2m-split",
+        ),
+        (
+            &[
+                "private-mem-perf",
+                "--backend",
+                "sim",
+                "--kernel-flush",
+                "maybe",
+            ],
+            "--kernel-flush",
+        ),
+        (
+            &["private-mem-perf", "--backend", "sim", "--vary", "tlb=1"],
+            "unknown key",
+        ),
+        (
+            &[
+                "private-mem-perf",
+                "--backend",
+                "sim",
+                "--vary",
+                "direct-map",
+            ],
+            "KEY=V1,V2",
+        ),
+        (
+            &[
+                "private-mem-perf",
+                "--backend",
+                "sim",
+                "--vary",
+                "kernel-flush=on,sometimes",
+            ],
+            "sometimes",
+        ),
+        (
+            &[
+                "private-mem-perf",
+                "--backend",
+                "sim",
+                "--vary",
+                "direct-map=4k,5k",
+            ],
+            "5k",
+        ),
+        (
+            &[
+                "private-mem-perf",
+                "--backend",
+                "sim",
+                "-v",
+                "512",
+                "-b",
+                "64T",
+            ],
+            "more than this host",
         ),
         (&["private-mem-perf", "--backend", "kvm"], "kvm"),
         (&["private-mem-perf", "-b", "0"], "greater than zero"),
@@ -243,8 +312,150 @@ fn help_explains_every_flag() {
         "--backend",
         "--repeat",
         "--json",
+        "--direct-map",
+        "--kernel-flush",
+        "--collapse",
+        "--vary",
     ] {
         assert!(out.contains(flag), "{flag}: {out}");
     }
-    assert!(out.contains("not built yet"), "{out}");
+}
+
+/// `--backend sim --json`: one document over every variant by default, valid against the
+/// schema, with figures that hang together: every page accepted once, one split per 2 MiB
+/// block under `2m-split` only, `none` leaving the 2 MiB leaves, flushes per page with
+/// `--kernel-flush on` and acknowledged by the other vCPU, and the conversion back to shared
+/// releasing every page.
+#[test]
+fn sim_json_matches_its_schema_and_the_figures_hang_together() {
+    let (code, out, err) = slat(&[
+        "private-mem-perf",
+        "--backend",
+        "sim",
+        "-v",
+        "2",
+        "-b",
+        "8M",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let d: Value = serde_json::from_str(&out).unwrap();
+    schema::validate(FILE, &d);
+    assert_eq!(d["backend"], "sim");
+    let pages = 2 * 8 * 256u64;
+    let blocks = 2 * 8 / 2u64;
+    let rows = d["runs"][0]["rows"].as_array().unwrap();
+    let names: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            format!(
+                "{}/{}",
+                r["direct_map"].as_str().unwrap(),
+                r["kernel_flush"]
+            )
+        })
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "2m-split/false",
+            "2m-split/true",
+            "4k/false",
+            "4k/true",
+            "none/false",
+            "none/true"
+        ]
+    );
+    assert!(n(&d["runs"][0]["native"]["gb_per_s"]) > 0.0);
+    for r in rows {
+        assert_eq!(r["accepted"], pages, "{r:#}");
+        assert!(
+            n(&r["gb_per_s"]) > 0.0 && n(&r["to_shared_gib_per_s"]) > 0.0,
+            "{r:#}"
+        );
+        assert!(n(&r["ratio_over_native"]) > 0.0, "{r:#}");
+        let (policy, flush) = (r["direct_map"].as_str().unwrap(), r["kernel_flush"] == true);
+        let splits = r["splits"].as_u64().unwrap();
+        let flushes = r["kernel_flushes"].as_u64().unwrap();
+        match policy {
+            "2m-split" => assert_eq!(splits, blocks, "{r:#}"),
+            _ => assert_eq!(splits, 0, "{r:#}"),
+        }
+        match policy {
+            "none" => {
+                assert_eq!(r["leaves_after"][1], blocks, "{r:#}");
+                assert_eq!(flushes, 0, "{r:#}");
+            }
+            _ => {
+                assert_eq!(r["leaves_after"][0], 0, "every page removed: {r:#}");
+                let want = if flush { pages + splits } else { splits };
+                assert_eq!(flushes, want, "{r:#}");
+                if flush {
+                    assert!(r["kernel_flush_acks"].as_u64().unwrap() > 0, "{r:#}");
+                }
+            }
+        }
+        let accepted: f64 = r["samples"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| n(&s["gb_per_s"]))
+            .sum();
+        assert!(accepted > 0.0, "no sample saw a page accepted: {r:#}");
+    }
+}
+
+/// `--vary` picks the rows; `--collapse` rebuilds the 2 MiB leaves on the way back to shared;
+/// `--repeat` summarizes each variant; the text says whose cost it is.
+#[test]
+fn sim_vary_collapse_repeat_and_text() {
+    let (code, out, err) = slat(&[
+        "private-mem-perf",
+        "--backend",
+        "sim",
+        "-v",
+        "2",
+        "-b",
+        "4M",
+        "--collapse",
+        "--vary",
+        "direct-map=2m-split",
+        "--vary",
+        "kernel-flush=on",
+        "--repeat",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let d: Value = serde_json::from_str(&out).unwrap();
+    schema::validate(FILE, &d);
+    assert_eq!(d["repeat"], 2);
+    for run in d["runs"].as_array().unwrap() {
+        let rows = run["rows"].as_array().unwrap();
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0]["kernel_flush"], true);
+        assert_eq!(rows[0]["collapses"], 4, "{:#}", rows[0]);
+    }
+    let s = d["summary"].as_array().unwrap();
+    assert!(s
+        .iter()
+        .all(|x| x["runs"] == 2 && x["variant"] == "2m-split flush=on"));
+    let (code, out, err) = slat(&[
+        "private-mem-perf",
+        "--backend",
+        "sim",
+        "-b",
+        "4M",
+        "--direct-map",
+        "4k",
+        "--kernel-flush",
+        "off",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("not this host kernel's cost"), "{out}");
+    assert!(
+        out.contains("native") && out.contains("4k flush=off"),
+        "{out}"
+    );
+    assert!(!out.contains("2m-split flush"), "one row only: {out}");
 }

@@ -91,16 +91,23 @@ pub fn check(file: &str, schema: &Value, v: &Value, path: &str, errs: &mut Vec<S
         check(file, s, v, path, errs);
     }
     if let Some(one) = obj.get("oneOf").and_then(Value::as_array) {
-        let passing = one
+        let branches: Vec<Vec<String>> = one
             .iter()
-            .filter(|s| {
+            .map(|s| {
                 let mut e = Vec::new();
                 check(file, s, v, path, &mut e);
-                e.is_empty()
+                e
             })
-            .count();
+            .collect();
+        let passing = branches.iter().filter(|e| e.is_empty()).count();
         if passing != 1 {
             errs.push(format!("{path}: matches {passing} of the oneOf schemas"));
+        }
+        if passing == 0 {
+            // Say why each failed, so a broken field is named wherever it sits.
+            for (i, e) in branches.iter().enumerate() {
+                errs.extend(e.iter().map(|x| format!("(oneOf[{i}]) {x}")));
+            }
         }
     }
     if let Some(t) = obj.get("type") {
