@@ -4,6 +4,7 @@
 
 #![deny(missing_docs)]
 
+pub mod conversion;
 pub mod cpu;
 /// The dirty-log oracle, shared with the KVM machine ([`Machine`] is a [`TestMachine`]).
 pub mod dirty_oracle {
