@@ -1062,6 +1062,22 @@ impl TestMachine for KvmMachine {
         n
     }
 
+    /// [`Self::collect_dirty_rings`] naming each entry's vCPU (`None` for those reaped on
+    /// ring-full exits into the shared list).
+    fn collect_dirty_rings_by_vcpu(&self, mut f: impl FnMut(Option<usize>, u32, u64)) -> u64 {
+        let mut r = lock(&self.rings);
+        let reaped = std::mem::take(&mut r.reaped);
+        let mut n = reaped.len() as u64;
+        for (s, o) in reaped {
+            f(None, s, o);
+        }
+        // One ring per vCPU, created in vCPU order (`create_vcpus`): ring i is vCPU i's.
+        for (i, ring) in r.rings.iter_mut().enumerate() {
+            n += ring.harvest(|s, o| f(Some(i), s, o)) as u64;
+        }
+        n
+    }
+
     /// `KVM_RESET_DIRTY_RINGS`: re-protects the pages of every collected entry; returns how
     /// many entries KVM reset.
     fn reset_dirty_rings(&self) -> Result<u64, KvmError> {

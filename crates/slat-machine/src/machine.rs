@@ -588,6 +588,19 @@ impl<F: PteFormat> TestMachine for Machine<F> {
     fn collect_dirty_rings(&self, f: impl FnMut(u32, u64)) -> u64 {
         Machine::collect_dirty_rings(self, f)
     }
+    fn collect_dirty_rings_by_vcpu(&self, mut f: impl FnMut(Option<usize>, u32, u64)) -> u64 {
+        // Entries reaped on ring-full exits went into one shared list: no vCPU to name.
+        let reaped = std::mem::take(&mut *self.reaped.lock());
+        let mut n = reaped.len() as u64;
+        for (s, o) in reaped {
+            f(None, s, o);
+        }
+        // `dirty_rings()` is in vCPU creation order: ring i is vCPU i's.
+        for (i, r) in self.vm.dirty_rings().iter().enumerate() {
+            n += r.harvest(|s, o| f(Some(i), s, o)) as u64;
+        }
+        n
+    }
     fn reset_dirty_rings(&self) -> Result<u64, MachineError> {
         Ok(self.vm.reset_dirty_rings()?)
     }
