@@ -56,16 +56,24 @@ pub const MAX_WINDOW: Duration = Duration::from_secs(60);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SampleWindow(Duration);
 
+/// A sample window [`SampleWindow::from_millis`] refuses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "a sample window of {ms} ms: it must be {} to {} ms",
+    MIN_WINDOW.as_millis(),
+    MAX_WINDOW.as_millis()
+)]
+pub struct WindowError {
+    /// The length asked for.
+    pub ms: u64,
+}
+
 impl SampleWindow {
     /// A window of `ms` milliseconds; refused outside [`MIN_WINDOW`]`..=`[`MAX_WINDOW`].
-    pub fn from_millis(ms: u64) -> Result<SampleWindow, Error> {
+    pub fn from_millis(ms: u64) -> Result<SampleWindow, WindowError> {
         let d = Duration::from_millis(ms);
         if d < MIN_WINDOW || d > MAX_WINDOW {
-            return Err(Error::Harvest(format!(
-                "a sample window of {ms} ms: it must be {} to {} ms",
-                MIN_WINDOW.as_millis(),
-                MAX_WINDOW.as_millis()
-            )));
+            return Err(WindowError { ms });
         }
         Ok(SampleWindow(d))
     }

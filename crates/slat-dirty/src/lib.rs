@@ -44,7 +44,7 @@ pub mod ranges;
 pub mod snapshot;
 pub mod source;
 
-pub use dirty_rate::{Attribution, DirtyRate, Measurement, Sample, SampleWindow};
+pub use dirty_rate::{Attribution, DirtyRate, Measurement, Sample, SampleWindow, WindowError};
 pub use error::Error;
 pub use harvest::{DirtySet, Harvester, LogMode};
 pub use log::{

@@ -83,8 +83,8 @@ pub trait TestMachine {
     fn collect_dirty_rings(&self, f: impl FnMut(u32, u64)) -> u64;
     /// [`TestMachine::collect_dirty_rings`] that also names the vCPU whose ring held each
     /// entry: `f(vcpu, slot, offset)`, `None` for entries the machine cannot attribute (by
-    /// default all of them; the machines attribute every entry still in a vCPU's ring, not
-    /// those reaped into a shared list on ring-full exits). For per-vCPU dirty rates.
+    /// default all of them; both machines attribute every entry, also those their vCPUs
+    /// reaped on ring-full exits). For per-vCPU dirty rates.
     fn collect_dirty_rings_by_vcpu(&self, mut f: impl FnMut(Option<usize>, u32, u64)) -> u64 {
         self.collect_dirty_rings(|slot, offset| f(None, slot, offset))
     }
