@@ -718,7 +718,7 @@ mod tests {
         let window = SampleWindow::from_millis(20).unwrap();
         let mut seen = 0;
         let m = r
-            .measure(window, NonZeroU32::new(3).unwrap(), |i, s| {
+            .measure(window, NonZeroU32::new(3).unwrap(), |i, _| {
                 assert_eq!(i, seen);
                 seen += 1;
             })
