@@ -103,6 +103,48 @@ fn ring_mode_measures_the_known_rate_within_10_percent() {
 }
 
 #[test]
+fn ring_full_exits_keep_each_entry_with_its_vcpu() {
+    // 128-entry rings at 5000 writes/s fill every ~25 ms: most entries of a 500 ms window are
+    // reaped by the vCPUs on ring-full exits, and still credited to the vCPU whose ring held
+    // them.
+    let (d, cmd) = measure(&[
+        "--mode",
+        "ring",
+        "--dirty-ring",
+        "128",
+        "-v",
+        "2",
+        "-b",
+        "64M",
+        "--write-rate",
+        "5k",
+        "--sample-ms",
+        "500",
+        "--samples",
+        "2",
+    ]);
+    let run = &d["runs"][0];
+    assert_eq!(run["config"]["ring_entries"], 128);
+    assert_eq!(run["unattributed_pages"], 0, "{cmd}\n{run:#}");
+    within_10pct(
+        "overall",
+        run["pages_per_s"].as_f64().unwrap(),
+        10_000.0,
+        &cmd,
+        run,
+    );
+    for v in run["per_vcpu"].as_array().unwrap() {
+        within_10pct(
+            &format!("vCPU {}", v["vcpu"]),
+            v["pages_per_s"].as_f64().unwrap(),
+            5_000.0,
+            &cmd,
+            run,
+        );
+    }
+}
+
+#[test]
 fn a_page_rewritten_within_a_window_counts_once() {
     // 256 pages per vCPU at 5000 writes/s: each window of 500 ms rewrites every page about
     // ten times, and the log shows each once: 256 pages per window, 512 pages/s per vCPU.
@@ -315,4 +357,22 @@ fn kvm_is_measured_without_an_expected_rate() {
         assert_eq!(run["per_vcpu"].as_array().unwrap().len(), 2);
         assert_eq!(run["unattributed_pages"], 0, "{cmd}\n{run:#}");
     }
+    // Both machines in one document, one summary each.
+    let (d, _) = measure(&[
+        "--backend",
+        "sim,kvm",
+        "-b",
+        "16M",
+        "--sample-ms",
+        "50",
+        "--samples",
+        "1",
+    ]);
+    assert_eq!(d["backends"], serde_json::json!(["sim", "kvm"]));
+    assert_eq!(d["runs"][0]["backend"], "sim");
+    assert_eq!(d["runs"][1]["backend"], "kvm");
+    assert_eq!(d["summary"].as_array().unwrap().len(), 2);
+    // The sim guest paced at the default rate; the kvm guest unpaced.
+    assert_eq!(d["runs"][0]["config"]["write_rate_per_vcpu"], 10_000);
+    assert!(d["runs"][1]["config"]["write_rate_per_vcpu"].is_null());
 }
