@@ -91,7 +91,7 @@ pub struct DirtyRateArgs {
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000), default_value_t = 3)]
     pub samples: u32,
     /// vCPUs, each writing its own region of guest memory (1-512).
-    #[arg(short = 'v', value_parser = clap::value_parser!(u32).range(1..=512), default_value_t = 1)]
+    #[arg(short = 'v', long = "vcpus", value_parser = clap::value_parser!(u32).range(1..=512), default_value_t = 1)]
     pub vcpus: u32,
     /// Guest memory per vCPU: bytes with an optional k/m/g/t suffix (powers of 1024), a
     /// multiple of 4 KiB. Make it at least the write rate x the window x 4 KiB, or the

@@ -149,7 +149,7 @@ fn a_page_rewritten_within_a_window_counts_once() {
     // 256 pages per vCPU at 5000 writes/s: each window of 500 ms rewrites every page about
     // ten times, and the log shows each once: 256 pages per window, 512 pages/s per vCPU.
     let (d, cmd) = measure(&[
-        "-v",
+        "--vcpus",
         "1",
         "-b",
         "1M",
