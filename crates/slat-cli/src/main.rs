@@ -7,6 +7,7 @@ mod concurrent_harvest;
 mod demand_paging;
 mod dirty_log_perf;
 mod dirty_log_test;
+mod dirty_rate;
 mod error;
 mod harvest;
 mod host;
@@ -66,6 +67,10 @@ enum Command {
     /// back only the dirty pages (harvest, re-arm, copy); reset time per k against a memcpy
     /// floor measured in the same run and against a full-copy reset of all guest RAM.
     SnapshotPerf(snapshot_perf::SnapshotPerfArgs),
+    /// Dirty rate without migrating (QEMU's calc-dirty-rate): sample the dirty log (bitmap or
+    /// rings) of a running guest for N ms windows and report distinct pages dirtied per
+    /// second, overall and per vCPU, beside the guest's known write rate where there is one.
+    DirtyRate(dirty_rate::DirtyRateArgs),
     /// The host kernel's cost of private memory (seed 003): threads fault in memfd_secret
     /// memory, whose pages the kernel removes from its direct map (splitting huge leaves),
     /// against plain memfd memory; direct-map splits, DirectMap sizes, TLB shootdowns.
@@ -131,6 +136,7 @@ fn main() {
         Command::MigrateListen(a) => migrate::run_listen(a),
         Command::MigratePerf(a) => migrate::run_perf(a),
         Command::SnapshotPerf(a) => snapshot_perf::run(a),
+        Command::DirtyRate(a) => dirty_rate::run(a),
         Command::PrivateMemPerf(a) => private_mem_perf::run(a),
     };
     if let Err(e) = r {

@@ -198,6 +198,13 @@ impl<S: DirtyLogSource> Harvester<S> {
         &self.source
     }
 
+    /// Gives the source back (e.g. to measure its dirty rate with
+    /// [`crate::DirtyRate`]). Pages still owed are dropped: the next reader of the log sees
+    /// only what was dirtied since the last take.
+    pub fn into_source(self) -> S {
+        self.source
+    }
+
     /// The tracked slots' ids and sizes, in the order the sets index them.
     pub fn slot_info(&self) -> &[SlotInfo] {
         &self.slots

@@ -20,6 +20,10 @@
 //!   itself (devices, `vm-memory`'s `AtomicBitmap::get_and_reset`) are merged with
 //!   [`Harvester::mark_words`] / [`Harvester::mark_pages`], or, with the `vm-memory` feature,
 //!   straight from the `AtomicBitmap` (`Harvester::mark_atomic_bitmap`).
+//! - [`dirty_rate`]: how fast the guest dirties memory, without migrating (QEMU's
+//!   `calc-dirty-rate`): [`DirtyRate`] samples any [`DirtyLogSource`] for distinct pages per
+//!   second, overall and per vCPU (ring entries name their vCPU; bitmaps need per-vCPU
+//!   regions).
 //! - [`snapshot`]: snapshot and reset of guest memory for fuzzers and sandboxes — copy back
 //!   only the dirty pages ([`Snapshot`], [`DirtyPages`]), incremental snapshots
 //!   ([`ChildSnapshot`]), byte-exact verification; re-arm the log before the copy.
@@ -31,6 +35,7 @@
 
 #![deny(missing_docs)]
 
+pub mod dirty_rate;
 pub mod error;
 pub mod harvest;
 pub mod log;
@@ -39,6 +44,7 @@ pub mod ranges;
 pub mod snapshot;
 pub mod source;
 
+pub use dirty_rate::{Attribution, DirtyRate, Measurement, Sample, SampleWindow, WindowError};
 pub use error::Error;
 pub use harvest::{DirtySet, Harvester, LogMode};
 pub use log::{

@@ -63,6 +63,17 @@ pub trait DirtyLogSource {
     ) -> Result<(), Self::Error>;
     /// Hands every uncollected ring entry to `f(slot id, offset)`; returns how many.
     fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, Self::Error>;
+    /// [`collect_ring`](Self::collect_ring) that also names the vCPU whose ring held each
+    /// entry: `f(vcpu, slot id, offset)`, `None` when the source cannot tell (entries a vCPU
+    /// reaped into a shared list on a ring-full exit). Same contract otherwise. The default
+    /// names no vCPU; a source that keeps one ring per vCPU overrides it, so a per-vCPU dirty
+    /// rate ([`crate::dirty_rate`]) can be measured over it.
+    fn collect_ring_by_vcpu(
+        &mut self,
+        f: &mut dyn FnMut(Option<usize>, u32, u64),
+    ) -> Result<u64, Self::Error> {
+        self.collect_ring(&mut |slot, offset| f(None, slot, offset))
+    }
     /// Re-protects the pages of every collected ring entry; returns how many were reset.
     fn reset_rings(&mut self) -> Result<u64, Self::Error>;
 }
@@ -90,6 +101,12 @@ impl<S: DirtyLogSource + ?Sized> DirtyLogSource for Box<S> {
     }
     fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, Self::Error> {
         (**self).collect_ring(f)
+    }
+    fn collect_ring_by_vcpu(
+        &mut self,
+        f: &mut dyn FnMut(Option<usize>, u32, u64),
+    ) -> Result<u64, Self::Error> {
+        (**self).collect_ring_by_vcpu(f)
     }
     fn reset_rings(&mut self) -> Result<u64, Self::Error> {
         (**self).reset_rings()
@@ -187,6 +204,19 @@ impl DirtyLogSource for KvmLog {
             .rings
             .iter_mut()
             .map(|r| u64::from(r.harvest(&mut *f)))
+            .sum())
+    }
+    fn collect_ring_by_vcpu(
+        &mut self,
+        f: &mut dyn FnMut(Option<usize>, u32, u64),
+    ) -> Result<u64, Error> {
+        // Rings are numbered in the order they were given (`with_rings`, then `add_ring`):
+        // a VMM that gives them in vCPU order gets vCPU indexes.
+        Ok(self
+            .rings
+            .iter_mut()
+            .enumerate()
+            .map(|(i, r)| u64::from(r.harvest(|slot, offset| f(Some(i), slot, offset))))
             .sum())
     }
     fn reset_rings(&mut self) -> Result<u64, Error> {

@@ -462,7 +462,8 @@ type Control = Rendezvous<(), VcpuPass, String>;
 /// collected yet. One lock: a ring is harvested by one thread at a time.
 struct Rings {
     rings: Vec<DirtyRing>,
-    reaped: Vec<(u32, u64)>,
+    /// (index of the ring = the vCPU, slot, offset).
+    reaped: Vec<(usize, u32, u64)>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -888,8 +889,8 @@ impl VcpuContext {
     fn ring_full(&self) -> Result<(), String> {
         let mut r = lock(&self.rings);
         let Rings { rings, reaped } = &mut *r;
-        for ring in rings.iter_mut() {
-            ring.harvest(|s, o| reaped.push((s, o)));
+        for (i, ring) in rings.iter_mut().enumerate() {
+            ring.harvest(|s, o| reaped.push((i, s, o)));
         }
         dirty::reset_dirty_rings(&self.vm)
             .map(|_| ())
@@ -1053,11 +1054,27 @@ impl TestMachine for KvmMachine {
         let mut r = lock(&self.rings);
         let reaped = std::mem::take(&mut r.reaped);
         let mut n = reaped.len() as u64;
-        for (s, o) in reaped {
+        for (_, s, o) in reaped {
             f(s, o);
         }
         for ring in r.rings.iter_mut() {
             n += ring.harvest(&mut f) as u64;
+        }
+        n
+    }
+
+    /// [`Self::collect_dirty_rings`] naming each entry's vCPU, also of those reaped on
+    /// ring-full exits (the reaper records whose ring each came from).
+    fn collect_dirty_rings_by_vcpu(&self, mut f: impl FnMut(Option<usize>, u32, u64)) -> u64 {
+        let mut r = lock(&self.rings);
+        let reaped = std::mem::take(&mut r.reaped);
+        let mut n = reaped.len() as u64;
+        for (i, s, o) in reaped {
+            f(Some(i), s, o);
+        }
+        // One ring per vCPU, created in vCPU order (`create_vcpus`): ring i is vCPU i's.
+        for (i, ring) in r.rings.iter_mut().enumerate() {
+            n += ring.harvest(|s, o| f(Some(i), s, o)) as u64;
         }
         n
     }

@@ -173,7 +173,8 @@ pub struct Machine<F: PteFormat = Ept> {
     threads: Vec<JoinHandle<()>>,
     pool: Arc<PcpuPool>,
     /// Ring entries reaped by vCPUs on ring-full exits, not yet collected by the host.
-    reaped: Arc<Mutex<Vec<(SlotId, u64)>>>,
+    /// (index of the ring = the vCPU, slot, offset).
+    reaped: Arc<Mutex<Vec<(usize, SlotId, u64)>>>,
     /// The value [`TestMachine::start_writer`]'s writers write (changed while they run).
     writer_value: Arc<AtomicU64>,
     /// The vCPU threads' kernel ids, for pinning.
@@ -443,7 +444,7 @@ impl<F: PteFormat> Machine<F> {
     pub fn collect_dirty_rings(&self, mut f: impl FnMut(SlotId, u64)) -> u64 {
         let reaped = std::mem::take(&mut *self.reaped.lock());
         let mut n = reaped.len() as u64;
-        for (s, o) in reaped {
+        for (_, s, o) in reaped {
             f(s, o);
         }
         for r in self.vm.dirty_rings() {
@@ -459,8 +460,8 @@ impl<F: PteFormat> Machine<F> {
         let reaped = self.reaped.clone();
         Arc::new(move || {
             let mut out = reaped.lock();
-            for r in vm.dirty_rings() {
-                r.harvest(|s, o| out.push((s, o)));
+            for (i, r) in vm.dirty_rings().iter().enumerate() {
+                r.harvest(|s, o| out.push((i, s, o)));
             }
             drop(out);
             // The ring is enabled (we were installed because it is): cannot be RingOff.
@@ -630,6 +631,19 @@ impl<F: PteFormat> TestMachine for Machine<F> {
     }
     fn collect_dirty_rings(&self, f: impl FnMut(u32, u64)) -> u64 {
         Machine::collect_dirty_rings(self, f)
+    }
+    fn collect_dirty_rings_by_vcpu(&self, mut f: impl FnMut(Option<usize>, u32, u64)) -> u64 {
+        // Entries reaped on ring-full exits carry the index of the ring they came from.
+        let reaped = std::mem::take(&mut *self.reaped.lock());
+        let mut n = reaped.len() as u64;
+        for (i, s, o) in reaped {
+            f(Some(i), s, o);
+        }
+        // `dirty_rings()` is in vCPU creation order: ring i is vCPU i's.
+        for (i, r) in self.vm.dirty_rings().iter().enumerate() {
+            n += r.harvest(|s, o| f(Some(i), s, o)) as u64;
+        }
+        n
     }
     fn reset_dirty_rings(&self) -> Result<u64, MachineError> {
         Ok(self.vm.reset_dirty_rings()?)

@@ -140,6 +140,14 @@ where
     fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, Self::Error> {
         Ok(timed(&self.read, || self.machine.collect_dirty_rings(f)))
     }
+    fn collect_ring_by_vcpu(
+        &mut self,
+        f: &mut dyn FnMut(Option<usize>, u32, u64),
+    ) -> Result<u64, Self::Error> {
+        Ok(timed(&self.read, || {
+            self.machine.collect_dirty_rings_by_vcpu(f)
+        }))
+    }
     fn reset_rings(&mut self) -> Result<u64, Self::Error> {
         timed(&self.rearm, || self.machine.reset_dirty_rings())
     }

@@ -81,6 +81,13 @@ pub trait TestMachine {
     /// first), calling `f(slot, offset)` per entry; returns how many. Follow with
     /// [`TestMachine::reset_dirty_rings`] before reading the pages.
     fn collect_dirty_rings(&self, f: impl FnMut(u32, u64)) -> u64;
+    /// [`TestMachine::collect_dirty_rings`] that also names the vCPU whose ring held each
+    /// entry: `f(vcpu, slot, offset)`, `None` for entries the machine cannot attribute (by
+    /// default all of them; both machines attribute every entry, also those their vCPUs
+    /// reaped on ring-full exits). For per-vCPU dirty rates.
+    fn collect_dirty_rings_by_vcpu(&self, mut f: impl FnMut(Option<usize>, u32, u64)) -> u64 {
+        self.collect_dirty_rings(|slot, offset| f(None, slot, offset))
+    }
     /// RESET_DIRTY_RINGS: re-protects the pages of every collected entry; returns how many
     /// entries were reset.
     fn reset_dirty_rings(&self) -> Result<u64, Self::Error>;

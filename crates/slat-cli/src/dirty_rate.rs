@@ -1,0 +1,886 @@
+//! `slat dirty-rate`: how fast a running guest dirties its memory, measured from the dirty log
+//! alone and without migrating anything (QEMU's `calc-dirty-rate` / `query-dirty-rate`).
+//!
+//! The measurement is `slat_dirty::DirtyRate` over the machine's log
+//! (`slat_snapshot::MachineLog`); this file builds the machine, runs a guest whose dirty rate
+//! is known where the machine can pace one, and renders the typed report (text, or `--json`
+//! through `output.rs`).
+//!
+//! **The known rate.** On the simulated machine the guest is the paced memstress
+//! (`slat_machine::paced`): each vCPU writes its own region sequentially, one write per page
+//! per pass, at `--write-rate` writes per second. While a pass does not wrap within a sample
+//! window, every write in the window hits a page not written before in it, so the distinct
+//! pages per second the log should show are exactly the write rate; if the region is smaller
+//! than a window's writes, every page of it is dirtied once per window, and the expectation
+//! is capped at pages / window (the report says so). The KVM guest's code has no rate
+//! control (migration's burst driver only gets the *write* count right on average, and writes
+//! pseudo-random pages, so its distinct-page rate is not known either): on KVM the guest runs
+//! memstress passes back to back as fast as it can, the dirty rate is measured all the same,
+//! and the report has no expectation, saying why.
+
+use crate::args::{
+    backing, check_backends, check_kvm_ring, guest_size, ring_size, BackendArg, DirtyArgs,
+    FormatArg, MachineArgs, OutputArgs, DEFAULT_RING_ENTRIES,
+};
+use crate::backend::dirty_config;
+use crate::error::{CliError, CliResult};
+use crate::limits::{check_backing, GuestMemory};
+use crate::output::{
+    cell, format_name, print_json, print_table, ratio_cell, summarize, Better, Metric,
+    MetricSummary, VmSettings,
+};
+use crate::report::quiet;
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+use slat::{Ept, PteFormat, Stage2};
+use slat_dirty::{Attribution, DirtyRate, Measurement, Sample, SampleWindow};
+use slat_machine::ram::{format_size, Backing};
+use slat_machine::{Machine, MachineConfig, PacedParams, Pacer, Workload};
+use slat_snapshot::MachineLog;
+use slat_workload::{PassParams, RegionSpec, TestMachine, PAGE_SIZE};
+use std::io::Write;
+use std::num::NonZeroU32;
+use std::time::{Duration, Instant};
+
+const NAME: &str = "dirty-rate";
+
+/// Most writes per second per vCPU `--write-rate` takes: far beyond what a vCPU writes, and
+/// far from the arithmetic limits of the pacing.
+const MAX_WRITE_RATE: u64 = 1_000_000_000;
+
+/// How long the guest runs before the first window: the pacer's bucket and the vCPUs' first
+/// faults settle.
+const WARMUP: Duration = Duration::from_millis(100);
+
+/// Per-vCPU columns in the text table of samples (more vCPUs: the per-vCPU table only).
+const MAX_SAMPLE_COLUMNS: usize = 8;
+
+/// Flags of `slat dirty-rate`.
+#[derive(Debug, Clone, Args)]
+#[command(after_long_help = "\
+What is measured: DISTINCT pages dirtied per second. Each sample window re-arms the dirty log \
+and counts the pages it reports at the window's end, so a page written many times in a window \
+counts once (the log has one bit, or one ring entry, per page) - the pages a migration would \
+have to send again. A guest rewriting a small hot set has a low dirty rate whatever its store \
+rate.
+
+The expected column: on --backend sim the guest is a paced sequential writer, each vCPU \
+writing its own region at --write-rate pages per second, one write per page per pass; while a \
+pass does not wrap within a window, distinct pages per second = the write rate. With -b too \
+small for a window's writes the expectation is capped at the region's pages per window. The \
+kvm guest has no rate control: it runs memstress passes as fast as it can, and the report has \
+no expected column.
+
+Per vCPU: in ring mode each ring entry names its vCPU (a page is credited to the first vCPU \
+that logged it in the window; entries a source cannot attribute are counted as unattributed). \
+In bitmap mode a bitmap does not say who wrote a page; the figures come from the \
+layout, since each vCPU writes only its own region here.")]
+pub struct DirtyRateArgs {
+    /// The machine(s): `sim`, `kvm` (the host's /dev/kvm), or `sim,kvm` (one after the other).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "sim")]
+    pub backend: Vec<BackendArg>,
+    /// How the log is read: `bitmap` (GET_DIRTY_LOG + CLEAR_DIRTY_LOG with manual protect,
+    /// counting set bits) or `ring` (per-vCPU dirty rings: collect, count distinct pages per
+    /// vCPU, reset).
+    #[arg(long, value_enum, default_value = "bitmap")]
+    pub mode: RateMode,
+    /// Length of one sample window in milliseconds (10-60000).
+    #[arg(long = "sample-ms", value_name = "MS", value_parser = sample_ms, default_value = "1000")]
+    pub sample: SampleWindow,
+    /// Sample windows, back to back (1-1000); the rate is their pages over their time.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000), default_value_t = 3)]
+    pub samples: u32,
+    /// vCPUs, each writing its own region of guest memory (1-512).
+    #[arg(short = 'v', long = "vcpus", value_parser = clap::value_parser!(u32).range(1..=512), default_value_t = 1)]
+    pub vcpus: u32,
+    /// Guest memory per vCPU: bytes with an optional k/m/g/t suffix (powers of 1024), a
+    /// multiple of 4 KiB. Make it at least the write rate x the window x 4 KiB, or the
+    /// writer wraps within a window and the expectation is capped.
+    #[arg(short = 'b', value_parser = guest_size, default_value = "256M")]
+    pub bytes: u64,
+    /// Host memory behind guest RAM: anonymous, anonymous_thp, anonymous_hugetlb,
+    /// anonymous_hugetlb_1gb, shmem.
+    #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
+    pub backing: Backing,
+    /// The guest's writes per second per vCPU (k/m suffixes, at most 10^9) or `unlimited`.
+    /// Default: 10k on sim. The kvm guest has no rate control: only `unlimited` there (the
+    /// default).
+    #[arg(long = "write-rate", value_name = "PAGES_PER_S", value_parser = write_rate)]
+    pub write_rate: Option<WriteRate>,
+    /// Entries per vCPU dirty ring in ring mode (a power of two, 128-65536; kvm: at least
+    /// 256). Default 4096. A ring that fills within a window makes the vCPU exit and the
+    /// machine reap every ring (the entries keep their vCPU).
+    #[arg(long = "dirty-ring", value_name = "N", value_parser = ring_size)]
+    pub dirty_ring: Option<u32>,
+    #[command(flatten)]
+    pub machine: MachineArgs,
+    #[command(flatten)]
+    pub dirty: DirtyArgs,
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+/// How the log is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RateMode {
+    /// Dirty bitmaps: GET + CLEAR (manual protect).
+    Bitmap,
+    /// Per-vCPU dirty rings.
+    Ring,
+}
+
+impl RateMode {
+    fn name(self) -> &'static str {
+        match self {
+            RateMode::Bitmap => "bitmap",
+            RateMode::Ring => "ring",
+        }
+    }
+}
+
+/// `--write-rate`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteRate {
+    /// As fast as the guest writes.
+    Unlimited,
+    /// Writes per second per vCPU (1 to [`MAX_WRITE_RATE`]).
+    PerSecond(u64),
+}
+
+/// Parses `--sample-ms`.
+fn sample_ms(s: &str) -> Result<SampleWindow, String> {
+    let ms: u64 = s
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of milliseconds"))?;
+    SampleWindow::from_millis(ms).map_err(|e| e.to_string())
+}
+
+/// Parses `--write-rate`: `unlimited` or a positive count with an optional k/m suffix.
+fn write_rate(s: &str) -> Result<WriteRate, String> {
+    let t = s.trim().to_ascii_lowercase();
+    if t == "unlimited" {
+        return Ok(WriteRate::Unlimited);
+    }
+    let (num, mul) = match t.chars().last() {
+        Some('k') => (&t[..t.len() - 1], 1_000u64),
+        Some('m') => (&t[..t.len() - 1], 1_000_000),
+        _ => (&t[..], 1),
+    };
+    match num.parse::<u64>().ok().and_then(|n| n.checked_mul(mul)) {
+        Some(n) if (1..=MAX_WRITE_RATE).contains(&n) => Ok(WriteRate::PerSecond(n)),
+        _ => Err(format!(
+            "`{s}`: writes per second per vCPU are 1 to 10^9 (k and m suffixes), or `unlimited`"
+        )),
+    }
+}
+
+/// The sim guest's default rate: low enough for a 2-core host to sustain with the host thread
+/// beside it, high enough to dirty thousands of pages per window.
+const DEFAULT_SIM_RATE: u64 = 10_000;
+
+impl DirtyRateArgs {
+    /// The writer's rate on `kind`: writes per second per vCPU, `None` for unlimited.
+    fn rate_on(&self, kind: BackendArg) -> Option<u64> {
+        match (self.write_rate, kind) {
+            (Some(WriteRate::PerSecond(n)), _) => Some(n),
+            (Some(WriteRate::Unlimited), _) | (None, BackendArg::Kvm) => None,
+            (None, BackendArg::Sim) => Some(DEFAULT_SIM_RATE),
+        }
+    }
+
+    fn ring_entries(&self) -> u32 {
+        match self.mode {
+            RateMode::Ring => self.dirty_ring.unwrap_or(DEFAULT_RING_ENTRIES),
+            RateMode::Bitmap => 0,
+        }
+    }
+}
+
+/// The run's settings, as the report records them.
+#[derive(Debug, Clone, Serialize)]
+pub struct Config {
+    /// Engine and machine settings.
+    #[serde(flatten)]
+    pub vm: VmSettings,
+    /// `-v`.
+    pub vcpus: u32,
+    /// `-b`.
+    pub bytes_per_vcpu: u64,
+    /// `-s`.
+    pub backing: &'static str,
+    /// `--mode`: `bitmap` or `ring`.
+    pub mode: &'static str,
+    /// How the log was read: `get+clear` (manual protect) or `ring`.
+    pub log: &'static str,
+    /// Ring entries per vCPU (`null` in bitmap mode).
+    pub ring_entries: Option<u32>,
+    /// `--sample-ms`.
+    pub sample_ms: u64,
+    /// `--samples`.
+    pub samples: u32,
+    /// The writer's rate per vCPU (`null`: unlimited).
+    pub write_rate_per_vcpu: Option<u64>,
+}
+
+/// The guest that ran, and whether its dirty rate is known.
+#[derive(Debug, Clone, Serialize)]
+pub struct GuestWorkload {
+    /// `paced-sequential` (sim) or `memstress-loop` (kvm).
+    pub kind: &'static str,
+    /// The expected column is filled.
+    pub known_rate: bool,
+    /// Why the rate is or is not known, in words.
+    pub note: String,
+}
+
+/// One window.
+#[derive(Debug, Clone, Serialize)]
+pub struct SampleRow {
+    /// 1-based.
+    pub index: usize,
+    /// The window, seconds.
+    pub window_s: f64,
+    /// Distinct pages dirtied in it.
+    pub pages: u64,
+    /// Pages per second.
+    pub pages_per_s: f64,
+    /// MiB per second (4 KiB pages).
+    pub mib_per_s: f64,
+    /// Each vCPU's pages per second (empty without per-vCPU figures).
+    pub vcpu_pages_per_s: Vec<f64>,
+    /// Pages credited to no vCPU.
+    pub unattributed_pages: u64,
+}
+
+/// One vCPU's rate over the measurement.
+#[derive(Debug, Clone, Serialize)]
+pub struct VcpuRate {
+    /// The vCPU.
+    pub vcpu: usize,
+    /// Distinct pages per second.
+    pub pages_per_s: f64,
+    /// What the workload should show (`null`: not known).
+    pub expected_pages_per_s: Option<f64>,
+    /// measured / expected.
+    pub ratio: Option<f64>,
+}
+
+/// One run on one machine.
+#[derive(Debug, Clone, Serialize)]
+pub struct Run {
+    /// `sim` or `kvm`.
+    pub backend: &'static str,
+    /// The page-table format (`null` on kvm).
+    pub format: Option<&'static str>,
+    /// Settings.
+    pub config: Config,
+    /// The guest.
+    pub workload: GuestWorkload,
+    /// Where the per-vCPU figures come from: `ring` (entries name their vCPU) or `region`
+    /// (bitmap mode: each vCPU writes only its own region).
+    pub per_vcpu_by: &'static str,
+    /// The windows, in order.
+    pub samples: Vec<SampleRow>,
+    /// Distinct pages per second over all windows (their pages over their time).
+    pub pages_per_s: f64,
+    /// The same in MiB per second.
+    pub mib_per_s: f64,
+    /// The slowest window's rate.
+    pub min_sample_pages_per_s: f64,
+    /// The fastest window's rate.
+    pub max_sample_pages_per_s: f64,
+    /// What the workload should show, all vCPUs (`null`: not known).
+    pub expected_pages_per_s: Option<f64>,
+    /// measured / expected.
+    pub ratio_measured_over_expected: Option<f64>,
+    /// The expectation is capped: the region is smaller than a window's writes.
+    pub expected_capped: bool,
+    /// The guest's own count of writes per second over its whole run (every write, not
+    /// distinct pages).
+    pub guest_writes_per_s: Option<f64>,
+    /// Pages credited to no vCPU, over all windows.
+    pub unattributed_pages: u64,
+    /// Every window saw every page of guest memory dirty: the guest dirties memory at least
+    /// this fast, perhaps faster (a larger -b or a shorter --sample-ms tells).
+    pub saturated: bool,
+    /// Per vCPU.
+    pub per_vcpu: Vec<VcpuRate>,
+}
+
+/// The headline over `--repeat` runs, per machine.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    /// The machine.
+    pub backend: &'static str,
+    /// Distinct pages per second.
+    pub pages_per_s: MetricSummary,
+    /// measured / expected.
+    pub ratio_measured_over_expected: MetricSummary,
+}
+
+/// The document: every run (backends × repeats) and the summary.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// `dirty-rate`.
+    pub benchmark: &'static str,
+    /// `--repeat`.
+    pub repeat: u32,
+    /// The machines, in the order run.
+    pub backends: Vec<&'static str>,
+    /// Backend-major, then repeat.
+    pub runs: Vec<Run>,
+    /// Per backend.
+    pub summary: Vec<Summary>,
+}
+
+const RATE: Metric<Run> = Metric {
+    name: "dirty rate",
+    unit: "pages/s",
+    better: Better::Higher,
+    get: |r| Some(r.pages_per_s),
+};
+
+const RATIO: Metric<Run> = Metric {
+    name: "measured/expected",
+    unit: "x",
+    better: Better::Higher,
+    get: |r| r.ratio_measured_over_expected,
+};
+
+/// Runs the measurement.
+pub fn run(a: &DirtyRateArgs) -> CliResult {
+    check(a).map_err(CliError::bad)?;
+    let mut runs = Vec::new();
+    for &kind in &a.backend {
+        for n in 0..a.out.repeat {
+            if a.out.repeat > 1 && !quiet(a.out.json) {
+                eprintln!("[slat] {} run {}/{}", kind.name(), n + 1, a.out.repeat);
+            }
+            let r = on_machine(a, kind)?;
+            if !a.out.json {
+                print_run(&r);
+            }
+            runs.push(r);
+        }
+    }
+    let summary = a
+        .backend
+        .iter()
+        .map(|b| {
+            let mine: Vec<Run> = runs
+                .iter()
+                .filter(|r| r.backend == b.name())
+                .cloned()
+                .collect();
+            Summary {
+                backend: b.name(),
+                pages_per_s: summarize(&RATE, &mine),
+                ratio_measured_over_expected: summarize(&RATIO, &mine),
+            }
+        })
+        .collect();
+    let report = Report {
+        benchmark: NAME,
+        repeat: a.out.repeat,
+        backends: a.backend.iter().map(|b| b.name()).collect(),
+        runs,
+        summary,
+    };
+    if a.out.json {
+        return print_json(&report, &a.backend);
+    }
+    if report.runs.len() > 1 {
+        print_summary(&report);
+    }
+    Ok(())
+}
+
+/// Refuses what cannot run, with the flag to change (exit status 2).
+fn check(a: &DirtyRateArgs) -> Result<(), String> {
+    a.machine.format.check_backends(&a.backend)?;
+    let mut engine_only = a.machine.engine_only();
+    engine_only.extend(a.dirty.engine_only());
+    check_backends(&a.backend, &engine_only)?;
+    let vm = a.dirty.apply(a.machine.vm_config());
+    a.dirty
+        .check(&vm, a.machine.format, a.mode == RateMode::Ring)
+        .map_err(|e| format!("--mode {}: {e}", a.mode.name()))?;
+    if a.out.plot.is_some() {
+        return Err("--plot: dirty-rate has no series to draw; drop --plot".into());
+    }
+    if a.dirty_ring.is_some() && a.mode != RateMode::Ring {
+        return Err(
+            "--dirty-ring sizes the rings of --mode ring: drop it, or add --mode ring".into(),
+        );
+    }
+    if a.mode == RateMode::Ring {
+        check_kvm_ring(&a.backend, a.ring_entries(), "--dirty-ring")?;
+    }
+    if let Some(WriteRate::PerSecond(_)) = a.write_rate {
+        if a.backend.contains(&BackendArg::Kvm) {
+            return Err("--write-rate: the kvm guest has no write-rate control (it runs memstress passes as fast as it can); drop --write-rate to measure it anyway, with no expected rate".into());
+        }
+    }
+    check_backing(&a.backend, a.backing)?;
+    let mem = GuestMemory::per_vcpu(a.vcpus, a.bytes)?;
+    mem.fits_gpa(&a.backend, a.machine.format, None)?;
+    mem.fits_host(a.backing, 1, a.machine.tlb_bytes(a.vcpus))?;
+    Ok(())
+}
+
+/// Builds machine `kind` and measures it.
+fn on_machine(a: &DirtyRateArgs, kind: BackendArg) -> CliResult<Run> {
+    let region = RegionSpec {
+        backing: a.backing,
+        vcpus: a.vcpus as usize,
+        bytes_per_vcpu: a.bytes,
+        slots: 1,
+        overlap: false,
+        prefault: !a.machine.no_prefault,
+        dirty: dirty_config(a.mode == RateMode::Bitmap, a.ring_entries()),
+    };
+    let rate = a.rate_on(kind);
+    match (kind, a.machine.format) {
+        (BackendArg::Sim, FormatArg::Ept) => sim::<Ept>(a, region, rate),
+        (BackendArg::Sim, FormatArg::Stage2) => sim::<Stage2>(a, region, rate),
+        (BackendArg::Kvm, _) => {
+            let m = slat_kvm::KvmMachine::new(slat_kvm::KvmConfig {
+                region,
+                ..slat_kvm::KvmConfig::default()
+            })
+            .map_err(|e| match e {
+                // The host cannot log this way: the flags cannot run here (exit 2).
+                slat_kvm::KvmError::Unsupported { .. } => {
+                    CliError::BadInput(format!("--mode {} on kvm: {e}", a.mode.name()))
+                }
+                e => CliError::Runtime(e.to_string()),
+            })?;
+            let guest = GuestWorkload {
+                kind: "memstress-loop",
+                known_rate: false,
+                note: "the kvm guest has no write-rate control: it runs memstress passes back to back as fast as it can, so no expected rate".into(),
+            };
+            let start = |m: &slat_kvm::KvmMachine| {
+                m.start_loop(PassParams {
+                    write_percent: 100,
+                    random: false,
+                    seed: 1,
+                    timed: false,
+                })
+                .map_err(runtime)
+            };
+            Bench { a, kind, m: &m }.run(guest, None, start)
+        }
+    }
+}
+
+fn sim<F: PteFormat>(a: &DirtyRateArgs, region: RegionSpec, rate: Option<u64>) -> CliResult<Run> {
+    let m = Machine::<F>::new(MachineConfig {
+        vm: a.dirty.apply(a.machine.vm_config()),
+        region,
+        tlb_entries: a.machine.tlb_entries,
+        pcpus: a.machine.pcpus.unwrap_or(0),
+        ..MachineConfig::default()
+    })
+    .map_err(runtime)?;
+    let note = match rate {
+        Some(r) => format!(
+            "paced sequential writer, {r} writes/s per vCPU, one write per page per pass: distinct pages/s = the write rate while a pass does not wrap within a window"
+        ),
+        None => "paced sequential writer, unlimited: as fast as the simulated vCPUs write, so no expected rate".into(),
+    };
+    let guest = GuestWorkload {
+        kind: "paced-sequential",
+        known_rate: rate.is_some(),
+        note,
+    };
+    let pacer = Pacer::new(rate.unwrap_or(0));
+    let start = |m: &Machine<F>| {
+        m.start(Workload::Paced(PacedParams {
+            pass: PassParams {
+                write_percent: 100,
+                random: false,
+                seed: 1,
+                timed: false,
+            },
+            pacer: pacer.clone(),
+        }))
+        .map_err(runtime)
+    };
+    Bench {
+        a,
+        kind: BackendArg::Sim,
+        m: &m,
+    }
+    .run(guest, rate, start)
+}
+
+fn runtime<E: std::fmt::Display>(e: E) -> CliError {
+    CliError::Runtime(e.to_string())
+}
+
+/// Pages per second as MiB per second.
+fn mib(pages_per_s: f64) -> f64 {
+    pages_per_s * PAGE_SIZE as f64 / (1u64 << 20) as f64
+}
+
+fn ratio(p: f64, q: Option<f64>) -> Option<f64> {
+    q.filter(|&q| q > 0.0).map(|q| p / q)
+}
+
+/// One machine's measurement.
+struct Bench<'a, M: TestMachine> {
+    a: &'a DirtyRateArgs,
+    kind: BackendArg,
+    m: &'a M,
+}
+
+impl<M: TestMachine> Bench<'_, M> {
+    /// Populates the region, turns logging on, starts the guest with `start`, measures, stops
+    /// the guest (also when the measurement failed) and builds the report.
+    fn run(
+        &self,
+        workload: GuestWorkload,
+        rate: Option<u64>,
+        start: impl FnOnce(&M) -> CliResult,
+    ) -> CliResult<Run> {
+        let a = self.a;
+        let m = self.m;
+        let l = m.layout();
+        // First touch outside the measurement: windows then see write-protection faults of
+        // mapped pages, the steady state of a running guest.
+        m.run_pass(PassParams {
+            write_percent: 100,
+            random: false,
+            seed: 1,
+            timed: false,
+        })
+        .map_err(runtime)?;
+        m.set_dirty_logging(true).map_err(runtime)?;
+        if !a.out.json {
+            print_head(a, self.kind, &workload);
+        }
+        let t0 = Instant::now();
+        start(m)?;
+        let measured = self.measure();
+        // Stop the guest whatever happened; its report counts the guest's own writes.
+        let halted = m.halt().map_err(runtime);
+        let ran = t0.elapsed().as_secs_f64();
+        let _ = m.set_dirty_logging(false);
+        let (measurement, halted) = (measured?, halted?);
+        let writes_per_s = (ran > 0.0).then(|| halted.pages() as f64 / ran);
+
+        let window = a.sample.duration().as_secs_f64();
+        let pages_per_vcpu = l.bytes_per_vcpu / PAGE_SIZE;
+        // A window of writes beyond the region wraps: every page once per window.
+        let capped = rate.is_some_and(|r| r as f64 * window > pages_per_vcpu as f64);
+        let vcpu_expected = rate.map(|r| (r as f64).min(pages_per_vcpu as f64 / window));
+        let expected = vcpu_expected.map(|e| e * a.vcpus as f64);
+        let per_vcpu_by = match measurement.attribution {
+            Attribution::Ring => "ring",
+            Attribution::Regions => "region",
+            Attribution::None => "none",
+        };
+        let pages_per_s = measurement.pages_per_s();
+        let rates: Vec<f64> = measurement
+            .samples
+            .iter()
+            .map(Sample::pages_per_s)
+            .collect();
+        let per_vcpu = measurement
+            .vcpu_pages_per_s()
+            .into_iter()
+            .enumerate()
+            .map(|(vcpu, p)| VcpuRate {
+                vcpu,
+                pages_per_s: p,
+                expected_pages_per_s: vcpu_expected,
+                ratio: ratio(p, vcpu_expected),
+            })
+            .collect();
+        let vm = a.dirty.apply(a.machine.vm_config());
+        let sim_only = |x| (self.kind == BackendArg::Sim).then_some(x);
+        Ok(Run {
+            backend: self.kind.name(),
+            format: format_name(self.kind, a.machine.format),
+            config: Config {
+                vm: VmSettings::new(
+                    self.kind,
+                    a.machine.format,
+                    &vm,
+                    a.machine.tlb_entries,
+                    sim_only(a.machine.pcpus.unwrap_or_else(|| {
+                        std::thread::available_parallelism().map_or(1, usize::from)
+                    })),
+                    !a.machine.no_prefault,
+                ),
+                vcpus: a.vcpus,
+                bytes_per_vcpu: a.bytes,
+                backing: a.backing.name(),
+                mode: a.mode.name(),
+                log: match a.mode {
+                    RateMode::Bitmap => "get+clear",
+                    RateMode::Ring => "ring",
+                },
+                ring_entries: (a.mode == RateMode::Ring).then(|| a.ring_entries()),
+                sample_ms: a.sample.duration().as_millis() as u64,
+                samples: a.samples,
+                write_rate_per_vcpu: rate,
+            },
+            workload,
+            per_vcpu_by,
+            samples: measurement
+                .samples
+                .iter()
+                .enumerate()
+                .map(|(i, s)| sample_row(i, s))
+                .collect(),
+            pages_per_s,
+            mib_per_s: mib(pages_per_s),
+            min_sample_pages_per_s: rates.iter().copied().fold(f64::INFINITY, f64::min),
+            max_sample_pages_per_s: rates.iter().copied().fold(0.0, f64::max),
+            expected_pages_per_s: expected,
+            ratio_measured_over_expected: ratio(pages_per_s, expected),
+            expected_capped: capped,
+            guest_writes_per_s: writes_per_s,
+            unattributed_pages: measurement.unattributed(),
+            saturated: !measurement.samples.is_empty()
+                && measurement
+                    .samples
+                    .iter()
+                    .all(|s| s.pages >= l.total_pages()),
+            per_vcpu,
+        })
+    }
+
+    /// The windows, each printed as it completes (text: on stdout, part of the report; JSON:
+    /// progress on stderr).
+    fn measure(&self) -> CliResult<Measurement> {
+        let a = self.a;
+        let m = self.m;
+        std::thread::sleep(WARMUP);
+        let mut rate = DirtyRate::new(MachineLog::new(m)).map_err(runtime)?;
+        rate = match a.mode {
+            RateMode::Ring => rate.with_vcpus(a.vcpus as usize),
+            RateMode::Bitmap => {
+                // Each vCPU writes only its own region: its pages are its own.
+                let l = m.layout();
+                let regions = (0..l.vcpus)
+                    .map(|i| {
+                        let (gpa, _, pages) = l.region(i);
+                        let first = (gpa - l.gpa) / PAGE_SIZE;
+                        first..first + pages
+                    })
+                    .collect();
+                rate.with_regions(regions).map_err(runtime)?
+            }
+        };
+        let samples = NonZeroU32::new(a.samples).ok_or("--samples is at least 1")?;
+        let (json, silent) = (a.out.json, quiet(a.out.json));
+        rate.measure(a.sample, samples, |i, s| {
+            let line = sample_line(i, a.samples, s);
+            if !json {
+                println!("{line}");
+                let _ = std::io::stdout().flush();
+            } else if !silent {
+                eprintln!("[slat] {line}");
+            }
+        })
+        .map_err(runtime)
+    }
+}
+
+fn sample_row(i: usize, s: &Sample) -> SampleRow {
+    let p = s.pages_per_s();
+    SampleRow {
+        index: i + 1,
+        window_s: s.window.as_secs_f64(),
+        pages: s.pages,
+        pages_per_s: p,
+        mib_per_s: mib(p),
+        vcpu_pages_per_s: (0..s.per_vcpu.len())
+            .filter_map(|v| s.vcpu_pages_per_s(v))
+            .collect(),
+        unattributed_pages: s.unattributed,
+    }
+}
+
+/// `Sample 2/3: 1.000412 s, 10004 pages, 9999.9 pages/s (39.06 MiB/s); vCPU 0 5000, vCPU 1 5000`
+fn sample_line(i: usize, of: u32, s: &Sample) -> String {
+    let p = s.pages_per_s();
+    let mut line = format!(
+        "Sample {}/{of}: {:.6} s, {} pages, {:.1} pages/s ({:.2} MiB/s)",
+        i + 1,
+        s.window.as_secs_f64(),
+        s.pages,
+        p,
+        mib(p)
+    );
+    if !s.per_vcpu.is_empty() && s.per_vcpu.len() <= MAX_SAMPLE_COLUMNS {
+        let each: Vec<String> = (0..s.per_vcpu.len())
+            .map(|v| format!("vCPU {v} {:.1}", s.vcpu_pages_per_s(v).unwrap_or(0.0)))
+            .collect();
+        line.push_str(&format!("; {}", each.join(", ")));
+    }
+    if s.unattributed != 0 {
+        line.push_str(&format!("; {} pages unattributed", s.unattributed));
+    }
+    line
+}
+
+fn opt(x: Option<f64>) -> String {
+    x.map_or_else(|| "-".into(), |x| format!("{x:.1}"))
+}
+
+/// The run's first lines, printed before the windows.
+fn print_head(a: &DirtyRateArgs, kind: BackendArg, w: &GuestWorkload) {
+    println!(
+        "Dirty rate ({}{}): {} vCPU{} x {}, {}, {} window{} of {} ms",
+        kind.name(),
+        format_name(kind, a.machine.format)
+            .map(|f| format!(", {f}"))
+            .unwrap_or_default(),
+        a.vcpus,
+        if a.vcpus == 1 { "" } else { "s" },
+        format_size(a.bytes),
+        match a.mode {
+            RateMode::Ring => format!(
+                "ring mode (dirty rings of {} entries per vCPU)",
+                a.ring_entries()
+            ),
+            RateMode::Bitmap => "bitmap mode (GET + CLEAR, manual protect)".into(),
+        },
+        a.samples,
+        if a.samples == 1 { "" } else { "s" },
+        a.sample.duration().as_millis(),
+    );
+    println!("Workload: {}", w.note);
+    println!(
+        "Counted: distinct pages dirtied per window (a page rewritten within a window counts once)"
+    );
+    let _ = std::io::stdout().flush();
+}
+
+fn print_run(r: &Run) {
+    println!(
+        "Dirty rate: {:.1} pages/s ({:.2} MiB/s); windows from {:.1} to {:.1} pages/s",
+        r.pages_per_s, r.mib_per_s, r.min_sample_pages_per_s, r.max_sample_pages_per_s
+    );
+    match r.expected_pages_per_s {
+        Some(e) => println!(
+            "Expected: {e:.1} pages/s{}; measured/expected {}",
+            if r.expected_capped {
+                " (capped: -b is smaller than a window's writes, every page is dirtied once per window)"
+            } else {
+                ""
+            },
+            ratio_cell(r.ratio_measured_over_expected)
+        ),
+        None => println!("Expected: not known ({})", r.workload.kind),
+    }
+    if r.saturated {
+        println!("Saturated: every page of guest memory was dirty in every window, so the guest dirties at least this rate (a larger -b or a shorter --sample-ms measures more)");
+    }
+    if let Some(w) = r.guest_writes_per_s {
+        println!("Guest writes (the guest's own count over its run, every write): {w:.1} writes/s");
+    }
+    let by = match r.per_vcpu_by {
+        "ring" => "from the dirty rings: each entry names its vCPU",
+        "region" => "from the layout: in bitmap mode each vCPU writes only its own region",
+        _ => "none",
+    };
+    println!("Per vCPU ({by}):");
+    let head: Vec<String> = ["vCPU", "pages/s", "expected", "measured/expected"]
+        .map(String::from)
+        .to_vec();
+    let rows: Vec<Vec<String>> = r
+        .per_vcpu
+        .iter()
+        .map(|v| {
+            vec![
+                v.vcpu.to_string(),
+                format!("{:.1}", v.pages_per_s),
+                opt(v.expected_pages_per_s),
+                ratio_cell(v.ratio),
+            ]
+        })
+        .collect();
+    print_table(&head, &rows);
+    if r.unattributed_pages != 0 {
+        println!(
+            "{} pages were logged by no vCPU the log could name: not in the per-vCPU figures",
+            r.unattributed_pages
+        );
+    }
+    println!();
+}
+
+fn print_summary(r: &Report) {
+    println!(
+        "Summary over {} run{} (spread = (max - min) / median):",
+        r.runs.len(),
+        if r.runs.len() == 1 { "" } else { "s" }
+    );
+    let head: Vec<String> = ["backend", "metric", "median", "min", "max", "spread"]
+        .map(String::from)
+        .to_vec();
+    let mut rows = Vec::new();
+    for s in &r.summary {
+        for m in [&s.pages_per_s, &s.ratio_measured_over_expected] {
+            let f = |x: Option<f64>| {
+                if m.unit == "x" {
+                    ratio_cell(x)
+                } else {
+                    cell(x)
+                }
+            };
+            rows.push(vec![
+                s.backend.to_string(),
+                format!("{} ({})", m.metric, m.unit),
+                f(m.median),
+                f(m.min),
+                f(m.max),
+                m.spread
+                    .map(|p| format!("{:.1}%", p * 100.0))
+                    .unwrap_or_else(|| "-".into()),
+            ]);
+        }
+    }
+    print_table(&head, &rows);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn write_rates_parse_and_are_bounded() {
+        assert_eq!(write_rate("unlimited"), Ok(WriteRate::Unlimited));
+        assert_eq!(write_rate("5k"), Ok(WriteRate::PerSecond(5000)));
+        assert_eq!(write_rate("2M"), Ok(WriteRate::PerSecond(2_000_000)));
+        assert_eq!(
+            write_rate("1000000000"),
+            Ok(WriteRate::PerSecond(MAX_WRITE_RATE))
+        );
+        for bad in [
+            "0",
+            "",
+            "k",
+            "-5",
+            "1000000001",
+            "99999999999999999999k",
+            "2g",
+        ] {
+            assert!(write_rate(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn sample_times_are_bounded() {
+        assert!(sample_ms("1000").is_ok());
+        for bad in ["0", "9", "60001", "-1", "x", "18446744073709551616"] {
+            let e = sample_ms(bad).unwrap_err();
+            assert!(!e.contains('\n'), "{e}");
+        }
+    }
+}
