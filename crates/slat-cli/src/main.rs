@@ -19,6 +19,7 @@ mod output;
 mod page_table_test;
 mod plot;
 mod private_mem_perf;
+mod private_mem_test;
 mod report;
 mod snapshot_perf;
 mod sweep;
@@ -75,6 +76,10 @@ enum Command {
     /// memory, whose pages the kernel removes from its direct map (splitting huge leaves),
     /// against plain memfd memory; direct-map splits, DirectMap sizes, TLB shootdowns.
     PrivateMemPerf(private_mem_perf::PrivateMemPerfArgs),
+    /// Private-memory conversions (KVM's private_mem_conversions_test) on the simulated
+    /// machine: vCPUs convert their memory between shared and private while a host CPU reads
+    /// it through the host direct map; every access is checked. Exits 1 on a violation.
+    PrivateMemTest(private_mem_test::PrivateMemTestArgs),
 }
 
 /// Clap's error as one line: the problem and what it lists under it (the missing flags, the
@@ -138,6 +143,7 @@ fn main() {
         Command::SnapshotPerf(a) => snapshot_perf::run(a),
         Command::DirtyRate(a) => dirty_rate::run(a),
         Command::PrivateMemPerf(a) => private_mem_perf::run(a),
+        Command::PrivateMemTest(a) => private_mem_test::run(a),
     };
     if let Err(e) = r {
         // The one place an error becomes an exit status: 2 for refused input, 1 for a failed

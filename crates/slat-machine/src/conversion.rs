@@ -153,7 +153,13 @@ pub fn run_conversion_test(p: ConversionParams) -> Result<ConversionReport, Mach
     let check_host = p.direct_map.policy != DirectMapPolicy::Untouched;
     let t0 = Instant::now();
     let up = Arc::new(AtomicBool::new(false));
-    let scanner = scan(map.clone(), pool.addr(), total, [stop.clone(), up.clone()], tally.clone());
+    let scanner = scan(
+        map.clone(),
+        pool.addr(),
+        total,
+        [stop.clone(), up.clone()],
+        tally.clone(),
+    );
     // The host reads all along: the vCPUs start once it is online.
     while !up.load(Ordering::Acquire) {
         std::thread::yield_now();
@@ -181,7 +187,10 @@ pub fn run_conversion_test(p: ConversionParams) -> Result<ConversionReport, Mach
         .map_err(MachineError::Thread)?;
     for w in workers {
         if w.join().is_err() {
-            tally.lock().unwrap().violation("a vCPU thread panicked".into());
+            tally
+                .lock()
+                .unwrap()
+                .violation("a vCPU thread panicked".into());
         }
     }
     stop.store(true, Ordering::Relaxed);
@@ -324,7 +333,8 @@ impl Worker {
             .set_memory_attributes(Self::gpa(page) >> PAGE_SHIFT, n, attrs);
         l.convert += t0.elapsed();
         if let Err(e) = r {
-            l.violations.push(format!("vCPU {}: conversion refused: {e}", self.vcpu));
+            l.violations
+                .push(format!("vCPU {}: conversion refused: {e}", self.vcpu));
         }
         if private {
             l.to_private += 1;
@@ -382,7 +392,12 @@ impl Worker {
         self.expect(l, "private read of a shared page", got, fault(first, true));
         for pg in first..first + n {
             let got = cpu.read_u64_as(Self::gpa(pg), false);
-            self.expect(l, "shared read after", got, Ok(shared_stamp(seed, v, round, pg)));
+            self.expect(
+                l,
+                "shared read after",
+                got,
+                Ok(shared_stamp(seed, v, round, pg)),
+            );
         }
         self.check_backings(l, round, first, n, false);
     }

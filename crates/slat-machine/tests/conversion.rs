@@ -24,14 +24,24 @@ fn every_policy_keeps_the_rules() {
     for policy in DirectMapPolicy::ALL.iter().copied() {
         for (flush, collapse) in [(true, true), (false, false)] {
             let r = run_conversion_test(params(policy, flush, collapse)).unwrap();
-            assert_eq!(r.violations, 0, "{policy} flush={flush}: {:#?}", r.first_violations);
+            assert_eq!(
+                r.violations, 0,
+                "{policy} flush={flush}: {:#?}",
+                r.first_violations
+            );
             let pages = 2 * 2 * 1024; // rounds x pages of both vCPUs
-            assert_eq!(r.accepted, pages, "{policy}: every page accepted once per round");
+            assert_eq!(
+                r.accepted, pages,
+                "{policy}: every page accepted once per round"
+            );
             assert!(r.to_private > 10 && r.to_private == r.to_shared, "{r:?}");
             assert_eq!(r.bytes_converted, 2 * pages * 4096);
             assert!(r.memory_fault_exits >= 2 * r.to_private, "{r:?}");
             assert!(r.host_reads > 0 && r.convert_gib_per_s > 0.0, "{r:?}");
-            assert_eq!(r.host_isolation_checked, policy != DirectMapPolicy::Untouched);
+            assert_eq!(
+                r.host_isolation_checked,
+                policy != DirectMapPolicy::Untouched
+            );
             if policy == DirectMapPolicy::Split2M {
                 assert!(r.splits > 0, "{r:?}");
                 assert_eq!(r.collapses > 0, collapse, "{r:?}");
@@ -47,7 +57,10 @@ fn bad_sizes_are_refused() {
         p.vcpus = vcpus;
         p.bytes_per_vcpu = bytes;
         assert!(
-            matches!(run_conversion_test(p), Err(slat_machine::MachineError::Config(_))),
+            matches!(
+                run_conversion_test(p),
+                Err(slat_machine::MachineError::Config(_))
+            ),
             "{vcpus} x {bytes}"
         );
     }
