@@ -451,3 +451,88 @@ fn a_dropped_binding_gives_its_pages_back() {
     assert!(map.bind(0, 2 * MIB).is_ok());
     check_no_leak(&map, "orphans");
 }
+
+/// Random conversions and private faults through the engine, for every policy: after each
+/// step the direct map maps exactly the frames that are not assigned, and a frame is assigned
+/// only while its page is private and was touched since it became private.
+#[test]
+fn random_conversions_keep_the_direct_map_exact() {
+    let seed = seed_from_env(0xc0de);
+    for policy in DirectMapPolicy::ALL.iter().copied() {
+        let mut rng = Rng::new(seed ^ policy as u64);
+        let ctx = format!("seed {seed:#x} policy {policy}");
+        let (mem, map) = pool(4 * MIB, config(policy, true, true));
+        let vm = Vm::<Ept>::new(VmConfig::default());
+        let shared = HostMem::new(4 * MIB);
+        let gpa = 1u64 << 30;
+        let gfn0 = gpa >> PAGE_SHIFT;
+        let pages = 1024;
+        let private = map.bind(0, 4 * MIB).unwrap();
+        vm.add_memslot_with_private(
+            1,
+            gpa,
+            4 * MIB,
+            shared.range(PAGE_SIZE),
+            private,
+            MemslotFlags::empty(),
+        )
+        .unwrap();
+        let mut v = vm.create_vcpu(0);
+        let mut is_private = vec![false; pages];
+        let mut touched = vec![false; pages];
+        for step in 0..400 {
+            if rng.chance(1, 3) {
+                let first = rng.below(pages as u64);
+                let n = 1 + rng.below((pages as u64 - first).min(600));
+                let to = rng.chance(1, 2);
+                let attrs = if to {
+                    MemoryAttributes::PRIVATE
+                } else {
+                    MemoryAttributes::empty()
+                };
+                vm.set_memory_attributes(gfn0 + first, n, attrs).unwrap();
+                for p in first..first + n {
+                    if is_private[p as usize] != to {
+                        touched[p as usize] = false;
+                    }
+                    is_private[p as usize] = to;
+                }
+            } else {
+                let p = rng.below(pages as u64);
+                let f = Fault {
+                    gpa: gpa + p * PAGE_SIZE,
+                    access: Access::Write,
+                    present: false,
+                    private: is_private[p as usize],
+                };
+                assert!(
+                    matches!(
+                        v.handle_fault(f),
+                        FaultOutcome::Fixed | FaultOutcome::Spurious
+                    ),
+                    "{ctx} step {step}"
+                );
+                touched[p as usize] = true;
+            }
+            for p in 0..pages {
+                let hva = mem.addr() + p as u64 * PAGE_SIZE;
+                let want = is_private[p] && touched[p];
+                assert_eq!(
+                    map.is_assigned(hva).unwrap(),
+                    want,
+                    "{ctx} step {step} page {p}"
+                );
+            }
+            if step % 40 == 0 {
+                check_invariant(&mem, &map, &format!("{ctx} step {step}"));
+            }
+        }
+        drop(v);
+        vm.delete_memslot(1).unwrap();
+        check_invariant(&mem, &map, &ctx);
+        if policy == DirectMapPolicy::Split2M {
+            assert_eq!(map.audit().leaves, [0, 2, 0], "{ctx}: collapsed back");
+        }
+        check_no_leak(&map, &ctx);
+    }
+}
