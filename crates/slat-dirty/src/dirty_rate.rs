@@ -242,6 +242,9 @@ fn count_bits(words: &[u64], from: u64, to: u64) -> u64 {
     n
 }
 
+/// vCPU indexes above this are not attributed (KVM's `KVM_MAX_VCPUS` on x86 is 4096).
+pub const MAX_VCPUS: usize = 4096;
+
 impl<S: DirtyLogSource> DirtyRate<S> {
     /// A sampler of everything `source` tracks, in its mode. Refused: no slot, a slot id
     /// twice, a bad CLEAR chunk, slots whose pages overflow or do not fit this host.
@@ -316,8 +319,9 @@ impl<S: DirtyLogSource> DirtyRate<S> {
 
     /// Ring mode: report at least `n` vCPUs, so one that dirtied nothing still has a figure
     /// (0). More appear if entries name them.
+    /// At most [`MAX_VCPUS`]: a larger count is clamped.
     pub fn with_vcpus(mut self, n: usize) -> Self {
-        self.vcpus = n;
+        self.vcpus = n.min(MAX_VCPUS);
         self
     }
 
@@ -485,6 +489,9 @@ impl<S: DirtyLogSource> DirtyRate<S> {
             bits[i][w] |= bit;
             pages += 1;
             match vcpu {
+                // An index no KVM VM can have (a source's bug) is not trusted with an
+                // allocation: its pages count, unattributed.
+                Some(v) if v >= MAX_VCPUS => unattributed += 1,
                 Some(v) => {
                     if v >= per_vcpu.len() {
                         per_vcpu.resize(v + 1, 0);
@@ -708,6 +715,10 @@ mod tests {
         r.source.ring = vec![(Some(2), 10, 5)];
         let s = r.sample().unwrap().unwrap();
         assert_eq!((s.pages, s.per_vcpu.clone()), (1, vec![0, 0, 1]));
+        // A source naming an impossible vCPU: counted, unattributed, no huge allocation.
+        r.source.ring = vec![(Some(usize::MAX), 10, 1), (Some(1 << 40), 11, 2)];
+        let s = r.sample().unwrap().unwrap();
+        assert_eq!((s.pages, s.unattributed, s.per_vcpu.len()), (2, 2, 3));
     }
 
     #[test]
