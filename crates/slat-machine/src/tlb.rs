@@ -19,15 +19,23 @@ const HUGE_1G_ENTRIES: usize = 4;
 
 const EMPTY: u64 = u64::MAX;
 const WRITABLE: u64 = 1;
-/// The translation was made for private accesses (SNP tags TLB entries with the C-bit, so a
-/// shared access never hits a private translation, nor the reverse).
-const PRIVATE: u64 = 2;
+/// In a tag: the translation was made for private accesses (SNP tags TLB entries with the
+/// C-bit, so a shared access never hits a private translation, nor the reverse). Above any
+/// GFN, below bit 63, so no tag equals [`EMPTY`]; in the tag rather than beside it so a hit
+/// costs one comparison, as before private memory existed.
+const PRIVATE_TAG: u64 = 1 << 62;
+
+/// The tag of `first_gfn`'s translation for accesses of this kind.
+#[inline(always)]
+fn key(first_gfn: u64, private: bool) -> u64 {
+    first_gfn | (private as u64) << 62
+}
 
 #[derive(Clone, Copy)]
 struct Entry {
-    /// First GFN the entry covers, or EMPTY.
+    /// First GFN the entry covers (with [`PRIVATE_TAG`] for a private translation), or EMPTY.
     tag: u64,
-    /// Host address of the page (aligned to its size), bit 0 = writable, bit 1 = private.
+    /// Host address of the page (aligned to its size), bit 0 = writable.
     host: u64,
 }
 
@@ -72,27 +80,24 @@ impl Tlb {
     /// kind (`private`).
     #[inline]
     pub fn lookup(&mut self, gfn: u64, write: bool, private: bool) -> Option<u64> {
-        // The bits that must match: W if writing, and the kind always.
-        let mask = PRIVATE | write as u64;
-        let want = (private as u64) << 1 | write as u64;
         let e = self.small[(gfn as usize) & self.mask];
-        if e.tag == gfn && e.host & mask == want {
-            return Some(e.host & !(WRITABLE | PRIVATE));
+        if e.tag == key(gfn, private) && (!write || e.host & WRITABLE != 0) {
+            return Some(e.host & !WRITABLE);
         }
         if self.has_huge {
-            return self.lookup_huge(gfn, mask, want);
+            return self.lookup_huge(gfn, write, private);
         }
         self.misses += 1;
         None
     }
 
     #[inline]
-    fn lookup_huge(&mut self, gfn: u64, mask: u64, want: u64) -> Option<u64> {
+    fn lookup_huge(&mut self, gfn: u64, write: bool, private: bool) -> Option<u64> {
         for (shift, arr) in [(9u32, &self.mid[..]), (18u32, &self.large[..])] {
-            let tag = gfn >> shift << shift;
+            let base = gfn >> shift << shift;
             let e = arr[((gfn >> shift) as usize) & (arr.len() - 1)];
-            if e.tag == tag && e.host & mask == want {
-                return Some((e.host & !(WRITABLE | PRIVATE)) + ((gfn - tag) << 12));
+            if e.tag == key(base, private) && (!write || e.host & WRITABLE != 0) {
+                return Some((e.host & !WRITABLE) + ((gfn - base) << 12));
             }
         }
         self.misses += 1;
@@ -106,8 +111,8 @@ impl Tlb {
         let n = pages_per_entry(level);
         let tag = gfn & !(n - 1);
         let e = Entry {
-            tag,
-            host: host | if writable { WRITABLE } else { 0 } | if private { PRIVATE } else { 0 },
+            tag: key(tag, private),
+            host: host | if writable { WRITABLE } else { 0 },
         };
         self.has_huge |= level > 1;
         match level {
@@ -144,7 +149,9 @@ impl Tlb {
     /// slots, so it costs a few loads.
     #[inline]
     pub fn conflicts(&self, gfn: u64, level: Level) -> bool {
-        let small = level != 1 && self.small[(gfn as usize) & self.mask].tag == gfn;
+        // A translation of either kind counts: the kind bit is stripped.
+        let untag = |t: u64| if t == EMPTY { EMPTY } else { t & !PRIVATE_TAG };
+        let small = level != 1 && untag(self.small[(gfn as usize) & self.mask].tag) == gfn;
         if small || !self.has_huge {
             return small;
         }
@@ -152,7 +159,8 @@ impl Tlb {
             .iter()
             .any(|&(l, shift, arr)| {
                 l != level
-                    && arr[((gfn >> shift) as usize) & (arr.len() - 1)].tag == gfn >> shift << shift
+                    && untag(arr[((gfn >> shift) as usize) & (arr.len() - 1)].tag)
+                        == gfn >> shift << shift
             })
     }
 
