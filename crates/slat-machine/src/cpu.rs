@@ -240,8 +240,15 @@ impl<F: PteFormat> Cpu<F> {
     fn host_service(&mut self) {
         if let Some((cpu, _)) = &self.host {
             let counters = &mut self.counters;
-            // This CPU caches no direct-map translation: acknowledging is the whole flush.
-            cpu.service(|| counters.kernel_tlb_flushes += 1);
+            // This CPU caches no direct-map translation, but the flush reached it as an
+            // interrupt while it ran a guest: a VM exit, the handler and the re-entry, which
+            // the flusher waits for. Charged like a retried fault's round trip.
+            cpu.service(|| {
+                counters.kernel_tlb_flushes += 1;
+                for _ in 0..RETRY_ROUND_TRIP_PAUSES {
+                    std::hint::spin_loop();
+                }
+            });
         }
     }
 
