@@ -15,10 +15,10 @@ use crate::report::{quiet, ts};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use slat_machine::ram::{format_size, parse_size, Backing};
-use slat_migrate::guest::{self, BackendKind, GuestSpec, LogMode, Memory};
-use slat_migrate::stream::{Compression, Shape, WorkSpec};
+use slat_migrate::bench::{self, BackendKind, BenchGuest, GuestSpec, LogMode, Shape, WorkSpec};
+use slat_migrate::stream::Compression;
 use slat_migrate::{
-    DestConfig, DestReport, Destination, Event, Faults, Guest, GuestError, MemoryError,
+    DestConfig, DestReport, Destination, Event, Faults, GuestError, MapError, Memory, MemoryError,
     MigrateError, MigrationReport, Source, SourceConfig,
 };
 use std::net::{SocketAddr, TcpListener};
@@ -632,7 +632,7 @@ fn prepare_source(
     g: &GuestArgs,
     m: &MigrationArgs,
     q: bool,
-) -> Result<(Arc<dyn Guest>, Source, f64), RunError> {
+) -> Result<(Arc<dyn BenchGuest>, Source, f64), RunError> {
     let total = g.work.bytes * g.work.vcpus as u64;
     progress(
         q,
@@ -644,11 +644,11 @@ fn prepare_source(
             g.fill
         ),
     );
-    let guest = guest::build(&g.spec())?;
+    let guest = bench::build(&g.spec())?;
     guest.populate()?;
-    Memory::new(&*guest).stopped_fill(g.fill, g.seed as u64)?;
-    let src = Source::new(guest.clone(), g.work(), m.config());
-    src.start_guest()?;
+    Memory::new(guest.as_dyn())?.stopped_fill(g.fill, g.seed as u64)?;
+    guest.start(g.work())?;
+    let src = Source::new(guest.clone().as_guest(), m.config());
     let w0 = guest.writes();
     let t0 = Instant::now();
     std::thread::sleep(Duration::from_millis(m.warmup));
@@ -711,6 +711,9 @@ pub enum RunError {
     /// Guest memory could not be filled.
     #[error(transparent)]
     Memory(#[from] MemoryError),
+    /// The guest's memory map is unusable.
+    #[error(transparent)]
+    Map(#[from] MapError),
     /// The listening socket could not be opened.
     #[error("cannot listen on {addr}: {err}")]
     Listen {
@@ -754,7 +757,7 @@ pub enum RunError {
         /// Attempts made.
         attempts: usize,
         /// The last attempt's error.
-        err: MigrateError,
+        err: Box<MigrateError>,
         /// Guest writes so far.
         writes: u64,
         /// Pages still owed to the destination.
@@ -838,7 +841,7 @@ fn migrate_once(a: &MigrateArgs, q: bool) -> Result<(MigrationReport, f64, Vec<S
             return Err(RunError::GaveUp {
                 to: a.to.clone(),
                 attempts: failures.len(),
-                err,
+                err: Box::new(err),
                 writes: guest.writes(),
                 owed: src.owed(),
             });
@@ -947,28 +950,23 @@ fn receive_one(
 
 /// Builds a machine of each incoming guest's shape with migrate-listen's settings.
 fn factory(a: &ListenArgs) -> slat_migrate::Factory {
-    let stage2 = a.machine.format == FormatArg::Stage2;
-    let (backend, backing, vm, tlb, pcpus, prefault) = (
-        kind(a.backend),
-        a.backing,
-        a.machine.vm_config(),
-        a.machine.tlb_entries,
-        a.machine.pcpus.unwrap_or(0),
-        !a.machine.no_prefault,
-    );
-    Box::new(move |s: &Shape| {
-        guest::build(&GuestSpec {
-            backend,
-            shape: *s,
-            backing,
-            log: LogMode::Get,
-            ring_entries: 65536,
-            vm,
-            stage2,
-            tlb_entries: tlb,
-            pcpus,
-            prefault,
-        })
+    // The shape is the source's (from the hello's machine description); the rest is ours.
+    bench::factory(GuestSpec {
+        backend: kind(a.backend),
+        shape: Shape {
+            vcpus: 1,
+            bytes_per_vcpu: 4096,
+            slots: 1,
+            overlap: false,
+        },
+        backing: a.backing,
+        log: LogMode::Get,
+        ring_entries: 65536,
+        vm: a.machine.vm_config(),
+        stage2: a.machine.format == FormatArg::Stage2,
+        tlb_entries: a.machine.tlb_entries,
+        pcpus: a.machine.pcpus.unwrap_or(0),
+        prefault: !a.machine.no_prefault,
     })
 }
 
@@ -981,7 +979,7 @@ fn perf_once(a: &MigratePerfArgs) -> Result<(MigrationReport, DestReport, f64), 
         log: LogMode::Get,
         ..a.guest.spec()
     };
-    let dguest = guest::build(&dspec)?;
+    let dguest = bench::build(&dspec)?.as_guest();
     let loopback = |err| RunError::Listen {
         addr: "loopback".into(),
         err,
@@ -1384,10 +1382,7 @@ fn print_report(g: &GuestArgs, m: &MigrationArgs, r: &MigrationReport, baseline:
 }
 
 fn print_dest(r: &DestReport) {
-    let size = r
-        .shape
-        .map(|s| format_size(s.total_pages() * 4096))
-        .unwrap_or_default();
+    let size = format_size(r.regions.iter().map(|x| x.pages).sum::<u64>() * 4096);
     println!(
         "Incoming migration: {size} guest from a {} source (attempt {}{}), onto {}",
         r.source_backend,
