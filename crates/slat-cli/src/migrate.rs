@@ -17,11 +17,12 @@ use serde::Serialize;
 use slat_machine::ram::{format_size, parse_size, Backing};
 use slat_migrate::bench::{self, BackendKind, BenchGuest, GuestSpec, LogMode, Shape, WorkSpec};
 use slat_migrate::stream::Compression;
+use slat_migrate::transport::{self, Channel, Endpoint, Listener};
 use slat_migrate::{
     DestConfig, DestReport, Destination, Event, Faults, GuestError, MapError, Memory, MemoryError,
     MigrateError, MigrationReport, Source, SourceConfig,
 };
-use std::net::{SocketAddr, TcpListener};
+use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -201,6 +202,18 @@ impl From<String> for FlagError {
     }
 }
 
+/// Parses `--to` and `--listen` (QEMU's URI forms; a bare HOST:PORT is TCP).
+fn endpoint(s: &str) -> Result<Endpoint, transport::EndpointError> {
+    s.parse()
+}
+
+/// Takes inherited descriptor `n` of `ep` (`fd:N`).
+fn claim_fd(ep: &Endpoint, n: i32) -> Result<std::os::fd::OwnedFd, RunError> {
+    // SAFETY: `fd:N` names a descriptor this process inherited for the migration (N > 2, so
+    // not stdin, stdout or stderr); nothing else in the process opens, uses or closes it.
+    unsafe { transport::inherited_fd(n) }.map_err(|e| RunError::Fd(ep.clone(), e))
+}
+
 fn inject(s: &str) -> Result<Inject, FlagError> {
     let (k, v) = s
         .split_once('=')
@@ -254,9 +267,12 @@ fn max_downtime(s: &str) -> Result<u64, FlagError> {
 /// Flags of `slat migrate`.
 #[derive(Debug, Clone, Args)]
 pub struct MigrateArgs {
-    /// The destination, HOST:PORT (where `slat migrate-listen` runs).
-    #[arg(long)]
-    pub to: String,
+    /// The destination, as QEMU writes it: tcp:HOST:PORT (or HOST:PORT) and unix:PATH
+    /// (where `slat migrate-listen` runs), fd:N (an inherited socket, pipe or file: one
+    /// attempt), or file:PATH (a snapshot: the whole migration into a file, which
+    /// `migrate-listen --listen file:PATH` restores).
+    #[arg(long, value_parser = endpoint)]
+    pub to: Endpoint,
     /// Attempts after a failed one (the guest keeps running on the source meanwhile; 0-1000).
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=MAX_RETRIES as i64), default_value_t = 0)]
     pub retries: u32,
@@ -278,9 +294,12 @@ pub struct MigrateArgs {
 /// Flags of `slat migrate-listen`.
 #[derive(Debug, Clone, Args)]
 pub struct ListenArgs {
-    /// Address to listen on, e.g. 127.0.0.1:7000 (port 0: any free port, printed).
-    #[arg(long)]
-    pub listen: String,
+    /// Where migrations come from: tcp:HOST:PORT or HOST:PORT (port 0: any free port,
+    /// printed), unix:PATH (created; must not exist), fd:N (an inherited connected socket,
+    /// pipe or file: one migration) or file:PATH (restore a snapshot `slat migrate --to
+    /// file:PATH` wrote).
+    #[arg(long, value_parser = endpoint)]
+    pub listen: Endpoint,
     /// The machine incoming guests run on.
     #[arg(long, value_enum, default_value = "sim")]
     pub backend: BackendArg,
@@ -727,11 +746,14 @@ pub enum RunError {
     #[error("accepting on {addr}: {err}")]
     Accept {
         /// The listening address.
-        addr: SocketAddr,
-        /// The socket error.
+        addr: String,
+        /// Why.
         #[source]
-        err: std::io::Error,
+        err: MigrateError,
     },
+    /// An inherited descriptor cannot be used.
+    #[error("{0}: {1}")]
+    Fd(Endpoint, std::io::Error),
     /// migrate-perf's destination thread panicked.
     #[error("the destination thread panicked")]
     DestinationPanicked,
@@ -767,7 +789,7 @@ pub enum RunError {
     #[error("incoming migration from {peer} failed: {err}")]
     Incoming {
         /// The source's address.
-        peer: SocketAddr,
+        peer: String,
         /// Why.
         err: MigrateError,
     },
@@ -794,6 +816,11 @@ impl From<RunError> for CliError {
 /// `slat migrate`: one migration, or `--repeat N` of freshly built guests.
 pub fn run_migrate(a: &MigrateArgs) -> CliResult {
     a.guest.check(1)?;
+    if matches!(a.to, Endpoint::Fd(_)) && (a.out.repeat > 1 || a.retries > 0) {
+        return Err(CliError::bad(
+            "--to fd:N carries one migration: --repeat and --retries need tcp: or unix:",
+        ));
+    }
     let q = quiet(a.out.json);
     let mut runs = Vec::new();
     for n in 0..a.out.repeat {
@@ -818,6 +845,10 @@ pub fn run_migrate(a: &MigrateArgs) -> CliResult {
 /// Builds a source guest and migrates it to `--to`, retrying as `--retries` allows. Returns
 /// the report, the guest's write rate before the migration and why earlier attempts failed.
 fn migrate_once(a: &MigrateArgs, q: bool) -> Result<(MigrationReport, f64, Vec<String>), RunError> {
+    let mut fd = match &a.to {
+        Endpoint::Fd(n) => Some(claim_fd(&a.to, *n)?),
+        _ => None,
+    };
     let (guest, mut src, baseline) = prepare_source(&a.guest, &a.migration, q)?;
     let mut failures = Vec::new();
     loop {
@@ -825,9 +856,25 @@ fn migrate_once(a: &MigrateArgs, q: bool) -> Result<(MigrationReport, f64, Vec<S
             q,
             &format!("migrating to {} (attempt {})", a.to, src.attempts() + 1),
         );
-        let err = match src.migrate(&a.to, &mut on_event(q)) {
+        let r = match &a.to {
+            Endpoint::Fd(_) => match fd.take() {
+                Some(fd) => Channel::fd(fd, Duration::from_secs(a.migration.timeout), true)
+                    .map_err(|e| RunError::Fd(a.to.clone(), e))
+                    .and_then(|c| {
+                        src.migrate_over(c, &mut on_event(q))
+                            .map_err(RunError::from)
+                    }),
+                None => Err(RunError::Fd(
+                    a.to.clone(),
+                    std::io::Error::other("the descriptor carried the first attempt"),
+                )),
+            },
+            to => src.migrate_to(to, &mut on_event(q)).map_err(RunError::from),
+        };
+        let err = match r {
             Ok(r) => return Ok((r, baseline, failures)),
-            Err(e) => e,
+            Err(RunError::Migrate(e)) => e,
+            Err(e) => return Err(e),
         };
         failures.push(err.to_string());
         // Inject faults into the first attempt only: a retry shows the recovery.
@@ -839,7 +886,7 @@ fn migrate_once(a: &MigrateArgs, q: bool) -> Result<(MigrationReport, f64, Vec<S
         };
         if failures.len() as u32 > a.retries {
             return Err(RunError::GaveUp {
-                to: a.to.clone(),
+                to: a.to.to_string(),
                 attempts: failures.len(),
                 err: Box::new(err),
                 writes: guest.writes(),
@@ -871,15 +918,20 @@ pub fn run_listen(a: &ListenArgs) -> CliResult {
             "--plot: migrate-listen has nothing to draw (the source's `slat migrate --plot` draws the migration)",
         ));
     }
+    if matches!(a.listen, Endpoint::Fd(_)) && (a.out.repeat > 1 || a.retries > 0) {
+        return Err(CliError::bad(
+            "--listen fd:N carries one migration: --repeat and --retries need tcp: or unix:",
+        ));
+    }
     let q = quiet(a.out.json);
-    let listener = TcpListener::bind(&a.listen).map_err(|err| RunError::Listen {
-        addr: a.listen.clone(),
-        err,
-    })?;
-    let local = listener.local_addr().map_err(|err| RunError::Listen {
-        addr: a.listen.clone(),
-        err,
-    })?;
+    let mut listener = match &a.listen {
+        Endpoint::Fd(n) => Listener::Fd(Some(claim_fd(&a.listen, *n)?)),
+        at => Listener::bind(at).map_err(|err| RunError::Listen {
+            addr: a.listen.to_string(),
+            err,
+        })?,
+    };
+    let local = listener.describe();
     progress(
         q,
         &format!(
@@ -892,7 +944,7 @@ pub fn run_listen(a: &ListenArgs) -> CliResult {
         if a.out.repeat > 1 {
             progress(q, &format!("migration {}/{}", n + 1, a.out.repeat));
         }
-        let r = receive_one(a, &listener, local, q)?;
+        let r = receive_one(a, &mut listener, &local, q)?;
         if !a.out.json {
             print_dest(&r);
         }
@@ -916,8 +968,8 @@ pub fn run_listen(a: &ListenArgs) -> CliResult {
 /// own, surviving `--retries` failed ones.
 fn receive_one(
     a: &ListenArgs,
-    listener: &TcpListener,
-    local: SocketAddr,
+    listener: &mut Listener,
+    local: &str,
     q: bool,
 ) -> Result<DestReport, RunError> {
     let cfg = DestConfig {
@@ -928,11 +980,15 @@ fn receive_one(
     let mut dest = Destination::new(factory(a), cfg);
     let mut failures = 0;
     loop {
-        let (s, peer) = listener
-            .accept()
-            .map_err(|err| RunError::Accept { addr: local, err })?;
+        let c = listener
+            .accept(Duration::from_secs(a.timeout))
+            .map_err(|err| RunError::Accept {
+                addr: local.to_string(),
+                err,
+            })?;
+        let peer = c.peer.clone();
         progress(q, &format!("incoming migration from {peer}"));
-        let err = match dest.serve(s) {
+        let err = match dest.serve_channel(c) {
             Ok(r) => return Ok(r),
             Err(err) => err,
         };
@@ -1366,12 +1422,27 @@ fn print_report(g: &GuestArgs, m: &MigrationArgs, r: &MigrationReport, baseline:
             r.throttled.as_secs_f64()
         );
     }
-    println!(
-        "Verification: OK, {} ranges of {} pages ({}) match the source",
-        r.verify_ranges,
-        r.range_pages,
-        format_size(r.verify_ranges * r.range_pages as u64 * 4096)
-    );
+    if r.one_way {
+        println!(
+            "Verification: sent, {} ranges of {} pages ({}), for the reader to check",
+            r.verify_ranges,
+            r.range_pages,
+            format_size(r.verify_ranges * r.range_pages as u64 * 4096)
+        );
+    } else {
+        println!(
+            "Verification: OK, {} ranges of {} pages ({}) match the source",
+            r.verify_ranges,
+            r.range_pages,
+            format_size(r.verify_ranges * r.range_pages as u64 * 4096)
+        );
+    }
+    if r.state_blobs > 0 {
+        println!(
+            "Device state: {} blobs, {} bytes",
+            r.state_blobs, r.state_bytes
+        );
+    }
     match r.dest_resumed {
         Some((n, d)) => println!(
             "Destination resumed the guest: {n} pages touched in {}",

@@ -316,12 +316,12 @@ impl Listener {
         }
     }
 
-    /// Where it listens (a TCP port 0 resolved).
+    /// Where it listens (a TCP port 0 resolved; TCP as a bare HOST:PORT).
     pub fn describe(&self) -> String {
         match self {
             Listener::Tcp(l) => l
                 .local_addr()
-                .map_or_else(|_| "tcp".into(), |a| format!("tcp:{a}")),
+                .map_or_else(|_| "tcp".into(), |a| a.to_string()),
             Listener::Unix(_, p) => format!("unix:{}", p.display()),
             Listener::Fd(_) => "an inherited descriptor".into(),
             Listener::File(p) => format!("file:{}", p.display()),
