@@ -18,6 +18,7 @@ use slat_machine::ram::{format_size, parse_size, Backing};
 use slat_migrate::bench::{self, BackendKind, BenchGuest, GuestSpec, LogMode, Shape, WorkSpec};
 use slat_migrate::stream::Compression;
 use slat_migrate::transport::{self, Channel, Endpoint, Listener};
+use slat_migrate::verify::VerifyMode;
 use slat_migrate::{
     DestConfig, DestReport, Destination, Event, Faults, GuestError, MapError, Memory, MemoryError,
     MigrateError, MigrationReport, Source, SourceConfig,
@@ -54,6 +55,17 @@ pub enum CompressArg {
     None,
     /// LZ4 blocks where smaller.
     Lz4,
+}
+
+/// How the switch-over verifies memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum VerifyArg {
+    /// Digests of every page as it is sent and received; only the final round is hashed
+    /// while the guest is paused (trusts the dirty log to report every write).
+    Sent,
+    /// Hash all memory on both sides while the guest is paused (independent of the dirty
+    /// log; the downtime grows with memory).
+    Full,
 }
 
 /// Deliberately broken sources, to watch verification fail.
@@ -127,6 +139,11 @@ pub struct MigrationArgs {
     /// Page compression: none, or lz4 where it makes a page smaller.
     #[arg(long, value_enum, default_value = "none")]
     pub compress: CompressArg,
+    /// Verification at the switch-over: `sent` (every page's digest kept as it is sent and
+    /// received, so only the final round is hashed while the guest is paused) or `full` (all
+    /// memory hashed on both sides while paused, independent of the dirty log). Always on.
+    #[arg(long, value_enum, default_value = "sent")]
+    pub verify: VerifyArg,
     /// Throttle the vCPUs (QEMU-style, 20% then +10% steps) when the guest dirties memory
     /// faster than the link sends it.
     #[arg(long = "auto-converge", value_enum, default_value = "on")]
@@ -633,6 +650,10 @@ impl MigrationArgs {
             max_rounds: self.max_rounds,
             // At most MAX_BANDWIDTH_MIB: the bytes per second fit.
             bandwidth: self.bandwidth.unwrap_or(0) << 20,
+            verify: match self.verify {
+                VerifyArg::Sent => VerifyMode::Sent,
+                VerifyArg::Full => VerifyMode::Full,
+            },
             compression: match self.compress {
                 CompressArg::None => Compression::None,
                 CompressArg::Lz4 => Compression::Lz4,
@@ -1431,10 +1452,12 @@ fn print_report(g: &GuestArgs, m: &MigrationArgs, r: &MigrationReport, baseline:
         );
     } else {
         println!(
-            "Verification: OK, {} ranges of {} pages ({}) match the source",
+            "Verification: OK, {} ranges of {} pages ({}) match the source ({}: {} pages hashed with the vCPUs paused)",
             r.verify_ranges,
             r.range_pages,
-            format_size(r.verify_ranges * r.range_pages as u64 * 4096)
+            format_size(r.verify_ranges * r.range_pages as u64 * 4096),
+            r.verify_mode.name(),
+            r.paused_hashed_pages
         );
     }
     if r.state_blobs > 0 {

@@ -35,7 +35,7 @@ use crate::stream::{
     PAGE_SIZE,
 };
 use crate::transport::Channel;
-use crate::verify::{self, VerifyReport, RANGE_PAGES};
+use crate::verify::{self, PageDigest, VerifyMode, VerifyReport, NEVER_RECEIVED, RANGE_PAGES};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
@@ -114,6 +114,10 @@ struct Session {
     id: u64,
     regions: Vec<Region>,
     guest: Arc<dyn Guest>,
+    /// How its source verifies.
+    verify: VerifyMode,
+    /// Per page, the digest of the bytes written into it ([`VerifyMode::Sent`]).
+    digests: Vec<PageDigest>,
 }
 
 /// The receiving end.
@@ -263,60 +267,20 @@ impl Destination {
             },
             "handshake",
         )?;
-        let mut inc = Incoming::new(&*guest, report)?;
-        loop {
-            let phase = inc.phase();
-            let m = reader
-                .read_msg("the switch-over")
-                .map_err(|e| MigrateError::stream(phase.clone(), e))?;
-            match (inc.state, m) {
-                (State::Rounds, Msg::Pages(b)) => inc.pages(&b, &phase, reader.offset(), out)?,
-                (State::Rounds, Msg::RoundEnd { round, pages }) => {
-                    inc.round_end(round, pages, &phase)?
-                }
-                (State::Rounds | State::Device, Msg::State(b)) => inc.state_blob(b, &phase)?,
-                (State::Rounds | State::Device, Msg::StateEnd { blobs, bytes }) => {
-                    inc.state_end(blobs, bytes, &phase)?
-                }
-                (State::Rounds | State::Device, Msg::Hashes { .. } | Msg::Verify { .. }) => {
-                    return Err(protocol(&phase, ProtocolError::NoState))
-                }
-                (State::Restored | State::Hashes, Msg::Hashes { first, hashes }) => {
-                    inc.hashes(first, &hashes, &phase)?
-                }
-                (
-                    State::Restored | State::Hashes,
-                    Msg::Verify {
-                        ranges,
-                        range_pages,
-                    },
-                ) => inc.verify(ranges, range_pages, &phase, out)?,
-                (State::Verified, Msg::Commit) => {
-                    let mut report = inc.finish(t0, reader.offset());
-                    self.commit(&guest, &mut report, out)?;
-                    return Ok(report);
-                }
-                (_, Msg::Commit) => return Err(protocol(&phase, ProtocolError::EarlyCommit)),
-                (_, Msg::Refuse(reason)) => {
-                    return Err(MigrateError::Refused {
-                        who: "source",
-                        reason,
-                    })
-                }
-                (State::Hashes | State::Verified, m @ (Msg::Pages(_) | Msg::RoundEnd { .. })) => {
-                    return Err(protocol(
-                        &phase,
-                        ProtocolError::AfterHashes { msg: m.name() },
-                    ))
-                }
-                (_, m) => {
-                    return Err(protocol(
-                        &phase,
-                        ProtocolError::Unexpected { msg: m.name() },
-                    ))
-                }
-            }
+        let digests = match &mut self.session {
+            Some(s) => std::mem::take(&mut s.digests),
+            None => Vec::new(),
+        };
+        let mut inc = Incoming::new(&*guest, report, hello.verify, digests)?;
+        let r = frames(&mut inc, reader, out);
+        // The digests describe the memory kept for a resume.
+        if let Some(s) = &mut self.session {
+            s.digests = std::mem::take(&mut inc.digests);
         }
+        r?;
+        let mut report = inc.finish(t0, reader.offset());
+        self.commit(&guest, &mut report, out)?;
+        Ok(report)
     }
 
     /// The switch-over: the guest is this side's now. Runs it for a moment and tells the
@@ -366,7 +330,7 @@ impl Destination {
             }
         }
         if let Some(s) = &self.session {
-            if s.id == hello.session && s.regions == hello.regions {
+            if s.id == hello.session && s.regions == hello.regions && s.verify == hello.verify {
                 return Ok((s.guest.clone(), true));
             }
         }
@@ -394,6 +358,8 @@ impl Destination {
             id: hello.session,
             regions: hello.regions.clone(),
             guest: guest.clone(),
+            verify: hello.verify,
+            digests: Vec::new(),
         });
         Ok((guest, false))
     }
@@ -411,6 +377,64 @@ impl Destination {
         guest.pause()?;
         let w1 = guest.activity().unwrap_or(0);
         Ok((w1.saturating_sub(w0), t.elapsed()))
+    }
+}
+
+/// The protocol's frames in order, each kind handled by a step of [`Incoming`], until the
+/// verified stream's commit.
+fn frames(
+    inc: &mut Incoming<'_>,
+    reader: &mut FrameReader<Box<dyn Read + Send>>,
+    out: &mut Option<Box<dyn Write + Send>>,
+) -> Result<(), MigrateError> {
+    loop {
+        let phase = inc.phase();
+        let m = reader
+            .read_msg("the switch-over")
+            .map_err(|e| MigrateError::stream(phase.clone(), e))?;
+        match (inc.state, m) {
+            (State::Rounds, Msg::Pages(b)) => inc.pages(&b, &phase, reader.offset(), out)?,
+            (State::Rounds, Msg::RoundEnd { round, pages }) => {
+                inc.round_end(round, pages, &phase)?
+            }
+            (State::Rounds | State::Device, Msg::State(b)) => inc.state_blob(b, &phase)?,
+            (State::Rounds | State::Device, Msg::StateEnd { blobs, bytes }) => {
+                inc.state_end(blobs, bytes, &phase)?
+            }
+            (State::Rounds | State::Device, Msg::Hashes { .. } | Msg::Verify { .. }) => {
+                return Err(protocol(&phase, ProtocolError::NoState))
+            }
+            (State::Restored | State::Hashes, Msg::Hashes { first, hashes }) => {
+                inc.hashes(first, &hashes, &phase)?
+            }
+            (
+                State::Restored | State::Hashes,
+                Msg::Verify {
+                    ranges,
+                    range_pages,
+                },
+            ) => inc.verify(ranges, range_pages, &phase, out)?,
+            (State::Verified, Msg::Commit) => return Ok(()),
+            (_, Msg::Commit) => return Err(protocol(&phase, ProtocolError::EarlyCommit)),
+            (_, Msg::Refuse(reason)) => {
+                return Err(MigrateError::Refused {
+                    who: "source",
+                    reason,
+                })
+            }
+            (State::Hashes | State::Verified, m @ (Msg::Pages(_) | Msg::RoundEnd { .. })) => {
+                return Err(protocol(
+                    &phase,
+                    ProtocolError::AfterHashes { msg: m.name() },
+                ))
+            }
+            (_, m) => {
+                return Err(protocol(
+                    &phase,
+                    ProtocolError::Unexpected { msg: m.name() },
+                ))
+            }
+        }
     }
 }
 
@@ -435,6 +459,9 @@ fn read_hello<R: Read>(reader: &mut FrameReader<R>) -> Result<Hello, MigrateErro
 /// and the comparison of the hashes so far. Each frame kind the protocol allows is one step.
 struct Incoming<'g> {
     guest: &'g dyn Guest,
+    verify_mode: VerifyMode,
+    /// Per page, the digest of what was written into it (`Sent` mode; empty otherwise).
+    digests: Vec<PageDigest>,
     /// The bound of every page index: what the machine mapped, not what the hello says.
     mem: Memory<'g>,
     /// Ranges of this guest's memory.
@@ -459,11 +486,27 @@ struct Incoming<'g> {
 }
 
 impl<'g> Incoming<'g> {
-    fn new(guest: &'g dyn Guest, report: DestReport) -> Result<Incoming<'g>, MigrateError> {
+    /// `digests`: those kept with the session (empty for a new one).
+    fn new(
+        guest: &'g dyn Guest,
+        report: DestReport,
+        verify_mode: VerifyMode,
+        mut digests: Vec<PageDigest>,
+    ) -> Result<Incoming<'g>, MigrateError> {
         let mem = Memory::new(guest).map_err(|e| HelloError::Build(e.into()))?;
         let nranges = verify::ranges(mem.pages(), RANGE_PAGES);
+        let pages = usize::try_from(mem.pages()).unwrap_or(usize::MAX);
+        if verify_mode == VerifyMode::Full {
+            digests = Vec::new();
+        } else if digests.len() != pages {
+            // A new session: nothing received yet. The map was checked against this host's
+            // memory, and a digest is 16 bytes per 4 KiB page.
+            digests = vec![NEVER_RECEIVED; pages];
+        }
         Ok(Incoming {
             guest,
+            verify_mode,
+            digests,
             mem,
             nranges,
             hashed: vec![false; nranges as usize],
@@ -531,6 +574,13 @@ impl<'g> Incoming<'g> {
         for (i, &(p, enc, _)) in b.entries.iter().enumerate() {
             b.page_into(i, &mut self.buf).map_err(page_error)?;
             self.mem.stopped_write_page(p, &self.buf)?;
+            if let Some(d) = self.digests.get_mut(p as usize) {
+                // Hash what guest memory now holds, read back (cache-hot), not the buffer:
+                // a write that went astray shows.
+                let back = &mut self.range[..PAGE_SIZE];
+                self.mem.stopped_read(p, p + 1, back)?;
+                *d = verify::page_digest(back);
+            }
             self.report.pages += 1;
             self.report.zero_pages += (enc == stream::Encoding::Zero) as u64;
         }
@@ -663,10 +713,16 @@ impl<'g> Incoming<'g> {
             }
             *seen = true;
             let (a, b) = verify::range_pages(i, RANGE_PAGES, pages);
-            // `b - a <= RANGE_PAGES`: the range fits the buffer.
-            let bytes = &mut self.range[..(b - a) as usize * PAGE_SIZE];
-            self.mem.stopped_read(a, b, bytes)?;
-            if &verify::hash_range(i, bytes) != h {
+            let ours = if self.verify_mode == VerifyMode::Sent {
+                // One digest per page (`new`), `a <= b <= pages`.
+                verify::hash_digests(i, &self.digests[a as usize..b as usize])
+            } else {
+                // `b - a <= RANGE_PAGES`: the range fits the buffer.
+                let bytes = &mut self.range[..(b - a) as usize * PAGE_SIZE];
+                self.mem.stopped_read(a, b, bytes)?;
+                verify::hash_range(i, bytes)
+            };
+            if &ours != h {
                 self.verdict.mismatched += 1;
                 if self.verdict.first.len() < 8 {
                     self.verdict.first.push(i);

@@ -127,6 +127,9 @@ pub enum Corruption {
     /// A device-state blob larger than a frame carries.
     #[error("a device-state blob of {0} bytes (at most {MAX_STATE_BLOB})")]
     StateTooBig(u32),
+    /// A verification mode this side does not know.
+    #[error("unknown verification mode {0}")]
+    UnknownVerify(u8),
     /// A compression this side does not know.
     #[error("unknown compression {0}")]
     UnknownCompression(u8),

@@ -61,7 +61,7 @@ use crate::stream::{
 };
 use crate::throttle::AutoConverge;
 use crate::transport::{self, Channel, Endpoint};
-use crate::verify::{self, RANGE_PAGES};
+use crate::verify::{self, PageDigest, VerifyMode, NEVER_SENT, RANGE_PAGES};
 use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
@@ -84,6 +84,9 @@ pub struct SourceConfig {
     pub bandwidth: u64,
     /// Compression of non-zero pages.
     pub compression: Compression,
+    /// How the switch-over verifies memory ([`VerifyMode::Sent`]: digests kept while
+    /// pre-copy runs, off the paused path).
+    pub verify: VerifyMode,
     /// Throttle the vCPUs when the guest outruns the link.
     pub auto_converge: bool,
     /// First throttle step, percent.
@@ -106,6 +109,7 @@ impl Default for SourceConfig {
             max_rounds: 30,
             bandwidth: 0,
             compression: Compression::None,
+            verify: VerifyMode::Sent,
             auto_converge: true,
             throttle_initial: 20,
             throttle_step: 10,
@@ -193,6 +197,11 @@ pub struct MigrationReport {
     pub dirtied: u64,
     /// Verification ranges compared (all matched).
     pub verify_ranges: u64,
+    /// How memory was verified.
+    pub verify_mode: VerifyMode,
+    /// Pages hashed on this side with the vCPUs paused: the stop-and-copy round's with
+    /// [`VerifyMode::Sent`], all memory with [`VerifyMode::Full`].
+    pub paused_hashed_pages: u64,
     /// Pages per range.
     pub range_pages: u32,
     /// What the destination reported after running the guest: (pages touched, for how long).
@@ -267,6 +276,8 @@ pub struct Source {
     migrated: bool,
     /// The guest ran when the attempt began (so a failed one resumes it).
     was_running: bool,
+    /// Per page (memory index), the digest of the bytes last sent ([`VerifyMode::Sent`]).
+    digests: Vec<PageDigest>,
 }
 
 /// Frames the reader thread received, or why it stopped.
@@ -290,6 +301,7 @@ impl Source {
             logging: false,
             migrated: false,
             was_running: false,
+            digests: Vec::new(),
         }
     }
 
@@ -470,6 +482,14 @@ impl Source {
             log.mark_all();
             self.ro_owed = true;
         }
+        if self.cfg.verify == VerifyMode::Sent
+            && (!report.resumed || self.digests.len() as u64 != mem.pages())
+        {
+            // Every page goes out again, and is hashed as it does.
+            self.digests = vec![NEVER_SENT; usize::try_from(mem.pages()).unwrap_or(0)];
+        } else if self.cfg.verify == VerifyMode::Full {
+            self.digests = Vec::new();
+        }
         let ro = if self.ro_owed {
             mem.map().read_only()
         } else {
@@ -497,21 +517,17 @@ impl Source {
             faults: self.cfg.faults,
             starts,
             ro,
+            digests: std::mem::take(&mut self.digests),
         };
-        let round = self.precopy(conn, &mem, &mut sender, &mut ac, &mut report, progress)?;
+        let r = self.rounds(conn, &mem, &mut sender, &mut ac, &mut report, progress);
+        // The digests outlive the attempt: a resumed destination holds what they describe.
+        self.digests = std::mem::take(&mut sender.digests);
+        let t_pause = r?;
 
-        if let Some(d) = self.cfg.faults.pause_delay {
-            std::thread::sleep(d);
-        }
-        let t_pause = Instant::now();
-        self.guest.pause()?;
         report.precopy = t_pause - t_connect;
         report.guest_writes = self.guest.activity().unwrap_or(0).saturating_sub(writes0);
         report.throttled = self.guest.throttled().saturating_sub(throttled0);
-        self.stop_and_copy(conn, &mem, &mut sender, round, &mut report, progress)?;
-        if sender.ro.is_empty() {
-            self.ro_owed = false;
-        }
+        self.ro_owed = false;
 
         let t = Instant::now();
         self.send_state(conn, &mut report)?;
@@ -520,6 +536,11 @@ impl Source {
         let t = Instant::now();
         report.verify_ranges = self.verify(conn, &mem)?;
         report.verify = t.elapsed();
+        report.verify_mode = self.cfg.verify;
+        report.paused_hashed_pages = match self.cfg.verify {
+            VerifyMode::Sent => report.rounds.last().map_or(0, |r| r.pages),
+            VerifyMode::Full => mem.pages(),
+        };
 
         // Switch-over: from the written `Commit` on, the guest is the destination's.
         conn.send(&Msg::Commit, "switch-over")?;
@@ -546,6 +567,26 @@ impl Source {
         Ok(report)
     }
 
+    /// Pre-copy, the pause and the stop-and-copy round; returns when the guest paused.
+    fn rounds(
+        &mut self,
+        conn: &mut Conn,
+        mem: &Memory<'_>,
+        sender: &mut Sender,
+        ac: &mut AutoConverge,
+        report: &mut MigrationReport,
+        progress: &mut dyn FnMut(Event<'_>),
+    ) -> Result<Instant, MigrateError> {
+        let round = self.precopy(conn, mem, sender, ac, report, progress)?;
+        if let Some(d) = self.cfg.faults.pause_delay {
+            std::thread::sleep(d);
+        }
+        let t_pause = Instant::now();
+        self.guest.pause()?;
+        self.stop_and_copy(conn, mem, sender, round, report, progress)?;
+        Ok(t_pause)
+    }
+
     /// Sends the preamble and the hello; records the destination's welcome in `report`.
     fn handshake(
         &mut self,
@@ -565,6 +606,7 @@ impl Source {
                 machine: self.guest.machine(),
                 compression: self.cfg.compression,
                 range_pages: RANGE_PAGES,
+                verify: self.cfg.verify,
                 backend: self.guest.kind().into(),
             }),
             phase,
@@ -712,10 +754,16 @@ impl Source {
         let mut first = 0u64;
         for i in 0..nranges {
             let (a, b) = verify::range_pages(i, RANGE_PAGES, pages);
-            // `b - a <= RANGE_PAGES`: the range fits the buffer.
-            let bytes = &mut buf[..(b - a) as usize * PAGE_SIZE];
-            mem.stopped_read(a, b, bytes)?;
-            hashes.push(verify::hash_range(i, bytes));
+            if self.cfg.verify == VerifyMode::Sent {
+                // `digests` has one entry per page (set at the start of the attempt).
+                let d = self.digests.get(a as usize..b as usize).unwrap_or(&[]);
+                hashes.push(verify::hash_digests(i, d));
+            } else {
+                // `b - a <= RANGE_PAGES`: the range fits the buffer.
+                let bytes = &mut buf[..(b - a) as usize * PAGE_SIZE];
+                mem.stopped_read(a, b, bytes)?;
+                hashes.push(verify::hash_range(i, bytes));
+            }
             // Frames of 256 hashes (64 MiB of guest memory): the destination hashes one
             // while the next is computed here.
             if hashes.len() == HASHES_PER_FRAME || i + 1 == nranges {
@@ -909,6 +957,8 @@ struct Sender {
     starts: Vec<u64>,
     /// Read-only pages still owed, as (first, count) runs: sent with the next round.
     ro: Vec<(u64, u64)>,
+    /// Per page, the digest of what was last sent (empty: verification reads memory).
+    digests: Vec<PageDigest>,
 }
 
 impl Sender {
@@ -950,6 +1000,9 @@ impl Sender {
             for &(slot, off, p) in chunk {
                 mem.read_page(p, &mut page)?;
                 self.builder.push(p, &page);
+                if let Some(d) = self.digests.get_mut(p as usize) {
+                    *d = verify::page_digest(&page);
+                }
                 if slot == NO_SLOT {
                     continue;
                 }

@@ -186,6 +186,8 @@ pub struct Hello {
     pub compression: Compression,
     /// Pages per verification range.
     pub range_pages: u32,
+    /// How the switch-over verifies memory.
+    pub verify: crate::verify::VerifyMode,
     /// The source's machine ("sim", "kvm").
     pub backend: String,
 }
@@ -383,6 +385,10 @@ impl Msg {
                     Compression::Lz4 => 1,
                 });
                 put_u32(out, h.range_pages);
+                out.push(match h.verify {
+                    crate::verify::VerifyMode::Full => 0,
+                    crate::verify::VerifyMode::Sent => 1,
+                });
                 put_text(out, &h.backend);
                 T_HELLO
             }
@@ -540,6 +546,12 @@ impl Dec<'_> {
             1 => Compression::Lz4,
             c => return Err(d.bad(Corruption::UnknownCompression(c))),
         };
+        let range_pages = d.u32()?;
+        let verify = match d.u8()? {
+            0 => crate::verify::VerifyMode::Full,
+            1 => crate::verify::VerifyMode::Sent,
+            v => return Err(d.bad(Corruption::UnknownVerify(v))),
+        };
         Ok(Hello {
             session,
             attempt,
@@ -547,7 +559,8 @@ impl Dec<'_> {
             regions,
             machine,
             compression,
-            range_pages: d.u32()?,
+            range_pages,
+            verify,
             backend: d.text()?,
         })
     }
@@ -1025,6 +1038,7 @@ mod tests {
                 },
             ],
             machine: vec![1, 2, 3],
+            verify: crate::verify::VerifyMode::Sent,
             compression: Compression::Lz4,
             range_pages: 64,
             backend: "sim".into(),

@@ -11,6 +11,7 @@ use common::*;
 use slat_migrate::bench::{BackendKind, BenchGuest, LogMode};
 use slat_migrate::guest::splitmix;
 use slat_migrate::stream::{self, FrameReader, Msg};
+use slat_migrate::verify::VerifyMode;
 use slat_migrate::{DestConfig, Destination, Faults, MigrateError, Source, StreamError};
 use std::io::Read;
 use std::net::TcpListener;
@@ -300,6 +301,9 @@ fn late_pause(
     let mut cfg = source_config();
     cfg.faults.pause_delay = Some(Duration::from_millis(50));
     cfg.faults.skip_final_harvest = skip_final_harvest;
+    // A broken dirty log is what only the full check (all memory, vCPUs paused) catches; the
+    // default check of what was sent trusts the log (see `verify`).
+    cfg.verify = VerifyMode::Full;
     let mut src = start_source(&g, work(5_000), cfg);
     let (addr, h) = spawn_dest(
         Destination::new(factory(BackendKind::Sim), dest_config()),

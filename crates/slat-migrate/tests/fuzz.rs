@@ -343,6 +343,7 @@ enum Hostile {
         machine: Option<Vec<u8>>,
         compression: u8,
         range_pages: u32,
+        verify: u8,
         backend: Vec<u8>,
     },
     State {
@@ -413,10 +414,11 @@ fn hostile() -> impl Strategy<Value = Hostile> {
             prop_oneof![4 => Just(None), 1 => small_bytes(24).prop_map(Some)],
             prop_oneof![4 => 0u8..=1, 1 => any::<u8>()],
             prop_oneof![4 => Just(64u32), 1 => edge_u32()],
+            prop_oneof![4 => 0u8..=1, 1 => any::<u8>()],
             small_bytes(24),
         )
-            .prop_map(|(shape, regions, one_way, machine, compression, range_pages, backend)| {
-                Hostile::Hello { shape, regions, one_way, machine, compression, range_pages, backend }
+            .prop_map(|(shape, regions, one_way, machine, compression, range_pages, verify, backend)| {
+                Hostile::Hello { shape, regions, one_way, machine, compression, range_pages, verify, backend }
             }),
         2 => (
             prop_oneof![3 => small_bytes(8), 1 => small_bytes(300), 1 => Just(b"slat.workload".to_vec())],
@@ -464,6 +466,7 @@ impl Hostile {
                 machine,
                 compression,
                 range_pages,
+                verify,
                 backend,
             } => {
                 let machine = machine.clone().unwrap_or_else(|| shape.encode());
@@ -499,6 +502,7 @@ impl Hostile {
                             &machine,
                             *compression,
                             *range_pages,
+                            *verify,
                             backend,
                         )
                         .frame(ty::HELLO)

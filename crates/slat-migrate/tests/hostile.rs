@@ -62,7 +62,7 @@ fn refused(r: &Result<slat_migrate::DestReport, MigrateError>, replies: &[Msg]) 
 }
 
 fn hello_frame(regions: &[Region], machine: &[u8]) -> Vec<u8> {
-    wire::hello_payload(7, 1, false, regions, machine, 0, 64, b"sim").frame(ty::HELLO)
+    wire::hello_payload(7, 1, false, regions, machine, 0, 64, 0, b"sim").frame(ty::HELLO)
 }
 
 fn rw(gpa: u64, pages: u64) -> Region {

@@ -20,6 +20,16 @@ fn migrate_in(log: LogMode) {
         "the source stays stopped after the switch-over"
     );
     assert_eq!(r.verify_ranges, 128);
+    // Verification is off the paused path: only the stop-and-copy round's pages were hashed
+    // with the vCPUs stopped, not all 8192.
+    let last = r.rounds.last().unwrap();
+    assert!(last.stop_and_copy);
+    assert_eq!(r.paused_hashed_pages, last.pages);
+    assert!(
+        r.paused_hashed_pages < 8192 / 4,
+        "{}",
+        r.paused_hashed_pages
+    );
     assert!(d.verify.ok());
     assert!(r.rounds.len() >= 2, "full copy and stop-and-copy at least");
     assert_eq!(r.rounds[0].pages, 8192, "round 0 sends all memory");

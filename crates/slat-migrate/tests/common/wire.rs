@@ -102,6 +102,7 @@ pub fn hello_payload(
     machine: &[u8],
     compression: u8,
     range_pages: u32,
+    verify: u8,
     backend: &[u8],
 ) -> Payload {
     let mut p = Payload::default()
@@ -116,6 +117,7 @@ pub fn hello_payload(
         .bytes(machine)
         .u8(compression)
         .u32(range_pages)
+        .u8(verify)
         .text(backend)
 }
 
@@ -133,7 +135,8 @@ pub fn shape_regions(shape: &Shape) -> Vec<Region> {
         .collect()
 }
 
-/// The hello an honest source of `shape` sends.
+/// The hello an honest source of `shape` sends (verifying memory in full: the stream's
+/// hashes are of the image).
 pub fn honest_hello(session: u64, shape: Shape, compression: Compression) -> Hello {
     Hello {
         session,
@@ -143,6 +146,7 @@ pub fn honest_hello(session: u64, shape: Shape, compression: Compression) -> Hel
         machine: shape.encode(),
         compression,
         range_pages: RANGE_PAGES,
+        verify: slat_migrate::verify::VerifyMode::Full,
         backend: "sim".into(),
     }
 }
