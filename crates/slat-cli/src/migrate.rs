@@ -144,6 +144,10 @@ pub struct MigrationArgs {
     /// memory hashed on both sides while paused, independent of the dirty log). Always on.
     #[arg(long, value_enum, default_value = "sent")]
     pub verify: VerifyArg,
+    /// Progress on stderr: `text` lines, or `json` — one JSON object per line (round, pages
+    /// sent and remaining, bandwidth, expected downtime, throttle), also with --json.
+    #[arg(long, value_enum, default_value = "text")]
+    pub progress: ProgressArg,
     /// Throttle the vCPUs (QEMU-style, 20% then +10% steps) when the guest dirties memory
     /// faster than the link sends it.
     #[arg(long = "auto-converge", value_enum, default_value = "on")]
@@ -702,9 +706,93 @@ fn progress(q: bool, s: &str) {
     }
 }
 
+/// How the source reports its progress on stderr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ProgressArg {
+    /// `[slat] ...` lines (none with --json).
+    Text,
+    /// One JSON object per line for every event (also with --json): connected, round,
+    /// throttle, paused, and a progress line after every harvest with the round, pages sent
+    /// and remaining, bandwidth, expected downtime and throttle.
+    Json,
+}
+
+/// One line of `--progress json`.
+#[derive(Debug, Serialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+enum ProgressLine<'a> {
+    /// The destination answered.
+    Connected { resume: bool, backend: &'a str },
+    /// A round finished.
+    Round {
+        round: u32,
+        stop_and_copy: bool,
+        pages: u64,
+        zero_pages: u64,
+        bytes: u64,
+        seconds: f64,
+        bytes_per_second: f64,
+        throttle_percent: u32,
+    },
+    /// The throttle changed.
+    Throttle { percent: u32 },
+    /// The vCPUs stopped.
+    Paused { pages_to_send: u64 },
+    /// Where the migration stands.
+    Progress {
+        round: u32,
+        pages_sent: u64,
+        pages_remaining: u64,
+        dirtied_pages: u64,
+        bytes_per_second: f64,
+        expected_downtime_seconds: f64,
+        throttle_percent: u32,
+        paused: bool,
+        elapsed_seconds: f64,
+    },
+}
+
+impl<'a> ProgressLine<'a> {
+    fn of(e: &Event<'a>) -> ProgressLine<'a> {
+        match *e {
+            Event::Connected { resume, backend } => ProgressLine::Connected { resume, backend },
+            Event::Round(r) => ProgressLine::Round {
+                round: r.round,
+                stop_and_copy: r.stop_and_copy,
+                pages: r.pages,
+                zero_pages: r.zero_pages,
+                bytes: r.bytes,
+                seconds: r.time.as_secs_f64(),
+                bytes_per_second: r.bandwidth(),
+                throttle_percent: r.throttle,
+            },
+            Event::Throttle(percent) => ProgressLine::Throttle { percent },
+            Event::Paused(pages_to_send) => ProgressLine::Paused { pages_to_send },
+            Event::Progress(p) => ProgressLine::Progress {
+                round: p.round,
+                pages_sent: p.pages_sent,
+                pages_remaining: p.pages_remaining,
+                dirtied_pages: p.dirtied,
+                bytes_per_second: p.bandwidth,
+                expected_downtime_seconds: p.expected_downtime.as_secs_f64(),
+                throttle_percent: p.throttle,
+                paused: p.paused,
+                elapsed_seconds: p.elapsed.as_secs_f64(),
+            },
+        }
+    }
+}
+
 /// Progress lines for the source's events.
-fn on_event(q: bool) -> impl FnMut(Event<'_>) {
+fn on_event(q: bool, mode: ProgressArg) -> impl FnMut(Event<'_>) {
     move |e| {
+        if mode == ProgressArg::Json {
+            // A line that cannot be serialised has nothing in it to lose; none can fail.
+            if let Ok(line) = serde_json::to_string(&ProgressLine::of(&e)) {
+                eprintln!("{line}");
+            }
+            return;
+        }
         if q {
             return;
         }
@@ -734,6 +822,8 @@ fn on_event(q: bool) -> impl FnMut(Event<'_>) {
             ),
             Event::Throttle(t) => eprintln!("[slat] auto-converge: throttle {t}%"),
             Event::Paused(n) => eprintln!("[slat] vCPUs paused; {n} pages to send"),
+            // The text lines above already say where the migration stands.
+            Event::Progress(_) => {}
         }
     }
 }
@@ -882,7 +972,7 @@ fn migrate_once(a: &MigrateArgs, q: bool) -> Result<(MigrationReport, f64, Vec<S
                 Some(fd) => Channel::fd(fd, Duration::from_secs(a.migration.timeout), true)
                     .map_err(|e| RunError::Fd(a.to.clone(), e))
                     .and_then(|c| {
-                        src.migrate_over(c, &mut on_event(q))
+                        src.migrate_over(c, &mut on_event(q, a.migration.progress))
                             .map_err(RunError::from)
                     }),
                 None => Err(RunError::Fd(
@@ -890,7 +980,9 @@ fn migrate_once(a: &MigrateArgs, q: bool) -> Result<(MigrationReport, f64, Vec<S
                     std::io::Error::other("the descriptor carried the first attempt"),
                 )),
             },
-            to => src.migrate_to(to, &mut on_event(q)).map_err(RunError::from),
+            to => src
+                .migrate_to(to, &mut on_event(q, a.migration.progress))
+                .map_err(RunError::from),
         };
         let err = match r {
             Ok(r) => return Ok((r, baseline, failures)),
@@ -1069,7 +1161,7 @@ fn perf_once(a: &MigratePerfArgs) -> Result<(MigrationReport, DestReport, f64), 
         max_memory: 0,
     };
     let dest = std::thread::spawn(move || Destination::with_guest(dguest, cfg).accept(&listener));
-    let r = src.migrate(&addr, &mut on_event(q));
+    let r = src.migrate(&addr, &mut on_event(q, a.migration.progress));
     let d = dest.join().map_err(|_| RunError::DestinationPanicked)?;
     match (r, d) {
         (Ok(r), Ok(d)) => Ok((r, d, baseline)),

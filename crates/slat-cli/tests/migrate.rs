@@ -346,3 +346,40 @@ fn migrate_over_inherited_descriptors() {
     assert_eq!(d.status.code(), Some(0), "{dout}");
     assert!(dout.contains("Verification: OK"), "{dout}");
 }
+
+#[test]
+fn progress_json_is_one_object_per_line() {
+    let mut args = vec![
+        "migrate-perf",
+        "--progress",
+        "json",
+        "--json",
+        "--resume-ms",
+        "10",
+    ];
+    args.extend(SMALL);
+    let (code, out, err) = slat(&args);
+    assert_eq!(code, 0, "{out}\n{err}");
+    serde_json::from_str::<serde_json::Value>(&out).expect("the report is still one document");
+    let lines: Vec<serde_json::Value> = err
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let progress: Vec<_> = lines.iter().filter(|l| l["event"] == "progress").collect();
+    assert!(progress.len() >= 2, "{err}");
+    for p in &progress {
+        for k in [
+            "round",
+            "pages_remaining",
+            "bytes_per_second",
+            "expected_downtime_seconds",
+            "throttle_percent",
+        ] {
+            assert!(p.get(k).is_some(), "{k} missing: {p}");
+        }
+    }
+    let last = progress.last().unwrap();
+    assert_eq!(last["paused"], true);
+    assert_eq!(last["pages_remaining"], 0);
+    assert!(lines.iter().any(|l| l["event"] == "round"));
+}

@@ -63,7 +63,7 @@ pub use error::{
 };
 pub use guest::{Guest, GuestErrors, GuestHarvester, GuestLog, GuestRegion, Memory, MemoryMap};
 pub use link::Faults;
-pub use source::{Event, MigrationReport, RoundReport, Source, SourceConfig};
+pub use source::{Event, MigrationReport, Progress, RoundReport, Source, SourceConfig};
 pub use state::StateBlob;
 pub use stream::Region;
 pub use transport::{Channel, Endpoint, Listener};

@@ -258,6 +258,32 @@ pub enum Event<'a> {
     Throttle(u32),
     /// The vCPUs stopped; this many pages are owed.
     Paused(u64),
+    /// Where the migration stands: after every harvest and after the stop-and-copy round.
+    Progress(Progress),
+}
+
+/// A snapshot of the migration's progress ([`Event::Progress`]), for a live,
+/// machine-readable stream.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Progress {
+    /// The round about to run (pre-copy), or the stop-and-copy round that just ended.
+    pub round: u32,
+    /// Pages sent so far in this attempt.
+    pub pages_sent: u64,
+    /// Pages still owed to the destination.
+    pub pages_remaining: u64,
+    /// Pages the last harvest reported (dirtied while the last round ran).
+    pub dirtied: u64,
+    /// Bytes per second measured over the rounds so far.
+    pub bandwidth: f64,
+    /// The stop-and-copy transfer time the owed pages would take at that bandwidth.
+    pub expected_downtime: Duration,
+    /// The auto-converge throttle, percent.
+    pub throttle: u32,
+    /// The vCPUs are paused (the stop-and-copy round ran).
+    pub paused: bool,
+    /// Since the attempt connected.
+    pub elapsed: Duration,
 }
 
 /// The sending end, owning a running guest; it survives failed attempts.
@@ -518,6 +544,7 @@ impl Source {
             starts,
             ro,
             digests: std::mem::take(&mut self.digests),
+            t0: t_connect,
         };
         let r = self.rounds(conn, &mem, &mut sender, &mut ac, &mut report, progress);
         // The digests outlive the attempt: a resumed destination holds what they describe.
@@ -654,6 +681,15 @@ impl Source {
                 }
             }
             let owed = set.pages() + sender.ro_pages();
+            progress(Event::Progress(progress_of(
+                report,
+                round,
+                owed,
+                dirtied,
+                self.guest.throttle(),
+                false,
+                sender.t0,
+            )));
             if round > 0 && precopy_done(&self.cfg, owed, round, report) {
                 // Not sent: owed again, for the take after the pause.
                 set.abort();
@@ -717,6 +753,15 @@ impl Source {
         report.final_send = t.elapsed();
         progress(Event::Round(&last));
         report.rounds.push(last);
+        progress(Event::Progress(progress_of(
+            report,
+            round,
+            0,
+            0,
+            self.guest.throttle(),
+            true,
+            sender.t0,
+        )));
         Ok(())
     }
 
@@ -814,17 +859,45 @@ impl Source {
 /// `max_downtime` at the bandwidth measured so far (recorded in `report`), or the rounds are
 /// used up.
 fn precopy_done(cfg: &SourceConfig, owed: u64, round: u32, report: &mut MigrationReport) -> bool {
-    let sent: u64 = report.rounds.iter().map(|r| r.bytes).sum();
-    let spent: Duration = report.rounds.iter().map(|r| r.time).sum();
-    let per_page = sent as f64 / report.pages().max(1) as f64;
-    let bw = rate(sent as f64, spent).max(1.0);
-    let expect = Duration::from_secs_f64(owed as f64 * per_page / bw);
+    let expect = expected_transfer(report, owed);
     report.expected_final = expect;
     if expect <= cfg.max_downtime {
         report.converged = true;
         return true;
     }
     round > cfg.max_rounds || round == u32::MAX
+}
+
+/// How long `owed` pages would take at the bandwidth and bytes per page measured so far.
+fn expected_transfer(report: &MigrationReport, owed: u64) -> Duration {
+    let sent: u64 = report.rounds.iter().map(|r| r.bytes).sum();
+    let spent: Duration = report.rounds.iter().map(|r| r.time).sum();
+    let per_page = sent as f64 / report.pages().max(1) as f64;
+    let bw = rate(sent as f64, spent).max(1.0);
+    Duration::from_secs_f64(owed as f64 * per_page / bw)
+}
+
+/// The progress after the rounds in `report`, with `owed` pages left.
+fn progress_of(
+    report: &MigrationReport,
+    round: u32,
+    owed: u64,
+    dirtied: u64,
+    throttle: u32,
+    paused: bool,
+    t0: Instant,
+) -> Progress {
+    Progress {
+        round,
+        pages_sent: report.pages(),
+        pages_remaining: owed,
+        dirtied,
+        bandwidth: report.bandwidth(),
+        expected_downtime: expected_transfer(report, owed),
+        throttle,
+        paused,
+        elapsed: t0.elapsed(),
+    }
 }
 
 /// The guest's harvester, made on first use with every page owed.
@@ -959,6 +1032,8 @@ struct Sender {
     ro: Vec<(u64, u64)>,
     /// Per page, the digest of what was last sent (empty: verification reads memory).
     digests: Vec<PageDigest>,
+    /// When the attempt connected.
+    t0: Instant,
 }
 
 impl Sender {
