@@ -35,7 +35,7 @@ use crate::stream::{
     PAGE_SIZE,
 };
 use crate::transport::Channel;
-use crate::verify::{self, PageDigest, VerifyMode, VerifyReport, NEVER_RECEIVED, RANGE_PAGES};
+use crate::verify::{self, Digests, VerifyMode, VerifyReport, NEVER_RECEIVED, RANGE_PAGES};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
@@ -117,7 +117,7 @@ struct Session {
     /// How its source verifies.
     verify: VerifyMode,
     /// Per page, the digest of the bytes written into it ([`VerifyMode::Sent`]).
-    digests: Vec<PageDigest>,
+    digests: Digests,
 }
 
 /// The receiving end.
@@ -269,7 +269,7 @@ impl Destination {
         )?;
         let digests = match &mut self.session {
             Some(s) => std::mem::take(&mut s.digests),
-            None => Vec::new(),
+            None => Digests::default(),
         };
         let mut inc = Incoming::new(&*guest, report, hello.verify, digests)?;
         let r = frames(&mut inc, reader, out);
@@ -359,7 +359,7 @@ impl Destination {
             regions: hello.regions.clone(),
             guest: guest.clone(),
             verify: hello.verify,
-            digests: Vec::new(),
+            digests: Digests::default(),
         });
         Ok((guest, false))
     }
@@ -461,7 +461,7 @@ struct Incoming<'g> {
     guest: &'g dyn Guest,
     verify_mode: VerifyMode,
     /// Per page, the digest of what was written into it (`Sent` mode; empty otherwise).
-    digests: Vec<PageDigest>,
+    digests: Digests,
     /// The bound of every page index: what the machine mapped, not what the hello says.
     mem: Memory<'g>,
     /// Ranges of this guest's memory.
@@ -491,17 +491,17 @@ impl<'g> Incoming<'g> {
         guest: &'g dyn Guest,
         report: DestReport,
         verify_mode: VerifyMode,
-        mut digests: Vec<PageDigest>,
+        mut digests: Digests,
     ) -> Result<Incoming<'g>, MigrateError> {
         let mem = Memory::new(guest).map_err(|e| HelloError::Build(e.into()))?;
         let nranges = verify::ranges(mem.pages(), RANGE_PAGES);
         let pages = usize::try_from(mem.pages()).unwrap_or(usize::MAX);
         if verify_mode == VerifyMode::Full {
-            digests = Vec::new();
+            digests = Digests::default();
         } else if digests.len() != pages {
             // A new session: nothing received yet. The map was checked against this host's
             // memory, and a digest is 16 bytes per 4 KiB page.
-            digests = vec![NEVER_RECEIVED; pages];
+            digests = Digests::new(pages, NEVER_RECEIVED);
         }
         Ok(Incoming {
             guest,
@@ -574,12 +574,12 @@ impl<'g> Incoming<'g> {
         for (i, &(p, enc, _)) in b.entries.iter().enumerate() {
             b.page_into(i, &mut self.buf).map_err(page_error)?;
             self.mem.stopped_write_page(p, &self.buf)?;
-            if let Some(d) = self.digests.get_mut(p as usize) {
+            if !self.digests.is_empty() {
                 // Hash what guest memory now holds, read back (cache-hot), not the buffer:
                 // a write that went astray shows.
                 let back = &mut self.range[..PAGE_SIZE];
                 self.mem.stopped_read(p, p + 1, back)?;
-                *d = verify::page_digest(back);
+                self.digests.set(p, verify::page_digest(back));
             }
             self.report.pages += 1;
             self.report.zero_pages += (enc == stream::Encoding::Zero) as u64;
@@ -622,6 +622,8 @@ impl<'g> Incoming<'g> {
             .checked_add(1)
             .ok_or_else(|| protocol(phase, ProtocolError::Overflow { what: "round" }))?;
         self.round_pages = 0;
+        // Range hashes of what this round wrote; the source paused only for the last one.
+        self.digests.refresh();
         Ok(())
     }
 
@@ -714,8 +716,8 @@ impl<'g> Incoming<'g> {
             *seen = true;
             let (a, b) = verify::range_pages(i, RANGE_PAGES, pages);
             let ours = if self.verify_mode == VerifyMode::Sent {
-                // One digest per page (`new`), `a <= b <= pages`.
-                verify::hash_digests(i, &self.digests[a as usize..b as usize])
+                // One digest per page (`new`), `i < nranges`: the range exists.
+                self.digests.range(i).unwrap_or([0; 32])
             } else {
                 // `b - a <= RANGE_PAGES`: the range fits the buffer.
                 let bytes = &mut self.range[..(b - a) as usize * PAGE_SIZE];

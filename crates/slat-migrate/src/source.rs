@@ -61,7 +61,7 @@ use crate::stream::{
 };
 use crate::throttle::AutoConverge;
 use crate::transport::{self, Channel, Endpoint};
-use crate::verify::{self, PageDigest, VerifyMode, NEVER_SENT, RANGE_PAGES};
+use crate::verify::{self, Digests, VerifyMode, NEVER_SENT, RANGE_PAGES};
 use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
@@ -303,7 +303,7 @@ pub struct Source {
     /// The guest ran when the attempt began (so a failed one resumes it).
     was_running: bool,
     /// Per page (memory index), the digest of the bytes last sent ([`VerifyMode::Sent`]).
-    digests: Vec<PageDigest>,
+    digests: Digests,
 }
 
 /// Frames the reader thread received, or why it stopped.
@@ -327,7 +327,7 @@ impl Source {
             logging: false,
             migrated: false,
             was_running: false,
-            digests: Vec::new(),
+            digests: Digests::default(),
         }
     }
 
@@ -512,9 +512,9 @@ impl Source {
             && (!report.resumed || self.digests.len() as u64 != mem.pages())
         {
             // Every page goes out again, and is hashed as it does.
-            self.digests = vec![NEVER_SENT; usize::try_from(mem.pages()).unwrap_or(0)];
+            self.digests = Digests::new(usize::try_from(mem.pages()).unwrap_or(0), NEVER_SENT);
         } else if self.cfg.verify == VerifyMode::Full {
-            self.digests = Vec::new();
+            self.digests = Digests::default();
         }
         let ro = if self.ro_owed {
             mem.map().read_only()
@@ -706,6 +706,8 @@ impl Source {
             )?;
             // Every page was acknowledged (and left the set) before the round returned.
             set.commit();
+            // Range hashes of what this round sent, while the guest runs.
+            sender.digests.refresh();
             progress(Event::Round(&r));
             report.rounds.push(r);
             round += 1;
@@ -790,7 +792,7 @@ impl Source {
     /// Verification: sends the hashes of memory as it is now (the vCPUs stopped) and the
     /// request; returns the ranges the destination found all matching (over a one-way
     /// channel, the ranges the reader will check).
-    fn verify(&self, conn: &mut Conn, mem: &Memory<'_>) -> Result<u64, MigrateError> {
+    fn verify(&mut self, conn: &mut Conn, mem: &Memory<'_>) -> Result<u64, MigrateError> {
         let phase = "verification";
         let pages = mem.pages();
         let nranges = verify::ranges(pages, RANGE_PAGES);
@@ -798,12 +800,12 @@ impl Source {
         let mut buf = vec![0u8; RANGE_PAGES as usize * PAGE_SIZE];
         let mut first = 0u64;
         for i in 0..nranges {
-            let (a, b) = verify::range_pages(i, RANGE_PAGES, pages);
             if self.cfg.verify == VerifyMode::Sent {
-                // `digests` has one entry per page (set at the start of the attempt).
-                let d = self.digests.get(a as usize..b as usize).unwrap_or(&[]);
-                hashes.push(verify::hash_digests(i, d));
+                // `digests` has one entry per page (set at the start of the attempt); only
+                // the ranges the stop-and-copy round touched are hashed now.
+                hashes.push(self.digests.range(i).unwrap_or([0; 32]));
             } else {
+                let (a, b) = verify::range_pages(i, RANGE_PAGES, pages);
                 // `b - a <= RANGE_PAGES`: the range fits the buffer.
                 let bytes = &mut buf[..(b - a) as usize * PAGE_SIZE];
                 mem.stopped_read(a, b, bytes)?;
@@ -1031,7 +1033,7 @@ struct Sender {
     /// Read-only pages still owed, as (first, count) runs: sent with the next round.
     ro: Vec<(u64, u64)>,
     /// Per page, the digest of what was last sent (empty: verification reads memory).
-    digests: Vec<PageDigest>,
+    digests: Digests,
     /// When the attempt connected.
     t0: Instant,
 }
@@ -1075,8 +1077,8 @@ impl Sender {
             for &(slot, off, p) in chunk {
                 mem.read_page(p, &mut page)?;
                 self.builder.push(p, &page);
-                if let Some(d) = self.digests.get_mut(p as usize) {
-                    *d = verify::page_digest(&page);
+                if !self.digests.is_empty() {
+                    self.digests.set(p, verify::page_digest(&page));
                 }
                 if slot == NO_SLOT {
                     continue;

@@ -96,6 +96,71 @@ pub fn hash_range(index: u64, bytes: &[u8]) -> [u8; 32] {
     *h.finalize().as_bytes()
 }
 
+/// Page digests of a guest, with their range hashes cached: a range is re-hashed only after
+/// one of its pages changed, so refreshing at the end of every round (the guest running)
+/// leaves the switch-over only the ranges the final round touched.
+#[derive(Debug, Clone, Default)]
+pub struct Digests {
+    pages: Vec<PageDigest>,
+    ranges: Vec<[u8; 32]>,
+    stale: Vec<bool>,
+}
+
+impl Digests {
+    /// `pages` digests of `fill`, every range to be hashed.
+    pub fn new(pages: usize, fill: PageDigest) -> Digests {
+        let n = pages.div_ceil(RANGE_PAGES as usize);
+        Digests {
+            pages: vec![fill; pages],
+            ranges: vec![[0; 32]; n],
+            stale: vec![true; n],
+        }
+    }
+
+    /// Pages.
+    pub fn len(&self) -> usize {
+        self.pages.len()
+    }
+
+    /// No pages.
+    pub fn is_empty(&self) -> bool {
+        self.pages.is_empty()
+    }
+
+    /// Sets page `p`'s digest (a page past the end is ignored: callers check indexes first).
+    pub fn set(&mut self, p: u64, d: PageDigest) {
+        if let Some(x) = self.pages.get_mut(p as usize) {
+            *x = d;
+            self.stale[p as usize / RANGE_PAGES as usize] = true;
+        }
+    }
+
+    /// Hashes every range whose pages changed; returns how many.
+    pub fn refresh(&mut self) -> usize {
+        let mut n = 0;
+        for (i, stale) in self.stale.iter_mut().enumerate().filter(|(_, s)| **s) {
+            let a = i * RANGE_PAGES as usize;
+            let b = (a + RANGE_PAGES as usize).min(self.pages.len());
+            self.ranges[i] = hash_digests(i as u64, &self.pages[a..b]);
+            *stale = false;
+            n += 1;
+        }
+        n
+    }
+
+    /// The hash of range `i` (refreshed first if needed), `None` past the end.
+    pub fn range(&mut self, i: u64) -> Option<[u8; 32]> {
+        let i = usize::try_from(i).ok().filter(|&i| i < self.ranges.len())?;
+        if self.stale[i] {
+            let a = i * RANGE_PAGES as usize;
+            let b = (a + RANGE_PAGES as usize).min(self.pages.len());
+            self.ranges[i] = hash_digests(i as u64, &self.pages[a..b]);
+            self.stale[i] = false;
+        }
+        Some(self.ranges[i])
+    }
+}
+
 /// Ranges covering `pages` pages.
 pub fn ranges(pages: u64, range_pages: u32) -> u64 {
     pages.div_ceil(range_pages.max(1) as u64)
@@ -175,6 +240,28 @@ mod tests {
             hash_digests(0, &[NEVER_SENT]),
             hash_digests(0, &[NEVER_RECEIVED])
         );
+    }
+
+    #[test]
+    fn cached_range_hashes_follow_their_pages() {
+        let mut d = Digests::new(130, NEVER_SENT);
+        let fresh = |d: &Digests, i: u64| {
+            let (a, b) = range_pages(i, RANGE_PAGES, 130);
+            hash_digests(i, &d.pages[a as usize..b as usize])
+        };
+        assert_eq!(d.refresh(), 3);
+        assert_eq!(d.refresh(), 0);
+        d.set(129, [7; 16]);
+        d.set(1000, [7; 16]);
+        assert_eq!(d.range(2), Some(fresh(&d, 2)));
+        assert_eq!(d.refresh(), 0, "range() refreshed it");
+        d.set(5, [1; 16]);
+        assert_eq!(d.refresh(), 1);
+        for i in 0..3 {
+            assert_eq!(d.range(i), Some(fresh(&d, i)));
+        }
+        assert_eq!(d.range(3), None);
+        assert_eq!(d.range(u64::MAX), None);
     }
 
     #[test]
