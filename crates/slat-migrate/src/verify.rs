@@ -3,10 +3,11 @@
 //!
 //! **`Sent` (the default): off the paused path.** Each side keeps a digest per page of what
 //! crossed the wire: the source of the bytes it put into a batch (copied out of guest memory,
-//! hashed as they are sent), the destination of the bytes it wrote into guest memory (hashed as
-//! they arrive). Pre-copy does this hashing while the guest runs; at the switch-over only the
-//! final round's pages are hashed, then both sides fold their page digests into range hashes
-//! ([`hash_digests`], a few MB of digests for a GiB) and compare them all. A page never sent
+//! hashed as they are sent), the destination of the bytes it wrote into guest memory (read
+//! back and hashed as they arrive). Pre-copy does this hashing while the guest runs, and both
+//! sides fold the digests into range hashes ([`hash_digests`]) at the end of every round
+//! ([`Digests`] caches them); at the switch-over only the final round's pages and the ranges
+//! they touched are hashed, then all range hashes are compared. A page never sent
 //! has the digest [`NEVER_SENT`] on the source and [`NEVER_RECEIVED`] on the destination, so it
 //! differs.
 //!
