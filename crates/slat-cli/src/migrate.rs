@@ -377,7 +377,7 @@ pub struct MigratePerfArgs {
     pub resume_ms: u64,
     /// Run once per combination of the listed settings, in this process, and print one
     /// table (KEY=V1,V2,...; repeatable; keys: log, dirty-rate, fast-pf, backend,
-    /// max-downtime, compress, auto-converge, wrprot). For example, dirty rate × log × fast page fault:
+    /// max-downtime, compress, auto-converge, wrprot, verify). For example, dirty rate × log × fast page fault:
     /// `--vary dirty-rate=2k,50k --vary log=get,clear,ring --vary fast-pf=on,off`.
     #[arg(long = "vary", value_parser = parse_vary, value_name = "KEY=V1,V2")]
     pub vary: Vec<(VaryKey, Vec<MigSetting>)>,
@@ -412,10 +412,12 @@ pub enum VaryKey {
     AutoConverge,
     /// `--wrprot`.
     Wrprot,
+    /// `--verify`.
+    Verify,
 }
 
 /// The keys of migrate-perf's `--vary`, by name.
-const KEYS: [(&str, VaryKey); 8] = [
+const KEYS: [(&str, VaryKey); 9] = [
     ("log", VaryKey::Log),
     ("dirty-rate", VaryKey::DirtyRate),
     ("fast-pf", VaryKey::FastPf),
@@ -424,6 +426,7 @@ const KEYS: [(&str, VaryKey); 8] = [
     ("compress", VaryKey::Compress),
     ("auto-converge", VaryKey::AutoConverge),
     ("wrprot", VaryKey::Wrprot),
+    ("verify", VaryKey::Verify),
 ];
 
 impl VaryKey {
@@ -463,6 +466,8 @@ pub enum MigValue {
     AutoConverge(Switch),
     /// `wrprot=...`.
     Wrprot(slat::WrprotVariant),
+    /// `verify=...`.
+    Verify(VerifyArg),
 }
 
 impl MigValue {
@@ -476,6 +481,7 @@ impl MigValue {
             MigValue::Compress(_) => VaryKey::Compress,
             MigValue::AutoConverge(_) => VaryKey::AutoConverge,
             MigValue::Wrprot(_) => VaryKey::Wrprot,
+            MigValue::Verify(_) => VaryKey::Verify,
         }
     }
 }
@@ -505,6 +511,7 @@ fn parse_value(key: VaryKey, v: &str) -> Result<MigValue, FlagError> {
             value: v.into(),
             flag: "--wrprot",
         })?),
+        VaryKey::Verify => MigValue::Verify(choice(v, "--verify")?),
     })
 }
 
@@ -528,6 +535,7 @@ fn apply(a: &mut MigratePerfArgs, v: MigValue) {
         MigValue::Compress(x) => a.migration.compress = x,
         MigValue::AutoConverge(x) => a.migration.auto_converge = x,
         MigValue::Wrprot(x) => a.guest.wrprot = x,
+        MigValue::Verify(x) => a.migration.verify = x,
     }
 }
 
