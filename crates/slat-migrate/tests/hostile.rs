@@ -405,3 +405,78 @@ fn whole_range_reads_are_copies_and_need_stopped_vcpus() {
     g.pause().unwrap();
     assert!(before[..4096].iter().all(|&b| b == 7));
 }
+
+fn state_frame(id: &[u8], version: u32, data: &[u8]) -> Vec<u8> {
+    Payload::default()
+        .text(id)
+        .u32(version)
+        .u32(data.len() as u32)
+        .bytes(data)
+        .frame(ty::STATE)
+}
+
+/// The index of the `StateEnd` frame in `with_frame`'s stream.
+fn state_end_at() -> usize {
+    let v = wire::valid_stream(small(), &wire::image(32, 50, 2), Compression::Lz4, 8, &[]);
+    v.frames
+        .iter()
+        .position(|f| f[0] == ty::STATE_END)
+        .expect("a state end")
+}
+
+/// Device state is bounded and counted: a repeated id, a count that does not match what
+/// arrived, hashes before the state ended, a blob larger than a frame carries, and state in
+/// the middle of a round are each refused with a typed error.
+#[test]
+fn device_state_is_checked() {
+    let at = state_end_at();
+    // A blob the end does not count.
+    let e = with_frame(at, state_frame(b"slat.workload", 1, &[0; 17]), true);
+    assert!(e.contains("announcing 0 blobs"), "{e}");
+    let mut dup = vec![state_frame(b"a", 1, b"x"), state_frame(b"a", 1, b"y")];
+    dup.push(Payload::default().u32(2).u64(2).frame(ty::STATE_END));
+    let v = wire::valid_stream(small(), &wire::image(32, 50, 2), Compression::Lz4, 8, &[]);
+    let mut frames = v.frames.clone();
+    frames.splice(at..at + 1, dup);
+    let (r, replies, _) = against_destination(&frames, dest_config());
+    let e = refused(&r, &replies);
+    assert!(e.contains("device state `a` arrived twice"), "{e}");
+    // Hashes with no device state before them.
+    let mut frames = v.frames.clone();
+    frames.remove(at);
+    let (r, replies, _) = against_destination(&frames, dest_config());
+    let e = refused(&r, &replies);
+    assert!(e.contains("before the device state ended"), "{e}");
+    // A blob announcing more than a frame may carry is a corrupt frame, not an allocation.
+    let big = Payload::default()
+        .text(b"gpu")
+        .u32(1)
+        .u32(u32::MAX)
+        .frame(ty::STATE);
+    let e = with_frame(at, big, true);
+    assert!(e.contains("device-state blob of 4294967295 bytes"), "{e}");
+    // State in the middle of round 0 (after its first batch).
+    let e = with_frame(2, state_frame(b"x", 1, b""), true);
+    assert!(e.contains("device state in the middle of round 0"), "{e}");
+}
+
+/// A one-way stream (a file's) over a connection that answers, or the reverse, is refused.
+#[test]
+fn a_one_way_hello_on_a_connection_is_refused() {
+    let hello = wire::hello_payload(
+        7,
+        1,
+        true,
+        &wire::shape_regions(&small()),
+        &small().encode(),
+        0,
+        64,
+        0,
+        b"sim",
+    )
+    .frame(ty::HELLO);
+    let (r, replies, asked) = against_destination(&[hello], dest_config());
+    let e = refused(&r, &replies);
+    assert!(e.contains("one-way"), "{e}");
+    assert!(asked.is_empty());
+}
