@@ -14,7 +14,43 @@
 //! A minimal KVM VMM implements it in a few lines per method: `regions` lists its memslots'
 //! (gpa, size, mmap address), `dirty_log` wraps its memslots in `Harvester::new`, `pause` and
 //! `resume` stop and start its vCPU threads, and `save_state`/`restore_state` carry its
-//! registers (`KVM_GET_REGS` & co.) and device models.
+//! registers (`KVM_GET_REGS` & co.) and device models. A sketch, for a VM with two RAM slots
+//! around a hole (the VMM's own `Vcpus` thread handling elided; `tests/common/soft.rs` is a
+//! complete guest without KVM):
+//!
+//! ```ignore
+//! struct MyVm { vm: Arc<VmFd>, ram: [(u64 /* gpa */, &'static mut [u8]); 2], vcpus: Vcpus }
+//!
+//! // SAFETY: both RAM mappings are mmap'd for the VM's life and touched only by the vCPUs.
+//! unsafe impl Guest for MyVm {
+//!     fn kind(&self) -> &str { "my-vmm" }
+//!     fn regions(&self) -> Vec<GuestRegion> {
+//!         self.ram.iter().map(|(gpa, m)| GuestRegion {
+//!             region: Region { gpa: *gpa, pages: m.len() as u64 / 4096, read_only: false },
+//!             host: m.as_ptr() as u64,
+//!         }).collect()
+//!     }
+//!     fn pause(&self) -> Result<(), GuestError> { self.vcpus.stop(); Ok(()) }
+//!     fn resume(&self) -> Result<(), GuestError> { self.vcpus.run(); Ok(()) }
+//!     fn running(&self) -> bool { self.vcpus.running() }
+//!     fn set_dirty_logging(&self, on: bool) -> Result<(), GuestError> {
+//!         for s in self.memslots() { s.set_dirty_logging(on).map_err(GuestError::machine)? }
+//!         Ok(())
+//!     }
+//!     fn dirty_log(&self) -> Result<GuestHarvester, GuestError> {
+//!         let log = KvmLog::new(self.memslots(), LogMode::Get, vec![]).map_err(GuestError::harvest)?;
+//!         Harvester::from_source(Box::new(GuestErrors(log)) as GuestLog).map_err(GuestError::harvest)
+//!     }
+//!     fn save_state(&self) -> Result<Vec<StateBlob>, GuestError> {
+//!         let regs = self.vcpus.regs(); // KVM_GET_REGS, SREGS, ...: the VMM's encoding
+//!         Ok(vec![StateBlob { id: "vcpu0".into(), version: 1, data: regs }])
+//!     }
+//!     fn restore_state(&self, blobs: Vec<StateBlob>) -> Result<(), GuestError> {
+//!         for b in blobs { self.vcpus.set_regs(&b.id, b.version, &b.data)?; }
+//!         Ok(())
+//!     }
+//! }
+//! ```
 
 use crate::error::{GuestError, MapError, MemoryError};
 use crate::state::StateBlob;
