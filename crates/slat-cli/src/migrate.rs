@@ -15,13 +15,15 @@ use crate::report::{quiet, ts};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use slat_machine::ram::{format_size, parse_size, Backing};
-use slat_migrate::guest::{self, BackendKind, GuestSpec, LogMode, Memory};
-use slat_migrate::stream::{Compression, Shape, WorkSpec};
+use slat_migrate::bench::{self, BackendKind, BenchGuest, GuestSpec, LogMode, Shape, WorkSpec};
+use slat_migrate::stream::Compression;
+use slat_migrate::transport::{self, Channel, Endpoint, Listener};
+use slat_migrate::verify::VerifyMode;
 use slat_migrate::{
-    DestConfig, DestReport, Destination, Event, Faults, Guest, GuestError, MemoryError,
+    DestConfig, DestReport, Destination, Event, Faults, GuestError, MapError, Memory, MemoryError,
     MigrateError, MigrationReport, Source, SourceConfig,
 };
-use std::net::{SocketAddr, TcpListener};
+use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -53,6 +55,17 @@ pub enum CompressArg {
     None,
     /// LZ4 blocks where smaller.
     Lz4,
+}
+
+/// How the switch-over verifies memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum VerifyArg {
+    /// Digests of every page as it is sent and received; only the final round is hashed
+    /// while the guest is paused (trusts the dirty log to report every write).
+    Sent,
+    /// Hash all memory on both sides while the guest is paused (independent of the dirty
+    /// log; the downtime grows with memory).
+    Full,
 }
 
 /// Deliberately broken sources, to watch verification fail.
@@ -126,6 +139,15 @@ pub struct MigrationArgs {
     /// Page compression: none, or lz4 where it makes a page smaller.
     #[arg(long, value_enum, default_value = "none")]
     pub compress: CompressArg,
+    /// Verification at the switch-over: `sent` (every page's digest kept as it is sent and
+    /// received, so only the final round is hashed while the guest is paused) or `full` (all
+    /// memory hashed on both sides while paused, independent of the dirty log). Always on.
+    #[arg(long, value_enum, default_value = "sent")]
+    pub verify: VerifyArg,
+    /// Progress on stderr: `text` lines, or `json` — one JSON object per line (round, pages
+    /// sent and remaining, bandwidth, expected downtime, throttle), also with --json.
+    #[arg(long, value_enum, default_value = "text")]
+    pub progress: ProgressArg,
     /// Throttle the vCPUs (QEMU-style, 20% then +10% steps) when the guest dirties memory
     /// faster than the link sends it.
     #[arg(long = "auto-converge", value_enum, default_value = "on")]
@@ -201,6 +223,18 @@ impl From<String> for FlagError {
     }
 }
 
+/// Parses `--to` and `--listen` (QEMU's URI forms; a bare HOST:PORT is TCP).
+fn endpoint(s: &str) -> Result<Endpoint, transport::EndpointError> {
+    s.parse()
+}
+
+/// Takes inherited descriptor `n` of `ep` (`fd:N`).
+fn claim_fd(ep: &Endpoint, n: i32) -> Result<std::os::fd::OwnedFd, RunError> {
+    // SAFETY: `fd:N` names a descriptor this process inherited for the migration (N > 2, so
+    // not stdin, stdout or stderr); nothing else in the process opens, uses or closes it.
+    unsafe { transport::inherited_fd(n) }.map_err(|e| RunError::Fd(ep.clone(), e))
+}
+
 fn inject(s: &str) -> Result<Inject, FlagError> {
     let (k, v) = s
         .split_once('=')
@@ -254,9 +288,12 @@ fn max_downtime(s: &str) -> Result<u64, FlagError> {
 /// Flags of `slat migrate`.
 #[derive(Debug, Clone, Args)]
 pub struct MigrateArgs {
-    /// The destination, HOST:PORT (where `slat migrate-listen` runs).
-    #[arg(long)]
-    pub to: String,
+    /// The destination, as QEMU writes it: tcp:HOST:PORT (or HOST:PORT) and unix:PATH
+    /// (where `slat migrate-listen` runs), fd:N (an inherited socket, pipe or file: one
+    /// attempt), or file:PATH (a snapshot: the whole migration into a file, which
+    /// `migrate-listen --listen file:PATH` restores).
+    #[arg(long, value_parser = endpoint)]
+    pub to: Endpoint,
     /// Attempts after a failed one (the guest keeps running on the source meanwhile; 0-1000).
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=MAX_RETRIES as i64), default_value_t = 0)]
     pub retries: u32,
@@ -278,9 +315,12 @@ pub struct MigrateArgs {
 /// Flags of `slat migrate-listen`.
 #[derive(Debug, Clone, Args)]
 pub struct ListenArgs {
-    /// Address to listen on, e.g. 127.0.0.1:7000 (port 0: any free port, printed).
-    #[arg(long)]
-    pub listen: String,
+    /// Where migrations come from: tcp:HOST:PORT or HOST:PORT (port 0: any free port,
+    /// printed), unix:PATH (created; must not exist), fd:N (an inherited connected socket,
+    /// pipe or file: one migration) or file:PATH (restore a snapshot `slat migrate --to
+    /// file:PATH` wrote).
+    #[arg(long, value_parser = endpoint)]
+    pub listen: Endpoint,
     /// The machine incoming guests run on.
     #[arg(long, value_enum, default_value = "sim")]
     pub backend: BackendArg,
@@ -337,7 +377,7 @@ pub struct MigratePerfArgs {
     pub resume_ms: u64,
     /// Run once per combination of the listed settings, in this process, and print one
     /// table (KEY=V1,V2,...; repeatable; keys: log, dirty-rate, fast-pf, backend,
-    /// max-downtime, compress, auto-converge, wrprot). For example, dirty rate × log × fast page fault:
+    /// max-downtime, compress, auto-converge, wrprot, verify). For example, dirty rate × log × fast page fault:
     /// `--vary dirty-rate=2k,50k --vary log=get,clear,ring --vary fast-pf=on,off`.
     #[arg(long = "vary", value_parser = parse_vary, value_name = "KEY=V1,V2")]
     pub vary: Vec<(VaryKey, Vec<MigSetting>)>,
@@ -372,10 +412,12 @@ pub enum VaryKey {
     AutoConverge,
     /// `--wrprot`.
     Wrprot,
+    /// `--verify`.
+    Verify,
 }
 
 /// The keys of migrate-perf's `--vary`, by name.
-const KEYS: [(&str, VaryKey); 8] = [
+const KEYS: [(&str, VaryKey); 9] = [
     ("log", VaryKey::Log),
     ("dirty-rate", VaryKey::DirtyRate),
     ("fast-pf", VaryKey::FastPf),
@@ -384,6 +426,7 @@ const KEYS: [(&str, VaryKey); 8] = [
     ("compress", VaryKey::Compress),
     ("auto-converge", VaryKey::AutoConverge),
     ("wrprot", VaryKey::Wrprot),
+    ("verify", VaryKey::Verify),
 ];
 
 impl VaryKey {
@@ -423,6 +466,8 @@ pub enum MigValue {
     AutoConverge(Switch),
     /// `wrprot=...`.
     Wrprot(slat::WrprotVariant),
+    /// `verify=...`.
+    Verify(VerifyArg),
 }
 
 impl MigValue {
@@ -436,6 +481,7 @@ impl MigValue {
             MigValue::Compress(_) => VaryKey::Compress,
             MigValue::AutoConverge(_) => VaryKey::AutoConverge,
             MigValue::Wrprot(_) => VaryKey::Wrprot,
+            MigValue::Verify(_) => VaryKey::Verify,
         }
     }
 }
@@ -465,6 +511,7 @@ fn parse_value(key: VaryKey, v: &str) -> Result<MigValue, FlagError> {
             value: v.into(),
             flag: "--wrprot",
         })?),
+        VaryKey::Verify => MigValue::Verify(choice(v, "--verify")?),
     })
 }
 
@@ -488,6 +535,7 @@ fn apply(a: &mut MigratePerfArgs, v: MigValue) {
         MigValue::Compress(x) => a.migration.compress = x,
         MigValue::AutoConverge(x) => a.migration.auto_converge = x,
         MigValue::Wrprot(x) => a.guest.wrprot = x,
+        MigValue::Verify(x) => a.migration.verify = x,
     }
 }
 
@@ -614,6 +662,10 @@ impl MigrationArgs {
             max_rounds: self.max_rounds,
             // At most MAX_BANDWIDTH_MIB: the bytes per second fit.
             bandwidth: self.bandwidth.unwrap_or(0) << 20,
+            verify: match self.verify {
+                VerifyArg::Sent => VerifyMode::Sent,
+                VerifyArg::Full => VerifyMode::Full,
+            },
             compression: match self.compress {
                 CompressArg::None => Compression::None,
                 CompressArg::Lz4 => Compression::Lz4,
@@ -632,7 +684,7 @@ fn prepare_source(
     g: &GuestArgs,
     m: &MigrationArgs,
     q: bool,
-) -> Result<(Arc<dyn Guest>, Source, f64), RunError> {
+) -> Result<(Arc<dyn BenchGuest>, Source, f64), RunError> {
     let total = g.work.bytes * g.work.vcpus as u64;
     progress(
         q,
@@ -644,11 +696,11 @@ fn prepare_source(
             g.fill
         ),
     );
-    let guest = guest::build(&g.spec())?;
+    let guest = bench::build(&g.spec())?;
     guest.populate()?;
-    Memory::new(&*guest).stopped_fill(g.fill, g.seed as u64)?;
-    let src = Source::new(guest.clone(), g.work(), m.config());
-    src.start_guest()?;
+    Memory::new(guest.as_dyn())?.stopped_fill(g.fill, g.seed as u64)?;
+    guest.start(g.work())?;
+    let src = Source::new(guest.clone().as_guest(), m.config());
     let w0 = guest.writes();
     let t0 = Instant::now();
     std::thread::sleep(Duration::from_millis(m.warmup));
@@ -662,9 +714,93 @@ fn progress(q: bool, s: &str) {
     }
 }
 
+/// How the source reports its progress on stderr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ProgressArg {
+    /// `[slat] ...` lines (none with --json).
+    Text,
+    /// One JSON object per line for every event (also with --json): connected, round,
+    /// throttle, paused, and a progress line after every harvest with the round, pages sent
+    /// and remaining, bandwidth, expected downtime and throttle.
+    Json,
+}
+
+/// One line of `--progress json`.
+#[derive(Debug, Serialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+enum ProgressLine<'a> {
+    /// The destination answered.
+    Connected { resume: bool, backend: &'a str },
+    /// A round finished.
+    Round {
+        round: u32,
+        stop_and_copy: bool,
+        pages: u64,
+        zero_pages: u64,
+        bytes: u64,
+        seconds: f64,
+        bytes_per_second: f64,
+        throttle_percent: u32,
+    },
+    /// The throttle changed.
+    Throttle { percent: u32 },
+    /// The vCPUs stopped.
+    Paused { pages_to_send: u64 },
+    /// Where the migration stands.
+    Progress {
+        round: u32,
+        pages_sent: u64,
+        pages_remaining: u64,
+        dirtied_pages: u64,
+        bytes_per_second: f64,
+        expected_downtime_seconds: f64,
+        throttle_percent: u32,
+        paused: bool,
+        elapsed_seconds: f64,
+    },
+}
+
+impl<'a> ProgressLine<'a> {
+    fn of(e: &Event<'a>) -> ProgressLine<'a> {
+        match *e {
+            Event::Connected { resume, backend } => ProgressLine::Connected { resume, backend },
+            Event::Round(r) => ProgressLine::Round {
+                round: r.round,
+                stop_and_copy: r.stop_and_copy,
+                pages: r.pages,
+                zero_pages: r.zero_pages,
+                bytes: r.bytes,
+                seconds: r.time.as_secs_f64(),
+                bytes_per_second: r.bandwidth(),
+                throttle_percent: r.throttle,
+            },
+            Event::Throttle(percent) => ProgressLine::Throttle { percent },
+            Event::Paused(pages_to_send) => ProgressLine::Paused { pages_to_send },
+            Event::Progress(p) => ProgressLine::Progress {
+                round: p.round,
+                pages_sent: p.pages_sent,
+                pages_remaining: p.pages_remaining,
+                dirtied_pages: p.dirtied,
+                bytes_per_second: p.bandwidth,
+                expected_downtime_seconds: p.expected_downtime.as_secs_f64(),
+                throttle_percent: p.throttle,
+                paused: p.paused,
+                elapsed_seconds: p.elapsed.as_secs_f64(),
+            },
+        }
+    }
+}
+
 /// Progress lines for the source's events.
-fn on_event(q: bool) -> impl FnMut(Event<'_>) {
+fn on_event(q: bool, mode: ProgressArg) -> impl FnMut(Event<'_>) {
     move |e| {
+        if mode == ProgressArg::Json {
+            // A line that cannot be serialised has nothing in it to lose; none can fail.
+            if let Ok(line) = serde_json::to_string(&ProgressLine::of(&e)) {
+                eprintln!("{line}");
+            }
+            return;
+        }
         if q {
             return;
         }
@@ -694,6 +830,8 @@ fn on_event(q: bool) -> impl FnMut(Event<'_>) {
             ),
             Event::Throttle(t) => eprintln!("[slat] auto-converge: throttle {t}%"),
             Event::Paused(n) => eprintln!("[slat] vCPUs paused; {n} pages to send"),
+            // The text lines above already say where the migration stands.
+            Event::Progress(_) => {}
         }
     }
 }
@@ -711,6 +849,9 @@ pub enum RunError {
     /// Guest memory could not be filled.
     #[error(transparent)]
     Memory(#[from] MemoryError),
+    /// The guest's memory map is unusable.
+    #[error(transparent)]
+    Map(#[from] MapError),
     /// The listening socket could not be opened.
     #[error("cannot listen on {addr}: {err}")]
     Listen {
@@ -724,11 +865,14 @@ pub enum RunError {
     #[error("accepting on {addr}: {err}")]
     Accept {
         /// The listening address.
-        addr: SocketAddr,
-        /// The socket error.
+        addr: String,
+        /// Why.
         #[source]
-        err: std::io::Error,
+        err: MigrateError,
     },
+    /// An inherited descriptor cannot be used.
+    #[error("{0}: {1}")]
+    Fd(Endpoint, std::io::Error),
     /// migrate-perf's destination thread panicked.
     #[error("the destination thread panicked")]
     DestinationPanicked,
@@ -754,7 +898,7 @@ pub enum RunError {
         /// Attempts made.
         attempts: usize,
         /// The last attempt's error.
-        err: MigrateError,
+        err: Box<MigrateError>,
         /// Guest writes so far.
         writes: u64,
         /// Pages still owed to the destination.
@@ -764,7 +908,7 @@ pub enum RunError {
     #[error("incoming migration from {peer} failed: {err}")]
     Incoming {
         /// The source's address.
-        peer: SocketAddr,
+        peer: String,
         /// Why.
         err: MigrateError,
     },
@@ -791,6 +935,11 @@ impl From<RunError> for CliError {
 /// `slat migrate`: one migration, or `--repeat N` of freshly built guests.
 pub fn run_migrate(a: &MigrateArgs) -> CliResult {
     a.guest.check(1)?;
+    if matches!(a.to, Endpoint::Fd(_)) && (a.out.repeat > 1 || a.retries > 0) {
+        return Err(CliError::bad(
+            "--to fd:N carries one migration: --repeat and --retries need tcp: or unix:",
+        ));
+    }
     let q = quiet(a.out.json);
     let mut runs = Vec::new();
     for n in 0..a.out.repeat {
@@ -815,6 +964,10 @@ pub fn run_migrate(a: &MigrateArgs) -> CliResult {
 /// Builds a source guest and migrates it to `--to`, retrying as `--retries` allows. Returns
 /// the report, the guest's write rate before the migration and why earlier attempts failed.
 fn migrate_once(a: &MigrateArgs, q: bool) -> Result<(MigrationReport, f64, Vec<String>), RunError> {
+    let mut fd = match &a.to {
+        Endpoint::Fd(n) => Some(claim_fd(&a.to, *n)?),
+        _ => None,
+    };
     let (guest, mut src, baseline) = prepare_source(&a.guest, &a.migration, q)?;
     let mut failures = Vec::new();
     loop {
@@ -822,9 +975,27 @@ fn migrate_once(a: &MigrateArgs, q: bool) -> Result<(MigrationReport, f64, Vec<S
             q,
             &format!("migrating to {} (attempt {})", a.to, src.attempts() + 1),
         );
-        let err = match src.migrate(&a.to, &mut on_event(q)) {
+        let r = match &a.to {
+            Endpoint::Fd(_) => match fd.take() {
+                Some(fd) => Channel::fd(fd, Duration::from_secs(a.migration.timeout), true)
+                    .map_err(|e| RunError::Fd(a.to.clone(), e))
+                    .and_then(|c| {
+                        src.migrate_over(c, &mut on_event(q, a.migration.progress))
+                            .map_err(RunError::from)
+                    }),
+                None => Err(RunError::Fd(
+                    a.to.clone(),
+                    std::io::Error::other("the descriptor carried the first attempt"),
+                )),
+            },
+            to => src
+                .migrate_to(to, &mut on_event(q, a.migration.progress))
+                .map_err(RunError::from),
+        };
+        let err = match r {
             Ok(r) => return Ok((r, baseline, failures)),
-            Err(e) => e,
+            Err(RunError::Migrate(e)) => e,
+            Err(e) => return Err(e),
         };
         failures.push(err.to_string());
         // Inject faults into the first attempt only: a retry shows the recovery.
@@ -836,9 +1007,9 @@ fn migrate_once(a: &MigrateArgs, q: bool) -> Result<(MigrationReport, f64, Vec<S
         };
         if failures.len() as u32 > a.retries {
             return Err(RunError::GaveUp {
-                to: a.to.clone(),
+                to: a.to.to_string(),
                 attempts: failures.len(),
-                err,
+                err: Box::new(err),
                 writes: guest.writes(),
                 owed: src.owed(),
             });
@@ -868,15 +1039,20 @@ pub fn run_listen(a: &ListenArgs) -> CliResult {
             "--plot: migrate-listen has nothing to draw (the source's `slat migrate --plot` draws the migration)",
         ));
     }
+    if matches!(a.listen, Endpoint::Fd(_)) && (a.out.repeat > 1 || a.retries > 0) {
+        return Err(CliError::bad(
+            "--listen fd:N carries one migration: --repeat and --retries need tcp: or unix:",
+        ));
+    }
     let q = quiet(a.out.json);
-    let listener = TcpListener::bind(&a.listen).map_err(|err| RunError::Listen {
-        addr: a.listen.clone(),
-        err,
-    })?;
-    let local = listener.local_addr().map_err(|err| RunError::Listen {
-        addr: a.listen.clone(),
-        err,
-    })?;
+    let mut listener = match &a.listen {
+        Endpoint::Fd(n) => Listener::Fd(Some(claim_fd(&a.listen, *n)?)),
+        at => Listener::bind(at).map_err(|err| RunError::Listen {
+            addr: a.listen.to_string(),
+            err,
+        })?,
+    };
+    let local = listener.describe();
     progress(
         q,
         &format!(
@@ -889,7 +1065,7 @@ pub fn run_listen(a: &ListenArgs) -> CliResult {
         if a.out.repeat > 1 {
             progress(q, &format!("migration {}/{}", n + 1, a.out.repeat));
         }
-        let r = receive_one(a, &listener, local, q)?;
+        let r = receive_one(a, &mut listener, &local, q)?;
         if !a.out.json {
             print_dest(&r);
         }
@@ -913,8 +1089,8 @@ pub fn run_listen(a: &ListenArgs) -> CliResult {
 /// own, surviving `--retries` failed ones.
 fn receive_one(
     a: &ListenArgs,
-    listener: &TcpListener,
-    local: SocketAddr,
+    listener: &mut Listener,
+    local: &str,
     q: bool,
 ) -> Result<DestReport, RunError> {
     let cfg = DestConfig {
@@ -925,11 +1101,15 @@ fn receive_one(
     let mut dest = Destination::new(factory(a), cfg);
     let mut failures = 0;
     loop {
-        let (s, peer) = listener
-            .accept()
-            .map_err(|err| RunError::Accept { addr: local, err })?;
+        let c = listener
+            .accept(Duration::from_secs(a.timeout))
+            .map_err(|err| RunError::Accept {
+                addr: local.to_string(),
+                err,
+            })?;
+        let peer = c.peer.clone();
         progress(q, &format!("incoming migration from {peer}"));
-        let err = match dest.serve(s) {
+        let err = match dest.serve_channel(c) {
             Ok(r) => return Ok(r),
             Err(err) => err,
         };
@@ -947,28 +1127,23 @@ fn receive_one(
 
 /// Builds a machine of each incoming guest's shape with migrate-listen's settings.
 fn factory(a: &ListenArgs) -> slat_migrate::Factory {
-    let stage2 = a.machine.format == FormatArg::Stage2;
-    let (backend, backing, vm, tlb, pcpus, prefault) = (
-        kind(a.backend),
-        a.backing,
-        a.machine.vm_config(),
-        a.machine.tlb_entries,
-        a.machine.pcpus.unwrap_or(0),
-        !a.machine.no_prefault,
-    );
-    Box::new(move |s: &Shape| {
-        guest::build(&GuestSpec {
-            backend,
-            shape: *s,
-            backing,
-            log: LogMode::Get,
-            ring_entries: 65536,
-            vm,
-            stage2,
-            tlb_entries: tlb,
-            pcpus,
-            prefault,
-        })
+    // The shape is the source's (from the hello's machine description); the rest is ours.
+    bench::factory(GuestSpec {
+        backend: kind(a.backend),
+        shape: Shape {
+            vcpus: 1,
+            bytes_per_vcpu: 4096,
+            slots: 1,
+            overlap: false,
+        },
+        backing: a.backing,
+        log: LogMode::Get,
+        ring_entries: 65536,
+        vm: a.machine.vm_config(),
+        stage2: a.machine.format == FormatArg::Stage2,
+        tlb_entries: a.machine.tlb_entries,
+        pcpus: a.machine.pcpus.unwrap_or(0),
+        prefault: !a.machine.no_prefault,
     })
 }
 
@@ -981,7 +1156,7 @@ fn perf_once(a: &MigratePerfArgs) -> Result<(MigrationReport, DestReport, f64), 
         log: LogMode::Get,
         ..a.guest.spec()
     };
-    let dguest = guest::build(&dspec)?;
+    let dguest = bench::build(&dspec)?.as_guest();
     let loopback = |err| RunError::Listen {
         addr: "loopback".into(),
         err,
@@ -994,7 +1169,7 @@ fn perf_once(a: &MigratePerfArgs) -> Result<(MigrationReport, DestReport, f64), 
         max_memory: 0,
     };
     let dest = std::thread::spawn(move || Destination::with_guest(dguest, cfg).accept(&listener));
-    let r = src.migrate(&addr, &mut on_event(q));
+    let r = src.migrate(&addr, &mut on_event(q, a.migration.progress));
     let d = dest.join().map_err(|_| RunError::DestinationPanicked)?;
     match (r, d) {
         (Ok(r), Ok(d)) => Ok((r, d, baseline)),
@@ -1368,12 +1543,29 @@ fn print_report(g: &GuestArgs, m: &MigrationArgs, r: &MigrationReport, baseline:
             r.throttled.as_secs_f64()
         );
     }
-    println!(
-        "Verification: OK, {} ranges of {} pages ({}) match the source",
-        r.verify_ranges,
-        r.range_pages,
-        format_size(r.verify_ranges * r.range_pages as u64 * 4096)
-    );
+    if r.one_way {
+        println!(
+            "Verification: sent, {} ranges of {} pages ({}), for the reader to check",
+            r.verify_ranges,
+            r.range_pages,
+            format_size(r.verify_ranges * r.range_pages as u64 * 4096)
+        );
+    } else {
+        println!(
+            "Verification: OK, {} ranges of {} pages ({}) match the source ({}: {} pages hashed with the vCPUs paused)",
+            r.verify_ranges,
+            r.range_pages,
+            format_size(r.verify_ranges * r.range_pages as u64 * 4096),
+            r.verify_mode.name(),
+            r.paused_hashed_pages
+        );
+    }
+    if r.state_blobs > 0 {
+        println!(
+            "Device state: {} blobs, {} bytes",
+            r.state_blobs, r.state_bytes
+        );
+    }
     match r.dest_resumed {
         Some((n, d)) => println!(
             "Destination resumed the guest: {n} pages touched in {}",
@@ -1384,10 +1576,7 @@ fn print_report(g: &GuestArgs, m: &MigrationArgs, r: &MigrationReport, baseline:
 }
 
 fn print_dest(r: &DestReport) {
-    let size = r
-        .shape
-        .map(|s| format_size(s.total_pages() * 4096))
-        .unwrap_or_default();
+    let size = format_size(r.regions.iter().map(|x| x.pages).sum::<u64>() * 4096);
     println!(
         "Incoming migration: {size} guest from a {} source (attempt {}{}), onto {}",
         r.source_backend,

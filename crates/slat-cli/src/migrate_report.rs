@@ -103,6 +103,12 @@ pub struct Verification {
     /// Ranges that did not match (destination side only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mismatched: Option<u64>,
+    /// `--verify`: `sent` or `full` (source side only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mode: Option<&'static str>,
+    /// Pages hashed with the vCPUs paused (source side only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub paused_hashed_pages: Option<u64>,
 }
 
 /// The guest's run on the destination after the switch-over.
@@ -171,6 +177,8 @@ impl DestinationDoc {
                 ranges: r.verify.ranges,
                 range_pages: r.verify.range_pages,
                 mismatched: Some(r.verify.mismatched),
+                mode: None,
+                paused_hashed_pages: None,
             },
             verify_time: r.verify_time,
             run: Resumed {
@@ -214,6 +222,13 @@ pub struct Migration {
     /// The verification at switch-over.
     #[serde(rename = "verify_s", serialize_with = "secs")]
     pub verify: Duration,
+    /// Device-state blobs sent.
+    pub device_state_blobs: u32,
+    /// Saving and sending them, vCPUs stopped.
+    #[serde(rename = "device_state_s", serialize_with = "secs")]
+    pub device_state: Duration,
+    /// Into a file (nothing acknowledged).
+    pub one_way: bool,
     /// Pre-copy converged below --max-downtime.
     pub converged: bool,
     /// The stop-and-copy time pre-copy expected.
@@ -325,7 +340,12 @@ impl Migration {
                 ranges: r.verify_ranges,
                 range_pages: r.range_pages,
                 mismatched: None,
+                mode: Some(r.verify_mode.name()),
+                paused_hashed_pages: Some(r.paused_hashed_pages),
             },
+            device_state_blobs: r.state_blobs,
+            device_state: r.state,
+            one_way: r.one_way,
             destination_resumed: r.dest_resumed.map(|(n, d)| Resumed {
                 pages_touched: n,
                 time: d,

@@ -174,7 +174,14 @@ fn a_cut_connection_is_resumed_across_processes() {
 
 #[test]
 fn a_broken_source_is_caught_by_verification() {
-    let mut args = vec!["migrate-perf", "--break", "skip-final-harvest"];
+    // A dirty log that misses writes: only the full check is independent of it.
+    let mut args = vec![
+        "migrate-perf",
+        "--break",
+        "skip-final-harvest",
+        "--verify",
+        "full",
+    ];
     args.extend(SMALL);
     let (code, out, err) = slat(&args);
     assert_eq!(code, 1, "{out}\n{err}");
@@ -229,4 +236,150 @@ fn migrate_repeat_moves_n_guests_to_a_listen_repeat() {
     assert_eq!(dcode, 0, "{derr}");
     assert_eq!(dout.matches("Verification: OK").count(), 2, "{dout}");
     assert!(dout.contains("Summary over 2 runs"), "{dout}");
+}
+
+#[test]
+fn bad_uris_exit_2_with_one_line() {
+    for args in [
+        vec!["migrate", "--to", "exec:cat"],
+        vec!["migrate", "--to", "fd:1"],
+        vec!["migrate", "--to", "unix:"],
+        vec!["migrate", "--to", "tcp:nohost"],
+        vec!["migrate-listen", "--listen", "file:"],
+        vec!["migrate-listen", "--listen", "fd:x"],
+        vec!["migrate", "--to", "fd:9", "--repeat", "2"],
+    ] {
+        let (code, out, err) = slat(&args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(out.is_empty());
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn migrate_over_a_unix_socket_between_processes() {
+    let path = std::env::temp_dir().join(format!("slat-cli-mig-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let uri = format!("unix:{}", path.display());
+    let mut c = Command::new(env!("CARGO_BIN_EXE_slat"))
+        .args(["migrate-listen", "--listen", &uri, "--resume-ms", "20"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run slat migrate-listen");
+    let mut err = BufReader::new(c.stderr.take().expect("stderr"));
+    let mut line = String::new();
+    err.read_line(&mut line).expect("first line");
+    assert!(line.contains(&uri), "{line}");
+    let mut args = vec!["migrate", "--to", &uri];
+    args.extend(SMALL);
+    let (code, out, e) = slat(&args);
+    assert_eq!(code, 0, "{out}\n{e}");
+    assert!(out.contains("Verification: OK"), "{out}");
+    let (dcode, dout, derr) = finish(c, err);
+    assert_eq!(dcode, 0, "{derr}");
+    assert!(dout.contains("Verification: OK"), "{dout}");
+    assert!(!path.exists(), "the socket file is removed");
+}
+
+#[test]
+fn a_snapshot_to_a_file_restores_with_migrate_listen() {
+    let path = std::env::temp_dir().join(format!("slat-cli-snap-{}", std::process::id()));
+    let uri = format!("file:{}", path.display());
+    let mut args = vec!["migrate", "--to", &uri];
+    args.extend(SMALL);
+    let (code, out, err) = slat(&args);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("Verification: sent"), "{out}");
+    let (code, out, err) = slat(&["migrate-listen", "--listen", &uri, "--resume-ms", "20"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("Verification: OK"), "{out}");
+    let (code, _, err) = slat(&["migrate-listen", "--listen", "file:/nonexistent/snap"]);
+    assert_eq!(code, 1, "{err}");
+    assert_eq!(errors(&err).len(), 1, "{err}");
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn migrate_over_inherited_descriptors() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let (a, b) = std::os::unix::net::UnixStream::pair().expect("socketpair");
+    let with_fd3 = |cmd: &mut Command, s: &std::os::unix::net::UnixStream| {
+        let fd = s.as_raw_fd();
+        // SAFETY: between fork and exec the child only calls dup2 and fcntl, which are
+        // async-signal safe; `fd` stays open in the parent until the child has started.
+        unsafe {
+            cmd.pre_exec(move || {
+                // dup2 onto itself keeps close-on-exec: clear it instead.
+                let r = if fd == 3 {
+                    libc::fcntl(3, libc::F_SETFD, 0)
+                } else {
+                    libc::dup2(fd, 3)
+                };
+                if r < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    };
+    let mut l = Command::new(env!("CARGO_BIN_EXE_slat"));
+    l.args(["migrate-listen", "--listen", "fd:3", "--resume-ms", "20"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    with_fd3(&mut l, &b);
+    let dest = l.spawn().expect("run slat migrate-listen");
+    let mut m = Command::new(env!("CARGO_BIN_EXE_slat"));
+    m.args(["migrate", "--to", "fd:3"]).args(SMALL);
+    with_fd3(&mut m, &a);
+    let out = m.output().expect("run slat migrate");
+    drop((a, b));
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(0), "{so}\n{se}");
+    assert!(so.contains("Verification: OK"), "{so}");
+    let d = dest.wait_with_output().expect("wait");
+    let dout = String::from_utf8_lossy(&d.stdout);
+    assert_eq!(d.status.code(), Some(0), "{dout}");
+    assert!(dout.contains("Verification: OK"), "{dout}");
+}
+
+#[test]
+fn progress_json_is_one_object_per_line() {
+    let mut args = vec![
+        "migrate-perf",
+        "--progress",
+        "json",
+        "--json",
+        "--resume-ms",
+        "10",
+    ];
+    args.extend(SMALL);
+    let (code, out, err) = slat(&args);
+    assert_eq!(code, 0, "{out}\n{err}");
+    serde_json::from_str::<serde_json::Value>(&out).expect("the report is still one document");
+    let lines: Vec<serde_json::Value> = err
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let progress: Vec<_> = lines.iter().filter(|l| l["event"] == "progress").collect();
+    assert!(progress.len() >= 2, "{err}");
+    for p in &progress {
+        for k in [
+            "round",
+            "pages_remaining",
+            "bytes_per_second",
+            "expected_downtime_seconds",
+            "throttle_percent",
+        ] {
+            assert!(p.get(k).is_some(), "{k} missing: {p}");
+        }
+    }
+    let last = progress.last().unwrap();
+    assert_eq!(last["paused"], true);
+    assert_eq!(last["pages_remaining"], 0);
+    assert!(lines.iter().any(|l| l["event"] == "round"));
 }

@@ -1,7 +1,9 @@
 //! What can go wrong, as one readable line each.
 
 use crate::stream::{
-    Shape, MAX_BATCH_PAGES, MAX_GUEST_BYTES, MAX_HASHES, MAX_SLOTS, MAX_VCPUS, PAGE_SIZE,
+    Region, GPA_BITS, MAX_BATCH_PAGES, MAX_GUEST_BYTES, MAX_HASHES, MAX_MACHINE, MAX_REGIONS,
+    MAX_SLOTS, MAX_STATE_BLOB, MAX_STATE_BLOBS, MAX_STATE_BYTES, MAX_STATE_ID, MAX_VCPUS,
+    PAGE_SIZE,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -113,9 +115,21 @@ pub enum Corruption {
     /// A frame type this side does not know.
     #[error("unknown frame type {0}")]
     UnknownType(u8),
-    /// A hello listing more memslots than a guest may have.
-    #[error("hello lists {0} memslots (at most {MAX_SLOTS})")]
-    TooManySlots(usize),
+    /// A hello listing more regions than a guest may have.
+    #[error("hello lists {0} memory regions (at most {MAX_REGIONS})")]
+    TooManyRegions(usize),
+    /// A machine description longer than a hello carries.
+    #[error("a machine description of {0} bytes (at most {MAX_MACHINE})")]
+    MachineLen(usize),
+    /// A device-state id that is empty or too long.
+    #[error("a device-state id of {0} bytes (1 to {MAX_STATE_ID})")]
+    StateId(usize),
+    /// A device-state blob larger than a frame carries.
+    #[error("a device-state blob of {0} bytes (at most {MAX_STATE_BLOB})")]
+    StateTooBig(u32),
+    /// A verification mode this side does not know.
+    #[error("unknown verification mode {0}")]
+    UnknownVerify(u8),
     /// A compression this side does not know.
     #[error("unknown compression {0}")]
     UnknownCompression(u8),
@@ -272,6 +286,36 @@ pub enum ProtocolError {
     /// A commit before verification passed.
     #[error("a commit before a successful verification")]
     EarlyCommit,
+    /// Two device-state blobs with one id.
+    #[error("device state `{id}` arrived twice")]
+    StateTwice {
+        /// The id.
+        id: String,
+    },
+    /// More device state than a guest may have.
+    #[error("more than {MAX_STATE_BLOBS} device-state blobs or {MAX_STATE_BYTES} bytes")]
+    StateTooMuch,
+    /// The end of the device state counted other blobs than arrived.
+    #[error("the device state ended announcing {blobs} blobs of {bytes} bytes; {got_blobs} of {got_bytes} arrived")]
+    StateCount {
+        /// Blobs announced.
+        blobs: u32,
+        /// Bytes announced.
+        bytes: u64,
+        /// Blobs received.
+        got_blobs: u32,
+        /// Bytes received.
+        got_bytes: u64,
+    },
+    /// Device state while a round was still open.
+    #[error("device state in the middle of round {round}")]
+    StateMidRound {
+        /// The open round.
+        round: u32,
+    },
+    /// Verification began without the device state.
+    #[error("verification hashes before the device state ended")]
+    NoState,
     /// An acknowledgement of a batch that is not the oldest in flight.
     #[error("acknowledgement of batch {seq}, which is not the oldest in flight")]
     AckOrder {
@@ -384,30 +428,124 @@ pub enum ShapeError {
     },
 }
 
+/// Why a memory map cannot be used: the checks every map passes before memory is built for
+/// it or a page is addressed with it ([`crate::stream::check_regions`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MapError {
+    /// No region, or more than a guest may have.
+    #[error("{0} memory regions (a guest has 1 to {MAX_REGIONS})")]
+    Count(usize),
+    /// A region without pages.
+    #[error("region {index} has no pages")]
+    Empty {
+        /// The region.
+        index: usize,
+    },
+    /// A region that does not start on a page boundary.
+    #[error("region {index} starts at {gpa:#x}, not on a page boundary")]
+    Unaligned {
+        /// The region.
+        index: usize,
+        /// Its address.
+        gpa: u64,
+    },
+    /// A region reaching past the guest-physical address space.
+    #[error("region {index} ({pages} pages at {gpa:#x}) reaches past the {GPA_BITS}-bit guest-physical space")]
+    Beyond {
+        /// The region.
+        index: usize,
+        /// Its address.
+        gpa: u64,
+        /// Its pages.
+        pages: u64,
+    },
+    /// A region below or overlapping the one before it.
+    #[error("region {index} at {gpa:#x} overlaps or precedes the region before it")]
+    Overlap {
+        /// The region.
+        index: usize,
+        /// Its address.
+        gpa: u64,
+    },
+    /// More memory than a guest may have.
+    #[error("{bytes} bytes of guest memory (at most {MAX_GUEST_BYTES})")]
+    TooBig {
+        /// Bytes (at least).
+        bytes: u64,
+    },
+    /// A region whose host address is not 8-byte aligned or whose host range overflows.
+    #[error("region {index} has an unusable host address {host:#x}")]
+    Host {
+        /// The region.
+        index: usize,
+        /// Its host address.
+        host: u64,
+    },
+    /// A dirty log whose slots are not the map's writable regions.
+    #[error("the dirty log has {slots} slots of {slot_pages:?} pages; the writable regions are {regions:?} pages")]
+    LogSlots {
+        /// Slots of the log.
+        slots: usize,
+        /// Their pages.
+        slot_pages: Vec<u64>,
+        /// Pages of the writable regions.
+        regions: Vec<u64>,
+    },
+}
+
+/// Why device state cannot be sent.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StateError {
+    /// More blobs than the stream carries.
+    #[error("{0} device-state blobs (at most {MAX_STATE_BLOBS})")]
+    TooMany(usize),
+    /// An id that is empty or too long.
+    #[error("a device-state id of {0} bytes (1 to {MAX_STATE_ID})")]
+    Id(usize),
+    /// A blob larger than a frame carries.
+    #[error("device state `{id}` has {len} bytes (at most {MAX_STATE_BLOB})")]
+    TooBig {
+        /// The blob.
+        id: String,
+        /// Its size.
+        len: usize,
+    },
+    /// Two blobs with one id.
+    #[error("two device-state blobs are called `{0}`")]
+    Duplicate(String),
+    /// More bytes than the stream carries.
+    #[error("{0} bytes of device state (at most {MAX_STATE_BYTES})")]
+    Total(u64),
+}
+
+/// A memory map, readable on one line.
+pub fn describe_map(regions: &[Region]) -> String {
+    let v: Vec<String> = regions
+        .iter()
+        .take(8)
+        .map(|r| {
+            format!(
+                "{:#x}+{}p{}",
+                r.gpa,
+                r.pages,
+                if r.read_only { " ro" } else { "" }
+            )
+        })
+        .collect();
+    let more = regions.len().saturating_sub(8);
+    if more > 0 {
+        format!("[{} and {more} more]", v.join(", "))
+    } else {
+        format!("[{}]", v.join(", "))
+    }
+}
+
 /// Why a destination will not take the guest a source announced.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum HelloError {
-    /// The shape is not one a machine can be built for.
-    #[error("unusable guest shape: {0}")]
-    Shape(#[from] ShapeError),
-    /// The memslot list has another length than the shape's memslot count.
-    #[error("the hello lists {listed} memslots, its shape has {slots}")]
-    SlotCount {
-        /// Entries in the list.
-        listed: usize,
-        /// Memslots in the shape.
-        slots: u32,
-    },
-    /// A memslot entry that does not follow from the shape (equal, consecutive memslots).
-    #[error("memslot {index} is {got:?} (first page, pages), the shape gives {want:?}")]
-    SlotEntry {
-        /// The entry.
-        index: usize,
-        /// What the hello lists.
-        got: (u64, u64),
-        /// What the shape gives.
-        want: (u64, u64),
-    },
+    /// The memory map is not one memory can be built for.
+    #[error("unusable memory map: {0}")]
+    Map(#[from] MapError),
     /// Verification ranges of another size.
     #[error("verification ranges of {got} pages (this side uses {want})")]
     RangePages {
@@ -416,9 +554,6 @@ pub enum HelloError {
         /// Ours.
         want: u32,
     },
-    /// A write percentage over 100.
-    #[error("a workload writing on {0}% of its accesses")]
-    WritePercent(u32),
     /// More memory than this destination takes.
     #[error("a guest of {bytes} bytes exceeds this destination's limit of {limit} bytes ({why})")]
     TooBig {
@@ -429,22 +564,21 @@ pub enum HelloError {
         /// Where the limit comes from.
         why: &'static str,
     },
-    /// The destination's own machine has another shape.
-    #[error("the source's guest {theirs:?} does not match this destination's machine {ours:?}")]
+    /// This destination's guest (given, or built by the factory) has another memory map.
+    #[error(
+        "the source's memory map {} does not match this destination's {}",
+        describe_map(theirs),
+        describe_map(ours)
+    )]
     Mismatch {
-        /// The source's shape.
-        theirs: Shape,
+        /// The source's map.
+        theirs: Vec<Region>,
         /// This side's.
-        ours: Shape,
+        ours: Vec<Region>,
     },
-    /// The machine built for the shape does not have its memory.
-    #[error("the machine built for {want} pages maps {got}")]
-    Built {
-        /// Pages the shape has.
-        want: u64,
-        /// Pages the machine maps.
-        got: u64,
-    },
+    /// The machine description is not one this destination's factory reads.
+    #[error("unusable machine description: {0}")]
+    Machine(String),
     /// The machine could not be built.
     #[error("cannot build a machine: {0}")]
     Build(GuestError),
@@ -454,6 +588,12 @@ pub enum HelloError {
     /// A migration already completed here.
     #[error("this destination already holds a migrated guest")]
     AlreadyMigrated,
+    /// A two-way stream to a one-way reader, or the reverse.
+    #[error("a {} stream where a {} one was expected", if *got { "one-way" } else { "two-way" }, if *got { "two-way" } else { "one-way" })]
+    OneWay {
+        /// The stream's flag.
+        got: bool,
+    },
 }
 
 /// Guest memory addressed outside the test region, with the wrong buffer, or while vCPUs run.
@@ -557,16 +697,32 @@ pub enum GuestError {
     /// test region's memslots).
     #[error("dirty-log harvester: {0}")]
     Harvest(Cause),
+    /// The guest's memory map is unusable.
+    #[error("memory map: {0}")]
+    Map(#[from] MapError),
+    /// The guest cannot restore a piece of device state (an unknown id or version).
+    #[error("device state `{id}` version {version}: {why}")]
+    State {
+        /// The blob.
+        id: String,
+        /// Its version.
+        version: u32,
+        /// Why.
+        why: String,
+    },
+    /// `resume` of a guest that has nothing to run.
+    #[error("the guest has nothing to resume")]
+    NothingToResume,
 }
 
 impl GuestError {
     /// A machine's error.
-    pub(crate) fn machine<E: std::error::Error + Send + Sync + 'static>(e: E) -> GuestError {
+    pub fn machine<E: std::error::Error + Send + Sync + 'static>(e: E) -> GuestError {
         GuestError::Machine(Cause::new(e))
     }
 
     /// A refusal of `slat_dirty`'s harvester.
-    pub(crate) fn harvest(e: slat_dirty::Error) -> GuestError {
+    pub fn harvest(e: slat_dirty::Error) -> GuestError {
         GuestError::Harvest(Cause::new(e))
     }
 }
@@ -640,6 +796,9 @@ pub enum MigrateError {
     /// A zero timeout: the peer could hold this side forever.
     #[error("the timeout must not be zero (a silent peer would hold this side forever)")]
     ZeroTimeout,
+    /// The guest's device state cannot be sent.
+    #[error("device state: {0}")]
+    State(#[from] StateError),
     /// The guest was already migrated away by an earlier attempt.
     #[error("the guest has already been migrated away")]
     AlreadyMigrated,

@@ -1,225 +1,140 @@
-//! The guest a migration moves: a machine (simulated, or real on `/dev/kvm`) with its test
-//! region of guest RAM, a workload running on its vCPUs, and its dirty log.
+//! The guest a migration moves, as any VMM can offer it: a memory map of guest-physical
+//! regions, pause and resume, a dirty log, and device state.
 //!
-//! [`Guest`] is what the two ends need and nothing more: the shape, the host address of the
-//! test region, start/pause of the workload, a throttle, dirty logging on/off and the
-//! machine's dirty log as a [`GuestHarvester`] — `slat_dirty`'s transactional harvester, the
-//! one a VMM uses on its own KVM VM, over `slat_snapshot::MachineLog` (either machine). (`slat-cli` has a wider `Backend` trait; a library crate cannot
-//! depend on the binary's, and migration needs a running workload with a run-time dirty-rate
-//! control, which that trait does not have.)
+//! [`Guest`] is what the two ends need and nothing more. Memory is a list of regions
+//! ([`GuestRegion`]: guest-physical address, pages, host address, read-only flag), with holes
+//! between them where the guest has none; the writable ones are dirty-logged through
+//! `slat_dirty`'s transactional [`Harvester`] over any [`DirtyLogSource`] (a KVM VM's
+//! `KvmLog`, slat's machines, a VMM's own software log); read-only regions (ROM) are copied
+//! once and never logged. Device and vCPU state leave as opaque, versioned blobs
+//! ([`StateBlob`]) once the vCPUs are paused and come back through
+//! [`Guest::restore_state`] on the destination. Nothing here knows a workload: slat's own
+//! benchmark guests and their synthetic writer live in [`crate::bench`].
 //!
-//! The source's vCPUs run the paced memstress of `slat-machine` (every write a new value, at
-//! a write rate and throttle changed while it runs). The KVM guest's code has no such control,
-//! so a driver thread runs its dirty-log writer in bursts, kicking the vCPUs out between them
-//! as QEMU's CPU throttle does: the length of each burst follows the measured write speed so
-//! that the average rate matches the one asked for.
+//! A minimal KVM VMM implements it in a few lines per method: `regions` lists its memslots'
+//! (gpa, size, mmap address), `dirty_log` wraps its memslots in `Harvester::new`, `pause` and
+//! `resume` stop and start its vCPU threads, and `save_state`/`restore_state` carry its
+//! registers (`KVM_GET_REGS` & co.) and device models. A sketch, for a VM with two RAM slots
+//! around a hole (the VMM's own `Vcpus` thread handling elided; `tests/common/soft.rs` is a
+//! complete guest without KVM):
+//!
+//! ```ignore
+//! struct MyVm { vm: Arc<VmFd>, ram: [(u64 /* gpa */, &'static mut [u8]); 2], vcpus: Vcpus }
+//!
+//! // SAFETY: both RAM mappings are mmap'd for the VM's life and touched only by the vCPUs.
+//! unsafe impl Guest for MyVm {
+//!     fn kind(&self) -> &str { "my-vmm" }
+//!     fn regions(&self) -> Vec<GuestRegion> {
+//!         self.ram.iter().map(|(gpa, m)| GuestRegion {
+//!             region: Region { gpa: *gpa, pages: m.len() as u64 / 4096, read_only: false },
+//!             host: m.as_ptr() as u64,
+//!         }).collect()
+//!     }
+//!     fn pause(&self) -> Result<(), GuestError> { self.vcpus.stop(); Ok(()) }
+//!     fn resume(&self) -> Result<(), GuestError> { self.vcpus.run(); Ok(()) }
+//!     fn running(&self) -> bool { self.vcpus.running() }
+//!     fn set_dirty_logging(&self, on: bool) -> Result<(), GuestError> {
+//!         for s in self.memslots() { s.set_dirty_logging(on).map_err(GuestError::machine)? }
+//!         Ok(())
+//!     }
+//!     fn dirty_log(&self) -> Result<GuestHarvester, GuestError> {
+//!         let log = KvmLog::new(self.memslots(), LogMode::Get, vec![]).map_err(GuestError::harvest)?;
+//!         Harvester::from_source(Box::new(GuestErrors(log)) as GuestLog).map_err(GuestError::harvest)
+//!     }
+//!     fn save_state(&self) -> Result<Vec<StateBlob>, GuestError> {
+//!         let regs = self.vcpus.regs(); // KVM_GET_REGS, SREGS, ...: the VMM's encoding
+//!         Ok(vec![StateBlob { id: "vcpu0".into(), version: 1, data: regs }])
+//!     }
+//!     fn restore_state(&self, blobs: Vec<StateBlob>) -> Result<(), GuestError> {
+//!         for b in blobs { self.vcpus.set_regs(&b.id, b.version, &b.data)?; }
+//!         Ok(())
+//!     }
+//! }
+//! ```
 
-use crate::error::{Cause, GuestError, MemoryError, ShapeError};
-use crate::stream::{Shape, WorkSpec, PAGE_SIZE};
-use slat::{Ept, PteFormat, Stage2, VmConfig};
+use crate::error::{GuestError, MapError, MemoryError};
+use crate::state::StateBlob;
+use crate::stream::{check_regions, Region, PAGE_SIZE};
 use slat_dirty::{DirtyLogSource, Harvester, SlotInfo};
-use slat_machine::{Backing, Machine, MachineConfig, PacedParams, Pacer, PassParams, Workload};
-use slat_workload::{DirtyConfig, RegionSpec, TestMachine, INITIALLY_SET, MANUAL_PROTECT_ENABLE};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
-/// Which machine runs the guest.
+/// One region of guest memory as the host sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BackendKind {
-    /// The simulated machine on slat's page tables.
-    Sim,
-    /// A real guest on the host's `/dev/kvm`.
-    Kvm,
+pub struct GuestRegion {
+    /// Where it is in the guest, how big, and whether the guest may write it.
+    pub region: Region,
+    /// Host address of its first byte (8-byte aligned; see [`Guest`]'s safety contract).
+    pub host: u64,
 }
 
-impl BackendKind {
-    /// The name the command line uses.
-    pub fn name(self) -> &'static str {
-        match self {
-            BackendKind::Sim => "sim",
-            BackendKind::Kvm => "kvm",
-        }
-    }
-}
-
-/// How the source harvests dirty pages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogMode {
-    /// GET_DIRTY_LOG clears and re-protects.
-    Get,
-    /// Manual protect with INITIALLY_SET: GET copies, CLEAR clears and re-protects.
-    Clear,
-    /// Per-vCPU dirty rings: collect, then reset.
-    Ring,
-}
-
-impl LogMode {
-    /// The name the command line uses.
-    pub fn name(self) -> &'static str {
-        match self {
-            LogMode::Get => "get",
-            LogMode::Clear => "clear",
-            LogMode::Ring => "ring",
-        }
-    }
-}
-
-/// What to build.
-#[derive(Debug, Clone, Copy)]
-pub struct GuestSpec {
-    /// The machine.
-    pub backend: BackendKind,
-    /// vCPUs, memory, memslots.
-    pub shape: Shape,
-    /// Host memory behind guest RAM.
-    pub backing: Backing,
-    /// The dirty log the source harvests (irrelevant on a destination).
-    pub log: LogMode,
-    /// Dirty ring entries per vCPU with [`LogMode::Ring`].
-    pub ring_entries: u32,
-    /// Engine switches (simulated machine only).
-    pub vm: VmConfig,
-    /// Second-stage page-table format (simulated machine only). Memory contents and the stream
-    /// do not depend on it, so a guest may move between formats.
-    pub stage2: bool,
-    /// Software TLB entries per vCPU (simulated machine only).
-    pub tlb_entries: usize,
-    /// Physical CPUs for the vCPUs, 0 = all (simulated machine only).
-    pub pcpus: usize,
-    /// Populate host memory at set-up.
-    pub prefault: bool,
-}
-
-impl GuestSpec {
-    /// A simulated guest of `shape` with default switches, logging in `log` mode.
-    pub fn sim(shape: Shape, log: LogMode) -> GuestSpec {
-        GuestSpec {
-            backend: BackendKind::Sim,
-            shape,
-            backing: Backing::Anonymous,
-            log,
-            ring_entries: 65536,
-            vm: VmConfig::default(),
-            stage2: false,
-            tlb_entries: slat_machine::tlb::DEFAULT_TLB_ENTRIES,
-            pcpus: 0,
-            prefault: true,
-        }
-    }
-}
-
-/// What a migration needs from a machine.
+/// What a migration needs from a guest. Object safe: the ends hold an `Arc<dyn Guest>`.
 ///
 /// # Safety
 ///
-/// [`Memory`] reads and writes guest memory through [`Guest::host_base`] without further
-/// checks, so an implementor guarantees: `[host_base(), host_base() + pages() * 4 KiB)` is
-/// mapped readable and writable, 8-byte aligned, and stays so for as long as the guest lives;
-/// the guest's own code accesses its bytes only atomically (or, for a KVM vCPU, by hardware
-/// outside the program) and never lends them out as references, so [`Memory`]'s atomic
-/// accesses race with nothing; and [`Guest::running`] is true whenever any vCPU may write that
-/// memory.
+/// [`Memory`] reads and writes guest memory through the host addresses of
+/// [`Guest::regions`] without further checks, so an implementor guarantees, for every region
+/// it returns: `[host, host + pages * 4 KiB)` is mapped readable and writable by the host,
+/// `host` is 8-byte aligned, and the mapping stays so for as long as the guest lives (and
+/// `regions` returns the same list every time); the guest's own code accesses those bytes
+/// only atomically (or, for a KVM vCPU, by hardware outside the program) and never lends
+/// them out as references, so [`Memory`]'s atomic accesses race with nothing; and
+/// [`Guest::running`] is true whenever any vCPU may write that memory.
 pub unsafe trait Guest: Send + Sync {
-    /// The machine kind.
-    fn backend(&self) -> BackendKind;
-    /// vCPUs, memory and memslots.
-    fn shape(&self) -> Shape;
-    /// The log mode harvests use.
-    fn log_mode(&self) -> LogMode;
-    /// Host address of the test region: [`Guest::pages`] pages, contiguous, mapped as long
-    /// as the guest lives.
-    fn host_base(&self) -> u64;
-    /// Pages of the test region as the machine mapped them: the bound every page index is
-    /// checked against before guest memory is read or written.
-    fn pages(&self) -> u64;
-    /// Turns dirty logging on or off on every test memslot.
-    fn set_dirty_logging(&self, on: bool) -> Result<(), GuestError>;
-    /// A harvester of the test region's dirty log (one tracked slot per memslot, in
-    /// guest-address order, covering [`Guest::pages`] together), in the machine's log mode.
-    /// Its takes re-arm the log before they return; a set dropped uncommitted is owed again.
-    fn dirty_log(&self) -> Result<GuestHarvester, GuestError>;
-    /// Starts `work` on every vCPU (returns at once).
-    fn start(&self, work: WorkSpec) -> Result<(), GuestError>;
-    /// Stops the vCPUs (out of guest mode) and waits for them.
+    /// A short name of the machine or VMM, for reports and the peer ("sim", "kvm", ...).
+    fn kind(&self) -> &str;
+    /// The memory map, in ascending guest-physical order, regions disjoint.
+    fn regions(&self) -> Vec<GuestRegion>;
+    /// An opaque description of the machine that a destination's factory may need to build
+    /// one to fit ([`crate::stream::MAX_MACHINE`] bytes at most). Empty by default: a VMM's
+    /// destination is normally started with the same configuration.
+    fn machine(&self) -> Vec<u8> {
+        Vec::new()
+    }
+    /// Stops the vCPUs (out of guest mode) and waits for them. Idempotent.
     fn pause(&self) -> Result<(), GuestError>;
-    /// Whether a workload is running.
+    /// Runs the vCPUs again (after a failed migration on the source; after the switch-over
+    /// on the destination). Idempotent.
+    fn resume(&self) -> Result<(), GuestError>;
+    /// Whether a vCPU may be running.
     fn running(&self) -> bool;
-    /// Sets the throttle: percent of time the vCPUs are kept out of the guest.
-    fn set_throttle(&self, percent: u32);
+    /// Turns dirty logging on or off on every writable region.
+    fn set_dirty_logging(&self, on: bool) -> Result<(), GuestError>;
+    /// The dirty log: one tracked slot per *writable* region, in the map's order, each of the
+    /// region's pages (checked when a migration starts). Its takes re-arm the log before they
+    /// return; a set dropped uncommitted is owed again.
+    fn dirty_log(&self) -> Result<GuestHarvester, GuestError>;
+    /// Device and vCPU state, called with the vCPUs paused, after the last pages were sent.
+    fn save_state(&self) -> Result<Vec<StateBlob>, GuestError> {
+        Ok(Vec::new())
+    }
+    /// The source's device state, called with the vCPUs paused before the switch-over; an
+    /// error (an id or version this guest does not read) refuses the migration and the source
+    /// runs on.
+    fn restore_state(&self, blobs: Vec<StateBlob>) -> Result<(), GuestError> {
+        match blobs.into_iter().next() {
+            None => Ok(()),
+            Some(b) => Err(GuestError::State {
+                id: b.id,
+                version: b.version,
+                why: "this guest has no device state".into(),
+            }),
+        }
+    }
+    /// Sets the auto-converge throttle: percent of time the vCPUs are kept out of the guest.
+    /// A guest without one ignores it (auto-converge then cannot slow it down).
+    fn set_throttle(&self, _percent: u32) {}
     /// The throttle now.
-    fn throttle(&self) -> u32;
-    /// vCPU time spent asleep because of the throttle, summed over vCPUs, since creation.
-    fn throttled(&self) -> Duration;
-    /// Guest writes since creation (a little behind while running).
-    fn writes(&self) -> u64;
-    /// One sequential write pass over every page (maps guest memory, as a booted guest has).
-    fn populate(&self) -> Result<(), GuestError>;
-}
-
-/// Builds the machine `spec` asks for.
-///
-/// The shape is checked first ([`Shape::check`]: vCPU and memslot counts, checked products,
-/// the guest physical address space), so a machine is only ever built — and memory only ever
-/// mapped — for a shape whose sizes add up.
-pub fn build(spec: &GuestSpec) -> Result<Arc<dyn Guest>, GuestError> {
-    let s = spec.shape;
-    let pages = s.check()?;
-    let dirty = match spec.log {
-        LogMode::Get => DirtyConfig::default(),
-        LogMode::Clear => DirtyConfig {
-            manual_protect: MANUAL_PROTECT_ENABLE | INITIALLY_SET,
-            ..DirtyConfig::default()
-        },
-        LogMode::Ring => DirtyConfig {
-            ring_entries: spec.ring_entries,
-            ..DirtyConfig::default()
-        },
-    };
-    let region = RegionSpec {
-        backing: spec.backing,
-        vcpus: s.vcpus as usize,
-        bytes_per_vcpu: s.bytes_per_vcpu,
-        slots: s.slots as usize,
-        overlap: s.overlap,
-        prefault: spec.prefault,
-        dirty,
-    };
-    match spec.backend {
-        BackendKind::Sim => {
-            let config = MachineConfig {
-                vm: spec.vm,
-                region,
-                tlb_entries: spec.tlb_entries,
-                pcpus: spec.pcpus,
-                ..MachineConfig::default()
-            };
-            if spec.stage2 {
-                sim_guest::<Stage2>(config, s, pages, spec.log)
-            } else {
-                sim_guest::<Ept>(config, s, pages, spec.log)
-            }
-        }
-        BackendKind::Kvm => {
-            let m = slat_kvm::KvmMachine::new(slat_kvm::KvmConfig {
-                region,
-                ..slat_kvm::KvmConfig::default()
-            })
-            .map_err(GuestError::machine)?;
-            let l = m.layout();
-            let mapped = l.bytes_per_vcpu.checked_mul(l.vcpus as u64);
-            if mapped != Some(pages * PAGE_SIZE as u64) {
-                return Err(MemoryError::Mapped { pages, mapped }.into());
-            }
-            Ok(Arc::new(MachineGuest {
-                m: Arc::new(m),
-                shape: s,
-                pages,
-                log: spec.log,
-                driver: BurstDriver::default(),
-            }))
-        }
+    fn throttle(&self) -> u32 {
+        0
+    }
+    /// vCPU time taken away by the throttle, summed over vCPUs, since creation.
+    fn throttled(&self) -> Duration {
+        Duration::ZERO
+    }
+    /// A counter of work the guest did (e.g. writes), for reports; `None` if it has none.
+    fn activity(&self) -> Option<u64> {
+        None
     }
 }
 
@@ -229,9 +144,9 @@ pub type GuestLog = Box<dyn DirtyLogSource<Error = GuestError> + Send>;
 /// The transactional harvester of a guest's dirty log ([`Guest::dirty_log`]).
 pub type GuestHarvester = Harvester<GuestLog>;
 
-/// A dirty-log source whose errors become [`GuestError`]s, so every machine's log has the one
-/// type [`GuestLog`].
-struct GuestErrors<S>(S);
+/// A dirty-log source whose errors become [`GuestError`]s, so every log has the one type
+/// [`GuestLog`]: `Harvester::from_source(Box::new(GuestErrors(log)) as GuestLog)`.
+pub struct GuestErrors<S>(pub S);
 
 impl<S> DirtyLogSource for GuestErrors<S>
 where
@@ -268,429 +183,106 @@ where
     }
 }
 
-fn sim_guest<F: PteFormat>(
-    config: MachineConfig,
-    shape: Shape,
+/// A checked memory map with its *memory index*: the regions laid end to end, so page `p`
+/// of the stream is page `p - start[i]` of the region `i` whose pages hold it.
+#[derive(Debug, Clone)]
+pub struct MemoryMap {
+    regions: Vec<GuestRegion>,
+    /// Memory index of each region's first page.
+    starts: Vec<u64>,
     pages: u64,
-    log: LogMode,
-) -> Result<Arc<dyn Guest>, GuestError> {
-    // `Shape::check` bounded the memory by a 48-bit space; a format with fewer bits would
-    // place the region below address 0.
-    let fits = pages < 1u64 << (F::MAX_PHYS_BITS - crate::stream::PAGE_SIZE.trailing_zeros());
-    if !fits {
-        return Err(ShapeError::AddressSpace {
-            pages,
-            format: F::NAME,
-            bits: F::MAX_PHYS_BITS,
+}
+
+impl MemoryMap {
+    /// Checks `regions` ([`check_regions`], and 8-byte aligned host addresses whose ends fit
+    /// the address space).
+    pub fn new(regions: Vec<GuestRegion>) -> Result<MemoryMap, MapError> {
+        let wire: Vec<Region> = regions.iter().map(|r| r.region).collect();
+        let pages = check_regions(&wire)?;
+        let mut starts = Vec::with_capacity(regions.len());
+        let mut at = 0u64;
+        for (index, r) in regions.iter().enumerate() {
+            // `check_regions` bounded every region by 2^52 bytes.
+            let ok = r.host % 8 == 0
+                && r.host
+                    .checked_add(r.region.pages * PAGE_SIZE as u64)
+                    .is_some();
+            if !ok {
+                return Err(MapError::Host {
+                    index,
+                    host: r.host,
+                });
+            }
+            starts.push(at);
+            at += r.region.pages;
         }
-        .into());
-    }
-    let m = Machine::<F>::new(config).map_err(GuestError::machine)?;
-    // Every index is checked against `pages`; make sure the mapping really holds them.
-    if m.ram().len() < pages * PAGE_SIZE as u64 {
-        return Err(MemoryError::Mapped {
+        Ok(MemoryMap {
+            regions,
+            starts,
             pages,
-            mapped: Some(m.ram().len()),
-        }
-        .into());
+        })
     }
-    Ok(Arc::new(MachineGuest {
-        m: Arc::new(m),
-        pages,
-        shape,
-        log,
-        driver: PacedDriver {
-            pacer: Pacer::new(0),
-            running: AtomicBool::new(false),
-        },
-    }))
-}
 
-/// A machine running a migration's workload: what both machines share, over
-/// [`TestMachine`]; `D` runs the workload the way the machine can.
-struct MachineGuest<M, D: Driver<M>> {
-    m: Arc<M>,
-    pages: u64,
-    shape: Shape,
-    log: LogMode,
-    driver: D,
-}
-
-/// How a guest's workload runs on machine `M`: the part of [`Guest`] the two machines do
-/// differently.
-trait Driver<M>: Send + Sync {
-    /// The machine kind.
-    const BACKEND: BackendKind;
-    /// Starts `work` on `m`'s vCPUs (returns at once).
-    fn start(&self, m: &Arc<M>, shape: Shape, work: WorkSpec) -> Result<(), GuestError>;
-    /// Stops the vCPUs and waits for them.
-    fn pause(&self, m: &M) -> Result<(), GuestError>;
-    /// Whether a workload is running.
-    fn running(&self) -> bool;
-    /// The throttle and write count of the workload.
-    fn pacing(&self) -> &dyn Pacing;
-}
-
-/// The controls and counters of a running migration workload.
-trait Pacing: Send + Sync {
-    /// Sets the throttle (percent of time kept out of the guest).
-    fn set_throttle(&self, percent: u32);
-    /// The throttle now.
-    fn throttle(&self) -> u32;
-    /// vCPU time spent asleep because of the throttle, summed over vCPUs.
-    fn throttled(&self) -> Duration;
-    /// Guest writes since creation.
-    fn writes(&self) -> u64;
-}
-
-impl Pacing for Pacer {
-    fn set_throttle(&self, percent: u32) {
-        Pacer::set_throttle(self, percent)
-    }
-    fn throttle(&self) -> u32 {
-        Pacer::throttle(self)
-    }
-    fn throttled(&self) -> Duration {
-        Pacer::throttled(self)
-    }
-    fn writes(&self) -> u64 {
-        Pacer::writes(self)
-    }
-}
-
-/// A [`TestMachine`] whose test region is memory it owns for as long as it lives.
-///
-/// # Safety
-///
-/// `[layout().host, layout().host + layout().total_pages() * 4 KiB)` is a read/write mapping,
-/// page aligned, owned by the machine and mapped until it is dropped, whose bytes are never
-/// lent out as references; and no vCPU writes it unless a workload started through the machine
-/// is running.
-unsafe trait OwnsTestRegion: TestMachine {}
-
-// SAFETY: the test region is the machine's `GuestRam` (mapped, page aligned, never lent out as
-// references), owned by the machine and unmapped only when it drops; the vCPU threads run only
-// between a start and the halt that collects it.
-unsafe impl<F: PteFormat> OwnsTestRegion for Machine<F> {}
-
-// SAFETY: the test region is the KVM machine's own `GuestRam` mapping, unmapped only after its
-// vCPU threads are joined and the VM closed; the guest runs only between a start and the halt
-// that collects it.
-unsafe impl OwnsTestRegion for slat_kvm::KvmMachine {}
-
-// SAFETY: `host_base` and `pages` describe the machine's own test region (`OwnsTestRegion`;
-// `build` checked that the mapping holds `pages` pages), which lives as long as this guest
-// holds the machine; `running` is true whenever the driver has a workload running.
-unsafe impl<M, D> Guest for MachineGuest<M, D>
-where
-    M: OwnsTestRegion + Send + Sync + 'static,
-    D: Driver<M>,
-{
-    fn backend(&self) -> BackendKind {
-        D::BACKEND
-    }
-    fn shape(&self) -> Shape {
-        self.shape
-    }
-    fn log_mode(&self) -> LogMode {
-        self.log
-    }
-    fn host_base(&self) -> u64 {
-        self.m.layout().host
-    }
-    fn pages(&self) -> u64 {
+    /// Pages in all regions.
+    pub fn pages(&self) -> u64 {
         self.pages
     }
-    fn set_dirty_logging(&self, on: bool) -> Result<(), GuestError> {
-        TestMachine::set_dirty_logging(&*self.m, on).map_err(GuestError::machine)
-    }
-    fn dirty_log(&self) -> Result<GuestHarvester, GuestError> {
-        let log = slat_snapshot::MachineLog::new(self.m.clone());
-        // `build` chose the machine's dirty configuration from `self.log`, so the log's mode
-        // is that one.
-        Harvester::from_source(Box::new(GuestErrors(log)) as GuestLog).map_err(GuestError::harvest)
-    }
-    fn start(&self, work: WorkSpec) -> Result<(), GuestError> {
-        self.driver.start(&self.m, self.shape, work)
-    }
-    fn pause(&self) -> Result<(), GuestError> {
-        self.driver.pause(&self.m)
-    }
-    fn running(&self) -> bool {
-        self.driver.running()
-    }
-    fn set_throttle(&self, percent: u32) {
-        self.driver.pacing().set_throttle(percent)
-    }
-    fn throttle(&self) -> u32 {
-        self.driver.pacing().throttle()
-    }
-    fn throttled(&self) -> Duration {
-        self.driver.pacing().throttled()
-    }
-    fn writes(&self) -> u64 {
-        self.driver.pacing().writes()
-    }
-    fn populate(&self) -> Result<(), GuestError> {
-        TestMachine::run_pass(&*self.m, PassParams::default())
-            .map(drop)
-            .map_err(GuestError::machine)
-    }
-}
 
-impl<M, D: Driver<M>> Drop for MachineGuest<M, D> {
-    fn drop(&mut self) {
-        let _ = self.driver.pause(&self.m);
+    /// The map as the stream carries it.
+    pub fn wire(&self) -> Vec<Region> {
+        self.regions.iter().map(|r| r.region).collect()
     }
-}
 
-/// The simulated machine's vCPUs run the paced memstress, whose rate and throttle the host
-/// changes while it runs.
-struct PacedDriver {
-    pacer: Arc<Pacer>,
-    running: AtomicBool,
-}
-
-impl<F: PteFormat> Driver<Machine<F>> for PacedDriver {
-    const BACKEND: BackendKind = BackendKind::Sim;
-
-    fn start(&self, m: &Arc<Machine<F>>, _shape: Shape, work: WorkSpec) -> Result<(), GuestError> {
-        self.pacer.set_rate(work.rate);
-        m.start(Workload::Paced(PacedParams {
-            pass: PassParams {
-                write_percent: work.write_percent,
-                random: work.random,
-                seed: work.seed,
-                timed: false,
-            },
-            pacer: self.pacer.clone(),
-        }))
-        .map_err(GuestError::machine)?;
-        self.running.store(true, Ordering::SeqCst);
-        Ok(())
+    /// The regions.
+    pub fn regions(&self) -> &[GuestRegion] {
+        &self.regions
     }
-    fn pause(&self, m: &Machine<F>) -> Result<(), GuestError> {
-        if !self.running.swap(false, Ordering::SeqCst) {
-            return Ok(());
+
+    /// Memory index of region `i`'s first page.
+    pub fn start(&self, i: usize) -> u64 {
+        self.starts[i]
+    }
+
+    /// (region, page in it) of memory index `p < pages`.
+    fn locate(&self, p: u64) -> (usize, u64) {
+        let i = self.starts.partition_point(|&s| s <= p) - 1;
+        (i, p - self.starts[i])
+    }
+
+    /// Memory indexes of the read-only regions' pages, as (first, count) runs.
+    pub fn read_only(&self) -> Vec<(u64, u64)> {
+        self.regions
+            .iter()
+            .zip(&self.starts)
+            .filter(|(r, _)| r.region.read_only)
+            .map(|(r, &s)| (s, r.region.pages))
+            .collect()
+    }
+
+    /// The memory index of the first page of each writable region, checked against the
+    /// slots of a dirty log (one per writable region, in order, of its size).
+    pub fn log_starts(&self, slots: &[SlotInfo]) -> Result<Vec<u64>, MapError> {
+        let writable: Vec<(u64, u64)> = self
+            .regions
+            .iter()
+            .zip(&self.starts)
+            .filter(|(r, _)| !r.region.read_only)
+            .map(|(r, &s)| (s, r.region.pages))
+            .collect();
+        let same = writable.len() == slots.len()
+            && writable.iter().zip(slots).all(|(w, s)| w.1 == s.pages);
+        if !same {
+            return Err(MapError::LogSlots {
+                slots: slots.len(),
+                slot_pages: slots.iter().take(8).map(|s| s.pages).collect(),
+                regions: writable.iter().take(8).map(|w| w.1).collect(),
+            });
         }
-        m.halt().map(drop).map_err(GuestError::machine)
-    }
-    fn running(&self) -> bool {
-        self.running.load(Ordering::SeqCst)
-    }
-    fn pacing(&self) -> &dyn Pacing {
-        &*self.pacer
+        Ok(writable.into_iter().map(|w| w.0).collect())
     }
 }
 
-impl Pacing for BurstControl {
-    fn set_throttle(&self, percent: u32) {
-        self.throttle.store(percent.min(99), Ordering::Relaxed);
-    }
-    fn throttle(&self) -> u32 {
-        self.throttle.load(Ordering::Relaxed)
-    }
-    fn throttled(&self) -> Duration {
-        Duration::from_nanos(self.throttled_ns.load(Ordering::Relaxed))
-    }
-    fn writes(&self) -> u64 {
-        self.writes.load(Ordering::Relaxed)
-    }
-}
-
-/// Controls shared with the KVM burst driver.
-#[derive(Debug, Default)]
-struct BurstControl {
-    /// Writes per second per vCPU (0: unlimited).
-    rate: AtomicU64,
-    throttle: AtomicU32,
-    stop: AtomicBool,
-    writes: AtomicU64,
-    throttled_ns: AtomicU64,
-    error: Mutex<Option<slat_kvm::KvmError>>,
-}
-
-/// A real guest on `/dev/kvm`: the guest's code has no rate control, so a driver thread runs
-/// its writer in bursts.
-#[derive(Default)]
-struct BurstDriver {
-    ctl: Arc<BurstControl>,
-    thread: Mutex<Option<JoinHandle<()>>>,
-}
-
-/// The driver's cycle under a throttle without a rate limit.
-const BURST_PERIOD: Duration = Duration::from_millis(20);
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-impl BurstDriver {
-    /// Runs the writer in bursts until told to stop.
-    ///
-    /// Without a rate limit or throttle the guest simply runs. Under a throttle alone, each
-    /// 20 ms period runs the guest for (100 - t)% of it. Under a rate limit the driver keeps
-    /// an allowance (rate × vCPUs × the unthrottled share, accrued over time) and runs a burst
-    /// only while the guest has written less than it; a burst is as long as the deficit at
-    /// the measured write speed. On this kind of host the guest writes ~10^8 pages/s and one
-    /// start/stop cycle costs 0.2–7 ms, so the smallest burst is already 10^4-10^6 writes:
-    /// writes come in lumps, and a low rate is exceeded (see the bound on the debt below).
-    fn drive(m: Arc<slat_kvm::KvmMachine>, ctl: Arc<BurstControl>, seed: u32, vcpus: u64) {
-        let mut burst = 0u64;
-        // Writes per second of all vCPUs while they run (learnt from each burst).
-        let mut speed: f64 = 0.0;
-        let mut allowance: f64 = 0.0;
-        let mut last = Instant::now();
-        let mut r = || -> Result<(), slat_kvm::KvmError> {
-            let mut run = |on: Duration| -> Result<(u64, Duration), slat_kvm::KvmError> {
-                burst += 1;
-                // Each burst stamps a value no burst wrote before, so rewriting a page
-                // changes it.
-                let t0 = Instant::now();
-                m.start(slat_kvm::Workload::Writer {
-                    seed: seed.wrapping_add((burst as u32).wrapping_mul(0x9e37_79b9)),
-                    iteration: (0x4b << 56) | burst,
-                })?;
-                if on.is_zero() {
-                    // Unpaced: run until something changes.
-                    while !ctl.stop.load(Ordering::Relaxed)
-                        && ctl.rate.load(Ordering::Relaxed) == 0
-                        && ctl.throttle.load(Ordering::Relaxed) == 0
-                    {
-                        std::thread::sleep(Duration::from_millis(2));
-                    }
-                } else {
-                    std::thread::sleep(on.saturating_sub(t0.elapsed()));
-                }
-                let w: u64 = m.halt()?.vcpus.iter().map(|v| v.pages).sum();
-                ctl.writes.fetch_add(w, Ordering::Relaxed);
-                Ok((w, t0.elapsed()))
-            };
-            while !ctl.stop.load(Ordering::Relaxed) {
-                let rate = ctl.rate.load(Ordering::Relaxed);
-                let throttle = ctl.throttle.load(Ordering::Relaxed).min(99);
-                let now = Instant::now();
-                let dt = now.duration_since(last);
-                last = now;
-                if throttle != 0 {
-                    ctl.throttled_ns.fetch_add(
-                        (dt.as_nanos() as u64 * throttle as u64 / 100) * vcpus,
-                        Ordering::Relaxed,
-                    );
-                }
-                if rate == 0 && throttle == 0 {
-                    run(Duration::ZERO)?;
-                    allowance = 0.0;
-                    continue;
-                }
-                if rate == 0 {
-                    let t0 = Instant::now();
-                    run(BURST_PERIOD * (100 - throttle) / 100)?;
-                    nap(&ctl, BURST_PERIOD.saturating_sub(t0.elapsed()));
-                    continue;
-                }
-                // The throttle slows the guest: it earns that share less of its writes.
-                allowance +=
-                    rate as f64 * vcpus as f64 * dt.as_secs_f64() * (100 - throttle) as f64 / 100.0;
-                // Do not bank more than a second of writes (e.g. across a long pause).
-                allowance = allowance.min(rate as f64 * vcpus as f64);
-                if allowance < 1.0 {
-                    let wait = (1.0 - allowance) / (rate as f64 * vcpus as f64);
-                    nap(&ctl, Duration::from_secs_f64(wait.min(0.002)));
-                    continue;
-                }
-                let on = if speed > 0.0 {
-                    Duration::from_secs_f64(allowance / speed).min(BURST_PERIOD)
-                } else {
-                    // First burst: as short as possible, to learn the speed.
-                    Duration::from_micros(1)
-                };
-                let (w, ran) = run(on.max(Duration::from_micros(1)))?;
-                // A lump (a slow cycle, e.g. the first entry into a fresh guest, can let
-                // 10^5-10^6 writes through) is paid back for at most 250 ms: the guest does
-                // not stall for seconds, at the price of a higher average than asked when
-                // every cycle overshoots. The reports measure the rate the guest really had.
-                allowance = (allowance - w as f64).max(-0.25 * rate as f64 * vcpus as f64);
-                if w > 0 {
-                    let s = w as f64 / ran.as_secs_f64();
-                    speed = if speed <= 0.0 {
-                        s
-                    } else {
-                        0.7 * speed + 0.3 * s
-                    };
-                }
-            }
-            Ok(())
-        };
-        if let Err(e) = r() {
-            *lock(&ctl.error) = Some(e);
-        }
-    }
-}
-
-/// Sleeps `d` in short steps, ending early when the driver is told to stop.
-fn nap(ctl: &BurstControl, d: Duration) {
-    let end = Instant::now() + d;
-    while !ctl.stop.load(Ordering::Relaxed) {
-        let now = Instant::now();
-        if now >= end {
-            break;
-        }
-        std::thread::sleep((end - now).min(Duration::from_millis(2)));
-    }
-}
-
-impl Driver<slat_kvm::KvmMachine> for BurstDriver {
-    const BACKEND: BackendKind = BackendKind::Kvm;
-
-    fn start(
-        &self,
-        m: &Arc<slat_kvm::KvmMachine>,
-        shape: Shape,
-        work: WorkSpec,
-    ) -> Result<(), GuestError> {
-        let mut d = lock(&self.thread);
-        if d.is_some() {
-            return Err(GuestError::AlreadyRunning);
-        }
-        if work.write_percent != 100 {
-            return Err(GuestError::KvmReads);
-        }
-        self.ctl.rate.store(work.rate, Ordering::Relaxed);
-        self.ctl.stop.store(false, Ordering::Relaxed);
-        *lock(&self.ctl.error) = None;
-        let (m, ctl) = (m.clone(), self.ctl.clone());
-        let vcpus = shape.vcpus as u64;
-        let seed = work.seed;
-        let h = std::thread::Builder::new()
-            .name("kvm-burst".into())
-            .spawn(move || BurstDriver::drive(m, ctl, seed, vcpus))
-            .map_err(|e| GuestError::DriverThread(Cause::new(e)))?;
-        *d = Some(h);
-        Ok(())
-    }
-    fn pause(&self, _m: &slat_kvm::KvmMachine) -> Result<(), GuestError> {
-        let Some(h) = lock(&self.thread).take() else {
-            return Ok(());
-        };
-        self.ctl.stop.store(true, Ordering::Relaxed);
-        if h.join().is_err() {
-            return Err(GuestError::DriverPanicked);
-        }
-        match lock(&self.ctl.error).take() {
-            Some(e) => Err(GuestError::machine(e)),
-            None => Ok(()),
-        }
-    }
-    fn running(&self) -> bool {
-        lock(&self.thread).is_some()
-    }
-    fn pacing(&self) -> &dyn Pacing {
-        &*self.ctl
-    }
-}
-
-/// Guest RAM of the test region, read and written by the host.
+/// Guest memory, read and written by the host, addressed by memory index.
 ///
 /// Every access goes through relaxed atomic loads and stores of aligned 8-byte words, and
 /// nothing here hands out a reference into guest memory. That is what keeps it sound from
@@ -712,44 +304,69 @@ impl Driver<slat_kvm::KvmMachine> for BurstDriver {
 /// memcpy beside the BLAKE3 hash of the same bytes, and misuse is then impossible.
 pub struct Memory<'g> {
     guest: &'g dyn Guest,
-    base: u64,
-    pages: u64,
+    map: MemoryMap,
 }
 
 impl<'g> Memory<'g> {
-    /// The test region of `guest`: as many pages as its machine mapped ([`Guest::pages`]).
-    pub fn new(guest: &'g dyn Guest) -> Memory<'g> {
-        Memory {
+    /// The memory of `guest`, its map checked.
+    pub fn new(guest: &'g dyn Guest) -> Result<Memory<'g>, MapError> {
+        Ok(Memory {
             guest,
-            base: guest.host_base(),
-            pages: guest.pages(),
-        }
+            map: MemoryMap::new(guest.regions())?,
+        })
     }
 
-    /// Pages in the region.
+    /// Pages in all regions.
     pub fn pages(&self) -> u64 {
-        self.pages
+        self.map.pages
     }
 
-    /// Host address of page `first`, for an access to pages `first..end`, or why there is
-    /// none.
-    fn page_addr(&self, first: u64, end: u64) -> Result<u64, MemoryError> {
-        if first > end || end > self.pages {
+    /// The map.
+    pub fn map(&self) -> &MemoryMap {
+        &self.map
+    }
+
+    /// Checks that pages `first..end` exist.
+    fn check(&self, first: u64, end: u64) -> Result<(), MemoryError> {
+        if first > end || end > self.map.pages {
             return Err(MemoryError::OutOfRange {
                 first,
                 end,
-                pages: self.pages,
+                pages: self.map.pages,
             });
         }
-        // `first <= pages`, and `pages` pages are mapped at `base`: no overflow.
-        Ok(self.base + first * PAGE_SIZE as u64)
+        Ok(())
+    }
+
+    /// Calls `f(host address, pages, bytes before it in the access)` for each piece of pages
+    /// `first..end` (checked) that lies in one region.
+    fn pieces(
+        &self,
+        first: u64,
+        end: u64,
+        mut f: impl FnMut(u64, u64, usize),
+    ) -> Result<(), MemoryError> {
+        self.check(first, end)?;
+        let mut p = first;
+        while p < end {
+            let (i, off) = self.map.locate(p);
+            let r = &self.map.regions[i];
+            let n = (r.region.pages - off).min(end - p);
+            // `off < pages` of a region whose host range fits 64 bits (`MemoryMap::new`).
+            f(
+                r.host + off * PAGE_SIZE as u64,
+                n,
+                ((p - first) * PAGE_SIZE as u64) as usize,
+            );
+            p += n;
+        }
+        Ok(())
     }
 
     /// Copies pages `first..end` into `out` (exactly their size) word by word, whether or not
     /// vCPUs run.
     fn load_pages(&self, first: u64, end: u64, out: &mut [u8]) -> Result<(), MemoryError> {
-        let addr = self.page_addr(first, end)?;
-        // `first <= end <= pages`, whose bytes fit the 48-bit guest space: no overflow.
+        self.check(first, end)?;
         let want = (end - first) * PAGE_SIZE as u64;
         if out.len() as u64 != want {
             return Err(MemoryError::RangeBuffer {
@@ -757,18 +374,21 @@ impl<'g> Memory<'g> {
                 want,
             });
         }
-        let src = addr as *const u64;
-        for (i, chunk) in out.chunks_exact_mut(8).enumerate() {
-            // SAFETY: `[addr, addr + out.len())` is pages `first..end` of the test region
-            // (checked above against the pages the machine mapped), which stays mapped while
-            // the guest (borrowed by `self`) lives; `addr` is page aligned and
-            // `i * 8 < out.len()`, so the word is aligned and inside it. Every other access
-            // to guest memory is atomic (the vCPUs', by `Guest`'s contract, and this type's
-            // stores), so an atomic load races with nothing.
-            let v = unsafe { AtomicU64::from_ptr(src.add(i) as *mut u64) }.load(Ordering::Relaxed);
-            chunk.copy_from_slice(&v.to_ne_bytes());
-        }
-        Ok(())
+        self.pieces(first, end, |addr, n, at| {
+            let src = addr as *const u64;
+            let dst = &mut out[at..at + n as usize * PAGE_SIZE];
+            for (i, chunk) in dst.chunks_exact_mut(8).enumerate() {
+                // SAFETY: `[addr, addr + n pages)` lies in one region of the map (checked
+                // against the map's pages), which stays mapped while the guest (borrowed by
+                // `self`) lives, by `Guest`'s contract; `addr` is 8-byte aligned and
+                // `i * 8 < n pages`, so the word is aligned and inside it. Every other access
+                // to guest memory is atomic (the vCPUs', by `Guest`'s contract, and this
+                // type's stores), so an atomic load races with nothing.
+                let v =
+                    unsafe { AtomicU64::from_ptr(src.add(i) as *mut u64) }.load(Ordering::Relaxed);
+                chunk.copy_from_slice(&v.to_ne_bytes());
+            }
+        })
     }
 
     /// Copies page `p` into `out` (one page) while vCPUs may be writing it.
@@ -789,7 +409,7 @@ impl<'g> Memory<'g> {
 
     /// Pages `first..end`, copied out while the vCPUs are stopped.
     pub fn stopped_range(&self, first: u64, end: u64) -> Result<Vec<u8>, MemoryError> {
-        self.page_addr(first, end)?;
+        self.check(first, end)?;
         let want = (end - first) * PAGE_SIZE as u64;
         let len = usize::try_from(want).map_err(|_| MemoryError::RangeBuffer { len: 0, want })?;
         let mut out = vec![0u8; len];
@@ -805,19 +425,20 @@ impl<'g> Memory<'g> {
         if data.len() != PAGE_SIZE {
             return Err(MemoryError::Buffer { len: data.len() });
         }
-        let dst = self.page_addr(p, p.saturating_add(1))? as *const u64;
-        for (i, chunk) in data.chunks_exact(8).enumerate() {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(chunk);
-            // SAFETY: page `p` is inside the mapped test region (checked above against the
-            // pages the machine mapped), which stays mapped while the guest (borrowed by
-            // `self`) lives; `i < 512`, so the word is inside the page, 8-byte aligned. The
-            // store is atomic, like every other access to guest memory, so a vCPU started
-            // meanwhile or another writer races with nothing.
-            unsafe { AtomicU64::from_ptr(dst.add(i) as *mut u64) }
-                .store(u64::from_ne_bytes(w), Ordering::Relaxed);
-        }
-        Ok(())
+        self.pieces(p, p.saturating_add(1), |addr, _, _| {
+            let dst = addr as *const u64;
+            for (i, chunk) in data.chunks_exact(8).enumerate() {
+                let mut w = [0u8; 8];
+                w.copy_from_slice(chunk);
+                // SAFETY: page `p` lies in one region of the map (checked against the map's
+                // pages), which stays mapped while the guest (borrowed by `self`) lives, by
+                // `Guest`'s contract; `i < 512`, so the word is inside the page, 8-byte
+                // aligned. The store is atomic, like every other access to guest memory, so
+                // a vCPU started meanwhile or another writer races with nothing.
+                unsafe { AtomicU64::from_ptr(dst.add(i) as *mut u64) }
+                    .store(u64::from_ne_bytes(w), Ordering::Relaxed);
+            }
+        })
     }
 
     /// Fills `percent` of the pages (chosen by `seed`) with pseudo-random bytes and zeroes
@@ -826,7 +447,7 @@ impl<'g> Memory<'g> {
     /// wrong byte anywhere shows in the hashes.
     pub fn stopped_fill(&self, percent: u32, seed: u64) -> Result<(), MemoryError> {
         let mut page = vec![0u8; PAGE_SIZE];
-        for p in 0..self.pages {
+        for p in 0..self.map.pages {
             let mut x = splitmix(seed ^ p.wrapping_mul(0x9e37_79b9_7f4a_7c15));
             if x % 100 < percent as u64 {
                 for c in page.chunks_exact_mut(8) {

@@ -1,13 +1,17 @@
-//! Live migration of slat guests: pre-copy over TCP with the dirty log, auto-converge,
-//! verification at switch-over, and retries that lose nothing.
+//! Live migration of any guest whose VMM implements [`Guest`]: pre-copy with the dirty log,
+//! auto-converge, device state, verification, and retries that lose nothing.
 //!
+//! - [`guest`]: what a migration needs from a VMM — a memory map of guest-physical regions
+//!   (holes and read-only regions allowed), pause/resume, the dirty log as `slat_dirty`'s
+//!   harvester, and device state as opaque versioned blobs ([`state`]).
 //! - [`stream`]: the versioned, framed, checksummed wire format.
-//! - [`guest`]: the machine a migration moves (the simulated machine or a `/dev/kvm` guest),
-//!   its workload and its dirty log in one of three modes (GET, CLEAR, ring).
 //! - [`source`]: rounds, convergence, stop-and-copy, and the pages owed across attempts.
-//! - [`destination`]: receive, acknowledge, verify, resume the guest.
-//! - [`throttle`]: auto-converge; [`verify`]: range hashes; [`link`]: the sending socket with
+//! - [`destination`]: receive, acknowledge, verify, restore device state.
+//! - [`throttle`]: auto-converge; [`verify`]: range hashes; [`link`]: the sending side with
 //!   a bandwidth cap and test faults; [`limits`]: how much guest memory this host can hold.
+//! - [`bench`] (feature `machines`, on by default): slat's simulated and `/dev/kvm` guests
+//!   with the synthetic workload the benchmarks run. Without the feature the crate builds
+//!   without either machine.
 //!
 //! Everything that arrives from the network is untrusted: every count, size, index and
 //! offset in it is checked (with checked arithmetic) against what this side has before it is
@@ -16,42 +20,50 @@
 //! that with random and mutated streams.
 //!
 //! ```no_run
-//! use slat_migrate::{guest, DestConfig, Destination, Source, SourceConfig};
-//! use slat_migrate::stream::{Shape, WorkSpec};
+//! # #[cfg(feature = "machines")] {
+//! use slat_migrate::bench::{self, BenchGuest, GuestSpec, LogMode, Shape, WorkSpec};
+//! use slat_migrate::{DestConfig, Destination, Source, SourceConfig};
 //! use std::net::TcpListener;
 //! let shape = Shape { vcpus: 2, bytes_per_vcpu: 32 << 20, slots: 1, overlap: false };
 //! let listener = TcpListener::bind("127.0.0.1:0").unwrap();
 //! let addr = listener.local_addr().unwrap().to_string();
 //! let dest = std::thread::spawn(move || {
-//!     let factory = Box::new(|s: &Shape| guest::build(&guest::GuestSpec::sim(*s, guest::LogMode::Get)));
+//!     let factory = bench::factory(GuestSpec::sim(shape, LogMode::Get));
 //!     Destination::new(factory, DestConfig::default()).accept(&listener)
 //! });
-//! let g = guest::build(&guest::GuestSpec::sim(shape, guest::LogMode::Clear)).unwrap();
-//! let work = WorkSpec { write_percent: 100, random: true, seed: 1, rate: 10_000 };
-//! let mut src = Source::new(g, work, SourceConfig::default());
-//! src.start_guest().unwrap();
+//! let g = bench::build(&GuestSpec::sim(shape, LogMode::Clear)).unwrap();
+//! g.start(WorkSpec { write_percent: 100, random: true, seed: 1, rate: 10_000 }).unwrap();
+//! let mut src = Source::new(g.as_guest(), SourceConfig::default());
 //! let report = src.migrate(&addr, &mut |_| {}).unwrap();
 //! println!("downtime {:?}", report.downtime);
 //! dest.join().unwrap().unwrap();
+//! # }
 //! ```
 
 #![deny(missing_docs)]
 
+#[cfg(feature = "machines")]
+pub mod bench;
 pub mod destination;
 pub mod error;
 pub mod guest;
 pub mod limits;
 pub mod link;
 pub mod source;
+pub mod state;
 pub mod stream;
 pub mod throttle;
+pub mod transport;
 pub mod verify;
 
 pub use destination::{DestConfig, DestReport, Destination, Factory};
 pub use error::{
-    Cause, Corruption, GuestError, HelloError, MemoryError, MigrateError, PageError, ProtocolError,
-    ShapeError, StreamError,
+    Cause, Corruption, GuestError, HelloError, MapError, MemoryError, MigrateError, PageError,
+    ProtocolError, ShapeError, StateError, StreamError,
 };
-pub use guest::{BackendKind, Guest, GuestHarvester, GuestLog, GuestSpec, LogMode};
+pub use guest::{Guest, GuestErrors, GuestHarvester, GuestLog, GuestRegion, Memory, MemoryMap};
 pub use link::Faults;
-pub use source::{Event, MigrationReport, RoundReport, Source, SourceConfig};
+pub use source::{Event, MigrationReport, Progress, RoundReport, Source, SourceConfig};
+pub use state::StateBlob;
+pub use stream::Region;
+pub use transport::{Channel, Endpoint, Listener};

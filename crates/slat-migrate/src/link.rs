@@ -1,8 +1,8 @@
 //! The source's sending side of the connection: a bandwidth cap, a byte count, and the
 //! fault injection the tests use to cut or corrupt a stream at a chosen byte.
 
+use crate::transport::Closer;
 use std::io::{self, Write};
-use std::net::{Shutdown, TcpStream};
 use std::time::{Duration, Instant};
 
 /// Deliberate faults, for tests: a cut connection, a corrupted byte, a wrong protocol
@@ -26,11 +26,17 @@ pub struct Faults {
     /// still writing: widens the window only the final harvest covers (harmless for a
     /// correct source).
     pub pause_delay: Option<std::time::Duration>,
+    /// Cut the connection this many bytes into the device state.
+    pub cut_in_state: Option<u64>,
+    /// Cut the connection this many bytes into the stop-and-copy round.
+    pub cut_in_final_round: Option<u64>,
 }
 
 /// Writes to the destination with an optional bandwidth cap.
 pub(crate) struct Link {
-    s: TcpStream,
+    s: Box<dyn Write + Send>,
+    /// Breaks the stream off (for an injected cut).
+    close: Option<Closer>,
     written: u64,
     /// Bytes per second (0: unlimited).
     cap: u64,
@@ -43,9 +49,15 @@ pub(crate) struct Link {
 const CHUNK: usize = 64 << 10;
 
 impl Link {
-    pub(crate) fn new(s: TcpStream, cap: u64, faults: Faults) -> Link {
+    pub(crate) fn new(
+        s: Box<dyn Write + Send>,
+        close: Option<Closer>,
+        cap: u64,
+        faults: Faults,
+    ) -> Link {
         Link {
             s,
+            close,
             written: 0,
             cap,
             window: (Instant::now(), 0),
@@ -56,6 +68,11 @@ impl Link {
     /// Bytes written so far.
     pub(crate) fn written(&self) -> u64 {
         self.written
+    }
+
+    /// Cuts the connection `n` bytes from here (a test fault).
+    pub(crate) fn cut_in(&mut self, n: u64) {
+        self.faults.cut_after = Some(self.written + n);
     }
 
     fn pace(&mut self, n: usize) {
@@ -82,7 +99,9 @@ impl Write for Link {
         let mut n = buf.len().min(CHUNK);
         if let Some(cut) = self.faults.cut_after {
             if self.written >= cut {
-                let _ = self.s.shutdown(Shutdown::Both);
+                if let Some(c) = &self.close {
+                    c();
+                }
                 return Err(io::Error::new(
                     io::ErrorKind::ConnectionAborted,
                     format!("connection cut after {cut} bytes (injected)"),

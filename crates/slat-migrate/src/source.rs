@@ -33,25 +33,37 @@
 //!
 //! # Switch-over
 //!
-//! Pause the vCPUs → final harvest → send what is owed → hash all memory (vCPUs stopped)
-//! and send the hashes → the destination compares and answers → on a match, send
-//! `Commit`. Downtime is measured from the pause to the moment `Commit` is written: it
-//! includes the final harvest, the final pages, hashing on both sides and one round trip.
-//! On any failure before `Commit` the vCPUs run again on the source.
+//! Pause the vCPUs → final harvest → send what is owed → send the device state
+//! ([`Guest::save_state`]) → verification → the destination compares and answers → on a
+//! match, send `Commit`. Downtime is measured from the pause to the moment `Commit` is
+//! written. On any failure before `Commit` the vCPUs run again on the source
+//! ([`Guest::resume`]).
+//!
+//! # Read-only regions
+//!
+//! A read-only region has no dirty log: its pages are owed until the first round of an
+//! attempt that carries them completes (acknowledged), and are sent again only to a
+//! destination that starts over.
+//!
+//! # One-way channels
+//!
+//! Into a file nothing is acknowledged: a page leaves the owed set once its batch is
+//! written, the destination is taken to start empty, and the reader checks the hashes when
+//! it reads the stream back.
 
 use crate::error::GuestError;
 use crate::error::{Cause, MigrateError, ProtocolError, StreamError};
 use crate::guest::{splitmix, Guest, GuestHarvester, GuestLog, Memory};
 use crate::link::{Faults, Link};
 use crate::stream::{
-    self, BatchBuilder, Compression, FrameReader, Hello, Msg, WorkSpec, MAX_BATCH_PAGES,
-    MAX_HASHES, PAGE_SIZE, VERSION,
+    self, BatchBuilder, Compression, FrameReader, Hello, Msg, MAX_BATCH_PAGES, MAX_HASHES,
+    PAGE_SIZE, VERSION,
 };
 use crate::throttle::AutoConverge;
-use crate::verify::{self, RANGE_PAGES};
+use crate::transport::{self, Channel, Endpoint};
+use crate::verify::{self, Digests, VerifyMode, NEVER_SENT, RANGE_PAGES};
 use std::collections::VecDeque;
-use std::io::Write;
-use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::io::{Read, Write};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -72,6 +84,9 @@ pub struct SourceConfig {
     pub bandwidth: u64,
     /// Compression of non-zero pages.
     pub compression: Compression,
+    /// How the switch-over verifies memory ([`VerifyMode::Sent`]: digests kept while
+    /// pre-copy runs, off the paused path).
+    pub verify: VerifyMode,
     /// Throttle the vCPUs when the guest outruns the link.
     pub auto_converge: bool,
     /// First throttle step, percent.
@@ -94,6 +109,7 @@ impl Default for SourceConfig {
             max_rounds: 30,
             bandwidth: 0,
             compression: Compression::None,
+            verify: VerifyMode::Sent,
             auto_converge: true,
             throttle_initial: 20,
             throttle_step: 10,
@@ -151,8 +167,16 @@ pub struct MigrationReport {
     pub final_harvest: Duration,
     /// Of the downtime: sending the last pages until acknowledged.
     pub final_send: Duration,
+    /// Of the downtime: saving and sending the device state.
+    pub state: Duration,
+    /// Device-state blobs sent.
+    pub state_blobs: u32,
+    /// Their bytes.
+    pub state_bytes: u64,
     /// Of the downtime: hashing on both sides and the answer.
     pub verify: Duration,
+    /// The channel was one-way (a file): nothing was acknowledged.
+    pub one_way: bool,
     /// Every round, the stop-and-copy round last.
     pub rounds: Vec<RoundReport>,
     /// Pre-copy ended because the rest fitted `max_downtime` (not because of `max_rounds`).
@@ -165,7 +189,7 @@ pub struct MigrationReport {
     pub throttle_changes: Vec<(u32, u32)>,
     /// vCPU time taken away by the throttle during the attempt (summed over vCPUs).
     pub throttled: Duration,
-    /// Guest writes from connect to pause.
+    /// Guest activity ([`Guest::activity`], e.g. writes) from connect to pause.
     pub guest_writes: u64,
     /// Connect to pause.
     pub precopy: Duration,
@@ -173,6 +197,11 @@ pub struct MigrationReport {
     pub dirtied: u64,
     /// Verification ranges compared (all matched).
     pub verify_ranges: u64,
+    /// How memory was verified.
+    pub verify_mode: VerifyMode,
+    /// Pages hashed on this side with the vCPUs paused: the stop-and-copy round's with
+    /// [`VerifyMode::Sent`], all memory with [`VerifyMode::Full`].
+    pub paused_hashed_pages: u64,
     /// Pages per range.
     pub range_pages: u32,
     /// What the destination reported after running the guest: (pages touched, for how long).
@@ -229,13 +258,41 @@ pub enum Event<'a> {
     Throttle(u32),
     /// The vCPUs stopped; this many pages are owed.
     Paused(u64),
+    /// Where the migration stands: after every harvest and after the stop-and-copy round.
+    Progress(Progress),
+}
+
+/// A snapshot of the migration's progress ([`Event::Progress`]), for a live,
+/// machine-readable stream.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Progress {
+    /// The round about to run (pre-copy), or the stop-and-copy round that just ended.
+    pub round: u32,
+    /// Pages sent so far in this attempt.
+    pub pages_sent: u64,
+    /// Pages still owed to the destination.
+    pub pages_remaining: u64,
+    /// Pages the last harvest reported (dirtied while the last round ran).
+    pub dirtied: u64,
+    /// Bytes per second measured over the rounds so far.
+    pub bandwidth: f64,
+    /// The stop-and-copy transfer time the owed pages would take at that bandwidth.
+    pub expected_downtime: Duration,
+    /// The auto-converge throttle, percent.
+    pub throttle: u32,
+    /// The vCPUs are paused (the stop-and-copy round ran).
+    pub paused: bool,
+    /// Since the attempt connected.
+    pub elapsed: Duration,
 }
 
 /// The sending end, owning a running guest; it survives failed attempts.
 pub struct Source {
     guest: Arc<dyn Guest>,
-    work: WorkSpec,
     cfg: SourceConfig,
+    /// The read-only regions' pages are owed (not yet acknowledged by this session's
+    /// destination).
+    ro_owed: bool,
     /// The guest's dirty log and the pages owed, from the first attempt on (before it, every
     /// page is owed).
     log: Option<GuestHarvester>,
@@ -243,27 +300,34 @@ pub struct Source {
     attempts: u32,
     logging: bool,
     migrated: bool,
+    /// The guest ran when the attempt began (so a failed one resumes it).
+    was_running: bool,
+    /// Per page (memory index), the digest of the bytes last sent ([`VerifyMode::Sent`]).
+    digests: Digests,
 }
 
 /// Frames the reader thread received, or why it stopped.
 type Inbox = Receiver<Result<Msg, StreamError>>;
 
 impl Source {
-    /// A source for `guest`, whose workload is `work` (started by [`Source::start_guest`]).
-    pub fn new(guest: Arc<dyn Guest>, work: WorkSpec, cfg: SourceConfig) -> Source {
+    /// A source for `guest` (running or not: the migration pauses it at the switch-over, and
+    /// resumes it if an attempt fails after that).
+    pub fn new(guest: Arc<dyn Guest>, cfg: SourceConfig) -> Source {
         let seed = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64)
             ^ ((std::process::id() as u64) << 32);
         Source {
             guest,
-            work,
             cfg,
+            ro_owed: true,
             log: None,
             session: splitmix(seed),
             attempts: 0,
             logging: false,
             migrated: false,
+            was_running: false,
+            digests: Digests::default(),
         }
     }
 
@@ -272,16 +336,14 @@ impl Source {
         &self.guest
     }
 
-    /// Starts the workload on the source's vCPUs.
-    pub fn start_guest(&self) -> Result<(), MigrateError> {
-        Ok(self.guest.start(self.work)?)
-    }
-
     /// Pages the destination does not have yet, as far as this source knows.
     pub fn owed(&self) -> u64 {
-        self.log
-            .as_ref()
-            .map_or(self.guest.pages(), GuestHarvester::owed_pages)
+        let Ok(mem) = Memory::new(&*self.guest) else {
+            return 0;
+        };
+        let ro: u64 = mem.map().read_only().iter().map(|r| r.1).sum();
+        let rw = mem.pages() - ro;
+        self.log.as_ref().map_or(rw, GuestHarvester::owed_pages) + if self.ro_owed { ro } else { 0 }
     }
 
     /// The guest has been switched over to a destination.
@@ -299,13 +361,48 @@ impl Source {
         &mut self.cfg
     }
 
-    /// Migrates the guest to the destination listening at `addr`. On failure the guest keeps
-    /// running here, and a later call continues where the destination's memory allows.
+    /// Migrates the guest to `to`: an [`Endpoint`] in QEMU's URI forms (`tcp:HOST:PORT` or
+    /// `HOST:PORT`, `unix:PATH`, `file:PATH`; `fd:N` goes through [`Source::migrate_over`]).
+    /// On failure the guest keeps running here, and a later call continues where the
+    /// destination's memory allows.
     pub fn migrate(
         &mut self,
-        addr: &str,
+        to: &str,
         progress: &mut dyn FnMut(Event<'_>),
     ) -> Result<MigrationReport, MigrateError> {
+        let ep: Endpoint = to.parse().map_err(|e| MigrateError::Connect {
+            addr: to.to_string(),
+            why: Cause::new(e),
+        })?;
+        self.migrate_to(&ep, progress)
+    }
+
+    /// Migrates the guest to endpoint `to`.
+    pub fn migrate_to(
+        &mut self,
+        to: &Endpoint,
+        progress: &mut dyn FnMut(Event<'_>),
+    ) -> Result<MigrationReport, MigrateError> {
+        self.check()?;
+        self.attempts += 1;
+        let r = transport::connect(to, self.cfg.timeout).and_then(|c| self.attempt(c, progress));
+        self.settle_attempt(r)
+    }
+
+    /// Migrates the guest over a channel of the caller's (any `Read + Write` stream, an
+    /// inherited descriptor, a file).
+    pub fn migrate_over(
+        &mut self,
+        channel: Channel,
+        progress: &mut dyn FnMut(Event<'_>),
+    ) -> Result<MigrationReport, MigrateError> {
+        self.check()?;
+        self.attempts += 1;
+        let r = self.attempt(channel, progress);
+        self.settle_attempt(r)
+    }
+
+    fn check(&self) -> Result<(), MigrateError> {
         if self.migrated {
             return Err(MigrateError::AlreadyMigrated);
         }
@@ -315,12 +412,18 @@ impl Source {
         if self.cfg.batch_pages == 0 || self.cfg.batch_pages > MAX_BATCH_PAGES {
             return Err(MigrateError::BatchPages(self.cfg.batch_pages));
         }
-        self.attempts += 1;
-        let r = self.attempt(addr, progress);
+        Ok(())
+    }
+
+    /// After an attempt: the throttle off, and a guest stopped for a switch-over that did
+    /// not happen runs again.
+    fn settle_attempt(
+        &mut self,
+        r: Result<MigrationReport, MigrateError>,
+    ) -> Result<MigrationReport, MigrateError> {
         self.guest.set_throttle(0);
-        if r.is_err() && !self.migrated && !self.guest.running() {
-            // The guest stopped for the switch-over that did not happen: it runs on here.
-            if let (Err(restart), Err(first)) = (self.guest.start(self.work), &r) {
+        if r.is_err() && !self.migrated && !self.guest.running() && self.was_running {
+            if let (Err(restart), Err(first)) = (self.guest.resume(), &r) {
                 return Err(MigrateError::Restart {
                     first: Box::new(first.clone()),
                     restart,
@@ -332,34 +435,47 @@ impl Source {
 
     fn attempt(
         &mut self,
-        addr: &str,
+        c: Channel,
         progress: &mut dyn FnMut(Event<'_>),
     ) -> Result<MigrationReport, MigrateError> {
         let t_connect = Instant::now();
-        let stream = connect(addr, self.cfg.timeout)?;
-        let io =
-            |e: std::io::Error| MigrateError::stream("connecting", StreamError::Io(Cause::new(e)));
-        stream.set_nodelay(true).map_err(io)?;
-        stream
-            .set_write_timeout(Some(self.cfg.timeout))
-            .map_err(io)?;
-        let (inbox, reader) = spawn_reader(stream.try_clone().map_err(io)?, self.cfg.timeout)?;
-        let link = Link::new(
-            stream.try_clone().map_err(io)?,
-            self.cfg.bandwidth,
-            self.cfg.faults,
-        );
+        let Channel {
+            reader,
+            writer,
+            closer,
+            peer,
+        } = c;
+        let Some(writer) = writer else {
+            return Err(MigrateError::Connect {
+                addr: peer,
+                why: Cause::new(std::io::Error::other("the channel cannot be written")),
+            });
+        };
+        let close = closer.clone();
+        let (inbox, thread) = match reader {
+            Some(r) => {
+                let (inbox, h) = spawn_reader(r, self.cfg.timeout)?;
+                (Some(inbox), Some(h))
+            }
+            None => (None, None),
+        };
+        let link = Link::new(writer, closer, self.cfg.bandwidth, self.cfg.faults);
         let mut conn = Conn {
             link,
             inbox,
             timeout: self.cfg.timeout,
+            peer,
         };
         let r = self.run(&mut conn, t_connect, progress);
         // Ends the reader thread whatever happened: its read fails, and with the inbox gone a
         // send it is blocked in (the channel is bounded) fails too.
-        let _ = stream.shutdown(Shutdown::Both);
+        if let Some(c) = close {
+            c();
+        }
         drop(conn);
-        let _ = reader.join();
+        if let Some(h) = thread {
+            let _ = h.join();
+        }
         r
     }
 
@@ -374,15 +490,37 @@ impl Source {
         let mut report = MigrationReport {
             attempt: self.attempts,
             range_pages: RANGE_PAGES,
+            one_way: conn.one_way(),
             ..MigrationReport::default()
         };
-        self.handshake(conn, &mut report)?;
+        self.was_running = self.guest.running();
+        let guest = self.guest.clone();
+        let mem = Memory::new(&*guest).map_err(GuestError::from)?;
+        self.handshake(conn, &mem, &mut report)?;
         report.setup = t_connect.elapsed();
         let log = harvester(&mut self.log, &*self.guest)?;
+        let starts = mem
+            .map()
+            .log_starts(log.slot_info())
+            .map_err(GuestError::from)?;
         if !report.resumed {
             // A destination that starts empty needs every page.
             log.mark_all();
+            self.ro_owed = true;
         }
+        if self.cfg.verify == VerifyMode::Sent
+            && (!report.resumed || self.digests.len() as u64 != mem.pages())
+        {
+            // Every page goes out again, and is hashed as it does.
+            self.digests = Digests::new(usize::try_from(mem.pages()).unwrap_or(0), NEVER_SENT);
+        } else if self.cfg.verify == VerifyMode::Full {
+            self.digests = Digests::default();
+        }
+        let ro = if self.ro_owed {
+            mem.map().read_only()
+        } else {
+            Vec::new()
+        };
         progress(Event::Connected {
             resume: report.resumed,
             backend: &report.dest_backend,
@@ -391,7 +529,7 @@ impl Source {
             self.guest.set_dirty_logging(true)?;
             self.logging = true;
         }
-        let writes0 = self.guest.writes();
+        let writes0 = self.guest.activity().unwrap_or(0);
         let throttled0 = self.guest.throttled();
         let mut ac = AutoConverge::new(
             self.cfg.auto_converge,
@@ -403,61 +541,109 @@ impl Source {
             seq: 0,
             batch: self.cfg.batch_pages as usize,
             faults: self.cfg.faults,
+            starts,
+            ro,
+            digests: std::mem::take(&mut self.digests),
+            t0: t_connect,
         };
-        let round = self.precopy(conn, &mut sender, &mut ac, &mut report, progress)?;
+        let r = self.rounds(conn, &mem, &mut sender, &mut ac, &mut report, progress);
+        // The digests outlive the attempt: a resumed destination holds what they describe.
+        self.digests = std::mem::take(&mut sender.digests);
+        let t_pause = r?;
 
-        if let Some(d) = self.cfg.faults.pause_delay {
-            std::thread::sleep(d);
-        }
-        let t_pause = Instant::now();
-        self.guest.pause()?;
         report.precopy = t_pause - t_connect;
-        report.guest_writes = self.guest.writes() - writes0;
+        report.guest_writes = self.guest.activity().unwrap_or(0).saturating_sub(writes0);
         report.throttled = self.guest.throttled().saturating_sub(throttled0);
-        self.stop_and_copy(conn, &mut sender, round, &mut report, progress)?;
+        self.ro_owed = false;
 
         let t = Instant::now();
-        report.verify_ranges = self.verify(conn)?;
+        self.send_state(conn, &mut report)?;
+        report.state = t.elapsed();
+
+        let t = Instant::now();
+        report.verify_ranges = self.verify(conn, &mem)?;
         report.verify = t.elapsed();
+        report.verify_mode = self.cfg.verify;
+        report.paused_hashed_pages = match self.cfg.verify {
+            VerifyMode::Sent => report.rounds.last().map_or(0, |r| r.pages),
+            VerifyMode::Full => mem.pages(),
+        };
 
         // Switch-over: from the written `Commit` on, the guest is the destination's.
         conn.send(&Msg::Commit, "switch-over")?;
+        if conn.one_way() {
+            // A snapshot is taken once it is durable.
+            conn.link.flush().map_err(|e| {
+                MigrateError::stream("switch-over", StreamError::io(e, conn.timeout))
+            })?;
+        }
         report.downtime = t_pause.elapsed();
         report.total = t_connect.elapsed();
         self.migrated = true;
         // The destination runs the guest briefly and says so; not hearing it does not undo a
         // committed switch-over.
-        if let Ok(Msg::Resumed { touched, micros }) = conn.recv("the destination's resume report") {
-            report.dest_resumed = Some((touched, Duration::from_micros(micros)));
+        if !conn.one_way() {
+            if let Ok(Msg::Resumed { touched, micros }) =
+                conn.recv("the destination's resume report")
+            {
+                report.dest_resumed = Some((touched, Duration::from_micros(micros)));
+            }
         }
         report.throttle_max = ac.max();
         report.throttle_changes = ac.changes.clone();
         Ok(report)
     }
 
+    /// Pre-copy, the pause and the stop-and-copy round; returns when the guest paused.
+    fn rounds(
+        &mut self,
+        conn: &mut Conn,
+        mem: &Memory<'_>,
+        sender: &mut Sender,
+        ac: &mut AutoConverge,
+        report: &mut MigrationReport,
+        progress: &mut dyn FnMut(Event<'_>),
+    ) -> Result<Instant, MigrateError> {
+        let round = self.precopy(conn, mem, sender, ac, report, progress)?;
+        if let Some(d) = self.cfg.faults.pause_delay {
+            std::thread::sleep(d);
+        }
+        let t_pause = Instant::now();
+        self.guest.pause()?;
+        self.stop_and_copy(conn, mem, sender, round, report, progress)?;
+        Ok(t_pause)
+    }
+
     /// Sends the preamble and the hello; records the destination's welcome in `report`.
     fn handshake(
         &mut self,
         conn: &mut Conn,
+        mem: &Memory<'_>,
         report: &mut MigrationReport,
     ) -> Result<(), MigrateError> {
         let phase = "handshake";
-        let shape = self.guest.shape();
         let version = self.cfg.faults.version.unwrap_or(VERSION);
         conn.send_raw(&stream::preamble(version), phase)?;
         conn.send(
             &Msg::Hello(Hello {
                 session: self.session,
                 attempt: self.attempts,
-                shape,
-                slots: shape.slot_layout(),
-                work: self.work,
+                one_way: conn.one_way(),
+                regions: mem.map().wire(),
+                machine: self.guest.machine(),
                 compression: self.cfg.compression,
                 range_pages: RANGE_PAGES,
-                backend: self.guest.backend().name().into(),
+                verify: self.cfg.verify,
+                backend: self.guest.kind().into(),
             }),
             phase,
         )?;
+        if conn.one_way() {
+            // Nobody answers a file; its reader starts empty.
+            report.resumed = false;
+            report.dest_backend = conn.peer.clone();
+            return Ok(());
+        }
         match conn.recv(phase)? {
             Msg::Welcome { resume, backend } => {
                 report.resumed = resume;
@@ -474,6 +660,7 @@ impl Source {
     fn precopy(
         &mut self,
         conn: &mut Conn,
+        mem: &Memory<'_>,
         sender: &mut Sender,
         ac: &mut AutoConverge,
         report: &mut MigrationReport,
@@ -493,14 +680,25 @@ impl Source {
                     progress(Event::Throttle(t));
                 }
             }
-            if round > 0 && precopy_done(&self.cfg, set.pages(), round, report) {
+            let owed = set.pages() + sender.ro_pages();
+            progress(Event::Progress(progress_of(
+                report,
+                round,
+                owed,
+                dirtied,
+                self.guest.throttle(),
+                false,
+                sender.t0,
+            )));
+            if round > 0 && precopy_done(&self.cfg, owed, round, report) {
                 // Not sent: owed again, for the take after the pause.
                 set.abort();
                 return Ok(round);
             }
             let r = sender.round(
                 conn,
-                &self.guest,
+                mem,
+                self.guest.throttle(),
                 &mut set,
                 round,
                 false,
@@ -508,6 +706,8 @@ impl Source {
             )?;
             // Every page was acknowledged (and left the set) before the round returned.
             set.commit();
+            // Range hashes of what this round sent, while the guest runs.
+            sender.digests.refresh();
             progress(Event::Round(&r));
             report.rounds.push(r);
             round += 1;
@@ -518,6 +718,7 @@ impl Source {
     fn stop_and_copy(
         &mut self,
         conn: &mut Conn,
+        mem: &Memory<'_>,
         sender: &mut Sender,
         round: u32,
         report: &mut MigrationReport,
@@ -536,32 +737,80 @@ impl Source {
             report.dirtied += set.collected();
         }
         report.final_harvest = t.elapsed();
-        progress(Event::Paused(set.pages()));
+        progress(Event::Paused(set.pages() + sender.ro_pages()));
+        if let Some(n) = self.cfg.faults.cut_in_final_round {
+            conn.link.cut_in(n);
+        }
         let t = Instant::now();
-        let last = sender.round(conn, &self.guest, &mut set, round, true, "stop-and-copy")?;
+        let last = sender.round(
+            conn,
+            mem,
+            self.guest.throttle(),
+            &mut set,
+            round,
+            true,
+            "stop-and-copy",
+        )?;
         set.commit();
         report.final_send = t.elapsed();
         progress(Event::Round(&last));
         report.rounds.push(last);
+        progress(Event::Progress(progress_of(
+            report,
+            round,
+            0,
+            0,
+            self.guest.throttle(),
+            true,
+            sender.t0,
+        )));
+        Ok(())
+    }
+
+    /// The device state, saved with the vCPUs paused, sent blob by blob and counted.
+    fn send_state(
+        &self,
+        conn: &mut Conn,
+        report: &mut MigrationReport,
+    ) -> Result<(), MigrateError> {
+        let phase = "device state";
+        if let Some(n) = self.cfg.faults.cut_in_state {
+            conn.link.cut_in(n);
+        }
+        let blobs = self.guest.save_state()?;
+        let bytes = crate::state::check_blobs(&blobs)?;
+        let n = blobs.len() as u32;
+        for b in blobs {
+            conn.send(&Msg::State(b), phase)?;
+        }
+        conn.send(&Msg::StateEnd { blobs: n, bytes }, phase)?;
+        report.state_blobs = n;
+        report.state_bytes = bytes;
         Ok(())
     }
 
     /// Verification: sends the hashes of memory as it is now (the vCPUs stopped) and the
-    /// request; returns the ranges the destination found all matching.
-    fn verify(&self, conn: &mut Conn) -> Result<u64, MigrateError> {
+    /// request; returns the ranges the destination found all matching (over a one-way
+    /// channel, the ranges the reader will check).
+    fn verify(&mut self, conn: &mut Conn, mem: &Memory<'_>) -> Result<u64, MigrateError> {
         let phase = "verification";
-        let pages = self.guest.pages();
-        let mem = Memory::new(&*self.guest);
+        let pages = mem.pages();
         let nranges = verify::ranges(pages, RANGE_PAGES);
         let mut hashes = Vec::with_capacity(HASHES_PER_FRAME);
         let mut buf = vec![0u8; RANGE_PAGES as usize * PAGE_SIZE];
         let mut first = 0u64;
         for i in 0..nranges {
-            let (a, b) = verify::range_pages(i, RANGE_PAGES, pages);
-            // `b - a <= RANGE_PAGES`: the range fits the buffer.
-            let bytes = &mut buf[..(b - a) as usize * PAGE_SIZE];
-            mem.stopped_read(a, b, bytes)?;
-            hashes.push(verify::hash_range(i, bytes));
+            if self.cfg.verify == VerifyMode::Sent {
+                // `digests` has one entry per page (set at the start of the attempt); only
+                // the ranges the stop-and-copy round touched are hashed now.
+                hashes.push(self.digests.range(i).unwrap_or([0; 32]));
+            } else {
+                let (a, b) = verify::range_pages(i, RANGE_PAGES, pages);
+                // `b - a <= RANGE_PAGES`: the range fits the buffer.
+                let bytes = &mut buf[..(b - a) as usize * PAGE_SIZE];
+                mem.stopped_read(a, b, bytes)?;
+                hashes.push(verify::hash_range(i, bytes));
+            }
             // Frames of 256 hashes (64 MiB of guest memory): the destination hashes one
             // while the next is computed here.
             if hashes.len() == HASHES_PER_FRAME || i + 1 == nranges {
@@ -578,6 +827,9 @@ impl Source {
             },
             phase,
         )?;
+        if conn.one_way() {
+            return Ok(nranges);
+        }
         match conn.recv(phase)? {
             Msg::Verified {
                 ranges,
@@ -609,17 +861,45 @@ impl Source {
 /// `max_downtime` at the bandwidth measured so far (recorded in `report`), or the rounds are
 /// used up.
 fn precopy_done(cfg: &SourceConfig, owed: u64, round: u32, report: &mut MigrationReport) -> bool {
-    let sent: u64 = report.rounds.iter().map(|r| r.bytes).sum();
-    let spent: Duration = report.rounds.iter().map(|r| r.time).sum();
-    let per_page = sent as f64 / report.pages().max(1) as f64;
-    let bw = rate(sent as f64, spent).max(1.0);
-    let expect = Duration::from_secs_f64(owed as f64 * per_page / bw);
+    let expect = expected_transfer(report, owed);
     report.expected_final = expect;
     if expect <= cfg.max_downtime {
         report.converged = true;
         return true;
     }
     round > cfg.max_rounds || round == u32::MAX
+}
+
+/// How long `owed` pages would take at the bandwidth and bytes per page measured so far.
+fn expected_transfer(report: &MigrationReport, owed: u64) -> Duration {
+    let sent: u64 = report.rounds.iter().map(|r| r.bytes).sum();
+    let spent: Duration = report.rounds.iter().map(|r| r.time).sum();
+    let per_page = sent as f64 / report.pages().max(1) as f64;
+    let bw = rate(sent as f64, spent).max(1.0);
+    Duration::from_secs_f64(owed as f64 * per_page / bw)
+}
+
+/// The progress after the rounds in `report`, with `owed` pages left.
+fn progress_of(
+    report: &MigrationReport,
+    round: u32,
+    owed: u64,
+    dirtied: u64,
+    throttle: u32,
+    paused: bool,
+    t0: Instant,
+) -> Progress {
+    Progress {
+        round,
+        pages_sent: report.pages(),
+        pages_remaining: owed,
+        dirtied,
+        bandwidth: report.bandwidth(),
+        expected_downtime: expected_transfer(report, owed),
+        throttle,
+        paused,
+        elapsed: t0.elapsed(),
+    }
 }
 
 /// The guest's harvester, made on first use with every page owed.
@@ -645,8 +925,11 @@ const _: () = assert!(HASHES_PER_FRAME <= MAX_HASHES as usize);
 /// The connection of one attempt.
 struct Conn {
     link: Link,
-    inbox: Inbox,
+    /// The destination's frames (none over a one-way channel).
+    inbox: Option<Inbox>,
     timeout: Duration,
+    /// Where the channel leads.
+    peer: String,
 }
 
 impl Conn {
@@ -664,11 +947,17 @@ impl Conn {
         self.send_raw(&stream::frame(m), phase)
     }
 
+    /// Nothing comes back.
+    fn one_way(&self) -> bool {
+        self.inbox.is_none()
+    }
+
     /// A refusal the destination sent, if one is waiting.
     fn refusal(&self) -> Option<MigrateError> {
+        let inbox = self.inbox.as_ref()?;
         let deadline = Instant::now() + Duration::from_millis(200);
         while let Some(left) = deadline.checked_duration_since(Instant::now()) {
-            match self.inbox.recv_timeout(left) {
+            match inbox.recv_timeout(left) {
                 Ok(Ok(Msg::Refuse(reason))) => {
                     return Some(MigrateError::Refused {
                         who: "destination",
@@ -684,7 +973,15 @@ impl Conn {
 
     /// The next message, waiting at most the timeout.
     fn recv(&mut self, phase: &str) -> Result<Msg, MigrateError> {
-        match self.inbox.recv_timeout(self.timeout) {
+        let Some(inbox) = &self.inbox else {
+            return Err(MigrateError::stream(
+                phase,
+                StreamError::Closed {
+                    what: "a reply (the channel is one-way)",
+                },
+            ));
+        };
+        match inbox.recv_timeout(self.timeout) {
             Ok(Ok(Msg::Refuse(reason))) => Err(MigrateError::Refused {
                 who: "destination",
                 reason,
@@ -704,7 +1001,10 @@ impl Conn {
 
     /// Like `recv`, without waiting.
     fn try_recv(&mut self, phase: &str) -> Result<Option<Msg>, MigrateError> {
-        match self.inbox.try_recv() {
+        let Some(inbox) = &self.inbox else {
+            return Ok(None);
+        };
+        match inbox.try_recv() {
             Ok(Ok(Msg::Refuse(reason))) => Err(MigrateError::Refused {
                 who: "destination",
                 reason,
@@ -728,15 +1028,30 @@ struct Sender {
     seq: u64,
     batch: usize,
     faults: Faults,
+    /// Memory index of each dirty-log slot's first page.
+    starts: Vec<u64>,
+    /// Read-only pages still owed, as (first, count) runs: sent with the next round.
+    ro: Vec<(u64, u64)>,
+    /// Per page, the digest of what was last sent (empty: verification reads memory).
+    digests: Digests,
+    /// When the attempt connected.
+    t0: Instant,
 }
 
 impl Sender {
+    /// Read-only pages still owed.
+    fn ro_pages(&self) -> u64 {
+        self.ro.iter().map(|r| r.1).sum()
+    }
+
     /// Sends every page of `owed`; returns when the destination acknowledged all of them
     /// (each acknowledged page has left the set).
+    #[allow(clippy::too_many_arguments)]
     fn round(
         &mut self,
         conn: &mut Conn,
-        guest: &Arc<dyn Guest>,
+        mem: &Memory<'_>,
+        throttle: u32,
         owed: &mut RoundSet<'_>,
         round: u32,
         stop_and_copy: bool,
@@ -744,9 +1059,10 @@ impl Sender {
     ) -> Result<RoundReport, MigrateError> {
         let t0 = Instant::now();
         let bytes0 = conn.link.written();
-        let throttle = guest.throttle();
-        let mem = Memory::new(&**guest);
-        let todo = pages_of(owed);
+        let mut todo = pages_of(owed, &self.starts);
+        for &(first, n) in &self.ro {
+            todo.extend((first..first + n).map(|p| (NO_SLOT, 0, p)));
+        }
         let mut inflight: VecDeque<(u64, Vec<Page>)> = VecDeque::new();
         let mut page = vec![0u8; PAGE_SIZE];
         let mut zero = 0u64;
@@ -761,7 +1077,13 @@ impl Sender {
             for &(slot, off, p) in chunk {
                 mem.read_page(p, &mut page)?;
                 self.builder.push(p, &page);
-                if self.faults.skip_merge_back {
+                if !self.digests.is_empty() {
+                    self.digests.set(p, verify::page_digest(&page));
+                }
+                if slot == NO_SLOT {
+                    continue;
+                }
+                if self.faults.skip_merge_back || conn.one_way() {
                     // The bug under test: the page counts as delivered once it is queued.
                     owed.commit_pages(slot, off, 1)
                         .map_err(GuestError::harvest)?;
@@ -774,7 +1096,9 @@ impl Sender {
                     MigrateError::stream(phase, StreamError::io(e, conn.timeout))
                 }));
             }
-            inflight.push_back((self.seq, chunk.to_vec()));
+            if !conn.one_way() {
+                inflight.push_back((self.seq, chunk.to_vec()));
+            }
             self.seq += 1;
             while let Some(m) = conn.try_recv(phase)? {
                 settle(m, &mut inflight, owed, phase)?;
@@ -791,6 +1115,8 @@ impl Sender {
             let m = conn.recv(phase)?;
             settle(m, &mut inflight, owed, phase)?;
         }
+        // Every read-only page went out with this round and is acknowledged (or written).
+        self.ro.clear();
         Ok(RoundReport {
             round,
             pages: todo.len() as u64,
@@ -804,20 +1130,21 @@ impl Sender {
     }
 }
 
-/// A page of a round: (slot index in the harvester, page in the slot, page in the test
-/// region).
+/// A page of a round: (slot index in the harvester, page in the slot, memory index); a
+/// read-only page has the slot [`NO_SLOT`].
 type Page = (usize, u64, u64);
 
-/// The pages of `set`, in test-region order (slots are in guest-address order and together
-/// cover the test region).
-fn pages_of(set: &RoundSet<'_>) -> Vec<Page> {
+/// The slot of a page without a dirty log (a read-only region's).
+const NO_SLOT: usize = usize::MAX;
+
+/// The pages of `set`, in memory-index order (`starts`: each slot's first memory index,
+/// checked against the map by [`crate::MemoryMap::log_starts`]).
+fn pages_of(set: &RoundSet<'_>, starts: &[u64]) -> Vec<Page> {
     let mut out = Vec::with_capacity(usize::try_from(set.pages()).unwrap_or(0));
-    let mut start = 0u64;
-    for (i, s) in set.slot_info().iter().enumerate() {
+    for (i, &start) in starts.iter().enumerate().take(set.slot_info().len()) {
         for (first, n) in set.ranges(i) {
             out.extend((first..first + n).map(|p| (i, p, start + p)));
         }
-        start += s.pages;
     }
     out
 }
@@ -835,7 +1162,7 @@ fn settle(
     };
     match inflight.pop_front() {
         Some((s, pages)) if s == seq => {
-            for (slot, off, _) in pages {
+            for (slot, off, _) in pages.into_iter().filter(|p| p.0 != NO_SLOT) {
                 owed.commit_pages(slot, off, 1)
                     .map_err(GuestError::harvest)?;
             }
@@ -855,22 +1182,6 @@ fn unexpected(phase: &str, m: &Msg) -> MigrateError {
     )
 }
 
-fn connect(addr: &str, timeout: Duration) -> Result<TcpStream, MigrateError> {
-    let err = |e: std::io::Error| MigrateError::Connect {
-        addr: addr.to_string(),
-        why: Cause::new(e),
-    };
-    let addrs: Vec<_> = addr.to_socket_addrs().map_err(err)?.collect();
-    let mut last = std::io::Error::other("no address");
-    for a in addrs {
-        match TcpStream::connect_timeout(&a, timeout) {
-            Ok(s) => return Ok(s),
-            Err(e) => last = e,
-        }
-    }
-    Err(err(last))
-}
-
 /// Batches sent and not yet acknowledged, at most.
 const MAX_INFLIGHT: usize = 1024;
 
@@ -882,7 +1193,10 @@ const INBOX: usize = MAX_INFLIGHT + 16;
 /// Reads the destination's frames on a thread of their own, so acknowledgements drain while
 /// the source is busy writing. Only the frames a destination sends are passed on (all of
 /// them small); any other ends the connection.
-fn spawn_reader(s: TcpStream, timeout: Duration) -> Result<(Inbox, JoinHandle<()>), MigrateError> {
+fn spawn_reader(
+    s: Box<dyn Read + Send>,
+    timeout: Duration,
+) -> Result<(Inbox, JoinHandle<()>), MigrateError> {
     let (tx, rx): (SyncSender<_>, _) = mpsc::sync_channel(INBOX);
     let h = std::thread::Builder::new()
         .name("migrate-acks".into())

@@ -14,24 +14,29 @@
 //! raw page its 4096 bytes, a compressed page its LZ4 block (which must decompress to
 //! exactly one page). Every decode is bounds-checked and returns a [`StreamError`]; nothing in
 //! here panics on bad input. Counts are bounded before anything is allocated for them
-//! ([`MAX_BATCH_PAGES`], [`MAX_HASHES`], [`MAX_SLOTS`]), and text fields are capped and have
-//! their control characters escaped, so a peer's words print as one harmless line.
+//! ([`MAX_BATCH_PAGES`], [`MAX_HASHES`], [`MAX_REGIONS`], [`MAX_STATE_BLOBS`]), and text
+//! fields are capped and have their control characters escaped, so a peer's words print as
+//! one harmless line.
 //!
-//! Sizes a peer announces — the [`Shape`] — are checked by [`Shape::check`] with checked
-//! arithmetic against [`MAX_VCPUS`], [`MAX_SLOTS`] and [`MAX_GUEST_BYTES`]; the destination
-//! then bounds them by what it is willing and able to map.
+//! The memory map a peer announces — its [`Region`]s — is checked by [`check_regions`] with
+//! checked arithmetic (page-aligned, sorted, disjoint, inside a 52-bit guest-physical space,
+//! at most [`MAX_GUEST_BYTES`] in all); the destination then bounds it by what it is willing
+//! and able to map. Device state ([`Msg::State`]) is opaque to the stream: each blob is
+//! capped at [`MAX_STATE_BLOB`] bytes and a guest's blobs at [`MAX_STATE_BLOBS`] and
+//! [`MAX_STATE_BYTES`] in all.
 //!
 //! The preamble is outside the frames so that a destination can reject another protocol
 //! version before trying to parse a frame whose layout may have changed.
 
-use crate::error::{Corruption, PageError, ShapeError, StreamError};
+use crate::error::{Corruption, MapError, PageError, StreamError};
+use crate::state::StateBlob;
 use std::io::{Read, Write};
 use std::time::Duration;
 
 /// The first eight bytes of every stream.
 pub const MAGIC: [u8; 8] = *b"SLATMIGR";
 /// The protocol version this build speaks.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Guest page size.
 pub const PAGE_SIZE: usize = 4096;
 /// Largest frame payload (a batch of [`MAX_BATCH_PAGES`] raw pages fits with room to spare).
@@ -46,6 +51,20 @@ const MAX_TEXT: usize = 1024;
 pub const MAX_VCPUS: u32 = 512;
 /// Most memslots in a guest (as the command line allows; KVM has 32764 per address space).
 pub const MAX_SLOTS: u32 = 32_000;
+/// Most regions in a guest's memory map (one memslot each at most).
+pub const MAX_REGIONS: u32 = MAX_SLOTS;
+/// Highest guest-physical address bit a region may reach (x86-64 and arm64 top out at 52).
+pub const GPA_BITS: u32 = 52;
+/// Largest machine description a hello carries ([`Hello::machine`]).
+pub const MAX_MACHINE: usize = 4096;
+/// Largest device-state blob (one frame, with room for its id and header).
+pub const MAX_STATE_BLOB: u32 = MAX_FRAME - 4096;
+/// Most device-state blobs of one guest.
+pub const MAX_STATE_BLOBS: u32 = 4096;
+/// Most device-state bytes of one guest in all.
+pub const MAX_STATE_BYTES: u64 = 256 << 20;
+/// Longest device-state id.
+pub const MAX_STATE_ID: usize = 256;
 /// Most guest memory: a 48-bit guest physical address space, less the page above the test
 /// region (the simulated machine places it one page below the top, as KVM's selftests do).
 pub const MAX_GUEST_BYTES: u64 = (1 << 48) - PAGE_SIZE as u64;
@@ -85,89 +104,66 @@ impl Compression {
     }
 }
 
-/// The guest's shape: enough for a destination to build a machine with the same memslots.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Shape {
-    /// vCPUs.
-    pub vcpus: u32,
-    /// Guest memory per vCPU in bytes.
-    pub bytes_per_vcpu: u64,
-    /// Memslots the test region is split into (equal sizes, consecutive).
-    pub slots: u32,
-    /// Every vCPU works on the whole region.
-    pub overlap: bool,
+/// One region of guest-physical memory as the stream describes it. Pages travel under
+/// their *memory index*: the regions of a map, in address order, laid end to end (holes
+/// between regions take no index).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Region {
+    /// Guest-physical address of its first byte (page aligned).
+    pub gpa: u64,
+    /// Pages in it (at least one).
+    pub pages: u64,
+    /// The guest cannot write it (ROM): copied once, never dirty-logged.
+    pub read_only: bool,
 }
 
-impl Shape {
-    /// Checks the shape with checked arithmetic: 1 to [`MAX_VCPUS`] vCPUs, a non-zero whole
-    /// number of pages per vCPU, vCPUs × memory within [`MAX_GUEST_BYTES`], and 1 to
-    /// [`MAX_SLOTS`] memslots that split the pages evenly. Returns the pages in the test region.
-    pub fn check(&self) -> Result<u64, ShapeError> {
-        if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
-            return Err(ShapeError::Vcpus { vcpus: self.vcpus });
-        }
-        if self.bytes_per_vcpu == 0 || self.bytes_per_vcpu % PAGE_SIZE as u64 != 0 {
-            return Err(ShapeError::BytesPerVcpu {
-                bytes: self.bytes_per_vcpu,
-            });
-        }
-        let bytes =
-            self.bytes_per_vcpu
-                .checked_mul(self.vcpus as u64)
-                .ok_or(ShapeError::Overflow {
-                    vcpus: self.vcpus,
-                    bytes_per_vcpu: self.bytes_per_vcpu,
-                })?;
-        if bytes > MAX_GUEST_BYTES {
-            return Err(ShapeError::TooBig { bytes });
-        }
-        if self.slots == 0 || self.slots > MAX_SLOTS {
-            return Err(ShapeError::Slots { slots: self.slots });
-        }
-        let pages = bytes / PAGE_SIZE as u64;
-        if pages % self.slots as u64 != 0 {
-            return Err(ShapeError::UnevenSlots {
-                slots: self.slots,
-                pages,
-            });
-        }
-        Ok(pages)
-    }
-    /// Bytes in the test region (0 for a shape that fails [`Shape::check`]).
-    pub fn total_bytes(&self) -> u64 {
-        self.total_pages() * PAGE_SIZE as u64
-    }
-    /// Pages in the test region (0 for a shape that fails [`Shape::check`]: nothing is ever
-    /// addressed through a shape that does not add up).
-    pub fn total_pages(&self) -> u64 {
-        self.check().unwrap_or(0)
-    }
-    /// Pages per memslot (0 for a shape that fails [`Shape::check`]).
-    pub fn pages_per_slot(&self) -> u64 {
-        self.total_pages() / self.slots.max(1) as u64
-    }
-    /// The memslot layout: (first page, pages) of each slot in the test region (empty for a
-    /// shape that fails [`Shape::check`], so at most [`MAX_SLOTS`] entries).
-    pub fn slot_layout(&self) -> Vec<(u64, u64)> {
-        if self.check().is_err() {
-            return Vec::new();
-        }
-        let pps = self.pages_per_slot();
-        (0..self.slots as u64).map(|s| (s * pps, pps)).collect()
+impl Region {
+    /// Guest-physical address one past its last byte (`None`: past 64 bits).
+    pub fn end(&self) -> Option<u64> {
+        self.pages
+            .checked_mul(PAGE_SIZE as u64)
+            .and_then(|b| self.gpa.checked_add(b))
     }
 }
 
-/// The guest workload, so the destination resumes the same one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct WorkSpec {
-    /// Percentage of accesses that write.
-    pub write_percent: u32,
-    /// Pseudo-random page order.
-    pub random: bool,
-    /// PRNG seed.
-    pub seed: u32,
-    /// Writes per second per vCPU (0: unlimited).
-    pub rate: u64,
+/// Checks a memory map with checked arithmetic: 1 to [`MAX_REGIONS`] regions, each non-empty,
+/// page aligned and below 2^[`GPA_BITS`], in ascending order without overlap, at most
+/// [`MAX_GUEST_BYTES`] in all. Returns the pages of the map.
+pub fn check_regions(regions: &[Region]) -> Result<u64, MapError> {
+    if regions.is_empty() || regions.len() > MAX_REGIONS as usize {
+        return Err(MapError::Count(regions.len()));
+    }
+    let mut total = 0u64;
+    let mut prev_end = 0u64;
+    for (index, r) in regions.iter().enumerate() {
+        if r.pages == 0 {
+            return Err(MapError::Empty { index });
+        }
+        if r.gpa % PAGE_SIZE as u64 != 0 {
+            return Err(MapError::Unaligned { index, gpa: r.gpa });
+        }
+        let end = r.end().filter(|&e| e <= 1u64 << GPA_BITS);
+        let Some(end) = end else {
+            return Err(MapError::Beyond {
+                index,
+                gpa: r.gpa,
+                pages: r.pages,
+            });
+        };
+        if index > 0 && r.gpa < prev_end {
+            return Err(MapError::Overlap { index, gpa: r.gpa });
+        }
+        prev_end = end;
+        // Each region is below 2^52 bytes: the sum of a few thousand cannot overflow, and is
+        // checked against the limit as it grows.
+        total += r.pages;
+        if total > MAX_GUEST_BYTES / PAGE_SIZE as u64 {
+            return Err(MapError::TooBig {
+                bytes: total.saturating_mul(PAGE_SIZE as u64),
+            });
+        }
+    }
+    Ok(total)
 }
 
 /// The source's opening message.
@@ -178,16 +174,20 @@ pub struct Hello {
     pub session: u64,
     /// 1 for the first attempt.
     pub attempt: u32,
-    /// The guest's shape.
-    pub shape: Shape,
-    /// (first page, pages) of each memslot, which must agree with `shape`.
-    pub slots: Vec<(u64, u64)>,
-    /// The workload the destination resumes.
-    pub work: WorkSpec,
+    /// A one-way stream (a file): the reader never answers, and the writer counts a page
+    /// delivered once written.
+    pub one_way: bool,
+    /// The guest's memory map.
+    pub regions: Vec<Region>,
+    /// Opaque description of the machine, for a destination that builds one to fit (at most
+    /// [`MAX_MACHINE`] bytes; empty for a VMM whose destination is configured alike).
+    pub machine: Vec<u8>,
     /// Compression of page data.
     pub compression: Compression,
     /// Pages per verification range.
     pub range_pages: u32,
+    /// How the switch-over verifies memory.
+    pub verify: crate::verify::VerifyMode,
     /// The source's machine ("sim", "kvm").
     pub backend: String,
 }
@@ -227,6 +227,15 @@ pub enum Msg {
         first: u64,
         /// One BLAKE3 hash per range.
         hashes: Vec<[u8; 32]>,
+    },
+    /// Source: one device-state blob (vCPU registers, device models), after the last round.
+    State(StateBlob),
+    /// Source: the device state is complete.
+    StateEnd {
+        /// Blobs sent.
+        blobs: u32,
+        /// Their bytes in all.
+        bytes: u64,
     },
     /// Source: all pages and hashes are sent; compare and answer.
     Verify {
@@ -333,6 +342,8 @@ const T_VERIFY: u8 = 8;
 const T_VERIFIED: u8 = 9;
 const T_COMMIT: u8 = 10;
 const T_RESUMED: u8 = 11;
+const T_STATE: u8 = 12;
+const T_STATE_END: u8 = 13;
 
 impl Msg {
     /// A short name for messages and errors.
@@ -349,6 +360,8 @@ impl Msg {
             Msg::Verified { .. } => "verified",
             Msg::Commit => "commit",
             Msg::Resumed { .. } => "resumed",
+            Msg::State(_) => "device state",
+            Msg::StateEnd { .. } => "device state end",
         }
     }
 
@@ -358,24 +371,24 @@ impl Msg {
             Msg::Hello(h) => {
                 put_u64(out, h.session);
                 put_u32(out, h.attempt);
-                put_u32(out, h.shape.vcpus);
-                put_u64(out, h.shape.bytes_per_vcpu);
-                put_u32(out, h.shape.slots);
-                out.push(h.shape.overlap as u8);
-                put_u32(out, h.slots.len() as u32);
-                for &(first, pages) in &h.slots {
-                    put_u64(out, first);
-                    put_u64(out, pages);
+                out.push(h.one_way as u8);
+                put_u32(out, h.regions.len() as u32);
+                for r in &h.regions {
+                    put_u64(out, r.gpa);
+                    put_u64(out, r.pages);
+                    out.push(r.read_only as u8);
                 }
-                put_u32(out, h.work.write_percent);
-                out.push(h.work.random as u8);
-                put_u32(out, h.work.seed);
-                put_u64(out, h.work.rate);
+                put_u32(out, h.machine.len() as u32);
+                out.extend_from_slice(&h.machine);
                 out.push(match h.compression {
                     Compression::None => 0,
                     Compression::Lz4 => 1,
                 });
                 put_u32(out, h.range_pages);
+                out.push(match h.verify {
+                    crate::verify::VerifyMode::Full => 0,
+                    crate::verify::VerifyMode::Sent => 1,
+                });
                 put_text(out, &h.backend);
                 T_HELLO
             }
@@ -430,6 +443,18 @@ impl Msg {
                 }
                 T_VERIFIED
             }
+            Msg::State(b) => {
+                put_text(out, &b.id);
+                put_u32(out, b.version);
+                put_u32(out, b.data.len() as u32);
+                out.extend_from_slice(&b.data);
+                T_STATE
+            }
+            Msg::StateEnd { blobs, bytes } => {
+                put_u32(out, *blobs);
+                put_u64(out, *bytes);
+                T_STATE_END
+            }
             Msg::Commit => T_COMMIT,
             Msg::Resumed { touched, micros } => {
                 put_u64(out, *touched);
@@ -468,6 +493,11 @@ impl Msg {
                 range_pages: d.u32()?,
             },
             T_VERIFIED => d.verified()?,
+            T_STATE => d.state()?,
+            T_STATE_END => Msg::StateEnd {
+                blobs: d.u32()?,
+                bytes: d.u64()?,
+            },
             T_COMMIT => Msg::Commit,
             T_RESUMED => Msg::Resumed {
                 touched: d.u64()?,
@@ -486,47 +516,68 @@ impl Msg {
 }
 
 impl Dec<'_> {
-    /// The fields of a hello (the memslot list bounded before it is allocated).
+    /// The fields of a hello (the region list and the machine description bounded before
+    /// they are allocated; the map's arithmetic is the receiver's [`check_regions`]).
     fn hello(&mut self) -> Result<Hello, StreamError> {
         let d = self;
         let session = d.u64()?;
         let attempt = d.u32()?;
-        let shape = Shape {
-            vcpus: d.u32()?,
-            bytes_per_vcpu: d.u64()?,
-            slots: d.u32()?,
-            overlap: d.flag()?,
-        };
+        let one_way = d.flag()?;
         let n = d.u32()? as usize;
-        if n > MAX_SLOTS as usize {
-            return Err(d.bad(Corruption::TooManySlots(n)));
+        if n > MAX_REGIONS as usize {
+            return Err(d.bad(Corruption::TooManyRegions(n)));
         }
-        d.need(n, 16)?;
-        let mut slots = Vec::with_capacity(n);
+        d.need(n, 17)?;
+        let mut regions = Vec::with_capacity(n);
         for _ in 0..n {
-            slots.push((d.u64()?, d.u64()?));
+            regions.push(Region {
+                gpa: d.u64()?,
+                pages: d.u64()?,
+                read_only: d.flag()?,
+            });
         }
-        let work = WorkSpec {
-            write_percent: d.u32()?,
-            random: d.flag()?,
-            seed: d.u32()?,
-            rate: d.u64()?,
-        };
+        let m = d.u32()? as usize;
+        if m > MAX_MACHINE {
+            return Err(d.bad(Corruption::MachineLen(m)));
+        }
+        let machine = d.bytes(m)?.to_vec();
         let compression = match d.u8()? {
             0 => Compression::None,
             1 => Compression::Lz4,
             c => return Err(d.bad(Corruption::UnknownCompression(c))),
         };
+        let range_pages = d.u32()?;
+        let verify = match d.u8()? {
+            0 => crate::verify::VerifyMode::Full,
+            1 => crate::verify::VerifyMode::Sent,
+            v => return Err(d.bad(Corruption::UnknownVerify(v))),
+        };
         Ok(Hello {
             session,
             attempt,
-            shape,
-            slots,
-            work,
+            one_way,
+            regions,
+            machine,
             compression,
-            range_pages: d.u32()?,
+            range_pages,
+            verify,
             backend: d.text()?,
         })
+    }
+
+    /// A device-state blob (its size bounded before it is copied).
+    fn state(&mut self) -> Result<Msg, StreamError> {
+        let id = self.text()?;
+        if id.len() > MAX_STATE_ID || id.is_empty() {
+            return Err(self.bad(Corruption::StateId(id.len())));
+        }
+        let version = self.u32()?;
+        let len = self.u32()?;
+        if len > MAX_STATE_BLOB {
+            return Err(self.bad(Corruption::StateTooBig(len)));
+        }
+        let data = self.bytes(len as usize)?.to_vec();
+        Ok(Msg::State(StateBlob { id, version, data }))
     }
 
     /// A batch of pages: its entries are located (each inside the payload) but not decoded.
@@ -973,19 +1024,21 @@ mod tests {
         Hello {
             session: 7,
             attempt: 1,
-            shape: Shape {
-                vcpus: 2,
-                bytes_per_vcpu: 1 << 20,
-                slots: 2,
-                overlap: false,
-            },
-            slots: vec![(0, 256), (256, 256)],
-            work: WorkSpec {
-                write_percent: 100,
-                random: true,
-                seed: 3,
-                rate: 1000,
-            },
+            one_way: false,
+            regions: vec![
+                Region {
+                    gpa: 0,
+                    pages: 256,
+                    read_only: false,
+                },
+                Region {
+                    gpa: 1 << 30,
+                    pages: 16,
+                    read_only: true,
+                },
+            ],
+            machine: vec![1, 2, 3],
+            verify: crate::verify::VerifyMode::Sent,
             compression: Compression::Lz4,
             range_pages: 64,
             backend: "sim".into(),
@@ -1027,6 +1080,15 @@ mod tests {
             Msg::Resumed {
                 touched: 1,
                 micros: 2,
+            },
+            Msg::State(StateBlob {
+                id: "vcpu0".into(),
+                version: 3,
+                data: vec![9; 100],
+            }),
+            Msg::StateEnd {
+                blobs: 1,
+                bytes: 100,
             },
         ] {
             assert_eq!(roundtrip(&m), m);
@@ -1092,7 +1154,7 @@ mod tests {
         let v = preamble(VERSION + 1);
         assert!(matches!(
             FrameReader::new(&v[..], Duration::ZERO).read_preamble(),
-            Err(StreamError::Version { found: 2, .. })
+            Err(StreamError::Version { found: 3, .. })
         ));
         let mut m = ok;
         m[0] = b'X';
@@ -1113,6 +1175,40 @@ mod tests {
     }
 
     #[test]
+    fn memory_maps_are_checked() {
+        let r = |gpa, pages, read_only| Region {
+            gpa,
+            pages,
+            read_only,
+        };
+        assert_eq!(
+            check_regions(&[r(0, 16, false), r(1 << 20, 4, true)]),
+            Ok(20)
+        );
+        assert!(matches!(check_regions(&[]), Err(MapError::Count(0))));
+        assert!(matches!(
+            check_regions(&[r(0, 0, false)]),
+            Err(MapError::Empty { .. })
+        ));
+        assert!(matches!(
+            check_regions(&[r(5, 1, false)]),
+            Err(MapError::Unaligned { .. })
+        ));
+        assert!(matches!(
+            check_regions(&[r(0, 16, false), r(4096, 1, false)]),
+            Err(MapError::Overlap { .. })
+        ));
+        assert!(matches!(
+            check_regions(&[r(!4095, u64::MAX, false)]),
+            Err(MapError::Beyond { .. })
+        ));
+        assert!(matches!(
+            check_regions(&[r(0, 1 << 40, false)]),
+            Err(MapError::Beyond { .. }) | Err(MapError::TooBig { .. })
+        ));
+    }
+
+    #[test]
     fn garbage_never_panics() {
         // A deterministic sweep of junk frames with valid checksums: decode must only error.
         let mut x = 0x1234_5678_9abc_def0u64;
@@ -1120,7 +1216,7 @@ mod tests {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            let ty = (x % 13) as u8;
+            let ty = (x % 15) as u8;
             let len = ((x >> 8) % 64) as usize;
             let mut f = vec![0u8; HEADER_LEN];
             for i in 0..len {

@@ -1,12 +1,90 @@
-//! Switch-over verification: BLAKE3 hashes of fixed ranges of guest memory.
+//! Switch-over verification: BLAKE3 hashes of fixed ranges of guest memory, in one of two
+//! modes ([`VerifyMode`]).
 //!
-//! The source hashes all of its memory *after* its vCPUs stopped and the destination compares
-//! each hash with its own memory, so the check is independent of the dirty log: a page the
-//! log failed to report, a page lost with a broken connection, or a page corrupted on the way
-//! all show up as a differing range. A range is [`RANGE_PAGES`] pages: per-page hashes would
-//! cost 8 MiB of stream per GiB, while 256 KiB ranges cost 128 KiB and hash at BLAKE3's
-//! multi-chunk speed. Each hash is keyed by the range index, so a range landing at the wrong
-//! place cannot match by accident.
+//! **`Sent` (the default): off the paused path.** Each side keeps a digest per page of what
+//! crossed the wire: the source of the bytes it put into a batch (copied out of guest memory,
+//! hashed as they are sent), the destination of the bytes it wrote into guest memory (read
+//! back and hashed as they arrive). Pre-copy does this hashing while the guest runs, and both
+//! sides fold the digests into range hashes ([`hash_digests`]) at the end of every round
+//! ([`Digests`] caches them); at the switch-over only the final round's pages and the ranges
+//! they touched are hashed, then all range hashes are compared. A page never sent
+//! has the digest [`NEVER_SENT`] on the source and [`NEVER_RECEIVED`] on the destination, so it
+//! differs.
+//!
+//! *The guarantee.* If every range matches, every page of the destination holds exactly the
+//! bytes of the source's last send of that page (no page lost, corrupted, misplaced, left
+//! over from a broken attempt, or forgotten by the merge-back). And the last send of each
+//! page equals the source's memory at the pause: a page read for sending while the guest ran
+//! was write-protected by the harvest before the read (invariant 4), so any write that lands
+//! after the read — or during it, tearing the copy — is in the dirty log and the page is sent
+//! again by a later round, at the latest the stop-and-copy round after the final harvest,
+//! which reads it with the vCPUs stopped. Read-only regions cannot be written by the guest.
+//! This leans on the dirty log; `Full` does not.
+//!
+//! **`Full`: independent of the dirty log.** The source hashes all of its memory *after* its
+//! vCPUs stopped and the destination compares each hash with its own memory: a page the log
+//! failed to report shows up too (a broken harvest, `Faults::skip_final_harvest`), at the price
+//! of hashing all memory on both sides while the guest is paused.
+//!
+//! A range is [`RANGE_PAGES`] pages: per-page hashes on the wire would cost 8 MiB of stream
+//! per GiB, while 256 KiB ranges cost 128 KiB. Each hash is keyed by the range index, so a
+//! range landing at the wrong place cannot match by accident.
+
+/// How the switch-over verifies memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum VerifyMode {
+    /// Hash all memory on both sides with the vCPUs paused (independent of the dirty log).
+    Full,
+    /// Hash pages as they are sent and received; compare digests at the switch-over.
+    #[default]
+    Sent,
+}
+
+impl VerifyMode {
+    /// The name the command line uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            VerifyMode::Full => "full",
+            VerifyMode::Sent => "sent",
+        }
+    }
+}
+
+/// A page's digest (BLAKE3, truncated: 16 bytes per 4 KiB page).
+pub type PageDigest = [u8; 16];
+
+/// The source's digest of a page it has not sent.
+pub const NEVER_SENT: PageDigest = [0; 16];
+/// The destination's digest of a page it has not received.
+pub const NEVER_RECEIVED: PageDigest = [0xff; 16];
+
+/// The digest of one page's bytes. A zero page — half of a typical guest — costs an
+/// OR-reduce instead of a hash: its digest is the zero page's, computed once.
+pub fn page_digest(bytes: &[u8]) -> PageDigest {
+    static ZERO: std::sync::OnceLock<PageDigest> = std::sync::OnceLock::new();
+    let hash = |b: &[u8]| {
+        let h = blake3::hash(b);
+        let mut d = [0u8; 16];
+        d.copy_from_slice(&h.as_bytes()[..16]);
+        d
+    };
+    // OR-reduce rather than an early-exit scan: it vectorises.
+    if bytes.len() == crate::stream::PAGE_SIZE && bytes.iter().fold(0u8, |a, &b| a | b) == 0 {
+        return *ZERO.get_or_init(|| hash(&[0u8; crate::stream::PAGE_SIZE]));
+    }
+    hash(bytes)
+}
+
+/// The hash of range `index` from its pages' digests.
+pub fn hash_digests(index: u64, digests: &[PageDigest]) -> [u8; 32] {
+    let mut h = blake3::Hasher::new();
+    h.update(b"sent");
+    h.update(&index.to_le_bytes());
+    for d in digests {
+        h.update(d);
+    }
+    *h.finalize().as_bytes()
+}
 
 /// Pages per verification range.
 pub const RANGE_PAGES: u32 = 64;
@@ -17,6 +95,71 @@ pub fn hash_range(index: u64, bytes: &[u8]) -> [u8; 32] {
     h.update(&index.to_le_bytes());
     h.update(bytes);
     *h.finalize().as_bytes()
+}
+
+/// Page digests of a guest, with their range hashes cached: a range is re-hashed only after
+/// one of its pages changed, so refreshing at the end of every round (the guest running)
+/// leaves the switch-over only the ranges the final round touched.
+#[derive(Debug, Clone, Default)]
+pub struct Digests {
+    pages: Vec<PageDigest>,
+    ranges: Vec<[u8; 32]>,
+    stale: Vec<bool>,
+}
+
+impl Digests {
+    /// `pages` digests of `fill`, every range to be hashed.
+    pub fn new(pages: usize, fill: PageDigest) -> Digests {
+        let n = pages.div_ceil(RANGE_PAGES as usize);
+        Digests {
+            pages: vec![fill; pages],
+            ranges: vec![[0; 32]; n],
+            stale: vec![true; n],
+        }
+    }
+
+    /// Pages.
+    pub fn len(&self) -> usize {
+        self.pages.len()
+    }
+
+    /// No pages.
+    pub fn is_empty(&self) -> bool {
+        self.pages.is_empty()
+    }
+
+    /// Sets page `p`'s digest (a page past the end is ignored: callers check indexes first).
+    pub fn set(&mut self, p: u64, d: PageDigest) {
+        if let Some(x) = self.pages.get_mut(p as usize) {
+            *x = d;
+            self.stale[p as usize / RANGE_PAGES as usize] = true;
+        }
+    }
+
+    /// Hashes every range whose pages changed; returns how many.
+    pub fn refresh(&mut self) -> usize {
+        let mut n = 0;
+        for (i, stale) in self.stale.iter_mut().enumerate().filter(|(_, s)| **s) {
+            let a = i * RANGE_PAGES as usize;
+            let b = (a + RANGE_PAGES as usize).min(self.pages.len());
+            self.ranges[i] = hash_digests(i as u64, &self.pages[a..b]);
+            *stale = false;
+            n += 1;
+        }
+        n
+    }
+
+    /// The hash of range `i` (refreshed first if needed), `None` past the end.
+    pub fn range(&mut self, i: u64) -> Option<[u8; 32]> {
+        let i = usize::try_from(i).ok().filter(|&i| i < self.ranges.len())?;
+        if self.stale[i] {
+            let a = i * RANGE_PAGES as usize;
+            let b = (a + RANGE_PAGES as usize).min(self.pages.len());
+            self.ranges[i] = hash_digests(i as u64, &self.pages[a..b]);
+            self.stale[i] = false;
+        }
+        Some(self.ranges[i])
+    }
 }
 
 /// Ranges covering `pages` pages.
@@ -83,6 +226,43 @@ mod tests {
         assert_eq!(ranges(130, 64), 3);
         assert_eq!(range_pages(2, 64, 130), (128, 130));
         assert_eq!(range_pages(u64::MAX, 64, 130), (130, 130));
+    }
+
+    #[test]
+    fn page_digests_of_zero_pages_are_the_hash_of_zeros() {
+        let z = vec![0u8; 4096];
+        let mut one = z.clone();
+        one[4095] = 1;
+        assert_eq!(page_digest(&z)[..], blake3::hash(&z).as_bytes()[..16]);
+        assert_ne!(page_digest(&z), page_digest(&one));
+        assert_ne!(page_digest(&z), NEVER_SENT);
+        assert_ne!(page_digest(&z), NEVER_RECEIVED);
+        assert_ne!(
+            hash_digests(0, &[NEVER_SENT]),
+            hash_digests(0, &[NEVER_RECEIVED])
+        );
+    }
+
+    #[test]
+    fn cached_range_hashes_follow_their_pages() {
+        let mut d = Digests::new(130, NEVER_SENT);
+        let fresh = |d: &Digests, i: u64| {
+            let (a, b) = range_pages(i, RANGE_PAGES, 130);
+            hash_digests(i, &d.pages[a as usize..b as usize])
+        };
+        assert_eq!(d.refresh(), 3);
+        assert_eq!(d.refresh(), 0);
+        d.set(129, [7; 16]);
+        d.set(1000, [7; 16]);
+        assert_eq!(d.range(2), Some(fresh(&d, 2)));
+        assert_eq!(d.refresh(), 0, "range() refreshed it");
+        d.set(5, [1; 16]);
+        assert_eq!(d.refresh(), 1);
+        for i in 0..3 {
+            assert_eq!(d.range(i), Some(fresh(&d, i)));
+        }
+        assert_eq!(d.range(3), None);
+        assert_eq!(d.range(u64::MAX), None);
     }
 
     #[test]

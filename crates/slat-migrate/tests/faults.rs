@@ -8,9 +8,11 @@
 mod common;
 
 use common::*;
-use slat_migrate::guest::{splitmix, BackendKind, LogMode};
+use slat_migrate::bench::{BackendKind, BenchGuest, LogMode};
+use slat_migrate::guest::splitmix;
 use slat_migrate::stream::{self, FrameReader, Msg};
-use slat_migrate::{DestConfig, Destination, Faults, Guest, MigrateError, Source, StreamError};
+use slat_migrate::verify::VerifyMode;
+use slat_migrate::{DestConfig, Destination, Faults, MigrateError, Source, StreamError};
 use std::io::Read;
 use std::net::TcpListener;
 use std::sync::Arc;
@@ -30,7 +32,7 @@ fn base_seed() -> u64 {
 }
 
 /// The source's guest still runs: its write count grows.
-fn assert_running(g: &Arc<dyn Guest>, ctx: &str) {
+fn assert_running(g: &Arc<dyn BenchGuest>, ctx: &str) {
     assert!(g.running(), "{ctx}: the source guest stopped");
     let w = g.writes();
     std::thread::sleep(Duration::from_millis(30));
@@ -38,10 +40,9 @@ fn assert_running(g: &Arc<dyn Guest>, ctx: &str) {
 }
 
 /// 2 x 4 MiB guest writing 10k pages/s per vCPU.
-fn small_source(log: LogMode) -> (Arc<dyn Guest>, Source) {
+fn small_source(log: LogMode) -> (Arc<dyn BenchGuest>, Source) {
     let g = source_guest(BackendKind::Sim, shape(4), log);
-    let src = Source::new(g.clone(), work(10_000), source_config());
-    src.start_guest().unwrap();
+    let src = start_source(&g, work(10_000), source_config());
     (g, src)
 }
 
@@ -90,7 +91,7 @@ fn cut_at_random_points_then_retry_succeeds() {
                 .unwrap_or_else(|e| panic!("{ctx}: retry failed: {e}"));
             assert!(!r.resumed, "{ctx}");
             let (_, d) = h2.join().unwrap();
-            assert_same_memory(&*g, &**d.guest().unwrap());
+            assert_same_memory(g.as_dyn(), &**d.guest().unwrap());
             continue;
         };
         let r = src
@@ -99,7 +100,7 @@ fn cut_at_random_points_then_retry_succeeds() {
         let (results, d) = h.join().unwrap();
         assert!(results[0].is_err(), "{ctx}");
         assert_eq!(r.attempt, 2, "{ctx}");
-        assert_same_memory(&*g, &**d.guest().unwrap());
+        assert_same_memory(g.as_dyn(), &**d.guest().unwrap());
     }
 }
 
@@ -134,7 +135,7 @@ fn corrupted_bytes_fail_with_one_line_and_a_retry_succeeds() {
                 .any(|w| first.contains(w)),
             "{ctx}: {first}"
         );
-        assert_same_memory(&*g, &**d.guest().unwrap());
+        assert_same_memory(g.as_dyn(), &**d.guest().unwrap());
     }
 }
 
@@ -201,7 +202,7 @@ fn destination_killed_mid_stream_then_a_new_one_succeeds() {
     let (r, _, d) = migrate_once(&mut src, BackendKind::Sim);
     let r = r.unwrap();
     assert!(!r.resumed && r.attempt == 2);
-    assert_same_memory(&*g, &**d.guest().unwrap());
+    assert_same_memory(g.as_dyn(), &**d.guest().unwrap());
 }
 
 #[test]
@@ -221,20 +222,20 @@ fn destination_that_refuses_leaves_the_source_running() {
     assert_running(&g, "refused");
     let (r, _, d) = migrate_once(&mut src, BackendKind::Sim);
     r.unwrap();
-    assert_same_memory(&*g, &**d.guest().unwrap());
+    assert_same_memory(g.as_dyn(), &**d.guest().unwrap());
 }
 
 /// Cut inside the round after the full copy (after a harvest consumed dirty bits), retry to
 /// the same destination: the pages harvested but not acknowledged must still be sent.
 fn cut_in_round_one_then_resume(merge_back: bool) -> Result<(), MigrateError> {
     let g = source_guest(BackendKind::Sim, shape(4), LogMode::Get);
-    slat_migrate::guest::Memory::new(&*g)
+    slat_migrate::Memory::new(g.as_dyn())
+        .unwrap()
         .stopped_fill(100, 9)
         .unwrap();
     // A light writer: the pages lost by a broken source are not all rewritten (and so
     // re-harvested) before the retry.
-    let mut src = Source::new(g.clone(), work(2_000), source_config());
-    src.start_guest().unwrap();
+    let mut src = start_source(&g, work(2_000), source_config());
     // Every page is raw (4105 bytes with its entry header): round 0 ends before this.
     let round0 = 16 + 200 + 2048 * 4105 + 8 * 32 + 32;
     src.config_mut().faults.cut_after = Some(round0 + 6_000);
@@ -270,7 +271,7 @@ fn cut_in_round_one_then_resume(merge_back: bool) -> Result<(), MigrateError> {
         "a resume sends only what is owed, not {} pages",
         r.rounds[0].pages
     );
-    assert_same_memory(&*g, &**d.guest().unwrap());
+    assert_same_memory(g.as_dyn(), &**d.guest().unwrap());
     Ok(())
 }
 
@@ -290,13 +291,20 @@ fn forgetting_harvested_pages_is_caught_by_verification() {
 /// skips the final harvest.
 fn late_pause(
     skip_final_harvest: bool,
-) -> (Arc<dyn Guest>, Source, Result<(), MigrateError>, String) {
+) -> (
+    Arc<dyn BenchGuest>,
+    Source,
+    Result<(), MigrateError>,
+    String,
+) {
     let g = source_guest(BackendKind::Sim, shape(4), LogMode::Clear);
     let mut cfg = source_config();
     cfg.faults.pause_delay = Some(Duration::from_millis(50));
     cfg.faults.skip_final_harvest = skip_final_harvest;
-    let mut src = Source::new(g.clone(), work(5_000), cfg);
-    src.start_guest().unwrap();
+    // A broken dirty log is what only the full check (all memory, vCPUs paused) catches; the
+    // default check of what was sent trusts the log (see `verify`).
+    cfg.verify = VerifyMode::Full;
+    let mut src = start_source(&g, work(5_000), cfg);
     let (addr, h) = spawn_dest(
         Destination::new(factory(BackendKind::Sim), dest_config()),
         1,
@@ -325,5 +333,5 @@ fn skipping_the_final_harvest_is_caught_by_verification() {
     src.config_mut().faults = Faults::default();
     let (r, _, d) = migrate_once(&mut src, BackendKind::Sim);
     r.unwrap();
-    assert_same_memory(&*g, &**d.guest().unwrap());
+    assert_same_memory(g.as_dyn(), &**d.guest().unwrap());
 }

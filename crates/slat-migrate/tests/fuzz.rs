@@ -5,9 +5,10 @@
 //! recorded from a real `Source` migrating a running guest through a loopback proxy — and
 //! applies a list of mutations: at the frame level (change a payload byte and re-seal the
 //! checksums so the parser sees it, drop, duplicate or swap frames, insert or replace frames
-//! with structurally valid frames carrying hostile field values: overflowing shapes, huge
-//! counts, page indexes past the end, lying lengths, bad LZ4 blocks, unknown types) and at the
-//! byte level (flip, set, truncate, splice).
+//! with structurally valid frames carrying hostile field values: overflowing or overlapping
+//! memory maps, huge counts, page indexes past the end, lying lengths, bad LZ4 blocks,
+//! oversized, duplicate or miscounted device state, unknown types) and at the byte level
+//! (flip, set, truncate, splice).
 //!
 //! - `decoder_*`: the decoder reads the bytes to the end; every frame is a `Msg` or a typed
 //!   `StreamError`, every batch entry decodes or errors, peer text has no control characters,
@@ -15,7 +16,7 @@
 //! - `destination_*`: a real destination serves 1-3 such streams over loopback (a later one may
 //!   resume the session an earlier one broke). Each case must end within a deadline; the
 //!   destination must not panic, must fail with a one-line typed error or succeed, must never
-//!   build a machine for a shape that fails `Shape::check` or exceeds its limit, and when it
+//!   build a machine for a map that fails `check_regions` or exceeds its limit, and when it
 //!   succeeds its guest memory is exactly the image the stream carries (an unmutated stream
 //!   must succeed).
 //!
@@ -29,10 +30,13 @@ mod common;
 use common::wire::{self, ty, Payload, ValidStream};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
-use slat_migrate::guest::{self, splitmix, GuestSpec, LogMode, Memory};
-use slat_migrate::stream::{Compression, FrameReader, Msg, Shape, MAX_BATCH_PAGES};
+use slat_migrate::bench::{self, GuestSpec, LogMode, Shape};
+use slat_migrate::guest::splitmix;
+use slat_migrate::stream::{
+    check_regions, Compression, FrameReader, Msg, Region, MAX_BATCH_PAGES, MAX_STATE_BLOB,
+};
 use slat_migrate::{
-    DestConfig, Destination, Guest, MigrateError, Source, SourceConfig, StreamError,
+    DestConfig, Destination, Guest, Memory, MigrateError, SourceConfig, StreamError,
 };
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -171,9 +175,9 @@ fn record() -> ValidStream {
         slots: 2,
         overlap: false,
     };
-    let g = common::source_guest(slat_migrate::BackendKind::Sim, shape, LogMode::Clear);
-    let mut src = Source::new(
-        g.clone(),
+    let g = common::source_guest(bench::BackendKind::Sim, shape, LogMode::Clear);
+    let mut src = common::start_source(
+        &g,
         common::work(5_000),
         SourceConfig {
             batch_pages: 7,
@@ -181,10 +185,9 @@ fn record() -> ValidStream {
             ..common::source_config()
         },
     );
-    src.start_guest().expect("start the source guest");
     let (dest_addr, dest) = common::spawn_dest(
         Destination::new(
-            common::factory(slat_migrate::BackendKind::Sim),
+            common::factory(bench::BackendKind::Sim),
             common::dest_config(),
         ),
         1,
@@ -222,7 +225,7 @@ fn record() -> ValidStream {
     let (results, _) = dest.join().expect("destination thread");
     assert!(results.last().is_some_and(|r| r.is_ok()), "{results:?}");
     let _ = p.join();
-    let mem = Memory::new(&*g);
+    let mem = Memory::new(g.as_dyn()).expect("memory map");
     let image = mem
         .stopped_range(0, mem.pages())
         .expect("source memory")
@@ -308,11 +311,11 @@ fn hostile_shape() -> impl Strategy<Value = Shape> {
 }
 
 #[derive(Debug, Clone)]
-enum SlotList {
+enum RegionList {
     /// As the shape gives it (wrapping arithmetic, as a careless peer would compute it).
     Derived,
-    /// Any entries.
-    Listed(Vec<(u64, u64)>),
+    /// Any entries: (gpa, pages, read-only byte).
+    Listed(Vec<(u64, u64, u8)>),
     /// A count that claims more entries than follow.
     Claimed(u32),
 }
@@ -335,11 +338,23 @@ enum Entry {
 enum Hostile {
     Hello {
         shape: Shape,
-        slots: SlotList,
+        regions: RegionList,
+        one_way: bool,
+        machine: Option<Vec<u8>>,
         compression: u8,
         range_pages: u32,
-        write_percent: u32,
+        verify: u8,
         backend: Vec<u8>,
+    },
+    State {
+        id: Vec<u8>,
+        version: u32,
+        claimed: Option<u32>,
+        data: Vec<u8>,
+    },
+    StateEnd {
+        blobs: u32,
+        bytes: u64,
     },
     Pages {
         seq: u64,
@@ -386,23 +401,34 @@ fn entry() -> impl Strategy<Value = Entry> {
 }
 
 fn hostile() -> impl Strategy<Value = Hostile> {
-    let slot_list = prop_oneof![
-        3 => Just(SlotList::Derived),
-        1 => proptest::collection::vec((edge_u64(), edge_u64()), 0..6).prop_map(SlotList::Listed),
-        1 => edge_u32().prop_map(SlotList::Claimed),
+    let region_list = prop_oneof![
+        3 => Just(RegionList::Derived),
+        1 => proptest::collection::vec((edge_u64(), edge_u64(), 0u8..=2), 0..6).prop_map(RegionList::Listed),
+        1 => edge_u32().prop_map(RegionList::Claimed),
     ];
     prop_oneof![
         2 => (
             hostile_shape(),
-            slot_list,
+            region_list,
+            prop_oneof![6 => Just(false), 1 => Just(true)],
+            prop_oneof![4 => Just(None), 1 => small_bytes(24).prop_map(Some)],
             prop_oneof![4 => 0u8..=1, 1 => any::<u8>()],
             prop_oneof![4 => Just(64u32), 1 => edge_u32()],
-            prop_oneof![4 => 0u32..=100, 1 => edge_u32()],
+            prop_oneof![4 => 0u8..=1, 1 => any::<u8>()],
             small_bytes(24),
         )
-            .prop_map(|(shape, slots, compression, range_pages, write_percent, backend)| {
-                Hostile::Hello { shape, slots, compression, range_pages, write_percent, backend }
+            .prop_map(|(shape, regions, one_way, machine, compression, range_pages, verify, backend)| {
+                Hostile::Hello { shape, regions, one_way, machine, compression, range_pages, verify, backend }
             }),
+        2 => (
+            prop_oneof![3 => small_bytes(8), 1 => small_bytes(300), 1 => Just(b"slat.workload".to_vec())],
+            prop_oneof![3 => 0u32..3, 1 => edge_u32()],
+            prop_oneof![4 => Just(None), 1 => prop_oneof![edge_u32(), Just(MAX_STATE_BLOB + 1)].prop_map(Some)],
+            small_bytes(40),
+        )
+            .prop_map(|(id, version, claimed, data)| Hostile::State { id, version, claimed, data }),
+        1 => (prop_oneof![3 => 0u32..3, 1 => edge_u32()], prop_oneof![3 => 0u64..64, 1 => edge_u64()])
+            .prop_map(|(blobs, bytes)| Hostile::StateEnd { blobs, bytes }),
         4 => (
             prop_oneof![3 => 0u64..8, 1 => edge_u64()],
             prop_oneof![3 => 0u32..4, 1 => edge_u32()],
@@ -425,7 +451,7 @@ fn hostile() -> impl Strategy<Value = Hostile> {
             .prop_map(|(ranges, range_pages)| Hostile::Verify { ranges, range_pages }),
         1 => Just(Hostile::Commit),
         2 => (any::<u8>(), small_bytes(80)).prop_map(|(ty, payload)| Hostile::Raw { ty, payload }),
-        1 => (1u8..=11, small_bytes(40), edge_u32())
+        1 => (1u8..=13, small_bytes(40), edge_u32())
             .prop_map(|(ty, payload, len)| Hostile::Lying { ty, payload, len }),
     ]
 }
@@ -435,57 +461,81 @@ impl Hostile {
         match self {
             Hostile::Hello {
                 shape,
-                slots,
+                regions,
+                one_way,
+                machine,
                 compression,
                 range_pages,
-                write_percent,
+                verify,
                 backend,
             } => {
-                let work = slat_migrate::stream::WorkSpec {
-                    write_percent: *write_percent,
-                    ..wire::writer()
-                };
-                match slots {
-                    SlotList::Derived | SlotList::Listed(_) => {
-                        let list = match slots {
-                            SlotList::Listed(l) => l.clone(),
+                let machine = machine.clone().unwrap_or_else(|| shape.encode());
+                match regions {
+                    RegionList::Derived | RegionList::Listed(_) => {
+                        let list: Vec<Region> = match regions {
+                            RegionList::Listed(l) => l
+                                .iter()
+                                .map(|&(gpa, pages, ro)| Region {
+                                    gpa,
+                                    pages,
+                                    read_only: ro == 1,
+                                })
+                                .collect(),
                             _ => {
                                 let pages =
                                     shape.bytes_per_vcpu.wrapping_mul(shape.vcpus as u64) / 4096;
                                 let pps = pages / shape.slots.max(1) as u64;
                                 (0..shape.slots.min(64) as u64)
-                                    .map(|s| (s.wrapping_mul(pps), pps))
+                                    .map(|s| Region {
+                                        gpa: s.wrapping_mul(pps).wrapping_mul(4096),
+                                        pages: pps,
+                                        read_only: false,
+                                    })
                                     .collect()
                             }
                         };
                         wire::hello_payload(
                             9,
                             1,
-                            shape,
+                            *one_way,
                             &list,
-                            &work,
+                            &machine,
                             *compression,
                             *range_pages,
+                            *verify,
                             backend,
                         )
                         .frame(ty::HELLO)
                     }
-                    SlotList::Claimed(n) => {
+                    RegionList::Claimed(n) => {
                         // The fixed fields, then a count with fewer entries than it says.
                         Payload::default()
                             .u64(9)
                             .u32(1)
-                            .u32(shape.vcpus)
-                            .u64(shape.bytes_per_vcpu)
-                            .u32(shape.slots)
-                            .u8(shape.overlap as u8)
+                            .u8(*one_way as u8)
                             .u32(*n)
                             .u64(0)
                             .u64(1)
+                            .u8(0)
                             .frame(ty::HELLO)
                     }
                 }
             }
+            Hostile::State {
+                id,
+                version,
+                claimed,
+                data,
+            } => Payload::default()
+                .text(id)
+                .u32(*version)
+                .u32(claimed.unwrap_or(data.len() as u32))
+                .bytes(data)
+                .frame(ty::STATE),
+            Hostile::StateEnd { blobs, bytes } => Payload::default()
+                .u32(*blobs)
+                .u64(*bytes)
+                .frame(ty::STATE_END),
             Hostile::Pages {
                 seq,
                 round,
@@ -792,6 +842,11 @@ fn decode_all(bytes: &[u8]) -> Result<usize, TestCaseError> {
                     | Msg::Hello(slat_migrate::stream::Hello { backend: t, .. }) => {
                         prop_assert!(!t.chars().any(char::is_control), "{t:?}");
                     }
+                    Msg::State(b) => {
+                        prop_assert!(!b.id.chars().any(char::is_control), "{:?}", b.id);
+                        prop_assert!(!b.id.is_empty() && b.id.len() <= 256);
+                        prop_assert!(b.data.len() <= MAX_STATE_BLOB as usize);
+                    }
                     _ => {}
                 }
             }
@@ -871,20 +926,20 @@ fn decoder_reads_noise_without_panicking() {
 // The destination.
 
 /// A factory that fails the case if asked for a machine the destination should have refused.
-fn guarded_factory(asked: Arc<Mutex<Vec<Shape>>>) -> slat_migrate::Factory {
-    Box::new(move |s: &Shape| {
-        asked.lock().unwrap().push(*s);
-        let pages = s.check().unwrap_or_else(|e| {
-            panic!("the destination built a machine for a bad shape {s:?}: {e}")
-        });
+fn guarded_factory(asked: Arc<Mutex<Vec<Vec<Region>>>>) -> slat_migrate::Factory {
+    let mut inner = bench::factory(GuestSpec {
+        prefault: false,
+        ..GuestSpec::sim(common::shape(1), LogMode::Get)
+    });
+    Box::new(move |r: &[Region], m: &[u8]| {
+        asked.lock().unwrap().push(r.to_vec());
+        let pages = check_regions(r)
+            .unwrap_or_else(|e| panic!("the destination built a machine for a bad map {r:?}: {e}"));
         assert!(
             pages * 4096 <= MAX_MEMORY,
-            "the destination built a machine of {pages} pages beyond its limit for {s:?}"
+            "the destination built a machine of {pages} pages beyond its limit for {r:?}"
         );
-        guest::build(&GuestSpec {
-            prefault: false,
-            ..GuestSpec::sim(*s, LogMode::Get)
-        })
+        inner(r, m)
     })
 }
 
@@ -917,7 +972,7 @@ fn serve(
             results.push(d.accept(&l));
         }
         let image = d.guest().map(|g: &Arc<dyn Guest>| {
-            let m = Memory::new(&**g);
+            let m = Memory::new(&**g).expect("memory map");
             m.stopped_range(0, m.pages()).unwrap_or_default()
         });
         let _ = tx.send((results, image));
@@ -1079,21 +1134,19 @@ fn destination_replay_duplicated_commit_after_broken_attempts() {
         fill: 5,
         seed: 5_447_296_970_084_848_403,
     });
+    let v = b.stream();
+    // The stream of protocol 1 had other frames at the recorded indexes: the same defects,
+    // placed where they fell then (a swap in round 0, a resealed batch, the commit doubled).
+    let n = v.frames.len();
     let streams = vec![
-        vec![Mutation::Swap {
-            a: 4_565_127_582_412_917_899,
-            b: 15_171_971_350_774_117_210,
-        }],
+        vec![Mutation::Swap { a: 3, b: 40 }],
         vec![Mutation::Reseal {
-            frame: 2_088_008_899_235_015_816,
+            frame: 2,
             at: 4_475_496_489_841_371_195,
             byte: 128,
         }],
-        vec![Mutation::Duplicate {
-            frame: 8_166_365_664_039_280_275,
-        }],
+        vec![Mutation::Duplicate { frame: n - 1 }],
     ];
-    let v = b.stream();
     let outcomes = Mutex::new(std::collections::BTreeMap::new());
     for _ in 0..5 {
         if let Err(e) = serve(&v, &streams, &outcomes) {

@@ -1,40 +1,42 @@
 //! A hostile source against a live destination, one defect at a time: each test sends a
 //! crafted stream over loopback and checks that the destination refuses it with a typed error
-//! and one line — before mapping anything for a shape that does not add up, and without ever
+//! and one line — before mapping anything for a memory map that does not add up, and without ever
 //! writing outside guest memory or accepting frames out of the protocol's order.
 
 mod common;
 
 use common::wire::{self, ty, Payload};
 use common::{dest_config, spawn_dest};
-use slat_migrate::guest::{self, GuestSpec, LogMode, Memory};
-use slat_migrate::stream::{self, BatchBuilder, Compression, FrameReader, Msg, Shape};
-use slat_migrate::{DestConfig, Destination, MigrateError};
+use slat_migrate::bench::{self, GuestSpec, LogMode, Shape};
+use slat_migrate::stream::{self, BatchBuilder, Compression, FrameReader, Msg, Region};
+use slat_migrate::{DestConfig, Destination, Memory, MigrateError};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 
-/// A factory that records every shape it is asked to build (and builds small ones).
-fn recording_factory() -> (slat_migrate::Factory, Arc<Mutex<Vec<Shape>>>) {
+/// A factory that records every memory map it is asked to build for (and builds small
+/// benchmark guests).
+fn recording_factory() -> (slat_migrate::Factory, Arc<Mutex<Vec<Vec<Region>>>>) {
     let asked = Arc::new(Mutex::new(Vec::new()));
     let a = asked.clone();
-    let f: slat_migrate::Factory = Box::new(move |s: &Shape| {
-        a.lock().unwrap().push(*s);
-        guest::build(&GuestSpec::sim(*s, LogMode::Get))
+    let mut inner = bench::factory(GuestSpec::sim(small(), LogMode::Get));
+    let f: slat_migrate::Factory = Box::new(move |r: &[Region], m: &[u8]| {
+        a.lock().unwrap().push(r.to_vec());
+        inner(r, m)
     });
     (f, asked)
 }
 
 /// Sends `frames` after a valid preamble to a fresh destination; returns its result, its
-/// replies and the shapes its factory was asked for.
+/// replies and the maps its factory was asked for.
 fn against_destination(
     frames: &[Vec<u8>],
     cfg: DestConfig,
 ) -> (
     Result<slat_migrate::DestReport, MigrateError>,
     Vec<Msg>,
-    Vec<Shape>,
+    Vec<Vec<Region>>,
 ) {
     let (f, asked) = recording_factory();
     let (addr, h) = spawn_dest(Destination::new(f, cfg), 1);
@@ -59,69 +61,104 @@ fn refused(r: &Result<slat_migrate::DestReport, MigrateError>, replies: &[Msg]) 
     e
 }
 
-fn hello_frame(shape: Shape, slots: &[(u64, u64)]) -> Vec<u8> {
-    wire::hello_payload(7, 1, &shape, slots, &wire::writer(), 0, 64, b"sim").frame(ty::HELLO)
+fn hello_frame(regions: &[Region], machine: &[u8]) -> Vec<u8> {
+    wire::hello_payload(7, 1, false, regions, machine, 0, 64, 0, b"sim").frame(ty::HELLO)
 }
 
-/// The adversarial tester's stream: vCPUs x bytes per vCPU overflows 64 bits (4 x 2^62 - 16K
-/// wraps to 16 KiB), with the memslot list a saturating product gives. It used to pass the
-/// checks, map 16 KiB, answer Welcome, then allocate 64 TiB of verification flags and abort;
-/// with that allocation granted, later pages were written outside the 16 KiB.
+fn rw(gpa: u64, pages: u64) -> Region {
+    Region {
+        gpa,
+        pages,
+        read_only: false,
+    }
+}
+
+/// The adversarial tester's stream of protocol 1 came back: a size that overflows 64 bits
+/// (there vCPUs x bytes per vCPU, here a region's pages x 4 KiB and its end) must be refused
+/// before anything is built, not wrap to a small guest whose later pages land outside it.
 #[test]
 fn a_hello_whose_size_overflows_is_refused_before_anything_is_built() {
-    let shape = Shape {
-        vcpus: 4,
-        bytes_per_vcpu: 4_611_686_018_427_392_000,
-        slots: 1,
-        overlap: false,
-    };
     let saturated = u64::MAX / 4096;
-    let frames = vec![hello_frame(shape, &[(0, saturated)])];
-    let (r, replies, asked) = against_destination(&frames, dest_config());
-    let e = refused(&r, &replies);
-    assert!(e.contains("overflows"), "{e}");
-    assert!(asked.is_empty(), "a machine was built for {asked:?}");
-    assert!(
-        matches!(replies.first(), Some(Msg::Refuse(why)) if why.contains("overflows")),
-        "{replies:?}"
-    );
+    for regions in [
+        vec![rw(0, saturated)],
+        vec![rw(!4095, 1)],
+        vec![rw(0, 4), rw(1 << 40, u64::MAX)],
+    ] {
+        let frames = vec![hello_frame(&regions, &small().encode())];
+        let (r, replies, asked) = against_destination(&frames, dest_config());
+        let e = refused(&r, &replies);
+        assert!(e.contains("reaches past"), "{e}");
+        assert!(asked.is_empty(), "a machine was built for {asked:?}");
+        assert!(
+            matches!(replies.first(), Some(Msg::Refuse(why)) if why.contains("reaches past")),
+            "{replies:?}"
+        );
+    }
 }
 
-/// A shape whose pages divide into 2^32 - 1 memslots: the layout check used to allocate the
-/// whole layout (64 GiB) to compare it with the hello's list.
+/// A hello announcing billions of regions is refused by the decoder, before it allocates
+/// anything for them.
 #[test]
-fn a_hello_with_billions_of_memslots_is_refused() {
-    let slots = u32::MAX;
-    let shape = Shape {
-        vcpus: 1,
-        bytes_per_vcpu: 4096 * slots as u64,
-        slots,
-        overlap: false,
-    };
-    let frames = vec![hello_frame(shape, &[(0, 1)])];
-    let (r, replies, asked) = against_destination(&frames, dest_config());
+fn a_hello_with_billions_of_regions_is_refused() {
+    let f = Payload::default()
+        .u64(7)
+        .u32(1)
+        .u8(0)
+        .u32(u32::MAX)
+        .u64(0)
+        .u64(1)
+        .u8(0)
+        .frame(ty::HELLO);
+    let (r, replies, asked) = against_destination(&[f], dest_config());
     let e = refused(&r, &replies);
-    assert!(e.contains("memslots"), "{e}");
+    assert!(e.contains("memory regions"), "{e}");
     assert!(asked.is_empty(), "a machine was built for {asked:?}");
+}
+
+/// Overlapping, unordered, empty or unaligned regions are refused with a typed error.
+#[test]
+fn a_memory_map_that_does_not_add_up_is_refused() {
+    for (regions, want) in [
+        (vec![rw(0, 16), rw(8 * 4096, 16)], "overlaps"),
+        (vec![rw(1 << 20, 16), rw(0, 16)], "overlaps"),
+        (vec![rw(0, 0)], "no pages"),
+        (vec![rw(100, 1)], "page boundary"),
+        (vec![], "0 memory regions"),
+    ] {
+        let (r, replies, asked) =
+            against_destination(&[hello_frame(&regions, &small().encode())], dest_config());
+        let e = refused(&r, &replies);
+        assert!(e.contains(want), "{want}: {e}");
+        assert!(asked.is_empty(), "a machine was built for {asked:?}");
+    }
 }
 
 /// More guest memory than the host's RAM and swap is refused before the factory maps it,
 /// also when the destination has no limit of its own.
 #[test]
 fn a_hello_beyond_the_host_is_refused_without_a_configured_limit() {
-    let shape = Shape {
-        vcpus: 512,
-        bytes_per_vcpu: 64 << 30,
-        slots: 512,
-        overlap: false,
-    };
     let pps = (64u64 << 30) / 4096;
-    let slots: Vec<(u64, u64)> = (0..512).map(|s| (s * pps, pps)).collect();
-    let frames = vec![hello_frame(shape, &slots)];
+    let regions: Vec<Region> = (0..512).map(|s| rw(s * pps * 4096, pps)).collect();
+    let frames = vec![hello_frame(&regions, &[])];
     let (r, replies, asked) = against_destination(&frames, dest_config());
     let e = refused(&r, &replies);
     assert!(e.contains("RAM and swap"), "{e}");
     assert!(asked.is_empty(), "a machine was built for {asked:?}");
+}
+
+/// A machine description the factory cannot read, or a map it does not give, is refused
+/// with a typed error after the factory looked at it (and built nothing).
+#[test]
+fn a_machine_the_factory_cannot_build_is_refused() {
+    let (r, replies, _) = against_destination(&[hello_frame(&[rw(0, 32)], b"junk")], dest_config());
+    let e = refused(&r, &replies);
+    assert!(e.contains("machine description"), "{e}");
+    let (r, replies, _) = against_destination(
+        &[hello_frame(&[rw(0, 32)], &small().encode())],
+        dest_config(),
+    );
+    let e = refused(&r, &replies);
+    assert!(e.contains("does not match"), "{e}");
 }
 
 fn small() -> Shape {
@@ -216,8 +253,8 @@ fn each_range_is_hashed_once() {
 /// Guest memory addressed past its end is an error, not a panic.
 #[test]
 fn guest_memory_out_of_range_is_an_error() {
-    let g = guest::build(&GuestSpec::sim(small(), LogMode::Get)).unwrap();
-    let mem = Memory::new(&*g);
+    let g = bench::build(&GuestSpec::sim(small(), LogMode::Get)).unwrap();
+    let mem = Memory::new(g.as_dyn()).unwrap();
     let pages = mem.pages();
     let page = vec![1u8; 4096];
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -287,13 +324,8 @@ fn a_hostile_refusal_reaches_the_source_as_one_line() {
             .frame(ty::REFUSE);
         std::io::Write::write_all(&mut s, &f).unwrap();
     });
-    let g = common::source_guest(
-        slat_migrate::BackendKind::Sim,
-        small(),
-        slat_migrate::LogMode::Get,
-    );
-    let mut src = slat_migrate::Source::new(g, common::work(1000), common::source_config());
-    src.start_guest().unwrap();
+    let g = common::source_guest(bench::BackendKind::Sim, small(), LogMode::Get);
+    let mut src = common::start_source(&g, common::work(1000), common::source_config());
     let e = src.migrate(&addr, &mut |_| {}).unwrap_err().to_string();
     peer.join().unwrap();
     assert_eq!(e.lines().count(), 1, "{e}");
@@ -314,7 +346,10 @@ fn a_trickling_source_times_out_within_the_frame_deadline() {
     let (f, asked) = recording_factory();
     let (addr, h) = spawn_dest(Destination::new(f, cfg), 1);
     let mut bytes = stream::preamble(stream::VERSION).to_vec();
-    bytes.extend_from_slice(&hello_frame(small(), &[(0, 64)]));
+    bytes.extend_from_slice(&hello_frame(
+        &wire::shape_regions(&small()),
+        &small().encode(),
+    ));
     let mut s = std::net::TcpStream::connect(&addr).expect("connect");
     let t0 = std::time::Instant::now();
     // One byte every 200 ms: 150+ bytes would take 30 s; the old reader waited it out.
@@ -342,8 +377,8 @@ fn a_trickling_source_times_out_within_the_frame_deadline() {
 /// the vCPUs run is refused rather than returning a torn snapshot.
 #[test]
 fn whole_range_reads_are_copies_and_need_stopped_vcpus() {
-    let g = guest::build(&GuestSpec::sim(small(), LogMode::Get)).unwrap();
-    let mem = Memory::new(&*g);
+    let g = bench::build(&GuestSpec::sim(small(), LogMode::Get)).unwrap();
+    let mem = Memory::new(g.as_dyn()).unwrap();
     mem.stopped_write_page(0, &[7u8; 4096]).unwrap();
     let before = mem.stopped_range(0, 2).unwrap();
     mem.stopped_write_page(0, &[9u8; 4096]).unwrap();
@@ -355,7 +390,7 @@ fn whole_range_reads_are_copies_and_need_stopped_vcpus() {
     );
     mem.stopped_read(0, 1, &mut buf).unwrap();
     assert!(buf.iter().all(|&b| b == 9));
-    let work = stream::WorkSpec {
+    let work = bench::WorkSpec {
         write_percent: 100,
         random: true,
         seed: 3,
@@ -369,4 +404,79 @@ fn whole_range_reads_are_copies_and_need_stopped_vcpus() {
     mem.read_page(0, &mut buf).unwrap();
     g.pause().unwrap();
     assert!(before[..4096].iter().all(|&b| b == 7));
+}
+
+fn state_frame(id: &[u8], version: u32, data: &[u8]) -> Vec<u8> {
+    Payload::default()
+        .text(id)
+        .u32(version)
+        .u32(data.len() as u32)
+        .bytes(data)
+        .frame(ty::STATE)
+}
+
+/// The index of the `StateEnd` frame in `with_frame`'s stream.
+fn state_end_at() -> usize {
+    let v = wire::valid_stream(small(), &wire::image(32, 50, 2), Compression::Lz4, 8, &[]);
+    v.frames
+        .iter()
+        .position(|f| f[0] == ty::STATE_END)
+        .expect("a state end")
+}
+
+/// Device state is bounded and counted: a repeated id, a count that does not match what
+/// arrived, hashes before the state ended, a blob larger than a frame carries, and state in
+/// the middle of a round are each refused with a typed error.
+#[test]
+fn device_state_is_checked() {
+    let at = state_end_at();
+    // A blob the end does not count.
+    let e = with_frame(at, state_frame(b"slat.workload", 1, &[0; 17]), true);
+    assert!(e.contains("announcing 0 blobs"), "{e}");
+    let mut dup = vec![state_frame(b"a", 1, b"x"), state_frame(b"a", 1, b"y")];
+    dup.push(Payload::default().u32(2).u64(2).frame(ty::STATE_END));
+    let v = wire::valid_stream(small(), &wire::image(32, 50, 2), Compression::Lz4, 8, &[]);
+    let mut frames = v.frames.clone();
+    frames.splice(at..at + 1, dup);
+    let (r, replies, _) = against_destination(&frames, dest_config());
+    let e = refused(&r, &replies);
+    assert!(e.contains("device state `a` arrived twice"), "{e}");
+    // Hashes with no device state before them.
+    let mut frames = v.frames.clone();
+    frames.remove(at);
+    let (r, replies, _) = against_destination(&frames, dest_config());
+    let e = refused(&r, &replies);
+    assert!(e.contains("before the device state ended"), "{e}");
+    // A blob announcing more than a frame may carry is a corrupt frame, not an allocation.
+    let big = Payload::default()
+        .text(b"gpu")
+        .u32(1)
+        .u32(u32::MAX)
+        .frame(ty::STATE);
+    let e = with_frame(at, big, true);
+    assert!(e.contains("device-state blob of 4294967295 bytes"), "{e}");
+    // State in the middle of round 0 (after its first batch).
+    let e = with_frame(2, state_frame(b"x", 1, b""), true);
+    assert!(e.contains("device state in the middle of round 0"), "{e}");
+}
+
+/// A one-way stream (a file's) over a connection that answers, or the reverse, is refused.
+#[test]
+fn a_one_way_hello_on_a_connection_is_refused() {
+    let hello = wire::hello_payload(
+        7,
+        1,
+        true,
+        &wire::shape_regions(&small()),
+        &small().encode(),
+        0,
+        64,
+        0,
+        b"sim",
+    )
+    .frame(ty::HELLO);
+    let (r, replies, asked) = against_destination(&[hello], dest_config());
+    let e = refused(&r, &replies);
+    assert!(e.contains("one-way"), "{e}");
+    assert!(asked.is_empty());
 }

@@ -4,8 +4,7 @@
 mod common;
 
 use common::*;
-use slat_migrate::guest::{BackendKind, LogMode};
-use slat_migrate::Source;
+use slat_migrate::bench::{BackendKind, LogMode};
 use std::time::Duration;
 
 fn kvm_unavailable() -> bool {
@@ -29,8 +28,7 @@ fn migrate_kvm(log: LogMode, dest: BackendKind) {
     let mut cfg = source_config();
     cfg.max_rounds = 3;
     cfg.auto_converge = false;
-    let mut src = Source::new(g.clone(), work(0), cfg);
-    src.start_guest().unwrap();
+    let mut src = start_source(&g, work(0), cfg);
     std::thread::sleep(Duration::from_millis(20));
     let (r, d, dest) = migrate_once(&mut src, dest);
     let r = r.unwrap_or_else(|e| panic!("kvm {}: {e}", log.name()));
@@ -43,7 +41,7 @@ fn migrate_kvm(log: LogMode, dest: BackendKind) {
         r.downtime,
         r.guest_writes
     );
-    assert_same_memory(&*g, &**dest.guest().unwrap());
+    assert_same_memory(g.as_dyn(), &**dest.guest().unwrap());
 }
 
 #[test]

@@ -3,14 +3,13 @@
 mod common;
 
 use common::*;
-use slat_migrate::guest::{BackendKind, LogMode};
-use slat_migrate::{DestConfig, Destination, Source};
+use slat_migrate::bench::{BackendKind, LogMode};
+use slat_migrate::{DestConfig, Destination};
 use std::time::Duration;
 
 fn migrate_in(log: LogMode) {
     let g = source_guest(BackendKind::Sim, shape(16), log);
-    let mut src = Source::new(g.clone(), work(20_000), source_config());
-    src.start_guest().unwrap();
+    let mut src = start_source(&g, work(20_000), source_config());
     std::thread::sleep(Duration::from_millis(50));
     let (r, d, dest) = migrate_once(&mut src, BackendKind::Sim);
     let r = r.unwrap_or_else(|e| panic!("{}: {e}", log.name()));
@@ -21,12 +20,22 @@ fn migrate_in(log: LogMode) {
         "the source stays stopped after the switch-over"
     );
     assert_eq!(r.verify_ranges, 128);
+    // Verification is off the paused path: only the stop-and-copy round's pages were hashed
+    // with the vCPUs stopped, not all 8192.
+    let last = r.rounds.last().unwrap();
+    assert!(last.stop_and_copy);
+    assert_eq!(r.paused_hashed_pages, last.pages);
+    assert!(
+        r.paused_hashed_pages < 8192 / 4,
+        "{}",
+        r.paused_hashed_pages
+    );
     assert!(d.verify.ok());
     assert!(r.rounds.len() >= 2, "full copy and stop-and-copy at least");
     assert_eq!(r.rounds[0].pages, 8192, "round 0 sends all memory");
     assert!(r.rounds[0].zero_pages > 0, "half the pages are zero");
     assert!(r.guest_writes > 0, "the guest wrote during pre-copy");
-    assert_same_memory(&*g, &**dest.guest().unwrap());
+    assert_same_memory(g.as_dyn(), &**dest.guest().unwrap());
     eprintln!(
         "{}: rounds {:?}, downtime {:?}",
         log.name(),
@@ -53,8 +62,7 @@ fn ring_mode_migrates_verified() {
 #[test]
 fn destination_resumes_the_guest() {
     let g = source_guest(BackendKind::Sim, shape(8), LogMode::Get);
-    let mut src = Source::new(g, work(5_000), source_config());
-    src.start_guest().unwrap();
+    let mut src = start_source(&g, work(5_000), source_config());
     let cfg = DestConfig {
         resume_for: Duration::from_millis(50),
         ..dest_config()
@@ -79,8 +87,7 @@ fn a_guest_outrunning_the_link_converges_by_throttling() {
     cfg.bandwidth = 128 << 20;
     cfg.throttle_initial = 50;
     cfg.throttle_step = 25;
-    let mut src = Source::new(g.clone(), work(40_000), cfg);
-    src.start_guest().unwrap();
+    let mut src = start_source(&g, work(40_000), cfg);
     let (r, _, dest) = migrate_once(&mut src, BackendKind::Sim);
     let r = r.unwrap();
     assert!(
@@ -95,5 +102,5 @@ fn a_guest_outrunning_the_link_converges_by_throttling() {
         0,
         "the throttle is lifted after the migration"
     );
-    assert_same_memory(&*g, &**dest.guest().unwrap());
+    assert_same_memory(g.as_dyn(), &**dest.guest().unwrap());
 }

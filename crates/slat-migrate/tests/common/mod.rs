@@ -4,10 +4,11 @@
 
 pub mod wire;
 
-use slat_migrate::guest::{self, BackendKind, GuestSpec, LogMode, Memory};
-use slat_migrate::stream::{Shape, WorkSpec};
+pub mod soft;
+
+use slat_migrate::bench::{self, BackendKind, BenchGuest, GuestSpec, LogMode, Shape, WorkSpec};
 use slat_migrate::{
-    DestConfig, DestReport, Destination, Guest, MigrateError, Source, SourceConfig,
+    DestConfig, DestReport, Destination, Guest, Memory, MigrateError, Source, SourceConfig,
 };
 use std::net::TcpListener;
 use std::sync::Arc;
@@ -25,15 +26,24 @@ pub fn shape(mib_per_vcpu: u64) -> Shape {
 }
 
 /// A source guest on `backend`, memory filled (half the pages random), populated.
-pub fn source_guest(backend: BackendKind, shape: Shape, log: LogMode) -> Arc<dyn Guest> {
+pub fn source_guest(backend: BackendKind, shape: Shape, log: LogMode) -> Arc<dyn BenchGuest> {
     let spec = GuestSpec {
         backend,
         ..GuestSpec::sim(shape, log)
     };
-    let g = guest::build(&spec).expect("build the source guest");
+    let g = bench::build(&spec).expect("build the source guest");
     g.populate().expect("populate");
-    Memory::new(&*g).stopped_fill(50, 42).expect("fill");
+    Memory::new(g.as_dyn())
+        .expect("memory map")
+        .stopped_fill(50, 42)
+        .expect("fill");
     g
+}
+
+/// Starts `work` on `g` and makes a source of it.
+pub fn start_source(g: &Arc<dyn BenchGuest>, work: WorkSpec, cfg: SourceConfig) -> Source {
+    g.start(work).expect("start the workload");
+    Source::new(g.clone().as_guest(), cfg)
 }
 
 /// A workload writing random pages at `rate` per vCPU per second.
@@ -58,11 +68,9 @@ pub fn source_config() -> SourceConfig {
 
 /// A factory building destination machines on `backend`.
 pub fn factory(backend: BackendKind) -> slat_migrate::Factory {
-    Box::new(move |s: &Shape| {
-        guest::build(&GuestSpec {
-            backend,
-            ..GuestSpec::sim(*s, LogMode::Get)
-        })
+    bench::factory(GuestSpec {
+        backend,
+        ..GuestSpec::sim(shape(1), LogMode::Get)
     })
 }
 
@@ -101,7 +109,7 @@ pub fn spawn_dest(mut d: Destination, max_conns: usize) -> (String, JoinHandle<S
 
 /// Asserts the two guests' test regions are byte-identical (both stopped).
 pub fn assert_same_memory(a: &dyn Guest, b: &dyn Guest) {
-    let (ma, mb) = (Memory::new(a), Memory::new(b));
+    let (ma, mb) = (Memory::new(a).unwrap(), Memory::new(b).unwrap());
     assert_eq!(ma.pages(), mb.pages());
     let x = ma.stopped_range(0, ma.pages()).expect("source memory");
     let y = mb.stopped_range(0, mb.pages()).expect("destination memory");

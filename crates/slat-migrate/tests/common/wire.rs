@@ -5,7 +5,8 @@
 //! Written from the format's description in `stream.rs`, not from its code: a frame is
 //! `type u8 | length u32 | payload crc32 u32 | header crc32 u32 | payload`, little-endian.
 
-use slat_migrate::stream::{self, BatchBuilder, Compression, Hello, Msg, Shape, WorkSpec};
+use slat_migrate::bench::Shape;
+use slat_migrate::stream::{self, BatchBuilder, Compression, Hello, Msg, Region};
 use slat_migrate::verify::{self, RANGE_PAGES};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
@@ -24,6 +25,8 @@ pub mod ty {
     pub const VERIFIED: u8 = 9;
     pub const COMMIT: u8 = 10;
     pub const RESUMED: u8 = 11;
+    pub const STATE: u8 = 12;
+    pub const STATE_END: u8 = 13;
 }
 
 /// Bytes of a frame header.
@@ -94,56 +97,56 @@ impl Payload {
 pub fn hello_payload(
     session: u64,
     attempt: u32,
-    shape: &Shape,
-    slots: &[(u64, u64)],
-    work: &WorkSpec,
+    one_way: bool,
+    regions: &[Region],
+    machine: &[u8],
     compression: u8,
     range_pages: u32,
+    verify: u8,
     backend: &[u8],
 ) -> Payload {
     let mut p = Payload::default()
         .u64(session)
         .u32(attempt)
-        .u32(shape.vcpus)
-        .u64(shape.bytes_per_vcpu)
-        .u32(shape.slots)
-        .u8(shape.overlap as u8)
-        .u32(slots.len() as u32);
-    for &(a, b) in slots {
-        p = p.u64(a).u64(b);
+        .u8(one_way as u8)
+        .u32(regions.len() as u32);
+    for r in regions {
+        p = p.u64(r.gpa).u64(r.pages).u8(r.read_only as u8);
     }
-    p.u32(work.write_percent)
-        .u8(work.random as u8)
-        .u32(work.seed)
-        .u64(work.rate)
+    p.u32(machine.len() as u32)
+        .bytes(machine)
         .u8(compression)
         .u32(range_pages)
+        .u8(verify)
         .text(backend)
 }
 
-/// A workload that writes every access.
-pub fn writer() -> WorkSpec {
-    WorkSpec {
-        write_percent: 100,
-        random: true,
-        seed: 3,
-        rate: 1000,
-    }
-}
-
-/// The hello an honest source of `shape` sends (its memslot list as the shape gives it,
-/// computed here rather than with the library's helper).
-pub fn honest_hello(session: u64, shape: Shape, compression: Compression) -> Hello {
+/// The regions of a benchmark guest of `shape` (one per memslot from gpa 0), computed here
+/// rather than with the library's helper.
+pub fn shape_regions(shape: &Shape) -> Vec<Region> {
     let pages = shape.bytes_per_vcpu * shape.vcpus as u64 / 4096;
     let pps = pages / shape.slots as u64;
+    (0..shape.slots as u64)
+        .map(|s| Region {
+            gpa: s * pps * 4096,
+            pages: pps,
+            read_only: false,
+        })
+        .collect()
+}
+
+/// The hello an honest source of `shape` sends (verifying memory in full: the stream's
+/// hashes are of the image).
+pub fn honest_hello(session: u64, shape: Shape, compression: Compression) -> Hello {
     Hello {
         session,
         attempt: 1,
-        shape,
-        slots: (0..shape.slots as u64).map(|s| (s * pps, pps)).collect(),
-        work: writer(),
+        one_way: false,
+        regions: shape_regions(&shape),
+        machine: shape.encode(),
         compression,
         range_pages: RANGE_PAGES,
+        verify: slat_migrate::verify::VerifyMode::Full,
         backend: "sim".into(),
     }
 }
@@ -206,6 +209,7 @@ pub fn valid_stream(
             pages: list.len() as u64,
         }));
     }
+    frames.push(stream::frame(&Msg::StateEnd { blobs: 0, bytes: 0 }));
     let nranges = verify::ranges(pages, RANGE_PAGES);
     let hashes: Vec<[u8; 32]> = (0..nranges)
         .map(|i| {
