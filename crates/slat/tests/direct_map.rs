@@ -350,6 +350,16 @@ fn private_faults_accept_and_conversions_release() {
         ),
         Err(MemslotError::PrivateAlreadyBound { id: 2 })
     );
+    // Bound pages are the engine's: a caller cannot release one from under the guest.
+    assert_eq!(
+        map.release(page(6)),
+        Err(DirectMapError::Bound { hva: page(6) })
+    );
+    assert_eq!(
+        map.accept(page(7)),
+        Err(DirectMapError::Bound { hva: page(7) })
+    );
+    assert_eq!(map.translate(page(6)), Ok(None), "still the guest's");
     assert_eq!(
         map.bind(3 * MIB, MIB).err(),
         Some(DirectMapError::AlreadyBound {

@@ -107,6 +107,13 @@ pub enum DirectMapError {
         /// Pool size.
         size: u64,
     },
+    /// The page belongs to a range bound to a memslot: the engine accepts and releases it (on
+    /// private faults and conversions), so a caller cannot pull it from under a guest.
+    #[error("host address {hva:#x} is in a pool range bound to a memslot: the engine accepts and releases its pages")]
+    Bound {
+        /// The address.
+        hva: u64,
+    },
     /// The range overlaps one already bound to a memslot (a guest_memfd range binds once).
     #[error("pool range at offset {offset:#x} (+{len:#x}) overlaps a range already bound")]
     AlreadyBound {
@@ -317,9 +324,23 @@ impl DirectMap {
         Ok(self.states.is_assigned(self.frame_of(hva)?))
     }
 
-    /// Lazy acceptance of the pool page at `hva` (any address in it): see the module comment.
+    /// Lazy acceptance of the pool page at `hva` (any address in it), for a page no memslot
+    /// binds (bound pages are the engine's): see the module comment.
     pub fn accept(&self, hva: u64) -> Result<Acceptance, DirectMapError> {
-        Ok(self.accept_frame(self.frame_of(hva)?))
+        Ok(self.accept_frame(self.unbound_frame(hva)?))
+    }
+
+    /// The frame of `hva` if it is a pool page outside every bound range.
+    fn unbound_frame(&self, hva: u64) -> Result<u64, DirectMapError> {
+        let f = self.frame_of(hva)?;
+        let bound = sync::lock(&self.bound);
+        if bound
+            .iter()
+            .any(|&(first, n)| (first..first + n).contains(&f))
+        {
+            return Err(DirectMapError::Bound { hva });
+        }
+        Ok(f)
     }
 
     pub(crate) fn accept_frame(&self, f: u64) -> Acceptance {
@@ -352,12 +373,12 @@ impl DirectMap {
         Acceptance::Accepted { split }
     }
 
-    /// Gives the page at `hva` back to the host (a conversion to shared, or the end of its
-    /// binding): waits for an acceptance in flight, scrubs it, maps it again. Returns whether
-    /// it was assigned.
+    /// Gives the page at `hva` back to the host: waits for an acceptance in flight, scrubs it,
+    /// maps it again. Returns whether it was assigned. Only for pages no memslot binds (the
+    /// engine releases bound pages on conversions to shared and slot deletion).
     pub fn release(&self, hva: u64) -> Result<bool, DirectMapError> {
         self.release_orphans();
-        Ok(self.release_frame(self.frame_of(hva)?, true))
+        Ok(self.release_frame(self.unbound_frame(hva)?, true))
     }
 
     /// Releases what dropped leases left assigned. Call from a thread that is not an online
