@@ -58,16 +58,18 @@ pub const NEVER_SENT: PageDigest = [0; 16];
 /// The destination's digest of a page it has not received.
 pub const NEVER_RECEIVED: PageDigest = [0xff; 16];
 
-/// The digest of one page's bytes. A zero page — half of a typical guest — costs an
-/// OR-reduce instead of a hash: its digest is the zero page's, computed once.
+/// The digest of one page's bytes: XXH3-128. The per-page digests are computed on the send
+/// and receive paths of every page, so their cost is migration bandwidth: on this project's
+/// 2-core host BLAKE3 hashes 4 KiB pages at 2.8 GB/s and XXH3-128 at 17 GB/s, and with BLAKE3
+/// pre-copy ran at a quarter of the link's speed. What they guard against is a page lost,
+/// misplaced or corrupted by a bug or the link, not an adversary (the stream is not
+/// authenticated; `--verify full` hashes all of memory with BLAKE3 while paused), and an
+/// accidental 128-bit collision is as unlikely as a cryptographic one. The range hashes over
+/// the digests stay BLAKE3 (they are 16 bytes a page). A zero page — half of a typical guest —
+/// costs an OR-reduce instead of a hash.
 pub fn page_digest(bytes: &[u8]) -> PageDigest {
     static ZERO: std::sync::OnceLock<PageDigest> = std::sync::OnceLock::new();
-    let hash = |b: &[u8]| {
-        let h = blake3::hash(b);
-        let mut d = [0u8; 16];
-        d.copy_from_slice(&h.as_bytes()[..16]);
-        d
-    };
+    let hash = |b: &[u8]| xxhash_rust::xxh3::xxh3_128(b).to_le_bytes();
     // OR-reduce rather than an early-exit scan: it vectorises.
     if bytes.len() == crate::stream::PAGE_SIZE && bytes.iter().fold(0u8, |a, &b| a | b) == 0 {
         return *ZERO.get_or_init(|| hash(&[0u8; crate::stream::PAGE_SIZE]));
@@ -233,7 +235,7 @@ mod tests {
         let z = vec![0u8; 4096];
         let mut one = z.clone();
         one[4095] = 1;
-        assert_eq!(page_digest(&z)[..], blake3::hash(&z).as_bytes()[..16]);
+        assert_eq!(page_digest(&z), xxhash_rust::xxh3::xxh3_128(&z).to_le_bytes());
         assert_ne!(page_digest(&z), page_digest(&one));
         assert_ne!(page_digest(&z), NEVER_SENT);
         assert_ne!(page_digest(&z), NEVER_RECEIVED);
