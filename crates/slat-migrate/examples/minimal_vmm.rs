@@ -375,7 +375,8 @@ fn counter(g: &dyn Guest, gpa: u64) -> Result<u32, Error> {
     Ok(u32::from_le_bytes(page[at..at + 4].try_into()?))
 }
 
-fn main() -> Result<(), Error> {
+/// `pub`: `tests/example_vmm.rs` runs it.
+pub fn main() -> Result<(), Error> {
     let map: Vec<Region> = RAM
         .iter()
         .map(|&(gpa, len)| Region {
