@@ -18,15 +18,15 @@
 
 use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs, kvm_userspace_memory_region};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
-use slat_dirty::{Harvester, KvmLog, LogMode, Memslot};
-use slat_migrate::guest::{GuestErrors, GuestHarvester, GuestLog};
+use slat_dirty::{LogMode, Memslot};
+use slat_migrate::guest::{kvm_dirty_log, GuestHarvester};
 use slat_migrate::transport::{Endpoint, Listener};
 use slat_migrate::{
     DestConfig, Destination, Factory, Guest, GuestError, GuestRegion, HelloError, Memory, Region,
     Source, SourceConfig, StateBlob,
 };
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -101,8 +101,9 @@ fn guest_ram(len: u64) -> std::io::Result<u64> {
 
 impl Vm {
     /// A VM with RAM for each of `map`'s regions and a vCPU in its reset state.
-    fn new(map: &[Region]) -> Result<Vm, Error> {
-        let vm = Arc::new(Kvm::new()?.create_vm()?);
+    fn new(map: &[Region]) -> Result<Vm, GuestError> {
+        let kvm = Kvm::new().map_err(GuestError::machine)?;
+        let vm = Arc::new(kvm.create_vm().map_err(GuestError::machine)?);
         let mut slots = Vec::new();
         for (slot, r) in (0..).zip(map) {
             let region = kvm_userspace_memory_region {
@@ -110,15 +111,17 @@ impl Vm {
                 flags: 0,
                 guest_phys_addr: r.gpa,
                 memory_size: r.pages * 4096,
-                userspace_addr: guest_ram(r.pages * 4096)?,
+                userspace_addr: guest_ram(r.pages * 4096).map_err(GuestError::machine)?,
             };
             // SAFETY: the host range is a mapping of its own (`guest_ram`) that is never
             // unmapped and holds nothing but this guest's memory; this program never deletes
             // a slot.
-            slots.push(unsafe { Memslot::register(&vm, region)? });
+            let slot = unsafe { Memslot::register(&vm, region) };
+            slots.push(slot.map_err(GuestError::harvest)?);
         }
+        let vcpu = vm.create_vcpu(0).map_err(GuestError::machine)?;
         Ok(Vm {
-            vcpu: Mutex::new(Vcpu::Paused(vm.create_vcpu(0)?)),
+            vcpu: Mutex::new(Vcpu::Paused(vcpu)),
             slots,
             serial: Arc::default(),
         })
@@ -127,13 +130,12 @@ impl Vm {
     /// Loads the guest's code and points the (paused) vCPU at it: flat 4 GiB segments,
     /// protected mode without paging (set directly in the segment caches, so no GDT).
     fn boot(&self) -> Result<(), Error> {
-        // SAFETY: region 0 holds guest-physical 0 and is a page or more; no vCPU runs yet
-        // and nothing else accesses guest memory, so this copy races with nothing.
-        unsafe {
-            let at = self.slots[0].userspace_addr() as *mut u8;
-            std::ptr::copy_nonoverlapping(CODE.as_ptr(), at, CODE.len());
-        }
-        let guard = self.vcpu.lock().map_err(|_| "vCPU lock poisoned")?;
+        // Guest memory is written like the migration writes it: through `Memory` (atomic
+        // stores, vCPU stopped), never through a `&mut [u8]` a vCPU could race with.
+        let mut page = vec![0u8; 4096];
+        page[..CODE.len()].copy_from_slice(&CODE);
+        Memory::new(self)?.stopped_write_page(0, &page)?;
+        let guard = self.vcpu();
         let Vcpu::Paused(vcpu) = &*guard else {
             return Err("boot: the vCPU is not paused".into());
         };
@@ -163,10 +165,10 @@ impl Vm {
         Ok(())
     }
 
-    fn vcpu(&self) -> Result<std::sync::MutexGuard<'_, Vcpu>, GuestError> {
-        self.vcpu
-            .lock()
-            .map_err(|_| GuestError::machine(std::io::Error::other("vCPU lock poisoned")))
+    /// The vCPU's state. Every change of it is one `mem::replace`, so it is consistent even
+    /// after a panic elsewhere poisoned the lock.
+    fn vcpu(&self) -> MutexGuard<'_, Vcpu> {
+        self.vcpu.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -242,7 +244,7 @@ unsafe impl Guest for Vm {
             .collect()
     }
     fn pause(&self) -> Result<(), GuestError> {
-        let mut v = self.vcpu()?;
+        let mut v = self.vcpu();
         let Vcpu::Running(stop, thread) = std::mem::replace(&mut *v, Vcpu::Lost) else {
             return Ok(()); // already paused (or lost: `resume` says so)
         };
@@ -254,12 +256,15 @@ unsafe impl Guest for Vm {
         result.map_err(|e| GuestError::machine(std::io::Error::other(e)))
     }
     fn resume(&self) -> Result<(), GuestError> {
-        let mut v = self.vcpu()?;
+        let mut v = self.vcpu();
         *v = match std::mem::replace(&mut *v, Vcpu::Lost) {
             Vcpu::Paused(vcpu) => {
                 let stop = Arc::new(AtomicBool::new(false));
                 let (s, serial) = (stop.clone(), self.serial.clone());
-                Vcpu::Running(stop, std::thread::spawn(move || run(vcpu, s, serial)))
+                let thread = std::thread::Builder::new().name("vcpu0".into());
+                // (A failed spawn drops the vCPU: the guest is lost, as its error says.)
+                let thread = thread.spawn(move || run(vcpu, s, serial));
+                Vcpu::Running(stop, thread.map_err(GuestError::machine)?)
             }
             Vcpu::Lost => return Err(GuestError::NothingToResume),
             running => running,
@@ -267,7 +272,7 @@ unsafe impl Guest for Vm {
         Ok(())
     }
     fn running(&self) -> bool {
-        self.vcpu().is_ok_and(|v| matches!(*v, Vcpu::Running(..)))
+        matches!(*self.vcpu(), Vcpu::Running(..))
     }
     fn set_dirty_logging(&self, on: bool) -> Result<(), GuestError> {
         for s in &self.slots {
@@ -276,12 +281,10 @@ unsafe impl Guest for Vm {
         Ok(())
     }
     fn dirty_log(&self) -> Result<GuestHarvester, GuestError> {
-        let log =
-            KvmLog::new(self.slots.clone(), LogMode::Get, vec![]).map_err(GuestError::harvest)?;
-        Harvester::from_source(Box::new(GuestErrors(log)) as GuestLog).map_err(GuestError::harvest)
+        kvm_dirty_log(self.slots.clone(), LogMode::Get)
     }
     fn save_state(&self) -> Result<Vec<StateBlob>, GuestError> {
-        let v = self.vcpu()?;
+        let v = self.vcpu();
         let Vcpu::Paused(vcpu) = &*v else {
             return Err(GuestError::machine(std::io::Error::other(
                 "save_state: vCPU not paused",
@@ -338,7 +341,7 @@ unsafe impl Guest for Vm {
         let (Some(regs), Some(sregs)) = (regs, sregs) else {
             return Err(refuse(b, "wrong length"));
         };
-        let v = self.vcpu()?;
+        let v = self.vcpu();
         let Vcpu::Paused(vcpu) = &*v else {
             return Err(GuestError::machine(std::io::Error::other(
                 "restore_state: vCPU runs",
@@ -403,8 +406,7 @@ pub fn main() -> Result<(), Error> {
     let mut listener = Listener::bind(&Endpoint::Unix(path.clone()))?;
     let dest = std::thread::spawn(move || -> Result<_, Error> {
         let factory: Factory = Box::new(|map: &[Region], _machine: &[u8]| {
-            let vm = Vm::new(map).map_err(|e| HelloError::Machine(e.to_string()))?;
-            Ok(Arc::new(vm) as Arc<dyn Guest>)
+            Ok(Arc::new(Vm::new(map).map_err(HelloError::Build)?) as Arc<dyn Guest>)
         });
         let cfg = DestConfig {
             resume_for: Duration::ZERO, // left paused, to compare memory below
@@ -441,10 +443,11 @@ pub fn main() -> Result<(), Error> {
         );
     }
     println!(
-        "migrated {} pages in {:.1?}; downtime {:.1?}; device state {} bytes; \
-         verified {} ranges ({:?}): {}",
+        "migrated {} pages in {:.1?} (the guest looped {} times meanwhile); downtime {:.1?}; \
+         device state {} bytes; verified {} ranges ({:?}): {}",
         report.pages(),
         report.total,
+        report.guest_writes,
         report.downtime,
         report.state_bytes,
         dreport.verify.ranges,
