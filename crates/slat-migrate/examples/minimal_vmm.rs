@@ -25,7 +25,7 @@ use slat_migrate::{
     DestConfig, Destination, Factory, Guest, GuestError, GuestRegion, HelloError, Memory, Region,
     Source, SourceConfig, StateBlob,
 };
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -58,14 +58,36 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Default)]
 struct Serial {
     sent: AtomicU64,
-    last: AtomicU64,
+    last: AtomicU8,
+}
+
+impl Serial {
+    /// A byte from the guest.
+    fn write(&self, data: &[u8]) {
+        self.sent.fetch_add(1, Ordering::Relaxed);
+        if let Some(&b) = data.first() {
+            self.last.store(b, Ordering::Relaxed);
+        }
+    }
+    /// Its state, 9 bytes: `sent` (little-endian), `last`.
+    fn save(&self) -> Vec<u8> {
+        let mut out = self.sent.load(Ordering::Relaxed).to_le_bytes().to_vec();
+        out.push(self.last.load(Ordering::Relaxed));
+        out
+    }
+    fn restore(&self, b: &[u8; 9]) {
+        let (sent, last) = b.split_at(8);
+        let sent = u64::from_le_bytes(sent.try_into().unwrap_or_default());
+        self.sent.store(sent, Ordering::Relaxed);
+        self.last.store(last[0], Ordering::Relaxed);
+    }
 }
 
 /// The vCPU: its fd while paused, or the thread running it (which hands the fd back).
 enum Vcpu {
     Paused(VcpuFd),
     Running(Arc<AtomicBool>, JoinHandle<(VcpuFd, Result<(), String>)>),
-    /// The run thread panicked and took the fd with it.
+    /// The run thread panicked, or could not be started, and the fd went with it.
     Lost,
 }
 
@@ -181,8 +203,7 @@ fn run(
     while !stop.load(Ordering::Acquire) {
         let why = match vcpu.run() {
             Ok(VcpuExit::IoOut(SERIAL, data)) => {
-                serial.sent.fetch_add(1, Ordering::Relaxed);
-                serial.last.store(data[0].into(), Ordering::Relaxed);
+                serial.write(data);
                 continue;
             }
             Err(e) if e.errno() == libc::EINTR => continue,
@@ -243,6 +264,9 @@ unsafe impl Guest for Vm {
             })
             .collect()
     }
+    /// Stops the run loop at the guest's next exit (its `out`, every iteration). A VMM whose
+    /// guests may run without exiting also kicks the thread out of `KVM_RUN`: a signal to
+    /// it with `set_kvm_immediate_exit(1)` set (KVM_RUN then returns `EINTR`).
     fn pause(&self) -> Result<(), GuestError> {
         let mut v = self.vcpu();
         let Vcpu::Running(stop, thread) = std::mem::replace(&mut *v, Vcpu::Lost) else {
@@ -294,13 +318,7 @@ unsafe impl Guest for Vm {
             vcpu.get_regs().map_err(GuestError::machine)?,
             vcpu.get_sregs().map_err(GuestError::machine)?,
         );
-        let mut data = self
-            .serial
-            .sent
-            .load(Ordering::Relaxed)
-            .to_le_bytes()
-            .to_vec();
-        data.push(self.serial.last.load(Ordering::Relaxed) as u8);
+        let mut data = self.serial.save();
         // SAFETY: both are KVM ABI structs of integers without padding (asserted above).
         unsafe {
             data.extend_from_slice(bytes_of(&regs));
@@ -329,7 +347,7 @@ unsafe impl Guest for Vm {
         }
         let (serial, cpu) = b
             .data
-            .split_at_checked(9)
+            .split_first_chunk::<9>()
             .ok_or_else(|| refuse(b, "too short"))?;
         let (regs, sregs) = cpu
             .split_at_checked(REGS)
@@ -349,9 +367,7 @@ unsafe impl Guest for Vm {
         };
         vcpu.set_sregs(&sregs).map_err(GuestError::machine)?;
         vcpu.set_regs(&regs).map_err(GuestError::machine)?;
-        let sent = u64::from_le_bytes(serial[..8].try_into().unwrap_or_default());
-        self.serial.sent.store(sent, Ordering::Relaxed);
-        self.serial.last.store(serial[8].into(), Ordering::Relaxed);
+        self.serial.restore(serial);
         Ok(())
     }
     fn activity(&self) -> Option<u64> {
