@@ -16,7 +16,7 @@
 //! `resume` stop and start its vCPU threads, and `save_state`/`restore_state` carry its
 //! registers (`KVM_GET_REGS` & co.) and device models. A sketch, for a VM with two RAM slots
 //! around a hole (the VMM's own `Vcpus` thread handling elided; `tests/common/soft.rs` is a
-//! complete guest without KVM):
+//! complete guest without KVM; `examples/minimal_vmm.rs` a complete one on KVM):
 //!
 //! ```ignore
 //! struct MyVm { vm: Arc<VmFd>, ram: [(u64 /* gpa */, &'static mut [u8]); 2], vcpus: Vcpus }
@@ -38,8 +38,7 @@
 //!         Ok(())
 //!     }
 //!     fn dirty_log(&self) -> Result<GuestHarvester, GuestError> {
-//!         let log = KvmLog::new(self.memslots(), LogMode::Get, vec![]).map_err(GuestError::harvest)?;
-//!         Harvester::from_source(Box::new(GuestErrors(log)) as GuestLog).map_err(GuestError::harvest)
+//!         kvm_dirty_log(self.memslots(), LogMode::Get)
 //!     }
 //!     fn save_state(&self) -> Result<Vec<StateBlob>, GuestError> {
 //!         let regs = self.vcpus.regs(); // KVM_GET_REGS, SREGS, ...: the VMM's encoding
@@ -55,7 +54,7 @@
 use crate::error::{GuestError, MapError, MemoryError};
 use crate::state::StateBlob;
 use crate::stream::{check_regions, Region, PAGE_SIZE};
-use slat_dirty::{DirtyLogSource, Harvester, SlotInfo};
+use slat_dirty::{DirtyLogSource, Harvester, KvmLog, LogMode, Memslot, SlotInfo};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -181,6 +180,16 @@ where
     fn reset_rings(&mut self) -> Result<u64, GuestError> {
         self.0.reset_rings().map_err(GuestError::machine)
     }
+}
+
+/// The dirty log of a KVM VMM's own memslots, as [`Guest::dirty_log`] returns it: `slots`
+/// (one per writable region, in the map's order, as the VMM registered them with
+/// [`Memslot::register`] or described them with [`Memslot::adopt`]) in `mode` — GET, or
+/// manual protect if the VMM enabled it on the VM. (The ring mode needs the vCPUs' rings:
+/// build a [`KvmLog`] with them and wrap it in [`GuestErrors`] as this does.)
+pub fn kvm_dirty_log(slots: Vec<Memslot>, mode: LogMode) -> Result<GuestHarvester, GuestError> {
+    let log = KvmLog::new(slots, mode, Vec::new()).map_err(GuestError::harvest)?;
+    Harvester::from_source(Box::new(GuestErrors(log)) as GuestLog).map_err(GuestError::harvest)
 }
 
 /// A checked memory map with its *memory index*: the regions laid end to end, so page `p`
