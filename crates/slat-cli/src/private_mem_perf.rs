@@ -25,10 +25,7 @@ mod sim;
 
 use crate::args::{guest_size, OutputArgs, Switch};
 use crate::error::{CliError, CliResult};
-use crate::host::HostFacts;
-use crate::output::{
-    cell, print_table, ratio_cell, summarize, Better, Metric, MetricSummary, SCHEMA_VERSION,
-};
+use crate::output::{cell, print_table, ratio_cell, summarize, Better, Metric, MetricSummary};
 use crate::report::quiet;
 use clap::{Args, ValueEnum};
 use counters::{Deltas, DirectMap, DirectMapDelta, Snapshot};
@@ -358,7 +355,7 @@ pub fn run(a: &PrivateMemPerfArgs) -> CliResult {
         summary,
     };
     if a.out.json {
-        print_document(&report)
+        crate::output::print_json(&report, &[])
     } else {
         print_text(&report);
         Ok(())
@@ -400,29 +397,6 @@ fn check(a: &PrivateMemPerfArgs) -> Result<u64, String> {
         )),
         _ => Ok(total),
     }
-}
-
-/// The document with the envelope: this report has `backend` of its own (`host`), which
-/// `print_json`'s `BackendArg` list cannot name, so the envelope is built here the same way.
-fn print_document(report: &Report) -> CliResult {
-    #[derive(Serialize)]
-    struct Doc<'a> {
-        schema_version: u32,
-        slat_version: &'static str,
-        host: HostFacts,
-        #[serde(flatten)]
-        body: &'a Report,
-    }
-    let doc = Doc {
-        schema_version: SCHEMA_VERSION,
-        slat_version: env!("CARGO_PKG_VERSION"),
-        host: HostFacts::collect(&[]),
-        body: report,
-    };
-    let text = serde_json::to_string_pretty(&doc)
-        .map_err(|e| CliError::Runtime(format!("cannot encode the report as JSON: {e}")))?;
-    println!("{text}");
-    Ok(())
 }
 
 /// The four fills of one run.

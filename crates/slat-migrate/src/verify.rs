@@ -235,7 +235,10 @@ mod tests {
         let z = vec![0u8; 4096];
         let mut one = z.clone();
         one[4095] = 1;
-        assert_eq!(page_digest(&z), xxhash_rust::xxh3::xxh3_128(&z).to_le_bytes());
+        assert_eq!(
+            page_digest(&z),
+            xxhash_rust::xxh3::xxh3_128(&z).to_le_bytes()
+        );
         assert_ne!(page_digest(&z), page_digest(&one));
         assert_ne!(page_digest(&z), NEVER_SENT);
         assert_ne!(page_digest(&z), NEVER_RECEIVED);

@@ -8,8 +8,7 @@
 
 use super::NAME;
 use crate::error::{CliError, CliResult};
-use crate::host::HostFacts;
-use crate::output::{cell, print_table, ratio_cell, summarize, Better, Metric, SCHEMA_VERSION};
+use crate::output::{cell, print_table, ratio_cell, summarize, Better, Metric};
 use crate::report::{quiet, Phase};
 use serde::Serialize;
 use slat::direct_map::{DirectMap, DirectMapConfig, DirectMapPolicy, DirectMapStats};
@@ -210,32 +209,11 @@ pub fn run(p: &SimPlan) -> CliResult {
         summary,
     };
     if p.json {
-        print_document(&report)
+        crate::output::print_json(&report, &[])
     } else {
         print_text(&report);
         Ok(())
     }
-}
-
-fn print_document(report: &SimReport) -> CliResult {
-    #[derive(Serialize)]
-    struct Doc<'a> {
-        schema_version: u32,
-        slat_version: &'static str,
-        host: HostFacts,
-        #[serde(flatten)]
-        body: &'a SimReport,
-    }
-    let doc = Doc {
-        schema_version: SCHEMA_VERSION,
-        slat_version: env!("CARGO_PKG_VERSION"),
-        host: HostFacts::collect(&[]),
-        body: report,
-    };
-    let text = serde_json::to_string_pretty(&doc)
-        .map_err(|e| CliError::Runtime(format!("cannot encode the report as JSON: {e}")))?;
-    println!("{text}");
-    Ok(())
 }
 
 fn measure(p: &SimPlan) -> CliResult<SimRun> {
