@@ -767,11 +767,7 @@ type Prepared = (Arc<dyn BenchGuest>, Source, f64, Vec<f64>);
 /// Builds, populates and fills the source guest; starts its workload and lets it warm up.
 /// Returns the guest, the source, and the guest's write rate during the warm-up (per second),
 /// in all and per vCPU.
-fn prepare_source(
-    g: &GuestArgs,
-    m: &MigrationArgs,
-    q: bool,
-) -> Result<Prepared, RunError> {
+fn prepare_source(g: &GuestArgs, m: &MigrationArgs, q: bool) -> Result<Prepared, RunError> {
     let total = g.work.bytes * g.work.vcpus as u64;
     progress(
         q,
@@ -1464,7 +1460,7 @@ fn sweep(a: &MigratePerfArgs) -> CliResult {
     let total = combos.len() * repeat;
     let mut n = 0;
     for ((b, label), combo) in runs.into_iter().zip(&combos) {
-        let mut done: Vec<[f64; 3]> = Vec::new();
+        let mut done: Vec<[f64; 4]> = Vec::new();
         for k in 0..repeat {
             n += 1;
             progress(q, &format!("sweep {n}/{total}: {}", label.join(" ")));
@@ -1484,6 +1480,7 @@ fn sweep(a: &MigratePerfArgs) -> CliResult {
                         r.total.as_secs_f64(),
                         r.downtime.as_secs_f64() * 1e3,
                         doc.guest_throughput_lost_percent.unwrap_or(0.0),
+                        doc.guest_writes_lost / 1e6,
                     ]);
                     RowOutcome::Done(Box::new(doc))
                 }
@@ -1509,7 +1506,8 @@ fn sweep(a: &MigratePerfArgs) -> CliResult {
             row.push(format!("{:.1}", mean(1)));
             row.extend(std::iter::repeat_n(String::new(), 7));
             row.push(format!("{:.0}%", mean(2)));
-            row.extend(std::iter::repeat_n(String::new(), SWEEP_CELLS - 10));
+            row.push(format!("{:.2}", mean(3)));
+            row.extend(std::iter::repeat_n(String::new(), SWEEP_CELLS - 11));
             rows.push(row);
         }
     }
@@ -1559,7 +1557,7 @@ fn sweep_rows(
 }
 
 /// Cells of a sweep row after the settings (and the run number).
-const SWEEP_CELLS: usize = 12;
+const SWEEP_CELLS: usize = 13;
 
 /// A successful row's figures, in the order of [`print_sweep`]'s columns.
 fn sweep_cells(r: &MigrationReport, doc: &Migration) -> [String; SWEEP_CELLS] {
@@ -1596,6 +1594,7 @@ fn sweep_cells(r: &MigrationReport, doc: &Migration) -> [String; SWEEP_CELLS] {
         throttle,
         format!("{:.0}/{:.0}", baseline, r.write_rate()),
         pct(&doc.guest_throughput_lost_percent),
+        format!("{:.2}", doc.guest_writes_lost / 1e6),
         if per_vcpu.is_empty() {
             "-".to_string()
         } else {
@@ -1638,6 +1637,7 @@ fn print_sweep(a: &MigratePerfArgs, keys: &[VaryKey], rows: &[Vec<String>]) {
             "throttle (max)",
             "guest writes/s before/during",
             "throughput lost",
+            "writes lost (M)",
             "lost per vCPU",
             "verified",
         ]

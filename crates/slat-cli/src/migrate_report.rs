@@ -275,6 +275,10 @@ pub struct Migration {
     /// The share of the guest's writes per second the migration cost (before vs during
     /// pre-copy), percent; `None` without a rate before.
     pub guest_throughput_lost_percent: Option<f64>,
+    /// Guest writes lost to the migration: the rate before times the pre-copy time, less the
+    /// writes made (0 if none were lost). A short migration that throttles hard can lose fewer
+    /// writes than a long one that throttles less.
+    pub guest_writes_lost: f64,
     /// Per vCPU, writes per second before the migration (empty if not counted per vCPU).
     pub vcpu_writes_per_s_before: Vec<f64>,
     /// Per vCPU, during pre-copy.
@@ -364,6 +368,8 @@ impl Migration {
             guest_writes_per_s_before: baseline,
             guest_writes_per_s_during: r.write_rate(),
             guest_throughput_lost_percent: lost(baseline, r.write_rate()),
+            guest_writes_lost: (baseline * r.precopy.as_secs_f64() - r.guest_writes as f64)
+                .max(0.0),
             vcpu_writes_per_s_before: Vec::new(),
             vcpu_writes_per_s_during: r
                 .vcpu_writes

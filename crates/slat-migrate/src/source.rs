@@ -616,6 +616,7 @@ impl Source {
             digests: std::mem::take(&mut self.digests),
             t0: t_connect,
             limit,
+            collected: 0,
         };
         let r = self.rounds(conn, &mem, &mut sender, &mut ac, &mut report, progress);
         // The digests outlive the attempt: a resumed destination holds what they describe.
@@ -757,7 +758,7 @@ impl Source {
         loop {
             // Re-armed before it returns; dropped on an error below, it is owed again.
             let mut set = log.take()?;
-            let dirtied = set.collected();
+            let dirtied = set.collected() + std::mem::take(&mut sender.collected);
             if let Some(prev) = report.rounds.last_mut() {
                 prev.dirtied = dirtied;
                 report.dirtied += dirtied;
@@ -1143,6 +1144,9 @@ struct Sender {
     t0: Instant,
     /// Dirty-limit, when on.
     limit: Option<Limit>,
+    /// Pages dirty-limit's collects moved to the pages owed during the last round: dirtied
+    /// while it ran, so counted with the next take's.
+    collected: u64,
 }
 
 /// Dirty-limit's controller and what it reads and drives.
@@ -1178,7 +1182,7 @@ impl Sender {
             return Ok(());
         }
         if let Some(set) = set {
-            set.collect()?;
+            self.collected += set.collect()?;
         }
         let counts = x.counts.per_vcpu();
         if let Some(th) = x.l.update(&counts, Instant::now()) {
