@@ -99,6 +99,11 @@ pub struct GuestArgs {
     /// it can; at most 1000m). Every write stores a new value, so each is a real change.
     #[arg(long = "dirty-rate", value_parser = dirty_rate, default_value = "10k")]
     pub dirty_rate: u64,
+    /// vCPU 0's own writes per second, overriding --dirty-rate for it on the source (`sim`
+    /// only; k/m suffixes, 1 to 1000m): one heavy vCPU among lighter ones, where dirty-limit
+    /// slows only the heavy one.
+    #[arg(long = "dirty-rate-vcpu0", value_parser = dirty_rate)]
+    pub dirty_rate_vcpu0: Option<u64>,
     /// Percent of guest pages filled with pseudo-random data before the run (the rest are
     /// zero, and travel as zero-page markers until the guest writes them).
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=100), default_value_t = 50)]
@@ -629,6 +634,16 @@ impl GuestArgs {
                 "-w applies to --backend sim only: the kvm guest's writer writes on every access",
             ));
         }
+        if self.dirty_rate_vcpu0.is_some() && self.backend != BackendArg::Sim {
+            return Err(CliError::bad(
+                "--dirty-rate-vcpu0 applies to --backend sim only: the kvm guest's writer paces all vCPUs together",
+            ));
+        }
+        if self.dirty_rate_vcpu0 == Some(0) {
+            return Err(CliError::bad(
+                "--dirty-rate-vcpu0 0: give vCPU 0 a rate (omit the flag for --dirty-rate's)",
+            ));
+        }
         if self.log == LogArg::Ring {
             check_kvm_ring(&backends, self.ring_entries, "--dirty-ring").map_err(CliError::bad)?;
         }
@@ -690,10 +705,10 @@ impl GuestArgs {
             self.work.vcpus,
             format_size(self.work.bytes * self.work.vcpus as u64),
             self.log.mode().name(),
-            if self.dirty_rate == 0 {
-                "unlimited".to_string()
-            } else {
-                format!("{} writes/s per vCPU", self.dirty_rate)
+            match (self.dirty_rate, self.dirty_rate_vcpu0) {
+                (0, None) => "unlimited".to_string(),
+                (r, None) => format!("{r} writes/s per vCPU"),
+                (r, Some(v0)) => format!("{v0} writes/s on vCPU 0, {r} on the others"),
             },
             self.fill
         )
@@ -783,6 +798,9 @@ fn prepare_source(g: &GuestArgs, m: &MigrationArgs, q: bool) -> Result<Prepared,
     guest.populate()?;
     Memory::new(guest.as_dyn())?.stopped_fill(g.fill, g.seed as u64)?;
     guest.start(g.work())?;
+    if let Some(r) = g.dirty_rate_vcpu0 {
+        guest.set_vcpu_rate(0, r);
+    }
     let src = Source::new(guest.clone().as_guest(), m.config());
     let w0 = guest.writes();
     let v0 = guest.vcpu_activity();

@@ -30,6 +30,9 @@ pub struct Config {
     pub seed: u32,
     /// `--dirty-rate`.
     pub dirty_rate_per_vcpu: u64,
+    /// `--dirty-rate-vcpu0`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dirty_rate_vcpu0: Option<u64>,
     /// `--fill`.
     pub fill_percent: u32,
     /// `--log`.
@@ -321,6 +324,7 @@ impl Migration {
                 write_percent: g.write_percent,
                 seed: g.seed,
                 dirty_rate_per_vcpu: g.dirty_rate,
+                dirty_rate_vcpu0: g.dirty_rate_vcpu0,
                 fill_percent: g.fill,
                 log: g.log.mode().name(),
                 fast_pf: g.machine.fast_pf.on(),

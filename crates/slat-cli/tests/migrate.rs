@@ -136,6 +136,14 @@ fn bad_flags_exit_2_with_one_line() {
         vec!["migrate-perf", "--dirty-limit-period", "5"],
         vec!["migrate-perf", "--converge", "sometimes"],
         vec!["migrate-perf", "--vary", "converge=auto,dirty-limit"],
+        vec!["migrate-perf", "--dirty-rate-vcpu0", "0"],
+        vec![
+            "migrate-perf",
+            "--backend",
+            "kvm",
+            "--dirty-rate-vcpu0",
+            "5k",
+        ],
     ] {
         let (code, out, err) = slat(&args);
         assert_eq!(code, 2, "{args:?}: {err}");
