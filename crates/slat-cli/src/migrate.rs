@@ -20,8 +20,8 @@ use slat_migrate::stream::Compression;
 use slat_migrate::transport::{self, Channel, Endpoint, Listener};
 use slat_migrate::verify::VerifyMode;
 use slat_migrate::{
-    DestConfig, DestReport, Destination, Event, Faults, GuestError, MapError, Memory, MemoryError,
-    MigrateError, MigrationReport, Source, SourceConfig,
+    DestConfig, DestReport, Destination, DirtyLimitConfig, Event, Faults, GuestError, MapError,
+    Memory, MemoryError, MigrateError, MigrationReport, Source, SourceConfig,
 };
 use std::net::TcpListener;
 use std::sync::Arc;
@@ -99,6 +99,11 @@ pub struct GuestArgs {
     /// it can; at most 1000m). Every write stores a new value, so each is a real change.
     #[arg(long = "dirty-rate", value_parser = dirty_rate, default_value = "10k")]
     pub dirty_rate: u64,
+    /// vCPU 0's own writes per second, overriding --dirty-rate for it on the source (`sim`
+    /// only; k/m suffixes, 1 to 1000m): one heavy vCPU among lighter ones, where dirty-limit
+    /// slows only the heavy one.
+    #[arg(long = "dirty-rate-vcpu0", value_parser = dirty_rate)]
+    pub dirty_rate_vcpu0: Option<u64>,
     /// Percent of guest pages filled with pseudo-random data before the run (the rest are
     /// zero, and travel as zero-page markers until the guest writes them).
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=100), default_value_t = 50)]
@@ -152,6 +157,22 @@ pub struct MigrationArgs {
     /// faster than the link sends it.
     #[arg(long = "auto-converge", value_enum, default_value = "on")]
     pub auto_converge: Switch,
+    /// How pre-copy is made to converge when the guest outruns the link: `auto`
+    /// (auto-converge, as --auto-converge says: every vCPU loses the same time slice),
+    /// `dirty-limit` (QEMU's dirty-limit: each vCPU's dirty rate is measured from its dirty
+    /// ring every --dirty-limit-period, and only the vCPUs above --dirty-limit are slowed;
+    /// needs --log ring and --backend sim) or `none`.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub converge: ConvergeArg,
+    /// Dirty pages per second per vCPU that dirty-limit allows (k/m suffixes; 1 to 1000m).
+    /// The default, 8k (31 MiB/s), is well under a loopback link and slows a heavy writer
+    /// within seconds; QEMU's 1 MB/s would stall a benchmark guest.
+    #[arg(long = "dirty-limit", value_name = "PAGES_PER_S", value_parser = dirty_limit, default_value = "8k")]
+    pub dirty_limit: u64,
+    /// How often dirty-limit measures each vCPU and adjusts its throttle, in milliseconds
+    /// (100-60000; QEMU's default is 1000).
+    #[arg(long = "dirty-limit-period", value_name = "MS", value_parser = clap::value_parser!(u64).range(100..=60_000), default_value_t = 1000)]
+    pub dirty_limit_period: u64,
     /// How long the guest runs before migration starts, in milliseconds (its write rate then
     /// is the baseline the migration is compared with; 0-600000).
     #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(0..=MAX_WAIT_MS), default_value_t = 500)]
@@ -166,6 +187,28 @@ pub struct MigrationArgs {
     /// Faults for tests: cut-after=BYTES, corrupt-at=BYTES, version=N (first attempt only).
     #[arg(long, hide = true, value_parser = inject)]
     pub inject: Vec<Inject>,
+}
+
+/// How pre-copy converges (`--converge`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ConvergeArg {
+    /// Auto-converge (if --auto-converge is on).
+    Auto,
+    /// Per-vCPU dirty limit on the dirty ring.
+    DirtyLimit,
+    /// Neither.
+    None,
+}
+
+impl ConvergeArg {
+    /// The name the command line uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            ConvergeArg::Auto => "auto",
+            ConvergeArg::DirtyLimit => "dirty-limit",
+            ConvergeArg::None => "none",
+        }
+    }
 }
 
 /// An injected fault.
@@ -201,6 +244,9 @@ pub enum FlagError {
     /// A `--dirty-rate` over [`MAX_DIRTY_RATE`].
     #[error("`{0}`: at most {MAX_DIRTY_RATE} writes per second per vCPU (1000m)")]
     DirtyRate(String),
+    /// A `--dirty-limit` of 0 or over the library's maximum.
+    #[error("`{0}`: a dirty limit is 1 to 1000000000 pages per second per vCPU (1000m)")]
+    DirtyLimit(String),
     /// A `--max-downtime` of `--vary` that is not 0 to [`MAX_DOWNTIME_MS`].
     #[error("`{0}` is not a number of milliseconds from 0 to {MAX_DOWNTIME_MS}")]
     MaxDowntime(String),
@@ -275,6 +321,18 @@ fn dirty_rate(s: &str) -> Result<u64, FlagError> {
         return Err(FlagError::DirtyRate(s.into()));
     }
     Ok(n)
+}
+
+const _: () = assert!(slat_migrate::dirty_limit::MAX_LIMIT == 1_000_000_000);
+
+/// Parses `--dirty-limit` (a count, 1 to the library's maximum).
+fn dirty_limit(s: &str) -> Result<u64, FlagError> {
+    match count(s)? {
+        n if n == 0 || n > slat_migrate::dirty_limit::MAX_LIMIT => {
+            Err(FlagError::DirtyLimit(s.into()))
+        }
+        n => Ok(n),
+    }
 }
 
 /// Parses a `--max-downtime` of `--vary` (milliseconds, at most [`MAX_DOWNTIME_MS`]).
@@ -414,10 +472,12 @@ pub enum VaryKey {
     Wrprot,
     /// `--verify`.
     Verify,
+    /// `--converge`.
+    Converge,
 }
 
 /// The keys of migrate-perf's `--vary`, by name.
-const KEYS: [(&str, VaryKey); 9] = [
+const KEYS: [(&str, VaryKey); 10] = [
     ("log", VaryKey::Log),
     ("dirty-rate", VaryKey::DirtyRate),
     ("fast-pf", VaryKey::FastPf),
@@ -427,6 +487,7 @@ const KEYS: [(&str, VaryKey); 9] = [
     ("auto-converge", VaryKey::AutoConverge),
     ("wrprot", VaryKey::Wrprot),
     ("verify", VaryKey::Verify),
+    ("converge", VaryKey::Converge),
 ];
 
 impl VaryKey {
@@ -468,6 +529,8 @@ pub enum MigValue {
     Wrprot(slat::WrprotVariant),
     /// `verify=...`.
     Verify(VerifyArg),
+    /// `converge=...`.
+    Converge(ConvergeArg),
 }
 
 impl MigValue {
@@ -482,6 +545,7 @@ impl MigValue {
             MigValue::AutoConverge(_) => VaryKey::AutoConverge,
             MigValue::Wrprot(_) => VaryKey::Wrprot,
             MigValue::Verify(_) => VaryKey::Verify,
+            MigValue::Converge(_) => VaryKey::Converge,
         }
     }
 }
@@ -512,6 +576,7 @@ fn parse_value(key: VaryKey, v: &str) -> Result<MigValue, FlagError> {
             flag: "--wrprot",
         })?),
         VaryKey::Verify => MigValue::Verify(choice(v, "--verify")?),
+        VaryKey::Converge => MigValue::Converge(choice(v, "--converge")?),
     })
 }
 
@@ -536,6 +601,7 @@ fn apply(a: &mut MigratePerfArgs, v: MigValue) {
         MigValue::AutoConverge(x) => a.migration.auto_converge = x,
         MigValue::Wrprot(x) => a.guest.wrprot = x,
         MigValue::Verify(x) => a.migration.verify = x,
+        MigValue::Converge(x) => a.migration.converge = x,
     }
 }
 
@@ -566,6 +632,16 @@ impl GuestArgs {
         if self.backend == BackendArg::Kvm && self.write_percent != 100 {
             return Err(CliError::bad(
                 "-w applies to --backend sim only: the kvm guest's writer writes on every access",
+            ));
+        }
+        if self.dirty_rate_vcpu0.is_some() && self.backend != BackendArg::Sim {
+            return Err(CliError::bad(
+                "--dirty-rate-vcpu0 applies to --backend sim only: the kvm guest's writer paces all vCPUs together",
+            ));
+        }
+        if self.dirty_rate_vcpu0 == Some(0) {
+            return Err(CliError::bad(
+                "--dirty-rate-vcpu0 0: give vCPU 0 a rate (omit the flag for --dirty-rate's)",
             ));
         }
         if self.log == LogArg::Ring {
@@ -629,10 +705,10 @@ impl GuestArgs {
             self.work.vcpus,
             format_size(self.work.bytes * self.work.vcpus as u64),
             self.log.mode().name(),
-            if self.dirty_rate == 0 {
-                "unlimited".to_string()
-            } else {
-                format!("{} writes/s per vCPU", self.dirty_rate)
+            match (self.dirty_rate, self.dirty_rate_vcpu0) {
+                (0, None) => "unlimited".to_string(),
+                (r, None) => format!("{r} writes/s per vCPU"),
+                (r, Some(v0)) => format!("{v0} writes/s on vCPU 0, {r} on the others"),
             },
             self.fill
         )
@@ -640,6 +716,24 @@ impl GuestArgs {
 }
 
 impl MigrationArgs {
+    /// Refuses settings that cannot run with the guest `g`.
+    fn check(&self, g: &GuestArgs) -> CliResult {
+        if self.converge != ConvergeArg::DirtyLimit {
+            return Ok(());
+        }
+        if g.log != LogArg::Ring {
+            return Err(CliError::bad(
+                "--converge dirty-limit needs --log ring: it measures each vCPU's dirty rate from its dirty ring",
+            ));
+        }
+        if g.backend != BackendArg::Sim {
+            return Err(CliError::bad(
+                "--converge dirty-limit needs --backend sim: the kvm guest's driver runs all vCPUs in one burst and cannot slow one alone",
+            ));
+        }
+        Ok(())
+    }
+
     fn config(&self) -> SourceConfig {
         let mut faults = Faults::default();
         match self.break_ {
@@ -670,7 +764,11 @@ impl MigrationArgs {
                 CompressArg::None => Compression::None,
                 CompressArg::Lz4 => Compression::Lz4,
             },
-            auto_converge: self.auto_converge.on(),
+            auto_converge: self.auto_converge.on() && self.converge == ConvergeArg::Auto,
+            dirty_limit: (self.converge == ConvergeArg::DirtyLimit).then(|| DirtyLimitConfig {
+                limit: self.dirty_limit,
+                period: Duration::from_millis(self.dirty_limit_period),
+            }),
             timeout: Duration::from_secs(self.timeout),
             faults,
             ..SourceConfig::default()
@@ -678,13 +776,13 @@ impl MigrationArgs {
     }
 }
 
+/// A source ready to migrate: the guest, the source, its write rate before (all, per vCPU).
+type Prepared = (Arc<dyn BenchGuest>, Source, f64, Vec<f64>);
+
 /// Builds, populates and fills the source guest; starts its workload and lets it warm up.
-/// Returns the guest, the source, and the guest's write rate during the warm-up (per second).
-fn prepare_source(
-    g: &GuestArgs,
-    m: &MigrationArgs,
-    q: bool,
-) -> Result<(Arc<dyn BenchGuest>, Source, f64), RunError> {
+/// Returns the guest, the source, and the guest's write rate during the warm-up (per second),
+/// in all and per vCPU.
+fn prepare_source(g: &GuestArgs, m: &MigrationArgs, q: bool) -> Result<Prepared, RunError> {
     let total = g.work.bytes * g.work.vcpus as u64;
     progress(
         q,
@@ -700,12 +798,23 @@ fn prepare_source(
     guest.populate()?;
     Memory::new(guest.as_dyn())?.stopped_fill(g.fill, g.seed as u64)?;
     guest.start(g.work())?;
+    if let Some(r) = g.dirty_rate_vcpu0 {
+        guest.set_vcpu_rate(0, r);
+    }
     let src = Source::new(guest.clone().as_guest(), m.config());
     let w0 = guest.writes();
+    let v0 = guest.vcpu_activity();
     let t0 = Instant::now();
     std::thread::sleep(Duration::from_millis(m.warmup));
-    let baseline = (guest.writes() - w0) as f64 / t0.elapsed().as_secs_f64().max(1e-9);
-    Ok((guest, src, baseline))
+    let secs = t0.elapsed().as_secs_f64().max(1e-9);
+    let baseline = guest.writes().saturating_sub(w0) as f64 / secs;
+    let per_vcpu = guest
+        .vcpu_activity()
+        .iter()
+        .zip(v0.iter().chain(std::iter::repeat(&0)))
+        .map(|(a, b)| a.saturating_sub(*b) as f64 / secs)
+        .collect();
+    Ok((guest, src, baseline, per_vcpu))
 }
 
 fn progress(q: bool, s: &str) {
@@ -755,15 +864,32 @@ enum ProgressLine<'a> {
         bytes_per_second: f64,
         expected_downtime_seconds: f64,
         throttle_percent: u32,
+        #[serde(skip_serializing_if = "<[u32]>::is_empty")]
+        vcpu_throttle_permille: &'a [u32],
         paused: bool,
         elapsed_seconds: f64,
+    },
+    /// Dirty-limit measured the vCPUs and set their throttles.
+    DirtyLimit {
+        limit_pages_per_s: u64,
+        vcpu_dirty_pages_per_s: &'a [f64],
+        vcpu_throttle_permille: &'a [u32],
     },
 }
 
 impl<'a> ProgressLine<'a> {
-    fn of(e: &Event<'a>) -> ProgressLine<'a> {
+    fn of(e: &'a Event<'a>) -> ProgressLine<'a> {
         match *e {
             Event::Connected { resume, backend } => ProgressLine::Connected { resume, backend },
+            Event::DirtyLimit {
+                limit,
+                rates,
+                throttles,
+            } => ProgressLine::DirtyLimit {
+                limit_pages_per_s: limit,
+                vcpu_dirty_pages_per_s: rates,
+                vcpu_throttle_permille: throttles,
+            },
             Event::Round(r) => ProgressLine::Round {
                 round: r.round,
                 stop_and_copy: r.stop_and_copy,
@@ -776,7 +902,7 @@ impl<'a> ProgressLine<'a> {
             },
             Event::Throttle(percent) => ProgressLine::Throttle { percent },
             Event::Paused(pages_to_send) => ProgressLine::Paused { pages_to_send },
-            Event::Progress(p) => ProgressLine::Progress {
+            Event::Progress(ref p) => ProgressLine::Progress {
                 round: p.round,
                 pages_sent: p.pages_sent,
                 pages_remaining: p.pages_remaining,
@@ -784,6 +910,7 @@ impl<'a> ProgressLine<'a> {
                 bytes_per_second: p.bandwidth,
                 expected_downtime_seconds: p.expected_downtime.as_secs_f64(),
                 throttle_percent: p.throttle,
+                vcpu_throttle_permille: &p.vcpu_throttle_permille,
                 paused: p.paused,
                 elapsed_seconds: p.elapsed.as_secs_f64(),
             },
@@ -829,6 +956,21 @@ fn on_event(q: bool, mode: ProgressArg) -> impl FnMut(Event<'_>) {
                 r.throttle
             ),
             Event::Throttle(t) => eprintln!("[slat] auto-converge: throttle {t}%"),
+            Event::DirtyLimit {
+                limit,
+                rates,
+                throttles,
+            } => {
+                let v: Vec<String> = rates
+                    .iter()
+                    .zip(throttles)
+                    .map(|(r, t)| format!("{r:.0}/s -> {:.1}%", *t as f64 / 10.0))
+                    .collect();
+                eprintln!(
+                    "[slat] dirty-limit {limit} pages/s per vCPU: {}",
+                    v.join(", ")
+                )
+            }
             Event::Paused(n) => eprintln!("[slat] vCPUs paused; {n} pages to send"),
             // The text lines above already say where the migration stands.
             Event::Progress(_) => {}
@@ -935,6 +1077,7 @@ impl From<RunError> for CliError {
 /// `slat migrate`: one migration, or `--repeat N` of freshly built guests.
 pub fn run_migrate(a: &MigrateArgs) -> CliResult {
     a.guest.check(1)?;
+    a.migration.check(&a.guest)?;
     if matches!(a.to, Endpoint::Fd(_)) && (a.out.repeat > 1 || a.retries > 0) {
         return Err(CliError::bad(
             "--to fd:N carries one migration: --repeat and --retries need tcp: or unix:",
@@ -968,7 +1111,7 @@ fn migrate_once(a: &MigrateArgs, q: bool) -> Result<(MigrationReport, f64, Vec<S
         Endpoint::Fd(n) => Some(claim_fd(&a.to, *n)?),
         _ => None,
     };
-    let (guest, mut src, baseline) = prepare_source(&a.guest, &a.migration, q)?;
+    let (guest, mut src, baseline, _) = prepare_source(&a.guest, &a.migration, q)?;
     let mut failures = Vec::new();
     loop {
         progress(
@@ -1148,9 +1291,13 @@ fn factory(a: &ListenArgs) -> slat_migrate::Factory {
 }
 
 /// One migration between two machines of this process over loopback.
-fn perf_once(a: &MigratePerfArgs) -> Result<(MigrationReport, DestReport, f64), RunError> {
+/// Returns the source's and the destination's reports and the guest's write rate before the
+/// migration, in all and per vCPU.
+type PerfRun = (MigrationReport, DestReport, f64, Vec<f64>);
+
+fn perf_once(a: &MigratePerfArgs) -> Result<PerfRun, RunError> {
     let q = quiet(a.out.json);
-    let (_guest, mut src, baseline) = prepare_source(&a.guest, &a.migration, q)?;
+    let (_guest, mut src, baseline, per_vcpu) = prepare_source(&a.guest, &a.migration, q)?;
     progress(q, "destination: mapping the same guest memory");
     let dspec = GuestSpec {
         log: LogMode::Get,
@@ -1172,7 +1319,7 @@ fn perf_once(a: &MigratePerfArgs) -> Result<(MigrationReport, DestReport, f64), 
     let r = src.migrate(&addr, &mut on_event(q, a.migration.progress));
     let d = dest.join().map_err(|_| RunError::DestinationPanicked)?;
     match (r, d) {
-        (Ok(r), Ok(d)) => Ok((r, d, baseline)),
+        (Ok(r), Ok(d)) => Ok((r, d, baseline, per_vcpu)),
         (Err(source_end), Err(destination)) => Err(RunError::BothEnds {
             source_end: Box::new(source_end),
             destination: Box::new(destination),
@@ -1185,14 +1332,10 @@ fn perf_once(a: &MigratePerfArgs) -> Result<(MigrationReport, DestReport, f64), 
 /// `slat migrate-perf`.
 pub fn run_perf(a: &MigratePerfArgs) -> CliResult {
     if !a.vary.is_empty() {
-        if a.out.repeat > 1 {
-            return Err(CliError::bad(
-                "--repeat with --vary: a sweep runs each row once; drop one of them",
-            ));
-        }
         return sweep(a);
     }
     a.guest.check(2)?;
+    a.migration.check(&a.guest)?;
     let mut runs = Vec::new();
     for n in 0..a.out.repeat {
         if a.out.repeat > 1 {
@@ -1201,7 +1344,7 @@ pub fn run_perf(a: &MigratePerfArgs) -> CliResult {
                 &format!("run {}/{}", n + 1, a.out.repeat),
             );
         }
-        let (r, d, baseline) = perf_once(a)?;
+        let (r, d, baseline, per_vcpu) = perf_once(a)?;
         if n == 0 {
             if let Some(path) = &a.out.plot {
                 plot_convergence(&r, path)?;
@@ -1209,6 +1352,7 @@ pub fn run_perf(a: &MigratePerfArgs) -> CliResult {
         }
         let mut doc = Migration::new("migrate-perf", &a.guest, &a.migration, &r, baseline, &[]);
         doc.destination = Some(DestinationDoc::new(&d));
+        doc.set_vcpu_before(per_vcpu);
         if !a.out.json {
             print_report(&a.guest, &a.migration, &r, baseline);
         }
@@ -1328,34 +1472,62 @@ fn sweep(a: &MigratePerfArgs) -> CliResult {
     let mut rows = Vec::new();
     let mut docs = Vec::new();
     let mut plotted = Vec::new();
-    for (n, ((b, label), combo)) in runs.into_iter().zip(&combos).enumerate() {
-        progress(
-            q,
-            &format!("sweep {}/{}: {}", n + 1, combos.len(), label.join(" ")),
-        );
-        let mut row: Vec<String> = combo.iter().map(|v| v.text.clone()).collect();
-        let outcome = match perf_once(&b) {
-            Ok((r, d, baseline)) => {
-                plotted.push((label.join(" "), Some((r.total, r.downtime))));
-                row.extend(sweep_cells(&r, baseline));
-                let mut doc =
-                    Migration::new("migrate-perf", &b.guest, &b.migration, &r, baseline, &[]);
-                doc.destination = Some(DestinationDoc::new(&d));
-                RowOutcome::Done(Box::new(doc))
+    // With --repeat N every combination runs N times (its rows one after the other, then a
+    // mean row), so settings compared side by side are measured alike.
+    let repeat = a.out.repeat.max(1) as usize;
+    let total = combos.len() * repeat;
+    let mut n = 0;
+    for ((b, label), combo) in runs.into_iter().zip(&combos) {
+        let mut done: Vec<[f64; 4]> = Vec::new();
+        for k in 0..repeat {
+            n += 1;
+            progress(q, &format!("sweep {n}/{total}: {}", label.join(" ")));
+            let mut row: Vec<String> = combo.iter().map(|v| v.text.clone()).collect();
+            if repeat > 1 {
+                row.push(format!("{}", k + 1));
             }
-            Err(e) => {
-                plotted.push((label.join(" "), None));
-                progress(q, &format!("sweep {}/{} failed: {e}", n + 1, combos.len()));
-                row.extend(std::iter::repeat_n("-".to_string(), 9));
-                row.push("FAILED".into());
-                RowOutcome::Failed(e.to_string())
-            }
-        };
-        docs.push(FallibleRow {
-            settings: label,
-            outcome,
-        });
-        rows.push(row);
+            let outcome = match perf_once(&b) {
+                Ok((r, d, baseline, per_vcpu)) => {
+                    plotted.push((label.join(" "), Some((r.total, r.downtime))));
+                    let mut doc =
+                        Migration::new("migrate-perf", &b.guest, &b.migration, &r, baseline, &[]);
+                    doc.destination = Some(DestinationDoc::new(&d));
+                    doc.set_vcpu_before(per_vcpu);
+                    row.extend(sweep_cells(&r, &doc));
+                    done.push([
+                        r.total.as_secs_f64(),
+                        r.downtime.as_secs_f64() * 1e3,
+                        doc.guest_throughput_lost_percent.unwrap_or(0.0),
+                        doc.guest_writes_lost / 1e6,
+                    ]);
+                    RowOutcome::Done(Box::new(doc))
+                }
+                Err(e) => {
+                    plotted.push((label.join(" "), None));
+                    progress(q, &format!("sweep {n}/{total} failed: {e}"));
+                    row.extend(std::iter::repeat_n("-".to_string(), SWEEP_CELLS - 1));
+                    row.push("FAILED".into());
+                    RowOutcome::Failed(e.to_string())
+                }
+            };
+            docs.push(FallibleRow {
+                settings: label.clone(),
+                outcome,
+            });
+            rows.push(row);
+        }
+        if repeat > 1 && !done.is_empty() {
+            let mean = |i: usize| done.iter().map(|x| x[i]).sum::<f64>() / done.len() as f64;
+            let mut row: Vec<String> = combo.iter().map(|v| v.text.clone()).collect();
+            row.push("mean".into());
+            row.push(format!("{:.3}", mean(0)));
+            row.push(format!("{:.1}", mean(1)));
+            row.extend(std::iter::repeat_n(String::new(), 7));
+            row.push(format!("{:.0}%", mean(2)));
+            row.push(format!("{:.2}", mean(3)));
+            row.extend(std::iter::repeat_n(String::new(), SWEEP_CELLS - 11));
+            rows.push(row);
+        }
     }
     if let Some(path) = &a.out.plot {
         plot_sweep(&plotted, path)?;
@@ -1376,6 +1548,8 @@ fn sweep(a: &MigratePerfArgs) -> CliResult {
 
 /// Every row's arguments and label, each checked before the first run: a refusal at row 5
 /// after minutes of migrating would waste them.
+///
+/// (`--repeat` is kept on each row's arguments but not used by it: the sweep repeats.)
 fn sweep_rows(
     a: &MigratePerfArgs,
     combos: &[Vec<MigSetting>],
@@ -1389,7 +1563,7 @@ fn sweep_rows(
             apply(&mut b, v.value);
         }
         let label: Vec<String> = combo.iter().map(MigSetting::label).collect();
-        if let Err(e) = b.guest.check(2) {
+        if let Err(e) = b.guest.check(2).and_then(|()| b.migration.check(&b.guest)) {
             return Err(CliError::bad(format!(
                 "--vary row {}: {e}",
                 label.join(" ")
@@ -1400,9 +1574,30 @@ fn sweep_rows(
     Ok(runs)
 }
 
+/// Cells of a sweep row after the settings (and the run number).
+const SWEEP_CELLS: usize = 13;
+
 /// A successful row's figures, in the order of [`print_sweep`]'s columns.
-fn sweep_cells(r: &MigrationReport, baseline: f64) -> [String; 10] {
+fn sweep_cells(r: &MigrationReport, doc: &Migration) -> [String; SWEEP_CELLS] {
+    let baseline = doc.guest_writes_per_s_before;
     let rounds: Vec<String> = r.rounds.iter().map(|x| x.pages.to_string()).collect();
+    let pct = |x: &Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.0}%"));
+    let per_vcpu: Vec<String> = doc
+        .vcpu_throughput_lost_percent
+        .iter()
+        .map(|v| format!("{v:.0}%"))
+        .collect();
+    let throttle = match &r.dirty_limit {
+        Some(d) => {
+            let v: Vec<String> = d
+                .max_permille
+                .iter()
+                .map(|t| format!("{:.0}%", *t as f64 / 10.0))
+                .collect();
+            format!("dl {}", v.join("/"))
+        }
+        None => format!("{}%", r.throttle_max),
+    };
     [
         format!("{:.3}", r.total.as_secs_f64()),
         format!("{:.1}", r.downtime.as_secs_f64() * 1e3),
@@ -1414,8 +1609,15 @@ fn sweep_cells(r: &MigrationReport, baseline: f64) -> [String; 10] {
         rounds.join("/"),
         format!("{:.0}", r.dirty_rate()),
         format!("{:.0}", r.bandwidth() / (1 << 20) as f64),
-        format!("{}%", r.throttle_max),
+        throttle,
         format!("{:.0}/{:.0}", baseline, r.write_rate()),
+        pct(&doc.guest_throughput_lost_percent),
+        format!("{:.2}", doc.guest_writes_lost / 1e6),
+        if per_vcpu.is_empty() {
+            "-".to_string()
+        } else {
+            per_vcpu.join("/")
+        },
         "ok".to_string(),
     ]
 }
@@ -1424,15 +1626,23 @@ fn sweep_cells(r: &MigrationReport, baseline: f64) -> [String; 10] {
 fn print_sweep(a: &MigratePerfArgs, keys: &[VaryKey], rows: &[Vec<String>]) {
     let varied: Vec<&str> = keys.iter().map(|k| k.name()).collect();
     println!(
-        "migrate-perf sweep: {} vCPU(s), {} guest memory, {}% filled; base settings {}, max downtime {} ms; varied: {}; one run per row, all in this process",
+        "migrate-perf sweep: {} vCPU(s), {} guest memory, {}% filled; base settings {}, max downtime {} ms; varied: {}; {} per combination, all in this process",
         a.guest.work.vcpus,
         format_size(a.guest.work.bytes * a.guest.work.vcpus as u64),
         a.guest.fill,
         a.guest.describe(),
         a.migration.max_downtime,
-        varied.join(", ")
+        varied.join(", "),
+        if a.out.repeat > 1 {
+            format!("{} runs and their mean", a.out.repeat)
+        } else {
+            "one run".to_string()
+        }
     );
     let mut head: Vec<String> = varied.iter().map(|k| k.to_string()).collect();
+    if a.out.repeat > 1 {
+        head.push("run".into());
+    }
     head.extend(
         [
             "total (s)",
@@ -1442,8 +1652,11 @@ fn print_sweep(a: &MigratePerfArgs, keys: &[VaryKey], rows: &[Vec<String>]) {
             "pages per round",
             "dirty pages/s",
             "MiB/s",
-            "throttle",
+            "throttle (max)",
             "guest writes/s before/during",
+            "throughput lost",
+            "writes lost (M)",
+            "lost per vCPU",
             "verified",
         ]
         .map(String::from),
@@ -1528,6 +1741,21 @@ fn print_report(g: &GuestArgs, m: &MigrationArgs, r: &MigrationReport, baseline:
         r.pages(),
         format_size(r.bytes())
     );
+    if let Some(d) = &r.dirty_limit {
+        let v: Vec<String> = d
+            .max_permille
+            .iter()
+            .zip(&d.last_rates)
+            .map(|(t, x)| format!("max {:.1}% (last {x:.0} pages/s)", *t as f64 / 10.0))
+            .collect();
+        println!(
+            "Dirty-limit: {} pages/s per vCPU, every {} ms, {} periods; per vCPU: {}",
+            d.limit,
+            d.period.as_millis(),
+            d.periods,
+            v.join(", ")
+        );
+    }
     if r.throttle_max == 0 {
         println!("Throttling: none");
     } else {

@@ -1,7 +1,7 @@
 //! The typed reports of `slat migrate`, `migrate-listen` and `migrate-perf`, serialized into
 //! their JSON documents (the field names are the ones the documents always had).
 
-use crate::migrate::{CompressArg, GuestArgs, MigrationArgs};
+use crate::migrate::{CompressArg, ConvergeArg, GuestArgs, MigrationArgs};
 use crate::output::secs;
 use serde::Serialize;
 use slat_migrate::{DestReport, MigrationReport};
@@ -30,6 +30,9 @@ pub struct Config {
     pub seed: u32,
     /// `--dirty-rate`.
     pub dirty_rate_per_vcpu: u64,
+    /// `--dirty-rate-vcpu0`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dirty_rate_vcpu0: Option<u64>,
     /// `--fill`.
     pub fill_percent: u32,
     /// `--log`.
@@ -46,6 +49,12 @@ pub struct Config {
     pub compress: bool,
     /// `--auto-converge`.
     pub auto_converge: bool,
+    /// `--converge`: auto, dirty-limit or none.
+    pub converge: &'static str,
+    /// `--dirty-limit` (with `--converge dirty-limit`).
+    pub dirty_limit_pages_per_s: Option<u64>,
+    /// `--dirty-limit-period` (with `--converge dirty-limit`).
+    pub dirty_limit_period_ms: Option<u64>,
 }
 
 /// One pre-copy round (the last is the stop-and-copy).
@@ -89,6 +98,24 @@ pub struct Throttle {
     /// vCPU time spent throttled.
     #[serde(rename = "vcpu_time_s", serialize_with = "secs")]
     pub vcpu_time: Duration,
+}
+
+/// Dirty-limit, when it was on.
+#[derive(Debug, Clone, Serialize)]
+pub struct DirtyLimit {
+    /// Dirty pages per second per vCPU allowed.
+    pub limit_pages_per_s: u64,
+    /// The measurement period.
+    #[serde(rename = "period_s", serialize_with = "secs")]
+    pub period: Duration,
+    /// Periods measured.
+    pub periods: u32,
+    /// Highest throttle per vCPU, per mille of its time kept out of the guest.
+    pub vcpu_max_throttle_permille: Vec<u32>,
+    /// Throttle per vCPU at the pause, per mille.
+    pub vcpu_last_throttle_permille: Vec<u32>,
+    /// Dirty pages per second per vCPU over the last period.
+    pub vcpu_last_dirty_pages_per_s: Vec<f64>,
 }
 
 /// The verification at switch-over.
@@ -248,6 +275,21 @@ pub struct Migration {
     pub guest_writes_per_s_before: f64,
     /// And during it.
     pub guest_writes_per_s_during: f64,
+    /// The share of the guest's writes per second the migration cost (before vs during
+    /// pre-copy), percent; `None` without a rate before.
+    pub guest_throughput_lost_percent: Option<f64>,
+    /// Guest writes lost to the migration: the rate before times the pre-copy time, less the
+    /// writes made (0 if none were lost). A short migration that throttles hard can lose fewer
+    /// writes than a long one that throttles less.
+    pub guest_writes_lost: f64,
+    /// Per vCPU, writes per second before the migration (empty if not counted per vCPU).
+    pub vcpu_writes_per_s_before: Vec<f64>,
+    /// Per vCPU, during pre-copy.
+    pub vcpu_writes_per_s_during: Vec<f64>,
+    /// Per vCPU, the share lost, percent (empty without both).
+    pub vcpu_throughput_lost_percent: Vec<f64>,
+    /// Dirty-limit (`--converge dirty-limit`).
+    pub dirty_limit: Option<DirtyLimit>,
     /// Auto-converge.
     pub throttle: Throttle,
     /// The verification.
@@ -282,6 +324,7 @@ impl Migration {
                 write_percent: g.write_percent,
                 seed: g.seed,
                 dirty_rate_per_vcpu: g.dirty_rate,
+                dirty_rate_vcpu0: g.dirty_rate_vcpu0,
                 fill_percent: g.fill,
                 log: g.log.mode().name(),
                 fast_pf: g.machine.fast_pf.on(),
@@ -290,6 +333,11 @@ impl Migration {
                 bandwidth_mib_per_s: m.bandwidth,
                 compress: m.compress == CompressArg::Lz4,
                 auto_converge: m.auto_converge.on(),
+                converge: m.converge.name(),
+                dirty_limit_pages_per_s: (m.converge == ConvergeArg::DirtyLimit)
+                    .then_some(m.dirty_limit),
+                dirty_limit_period_ms: (m.converge == ConvergeArg::DirtyLimit)
+                    .then_some(m.dirty_limit_period),
             },
             failed_attempts: failures.to_vec(),
             attempt: r.attempt,
@@ -323,6 +371,30 @@ impl Migration {
             dirty_pages_per_s: r.dirty_rate(),
             guest_writes_per_s_before: baseline,
             guest_writes_per_s_during: r.write_rate(),
+            guest_throughput_lost_percent: lost(baseline, r.write_rate()),
+            guest_writes_lost: (baseline * r.precopy.as_secs_f64() - r.guest_writes as f64)
+                .max(0.0),
+            vcpu_writes_per_s_before: Vec::new(),
+            vcpu_writes_per_s_during: r
+                .vcpu_writes
+                .iter()
+                .map(|&w| {
+                    if r.precopy.is_zero() {
+                        0.0
+                    } else {
+                        w as f64 / r.precopy.as_secs_f64()
+                    }
+                })
+                .collect(),
+            vcpu_throughput_lost_percent: Vec::new(),
+            dirty_limit: r.dirty_limit.as_ref().map(|d| DirtyLimit {
+                limit_pages_per_s: d.limit,
+                period: d.period,
+                periods: d.periods,
+                vcpu_max_throttle_permille: d.max_permille.clone(),
+                vcpu_last_throttle_permille: d.last_permille.clone(),
+                vcpu_last_dirty_pages_per_s: d.last_rates.clone(),
+            }),
             throttle: Throttle {
                 max_percent: r.throttle_max,
                 changes: r
@@ -352,5 +424,23 @@ impl Migration {
             }),
             destination: None,
         }
+    }
+}
+
+/// The share of `before` lost in `during`, percent (`None` without a rate before).
+fn lost(before: f64, during: f64) -> Option<f64> {
+    (before > 0.0).then(|| 100.0 * (1.0 - during / before))
+}
+
+impl Migration {
+    /// Records the per-vCPU write rates before the migration (measured by the caller during
+    /// the warm-up) and the share each vCPU lost.
+    pub fn set_vcpu_before(&mut self, before: Vec<f64>) {
+        self.vcpu_throughput_lost_percent = before
+            .iter()
+            .zip(&self.vcpu_writes_per_s_during)
+            .filter_map(|(&b, &d)| lost(b, d))
+            .collect();
+        self.vcpu_writes_per_s_before = before;
     }
 }

@@ -107,6 +107,43 @@ fn bad_flags_exit_2_with_one_line() {
         vec!["migrate", "--to", "127.0.0.1:1", "--log", "sometimes"],
         vec!["migrate-perf", "--vary", "log=foo"],
         vec!["migrate-perf", "--dirty-rate", "fast"],
+        vec!["migrate-perf", "--converge", "dirty-limit"],
+        vec![
+            "migrate-perf",
+            "--converge",
+            "dirty-limit",
+            "--log",
+            "clear",
+        ],
+        vec![
+            "migrate",
+            "--to",
+            "127.0.0.1:1",
+            "--converge",
+            "dirty-limit",
+        ],
+        vec![
+            "migrate-perf",
+            "--log",
+            "ring",
+            "--converge",
+            "dirty-limit",
+            "--dirty-limit",
+            "0",
+        ],
+        vec!["migrate-perf", "--dirty-limit", "2000m"],
+        vec!["migrate-perf", "--dirty-limit", "99999999999999999999"],
+        vec!["migrate-perf", "--dirty-limit-period", "5"],
+        vec!["migrate-perf", "--converge", "sometimes"],
+        vec!["migrate-perf", "--vary", "converge=auto,dirty-limit"],
+        vec!["migrate-perf", "--dirty-rate-vcpu0", "0"],
+        vec![
+            "migrate-perf",
+            "--backend",
+            "kvm",
+            "--dirty-rate-vcpu0",
+            "5k",
+        ],
     ] {
         let (code, out, err) = slat(&args);
         assert_eq!(code, 2, "{args:?}: {err}");
@@ -382,4 +419,92 @@ fn progress_json_is_one_object_per_line() {
     assert_eq!(last["paused"], true);
     assert_eq!(last["pages_remaining"], 0);
     assert!(lines.iter().any(|l| l["event"] == "round"));
+}
+
+#[test]
+fn dirty_limit_and_auto_converge_side_by_side() {
+    let mut args = vec![
+        "migrate-perf",
+        "--resume-ms",
+        "0",
+        "--log",
+        "ring",
+        "--dirty-rate",
+        "40k",
+        "--dirty-limit",
+        "2k",
+        "--dirty-limit-period",
+        "200",
+        "--vary",
+        "converge=auto,dirty-limit",
+    ];
+    args.extend(SMALL);
+    let (code, out, err) = slat(&args);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("throughput lost"), "{out}");
+    assert!(out.contains("dirty-limit"), "{out}");
+    assert!(out.contains("dl "), "{out}");
+    assert_eq!(out.matches(" ok").count(), 2, "{out}");
+
+    let mut args = vec![
+        "migrate-perf",
+        "--json",
+        "--progress",
+        "json",
+        "--resume-ms",
+        "0",
+        "--log",
+        "ring",
+        "--dirty-rate",
+        "200k",
+        "--converge",
+        "dirty-limit",
+        "--dirty-limit",
+        "8k",
+        "--dirty-limit-period",
+        "100",
+        // 128 MiB/s carries 32k pages/s: the guest rewrites all of its 4096 pages faster
+        // than a round sends them until it is limited (to 16k pages/s in all).
+        "--bandwidth",
+        "128",
+        "--max-downtime",
+        "50",
+    ];
+    args.extend(SMALL);
+    let (code, out, err) = slat(&args);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let doc: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(doc["config"]["converge"], "dirty-limit");
+    assert_eq!(doc["config"]["dirty_limit_pages_per_s"], 8000);
+    assert_eq!(doc["converged"], true, "{out}");
+    let dl = &doc["dirty_limit"];
+    assert_eq!(dl["limit_pages_per_s"], 8000);
+    assert!(dl["periods"].as_u64().unwrap() > 0, "{dl}");
+    for t in dl["vcpu_max_throttle_permille"].as_array().unwrap() {
+        assert!(
+            t.as_u64().unwrap() > 500,
+            "both vCPUs outran the limit: {dl}"
+        );
+    }
+    assert_eq!(
+        dl["vcpu_max_throttle_permille"].as_array().unwrap().len(),
+        2
+    );
+    assert_eq!(doc["vcpu_writes_per_s_during"].as_array().unwrap().len(), 2);
+    assert_eq!(
+        doc["throttle"]["max_percent"], 0,
+        "auto-converge stayed off"
+    );
+    // The limiter reports live, one line per period, with a throttle per vCPU.
+    let lines: Vec<serde_json::Value> = err
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    if let Some(l) = lines.iter().find(|l| l["event"] == "dirty_limit") {
+        assert_eq!(
+            l["vcpu_throttle_permille"].as_array().unwrap().len(),
+            2,
+            "{l}"
+        );
+    }
 }

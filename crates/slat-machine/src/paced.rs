@@ -9,7 +9,10 @@
 //!   measured at a light or a heavy dirty rate;
 //! - a **throttle**, the fraction of each 10 ms slice the vCPU spends outside guest mode,
 //!   as QEMU's auto-converge puts vCPU threads to sleep when the guest dirties memory faster
-//!   than the link sends it.
+//!   than the link sends it;
+//! - a **per-vCPU throttle** in per mille of the same slice, and a per-vCPU rate override,
+//!   for QEMU's dirty-limit: only the vCPUs that dirty too fast are slowed (the larger of the
+//!   two throttles applies), and a test can give one vCPU a heavier rate than another.
 //!
 //! Unlike memstress, every write stores a value never written before (the vCPU index in the
 //! top byte and a per-vCPU counter below), so a page written twice changes twice: a migration
@@ -27,12 +30,29 @@ use std::time::{Duration, Instant};
 
 /// Accesses between looks at the clock, the halt flag and the pacer.
 const CHECK_EVERY: u64 = 64;
+/// The same while throttled: a 99% throttle leaves 0.1 ms of a slice, which at 200k writes/s
+/// is 20 writes; at 64 a batch would overrun it and a limited vCPU could not go below
+/// ~6400 writes/s.
+const THROTTLED_CHECK_EVERY: u64 = 8;
 /// The throttle's time slice (QEMU's CPU throttle uses 10 ms too).
 const SLICE: Duration = Duration::from_millis(10);
 /// Longest single nap: a halt is noticed within this much.
 const MAX_NAP: Duration = Duration::from_millis(2);
 /// Highest throttle accepted: a vCPU that never runs would never finish a pass.
 pub const MAX_THROTTLE_PERCENT: u32 = 99;
+/// Highest per-vCPU throttle, per mille (the same 99%).
+pub const MAX_VCPU_THROTTLE_PERMILLE: u32 = 990;
+
+/// One vCPU's own controls and counters (see [`Pacer::for_vcpus`]).
+#[derive(Debug, Default)]
+struct VcpuPace {
+    /// Per mille of each slice this vCPU spends outside guest mode (dirty-limit).
+    throttle: AtomicU32,
+    /// Writes per second of this vCPU (0: the pacer's rate).
+    rate: AtomicU64,
+    /// Writes this vCPU completed (updated every [`CHECK_EVERY`] accesses).
+    writes: AtomicU64,
+}
 
 /// Host controls of a running [`Workload::Paced`](crate::Workload::Paced), and what the
 /// vCPUs report back through it.
@@ -48,6 +68,8 @@ pub struct Pacer {
     paced_ns: AtomicU64,
     /// Writes completed, summed over vCPUs (updated every [`CHECK_EVERY`] accesses).
     writes: AtomicU64,
+    /// Per-vCPU controls (empty: none; vCPUs past the end have none).
+    vcpus: Box<[VcpuPace]>,
 }
 
 impl Pacer {
@@ -56,6 +78,47 @@ impl Pacer {
         let p = Pacer::default();
         p.rate.store(rate, Ordering::Relaxed);
         Arc::new(p)
+    }
+    /// A pacer like [`Pacer::new`] with per-vCPU controls for `vcpus` vCPUs.
+    pub fn for_vcpus(rate: u64, vcpus: usize) -> Arc<Pacer> {
+        let p = Pacer {
+            vcpus: (0..vcpus).map(|_| VcpuPace::default()).collect(),
+            ..Pacer::default()
+        };
+        p.rate.store(rate, Ordering::Relaxed);
+        Arc::new(p)
+    }
+    /// vCPUs with controls of their own.
+    pub fn vcpus(&self) -> usize {
+        self.vcpus.len()
+    }
+    /// Sets vCPU `i`'s own throttle in per mille, clamped to [`MAX_VCPU_THROTTLE_PERMILLE`]
+    /// (ignored for a vCPU without controls).
+    pub fn set_vcpu_throttle(&self, i: usize, permille: u32) {
+        if let Some(v) = self.vcpus.get(i) {
+            v.throttle
+                .store(permille.min(MAX_VCPU_THROTTLE_PERMILLE), Ordering::Relaxed);
+        }
+    }
+    /// Every vCPU's own throttle, per mille.
+    pub fn vcpu_throttles(&self) -> Vec<u32> {
+        self.vcpus
+            .iter()
+            .map(|v| v.throttle.load(Ordering::Relaxed))
+            .collect()
+    }
+    /// Sets vCPU `i`'s own write rate (0: the pacer's).
+    pub fn set_vcpu_rate(&self, i: usize, rate: u64) {
+        if let Some(v) = self.vcpus.get(i) {
+            v.rate.store(rate, Ordering::Relaxed);
+        }
+    }
+    /// Writes per vCPU so far (a little behind while the vCPUs run).
+    pub fn vcpu_writes(&self) -> Vec<u64> {
+        self.vcpus
+            .iter()
+            .map(|v| v.writes.load(Ordering::Relaxed))
+            .collect()
     }
     /// Sets the per-vCPU write rate limit (0: unlimited); running vCPUs follow it at once.
     pub fn set_rate(&self, rate: u64) {
@@ -126,9 +189,12 @@ fn run_paced<F: PteFormat, const TIMED: bool>(
     halt: &AtomicBool,
 ) -> Result<(u64, u64), Exit> {
     let pacer = &*params.pacer;
+    let own = pacer.vcpus.get(idx as usize);
     let p = params.pass;
     let mut value = (idx as u64) << 56;
     let (mut touched, mut passes, mut unreported) = (0u64, 0u64, 0u64);
+    // Accesses until the next check (0: check now).
+    let mut until_check = 0u64;
     let mut bucket = Bucket::new(Instant::now());
     let mut slice_start = Instant::now();
     for pass in 0u32.. {
@@ -139,18 +205,35 @@ fn run_paced<F: PteFormat, const TIMED: bool>(
                 .wrapping_add(pass.wrapping_mul(0x9e37_79b9)),
         );
         for i in 0..pages {
-            if touched % CHECK_EVERY == 0 {
+            if until_check == 0 {
+                pacer.writes.fetch_add(unreported, Ordering::Relaxed);
+                if let Some(v) = own {
+                    v.writes.fetch_add(unreported, Ordering::Relaxed);
+                }
+                unreported = 0;
                 if halt.load(Ordering::Relaxed) {
-                    pacer.writes.fetch_add(unreported, Ordering::Relaxed);
                     return Ok((touched, passes));
                 }
-                pacer.writes.fetch_add(unreported, Ordering::Relaxed);
-                unreported = 0;
                 let now = Instant::now();
-                // Throttle: after running (100 - t)% of a slice, sleep t% of it.
-                let t = pacer.throttle.load(Ordering::Relaxed);
-                if t != 0 && now.duration_since(slice_start) >= SLICE * (100 - t) / 100 {
-                    let nap = SLICE * t / 100;
+                // Throttle, per mille: the global one (auto-converge) or this vCPU's own
+                // (dirty-limit), whichever is larger. After running (1000 - t)‰ of a slice,
+                // sleep t‰ of it.
+                let global = pacer
+                    .throttle
+                    .load(Ordering::Relaxed)
+                    .min(MAX_THROTTLE_PERCENT)
+                    * 10;
+                let t = own
+                    .map_or(0, |v| v.throttle.load(Ordering::Relaxed))
+                    .min(MAX_VCPU_THROTTLE_PERMILLE)
+                    .max(global);
+                until_check = if t != 0 {
+                    THROTTLED_CHECK_EVERY
+                } else {
+                    CHECK_EVERY
+                };
+                if t != 0 && now.duration_since(slice_start) >= SLICE * (1000 - t) / 1000 {
+                    let nap = SLICE * t / 1000;
                     nap_outside_guest(cpu, nap, halt);
                     pacer
                         .throttled_ns
@@ -163,7 +246,10 @@ fn run_paced<F: PteFormat, const TIMED: bool>(
                     slice_start = now;
                 }
                 // Rate limit: wait until the bucket holds a token for the next write.
-                let rate = pacer.rate.load(Ordering::Relaxed);
+                let rate = match own.map_or(0, |v| v.rate.load(Ordering::Relaxed)) {
+                    0 => pacer.rate.load(Ordering::Relaxed),
+                    r => r,
+                };
                 while let Some(wait) = bucket.wait(rate, Instant::now()) {
                     if halt.load(Ordering::Relaxed) {
                         return Ok((touched, passes));
@@ -201,6 +287,7 @@ fn run_paced<F: PteFormat, const TIMED: bool>(
                 std::hint::black_box(cpu.read_u64(a)?);
             }
             touched += 1;
+            until_check -= 1;
         }
         passes += 1;
     }
@@ -290,5 +377,9 @@ mod tests {
         let p = Pacer::new(0);
         p.set_throttle(150);
         assert_eq!(p.throttle(), MAX_THROTTLE_PERCENT);
+        let v = Pacer::for_vcpus(0, 2);
+        v.set_vcpu_throttle(1, 5000);
+        v.set_vcpu_throttle(7, 100);
+        assert_eq!(v.vcpu_throttles(), vec![0, MAX_VCPU_THROTTLE_PERMILLE]);
     }
 }

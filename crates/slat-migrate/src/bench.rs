@@ -211,6 +211,9 @@ pub trait BenchGuest: Guest {
     fn as_guest(self: Arc<Self>) -> Arc<dyn Guest>;
     /// This guest as a plain [`Guest`], borrowed.
     fn as_dyn(&self) -> &dyn Guest;
+    /// Gives vCPU `vcpu` a write rate of its own (0: the workload's), e.g. one heavy vCPU
+    /// among light ones; a machine without per-vCPU pacing ignores it.
+    fn set_vcpu_rate(&self, _vcpu: usize, _rate: u64) {}
 }
 
 /// A destination factory building machines like `spec` (its shape replaced by the one the
@@ -410,7 +413,7 @@ fn sim_guest<F: PteFormat>(
         shape,
         log,
         driver: PacedDriver {
-            pacer: Pacer::new(0),
+            pacer: Pacer::for_vcpus(0, shape.vcpus as usize),
             running: AtomicBool::new(false),
         },
         work: Mutex::new(None),
@@ -453,6 +456,19 @@ trait Pacing: Send + Sync {
     fn throttled(&self) -> Duration;
     /// Guest writes since creation.
     fn writes(&self) -> u64;
+    /// vCPUs with a throttle of their own (dirty-limit); 0: none (the KVM burst driver runs
+    /// all vCPUs in one burst, so it cannot slow one of them alone).
+    fn limitable_vcpus(&self) -> usize {
+        0
+    }
+    /// Sets vCPU `i`'s own throttle, per mille.
+    fn set_vcpu_throttle(&self, _i: usize, _permille: u32) {}
+    /// Writes per vCPU (empty: not counted so).
+    fn vcpu_writes(&self) -> Vec<u64> {
+        Vec::new()
+    }
+    /// Sets vCPU `i`'s own write rate (0: the workload's).
+    fn set_vcpu_rate(&self, _i: usize, _rate: u64) {}
 }
 
 impl Pacing for Pacer {
@@ -467,6 +483,18 @@ impl Pacing for Pacer {
     }
     fn writes(&self) -> u64 {
         Pacer::writes(self)
+    }
+    fn limitable_vcpus(&self) -> usize {
+        Pacer::vcpus(self)
+    }
+    fn set_vcpu_throttle(&self, i: usize, permille: u32) {
+        Pacer::set_vcpu_throttle(self, i, permille)
+    }
+    fn vcpu_writes(&self) -> Vec<u64> {
+        Pacer::vcpu_writes(self)
+    }
+    fn set_vcpu_rate(&self, i: usize, rate: u64) {
+        Pacer::set_vcpu_rate(self, i, rate)
     }
 }
 
@@ -573,6 +601,15 @@ where
     fn activity(&self) -> Option<u64> {
         Some(self.driver.pacing().writes())
     }
+    fn limitable_vcpus(&self) -> usize {
+        self.driver.pacing().limitable_vcpus()
+    }
+    fn set_vcpu_throttle(&self, vcpu: usize, permille: u32) {
+        self.driver.pacing().set_vcpu_throttle(vcpu, permille)
+    }
+    fn vcpu_activity(&self) -> Vec<u64> {
+        self.driver.pacing().vcpu_writes()
+    }
 }
 
 impl<M, D> BenchGuest for MachineGuest<M, D>
@@ -607,6 +644,9 @@ where
     }
     fn as_dyn(&self) -> &dyn Guest {
         self
+    }
+    fn set_vcpu_rate(&self, vcpu: usize, rate: u64) {
+        self.driver.pacing().set_vcpu_rate(vcpu, rate)
     }
 }
 

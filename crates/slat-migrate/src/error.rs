@@ -802,6 +802,16 @@ pub enum MigrateError {
     /// The guest was already migrated away by an earlier attempt.
     #[error("the guest has already been migrated away")]
     AlreadyMigrated,
+    /// A dirty-limit setting out of range.
+    #[error(transparent)]
+    DirtyLimit(#[from] crate::dirty_limit::DirtyLimitError),
+    /// Dirty-limit measures each vCPU's rate from its dirty ring: other logs cannot say who
+    /// dirtied a page.
+    #[error("dirty-limit needs the dirty ring (the guest logs with {0})")]
+    DirtyLimitNeedsRing(&'static str),
+    /// The guest cannot slow one vCPU without the others.
+    #[error("dirty-limit: this {0} guest has no per-vCPU throttle")]
+    DirtyLimitUnsupported(String),
 }
 
 impl MigrateError {

@@ -135,6 +135,18 @@ pub unsafe trait Guest: Send + Sync {
     fn activity(&self) -> Option<u64> {
         None
     }
+    /// vCPUs a per-vCPU dirty limit can slow one by one ([`Guest::set_vcpu_throttle`]);
+    /// 0 (the default): none, and the source refuses `Converge::DirtyLimit`.
+    fn limitable_vcpus(&self) -> usize {
+        0
+    }
+    /// Sets vCPU `vcpu`'s own throttle (dirty-limit): per mille of its time kept out of the
+    /// guest, at most 990.
+    fn set_vcpu_throttle(&self, _vcpu: usize, _permille: u32) {}
+    /// [`Guest::activity`] per vCPU (empty if the guest does not count it so).
+    fn vcpu_activity(&self) -> Vec<u64> {
+        Vec::new()
+    }
 }
 
 /// A guest's dirty log as the source harvests it: any machine's, errors as [`GuestError`].
@@ -176,6 +188,13 @@ where
     }
     fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, GuestError> {
         self.0.collect_ring(f).map_err(GuestError::machine)
+    }
+    // Forwarded, so a per-vCPU dirty limit can attribute the entries.
+    fn collect_ring_by_vcpu(
+        &mut self,
+        f: &mut dyn FnMut(Option<usize>, u32, u64),
+    ) -> Result<u64, GuestError> {
+        self.0.collect_ring_by_vcpu(f).map_err(GuestError::machine)
     }
     fn reset_rings(&mut self) -> Result<u64, GuestError> {
         self.0.reset_rings().map_err(GuestError::machine)

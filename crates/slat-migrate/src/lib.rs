@@ -45,6 +45,7 @@
 #[cfg(feature = "machines")]
 pub mod bench;
 pub mod destination;
+pub mod dirty_limit;
 pub mod error;
 pub mod guest;
 pub mod limits;
@@ -57,6 +58,7 @@ pub mod transport;
 pub mod verify;
 
 pub use destination::{DestConfig, DestReport, Destination, Factory};
+pub use dirty_limit::{DirtyLimitConfig, DirtyLimitError, DirtyLimiter};
 pub use error::{
     Cause, Corruption, GuestError, HelloError, MapError, MemoryError, MigrateError, PageError,
     ProtocolError, ShapeError, StateError, StreamError,

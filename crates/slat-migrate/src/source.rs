@@ -51,6 +51,7 @@
 //! written, the destination is taken to start empty, and the reader checks the hashes when
 //! it reads the stream back.
 
+use crate::dirty_limit::{DirtyLimitConfig, DirtyLimiter, RingCounts, RingMeter};
 use crate::error::GuestError;
 use crate::error::{Cause, MigrateError, ProtocolError, StreamError};
 use crate::guest::{splitmix, Guest, GuestHarvester, GuestLog, Memory};
@@ -93,6 +94,11 @@ pub struct SourceConfig {
     pub throttle_initial: u32,
     /// Later throttle steps, percent.
     pub throttle_step: u32,
+    /// Converge by QEMU's dirty-limit instead of auto-converge: each vCPU's dirty rate is
+    /// measured from its dirty ring and only the vCPUs above the limit are slowed
+    /// ([`crate::dirty_limit`]). Needs the ring log and a guest with per-vCPU throttles;
+    /// auto-converge is off while it is on.
+    pub dirty_limit: Option<DirtyLimitConfig>,
     /// Pages per batch (one acknowledgement each).
     pub batch_pages: u32,
     /// Connect, write and acknowledgement timeout.
@@ -113,6 +119,7 @@ impl Default for SourceConfig {
             auto_converge: true,
             throttle_initial: 20,
             throttle_step: 10,
+            dirty_limit: None,
             batch_pages: 256,
             timeout: Duration::from_secs(30),
             faults: Faults::default(),
@@ -206,6 +213,27 @@ pub struct MigrationReport {
     pub range_pages: u32,
     /// What the destination reported after running the guest: (pages touched, for how long).
     pub dest_resumed: Option<(u64, Duration)>,
+    /// Guest activity per vCPU from connect to pause (empty if the guest does not count it).
+    pub vcpu_writes: Vec<u64>,
+    /// What dirty-limit did, when it was on.
+    pub dirty_limit: Option<DirtyLimitReport>,
+}
+
+/// Dirty-limit over one attempt.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DirtyLimitReport {
+    /// Dirty pages per second per vCPU.
+    pub limit: u64,
+    /// The measurement period.
+    pub period: Duration,
+    /// Periods measured.
+    pub periods: u32,
+    /// Highest throttle per vCPU, per mille.
+    pub max_permille: Vec<u32>,
+    /// Throttle per vCPU at the pause, per mille.
+    pub last_permille: Vec<u32>,
+    /// Dirty pages per second per vCPU over the last period.
+    pub last_rates: Vec<f64>,
 }
 
 impl MigrationReport {
@@ -260,11 +288,20 @@ pub enum Event<'a> {
     Paused(u64),
     /// Where the migration stands: after every harvest and after the stop-and-copy round.
     Progress(Progress),
+    /// Dirty-limit measured the vCPUs and set their throttles (once per period).
+    DirtyLimit {
+        /// Dirty pages per second per vCPU allowed.
+        limit: u64,
+        /// Each vCPU's dirty pages per second over the period.
+        rates: &'a [f64],
+        /// Each vCPU's throttle now, per mille.
+        throttles: &'a [u32],
+    },
 }
 
 /// A snapshot of the migration's progress ([`Event::Progress`]), for a live,
 /// machine-readable stream.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Progress {
     /// The round about to run (pre-copy), or the stop-and-copy round that just ended.
     pub round: u32,
@@ -280,6 +317,8 @@ pub struct Progress {
     pub expected_downtime: Duration,
     /// The auto-converge throttle, percent.
     pub throttle: u32,
+    /// Dirty-limit's throttle per vCPU, per mille (empty when dirty-limit is off).
+    pub vcpu_throttle_permille: Vec<u32>,
     /// The vCPUs are paused (the stop-and-copy round ran).
     pub paused: bool,
     /// Since the attempt connected.
@@ -304,6 +343,8 @@ pub struct Source {
     was_running: bool,
     /// Per page (memory index), the digest of the bytes last sent ([`VerifyMode::Sent`]).
     digests: Digests,
+    /// Ring entries per vCPU, counted by the harvester's log in the ring mode (dirty-limit).
+    ring_counts: Arc<RingCounts>,
 }
 
 /// Frames the reader thread received, or why it stopped.
@@ -328,6 +369,7 @@ impl Source {
             migrated: false,
             was_running: false,
             digests: Digests::default(),
+            ring_counts: Arc::default(),
         }
     }
 
@@ -412,6 +454,14 @@ impl Source {
         if self.cfg.batch_pages == 0 || self.cfg.batch_pages > MAX_BATCH_PAGES {
             return Err(MigrateError::BatchPages(self.cfg.batch_pages));
         }
+        if let Some(dl) = self.cfg.dirty_limit {
+            dl.check()?;
+            if self.guest.limitable_vcpus() == 0 {
+                return Err(MigrateError::DirtyLimitUnsupported(
+                    self.guest.kind().to_string(),
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -422,6 +472,9 @@ impl Source {
         r: Result<MigrationReport, MigrateError>,
     ) -> Result<MigrationReport, MigrateError> {
         self.guest.set_throttle(0);
+        for i in 0..self.guest.limitable_vcpus() {
+            self.guest.set_vcpu_throttle(i, 0);
+        }
         if r.is_err() && !self.migrated && !self.guest.running() && self.was_running {
             if let (Err(restart), Err(first)) = (self.guest.resume(), &r) {
                 return Err(MigrateError::Restart {
@@ -498,7 +551,13 @@ impl Source {
         let mem = Memory::new(&*guest).map_err(GuestError::from)?;
         self.handshake(conn, &mem, &mut report)?;
         report.setup = t_connect.elapsed();
-        let log = harvester(&mut self.log, &*self.guest)?;
+        let log = harvester(&mut self.log, &*self.guest, &self.ring_counts)?;
+        if self.cfg.dirty_limit.is_some() && log.mode() != slat_dirty::LogMode::Ring {
+            return Err(MigrateError::DirtyLimitNeedsRing(match log.mode() {
+                slat_dirty::LogMode::Get => "GET_DIRTY_LOG",
+                _ => "a bitmap",
+            }));
+        }
         let starts = mem
             .map()
             .log_starts(log.slot_info())
@@ -530,9 +589,20 @@ impl Source {
             self.logging = true;
         }
         let writes0 = self.guest.activity().unwrap_or(0);
+        let vcpu_writes0 = self.guest.vcpu_activity();
         let throttled0 = self.guest.throttled();
+        let limit = self.cfg.dirty_limit.map(|cfg| Limit {
+            l: DirtyLimiter::new(
+                cfg,
+                self.guest.limitable_vcpus(),
+                &self.ring_counts.per_vcpu(),
+                Instant::now(),
+            ),
+            counts: self.ring_counts.clone(),
+            guest: self.guest.clone(),
+        });
         let mut ac = AutoConverge::new(
-            self.cfg.auto_converge,
+            self.cfg.auto_converge && self.cfg.dirty_limit.is_none(),
             self.cfg.throttle_initial,
             self.cfg.throttle_step,
         );
@@ -545,11 +615,28 @@ impl Source {
             ro,
             digests: std::mem::take(&mut self.digests),
             t0: t_connect,
+            limit,
+            collected: 0,
         };
         let r = self.rounds(conn, &mem, &mut sender, &mut ac, &mut report, progress);
         // The digests outlive the attempt: a resumed destination holds what they describe.
         self.digests = std::mem::take(&mut sender.digests);
+        report.dirty_limit = sender.limit.as_ref().map(|x| DirtyLimitReport {
+            limit: x.l.config().limit,
+            period: x.l.config().period,
+            periods: x.l.periods,
+            max_permille: x.l.max_permille.clone(),
+            last_permille: x.l.throttles(),
+            last_rates: x.l.rates.clone(),
+        });
         let t_pause = r?;
+        report.vcpu_writes = self
+            .guest
+            .vcpu_activity()
+            .iter()
+            .zip(vcpu_writes0.iter().chain(std::iter::repeat(&0)))
+            .map(|(a, b)| a.saturating_sub(*b))
+            .collect();
 
         report.precopy = t_pause - t_connect;
         report.guest_writes = self.guest.activity().unwrap_or(0).saturating_sub(writes0);
@@ -666,12 +753,12 @@ impl Source {
         report: &mut MigrationReport,
         progress: &mut dyn FnMut(Event<'_>),
     ) -> Result<u32, MigrateError> {
-        let log = harvester(&mut self.log, &*self.guest)?;
+        let log = harvester(&mut self.log, &*self.guest, &self.ring_counts)?;
         let mut round = 0u32;
         loop {
             // Re-armed before it returns; dropped on an error below, it is owed again.
             let mut set = log.take()?;
-            let dirtied = set.collected();
+            let dirtied = set.collected() + std::mem::take(&mut sender.collected);
             if let Some(prev) = report.rounds.last_mut() {
                 prev.dirtied = dirtied;
                 report.dirtied += dirtied;
@@ -680,6 +767,8 @@ impl Source {
                     progress(Event::Throttle(t));
                 }
             }
+            // The take just counted the ring: no second collect needed.
+            sender.tick_limit(None, progress)?;
             let owed = set.pages() + sender.ro_pages();
             progress(Event::Progress(progress_of(
                 report,
@@ -687,6 +776,7 @@ impl Source {
                 owed,
                 dirtied,
                 self.guest.throttle(),
+                sender.vcpu_throttles(),
                 false,
                 sender.t0,
             )));
@@ -703,6 +793,7 @@ impl Source {
                 round,
                 false,
                 &format!("round {round}"),
+                progress,
             )?;
             // Every page was acknowledged (and left the set) before the round returned.
             set.commit();
@@ -724,7 +815,7 @@ impl Source {
         report: &mut MigrationReport,
         progress: &mut dyn FnMut(Event<'_>),
     ) -> Result<(), MigrateError> {
-        let log = harvester(&mut self.log, &*self.guest)?;
+        let log = harvester(&mut self.log, &*self.guest, &self.ring_counts)?;
         let t = Instant::now();
         let mut set = if self.cfg.faults.skip_final_harvest {
             log.take_owed()
@@ -750,6 +841,7 @@ impl Source {
             round,
             true,
             "stop-and-copy",
+            progress,
         )?;
         set.commit();
         report.final_send = t.elapsed();
@@ -761,6 +853,7 @@ impl Source {
             0,
             0,
             self.guest.throttle(),
+            sender.vcpu_throttles(),
             true,
             sender.t0,
         )));
@@ -880,12 +973,14 @@ fn expected_transfer(report: &MigrationReport, owed: u64) -> Duration {
 }
 
 /// The progress after the rounds in `report`, with `owed` pages left.
+#[allow(clippy::too_many_arguments)]
 fn progress_of(
     report: &MigrationReport,
     round: u32,
     owed: u64,
     dirtied: u64,
     throttle: u32,
+    vcpu_throttle_permille: Vec<u32>,
     paused: bool,
     t0: Instant,
 ) -> Progress {
@@ -897,20 +992,31 @@ fn progress_of(
         bandwidth: report.bandwidth(),
         expected_downtime: expected_transfer(report, owed),
         throttle,
+        vcpu_throttle_permille,
         paused,
         elapsed: t0.elapsed(),
     }
 }
 
 /// The guest's harvester, made on first use with every page owed.
+///
+/// In the ring mode its log counts every entry per vCPU into `counts` on the way
+/// ([`RingMeter`]), for dirty-limit; the harvester still gets every entry.
 fn harvester<'a>(
     log: &'a mut Option<GuestHarvester>,
     guest: &dyn Guest,
+    counts: &Arc<RingCounts>,
 ) -> Result<&'a mut GuestHarvester, GuestError> {
     let h = match log.take() {
         Some(h) => h,
         None => {
             let mut h = guest.dirty_log()?;
+            if h.mode() == slat_dirty::LogMode::Ring {
+                // Fresh: nothing owed yet that re-wrapping could lose.
+                let src = RingMeter::new(h.into_source(), counts.clone());
+                h = slat_dirty::Harvester::from_source(Box::new(src) as GuestLog)
+                    .map_err(GuestError::harvest)?;
+            }
             h.mark_all();
             h
         }
@@ -1036,12 +1142,60 @@ struct Sender {
     digests: Digests,
     /// When the attempt connected.
     t0: Instant,
+    /// Dirty-limit, when on.
+    limit: Option<Limit>,
+    /// Pages dirty-limit's collects moved to the pages owed during the last round: dirtied
+    /// while it ran, so counted with the next take's.
+    collected: u64,
+}
+
+/// Dirty-limit's controller and what it reads and drives.
+struct Limit {
+    l: DirtyLimiter,
+    counts: Arc<RingCounts>,
+    guest: Arc<dyn Guest>,
 }
 
 impl Sender {
     /// Read-only pages still owed.
     fn ro_pages(&self) -> u64 {
         self.ro.iter().map(|r| r.1).sum()
+    }
+
+    /// Dirty-limit's per-vCPU throttles now (empty when it is off).
+    fn vcpu_throttles(&self) -> Vec<u32> {
+        self.limit.as_ref().map_or(Vec::new(), |x| x.l.throttles())
+    }
+
+    /// Once a period: brings the ring counts up to date (collecting into the pages owed for
+    /// the next round, when a round's `set` is out: nothing is lost to the migration), then
+    /// lets the limiter set each vCPU's throttle.
+    fn tick_limit(
+        &mut self,
+        set: Option<&mut RoundSet<'_>>,
+        progress: &mut dyn FnMut(Event<'_>),
+    ) -> Result<(), MigrateError> {
+        let Some(x) = &mut self.limit else {
+            return Ok(());
+        };
+        if !x.l.due(Instant::now()) {
+            return Ok(());
+        }
+        if let Some(set) = set {
+            self.collected += set.collect()?;
+        }
+        let counts = x.counts.per_vcpu();
+        if let Some(th) = x.l.update(&counts, Instant::now()) {
+            for (i, &t) in th.iter().enumerate() {
+                x.guest.set_vcpu_throttle(i, t);
+            }
+            progress(Event::DirtyLimit {
+                limit: x.l.config().limit,
+                rates: &x.l.rates,
+                throttles: &th,
+            });
+        }
+        Ok(())
     }
 
     /// Sends every page of `owed`; returns when the destination acknowledged all of them
@@ -1056,6 +1210,7 @@ impl Sender {
         round: u32,
         stop_and_copy: bool,
         phase: &str,
+        progress: &mut dyn FnMut(Event<'_>),
     ) -> Result<RoundReport, MigrateError> {
         let t0 = Instant::now();
         let bytes0 = conn.link.written();
@@ -1102,6 +1257,9 @@ impl Sender {
             self.seq += 1;
             while let Some(m) = conn.try_recv(phase)? {
                 settle(m, &mut inflight, owed, phase)?;
+            }
+            if !stop_and_copy {
+                self.tick_limit(Some(owed), progress)?;
             }
         }
         conn.send(
