@@ -9,7 +9,7 @@
 //! - [`destination`]: receive, acknowledge, verify, restore device state.
 //! - [`throttle`]: auto-converge; [`verify`]: range hashes; [`link`]: the sending side with
 //!   a bandwidth cap and test faults; [`limits`]: how much guest memory this host can hold.
-//! - [`bench`] (feature `machines`, on by default): slat's simulated and `/dev/kvm` guests
+//! - [`bench`](mod@bench) (feature `machines`, on by default): slat's simulated and `/dev/kvm` guests
 //!   with the synthetic workload the benchmarks run. Without the feature the crate builds
 //!   without either machine.
 //!

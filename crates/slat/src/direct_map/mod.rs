@@ -6,14 +6,14 @@
 //! one global `cpa_lock`, with a kernel TLB flush to every CPU in question.
 //!
 //! [`DirectMap`] is that kernel page table, over one pool of host memory (a guest_memfd-like
-//! [`HostRange`]), built from the engine's own parts: an [`Mmu`] of the x86 format, the one
-//! walker, the one SPTE-update path, [`split_huge_pages`]' atomic split, and the remote flush
+//! [`HostRange`]), built from the engine's own parts: an `Mmu` of the x86 format, the one
+//! walker, the one SPTE-update path, `split_huge_pages`' atomic split, and the remote flush
 //! protocol, which every [`HostCpu`] acknowledges. It maps each pool page at its own host
 //! address (virtual = physical, as if `PAGE_OFFSET` were 0), with the largest leaf the
 //! alignment allows (x86 only: the kernel's direct map is an x86 structure in the seed).
 //!
 //! **Acceptance** ([`DirectMap::accept`]): the first private fault on a page claims its frame
-//! ([`frames`]), clears it through the direct map (the page allocator zeroing a new page),
+//! (`frames.rs`), clears it through the direct map (the page allocator zeroing a new page),
 //! removes it from the direct map according to the [`DirectMapPolicy`], optionally flushes
 //! every host CPU's kernel TLB, and marks it assigned; only then does the fault map it into
 //! the guest. **Release** ([`DirectMap::release`], a conversion back to shared or the end of

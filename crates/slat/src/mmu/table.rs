@@ -13,8 +13,8 @@ use std::ptr::NonNull;
 /// One page of a second-stage page table.
 ///
 /// Only [`TableAlloc`] makes them (`#[non_exhaustive]`: no other crate can, and in this crate
-/// only this module does), always inside a [`TableFrame`], so every `TablePage` is followed by
-/// its [`TableMeta`] header.
+/// only this module does), always inside a `TableFrame`, so every `TablePage` is followed by
+/// its `TableMeta` header.
 #[repr(C, align(4096))]
 #[non_exhaustive]
 pub struct TablePage {
