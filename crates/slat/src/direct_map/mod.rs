@@ -49,7 +49,7 @@ use crate::mmu::table::TablePage;
 use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
 use crate::stats::{Stat, Stats};
-use crate::sync::{self, pin, AtomicU64, Mutex, Ordering};
+use crate::sync::{self, pin, AtomicBool, AtomicU64, Mutex, Ordering};
 use frames::FrameStates;
 use std::fmt;
 use std::sync::Arc;
@@ -181,6 +181,9 @@ pub struct DirectMap {
     /// released by the next operation that may wait for the lock and a flush (a lease may be
     /// dropped on an online CPU, which must not block on the lock: a holder may be flushing).
     orphans: Mutex<Vec<(u64, u64)>>,
+    /// `orphans` may be non-empty: acceptance checks this flag, not the mutex, so the `none`
+    /// policy takes no lock and no policy adds one to the fault path.
+    has_orphans: AtomicBool,
     accepted: AtomicU64,
     released: AtomicU64,
     collapses: AtomicU64,
@@ -226,6 +229,7 @@ impl DirectMap {
             states: FrameStates::new(frames),
             bound: Mutex::new(Vec::new()),
             orphans: Mutex::new(Vec::new()),
+            has_orphans: AtomicBool::new(false),
             accepted: AtomicU64::new(0),
             released: AtomicU64::new(0),
             collapses: AtomicU64::new(0),
@@ -384,6 +388,11 @@ impl DirectMap {
     /// Releases what dropped leases left assigned. Call from a thread that is not an online
     /// [`HostCpu`] (acceptance and release call it too).
     pub fn release_orphans(&self) {
+        // Cleared before the list is taken: a lease dropped meanwhile sets it again after
+        // pushing, so its range is never left behind unflagged.
+        if !self.has_orphans.swap(false, Ordering::AcqRel) {
+            return;
+        }
         let ranges = {
             let mut o = sync::lock(&self.orphans);
             if o.is_empty() {

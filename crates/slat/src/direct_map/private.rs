@@ -131,6 +131,7 @@ impl Drop for PoolLease {
         let assigned = (first..first + frames).any(|f| self.map.states.is_claimed(f));
         if assigned {
             sync::lock(&self.map.orphans).push((first, frames));
+            self.map.has_orphans.store(true, Ordering::Release);
         } else {
             sync::lock(&self.map.bound).retain(|&r| r != (first, frames));
         }
