@@ -122,9 +122,9 @@ fn private_stamp(seed: u64, vcpu: usize, round: u32, page: u64) -> u64 {
 
 /// Runs the test; `Err` only if the machine could not be built.
 pub fn run_conversion_test(p: ConversionParams) -> Result<ConversionReport, MachineError> {
-    if p.vcpus == 0 || p.bytes_per_vcpu == 0 || p.bytes_per_vcpu % PAGE_SIZE != 0 {
+    if !(1..=512).contains(&p.vcpus) || p.bytes_per_vcpu == 0 || p.bytes_per_vcpu % PAGE_SIZE != 0 {
         return Err(MachineError::Config(format!(
-            "{} vCPUs x {} bytes: need at least one vCPU and a non-zero multiple of 4 KiB each",
+            "{} vCPUs x {} bytes: need 1-512 vCPUs (a thread each) and a non-zero multiple of 4 KiB each",
             p.vcpus, p.bytes_per_vcpu
         )));
     }

@@ -52,7 +52,14 @@ fn every_policy_keeps_the_rules() {
 
 #[test]
 fn bad_sizes_are_refused() {
-    for (vcpus, bytes) in [(0, 4096), (1, 0), (1, 4097), (2, !4095)] {
+    for (vcpus, bytes) in [
+        (0, 4096),
+        (513, 4096),
+        (usize::MAX, 4096),
+        (1, 0),
+        (1, 4097),
+        (2, !4095),
+    ] {
         let mut p = params(DirectMapPolicy::Pre4K, false, false);
         p.vcpus = vcpus;
         p.bytes_per_vcpu = bytes;
