@@ -55,7 +55,7 @@
 
 use crate::format::{pages_per_entry, table_index, Level, PteFormat, PAGE_SHIFT};
 use crate::mmu::flush::PendingFlush;
-use crate::mmu::spte::UpdateMode;
+use crate::mmu::lock::Shared;
 use crate::mmu::table::TablePage;
 use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
@@ -441,6 +441,7 @@ fn age_walk<F: PteFormat>(
         // between chunks so a waiting exclusive holder gets in; each chunk is finished
         // before the next, so the pass always progresses.
         let lock = mmu.lock.read();
+        let w = mmu.lock.shared(&lock);
         let guard = pin();
         let mut it = Walk::<F>::new(&guard, mmu.root(), 2, p.chunk, chunk_end);
         while it.valid() {
@@ -452,7 +453,7 @@ fn age_walk<F: PteFormat>(
                 // zapped, or a table now, which the next round sweeps).
                 let sptep = it.sptep();
                 let (level, gfn) = (it.level, it.gfn);
-                if p.leaf(sptep, level, gfn, &mut it.old) {
+                if p.leaf(w, sptep, level, gfn, &mut it.old) {
                     it.next();
                 }
             } else if it.level == 2 {
@@ -469,7 +470,7 @@ fn age_walk<F: PteFormat>(
                     // A 4 KiB entry that is present is a leaf; one that went away under a
                     // lost race (zapped, frozen) has nothing left to age.
                     if F::is_present(cur) {
-                        p.leaf(sptep, 1, gfn, &mut cur);
+                        p.leaf(w, sptep, 1, gfn, &mut cur);
                     }
                 }
                 it.next();
@@ -511,7 +512,14 @@ impl<F: PteFormat, Y: FnMut(u64, u64), D: FnMut(u64, u64)> AgePass<'_, F, Y, D> 
     // Always inlined: the sweep of a leaf table calls it with a constant level, which prunes
     // most of it; a call per entry would cost as much as the entry's compare-and-swap.
     #[inline(always)]
-    fn leaf(&mut self, sptep: &AtomicU64, level: Level, gfn: u64, old: &mut u64) -> bool {
+    fn leaf(
+        &mut self,
+        w: Shared<'_>,
+        sptep: &AtomicU64,
+        level: Level,
+        gfn: u64,
+        old: &mut u64,
+    ) -> bool {
         let mut lost = 0;
         loop {
             let cur = *old;
@@ -533,16 +541,10 @@ impl<F: PteFormat, Y: FnMut(u64, u64), D: FnMut(u64, u64)> AgePass<'_, F, Y, D> 
             } else {
                 let new = F::mark_access_tracked(cur);
                 let sink = self.mmu.sink();
-                match self.mmu.update_spte(
-                    sptep,
-                    level,
-                    gfn,
-                    old,
-                    new,
-                    UpdateMode::Shared,
-                    sink,
-                    self.pending,
-                ) {
+                match self
+                    .mmu
+                    .update_spte(sptep, level, gfn, old, new, w, sink, self.pending)
+                {
                     Ok(()) => {
                         self.r.aged_leaves += 1;
                         if leaf_dirty::<F>(cur) {

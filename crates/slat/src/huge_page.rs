@@ -4,6 +4,7 @@
 use crate::format::{Level, PteFormat};
 use crate::memslot::Memslot;
 use crate::mmu::flush::PendingFlush;
+use crate::mmu::lock::Shared;
 use crate::mmu::table::TablePage;
 use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
@@ -24,6 +25,7 @@ pub(crate) use crate::mmu::split::split_huge_pages;
 /// [`RebuildOrder`] instead, with its own flush. Returns the number of tables replaced.
 pub(crate) fn recover_huge_pages<F: PteFormat>(
     mmu: &Mmu<F>,
+    w: Shared<'_>,
     slot: &Memslot,
     pending: &mut PendingFlush,
 ) -> u64 {
@@ -43,7 +45,7 @@ pub(crate) fn recover_huge_pages<F: PteFormat>(
                 let huge = F::make_huge(leaf, it.level);
                 debug_assert_eq!(F::output_addr(huge), slot.hva(it.gfn));
                 if mmu
-                    .replace_spte(&mut it, huge, false, sink, pending)
+                    .replace_spte(&mut it, huge, false, w, sink, pending)
                     .is_err()
                 {
                     continue; // re-examine the entry that won

@@ -43,8 +43,8 @@ use crate::format::{pages_per_entry, Ept, LeafPerms, Level, PteFormat};
 use crate::format::{PAGE_SHIFT, PAGE_SIZE};
 use crate::host_memory::HostRange;
 use crate::mmu::flush::PendingFlush;
+use crate::mmu::lock::Shared;
 use crate::mmu::split::split_huge_pages;
-use crate::mmu::spte::UpdateMode;
 use crate::mmu::table::TablePage;
 use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
@@ -477,7 +477,11 @@ impl DirectMap {
             let _lock = self.lock_cpa();
             let block = gfn & !(BLOCK_PAGES - 1);
             let mut split = PendingFlush::none();
-            let splits = split_huge_pages(&self.mmu, block, block + BLOCK_PAGES, &mut split);
+            // Under `cpa_lock`, not the MMU lock: every writer serialises on it and writes by
+            // compare-and-swap, so the split is a lock-free writer as far as the MMU knows.
+            let guard = pin();
+            let w = Shared::lockless(&guard);
+            let splits = split_huge_pages(&self.mmu, w, block, block + BLOCK_PAGES, &mut split);
             if splits != 0 {
                 split.require();
                 self.mmu.complete_flush(split);
@@ -504,7 +508,13 @@ impl DirectMap {
             let sink = self.mmu.sink();
             if self
                 .mmu
-                .set_spte(&mut it, Kf::NON_PRESENT, UpdateMode::Shared, sink, pending)
+                .set_spte(
+                    &mut it,
+                    Kf::NON_PRESENT,
+                    Shared::lockless(&guard),
+                    sink,
+                    pending,
+                )
                 .is_ok()
             {
                 return;
@@ -524,7 +534,7 @@ impl DirectMap {
                 debug_assert!(!Kf::is_present(it.old), "mapping over a present entry");
                 while self
                     .mmu
-                    .set_spte(&mut it, leaf, UpdateMode::Shared, sink, pending)
+                    .set_spte(&mut it, leaf, Shared::lockless(&guard), sink, pending)
                     .is_err()
                 {}
                 return;
@@ -534,7 +544,7 @@ impl DirectMap {
                 let table = Kf::make_table(child.addr());
                 if self
                     .mmu
-                    .set_spte(&mut it, table, UpdateMode::Shared, sink, pending)
+                    .set_spte(&mut it, table, Shared::lockless(&guard), sink, pending)
                     .is_ok()
                 {
                     child.into_linked();
@@ -580,7 +590,7 @@ impl DirectMap {
         let sink = self.mmu.sink();
         if self
             .mmu
-            .set_spte(&mut it, huge, UpdateMode::Shared, sink, pending)
+            .set_spte(&mut it, huge, Shared::lockless(&guard), sink, pending)
             .is_ok()
         {
             sink.inc(Stat::Recoveries);

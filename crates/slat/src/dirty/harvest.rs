@@ -53,14 +53,14 @@ impl DirtyLog {
         }
         let mut pending = PendingFlush::none();
         {
-            let _lock = harvest_lock(mmu);
+            let lock = harvest_lock(mmu);
             let old = if mmu.config.get_log == GetLogVariant::Switch && bitmap.can_switch() {
                 let old = bitmap.switch();
                 // Markers that loaded the old side are either slow-path faults, which hold the
                 // MMU lock we own exclusively, or fast-path fixes, which run in guest mode: a
                 // completed flush waits them out, and afterwards nobody writes the old side.
                 // Without the lock (`rmap-lockless`), taking it once waits the slow paths out.
-                if _lock.is_none() {
+                if lock.is_none() {
                     drop(mmu.lock.write());
                 }
                 mmu.flush_remote_tlbs();
@@ -78,7 +78,7 @@ impl DirtyLog {
                 if mask != 0 {
                     dirty += mask.count_ones() as u64;
                     let base = slot.base_gfn + 64 * i as u64;
-                    rearm_masked(mmu, &mut cursor, base, mask, &mut pending);
+                    rearm_masked(mmu, lock.as_ref(), &mut cursor, base, mask, &mut pending);
                 }
             }
         }
@@ -140,7 +140,7 @@ impl DirtyLog {
         let mut pending = PendingFlush::none();
         let mut cursor = LeafCursor::default();
         {
-            let _lock = harvest_lock(mmu);
+            let lock = harvest_lock(mmu);
             for (k, &want) in bitmap.iter().enumerate().take(words) {
                 let left = num_pages - 64 * k as u64;
                 let want = if left < 64 {
@@ -155,7 +155,7 @@ impl DirtyLog {
                 if mask != 0 {
                     cleared += mask.count_ones() as u64;
                     let base = slot.base_gfn + first_page + 64 * k as u64;
-                    rearm_masked(mmu, &mut cursor, base, mask, &mut pending);
+                    rearm_masked(mmu, lock.as_ref(), &mut cursor, base, mask, &mut pending);
                 }
             }
         }
@@ -185,7 +185,7 @@ impl DirtyLog {
         let mut pending = PendingFlush::none();
         let mut cursor = LeafCursor::default();
         {
-            let _lock = harvest_lock(mmu);
+            let lock = harvest_lock(mmu);
             let mut protect = |run: Option<(SlotId, u64, u64)>, pending: &mut PendingFlush| {
                 let Some((id, offset, mask)) = run else {
                     return;
@@ -195,7 +195,8 @@ impl DirtyLog {
                 if !slot.is_logging() || last >= slot.npages {
                     return;
                 }
-                rearm_masked(mmu, &mut cursor, slot.base_gfn + offset, mask, pending);
+                let base = slot.base_gfn + offset;
+                rearm_masked(mmu, lock.as_ref(), &mut cursor, base, mask, pending);
             };
             for ring in &rings {
                 let mut runs = Coalesce::default();

@@ -6,8 +6,8 @@ use crate::config::WrprotVariant;
 use crate::format::{pages_per_entry, table_index, Level, PteFormat, ENTRIES_PER_TABLE};
 use crate::huge_page::split_huge_pages;
 use crate::mmu::flush::PendingFlush;
+use crate::mmu::lock::{Exclusive, Shared, WriteGuard};
 use crate::mmu::rmap::{validated, SlotRmap, RMAP_LEVELS};
-use crate::mmu::spte::UpdateMode;
 use crate::mmu::table::TablePage;
 use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
@@ -34,6 +34,7 @@ fn rearmed<F: PteFormat>(mmu: &Mmu<F>, old: u64) -> Option<u64> {
 /// write faults and the slow path maps 4 KiB inside them.
 pub(super) fn rearm_range<F: PteFormat>(
     mmu: &Mmu<F>,
+    w: Shared<'_>,
     start: u64,
     end: u64,
     pending: &mut PendingFlush,
@@ -55,10 +56,7 @@ pub(super) fn rearm_range<F: PteFormat>(
             F::is_writable(old).then(|| F::write_protect(old))
         };
         if let Some(new) = new {
-            if mmu
-                .set_spte(&mut it, new, UpdateMode::Shared, sink, pending)
-                .is_err()
-            {
+            if mmu.set_spte(&mut it, new, w, sink, pending).is_err() {
                 continue; // lost a race: re-examine the entry that won
             }
         }
@@ -67,22 +65,25 @@ pub(super) fn rearm_range<F: PteFormat>(
 }
 
 /// Re-arms logging ([`rearmed`]) on the 4 KiB pages `base_gfn + i` for each set bit
-/// `i` of `mask`, under the exclusive MMU lock. The leaf table holding them is found once
+/// `i` of `mask`, under the exclusive MMU lock `lock` (`None`: `rmap-lockless`, which re-arms
+/// without it, see [`rearm_masked_lockless`]). The leaf table holding them is found once
 /// and remembered in `cursor` across calls, so a harvest descends once per leaf table that
 /// holds dirty pages, and touches only the set bits' entries: the cost follows the dirty
 /// pages. A huge leaf over the window (manual protect with INITIALLY_SET keeps huge leaves
 /// until CLEAR) takes the general walk.
 pub(super) fn rearm_masked<F: PteFormat>(
     mmu: &Mmu<F>,
+    lock: Option<&WriteGuard<'_>>,
     cursor: &mut LeafCursor,
     base_gfn: u64,
     mask: u64,
     pending: &mut PendingFlush,
 ) {
-    if mmu.config.wrprot == WrprotVariant::RmapLockless {
+    let Some(lock) = lock else {
         rearm_masked_lockless(mmu, base_gfn, mask, pending);
         return;
-    }
+    };
+    let w = mmu.lock.exclusive(lock);
     // The exclusive lock already keeps every table alive; the guard is what `Walk` asks for.
     let guard = pin();
     let sink = mmu.sink();
@@ -98,7 +99,7 @@ pub(super) fn rearm_masked<F: PteFormat>(
                     t
                 }
                 RmapHit::Huge => {
-                    rearm_huge(mmu, gfn, pending);
+                    rearm_huge(mmu, w, gfn, pending);
                     cursor.0 = None;
                     continue;
                 }
@@ -111,7 +112,7 @@ pub(super) fn rearm_masked<F: PteFormat>(
                 let it = Walk::<F>::to_leaf(&guard, mmu.root(), gfn);
                 if !it.valid() || it.level != 1 {
                     if it.valid() && F::is_present(it.old) {
-                        rearm_huge(mmu, gfn, pending);
+                        rearm_huge(mmu, w, gfn, pending);
                     }
                     cursor.0 = None;
                     continue;
@@ -129,16 +130,7 @@ pub(super) fn rearm_masked<F: PteFormat>(
                 break;
             };
             if mmu
-                .update_spte(
-                    sptep,
-                    1,
-                    gfn,
-                    &mut old,
-                    new,
-                    UpdateMode::Exclusive,
-                    sink,
-                    pending,
-                )
+                .update_spte(sptep, 1, gfn, &mut old, new, w, sink, pending)
                 .is_ok()
             {
                 break;
@@ -150,7 +142,7 @@ pub(super) fn rearm_masked<F: PteFormat>(
 /// A huge leaf covers `gfn` in a window being re-armed: split it (eager splitting) and
 /// re-arm the page, or write-protect the huge leaf whole.
 #[cold]
-fn rearm_huge<F: PteFormat>(mmu: &Mmu<F>, gfn: u64, pending: &mut PendingFlush) {
+fn rearm_huge<F: PteFormat>(mmu: &Mmu<F>, w: Exclusive<'_>, gfn: u64, pending: &mut PendingFlush) {
     let guard = pin();
     let sink = mmu.sink();
     let mut it = Walk::<F>::new(&guard, mmu.root(), 1, gfn, gfn + 1);
@@ -161,7 +153,7 @@ fn rearm_huge<F: PteFormat>(mmu: &Mmu<F>, gfn: u64, pending: &mut PendingFlush) 
             continue;
         }
         if it.level > 1 && mmu.config.eager_split {
-            split_huge_pages(mmu, it.gfn, it.entry_end(), pending);
+            split_huge_pages(mmu, w.cas(), it.gfn, it.entry_end(), pending);
             it.refresh();
             continue; // now a table: walk into it
         }
@@ -171,10 +163,7 @@ fn rearm_huge<F: PteFormat>(mmu: &Mmu<F>, gfn: u64, pending: &mut PendingFlush) 
             F::is_writable(old).then(|| F::write_protect(old))
         };
         if let Some(new) = new {
-            if mmu
-                .set_spte(&mut it, new, UpdateMode::Exclusive, sink, pending)
-                .is_err()
-            {
+            if mmu.set_spte(&mut it, new, w, sink, pending).is_err() {
                 continue;
             }
         }
@@ -263,15 +252,17 @@ fn rearm_masked_lockless<F: PteFormat>(
 fn protect_lockless<F: PteFormat>(
     mmu: &Mmu<F>,
     s: &SlotRmap,
-    _guard: &Guard,
+    guard: &Guard,
     gfn: u64,
     pending: &mut PendingFlush,
 ) {
+    // A compare-and-swap writer by type: no lock is held, so there is no other kind.
+    let w = Shared::lockless(guard);
     for level in 1..=RMAP_LEVELS as Level {
         let Some(slot) = s.slot(gfn, level) else {
             continue;
         };
-        // SAFETY: `_guard` pins us; a set slot names a page whose free waits for a grace
+        // SAFETY: `guard` pins us; a set slot names a page whose free waits for a grace
         // period that starts after the slot is cleared (`Rmap::retire`).
         let Some(page) = (unsafe { validated(slot, gfn, level) }) else {
             continue;
@@ -289,7 +280,7 @@ fn protect_lockless<F: PteFormat>(
             old = sptep.load(Ordering::Acquire);
         }
         let leaf = F::is_present(old) && F::is_leaf(old, lvl);
-        protect_entry(mmu, sptep, lvl, gfn, old, pending);
+        protect_entry(mmu, w, sptep, lvl, gfn, old, pending);
         // Under loom: the page must still be allocated after the compare-and-swap too (a use
         // that outlived the pin would show here, not only at the lookup).
         #[cfg(loom)]
@@ -306,6 +297,7 @@ fn protect_lockless<F: PteFormat>(
 /// re-reading after a lost race, until it is armed or no longer a leaf.
 fn protect_entry<F: PteFormat>(
     mmu: &Mmu<F>,
+    w: Shared<'_>,
     sptep: &crate::sync::AtomicU64,
     level: Level,
     gfn: u64,
@@ -337,16 +329,7 @@ fn protect_entry<F: PteFormat>(
         // Invariant 1: a compare-and-swap against the value we read; on failure `old` is
         // the value that won and we look at it again.
         if mmu
-            .update_spte(
-                sptep,
-                level,
-                first,
-                &mut old,
-                new,
-                crate::mmu::spte::UpdateMode::Shared,
-                sink,
-                pending,
-            )
+            .update_spte(sptep, level, first, &mut old, new, w, sink, pending)
             .is_ok()
         {
             return;

@@ -9,7 +9,7 @@ use crate::dirty::{commit_mark, mark_for, prepare_mark, DirtyRing};
 use crate::format::{Access, PteFormat, PAGE_SHIFT};
 use crate::memslot::{Memslots, SlotHint};
 use crate::mmu::flush::{PendingFlush, VcpuLink};
-use crate::mmu::spte::UpdateMode;
+use crate::mmu::lock::Shared;
 use crate::mmu::table::PageCache;
 use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
@@ -151,7 +151,7 @@ pub(crate) fn fast_page_fault<F: PteFormat>(
             }
         }
         let mut pending = PendingFlush::none();
-        let r = mmu.set_spte(&mut it, new, UpdateMode::Shared, sink, &mut pending);
+        let r = mmu.set_spte(&mut it, new, Shared::lockless(&guard), sink, &mut pending);
         mmu.complete_flush(pending);
         if r.is_ok() {
             if let Some(m) = mark {

@@ -11,7 +11,7 @@ use crate::dirty::{commit_mark, mark_for, prepare_mark, DirtyRing};
 use crate::format::{bytes_per_entry, Access, LeafPerms, Level, PteFormat, PAGE_SHIFT, PAGE_SIZE};
 use crate::memslot::{Memslot, MemslotSet, Memslots};
 use crate::mmu::flush::PendingFlush;
-use crate::mmu::spte::UpdateMode;
+use crate::mmu::lock::Shared;
 use crate::mmu::table::PageCache;
 use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
@@ -79,7 +79,8 @@ pub(crate) fn slow_page_fault<F: PteFormat>(
     }
     let mut pending = PendingFlush::none();
     let ring = vcpu.ring.as_deref();
-    let outcome = walk_to_goal(mmu, &mut plan, &mut vcpu.cache, ring, sink, &mut pending);
+    let w = mmu.lock.shared(&lock);
+    let outcome = walk_to_goal(mmu, w, &mut plan, &mut vcpu.cache, ring, sink, &mut pending);
     drop(lock);
     mmu.complete_flush(pending);
     sink.inc(match outcome {
@@ -161,6 +162,7 @@ fn plan<'s, F: PteFormat>(
 /// installs the leaf there. Any lost race is `Retry`: the vCPU re-executes the access.
 fn walk_to_goal<F: PteFormat>(
     mmu: &Mmu<F>,
+    w: Shared<'_>,
     plan: &mut Plan<'_>,
     cache: &mut PageCache,
     ring: Option<&DirtyRing>,
@@ -178,7 +180,7 @@ fn walk_to_goal<F: PteFormat>(
             return FaultOutcome::Retry;
         }
         if it.level == plan.goal {
-            match install_at_goal(mmu, plan, &mut it, ring, sink, pending) {
+            match install_at_goal(mmu, w, plan, &mut it, ring, sink, pending) {
                 Some(outcome) => return outcome,
                 None => {
                     it.next(); // the goal moved one level down: map inside the table
@@ -187,9 +189,9 @@ fn walk_to_goal<F: PteFormat>(
             }
         }
         let linked = if !F::is_present(old) {
-            link_table(mmu, &mut it, cache, sink, pending)
+            link_table(mmu, w, &mut it, cache, sink, pending)
         } else if F::is_leaf(old, it.level) {
-            split_in_the_way(mmu, &mut it, cache, sink, pending)
+            split_in_the_way(mmu, w, &mut it, cache, sink, pending)
         } else {
             true
         };
@@ -205,6 +207,7 @@ fn walk_to_goal<F: PteFormat>(
 /// inside rather than collapsed (`plan.goal` is lowered).
 fn install_at_goal<F: PteFormat>(
     mmu: &Mmu<F>,
+    w: Shared<'_>,
     plan: &mut Plan<'_>,
     it: &mut Walk<'_, F>,
     ring: Option<&DirtyRing>,
@@ -263,9 +266,9 @@ fn install_at_goal<F: PteFormat>(
             // stage2_attr_walker), no data-cache clean needed.
             invalidate_icache_for(hva, bytes_per_entry(goal), sink);
         }
-        mmu.set_spte(it, new, UpdateMode::Shared, sink, pending)
+        mmu.set_spte(it, new, w, sink, pending)
     } else {
-        mmu.replace_spte(it, new, plan.cmo_on_install, sink, pending)
+        mmu.replace_spte(it, new, plan.cmo_on_install, w, sink, pending)
     };
     if r.is_err() {
         return Some(FaultOutcome::Retry);
@@ -283,6 +286,7 @@ fn install_at_goal<F: PteFormat>(
 /// nothing cached to flush. False if another fault linked one first.
 fn link_table<F: PteFormat>(
     mmu: &Mmu<F>,
+    w: Shared<'_>,
     it: &mut Walk<'_, F>,
     cache: &mut PageCache,
     sink: Sink<'_>,
@@ -290,7 +294,7 @@ fn link_table<F: PteFormat>(
 ) -> bool {
     let child = cache.take().expect("page cache topped up before the lock");
     let new = F::make_table(child.addr());
-    match mmu.set_spte(it, new, UpdateMode::Shared, sink, pending) {
+    match mmu.set_spte(it, new, w, sink, pending) {
         Ok(()) => {
             child.into_linked();
             true
@@ -310,6 +314,7 @@ fn link_table<F: PteFormat>(
 /// 4 KiB, read-only where logging wants it. False if the entry changed first.
 fn split_in_the_way<F: PteFormat>(
     mmu: &Mmu<F>,
+    w: Shared<'_>,
     it: &mut Walk<'_, F>,
     cache: &mut PageCache,
     sink: Sink<'_>,
@@ -323,7 +328,7 @@ fn split_in_the_way<F: PteFormat>(
         }
     }
     let new = F::make_table(child.addr());
-    match mmu.replace_spte(it, new, false, sink, pending) {
+    match mmu.replace_spte(it, new, false, w, sink, pending) {
         Ok(()) => {
             child.into_linked();
             sink.inc(Stat::Splits);

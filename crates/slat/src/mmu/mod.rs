@@ -56,7 +56,10 @@ impl<F: PteFormat> Mmu<F> {
         Mmu {
             config,
             root,
-            lock: MmuLock::new(config.mmu_lock),
+            lock: MmuLock::new(
+                config.mmu_lock,
+                config.wrprot == crate::config::WrprotVariant::RmapLockless,
+            ),
             alloc,
             counters,
             flush: FlushDomain::new(),

@@ -5,6 +5,7 @@
 //! [`PendingFlush`], whether a flush is owed) happens here and nowhere else.
 
 use super::flush::PendingFlush;
+use super::lock::{Shared, SpteWriter};
 use super::table::{OwnedTable, TablePage};
 use super::walk::Walk;
 use super::Mmu;
@@ -14,30 +15,19 @@ use crate::format::{bytes_per_entry, pages_per_entry, Access, Level, PteFormat};
 use crate::stats::{leaf_stat, Sink, Stat};
 use crate::sync::{self, AtomicU64, Ordering};
 
-/// How an entry update may race with others.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum UpdateMode {
-    /// MMU lock held shared (or none): compare-and-swap against the walker's snapshot.
-    Shared,
-    /// MMU lock held exclusively: only lock-free fixers and hardware race with us, so an
-    /// exchange (never lost, never retried) suffices for entries they may change, and a
-    /// plain store for the rest ([`PteFormat::needs_atomic_update`]).
-    Exclusive,
-}
-
 /// The entry changed under us; the caller re-reads and retries, or gives up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Busy;
 
 impl<F: PteFormat> Mmu<F> {
-    /// Replaces the walker's current entry with `new`. Under [`UpdateMode::Shared`] this is a
+    /// Replaces the walker's current entry with `new`. With a [`Shared`] writer this is a
     /// compare-and-swap against `it.old` (invariant 1): on failure `it.old` holds the value that
     /// won and the caller decides whether to retry. See [`Self::update_spte`].
-    pub(crate) fn set_spte(
+    pub(crate) fn set_spte<W: SpteWriter>(
         &self,
         it: &mut Walk<'_, F>,
         new: u64,
-        mode: UpdateMode,
+        writer: W,
         sink: Sink<'_>,
         pending: &mut PendingFlush,
     ) -> Result<(), Busy> {
@@ -48,7 +38,7 @@ impl<F: PteFormat> Mmu<F> {
             it.gfn,
             &mut old,
             new,
-            mode,
+            writer,
             sink,
             pending,
         );
@@ -58,26 +48,27 @@ impl<F: PteFormat> Mmu<F> {
 
     /// The one SPTE update every change goes through, for callers that hold the entry's
     /// address already (a harvest re-arming entries of one leaf table): `*old` is the value
-    /// the caller read, `gfn` the first gfn the entry maps. Shared mode: compare-and-swap, and on failure `*old` becomes the value
-    /// that won. Exclusive mode: an exchange if others may change the entry, else a plain
-    /// store. Bookkeeping for what changed (leaf gauges, tables unlinked into `pending`,
+    /// the caller read, `gfn` the first gfn the entry maps. The writer is the witness of how
+    /// the MMU lock is held ([`super::lock`]): [`Shared`], a compare-and-swap, and on failure
+    /// `*old` becomes the value that won; [`super::lock::Exclusive`], an exchange if lock-free
+    /// writers may change the entry, else a plain store. Bookkeeping for what changed (leaf gauges, tables unlinked into `pending`,
     /// whether a flush is owed) happens here and nowhere else.
-    // Always inlined: callers pass constant levels and modes, which prunes most of it (a
-    // harvest's re-arm is then a few instructions around one store).
+    // Always inlined: callers pass constant levels, and the writer's type is a constant too,
+    // which prunes most of it (a harvest's re-arm is then a few instructions around one store).
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn update_spte(
+    pub(crate) fn update_spte<W: SpteWriter>(
         &self,
         sptep: &AtomicU64,
         level: Level,
         gfn: u64,
         old: &mut u64,
         new: u64,
-        mode: UpdateMode,
+        writer: W,
         sink: Sink<'_>,
         pending: &mut PendingFlush,
     ) -> Result<(), Busy> {
-        debug_assert!(*old != F::FROZEN || mode == UpdateMode::Exclusive);
+        debug_assert!(*old != F::FROZEN || W::EXCLUSIVE);
         let table = table_of(sptep);
         let links_table = level > 1
             && F::is_present(new)
@@ -86,7 +77,7 @@ impl<F: PteFormat> Mmu<F> {
                 && !F::is_leaf(*old, level)
                 && F::output_addr(*old) == F::output_addr(new));
         if links_table {
-            self.before_publishing_table(gfn, level, *old, new, mode == UpdateMode::Shared);
+            self.before_publishing_table(gfn, level, *old, new, !W::EXCLUSIVE);
         }
         // A leaf appears here: into the rmap *before* it is published, so whoever can see the
         // leaf (a vCPU that then makes it writable and marks the page, a harvest that consumed
@@ -99,46 +90,26 @@ impl<F: PteFormat> Mmu<F> {
         if adds_leaf && self.rmap.enabled() {
             self.rmap_insert_leaf(gfn, level, table);
         }
-        let prev = match mode {
-            UpdateMode::Shared => {
-                match sptep.compare_exchange(*old, new, Ordering::AcqRel, Ordering::Acquire) {
-                    Ok(v) => v,
-                    Err(cur) => {
-                        if links_table {
-                            self.unpublished_table_lost(gfn, level, *old, new);
-                        }
-                        if adds_leaf
-                            && self.rmap.enabled()
-                            && !(F::is_present(cur) && F::is_leaf(cur, level))
-                        {
-                            // Undo, unless a leaf won the race here: its installer inserted
-                            // the same table first. Anyone else racing to install a leaf
-                            // expected the same old value and fails too.
-                            self.rmap.remove(gfn, level, table);
-                        }
-                        *old = cur;
-                        return Err(Busy);
-                    }
+        let prev = match writer.write::<F>(sptep, *old, new, level) {
+            Ok(v) => v,
+            Err(cur) => {
+                if links_table {
+                    self.unpublished_table_lost(gfn, level, *old, new);
                 }
-            }
-            // With `rmap-lockless` a harvest clears W without the lock, so even an entry
-            // hardware and the fast path leave alone may change under an exclusive holder:
-            // exchange, and account for the value that was really there.
-            UpdateMode::Exclusive
-                if F::needs_atomic_update(*old, level)
-                    || self.config.wrprot == crate::config::WrprotVariant::RmapLockless =>
-            {
-                sptep.swap(new, Ordering::AcqRel)
-            }
-            UpdateMode::Exclusive => {
-                // Nobody else may write this entry while we hold the lock exclusively, so
-                // `*old` is still its value and a plain store suffices (no locked RMW).
-                debug_assert_eq!(sptep.load(Ordering::Relaxed), *old);
-                sptep.store(new, Ordering::Release);
-                *old
+                if adds_leaf
+                    && self.rmap.enabled()
+                    && !(F::is_present(cur) && F::is_leaf(cur, level))
+                {
+                    // Undo, unless a leaf won the race here: its installer inserted the same
+                    // table first. Anyone else racing to install a leaf expected the same old
+                    // value and fails too.
+                    self.rmap.remove(gfn, level, table);
+                }
+                *old = cur;
+                return Err(Busy);
             }
         };
-        if links_table && mode == UpdateMode::Shared {
+        if links_table && !W::EXCLUSIVE {
             self.split_published(gfn, level, prev, new);
         }
         *old = new;
@@ -267,16 +238,20 @@ impl<F: PteFormat> Mmu<F> {
     /// The break and the make are the only entry writes outside [`Self::update_spte`]: the
     /// transient locked value is not a change of mapping, so the bookkeeping is done once for
     /// the whole old → new transition (or old → locked at a break-first teardown), here.
+    ///
+    /// The writer is a [`Shared`] one: the break is a compare-and-swap whatever the lock mode,
+    /// and the make stores to an entry the break made ours.
     pub(crate) fn replace_spte(
         &self,
         it: &mut Walk<'_, F>,
         new: u64,
         cmo: bool,
+        writer: Shared<'_>,
         sink: Sink<'_>,
         pending: &mut PendingFlush,
     ) -> Result<(), Busy> {
         if !F::BREAK_BEFORE_MAKE {
-            return self.set_spte(it, new, UpdateMode::Shared, sink, pending);
+            return self.set_spte(it, new, writer, sink, pending);
         }
         let old = it.old;
         let level = it.level;

@@ -3,7 +3,6 @@
 
 use super::flush::PendingFlush;
 use super::lock::WriteGuard;
-use super::spte::UpdateMode;
 use super::table::TablePage;
 use super::walk::Walk;
 use super::Mmu;
@@ -64,7 +63,7 @@ impl<F: PteFormat> Mmu<F> {
                 let _ = self.set_spte(
                     &mut it,
                     F::NON_PRESENT,
-                    UpdateMode::Exclusive,
+                    self.lock.exclusive(lock),
                     self.sink(),
                     &mut pending,
                 );
