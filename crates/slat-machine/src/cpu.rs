@@ -15,6 +15,7 @@ use crate::tlb::Tlb;
 use slat::direct_map::{HostCpu, Online};
 use slat::hw::{self, bytes_per_entry, table_index, PteFormat, TablePage};
 use slat::{Access, Fault, FaultOutcome, GuestMode, Vcpu, Vm};
+use slat_addr::{Gfn, Gpa};
 use slat_workload::latency::{latency_histogram, record_latency, LatencyHistogram};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -131,7 +132,7 @@ impl<F: PteFormat> Cpu<F> {
             vcpu,
             tlb: Tlb::new(tlb_entries),
             pool,
-            root,
+            root: root.raw(),
             guest: None,
             quantum: 0,
             ring_full: None,
@@ -396,7 +397,7 @@ impl<F: PteFormat> Cpu<F> {
                 Ok(hva) => return Ok(hva),
                 Err(present) => self.fault(Fault {
                     private,
-                    gpa,
+                    gpa: Gpa::new(gpa),
                     access,
                     present,
                 })?,
@@ -467,7 +468,7 @@ impl<F: PteFormat> Cpu<F> {
                 if !F::is_dirty(e) && F::is_dirty(want) {
                     // D 0->1: what PML logs. Before the write this walk allows.
                     if let Some(guest) = &self.guest {
-                        self.vcpu.log_hardware_dirty(guest, gfn);
+                        self.vcpu.log_hardware_dirty(guest, Gfn::new(gfn));
                     }
                 }
             }
@@ -524,7 +525,7 @@ impl<F: PteFormat> Cpu<F> {
                 std::hint::spin_loop();
             }
         }
-        check(o, f.gpa)
+        check(o, f.gpa.raw())
     }
 
     /// KVM_EXIT_DIRTY_RING_FULL: leave guest mode and the physical CPU, let the handler empty
@@ -564,9 +565,11 @@ fn check(o: FaultOutcome, gpa: u64) -> Result<(), Exit> {
     match o {
         FaultOutcome::NoSlot => Err(Exit::Mmio { gpa }),
         FaultOutcome::ReadOnly => Err(Exit::ReadOnly { gpa }),
-        FaultOutcome::MemoryFault { gpa, size, private } => {
-            Err(Exit::MemoryFault { gpa, size, private })
-        }
+        FaultOutcome::MemoryFault { gpa, size, private } => Err(Exit::MemoryFault {
+            gpa: gpa.raw(),
+            size,
+            private,
+        }),
         // Handled by the caller (a ring-full exit); re-execute the access.
         _ => Ok(()),
     }

@@ -60,6 +60,7 @@ use crate::mmu::table::TablePage;
 use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
 use crate::sync::{pin, AtomicU64, Ordering};
+use slat_addr::Gfn;
 
 /// Guest pages (64 MiB) an aging pass covers per acquisition of the MMU lock (read mode).
 pub const CHUNK_PAGES: u64 = 1 << 14;
@@ -151,11 +152,11 @@ pub enum IdleError {
     #[error("pages [{start_gfn:#x}, +{npages}) extend beyond the {max_gfn:#x} guest frames the format can map")]
     OutOfRange {
         /// First GFN asked for.
-        start_gfn: u64,
+        start_gfn: Gfn,
         /// Pages asked for.
         npages: u64,
-        /// Guest frames the format translates.
-        max_gfn: u64,
+        /// Guest frames the format translates (one past the last).
+        max_gfn: Gfn,
     },
 }
 
@@ -177,16 +178,17 @@ pub struct IdleBitmap {
 
 impl IdleBitmap {
     /// A bitmap for `npages` pages from `start_gfn`, every page not idle.
-    pub fn new<F: PteFormat>(start_gfn: u64, npages: u64) -> Result<Self, IdleError> {
+    pub fn new<F: PteFormat>(start: Gfn, npages: u64) -> Result<Self, IdleError> {
+        let start_gfn = start.raw();
         let max_gfn = 1u64 << (F::MAX_PHYS_BITS - PAGE_SHIFT);
         if npages == 0 {
             return Err(IdleError::Empty);
         }
         if start_gfn >= max_gfn || npages > max_gfn - start_gfn {
             return Err(IdleError::OutOfRange {
-                start_gfn,
+                start_gfn: start,
                 npages,
-                max_gfn,
+                max_gfn: Gfn::new(max_gfn),
             });
         }
         Ok(IdleBitmap {
@@ -197,8 +199,8 @@ impl IdleBitmap {
     }
 
     /// First GFN covered.
-    pub fn start_gfn(&self) -> u64 {
-        self.start_gfn
+    pub fn start_gfn(&self) -> Gfn {
+        Gfn::new(self.start_gfn)
     }
 
     /// Pages covered.
@@ -207,8 +209,9 @@ impl IdleBitmap {
     }
 
     /// One past the last GFN covered.
-    pub fn end_gfn(&self) -> u64 {
-        self.start_gfn + self.npages
+    pub fn end_gfn(&self) -> Gfn {
+        // Checked in `new`: below the format's frame limit.
+        Gfn::new(self.start_gfn + self.npages)
     }
 
     /// The bits: bit `i % 64` of word `i / 64` is page `start_gfn + i`, 1 = idle.
@@ -217,8 +220,9 @@ impl IdleBitmap {
     }
 
     /// Whether `gfn` is idle, or `None` outside the bitmap.
-    pub fn is_idle(&self, gfn: u64) -> Option<bool> {
+    pub fn is_idle(&self, gfn: Gfn) -> Option<bool> {
         let i = gfn
+            .raw()
             .checked_sub(self.start_gfn)
             .filter(|&i| i < self.npages)?;
         Some(self.words[(i / 64) as usize] & (1 << (i % 64)) != 0)
@@ -370,7 +374,13 @@ pub(crate) fn mark_idle<F: PteFormat>(
     on_dirty: impl FnMut(u64, u64),
 ) -> AgeReport {
     bitmap.set_all();
-    age_gfn_range(mmu, bitmap.start_gfn, bitmap.end_gfn(), flush, on_dirty)
+    age_gfn_range(
+        mmu,
+        bitmap.start_gfn,
+        bitmap.end_gfn().raw(),
+        flush,
+        on_dirty,
+    )
 }
 
 /// Clears the idle bit of every page whose leaf is young, i.e. was accessed since the
@@ -378,7 +388,7 @@ pub(crate) fn mark_idle<F: PteFormat>(
 /// no entry, so reading twice gives the same answer unless the guest ran in between.
 pub(crate) fn read_idle<F: PteFormat>(mmu: &Mmu<F>, bitmap: &mut IdleBitmap) -> u64 {
     let mut pending = PendingFlush::none();
-    let (start, end) = (bitmap.start_gfn, bitmap.end_gfn());
+    let (start, end) = (bitmap.start_gfn, bitmap.end_gfn().raw());
     age_walk(
         mmu,
         start,

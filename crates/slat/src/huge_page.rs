@@ -33,17 +33,23 @@ pub(crate) fn recover_huge_pages<F: PteFormat>(
     let guard = pin();
     let sink = mmu.sink();
     let mut recovered = 0;
-    let mut it = Walk::<F>::new(&guard, mmu.root(), 2, slot.base_gfn, slot.end_gfn());
+    let mut it = Walk::<F>::new(
+        &guard,
+        mmu.root(),
+        2,
+        slot.base_gfn.raw(),
+        slot.end_gfn().raw(),
+    );
     while it.valid() {
         let old = it.old;
         let candidate = F::is_present(old)
             && it.level <= F::MAX_LEAF_LEVEL
             && !F::is_leaf(old, it.level)
-            && slot.max_level::<F>(it.gfn) >= it.level;
+            && slot.max_level_raw::<F>(it.gfn) >= it.level;
         if candidate {
             if let Some(leaf) = first_leaf::<F>(F::output_addr(old), it.level - 1) {
                 let huge = F::make_huge(leaf, it.level);
-                debug_assert_eq!(F::output_addr(huge), slot.hva(it.gfn));
+                debug_assert_eq!(F::output_addr(huge), slot.hva_raw(it.gfn));
                 if mmu
                     .replace_spte(&mut it, huge, false, w, sink, pending)
                     .is_err()

@@ -51,6 +51,7 @@ use crate::mmu::Mmu;
 use crate::stats::{Stat, Stats};
 use crate::sync::{self, pin, AtomicBool, AtomicU64, Mutex, Ordering};
 use frames::FrameStates;
+use slat_addr::Hva;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
@@ -83,7 +84,7 @@ pub enum DirectMapError {
     #[error("the private pool at {addr:#x} (+{len:#x}) is beyond the direct map's 48-bit range")]
     PoolOutOfRange {
         /// Pool start.
-        addr: u64,
+        addr: Hva,
         /// Pool length.
         len: u64,
     },
@@ -91,11 +92,11 @@ pub enum DirectMapError {
     #[error("host address {hva:#x} is not in the private pool [{start:#x}, {end:#x})")]
     NotInPool {
         /// The address.
-        hva: u64,
+        hva: Hva,
         /// Pool start.
-        start: u64,
+        start: Hva,
         /// Pool end.
-        end: u64,
+        end: Hva,
     },
     /// A range of the pool that is not 4 KiB aligned, empty, or does not fit.
     #[error("pool range at offset {offset:#x} (+{len:#x}) is empty, unaligned or outside the {size:#x}-byte pool")]
@@ -112,7 +113,7 @@ pub enum DirectMapError {
     #[error("host address {hva:#x} is in a pool range bound to a memslot: the engine accepts and releases its pages")]
     Bound {
         /// The address.
-        hva: u64,
+        hva: Hva,
     },
     /// The range overlaps one already bound to a memslot (a guest_memfd range binds once).
     #[error("pool range at offset {offset:#x} (+{len:#x}) overlaps a range already bound")]
@@ -211,7 +212,7 @@ impl DirectMap {
         if pool
             .addr()
             .checked_add(pool.len())
-            .is_none_or(|e| e > limit)
+            .is_none_or(|e| e.raw() > limit)
         {
             return Err(DirectMapError::PoolOutOfRange {
                 addr: pool.addr(),
@@ -221,7 +222,7 @@ impl DirectMap {
         let frames = pool.len() >> PAGE_SHIFT;
         let map = DirectMap {
             mmu: Mmu::new(VmConfig::default()),
-            first_frame: pool.addr() >> PAGE_SHIFT,
+            first_frame: pool.addr().raw() >> PAGE_SHIFT,
             frames,
             pool,
             config,
@@ -271,22 +272,24 @@ impl DirectMap {
     }
 
     /// The frame number of `hva` if it is a pool address.
-    fn frame_of(&self, hva: u64) -> Result<u64, DirectMapError> {
+    fn frame_of(&self, hva: Hva) -> Result<u64, DirectMapError> {
         let start = self.pool.addr();
-        let end = start + self.pool.len();
+        // Checked in `new`: the pool ends below the direct map's address limit.
+        let end = Hva::new(start.raw() + self.pool.len());
         if hva < start || hva >= end {
             return Err(DirectMapError::NotInPool { hva, start, end });
         }
-        Ok((hva - start) >> PAGE_SHIFT)
+        Ok((hva.raw() - start.raw()) >> PAGE_SHIFT)
     }
 
     /// What a kernel access to `hva` translates to now: the host page address and the leaf
     /// level, or `None` where the direct map has no leaf (an access would oops). Lock-free.
-    pub fn translate(&self, hva: u64) -> Result<Option<(u64, Level)>, DirectMapError> {
+    pub fn translate(&self, hva: Hva) -> Result<Option<(Hva, Level)>, DirectMapError> {
         self.frame_of(hva)?;
-        Ok(self.lookup(hva >> PAGE_SHIFT).map(|(e, level)| {
-            let off = ((hva >> PAGE_SHIFT) & (pages_per_entry(level) - 1)) << PAGE_SHIFT;
-            (Kf::output_addr(e) + off, level)
+        let frame = hva.raw() >> PAGE_SHIFT;
+        Ok(self.lookup(frame).map(|(e, level)| {
+            let off = (frame & (pages_per_entry(level) - 1)) << PAGE_SHIFT;
+            (Hva::new(Kf::output_addr(e) + off), level)
         }))
     }
 
@@ -308,12 +311,12 @@ impl DirectMap {
 
     /// A kernel read of the 8 bytes at `hva` (8-byte aligned) through the direct map:
     /// `None` where it has no leaf, which is where the host must not look.
-    pub fn read_u64(&self, hva: u64) -> Result<Option<u64>, DirectMapError> {
-        let page = hva & !(PAGE_SIZE - 1);
+    pub fn read_u64(&self, hva: Hva) -> Result<Option<u64>, DirectMapError> {
+        let page = Hva::new(hva.raw() & !(PAGE_SIZE - 1));
         let Some((host, _)) = self.translate(page)? else {
             return Ok(None);
         };
-        let addr = host + ((hva & (PAGE_SIZE - 1)) & !7);
+        let addr = host.raw() + ((hva.raw() & (PAGE_SIZE - 1)) & !7);
         // SAFETY: `addr` is inside the pool (the leaf maps pool pages onto themselves and
         // `frame_of` checked `hva`), which `self.pool` keeps mapped read/write; 8-byte aligned
         // and atomic, since guests and other CPUs may write the page concurrently.
@@ -324,18 +327,18 @@ impl DirectMap {
     }
 
     /// Whether the frame at `hva` is assigned to a guest.
-    pub fn is_assigned(&self, hva: u64) -> Result<bool, DirectMapError> {
+    pub fn is_assigned(&self, hva: Hva) -> Result<bool, DirectMapError> {
         Ok(self.states.is_assigned(self.frame_of(hva)?))
     }
 
     /// Lazy acceptance of the pool page at `hva` (any address in it), for a page no memslot
     /// binds (bound pages are the engine's): see the module comment.
-    pub fn accept(&self, hva: u64) -> Result<Acceptance, DirectMapError> {
+    pub fn accept(&self, hva: Hva) -> Result<Acceptance, DirectMapError> {
         Ok(self.accept_frame(self.unbound_frame(hva)?))
     }
 
     /// The frame of `hva` if it is a pool page outside every bound range.
-    fn unbound_frame(&self, hva: u64) -> Result<u64, DirectMapError> {
+    fn unbound_frame(&self, hva: Hva) -> Result<u64, DirectMapError> {
         let f = self.frame_of(hva)?;
         let bound = sync::lock(&self.bound);
         if bound
@@ -380,7 +383,7 @@ impl DirectMap {
     /// Gives the page at `hva` back to the host: waits for an acceptance in flight, scrubs it,
     /// maps it again. Returns whether it was assigned. Only for pages no memslot binds (the
     /// engine releases bound pages on conversions to shared and slot deletion).
-    pub fn release(&self, hva: u64) -> Result<bool, DirectMapError> {
+    pub fn release(&self, hva: Hva) -> Result<bool, DirectMapError> {
         self.release_orphans();
         Ok(self.release_frame(self.unbound_frame(hva)?, true))
     }

@@ -10,6 +10,7 @@ use crate::memslot::{Memslot, Memslots, SlotId};
 use crate::mmu::flush::PendingFlush;
 use crate::mmu::Mmu;
 use crate::sync::Arc;
+use slat_addr::PageIndex;
 
 impl DirtyLog {
     // -----------------------------------------------------------------------------------------
@@ -77,7 +78,7 @@ impl DirtyLog {
                 *o = mask;
                 if mask != 0 {
                     dirty += mask.count_ones() as u64;
-                    let base = slot.base_gfn + 64 * i as u64;
+                    let base = slot.base_gfn.raw() + 64 * i as u64;
                     rearm_masked(mmu, lock.as_ref(), &mut cursor, base, mask, &mut pending);
                 }
             }
@@ -99,10 +100,11 @@ impl DirtyLog {
         mmu: &Mmu<F>,
         slots: &Memslots,
         id: SlotId,
-        first_page: u64,
+        first: PageIndex,
         num_pages: u64,
         bitmap: &[u64],
     ) -> Result<u64, DirtyLogError> {
+        let first_page = first.raw();
         let _s = slots.lock();
         if !self.mode().manual() {
             return Err(DirtyLogError::ManualProtectOff);
@@ -112,7 +114,10 @@ impl DirtyLog {
             return Err(DirtyLogError::NoBitmap { id });
         };
         if first_page % 64 != 0 {
-            return Err(DirtyLogError::ClearUnaligned { id, first_page });
+            return Err(DirtyLogError::ClearUnaligned {
+                id,
+                first_page: first,
+            });
         }
         let npages = slot.npages;
         if first_page > npages
@@ -121,7 +126,7 @@ impl DirtyLog {
         {
             return Err(DirtyLogError::ClearRange {
                 id,
-                first_page,
+                first_page: first,
                 num_pages,
                 npages,
             });
@@ -154,7 +159,7 @@ impl DirtyLog {
                 let mask = active.clear_bits(first_word + k, want);
                 if mask != 0 {
                     cleared += mask.count_ones() as u64;
-                    let base = slot.base_gfn + first_page + 64 * k as u64;
+                    let base = slot.base_gfn.raw() + first_page + 64 * k as u64;
                     rearm_masked(mmu, lock.as_ref(), &mut cursor, base, mask, &mut pending);
                 }
             }
@@ -195,7 +200,7 @@ impl DirtyLog {
                 if !slot.is_logging() || last >= slot.npages {
                     return;
                 }
-                let base = slot.base_gfn + offset;
+                let base = slot.base_gfn.raw() + offset;
                 rearm_masked(mmu, lock.as_ref(), &mut cursor, base, mask, pending);
             };
             for ring in &rings {

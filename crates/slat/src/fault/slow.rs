@@ -8,7 +8,7 @@ use crate::cmo::{clean_new_mapping, invalidate_icache_for};
 use crate::config::{CmoPolicy, RecoverVariant, VmConfig};
 use crate::direct_map::Acceptance;
 use crate::dirty::{commit_mark, mark_for, prepare_mark, DirtyRing};
-use crate::format::{bytes_per_entry, Access, LeafPerms, Level, PteFormat, PAGE_SHIFT, PAGE_SIZE};
+use crate::format::{bytes_per_entry, Access, LeafPerms, Level, PteFormat, PAGE_SIZE};
 use crate::memslot::{Memslot, MemslotSet, Memslots};
 use crate::mmu::flush::PendingFlush;
 use crate::mmu::lock::Shared;
@@ -108,8 +108,8 @@ fn plan<'s, F: PteFormat>(
     fault: Fault,
     sink: Sink<'_>,
 ) -> Result<Plan<'s>, FaultOutcome> {
-    let gfn = fault.gpa >> PAGE_SHIFT;
-    let Some((i, slot)) = set.find(gfn, *hint) else {
+    let gfn = fault.gpa.gfn().raw();
+    let Some((i, slot)) = set.find_raw(gfn, *hint) else {
         sink.inc(Stat::PfNoSlot);
         return Err(FaultOutcome::NoSlot);
     };
@@ -125,10 +125,10 @@ fn plan<'s, F: PteFormat>(
     }
     // Read after the generation (`refresh`), re-checked under the MMU lock: see
     // `memslot/attributes.rs` for why a racing conversion cannot leave a leaf of this kind.
-    let private = slot.is_private(gfn);
+    let private = slot.is_private(slat_addr::Gfn::new(gfn));
     if private != fault.private {
         return Err(FaultOutcome::MemoryFault {
-            gpa: fault.gpa & !(PAGE_SIZE - 1),
+            gpa: slat_addr::Gpa::new(fault.gpa.raw() & !(PAGE_SIZE - 1)),
             size: PAGE_SIZE,
             private: fault.private,
         });
@@ -148,7 +148,7 @@ fn plan<'s, F: PteFormat>(
         gfn,
         private,
         access: fault.access,
-        goal: slot.max_level::<F>(gfn),
+        goal: slot.max_level_raw::<F>(gfn),
         logging,
         perms,
         map_read_only_logged: logging && perms.writable && fault.access != Access::Write,
