@@ -462,7 +462,7 @@ impl<F: PteFormat> Machine<F> {
             f(s, o);
         }
         for r in self.vm.dirty_rings() {
-            n += r.harvest(&mut f) as u64;
+            n += r.harvest(|s, o| f(s, o.raw())) as u64;
         }
         n
     }
@@ -475,7 +475,7 @@ impl<F: PteFormat> Machine<F> {
         Arc::new(move || {
             let mut out = reaped.lock();
             for (i, r) in vm.dirty_rings().iter().enumerate() {
-                r.harvest(|s, o| out.push((i, s, o)));
+                r.harvest(|s, o| out.push((i, s, o.raw())));
             }
             drop(out);
             // The ring is enabled (we were installed because it is): cannot be RingOff.
@@ -656,7 +656,7 @@ impl<F: PteFormat> TestMachine for Machine<F> {
         }
         // `dirty_rings()` is in vCPU creation order: ring i is vCPU i's.
         for (i, r) in self.vm.dirty_rings().iter().enumerate() {
-            n += r.harvest(|s, o| f(Some(i), s, o)) as u64;
+            n += r.harvest(|s, o| f(Some(i), s, o.raw())) as u64;
         }
         n
     }

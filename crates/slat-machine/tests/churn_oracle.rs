@@ -784,7 +784,7 @@ fn ring_full_handler<F: PteFormat>(vm: &Arc<Vm<F>>, sh: &Arc<Shared>) -> RingFul
     Arc::new(move || {
         let mut out = lock(&sh.reaped);
         for r in vm.dirty_rings() {
-            r.harvest(|s, o| out.push((s, o)));
+            r.harvest(|s, o| out.push((s, o.raw())));
         }
         if let Err(e) = vm.reset_dirty_rings() {
             sh.fail(format!("ring-full exit: reset_dirty_rings: {e}"));
@@ -1265,7 +1265,7 @@ impl<'a, F: PteFormat> Host<'a, F> {
         if let LogMode::Ring { .. } = self.cfg.log {
             let mut reaped = lock(&self.sh.reaped);
             for r in self.vm.dirty_rings() {
-                r.harvest(&mut add);
+                r.harvest(|s, o| add(s, o.raw()));
             }
             self.vm
                 .reset_dirty_rings()

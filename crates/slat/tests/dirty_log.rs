@@ -97,7 +97,7 @@ fn dirty_pages<F: PteFormat>(vm: &Vm<F>, id: u32) -> Vec<u64> {
 fn harvest<F: PteFormat>(vcpu: &Vcpu<F>) -> Vec<(u32, u64)> {
     let ring = vcpu.dirty_ring().expect("the VM uses dirty rings");
     let mut got = Vec::new();
-    let n = ring.harvest(|s, o| got.push((s, o)));
+    let n = ring.harvest(|s, o| got.push((s, o.raw())));
     assert_eq!(
         n as usize,
         got.len(),

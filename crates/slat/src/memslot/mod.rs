@@ -16,7 +16,7 @@ use crate::format::{bytes_per_entry, pages_per_entry, Level, PteFormat, PAGE_SHI
 pub use crate::host_memory::HostRange;
 use crate::sync::Arc;
 use bitflags::bitflags;
-use slat_addr::{Gfn, Gpa, Hva};
+use slat_addr::{Gfn, Gpa, Hva, PageIndex};
 
 mod attributes;
 mod ops;
@@ -340,7 +340,7 @@ impl Memslot {
     pub(crate) fn mark_dirty(&self, gfn: u64) -> bool {
         match &self.dirty {
             Some(b) => {
-                b.set(gfn - self.base_gfn.raw());
+                b.set(PageIndex::new(gfn - self.base_gfn.raw()));
                 true
             }
             None => false,
@@ -351,7 +351,7 @@ impl Memslot {
     /// [`crate::dirty::bitmap::SlotBitmap::set_after_update`]).
     pub(crate) fn mark_dirty_after_update(&self, gfn: u64) {
         if let Some(b) = &self.dirty {
-            b.set_after_update(gfn - self.base_gfn.raw());
+            b.set_after_update(PageIndex::new(gfn - self.base_gfn.raw()));
         }
     }
 }
