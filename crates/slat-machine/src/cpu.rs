@@ -15,6 +15,7 @@ use crate::tlb::Tlb;
 use slat::direct_map::{HostCpu, Online};
 use slat::hw::{self, bytes_per_entry, table_index, PteFormat, TablePage};
 use slat::{Access, Fault, FaultOutcome, GuestMode, Vcpu, Vm};
+use slat_addr::Hva;
 use slat_addr::{Gfn, Gpa};
 use slat_workload::latency::{latency_histogram, record_latency, LatencyHistogram};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -426,11 +427,11 @@ impl<F: PteFormat> Cpu<F> {
             // waits for us to reach an access boundary while we are in guest mode, or which
             // we service (emptying that cache) before our next access if we were outside; so
             // it is still allocated for the rest of this walk.
-            let t = unsafe { TablePage::at(table) };
+            let t = unsafe { TablePage::at(Hva::new(table)) };
             let ep = &t.entries[table_index(gfn, level)];
             let e = ep.load(Ordering::Acquire);
             if F::hw_is_table(e, level) {
-                table = F::output_addr(e);
+                table = F::output_addr(e).raw();
                 level -= 1;
                 if level == 1 {
                     self.tlb.insert_leaf_table(gfn, table);
@@ -447,7 +448,7 @@ impl<F: PteFormat> Cpu<F> {
                 // The RMP check: a private access through a shared page, or the reverse, is a
                 // fault the engine turns into a memory-fault exit (or a retry, while a
                 // conversion is still zapping the old leaf).
-                if (lo..hi).contains(&F::output_addr(e)) != private {
+                if (lo..hi).contains(&F::output_addr(e).raw()) != private {
                     self.tlb.drop_leaf_table();
                     return Err(true);
                 }
@@ -480,8 +481,8 @@ impl<F: PteFormat> Cpu<F> {
             // The TLB caches "dirty" with "writable", as x86 does: a translation loaded by a
             // read of a clean leaf must walk again on the first write, to set D.
             let writable = F::is_writable(want) && F::is_dirty(want);
-            self.tlb.insert(gfn, level, base, writable, private);
-            return Ok(base + (gpa & (size - 1)));
+            self.tlb.insert(gfn, level, base.raw(), writable, private);
+            return Ok(base.raw() + (gpa & (size - 1)));
         }
     }
 

@@ -10,6 +10,7 @@ use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
 use crate::stats::Stat;
 use crate::sync::{pin, Ordering};
+use slat_addr::Hva;
 
 pub use crate::config::RebuildOrder;
 /// The split is a table operation (`mmu::split`): the direct map uses it too.
@@ -49,7 +50,7 @@ pub(crate) fn recover_huge_pages<F: PteFormat>(
         if candidate {
             if let Some(leaf) = first_leaf::<F>(F::output_addr(old), it.level - 1) {
                 let huge = F::make_huge(leaf, it.level);
-                debug_assert_eq!(F::output_addr(huge), slot.hva_raw(it.gfn));
+                debug_assert_eq!(F::output_addr(huge), Hva::new(slot.hva_raw(it.gfn)));
                 if mmu
                     .replace_spte(&mut it, huge, false, w, sink, pending)
                     .is_err()
@@ -66,7 +67,7 @@ pub(crate) fn recover_huge_pages<F: PteFormat>(
 }
 
 /// The first present leaf in the table at `addr` (of `level`) or below it.
-fn first_leaf<F: PteFormat>(addr: u64, level: Level) -> Option<u64> {
+fn first_leaf<F: PteFormat>(addr: Hva, level: Level) -> Option<u64> {
     // SAFETY: the caller read a present entry pointing here inside its reclamation guard; an
     // unlinked table stays allocated until every such guard is gone.
     let t = unsafe { TablePage::at(addr) };

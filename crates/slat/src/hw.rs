@@ -28,7 +28,7 @@ use slat_addr::Hva;
 /// Host address of the VM's root table page: where a hardware walk starts. It lives as long
 /// as the VM.
 pub fn root_addr<F: PteFormat>(vm: &Vm<F>) -> Hva {
-    Hva::new(vm.mmu.root_addr())
+    vm.mmu.root_addr()
 }
 
 /// The VM's table-page allocator, to check for leaked table pages (live pages settle to the

@@ -139,11 +139,11 @@ impl<F: PteFormat> HwCpu<F> {
             // SAFETY: the root or a table reached through present entries during this access,
             // in guest mode: a table unlinked meanwhile is freed only after a flush this vCPU
             // acknowledges between accesses.
-            let t = unsafe { TablePage::at(table.raw()) };
+            let t = unsafe { TablePage::at(Hva::new(table.raw())) };
             let ep = &t.entries[table_index(gfn, level)];
             let e = ep.load(Ordering::Acquire);
             if F::hw_is_table(e, level) {
-                table = Hva::new(F::output_addr(e));
+                table = Hva::new(F::output_addr(e).raw());
                 level -= 1;
                 continue;
             }

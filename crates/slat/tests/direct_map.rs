@@ -352,7 +352,7 @@ fn private_faults_accept_and_conversions_release() {
     let (leaf, _) = vm.lookup(Gfn::new(gfn + 5)).unwrap();
     assert_eq!(
         <Ept as PteFormat>::output_addr(leaf),
-        page(5),
+        Hva::new(page(5)),
         "mapped privately"
     );
     // The guest writes a secret; converting page 5 to shared releases it, scrubbed.

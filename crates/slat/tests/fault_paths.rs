@@ -17,6 +17,7 @@ use slat::format::{pages_per_entry, PteFormat, PAGE_SHIFT, PAGE_SIZE};
 use slat::{
     Access, FaultOutcome, Level, MemslotError, MemslotFlags, MmuLockKind, Vcpu, Vm, VmConfig,
 };
+use slat_addr::Hva;
 use slat_addr::{Gfn, Gpa};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -451,7 +452,10 @@ fn one_gib_leaves_for_1g_host_pages<F: PteFormat>() {
         );
         let (leaf, level) = expect_mapped(&vm, gpa + off, host + off);
         assert_eq!(level, 3, "offset {off:#x}");
-        assert_eq!(F::output_addr(leaf), host + (off & !(HUGE_1G - 1)));
+        assert_eq!(
+            F::output_addr(leaf),
+            Hva::new(host + (off & !(HUGE_1G - 1)))
+        );
         assert_eq!(vm.stats().leaves_1g, i as u64 + 1);
     }
     // The far corners of the first GiB translate through the one leaf.

@@ -178,7 +178,7 @@ fn run<F: PteFormat>(config: VmConfig, seed: u64) {
                 .unwrap_or_else(|| panic!("{ctx}: gfn {gfn:#x} mapped outside every slot"));
             let off = (gfn & (pages_per_entry(level) - 1)) * 4096;
             assert_eq!(
-                Some(Hva::new(F::output_addr(e) + off)),
+                Some(Hva::new(F::output_addr(e).raw() + off)),
                 slot.hva(Gfn::new(gfn)),
                 "{ctx}: gfn {gfn:#x}"
             );

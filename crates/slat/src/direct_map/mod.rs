@@ -289,7 +289,7 @@ impl DirectMap {
         let frame = hva.raw() >> PAGE_SHIFT;
         Ok(self.lookup(frame).map(|(e, level)| {
             let off = (frame & (pages_per_entry(level) - 1)) << PAGE_SHIFT;
-            (Hva::new(Kf::output_addr(e) + off), level)
+            (Hva::new(Kf::output_addr(e).raw() + off), level)
         }))
     }
 
@@ -533,7 +533,7 @@ impl DirectMap {
         let mut it = Walk::<Kf>::new(&guard, self.mmu.root(), level, gfn, gfn + 1);
         while it.valid() {
             if it.level == level {
-                let leaf = Kf::make_leaf(gfn << PAGE_SHIFT, level, KERNEL_PERMS);
+                let leaf = Kf::make_leaf(Hva::new(gfn << PAGE_SHIFT), level, KERNEL_PERMS);
                 debug_assert!(!Kf::is_present(it.old), "mapping over a present entry");
                 while self
                     .mmu
@@ -589,7 +589,7 @@ impl DirectMap {
         if !full {
             return;
         }
-        let huge = Kf::make_leaf(block << PAGE_SHIFT, 2, KERNEL_PERMS);
+        let huge = Kf::make_leaf(Hva::new(block << PAGE_SHIFT), 2, KERNEL_PERMS);
         let sink = self.mmu.sink();
         if self
             .mmu

@@ -12,6 +12,7 @@ use crate::mmu::table::TablePage;
 use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
 use crate::sync::{pin, Guard, Ordering};
+use slat_addr::Hva;
 
 /// The value that re-arms logging on the 4 KiB leaf `old` (so its next write is seen), or
 /// `None` if it is armed already: W cleared, or with hardware-dirty tracking D cleared.
@@ -46,7 +47,7 @@ pub(super) fn rearm_range<F: PteFormat>(
         let old = it.old;
         if mmu.rmap.enabled() && F::is_present(old) && F::is_leaf(old, it.level) {
             // Enabling logging is where the rmap is made exact for the logged period.
-            mmu.rmap_reassert(it.gfn, it.level, it.table());
+            mmu.rmap_reassert(it.gfn, it.level, it.table().raw());
         }
         let new = if !F::is_present(old) || !F::is_leaf(old, it.level) {
             None
@@ -117,13 +118,13 @@ pub(super) fn rearm_masked<F: PteFormat>(
                     cursor.0 = None;
                     continue;
                 }
-                cursor.0 = Some((gfn & !(ENTRIES_PER_TABLE as u64 - 1), it.table()));
-                it.table()
+                cursor.0 = Some((gfn & !(ENTRIES_PER_TABLE as u64 - 1), it.table().raw()));
+                it.table().raw()
             }
         };
         // SAFETY: `t` is a leaf table reached from the root under the exclusive MMU lock,
         // which this harvest holds throughout: nothing can unlink, let alone free, it.
-        let sptep = &unsafe { TablePage::at(t) }.entries[table_index(gfn, 1)];
+        let sptep = &unsafe { TablePage::at(Hva::new(t)) }.entries[table_index(gfn, 1)];
         let mut old = sptep.load(Ordering::Acquire);
         while F::is_present(old) {
             let Some(new) = rearmed(mmu, old) else {
@@ -202,7 +203,7 @@ fn rmap_lookup<F: PteFormat>(mmu: &Mmu<F>, gfn: u64) -> RmapHit {
         let e = page.entries[table_index(gfn, level)].load(Ordering::Acquire);
         if F::is_present(e) && F::is_leaf(e, level) {
             return if level == 1 {
-                RmapHit::Leaf4k(page.addr())
+                RmapHit::Leaf4k(page.addr().raw())
             } else {
                 RmapHit::Huge
             };

@@ -17,6 +17,7 @@ use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
 use crate::stats::{Sink, Stat};
 use crate::sync::{pin, Ordering};
+use slat_addr::Hva;
 
 /// What the slow path decided before taking the MMU lock.
 struct Plan<'s> {
@@ -231,7 +232,7 @@ fn install_at_goal<F: PteFormat>(
         return Some(FaultOutcome::Spurious);
     }
     let hva = plan.hva() & !(bytes_per_entry(goal) - 1);
-    if F::is_present(old) && !rebuild && F::output_addr(old) != hva {
+    if F::is_present(old) && !rebuild && F::output_addr(old) != Hva::new(hva) {
         // A leaf of the other kind that a conversion has not zapped yet (its zap yields the
         // lock now and then): never upgrade it into this backing, wait for the zap.
         return Some(FaultOutcome::Retry);
@@ -243,9 +244,9 @@ fn install_at_goal<F: PteFormat>(
     let new = if plan.map_read_only_logged {
         // Writable as far as the MMU is concerned, W clear: the first write is a fast-path
         // fault that logs it.
-        F::write_protect(F::make_leaf(hva, goal, perms))
+        F::write_protect(F::make_leaf(Hva::new(hva), goal, perms))
     } else {
-        F::make_leaf(hva, goal, perms)
+        F::make_leaf(Hva::new(hva), goal, perms)
     };
     let mark = if F::is_writable(new) {
         mark_for(plan.slot, ring)

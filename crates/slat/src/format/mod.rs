@@ -11,6 +11,8 @@
 pub mod ept;
 pub mod stage2;
 
+use slat_addr::Hva;
+
 pub use ept::Ept;
 pub use stage2::Stage2;
 
@@ -125,11 +127,11 @@ pub unsafe trait PteFormat: Send + Sync + 'static + Sized {
     /// The entry is a leaf at `level` (always true at level 1 for present entries).
     fn is_leaf(pte: u64, level: Level) -> bool;
     /// Host address of the child table or of the mapped (huge) page.
-    fn output_addr(pte: u64) -> u64;
+    fn output_addr(pte: u64) -> Hva;
     /// A non-leaf entry pointing at a child table at host address `child`.
-    fn make_table(child: u64) -> u64;
+    fn make_table(child: Hva) -> u64;
     /// A leaf mapping host address `addr` (aligned to the level's size) at `level`.
-    fn make_leaf(addr: u64, level: Level, perms: LeafPerms) -> u64;
+    fn make_leaf(addr: Hva, level: Level, perms: LeafPerms) -> u64;
 
     /// Hardware may write through this leaf.
     fn is_writable(pte: u64) -> bool;

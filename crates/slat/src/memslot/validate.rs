@@ -95,7 +95,7 @@ pub(crate) fn validate_host<F: PteFormat>(
         });
     }
     // The PTE address field must hold every host address of the slot.
-    let fits = |a: u64| F::output_addr(a) == a;
+    let fits = |a: u64| F::output_addr(a) == Hva::new(a);
     match host.addr().checked_add(size).map(Hva::raw) {
         Some(end) if fits(host.addr().raw()) && fits(end - PAGE_SIZE) => {}
         _ => {

@@ -4,6 +4,7 @@ use super::walk::Walk;
 use super::Mmu;
 use crate::format::{Level, PteFormat, PAGE_SHIFT};
 use crate::sync::pin;
+use slat_addr::Hva;
 
 impl<F: PteFormat> Mmu<F> {
     /// Walks the whole table and counts leaves per level and linked tables (tests and
@@ -97,7 +98,7 @@ impl<F: PteFormat> Mmu<F> {
                     let got = s
                         .slot(it.gfn, it.level)
                         .map(|x| x.load(crate::sync::Ordering::Acquire));
-                    if got != Some(it.table()) {
+                    if got != Some(it.table().raw()) {
                         return Err(format!(
                             "leaf at gfn {:#x} level {} in table {:#x}: rmap has {:?}",
                             it.gfn,
@@ -122,7 +123,7 @@ impl<F: PteFormat> Mmu<F> {
                 }
                 // SAFETY: the slot names the table of a leaf the walk above just found linked,
                 // under the exclusive lock we still hold.
-                let page = unsafe { super::table::TablePage::at(t) };
+                let page = unsafe { super::table::TablePage::at(Hva::new(t)) };
                 let want = super::table::TableMeta::pack(
                     gfn & !(crate::format::pages_per_entry(level + 1) - 1),
                     level,

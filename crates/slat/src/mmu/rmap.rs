@@ -12,6 +12,7 @@
 use super::table::{OwnedTable, TableAlloc, TableMeta, TablePage};
 use crate::format::{pages_per_entry, Level};
 use crate::sync::{pin, Arc, AtomicU64, Ordering, Published};
+use slat_addr::Hva;
 
 /// Levels that can hold leaves (4 KiB, 2 MiB, 1 GiB).
 pub(crate) const RMAP_LEVELS: usize = 3;
@@ -210,7 +211,7 @@ impl Rmap {
             guard.flush();
             return;
         }
-        let addrs: Vec<u64> = pages.into_iter().map(OwnedTable::into_linked).collect();
+        let addrs: Vec<Hva> = pages.into_iter().map(OwnedTable::into_linked).collect();
         let rmap = this.clone();
         let alloc = alloc.clone();
         guard.defer(move || {
@@ -242,7 +243,7 @@ impl Rmap {
         let step = pages_per_entry(level);
         let addr = page.addr();
         for i in 0..crate::format::ENTRIES_PER_TABLE as u64 {
-            self.remove(first + i * step, level, addr);
+            self.remove(first + i * step, level, addr.raw());
         }
     }
 }
@@ -266,7 +267,7 @@ pub(crate) unsafe fn validated<'a>(
     }
     // SAFETY: a slot names only pages not yet freed, or pages whose free waits for a grace
     // period that began after the slot was cleared ([`Rmap::retire`]); the caller is pinned.
-    let page = unsafe { TablePage::at(t) };
+    let page = unsafe { TablePage::at(Hva::new(t)) };
     let first = gfn & !(pages_per_entry(level + 1) - 1);
     (page.meta().get() == TableMeta::pack(first, level)).then_some(page)
 }

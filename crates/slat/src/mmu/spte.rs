@@ -14,6 +14,7 @@ use crate::config::RebuildOrder;
 use crate::format::{bytes_per_entry, pages_per_entry, Access, Level, PteFormat};
 use crate::stats::{leaf_stat, Sink, Stat};
 use crate::sync::{self, AtomicU64, Ordering};
+use slat_addr::Hva;
 
 /// The entry changed under us; the caller re-reads and retries, or gives up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -152,9 +153,9 @@ impl<F: PteFormat> Mmu<F> {
             if F::is_present(v) && F::is_leaf(v, level) {
                 let g = gfn + i as u64 * step;
                 if claim {
-                    self.rmap.claim(g, level, child.addr());
+                    self.rmap.claim(g, level, child.addr().raw());
                 } else {
-                    self.rmap.insert(g, level, child.addr());
+                    self.rmap.insert(g, level, child.addr().raw());
                 }
             }
         }
@@ -210,7 +211,7 @@ impl<F: PteFormat> Mmu<F> {
         let step = pages_per_entry(level - 1);
         let child = F::output_addr(new);
         for i in 0..crate::format::ENTRIES_PER_TABLE as u64 {
-            self.rmap.remove(gfn + i * step, level - 1, child);
+            self.rmap.remove(gfn + i * step, level - 1, child.raw());
         }
     }
 
@@ -298,7 +299,7 @@ impl<F: PteFormat> Mmu<F> {
         }
         if cmo && F::is_present(new) && F::is_leaf(new, level) {
             clean_new_mapping(
-                F::output_addr(new),
+                F::output_addr(new).raw(),
                 bytes_per_entry(level),
                 F::permits(new, Access::Exec),
                 sink,
@@ -438,7 +439,7 @@ impl<F: PteFormat> Mmu<F> {
     /// fails its CAS and re-walks), accounts and recurses, and queues the page for freeing.
     fn unlink_table(
         &self,
-        addr: u64,
+        addr: Hva,
         gfn: u64,
         level: Level,
         sink: Sink<'_>,
@@ -463,7 +464,7 @@ impl<F: PteFormat> Mmu<F> {
                 if self.rmap.enabled() {
                     // After the freeze: a racing inserter of this leaf either already inserted
                     // (removed here) or is still pinned (cleared by `Rmap::retire`'s sweep).
-                    self.rmap.remove(egfn, level, addr);
+                    self.rmap.remove(egfn, level, addr.raw());
                 }
             } else {
                 self.unlink_table(F::output_addr(v), egfn, level - 1, sink, pending);

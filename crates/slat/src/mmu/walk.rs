@@ -11,12 +11,13 @@
 use crate::format::{pages_per_entry, table_index, Level, PteFormat, MAX_LEVELS};
 use crate::mmu::table::TablePage;
 use crate::sync::{AtomicU64, Guard, Ordering};
+use slat_addr::Hva;
 use std::marker::PhantomData;
 
 /// A position in a walk of `[start, end)` (GFNs).
 pub struct Walk<'g, F: PteFormat> {
-    path: [u64; MAX_LEVELS + 1],
-    root: u64,
+    path: [Hva; MAX_LEVELS + 1],
+    root: Hva,
     min_level: Level,
     end: u64,
     /// The lowest GFN not yet fully visited; where a restart resumes.
@@ -47,7 +48,7 @@ impl<'g, F: PteFormat> Walk<'g, F> {
         // Table indices wrap above the format's width: never walk beyond it.
         let end = end.min(1u64 << (F::MAX_PHYS_BITS - crate::format::PAGE_SHIFT));
         let mut w = Walk {
-            path: [0; MAX_LEVELS + 1],
+            path: [Hva::ZERO; MAX_LEVELS + 1],
             root: root.addr(),
             min_level,
             end,
@@ -70,7 +71,7 @@ impl<'g, F: PteFormat> Walk<'g, F> {
     #[inline]
     pub fn to_leaf(guard: &'g Guard, root: &TablePage, gfn: u64) -> Self {
         let mut w = Walk {
-            path: [0; MAX_LEVELS + 1],
+            path: [Hva::ZERO; MAX_LEVELS + 1],
             root: root.addr(),
             min_level: 1,
             end: gfn + 1,
@@ -101,7 +102,7 @@ impl<'g, F: PteFormat> Walk<'g, F> {
 
     /// Address of the table holding the current entry.
     #[inline]
-    pub fn table(&self) -> u64 {
+    pub fn table(&self) -> Hva {
         self.path[self.level as usize]
     }
 

@@ -240,7 +240,7 @@ pub fn teardown<F: PteFormat>(vm: Arc<Vm<F>>, vcpus: impl IntoIterator<Item = Vc
 
 /// The host address `gfn` translates to through `leaf` at `level`.
 pub fn leaf_hva<F: PteFormat>(leaf: u64, level: Level, gfn: u64) -> u64 {
-    F::output_addr(leaf) + ((gfn & (pages_per_entry(level) - 1)) << PAGE_SHIFT)
+    F::output_addr(leaf).raw() + ((gfn & (pages_per_entry(level) - 1)) << PAGE_SHIFT)
 }
 
 /// Checks the audit of the tree against the statistics; returns the audit.
