@@ -428,7 +428,7 @@ impl<F: PteFormat> Cpu<F> {
             // we service (emptying that cache) before our next access if we were outside; so
             // it is still allocated for the rest of this walk.
             let t = unsafe { TablePage::at(Hva::new(table)) };
-            let ep = &t.entries[table_index(gfn, level)];
+            let ep = &t.entries[table_index(Gfn::new(gfn), level)];
             let e = ep.load(Ordering::Acquire);
             if F::hw_is_table(e, level) {
                 table = F::output_addr(e).raw();

@@ -475,7 +475,7 @@ fn age_walk<F: PteFormat>(
                 // compare-and-swap on them fails).
                 let t = unsafe { TablePage::at(F::output_addr(old)) };
                 for gfn in lo..hi {
-                    let sptep = &t.entries[table_index(gfn, 1)];
+                    let sptep = &t.entries[table_index(Gfn::new(gfn), 1)];
                     let mut cur = sptep.load(Ordering::Acquire);
                     // A 4 KiB entry that is present is a leaf; one that went away under a
                     // lost race (zapped, frozen) has nothing left to age.

@@ -140,7 +140,7 @@ impl<F: PteFormat> HwCpu<F> {
             // in guest mode: a table unlinked meanwhile is freed only after a flush this vCPU
             // acknowledges between accesses.
             let t = unsafe { TablePage::at(Hva::new(table.raw())) };
-            let ep = &t.entries[table_index(gfn, level)];
+            let ep = &t.entries[table_index(Gfn::new(gfn), level)];
             let e = ep.load(Ordering::Acquire);
             if F::hw_is_table(e, level) {
                 table = Hva::new(F::output_addr(e).raw());

@@ -12,6 +12,7 @@ use crate::mmu::table::TablePage;
 use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
 use crate::sync::{pin, Guard, Ordering};
+use slat_addr::Gfn;
 use slat_addr::Hva;
 
 /// The value that re-arms logging on the 4 KiB leaf `old` (so its next write is seen), or
@@ -124,7 +125,7 @@ pub(super) fn rearm_masked<F: PteFormat>(
         };
         // SAFETY: `t` is a leaf table reached from the root under the exclusive MMU lock,
         // which this harvest holds throughout: nothing can unlink, let alone free, it.
-        let sptep = &unsafe { TablePage::at(Hva::new(t)) }.entries[table_index(gfn, 1)];
+        let sptep = &unsafe { TablePage::at(Hva::new(t)) }.entries[table_index(Gfn::new(gfn), 1)];
         let mut old = sptep.load(Ordering::Acquire);
         while F::is_present(old) {
             let Some(new) = rearmed(mmu, old) else {
@@ -200,7 +201,7 @@ fn rmap_lookup<F: PteFormat>(mmu: &Mmu<F>, gfn: u64) -> RmapHit {
         let Some(page) = (unsafe { validated(slot, gfn, level) }) else {
             continue;
         };
-        let e = page.entries[table_index(gfn, level)].load(Ordering::Acquire);
+        let e = page.entries[table_index(Gfn::new(gfn), level)].load(Ordering::Acquire);
         if F::is_present(e) && F::is_leaf(e, level) {
             return if level == 1 {
                 RmapHit::Leaf4k(page.addr().raw())
@@ -269,7 +270,7 @@ fn protect_lockless<F: PteFormat>(
             continue;
         };
         let mut lvl = level;
-        let mut sptep = &page.entries[table_index(gfn, lvl)];
+        let mut sptep = &page.entries[table_index(Gfn::new(gfn), lvl)];
         // Acquire: pairs with the release of whoever published the entry (and its table).
         let mut old = sptep.load(Ordering::Acquire);
         while lvl > 1 && F::is_present(old) && !F::is_leaf(old, lvl) {
@@ -277,7 +278,7 @@ fn protect_lockless<F: PteFormat>(
             // 2: unlinked pages wait for a grace period that our pin holds back).
             let t = unsafe { TablePage::at(F::output_addr(old)) };
             lvl -= 1;
-            sptep = &t.entries[table_index(gfn, lvl)];
+            sptep = &t.entries[table_index(Gfn::new(gfn), lvl)];
             old = sptep.load(Ordering::Acquire);
         }
         let leaf = F::is_present(old) && F::is_leaf(old, lvl);

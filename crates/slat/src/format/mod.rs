@@ -11,7 +11,7 @@
 pub mod ept;
 pub mod stage2;
 
-use slat_addr::Hva;
+use slat_addr::{Gfn, Hva};
 
 pub use ept::Ept;
 pub use stage2::Stage2;
@@ -44,8 +44,8 @@ pub const fn bytes_per_entry(level: Level) -> u64 {
 
 /// Index of `gfn` in the table at `level`.
 #[inline]
-pub const fn table_index(gfn: u64, level: Level) -> usize {
-    ((gfn >> (LEVEL_BITS * (level as u32 - 1))) as usize) & (ENTRIES_PER_TABLE - 1)
+pub const fn table_index(gfn: Gfn, level: Level) -> usize {
+    ((gfn.raw() >> (LEVEL_BITS * (level as u32 - 1))) as usize) & (ENTRIES_PER_TABLE - 1)
 }
 
 /// The kind of guest memory access that faulted or is being translated.

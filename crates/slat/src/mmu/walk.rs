@@ -11,6 +11,7 @@
 use crate::format::{pages_per_entry, table_index, Level, PteFormat, MAX_LEVELS};
 use crate::mmu::table::TablePage;
 use crate::sync::{AtomicU64, Guard, Ordering};
+use slat_addr::Gfn;
 use slat_addr::Hva;
 use std::marker::PhantomData;
 
@@ -118,7 +119,7 @@ impl<'g, F: PteFormat> Walk<'g, F> {
         // SAFETY: path[level] is a table reached from the root during this walk (or since the
         // last restart) while the guard `'g` is held, so it has not been freed.
         let t = unsafe { TablePage::at(self.path[self.level as usize]) };
-        &t.entries[table_index(self.gfn, self.level)]
+        &t.entries[table_index(Gfn::new(self.gfn), self.level)]
     }
 
     /// Re-reads the current entry into [`Self::old`].
@@ -197,7 +198,7 @@ impl<'g, F: PteFormat> Walk<'g, F> {
     }
 
     fn try_step_side(&mut self) -> bool {
-        if table_index(self.gfn, self.level) == crate::format::ENTRIES_PER_TABLE - 1 {
+        if table_index(Gfn::new(self.gfn), self.level) == crate::format::ENTRIES_PER_TABLE - 1 {
             return false;
         }
         self.gfn += pages_per_entry(self.level);
