@@ -453,7 +453,13 @@ fn age_walk<F: PteFormat>(
         let lock = mmu.lock.read();
         let w = mmu.lock.shared(&lock);
         let guard = pin();
-        let mut it = Walk::<F>::new(&guard, mmu.root(), 2, p.chunk, chunk_end);
+        let mut it = Walk::<F>::new(
+            &guard,
+            mmu.root(),
+            2,
+            Gfn::new(p.chunk),
+            Gfn::new(chunk_end),
+        );
         while it.valid() {
             let old = it.old;
             if !F::is_present(old) {
@@ -463,12 +469,12 @@ fn age_walk<F: PteFormat>(
                 // zapped, or a table now, which the next round sweeps).
                 let sptep = it.sptep();
                 let (level, gfn) = (it.level, it.gfn);
-                if p.leaf(w, sptep, level, gfn, &mut it.old) {
+                if p.leaf(w, sptep, level, gfn.raw(), &mut it.old) {
                     it.next();
                 }
             } else if it.level == 2 {
-                let lo = it.gfn.max(p.chunk);
-                let hi = it.entry_end().min(chunk_end);
+                let lo = it.gfn.raw().max(p.chunk);
+                let hi = it.entry_end().raw().min(chunk_end);
                 // SAFETY: a table reached from the root through present entries under
                 // the guard (and the read lock): it stays allocated while the guard lives,
                 // even if unlinked meanwhile (then its entries are frozen, and every
@@ -551,10 +557,16 @@ impl<F: PteFormat, Y: FnMut(u64, u64), D: FnMut(u64, u64)> AgePass<'_, F, Y, D> 
             } else {
                 let new = F::mark_access_tracked(cur);
                 let sink = self.mmu.sink();
-                match self
-                    .mmu
-                    .update_spte(sptep, level, gfn, old, new, w, sink, self.pending)
-                {
+                match self.mmu.update_spte(
+                    sptep,
+                    level,
+                    Gfn::new(gfn),
+                    old,
+                    new,
+                    w,
+                    sink,
+                    self.pending,
+                ) {
                     Ok(()) => {
                         self.r.aged_leaves += 1;
                         if leaf_dirty::<F>(cur) {

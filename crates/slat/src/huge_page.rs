@@ -34,23 +34,17 @@ pub(crate) fn recover_huge_pages<F: PteFormat>(
     let guard = pin();
     let sink = mmu.sink();
     let mut recovered = 0;
-    let mut it = Walk::<F>::new(
-        &guard,
-        mmu.root(),
-        2,
-        slot.base_gfn.raw(),
-        slot.end_gfn().raw(),
-    );
+    let mut it = Walk::<F>::new(&guard, mmu.root(), 2, slot.base_gfn, slot.end_gfn());
     while it.valid() {
         let old = it.old;
         let candidate = F::is_present(old)
             && it.level <= F::MAX_LEAF_LEVEL
             && !F::is_leaf(old, it.level)
-            && slot.max_level_raw::<F>(it.gfn) >= it.level;
+            && slot.max_level_raw::<F>(it.gfn.raw()) >= it.level;
         if candidate {
             if let Some(leaf) = first_leaf::<F>(F::output_addr(old), it.level - 1) {
                 let huge = F::make_huge(leaf, it.level);
-                debug_assert_eq!(F::output_addr(huge), Hva::new(slot.hva_raw(it.gfn)));
+                debug_assert_eq!(F::output_addr(huge), Hva::new(slot.hva_raw(it.gfn.raw())));
                 if mmu
                     .replace_spte(&mut it, huge, false, w, sink, pending)
                     .is_err()

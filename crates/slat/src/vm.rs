@@ -84,7 +84,7 @@ impl<F: PteFormat> Vm<F> {
     /// lock released first a fault could install a mapping of another size over the range
     /// while some vCPU still caches the old one (a TLB conflict abort on arm64).
     pub fn zap_gfn_range(&self, start_gfn: Gfn, end_gfn: Gfn) {
-        self.mmu.zap_gfn_range(start_gfn.raw(), end_gfn.raw())
+        self.mmu.zap_gfn_range(start_gfn, end_gfn)
     }
 
     /// Walks the whole table and counts leaves per level and linked tables (tests and
@@ -103,7 +103,7 @@ impl<F: PteFormat> Vm<F> {
 
     /// The leaf mapping `gfn`, if any: (entry value, level). Lock-free read for tests and tools.
     pub fn lookup(&self, gfn: Gfn) -> Option<(u64, Level)> {
-        self.mmu.lookup(gfn.raw())
+        self.mmu.lookup(gfn)
     }
 
     // -----------------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ use crate::mmu::Mmu;
 use crate::stats::{Stat, Stats};
 use crate::sync::{self, pin, AtomicBool, AtomicU64, Mutex, Ordering};
 use frames::FrameStates;
+use slat_addr::Gfn;
 use slat_addr::Hva;
 use std::fmt;
 use std::sync::Arc;
@@ -299,7 +300,7 @@ impl DirectMap {
     fn lookup(&self, gfn: u64) -> Option<(u64, Level)> {
         loop {
             let guard = pin();
-            let it = Walk::<Kf>::to_leaf(&guard, self.mmu.root(), gfn);
+            let it = Walk::<Kf>::to_leaf(&guard, self.mmu.root(), Gfn::new(gfn));
             if it.old == Kf::FROZEN {
                 sync::spin_hint();
                 continue;
@@ -484,7 +485,13 @@ impl DirectMap {
             // compare-and-swap, so the split is a lock-free writer as far as the MMU knows.
             let guard = pin();
             let w = Shared::lockless(&guard);
-            let splits = split_huge_pages(&self.mmu, w, block, block + BLOCK_PAGES, &mut split);
+            let splits = split_huge_pages(
+                &self.mmu,
+                w,
+                Gfn::new(block),
+                Gfn::new(block + BLOCK_PAGES),
+                &mut split,
+            );
             if splits != 0 {
                 split.require();
                 self.mmu.complete_flush(split);
@@ -505,7 +512,7 @@ impl DirectMap {
     /// Sets the 4 KiB leaf of `gfn` non-present (under the lock: no other writer).
     fn clear_leaf(&self, gfn: u64, pending: &mut PendingFlush) {
         let guard = pin();
-        let mut it = Walk::<Kf>::to_leaf(&guard, self.mmu.root(), gfn);
+        let mut it = Walk::<Kf>::to_leaf(&guard, self.mmu.root(), Gfn::new(gfn));
         debug_assert!(it.level == 1 && Kf::is_present(it.old), "no 4 KiB leaf");
         while it.level == 1 && Kf::is_present(it.old) {
             let sink = self.mmu.sink();
@@ -530,7 +537,13 @@ impl DirectMap {
     fn map_leaf(&self, gfn: u64, level: Level, pending: &mut PendingFlush) {
         let guard = pin();
         let sink = self.mmu.sink();
-        let mut it = Walk::<Kf>::new(&guard, self.mmu.root(), level, gfn, gfn + 1);
+        let mut it = Walk::<Kf>::new(
+            &guard,
+            self.mmu.root(),
+            level,
+            Gfn::new(gfn),
+            Gfn::new(gfn + 1),
+        );
         while it.valid() {
             if it.level == level {
                 let leaf = Kf::make_leaf(Hva::new(gfn << PAGE_SHIFT), level, KERNEL_PERMS);
@@ -572,7 +585,13 @@ impl DirectMap {
             return;
         }
         let guard = pin();
-        let mut it = Walk::<Kf>::new(&guard, self.mmu.root(), 2, block, block + 1);
+        let mut it = Walk::<Kf>::new(
+            &guard,
+            self.mmu.root(),
+            2,
+            Gfn::new(block),
+            Gfn::new(block + 1),
+        );
         while it.valid() && it.level > 2 {
             it.next();
         }

@@ -19,7 +19,7 @@ impl DirtyLog {
             // the pages it has sent, gradually.
             return;
         }
-        let (start, end) = (slot.base_gfn.raw(), slot.end_gfn().raw());
+        let (start, end) = (slot.base_gfn, slot.end_gfn());
         // Drain fast-path fixes that read the memslots before this slot logged: they would not
         // mark, and their W 0→1 could land after the write-protect walk below found the leaf
         // already protected (left so by an earlier logging round). They run in guest mode, so a
@@ -49,7 +49,7 @@ pub(crate) fn disable_logging<F: PteFormat>(mmu: &Mmu<F>, slot: &Memslot) {
     match mmu.config.recover {
         // Faults in the range rebuild huge leaves as they come.
         RecoverVariant::OnFault => {}
-        RecoverVariant::Zap => mmu.zap_gfn_range(slot.base_gfn.raw(), slot.end_gfn().raw()),
+        RecoverVariant::Zap => mmu.zap_gfn_range(slot.base_gfn, slot.end_gfn()),
         RecoverVariant::InPlace => {
             let mut pending = PendingFlush::none();
             {

@@ -5,7 +5,7 @@ use super::rearm::{rearm_masked, LeafCursor};
 use super::ring::Coalesce;
 use super::{DirtyLog, DirtyLogError};
 use crate::config::{GetLogVariant, WrprotVariant};
-use crate::format::PteFormat;
+use crate::format::{FrameStep, PteFormat};
 use crate::memslot::{Memslot, Memslots, SlotId};
 use crate::mmu::flush::PendingFlush;
 use crate::mmu::Mmu;
@@ -78,7 +78,7 @@ impl DirtyLog {
                 *o = mask;
                 if mask != 0 {
                     dirty += mask.count_ones() as u64;
-                    let base = slot.base_gfn.raw() + 64 * i as u64;
+                    let base = slot.base_gfn.plus(64 * i as u64);
                     rearm_masked(mmu, lock.as_ref(), &mut cursor, base, mask, &mut pending);
                 }
             }
@@ -159,7 +159,7 @@ impl DirtyLog {
                 let mask = active.clear_bits(first_word + k, want);
                 if mask != 0 {
                     cleared += mask.count_ones() as u64;
-                    let base = slot.base_gfn.raw() + first_page + 64 * k as u64;
+                    let base = slot.base_gfn.plus(first_page + 64 * k as u64);
                     rearm_masked(mmu, lock.as_ref(), &mut cursor, base, mask, &mut pending);
                 }
             }
@@ -200,7 +200,7 @@ impl DirtyLog {
                 if !slot.is_logging() || last >= slot.npages {
                     return;
                 }
-                let base = slot.base_gfn.raw() + offset;
+                let base = slot.base_gfn.plus(offset);
                 rearm_masked(mmu, lock.as_ref(), &mut cursor, base, mask, pending);
             };
             for ring in &rings {

@@ -3,17 +3,16 @@
 
 use super::DirtyTrack;
 use crate::config::WrprotVariant;
-use crate::format::{pages_per_entry, table_index, Level, PteFormat, ENTRIES_PER_TABLE};
+use crate::format::{pages_per_entry, table_index, FrameStep, Level, PteFormat, ENTRIES_PER_TABLE};
 use crate::huge_page::split_huge_pages;
 use crate::mmu::flush::PendingFlush;
 use crate::mmu::lock::{Exclusive, Shared, WriteGuard};
 use crate::mmu::rmap::{validated, SlotRmap, RMAP_LEVELS};
 use crate::mmu::table::TablePage;
-use crate::mmu::walk::Walk;
+use crate::mmu::walk::{round_down, Walk};
 use crate::mmu::Mmu;
 use crate::sync::{pin, Guard, Ordering};
-use slat_addr::Gfn;
-use slat_addr::Hva;
+use slat_addr::{Gfn, Hva};
 
 /// The value that re-arms logging on the 4 KiB leaf `old` (so its next write is seen), or
 /// `None` if it is armed already: W cleared, or with hardware-dirty tracking D cleared.
@@ -37,8 +36,8 @@ fn rearmed<F: PteFormat>(mmu: &Mmu<F>, old: u64) -> Option<u64> {
 pub(super) fn rearm_range<F: PteFormat>(
     mmu: &Mmu<F>,
     w: Shared<'_>,
-    start: u64,
-    end: u64,
+    start: Gfn,
+    end: Gfn,
     pending: &mut PendingFlush,
 ) {
     let guard = pin();
@@ -48,7 +47,7 @@ pub(super) fn rearm_range<F: PteFormat>(
         let old = it.old;
         if mmu.rmap.enabled() && F::is_present(old) && F::is_leaf(old, it.level) {
             // Enabling logging is where the rmap is made exact for the logged period.
-            mmu.rmap_reassert(it.gfn, it.level, it.table().raw());
+            mmu.rmap_reassert(it.gfn, it.level, it.table());
         }
         let new = if !F::is_present(old) || !F::is_leaf(old, it.level) {
             None
@@ -77,7 +76,7 @@ pub(super) fn rearm_masked<F: PteFormat>(
     mmu: &Mmu<F>,
     lock: Option<&WriteGuard<'_>>,
     cursor: &mut LeafCursor,
-    base_gfn: u64,
+    base_gfn: Gfn,
     mask: u64,
     pending: &mut PendingFlush,
 ) {
@@ -91,13 +90,13 @@ pub(super) fn rearm_masked<F: PteFormat>(
     let sink = mmu.sink();
     let mut m = mask;
     while m != 0 {
-        let gfn = base_gfn + m.trailing_zeros() as u64;
+        let gfn = base_gfn.plus(m.trailing_zeros() as u64);
         m &= m - 1;
         let t = match cursor.0 {
-            Some((first, t)) if gfn.wrapping_sub(first) < ENTRIES_PER_TABLE as u64 => t,
+            Some((first, t)) if gfn.raw().wrapping_sub(first.raw()) < ENTRIES_PER_TABLE as u64 => t,
             _ if mmu.config.wrprot == WrprotVariant::Rmap => match rmap_lookup(mmu, gfn) {
                 RmapHit::Leaf4k(t) => {
-                    cursor.0 = Some((gfn & !(ENTRIES_PER_TABLE as u64 - 1), t));
+                    cursor.0 = Some((round_down(gfn, ENTRIES_PER_TABLE as u64), t));
                     t
                 }
                 RmapHit::Huge => {
@@ -119,13 +118,13 @@ pub(super) fn rearm_masked<F: PteFormat>(
                     cursor.0 = None;
                     continue;
                 }
-                cursor.0 = Some((gfn & !(ENTRIES_PER_TABLE as u64 - 1), it.table().raw()));
-                it.table().raw()
+                cursor.0 = Some((round_down(gfn, ENTRIES_PER_TABLE as u64), it.table()));
+                it.table()
             }
         };
         // SAFETY: `t` is a leaf table reached from the root under the exclusive MMU lock,
         // which this harvest holds throughout: nothing can unlink, let alone free, it.
-        let sptep = &unsafe { TablePage::at(Hva::new(t)) }.entries[table_index(Gfn::new(gfn), 1)];
+        let sptep = &unsafe { TablePage::at(t) }.entries[table_index(gfn, 1)];
         let mut old = sptep.load(Ordering::Acquire);
         while F::is_present(old) {
             let Some(new) = rearmed(mmu, old) else {
@@ -144,10 +143,10 @@ pub(super) fn rearm_masked<F: PteFormat>(
 /// A huge leaf covers `gfn` in a window being re-armed: split it (eager splitting) and
 /// re-arm the page, or write-protect the huge leaf whole.
 #[cold]
-fn rearm_huge<F: PteFormat>(mmu: &Mmu<F>, w: Exclusive<'_>, gfn: u64, pending: &mut PendingFlush) {
+fn rearm_huge<F: PteFormat>(mmu: &Mmu<F>, w: Exclusive<'_>, gfn: Gfn, pending: &mut PendingFlush) {
     let guard = pin();
     let sink = mmu.sink();
-    let mut it = Walk::<F>::new(&guard, mmu.root(), 1, gfn, gfn + 1);
+    let mut it = Walk::<F>::new(&guard, mmu.root(), 1, gfn, Gfn::new(gfn.raw() + 1));
     while it.valid() {
         let old = it.old;
         if !F::is_present(old) || !F::is_leaf(old, it.level) {
@@ -176,19 +175,19 @@ fn rearm_huge<F: PteFormat>(mmu: &Mmu<F>, w: Exclusive<'_>, gfn: u64, pending: &
 /// The leaf table a harvest last descended to: (first GFN it maps, table address). Valid only
 /// under the exclusive MMU lock that the harvest holds throughout (no table can be unlinked).
 #[derive(Default)]
-pub(super) struct LeafCursor(Option<(u64, u64)>);
+pub(super) struct LeafCursor(Option<(Gfn, Hva)>);
 
 /// What the rmap says maps a gfn (variant `rmap`, under the exclusive MMU lock).
 enum RmapHit {
     /// A 4 KiB leaf in this leaf table.
-    Leaf4k(u64),
+    Leaf4k(Hva),
     /// A huge leaf.
     Huge,
     /// Nothing: the rmap is exact (ARCHITECTURE.md, "The reverse map").
     None,
 }
 
-fn rmap_lookup<F: PteFormat>(mmu: &Mmu<F>, gfn: u64) -> RmapHit {
+fn rmap_lookup<F: PteFormat>(mmu: &Mmu<F>, gfn: Gfn) -> RmapHit {
     let Some(s) = mmu.rmap.find(gfn) else {
         return RmapHit::None;
     };
@@ -201,10 +200,10 @@ fn rmap_lookup<F: PteFormat>(mmu: &Mmu<F>, gfn: u64) -> RmapHit {
         let Some(page) = (unsafe { validated(slot, gfn, level) }) else {
             continue;
         };
-        let e = page.entries[table_index(Gfn::new(gfn), level)].load(Ordering::Acquire);
+        let e = page.entries[table_index(gfn, level)].load(Ordering::Acquire);
         if F::is_present(e) && F::is_leaf(e, level) {
             return if level == 1 {
-                RmapHit::Leaf4k(page.addr().raw())
+                RmapHit::Leaf4k(page.addr())
             } else {
                 RmapHit::Huge
             };
@@ -229,7 +228,7 @@ fn rmap_lookup<F: PteFormat>(mmu: &Mmu<F>, gfn: u64) -> RmapHit {
 /// harvest reports it. The caller completes a flush before returning (invariant 4).
 fn rearm_masked_lockless<F: PteFormat>(
     mmu: &Mmu<F>,
-    base_gfn: u64,
+    base_gfn: Gfn,
     mask: u64,
     pending: &mut PendingFlush,
 ) {
@@ -239,7 +238,7 @@ fn rearm_masked_lockless<F: PteFormat>(
     let guard = pin();
     let mut m = mask;
     while m != 0 {
-        let gfn = base_gfn + m.trailing_zeros() as u64;
+        let gfn = base_gfn.plus(m.trailing_zeros() as u64);
         m &= m - 1;
         protect_lockless(mmu, &s, &guard, gfn, pending);
     }
@@ -255,7 +254,7 @@ fn protect_lockless<F: PteFormat>(
     mmu: &Mmu<F>,
     s: &SlotRmap,
     guard: &Guard,
-    gfn: u64,
+    gfn: Gfn,
     pending: &mut PendingFlush,
 ) {
     // A compare-and-swap writer by type: no lock is held, so there is no other kind.
@@ -270,7 +269,7 @@ fn protect_lockless<F: PteFormat>(
             continue;
         };
         let mut lvl = level;
-        let mut sptep = &page.entries[table_index(Gfn::new(gfn), lvl)];
+        let mut sptep = &page.entries[table_index(gfn, lvl)];
         // Acquire: pairs with the release of whoever published the entry (and its table).
         let mut old = sptep.load(Ordering::Acquire);
         while lvl > 1 && F::is_present(old) && !F::is_leaf(old, lvl) {
@@ -278,7 +277,7 @@ fn protect_lockless<F: PteFormat>(
             // 2: unlinked pages wait for a grace period that our pin holds back).
             let t = unsafe { TablePage::at(F::output_addr(old)) };
             lvl -= 1;
-            sptep = &t.entries[table_index(Gfn::new(gfn), lvl)];
+            sptep = &t.entries[table_index(gfn, lvl)];
             old = sptep.load(Ordering::Acquire);
         }
         let leaf = F::is_present(old) && F::is_leaf(old, lvl);
@@ -302,12 +301,12 @@ fn protect_entry<F: PteFormat>(
     w: Shared<'_>,
     sptep: &crate::sync::AtomicU64,
     level: Level,
-    gfn: u64,
+    gfn: Gfn,
     mut old: u64,
     pending: &mut PendingFlush,
 ) {
     let sink = mmu.sink();
-    let first = gfn & !(pages_per_entry(level) - 1);
+    let first = round_down(gfn, pages_per_entry(level));
     loop {
         // Frozen (its table is being unlinked), a table (split since), or empty (zapped):
         // nothing this entry maps any more.

@@ -146,7 +146,7 @@ impl DirtyRing {
             }
             f(
                 e.slot.load(Ordering::Relaxed),
-                (PageIndex::new(e.offset.load(Ordering::Relaxed))).raw(),
+                e.offset.load(Ordering::Relaxed),
             );
             e.flags.store(0, Ordering::Release);
             i = i.wrapping_add(1);

@@ -15,6 +15,7 @@ use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
 use crate::stats::{Counters, Sink, Stat};
 use crate::sync::{guest_mode_guard, Arc};
+use slat_addr::Gfn;
 use slat_addr::Gpa;
 
 /// What the hardware walker saw when the access faulted.
@@ -107,7 +108,7 @@ pub(crate) fn fast_page_fault<F: PteFormat>(
     // flush (that needs the vCPU) before we return.
     let guard = unsafe { guest_mode_guard() };
     for _ in 0..FAST_PF_RETRIES {
-        let mut it = Walk::<F>::to_leaf(&guard, mmu.root(), gfn);
+        let mut it = Walk::<F>::to_leaf(&guard, mmu.root(), Gfn::new(gfn));
         if !it.valid() || !F::is_present(it.old) {
             return None;
         }

@@ -17,12 +17,12 @@ use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
 use crate::stats::{Sink, Stat};
 use crate::sync::{pin, Ordering};
-use slat_addr::Hva;
+use slat_addr::{Gfn, Hva};
 
 /// What the slow path decided before taking the MMU lock.
 struct Plan<'s> {
     slot: &'s Memslot,
-    gfn: u64,
+    gfn: Gfn,
     /// The page is private: map it from the slot's private backing.
     private: bool,
     access: Access,
@@ -73,7 +73,7 @@ pub(crate) fn slow_page_fault<F: PteFormat>(
     // Lazy acceptance, under the lock after the re-check: a conversion back to shared waits
     // out lock holders before it releases pages, so it never misses one accepted here, and
     // no fault accepts after it looked (`memslot/attributes.rs`, step 4).
-    if plan.private && plan.slot.accept_private(plan.gfn) == Acceptance::InProgress {
+    if plan.private && plan.slot.accept_private(plan.gfn.raw()) == Acceptance::InProgress {
         drop(lock);
         sink.inc(Stat::PfRetry);
         return FaultOutcome::Retry;
@@ -96,7 +96,7 @@ pub(crate) fn slow_page_fault<F: PteFormat>(
 impl Plan<'_> {
     /// Host address of the page to map, in the backing the attribute selected.
     fn hva(&self) -> u64 {
-        self.slot.hva_for(self.gfn, self.private)
+        self.slot.hva_for(self.gfn.raw(), self.private)
     }
 }
 
@@ -146,7 +146,7 @@ fn plan<'s, F: PteFormat>(
     };
     Ok(Plan {
         slot,
-        gfn,
+        gfn: Gfn::new(gfn),
         private,
         access: fault.access,
         goal: slot.max_level_raw::<F>(gfn),
@@ -171,7 +171,13 @@ fn walk_to_goal<F: PteFormat>(
     pending: &mut PendingFlush,
 ) -> FaultOutcome {
     let guard = pin();
-    let mut it = Walk::<F>::new(&guard, mmu.root(), 1, plan.gfn, plan.gfn + 1);
+    let mut it = Walk::<F>::new(
+        &guard,
+        mmu.root(),
+        1,
+        plan.gfn,
+        Gfn::new(plan.gfn.raw() + 1),
+    );
     loop {
         if !it.valid() {
             return FaultOutcome::Retry;
@@ -254,7 +260,7 @@ fn install_at_goal<F: PteFormat>(
         None
     };
     if let Some(m) = mark {
-        if !prepare_mark(m, ring, plan.gfn, sink) {
+        if !prepare_mark(m, ring, plan.gfn.raw(), sink) {
             return Some(FaultOutcome::DirtyRingFull);
         }
     }
@@ -275,7 +281,7 @@ fn install_at_goal<F: PteFormat>(
         return Some(FaultOutcome::Retry);
     }
     if let Some(m) = mark {
-        commit_mark(m, ring, plan.gfn, sink);
+        commit_mark(m, ring, plan.gfn.raw(), sink);
     }
     if rebuild {
         sink.inc(Stat::Recoveries);

@@ -42,6 +42,22 @@ pub const fn bytes_per_entry(level: Level) -> u64 {
     PAGE_SIZE << (LEVEL_BITS * (level as u32 - 1))
 }
 
+/// Frame arithmetic inside the engine. Every frame it computes with lies below a format's
+/// address width (2^52 at most: memslots are validated against it, walks and aging passes are
+/// clamped to it), so adding a table's span, or the pages of a slot, cannot overflow: the
+/// operations are unchecked, and the hot paths compile as they did with plain integers.
+pub(crate) trait FrameStep: Copy {
+    /// `self + pages`.
+    fn plus(self, pages: u64) -> Gfn;
+}
+
+impl FrameStep for Gfn {
+    #[inline(always)]
+    fn plus(self, pages: u64) -> Gfn {
+        Gfn::new(self.raw() + pages)
+    }
+}
+
 /// Index of `gfn` in the table at `level`.
 #[inline]
 pub const fn table_index(gfn: Gfn, level: Level) -> usize {

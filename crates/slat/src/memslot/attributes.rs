@@ -201,7 +201,7 @@ impl Memslots {
             .hooks
             .active(crate::test_hooks::inject::SKIP_CONVERSION_ZAP)
         {
-            mmu.zap_gfn_range(first_gfn, first_gfn + npages);
+            mmu.zap_gfn_range(Gfn::new(first_gfn), Gfn::new(first_gfn + npages));
         }
         // (4): back to shared, no guest maps the private pages any more: the host gets them
         // back in its direct map (scrubbed). Acceptances in flight finished under the MMU

@@ -79,7 +79,7 @@ impl Memslots {
             private,
         };
         // Before anything can map the range: its leaves go into this rmap.
-        mmu.rmap.register(slot.base_gfn.raw(), npages);
+        mmu.rmap.register(slot.base_gfn, npages);
         self.publish(mmu, |v| v.push(Arc::new(slot)));
         Ok(())
     }
@@ -100,8 +100,8 @@ impl Memslots {
     ) -> Result<(), MemslotError> {
         let slot = self.existing(id)?;
         self.publish(mmu, |v| v.retain(|s| s.id != id));
-        mmu.zap_gfn_range(slot.base_gfn.raw(), slot.end_gfn().raw());
-        mmu.rmap.unregister(slot.base_gfn.raw());
+        mmu.zap_gfn_range(slot.base_gfn, slot.end_gfn());
+        mmu.rmap.unregister(slot.base_gfn);
         // No guest maps the private pages any more: give them back to the host's direct map
         // now, on the VMM's thread (the lease's own drop may come later, anywhere).
         if let Some(lease) = slot.private.as_ref().and_then(|p| p.lease.as_ref()) {
@@ -135,9 +135,9 @@ impl Memslots {
         });
         // Step 2: zap and flush under the MMU lock: afterwards no vCPU holds or walks a leaf
         // of the old range, so nothing can mark through it any more.
-        mmu.zap_gfn_range(slot.base_gfn.raw(), slot.end_gfn().raw());
-        mmu.rmap.unregister(slot.base_gfn.raw());
-        mmu.rmap.register(new_gpa.gfn().raw(), slot.npages);
+        mmu.zap_gfn_range(slot.base_gfn, slot.end_gfn());
+        mmu.rmap.unregister(slot.base_gfn);
+        mmu.rmap.register(new_gpa.gfn(), slot.npages);
         // Step 3: the new range. The log survives the move, as in KVM
         // (`kvm_prepare_memory_region` hands the old bitmap to the new slot): its bits are
         // slot-relative, and a page written before the move and not yet harvested must still

@@ -24,6 +24,7 @@ use crate::test_hooks::Hooks;
 use flush::{FlushDomain, PendingFlush};
 use lock::MmuLock;
 use rmap::Rmap;
+use slat_addr::Gfn;
 use slat_addr::Hva;
 use std::marker::PhantomData;
 use table::{OwnedTable, TableAlloc, TablePage};
@@ -50,7 +51,7 @@ impl<F: PteFormat> Mmu<F> {
     pub(crate) fn new(config: VmConfig) -> Self {
         let alloc = Arc::new(TableAlloc::new());
         let root_page = alloc.alloc();
-        root_page.page().meta().set(0, F::ROOT_LEVEL);
+        root_page.page().meta().set(Gfn::new(0), F::ROOT_LEVEL);
         let root = root_page.into_linked();
         let counters = Counters::default();
         counters.add_shared(Stat::TablePages, 1);

@@ -9,6 +9,7 @@ use super::Mmu;
 use crate::format::PteFormat;
 use crate::stats::Stat;
 use crate::sync::{pin, Ordering};
+use slat_addr::Gfn;
 
 /// Replaces every huge leaf in `[start, end)` with a table of equivalent smaller leaves,
 /// down to 4 KiB (a 1 GiB leaf becomes 2 MiB leaves, which the pre-order walk then visits
@@ -21,8 +22,8 @@ use crate::sync::{pin, Ordering};
 pub(crate) fn split_huge_pages<F: PteFormat>(
     mmu: &Mmu<F>,
     w: Shared<'_>,
-    start: u64,
-    end: u64,
+    start: Gfn,
+    end: Gfn,
     pending: &mut PendingFlush,
 ) -> u64 {
     let guard = pin();

@@ -11,10 +11,10 @@ use super::walk::Walk;
 use super::Mmu;
 use crate::cmo::clean_new_mapping;
 use crate::config::RebuildOrder;
-use crate::format::{bytes_per_entry, pages_per_entry, Access, Level, PteFormat};
+use crate::format::{bytes_per_entry, pages_per_entry, Access, FrameStep, Level, PteFormat};
 use crate::stats::{leaf_stat, Sink, Stat};
 use crate::sync::{self, AtomicU64, Ordering};
-use slat_addr::Hva;
+use slat_addr::{Gfn, Hva};
 
 /// The entry changed under us; the caller re-reads and retries, or gives up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,7 +62,7 @@ impl<F: PteFormat> Mmu<F> {
         &self,
         sptep: &AtomicU64,
         level: Level,
-        gfn: u64,
+        gfn: Gfn,
         old: &mut u64,
         new: u64,
         writer: W,
@@ -130,7 +130,7 @@ impl<F: PteFormat> Mmu<F> {
     /// its compare-and-swap ([`Self::split_published`]). Without `racing` (the entry is
     /// locked by break-before-make) the slots are simply stored.
     #[cold]
-    fn before_publishing_table(&self, gfn: u64, level: Level, old: u64, new: u64, racing: bool) {
+    fn before_publishing_table(&self, gfn: Gfn, level: Level, old: u64, new: u64, racing: bool) {
         // SAFETY: `new` names a table page the caller owns and is about to link.
         let child = unsafe { TablePage::at(F::output_addr(new)) };
         child.meta().set(gfn, level - 1);
@@ -140,7 +140,7 @@ impl<F: PteFormat> Mmu<F> {
     }
 
     /// Puts the leaves of a split's table in the rmap (see [`Self::before_publishing_table`]).
-    fn insert_children(&self, child: &TablePage, gfn: u64, level: Level, claim: bool) {
+    fn insert_children(&self, child: &TablePage, gfn: Gfn, level: Level, claim: bool) {
         if self
             .hooks
             .active(crate::test_hooks::inject::SKIP_RMAP_INSERT)
@@ -151,11 +151,11 @@ impl<F: PteFormat> Mmu<F> {
         for (i, e) in child.entries.iter().enumerate() {
             let v = e.load(Ordering::Relaxed);
             if F::is_present(v) && F::is_leaf(v, level) {
-                let g = gfn + i as u64 * step;
+                let g = gfn.plus(i as u64 * step);
                 if claim {
-                    self.rmap.claim(g, level, child.addr().raw());
+                    self.rmap.claim(g, level, child.addr());
                 } else {
-                    self.rmap.insert(g, level, child.addr().raw());
+                    self.rmap.insert(g, level, child.addr());
                 }
             }
         }
@@ -166,7 +166,7 @@ impl<F: PteFormat> Mmu<F> {
     /// before the old leaf's slot is removed, so a lock-free reader finds either the old
     /// slot (naming a table whose entry now leads to the new table) or the new ones.
     #[cold]
-    fn split_published(&self, gfn: u64, level: Level, old: u64, new: u64) {
+    fn split_published(&self, gfn: Gfn, level: Level, old: u64, new: u64) {
         if self.rmap.enabled() && F::is_present(old) && F::is_leaf(old, level) {
             // SAFETY: just linked by us; freeing it needs a flush and a grace period our
             // caller's pin (or lock) spans.
@@ -177,7 +177,7 @@ impl<F: PteFormat> Mmu<F> {
 
     /// Inserts a leaf about to be published (unless a test hook breaks the order on purpose).
     #[inline(never)]
-    fn rmap_insert_leaf(&self, gfn: u64, level: Level, table: u64) {
+    fn rmap_insert_leaf(&self, gfn: Gfn, level: Level, table: Hva) {
         if self
             .hooks
             .active(crate::test_hooks::inject::SKIP_RMAP_INSERT)
@@ -191,11 +191,11 @@ impl<F: PteFormat> Mmu<F> {
     /// table (enabling logging, under the MMU lock in a slot that now maps 4 KiB only, so no
     /// shared-lock restructuring races it). Repairs what a race between two shared-lock
     /// restructurings may have left while the slot was not logged (ARCHITECTURE.md).
-    pub(crate) fn rmap_reassert(&self, gfn: u64, level: Level, table: u64) {
+    pub(crate) fn rmap_reassert(&self, gfn: Gfn, level: Level, table: Hva) {
         if let Some(s) = self.rmap.find(gfn) {
             if let Some(slot) = s.slot(gfn, level) {
-                if slot.load(Ordering::Relaxed) != table {
-                    slot.store(table, Ordering::Release);
+                if slot.load(Ordering::Relaxed) != table.raw() {
+                    slot.store(table.raw(), Ordering::Release);
                 }
             }
         }
@@ -204,14 +204,14 @@ impl<F: PteFormat> Mmu<F> {
     /// The compare-and-swap that would have published a split's table failed: take its leaves
     /// out of the rmap again (nobody else can have inserted this unpublished page).
     #[cold]
-    fn unpublished_table_lost(&self, gfn: u64, level: Level, old: u64, new: u64) {
+    fn unpublished_table_lost(&self, gfn: Gfn, level: Level, old: u64, new: u64) {
         if !(self.rmap.enabled() && F::is_present(old) && F::is_leaf(old, level)) {
             return;
         }
         let step = pages_per_entry(level - 1);
         let child = F::output_addr(new);
         for i in 0..crate::format::ENTRIES_PER_TABLE as u64 {
-            self.rmap.remove(gfn + i * step, level - 1, child.raw());
+            self.rmap.remove(gfn.plus(i * step), level - 1, child);
         }
     }
 
@@ -340,8 +340,8 @@ impl<F: PteFormat> Mmu<F> {
     #[allow(clippy::too_many_arguments)]
     fn handle_changed_spte(
         &self,
-        gfn: u64,
-        table: u64,
+        gfn: Gfn,
+        table: Hva,
         old: u64,
         new: u64,
         level: Level,
@@ -371,8 +371,8 @@ impl<F: PteFormat> Mmu<F> {
     #[allow(clippy::too_many_arguments)]
     fn handle_changed_structure(
         &self,
-        gfn: u64,
-        table: u64,
+        gfn: Gfn,
+        table: Hva,
         old: u64,
         new: u64,
         level: Level,
@@ -440,7 +440,7 @@ impl<F: PteFormat> Mmu<F> {
     fn unlink_table(
         &self,
         addr: Hva,
-        gfn: u64,
+        gfn: Gfn,
         level: Level,
         sink: Sink<'_>,
         pending: &mut PendingFlush,
@@ -450,7 +450,7 @@ impl<F: PteFormat> Mmu<F> {
         let t = unsafe { TablePage::at(addr) };
         let step = pages_per_entry(level);
         for (i, e) in t.entries.iter().enumerate() {
-            let egfn = gfn + i as u64 * step;
+            let egfn = gfn.plus(i as u64 * step);
             let v = if F::BREAK_BEFORE_MAKE {
                 freeze_after_make::<F>(e)
             } else {
@@ -464,7 +464,7 @@ impl<F: PteFormat> Mmu<F> {
                 if self.rmap.enabled() {
                     // After the freeze: a racing inserter of this leaf either already inserted
                     // (removed here) or is still pinned (cleared by `Rmap::retire`'s sweep).
-                    self.rmap.remove(egfn, level, addr.raw());
+                    self.rmap.remove(egfn, level, addr);
                 }
             } else {
                 self.unlink_table(F::output_addr(v), egfn, level - 1, sink, pending);
@@ -481,8 +481,8 @@ impl<F: PteFormat> Mmu<F> {
 
 /// Host address of the table page holding `sptep` (pages are 4 KiB-aligned arrays of entries).
 #[inline(always)]
-fn table_of(sptep: &AtomicU64) -> u64 {
-    sptep as *const AtomicU64 as u64 & !(crate::format::PAGE_SIZE - 1)
+fn table_of(sptep: &AtomicU64) -> Hva {
+    Hva::new(sptep as *const AtomicU64 as u64 & !(crate::format::PAGE_SIZE - 1))
 }
 
 /// Freezes an entry of a table being unlinked, under break-before-make. A locked entry (the

@@ -8,7 +8,7 @@
 
 use crate::format::ENTRIES_PER_TABLE;
 use crate::sync::{AtomicU64, Guard, Ordering};
-use slat_addr::Hva;
+use slat_addr::{Gfn, Hva};
 use std::ptr::NonNull;
 
 /// One page of a second-stage page table.
@@ -35,14 +35,14 @@ pub(crate) struct TableMeta {
 impl TableMeta {
     /// Packs a first gfn and a level.
     #[inline]
-    pub(crate) fn pack(first_gfn: u64, level: u8) -> u64 {
-        (first_gfn << 3) | level as u64
+    pub(crate) fn pack(first_gfn: Gfn, level: u8) -> u64 {
+        (first_gfn.raw() << 3) | level as u64
     }
     /// Records what the page maps. Called by the only owner of an unpublished page (or under
     /// the exclusive lock for the root); publication (a release CAS or store of the parent
     /// entry, or a release store of an rmap slot after it) makes it visible.
     #[inline]
-    pub(crate) fn set(&self, first_gfn: u64, level: u8) {
+    pub(crate) fn set(&self, first_gfn: Gfn, level: u8) {
         self.packed
             .store(Self::pack(first_gfn, level), Ordering::Relaxed);
     }
