@@ -31,7 +31,7 @@
 //! assert_eq!(vm.stats().leaves_4k, 1);
 //! // The leaf maps the frame onto the slot's host page.
 //! let (entry, level) = vm.lookup(gpa.gfn()).expect("mapped");
-//! assert_eq!((Ept::output_addr(entry), level), (host.addr().raw(), 1));
+//! assert_eq!((Ept::output_addr(entry), level), (host.addr(), 1));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
