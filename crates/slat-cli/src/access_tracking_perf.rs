@@ -21,6 +21,7 @@ use serde::Serialize;
 use serde_json::Value;
 use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::{AgeFlush, AgeReport, Ept, IdleBitmap, PteFormat, Stage2, Vm, VmConfig};
+use slat_addr::Gpa;
 use slat_machine::ram::{format_size, GuestRam};
 use slat_machine::{
     native_baseline, Layout, Machine, MachineConfig, PassParams, PassReport, RegionSpec,
@@ -495,7 +496,7 @@ fn idle_bitmaps<F: PteFormat>(
     (0..regions)
         .map(|i| {
             let (gpa, _, pages) = layout.region(i);
-            IdleBitmap::new::<F>(gpa >> PAGE_SHIFT, pages).map_err(|e| e.to_string())
+            IdleBitmap::new::<F>(Gpa::new(gpa).gfn(), pages).map_err(|e| e.to_string())
         })
         .collect()
 }

@@ -22,6 +22,7 @@ use crate::sched::PcpuPool;
 use slat::direct_map::{DirectMap, DirectMapConfig, DirectMapPolicy};
 use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::{Ept, HostRange, MemoryAttributes, MemslotFlags, Vm, VmConfig};
+use slat_addr::{Gfn, Gpa, Hva};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -141,7 +142,7 @@ pub fn run_conversion_test(p: ConversionParams) -> Result<ConversionReport, Mach
     let private = map.bind(0, total)?;
     vm.add_memslot_with_private(
         1,
-        GPA,
+        Gpa::new(GPA),
         total,
         HostRange::new(shared.clone())?,
         private,
@@ -242,7 +243,7 @@ fn scan(
             let hva = base + page * PAGE_SIZE;
             page = (page + 1) % (len >> PAGE_SHIFT);
             reads += 1;
-            let Ok(Some(v)) = map.read_u64(hva) else {
+            let Ok(Some(v)) = map.read_u64(Hva::new(hva)) else {
                 continue;
             };
             mapped += 1;
@@ -330,7 +331,7 @@ impl Worker {
         let t0 = Instant::now();
         let r = self
             .vm
-            .set_memory_attributes(Self::gpa(page) >> PAGE_SHIFT, n, attrs);
+            .set_memory_attributes(Gfn::new(Self::gpa(page) >> PAGE_SHIFT), n, attrs);
         l.convert += t0.elapsed();
         if let Err(e) = r {
             l.violations
@@ -416,8 +417,8 @@ impl Worker {
             if !self.check_host {
                 continue;
             }
-            let hva = self.map.pool().addr() + off;
-            let got = self.map.read_u64(hva).ok().flatten();
+            let hva = self.map.pool().addr().raw() + off;
+            let got = self.map.read_u64(Hva::new(hva)).ok().flatten();
             l.checked += 1;
             let allowed = if private { None } else { Some(0) };
             if got != allowed {

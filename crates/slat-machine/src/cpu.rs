@@ -15,6 +15,8 @@ use crate::tlb::Tlb;
 use slat::direct_map::{HostCpu, Online};
 use slat::hw::{self, bytes_per_entry, table_index, PteFormat, TablePage};
 use slat::{Access, Fault, FaultOutcome, GuestMode, Vcpu, Vm};
+use slat_addr::Hva;
+use slat_addr::{Gfn, Gpa};
 use slat_workload::latency::{latency_histogram, record_latency, LatencyHistogram};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -131,7 +133,7 @@ impl<F: PteFormat> Cpu<F> {
             vcpu,
             tlb: Tlb::new(tlb_entries),
             pool,
-            root,
+            root: root.raw(),
             guest: None,
             quantum: 0,
             ring_full: None,
@@ -396,7 +398,7 @@ impl<F: PteFormat> Cpu<F> {
                 Ok(hva) => return Ok(hva),
                 Err(present) => self.fault(Fault {
                     private,
-                    gpa,
+                    gpa: Gpa::new(gpa),
                     access,
                     present,
                 })?,
@@ -425,11 +427,11 @@ impl<F: PteFormat> Cpu<F> {
             // waits for us to reach an access boundary while we are in guest mode, or which
             // we service (emptying that cache) before our next access if we were outside; so
             // it is still allocated for the rest of this walk.
-            let t = unsafe { TablePage::at(table) };
-            let ep = &t.entries[table_index(gfn, level)];
+            let t = unsafe { TablePage::at(Hva::new(table)) };
+            let ep = &t.entries[table_index(Gfn::new(gfn), level)];
             let e = ep.load(Ordering::Acquire);
             if F::hw_is_table(e, level) {
-                table = F::output_addr(e);
+                table = F::output_addr(e).raw();
                 level -= 1;
                 if level == 1 {
                     self.tlb.insert_leaf_table(gfn, table);
@@ -446,7 +448,7 @@ impl<F: PteFormat> Cpu<F> {
                 // The RMP check: a private access through a shared page, or the reverse, is a
                 // fault the engine turns into a memory-fault exit (or a retry, while a
                 // conversion is still zapping the old leaf).
-                if (lo..hi).contains(&F::output_addr(e)) != private {
+                if (lo..hi).contains(&F::output_addr(e).raw()) != private {
                     self.tlb.drop_leaf_table();
                     return Err(true);
                 }
@@ -467,7 +469,7 @@ impl<F: PteFormat> Cpu<F> {
                 if !F::is_dirty(e) && F::is_dirty(want) {
                     // D 0->1: what PML logs. Before the write this walk allows.
                     if let Some(guest) = &self.guest {
-                        self.vcpu.log_hardware_dirty(guest, gfn);
+                        self.vcpu.log_hardware_dirty(guest, Gfn::new(gfn));
                     }
                 }
             }
@@ -479,8 +481,8 @@ impl<F: PteFormat> Cpu<F> {
             // The TLB caches "dirty" with "writable", as x86 does: a translation loaded by a
             // read of a clean leaf must walk again on the first write, to set D.
             let writable = F::is_writable(want) && F::is_dirty(want);
-            self.tlb.insert(gfn, level, base, writable, private);
-            return Ok(base + (gpa & (size - 1)));
+            self.tlb.insert(gfn, level, base.raw(), writable, private);
+            return Ok(base.raw() + (gpa & (size - 1)));
         }
     }
 
@@ -524,7 +526,7 @@ impl<F: PteFormat> Cpu<F> {
                 std::hint::spin_loop();
             }
         }
-        check(o, f.gpa)
+        check(o, f.gpa.raw())
     }
 
     /// KVM_EXIT_DIRTY_RING_FULL: leave guest mode and the physical CPU, let the handler empty
@@ -564,9 +566,11 @@ fn check(o: FaultOutcome, gpa: u64) -> Result<(), Exit> {
     match o {
         FaultOutcome::NoSlot => Err(Exit::Mmio { gpa }),
         FaultOutcome::ReadOnly => Err(Exit::ReadOnly { gpa }),
-        FaultOutcome::MemoryFault { gpa, size, private } => {
-            Err(Exit::MemoryFault { gpa, size, private })
-        }
+        FaultOutcome::MemoryFault { gpa, size, private } => Err(Exit::MemoryFault {
+            gpa: gpa.raw(),
+            size,
+            private,
+        }),
         // Handled by the caller (a ring-full exit); re-execute the access.
         _ => Ok(()),
     }

@@ -15,6 +15,7 @@ use slat::{
     DirtyLogError, Ept, HostRange, HostRangeError, MemoryAttributeError, MemoryAttributes,
     MemslotError, SlotId, Vm, VmConfig,
 };
+use slat_addr::{Gpa, PageIndex};
 use slat_workload::cpus::VcpuTids;
 use slat_workload::latency::LatencyHistogram;
 pub use slat_workload::{DirtyConfig, Layout, FIRST_SLOT};
@@ -252,14 +253,27 @@ impl<F: PteFormat> Machine<F> {
                 Some(map) => {
                     let private = map.bind(offset, per_slot)?;
                     let flags = MemslotFlags::empty();
-                    vm.add_memslot_with_private(id, gpa + offset, per_slot, host, private, flags)?
+                    vm.add_memslot_with_private(
+                        id,
+                        Gpa::new(gpa + offset),
+                        per_slot,
+                        host,
+                        private,
+                        flags,
+                    )?
                 }
-                None => vm.add_memslot(id, gpa + offset, per_slot, host, MemslotFlags::empty())?,
+                None => vm.add_memslot(
+                    id,
+                    Gpa::new(gpa + offset),
+                    per_slot,
+                    host,
+                    MemslotFlags::empty(),
+                )?,
             }
         }
         if direct_map.is_some() {
             // A confidential guest starts with all of its memory private and unaccepted.
-            vm.set_memory_attributes(gpa >> PAGE_SHIFT, pages, MemoryAttributes::PRIVATE)?;
+            vm.set_memory_attributes(Gpa::new(gpa).gfn(), pages, MemoryAttributes::PRIVATE)?;
         }
         let layout = size.layout(gpa, ram.addr(), config.region.overlap);
         let pcpus = if config.pcpus == 0 {
@@ -292,7 +306,7 @@ impl<F: PteFormat> Machine<F> {
             if let Some(map) = &m.direct_map {
                 let pool = map.pool();
                 cpu.set_private(true);
-                cpu.set_private_pool(pool.addr(), pool.addr() + pool.len());
+                cpu.set_private_pool(pool.addr().raw(), pool.addr().raw() + pool.len());
                 cpu.attach_host_cpu(map.host_cpu());
             }
             if config.region.dirty.ring_entries != 0 {
@@ -448,7 +462,7 @@ impl<F: PteFormat> Machine<F> {
             f(s, o);
         }
         for r in self.vm.dirty_rings() {
-            n += r.harvest(&mut f) as u64;
+            n += r.harvest(|s, o| f(s, o.raw())) as u64;
         }
         n
     }
@@ -461,7 +475,7 @@ impl<F: PteFormat> Machine<F> {
         Arc::new(move || {
             let mut out = reaped.lock();
             for (i, r) in vm.dirty_rings().iter().enumerate() {
-                r.harvest(|s, o| out.push((i, s, o)));
+                r.harvest(|s, o| out.push((i, s, o.raw())));
             }
             drop(out);
             // The ring is enabled (we were installed because it is): cannot be RingOff.
@@ -626,7 +640,8 @@ impl<F: PteFormat> TestMachine for Machine<F> {
         num: u64,
         bitmap: &[u64],
     ) -> Result<(), MachineError> {
-        self.vm.clear_dirty_log(slot, first, num, bitmap)?;
+        self.vm
+            .clear_dirty_log(slot, PageIndex::new(first), num, bitmap)?;
         Ok(())
     }
     fn collect_dirty_rings(&self, f: impl FnMut(u32, u64)) -> u64 {
@@ -641,7 +656,7 @@ impl<F: PteFormat> TestMachine for Machine<F> {
         }
         // `dirty_rings()` is in vCPU creation order: ring i is vCPU i's.
         for (i, r) in self.vm.dirty_rings().iter().enumerate() {
-            n += r.harvest(|s, o| f(Some(i), s, o)) as u64;
+            n += r.harvest(|s, o| f(Some(i), s, o.raw())) as u64;
         }
         n
     }

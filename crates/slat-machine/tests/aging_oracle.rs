@@ -9,6 +9,7 @@ mod common;
 
 use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::{AgeFlush, DirtyTrack, IdleBitmap, PteFormat, VmConfig};
+use slat_addr::{Gfn, Gpa};
 use slat_machine::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
 use slat_machine::memstress::Pattern;
 use slat_machine::{Backing, Machine, MachineConfig, PassParams, RegionSpec};
@@ -81,16 +82,16 @@ fn oracle_with_aging<F: PteFormat>(
         let stop = stop.clone();
         std::thread::spawn(move || {
             let mut a = AgerReport::default();
-            let mut idle = IdleBitmap::new::<F>(g0, npages).expect("bitmap");
+            let mut idle = IdleBitmap::new::<F>(Gfn::new(g0), npages).expect("bitmap");
             while !stop.load(Ordering::Relaxed) {
                 let r = match a.passes % 8 {
-                    3 => vm.clear_flush_young(g0, g0 + npages, |_, _| {}),
-                    5 => vm.test_young(g0, g0 + npages),
+                    3 => vm.clear_flush_young(Gfn::new(g0), Gfn::new(g0 + npages), |_, _| {}),
+                    5 => vm.test_young(Gfn::new(g0), Gfn::new(g0 + npages)),
                     7 => {
                         vm.read_idle(&mut idle);
                         vm.mark_idle(&mut idle, AgeFlush::NoFlush, |_, _| {})
                     }
-                    _ => vm.clear_young(g0, g0 + npages, |_, _| {}),
+                    _ => vm.clear_young(Gfn::new(g0), Gfn::new(g0 + npages), |_, _| {}),
                 };
                 if a.passes > 0 {
                     a.young_again += r.young_pages;
@@ -209,8 +210,11 @@ fn variants_are_exact_while_aging<F: PteFormat>() {
         let m = machine::<F>(mode, vm, backing, 2);
         m.run_pass(PassParams::default()).expect("populate");
         let g0 = m.layout().gpa >> PAGE_SHIFT;
-        m.vm()
-            .clear_young(g0, g0 + m.layout().total_pages(), |_, _| {});
+        m.vm().clear_young(
+            Gfn::new(g0),
+            Gfn::new(g0 + m.layout().total_pages()),
+            |_, _| {},
+        );
         let (r, a) = oracle_with_aging(&m, mode, 6, s, 0);
         assert_exact(&r, &a, &format!("{} {vm:?} {backing}", mode.name()), s);
     }
@@ -268,7 +272,7 @@ fn idle_tracking_sees_exactly_the_pages_a_pass_touched<F: PteFormat>() {
         let mut bitmaps: Vec<IdleBitmap> = (0..2)
             .map(|i| {
                 let (gpa, _, pages) = layout.region(i);
-                IdleBitmap::new::<F>(gpa >> PAGE_SHIFT, pages).expect("bitmap")
+                IdleBitmap::new::<F>(Gpa::new(gpa).gfn(), pages).expect("bitmap")
             })
             .collect();
         for b in bitmaps.iter_mut() {
@@ -293,7 +297,7 @@ fn idle_tracking_sees_exactly_the_pages_a_pass_touched<F: PteFormat>() {
             );
             for p in 0..b.npages() {
                 assert_eq!(
-                    b.is_idle(b.start_gfn() + p),
+                    b.is_idle(Gfn::new(b.start_gfn().raw() + p)),
                     Some(!want.contains(&p)),
                     "ad_bits {ad_bits} vCPU {i} page {p} seed {s:#x}"
                 );
@@ -326,7 +330,7 @@ fn clear_young_misses_accesses_through_cached_translations<F: PteFormat>() {
         m.run_pass(PassParams::default()).expect("populate");
         let layout = m.layout();
         let vm = m.vm();
-        let mut b = IdleBitmap::new::<F>(layout.gpa >> PAGE_SHIFT, 256).expect("bitmap");
+        let mut b = IdleBitmap::new::<F>(Gpa::new(layout.gpa).gfn(), 256).expect("bitmap");
         let read = PassParams {
             write_percent: 0,
             ..PassParams::default()

@@ -58,6 +58,7 @@ use slat::{
     AgeFlush, AgeReport, CmoPolicy, DirtyTrack, GetLogVariant, HostRange, IdleBitmap, MemslotError,
     MmuLockKind, PteFormat, RebuildOrder, RecoverVariant, SlotId, Vm, VmConfig, WrprotVariant,
 };
+use slat_addr::{Gfn, Gpa, PageIndex};
 use slat_machine::sched::PcpuPool;
 use slat_machine::{Backing, Cpu, CpuCounters, Exit, GuestRam, RingFullHandler};
 use std::collections::{BTreeMap, HashSet};
@@ -783,7 +784,7 @@ fn ring_full_handler<F: PteFormat>(vm: &Arc<Vm<F>>, sh: &Arc<Shared>) -> RingFul
     Arc::new(move || {
         let mut out = lock(&sh.reaped);
         for r in vm.dirty_rings() {
-            r.harvest(|s, o| out.push((s, o)));
+            r.harvest(|s, o| out.push((s, o.raw())));
         }
         if let Err(e) = vm.reset_dirty_rings() {
             sh.fail(format!("ring-full exit: reset_dirty_rings: {e}"));
@@ -922,11 +923,12 @@ impl<F: PteFormat> Churner<F> {
             }
         };
         let g = self.checked_gfn(s) + first;
-        self.vm.zap_gfn_range(g, g + len);
+        self.vm.zap_gfn_range(Gfn::new(g), Gfn::new(g + len));
         if self.rng.chance(20) {
             let a = self.sh.aux_gpa.load(Ordering::SeqCst) >> PAGE_SHIFT;
             let p = self.rng.below(AUX_BYTES / PAGE_SIZE - 8);
-            self.vm.zap_gfn_range(a + p, a + p + 1 + self.rng.below(8));
+            self.vm
+                .zap_gfn_range(Gfn::new(a + p), Gfn::new(a + p + 1 + self.rng.below(8)));
         }
         self.out.zaps += 1;
     }
@@ -935,17 +937,24 @@ impl<F: PteFormat> Churner<F> {
     fn age(&mut self) -> Result<(), String> {
         let s = self.rng.below(CHECKED as u64) as usize;
         let (start, end) = (self.checked_gfn(s), self.checked_gfn(s) + PAGES);
-        let on_dirty = |_: u64, _: u64| {};
+        let on_dirty = |_: Gfn, _: u64| {};
         let r: AgeReport = match self.rng.below(7) {
-            0 | 1 => self.vm.clear_young(start, end, on_dirty),
-            2 => self.vm.clear_flush_young(start, end, on_dirty),
+            0 | 1 => self
+                .vm
+                .clear_young(Gfn::new(start), Gfn::new(end), on_dirty),
+            2 => self
+                .vm
+                .clear_flush_young(Gfn::new(start), Gfn::new(end), on_dirty),
             3 => self
                 .vm
-                .age_gfn_range(start, end, AgeFlush::NoFlush, on_dirty),
-            4 => self.vm.age_gfn_range(start, end, AgeFlush::Flush, on_dirty),
-            5 => self.vm.test_young(start, end),
+                .age_gfn_range(Gfn::new(start), Gfn::new(end), AgeFlush::NoFlush, on_dirty),
+            4 => self
+                .vm
+                .age_gfn_range(Gfn::new(start), Gfn::new(end), AgeFlush::Flush, on_dirty),
+            5 => self.vm.test_young(Gfn::new(start), Gfn::new(end)),
             _ => {
-                let mut idle = IdleBitmap::new::<F>(start, PAGES).map_err(|e| e.to_string())?;
+                let mut idle =
+                    IdleBitmap::new::<F>(Gfn::new(start), PAGES).map_err(|e| e.to_string())?;
                 let flush = self.rng.pick(&[AgeFlush::NoFlush, AgeFlush::Flush]);
                 let r = self.vm.mark_idle(&mut idle, flush, on_dirty);
                 self.vm.read_idle(&mut idle);
@@ -960,7 +969,7 @@ impl<F: PteFormat> Churner<F> {
     fn move_aux(&mut self) -> Result<(), String> {
         let k = (self.aux_pos + 1 + self.rng.below(AUX_POSITIONS - 1)) % AUX_POSITIONS;
         self.vm
-            .move_memslot(AUX_ID, aux_gpa(k))
+            .move_memslot(AUX_ID, Gpa::new(aux_gpa(k)))
             .map_err(|e| e.to_string())?;
         self.sh.aux_gpa.store(aux_gpa(k), Ordering::SeqCst);
         self.aux_pos = k;
@@ -994,7 +1003,7 @@ impl<F: PteFormat> Churner<F> {
             .map_err(|e| e.to_string())?;
         if self.cfg.manual() {
             self.vm
-                .clear_dirty_log(AUX_ID, 0, pages, &buf)
+                .clear_dirty_log(AUX_ID, PageIndex::new(0), pages, &buf)
                 .map_err(|e| e.to_string())?;
         }
         self.out.aux_harvests += 1;
@@ -1008,7 +1017,7 @@ impl<F: PteFormat> Churner<F> {
         let k = 1 - self.checked_pos[s];
         let before = self.sh.epoch.load(Ordering::SeqCst);
         self.vm
-            .move_memslot(checked_id(s), checked_gpa(s, k))
+            .move_memslot(checked_id(s), Gpa::new(checked_gpa(s, k)))
             .map_err(|e| e.to_string())?;
         self.sh.checked_gpa[s].store(checked_gpa(s, k), Ordering::SeqCst);
         let after = self.sh.epoch.load(Ordering::SeqCst);
@@ -1051,7 +1060,7 @@ impl<F: PteFormat> Churner<F> {
             self.vm
                 .add_memslot(
                     id,
-                    ro_gpa(i as u64),
+                    Gpa::new(ro_gpa(i as u64)),
                     RO_BYTES,
                     host,
                     MemslotFlags::READONLY | log,
@@ -1256,7 +1265,7 @@ impl<'a, F: PteFormat> Host<'a, F> {
         if let LogMode::Ring { .. } = self.cfg.log {
             let mut reaped = lock(&self.sh.reaped);
             for r in self.vm.dirty_rings() {
-                r.harvest(&mut add);
+                r.harvest(|s, o| add(s, o.raw()));
             }
             self.vm
                 .reset_dirty_rings()
@@ -1274,7 +1283,7 @@ impl<'a, F: PteFormat> Host<'a, F> {
                 .map_err(|e| other(format!("get_dirty_log({id}): {e}")))?;
             if self.cfg.manual() {
                 self.vm
-                    .clear_dirty_log(id, 0, PAGES, &buf)
+                    .clear_dirty_log(id, PageIndex::new(0), PAGES, &buf)
                     .map_err(|e| other(format!("clear_dirty_log({id}): {e}")))?;
             }
             for (w, &bits) in buf.iter().enumerate() {
@@ -1506,7 +1515,7 @@ fn add_slots<F: PteFormat>(vm: &Vm<F>, cfg: &RoundCfg) -> Result<(Rams, Rams), F
         let host = HostRange::new(r.clone()).map_err(other)?;
         vm.add_memslot(
             checked_id(s),
-            checked_gpa(s, 0),
+            Gpa::new(checked_gpa(s, 0)),
             CHECKED_BYTES,
             host,
             MemslotFlags::empty(),
@@ -1514,14 +1523,26 @@ fn add_slots<F: PteFormat>(vm: &Vm<F>, cfg: &RoundCfg) -> Result<(Rams, Rams), F
         .map_err(other)?;
     }
     let aux = HostRange::new(ram(AUX_BYTES)?).map_err(other)?;
-    vm.add_memslot(AUX_ID, aux_gpa(0), AUX_BYTES, aux, MemslotFlags::empty())
-        .map_err(other)?;
+    vm.add_memslot(
+        AUX_ID,
+        Gpa::new(aux_gpa(0)),
+        AUX_BYTES,
+        aux,
+        MemslotFlags::empty(),
+    )
+    .map_err(other)?;
     let ro = (0..RO_SLOTS).map(ro_ram).collect::<Result<Vec<_>, _>>()?;
     for (i, r) in ro.iter().enumerate() {
         let host = HostRange::new(r.clone()).map_err(other)?;
         let id = RO_FIRST + i as SlotId;
-        vm.add_memslot(id, ro_gpa(i as u64), RO_BYTES, host, MemslotFlags::READONLY)
-            .map_err(other)?;
+        vm.add_memslot(
+            id,
+            Gpa::new(ro_gpa(i as u64)),
+            RO_BYTES,
+            host,
+            MemslotFlags::READONLY,
+        )
+        .map_err(other)?;
     }
     Ok((rams, ro))
 }
@@ -1690,7 +1711,7 @@ fn wait_for_reclaim<F: PteFormat>(alloc: &slat::hw::TableAlloc) -> Result<(), Fa
             )));
         }
         for _ in 0..4096 {
-            scratch.lookup(0);
+            scratch.lookup(Gfn::new(0));
         }
         std::thread::sleep(Duration::from_millis(1));
     }

@@ -12,6 +12,7 @@ use slat::{
     Access, DirtyTrack, Fault, GetLogVariant, HostRange, PteFormat, RecoverVariant, VmConfig,
     WrprotVariant,
 };
+use slat_addr::{Gfn, Gpa};
 use slat_machine::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
 use slat_machine::{Backing, GuestRam, Machine, MachineConfig, RegionSpec};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -277,12 +278,12 @@ fn exact_while_other_slots_churn<F: PteFormat>() {
                     // All of it, mapped with 2 MiB (THP) pages.
                     let host = HostRange::new(ram.clone()).expect("host range");
                     assert_eq!(host.page_size(), 2 * MIB);
-                    vm.add_memslot(100, gpa, 4 * MIB, host, MemslotFlags::empty())
+                    vm.add_memslot(100, Gpa::new(gpa), 4 * MIB, host, MemslotFlags::empty())
                         .expect("add");
                     for p in (0..4 * MIB).step_by(64 << 10) {
                         let f = Fault {
                             private: false,
-                            gpa: gpa + p,
+                            gpa: Gpa::new(gpa + p),
                             access: Access::Write,
                             present: false,
                         };
@@ -292,19 +293,20 @@ fn exact_while_other_slots_churn<F: PteFormat>() {
                     for p in (0..4 * MIB).step_by(128 << 10) {
                         let f = Fault {
                             private: false,
-                            gpa: gpa + p,
+                            gpa: Gpa::new(gpa + p),
                             access: Access::Write,
                             present: true,
                         };
                         vcpu.handle_fault(f);
                     }
-                    vm.move_memslot(100, gpa + 16 * MIB).expect("move");
+                    vm.move_memslot(100, Gpa::new(gpa + 16 * MIB))
+                        .expect("move");
                     vm.set_memslot_flags(100, MemslotFlags::empty())
                         .expect("log off");
                     vm.delete_memslot(100).expect("delete");
                     if i % 4 == 0 {
                         let start = layout.gpa >> 12;
-                        vm.zap_gfn_range(start, start + layout.total_pages());
+                        vm.zap_gfn_range(Gfn::new(start), Gfn::new(start + layout.total_pages()));
                     }
                     i += 1;
                     rounds.store(i, Ordering::Relaxed);

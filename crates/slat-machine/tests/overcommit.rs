@@ -6,6 +6,7 @@
 mod common;
 
 use slat::PteFormat;
+use slat_addr::Gfn;
 use slat_machine::memstress::MEMSTRESS_PATTERN;
 use slat_machine::{Backing, Machine, MachineConfig, PassParams, RegionSpec};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -40,7 +41,7 @@ fn run<F: PteFormat>(vcpus: usize, bytes: u64, passes: usize) {
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
                 let t0 = Instant::now();
-                vm.zap_gfn_range(start, end);
+                vm.zap_gfn_range(Gfn::new(start), Gfn::new(end));
                 worst.fetch_max(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
                 zaps.fetch_add(1, Ordering::Relaxed);
                 std::thread::sleep(Duration::from_micros(200));

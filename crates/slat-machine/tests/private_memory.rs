@@ -8,6 +8,7 @@ mod common;
 
 use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::{HostRange, MemoryAttributes, MemslotFlags, PteFormat, Vm, VmConfig};
+use slat_addr::{Gfn, Gpa, Hva};
 use slat_machine::sched::PcpuPool;
 use slat_machine::{Backing, Cpu, Exit, GuestRam};
 use std::sync::Arc;
@@ -25,15 +26,22 @@ fn a_shared_access_to_a_private_page_exits_to_the_vmm<F: PteFormat>() {
     let ram = Arc::new(GuestRam::new(Backing::Anonymous, 4 * MIB, true).unwrap());
     let shared = HostRange::slice(ram.clone(), 0, 2 * MIB).unwrap();
     let private = HostRange::slice(ram.clone(), 2 * MIB, 2 * MIB).unwrap();
-    vm.add_memslot_with_private(1, GPA, 2 * MIB, shared, private, MemslotFlags::empty())
-        .unwrap();
+    vm.add_memslot_with_private(
+        1,
+        Gpa::new(GPA),
+        2 * MIB,
+        shared,
+        private,
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     let mut cpu = Cpu::new(vm.clone(), 0, 64, Arc::new(PcpuPool::new(1)));
     cpu.enter();
     let gpa = GPA + 3 * PAGE_SIZE + 16;
     cpu.write_u64(gpa, 0x1234).unwrap();
     cpu.exit();
     // The VMM converts the page while the vCPU is out (its TLB still holds the translation).
-    vm.set_memory_attributes(gpa >> PAGE_SHIFT, 1, MemoryAttributes::PRIVATE)
+    vm.set_memory_attributes(Gpa::new(gpa).gfn(), 1, MemoryAttributes::PRIVATE)
         .unwrap();
     cpu.enter();
     let exit = Exit::MemoryFault {
@@ -47,7 +55,7 @@ fn a_shared_access_to_a_private_page_exits_to_the_vmm<F: PteFormat>() {
         "the stale translation was used"
     );
     cpu.exit();
-    vm.set_memory_attributes(gpa >> PAGE_SHIFT, 1, MemoryAttributes::empty())
+    vm.set_memory_attributes(Gpa::new(gpa).gfn(), 1, MemoryAttributes::empty())
         .unwrap();
     cpu.enter();
     assert_eq!(
@@ -94,14 +102,14 @@ fn a_confidential_guest_accepts_every_page_it_touches() {
         }
         let pool = map.pool().addr();
         for p in 0..pages {
-            let hva = pool + p * PAGE_SIZE;
+            let hva = pool.raw() + p * PAGE_SIZE;
             let expect = if policy == DirectMapPolicy::Untouched {
                 Some(hva)
             } else {
                 None
             };
             assert_eq!(
-                map.translate(hva).unwrap().map(|t| t.0),
+                map.translate(Hva::new(hva)).unwrap().map(|t| t.0.raw()),
                 expect,
                 "{policy} page {p}"
             );
@@ -122,7 +130,7 @@ fn a_confidential_guest_accepts_every_page_it_touches() {
         // Converting the guest's memory back to shared returns every page to the direct map.
         let gfn = m.layout().gpa >> PAGE_SHIFT;
         m.vm()
-            .set_memory_attributes(gfn, pages, MemoryAttributes::empty())
+            .set_memory_attributes(Gfn::new(gfn), pages, MemoryAttributes::empty())
             .unwrap();
         let s = map.stats();
         assert_eq!((s.assigned, s.released), (0, pages), "{policy}");
@@ -144,9 +152,16 @@ fn a_shared_access_never_uses_a_private_translation<F: PteFormat>() {
     let ram = Arc::new(GuestRam::new(Backing::Anonymous, 4 * MIB, true).unwrap());
     let shared = HostRange::slice(ram.clone(), 0, 2 * MIB).unwrap();
     let private = HostRange::slice(ram.clone(), 2 * MIB, 2 * MIB).unwrap();
-    vm.add_memslot_with_private(1, GPA, 2 * MIB, shared, private, MemslotFlags::empty())
-        .unwrap();
-    vm.set_memory_attributes(GPA >> PAGE_SHIFT, 1, MemoryAttributes::PRIVATE)
+    vm.add_memslot_with_private(
+        1,
+        Gpa::new(GPA),
+        2 * MIB,
+        shared,
+        private,
+        MemslotFlags::empty(),
+    )
+    .unwrap();
+    vm.set_memory_attributes(Gpa::new(GPA).gfn(), 1, MemoryAttributes::PRIVATE)
         .unwrap();
     let mut cpu = Cpu::new(vm.clone(), 0, 64, Arc::new(PcpuPool::new(1)));
     cpu.set_private_pool(ram.addr() + 2 * MIB, ram.addr() + 4 * MIB);

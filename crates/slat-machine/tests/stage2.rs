@@ -4,6 +4,7 @@
 //! splits and rebuilds blocks under them.
 
 use slat::{CmoPolicy, RebuildOrder, RecoverVariant, Stage2, VmConfig};
+use slat_addr::Gfn;
 use slat_machine::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
 use slat_machine::{Backing, Machine, MachineConfig, PassParams, RegionSpec, Workload};
 use std::time::Duration;
@@ -157,7 +158,7 @@ fn churn(vm: VmConfig, rounds: u32, seed: u32) -> Result<(), String> {
             let l = m.layout();
             let first = l.gpa >> 12;
             for gfn in (first..first + l.total_pages()).step_by(512) {
-                m.vm().zap_gfn_range(gfn + 1, gfn + 2);
+                m.vm().zap_gfn_range(Gfn::new(gfn + 1), Gfn::new(gfn + 2));
             }
         }
         m.run_pass(PassParams {

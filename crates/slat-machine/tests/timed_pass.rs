@@ -9,6 +9,7 @@
 mod common;
 
 use slat::{HostRange, MemslotFlags, PteFormat, Vm, VmConfig};
+use slat_addr::Gpa;
 use slat_machine::sched::PcpuPool;
 use slat_machine::{
     Backing, Cpu, Exit, GuestRam, Machine, MachineConfig, PassParams, PassReport, RegionSpec,
@@ -152,7 +153,7 @@ fn a_read_fault_or_an_exit_does_not_time_the_next_write<F: PteFormat>() {
     let vm = Vm::<F>::new(VmConfig::default());
     let ram = Arc::new(GuestRam::new(Backing::Anonymous, 2 << 20, true).unwrap());
     let host = HostRange::slice(ram.clone(), 0, 2 * 4096).unwrap();
-    vm.add_memslot(1, GPA, 2 * 4096, host, MemslotFlags::empty())
+    vm.add_memslot(1, Gpa::new(GPA), 2 * 4096, host, MemslotFlags::empty())
         .unwrap();
     let mut cpu = Cpu::new(vm.clone(), 0, 64, Arc::new(PcpuPool::new(1)));
     cpu.start_timing();

@@ -7,6 +7,7 @@
 mod common;
 
 use slat::{HostRange, MemslotFlags, PteFormat, Vm, VmConfig};
+use slat_addr::Gpa;
 use slat_machine::sched::PcpuPool;
 use slat_machine::{Backing, Cpu, Exit, GuestRam};
 use std::sync::Arc;
@@ -26,10 +27,16 @@ fn two_page_vm<F: PteFormat>() -> (Arc<Vm<F>>, Arc<GuestRam>) {
     let ram = Arc::new(GuestRam::new(Backing::Anonymous, 4 * MIB, true).unwrap());
     let a = HostRange::slice(ram.clone(), 0, 4096).unwrap();
     let b = HostRange::slice(ram.clone(), 2 * MIB, 4096).unwrap();
-    vm.add_memslot(1, GPA, 4096, a, MemslotFlags::empty())
+    vm.add_memslot(1, Gpa::new(GPA), 4096, a, MemslotFlags::empty())
         .unwrap();
-    vm.add_memslot(2, GPA + 4096, 4096, b, MemslotFlags::LOG_DIRTY_PAGES)
-        .unwrap();
+    vm.add_memslot(
+        2,
+        Gpa::new(GPA + 4096),
+        4096,
+        b,
+        MemslotFlags::LOG_DIRTY_PAGES,
+    )
+    .unwrap();
     (vm, ram)
 }
 

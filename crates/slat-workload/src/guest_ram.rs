@@ -294,8 +294,8 @@ impl GuestRam {
 // `GuestRam` hands out only its address, never references to its bytes.
 #[cfg(feature = "engine")]
 unsafe impl slat::HostMemory for GuestRam {
-    fn host_addr(&self) -> u64 {
-        self.addr()
+    fn host_addr(&self) -> slat_addr::Hva {
+        slat_addr::Hva::new(self.addr())
     }
     fn len(&self) -> u64 {
         self.len as u64

@@ -6,6 +6,7 @@
 use slat::{
     Access, Ept, Fault, FaultOutcome, HostBuffer, HostRange, MemslotFlags, PteFormat, Vm, VmConfig,
 };
+use slat_addr::{Gfn, Gpa};
 use std::sync::Arc;
 
 fn main() {
@@ -19,7 +20,7 @@ fn main() {
     let range = HostRange::new(Arc::new(host)).expect("host range");
 
     let vm = Vm::<Ept>::new(VmConfig::default());
-    vm.add_memslot(1, GPA, SIZE, range, MemslotFlags::empty())
+    vm.add_memslot(1, Gpa::new(GPA), SIZE, range, MemslotFlags::empty())
         .expect("add memslot");
     let mut vcpu = vm.create_vcpu(0);
 
@@ -30,12 +31,12 @@ fn main() {
         present,
     };
     for gpa in (GPA..GPA + SIZE).step_by(4096) {
-        match vcpu.handle_fault(write(gpa, false)) {
+        match vcpu.handle_fault(write(Gpa::new(gpa), false)) {
             FaultOutcome::Fixed | FaultOutcome::Spurious => {}
             other => panic!("unexpected {other:?}"),
         }
     }
-    let (leaf, level) = vm.lookup(GPA >> 12).expect("mapped");
+    let (leaf, level) = vm.lookup(Gfn::new(GPA >> 12)).expect("mapped");
     println!(
         "after first touch: leaf at level {level} maps host {:#x}; {:?}",
         Ept::output_addr(leaf),
@@ -45,7 +46,7 @@ fn main() {
     // Dirty logging splits the huge leaves and write-protects every 4 KiB leaf.
     vm.set_memslot_flags(1, MemslotFlags::LOG_DIRTY_PAGES)
         .expect("enable logging");
-    let o = vcpu.handle_fault(write(GPA + 5 * 4096, true));
+    let o = vcpu.handle_fault(write(Gpa::new(GPA + 5 * 4096), true));
     println!("write to a write-protected page: {o:?}");
     let mut bitmap = vec![0u64; (SIZE / 4096 / 64) as usize];
     let dirty = vm.get_dirty_log(1, &mut bitmap).expect("get dirty log");

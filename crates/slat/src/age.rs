@@ -55,11 +55,12 @@
 
 use crate::format::{pages_per_entry, table_index, Level, PteFormat, PAGE_SHIFT};
 use crate::mmu::flush::PendingFlush;
-use crate::mmu::spte::UpdateMode;
+use crate::mmu::lock::Shared;
 use crate::mmu::table::TablePage;
 use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
 use crate::sync::{pin, AtomicU64, Ordering};
+use slat_addr::Gfn;
 
 /// Guest pages (64 MiB) an aging pass covers per acquisition of the MMU lock (read mode).
 pub const CHUNK_PAGES: u64 = 1 << 14;
@@ -151,11 +152,11 @@ pub enum IdleError {
     #[error("pages [{start_gfn:#x}, +{npages}) extend beyond the {max_gfn:#x} guest frames the format can map")]
     OutOfRange {
         /// First GFN asked for.
-        start_gfn: u64,
+        start_gfn: Gfn,
         /// Pages asked for.
         npages: u64,
-        /// Guest frames the format translates.
-        max_gfn: u64,
+        /// Guest frames the format translates (one past the last).
+        max_gfn: Gfn,
     },
 }
 
@@ -177,16 +178,17 @@ pub struct IdleBitmap {
 
 impl IdleBitmap {
     /// A bitmap for `npages` pages from `start_gfn`, every page not idle.
-    pub fn new<F: PteFormat>(start_gfn: u64, npages: u64) -> Result<Self, IdleError> {
+    pub fn new<F: PteFormat>(start: Gfn, npages: u64) -> Result<Self, IdleError> {
+        let start_gfn = start.raw();
         let max_gfn = 1u64 << (F::MAX_PHYS_BITS - PAGE_SHIFT);
         if npages == 0 {
             return Err(IdleError::Empty);
         }
         if start_gfn >= max_gfn || npages > max_gfn - start_gfn {
             return Err(IdleError::OutOfRange {
-                start_gfn,
+                start_gfn: start,
                 npages,
-                max_gfn,
+                max_gfn: Gfn::new(max_gfn),
             });
         }
         Ok(IdleBitmap {
@@ -197,8 +199,8 @@ impl IdleBitmap {
     }
 
     /// First GFN covered.
-    pub fn start_gfn(&self) -> u64 {
-        self.start_gfn
+    pub fn start_gfn(&self) -> Gfn {
+        Gfn::new(self.start_gfn)
     }
 
     /// Pages covered.
@@ -207,8 +209,9 @@ impl IdleBitmap {
     }
 
     /// One past the last GFN covered.
-    pub fn end_gfn(&self) -> u64 {
-        self.start_gfn + self.npages
+    pub fn end_gfn(&self) -> Gfn {
+        // Checked in `new`: below the format's frame limit.
+        Gfn::new(self.start_gfn + self.npages)
     }
 
     /// The bits: bit `i % 64` of word `i / 64` is page `start_gfn + i`, 1 = idle.
@@ -217,8 +220,9 @@ impl IdleBitmap {
     }
 
     /// Whether `gfn` is idle, or `None` outside the bitmap.
-    pub fn is_idle(&self, gfn: u64) -> Option<bool> {
+    pub fn is_idle(&self, gfn: Gfn) -> Option<bool> {
         let i = gfn
+            .raw()
             .checked_sub(self.start_gfn)
             .filter(|&i| i < self.npages)?;
         Some(self.words[(i / 64) as usize] & (1 << (i % 64)) != 0)
@@ -370,7 +374,13 @@ pub(crate) fn mark_idle<F: PteFormat>(
     on_dirty: impl FnMut(u64, u64),
 ) -> AgeReport {
     bitmap.set_all();
-    age_gfn_range(mmu, bitmap.start_gfn, bitmap.end_gfn(), flush, on_dirty)
+    age_gfn_range(
+        mmu,
+        bitmap.start_gfn,
+        bitmap.end_gfn().raw(),
+        flush,
+        on_dirty,
+    )
 }
 
 /// Clears the idle bit of every page whose leaf is young, i.e. was accessed since the
@@ -378,7 +388,7 @@ pub(crate) fn mark_idle<F: PteFormat>(
 /// no entry, so reading twice gives the same answer unless the guest ran in between.
 pub(crate) fn read_idle<F: PteFormat>(mmu: &Mmu<F>, bitmap: &mut IdleBitmap) -> u64 {
     let mut pending = PendingFlush::none();
-    let (start, end) = (bitmap.start_gfn, bitmap.end_gfn());
+    let (start, end) = (bitmap.start_gfn, bitmap.end_gfn().raw());
     age_walk(
         mmu,
         start,
@@ -441,8 +451,15 @@ fn age_walk<F: PteFormat>(
         // between chunks so a waiting exclusive holder gets in; each chunk is finished
         // before the next, so the pass always progresses.
         let lock = mmu.lock.read();
+        let w = mmu.lock.shared(&lock);
         let guard = pin();
-        let mut it = Walk::<F>::new(&guard, mmu.root(), 2, p.chunk, chunk_end);
+        let mut it = Walk::<F>::new(
+            &guard,
+            mmu.root(),
+            2,
+            Gfn::new(p.chunk),
+            Gfn::new(chunk_end),
+        );
         while it.valid() {
             let old = it.old;
             if !F::is_present(old) {
@@ -452,24 +469,24 @@ fn age_walk<F: PteFormat>(
                 // zapped, or a table now, which the next round sweeps).
                 let sptep = it.sptep();
                 let (level, gfn) = (it.level, it.gfn);
-                if p.leaf(sptep, level, gfn, &mut it.old) {
+                if p.leaf(w, sptep, level, gfn.raw(), &mut it.old) {
                     it.next();
                 }
             } else if it.level == 2 {
-                let lo = it.gfn.max(p.chunk);
-                let hi = it.entry_end().min(chunk_end);
+                let lo = it.gfn.raw().max(p.chunk);
+                let hi = it.entry_end().raw().min(chunk_end);
                 // SAFETY: a table reached from the root through present entries under
                 // the guard (and the read lock): it stays allocated while the guard lives,
                 // even if unlinked meanwhile (then its entries are frozen, and every
                 // compare-and-swap on them fails).
                 let t = unsafe { TablePage::at(F::output_addr(old)) };
                 for gfn in lo..hi {
-                    let sptep = &t.entries[table_index(gfn, 1)];
+                    let sptep = &t.entries[table_index(Gfn::new(gfn), 1)];
                     let mut cur = sptep.load(Ordering::Acquire);
                     // A 4 KiB entry that is present is a leaf; one that went away under a
                     // lost race (zapped, frozen) has nothing left to age.
                     if F::is_present(cur) {
-                        p.leaf(sptep, 1, gfn, &mut cur);
+                        p.leaf(w, sptep, 1, gfn, &mut cur);
                     }
                 }
                 it.next();
@@ -511,7 +528,14 @@ impl<F: PteFormat, Y: FnMut(u64, u64), D: FnMut(u64, u64)> AgePass<'_, F, Y, D> 
     // Always inlined: the sweep of a leaf table calls it with a constant level, which prunes
     // most of it; a call per entry would cost as much as the entry's compare-and-swap.
     #[inline(always)]
-    fn leaf(&mut self, sptep: &AtomicU64, level: Level, gfn: u64, old: &mut u64) -> bool {
+    fn leaf(
+        &mut self,
+        w: Shared<'_>,
+        sptep: &AtomicU64,
+        level: Level,
+        gfn: u64,
+        old: &mut u64,
+    ) -> bool {
         let mut lost = 0;
         loop {
             let cur = *old;
@@ -536,10 +560,10 @@ impl<F: PteFormat, Y: FnMut(u64, u64), D: FnMut(u64, u64)> AgePass<'_, F, Y, D> 
                 match self.mmu.update_spte(
                     sptep,
                     level,
-                    gfn,
+                    Gfn::new(gfn),
                     old,
                     new,
-                    UpdateMode::Shared,
+                    w,
                     sink,
                     self.pending,
                 ) {

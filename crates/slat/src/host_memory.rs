@@ -16,6 +16,7 @@
 //! as `&[u8]` or `&mut [u8]`: readers and writers use raw pointers or atomics.
 
 use crate::format::PAGE_SIZE;
+use slat_addr::Hva;
 use std::alloc::Layout;
 use std::fmt;
 use std::sync::Arc;
@@ -35,7 +36,7 @@ use std::sync::Arc;
 ///   return the same values on every call.
 pub unsafe trait HostMemory: Send + Sync + 'static {
     /// Host virtual address of the first byte.
-    fn host_addr(&self) -> u64;
+    fn host_addr(&self) -> Hva;
     /// Bytes mapped from [`Self::host_addr`].
     fn len(&self) -> u64;
     /// The page size the host maps this memory with (4 KiB, 2 MiB or 1 GiB): leaves are never
@@ -75,7 +76,7 @@ pub enum HostRangeError {
     #[error("host memory at {addr:#x} (+{len:#x}) is not 4 KiB aligned")]
     BadMemory {
         /// Its address.
-        addr: u64,
+        addr: Hva,
         /// Its length.
         len: u64,
     },
@@ -86,7 +87,7 @@ pub enum HostRangeError {
 #[derive(Clone)]
 pub struct HostRange {
     owner: Option<Arc<dyn HostMemory>>,
-    addr: u64,
+    addr: Hva,
     len: u64,
     page_size: u64,
 }
@@ -112,7 +113,8 @@ impl HostRange {
     /// `[offset, offset + len)` of `mem` (both multiples of 4 KiB).
     pub fn slice(mem: Arc<dyn HostMemory>, offset: u64, len: u64) -> Result<Self, HostRangeError> {
         let (base, size) = (mem.host_addr(), mem.len());
-        if base % PAGE_SIZE != 0 || size % PAGE_SIZE != 0 || base.checked_add(size).is_none() {
+        if !base.is_aligned(PAGE_SIZE) || size % PAGE_SIZE != 0 || base.checked_add(size).is_none()
+        {
             return Err(HostRangeError::BadMemory {
                 addr: base,
                 len: size,
@@ -127,7 +129,8 @@ impl HostRange {
         }
         Ok(HostRange {
             page_size: mem.page_size(),
-            addr: base + offset,
+            // In bounds: `base + size` does not overflow and `offset + len <= size`.
+            addr: Hva::new(base.raw() + offset),
             len,
             owner: Some(mem),
         })
@@ -144,7 +147,7 @@ impl HostRange {
     /// `&`/`&mut` references to those bytes while vCPUs run: the engine (cache maintenance)
     /// and the vCPUs' hardware walker read and write them at any time. A range that is
     /// refused by `add_memslot` is never touched.
-    pub unsafe fn from_raw(addr: u64, len: u64, page_size: u64) -> Self {
+    pub unsafe fn from_raw(addr: Hva, len: u64, page_size: u64) -> Self {
         HostRange {
             owner: None,
             addr,
@@ -171,14 +174,15 @@ impl HostRange {
         }
         Ok(HostRange {
             owner: self.owner.clone(),
-            addr: self.addr + offset,
+            // Inside this range, whose end the caller (or `slice`) vouched for.
+            addr: Hva::new(self.addr.raw() + offset),
             len,
             page_size: self.page_size,
         })
     }
 
     /// Host address of the first byte.
-    pub fn addr(&self) -> u64 {
+    pub fn addr(&self) -> Hva {
         self.addr
     }
     /// Bytes in the range.
@@ -301,8 +305,8 @@ impl HostBuffer {
 // address and length are 4 KiB multiples (the layout's alignment and rounded size) and fixed;
 // no references to its bytes are handed out.
 unsafe impl HostMemory for HostBuffer {
-    fn host_addr(&self) -> u64 {
-        self.ptr.as_ptr() as u64
+    fn host_addr(&self) -> Hva {
+        Hva::from_ptr(self.ptr.as_ptr())
     }
     fn len(&self) -> u64 {
         self.layout.size() as u64

@@ -4,11 +4,13 @@
 use crate::format::{Level, PteFormat};
 use crate::memslot::Memslot;
 use crate::mmu::flush::PendingFlush;
+use crate::mmu::lock::Shared;
 use crate::mmu::table::TablePage;
 use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
 use crate::stats::Stat;
 use crate::sync::{pin, Ordering};
+use slat_addr::Hva;
 
 pub use crate::config::RebuildOrder;
 /// The split is a table operation (`mmu::split`): the direct map uses it too.
@@ -24,6 +26,7 @@ pub(crate) use crate::mmu::split::split_huge_pages;
 /// [`RebuildOrder`] instead, with its own flush. Returns the number of tables replaced.
 pub(crate) fn recover_huge_pages<F: PteFormat>(
     mmu: &Mmu<F>,
+    w: Shared<'_>,
     slot: &Memslot,
     pending: &mut PendingFlush,
 ) -> u64 {
@@ -37,13 +40,13 @@ pub(crate) fn recover_huge_pages<F: PteFormat>(
         let candidate = F::is_present(old)
             && it.level <= F::MAX_LEAF_LEVEL
             && !F::is_leaf(old, it.level)
-            && slot.max_level::<F>(it.gfn) >= it.level;
+            && slot.max_level_raw::<F>(it.gfn.raw()) >= it.level;
         if candidate {
             if let Some(leaf) = first_leaf::<F>(F::output_addr(old), it.level - 1) {
                 let huge = F::make_huge(leaf, it.level);
-                debug_assert_eq!(F::output_addr(huge), slot.hva(it.gfn));
+                debug_assert_eq!(F::output_addr(huge), Hva::new(slot.hva_raw(it.gfn.raw())));
                 if mmu
-                    .replace_spte(&mut it, huge, false, sink, pending)
+                    .replace_spte(&mut it, huge, false, w, sink, pending)
                     .is_err()
                 {
                     continue; // re-examine the entry that won
@@ -58,7 +61,7 @@ pub(crate) fn recover_huge_pages<F: PteFormat>(
 }
 
 /// The first present leaf in the table at `addr` (of `level`) or below it.
-fn first_leaf<F: PteFormat>(addr: u64, level: Level) -> Option<u64> {
+fn first_leaf<F: PteFormat>(addr: Hva, level: Level) -> Option<u64> {
     // SAFETY: the caller read a present entry pointing here inside its reclamation guard; an
     // unlinked table stays allocated until every such guard is gone.
     let t = unsafe { TablePage::at(addr) };

@@ -23,10 +23,11 @@ pub use crate::mmu::flush::{GuestMode, REQ_TLB_FLUSH};
 pub use crate::mmu::table::{TableAlloc, TablePage};
 use crate::sync::Arc;
 use crate::vm::Vm;
+use slat_addr::Hva;
 
 /// Host address of the VM's root table page: where a hardware walk starts. It lives as long
 /// as the VM.
-pub fn root_addr<F: PteFormat>(vm: &Vm<F>) -> u64 {
+pub fn root_addr<F: PteFormat>(vm: &Vm<F>) -> Hva {
     vm.mmu.root_addr()
 }
 

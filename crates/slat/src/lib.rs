@@ -10,19 +10,43 @@
 //! Operations that remove or restrict translations complete a remote TLB flush (see
 //! [`flush`]) before they return.
 //!
+//! Addresses are typed with the units of the `slat-addr` crate (guest physical address
+//! `Gpa`, frame `Gfn`, host address `Hva`, page index in a slot `PageIndex`); slat does not
+//! re-export them.
+//!
 //! ```
-//! use slat::{Access, Fault, FaultOutcome, HostBuffer, HostRange, MemslotFlags, Vm, VmConfig};
+//! use slat::{Access, Fault, FaultOutcome, HostBuffer, HostRange, MemslotFlags, PteFormat};
+//! use slat::{Vm, VmConfig};
 //! use slat::format::Ept;
+//! use slat_addr::Gpa;
 //! use std::sync::Arc;
 //!
 //! let vm = Vm::<Ept>::new(VmConfig::default());
 //! let host = HostRange::new(Arc::new(HostBuffer::new(4096, 4096)?))?;
-//! vm.add_memslot(1, 0x10_0000, 4096, host, MemslotFlags::empty())?;
+//! let gpa = Gpa::new(0x10_0000);
+//! vm.add_memslot(1, gpa, 4096, host.clone(), MemslotFlags::empty())?;
 //! let mut vcpu = vm.create_vcpu(0);
-//! let f = Fault { gpa: 0x10_0000, access: Access::Write, present: false, private: false };
+//! let f = Fault { gpa, access: Access::Write, present: false, private: false };
 //! assert_eq!(vcpu.handle_fault(f), FaultOutcome::Fixed);
 //! assert_eq!(vm.stats().leaves_4k, 1);
+//! // The leaf maps the frame onto the slot's host page.
+//! let (entry, level) = vm.lookup(gpa.gfn()).expect("mapped");
+//! assert_eq!((Ept::output_addr(entry), level), (host.addr(), 1));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! A frame number is not an address: passing a `Gfn` where a `Gpa` is wanted does not compile.
+//!
+//! ```compile_fail,E0308
+//! use slat::{HostBuffer, HostRange, MemslotFlags, Vm, VmConfig};
+//! use slat::format::Ept;
+//! use slat_addr::Gpa;
+//! use std::sync::Arc;
+//!
+//! let vm = Vm::<Ept>::new(VmConfig::default());
+//! let host = HostRange::new(Arc::new(HostBuffer::new(4096, 4096).unwrap())).unwrap();
+//! let gpa = Gpa::new(0x10_0000);
+//! vm.add_memslot(1, gpa.gfn(), 4096, host, MemslotFlags::empty()).unwrap();
 //! ```
 //!
 //! # Layout

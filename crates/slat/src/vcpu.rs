@@ -8,6 +8,7 @@ use crate::mmu::table::PageCache;
 use crate::stats::Counters;
 use crate::sync::{self, Arc};
 use crate::vm::Vm;
+use slat_addr::Gfn;
 
 /// A vCPU of one VM: its table-page cache, memslot hint, counters and flush link, and the VM
 /// it belongs to. The fault handlers are its methods, so a vCPU can only ever fault on, mark
@@ -136,7 +137,7 @@ impl<F: PteFormat> Vcpu<F> {
     /// does, done at once (see `ARCHITECTURE.md`). Call it in guest mode (`guest`), before the
     /// write the walk allows: a harvest's flush then waits for the mark.
     #[inline]
-    pub fn log_hardware_dirty(&mut self, guest: &GuestMode, gfn: u64) {
+    pub fn log_hardware_dirty(&mut self, guest: &GuestMode, gfn: Gfn) {
         // A token of another vCPU proves nothing about this one's mode; marking is still
         // harmless (a spurious dirty page), so mark either way.
         let _ = guest;
@@ -146,7 +147,7 @@ impl<F: PteFormat> Vcpu<F> {
             &self.vm.slots,
             &mut s.slot_hint,
             &s.counters,
-            gfn,
+            gfn.raw(),
         );
     }
 }

@@ -17,6 +17,7 @@ use crate::mmu::inspect::Audit;
 use crate::mmu::Mmu;
 use crate::stats::{Counters, Stats};
 use crate::sync::{self, Arc, Mutex};
+use slat_addr::{Gfn, Gpa, PageIndex};
 
 /// A guest's second-stage MMU.
 pub struct Vm<F: PteFormat = crate::format::Ept> {
@@ -82,7 +83,7 @@ impl<F: PteFormat> Vm<F> {
     /// zapped entry is empty, and a fault that fills an empty entry owes no flush, so with the
     /// lock released first a fault could install a mapping of another size over the range
     /// while some vCPU still caches the old one (a TLB conflict abort on arm64).
-    pub fn zap_gfn_range(&self, start_gfn: u64, end_gfn: u64) {
+    pub fn zap_gfn_range(&self, start_gfn: Gfn, end_gfn: Gfn) {
         self.mmu.zap_gfn_range(start_gfn, end_gfn)
     }
 
@@ -101,7 +102,7 @@ impl<F: PteFormat> Vm<F> {
     }
 
     /// The leaf mapping `gfn`, if any: (entry value, level). Lock-free read for tests and tools.
-    pub fn lookup(&self, gfn: u64) -> Option<(u64, Level)> {
+    pub fn lookup(&self, gfn: Gfn) -> Option<(u64, Level)> {
         self.mmu.lookup(gfn)
     }
 
@@ -113,7 +114,7 @@ impl<F: PteFormat> Vm<F> {
     pub fn add_memslot(
         &self,
         id: SlotId,
-        gpa: u64,
+        gpa: Gpa,
         size: u64,
         host: HostRange,
         flags: MemslotFlags,
@@ -137,7 +138,7 @@ impl<F: PteFormat> Vm<F> {
     pub fn add_memslot_with_private(
         &self,
         id: SlotId,
-        gpa: u64,
+        gpa: Gpa,
         size: u64,
         host: HostRange,
         private: impl Into<PrivateMemory>,
@@ -149,7 +150,7 @@ impl<F: PteFormat> Vm<F> {
     fn add_slot(
         &self,
         id: SlotId,
-        gpa: u64,
+        gpa: Gpa,
         size: u64,
         host: HostRange,
         private: Option<PrivateMemory>,
@@ -179,13 +180,13 @@ impl<F: PteFormat> Vm<F> {
     /// selects (or exits with [`crate::FaultOutcome::MemoryFault`] if its access disagrees).
     pub fn set_memory_attributes(
         &self,
-        first_gfn: u64,
+        first_gfn: Gfn,
         npages: u64,
         attrs: MemoryAttributes,
     ) -> Result<(), MemoryAttributeError> {
         let held = self.slots.lock();
         self.slots
-            .set_attributes(&held, &self.mmu, first_gfn, npages, attrs)
+            .set_attributes(&held, &self.mmu, first_gfn.raw(), npages, attrs)
     }
 
     /// Deletes a memslot; its mappings are zapped and flushed before this returns, so the host
@@ -198,7 +199,7 @@ impl<F: PteFormat> Vm<F> {
     /// Moves a memslot to a new guest address (same host memory). The old range is zapped and
     /// flushed before this returns; while the move runs, neither range maps (faults on the old
     /// one retry, on the new one exit as MMIO, as in KVM).
-    pub fn move_memslot(&self, id: SlotId, new_gpa: u64) -> Result<(), MemslotError> {
+    pub fn move_memslot(&self, id: SlotId, new_gpa: Gpa) -> Result<(), MemslotError> {
         let held = self.slots.lock();
         self.slots.relocate(&held, &self.mmu, id, new_gpa)
     }
@@ -263,7 +264,7 @@ impl<F: PteFormat> Vm<F> {
 
     /// Marks the page at `gpa` dirty from outside any vCPU (a VMM or device write into guest
     /// memory), in the slot's bitmap. Returns whether the slot logs; refused without a bitmap.
-    pub fn mark_page_dirty(&self, gpa: u64) -> Result<bool, DirtyLogError> {
+    pub fn mark_page_dirty(&self, gpa: Gpa) -> Result<bool, DirtyLogError> {
         mark_page_dirty(&self.mmu, &self.slots, gpa)
     }
 
@@ -286,7 +287,7 @@ impl<F: PteFormat> Vm<F> {
     pub fn clear_dirty_log(
         &self,
         id: SlotId,
-        first_page: u64,
+        first_page: PageIndex,
         num_pages: u64,
         bitmap: &[u64],
     ) -> Result<u64, DirtyLogError> {
@@ -315,40 +316,47 @@ impl<F: PteFormat> Vm<F> {
     /// pass mean.
     pub fn clear_young(
         &self,
-        start_gfn: u64,
-        end_gfn: u64,
-        on_dirty: impl FnMut(u64, u64),
+        start_gfn: Gfn,
+        end_gfn: Gfn,
+        mut on_dirty: impl FnMut(Gfn, u64),
     ) -> AgeReport {
-        age::clear_young(&self.mmu, start_gfn, end_gfn, on_dirty)
+        age::clear_young(&self.mmu, start_gfn.raw(), end_gfn.raw(), |g, n| {
+            on_dirty(Gfn::new(g), n)
+        })
     }
 
     /// [`Self::clear_young`], then a remote TLB flush if the range maps anything, so every
     /// access made after this returns is seen (Linux's `clear_flush_young`).
     pub fn clear_flush_young(
         &self,
-        start_gfn: u64,
-        end_gfn: u64,
-        on_dirty: impl FnMut(u64, u64),
+        start_gfn: Gfn,
+        end_gfn: Gfn,
+        mut on_dirty: impl FnMut(Gfn, u64),
     ) -> AgeReport {
-        age::clear_flush_young(&self.mmu, start_gfn, end_gfn, on_dirty)
+        age::clear_flush_young(&self.mmu, start_gfn.raw(), end_gfn.raw(), |g, n| {
+            on_dirty(Gfn::new(g), n)
+        })
     }
 
     /// Ages `[start_gfn, end_gfn)`, flushing or not as `flush` says.
     pub fn age_gfn_range(
         &self,
-        start_gfn: u64,
-        end_gfn: u64,
+        start_gfn: Gfn,
+        end_gfn: Gfn,
         flush: AgeFlush,
-        on_dirty: impl FnMut(u64, u64),
+        mut on_dirty: impl FnMut(Gfn, u64),
     ) -> AgeReport {
-        age::age_gfn_range(&self.mmu, start_gfn, end_gfn, flush, on_dirty)
+        let (start, end) = (start_gfn.raw(), end_gfn.raw());
+        age::age_gfn_range(&self.mmu, start, end, flush, |g, n| {
+            on_dirty(Gfn::new(g), n)
+        })
     }
 
     /// Reports which leaves in `[start_gfn, end_gfn)` are young, changing nothing (KVM's
     /// `kvm_test_age_gfn`). A page accessed through a TLB entry cached before the last aging
     /// pass may still look old (see [`crate::age`]).
-    pub fn test_young(&self, start_gfn: u64, end_gfn: u64) -> AgeReport {
-        age::test_young(&self.mmu, start_gfn, end_gfn)
+    pub fn test_young(&self, start_gfn: Gfn, end_gfn: Gfn) -> AgeReport {
+        age::test_young(&self.mmu, start_gfn.raw(), end_gfn.raw())
     }
 
     /// Marks every page of `bitmap` idle and ages its range, flushing or not as `flush` says
@@ -357,9 +365,9 @@ impl<F: PteFormat> Vm<F> {
         &self,
         bitmap: &mut IdleBitmap,
         flush: AgeFlush,
-        on_dirty: impl FnMut(u64, u64),
+        mut on_dirty: impl FnMut(Gfn, u64),
     ) -> AgeReport {
-        age::mark_idle(&self.mmu, bitmap, flush, on_dirty)
+        age::mark_idle(&self.mmu, bitmap, flush, |g, n| on_dirty(Gfn::new(g), n))
     }
 
     /// Clears the idle bit of every page whose leaf is young, i.e. was accessed since the

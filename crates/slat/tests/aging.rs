@@ -14,6 +14,7 @@ use slat::{
     Access, AgeFlush, Fault, FaultOutcome, IdleBitmap, IdleError, Level, MemslotFlags, Vcpu, Vm,
     VmConfig,
 };
+use slat_addr::{Gfn, Gpa, Hva};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -92,7 +93,7 @@ impl<F: PteFormat> HwCpu<F> {
                     self.faults += 1;
                     let f = Fault {
                         private: false,
-                        gpa,
+                        gpa: Gpa::new(gpa),
                         access,
                         present,
                     };
@@ -138,11 +139,11 @@ impl<F: PteFormat> HwCpu<F> {
             // SAFETY: the root or a table reached through present entries during this access,
             // in guest mode: a table unlinked meanwhile is freed only after a flush this vCPU
             // acknowledges between accesses.
-            let t = unsafe { TablePage::at(table) };
-            let ep = &t.entries[table_index(gfn, level)];
+            let t = unsafe { TablePage::at(Hva::new(table.raw())) };
+            let ep = &t.entries[table_index(Gfn::new(gfn), level)];
             let e = ep.load(Ordering::Acquire);
             if F::hw_is_table(e, level) {
-                table = F::output_addr(e);
+                table = Hva::new(F::output_addr(e).raw());
                 level -= 1;
                 continue;
             }
@@ -190,13 +191,13 @@ fn vm_with_leaf_size<F: PteFormat>(
             (m.range(HUGE_1G), Some(m), HUGE_1G)
         }
     };
-    vm.add_memslot(1, gpa, size, host, MemslotFlags::empty())
+    vm.add_memslot(1, Gpa::new(gpa), size, host, MemslotFlags::empty())
         .unwrap();
     (vm, mem, gpa, size >> PAGE_SHIFT)
 }
 
 fn leaf<F: PteFormat>(vm: &Vm<F>, gpa: u64) -> (u64, Level) {
-    vm.lookup(gpa >> PAGE_SHIFT)
+    vm.lookup(Gpa::new(gpa).gfn())
         .unwrap_or_else(|| panic!("gpa {gpa:#x} not mapped"))
 }
 
@@ -216,7 +217,7 @@ fn age_and_test_age_with_ad_bits_at_every_leaf_size<F: PteFormat>() {
 
         // Testing does not clear: twice young, leaf unchanged.
         for _ in 0..2 {
-            let t = vm.test_young(g0, g1);
+            let t = vm.test_young(Gfn::new(g0), Gfn::new(g1));
             assert_eq!(
                 (t.young_pages, t.young_leaves, t.aged_leaves),
                 (pages, 1, 0)
@@ -230,7 +231,7 @@ fn age_and_test_age_with_ad_bits_at_every_leaf_size<F: PteFormat>() {
         }
 
         let mut dirty = Vec::new();
-        let r = vm.clear_young(g0, g1, |g, n| dirty.push((g, n)));
+        let r = vm.clear_young(Gfn::new(g0), Gfn::new(g1), |g, n| dirty.push((g, n)));
         assert_eq!(
             (r.young_pages, r.aged_leaves, r.dirty_pages),
             (pages, 1, pages)
@@ -238,7 +239,7 @@ fn age_and_test_age_with_ad_bits_at_every_leaf_size<F: PteFormat>() {
         assert!(!r.flushed);
         assert_eq!(
             dirty,
-            vec![(g0, pages)],
+            vec![(Gfn::new(g0), pages)],
             "level {level}: dirty leaf not reported"
         );
         let (l1, _) = leaf(&vm, gpa);
@@ -248,9 +249,11 @@ fn age_and_test_age_with_ad_bits_at_every_leaf_size<F: PteFormat>() {
             F::permits(l1, Access::Write),
             "A/D mode must keep permissions"
         );
-        assert_eq!(vm.test_young(g0, g1).young_pages, 0);
+        assert_eq!(vm.test_young(Gfn::new(g0), Gfn::new(g1)).young_pages, 0);
         // Aging an old leaf changes nothing.
-        let again = vm.clear_young(g0, g1, |_, _| panic!("old leaf reported dirty"));
+        let again = vm.clear_young(Gfn::new(g0), Gfn::new(g1), |_, _| {
+            panic!("old leaf reported dirty")
+        });
         assert_eq!((again.young_pages, again.aged_leaves), (0, 0));
 
         // The hardware walker sets A again on a read anywhere in the leaf; no fault.
@@ -261,7 +264,7 @@ fn age_and_test_age_with_ad_bits_at_every_leaf_size<F: PteFormat>() {
             "an A/D-mode access to an aged leaf faulted"
         );
         assert!(F::is_accessed(leaf(&vm, gpa).0));
-        assert_eq!(vm.test_young(g0, g1).young_pages, pages);
+        assert_eq!(vm.test_young(Gfn::new(g0), Gfn::new(g1)).young_pages, pages);
         check_audit(&vm, "ad aging");
         teardown(vm, [cpu.finish()]);
     }
@@ -278,17 +281,17 @@ fn age_and_test_age_without_ad_bits_at_every_leaf_size<F: PteFormat>() {
             let pages = pages_per_entry(level);
             let (g0, g1) = (gpa >> PAGE_SHIFT, (gpa >> PAGE_SHIFT) + pages);
             assert!(F::is_writable(l0) && F::is_accessed(l0));
-            let t = vm.test_young(g0, g1);
+            let t = vm.test_young(Gfn::new(g0), Gfn::new(g1));
             assert_eq!((t.young_pages, t.aged_leaves), (pages, 0));
             assert_eq!(leaf(&vm, gpa).0, l0, "{ctx}: test_young changed the leaf");
 
             // A writable leaf is dirty: reported before aging (which drops W on EPT).
             let mut dirty = Vec::new();
-            let r = vm.clear_young(g0, g1, |g, n| dirty.push((g, n)));
+            let r = vm.clear_young(Gfn::new(g0), Gfn::new(g1), |g, n| dirty.push((g, n)));
             assert_eq!((r.aged_leaves, r.dirty_pages), (1, pages), "{ctx}");
             assert_eq!(
                 dirty,
-                vec![(g0, pages)],
+                vec![(Gfn::new(g0), pages)],
                 "{ctx}: the dirty page was dropped"
             );
             let (l1, lv1) = leaf(&vm, gpa);
@@ -302,7 +305,7 @@ fn age_and_test_age_without_ad_bits_at_every_leaf_size<F: PteFormat>() {
             }
             assert_eq!(F::output_addr(l1), F::output_addr(l0));
             assert!(F::is_mmu_writable(l1), "{ctx}: aging lost MMU-writable");
-            assert_eq!(vm.test_young(g0, g1).young_pages, 0);
+            assert_eq!(vm.test_young(Gfn::new(g0), Gfn::new(g1)).young_pages, 0);
             assert_eq!(
                 vm.stats().leaves_4k + vm.stats().leaves_2m + vm.stats().leaves_1g,
                 1
@@ -335,10 +338,10 @@ fn age_and_test_age_without_ad_bits_at_every_leaf_size<F: PteFormat>() {
                 writable,
                 "{ctx}: W after restore {l2:#x}"
             );
-            assert_eq!(vm.test_young(g0, g1).young_pages, pages);
+            assert_eq!(vm.test_young(Gfn::new(g0), Gfn::new(g1)).young_pages, pages);
             // A read-restored leaf is clean (not writable): the next aging reports nothing
             // dirty.
-            let r = vm.clear_young(g0, g1, |_, _| {});
+            let r = vm.clear_young(Gfn::new(g0), Gfn::new(g1), |_, _| {});
             assert_eq!(r.dirty_pages, if writable { pages } else { 0 }, "{ctx}");
             check_audit(&vm, &ctx);
             teardown(vm, [cpu.finish()]);
@@ -356,7 +359,7 @@ fn without_the_fast_path_the_slow_path_restores_tracked_leaves<F: PteFormat>() {
     let gpa = 0x10_0000;
     vm.add_memslot(
         1,
-        gpa,
+        Gpa::new(gpa),
         mem.len(),
         mem.range(PAGE_SIZE),
         MemslotFlags::empty(),
@@ -365,7 +368,11 @@ fn without_the_fast_path_the_slow_path_restores_tracked_leaves<F: PteFormat>() {
     let mut cpu = HwCpu::new(&vm, 0);
     cpu.access(gpa, Access::Write);
     let g = gpa >> PAGE_SHIFT;
-    assert_eq!(vm.clear_young(g, g + 8, |_, _| {}).aged_leaves, 1);
+    assert_eq!(
+        vm.clear_young(Gfn::new(g), Gfn::new(g + 8), |_, _| {})
+            .aged_leaves,
+        1
+    );
     let before = vm.stats().pf_fixed;
     cpu.access(gpa, Access::Write);
     assert_eq!(cpu.fast, 0);
@@ -390,10 +397,12 @@ fn huge_leaf_straddling_the_range_counts_only_pages_inside<F: PteFormat>() {
         // state), only the 100 pages count as young, but the dirty report covers the whole
         // leaf (its W, without A/D bits, is gone for all 512 pages).
         let mut dirty = Vec::new();
-        let r = vm.clear_young(g + 300, g + 400, |f, n| dirty.push((f, n)));
+        let r = vm.clear_young(Gfn::new(g + 300), Gfn::new(g + 400), |f, n| {
+            dirty.push((f, n))
+        });
         assert_eq!(
             dirty,
-            vec![(g, 512)],
+            vec![(Gfn::new(g), 512)],
             "ad {ad}: dirty report of a straddling leaf"
         );
         assert_eq!(r.dirty_pages, 512);
@@ -401,10 +410,17 @@ fn huge_leaf_straddling_the_range_counts_only_pages_inside<F: PteFormat>() {
             (r.young_pages, r.mapped_pages, r.aged_leaves),
             (100, 100, 1)
         );
-        assert_eq!(vm.test_young(g, g + 512).young_pages, 0, "ad {ad}");
+        assert_eq!(
+            vm.test_young(Gfn::new(g), Gfn::new(g + 512)).young_pages,
+            0,
+            "ad {ad}"
+        );
         // A range across chunk edges and beyond the slot still sees the leaf once.
         cpu.access(gpa, Access::Read);
-        let r = vm.test_young(g.saturating_sub(5 * slat::age::CHUNK_PAGES), g + 1024);
+        let r = vm.test_young(
+            Gfn::new(g.saturating_sub(5 * slat::age::CHUNK_PAGES)),
+            Gfn::new(g + 1024),
+        );
         assert_eq!((r.young_leaves, r.young_pages), (1, 512), "ad {ad}");
         teardown(vm, [cpu.finish()]);
     }
@@ -417,7 +433,7 @@ fn clear_flush_young_flushes_and_clear_young_does_not<F: PteFormat>() {
         let gpa = 0x20_0000;
         vm.add_memslot(
             1,
-            gpa,
+            Gpa::new(gpa),
             mem.len(),
             mem.range(PAGE_SIZE),
             MemslotFlags::empty(),
@@ -432,13 +448,13 @@ fn clear_flush_young_flushes_and_clear_young_does_not<F: PteFormat>() {
         // Without A/D bits this clears W on 16 writable leaves (EPT), which would owe a flush
         // anywhere else: clear_young still does not flush.
         let r0 = req(&vm);
-        let r = vm.clear_young(g, g + 16, |_, _| {});
+        let r = vm.clear_young(Gfn::new(g), Gfn::new(g + 16), |_, _| {});
         assert_eq!(r.aged_leaves, 16);
         assert_eq!(req(&vm), r0, "ad {ad}: clear_young flushed");
         for p in 0..16 {
             cpu.access(gpa + p * PAGE_SIZE, Access::Read);
         }
-        let r = vm.clear_flush_young(g, g + 16, |_, _| {});
+        let r = vm.clear_flush_young(Gfn::new(g), Gfn::new(g + 16), |_, _| {});
         assert!(r.flushed && r.aged_leaves == 16);
         assert_eq!(
             req(&vm),
@@ -447,11 +463,11 @@ fn clear_flush_young_flushes_and_clear_young_does_not<F: PteFormat>() {
         );
         // Nothing young but something mapped: still one flush (translations cached since
         // the clear_young above must not survive).
-        let r = vm.clear_flush_young(g, g + 16, |_, _| {});
+        let r = vm.clear_flush_young(Gfn::new(g), Gfn::new(g + 16), |_, _| {});
         assert!(r.flushed && r.aged_leaves == 0);
         assert_eq!(req(&vm), r0 + 2);
         // Nothing mapped: nothing to flush.
-        let r = vm.clear_flush_young(g + 16, g + 1024, |_, _| {});
+        let r = vm.clear_flush_young(Gfn::new(g + 16), Gfn::new(g + 1024), |_, _| {});
         assert!(!r.flushed && r.mapped_pages == 0);
         assert_eq!(req(&vm), r0 + 2);
         teardown(vm, [cpu.finish()]);
@@ -464,7 +480,7 @@ fn aging_a_logged_slot_keeps_every_dirty_page_in_the_log<F: PteFormat>() {
         let mem = HostMem::new(64 * PAGE_SIZE);
         let gpa = 0x40_0000;
         let npages = 64;
-        vm.add_memslot(1, gpa, mem.len(), mem.range(PAGE_SIZE), LOG)
+        vm.add_memslot(1, Gpa::new(gpa), mem.len(), mem.range(PAGE_SIZE), LOG)
             .unwrap();
         let g = gpa >> PAGE_SHIFT;
         let mut cpu = HwCpu::new(&vm, 0);
@@ -483,8 +499,8 @@ fn aging_a_logged_slot_keeps_every_dirty_page_in_the_log<F: PteFormat>() {
             cpu.access(gpa + p * PAGE_SIZE, a);
         }
         let mut reported = HashSet::new();
-        let r = vm.clear_young(g, g + npages, |first, n| {
-            reported.extend(first..first + n);
+        let r = vm.clear_young(Gfn::new(g), Gfn::new(g + npages), |first, n| {
+            reported.extend(first.raw()..first.raw() + n);
         });
         assert_eq!(r.aged_leaves, npages, "ad {ad}");
         let evens: HashSet<u64> = (0..npages).filter(|p| p % 2 == 0).map(|p| g + p).collect();
@@ -510,7 +526,7 @@ fn aging_a_logged_slot_keeps_every_dirty_page_in_the_log<F: PteFormat>() {
             "ad {ad}: the log lost or gained pages through aging"
         );
         // After the harvest, write every page: each write after aging is logged again.
-        vm.clear_young(g, g + npages, |_, _| {});
+        vm.clear_young(Gfn::new(g), Gfn::new(g + npages), |_, _| {});
         for p in 0..npages {
             cpu.access(gpa + p * PAGE_SIZE, Access::Write);
         }
@@ -539,7 +555,7 @@ fn idle_bitmap_tracks_exactly_the_pages_touched_since_marking<F: PteFormat>() {
         let gpa = 0x80_0000;
         vm.add_memslot(
             1,
-            gpa,
+            Gpa::new(gpa),
             npages * PAGE_SIZE,
             mem.range(PAGE_SIZE),
             MemslotFlags::empty(),
@@ -550,7 +566,7 @@ fn idle_bitmap_tracks_exactly_the_pages_touched_since_marking<F: PteFormat>() {
         for p in 0..180 {
             cpu.access(gpa + p * PAGE_SIZE, Access::Write);
         }
-        let mut b = IdleBitmap::new::<F>(g, npages).unwrap();
+        let mut b = IdleBitmap::new::<F>(Gfn::new(g), npages).unwrap();
         assert_eq!(b.idle_pages(), 0);
         // Flush, so the test's TLB-less vCPU and a real one would agree.
         let r = vm.mark_idle(&mut b, AgeFlush::Flush, |_, _| {});
@@ -577,13 +593,13 @@ fn idle_bitmap_tracks_exactly_the_pages_touched_since_marking<F: PteFormat>() {
         );
         for p in 0..npages {
             assert_eq!(
-                b.is_idle(g + p),
+                b.is_idle(Gfn::new(g + p)),
                 Some(!touched.contains(&p)),
                 "ad {ad} seed {seed:#x}: page {p}"
             );
         }
-        assert_eq!(b.is_idle(g + npages), None);
-        assert_eq!(b.is_idle(g - 1), None);
+        assert_eq!(b.is_idle(Gfn::new(g + npages)), None);
+        assert_eq!(b.is_idle(Gfn::new(g - 1)), None);
         // Reading changes nothing.
         assert_eq!(vm.read_idle(&mut b), idle);
         let ws = vm.working_set(&mut b);
@@ -597,26 +613,30 @@ fn idle_bitmap_tracks_exactly_the_pages_touched_since_marking<F: PteFormat>() {
 }
 
 fn idle_bitmap_rejects_bad_ranges<F: PteFormat>() {
-    assert_eq!(IdleBitmap::new::<F>(0, 0), Err(IdleError::Empty));
+    assert_eq!(IdleBitmap::new::<F>(Gfn::new(0), 0), Err(IdleError::Empty));
     let max = 1u64 << (48 - 12);
     assert!(matches!(
-        IdleBitmap::new::<F>(max - 1, 2),
+        IdleBitmap::new::<F>(Gfn::new(max - 1), 2),
         Err(IdleError::OutOfRange { .. })
     ));
     assert!(matches!(
-        IdleBitmap::new::<F>(u64::MAX, 1),
+        IdleBitmap::new::<F>(Gfn::new(u64::MAX), 1),
         Err(IdleError::OutOfRange { .. })
     ));
-    assert!(IdleBitmap::new::<F>(max - 1, 1).is_ok());
+    assert!(IdleBitmap::new::<F>(Gfn::new(max - 1), 1).is_ok());
     // Aging ranges beyond the format, empty or reversed, are no-ops, not panics.
     let vm = Vm::<F>::new(VmConfig::default());
     assert_eq!(
-        vm.clear_young(u64::MAX - 5, u64::MAX, |_, _| {})
+        vm.clear_young(Gfn::new(u64::MAX - 5), Gfn::new(u64::MAX), |_, _| {})
             .mapped_pages,
         0
     );
-    assert_eq!(vm.test_young(10, 5).mapped_pages, 0);
-    assert_eq!(vm.clear_flush_young(0, max, |_, _| {}).aged_leaves, 0);
+    assert_eq!(vm.test_young(Gfn::new(10), Gfn::new(5)).mapped_pages, 0);
+    assert_eq!(
+        vm.clear_flush_young(Gfn::new(0), Gfn::new(max), |_, _| {})
+            .aged_leaves,
+        0
+    );
 }
 
 /// vCPUs write and read random pages (their walker setting A/D, their faults taking both
@@ -634,8 +654,14 @@ fn aging_races_with_faults_fast_path_restores_and_hardware_ad_updates<F: PteForm
             let mem = HostMem::new(size);
             let gpa = 1u64 << 32;
             let psize = if huge { HUGE_2M } else { PAGE_SIZE };
-            vm.add_memslot(1, gpa, size, mem.range(psize), MemslotFlags::empty())
-                .unwrap();
+            vm.add_memslot(
+                1,
+                Gpa::new(gpa),
+                size,
+                mem.range(psize),
+                MemslotFlags::empty(),
+            )
+            .unwrap();
             let npages = size >> PAGE_SHIFT;
             let g = gpa >> PAGE_SHIFT;
             let stop = Arc::new(AtomicBool::new(false));
@@ -650,13 +676,14 @@ fn aging_races_with_faults_fast_path_restores_and_hardware_ad_updates<F: PteForm
                         while !stop.load(Ordering::Relaxed) {
                             let lo = g + rng.below(npages);
                             let hi = lo + 1 + rng.below(g + npages - lo);
-                            let mut rep = |f: u64, n: u64| {
+                            let mut rep = |f: Gfn, n: u64| {
+                                let f = f.raw();
                                 reported.lock().unwrap().extend(f..f + n);
                             };
                             let r = match rng.below(4) {
-                                0 => vm.clear_flush_young(lo, hi, &mut rep),
-                                1 => vm.test_young(lo, hi),
-                                _ => vm.clear_young(lo, hi, &mut rep),
+                                0 => vm.clear_flush_young(Gfn::new(lo), Gfn::new(hi), &mut rep),
+                                1 => vm.test_young(Gfn::new(lo), Gfn::new(hi)),
+                                _ => vm.clear_young(Gfn::new(lo), Gfn::new(hi), &mut rep),
                             };
                             aged += r.aged_leaves;
                             passes += 1;
@@ -718,7 +745,7 @@ fn aging_races_with_faults_fast_path_restores_and_hardware_ad_updates<F: PteForm
             }
             let reported = reported.lock().unwrap();
             for &gfn in &written {
-                let (l, _) = vm.lookup(gfn).expect("written page unmapped");
+                let (l, _) = vm.lookup(Gfn::new(gfn)).expect("written page unmapped");
                 check_write_chain::<F>(l, &ctx);
                 if ad {
                     assert!(
@@ -752,8 +779,14 @@ fn no_dirty_page_is_lost_when_aging_races_with_harvests<F: PteFormat>() {
         let npages = 2048u64;
         let mem = HostMem::new(npages * PAGE_SIZE);
         let gpa = 1u64 << 31;
-        vm.add_memslot(1, gpa, npages * PAGE_SIZE, mem.range(PAGE_SIZE), LOG)
-            .unwrap();
+        vm.add_memslot(
+            1,
+            Gpa::new(gpa),
+            npages * PAGE_SIZE,
+            mem.range(PAGE_SIZE),
+            LOG,
+        )
+        .unwrap();
         let g = gpa >> PAGE_SHIFT;
         let stop = Arc::new(AtomicBool::new(false));
         let ager = {
@@ -761,7 +794,9 @@ fn no_dirty_page_is_lost_when_aging_races_with_harvests<F: PteFormat>() {
             std::thread::spawn(move || {
                 let mut n = 0u64;
                 while !stop.load(Ordering::Relaxed) {
-                    n += vm.clear_young(g, g + npages, |_, _| {}).aged_leaves;
+                    n += vm
+                        .clear_young(Gfn::new(g), Gfn::new(g + npages), |_, _| {})
+                        .aged_leaves;
                 }
                 n
             })

@@ -18,6 +18,7 @@ use slat::{
     Access, Ept, Fault, FaultOutcome, HostRange, MemoryAttributes, MemslotError, MemslotFlags,
     PteFormat, Vm, VmConfig,
 };
+use slat_addr::{Gfn, Gpa, Hva};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -43,12 +44,14 @@ fn pool(len: u64, cfg: DirectMapConfig) -> (HostMem, Arc<DirectMap>) {
 fn check_invariant(mem: &HostMem, map: &DirectMap, ctx: &str) {
     for f in 0..mem.len() / PAGE_SIZE {
         let hva = mem.addr() + f * PAGE_SIZE;
-        let assigned = map.is_assigned(hva).unwrap();
-        let t = map.translate(hva).unwrap();
+        let assigned = map.is_assigned(Hva::new(hva)).unwrap();
+        let t = map.translate(Hva::new(hva)).unwrap();
         let policy = map.config().policy;
         match (policy, assigned, t) {
-            (DirectMapPolicy::Untouched, _, Some((h, _))) => assert_eq!(h, hva, "{ctx}"),
-            (_, false, Some((h, _))) => assert_eq!(h, hva, "{ctx}: frame {f} maps elsewhere"),
+            (DirectMapPolicy::Untouched, _, Some((h, _))) => assert_eq!(h, Hva::new(hva), "{ctx}"),
+            (_, false, Some((h, _))) => {
+                assert_eq!(h, Hva::new(hva), "{ctx}: frame {f} maps elsewhere")
+            }
             (_, true, None) => {}
             (p, a, t) => panic!("{ctx}: frame {f} assigned={a} translates to {t:?} ({p})"),
         }
@@ -96,12 +99,19 @@ fn acceptance_splits_once_per_block_and_removes_one_page() {
     let hva = mem.addr() + 7 * PAGE_SIZE;
     // The page allocator cleared it through the direct map before it left.
     unsafe_write(hva, 0xdead);
-    assert_eq!(map.accept(hva), Ok(Acceptance::Accepted { split: true }));
-    assert_eq!(map.accept(hva), Ok(Acceptance::Already));
-    assert_eq!(map.translate(hva), Ok(None), "removed");
-    assert_eq!(map.read_u64(hva), Ok(None), "the host cannot read it");
     assert_eq!(
-        map.accept(hva + PAGE_SIZE),
+        map.accept(Hva::new(hva)),
+        Ok(Acceptance::Accepted { split: true })
+    );
+    assert_eq!(map.accept(Hva::new(hva)), Ok(Acceptance::Already));
+    assert_eq!(map.translate(Hva::new(hva)), Ok(None), "removed");
+    assert_eq!(
+        map.read_u64(Hva::new(hva)),
+        Ok(None),
+        "the host cannot read it"
+    );
+    assert_eq!(
+        map.accept(Hva::new(hva + PAGE_SIZE)),
         Ok(Acceptance::Accepted { split: false }),
         "the block is split already"
     );
@@ -110,15 +120,25 @@ fn acceptance_splits_once_per_block_and_removes_one_page() {
     assert_eq!(s.leaves, [510, 1, 0]);
     // The other block is untouched.
     assert_eq!(
-        map.translate(mem.addr() + 2 * MIB).unwrap().map(|t| t.1),
+        map.translate(Hva::new(mem.addr() + 2 * MIB))
+            .unwrap()
+            .map(|t| t.1),
         Some(2)
     );
     check_invariant(&mem, &map, "after two acceptances");
     // Release scrubs: what the guest wrote never reaches the host's view.
     unsafe_write(hva, 0x5ec2e7);
-    assert_eq!(map.release(hva), Ok(true));
-    assert_eq!(map.read_u64(hva), Ok(Some(0)), "scrubbed on release");
-    assert_eq!(map.release(hva), Ok(false), "not assigned any more");
+    assert_eq!(map.release(Hva::new(hva)), Ok(true));
+    assert_eq!(
+        map.read_u64(Hva::new(hva)),
+        Ok(Some(0)),
+        "scrubbed on release"
+    );
+    assert_eq!(
+        map.release(Hva::new(hva)),
+        Ok(false),
+        "not assigned any more"
+    );
     check_invariant(&mem, &map, "after a release");
     check_no_leak(&map, "split");
 }
@@ -127,12 +147,12 @@ fn acceptance_splits_once_per_block_and_removes_one_page() {
 fn collapse_restores_the_2m_leaf_when_the_block_is_whole_again() {
     let (mem, map) = pool(2 * MIB, config(DirectMapPolicy::Split2M, false, true));
     let (a, b) = (mem.addr(), mem.addr() + 300 * PAGE_SIZE);
-    map.accept(a).unwrap();
-    map.accept(b).unwrap();
+    map.accept(Hva::new(a)).unwrap();
+    map.accept(Hva::new(b)).unwrap();
     let tables = map.audit().tables;
-    map.release(a).unwrap();
+    map.release(Hva::new(a)).unwrap();
     assert_eq!(map.stats().collapses, 0, "one page is still out");
-    map.release(b).unwrap();
+    map.release(Hva::new(b)).unwrap();
     let s = map.stats();
     assert_eq!(s.collapses, 1);
     assert_eq!(map.audit().leaves, [0, 1, 0]);
@@ -165,7 +185,7 @@ fn random_sequences_keep_the_invariant_and_leak_nothing() {
                 let f = block * BLOCK + rng.below(span);
                 let hva = mem.addr() + f * PAGE_SIZE;
                 if rng.chance(1, 2) {
-                    let r = map.accept(hva).unwrap();
+                    let r = map.accept(Hva::new(hva)).unwrap();
                     assert_eq!(
                         matches!(r, Acceptance::Already),
                         assigned[f as usize],
@@ -173,7 +193,11 @@ fn random_sequences_keep_the_invariant_and_leak_nothing() {
                     );
                     assigned[f as usize] = true;
                 } else {
-                    assert_eq!(map.release(hva), Ok(assigned[f as usize]), "{ctx} {step}");
+                    assert_eq!(
+                        map.release(Hva::new(hva)),
+                        Ok(assigned[f as usize]),
+                        "{ctx} {step}"
+                    );
                     assigned[f as usize] = false;
                 }
                 if step % 50 == 0 {
@@ -182,7 +206,7 @@ fn random_sequences_keep_the_invariant_and_leak_nothing() {
             }
             // Give everything back: with collapse, only 2 MiB leaves remain.
             for f in 0..frames {
-                map.release(mem.addr() + f * PAGE_SIZE).unwrap();
+                map.release(Hva::new(mem.addr() + f * PAGE_SIZE)).unwrap();
             }
             check_invariant(&mem, &map, &ctx);
             if collapse && policy == DirectMapPolicy::Split2M {
@@ -213,8 +237,8 @@ fn a_split_is_atomic_to_concurrent_readers() {
                 while !stop.load(Ordering::Relaxed) {
                     let f = rng.below(frames / 2) * 2 + 1;
                     let hva = base + f * PAGE_SIZE;
-                    let t = map.translate(hva).unwrap();
-                    assert_eq!(t.map(|t| t.0), Some(hva), "seed {seed:#x}: frame {f}");
+                    let t = map.translate(Hva::new(hva)).unwrap();
+                    assert_eq!(t.map(|t| t.0.raw()), Some(hva), "seed {seed:#x}: frame {f}");
                     reads.fetch_add(1, Ordering::Relaxed);
                 }
             })
@@ -225,14 +249,14 @@ fn a_split_is_atomic_to_concurrent_readers() {
     for _ in 0..4000 {
         let f = rng.below(frames / 2) * 2;
         let hva = base + f * PAGE_SIZE;
-        if let Acceptance::Accepted { split: true } = map.accept(hva).unwrap() {
+        if let Acceptance::Accepted { split: true } = map.accept(Hva::new(hva)).unwrap() {
             splits += 1;
         }
         if rng.chance(1, 3) {
             // Release the whole block's even frames, so it may collapse.
             let block = f / BLOCK * BLOCK;
             for g in (block..block + BLOCK).step_by(2) {
-                map.release(base + g * PAGE_SIZE).unwrap();
+                map.release(Hva::new(base + g * PAGE_SIZE)).unwrap();
             }
         }
     }
@@ -253,7 +277,7 @@ fn kernel_flush_waits_for_online_host_cpus() {
     let (mem, map) = pool(2 * MIB, config(DirectMapPolicy::Pre4K, true, false));
     let mut cpu = map.host_cpu();
     // Returns although the CPU never acknowledges: it is offline.
-    map.accept(mem.addr()).unwrap();
+    map.accept(Hva::new(mem.addr())).unwrap();
     assert_eq!(map.stats().flush_requests, 1);
     let stop = Arc::new(AtomicBool::new(false));
     let up = Arc::new(AtomicBool::new(false));
@@ -279,7 +303,7 @@ fn kernel_flush_waits_for_online_host_cpus() {
         std::thread::yield_now();
     }
     for i in 1..=3 {
-        map.accept(mem.addr() + i * PAGE_SIZE).unwrap();
+        map.accept(Hva::new(mem.addr() + i * PAGE_SIZE)).unwrap();
         assert_eq!(
             acks.load(Ordering::Relaxed),
             i,
@@ -302,19 +326,19 @@ fn private_faults_accept_and_conversions_release() {
     let private = map.bind(2 * MIB, 2 * MIB).unwrap();
     vm.add_memslot_with_private(
         1,
-        gpa,
+        Gpa::new(gpa),
         2 * MIB,
         shared.range(PAGE_SIZE),
         private.clone(),
         MemslotFlags::empty(),
     )
     .unwrap();
-    vm.set_memory_attributes(gfn, 512, MemoryAttributes::PRIVATE)
+    vm.set_memory_attributes(Gfn::new(gfn), 512, MemoryAttributes::PRIVATE)
         .unwrap();
     assert_eq!(map.stats().accepted, 0, "acceptance is lazy");
     let mut v = vm.create_vcpu(0);
     let fault = |g: u64| Fault {
-        gpa: g << PAGE_SHIFT,
+        gpa: Gpa::new(g << PAGE_SHIFT),
         access: Access::Write,
         present: false,
         private: true,
@@ -324,25 +348,25 @@ fn private_faults_accept_and_conversions_release() {
     }
     let page = |i: u64| mem.addr() + 2 * MIB + i * PAGE_SIZE;
     assert_eq!(map.stats().accepted, 3);
-    assert_eq!(map.translate(page(5)), Ok(None));
-    let (leaf, _) = vm.lookup(gfn + 5).unwrap();
+    assert_eq!(map.translate(Hva::new(page(5))), Ok(None));
+    let (leaf, _) = vm.lookup(Gfn::new(gfn + 5)).unwrap();
     assert_eq!(
         <Ept as PteFormat>::output_addr(leaf),
-        page(5),
+        Hva::new(page(5)),
         "mapped privately"
     );
     // The guest writes a secret; converting page 5 to shared releases it, scrubbed.
     unsafe_write(page(5), 0x5ec2e7);
-    vm.set_memory_attributes(gfn + 5, 1, MemoryAttributes::empty())
+    vm.set_memory_attributes(Gfn::new(gfn + 5), 1, MemoryAttributes::empty())
         .unwrap();
-    assert_eq!(map.read_u64(page(5)), Ok(Some(0)));
+    assert_eq!(map.read_u64(Hva::new(page(5))), Ok(Some(0)));
     assert_eq!(map.stats().released, 1);
     check_invariant(&mem, &map, "after conversion");
     // A second slot cannot take the same pool range; an overlapping bind is refused.
     assert_eq!(
         vm.add_memslot_with_private(
             2,
-            gpa + 4 * MIB,
+            Gpa::new(gpa + 4 * MIB),
             2 * MIB,
             shared.range(PAGE_SIZE),
             private,
@@ -352,14 +376,22 @@ fn private_faults_accept_and_conversions_release() {
     );
     // Bound pages are the engine's: a caller cannot release one from under the guest.
     assert_eq!(
-        map.release(page(6)),
-        Err(DirectMapError::Bound { hva: page(6) })
+        map.release(Hva::new(page(6))),
+        Err(DirectMapError::Bound {
+            hva: Hva::new(page(6))
+        })
     );
     assert_eq!(
-        map.accept(page(7)),
-        Err(DirectMapError::Bound { hva: page(7) })
+        map.accept(Hva::new(page(7))),
+        Err(DirectMapError::Bound {
+            hva: Hva::new(page(7))
+        })
     );
-    assert_eq!(map.translate(page(6)), Ok(None), "still the guest's");
+    assert_eq!(
+        map.translate(Hva::new(page(6))),
+        Ok(None),
+        "still the guest's"
+    );
     assert_eq!(
         map.bind(3 * MIB, MIB).err(),
         Some(DirectMapError::AlreadyBound {
@@ -384,14 +416,14 @@ fn bad_input_is_refused() {
     let (mem, map) = pool(2 * MIB, DirectMapConfig::default());
     let end = mem.addr() + mem.len();
     assert!(matches!(
-        map.accept(end),
+        map.accept(Hva::new(end)),
         Err(DirectMapError::NotInPool { .. })
     ));
     assert!(matches!(
-        map.release(mem.addr() - 1),
+        map.release(Hva::new(mem.addr() - 1)),
         Err(DirectMapError::NotInPool { .. })
     ));
-    assert!(map.translate(u64::MAX).is_err());
+    assert!(map.translate(Hva::new(u64::MAX)).is_err());
     for (off, len) in [(0, 0), (1, PAGE_SIZE), (0, 3 * MIB), (!0xfff, PAGE_SIZE)] {
         assert!(
             matches!(map.bind(off, len), Err(DirectMapError::BadRange { .. })),
@@ -399,7 +431,7 @@ fn bad_input_is_refused() {
         );
     }
     // SAFETY: never mapped or touched: refused before anything reads it.
-    let beyond = unsafe { HostRange::from_raw(1 << 48, 2 * MIB, PAGE_SIZE) };
+    let beyond = unsafe { HostRange::from_raw(Hva::new(1 << 48), 2 * MIB, PAGE_SIZE) };
     assert!(matches!(
         DirectMap::new(beyond, DirectMapConfig::default()),
         Err(DirectMapError::PoolOutOfRange { .. })
@@ -427,18 +459,18 @@ fn a_dropped_binding_gives_its_pages_back() {
     let private = map.bind(0, 2 * MIB).unwrap();
     vm.add_memslot_with_private(
         1,
-        gpa,
+        Gpa::new(gpa),
         2 * MIB,
         shared.range(PAGE_SIZE),
         private,
         MemslotFlags::empty(),
     )
     .unwrap();
-    vm.set_memory_attributes(gpa >> PAGE_SHIFT, 512, MemoryAttributes::PRIVATE)
+    vm.set_memory_attributes(Gpa::new(gpa).gfn(), 512, MemoryAttributes::PRIVATE)
         .unwrap();
     let mut v = vm.create_vcpu(0);
     let f = Fault {
-        gpa,
+        gpa: Gpa::new(gpa),
         access: Access::Write,
         present: false,
         private: true,
@@ -480,7 +512,7 @@ fn random_conversions_keep_the_direct_map_exact() {
         let private = map.bind(0, 4 * MIB).unwrap();
         vm.add_memslot_with_private(
             1,
-            gpa,
+            Gpa::new(gpa),
             4 * MIB,
             shared.range(PAGE_SIZE),
             private,
@@ -500,7 +532,8 @@ fn random_conversions_keep_the_direct_map_exact() {
                 } else {
                     MemoryAttributes::empty()
                 };
-                vm.set_memory_attributes(gfn0 + first, n, attrs).unwrap();
+                vm.set_memory_attributes(Gfn::new(gfn0 + first), n, attrs)
+                    .unwrap();
                 for p in first..first + n {
                     if is_private[p as usize] != to {
                         touched[p as usize] = false;
@@ -510,7 +543,7 @@ fn random_conversions_keep_the_direct_map_exact() {
             } else {
                 let p = rng.below(pages as u64);
                 let f = Fault {
-                    gpa: gpa + p * PAGE_SIZE,
+                    gpa: Gpa::new(gpa + p * PAGE_SIZE),
                     access: Access::Write,
                     present: false,
                     private: is_private[p as usize],
@@ -528,7 +561,7 @@ fn random_conversions_keep_the_direct_map_exact() {
                 let hva = mem.addr() + p as u64 * PAGE_SIZE;
                 let want = is_private[p] && touched[p];
                 assert_eq!(
-                    map.is_assigned(hva).unwrap(),
+                    map.is_assigned(Hva::new(hva)).unwrap(),
                     want,
                     "{ctx} step {step} page {p}"
                 );

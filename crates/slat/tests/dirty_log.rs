@@ -13,6 +13,7 @@ use slat::{
     Access, DirtyLogError, FaultOutcome, Level, MemslotFlags, PteFormat, Vcpu, Vm, VmConfig,
     WrprotVariant,
 };
+use slat_addr::{Gfn, Gpa, PageIndex};
 use std::sync::Arc;
 
 const LOG: MemslotFlags = MemslotFlags::LOG_DIRTY_PAGES;
@@ -69,12 +70,12 @@ fn write_protected<F: PteFormat>(vm: &Vm<F>, vcpu: &mut Vcpu<F>, gpa: u64) {
 
 /// The leaf mapping `gpa`, panicking if there is none.
 fn leaf<F: PteFormat>(vm: &Vm<F>, gpa: u64) -> (u64, Level) {
-    vm.lookup(gpa >> PAGE_SHIFT)
+    vm.lookup(Gpa::new(gpa).gfn())
         .unwrap_or_else(|| panic!("gpa {gpa:#x} is not mapped"))
 }
 
 fn writable<F: PteFormat>(vm: &Vm<F>, gpa: u64) -> bool {
-    vm.lookup(gpa >> PAGE_SHIFT)
+    vm.lookup(Gpa::new(gpa).gfn())
         .is_some_and(|(l, _)| F::is_writable(l))
 }
 
@@ -96,7 +97,7 @@ fn dirty_pages<F: PteFormat>(vm: &Vm<F>, id: u32) -> Vec<u64> {
 fn harvest<F: PteFormat>(vcpu: &Vcpu<F>) -> Vec<(u32, u64)> {
     let ring = vcpu.dirty_ring().expect("the VM uses dirty rings");
     let mut got = Vec::new();
-    let n = ring.harvest(|s, o| got.push((s, o)));
+    let n = ring.harvest(|s, o| got.push((s, o.raw())));
     assert_eq!(
         n as usize,
         got.len(),
@@ -118,10 +119,12 @@ fn clear_errors_consume_nothing_one<F: PteFormat>() {
         let vm = Vm::<F>::new(config());
         let mut v = vm.create_vcpu(0);
         let m = HostMem::new(130 * PAGE_SIZE);
-        vm.add_memslot(1, MIB, 130 * PAGE_SIZE, m.range(PAGE_SIZE), LOG)
+        vm.add_memslot(1, Gpa::new(MIB), 130 * PAGE_SIZE, m.range(PAGE_SIZE), LOG)
             .unwrap();
         write_new(&vm, &mut v, MIB + 3 * PAGE_SIZE);
-        let e = vm.clear_dirty_log(1, 0, 130, &[!0, !0, !0]).unwrap_err();
+        let e = vm
+            .clear_dirty_log(1, PageIndex::new(0), 130, &[!0, !0, !0])
+            .unwrap_err();
         assert_eq!(e, DirtyLogError::ManualProtectOff, "CLEAR without manual");
         assert!(
             writable(&vm, MIB + 3 * PAGE_SIZE),
@@ -143,11 +146,11 @@ fn clear_errors_consume_nothing_one<F: PteFormat>() {
     let base = MIB;
     let m1 = HostMem::new(130 * PAGE_SIZE);
     let m2 = HostMem::new(64 * PAGE_SIZE);
-    vm.add_memslot(1, base, 130 * PAGE_SIZE, m1.range(PAGE_SIZE), LOG)
+    vm.add_memslot(1, Gpa::new(base), 130 * PAGE_SIZE, m1.range(PAGE_SIZE), LOG)
         .unwrap();
     vm.add_memslot(
         2,
-        4 * MIB,
+        Gpa::new(4 * MIB),
         64 * PAGE_SIZE,
         m2.range(PAGE_SIZE),
         MemslotFlags::empty(),
@@ -184,7 +187,7 @@ fn clear_errors_consume_nothing_one<F: PteFormat>() {
             vec![!0],
             DirtyLogError::ClearUnaligned {
                 id: 1,
-                first_page: 1,
+                first_page: PageIndex::new(1),
             },
         ),
         (
@@ -195,7 +198,7 @@ fn clear_errors_consume_nothing_one<F: PteFormat>() {
             vec![!0],
             DirtyLogError::ClearUnaligned {
                 id: 1,
-                first_page: 70,
+                first_page: PageIndex::new(70),
             },
         ),
         (
@@ -206,7 +209,7 @@ fn clear_errors_consume_nothing_one<F: PteFormat>() {
             vec![!0; 3],
             DirtyLogError::ClearRange {
                 id: 1,
-                first_page: 0,
+                first_page: PageIndex::new(0),
                 num_pages: 131,
                 npages: 130,
             },
@@ -219,7 +222,7 @@ fn clear_errors_consume_nothing_one<F: PteFormat>() {
             vec![!0; 2],
             DirtyLogError::ClearRange {
                 id: 1,
-                first_page: 64,
+                first_page: PageIndex::new(64),
                 num_pages: 67,
                 npages: 130,
             },
@@ -232,7 +235,7 @@ fn clear_errors_consume_nothing_one<F: PteFormat>() {
             vec![!0],
             DirtyLogError::ClearRange {
                 id: 1,
-                first_page: 128,
+                first_page: PageIndex::new(128),
                 num_pages: 3,
                 npages: 130,
             },
@@ -245,7 +248,7 @@ fn clear_errors_consume_nothing_one<F: PteFormat>() {
             vec![!0],
             DirtyLogError::ClearRange {
                 id: 1,
-                first_page: 192,
+                first_page: PageIndex::new(192),
                 num_pages: 0,
                 npages: 130,
             },
@@ -258,7 +261,7 @@ fn clear_errors_consume_nothing_one<F: PteFormat>() {
             vec![!0; 2],
             DirtyLogError::ClearRange {
                 id: 1,
-                first_page: 0,
+                first_page: PageIndex::new(0),
                 num_pages: 65,
                 npages: 130,
             },
@@ -271,7 +274,7 @@ fn clear_errors_consume_nothing_one<F: PteFormat>() {
             vec![!0],
             DirtyLogError::ClearRange {
                 id: 1,
-                first_page: 64,
+                first_page: PageIndex::new(64),
                 num_pages: 2,
                 npages: 130,
             },
@@ -315,7 +318,9 @@ fn clear_errors_consume_nothing_one<F: PteFormat>() {
     ];
     for (what, id, first, num, bitmap, want) in cases {
         let flushes = vm.stats().remote_tlb_flush_requests;
-        let e = vm.clear_dirty_log(id, first, num, &bitmap).expect_err(what);
+        let e = vm
+            .clear_dirty_log(id, PageIndex::new(first), num, &bitmap)
+            .expect_err(what);
         assert_eq!(e, want, "{what}: wrong error");
         let msg = e.to_string();
         assert!(
@@ -342,9 +347,13 @@ fn clear_errors_consume_nothing_one<F: PteFormat>() {
 
     // Valid requests after all that: an empty range, then the tail (bits past num_pages are
     // ignored), then the rest.
-    assert_eq!(vm.clear_dirty_log(1, 0, 0, &[]), Ok(0), "empty CLEAR");
     assert_eq!(
-        vm.clear_dirty_log(1, 128, 2, &[!0]),
+        vm.clear_dirty_log(1, PageIndex::new(0), 0, &[]),
+        Ok(0),
+        "empty CLEAR"
+    );
+    assert_eq!(
+        vm.clear_dirty_log(1, PageIndex::new(128), 2, &[!0]),
         Ok(2),
         "CLEAR of the last two pages (ends the slot)"
     );
@@ -352,7 +361,7 @@ fn clear_errors_consume_nothing_one<F: PteFormat>() {
     assert!(!writable(&vm, base + 128 * PAGE_SIZE), "page 128 still W");
     assert!(!writable(&vm, base + 129 * PAGE_SIZE), "page 129 still W");
     assert_eq!(
-        vm.clear_dirty_log(1, 0, 128, &[!0, !0]),
+        vm.clear_dirty_log(1, PageIndex::new(0), 128, &[!0, !0]),
         Ok(2),
         "CLEAR of the first 128 pages"
     );
@@ -365,7 +374,7 @@ fn clear_errors_consume_nothing_one<F: PteFormat>() {
     }
     // Clearing again clears nothing.
     assert_eq!(
-        vm.clear_dirty_log(1, 0, 130, &[!0; 3]),
+        vm.clear_dirty_log(1, PageIndex::new(0), 130, &[!0; 3]),
         Ok(0),
         "second CLEAR"
     );
@@ -387,7 +396,7 @@ fn clear_reprotects_exactly_the_bits_cleared_one<F: PteFormat>() {
     let m = HostMem::new(256 * PAGE_SIZE);
     vm.add_memslot(
         1,
-        base,
+        Gpa::new(base),
         256 * PAGE_SIZE,
         m.range(PAGE_SIZE),
         MemslotFlags::empty(),
@@ -417,7 +426,7 @@ fn clear_reprotects_exactly_the_bits_cleared_one<F: PteFormat>() {
     // Bit 5 is asked for but was never set: not counted, and page 5 stays unmapped.
     let flushes = vm.stats().remote_tlb_flush_requests;
     assert_eq!(
-        vm.clear_dirty_log(1, 0, 64, &[1 << 3 | 1 << 5]),
+        vm.clear_dirty_log(1, PageIndex::new(0), 64, &[1 << 3 | 1 << 5]),
         Ok(1),
         "CLEAR of bits 3 and 5 clears one"
     );
@@ -431,14 +440,21 @@ fn clear_reprotects_exactly_the_bits_cleared_one<F: PteFormat>() {
         "page 3 lost MMU-writable"
     );
     assert!(writable(&vm, base + 70 * PAGE_SIZE), "page 70 protected");
-    assert_eq!(vm.lookup((base >> PAGE_SHIFT) + 5), None, "page 5 mapped");
+    assert_eq!(
+        vm.lookup(Gfn::new((base >> PAGE_SHIFT) + 5)),
+        None,
+        "page 5 mapped"
+    );
     assert_eq!(dirty_pages(&vm, 1), vec![70], "GET after CLEAR of page 3");
 
     // The next write to page 3 is logged again by the fast path.
     write_protected(&vm, &mut v, base + 3 * PAGE_SIZE);
     assert_eq!(dirty_pages(&vm, 1), vec![3, 70], "after rewriting page 3");
     // CLEAR of page 70 through a window starting at 64.
-    assert_eq!(vm.clear_dirty_log(1, 64, 64, &[1 << 6]), Ok(1));
+    assert_eq!(
+        vm.clear_dirty_log(1, PageIndex::new(64), 64, &[1 << 6]),
+        Ok(1)
+    );
     assert!(!writable(&vm, base + 70 * PAGE_SIZE), "page 70 still W");
     assert!(writable(&vm, base + 3 * PAGE_SIZE), "page 3 protected");
     assert_eq!(dirty_pages(&vm, 1), vec![3]);
@@ -461,11 +477,17 @@ fn initially_set_protects_nothing_until_clear_one<F: PteFormat>() {
     let base2 = 8 * MIB;
     let m1 = HostMem::with_align(HUGE_2M, HUGE_2M);
     let m2 = HostMem::new(100 * PAGE_SIZE);
-    vm.add_memslot(1, base1, HUGE_2M, m1.range(HUGE_2M), MemslotFlags::empty())
-        .unwrap();
+    vm.add_memslot(
+        1,
+        Gpa::new(base1),
+        HUGE_2M,
+        m1.range(HUGE_2M),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     vm.add_memslot(
         2,
-        base2,
+        Gpa::new(base2),
         100 * PAGE_SIZE,
         m2.range(PAGE_SIZE),
         MemslotFlags::empty(),
@@ -505,7 +527,7 @@ fn initially_set_protects_nothing_until_clear_one<F: PteFormat>() {
 
     // CLEAR everything of slot 1: the huge leaf is split and every mapped page protected.
     assert_eq!(
-        vm.clear_dirty_log(1, 0, 512, &[!0; 8]),
+        vm.clear_dirty_log(1, PageIndex::new(0), 512, &[!0; 8]),
         Ok(512),
         "CLEAR of slot 1"
     );
@@ -520,7 +542,10 @@ fn initially_set_protects_nothing_until_clear_one<F: PteFormat>() {
         write_new(&vm, &mut v, base1 + 3 * PAGE_SIZE);
         assert!(vm.stats().splits > before.splits, "the write did not split");
         assert_eq!(dirty_pages(&vm, 1), vec![3], "the write was not logged");
-        assert_eq!(vm.clear_dirty_log(1, 0, 64, &[1 << 3]), Ok(1));
+        assert_eq!(
+            vm.clear_dirty_log(1, PageIndex::new(0), 64, &[1 << 3]),
+            Ok(1)
+        );
     } else {
         assert!(
             after.splits > before.splits,
@@ -531,7 +556,7 @@ fn initially_set_protects_nothing_until_clear_one<F: PteFormat>() {
     for p in [0u64, 3, 5, 511] {
         if p != 3
             && config().wrprot == WrprotVariant::RmapLockless
-            && vm.lookup((base1 >> PAGE_SHIFT) + p).is_none()
+            && vm.lookup(Gfn::new((base1 >> PAGE_SHIFT) + p)).is_none()
         {
             // The lazy split of stage-2 installs an empty table: only the written page is
             // mapped (EPT's lazy split prefills, read-only).
@@ -553,12 +578,12 @@ fn initially_set_protects_nothing_until_clear_one<F: PteFormat>() {
     assert_eq!(dirty_pages(&vm, 1), Vec::<u64>::new(), "slot 1 after CLEAR");
 
     // Slot 2: CLEAR only the first 64 pages; page 7 gets protected, the tail stays dirty.
-    assert_eq!(vm.clear_dirty_log(2, 0, 64, &[!0]), Ok(64));
+    assert_eq!(vm.clear_dirty_log(2, PageIndex::new(0), 64, &[!0]), Ok(64));
     assert!(!writable(&vm, base2 + 7 * PAGE_SIZE), "page 7 still W");
     assert_eq!(dirty_pages(&vm, 2), (64..100).collect::<Vec<_>>());
     // Writes are logged again.
     write_protected(&vm, &mut v, base2 + 7 * PAGE_SIZE);
-    if vm.lookup((base1 >> PAGE_SHIFT) + 5).is_some() {
+    if vm.lookup(Gfn::new((base1 >> PAGE_SHIFT) + 5)).is_some() {
         write_protected(&vm, &mut v, base1 + 5 * PAGE_SIZE);
     } else {
         write_new(&vm, &mut v, base1 + 5 * PAGE_SIZE);
@@ -600,7 +625,7 @@ fn capability_errors_one<F: PteFormat>() {
     }
     // A logging slot blocks both capabilities.
     let m = HostMem::new(64 * PAGE_SIZE);
-    vm.add_memslot(3, MIB, 64 * PAGE_SIZE, m.range(PAGE_SIZE), LOG)
+    vm.add_memslot(3, Gpa::new(MIB), 64 * PAGE_SIZE, m.range(PAGE_SIZE), LOG)
         .unwrap();
     assert_eq!(
         vm.set_manual_dirty_log_protect(MANUAL_PROTECT_ENABLE),
@@ -612,7 +637,7 @@ fn capability_errors_one<F: PteFormat>() {
     );
     // The bitmap still works as before (not manual: CLEAR refused).
     assert_eq!(
-        vm.clear_dirty_log(3, 0, 64, &[!0]),
+        vm.clear_dirty_log(3, PageIndex::new(0), 64, &[!0]),
         Err(DirtyLogError::ManualProtectOff)
     );
     vm.set_memslot_flags(3, MemslotFlags::empty()).unwrap();
@@ -634,11 +659,11 @@ fn capability_errors_one<F: PteFormat>() {
         Err(DirtyLogError::NoBitmap { id: 3 })
     );
     assert_eq!(
-        vm.clear_dirty_log(3, 0, 64, &[!0]),
+        vm.clear_dirty_log(3, PageIndex::new(0), 64, &[!0]),
         Err(DirtyLogError::NoBitmap { id: 3 })
     );
     assert_eq!(
-        vm.mark_page_dirty(MIB),
+        vm.mark_page_dirty(Gpa::new(MIB)),
         Err(DirtyLogError::NoBitmap { id: 3 })
     );
     let v = vm.create_vcpu(0);
@@ -660,9 +685,9 @@ fn capability_errors_one<F: PteFormat>() {
     // Ring with a bitmap: GET works next to the ring.
     let vm = Vm::<F>::new(config());
     assert_eq!(vm.enable_dirty_ring(65536, true), Ok(()));
-    vm.add_memslot(3, MIB, 64 * PAGE_SIZE, m.range(PAGE_SIZE), LOG)
+    vm.add_memslot(3, Gpa::new(MIB), 64 * PAGE_SIZE, m.range(PAGE_SIZE), LOG)
         .unwrap();
-    assert_eq!(vm.mark_page_dirty(MIB + 2 * PAGE_SIZE), Ok(true));
+    assert_eq!(vm.mark_page_dirty(Gpa::new(MIB + 2 * PAGE_SIZE)), Ok(true));
     assert_eq!(dirty_pages(&vm, 3), vec![2], "ring-with-bitmap GET");
     teardown(vm, std::iter::empty());
     drop(m);
@@ -678,7 +703,7 @@ fn ring_push_harvest_reset_one<F: PteFormat>() {
     let mut v = vm.create_vcpu(0);
     let base = 4 * MIB;
     let m = HostMem::new(256 * PAGE_SIZE);
-    vm.add_memslot(7, base, 256 * PAGE_SIZE, m.range(PAGE_SIZE), LOG)
+    vm.add_memslot(7, Gpa::new(base), 256 * PAGE_SIZE, m.range(PAGE_SIZE), LOG)
         .unwrap();
     let pages = [0u64, 1, 2, 63, 64, 200, 5, 130, 255, 100];
     for &p in &pages {
@@ -747,7 +772,7 @@ fn ring_full_refuses_the_write_until_reset_one<F: PteFormat>() {
     let mut v = vm.create_vcpu(0);
     let base = 4 * MIB;
     let m = HostMem::new(256 * PAGE_SIZE);
-    vm.add_memslot(1, base, 256 * PAGE_SIZE, m.range(PAGE_SIZE), LOG)
+    vm.add_memslot(1, Gpa::new(base), 256 * PAGE_SIZE, m.range(PAGE_SIZE), LOG)
         .unwrap();
     for p in 0..64u64 {
         assert!(!v.dirty_ring_full(), "soft full after {p} entries");
@@ -820,10 +845,16 @@ fn slots_deleted_or_moved_while_logging_one<F: PteFormat>() {
         let mut v = vm.create_vcpu(0);
         let m1 = HostMem::new(128 * PAGE_SIZE);
         let m2 = HostMem::new(128 * PAGE_SIZE);
-        vm.add_memslot(1, MIB, 128 * PAGE_SIZE, m1.range(PAGE_SIZE), LOG)
+        vm.add_memslot(1, Gpa::new(MIB), 128 * PAGE_SIZE, m1.range(PAGE_SIZE), LOG)
             .unwrap();
-        vm.add_memslot(2, 4 * MIB, 128 * PAGE_SIZE, m2.range(PAGE_SIZE), LOG)
-            .unwrap();
+        vm.add_memslot(
+            2,
+            Gpa::new(4 * MIB),
+            128 * PAGE_SIZE,
+            m2.range(PAGE_SIZE),
+            LOG,
+        )
+        .unwrap();
         for p in [1u64, 50, 127] {
             write_new(&vm, &mut v, MIB + p * PAGE_SIZE);
             write_new(&vm, &mut v, 4 * MIB + p * PAGE_SIZE);
@@ -835,21 +866,21 @@ fn slots_deleted_or_moved_while_logging_one<F: PteFormat>() {
             Err(DirtyLogError::UnknownSlot { id: 1 })
         );
         assert_eq!(
-            vm.lookup((MIB >> PAGE_SHIFT) + 1),
+            vm.lookup(Gfn::new((MIB >> PAGE_SHIFT) + 1)),
             None,
             "deleted slot mapped"
         );
         // Move slot 2: the log survives the move (as in KVM: its bits are slot-relative, and
         // pages written before the move and not yet harvested are still owed), and the old
         // range is unmapped.
-        vm.move_memslot(2, 8 * MIB).unwrap();
+        vm.move_memslot(2, Gpa::new(8 * MIB)).unwrap();
         assert_eq!(
             dirty_pages(&vm, 2),
             vec![1, 50, 127],
             "moved slot lost the unharvested part of its log"
         );
         assert_eq!(
-            vm.lookup(((4 * MIB) >> PAGE_SHIFT) + 1),
+            vm.lookup(Gfn::new(((4 * MIB) >> PAGE_SHIFT) + 1)),
             None,
             "old range mapped"
         );
@@ -875,10 +906,16 @@ fn slots_deleted_or_moved_while_logging_one<F: PteFormat>() {
     let mut v = vm.create_vcpu(0);
     let m1 = HostMem::new(64 * PAGE_SIZE);
     let m2 = HostMem::new(64 * PAGE_SIZE);
-    vm.add_memslot(1, MIB, 64 * PAGE_SIZE, m1.range(PAGE_SIZE), LOG)
+    vm.add_memslot(1, Gpa::new(MIB), 64 * PAGE_SIZE, m1.range(PAGE_SIZE), LOG)
         .unwrap();
-    vm.add_memslot(2, 4 * MIB, 64 * PAGE_SIZE, m2.range(PAGE_SIZE), LOG)
-        .unwrap();
+    vm.add_memslot(
+        2,
+        Gpa::new(4 * MIB),
+        64 * PAGE_SIZE,
+        m2.range(PAGE_SIZE),
+        LOG,
+    )
+    .unwrap();
     for p in 0..6u64 {
         write_new(&vm, &mut v, MIB + p * PAGE_SIZE);
     }
@@ -907,8 +944,14 @@ fn slots_deleted_or_moved_while_logging_one<F: PteFormat>() {
     write_protected(&vm, &mut v, 4 * MIB + 10 * PAGE_SIZE);
     assert_eq!(harvest(&v), vec![(2, 10)]);
     vm.delete_memslot(2).unwrap();
-    vm.add_memslot(2, 4 * MIB, 4 * PAGE_SIZE, m2.range(PAGE_SIZE), LOG)
-        .unwrap();
+    vm.add_memslot(
+        2,
+        Gpa::new(4 * MIB),
+        4 * PAGE_SIZE,
+        m2.range(PAGE_SIZE),
+        LOG,
+    )
+    .unwrap();
     assert_eq!(vm.reset_dirty_rings(), Ok(1), "reset of a stale entry");
     assert_eq!(v.dirty_ring().unwrap().used(), 0);
     write_new(&vm, &mut v, 4 * MIB + PAGE_SIZE);
@@ -925,8 +968,14 @@ fn huge_log_cycle<F: PteFormat>(config: VmConfig) -> (Arc<Vm<F>>, Vcpu<F>, HostM
     let mut v = vm.create_vcpu(0);
     let base = 4 * MIB;
     let m = HostMem::new(4 * MIB);
-    vm.add_memslot(1, base, 4 * MIB, m.range(HUGE_2M), MemslotFlags::empty())
-        .unwrap();
+    vm.add_memslot(
+        1,
+        Gpa::new(base),
+        4 * MIB,
+        m.range(HUGE_2M),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     write_new(&vm, &mut v, base + 0x3000);
     write_new(&vm, &mut v, base + HUGE_2M + 0x7000);
     let s0 = vm.stats();
@@ -986,8 +1035,8 @@ fn huge_pages_recovered_in_place_or_zapped_one<F: PteFormat>() {
     let s = vm.stats();
     assert_eq!(s.recoveries, 0, "zap variant recovered in place");
     assert_eq!((s.leaves_4k, s.leaves_2m), (0, 0), "zap left leaves: {s:?}");
-    assert_eq!(vm.lookup(base >> PAGE_SHIFT), None, "zap left a mapping");
-    assert_eq!(vm.lookup((base + HUGE_2M) >> PAGE_SHIFT), None);
+    assert_eq!(vm.lookup(Gpa::new(base).gfn()), None, "zap left a mapping");
+    assert_eq!(vm.lookup(Gfn::new((base + HUGE_2M) >> PAGE_SHIFT)), None);
     check_audit(&vm, "zapped");
     // The next fault maps huge again.
     let mut v = v;

@@ -17,6 +17,8 @@ use slat::format::{pages_per_entry, PteFormat, PAGE_SHIFT, PAGE_SIZE};
 use slat::{
     Access, FaultOutcome, Level, MemslotError, MemslotFlags, MmuLockKind, Vcpu, Vm, VmConfig,
 };
+use slat_addr::Hva;
+use slat_addr::{Gfn, Gpa};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -54,7 +56,7 @@ both_formats! {
 fn expect_mapped<F: PteFormat>(vm: &Vm<F>, gpa: u64, hva: u64) -> (u64, Level) {
     let gfn = gpa >> PAGE_SHIFT;
     let (leaf, level) = vm
-        .lookup(gfn)
+        .lookup(Gfn::new(gfn))
         .unwrap_or_else(|| panic!("gpa {gpa:#x} is not mapped"));
     assert_eq!(
         leaf_hva::<F>(leaf, level, gfn),
@@ -69,7 +71,7 @@ fn dirty_gfns<F: PteFormat>(vm: &Vm<F>, id: u32) -> Vec<u64> {
     let slot = vm.memslots().by_id(id).expect("slot").clone();
     let mut words = vec![0u64; bitmap_words(slot.npages)];
     let n = vm.get_dirty_log(id, &mut words).expect("get_dirty_log");
-    let gfns = bitmap_gfns(slot.base_gfn, &words);
+    let gfns = bitmap_gfns(slot.base_gfn.raw(), &words);
     assert_eq!(
         n,
         gfns.len() as u64,
@@ -84,7 +86,7 @@ fn second_vcpu_faulting_the_same_page_is_spurious<F: PteFormat>() {
     let gpa = 0x10_0000;
     vm.add_memslot(
         1,
-        gpa,
+        Gpa::new(gpa),
         mem.len(),
         mem.range(PAGE_SIZE),
         MemslotFlags::empty(),
@@ -110,7 +112,7 @@ fn second_vcpu_faulting_the_same_page_is_spurious<F: PteFormat>() {
         fault(&vm, &mut b, target, Access::Read, false),
         FaultOutcome::Spurious
     );
-    assert_eq!(vm.lookup(target >> PAGE_SHIFT), Some((leaf, level)));
+    assert_eq!(vm.lookup(Gpa::new(target).gfn()), Some((leaf, level)));
     let s = vm.stats();
     assert_eq!((s.pf_fixed, s.pf_spurious), (1, 2), "{s:?}");
     assert_eq!(s.leaves_4k, 1);
@@ -124,7 +126,7 @@ fn faults_outside_every_slot_are_no_slot_and_map_nothing<F: PteFormat>() {
     let m2 = HostMem::new(1 << 20);
     vm.add_memslot(
         1,
-        1 << 20,
+        Gpa::new(1 << 20),
         1 << 20,
         m1.range(PAGE_SIZE),
         MemslotFlags::empty(),
@@ -132,7 +134,7 @@ fn faults_outside_every_slot_are_no_slot_and_map_nothing<F: PteFormat>() {
     .unwrap();
     vm.add_memslot(
         2,
-        3 << 20,
+        Gpa::new(3 << 20),
         1 << 20,
         m2.range(PAGE_SIZE),
         MemslotFlags::empty(),
@@ -159,7 +161,7 @@ fn faults_outside_every_slot_are_no_slot_and_map_nothing<F: PteFormat>() {
         }
         assert_eq!(vm.stats().pf_no_slot, 3 * (i as u64 + 1));
         if gpa < 1 << 48 {
-            assert_eq!(vm.lookup(gpa >> PAGE_SHIFT), None, "gpa {gpa:#x}");
+            assert_eq!(vm.lookup(Gpa::new(gpa).gfn()), None, "gpa {gpa:#x}");
         }
     }
     let a = check_audit(&vm, "after MMIO exits");
@@ -180,7 +182,7 @@ fn readonly_slot_maps_reads_without_write_permission_and_refuses_writes<F: PteFo
     let vm = Vm::<F>::new(VmConfig::default());
     let mem = HostMem::new(4 << 20);
     let base = 0x4000_0000;
-    vm.add_memslot(7, base, 4 << 20, mem.range(HUGE_2M), RO)
+    vm.add_memslot(7, Gpa::new(base), 4 << 20, mem.range(HUGE_2M), RO)
         .unwrap();
     let mut v = vm.create_vcpu(0);
     let gpa = base + 0x3000;
@@ -189,7 +191,11 @@ fn readonly_slot_maps_reads_without_write_permission_and_refuses_writes<F: PteFo
         fault(&vm, &mut v, gpa, Access::Write, false),
         FaultOutcome::ReadOnly
     );
-    assert_eq!(vm.lookup(gpa >> PAGE_SHIFT), None, "a refused write mapped");
+    assert_eq!(
+        vm.lookup(Gpa::new(gpa).gfn()),
+        None,
+        "a refused write mapped"
+    );
     assert_eq!(vm.stats().pf_read_only, 1);
 
     assert_eq!(
@@ -213,7 +219,7 @@ fn readonly_slot_maps_reads_without_write_permission_and_refuses_writes<F: PteFo
         fault(&vm, &mut v, gpa, Access::Write, true),
         FaultOutcome::ReadOnly
     );
-    assert_eq!(vm.lookup(gpa >> PAGE_SHIFT), Some((leaf, level)));
+    assert_eq!(vm.lookup(Gpa::new(gpa).gfn()), Some((leaf, level)));
     assert_eq!(vm.stats().pf_read_only, 2);
     assert_eq!(vm.stats().pf_fast, 0);
 
@@ -225,7 +231,7 @@ fn readonly_slot_maps_reads_without_write_permission_and_refuses_writes<F: PteFo
         Err(MemslotError::ReadonlyChange { id: 7 })
     );
     assert_eq!(vm.memslots().by_id(7).expect("slot 7").flags, RO);
-    assert_eq!(vm.lookup(gpa >> PAGE_SHIFT), Some((leaf, level)));
+    assert_eq!(vm.lookup(Gpa::new(gpa).gfn()), Some((leaf, level)));
     assert_eq!(
         vm.stats().remote_tlb_flush_requests,
         before.remote_tlb_flush_requests,
@@ -239,9 +245,15 @@ fn readonly_slot_maps_reads_without_write_permission_and_refuses_writes<F: PteFo
     // Deleting the slot and re-adding it without READONLY lets the write through, with the
     // full W ⇒ MMU-W ⇒ host-W chain.
     vm.delete_memslot(7).unwrap();
-    assert_eq!(vm.lookup(gpa >> PAGE_SHIFT), None);
-    vm.add_memslot(7, base, 4 << 20, mem.range(HUGE_2M), MemslotFlags::empty())
-        .unwrap();
+    assert_eq!(vm.lookup(Gpa::new(gpa).gfn()), None);
+    vm.add_memslot(
+        7,
+        Gpa::new(base),
+        4 << 20,
+        mem.range(HUGE_2M),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     assert_eq!(
         fault(&vm, &mut v, gpa, Access::Write, false),
         FaultOutcome::Fixed
@@ -254,15 +266,15 @@ fn readonly_slot_maps_reads_without_write_permission_and_refuses_writes<F: PteFo
         vm.set_memslot_flags(7, RO),
         Err(MemslotError::ReadonlyChange { id: 7 })
     );
-    assert_eq!(vm.lookup(gpa >> PAGE_SHIFT), Some((leaf, level)));
+    assert_eq!(vm.lookup(Gpa::new(gpa).gfn()), Some((leaf, level)));
 
     // Making the range read-only again takes a delete, which zaps (with a flush) so no
     // writable translation survives, and a re-add with READONLY.
     let before = vm.stats();
     vm.delete_memslot(7).unwrap();
-    vm.add_memslot(7, base, 4 << 20, mem.range(HUGE_2M), RO)
+    vm.add_memslot(7, Gpa::new(base), 4 << 20, mem.range(HUGE_2M), RO)
         .unwrap();
-    assert_eq!(vm.lookup(gpa >> PAGE_SHIFT), None);
+    assert_eq!(vm.lookup(Gpa::new(gpa).gfn()), None);
     assert!(vm.stats().remote_tlb_flush > before.remote_tlb_flush);
     assert_eq!(
         fault(&vm, &mut v, gpa, Access::Write, false),
@@ -281,13 +293,19 @@ fn two_mib_leaves_need_2m_host_pages_and_congruent_addresses<F: PteFormat>() {
 
     // A: 2 MiB host pages, guest and host 2 MiB aligned.
     let a = 0x1_0000_0000;
-    vm.add_memslot(1, a, 4 << 20, m_huge.range(HUGE_2M), MemslotFlags::empty())
-        .unwrap();
+    vm.add_memslot(
+        1,
+        Gpa::new(a),
+        4 << 20,
+        m_huge.range(HUGE_2M),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     // B: the same but the host maps with 4 KiB pages.
     let b = 0x2_0000_0000;
     vm.add_memslot(
         2,
-        b,
+        Gpa::new(b),
         4 << 20,
         m_small.range(PAGE_SIZE),
         MemslotFlags::empty(),
@@ -298,7 +316,7 @@ fn two_mib_leaves_need_2m_host_pages_and_congruent_addresses<F: PteFormat>() {
     let c = 0x3_0000_0000;
     vm.add_memslot(
         3,
-        c,
+        Gpa::new(c),
         4 << 20,
         m_skew.sub_range(PAGE_SIZE, 4 << 20, HUGE_2M),
         MemslotFlags::empty(),
@@ -335,7 +353,10 @@ fn two_mib_leaves_need_2m_host_pages_and_congruent_addresses<F: PteFormat>() {
             let (_, level) = expect_mapped(&vm, slot_gpa + off, host + off);
             assert_eq!(level, 1, "{what}, offset {off:#x}");
             // Only that page: its neighbour is not mapped.
-            assert_eq!(vm.lookup(((slot_gpa + off) >> PAGE_SHIFT) + 1), None);
+            assert_eq!(
+                vm.lookup(Gfn::new(((slot_gpa + off) >> PAGE_SHIFT) + 1)),
+                None
+            );
         }
     }
     let s = vm.stats();
@@ -354,7 +375,7 @@ fn slot_edges_limit_huge_leaves<F: PteFormat>() {
     let size = (6 << 20) - 2 * PAGE_SIZE;
     vm.add_memslot(
         1,
-        gpa,
+        Gpa::new(gpa),
         size,
         mem.sub_range(PAGE_SIZE, size, HUGE_2M),
         MemslotFlags::empty(),
@@ -400,15 +421,21 @@ fn one_gib_leaves_for_1g_host_pages<F: PteFormat>() {
     let mem = HostMem::reserve(2 << 30, HUGE_1G);
     let host = mem.addr();
     let gpa = 1 << 30;
-    vm.add_memslot(1, gpa, 2 << 30, mem.range(HUGE_1G), MemslotFlags::empty())
-        .unwrap();
+    vm.add_memslot(
+        1,
+        Gpa::new(gpa),
+        2 << 30,
+        mem.range(HUGE_1G),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     // 1 GiB host pages but the guest address only 2 MiB-congruent: 2 MiB leaves at most.
     let mem2 = HostMem::reserve(HUGE_1G + HUGE_2M, HUGE_1G);
     let host2 = mem2.addr() + HUGE_2M;
     let gpa2 = 8 << 30;
     vm.add_memslot(
         2,
-        gpa2,
+        Gpa::new(gpa2),
         1 << 30,
         mem2.sub_range(HUGE_2M, 1 << 30, HUGE_1G),
         MemslotFlags::empty(),
@@ -425,7 +452,10 @@ fn one_gib_leaves_for_1g_host_pages<F: PteFormat>() {
         );
         let (leaf, level) = expect_mapped(&vm, gpa + off, host + off);
         assert_eq!(level, 3, "offset {off:#x}");
-        assert_eq!(F::output_addr(leaf), host + (off & !(HUGE_1G - 1)));
+        assert_eq!(
+            F::output_addr(leaf),
+            Hva::new(host + (off & !(HUGE_1G - 1)))
+        );
         assert_eq!(vm.stats().leaves_1g, i as u64 + 1);
     }
     // The far corners of the first GiB translate through the one leaf.
@@ -452,8 +482,14 @@ fn logged_two_huge_leaves<F: PteFormat>(config: VmConfig) -> (Arc<Vm<F>>, Vcpu<F
     let mut v = vm.create_vcpu(0);
     let mem = HostMem::new(4 << 20);
     let gpa = 0x1000_0000;
-    vm.add_memslot(1, gpa, 4 << 20, mem.range(HUGE_2M), MemslotFlags::empty())
-        .unwrap();
+    vm.add_memslot(
+        1,
+        Gpa::new(gpa),
+        4 << 20,
+        mem.range(HUGE_2M),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     for off in [0, 2 << 20] {
         assert_eq!(
             fault(&vm, &mut v, gpa + off, Access::Write, false),
@@ -556,11 +592,11 @@ fn get_dirty_log_reprotects_exactly_the_returned_pages<F: PteFormat>() {
     let other = HostMem::new(16 * PAGE_SIZE);
     let gpa = 0x20_0000;
     let ogpa = 0x80_0000;
-    vm.add_memslot(1, gpa, 256 * PAGE_SIZE, mem.range(PAGE_SIZE), LOG)
+    vm.add_memslot(1, Gpa::new(gpa), 256 * PAGE_SIZE, mem.range(PAGE_SIZE), LOG)
         .unwrap();
     vm.add_memslot(
         2,
-        ogpa,
+        Gpa::new(ogpa),
         16 * PAGE_SIZE,
         other.range(PAGE_SIZE),
         MemslotFlags::empty(),
@@ -586,8 +622,8 @@ fn get_dirty_log_reprotects_exactly_the_returned_pages<F: PteFormat>() {
     );
     let snapshot = |vm: &Vm<F>| -> Vec<Option<(u64, Level)>> {
         (0..256)
-            .map(|p| vm.lookup((gpa >> PAGE_SHIFT) + p))
-            .chain(std::iter::once(vm.lookup(ogpa >> PAGE_SHIFT)))
+            .map(|p| vm.lookup(Gfn::new((gpa >> PAGE_SHIFT) + p)))
+            .chain(std::iter::once(vm.lookup(Gpa::new(ogpa).gfn())))
             .collect()
     };
     let before = snapshot(&vm);
@@ -645,7 +681,7 @@ fn read_fault_in_logged_slot_leaves_the_first_write_to_the_fast_path<F: PteForma
     let mut v = vm.create_vcpu(0);
     let mem = HostMem::new(64 * PAGE_SIZE);
     let gpa = 0x40_0000;
-    vm.add_memslot(1, gpa, 64 * PAGE_SIZE, mem.range(PAGE_SIZE), LOG)
+    vm.add_memslot(1, Gpa::new(gpa), 64 * PAGE_SIZE, mem.range(PAGE_SIZE), LOG)
         .unwrap();
     assert_eq!(
         fault(&vm, &mut v, gpa, Access::Read, false),
@@ -676,7 +712,7 @@ fn read_then_write_in_logged_slot_is_logged<F: PteFormat>() {
         let mut v = vm.create_vcpu(0);
         let mem = HostMem::new(64 * PAGE_SIZE);
         let gpa = 0x40_0000;
-        vm.add_memslot(1, gpa, 64 * PAGE_SIZE, mem.range(PAGE_SIZE), LOG)
+        vm.add_memslot(1, Gpa::new(gpa), 64 * PAGE_SIZE, mem.range(PAGE_SIZE), LOG)
             .unwrap();
         assert_eq!(
             fault(&vm, &mut v, gpa + PAGE_SIZE, Access::Read, false),
@@ -703,8 +739,14 @@ fn lazy_split_write_protects_huge_leaves_and_splits_on_the_first_write<F: PteFor
     let mut v = vm.create_vcpu(0);
     let mem = HostMem::new(2 << 20);
     let gpa = 0x20_0000;
-    vm.add_memslot(1, gpa, 2 << 20, mem.range(HUGE_2M), MemslotFlags::empty())
-        .unwrap();
+    vm.add_memslot(
+        1,
+        Gpa::new(gpa),
+        2 << 20,
+        mem.range(HUGE_2M),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     assert_eq!(
         fault(&vm, &mut v, gpa, Access::Write, false),
         FaultOutcome::Fixed
@@ -727,7 +769,7 @@ fn lazy_split_write_protects_huge_leaves_and_splits_on_the_first_write<F: PteFor
         // anyway, and the table replacing it holds only the page this fault mapped (KVM arm64
         // maps the rest lazily); the neighbour faults back in at 4 KiB, write-protected.
         assert_eq!(
-            vm.lookup(neighbour >> PAGE_SHIFT),
+            vm.lookup(Gpa::new(neighbour).gfn()),
             None,
             "lazy split filled the table"
         );
@@ -785,8 +827,14 @@ fn enabling_logging_splits_1g_leaves_down_to_4k<F: PteFormat>() {
     let gpa = 1 << 30;
     let mem = HostMem::reserve(HUGE_1G, HUGE_1G);
     let host = mem.addr();
-    vm.add_memslot(1, gpa, 1 << 30, mem.range(HUGE_1G), MemslotFlags::empty())
-        .unwrap();
+    vm.add_memslot(
+        1,
+        Gpa::new(gpa),
+        1 << 30,
+        mem.range(HUGE_1G),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     assert_eq!(
         fault(&vm, &mut v, gpa, Access::Write, false),
         FaultOutcome::Fixed
@@ -811,8 +859,14 @@ fn one_gib_mapped_at_4k_needs_at_most_2_1_mib_of_tables<F: PteFormat>() {
     let host = mem.addr();
     let gpa = 0;
     let npages = (1u64 << 30) / PAGE_SIZE;
-    vm.add_memslot(1, gpa, 1 << 30, mem.range(PAGE_SIZE), MemslotFlags::empty())
-        .unwrap();
+    vm.add_memslot(
+        1,
+        Gpa::new(gpa),
+        1 << 30,
+        mem.range(PAGE_SIZE),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     for p in 0..npages {
         let o = fault(&vm, &mut v, gpa + p * PAGE_SIZE, Access::Write, false);
         if o != FaultOutcome::Fixed {
@@ -841,8 +895,14 @@ fn zap_flushes_remote_tlbs_frees_tables_and_an_empty_zap_flushes_nothing<F: PteF
     let mut v = vm.create_vcpu(0);
     let mem = HostMem::new(4 << 20);
     let gpa = 0x4000_0000;
-    vm.add_memslot(1, gpa, 4 << 20, mem.range(PAGE_SIZE), MemslotFlags::empty())
-        .unwrap();
+    vm.add_memslot(
+        1,
+        Gpa::new(gpa),
+        4 << 20,
+        mem.range(PAGE_SIZE),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     // Map the first 2 MiB frame at 4 KiB (one leaf table) and a page in the second.
     for p in (0..512).chain([600]) {
         assert_eq!(
@@ -856,7 +916,7 @@ fn zap_flushes_remote_tlbs_frees_tables_and_an_empty_zap_flushes_nothing<F: PteF
     let live0 = alloc.live_pages();
 
     // Zap the whole first frame: its leaf table leaves the tree and is eventually freed.
-    vm.zap_gfn_range(gpa >> PAGE_SHIFT, (gpa + HUGE_2M) >> PAGE_SHIFT);
+    vm.zap_gfn_range(Gpa::new(gpa).gfn(), Gfn::new((gpa + HUGE_2M) >> PAGE_SHIFT));
     let s1 = vm.stats();
     assert!(s1.remote_tlb_flush_requests > s0.remote_tlb_flush_requests);
     assert!(
@@ -865,7 +925,7 @@ fn zap_flushes_remote_tlbs_frees_tables_and_an_empty_zap_flushes_nothing<F: PteF
     );
     assert_eq!(s1.leaves_4k, 1);
     assert_eq!(s1.table_pages, 4);
-    assert_eq!(vm.lookup(gpa >> PAGE_SHIFT), None);
+    assert_eq!(vm.lookup(Gpa::new(gpa).gfn()), None);
     expect_mapped(&vm, gpa + 600 * PAGE_SIZE, mem.addr() + 600 * PAGE_SIZE);
     assert!(
         v.pending_requests() & REQ_TLB_FLUSH != 0,
@@ -876,14 +936,17 @@ fn zap_flushes_remote_tlbs_frees_tables_and_an_empty_zap_flushes_nothing<F: PteF
     check_audit(&vm, "after zap");
 
     // Nothing mapped there any more: no flush owed.
-    vm.zap_gfn_range(gpa >> PAGE_SHIFT, (gpa + HUGE_2M) >> PAGE_SHIFT);
+    vm.zap_gfn_range(Gpa::new(gpa).gfn(), Gfn::new((gpa + HUGE_2M) >> PAGE_SHIFT));
     let s2 = vm.stats();
     assert_eq!(s2.remote_tlb_flush_requests, s1.remote_tlb_flush_requests);
     assert_eq!(s2.remote_tlb_flush, s1.remote_tlb_flush);
     assert_eq!(v.pending_requests(), 0);
 
     // A partial zap of a 4 KiB-mapped frame removes exactly the range.
-    vm.zap_gfn_range((gpa >> PAGE_SHIFT) + 600, (gpa >> PAGE_SHIFT) + 601);
+    vm.zap_gfn_range(
+        Gfn::new((gpa >> PAGE_SHIFT) + 600),
+        Gfn::new((gpa >> PAGE_SHIFT) + 601),
+    );
     assert_eq!(vm.stats().leaves_4k, 0);
     assert!(vm.stats().remote_tlb_flush > s2.remote_tlb_flush);
     check_audit(&vm, "after the last zap");
@@ -895,8 +958,14 @@ fn zap_of_a_straddling_huge_leaf_removes_the_whole_leaf<F: PteFormat>() {
     let mut v = vm.create_vcpu(0);
     let mem = HostMem::new(4 << 20);
     let gpa = 0x4000_0000;
-    vm.add_memslot(1, gpa, 4 << 20, mem.range(HUGE_2M), MemslotFlags::empty())
-        .unwrap();
+    vm.add_memslot(
+        1,
+        Gpa::new(gpa),
+        4 << 20,
+        mem.range(HUGE_2M),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     for off in [0, 2 << 20] {
         assert_eq!(
             fault(&vm, &mut v, gpa + off, Access::Read, false),
@@ -905,10 +974,10 @@ fn zap_of_a_straddling_huge_leaf_removes_the_whole_leaf<F: PteFormat>() {
     }
     let g = gpa >> PAGE_SHIFT;
     // One page in the middle of the first leaf.
-    vm.zap_gfn_range(g + 100, g + 101);
-    assert_eq!(vm.lookup(g), None);
-    assert_eq!(vm.lookup(g + 511), None);
-    assert_eq!(vm.lookup(g + 512).map(|(_, l)| l), Some(2));
+    vm.zap_gfn_range(Gfn::new(g + 100), Gfn::new(g + 101));
+    assert_eq!(vm.lookup(Gfn::new(g)), None);
+    assert_eq!(vm.lookup(Gfn::new(g + 511)), None);
+    assert_eq!(vm.lookup(Gfn::new(g + 512)).map(|(_, l)| l), Some(2));
     assert_eq!(vm.stats().leaves_2m, 1);
     check_audit(&vm, "straddling zap");
     teardown(vm, [v]);
@@ -921,7 +990,7 @@ fn low_pages_mapped<F: PteFormat>() -> (Arc<Vm<F>>, Vcpu<F>, HostMem) {
     let mem = HostMem::new(64 * PAGE_SIZE);
     vm.add_memslot(
         1,
-        0,
+        Gpa::new(0),
         64 * PAGE_SIZE,
         mem.range(PAGE_SIZE),
         MemslotFlags::empty(),
@@ -943,7 +1012,7 @@ fn lookup_beyond_the_guest_physical_width_finds_nothing<F: PteFormat>() {
     let (vm, v, _mem) = low_pages_mapped::<F>();
     for g in [GFN_LIMIT, GFN_LIMIT + 2, 3 * GFN_LIMIT + 1] {
         assert_eq!(
-            vm.lookup(g),
+            vm.lookup(Gfn::new(g)),
             None,
             "lookup({g:#x}) aliases gfn {:#x}",
             g % GFN_LIMIT
@@ -954,10 +1023,10 @@ fn lookup_beyond_the_guest_physical_width_finds_nothing<F: PteFormat>() {
 
 fn zap_beyond_the_guest_physical_width_touches_nothing<F: PteFormat>() {
     let (vm, v, mem) = low_pages_mapped::<F>();
-    vm.zap_gfn_range(GFN_LIMIT, GFN_LIMIT + 4);
+    vm.zap_gfn_range(Gfn::new(GFN_LIMIT), Gfn::new(GFN_LIMIT + 4));
     for p in 0..4 {
         assert!(
-            vm.lookup(p).is_some(),
+            vm.lookup(Gfn::new(p)).is_some(),
             "zap of [{GFN_LIMIT:#x}, +4) unmapped gfn {p}"
         );
         expect_mapped(&vm, p * PAGE_SIZE, mem.addr() + p * PAGE_SIZE);
@@ -974,7 +1043,7 @@ fn remote_flush_waits_for_an_in_guest_vcpu_to_acknowledge<F: PteFormat>() {
     let gpa = 0x10_0000;
     vm.add_memslot(
         1,
-        gpa,
+        Gpa::new(gpa),
         mem.len(),
         mem.range(PAGE_SIZE),
         MemslotFlags::empty(),
@@ -991,7 +1060,7 @@ fn remote_flush_waits_for_an_in_guest_vcpu_to_acknowledge<F: PteFormat>() {
     let done = AtomicBool::new(false);
     std::thread::scope(|s| {
         let zapper = s.spawn(|| {
-            vm.zap_gfn_range(gpa >> PAGE_SHIFT, (gpa >> PAGE_SHIFT) + 1);
+            vm.zap_gfn_range(Gpa::new(gpa).gfn(), Gfn::new((gpa >> PAGE_SHIFT) + 1));
             done.store(true, Ordering::SeqCst);
         });
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -1012,7 +1081,7 @@ fn remote_flush_waits_for_an_in_guest_vcpu_to_acknowledge<F: PteFormat>() {
     assert!(done.load(Ordering::SeqCst));
     drop(guest);
     assert!(!v.in_guest());
-    assert_eq!(vm.lookup(gpa >> PAGE_SHIFT), None);
+    assert_eq!(vm.lookup(Gpa::new(gpa).gfn()), None);
     teardown(vm, [v]);
 }
 
@@ -1021,8 +1090,14 @@ fn table_pages_live_covers_linked_tables_and_vcpu_caches<F: PteFormat>() {
     let mut vcpus: Vec<Vcpu<F>> = (0..3).map(|i| vm.create_vcpu(i)).collect();
     let mem = HostMem::new(8 << 20);
     let gpa = 0x8000_0000;
-    vm.add_memslot(1, gpa, 8 << 20, mem.range(PAGE_SIZE), MemslotFlags::empty())
-        .unwrap();
+    vm.add_memslot(
+        1,
+        Gpa::new(gpa),
+        8 << 20,
+        mem.range(PAGE_SIZE),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     let s = vm.stats();
     assert_eq!((s.table_pages, s.table_pages_live), (1, 1), "{s:?}");
     for (i, v) in vcpus.iter_mut().enumerate() {
@@ -1058,8 +1133,14 @@ fn mutex_variant_faults_zaps_and_logs<F: PteFormat>() {
     let mut v = vm.create_vcpu(0);
     let mem = HostMem::new(4 << 20);
     let gpa = 0x20_0000;
-    vm.add_memslot(1, gpa, 4 << 20, mem.range(HUGE_2M), MemslotFlags::empty())
-        .unwrap();
+    vm.add_memslot(
+        1,
+        Gpa::new(gpa),
+        4 << 20,
+        mem.range(HUGE_2M),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     assert_eq!(
         fault(&vm, &mut v, gpa + 0x5000, Access::Write, false),
         FaultOutcome::Fixed
@@ -1071,8 +1152,11 @@ fn mutex_variant_faults_zaps_and_logs<F: PteFormat>() {
         FaultOutcome::FixedFast
     );
     assert_eq!(dirty_gfns(&vm, 1), vec![(gpa + 0x5000) >> PAGE_SHIFT]);
-    vm.zap_gfn_range(gpa >> PAGE_SHIFT, (gpa >> PAGE_SHIFT) + pages_per_entry(2));
-    assert_eq!(vm.lookup((gpa + 0x5000) >> PAGE_SHIFT), None);
+    vm.zap_gfn_range(
+        Gpa::new(gpa).gfn(),
+        Gfn::new((gpa >> PAGE_SHIFT) + pages_per_entry(2)),
+    );
+    assert_eq!(vm.lookup(Gfn::new((gpa + 0x5000) >> PAGE_SHIFT)), None);
     check_audit(&vm, "mutex variant");
     teardown(vm, [v]);
 }
@@ -1088,7 +1172,7 @@ fn faults_racing_with_enable_logging_never_leave_huge_leaves<F: PteFormat>() {
     let gpa = 0x1_0000_0000u64;
     vm.add_memslot(
         1,
-        gpa,
+        Gpa::new(gpa),
         slot_bytes,
         mem.range(HUGE_2M),
         MemslotFlags::empty(),
@@ -1118,7 +1202,7 @@ fn faults_racing_with_enable_logging_never_leave_huge_leaves<F: PteFormat>() {
             rounds += 1;
             vm.set_memslot_flags(1, LOG).unwrap();
             for f in 0..frames {
-                if let Some((_, level)) = vm.lookup((gpa >> PAGE_SHIFT) + f * 512) {
+                if let Some((_, level)) = vm.lookup(Gfn::new((gpa >> PAGE_SHIFT) + f * 512)) {
                     if level > 1 {
                         violations += 1;
                     }

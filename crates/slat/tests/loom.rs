@@ -7,6 +7,8 @@
 
 use loom::thread;
 use slat::{Access, Ept, Fault, FaultOutcome, HostBuffer, HostRange, MemslotFlags, Vm, VmConfig};
+use slat_addr::Gfn;
+use slat_addr::Gpa;
 use std::sync::Arc;
 
 const GPA: u64 = 0x10_0000;
@@ -27,7 +29,7 @@ fn model(f: impl Fn() + Sync + Send + 'static) {
 
 fn vm_with_page(config: VmConfig) -> Arc<Vm<Ept>> {
     let vm = Vm::<Ept>::new(config);
-    vm.add_memslot(1, GPA, 4096, host_page(), MemslotFlags::empty())
+    vm.add_memslot(1, Gpa::new(GPA), 4096, host_page(), MemslotFlags::empty())
         .unwrap();
     vm
 }
@@ -46,7 +48,7 @@ fn install_race_installs_once() {
                     let mut v = vm.create_vcpu(i);
                     let f = Fault {
                         private: false,
-                        gpa: GPA,
+                        gpa: Gpa::new(GPA),
                         access: Access::Write,
                         present: false,
                     };
@@ -69,7 +71,7 @@ fn install_race_installs_once() {
         let s = vm.stats();
         assert_eq!(s.leaves_4k, 1);
         assert_eq!(s.table_pages, 4, "root + one table per level");
-        assert!(vm.lookup(GPA >> 12).is_some());
+        assert!(vm.lookup(Gfn::new(GPA >> 12)).is_some());
         drop(vm);
         assert_eq!(alloc.live_pages(), 0, "table pages leaked");
     });
@@ -82,7 +84,7 @@ fn fast_path_write_vs_harvest(config: VmConfig) {
     let mut v = vm.create_vcpu(0);
     let f = Fault {
         private: false,
-        gpa: GPA,
+        gpa: Gpa::new(GPA),
         access: Access::Write,
         present: false,
     };
@@ -94,7 +96,7 @@ fn fast_path_write_vs_harvest(config: VmConfig) {
         thread::spawn(move || {
             let f = Fault {
                 private: false,
-                gpa: GPA,
+                gpa: Gpa::new(GPA),
                 access: Access::Write,
                 present: true,
             };
@@ -146,12 +148,18 @@ fn fast_path_write_is_never_lost_to_a_ring_reset() {
     model(|| {
         let vm = Vm::<Ept>::new(VmConfig::default());
         vm.enable_dirty_ring(128, false).unwrap();
-        vm.add_memslot(1, GPA, 4096, host_page(), MemslotFlags::LOG_DIRTY_PAGES)
-            .unwrap();
+        vm.add_memslot(
+            1,
+            Gpa::new(GPA),
+            4096,
+            host_page(),
+            MemslotFlags::LOG_DIRTY_PAGES,
+        )
+        .unwrap();
         let mut v = vm.create_vcpu(0);
         let f = Fault {
             private: false,
-            gpa: GPA,
+            gpa: Gpa::new(GPA),
             access: Access::Write,
             present: false,
         };
@@ -165,7 +173,7 @@ fn fast_path_write_is_never_lost_to_a_ring_reset() {
             thread::spawn(move || {
                 let f = Fault {
                     private: false,
-                    gpa: GPA,
+                    gpa: Gpa::new(GPA),
                     access: Access::Write,
                     present: true,
                 };
@@ -184,7 +192,7 @@ fn fast_path_write_is_never_lost_to_a_ring_reset() {
         let pending = ring.harvest(|_, _| {});
         seen += pending;
         assert_eq!(seen, 1, "the write fix was logged {seen} times");
-        let (spte, _) = vm.lookup(GPA >> 12).unwrap();
+        let (spte, _) = vm.lookup(Gfn::new(GPA >> 12)).unwrap();
         use slat::PteFormat;
         assert!(
             !Ept::is_writable(spte) || pending == 1,

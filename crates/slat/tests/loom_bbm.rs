@@ -19,6 +19,8 @@ use loom::thread;
 use slat::{
     Access, Fault, FaultOutcome, HostBuffer, HostRange, MemslotFlags, Stage2, Vm, VmConfig,
 };
+use slat_addr::Gfn;
+use slat_addr::Gpa;
 use std::sync::Arc;
 
 const GPA: u64 = 64 << 20;
@@ -40,21 +42,21 @@ fn zap_and_fault_never_show_a_second_size_to_a_vcpu_caching_the_block() {
         });
         let buf = HostBuffer::new(MIB2, MIB2).unwrap().with_page_size(MIB2);
         let host = HostRange::new(Arc::new(buf)).unwrap();
-        vm.add_memslot(1, GPA, MIB2, host, MemslotFlags::empty())
+        vm.add_memslot(1, Gpa::new(GPA), MIB2, host, MemslotFlags::empty())
             .unwrap();
         let base = GPA >> 12;
         let mut a = vm.create_vcpu(0);
         let mut b = vm.create_vcpu(1);
         let read = Fault {
             private: false,
-            gpa: GPA,
+            gpa: Gpa::new(GPA),
             access: Access::Read,
             present: false,
         };
         assert_eq!(a.handle_fault(read), FaultOutcome::Fixed);
         vm.set_memslot_flags(1, MemslotFlags::LOG_DIRTY_PAGES)
             .unwrap();
-        assert_eq!(vm.lookup(base + 7).map(|(_, l)| l), Some(2));
+        assert_eq!(vm.lookup(Gfn::new(base + 7)).map(|(_, l)| l), Some(2));
 
         // A enters guest mode holding the block in its TLB.
         let guest = a.enter_guest();
@@ -75,7 +77,7 @@ fn zap_and_fault_never_show_a_second_size_to_a_vcpu_caching_the_block() {
                     // The hardware walker, for another page of the cached block. A second size
                     // is reported after the execution (a panic inside a model thread would
                     // leave the others spinning).
-                    if let Some((_, level)) = vm.lookup(base + 7) {
+                    if let Some((_, level)) = vm.lookup(Gfn::new(base + 7)) {
                         if level != 2 {
                             drop(guest);
                             return Some(level);
@@ -90,11 +92,11 @@ fn zap_and_fault_never_show_a_second_size_to_a_vcpu_caching_the_block() {
         };
         let zapper = {
             let vm = vm.clone();
-            thread::spawn(move || vm.zap_gfn_range(base + 5, base + 6))
+            thread::spawn(move || vm.zap_gfn_range(Gfn::new(base + 5), Gfn::new(base + 6)))
         };
         let write = Fault {
             private: false,
-            gpa: GPA + 7 * 4096,
+            gpa: Gpa::new(GPA + 7 * 4096),
             access: Access::Write,
             present: false,
         };

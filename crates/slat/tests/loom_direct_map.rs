@@ -37,18 +37,19 @@ fn a_reader_never_sees_a_hole_while_a_block_splits_and_collapses() {
             },
         )
         .unwrap();
+        let hva = base.checked_add(5 * 4096).expect("inside the pool");
         let reader = {
             let map = map.clone();
             thread::spawn(move || {
-                let hva = base + 5 * 4096;
                 // Bounded, and no panic inside a model thread: report after the join.
                 (0..2)
                     .map(|_| map.translate(hva).ok().flatten().map(|t| t.0))
                     .find(|t| *t != Some(hva))
             })
         };
-        let a = map.accept(base + 7 * 4096).unwrap();
-        let released = map.release(base + 7 * 4096).unwrap();
+        let page7 = base.checked_add(7 * 4096).expect("inside the pool");
+        let a = map.accept(page7).unwrap();
+        let released = map.release(page7).unwrap();
         let bad = reader.join().unwrap();
         assert_eq!(bad, None, "the reader found page 5 unmapped or moved");
         assert_eq!(a, Acceptance::Accepted { split: true });

@@ -18,6 +18,9 @@ use slat::{
     Access, Ept, Fault, FaultOutcome, HostBuffer, HostRange, MemslotFlags, PteFormat, Vm, VmConfig,
     WrprotVariant,
 };
+use slat_addr::Gfn;
+use slat_addr::Gpa;
+use slat_addr::PageIndex;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
@@ -45,7 +48,7 @@ fn lockless() -> VmConfig {
 fn write(present: bool) -> Fault {
     Fault {
         private: false,
-        gpa: GPA,
+        gpa: Gpa::new(GPA),
         access: Access::Write,
         present,
     }
@@ -66,7 +69,7 @@ fn check(vm: &Vm<Ept>, first: u64, o: FaultOutcome) {
         1,
         "the write was reported by neither harvest: {o:?}"
     );
-    let (spte, _) = vm.lookup(GPA >> 12).expect("mapped");
+    let (spte, _) = vm.lookup(Gfn::new(GPA >> 12)).expect("mapped");
     assert!(
         !Ept::is_writable(spte),
         "writable after a harvest that reported nothing pending: {o:?} first {first:#x} second {:#x} spte {spte:#x} rmap {:?}", second[0], vm.audit_rmap()
@@ -80,8 +83,14 @@ fn check(vm: &Vm<Ept>, first: u64, o: FaultOutcome) {
 fn lockless_wrprot_vs_a_fault_installing_the_writable_leaf() {
     model(|| {
         let vm = Vm::<Ept>::new(lockless());
-        vm.add_memslot(1, GPA, 4096, host_page(), MemslotFlags::LOG_DIRTY_PAGES)
-            .unwrap();
+        vm.add_memslot(
+            1,
+            Gpa::new(GPA),
+            4096,
+            host_page(),
+            MemslotFlags::LOG_DIRTY_PAGES,
+        )
+        .unwrap();
         let mut v = vm.create_vcpu(0);
         let writer = thread::spawn(move || {
             let mut o = v.handle_fault(write(false));
@@ -108,7 +117,7 @@ fn lockless_wrprot_vs_a_fault_installing_the_writable_leaf() {
 fn lockless_wrprot_vs_the_fast_path_making_the_leaf_writable() {
     model(|| {
         let vm = Vm::<Ept>::new(lockless());
-        vm.add_memslot(1, GPA, 4096, host_page(), MemslotFlags::empty())
+        vm.add_memslot(1, Gpa::new(GPA), 4096, host_page(), MemslotFlags::empty())
             .unwrap();
         let mut v = vm.create_vcpu(0);
         assert_eq!(v.handle_fault(write(false)), FaultOutcome::Fixed);
@@ -145,7 +154,7 @@ fn host_pages(n: u64) -> HostRange {
 fn write_at(gpa: u64) -> Fault {
     Fault {
         private: false,
-        gpa,
+        gpa: Gpa::new(gpa),
         access: Access::Write,
         present: false,
     }
@@ -167,7 +176,7 @@ fn dirty_pages(pages: u64, manual: bool) -> (std::sync::Arc<Vm<Ept>>, slat::Vcpu
     }
     vm.add_memslot(
         1,
-        GPA,
+        Gpa::new(GPA),
         4096 * pages,
         host_pages(pages),
         MemslotFlags::LOG_DIRTY_PAGES,
@@ -194,7 +203,11 @@ fn after_zap(
     manual: Option<u64>,
 ) {
     let alloc = slat::hw::table_alloc(&vm).clone();
-    assert_eq!(vm.lookup(GPA >> 12), None, "the zap left the page mapped");
+    assert_eq!(
+        vm.lookup(Gfn::new(GPA >> 12)),
+        None,
+        "the zap left the page mapped"
+    );
     assert_eq!(vm.stats().table_pages, 3, "the leaf table was not unlinked");
     assert_eq!(
         alloc.live_pages(),
@@ -209,9 +222,12 @@ fn after_zap(
     assert_eq!(log[0] & 1, 1, "the write after the zap was lost");
     if let Some(npages) = manual {
         // Manual protect: GET only copied; CLEAR re-protects.
-        assert_eq!(vm.clear_dirty_log(1, 0, npages, &log), Ok(1));
+        assert_eq!(
+            vm.clear_dirty_log(1, PageIndex::new(0), npages, &log),
+            Ok(1)
+        );
     }
-    let (spte, _) = vm.lookup(GPA >> 12).expect("mapped again");
+    let (spte, _) = vm.lookup(Gfn::new(GPA >> 12)).expect("mapped again");
     assert!(!Ept::is_writable(spte), "writable after the harvest");
     assert_eq!(vm.audit_rmap(), Ok(1), "rmap out of step after the refault");
     drop(v);
@@ -236,7 +252,7 @@ fn lockless_wrprot_vs_a_zap_freeing_the_leaf_table() {
                 (r, log[0])
             })
         };
-        vm.zap_gfn_range(REGION.0, REGION.1);
+        vm.zap_gfn_range(Gfn::new(REGION.0), Gfn::new(REGION.1));
         let (r, first) = harvester.join().unwrap();
         no_use_after_free();
         assert_eq!((r, first), (Ok(1), 1), "the setup write was not reported");
@@ -261,9 +277,9 @@ fn a_pinned_lockless_clear_holds_the_zapped_table_until_it_unpins() {
         assert_eq!(log[0], 0b11);
         let harvester = {
             let vm = vm.clone();
-            thread::spawn(move || vm.clear_dirty_log(1, 0, 2, &[0b11]))
+            thread::spawn(move || vm.clear_dirty_log(1, PageIndex::new(0), 2, &[0b11]))
         };
-        vm.zap_gfn_range(REGION.0, REGION.1);
+        vm.zap_gfn_range(Gfn::new(REGION.0), Gfn::new(REGION.1));
         let r = harvester.join().unwrap();
         no_use_after_free();
         assert_eq!(r, Ok(2), "CLEAR did not clear both bits");
@@ -296,16 +312,16 @@ fn a_pinned_lockless_clear_holds_the_zapped_table_until_it_unpins() {
 fn a_fault_and_a_lockless_harvest_vs_the_zap_of_their_leaf_table() {
     model(|| {
         let (vm, mut v, _) = dirty_pages(2, false);
-        vm.zap_gfn_range(GPA >> 12, (GPA >> 12) + 1);
+        vm.zap_gfn_range(Gfn::new(GPA >> 12), Gfn::new((GPA >> 12) + 1));
         let mut log = [0u64; 1];
         vm.get_dirty_log(1, &mut log).unwrap();
         // Page 0's bit is set, so the harvest looks page 0 up in the rmap.
-        vm.mark_page_dirty(GPA).unwrap();
+        vm.mark_page_dirty(Gpa::new(GPA)).unwrap();
         let vcpu = thread::spawn(move || {
             let o = v.handle_fault(write_at(GPA));
             (o, v)
         });
-        vm.zap_gfn_range(REGION.0, REGION.1);
+        vm.zap_gfn_range(Gfn::new(REGION.0), Gfn::new(REGION.1));
         let first = vm.get_dirty_log(1, &mut log).map(|_| log[0]);
         let (mut o, mut v) = vcpu.join().unwrap();
         no_use_after_free();
@@ -326,7 +342,7 @@ fn a_fault_and_a_lockless_harvest_vs_the_zap_of_their_leaf_table() {
             !refaulted || log[0] & 1 == 1,
             "the write after the zap was lost"
         );
-        if let Some((spte, _)) = vm.lookup(GPA >> 12) {
+        if let Some((spte, _)) = vm.lookup(Gfn::new(GPA >> 12)) {
             assert!(
                 !Ept::is_writable(spte),
                 "writable after the last harvest: {o:?}"

@@ -11,6 +11,7 @@ use slat::{
     Access, DirtyLogError, Fault, FaultOutcome, HostRange, MemslotError, MemslotFlags, PteFormat,
     Vcpu, Vm, VmConfig,
 };
+use slat_addr::{Gfn, Gpa, Hva};
 use std::sync::Arc;
 
 const LOG: MemslotFlags = MemslotFlags::LOG_DIRTY_PAGES;
@@ -51,9 +52,9 @@ fn view<F: PteFormat>(vm: &Vm<F>) -> SlotView {
             .map(|s| {
                 (
                     s.id,
-                    s.gpa(),
+                    s.gpa().raw(),
                     s.size(),
-                    s.host_addr,
+                    s.host_addr.raw(),
                     s.host_page_size,
                     s.flags.bits(),
                     s.is_logging(),
@@ -79,21 +80,27 @@ impl<F: PteFormat> Fixture<F> {
         let mut vcpu = vm.create_vcpu(0);
         let m1 = HostMem::new(4 * MIB);
         let m2 = HostMem::new(MIB);
-        vm.add_memslot(1, 4 * MIB, 4 * MIB, m1.range(HUGE_2M), LOG)
+        vm.add_memslot(1, Gpa::new(4 * MIB), 4 * MIB, m1.range(HUGE_2M), LOG)
             .unwrap();
-        vm.add_memslot(2, 16 * MIB, MIB, m2.range(PAGE_SIZE), MemslotFlags::empty())
-            .unwrap();
+        vm.add_memslot(
+            2,
+            Gpa::new(16 * MIB),
+            MIB,
+            m2.range(PAGE_SIZE),
+            MemslotFlags::empty(),
+        )
+        .unwrap();
         let mut mapped = Vec::new();
         for gpa in [4 * MIB + 0x5000, 16 * MIB + 0x3000] {
             let f = Fault {
                 private: false,
-                gpa,
+                gpa: Gpa::new(gpa),
                 access: Access::Write,
                 present: false,
             };
             assert_eq!(vcpu.handle_fault(f), FaultOutcome::Fixed);
             let gfn = gpa >> PAGE_SHIFT;
-            mapped.push((gfn, vm.lookup(gfn).expect("just mapped")));
+            mapped.push((gfn, vm.lookup(Gfn::new(gfn)).expect("just mapped")));
         }
         Fixture {
             vm,
@@ -122,7 +129,7 @@ impl<F: PteFormat> Fixture<F> {
         );
         for &(gfn, leaf) in &self.mapped {
             assert_eq!(
-                self.vm.lookup(gfn),
+                self.vm.lookup(Gfn::new(gfn)),
                 Some(leaf),
                 "{what}: the mapping of gfn {gfn:#x} changed ({err})"
             );
@@ -171,13 +178,13 @@ fn overlapping_ranges_are_refused_and_touching_ones_accepted<F: PteFormat>() {
         (3 * MIB, MIB + PAGE_SIZE),           // its first page only
     ] {
         let e = f.refused(&format!("add [{gpa:#x}, +{size:#x})"), |vm| {
-            vm.add_memslot(9, gpa, size, host(&m), MemslotFlags::empty())
+            vm.add_memslot(9, Gpa::new(gpa), size, host(&m), MemslotFlags::empty())
         });
         assert!(
             matches!(
                 e,
                 MemslotError::Overlap { id: 9, other: 1, gpa: g, end, other_gpa, other_end }
-                    if g == gpa && end == gpa + size && other_gpa == 4 * MIB && other_end == 8 * MIB
+                    if g == Gpa::new(gpa) && end == Gpa::new(gpa + size) && other_gpa == Gpa::new(4 * MIB) && other_end == Gpa::new(8 * MIB)
             ),
             "{e:?}"
         );
@@ -186,7 +193,7 @@ fn overlapping_ranges_are_refused_and_touching_ones_accepted<F: PteFormat>() {
     let e = f.refused("add over slot 2", |vm| {
         vm.add_memslot(
             9,
-            16 * MIB + 0x1000,
+            Gpa::new(16 * MIB + 0x1000),
             PAGE_SIZE,
             host(&m),
             MemslotFlags::empty(),
@@ -197,10 +204,16 @@ fn overlapping_ranges_are_refused_and_touching_ones_accepted<F: PteFormat>() {
     // Touching on either side is fine.
     let m3 = HostMem::new(4 * MIB);
     let m4 = HostMem::new(8 * MIB);
-    f.vm.add_memslot(3, 0, 4 * MIB, host(&m3), MemslotFlags::empty())
+    f.vm.add_memslot(3, Gpa::new(0), 4 * MIB, host(&m3), MemslotFlags::empty())
         .unwrap();
-    f.vm.add_memslot(4, 8 * MIB, 8 * MIB, host(&m4), MemslotFlags::empty())
-        .unwrap();
+    f.vm.add_memslot(
+        4,
+        Gpa::new(8 * MIB),
+        8 * MIB,
+        host(&m4),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     let ids: Vec<u32> = f.vm.memslots().slots().iter().map(|s| s.id).collect();
     assert_eq!(ids, vec![3, 1, 4, 2], "slots not sorted by guest address");
     // The new neighbours fault in right up to the shared edges.
@@ -208,7 +221,7 @@ fn overlapping_ranges_are_refused_and_touching_ones_accepted<F: PteFormat>() {
     for gpa in [4 * MIB - PAGE_SIZE, 8 * MIB, 16 * MIB - PAGE_SIZE] {
         let o = v.handle_fault(Fault {
             private: false,
-            gpa,
+            gpa: Gpa::new(gpa),
             access: Access::Read,
             present: false,
         });
@@ -224,7 +237,13 @@ fn misaligned_guest_address_size_and_host_address<F: PteFormat>() {
     let f = Fixture::<F>::new();
     let m = HostMem::new(4 * MIB);
     let e = f.refused("gpa", |vm| {
-        vm.add_memslot(9, 0x1000_0800, MIB, host(&m), MemslotFlags::empty())
+        vm.add_memslot(
+            9,
+            Gpa::new(0x1000_0800),
+            MIB,
+            host(&m),
+            MemslotFlags::empty(),
+        )
     });
     assert!(
         matches!(
@@ -238,7 +257,13 @@ fn misaligned_guest_address_size_and_host_address<F: PteFormat>() {
         "{e:?}"
     );
     let e = f.refused("size", |vm| {
-        vm.add_memslot(9, 0x1000_0000, MIB + 1, host(&m), MemslotFlags::empty())
+        vm.add_memslot(
+            9,
+            Gpa::new(0x1000_0000),
+            MIB + 1,
+            host(&m),
+            MemslotFlags::empty(),
+        )
     });
     assert!(
         matches!(e, MemslotError::Misaligned { id: 9, what: "size", value } if value == MIB + 1),
@@ -248,16 +273,22 @@ fn misaligned_guest_address_size_and_host_address<F: PteFormat>() {
     // one can reach the engine's check.
     // SAFETY: the address is inside `m`, which outlives the call, and `add_memslot` refuses
     // the range, so nothing ever touches it.
-    let bad_host = unsafe { HostRange::from_raw(m.addr() + 8, MIB, PAGE_SIZE) };
+    let bad_host = unsafe { HostRange::from_raw(Hva::new(m.addr() + 8), MIB, PAGE_SIZE) };
     let e = f.refused("host", |vm| {
-        vm.add_memslot(9, 0x1000_0000, MIB, bad_host, MemslotFlags::empty())
+        vm.add_memslot(
+            9,
+            Gpa::new(0x1000_0000),
+            MIB,
+            bad_host,
+            MemslotFlags::empty(),
+        )
     });
     assert!(
         matches!(e, MemslotError::Misaligned { id: 9, what: "host address", value } if value == m.addr() + 8),
         "{e:?}"
     );
     let e = f.refused("move to a misaligned gpa", |vm| {
-        vm.move_memslot(2, 0x2000_0010)
+        vm.move_memslot(2, Gpa::new(0x2000_0010))
     });
     assert!(
         matches!(
@@ -277,7 +308,7 @@ fn zero_size_is_refused<F: PteFormat>() {
     let f = Fixture::<F>::new();
     let m = HostMem::new(MIB);
     let e = f.refused("zero size", |vm| {
-        vm.add_memslot(9, 0x1000_0000, 0, host(&m), MemslotFlags::empty())
+        vm.add_memslot(9, Gpa::new(0x1000_0000), 0, host(&m), MemslotFlags::empty())
     });
     assert!(matches!(e, MemslotError::ZeroSize { id: 9 }), "{e:?}");
     f.finish();
@@ -294,14 +325,16 @@ fn ranges_beyond_48_bits_are_refused_and_the_last_page_is_usable<F: PteFormat>()
         (!(PAGE_SIZE - 1), PAGE_SIZE),
     ] {
         let e = f.refused(&format!("[{gpa:#x}, +{size:#x})"), |vm| {
-            vm.add_memslot(9, gpa, size, host(&m), MemslotFlags::empty())
+            vm.add_memslot(9, Gpa::new(gpa), size, host(&m), MemslotFlags::empty())
         });
         assert!(
-            matches!(e, MemslotError::BeyondPhysWidth { id: 9, gpa: g, size: s, bits: 48 } if g == gpa && s == size),
+            matches!(e, MemslotError::BeyondPhysWidth { id: 9, gpa: g, size: s, bits: 48 } if g == Gpa::new(gpa) && s == size),
             "{e:?}"
         );
     }
-    let e = f.refused("move beyond", |vm| vm.move_memslot(2, top - PAGE_SIZE));
+    let e = f.refused("move beyond", |vm| {
+        vm.move_memslot(2, Gpa::new(top - PAGE_SIZE))
+    });
     assert!(
         matches!(e, MemslotError::BeyondPhysWidth { id: 2, .. }),
         "{e:?}"
@@ -310,7 +343,7 @@ fn ranges_beyond_48_bits_are_refused_and_the_last_page_is_usable<F: PteFormat>()
     // The very last page is allowed, and faults in.
     f.vm.add_memslot(
         9,
-        top - 16 * PAGE_SIZE,
+        Gpa::new(top - 16 * PAGE_SIZE),
         16 * PAGE_SIZE,
         host(&m),
         MemslotFlags::empty(),
@@ -319,13 +352,13 @@ fn ranges_beyond_48_bits_are_refused_and_the_last_page_is_usable<F: PteFormat>()
     let mut v = f.vm.create_vcpu(1);
     let o = v.handle_fault(Fault {
         private: false,
-        gpa: top - 1,
+        gpa: Gpa::new(top - 1),
         access: Access::Write,
         present: false,
     });
     assert_eq!(o, FaultOutcome::Fixed);
     let (leaf, level) =
-        f.vm.lookup((top >> PAGE_SHIFT) - 1)
+        f.vm.lookup(Gfn::new((top >> PAGE_SHIFT) - 1))
             .expect("last page mapped");
     assert_eq!(
         leaf_hva::<F>(leaf, level, (top >> PAGE_SHIFT) - 1),
@@ -342,7 +375,7 @@ fn unknown_flag_bits_are_refused<F: PteFormat>() {
     for (bits, unknown) in [(0x4u32, 0x4u32), (0x7, 0x4), (0x8000_0001, 0x8000_0000)] {
         let flags = MemslotFlags::from_bits_retain(bits);
         let e = f.refused(&format!("add flags {bits:#x}"), |vm| {
-            vm.add_memslot(9, 0x1000_0000, MIB, host(&m), flags)
+            vm.add_memslot(9, Gpa::new(0x1000_0000), MIB, host(&m), flags)
         });
         assert!(
             matches!(e, MemslotError::UnknownFlags { id: 9, bits: b } if b == unknown),
@@ -363,7 +396,7 @@ fn unknown_slot_for_delete_move_set_flags_and_get_dirty_log<F: PteFormat>() {
     let mut f = Fixture::<F>::new();
     let e = f.refused("delete", |vm| vm.delete_memslot(42));
     assert!(matches!(e, MemslotError::UnknownSlot { id: 42 }), "{e:?}");
-    let e = f.refused("move", |vm| vm.move_memslot(42, 0x4000_0000));
+    let e = f.refused("move", |vm| vm.move_memslot(42, Gpa::new(0x4000_0000)));
     assert!(matches!(e, MemslotError::UnknownSlot { id: 42 }), "{e:?}");
     let e = f.refused("set flags", |vm| vm.set_memslot_flags(42, LOG));
     assert!(matches!(e, MemslotError::UnknownSlot { id: 42 }), "{e:?}");
@@ -375,7 +408,7 @@ fn unknown_slot_for_delete_move_set_flags_and_get_dirty_log<F: PteFormat>() {
     // A deleted slot is unknown too (and its mapping is gone).
     f.vm.delete_memslot(2).unwrap();
     let (gfn2, _) = f.mapped.pop().expect("slot 2's page");
-    assert_eq!(f.vm.lookup(gfn2), None, "delete left a mapping");
+    assert_eq!(f.vm.lookup(Gfn::new(gfn2)), None, "delete left a mapping");
     let e = f.refused("delete twice", |vm| vm.delete_memslot(2));
     assert!(matches!(e, MemslotError::UnknownSlot { id: 2 }), "{e:?}");
     let Fixture { vm, vcpu, mem, .. } = f;
@@ -388,7 +421,13 @@ fn duplicate_ids_are_refused<F: PteFormat>() {
     let m = HostMem::new(MIB);
     // A free range, so only the id is wrong.
     let e = f.refused("duplicate", |vm| {
-        vm.add_memslot(2, 0x1000_0000, MIB, host(&m), MemslotFlags::empty())
+        vm.add_memslot(
+            2,
+            Gpa::new(0x1000_0000),
+            MIB,
+            host(&m),
+            MemslotFlags::empty(),
+        )
     });
     assert!(matches!(e, MemslotError::DuplicateId { id: 2 }), "{e:?}");
     f.finish();
@@ -399,7 +438,7 @@ fn host_range_shorter_than_the_slot_is_refused<F: PteFormat>() {
     let m = HostMem::new(MIB);
     let short = m.sub_range(0, MIB - PAGE_SIZE, PAGE_SIZE);
     let e = f.refused("short host", |vm| {
-        vm.add_memslot(9, 0x1000_0000, MIB, short, MemslotFlags::empty())
+        vm.add_memslot(9, Gpa::new(0x1000_0000), MIB, short, MemslotFlags::empty())
     });
     assert!(
         matches!(e, MemslotError::HostRangeTooSmall { id: 9, need, have } if need == MIB && have == MIB - PAGE_SIZE),
@@ -422,7 +461,7 @@ fn host_page_sizes_other_than_4k_2m_1g_are_refused<F: PteFormat>() {
     ] {
         let r = m.range(ps);
         let e = f.refused(&format!("page size {ps:#x}"), |vm| {
-            vm.add_memslot(9, 0x1000_0000, MIB, r, MemslotFlags::empty())
+            vm.add_memslot(9, Gpa::new(0x1000_0000), MIB, r, MemslotFlags::empty())
         });
         assert!(
             matches!(e, MemslotError::BadHostPageSize { id: 9, page_size } if page_size == ps),
@@ -441,7 +480,7 @@ fn dirty_log_of_a_slot_that_does_not_log_is_refused<F: PteFormat>() {
     assert!(matches!(e, DirtyLogError::NotLogging { id: 2 }), "{e:?}");
     // LOG on a read-only slot logs nothing: still not logging.
     let m = HostMem::new(MIB);
-    f.vm.add_memslot(9, 0x1000_0000, MIB, host(&m), LOG | RO)
+    f.vm.add_memslot(9, Gpa::new(0x1000_0000), MIB, host(&m), LOG | RO)
         .unwrap();
     let e = f.refused("read-only logging", |vm| {
         vm.get_dirty_log(9, &mut words).map(|_| ())
@@ -455,19 +494,19 @@ fn dirty_log_buffer_too_small_is_refused_and_loses_no_dirty_bits<F: PteFormat>()
     let f = Fixture::<F>::new();
     let m = HostMem::new(MIB);
     // 130 pages: three words.
-    f.vm.add_memslot(9, 0x1000_0000, 130 * PAGE_SIZE, host(&m), LOG)
+    f.vm.add_memslot(9, Gpa::new(0x1000_0000), 130 * PAGE_SIZE, host(&m), LOG)
         .unwrap();
     let mut v = f.vm.create_vcpu(1);
     for p in [0u64, 129] {
         let o = v.handle_fault(Fault {
             private: false,
-            gpa: 0x1000_0000 + p * PAGE_SIZE,
+            gpa: Gpa::new(0x1000_0000 + p * PAGE_SIZE),
             access: Access::Write,
             present: false,
         });
         assert_eq!(o, FaultOutcome::Fixed);
     }
-    let before = f.vm.lookup((0x1000_0000 >> PAGE_SHIFT) + 129);
+    let before = f.vm.lookup(Gfn::new((0x1000_0000 >> PAGE_SHIFT) + 129));
     for have in [0usize, 1, 2] {
         let mut words = vec![0u64; have];
         let e = f.refused(&format!("{have} words"), |vm| {
@@ -477,7 +516,10 @@ fn dirty_log_buffer_too_small_is_refused_and_loses_no_dirty_bits<F: PteFormat>()
             matches!(e, DirtyLogError::BitmapTooSmall { id: 9, need: 3, have: h } if h == have),
             "{e:?}"
         );
-        assert_eq!(f.vm.lookup((0x1000_0000 >> PAGE_SHIFT) + 129), before);
+        assert_eq!(
+            f.vm.lookup(Gfn::new((0x1000_0000 >> PAGE_SHIFT) + 129)),
+            before
+        );
     }
     // The refused calls consumed nothing: the full buffer gets both pages.
     let mut words = vec![0u64; 5];
@@ -492,28 +534,34 @@ fn refused_move_leaves_the_slot_in_place_and_mapped<F: PteFormat>() {
     let f = Fixture::<F>::new();
     // Slot 2 is [16, 17) MiB with one page mapped; slot 1 is [4, 8) MiB.
     for to in [7 * MIB, 4 * MIB, 3 * MIB + PAGE_SIZE, 8 * MIB - PAGE_SIZE] {
-        let e = f.refused(&format!("move to {to:#x}"), |vm| vm.move_memslot(2, to));
+        let e = f.refused(&format!("move to {to:#x}"), |vm| {
+            vm.move_memslot(2, Gpa::new(to))
+        });
         assert!(
-            matches!(e, MemslotError::Overlap { id: 2, other: 1, gpa, end, .. } if gpa == to && end == to + MIB),
+            matches!(e, MemslotError::Overlap { id: 2, other: 1, gpa, end, .. } if gpa == Gpa::new(to) && end == Gpa::new(to + MIB)),
             "{e:?}"
         );
     }
     // A move that only overlaps the slot's own old range is fine; so is touching slot 1.
     let (gfn, _) = f.mapped[1];
     let host_addr = f.mem[1].addr() + 0x3000;
-    f.vm.move_memslot(2, 16 * MIB + MIB / 2).unwrap();
-    assert_eq!(f.vm.lookup(gfn), None, "the old range was not zapped");
-    f.vm.move_memslot(2, 8 * MIB).unwrap();
+    f.vm.move_memslot(2, Gpa::new(16 * MIB + MIB / 2)).unwrap();
+    assert_eq!(
+        f.vm.lookup(Gfn::new(gfn)),
+        None,
+        "the old range was not zapped"
+    );
+    f.vm.move_memslot(2, Gpa::new(8 * MIB)).unwrap();
     let mut v = f.vm.create_vcpu(1);
     let gpa = 8 * MIB + 0x3000;
     let o = v.handle_fault(Fault {
         private: false,
-        gpa,
+        gpa: Gpa::new(gpa),
         access: Access::Read,
         present: false,
     });
     assert_eq!(o, FaultOutcome::Fixed);
-    let (leaf, level) = f.vm.lookup(gpa >> PAGE_SHIFT).unwrap();
+    let (leaf, level) = f.vm.lookup(Gpa::new(gpa).gfn()).unwrap();
     assert_eq!(
         leaf_hva::<F>(leaf, level, gpa >> PAGE_SHIFT),
         host_addr,
@@ -521,7 +569,7 @@ fn refused_move_leaves_the_slot_in_place_and_mapped<F: PteFormat>() {
     );
     let o = v.handle_fault(Fault {
         private: false,
-        gpa: 16 * MIB + 0x3000,
+        gpa: Gpa::new(16 * MIB + 0x3000),
         access: Access::Read,
         present: false,
     });
@@ -540,7 +588,7 @@ fn setting_the_same_flags_publishes_nothing<F: PteFormat>() {
     f.vm.set_memslot_flags(2, MemslotFlags::empty()).unwrap();
     assert_eq!(view(&f.vm), before);
     for &(gfn, leaf) in &f.mapped {
-        assert_eq!(f.vm.lookup(gfn), Some(leaf));
+        assert_eq!(f.vm.lookup(Gfn::new(gfn)), Some(leaf));
     }
     f.finish();
 }
@@ -565,10 +613,16 @@ fn host_addresses_beyond_the_pte_address_field_are_refused<F: PteFormat>() {
         (!(PAGE_SIZE - 1), MemslotFlags::empty()),
     ] {
         let e = f.refused(&format!("host {addr:#x}"), |vm| {
-            vm.add_memslot(9, 0x1000_0000, len, fake_host(addr, len, PAGE_SIZE), flags)
+            vm.add_memslot(
+                9,
+                Gpa::new(0x1000_0000),
+                len,
+                fake_host(addr, len, PAGE_SIZE),
+                flags,
+            )
         });
         assert!(
-            matches!(e, MemslotError::HostAddressUnmappable { id: 9, addr: a, size } if a == addr && size == len),
+            matches!(e, MemslotError::HostAddressUnmappable { id: 9, addr: a, size } if a == Hva::new(addr) && size == len),
             "{e:?}"
         );
     }
@@ -576,7 +630,7 @@ fn host_addresses_beyond_the_pte_address_field_are_refused<F: PteFormat>() {
     let top = oa_limit - len;
     f.vm.add_memslot(
         9,
-        0x1000_0000,
+        Gpa::new(0x1000_0000),
         len,
         fake_host(top, len, PAGE_SIZE),
         MemslotFlags::empty(),
@@ -594,13 +648,13 @@ fn host_addresses_beyond_the_pte_address_field_are_refused<F: PteFormat>() {
     let mut v = f.vm.create_vcpu(1);
     let o = v.handle_fault(Fault {
         private: false,
-        gpa: 0x1000_0000 + PAGE_SIZE,
+        gpa: Gpa::new(0x1000_0000 + PAGE_SIZE),
         access: Access::Write,
         present: false,
     });
     assert_eq!(o, FaultOutcome::Fixed);
     let gfn = (0x1000_0000 >> PAGE_SHIFT) + 1;
-    let (leaf, level) = f.vm.lookup(gfn).unwrap();
+    let (leaf, level) = f.vm.lookup(Gfn::new(gfn)).unwrap();
     assert_eq!(leaf_hva::<F>(leaf, level, gfn), top + PAGE_SIZE);
     drop(v);
     f.vm.delete_memslot(9).unwrap();

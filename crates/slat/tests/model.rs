@@ -32,6 +32,7 @@ use slat::{
     Access, Fault, FaultOutcome, GetLogVariant, HostRange, MemslotError, MemslotFlags, MmuLockKind,
     RecoverVariant, Vcpu, Vm, VmConfig, WrprotVariant,
 };
+use slat_addr::{Gfn, Gpa};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -248,7 +249,7 @@ impl<F: PteFormat> Run<'_, F> {
 
     /// Everything the model knows about one GFN.
     fn check_gfn(&self, g: u64) {
-        let Some((leaf, level)) = self.vm.lookup(g) else {
+        let Some((leaf, level)) = self.vm.lookup(Gfn::new(g)) else {
             return;
         };
         self.cov.leaves_seen[level as usize - 1].fetch_add(1, Ordering::Relaxed);
@@ -390,7 +391,7 @@ impl<F: PteFormat> Run<'_, F> {
             1..=9 => Access::Read,
             _ => Access::Write,
         };
-        let pre = self.vm.lookup(g);
+        let pre = self.vm.lookup(Gfn::new(g));
         // What the hardware would report, with some noise (stale TLB views).
         let present = pre.is_some() != self.rng.chance(1, 10);
         let gpa = (g << PAGE_SHIFT) | self.rng.below(PAGE_SIZE);
@@ -399,7 +400,7 @@ impl<F: PteFormat> Run<'_, F> {
         let before = self.vm.stats();
         let f = Fault {
             private: false,
-            gpa,
+            gpa: Gpa::new(gpa),
             access,
             present,
         };
@@ -411,7 +412,7 @@ impl<F: PteFormat> Run<'_, F> {
             self.ctx()
         );
         let after = self.vm.stats();
-        let post = self.vm.lookup(g);
+        let post = self.vm.lookup(Gfn::new(g));
         self.cov.outcomes[outcome_index(o)].fetch_add(1, Ordering::Relaxed);
         let ctx = format!(
             "{}: outcome {o:?}, pre {pre:x?}, post {post:x?}",
@@ -530,7 +531,7 @@ impl<F: PteFormat> Run<'_, F> {
         };
         self.what = format!("zap [{s:#x}, {e:#x})");
         let before = self.vm.stats();
-        self.vm.zap_gfn_range(s, e);
+        self.vm.zap_gfn_range(Gfn::new(s), Gfn::new(e));
         let after = self.vm.stats();
         self.maybe.remove(s, e);
         let removed = (
@@ -597,7 +598,9 @@ impl<F: PteFormat> Run<'_, F> {
         self.what = format!("add slot {} at {gpa:#x} flags {flags:?}", t.id);
         let clash = self.overlap(gpa >> PAGE_SHIFT, t.size >> PAGE_SHIFT, u32::MAX);
         let gen = self.vm.memslots().generation();
-        let r = self.vm.add_memslot(t.id, gpa, t.size, t.range(), flags);
+        let r = self
+            .vm
+            .add_memslot(t.id, Gpa::new(gpa), t.size, t.range(), flags);
         if clash.is_empty() {
             r.unwrap_or_else(|e| panic!("{}: refused: {e}", self.ctx()));
             self.slots.insert(t.id, t.slot_model(ti, gpa, flags));
@@ -656,7 +659,7 @@ impl<F: PteFormat> Run<'_, F> {
         );
         let clash = self.overlap(gpa >> PAGE_SHIFT, npages, id);
         let gen = self.vm.memslots().generation();
-        let r = self.vm.move_memslot(id, gpa);
+        let r = self.vm.move_memslot(id, Gpa::new(gpa));
         if clash.is_empty() {
             r.unwrap_or_else(|e| panic!("{}: refused: {e}", self.ctx()));
             self.cov.moved.fetch_add(1, Ordering::Relaxed);
@@ -680,7 +683,10 @@ impl<F: PteFormat> Run<'_, F> {
                 self.ctx()
             );
             assert_eq!(self.vm.memslots().generation(), gen, "{}", self.ctx());
-            assert_eq!(self.vm.memslots().by_id(id).unwrap().base_gfn, old_base);
+            assert_eq!(
+                self.vm.memslots().by_id(id).unwrap().base_gfn,
+                Gfn::new(old_base)
+            );
         }
         self.audit();
     }
@@ -810,7 +816,7 @@ impl<F: PteFormat> Run<'_, F> {
         let t = &self.tpls[ti];
         let gpa = base << PAGE_SHIFT;
         self.vm
-            .add_memslot(id, gpa, t.size, t.range(), flags)
+            .add_memslot(id, Gpa::new(gpa), t.size, t.range(), flags)
             .unwrap_or_else(|e| panic!("{}: re-add: {e}", self.ctx()));
         self.slots.insert(id, t.slot_model(ti, gpa, flags));
         self.check_slot(id, true);

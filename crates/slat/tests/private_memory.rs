@@ -17,6 +17,7 @@ use slat::{
     Access, Fault, FaultOutcome, HostBuffer, HostMemory, HostRange, MemoryAttributeError,
     MemoryAttributes, MemslotError, MemslotFlags, PteFormat, Vcpu, Vm, VmConfig, WrprotVariant,
 };
+use slat_addr::{Gfn, Gpa};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -47,14 +48,21 @@ fn vm_with_private_slot<F: PteFormat>(shared: HostRange, private: HostRange) -> 
         wrprot: WrprotVariant::Rmap,
         ..VmConfig::default()
     });
-    vm.add_memslot_with_private(0, GPA, SIZE, shared, private, MemslotFlags::empty())
-        .expect("slot");
+    vm.add_memslot_with_private(
+        0,
+        Gpa::new(GPA),
+        SIZE,
+        shared,
+        private,
+        MemslotFlags::empty(),
+    )
+    .expect("slot");
     vm
 }
 
 fn fault_kind<F: PteFormat>(v: &mut Vcpu<F>, gfn: u64, private: bool) -> FaultOutcome {
     v.handle_fault(Fault {
-        gpa: (gfn << PAGE_SHIFT) + 0x18,
+        gpa: Gpa::new((gfn << PAGE_SHIFT) + 0x18),
         access: Access::Write,
         present: false,
         private,
@@ -63,7 +71,7 @@ fn fault_kind<F: PteFormat>(v: &mut Vcpu<F>, gfn: u64, private: bool) -> FaultOu
 
 /// The host address `gfn` translates to now, if mapped.
 fn hva_of<F: PteFormat>(vm: &Vm<F>, gfn: u64) -> Option<u64> {
-    vm.lookup(gfn)
+    vm.lookup(Gfn::new(gfn))
         .map(|(leaf, level)| leaf_hva::<F>(leaf, level, gfn))
 }
 
@@ -81,8 +89,8 @@ fn faults_map_the_backing_the_attribute_selects<F: PteFormat>() {
     let g = BASE_GFN + 5;
     assert_eq!(fault_kind(&mut v, g, false), FaultOutcome::Fixed);
     assert_eq!(hva_of(&vm, g), Some(shared.addr() + 5 * PAGE_SIZE));
-    vm.set_memory_attributes(g, 4, PRIVATE).unwrap();
-    assert!(vm.memslots().slots()[0].is_private(g));
+    vm.set_memory_attributes(Gfn::new(g), 4, PRIVATE).unwrap();
+    assert!(vm.memslots().slots()[0].is_private(Gfn::new(g)));
     assert_eq!(hva_of(&vm, g), None, "the conversion zaps the shared leaf");
     assert_eq!(fault_kind(&mut v, g, true), FaultOutcome::Fixed);
     assert_eq!(hva_of(&vm, g), Some(private.addr() + 5 * PAGE_SIZE));
@@ -90,7 +98,7 @@ fn faults_map_the_backing_the_attribute_selects<F: PteFormat>() {
     assert_eq!(fault_kind(&mut v, g + 4, false), FaultOutcome::Fixed);
     assert_eq!(hva_of(&vm, g + 4), Some(shared.addr() + 9 * PAGE_SIZE));
     check_rmap(&vm, "after private faults");
-    vm.set_memory_attributes(g, 4, SHARED).unwrap();
+    vm.set_memory_attributes(Gfn::new(g), 4, SHARED).unwrap();
     assert_eq!(
         hva_of(&vm, g),
         None,
@@ -109,7 +117,7 @@ fn an_access_of_the_wrong_kind_exits_with_its_page<F: PteFormat>() {
     let mut v = vm.create_vcpu(0);
     let g = BASE_GFN + 7;
     let exit = |private| FaultOutcome::MemoryFault {
-        gpa: g << PAGE_SHIFT,
+        gpa: Gpa::new(g << PAGE_SHIFT),
         size: PAGE_SIZE,
         private,
     };
@@ -119,7 +127,7 @@ fn an_access_of_the_wrong_kind_exits_with_its_page<F: PteFormat>() {
         "private access, shared page"
     );
     assert_eq!(hva_of(&vm, g), None, "nothing mapped on an exit");
-    vm.set_memory_attributes(g, 1, PRIVATE).unwrap();
+    vm.set_memory_attributes(Gfn::new(g), 1, PRIVATE).unwrap();
     assert_eq!(
         fault_kind(&mut v, g, false),
         exit(false),
@@ -129,7 +137,7 @@ fn an_access_of_the_wrong_kind_exits_with_its_page<F: PteFormat>() {
     // Even with a private leaf present, a shared access gets the exit, not the fast path.
     assert_eq!(fault_kind(&mut v, g, true), FaultOutcome::Fixed);
     let present = v.handle_fault(Fault {
-        gpa: (g << PAGE_SHIFT) + 8,
+        gpa: Gpa::new((g << PAGE_SHIFT) + 8),
         access: Access::Write,
         present: true,
         private: false,
@@ -154,7 +162,8 @@ fn conversion_zaps_and_waits_for_the_flush<F: PteFormat>() {
     let t = {
         let (vm, done) = (vm.clone(), done.clone());
         std::thread::spawn(move || {
-            vm.set_memory_attributes(BASE_GFN, 64, PRIVATE).unwrap();
+            vm.set_memory_attributes(Gfn::new(BASE_GFN), 64, PRIVATE)
+                .unwrap();
             done.store(true, Ordering::SeqCst);
         })
     };
@@ -191,7 +200,8 @@ fn unchanged_attributes_zap_nothing<F: PteFormat>() {
     let mut v = vm.create_vcpu(0);
     assert_eq!(fault_kind(&mut v, BASE_GFN, false), FaultOutcome::Fixed);
     let flushes = vm.stats().remote_tlb_flush;
-    vm.set_memory_attributes(BASE_GFN, 512, SHARED).unwrap();
+    vm.set_memory_attributes(Gfn::new(BASE_GFN), 512, SHARED)
+        .unwrap();
     assert!(
         hva_of(&vm, BASE_GFN).is_some(),
         "shared → shared zapped the page"
@@ -205,7 +215,7 @@ fn snapshot<F: PteFormat>(vm: &Vm<F>) -> (Vec<bool>, Vec<Option<u64>>, u64) {
     let set = vm.memslots();
     let slot = &set.slots()[0];
     let gfns = BASE_GFN..BASE_GFN + (SIZE >> PAGE_SHIFT);
-    let attrs = gfns.clone().map(|g| slot.is_private(g)).collect();
+    let attrs = gfns.clone().map(|g| slot.is_private(Gfn::new(g))).collect();
     let maps = gfns.map(|g| hva_of(vm, g)).collect();
     (attrs, maps, set.generation())
 }
@@ -217,7 +227,7 @@ fn bad_input_is_refused_and_changes_nothing<F: PteFormat>() {
     let plain = HostMem::new(SIZE);
     vm.add_memslot(
         1,
-        GPA + SIZE,
+        Gpa::new(GPA + SIZE),
         SIZE,
         plain.range(PAGE_SIZE),
         MemslotFlags::empty(),
@@ -229,7 +239,7 @@ fn bad_input_is_refused_and_changes_nothing<F: PteFormat>() {
     for i in [0, 100, 511] {
         assert_eq!(fault_kind(&mut v, BASE_GFN + i, false), FaultOutcome::Fixed);
     }
-    vm.set_memory_attributes(BASE_GFN + 100, 1, PRIVATE)
+    vm.set_memory_attributes(Gfn::new(BASE_GFN + 100), 1, PRIVATE)
         .unwrap();
     let before = snapshot(&vm);
     let cases: [(u64, u64, MemoryAttributes, MemoryAttributeError); 6] = [
@@ -238,7 +248,7 @@ fn bad_input_is_refused_and_changes_nothing<F: PteFormat>() {
             0,
             PRIVATE,
             MemoryAttributeError::Empty {
-                first_gfn: BASE_GFN,
+                first_gfn: Gfn::new(BASE_GFN),
             },
         ),
         (
@@ -246,7 +256,7 @@ fn bad_input_is_refused_and_changes_nothing<F: PteFormat>() {
             4,
             PRIVATE,
             MemoryAttributeError::Overflow {
-                first_gfn: u64::MAX - 1,
+                first_gfn: Gfn::new(u64::MAX - 1),
                 npages: 4,
             },
         ),
@@ -254,7 +264,9 @@ fn bad_input_is_refused_and_changes_nothing<F: PteFormat>() {
             BASE_GFN - 1,
             2,
             PRIVATE,
-            MemoryAttributeError::OutsideMemslots { gfn: BASE_GFN - 1 },
+            MemoryAttributeError::OutsideMemslots {
+                gfn: Gfn::new(BASE_GFN - 1),
+            },
         ),
         // Covers the private slot, then the shared-only one: refused as a whole.
         (
@@ -268,7 +280,9 @@ fn bad_input_is_refused_and_changes_nothing<F: PteFormat>() {
             BASE_GFN,
             (hole_gfn - BASE_GFN) + 1,
             SHARED,
-            MemoryAttributeError::OutsideMemslots { gfn: hole_gfn },
+            MemoryAttributeError::OutsideMemslots {
+                gfn: Gfn::new(hole_gfn),
+            },
         ),
         (
             BASE_GFN,
@@ -279,21 +293,22 @@ fn bad_input_is_refused_and_changes_nothing<F: PteFormat>() {
     ];
     for (first, n, attrs, want) in cases {
         assert_eq!(
-            vm.set_memory_attributes(first, n, attrs),
+            vm.set_memory_attributes(Gfn::new(first), n, attrs),
             Err(want.clone()),
             "gfn {first:#x} +{n}"
         );
         assert_eq!(snapshot(&vm), before, "{want}: something changed");
     }
     // Shared over a shared-only slot is fine (nothing to do).
-    vm.set_memory_attributes(plain_gfn, 4, SHARED).unwrap();
+    vm.set_memory_attributes(Gfn::new(plain_gfn), 4, SHARED)
+        .unwrap();
     assert_eq!(snapshot(&vm), before);
     // A private backing that is too small, or unmappable flags, refuse the slot.
     let small = HostMem::new(SIZE / 2);
     assert_eq!(
         vm.add_memslot_with_private(
             2,
-            4 * GPA,
+            Gpa::new(4 * GPA),
             SIZE,
             plain.range(PAGE_SIZE),
             small.range(PAGE_SIZE),
@@ -317,7 +332,7 @@ fn private_slots_refuse_dirty_logging_and_readonly<F: PteFormat>() {
         assert_eq!(
             vm.add_memslot_with_private(
                 1,
-                4 * GPA,
+                Gpa::new(4 * GPA),
                 SIZE,
                 shared.range(PAGE_SIZE),
                 private.range(PAGE_SIZE),
@@ -346,7 +361,7 @@ fn shared_slots_keep_dirty_logging<F: PteFormat>() {
     let log_gfn = BASE_GFN + (SIZE >> PAGE_SHIFT);
     vm.add_memslot(
         1,
-        GPA + SIZE,
+        Gpa::new(GPA + SIZE),
         SIZE,
         logged.range(PAGE_SIZE),
         MemslotFlags::LOG_DIRTY_PAGES,
@@ -356,7 +371,8 @@ fn shared_slots_keep_dirty_logging<F: PteFormat>() {
     for i in [3, 64, 511] {
         assert_eq!(fault_kind(&mut v, log_gfn + i, false), FaultOutcome::Fixed);
     }
-    vm.set_memory_attributes(BASE_GFN, 512, PRIVATE).unwrap();
+    vm.set_memory_attributes(Gfn::new(BASE_GFN), 512, PRIVATE)
+        .unwrap();
     assert_eq!(fault_kind(&mut v, BASE_GFN, true), FaultOutcome::Fixed);
     let mut words = vec![0u64; bitmap_words(512)];
     vm.get_dirty_log(1, &mut words).unwrap();
@@ -408,8 +424,8 @@ impl Oracle {
     fn backing(&self, hva: u64) -> Option<(bool, u64)> {
         for (private, b) in [(false, &self.shared), (true, &self.private)] {
             let base = b.host_addr();
-            if hva.wrapping_sub(base) < b.len() {
-                return Some((private, hva - base));
+            if hva.wrapping_sub(base.raw()) < b.len() {
+                return Some((private, hva - base.raw()));
             }
         }
         None
@@ -503,7 +519,7 @@ fn converter<F: PteFormat>(vm: &Vm<F>, o: &Oracle, seed: u64, deadline: Instant)
             p.ver.fetch_add(1, Ordering::SeqCst); // odd: converting
         }
         let attrs = if private { PRIVATE } else { SHARED };
-        if let Err(e) = vm.set_memory_attributes(BASE_GFN + first, count, attrs) {
+        if let Err(e) = vm.set_memory_attributes(Gfn::new(BASE_GFN + first), count, attrs) {
             o.fail(format!("seed {:#x}: conversion refused: {e}", o.seed));
         }
         for p in pages {
@@ -609,7 +625,7 @@ impl SimCpu {
 /// `handle_fault` acknowledges flush requests for a vCPU without a TLB, and this one has one.
 fn fault_outside_guest<F: PteFormat>(o: &Oracle, v: &mut Vcpu<F>, gfn: u64, private: bool) {
     let f = Fault {
-        gpa: gfn << PAGE_SHIFT,
+        gpa: Gpa::new(gfn << PAGE_SHIFT),
         access: Access::Write,
         present: false,
         private,
@@ -621,7 +637,7 @@ fn fault_outside_guest<F: PteFormat>(o: &Oracle, v: &mut Vcpu<F>, gfn: u64, priv
             private: p,
         } => {
             // The page changed kind since we looked; check the exit describes the access.
-            if gpa != gfn << PAGE_SHIFT || size != PAGE_SIZE || p != private {
+            if gpa != Gpa::new(gfn << PAGE_SHIFT) || size != PAGE_SIZE || p != private {
                 o.fail(format!(
                     "seed {:#x}: bad memory-fault exit {gpa:#x}+{size:#x} private {p}",
                     o.seed

@@ -10,6 +10,7 @@ mod common;
 use common::*;
 use slat::format::PAGE_SIZE;
 use slat::{Access, FaultOutcome, MemslotFlags, PteFormat, Vm, VmConfig, WrprotVariant};
+use slat_addr::{Gfn, Gpa};
 
 const MIB: u64 = 1 << 20;
 const LOG: MemslotFlags = MemslotFlags::LOG_DIRTY_PAGES;
@@ -43,8 +44,14 @@ fn life_cycle<F: PteFormat>(config: VmConfig) {
     let mut v = vm.create_vcpu(0);
     let base = 4 * MIB;
     let m = HostMem::new(4 * MIB);
-    vm.add_memslot(1, base, 4 * MIB, m.range(HUGE_2M), MemslotFlags::empty())
-        .unwrap();
+    vm.add_memslot(
+        1,
+        Gpa::new(base),
+        4 * MIB,
+        m.range(HUGE_2M),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     let w = |v: &mut slat::Vcpu<F>, gpa: u64, present: bool| {
         let mut o = fault(&vm, v, gpa, Access::Write, present);
         for _ in 0..4 {
@@ -70,7 +77,7 @@ fn life_cycle<F: PteFormat>(config: VmConfig) {
     audit(&vm, "GET");
     for gpa in [base + 0x3000, base + 0x9000] {
         assert!(
-            !F::is_writable(vm.lookup(gpa / PAGE_SIZE).unwrap().0),
+            !F::is_writable(vm.lookup(Gfn::new(gpa / PAGE_SIZE)).unwrap().0),
             "{}: GET left {gpa:#x} writable",
             config.wrprot
         );
@@ -79,13 +86,13 @@ fn life_cycle<F: PteFormat>(config: VmConfig) {
     vm.set_memslot_flags(1, MemslotFlags::empty()).unwrap();
     audit(&vm, "disable logging (recovery)");
     vm.zap_gfn_range(
-        (base + HUGE_2M) / PAGE_SIZE,
-        (base + HUGE_2M) / PAGE_SIZE + 1,
+        Gfn::new((base + HUGE_2M) / PAGE_SIZE),
+        Gfn::new((base + HUGE_2M) / PAGE_SIZE + 1),
     );
     audit(&vm, "a partial zap");
     w(&mut v, base + HUGE_2M + 0x5000, false);
     audit(&vm, "a fault after the zap");
-    vm.move_memslot(1, 64 * MIB).unwrap();
+    vm.move_memslot(1, Gpa::new(64 * MIB)).unwrap();
     assert_eq!(audit(&vm, "a move"), 0, "the move left leaves");
     w(&mut v, 64 * MIB + 0x1000, false);
     assert!(audit(&vm, "a fault in the moved slot") > 0);
@@ -100,7 +107,7 @@ fn walk_keeps_no_rmap<F: PteFormat>() {
     let vm = Vm::<F>::new(VmConfig::default());
     let mut v = vm.create_vcpu(0);
     let m = HostMem::new(2 * MIB);
-    vm.add_memslot(1, 4 * MIB, 2 * MIB, m.range(PAGE_SIZE), LOG)
+    vm.add_memslot(1, Gpa::new(4 * MIB), 2 * MIB, m.range(PAGE_SIZE), LOG)
         .unwrap();
     fault(&vm, &mut v, 4 * MIB, Access::Write, false);
     assert_eq!(vm.audit_rmap(), Ok(1));

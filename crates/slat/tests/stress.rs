@@ -11,6 +11,7 @@ mod common;
 use common::HostMem;
 use slat::format::{bytes_per_entry, pages_per_entry};
 use slat::{Access, Fault, FaultOutcome, MemslotFlags, PteFormat, Vm, VmConfig};
+use slat_addr::{Gfn, Gpa, Hva};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -51,10 +52,16 @@ fn run<F: PteFormat>(config: VmConfig, seed: u64) {
     let mem = HostMem::new(2 * SLOT_BYTES);
     let vm = Vm::<F>::new(config);
     let r = |offset| mem.sub_range(offset, SLOT_BYTES, 2 << 20);
-    vm.add_memslot(1, A, SLOT_BYTES, r(0), MemslotFlags::empty())
+    vm.add_memslot(1, Gpa::new(A), SLOT_BYTES, r(0), MemslotFlags::empty())
         .unwrap();
-    vm.add_memslot(2, C, SLOT_BYTES, r(SLOT_BYTES), MemslotFlags::empty())
-        .unwrap();
+    vm.add_memslot(
+        2,
+        Gpa::new(C),
+        SLOT_BYTES,
+        r(SLOT_BYTES),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     let alloc = slat::hw::table_alloc(&vm).clone();
     let stop = Arc::new(AtomicBool::new(false));
     let deadline = Instant::now() + Duration::from_millis(1500);
@@ -84,11 +91,11 @@ fn run<F: PteFormat>(config: VmConfig, seed: u64) {
                         Access::Write
                     };
                     let present = vm
-                        .lookup(gpa >> 12)
+                        .lookup(Gfn::new(gpa >> 12))
                         .is_some_and(|(e, _)| F::permits(e, Access::Read));
                     let f = Fault {
                         private: false,
-                        gpa,
+                        gpa: Gpa::new(gpa),
                         access,
                         present,
                     };
@@ -118,10 +125,11 @@ fn run<F: PteFormat>(config: VmConfig, seed: u64) {
             0 => {
                 let base = [A, B, C][(rng.next() % 3) as usize] >> 12;
                 let s = base + rng.next() % 2048;
-                vm.zap_gfn_range(s, s + 1 + rng.next() % 1024);
+                vm.zap_gfn_range(Gfn::new(s), Gfn::new(s + 1 + rng.next() % 1024));
             }
             1 => {
-                vm.move_memslot(1, if at_a { B } else { A }).unwrap();
+                vm.move_memslot(1, if at_a { Gpa::new(B) } else { Gpa::new(A) })
+                    .unwrap();
                 at_a = !at_a;
             }
             2 => {
@@ -159,19 +167,19 @@ fn run<F: PteFormat>(config: VmConfig, seed: u64) {
     for base in [A, B, C] {
         let mut gfn = base >> 12;
         while gfn < (base + SLOT_BYTES) >> 12 {
-            let Some((e, level)) = vm.lookup(gfn) else {
+            let Some((e, level)) = vm.lookup(Gfn::new(gfn)) else {
                 gfn += 1;
                 continue;
             };
             let slot = slots
                 .slots()
                 .iter()
-                .find(|s| s.contains(gfn))
+                .find(|s| s.contains(Gfn::new(gfn)))
                 .unwrap_or_else(|| panic!("{ctx}: gfn {gfn:#x} mapped outside every slot"));
             let off = (gfn & (pages_per_entry(level) - 1)) * 4096;
             assert_eq!(
-                F::output_addr(e) + off,
-                slot.hva(gfn),
+                Some(Hva::new(F::output_addr(e).raw() + off)),
+                slot.hva(Gfn::new(gfn)),
                 "{ctx}: gfn {gfn:#x}"
             );
             assert!(

@@ -18,6 +18,7 @@ use slat::{
     Access, Fault, FaultOutcome, MemslotError, MemslotFlags, PteFormat, RecoverVariant, Vm,
     VmConfig,
 };
+use slat_addr::{Gfn, Gpa, PageIndex};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -41,7 +42,7 @@ both_formats! {
 fn write<F: PteFormat>(vcpu: &mut slat::Vcpu<F>, gpa: u64, present: bool) -> FaultOutcome {
     vcpu.handle_fault(Fault {
         private: false,
-        gpa,
+        gpa: Gpa::new(gpa),
         access: Access::Write,
         present,
     })
@@ -59,7 +60,7 @@ fn dirty_pages<F: PteFormat>(vm: &Vm<F>, id: u32) -> Vec<u64> {
 fn readonly_toggle_on_a_logged_slot_is_refused_and_loses_no_mark<F: PteFormat>() {
     let vm = Vm::<F>::new(VmConfig::default());
     let mem = HostMem::new(2 * MIB);
-    vm.add_memslot(1, GPA, 2 * MIB, mem.range(PAGE_SIZE), LOG)
+    vm.add_memslot(1, Gpa::new(GPA), 2 * MIB, mem.range(PAGE_SIZE), LOG)
         .unwrap();
     let mut v = vm.create_vcpu(0);
     assert_eq!(
@@ -80,8 +81,14 @@ fn readonly_toggle_on_a_logged_slot_is_refused_and_loses_no_mark<F: PteFormat>()
         "the write before the toggle was lost"
     );
     // A read-only slot cannot become writable either.
-    vm.add_memslot(2, GPA + 2 * MIB, 2 * MIB, mem.range(PAGE_SIZE), RO)
-        .unwrap();
+    vm.add_memslot(
+        2,
+        Gpa::new(GPA + 2 * MIB),
+        2 * MIB,
+        mem.range(PAGE_SIZE),
+        RO,
+    )
+    .unwrap();
     assert_eq!(
         vm.set_memslot_flags(2, MemslotFlags::empty()),
         Err(MemslotError::ReadonlyChange { id: 2 })
@@ -99,12 +106,13 @@ fn readonly_toggle_refused_in_manual_protect_mode<F: PteFormat>() {
     vm.set_manual_dirty_log_protect(MANUAL_PROTECT_ENABLE | INITIALLY_SET)
         .unwrap();
     let mem = HostMem::new(2 * MIB);
-    vm.add_memslot(1, GPA, 2 * MIB, mem.range(PAGE_SIZE), LOG)
+    vm.add_memslot(1, Gpa::new(GPA), 2 * MIB, mem.range(PAGE_SIZE), LOG)
         .unwrap();
     let mut v = vm.create_vcpu(0);
     // Clear everything INITIALLY_SET reported, then write one page.
     let words = vec![!0u64; bitmap_words(512)];
-    vm.clear_dirty_log(1, 0, 512, &words).unwrap();
+    vm.clear_dirty_log(1, PageIndex::new(0), 512, &words)
+        .unwrap();
     assert_eq!(
         write(&mut v, GPA + 9 * PAGE_SIZE, false),
         FaultOutcome::Fixed
@@ -122,14 +130,14 @@ fn readonly_toggle_refused_in_manual_protect_mode<F: PteFormat>() {
 fn moving_a_logged_slot_keeps_its_unharvested_marks<F: PteFormat>() {
     let vm = Vm::<F>::new(VmConfig::default());
     let mem = HostMem::new(2 * MIB);
-    vm.add_memslot(1, GPA, 2 * MIB, mem.range(PAGE_SIZE), LOG)
+    vm.add_memslot(1, Gpa::new(GPA), 2 * MIB, mem.range(PAGE_SIZE), LOG)
         .unwrap();
     let mut v = vm.create_vcpu(0);
     assert_eq!(
         write(&mut v, GPA + 5 * PAGE_SIZE, false),
         FaultOutcome::Fixed
     );
-    vm.move_memslot(1, GPA + 16 * MIB).unwrap();
+    vm.move_memslot(1, Gpa::new(GPA + 16 * MIB)).unwrap();
     assert_eq!(
         write(&mut v, GPA + 16 * MIB + 7 * PAGE_SIZE, false),
         FaultOutcome::Fixed
@@ -139,7 +147,9 @@ fn moving_a_logged_slot_keeps_its_unharvested_marks<F: PteFormat>() {
         vec![5, 7],
         "a page written before the move is missing"
     );
-    assert!(vm.lookup((GPA + 5 * PAGE_SIZE) >> PAGE_SHIFT).is_none());
+    assert!(vm
+        .lookup(Gfn::new((GPA + 5 * PAGE_SIZE) >> PAGE_SHIFT))
+        .is_none());
     teardown(vm, [v]);
 }
 
@@ -153,32 +163,38 @@ fn fault_under_a_leftover_table_rebuilds_the_block_with_on_fault_recovery<F: Pte
         ..VmConfig::default()
     });
     let mem = HostMem::new(2 * MIB);
-    vm.add_memslot(1, GPA, 2 * MIB, mem.range(2 * MIB), MemslotFlags::empty())
-        .unwrap();
+    vm.add_memslot(
+        1,
+        Gpa::new(GPA),
+        2 * MIB,
+        mem.range(2 * MIB),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     let mut v = vm.create_vcpu(0);
     assert_eq!(write(&mut v, GPA, false), FaultOutcome::Fixed);
-    assert_eq!(vm.lookup(GPA >> PAGE_SHIFT).unwrap().1, 2);
+    assert_eq!(vm.lookup(Gpa::new(GPA).gfn()).unwrap().1, 2);
     vm.set_memslot_flags(1, LOG).unwrap(); // eager split: a table of 4 KiB leaves
     vm.set_memslot_flags(1, MemslotFlags::empty()).unwrap(); // tables stay
     let target = GPA + 17 * PAGE_SIZE;
-    vm.zap_gfn_range(target >> PAGE_SHIFT, (target >> PAGE_SHIFT) + 1);
-    assert!(vm.lookup(target >> PAGE_SHIFT).is_none());
+    vm.zap_gfn_range(Gpa::new(target).gfn(), Gfn::new((target >> PAGE_SHIFT) + 1));
+    assert!(vm.lookup(Gpa::new(target).gfn()).is_none());
     // A vCPU retries a `Retry` or `Spurious` fault; bound the retries.
     let mut outcomes = Vec::new();
     for _ in 0..8 {
         let o = v.handle_fault(Fault {
             private: false,
-            gpa: target,
+            gpa: Gpa::new(target),
             access: Access::Read,
             present: false,
         });
         outcomes.push(o);
-        if vm.lookup(target >> PAGE_SHIFT).is_some() {
+        if vm.lookup(Gpa::new(target).gfn()).is_some() {
             break;
         }
     }
     let (leaf, level) = vm
-        .lookup(target >> PAGE_SHIFT)
+        .lookup(Gpa::new(target).gfn())
         .unwrap_or_else(|| panic!("the page never got mapped; outcomes {outcomes:?}"));
     assert!(F::permits(leaf, Access::Read));
     assert_eq!(level, 2, "on-fault recovery rebuilds the block");
@@ -197,22 +213,28 @@ fn zap_flushes_before_a_fault_can_install_another_size<F: PteFormat>() {
         ..VmConfig::default()
     });
     let mem = HostMem::new(2 * MIB);
-    vm.add_memslot(1, GPA, 2 * MIB, mem.range(2 * MIB), MemslotFlags::empty())
-        .unwrap();
+    vm.add_memslot(
+        1,
+        Gpa::new(GPA),
+        2 * MIB,
+        mem.range(2 * MIB),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     let mut a = vm.create_vcpu(0);
     let mut b = vm.create_vcpu(1);
     let base = GPA >> PAGE_SHIFT;
     assert_eq!(
         a.handle_fault(Fault {
             private: false,
-            gpa: GPA,
+            gpa: Gpa::new(GPA),
             access: Access::Read,
             present: false
         }),
         FaultOutcome::Fixed
     );
     vm.set_memslot_flags(1, LOG).unwrap(); // lazy split: the block stays, write-protected
-    assert_eq!(vm.lookup(base + 7).unwrap().1, 2);
+    assert_eq!(vm.lookup(Gfn::new(base + 7)).unwrap().1, 2);
 
     // A is in guest mode with the block cached: it acknowledges nothing until we say so.
     let guest = a.enter_guest();
@@ -222,7 +244,7 @@ fn zap_flushes_before_a_fault_can_install_another_size<F: PteFormat>() {
     std::thread::scope(|s| {
         let (vm2, zd) = (vm.clone(), zap_done.clone());
         s.spawn(move || {
-            vm2.zap_gfn_range(base + 5, base + 6);
+            vm2.zap_gfn_range(Gfn::new(base + 5), Gfn::new(base + 6));
             zd.store(true, Ordering::SeqCst);
         });
         // Wait for the zap's flush request to reach A.
@@ -238,7 +260,7 @@ fn zap_flushes_before_a_fault_can_install_another_size<F: PteFormat>() {
             loop {
                 let o = b.handle_fault(Fault {
                     private: false,
-                    gpa: GPA + 7 * PAGE_SIZE,
+                    gpa: Gpa::new(GPA + 7 * PAGE_SIZE),
                     access: Access::Write,
                     present: false,
                 });
@@ -253,7 +275,7 @@ fn zap_flushes_before_a_fault_can_install_another_size<F: PteFormat>() {
         while Instant::now() < until && !fault_done.load(Ordering::SeqCst) {
             std::thread::sleep(Duration::from_millis(5));
         }
-        let installed = vm.lookup(base + 7);
+        let installed = vm.lookup(Gfn::new(base + 7));
         assert!(
             !zap_done.load(Ordering::SeqCst),
             "the zap returned before A acknowledged its flush"
@@ -269,7 +291,7 @@ fn zap_flushes_before_a_fault_can_install_another_size<F: PteFormat>() {
         drop(guest);
     });
     assert!(zap_done.load(Ordering::SeqCst) && fault_done.load(Ordering::SeqCst));
-    assert_eq!(vm.lookup(base + 7).map(|(_, l)| l), Some(1));
+    assert_eq!(vm.lookup(Gfn::new(base + 7)).map(|(_, l)| l), Some(1));
     check_audit(&vm, "after the zap and the fault");
     teardown(vm, [a, b]);
 }
@@ -279,14 +301,14 @@ fn zap_flushes_before_a_fault_can_install_another_size<F: PteFormat>() {
 fn guest_mode_token_of_another_vcpu_is_refused<F: PteFormat>() {
     let vm = Vm::<F>::new(VmConfig::default());
     let mem = HostMem::new(2 * MIB);
-    vm.add_memslot(1, GPA, 2 * MIB, mem.range(PAGE_SIZE), LOG)
+    vm.add_memslot(1, Gpa::new(GPA), 2 * MIB, mem.range(PAGE_SIZE), LOG)
         .unwrap();
     let mut a = vm.create_vcpu(0);
     let mut b = vm.create_vcpu(1);
     assert_eq!(
         a.handle_fault(Fault {
             private: false,
-            gpa: GPA,
+            gpa: Gpa::new(GPA),
             access: Access::Read,
             present: false
         }),
@@ -294,7 +316,7 @@ fn guest_mode_token_of_another_vcpu_is_refused<F: PteFormat>() {
     );
     let f = Fault {
         private: false,
-        gpa: GPA,
+        gpa: Gpa::new(GPA),
         access: Access::Write,
         present: true,
     };
@@ -317,12 +339,18 @@ fn guest_mode_token_of_another_vcpu_is_refused<F: PteFormat>() {
 fn slow_path_in_guest_mode_does_nothing<F: PteFormat>() {
     let vm = Vm::<F>::new(VmConfig::default());
     let mem = HostMem::new(2 * MIB);
-    vm.add_memslot(1, GPA, 2 * MIB, mem.range(PAGE_SIZE), MemslotFlags::empty())
-        .unwrap();
+    vm.add_memslot(
+        1,
+        Gpa::new(GPA),
+        2 * MIB,
+        mem.range(PAGE_SIZE),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
     let mut v = vm.create_vcpu(0);
     let f = Fault {
         private: false,
-        gpa: GPA,
+        gpa: Gpa::new(GPA),
         access: Access::Read,
         present: false,
     };
@@ -331,7 +359,10 @@ fn slow_path_in_guest_mode_does_nothing<F: PteFormat>() {
     drop(t1);
     assert!(v.in_guest(), "a live token keeps the vCPU in guest mode");
     assert_eq!(v.slow_page_fault(f), FaultOutcome::InGuestMode);
-    assert!(vm.lookup(GPA >> PAGE_SHIFT).is_none(), "nothing was mapped");
+    assert!(
+        vm.lookup(Gpa::new(GPA).gfn()).is_none(),
+        "nothing was mapped"
+    );
     assert_eq!(v.handle_fault(f), FaultOutcome::InGuestMode);
     drop(t2);
     assert!(!v.in_guest());
@@ -351,7 +382,7 @@ fn vcpu_keeps_its_vm_alive_and_host_memory_outlives_the_slot<F: PteFormat>() {
     );
     let weak = Arc::downgrade(&buf);
     let range = slat::HostRange::new(buf).unwrap();
-    vm.add_memslot(1, GPA, 4 * MIB, range, MemslotFlags::empty())
+    vm.add_memslot(1, Gpa::new(GPA), 4 * MIB, range, MemslotFlags::empty())
         .unwrap();
     let mut v = vm.create_vcpu(0);
     let alloc = slat::hw::table_alloc(&vm).clone();
@@ -359,7 +390,7 @@ fn vcpu_keeps_its_vm_alive_and_host_memory_outlives_the_slot<F: PteFormat>() {
     assert!(weak.upgrade().is_some(), "the slot holds the memory");
     let o = v.handle_fault(Fault {
         private: false,
-        gpa: GPA + 2 * MIB,
+        gpa: Gpa::new(GPA + 2 * MIB),
         access: Access::Write,
         present: false,
     });
@@ -369,7 +400,7 @@ fn vcpu_keeps_its_vm_alive_and_host_memory_outlives_the_slot<F: PteFormat>() {
     // The vCPU's memslot snapshot may still list the slot until it faults again.
     let _ = v.handle_fault(Fault {
         private: false,
-        gpa: GPA,
+        gpa: Gpa::new(GPA),
         access: Access::Read,
         present: false,
     });

@@ -14,6 +14,7 @@ use serde::Serialize;
 use slat::direct_map::{DirectMap, DirectMapConfig, DirectMapPolicy, DirectMapStats};
 use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::{Ept, MemoryAttributes};
+use slat_addr::Gfn;
 use slat_machine::ram::format_size;
 use slat_machine::{Backing, GuestRam, Machine, MachineConfig, PassParams, RegionSpec};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -415,7 +416,7 @@ fn to_shared(m: &Machine<Ept>, map: &DirectMap) -> CliResult<(Duration, u64)> {
     let c0 = map.stats().collapses;
     let t0 = Instant::now();
     m.vm()
-        .set_memory_attributes(gfn, pages, MemoryAttributes::empty())
+        .set_memory_attributes(Gfn::new(gfn), pages, MemoryAttributes::empty())
         .map_err(|e| CliError::Runtime(e.to_string()))?;
     Ok((t0.elapsed(), map.stats().collapses - c0))
 }

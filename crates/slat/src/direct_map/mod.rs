@@ -43,14 +43,16 @@ use crate::format::{pages_per_entry, Ept, LeafPerms, Level, PteFormat};
 use crate::format::{PAGE_SHIFT, PAGE_SIZE};
 use crate::host_memory::HostRange;
 use crate::mmu::flush::PendingFlush;
+use crate::mmu::lock::Shared;
 use crate::mmu::split::split_huge_pages;
-use crate::mmu::spte::UpdateMode;
 use crate::mmu::table::TablePage;
 use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
 use crate::stats::{Stat, Stats};
 use crate::sync::{self, pin, AtomicBool, AtomicU64, Mutex, Ordering};
 use frames::FrameStates;
+use slat_addr::Gfn;
+use slat_addr::Hva;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
@@ -83,7 +85,7 @@ pub enum DirectMapError {
     #[error("the private pool at {addr:#x} (+{len:#x}) is beyond the direct map's 48-bit range")]
     PoolOutOfRange {
         /// Pool start.
-        addr: u64,
+        addr: Hva,
         /// Pool length.
         len: u64,
     },
@@ -91,11 +93,11 @@ pub enum DirectMapError {
     #[error("host address {hva:#x} is not in the private pool [{start:#x}, {end:#x})")]
     NotInPool {
         /// The address.
-        hva: u64,
+        hva: Hva,
         /// Pool start.
-        start: u64,
+        start: Hva,
         /// Pool end.
-        end: u64,
+        end: Hva,
     },
     /// A range of the pool that is not 4 KiB aligned, empty, or does not fit.
     #[error("pool range at offset {offset:#x} (+{len:#x}) is empty, unaligned or outside the {size:#x}-byte pool")]
@@ -112,7 +114,7 @@ pub enum DirectMapError {
     #[error("host address {hva:#x} is in a pool range bound to a memslot: the engine accepts and releases its pages")]
     Bound {
         /// The address.
-        hva: u64,
+        hva: Hva,
     },
     /// The range overlaps one already bound to a memslot (a guest_memfd range binds once).
     #[error("pool range at offset {offset:#x} (+{len:#x}) overlaps a range already bound")]
@@ -211,7 +213,7 @@ impl DirectMap {
         if pool
             .addr()
             .checked_add(pool.len())
-            .is_none_or(|e| e > limit)
+            .is_none_or(|e| e.raw() > limit)
         {
             return Err(DirectMapError::PoolOutOfRange {
                 addr: pool.addr(),
@@ -221,7 +223,7 @@ impl DirectMap {
         let frames = pool.len() >> PAGE_SHIFT;
         let map = DirectMap {
             mmu: Mmu::new(VmConfig::default()),
-            first_frame: pool.addr() >> PAGE_SHIFT,
+            first_frame: pool.addr().raw() >> PAGE_SHIFT,
             frames,
             pool,
             config,
@@ -271,22 +273,24 @@ impl DirectMap {
     }
 
     /// The frame number of `hva` if it is a pool address.
-    fn frame_of(&self, hva: u64) -> Result<u64, DirectMapError> {
+    fn frame_of(&self, hva: Hva) -> Result<u64, DirectMapError> {
         let start = self.pool.addr();
-        let end = start + self.pool.len();
+        // Checked in `new`: the pool ends below the direct map's address limit.
+        let end = Hva::new(start.raw() + self.pool.len());
         if hva < start || hva >= end {
             return Err(DirectMapError::NotInPool { hva, start, end });
         }
-        Ok((hva - start) >> PAGE_SHIFT)
+        Ok((hva.raw() - start.raw()) >> PAGE_SHIFT)
     }
 
     /// What a kernel access to `hva` translates to now: the host page address and the leaf
     /// level, or `None` where the direct map has no leaf (an access would oops). Lock-free.
-    pub fn translate(&self, hva: u64) -> Result<Option<(u64, Level)>, DirectMapError> {
+    pub fn translate(&self, hva: Hva) -> Result<Option<(Hva, Level)>, DirectMapError> {
         self.frame_of(hva)?;
-        Ok(self.lookup(hva >> PAGE_SHIFT).map(|(e, level)| {
-            let off = ((hva >> PAGE_SHIFT) & (pages_per_entry(level) - 1)) << PAGE_SHIFT;
-            (Kf::output_addr(e) + off, level)
+        let frame = hva.raw() >> PAGE_SHIFT;
+        Ok(self.lookup(frame).map(|(e, level)| {
+            let off = (frame & (pages_per_entry(level) - 1)) << PAGE_SHIFT;
+            (Hva::new(Kf::output_addr(e).raw() + off), level)
         }))
     }
 
@@ -296,7 +300,7 @@ impl DirectMap {
     fn lookup(&self, gfn: u64) -> Option<(u64, Level)> {
         loop {
             let guard = pin();
-            let it = Walk::<Kf>::to_leaf(&guard, self.mmu.root(), gfn);
+            let it = Walk::<Kf>::to_leaf(&guard, self.mmu.root(), Gfn::new(gfn));
             if it.old == Kf::FROZEN {
                 sync::spin_hint();
                 continue;
@@ -308,12 +312,12 @@ impl DirectMap {
 
     /// A kernel read of the 8 bytes at `hva` (8-byte aligned) through the direct map:
     /// `None` where it has no leaf, which is where the host must not look.
-    pub fn read_u64(&self, hva: u64) -> Result<Option<u64>, DirectMapError> {
-        let page = hva & !(PAGE_SIZE - 1);
+    pub fn read_u64(&self, hva: Hva) -> Result<Option<u64>, DirectMapError> {
+        let page = Hva::new(hva.raw() & !(PAGE_SIZE - 1));
         let Some((host, _)) = self.translate(page)? else {
             return Ok(None);
         };
-        let addr = host + ((hva & (PAGE_SIZE - 1)) & !7);
+        let addr = host.raw() + ((hva.raw() & (PAGE_SIZE - 1)) & !7);
         // SAFETY: `addr` is inside the pool (the leaf maps pool pages onto themselves and
         // `frame_of` checked `hva`), which `self.pool` keeps mapped read/write; 8-byte aligned
         // and atomic, since guests and other CPUs may write the page concurrently.
@@ -324,18 +328,18 @@ impl DirectMap {
     }
 
     /// Whether the frame at `hva` is assigned to a guest.
-    pub fn is_assigned(&self, hva: u64) -> Result<bool, DirectMapError> {
+    pub fn is_assigned(&self, hva: Hva) -> Result<bool, DirectMapError> {
         Ok(self.states.is_assigned(self.frame_of(hva)?))
     }
 
     /// Lazy acceptance of the pool page at `hva` (any address in it), for a page no memslot
     /// binds (bound pages are the engine's): see the module comment.
-    pub fn accept(&self, hva: u64) -> Result<Acceptance, DirectMapError> {
+    pub fn accept(&self, hva: Hva) -> Result<Acceptance, DirectMapError> {
         Ok(self.accept_frame(self.unbound_frame(hva)?))
     }
 
     /// The frame of `hva` if it is a pool page outside every bound range.
-    fn unbound_frame(&self, hva: u64) -> Result<u64, DirectMapError> {
+    fn unbound_frame(&self, hva: Hva) -> Result<u64, DirectMapError> {
         let f = self.frame_of(hva)?;
         let bound = sync::lock(&self.bound);
         if bound
@@ -380,7 +384,7 @@ impl DirectMap {
     /// Gives the page at `hva` back to the host: waits for an acceptance in flight, scrubs it,
     /// maps it again. Returns whether it was assigned. Only for pages no memslot binds (the
     /// engine releases bound pages on conversions to shared and slot deletion).
-    pub fn release(&self, hva: u64) -> Result<bool, DirectMapError> {
+    pub fn release(&self, hva: Hva) -> Result<bool, DirectMapError> {
         self.release_orphans();
         Ok(self.release_frame(self.unbound_frame(hva)?, true))
     }
@@ -477,7 +481,17 @@ impl DirectMap {
             let _lock = self.lock_cpa();
             let block = gfn & !(BLOCK_PAGES - 1);
             let mut split = PendingFlush::none();
-            let splits = split_huge_pages(&self.mmu, block, block + BLOCK_PAGES, &mut split);
+            // Under `cpa_lock`, not the MMU lock: every writer serialises on it and writes by
+            // compare-and-swap, so the split is a lock-free writer as far as the MMU knows.
+            let guard = pin();
+            let w = Shared::lockless(&guard);
+            let splits = split_huge_pages(
+                &self.mmu,
+                w,
+                Gfn::new(block),
+                Gfn::new(block + BLOCK_PAGES),
+                &mut split,
+            );
             if splits != 0 {
                 split.require();
                 self.mmu.complete_flush(split);
@@ -498,13 +512,19 @@ impl DirectMap {
     /// Sets the 4 KiB leaf of `gfn` non-present (under the lock: no other writer).
     fn clear_leaf(&self, gfn: u64, pending: &mut PendingFlush) {
         let guard = pin();
-        let mut it = Walk::<Kf>::to_leaf(&guard, self.mmu.root(), gfn);
+        let mut it = Walk::<Kf>::to_leaf(&guard, self.mmu.root(), Gfn::new(gfn));
         debug_assert!(it.level == 1 && Kf::is_present(it.old), "no 4 KiB leaf");
         while it.level == 1 && Kf::is_present(it.old) {
             let sink = self.mmu.sink();
             if self
                 .mmu
-                .set_spte(&mut it, Kf::NON_PRESENT, UpdateMode::Shared, sink, pending)
+                .set_spte(
+                    &mut it,
+                    Kf::NON_PRESENT,
+                    Shared::lockless(&guard),
+                    sink,
+                    pending,
+                )
                 .is_ok()
             {
                 return;
@@ -517,14 +537,20 @@ impl DirectMap {
     fn map_leaf(&self, gfn: u64, level: Level, pending: &mut PendingFlush) {
         let guard = pin();
         let sink = self.mmu.sink();
-        let mut it = Walk::<Kf>::new(&guard, self.mmu.root(), level, gfn, gfn + 1);
+        let mut it = Walk::<Kf>::new(
+            &guard,
+            self.mmu.root(),
+            level,
+            Gfn::new(gfn),
+            Gfn::new(gfn + 1),
+        );
         while it.valid() {
             if it.level == level {
-                let leaf = Kf::make_leaf(gfn << PAGE_SHIFT, level, KERNEL_PERMS);
+                let leaf = Kf::make_leaf(Hva::new(gfn << PAGE_SHIFT), level, KERNEL_PERMS);
                 debug_assert!(!Kf::is_present(it.old), "mapping over a present entry");
                 while self
                     .mmu
-                    .set_spte(&mut it, leaf, UpdateMode::Shared, sink, pending)
+                    .set_spte(&mut it, leaf, Shared::lockless(&guard), sink, pending)
                     .is_err()
                 {}
                 return;
@@ -534,7 +560,7 @@ impl DirectMap {
                 let table = Kf::make_table(child.addr());
                 if self
                     .mmu
-                    .set_spte(&mut it, table, UpdateMode::Shared, sink, pending)
+                    .set_spte(&mut it, table, Shared::lockless(&guard), sink, pending)
                     .is_ok()
                 {
                     child.into_linked();
@@ -559,7 +585,13 @@ impl DirectMap {
             return;
         }
         let guard = pin();
-        let mut it = Walk::<Kf>::new(&guard, self.mmu.root(), 2, block, block + 1);
+        let mut it = Walk::<Kf>::new(
+            &guard,
+            self.mmu.root(),
+            2,
+            Gfn::new(block),
+            Gfn::new(block + 1),
+        );
         while it.valid() && it.level > 2 {
             it.next();
         }
@@ -576,11 +608,11 @@ impl DirectMap {
         if !full {
             return;
         }
-        let huge = Kf::make_leaf(block << PAGE_SHIFT, 2, KERNEL_PERMS);
+        let huge = Kf::make_leaf(Hva::new(block << PAGE_SHIFT), 2, KERNEL_PERMS);
         let sink = self.mmu.sink();
         if self
             .mmu
-            .set_spte(&mut it, huge, UpdateMode::Shared, sink, pending)
+            .set_spte(&mut it, huge, Shared::lockless(&guard), sink, pending)
             .is_ok()
         {
             sink.inc(Stat::Recoveries);

@@ -1,6 +1,7 @@
 //! The per-memslot dirty bitmap: one bit per 4 KiB page, set by faults, harvested by the VMM.
 
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use slat_addr::PageIndex;
 
 /// One bit per page of a memslot.
 #[derive(Debug)]
@@ -41,7 +42,8 @@ impl DirtyBitmap {
     /// Marks page `rel` (slot-relative) dirty. Skips the locked RMW when the bit is already
     /// set, which is the common case for a page written again before the next harvest.
     #[inline]
-    pub fn set(&self, rel: u64) {
+    pub fn set(&self, rel: PageIndex) {
+        let rel = rel.raw();
         let w = &self.words[(rel / 64) as usize];
         let bit = 1u64 << (rel % 64);
         if w.load(Ordering::Relaxed) & bit == 0 {
@@ -60,13 +62,15 @@ impl DirtyBitmap {
     /// or it came earlier and the bit is set again for the next harvest (seed 002's order,
     /// writable → rmap → dirty bit, needs the last step to be a real write).
     #[inline]
-    pub fn set_after_update(&self, rel: u64) {
+    pub fn set_after_update(&self, rel: PageIndex) {
+        let rel = rel.raw();
         let bit = 1u64 << (rel % 64);
         self.words[(rel / 64) as usize].fetch_or(bit, Ordering::AcqRel);
     }
 
     /// Page `rel` is marked.
-    pub fn test(&self, rel: u64) -> bool {
+    pub fn test(&self, rel: PageIndex) -> bool {
+        let rel = rel.raw();
         self.words[(rel / 64) as usize].load(Ordering::Acquire) & (1u64 << (rel % 64)) != 0
     }
 
@@ -144,13 +148,13 @@ impl SlotBitmap {
 
     /// Marks page `rel` (slot-relative) in the active bitmap.
     #[inline]
-    pub fn set(&self, rel: u64) {
+    pub fn set(&self, rel: PageIndex) {
         self.active().set(rel)
     }
 
     /// [`DirtyBitmap::set_after_update`] on the active bitmap.
     #[inline]
-    pub fn set_after_update(&self, rel: u64) {
+    pub fn set_after_update(&self, rel: PageIndex) {
         self.active().set_after_update(rel)
     }
 
@@ -199,9 +203,9 @@ mod tests {
     #[test]
     fn take_word_clears_and_returns() {
         let b = DirtyBitmap::new(128, false);
-        b.set(3);
-        b.set(64);
-        assert!(b.test(3));
+        b.set(PageIndex::new(3));
+        b.set(PageIndex::new(64));
+        assert!(b.test(PageIndex::new(3)));
         assert_eq!(b.take_word(0), 1 << 3);
         assert_eq!(b.take_word(0), 0);
         assert_eq!(b.clear_bits(1, 0b11), 0b01);

@@ -27,11 +27,12 @@ impl DirtyLog {
         mmu.flush_remote_tlbs();
         let mut pending = PendingFlush::none();
         {
-            let _lock = mmu.lock.read();
+            let lock = mmu.lock.read();
+            let w = mmu.lock.shared(&lock);
             if mmu.config.eager_split {
-                split_huge_pages(mmu, start, end, &mut pending);
+                split_huge_pages(mmu, w, start, end, &mut pending);
             }
-            rearm_range(mmu, start, end, &mut pending);
+            rearm_range(mmu, w, start, end, &mut pending);
         }
         // One flush, outside the MMU lock: the VMM cannot read the log before we return.
         pending.require();
@@ -52,8 +53,8 @@ pub(crate) fn disable_logging<F: PteFormat>(mmu: &Mmu<F>, slot: &Memslot) {
         RecoverVariant::InPlace => {
             let mut pending = PendingFlush::none();
             {
-                let _lock = mmu.lock.read();
-                recover_huge_pages(mmu, slot, &mut pending);
+                let lock = mmu.lock.read();
+                recover_huge_pages(mmu, mmu.lock.shared(&lock), slot, &mut pending);
             }
             mmu.complete_flush(pending);
         }

@@ -5,11 +5,12 @@ use super::rearm::{rearm_masked, LeafCursor};
 use super::ring::Coalesce;
 use super::{DirtyLog, DirtyLogError};
 use crate::config::{GetLogVariant, WrprotVariant};
-use crate::format::PteFormat;
+use crate::format::{FrameStep, PteFormat};
 use crate::memslot::{Memslot, Memslots, SlotId};
 use crate::mmu::flush::PendingFlush;
 use crate::mmu::Mmu;
 use crate::sync::Arc;
+use slat_addr::PageIndex;
 
 impl DirtyLog {
     // -----------------------------------------------------------------------------------------
@@ -53,14 +54,14 @@ impl DirtyLog {
         }
         let mut pending = PendingFlush::none();
         {
-            let _lock = harvest_lock(mmu);
+            let lock = harvest_lock(mmu);
             let old = if mmu.config.get_log == GetLogVariant::Switch && bitmap.can_switch() {
                 let old = bitmap.switch();
                 // Markers that loaded the old side are either slow-path faults, which hold the
                 // MMU lock we own exclusively, or fast-path fixes, which run in guest mode: a
                 // completed flush waits them out, and afterwards nobody writes the old side.
                 // Without the lock (`rmap-lockless`), taking it once waits the slow paths out.
-                if _lock.is_none() {
+                if lock.is_none() {
                     drop(mmu.lock.write());
                 }
                 mmu.flush_remote_tlbs();
@@ -77,8 +78,8 @@ impl DirtyLog {
                 *o = mask;
                 if mask != 0 {
                     dirty += mask.count_ones() as u64;
-                    let base = slot.base_gfn + 64 * i as u64;
-                    rearm_masked(mmu, &mut cursor, base, mask, &mut pending);
+                    let base = slot.base_gfn.plus(64 * i as u64);
+                    rearm_masked(mmu, lock.as_ref(), &mut cursor, base, mask, &mut pending);
                 }
             }
         }
@@ -99,10 +100,11 @@ impl DirtyLog {
         mmu: &Mmu<F>,
         slots: &Memslots,
         id: SlotId,
-        first_page: u64,
+        first: PageIndex,
         num_pages: u64,
         bitmap: &[u64],
     ) -> Result<u64, DirtyLogError> {
+        let first_page = first.raw();
         let _s = slots.lock();
         if !self.mode().manual() {
             return Err(DirtyLogError::ManualProtectOff);
@@ -112,7 +114,10 @@ impl DirtyLog {
             return Err(DirtyLogError::NoBitmap { id });
         };
         if first_page % 64 != 0 {
-            return Err(DirtyLogError::ClearUnaligned { id, first_page });
+            return Err(DirtyLogError::ClearUnaligned {
+                id,
+                first_page: first,
+            });
         }
         let npages = slot.npages;
         if first_page > npages
@@ -121,7 +126,7 @@ impl DirtyLog {
         {
             return Err(DirtyLogError::ClearRange {
                 id,
-                first_page,
+                first_page: first,
                 num_pages,
                 npages,
             });
@@ -140,7 +145,7 @@ impl DirtyLog {
         let mut pending = PendingFlush::none();
         let mut cursor = LeafCursor::default();
         {
-            let _lock = harvest_lock(mmu);
+            let lock = harvest_lock(mmu);
             for (k, &want) in bitmap.iter().enumerate().take(words) {
                 let left = num_pages - 64 * k as u64;
                 let want = if left < 64 {
@@ -154,8 +159,8 @@ impl DirtyLog {
                 let mask = active.clear_bits(first_word + k, want);
                 if mask != 0 {
                     cleared += mask.count_ones() as u64;
-                    let base = slot.base_gfn + first_page + 64 * k as u64;
-                    rearm_masked(mmu, &mut cursor, base, mask, &mut pending);
+                    let base = slot.base_gfn.plus(first_page + 64 * k as u64);
+                    rearm_masked(mmu, lock.as_ref(), &mut cursor, base, mask, &mut pending);
                 }
             }
         }
@@ -185,7 +190,7 @@ impl DirtyLog {
         let mut pending = PendingFlush::none();
         let mut cursor = LeafCursor::default();
         {
-            let _lock = harvest_lock(mmu);
+            let lock = harvest_lock(mmu);
             let mut protect = |run: Option<(SlotId, u64, u64)>, pending: &mut PendingFlush| {
                 let Some((id, offset, mask)) = run else {
                     return;
@@ -195,7 +200,8 @@ impl DirtyLog {
                 if !slot.is_logging() || last >= slot.npages {
                     return;
                 }
-                rearm_masked(mmu, &mut cursor, slot.base_gfn + offset, mask, pending);
+                let base = slot.base_gfn.plus(offset);
+                rearm_masked(mmu, lock.as_ref(), &mut cursor, base, mask, pending);
             };
             for ring in &rings {
                 let mut runs = Coalesce::default();

@@ -3,7 +3,7 @@
 
 use super::{DirtyLogError, DirtyRing, DirtyTrack};
 use crate::config::VmConfig;
-use crate::format::{PteFormat, PAGE_SHIFT};
+use crate::format::PteFormat;
 use crate::memslot::{Memslot, Memslots, SlotHint};
 use crate::mmu::Mmu;
 use crate::stats::{Counters, Sink, Stat};
@@ -64,7 +64,7 @@ pub(crate) fn commit_mark(mark: Mark<'_>, ring: Option<&DirtyRing>, gfn: u64, si
         }
         Mark::Ring(slot) => {
             if let Some(r) = ring {
-                r.push(slot.id, gfn - slot.base_gfn);
+                r.push(slot.id, gfn - slot.base_gfn.raw());
                 sink.inc(Stat::DirtyMarked);
             }
         }
@@ -76,15 +76,15 @@ pub(crate) fn commit_mark(mark: Mark<'_>, ring: Option<&DirtyRing>, gfn: u64, si
 pub(crate) fn mark_page_dirty<F: PteFormat>(
     mmu: &Mmu<F>,
     slots: &Memslots,
-    gpa: u64,
+    gpa: slat_addr::Gpa,
 ) -> Result<bool, DirtyLogError> {
     // Shared MMU lock: a bitmap-switch harvest holds it exclusively from the switch to the
     // read of the old bitmap, so this mark lands in a bitmap that harvest, or a later one,
     // reads (vCPU marks are ordered by guest mode instead).
     let _lock = mmu.lock.read();
     let set = slots.load();
-    let gfn = gpa >> PAGE_SHIFT;
-    let Some((_, slot)) = set.find(gfn, 0) else {
+    let gfn = gpa.gfn().raw();
+    let Some((_, slot)) = set.find_raw(gfn, 0) else {
         return Ok(false);
     };
     if !slot.is_logging() {
@@ -114,7 +114,7 @@ pub(crate) fn log_hardware_dirty(
         return;
     }
     let (set, hint) = slots.refresh(hint);
-    let Some((i, slot)) = set.find(gfn, *hint) else {
+    let Some((i, slot)) = set.find_raw(gfn, *hint) else {
         return;
     };
     *hint = i;

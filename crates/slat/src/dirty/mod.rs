@@ -41,6 +41,7 @@ pub(crate) use mark::{commit_mark, log_hardware_dirty, mark_for, mark_page_dirty
 
 use crate::memslot::{logs, MemslotFlags, SlotId};
 use crate::sync::{self, Arc, Mutex};
+use slat_addr::PageIndex;
 
 /// `KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE`: GET only copies; CLEAR re-protects.
 pub const MANUAL_PROTECT_ENABLE: u32 = 1 << 0;
@@ -91,21 +92,21 @@ pub enum DirtyLogError {
     #[error("clearing the dirty log needs manual dirty-log protection (MANUAL_PROTECT_ENABLE)")]
     ManualProtectOff,
     /// CLEAR's first page is not a multiple of 64.
-    #[error("memslot {id}: first_page {first_page} is not a multiple of 64")]
+    #[error("memslot {id}: first_page {} is not a multiple of 64", first_page.raw())]
     ClearUnaligned {
         /// The slot.
         id: SlotId,
         /// The value given.
-        first_page: u64,
+        first_page: PageIndex,
     },
     /// CLEAR's range leaves the slot, or its length is not a multiple of 64 and does not end
     /// the slot.
-    #[error("memslot {id}: pages [{first_page}, +{num_pages}) are not a valid range of its {npages} pages (inside the slot, length a multiple of 64 unless it ends the slot)")]
+    #[error("memslot {id}: pages [{}, +{num_pages}) are not a valid range of its {npages} pages (inside the slot, length a multiple of 64 unless it ends the slot)", first_page.raw())]
     ClearRange {
         /// The slot.
         id: SlotId,
         /// First page.
-        first_page: u64,
+        first_page: PageIndex,
         /// Pages.
         num_pages: u64,
         /// The slot's pages.

@@ -3,15 +3,16 @@
 
 use super::DirtyTrack;
 use crate::config::WrprotVariant;
-use crate::format::{pages_per_entry, table_index, Level, PteFormat, ENTRIES_PER_TABLE};
+use crate::format::{pages_per_entry, table_index, FrameStep, Level, PteFormat, ENTRIES_PER_TABLE};
 use crate::huge_page::split_huge_pages;
 use crate::mmu::flush::PendingFlush;
+use crate::mmu::lock::{Exclusive, Shared, WriteGuard};
 use crate::mmu::rmap::{validated, SlotRmap, RMAP_LEVELS};
-use crate::mmu::spte::UpdateMode;
 use crate::mmu::table::TablePage;
-use crate::mmu::walk::Walk;
+use crate::mmu::walk::{round_down, Walk};
 use crate::mmu::Mmu;
 use crate::sync::{pin, Guard, Ordering};
+use slat_addr::{Gfn, Hva};
 
 /// The value that re-arms logging on the 4 KiB leaf `old` (so its next write is seen), or
 /// `None` if it is armed already: W cleared, or with hardware-dirty tracking D cleared.
@@ -34,8 +35,9 @@ fn rearmed<F: PteFormat>(mmu: &Mmu<F>, old: u64) -> Option<u64> {
 /// write faults and the slow path maps 4 KiB inside them.
 pub(super) fn rearm_range<F: PteFormat>(
     mmu: &Mmu<F>,
-    start: u64,
-    end: u64,
+    w: Shared<'_>,
+    start: Gfn,
+    end: Gfn,
     pending: &mut PendingFlush,
 ) {
     let guard = pin();
@@ -55,10 +57,7 @@ pub(super) fn rearm_range<F: PteFormat>(
             F::is_writable(old).then(|| F::write_protect(old))
         };
         if let Some(new) = new {
-            if mmu
-                .set_spte(&mut it, new, UpdateMode::Shared, sink, pending)
-                .is_err()
-            {
+            if mmu.set_spte(&mut it, new, w, sink, pending).is_err() {
                 continue; // lost a race: re-examine the entry that won
             }
         }
@@ -67,38 +66,41 @@ pub(super) fn rearm_range<F: PteFormat>(
 }
 
 /// Re-arms logging ([`rearmed`]) on the 4 KiB pages `base_gfn + i` for each set bit
-/// `i` of `mask`, under the exclusive MMU lock. The leaf table holding them is found once
+/// `i` of `mask`, under the exclusive MMU lock `lock` (`None`: `rmap-lockless`, which re-arms
+/// without it, see [`rearm_masked_lockless`]). The leaf table holding them is found once
 /// and remembered in `cursor` across calls, so a harvest descends once per leaf table that
 /// holds dirty pages, and touches only the set bits' entries: the cost follows the dirty
 /// pages. A huge leaf over the window (manual protect with INITIALLY_SET keeps huge leaves
 /// until CLEAR) takes the general walk.
 pub(super) fn rearm_masked<F: PteFormat>(
     mmu: &Mmu<F>,
+    lock: Option<&WriteGuard<'_>>,
     cursor: &mut LeafCursor,
-    base_gfn: u64,
+    base_gfn: Gfn,
     mask: u64,
     pending: &mut PendingFlush,
 ) {
-    if mmu.config.wrprot == WrprotVariant::RmapLockless {
+    let Some(lock) = lock else {
         rearm_masked_lockless(mmu, base_gfn, mask, pending);
         return;
-    }
+    };
+    let w = mmu.lock.exclusive(lock);
     // The exclusive lock already keeps every table alive; the guard is what `Walk` asks for.
     let guard = pin();
     let sink = mmu.sink();
     let mut m = mask;
     while m != 0 {
-        let gfn = base_gfn + m.trailing_zeros() as u64;
+        let gfn = base_gfn.plus(m.trailing_zeros() as u64);
         m &= m - 1;
         let t = match cursor.0 {
-            Some((first, t)) if gfn.wrapping_sub(first) < ENTRIES_PER_TABLE as u64 => t,
+            Some((first, t)) if gfn.raw().wrapping_sub(first.raw()) < ENTRIES_PER_TABLE as u64 => t,
             _ if mmu.config.wrprot == WrprotVariant::Rmap => match rmap_lookup(mmu, gfn) {
                 RmapHit::Leaf4k(t) => {
-                    cursor.0 = Some((gfn & !(ENTRIES_PER_TABLE as u64 - 1), t));
+                    cursor.0 = Some((round_down(gfn, ENTRIES_PER_TABLE as u64), t));
                     t
                 }
                 RmapHit::Huge => {
-                    rearm_huge(mmu, gfn, pending);
+                    rearm_huge(mmu, w, gfn, pending);
                     cursor.0 = None;
                     continue;
                 }
@@ -111,12 +113,12 @@ pub(super) fn rearm_masked<F: PteFormat>(
                 let it = Walk::<F>::to_leaf(&guard, mmu.root(), gfn);
                 if !it.valid() || it.level != 1 {
                     if it.valid() && F::is_present(it.old) {
-                        rearm_huge(mmu, gfn, pending);
+                        rearm_huge(mmu, w, gfn, pending);
                     }
                     cursor.0 = None;
                     continue;
                 }
-                cursor.0 = Some((gfn & !(ENTRIES_PER_TABLE as u64 - 1), it.table()));
+                cursor.0 = Some((round_down(gfn, ENTRIES_PER_TABLE as u64), it.table()));
                 it.table()
             }
         };
@@ -129,16 +131,7 @@ pub(super) fn rearm_masked<F: PteFormat>(
                 break;
             };
             if mmu
-                .update_spte(
-                    sptep,
-                    1,
-                    gfn,
-                    &mut old,
-                    new,
-                    UpdateMode::Exclusive,
-                    sink,
-                    pending,
-                )
+                .update_spte(sptep, 1, gfn, &mut old, new, w, sink, pending)
                 .is_ok()
             {
                 break;
@@ -150,10 +143,10 @@ pub(super) fn rearm_masked<F: PteFormat>(
 /// A huge leaf covers `gfn` in a window being re-armed: split it (eager splitting) and
 /// re-arm the page, or write-protect the huge leaf whole.
 #[cold]
-fn rearm_huge<F: PteFormat>(mmu: &Mmu<F>, gfn: u64, pending: &mut PendingFlush) {
+fn rearm_huge<F: PteFormat>(mmu: &Mmu<F>, w: Exclusive<'_>, gfn: Gfn, pending: &mut PendingFlush) {
     let guard = pin();
     let sink = mmu.sink();
-    let mut it = Walk::<F>::new(&guard, mmu.root(), 1, gfn, gfn + 1);
+    let mut it = Walk::<F>::new(&guard, mmu.root(), 1, gfn, Gfn::new(gfn.raw() + 1));
     while it.valid() {
         let old = it.old;
         if !F::is_present(old) || !F::is_leaf(old, it.level) {
@@ -161,7 +154,7 @@ fn rearm_huge<F: PteFormat>(mmu: &Mmu<F>, gfn: u64, pending: &mut PendingFlush) 
             continue;
         }
         if it.level > 1 && mmu.config.eager_split {
-            split_huge_pages(mmu, it.gfn, it.entry_end(), pending);
+            split_huge_pages(mmu, w.cas(), it.gfn, it.entry_end(), pending);
             it.refresh();
             continue; // now a table: walk into it
         }
@@ -171,10 +164,7 @@ fn rearm_huge<F: PteFormat>(mmu: &Mmu<F>, gfn: u64, pending: &mut PendingFlush) 
             F::is_writable(old).then(|| F::write_protect(old))
         };
         if let Some(new) = new {
-            if mmu
-                .set_spte(&mut it, new, UpdateMode::Exclusive, sink, pending)
-                .is_err()
-            {
+            if mmu.set_spte(&mut it, new, w, sink, pending).is_err() {
                 continue;
             }
         }
@@ -185,19 +175,19 @@ fn rearm_huge<F: PteFormat>(mmu: &Mmu<F>, gfn: u64, pending: &mut PendingFlush) 
 /// The leaf table a harvest last descended to: (first GFN it maps, table address). Valid only
 /// under the exclusive MMU lock that the harvest holds throughout (no table can be unlinked).
 #[derive(Default)]
-pub(super) struct LeafCursor(Option<(u64, u64)>);
+pub(super) struct LeafCursor(Option<(Gfn, Hva)>);
 
 /// What the rmap says maps a gfn (variant `rmap`, under the exclusive MMU lock).
 enum RmapHit {
     /// A 4 KiB leaf in this leaf table.
-    Leaf4k(u64),
+    Leaf4k(Hva),
     /// A huge leaf.
     Huge,
     /// Nothing: the rmap is exact (ARCHITECTURE.md, "The reverse map").
     None,
 }
 
-fn rmap_lookup<F: PteFormat>(mmu: &Mmu<F>, gfn: u64) -> RmapHit {
+fn rmap_lookup<F: PteFormat>(mmu: &Mmu<F>, gfn: Gfn) -> RmapHit {
     let Some(s) = mmu.rmap.find(gfn) else {
         return RmapHit::None;
     };
@@ -238,7 +228,7 @@ fn rmap_lookup<F: PteFormat>(mmu: &Mmu<F>, gfn: u64) -> RmapHit {
 /// harvest reports it. The caller completes a flush before returning (invariant 4).
 fn rearm_masked_lockless<F: PteFormat>(
     mmu: &Mmu<F>,
-    base_gfn: u64,
+    base_gfn: Gfn,
     mask: u64,
     pending: &mut PendingFlush,
 ) {
@@ -248,7 +238,7 @@ fn rearm_masked_lockless<F: PteFormat>(
     let guard = pin();
     let mut m = mask;
     while m != 0 {
-        let gfn = base_gfn + m.trailing_zeros() as u64;
+        let gfn = base_gfn.plus(m.trailing_zeros() as u64);
         m &= m - 1;
         protect_lockless(mmu, &s, &guard, gfn, pending);
     }
@@ -263,15 +253,17 @@ fn rearm_masked_lockless<F: PteFormat>(
 fn protect_lockless<F: PteFormat>(
     mmu: &Mmu<F>,
     s: &SlotRmap,
-    _guard: &Guard,
-    gfn: u64,
+    guard: &Guard,
+    gfn: Gfn,
     pending: &mut PendingFlush,
 ) {
+    // A compare-and-swap writer by type: no lock is held, so there is no other kind.
+    let w = Shared::lockless(guard);
     for level in 1..=RMAP_LEVELS as Level {
         let Some(slot) = s.slot(gfn, level) else {
             continue;
         };
-        // SAFETY: `_guard` pins us; a set slot names a page whose free waits for a grace
+        // SAFETY: `guard` pins us; a set slot names a page whose free waits for a grace
         // period that starts after the slot is cleared (`Rmap::retire`).
         let Some(page) = (unsafe { validated(slot, gfn, level) }) else {
             continue;
@@ -289,7 +281,7 @@ fn protect_lockless<F: PteFormat>(
             old = sptep.load(Ordering::Acquire);
         }
         let leaf = F::is_present(old) && F::is_leaf(old, lvl);
-        protect_entry(mmu, sptep, lvl, gfn, old, pending);
+        protect_entry(mmu, w, sptep, lvl, gfn, old, pending);
         // Under loom: the page must still be allocated after the compare-and-swap too (a use
         // that outlived the pin would show here, not only at the lookup).
         #[cfg(loom)]
@@ -306,14 +298,15 @@ fn protect_lockless<F: PteFormat>(
 /// re-reading after a lost race, until it is armed or no longer a leaf.
 fn protect_entry<F: PteFormat>(
     mmu: &Mmu<F>,
+    w: Shared<'_>,
     sptep: &crate::sync::AtomicU64,
     level: Level,
-    gfn: u64,
+    gfn: Gfn,
     mut old: u64,
     pending: &mut PendingFlush,
 ) {
     let sink = mmu.sink();
-    let first = gfn & !(pages_per_entry(level) - 1);
+    let first = round_down(gfn, pages_per_entry(level));
     loop {
         // Frozen (its table is being unlinked), a table (split since), or empty (zapped):
         // nothing this entry maps any more.
@@ -337,16 +330,7 @@ fn protect_entry<F: PteFormat>(
         // Invariant 1: a compare-and-swap against the value we read; on failure `old` is
         // the value that won and we look at it again.
         if mmu
-            .update_spte(
-                sptep,
-                level,
-                first,
-                &mut old,
-                new,
-                crate::mmu::spte::UpdateMode::Shared,
-                sink,
-                pending,
-            )
+            .update_spte(sptep, level, first, &mut old, new, w, sink, pending)
             .is_ok()
         {
             return;

@@ -16,6 +16,7 @@
 
 use crate::memslot::SlotId;
 use crate::sync::{self, AtomicU32, AtomicU64, Mutex, Ordering};
+use slat_addr::PageIndex;
 
 /// Entry flag: pushed by the vCPU, not yet harvested.
 pub const DIRTY_GFN_DIRTY: u32 = 1 << 0;
@@ -108,7 +109,7 @@ impl DirtyRing {
     /// Harvests, in order, every entry pushed since the last harvest: calls `f(slot, offset)`
     /// and flags the entry for reset. Returns how many were harvested. Entries are freed (and
     /// their pages re-protected) only by the next [`crate::Vm::reset_dirty_rings`].
-    pub fn harvest(&self, mut f: impl FnMut(SlotId, u64)) -> u32 {
+    pub fn harvest(&self, mut f: impl FnMut(SlotId, PageIndex)) -> u32 {
         let mut fetch = sync::lock(&self.fetch_index);
         let mut n = 0;
         loop {
@@ -119,7 +120,7 @@ impl DirtyRing {
             }
             f(
                 e.slot.load(Ordering::Relaxed),
-                e.offset.load(Ordering::Relaxed),
+                PageIndex::new(e.offset.load(Ordering::Relaxed)),
             );
             // Release: the reset that sees RESET sees the entry as we read it.
             e.flags
@@ -207,7 +208,7 @@ mod tests {
         // Nothing harvested: a reset frees nothing.
         assert_eq!(r.reset(|_, _| panic!("reset an unharvested entry")), 0);
         let mut got = Vec::new();
-        assert_eq!(r.harvest(|s, o| got.push((s, o))), 10);
+        assert_eq!(r.harvest(|s, o| got.push((s, o.raw()))), 10);
         assert_eq!(got, (0..10).map(|i| (1, i)).collect::<Vec<_>>());
         assert_eq!(r.harvest(|_, _| panic!("harvested twice")), 0);
         let mut freed = 0;
@@ -235,7 +236,7 @@ mod tests {
         // Indices wrap around the ring.
         r.push(2, 7);
         let mut got = Vec::new();
-        r.harvest(|s, o| got.push((s, o)));
+        r.harvest(|s, o| got.push((s, o.raw())));
         assert_eq!(got, vec![(2, 7)]);
     }
 

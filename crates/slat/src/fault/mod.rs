@@ -6,21 +6,23 @@ mod slow;
 pub(crate) use slow::slow_page_fault;
 
 use crate::dirty::{commit_mark, mark_for, prepare_mark, DirtyRing};
-use crate::format::{Access, PteFormat, PAGE_SHIFT};
+use crate::format::{Access, PteFormat};
 use crate::memslot::{Memslots, SlotHint};
 use crate::mmu::flush::{PendingFlush, VcpuLink};
-use crate::mmu::spte::UpdateMode;
+use crate::mmu::lock::Shared;
 use crate::mmu::table::PageCache;
 use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
 use crate::stats::{Counters, Sink, Stat};
 use crate::sync::{guest_mode_guard, Arc};
+use slat_addr::Gfn;
+use slat_addr::Gpa;
 
 /// What the hardware walker saw when the access faulted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fault {
     /// Guest physical address of the access.
-    pub gpa: u64,
+    pub gpa: Gpa,
     /// The access.
     pub access: Access,
     /// A leaf with some hardware permission was present (a permission fault, like an EPT
@@ -60,7 +62,7 @@ pub enum FaultOutcome {
     /// range with `Vm::set_memory_attributes` (or kills the guest) and re-executes the access.
     MemoryFault {
         /// Guest physical address of the faulting page (4 KiB aligned).
-        gpa: u64,
+        gpa: Gpa,
         /// Bytes covered (one 4 KiB page).
         size: u64,
         /// The access was private (the page is shared), or shared (the page is private).
@@ -96,7 +98,7 @@ pub(crate) fn fast_page_fault<F: PteFormat>(
     if !eligible {
         return None;
     }
-    let gfn = fault.gpa >> PAGE_SHIFT;
+    let gfn = fault.gpa.gfn().raw();
     if in_private_capable_slot(slots, vcpu, gfn, fault) {
         return None;
     }
@@ -106,7 +108,7 @@ pub(crate) fn fast_page_fault<F: PteFormat>(
     // flush (that needs the vCPU) before we return.
     let guard = unsafe { guest_mode_guard() };
     for _ in 0..FAST_PF_RETRIES {
-        let mut it = Walk::<F>::to_leaf(&guard, mmu.root(), gfn);
+        let mut it = Walk::<F>::to_leaf(&guard, mmu.root(), Gfn::new(gfn));
         if !it.valid() || !F::is_present(it.old) {
             return None;
         }
@@ -128,7 +130,7 @@ pub(crate) fn fast_page_fault<F: PteFormat>(
             // bitmap before write-protecting, so seeing the protection implies seeing the
             // bitmap.
             let (set, hint) = slots.refresh(&mut vcpu.slot_hint);
-            let (i, slot) = set.find(gfn, *hint)?;
+            let (i, slot) = set.find_raw(gfn, *hint)?;
             *hint = i;
             if slot.is_invalid() {
                 return None; // a move is in progress: the slow path retries
@@ -151,7 +153,7 @@ pub(crate) fn fast_page_fault<F: PteFormat>(
             }
         }
         let mut pending = PendingFlush::none();
-        let r = mmu.set_spte(&mut it, new, UpdateMode::Shared, sink, &mut pending);
+        let r = mmu.set_spte(&mut it, new, Shared::lockless(&guard), sink, &mut pending);
         mmu.complete_flush(pending);
         if r.is_ok() {
             if let Some(m) = mark {
@@ -174,7 +176,7 @@ fn in_private_capable_slot(slots: &Memslots, vcpu: &mut VcpuState, gfn: u64, fau
         return true;
     }
     let (set, hint) = slots.refresh(&mut vcpu.slot_hint);
-    match set.find(gfn, *hint) {
+    match set.find_raw(gfn, *hint) {
         Some((i, slot)) => {
             *hint = i;
             slot.has_private_backing()

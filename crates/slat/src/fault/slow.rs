@@ -8,20 +8,21 @@ use crate::cmo::{clean_new_mapping, invalidate_icache_for};
 use crate::config::{CmoPolicy, RecoverVariant, VmConfig};
 use crate::direct_map::Acceptance;
 use crate::dirty::{commit_mark, mark_for, prepare_mark, DirtyRing};
-use crate::format::{bytes_per_entry, Access, LeafPerms, Level, PteFormat, PAGE_SHIFT, PAGE_SIZE};
+use crate::format::{bytes_per_entry, Access, LeafPerms, Level, PteFormat, PAGE_SIZE};
 use crate::memslot::{Memslot, MemslotSet, Memslots};
 use crate::mmu::flush::PendingFlush;
-use crate::mmu::spte::UpdateMode;
+use crate::mmu::lock::Shared;
 use crate::mmu::table::PageCache;
 use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
 use crate::stats::{Sink, Stat};
 use crate::sync::{pin, Ordering};
+use slat_addr::{Gfn, Hva};
 
 /// What the slow path decided before taking the MMU lock.
 struct Plan<'s> {
     slot: &'s Memslot,
-    gfn: u64,
+    gfn: Gfn,
     /// The page is private: map it from the slot's private backing.
     private: bool,
     access: Access,
@@ -72,14 +73,15 @@ pub(crate) fn slow_page_fault<F: PteFormat>(
     // Lazy acceptance, under the lock after the re-check: a conversion back to shared waits
     // out lock holders before it releases pages, so it never misses one accepted here, and
     // no fault accepts after it looked (`memslot/attributes.rs`, step 4).
-    if plan.private && plan.slot.accept_private(plan.gfn) == Acceptance::InProgress {
+    if plan.private && plan.slot.accept_private(plan.gfn.raw()) == Acceptance::InProgress {
         drop(lock);
         sink.inc(Stat::PfRetry);
         return FaultOutcome::Retry;
     }
     let mut pending = PendingFlush::none();
     let ring = vcpu.ring.as_deref();
-    let outcome = walk_to_goal(mmu, &mut plan, &mut vcpu.cache, ring, sink, &mut pending);
+    let w = mmu.lock.shared(&lock);
+    let outcome = walk_to_goal(mmu, w, &mut plan, &mut vcpu.cache, ring, sink, &mut pending);
     drop(lock);
     mmu.complete_flush(pending);
     sink.inc(match outcome {
@@ -94,7 +96,7 @@ pub(crate) fn slow_page_fault<F: PteFormat>(
 impl Plan<'_> {
     /// Host address of the page to map, in the backing the attribute selected.
     fn hva(&self) -> u64 {
-        self.slot.hva_for(self.gfn, self.private)
+        self.slot.hva_for(self.gfn.raw(), self.private)
     }
 }
 
@@ -107,8 +109,8 @@ fn plan<'s, F: PteFormat>(
     fault: Fault,
     sink: Sink<'_>,
 ) -> Result<Plan<'s>, FaultOutcome> {
-    let gfn = fault.gpa >> PAGE_SHIFT;
-    let Some((i, slot)) = set.find(gfn, *hint) else {
+    let gfn = fault.gpa.gfn().raw();
+    let Some((i, slot)) = set.find_raw(gfn, *hint) else {
         sink.inc(Stat::PfNoSlot);
         return Err(FaultOutcome::NoSlot);
     };
@@ -124,10 +126,10 @@ fn plan<'s, F: PteFormat>(
     }
     // Read after the generation (`refresh`), re-checked under the MMU lock: see
     // `memslot/attributes.rs` for why a racing conversion cannot leave a leaf of this kind.
-    let private = slot.is_private(gfn);
+    let private = slot.is_private(slat_addr::Gfn::new(gfn));
     if private != fault.private {
         return Err(FaultOutcome::MemoryFault {
-            gpa: fault.gpa & !(PAGE_SIZE - 1),
+            gpa: slat_addr::Gpa::new(fault.gpa.raw() & !(PAGE_SIZE - 1)),
             size: PAGE_SIZE,
             private: fault.private,
         });
@@ -144,10 +146,10 @@ fn plan<'s, F: PteFormat>(
     };
     Ok(Plan {
         slot,
-        gfn,
+        gfn: Gfn::new(gfn),
         private,
         access: fault.access,
-        goal: slot.max_level::<F>(gfn),
+        goal: slot.max_level_raw::<F>(gfn),
         logging,
         perms,
         map_read_only_logged: logging && perms.writable && fault.access != Access::Write,
@@ -161,6 +163,7 @@ fn plan<'s, F: PteFormat>(
 /// installs the leaf there. Any lost race is `Retry`: the vCPU re-executes the access.
 fn walk_to_goal<F: PteFormat>(
     mmu: &Mmu<F>,
+    w: Shared<'_>,
     plan: &mut Plan<'_>,
     cache: &mut PageCache,
     ring: Option<&DirtyRing>,
@@ -168,7 +171,13 @@ fn walk_to_goal<F: PteFormat>(
     pending: &mut PendingFlush,
 ) -> FaultOutcome {
     let guard = pin();
-    let mut it = Walk::<F>::new(&guard, mmu.root(), 1, plan.gfn, plan.gfn + 1);
+    let mut it = Walk::<F>::new(
+        &guard,
+        mmu.root(),
+        1,
+        plan.gfn,
+        Gfn::new(plan.gfn.raw() + 1),
+    );
     loop {
         if !it.valid() {
             return FaultOutcome::Retry;
@@ -178,7 +187,7 @@ fn walk_to_goal<F: PteFormat>(
             return FaultOutcome::Retry;
         }
         if it.level == plan.goal {
-            match install_at_goal(mmu, plan, &mut it, ring, sink, pending) {
+            match install_at_goal(mmu, w, plan, &mut it, ring, sink, pending) {
                 Some(outcome) => return outcome,
                 None => {
                     it.next(); // the goal moved one level down: map inside the table
@@ -187,9 +196,9 @@ fn walk_to_goal<F: PteFormat>(
             }
         }
         let linked = if !F::is_present(old) {
-            link_table(mmu, &mut it, cache, sink, pending)
+            link_table(mmu, w, &mut it, cache, sink, pending)
         } else if F::is_leaf(old, it.level) {
-            split_in_the_way(mmu, &mut it, cache, sink, pending)
+            split_in_the_way(mmu, w, &mut it, cache, sink, pending)
         } else {
             true
         };
@@ -205,6 +214,7 @@ fn walk_to_goal<F: PteFormat>(
 /// inside rather than collapsed (`plan.goal` is lowered).
 fn install_at_goal<F: PteFormat>(
     mmu: &Mmu<F>,
+    w: Shared<'_>,
     plan: &mut Plan<'_>,
     it: &mut Walk<'_, F>,
     ring: Option<&DirtyRing>,
@@ -228,7 +238,7 @@ fn install_at_goal<F: PteFormat>(
         return Some(FaultOutcome::Spurious);
     }
     let hva = plan.hva() & !(bytes_per_entry(goal) - 1);
-    if F::is_present(old) && !rebuild && F::output_addr(old) != hva {
+    if F::is_present(old) && !rebuild && F::output_addr(old) != Hva::new(hva) {
         // A leaf of the other kind that a conversion has not zapped yet (its zap yields the
         // lock now and then): never upgrade it into this backing, wait for the zap.
         return Some(FaultOutcome::Retry);
@@ -240,9 +250,9 @@ fn install_at_goal<F: PteFormat>(
     let new = if plan.map_read_only_logged {
         // Writable as far as the MMU is concerned, W clear: the first write is a fast-path
         // fault that logs it.
-        F::write_protect(F::make_leaf(hva, goal, perms))
+        F::write_protect(F::make_leaf(Hva::new(hva), goal, perms))
     } else {
-        F::make_leaf(hva, goal, perms)
+        F::make_leaf(Hva::new(hva), goal, perms)
     };
     let mark = if F::is_writable(new) {
         mark_for(plan.slot, ring)
@@ -250,7 +260,7 @@ fn install_at_goal<F: PteFormat>(
         None
     };
     if let Some(m) = mark {
-        if !prepare_mark(m, ring, plan.gfn, sink) {
+        if !prepare_mark(m, ring, plan.gfn.raw(), sink) {
             return Some(FaultOutcome::DirtyRingFull);
         }
     }
@@ -263,15 +273,15 @@ fn install_at_goal<F: PteFormat>(
             // stage2_attr_walker), no data-cache clean needed.
             invalidate_icache_for(hva, bytes_per_entry(goal), sink);
         }
-        mmu.set_spte(it, new, UpdateMode::Shared, sink, pending)
+        mmu.set_spte(it, new, w, sink, pending)
     } else {
-        mmu.replace_spte(it, new, plan.cmo_on_install, sink, pending)
+        mmu.replace_spte(it, new, plan.cmo_on_install, w, sink, pending)
     };
     if r.is_err() {
         return Some(FaultOutcome::Retry);
     }
     if let Some(m) = mark {
-        commit_mark(m, ring, plan.gfn, sink);
+        commit_mark(m, ring, plan.gfn.raw(), sink);
     }
     if rebuild {
         sink.inc(Stat::Recoveries);
@@ -283,6 +293,7 @@ fn install_at_goal<F: PteFormat>(
 /// nothing cached to flush. False if another fault linked one first.
 fn link_table<F: PteFormat>(
     mmu: &Mmu<F>,
+    w: Shared<'_>,
     it: &mut Walk<'_, F>,
     cache: &mut PageCache,
     sink: Sink<'_>,
@@ -290,7 +301,7 @@ fn link_table<F: PteFormat>(
 ) -> bool {
     let child = cache.take().expect("page cache topped up before the lock");
     let new = F::make_table(child.addr());
-    match mmu.set_spte(it, new, UpdateMode::Shared, sink, pending) {
+    match mmu.set_spte(it, new, w, sink, pending) {
         Ok(()) => {
             child.into_linked();
             true
@@ -310,6 +321,7 @@ fn link_table<F: PteFormat>(
 /// 4 KiB, read-only where logging wants it. False if the entry changed first.
 fn split_in_the_way<F: PteFormat>(
     mmu: &Mmu<F>,
+    w: Shared<'_>,
     it: &mut Walk<'_, F>,
     cache: &mut PageCache,
     sink: Sink<'_>,
@@ -323,7 +335,7 @@ fn split_in_the_way<F: PteFormat>(
         }
     }
     let new = F::make_table(child.addr());
-    match mmu.replace_spte(it, new, false, sink, pending) {
+    match mmu.replace_spte(it, new, false, w, sink, pending) {
         Ok(()) => {
             child.into_linked();
             sink.inc(Stat::Splits);

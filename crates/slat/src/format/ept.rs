@@ -15,6 +15,7 @@
 
 use super::{bytes_per_entry, Access, LeafPerms, Level, PteFormat};
 use bitflags::bitflags;
+use slat_addr::Hva;
 
 bitflags! {
     /// Bits of an EPT entry (the address field excluded).
@@ -83,18 +84,20 @@ unsafe impl PteFormat for Ept {
     }
 
     #[inline]
-    fn output_addr(pte: u64) -> u64 {
-        pte & ADDR_MASK
+    fn output_addr(pte: u64) -> Hva {
+        Hva::new(pte & ADDR_MASK)
     }
 
     #[inline]
-    fn make_table(child: u64) -> u64 {
+    fn make_table(child: Hva) -> u64 {
+        let child = child.raw();
         debug_assert_eq!(child & !ADDR_MASK, 0, "table page not 4 KiB aligned");
         child | RWX | EptBits::MMU_PRESENT.bits()
     }
 
     #[inline]
-    fn make_leaf(addr: u64, level: Level, perms: LeafPerms) -> u64 {
+    fn make_leaf(addr: Hva, level: Level, perms: LeafPerms) -> u64 {
+        let addr = addr.raw();
         debug_assert_eq!(addr % bytes_per_entry(level), 0, "leaf address misaligned");
         debug_assert!(
             !perms.writable || perms.host_writable,
@@ -266,7 +269,7 @@ unsafe impl PteFormat for Ept {
     fn split_child(huge: u64, level: Level, index: usize) -> u64 {
         debug_assert!(level > 1 && Self::is_leaf(huge, level));
         let child_level = level - 1;
-        let addr = Self::output_addr(huge) + index as u64 * bytes_per_entry(child_level);
+        let addr = Self::output_addr(huge).raw() + index as u64 * bytes_per_entry(child_level);
         let mut flags = huge & !ADDR_MASK;
         if child_level == 1 {
             flags &= !EptBits::LARGE.bits();
@@ -277,7 +280,7 @@ unsafe impl PteFormat for Ept {
     #[inline]
     fn make_huge(child: u64, level: Level) -> u64 {
         debug_assert!(level > 1);
-        let addr = Self::output_addr(child) & !(bytes_per_entry(level) - 1);
+        let addr = Self::output_addr(child).raw() & !(bytes_per_entry(level) - 1);
         addr | (child & !ADDR_MASK) | EptBits::LARGE.bits()
     }
 }
@@ -299,13 +302,13 @@ mod tests {
 
     #[test]
     fn leaf_and_table_encodings_are_distinct() {
-        let leaf = Ept::make_leaf(HOST, 1, rw(true));
+        let leaf = Ept::make_leaf(Hva::new(HOST), 1, rw(true));
         assert!(Ept::is_present(leaf) && Ept::is_leaf(leaf, 1));
-        assert_eq!(Ept::output_addr(leaf), HOST);
-        let table = Ept::make_table(0x1000_0000);
+        assert_eq!(Ept::output_addr(leaf), Hva::new(HOST));
+        let table = Ept::make_table(Hva::new(0x1000_0000));
         assert!(Ept::is_present(table) && !Ept::is_leaf(table, 2));
         assert!(Ept::hw_is_table(table, 2));
-        let huge = Ept::make_leaf(HOST & !0x1f_ffff, 2, rw(true));
+        let huge = Ept::make_leaf(Hva::new(HOST & !0x1f_ffff), 2, rw(true));
         assert!(Ept::is_leaf(huge, 2) && !Ept::hw_is_table(huge, 2));
     }
 
@@ -323,7 +326,7 @@ mod tests {
 
     #[test]
     fn write_protection_keeps_mmu_writable_and_fast_path_restores() {
-        let leaf = Ept::make_leaf(HOST, 1, rw(false));
+        let leaf = Ept::make_leaf(Hva::new(HOST), 1, rw(false));
         let wp = Ept::write_protect(leaf);
         assert!(!Ept::is_writable(wp) && Ept::is_mmu_writable(wp) && Ept::is_host_writable(wp));
         assert!(Ept::permits(wp, Access::Read) && !Ept::permits(wp, Access::Write));
@@ -332,7 +335,7 @@ mod tests {
 
     #[test]
     fn readonly_leaf_has_no_writable_bits() {
-        let ro = Ept::make_leaf(HOST, 1, LeafPerms::default());
+        let ro = Ept::make_leaf(Hva::new(HOST), 1, LeafPerms::default());
         assert!(!Ept::is_writable(ro) && !Ept::is_mmu_writable(ro) && !Ept::is_host_writable(ro));
     }
 
@@ -340,7 +343,7 @@ mod tests {
     fn access_tracking_round_trips_without_ad_bits() {
         let mut p = rw(false);
         p.exec = true;
-        let leaf = Ept::make_leaf(HOST, 1, p);
+        let leaf = Ept::make_leaf(Hva::new(HOST), 1, p);
         assert!(Ept::is_accessed(leaf));
         let t = Ept::mark_access_tracked(leaf);
         assert!(Ept::is_access_tracked(t) && !Ept::is_accessed(t) && Ept::is_present(t));
@@ -354,7 +357,7 @@ mod tests {
 
     #[test]
     fn access_tracking_with_ad_bits_clears_accessed_only() {
-        let leaf = Ept::make_leaf(HOST, 1, rw(true));
+        let leaf = Ept::make_leaf(Hva::new(HOST), 1, rw(true));
         let t = Ept::mark_access_tracked(leaf);
         assert!(!Ept::is_accessed(t) && Ept::permits(t, Access::Write));
         assert!(Ept::is_accessed(Ept::set_accessed_dirty(t, Access::Read)));
@@ -362,7 +365,7 @@ mod tests {
 
     #[test]
     fn only_entries_others_may_change_need_atomic_updates() {
-        let dirty = Ept::make_leaf(HOST, 1, rw(true));
+        let dirty = Ept::make_leaf(Hva::new(HOST), 1, rw(true));
         assert!(Ept::is_dirty(dirty));
         // Accessed, dirty, writable: neither hardware nor the fast path will touch it.
         assert!(!Ept::needs_atomic_update(dirty, 1));
@@ -374,11 +377,14 @@ mod tests {
         // Not accessed: hardware sets A.
         assert!(Ept::needs_atomic_update(Ept::mark_access_tracked(dirty), 1));
         // A/D disabled: only access tracking and write protection are volatile.
-        let noad = Ept::make_leaf(HOST, 1, rw(false));
+        let noad = Ept::make_leaf(Hva::new(HOST), 1, rw(false));
         assert!(Ept::is_dirty(noad) && !Ept::needs_atomic_update(noad, 1));
         assert_eq!(Ept::clear_dirty(noad), noad);
         assert!(Ept::needs_atomic_update(Ept::mark_access_tracked(noad), 1));
-        assert!(!Ept::needs_atomic_update(Ept::make_table(0x1000_0000), 2));
+        assert!(!Ept::needs_atomic_update(
+            Ept::make_table(Hva::new(0x1000_0000)),
+            2
+        ));
         assert!(!Ept::needs_atomic_update(Ept::NON_PRESENT, 1));
         assert!(!Ept::needs_atomic_update(Ept::FROZEN, 1));
     }
@@ -387,13 +393,13 @@ mod tests {
     fn split_then_make_huge_round_trips() {
         for level in [2u8, 3] {
             let base = HOST & !(bytes_per_entry(level) - 1);
-            let huge = Ept::make_leaf(base, level, rw(true));
+            let huge = Ept::make_leaf(Hva::new(base), level, rw(true));
             for i in [0usize, 1, 511] {
                 let c = Ept::split_child(huge, level, i);
                 assert!(Ept::is_leaf(c, level - 1));
                 assert_eq!(
                     Ept::output_addr(c),
-                    base + i as u64 * bytes_per_entry(level - 1)
+                    Hva::new(base + i as u64 * bytes_per_entry(level - 1))
                 );
                 assert_eq!(Ept::make_huge(c, level), huge);
             }

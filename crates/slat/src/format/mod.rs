@@ -11,6 +11,8 @@
 pub mod ept;
 pub mod stage2;
 
+use slat_addr::{Gfn, Hva};
+
 pub use ept::Ept;
 pub use stage2::Stage2;
 
@@ -40,10 +42,26 @@ pub const fn bytes_per_entry(level: Level) -> u64 {
     PAGE_SIZE << (LEVEL_BITS * (level as u32 - 1))
 }
 
+/// Frame arithmetic inside the engine. Every frame it computes with lies below a format's
+/// address width (2^52 at most: memslots are validated against it, walks and aging passes are
+/// clamped to it), so adding a table's span, or the pages of a slot, cannot overflow: the
+/// operations are unchecked, and the hot paths compile as they did with plain integers.
+pub(crate) trait FrameStep: Copy {
+    /// `self + pages`.
+    fn plus(self, pages: u64) -> Gfn;
+}
+
+impl FrameStep for Gfn {
+    #[inline(always)]
+    fn plus(self, pages: u64) -> Gfn {
+        Gfn::new(self.raw() + pages)
+    }
+}
+
 /// Index of `gfn` in the table at `level`.
 #[inline]
-pub const fn table_index(gfn: u64, level: Level) -> usize {
-    ((gfn >> (LEVEL_BITS * (level as u32 - 1))) as usize) & (ENTRIES_PER_TABLE - 1)
+pub const fn table_index(gfn: Gfn, level: Level) -> usize {
+    ((gfn.raw() >> (LEVEL_BITS * (level as u32 - 1))) as usize) & (ENTRIES_PER_TABLE - 1)
 }
 
 /// The kind of guest memory access that faulted or is being translated.
@@ -125,11 +143,11 @@ pub unsafe trait PteFormat: Send + Sync + 'static + Sized {
     /// The entry is a leaf at `level` (always true at level 1 for present entries).
     fn is_leaf(pte: u64, level: Level) -> bool;
     /// Host address of the child table or of the mapped (huge) page.
-    fn output_addr(pte: u64) -> u64;
+    fn output_addr(pte: u64) -> Hva;
     /// A non-leaf entry pointing at a child table at host address `child`.
-    fn make_table(child: u64) -> u64;
+    fn make_table(child: Hva) -> u64;
     /// A leaf mapping host address `addr` (aligned to the level's size) at `level`.
-    fn make_leaf(addr: u64, level: Level, perms: LeafPerms) -> u64;
+    fn make_leaf(addr: Hva, level: Level, perms: LeafPerms) -> u64;
 
     /// Hardware may write through this leaf.
     fn is_writable(pte: u64) -> bool;

@@ -32,6 +32,7 @@
 
 use super::{bytes_per_entry, Access, LeafPerms, Level, PteFormat};
 use bitflags::bitflags;
+use slat_addr::Hva;
 
 bitflags! {
     /// Bits of a stage-2 descriptor (the output-address field excluded).
@@ -99,18 +100,20 @@ unsafe impl PteFormat for Stage2 {
     }
 
     #[inline]
-    fn output_addr(pte: u64) -> u64 {
-        pte & ADDR_MASK
+    fn output_addr(pte: u64) -> Hva {
+        Hva::new(pte & ADDR_MASK)
     }
 
     #[inline]
-    fn make_table(child: u64) -> u64 {
+    fn make_table(child: Hva) -> u64 {
+        let child = child.raw();
         debug_assert_eq!(child & !ADDR_MASK, 0, "table page not 4 KiB aligned");
         child | VALID | TYPE
     }
 
     #[inline]
-    fn make_leaf(addr: u64, level: Level, perms: LeafPerms) -> u64 {
+    fn make_leaf(addr: Hva, level: Level, perms: LeafPerms) -> u64 {
+        let addr = addr.raw();
         debug_assert_eq!(addr % bytes_per_entry(level), 0, "leaf address misaligned");
         debug_assert_eq!(addr & !ADDR_MASK, 0, "leaf address outside the OA field");
         debug_assert!(
@@ -251,7 +254,7 @@ unsafe impl PteFormat for Stage2 {
     fn split_child(huge: u64, level: Level, index: usize) -> u64 {
         debug_assert!(level > 1 && Self::is_leaf(huge, level));
         let child_level = level - 1;
-        let addr = Self::output_addr(huge) + index as u64 * bytes_per_entry(child_level);
+        let addr = Self::output_addr(huge).raw() + index as u64 * bytes_per_entry(child_level);
         let mut flags = huge & !ADDR_MASK;
         if child_level == 1 {
             flags |= TYPE; // blocks become pages at Arm level 3
@@ -262,7 +265,7 @@ unsafe impl PteFormat for Stage2 {
     #[inline]
     fn make_huge(child: u64, level: Level) -> u64 {
         debug_assert!(level > 1);
-        let addr = Self::output_addr(child) & !(bytes_per_entry(level) - 1);
+        let addr = Self::output_addr(child).raw() & !(bytes_per_entry(level) - 1);
         addr | (child & !ADDR_MASK & !TYPE)
     }
 }
@@ -296,7 +299,7 @@ mod tests {
     #[test]
     fn page_descriptor_matches_the_architecture() {
         let addr = HOST_1G + 0x5000;
-        let pte = Stage2::make_leaf(addr, 1, perms(true, false, false));
+        let pte = Stage2::make_leaf(Hva::new(addr), 1, perms(true, false, false));
         let arch = addr
             | ARM_VALID
             | ARM_TABLE_OR_PAGE
@@ -307,7 +310,7 @@ mod tests {
             | ARM_XN;
         // Only software bits (58:55) may differ from the architectural encoding.
         assert_eq!(pte & !(0xf << 55), arch);
-        assert_eq!(Stage2::output_addr(pte), addr);
+        assert_eq!(Stage2::output_addr(pte), Hva::new(addr));
         assert!(Stage2::is_leaf(pte, 1) && !Stage2::hw_is_table(pte, 1));
     }
 
@@ -315,7 +318,7 @@ mod tests {
     fn block_descriptors_have_type_clear() {
         for level in [2u8, 3] {
             let addr = HOST_1G; // 1 GiB aligned, so 2 MiB aligned too
-            let pte = Stage2::make_leaf(addr, level, perms(false, true, true));
+            let pte = Stage2::make_leaf(Hva::new(addr), level, perms(false, true, true));
             let arch =
                 addr | ARM_VALID | ARM_MEMATTR_NORMAL_WB | ARM_S2AP_RO | ARM_SH_INNER | ARM_AF;
             assert_eq!(pte & !(0xf << 55), arch, "level {level}");
@@ -326,12 +329,12 @@ mod tests {
     #[test]
     fn table_descriptor_matches_the_architecture() {
         let child = 0x1234_5000;
-        let t = Stage2::make_table(child);
+        let t = Stage2::make_table(Hva::new(child));
         assert_eq!(t, child | ARM_VALID | ARM_TABLE_OR_PAGE);
         for level in 2..=4u8 {
             assert!(Stage2::hw_is_table(t, level) && !Stage2::is_leaf(t, level));
         }
-        assert_eq!(Stage2::output_addr(t), child);
+        assert_eq!(Stage2::output_addr(t), Hva::new(child));
     }
 
     #[test]
@@ -351,10 +354,10 @@ mod tests {
 
     #[test]
     fn s2ap_and_xn_decide_permissions() {
-        let ro = Stage2::make_leaf(HOST_1G, 1, perms(false, false, false));
+        let ro = Stage2::make_leaf(Hva::new(HOST_1G), 1, perms(false, false, false));
         assert!(Stage2::permits(ro, Access::Read));
         assert!(!Stage2::permits(ro, Access::Write) && !Stage2::permits(ro, Access::Exec));
-        let rwx = Stage2::make_leaf(HOST_1G, 1, perms(true, true, false));
+        let rwx = Stage2::make_leaf(Hva::new(HOST_1G), 1, perms(true, true, false));
         for a in [Access::Read, Access::Write, Access::Exec] {
             assert!(Stage2::permits(rwx, a));
         }
@@ -362,7 +365,7 @@ mod tests {
 
     #[test]
     fn write_protection_is_permission_only() {
-        let leaf = Stage2::make_leaf(HOST_1G, 1, perms(true, false, true));
+        let leaf = Stage2::make_leaf(Hva::new(HOST_1G), 1, perms(true, false, true));
         let wp = Stage2::write_protect(leaf);
         assert_eq!(leaf ^ wp, 1 << 7, "only S2AP W changes");
         assert!(Stage2::is_mmu_writable(wp) && Stage2::is_host_writable(wp));
@@ -371,14 +374,14 @@ mod tests {
             "the fast path may relax it"
         );
         assert_eq!(Stage2::make_writable(wp), leaf);
-        let ro = Stage2::make_leaf(HOST_1G, 1, LeafPerms::default());
+        let ro = Stage2::make_leaf(Hva::new(HOST_1G), 1, LeafPerms::default());
         assert!(!Stage2::is_mmu_writable(ro) && !Stage2::is_host_writable(ro));
     }
 
     #[test]
     fn access_flag_tracking_with_and_without_hardware_updates() {
         // Without HA: AF clear is an access-flag fault until the fast path sets it.
-        let leaf = Stage2::make_leaf(HOST_1G, 1, perms(true, false, false));
+        let leaf = Stage2::make_leaf(Hva::new(HOST_1G), 1, perms(true, false, false));
         assert!(Stage2::is_accessed(leaf));
         let old = Stage2::mark_access_tracked(leaf);
         assert_eq!(leaf ^ old, 1 << 10);
@@ -387,7 +390,7 @@ mod tests {
         assert_eq!(Stage2::set_accessed_dirty(old, Access::Read), old);
         assert_eq!(Stage2::restore_access_tracked(old), leaf);
         // With HA: hardware sets AF; no fault, no fast path.
-        let leaf = Stage2::make_leaf(HOST_1G, 1, perms(true, false, true));
+        let leaf = Stage2::make_leaf(Hva::new(HOST_1G), 1, perms(true, false, true));
         let old = Stage2::mark_access_tracked(leaf);
         assert!(!Stage2::is_access_tracked(old) && Stage2::permits(old, Access::Write));
         assert!(Stage2::needs_atomic_update(old, 1));
@@ -397,7 +400,7 @@ mod tests {
 
     #[test]
     fn no_hardware_dirty_bit() {
-        let leaf = Stage2::make_leaf(HOST_1G, 1, perms(true, false, true));
+        let leaf = Stage2::make_leaf(Hva::new(HOST_1G), 1, perms(true, false, true));
         assert!(Stage2::is_dirty(leaf) && Stage2::clear_dirty(leaf) == leaf);
         assert_eq!(Stage2::set_accessed_dirty(leaf, Access::Write), leaf);
     }
@@ -405,17 +408,17 @@ mod tests {
     #[test]
     fn split_then_make_huge_round_trips() {
         for level in [2u8, 3] {
-            let huge = Stage2::make_leaf(HOST_1G, level, perms(true, false, true));
+            let huge = Stage2::make_leaf(Hva::new(HOST_1G), level, perms(true, false, true));
             for i in [0usize, 1, 511] {
                 let c = Stage2::split_child(huge, level, i);
                 assert!(Stage2::is_leaf(c, level - 1) && !Stage2::hw_is_table(c, level - 1));
                 assert_eq!(
                     Stage2::output_addr(c),
-                    HOST_1G + i as u64 * bytes_per_entry(level - 1)
+                    Hva::new(HOST_1G + i as u64 * bytes_per_entry(level - 1))
                 );
                 // The child is exactly what mapping its address at its level would give.
                 let direct = Stage2::make_leaf(
-                    HOST_1G + i as u64 * bytes_per_entry(level - 1),
+                    Hva::new(HOST_1G + i as u64 * bytes_per_entry(level - 1)),
                     level - 1,
                     perms(true, false, true),
                 );

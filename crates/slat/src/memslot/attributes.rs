@@ -53,6 +53,7 @@ use crate::format::PteFormat;
 use crate::mmu::Mmu;
 use crate::sync::{AtomicU64, Ordering};
 use bitflags::bitflags;
+use slat_addr::Gfn;
 
 bitflags! {
     /// Memory attributes of a guest page, with KVM's values.
@@ -77,13 +78,13 @@ pub enum MemoryAttributeError {
     #[error("memory attribute range at gfn {first_gfn:#x} is empty")]
     Empty {
         /// Its first page.
-        first_gfn: u64,
+        first_gfn: Gfn,
     },
     /// `first_gfn + npages` overflows.
     #[error("memory attribute range gfn {first_gfn:#x} + {npages:#x} pages overflows")]
     Overflow {
         /// First page.
-        first_gfn: u64,
+        first_gfn: Gfn,
         /// Pages.
         npages: u64,
     },
@@ -91,7 +92,7 @@ pub enum MemoryAttributeError {
     #[error("gfn {gfn:#x} of the memory attribute range is in no memslot")]
     OutsideMemslots {
         /// The first such page.
-        gfn: u64,
+        gfn: Gfn,
     },
     /// `PRIVATE` was asked for on a slot that has no private backing.
     #[error("memslot {id} has no private backing, so its pages cannot be made private")]
@@ -200,7 +201,7 @@ impl Memslots {
             .hooks
             .active(crate::test_hooks::inject::SKIP_CONVERSION_ZAP)
         {
-            mmu.zap_gfn_range(first_gfn, first_gfn + npages);
+            mmu.zap_gfn_range(Gfn::new(first_gfn), Gfn::new(first_gfn + npages));
         }
         // (4): back to shared, no guest maps the private pages any more: the host gets them
         // back in its direct map (scrubbed). Acceptances in flight finished under the MMU
@@ -225,28 +226,33 @@ fn pieces<'s>(
     private: bool,
 ) -> Result<Vec<Piece<'s>>, MemoryAttributeError> {
     if npages == 0 {
-        return Err(MemoryAttributeError::Empty { first_gfn });
+        return Err(MemoryAttributeError::Empty {
+            first_gfn: Gfn::new(first_gfn),
+        });
     }
     let end = first_gfn
         .checked_add(npages)
-        .ok_or(MemoryAttributeError::Overflow { first_gfn, npages })?;
+        .ok_or(MemoryAttributeError::Overflow {
+            first_gfn: Gfn::new(first_gfn),
+            npages,
+        })?;
     let mut out = Vec::new();
     let mut gfn = first_gfn;
     while gfn < end {
         // Slots are sorted and never overlap: the one containing `gfn`, if any.
-        let i = slots.partition_point(|s| s.end_gfn() <= gfn);
+        let i = slots.partition_point(|s| s.end_gfn().raw() <= gfn);
         let slot = match slots.get(i) {
-            Some(s) if s.contains(gfn) => &**s,
-            _ => return Err(MemoryAttributeError::OutsideMemslots { gfn }),
+            Some(s) if s.contains_raw(gfn) => &**s,
+            _ => return Err(MemoryAttributeError::OutsideMemslots { gfn: Gfn::new(gfn) }),
         };
         if private && slot.attrs().is_none() {
             return Err(MemoryAttributeError::NoPrivateBacking { id: slot.id });
         }
-        let stop = end.min(slot.end_gfn());
+        let stop = end.min(slot.end_gfn().raw());
         out.push(Piece {
             slot,
-            lo: gfn - slot.base_gfn,
-            hi: stop - slot.base_gfn,
+            lo: gfn - slot.base_gfn.raw(),
+            hi: stop - slot.base_gfn.raw(),
         });
         gfn = stop;
     }

@@ -16,6 +16,7 @@ use crate::format::{bytes_per_entry, pages_per_entry, Level, PteFormat, PAGE_SHI
 pub use crate::host_memory::HostRange;
 use crate::sync::Arc;
 use bitflags::bitflags;
+use slat_addr::{Gfn, Gpa, Hva, PageIndex};
 
 mod attributes;
 mod ops;
@@ -50,15 +51,15 @@ pub enum MemslotError {
         /// The slot being added or moved.
         id: SlotId,
         /// Its start.
-        gpa: u64,
+        gpa: Gpa,
         /// Its end (exclusive).
-        end: u64,
+        end: Gpa,
         /// The slot it collides with.
         other: SlotId,
         /// That slot's start.
-        other_gpa: u64,
+        other_gpa: Gpa,
         /// That slot's end (exclusive).
-        other_end: u64,
+        other_end: Gpa,
     },
     /// A guest address, size or host address is not a multiple of 4 KiB.
     #[error("memslot {id}: {what} {value:#x} is not 4 KiB aligned")]
@@ -82,7 +83,7 @@ pub enum MemslotError {
         /// The slot.
         id: SlotId,
         /// Start.
-        gpa: u64,
+        gpa: Gpa,
         /// Size.
         size: u64,
         /// Address width in bits.
@@ -132,7 +133,7 @@ pub enum MemslotError {
         /// The slot.
         id: SlotId,
         /// Host start.
-        addr: u64,
+        addr: Hva,
         /// Size.
         size: u64,
     },
@@ -169,11 +170,11 @@ pub struct Memslot {
     /// Identifier.
     pub id: SlotId,
     /// First guest frame.
-    pub base_gfn: u64,
+    pub base_gfn: Gfn,
     /// Number of 4 KiB pages.
     pub npages: u64,
     /// Host address of the first page.
-    pub host_addr: u64,
+    pub host_addr: Hva,
     /// Host page size of the backing.
     pub host_page_size: u64,
     /// The backing, held so that the host memory outlives every use of the slot (never read:
@@ -210,27 +211,41 @@ pub(crate) struct PrivateBacking {
 }
 
 impl Memslot {
+    // A published slot was validated (`validate.rs`): its guest range ends inside the
+    // format's address width and its host range inside the address space, so the unchecked
+    // arithmetic below cannot overflow.
+
     /// Guest physical address of the first byte.
-    pub fn gpa(&self) -> u64 {
-        self.base_gfn << PAGE_SHIFT
+    pub fn gpa(&self) -> Gpa {
+        Gpa::new(self.base_gfn.raw() << PAGE_SHIFT)
     }
     /// Size in bytes.
     pub fn size(&self) -> u64 {
         self.npages << PAGE_SHIFT
     }
     /// One past the last guest frame.
-    pub fn end_gfn(&self) -> u64 {
-        self.base_gfn + self.npages
+    pub fn end_gfn(&self) -> Gfn {
+        Gfn::new(self.base_gfn.raw() + self.npages)
     }
     /// The slot contains `gfn`.
     #[inline]
-    pub fn contains(&self, gfn: u64) -> bool {
-        gfn.wrapping_sub(self.base_gfn) < self.npages
+    pub fn contains(&self, gfn: Gfn) -> bool {
+        self.contains_raw(gfn.raw())
     }
-    /// Host address backing `gfn` (which must be in the slot).
     #[inline]
-    pub fn hva(&self, gfn: u64) -> u64 {
-        self.host_addr + ((gfn - self.base_gfn) << PAGE_SHIFT)
+    pub(crate) fn contains_raw(&self, gfn: u64) -> bool {
+        gfn.wrapping_sub(self.base_gfn.raw()) < self.npages
+    }
+    /// Host address backing `gfn`, or `None` outside the slot.
+    #[inline]
+    pub fn hva(&self, gfn: Gfn) -> Option<Hva> {
+        self.contains(gfn)
+            .then(|| Hva::new(self.hva_raw(gfn.raw())))
+    }
+    /// Host address backing `gfn` (in the slot: callers found the slot by it).
+    #[inline]
+    pub(crate) fn hva_raw(&self, gfn: u64) -> u64 {
+        self.host_addr.raw() + (gfn.wrapping_sub(self.base_gfn.raw()) << PAGE_SHIFT)
     }
     /// The slot has a private backing (pages may be made `PRIVATE`).
     #[inline]
@@ -240,12 +255,12 @@ impl Memslot {
     /// `gfn` is currently private (false outside the slot). Faults read it after the memslot
     /// generation (see `memslot/attributes.rs` for the order against conversions).
     #[inline]
-    pub fn is_private(&self, gfn: u64) -> bool {
+    pub fn is_private(&self, gfn: Gfn) -> bool {
         self.contains(gfn)
             && self
                 .private
                 .as_ref()
-                .is_some_and(|p| p.attrs.is_private(gfn - self.base_gfn))
+                .is_some_and(|p| p.attrs.is_private(gfn.raw() - self.base_gfn.raw()))
     }
     /// Host address backing `gfn` for an access of this kind: the private pool or the shared
     /// range (`private` without a private backing falls back to the shared range; callers
@@ -253,15 +268,17 @@ impl Memslot {
     #[inline]
     pub(crate) fn hva_for(&self, gfn: u64, private: bool) -> u64 {
         match &self.private {
-            Some(p) if private => p.host_addr + ((gfn - self.base_gfn) << PAGE_SHIFT),
-            _ => self.hva(gfn),
+            Some(p) if private => {
+                p.host_addr + (gfn.wrapping_sub(self.base_gfn.raw()) << PAGE_SHIFT)
+            }
+            _ => self.hva_raw(gfn),
         }
     }
     /// Lazy acceptance of `gfn`'s private page (in the slot, private) before it is mapped:
     /// `Already` when the backing has no direct map.
     pub(crate) fn accept_private(&self, gfn: u64) -> Acceptance {
         match self.private.as_ref().and_then(|p| p.lease.as_ref()) {
-            Some(lease) => lease.accept(gfn - self.base_gfn),
+            Some(lease) => lease.accept(gfn - self.base_gfn.raw()),
             None => Acceptance::Already,
         }
     }
@@ -287,8 +304,13 @@ impl Memslot {
     /// The largest leaf level that may map `gfn`: limited by the host page size, by the slot's
     /// edges (the whole huge range must be inside the slot) and by the guest and host addresses
     /// being congruent modulo the huge size. Dirty-logged slots map at 4 KiB (invariant 7).
+    /// 1 for a frame outside the slot.
     #[inline]
-    pub fn max_level<F: PteFormat>(&self, gfn: u64) -> Level {
+    pub fn max_level<F: PteFormat>(&self, gfn: Gfn) -> Level {
+        self.max_level_raw::<F>(gfn.raw())
+    }
+    #[inline]
+    pub(crate) fn max_level_raw<F: PteFormat>(&self, gfn: u64) -> Level {
         // A slot with a private backing maps at 4 KiB: a huge leaf would cover pages of both
         // kinds after a partial conversion (KVM tracks mixed ranges per huge page instead;
         // not done here).
@@ -300,9 +322,11 @@ impl Memslot {
             let pages = pages_per_entry(level);
             let first = gfn & !(pages - 1);
             if self.host_page_size >= bytes_per_entry(level)
-                && first >= self.base_gfn
-                && first + pages <= self.end_gfn()
-                && ((self.hva(gfn) >> PAGE_SHIFT) & (pages - 1)) == (gfn & (pages - 1))
+                && first >= self.base_gfn.raw()
+                && first
+                    .checked_add(pages)
+                    .is_some_and(|e| e <= self.end_gfn().raw())
+                && ((self.hva_raw(gfn) >> PAGE_SHIFT) & (pages - 1)) == (gfn & (pages - 1))
             {
                 return level;
             }
@@ -316,7 +340,7 @@ impl Memslot {
     pub(crate) fn mark_dirty(&self, gfn: u64) -> bool {
         match &self.dirty {
             Some(b) => {
-                b.set(gfn - self.base_gfn);
+                b.set(PageIndex::new(gfn - self.base_gfn.raw()));
                 true
             }
             None => false,
@@ -327,7 +351,7 @@ impl Memslot {
     /// [`crate::dirty::bitmap::SlotBitmap::set_after_update`]).
     pub(crate) fn mark_dirty_after_update(&self, gfn: u64) {
         if let Some(b) = &self.dirty {
-            b.set_after_update(gfn - self.base_gfn);
+            b.set_after_update(PageIndex::new(gfn - self.base_gfn.raw()));
         }
     }
 }
@@ -354,15 +378,19 @@ impl MemslotSet {
     }
     /// The slot containing `gfn`, trying index `hint` first; returns its index too.
     #[inline]
-    pub fn find(&self, gfn: u64, hint: usize) -> Option<(usize, &Arc<Memslot>)> {
+    pub fn find(&self, gfn: Gfn, hint: usize) -> Option<(usize, &Arc<Memslot>)> {
+        self.find_raw(gfn.raw(), hint)
+    }
+    #[inline]
+    pub(crate) fn find_raw(&self, gfn: u64, hint: usize) -> Option<(usize, &Arc<Memslot>)> {
         if let Some(s) = self.slots.get(hint) {
-            if s.contains(gfn) {
+            if s.contains_raw(gfn) {
                 return Some((hint, s));
             }
         }
-        let i = self.slots.partition_point(|s| s.end_gfn() <= gfn);
+        let i = self.slots.partition_point(|s| s.end_gfn().raw() <= gfn);
         match self.slots.get(i) {
-            Some(s) if s.contains(gfn) => Some((i, s)),
+            Some(s) if s.contains_raw(gfn) => Some((i, s)),
             _ => None,
         }
     }

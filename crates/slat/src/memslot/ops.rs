@@ -12,6 +12,7 @@ use crate::dirty::bitmap::SlotBitmap;
 use crate::format::{PteFormat, PAGE_SHIFT};
 use crate::mmu::Mmu;
 use crate::sync::{Arc, MutexGuard};
+use slat_addr::Gpa;
 
 /// The slots lock, held.
 pub(crate) type SlotsHeld<'a> = MutexGuard<'a, ()>;
@@ -36,7 +37,7 @@ impl Memslots {
         _held: &SlotsHeld<'_>,
         mmu: &Mmu<F>,
         id: SlotId,
-        gpa: u64,
+        gpa: Gpa,
         size: u64,
         host: HostRange,
         private: Option<PrivateMemory>,
@@ -60,14 +61,14 @@ impl Memslots {
         }
         let npages = size >> PAGE_SHIFT;
         let private = private.map(|p| PrivateBacking {
-            host_addr: p.range.addr(),
+            host_addr: p.range.addr().raw(),
             host: p.range,
             lease: p.lease,
             attrs: Arc::new(AttributeBitmap::new(npages)),
         });
         let slot = Memslot {
             id,
-            base_gfn: gpa >> PAGE_SHIFT,
+            base_gfn: gpa.gfn(),
             npages,
             host_addr: host.addr(),
             host_page_size: host.page_size(),
@@ -115,7 +116,7 @@ impl Memslots {
         _held: &SlotsHeld<'_>,
         mmu: &Mmu<F>,
         id: SlotId,
-        new_gpa: u64,
+        new_gpa: Gpa,
     ) -> Result<(), MemslotError> {
         let slot = self.existing(id)?;
         validate_range::<F>(&self.load(), id, new_gpa, slot.size(), Some(id))?;
@@ -136,13 +137,13 @@ impl Memslots {
         // of the old range, so nothing can mark through it any more.
         mmu.zap_gfn_range(slot.base_gfn, slot.end_gfn());
         mmu.rmap.unregister(slot.base_gfn);
-        mmu.rmap.register(new_gpa >> PAGE_SHIFT, slot.npages);
+        mmu.rmap.register(new_gpa.gfn(), slot.npages);
         // Step 3: the new range. The log survives the move, as in KVM
         // (`kvm_prepare_memory_region` hands the old bitmap to the new slot): its bits are
         // slot-relative, and a page written before the move and not yet harvested must still
         // be reported after it.
         let moved = Arc::new(Memslot {
-            base_gfn: new_gpa >> PAGE_SHIFT,
+            base_gfn: new_gpa.gfn(),
             ..(*slot).clone()
         });
         self.publish(mmu, |v| {

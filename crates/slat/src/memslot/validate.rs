@@ -2,23 +2,24 @@
 
 use super::{HostRange, MemslotError, MemslotFlags, MemslotSet, SlotId};
 use crate::format::{PteFormat, PAGE_SIZE};
+use slat_addr::{Gpa, Hva};
 
 /// Validates a new slot placement; `ignore` is the slot being moved.
 pub(crate) fn validate_range<F: PteFormat>(
     set: &MemslotSet,
     id: SlotId,
-    gpa: u64,
+    gpa: Gpa,
     size: u64,
     ignore: Option<SlotId>,
 ) -> Result<(), MemslotError> {
     if size == 0 {
         return Err(MemslotError::ZeroSize { id });
     }
-    if gpa % PAGE_SIZE != 0 {
+    if !gpa.is_page_aligned() {
         return Err(MemslotError::Misaligned {
             id,
             what: "guest physical address",
-            value: gpa,
+            value: gpa.raw(),
         });
     }
     if size % PAGE_SIZE != 0 {
@@ -29,7 +30,7 @@ pub(crate) fn validate_range<F: PteFormat>(
         });
     }
     let limit = 1u64 << F::MAX_PHYS_BITS;
-    if gpa >= limit || size > limit - gpa {
+    if gpa.raw() >= limit || size > limit - gpa.raw() {
         return Err(MemslotError::BeyondPhysWidth {
             id,
             gpa,
@@ -37,16 +38,18 @@ pub(crate) fn validate_range<F: PteFormat>(
             bits: F::MAX_PHYS_BITS,
         });
     }
-    let end = gpa + size;
+    // Below the address width (checked above, for this range and every published one).
+    let end = gpa.raw() + size;
     for s in set.slots.iter().filter(|s| Some(s.id) != ignore) {
-        if gpa < s.gpa() + s.size() && s.gpa() < end {
+        let other_end = s.gpa().raw() + s.size();
+        if gpa.raw() < other_end && s.gpa().raw() < end {
             return Err(MemslotError::Overlap {
                 id,
                 gpa,
-                end,
+                end: Gpa::new(end),
                 other: s.id,
                 other_gpa: s.gpa(),
-                other_end: s.gpa() + s.size(),
+                other_end: Gpa::new(other_end),
             });
         }
     }
@@ -84,17 +87,17 @@ pub(crate) fn validate_host<F: PteFormat>(
     size: u64,
     host: &HostRange,
 ) -> Result<(), MemslotError> {
-    if host.addr() % PAGE_SIZE != 0 {
+    if !host.addr().is_aligned(PAGE_SIZE) {
         return Err(MemslotError::Misaligned {
             id,
             what: "host address",
-            value: host.addr(),
+            value: host.addr().raw(),
         });
     }
     // The PTE address field must hold every host address of the slot.
-    let fits = |a: u64| F::output_addr(a) == a;
-    match host.addr().checked_add(size) {
-        Some(end) if fits(host.addr()) && fits(end - PAGE_SIZE) => {}
+    let fits = |a: u64| F::output_addr(a) == Hva::new(a);
+    match host.addr().checked_add(size).map(Hva::raw) {
+        Some(end) if fits(host.addr().raw()) && fits(end - PAGE_SIZE) => {}
         _ => {
             return Err(MemslotError::HostAddressUnmappable {
                 id,

@@ -4,6 +4,7 @@ use super::walk::Walk;
 use super::Mmu;
 use crate::format::{Level, PteFormat, PAGE_SHIFT};
 use crate::sync::pin;
+use slat_addr::Gfn;
 
 impl<F: PteFormat> Mmu<F> {
     /// Walks the whole table and counts leaves per level and linked tables (tests and
@@ -19,8 +20,8 @@ impl<F: PteFormat> Mmu<F> {
             &guard,
             self.root(),
             1,
-            0,
-            1u64 << (F::MAX_PHYS_BITS - PAGE_SHIFT),
+            Gfn::new(0),
+            Gfn::new(1u64 << (F::MAX_PHYS_BITS - PAGE_SHIFT)),
         );
         while it.valid() {
             let v = it.old;
@@ -39,9 +40,9 @@ impl<F: PteFormat> Mmu<F> {
     }
 
     /// The leaf mapping `gfn`, if any: (entry value, level). Lock-free read for tests and tools.
-    pub fn lookup(&self, gfn: u64) -> Option<(u64, Level)> {
+    pub fn lookup(&self, gfn: Gfn) -> Option<(u64, Level)> {
         let guard = pin();
-        let mut it = Walk::<F>::new(&guard, self.root(), 1, gfn, gfn + 1);
+        let mut it = Walk::<F>::new(&guard, self.root(), 1, gfn, Gfn::new(gfn.raw() + 1));
         while it.valid() {
             let v = it.old;
             if !F::is_present(v) {
@@ -81,8 +82,8 @@ impl<F: PteFormat> Mmu<F> {
             &guard,
             self.root(),
             1,
-            0,
-            1u64 << (F::MAX_PHYS_BITS - PAGE_SHIFT),
+            Gfn::new(0),
+            Gfn::new(1u64 << (F::MAX_PHYS_BITS - PAGE_SHIFT)),
         );
         while it.valid() {
             let v = it.old;
@@ -97,7 +98,7 @@ impl<F: PteFormat> Mmu<F> {
                     let got = s
                         .slot(it.gfn, it.level)
                         .map(|x| x.load(crate::sync::Ordering::Acquire));
-                    if got != Some(it.table()) {
+                    if got != Some(it.table().raw()) {
                         return Err(format!(
                             "leaf at gfn {:#x} level {} in table {:#x}: rmap has {:?}",
                             it.gfn,
@@ -124,7 +125,7 @@ impl<F: PteFormat> Mmu<F> {
                 // under the exclusive lock we still hold.
                 let page = unsafe { super::table::TablePage::at(t) };
                 let want = super::table::TableMeta::pack(
-                    gfn & !(crate::format::pages_per_entry(level + 1) - 1),
+                    Gfn::new(gfn.raw() & !(crate::format::pages_per_entry(level + 1) - 1)),
                     level,
                 );
                 if page.meta().get() != want {

@@ -24,6 +24,8 @@ use crate::test_hooks::Hooks;
 use flush::{FlushDomain, PendingFlush};
 use lock::MmuLock;
 use rmap::Rmap;
+use slat_addr::Gfn;
+use slat_addr::Hva;
 use std::marker::PhantomData;
 use table::{OwnedTable, TableAlloc, TablePage};
 
@@ -31,7 +33,7 @@ use table::{OwnedTable, TableAlloc, TablePage};
 pub(crate) struct Mmu<F: PteFormat> {
     pub(crate) config: VmConfig,
     /// Host address of the root table page (owned here, freed on drop).
-    root: u64,
+    root: Hva,
     pub(crate) lock: MmuLock,
     pub(crate) alloc: Arc<TableAlloc>,
     /// Counters of operations without a vCPU (vCPUs count in blocks of their own).
@@ -49,14 +51,17 @@ impl<F: PteFormat> Mmu<F> {
     pub(crate) fn new(config: VmConfig) -> Self {
         let alloc = Arc::new(TableAlloc::new());
         let root_page = alloc.alloc();
-        root_page.page().meta().set(0, F::ROOT_LEVEL);
+        root_page.page().meta().set(Gfn::new(0), F::ROOT_LEVEL);
         let root = root_page.into_linked();
         let counters = Counters::default();
         counters.add_shared(Stat::TablePages, 1);
         Mmu {
             config,
             root,
-            lock: MmuLock::new(config.mmu_lock),
+            lock: MmuLock::new(
+                config.mmu_lock,
+                config.wrprot == crate::config::WrprotVariant::RmapLockless,
+            ),
             alloc,
             counters,
             flush: FlushDomain::new(),
@@ -67,7 +72,7 @@ impl<F: PteFormat> Mmu<F> {
     }
 
     /// Host address of the root table.
-    pub(crate) fn root_addr(&self) -> u64 {
+    pub(crate) fn root_addr(&self) -> Hva {
         self.root
     }
 
@@ -100,7 +105,7 @@ impl<F: PteFormat> Mmu<F> {
 
     /// Frees every table under the root. Exclusive access: no vCPU can run.
     fn free_all(&mut self) {
-        fn free_rec<F: PteFormat>(alloc: &TableAlloc, addr: u64, level: Level, root: bool) {
+        fn free_rec<F: PteFormat>(alloc: &TableAlloc, addr: Hva, level: Level, root: bool) {
             // SAFETY: `&mut Mmu` means no walker or vCPU is left; every linked page is live.
             let t = unsafe { TablePage::at(addr) };
             if level > 1 {

@@ -10,22 +10,23 @@
 //! retired in two grace periods ([`Rmap::retire`]) so a slot never names freed memory.
 
 use super::table::{OwnedTable, TableAlloc, TableMeta, TablePage};
-use crate::format::{pages_per_entry, Level};
+use crate::format::{pages_per_entry, FrameStep, Level};
 use crate::sync::{pin, Arc, AtomicU64, Ordering, Published};
+use slat_addr::{Gfn, Hva};
 
 /// Levels that can hold leaves (4 KiB, 2 MiB, 1 GiB).
 pub(crate) const RMAP_LEVELS: usize = 3;
 
 /// The rmap of one memslot's gfn range.
 pub(crate) struct SlotRmap {
-    base_gfn: u64,
+    base_gfn: Gfn,
     npages: u64,
     /// Per level (index 0 = 4 KiB): one slot per level-aligned block overlapping the range.
     levels: [Box<[AtomicU64]>; RMAP_LEVELS],
 }
 
 impl SlotRmap {
-    fn new(base_gfn: u64, npages: u64) -> Self {
+    fn new(base_gfn: Gfn, npages: u64) -> Self {
         let levels = std::array::from_fn(|i| {
             let n = Self::blocks(base_gfn, npages, i as Level + 1);
             (0..n).map(|_| AtomicU64::new(0)).collect::<Box<[_]>>()
@@ -37,43 +38,44 @@ impl SlotRmap {
         }
     }
 
-    fn blocks(base_gfn: u64, npages: u64, level: Level) -> usize {
+    fn blocks(base_gfn: Gfn, npages: u64, level: Level) -> usize {
         if npages == 0 {
             return 0;
         }
+        let base_gfn = base_gfn.raw();
         let sh = pages_per_entry(level).trailing_zeros();
         (((base_gfn + npages - 1) >> sh) - (base_gfn >> sh) + 1) as usize
     }
 
     /// One past the last gfn.
-    pub(crate) fn end_gfn(&self) -> u64 {
-        self.base_gfn + self.npages
+    pub(crate) fn end_gfn(&self) -> Gfn {
+        self.base_gfn.plus(self.npages)
     }
 
-    fn covers(&self, gfn: u64) -> bool {
+    fn covers(&self, gfn: Gfn) -> bool {
         gfn >= self.base_gfn && gfn < self.end_gfn()
     }
 
     /// The slot for the `level` entry whose range starts at (or contains) `gfn`.
     #[inline]
-    pub(crate) fn slot(&self, gfn: u64, level: Level) -> Option<&AtomicU64> {
+    pub(crate) fn slot(&self, gfn: Gfn, level: Level) -> Option<&AtomicU64> {
         if !(1..=RMAP_LEVELS as Level).contains(&level) {
             return None;
         }
         let sh = pages_per_entry(level).trailing_zeros();
-        let i = (gfn >> sh).checked_sub(self.base_gfn >> sh)?;
+        let i = (gfn.raw() >> sh).checked_sub(self.base_gfn.raw() >> sh)?;
         self.levels[level as usize - 1].get(i as usize)
     }
 
     /// Every non-empty slot: (first gfn of the entry, level, table address).
-    pub(crate) fn entries(&self) -> impl Iterator<Item = (u64, Level, u64)> + '_ {
+    pub(crate) fn entries(&self) -> impl Iterator<Item = (Gfn, Level, Hva)> + '_ {
         self.levels.iter().enumerate().flat_map(move |(li, v)| {
             let level = li as Level + 1;
             let sh = pages_per_entry(level).trailing_zeros();
-            let first = self.base_gfn >> sh;
+            let first = self.base_gfn.raw() >> sh;
             v.iter().enumerate().filter_map(move |(i, s)| {
                 let t = s.load(Ordering::Acquire);
-                (t != 0).then_some(((first + i as u64) << sh, level, t))
+                (t != 0).then_some((Gfn::new((first + i as u64) << sh), level, Hva::new(t)))
             })
         })
     }
@@ -104,7 +106,7 @@ impl Rmap {
     }
 
     /// Registers a gfn range before anything can map it (memslot add, the new range of a move).
-    pub(crate) fn register(&self, base_gfn: u64, npages: u64) {
+    pub(crate) fn register(&self, base_gfn: Gfn, npages: u64) {
         if !self.enabled {
             return;
         }
@@ -115,7 +117,7 @@ impl Rmap {
 
     /// Unregisters a range after it was zapped and flushed (memslot delete, the old range of a
     /// move). Slots still set are counted in [`Self::leaked`].
-    pub(crate) fn unregister(&self, base_gfn: u64) {
+    pub(crate) fn unregister(&self, base_gfn: Gfn) {
         if !self.enabled {
             return;
         }
@@ -141,7 +143,7 @@ impl Rmap {
     /// Runs `f` on the slot of (`gfn`, `level`), if a registered range holds it. No reference
     /// count is touched: every fault that installs a leaf comes through here.
     #[inline]
-    fn with_slot(&self, gfn: u64, level: Level, f: impl FnOnce(&AtomicU64)) {
+    fn with_slot(&self, gfn: Gfn, level: Level, f: impl FnOnce(&AtomicU64)) {
         if !self.enabled {
             return;
         }
@@ -158,7 +160,7 @@ impl Rmap {
 
     /// The rmap of the range holding `gfn`.
     #[inline]
-    pub(crate) fn find(&self, gfn: u64) -> Option<Arc<SlotRmap>> {
+    pub(crate) fn find(&self, gfn: Gfn) -> Option<Arc<SlotRmap>> {
         if !self.enabled {
             return None;
         }
@@ -173,25 +175,29 @@ impl Rmap {
     /// A leaf appeared at `level` for `gfn` in `table`. Release: a reader that sees the table
     /// address sees the table's header and the leaf that was published before this.
     #[inline]
-    pub(crate) fn insert(&self, gfn: u64, level: Level, table: u64) {
-        self.with_slot(gfn, level, |slot| slot.store(table, Ordering::Release));
+    pub(crate) fn insert(&self, gfn: Gfn, level: Level, table: Hva) {
+        self.with_slot(gfn, level, |slot| {
+            slot.store(table.raw(), Ordering::Release)
+        });
     }
 
     /// Like [`Self::insert`], but only into an empty slot (a split racing other splits of the
     /// same leaf, before its compare-and-swap).
     #[inline]
-    pub(crate) fn claim(&self, gfn: u64, level: Level, table: u64) {
+    pub(crate) fn claim(&self, gfn: Gfn, level: Level, table: Hva) {
         self.with_slot(gfn, level, |slot| {
-            let _ = slot.compare_exchange(0, table, Ordering::AcqRel, Ordering::Relaxed);
+            let t = table.raw();
+            let _ = slot.compare_exchange(0, t, Ordering::AcqRel, Ordering::Relaxed);
         });
     }
 
     /// The leaf at `level` for `gfn` in `table` went away. Only clears a slot that still names
     /// `table`: another table may already have taken over the gfn (a split's new leaves).
     #[inline]
-    pub(crate) fn remove(&self, gfn: u64, level: Level, table: u64) {
+    pub(crate) fn remove(&self, gfn: Gfn, level: Level, table: Hva) {
         self.with_slot(gfn, level, |slot| {
-            let _ = slot.compare_exchange(table, 0, Ordering::AcqRel, Ordering::Relaxed);
+            let t = table.raw();
+            let _ = slot.compare_exchange(t, 0, Ordering::AcqRel, Ordering::Relaxed);
         });
     }
 
@@ -210,7 +216,7 @@ impl Rmap {
             guard.flush();
             return;
         }
-        let addrs: Vec<u64> = pages.into_iter().map(OwnedTable::into_linked).collect();
+        let addrs: Vec<Hva> = pages.into_iter().map(OwnedTable::into_linked).collect();
         let rmap = this.clone();
         let alloc = alloc.clone();
         guard.defer(move || {
@@ -242,7 +248,7 @@ impl Rmap {
         let step = pages_per_entry(level);
         let addr = page.addr();
         for i in 0..crate::format::ENTRIES_PER_TABLE as u64 {
-            self.remove(first + i * step, level, addr);
+            self.remove(Gfn::new(first + i * step), level, addr);
         }
     }
 }
@@ -255,7 +261,7 @@ impl Rmap {
 #[inline]
 pub(crate) unsafe fn validated<'a>(
     slot: &AtomicU64,
-    gfn: u64,
+    gfn: Gfn,
     level: Level,
 ) -> Option<&'a TablePage> {
     // Acquire: pairs with the inserter's release store, so the header and the leaf it
@@ -266,7 +272,7 @@ pub(crate) unsafe fn validated<'a>(
     }
     // SAFETY: a slot names only pages not yet freed, or pages whose free waits for a grace
     // period that began after the slot was cleared ([`Rmap::retire`]); the caller is pinned.
-    let page = unsafe { TablePage::at(t) };
-    let first = gfn & !(pages_per_entry(level + 1) - 1);
+    let page = unsafe { TablePage::at(Hva::new(t)) };
+    let first = super::walk::round_down(gfn, pages_per_entry(level + 1));
     (page.meta().get() == TableMeta::pack(first, level)).then_some(page)
 }

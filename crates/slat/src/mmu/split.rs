@@ -3,24 +3,27 @@
 //! remove one page).
 
 use super::flush::PendingFlush;
+use super::lock::Shared;
 use super::walk::Walk;
 use super::Mmu;
 use crate::format::PteFormat;
 use crate::stats::Stat;
 use crate::sync::{pin, Ordering};
+use slat_addr::Gfn;
 
 /// Replaces every huge leaf in `[start, end)` with a table of equivalent smaller leaves,
 /// down to 4 KiB (a 1 GiB leaf becomes 2 MiB leaves, which the pre-order walk then visits
-/// and splits in turn). Updates are compare-and-swaps, so this runs under the MMU lock in
-/// either mode, racing with faults; a lost race re-reads the entry. No flush where the
+/// and splits in turn). Updates are compare-and-swaps (`w`), so this runs under the MMU lock
+/// in either mode, racing with faults; a lost race re-reads the entry. No flush where the
 /// format allows both translations at once (they are identical); with break-before-make
 /// each block is invalidated and flushed before its table goes in (KVM arm64's
 /// `kvm_pgtable_stage2_split`), and no cache maintenance: the memory is mapped already.
 /// Returns the number of leaves split.
 pub(crate) fn split_huge_pages<F: PteFormat>(
     mmu: &Mmu<F>,
-    start: u64,
-    end: u64,
+    w: Shared<'_>,
+    start: Gfn,
+    end: Gfn,
     pending: &mut PendingFlush,
 ) -> u64 {
     let guard = pin();
@@ -36,7 +39,7 @@ pub(crate) fn split_huge_pages<F: PteFormat>(
                 e.store(F::split_child(old, it.level, i), Ordering::Relaxed);
             }
             let table = F::make_table(child.addr());
-            match mmu.replace_spte(&mut it, table, false, sink, pending) {
+            match mmu.replace_spte(&mut it, table, false, w, sink, pending) {
                 Ok(()) => {
                     child.into_linked();
                     sink.inc(Stat::Splits);

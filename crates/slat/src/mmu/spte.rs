@@ -5,39 +5,30 @@
 //! [`PendingFlush`], whether a flush is owed) happens here and nowhere else.
 
 use super::flush::PendingFlush;
+use super::lock::{Shared, SpteWriter};
 use super::table::{OwnedTable, TablePage};
 use super::walk::Walk;
 use super::Mmu;
 use crate::cmo::clean_new_mapping;
 use crate::config::RebuildOrder;
-use crate::format::{bytes_per_entry, pages_per_entry, Access, Level, PteFormat};
+use crate::format::{bytes_per_entry, pages_per_entry, Access, FrameStep, Level, PteFormat};
 use crate::stats::{leaf_stat, Sink, Stat};
 use crate::sync::{self, AtomicU64, Ordering};
-
-/// How an entry update may race with others.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum UpdateMode {
-    /// MMU lock held shared (or none): compare-and-swap against the walker's snapshot.
-    Shared,
-    /// MMU lock held exclusively: only lock-free fixers and hardware race with us, so an
-    /// exchange (never lost, never retried) suffices for entries they may change, and a
-    /// plain store for the rest ([`PteFormat::needs_atomic_update`]).
-    Exclusive,
-}
+use slat_addr::{Gfn, Hva};
 
 /// The entry changed under us; the caller re-reads and retries, or gives up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Busy;
 
 impl<F: PteFormat> Mmu<F> {
-    /// Replaces the walker's current entry with `new`. Under [`UpdateMode::Shared`] this is a
+    /// Replaces the walker's current entry with `new`. With a [`Shared`] writer this is a
     /// compare-and-swap against `it.old` (invariant 1): on failure `it.old` holds the value that
     /// won and the caller decides whether to retry. See [`Self::update_spte`].
-    pub(crate) fn set_spte(
+    pub(crate) fn set_spte<W: SpteWriter>(
         &self,
         it: &mut Walk<'_, F>,
         new: u64,
-        mode: UpdateMode,
+        writer: W,
         sink: Sink<'_>,
         pending: &mut PendingFlush,
     ) -> Result<(), Busy> {
@@ -48,7 +39,7 @@ impl<F: PteFormat> Mmu<F> {
             it.gfn,
             &mut old,
             new,
-            mode,
+            writer,
             sink,
             pending,
         );
@@ -58,26 +49,27 @@ impl<F: PteFormat> Mmu<F> {
 
     /// The one SPTE update every change goes through, for callers that hold the entry's
     /// address already (a harvest re-arming entries of one leaf table): `*old` is the value
-    /// the caller read, `gfn` the first gfn the entry maps. Shared mode: compare-and-swap, and on failure `*old` becomes the value
-    /// that won. Exclusive mode: an exchange if others may change the entry, else a plain
-    /// store. Bookkeeping for what changed (leaf gauges, tables unlinked into `pending`,
+    /// the caller read, `gfn` the first gfn the entry maps. The writer is the witness of how
+    /// the MMU lock is held ([`super::lock`]): [`Shared`], a compare-and-swap, and on failure
+    /// `*old` becomes the value that won; [`super::lock::Exclusive`], an exchange if lock-free
+    /// writers may change the entry, else a plain store. Bookkeeping for what changed (leaf gauges, tables unlinked into `pending`,
     /// whether a flush is owed) happens here and nowhere else.
-    // Always inlined: callers pass constant levels and modes, which prunes most of it (a
-    // harvest's re-arm is then a few instructions around one store).
+    // Always inlined: callers pass constant levels, and the writer's type is a constant too,
+    // which prunes most of it (a harvest's re-arm is then a few instructions around one store).
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn update_spte(
+    pub(crate) fn update_spte<W: SpteWriter>(
         &self,
         sptep: &AtomicU64,
         level: Level,
-        gfn: u64,
+        gfn: Gfn,
         old: &mut u64,
         new: u64,
-        mode: UpdateMode,
+        writer: W,
         sink: Sink<'_>,
         pending: &mut PendingFlush,
     ) -> Result<(), Busy> {
-        debug_assert!(*old != F::FROZEN || mode == UpdateMode::Exclusive);
+        debug_assert!(*old != F::FROZEN || W::EXCLUSIVE);
         let table = table_of(sptep);
         let links_table = level > 1
             && F::is_present(new)
@@ -86,7 +78,7 @@ impl<F: PteFormat> Mmu<F> {
                 && !F::is_leaf(*old, level)
                 && F::output_addr(*old) == F::output_addr(new));
         if links_table {
-            self.before_publishing_table(gfn, level, *old, new, mode == UpdateMode::Shared);
+            self.before_publishing_table(gfn, level, *old, new, !W::EXCLUSIVE);
         }
         // A leaf appears here: into the rmap *before* it is published, so whoever can see the
         // leaf (a vCPU that then makes it writable and marks the page, a harvest that consumed
@@ -99,46 +91,26 @@ impl<F: PteFormat> Mmu<F> {
         if adds_leaf && self.rmap.enabled() {
             self.rmap_insert_leaf(gfn, level, table);
         }
-        let prev = match mode {
-            UpdateMode::Shared => {
-                match sptep.compare_exchange(*old, new, Ordering::AcqRel, Ordering::Acquire) {
-                    Ok(v) => v,
-                    Err(cur) => {
-                        if links_table {
-                            self.unpublished_table_lost(gfn, level, *old, new);
-                        }
-                        if adds_leaf
-                            && self.rmap.enabled()
-                            && !(F::is_present(cur) && F::is_leaf(cur, level))
-                        {
-                            // Undo, unless a leaf won the race here: its installer inserted
-                            // the same table first. Anyone else racing to install a leaf
-                            // expected the same old value and fails too.
-                            self.rmap.remove(gfn, level, table);
-                        }
-                        *old = cur;
-                        return Err(Busy);
-                    }
+        let prev = match writer.write::<F>(sptep, *old, new, level) {
+            Ok(v) => v,
+            Err(cur) => {
+                if links_table {
+                    self.unpublished_table_lost(gfn, level, *old, new);
                 }
-            }
-            // With `rmap-lockless` a harvest clears W without the lock, so even an entry
-            // hardware and the fast path leave alone may change under an exclusive holder:
-            // exchange, and account for the value that was really there.
-            UpdateMode::Exclusive
-                if F::needs_atomic_update(*old, level)
-                    || self.config.wrprot == crate::config::WrprotVariant::RmapLockless =>
-            {
-                sptep.swap(new, Ordering::AcqRel)
-            }
-            UpdateMode::Exclusive => {
-                // Nobody else may write this entry while we hold the lock exclusively, so
-                // `*old` is still its value and a plain store suffices (no locked RMW).
-                debug_assert_eq!(sptep.load(Ordering::Relaxed), *old);
-                sptep.store(new, Ordering::Release);
-                *old
+                if adds_leaf
+                    && self.rmap.enabled()
+                    && !(F::is_present(cur) && F::is_leaf(cur, level))
+                {
+                    // Undo, unless a leaf won the race here: its installer inserted the same
+                    // table first. Anyone else racing to install a leaf expected the same old
+                    // value and fails too.
+                    self.rmap.remove(gfn, level, table);
+                }
+                *old = cur;
+                return Err(Busy);
             }
         };
-        if links_table && mode == UpdateMode::Shared {
+        if links_table && !W::EXCLUSIVE {
             self.split_published(gfn, level, prev, new);
         }
         *old = new;
@@ -158,7 +130,7 @@ impl<F: PteFormat> Mmu<F> {
     /// its compare-and-swap ([`Self::split_published`]). Without `racing` (the entry is
     /// locked by break-before-make) the slots are simply stored.
     #[cold]
-    fn before_publishing_table(&self, gfn: u64, level: Level, old: u64, new: u64, racing: bool) {
+    fn before_publishing_table(&self, gfn: Gfn, level: Level, old: u64, new: u64, racing: bool) {
         // SAFETY: `new` names a table page the caller owns and is about to link.
         let child = unsafe { TablePage::at(F::output_addr(new)) };
         child.meta().set(gfn, level - 1);
@@ -168,7 +140,7 @@ impl<F: PteFormat> Mmu<F> {
     }
 
     /// Puts the leaves of a split's table in the rmap (see [`Self::before_publishing_table`]).
-    fn insert_children(&self, child: &TablePage, gfn: u64, level: Level, claim: bool) {
+    fn insert_children(&self, child: &TablePage, gfn: Gfn, level: Level, claim: bool) {
         if self
             .hooks
             .active(crate::test_hooks::inject::SKIP_RMAP_INSERT)
@@ -179,7 +151,7 @@ impl<F: PteFormat> Mmu<F> {
         for (i, e) in child.entries.iter().enumerate() {
             let v = e.load(Ordering::Relaxed);
             if F::is_present(v) && F::is_leaf(v, level) {
-                let g = gfn + i as u64 * step;
+                let g = gfn.plus(i as u64 * step);
                 if claim {
                     self.rmap.claim(g, level, child.addr());
                 } else {
@@ -194,7 +166,7 @@ impl<F: PteFormat> Mmu<F> {
     /// before the old leaf's slot is removed, so a lock-free reader finds either the old
     /// slot (naming a table whose entry now leads to the new table) or the new ones.
     #[cold]
-    fn split_published(&self, gfn: u64, level: Level, old: u64, new: u64) {
+    fn split_published(&self, gfn: Gfn, level: Level, old: u64, new: u64) {
         if self.rmap.enabled() && F::is_present(old) && F::is_leaf(old, level) {
             // SAFETY: just linked by us; freeing it needs a flush and a grace period our
             // caller's pin (or lock) spans.
@@ -205,7 +177,7 @@ impl<F: PteFormat> Mmu<F> {
 
     /// Inserts a leaf about to be published (unless a test hook breaks the order on purpose).
     #[inline(never)]
-    fn rmap_insert_leaf(&self, gfn: u64, level: Level, table: u64) {
+    fn rmap_insert_leaf(&self, gfn: Gfn, level: Level, table: Hva) {
         if self
             .hooks
             .active(crate::test_hooks::inject::SKIP_RMAP_INSERT)
@@ -219,11 +191,11 @@ impl<F: PteFormat> Mmu<F> {
     /// table (enabling logging, under the MMU lock in a slot that now maps 4 KiB only, so no
     /// shared-lock restructuring races it). Repairs what a race between two shared-lock
     /// restructurings may have left while the slot was not logged (ARCHITECTURE.md).
-    pub(crate) fn rmap_reassert(&self, gfn: u64, level: Level, table: u64) {
+    pub(crate) fn rmap_reassert(&self, gfn: Gfn, level: Level, table: Hva) {
         if let Some(s) = self.rmap.find(gfn) {
             if let Some(slot) = s.slot(gfn, level) {
-                if slot.load(Ordering::Relaxed) != table {
-                    slot.store(table, Ordering::Release);
+                if slot.load(Ordering::Relaxed) != table.raw() {
+                    slot.store(table.raw(), Ordering::Release);
                 }
             }
         }
@@ -232,14 +204,14 @@ impl<F: PteFormat> Mmu<F> {
     /// The compare-and-swap that would have published a split's table failed: take its leaves
     /// out of the rmap again (nobody else can have inserted this unpublished page).
     #[cold]
-    fn unpublished_table_lost(&self, gfn: u64, level: Level, old: u64, new: u64) {
+    fn unpublished_table_lost(&self, gfn: Gfn, level: Level, old: u64, new: u64) {
         if !(self.rmap.enabled() && F::is_present(old) && F::is_leaf(old, level)) {
             return;
         }
         let step = pages_per_entry(level - 1);
         let child = F::output_addr(new);
         for i in 0..crate::format::ENTRIES_PER_TABLE as u64 {
-            self.rmap.remove(gfn + i * step, level - 1, child);
+            self.rmap.remove(gfn.plus(i * step), level - 1, child);
         }
     }
 
@@ -267,16 +239,20 @@ impl<F: PteFormat> Mmu<F> {
     /// The break and the make are the only entry writes outside [`Self::update_spte`]: the
     /// transient locked value is not a change of mapping, so the bookkeeping is done once for
     /// the whole old → new transition (or old → locked at a break-first teardown), here.
+    ///
+    /// The writer is a [`Shared`] one: the break is a compare-and-swap whatever the lock mode,
+    /// and the make stores to an entry the break made ours.
     pub(crate) fn replace_spte(
         &self,
         it: &mut Walk<'_, F>,
         new: u64,
         cmo: bool,
+        writer: Shared<'_>,
         sink: Sink<'_>,
         pending: &mut PendingFlush,
     ) -> Result<(), Busy> {
         if !F::BREAK_BEFORE_MAKE {
-            return self.set_spte(it, new, UpdateMode::Shared, sink, pending);
+            return self.set_spte(it, new, writer, sink, pending);
         }
         let old = it.old;
         let level = it.level;
@@ -323,7 +299,7 @@ impl<F: PteFormat> Mmu<F> {
         }
         if cmo && F::is_present(new) && F::is_leaf(new, level) {
             clean_new_mapping(
-                F::output_addr(new),
+                F::output_addr(new).raw(),
                 bytes_per_entry(level),
                 F::permits(new, Access::Exec),
                 sink,
@@ -364,8 +340,8 @@ impl<F: PteFormat> Mmu<F> {
     #[allow(clippy::too_many_arguments)]
     fn handle_changed_spte(
         &self,
-        gfn: u64,
-        table: u64,
+        gfn: Gfn,
+        table: Hva,
         old: u64,
         new: u64,
         level: Level,
@@ -395,8 +371,8 @@ impl<F: PteFormat> Mmu<F> {
     #[allow(clippy::too_many_arguments)]
     fn handle_changed_structure(
         &self,
-        gfn: u64,
-        table: u64,
+        gfn: Gfn,
+        table: Hva,
         old: u64,
         new: u64,
         level: Level,
@@ -463,8 +439,8 @@ impl<F: PteFormat> Mmu<F> {
     /// fails its CAS and re-walks), accounts and recurses, and queues the page for freeing.
     fn unlink_table(
         &self,
-        addr: u64,
-        gfn: u64,
+        addr: Hva,
+        gfn: Gfn,
         level: Level,
         sink: Sink<'_>,
         pending: &mut PendingFlush,
@@ -474,7 +450,7 @@ impl<F: PteFormat> Mmu<F> {
         let t = unsafe { TablePage::at(addr) };
         let step = pages_per_entry(level);
         for (i, e) in t.entries.iter().enumerate() {
-            let egfn = gfn + i as u64 * step;
+            let egfn = gfn.plus(i as u64 * step);
             let v = if F::BREAK_BEFORE_MAKE {
                 freeze_after_make::<F>(e)
             } else {
@@ -505,8 +481,8 @@ impl<F: PteFormat> Mmu<F> {
 
 /// Host address of the table page holding `sptep` (pages are 4 KiB-aligned arrays of entries).
 #[inline(always)]
-fn table_of(sptep: &AtomicU64) -> u64 {
-    sptep as *const AtomicU64 as u64 & !(crate::format::PAGE_SIZE - 1)
+fn table_of(sptep: &AtomicU64) -> Hva {
+    Hva::new(sptep as *const AtomicU64 as u64 & !(crate::format::PAGE_SIZE - 1))
 }
 
 /// Freezes an entry of a table being unlinked, under break-before-make. A locked entry (the

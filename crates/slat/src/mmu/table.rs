@@ -8,6 +8,7 @@
 
 use crate::format::ENTRIES_PER_TABLE;
 use crate::sync::{AtomicU64, Guard, Ordering};
+use slat_addr::{Gfn, Hva};
 use std::ptr::NonNull;
 
 /// One page of a second-stage page table.
@@ -34,14 +35,14 @@ pub(crate) struct TableMeta {
 impl TableMeta {
     /// Packs a first gfn and a level.
     #[inline]
-    pub(crate) fn pack(first_gfn: u64, level: u8) -> u64 {
-        (first_gfn << 3) | level as u64
+    pub(crate) fn pack(first_gfn: Gfn, level: u8) -> u64 {
+        (first_gfn.raw() << 3) | level as u64
     }
     /// Records what the page maps. Called by the only owner of an unpublished page (or under
     /// the exclusive lock for the root); publication (a release CAS or store of the parent
     /// entry, or a release store of an rmap slot after it) makes it visible.
     #[inline]
-    pub(crate) fn set(&self, first_gfn: u64, level: u8) {
+    pub(crate) fn set(&self, first_gfn: Gfn, level: u8) {
         self.packed
             .store(Self::pack(first_gfn, level), Ordering::Relaxed);
     }
@@ -73,9 +74,9 @@ impl TablePage {
     /// (the caller is pinned in the reclamation epoch or holds the MMU lock for write and has
     /// not freed it).
     #[inline]
-    pub unsafe fn at<'a>(addr: u64) -> &'a TablePage {
+    pub unsafe fn at<'a>(addr: Hva) -> &'a TablePage {
         // SAFETY: guaranteed by the caller (see above).
-        let page = unsafe { &*(addr as *const TablePage) };
+        let page = unsafe { &*addr.as_ptr::<TablePage>() };
         #[cfg(loom)]
         loom_life::check_use(page);
         page
@@ -83,8 +84,8 @@ impl TablePage {
 
     /// Host address of this page (what a table entry stores).
     #[inline]
-    pub fn addr(&self) -> u64 {
-        self as *const TablePage as u64
+    pub fn addr(&self) -> Hva {
+        Hva::from_ptr(self)
     }
 
     /// The page's header: which gfn range and level it maps.
@@ -108,8 +109,8 @@ unsafe impl Send for OwnedTable {}
 
 impl OwnedTable {
     /// Host address of the page.
-    pub fn addr(&self) -> u64 {
-        self.0.as_ptr() as u64
+    pub fn addr(&self) -> Hva {
+        Hva::from_ptr(self.0.as_ptr())
     }
     /// The page (still exclusively ours; writes need no atomics but use them for uniformity).
     pub fn page(&self) -> &TablePage {
@@ -121,15 +122,15 @@ impl OwnedTable {
     /// # Safety
     /// `addr` must be a page allocated by a [`TableAlloc`] that is no longer linked anywhere and
     /// that nobody else will free.
-    pub unsafe fn from_unlinked(addr: u64) -> OwnedTable {
+    pub unsafe fn from_unlinked(addr: Hva) -> OwnedTable {
         // SAFETY: non-null by the caller's guarantee.
-        let t = OwnedTable(unsafe { NonNull::new_unchecked(addr as *mut TablePage) });
+        let t = OwnedTable(unsafe { NonNull::new_unchecked(addr.as_ptr::<TablePage>()) });
         #[cfg(loom)]
         loom_life::advance(t.page(), loom_life::UNLINKED);
         t
     }
     /// Gives up ownership: the page is now linked into the tree.
-    pub fn into_linked(self) -> u64 {
+    pub fn into_linked(self) -> Hva {
         let a = self.addr();
         std::mem::forget(self);
         a
@@ -204,7 +205,7 @@ impl TableAlloc {
         for t in &pages {
             loom_life::advance(t.page(), loom_life::FREE_PENDING);
         }
-        let addrs: Vec<u64> = pages.into_iter().map(OwnedTable::into_linked).collect();
+        let addrs: Vec<Hva> = pages.into_iter().map(OwnedTable::into_linked).collect();
         guard.defer(move || {
             for a in addrs {
                 // SAFETY: the page was unlinked, flushed from every TLB and the grace period has
@@ -359,7 +360,7 @@ pub(crate) mod loom_life {
                 page.addr()
             ));
         } else {
-            report().graveyard.push(page.addr() as usize);
+            report().graveyard.push(page.addr().raw() as usize);
         }
     }
 

@@ -11,19 +11,20 @@
 use crate::format::{pages_per_entry, table_index, Level, PteFormat, MAX_LEVELS};
 use crate::mmu::table::TablePage;
 use crate::sync::{AtomicU64, Guard, Ordering};
+use slat_addr::{Gfn, Hva};
 use std::marker::PhantomData;
 
 /// A position in a walk of `[start, end)` (GFNs).
 pub struct Walk<'g, F: PteFormat> {
-    path: [u64; MAX_LEVELS + 1],
-    root: u64,
+    path: [Hva; MAX_LEVELS + 1],
+    root: Hva,
     min_level: Level,
-    end: u64,
+    end: Gfn,
     /// The lowest GFN not yet fully visited; where a restart resumes.
-    next_gfn: u64,
-    yielded_gfn: u64,
+    next_gfn: Gfn,
+    yielded_gfn: Gfn,
     /// First GFN covered by the current entry.
-    pub gfn: u64,
+    pub gfn: Gfn,
     /// Level of the current entry.
     pub level: Level,
     /// The value of the current entry when it was last read (refreshed by failed updates).
@@ -40,20 +41,20 @@ impl<'g, F: PteFormat> Walk<'g, F> {
         _guard: &'g Guard,
         root: &TablePage,
         min_level: Level,
-        start: u64,
-        end: u64,
+        start: Gfn,
+        end: Gfn,
     ) -> Self {
         debug_assert!(min_level >= 1 && min_level <= F::ROOT_LEVEL);
         // Table indices wrap above the format's width: never walk beyond it.
-        let end = end.min(1u64 << (F::MAX_PHYS_BITS - crate::format::PAGE_SHIFT));
+        let end = end.min(max_gfn::<F>());
         let mut w = Walk {
-            path: [0; MAX_LEVELS + 1],
+            path: [Hva::ZERO; MAX_LEVELS + 1],
             root: root.addr(),
             min_level,
             end,
             next_gfn: start,
             yielded_gfn: start,
-            gfn: 0,
+            gfn: Gfn::ZERO,
             level: F::ROOT_LEVEL,
             old: 0,
             valid: start < end,
@@ -68,18 +69,20 @@ impl<'g, F: PteFormat> Walk<'g, F> {
     /// the leaf, or the first entry that is not present (the lock-free fast path's descent,
     /// without the general iterator's side steps).
     #[inline]
-    pub fn to_leaf(guard: &'g Guard, root: &TablePage, gfn: u64) -> Self {
+    pub fn to_leaf(guard: &'g Guard, root: &TablePage, gfn: Gfn) -> Self {
+        let valid = gfn < max_gfn::<F>();
         let mut w = Walk {
-            path: [0; MAX_LEVELS + 1],
+            path: [Hva::ZERO; MAX_LEVELS + 1],
             root: root.addr(),
             min_level: 1,
-            end: gfn + 1,
+            // Below the format's width when valid, so `+ 1` cannot overflow.
+            end: if valid { Gfn::new(gfn.raw() + 1) } else { gfn },
             next_gfn: gfn,
             yielded_gfn: gfn,
             gfn: round_down(gfn, pages_per_entry(F::ROOT_LEVEL)),
             level: F::ROOT_LEVEL,
             old: 0,
-            valid: gfn < (1u64 << (F::MAX_PHYS_BITS - crate::format::PAGE_SHIFT)),
+            valid,
             yielded: false,
             _guard: PhantomData,
         };
@@ -101,7 +104,7 @@ impl<'g, F: PteFormat> Walk<'g, F> {
 
     /// Address of the table holding the current entry.
     #[inline]
-    pub fn table(&self) -> u64 {
+    pub fn table(&self) -> Hva {
         self.path[self.level as usize]
     }
 
@@ -129,8 +132,9 @@ impl<'g, F: PteFormat> Walk<'g, F> {
 
     /// One past the last GFN the current entry covers.
     #[inline]
-    pub fn entry_end(&self) -> u64 {
-        self.gfn + pages_per_entry(self.level)
+    pub fn entry_end(&self) -> Gfn {
+        // The current entry lies below the format's width (`max_gfn`).
+        Gfn::new(self.gfn.raw() + pages_per_entry(self.level))
     }
 
     /// The caller dropped (or is about to drop) the lock or guard protecting the path; the next
@@ -199,7 +203,7 @@ impl<'g, F: PteFormat> Walk<'g, F> {
         if table_index(self.gfn, self.level) == crate::format::ENTRIES_PER_TABLE - 1 {
             return false;
         }
-        self.gfn += pages_per_entry(self.level);
+        self.gfn = self.entry_end();
         self.next_gfn = self.gfn;
         if self.gfn >= self.end {
             self.valid = false;
@@ -220,6 +224,12 @@ impl<'g, F: PteFormat> Walk<'g, F> {
 }
 
 #[inline]
-pub(crate) const fn round_down(v: u64, align: u64) -> u64 {
-    v & !(align - 1)
+pub(crate) const fn round_down(v: Gfn, align: u64) -> Gfn {
+    Gfn::new(v.raw() & !(align - 1))
+}
+
+/// One past the last frame the format translates: walks never go beyond it.
+#[inline]
+const fn max_gfn<F: PteFormat>() -> Gfn {
+    Gfn::new(1u64 << (F::MAX_PHYS_BITS - crate::format::PAGE_SHIFT))
 }

@@ -3,12 +3,12 @@
 
 use super::flush::PendingFlush;
 use super::lock::WriteGuard;
-use super::spte::UpdateMode;
 use super::table::TablePage;
 use super::walk::Walk;
 use super::Mmu;
 use crate::format::PteFormat;
 use crate::sync::pin;
+use slat_addr::Gfn;
 
 impl<F: PteFormat> Mmu<F> {
     /// Unmaps `[start_gfn, end_gfn)` under the exclusive MMU lock with one batched flush.
@@ -23,7 +23,7 @@ impl<F: PteFormat> Mmu<F> {
     /// conflict abort; break-before-make's "break" is only complete after the flush). Faults
     /// do not wait for vCPUs in guest mode, and vCPUs do not need the lock to acknowledge,
     /// so flushing under the lock cannot deadlock.
-    pub fn zap_gfn_range(&self, start_gfn: u64, end_gfn: u64) {
+    pub fn zap_gfn_range(&self, start_gfn: Gfn, end_gfn: Gfn) {
         let mut lock = self.lock.write();
         let pending = self.zap_locked(&mut lock, start_gfn, end_gfn);
         self.complete_flush(pending);
@@ -33,8 +33,8 @@ impl<F: PteFormat> Mmu<F> {
     pub(crate) fn zap_locked(
         &self,
         lock: &mut WriteGuard<'_>,
-        start: u64,
-        end: u64,
+        start: Gfn,
+        end: Gfn,
     ) -> PendingFlush {
         const YIELD_EVERY: u32 = 4096;
         let mut pending = PendingFlush::none();
@@ -64,7 +64,7 @@ impl<F: PteFormat> Mmu<F> {
                 let _ = self.set_spte(
                     &mut it,
                     F::NON_PRESENT,
-                    UpdateMode::Exclusive,
+                    self.lock.exclusive(lock),
                     self.sink(),
                     &mut pending,
                 );

@@ -8,6 +8,7 @@
 use slat::format::{pages_per_entry, Level, PteFormat, PAGE_SHIFT, PAGE_SIZE};
 use slat::hw::TableAlloc;
 use slat::{Access, Ept, Fault, FaultOutcome, HostRange, Vcpu, Vm};
+use slat_addr::{Gpa, Hva};
 use std::alloc::Layout;
 use std::any::TypeId;
 use std::sync::Arc;
@@ -42,8 +43,8 @@ unsafe impl Sync for Block {}
 // SAFETY: the allocation is live, 4 KiB aligned (at least) and a 4 KiB multiple long until
 // the last `Arc<Block>` drops; no references to its bytes are handed out.
 unsafe impl slat::HostMemory for Block {
-    fn host_addr(&self) -> u64 {
-        self.ptr as u64
+    fn host_addr(&self) -> Hva {
+        Hva::from_ptr(self.ptr)
     }
     fn len(&self) -> u64 {
         self.layout.size() as u64
@@ -128,7 +129,7 @@ impl Drop for Block {
 pub fn fake_host(addr: u64, len: u64, page_size: u64) -> HostRange {
     // SAFETY: the tests that use this either have the slot refused (never touched) or fault
     // it in on EPT without any vCPU hardware, where nothing dereferences the addresses.
-    unsafe { HostRange::from_raw(addr, len, page_size) }
+    unsafe { HostRange::from_raw(Hva::new(addr), len, page_size) }
 }
 
 /// xorshift64*: small, fast, good enough to drive randomised tests reproducibly.
@@ -239,7 +240,7 @@ pub fn teardown<F: PteFormat>(vm: Arc<Vm<F>>, vcpus: impl IntoIterator<Item = Vc
 
 /// The host address `gfn` translates to through `leaf` at `level`.
 pub fn leaf_hva<F: PteFormat>(leaf: u64, level: Level, gfn: u64) -> u64 {
-    F::output_addr(leaf) + ((gfn & (pages_per_entry(level) - 1)) << PAGE_SHIFT)
+    F::output_addr(leaf).raw() + ((gfn & (pages_per_entry(level) - 1)) << PAGE_SHIFT)
 }
 
 /// Checks the audit of the tree against the statistics; returns the audit.
@@ -330,7 +331,7 @@ pub fn fault<F: PteFormat>(
     );
     vcpu.handle_fault(Fault {
         private: false,
-        gpa,
+        gpa: Gpa::new(gpa),
         access,
         present,
     })
