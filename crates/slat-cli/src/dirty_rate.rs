@@ -2,7 +2,7 @@
 //! alone and without migrating anything (QEMU's `calc-dirty-rate` / `query-dirty-rate`).
 //!
 //! The measurement is `slat_dirty::DirtyRate` over the machine's log
-//! (`slat_snapshot::MachineLog`); this file builds the machine, runs a guest whose dirty rate
+//! (`slat_harness::MachineLog`); this file builds the machine, runs a guest whose dirty rate
 //! is known where the machine can pace one, and renders the typed report (text, or `--json`
 //! through `output.rs`).
 //!
@@ -34,9 +34,9 @@ use clap::{Args, ValueEnum};
 use serde::Serialize;
 use slat::{Ept, PteFormat, Stage2};
 use slat_dirty::{Attribution, DirtyRate, Measurement, Sample, SampleWindow};
+use slat_harness::MachineLog;
 use slat_machine::ram::{format_size, Backing};
 use slat_machine::{Machine, MachineConfig, PacedParams, Pacer, Workload};
-use slat_snapshot::MachineLog;
 use slat_workload::{PassParams, RegionSpec, TestMachine, PAGE_SIZE};
 use std::io::Write;
 use std::num::NonZeroU32;

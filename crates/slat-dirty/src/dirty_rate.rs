@@ -7,7 +7,7 @@
 //! A VMM decides whether a live migration can converge, or how hard to throttle, from this
 //! figure, before it migrates anything; so the sampler is written over [`DirtyLogSource`], the
 //! same seam [`crate::Harvester`] uses: a VMM measures its own VM through [`crate::KvmLog`],
-//! slat's benchmark machines through `slat_snapshot::MachineLog`, and the `slat dirty-rate`
+//! slat's benchmark machines through `slat_harness::MachineLog`, and the `slat dirty-rate`
 //! command only renders what [`DirtyRate`] returns. It does not go through the
 //! [`crate::Harvester`]: a measurement copies nothing, so there is nothing to commit or to owe
 //! again, and the harvester's ring path folds every vCPU's ring into one set, which loses the

@@ -77,7 +77,7 @@ pub enum LogMode {
 ///
 /// `S` is where the log comes from: by default a VMM's own KVM VM ([`KvmLog`], built by
 /// [`Harvester::new`] and [`Harvester::with_rings`]); any [`DirtyLogSource`] through
-/// [`Harvester::from_source`] (slat's benchmark machines: `slat_snapshot::MachineLog`).
+/// [`Harvester::from_source`] (slat's benchmark machines: `slat_harness::MachineLog`).
 ///
 /// It must be the only reader of those slots' logs (no other GET, CLEAR or ring harvest of
 /// them): another reader would take bits this harvester then never sees.

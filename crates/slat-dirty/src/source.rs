@@ -5,7 +5,7 @@
 //! abort puts the set back — does not depend on who keeps the log, so it is written once in
 //! [`crate::harvest`] over this trait. A source only says which slots it tracks and performs
 //! the four log operations KVM has (GET, CLEAR, collect the rings, reset them). slat's own
-//! benchmark machines implement it in `slat-snapshot` (`MachineLog`), over their
+//! benchmark machines implement it in `slat-harness` (`MachineLog`), over their
 //! `TestMachine` trait.
 
 use crate::error::Error;

@@ -9,7 +9,8 @@
 //! once and never logged. Device and vCPU state leave as opaque, versioned blobs
 //! ([`StateBlob`]) once the vCPUs are paused and come back through
 //! [`Guest::restore_state`] on the destination. Nothing here knows a workload: slat's own
-//! benchmark guests and their synthetic writer live in [`crate::bench`].
+//! benchmark guests and their synthetic writer live in the `slat-harness` crate, which
+//! depends on this one.
 //!
 //! A minimal KVM VMM implements it in a few lines per method: `regions` lists its memslots'
 //! (gpa, size, mmap address), `dirty_log` wraps its memslots in `Harvester::new`, `pause` and

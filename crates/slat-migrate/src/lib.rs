@@ -9,41 +9,19 @@
 //! - [`destination`]: receive, acknowledge, verify, restore device state.
 //! - [`throttle`]: auto-converge; [`verify`]: range hashes; [`link`]: the sending side with
 //!   a bandwidth cap and test faults; [`limits`]: how much guest memory this host can hold.
-//! - [`bench`](mod@bench) (feature `machines`, on by default): slat's simulated and `/dev/kvm` guests
-//!   with the synthetic workload the benchmarks run. Without the feature the crate builds
-//!   without either machine.
+//!
+//! The crate depends on `slat-dirty` and nothing of slat's benchmarks: slat's simulated and
+//! `/dev/kvm` benchmark guests are clients of it, in the `slat-harness` crate.
 //!
 //! Everything that arrives from the network is untrusted: every count, size, index and
 //! offset in it is checked (with checked arithmetic) against what this side has before it is
 //! used, and a bad stream is a typed error — never a panic, an abort, a huge allocation or a
-//! write outside guest memory. `tests/fuzz.rs` holds the decoder and a live destination to
+//! write outside guest memory. `slat-harness`'s `tests/migrate_fuzz.rs` holds the decoder and a live destination to
 //! that with random and mutated streams.
 //!
-//! ```no_run
-//! # #[cfg(feature = "machines")] {
-//! use slat_migrate::bench::{self, BenchGuest, GuestSpec, LogMode, Shape, WorkSpec};
-//! use slat_migrate::{DestConfig, Destination, Source, SourceConfig};
-//! use std::net::TcpListener;
-//! let shape = Shape { vcpus: 2, bytes_per_vcpu: 32 << 20, slots: 1, overlap: false };
-//! let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-//! let addr = listener.local_addr().unwrap().to_string();
-//! let dest = std::thread::spawn(move || {
-//!     let factory = bench::factory(GuestSpec::sim(shape, LogMode::Get));
-//!     Destination::new(factory, DestConfig::default()).accept(&listener)
-//! });
-//! let g = bench::build(&GuestSpec::sim(shape, LogMode::Clear)).unwrap();
-//! g.start(WorkSpec { write_percent: 100, random: true, seed: 1, rate: 10_000 }).unwrap();
-//! let mut src = Source::new(g.as_guest(), SourceConfig::default());
-//! let report = src.migrate(&addr, &mut |_| {}).unwrap();
-//! println!("downtime {:?}", report.downtime);
-//! dest.join().unwrap().unwrap();
-//! # }
-//! ```
 
 #![deny(missing_docs)]
 
-#[cfg(feature = "machines")]
-pub mod bench;
 pub mod destination;
 pub mod dirty_limit;
 pub mod error;
@@ -61,7 +39,7 @@ pub use destination::{DestConfig, DestReport, Destination, Factory};
 pub use dirty_limit::{DirtyLimitConfig, DirtyLimitError, DirtyLimiter};
 pub use error::{
     Cause, Corruption, GuestError, HelloError, MapError, MemoryError, MigrateError, PageError,
-    ProtocolError, ShapeError, StateError, StreamError,
+    ProtocolError, StateError, StreamError,
 };
 pub use guest::{Guest, GuestErrors, GuestHarvester, GuestLog, GuestRegion, Memory, MemoryMap};
 pub use link::Faults;

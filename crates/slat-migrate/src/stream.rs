@@ -47,12 +47,9 @@ pub const MAX_BATCH_PAGES: u32 = 512;
 pub const MAX_HASHES: u32 = 4096;
 /// Longest reason string in a [`Msg::Refuse`].
 const MAX_TEXT: usize = 1024;
-/// Most vCPUs in a guest (as the command line allows; each is a thread on a destination).
-pub const MAX_VCPUS: u32 = 512;
-/// Most memslots in a guest (as the command line allows; KVM has 32764 per address space).
-pub const MAX_SLOTS: u32 = 32_000;
-/// Most regions in a guest's memory map (one memslot each at most).
-pub const MAX_REGIONS: u32 = MAX_SLOTS;
+/// Most regions in a guest's memory map (one memslot each at most; KVM has 32764 memslots
+/// per address space).
+pub const MAX_REGIONS: u32 = 32_000;
 /// Highest guest-physical address bit a region may reach (x86-64 and arm64 top out at 52).
 pub const GPA_BITS: u32 = 52;
 /// Largest machine description a hello carries ([`Hello::machine`]).

@@ -5,7 +5,7 @@
 //! Written from the format's description in `stream.rs`, not from its code: a frame is
 //! `type u8 | length u32 | payload crc32 u32 | header crc32 u32 | payload`, little-endian.
 
-use slat_migrate::bench::Shape;
+use slat_harness::migrate::Shape;
 use slat_migrate::stream::{self, BatchBuilder, Compression, Hello, Msg, Region};
 use slat_migrate::verify::{self, RANGE_PAGES};
 use std::io::{Read, Write};

@@ -30,7 +30,7 @@ mod common;
 use common::wire::{self, ty, Payload, ValidStream};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
-use slat_migrate::bench::{self, GuestSpec, LogMode, Shape};
+use slat_harness::migrate::{self, GuestSpec, LogMode, Shape};
 use slat_migrate::guest::splitmix;
 use slat_migrate::stream::{
     check_regions, Compression, FrameReader, Msg, Region, MAX_BATCH_PAGES, MAX_STATE_BLOB,
@@ -175,7 +175,7 @@ fn record() -> ValidStream {
         slots: 2,
         overlap: false,
     };
-    let g = common::source_guest(bench::BackendKind::Sim, shape, LogMode::Clear);
+    let g = common::source_guest(migrate::BackendKind::Sim, shape, LogMode::Clear);
     let mut src = common::start_source(
         &g,
         common::work(5_000),
@@ -187,7 +187,7 @@ fn record() -> ValidStream {
     );
     let (dest_addr, dest) = common::spawn_dest(
         Destination::new(
-            common::factory(bench::BackendKind::Sim),
+            common::factory(migrate::BackendKind::Sim),
             common::dest_config(),
         ),
         1,
@@ -927,7 +927,7 @@ fn decoder_reads_noise_without_panicking() {
 
 /// A factory that fails the case if asked for a machine the destination should have refused.
 fn guarded_factory(asked: Arc<Mutex<Vec<Vec<Region>>>>) -> slat_migrate::Factory {
-    let mut inner = bench::factory(GuestSpec {
+    let mut inner = migrate::factory(GuestSpec {
         prefault: false,
         ..GuestSpec::sim(common::shape(1), LogMode::Get)
     });

@@ -4,9 +4,9 @@
 //! Incremental (child) snapshots on both machines, every log mode: reset to the child and back
 //! to the base, byte-exact.
 
+use slat_harness::MachineSnapshot;
 use slat_machine::dirty_oracle::LogMode;
 use slat_machine::{Machine, MachineConfig};
-use slat_snapshot::MachineSnapshot;
 use slat_workload::{GuestRam, PassParams, Pattern, RegionSpec, TestMachine, PAGE_SIZE};
 
 const VCPUS: usize = 4;
@@ -172,7 +172,7 @@ fn the_ram_must_hold_the_test_region() {
     let r = unsafe { MachineSnapshot::take(&m, &other) };
     assert!(matches!(
         r,
-        Err(slat_snapshot::ResetError::NotTheMachinesRam { .. })
+        Err(slat_harness::ResetError::NotTheMachinesRam { .. })
     ));
 }
 
