@@ -11,13 +11,13 @@
 use crate::args::{BackendArg, FormatArg};
 use serde_json::{json, Value};
 use slat::{Ept, PteFormat, Stage2, VmConfig};
-use slat_machine::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
-use slat_machine::ram::{Backing, GuestRam};
 use slat_machine::{Machine, MachineConfig};
+use slat_workload::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
 use slat_workload::{
     native_baseline, DirtyConfig, Layout, PassParams, RegionSpec, TestMachine, WriteLatency,
     INITIALLY_SET, MANUAL_PROTECT_ENABLE, PAGE_SIZE,
 };
+use slat_workload::{Backing, GuestRam};
 use std::ops::Range;
 
 /// A completed pass, without either machine's own counters.

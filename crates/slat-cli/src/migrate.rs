@@ -15,7 +15,6 @@ use crate::report::{quiet, ts};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use slat_harness::migrate::{self, BackendKind, BenchGuest, GuestSpec, LogMode, Shape, WorkSpec};
-use slat_machine::ram::{format_size, parse_size, Backing};
 use slat_migrate::stream::Compression;
 use slat_migrate::transport::{self, Channel, Endpoint, Listener};
 use slat_migrate::verify::VerifyMode;
@@ -23,6 +22,7 @@ use slat_migrate::{
     DestConfig, DestReport, Destination, DirtyLimitConfig, Event, Faults, GuestError, MapError,
     Memory, MemoryError, MigrateError, MigrationReport, Source, SourceConfig,
 };
+use slat_workload::{format_size, parse_size, Backing};
 use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

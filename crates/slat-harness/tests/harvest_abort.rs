@@ -6,8 +6,8 @@
 
 use slat_dirty::{DirtyLogSource, DirtySet, Harvester, LogMode as Mode, SlotInfo};
 use slat_harness::MachineLog;
-use slat_machine::dirty_oracle::LogMode;
 use slat_machine::{Machine, MachineConfig};
+use slat_workload::dirty_oracle::LogMode;
 use slat_workload::{PassParams, Pattern, RegionSpec, TestMachine, PAGE_SIZE};
 use std::cell::Cell;
 use std::collections::BTreeSet;

@@ -5,8 +5,8 @@
 //! to the base, byte-exact.
 
 use slat_harness::MachineSnapshot;
-use slat_machine::dirty_oracle::LogMode;
 use slat_machine::{Machine, MachineConfig};
+use slat_workload::dirty_oracle::LogMode;
 use slat_workload::{GuestRam, PassParams, Pattern, RegionSpec, TestMachine, PAGE_SIZE};
 
 const VCPUS: usize = 4;

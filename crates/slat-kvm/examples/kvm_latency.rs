@@ -8,8 +8,9 @@
 //! again with no harvest in between (no exits), and a loop of passes while the host harvests
 //! the dirty log back to back.
 
-use slat_kvm::TestMachine;
-use slat_kvm::{KvmConfig, KvmMachine, PassParams, RegionSpec};
+use slat_kvm::{KvmConfig, KvmMachine};
+use slat_workload::TestMachine;
+use slat_workload::{PassParams, RegionSpec};
 use std::time::{Duration, Instant};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

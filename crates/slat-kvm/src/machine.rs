@@ -1,11 +1,9 @@
 //! The KVM machine: a VM with the memstress layout, one thread per vCPU, workload passes, and
 //! the dirty-log operations (bitmap GET/CLEAR and per-vCPU rings).
 
-use crate::dirty::{self, DirtyRing, RingSize};
 use crate::error::KvmError;
 use crate::guest::{self, control, param, GuestMode, LowLayout, SYNC_PORT};
 use crate::histogram;
-use crate::memslot::Memslot;
 use crate::stats::{Stat, StatsFd};
 use kvm_bindings::{
     kvm_enable_cap, kvm_userspace_memory_region, CpuId, KVM_CAP_DIRTY_LOG_RING,
@@ -13,6 +11,8 @@ use kvm_bindings::{
     KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_EXIT_DIRTY_RING_FULL, KVM_MAX_CPUID_ENTRIES,
 };
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
+use slat_dirty::log::{self as dirty, DirtyRing, RingSize};
+use slat_dirty::Memslot;
 use slat_workload::cpus::VcpuTids;
 use slat_workload::{
     Backing, GuestRam, LatencyHistogram, ParkMiller, PassParams, RegionSize, RegionSpec,
@@ -430,7 +430,7 @@ pub enum Workload {
     Loop(PassParams),
     /// dirty_log_test's guest: until halted, write `iteration` into the first 8 bytes of
     /// pseudo-random pages of the vCPU's region (vCPU `i` seeds with `seed + i`; see
-    /// [`crate::memstress::WriterPattern`]). The guest reads the value from the control page
+    /// [`slat_workload::WriterPattern`]). The guest reads the value from the control page
     /// before every write, so [`TestMachine::set_writer_value`] changes it while it runs.
     Writer {
         /// PRNG seed.

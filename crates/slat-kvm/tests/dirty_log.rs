@@ -4,11 +4,12 @@
 mod common;
 
 use common::{expected_writes, get_region_log, machine_or_skip, pages_of, to_bitmap};
-use slat_kvm::{
-    DirtyConfig, KvmConfig, KvmError, KvmMachine, PassParams, RegionSpec, FIRST_SLOT,
-    INITIALLY_SET, MANUAL_PROTECT_ENABLE,
+use slat_dirty::Error;
+use slat_kvm::{KvmConfig, KvmError, KvmMachine};
+use slat_workload::TestMachine;
+use slat_workload::{
+    DirtyConfig, PassParams, RegionSpec, FIRST_SLOT, INITIALLY_SET, MANUAL_PROTECT_ENABLE,
 };
-use slat_kvm::{DirtyError, TestMachine};
 use std::collections::BTreeSet;
 
 const HALF_RANDOM: PassParams = PassParams {
@@ -141,7 +142,7 @@ fn manual_protect_get_copies_and_clear_clears_only_its_range() {
         assert!(
             matches!(
                 m.clear_dirty_log(FIRST_SLOT, first, n, &bits),
-                Err(KvmError::Dirty(DirtyError::ClearRange { .. }))
+                Err(KvmError::Dirty(Error::ClearRange { .. }))
             ),
             "first {first} n {n}"
         );

@@ -4,11 +4,12 @@
 mod common;
 
 use common::{kvm_unavailable, machine_or_skip};
-use slat_kvm::{
-    DirtyConfig, KvmConfig, KvmError, KvmMachine, PassParams, RegionSpec, FIRST_SLOT,
-    INITIALLY_SET, MANUAL_PROTECT_ENABLE,
+use slat_dirty::Error;
+use slat_kvm::{KvmConfig, KvmError, KvmMachine};
+use slat_workload::TestMachine;
+use slat_workload::{
+    DirtyConfig, PassParams, RegionSpec, FIRST_SLOT, INITIALLY_SET, MANUAL_PROTECT_ENABLE,
 };
-use slat_kvm::{DirtyError, TestMachine};
 
 fn config_error(c: KvmConfig) -> String {
     match KvmMachine::new(c) {
@@ -239,7 +240,7 @@ fn dirty_log_misuse_is_refused() {
     ));
     assert!(matches!(
         m.get_dirty_log(FIRST_SLOT, &mut buf[..words - 1]),
-        Err(KvmError::Dirty(DirtyError::BitmapLength { .. }))
+        Err(KvmError::Dirty(Error::BitmapLength { .. }))
     ));
     m.get_dirty_log(FIRST_SLOT, &mut buf).unwrap();
     // CLEAR without manual protect, ring ops without rings.

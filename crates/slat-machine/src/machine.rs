@@ -4,7 +4,6 @@
 use crate::cpu::{Cpu, CpuCounters, Exit, RingFullHandler};
 use crate::memstress::{guest_pass, PassParams, WriterPattern};
 use crate::page_table_stage::{guest_stage, StageParams};
-use crate::ram::{GuestRam, RamError};
 use crate::sched::PcpuPool;
 use crate::tlb::DEFAULT_TLB_ENTRIES;
 use parking_lot::Mutex;
@@ -17,7 +16,8 @@ use slat::{
 };
 use slat_workload::cpus::VcpuTids;
 use slat_workload::latency::LatencyHistogram;
-pub use slat_workload::{DirtyConfig, Layout, FIRST_SLOT};
+use slat_workload::{GuestRam, RamError};
+use slat_workload::{Layout, FIRST_SLOT};
 use slat_workload::{RegionSize, RegionSpec, Rendezvous, TestMachine, TestRegion, WorkloadError};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -668,7 +668,7 @@ fn private_pool(
         MachineError::Config(format!("a {len:#x}-byte private pool overflows 64 bits"))
     })?;
     let pool = Arc::new(GuestRam::new(
-        crate::ram::Backing::AnonymousThp,
+        slat_workload::Backing::AnonymousThp,
         len,
         prefault,
     )?);

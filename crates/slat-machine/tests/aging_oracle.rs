@@ -9,9 +9,10 @@ mod common;
 
 use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::{AgeFlush, DirtyTrack, IdleBitmap, PteFormat, VmConfig};
-use slat_machine::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
-use slat_machine::memstress::Pattern;
-use slat_machine::{Backing, Machine, MachineConfig, PassParams, RegionSpec};
+use slat_machine::{Machine, MachineConfig};
+use slat_workload::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
+use slat_workload::Pattern;
+use slat_workload::{Backing, PassParams, RegionSpec};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

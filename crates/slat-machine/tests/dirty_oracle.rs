@@ -12,8 +12,9 @@ use slat::{
     Access, DirtyTrack, Fault, GetLogVariant, HostRange, PteFormat, RecoverVariant, VmConfig,
     WrprotVariant,
 };
-use slat_machine::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
-use slat_machine::{Backing, GuestRam, Machine, MachineConfig, RegionSpec};
+use slat_machine::{Machine, MachineConfig};
+use slat_workload::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
+use slat_workload::{Backing, GuestRam, RegionSpec};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

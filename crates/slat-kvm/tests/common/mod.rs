@@ -2,9 +2,10 @@
 
 #![allow(dead_code)]
 
-use slat_kvm::memstress::Pattern;
-use slat_kvm::TestMachine;
-use slat_kvm::{KvmConfig, KvmError, KvmMachine, Layout, PassParams, DEFAULT_DEVICE};
+use slat_kvm::{KvmConfig, KvmError, KvmMachine, DEFAULT_DEVICE};
+use slat_workload::pattern::Pattern;
+use slat_workload::TestMachine;
+use slat_workload::{Layout, PassParams};
 
 /// The machine, or `None` (after saying so on stderr) when the host has no usable /dev/kvm.
 pub fn machine_or_skip(config: KvmConfig) -> Option<KvmMachine> {
