@@ -42,6 +42,7 @@
 use crate::error::Error;
 use crate::harvest::LogMode;
 use crate::source::{DirtyLogSource, SlotInfo};
+use slat_addr::PageIndex;
 use std::num::NonZeroU32;
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -426,7 +427,7 @@ impl<S: DirtyLogSource> DirtyRate<S> {
                     let (w0, w1) = ((first / 64) as usize, (first + n).div_ceil(64) as usize);
                     let words = &got[w0..w1];
                     if words.iter().any(|&w| w != 0) {
-                        self.source.clear_log(i, first, n, words)?;
+                        self.source.clear_log(i, PageIndex::new(first), n, words)?;
                     }
                     first += n;
                 }
@@ -568,7 +569,14 @@ mod tests {
             }
             Ok(())
         }
-        fn clear_log(&mut self, slot: usize, first: u64, n: u64, bm: &[u64]) -> Result<(), String> {
+        fn clear_log(
+            &mut self,
+            slot: usize,
+            first: PageIndex,
+            n: u64,
+            bm: &[u64],
+        ) -> Result<(), String> {
+            let first = first.raw();
             assert_eq!(bm.len() as u64, n.div_ceil(64));
             for p in first..first + n {
                 let q = p - first;

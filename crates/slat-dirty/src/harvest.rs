@@ -54,6 +54,7 @@ use crate::log::DirtyRing;
 use crate::memslot::Memslot;
 use crate::ranges::{ranges, Ranges};
 use crate::source::{DirtyLogSource, KvmLog, SlotInfo};
+use slat_addr::PageIndex;
 
 /// How the VM logs dirty pages (it must have been set up so: see each variant).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -433,7 +434,7 @@ fn clear_chunks<S: DirtyLogSource>(
         let w1 = w0 + n.div_ceil(64) as usize;
         let words = &bits[w0..w1];
         if words.iter().any(|&w| w != 0) {
-            source.clear_log(i, first, n, words)?;
+            source.clear_log(i, PageIndex::new(first), n, words)?;
         }
         first += n;
     }

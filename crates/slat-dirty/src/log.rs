@@ -68,6 +68,7 @@ use kvm_bindings::{
     KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_DIRTY_LOG_PAGE_OFFSET,
 };
 use kvm_ioctls::{VcpuFd, VmFd};
+use slat_addr::PageIndex;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::ptr::NonNull;
@@ -162,10 +163,11 @@ pub unsafe fn get_dirty_log_unchecked(
 /// ([`Error::BitmapLength`]).
 pub fn clear_dirty_log(
     slot: &Memslot,
-    first_page: u64,
+    first_page: PageIndex,
     num_pages: u64,
     bitmap: &[u64],
 ) -> Result<(), Error> {
+    let first_page = first_page.raw();
     let pages = slot.pages();
     let refuse = |reason| {
         Err(Error::ClearRange {

@@ -1,6 +1,7 @@
 //! The transactional core over a source that is not KVM: an in-memory log with KVM's GET
 //! semantics that can fail a chosen call, before or after it consumed the bits. No /dev/kvm.
 
+use slat_addr::PageIndex;
 use slat_dirty::{DirtyLogSource, Error, Harvester, LogMode, SlotInfo};
 use std::collections::BTreeSet;
 
@@ -77,7 +78,7 @@ impl DirtyLogSource for MemLog {
             }
         })
     }
-    fn clear_log(&mut self, _: usize, _: u64, _: u64, _: &[u64]) -> Result<(), Injected> {
+    fn clear_log(&mut self, _: usize, _: PageIndex, _: u64, _: &[u64]) -> Result<(), Injected> {
         self.call(|_| ())
     }
     fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, Injected> {

@@ -81,7 +81,7 @@ impl<S: DirtyLogSource> DirtyLogSource for Flaky<S> {
     fn clear_log(
         &mut self,
         slot: usize,
-        first: u64,
+        first: slat_addr::PageIndex,
         pages: u64,
         bitmap: &[u64],
     ) -> Result<(), Self::Error> {

@@ -14,11 +14,13 @@ use kvm_bindings::{
     KVM_DIRTY_LOG_INITIALLY_SET, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_MEM_LOG_DIRTY_PAGES,
 };
 use kvm_ioctls::{Kvm, VmFd};
+use slat_addr::PageIndex;
 use slat_dirty::log::{self, DirtyRing};
+use slat_dirty::DirtyLogSource;
 use slat_dirty::{Error, Memslot, RingSize};
 use slat_kvm::{KvmConfig, KvmError};
 use slat_workload::TestMachine;
-use slat_workload::{Backing, GuestRam, Layout, PassParams, RegionSpec, FIRST_SLOT};
+use slat_workload::{Backing, GuestRam, Layout, PassParams, RegionSpec};
 use std::sync::Arc;
 
 /// A word KVM never writes into a bitmap of a slot with no dirty page.
@@ -141,7 +143,7 @@ fn machine_get_refuses_a_bitmap_longer_or_shorter_than_the_slot() {
         let mut buf = vec![0u64; len];
         assert!(
             matches!(
-                m.get_dirty_log(FIRST_SLOT, &mut buf),
+                m.dirty_log().get_log(0, &mut buf),
                 Err(KvmError::Dirty(Error::BitmapLength { expected, got, .. }))
                     if expected == words as u64 && got == len
             ),
@@ -149,7 +151,7 @@ fn machine_get_refuses_a_bitmap_longer_or_shorter_than_the_slot() {
         );
     }
     let mut buf = vec![0u64; words];
-    m.get_dirty_log(FIRST_SLOT, &mut buf).unwrap();
+    m.dirty_log().get_log(0, &mut buf).unwrap();
 }
 
 /// Pages set in the GET bitmap of `slot`.
@@ -189,7 +191,7 @@ fn clear_checks_its_range_and_bitmap_like_kvm_and_clears_exactly() {
         (0, u64::MAX, "past the end"),
     ] {
         let bits = vec![u64::MAX; 3];
-        match log::clear_dirty_log(slot, first, n, &bits) {
+        match log::clear_dirty_log(slot, PageIndex::new(first), n, &bits) {
             Err(e @ Error::ClearRange { .. }) => {
                 assert!(e.to_string().contains(rule), "{first}+{n}: {e}")
             }
@@ -207,7 +209,7 @@ fn clear_checks_its_range_and_bitmap_like_kvm_and_clears_exactly() {
         let bits = vec![u64::MAX; len];
         assert!(
             matches!(
-                log::clear_dirty_log(slot, first, n, &bits),
+                log::clear_dirty_log(slot, PageIndex::new(first), n, &bits),
                 Err(Error::BitmapLength { op: "KVM_CLEAR_DIRTY_LOG", expected, got, .. })
                     if expected == n.div_ceil(64) && got == len
             ),
@@ -219,13 +221,13 @@ fn clear_checks_its_range_and_bitmap_like_kvm_and_clears_exactly() {
 
     // Accepted ranges clear exactly their set bits: the tail (ends the slot, not a multiple
     // of 64), one bit of the first 64, an empty range.
-    log::clear_dirty_log(slot, 128, 2, &[0b10]).unwrap();
-    log::clear_dirty_log(slot, 0, 64, &[1 << 5]).unwrap();
-    log::clear_dirty_log(slot, 64, 0, &[]).unwrap();
+    log::clear_dirty_log(slot, PageIndex::new(128), 2, &[0b10]).unwrap();
+    log::clear_dirty_log(slot, PageIndex::new(0), 64, &[1 << 5]).unwrap();
+    log::clear_dirty_log(slot, PageIndex::new(64), 0, &[]).unwrap();
     let want: Vec<u64> = (0..130).filter(|&p| p != 5 && p != 129).collect();
     assert_eq!(logged(slot), want);
     // A range from 64 to the end: 66 pages, two words.
-    log::clear_dirty_log(slot, 64, 66, &[u64::MAX, 0b11]).unwrap();
+    log::clear_dirty_log(slot, PageIndex::new(64), 66, &[u64::MAX, 0b11]).unwrap();
     let want: Vec<u64> = (0..64).filter(|&p| p != 5).collect();
     assert_eq!(logged(slot), want);
 }

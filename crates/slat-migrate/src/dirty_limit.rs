@@ -37,6 +37,7 @@
 
 use crate::error::GuestError;
 use crate::guest::GuestLog;
+use slat_addr::PageIndex;
 use slat_dirty::{DirtyLogSource, SlotInfo};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -157,11 +158,11 @@ impl DirtyLogSource for RingMeter {
     fn clear_log(
         &mut self,
         slot: usize,
-        first_page: u64,
+        first: PageIndex,
         pages: u64,
         bitmap: &[u64],
     ) -> Result<(), GuestError> {
-        self.inner.clear_log(slot, first_page, pages, bitmap)
+        self.inner.clear_log(slot, first, pages, bitmap)
     }
     fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, GuestError> {
         self.collect_ring_by_vcpu(&mut |_, s, o| f(s, o))

@@ -150,66 +150,23 @@ pub unsafe trait Guest: Send + Sync {
     }
 }
 
-/// A guest's dirty log as the source harvests it: any machine's, errors as [`GuestError`].
+/// A guest's dirty log as the source harvests it: any machine's, errors as [`GuestError`]
+/// (`Box::new(log.map_err(GuestError::machine)) as GuestLog`, with
+/// [`DirtyLogSource::map_err`]).
 pub type GuestLog = Box<dyn DirtyLogSource<Error = GuestError> + Send>;
 
 /// The transactional harvester of a guest's dirty log ([`Guest::dirty_log`]).
 pub type GuestHarvester = Harvester<GuestLog>;
 
-/// A dirty-log source whose errors become [`GuestError`]s, so every log has the one type
-/// [`GuestLog`]: `Harvester::from_source(Box::new(GuestErrors(log)) as GuestLog)`.
-pub struct GuestErrors<S>(pub S);
-
-impl<S> DirtyLogSource for GuestErrors<S>
-where
-    S: DirtyLogSource,
-    S::Error: std::error::Error + Send + Sync + 'static,
-{
-    type Error = GuestError;
-
-    fn slots(&self) -> Vec<SlotInfo> {
-        self.0.slots()
-    }
-    fn mode(&self) -> slat_dirty::LogMode {
-        self.0.mode()
-    }
-    fn get_log(&mut self, slot: usize, bitmap: &mut [u64]) -> Result<(), GuestError> {
-        self.0.get_log(slot, bitmap).map_err(GuestError::machine)
-    }
-    fn clear_log(
-        &mut self,
-        slot: usize,
-        first_page: u64,
-        pages: u64,
-        bitmap: &[u64],
-    ) -> Result<(), GuestError> {
-        self.0
-            .clear_log(slot, first_page, pages, bitmap)
-            .map_err(GuestError::machine)
-    }
-    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, GuestError> {
-        self.0.collect_ring(f).map_err(GuestError::machine)
-    }
-    // Forwarded, so a per-vCPU dirty limit can attribute the entries.
-    fn collect_ring_by_vcpu(
-        &mut self,
-        f: &mut dyn FnMut(Option<usize>, u32, u64),
-    ) -> Result<u64, GuestError> {
-        self.0.collect_ring_by_vcpu(f).map_err(GuestError::machine)
-    }
-    fn reset_rings(&mut self) -> Result<u64, GuestError> {
-        self.0.reset_rings().map_err(GuestError::machine)
-    }
-}
-
 /// The dirty log of a KVM VMM's own memslots, as [`Guest::dirty_log`] returns it: `slots`
 /// (one per writable region, in the map's order, as the VMM registered them with
 /// [`Memslot::register`] or described them with [`Memslot::adopt`]) in `mode` — GET, or
 /// manual protect if the VMM enabled it on the VM. (The ring mode needs the vCPUs' rings:
-/// build a [`KvmLog`] with them and wrap it in [`GuestErrors`] as this does.)
+/// build a [`KvmLog`] with them and map its errors as this does.)
 pub fn kvm_dirty_log(slots: Vec<Memslot>, mode: LogMode) -> Result<GuestHarvester, GuestError> {
     let log = KvmLog::new(slots, mode, Vec::new()).map_err(GuestError::harvest)?;
-    Harvester::from_source(Box::new(GuestErrors(log)) as GuestLog).map_err(GuestError::harvest)
+    let log: GuestLog = Box::new(log.map_err(GuestError::machine));
+    Harvester::from_source(log).map_err(GuestError::harvest)
 }
 
 /// A checked memory map with its *memory index*: the regions laid end to end, so page `p`

@@ -41,7 +41,7 @@ pub use error::{
     Cause, Corruption, GuestError, HelloError, MapError, MemoryError, MigrateError, PageError,
     ProtocolError, StateError, StreamError,
 };
-pub use guest::{Guest, GuestErrors, GuestHarvester, GuestLog, GuestRegion, Memory, MemoryMap};
+pub use guest::{Guest, GuestHarvester, GuestLog, GuestRegion, Memory, MemoryMap};
 pub use link::Faults;
 pub use source::{Event, MigrationReport, Progress, RoundReport, Source, SourceConfig};
 pub use state::StateBlob;

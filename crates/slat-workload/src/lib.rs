@@ -66,4 +66,4 @@ pub use pass::{PassReport, VcpuPass};
 pub use pattern::{native_pass, ParkMiller, PassParams, Pattern, WriterPattern, MEMSTRESS_PATTERN};
 pub use rendezvous::Rendezvous;
 pub use size::{format_size, parse_size, SizeError};
-pub use test_machine::TestMachine;
+pub use test_machine::{log_mode, log_slot_id, log_slots, TestMachine};

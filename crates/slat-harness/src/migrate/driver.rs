@@ -5,9 +5,10 @@ use super::{BackendKind, BenchGuest, LogMode, Shape, WorkSpec, WORKLOAD_STATE};
 use crate::error::BenchError;
 use crate::machine_log::MachineLog;
 use slat::PteFormat;
+use slat_dirty::DirtyLogSource;
 use slat_dirty::Harvester;
 use slat_machine::{Machine, PacedParams, Pacer, Workload};
-use slat_migrate::guest::{GuestErrors, GuestHarvester, GuestLog, GuestRegion};
+use slat_migrate::guest::{GuestHarvester, GuestLog, GuestRegion};
 use slat_migrate::{Guest, GuestError, StateBlob};
 use slat_workload::PassParams;
 use slat_workload::TestMachine;
@@ -148,7 +149,8 @@ where
         let log = MachineLog::new(self.m.clone());
         // `build` chose the machine's dirty configuration from `self.log`, so the log's mode
         // is that one; its slots are the test region's memslots, the regions of the map.
-        Harvester::from_source(Box::new(GuestErrors(log)) as GuestLog).map_err(GuestError::harvest)
+        Harvester::from_source(Box::new(log.map_err(GuestError::machine)) as GuestLog)
+            .map_err(GuestError::harvest)
     }
     fn pause(&self) -> Result<(), GuestError> {
         self.driver.pause(&self.m)

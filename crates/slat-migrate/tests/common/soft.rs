@@ -4,7 +4,7 @@
 //! about a hundred lines.
 
 use slat_dirty::{DirtyLogSource, Harvester, LogMode, SlotInfo};
-use slat_migrate::guest::{GuestErrors, GuestHarvester, GuestLog};
+use slat_migrate::guest::{GuestHarvester, GuestLog};
 use slat_migrate::{Guest, GuestError, GuestRegion, Region, StateBlob};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -143,7 +143,13 @@ impl DirtyLogSource for SoftLog {
         }
         Ok(())
     }
-    fn clear_log(&mut self, _: usize, _: u64, _: u64, _: &[u64]) -> Result<(), std::io::Error> {
+    fn clear_log(
+        &mut self,
+        _: usize,
+        _: slat_addr::PageIndex,
+        _: u64,
+        _: &[u64],
+    ) -> Result<(), std::io::Error> {
         Ok(())
     }
     fn collect_ring(&mut self, _: &mut dyn FnMut(u32, u64)) -> Result<u64, std::io::Error> {
@@ -197,7 +203,7 @@ unsafe impl Guest for SoftGuest {
         Ok(())
     }
     fn dirty_log(&self) -> Result<GuestHarvester, GuestError> {
-        let log = Box::new(GuestErrors(SoftLog(self.inner.clone()))) as GuestLog;
+        let log = Box::new(SoftLog(self.inner.clone()).map_err(GuestError::machine)) as GuestLog;
         Harvester::from_source(log).map_err(GuestError::harvest)
     }
     fn save_state(&self) -> Result<Vec<StateBlob>, GuestError> {
