@@ -57,7 +57,7 @@
 //! for [`Workload::Writer`], as the simulated machine does). On `KVM_EXIT_DIRTY_RING_FULL` the
 //! vCPU thread harvests and resets the rings itself and re-enters.
 //!
-//! A timed pass ([`PassParams::timed`]) has the guest time each of its memstress writes with
+//! A timed pass ([`PassParams::timed`](slat_workload::PassParams::timed)) has the guest time each of its memstress writes with
 //! the TSC into a histogram page of its own ([`histogram`]); after the sync the host converts
 //! it into nanoseconds with the frequency `KVM_GET_TSC_KHZ` reports, one histogram per vCPU in
 //! [`PassReport::latency`](slat_workload::PassReport::latency).
