@@ -476,7 +476,7 @@ impl Hostile {
                             RegionList::Listed(l) => l
                                 .iter()
                                 .map(|&(gpa, pages, ro)| Region {
-                                    gpa,
+                                    gpa: slat_addr::Gpa::new(gpa),
                                     pages,
                                     read_only: ro == 1,
                                 })
@@ -487,7 +487,9 @@ impl Hostile {
                                 let pps = pages / shape.slots.max(1) as u64;
                                 (0..shape.slots.min(64) as u64)
                                     .map(|s| Region {
-                                        gpa: s.wrapping_mul(pps).wrapping_mul(4096),
+                                        gpa: slat_addr::Gpa::new(
+                                            s.wrapping_mul(pps).wrapping_mul(4096),
+                                        ),
                                         pages: pps,
                                         read_only: false,
                                     })

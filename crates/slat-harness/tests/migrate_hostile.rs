@@ -67,7 +67,7 @@ fn hello_frame(regions: &[Region], machine: &[u8]) -> Vec<u8> {
 
 fn rw(gpa: u64, pages: u64) -> Region {
     Region {
-        gpa,
+        gpa: slat_addr::Gpa::new(gpa),
         pages,
         read_only: false,
     }

@@ -293,9 +293,9 @@ fn memslot_registration_refuses_what_would_delete_or_misdescribe_a_slot() {
     let resize = kvm_userspace_memory_region {
         slot: b.slots[0].id(),
         flags: KVM_MEM_LOG_DIRTY_PAGES,
-        guest_phys_addr: b.slots[0].guest_phys_addr(),
+        guest_phys_addr: b.slots[0].guest_phys_addr().raw(),
         memory_size: 8 * 4096,
-        userspace_addr: b.slots[0].userspace_addr(),
+        userspace_addr: b.slots[0].userspace_addr().raw(),
     };
     // SAFETY: the range is the first half of the slot's own memory, which `b` keeps mapped
     // for the VM's lifetime; KVM refuses the change anyway (checked).

@@ -4,6 +4,7 @@ use crate::stream::{
     Region, GPA_BITS, MAX_BATCH_PAGES, MAX_GUEST_BYTES, MAX_HASHES, MAX_MACHINE, MAX_REGIONS,
     MAX_STATE_BLOB, MAX_STATE_BLOBS, MAX_STATE_BYTES, MAX_STATE_ID, PAGE_SIZE,
 };
+use slat_addr::{Gpa, Hva};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -387,7 +388,7 @@ pub enum MapError {
         /// The region.
         index: usize,
         /// Its address.
-        gpa: u64,
+        gpa: Gpa,
     },
     /// A region reaching past the guest-physical address space.
     #[error("region {index} ({pages} pages at {gpa:#x}) reaches past the {GPA_BITS}-bit guest-physical space")]
@@ -395,7 +396,7 @@ pub enum MapError {
         /// The region.
         index: usize,
         /// Its address.
-        gpa: u64,
+        gpa: Gpa,
         /// Its pages.
         pages: u64,
     },
@@ -405,7 +406,7 @@ pub enum MapError {
         /// The region.
         index: usize,
         /// Its address.
-        gpa: u64,
+        gpa: Gpa,
     },
     /// More memory than a guest may have.
     #[error("{bytes} bytes of guest memory (at most {MAX_GUEST_BYTES})")]
@@ -419,7 +420,7 @@ pub enum MapError {
         /// The region.
         index: usize,
         /// Its host address.
-        host: u64,
+        host: Hva,
     },
     /// A dirty log whose slots are not the map's writable regions.
     #[error("the dirty log has {slots} slots of {slot_pages:?} pages; the writable regions are {regions:?} pages")]

@@ -20,7 +20,7 @@
 //! complete guest without KVM; `examples/minimal_vmm.rs` a complete one on KVM):
 //!
 //! ```ignore
-//! struct MyVm { vm: Arc<VmFd>, ram: [(u64 /* gpa */, &'static mut [u8]); 2], vcpus: Vcpus }
+//! struct MyVm { vm: Arc<VmFd>, ram: [(slat_addr::Gpa, &'static mut [u8]); 2], vcpus: Vcpus }
 //!
 //! // SAFETY: both RAM mappings are mmap'd for the VM's life and touched only by the vCPUs.
 //! unsafe impl Guest for MyVm {
@@ -28,7 +28,7 @@
 //!     fn regions(&self) -> Vec<GuestRegion> {
 //!         self.ram.iter().map(|(gpa, m)| GuestRegion {
 //!             region: Region { gpa: *gpa, pages: m.len() as u64 / 4096, read_only: false },
-//!             host: m.as_ptr() as u64,
+//!             host: slat_addr::Hva::from_ptr(m.as_ptr()),
 //!         }).collect()
 //!     }
 //!     fn pause(&self) -> Result<(), GuestError> { self.vcpus.stop(); Ok(()) }
@@ -55,6 +55,7 @@
 use crate::error::{GuestError, MapError, MemoryError};
 use crate::state::StateBlob;
 use crate::stream::{check_regions, Region, PAGE_SIZE};
+use slat_addr::Hva;
 use slat_dirty::{DirtyLogSource, Harvester, KvmLog, LogMode, Memslot, SlotInfo};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -65,7 +66,7 @@ pub struct GuestRegion {
     /// Where it is in the guest, how big, and whether the guest may write it.
     pub region: Region,
     /// Host address of its first byte (8-byte aligned; see [`Guest`]'s safety contract).
-    pub host: u64,
+    pub host: Hva,
 }
 
 /// What a migration needs from a guest. Object safe: the ends hold an `Arc<dyn Guest>`.
@@ -189,7 +190,7 @@ impl MemoryMap {
         let mut at = 0u64;
         for (index, r) in regions.iter().enumerate() {
             // `check_regions` bounded every region by 2^52 bytes.
-            let ok = r.host % 8 == 0
+            let ok = r.host.is_aligned(8)
                 && r.host
                     .checked_add(r.region.pages * PAGE_SIZE as u64)
                     .is_some();
@@ -340,7 +341,7 @@ impl<'g> Memory<'g> {
             let n = (r.region.pages - off).min(end - p);
             // `off < pages` of a region whose host range fits 64 bits (`MemoryMap::new`).
             f(
-                r.host + off * PAGE_SIZE as u64,
+                r.host.raw() + off * PAGE_SIZE as u64,
                 n,
                 ((p - first) * PAGE_SIZE as u64) as usize,
             );

@@ -28,7 +28,7 @@
 //! verifies memory before it commits, so a returned report means the copy is exact.
 //!
 //! ```
-//! use slat_addr::PageIndex;
+//! use slat_addr::{Gpa, Hva, PageIndex};
 //! use slat_dirty::{DirtyLogSource, Harvester, LogMode, SlotInfo};
 //! use slat_migrate::{Channel, DestConfig, Destination, Guest, GuestError, GuestHarvester};
 //! use slat_migrate::{GuestLog, GuestRegion, Region, Source, SourceConfig};
@@ -77,8 +77,8 @@
 //!         "my-vmm"
 //!     }
 //!     fn regions(&self) -> Vec<GuestRegion> {
-//!         let region = Region { gpa: 1 << 20, pages: PAGES, read_only: false };
-//!         vec![GuestRegion { region, host: self.ram.as_ptr() as u64 }]
+//!         let region = Region { gpa: Gpa::new(1 << 20), pages: PAGES, read_only: false };
+//!         vec![GuestRegion { region, host: Hva::from_ptr(self.ram.as_ptr()) }]
 //!     }
 //!     fn pause(&self) -> Result<(), GuestError> {
 //!         Ok(self.running.store(false, Ordering::SeqCst))

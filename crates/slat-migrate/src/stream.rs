@@ -30,6 +30,7 @@
 
 use crate::error::{Corruption, MapError, PageError, StreamError};
 use crate::state::StateBlob;
+use slat_addr::Gpa;
 use std::io::{Read, Write};
 use std::time::Duration;
 
@@ -107,7 +108,7 @@ impl Compression {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Region {
     /// Guest-physical address of its first byte (page aligned).
-    pub gpa: u64,
+    pub gpa: Gpa,
     /// Pages in it (at least one).
     pub pages: u64,
     /// The guest cannot write it (ROM): copied once, never dirty-logged.
@@ -116,7 +117,7 @@ pub struct Region {
 
 impl Region {
     /// Guest-physical address one past its last byte (`None`: past 64 bits).
-    pub fn end(&self) -> Option<u64> {
+    pub fn end(&self) -> Option<Gpa> {
         self.pages
             .checked_mul(PAGE_SIZE as u64)
             .and_then(|b| self.gpa.checked_add(b))
@@ -131,15 +132,15 @@ pub fn check_regions(regions: &[Region]) -> Result<u64, MapError> {
         return Err(MapError::Count(regions.len()));
     }
     let mut total = 0u64;
-    let mut prev_end = 0u64;
+    let mut prev_end = Gpa::ZERO;
     for (index, r) in regions.iter().enumerate() {
         if r.pages == 0 {
             return Err(MapError::Empty { index });
         }
-        if r.gpa % PAGE_SIZE as u64 != 0 {
+        if !r.gpa.is_page_aligned() {
             return Err(MapError::Unaligned { index, gpa: r.gpa });
         }
-        let end = r.end().filter(|&e| e <= 1u64 << GPA_BITS);
+        let end = r.end().filter(|&e| e <= Gpa::new(1u64 << GPA_BITS));
         let Some(end) = end else {
             return Err(MapError::Beyond {
                 index,
@@ -371,7 +372,7 @@ impl Msg {
                 out.push(h.one_way as u8);
                 put_u32(out, h.regions.len() as u32);
                 for r in &h.regions {
-                    put_u64(out, r.gpa);
+                    put_u64(out, r.gpa.raw());
                     put_u64(out, r.pages);
                     out.push(r.read_only as u8);
                 }
@@ -528,7 +529,7 @@ impl Dec<'_> {
         let mut regions = Vec::with_capacity(n);
         for _ in 0..n {
             regions.push(Region {
-                gpa: d.u64()?,
+                gpa: Gpa::new(d.u64()?),
                 pages: d.u64()?,
                 read_only: d.flag()?,
             });
@@ -1024,12 +1025,12 @@ mod tests {
             one_way: false,
             regions: vec![
                 Region {
-                    gpa: 0,
+                    gpa: Gpa::ZERO,
                     pages: 256,
                     read_only: false,
                 },
                 Region {
-                    gpa: 1 << 30,
+                    gpa: Gpa::new(1 << 30),
                     pages: 16,
                     read_only: true,
                 },
@@ -1174,7 +1175,7 @@ mod tests {
     #[test]
     fn memory_maps_are_checked() {
         let r = |gpa, pages, read_only| Region {
-            gpa,
+            gpa: Gpa::new(gpa),
             pages,
             read_only,
         };

@@ -5,6 +5,7 @@ use super::{BackendKind, BenchGuest, LogMode, Shape, WorkSpec, WORKLOAD_STATE};
 use crate::error::BenchError;
 use crate::machine_log::MachineLog;
 use slat::PteFormat;
+use slat_addr::Hva;
 use slat_dirty::DirtyLogSource;
 use slat_dirty::Harvester;
 use slat_machine::{Machine, PacedParams, Pacer, Workload};
@@ -134,8 +135,10 @@ where
             .into_iter()
             .map(|region| GuestRegion {
                 region,
-                // The regions start at guest-physical 0 of the test region: the offset.
-                host: host + region.gpa,
+                // The regions start at guest-physical 0 of the test region: the offset. The
+                // machine maps all of them (checked when it was built); `MemoryMap::new`
+                // checks the sum again.
+                host: Hva::new(host.wrapping_add(region.gpa.raw())),
             })
             .collect()
     }

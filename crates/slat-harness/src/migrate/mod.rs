@@ -22,6 +22,7 @@ mod driver;
 use crate::error::{BenchError, ShapeError};
 use driver::{BurstDriver, MachineGuest, PacedDriver};
 use slat::{Ept, PteFormat, Stage2, VmConfig};
+use slat_addr::Gpa;
 use slat_machine::{Machine, MachineConfig, Pacer};
 use slat_migrate::stream::{Region, MAX_GUEST_BYTES, MAX_REGIONS, PAGE_SIZE};
 use slat_migrate::{Guest, GuestError, HelloError, StateBlob};
@@ -101,7 +102,7 @@ impl Shape {
         let pps = pages / self.slots as u64;
         (0..self.slots as u64)
             .map(|s| Region {
-                gpa: s * pps * PAGE_SIZE as u64,
+                gpa: Gpa::new(s * pps * PAGE_SIZE as u64),
                 pages: pps,
                 read_only: false,
             })

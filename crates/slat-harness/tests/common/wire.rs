@@ -111,7 +111,7 @@ pub fn hello_payload(
         .u8(one_way as u8)
         .u32(regions.len() as u32);
     for r in regions {
-        p = p.u64(r.gpa).u64(r.pages).u8(r.read_only as u8);
+        p = p.u64(r.gpa.raw()).u64(r.pages).u8(r.read_only as u8);
     }
     p.u32(machine.len() as u32)
         .bytes(machine)
@@ -128,7 +128,7 @@ pub fn shape_regions(shape: &Shape) -> Vec<Region> {
     let pps = pages / shape.slots as u64;
     (0..shape.slots as u64)
         .map(|s| Region {
-            gpa: s * pps * 4096,
+            gpa: slat_addr::Gpa::new(s * pps * 4096),
             pages: pps,
             read_only: false,
         })

@@ -3,6 +3,7 @@
 //! semantics, a "vCPU" thread writing pages, and device state. What `Guest` asks of a VMM, in
 //! about a hundred lines.
 
+use slat_addr::Hva;
 use slat_dirty::{DirtyLogSource, Harvester, LogMode, SlotInfo};
 use slat_migrate::guest::{GuestHarvester, GuestLog};
 use slat_migrate::{Guest, GuestError, GuestRegion, Region, StateBlob};
@@ -175,7 +176,7 @@ unsafe impl Guest for SoftGuest {
             .zip(&i.mem)
             .map(|(&region, m)| GuestRegion {
                 region,
-                host: m.as_ptr() as u64,
+                host: Hva::from_ptr(m.as_ptr()),
             })
             .collect()
     }
