@@ -118,7 +118,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     run_guest(&[3, 4, 5, 64, 200])?;
     // A device model wrote page 10 through the VMM (e.g. vm-memory's AtomicBitmap).
-    harvester.mark_pages(0, 10, 1)?;
+    harvester.mark_pages(0, slat_addr::PageIndex::new(10), 1)?;
     let set = harvester.take()?;
     print("take", &set);
     // Suppose the copy fails (the destination went away): dropping the set aborts it.

@@ -294,11 +294,12 @@ impl<S: DirtyLogSource> Harvester<S> {
     pub fn mark_pages(
         &mut self,
         slot_index: usize,
-        first_page: u64,
+        first_page: PageIndex,
         pages: u64,
     ) -> Result<(), Error> {
         let i = self.index(slot_index)?;
-        set_range(&self.slots[i], &mut self.owed[i], first_page, pages, true)
+        let first = first_page.raw();
+        set_range(&self.slots[i], &mut self.owed[i], first, pages, true)
     }
 
     /// Marks every page of every tracked slot as owed: the next take hands over all memory
@@ -577,14 +578,14 @@ impl<S: DirtyLogSource> DirtySet<'_, S> {
     pub fn commit_pages(
         &mut self,
         slot_index: usize,
-        first_page: u64,
+        first_page: PageIndex,
         pages: u64,
     ) -> Result<(), Error> {
         let i = self.h.index(slot_index)?;
         set_range(
             &self.h.slots[i],
             &mut self.bitmaps[i],
-            first_page,
+            first_page.raw(),
             pages,
             false,
         )

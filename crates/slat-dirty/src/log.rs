@@ -167,7 +167,7 @@ pub fn clear_dirty_log(
     num_pages: u64,
     bitmap: &[u64],
 ) -> Result<(), Error> {
-    let first_page = first_page.raw();
+    let first = first_page.raw();
     let pages = slot.pages();
     let refuse = |reason| {
         Err(Error::ClearRange {
@@ -178,10 +178,10 @@ pub fn clear_dirty_log(
             reason,
         })
     };
-    if first_page % 64 != 0 {
+    if first % 64 != 0 {
         return refuse("the first page must be a multiple of 64");
     }
-    let Some(rest) = pages.checked_sub(first_page) else {
+    let Some(rest) = pages.checked_sub(first) else {
         return refuse("the first page is past the end of the slot");
     };
     if num_pages > rest {
@@ -206,7 +206,7 @@ pub fn clear_dirty_log(
     let mut c = kvm_clear_dirty_log {
         slot: slot.id(),
         num_pages: num_pages_u32,
-        first_page,
+        first_page: first,
         ..Default::default()
     };
     // KVM only reads through this pointer (`copy_from_user`); the field is `*mut` in the ABI.

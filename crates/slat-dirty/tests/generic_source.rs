@@ -162,16 +162,16 @@ fn sources_a_harvester_cannot_use_are_refused() {
 #[test]
 fn marks_and_partial_commits_are_checked_against_the_slot() {
     let mut h = Harvester::from_source(MemLog::new(&[70], LogMode::Get)).unwrap();
-    assert!(h.mark_pages(0, 60, 11).is_err());
-    assert!(h.mark_pages(1, 0, 1).is_err());
-    assert!(h.mark_pages(0, u64::MAX, 2).is_err());
+    assert!(h.mark_pages(0, PageIndex::new(60), 11).is_err());
+    assert!(h.mark_pages(1, PageIndex::new(0), 1).is_err());
+    assert!(h.mark_pages(0, PageIndex::new(u64::MAX), 2).is_err());
     assert!(h.mark_words(0, &[0; 3]).is_err());
     h.mark_words(0, &[u64::MAX, u64::MAX]).unwrap();
     assert_eq!(h.owed_pages(), 70, "bits past the slot are no pages");
     let mut set = h.take_owed();
     assert_eq!(set.collected(), 0);
-    assert!(set.commit_pages(0, 69, 2).is_err());
-    set.commit_pages(0, 0, 69).unwrap();
+    assert!(set.commit_pages(0, PageIndex::new(69), 2).is_err());
+    set.commit_pages(0, PageIndex::new(0), 69).unwrap();
     set.abort();
     assert_eq!(h.owed_pages(), 1);
     h.mark_all();

@@ -236,7 +236,7 @@ impl<'m, M: TestMachine + ?Sized> MachineSnapshot<'m, M> {
 fn add_all(to: &mut DirtyPages, from: &DirtyPages, regions: usize) -> Result<(), SnapshotError> {
     for region in 0..regions {
         for &p in from.pages(region) {
-            to.add_page(region, p)?;
+            to.add_page(region, slat_addr::PageIndex::new(p))?;
         }
     }
     Ok(())

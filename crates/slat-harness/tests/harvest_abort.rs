@@ -4,6 +4,7 @@
 //! the last commit (the memstress model says which), on the simulated machine and on KVM,
 //! with several vCPUs, in all three log modes.
 
+use slat_addr::PageIndex;
 use slat_dirty::{DirtyLogSource, DirtySet, Harvester, LogMode as Mode, SlotInfo};
 use slat_harness::MachineLog;
 use slat_machine::{Machine, MachineConfig};
@@ -81,7 +82,7 @@ impl<S: DirtyLogSource> DirtyLogSource for Flaky<S> {
     fn clear_log(
         &mut self,
         slot: usize,
-        first: slat_addr::PageIndex,
+        first: PageIndex,
         pages: u64,
         bitmap: &[u64],
     ) -> Result<(), Self::Error> {
@@ -223,11 +224,16 @@ fn partial_commit_then_abort<M: TestMachine>(m: &M) {
     assert_eq!(all, written(m, pass(7)));
     let committed: BTreeSet<Page> = all.iter().copied().step_by(2).collect();
     for &(i, p) in &committed {
-        set.commit_pages(i, p, 1).expect("commit_pages");
+        set.commit_pages(i, PageIndex::new(p), 1)
+            .expect("commit_pages");
     }
-    assert!(set.commit_pages(SLOTS, 0, 1).is_err(), "no such slot");
     assert!(
-        set.commit_pages(0, m.pages_per_slot(), 1).is_err(),
+        set.commit_pages(SLOTS, PageIndex::ZERO, 1).is_err(),
+        "no such slot"
+    );
+    assert!(
+        set.commit_pages(0, PageIndex::new(m.pages_per_slot()), 1)
+            .is_err(),
         "past the slot"
     );
     set.abort();
