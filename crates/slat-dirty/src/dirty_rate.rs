@@ -474,6 +474,7 @@ impl<S: DirtyLogSource> DirtyRate<S> {
         let mut per_vcpu = vec![0u64; *vcpus];
         let (mut pages, mut unattributed, mut foreign) = (0u64, 0u64, 0u64);
         let r = source.collect_ring_by_vcpu(&mut |vcpu, id, offset| {
+            let offset = offset.raw();
             let slot = by_id
                 .binary_search_by_key(&id, |&(id, _)| id)
                 .ok()
@@ -587,16 +588,16 @@ mod tests {
             self.clears.push((slot, first, n));
             Ok(())
         }
-        fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, String> {
+        fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, String> {
             self.collect_ring_by_vcpu(&mut |_, s, o| f(s, o))
         }
         fn collect_ring_by_vcpu(
             &mut self,
-            f: &mut dyn FnMut(Option<usize>, u32, u64),
+            f: &mut dyn FnMut(Option<usize>, u32, PageIndex),
         ) -> Result<u64, String> {
             let n = self.ring.len() as u64;
             for (v, s, o) in self.ring.drain(..) {
-                f(v, s, o);
+                f(v, s, PageIndex::new(o));
             }
             Ok(n)
         }

@@ -354,6 +354,7 @@ impl<S: DirtyLogSource> Harvester<S> {
         // Each entry is owed the moment it is handed over, so a failure after some entries
         // (here or in the reset) loses none of them.
         self.source.collect_ring(&mut |slot, offset| {
+            let offset = offset.raw();
             match slots.iter().position(|s| s.id == slot) {
                 Some(i) if offset < slots[i].pages => {
                     // offset < pages, so the word index is in the bitmap.

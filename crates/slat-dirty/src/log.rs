@@ -540,7 +540,7 @@ impl DirtyRing {
     /// Collects every published entry in order: reads it after an acquire load of its flags
     /// shows DIRTY, calls `f(slot, offset)`, then hands it back with a release store of RESET
     /// (so KVM's reset reads the flags after our reads of the entry). Returns how many.
-    pub fn harvest(&mut self, mut f: impl FnMut(u32, u64)) -> u32 {
+    pub fn harvest(&mut self, mut f: impl FnMut(u32, PageIndex)) -> u32 {
         // `entries` is a power of two (RingSize), so the mask keeps every index inside the
         // mapping of `entries` entries, whatever the free-running counter holds.
         let mask = self.size.entries() - 1;
@@ -564,7 +564,7 @@ impl DirtyRing {
                     std::ptr::addr_of!((*e).offset).read_volatile(),
                 )
             };
-            f(slot, offset);
+            f(slot, PageIndex::new(offset));
             flags.store(KVM_DIRTY_GFN_F_RESET, Ordering::Release);
             self.fetch = self.fetch.wrapping_add(1);
             n += 1;

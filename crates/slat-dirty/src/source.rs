@@ -63,7 +63,7 @@ pub trait DirtyLogSource {
         bitmap: &[u64],
     ) -> Result<(), Self::Error>;
     /// Hands every uncollected ring entry to `f(slot id, offset)`; returns how many.
-    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, Self::Error>;
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, Self::Error>;
     /// [`collect_ring`](Self::collect_ring) that also names the vCPU whose ring held each
     /// entry: `f(vcpu, slot id, offset)`, `None` when the source cannot tell (entries a vCPU
     /// reaped into a shared list on a ring-full exit). Same contract otherwise. The default
@@ -71,7 +71,7 @@ pub trait DirtyLogSource {
     /// rate ([`crate::dirty_rate`]) can be measured over it.
     fn collect_ring_by_vcpu(
         &mut self,
-        f: &mut dyn FnMut(Option<usize>, u32, u64),
+        f: &mut dyn FnMut(Option<usize>, u32, PageIndex),
     ) -> Result<u64, Self::Error> {
         self.collect_ring(&mut |slot, offset| f(None, slot, offset))
     }
@@ -124,12 +124,12 @@ impl<S: DirtyLogSource, E, F: FnMut(S::Error) -> E> DirtyLogSource for MapErr<S,
         let r = self.source.clear_log(slot, first, pages, bitmap);
         r.map_err(&mut self.f)
     }
-    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, E> {
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, E> {
         self.source.collect_ring(f).map_err(&mut self.f)
     }
     fn collect_ring_by_vcpu(
         &mut self,
-        f: &mut dyn FnMut(Option<usize>, u32, u64),
+        f: &mut dyn FnMut(Option<usize>, u32, PageIndex),
     ) -> Result<u64, E> {
         self.source.collect_ring_by_vcpu(f).map_err(&mut self.f)
     }
@@ -159,12 +159,12 @@ impl<S: DirtyLogSource + ?Sized> DirtyLogSource for Box<S> {
     ) -> Result<(), Self::Error> {
         (**self).clear_log(slot, first, pages, bitmap)
     }
-    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, Self::Error> {
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, Self::Error> {
         (**self).collect_ring(f)
     }
     fn collect_ring_by_vcpu(
         &mut self,
-        f: &mut dyn FnMut(Option<usize>, u32, u64),
+        f: &mut dyn FnMut(Option<usize>, u32, PageIndex),
     ) -> Result<u64, Self::Error> {
         (**self).collect_ring_by_vcpu(f)
     }
@@ -259,7 +259,7 @@ impl DirtyLogSource for KvmLog {
     ) -> Result<(), Error> {
         clear_dirty_log(self.slot(slot)?, first, pages, bitmap)
     }
-    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, Error> {
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, Error> {
         Ok(self
             .rings
             .iter_mut()
@@ -268,7 +268,7 @@ impl DirtyLogSource for KvmLog {
     }
     fn collect_ring_by_vcpu(
         &mut self,
-        f: &mut dyn FnMut(Option<usize>, u32, u64),
+        f: &mut dyn FnMut(Option<usize>, u32, PageIndex),
     ) -> Result<u64, Error> {
         // Rings are numbered in the order they were given (`with_rings`, then `add_ring`):
         // a VMM that gives them in vCPU order gets vCPU indexes.

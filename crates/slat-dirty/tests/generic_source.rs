@@ -81,13 +81,13 @@ impl DirtyLogSource for MemLog {
     fn clear_log(&mut self, _: usize, _: PageIndex, _: u64, _: &[u64]) -> Result<(), Injected> {
         self.call(|_| ())
     }
-    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, Injected> {
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, Injected> {
         self.call(|l| {
             let n = l.ring.len() as u64;
-            l.ring.drain(..).for_each(|(s, o)| f(s, o));
+            l.ring.drain(..).for_each(|(s, o)| f(s, PageIndex::new(o)));
             // An entry of a slot nobody tracks, and one past a slot's end.
-            f(99, 0);
-            f(10, 1 << 40);
+            f(99, PageIndex::ZERO);
+            f(10, PageIndex::new(1 << 40));
             n
         })
     }

@@ -116,12 +116,12 @@ where
                 .clear_log(slot, first, pages, bitmap)
         })
     }
-    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, Self::Error> {
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, Self::Error> {
         timed(&self.read, || self.machine.dirty_log().collect_ring(f))
     }
     fn collect_ring_by_vcpu(
         &mut self,
-        f: &mut dyn FnMut(Option<usize>, u32, u64),
+        f: &mut dyn FnMut(Option<usize>, u32, PageIndex),
     ) -> Result<u64, Self::Error> {
         timed(&self.read, || {
             self.machine.dirty_log().collect_ring_by_vcpu(f)

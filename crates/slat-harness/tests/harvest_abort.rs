@@ -88,7 +88,7 @@ impl<S: DirtyLogSource> DirtyLogSource for Flaky<S> {
     ) -> Result<(), Self::Error> {
         self.call(|s| s.clear_log(slot, first, pages, bitmap))
     }
-    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, Self::Error> {
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, Self::Error> {
         self.call(|s| s.collect_ring(f))
     }
     fn reset_rings(&mut self) -> Result<u64, Self::Error> {

@@ -14,6 +14,7 @@ use kvm_bindings::{
     KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_EXIT_DIRTY_RING_FULL, KVM_MAX_CPUID_ENTRIES,
 };
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
+use slat_addr::PageIndex;
 use slat_dirty::log::{self as dirty, DirtyRing, RingSize};
 use slat_dirty::Memslot;
 use slat_workload::cpus::VcpuTids;
@@ -466,7 +467,7 @@ type Control = Rendezvous<(), VcpuPass, String>;
 struct Rings {
     rings: Vec<DirtyRing>,
     /// (index of the ring = the vCPU, slot, offset).
-    reaped: Vec<(usize, u32, u64)>,
+    reaped: Vec<(usize, u32, PageIndex)>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

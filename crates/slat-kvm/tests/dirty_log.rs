@@ -201,6 +201,7 @@ fn collect_rings(m: &KvmMachine) -> (Vec<u64>, u64) {
     let n = m
         .dirty_log()
         .collect_ring(&mut |slot, offset| {
+            let offset = offset.raw();
             let ok = m.slot_ids().any(|s| s == slot) && offset < pps;
             if !ok {
                 bad.push((slot, offset));

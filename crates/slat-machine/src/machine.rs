@@ -665,22 +665,22 @@ impl<F: PteFormat> DirtyLogSource for SimLog<'_, F> {
         self.m.vm.clear_dirty_log(id, first.raw(), pages, bitmap)?;
         Ok(())
     }
-    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, MachineError> {
-        Ok(self.m.collect_dirty_rings(f))
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, MachineError> {
+        Ok(self.m.collect_dirty_rings(|s, o| f(s, PageIndex::new(o))))
     }
     fn collect_ring_by_vcpu(
         &mut self,
-        f: &mut dyn FnMut(Option<usize>, u32, u64),
+        f: &mut dyn FnMut(Option<usize>, u32, PageIndex),
     ) -> Result<u64, MachineError> {
         // Entries reaped on ring-full exits carry the index of the ring they came from.
         let reaped = std::mem::take(&mut *self.m.reaped.lock());
         let mut n = reaped.len() as u64;
         for (i, s, o) in reaped {
-            f(Some(i), s, o);
+            f(Some(i), s, PageIndex::new(o));
         }
         // `dirty_rings()` is in vCPU creation order: ring i is vCPU i's.
         for (i, r) in self.m.vm.dirty_rings().iter().enumerate() {
-            n += r.harvest(|s, o| f(Some(i), s, o)) as u64;
+            n += r.harvest(|s, o| f(Some(i), s, PageIndex::new(o))) as u64;
         }
         Ok(n)
     }

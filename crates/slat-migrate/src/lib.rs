@@ -62,7 +62,7 @@
 //!     fn clear_log(&mut self, _: usize, _: PageIndex, _: u64, _: &[u64]) -> Result<(), Self::Error> {
 //!         Ok(())
 //!     }
-//!     fn collect_ring(&mut self, _: &mut dyn FnMut(u32, u64)) -> Result<u64, Self::Error> {
+//!     fn collect_ring(&mut self, _: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, Self::Error> {
 //!         Ok(0)
 //!     }
 //!     fn reset_rings(&mut self) -> Result<u64, Self::Error> {

@@ -319,7 +319,7 @@ fn collect<M: TestMachine + ?Sized>(
             }
         }
         LogMode::DirtyRing => {
-            log.collect_ring(&mut set)?;
+            log.collect_ring(&mut |slot, offset: PageIndex| set(slot, offset.raw()))?;
             log.reset_rings()?;
         }
     }

@@ -43,12 +43,12 @@ impl DirtyLogSource for KvmMachineLog<'_> {
     ) -> Result<(), KvmError> {
         self.m.clear_dirty_log(self.id(slot)?, first, pages, bitmap)
     }
-    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, KvmError> {
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, KvmError> {
         Ok(self.m.collect_dirty_rings(f))
     }
     fn collect_ring_by_vcpu(
         &mut self,
-        f: &mut dyn FnMut(Option<usize>, u32, u64),
+        f: &mut dyn FnMut(Option<usize>, u32, PageIndex),
     ) -> Result<u64, KvmError> {
         Ok(self.m.collect_dirty_rings_by_vcpu(f))
     }
@@ -106,7 +106,7 @@ impl KvmMachine {
     /// ring-full exits, then each ring's (acquire of DIRTY, release of RESET). Calls
     /// `f(slot, offset)` per entry (slot is `as_id << 16 | id`; address space 0 here); returns
     /// how many. Follow with [`Self::reset_dirty_rings`] before reading the pages.
-    fn collect_dirty_rings(&self, f: &mut dyn FnMut(u32, u64)) -> u64 {
+    fn collect_dirty_rings(&self, f: &mut dyn FnMut(u32, PageIndex)) -> u64 {
         let mut r = lock(&self.rings);
         let reaped = std::mem::take(&mut r.reaped);
         let mut n = reaped.len() as u64;
@@ -121,7 +121,7 @@ impl KvmMachine {
 
     /// [`Self::collect_dirty_rings`] naming each entry's vCPU, also of those reaped on
     /// ring-full exits (the reaper records whose ring each came from).
-    fn collect_dirty_rings_by_vcpu(&self, f: &mut dyn FnMut(Option<usize>, u32, u64)) -> u64 {
+    fn collect_dirty_rings_by_vcpu(&self, f: &mut dyn FnMut(Option<usize>, u32, PageIndex)) -> u64 {
         let mut r = lock(&self.rings);
         let reaped = std::mem::take(&mut r.reaped);
         let mut n = reaped.len() as u64;

@@ -4,6 +4,7 @@
 //! about a hundred lines.
 
 use slat_addr::Hva;
+use slat_addr::PageIndex;
 use slat_dirty::{DirtyLogSource, Harvester, LogMode, SlotInfo};
 use slat_migrate::guest::{GuestHarvester, GuestLog};
 use slat_migrate::{Guest, GuestError, GuestRegion, Region, StateBlob};
@@ -153,7 +154,7 @@ impl DirtyLogSource for SoftLog {
     ) -> Result<(), std::io::Error> {
         Ok(())
     }
-    fn collect_ring(&mut self, _: &mut dyn FnMut(u32, u64)) -> Result<u64, std::io::Error> {
+    fn collect_ring(&mut self, _: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, std::io::Error> {
         Ok(0)
     }
     fn reset_rings(&mut self) -> Result<u64, std::io::Error> {
