@@ -269,7 +269,7 @@ impl<S: DirtyLogSource> Harvester<S> {
     ) -> Result<(), Error> {
         let i = self.index(slot_index)?;
         let s = &self.slots[i];
-        let bytes = s.pages.checked_mul(crate::PAGE_SIZE);
+        let bytes = s.pages.checked_mul(slat_addr::PAGE_SIZE);
         if u64::try_from(bitmap.len()) != Ok(s.pages)
             || u64::try_from(bitmap.byte_size()).ok() != bytes
         {

@@ -56,7 +56,7 @@
 //!
 //! // Guest RAM: 64 pages at guest-physical 0, the VMM's own (page-aligned, never freed).
 //! const PAGES: u64 = 64;
-//! let len = (PAGES * slat_dirty::PAGE_SIZE) as usize;
+//! let len = (PAGES * slat_addr::PAGE_SIZE) as usize;
 //! let layout = std::alloc::Layout::from_size_align(len, 4096)?;
 //! // SAFETY: a non-zero size.
 //! let ram = unsafe { std::alloc::alloc_zeroed(layout) };
@@ -139,8 +139,3 @@ pub use source::{DirtyLogSource, KvmLog, SlotInfo};
 /// The `vm-memory` this crate was built with (feature `vm-memory`), for its `AtomicBitmap`.
 #[cfg(feature = "vm-memory")]
 pub use vm_memory;
-
-/// log2 of the page size KVM's dirty logs count in (x86-64: 4 KiB).
-pub const PAGE_SHIFT: u32 = 12;
-/// The page size KVM's dirty logs count in.
-pub const PAGE_SIZE: u64 = 1 << PAGE_SHIFT;

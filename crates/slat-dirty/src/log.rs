@@ -61,14 +61,13 @@
 
 use crate::error::Error;
 use crate::memslot::{bitmap_words, Memslot};
-use crate::PAGE_SIZE;
 use kvm_bindings::{
     kvm_clear_dirty_log, kvm_dirty_gfn, kvm_dirty_log, kvm_enable_cap, KVM_CAP_DIRTY_LOG_RING,
     KVM_CAP_DIRTY_LOG_RING_ACQ_REL, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_INITIALLY_SET,
     KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_DIRTY_LOG_PAGE_OFFSET,
 };
 use kvm_ioctls::{VcpuFd, VmFd};
-use slat_addr::PageIndex;
+use slat_addr::{PageIndex, PAGE_SIZE};
 use std::io;
 use std::os::fd::AsRawFd;
 use std::ptr::NonNull;

@@ -3,10 +3,9 @@
 //! crate controls instead of from the caller's word.
 
 use crate::error::Error;
-use crate::{PAGE_SHIFT, PAGE_SIZE};
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY};
 use kvm_ioctls::VmFd;
-use slat_addr::{Gpa, Hva};
+use slat_addr::{Gpa, Hva, PAGE_SHIFT, PAGE_SIZE};
 use std::fmt;
 use std::sync::Arc;
 

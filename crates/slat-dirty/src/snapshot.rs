@@ -40,7 +40,7 @@
 //! A reset's host writes are not logged (KVM logs guest writes only), which is what a reset
 //! wants: the restored page equals the snapshot.
 
-use crate::PAGE_SIZE;
+use slat_addr::PAGE_SIZE;
 use slat_addr::{Hva, PageIndex};
 use std::ptr::NonNull;
 

@@ -2,7 +2,8 @@
 //! a seeded random test against a reference model (a full copy of what memory must hold).
 
 use slat_addr::PageIndex;
-use slat_dirty::{DirtyPages, GuestRegion, Snapshot, SnapshotError, PAGE_SIZE};
+use slat_addr::PAGE_SIZE;
+use slat_dirty::{DirtyPages, GuestRegion, Snapshot, SnapshotError};
 
 const PAGE: usize = PAGE_SIZE as usize;
 

@@ -23,7 +23,7 @@
 //! `SLAT_FUZZ_CASES=N` sets the destination's cases (default 2000, about 5 s here; the
 //! decoder runs 20 times as many, about 6 s), `SLAT_FUZZ_SEED=S` replays a run: the seed is printed at the start and in every
 //! failure. A long run:
-//! `SLAT_FUZZ_CASES=20000 cargo test --release -p slat-migrate --test fuzz -- --nocapture`.
+//! `SLAT_FUZZ_CASES=20000 cargo test --release -p slat-harness --test migrate_fuzz -- --nocapture`.
 
 mod common;
 

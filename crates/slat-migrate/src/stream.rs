@@ -38,8 +38,9 @@ use std::time::Duration;
 pub const MAGIC: [u8; 8] = *b"SLATMIGR";
 /// The protocol version this build speaks.
 pub const VERSION: u32 = 2;
-/// Guest page size.
-pub const PAGE_SIZE: usize = 4096;
+/// Guest page size, as the stream's preamble carries it: `slat_addr`'s page, as a `usize`
+/// for buffer lengths.
+pub const PAGE_SIZE: usize = slat_addr::PAGE_SIZE as usize;
 /// Largest frame payload (a batch of [`MAX_BATCH_PAGES`] raw pages fits with room to spare).
 pub const MAX_FRAME: u32 = 4 << 20;
 /// Most pages in one [`Msg::Pages`] batch.
