@@ -11,12 +11,13 @@
 use crate::args::{BackendArg, FormatArg};
 use serde_json::{json, Value};
 use slat::{Ept, PteFormat, Stage2, VmConfig};
+use slat_addr::PAGE_SIZE;
 use slat_dirty::DirtyLogSource;
 use slat_machine::{Machine, MachineConfig};
 use slat_workload::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
 use slat_workload::{
     native_baseline, DirtyConfig, Layout, PassParams, RegionSpec, TestMachine, WriteLatency,
-    INITIALLY_SET, MANUAL_PROTECT_ENABLE, PAGE_SIZE,
+    INITIALLY_SET, MANUAL_PROTECT_ENABLE,
 };
 use slat_workload::{Backing, GuestRam};
 use std::ops::Range;

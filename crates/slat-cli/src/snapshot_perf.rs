@@ -34,9 +34,10 @@ use clap::Args;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 use slat::{Ept, PteFormat, Stage2};
+use slat_addr::PAGE_SIZE;
 use slat_harness::{MachineSnapshot, ResetReport};
 use slat_machine::{Machine, MachineConfig};
-use slat_workload::{GuestRam, PassParams, Pattern, RegionSpec, TestMachine, PAGE_SIZE};
+use slat_workload::{GuestRam, PassParams, Pattern, RegionSpec, TestMachine};
 use std::time::{Duration, Instant};
 
 /// Flags of `slat snapshot-perf`.

@@ -1,10 +1,11 @@
 //! [`MachineSnapshot`]: one snapshot-and-reset driver over any [`TestMachine`].
 
 use crate::machine_log::{LogTimes, MachineHarvester, MachineLog};
+use slat_addr::PAGE_SIZE;
 use slat_dirty::snapshot::{
     ChildSnapshot, DirtyPages, GuestRegion, ResetStats, Snapshot, SnapshotError,
 };
-use slat_workload::{GuestRam, TestMachine, PAGE_SIZE};
+use slat_workload::{GuestRam, TestMachine};
 use std::time::{Duration, Instant};
 
 /// Why a snapshot or a reset of a machine failed.

@@ -5,11 +5,12 @@
 //! with several vCPUs, in all three log modes.
 
 use slat_addr::PageIndex;
+use slat_addr::PAGE_SIZE;
 use slat_dirty::{DirtyLogSource, DirtySet, Harvester, LogMode as Mode, SlotInfo};
 use slat_harness::MachineLog;
 use slat_machine::{Machine, MachineConfig};
 use slat_workload::dirty_oracle::LogMode;
-use slat_workload::{PassParams, Pattern, RegionSpec, TestMachine, PAGE_SIZE};
+use slat_workload::{PassParams, Pattern, RegionSpec, TestMachine};
 use std::cell::Cell;
 use std::collections::BTreeSet;
 use std::rc::Rc;

@@ -4,10 +4,11 @@
 //! Incremental (child) snapshots on both machines, every log mode: reset to the child and back
 //! to the base, byte-exact.
 
+use slat_addr::PAGE_SIZE;
 use slat_harness::MachineSnapshot;
 use slat_machine::{Machine, MachineConfig};
 use slat_workload::dirty_oracle::LogMode;
-use slat_workload::{GuestRam, PassParams, Pattern, RegionSpec, TestMachine, PAGE_SIZE};
+use slat_workload::{GuestRam, PassParams, Pattern, RegionSpec, TestMachine};
 
 const VCPUS: usize = 4;
 const BYTES_PER_VCPU: u64 = 256 * PAGE_SIZE;

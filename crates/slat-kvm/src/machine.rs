@@ -14,14 +14,13 @@ use kvm_bindings::{
     KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_EXIT_DIRTY_RING_FULL, KVM_MAX_CPUID_ENTRIES,
 };
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
-use slat_addr::PageIndex;
+use slat_addr::{PageIndex, PAGE_SHIFT, PAGE_SIZE};
 use slat_dirty::log::{self as dirty, DirtyRing, RingSize};
 use slat_dirty::Memslot;
 use slat_workload::cpus::VcpuTids;
 use slat_workload::{
     Backing, GuestRam, LatencyHistogram, ParkMiller, PassParams, RegionSize, RegionSpec,
     Rendezvous, TestMachine, TestRegion, FIRST_SLOT, INITIALLY_SET, MANUAL_PROTECT_ENABLE,
-    PAGE_SHIFT, PAGE_SIZE,
 };
 use std::ffi::CString;
 use std::num::NonZeroU32;

@@ -24,10 +24,10 @@
 
 use crate::dirty_config::{DirtyConfig, INITIALLY_SET, MANUAL_PROTECT_ENABLE};
 use crate::error::WorkloadError;
-use crate::layout::PAGE_SIZE;
 use crate::pattern::ParkMiller;
 use crate::test_machine::TestMachine;
 use slat_addr::PageIndex;
+use slat_addr::PAGE_SIZE;
 use slat_dirty::DirtyLogSource;
 use std::time::{Duration, Instant};
 
