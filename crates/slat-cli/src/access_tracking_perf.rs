@@ -22,11 +22,10 @@ use serde_json::Value;
 use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::{AgeFlush, AgeReport, Ept, IdleBitmap, PteFormat, Stage2, Vm, VmConfig};
 use slat_addr::Gpa;
-use slat_machine::ram::{format_size, GuestRam};
-use slat_machine::{
-    native_baseline, Layout, Machine, MachineConfig, PassParams, PassReport, RegionSpec,
-};
+use slat_machine::{Machine, MachineConfig, PassReport};
 use slat_workload::TestMachine;
+use slat_workload::{format_size, GuestRam};
+use slat_workload::{native_baseline, Layout, PassParams, RegionSpec};
 use std::time::{Duration, Instant};
 
 /// The selftest's limit: at least 90% of the pages must be seen accessed after an access pass.
@@ -490,7 +489,7 @@ fn idle_verdict(
 fn idle_bitmaps<F: PteFormat>(
     a: &AccessTrackingPerfArgs,
     vcpus: u32,
-    layout: &slat_machine::Layout,
+    layout: &slat_workload::Layout,
 ) -> Result<Vec<IdleBitmap>, String> {
     let regions = if a.work.overlap { 1 } else { vcpus as usize };
     (0..regions)

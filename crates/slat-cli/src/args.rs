@@ -5,8 +5,8 @@ use slat::{
     CmoPolicy, DirtyTrack, Ept, GetLogVariant, MmuLockKind, PteFormat, RebuildOrder,
     RecoverVariant, Stage2, VmConfig, WrprotVariant,
 };
-use slat_machine::ram::{parse_size, Backing};
 use slat_machine::tlb::DEFAULT_TLB_ENTRIES;
+use slat_workload::{parse_size, Backing};
 
 /// Parses a KVM-selftest size (`1G`, `512M`, `4096`) that must be a multiple of 4 KiB.
 pub fn guest_size(s: &str) -> Result<u64, String> {

@@ -11,13 +11,15 @@
 use crate::args::{BackendArg, FormatArg};
 use serde_json::{json, Value};
 use slat::{Ept, PteFormat, Stage2, VmConfig};
-use slat_machine::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
-use slat_machine::ram::{Backing, GuestRam};
+use slat_addr::PAGE_SIZE;
+use slat_dirty::DirtyLogSource;
 use slat_machine::{Machine, MachineConfig};
+use slat_workload::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
 use slat_workload::{
     native_baseline, DirtyConfig, Layout, PassParams, RegionSpec, TestMachine, WriteLatency,
-    INITIALLY_SET, MANUAL_PROTECT_ENABLE, PAGE_SIZE,
+    INITIALLY_SET, MANUAL_PROTECT_ENABLE,
 };
+use slat_workload::{Backing, GuestRam};
 use std::ops::Range;
 
 /// A completed pass, without either machine's own counters.
@@ -78,20 +80,8 @@ pub trait Backend {
     fn write_latency(&self) -> WriteLatency;
     /// Dirty logging on every test memslot.
     fn set_dirty_logging(&self, on: bool) -> Result<(), String>;
-    /// GET_DIRTY_LOG of `slot` into `bitmap`; returns the pages reported.
-    fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<u64, String>;
-    /// CLEAR_DIRTY_LOG of `num` pages of `slot` from `first`.
-    fn clear_dirty_log(
-        &self,
-        slot: u32,
-        first: u64,
-        num: u64,
-        bitmap: &[u64],
-    ) -> Result<(), String>;
-    /// Collects every dirty-ring entry; returns how many.
-    fn collect_dirty_rings(&self) -> u64;
-    /// RESET_DIRTY_RINGS.
-    fn reset_dirty_rings(&self) -> Result<(), String>;
+    /// The test region's dirty log (GET, CLEAR, the rings), as every harvest drives it.
+    fn dirty_log(&self) -> Box<dyn DirtyLogSource<Error = String> + '_>;
     /// The machine's counters as JSON (engine statistics, or KVM's binary VM stats).
     fn stats(&self) -> Value;
     /// The dirty-log oracle in `mode` (the machine must have been built for it).
@@ -209,24 +199,8 @@ impl<M: TestMachine + CliMachine> Backend for M {
     fn set_dirty_logging(&self, on: bool) -> Result<(), String> {
         TestMachine::set_dirty_logging(self, on).map_err(text)
     }
-    fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<u64, String> {
-        TestMachine::get_dirty_log(self, slot, bitmap).map_err(text)?;
-        Ok(bitmap.iter().map(|w| w.count_ones() as u64).sum())
-    }
-    fn clear_dirty_log(
-        &self,
-        slot: u32,
-        first: u64,
-        num: u64,
-        bitmap: &[u64],
-    ) -> Result<(), String> {
-        TestMachine::clear_dirty_log(self, slot, first, num, bitmap).map_err(text)
-    }
-    fn collect_dirty_rings(&self) -> u64 {
-        TestMachine::collect_dirty_rings(self, &mut |_, _| {})
-    }
-    fn reset_dirty_rings(&self) -> Result<(), String> {
-        TestMachine::reset_dirty_rings(self).map(drop).map_err(text)
+    fn dirty_log(&self) -> Box<dyn DirtyLogSource<Error = String> + '_> {
+        Box::new(TestMachine::dirty_log(self).map_err(text::<M::Error>))
     }
     fn stats(&self) -> Value {
         CliMachine::stats(self)

@@ -14,9 +14,9 @@ use crate::report::{
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use serde_json::json;
-use slat_machine::ram::format_size;
-use slat_machine::PassParams;
+use slat_workload::format_size;
 use slat_workload::uffd::{self, UffdMode, UffdReport, UffdServer};
+use slat_workload::PassParams;
 use slat_workload::MEMSTRESS_PATTERN;
 use slat_workload::{DirtyConfig, RegionSpec};
 use std::time::Duration;
@@ -527,7 +527,7 @@ fn uffd_regions(a: &DemandPagingArgs, ram_len: u64, psize: u64) -> Vec<(u64, u64
 fn uffd_figures(
     a: &DemandPagingArgs,
     r: &UffdReport,
-    ram: &slat_machine::ram::GuestRam,
+    ram: &slat_workload::GuestRam,
 ) -> Result<UffdFigures, String> {
     let total = a.work.bytes * a.work.vcpus as u64;
     if r.failed() != 0 {

@@ -22,8 +22,8 @@ use crate::report::{
 use crate::sweep::{check_distinct, combinations, parse_vary, Key, Vary};
 use clap::Args;
 use serde::Serialize;
-use slat_machine::ram::format_size;
-use slat_machine::PassParams;
+use slat_workload::format_size;
+use slat_workload::PassParams;
 use slat_workload::RegionSpec;
 use std::time::{Duration, Instant};
 

@@ -17,8 +17,8 @@ use serde::Serialize;
 #[cfg(feature = "broken-engine")]
 use slat::dirty::inject;
 use slat::DirtyTrack;
-use slat_machine::dirty_oracle::{LogMode, OracleConfig};
-use slat_machine::ram::format_size;
+use slat_workload::dirty_oracle::{LogMode, OracleConfig};
+use slat_workload::format_size;
 use slat_workload::RegionSpec;
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! alone and without migrating anything (QEMU's `calc-dirty-rate` / `query-dirty-rate`).
 //!
 //! The measurement is `slat_dirty::DirtyRate` over the machine's log
-//! (`slat_snapshot::MachineLog`); this file builds the machine, runs a guest whose dirty rate
+//! (`slat_harness::MachineLog`); this file builds the machine, runs a guest whose dirty rate
 //! is known where the machine can pace one, and renders the typed report (text, or `--json`
 //! through `output.rs`).
 //!
@@ -33,11 +33,12 @@ use crate::report::quiet;
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use slat::{Ept, PteFormat, Stage2};
+use slat_addr::PAGE_SIZE;
 use slat_dirty::{Attribution, DirtyRate, Measurement, Sample, SampleWindow};
-use slat_machine::ram::{format_size, Backing};
+use slat_harness::MachineLog;
 use slat_machine::{Machine, MachineConfig, PacedParams, Pacer, Workload};
-use slat_snapshot::MachineLog;
-use slat_workload::{PassParams, RegionSpec, TestMachine, PAGE_SIZE};
+use slat_workload::{format_size, Backing};
+use slat_workload::{PassParams, RegionSpec, TestMachine};
 use std::io::Write;
 use std::num::NonZeroU32;
 use std::time::{Duration, Instant};

@@ -1,12 +1,15 @@
 //! The host's harvest of the dirty log, as dirty-log-perf runs it: the rings (collect, then
 //! RESET_DIRTY_RINGS), or GET_DIRTY_LOG on every slot followed, under manual protect, by
-//! CLEAR_DIRTY_LOG in `--clear-chunk` pages.
+//! CLEAR_DIRTY_LOG in `--clear-chunk` pages. Each call is timed as it is made, through the
+//! machine's [`DirtyLogSource`] (the one dirty-log interface), not a transactional harvest.
 
 use crate::args::ClearChunk;
 use crate::backend::{Backend, Spec};
 use crate::error::CliResult;
 use crate::output::{opt_secs, secs};
 use serde::Serialize;
+use slat_addr::PageIndex;
+use slat_dirty::DirtyLogSource;
 use std::time::{Duration, Instant};
 
 /// What one harvest took.
@@ -34,7 +37,6 @@ impl HarvestTimes {
 
 /// The harvest buffers: one bitmap per slot.
 pub struct Harvest {
-    slots: Vec<u32>,
     pages_per_slot: u64,
     bitmaps: Vec<Vec<u64>>,
     chunk: ClearChunk,
@@ -44,13 +46,12 @@ impl Harvest {
     /// Buffers for `m`'s slots; CLEAR in `chunk` pages.
     pub fn new(m: &dyn Backend, chunk: ClearChunk) -> Harvest {
         let pps = m.pages_per_slot();
-        let slots = m.slot_ids();
-        let bitmaps = slots
+        let bitmaps = m
+            .slot_ids()
             .iter()
             .map(|_| vec![0u64; pps.div_ceil(64) as usize])
             .collect();
         Harvest {
-            slots,
             pages_per_slot: pps,
             bitmaps,
             chunk,
@@ -60,24 +61,26 @@ impl Harvest {
     /// Harvests the log once: the rings, or GET (and CLEAR under manual protect) on every slot.
     pub fn run(&mut self, m: &dyn Backend, spec: &Spec) -> CliResult<HarvestTimes> {
         let mut h = HarvestTimes::default();
+        let mut log = m.dirty_log();
         if spec.region.dirty.ring_entries != 0 {
             let t0 = Instant::now();
-            h.dirty_pages = m.collect_dirty_rings();
+            h.dirty_pages = log.collect_ring(&mut |_, _| {})?;
             h.get = t0.elapsed();
             let t0 = Instant::now();
-            m.reset_dirty_rings()?;
+            log.reset_rings()?;
             h.reset = Some(t0.elapsed());
             return Ok(h);
         }
         let t0 = Instant::now();
-        for (&id, b) in self.slots.iter().zip(self.bitmaps.iter_mut()) {
-            h.dirty_pages += m.get_dirty_log(id, b)?;
+        for (i, b) in self.bitmaps.iter_mut().enumerate() {
+            log.get_log(i, b)?;
+            h.dirty_pages += b.iter().map(|w| w.count_ones() as u64).sum::<u64>();
         }
         h.get = t0.elapsed();
         if spec.manual_protect() {
             let t0 = Instant::now();
-            for (&id, b) in self.slots.iter().zip(self.bitmaps.iter()) {
-                self.clear_slot(m, id, b)?;
+            for (i, b) in self.bitmaps.iter().enumerate() {
+                self.clear_slot(&mut *log, i, b)?;
             }
             h.clear = Some(t0.elapsed());
         }
@@ -87,7 +90,12 @@ impl Harvest {
     /// CLEAR_DIRTY_LOG of one slot in chunks. Chunks are powers of two of at least 64 pages,
     /// so every call starts on a bitmap word, as KVM requires; a chunk whose bits are all
     /// clear is still issued, as a VMM clearing ahead of its copy does.
-    fn clear_slot(&self, m: &dyn Backend, id: u32, bitmap: &[u64]) -> CliResult {
+    fn clear_slot(
+        &self,
+        log: &mut dyn DirtyLogSource<Error = String>,
+        slot: usize,
+        bitmap: &[u64],
+    ) -> CliResult {
         let step = self.chunk.pages(self.pages_per_slot);
         let mut first = 0u64;
         while first < self.pages_per_slot {
@@ -96,7 +104,12 @@ impl Harvest {
             // refuses any other length.
             let word = (first / 64) as usize;
             let end = (word + num.div_ceil(64) as usize).min(bitmap.len());
-            m.clear_dirty_log(id, first, num, &bitmap[word.min(end)..end])?;
+            log.clear_log(
+                slot,
+                PageIndex::new(first),
+                num,
+                &bitmap[word.min(end)..end],
+            )?;
             first += num;
         }
         Ok(())

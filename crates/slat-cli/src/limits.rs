@@ -7,7 +7,7 @@
 
 use crate::args::{BackendArg, FormatArg};
 use slat::{Ept, PteFormat, Stage2};
-use slat_machine::ram::{format_size, Backing};
+use slat_workload::{format_size, Backing};
 
 /// The guest page size.
 const PAGE: u64 = 4096;

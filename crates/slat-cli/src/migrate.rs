@@ -14,8 +14,7 @@ use crate::plot::{draw_stacked, Chart, Series};
 use crate::report::{quiet, ts};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
-use slat_machine::ram::{format_size, parse_size, Backing};
-use slat_migrate::bench::{self, BackendKind, BenchGuest, GuestSpec, LogMode, Shape, WorkSpec};
+use slat_harness::migrate::{self, BackendKind, BenchGuest, GuestSpec, LogMode, Shape, WorkSpec};
 use slat_migrate::stream::Compression;
 use slat_migrate::transport::{self, Channel, Endpoint, Listener};
 use slat_migrate::verify::VerifyMode;
@@ -23,6 +22,7 @@ use slat_migrate::{
     DestConfig, DestReport, Destination, DirtyLimitConfig, Event, Faults, GuestError, MapError,
     Memory, MemoryError, MigrateError, MigrationReport, Source, SourceConfig,
 };
+use slat_workload::{format_size, parse_size, Backing};
 use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -794,7 +794,7 @@ fn prepare_source(g: &GuestArgs, m: &MigrationArgs, q: bool) -> Result<Prepared,
             g.fill
         ),
     );
-    let guest = bench::build(&g.spec())?;
+    let guest = migrate::build(&g.spec())?;
     guest.populate()?;
     Memory::new(guest.as_dyn())?.stopped_fill(g.fill, g.seed as u64)?;
     guest.start(g.work())?;
@@ -1271,7 +1271,7 @@ fn receive_one(
 /// Builds a machine of each incoming guest's shape with migrate-listen's settings.
 fn factory(a: &ListenArgs) -> slat_migrate::Factory {
     // The shape is the source's (from the hello's machine description); the rest is ours.
-    bench::factory(GuestSpec {
+    migrate::factory(GuestSpec {
         backend: kind(a.backend),
         shape: Shape {
             vcpus: 1,
@@ -1303,7 +1303,7 @@ fn perf_once(a: &MigratePerfArgs) -> Result<PerfRun, RunError> {
         log: LogMode::Get,
         ..a.guest.spec()
     };
-    let dguest = bench::build(&dspec)?.as_guest();
+    let dguest = migrate::build(&dspec)?.as_guest();
     let loopback = |err| RunError::Listen {
         addr: "loopback".into(),
         err,

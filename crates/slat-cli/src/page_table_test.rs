@@ -23,8 +23,9 @@ use serde_json::json;
 use slat::format::PAGE_SIZE;
 use slat::{CmoPolicy, PteFormat, RebuildOrder, RecoverVariant, Stats, VmConfig};
 use slat_machine::page_table_stage::{native_stage_baseline, Stage, StageParams};
-use slat_machine::ram::{format_size, Backing, GuestRam};
-use slat_machine::{Machine, MachineConfig, RegionSpec, Workload};
+use slat_machine::{Machine, MachineConfig, Workload};
+use slat_workload::RegionSpec;
+use slat_workload::{format_size, Backing, GuestRam};
 use std::time::Duration;
 
 /// Guest modes the model implements, as `-m` numbers them.
@@ -86,7 +87,7 @@ pub struct PageTableTestArgs {
 fn address(s: &str) -> Result<u64, String> {
     match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
         Some(h) => u64::from_str_radix(h, 16).map_err(|e| format!("bad hex address {s:?}: {e}")),
-        None => slat_machine::ram::parse_size(s).map_err(|e| e.to_string()),
+        None => slat_workload::parse_size(s).map_err(|e| e.to_string()),
     }
 }
 

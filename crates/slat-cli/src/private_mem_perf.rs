@@ -32,7 +32,7 @@ use counters::{Deltas, DirectMap, DirectMapDelta, Snapshot};
 use mem::{Fill, Kind, Region, Sample};
 use serde::Serialize;
 use slat::direct_map::DirectMapPolicy;
-use slat_machine::ram::format_size;
+use slat_workload::format_size;
 use std::time::{Duration, Instant};
 
 const NAME: &str = "private-mem-perf";

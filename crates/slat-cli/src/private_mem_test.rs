@@ -14,7 +14,7 @@ use clap::Args;
 use serde::Serialize;
 use slat::direct_map::{DirectMapConfig, DirectMapPolicy};
 use slat_machine::conversion::{run_conversion_test, ConversionParams, ConversionReport};
-use slat_machine::ram::{format_size, Backing};
+use slat_workload::{format_size, Backing};
 
 /// Flags of `slat private-mem-test`.
 #[derive(Debug, Args)]

@@ -2,7 +2,7 @@
 //! page-table format's lines.
 
 use crate::args::{BackendArg, FormatArg};
-use slat_machine::ram::format_size;
+use slat_workload::format_size;
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 

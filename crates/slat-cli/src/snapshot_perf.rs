@@ -1,5 +1,5 @@
 //! `slat snapshot-perf`: what a snapshot fuzzer's or sandbox's reset costs when it copies back
-//! only the dirty pages (`slat_snapshot::MachineSnapshot` over `slat_dirty::Snapshot`), against
+//! only the dirty pages (`slat_harness::MachineSnapshot` over `slat_dirty::Snapshot`), against
 //! the floor for the same work (memcpy of as many pages between two host buffers, measured in
 //! the same run) and against a full-copy reset of all guest RAM.
 //!
@@ -34,9 +34,10 @@ use clap::Args;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 use slat::{Ept, PteFormat, Stage2};
+use slat_addr::PAGE_SIZE;
+use slat_harness::{MachineSnapshot, ResetReport};
 use slat_machine::{Machine, MachineConfig};
-use slat_snapshot::{MachineSnapshot, ResetReport};
-use slat_workload::{GuestRam, PassParams, Pattern, RegionSpec, TestMachine, PAGE_SIZE};
+use slat_workload::{GuestRam, PassParams, Pattern, RegionSpec, TestMachine};
 use std::time::{Duration, Instant};
 
 /// Flags of `slat snapshot-perf`.

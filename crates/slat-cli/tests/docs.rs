@@ -79,10 +79,8 @@ fn slat_args(cmd: &str) -> Option<Vec<String>> {
     if words.first().map(String::as_str) == Some("slat") {
         return Some(words[1..].to_vec());
     }
-    let is_cli_run = words.len() > 2
-        && words[0] == "cargo"
-        && words[1] == "run"
-        && cmd.contains("-p slat-cli");
+    let is_cli_run =
+        words.len() > 2 && words[0] == "cargo" && words[1] == "run" && cmd.contains("-p slat-cli");
     if is_cli_run {
         let sep = words.iter().position(|w| w == "--")?;
         return Some(words[sep + 1..].to_vec());

@@ -3,12 +3,15 @@
 //! guest RAM reset from those harvests (copying back only the dirty pages).
 //!
 //! `cargo run --release -p slat-dirty --example vmm` (needs /dev/kvm). The guest is set up in 64-bit
-//! user mode with `slat_kvm::guest`'s page-table and GDT helpers; any VMM's own setup works.
+//! user mode with the tests' small page-table and GDT setup (`tests/common/long_mode.rs`); any VMM's own setup works.
 
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
 use kvm_ioctls::{Kvm, VcpuExit};
 use slat_dirty::{GuestRegion, Harvester, LogMode, Memslot, Snapshot};
-use slat_kvm::guest::{self, GuestMode, LowLayout};
+#[path = "../tests/common/long_mode.rs"]
+mod long_mode;
+
+use long_mode::LowLayout;
 use std::sync::Arc;
 
 const RAM_GPA: u64 = 1 << 30;
@@ -46,10 +49,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     slat_dirty::enable_manual_protect(&vm, true)?;
 
     // Low memory: page tables, GDT, the writer and its control page (not logged).
-    let layout = LowLayout::new(1, RAM_GPA, RAM_GPA + (2 << 20))?;
+    let layout = LowLayout::new(RAM_GPA + (2 << 20))?;
     let low = map(layout.size as usize);
-    guest::build_page_tables(low, &layout, RAM_GPA, RAM_GPA + (2 << 20))?;
-    guest::build_gdt(low, &layout)?;
+    layout.build(low)?;
     low[layout.code as usize..][..WRITER.len()].copy_from_slice(&WRITER);
     // SAFETY: `low` is mapped for the rest of the program.
     unsafe {
@@ -82,9 +84,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let mut vcpu = vm.create_vcpu(0)?;
     let mut sregs = vcpu.get_sregs()?;
-    guest::setup_long_mode(&mut sregs, &layout, GuestMode::User);
+    layout.setup_long_mode(&mut sregs);
     vcpu.set_sregs(&sregs)?;
-    let mut regs = guest::initial_regs(&layout, 0, GuestMode::User);
+    let mut regs = layout.initial_regs();
     regs.r13 = layout.control;
     vcpu.set_regs(&regs)?;
 
@@ -116,7 +118,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     run_guest(&[3, 4, 5, 64, 200])?;
     // A device model wrote page 10 through the VMM (e.g. vm-memory's AtomicBitmap).
-    harvester.mark_pages(0, 10, 1)?;
+    harvester.mark_pages(0, slat_addr::PageIndex::new(10), 1)?;
     let set = harvester.take()?;
     print("take", &set);
     // Suppose the copy fails (the destination went away): dropping the set aborts it.

@@ -7,7 +7,7 @@
 //! A VMM decides whether a live migration can converge, or how hard to throttle, from this
 //! figure, before it migrates anything; so the sampler is written over [`DirtyLogSource`], the
 //! same seam [`crate::Harvester`] uses: a VMM measures its own VM through [`crate::KvmLog`],
-//! slat's benchmark machines through `slat_snapshot::MachineLog`, and the `slat dirty-rate`
+//! slat's benchmark machines through `slat_harness::MachineLog`, and the `slat dirty-rate`
 //! command only renders what [`DirtyRate`] returns. It does not go through the
 //! [`crate::Harvester`]: a measurement copies nothing, so there is nothing to commit or to owe
 //! again, and the harvester's ring path folds every vCPU's ring into one set, which loses the
@@ -42,6 +42,7 @@
 use crate::error::Error;
 use crate::harvest::LogMode;
 use crate::source::{DirtyLogSource, SlotInfo};
+use slat_addr::PageIndex;
 use std::num::NonZeroU32;
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -426,7 +427,7 @@ impl<S: DirtyLogSource> DirtyRate<S> {
                     let (w0, w1) = ((first / 64) as usize, (first + n).div_ceil(64) as usize);
                     let words = &got[w0..w1];
                     if words.iter().any(|&w| w != 0) {
-                        self.source.clear_log(i, first, n, words)?;
+                        self.source.clear_log(i, PageIndex::new(first), n, words)?;
                     }
                     first += n;
                 }
@@ -473,6 +474,7 @@ impl<S: DirtyLogSource> DirtyRate<S> {
         let mut per_vcpu = vec![0u64; *vcpus];
         let (mut pages, mut unattributed, mut foreign) = (0u64, 0u64, 0u64);
         let r = source.collect_ring_by_vcpu(&mut |vcpu, id, offset| {
+            let offset = offset.raw();
             let slot = by_id
                 .binary_search_by_key(&id, |&(id, _)| id)
                 .ok()
@@ -568,7 +570,14 @@ mod tests {
             }
             Ok(())
         }
-        fn clear_log(&mut self, slot: usize, first: u64, n: u64, bm: &[u64]) -> Result<(), String> {
+        fn clear_log(
+            &mut self,
+            slot: usize,
+            first: PageIndex,
+            n: u64,
+            bm: &[u64],
+        ) -> Result<(), String> {
+            let first = first.raw();
             assert_eq!(bm.len() as u64, n.div_ceil(64));
             for p in first..first + n {
                 let q = p - first;
@@ -579,16 +588,16 @@ mod tests {
             self.clears.push((slot, first, n));
             Ok(())
         }
-        fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, String> {
+        fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, String> {
             self.collect_ring_by_vcpu(&mut |_, s, o| f(s, o))
         }
         fn collect_ring_by_vcpu(
             &mut self,
-            f: &mut dyn FnMut(Option<usize>, u32, u64),
+            f: &mut dyn FnMut(Option<usize>, u32, PageIndex),
         ) -> Result<u64, String> {
             let n = self.ring.len() as u64;
             for (v, s, o) in self.ring.drain(..) {
-                f(v, s, o);
+                f(v, s, PageIndex::new(o));
             }
             Ok(n)
         }

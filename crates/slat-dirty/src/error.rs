@@ -1,5 +1,6 @@
 //! The crate's error type.
 
+use slat_addr::PageIndex;
 use std::io;
 
 /// Why a dirty-log call or a harvest was refused or failed.
@@ -59,7 +60,7 @@ pub enum Error {
         /// The memslot.
         slot: u32,
         /// First page of the range.
-        first_page: u64,
+        first_page: PageIndex,
         /// Pages in the range.
         num_pages: u64,
         /// Pages in the slot.

@@ -54,6 +54,7 @@ use crate::log::DirtyRing;
 use crate::memslot::Memslot;
 use crate::ranges::{ranges, Ranges};
 use crate::source::{DirtyLogSource, KvmLog, SlotInfo};
+use slat_addr::PageIndex;
 
 /// How the VM logs dirty pages (it must have been set up so: see each variant).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,7 +78,7 @@ pub enum LogMode {
 ///
 /// `S` is where the log comes from: by default a VMM's own KVM VM ([`KvmLog`], built by
 /// [`Harvester::new`] and [`Harvester::with_rings`]); any [`DirtyLogSource`] through
-/// [`Harvester::from_source`] (slat's benchmark machines: `slat_snapshot::MachineLog`).
+/// [`Harvester::from_source`] (slat's benchmark machines: `slat_harness::MachineLog`).
 ///
 /// It must be the only reader of those slots' logs (no other GET, CLEAR or ring harvest of
 /// them): another reader would take bits this harvester then never sees.
@@ -268,7 +269,7 @@ impl<S: DirtyLogSource> Harvester<S> {
     ) -> Result<(), Error> {
         let i = self.index(slot_index)?;
         let s = &self.slots[i];
-        let bytes = s.pages.checked_mul(crate::PAGE_SIZE);
+        let bytes = s.pages.checked_mul(slat_addr::PAGE_SIZE);
         if u64::try_from(bitmap.len()) != Ok(s.pages)
             || u64::try_from(bitmap.byte_size()).ok() != bytes
         {
@@ -293,11 +294,12 @@ impl<S: DirtyLogSource> Harvester<S> {
     pub fn mark_pages(
         &mut self,
         slot_index: usize,
-        first_page: u64,
+        first_page: PageIndex,
         pages: u64,
     ) -> Result<(), Error> {
         let i = self.index(slot_index)?;
-        set_range(&self.slots[i], &mut self.owed[i], first_page, pages, true)
+        let first = first_page.raw();
+        set_range(&self.slots[i], &mut self.owed[i], first, pages, true)
     }
 
     /// Marks every page of every tracked slot as owed: the next take hands over all memory
@@ -352,6 +354,7 @@ impl<S: DirtyLogSource> Harvester<S> {
         // Each entry is owed the moment it is handed over, so a failure after some entries
         // (here or in the reset) loses none of them.
         self.source.collect_ring(&mut |slot, offset| {
+            let offset = offset.raw();
             match slots.iter().position(|s| s.id == slot) {
                 Some(i) if offset < slots[i].pages => {
                     // offset < pages, so the word index is in the bitmap.
@@ -433,7 +436,7 @@ fn clear_chunks<S: DirtyLogSource>(
         let w1 = w0 + n.div_ceil(64) as usize;
         let words = &bits[w0..w1];
         if words.iter().any(|&w| w != 0) {
-            source.clear_log(i, first, n, words)?;
+            source.clear_log(i, PageIndex::new(first), n, words)?;
         }
         first += n;
     }
@@ -576,14 +579,14 @@ impl<S: DirtyLogSource> DirtySet<'_, S> {
     pub fn commit_pages(
         &mut self,
         slot_index: usize,
-        first_page: u64,
+        first_page: PageIndex,
         pages: u64,
     ) -> Result<(), Error> {
         let i = self.h.index(slot_index)?;
         set_range(
             &self.h.slots[i],
             &mut self.bitmaps[i],
-            first_page,
+            first_page.raw(),
             pages,
             false,
         )

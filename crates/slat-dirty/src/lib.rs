@@ -32,6 +32,86 @@
 //! mapping: bitmap lengths come from the slot, ring indices are masked into a mapping whose
 //! size was checked against KVM, and sizes from callers go through checked arithmetic.
 //! Errors are [`Error`].
+//!
+//! # Example: harvest a VM's dirty pages, reset it to a snapshot
+//!
+//! A VMM with a KVM VM of its own: one memslot of 64 pages, manual protect with
+//! `INITIALLY_SET` (the first take is the full copy), a real-mode guest that writes two pages
+//! and halts. Each take re-arms the log before it returns; the set is committed once its pages
+//! are copied (dropping it instead owes them to the next take). Skipped where `/dev/kvm`
+//! cannot be opened.
+//!
+//! ```
+//! use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
+//! use kvm_ioctls::{Kvm, VcpuExit};
+//! use slat_dirty::{GuestRegion, Harvester, LogMode, Memslot, Snapshot};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let Ok(kvm) = Kvm::new() else {
+//!     eprintln!("skipped: /dev/kvm cannot be opened");
+//!     return Ok(());
+//! };
+//! let vm = std::sync::Arc::new(kvm.create_vm()?);
+//! slat_dirty::enable_manual_protect(&vm, true)?;
+//!
+//! // Guest RAM: 64 pages at guest-physical 0, the VMM's own (page-aligned, never freed).
+//! const PAGES: u64 = 64;
+//! let len = (PAGES * slat_addr::PAGE_SIZE) as usize;
+//! let layout = std::alloc::Layout::from_size_align(len, 4096)?;
+//! // SAFETY: a non-zero size.
+//! let ram = unsafe { std::alloc::alloc_zeroed(layout) };
+//! assert!(!ram.is_null());
+//! // The guest's code at 0x1000 (16-bit real mode): two byte stores, then `hlt`.
+//! let code = [0xc6, 0x06, 0x00, 0x30, 0x01, 0xc6, 0x06, 0x00, 0x80, 0x01, 0xf4];
+//! // SAFETY: inside the allocation; nothing runs in the guest yet.
+//! unsafe { std::ptr::copy_nonoverlapping(code.as_ptr(), ram.add(0x1000), code.len()) };
+//! // SAFETY: `ram` stays allocated for as long as the VM, and the slot is never deleted.
+//! let slot = unsafe {
+//!     Memslot::register(&vm, kvm_userspace_memory_region {
+//!         slot: 0,
+//!         flags: KVM_MEM_LOG_DIRTY_PAGES,
+//!         guest_phys_addr: 0,
+//!         memory_size: len as u64,
+//!         userspace_addr: ram as u64,
+//!     })
+//! }?;
+//! let mut harvester = Harvester::new(vec![slot], LogMode::ManualProtect { chunk_pages: 64 })?;
+//!
+//! // The initial copy: every page (INITIALLY_SET). Copy them, then commit.
+//! let set = harvester.take()?;
+//! assert_eq!(set.pages(), PAGES);
+//! set.commit();
+//!
+//! // A snapshot of guest memory, taken while no vCPU runs.
+//! // SAFETY: `ram` is mapped for `len` bytes for the rest of the program, and only the vCPU
+//! // below writes it, never while the snapshot is taken, reset or verified.
+//! let snap = Snapshot::take(vec![unsafe { GuestRegion::new(ram, len as u64)? }])?;
+//! let mut dirty = snap.dirty_pages();
+//!
+//! // Run the guest once: it writes pages 3 and 8.
+//! let vcpu = vm.create_vcpu(0)?;
+//! let mut sregs = vcpu.get_sregs()?;
+//! (sregs.cs.base, sregs.cs.selector) = (0, 0);
+//! vcpu.set_sregs(&sregs)?;
+//! let mut regs = vcpu.get_regs()?;
+//! (regs.rip, regs.rflags) = (0x1000, 2);
+//! vcpu.set_regs(&regs)?;
+//! let mut vcpu = vcpu;
+//! assert!(matches!(vcpu.run()?, VcpuExit::Hlt));
+//!
+//! // Harvest transactionally: exactly the two pages the guest wrote.
+//! let set = harvester.take()?;
+//! let runs: Vec<(u64, u64)> = set.ranges(0).collect();
+//! assert_eq!(runs, [(3, 1), (8, 1)]);
+//! // Reset to the snapshot: copy back only those pages, then commit the set.
+//! dirty.add_dirty_set(&set)?;
+//! let stats = snap.reset(&mut dirty)?;
+//! set.commit();
+//! assert_eq!(stats.pages, 2);
+//! snap.verify()?;
+//! # Ok(())
+//! # }
+//! ```
 
 #![deny(missing_docs)]
 
@@ -59,8 +139,3 @@ pub use source::{DirtyLogSource, KvmLog, SlotInfo};
 /// The `vm-memory` this crate was built with (feature `vm-memory`), for its `AtomicBitmap`.
 #[cfg(feature = "vm-memory")]
 pub use vm_memory;
-
-/// log2 of the page size KVM's dirty logs count in (x86-64: 4 KiB).
-pub const PAGE_SHIFT: u32 = 12;
-/// The page size KVM's dirty logs count in.
-pub const PAGE_SIZE: u64 = 1 << PAGE_SHIFT;

@@ -61,13 +61,13 @@
 
 use crate::error::Error;
 use crate::memslot::{bitmap_words, Memslot};
-use crate::PAGE_SIZE;
 use kvm_bindings::{
     kvm_clear_dirty_log, kvm_dirty_gfn, kvm_dirty_log, kvm_enable_cap, KVM_CAP_DIRTY_LOG_RING,
     KVM_CAP_DIRTY_LOG_RING_ACQ_REL, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_INITIALLY_SET,
     KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_DIRTY_LOG_PAGE_OFFSET,
 };
 use kvm_ioctls::{VcpuFd, VmFd};
+use slat_addr::{PageIndex, PAGE_SIZE};
 use std::io;
 use std::os::fd::AsRawFd;
 use std::ptr::NonNull;
@@ -162,10 +162,11 @@ pub unsafe fn get_dirty_log_unchecked(
 /// ([`Error::BitmapLength`]).
 pub fn clear_dirty_log(
     slot: &Memslot,
-    first_page: u64,
+    first_page: PageIndex,
     num_pages: u64,
     bitmap: &[u64],
 ) -> Result<(), Error> {
+    let first = first_page.raw();
     let pages = slot.pages();
     let refuse = |reason| {
         Err(Error::ClearRange {
@@ -176,10 +177,10 @@ pub fn clear_dirty_log(
             reason,
         })
     };
-    if first_page % 64 != 0 {
+    if first % 64 != 0 {
         return refuse("the first page must be a multiple of 64");
     }
-    let Some(rest) = pages.checked_sub(first_page) else {
+    let Some(rest) = pages.checked_sub(first) else {
         return refuse("the first page is past the end of the slot");
     };
     if num_pages > rest {
@@ -204,7 +205,7 @@ pub fn clear_dirty_log(
     let mut c = kvm_clear_dirty_log {
         slot: slot.id(),
         num_pages: num_pages_u32,
-        first_page,
+        first_page: first,
         ..Default::default()
     };
     // KVM only reads through this pointer (`copy_from_user`); the field is `*mut` in the ABI.
@@ -538,7 +539,7 @@ impl DirtyRing {
     /// Collects every published entry in order: reads it after an acquire load of its flags
     /// shows DIRTY, calls `f(slot, offset)`, then hands it back with a release store of RESET
     /// (so KVM's reset reads the flags after our reads of the entry). Returns how many.
-    pub fn harvest(&mut self, mut f: impl FnMut(u32, u64)) -> u32 {
+    pub fn harvest(&mut self, mut f: impl FnMut(u32, PageIndex)) -> u32 {
         // `entries` is a power of two (RingSize), so the mask keeps every index inside the
         // mapping of `entries` entries, whatever the free-running counter holds.
         let mask = self.size.entries() - 1;
@@ -562,7 +563,7 @@ impl DirtyRing {
                     std::ptr::addr_of!((*e).offset).read_volatile(),
                 )
             };
-            f(slot, offset);
+            f(slot, PageIndex::new(offset));
             flags.store(KVM_DIRTY_GFN_F_RESET, Ordering::Release);
             self.fetch = self.fetch.wrapping_add(1);
             n += 1;

@@ -3,9 +3,9 @@
 //! crate controls instead of from the caller's word.
 
 use crate::error::Error;
-use crate::{PAGE_SHIFT, PAGE_SIZE};
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY};
 use kvm_ioctls::VmFd;
+use slat_addr::{Gpa, Hva, PAGE_SHIFT, PAGE_SIZE};
 use std::fmt;
 use std::sync::Arc;
 
@@ -172,13 +172,13 @@ impl Memslot {
     }
 
     /// Guest physical address of the first page.
-    pub fn guest_phys_addr(&self) -> u64 {
-        self.region.guest_phys_addr
+    pub fn guest_phys_addr(&self) -> Gpa {
+        Gpa::new(self.region.guest_phys_addr)
     }
 
     /// Host address of the first page.
-    pub fn userspace_addr(&self) -> u64 {
-        self.region.userspace_addr
+    pub fn userspace_addr(&self) -> Hva {
+        Hva::new(self.region.userspace_addr)
     }
 
     /// Length of a `KVM_GET_DIRTY_LOG` bitmap of this slot in u64 words: `ceil(pages / 64)`.

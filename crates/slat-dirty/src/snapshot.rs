@@ -40,7 +40,8 @@
 //! A reset's host writes are not logged (KVM logs guest writes only), which is what a reset
 //! wants: the restored page equals the snapshot.
 
-use crate::PAGE_SIZE;
+use slat_addr::PAGE_SIZE;
+use slat_addr::{Hva, PageIndex};
 use std::ptr::NonNull;
 
 /// Why a snapshot operation was refused. Nothing has been written when one is returned,
@@ -51,7 +52,7 @@ pub enum SnapshotError {
     #[error("guest region at {addr:#x} of {len} bytes: {reason}")]
     Region {
         /// Host address given.
-        addr: u64,
+        addr: Hva,
         /// Length given.
         len: u64,
         /// What is wrong.
@@ -71,7 +72,7 @@ pub enum SnapshotError {
         /// The region.
         region: usize,
         /// The page index given.
-        page: u64,
+        page: PageIndex,
         /// Pages in the region.
         pages: u64,
     },
@@ -83,7 +84,7 @@ pub enum SnapshotError {
         /// The region.
         region: usize,
         /// First page the bitmap's bit 0 stands for.
-        first: u64,
+        first: PageIndex,
         /// Words given.
         words: usize,
         /// Pages in the region.
@@ -98,7 +99,7 @@ pub enum SnapshotError {
         /// The region.
         region: usize,
         /// The first differing page.
-        page: u64,
+        page: PageIndex,
         /// Its first differing byte.
         byte: u64,
     },
@@ -128,7 +129,7 @@ impl GuestRegion {
     /// [verified](Snapshot::verify) — stop the vCPUs first.
     pub unsafe fn new(addr: *mut u8, len: u64) -> Result<Self, SnapshotError> {
         let bad = |reason| SnapshotError::Region {
-            addr: addr as u64,
+            addr: Hva::from_ptr(addr),
             len,
             reason,
         };
@@ -162,8 +163,8 @@ impl GuestRegion {
     }
 
     /// Host address of the region.
-    pub fn addr(&self) -> u64 {
-        self.addr.as_ptr() as u64
+    pub fn addr(&self) -> Hva {
+        Hva::from_ptr(self.addr.as_ptr())
     }
 
     /// The region's bytes.
@@ -259,16 +260,16 @@ impl DirtyPages {
     }
 
     /// Adds page `page` of region `region` (again is a no-op).
-    pub fn add_page(&mut self, region: usize, page: u64) -> Result<(), SnapshotError> {
+    pub fn add_page(&mut self, region: usize, page: PageIndex) -> Result<(), SnapshotError> {
         let r = self.region_mut(region)?;
-        if page >= r.pages {
+        if page.raw() >= r.pages {
             return Err(SnapshotError::PageOutOfRange {
                 region,
                 page,
                 pages: r.pages,
             });
         }
-        r.mark(page);
+        r.mark(page.raw());
         Ok(())
     }
 
@@ -279,7 +280,7 @@ impl DirtyPages {
     pub fn add_bitmap(
         &mut self,
         region: usize,
-        first: u64,
+        first: PageIndex,
         bitmap: &[u64],
     ) -> Result<(), SnapshotError> {
         let r = self.region_mut(region)?;
@@ -290,6 +291,7 @@ impl DirtyPages {
             words: bitmap.len(),
             pages,
         };
+        let first = first.raw();
         let room = pages.checked_sub(first).ok_or(too_long.clone())?;
         if (bitmap.len() as u64) > room.div_ceil(64) {
             return Err(too_long);
@@ -297,7 +299,7 @@ impl DirtyPages {
         if let Some(page) = Self::first_bit_at_or_past(bitmap, room) {
             return Err(SnapshotError::PageOutOfRange {
                 region,
-                page: first + page,
+                page: PageIndex::new(first + page),
                 pages,
             });
         }
@@ -332,14 +334,15 @@ impl DirtyPages {
     ) -> Result<(), SnapshotError> {
         let mut i = 0;
         while let Some(bitmap) = set.bitmap(i) {
-            self.add_bitmap(i, 0, bitmap)?;
+            self.add_bitmap(i, PageIndex::ZERO, bitmap)?;
             i += 1;
         }
         Ok(())
     }
 
     /// Whether page `page` of `region` is in the set.
-    pub fn contains(&self, region: usize, page: u64) -> bool {
+    pub fn contains(&self, region: usize, page: PageIndex) -> bool {
+        let page = page.raw();
         self.regions.get(region).is_some_and(|r| r.contains(page))
     }
 
@@ -506,7 +509,7 @@ impl Snapshot {
 fn mismatch(region: usize, byte: u64) -> SnapshotError {
     SnapshotError::Mismatch {
         region,
-        page: byte / PAGE_SIZE,
+        page: PageIndex::new(byte / PAGE_SIZE),
         byte: byte % PAGE_SIZE,
     }
 }

@@ -5,13 +5,14 @@
 //! abort puts the set back — does not depend on who keeps the log, so it is written once in
 //! [`crate::harvest`] over this trait. A source only says which slots it tracks and performs
 //! the four log operations KVM has (GET, CLEAR, collect the rings, reset them). slat's own
-//! benchmark machines implement it in `slat-snapshot` (`MachineLog`), over their
+//! benchmark machines implement it in `slat-harness` (`MachineLog`), over their
 //! `TestMachine` trait.
 
 use crate::error::Error;
 use crate::harvest::LogMode;
 use crate::log::{clear_dirty_log, get_dirty_log, reset_dirty_rings, DirtyRing};
 use crate::memslot::Memslot;
+use slat_addr::PageIndex;
 
 /// One tracked memslot as a source reports it: the id its ring entries carry and its page
 /// count, which sizes every bitmap of the slot (GET buffers, owed pages, sets).
@@ -36,7 +37,7 @@ pub struct SlotInfo {
 ///   failing are owed by the harvester all the same, so a source that consumes bits and then
 ///   fails (KVM's GET clears before it copies out) loses nothing.
 /// - [`clear_log`](Self::clear_log) (manual protect) clears and re-protects the pages of
-///   `first_page..first_page + pages` whose bits are set in `bitmap` (bit 0 = `first_page`).
+///   `first..first + pages` whose bits are set in `bitmap` (bit 0 = `first`).
 /// - [`collect_ring`](Self::collect_ring) hands every ring entry not handed over before to
 ///   `f(slot id, offset)`; entries given to `f` are the harvester's even if the call then
 ///   fails. [`reset_rings`](Self::reset_rings) re-protects the pages of every collected entry.
@@ -53,16 +54,16 @@ pub trait DirtyLogSource {
     fn mode(&self) -> LogMode;
     /// GET of slot `slot` (an index into [`DirtyLogSource::slots`]) into `bitmap`.
     fn get_log(&mut self, slot: usize, bitmap: &mut [u64]) -> Result<(), Self::Error>;
-    /// CLEAR of the set bits of `bitmap` over `first_page..first_page + pages` of `slot`.
+    /// CLEAR of the set bits of `bitmap` over `first..first + pages` of `slot`.
     fn clear_log(
         &mut self,
         slot: usize,
-        first_page: u64,
+        first: PageIndex,
         pages: u64,
         bitmap: &[u64],
     ) -> Result<(), Self::Error>;
     /// Hands every uncollected ring entry to `f(slot id, offset)`; returns how many.
-    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, Self::Error>;
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, Self::Error>;
     /// [`collect_ring`](Self::collect_ring) that also names the vCPU whose ring held each
     /// entry: `f(vcpu, slot id, offset)`, `None` when the source cannot tell (entries a vCPU
     /// reaped into a shared list on a ring-full exit). Same contract otherwise. The default
@@ -70,12 +71,71 @@ pub trait DirtyLogSource {
     /// rate ([`crate::dirty_rate`]) can be measured over it.
     fn collect_ring_by_vcpu(
         &mut self,
-        f: &mut dyn FnMut(Option<usize>, u32, u64),
+        f: &mut dyn FnMut(Option<usize>, u32, PageIndex),
     ) -> Result<u64, Self::Error> {
         self.collect_ring(&mut |slot, offset| f(None, slot, offset))
     }
     /// Re-protects the pages of every collected ring entry; returns how many were reset.
     fn reset_rings(&mut self) -> Result<u64, Self::Error>;
+
+    /// This source with its errors turned into `E` by `f` (e.g. into a caller's own error
+    /// type, or into text), the log operations unchanged.
+    fn map_err<E, F: FnMut(Self::Error) -> E>(self, f: F) -> MapErr<Self, F>
+    where
+        Self: Sized,
+    {
+        MapErr { source: self, f }
+    }
+}
+
+/// A [`DirtyLogSource`] whose errors are mapped by a function: [`DirtyLogSource::map_err`].
+#[derive(Debug)]
+pub struct MapErr<S, F> {
+    source: S,
+    f: F,
+}
+
+impl<S, F> MapErr<S, F> {
+    /// The source inside.
+    pub fn get_ref(&self) -> &S {
+        &self.source
+    }
+}
+
+impl<S: DirtyLogSource, E, F: FnMut(S::Error) -> E> DirtyLogSource for MapErr<S, F> {
+    type Error = E;
+
+    fn slots(&self) -> Vec<SlotInfo> {
+        self.source.slots()
+    }
+    fn mode(&self) -> LogMode {
+        self.source.mode()
+    }
+    fn get_log(&mut self, slot: usize, bitmap: &mut [u64]) -> Result<(), E> {
+        self.source.get_log(slot, bitmap).map_err(&mut self.f)
+    }
+    fn clear_log(
+        &mut self,
+        slot: usize,
+        first: PageIndex,
+        pages: u64,
+        bitmap: &[u64],
+    ) -> Result<(), E> {
+        let r = self.source.clear_log(slot, first, pages, bitmap);
+        r.map_err(&mut self.f)
+    }
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, E> {
+        self.source.collect_ring(f).map_err(&mut self.f)
+    }
+    fn collect_ring_by_vcpu(
+        &mut self,
+        f: &mut dyn FnMut(Option<usize>, u32, PageIndex),
+    ) -> Result<u64, E> {
+        self.source.collect_ring_by_vcpu(f).map_err(&mut self.f)
+    }
+    fn reset_rings(&mut self) -> Result<u64, E> {
+        self.source.reset_rings().map_err(&mut self.f)
+    }
 }
 
 impl<S: DirtyLogSource + ?Sized> DirtyLogSource for Box<S> {
@@ -93,18 +153,18 @@ impl<S: DirtyLogSource + ?Sized> DirtyLogSource for Box<S> {
     fn clear_log(
         &mut self,
         slot: usize,
-        first_page: u64,
+        first: PageIndex,
         pages: u64,
         bitmap: &[u64],
     ) -> Result<(), Self::Error> {
-        (**self).clear_log(slot, first_page, pages, bitmap)
+        (**self).clear_log(slot, first, pages, bitmap)
     }
-    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, Self::Error> {
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, Self::Error> {
         (**self).collect_ring(f)
     }
     fn collect_ring_by_vcpu(
         &mut self,
-        f: &mut dyn FnMut(Option<usize>, u32, u64),
+        f: &mut dyn FnMut(Option<usize>, u32, PageIndex),
     ) -> Result<u64, Self::Error> {
         (**self).collect_ring_by_vcpu(f)
     }
@@ -193,13 +253,13 @@ impl DirtyLogSource for KvmLog {
     fn clear_log(
         &mut self,
         slot: usize,
-        first_page: u64,
+        first: PageIndex,
         pages: u64,
         bitmap: &[u64],
     ) -> Result<(), Error> {
-        clear_dirty_log(self.slot(slot)?, first_page, pages, bitmap)
+        clear_dirty_log(self.slot(slot)?, first, pages, bitmap)
     }
-    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, Error> {
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, Error> {
         Ok(self
             .rings
             .iter_mut()
@@ -208,7 +268,7 @@ impl DirtyLogSource for KvmLog {
     }
     fn collect_ring_by_vcpu(
         &mut self,
-        f: &mut dyn FnMut(Option<usize>, u32, u64),
+        f: &mut dyn FnMut(Option<usize>, u32, PageIndex),
     ) -> Result<u64, Error> {
         // Rings are numbered in the order they were given (`with_rings`, then `add_ring`):
         // a VMM that gives them in vCPU order gets vCPU indexes.

@@ -1,6 +1,7 @@
 //! The transactional core over a source that is not KVM: an in-memory log with KVM's GET
 //! semantics that can fail a chosen call, before or after it consumed the bits. No /dev/kvm.
 
+use slat_addr::PageIndex;
 use slat_dirty::{DirtyLogSource, Error, Harvester, LogMode, SlotInfo};
 use std::collections::BTreeSet;
 
@@ -77,16 +78,16 @@ impl DirtyLogSource for MemLog {
             }
         })
     }
-    fn clear_log(&mut self, _: usize, _: u64, _: u64, _: &[u64]) -> Result<(), Injected> {
+    fn clear_log(&mut self, _: usize, _: PageIndex, _: u64, _: &[u64]) -> Result<(), Injected> {
         self.call(|_| ())
     }
-    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, Injected> {
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, Injected> {
         self.call(|l| {
             let n = l.ring.len() as u64;
-            l.ring.drain(..).for_each(|(s, o)| f(s, o));
+            l.ring.drain(..).for_each(|(s, o)| f(s, PageIndex::new(o)));
             // An entry of a slot nobody tracks, and one past a slot's end.
-            f(99, 0);
-            f(10, 1 << 40);
+            f(99, PageIndex::ZERO);
+            f(10, PageIndex::new(1 << 40));
             n
         })
     }
@@ -161,16 +162,16 @@ fn sources_a_harvester_cannot_use_are_refused() {
 #[test]
 fn marks_and_partial_commits_are_checked_against_the_slot() {
     let mut h = Harvester::from_source(MemLog::new(&[70], LogMode::Get)).unwrap();
-    assert!(h.mark_pages(0, 60, 11).is_err());
-    assert!(h.mark_pages(1, 0, 1).is_err());
-    assert!(h.mark_pages(0, u64::MAX, 2).is_err());
+    assert!(h.mark_pages(0, PageIndex::new(60), 11).is_err());
+    assert!(h.mark_pages(1, PageIndex::new(0), 1).is_err());
+    assert!(h.mark_pages(0, PageIndex::new(u64::MAX), 2).is_err());
     assert!(h.mark_words(0, &[0; 3]).is_err());
     h.mark_words(0, &[u64::MAX, u64::MAX]).unwrap();
     assert_eq!(h.owed_pages(), 70, "bits past the slot are no pages");
     let mut set = h.take_owed();
     assert_eq!(set.collected(), 0);
-    assert!(set.commit_pages(0, 69, 2).is_err());
-    set.commit_pages(0, 0, 69).unwrap();
+    assert!(set.commit_pages(0, PageIndex::new(69), 2).is_err());
+    set.commit_pages(0, PageIndex::new(0), 69).unwrap();
     set.abort();
     assert_eq!(h.owed_pages(), 1);
     h.mark_all();

@@ -240,7 +240,9 @@ fn vmm_writes_merge_into_the_take() {
     };
     vm.pass(&[(0, 5)]);
     // A device wrote pages 64..=66 of slot 0 and the last page of slot 1.
-    vm.harvester.mark_pages(0, 64, 3).unwrap();
+    vm.harvester
+        .mark_pages(0, slat_addr::PageIndex::new(64), 3)
+        .unwrap();
     let mut words = vec![0u64; vm.harvester.slots()[1].bitmap_words() as usize];
     words[1] |= 1 << (69 - 64);
     vm.harvester.mark_words(1, &words).unwrap();

@@ -7,6 +7,7 @@ mod common;
 use common::{kvm_unavailable, Mapping, Setup, TinyVm};
 use kvm_bindings::kvm_userspace_memory_region;
 use kvm_ioctls::Kvm;
+use slat_addr::PageIndex;
 use slat_dirty::{
     enable_dirty_ring, get_dirty_log, reset_dirty_rings, DirtyRing, Error, Harvester, LogMode,
     Memslot, RingSize,
@@ -161,11 +162,17 @@ fn harvester_refuses_what_would_not_fit() {
     }
     for (first, n) in [(0, 131), (130, 1), (u64::MAX, 2), (1, u64::MAX)] {
         assert!(
-            matches!(hv.mark_pages(1, first, n), Err(Error::Harvest(_))),
+            matches!(
+                hv.mark_pages(1, PageIndex::new(first), n),
+                Err(Error::Harvest(_))
+            ),
             "{first} {n}"
         );
     }
-    assert!(matches!(hv.mark_pages(2, 0, 1), Err(Error::Harvest(_))));
+    assert!(matches!(
+        hv.mark_pages(2, PageIndex::ZERO, 1),
+        Err(Error::Harvest(_))
+    ));
     assert!(matches!(
         hv.mark_words(usize::MAX, &[]),
         Err(Error::Harvest(_))

@@ -1,7 +1,9 @@
 //! Snapshot and reset on plain host memory: exact resets, incremental snapshots, bounds, and
 //! a seeded random test against a reference model (a full copy of what memory must hold).
 
-use slat_dirty::{DirtyPages, GuestRegion, Snapshot, SnapshotError, PAGE_SIZE};
+use slat_addr::PageIndex;
+use slat_addr::PAGE_SIZE;
+use slat_dirty::{DirtyPages, GuestRegion, Snapshot, SnapshotError};
 
 const PAGE: usize = PAGE_SIZE as usize;
 
@@ -88,9 +90,9 @@ fn reset_restores_exactly_the_dirty_pages() {
     let mut dirty = snap.dirty_pages();
     for (p, region, page) in [(3, 0, 3), (129, 0, 129), (130, 1, 0), (199, 1, 69)] {
         mem.write(p, 100, 0xee);
-        dirty.add_page(region, page).unwrap();
+        dirty.add_page(region, PageIndex::new(page)).unwrap();
         // Twice: deduplicated.
-        dirty.add_page(region, page).unwrap();
+        dirty.add_page(region, PageIndex::new(page)).unwrap();
     }
     assert_eq!(dirty.len(), 4);
     assert!(snap.verify().is_err());
@@ -113,7 +115,7 @@ fn a_page_left_out_is_left_alone_and_verify_finds_it() {
         snap.verify(),
         Err(SnapshotError::Mismatch {
             region: 0,
-            page: 5,
+            page: PageIndex::new(5),
             byte: 17
         })
     );
@@ -126,34 +128,38 @@ fn bitmaps_are_bounds_checked_before_anything_is_added() {
     let snap = Snapshot::take(vec![r]).unwrap();
     let mut dirty = snap.dirty_pages();
     // Two words cover 128 pages; bit 70 is past the region.
-    let err = dirty.add_bitmap(0, 0, &[1, 1 << 6]).unwrap_err();
+    let err = dirty
+        .add_bitmap(0, PageIndex::new(0), &[1, 1 << 6])
+        .unwrap_err();
     assert_eq!(
         err,
         SnapshotError::PageOutOfRange {
             region: 0,
-            page: 70,
+            page: PageIndex::new(70),
             pages: 70
         }
     );
     assert!(dirty.is_empty(), "nothing added from a refused bitmap");
     // Bits in the rounding of the last word are fine when clear; a third word is too long.
-    dirty.add_bitmap(0, 0, &[1, 1 << 5]).unwrap();
+    dirty
+        .add_bitmap(0, PageIndex::new(0), &[1, 1 << 5])
+        .unwrap();
     assert_eq!(dirty.pages(0), &[0, 69]);
     assert!(matches!(
-        dirty.add_bitmap(0, 0, &[0, 0, 0]),
+        dirty.add_bitmap(0, PageIndex::new(0), &[0, 0, 0]),
         Err(SnapshotError::BitmapLength { .. })
     ));
     // An offset bitmap: bit 0 = page 64.
     assert!(matches!(
-        dirty.add_bitmap(0, 64, &[1 << 6]),
-        Err(SnapshotError::PageOutOfRange { page: 70, .. })
+        dirty.add_bitmap(0, PageIndex::new(64), &[1 << 6]),
+        Err(SnapshotError::PageOutOfRange { page, .. }) if page == PageIndex::new(70)
     ));
     assert!(matches!(
-        dirty.add_bitmap(0, 71, &[]),
+        dirty.add_bitmap(0, PageIndex::new(71), &[]),
         Err(SnapshotError::BitmapLength { .. })
     ));
-    dirty.add_bitmap(0, 64, &[1 << 1]).unwrap();
-    assert!(dirty.contains(0, 65));
+    dirty.add_bitmap(0, PageIndex::new(64), &[1 << 1]).unwrap();
+    assert!(dirty.contains(0, PageIndex::new(65)));
 }
 
 #[test]
@@ -165,19 +171,19 @@ fn page_indices_are_bounds_checked_and_nothing_is_written() {
     let before = mem.bytes();
     let mut dirty = snap.dirty_pages();
     assert_eq!(
-        dirty.add_page(0, 4),
+        dirty.add_page(0, PageIndex::new(4)),
         Err(SnapshotError::PageOutOfRange {
             region: 0,
-            page: 4,
+            page: PageIndex::new(4),
             pages: 4
         })
     );
     assert!(matches!(
-        dirty.add_page(1, 0),
+        dirty.add_page(1, PageIndex::new(0)),
         Err(SnapshotError::NoRegion { region: 1, .. })
     ));
     assert!(matches!(
-        dirty.add_page(0, u64::MAX),
+        dirty.add_page(0, PageIndex::new(u64::MAX)),
         Err(SnapshotError::PageOutOfRange { .. })
     ));
     snap.reset(&mut dirty).unwrap();
@@ -186,7 +192,7 @@ fn page_indices_are_bounds_checked_and_nothing_is_written() {
     let mut other_mem = Mem::new(5, 3);
     let other_snap = Snapshot::take(vec![other_mem.region(0, 5)]).unwrap();
     let mut other = other_snap.dirty_pages();
-    other.add_page(0, 1).unwrap();
+    other.add_page(0, PageIndex::new(1)).unwrap();
     assert!(matches!(
         snap.reset(&mut other),
         Err(SnapshotError::Shape(_))
@@ -217,7 +223,7 @@ fn incremental_snapshots_reset_to_the_child_and_to_the_base() {
     let mut dirty = base.dirty_pages();
     for p in [1, 9, 40] {
         mem.write(p, 5, 0x11);
-        dirty.add_page(0, p as u64).unwrap();
+        dirty.add_page(0, PageIndex::new(p as u64)).unwrap();
     }
     let child = base.child(&dirty).unwrap();
     assert_eq!(child.own_pages(), 3);
@@ -229,7 +235,7 @@ fn incremental_snapshots_reset_to_the_child_and_to_the_base() {
     // Write a child page and a base-only page, reset to the child.
     for p in [9, 20] {
         mem.write(p, 6, 0x22);
-        dirty.add_page(0, p as u64).unwrap();
+        dirty.add_page(0, PageIndex::new(p as u64)).unwrap();
     }
     let stats = child.reset(&mut dirty).unwrap();
     assert_eq!((stats.pages, stats.from_child), (2, 1));
@@ -237,14 +243,14 @@ fn incremental_snapshots_reset_to_the_child_and_to_the_base() {
 
     // From the child, write again and go back to the base.
     mem.write(33, 0, 0x33);
-    dirty.add_page(0, 33).unwrap();
+    dirty.add_page(0, PageIndex::new(33)).unwrap();
     child.reset_to_base(&mut dirty).unwrap();
     assert_eq!(mem.bytes(), at_base);
     base.verify().unwrap();
 
     // From the base, write and go to the child.
     mem.write(50, 0, 0x44);
-    dirty.add_page(0, 50).unwrap();
+    dirty.add_page(0, PageIndex::new(50)).unwrap();
     child.reset_from_base(&mut dirty).unwrap();
     assert_eq!(mem.bytes(), at_child);
     child.verify().unwrap();
@@ -296,7 +302,7 @@ fn random_resets_match_the_reference_model() {
                 rng.below(PAGE as u64) as usize,
                 rng.next() as u8,
             );
-            dirty.add_page(region, page).unwrap();
+            dirty.add_page(region, PageIndex::new(page)).unwrap();
         }
     };
     write_some(&mut mem, &mut dirty, &mut rng);

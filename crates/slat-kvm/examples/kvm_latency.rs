@@ -8,8 +8,10 @@
 //! again with no harvest in between (no exits), and a loop of passes while the host harvests
 //! the dirty log back to back.
 
-use slat_kvm::TestMachine;
-use slat_kvm::{KvmConfig, KvmMachine, PassParams, RegionSpec};
+use slat_dirty::DirtyLogSource;
+use slat_kvm::{KvmConfig, KvmMachine};
+use slat_workload::TestMachine;
+use slat_workload::{PassParams, RegionSpec};
 use std::time::{Duration, Instant};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -72,7 +74,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut harvests = 0u32;
     while t.elapsed() < Duration::from_millis(300) {
         for slot in m.slot_ids() {
-            m.get_dirty_log(slot, &mut bitmap)?;
+            m.dirty_log()
+                .get_log((slot - slat_workload::FIRST_SLOT) as usize, &mut bitmap)?;
         }
         harvests += 1;
     }

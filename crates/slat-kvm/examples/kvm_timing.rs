@@ -2,8 +2,10 @@
 //! kvm_timing -- [vcpus] [MiB per vCPU] [backing] [user|kernel]`
 //! (defaults 1, 256, anonymous, user).
 
-use slat_kvm::TestMachine;
-use slat_kvm::{Backing, KvmConfig, KvmMachine, PassParams, RegionSpec};
+use slat_dirty::DirtyLogSource;
+use slat_kvm::{KvmConfig, KvmMachine};
+use slat_workload::TestMachine;
+use slat_workload::{Backing, PassParams, RegionSpec};
 use std::time::Instant;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -77,7 +79,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let r = m.run_pass(seq)?;
         println!("iteration {i} dirty memory:     {:?}", r.wall);
         let t = Instant::now();
-        m.get_dirty_log(slat_kvm::FIRST_SLOT, &mut buf)?;
+        m.dirty_log().get_log(0, &mut buf)?;
         let n: u32 = buf.iter().map(|w| w.count_ones()).sum();
         println!(
             "iteration {i} get dirty log:    {:?} ({n} pages)",
@@ -105,10 +107,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             vcpus,
             bytes_per_vcpu: mib << 20,
             backing,
-            dirty: slat_kvm::DirtyConfig {
-                manual_protect: slat_kvm::MANUAL_PROTECT_ENABLE | slat_kvm::INITIALLY_SET,
+            dirty: slat_workload::DirtyConfig {
+                manual_protect: slat_workload::MANUAL_PROTECT_ENABLE | slat_workload::INITIALLY_SET,
                 ring_entries: 0,
-                ..slat_kvm::DirtyConfig::default()
+                ..slat_workload::DirtyConfig::default()
             },
             ..RegionSpec::default()
         },
@@ -121,10 +123,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for i in 1..=2 {
         let r = m.run_pass(seq)?;
         let t = Instant::now();
-        m.get_dirty_log(slat_kvm::FIRST_SLOT, &mut buf)?;
+        m.dirty_log().get_log(0, &mut buf)?;
         let get = t.elapsed();
         let t = Instant::now();
-        m.clear_dirty_log(slat_kvm::FIRST_SLOT, 0, pps, &buf)?;
+        m.dirty_log()
+            .clear_log(0, slat_addr::PageIndex::new(0), pps, &buf)?;
         println!(
             "clear-log iteration {i}: dirty memory {:?}, get {get:?}, clear {:?}",
             r.wall,
@@ -145,10 +148,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             vcpus,
             bytes_per_vcpu: mib << 20,
             backing,
-            dirty: slat_kvm::DirtyConfig {
+            dirty: slat_workload::DirtyConfig {
                 manual_protect: 0,
                 ring_entries: entries,
-                ..slat_kvm::DirtyConfig::default()
+                ..slat_workload::DirtyConfig::default()
             },
             ..RegionSpec::default()
         },
@@ -161,10 +164,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let r = m.run_pass(seq)?;
         let exits: u64 = r.vcpus.iter().map(|v| v.ring_full_exits).sum();
         let t = Instant::now();
-        let n = m.collect_dirty_rings(|_, _| {});
+        let n = m.dirty_log().collect_ring(&mut |_, _| {})?;
         let collect = t.elapsed();
         let t = Instant::now();
-        let reset = m.reset_dirty_rings()?;
+        let reset = m.dirty_log().reset_rings()?;
         println!(
             "ring ({entries} entries) iteration {i}: dirty memory {:?} ({exits} ring-full \
              exits), collect {collect:?} ({n} entries), reset {:?} ({reset} entries)",

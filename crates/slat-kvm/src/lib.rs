@@ -57,7 +57,7 @@
 //! for [`Workload::Writer`], as the simulated machine does). On `KVM_EXIT_DIRTY_RING_FULL` the
 //! vCPU thread harvests and resets the rings itself and re-enters.
 //!
-//! A timed pass ([`PassParams::timed`]) has the guest time each of its memstress writes with
+//! A timed pass ([`PassParams::timed`](slat_workload::PassParams::timed)) has the guest time each of its memstress writes with
 //! the TSC into a histogram page of its own ([`histogram`]); after the sync the host converts
 //! it into nanoseconds with the frequency `KVM_GET_TSC_KHZ` reports, one histogram per vCPU in
 //! [`PassReport::latency`](slat_workload::PassReport::latency).
@@ -69,44 +69,15 @@
 
 #![deny(missing_docs)]
 
-pub mod dirty;
 pub mod error;
 pub mod guest;
 pub mod histogram;
 pub mod machine;
-pub mod memslot;
 pub mod stats;
 
-/// The dirty-log oracle, shared with the simulated machine ([`KvmMachine`] is a
-/// [`TestMachine`]).
-pub mod dirty_oracle {
-    pub use slat_workload::dirty_oracle::*;
-}
-
-/// Host memory behind guest memory: `slat-workload`'s [`GuestRam`], under the name this crate
-/// has always used.
-pub mod mem {
-    pub use slat_workload::{Backing, GuestRam as HostMemory, PAGE_SHIFT, PAGE_SIZE};
-}
-
-/// The memstress workload's parameters and its reference model (the guest code in [`guest`]
-/// implements exactly this model).
-pub mod memstress {
-    pub use slat_workload::pattern::*;
-}
-
-pub use dirty::RingSize;
 pub use error::KvmError;
 pub use guest::GuestMode;
 pub use machine::{
     host_caps, HostCaps, KvmConfig, KvmCounters, KvmMachine, PassReport, VcpuPass, Workload,
     DEFAULT_DEVICE, LOW_SLOT, MAX_GPA_BITS,
-};
-pub use mem::{Backing, HostMemory, PAGE_SIZE};
-pub use memslot::Memslot;
-pub use memstress::{PassParams, MEMSTRESS_PATTERN};
-pub use slat_dirty::Error as DirtyError;
-pub use slat_workload::{
-    native_baseline, DirtyConfig, GuestRam, Layout, RegionSpec, TestMachine, FIRST_SLOT,
-    INITIALLY_SET, MANUAL_PROTECT_ENABLE,
 };

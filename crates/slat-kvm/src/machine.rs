@@ -1,11 +1,12 @@
 //! The KVM machine: a VM with the memstress layout, one thread per vCPU, workload passes, and
 //! the dirty-log operations (bitmap GET/CLEAR and per-vCPU rings).
 
-use crate::dirty::{self, DirtyRing, RingSize};
+mod log;
+pub use log::KvmMachineLog;
+
 use crate::error::KvmError;
 use crate::guest::{self, control, param, GuestMode, LowLayout, SYNC_PORT};
 use crate::histogram;
-use crate::memslot::Memslot;
 use crate::stats::{Stat, StatsFd};
 use kvm_bindings::{
     kvm_enable_cap, kvm_userspace_memory_region, CpuId, KVM_CAP_DIRTY_LOG_RING,
@@ -13,11 +14,13 @@ use kvm_bindings::{
     KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_EXIT_DIRTY_RING_FULL, KVM_MAX_CPUID_ENTRIES,
 };
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
+use slat_addr::{PageIndex, PAGE_SHIFT, PAGE_SIZE};
+use slat_dirty::log::{self as dirty, DirtyRing, RingSize};
+use slat_dirty::Memslot;
 use slat_workload::cpus::VcpuTids;
 use slat_workload::{
     Backing, GuestRam, LatencyHistogram, ParkMiller, PassParams, RegionSize, RegionSpec,
     Rendezvous, TestMachine, TestRegion, FIRST_SLOT, INITIALLY_SET, MANUAL_PROTECT_ENABLE,
-    PAGE_SHIFT, PAGE_SIZE,
 };
 use std::ffi::CString;
 use std::num::NonZeroU32;
@@ -430,7 +433,7 @@ pub enum Workload {
     Loop(PassParams),
     /// dirty_log_test's guest: until halted, write `iteration` into the first 8 bytes of
     /// pseudo-random pages of the vCPU's region (vCPU `i` seeds with `seed + i`; see
-    /// [`crate::memstress::WriterPattern`]). The guest reads the value from the control page
+    /// [`slat_workload::WriterPattern`]). The guest reads the value from the control page
     /// before every write, so [`TestMachine::set_writer_value`] changes it while it runs.
     Writer {
         /// PRNG seed.
@@ -463,7 +466,7 @@ type Control = Rendezvous<(), VcpuPass, String>;
 struct Rings {
     rings: Vec<DirtyRing>,
     /// (index of the ring = the vCPU, slot, offset).
-    reaped: Vec<(usize, u32, u64)>,
+    reaped: Vec<(usize, u32, PageIndex)>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -947,6 +950,7 @@ fn vcpu_thread(mut ctx: VcpuContext) {
 impl TestMachine for KvmMachine {
     type Error = KvmError;
     type Counters = KvmCounters;
+    type Log<'a> = KvmMachineLog<'a>;
 
     fn region(&self) -> &TestRegion {
         &self.region
@@ -1002,93 +1006,8 @@ impl TestMachine for KvmMachine {
         Ok(())
     }
 
-    /// `KVM_GET_DIRTY_LOG` of `slot` into `bitmap` (bit `p` = page `p` of the slot). Without
-    /// manual protect this also clears the log and write-protects the pages; with it, it
-    /// copies.
-    ///
-    /// `bitmap` must be exactly `pages_per_slot().div_ceil(64)` words, the words KVM writes
-    /// ([`KvmError::Dirty`] otherwise).
-    fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), KvmError> {
-        let s = self.bitmap_slot(slot, "KVM_GET_DIRTY_LOG")?;
-        if !self.dirty_logging() {
-            return Err(KvmError::DirtyLog(
-                "KVM_GET_DIRTY_LOG: dirty logging is off".into(),
-            ));
-        }
-        dirty::get_dirty_log(s, bitmap).map_err(KvmError::from)
-    }
-
-    /// `KVM_CLEAR_DIRTY_LOG` (manual protect): clears and re-protects the pages of
-    /// `[first_page, first_page + num_pages)` of `slot` whose bits are set in `bitmap` (bit 0
-    /// = `first_page`). `first_page` must be a multiple of 64, and so must `num_pages` unless
-    /// the range reaches the end of the slot ([`KvmError::Dirty`]); `bitmap` must be
-    /// exactly `num_pages.div_ceil(64)` words, the words KVM reads
-    /// ([`KvmError::Dirty`]).
-    fn clear_dirty_log(
-        &self,
-        slot: u32,
-        first_page: u64,
-        num_pages: u64,
-        bitmap: &[u64],
-    ) -> Result<(), KvmError> {
-        let s = self.bitmap_slot(slot, "KVM_CLEAR_DIRTY_LOG")?;
-        if self.config.region.dirty.manual_protect & MANUAL_PROTECT_ENABLE == 0 {
-            return Err(KvmError::DirtyLog(
-                "KVM_CLEAR_DIRTY_LOG needs manual protect (KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2)"
-                    .into(),
-            ));
-        }
-        if !self.dirty_logging() {
-            return Err(KvmError::DirtyLog(
-                "KVM_CLEAR_DIRTY_LOG: dirty logging is off".into(),
-            ));
-        }
-        dirty::clear_dirty_log(s, first_page, num_pages, bitmap).map_err(KvmError::from)
-    }
-
-    /// Takes every dirty-ring entry not yet collected: first those the vCPUs reaped on
-    /// ring-full exits, then each ring's (acquire of DIRTY, release of RESET). Calls
-    /// `f(slot, offset)` per entry (slot is `as_id << 16 | id`; address space 0 here); returns
-    /// how many. Follow with [`Self::reset_dirty_rings`] before reading the pages.
-    fn collect_dirty_rings(&self, mut f: impl FnMut(u32, u64)) -> u64 {
-        let mut r = lock(&self.rings);
-        let reaped = std::mem::take(&mut r.reaped);
-        let mut n = reaped.len() as u64;
-        for (_, s, o) in reaped {
-            f(s, o);
-        }
-        for ring in r.rings.iter_mut() {
-            n += ring.harvest(&mut f) as u64;
-        }
-        n
-    }
-
-    /// [`Self::collect_dirty_rings`] naming each entry's vCPU, also of those reaped on
-    /// ring-full exits (the reaper records whose ring each came from).
-    fn collect_dirty_rings_by_vcpu(&self, mut f: impl FnMut(Option<usize>, u32, u64)) -> u64 {
-        let mut r = lock(&self.rings);
-        let reaped = std::mem::take(&mut r.reaped);
-        let mut n = reaped.len() as u64;
-        for (i, s, o) in reaped {
-            f(Some(i), s, o);
-        }
-        // One ring per vCPU, created in vCPU order (`create_vcpus`): ring i is vCPU i's.
-        for (i, ring) in r.rings.iter_mut().enumerate() {
-            n += ring.harvest(|s, o| f(Some(i), s, o)) as u64;
-        }
-        n
-    }
-
-    /// `KVM_RESET_DIRTY_RINGS`: re-protects the pages of every collected entry; returns how
-    /// many entries KVM reset.
-    fn reset_dirty_rings(&self) -> Result<u64, KvmError> {
-        if self.config.region.dirty.ring_entries == 0 {
-            return Err(KvmError::DirtyLog(
-                "KVM_RESET_DIRTY_RINGS: the VM has no dirty rings".into(),
-            ));
-        }
-        let _r = lock(&self.rings);
-        dirty::reset_dirty_rings(&self.vm).map_err(KvmError::from)
+    fn dirty_log(&self) -> KvmMachineLog<'_> {
+        KvmMachineLog { m: self }
     }
 
     /// The first 8 bytes of page `page` of the test region (atomically; vCPUs may be writing).

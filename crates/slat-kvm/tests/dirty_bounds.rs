@@ -14,12 +14,13 @@ use kvm_bindings::{
     KVM_DIRTY_LOG_INITIALLY_SET, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_MEM_LOG_DIRTY_PAGES,
 };
 use kvm_ioctls::{Kvm, VmFd};
-use slat_kvm::dirty::{self, DirtyRing};
-use slat_kvm::TestMachine;
-use slat_kvm::{
-    Backing, DirtyError, HostMemory, KvmConfig, KvmError, Layout, Memslot, PassParams, RegionSpec,
-    RingSize, FIRST_SLOT,
-};
+use slat_addr::PageIndex;
+use slat_dirty::log::{self, DirtyRing};
+use slat_dirty::DirtyLogSource;
+use slat_dirty::{Error, Memslot, RingSize};
+use slat_kvm::{KvmConfig, KvmError};
+use slat_workload::TestMachine;
+use slat_workload::{Backing, GuestRam, Layout, PassParams, RegionSpec};
 use std::sync::Arc;
 
 /// A word KVM never writes into a bitmap of a slot with no dirty page.
@@ -32,7 +33,7 @@ struct BareVm {
     // Dropped first: the handles hold the VM fd, which must close before the memory goes.
     slots: Vec<Memslot>,
     vm: Arc<VmFd>,
-    _mem: Vec<HostMemory>,
+    _mem: Vec<GuestRam>,
 }
 
 fn bare_vm(pages: &[u64], manual: u32) -> Option<BareVm> {
@@ -52,7 +53,7 @@ fn bare_vm(pages: &[u64], manual: u32) -> Option<BareVm> {
     let mut mem = Vec::new();
     let mut slots = Vec::new();
     for (i, &n) in pages.iter().enumerate() {
-        let m = HostMemory::new(Backing::Anonymous, n * 4096, false).unwrap();
+        let m = GuestRam::new(Backing::Anonymous, n * 4096, false).unwrap();
         let r = kvm_userspace_memory_region {
             slot: i as u32 + 1,
             flags: 0,
@@ -86,7 +87,7 @@ fn get_writes_exactly_the_words_of_the_slot_and_refuses_other_lengths() {
         slot.set_dirty_logging(true).unwrap();
         // One guard word past the bitmap, in the same allocation.
         let mut v = vec![SENTINEL; words + 1];
-        dirty::get_dirty_log(slot, &mut v[..words]).unwrap();
+        log::get_dirty_log(slot, &mut v[..words]).unwrap();
         // KVM wrote every word of the bitmap (nothing is dirty: all zero) and nothing past it.
         assert!(v[..words].iter().all(|&w| w == 0), "{pages} pages: {v:x?}");
         assert_eq!(
@@ -100,8 +101,8 @@ fn get_writes_exactly_the_words_of_the_slot_and_refuses_other_lengths() {
                 continue;
             }
             let mut w = vec![SENTINEL; words + 1];
-            match dirty::get_dirty_log(slot, &mut w[..len]) {
-                Err(DirtyError::BitmapLength {
+            match log::get_dirty_log(slot, &mut w[..len]) {
+                Err(Error::BitmapLength {
                     op: "KVM_GET_DIRTY_LOG",
                     slot: id,
                     pages: p,
@@ -142,21 +143,21 @@ fn machine_get_refuses_a_bitmap_longer_or_shorter_than_the_slot() {
         let mut buf = vec![0u64; len];
         assert!(
             matches!(
-                m.get_dirty_log(FIRST_SLOT, &mut buf),
-                Err(KvmError::Dirty(DirtyError::BitmapLength { expected, got, .. }))
+                m.dirty_log().get_log(0, &mut buf),
+                Err(KvmError::Dirty(Error::BitmapLength { expected, got, .. }))
                     if expected == words as u64 && got == len
             ),
             "{len} words"
         );
     }
     let mut buf = vec![0u64; words];
-    m.get_dirty_log(FIRST_SLOT, &mut buf).unwrap();
+    m.dirty_log().get_log(0, &mut buf).unwrap();
 }
 
 /// Pages set in the GET bitmap of `slot`.
 fn logged(slot: &Memslot) -> Vec<u64> {
     let mut v = vec![0u64; slot.bitmap_words() as usize];
-    dirty::get_dirty_log(slot, &mut v).unwrap();
+    log::get_dirty_log(slot, &mut v).unwrap();
     (0..slot.pages())
         .filter(|&p| v[(p / 64) as usize] & (1 << (p % 64)) != 0)
         .collect()
@@ -190,8 +191,8 @@ fn clear_checks_its_range_and_bitmap_like_kvm_and_clears_exactly() {
         (0, u64::MAX, "past the end"),
     ] {
         let bits = vec![u64::MAX; 3];
-        match dirty::clear_dirty_log(slot, first, n, &bits) {
-            Err(e @ DirtyError::ClearRange { .. }) => {
+        match log::clear_dirty_log(slot, PageIndex::new(first), n, &bits) {
+            Err(e @ Error::ClearRange { .. }) => {
                 assert!(e.to_string().contains(rule), "{first}+{n}: {e}")
             }
             r => panic!("{first}+{n}: {r:?}"),
@@ -208,8 +209,8 @@ fn clear_checks_its_range_and_bitmap_like_kvm_and_clears_exactly() {
         let bits = vec![u64::MAX; len];
         assert!(
             matches!(
-                dirty::clear_dirty_log(slot, first, n, &bits),
-                Err(DirtyError::BitmapLength { op: "KVM_CLEAR_DIRTY_LOG", expected, got, .. })
+                log::clear_dirty_log(slot, PageIndex::new(first), n, &bits),
+                Err(Error::BitmapLength { op: "KVM_CLEAR_DIRTY_LOG", expected, got, .. })
                     if expected == n.div_ceil(64) && got == len
             ),
             "{first}+{n} with {len} words"
@@ -220,13 +221,13 @@ fn clear_checks_its_range_and_bitmap_like_kvm_and_clears_exactly() {
 
     // Accepted ranges clear exactly their set bits: the tail (ends the slot, not a multiple
     // of 64), one bit of the first 64, an empty range.
-    dirty::clear_dirty_log(slot, 128, 2, &[0b10]).unwrap();
-    dirty::clear_dirty_log(slot, 0, 64, &[1 << 5]).unwrap();
-    dirty::clear_dirty_log(slot, 64, 0, &[]).unwrap();
+    log::clear_dirty_log(slot, PageIndex::new(128), 2, &[0b10]).unwrap();
+    log::clear_dirty_log(slot, PageIndex::new(0), 64, &[1 << 5]).unwrap();
+    log::clear_dirty_log(slot, PageIndex::new(64), 0, &[]).unwrap();
     let want: Vec<u64> = (0..130).filter(|&p| p != 5 && p != 129).collect();
     assert_eq!(logged(slot), want);
     // A range from 64 to the end: 66 pages, two words.
-    dirty::clear_dirty_log(slot, 64, 66, &[u64::MAX, 0b11]).unwrap();
+    log::clear_dirty_log(slot, PageIndex::new(64), 66, &[u64::MAX, 0b11]).unwrap();
     let want: Vec<u64> = (0..64).filter(|&p| p != 5).collect();
     assert_eq!(logged(slot), want);
 }
@@ -236,7 +237,7 @@ fn memslot_registration_refuses_what_would_delete_or_misdescribe_a_slot() {
     let Some(b) = bare_vm(&[16], 0) else {
         return;
     };
-    let mem = HostMemory::new(Backing::Anonymous, 16 * 4096, false).unwrap();
+    let mem = GuestRam::new(Backing::Anonymous, 16 * 4096, false).unwrap();
     let good = kvm_userspace_memory_region {
         slot: 9,
         flags: 0,
@@ -281,7 +282,7 @@ fn memslot_registration_refuses_what_would_delete_or_misdescribe_a_slot() {
         // SAFETY: every one of these is refused before the ioctl (the test checks it); none
         // reaches KVM, so no memory is registered.
         match unsafe { Memslot::register(&b.vm, r) } {
-            Err(e @ DirtyError::Memslot { slot: 9, .. }) => {
+            Err(e @ Error::Memslot { slot: 9, .. }) => {
                 assert!(e.to_string().contains(what), "{e}")
             }
             other => panic!("{r:?}: {other:?}"),
@@ -292,14 +293,14 @@ fn memslot_registration_refuses_what_would_delete_or_misdescribe_a_slot() {
     let resize = kvm_userspace_memory_region {
         slot: b.slots[0].id(),
         flags: KVM_MEM_LOG_DIRTY_PAGES,
-        guest_phys_addr: b.slots[0].guest_phys_addr(),
+        guest_phys_addr: b.slots[0].guest_phys_addr().raw(),
         memory_size: 8 * 4096,
-        userspace_addr: b.slots[0].userspace_addr(),
+        userspace_addr: b.slots[0].userspace_addr().raw(),
     };
     // SAFETY: the range is the first half of the slot's own memory, which `b` keeps mapped
     // for the VM's lifetime; KVM refuses the change anyway (checked).
     let r = unsafe { Memslot::register(&b.vm, resize) };
-    assert!(matches!(r, Err(DirtyError::Ioctl { .. })), "{r:?}");
+    assert!(matches!(r, Err(Error::Ioctl { .. })), "{r:?}");
     assert_eq!(b.slots[0].pages(), 16);
     drop(mem);
 }
@@ -308,10 +309,7 @@ fn memslot_registration_refuses_what_would_delete_or_misdescribe_a_slot() {
 fn ring_sizes_are_validated_and_convert_between_entries_and_bytes() {
     for bad in [0, 1, 3, 16, 100, 128, 255, 257, 3000, 1 << 17, u32::MAX] {
         assert!(
-            matches!(
-                RingSize::from_entries(bad),
-                Err(DirtyError::RingSize { .. })
-            ),
+            matches!(RingSize::from_entries(bad), Err(Error::RingSize { .. })),
             "{bad} entries"
         );
     }
@@ -325,7 +323,7 @@ fn ring_sizes_are_validated_and_convert_between_entries_and_bytes() {
     assert_eq!(RingSize::from_bytes(4096).unwrap().entries(), 256);
     for bad in [0, 8, 4100, 4096 + 16, 1 << 21, u64::MAX] {
         assert!(
-            matches!(RingSize::from_bytes(bad), Err(DirtyError::RingSize { .. })),
+            matches!(RingSize::from_bytes(bad), Err(Error::RingSize { .. })),
             "{bad} bytes"
         );
     }
@@ -343,7 +341,7 @@ fn ring_vm(enabled: Option<RingSize>) -> Option<(VmFd, kvm_ioctls::VcpuFd)> {
     }
     let vm = Kvm::new().unwrap().create_vm().unwrap();
     if let Some(size) = enabled {
-        dirty::enable_dirty_ring(&vm, size, caps.dirty_ring_acq_rel).unwrap();
+        log::enable_dirty_ring(&vm, size, caps.dirty_ring_acq_rel).unwrap();
     }
     let vcpu = vm.create_vcpu(0).unwrap();
     Some((vm, vcpu))
@@ -358,7 +356,7 @@ fn ring_map_refuses_a_size_other_than_the_one_enabled() {
     };
     for wrong in [256, 1024, 4096] {
         match DirtyRing::map(&vcpu, e(wrong)) {
-            Err(DirtyError::RingSize { entries, .. }) => assert_eq!(entries, u64::from(wrong)),
+            Err(Error::RingSize { entries, .. }) => assert_eq!(entries, u64::from(wrong)),
             r => panic!("{wrong} entries: {r:?}"),
         }
     }
@@ -369,7 +367,7 @@ fn ring_map_refuses_a_size_other_than_the_one_enabled() {
     // No ring enabled at all.
     let (_vm2, vcpu2) = ring_vm(None).unwrap();
     let r = DirtyRing::map(&vcpu2, e(256));
-    assert!(matches!(r, Err(DirtyError::RingSize { .. })), "{r:?}");
+    assert!(matches!(r, Err(Error::RingSize { .. })), "{r:?}");
 }
 
 #[test]
@@ -390,7 +388,7 @@ fn ring_mapping_stays_valid_after_the_fds_close() {
 
 #[test]
 fn native_baseline_refuses_layouts_that_do_not_fit_its_memory() {
-    let mem = HostMemory::new(Backing::Anonymous, 4 << 20, false).unwrap();
+    let mem = GuestRam::new(Backing::Anonymous, 4 << 20, false).unwrap();
     let layout = Layout {
         gpa: 1 << 30,
         host: mem.addr(),
@@ -399,7 +397,7 @@ fn native_baseline_refuses_layouts_that_do_not_fit_its_memory() {
         overlap: false,
     };
     let p = PassParams::default();
-    slat_kvm::native_baseline::<()>(layout, &mem, p).unwrap();
+    slat_workload::native_baseline::<()>(layout, &mem, p).unwrap();
     for (bytes, vcpus, what) in [
         // Not a whole number of pages: vCPU 1's words would be misaligned. The old code ran
         // this (vCPUs = 1 here, so it wrote only aligned words) and returned Ok.
@@ -410,7 +408,7 @@ fn native_baseline_refuses_layouts_that_do_not_fit_its_memory() {
         (1 << 63, 2, "overflows"),
         (4 << 20, 2, "needs"),
     ] {
-        let r = slat_kvm::native_baseline::<()>(
+        let r = slat_workload::native_baseline::<()>(
             Layout {
                 bytes_per_vcpu: bytes,
                 vcpus,

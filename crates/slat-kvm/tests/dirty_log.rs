@@ -4,11 +4,13 @@
 mod common;
 
 use common::{expected_writes, get_region_log, machine_or_skip, pages_of, to_bitmap};
-use slat_kvm::{
-    DirtyConfig, KvmConfig, KvmError, KvmMachine, PassParams, RegionSpec, FIRST_SLOT,
-    INITIALLY_SET, MANUAL_PROTECT_ENABLE,
+use slat_dirty::DirtyLogSource;
+use slat_dirty::Error;
+use slat_kvm::{KvmConfig, KvmError, KvmMachine};
+use slat_workload::TestMachine;
+use slat_workload::{
+    DirtyConfig, PassParams, RegionSpec, FIRST_SLOT, INITIALLY_SET, MANUAL_PROTECT_ENABLE,
 };
-use slat_kvm::{DirtyError, TestMachine};
 use std::collections::BTreeSet;
 
 const HALF_RANDOM: PassParams = PassParams {
@@ -81,7 +83,7 @@ fn get_dirty_log_reports_exactly_the_written_pages_and_clears() {
     m.set_dirty_logging(false).unwrap();
     let mut buf = vec![0u64; m.pages_per_slot().div_ceil(64) as usize];
     assert!(matches!(
-        m.get_dirty_log(FIRST_SLOT, &mut buf),
+        m.dirty_log().get_log(0, &mut buf),
         Err(KvmError::DirtyLog(_))
     ));
 }
@@ -106,8 +108,9 @@ fn manual_protect_get_copies_and_clear_clears_only_its_range() {
     let pps = m.pages_per_slot();
     assert!(pps > 128);
     let mut slot_log = vec![0u64; pps.div_ceil(64) as usize];
-    m.get_dirty_log(FIRST_SLOT, &mut slot_log).unwrap();
-    m.clear_dirty_log(FIRST_SLOT, 0, 128, &slot_log[..2])
+    m.dirty_log().get_log(0, &mut slot_log).unwrap();
+    m.dirty_log()
+        .clear_log(0, slat_addr::PageIndex::new(0), 128, &slot_log[..2])
         .unwrap();
     let mut after = want.clone();
     after[0] = 0;
@@ -117,8 +120,17 @@ fn manual_protect_get_copies_and_clear_clears_only_its_range() {
     // CLEAR everything; a write pass then logs exactly its pages (the cleared pages were
     // write-protected again).
     for id in m.slot_ids() {
-        m.get_dirty_log(id, &mut slot_log).unwrap();
-        m.clear_dirty_log(id, 0, pps, &slot_log).unwrap();
+        m.dirty_log()
+            .get_log((id - slat_workload::FIRST_SLOT) as usize, &mut slot_log)
+            .unwrap();
+        m.dirty_log()
+            .clear_log(
+                (id - slat_workload::FIRST_SLOT) as usize,
+                slat_addr::PageIndex::new(0),
+                pps,
+                &slot_log,
+            )
+            .unwrap();
     }
     assert_same(
         &get_region_log(&m),
@@ -140,8 +152,9 @@ fn manual_protect_get_copies_and_clear_clears_only_its_range() {
         let bits = vec![u64::MAX; n.div_ceil(64) as usize];
         assert!(
             matches!(
-                m.clear_dirty_log(FIRST_SLOT, first, n, &bits),
-                Err(KvmError::Dirty(DirtyError::ClearRange { .. }))
+                m.dirty_log()
+                    .clear_log(0, slat_addr::PageIndex::new(first), n, &bits),
+                Err(KvmError::Dirty(Error::ClearRange { .. }))
             ),
             "first {first} n {n}"
         );
@@ -164,7 +177,14 @@ fn initially_set_reports_every_page_until_cleared() {
     let pps = m.pages_per_slot();
     let ones = vec![u64::MAX; pps.div_ceil(64) as usize];
     for id in m.slot_ids() {
-        m.clear_dirty_log(id, 0, pps, &ones).unwrap();
+        m.dirty_log()
+            .clear_log(
+                (id - slat_workload::FIRST_SLOT) as usize,
+                slat_addr::PageIndex::new(0),
+                pps,
+                &ones,
+            )
+            .unwrap();
     }
     assert_same(&get_region_log(&m), &vec![0; all.len()], "after CLEAR");
     m.run_pass(HALF_RANDOM).unwrap();
@@ -178,15 +198,19 @@ fn collect_rings(m: &KvmMachine) -> (Vec<u64>, u64) {
     let total = m.layout().total_pages();
     let mut b = vec![0u64; total.div_ceil(64) as usize];
     let mut bad = Vec::new();
-    let n = m.collect_dirty_rings(|slot, offset| {
-        let ok = m.slot_ids().any(|s| s == slot) && offset < pps;
-        if !ok {
-            bad.push((slot, offset));
-            return;
-        }
-        let p = (slot - FIRST_SLOT) as u64 * pps + offset;
-        b[(p / 64) as usize] |= 1 << (p % 64);
-    });
+    let n = m
+        .dirty_log()
+        .collect_ring(&mut |slot, offset| {
+            let offset = offset.raw();
+            let ok = m.slot_ids().any(|s| s == slot) && offset < pps;
+            if !ok {
+                bad.push((slot, offset));
+                return;
+            }
+            let p = (slot - FIRST_SLOT) as u64 * pps + offset;
+            b[(p / 64) as usize] |= 1 << (p % 64);
+        })
+        .unwrap();
     assert!(bad.is_empty(), "entries outside the test slots: {bad:?}");
     (b, n)
 }
@@ -211,18 +235,18 @@ fn dirty_ring_harvest_and_reset() {
     // contract.
     assert!(n >= pages_of(&want).len() as u64, "{n} entries");
     // The reset consumes every collected entry.
-    assert_eq!(m.reset_dirty_rings().unwrap(), n);
+    assert_eq!(m.dirty_log().reset_rings().unwrap(), n);
     // Nothing new until the guest writes again.
     assert_eq!(collect_rings(&m).1, 0);
-    assert_eq!(m.reset_dirty_rings().unwrap(), 0);
+    assert_eq!(m.dirty_log().reset_rings().unwrap(), 0);
     m.run_pass(HALF_RANDOM).unwrap();
     let (again, _) = collect_rings(&m);
     assert_same(&again, &want, "after reset and a second pass");
-    m.reset_dirty_rings().unwrap();
+    m.dirty_log().reset_rings().unwrap();
     // Bitmap operations are refused with rings.
     let mut buf = vec![0u64; m.pages_per_slot().div_ceil(64) as usize];
     assert!(matches!(
-        m.get_dirty_log(FIRST_SLOT, &mut buf),
+        m.dirty_log().get_log(0, &mut buf),
         Err(KvmError::DirtyLog(_))
     ));
 }
@@ -245,7 +269,7 @@ fn full_ring_exits_are_handled_and_nothing_is_lost() {
     let (got, _) = collect_rings(&m);
     let want = to_bitmap(&expected_writes(&m.layout(), seq));
     assert_same(&got, &want, "ring-full harvests plus the final one");
-    m.reset_dirty_rings().unwrap();
+    m.dirty_log().reset_rings().unwrap();
 }
 
 #[test]

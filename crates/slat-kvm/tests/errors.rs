@@ -4,11 +4,11 @@
 mod common;
 
 use common::{kvm_unavailable, machine_or_skip};
-use slat_kvm::{
-    DirtyConfig, KvmConfig, KvmError, KvmMachine, PassParams, RegionSpec, FIRST_SLOT,
-    INITIALLY_SET, MANUAL_PROTECT_ENABLE,
-};
-use slat_kvm::{DirtyError, TestMachine};
+use slat_dirty::DirtyLogSource;
+use slat_dirty::Error;
+use slat_kvm::{KvmConfig, KvmError, KvmMachine};
+use slat_workload::TestMachine;
+use slat_workload::{DirtyConfig, PassParams, RegionSpec, INITIALLY_SET, MANUAL_PROTECT_ENABLE};
 
 fn config_error(c: KvmConfig) -> String {
     match KvmMachine::new(c) {
@@ -224,31 +224,35 @@ fn dirty_log_misuse_is_refused() {
     let mut buf = vec![0u64; words];
     // Logging off.
     assert!(matches!(
-        m.get_dirty_log(FIRST_SLOT, &mut buf),
+        m.dirty_log().get_log(0, &mut buf),
         Err(KvmError::DirtyLog(_))
     ));
     m.set_dirty_logging(true).unwrap();
-    // Wrong slot, short bitmap.
+    // A slot index past the test region's one memslot, short bitmap.
     assert!(matches!(
-        m.get_dirty_log(0, &mut buf),
-        Err(KvmError::DirtyLog(_))
+        m.dirty_log().get_log(1, &mut buf),
+        Err(KvmError::Config(_))
     ));
     assert!(matches!(
-        m.get_dirty_log(FIRST_SLOT + 1, &mut buf),
-        Err(KvmError::DirtyLog(_))
+        m.dirty_log().get_log(usize::MAX, &mut buf),
+        Err(KvmError::Config(_))
     ));
     assert!(matches!(
-        m.get_dirty_log(FIRST_SLOT, &mut buf[..words - 1]),
-        Err(KvmError::Dirty(DirtyError::BitmapLength { .. }))
+        m.dirty_log().get_log(0, &mut buf[..words - 1]),
+        Err(KvmError::Dirty(Error::BitmapLength { .. }))
     ));
-    m.get_dirty_log(FIRST_SLOT, &mut buf).unwrap();
+    m.dirty_log().get_log(0, &mut buf).unwrap();
     // CLEAR without manual protect, ring ops without rings.
     assert!(matches!(
-        m.clear_dirty_log(FIRST_SLOT, 0, 64, &buf),
+        m.dirty_log()
+            .clear_log(0, slat_addr::PageIndex::new(0), 64, &buf),
         Err(KvmError::DirtyLog(_))
     ));
-    assert!(matches!(m.reset_dirty_rings(), Err(KvmError::DirtyLog(_))));
-    assert_eq!(m.collect_dirty_rings(|_, _| {}), 0);
+    assert!(matches!(
+        m.dirty_log().reset_rings(),
+        Err(KvmError::DirtyLog(_))
+    ));
+    assert_eq!(m.dirty_log().collect_ring(&mut |_, _| {}).unwrap(), 0);
     // Out-of-range pass parameters.
     assert!(matches!(
         m.run_pass(PassParams {

@@ -6,9 +6,10 @@ mod common;
 
 use common::{expected_writes, machine_or_skip};
 use slat_kvm::histogram;
-use slat_kvm::TestMachine;
-use slat_kvm::{GuestMode, KvmConfig, KvmMachine, PassParams, RegionSpec, Workload};
+use slat_kvm::{GuestMode, KvmConfig, KvmMachine, Workload};
 use slat_workload::LatencyHistogram;
+use slat_workload::TestMachine;
+use slat_workload::{PassParams, RegionSpec};
 
 const TIMED: PassParams = PassParams {
     write_percent: 100,
@@ -99,7 +100,7 @@ fn timed_random_partial_pass_counts_only_writes() {
     let layout = m.layout();
     let writes: Vec<u64> = (0..2)
         .map(|i| {
-            slat_kvm::memstress::Pattern::new(params, i as u32, layout.region(i).2)
+            slat_workload::pattern::Pattern::new(params, i as u32, layout.region(i).2)
                 .filter(|&(_, w)| w)
                 .count() as u64
         })

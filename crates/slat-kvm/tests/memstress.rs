@@ -4,8 +4,9 @@
 mod common;
 
 use common::{expected_writes, machine_or_skip};
-use slat_kvm::TestMachine;
-use slat_kvm::{GuestMode, KvmConfig, PassParams, RegionSpec, Workload, MEMSTRESS_PATTERN};
+use slat_kvm::{GuestMode, KvmConfig, Workload};
+use slat_workload::TestMachine;
+use slat_workload::{PassParams, RegionSpec, MEMSTRESS_PATTERN};
 
 /// Runs one pass with `params` on a fresh 2-vCPU machine and compares every page.
 fn check_pass(overlap: bool, params: PassParams) {
@@ -269,7 +270,7 @@ fn writer_stamps_pages_of_its_own_partition() {
         // The first writes of the model must all be there.
         let (gpa, _, pages) = layout.region(i);
         let first = (gpa - layout.gpa) / 4096;
-        let model = slat_kvm::memstress::WriterPattern::new(4, i as u32, pages);
+        let model = slat_workload::pattern::WriterPattern::new(4, i as u32, pages);
         for page in model.take(v.pages.min(64) as usize) {
             assert_eq!(m.page_value(first + page), Some(77), "vCPU {i} page {page}");
         }
@@ -303,13 +304,13 @@ fn native_baseline_writes_the_same_pages_as_the_guest() {
     };
     m.run_pass(params).unwrap();
     let layout = m.layout();
-    let mem = slat_kvm::HostMemory::new(
-        slat_kvm::Backing::Anonymous,
+    let mem = slat_workload::GuestRam::new(
+        slat_workload::Backing::Anonymous,
         layout.bytes_per_vcpu * 2,
         true,
     )
     .unwrap();
-    let r = slat_kvm::native_baseline::<()>(layout, &mem, params).unwrap();
+    let r = slat_workload::native_baseline::<()>(layout, &mem, params).unwrap();
     assert_eq!(r.vcpus.len(), 2);
     for p in 0..layout.total_pages() {
         // SAFETY: in bounds of `mem`, which the baseline threads no longer touch.

@@ -3,9 +3,10 @@
 mod common;
 
 use common::machine_or_skip;
-use slat_kvm::dirty_oracle::{run, LogMode, OracleConfig};
-use slat_kvm::TestMachine;
-use slat_kvm::{KvmConfig, KvmError, RegionSpec};
+use slat_kvm::{KvmConfig, KvmError};
+use slat_workload::dirty_oracle::{run, LogMode, OracleConfig};
+use slat_workload::RegionSpec;
+use slat_workload::TestMachine;
 use std::time::Duration;
 
 fn oracle(mode: LogMode, slots: usize, ring_entries: u32) {

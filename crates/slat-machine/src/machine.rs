@@ -4,7 +4,6 @@
 use crate::cpu::{Cpu, CpuCounters, Exit, RingFullHandler};
 use crate::memstress::{guest_pass, PassParams, WriterPattern};
 use crate::page_table_stage::{guest_stage, StageParams};
-use crate::ram::{GuestRam, RamError};
 use crate::sched::PcpuPool;
 use crate::tlb::DEFAULT_TLB_ENTRIES;
 use parking_lot::Mutex;
@@ -16,9 +15,11 @@ use slat::{
     MemslotError, SlotId, Vm, VmConfig,
 };
 use slat_addr::{Gpa, PageIndex};
+use slat_dirty::{DirtyLogSource, LogMode, SlotInfo};
 use slat_workload::cpus::VcpuTids;
 use slat_workload::latency::LatencyHistogram;
-pub use slat_workload::{DirtyConfig, Layout, FIRST_SLOT};
+use slat_workload::{GuestRam, RamError};
+use slat_workload::{Layout, FIRST_SLOT};
 use slat_workload::{RegionSize, RegionSpec, Rendezvous, TestMachine, TestRegion, WorkloadError};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -600,6 +601,7 @@ fn run_workload<F: PteFormat>(
 impl<F: PteFormat> TestMachine for Machine<F> {
     type Error = MachineError;
     type Counters = CpuCounters;
+    type Log<'a> = SimLog<'a, F>;
 
     fn region(&self) -> &TestRegion {
         &self.region
@@ -629,45 +631,74 @@ impl<F: PteFormat> TestMachine for Machine<F> {
     fn set_dirty_logging(&self, on: bool) -> Result<(), MachineError> {
         Machine::set_dirty_logging(self, on)
     }
-    fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), MachineError> {
-        self.vm.get_dirty_log(slot, bitmap)?;
-        Ok(())
-    }
-    fn clear_dirty_log(
-        &self,
-        slot: u32,
-        first: u64,
-        num: u64,
-        bitmap: &[u64],
-    ) -> Result<(), MachineError> {
-        self.vm
-            .clear_dirty_log(slot, PageIndex::new(first), num, bitmap)?;
-        Ok(())
-    }
-    fn collect_dirty_rings(&self, f: impl FnMut(u32, u64)) -> u64 {
-        Machine::collect_dirty_rings(self, f)
-    }
-    fn collect_dirty_rings_by_vcpu(&self, mut f: impl FnMut(Option<usize>, u32, u64)) -> u64 {
-        // Entries reaped on ring-full exits carry the index of the ring they came from.
-        let reaped = std::mem::take(&mut *self.reaped.lock());
-        let mut n = reaped.len() as u64;
-        for (i, s, o) in reaped {
-            f(Some(i), s, o);
-        }
-        // `dirty_rings()` is in vCPU creation order: ring i is vCPU i's.
-        for (i, r) in self.vm.dirty_rings().iter().enumerate() {
-            n += r.harvest(|s, o| f(Some(i), s, o.raw())) as u64;
-        }
-        n
-    }
-    fn reset_dirty_rings(&self) -> Result<u64, MachineError> {
-        Ok(self.vm.reset_dirty_rings()?)
+    fn dirty_log(&self) -> SimLog<'_, F> {
+        SimLog { m: self }
     }
     fn page_value(&self, page: u64) -> Option<u64> {
         Machine::page_value(self, page)
     }
     fn pin_vcpus(&self, cpus: &[usize]) -> Result<Vec<Vec<usize>>, MachineError> {
         self.tids.pin(cpus).map_err(MachineError::Thread)
+    }
+}
+
+/// The simulated machine's dirty log, as `slat_dirty`'s [`DirtyLogSource`] over the engine's
+/// dirty-log calls ([`TestMachine::dirty_log`]).
+pub struct SimLog<'a, F: PteFormat> {
+    m: &'a Machine<F>,
+}
+
+impl<F: PteFormat> SimLog<'_, F> {
+    fn id(&self, slot: usize) -> Result<SlotId, MachineError> {
+        Ok(slat_workload::log_slot_id(slot, self.m.slot_count())?)
+    }
+}
+
+impl<F: PteFormat> DirtyLogSource for SimLog<'_, F> {
+    type Error = MachineError;
+
+    fn slots(&self) -> Vec<SlotInfo> {
+        slat_workload::log_slots(self.m.slot_count(), self.m.pages_per_slot())
+    }
+    fn mode(&self) -> LogMode {
+        slat_workload::log_mode(self.m.dirty_config(), self.m.pages_per_slot())
+    }
+    fn get_log(&mut self, slot: usize, bitmap: &mut [u64]) -> Result<(), MachineError> {
+        self.m.vm.get_dirty_log(self.id(slot)?, bitmap)?;
+        Ok(())
+    }
+    fn clear_log(
+        &mut self,
+        slot: usize,
+        first: PageIndex,
+        pages: u64,
+        bitmap: &[u64],
+    ) -> Result<(), MachineError> {
+        let id = self.id(slot)?;
+        self.m.vm.clear_dirty_log(id, first, pages, bitmap)?;
+        Ok(())
+    }
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, MachineError> {
+        Ok(self.m.collect_dirty_rings(|s, o| f(s, PageIndex::new(o))))
+    }
+    fn collect_ring_by_vcpu(
+        &mut self,
+        f: &mut dyn FnMut(Option<usize>, u32, PageIndex),
+    ) -> Result<u64, MachineError> {
+        // Entries reaped on ring-full exits carry the index of the ring they came from.
+        let reaped = std::mem::take(&mut *self.m.reaped.lock());
+        let mut n = reaped.len() as u64;
+        for (i, s, o) in reaped {
+            f(Some(i), s, PageIndex::new(o));
+        }
+        // `dirty_rings()` is in vCPU creation order: ring i is vCPU i's.
+        for (i, r) in self.m.vm.dirty_rings().iter().enumerate() {
+            n += r.harvest(|s, o| f(Some(i), s, o)) as u64;
+        }
+        Ok(n)
+    }
+    fn reset_rings(&mut self) -> Result<u64, MachineError> {
+        Ok(self.m.vm.reset_dirty_rings()?)
     }
 }
 
@@ -683,7 +714,7 @@ fn private_pool(
         MachineError::Config(format!("a {len:#x}-byte private pool overflows 64 bits"))
     })?;
     let pool = Arc::new(GuestRam::new(
-        crate::ram::Backing::AnonymousThp,
+        slat_workload::Backing::AnonymousThp,
         len,
         prefault,
     )?);

@@ -10,8 +10,8 @@ use crate::cpu::{Cpu, Exit};
 use slat::format::{PteFormat, PAGE_SIZE};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-pub use slat_workload::pattern::{
-    native_pass, ParkMiller, PassParams, Pattern, WriterPattern, MEMSTRESS_PATTERN,
+pub(crate) use slat_workload::pattern::{
+    ParkMiller, PassParams, Pattern, WriterPattern, MEMSTRESS_PATTERN,
 };
 
 /// Runs one memstress pass of vCPU `vcpu_idx` over `pages` pages starting at `gpa`; with

@@ -170,7 +170,7 @@ unsafe fn native_stage(host: u64, p: StageParams, vcpu_idx: u32) -> u64 {
 /// `p.bytes` at the start of `ram`, released together; returns the time until the last one
 /// finished, or `None` if `ram` is smaller than `p.bytes`.
 pub fn native_stage_baseline(
-    ram: &crate::ram::GuestRam,
+    ram: &slat_workload::GuestRam,
     p: StageParams,
     vcpus: usize,
 ) -> Option<std::time::Duration> {

@@ -60,7 +60,8 @@ use slat::{
 };
 use slat_addr::{Gfn, Gpa, PageIndex};
 use slat_machine::sched::PcpuPool;
-use slat_machine::{Backing, Cpu, CpuCounters, Exit, GuestRam, RingFullHandler};
+use slat_machine::{Cpu, CpuCounters, Exit, RingFullHandler};
+use slat_workload::{Backing, GuestRam};
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};

@@ -13,8 +13,9 @@ use slat::{
     WrprotVariant,
 };
 use slat_addr::{Gfn, Gpa};
-use slat_machine::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
-use slat_machine::{Backing, GuestRam, Machine, MachineConfig, RegionSpec};
+use slat_machine::{Machine, MachineConfig};
+use slat_workload::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
+use slat_workload::{Backing, GuestRam, RegionSpec};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

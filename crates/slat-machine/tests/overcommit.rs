@@ -7,8 +7,9 @@ mod common;
 
 use slat::PteFormat;
 use slat_addr::Gfn;
-use slat_machine::memstress::MEMSTRESS_PATTERN;
-use slat_machine::{Backing, Machine, MachineConfig, PassParams, RegionSpec};
+use slat_machine::{Machine, MachineConfig};
+use slat_workload::MEMSTRESS_PATTERN;
+use slat_workload::{Backing, PassParams, RegionSpec};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -2,9 +2,10 @@
 //! `/proc/self/task/<tid>/status` (`Cpus_allowed_list`) names the one CPU it was pinned to,
 //! and a pass still runs.
 
-use slat_machine::{Machine, MachineConfig, PassParams, RegionSpec};
+use slat_machine::{Machine, MachineConfig};
 use slat_workload::cpus::allowed_cpus;
 use slat_workload::TestMachine;
+use slat_workload::{PassParams, RegionSpec};
 use std::fs;
 
 /// `Cpus_allowed_list` of this process's thread named `name`.

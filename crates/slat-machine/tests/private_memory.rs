@@ -10,7 +10,8 @@ use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::{HostRange, MemoryAttributes, MemslotFlags, PteFormat, Vm, VmConfig};
 use slat_addr::{Gfn, Gpa, Hva};
 use slat_machine::sched::PcpuPool;
-use slat_machine::{Backing, Cpu, Exit, GuestRam};
+use slat_machine::{Cpu, Exit};
+use slat_workload::{Backing, GuestRam};
 use std::sync::Arc;
 
 const MIB: u64 = 1 << 20;
@@ -73,7 +74,8 @@ fn a_shared_access_to_a_private_page_exits_to_the_vmm<F: PteFormat>() {
 #[test]
 fn a_confidential_guest_accepts_every_page_it_touches() {
     use slat::direct_map::{DirectMapConfig, DirectMapPolicy};
-    use slat_machine::{Machine, MachineConfig, PassParams, RegionSpec};
+    use slat_machine::{Machine, MachineConfig};
+    use slat_workload::{PassParams, RegionSpec};
     for policy in DirectMapPolicy::ALL.iter().copied() {
         let m = Machine::<slat::Ept>::new(MachineConfig {
             region: RegionSpec {

@@ -5,8 +5,9 @@
 
 use slat::{CmoPolicy, RebuildOrder, RecoverVariant, Stage2, VmConfig};
 use slat_addr::Gfn;
-use slat_machine::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
-use slat_machine::{Backing, Machine, MachineConfig, PassParams, RegionSpec, Workload};
+use slat_machine::{Machine, MachineConfig, Workload};
+use slat_workload::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
+use slat_workload::{Backing, PassParams, RegionSpec};
 use std::time::Duration;
 
 const MIB: u64 = 1 << 20;

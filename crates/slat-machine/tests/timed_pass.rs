@@ -11,10 +11,8 @@ mod common;
 use slat::{HostRange, MemslotFlags, PteFormat, Vm, VmConfig};
 use slat_addr::Gpa;
 use slat_machine::sched::PcpuPool;
-use slat_machine::{
-    Backing, Cpu, Exit, GuestRam, Machine, MachineConfig, PassParams, PassReport, RegionSpec,
-    TestMachine,
-};
+use slat_machine::{Cpu, Exit, Machine, MachineConfig, PassReport};
+use slat_workload::{Backing, GuestRam, PassParams, RegionSpec, TestMachine};
 use std::sync::Arc;
 use std::time::Duration;
 

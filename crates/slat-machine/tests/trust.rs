@@ -9,7 +9,8 @@ mod common;
 use slat::{HostRange, MemslotFlags, PteFormat, Vm, VmConfig};
 use slat_addr::Gpa;
 use slat_machine::sched::PcpuPool;
-use slat_machine::{Backing, Cpu, Exit, GuestRam};
+use slat_machine::{Cpu, Exit};
+use slat_workload::{Backing, GuestRam};
 use std::sync::Arc;
 
 const MIB: u64 = 1 << 20;

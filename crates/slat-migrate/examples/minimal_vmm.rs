@@ -18,6 +18,7 @@
 
 use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs, kvm_userspace_memory_region};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
+use slat_addr::Gpa;
 use slat_dirty::{LogMode, Memslot};
 use slat_migrate::guest::{kvm_dirty_log, GuestHarvester};
 use slat_migrate::transport::{Endpoint, Listener};
@@ -131,7 +132,7 @@ impl Vm {
             let region = kvm_userspace_memory_region {
                 slot,
                 flags: 0,
-                guest_phys_addr: r.gpa,
+                guest_phys_addr: r.gpa.raw(),
                 memory_size: r.pages * 4096,
                 userspace_addr: guest_ram(r.pages * 4096).map_err(GuestError::machine)?,
             };
@@ -386,10 +387,12 @@ fn counter(g: &dyn Guest, gpa: u64) -> Result<u32, Error> {
     let mem = Memory::new(g)?;
     let map = mem.map();
     let (i, r) = (map.regions().iter().enumerate())
-        .find(|(_, r)| (r.region.gpa..r.region.gpa + r.region.pages * 4096).contains(&gpa))
+        .find(|(_, r)| {
+            (r.region.gpa.raw()..r.region.gpa.raw() + r.region.pages * 4096).contains(&gpa)
+        })
         .ok_or("address in a hole")?;
     let mut page = vec![0u8; 4096];
-    mem.read_page(map.start(i) + (gpa - r.region.gpa) / 4096, &mut page)?;
+    mem.read_page(map.start(i) + (gpa - r.region.gpa.raw()) / 4096, &mut page)?;
     let at = (gpa % 4096) as usize;
     Ok(u32::from_le_bytes(page[at..at + 4].try_into()?))
 }
@@ -399,7 +402,7 @@ pub fn main() -> Result<(), Error> {
     let map: Vec<Region> = RAM
         .iter()
         .map(|&(gpa, len)| Region {
-            gpa,
+            gpa: Gpa::new(gpa),
             pages: len / 4096,
             read_only: false,
         })

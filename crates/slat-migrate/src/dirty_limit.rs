@@ -37,6 +37,7 @@
 
 use crate::error::GuestError;
 use crate::guest::GuestLog;
+use slat_addr::PageIndex;
 use slat_dirty::{DirtyLogSource, SlotInfo};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -157,18 +158,18 @@ impl DirtyLogSource for RingMeter {
     fn clear_log(
         &mut self,
         slot: usize,
-        first_page: u64,
+        first: PageIndex,
         pages: u64,
         bitmap: &[u64],
     ) -> Result<(), GuestError> {
-        self.inner.clear_log(slot, first_page, pages, bitmap)
+        self.inner.clear_log(slot, first, pages, bitmap)
     }
-    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, GuestError> {
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, GuestError> {
         self.collect_ring_by_vcpu(&mut |_, s, o| f(s, o))
     }
     fn collect_ring_by_vcpu(
         &mut self,
-        f: &mut dyn FnMut(Option<usize>, u32, u64),
+        f: &mut dyn FnMut(Option<usize>, u32, PageIndex),
     ) -> Result<u64, GuestError> {
         let mut c = self.counts.inner.lock().unwrap_or_else(|e| e.into_inner());
         let (per, none) = &mut *c;

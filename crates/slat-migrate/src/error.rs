@@ -2,9 +2,9 @@
 
 use crate::stream::{
     Region, GPA_BITS, MAX_BATCH_PAGES, MAX_GUEST_BYTES, MAX_HASHES, MAX_MACHINE, MAX_REGIONS,
-    MAX_SLOTS, MAX_STATE_BLOB, MAX_STATE_BLOBS, MAX_STATE_BYTES, MAX_STATE_ID, MAX_VCPUS,
-    PAGE_SIZE,
+    MAX_STATE_BLOB, MAX_STATE_BLOBS, MAX_STATE_BYTES, MAX_STATE_ID, PAGE_SIZE,
 };
+use slat_addr::{Gpa, Hva};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -369,65 +369,6 @@ pub enum PageError {
     },
 }
 
-/// Why a guest shape cannot be built: the checks every shape passes before a machine is
-/// built for it or a page is addressed with it, whether a source announced it or a user
-/// asked for it.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ShapeError {
-    /// No vCPU, or more than a guest may have.
-    #[error("{vcpus} vCPUs (a guest has 1 to {MAX_VCPUS})")]
-    Vcpus {
-        /// vCPUs asked for.
-        vcpus: u32,
-    },
-    /// Memory per vCPU that is zero or not whole pages.
-    #[error("{bytes} bytes per vCPU (a non-zero multiple of {PAGE_SIZE})")]
-    BytesPerVcpu {
-        /// Bytes asked for.
-        bytes: u64,
-    },
-    /// vCPUs × memory per vCPU does not fit 64 bits.
-    #[error("{vcpus} vCPUs x {bytes_per_vcpu} bytes per vCPU overflows 64 bits")]
-    Overflow {
-        /// vCPUs.
-        vcpus: u32,
-        /// Bytes per vCPU.
-        bytes_per_vcpu: u64,
-    },
-    /// More memory than the guest physical address space holds.
-    #[error("{bytes} bytes of guest memory do not fit the {MAX_GUEST_BYTES}-byte guest physical address space")]
-    TooBig {
-        /// Bytes in total.
-        bytes: u64,
-    },
-    /// No memslot, or more than a guest may have.
-    #[error("{slots} memslots (a guest has 1 to {MAX_SLOTS})")]
-    Slots {
-        /// Memslots asked for.
-        slots: u32,
-    },
-    /// More pages than the machine's page-table format addresses.
-    #[error(
-        "a guest of {pages} pages does not fit {format}'s {bits}-bit guest physical address space"
-    )]
-    AddressSpace {
-        /// Pages in the guest.
-        pages: u64,
-        /// The format's name.
-        format: &'static str,
-        /// Its guest physical address bits.
-        bits: u32,
-    },
-    /// Memslots that do not split the pages evenly.
-    #[error("{slots} memslots cannot split {pages} pages evenly")]
-    UnevenSlots {
-        /// Memslots.
-        slots: u32,
-        /// Pages.
-        pages: u64,
-    },
-}
-
 /// Why a memory map cannot be used: the checks every map passes before memory is built for
 /// it or a page is addressed with it ([`crate::stream::check_regions`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -447,7 +388,7 @@ pub enum MapError {
         /// The region.
         index: usize,
         /// Its address.
-        gpa: u64,
+        gpa: Gpa,
     },
     /// A region reaching past the guest-physical address space.
     #[error("region {index} ({pages} pages at {gpa:#x}) reaches past the {GPA_BITS}-bit guest-physical space")]
@@ -455,7 +396,7 @@ pub enum MapError {
         /// The region.
         index: usize,
         /// Its address.
-        gpa: u64,
+        gpa: Gpa,
         /// Its pages.
         pages: u64,
     },
@@ -465,7 +406,7 @@ pub enum MapError {
         /// The region.
         index: usize,
         /// Its address.
-        gpa: u64,
+        gpa: Gpa,
     },
     /// More memory than a guest may have.
     #[error("{bytes} bytes of guest memory (at most {MAX_GUEST_BYTES})")]
@@ -479,7 +420,7 @@ pub enum MapError {
         /// The region.
         index: usize,
         /// Its host address.
-        host: u64,
+        host: Hva,
     },
     /// A dirty log whose slots are not the map's writable regions.
     #[error("the dirty log has {slots} slots of {slot_pages:?} pages; the writable regions are {regions:?} pages")]
@@ -626,14 +567,6 @@ pub enum MemoryError {
         /// The range's size.
         want: u64,
     },
-    /// A machine that maps less (or other) memory than its shape has.
-    #[error("the machine maps {mapped:?} bytes for a guest of {pages} pages")]
-    Mapped {
-        /// Pages the shape has.
-        pages: u64,
-        /// Bytes the machine maps (`None`: its own size overflows).
-        mapped: Option<u64>,
-    },
 }
 
 /// An error of another crate (the machine, the OS) kept with its source chain, shareable and
@@ -672,27 +605,13 @@ impl Eq for Cause {}
 /// Why the guest machine refused an operation.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum GuestError {
-    /// The machine (simulated or KVM) failed.
+    /// The VMM's machine (its KVM VM, its devices, or any other part behind [`crate::Guest`])
+    /// failed.
     #[error(transparent)]
     Machine(Cause),
-    /// The shape cannot be built.
-    #[error(transparent)]
-    Shape(#[from] ShapeError),
-    /// The machine's memory is not what the shape needs.
+    /// Guest memory was addressed wrongly.
     #[error(transparent)]
     Memory(#[from] MemoryError),
-    /// `start` while a workload runs.
-    #[error("a workload is already running")]
-    AlreadyRunning,
-    /// A read share on the KVM guest, whose writer only writes.
-    #[error("the kvm guest's writer writes on every access: -w applies to --backend sim only")]
-    KvmReads,
-    /// The KVM burst driver's thread could not be started.
-    #[error("cannot start the burst driver: {0}")]
-    DriverThread(Cause),
-    /// The KVM burst driver's thread panicked.
-    #[error("the burst driver thread panicked")]
-    DriverPanicked,
     /// The dirty-log harvester refused the machine's log or a request (a page outside the
     /// test region's memslots).
     #[error("dirty-log harvester: {0}")]

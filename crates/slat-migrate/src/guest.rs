@@ -9,7 +9,8 @@
 //! once and never logged. Device and vCPU state leave as opaque, versioned blobs
 //! ([`StateBlob`]) once the vCPUs are paused and come back through
 //! [`Guest::restore_state`] on the destination. Nothing here knows a workload: slat's own
-//! benchmark guests and their synthetic writer live in [`crate::bench`].
+//! benchmark guests and their synthetic writer live in the `slat-harness` crate, which
+//! depends on this one.
 //!
 //! A minimal KVM VMM implements it in a few lines per method: `regions` lists its memslots'
 //! (gpa, size, mmap address), `dirty_log` wraps its memslots in `Harvester::new`, `pause` and
@@ -19,7 +20,7 @@
 //! complete guest without KVM; `examples/minimal_vmm.rs` a complete one on KVM):
 //!
 //! ```ignore
-//! struct MyVm { vm: Arc<VmFd>, ram: [(u64 /* gpa */, &'static mut [u8]); 2], vcpus: Vcpus }
+//! struct MyVm { vm: Arc<VmFd>, ram: [(slat_addr::Gpa, &'static mut [u8]); 2], vcpus: Vcpus }
 //!
 //! // SAFETY: both RAM mappings are mmap'd for the VM's life and touched only by the vCPUs.
 //! unsafe impl Guest for MyVm {
@@ -27,7 +28,7 @@
 //!     fn regions(&self) -> Vec<GuestRegion> {
 //!         self.ram.iter().map(|(gpa, m)| GuestRegion {
 //!             region: Region { gpa: *gpa, pages: m.len() as u64 / 4096, read_only: false },
-//!             host: m.as_ptr() as u64,
+//!             host: slat_addr::Hva::from_ptr(m.as_ptr()),
 //!         }).collect()
 //!     }
 //!     fn pause(&self) -> Result<(), GuestError> { self.vcpus.stop(); Ok(()) }
@@ -54,6 +55,7 @@
 use crate::error::{GuestError, MapError, MemoryError};
 use crate::state::StateBlob;
 use crate::stream::{check_regions, Region, PAGE_SIZE};
+use slat_addr::Hva;
 use slat_dirty::{DirtyLogSource, Harvester, KvmLog, LogMode, Memslot, SlotInfo};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -64,7 +66,7 @@ pub struct GuestRegion {
     /// Where it is in the guest, how big, and whether the guest may write it.
     pub region: Region,
     /// Host address of its first byte (8-byte aligned; see [`Guest`]'s safety contract).
-    pub host: u64,
+    pub host: Hva,
 }
 
 /// What a migration needs from a guest. Object safe: the ends hold an `Arc<dyn Guest>`.
@@ -149,66 +151,23 @@ pub unsafe trait Guest: Send + Sync {
     }
 }
 
-/// A guest's dirty log as the source harvests it: any machine's, errors as [`GuestError`].
+/// A guest's dirty log as the source harvests it: any machine's, errors as [`GuestError`]
+/// (`Box::new(log.map_err(GuestError::machine)) as GuestLog`, with
+/// [`DirtyLogSource::map_err`]).
 pub type GuestLog = Box<dyn DirtyLogSource<Error = GuestError> + Send>;
 
 /// The transactional harvester of a guest's dirty log ([`Guest::dirty_log`]).
 pub type GuestHarvester = Harvester<GuestLog>;
 
-/// A dirty-log source whose errors become [`GuestError`]s, so every log has the one type
-/// [`GuestLog`]: `Harvester::from_source(Box::new(GuestErrors(log)) as GuestLog)`.
-pub struct GuestErrors<S>(pub S);
-
-impl<S> DirtyLogSource for GuestErrors<S>
-where
-    S: DirtyLogSource,
-    S::Error: std::error::Error + Send + Sync + 'static,
-{
-    type Error = GuestError;
-
-    fn slots(&self) -> Vec<SlotInfo> {
-        self.0.slots()
-    }
-    fn mode(&self) -> slat_dirty::LogMode {
-        self.0.mode()
-    }
-    fn get_log(&mut self, slot: usize, bitmap: &mut [u64]) -> Result<(), GuestError> {
-        self.0.get_log(slot, bitmap).map_err(GuestError::machine)
-    }
-    fn clear_log(
-        &mut self,
-        slot: usize,
-        first_page: u64,
-        pages: u64,
-        bitmap: &[u64],
-    ) -> Result<(), GuestError> {
-        self.0
-            .clear_log(slot, first_page, pages, bitmap)
-            .map_err(GuestError::machine)
-    }
-    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, GuestError> {
-        self.0.collect_ring(f).map_err(GuestError::machine)
-    }
-    // Forwarded, so a per-vCPU dirty limit can attribute the entries.
-    fn collect_ring_by_vcpu(
-        &mut self,
-        f: &mut dyn FnMut(Option<usize>, u32, u64),
-    ) -> Result<u64, GuestError> {
-        self.0.collect_ring_by_vcpu(f).map_err(GuestError::machine)
-    }
-    fn reset_rings(&mut self) -> Result<u64, GuestError> {
-        self.0.reset_rings().map_err(GuestError::machine)
-    }
-}
-
 /// The dirty log of a KVM VMM's own memslots, as [`Guest::dirty_log`] returns it: `slots`
 /// (one per writable region, in the map's order, as the VMM registered them with
 /// [`Memslot::register`] or described them with [`Memslot::adopt`]) in `mode` — GET, or
 /// manual protect if the VMM enabled it on the VM. (The ring mode needs the vCPUs' rings:
-/// build a [`KvmLog`] with them and wrap it in [`GuestErrors`] as this does.)
+/// build a [`KvmLog`] with them and map its errors as this does.)
 pub fn kvm_dirty_log(slots: Vec<Memslot>, mode: LogMode) -> Result<GuestHarvester, GuestError> {
     let log = KvmLog::new(slots, mode, Vec::new()).map_err(GuestError::harvest)?;
-    Harvester::from_source(Box::new(GuestErrors(log)) as GuestLog).map_err(GuestError::harvest)
+    let log: GuestLog = Box::new(log.map_err(GuestError::machine));
+    Harvester::from_source(log).map_err(GuestError::harvest)
 }
 
 /// A checked memory map with its *memory index*: the regions laid end to end, so page `p`
@@ -231,7 +190,7 @@ impl MemoryMap {
         let mut at = 0u64;
         for (index, r) in regions.iter().enumerate() {
             // `check_regions` bounded every region by 2^52 bytes.
-            let ok = r.host % 8 == 0
+            let ok = r.host.is_aligned(8)
                 && r.host
                     .checked_add(r.region.pages * PAGE_SIZE as u64)
                     .is_some();
@@ -382,7 +341,7 @@ impl<'g> Memory<'g> {
             let n = (r.region.pages - off).min(end - p);
             // `off < pages` of a region whose host range fits 64 bits (`MemoryMap::new`).
             f(
-                r.host + off * PAGE_SIZE as u64,
+                r.host.raw() + off * PAGE_SIZE as u64,
                 n,
                 ((p - first) * PAGE_SIZE as u64) as usize,
             );

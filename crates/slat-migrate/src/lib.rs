@@ -9,41 +9,126 @@
 //! - [`destination`]: receive, acknowledge, verify, restore device state.
 //! - [`throttle`]: auto-converge; [`verify`]: range hashes; [`link`]: the sending side with
 //!   a bandwidth cap and test faults; [`limits`]: how much guest memory this host can hold.
-//! - [`bench`](mod@bench) (feature `machines`, on by default): slat's simulated and `/dev/kvm` guests
-//!   with the synthetic workload the benchmarks run. Without the feature the crate builds
-//!   without either machine.
+//!
+//! The crate depends on `slat-dirty` and nothing of slat's benchmarks: slat's simulated and
+//! `/dev/kvm` benchmark guests are clients of it, in the `slat-harness` crate.
 //!
 //! Everything that arrives from the network is untrusted: every count, size, index and
 //! offset in it is checked (with checked arithmetic) against what this side has before it is
 //! used, and a bad stream is a typed error — never a panic, an abort, a huge allocation or a
-//! write outside guest memory. `tests/fuzz.rs` holds the decoder and a live destination to
+//! write outside guest memory. `slat-harness`'s `tests/migrate_fuzz.rs` holds the decoder and a live destination to
 //! that with random and mutated streams.
 //!
-//! ```no_run
-//! # #[cfg(feature = "machines")] {
-//! use slat_migrate::bench::{self, BenchGuest, GuestSpec, LogMode, Shape, WorkSpec};
-//! use slat_migrate::{DestConfig, Destination, Source, SourceConfig};
-//! use std::net::TcpListener;
-//! let shape = Shape { vcpus: 2, bytes_per_vcpu: 32 << 20, slots: 1, overlap: false };
-//! let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-//! let addr = listener.local_addr().unwrap().to_string();
+//! # Example: a VMM migrates its guest
+//!
+//! The VMM implements [`Guest`] over its own memory map and dirty log (here 16 pages of RAM
+//! at guest-physical 1 MiB, and a software log that reports no write because no vCPU runs; a
+//! KVM VMM hands its memslots to [`guest::kvm_dirty_log`] instead), then sends the guest
+//! over a UNIX socket pair to a destination receiving into a second guest. The destination
+//! verifies memory before it commits, so a returned report means the copy is exact.
+//!
+//! ```
+//! use slat_addr::{Gpa, Hva, PageIndex};
+//! use slat_dirty::{DirtyLogSource, Harvester, LogMode, SlotInfo};
+//! use slat_migrate::{Channel, DestConfig, Destination, Guest, GuestError, GuestHarvester};
+//! use slat_migrate::{GuestLog, GuestRegion, Region, Source, SourceConfig};
+//! use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//!
+//! const PAGES: u64 = 16;
+//!
+//! /// The VMM's guest: RAM as atomic words (the vCPUs, elided, would write it too).
+//! struct VmmGuest {
+//!     ram: Box<[AtomicU64]>,
+//!     running: AtomicBool,
+//! }
+//!
+//! /// The VMM's dirty log of that RAM: one slot, GET mode, nothing written.
+//! struct VmmLog;
+//!
+//! impl DirtyLogSource for VmmLog {
+//!     type Error = std::convert::Infallible;
+//!     fn slots(&self) -> Vec<SlotInfo> {
+//!         vec![SlotInfo { id: 0, pages: PAGES }]
+//!     }
+//!     fn mode(&self) -> LogMode {
+//!         LogMode::Get
+//!     }
+//!     fn get_log(&mut self, _: usize, bitmap: &mut [u64]) -> Result<(), Self::Error> {
+//!         bitmap.fill(0);
+//!         Ok(())
+//!     }
+//!     fn clear_log(&mut self, _: usize, _: PageIndex, _: u64, _: &[u64]) -> Result<(), Self::Error> {
+//!         Ok(())
+//!     }
+//!     fn collect_ring(&mut self, _: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, Self::Error> {
+//!         Ok(0)
+//!     }
+//!     fn reset_rings(&mut self) -> Result<u64, Self::Error> {
+//!         Ok(0)
+//!     }
+//! }
+//!
+//! // SAFETY: the one region is `ram`, PAGES pages of 8-byte aligned words owned by the guest
+//! // for its whole life and accessed only atomically; nothing writes it while not running.
+//! unsafe impl Guest for VmmGuest {
+//!     fn kind(&self) -> &str {
+//!         "my-vmm"
+//!     }
+//!     fn regions(&self) -> Vec<GuestRegion> {
+//!         let region = Region { gpa: Gpa::new(1 << 20), pages: PAGES, read_only: false };
+//!         vec![GuestRegion { region, host: Hva::from_ptr(self.ram.as_ptr()) }]
+//!     }
+//!     fn pause(&self) -> Result<(), GuestError> {
+//!         Ok(self.running.store(false, Ordering::SeqCst))
+//!     }
+//!     fn resume(&self) -> Result<(), GuestError> {
+//!         Ok(self.running.store(true, Ordering::SeqCst))
+//!     }
+//!     fn running(&self) -> bool {
+//!         self.running.load(Ordering::SeqCst)
+//!     }
+//!     fn set_dirty_logging(&self, _on: bool) -> Result<(), GuestError> {
+//!         Ok(())
+//!     }
+//!     fn dirty_log(&self) -> Result<GuestHarvester, GuestError> {
+//!         let log: GuestLog = Box::new(VmmLog.map_err(GuestError::machine));
+//!         Harvester::from_source(log).map_err(GuestError::harvest)
+//!     }
+//! }
+//!
+//! fn guest(fill: u64) -> Arc<VmmGuest> {
+//!     let words = (PAGES * 512) as usize;
+//!     let ram = (0..words).map(|i| AtomicU64::new(fill.wrapping_mul(i as u64))).collect();
+//!     Arc::new(VmmGuest { ram, running: AtomicBool::new(false) })
+//! }
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let (src, dst) = (guest(0x9e37_79b9), guest(0));
+//! src.resume()?;
+//! let timeout = Duration::from_secs(10);
+//! let (a, b) = std::os::unix::net::UnixStream::pair()?;
+//! let to_source = Channel::unix(b, timeout, "source".into())?;
+//! let cfg = DestConfig { resume_for: Duration::ZERO, timeout, ..DestConfig::default() };
+//! let dest_guest = dst.clone();
 //! let dest = std::thread::spawn(move || {
-//!     let factory = bench::factory(GuestSpec::sim(shape, LogMode::Get));
-//!     Destination::new(factory, DestConfig::default()).accept(&listener)
+//!     Destination::with_guest(dest_guest, cfg).serve_channel(to_source)
 //! });
-//! let g = bench::build(&GuestSpec::sim(shape, LogMode::Clear)).unwrap();
-//! g.start(WorkSpec { write_percent: 100, random: true, seed: 1, rate: 10_000 }).unwrap();
-//! let mut src = Source::new(g.as_guest(), SourceConfig::default());
-//! let report = src.migrate(&addr, &mut |_| {}).unwrap();
-//! println!("downtime {:?}", report.downtime);
-//! dest.join().unwrap().unwrap();
+//! let to_dest = Channel::unix(a, timeout, "destination".into())?;
+//! let report = Source::new(src.clone(), SourceConfig::default())
+//!     .migrate_over(to_dest, &mut |_event| {})?;
+//! let received = dest.join().expect("the destination thread")?;
+//! assert!(received.verify.ok());
+//! assert_eq!(report.rounds[0].pages, PAGES);
+//! let same = src.ram.iter().zip(dst.ram.iter());
+//! assert!(same.into_iter().all(|(a, b)| a.load(Ordering::Relaxed) == b.load(Ordering::Relaxed)));
+//! # Ok(())
 //! # }
 //! ```
 
 #![deny(missing_docs)]
 
-#[cfg(feature = "machines")]
-pub mod bench;
 pub mod destination;
 pub mod dirty_limit;
 pub mod error;
@@ -61,9 +146,9 @@ pub use destination::{DestConfig, DestReport, Destination, Factory};
 pub use dirty_limit::{DirtyLimitConfig, DirtyLimitError, DirtyLimiter};
 pub use error::{
     Cause, Corruption, GuestError, HelloError, MapError, MemoryError, MigrateError, PageError,
-    ProtocolError, ShapeError, StateError, StreamError,
+    ProtocolError, StateError, StreamError,
 };
-pub use guest::{Guest, GuestErrors, GuestHarvester, GuestLog, GuestRegion, Memory, MemoryMap};
+pub use guest::{Guest, GuestHarvester, GuestLog, GuestRegion, Memory, MemoryMap};
 pub use link::Faults;
 pub use source::{Event, MigrationReport, Progress, RoundReport, Source, SourceConfig};
 pub use state::StateBlob;

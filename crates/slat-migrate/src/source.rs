@@ -63,6 +63,7 @@ use crate::stream::{
 use crate::throttle::AutoConverge;
 use crate::transport::{self, Channel, Endpoint};
 use crate::verify::{self, Digests, VerifyMode, NEVER_SENT, RANGE_PAGES};
+use slat_addr::PageIndex;
 use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
@@ -1240,7 +1241,7 @@ impl Sender {
                 }
                 if self.faults.skip_merge_back || conn.one_way() {
                     // The bug under test: the page counts as delivered once it is queued.
-                    owed.commit_pages(slot, off, 1)
+                    owed.commit_pages(slot, PageIndex::new(off), 1)
                         .map_err(GuestError::harvest)?;
                 }
             }
@@ -1321,7 +1322,7 @@ fn settle(
     match inflight.pop_front() {
         Some((s, pages)) if s == seq => {
             for (slot, off, _) in pages.into_iter().filter(|p| p.0 != NO_SLOT) {
-                owed.commit_pages(slot, off, 1)
+                owed.commit_pages(slot, PageIndex::new(off), 1)
                     .map_err(GuestError::harvest)?;
             }
             Ok(())

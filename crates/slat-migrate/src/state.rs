@@ -10,7 +10,7 @@
 //! chunking, which no guest here has needed.
 
 use crate::error::StateError;
-pub use crate::stream::{MAX_STATE_BLOB, MAX_STATE_BLOBS, MAX_STATE_BYTES, MAX_STATE_ID};
+use crate::stream::{MAX_STATE_BLOB, MAX_STATE_BLOBS, MAX_STATE_BYTES, MAX_STATE_ID};
 
 /// One piece of device or vCPU state.
 #[derive(Debug, Clone, PartialEq, Eq)]

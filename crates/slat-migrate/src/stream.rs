@@ -30,6 +30,7 @@
 
 use crate::error::{Corruption, MapError, PageError, StreamError};
 use crate::state::StateBlob;
+use slat_addr::Gpa;
 use std::io::{Read, Write};
 use std::time::Duration;
 
@@ -37,8 +38,9 @@ use std::time::Duration;
 pub const MAGIC: [u8; 8] = *b"SLATMIGR";
 /// The protocol version this build speaks.
 pub const VERSION: u32 = 2;
-/// Guest page size.
-pub const PAGE_SIZE: usize = 4096;
+/// Guest page size, as the stream's preamble carries it: `slat_addr`'s page, as a `usize`
+/// for buffer lengths.
+pub const PAGE_SIZE: usize = slat_addr::PAGE_SIZE as usize;
 /// Largest frame payload (a batch of [`MAX_BATCH_PAGES`] raw pages fits with room to spare).
 pub const MAX_FRAME: u32 = 4 << 20;
 /// Most pages in one [`Msg::Pages`] batch.
@@ -47,12 +49,9 @@ pub const MAX_BATCH_PAGES: u32 = 512;
 pub const MAX_HASHES: u32 = 4096;
 /// Longest reason string in a [`Msg::Refuse`].
 const MAX_TEXT: usize = 1024;
-/// Most vCPUs in a guest (as the command line allows; each is a thread on a destination).
-pub const MAX_VCPUS: u32 = 512;
-/// Most memslots in a guest (as the command line allows; KVM has 32764 per address space).
-pub const MAX_SLOTS: u32 = 32_000;
-/// Most regions in a guest's memory map (one memslot each at most).
-pub const MAX_REGIONS: u32 = MAX_SLOTS;
+/// Most regions in a guest's memory map (one memslot each at most; KVM has 32764 memslots
+/// per address space).
+pub const MAX_REGIONS: u32 = 32_000;
 /// Highest guest-physical address bit a region may reach (x86-64 and arm64 top out at 52).
 pub const GPA_BITS: u32 = 52;
 /// Largest machine description a hello carries ([`Hello::machine`]).
@@ -110,7 +109,7 @@ impl Compression {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Region {
     /// Guest-physical address of its first byte (page aligned).
-    pub gpa: u64,
+    pub gpa: Gpa,
     /// Pages in it (at least one).
     pub pages: u64,
     /// The guest cannot write it (ROM): copied once, never dirty-logged.
@@ -119,7 +118,7 @@ pub struct Region {
 
 impl Region {
     /// Guest-physical address one past its last byte (`None`: past 64 bits).
-    pub fn end(&self) -> Option<u64> {
+    pub fn end(&self) -> Option<Gpa> {
         self.pages
             .checked_mul(PAGE_SIZE as u64)
             .and_then(|b| self.gpa.checked_add(b))
@@ -134,15 +133,15 @@ pub fn check_regions(regions: &[Region]) -> Result<u64, MapError> {
         return Err(MapError::Count(regions.len()));
     }
     let mut total = 0u64;
-    let mut prev_end = 0u64;
+    let mut prev_end = Gpa::ZERO;
     for (index, r) in regions.iter().enumerate() {
         if r.pages == 0 {
             return Err(MapError::Empty { index });
         }
-        if r.gpa % PAGE_SIZE as u64 != 0 {
+        if !r.gpa.is_page_aligned() {
             return Err(MapError::Unaligned { index, gpa: r.gpa });
         }
-        let end = r.end().filter(|&e| e <= 1u64 << GPA_BITS);
+        let end = r.end().filter(|&e| e <= Gpa::new(1u64 << GPA_BITS));
         let Some(end) = end else {
             return Err(MapError::Beyond {
                 index,
@@ -374,7 +373,7 @@ impl Msg {
                 out.push(h.one_way as u8);
                 put_u32(out, h.regions.len() as u32);
                 for r in &h.regions {
-                    put_u64(out, r.gpa);
+                    put_u64(out, r.gpa.raw());
                     put_u64(out, r.pages);
                     out.push(r.read_only as u8);
                 }
@@ -531,7 +530,7 @@ impl Dec<'_> {
         let mut regions = Vec::with_capacity(n);
         for _ in 0..n {
             regions.push(Region {
-                gpa: d.u64()?,
+                gpa: Gpa::new(d.u64()?),
                 pages: d.u64()?,
                 read_only: d.flag()?,
             });
@@ -1027,12 +1026,12 @@ mod tests {
             one_way: false,
             regions: vec![
                 Region {
-                    gpa: 0,
+                    gpa: Gpa::ZERO,
                     pages: 256,
                     read_only: false,
                 },
                 Region {
-                    gpa: 1 << 30,
+                    gpa: Gpa::new(1 << 30),
                     pages: 16,
                     read_only: true,
                 },
@@ -1177,7 +1176,7 @@ mod tests {
     #[test]
     fn memory_maps_are_checked() {
         let r = |gpa, pages, read_only| Region {
-            gpa,
+            gpa: Gpa::new(gpa),
             pages,
             read_only,
         };

@@ -8,6 +8,7 @@
 #[path = "common/soft.rs"]
 mod soft;
 
+use slat_addr::Gpa;
 use slat_migrate::transport::{Channel, Endpoint, Listener};
 use slat_migrate::{
     DestConfig, DestReport, Destination, Guest, Memory, MigrateError, Region, Source, SourceConfig,
@@ -22,7 +23,7 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 
 fn region(gpa: u64, pages: u64, read_only: bool) -> Region {
     Region {
-        gpa,
+        gpa: Gpa::new(gpa),
         pages,
         read_only,
     }

@@ -24,9 +24,11 @@
 
 use crate::dirty_config::{DirtyConfig, INITIALLY_SET, MANUAL_PROTECT_ENABLE};
 use crate::error::WorkloadError;
-use crate::layout::PAGE_SIZE;
 use crate::pattern::ParkMiller;
 use crate::test_machine::TestMachine;
+use slat_addr::PageIndex;
+use slat_addr::PAGE_SIZE;
+use slat_dirty::DirtyLogSource;
 use std::time::{Duration, Instant};
 
 /// How the log is harvested.
@@ -298,11 +300,12 @@ fn collect<M: TestMachine + ?Sized>(
         let p = (slot - first) as u64 * pps + offset;
         dirty[(p / 64) as usize] |= 1 << (p % 64);
     };
+    let mut log = m.dirty_log();
     match mode {
         LogMode::DirtyLog | LogMode::ClearLog => {
             let mut buf = vec![0u64; pps.div_ceil(64) as usize];
-            for id in m.test_slots() {
-                m.get_dirty_log(id, &mut buf)?;
+            for (i, id) in m.test_slots().enumerate() {
+                log.get_log(i, &mut buf)?;
                 for (w, &bits) in buf.iter().enumerate() {
                     let mut b = bits;
                     while b != 0 {
@@ -311,13 +314,13 @@ fn collect<M: TestMachine + ?Sized>(
                     }
                 }
                 if mode == LogMode::ClearLog {
-                    m.clear_dirty_log(id, 0, pps, &buf)?;
+                    log.clear_log(i, PageIndex::ZERO, pps, &buf)?;
                 }
             }
         }
         LogMode::DirtyRing => {
-            m.collect_dirty_rings(&mut set);
-            m.reset_dirty_rings()?;
+            log.collect_ring(&mut |slot, offset: PageIndex| set(slot, offset.raw()))?;
+            log.reset_rings()?;
         }
     }
     Ok(())

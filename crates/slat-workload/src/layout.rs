@@ -2,11 +2,9 @@
 //! accesses (KVM memstress's layout).
 
 use crate::error::WorkloadError;
-
-/// The guest page size both machines use for the test region (x86-64 and 4 KiB stage-2).
-pub const PAGE_SIZE: u64 = 4096;
-/// log2 of [`PAGE_SIZE`].
-pub const PAGE_SHIFT: u32 = 12;
+// The guest page size both machines use for the test region (x86-64 and 4 KiB stage-2) is
+// `slat_addr`'s, the one every crate shares.
+use slat_addr::{PAGE_SHIFT, PAGE_SIZE};
 
 /// The first memslot id of the test region on both machines (KVM's
 /// `MEMSTRESS_MEM_SLOT_INDEX`).

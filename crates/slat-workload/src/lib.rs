@@ -8,7 +8,7 @@
 //! | [`cpus`] | `-c` CPU lists, [`cpus::PinPlan`], [`cpus::VcpuTids`]: pinning vCPU threads |
 //! | [`guest_ram`] | [`GuestRam`]: one host mapping of a backing (hugetlb pool check, THP, prefault, [`GuestRam::thp_bytes`]) |
 //! | [`size`] | [`parse_size`], [`format_size`], [`SizeError`] |
-//! | [`layout`] | [`Layout`] of the test region, [`PAGE_SIZE`], [`FIRST_SLOT`] |
+//! | [`layout`] | [`Layout`] of the test region, [`FIRST_SLOT`] (pages are `slat_addr::PAGE_SIZE`) |
 //! | [`pattern`] | [`PassParams`], [`ParkMiller`], [`Pattern`], [`WriterPattern`], [`MEMSTRESS_PATTERN`], [`native_pass`] |
 //! | [`pass`] | [`VcpuPass`], [`PassReport`] |
 //! | [`rendezvous`] | [`Rendezvous`]: the host releases its vCPU threads with a job and waits for them to sync |
@@ -60,10 +60,10 @@ pub use dirty_config::{DirtyConfig, INITIALLY_SET, MANUAL_PROTECT_ENABLE};
 pub use error::WorkloadError;
 pub use guest_ram::{GuestRam, RamError};
 pub use latency::{latency_histogram, LatencyHistogram, WriteLatency};
-pub use layout::{Layout, RegionSize, RegionSpec, TestRegion, FIRST_SLOT, PAGE_SHIFT, PAGE_SIZE};
+pub use layout::{Layout, RegionSize, RegionSpec, TestRegion, FIRST_SLOT};
 pub use native::native_baseline;
 pub use pass::{PassReport, VcpuPass};
 pub use pattern::{native_pass, ParkMiller, PassParams, Pattern, WriterPattern, MEMSTRESS_PATTERN};
 pub use rendezvous::Rendezvous;
 pub use size::{format_size, parse_size, SizeError};
-pub use test_machine::TestMachine;
+pub use test_machine::{log_mode, log_slot_id, log_slots, TestMachine};

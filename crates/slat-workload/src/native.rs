@@ -3,9 +3,10 @@
 
 use crate::error::WorkloadError;
 use crate::guest_ram::GuestRam;
-use crate::layout::{Layout, PAGE_SHIFT, PAGE_SIZE};
+use crate::layout::Layout;
 use crate::pass::{PassReport, VcpuPass};
 use crate::pattern::{native_pass, PassParams};
+use slat_addr::{PAGE_SHIFT, PAGE_SIZE};
 use std::sync::RwLock;
 use std::time::Instant;
 

@@ -156,7 +156,7 @@ pub unsafe fn native_pass(host: u64, pages: u64, params: PassParams, vcpu_idx: u
         // SAFETY: `page < pages`, so in bounds, and 8-byte aligned (`host` is, and 4096 is a
         // multiple of 8), by the caller's contract; atomic because other
         // threads may touch the same page (overlap).
-        let a = unsafe { AtomicU64::from_ptr((host + page * crate::PAGE_SIZE) as *mut u64) };
+        let a = unsafe { AtomicU64::from_ptr((host + page * slat_addr::PAGE_SIZE) as *mut u64) };
         if write {
             a.store(MEMSTRESS_PATTERN, Ordering::Relaxed);
         } else {

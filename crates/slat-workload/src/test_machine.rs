@@ -1,5 +1,5 @@
 //! [`TestMachine`]: what both machines offer a workload driver — the test region, passes and
-//! workloads run until halted, and the dirty log — so the dirty-log oracle, migration's
+//! workloads run until halted, and the dirty log (a `slat_dirty::DirtyLogSource`) — so the dirty-log oracle, migration's
 //! harvest and the CLI's benchmarks are written once.
 
 use crate::dirty_config::DirtyConfig;
@@ -8,6 +8,7 @@ use crate::latency::WriteLatency;
 use crate::layout::{Layout, TestRegion, FIRST_SLOT};
 use crate::pass::PassReport;
 use crate::pattern::PassParams;
+use slat_dirty::{DirtyLogSource, LogMode, SlotInfo};
 use std::ops::Range;
 
 /// A machine running KVM-selftest-style workloads over a test region of `slot_ids().len()`
@@ -21,6 +22,10 @@ pub trait TestMachine {
     type Error: std::error::Error + From<WorkloadError> + Send + Sync + 'static;
     /// The machine's own per-vCPU counters in a [`PassReport`].
     type Counters: Copy + Default + std::fmt::Debug;
+    /// A handle on the machine's dirty log ([`TestMachine::dirty_log`]).
+    type Log<'a>: DirtyLogSource<Error = Self::Error>
+    where
+        Self: 'a;
 
     /// The test region: layout, memslots and dirty logging, as the machine was built.
     fn region(&self) -> &TestRegion;
@@ -64,33 +69,11 @@ pub trait TestMachine {
 
     /// Turns dirty logging on or off on every test memslot.
     fn set_dirty_logging(&self, on: bool) -> Result<(), Self::Error>;
-    /// GET_DIRTY_LOG of `slot` into `bitmap` (bit `p` = page `p` of the slot; exactly
-    /// `pages_per_slot().div_ceil(64)` words). Without manual protect it also clears and
-    /// re-protects; with it, it copies.
-    fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), Self::Error>;
-    /// CLEAR_DIRTY_LOG (manual protect): clears and re-protects the pages of
-    /// `[first, first + num)` of `slot` whose bits are set in `bitmap` (bit 0 = `first`).
-    fn clear_dirty_log(
-        &self,
-        slot: u32,
-        first: u64,
-        num: u64,
-        bitmap: &[u64],
-    ) -> Result<(), Self::Error>;
-    /// Takes every dirty-ring entry not yet collected (those vCPUs reaped on ring-full exits
-    /// first), calling `f(slot, offset)` per entry; returns how many. Follow with
-    /// [`TestMachine::reset_dirty_rings`] before reading the pages.
-    fn collect_dirty_rings(&self, f: impl FnMut(u32, u64)) -> u64;
-    /// [`TestMachine::collect_dirty_rings`] that also names the vCPU whose ring held each
-    /// entry: `f(vcpu, slot, offset)`, `None` for entries the machine cannot attribute (by
-    /// default all of them; both machines attribute every entry, also those their vCPUs
-    /// reaped on ring-full exits). For per-vCPU dirty rates.
-    fn collect_dirty_rings_by_vcpu(&self, mut f: impl FnMut(Option<usize>, u32, u64)) -> u64 {
-        self.collect_dirty_rings(|slot, offset| f(None, slot, offset))
-    }
-    /// RESET_DIRTY_RINGS: re-protects the pages of every collected entry; returns how many
-    /// entries were reset.
-    fn reset_dirty_rings(&self) -> Result<u64, Self::Error>;
+    /// The test region's dirty log as `slat_dirty`'s one dirty-log abstraction: the tracked
+    /// slots are the test memslots (index `i` = slot [`FIRST_SLOT`]` + i`), in the mode the
+    /// machine was built with ([`log_mode`]). Harvests (`slat_dirty::Harvester`), the
+    /// dirty-log oracle and the benchmarks' raw GET / CLEAR / ring calls all go through it.
+    fn dirty_log(&self) -> Self::Log<'_>;
 
     /// Pins vCPU `i`'s thread to host CPU `cpus[i]` (`sched_setaffinity`, one CPU per vCPU)
     /// and returns each thread's affinity as the kernel reports it afterwards.
@@ -99,4 +82,41 @@ pub trait TestMachine {
     /// The first 8 bytes of page `page` of the test region (read atomically: vCPUs may be
     /// writing). `None` past the end.
     fn page_value(&self, page: u64) -> Option<u64>;
+}
+
+/// The log mode of a test region logged as `dirty` with `pages_per_slot` pages per slot: the
+/// dirty ring if it has one, GET + CLEAR of the whole slot with manual protect (KVM accepts a
+/// chunk that ends at the slot's end whatever its length), GET otherwise.
+pub fn log_mode(dirty: DirtyConfig, pages_per_slot: u64) -> LogMode {
+    if dirty.ring_entries != 0 {
+        LogMode::Ring
+    } else if dirty.manual_protect != 0 {
+        LogMode::ManualProtect {
+            chunk_pages: pages_per_slot.div_ceil(64).max(1) * 64,
+        }
+    } else {
+        LogMode::Get
+    }
+}
+
+/// The slots of a test region's dirty log: `slots` memslots of `pages` pages, ids from
+/// [`FIRST_SLOT`].
+pub fn log_slots(slots: usize, pages: u64) -> Vec<SlotInfo> {
+    (0..slots as u32)
+        .map(|i| SlotInfo {
+            id: FIRST_SLOT + i,
+            pages,
+        })
+        .collect()
+}
+
+/// The memslot id of tracked slot `index` of a test region of `slots` memslots, or a
+/// refusal.
+pub fn log_slot_id(index: usize, slots: usize) -> Result<u32, WorkloadError> {
+    match u32::try_from(index) {
+        Ok(i) if index < slots => Ok(FIRST_SLOT + i),
+        _ => Err(WorkloadError::Config(format!(
+            "slot index {index}: the test region has {slots} memslots"
+        ))),
+    }
 }

@@ -15,8 +15,9 @@ use slat::direct_map::{DirectMap, DirectMapConfig, DirectMapPolicy, DirectMapSta
 use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::{Ept, MemoryAttributes};
 use slat_addr::Gfn;
-use slat_machine::ram::format_size;
-use slat_machine::{Backing, GuestRam, Machine, MachineConfig, PassParams, RegionSpec};
+use slat_machine::{Machine, MachineConfig};
+use slat_workload::format_size;
+use slat_workload::{Backing, GuestRam, PassParams, RegionSpec};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -286,14 +287,14 @@ fn native(p: &SimPlan) -> CliResult<NativeRow> {
         false,
     )
     .map_err(|e| CliError::Runtime(e.to_string()))?;
-    let layout = slat_machine::Layout {
+    let layout = slat_workload::Layout {
         gpa: 0,
         host: mem.addr(),
         bytes_per_vcpu: p.bytes,
         vcpus: p.vcpus as usize,
         overlap: false,
     };
-    let r = slat_machine::native_baseline::<slat_machine::CpuCounters>(
+    let r = slat_workload::native_baseline::<slat_machine::CpuCounters>(
         layout,
         &mem,
         PassParams::default(),

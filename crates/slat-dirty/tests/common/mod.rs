@@ -1,5 +1,5 @@
 //! A tiny VM built the way a VMM would, with `kvm-ioctls` and memory mapped here: one vCPU in
-//! 64-bit user mode (page tables and GDT from `slat_kvm::guest`) running a writer that
+//! 64-bit user mode (page tables and GDT from `long_mode.rs`) running a writer that
 //! increments byte 0 of each page of a list the host puts in the control page, then exits
 //! with `out`. So the host decides exactly which pages are written, and when.
 
@@ -8,7 +8,9 @@
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
 use slat_dirty::{DirtyRing, Harvester, LogMode, Memslot, RingSize};
-use slat_kvm::guest::{self, GuestMode, LowLayout};
+pub mod long_mode;
+
+use long_mode::LowLayout;
 use std::sync::Arc;
 
 /// Guest physical address of the test region (two logged slots).
@@ -152,7 +154,7 @@ impl TinyVm {
             let at = ctl + 16 + 8 * k;
             low[at..at + 8].copy_from_slice(&(SLOT_GPA[s] + p * 4096).to_le_bytes());
         }
-        let mut regs = guest::initial_regs(&self.layout, 0, GuestMode::User);
+        let mut regs = self.layout.initial_regs();
         regs.r13 = self.layout.control;
         self.vcpu.set_regs(&regs).unwrap();
     }
@@ -164,10 +166,9 @@ impl TinyVm {
         }
         let kvm = Kvm::new().unwrap();
         let vm = Arc::new(kvm.create_vm().expect("KVM_CREATE_VM"));
-        let layout = LowLayout::new(1, REGION, REGION_END).unwrap();
+        let layout = LowLayout::new(REGION_END).unwrap();
         let mut low = Mapping::new(layout.size as usize);
-        guest::build_page_tables(low.bytes_mut(), &layout, REGION, REGION_END).unwrap();
-        guest::build_gdt(low.bytes_mut(), &layout).unwrap();
+        layout.build(low.bytes_mut()).unwrap();
         let code = layout.code as usize;
         low.bytes_mut()[code..code + WRITER.len()].copy_from_slice(&WRITER);
         let region = |slot, gpa, m: &Mapping, flags| kvm_userspace_memory_region {
@@ -204,9 +205,9 @@ impl TinyVm {
         }
         let vcpu = vm.create_vcpu(0).unwrap();
         let mut sregs = vcpu.get_sregs().unwrap();
-        guest::setup_long_mode(&mut sregs, &layout, GuestMode::User);
+        layout.setup_long_mode(&mut sregs);
         vcpu.set_sregs(&sregs).unwrap();
-        let mut regs = guest::initial_regs(&layout, 0, GuestMode::User);
+        let mut regs = layout.initial_regs();
         regs.r13 = layout.control;
         vcpu.set_regs(&regs).unwrap();
         let harvester = match setup {

@@ -2,9 +2,11 @@
 
 #![allow(dead_code)]
 
-use slat_kvm::memstress::Pattern;
-use slat_kvm::TestMachine;
-use slat_kvm::{KvmConfig, KvmError, KvmMachine, Layout, PassParams, DEFAULT_DEVICE};
+use slat_dirty::DirtyLogSource;
+use slat_kvm::{KvmConfig, KvmError, KvmMachine, DEFAULT_DEVICE};
+use slat_workload::pattern::Pattern;
+use slat_workload::TestMachine;
+use slat_workload::{Layout, PassParams};
 
 /// The machine, or `None` (after saying so on stderr) when the host has no usable /dev/kvm.
 pub fn machine_or_skip(config: KvmConfig) -> Option<KvmMachine> {
@@ -63,7 +65,9 @@ pub fn get_region_log(m: &KvmMachine) -> Vec<u64> {
     let mut region = vec![0u64; total.div_ceil(64) as usize];
     let mut buf = vec![0u64; pps.div_ceil(64) as usize];
     for (s, id) in m.slot_ids().enumerate() {
-        m.get_dirty_log(id, &mut buf).expect("KVM_GET_DIRTY_LOG");
+        m.dirty_log()
+            .get_log((id - slat_workload::FIRST_SLOT) as usize, &mut buf)
+            .expect("KVM_GET_DIRTY_LOG");
         for p in 0..pps {
             if buf[(p / 64) as usize] & (1 << (p % 64)) != 0 {
                 let q = s as u64 * pps + p;

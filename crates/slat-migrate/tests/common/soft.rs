@@ -3,8 +3,10 @@
 //! semantics, a "vCPU" thread writing pages, and device state. What `Guest` asks of a VMM, in
 //! about a hundred lines.
 
+use slat_addr::Hva;
+use slat_addr::PageIndex;
 use slat_dirty::{DirtyLogSource, Harvester, LogMode, SlotInfo};
-use slat_migrate::guest::{GuestErrors, GuestHarvester, GuestLog};
+use slat_migrate::guest::{GuestHarvester, GuestLog};
 use slat_migrate::{Guest, GuestError, GuestRegion, Region, StateBlob};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -143,10 +145,16 @@ impl DirtyLogSource for SoftLog {
         }
         Ok(())
     }
-    fn clear_log(&mut self, _: usize, _: u64, _: u64, _: &[u64]) -> Result<(), std::io::Error> {
+    fn clear_log(
+        &mut self,
+        _: usize,
+        _: slat_addr::PageIndex,
+        _: u64,
+        _: &[u64],
+    ) -> Result<(), std::io::Error> {
         Ok(())
     }
-    fn collect_ring(&mut self, _: &mut dyn FnMut(u32, u64)) -> Result<u64, std::io::Error> {
+    fn collect_ring(&mut self, _: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, std::io::Error> {
         Ok(0)
     }
     fn reset_rings(&mut self) -> Result<u64, std::io::Error> {
@@ -169,7 +177,7 @@ unsafe impl Guest for SoftGuest {
             .zip(&i.mem)
             .map(|(&region, m)| GuestRegion {
                 region,
-                host: m.as_ptr() as u64,
+                host: Hva::from_ptr(m.as_ptr()),
             })
             .collect()
     }
@@ -197,7 +205,7 @@ unsafe impl Guest for SoftGuest {
         Ok(())
     }
     fn dirty_log(&self) -> Result<GuestHarvester, GuestError> {
-        let log = Box::new(GuestErrors(SoftLog(self.inner.clone()))) as GuestLog;
+        let log = Box::new(SoftLog(self.inner.clone()).map_err(GuestError::machine)) as GuestLog;
         Harvester::from_source(log).map_err(GuestError::harvest)
     }
     fn save_state(&self) -> Result<Vec<StateBlob>, GuestError> {

@@ -1,439 +1,37 @@
-//! slat's own benchmark guests: the simulated machine or a `/dev/kvm` guest, with the
-//! synthetic workload the `migrate` benchmarks run on them (cargo feature `machines`).
-//!
-//! A [`BenchGuest`] is a [`Guest`] plus what only a benchmark wants: start a workload
-//! ([`WorkSpec`]), populate memory, count writes. Its memory map is the machine's test
-//! region, one region per memslot, addressed from guest-physical 0 (the two machines place
-//! the region at different addresses, and a guest may move between them). The workload
-//! travels as the device-state blob [`WORKLOAD_STATE`], so the destination resumes the same
-//! one; the machine's shape travels as the hello's machine description ([`Shape::encode`]),
-//! so a destination can build a machine to fit ([`factory`]).
-//!
-//! The source's vCPUs run the paced memstress of `slat-machine` (every write a new value, at
-//! a write rate and throttle changed while it runs). The KVM guest's code has no such control,
-//! so a driver thread runs its dirty-log writer in bursts, kicking the vCPUs out between them
-//! as QEMU's CPU throttle does: the length of each burst follows the measured write speed so
-//! that the average rate matches the one asked for. (`slat-cli` has a wider `Backend` trait; a
-//! library crate cannot depend on the binary's, and migration needs a running workload with a
-//! run-time dirty-rate control, which that trait does not have.)
+//! The machine under a benchmark guest and the drivers that run its workload: paced vCPUs
+//! on the simulated machine, write bursts on the KVM guest.
 
-use crate::error::{Cause, GuestError, MemoryError, ShapeError};
-use crate::guest::{Guest, GuestErrors, GuestHarvester, GuestLog, GuestRegion};
-use crate::state::StateBlob;
-use crate::stream::{Region, MAX_GUEST_BYTES, MAX_SLOTS, MAX_VCPUS, PAGE_SIZE};
-use slat::{Ept, PteFormat, Stage2, VmConfig};
+use super::{BackendKind, BenchGuest, LogMode, Shape, WorkSpec, WORKLOAD_STATE};
+use crate::error::BenchError;
+use crate::machine_log::MachineLog;
+use slat::PteFormat;
+use slat_addr::Hva;
+use slat_dirty::DirtyLogSource;
 use slat_dirty::Harvester;
-use slat_machine::{Backing, Machine, MachineConfig, PacedParams, Pacer, PassParams, Workload};
-use slat_workload::{DirtyConfig, RegionSpec, TestMachine, INITIALLY_SET, MANUAL_PROTECT_ENABLE};
+use slat_machine::{Machine, PacedParams, Pacer, Workload};
+use slat_migrate::guest::{GuestHarvester, GuestLog, GuestRegion};
+use slat_migrate::{Guest, GuestError, StateBlob};
+use slat_workload::PassParams;
+use slat_workload::TestMachine;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// The benchmark guest's shape: vCPUs, memory and memslots of its test region.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Shape {
-    /// vCPUs.
-    pub vcpus: u32,
-    /// Guest memory per vCPU in bytes.
-    pub bytes_per_vcpu: u64,
-    /// Memslots the test region is split into (equal sizes, consecutive).
-    pub slots: u32,
-    /// Every vCPU works on the whole region.
-    pub overlap: bool,
-}
-
-impl Shape {
-    /// Checks the shape with checked arithmetic: 1 to [`MAX_VCPUS`] vCPUs, a non-zero whole
-    /// number of pages per vCPU, vCPUs × memory within [`MAX_GUEST_BYTES`], and 1 to
-    /// [`MAX_SLOTS`] memslots that split the pages evenly. Returns the pages in the test region.
-    pub fn check(&self) -> Result<u64, ShapeError> {
-        if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
-            return Err(ShapeError::Vcpus { vcpus: self.vcpus });
-        }
-        if self.bytes_per_vcpu == 0 || self.bytes_per_vcpu % PAGE_SIZE as u64 != 0 {
-            return Err(ShapeError::BytesPerVcpu {
-                bytes: self.bytes_per_vcpu,
-            });
-        }
-        let bytes =
-            self.bytes_per_vcpu
-                .checked_mul(self.vcpus as u64)
-                .ok_or(ShapeError::Overflow {
-                    vcpus: self.vcpus,
-                    bytes_per_vcpu: self.bytes_per_vcpu,
-                })?;
-        if bytes > MAX_GUEST_BYTES {
-            return Err(ShapeError::TooBig { bytes });
-        }
-        if self.slots == 0 || self.slots > MAX_SLOTS {
-            return Err(ShapeError::Slots { slots: self.slots });
-        }
-        let pages = bytes / PAGE_SIZE as u64;
-        if pages % self.slots as u64 != 0 {
-            return Err(ShapeError::UnevenSlots {
-                slots: self.slots,
-                pages,
-            });
-        }
-        Ok(pages)
-    }
-    /// Bytes in the test region (0 for a shape that fails [`Shape::check`]).
-    pub fn total_bytes(&self) -> u64 {
-        self.total_pages() * PAGE_SIZE as u64
-    }
-    /// Pages in the test region (0 for a shape that fails [`Shape::check`]).
-    pub fn total_pages(&self) -> u64 {
-        self.check().unwrap_or(0)
-    }
-    /// The memory map: one region per memslot, from guest-physical 0 (empty for a shape that
-    /// fails [`Shape::check`]).
-    pub fn regions(&self) -> Vec<Region> {
-        let Ok(pages) = self.check() else {
-            return Vec::new();
-        };
-        let pps = pages / self.slots as u64;
-        (0..self.slots as u64)
-            .map(|s| Region {
-                gpa: s * pps * PAGE_SIZE as u64,
-                pages: pps,
-                read_only: false,
-            })
-            .collect()
-    }
-    /// The hello's machine description: `vcpus u32 | bytes_per_vcpu u64 | slots u32 |
-    /// overlap u8`, little-endian.
-    pub fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(17);
-        v.extend_from_slice(&self.vcpus.to_le_bytes());
-        v.extend_from_slice(&self.bytes_per_vcpu.to_le_bytes());
-        v.extend_from_slice(&self.slots.to_le_bytes());
-        v.push(self.overlap as u8);
-        v
-    }
-    /// Reads [`Shape::encode`]'s bytes (checked with [`Shape::check`]).
-    pub fn decode(b: &[u8]) -> Result<Shape, String> {
-        if b.len() != 17 || b[16] > 1 {
-            return Err(format!(
-                "{} bytes that are not a slat benchmark guest's shape",
-                b.len()
-            ));
-        }
-        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        let mut w = [0u8; 8];
-        w.copy_from_slice(&b[4..12]);
-        let s = Shape {
-            vcpus: u32_at(0),
-            bytes_per_vcpu: u64::from_le_bytes(w),
-            slots: u32_at(12),
-            overlap: b[16] == 1,
-        };
-        s.check().map_err(|e| e.to_string())?;
-        Ok(s)
-    }
-}
-
-/// The guest workload, so the destination resumes the same one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct WorkSpec {
-    /// Percentage of accesses that write.
-    pub write_percent: u32,
-    /// Pseudo-random page order.
-    pub random: bool,
-    /// PRNG seed.
-    pub seed: u32,
-    /// Writes per second per vCPU (0: unlimited).
-    pub rate: u64,
-}
-
-/// The id of the device-state blob carrying the benchmark's workload.
-pub const WORKLOAD_STATE: &str = "slat.workload";
-
-impl WorkSpec {
-    /// As a device-state blob (version 1: `write_percent u32 | random u8 | seed u32 |
-    /// rate u64`).
-    pub fn to_blob(&self) -> StateBlob {
-        let mut data = Vec::with_capacity(17);
-        data.extend_from_slice(&self.write_percent.to_le_bytes());
-        data.push(self.random as u8);
-        data.extend_from_slice(&self.seed.to_le_bytes());
-        data.extend_from_slice(&self.rate.to_le_bytes());
-        StateBlob {
-            id: WORKLOAD_STATE.into(),
-            version: 1,
-            data,
-        }
-    }
-    /// Reads [`WorkSpec::to_blob`]'s blob.
-    pub fn from_blob(b: &StateBlob) -> Result<WorkSpec, GuestError> {
-        let bad = |why: &str| GuestError::State {
-            id: b.id.clone(),
-            version: b.version,
-            why: why.into(),
-        };
-        if b.version != 1 {
-            return Err(bad("this side reads version 1"));
-        }
-        let d = &b.data;
-        if d.len() != 17 || d[4] > 1 {
-            return Err(bad("malformed"));
-        }
-        let write_percent = u32::from_le_bytes([d[0], d[1], d[2], d[3]]);
-        if write_percent > 100 {
-            return Err(bad("a write share over 100%"));
-        }
-        let mut r = [0u8; 8];
-        r.copy_from_slice(&d[9..17]);
-        Ok(WorkSpec {
-            write_percent,
-            random: d[4] == 1,
-            seed: u32::from_le_bytes([d[5], d[6], d[7], d[8]]),
-            rate: u64::from_le_bytes(r),
-        })
-    }
-}
-
-/// A benchmark guest: a [`Guest`] with a synthetic workload.
-pub trait BenchGuest: Guest {
-    /// The machine kind.
-    fn backend(&self) -> BackendKind;
-    /// vCPUs, memory and memslots.
-    fn shape(&self) -> Shape;
-    /// The log mode harvests use.
-    fn log_mode(&self) -> LogMode;
-    /// Starts `work` on every vCPU (returns at once); [`Guest::resume`] runs it again.
-    fn start(&self, work: WorkSpec) -> Result<(), GuestError>;
-    /// Guest writes since creation (a little behind while running).
-    fn writes(&self) -> u64;
-    /// One sequential write pass over every page (maps guest memory, as a booted guest has).
-    fn populate(&self) -> Result<(), GuestError>;
-    /// This guest as a plain [`Guest`].
-    fn as_guest(self: Arc<Self>) -> Arc<dyn Guest>;
-    /// This guest as a plain [`Guest`], borrowed.
-    fn as_dyn(&self) -> &dyn Guest;
-    /// Gives vCPU `vcpu` a write rate of its own (0: the workload's), e.g. one heavy vCPU
-    /// among light ones; a machine without per-vCPU pacing ignores it.
-    fn set_vcpu_rate(&self, _vcpu: usize, _rate: u64) {}
-}
-
-/// A destination factory building machines like `spec` (its shape replaced by the one the
-/// source describes; its log mode irrelevant on a destination).
-pub fn factory(spec: GuestSpec) -> crate::Factory {
-    Box::new(move |regions: &[Region], machine: &[u8]| {
-        let shape = Shape::decode(machine).map_err(crate::error::HelloError::Machine)?;
-        if shape.regions() != regions {
-            return Err(crate::error::HelloError::Mismatch {
-                theirs: regions.to_vec(),
-                ours: shape.regions(),
-            });
-        }
-        let g = build(&GuestSpec { shape, ..spec }).map_err(crate::error::HelloError::Build)?;
-        Ok(g.as_guest())
-    })
-}
-
-/// Which machine runs the guest.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BackendKind {
-    /// The simulated machine on slat's page tables.
-    Sim,
-    /// A real guest on the host's `/dev/kvm`.
-    Kvm,
-}
-
-impl BackendKind {
-    /// The name the command line uses.
-    pub fn name(self) -> &'static str {
-        match self {
-            BackendKind::Sim => "sim",
-            BackendKind::Kvm => "kvm",
-        }
-    }
-}
-
-/// How the source harvests dirty pages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogMode {
-    /// GET_DIRTY_LOG clears and re-protects.
-    Get,
-    /// Manual protect with INITIALLY_SET: GET copies, CLEAR clears and re-protects.
-    Clear,
-    /// Per-vCPU dirty rings: collect, then reset.
-    Ring,
-}
-
-impl LogMode {
-    /// The name the command line uses.
-    pub fn name(self) -> &'static str {
-        match self {
-            LogMode::Get => "get",
-            LogMode::Clear => "clear",
-            LogMode::Ring => "ring",
-        }
-    }
-}
-
-/// What to build.
-#[derive(Debug, Clone, Copy)]
-pub struct GuestSpec {
-    /// The machine.
-    pub backend: BackendKind,
-    /// vCPUs, memory, memslots.
-    pub shape: Shape,
-    /// Host memory behind guest RAM.
-    pub backing: Backing,
-    /// The dirty log the source harvests (irrelevant on a destination).
-    pub log: LogMode,
-    /// Dirty ring entries per vCPU with [`LogMode::Ring`].
-    pub ring_entries: u32,
-    /// Engine switches (simulated machine only).
-    pub vm: VmConfig,
-    /// Second-stage page-table format (simulated machine only). Memory contents and the stream
-    /// do not depend on it, so a guest may move between formats.
-    pub stage2: bool,
-    /// Software TLB entries per vCPU (simulated machine only).
-    pub tlb_entries: usize,
-    /// Physical CPUs for the vCPUs, 0 = all (simulated machine only).
-    pub pcpus: usize,
-    /// Populate host memory at set-up.
-    pub prefault: bool,
-}
-
-impl GuestSpec {
-    /// A simulated guest of `shape` with default switches, logging in `log` mode.
-    pub fn sim(shape: Shape, log: LogMode) -> GuestSpec {
-        GuestSpec {
-            backend: BackendKind::Sim,
-            shape,
-            backing: Backing::Anonymous,
-            log,
-            ring_entries: 65536,
-            vm: VmConfig::default(),
-            stage2: false,
-            tlb_entries: slat_machine::tlb::DEFAULT_TLB_ENTRIES,
-            pcpus: 0,
-            prefault: true,
-        }
-    }
-}
-
-/// Builds the machine `spec` asks for.
-///
-/// The shape is checked first ([`Shape::check`]: vCPU and memslot counts, checked products,
-/// the guest physical address space), so a machine is only ever built — and memory only ever
-/// mapped — for a shape whose sizes add up.
-pub fn build(spec: &GuestSpec) -> Result<Arc<dyn BenchGuest>, GuestError> {
-    let s = spec.shape;
-    let pages = s.check()?;
-    let dirty = match spec.log {
-        LogMode::Get => DirtyConfig::default(),
-        LogMode::Clear => DirtyConfig {
-            manual_protect: MANUAL_PROTECT_ENABLE | INITIALLY_SET,
-            ..DirtyConfig::default()
-        },
-        LogMode::Ring => DirtyConfig {
-            ring_entries: spec.ring_entries,
-            ..DirtyConfig::default()
-        },
-    };
-    let region = RegionSpec {
-        backing: spec.backing,
-        vcpus: s.vcpus as usize,
-        bytes_per_vcpu: s.bytes_per_vcpu,
-        slots: s.slots as usize,
-        overlap: s.overlap,
-        prefault: spec.prefault,
-        dirty,
-    };
-    match spec.backend {
-        BackendKind::Sim => {
-            let config = MachineConfig {
-                vm: spec.vm,
-                region,
-                tlb_entries: spec.tlb_entries,
-                pcpus: spec.pcpus,
-                ..MachineConfig::default()
-            };
-            if spec.stage2 {
-                sim_guest::<Stage2>(config, s, pages, spec.log)
-            } else {
-                sim_guest::<Ept>(config, s, pages, spec.log)
-            }
-        }
-        BackendKind::Kvm => {
-            let m = slat_kvm::KvmMachine::new(slat_kvm::KvmConfig {
-                region,
-                ..slat_kvm::KvmConfig::default()
-            })
-            .map_err(GuestError::machine)?;
-            let l = m.layout();
-            let mapped = l.bytes_per_vcpu.checked_mul(l.vcpus as u64);
-            if mapped != Some(pages * PAGE_SIZE as u64) {
-                return Err(MemoryError::Mapped { pages, mapped }.into());
-            }
-            Ok(Arc::new(MachineGuest {
-                m: Arc::new(m),
-                shape: s,
-                log: spec.log,
-                driver: BurstDriver::default(),
-                work: Mutex::new(None),
-            }))
-        }
-    }
-}
-
-fn sim_guest<F: PteFormat>(
-    config: MachineConfig,
-    shape: Shape,
-    pages: u64,
-    log: LogMode,
-) -> Result<Arc<dyn BenchGuest>, GuestError> {
-    // `Shape::check` bounded the memory by a 48-bit space; a format with fewer bits would
-    // place the region below address 0.
-    let fits = pages < 1u64 << (F::MAX_PHYS_BITS - PAGE_SIZE.trailing_zeros());
-    if !fits {
-        return Err(ShapeError::AddressSpace {
-            pages,
-            format: F::NAME,
-            bits: F::MAX_PHYS_BITS,
-        }
-        .into());
-    }
-    let m = Machine::<F>::new(config).map_err(GuestError::machine)?;
-    // Every index is checked against `pages`; make sure the mapping really holds them.
-    if m.ram().len() < pages * PAGE_SIZE as u64 {
-        return Err(MemoryError::Mapped {
-            pages,
-            mapped: Some(m.ram().len()),
-        }
-        .into());
-    }
-    Ok(Arc::new(MachineGuest {
-        m: Arc::new(m),
-        shape,
-        log,
-        driver: PacedDriver {
-            pacer: Pacer::for_vcpus(0, shape.vcpus as usize),
-            running: AtomicBool::new(false),
-        },
-        work: Mutex::new(None),
-    }))
-}
-
 /// A machine running a migration's workload: what both machines share, over
 /// [`TestMachine`]; `D` runs the workload the way the machine can.
-struct MachineGuest<M, D: Driver<M>> {
-    m: Arc<M>,
-    shape: Shape,
-    log: LogMode,
-    driver: D,
+pub(super) struct MachineGuest<M, D: Driver<M>> {
+    pub(super) m: Arc<M>,
+    pub(super) shape: Shape,
+    pub(super) log: LogMode,
+    pub(super) driver: D,
     /// The workload `resume` runs: the last started, or the one restored from the source.
-    work: Mutex<Option<WorkSpec>>,
+    pub(super) work: Mutex<Option<WorkSpec>>,
 }
 
 /// How a guest's workload runs on machine `M`: the part of [`Guest`] the two machines do
 /// differently.
-trait Driver<M>: Send + Sync {
+pub(super) trait Driver<M>: Send + Sync {
     /// The machine kind.
     const BACKEND: BackendKind;
     /// Starts `work` on `m`'s vCPUs (returns at once).
@@ -447,7 +45,7 @@ trait Driver<M>: Send + Sync {
 }
 
 /// The controls and counters of a running migration workload.
-trait Pacing: Send + Sync {
+pub(super) trait Pacing: Send + Sync {
     /// Sets the throttle (percent of time kept out of the guest).
     fn set_throttle(&self, percent: u32);
     /// The throttle now.
@@ -537,8 +135,10 @@ where
             .into_iter()
             .map(|region| GuestRegion {
                 region,
-                // The regions start at guest-physical 0 of the test region: the offset.
-                host: host + region.gpa,
+                // The regions start at guest-physical 0 of the test region: the offset. The
+                // machine maps all of them (checked when it was built); `MemoryMap::new`
+                // checks the sum again.
+                host: Hva::new(host.wrapping_add(region.gpa.raw())),
             })
             .collect()
     }
@@ -549,10 +149,11 @@ where
         TestMachine::set_dirty_logging(&*self.m, on).map_err(GuestError::machine)
     }
     fn dirty_log(&self) -> Result<GuestHarvester, GuestError> {
-        let log = slat_snapshot::MachineLog::new(self.m.clone());
+        let log = MachineLog::new(self.m.clone());
         // `build` chose the machine's dirty configuration from `self.log`, so the log's mode
         // is that one; its slots are the test region's memslots, the regions of the map.
-        Harvester::from_source(Box::new(GuestErrors(log)) as GuestLog).map_err(GuestError::harvest)
+        Harvester::from_source(Box::new(log.map_err(GuestError::machine)) as GuestLog)
+            .map_err(GuestError::harvest)
     }
     fn pause(&self) -> Result<(), GuestError> {
         self.driver.pause(&self.m)
@@ -658,9 +259,9 @@ impl<M, D: Driver<M>> Drop for MachineGuest<M, D> {
 
 /// The simulated machine's vCPUs run the paced memstress, whose rate and throttle the host
 /// changes while it runs.
-struct PacedDriver {
-    pacer: Arc<Pacer>,
-    running: AtomicBool,
+pub(super) struct PacedDriver {
+    pub(super) pacer: Arc<Pacer>,
+    pub(super) running: AtomicBool,
 }
 
 impl<F: PteFormat> Driver<Machine<F>> for PacedDriver {
@@ -725,7 +326,7 @@ struct BurstControl {
 /// A real guest on `/dev/kvm`: the guest's code has no rate control, so a driver thread runs
 /// its writer in bursts.
 #[derive(Default)]
-struct BurstDriver {
+pub(super) struct BurstDriver {
     ctl: Arc<BurstControl>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -863,10 +464,10 @@ impl Driver<slat_kvm::KvmMachine> for BurstDriver {
     ) -> Result<(), GuestError> {
         let mut d = lock(&self.thread);
         if d.is_some() {
-            return Err(GuestError::AlreadyRunning);
+            return Err(BenchError::AlreadyRunning.into());
         }
         if work.write_percent != 100 {
-            return Err(GuestError::KvmReads);
+            return Err(BenchError::KvmReads.into());
         }
         self.ctl.rate.store(work.rate, Ordering::Relaxed);
         self.ctl.stop.store(false, Ordering::Relaxed);
@@ -877,7 +478,7 @@ impl Driver<slat_kvm::KvmMachine> for BurstDriver {
         let h = std::thread::Builder::new()
             .name("kvm-burst".into())
             .spawn(move || BurstDriver::drive(m, ctl, seed, vcpus))
-            .map_err(|e| GuestError::DriverThread(Cause::new(e)))?;
+            .map_err(|e| GuestError::from(BenchError::DriverThread(e)))?;
         *d = Some(h);
         Ok(())
     }
@@ -887,7 +488,7 @@ impl Driver<slat_kvm::KvmMachine> for BurstDriver {
         };
         self.ctl.stop.store(true, Ordering::Relaxed);
         if h.join().is_err() {
-            return Err(GuestError::DriverPanicked);
+            return Err(BenchError::DriverPanicked.into());
         }
         match lock(&self.ctl.error).take() {
             Some(e) => Err(GuestError::machine(e)),

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use slat_migrate::bench::{BackendKind, LogMode};
+use slat_harness::migrate::{BackendKind, LogMode};
 use slat_migrate::transport::{Endpoint, Listener};
 use slat_migrate::Destination;
 use std::time::Duration;

@@ -23,14 +23,14 @@
 //! `SLAT_FUZZ_CASES=N` sets the destination's cases (default 2000, about 5 s here; the
 //! decoder runs 20 times as many, about 6 s), `SLAT_FUZZ_SEED=S` replays a run: the seed is printed at the start and in every
 //! failure. A long run:
-//! `SLAT_FUZZ_CASES=20000 cargo test --release -p slat-migrate --test fuzz -- --nocapture`.
+//! `SLAT_FUZZ_CASES=20000 cargo test --release -p slat-harness --test migrate_fuzz -- --nocapture`.
 
 mod common;
 
 use common::wire::{self, ty, Payload, ValidStream};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
-use slat_migrate::bench::{self, GuestSpec, LogMode, Shape};
+use slat_harness::migrate::{self, GuestSpec, LogMode, Shape};
 use slat_migrate::guest::splitmix;
 use slat_migrate::stream::{
     check_regions, Compression, FrameReader, Msg, Region, MAX_BATCH_PAGES, MAX_STATE_BLOB,
@@ -175,7 +175,7 @@ fn record() -> ValidStream {
         slots: 2,
         overlap: false,
     };
-    let g = common::source_guest(bench::BackendKind::Sim, shape, LogMode::Clear);
+    let g = common::source_guest(migrate::BackendKind::Sim, shape, LogMode::Clear);
     let mut src = common::start_source(
         &g,
         common::work(5_000),
@@ -187,7 +187,7 @@ fn record() -> ValidStream {
     );
     let (dest_addr, dest) = common::spawn_dest(
         Destination::new(
-            common::factory(bench::BackendKind::Sim),
+            common::factory(migrate::BackendKind::Sim),
             common::dest_config(),
         ),
         1,
@@ -476,7 +476,7 @@ impl Hostile {
                             RegionList::Listed(l) => l
                                 .iter()
                                 .map(|&(gpa, pages, ro)| Region {
-                                    gpa,
+                                    gpa: slat_addr::Gpa::new(gpa),
                                     pages,
                                     read_only: ro == 1,
                                 })
@@ -487,7 +487,9 @@ impl Hostile {
                                 let pps = pages / shape.slots.max(1) as u64;
                                 (0..shape.slots.min(64) as u64)
                                     .map(|s| Region {
-                                        gpa: s.wrapping_mul(pps).wrapping_mul(4096),
+                                        gpa: slat_addr::Gpa::new(
+                                            s.wrapping_mul(pps).wrapping_mul(4096),
+                                        ),
                                         pages: pps,
                                         read_only: false,
                                     })
@@ -927,7 +929,7 @@ fn decoder_reads_noise_without_panicking() {
 
 /// A factory that fails the case if asked for a machine the destination should have refused.
 fn guarded_factory(asked: Arc<Mutex<Vec<Vec<Region>>>>) -> slat_migrate::Factory {
-    let mut inner = bench::factory(GuestSpec {
+    let mut inner = migrate::factory(GuestSpec {
         prefault: false,
         ..GuestSpec::sim(common::shape(1), LogMode::Get)
     });

@@ -7,7 +7,7 @@ mod common;
 
 use common::wire::{self, ty, Payload};
 use common::{dest_config, spawn_dest};
-use slat_migrate::bench::{self, GuestSpec, LogMode, Shape};
+use slat_harness::migrate::{self, GuestSpec, LogMode, Shape};
 use slat_migrate::stream::{self, BatchBuilder, Compression, FrameReader, Msg, Region};
 use slat_migrate::{DestConfig, Destination, Memory, MigrateError};
 use std::sync::{Arc, Mutex};
@@ -20,7 +20,7 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 fn recording_factory() -> (slat_migrate::Factory, Arc<Mutex<Vec<Vec<Region>>>>) {
     let asked = Arc::new(Mutex::new(Vec::new()));
     let a = asked.clone();
-    let mut inner = bench::factory(GuestSpec::sim(small(), LogMode::Get));
+    let mut inner = migrate::factory(GuestSpec::sim(small(), LogMode::Get));
     let f: slat_migrate::Factory = Box::new(move |r: &[Region], m: &[u8]| {
         a.lock().unwrap().push(r.to_vec());
         inner(r, m)
@@ -67,7 +67,7 @@ fn hello_frame(regions: &[Region], machine: &[u8]) -> Vec<u8> {
 
 fn rw(gpa: u64, pages: u64) -> Region {
     Region {
-        gpa,
+        gpa: slat_addr::Gpa::new(gpa),
         pages,
         read_only: false,
     }
@@ -253,7 +253,7 @@ fn each_range_is_hashed_once() {
 /// Guest memory addressed past its end is an error, not a panic.
 #[test]
 fn guest_memory_out_of_range_is_an_error() {
-    let g = bench::build(&GuestSpec::sim(small(), LogMode::Get)).unwrap();
+    let g = migrate::build(&GuestSpec::sim(small(), LogMode::Get)).unwrap();
     let mem = Memory::new(g.as_dyn()).unwrap();
     let pages = mem.pages();
     let page = vec![1u8; 4096];
@@ -324,7 +324,7 @@ fn a_hostile_refusal_reaches_the_source_as_one_line() {
             .frame(ty::REFUSE);
         std::io::Write::write_all(&mut s, &f).unwrap();
     });
-    let g = common::source_guest(bench::BackendKind::Sim, small(), LogMode::Get);
+    let g = common::source_guest(migrate::BackendKind::Sim, small(), LogMode::Get);
     let mut src = common::start_source(&g, common::work(1000), common::source_config());
     let e = src.migrate(&addr, &mut |_| {}).unwrap_err().to_string();
     peer.join().unwrap();
@@ -377,7 +377,7 @@ fn a_trickling_source_times_out_within_the_frame_deadline() {
 /// the vCPUs run is refused rather than returning a torn snapshot.
 #[test]
 fn whole_range_reads_are_copies_and_need_stopped_vcpus() {
-    let g = bench::build(&GuestSpec::sim(small(), LogMode::Get)).unwrap();
+    let g = migrate::build(&GuestSpec::sim(small(), LogMode::Get)).unwrap();
     let mem = Memory::new(g.as_dyn()).unwrap();
     mem.stopped_write_page(0, &[7u8; 4096]).unwrap();
     let before = mem.stopped_range(0, 2).unwrap();
@@ -390,7 +390,7 @@ fn whole_range_reads_are_copies_and_need_stopped_vcpus() {
     );
     mem.stopped_read(0, 1, &mut buf).unwrap();
     assert!(buf.iter().all(|&b| b == 9));
-    let work = bench::WorkSpec {
+    let work = migrate::WorkSpec {
         write_percent: 100,
         random: true,
         seed: 3,

@@ -8,7 +8,7 @@
 mod common;
 
 use common::*;
-use slat_migrate::bench::{BackendKind, BenchGuest, LogMode};
+use slat_harness::migrate::{BackendKind, BenchGuest, LogMode};
 use slat_migrate::guest::splitmix;
 use slat_migrate::stream::{self, FrameReader, Msg};
 use slat_migrate::verify::VerifyMode;

@@ -4,10 +4,11 @@
 //! Incremental (child) snapshots on both machines, every log mode: reset to the child and back
 //! to the base, byte-exact.
 
-use slat_machine::dirty_oracle::LogMode;
+use slat_addr::PAGE_SIZE;
+use slat_harness::MachineSnapshot;
 use slat_machine::{Machine, MachineConfig};
-use slat_snapshot::MachineSnapshot;
-use slat_workload::{GuestRam, PassParams, Pattern, RegionSpec, TestMachine, PAGE_SIZE};
+use slat_workload::dirty_oracle::LogMode;
+use slat_workload::{GuestRam, PassParams, Pattern, RegionSpec, TestMachine};
 
 const VCPUS: usize = 4;
 const BYTES_PER_VCPU: u64 = 256 * PAGE_SIZE;
@@ -172,7 +173,7 @@ fn the_ram_must_hold_the_test_region() {
     let r = unsafe { MachineSnapshot::take(&m, &other) };
     assert!(matches!(
         r,
-        Err(slat_snapshot::ResetError::NotTheMachinesRam { .. })
+        Err(slat_harness::ResetError::NotTheMachinesRam { .. })
     ));
 }
 

@@ -5,7 +5,7 @@
 //! Written from the format's description in `stream.rs`, not from its code: a frame is
 //! `type u8 | length u32 | payload crc32 u32 | header crc32 u32 | payload`, little-endian.
 
-use slat_migrate::bench::Shape;
+use slat_harness::migrate::Shape;
 use slat_migrate::stream::{self, BatchBuilder, Compression, Hello, Msg, Region};
 use slat_migrate::verify::{self, RANGE_PAGES};
 use std::io::{Read, Write};
@@ -111,7 +111,7 @@ pub fn hello_payload(
         .u8(one_way as u8)
         .u32(regions.len() as u32);
     for r in regions {
-        p = p.u64(r.gpa).u64(r.pages).u8(r.read_only as u8);
+        p = p.u64(r.gpa.raw()).u64(r.pages).u8(r.read_only as u8);
     }
     p.u32(machine.len() as u32)
         .bytes(machine)
@@ -128,7 +128,7 @@ pub fn shape_regions(shape: &Shape) -> Vec<Region> {
     let pps = pages / shape.slots as u64;
     (0..shape.slots as u64)
         .map(|s| Region {
-            gpa: s * pps * 4096,
+            gpa: slat_addr::Gpa::new(s * pps * 4096),
             pages: pps,
             read_only: false,
         })

@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use slat_migrate::bench::{BackendKind, LogMode};
+use slat_harness::migrate::{BackendKind, LogMode};
 use std::time::Duration;
 
 fn kvm_unavailable() -> bool {

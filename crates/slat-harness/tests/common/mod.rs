@@ -4,9 +4,7 @@
 
 pub mod wire;
 
-pub mod soft;
-
-use slat_migrate::bench::{self, BackendKind, BenchGuest, GuestSpec, LogMode, Shape, WorkSpec};
+use slat_harness::migrate::{self, BackendKind, BenchGuest, GuestSpec, LogMode, Shape, WorkSpec};
 use slat_migrate::{
     DestConfig, DestReport, Destination, Guest, Memory, MigrateError, Source, SourceConfig,
 };
@@ -31,7 +29,7 @@ pub fn source_guest(backend: BackendKind, shape: Shape, log: LogMode) -> Arc<dyn
         backend,
         ..GuestSpec::sim(shape, log)
     };
-    let g = bench::build(&spec).expect("build the source guest");
+    let g = migrate::build(&spec).expect("build the source guest");
     g.populate().expect("populate");
     Memory::new(g.as_dyn())
         .expect("memory map")
@@ -68,7 +66,7 @@ pub fn source_config() -> SourceConfig {
 
 /// A factory building destination machines on `backend`.
 pub fn factory(backend: BackendKind) -> slat_migrate::Factory {
-    bench::factory(GuestSpec {
+    migrate::factory(GuestSpec {
         backend,
         ..GuestSpec::sim(shape(1), LogMode::Get)
     })

@@ -1,9 +1,11 @@
-//! [`MachineLog`]: the dirty log of any [`TestMachine`] as a [`DirtyLogSource`], so slat's
-//! benchmark machines (simulated and KVM) are harvested by the same transactional
+//! [`MachineLog`]: a [`TestMachine`] owned (`Arc<M>`) or borrowed, with its dirty log
+//! ([`TestMachine::dirty_log`], a [`DirtyLogSource`]) timed: reports split reading the log
+//! from re-arming it. Both benchmark machines are harvested by the same transactional
 //! [`Harvester`] a VMM uses on its own VM.
 
+use slat_addr::PageIndex;
 use slat_dirty::{DirtyLogSource, Harvester, LogMode, SlotInfo};
-use slat_workload::{TestMachine, WorkloadError};
+use slat_workload::TestMachine;
 use std::cell::Cell;
 use std::ops::Deref;
 use std::time::{Duration, Instant};
@@ -44,22 +46,9 @@ where
 {
     /// The log of `machine`'s test region, in the mode the machine was built with.
     pub fn new(machine: R) -> Self {
-        let pages = machine.pages_per_slot();
-        let slots = machine
-            .test_slots()
-            .map(|id| SlotInfo { id, pages })
-            .collect();
-        let d = machine.dirty_config();
-        let mode = if d.ring_entries != 0 {
-            LogMode::Ring
-        } else if d.manual_protect != 0 {
-            // One CLEAR per slot: a chunk of the whole slot (KVM accepts a chunk that ends at
-            // the slot's end whatever its length).
-            LogMode::ManualProtect {
-                chunk_pages: pages.div_ceil(64).max(1) * 64,
-            }
-        } else {
-            LogMode::Get
+        let (slots, mode) = {
+            let log = machine.dirty_log();
+            (log.slots(), log.mode())
         };
         MachineLog {
             machine,
@@ -87,18 +76,6 @@ where
             rearm: self.rearm.take(),
         }
     }
-
-    /// Memslot id of tracked slot `i`, or a refusal.
-    fn id(&self, i: usize) -> Result<u32, <R::Target as TestMachine>::Error> {
-        match self.slots.get(i) {
-            Some(s) => Ok(s.id),
-            None => Err(WorkloadError::Config(format!(
-                "slot index {i}: the test region has {} memslots",
-                self.slots.len()
-            ))
-            .into()),
-        }
-    }
 }
 
 /// Runs `f`, adding its time to `into`.
@@ -122,33 +99,35 @@ where
         self.mode
     }
     fn get_log(&mut self, slot: usize, bitmap: &mut [u64]) -> Result<(), Self::Error> {
-        let id = self.id(slot)?;
-        timed(&self.read, || self.machine.get_dirty_log(id, bitmap))
+        timed(&self.read, || {
+            self.machine.dirty_log().get_log(slot, bitmap)
+        })
     }
     fn clear_log(
         &mut self,
         slot: usize,
-        first_page: u64,
+        first: PageIndex,
         pages: u64,
         bitmap: &[u64],
     ) -> Result<(), Self::Error> {
-        let id = self.id(slot)?;
         timed(&self.rearm, || {
-            self.machine.clear_dirty_log(id, first_page, pages, bitmap)
+            self.machine
+                .dirty_log()
+                .clear_log(slot, first, pages, bitmap)
         })
     }
-    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, Self::Error> {
-        Ok(timed(&self.read, || self.machine.collect_dirty_rings(f)))
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, Self::Error> {
+        timed(&self.read, || self.machine.dirty_log().collect_ring(f))
     }
     fn collect_ring_by_vcpu(
         &mut self,
-        f: &mut dyn FnMut(Option<usize>, u32, u64),
+        f: &mut dyn FnMut(Option<usize>, u32, PageIndex),
     ) -> Result<u64, Self::Error> {
-        Ok(timed(&self.read, || {
-            self.machine.collect_dirty_rings_by_vcpu(f)
-        }))
+        timed(&self.read, || {
+            self.machine.dirty_log().collect_ring_by_vcpu(f)
+        })
     }
     fn reset_rings(&mut self) -> Result<u64, Self::Error> {
-        timed(&self.rearm, || self.machine.reset_dirty_rings())
+        timed(&self.rearm, || self.machine.dirty_log().reset_rings())
     }
 }

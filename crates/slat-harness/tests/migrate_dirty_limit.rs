@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use slat_dirty::Harvester;
-use slat_migrate::bench::{BackendKind, LogMode, WorkSpec};
+use slat_harness::migrate::{BackendKind, LogMode, WorkSpec};
 use slat_migrate::dirty_limit::{DirtyLimitConfig, DirtyLimiter, RingCounts, RingMeter};
 use slat_migrate::{GuestLog, MigrateError};
 use std::sync::Arc;

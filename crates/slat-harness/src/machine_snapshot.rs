@@ -1,10 +1,11 @@
 //! [`MachineSnapshot`]: one snapshot-and-reset driver over any [`TestMachine`].
 
 use crate::machine_log::{LogTimes, MachineHarvester, MachineLog};
+use slat_addr::PAGE_SIZE;
 use slat_dirty::snapshot::{
     ChildSnapshot, DirtyPages, GuestRegion, ResetStats, Snapshot, SnapshotError,
 };
-use slat_workload::{GuestRam, TestMachine, PAGE_SIZE};
+use slat_workload::{GuestRam, TestMachine};
 use std::time::{Duration, Instant};
 
 /// Why a snapshot or a reset of a machine failed.
@@ -236,7 +237,7 @@ impl<'m, M: TestMachine + ?Sized> MachineSnapshot<'m, M> {
 fn add_all(to: &mut DirtyPages, from: &DirtyPages, regions: usize) -> Result<(), SnapshotError> {
     for region in 0..regions {
         for &p in from.pages(region) {
-            to.add_page(region, p)?;
+            to.add_page(region, slat_addr::PageIndex::new(p))?;
         }
     }
     Ok(())

@@ -4,11 +4,13 @@
 //! the last commit (the memstress model says which), on the simulated machine and on KVM,
 //! with several vCPUs, in all three log modes.
 
+use slat_addr::PageIndex;
+use slat_addr::PAGE_SIZE;
 use slat_dirty::{DirtyLogSource, DirtySet, Harvester, LogMode as Mode, SlotInfo};
-use slat_machine::dirty_oracle::LogMode;
+use slat_harness::MachineLog;
 use slat_machine::{Machine, MachineConfig};
-use slat_snapshot::MachineLog;
-use slat_workload::{PassParams, Pattern, RegionSpec, TestMachine, PAGE_SIZE};
+use slat_workload::dirty_oracle::LogMode;
+use slat_workload::{PassParams, Pattern, RegionSpec, TestMachine};
 use std::cell::Cell;
 use std::collections::BTreeSet;
 use std::rc::Rc;
@@ -81,13 +83,13 @@ impl<S: DirtyLogSource> DirtyLogSource for Flaky<S> {
     fn clear_log(
         &mut self,
         slot: usize,
-        first: u64,
+        first: PageIndex,
         pages: u64,
         bitmap: &[u64],
     ) -> Result<(), Self::Error> {
         self.call(|s| s.clear_log(slot, first, pages, bitmap))
     }
-    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, u64)) -> Result<u64, Self::Error> {
+    fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, Self::Error> {
         self.call(|s| s.collect_ring(f))
     }
     fn reset_rings(&mut self) -> Result<u64, Self::Error> {
@@ -223,11 +225,16 @@ fn partial_commit_then_abort<M: TestMachine>(m: &M) {
     assert_eq!(all, written(m, pass(7)));
     let committed: BTreeSet<Page> = all.iter().copied().step_by(2).collect();
     for &(i, p) in &committed {
-        set.commit_pages(i, p, 1).expect("commit_pages");
+        set.commit_pages(i, PageIndex::new(p), 1)
+            .expect("commit_pages");
     }
-    assert!(set.commit_pages(SLOTS, 0, 1).is_err(), "no such slot");
     assert!(
-        set.commit_pages(0, m.pages_per_slot(), 1).is_err(),
+        set.commit_pages(SLOTS, PageIndex::ZERO, 1).is_err(),
+        "no such slot"
+    );
+    assert!(
+        set.commit_pages(0, PageIndex::new(m.pages_per_slot()), 1)
+            .is_err(),
         "past the slot"
     );
     set.abort();

@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use slat_migrate::bench::{BackendKind, LogMode};
+use slat_harness::migrate::{BackendKind, LogMode};
 use slat_migrate::{DestConfig, Destination};
 use std::time::Duration;
 
