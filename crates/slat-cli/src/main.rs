@@ -8,6 +8,7 @@ mod demand_paging;
 mod dirty_log_perf;
 mod dirty_log_test;
 mod dirty_rate;
+mod driver;
 mod error;
 mod harvest;
 mod host;
@@ -132,8 +133,8 @@ fn main() {
         }
     }
     let r = match &cli.command {
-        Command::DemandPaging(a) => demand_paging::run(a),
-        Command::DirtyLogPerf(a) => dirty_log_perf::run(a),
+        Command::DemandPaging(a) => driver::run(a),
+        Command::DirtyLogPerf(a) => driver::run(a),
         Command::DirtyLogTest(a) => dirty_log_test::run(a),
         Command::AccessTrackingPerf(a) => access_tracking_perf::run(a),
         Command::PageTableTest(a) => page_table_test::run(a),

@@ -1466,7 +1466,7 @@ fn sweep(a: &MigratePerfArgs) -> CliResult {
     crate::sweep::check_distinct_names(&names).map_err(CliError::bad)?;
     // Every combination, the first key outermost.
     let axes: Vec<&[MigSetting]> = a.vary.iter().map(|(_, v)| &v[..]).collect();
-    let combos = crate::sweep::cross(&axes);
+    let combos = crate::driver::vary::cross(&axes);
     let runs = sweep_rows(a, &combos)?;
     let q = quiet(a.out.json);
     let mut rows = Vec::new();
@@ -1853,6 +1853,7 @@ fn plot_convergence(r: &MigrationReport, path: &std::path::Path) -> CliResult {
                     .iter()
                     .map(|p| (x(p), Some(p.pages as f64)))
                     .collect(),
+                band: Vec::new(),
             },
             Series {
                 name: "pages owed after the round (dirtied while it ran)".into(),
@@ -1861,6 +1862,7 @@ fn plot_convergence(r: &MigrationReport, path: &std::path::Path) -> CliResult {
                     .iter()
                     .map(|p| (x(p), Some(p.dirtied as f64)))
                     .collect(),
+                band: Vec::new(),
             },
         ],
         x_names: Some(r.rounds.iter().map(|p| p.round.to_string()).collect()),
@@ -1876,6 +1878,7 @@ fn plot_convergence(r: &MigrationReport, path: &std::path::Path) -> CliResult {
                 .iter()
                 .map(|p| (x(p), Some(p.throttle as f64)))
                 .collect(),
+            band: Vec::new(),
         }],
         x_names: Some(r.rounds.iter().map(|p| p.round.to_string()).collect()),
     };
@@ -1895,6 +1898,7 @@ fn plot_sweep(
             .enumerate()
             .map(|(i, (_, r))| (i as f64, r.as_ref().map(|r| f(r).as_secs_f64() * 1e3)))
             .collect(),
+        band: Vec::new(),
     };
     Chart {
         title: "migrate-perf --vary: one migration per row".into(),

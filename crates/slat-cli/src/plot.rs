@@ -1,4 +1,6 @@
-//! `--plot FILE.svg`: line charts of a run's figures, drawn with plotters' SVG backend.
+//! `--plot FILE.svg`: line charts of a run's figures (with `--repeat`, the median and a band
+//! from the minimum to the maximum) and bar charts of a sweep's or a comparison's figures
+//! (with min-max error bars), drawn with plotters' SVG backend.
 
 use crate::error::{CliError, CliResult};
 use plotters::prelude::*;
@@ -10,6 +12,8 @@ pub struct Series {
     pub name: String,
     /// (x, y) points, in x order; a `None` y leaves a gap (the point is skipped).
     pub points: Vec<(f64, Option<f64>)>,
+    /// (x, min, max) of every point over `--repeat` runs: drawn as a band (empty: one run).
+    pub band: Vec<(f64, f64, f64)>,
 }
 
 /// A chart: title, axis descriptions, the lines, and optional names for integer x positions
@@ -85,7 +89,8 @@ impl Chart<'_> {
                 .flat_map(|s| s.points.iter().filter_map(|&(x, y)| y.map(|y| (x, y))))
         };
         let (x0, x1) = span(points().map(|p| p.0));
-        let (_, y1) = span(points().map(|p| p.1));
+        let highs = self.series.iter().flat_map(|s| s.band.iter().map(|b| b.2));
+        let (_, y1) = span(points().map(|p| p.1).chain(highs));
         let (x0, x1) = if self.x_names.is_some() {
             (x0 - 0.5, x1 + 0.5)
         } else {
@@ -123,6 +128,13 @@ impl Chart<'_> {
             .map_err(|e| plot_err(path, e))?;
         for (i, s) in self.series.iter().enumerate() {
             let color = COLORS[i % COLORS.len()];
+            if s.band.len() > 1 {
+                let mut edge: Vec<(f64, f64)> = s.band.iter().map(|b| (b.0, b.2)).collect();
+                edge.extend(s.band.iter().rev().map(|b| (b.0, b.1)));
+                chart
+                    .draw_series(std::iter::once(Polygon::new(edge, color.mix(0.2).filled())))
+                    .map_err(|e| plot_err(path, e))?;
+            }
             let pts: Vec<(f64, f64)> = s
                 .points
                 .iter()
@@ -145,5 +157,102 @@ impl Chart<'_> {
             .draw()
             .map_err(|e| plot_err(path, e))?;
         Ok(())
+    }
+}
+
+/// One series of bars: its legend and, per group, (median, min, max).
+pub struct Bars {
+    /// Legend text.
+    pub name: String,
+    /// One per group; `None` leaves the slot empty.
+    pub values: Vec<Option<(f64, f64, f64)>>,
+}
+
+/// A grouped bar chart: one group per x label, one bar per series in each, error bars from
+/// the minimum to the maximum.
+pub struct BarChart<'a> {
+    /// Caption above the plot.
+    pub title: String,
+    /// What the groups are.
+    pub x_desc: &'a str,
+    /// What y is.
+    pub y_desc: String,
+    /// The groups' labels.
+    pub groups: Vec<String>,
+    /// The series.
+    pub bars: Vec<Bars>,
+}
+
+impl BarChart<'_> {
+    /// Draws the chart into `path`.
+    pub fn draw(&self, path: &Path) -> CliResult {
+        let n = self.groups.len().max(1);
+        let rows = self.groups.iter().map(|g| g.len() / 28 + 1).max().unwrap_or(1);
+        let root = SVGBackend::new(path, (1000, 460 + 16 * rows as u32)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| plot_err(path, e))?;
+        let top = self
+            .bars
+            .iter()
+            .flat_map(|b| b.values.iter().flatten().map(|v| v.2))
+            .fold(0.0f64, f64::max);
+        let top = if top > 0.0 { top } else { 1.0 };
+        let mut chart = ChartBuilder::on(&root)
+            .caption(&self.title, ("sans-serif", 20))
+            .margin(16)
+            .x_label_area_size(40 + 16 * rows as u32)
+            .y_label_area_size(80)
+            .build_cartesian_2d(-0.5..n as f64 - 0.5, 0.0..top * (1.15 + 0.08 * self.bars.len() as f64))
+            .map_err(|e| plot_err(path, e))?;
+        let names = self.groups.clone();
+        let x_fmt = move |x: &f64| {
+            let i = x.round();
+            if (x - i).abs() < 1e-6 && i >= 0.0 {
+                names.get(i as usize).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        };
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_desc(self.x_desc)
+            .y_desc(&self.y_desc)
+            .x_labels(n * 2 + 1)
+            .x_label_formatter(&x_fmt)
+            .draw()
+            .map_err(|e| plot_err(path, e))?;
+        let width = 0.8 / self.bars.len().max(1) as f64;
+        for (i, b) in self.bars.iter().enumerate() {
+            let color = COLORS[i % COLORS.len()];
+            let at = |g: usize| g as f64 - 0.4 + width * (i as f64 + 0.5);
+            let rects = b.values.iter().enumerate().filter_map(|(g, v)| {
+                v.map(|(m, _, _)| {
+                    let x = at(g);
+                    Rectangle::new([(x - width * 0.45, 0.0), (x + width * 0.45, m)], color.filled())
+                })
+            });
+            chart
+                .draw_series(rects)
+                .map_err(|e| plot_err(path, e))?
+                .label(b.name.clone())
+                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled()));
+            let whiskers = b.values.iter().enumerate().filter_map(|(g, v)| {
+                let (_, lo, hi) = (*v)?;
+                let (x, cap) = (at(g), width * 0.15);
+                Some(PathElement::new(
+                    vec![(x - cap, lo), (x + cap, lo), (x, lo), (x, hi), (x - cap, hi), (x + cap, hi)],
+                    BLACK.stroke_width(1),
+                ))
+            });
+            chart.draw_series(whiskers).map_err(|e| plot_err(path, e))?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| plot_err(path, e))?;
+        root.present().map_err(|e| plot_err(path, e))
     }
 }

@@ -181,7 +181,7 @@ pub fn run(a: &SnapshotPerfArgs) -> CliResult {
     let names: Vec<&'static str> = keys.iter().map(|k| k.name()).collect();
     crate::sweep::check_distinct_names(&names).map_err(CliError::bad)?;
     let axes: Vec<&[SnapSetting]> = a.vary.iter().map(|(_, v)| &v[..]).collect();
-    let combos = crate::sweep::cross(&axes);
+    let combos = crate::driver::vary::cross(&axes);
     let runs = rows(a, &combos)?;
     let q = quiet(a.out.json);
     let mut table = Vec::new();
