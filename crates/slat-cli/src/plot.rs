@@ -160,48 +160,52 @@ impl Chart<'_> {
     }
 }
 
-/// One series of bars: its legend and, per group, (median, min, max).
-pub struct Bars {
-    /// Legend text.
-    pub name: String,
-    /// One per group; `None` leaves the slot empty.
-    pub values: Vec<Option<(f64, f64, f64)>>,
-}
-
-/// A grouped bar chart: one group per x label, one bar per series in each, error bars from
-/// the minimum to the maximum.
-pub struct BarChart<'a> {
-    /// Caption above the plot.
+/// One panel of a bar chart: one metric, a bar per group (a `--vary` row, a machine, a run),
+/// each the median with an error bar from the minimum to the maximum.
+pub struct BarPanel {
+    /// Caption above the panel.
     pub title: String,
     /// What the groups are.
-    pub x_desc: &'a str,
+    pub x_desc: String,
     /// What y is.
     pub y_desc: String,
     /// The groups' labels.
     pub groups: Vec<String>,
-    /// The series.
-    pub bars: Vec<Bars>,
+    /// (median, min, max) per group; `None` leaves the slot empty.
+    pub values: Vec<Option<(f64, f64, f64)>>,
 }
 
-impl BarChart<'_> {
-    /// Draws the chart into `path`.
-    pub fn draw(&self, path: &Path) -> CliResult {
+/// Draws `panels` one above the other into `path`.
+pub fn draw_bars(panels: &[BarPanel], path: &Path) -> CliResult {
+    let rows = |p: &BarPanel| p.groups.iter().map(|g| g.len() / 30 + 1).max().unwrap_or(1);
+    let height: u32 = panels.iter().map(|p| 380 + 16 * rows(p) as u32).sum();
+    let root = SVGBackend::new(path, (1000, height.max(380))).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| plot_err(path, e))?;
+    let mut rest = root.clone();
+    for p in panels {
+        let (area, below) = rest.split_vertically(380 + 16 * rows(p) as u32);
+        p.draw_on(&area, rows(p) as u32, path)?;
+        rest = below;
+    }
+    root.present().map_err(|e| plot_err(path, e))
+}
+
+impl BarPanel {
+    fn draw_on(
+        &self,
+        root: &DrawingArea<SVGBackend, plotters::coord::Shift>,
+        rows: u32,
+        path: &Path,
+    ) -> CliResult {
         let n = self.groups.len().max(1);
-        let rows = self.groups.iter().map(|g| g.len() / 28 + 1).max().unwrap_or(1);
-        let root = SVGBackend::new(path, (1000, 460 + 16 * rows as u32)).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| plot_err(path, e))?;
-        let top = self
-            .bars
-            .iter()
-            .flat_map(|b| b.values.iter().flatten().map(|v| v.2))
-            .fold(0.0f64, f64::max);
-        let top = if top > 0.0 { top } else { 1.0 };
-        let mut chart = ChartBuilder::on(&root)
+        let top = self.values.iter().flatten().map(|v| v.2).fold(0.0f64, f64::max);
+        let top = if top > 0.0 { top * 1.15 } else { 1.0 };
+        let mut chart = ChartBuilder::on(root)
             .caption(&self.title, ("sans-serif", 20))
             .margin(16)
-            .x_label_area_size(40 + 16 * rows as u32)
+            .x_label_area_size(40 + 16 * rows)
             .y_label_area_size(80)
-            .build_cartesian_2d(-0.5..n as f64 - 0.5, 0.0..top * (1.15 + 0.08 * self.bars.len() as f64))
+            .build_cartesian_2d(-0.5..n as f64 - 0.5, 0.0..top)
             .map_err(|e| plot_err(path, e))?;
         let names = self.groups.clone();
         let x_fmt = move |x: &f64| {
@@ -215,44 +219,27 @@ impl BarChart<'_> {
         chart
             .configure_mesh()
             .disable_x_mesh()
-            .x_desc(self.x_desc)
+            .x_desc(&self.x_desc)
             .y_desc(&self.y_desc)
             .x_labels(n * 2 + 1)
             .x_label_formatter(&x_fmt)
             .draw()
             .map_err(|e| plot_err(path, e))?;
-        let width = 0.8 / self.bars.len().max(1) as f64;
-        for (i, b) in self.bars.iter().enumerate() {
-            let color = COLORS[i % COLORS.len()];
-            let at = |g: usize| g as f64 - 0.4 + width * (i as f64 + 0.5);
-            let rects = b.values.iter().enumerate().filter_map(|(g, v)| {
-                v.map(|(m, _, _)| {
-                    let x = at(g);
-                    Rectangle::new([(x - width * 0.45, 0.0), (x + width * 0.45, m)], color.filled())
-                })
-            });
-            chart
-                .draw_series(rects)
-                .map_err(|e| plot_err(path, e))?
-                .label(b.name.clone())
-                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled()));
-            let whiskers = b.values.iter().enumerate().filter_map(|(g, v)| {
-                let (_, lo, hi) = (*v)?;
-                let (x, cap) = (at(g), width * 0.15);
-                Some(PathElement::new(
-                    vec![(x - cap, lo), (x + cap, lo), (x, lo), (x, hi), (x - cap, hi), (x + cap, hi)],
-                    BLACK.stroke_width(1),
-                ))
-            });
-            chart.draw_series(whiskers).map_err(|e| plot_err(path, e))?;
-        }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()
-            .map_err(|e| plot_err(path, e))?;
-        root.present().map_err(|e| plot_err(path, e))
+        let bars = self.values.iter().enumerate().filter_map(|(g, v)| {
+            let (m, _, _) = (*v)?;
+            let color = COLORS[g % COLORS.len()];
+            Some(Rectangle::new([(g as f64 - 0.3, 0.0), (g as f64 + 0.3, m)], color.filled()))
+        });
+        chart.draw_series(bars).map_err(|e| plot_err(path, e))?;
+        let whiskers = self.values.iter().enumerate().filter_map(|(g, v)| {
+            let (_, lo, hi) = (*v)?;
+            let (x, cap) = (g as f64, 0.08);
+            Some(PathElement::new(
+                vec![(x - cap, lo), (x + cap, lo), (x, lo), (x, hi), (x - cap, hi), (x + cap, hi)],
+                BLACK.stroke_width(2),
+            ))
+        });
+        chart.draw_series(whiskers).map_err(|e| plot_err(path, e))?;
+        Ok(())
     }
 }

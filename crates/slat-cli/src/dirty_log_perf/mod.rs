@@ -370,6 +370,13 @@ impl Benchmark for DirtyLogPerfArgs {
         print_text(r)
     }
 
+    fn headline(&self) -> Vec<&'static str> {
+        if self.concurrent {
+            return vec!["harvest avg, vCPUs writing", "write p99, during harvests"];
+        }
+        vec!["iteration 2 dirty memory", "get dirty log avg"]
+    }
+
     fn lines(&self, r: &Report) -> Vec<Lines<Report>> {
         vec![lines(r)]
     }

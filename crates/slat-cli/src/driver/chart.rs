@@ -5,8 +5,8 @@
 
 use super::Benchmark;
 use crate::error::CliResult;
-use crate::output::{summarize, Metric};
-use crate::plot::{draw_stacked, BarChart, Bars, Chart, Series};
+use crate::output::{summarize, Better, Metric};
+use crate::plot::{draw_bars, draw_stacked, BarPanel, Chart, Series};
 use std::path::Path;
 
 /// A benchmark's line chart of one run: its title and axes, and for each line a function
@@ -56,11 +56,11 @@ fn series<R>(name: &str, f: &SeriesOf<R>, runs: &[R]) -> Series {
             band.extend(s.map(|(_, lo, hi)| (x, lo, hi)));
         }
     }
-    let name = match runs.len() {
-        1 => name.to_string(),
-        n => format!("{name}: median, band min-max of {n} runs"),
-    };
-    Series { name, points, band }
+    Series {
+        name: name.to_string(),
+        points,
+        band,
+    }
 }
 
 /// `--plot` of one configuration's runs: its lines, or bars of its metrics.
@@ -82,7 +82,7 @@ pub fn runs<B: Benchmark>(
         .map(|l| Chart {
             title: match runs.len() {
                 1 => l.title.clone(),
-                n => format!("{} (median of {n} runs)", l.title),
+                n => format!("{} (median of {n} runs; band: min to max)", l.title),
             },
             x_desc: l.x_desc,
             y_desc: l.y_desc,
@@ -93,51 +93,48 @@ pub fn runs<B: Benchmark>(
     draw_stacked(&charts, path)
 }
 
-/// Bars of the metrics that share the first metric's unit, one group per `(label, runs)`.
+/// Bars of the benchmark's headline metrics, a panel each, one bar per `(label, runs)`
+/// group: the median, with error bars from the minimum to the maximum.
 pub fn bars<B: Benchmark>(
-    _b: &B,
+    b: &B,
     groups: &[(String, &[B::Report])],
     metrics: &[Metric<B::Report>],
     x_desc: &str,
     path: &Path,
 ) -> CliResult {
-    let Some(unit) = metrics.first().map(|m| m.unit) else {
-        return Ok(());
-    };
-    let (scale, shown) = match unit {
-        "s" => (1e3, "ms"),
-        u => (1.0, u),
-    };
-    let same: Vec<&Metric<B::Report>> = metrics.iter().filter(|m| m.unit == unit).collect();
-    let better = if same.iter().all(|m| m.better == crate::output::Better::Higher) {
-        "higher"
-    } else {
-        "lower"
-    };
+    let heads = b.headline();
     let reps = groups.iter().map(|g| g.1.len()).max().unwrap_or(1);
-    let bars = same
-        .iter()
-        .map(|m| Bars {
-            name: m.name.to_string(),
-            values: groups
-                .iter()
-                .map(|(_, runs)| {
-                    let s = summarize(m, runs);
-                    Some((s.median? * scale, s.min? * scale, s.max? * scale))
-                })
-                .collect(),
-        })
-        .collect();
     let of = match reps {
         1 => String::from("one run each"),
-        n => format!("median of {n} runs, error bars min-max"),
+        n => format!("median of {n} runs, error bars min to max"),
     };
-    BarChart {
-        title: format!("{}: {of}", B::NAME),
-        x_desc,
-        y_desc: format!("{shown} ({better} is better)"),
-        groups: groups.iter().map(|g| g.0.clone()).collect(),
-        bars,
-    }
-    .draw(path)
+    let panels: Vec<BarPanel> = metrics
+        .iter()
+        .filter(|m| heads.contains(&m.name))
+        .map(|m| {
+            let (scale, unit) = match m.unit {
+                "s" => (1e3, "ms"),
+                "x" => (1.0, "guest/native"),
+                u => (1.0, u),
+            };
+            let better = match m.better {
+                Better::Lower => "lower",
+                Better::Higher => "higher",
+            };
+            BarPanel {
+                title: format!("{}: {} ({of})", B::NAME, m.name),
+                x_desc: x_desc.to_string(),
+                y_desc: format!("{unit} ({better} is better)"),
+                groups: groups.iter().map(|g| g.0.clone()).collect(),
+                values: groups
+                    .iter()
+                    .map(|(_, runs)| {
+                        let s = summarize(m, runs);
+                        Some((s.median? * scale, s.min? * scale, s.max? * scale))
+                    })
+                    .collect(),
+            }
+        })
+        .collect();
+    draw_bars(&panels, path)
 }

@@ -52,6 +52,11 @@ pub trait Benchmark: Clone + Sized + 'static {
     fn lines(&self, _first: &Self::Report) -> Vec<Lines<Self::Report>> {
         Vec::new()
     }
+    /// The metrics `--plot` draws as bars (a panel each) for a sweep or a comparison: the
+    /// first metric unless the benchmark names others.
+    fn headline(&self) -> Vec<&'static str> {
+        self.metrics().first().map(|m| m.name).into_iter().collect()
+    }
     /// The line above the `--backend A,B` table.
     fn comparison_title(&self, kinds: [BackendArg; 2]) -> String {
         format!(

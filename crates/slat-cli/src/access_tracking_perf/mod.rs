@@ -9,12 +9,14 @@
 //! vCPU threads write page_idle for their own memory.
 
 use crate::args::{
-    check_backends, BackendArg, FormatArg, MachineArgs, OutputArgs, PinArgs, Switch, Workload,
+    BackendArg, FormatArg, MachineArgs, OutputArgs, PinArgs, Switch, Workload,
 };
 use crate::demand_paging::stats_json;
 use crate::error::CliError;
 use crate::limits::GuestMemory;
-use crate::output::{print_json, summarize, Better, Metric, Repeated, VmSettings};
+use crate::driver::{Benchmark, Common};
+use crate::error::CliResult;
+use crate::output::{Better, Metric, VmSettings};
 use crate::report::{bbm_cmo_line, pinned_line, quiet, ratio, ts, Phase};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
@@ -101,7 +103,7 @@ fn idle_check_name(c: IdleCheck) -> &'static str {
 }
 
 /// Flags of `slat access-tracking-perf` (the selftest's, plus slat's variant switches).
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 #[command(after_long_help = "\
 Lines, as the selftest prints them (`%-30s: %ld.%09lds`): Populating memory, Writing to \
 populated memory, Reading from populated memory, Mark memory idle, Writing to idle memory, \
@@ -286,68 +288,80 @@ impl RunResult {
     }
 }
 
-/// Runs the benchmark.
-pub fn run(a: &AccessTrackingPerfArgs) -> crate::error::CliResult {
-    a.machine
-        .format
-        .check_backends(&a.backend)
-        .map_err(crate::error::CliError::bad)?;
-    check_backends(&a.backend, &[]).map_err(crate::error::CliError::bad)?;
-    if a.backend.contains(&BackendArg::Kvm) {
-        // KVM ages guest memory only through the host's page_idle interface (the selftest's
-        // route), which slat does not drive: no host can run this, so it is bad input.
-        const PAGE_IDLE: &str = "/sys/kernel/mm/page_idle/bitmap";
-        if !std::path::Path::new(PAGE_IDLE).exists() {
-            return Err(crate::error::CliError::bad(format!(
-                "access-tracking-perf --backend kvm needs {PAGE_IDLE} (a kernel built with CONFIG_IDLE_PAGE_TRACKING), which this host lacks; use --backend sim"
-            )));
-        }
-        return Err(crate::error::CliError::bad(format!(
-            "access-tracking-perf --backend kvm is not built yet (this host has {PAGE_IDLE}, but slat does not drive it); use --backend sim"
-        )));
+/// Runs the benchmark: `--compare`'s four configurations, or the driver's runs.
+pub fn run(a: &AccessTrackingPerfArgs) -> CliResult {
+    if !a.compare {
+        return crate::driver::run(a);
     }
-    check(a).map_err(crate::error::CliError::bad)?;
-    if a.compare && a.pin.cpus.is_some() {
+    crate::driver::check_output(a.out.plot.as_deref())?;
+    a.check()?;
+    if a.pin.cpus.is_some() {
         return Err(CliError::bad(
             "-c: --compare runs -v 1 and -v 2, which need different CPU lists; drop -c or --compare",
         ));
     }
-    if a.compare {
-        return compare(a);
+    compare(a)
+}
+
+/// One run: the selftest's lines (printed as it goes) and its JSON.
+pub struct Run {
+    result: RunResult,
+    json: RunJson,
+}
+
+impl serde::Serialize for Run {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.json.serialize(s)
     }
-    if a.out.plot.is_some() {
-        return Err(CliError::bad(
-            "--plot: access-tracking-perf has no series to draw yet; drop --plot",
-        ));
-    }
-    let mut runs = Vec::new();
-    for n in 0..a.out.repeat {
-        if a.out.repeat > 1 && !quiet(a.out.json) {
-            eprintln!("[slat] run {}/{}", n + 1, a.out.repeat);
+}
+
+impl Benchmark for AccessTrackingPerfArgs {
+    type Report = Run;
+    const NAME: &'static str = "access-tracking-perf";
+
+    fn common(&self) -> Common<'_> {
+        Common {
+            backends: &self.backend,
+            vary: &[],
+            out: &self.out,
         }
-        let r = run_one(a, a.work.vcpus, a.machine.fast_pf.on(), !a.out.json)?;
-        if !a.out.json {
-            summary(a, &r);
+    }
+
+    fn check(&self) -> CliResult {
+        self.machine
+            .format
+            .check_backends(&self.backend)
+            .map_err(CliError::bad)?;
+        if self.backend.contains(&BackendArg::Kvm) {
+            // KVM ages guest memory only through the host's page_idle interface (the
+            // selftest's route), which slat does not drive: no host can run this, so it is
+            // bad input.
+            const PAGE_IDLE: &str = "/sys/kernel/mm/page_idle/bitmap";
+            if !std::path::Path::new(PAGE_IDLE).exists() {
+                return Err(CliError::bad(format!(
+                    "access-tracking-perf --backend kvm needs {PAGE_IDLE} (a kernel built with CONFIG_IDLE_PAGE_TRACKING), which this host lacks; use --backend sim"
+                )));
+            }
+            return Err(CliError::bad(format!(
+                "access-tracking-perf --backend kvm is not built yet (this host has {PAGE_IDLE}, but slat does not drive it); use --backend sim"
+            )));
         }
-        runs.push(r);
+        check(self).map_err(CliError::bad)
     }
-    if a.out.repeat > 1 {
-        let rep = Repeated {
-            benchmark: "access-tracking-perf",
-            repeat: runs.len(),
-            summary: METRICS.iter().map(|m| summarize(m, &runs)).collect(),
-            runs: runs.iter().map(|r| run_json(a, r)).collect(),
-        };
-        if a.out.json {
-            return print_json(&rep, &a.backend);
-        }
-        rep.print();
-        return Ok(());
+
+    fn measure(&self, _kind: BackendArg) -> CliResult<Run> {
+        let result = run_one(self, self.work.vcpus, self.machine.fast_pf.on(), !self.out.json)?;
+        let json = run_json(self, &result);
+        Ok(Run { result, json })
     }
-    if a.out.json {
-        print_json(&run_json(a, &runs[0]), &a.backend)?;
+
+    fn metrics(&self) -> Vec<Metric<Run>> {
+        METRICS.to_vec()
     }
-    Ok(())
+
+    fn print(&self, r: &Run) {
+        summary(self, &r.result)
+    }
 }
 
 fn pass_time(r: &RunResult, name: &str) -> Option<f64> {
@@ -359,36 +373,36 @@ fn pass_ratio(r: &RunResult, name: &str) -> Option<f64> {
 }
 
 /// The headline figures `--repeat` summarizes.
-const METRICS: &[Metric<RunResult>] = &[
+const METRICS: &[Metric<Run>] = &[
     Metric {
         name: "populating memory",
         unit: "s",
         better: Better::Lower,
-        get: |r| pass_time(r, "Populating memory"),
+        get: |r| pass_time(&r.result, "Populating memory"),
     },
     Metric {
         name: "writing to idle memory",
         unit: "s",
         better: Better::Lower,
-        get: |r| pass_time(r, "Writing to idle memory"),
+        get: |r| pass_time(&r.result, "Writing to idle memory"),
     },
     Metric {
         name: "writing to idle memory guest/native",
         unit: "x",
         better: Better::Lower,
-        get: |r| pass_ratio(r, "Writing to idle memory"),
+        get: |r| pass_ratio(&r.result, "Writing to idle memory"),
     },
     Metric {
         name: "reading from idle memory",
         unit: "s",
         better: Better::Lower,
-        get: |r| pass_time(r, "Reading from idle memory"),
+        get: |r| pass_time(&r.result, "Reading from idle memory"),
     },
     Metric {
         name: "mark memory idle (first)",
         unit: "s",
         better: Better::Lower,
-        get: |r| r.marks.first().map(|m| m.time.as_secs_f64()),
+        get: |r| r.result.marks.first().map(|m| m.time.as_secs_f64()),
     },
 ];
 
