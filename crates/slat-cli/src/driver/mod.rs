@@ -106,7 +106,12 @@ pub fn run<B: Benchmark>(b: &B) -> CliResult {
     if let Some(why) = b.refuse() {
         return Err(CliError::bad(why));
     }
-    match (c.backends, c.vary.is_empty()) {
+    // A benchmark without --backend runs on the simulated machine.
+    let kinds = match c.backends {
+        [] => &[BackendArg::Sim][..],
+        k => k,
+    };
+    match (kinds, c.vary.is_empty()) {
         ([kind], true) => {
             b.check()?;
             single(b, *kind)
