@@ -2,7 +2,7 @@
 
 use clap::{Args, ValueEnum};
 use slat::{
-    CmoPolicy, DirtyTrack, Ept, GetLogVariant, MmuLockKind, PteFormat, RebuildOrder,
+    CmoPolicy, DirectMapPolicy, DirtyTrack, Ept, GetLogVariant, MmuLockKind, PteFormat, RebuildOrder,
     RecoverVariant, Stage2, VmConfig, WrprotVariant,
 };
 use slat_machine::ram::{parse_size, Backing};
@@ -62,6 +62,7 @@ macro_rules! variant {
     )+};
 }
 variant!(
+    DirectMapPolicy,
     MmuLockKind,
     CmoPolicy,
     RebuildOrder,
@@ -266,7 +267,7 @@ pub struct DirtyArgs {
     /// (hardware dirty bits, PML-like).
     #[arg(long = "dirty-tracking", value_parser = variant::<DirtyTrack>(), default_value = "write-protect")]
     pub tracking: DirtyTrack,
-    /// How harvests and enable-logging find the pages they write-protect (seed 002): `walk`
+    /// How harvests and enable-logging find the pages they write-protect (lockless write-protect through the reverse map): `walk`
     /// (the page-table walk under the MMU lock), `rmap` (reverse-map lookups, same lock) or
     /// `rmap-lockless` (reverse-map lookups and one compare-and-swap each, no MMU lock).
     #[arg(long = "wrprot", value_parser = variant::<WrprotVariant>(), default_value = "walk")]

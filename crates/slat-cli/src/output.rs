@@ -82,7 +82,7 @@ pub struct VmSettings {
     pub cmo: &'static str,
     /// `--rebuild`.
     pub rebuild: &'static str,
-    /// `--wrprot` (seed 002).
+    /// `--wrprot` (lockless write-protect through the reverse map).
     pub wrprot: &'static str,
     /// `--tlb-entries`.
     pub tlb_entries: usize,
@@ -312,29 +312,23 @@ impl<R: Serialize> Runs<R> {
     }
 }
 
-/// One row of a `--vary` sweep: the settings and the run's report.
-#[derive(Serialize)]
-pub struct SweepRow<R: Serialize> {
-    /// `key=value` for every varied key.
-    pub settings: Vec<String>,
-    /// The run.
-    pub result: R,
-}
-
-/// A `--vary` sweep: every row's report.
+/// A `--vary` sweep: every row's runs, or why the row failed (a failed row does not stop the
+/// sweep).
 #[derive(Serialize)]
 pub struct Sweep<R: Serialize> {
     /// The benchmark's name.
     pub benchmark: &'static str,
+    /// The varied keys, in the order given (the first varies slowest).
+    pub varied: Vec<&'static str>,
     /// One per combination, first key slowest.
-    pub sweep: Vec<SweepRow<R>>,
+    pub sweep: Vec<FallibleRow<Runs<R>>>,
 }
 
-impl<R: Serialize> Sweep<Runs<R>> {
+impl<R: Serialize> Sweep<R> {
     /// The table: the varied values, then every metric's figure (the median, with
-    /// `--repeat`).
-    pub fn print(&self, keys: &[&str], metrics: &[Metric<R>]) {
-        let mut head: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+    /// `--repeat`); a failed row's figures are `-`.
+    pub fn print(&self, metrics: &[Metric<R>]) {
+        let mut head: Vec<String> = self.varied.iter().map(|k| k.to_string()).collect();
         head.extend(metrics.iter().map(|m| unit_head(m.name, m.unit)));
         let rows: Vec<Vec<String>> = self
             .sweep
@@ -346,7 +340,10 @@ impl<R: Serialize> Sweep<Runs<R>> {
                     .map(|s| s.split_once('=').map_or(s.as_str(), |(_, v)| v).to_string())
                     .collect();
                 cells.extend(metrics.iter().map(|m| {
-                    let v = row.result.median(m);
+                    let v = match &row.outcome {
+                        RowOutcome::Done(r) => r.median(m),
+                        RowOutcome::Failed(_) => None,
+                    };
                     if m.unit == "x" {
                         ratio_cell(v)
                     } else {

@@ -73,11 +73,6 @@ pub fn draw_stacked(charts: &[Chart], path: &Path) -> CliResult {
 }
 
 impl Chart<'_> {
-    /// Draws the chart into `path`.
-    pub fn draw(&self, path: &Path) -> CliResult {
-        draw_stacked(std::slice::from_ref(self), path)
-    }
-
     fn draw_on(
         &self,
         root: &DrawingArea<SVGBackend, plotters::coord::Shift>,

@@ -111,7 +111,7 @@ Mark memory idle, Reading from idle memory. After each guest pass a `native base
 gives the same pass on host memory and the ratio; after each pass over idle memory a \
 `still idle` line gives the pages aging did not see accessed.
 
-Seed 000 (fast page fault for the TDP MMU) measured `Writing to idle memory` with A/D bits \
+The series fast page fault for the TDP MMU was measured on `Writing to idle memory` with A/D bits \
 off, so that every access to idle memory takes an access-tracking fault:
   slat access-tracking-perf --compare --ad-bits off
 runs fast PF on/off x -v 1/-v 2 in this one process and prints one table.")]
@@ -848,7 +848,7 @@ fn run_json(a: &AccessTrackingPerfArgs, r: &RunResult) -> RunJson {
     }
 }
 
-/// Seed 000's table from one process: fast PF on/off × -v 1/-v 2.
+/// The fast-page-fault-for-the-TDP-MMU table from one process: fast PF on/off × -v 1/-v 2.
 fn compare(a: &AccessTrackingPerfArgs) -> crate::error::CliResult {
     let q = quiet(a.out.json);
     let mut runs = Vec::new();

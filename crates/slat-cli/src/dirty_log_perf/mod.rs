@@ -53,7 +53,7 @@ pub struct DirtyLogPerfArgs {
     #[command(flatten)]
     pub log: LogArgs,
     /// After the iterations, keep every vCPU writing in a loop while the host harvests the log
-    /// -i more times (the seed's migrate-perf shape), and report harvest time, guest write
+    /// -i more times (migrate-perf's shape in the lockless reverse-map write-protect series), and report harvest time, guest write
     /// throughput and per-vCPU write latency percentiles with and without harvests running.
     /// The iterations are then timed too (their passes are the "no harvest running" side).
     #[arg(long)]
@@ -269,7 +269,7 @@ pub const METRICS: &[Metric<Report>] = &[
     },
 ];
 
-/// The headline figures of `--concurrent`: the seed's table (harvest time under concurrent
+/// The headline figures of `--concurrent`: the reverse-map write-protect series' table (harvest time under concurrent
 /// writers against stopped ones, guest write throughput, vCPU write latency).
 pub const CONCURRENT_METRICS: &[Metric<Report>] = &[
     Metric {

@@ -9,7 +9,9 @@ pub mod vary;
 
 use crate::args::{BackendArg, OutputArgs};
 use crate::error::{CliError, CliResult};
-use crate::output::{print_json, Comparison, Metric, Repeated, Runs, Sweep, SweepRow};
+use crate::output::{
+    print_json, Comparison, FallibleRow, Metric, Repeated, RowOutcome, Runs, Sweep,
+};
 use crate::report::quiet;
 use serde::Serialize;
 
@@ -74,6 +76,17 @@ pub trait Benchmark: Clone + Sized + 'static {
             kind.name()
         )
     }
+    /// A benchmark whose JSON document predates the driver (its schema is kept) prints it
+    /// itself: given every machine's runs (each printed as it ran), it prints the text
+    /// summary or the one JSON document. `None`: the driver's report, comparison or summary.
+    #[allow(clippy::type_complexity)]
+    fn own_output(&self) -> Option<fn(&Self, Vec<(BackendArg, Vec<Self::Report>)>) -> CliResult> {
+        None
+    }
+    /// Prints a sweep's table itself (true), or leaves it to the driver (false).
+    fn print_sweep(&self, _sweep: &Sweep<Self::Report>) -> bool {
+        false
+    }
     /// Whether `--repeat` with several backends or `--vary` can run (a benchmark whose runs
     /// are not comparable across repeats says why not).
     fn refuse(&self) -> Option<String> {
@@ -111,6 +124,21 @@ pub fn run<B: Benchmark>(b: &B) -> CliResult {
         [] => &[BackendArg::Sim][..],
         k => k,
     };
+    if let (Some(finish), true) = (b.own_output(), c.vary.is_empty()) {
+        b.check()?;
+        let mut all = Vec::new();
+        for &kind in kinds {
+            all.push((kind, runs(b, kind, !c.out.json)?));
+        }
+        if let Some(path) = &c.out.plot {
+            let groups: Vec<(String, &[B::Report])> = all
+                .iter()
+                .map(|(k, r)| (k.name().to_string(), &r[..]))
+                .collect();
+            chart::bars(b, &groups, &b.metrics(), "backend", path)?;
+        }
+        return finish(b, all);
+    }
     match (kinds, c.vary.is_empty()) {
         ([kind], true) => {
             b.check()?;
@@ -211,43 +239,68 @@ fn sweep<B: Benchmark>(b: &B, kind: BackendArg) -> CliResult {
             .check()
             .map_err(|e| CliError::bad(format!("--vary row {}: {e}", row.settings.join(" "))))?;
     }
-    let metrics = b.metrics();
+    let (metrics, q) = (b.metrics(), quiet(c.out.json));
     let mut done = Vec::new();
+    let mut machines: Vec<BackendArg> = Vec::new();
     for (n, row) in rows.iter().enumerate() {
-        if !quiet(c.out.json) {
-            eprintln!(
-                "[slat] sweep {}/{}: {}",
-                n + 1,
-                rows.len(),
-                row.settings.join(" ")
-            );
+        let label = row.settings.join(" ");
+        if !q {
+            eprintln!("[slat] sweep {}/{}: {label}", n + 1, rows.len());
         }
-        let r = runs(&row.args, kind, false)?;
-        done.push(SweepRow {
+        // A table may vary the machine (`backend=sim,kvm`): the row's own flags say which.
+        let kind = row.args.common().backends.first().copied().unwrap_or(kind);
+        if !machines.contains(&kind) {
+            machines.push(kind);
+        }
+        let outcome = match runs(&row.args, kind, false) {
+            Ok(r) => RowOutcome::Done(Box::new(Runs::new(B::NAME, &metrics, r))),
+            Err(e) => {
+                if !q {
+                    eprintln!("[slat] sweep {}/{} failed: {e}", n + 1, rows.len());
+                }
+                RowOutcome::Failed(e.to_string())
+            }
+        };
+        done.push(FallibleRow {
             settings: row.settings.clone(),
-            result: Runs::new(B::NAME, &metrics, r),
+            outcome,
         });
     }
     let sweep = Sweep {
         benchmark: B::NAME,
+        varied: c.vary.iter().map(|v| v.key).collect(),
         sweep: done,
     };
     if let Some(path) = &c.out.plot {
         let groups: Vec<(String, &[B::Report])> = sweep
             .sweep
             .iter()
-            .map(|r| (r.settings.join(" "), r.result.all()))
+            .map(|r| match &r.outcome {
+                RowOutcome::Done(runs) => (r.settings.join(" "), runs.all()),
+                RowOutcome::Failed(_) => (r.settings.join(" "), &[][..]),
+            })
             .collect();
         chart::bars(b, &groups, &metrics, "settings", path)?;
     }
     if c.out.json {
-        return print_json(&sweep, c.backends);
+        print_json(&sweep, &machines)?;
+    } else if !b.print_sweep(&sweep) {
+        println!("{}", b.sweep_title(kind));
+        if repeat(b) > 1 {
+            println!("(medians of {} runs per row)", repeat(b));
+        }
+        sweep.print(&metrics);
     }
-    println!("{}", b.sweep_title(kind));
-    if repeat(b) > 1 {
-        println!("(medians of {} runs per row)", repeat(b));
+    let failed = sweep
+        .sweep
+        .iter()
+        .filter(|r| matches!(r.outcome, RowOutcome::Failed(_)))
+        .count();
+    if failed > 0 {
+        return Err(CliError::Runtime(format!(
+            "--vary: {failed} of {} rows failed",
+            sweep.sweep.len()
+        )));
     }
-    let keys: Vec<&str> = c.vary.iter().map(|v| v.key).collect();
-    sweep.print(&keys, &metrics);
     Ok(())
 }

@@ -255,3 +255,42 @@ macro_rules! vary_key {
         }
     };
 }
+
+#[cfg(test)]
+/// Checks that `help` (a subcommand's `--help`) lists exactly `table`'s keys, each with
+/// exactly the values the table accepts, and that every listed value applies to `base`.
+/// Returns what is wrong, if anything.
+pub fn help_matches<A: Clone>(help: &str, table: &[Key<A>], base: &A) -> Result<(), String> {
+    let listed: Vec<(&str, &str)> = help
+        .lines()
+        .filter_map(|l| {
+            let l = l.trim();
+            let (head, vals) = l.split_once("): ")?;
+            let (name, _) = head.split_once(" (")?;
+            (!name.contains(' ')).then_some((name, vals))
+        })
+        .collect();
+    let names: Vec<&str> = listed.iter().map(|l| l.0).collect();
+    let want: Vec<&str> = table.iter().map(|k| k.name).collect();
+    if names != want {
+        return Err(format!("--help lists keys {names:?}, the table has {want:?}"));
+    }
+    for (k, (_, vals)) in table.iter().zip(&listed) {
+        if let Values::OneOf(list) = &k.values {
+            let shown: Vec<&str> = vals.split(", ").collect();
+            let list = list();
+            if shown != list {
+                return Err(format!("--vary {}: --help lists {shown:?}, the code takes {list:?}", k.name));
+            }
+            for v in &list {
+                let mut a = base.clone();
+                (k.apply)(&mut a, v).map_err(|e| format!("--vary {}={v}: {e}", k.name))?;
+            }
+            let bogus = "no-such-value";
+            if parse(&format!("{}={bogus}", k.name), table).is_ok() {
+                return Err(format!("--vary {} accepts {bogus}", k.name));
+            }
+        }
+    }
+    Ok(())
+}

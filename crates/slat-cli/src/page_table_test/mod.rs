@@ -1,4 +1,4 @@
-//! `slat page-table-test`: KVM's `kvm_page_table_test` (seed 001). Every vCPU walks the same
+//! `slat page-table-test`: KVM's `kvm_page_table_test` (the arm64 stage-2 patches: cache maintenance only by the installing fault, install-first block rebuild). Every vCPU walks the same
 //! region in three timed stages — create mappings, update them with dirty logging on (block
 //! splits, read-only → read-write), adjust them with logging off (blocks rebuilt) — so the
 //! figures are dominated by concurrent faults on the same addresses: what cache maintenance
@@ -259,7 +259,8 @@ struct Run {
     stages: Vec<StageFigures>,
 }
 
-/// The seed-001 table: stage times per configuration, and each patch's improvement.
+/// The `--compare` table: stage times per configuration (cache maintenance policy × block
+/// rebuild order), and each patch's improvement.
 fn print_comparison(a: &PageTableTestArgs, runs: &[(VmConfig, Run)]) {
     let time = |cmo: CmoPolicy, rebuild: RebuildOrder, stage: Stage| -> Duration {
         runs.iter()

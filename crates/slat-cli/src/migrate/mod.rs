@@ -1,7 +1,13 @@
 //! `slat migrate`, `slat migrate-listen` and `slat migrate-perf`: live migration of a guest
-//! under write load over TCP (`slat-migrate`), with the figures of seed 002's `migrate-perf`:
+//! under write load over TCP (`slat-migrate`), with the figures of the reverse-map write-protect series' `migrate-perf`:
 //! total migration time, downtime, rounds, dirty rate, bandwidth, throttling, verification.
 
+mod perf;
+mod text;
+
+pub use perf::MigratePerfArgs;
+use crate::driver::{Benchmark, Common, Lines};
+use text::{print_dest, print_report};
 use crate::args::{
     backing, check_backends, check_kvm_ring, ring_size, BackendArg, FormatArg, MachineArgs,
     OutputArgs, Switch, Workload,
@@ -9,9 +15,8 @@ use crate::args::{
 use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
 use crate::migrate_report::{DestinationDoc, Migration};
-use crate::output::{print_json, summarize, Better, FallibleRow, Metric, Repeated, RowOutcome};
-use crate::plot::{draw_stacked, Chart, Series};
-use crate::report::{quiet, ts};
+use crate::output::{print_json, Better, Metric, Repeated};
+use crate::report::quiet;
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use slat_machine::ram::{format_size, parse_size, Backing};
@@ -23,7 +28,6 @@ use slat_migrate::{
     DestConfig, DestReport, Destination, DirtyLimitConfig, Event, Faults, GuestError, MapError,
     Memory, MemoryError, MigrateError, MigrationReport, Source, SourceConfig,
 };
-use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -118,7 +122,7 @@ pub struct GuestArgs {
     /// The machine: `sim` (slat's engine under simulated hardware) or `kvm` (/dev/kvm).
     #[arg(long, value_enum, default_value = "sim")]
     pub backend: BackendArg,
-    /// How the source's harvests find the pages they write-protect (seed 002; `--backend sim`
+    /// How the source's harvests find the pages they write-protect (lockless write-protect through the reverse map; `--backend sim`
     /// only): `walk` (page-table walk under the MMU lock), `rmap` (reverse-map lookups, same
     /// lock) or `rmap-lockless` (reverse-map lookups and one compare-and-swap each, no lock).
     #[arg(long = "wrprot", value_parser = crate::args::variant::<slat::WrprotVariant>(), default_value = "walk")]
@@ -250,23 +254,6 @@ pub enum FlagError {
     /// A `--max-downtime` of `--vary` that is not 0 to [`MAX_DOWNTIME_MS`].
     #[error("`{0}` is not a number of milliseconds from 0 to {MAX_DOWNTIME_MS}")]
     MaxDowntime(String),
-    /// A `--vary` value that is not one of its flag's.
-    #[error("`{value}` is not a value of {flag}")]
-    NotAValue {
-        /// As written.
-        value: String,
-        /// The flag it would set.
-        flag: &'static str,
-    },
-    /// The shape of `--vary` itself (`sweep.rs` words it).
-    #[error("{0}")]
-    Vary(String),
-}
-
-impl From<String> for FlagError {
-    fn from(e: String) -> FlagError {
-        FlagError::Vary(e)
-    }
 }
 
 /// Parses `--to` and `--listen` (QEMU's URI forms; a bare HOST:PORT is TCP).
@@ -426,184 +413,6 @@ pub const MAX_RETRIES: u32 = 1000;
 
 /// Largest `--bandwidth`: MiB per second whose bytes per second fit 64 bits.
 const MAX_BANDWIDTH_MIB: u64 = u64::MAX >> 20;
-
-/// Flags of `slat migrate-perf`.
-#[derive(Debug, Clone, Args)]
-pub struct MigratePerfArgs {
-    /// Milliseconds the guest runs on the destination after the switch-over (0-600000).
-    #[arg(long = "resume-ms", value_parser = clap::value_parser!(u64).range(0..=MAX_WAIT_MS), default_value_t = 200)]
-    pub resume_ms: u64,
-    /// Run once per combination of the listed settings, in this process, and print one
-    /// table (KEY=V1,V2,...; repeatable; keys: log, dirty-rate, fast-pf, backend,
-    /// max-downtime, compress, auto-converge, wrprot, verify). For example, dirty rate × log × fast page fault:
-    /// `--vary dirty-rate=2k,50k --vary log=get,clear,ring --vary fast-pf=on,off`.
-    #[arg(long = "vary", value_parser = parse_vary, value_name = "KEY=V1,V2")]
-    pub vary: Vec<(VaryKey, Vec<MigSetting>)>,
-    // `--json`; `--repeat N` migrates N times in this process (not with --vary); `--plot
-    // FILE.svg` draws the migration's convergence (pages sent and pages still owed per round,
-    // and the throttle per round; with --repeat, the first run's), or with --vary the total
-    // migration time and downtime of every row.
-    #[command(flatten)]
-    pub out: OutputArgs,
-    #[command(flatten)]
-    pub guest: GuestArgs,
-    #[command(flatten)]
-    pub migration: MigrationArgs,
-}
-
-/// A setting `--vary` can sweep.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum VaryKey {
-    /// `--log`.
-    Log,
-    /// `--dirty-rate`.
-    DirtyRate,
-    /// `--fast-pf`.
-    FastPf,
-    /// `--backend`.
-    Backend,
-    /// `--max-downtime`.
-    MaxDowntime,
-    /// `--compress`.
-    Compress,
-    /// `--auto-converge`.
-    AutoConverge,
-    /// `--wrprot`.
-    Wrprot,
-    /// `--verify`.
-    Verify,
-    /// `--converge`.
-    Converge,
-}
-
-/// The keys of migrate-perf's `--vary`, by name.
-const KEYS: [(&str, VaryKey); 10] = [
-    ("log", VaryKey::Log),
-    ("dirty-rate", VaryKey::DirtyRate),
-    ("fast-pf", VaryKey::FastPf),
-    ("backend", VaryKey::Backend),
-    ("max-downtime", VaryKey::MaxDowntime),
-    ("compress", VaryKey::Compress),
-    ("auto-converge", VaryKey::AutoConverge),
-    ("wrprot", VaryKey::Wrprot),
-    ("verify", VaryKey::Verify),
-    ("converge", VaryKey::Converge),
-];
-
-impl VaryKey {
-    fn name(self) -> &'static str {
-        KEYS.iter()
-            .find(|(_, k)| *k == self)
-            .map_or("?", |(n, _)| *n)
-    }
-}
-
-/// One value of a setting `--vary` sweeps, parsed once when the flag is read; `text` is the
-/// value as written (`2k`), for the table and labels.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MigSetting {
-    /// The parsed value.
-    pub value: MigValue,
-    /// As written on the command line.
-    pub text: String,
-}
-
-/// A parsed `--vary` value of migrate-perf.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MigValue {
-    /// `log=...`.
-    Log(LogArg),
-    /// `dirty-rate=...`.
-    DirtyRate(u64),
-    /// `fast-pf=...`.
-    FastPf(Switch),
-    /// `backend=...`.
-    Backend(BackendArg),
-    /// `max-downtime=...` (ms).
-    MaxDowntime(u64),
-    /// `compress=...`.
-    Compress(CompressArg),
-    /// `auto-converge=...`.
-    AutoConverge(Switch),
-    /// `wrprot=...`.
-    Wrprot(slat::WrprotVariant),
-    /// `verify=...`.
-    Verify(VerifyArg),
-    /// `converge=...`.
-    Converge(ConvergeArg),
-}
-
-impl MigValue {
-    fn key(self) -> VaryKey {
-        match self {
-            MigValue::Log(_) => VaryKey::Log,
-            MigValue::DirtyRate(_) => VaryKey::DirtyRate,
-            MigValue::FastPf(_) => VaryKey::FastPf,
-            MigValue::Backend(_) => VaryKey::Backend,
-            MigValue::MaxDowntime(_) => VaryKey::MaxDowntime,
-            MigValue::Compress(_) => VaryKey::Compress,
-            MigValue::AutoConverge(_) => VaryKey::AutoConverge,
-            MigValue::Wrprot(_) => VaryKey::Wrprot,
-            MigValue::Verify(_) => VaryKey::Verify,
-            MigValue::Converge(_) => VaryKey::Converge,
-        }
-    }
-}
-
-impl MigSetting {
-    fn label(&self) -> String {
-        format!("{}={}", self.value.key().name(), self.text)
-    }
-}
-
-fn parse_value(key: VaryKey, v: &str) -> Result<MigValue, FlagError> {
-    fn choice<T: ValueEnum>(v: &str, flag: &'static str) -> Result<T, FlagError> {
-        T::from_str(v, true).map_err(|_| FlagError::NotAValue {
-            value: v.into(),
-            flag,
-        })
-    }
-    Ok(match key {
-        VaryKey::Log => MigValue::Log(choice(v, "--log")?),
-        VaryKey::DirtyRate => MigValue::DirtyRate(dirty_rate(v)?),
-        VaryKey::FastPf => MigValue::FastPf(choice(v, "--fast-pf")?),
-        VaryKey::Backend => MigValue::Backend(choice(v, "--backend")?),
-        VaryKey::MaxDowntime => MigValue::MaxDowntime(max_downtime(v)?),
-        VaryKey::Compress => MigValue::Compress(choice(v, "--compress")?),
-        VaryKey::AutoConverge => MigValue::AutoConverge(choice(v, "--auto-converge")?),
-        VaryKey::Wrprot => MigValue::Wrprot(v.parse().map_err(|_| FlagError::NotAValue {
-            value: v.into(),
-            flag: "--wrprot",
-        })?),
-        VaryKey::Verify => MigValue::Verify(choice(v, "--verify")?),
-        VaryKey::Converge => MigValue::Converge(choice(v, "--converge")?),
-    })
-}
-
-/// Parses `--vary KEY=V1,V2,...` with the shared parser of `sweep.rs`.
-fn parse_vary(s: &str) -> Result<(VaryKey, Vec<MigSetting>), FlagError> {
-    crate::sweep::parse_keyed(s, &KEYS, |key, _, v| {
-        Ok(MigSetting {
-            value: parse_value(key, v)?,
-            text: v.to_string(),
-        })
-    })
-}
-
-fn apply(a: &mut MigratePerfArgs, v: MigValue) {
-    match v {
-        MigValue::Log(x) => a.guest.log = x,
-        MigValue::DirtyRate(x) => a.guest.dirty_rate = x,
-        MigValue::FastPf(x) => a.guest.machine.fast_pf = x,
-        MigValue::Backend(x) => a.guest.backend = x,
-        MigValue::MaxDowntime(x) => a.migration.max_downtime = x,
-        MigValue::Compress(x) => a.migration.compress = x,
-        MigValue::AutoConverge(x) => a.migration.auto_converge = x,
-        MigValue::Wrprot(x) => a.guest.wrprot = x,
-        MigValue::Verify(x) => a.migration.verify = x,
-        MigValue::Converge(x) => a.migration.converge = x,
-    }
-}
 
 fn kind(b: BackendArg) -> BackendKind {
     match b {
@@ -1054,9 +863,6 @@ pub enum RunError {
         /// Why.
         err: MigrateError,
     },
-    /// Rows of a sweep failed (each is reported in the table).
-    #[error("some runs failed (see above)")]
-    SweepFailed,
 }
 
 fn after_attempts(n: usize) -> String {
@@ -1074,34 +880,60 @@ impl From<RunError> for CliError {
     }
 }
 
-/// `slat migrate`: one migration, or `--repeat N` of freshly built guests.
-pub fn run_migrate(a: &MigrateArgs) -> CliResult {
-    a.guest.check(1)?;
-    a.migration.check(&a.guest)?;
-    if matches!(a.to, Endpoint::Fd(_)) && (a.out.repeat > 1 || a.retries > 0) {
-        return Err(CliError::bad(
-            "--to fd:N carries one migration: --repeat and --retries need tcp: or unix:",
-        ));
+/// One migration of `slat migrate` or `slat migrate-perf`: the source's report, the guest's
+/// write rate before it, and its JSON.
+pub struct Migrated {
+    r: MigrationReport,
+    baseline: f64,
+    doc: Migration,
+}
+
+impl Serialize for Migrated {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.doc.serialize(s)
     }
-    let q = quiet(a.out.json);
-    let mut runs = Vec::new();
-    for n in 0..a.out.repeat {
-        if a.out.repeat > 1 {
-            progress(q, &format!("run {}/{}", n + 1, a.out.repeat));
+}
+
+impl Benchmark for MigrateArgs {
+    type Report = Migrated;
+    const NAME: &'static str = "migrate";
+
+    fn common(&self) -> Common<'_> {
+        Common {
+            backends: std::slice::from_ref(&self.guest.backend),
+            vary: &[],
+            out: &self.out,
         }
-        let (r, baseline, failures) = migrate_once(a, q)?;
-        let doc = Migration::new("migrate", &a.guest, &a.migration, &r, baseline, &failures);
-        if n == 0 {
-            if let Some(path) = &a.out.plot {
-                plot_convergence(&r, path)?;
-            }
-        }
-        if !a.out.json {
-            print_report(&a.guest, &a.migration, &r, baseline);
-        }
-        runs.push(((r, baseline), doc));
     }
-    print_runs("migrate", &a.out, a.guest.backend, runs)
+
+    fn check(&self) -> CliResult {
+        self.guest.check(1)?;
+        self.migration.check(&self.guest)?;
+        if matches!(self.to, Endpoint::Fd(_)) && (self.out.repeat > 1 || self.retries > 0) {
+            return Err(CliError::bad(
+                "--to fd:N carries one migration: --repeat and --retries need tcp: or unix:",
+            ));
+        }
+        Ok(())
+    }
+
+    fn measure(&self, _kind: BackendArg) -> CliResult<Migrated> {
+        let (r, baseline, failures) = migrate_once(self, quiet(self.out.json))?;
+        let doc = Migration::new("migrate", &self.guest, &self.migration, &r, baseline, &failures);
+        Ok(Migrated { r, baseline, doc })
+    }
+
+    fn metrics(&self) -> Vec<Metric<Migrated>> {
+        perf::METRICS.to_vec()
+    }
+
+    fn print(&self, m: &Migrated) {
+        text::print_report(&self.guest, &self.migration, &m.r, m.baseline)
+    }
+
+    fn lines(&self, first: &Migrated) -> Vec<Lines<Migrated>> {
+        perf::convergence(&first.r)
+    }
 }
 
 /// Builds a source guest and migrates it to `--to`, retrying as `--retries` allows. Returns
@@ -1290,105 +1122,6 @@ fn factory(a: &ListenArgs) -> slat_migrate::Factory {
     })
 }
 
-/// One migration between two machines of this process over loopback.
-/// Returns the source's and the destination's reports and the guest's write rate before the
-/// migration, in all and per vCPU.
-type PerfRun = (MigrationReport, DestReport, f64, Vec<f64>);
-
-fn perf_once(a: &MigratePerfArgs) -> Result<PerfRun, RunError> {
-    let q = quiet(a.out.json);
-    let (_guest, mut src, baseline, per_vcpu) = prepare_source(&a.guest, &a.migration, q)?;
-    progress(q, "destination: mapping the same guest memory");
-    let dspec = GuestSpec {
-        log: LogMode::Get,
-        ..a.guest.spec()
-    };
-    let dguest = bench::build(&dspec)?.as_guest();
-    let loopback = |err| RunError::Listen {
-        addr: "loopback".into(),
-        err,
-    };
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(loopback)?;
-    let addr = listener.local_addr().map_err(loopback)?.to_string();
-    let cfg = DestConfig {
-        resume_for: Duration::from_millis(a.resume_ms),
-        timeout: Duration::from_secs(a.migration.timeout),
-        max_memory: 0,
-    };
-    let dest = std::thread::spawn(move || Destination::with_guest(dguest, cfg).accept(&listener));
-    let r = src.migrate(&addr, &mut on_event(q, a.migration.progress));
-    let d = dest.join().map_err(|_| RunError::DestinationPanicked)?;
-    match (r, d) {
-        (Ok(r), Ok(d)) => Ok((r, d, baseline, per_vcpu)),
-        (Err(source_end), Err(destination)) => Err(RunError::BothEnds {
-            source_end: Box::new(source_end),
-            destination: Box::new(destination),
-        }),
-        (Err(e), Ok(_)) => Err(e.into()),
-        (Ok(_), Err(de)) => Err(RunError::Destination(de)),
-    }
-}
-
-/// `slat migrate-perf`.
-pub fn run_perf(a: &MigratePerfArgs) -> CliResult {
-    if !a.vary.is_empty() {
-        return sweep(a);
-    }
-    a.guest.check(2)?;
-    a.migration.check(&a.guest)?;
-    let mut runs = Vec::new();
-    for n in 0..a.out.repeat {
-        if a.out.repeat > 1 {
-            progress(
-                quiet(a.out.json),
-                &format!("run {}/{}", n + 1, a.out.repeat),
-            );
-        }
-        let (r, d, baseline, per_vcpu) = perf_once(a)?;
-        if n == 0 {
-            if let Some(path) = &a.out.plot {
-                plot_convergence(&r, path)?;
-            }
-        }
-        let mut doc = Migration::new("migrate-perf", &a.guest, &a.migration, &r, baseline, &[]);
-        doc.destination = Some(DestinationDoc::new(&d));
-        doc.set_vcpu_before(per_vcpu);
-        if !a.out.json {
-            print_report(&a.guest, &a.migration, &r, baseline);
-        }
-        runs.push(((r, baseline), doc));
-    }
-    print_runs("migrate-perf", &a.out, a.guest.backend, runs)
-}
-
-/// Prints the runs' JSON (one document, or with `--repeat` the summary and every run) or, for
-/// the text report (each run's already printed), the `--repeat` summary.
-fn print_runs(
-    benchmark: &'static str,
-    out: &OutputArgs,
-    backend: BackendArg,
-    runs: Vec<((MigrationReport, f64), Migration)>,
-) -> CliResult {
-    if runs.len() > 1 {
-        let typed: Vec<(MigrationReport, f64)> = runs.iter().map(|(t, _)| t.clone()).collect();
-        let rep = Repeated {
-            benchmark,
-            repeat: typed.len(),
-            summary: PERF_METRICS.iter().map(|m| summarize(m, &typed)).collect(),
-            runs: runs.into_iter().map(|(_, doc)| doc).collect(),
-        };
-        if out.json {
-            return print_json(&rep, &[backend]);
-        }
-        rep.print();
-        return Ok(());
-    }
-    match runs.first() {
-        Some((_, doc)) if out.json => print_json(doc, &[backend]),
-        _ => Ok(()),
-    }
-}
-
 /// The figures `migrate-listen --repeat` summarizes, from the destination's report.
 const DEST_METRICS: &[Metric<DestinationDoc>] = &[
     Metric {
@@ -1417,498 +1150,3 @@ const DEST_METRICS: &[Metric<DestinationDoc>] = &[
     },
 ];
 
-/// The figures `--repeat` summarizes, from a migration's report and the guest's write rate
-/// before it.
-const PERF_METRICS: &[Metric<(MigrationReport, f64)>] = &[
-    Metric {
-        name: "total migration time",
-        unit: "s",
-        better: Better::Lower,
-        get: |(r, _)| Some(r.total.as_secs_f64()),
-    },
-    Metric {
-        name: "downtime",
-        unit: "s",
-        better: Better::Lower,
-        get: |(r, _)| Some(r.downtime.as_secs_f64()),
-    },
-    Metric {
-        name: "rounds",
-        unit: "rounds",
-        better: Better::Lower,
-        get: |(r, _)| Some(r.rounds.len() as f64),
-    },
-    Metric {
-        name: "bandwidth",
-        unit: "bytes/s",
-        better: Better::Higher,
-        get: |(r, _)| Some(r.bandwidth()),
-    },
-    Metric {
-        name: "guest writes during migration",
-        unit: "writes/s",
-        better: Better::Higher,
-        get: |(r, _)| Some(r.write_rate()),
-    },
-];
-
-/// migrate-perf's `--vary` JSON document.
-#[derive(Serialize)]
-struct SweepDoc {
-    benchmark: &'static str,
-    sweep: Vec<FallibleRow<Migration>>,
-}
-
-/// `--vary`: one migration per combination (the cross product of `sweep.rs`), one table.
-fn sweep(a: &MigratePerfArgs) -> CliResult {
-    let keys: Vec<VaryKey> = a.vary.iter().map(|(k, _)| *k).collect();
-    let names: Vec<&str> = keys.iter().map(|k| k.name()).collect();
-    crate::sweep::check_distinct_names(&names).map_err(CliError::bad)?;
-    // Every combination, the first key outermost.
-    let axes: Vec<&[MigSetting]> = a.vary.iter().map(|(_, v)| &v[..]).collect();
-    let combos = crate::driver::vary::cross(&axes);
-    let runs = sweep_rows(a, &combos)?;
-    let q = quiet(a.out.json);
-    let mut rows = Vec::new();
-    let mut docs = Vec::new();
-    let mut plotted = Vec::new();
-    // With --repeat N every combination runs N times (its rows one after the other, then a
-    // mean row), so settings compared side by side are measured alike.
-    let repeat = a.out.repeat.max(1) as usize;
-    let total = combos.len() * repeat;
-    let mut n = 0;
-    for ((b, label), combo) in runs.into_iter().zip(&combos) {
-        let mut done: Vec<[f64; 4]> = Vec::new();
-        for k in 0..repeat {
-            n += 1;
-            progress(q, &format!("sweep {n}/{total}: {}", label.join(" ")));
-            let mut row: Vec<String> = combo.iter().map(|v| v.text.clone()).collect();
-            if repeat > 1 {
-                row.push(format!("{}", k + 1));
-            }
-            let outcome = match perf_once(&b) {
-                Ok((r, d, baseline, per_vcpu)) => {
-                    plotted.push((label.join(" "), Some((r.total, r.downtime))));
-                    let mut doc =
-                        Migration::new("migrate-perf", &b.guest, &b.migration, &r, baseline, &[]);
-                    doc.destination = Some(DestinationDoc::new(&d));
-                    doc.set_vcpu_before(per_vcpu);
-                    row.extend(sweep_cells(&r, &doc));
-                    done.push([
-                        r.total.as_secs_f64(),
-                        r.downtime.as_secs_f64() * 1e3,
-                        doc.guest_throughput_lost_percent.unwrap_or(0.0),
-                        doc.guest_writes_lost / 1e6,
-                    ]);
-                    RowOutcome::Done(Box::new(doc))
-                }
-                Err(e) => {
-                    plotted.push((label.join(" "), None));
-                    progress(q, &format!("sweep {n}/{total} failed: {e}"));
-                    row.extend(std::iter::repeat_n("-".to_string(), SWEEP_CELLS - 1));
-                    row.push("FAILED".into());
-                    RowOutcome::Failed(e.to_string())
-                }
-            };
-            docs.push(FallibleRow {
-                settings: label.clone(),
-                outcome,
-            });
-            rows.push(row);
-        }
-        if repeat > 1 && !done.is_empty() {
-            let mean = |i: usize| done.iter().map(|x| x[i]).sum::<f64>() / done.len() as f64;
-            let mut row: Vec<String> = combo.iter().map(|v| v.text.clone()).collect();
-            row.push("mean".into());
-            row.push(format!("{:.3}", mean(0)));
-            row.push(format!("{:.1}", mean(1)));
-            row.extend(std::iter::repeat_n(String::new(), 7));
-            row.push(format!("{:.0}%", mean(2)));
-            row.push(format!("{:.2}", mean(3)));
-            row.extend(std::iter::repeat_n(String::new(), SWEEP_CELLS - 11));
-            rows.push(row);
-        }
-    }
-    if let Some(path) = &a.out.plot {
-        plot_sweep(&plotted, path)?;
-    }
-    if a.out.json {
-        let doc = SweepDoc {
-            benchmark: "migrate-perf",
-            sweep: docs,
-        };
-        return print_json(&doc, &[a.guest.backend]);
-    }
-    print_sweep(a, &keys, &rows);
-    if rows.iter().any(|r| r.last().is_some_and(|v| v == "FAILED")) {
-        return Err(RunError::SweepFailed.into());
-    }
-    Ok(())
-}
-
-/// Every row's arguments and label, each checked before the first run: a refusal at row 5
-/// after minutes of migrating would waste them.
-///
-/// (`--repeat` is kept on each row's arguments but not used by it: the sweep repeats.)
-fn sweep_rows(
-    a: &MigratePerfArgs,
-    combos: &[Vec<MigSetting>],
-) -> Result<Vec<(MigratePerfArgs, Vec<String>)>, CliError> {
-    let mut runs = Vec::new();
-    for combo in combos {
-        let mut b = a.clone();
-        b.vary.clear();
-        b.out.json = true;
-        for v in combo {
-            apply(&mut b, v.value);
-        }
-        let label: Vec<String> = combo.iter().map(MigSetting::label).collect();
-        if let Err(e) = b.guest.check(2).and_then(|()| b.migration.check(&b.guest)) {
-            return Err(CliError::bad(format!(
-                "--vary row {}: {e}",
-                label.join(" ")
-            )));
-        }
-        runs.push((b, label));
-    }
-    Ok(runs)
-}
-
-/// Cells of a sweep row after the settings (and the run number).
-const SWEEP_CELLS: usize = 13;
-
-/// A successful row's figures, in the order of [`print_sweep`]'s columns.
-fn sweep_cells(r: &MigrationReport, doc: &Migration) -> [String; SWEEP_CELLS] {
-    let baseline = doc.guest_writes_per_s_before;
-    let rounds: Vec<String> = r.rounds.iter().map(|x| x.pages.to_string()).collect();
-    let pct = |x: &Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.0}%"));
-    let per_vcpu: Vec<String> = doc
-        .vcpu_throughput_lost_percent
-        .iter()
-        .map(|v| format!("{v:.0}%"))
-        .collect();
-    let throttle = match &r.dirty_limit {
-        Some(d) => {
-            let v: Vec<String> = d
-                .max_permille
-                .iter()
-                .map(|t| format!("{:.0}%", *t as f64 / 10.0))
-                .collect();
-            format!("dl {}", v.join("/"))
-        }
-        None => format!("{}%", r.throttle_max),
-    };
-    [
-        format!("{:.3}", r.total.as_secs_f64()),
-        format!("{:.1}", r.downtime.as_secs_f64() * 1e3),
-        format!(
-            "{:.1}",
-            (r.final_harvest + r.final_send).as_secs_f64() * 1e3
-        ),
-        format!("{}", r.rounds.len()),
-        rounds.join("/"),
-        format!("{:.0}", r.dirty_rate()),
-        format!("{:.0}", r.bandwidth() / (1 << 20) as f64),
-        throttle,
-        format!("{:.0}/{:.0}", baseline, r.write_rate()),
-        pct(&doc.guest_throughput_lost_percent),
-        format!("{:.2}", doc.guest_writes_lost / 1e6),
-        if per_vcpu.is_empty() {
-            "-".to_string()
-        } else {
-            per_vcpu.join("/")
-        },
-        "ok".to_string(),
-    ]
-}
-
-/// The sweep's title and table.
-fn print_sweep(a: &MigratePerfArgs, keys: &[VaryKey], rows: &[Vec<String>]) {
-    let varied: Vec<&str> = keys.iter().map(|k| k.name()).collect();
-    println!(
-        "migrate-perf sweep: {} vCPU(s), {} guest memory, {}% filled; base settings {}, max downtime {} ms; varied: {}; {} per combination, all in this process",
-        a.guest.work.vcpus,
-        format_size(a.guest.work.bytes * a.guest.work.vcpus as u64),
-        a.guest.fill,
-        a.guest.describe(),
-        a.migration.max_downtime,
-        varied.join(", "),
-        if a.out.repeat > 1 {
-            format!("{} runs and their mean", a.out.repeat)
-        } else {
-            "one run".to_string()
-        }
-    );
-    let mut head: Vec<String> = varied.iter().map(|k| k.to_string()).collect();
-    if a.out.repeat > 1 {
-        head.push("run".into());
-    }
-    head.extend(
-        [
-            "total (s)",
-            "downtime (ms)",
-            "of which copy (ms)",
-            "rounds",
-            "pages per round",
-            "dirty pages/s",
-            "MiB/s",
-            "throttle (max)",
-            "guest writes/s before/during",
-            "throughput lost",
-            "writes lost (M)",
-            "lost per vCPU",
-            "verified",
-        ]
-        .map(String::from),
-    );
-    crate::output::print_table(&head, rows);
-}
-
-fn print_report(g: &GuestArgs, m: &MigrationArgs, r: &MigrationReport, baseline: f64) {
-    println!("Guest: {}", g.describe());
-    println!(
-        "Migration: attempt {}{}, to a {} destination; max downtime {} ms{}{}",
-        r.attempt,
-        if r.resumed {
-            " (resumed the destination's kept memory)"
-        } else {
-            ""
-        },
-        r.dest_backend,
-        m.max_downtime,
-        m.bandwidth
-            .map(|b| format!(", bandwidth cap {b} MiB/s"))
-            .unwrap_or_default(),
-        if m.compress == CompressArg::Lz4 {
-            ", lz4"
-        } else {
-            ""
-        },
-    );
-    for x in &r.rounds {
-        println!(
-            "{} {}: {} pages ({} zero), {} in {} ({:.0} MiB/s); dirtied meanwhile: {}{}",
-            if x.stop_and_copy {
-                "Stop-and-copy round"
-            } else {
-                "Round"
-            },
-            x.round,
-            x.pages,
-            x.zero_pages,
-            format_size(x.bytes),
-            ts(x.time),
-            x.bandwidth() / (1 << 20) as f64,
-            if x.stop_and_copy {
-                "-".to_string()
-            } else {
-                x.dirtied.to_string()
-            },
-            if x.throttle != 0 {
-                format!(", throttle {}%", x.throttle)
-            } else {
-                String::new()
-            },
-        );
-    }
-    println!("Total migration time: {}", ts(r.total));
-    println!(
-        "Downtime: {} (vCPUs paused to verified switch-over: final harvest {}, final pages {}, verification {})",
-        ts(r.downtime),
-        ts(r.final_harvest),
-        ts(r.final_send),
-        ts(r.verify)
-    );
-    println!(
-        "Rounds: {} ({}; expected stop-and-copy transfer {})",
-        r.rounds.len(),
-        if r.converged {
-            "converged"
-        } else {
-            "did not converge: stopped at --max-rounds"
-        },
-        ts(r.expected_final)
-    );
-    println!(
-        "Dirty rate: {:.0} pages/s harvested during pre-copy; guest writes {:.0}/s before migration, {:.0}/s during pre-copy",
-        r.dirty_rate(),
-        baseline,
-        r.write_rate()
-    );
-    println!(
-        "Bandwidth: {:.0} MiB/s average ({} pages, {} sent)",
-        r.bandwidth() / (1 << 20) as f64,
-        r.pages(),
-        format_size(r.bytes())
-    );
-    if let Some(d) = &r.dirty_limit {
-        let v: Vec<String> = d
-            .max_permille
-            .iter()
-            .zip(&d.last_rates)
-            .map(|(t, x)| format!("max {:.1}% (last {x:.0} pages/s)", *t as f64 / 10.0))
-            .collect();
-        println!(
-            "Dirty-limit: {} pages/s per vCPU, every {} ms, {} periods; per vCPU: {}",
-            d.limit,
-            d.period.as_millis(),
-            d.periods,
-            v.join(", ")
-        );
-    }
-    if r.throttle_max == 0 {
-        println!("Throttling: none");
-    } else {
-        let steps: Vec<String> = r
-            .throttle_changes
-            .iter()
-            .map(|(round, t)| format!("{t}% after round {round}"))
-            .collect();
-        println!(
-            "Throttling: up to {}% ({}); vCPUs kept out of the guest {:.3}s in total",
-            r.throttle_max,
-            steps.join(", "),
-            r.throttled.as_secs_f64()
-        );
-    }
-    if r.one_way {
-        println!(
-            "Verification: sent, {} ranges of {} pages ({}), for the reader to check",
-            r.verify_ranges,
-            r.range_pages,
-            format_size(r.verify_ranges * r.range_pages as u64 * 4096)
-        );
-    } else {
-        println!(
-            "Verification: OK, {} ranges of {} pages ({}) match the source ({}: {} pages hashed with the vCPUs paused)",
-            r.verify_ranges,
-            r.range_pages,
-            format_size(r.verify_ranges * r.range_pages as u64 * 4096),
-            r.verify_mode.name(),
-            r.paused_hashed_pages
-        );
-    }
-    if r.state_blobs > 0 {
-        println!(
-            "Device state: {} blobs, {} bytes",
-            r.state_blobs, r.state_bytes
-        );
-    }
-    match r.dest_resumed {
-        Some((n, d)) => println!(
-            "Destination resumed the guest: {n} pages touched in {}",
-            ts(d)
-        ),
-        None => println!("Destination resumed the guest: not reported"),
-    }
-}
-
-fn print_dest(r: &DestReport) {
-    let size = format_size(r.regions.iter().map(|x| x.pages).sum::<u64>() * 4096);
-    println!(
-        "Incoming migration: {size} guest from a {} source (attempt {}{}), onto {}",
-        r.source_backend,
-        r.attempt,
-        if r.resumed { ", resumed" } else { "" },
-        r.backend
-    );
-    println!(
-        "Received: {} pages ({} zero) in {} rounds, {} of stream, in {}",
-        r.pages,
-        r.zero_pages,
-        r.rounds,
-        format_size(r.bytes),
-        ts(r.total)
-    );
-    println!(
-        "Verification: OK, {} ranges of {} pages match the source (hashing here took {})",
-        r.verify.ranges,
-        r.verify.range_pages,
-        ts(r.verify_time)
-    );
-    println!(
-        "Guest resumed here: {} pages touched in {}",
-        r.run.0,
-        ts(r.run.1)
-    );
-}
-
-/// `--plot` of one migration: pages sent and pages dirtied meanwhile (owed to the next round)
-/// per round, and the throttle per round.
-fn plot_convergence(r: &MigrationReport, path: &std::path::Path) -> CliResult {
-    let x = |x: &slat_migrate::source::RoundReport| x.round as f64;
-    let pages = Chart {
-        title: format!(
-            "migration convergence: {} rounds, downtime {:.1} ms",
-            r.rounds.len(),
-            r.downtime.as_secs_f64() * 1e3
-        ),
-        x_desc: "round (0: full copy; the last: stop-and-copy)",
-        y_desc: "pages",
-        series: vec![
-            Series {
-                name: "pages sent in the round".into(),
-                points: r
-                    .rounds
-                    .iter()
-                    .map(|p| (x(p), Some(p.pages as f64)))
-                    .collect(),
-                band: Vec::new(),
-            },
-            Series {
-                name: "pages owed after the round (dirtied while it ran)".into(),
-                points: r
-                    .rounds
-                    .iter()
-                    .map(|p| (x(p), Some(p.dirtied as f64)))
-                    .collect(),
-                band: Vec::new(),
-            },
-        ],
-        x_names: Some(r.rounds.iter().map(|p| p.round.to_string()).collect()),
-    };
-    let throttle = Chart {
-        title: format!("auto-converge throttle (max {}%)", r.throttle_max),
-        x_desc: "round",
-        y_desc: "vCPU throttle (%)",
-        series: vec![Series {
-            name: "throttle while the round ran (%)".into(),
-            points: r
-                .rounds
-                .iter()
-                .map(|p| (x(p), Some(p.throttle as f64)))
-                .collect(),
-            band: Vec::new(),
-        }],
-        x_names: Some(r.rounds.iter().map(|p| p.round.to_string()).collect()),
-    };
-    draw_stacked(&[pages, throttle], path)
-}
-
-/// `--plot` of a sweep: total migration time and downtime of every row (a failed row leaves a
-/// gap).
-fn plot_sweep(
-    rows: &[(String, Option<(Duration, Duration)>)],
-    path: &std::path::Path,
-) -> CliResult {
-    let series = |name: &str, f: fn(&(Duration, Duration)) -> Duration| Series {
-        name: name.to_string(),
-        points: rows
-            .iter()
-            .enumerate()
-            .map(|(i, (_, r))| (i as f64, r.as_ref().map(|r| f(r).as_secs_f64() * 1e3)))
-            .collect(),
-        band: Vec::new(),
-    };
-    Chart {
-        title: "migrate-perf --vary: one migration per row".into(),
-        x_desc: "settings",
-        y_desc: "time (ms, lower is better)",
-        series: vec![
-            series("total migration time", |r| r.0),
-            series("downtime", |r| r.1),
-        ],
-        x_names: Some(rows.iter().map(|(l, _)| l.clone()).collect()),
-    }
-    .draw(path)
-}

@@ -17,7 +17,11 @@
 //! `--vary KEY=V1,V2` (`sweep.rs`): one such run per combination of vCPU count, harvest,
 //! order and machine, in this process, and one table.
 
-mod sweep;
+mod vary;
+
+use self::vary::VARY;
+use crate::driver::{self, Benchmark, Common};
+use crate::output::Sweep;
 
 use crate::args::{
     check_backends, check_kvm_ring, BackendArg, ClearChunk, FormatArg, LogArgs, MachineArgs,
@@ -70,13 +74,9 @@ pub struct SnapshotPerfArgs {
     pub backend: Vec<BackendArg>,
     #[command(flatten)]
     pub machine: MachineArgs,
-    /// Run once per combination of the listed settings, in this process, and print one
-    /// table of combination x k (KEY=V1,V2,...; repeatable). Keys: vcpus (1-512), log (get,
-    /// clear, ring), order (seq, random: -a), backend (sim, kvm). Each row is a full run over
-    /// the -k list. Not with --repeat. For example:
-    /// `--vary log=get,clear,ring --vary vcpus=1,2`.
-    #[arg(long = "vary", value_parser = sweep::parse_vary, value_name = "KEY=V1,V2")]
-    pub vary: Vec<(sweep::VaryKey, Vec<sweep::SnapSetting>)>,
+    /// Run once per combination of settings, one table of combination x k (the keys: --help).
+    #[arg(long = "vary", value_parser = driver::vary::parser(VARY), value_name = "KEY=V1,V2", long_help = driver::vary::help(VARY, vary::EXAMPLES))]
+    pub vary: Vec<driver::vary::Vary>,
     #[command(flatten)]
     pub out: OutputArgs,
 }
@@ -225,26 +225,87 @@ pub struct Report {
     pub summary: Vec<KSummary>,
 }
 
-/// Runs the benchmark.
-pub fn run(a: &SnapshotPerfArgs) -> CliResult {
-    if !a.vary.is_empty() {
-        return sweep::run(a);
+impl Benchmark for SnapshotPerfArgs {
+    type Report = Run;
+    const NAME: &'static str = NAME;
+
+    fn vary_table() -> &'static [driver::vary::Key<Self>] {
+        VARY
     }
-    check(a).map_err(CliError::bad)?;
-    let ks = k_list(a);
-    let mut runs = Vec::new();
-    for &kind in &a.backend {
-        for n in 0..a.out.repeat {
-            if a.out.repeat > 1 && !quiet(a.out.json) {
-                eprintln!("[slat] {} run {}/{}", kind.name(), n + 1, a.out.repeat);
-            }
-            let r = measure(a, kind, &ks)?;
-            if !a.out.json {
-                print_run(&r);
-            }
-            runs.push(r);
+
+    fn common(&self) -> Common<'_> {
+        Common {
+            backends: &self.backend,
+            vary: &self.vary,
+            out: &self.out,
         }
     }
+
+    fn check(&self) -> CliResult {
+        check(self).map_err(CliError::bad)
+    }
+
+    fn measure(&self, kind: BackendArg) -> CliResult<Run> {
+        measure(self, kind, &k_list(self))
+    }
+
+    fn metrics(&self) -> Vec<Metric<Run>> {
+        METRICS.to_vec()
+    }
+
+    fn print(&self, r: &Run) {
+        print_run(r)
+    }
+
+    fn own_output(&self) -> Option<fn(&Self, Vec<(BackendArg, Vec<Run>)>) -> CliResult> {
+        Some(finish)
+    }
+
+    fn print_sweep(&self, sweep: &Sweep<Run>) -> bool {
+        vary::print_sweep(self, sweep);
+        true
+    }
+
+    fn refuse(&self) -> Option<String> {
+        if self.vary.is_empty() {
+            return None;
+        }
+        if self.out.repeat > 1 {
+            return Some("--repeat with --vary: a sweep runs each row once; drop one of them".into());
+        }
+        if self.backend.len() > 1 {
+            return Some("--backend with two machines and --vary: vary the machine with --vary backend=sim,kvm".into());
+        }
+        None
+    }
+}
+
+/// The headline figures (the bars of `--plot`): the reset at the smallest and largest k, and
+/// the full copy.
+const METRICS: &[Metric<Run>] = &[
+    Metric {
+        name: "reset p50, smallest k",
+        unit: "us",
+        better: Better::Lower,
+        get: |r| r.rows.first().map(|k| k.reset_p50_us),
+    },
+    Metric {
+        name: "reset p50, largest k",
+        unit: "us",
+        better: Better::Lower,
+        get: |r| r.rows.last().map(|k| k.reset_p50_us),
+    },
+    Metric {
+        name: "full-copy reset p50",
+        unit: "us",
+        better: Better::Lower,
+        get: |r| Some(r.full_copy.p50_us),
+    },
+];
+
+/// The one document of every machine's runs, or the summaries under the runs' text.
+fn finish(a: &SnapshotPerfArgs, all: Vec<(BackendArg, Vec<Run>)>) -> CliResult {
+    let runs: Vec<Run> = all.into_iter().flat_map(|(_, r)| r).collect();
     let report = Report {
         benchmark: NAME,
         repeat: a.out.repeat,
@@ -268,9 +329,6 @@ pub fn run(a: &SnapshotPerfArgs) -> CliResult {
 fn check(a: &SnapshotPerfArgs) -> Result<(), String> {
     a.machine.format.check_backends(&a.backend)?;
     check_backends(&a.backend, &a.machine.engine_only())?;
-    if a.out.plot.is_some() {
-        return Err("--plot: snapshot-perf has no series to draw; drop --plot".into());
-    }
     if a.log.clear_chunk != ClearChunk::Slot {
         return Err(
             "--clear-chunk: snapshot-perf re-arms a whole memslot per CLEAR; drop --clear-chunk"

@@ -25,6 +25,7 @@ use crate::args::{
 use crate::backend::dirty_config;
 use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
+use crate::driver::{Benchmark, Common};
 use crate::output::{
     cell, format_name, print_json, print_table, ratio_cell, summarize, Better, Metric,
     MetricSummary, VmSettings,
@@ -347,43 +348,54 @@ const RATIO: Metric<Run> = Metric {
     get: |r| r.ratio_measured_over_expected,
 };
 
-/// Runs the measurement.
-pub fn run(a: &DirtyRateArgs) -> CliResult {
-    check(a).map_err(CliError::bad)?;
-    let mut runs = Vec::new();
-    for &kind in &a.backend {
-        for n in 0..a.out.repeat {
-            if a.out.repeat > 1 && !quiet(a.out.json) {
-                eprintln!("[slat] {} run {}/{}", kind.name(), n + 1, a.out.repeat);
-            }
-            let r = on_machine(a, kind)?;
-            if !a.out.json {
-                print_run(&r);
-            }
-            runs.push(r);
+impl Benchmark for DirtyRateArgs {
+    type Report = Run;
+    const NAME: &'static str = NAME;
+
+    fn common(&self) -> Common<'_> {
+        Common {
+            backends: &self.backend,
+            vary: &[],
+            out: &self.out,
         }
     }
-    let summary = a
-        .backend
+
+    fn check(&self) -> CliResult {
+        check(self).map_err(CliError::bad)
+    }
+
+    fn measure(&self, kind: BackendArg) -> CliResult<Run> {
+        on_machine(self, kind)
+    }
+
+    fn metrics(&self) -> Vec<Metric<Run>> {
+        vec![RATE, RATIO]
+    }
+
+    fn print(&self, r: &Run) {
+        print_run(r)
+    }
+
+    fn own_output(&self) -> Option<fn(&Self, Vec<(BackendArg, Vec<Run>)>) -> CliResult> {
+        Some(finish)
+    }
+}
+
+/// The one document of every machine's runs, or the summary under the runs' text.
+fn finish(a: &DirtyRateArgs, all: Vec<(BackendArg, Vec<Run>)>) -> CliResult {
+    let summary = all
         .iter()
-        .map(|b| {
-            let mine: Vec<Run> = runs
-                .iter()
-                .filter(|r| r.backend == b.name())
-                .cloned()
-                .collect();
-            Summary {
-                backend: b.name(),
-                pages_per_s: summarize(&RATE, &mine),
-                ratio_measured_over_expected: summarize(&RATIO, &mine),
-            }
+        .map(|(b, mine)| Summary {
+            backend: b.name(),
+            pages_per_s: summarize(&RATE, mine),
+            ratio_measured_over_expected: summarize(&RATIO, mine),
         })
         .collect();
     let report = Report {
         benchmark: NAME,
         repeat: a.out.repeat,
         backends: a.backend.iter().map(|b| b.name()).collect(),
-        runs,
+        runs: all.into_iter().flat_map(|(_, r)| r).collect(),
         summary,
     };
     if a.out.json {
@@ -405,9 +417,6 @@ fn check(a: &DirtyRateArgs) -> Result<(), String> {
     a.dirty
         .check(&vm, a.machine.format, a.mode == RateMode::Ring)
         .map_err(|e| format!("--mode {}: {e}", a.mode.name()))?;
-    if a.out.plot.is_some() {
-        return Err("--plot: dirty-rate has no series to draw; drop --plot".into());
-    }
     if a.dirty_ring.is_some() && a.mode != RateMode::Ring {
         return Err(
             "--dirty-ring sizes the rings of --mode ring: drop it, or add --mode ring".into(),
