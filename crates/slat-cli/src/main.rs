@@ -134,7 +134,7 @@ fn main() {
     let r = match &cli.command {
         Command::DemandPaging(a) => driver::run(a),
         Command::DirtyLogPerf(a) => driver::run(a),
-        Command::DirtyLogTest(a) => dirty_log_test::run(a),
+        Command::DirtyLogTest(a) => driver::run(a),
         Command::AccessTrackingPerf(a) => access_tracking_perf::run(a),
         Command::PageTableTest(a) => page_table_test::run(a),
         Command::Migrate(a) => driver::run(a),

@@ -2,6 +2,19 @@
 //! under write load over TCP (`slat-migrate`), with the figures of the reverse-map write-protect series' `migrate-perf`:
 //! total migration time, downtime, rounds, dirty rate, bandwidth, throttling, verification.
 
+mod guest;
+pub use guest::{GuestArgs, MigrationArgs};
+use guest::kind;
+
+mod progress;
+use progress::{progress, on_event};
+
+mod parse;
+use parse::{claim_fd, dirty_limit, dirty_rate, endpoint, inject, max_downtime};
+
+mod listen;
+pub use listen::run_listen;
+
 mod perf;
 mod text;
 
@@ -82,117 +95,6 @@ pub enum BreakArg {
     SkipMergeBack,
 }
 
-/// The guest on the source and its workload.
-#[derive(Debug, Clone, Args)]
-pub struct GuestArgs {
-    #[command(flatten)]
-    pub work: Workload,
-    /// Write pseudo-random pages instead of sweeping them in order.
-    #[arg(short = 'a')]
-    pub random: bool,
-    /// Seed of the guest's pseudo-random generator.
-    #[arg(short = 'r', default_value_t = 1)]
-    pub seed: u32,
-    /// Percentage of the guest's accesses that are writes (0-100).
-    #[arg(short = 'w', value_parser = clap::value_parser!(u32).range(0..=100), default_value_t = 100)]
-    pub write_percent: u32,
-    /// Memslots the guest memory is split into (must divide its pages evenly).
-    #[arg(short = 'x', value_parser = clap::value_parser!(u32).range(1..=32_000), default_value_t = 1)]
-    pub slots: u32,
-    /// Guest writes per second per vCPU while it is migrated (k/m suffixes; 0: as fast as
-    /// it can; at most 1000m). Every write stores a new value, so each is a real change.
-    #[arg(long = "dirty-rate", value_parser = dirty_rate, default_value = "10k")]
-    pub dirty_rate: u64,
-    /// vCPU 0's own writes per second, overriding --dirty-rate for it on the source (`sim`
-    /// only; k/m suffixes, 1 to 1000m): one heavy vCPU among lighter ones, where dirty-limit
-    /// slows only the heavy one.
-    #[arg(long = "dirty-rate-vcpu0", value_parser = dirty_rate)]
-    pub dirty_rate_vcpu0: Option<u64>,
-    /// Percent of guest pages filled with pseudo-random data before the run (the rest are
-    /// zero, and travel as zero-page markers until the guest writes them).
-    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=100), default_value_t = 50)]
-    pub fill: u32,
-    /// How the source harvests dirty pages: `get` (GET_DIRTY_LOG clears), `clear` (manual
-    /// protect with INITIALLY_SET: GET copies, CLEAR re-protects) or `ring` (dirty rings).
-    #[arg(long = "log", value_enum, default_value = "clear")]
-    pub log: LogArg,
-    /// Dirty ring entries per vCPU with `--log ring` (a power of two, 128-65536).
-    #[arg(long = "dirty-ring", value_parser = ring_size, default_value = "65536")]
-    pub ring_entries: u32,
-    /// The machine: `sim` (slat's engine under simulated hardware) or `kvm` (/dev/kvm).
-    #[arg(long, value_enum, default_value = "sim")]
-    pub backend: BackendArg,
-    /// How the source's harvests find the pages they write-protect (lockless write-protect through the reverse map; `--backend sim`
-    /// only): `walk` (page-table walk under the MMU lock), `rmap` (reverse-map lookups, same
-    /// lock) or `rmap-lockless` (reverse-map lookups and one compare-and-swap each, no lock).
-    #[arg(long = "wrprot", value_parser = crate::args::variant::<slat::WrprotVariant>(), default_value = "walk")]
-    pub wrprot: slat::WrprotVariant,
-    #[command(flatten)]
-    pub machine: MachineArgs,
-}
-
-/// How the source migrates.
-#[derive(Debug, Clone, Args)]
-pub struct MigrationArgs {
-    /// Longest acceptable stop-and-copy transfer in milliseconds: pre-copy ends once the
-    /// remaining dirty pages could be sent in this time at the measured bandwidth
-    /// (0-3600000).
-    #[arg(long = "max-downtime", value_name = "MS", value_parser = clap::value_parser!(u64).range(0..=MAX_DOWNTIME_MS), default_value_t = 300)]
-    pub max_downtime: u64,
-    /// Pre-copy rounds after the full copy before stopping regardless (0-1000000).
-    #[arg(long = "max-rounds", value_parser = clap::value_parser!(u32).range(0..=1_000_000), default_value_t = 30)]
-    pub max_rounds: u32,
-    /// Cap on the stream, in MiB per second (at least 1; default: none).
-    #[arg(long, value_name = "MIB_PER_S", value_parser = clap::value_parser!(u64).range(1..=MAX_BANDWIDTH_MIB))]
-    pub bandwidth: Option<u64>,
-    /// Page compression: none, or lz4 where it makes a page smaller.
-    #[arg(long, value_enum, default_value = "none")]
-    pub compress: CompressArg,
-    /// Verification at the switch-over: `sent` (every page's digest kept as it is sent and
-    /// received, so only the final round is hashed while the guest is paused) or `full` (all
-    /// memory hashed on both sides while paused, independent of the dirty log). Always on.
-    #[arg(long, value_enum, default_value = "sent")]
-    pub verify: VerifyArg,
-    /// Progress on stderr: `text` lines, or `json` — one JSON object per line (round, pages
-    /// sent and remaining, bandwidth, expected downtime, throttle), also with --json.
-    #[arg(long, value_enum, default_value = "text")]
-    pub progress: ProgressArg,
-    /// Throttle the vCPUs (QEMU-style, 20% then +10% steps) when the guest dirties memory
-    /// faster than the link sends it.
-    #[arg(long = "auto-converge", value_enum, default_value = "on")]
-    pub auto_converge: Switch,
-    /// How pre-copy is made to converge when the guest outruns the link: `auto`
-    /// (auto-converge, as --auto-converge says: every vCPU loses the same time slice),
-    /// `dirty-limit` (QEMU's dirty-limit: each vCPU's dirty rate is measured from its dirty
-    /// ring every --dirty-limit-period, and only the vCPUs above --dirty-limit are slowed;
-    /// needs --log ring and --backend sim) or `none`.
-    #[arg(long, value_enum, default_value = "auto")]
-    pub converge: ConvergeArg,
-    /// Dirty pages per second per vCPU that dirty-limit allows (k/m suffixes; 1 to 1000m).
-    /// The default, 8k (31 MiB/s), is well under a loopback link and slows a heavy writer
-    /// within seconds; QEMU's 1 MB/s would stall a benchmark guest.
-    #[arg(long = "dirty-limit", value_name = "PAGES_PER_S", value_parser = dirty_limit, default_value = "8k")]
-    pub dirty_limit: u64,
-    /// How often dirty-limit measures each vCPU and adjusts its throttle, in milliseconds
-    /// (100-60000; QEMU's default is 1000).
-    #[arg(long = "dirty-limit-period", value_name = "MS", value_parser = clap::value_parser!(u64).range(100..=60_000), default_value_t = 1000)]
-    pub dirty_limit_period: u64,
-    /// How long the guest runs before migration starts, in milliseconds (its write rate then
-    /// is the baseline the migration is compared with; 0-600000).
-    #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(0..=MAX_WAIT_MS), default_value_t = 500)]
-    pub warmup: u64,
-    /// Seconds without data from the destination before an attempt fails (1-86400; there is
-    /// no "never": 0 is refused).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=MAX_TIMEOUT_S), default_value_t = 30)]
-    pub timeout: u64,
-    /// A deliberately broken source (verification must catch it).
-    #[arg(long = "break", value_enum, hide = true)]
-    pub break_: Option<BreakArg>,
-    /// Faults for tests: cut-after=BYTES, corrupt-at=BYTES, version=N (first attempt only).
-    #[arg(long, hide = true, value_parser = inject)]
-    pub inject: Vec<Inject>,
-}
-
 /// How pre-copy converges (`--converge`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ConvergeArg {
@@ -256,79 +158,11 @@ pub enum FlagError {
     MaxDowntime(String),
 }
 
-/// Parses `--to` and `--listen` (QEMU's URI forms; a bare HOST:PORT is TCP).
-fn endpoint(s: &str) -> Result<Endpoint, transport::EndpointError> {
-    s.parse()
-}
-
-/// Takes inherited descriptor `n` of `ep` (`fd:N`).
-fn claim_fd(ep: &Endpoint, n: i32) -> Result<std::os::fd::OwnedFd, RunError> {
-    // SAFETY: `fd:N` names a descriptor this process inherited for the migration (N > 2, so
-    // not stdin, stdout or stderr); nothing else in the process opens, uses or closes it.
-    unsafe { transport::inherited_fd(n) }.map_err(|e| RunError::Fd(ep.clone(), e))
-}
-
-fn inject(s: &str) -> Result<Inject, FlagError> {
-    let (k, v) = s
-        .split_once('=')
-        .ok_or_else(|| FlagError::NotKeyValue(s.into()))?;
-    let n: u64 = v.parse().map_err(|_| FlagError::NotNumber(v.into()))?;
-    match k {
-        "cut-after" => Ok(Inject::CutAfter(n)),
-        "corrupt-at" => Ok(Inject::CorruptAt(n)),
-        "version" => u32::try_from(n)
-            .map(Inject::Version)
-            .map_err(|_| FlagError::Version(v.into())),
-        _ => Err(FlagError::InjectKey(k.into())),
-    }
-}
-
-/// A count with an optional k/m suffix (powers of 1000).
-fn count(s: &str) -> Result<u64, FlagError> {
-    let t = s.trim().to_ascii_lowercase();
-    let (num, mul) = match t.chars().last() {
-        Some('k') => (&t[..t.len() - 1], 1_000),
-        Some('m') => (&t[..t.len() - 1], 1_000_000),
-        _ => (&t[..], 1),
-    };
-    num.parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(mul))
-        .ok_or_else(|| FlagError::NotCount(s.into()))
-}
-
 /// Most guest writes per second per vCPU `--dirty-rate` takes (0 is unlimited): a billion,
 /// beyond what any vCPU writes, and far from the arithmetic limits of the pacing.
 pub const MAX_DIRTY_RATE: u64 = 1_000_000_000;
 
-/// Parses `--dirty-rate` (a count, at most [`MAX_DIRTY_RATE`]).
-fn dirty_rate(s: &str) -> Result<u64, FlagError> {
-    let n = count(s)?;
-    if n > MAX_DIRTY_RATE {
-        return Err(FlagError::DirtyRate(s.into()));
-    }
-    Ok(n)
-}
-
 const _: () = assert!(slat_migrate::dirty_limit::MAX_LIMIT == 1_000_000_000);
-
-/// Parses `--dirty-limit` (a count, 1 to the library's maximum).
-fn dirty_limit(s: &str) -> Result<u64, FlagError> {
-    match count(s)? {
-        n if n == 0 || n > slat_migrate::dirty_limit::MAX_LIMIT => {
-            Err(FlagError::DirtyLimit(s.into()))
-        }
-        n => Ok(n),
-    }
-}
-
-/// Parses a `--max-downtime` of `--vary` (milliseconds, at most [`MAX_DOWNTIME_MS`]).
-fn max_downtime(s: &str) -> Result<u64, FlagError> {
-    match s.parse::<u64>() {
-        Ok(n) if n <= MAX_DOWNTIME_MS => Ok(n),
-        _ => Err(FlagError::MaxDowntime(s.into())),
-    }
-}
 
 /// Flags of `slat migrate`.
 #[derive(Debug, Clone, Args)]
@@ -413,13 +247,6 @@ pub const MAX_RETRIES: u32 = 1000;
 
 /// Largest `--bandwidth`: MiB per second whose bytes per second fit 64 bits.
 const MAX_BANDWIDTH_MIB: u64 = u64::MAX >> 20;
-
-fn kind(b: BackendArg) -> BackendKind {
-    match b {
-        BackendArg::Sim => BackendKind::Sim,
-        BackendArg::Kvm => BackendKind::Kvm,
-    }
-}
 
 impl GuestArgs {
     /// Refuses flags that cannot run together and sizes that cannot be held: `-v` × `-b`
@@ -626,12 +453,6 @@ fn prepare_source(g: &GuestArgs, m: &MigrationArgs, q: bool) -> Result<Prepared,
     Ok((guest, src, baseline, per_vcpu))
 }
 
-fn progress(q: bool, s: &str) {
-    if !q {
-        eprintln!("[slat] {s}");
-    }
-}
-
 /// How the source reports its progress on stderr.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ProgressArg {
@@ -723,66 +544,6 @@ impl<'a> ProgressLine<'a> {
                 paused: p.paused,
                 elapsed_seconds: p.elapsed.as_secs_f64(),
             },
-        }
-    }
-}
-
-/// Progress lines for the source's events.
-fn on_event(q: bool, mode: ProgressArg) -> impl FnMut(Event<'_>) {
-    move |e| {
-        if mode == ProgressArg::Json {
-            // A line that cannot be serialised has nothing in it to lose; none can fail.
-            if let Ok(line) = serde_json::to_string(&ProgressLine::of(&e)) {
-                eprintln!("{line}");
-            }
-            return;
-        }
-        if q {
-            return;
-        }
-        match e {
-            Event::Connected { resume, backend } => eprintln!(
-                "[slat] connected to a {backend} destination{}",
-                if resume {
-                    " that kept this guest's memory: resuming"
-                } else {
-                    ""
-                }
-            ),
-            Event::Round(r) => eprintln!(
-                "[slat] {} {}: {} pages ({} zero), {} in {:.3}s ({:.0} MiB/s), throttle {}%",
-                if r.stop_and_copy {
-                    "stop-and-copy"
-                } else {
-                    "round"
-                },
-                r.round,
-                r.pages,
-                r.zero_pages,
-                format_size(r.bytes),
-                r.time.as_secs_f64(),
-                r.bandwidth() / (1 << 20) as f64,
-                r.throttle
-            ),
-            Event::Throttle(t) => eprintln!("[slat] auto-converge: throttle {t}%"),
-            Event::DirtyLimit {
-                limit,
-                rates,
-                throttles,
-            } => {
-                let v: Vec<String> = rates
-                    .iter()
-                    .zip(throttles)
-                    .map(|(r, t)| format!("{r:.0}/s -> {:.1}%", *t as f64 / 10.0))
-                    .collect();
-                eprintln!(
-                    "[slat] dirty-limit {limit} pages/s per vCPU: {}",
-                    v.join(", ")
-                )
-            }
-            Event::Paused(n) => eprintln!("[slat] vCPUs paused; {n} pages to send"),
-            // The text lines above already say where the migration stands.
-            Event::Progress(_) => {}
         }
     }
 }
@@ -1000,153 +761,4 @@ fn migrate_once(a: &MigrateArgs, q: bool) -> Result<(MigrationReport, f64, Vec<S
         std::thread::sleep(Duration::from_millis(a.retry_delay));
     }
 }
-
-/// `slat migrate-listen`: receives one migration, or `--repeat N` one after the other.
-pub fn run_listen(a: &ListenArgs) -> CliResult {
-    a.machine
-        .format
-        .check_backends(&[a.backend])
-        .map_err(CliError::bad)?;
-    check_backends(&[a.backend], &a.machine.engine_only()).map_err(CliError::bad)?;
-    check_backing(&[a.backend], a.backing).map_err(CliError::bad)?;
-    if a.out.plot.is_some() {
-        return Err(CliError::bad(
-            "--plot: migrate-listen has nothing to draw (the source's `slat migrate --plot` draws the migration)",
-        ));
-    }
-    if matches!(a.listen, Endpoint::Fd(_)) && (a.out.repeat > 1 || a.retries > 0) {
-        return Err(CliError::bad(
-            "--listen fd:N carries one migration: --repeat and --retries need tcp: or unix:",
-        ));
-    }
-    let q = quiet(a.out.json);
-    let mut listener = match &a.listen {
-        Endpoint::Fd(n) => Listener::Fd(Some(claim_fd(&a.listen, *n)?)),
-        at => Listener::bind(at).map_err(|err| RunError::Listen {
-            addr: a.listen.to_string(),
-            err,
-        })?,
-    };
-    let local = listener.describe();
-    progress(
-        q,
-        &format!(
-            "listening on {local} for a migration ({} machine)",
-            a.backend.name()
-        ),
-    );
-    let mut docs = Vec::new();
-    for n in 0..a.out.repeat {
-        if a.out.repeat > 1 {
-            progress(q, &format!("migration {}/{}", n + 1, a.out.repeat));
-        }
-        let r = receive_one(a, &mut listener, &local, q)?;
-        if !a.out.json {
-            print_dest(&r);
-        }
-        docs.push(DestinationDoc::new(&r));
-    }
-    if docs.len() > 1 {
-        let rep = Repeated::new("migrate-listen", DEST_METRICS, docs);
-        if a.out.json {
-            return print_json(&rep, &[a.backend]);
-        }
-        rep.print();
-        return Ok(());
-    }
-    if a.out.json {
-        print_json(&docs[0], &[a.backend])?;
-    }
-    Ok(())
-}
-
-/// Serves connections on `listener` until one migration completes, into a destination of its
-/// own, surviving `--retries` failed ones.
-fn receive_one(
-    a: &ListenArgs,
-    listener: &mut Listener,
-    local: &str,
-    q: bool,
-) -> Result<DestReport, RunError> {
-    let cfg = DestConfig {
-        resume_for: Duration::from_millis(a.resume_ms),
-        timeout: Duration::from_secs(a.timeout),
-        max_memory: a.max_memory.unwrap_or(0),
-    };
-    let mut dest = Destination::new(factory(a), cfg);
-    let mut failures = 0;
-    loop {
-        let c = listener
-            .accept(Duration::from_secs(a.timeout))
-            .map_err(|err| RunError::Accept {
-                addr: local.to_string(),
-                err,
-            })?;
-        let peer = c.peer.clone();
-        progress(q, &format!("incoming migration from {peer}"));
-        let err = match dest.serve_channel(c) {
-            Ok(r) => return Ok(r),
-            Err(err) => err,
-        };
-        failures += 1;
-        if failures > a.retries {
-            return Err(RunError::Incoming { peer, err });
-        }
-        progress(q, &format!(
-            "incoming migration from {peer} failed: {err}; {} waiting for the source to retry ({failures} of {})",
-            if dest.holds_session() { "keeping the guest's memory and" } else { "" },
-            a.retries
-        ));
-    }
-}
-
-/// Builds a machine of each incoming guest's shape with migrate-listen's settings.
-fn factory(a: &ListenArgs) -> slat_migrate::Factory {
-    // The shape is the source's (from the hello's machine description); the rest is ours.
-    bench::factory(GuestSpec {
-        backend: kind(a.backend),
-        shape: Shape {
-            vcpus: 1,
-            bytes_per_vcpu: 4096,
-            slots: 1,
-            overlap: false,
-        },
-        backing: a.backing,
-        log: LogMode::Get,
-        ring_entries: 65536,
-        vm: a.machine.vm_config(),
-        stage2: a.machine.format == FormatArg::Stage2,
-        tlb_entries: a.machine.tlb_entries,
-        pcpus: a.machine.pcpus.unwrap_or(0),
-        prefault: !a.machine.no_prefault,
-    })
-}
-
-/// The figures `migrate-listen --repeat` summarizes, from the destination's report.
-const DEST_METRICS: &[Metric<DestinationDoc>] = &[
-    Metric {
-        name: "total migration time",
-        unit: "s",
-        better: Better::Lower,
-        get: |d| Some(d.total.as_secs_f64()),
-    },
-    Metric {
-        name: "setup",
-        unit: "s",
-        better: Better::Lower,
-        get: |d| Some(d.setup.as_secs_f64()),
-    },
-    Metric {
-        name: "verification hashing",
-        unit: "s",
-        better: Better::Lower,
-        get: |d| Some(d.verify_time.as_secs_f64()),
-    },
-    Metric {
-        name: "stream received",
-        unit: "bytes",
-        better: Better::Lower,
-        get: |d| Some(d.bytes as f64),
-    },
-];
 
