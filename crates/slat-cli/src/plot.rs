@@ -193,7 +193,12 @@ impl BarPanel {
         path: &Path,
     ) -> CliResult {
         let n = self.groups.len().max(1);
-        let top = self.values.iter().flatten().map(|v| v.2).fold(0.0f64, f64::max);
+        let top = self
+            .values
+            .iter()
+            .flatten()
+            .map(|v| v.2)
+            .fold(0.0f64, f64::max);
         let top = if top > 0.0 { top * 1.15 } else { 1.0 };
         let mut chart = ChartBuilder::on(root)
             .caption(&self.title, ("sans-serif", 20))
@@ -223,14 +228,24 @@ impl BarPanel {
         let bars = self.values.iter().enumerate().filter_map(|(g, v)| {
             let (m, _, _) = (*v)?;
             let color = COLORS[g % COLORS.len()];
-            Some(Rectangle::new([(g as f64 - 0.3, 0.0), (g as f64 + 0.3, m)], color.filled()))
+            Some(Rectangle::new(
+                [(g as f64 - 0.3, 0.0), (g as f64 + 0.3, m)],
+                color.filled(),
+            ))
         });
         chart.draw_series(bars).map_err(|e| plot_err(path, e))?;
         let whiskers = self.values.iter().enumerate().filter_map(|(g, v)| {
             let (_, lo, hi) = (*v)?;
             let (x, cap) = (g as f64, 0.08);
             Some(PathElement::new(
-                vec![(x - cap, lo), (x + cap, lo), (x, lo), (x, hi), (x - cap, hi), (x + cap, hi)],
+                vec![
+                    (x - cap, lo),
+                    (x + cap, lo),
+                    (x, lo),
+                    (x, hi),
+                    (x - cap, hi),
+                    (x + cap, hi),
+                ],
                 BLACK.stroke_width(2),
             ))
         });

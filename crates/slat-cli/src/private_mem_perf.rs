@@ -24,12 +24,12 @@ mod memlock;
 mod sim;
 
 use crate::args::{guest_size, OutputArgs, Switch};
-use crate::error::{CliError, CliResult};
 use crate::driver::vary::{engine, names, pick, variants, Key, Values};
 use crate::driver::{self};
-use crate::vary_key;
+use crate::error::{CliError, CliResult};
 use crate::output::{cell, print_table, ratio_cell, summarize, Better, Metric, MetricSummary};
 use crate::report::quiet;
+use crate::vary_key;
 use clap::{Args, ValueEnum};
 use counters::{Deltas, DirectMap, DirectMapDelta, Snapshot};
 use mem::{Fill, Kind, Region, Sample};
@@ -257,12 +257,18 @@ fn parse_policy(s: &str) -> Result<DirectMapPolicy, String> {
 
 /// private-mem-perf's `--vary` keys: each sets one field of a simulated variant.
 pub const VARY: &[Key<sim::Variant>] = &[
-    vary_key!("direct-map", "--direct-map", Values::OneOf(variants::<DirectMapPolicy>), |v, x| {
-        v.policy = engine(x)?
-    }),
-    vary_key!("kernel-flush", "--kernel-flush", Values::OneOf(names::<Switch>), |v, x| {
-        v.kernel_flush = pick::<Switch>(x)?.on()
-    }),
+    vary_key!(
+        "direct-map",
+        "--direct-map",
+        Values::OneOf(variants::<DirectMapPolicy>),
+        |v, x| { v.policy = engine(x)? }
+    ),
+    vary_key!(
+        "kernel-flush",
+        "--kernel-flush",
+        Values::OneOf(names::<Switch>),
+        |v, x| { v.kernel_flush = pick::<Switch>(x)?.on() }
+    ),
 ];
 
 /// The sim backend's plan: the flags and `--vary` resolved into rows. Without either, every
@@ -276,14 +282,22 @@ fn sim_plan(a: &PrivateMemPerfArgs, total: u64) -> Result<sim::SimPlan, String> 
     let rows: Vec<sim::Variant> = match (&a.vary[..], a.direct_map, a.kernel_flush) {
         ([], None, None) => DirectMapPolicy::ALL
             .iter()
-            .flat_map(|&policy| [false, true].map(|kernel_flush| sim::Variant { policy, kernel_flush }))
+            .flat_map(|&policy| {
+                [false, true].map(|kernel_flush| sim::Variant {
+                    policy,
+                    kernel_flush,
+                })
+            })
             .collect(),
         ([], None, Some(_)) => DirectMapPolicy::ALL
             .iter()
             .map(|&policy| sim::Variant { policy, ..base })
             .collect(),
         ([], Some(_), None) => [false, true]
-            .map(|kernel_flush| sim::Variant { kernel_flush, ..base })
+            .map(|kernel_flush| sim::Variant {
+                kernel_flush,
+                ..base
+            })
             .to_vec(),
         (vary, _, _) => driver::vary::rows(&base, vary, VARY)?
             .into_iter()

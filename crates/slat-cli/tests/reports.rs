@@ -560,7 +560,10 @@ fn a_repeated_plot_draws_the_spread() {
                 .collect();
             assert_eq!(ys.len(), 2, "band has its min and max at x={x}: {band:?}");
             let (lo, hi) = (ys[0].min(ys[1]), ys[0].max(ys[1]));
-            assert!(lo - 1.0 <= y && y <= hi + 1.0, "median {y} outside [{lo}, {hi}]");
+            assert!(
+                lo - 1.0 <= y && y <= hi + 1.0,
+                "median {y} outside [{lo}, {hi}]"
+            );
             if hi - lo > 0.5 {
                 wide += 1;
             }

@@ -11,14 +11,12 @@
 mod text;
 use text::{compare, print_header, run_json, summary};
 
-use crate::args::{
-    BackendArg, FormatArg, MachineArgs, OutputArgs, PinArgs, Switch, Workload,
-};
+use crate::args::{BackendArg, FormatArg, MachineArgs, OutputArgs, PinArgs, Switch, Workload};
 use crate::demand_paging::stats_json;
-use crate::error::CliError;
-use crate::limits::GuestMemory;
 use crate::driver::{Benchmark, Common};
+use crate::error::CliError;
 use crate::error::CliResult;
+use crate::limits::GuestMemory;
 use crate::output::{Better, Metric, VmSettings};
 use crate::report::{bbm_cmo_line, pinned_line, quiet, ratio, ts, Phase};
 use clap::{Args, ValueEnum};
@@ -353,7 +351,12 @@ impl Benchmark for AccessTrackingPerfArgs {
     }
 
     fn measure(&self, _kind: BackendArg) -> CliResult<Run> {
-        let result = run_one(self, self.work.vcpus, self.machine.fast_pf.on(), !self.out.json)?;
+        let result = run_one(
+            self,
+            self.work.vcpus,
+            self.machine.fast_pf.on(),
+            !self.out.json,
+        )?;
         let json = run_json(self, &result);
         Ok(Run { result, json })
     }

@@ -3,7 +3,12 @@
 use super::*;
 
 /// The selftest's header lines, the test memory, and how the idle check will judge.
-pub(super) fn print_header(a: &AccessTrackingPerfArgs, vm_cfg: &VmConfig, layout: &Layout, total: u64) {
+pub(super) fn print_header(
+    a: &AccessTrackingPerfArgs,
+    vm_cfg: &VmConfig,
+    layout: &Layout,
+    total: u64,
+) {
     println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
     println!("{}", a.machine.format.header(vm_cfg));
     println!(

@@ -5,9 +5,9 @@
 
 use crate::args::{check_backends, BackendArg, MachineArgs, OutputArgs, PinArgs, Workload};
 use crate::backend::{self, kvm_stats_line, Native, Spec};
+use crate::driver::{Benchmark, Common};
 use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
-use crate::driver::{Benchmark, Common};
 use crate::output::{secs, Better, Metric, RunHead, VmSettings};
 use crate::report::{
     bbm_cmo_line, format_header, pinned_line, quiet, ratio, sim_format, ts, Phase,

@@ -7,23 +7,23 @@ use text::{engine_lines, kvm_lines, print_text, run_flags};
 
 mod vary;
 
+use self::vary::{BOTH_MACHINES, EXAMPLES, VARY};
 use crate::args::{
     check_backends, check_kvm_ring, BackendArg, ClearChunk, DirtyArgs, LogArgs, MachineArgs,
     OutputArgs, PinArgs, Workload,
 };
 use crate::backend::{self, dirty_config, kvm_stats_line, Backend, Native, Pass, Sim, Spec};
 use crate::concurrent_harvest::{self, ConcurrentReport, QuietPasses};
+use crate::driver::chart::SeriesOf;
+use crate::driver::{self, Benchmark, Common, Lines};
 use crate::error::{CliError, CliResult};
 use crate::harvest::{Harvest, HarvestTimes};
 use crate::limits::{check_backing, GuestMemory};
-use crate::driver::chart::SeriesOf;
-use crate::driver::{self, Benchmark, Common, Lines};
 use crate::output::{opt_secs, secs, Better, Metric, RunHead, VmSettings};
 use crate::report::{
     bbm_cmo_line, format_header, pinned_line, quiet, ratio, sim_format, ts, Phase,
 };
 use clap::Args;
-use self::vary::{BOTH_MACHINES, EXAMPLES, VARY};
 use serde::Serialize;
 use slat_machine::ram::format_size;
 use slat_machine::PassParams;

@@ -145,7 +145,11 @@ pub(super) fn engine_lines(a: &DirtyLogPerfArgs, m: &dyn Sim, cfg: &Spec) -> Vec
 }
 
 /// KVM's counters and the run's settings, after the selftest's lines.
-pub(super) fn kvm_lines(a: &DirtyLogPerfArgs, stats: &serde_json::Value, manual: bool) -> Vec<String> {
+pub(super) fn kvm_lines(
+    a: &DirtyLogPerfArgs,
+    stats: &serde_json::Value,
+    manual: bool,
+) -> Vec<String> {
     vec![
         kvm_stats_line(stats),
         format!(

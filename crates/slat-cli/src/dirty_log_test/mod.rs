@@ -8,8 +8,8 @@ use crate::args::{
     Workload,
 };
 use crate::backend::{self, dirty_config, Spec};
-use crate::error::{CliError, CliResult};
 use crate::driver::{Benchmark, Common};
+use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
 use crate::output::{print_json, Better, Metric, Repeated, RunHead, VmSettings};
 use crate::report::{format_header, quiet, sim_format, Phase};
@@ -97,34 +97,34 @@ impl Benchmark for DirtyLogTestArgs {
     }
 
     fn check(&self) -> CliResult {
-    let mut engine_only = self.machine.engine_only();
-    engine_only.extend(self.dirty.engine_only());
-    if self.broken.is_some() {
-        if !cfg!(feature = "broken-engine") {
-            return Err(CliError::bad(
-                "--break needs an engine built with its deliberate bugs: \
+        let mut engine_only = self.machine.engine_only();
+        engine_only.extend(self.dirty.engine_only());
+        if self.broken.is_some() {
+            if !cfg!(feature = "broken-engine") {
+                return Err(CliError::bad(
+                    "--break needs an engine built with its deliberate bugs: \
                  cargo build --release -p slat-cli --features broken-engine",
-            ));
+                ));
+            }
+            engine_only.push("--break");
         }
-        engine_only.push("--break");
-    }
-    if self.toggle_every != 0 {
-        engine_only.push("--toggle-every");
-    }
-    self.machine
-        .format
-        .check_backends(&self.backend)
-        .map_err(CliError::bad)?;
-    check_backends(&self.backend, &engine_only).map_err(CliError::bad)?;
-    let vm_config = self.dirty.apply(self.machine.vm_config());
-    self.dirty
-        .check(
-            &vm_config,
-            self.machine.format,
-            modes(self).contains(&LogMode::DirtyRing),
-        )
-        .map_err(CliError::bad)?;
-    check(self).map_err(CliError::bad)?;
+        if self.toggle_every != 0 {
+            engine_only.push("--toggle-every");
+        }
+        self.machine
+            .format
+            .check_backends(&self.backend)
+            .map_err(CliError::bad)?;
+        check_backends(&self.backend, &engine_only).map_err(CliError::bad)?;
+        let vm_config = self.dirty.apply(self.machine.vm_config());
+        self.dirty
+            .check(
+                &vm_config,
+                self.machine.format,
+                modes(self).contains(&LogMode::DirtyRing),
+            )
+            .map_err(CliError::bad)?;
+        check(self).map_err(CliError::bad)?;
         Ok(())
     }
 
@@ -193,7 +193,10 @@ fn emit_json(a: &DirtyLogTestArgs, all: Vec<(BackendArg, Vec<Report>)>) -> CliRe
             };
             print_json(&doc, &a.backend)
         }
-        (_, 1) => print_json(&Repeated::new(NAME, METRICS, per_backend.remove(0)), &a.backend),
+        (_, 1) => print_json(
+            &Repeated::new(NAME, METRICS, per_backend.remove(0)),
+            &a.backend,
+        ),
         _ => {
             let doc = BothRepeated {
                 benchmark: NAME,

@@ -26,9 +26,9 @@ use crate::args::{
     FormatArg, MachineArgs, OutputArgs, DEFAULT_RING_ENTRIES,
 };
 use crate::backend::dirty_config;
+use crate::driver::{Benchmark, Common};
 use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
-use crate::driver::{Benchmark, Common};
 use crate::output::{
     cell, format_name, print_json, print_table, ratio_cell, summarize, Better, Metric,
     MetricSummary, VmSettings,

@@ -42,7 +42,10 @@ pub fn spread(mut xs: Vec<f64>) -> Option<(f64, f64, f64)> {
 /// One line over `runs`: the median at every x the runs share, and its min-max band.
 fn series<R>(name: &str, f: &SeriesOf<R>, runs: &[R]) -> Series {
     let all: Vec<Vec<(f64, Option<f64>)>> = runs.iter().map(f).collect();
-    let xs: Vec<f64> = all.first().map(|p| p.iter().map(|q| q.0).collect()).unwrap_or_default();
+    let xs: Vec<f64> = all
+        .first()
+        .map(|p| p.iter().map(|q| q.0).collect())
+        .unwrap_or_default();
     let mut points = Vec::new();
     let mut band = Vec::new();
     for x in xs {

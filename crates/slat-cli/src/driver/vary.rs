@@ -97,8 +97,8 @@ fn check_value(values: &Values, v: &str) -> Result<(), String> {
 pub fn help<A>(table: &[Key<A>], examples: &str) -> String {
     let mut s = String::from(
         "Run the benchmark once per combination of the listed settings (the cross product, \
-         first key slowest), in this process, and print one table; with --repeat every \
-         combination runs N times. KEY=V1,V2,...; repeat the flag for more keys. Keys:",
+         first key slowest), in this process, and print one table. KEY=V1,V2,...; repeat the \
+         flag for more keys. Keys:",
     );
     for k in table {
         let vals = match &k.values {
@@ -181,53 +181,6 @@ pub fn rows<A: Clone>(base: &A, vary: &[Vary], table: &[Key<A>]) -> Result<Vec<R
         .collect()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[derive(Clone, Default)]
-    struct A(u64, String);
-
-    const T: &[Key<A>] = &[
-        Key {
-            name: "n",
-            sets: "-n",
-            values: Values::Text("1-4", |v| count_in(v, 1, 4).map(|_| ())),
-            apply: |a, v| {
-                a.0 = count_in(v, 1, 4)?;
-                Ok(())
-            },
-        },
-        Key {
-            name: "c",
-            sets: "-c",
-            values: Values::OneOf(|| vec!["x".into(), "y".into()]),
-            apply: |a, v| {
-                a.1 = v.into();
-                Ok(())
-            },
-        },
-    ];
-
-    #[test]
-    fn parses_checks_and_crosses() {
-        assert!(parse("n", T).unwrap_err().contains("KEY=V1"));
-        assert!(parse("m=1", T).unwrap_err().contains("unknown key"));
-        assert!(parse("n=0", T).unwrap_err().contains("1 to 4"));
-        assert!(parse("n=1,,2", T).unwrap_err().contains("empty"));
-        assert!(parse("c=z", T).unwrap_err().contains("x, y"));
-        let v = [parse("n=1,2", T).unwrap(), parse("c=x,y", T).unwrap()];
-        let r = rows(&A::default(), &v, T).unwrap();
-        assert_eq!(r.len(), 4);
-        assert_eq!(r[1].settings, ["n=1", "c=y"]);
-        assert_eq!((r[3].args.0, r[3].args.1.as_str()), (2, "y"));
-        let twice = [parse("n=1", T).unwrap(), parse("n=2", T).unwrap()];
-        assert!(rows(&A::default(), &twice, T).is_err());
-        let h = help(T, "");
-        assert!(h.contains("n (-n): 1-4") && h.contains("c (-c): x, y"), "{h}");
-    }
-}
-
 /// A value of a clap value enum, as `--vary` wrote it.
 pub fn pick<E: ValueEnum>(v: &str) -> Result<E, String> {
     E::from_str(v, true).map_err(|_| format!("`{v}` is not one of {}", names::<E>().join(", ")))
@@ -273,14 +226,19 @@ pub fn help_matches<A: Clone>(help: &str, table: &[Key<A>], base: &A) -> Result<
     let names: Vec<&str> = listed.iter().map(|l| l.0).collect();
     let want: Vec<&str> = table.iter().map(|k| k.name).collect();
     if names != want {
-        return Err(format!("--help lists keys {names:?}, the table has {want:?}"));
+        return Err(format!(
+            "--help lists keys {names:?}, the table has {want:?}"
+        ));
     }
     for (k, (_, vals)) in table.iter().zip(&listed) {
         if let Values::OneOf(list) = &k.values {
             let shown: Vec<&str> = vals.split(", ").collect();
             let list = list();
             if shown != list {
-                return Err(format!("--vary {}: --help lists {shown:?}, the code takes {list:?}", k.name));
+                return Err(format!(
+                    "--vary {}: --help lists {shown:?}, the code takes {list:?}",
+                    k.name
+                ));
             }
             for v in &list {
                 let mut a = base.clone();
@@ -293,4 +251,54 @@ pub fn help_matches<A: Clone>(help: &str, table: &[Key<A>], base: &A) -> Result<
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Clone, Default)]
+    struct A(u64, String);
+
+    const T: &[Key<A>] = &[
+        Key {
+            name: "n",
+            sets: "-n",
+            values: Values::Text("1-4", |v| count_in(v, 1, 4).map(|_| ())),
+            apply: |a, v| {
+                a.0 = count_in(v, 1, 4)?;
+                Ok(())
+            },
+        },
+        Key {
+            name: "c",
+            sets: "-c",
+            values: Values::OneOf(|| vec!["x".into(), "y".into()]),
+            apply: |a, v| {
+                a.1 = v.into();
+                Ok(())
+            },
+        },
+    ];
+
+    #[test]
+    fn parses_checks_and_crosses() {
+        assert!(parse("n", T).unwrap_err().contains("KEY=V1"));
+        assert!(parse("m=1", T).unwrap_err().contains("unknown key"));
+        assert!(parse("n=0", T).unwrap_err().contains("1 to 4"));
+        assert!(parse("n=1,,2", T).unwrap_err().contains("empty"));
+        assert!(parse("c=z", T).unwrap_err().contains("x, y"));
+        let v = [parse("n=1,2", T).unwrap(), parse("c=x,y", T).unwrap()];
+        let r = rows(&A::default(), &v, T).unwrap();
+        assert_eq!(r.len(), 4);
+        assert_eq!(r[1].settings, ["n=1", "c=y"]);
+        assert_eq!((r[3].args.0, r[3].args.1.as_str()), (2, "y"));
+        let twice = [parse("n=1", T).unwrap(), parse("n=2", T).unwrap()];
+        assert!(rows(&A::default(), &twice, T).is_err());
+        let h = help(T, "");
+        assert!(
+            h.contains("n (-n): 1-4") && h.contains("c (-c): x, y"),
+            "{h}"
+        );
+    }
 }

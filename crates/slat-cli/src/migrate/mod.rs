@@ -3,11 +3,11 @@
 //! total migration time, downtime, rounds, dirty rate, bandwidth, throttling, verification.
 
 mod guest;
-pub use guest::{GuestArgs, MigrationArgs};
 use guest::kind;
+pub use guest::{GuestArgs, MigrationArgs};
 
 mod progress;
-use progress::{progress, on_event};
+use progress::{on_event, progress};
 
 mod parse;
 use parse::{claim_fd, dirty_limit, dirty_rate, endpoint, inject, max_downtime};
@@ -18,19 +18,18 @@ pub use listen::run_listen;
 mod perf;
 mod text;
 
-pub use perf::MigratePerfArgs;
-use crate::driver::{Benchmark, Common, Lines};
-use text::{print_dest, print_report};
 use crate::args::{
     backing, check_backends, check_kvm_ring, ring_size, BackendArg, FormatArg, MachineArgs,
     OutputArgs, Switch, Workload,
 };
+use crate::driver::{Benchmark, Common, Lines};
 use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
 use crate::migrate_report::{DestinationDoc, Migration};
 use crate::output::{print_json, Better, Metric, Repeated};
 use crate::report::quiet;
 use clap::{Args, ValueEnum};
+pub use perf::MigratePerfArgs;
 use serde::Serialize;
 use slat_machine::ram::{format_size, parse_size, Backing};
 use slat_migrate::bench::{self, BackendKind, BenchGuest, GuestSpec, LogMode, Shape, WorkSpec};
@@ -43,6 +42,7 @@ use slat_migrate::{
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use text::{print_dest, print_report};
 
 /// The dirty log the source harvests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -680,7 +680,14 @@ impl Benchmark for MigrateArgs {
 
     fn measure(&self, _kind: BackendArg) -> CliResult<Migrated> {
         let (r, baseline, failures) = migrate_once(self, quiet(self.out.json))?;
-        let doc = Migration::new("migrate", &self.guest, &self.migration, &r, baseline, &failures);
+        let doc = Migration::new(
+            "migrate",
+            &self.guest,
+            &self.migration,
+            &r,
+            baseline,
+            &failures,
+        );
         Ok(Migrated { r, baseline, doc })
     }
 
@@ -761,4 +768,3 @@ fn migrate_once(a: &MigrateArgs, q: bool) -> Result<(MigrationReport, f64, Vec<S
         std::thread::sleep(Duration::from_millis(a.retry_delay));
     }
 }
-

@@ -2,8 +2,8 @@
 //! driver; its `--vary` table and sweep table, and the convergence plot `migrate` shares.
 
 use super::{
-    on_event, prepare_source, progress, quiet, CompressArg, ConvergeArg, DestinationDoc, GuestArgs, LogArg,
-    Migrated, Migration, MigrationArgs, RunError, VerifyArg, MAX_WAIT_MS,
+    on_event, prepare_source, progress, quiet, CompressArg, ConvergeArg, DestinationDoc, GuestArgs,
+    LogArg, Migrated, Migration, MigrationArgs, RunError, VerifyArg, MAX_WAIT_MS,
 };
 use crate::args::{BackendArg, OutputArgs, Switch};
 use crate::driver::chart::SeriesOf;
@@ -41,7 +41,7 @@ pub struct MigratePerfArgs {
 }
 
 /// Examples under the keys in `--help`.
-const EXAMPLES: &str = "For example, dirty rate x log x fast page fault: --vary \
+const EXAMPLES: &str = "--repeat N runs every combination N times. For example, dirty rate x log x fast page fault: --vary \
 dirty-rate=2k,50k --vary log=get,clear,ring --vary fast-pf=on,off; dirty-limit against \
 auto-converge: --log ring --dirty-limit 2k --vary converge=auto,dirty-limit.";
 
@@ -51,40 +51,67 @@ fn text(f: fn(&str) -> Result<u64, super::FlagError>) -> impl Fn(&str) -> Result
 
 /// migrate-perf's `--vary` table.
 pub const VARY: &[Key<MigratePerfArgs>] = &[
-    vary_key!("log", "--log", Values::OneOf(names::<LogArg>), |a, v| a.guest.log = pick(v)?),
+    vary_key!("log", "--log", Values::OneOf(names::<LogArg>), |a, v| a
+        .guest
+        .log =
+        pick(v)?),
     vary_key!(
         "dirty-rate",
         "--dirty-rate",
-        Values::Text("pages/s per vCPU (k/m suffixes)", |v| text(super::dirty_rate)(v).map(drop)),
+        Values::Text("pages/s per vCPU (k/m suffixes)", |v| text(
+            super::dirty_rate
+        )(v)
+        .map(drop)),
         |a, v| a.guest.dirty_rate = text(super::dirty_rate)(v)?
     ),
-    vary_key!("fast-pf", "--fast-pf", Values::OneOf(names::<Switch>), |a, v| {
-        a.guest.machine.fast_pf = pick(v)?
-    }),
-    vary_key!("backend", "--backend", Values::OneOf(names::<BackendArg>), |a, v| {
-        a.guest.backend = pick(v)?
-    }),
+    vary_key!(
+        "fast-pf",
+        "--fast-pf",
+        Values::OneOf(names::<Switch>),
+        |a, v| { a.guest.machine.fast_pf = pick(v)? }
+    ),
+    vary_key!(
+        "backend",
+        "--backend",
+        Values::OneOf(names::<BackendArg>),
+        |a, v| { a.guest.backend = pick(v)? }
+    ),
     vary_key!(
         "max-downtime",
         "--max-downtime",
         Values::Text("milliseconds", |v| text(super::max_downtime)(v).map(drop)),
         |a, v| a.migration.max_downtime = text(super::max_downtime)(v)?
     ),
-    vary_key!("compress", "--compress", Values::OneOf(names::<CompressArg>), |a, v| {
-        a.migration.compress = pick(v)?
-    }),
-    vary_key!("auto-converge", "--auto-converge", Values::OneOf(names::<Switch>), |a, v| {
-        a.migration.auto_converge = pick(v)?
-    }),
-    vary_key!("wrprot", "--wrprot", Values::OneOf(variants::<slat::WrprotVariant>), |a, v| {
-        a.guest.wrprot = crate::driver::vary::engine(v)?
-    }),
-    vary_key!("verify", "--verify", Values::OneOf(names::<VerifyArg>), |a, v| {
-        a.migration.verify = pick(v)?
-    }),
-    vary_key!("converge", "--converge", Values::OneOf(names::<ConvergeArg>), |a, v| {
-        a.migration.converge = pick(v)?
-    }),
+    vary_key!(
+        "compress",
+        "--compress",
+        Values::OneOf(names::<CompressArg>),
+        |a, v| { a.migration.compress = pick(v)? }
+    ),
+    vary_key!(
+        "auto-converge",
+        "--auto-converge",
+        Values::OneOf(names::<Switch>),
+        |a, v| { a.migration.auto_converge = pick(v)? }
+    ),
+    vary_key!(
+        "wrprot",
+        "--wrprot",
+        Values::OneOf(variants::<slat::WrprotVariant>),
+        |a, v| { a.guest.wrprot = crate::driver::vary::engine(v)? }
+    ),
+    vary_key!(
+        "verify",
+        "--verify",
+        Values::OneOf(names::<VerifyArg>),
+        |a, v| { a.migration.verify = pick(v)? }
+    ),
+    vary_key!(
+        "converge",
+        "--converge",
+        Values::OneOf(names::<ConvergeArg>),
+        |a, v| { a.migration.converge = pick(v)? }
+    ),
 ];
 
 impl Benchmark for MigratePerfArgs {
@@ -111,7 +138,14 @@ impl Benchmark for MigratePerfArgs {
 
     fn measure(&self, _kind: BackendArg) -> CliResult<Migrated> {
         let (r, d, baseline, per_vcpu) = perf_once(self)?;
-        let mut doc = Migration::new("migrate-perf", &self.guest, &self.migration, &r, baseline, &[]);
+        let mut doc = Migration::new(
+            "migrate-perf",
+            &self.guest,
+            &self.migration,
+            &r,
+            baseline,
+            &[],
+        );
         doc.destination = Some(DestinationDoc::new(&d));
         doc.set_vcpu_before(per_vcpu);
         Ok(Migrated { r, baseline, doc })
@@ -307,7 +341,10 @@ fn print_sweep(a: &MigratePerfArgs, sweep: &Sweep<Migrated>) {
 /// `--plot` of a migration: pages sent and pages dirtied meanwhile (owed to the next round)
 /// per round, and the throttle per round.
 pub fn convergence(r: &MigrationReport) -> Vec<Lines<Migrated>> {
-    fn per_round(name: &str, f: fn(&slat_migrate::source::RoundReport) -> f64) -> (String, SeriesOf<Migrated>) {
+    fn per_round(
+        name: &str,
+        f: fn(&slat_migrate::source::RoundReport) -> f64,
+    ) -> (String, SeriesOf<Migrated>) {
         let points = move |m: &Migrated| {
             m.r.rounds
                 .iter()
@@ -338,7 +375,9 @@ pub fn convergence(r: &MigrationReport) -> Vec<Lines<Migrated>> {
             title: format!("auto-converge throttle (max {}%)", r.throttle_max),
             x_desc: "round",
             y_desc: "vCPU throttle (%)",
-            series: vec![per_round("throttle while the round ran (%)", |p| p.throttle as f64)],
+            series: vec![per_round("throttle while the round ran (%)", |p| {
+                p.throttle as f64
+            })],
             x_names: Some(rounds),
         },
     ]

@@ -105,7 +105,6 @@ struct StageFigures {
     logging_switch: Option<Duration>,
 }
 
-
 /// Refuses a guest mode the model does not implement.
 fn check_mode(a: &PageTableTestArgs) -> CliResult {
     if a.mode < GUEST_MODES.len() {
@@ -145,7 +144,11 @@ pub fn run(a: &PageTableTestArgs) -> CliResult {
     let mut runs = Vec::new();
     for rebuild in [RebuildOrder::BreakFirst, RebuildOrder::InstallFirst] {
         for cmo in [CmoPolicy::Always, CmoPolicy::OnInstall] {
-            let vm = VmConfig { cmo, rebuild, ..base };
+            let vm = VmConfig {
+                cmo,
+                rebuild,
+                ..base
+            };
             runs.push((vm, run_format(a, vm, false)?));
         }
     }

@@ -274,7 +274,9 @@ impl Benchmark for SnapshotPerfArgs {
             return None;
         }
         if self.out.repeat > 1 {
-            return Some("--repeat with --vary: a sweep runs each row once; drop one of them".into());
+            return Some(
+                "--repeat with --vary: a sweep runs each row once; drop one of them".into(),
+            );
         }
         if self.backend.len() > 1 {
             return Some("--backend with two machines and --vary: vary the machine with --vary backend=sim,kvm".into());

@@ -25,7 +25,10 @@ pub fn load(file: &str) -> Value {
 struct SchemaFolder;
 
 impl Retrieve for SchemaFolder {
-    fn retrieve(&self, uri: &Uri<String>) -> Result<Value, Box<dyn std::error::Error + Send + Sync>> {
+    fn retrieve(
+        &self,
+        uri: &Uri<String>,
+    ) -> Result<Value, Box<dyn std::error::Error + Send + Sync>> {
         let file = uri
             .as_str()
             .strip_prefix(BASE)
@@ -41,9 +44,25 @@ fn errors_of(schema: &Value, doc: &Value) -> Vec<String> {
         .should_validate_formats(true)
         .build(schema)
         .unwrap_or_else(|e| panic!("bad schema: {e}"));
-    v.iter_errors(doc)
-        .map(|e| format!("${}: {e}", e.instance_path()))
-        .collect()
+    let mut out = Vec::new();
+    for e in v.iter_errors(doc) {
+        explain(&e, "", &mut out);
+    }
+    out
+}
+
+/// One error, and for a `oneOf` or `anyOf` that no branch matched, why each branch failed (the
+/// validator's own message says only that none did).
+fn explain(e: &jsonschema::ValidationError<'_>, branch: &str, out: &mut Vec<String>) {
+    out.push(format!("{branch}${}: {e}", e.instance_path()));
+    use jsonschema::error::ValidationErrorKind as K;
+    if let K::OneOfNotValid { context } | K::AnyOf { context } = e.kind() {
+        for (i, errs) in context.iter().enumerate() {
+            for inner in errs {
+                explain(inner, &format!("{branch}[branch {i}] "), out);
+            }
+        }
+    }
 }
 
 /// Errors of `doc` against schema file `file`, each with its JSON path.
@@ -53,7 +72,10 @@ pub fn errors(file: &str, doc: &Value) -> Vec<String> {
 
 /// Errors of `doc` against `#/$defs/<def>` of schema file `file`.
 pub fn def_errors(file: &str, def: &str, doc: &Value) -> Vec<String> {
-    errors_of(&serde_json::json!({ "$ref": format!("{file}#/$defs/{def}") }), doc)
+    errors_of(
+        &serde_json::json!({ "$ref": format!("{file}#/$defs/{def}") }),
+        doc,
+    )
 }
 
 /// Panics with every error of `doc` against schema file `file`.
