@@ -78,7 +78,7 @@ pub fn runs<B: Benchmark>(
     };
     let lines = b.lines(first);
     if lines.is_empty() {
-        return bars(b, &[(B::NAME.to_string(), runs)], metrics, "run", path);
+        return figures::<B>(runs, metrics, path);
     }
     let charts: Vec<Chart> = lines
         .iter()
@@ -94,6 +94,48 @@ pub fn runs<B: Benchmark>(
         })
         .collect();
     draw_stacked(&charts, path)
+}
+
+/// One configuration without lines: a bar per metric that shares the first metric's unit.
+fn figures<B: Benchmark>(
+    runs: &[B::Report],
+    metrics: &[Metric<B::Report>],
+    path: &Path,
+) -> CliResult {
+    let Some(unit) = metrics.first().map(|m| m.unit) else {
+        return Ok(());
+    };
+    let same: Vec<&Metric<B::Report>> = metrics.iter().filter(|m| m.unit == unit).collect();
+    let (scale, shown) = scale(unit);
+    let of = match runs.len() {
+        1 => String::from("one run"),
+        n => format!("median of {n} runs, error bars min to max"),
+    };
+    let panel = BarPanel {
+        title: format!("{} ({of})", B::NAME),
+        x_desc: "figure".into(),
+        y_desc: shown.to_string(),
+        groups: same.iter().map(|m| m.name.to_string()).collect(),
+        values: same
+            .iter()
+            .map(|m| median_min_max(m, runs, scale))
+            .collect(),
+    };
+    draw_bars(&[panel], path)
+}
+
+/// How a unit is drawn: seconds as milliseconds.
+fn scale(unit: &str) -> (f64, &str) {
+    match unit {
+        "s" => (1e3, "ms"),
+        "x" => (1.0, "guest/native"),
+        u => (1.0, u),
+    }
+}
+
+fn median_min_max<R>(m: &Metric<R>, runs: &[R], scale: f64) -> Option<(f64, f64, f64)> {
+    let s = summarize(m, runs);
+    Some((s.median? * scale, s.min? * scale, s.max? * scale))
 }
 
 /// Bars of the benchmark's headline metrics, a panel each, one bar per `(label, runs)`
@@ -115,11 +157,7 @@ pub fn bars<B: Benchmark>(
         .iter()
         .filter(|m| heads.contains(&m.name))
         .map(|m| {
-            let (scale, unit) = match m.unit {
-                "s" => (1e3, "ms"),
-                "x" => (1.0, "guest/native"),
-                u => (1.0, u),
-            };
+            let (scale, unit) = scale(m.unit);
             let better = match m.better {
                 Better::Lower => "lower",
                 Better::Higher => "higher",
@@ -131,10 +169,7 @@ pub fn bars<B: Benchmark>(
                 groups: groups.iter().map(|g| g.0.clone()).collect(),
                 values: groups
                     .iter()
-                    .map(|(_, runs)| {
-                        let s = summarize(m, runs);
-                        Some((s.median? * scale, s.min? * scale, s.max? * scale))
-                    })
+                    .map(|(_, runs)| median_min_max(m, runs, scale))
                     .collect(),
             }
         })

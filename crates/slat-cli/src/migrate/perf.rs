@@ -356,11 +356,7 @@ pub fn convergence(r: &MigrationReport) -> Vec<Lines<Migrated>> {
     let rounds: Vec<String> = r.rounds.iter().map(|p| p.round.to_string()).collect();
     vec![
         Lines {
-            title: format!(
-                "migration convergence: {} rounds, downtime {:.1} ms",
-                r.rounds.len(),
-                r.downtime.as_secs_f64() * 1e3
-            ),
+            title: "migration convergence".to_string(),
             x_desc: "round (0: full copy; the last: stop-and-copy)",
             y_desc: "pages",
             series: vec![
@@ -372,7 +368,7 @@ pub fn convergence(r: &MigrationReport) -> Vec<Lines<Migrated>> {
             x_names: Some(rounds.clone()),
         },
         Lines {
-            title: format!("auto-converge throttle (max {}%)", r.throttle_max),
+            title: "auto-converge throttle".to_string(),
             x_desc: "round",
             y_desc: "vCPU throttle (%)",
             series: vec![per_round("throttle while the round ran (%)", |p| {
