@@ -177,10 +177,22 @@ mod tests {
     /// ones the code accepts, and each listed value applies.
     #[test]
     fn vary_help_lists_exactly_what_the_table_accepts() {
-        let dlp: dirty_log_perf::DirtyLogPerfArgs = parse(&["slat", "dirty-log-perf"]);
-        let table = dirty_log_perf::DirtyLogPerfArgs::vary_table();
-        assert!(!table.is_empty());
-        driver::vary::help_matches(&help("dirty-log-perf"), table, &dlp).unwrap();
+        fn check<B: Benchmark + clap::FromArgMatches>(sub: &str) {
+            let base: B = parse(&["slat", sub]);
+            let table = B::vary_table();
+            assert!(!table.is_empty(), "{sub}");
+            driver::vary::help_matches(&help(sub), table, &base)
+                .unwrap_or_else(|e| panic!("{sub}: {e}"));
+        }
+        check::<dirty_log_perf::DirtyLogPerfArgs>("dirty-log-perf");
+        check::<snapshot_perf::SnapshotPerfArgs>("snapshot-perf");
+        check::<migrate::MigratePerfArgs>("migrate-perf");
+        let base = private_mem_perf::sim::Variant {
+            policy: Default::default(),
+            kernel_flush: false,
+        };
+        let table = private_mem_perf::VARY;
+        driver::vary::help_matches(&help("private-mem-perf"), table, &base).unwrap();
     }
 
     /// The check itself fails when the help and the table disagree.

@@ -21,7 +21,7 @@ mod counters;
 mod gmem;
 mod mem;
 mod memlock;
-mod sim;
+pub mod sim;
 
 use crate::args::{guest_size, OutputArgs, Switch};
 use crate::driver::vary::{engine, names, pick, variants, Key, Values};
