@@ -160,6 +160,12 @@ pub(super) fn compare(a: &AccessTrackingPerfArgs) -> crate::error::CliResult {
         );
     }
     println!();
+    print_compare_table(&runs);
+    Ok(())
+}
+
+/// The `--compare` table, then every run's warnings.
+fn print_compare_table(runs: &[RunResult]) {
     println!(
         "| {:<22} | {:>16} | {:>22} | {:>12} | {:>7} | {:>24} | {:>7} | {:>8} |",
         "variant",
@@ -175,7 +181,7 @@ pub(super) fn compare(a: &AccessTrackingPerfArgs) -> crate::error::CliResult {
         "|{:-<24}|{:-<18}|{:-<24}|{:-<14}|{:-<9}|{:-<26}|{:-<9}|{:-<10}|",
         "", "", "", "", "", "", "", ""
     );
-    for r in &runs {
+    for r in runs {
         let w = r.pass("Writing to idle memory");
         let rd = r.pass("Reading from idle memory");
         let mark = r.marks.first().map(|m| m.time).unwrap_or_default();
@@ -196,7 +202,7 @@ pub(super) fn compare(a: &AccessTrackingPerfArgs) -> crate::error::CliResult {
             w.map(|p| p.faults()).unwrap_or_default()
         );
     }
-    for r in &runs {
+    for r in runs {
         for w in &r.warnings {
             println!(
                 "warning (-v {}, fast PF {}): {w}",
@@ -205,5 +211,4 @@ pub(super) fn compare(a: &AccessTrackingPerfArgs) -> crate::error::CliResult {
             );
         }
     }
-    Ok(())
 }

@@ -27,6 +27,13 @@ pub fn print_report(g: &GuestArgs, m: &MigrationArgs, r: &MigrationReport, basel
             ""
         },
     );
+    print_rounds(r);
+    print_totals(r, baseline);
+    print_checks(r);
+}
+
+/// One line per round.
+fn print_rounds(r: &MigrationReport) {
     for x in &r.rounds {
         println!(
             "{} {}: {} pages ({} zero), {} in {} ({:.0} MiB/s); dirtied meanwhile: {}{}",
@@ -53,6 +60,10 @@ pub fn print_report(g: &GuestArgs, m: &MigrationArgs, r: &MigrationReport, basel
             },
         );
     }
+}
+
+/// Times, rounds, rates and throttling of the whole migration.
+fn print_totals(r: &MigrationReport, baseline: f64) {
     println!("Total migration time: {}", ts(r.total));
     println!(
         "Downtime: {} (vCPUs paused to verified switch-over: final harvest {}, final pages {}, verification {})",
@@ -113,6 +124,10 @@ pub fn print_report(g: &GuestArgs, m: &MigrationArgs, r: &MigrationReport, basel
             r.throttled.as_secs_f64()
         );
     }
+}
+
+/// Verification, device state and the destination's resume.
+fn print_checks(r: &MigrationReport) {
     if r.one_way {
         println!(
             "Verification: sent, {} ranges of {} pages ({}), for the reader to check",
@@ -145,6 +160,7 @@ pub fn print_report(g: &GuestArgs, m: &MigrationArgs, r: &MigrationReport, basel
     }
 }
 
+/// The text report of one received migration.
 pub fn print_dest(r: &DestReport) {
     let size = format_size(r.regions.iter().map(|x| x.pages).sum::<u64>() * 4096);
     println!(

@@ -265,19 +265,7 @@ struct Run {
 /// The `--compare` table: stage times per configuration (cache maintenance policy × block
 /// rebuild order), and each patch's improvement.
 fn print_comparison(a: &PageTableTestArgs, runs: &[(VmConfig, Run)]) {
-    let time = |cmo: CmoPolicy, rebuild: RebuildOrder, stage: Stage| -> Duration {
-        runs.iter()
-            .find(|(vm, _)| vm.cmo == cmo && vm.rebuild == rebuild)
-            .and_then(|(_, r)| r.stages.iter().find(|f| f.stage == stage))
-            .map_or(Duration::ZERO, |f| f.time)
-    };
-    let gain = |before: Duration, after: Duration| {
-        if before.is_zero() {
-            0.0
-        } else {
-            100.0 * (before.as_secs_f64() - after.as_secs_f64()) / before.as_secs_f64()
-        }
-    };
+    let time = |cmo, rebuild, stage| stage_of(runs, cmo, rebuild, stage);
     println!(
         "page-table-test --compare: -s {} -b {} -v {} --format stage2, eager split {}, recover {}",
         a.backing.name(),
@@ -301,6 +289,34 @@ fn print_comparison(a: &PageTableTestArgs, runs: &[(VmConfig, Run)]) {
         );
     }
     println!();
+    print_patches(runs);
+}
+
+/// A stage's time in the configuration `cmo` × `rebuild` (zero if it did not run).
+fn stage_of(
+    runs: &[(VmConfig, Run)],
+    cmo: CmoPolicy,
+    rebuild: RebuildOrder,
+    stage: Stage,
+) -> Duration {
+    runs.iter()
+        .find(|(vm, _)| vm.cmo == cmo && vm.rebuild == rebuild)
+        .and_then(|(_, r)| r.stages.iter().find(|f| f.stage == stage))
+        .map_or(Duration::ZERO, |f| f.time)
+}
+
+/// How much shorter `after` is than `before`, in percent.
+fn gain(before: Duration, after: Duration) -> f64 {
+    if before.is_zero() {
+        0.0
+    } else {
+        100.0 * (before.as_secs_f64() - after.as_secs_f64()) / before.as_secs_f64()
+    }
+}
+
+/// Each patch's improvement, stage by stage.
+fn print_patches(runs: &[(VmConfig, Run)]) {
+    let time = |cmo, rebuild, stage| stage_of(runs, cmo, rebuild, stage);
     println!(
         "Patch 1 (CMOs only by the installing fault), always -> on-install, rebuild break-first:"
     );
