@@ -2,8 +2,8 @@
 
 use clap::{Args, ValueEnum};
 use slat::{
-    CmoPolicy, DirtyTrack, Ept, GetLogVariant, MmuLockKind, PteFormat, RebuildOrder,
-    RecoverVariant, Stage2, VmConfig, WrprotVariant,
+    CmoPolicy, DirectMapPolicy, DirtyTrack, Ept, GetLogVariant, MmuLockKind, PteFormat,
+    RebuildOrder, RecoverVariant, Stage2, VmConfig, WrprotVariant,
 };
 use slat_machine::tlb::DEFAULT_TLB_ENTRIES;
 use slat_workload::{parse_size, Backing};
@@ -62,6 +62,7 @@ macro_rules! variant {
     )+};
 }
 variant!(
+    DirectMapPolicy,
     MmuLockKind,
     CmoPolicy,
     RebuildOrder,
@@ -266,7 +267,7 @@ pub struct DirtyArgs {
     /// (hardware dirty bits, PML-like).
     #[arg(long = "dirty-tracking", value_parser = variant::<DirtyTrack>(), default_value = "write-protect")]
     pub tracking: DirtyTrack,
-    /// How harvests and enable-logging find the pages they write-protect (seed 002): `walk`
+    /// How harvests and enable-logging find the pages they write-protect (lockless write-protect through the reverse map): `walk`
     /// (the page-table walk under the MMU lock), `rmap` (reverse-map lookups, same lock) or
     /// `rmap-lockless` (reverse-map lookups and one compare-and-swap each, no MMU lock).
     #[arg(long = "wrprot", value_parser = variant::<WrprotVariant>(), default_value = "walk")]
@@ -430,16 +431,18 @@ pub struct OutputArgs {
     /// version, the slat version and the host facts the numbers depend on).
     #[arg(long)]
     pub json: bool,
-    /// Run the benchmark N times in this process and add the median, minimum, maximum and
-    /// spread ((max - min) / median) of every headline figure, in text and JSON (1-1000).
+    /// Run the benchmark N times in this process (each --vary row and each --backend machine
+    /// N times) and add the median, minimum, maximum and spread ((max - min) / median) of every
+    /// headline figure, in text and JSON (1-1000).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000), default_value_t = 1)]
     pub repeat: u32,
-    /// Also draw the run's figures into an SVG file. dirty-log-perf: the dirty, harvest and
-    /// native time of every iteration (the first run's, with --repeat or two backends), or
-    /// with --vary one line per time metric across the rows. migrate and migrate-perf: the
-    /// migration's convergence (pages sent and still owed, and the throttle, per round), or
-    /// with --vary the total time and downtime of every row. Benchmarks with nothing to draw
-    /// refuse it.
+    /// Also draw the figures into an SVG file (checked writable before the run starts). One
+    /// configuration: its lines (dirty-log-perf: the dirty, harvest and native time of every
+    /// iteration; migrate and migrate-perf: pages sent and still owed, and the throttle, per
+    /// round), with --repeat the median and a band from the minimum to the maximum; a benchmark
+    /// without lines draws bars of its headline figures. --vary and --backend sim,kvm: bars of
+    /// the headline figures per row or machine, with min-max error bars over the --repeat runs.
+    /// dirty-log-test (a correctness check), private-mem-perf and migrate-listen refuse it.
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<std::path::PathBuf>,
 }

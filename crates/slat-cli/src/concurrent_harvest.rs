@@ -1,4 +1,4 @@
-//! `dirty-log-perf --concurrent`: the seed's `migrate-perf -c -m -t` shape. The vCPUs keep
+//! `dirty-log-perf --concurrent`: the `migrate-perf -c -m -t` shape of the lockless reverse-map write-protect series. The vCPUs keep
 //! writing while the host harvests the log `-i` times in a loop; the report sets harvest time,
 //! guest write throughput and per-vCPU write latency against the same figures with no harvest
 //! running (the iterations before it, where the vCPUs are stopped during each harvest).

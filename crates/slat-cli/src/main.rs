@@ -8,6 +8,7 @@ mod demand_paging;
 mod dirty_log_perf;
 mod dirty_log_test;
 mod dirty_rate;
+mod driver;
 mod error;
 mod harvest;
 mod host;
@@ -22,7 +23,6 @@ mod private_mem_perf;
 mod private_mem_test;
 mod report;
 mod snapshot_perf;
-mod sweep;
 
 use clap::{Parser, Subcommand};
 
@@ -72,7 +72,7 @@ enum Command {
     /// rings) of a running guest for N ms windows and report distinct pages dirtied per
     /// second, overall and per vCPU, beside the guest's known write rate where there is one.
     DirtyRate(dirty_rate::DirtyRateArgs),
-    /// The host kernel's cost of private memory (seed 003): threads fault in memfd_secret
+    /// The host kernel's cost of private memory (host direct map for private memory): threads fault in memfd_secret
     /// memory, whose pages the kernel removes from its direct map (splitting huge leaves),
     /// against plain memfd memory; direct-map splits, DirectMap sizes, TLB shootdowns.
     PrivateMemPerf(private_mem_perf::PrivateMemPerfArgs),
@@ -132,16 +132,16 @@ fn main() {
         }
     }
     let r = match &cli.command {
-        Command::DemandPaging(a) => demand_paging::run(a),
-        Command::DirtyLogPerf(a) => dirty_log_perf::run(a),
-        Command::DirtyLogTest(a) => dirty_log_test::run(a),
+        Command::DemandPaging(a) => driver::run(a),
+        Command::DirtyLogPerf(a) => driver::run(a),
+        Command::DirtyLogTest(a) => driver::run(a),
         Command::AccessTrackingPerf(a) => access_tracking_perf::run(a),
         Command::PageTableTest(a) => page_table_test::run(a),
-        Command::Migrate(a) => migrate::run_migrate(a),
+        Command::Migrate(a) => driver::run(a),
         Command::MigrateListen(a) => migrate::run_listen(a),
-        Command::MigratePerf(a) => migrate::run_perf(a),
-        Command::SnapshotPerf(a) => snapshot_perf::run(a),
-        Command::DirtyRate(a) => dirty_rate::run(a),
+        Command::MigratePerf(a) => driver::run(a),
+        Command::SnapshotPerf(a) => driver::run(a),
+        Command::DirtyRate(a) => driver::run(a),
         Command::PrivateMemPerf(a) => private_mem_perf::run(a),
         Command::PrivateMemTest(a) => private_mem_test::run(a),
     };
@@ -150,5 +150,60 @@ fn main() {
         // run.
         eprintln!("slat: {e}");
         std::process::exit(e.exit_code());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+    use driver::Benchmark;
+
+    /// The `--help` of `sub`, as wide as the test's lines need.
+    fn help(sub: &str) -> String {
+        let mut cmd = Cli::command().term_width(1000);
+        cmd.build();
+        let sub = cmd.find_subcommand_mut(sub).expect("subcommand");
+        sub.render_long_help().to_string()
+    }
+
+    fn parse<T: clap::FromArgMatches>(args: &[&str]) -> T {
+        let m = Cli::command().get_matches_from(args);
+        let (_, sub) = m.subcommand().expect("subcommand");
+        T::from_arg_matches(sub).expect("flags")
+    }
+
+    /// Every `--vary` table against the help it writes: the keys and values listed are the
+    /// ones the code accepts, and each listed value applies.
+    #[test]
+    fn vary_help_lists_exactly_what_the_table_accepts() {
+        fn check<B: Benchmark + clap::FromArgMatches>(sub: &str) {
+            let base: B = parse(&["slat", sub]);
+            let table = B::vary_table();
+            assert!(!table.is_empty(), "{sub}");
+            driver::vary::help_matches(&help(sub), table, &base)
+                .unwrap_or_else(|e| panic!("{sub}: {e}"));
+        }
+        check::<dirty_log_perf::DirtyLogPerfArgs>("dirty-log-perf");
+        check::<snapshot_perf::SnapshotPerfArgs>("snapshot-perf");
+        check::<migrate::MigratePerfArgs>("migrate-perf");
+        let base = private_mem_perf::sim::Variant {
+            policy: Default::default(),
+            kernel_flush: false,
+        };
+        let table = private_mem_perf::VARY;
+        driver::vary::help_matches(&help("private-mem-perf"), table, &base).unwrap();
+    }
+
+    /// The check itself fails when the help and the table disagree.
+    #[test]
+    fn vary_help_check_catches_a_drift() {
+        let dlp: dirty_log_perf::DirtyLogPerfArgs = parse(&["slat", "dirty-log-perf"]);
+        let table = dirty_log_perf::DirtyLogPerfArgs::vary_table();
+        let h = help("dirty-log-perf");
+        let dropped = h.replace("wrprot (--wrprot)", "wrprot-gone (--wrprot)");
+        assert!(driver::vary::help_matches(&dropped, table, &dlp).is_err());
+        let fewer = h.replace("walk, rmap, rmap-lockless", "walk, rmap");
+        assert!(driver::vary::help_matches(&fewer, table, &dlp).is_err());
     }
 }

@@ -82,7 +82,7 @@ pub struct VmSettings {
     pub cmo: &'static str,
     /// `--rebuild`.
     pub rebuild: &'static str,
-    /// `--wrprot` (seed 002).
+    /// `--wrprot` (lockless write-protect through the reverse map).
     pub wrprot: &'static str,
     /// `--tlb-entries`.
     pub tlb_entries: usize,
@@ -161,6 +161,14 @@ pub struct Metric<R> {
     pub get: fn(&R) -> Option<f64>,
 }
 
+impl<R> Clone for Metric<R> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<R> Copy for Metric<R> {}
+
 /// A figure in a table cell: six decimals below 1000 (seconds resolve to the microsecond),
 /// whole numbers above (rates), or `-` when the run has none.
 pub fn cell(x: Option<f64>) -> String {
@@ -204,7 +212,8 @@ pub struct CompareRow {
     pub ratio_first_over_second: Option<f64>,
 }
 
-/// A `--backend A,B` run: both reports in full and the table comparing them.
+/// A `--backend A,B` run: both machines' runs in full and the table comparing them (the
+/// medians, with `--repeat`).
 #[derive(Serialize)]
 pub struct Comparison<'a, R: Serialize> {
     /// The benchmark's name.
@@ -213,22 +222,23 @@ pub struct Comparison<'a, R: Serialize> {
     pub backends: [&'static str; 2],
     /// One row per metric.
     pub comparison: Vec<CompareRow>,
-    /// The two reports, in the order of `backends`.
-    pub runs: [&'a R; 2],
+    /// The two machines' runs, in the order of `backends`: a report each, or with
+    /// `--repeat` each machine's summary and runs.
+    pub runs: [&'a Runs<R>; 2],
 }
 
 impl<'a, R: Serialize> Comparison<'a, R> {
-    /// Compares `runs` metric by metric.
+    /// Compares `runs` metric by metric (the medians of each machine's runs).
     pub fn new(
         benchmark: &'static str,
         backends: [&'static str; 2],
         metrics: &[Metric<R>],
-        runs: [&'a R; 2],
+        runs: [&'a Runs<R>; 2],
     ) -> Self {
         let comparison = metrics
             .iter()
             .map(|m| {
-                let (p, q) = ((m.get)(runs[0]), (m.get)(runs[1]));
+                let (p, q) = (runs[0].median(m), runs[1].median(m));
                 CompareRow {
                     metric: m.name,
                     unit: m.unit,
@@ -268,28 +278,57 @@ impl<'a, R: Serialize> Comparison<'a, R> {
     }
 }
 
-/// One row of a `--vary` sweep: the settings and the run's report.
+/// A configuration's runs: one report, or with `--repeat` the summary and every run (the
+/// JSON of a sweep row's `result` and of a comparison's `runs`).
 #[derive(Serialize)]
-pub struct SweepRow<R: Serialize> {
-    /// `key=value` for every varied key.
-    pub settings: Vec<String>,
-    /// The run.
-    pub result: R,
+#[serde(untagged)]
+pub enum Runs<R: Serialize> {
+    /// `--repeat 1`.
+    One(R),
+    /// `--repeat N`.
+    Many(Repeated<R>),
 }
 
-/// A `--vary` sweep: every row's report.
+impl<R: Serialize> Runs<R> {
+    /// One report, or the summary of several.
+    pub fn new(name: &'static str, metrics: &[Metric<R>], mut runs: Vec<R>) -> Self {
+        match runs.len() {
+            1 => Runs::One(runs.remove(0)),
+            _ => Runs::Many(Repeated::new(name, metrics, runs)),
+        }
+    }
+
+    /// The runs.
+    pub fn all(&self) -> &[R] {
+        match self {
+            Runs::One(r) => std::slice::from_ref(r),
+            Runs::Many(m) => &m.runs,
+        }
+    }
+
+    /// The median of `m` over the runs.
+    pub fn median(&self, m: &Metric<R>) -> Option<f64> {
+        summarize(m, self.all()).median
+    }
+}
+
+/// A `--vary` sweep: every row's runs, or why the row failed (a failed row does not stop the
+/// sweep).
 #[derive(Serialize)]
 pub struct Sweep<R: Serialize> {
     /// The benchmark's name.
     pub benchmark: &'static str,
+    /// The varied keys, in the order given (the first varies slowest).
+    pub varied: Vec<&'static str>,
     /// One per combination, first key slowest.
-    pub sweep: Vec<SweepRow<R>>,
+    pub sweep: Vec<FallibleRow<Runs<R>>>,
 }
 
 impl<R: Serialize> Sweep<R> {
-    /// The table: the varied values, then every metric's figure.
-    pub fn print(&self, keys: &[&str], metrics: &[Metric<R>]) {
-        let mut head: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+    /// The table: the varied values, then every metric's figure (the median, with
+    /// `--repeat`); a failed row's figures are `-`.
+    pub fn print(&self, metrics: &[Metric<R>]) {
+        let mut head: Vec<String> = self.varied.iter().map(|k| k.to_string()).collect();
         head.extend(metrics.iter().map(|m| unit_head(m.name, m.unit)));
         let rows: Vec<Vec<String>> = self
             .sweep
@@ -301,7 +340,10 @@ impl<R: Serialize> Sweep<R> {
                     .map(|s| s.split_once('=').map_or(s.as_str(), |(_, v)| v).to_string())
                     .collect();
                 cells.extend(metrics.iter().map(|m| {
-                    let v = (m.get)(&row.result);
+                    let v = match &row.outcome {
+                        RowOutcome::Done(r) => r.median(m),
+                        RowOutcome::Failed(_) => None,
+                    };
                     if m.unit == "x" {
                         ratio_cell(v)
                     } else {
@@ -511,10 +553,10 @@ mod tests {
 
     #[test]
     fn comparison_divides_first_by_second() {
-        let (a, b) = (R(Some(1.0)), R(Some(4.0)));
+        let (a, b) = (Runs::One(R(Some(1.0))), Runs::One(R(Some(4.0))));
         let c = Comparison::new("t", ["sim", "kvm"], &[M], [&a, &b]);
         assert_eq!(c.comparison[0].ratio_first_over_second, Some(0.25));
-        let z = R(Some(0.0));
+        let z = Runs::new("t", &[M], vec![R(Some(0.0)), R(Some(0.0))]);
         let c = Comparison::new("t", ["sim", "kvm"], &[M], [&a, &z]);
         assert_eq!(c.comparison[0].ratio_first_over_second, None);
     }

@@ -1,5 +1,5 @@
-//! `slat private-mem-perf`: what it costs the *host kernel* to fault in private memory (seed
-//! 003). Confidential guests' private pages are removed from the host's direct map; where the
+//! `slat private-mem-perf`: what it costs the *host kernel* to fault in private memory (host
+//! direct map for private memory). Confidential guests' private pages are removed from the host's direct map; where the
 //! direct map covers a page with a 2 MiB or 1 GiB leaf, the leaf is split to 4 KiB entries
 //! first (under a global lock, with a TLB flush). `memfd_secret(2)` does exactly that for
 //! every page it faults in, so `--backend host` fills memfd_secret memory and, as the native
@@ -13,7 +13,7 @@
 //! memfd fill then runs over pages the secret fills left split: what a fragmented direct map
 //! costs ordinary faults (the kernel zeroes each new page through it).
 //!
-//! `--backend sim` runs the seed's benchmark on the simulated machine instead ([`sim`]): a
+//! `--backend sim` runs the host-direct-map benchmark on the simulated machine instead ([`sim`]): a
 //! confidential guest faulting in its private memory through slat's engine and a simulated
 //! host direct map, one row per direct-map variant.
 
@@ -21,12 +21,15 @@ mod counters;
 mod gmem;
 mod mem;
 mod memlock;
-mod sim;
+pub mod sim;
 
 use crate::args::{guest_size, OutputArgs, Switch};
+use crate::driver::vary::{engine, names, pick, variants, Key, Values};
+use crate::driver::{self};
 use crate::error::{CliError, CliResult};
 use crate::output::{cell, print_table, ratio_cell, summarize, Better, Metric, MetricSummary};
 use crate::report::quiet;
+use crate::vary_key;
 use clap::{Args, ValueEnum};
 use counters::{Deltas, DirectMap, DirectMapDelta, Snapshot};
 use mem::{Fill, Kind, Region, Sample};
@@ -72,13 +75,13 @@ pub struct PrivateMemPerfArgs {
     #[arg(long, value_enum, default_value = "host")]
     pub backend: PrivBackend,
     /// sim: the host direct map's policy. `2m-split`: huge leaves, each split on demand under
-    /// one global lock with a flush of every host CPU (the seed's baseline); `4k`: pre-split
+    /// one global lock with a flush of every host CPU (the patch series' baseline); `4k`: pre-split
     /// to 4 KiB at start; `none`: left alone (TDX-style). Without it and without --vary, the
     /// run covers all three.
     #[arg(long = "direct-map", value_name = "POLICY", value_parser = parse_policy)]
     pub direct_map: Option<DirectMapPolicy>,
     /// sim: after each page leaves the direct map, flush every host CPU's kernel TLB and wait
-    /// for each vCPU thread to acknowledge (what "cratered performance" in the seed). Without
+    /// for each vCPU thread to acknowledge (what "cratered performance" in the patch series). Without
     /// it and without --vary, the run covers off and on.
     #[arg(long = "kernel-flush", value_enum, value_name = "on|off")]
     pub kernel_flush: Option<Switch>,
@@ -86,10 +89,9 @@ pub struct PrivateMemPerfArgs {
     /// the 2 MiB leaf back (2m-split only).
     #[arg(long)]
     pub collapse: bool,
-    /// sim: one row per combination, `KEY=V1,V2,...`, repeatable; keys `direct-map`
-    /// (2m-split,4k,none) and `kernel-flush` (off,on). A key given here overrides its flag.
-    #[arg(long, value_name = "KEY=V1,V2,...")]
-    pub vary: Vec<String>,
+    /// sim: one row per combination; a key given here overrides its flag (the keys: --help).
+    #[arg(long, value_name = "KEY=V1,V2,...", value_parser = driver::vary::parser(VARY), long_help = driver::vary::help(VARY, "sim only: every combination is a row of each run (--repeat runs them all N times)."))]
+    pub vary: Vec<driver::vary::Vary>,
     #[command(flatten)]
     pub out: OutputArgs,
 }
@@ -253,54 +255,58 @@ fn parse_policy(s: &str) -> Result<DirectMapPolicy, String> {
         .map_err(|e: slat::ParseVariantError| e.to_string())
 }
 
-/// The sim backend's plan: the flags and `--vary` resolved into rows.
+/// private-mem-perf's `--vary` keys: each sets one field of a simulated variant.
+pub const VARY: &[Key<sim::Variant>] = &[
+    vary_key!(
+        "direct-map",
+        "--direct-map",
+        Values::OneOf(variants::<DirectMapPolicy>),
+        |v, x| { v.policy = engine(x)? }
+    ),
+    vary_key!(
+        "kernel-flush",
+        "--kernel-flush",
+        Values::OneOf(names::<Switch>),
+        |v, x| { v.kernel_flush = pick::<Switch>(x)?.on() }
+    ),
+];
+
+/// The sim backend's plan: the flags and `--vary` resolved into rows. Without either, every
+/// policy with the kernel flush off and on.
 fn sim_plan(a: &PrivateMemPerfArgs, total: u64) -> Result<sim::SimPlan, String> {
-    let mut policies = match a.direct_map {
-        Some(p) => vec![p],
-        None if a.vary.is_empty() => DirectMapPolicy::ALL.to_vec(),
-        None => vec![DirectMapPolicy::default()],
+    let base = sim::Variant {
+        policy: a.direct_map.unwrap_or_default(),
+        kernel_flush: a.kernel_flush.is_some_and(Switch::on),
     };
-    let mut flushes = match a.kernel_flush {
-        Some(f) => vec![f.on()],
-        None if a.vary.is_empty() => vec![false, true],
-        None => vec![false],
-    };
-    for v in &a.vary {
-        let (key, list) = v.split_once('=').ok_or_else(|| {
-            format!("--vary {v}: expected KEY=V1,V2,... (keys: direct-map, kernel-flush)")
-        })?;
-        let values: Vec<&str> = list.split(',').collect();
-        match key {
-            "direct-map" => {
-                policies = values.iter().map(|x| parse_policy(x)).collect::<Result<_, _>>().map_err(|e| format!("--vary {v}: {e}"))?
-            }
-            "kernel-flush" => {
-                flushes = values
-                    .iter()
-                    .map(|x| match *x {
-                        "on" => Ok(true),
-                        "off" => Ok(false),
-                        _ => Err(format!("--vary {v}: kernel-flush takes on or off, not {x:?}")),
-                    })
-                    .collect::<Result<_, _>>()?
-            }
-            _ => {
-                return Err(format!(
-                    "--vary {v}: unknown key {key:?} (private-mem-perf varies direct-map and kernel-flush)"
-                ))
-            }
-        }
-    }
-    let mut variants = Vec::new();
-    for &policy in &policies {
-        for &kernel_flush in &flushes {
-            let v = sim::Variant {
-                policy,
+    let mut variants: Vec<sim::Variant> = Vec::new();
+    let rows: Vec<sim::Variant> = match (&a.vary[..], a.direct_map, a.kernel_flush) {
+        ([], None, None) => DirectMapPolicy::ALL
+            .iter()
+            .flat_map(|&policy| {
+                [false, true].map(|kernel_flush| sim::Variant {
+                    policy,
+                    kernel_flush,
+                })
+            })
+            .collect(),
+        ([], None, Some(_)) => DirectMapPolicy::ALL
+            .iter()
+            .map(|&policy| sim::Variant { policy, ..base })
+            .collect(),
+        ([], Some(_), None) => [false, true]
+            .map(|kernel_flush| sim::Variant {
                 kernel_flush,
-            };
-            if !variants.contains(&v) {
-                variants.push(v);
-            }
+                ..base
+            })
+            .to_vec(),
+        (vary, _, _) => driver::vary::rows(&base, vary, VARY)?
+            .into_iter()
+            .map(|r| r.args)
+            .collect(),
+    };
+    for v in rows {
+        if !variants.contains(&v) {
+            variants.push(v);
         }
     }
     let _ = total;

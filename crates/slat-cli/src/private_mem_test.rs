@@ -1,5 +1,5 @@
 //! `slat private-mem-test`: the private-memory conversion test (KVM's
-//! `private_mem_conversions_test`, seed 003) on the simulated machine. vCPUs convert chunks of
+//! `private_mem_conversions_test`; host direct map for private memory) on the simulated machine. vCPUs convert chunks of
 //! their memory between shared and private while the others do the same and a host CPU reads
 //! the private pool through the host direct map; every access is checked against the rules
 //! (`slat_machine::conversion`). Exits 1 if any rule was broken.

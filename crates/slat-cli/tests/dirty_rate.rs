@@ -301,7 +301,7 @@ fn bad_input_exits_2_with_one_line() {
         (&["-v", "0"], "-v"),
         (&["-b", "12Q"], "-b"),
         (&["-v", "512", "-b", "64T"], "-b"),
-        (&["--plot", "x.svg"], "--plot"),
+        (&["--plot", "/nonexistent-dir/x.svg"], "--plot"),
     ];
     for (extra, needle) in cases {
         let mut args = vec!["dirty-rate"];

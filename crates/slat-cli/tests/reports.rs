@@ -3,12 +3,11 @@
 //! and maxima, and `--plot` writes an SVG with the expected series. Small sizes, so the file
 //! runs in a few seconds.
 //!
-//! The schemas are checked by the validator in `common/schema.rs`, which refuses any keyword
-//! it does not enforce.
+//! The schemas are checked with the `jsonschema` crate (`common/schema.rs`).
 
 mod common;
 
-use common::schema::{check, errors, load, validate};
+use common::schema::{def_errors, errors, validate};
 use common::{json, ok, slat};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -187,15 +186,7 @@ fn comparison_and_sweep_json_match_their_schemas() {
     validate("comparison.json", &d);
     for run in d["runs"].as_array().unwrap() {
         // The runs inside carry no envelope of their own: check the report part.
-        let mut e = Vec::new();
-        let s = load("dirty-log-perf.json");
-        check(
-            "dirty-log-perf.json",
-            &s["$defs"]["report"],
-            run,
-            "$",
-            &mut e,
-        );
+        let e = def_errors("dirty-log-perf.json", "report", run);
         assert!(e.is_empty(), "{e:?}");
     }
     let rows: Vec<&str> = d["comparison"]
@@ -437,28 +428,17 @@ fn repeat_works_on_the_other_benchmarks() {
 #[test]
 fn repeat_and_plot_refuse_what_they_cannot_do() {
     for args in [
-        vec![
-            "dirty-log-perf",
-            "-b",
-            "4M",
-            "--repeat",
-            "2",
-            "--vary",
-            "fast-pf=on,off",
-        ],
-        vec![
-            "dirty-log-perf",
-            "-b",
-            "4M",
-            "--repeat",
-            "2",
-            "--backend",
-            "sim,kvm",
-        ],
-        // (migrate-perf takes --repeat with --vary: every combination runs N times, for
-        // dirty-limit against auto-converge.)
         vec!["dirty-log-test", "-b", "4M", "--plot", "x.svg"],
         vec!["dirty-log-perf", "-b", "4M", "--repeat", "0"],
+        vec![
+            "dirty-log-perf",
+            "-b",
+            "4M",
+            "--backend",
+            "sim,kvm",
+            "--vary",
+            "vcpus=1,2",
+        ],
     ] {
         let (code, out, err) = slat(&args);
         assert_eq!(code, 2, "{args:?}: {err}");
@@ -467,17 +447,157 @@ fn repeat_and_plot_refuse_what_they_cannot_do() {
     }
 }
 
+/// `--repeat` runs every `--vary` row and every `--backend` machine N times: each row's and
+/// each machine's result is then that configuration's summary and runs.
 #[test]
-fn an_unwritable_plot_is_a_runtime_failure() {
-    let (code, _, err) = slat(&[
+fn repeat_applies_to_every_row_and_every_machine() {
+    let d = json(&[
+        "dirty-log-perf",
+        "-b",
+        "4M",
+        "--repeat",
+        "2",
+        "--vary",
+        "fast-pf=on,off",
+    ]);
+    validate("sweep.json", &d);
+    let rows = d["sweep"].as_array().expect("rows");
+    assert_eq!(rows.len(), 2);
+    for row in rows {
+        assert_eq!(row["result"]["repeat"], 2, "{row:#}");
+        assert_eq!(row["result"]["runs"].as_array().map(Vec::len), Some(2));
+    }
+    let d = json(&[
+        "dirty-log-perf",
+        "-b",
+        "4M",
+        "--repeat",
+        "2",
+        "--backend",
+        "sim,kvm",
+    ]);
+    validate("comparison.json", &d);
+    for run in d["runs"].as_array().expect("runs") {
+        validate("repeated.json", &with_envelope(&d, run));
+    }
+}
+
+/// A run inside a document, with the document's envelope, to check it as a document.
+fn with_envelope(doc: &Value, inner: &Value) -> Value {
+    let mut v = inner.clone();
+    for k in ["schema_version", "slat_version", "host"] {
+        v[k] = doc[k].clone();
+    }
+    v
+}
+
+#[test]
+fn an_unwritable_plot_is_refused_before_the_run() {
+    let (code, out, err) = slat(&[
         "dirty-log-perf",
         "-b",
         "4M",
         "--plot",
         "/nonexistent-dir/x.svg",
     ]);
-    assert_eq!(code, 1, "{err}");
-    assert!(err.contains("plot"), "{err}");
+    assert_eq!(code, 2, "{err}");
+    assert!(out.is_empty(), "{out}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("--plot"), "{err}");
+}
+
+/// The `points` attribute of every `tag` element, as (x, y) pairs.
+fn shapes(svg: &str, tag: &str) -> Vec<Vec<(f64, f64)>> {
+    svg.split(&format!("<{tag} "))
+        .skip(1)
+        .filter_map(|el| {
+            let pts = el.split("points=\"").nth(1)?.split('"').next()?;
+            Some(
+                pts.split_whitespace()
+                    .filter_map(|p| {
+                        let (x, y) = p.split_once(',')?;
+                        Some((x.parse().ok()?, y.parse().ok()?))
+                    })
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+/// `--repeat 3 --plot`: every line is the median of the runs and carries a band from the
+/// minimum to the maximum, and the median lies inside its band.
+#[test]
+fn a_repeated_plot_draws_the_spread() {
+    let p = temp_svg("spread.svg");
+    ok(&[
+        "dirty-log-perf",
+        "-b",
+        "4M",
+        "-i",
+        "3",
+        "--repeat",
+        "3",
+        "--plot",
+        p.to_str().unwrap(),
+    ]);
+    let svg = read_svg(&p);
+    assert!(svg.contains("median of 3 runs"), "{svg}");
+    let bands = shapes(&svg, "polygon");
+    // The series' lines (the legend's marks are paths, not polylines).
+    let lines: Vec<_> = shapes(&svg, "polyline")
+        .into_iter()
+        .filter(|l| l.len() == 3)
+        .collect();
+    assert_eq!(bands.len(), 4, "one band per series:\n{svg}");
+    assert_eq!(lines.len(), 4, "one line per series:\n{svg}");
+    let mut wide = 0;
+    for (band, line) in bands.iter().zip(&lines) {
+        for &(x, y) in line {
+            let ys: Vec<f64> = band
+                .iter()
+                .filter(|p| (p.0 - x).abs() < 1.0)
+                .map(|p| p.1)
+                .collect();
+            assert_eq!(ys.len(), 2, "band has its min and max at x={x}: {band:?}");
+            let (lo, hi) = (ys[0].min(ys[1]), ys[0].max(ys[1]));
+            assert!(
+                lo - 1.0 <= y && y <= hi + 1.0,
+                "median {y} outside [{lo}, {hi}]"
+            );
+            if hi - lo > 0.5 {
+                wide += 1;
+            }
+        }
+    }
+    // Three timed runs are never identical everywhere: some band has a height.
+    assert!(wide > 0, "every band is flat:\n{svg}");
+}
+
+/// `--vary` and `--backend sim,kvm` draw bars of the headline metrics with error bars.
+#[test]
+fn sweeps_and_comparisons_plot_bars_with_error_bars() {
+    let p = temp_svg("bars.svg");
+    ok(&[
+        "demand-paging",
+        "-b",
+        "4M",
+        "--backend",
+        "sim,kvm",
+        "--repeat",
+        "2",
+        "--plot",
+        p.to_str().unwrap(),
+    ]);
+    let svg = read_svg(&p);
+    for label in ["sim", "kvm", "total guest execution time", "min to max"] {
+        assert!(svg.contains(label), "{label} missing:\n{svg}");
+    }
+    // Two bars, each with an error bar (a path of six points).
+    let whiskers = shapes(&svg, "polyline")
+        .into_iter()
+        .filter(|l| l.len() == 6)
+        .count();
+    assert_eq!(whiskers, 2, "{svg}");
 }
 
 #[test]
@@ -510,16 +630,8 @@ fn migrate_repeat_json_matches_the_schemas() {
     ]);
     validate("repeated.json", &d);
     assert_eq!(d["benchmark"], "migrate");
-    let schema = load("migrate.json");
     for run in d["runs"].as_array().expect("runs") {
-        let mut errs = Vec::new();
-        check(
-            "migrate.json",
-            &schema["$defs"]["migration"],
-            run,
-            "$",
-            &mut errs,
-        );
+        let errs = def_errors("migrate.json", "migration", run);
         assert!(errs.is_empty(), "{}\n{run:#}", errs.join("\n"));
     }
     // (Its progress lines, which name the port, are quiet under --json: read as text.)

@@ -14,10 +14,7 @@ const FILE: &str = "snapshot-perf.json";
 /// Errors of `doc` against one branch of the schema (`report` or `sweep`): the whole file's
 /// `oneOf` reports only that no branch matched, the branch names the field.
 fn branch_errors(def: &str, doc: &Value) -> Vec<String> {
-    let root = schema::load(FILE);
-    let mut errs = Vec::new();
-    schema::check(FILE, &root["$defs"][def], doc, "$", &mut errs);
-    errs
+    schema::def_errors(FILE, def, doc)
 }
 
 fn small(backend: &str, extra: &[&str]) -> Value {
@@ -112,7 +109,7 @@ fn bad_input_exits_2_with_one_line() {
         &["snapshot-perf", "-b", "64K", "-k", "17"],
         &["snapshot-perf", "-i", "0"],
         &["snapshot-perf", "--clear-chunk", "64"],
-        &["snapshot-perf", "--plot", "x.svg"],
+        &["snapshot-perf", "--plot", "/nonexistent-dir/x.svg"],
         &["snapshot-perf", "-g", "--dirty-ring", "256"],
         &["snapshot-perf", "--backend", "kvm", "--format", "stage2"],
         &["snapshot-perf", "--backend", "sim,sim"],

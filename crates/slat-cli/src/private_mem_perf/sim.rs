@@ -1,6 +1,6 @@
-//! `slat private-mem-perf --backend sim`: the seed's benchmark on the simulated machine. N
+//! `slat private-mem-perf --backend sim`: the host-direct-map-for-private-memory benchmark on the simulated machine. N
 //! vCPUs of a confidential guest fault in all of their private memory (one write per page,
-//! the seed's `stress --vm N --vm-bytes .. --vm-keep`); each first touch accepts its page
+//! the patch series' `stress --vm N --vm-bytes .. --vm-keep`); each first touch accepts its page
 //! lazily, removing it from the simulated host direct map (`slat::direct_map`) under the
 //! chosen policy. One table over the variants, a native floor (the same writes on fresh
 //! host memory) from the same run, per-second-style samples of the fault-in rate, and the

@@ -2,24 +2,27 @@
 //! logging, N iterations of (dirty memory, get dirty log, clear dirty log), disable logging —
 //! with, for every guest pass, the same pass on host memory in the same run and the ratio.
 
+mod text;
+use text::{engine_lines, kvm_lines, print_text, run_flags};
+
+mod vary;
+
+use self::vary::{BOTH_MACHINES, EXAMPLES, VARY};
 use crate::args::{
     check_backends, check_kvm_ring, BackendArg, ClearChunk, DirtyArgs, LogArgs, MachineArgs,
     OutputArgs, PinArgs, Workload,
 };
 use crate::backend::{self, dirty_config, kvm_stats_line, Backend, Native, Pass, Sim, Spec};
 use crate::concurrent_harvest::{self, ConcurrentReport, QuietPasses};
+use crate::driver::chart::SeriesOf;
+use crate::driver::{self, Benchmark, Common, Lines};
 use crate::error::{CliError, CliResult};
 use crate::harvest::{Harvest, HarvestTimes};
 use crate::limits::{check_backing, GuestMemory};
-use crate::output::{
-    opt_secs, print_json, secs, Better, Comparison, Metric, Repeated, RunHead, Sweep, SweepRow,
-    VmSettings,
-};
-use crate::plot::{Chart, Series};
+use crate::output::{opt_secs, secs, Better, Metric, RunHead, VmSettings};
 use crate::report::{
     bbm_cmo_line, format_header, pinned_line, quiet, ratio, sim_format, ts, Phase,
 };
-use crate::sweep::{check_distinct, combinations, parse_vary, Key, Vary};
 use clap::Args;
 use serde::Serialize;
 use slat_workload::format_size;
@@ -53,7 +56,7 @@ pub struct DirtyLogPerfArgs {
     #[command(flatten)]
     pub log: LogArgs,
     /// After the iterations, keep every vCPU writing in a loop while the host harvests the log
-    /// -i more times (the seed's migrate-perf shape), and report harvest time, guest write
+    /// -i more times (migrate-perf's shape in the lockless reverse-map write-protect series), and report harvest time, guest write
     /// throughput and per-vCPU write latency percentiles with and without harvests running.
     /// The iterations are then timed too (their passes are the "no harvest running" side).
     #[arg(long)]
@@ -67,17 +70,9 @@ pub struct DirtyLogPerfArgs {
     /// in this process and print one table comparing them.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "sim")]
     pub backend: Vec<BackendArg>,
-    /// Run the benchmark once per combination of the listed settings, in this process, and
-    /// print one table (KEY=V1,V2,...; repeat for more keys; keys: vcpus, format, fast-pf,
-    /// mmu-lock, ad-bits, cmo, get-dirty-log, dirty-tracking, eager-split, recover, rebuild,
-    /// wrprot, log, clear-chunk). log: get, clear, clear:N (CLEAR in chunks of N pages), ring.
-    /// On `--backend kvm` only vcpus, log and clear-chunk apply. The seed's table: `--concurrent --vary wrprot=walk,rmap,rmap-lockless
-    /// --vary log=get,clear,ring --vary vcpus=1,2`.
-    /// Fast page fault and MMU lock: `--vary vcpus=1,2 --vary fast-pf=on,off --vary
-    /// mmu-lock=rwlock,mutex`; the two GET_DIRTY_LOG variants: `-g --vary
-    /// get-dirty-log=xchg,switch`; both page-table formats: `--vary format=ept,stage2`.
-    #[arg(long = "vary", value_parser = parse_vary, value_name = "KEY=V1,V2")]
-    pub vary: Vec<Vary>,
+    /// Run once per combination of settings, one table (the keys: --help).
+    #[arg(long = "vary", value_parser = driver::vary::parser(VARY), value_name = "KEY=V1,V2", long_help = driver::vary::help(VARY, EXAMPLES))]
+    pub vary: Vec<driver::vary::Vary>,
     #[command(flatten)]
     pub pin: PinArgs,
     #[command(flatten)]
@@ -277,7 +272,7 @@ pub const METRICS: &[Metric<Report>] = &[
     },
 ];
 
-/// The headline figures of `--concurrent`: the seed's table (harvest time under concurrent
+/// The headline figures of `--concurrent`: the reverse-map write-protect series' table (harvest time under concurrent
 /// writers against stopped ones, guest write throughput, vCPU write latency).
 pub const CONCURRENT_METRICS: &[Metric<Report>] = &[
     Metric {
@@ -324,82 +319,98 @@ fn us(ns: u64) -> f64 {
 
 /// The metrics of a run: the concurrent contrast with `--concurrent`; otherwise the
 /// selftest's phases, with the clear step or the ring reset.
-fn metrics(a: &DirtyLogPerfArgs) -> Vec<&'static Metric<Report>> {
+fn metrics(a: &DirtyLogPerfArgs) -> Vec<Metric<Report>> {
     if a.concurrent {
-        return CONCURRENT_METRICS.iter().collect();
+        return CONCURRENT_METRICS.to_vec();
     }
     let skip = if a.log.dirty_ring.is_some() {
         "clear dirty log avg"
     } else {
         "reset dirty rings avg"
     };
-    METRICS.iter().filter(|m| m.name != skip).collect()
+    METRICS.iter().filter(|m| m.name != skip).copied().collect()
 }
 
-/// Runs the benchmark (or the sweep `--vary` asks for, or the comparison `--backend a,b`).
-pub fn run(a: &DirtyLogPerfArgs) -> CliResult {
-    let mut engine_only = a.machine.engine_only();
-    engine_only.extend(a.dirty.engine_only());
-    if a.vary.iter().any(|v| v.key.engine_only()) {
-        engine_only.push("--vary (of an engine setting)");
-    }
-    a.machine
-        .format
-        .check_backends(&a.backend)
-        .map_err(CliError::bad)?;
-    check_backends(&a.backend, &engine_only).map_err(CliError::bad)?;
-    if a.out.repeat > 1 && (a.backend.len() > 1 || !a.vary.is_empty()) {
-        return Err(CliError::bad(
-            "--repeat runs one configuration on one machine: drop it, or drop --vary and the second --backend",
-        ));
-    }
-    if let [first, second] = a.backend[..] {
-        check(a).map_err(CliError::bad)?;
-        return side_by_side(a, [first, second]);
-    }
-    if !a.vary.is_empty() {
-        return sweep(a);
-    }
-    check(a).map_err(CliError::bad)?;
-    let kind = a.backend[0];
-    let mut runs = Vec::new();
-    for n in 0..a.out.repeat {
-        if a.out.repeat > 1 && !quiet(a.out.json) {
-            eprintln!("[slat] run {}/{}", n + 1, a.out.repeat);
-        }
-        let r = measure(a, kind)?;
-        if !a.out.json {
-            print_text(&r);
-        }
-        runs.push(r);
-    }
-    if let Some(path) = &a.out.plot {
-        plot_iterations(&runs[0], a.out.repeat, path)?;
-    }
-    if a.out.repeat > 1 {
-        let rep = Repeated::new(NAME, &owned(&metrics(a)), runs);
-        if a.out.json {
-            return print_json(&rep, &a.backend);
-        }
-        rep.print();
-        return Ok(());
-    }
-    if a.out.json {
-        print_json(&runs[0], &a.backend)?;
-    }
-    Ok(())
-}
+impl Benchmark for DirtyLogPerfArgs {
+    type Report = Report;
+    const NAME: &'static str = NAME;
 
-/// A metric list by value (metrics are plain data: a name, a unit and a function).
-fn owned(ms: &[&Metric<Report>]) -> Vec<Metric<Report>> {
-    ms.iter()
-        .map(|m| Metric {
-            name: m.name,
-            unit: m.unit,
-            better: m.better,
-            get: m.get,
-        })
-        .collect()
+    fn vary_table() -> &'static [driver::vary::Key<Self>] {
+        VARY
+    }
+
+    fn common(&self) -> Common<'_> {
+        Common {
+            backends: &self.backend,
+            vary: &self.vary,
+            out: &self.out,
+        }
+    }
+
+    fn check(&self) -> CliResult {
+        let mut engine_only = self.machine.engine_only();
+        engine_only.extend(self.dirty.engine_only());
+        if self.vary.iter().any(|v| !BOTH_MACHINES.contains(&v.key)) {
+            engine_only.push("--vary (of an engine setting)");
+        }
+        self.machine
+            .format
+            .check_backends(&self.backend)
+            .map_err(CliError::bad)?;
+        check_backends(&self.backend, &engine_only).map_err(CliError::bad)?;
+        check(self).map_err(CliError::bad)
+    }
+
+    fn measure(&self, kind: BackendArg) -> CliResult<Report> {
+        measure(self, kind)
+    }
+
+    fn metrics(&self) -> Vec<Metric<Report>> {
+        metrics(self)
+    }
+
+    fn print(&self, r: &Report) {
+        print_text(r)
+    }
+
+    fn headline(&self) -> Vec<&'static str> {
+        if self.concurrent {
+            return vec!["harvest avg, vCPUs writing", "write p99, during harvests"];
+        }
+        vec!["iteration 2 dirty memory", "get dirty log avg"]
+    }
+
+    fn lines(&self, r: &Report) -> Vec<Lines<Report>> {
+        vec![lines(r)]
+    }
+
+    fn comparison_title(&self, [k0, k1]: [BackendArg; 2]) -> String {
+        format!(
+            "dirty-log-perf on {} and {}: --format {} (sim) -v {} -b {} -i {}{}, one run each, in this process",
+            k0.name(),
+            k1.name(),
+            self.machine.format.name(),
+            self.work.vcpus,
+            format_size(self.work.bytes),
+            self.iterations,
+            run_flags(self)
+        )
+    }
+
+    fn sweep_title(&self, kind: BackendArg) -> String {
+        let format = if self.vary.iter().any(|v| v.key == "format") || kind != BackendArg::Sim {
+            String::new()
+        } else {
+            format!(" --format {}", self.machine.format.name())
+        };
+        format!(
+            "dirty-log-perf sweep on {}:{format} -b {} -i {}{}, one run per row, all in this process",
+            kind.name(),
+            format_size(self.work.bytes),
+            self.iterations,
+            run_flags(self)
+        )
+    }
 }
 
 /// Refuses settings the engine cannot run together (before anything is built), and sizes the
@@ -637,207 +648,41 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
     })
 }
 
-/// The selftest's text report of one run, then slat's machine lines.
-fn print_text(r: &Report) {
-    let c = &r.config;
-    let total = c.bytes_per_vcpu * c.vcpus as u64;
-    println!("Test iterations: {}", c.iterations);
-    println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
-    println!("{}", r.format_header);
-    println!(
-        "guest physical test memory: [0x{:x}, 0x{:x})",
-        r.gpa,
-        r.gpa + total
-    );
-    println!("Populate memory time: {}", ts(r.populate));
-    println!(
-        "Populate native memory time: {} (guest/native {:.2}x)",
-        ts(r.populate_native),
-        ratio(r.populate, r.populate_native)
-    );
-    println!("Enabling dirty logging time: {}", ts(r.enable));
-    println!();
-    for it in &r.iterations {
-        print_iteration(it);
-    }
-    println!("Disabling dirty logging time: {}", ts(r.disable));
-    println!();
-    print_totals(r);
-    if let Some(c) = &r.concurrent {
-        println!();
-        for l in c.lines() {
-            println!("{l}");
-        }
-        println!();
-    }
-    for l in &r.machine_lines {
-        println!("{l}");
-    }
-}
-
-fn print_iteration(it: &Iteration) {
-    let i = it.iteration;
-    println!("Iteration {i} dirty memory time: {}", ts(it.dirty));
-    println!("Iteration {i} get dirty log time: {}", ts(it.harvest.get));
-    if let Some(c) = it.harvest.reset {
-        println!("Iteration {i} reset dirty rings time: {}", ts(c));
-    }
-    if let Some(c) = it.harvest.clear {
-        println!("Iteration {i} clear dirty log time: {}", ts(c));
-    }
-    println!(
-        "Iteration {i} native memory time: {} (guest/native {:.2}x)",
-        ts(it.native),
-        it.ratio_guest_over_native
-    );
-}
-
-fn print_totals(r: &Report) {
-    let n = r.config.iterations;
-    println!(
-        "Get dirty log over {n} iterations took {}. (Avg {}/iteration)",
-        ts(r.get_total),
-        ts(r.get_total / n)
-    );
-    if let Some(c) = r.clear_total {
-        let what = if r.ring() {
-            "Reset dirty rings"
-        } else {
-            "Clear dirty log"
+/// `--plot`: the dirty, harvest and native times of every iteration.
+fn lines(r: &Report) -> Lines<Report> {
+    fn line(name: &str, f: fn(&Iteration) -> Option<Duration>) -> (String, SeriesOf<Report>) {
+        let points = move |r: &Report| {
+            r.iterations
+                .iter()
+                .map(|i| {
+                    let x = i.iteration as f64 - 1.0;
+                    (x, f(i).map(|d| d.as_secs_f64() * 1e3))
+                })
+                .collect()
         };
-        println!(
-            "{what} over {n} iterations took {}. (Avg {}/iteration)",
-            ts(c),
-            ts(c / n)
-        );
+        (name.to_string(), Box::new(points))
     }
-    println!();
-    let dirty_pages: Vec<String> = r
-        .iterations
-        .iter()
-        .map(|i| i.harvest.dirty_pages.to_string())
-        .collect();
-    println!(
-        "Dirty pages harvested per iteration: {}",
-        dirty_pages.join(", ")
-    );
-    if r.ring() {
-        let exits: u64 = r.iterations.iter().map(|i| i.ring_full_exits).sum();
-        println!("Dirty ring full exits during the dirty passes: {exits}");
-    }
-}
-
-fn log_kind(a: &DirtyLogPerfArgs, manual: bool) -> &'static str {
-    if a.log.dirty_ring.is_some() {
-        "dirty ring"
-    } else if manual {
-        "manual protect (get + clear)"
-    } else {
-        "get clears"
-    }
-}
-
-/// The simulated engine's counters and settings, after the selftest's lines.
-fn engine_lines(a: &DirtyLogPerfArgs, m: &dyn Sim, cfg: &Spec) -> Vec<String> {
-    let stats = m.engine_stats();
-    let mut lines = vec![
-        format!(
-            "Engine: {} slow faults, {} fast faults, {} spurious, {} retried; {} splits, {} recoveries; remote flushes {}/{} requested",
-            stats.pf_fixed,
-            stats.pf_fast,
-            stats.pf_spurious,
-            stats.pf_retry,
-            stats.splits,
-            stats.recoveries,
-            stats.remote_tlb_flush,
-            stats.remote_tlb_flush_requests
-        ),
-        format!(
-            "Leaves now: {} x 4K, {} x 2M, {} x 1G; page tables: {} pages ({})",
-            stats.leaves_4k,
-            stats.leaves_2m,
-            stats.leaves_1g,
-            stats.table_pages,
-            format_size(stats.table_bytes)
-        ),
-    ];
-    lines.extend(bbm_cmo_line(cfg.format, &stats));
-    lines.push(format!(
-        "Machine: {} vCPU(s) on {} physical CPU(s); format {}, mmu lock {}, fast page fault {}, log {}, get-dirty-log {}, dirty tracking {}, eager split {}, recover {}, wrprot {}",
-        a.work.vcpus,
-        m.pcpus(),
-        cfg.format.name(),
-        cfg.vm.mmu_lock.name(),
-        on_off(cfg.vm.fast_pf),
-        log_kind(a, cfg.manual_protect()),
-        cfg.vm.get_log.name(),
-        cfg.vm.dirty_track.name(),
-        on_off(cfg.vm.eager_split),
-        cfg.vm.recover.name(),
-        cfg.vm.wrprot.name()
-    ));
-    lines
-}
-
-/// KVM's counters and the run's settings, after the selftest's lines.
-fn kvm_lines(a: &DirtyLogPerfArgs, stats: &serde_json::Value, manual: bool) -> Vec<String> {
-    vec![
-        kvm_stats_line(stats),
-        format!(
-            "Machine: {} vCPU(s) on the host's /dev/kvm; log {}",
-            a.work.vcpus,
-            log_kind(a, manual)
-        ),
-    ]
-}
-
-fn on_off(b: bool) -> &'static str {
-    if b {
-        "on"
-    } else {
-        "off"
-    }
-}
-
-/// `--plot` of one run: the dirty, harvest and native times of every iteration.
-fn plot_iterations(r: &Report, repeat: u32, path: &std::path::Path) -> CliResult {
-    let series = |name: &str, f: &dyn Fn(&Iteration) -> Option<Duration>| Series {
-        name: name.to_string(),
-        points: r
-            .iterations
-            .iter()
-            .map(|i| {
-                let x = i.iteration as f64 - 1.0;
-                (x, f(i).map(|d| d.as_secs_f64() * 1e3))
-            })
-            .collect(),
-    };
-    let mut lines = vec![
-        series("dirty memory (guest pass)", &|i| Some(i.dirty)),
-        series("get dirty log (harvest)", &|i| Some(i.harvest.get)),
+    let mut series = vec![
+        line("dirty memory (guest pass)", |i| Some(i.dirty)),
+        line("get dirty log (harvest)", |i| Some(i.harvest.get)),
     ];
     if r.iterations.iter().any(|i| i.harvest.clear.is_some()) {
-        lines.push(series("clear dirty log", &|i| i.harvest.clear));
+        series.push(line("clear dirty log", |i| i.harvest.clear));
     }
     if r.iterations.iter().any(|i| i.harvest.reset.is_some()) {
-        lines.push(series("reset dirty rings", &|i| i.harvest.reset));
+        series.push(line("reset dirty rings", |i| i.harvest.reset));
     }
-    lines.push(series("native memory (host pass)", &|i| Some(i.native)));
-    let of = if repeat > 1 {
-        format!(", run 1 of {repeat}")
-    } else {
-        String::new()
-    };
-    Chart {
+    series.push(line("native memory (host pass)", |i| Some(i.native)));
+    Lines {
         title: format!(
-            "dirty-log-perf on {}: -v {} -b {}{of}",
+            "dirty-log-perf on {}: -v {} -b {}",
             r.head.backend,
             r.config.vcpus,
             format_size(r.config.bytes_per_vcpu)
         ),
         x_desc: "iteration",
         y_desc: "time (ms, lower is better)",
-        series: lines,
+        series,
         x_names: Some(
             r.iterations
                 .iter()
@@ -845,163 +690,4 @@ fn plot_iterations(r: &Report, repeat: u32, path: &std::path::Path) -> CliResult
                 .collect(),
         ),
     }
-    .draw(path)
-}
-
-/// `--vary`: one run per combination, one table.
-fn sweep(a: &DirtyLogPerfArgs) -> CliResult {
-    check_distinct(&a.vary).map_err(CliError::bad)?;
-    let combos = combinations(&a.vary);
-    // Every combination's settings, checked before the first run: a refusal at row 5 after
-    // minutes of measuring would waste them.
-    let mut runs = Vec::new();
-    for combo in &combos {
-        let mut b = a.clone();
-        b.vary.clear();
-        b.out.json = true;
-        for s in combo {
-            s.apply(&mut b.work.vcpus, &mut b.machine, &mut b.dirty, &mut b.log);
-        }
-        let label: Vec<String> = combo.iter().map(|s| s.label()).collect();
-        if let Err(e) = check(&b) {
-            return Err(CliError::bad(format!(
-                "--vary row {}: {e}",
-                label.join(" ")
-            )));
-        }
-        runs.push((b, label));
-    }
-    let mut rows = Vec::new();
-    for (n, (b, label)) in runs.into_iter().enumerate() {
-        if !quiet(a.out.json) {
-            eprintln!(
-                "[slat] sweep {}/{}: {}",
-                n + 1,
-                combos.len(),
-                label.join(" ")
-            );
-        }
-        let result = measure(&b, a.backend[0])?;
-        rows.push(SweepRow {
-            settings: label,
-            result,
-        });
-    }
-    let sweep = Sweep {
-        benchmark: NAME,
-        sweep: rows,
-    };
-    let ms = owned(&metrics(a));
-    if let Some(path) = &a.out.plot {
-        plot_sweep(&sweep, &ms, path)?;
-    }
-    if a.out.json {
-        return print_json(&sweep, &a.backend);
-    }
-    print_sweep_title(a);
-    let keys: Vec<&str> = a.vary.iter().map(|v| v.key.name()).collect();
-    sweep.print(&keys, &ms);
-    Ok(())
-}
-
-fn print_sweep_title(a: &DirtyLogPerfArgs) {
-    let format = if a.vary.iter().any(|v| v.key == Key::Format) || a.backend[0] != BackendArg::Sim {
-        String::new()
-    } else {
-        format!(" --format {}", a.machine.format.name())
-    };
-    println!(
-        "dirty-log-perf sweep on {}:{format} -b {} -i {}{}, one run per row, all in this process",
-        a.backend[0].name(),
-        format_size(a.work.bytes),
-        a.iterations,
-        run_flags(a)
-    );
-}
-
-/// The flags beside -v/-b/-i that shape what a table shows, as the user typed them.
-fn run_flags(a: &DirtyLogPerfArgs) -> String {
-    let mut f = String::new();
-    if let Some(n) = a.log.dirty_ring {
-        f += &format!(" --dirty-ring {n}");
-    } else if a.log.no_manual {
-        f += " -g";
-    }
-    if a.log.clear_chunk != ClearChunk::Slot {
-        f += &format!(" --clear-chunk {}", a.log.clear_chunk.name());
-    }
-    if a.random {
-        f += " -a";
-    }
-    if a.write_percent != 100 {
-        f += &format!(" -w {}", a.write_percent);
-    }
-    if a.concurrent {
-        f += " --concurrent";
-        if let Some(ms) = a.harvest_interval {
-            f += &format!(" --harvest-interval {ms}");
-        }
-    }
-    f
-}
-
-/// `--plot` of a sweep: one line per time metric across the rows.
-fn plot_sweep(s: &Sweep<Report>, ms: &[Metric<Report>], path: &std::path::Path) -> CliResult {
-    let series = ms
-        .iter()
-        .filter(|m| m.unit == "s")
-        .map(|m| Series {
-            name: m.name.to_string(),
-            points: s
-                .sweep
-                .iter()
-                .enumerate()
-                .map(|(i, row)| (i as f64, (m.get)(&row.result).map(|x| x * 1e3)))
-                .collect(),
-        })
-        .collect();
-    Chart {
-        title: "dirty-log-perf --vary: one run per row".to_string(),
-        x_desc: "settings",
-        y_desc: "time (ms, lower is better)",
-        series,
-        x_names: Some(s.sweep.iter().map(|r| r.settings.join(" ")).collect()),
-    }
-    .draw(path)
-}
-
-/// `--backend sim,kvm`: the same run on both machines, one after the other in this process,
-/// and one table of every phase with the ratio of the first to the second.
-fn side_by_side(a: &DirtyLogPerfArgs, kinds: [BackendArg; 2]) -> CliResult {
-    let mut reports = Vec::new();
-    for kind in kinds {
-        if !quiet(a.out.json) {
-            eprintln!("[slat] running on {}", kind.name());
-        }
-        reports.push(measure(a, kind)?);
-    }
-    let ms = owned(&metrics(a));
-    let cmp = Comparison::new(
-        NAME,
-        [kinds[0].name(), kinds[1].name()],
-        &ms,
-        [&reports[0], &reports[1]],
-    );
-    if let Some(path) = &a.out.plot {
-        plot_iterations(&reports[0], 1, path)?;
-    }
-    if a.out.json {
-        return print_json(&cmp, &a.backend);
-    }
-    let (n0, n1) = (kinds[0].name(), kinds[1].name());
-    println!(
-        "dirty-log-perf on {n0} and {n1}: --format {} (sim) -v {} -b {} -i {}{}, one run each, in this process",
-        a.machine.format.name(),
-        a.work.vcpus,
-        format_size(a.work.bytes),
-        a.iterations,
-        run_flags(a)
-    );
-    cmp.print();
-    Ok(())
 }

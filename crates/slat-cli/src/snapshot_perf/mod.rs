@@ -17,7 +17,14 @@
 //! `--vary KEY=V1,V2` (`sweep.rs`): one such run per combination of vCPU count, harvest,
 //! order and machine, in this process, and one table.
 
-mod sweep;
+mod text;
+use text::{f1, print_comparison, print_run, print_summary, rx};
+
+mod vary;
+
+use self::vary::VARY;
+use crate::driver::{self, Benchmark, Common};
+use crate::output::Sweep;
 
 use crate::args::{
     check_backends, check_kvm_ring, BackendArg, ClearChunk, FormatArg, LogArgs, MachineArgs,
@@ -71,13 +78,9 @@ pub struct SnapshotPerfArgs {
     pub backend: Vec<BackendArg>,
     #[command(flatten)]
     pub machine: MachineArgs,
-    /// Run once per combination of the listed settings, in this process, and print one
-    /// table of combination x k (KEY=V1,V2,...; repeatable). Keys: vcpus (1-512), log (get,
-    /// clear, ring), order (seq, random: -a), backend (sim, kvm). Each row is a full run over
-    /// the -k list. Not with --repeat. For example:
-    /// `--vary log=get,clear,ring --vary vcpus=1,2`.
-    #[arg(long = "vary", value_parser = sweep::parse_vary, value_name = "KEY=V1,V2")]
-    pub vary: Vec<(sweep::VaryKey, Vec<sweep::SnapSetting>)>,
+    /// Run once per combination of settings, one table of combination x k (the keys: --help).
+    #[arg(long = "vary", value_parser = driver::vary::parser(VARY), value_name = "KEY=V1,V2", long_help = driver::vary::help(VARY, vary::EXAMPLES))]
+    pub vary: Vec<driver::vary::Vary>,
     #[command(flatten)]
     pub out: OutputArgs,
 }
@@ -226,26 +229,89 @@ pub struct Report {
     pub summary: Vec<KSummary>,
 }
 
-/// Runs the benchmark.
-pub fn run(a: &SnapshotPerfArgs) -> CliResult {
-    if !a.vary.is_empty() {
-        return sweep::run(a);
+impl Benchmark for SnapshotPerfArgs {
+    type Report = Run;
+    const NAME: &'static str = NAME;
+
+    fn vary_table() -> &'static [driver::vary::Key<Self>] {
+        VARY
     }
-    check(a).map_err(CliError::bad)?;
-    let ks = k_list(a);
-    let mut runs = Vec::new();
-    for &kind in &a.backend {
-        for n in 0..a.out.repeat {
-            if a.out.repeat > 1 && !quiet(a.out.json) {
-                eprintln!("[slat] {} run {}/{}", kind.name(), n + 1, a.out.repeat);
-            }
-            let r = measure(a, kind, &ks)?;
-            if !a.out.json {
-                print_run(&r);
-            }
-            runs.push(r);
+
+    fn common(&self) -> Common<'_> {
+        Common {
+            backends: &self.backend,
+            vary: &self.vary,
+            out: &self.out,
         }
     }
+
+    fn check(&self) -> CliResult {
+        check(self).map_err(CliError::bad)
+    }
+
+    fn measure(&self, kind: BackendArg) -> CliResult<Run> {
+        measure(self, kind, &k_list(self))
+    }
+
+    fn metrics(&self) -> Vec<Metric<Run>> {
+        METRICS.to_vec()
+    }
+
+    fn print(&self, r: &Run) {
+        print_run(r)
+    }
+
+    fn own_output(&self) -> Option<fn(&Self, Vec<(BackendArg, Vec<Run>)>) -> CliResult> {
+        Some(finish)
+    }
+
+    fn print_sweep(&self, sweep: &Sweep<Run>) -> bool {
+        vary::print_sweep(self, sweep);
+        true
+    }
+
+    fn refuse(&self) -> Option<String> {
+        if self.vary.is_empty() {
+            return None;
+        }
+        if self.out.repeat > 1 {
+            return Some(
+                "--repeat with --vary: a sweep runs each row once; drop one of them".into(),
+            );
+        }
+        if self.backend.len() > 1 {
+            return Some("--backend with two machines and --vary: vary the machine with --vary backend=sim,kvm".into());
+        }
+        None
+    }
+}
+
+/// The headline figures (the bars of `--plot`): the reset at the smallest and largest k, and
+/// the full copy.
+const METRICS: &[Metric<Run>] = &[
+    Metric {
+        name: "reset p50, smallest k",
+        unit: "us",
+        better: Better::Lower,
+        get: |r| r.rows.first().map(|k| k.reset_p50_us),
+    },
+    Metric {
+        name: "reset p50, largest k",
+        unit: "us",
+        better: Better::Lower,
+        get: |r| r.rows.last().map(|k| k.reset_p50_us),
+    },
+    Metric {
+        name: "full-copy reset p50",
+        unit: "us",
+        better: Better::Lower,
+        get: |r| Some(r.full_copy.p50_us),
+    },
+];
+
+/// The one document of every machine's runs, or the summaries under the runs' text.
+fn finish(a: &SnapshotPerfArgs, all: Vec<(BackendArg, Vec<Run>)>) -> CliResult {
+    let runs: Vec<Run> = all.into_iter().flat_map(|(_, r)| r).collect();
     let report = Report {
         benchmark: NAME,
         repeat: a.out.repeat,
@@ -269,9 +335,6 @@ pub fn run(a: &SnapshotPerfArgs) -> CliResult {
 fn check(a: &SnapshotPerfArgs) -> Result<(), String> {
     a.machine.format.check_backends(&a.backend)?;
     check_backends(&a.backend, &a.machine.engine_only())?;
-    if a.out.plot.is_some() {
-        return Err("--plot: snapshot-perf has no series to draw; drop --plot".into());
-    }
     if a.log.clear_chunk != ClearChunk::Slot {
         return Err(
             "--clear-chunk: snapshot-perf re-arms a whole memslot per CLEAR; drop --clear-chunk"
@@ -666,146 +729,4 @@ fn summary(runs: &[Run], repeat: usize) -> Vec<KSummary> {
         }
     }
     out
-}
-
-fn f1(x: f64) -> String {
-    format!("{x:.1}")
-}
-
-fn f2(x: f64) -> String {
-    format!("{x:.2}")
-}
-
-fn rx(x: Option<f64>) -> String {
-    x.map_or_else(|| "-".into(), |r| format!("{r:.2}x"))
-}
-
-fn print_run(r: &Run) {
-    let c = &r.config;
-    println!(
-        "snapshot-perf on {}{}: {} vCPUs, log {}, {} order, {} iterations per k{}",
-        r.backend,
-        r.format.map_or(String::new(), |f| format!(" ({f})")),
-        c.vcpus,
-        c.log,
-        if c.random { "random" } else { "sequential" },
-        c.iterations,
-        if c.verify {
-            ", every reset verified byte for byte"
-        } else {
-            ""
-        }
-    );
-    let head: Vec<String> = [
-        "k/vCPU",
-        "dirty pages",
-        "resets/s",
-        "reset p50 us",
-        "p99 us",
-        "us/page",
-        "harvest us",
-        "re-arm us",
-        "copy us",
-        "floor p50 us",
-        "floor p99 us",
-        "reset/floor",
-        "full/reset",
-    ]
-    .map(String::from)
-    .to_vec();
-    let rows: Vec<Vec<String>> = r
-        .rows
-        .iter()
-        .map(|k| {
-            vec![
-                k.k_per_vcpu.to_string(),
-                f1(k.dirty_pages),
-                format!("{:.0}", k.resets_per_s),
-                f1(k.reset_p50_us),
-                f1(k.reset_p99_us),
-                format!("{:.3}", k.us_per_dirty_page),
-                f2(k.harvest_mean_us),
-                f2(k.rearm_mean_us),
-                f2(k.copy_mean_us),
-                f1(k.floor_p50_us),
-                f1(k.floor_p99_us),
-                rx(k.ratio_reset_over_floor),
-                rx(k.ratio_full_over_reset),
-            ]
-        })
-        .collect();
-    print_table(&head, &rows);
-    let f = &r.full_copy;
-    println!(
-        "Full-copy reset of all {} pages: p50 {} us, p99 {} us, mean {} us ({} resets).",
-        f.pages,
-        f1(f.p50_us),
-        f1(f.p99_us),
-        f1(f.mean_us),
-        f.resets
-    );
-    println!("Each k runs on a machine of k pages per vCPU (so a pass dirties exactly k); floor = memcpy of as many pages between two host buffers; full/reset = full-copy reset p50 over this reset's p50.");
-    println!();
-}
-
-fn print_summary(rep: &Report) {
-    println!(
-        "Reset p50 over {} runs (spread = (max - min) / median):",
-        rep.repeat
-    );
-    let head: Vec<String> = [
-        "backend",
-        "k/vCPU",
-        "median us",
-        "min us",
-        "max us",
-        "spread",
-    ]
-    .map(String::from)
-    .to_vec();
-    let opt = |x: Option<f64>| x.map_or_else(|| "-".into(), f1);
-    let rows: Vec<Vec<String>> = rep
-        .summary
-        .iter()
-        .map(|s| {
-            let m = &s.reset_p50_us;
-            vec![
-                s.backend.to_string(),
-                s.k_per_vcpu.to_string(),
-                opt(m.median),
-                opt(m.min),
-                opt(m.max),
-                m.spread
-                    .map_or_else(|| "-".into(), |p| format!("{:.1}%", p * 100.0)),
-            ]
-        })
-        .collect();
-    print_table(&head, &rows);
-}
-
-/// `--backend A,B`: reset p50 per k on each machine and their ratio (first runs only).
-fn print_comparison(rep: &Report) {
-    let repeat = rep.repeat.max(1) as usize;
-    let (a, b) = (&rep.runs[0], &rep.runs[repeat]);
-    println!("Reset p50 (us), {} vs {}:", a.backend, b.backend);
-    let head: Vec<String> = vec![
-        "k/vCPU".into(),
-        a.backend.into(),
-        b.backend.into(),
-        format!("{}/{}", a.backend, b.backend),
-    ];
-    let rows: Vec<Vec<String>> = a
-        .rows
-        .iter()
-        .zip(&b.rows)
-        .map(|(x, y)| {
-            vec![
-                x.k_per_vcpu.to_string(),
-                f1(x.reset_p50_us),
-                f1(y.reset_p50_us),
-                rx(ratio(x.reset_p50_us, y.reset_p50_us)),
-            ]
-        })
-        .collect();
-    print_table(&head, &rows);
 }

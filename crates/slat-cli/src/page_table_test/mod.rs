@@ -1,4 +1,4 @@
-//! `slat page-table-test`: KVM's `kvm_page_table_test` (seed 001). Every vCPU walks the same
+//! `slat page-table-test`: KVM's `kvm_page_table_test` (the arm64 stage-2 patches: cache maintenance only by the installing fault, install-first block rebuild). Every vCPU walks the same
 //! region in three timed stages — create mappings, update them with dirty logging on (block
 //! splits, read-only → read-write), adjust them with logging off (blocks rebuilt) — so the
 //! figures are dominated by concurrent faults on the same addresses: what cache maintenance
@@ -16,7 +16,10 @@
 
 use crate::args::{backing, guest_size, variant, MachineArgs, OutputArgs, Switch};
 use crate::args::{BackendArg, FormatArg};
+use crate::driver::{Benchmark, Common};
+use crate::error::{CliError, CliResult};
 use crate::limits::GuestMemory;
+use crate::output::{Better, Metric};
 use crate::report::{format_header, quiet, ratio, ts, Phase};
 use clap::Args;
 use serde_json::json;
@@ -32,7 +35,7 @@ use std::time::Duration;
 const GUEST_MODES: [&str; 1] = ["PA-bits:48,  VA-bits:48,  4K pages"];
 
 /// Flags of `slat page-table-test`.
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct PageTableTestArgs {
     /// Guest physical test memory offset (hex with 0x, or a size with a k/m/g/t suffix);
     /// default: the top of the guest physical address space. Must be aligned to the backing
@@ -103,97 +106,110 @@ struct StageFigures {
     logging_switch: Option<Duration>,
 }
 
-/// Runs the benchmark.
-pub fn run(a: &PageTableTestArgs) -> crate::error::CliResult {
-    if a.mode >= GUEST_MODES.len() {
-        return Err(crate::error::CliError::bad(format!(
-            "guest mode {} is not implemented; -m takes {}",
-            a.mode,
-            GUEST_MODES
-                .iter()
-                .enumerate()
-                .map(|(i, m)| format!(
-                    "{i} ({})",
-                    m.split_whitespace().collect::<Vec<_>>().join(" ")
-                ))
-                .collect::<Vec<_>>()
-                .join(", ")
-        )));
+/// Refuses a guest mode the model does not implement.
+fn check_mode(a: &PageTableTestArgs) -> CliResult {
+    if a.mode < GUEST_MODES.len() {
+        return Ok(());
     }
-    if a.compare && a.machine.format != FormatArg::Stage2 {
-        return Err(crate::error::CliError::bad("--compare varies cache maintenance and the rebuild order, which only --format stage2 has"));
+    Err(CliError::bad(format!(
+        "guest mode {} is not implemented; -m takes {}",
+        a.mode,
+        GUEST_MODES
+            .iter()
+            .enumerate()
+            .map(|(i, m)| format!(
+                "{i} ({})",
+                m.split_whitespace().collect::<Vec<_>>().join(" ")
+            ))
+            .collect::<Vec<_>>()
+            .join(", ")
+    )))
+}
+
+/// Runs the benchmark: `--compare`'s four configurations, or the driver's runs.
+pub fn run(a: &PageTableTestArgs) -> CliResult {
+    if !a.compare {
+        return crate::driver::run(a);
     }
-    check(a).map_err(crate::error::CliError::bad)?;
-    let base = vm_config(a);
-    let configs: Vec<VmConfig> = if a.compare {
-        let mut v = Vec::new();
-        for rebuild in [RebuildOrder::BreakFirst, RebuildOrder::InstallFirst] {
-            for cmo in [CmoPolicy::Always, CmoPolicy::OnInstall] {
-                v.push(VmConfig {
-                    cmo,
-                    rebuild,
-                    ..base
-                });
-            }
-        }
-        v
-    } else {
-        vec![base]
-    };
-    if a.out.plot.is_some() {
-        return Err(crate::error::CliError::bad(
-            "--plot: page-table-test has no series to draw yet; drop --plot",
-        ));
+    crate::driver::check_output(a.out.plot.as_deref())?;
+    a.check()?;
+    if a.machine.format != FormatArg::Stage2 {
+        return Err(CliError::bad("--compare varies cache maintenance and the rebuild order, which only --format stage2 has"));
     }
-    if a.compare && a.out.repeat > 1 {
-        return Err(crate::error::CliError::bad(
+    if a.out.repeat > 1 {
+        return Err(CliError::bad(
             "--repeat with --compare: the comparison already runs every configuration; drop one of them",
         ));
     }
-    let text = !a.out.json && !a.compare;
+    let base = vm_config(a);
     let mut runs = Vec::new();
-    for n in 0..a.out.repeat {
-        if a.out.repeat > 1 && !quiet(a.out.json) {
-            eprintln!("[slat] run {}/{}", n + 1, a.out.repeat);
-        }
-        for vm in &configs {
-            let r = match a.machine.format {
-                FormatArg::Ept => run_on::<slat::Ept>(a, *vm, text)?,
-                FormatArg::Stage2 => run_on::<slat::Stage2>(a, *vm, text)?,
+    for rebuild in [RebuildOrder::BreakFirst, RebuildOrder::InstallFirst] {
+        for cmo in [CmoPolicy::Always, CmoPolicy::OnInstall] {
+            let vm = VmConfig {
+                cmo,
+                rebuild,
+                ..base
             };
-            runs.push((*vm, r));
+            runs.push((vm, run_format(a, vm, false)?));
         }
     }
-    if a.out.repeat > 1 {
-        let typed: Vec<Run> = runs.iter().map(|(_, r)| r.clone()).collect();
-        let rep = crate::output::Repeated {
-            benchmark: "page-table-test",
-            repeat: typed.len(),
-            summary: METRICS
-                .iter()
-                .map(|m| crate::output::summarize(m, &typed))
-                .collect(),
-            runs: runs.iter().map(|(vm, r)| to_json(a, vm, r)).collect(),
-        };
-        if a.out.json {
-            return crate::output::print_json(&rep, &[]);
-        }
-        rep.print();
+    if !a.out.json {
+        print_comparison(a, &runs);
         return Ok(());
     }
-    if a.compare && !a.out.json {
-        print_comparison(a, &runs);
+    let docs: Vec<_> = runs.iter().map(|(vm, r)| to_json(a, vm, r)).collect();
+    let doc = json!({ "benchmark": "page-table-test", "compare": docs });
+    crate::output::print_json(&doc, &[])
+}
+
+fn run_format(a: &PageTableTestArgs, vm: VmConfig, text: bool) -> CliResult<Run> {
+    Ok(match a.machine.format {
+        FormatArg::Ept => run_on::<slat::Ept>(a, vm, text)?,
+        FormatArg::Stage2 => run_on::<slat::Stage2>(a, vm, text)?,
+    })
+}
+
+/// One run: its figures and its JSON.
+pub struct Ran {
+    run: Run,
+    json: Report,
+}
+
+impl serde::Serialize for Ran {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.json.serialize(s)
     }
-    if a.out.json {
-        let docs: Vec<_> = runs.iter().map(|(vm, r)| to_json(a, vm, r)).collect();
-        if a.compare {
-            let doc = json!({ "benchmark": "page-table-test", "compare": docs });
-            crate::output::print_json(&doc, &[])?;
-        } else {
-            crate::output::print_json(&docs[0], &[])?;
+}
+
+impl Benchmark for PageTableTestArgs {
+    type Report = Ran;
+    const NAME: &'static str = "page-table-test";
+
+    fn common(&self) -> Common<'_> {
+        Common {
+            backends: &[],
+            vary: &[],
+            out: &self.out,
         }
     }
-    Ok(())
+
+    fn check(&self) -> CliResult {
+        check_mode(self)?;
+        check(self).map_err(CliError::bad)
+    }
+
+    fn measure(&self, _kind: BackendArg) -> CliResult<Ran> {
+        let vm = vm_config(self);
+        let run = run_format(self, vm, !self.out.json)?;
+        let json = to_json(self, &vm, &run);
+        Ok(Ran { run, json })
+    }
+
+    fn metrics(&self) -> Vec<Metric<Ran>> {
+        METRICS.to_vec()
+    }
+
+    fn print(&self, _r: &Ran) {}
 }
 
 /// The test memory (`-b` aligned up to the backing page size) and what the machine maps for
@@ -247,21 +263,10 @@ struct Run {
     stages: Vec<StageFigures>,
 }
 
-/// The seed-001 table: stage times per configuration, and each patch's improvement.
+/// The `--compare` table: stage times per configuration (cache maintenance policy × block
+/// rebuild order), and each patch's improvement.
 fn print_comparison(a: &PageTableTestArgs, runs: &[(VmConfig, Run)]) {
-    let time = |cmo: CmoPolicy, rebuild: RebuildOrder, stage: Stage| -> Duration {
-        runs.iter()
-            .find(|(vm, _)| vm.cmo == cmo && vm.rebuild == rebuild)
-            .and_then(|(_, r)| r.stages.iter().find(|f| f.stage == stage))
-            .map_or(Duration::ZERO, |f| f.time)
-    };
-    let gain = |before: Duration, after: Duration| {
-        if before.is_zero() {
-            0.0
-        } else {
-            100.0 * (before.as_secs_f64() - after.as_secs_f64()) / before.as_secs_f64()
-        }
-    };
+    let time = |cmo, rebuild, stage| stage_of(runs, cmo, rebuild, stage);
     println!(
         "page-table-test --compare: -s {} -b {} -v {} --format stage2, eager split {}, recover {}",
         a.backing.name(),
@@ -285,6 +290,34 @@ fn print_comparison(a: &PageTableTestArgs, runs: &[(VmConfig, Run)]) {
         );
     }
     println!();
+    print_patches(runs);
+}
+
+/// A stage's time in the configuration `cmo` × `rebuild` (zero if it did not run).
+fn stage_of(
+    runs: &[(VmConfig, Run)],
+    cmo: CmoPolicy,
+    rebuild: RebuildOrder,
+    stage: Stage,
+) -> Duration {
+    runs.iter()
+        .find(|(vm, _)| vm.cmo == cmo && vm.rebuild == rebuild)
+        .and_then(|(_, r)| r.stages.iter().find(|f| f.stage == stage))
+        .map_or(Duration::ZERO, |f| f.time)
+}
+
+/// How much shorter `after` is than `before`, in percent.
+fn gain(before: Duration, after: Duration) -> f64 {
+    if before.is_zero() {
+        0.0
+    } else {
+        100.0 * (before.as_secs_f64() - after.as_secs_f64()) / before.as_secs_f64()
+    }
+}
+
+/// Each patch's improvement, stage by stage.
+fn print_patches(runs: &[(VmConfig, Run)]) {
+    let time = |cmo, rebuild, stage| stage_of(runs, cmo, rebuild, stage);
     println!(
         "Patch 1 (CMOs only by the installing fault), always -> on-install, rebuild break-first:"
     );
@@ -598,23 +631,23 @@ fn stage_time(r: &Run, stage: Stage) -> Option<f64> {
 }
 
 /// The figures `--repeat` summarizes: each stage's time.
-const METRICS: &[crate::output::Metric<Run>] = &[
-    crate::output::Metric {
+const METRICS: &[Metric<Ran>] = &[
+    Metric {
         name: "create mappings",
         unit: "s",
-        better: crate::output::Better::Lower,
-        get: |r| stage_time(r, Stage::CreateMappings),
+        better: Better::Lower,
+        get: |r| stage_time(&r.run, Stage::CreateMappings),
     },
-    crate::output::Metric {
+    Metric {
         name: "update mappings",
         unit: "s",
-        better: crate::output::Better::Lower,
-        get: |r| stage_time(r, Stage::UpdateMappings),
+        better: Better::Lower,
+        get: |r| stage_time(&r.run, Stage::UpdateMappings),
     },
-    crate::output::Metric {
+    Metric {
         name: "adjust mappings",
         unit: "s",
-        better: crate::output::Better::Lower,
-        get: |r| stage_time(r, Stage::AdjustMappings),
+        better: Better::Lower,
+        get: |r| stage_time(&r.run, Stage::AdjustMappings),
     },
 ];

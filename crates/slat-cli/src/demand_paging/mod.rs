@@ -5,9 +5,10 @@
 
 use crate::args::{check_backends, BackendArg, MachineArgs, OutputArgs, PinArgs, Workload};
 use crate::backend::{self, kvm_stats_line, Native, Spec};
+use crate::driver::{Benchmark, Common};
 use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
-use crate::output::{print_json, secs, Better, Comparison, Metric, Repeated, RunHead, VmSettings};
+use crate::output::{secs, Better, Metric, RunHead, VmSettings};
 use crate::report::{
     bbm_cmo_line, format_header, pinned_line, quiet, ratio, sim_format, ts, Phase,
 };
@@ -45,7 +46,7 @@ impl UffdArg {
 }
 
 /// Flags of `slat demand-paging`.
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct DemandPagingArgs {
     #[command(flatten)]
     pub work: Workload,
@@ -211,50 +212,49 @@ const METRICS: &[Metric<Report>] = &[
     },
 ];
 
-/// Runs the benchmark (on each machine `--backend` lists).
-pub fn run(a: &DemandPagingArgs) -> CliResult {
-    a.machine
-        .format
-        .check_backends(&a.backend)
-        .map_err(CliError::bad)?;
-    check_backends(&a.backend, &a.machine.engine_only()).map_err(CliError::bad)?;
-    check(a).map_err(CliError::bad)?;
-    if a.out.plot.is_some() {
-        return Err(CliError::bad(
-            "--plot: demand-paging measures one pass, there is no series to draw; drop --plot",
-        ));
-    }
-    if let [first, second] = a.backend[..] {
-        if a.out.repeat > 1 {
-            return Err(CliError::bad(
-                "--repeat runs one machine: drop it, or give one --backend",
-            ));
+impl Benchmark for DemandPagingArgs {
+    type Report = Report;
+    const NAME: &'static str = NAME;
+
+    fn common(&self) -> Common<'_> {
+        Common {
+            backends: &self.backend,
+            vary: &[],
+            out: &self.out,
         }
-        return side_by_side(a, [first, second]);
     }
-    let mut runs = Vec::new();
-    for n in 0..a.out.repeat {
-        if a.out.repeat > 1 && !quiet(a.out.json) {
-            eprintln!("[slat] run {}/{}", n + 1, a.out.repeat);
-        }
-        let r = measure(a, a.backend[0])?;
-        if !a.out.json {
-            print_text(&r);
-        }
-        runs.push(r);
+
+    fn check(&self) -> CliResult {
+        self.machine
+            .format
+            .check_backends(&self.backend)
+            .map_err(CliError::bad)?;
+        check_backends(&self.backend, &self.machine.engine_only()).map_err(CliError::bad)?;
+        check(self).map_err(CliError::bad)
     }
-    if a.out.repeat > 1 {
-        let rep = Repeated::new(NAME, METRICS, runs);
-        if a.out.json {
-            return print_json(&rep, &a.backend);
-        }
-        rep.print();
-        return Ok(());
+
+    fn measure(&self, kind: BackendArg) -> CliResult<Report> {
+        measure(self, kind)
     }
-    if a.out.json {
-        print_json(&runs[0], &a.backend)?;
+
+    fn metrics(&self) -> Vec<Metric<Report>> {
+        METRICS.to_vec()
     }
-    Ok(())
+
+    fn print(&self, r: &Report) {
+        print_text(r)
+    }
+
+    fn comparison_title(&self, [k0, k1]: [BackendArg; 2]) -> String {
+        format!(
+            "demand-paging on {} and {}: -v {} -b {}, one run each, in this process; format {} on sim",
+            k0.name(),
+            k1.name(),
+            self.work.vcpus,
+            format_size(self.work.bytes),
+            self.machine.format.name()
+        )
+    }
 }
 
 /// Sizes the machines can hold: `-v` × `-b` without overflow, in the guest physical address
@@ -557,24 +557,6 @@ fn uffd_figures(
         per_handler_pages: r.handlers.iter().map(|h| h.pages).collect(),
         pages_verified: checked,
     })
-}
-
-/// `--backend sim,kvm`: the pass on both machines, one after the other, and one table.
-fn side_by_side(a: &DemandPagingArgs, kinds: [BackendArg; 2]) -> CliResult {
-    let runs = [measure(a, kinds[0])?, measure(a, kinds[1])?];
-    let (n0, n1) = (kinds[0].name(), kinds[1].name());
-    let cmp = Comparison::new(NAME, [n0, n1], METRICS, [&runs[0], &runs[1]]);
-    if a.out.json {
-        return print_json(&cmp, &a.backend);
-    }
-    println!(
-        "demand-paging on {n0} and {n1}: -v {} -b {}, one run each, in this process; format {} on sim",
-        a.work.vcpus,
-        format_size(a.work.bytes),
-        a.machine.format.name()
-    );
-    cmp.print();
-    Ok(())
 }
 
 /// Every engine statistic as JSON.

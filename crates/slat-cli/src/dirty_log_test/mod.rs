@@ -8,6 +8,7 @@ use crate::args::{
     Workload,
 };
 use crate::backend::{self, dirty_config, Spec};
+use crate::driver::{Benchmark, Common};
 use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
 use crate::output::{print_json, Better, Metric, Repeated, RunHead, VmSettings};
@@ -44,7 +45,7 @@ pub enum BreakArg {
 }
 
 /// Flags of `slat dirty-log-test`.
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct DirtyLogTestArgs {
     #[command(flatten)]
     pub work: Workload,
@@ -83,108 +84,130 @@ pub struct DirtyLogTestArgs {
     pub out: OutputArgs,
 }
 
-/// Runs the test on every machine `--backend` lists (`--repeat` times); an error (or any
-/// mismatch) is a non-zero exit.
-pub fn run(a: &DirtyLogTestArgs) -> CliResult {
-    let mut engine_only = a.machine.engine_only();
-    engine_only.extend(a.dirty.engine_only());
-    if a.broken.is_some() {
-        if !cfg!(feature = "broken-engine") {
-            return Err(CliError::bad(
-                "--break needs an engine built with its deliberate bugs: \
+impl Benchmark for DirtyLogTestArgs {
+    type Report = Report;
+    const NAME: &'static str = NAME;
+
+    fn common(&self) -> Common<'_> {
+        Common {
+            backends: &self.backend,
+            vary: &[],
+            out: &self.out,
+        }
+    }
+
+    fn check(&self) -> CliResult {
+        let mut engine_only = self.machine.engine_only();
+        engine_only.extend(self.dirty.engine_only());
+        if self.broken.is_some() {
+            if !cfg!(feature = "broken-engine") {
+                return Err(CliError::bad(
+                    "--break needs an engine built with its deliberate bugs: \
                  cargo build --release -p slat-cli --features broken-engine",
-            ));
-        }
-        engine_only.push("--break");
-    }
-    if a.toggle_every != 0 {
-        engine_only.push("--toggle-every");
-    }
-    a.machine
-        .format
-        .check_backends(&a.backend)
-        .map_err(CliError::bad)?;
-    check_backends(&a.backend, &engine_only).map_err(CliError::bad)?;
-    let vm_config = a.dirty.apply(a.machine.vm_config());
-    a.dirty
-        .check(
-            &vm_config,
-            a.machine.format,
-            modes(a).contains(&LogMode::DirtyRing),
-        )
-        .map_err(CliError::bad)?;
-    check(a).map_err(CliError::bad)?;
-    if a.out.plot.is_some() {
-        return Err(CliError::bad(
-            "--plot: dirty-log-test has no time series to draw (it is a correctness check); drop --plot",
-        ));
-    }
-    let mut runs = Vec::new();
-    for n in 0..a.out.repeat {
-        if a.out.repeat > 1 && !quiet(a.out.json) {
-            eprintln!("[slat] run {}/{}", n + 1, a.out.repeat);
-        }
-        let mut reports = Vec::new();
-        for &kind in &a.backend {
-            let r = run_on(a, kind)?;
-            if !a.out.json {
-                print_text(&r);
+                ));
             }
-            reports.push(r);
+            engine_only.push("--break");
         }
-        runs.push(reports);
+        if self.toggle_every != 0 {
+            engine_only.push("--toggle-every");
+        }
+        self.machine
+            .format
+            .check_backends(&self.backend)
+            .map_err(CliError::bad)?;
+        check_backends(&self.backend, &engine_only).map_err(CliError::bad)?;
+        let vm_config = self.dirty.apply(self.machine.vm_config());
+        self.dirty
+            .check(
+                &vm_config,
+                self.machine.format,
+                modes(self).contains(&LogMode::DirtyRing),
+            )
+            .map_err(CliError::bad)?;
+        check(self).map_err(CliError::bad)?;
+        Ok(())
     }
-    let failed: Vec<String> = runs
+
+    fn measure(&self, kind: BackendArg) -> CliResult<Report> {
+        run_on(self, kind)
+    }
+
+    fn metrics(&self) -> Vec<Metric<Report>> {
+        METRICS.to_vec()
+    }
+
+    fn print(&self, r: &Report) {
+        print_text(r)
+    }
+
+    fn own_output(&self) -> Option<fn(&Self, Vec<(BackendArg, Vec<Report>)>) -> CliResult> {
+        Some(finish)
+    }
+
+    fn refuse(&self) -> Option<String> {
+        self.out.plot.as_ref().map(|_| {
+            "--plot: dirty-log-test has no time series to draw (it is a correctness check); drop --plot".to_string()
+        })
+    }
+}
+
+/// The summaries or the one JSON document; then any mismatch, on any machine, is a failure
+/// (exit status 1).
+fn finish(a: &DirtyLogTestArgs, all: Vec<(BackendArg, Vec<Report>)>) -> CliResult {
+    let mut failed: Vec<String> = all
         .iter()
-        .flatten()
+        .flat_map(|(_, runs)| runs)
         .filter(|r| !r.pass)
         .map(|r| r.failure(a.backend.len() > 1, a.seed))
         .collect();
     if a.out.json {
-        emit_json(a, runs)?;
+        emit_json(a, all)?;
     } else if a.out.repeat > 1 {
-        for (i, kind) in a.backend.iter().enumerate() {
-            let one: Vec<Report> = runs.iter().map(|r| r[i].clone()).collect();
+        for (kind, runs) in all {
             if a.backend.len() > 1 {
                 println!("\n{}:", kind.name());
             }
-            Repeated::new(NAME, METRICS, one).print();
+            Repeated::new(NAME, METRICS, runs).print();
         }
     }
     if failed.is_empty() {
-        Ok(())
-    } else {
-        let mut failed = failed;
-        failed.dedup();
-        Err(failed.join("; ").into())
+        return Ok(());
     }
+    failed.dedup();
+    Err(failed.join("; ").into())
 }
 
 /// The one JSON document: a run's report, a `--backend a,b` pair, or `--repeat` summaries.
-fn emit_json(a: &DirtyLogTestArgs, runs: Vec<Vec<Report>>) -> CliResult {
-    let per_backend = |i: usize| -> Vec<Report> { runs.iter().map(|r| r[i].clone()).collect() };
-    match (a.out.repeat, a.backend.len()) {
-        (1, 1) => print_json(&runs[0][0], &a.backend),
-        (1, _) => print_json(
-            &Both {
+fn emit_json(a: &DirtyLogTestArgs, all: Vec<(BackendArg, Vec<Report>)>) -> CliResult {
+    let backends: Vec<&'static str> = a.backend.iter().map(|k| k.name()).collect();
+    let mut per_backend: Vec<Vec<Report>> = all.into_iter().map(|(_, r)| r).collect();
+    match (a.out.repeat, per_backend.len()) {
+        (1, 1) => print_json(&per_backend[0][0], &a.backend),
+        (1, _) => {
+            let runs: Vec<Report> = per_backend.into_iter().flatten().collect();
+            let doc = Both {
                 benchmark: NAME,
-                backends: a.backend.iter().map(|k| k.name()).collect(),
-                pass: runs[0].iter().all(|r| r.pass),
-                runs: runs[0].clone(),
-            },
+                backends,
+                pass: runs.iter().all(|r| r.pass),
+                runs,
+            };
+            print_json(&doc, &a.backend)
+        }
+        (_, 1) => print_json(
+            &Repeated::new(NAME, METRICS, per_backend.remove(0)),
             &a.backend,
         ),
-        (_, 1) => print_json(&Repeated::new(NAME, METRICS, per_backend(0)), &a.backend),
-        (_, n) => print_json(
-            &BothRepeated {
+        _ => {
+            let doc = BothRepeated {
                 benchmark: NAME,
-                backends: a.backend.iter().map(|k| k.name()).collect(),
-                repeated: (0..n)
-                    .map(|i| Repeated::new(NAME, METRICS, per_backend(i)))
+                backends,
+                repeated: per_backend
+                    .into_iter()
+                    .map(|runs| Repeated::new(NAME, METRICS, runs))
                     .collect(),
-            },
-            &a.backend,
-        ),
+            };
+            print_json(&doc, &a.backend)
+        }
     }
 }
 

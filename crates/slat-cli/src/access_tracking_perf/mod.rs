@@ -8,13 +8,16 @@
 //! per vCPU marks that vCPU's pages (vCPU 0 marks everything with `-o`), as the selftest's
 //! vCPU threads write page_idle for their own memory.
 
-use crate::args::{
-    check_backends, BackendArg, FormatArg, MachineArgs, OutputArgs, PinArgs, Switch, Workload,
-};
+mod text;
+use text::{compare, print_header, run_json, summary};
+
+use crate::args::{BackendArg, FormatArg, MachineArgs, OutputArgs, PinArgs, Switch, Workload};
 use crate::demand_paging::stats_json;
+use crate::driver::{Benchmark, Common};
 use crate::error::CliError;
+use crate::error::CliResult;
 use crate::limits::GuestMemory;
-use crate::output::{print_json, summarize, Better, Metric, Repeated, VmSettings};
+use crate::output::{Better, Metric, VmSettings};
 use crate::report::{bbm_cmo_line, pinned_line, quiet, ratio, ts, Phase};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
@@ -101,7 +104,7 @@ fn idle_check_name(c: IdleCheck) -> &'static str {
 }
 
 /// Flags of `slat access-tracking-perf` (the selftest's, plus slat's variant switches).
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 #[command(after_long_help = "\
 Lines, as the selftest prints them (`%-30s: %ld.%09lds`): Populating memory, Writing to \
 populated memory, Reading from populated memory, Mark memory idle, Writing to idle memory, \
@@ -109,7 +112,7 @@ Mark memory idle, Reading from idle memory. After each guest pass a `native base
 gives the same pass on host memory and the ratio; after each pass over idle memory a \
 `still idle` line gives the pages aging did not see accessed.
 
-Seed 000 (fast page fault for the TDP MMU) measured `Writing to idle memory` with A/D bits \
+The series fast page fault for the TDP MMU was measured on `Writing to idle memory` with A/D bits \
 off, so that every access to idle memory takes an access-tracking fault:
   slat access-tracking-perf --compare --ad-bits off
 runs fast PF on/off x -v 1/-v 2 in this one process and prints one table.")]
@@ -286,68 +289,85 @@ impl RunResult {
     }
 }
 
-/// Runs the benchmark.
-pub fn run(a: &AccessTrackingPerfArgs) -> crate::error::CliResult {
-    a.machine
-        .format
-        .check_backends(&a.backend)
-        .map_err(crate::error::CliError::bad)?;
-    check_backends(&a.backend, &[]).map_err(crate::error::CliError::bad)?;
-    if a.backend.contains(&BackendArg::Kvm) {
-        // KVM ages guest memory only through the host's page_idle interface (the selftest's
-        // route), which slat does not drive: no host can run this, so it is bad input.
-        const PAGE_IDLE: &str = "/sys/kernel/mm/page_idle/bitmap";
-        if !std::path::Path::new(PAGE_IDLE).exists() {
-            return Err(crate::error::CliError::bad(format!(
-                "access-tracking-perf --backend kvm needs {PAGE_IDLE} (a kernel built with CONFIG_IDLE_PAGE_TRACKING), which this host lacks; use --backend sim"
-            )));
-        }
-        return Err(crate::error::CliError::bad(format!(
-            "access-tracking-perf --backend kvm is not built yet (this host has {PAGE_IDLE}, but slat does not drive it); use --backend sim"
-        )));
+/// Runs the benchmark: `--compare`'s four configurations, or the driver's runs.
+pub fn run(a: &AccessTrackingPerfArgs) -> CliResult {
+    if !a.compare {
+        return crate::driver::run(a);
     }
-    check(a).map_err(crate::error::CliError::bad)?;
-    if a.compare && a.pin.cpus.is_some() {
+    crate::driver::check_output(a.out.plot.as_deref())?;
+    a.check()?;
+    if a.pin.cpus.is_some() {
         return Err(CliError::bad(
             "-c: --compare runs -v 1 and -v 2, which need different CPU lists; drop -c or --compare",
         ));
     }
-    if a.compare {
-        return compare(a);
+    compare(a)
+}
+
+/// One run: the selftest's lines (printed as it goes) and its JSON.
+pub struct Run {
+    result: RunResult,
+    json: RunJson,
+}
+
+impl serde::Serialize for Run {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.json.serialize(s)
     }
-    if a.out.plot.is_some() {
-        return Err(CliError::bad(
-            "--plot: access-tracking-perf has no series to draw yet; drop --plot",
-        ));
-    }
-    let mut runs = Vec::new();
-    for n in 0..a.out.repeat {
-        if a.out.repeat > 1 && !quiet(a.out.json) {
-            eprintln!("[slat] run {}/{}", n + 1, a.out.repeat);
+}
+
+impl Benchmark for AccessTrackingPerfArgs {
+    type Report = Run;
+    const NAME: &'static str = "access-tracking-perf";
+
+    fn common(&self) -> Common<'_> {
+        Common {
+            backends: &self.backend,
+            vary: &[],
+            out: &self.out,
         }
-        let r = run_one(a, a.work.vcpus, a.machine.fast_pf.on(), !a.out.json)?;
-        if !a.out.json {
-            summary(a, &r);
+    }
+
+    fn check(&self) -> CliResult {
+        self.machine
+            .format
+            .check_backends(&self.backend)
+            .map_err(CliError::bad)?;
+        if self.backend.contains(&BackendArg::Kvm) {
+            // KVM ages guest memory only through the host's page_idle interface (the
+            // selftest's route), which slat does not drive: no host can run this, so it is
+            // bad input.
+            const PAGE_IDLE: &str = "/sys/kernel/mm/page_idle/bitmap";
+            if !std::path::Path::new(PAGE_IDLE).exists() {
+                return Err(CliError::bad(format!(
+                    "access-tracking-perf --backend kvm needs {PAGE_IDLE} (a kernel built with CONFIG_IDLE_PAGE_TRACKING), which this host lacks; use --backend sim"
+                )));
+            }
+            return Err(CliError::bad(format!(
+                "access-tracking-perf --backend kvm is not built yet (this host has {PAGE_IDLE}, but slat does not drive it); use --backend sim"
+            )));
         }
-        runs.push(r);
+        check(self).map_err(CliError::bad)
     }
-    if a.out.repeat > 1 {
-        let rep = Repeated {
-            benchmark: "access-tracking-perf",
-            repeat: runs.len(),
-            summary: METRICS.iter().map(|m| summarize(m, &runs)).collect(),
-            runs: runs.iter().map(|r| run_json(a, r)).collect(),
-        };
-        if a.out.json {
-            return print_json(&rep, &a.backend);
-        }
-        rep.print();
-        return Ok(());
+
+    fn measure(&self, _kind: BackendArg) -> CliResult<Run> {
+        let result = run_one(
+            self,
+            self.work.vcpus,
+            self.machine.fast_pf.on(),
+            !self.out.json,
+        )?;
+        let json = run_json(self, &result);
+        Ok(Run { result, json })
     }
-    if a.out.json {
-        print_json(&run_json(a, &runs[0]), &a.backend)?;
+
+    fn metrics(&self) -> Vec<Metric<Run>> {
+        METRICS.to_vec()
     }
-    Ok(())
+
+    fn print(&self, r: &Run) {
+        summary(self, &r.result)
+    }
 }
 
 fn pass_time(r: &RunResult, name: &str) -> Option<f64> {
@@ -359,36 +379,36 @@ fn pass_ratio(r: &RunResult, name: &str) -> Option<f64> {
 }
 
 /// The headline figures `--repeat` summarizes.
-const METRICS: &[Metric<RunResult>] = &[
+const METRICS: &[Metric<Run>] = &[
     Metric {
         name: "populating memory",
         unit: "s",
         better: Better::Lower,
-        get: |r| pass_time(r, "Populating memory"),
+        get: |r| pass_time(&r.result, "Populating memory"),
     },
     Metric {
         name: "writing to idle memory",
         unit: "s",
         better: Better::Lower,
-        get: |r| pass_time(r, "Writing to idle memory"),
+        get: |r| pass_time(&r.result, "Writing to idle memory"),
     },
     Metric {
         name: "writing to idle memory guest/native",
         unit: "x",
         better: Better::Lower,
-        get: |r| pass_ratio(r, "Writing to idle memory"),
+        get: |r| pass_ratio(&r.result, "Writing to idle memory"),
     },
     Metric {
         name: "reading from idle memory",
         unit: "s",
         better: Better::Lower,
-        get: |r| pass_time(r, "Reading from idle memory"),
+        get: |r| pass_time(&r.result, "Reading from idle memory"),
     },
     Metric {
         name: "mark memory idle (first)",
         unit: "s",
         better: Better::Lower,
-        get: |r| r.marks.first().map(|m| m.time.as_secs_f64()),
+        get: |r| r.result.marks.first().map(|m| m.time.as_secs_f64()),
     },
 ];
 
@@ -639,23 +659,6 @@ fn pin<F: PteFormat>(
     Ok(Some(plan.vcpus))
 }
 
-/// The selftest's header lines, the test memory, and how the idle check will judge.
-fn print_header(a: &AccessTrackingPerfArgs, vm_cfg: &VmConfig, layout: &Layout, total: u64) {
-    println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
-    println!("{}", a.machine.format.header(vm_cfg));
-    println!(
-        "guest physical test memory: [0x{:x}, 0x{:x})",
-        layout.gpa,
-        layout.gpa + total
-    );
-    let (c, why) = a.idle_check();
-    println!(
-        "Idle page check: {}{}",
-        idle_check_name(c),
-        why.map(|w| format!(" ({w})")).unwrap_or_default()
-    );
-}
-
 /// Marks every bitmap idle, one host thread per bitmap (the selftest's vCPU threads each mark
 /// their own memory), and times the whole marking.
 fn mark_idle<F: PteFormat>(vm: &Vm<F>, bitmaps: &mut [IdleBitmap], flush: AgeFlush) -> Mark {
@@ -691,65 +694,6 @@ fn mark_idle<F: PteFormat>(vm: &Vm<F>, bitmaps: &mut [IdleBitmap], flush: AgeFlu
         report,
         pages,
     }
-}
-
-fn on_off(b: bool) -> &'static str {
-    if b {
-        "on"
-    } else {
-        "off"
-    }
-}
-
-/// The figures after the selftest's lines.
-fn summary(a: &AccessTrackingPerfArgs, r: &RunResult) {
-    let s = &r.stats;
-    println!();
-    for (i, m) in r.marks.iter().enumerate() {
-        println!(
-            "Mark memory idle #{}: {:.3} ms per GiB; {} leaves aged ({} pages young), {} pages reported dirty{}",
-            i + 1,
-            m.ms_per_gib(),
-            m.report.aged_leaves,
-            m.report.young_pages,
-            m.report.dirty_pages,
-            if m.report.flushed { ", TLBs flushed" } else { "" }
-        );
-    }
-    for name in ["Writing to idle memory", "Reading from idle memory"] {
-        if let Some(p) = r.pass(name) {
-            println!(
-                "{name}: {} faults ({:.2}x native)",
-                p.faults(),
-                ratio(p.guest.wall, p.native.wall)
-            );
-        }
-    }
-    println!(
-        "Engine: {} slow faults, {} fast faults, {} spurious, {} retried; remote flushes {}/{} requested",
-        s.pf_fixed, s.pf_fast, s.pf_spurious, s.pf_retry, s.remote_tlb_flush, s.remote_tlb_flush_requests
-    );
-    println!(
-        "Leaves: {} x 4K, {} x 2M, {} x 1G",
-        s.leaves_4k, s.leaves_2m, s.leaves_1g
-    );
-    if let Some(line) = bbm_cmo_line(a.machine.format, s) {
-        println!("{line}");
-    }
-    if let Some(line) = pinned_line(r.pinned.as_deref()) {
-        println!("{line}");
-    }
-    println!(
-        "Machine: {} vCPU(s) on {} physical CPU(s); {}, format {}, mmu lock {}, A/D bits {}, fast page fault {}, marking with {}",
-        r.vcpus,
-        r.pcpus,
-        a.work.backing,
-        a.machine.format.name(),
-        a.machine.vm_config().mmu_lock.name(),
-        on_off(a.machine.ad_bits.on()),
-        on_off(r.fast_pf),
-        flush_mode(a).name()
-    );
 }
 
 /// The run's settings, as the report records them.
@@ -791,129 +735,4 @@ struct RunJson {
 struct CompareJson {
     benchmark: &'static str,
     compare: Vec<RunJson>,
-}
-
-fn run_json(a: &AccessTrackingPerfArgs, r: &RunResult) -> RunJson {
-    let (check, why) = a.idle_check();
-    RunJson {
-        benchmark: "access-tracking-perf",
-        backend: "sim",
-        format: a.machine.format.name(),
-        config: Config {
-            vm: VmSettings::new(
-                BackendArg::Sim,
-                a.machine.format,
-                &machine_config(a, r.vcpus, r.fast_pf).vm,
-                a.machine.tlb_entries,
-                Some(r.pcpus),
-                !a.machine.no_prefault,
-            ),
-            vcpus: r.vcpus,
-            bytes_per_vcpu: a.work.bytes,
-            backing: a.work.backing.name(),
-            overlap: a.work.overlap,
-            age_flush: a.age_flush.on(),
-            idle_check: idle_check_name(check),
-            idle_check_reason: why,
-            pinned_cpus: r.pinned.clone(),
-        },
-        passes: r.passes.iter().map(Pass::json).collect(),
-        mark_memory_idle: r.marks.iter().map(Mark::json).collect(),
-        still_idle: r
-            .idle
-            .iter()
-            .map(|i| IdleJson {
-                after: i.pass,
-                pages: i.pages,
-                still_idle: i.still_idle,
-                fraction: i.fraction(),
-            })
-            .collect(),
-        warnings: r.warnings.clone(),
-        stats: stats_json(&r.stats),
-    }
-}
-
-/// Seed 000's table from one process: fast PF on/off × -v 1/-v 2.
-fn compare(a: &AccessTrackingPerfArgs) -> crate::error::CliResult {
-    let q = quiet(a.out.json);
-    let mut runs = Vec::new();
-    for vcpus in [1u32, 2] {
-        for fast_pf in [true, false] {
-            let p = Phase::start(
-                format!("run: -v {vcpus}, fast page fault {}", on_off(fast_pf)),
-                q,
-            );
-            runs.push(run_one(a, vcpus, fast_pf, false)?);
-            p.done();
-        }
-    }
-    if a.out.json {
-        let doc = CompareJson {
-            benchmark: "access-tracking-perf",
-            compare: runs.iter().map(|r| run_json(a, r)).collect(),
-        };
-        return crate::output::print_json(&doc, &a.backend);
-    }
-    println!(
-        "access-tracking-perf --compare: --format {}, -b {} per vCPU, {}{}, A/D bits {}, marking with {}",
-        a.machine.format.name(),
-        format_size(a.work.bytes),
-        a.work.backing,
-        if a.work.overlap { ", -o" } else { "" },
-        on_off(a.machine.ad_bits.on()),
-        flush_mode(a).name()
-    );
-    if a.machine.ad_bits.on() {
-        println!(
-            "(A/D bits on: idle memory takes no faults, so fast PF hardly matters; compare with --ad-bits off to see it)"
-        );
-    }
-    println!();
-    println!(
-        "| {:<22} | {:>16} | {:>22} | {:>12} | {:>7} | {:>24} | {:>7} | {:>8} |",
-        "variant",
-        "Mark memory idle",
-        "Writing to idle memory",
-        "native",
-        "ratio",
-        "Reading from idle memory",
-        "ratio",
-        "faults"
-    );
-    println!(
-        "|{:-<24}|{:-<18}|{:-<24}|{:-<14}|{:-<9}|{:-<26}|{:-<9}|{:-<10}|",
-        "", "", "", "", "", "", "", ""
-    );
-    for r in &runs {
-        let w = r.pass("Writing to idle memory");
-        let rd = r.pass("Reading from idle memory");
-        let mark = r.marks.first().map(|m| m.time).unwrap_or_default();
-        let cell = |p: Option<&Pass>| p.map(|p| ts(p.guest.wall)).unwrap_or_default();
-        let rat = |p: Option<&Pass>| {
-            p.map(|p| format!("{:.2}x", ratio(p.guest.wall, p.native.wall)))
-                .unwrap_or_default()
-        };
-        println!(
-            "| {:<22} | {:>16} | {:>22} | {:>12} | {:>7} | {:>24} | {:>7} | {:>8} |",
-            format!("-v {} fast PF {}", r.vcpus, on_off(r.fast_pf)),
-            ts(mark),
-            cell(w),
-            w.map(|p| ts(p.native.wall)).unwrap_or_default(),
-            rat(w),
-            cell(rd),
-            rat(rd),
-            w.map(|p| p.faults()).unwrap_or_default()
-        );
-    }
-    for r in &runs {
-        for w in &r.warnings {
-            println!(
-                "warning (-v {}, fast PF {}): {w}",
-                r.vcpus,
-                on_off(r.fast_pf)
-            );
-        }
-    }
-    Ok(())
 }

@@ -1,0 +1,121 @@
+//! The guest and migration settings of the migration commands, checked and turned into specs.
+
+use super::*;
+
+pub(super) fn kind(b: BackendArg) -> BackendKind {
+    match b {
+        BackendArg::Sim => BackendKind::Sim,
+        BackendArg::Kvm => BackendKind::Kvm,
+    }
+}
+
+/// The guest on the source and its workload.
+#[derive(Debug, Clone, Args)]
+pub struct GuestArgs {
+    #[command(flatten)]
+    pub work: Workload,
+    /// Write pseudo-random pages instead of sweeping them in order.
+    #[arg(short = 'a')]
+    pub random: bool,
+    /// Seed of the guest's pseudo-random generator.
+    #[arg(short = 'r', default_value_t = 1)]
+    pub seed: u32,
+    /// Percentage of the guest's accesses that are writes (0-100).
+    #[arg(short = 'w', value_parser = clap::value_parser!(u32).range(0..=100), default_value_t = 100)]
+    pub write_percent: u32,
+    /// Memslots the guest memory is split into (must divide its pages evenly).
+    #[arg(short = 'x', value_parser = clap::value_parser!(u32).range(1..=32_000), default_value_t = 1)]
+    pub slots: u32,
+    /// Guest writes per second per vCPU while it is migrated (k/m suffixes; 0: as fast as
+    /// it can; at most 1000m). Every write stores a new value, so each is a real change.
+    #[arg(long = "dirty-rate", value_parser = dirty_rate, default_value = "10k")]
+    pub dirty_rate: u64,
+    /// vCPU 0's own writes per second, overriding --dirty-rate for it on the source (`sim`
+    /// only; k/m suffixes, 1 to 1000m): one heavy vCPU among lighter ones, where dirty-limit
+    /// slows only the heavy one.
+    #[arg(long = "dirty-rate-vcpu0", value_parser = dirty_rate)]
+    pub dirty_rate_vcpu0: Option<u64>,
+    /// Percent of guest pages filled with pseudo-random data before the run (the rest are
+    /// zero, and travel as zero-page markers until the guest writes them).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=100), default_value_t = 50)]
+    pub fill: u32,
+    /// How the source harvests dirty pages: `get` (GET_DIRTY_LOG clears), `clear` (manual
+    /// protect with INITIALLY_SET: GET copies, CLEAR re-protects) or `ring` (dirty rings).
+    #[arg(long = "log", value_enum, default_value = "clear")]
+    pub log: LogArg,
+    /// Dirty ring entries per vCPU with `--log ring` (a power of two, 128-65536).
+    #[arg(long = "dirty-ring", value_parser = ring_size, default_value = "65536")]
+    pub ring_entries: u32,
+    /// The machine: `sim` (slat's engine under simulated hardware) or `kvm` (/dev/kvm).
+    #[arg(long, value_enum, default_value = "sim")]
+    pub backend: BackendArg,
+    /// How the source's harvests find the pages they write-protect (lockless write-protect through the reverse map; `--backend sim`
+    /// only): `walk` (page-table walk under the MMU lock), `rmap` (reverse-map lookups, same
+    /// lock) or `rmap-lockless` (reverse-map lookups and one compare-and-swap each, no lock).
+    #[arg(long = "wrprot", value_parser = crate::args::variant::<slat::WrprotVariant>(), default_value = "walk")]
+    pub wrprot: slat::WrprotVariant,
+    #[command(flatten)]
+    pub machine: MachineArgs,
+}
+
+/// How the source migrates.
+#[derive(Debug, Clone, Args)]
+pub struct MigrationArgs {
+    /// Longest acceptable stop-and-copy transfer in milliseconds: pre-copy ends once the
+    /// remaining dirty pages could be sent in this time at the measured bandwidth
+    /// (0-3600000).
+    #[arg(long = "max-downtime", value_name = "MS", value_parser = clap::value_parser!(u64).range(0..=MAX_DOWNTIME_MS), default_value_t = 300)]
+    pub max_downtime: u64,
+    /// Pre-copy rounds after the full copy before stopping regardless (0-1000000).
+    #[arg(long = "max-rounds", value_parser = clap::value_parser!(u32).range(0..=1_000_000), default_value_t = 30)]
+    pub max_rounds: u32,
+    /// Cap on the stream, in MiB per second (at least 1; default: none).
+    #[arg(long, value_name = "MIB_PER_S", value_parser = clap::value_parser!(u64).range(1..=MAX_BANDWIDTH_MIB))]
+    pub bandwidth: Option<u64>,
+    /// Page compression: none, or lz4 where it makes a page smaller.
+    #[arg(long, value_enum, default_value = "none")]
+    pub compress: CompressArg,
+    /// Verification at the switch-over: `sent` (every page's digest kept as it is sent and
+    /// received, so only the final round is hashed while the guest is paused) or `full` (all
+    /// memory hashed on both sides while paused, independent of the dirty log). Always on.
+    #[arg(long, value_enum, default_value = "sent")]
+    pub verify: VerifyArg,
+    /// Progress on stderr: `text` lines, or `json` — one JSON object per line (round, pages
+    /// sent and remaining, bandwidth, expected downtime, throttle), also with --json.
+    #[arg(long, value_enum, default_value = "text")]
+    pub progress: ProgressArg,
+    /// Throttle the vCPUs (QEMU-style, 20% then +10% steps) when the guest dirties memory
+    /// faster than the link sends it.
+    #[arg(long = "auto-converge", value_enum, default_value = "on")]
+    pub auto_converge: Switch,
+    /// How pre-copy is made to converge when the guest outruns the link: `auto`
+    /// (auto-converge, as --auto-converge says: every vCPU loses the same time slice),
+    /// `dirty-limit` (QEMU's dirty-limit: each vCPU's dirty rate is measured from its dirty
+    /// ring every --dirty-limit-period, and only the vCPUs above --dirty-limit are slowed;
+    /// needs --log ring and --backend sim) or `none`.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub converge: ConvergeArg,
+    /// Dirty pages per second per vCPU that dirty-limit allows (k/m suffixes; 1 to 1000m).
+    /// The default, 8k (31 MiB/s), is well under a loopback link and slows a heavy writer
+    /// within seconds; QEMU's 1 MB/s would stall a benchmark guest.
+    #[arg(long = "dirty-limit", value_name = "PAGES_PER_S", value_parser = dirty_limit, default_value = "8k")]
+    pub dirty_limit: u64,
+    /// How often dirty-limit measures each vCPU and adjusts its throttle, in milliseconds
+    /// (100-60000; QEMU's default is 1000).
+    #[arg(long = "dirty-limit-period", value_name = "MS", value_parser = clap::value_parser!(u64).range(100..=60_000), default_value_t = 1000)]
+    pub dirty_limit_period: u64,
+    /// How long the guest runs before migration starts, in milliseconds (its write rate then
+    /// is the baseline the migration is compared with; 0-600000).
+    #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(0..=MAX_WAIT_MS), default_value_t = 500)]
+    pub warmup: u64,
+    /// Seconds without data from the destination before an attempt fails (1-86400; there is
+    /// no "never": 0 is refused).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=MAX_TIMEOUT_S), default_value_t = 30)]
+    pub timeout: u64,
+    /// A deliberately broken source (verification must catch it).
+    #[arg(long = "break", value_enum, hide = true)]
+    pub break_: Option<BreakArg>,
+    /// Faults for tests: cut-after=BYTES, corrupt-at=BYTES, version=N (first attempt only).
+    #[arg(long, hide = true, value_parser = inject)]
+    pub inject: Vec<Inject>,
+}

@@ -1,0 +1,145 @@
+//! snapshot-perf's text report.
+
+use super::*;
+
+pub(super) fn f1(x: f64) -> String {
+    format!("{x:.1}")
+}
+
+pub(super) fn f2(x: f64) -> String {
+    format!("{x:.2}")
+}
+
+pub(super) fn rx(x: Option<f64>) -> String {
+    x.map_or_else(|| "-".into(), |r| format!("{r:.2}x"))
+}
+
+pub(super) fn print_run(r: &Run) {
+    let c = &r.config;
+    println!(
+        "snapshot-perf on {}{}: {} vCPUs, log {}, {} order, {} iterations per k{}",
+        r.backend,
+        r.format.map_or(String::new(), |f| format!(" ({f})")),
+        c.vcpus,
+        c.log,
+        if c.random { "random" } else { "sequential" },
+        c.iterations,
+        if c.verify {
+            ", every reset verified byte for byte"
+        } else {
+            ""
+        }
+    );
+    let head: Vec<String> = [
+        "k/vCPU",
+        "dirty pages",
+        "resets/s",
+        "reset p50 us",
+        "p99 us",
+        "us/page",
+        "harvest us",
+        "re-arm us",
+        "copy us",
+        "floor p50 us",
+        "floor p99 us",
+        "reset/floor",
+        "full/reset",
+    ]
+    .map(String::from)
+    .to_vec();
+    let rows: Vec<Vec<String>> = r
+        .rows
+        .iter()
+        .map(|k| {
+            vec![
+                k.k_per_vcpu.to_string(),
+                f1(k.dirty_pages),
+                format!("{:.0}", k.resets_per_s),
+                f1(k.reset_p50_us),
+                f1(k.reset_p99_us),
+                format!("{:.3}", k.us_per_dirty_page),
+                f2(k.harvest_mean_us),
+                f2(k.rearm_mean_us),
+                f2(k.copy_mean_us),
+                f1(k.floor_p50_us),
+                f1(k.floor_p99_us),
+                rx(k.ratio_reset_over_floor),
+                rx(k.ratio_full_over_reset),
+            ]
+        })
+        .collect();
+    print_table(&head, &rows);
+    let f = &r.full_copy;
+    println!(
+        "Full-copy reset of all {} pages: p50 {} us, p99 {} us, mean {} us ({} resets).",
+        f.pages,
+        f1(f.p50_us),
+        f1(f.p99_us),
+        f1(f.mean_us),
+        f.resets
+    );
+    println!("Each k runs on a machine of k pages per vCPU (so a pass dirties exactly k); floor = memcpy of as many pages between two host buffers; full/reset = full-copy reset p50 over this reset's p50.");
+    println!();
+}
+
+pub(super) fn print_summary(rep: &Report) {
+    println!(
+        "Reset p50 over {} runs (spread = (max - min) / median):",
+        rep.repeat
+    );
+    let head: Vec<String> = [
+        "backend",
+        "k/vCPU",
+        "median us",
+        "min us",
+        "max us",
+        "spread",
+    ]
+    .map(String::from)
+    .to_vec();
+    let opt = |x: Option<f64>| x.map_or_else(|| "-".into(), f1);
+    let rows: Vec<Vec<String>> = rep
+        .summary
+        .iter()
+        .map(|s| {
+            let m = &s.reset_p50_us;
+            vec![
+                s.backend.to_string(),
+                s.k_per_vcpu.to_string(),
+                opt(m.median),
+                opt(m.min),
+                opt(m.max),
+                m.spread
+                    .map_or_else(|| "-".into(), |p| format!("{:.1}%", p * 100.0)),
+            ]
+        })
+        .collect();
+    print_table(&head, &rows);
+}
+
+/// `--backend A,B`: reset p50 per k on each machine and their ratio (first runs only).
+pub(super) fn print_comparison(rep: &Report) {
+    let repeat = rep.repeat.max(1) as usize;
+    let (a, b) = (&rep.runs[0], &rep.runs[repeat]);
+    println!("Reset p50 (us), {} vs {}:", a.backend, b.backend);
+    let head: Vec<String> = vec![
+        "k/vCPU".into(),
+        a.backend.into(),
+        b.backend.into(),
+        format!("{}/{}", a.backend, b.backend),
+    ];
+    let rows: Vec<Vec<String>> = a
+        .rows
+        .iter()
+        .zip(&b.rows)
+        .map(|(x, y)| {
+            vec![
+                x.k_per_vcpu.to_string(),
+                f1(x.reset_p50_us),
+                f1(y.reset_p50_us),
+                rx(ratio(x.reset_p50_us, y.reset_p50_us)),
+            ]
+        })
+        .collect();
+    print_table(&head, &rows);
+}
