@@ -18,7 +18,7 @@
 //!
 //! Control: `SLAT_TEST_SEED` (hex; random if unset; printed at the start and in every failure;
 //! a round's own seed replays its configuration as round 0) and `SLAT_RING_ORACLE_SECS` (per
-//! format and fast-path setting, default 5).
+//! format and fast-path setting, default 8).
 //!
 //! ```text
 //! SLAT_RING_ORACLE_SECS=120 cargo test --profile ci -p slat-machine --test ring_oracle -- --nocapture
@@ -67,7 +67,7 @@ fn run_secs() -> f64 {
                 .parse::<f64>()
                 .unwrap_or_else(|e| panic!("SLAT_RING_ORACLE_SECS={s:?}: {e}"))
         })
-        .unwrap_or(5.0)
+        .unwrap_or(8.0)
 }
 
 /// The tests of this file run one at a time: each wants every core for its vCPUs.
@@ -138,8 +138,8 @@ impl RoundCfg {
             wrprot: r.pick(WrprotVariant::ALL),
             mmu_lock: r.pick(MmuLockKind::ALL),
             tlb_entries: r.pick(&[4, 64]),
-            max_gap_us: r.pick(&[0, 20, 200]),
-            span: r.pick(&[16, 64, PAGES, PAGES]),
+            max_gap_us: r.pick(&[0, 0, 20, 200]),
+            span: r.pick(&[16, 64, PAGES, PAGES, PAGES]),
         }
     }
 }
