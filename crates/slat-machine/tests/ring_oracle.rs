@@ -288,12 +288,19 @@ fn round<F: PteFormat>(cfg: RoundCfg, secs: f64) -> Result<(u64, u64, u64, u64),
     });
     vm.enable_dirty_ring(cfg.ring_entries, false)
         .map_err(|e| format!("enable_dirty_ring: {e}"))?;
-    let ram = Arc::new(GuestRam::new(Backing::Anonymous, PAGES * PAGE_SIZE, true).map_err(
-        |e| format!("guest ram: {e}"),
-    )?);
+    let ram = Arc::new(
+        GuestRam::new(Backing::Anonymous, PAGES * PAGE_SIZE, true)
+            .map_err(|e| format!("guest ram: {e}"))?,
+    );
     let host = HostRange::new(ram).map_err(|e| format!("host range: {e}"))?;
-    vm.add_memslot(SLOT, GPA, PAGES * PAGE_SIZE, host, MemslotFlags::LOG_DIRTY_PAGES)
-        .map_err(|e| format!("add_memslot: {e}"))?;
+    vm.add_memslot(
+        SLOT,
+        GPA,
+        PAGES * PAGE_SIZE,
+        host,
+        MemslotFlags::LOG_DIRTY_PAGES,
+    )
+    .map_err(|e| format!("add_memslot: {e}"))?;
     let sh = Arc::new(Shared {
         started: AtomicU64::new(0),
         ended: AtomicU64::new(0),
@@ -372,7 +379,11 @@ fn every_write_is_in_the_next_ring_harvest<F: PteFormat>() {
         let exits_before = exits;
         let t0 = Instant::now();
         while t0.elapsed().as_secs_f64() < secs {
-            let seed = if rounds == 0 { base } else { mix(base ^ rounds) };
+            let seed = if rounds == 0 {
+                base
+            } else {
+                mix(base ^ rounds)
+            };
             let cfg = RoundCfg::draw(seed, fast_pf);
             let left = secs - t0.elapsed().as_secs_f64();
             match round::<F>(cfg, left.min(0.5)) {
@@ -393,7 +404,10 @@ fn every_write_is_in_the_next_ring_harvest<F: PteFormat>() {
              {checks} records checked, {writes} writes, {} ring-full exits",
             exits - exits_before
         );
-        assert!(harvests > 0 && checks > 0 && writes > 0, "nothing was checked");
+        assert!(
+            harvests > 0 && checks > 0 && writes > 0,
+            "nothing was checked"
+        );
     }
     assert!(exits > 0, "no vCPU ever took a ring-full exit");
 }
