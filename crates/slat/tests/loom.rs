@@ -230,6 +230,48 @@ fn ring_write_vs_harvest_and_reset(config: VmConfig, spawn_harvester: bool) {
     );
 }
 
+/// The bitmap's slow path under `rmap-lockless`: a GET that consumed the first mark and
+/// re-armed without the MMU lock before the fix's update must wait for the fix's second mark
+/// (taking the lock once) before it returns, or a write through the new W completed before the
+/// next GET is missing from it.
+#[test]
+fn slow_path_second_mark_lands_before_a_lockless_get_returns() {
+    model(|| {
+        let vm = vm_with_page(VmConfig {
+            fast_pf: false,
+            wrprot: slat::WrprotVariant::RmapLockless,
+            ..VmConfig::default()
+        });
+        let mut v = vm.create_vcpu(0);
+        let install = Fault {
+            private: false,
+            gpa: GPA,
+            access: Access::Write,
+            present: false,
+        };
+        assert_eq!(v.handle_fault(install), FaultOutcome::Fixed);
+        vm.set_memslot_flags(1, MemslotFlags::LOG_DIRTY_PAGES)
+            .unwrap();
+        let harvester = {
+            let vm = vm.clone();
+            thread::spawn(move || {
+                let mut first = [0u64; 1];
+                vm.get_dirty_log(1, &mut first).unwrap();
+                let writable = spte_writable(&vm);
+                let mut second = [0u64; 1];
+                vm.get_dirty_log(1, &mut second).unwrap();
+                assert!(
+                    !writable || second[0] & 1 == 1,
+                    "writable after a GET returned, but the next GET does not report it"
+                );
+            })
+        };
+        let o = write_fix(v);
+        assert_eq!(o, FaultOutcome::Fixed);
+        harvester.join().unwrap();
+    });
+}
+
 /// The fast path (in guest mode: the reset's flush waits for it).
 #[test]
 fn fast_path_write_is_never_lost_to_a_ring_reset() {
