@@ -52,6 +52,14 @@ pub struct DirtyGfn {
 }
 
 /// A vCPU's dirty ring.
+///
+/// What a harvest ([`DirtyRing::harvest`] of every ring, then
+/// [`crate::Vm::reset_dirty_rings`]) guarantees: every page written (by any vCPU) before the
+/// harvest began is collected by it, unless an earlier harvest that overlapped the write
+/// collected it. A write fault pushes its entry before it makes the page writable, and a
+/// second one if a harvest took the first meanwhile, so one fault may be collected by two
+/// consecutive harvests, never by none; and a fault needs room for two entries. Copy a page
+/// only after the reset has returned.
 #[derive(Debug)]
 pub struct DirtyRing {
     entries: Box<[DirtyGfn]>,
