@@ -4,7 +4,7 @@
 use super::{DirtyLogError, DirtyRing, DirtyTrack};
 use crate::config::VmConfig;
 use crate::format::{PteFormat, PAGE_SHIFT};
-use crate::memslot::{Memslot, Memslots, SlotHint};
+use crate::memslot::{Memslot, Memslots, SlotHint, SlotId};
 use crate::mmu::Mmu;
 use crate::stats::{Counters, Sink, Stat};
 use crate::sync::{fence, Ordering};
@@ -32,10 +32,11 @@ pub(crate) fn mark_for<'s>(slot: &'s Memslot, ring: Option<&DirtyRing>) -> Optio
     }
 }
 
-/// The ring entry [`prepare_mark`] pushed, for [`commit_mark`] to look at again. Kept across
-/// a fast-path fix's retries, so a retry whose entry is still unharvested pushes no other.
+/// The ring entry [`prepare_mark`] pushed (index, slot, offset), for [`commit_mark`] to look
+/// at again. Kept across a fast-path fix's retries, so a retry for the same slot and page
+/// whose entry is still unharvested pushes no other.
 #[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct Pushed(Option<u32>);
+pub(crate) struct Pushed(Option<(u32, SlotId, u64)>);
 
 /// First half of logging a write fix: called before the update that sets W. With a bitmap
 /// the bit is set now (invariant 3: a write by another vCPU can follow the update at
@@ -59,13 +60,17 @@ pub(crate) fn prepare_mark(
         }
         Mark::Ring(slot) => {
             let Some(r) = ring else { return false };
-            if pushed.0.is_some_and(|i| r.unharvested(i)) {
+            let offset = gfn - slot.base_gfn;
+            if pushed
+                .0
+                .is_some_and(|(i, s, o)| (s, o) == (slot.id, offset) && r.unharvested(i))
+            {
                 return true;
             }
             if !r.has_room_for(2) {
                 return false;
             }
-            pushed.0 = Some(r.push(slot.id, gfn - slot.base_gfn));
+            pushed.0 = Some((r.push(slot.id, offset), slot.id, offset));
             sink.inc(Stat::DirtyMarked);
             true
         }
@@ -92,7 +97,7 @@ pub(crate) fn commit_mark(
             slot.mark_dirty_after_update(gfn);
         }
         Mark::Ring(slot) => {
-            let (Some(r), Some(i)) = (ring, pushed.0) else {
+            let (Some(r), Some((i, _, _))) = (ring, pushed.0) else {
                 return;
             };
             fence(Ordering::SeqCst);
