@@ -278,8 +278,8 @@ impl Checker {
     }
 }
 
-/// Runs one round for `secs`; returns (harvests, checks, writes, ring-full exits).
-fn round<F: PteFormat>(cfg: RoundCfg, secs: f64) -> Result<(u64, u64, u64, u64), String> {
+/// A VM logging into rings of `cfg.ring_entries`, with the checked slot.
+fn new_vm<F: PteFormat>(cfg: &RoundCfg) -> Result<Arc<Vm<F>>, String> {
     let vm = Vm::<F>::new(VmConfig {
         fast_pf: cfg.fast_pf,
         wrprot: cfg.wrprot,
@@ -293,14 +293,39 @@ fn round<F: PteFormat>(cfg: RoundCfg, secs: f64) -> Result<(u64, u64, u64, u64),
             .map_err(|e| format!("guest ram: {e}"))?,
     );
     let host = HostRange::new(ram).map_err(|e| format!("host range: {e}"))?;
-    vm.add_memslot(
-        SLOT,
-        GPA,
-        PAGES * PAGE_SIZE,
-        host,
-        MemslotFlags::LOG_DIRTY_PAGES,
-    )
-    .map_err(|e| format!("add_memslot: {e}"))?;
+    let log = MemslotFlags::LOG_DIRTY_PAGES;
+    vm.add_memslot(SLOT, GPA, PAGES * PAGE_SIZE, host, log)
+        .map_err(|e| format!("add_memslot: {e}"))?;
+    Ok(vm)
+}
+
+/// Starts the vCPU threads; each adds its ring-full exits to `exits` when it stops.
+fn start_vcpus<F: PteFormat>(
+    vm: &Arc<Vm<F>>,
+    sh: &Arc<Shared>,
+    cfg: &RoundCfg,
+    exits: &Arc<AtomicU64>,
+) -> Vec<std::thread::JoinHandle<()>> {
+    let pcpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pool = Arc::new(PcpuPool::new(pcpus));
+    (0..cfg.vcpus)
+        .map(|v| {
+            let mut cpu = Cpu::new(vm.clone(), v as u32, cfg.tlb_entries, pool.clone());
+            cpu.set_ring_full_handler(ring_full_handler(vm, sh));
+            let (sh, exits) = (sh.clone(), exits.clone());
+            let (span, seed) = (cfg.span, cfg.seed ^ mix(v as u64 + 1));
+            std::thread::spawn(move || {
+                let mut cpu = cpu;
+                vcpu_loop(&mut cpu, &sh, span, seed);
+                exits.fetch_add(cpu.counters.ring_full_exits, Ordering::Relaxed);
+            })
+        })
+        .collect()
+}
+
+/// Runs one round for `secs`; returns (harvests, checks, writes, ring-full exits).
+fn round<F: PteFormat>(cfg: RoundCfg, secs: f64) -> Result<(u64, u64, u64, u64), String> {
+    let vm = new_vm::<F>(&cfg)?;
     let sh = Arc::new(Shared {
         started: AtomicU64::new(0),
         ended: AtomicU64::new(0),
@@ -311,20 +336,8 @@ fn round<F: PteFormat>(cfg: RoundCfg, secs: f64) -> Result<(u64, u64, u64, u64),
         failure: Mutex::new(None),
         reaped: Mutex::new(Vec::new()),
     });
-    let pcpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let pool = Arc::new(PcpuPool::new(pcpus));
     let exits = Arc::new(AtomicU64::new(0));
-    let mut threads = Vec::new();
-    for v in 0..cfg.vcpus {
-        let mut cpu = Cpu::new(vm.clone(), v as u32, cfg.tlb_entries, pool.clone());
-        cpu.set_ring_full_handler(ring_full_handler(&vm, &sh));
-        let (sh, exits, seed) = (sh.clone(), exits.clone(), cfg.seed ^ mix(v as u64 + 1));
-        threads.push(std::thread::spawn(move || {
-            let mut cpu = cpu;
-            vcpu_loop(&mut cpu, &sh, cfg.span, seed);
-            exits.fetch_add(cpu.counters.ring_full_exits, Ordering::Relaxed);
-        }));
-    }
+    let threads = start_vcpus(&vm, &sh, &cfg, &exits);
     let mut chk = Checker {
         sets: Vec::new(),
         any_seen: vec![0; PAGES as usize],
