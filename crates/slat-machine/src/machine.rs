@@ -457,9 +457,11 @@ impl<F: PteFormat> Machine<F> {
     /// exits, then each ring's. Calls `f(slot, offset)` per entry; returns how many. Follow
     /// with `vm().reset_dirty_rings()` before reading the pages.
     pub fn collect_dirty_rings(&self, mut f: impl FnMut(SlotId, u64)) -> u64 {
-        let reaped = std::mem::take(&mut *self.reaped.lock());
+        // The reaped list's lock is held until every ring is harvested: an exit handler that
+        // took entries between our take and our harvest would leave them for the next collect.
+        let mut reaped = self.reaped.lock();
         let mut n = reaped.len() as u64;
-        for (_, s, o) in reaped {
+        for (_, s, o) in reaped.drain(..) {
             f(s, o);
         }
         for r in self.vm.dirty_rings() {
@@ -469,7 +471,8 @@ impl<F: PteFormat> Machine<F> {
     }
 
     /// What a vCPU does on a ring-full exit, like QEMU's vCPU thread when the reaper lags:
-    /// harvest every ring into the machine's reaped list and reset them.
+    /// harvest every ring into the machine's reaped list and reset them, holding the list's
+    /// lock throughout (see [`Machine::collect_dirty_rings`]).
     fn ring_full_handler(&self) -> RingFullHandler {
         let vm = self.vm.clone();
         let reaped = self.reaped.clone();
@@ -478,7 +481,6 @@ impl<F: PteFormat> Machine<F> {
             for (i, r) in vm.dirty_rings().iter().enumerate() {
                 r.harvest(|s, o| out.push((i, s, o.raw())));
             }
-            drop(out);
             // The ring is enabled (we were installed because it is): cannot be RingOff.
             let _ = vm.reset_dirty_rings();
         })
@@ -685,10 +687,11 @@ impl<F: PteFormat> DirtyLogSource for SimLog<'_, F> {
         &mut self,
         f: &mut dyn FnMut(Option<usize>, u32, PageIndex),
     ) -> Result<u64, MachineError> {
-        // Entries reaped on ring-full exits carry the index of the ring they came from.
-        let reaped = std::mem::take(&mut *self.m.reaped.lock());
+        // Entries reaped on ring-full exits carry the index of the ring they came from. The
+        // lock is held across the rings' harvests too (see `Machine::collect_dirty_rings`).
+        let mut reaped = self.m.reaped.lock();
         let mut n = reaped.len() as u64;
-        for (i, s, o) in reaped {
+        for (i, s, o) in reaped.drain(..) {
             f(Some(i), s, PageIndex::new(o));
         }
         // `dirty_rings()` is in vCPU creation order: ring i is vCPU i's.

@@ -779,10 +779,17 @@ fn ring_full_refuses_the_write_until_reset_one<F: PteFormat>() {
         write_new(&vm, &mut v, base + p * PAGE_SIZE);
     }
     assert!(v.dirty_ring_full(), "not soft full at 64 of 128 entries");
-    for p in 64..128u64 {
+    // A write fix needs room for two entries (the one it pushes before making the page
+    // writable, and another if a harvest takes that one meanwhile): the last stays free.
+    for p in 64..127u64 {
         write_new(&vm, &mut v, base + p * PAGE_SIZE);
     }
-    assert_eq!(v.dirty_ring().unwrap().used(), 128);
+    assert_eq!(v.dirty_ring().unwrap().used(), 127);
+    assert_eq!(
+        fault(&vm, &mut v, base + 127 * PAGE_SIZE, Access::Write, false),
+        FaultOutcome::DirtyRingFull,
+        "a write fix with room for one entry"
+    );
     // Page 128 mapped read-only first (no push), then written: the ring has no room.
     let gpa = base + 128 * PAGE_SIZE;
     assert_eq!(
@@ -810,12 +817,12 @@ fn ring_full_refuses_the_write_until_reset_one<F: PteFormat>() {
         "ring full but page 129 became writable"
     );
     assert!(vm.stats().pf_ring_full >= 2, "pf_ring_full not counted");
-    assert_eq!(v.dirty_ring().unwrap().used(), 128, "ring overflowed");
+    assert_eq!(v.dirty_ring().unwrap().used(), 127, "ring overflowed");
 
     // Harvest + reset frees the ring; the write then succeeds.
     let got = harvest(&v);
-    assert_eq!(got, (0..128u64).map(|p| (1, p)).collect::<Vec<_>>());
-    assert_eq!(vm.reset_dirty_rings(), Ok(128));
+    assert_eq!(got, (0..127u64).map(|p| (1, p)).collect::<Vec<_>>());
+    assert_eq!(vm.reset_dirty_rings(), Ok(127));
     assert!(!v.dirty_ring_full(), "still soft full after reset");
     assert_eq!(
         fault(&vm, &mut v, gpa, Access::Write, true),

@@ -140,63 +140,204 @@ fn fast_path_write_is_never_lost_to_a_switch_harvest() {
     });
 }
 
-/// The dirty ring: a fast-path write fix pushes its entry after the SPTE became writable, so
-/// a concurrent harvest + reset either sees the entry (and re-protects the page) or leaves
-/// the entry for the next harvest. A writable page always has an entry not yet reset.
+/// A VM logging into dirty rings whose page at [`GPA`] is mapped, harvested and reset (so
+/// write-protected), and its vCPU.
+fn ring_vm_with_protected_page(config: VmConfig) -> (Arc<Vm<Ept>>, slat::Vcpu<Ept>) {
+    let vm = Vm::<Ept>::new(config);
+    vm.enable_dirty_ring(128, false).unwrap();
+    vm.add_memslot(
+        1,
+        Gpa::new(GPA),
+        4096,
+        host_page(),
+        MemslotFlags::LOG_DIRTY_PAGES,
+    )
+    .unwrap();
+    let mut v = vm.create_vcpu(0);
+    let f = Fault {
+        private: false,
+        gpa: Gpa::new(GPA),
+        access: Access::Write,
+        present: false,
+    };
+    assert_eq!(v.handle_fault(f), FaultOutcome::Fixed);
+    let ring = v.dirty_ring().unwrap().clone();
+    // Harvest the install's entry and re-protect the page.
+    assert_eq!(ring.harvest(|_, _| {}), 1);
+    assert_eq!(vm.reset_dirty_rings().unwrap(), 1);
+    (vm, v)
+}
+
+/// A write fault on the protected page; drops the vCPU (which holds its VM).
+fn write_fix(mut v: slat::Vcpu<Ept>) -> FaultOutcome {
+    let f = Fault {
+        private: false,
+        gpa: Gpa::new(GPA),
+        access: Access::Write,
+        present: true,
+    };
+    let o = v.handle_fault(f);
+    drop(v);
+    o
+}
+
+fn spte_writable(vm: &Vm<Ept>) -> bool {
+    use slat::PteFormat;
+    let (spte, _) = vm.lookup(Gfn::new(GPA >> 12)).unwrap();
+    Ept::is_writable(spte)
+}
+
+/// The dirty ring against a concurrent harvest + reset: the write fix pushes its entry before
+/// the SPTE becomes writable and, if the harvest took it before the update, pushes another
+/// that the reset waits for (its flush for the fast path; the MMU lock for a slow path under
+/// `rmap-lockless`). So a writable page always has an entry not yet reset, and the fix is
+/// reported once or twice, never zero times. Run with either side on the spawned thread: loom
+/// explores the spawned thread's steps between the other's far more thoroughly.
+fn ring_write_vs_harvest_and_reset(config: VmConfig, spawn_harvester: bool) {
+    let (vm, v) = ring_vm_with_protected_page(config);
+    let ring = v.dirty_ring().unwrap().clone();
+    // Harvest and reset, then (the reset having returned) look at the page: if it is
+    // writable, its entry — the first, or the one pushed again — is there to collect.
+    let harvest_and_reset = {
+        let (vm, ring) = (vm.clone(), ring.clone());
+        move || {
+            let first = ring.harvest(|_, _| {});
+            vm.reset_dirty_rings().unwrap();
+            let writable = spte_writable(&vm);
+            let second = ring.harvest(|_, _| {});
+            assert!(
+                !writable || second >= 1,
+                "writable after the reset returned, but no entry to collect"
+            );
+            (first, second)
+        }
+    };
+    let (o, (first, second)) = if spawn_harvester {
+        let h = thread::spawn(harvest_and_reset);
+        let o = write_fix(v);
+        (o, h.join().unwrap())
+    } else {
+        let w = thread::spawn(move || write_fix(v));
+        let seen = harvest_and_reset();
+        (w.join().unwrap(), seen)
+    };
+    assert!(
+        matches!(o, FaultOutcome::FixedFast | FaultOutcome::Fixed),
+        "{o:?}"
+    );
+    let pending = ring.harvest(|_, _| {});
+    let seen = first + second + pending;
+    assert!(
+        (1..=2).contains(&seen),
+        "the write fix was logged {seen} times"
+    );
+    // Entries of `second` and `pending` are harvested but not reset.
+    assert!(
+        !spte_writable(&vm) || second + pending >= 1,
+        "the page is writable but its entry was already reset"
+    );
+}
+
+/// The bitmap's slow path under `rmap-lockless`: a GET that consumed the first mark and
+/// re-armed without the MMU lock before the fix's update must wait for the fix's second mark
+/// (taking the lock once) before it returns, or a write through the new W completed before the
+/// next GET is missing from it.
 #[test]
-fn fast_path_write_is_never_lost_to_a_ring_reset() {
+fn slow_path_second_mark_lands_before_a_lockless_get_returns() {
     model(|| {
-        let vm = Vm::<Ept>::new(VmConfig::default());
-        vm.enable_dirty_ring(128, false).unwrap();
-        vm.add_memslot(
-            1,
-            Gpa::new(GPA),
-            4096,
-            host_page(),
-            MemslotFlags::LOG_DIRTY_PAGES,
-        )
-        .unwrap();
+        let vm = vm_with_page(VmConfig {
+            fast_pf: false,
+            wrprot: slat::WrprotVariant::RmapLockless,
+            ..VmConfig::default()
+        });
         let mut v = vm.create_vcpu(0);
-        let f = Fault {
+        let install = Fault {
             private: false,
             gpa: Gpa::new(GPA),
             access: Access::Write,
             present: false,
         };
-        assert_eq!(v.handle_fault(f), FaultOutcome::Fixed);
-        let ring = v.dirty_ring().unwrap().clone();
-        // Harvest the install's entry and re-protect the page.
-        assert_eq!(ring.harvest(|_, _| {}), 1);
-        assert_eq!(vm.reset_dirty_rings().unwrap(), 1);
-        let writer = {
-            // The vCPU holds its VM.
+        assert_eq!(v.handle_fault(install), FaultOutcome::Fixed);
+        vm.set_memslot_flags(1, MemslotFlags::LOG_DIRTY_PAGES)
+            .unwrap();
+        let harvester = {
+            let vm = vm.clone();
             thread::spawn(move || {
-                let f = Fault {
-                    private: false,
-                    gpa: Gpa::new(GPA),
-                    access: Access::Write,
-                    present: true,
-                };
-                let o = v.handle_fault(f);
-                drop(v);
-                o
+                let mut first = [0u64; 1];
+                vm.get_dirty_log(1, &mut first).unwrap();
+                let writable = spte_writable(&vm);
+                let mut second = [0u64; 1];
+                vm.get_dirty_log(1, &mut second).unwrap();
+                assert!(
+                    !writable || second[0] & 1 == 1,
+                    "writable after a GET returned, but the next GET does not report it"
+                );
             })
         };
-        let mut seen = ring.harvest(|_, _| {});
-        vm.reset_dirty_rings().unwrap();
-        let o = writer.join().unwrap();
-        assert!(
-            matches!(o, FaultOutcome::FixedFast | FaultOutcome::Fixed),
-            "{o:?}"
-        );
-        let pending = ring.harvest(|_, _| {});
-        seen += pending;
-        assert_eq!(seen, 1, "the write fix was logged {seen} times");
-        let (spte, _) = vm.lookup(Gfn::new(GPA >> 12)).unwrap();
-        use slat::PteFormat;
-        assert!(
-            !Ept::is_writable(spte) || pending == 1,
-            "the page is writable but its entry was already reset"
-        );
+        let o = write_fix(v);
+        assert_eq!(o, FaultOutcome::Fixed);
+        harvester.join().unwrap();
+    });
+}
+
+/// The fast path (in guest mode: the reset's flush waits for it).
+#[test]
+fn fast_path_write_is_never_lost_to_a_ring_reset() {
+    model(|| ring_write_vs_harvest_and_reset(VmConfig::default(), false));
+    model(|| ring_write_vs_harvest_and_reset(VmConfig::default(), true));
+}
+
+/// The slow path with `rmap-lockless`, whose reset re-protects without the MMU lock and
+/// takes it once before returning.
+#[test]
+fn slow_path_write_is_never_lost_to_a_lockless_ring_reset() {
+    let config = VmConfig {
+        fast_pf: false,
+        wrprot: slat::WrprotVariant::RmapLockless,
+        ..VmConfig::default()
+    };
+    model(move || ring_write_vs_harvest_and_reset(config, false));
+    model(move || ring_write_vs_harvest_and_reset(config, true));
+}
+
+/// Invariant 3 for rings: the entry is visible before the page is writable, so a harvest
+/// that starts after another vCPU could have written the page (it sees W) collects it. Pushing
+/// after the update (as KVM's fast path does) fails this: the page arrives a harvest late.
+/// (The harvester is the spawned thread: loom then explores it running between the vCPU's
+/// update and its push.)
+fn ring_entry_precedes_write_permission(config: VmConfig) {
+    let (vm, v) = ring_vm_with_protected_page(config);
+    let ring = v.dirty_ring().unwrap().clone();
+    let harvester = {
+        let vm = vm.clone();
+        thread::spawn(move || {
+            let writable = spte_writable(&vm);
+            let collected = ring.harvest(|_, _| {});
+            assert!(
+                !writable || collected >= 1,
+                "a harvest that started after the page became writable did not collect its entry"
+            );
+        })
+    };
+    let o = write_fix(v);
+    assert!(
+        matches!(o, FaultOutcome::FixedFast | FaultOutcome::Fixed),
+        "{o:?}"
+    );
+    harvester.join().unwrap();
+}
+
+#[test]
+fn fast_path_ring_entry_precedes_write_permission() {
+    model(|| ring_entry_precedes_write_permission(VmConfig::default()));
+}
+
+#[test]
+fn slow_path_ring_entry_precedes_write_permission() {
+    model(|| {
+        ring_entry_precedes_write_permission(VmConfig {
+            fast_pf: false,
+            ..VmConfig::default()
+        })
     });
 }

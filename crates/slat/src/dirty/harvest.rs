@@ -9,7 +9,7 @@ use crate::format::{FrameStep, PteFormat};
 use crate::memslot::{Memslot, Memslots, SlotId};
 use crate::mmu::flush::PendingFlush;
 use crate::mmu::Mmu;
-use crate::sync::Arc;
+use crate::sync::{fence, Arc, Ordering};
 use slat_addr::PageIndex;
 
 impl DirtyLog {
@@ -200,6 +200,10 @@ impl DirtyLog {
                 if !slot.is_logging() || last >= slot.npages {
                     return;
                 }
+                // Between reading the entries' RESET flags and reading their SPTEs: pairs
+                // with the write fix's fence in `commit_mark`, so a fix whose update this
+                // re-arm misses sees its entry harvested and pushes another (`ring.rs`).
+                fence(Ordering::SeqCst);
                 let base = slot.base_gfn.plus(offset);
                 rearm_masked(mmu, lock.as_ref(), &mut cursor, base, mask, pending);
             };
@@ -224,8 +228,16 @@ fn harvest_lock<F: PteFormat>(mmu: &Mmu<F>) -> Option<crate::mmu::lock::WriteGua
     (mmu.config.wrprot != WrprotVariant::RmapLockless).then(|| mmu.lock.write())
 }
 
-/// The flush that ends a harvest (invariant 4), unless a test injected its omission.
+/// What ends a harvest (invariant 4): with `rmap-lockless`, which re-armed without the MMU
+/// lock, first take the lock once — a slow-path write fix holds it shared from its first
+/// mark to its second (bitmap) or its re-push (ring), and either may be owed for a page this
+/// re-arm found still read-only, so waiting it out lands that mark before we return (the
+/// fast path's is waited out by the flush). Then the flush, unless a test injected its
+/// omission.
 fn complete_harvest<F: PteFormat>(mmu: &Mmu<F>, pending: PendingFlush) {
+    if mmu.config.wrprot == WrprotVariant::RmapLockless {
+        drop(mmu.lock.write());
+    }
     let skip = mmu
         .hooks
         .active(crate::test_hooks::inject::SKIP_HARVEST_FLUSH);

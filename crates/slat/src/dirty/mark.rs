@@ -4,9 +4,10 @@
 use super::{DirtyLogError, DirtyRing, DirtyTrack};
 use crate::config::VmConfig;
 use crate::format::PteFormat;
-use crate::memslot::{Memslot, Memslots, SlotHint};
+use crate::memslot::{Memslot, Memslots, SlotHint, SlotId};
 use crate::mmu::Mmu;
 use crate::stats::{Counters, Sink, Stat};
+use crate::sync::{fence, Ordering};
 
 /// A write fix in a logged slot in two steps around the SPTE update that sets W
 /// ([`prepare_mark`], then [`commit_mark`]).
@@ -14,7 +15,8 @@ use crate::stats::{Counters, Sink, Stat};
 pub(crate) enum Mark<'s> {
     /// Set the bitmap bit (done before the update, redone after it).
     Bitmap(&'s Memslot),
-    /// Push to the vCPU's ring (after the update).
+    /// Push to the vCPU's ring (before the update, and again after it if a harvest took
+    /// the first entry meanwhile).
     Ring(&'s Memslot),
 }
 
@@ -30,16 +32,24 @@ pub(crate) fn mark_for<'s>(slot: &'s Memslot, ring: Option<&DirtyRing>) -> Optio
     }
 }
 
+/// The ring entry [`prepare_mark`] pushed (index, slot, offset), for [`commit_mark`] to look
+/// at again. Kept across a fast-path fix's retries, so a retry for the same slot and page
+/// whose entry is still unharvested pushes no other.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Pushed(Option<(u32, SlotId, u64)>);
+
 /// First half of logging a write fix: called before the update that sets W. With a bitmap
 /// the bit is set now (invariant 3: a write by another vCPU can follow the update at
-/// once). With a ring nothing is pushed yet, but the ring must have room for the push that
-/// follows: `false` means it has none and W must not be set.
+/// once). With a ring the entry is pushed now, for the same reason (see `dirty/ring.rs`),
+/// if the ring has room for it and for the second entry [`commit_mark`] may push: `false`
+/// means it has not and W must not be set.
 #[inline]
 pub(crate) fn prepare_mark(
     mark: Mark<'_>,
     ring: Option<&DirtyRing>,
     gfn: u64,
     sink: Sink<'_>,
+    pushed: &mut Pushed,
 ) -> bool {
     match mark {
         Mark::Bitmap(slot) => {
@@ -48,24 +58,68 @@ pub(crate) fn prepare_mark(
             }
             true
         }
-        Mark::Ring(_) => ring.is_some_and(|r| r.has_room()),
+        Mark::Ring(slot) => ring.is_some_and(|r| push_before_update(r, slot, gfn, sink, pushed)),
+    }
+}
+
+/// [`prepare_mark`] for a ring. Out of line, as [`push_again_if_harvested`]: both are
+/// inlined into every fault path otherwise, and the bitmap and unlogged paths paid for
+/// their size (measured with callgrind on demand paging, which logs nothing).
+#[inline(never)]
+fn push_before_update(
+    r: &DirtyRing,
+    slot: &Memslot,
+    gfn: u64,
+    sink: Sink<'_>,
+    pushed: &mut Pushed,
+) -> bool {
+    let offset = gfn - slot.base_gfn.raw();
+    if pushed
+        .0
+        .is_some_and(|(i, s, o)| (s, o) == (slot.id, offset) && r.unharvested(i))
+    {
+        return true;
+    }
+    if !r.has_room_for(2) {
+        return false;
+    }
+    pushed.0 = Some((r.push(slot.id, offset), slot.id, offset));
+    sink.inc(Stat::DirtyMarked);
+    true
+}
+
+/// [`commit_mark`] for a ring: the fence pairs with the one in `reset_rings`.
+#[inline(never)]
+fn push_again_if_harvested(r: &DirtyRing, slot: &Memslot, gfn: u64, sink: Sink<'_>, i: u32) {
+    fence(Ordering::SeqCst);
+    if !r.unharvested(i) {
+        r.push(slot.id, gfn - slot.base_gfn.raw());
+        sink.inc(Stat::DirtyMarked);
     }
 }
 
 /// Second half, after the update that set W succeeded. Bitmap: mark again — a harvest may
 /// have consumed the first mark and found nothing to protect before the update; its flush
 /// waits for this vCPU (the fast path runs in guest mode), so the second mark lands
-/// before that harvest returns and the page is in the next one. Ring: push the entry.
+/// before that harvest returns and the page is in the next one. Ring: the same, but only if
+/// a harvest took the entry pushed before the update (a second entry per fix would halve
+/// the ring); the fence pairs with the one in `reset_rings`, so a reset that read the SPTE
+/// before the update is seen here as the entry's RESET flag (or its freeing).
 #[inline]
-pub(crate) fn commit_mark(mark: Mark<'_>, ring: Option<&DirtyRing>, gfn: u64, sink: Sink<'_>) {
+pub(crate) fn commit_mark(
+    mark: Mark<'_>,
+    ring: Option<&DirtyRing>,
+    gfn: u64,
+    sink: Sink<'_>,
+    pushed: Pushed,
+) {
     match mark {
         Mark::Bitmap(slot) => {
             slot.mark_dirty_after_update(gfn);
         }
         Mark::Ring(slot) => {
-            if let Some(r) = ring {
-                r.push(slot.id, gfn - slot.base_gfn.raw());
-                sink.inc(Stat::DirtyMarked);
+            if let (Some(r), Some((i, _, _))) = (ring, pushed.0) {
+                push_again_if_harvested(r, slot, gfn, sink, i);
             }
         }
     }

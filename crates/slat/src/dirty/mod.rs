@@ -37,7 +37,9 @@ pub use ring::{
 };
 
 pub(crate) use enable::disable_logging;
-pub(crate) use mark::{commit_mark, log_hardware_dirty, mark_for, mark_page_dirty, prepare_mark};
+pub(crate) use mark::{
+    commit_mark, log_hardware_dirty, mark_for, mark_page_dirty, prepare_mark, Pushed,
+};
 
 use crate::memslot::{logs, MemslotFlags, SlotId};
 use crate::sync::{self, Arc, Mutex};

@@ -4,15 +4,29 @@
 //! Each entry moves through three states, owned alternately by the vCPU and the host:
 //! `0` (free, the vCPU's) → `DIRTY` (pushed, the harvester's) → `DIRTY | RESET` (harvested,
 //! waiting for [`crate::Vm::reset_dirty_rings`]) → `0`. The vCPU pushes only while fewer than
-//! `size` entries are in use, and asks to exit to the VMM ("ring full") once `soft_limit` are,
-//! so a ring never overflows: the reserve between the two absorbs the entries a vCPU can push
-//! before it reaches its next exit point.
+//! `size - 1` entries are in use (a write fix may push twice, below), and asks to exit to the
+//! VMM ("ring full") once `soft_limit` are, so a ring never overflows: the reserve between the
+//! two absorbs the entries a vCPU can push before it reaches its next exit point.
 //!
-//! The entry a vCPU pushes is the log itself, so it is pushed *after* the SPTE became writable
-//! (unlike a bitmap mark, see `Vm::fast_page_fault`): a reset can only re-protect the page
-//! after the host has seen the entry, by which time the write permission it must remove
-//! exists. The host must therefore copy a harvested page only after the reset that
-//! re-protects it has returned.
+//! **The guarantee** (invariants 3 and 4, as with a bitmap): a write fix pushes its entry
+//! *before* the SPTE update that sets W, so a write that completed before a harvest started
+//! (by this vCPU or any other, through the entry the fix made writable) is in that harvest's
+//! collect; and a page a harvest's reset re-protected is written again only after a fault
+//! pushed a new entry. Pushing first has one hazard: a harvest can collect the entry and
+//! its reset find nothing to protect while the update is still to come, leaving the page
+//! writable with its entry gone. So after the update the vCPU looks at its entry again
+//! ([`DirtyRing::unharvested`]) and, if a harvest took it meanwhile, pushes a second one.
+//! That second entry is visible before the reset returns: a fast-path fix runs in guest
+//! mode, which the reset's flush waits out; a slow-path fix holds the MMU lock, which the
+//! reset takes exclusively (with `rmap-lockless`, which re-protects without it, the reset takes
+//! it once before returning). A SeqCst fence on each side (after the update here, before a
+//! reset reads the SPTE there) makes "the reset missed W" imply "the vCPU sees its entry
+//! harvested". A page can therefore be reported by two consecutive harvests for one write
+//! fix, never by neither. (KVM pushes after the update on its fast path, so a write by
+//! another vCPU in between can reach userspace one harvest late there.)
+//!
+//! The host must copy a harvested page only after the reset that re-protects it has
+//! returned.
 
 use crate::memslot::SlotId;
 use crate::sync::{self, AtomicU32, AtomicU64, Mutex, Ordering};
@@ -39,6 +53,14 @@ pub struct DirtyGfn {
 }
 
 /// A vCPU's dirty ring.
+///
+/// What a harvest ([`DirtyRing::harvest`] of every ring, then
+/// [`crate::Vm::reset_dirty_rings`]) guarantees: every page written (by any vCPU) before the
+/// harvest began is collected by it, unless an earlier harvest that overlapped the write
+/// collected it. A write fault pushes its entry before it makes the page writable, and a
+/// second one if a harvest took the first meanwhile, so one fault may be collected by two
+/// consecutive harvests, never by none; and a fault needs room for two entries. Copy a page
+/// only after the reset has returned.
 #[derive(Debug)]
 pub struct DirtyRing {
     entries: Box<[DirtyGfn]>,
@@ -84,7 +106,13 @@ impl DirtyRing {
     /// The owning vCPU can push one more entry.
     #[inline]
     pub(crate) fn has_room(&self) -> bool {
-        self.used() < self.size()
+        self.has_room_for(1)
+    }
+
+    /// The owning vCPU can push `n` more entries (`n` at most [`RING_RESERVED_ENTRIES`]).
+    #[inline]
+    pub(crate) fn has_room_for(&self, n: u32) -> bool {
+        self.used() <= self.size() - n
     }
 
     #[inline]
@@ -92,9 +120,10 @@ impl DirtyRing {
         &self.entries[(index & (self.size() - 1)) as usize]
     }
 
-    /// Pushes `{slot, offset}`. Only the owning vCPU calls this (it holds `&mut Vcpu`), after
-    /// checking [`Self::has_room`]: nobody else frees entries faster than it could fill them.
-    pub(crate) fn push(&self, slot: SlotId, offset: u64) {
+    /// Pushes `{slot, offset}` and returns the entry's index. Only the owning vCPU calls this
+    /// (it holds `&mut Vcpu`), after checking [`Self::has_room`]: nobody else frees entries
+    /// faster than it could fill them.
+    pub(crate) fn push(&self, slot: SlotId, offset: u64) -> u32 {
         let i = self.dirty_index.load(Ordering::Relaxed);
         debug_assert!(self.has_room(), "dirty ring overflow");
         let e = self.entry(i);
@@ -104,6 +133,14 @@ impl DirtyRing {
         // Release: a harvester that sees DIRTY sees the slot and offset.
         e.flags.store(DIRTY_GFN_DIRTY, Ordering::Release);
         self.dirty_index.store(i.wrapping_add(1), Ordering::Release);
+        i
+    }
+
+    /// The entry pushed at `index` is still waiting for a harvest. Asked by the owning vCPU
+    /// within the fault that pushed it, so the entry cannot have been freed and pushed again.
+    #[inline]
+    pub(crate) fn unharvested(&self, index: u32) -> bool {
+        self.entry(index).flags.load(Ordering::Acquire) == DIRTY_GFN_DIRTY
     }
 
     /// Harvests, in order, every entry pushed since the last harvest: calls `f(slot, offset)`

@@ -5,7 +5,7 @@ mod slow;
 
 pub(crate) use slow::slow_page_fault;
 
-use crate::dirty::{commit_mark, mark_for, prepare_mark, DirtyRing};
+use crate::dirty::{commit_mark, mark_for, prepare_mark, DirtyRing, Pushed};
 use crate::format::{Access, PteFormat};
 use crate::memslot::{Memslots, SlotHint};
 use crate::mmu::flush::{PendingFlush, VcpuLink};
@@ -107,6 +107,7 @@ pub(crate) fn fast_page_fault<F: PteFormat>(
     // in guest mode until we return; it holds `&mut Vcpu`, so it cannot acknowledge a
     // flush (that needs the vCPU) before we return.
     let guard = unsafe { guest_mode_guard() };
+    let mut pushed = Pushed::default();
     for _ in 0..FAST_PF_RETRIES {
         let mut it = Walk::<F>::to_leaf(&guard, mmu.root(), Gfn::new(gfn));
         if !it.valid() || !F::is_present(it.old) {
@@ -148,7 +149,7 @@ pub(crate) fn fast_page_fault<F: PteFormat>(
         // Invariant 3 (see `prepare_mark` / `commit_mark` for the bitmap and ring orders).
         let ring = vcpu.ring.as_deref();
         if let Some(m) = mark {
-            if !prepare_mark(m, ring, gfn, sink) {
+            if !prepare_mark(m, ring, gfn, sink, &mut pushed) {
                 return None; // ring full: the slow path reports it
             }
         }
@@ -157,7 +158,7 @@ pub(crate) fn fast_page_fault<F: PteFormat>(
         mmu.complete_flush(pending);
         if r.is_ok() {
             if let Some(m) = mark {
-                commit_mark(m, ring, gfn, sink);
+                commit_mark(m, ring, gfn, sink, pushed);
             }
             sink.inc(Stat::PfFast);
             return Some(FaultOutcome::FixedFast);

@@ -7,7 +7,7 @@ use super::{Fault, FaultOutcome, VcpuState};
 use crate::cmo::{clean_new_mapping, invalidate_icache_for};
 use crate::config::{CmoPolicy, RecoverVariant, VmConfig};
 use crate::direct_map::Acceptance;
-use crate::dirty::{commit_mark, mark_for, prepare_mark, DirtyRing};
+use crate::dirty::{commit_mark, mark_for, prepare_mark, DirtyRing, Pushed};
 use crate::format::{bytes_per_entry, Access, LeafPerms, Level, PteFormat, PAGE_SIZE};
 use crate::memslot::{Memslot, MemslotSet, Memslots};
 use crate::mmu::flush::PendingFlush;
@@ -259,8 +259,9 @@ fn install_at_goal<F: PteFormat>(
     } else {
         None
     };
+    let mut pushed = Pushed::default();
     if let Some(m) = mark {
-        if !prepare_mark(m, ring, plan.gfn.raw(), sink) {
+        if !prepare_mark(m, ring, plan.gfn.raw(), sink, &mut pushed) {
             return Some(FaultOutcome::DirtyRingFull);
         }
     }
@@ -281,7 +282,7 @@ fn install_at_goal<F: PteFormat>(
         return Some(FaultOutcome::Retry);
     }
     if let Some(m) = mark {
-        commit_mark(m, ring, plan.gfn.raw(), sink);
+        commit_mark(m, ring, plan.gfn.raw(), sink, pushed);
     }
     if rebuild {
         sink.inc(Stat::Recoveries);
