@@ -48,7 +48,7 @@
 //!
 //! ```compile_fail,E0308
 //! let f = std::fs::File::open("/dev/zero").unwrap();
-//! slat_dirty::reset_dirty_rings(&f).unwrap();
+//! slat_dirty::log::reset_dirty_rings(&f).unwrap();
 //! ```
 //!
 //! and GET takes a [`Memslot`], not a VM fd with a slot number whose size nobody checked:
@@ -56,7 +56,7 @@
 //! ```compile_fail,E0308
 //! let vm = kvm_ioctls::Kvm::new().unwrap().create_vm().unwrap();
 //! let mut bitmap = [0u64; 1];
-//! slat_dirty::get_dirty_log(&vm, &mut bitmap).unwrap();
+//! slat_dirty::log::get_dirty_log(&vm, &mut bitmap).unwrap();
 //! ```
 
 use crate::error::Error;

@@ -13,7 +13,8 @@
 use crate::sched::PcpuPool;
 use crate::tlb::Tlb;
 use slat::direct_map::{HostCpu, Online};
-use slat::hw::{self, bytes_per_entry, table_index, PteFormat, TablePage};
+use slat::hw::{self, bytes_per_entry, table_index, TablePage};
+use slat::PteFormat;
 use slat::{Access, Fault, FaultOutcome, GuestMode, Vcpu, Vm};
 use slat_addr::Hva;
 use slat_addr::{Gfn, Gpa};

@@ -7,7 +7,7 @@
 mod common;
 
 use slat::dirty::inject;
-use slat::memslot::MemslotFlags;
+use slat::MemslotFlags;
 use slat::{
     Access, DirtyTrack, Fault, GetLogVariant, HostRange, PteFormat, RecoverVariant, VmConfig,
     WrprotVariant,

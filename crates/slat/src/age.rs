@@ -53,14 +53,14 @@
 //! table (walk into it). After a few lost races in a row on one leaf the pass leaves it
 //! young, as KVM does: it is evidently in use.
 
-use crate::format::{pages_per_entry, table_index, Level, PteFormat, PAGE_SHIFT};
+use crate::format::{pages_per_entry, table_index, Level, PteFormat};
 use crate::mmu::flush::PendingFlush;
 use crate::mmu::lock::Shared;
 use crate::mmu::table::TablePage;
 use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
 use crate::sync::{pin, AtomicU64, Ordering};
-use slat_addr::Gfn;
+use slat_addr::{Gfn, PAGE_SHIFT};
 
 /// Guest pages (64 MiB) an aging pass covers per acquisition of the MMU lock (read mode).
 pub const CHUNK_PAGES: u64 = 1 << 14;

@@ -9,7 +9,8 @@
 #![cfg(loom)]
 
 use loom::thread;
-use slat::direct_map::{Acceptance, DirectMap, DirectMapConfig, DirectMapPolicy};
+use slat::direct_map::{Acceptance, DirectMap, DirectMapConfig};
+use slat::DirectMapPolicy;
 use slat::{HostBuffer, HostRange};
 use std::sync::Arc;
 

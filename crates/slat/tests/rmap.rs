@@ -8,8 +8,8 @@
 mod common;
 
 use common::*;
-use slat::format::PAGE_SIZE;
 use slat::{Access, FaultOutcome, MemslotFlags, PteFormat, Vm, VmConfig, WrprotVariant};
+use slat_addr::PAGE_SIZE;
 use slat_addr::{Gfn, Gpa};
 
 const MIB: u64 = 1 << 20;
