@@ -9,7 +9,7 @@ mod common;
 
 use common::*;
 use slat_harness::migrate::{BackendKind, BenchGuest, LogMode};
-use slat_migrate::guest::splitmix;
+use slat_migrate::splitmix;
 use slat_migrate::stream::{self, FrameReader, Msg};
 use slat_migrate::verify::VerifyMode;
 use slat_migrate::{DestConfig, Destination, Faults, MigrateError, Source, StreamError};

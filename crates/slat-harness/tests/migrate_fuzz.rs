@@ -31,7 +31,7 @@ use common::wire::{self, ty, Payload, ValidStream};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
 use slat_harness::migrate::{self, GuestSpec, LogMode, Shape};
-use slat_migrate::guest::splitmix;
+use slat_migrate::splitmix;
 use slat_migrate::stream::{
     check_regions, Compression, FrameReader, Msg, Region, MAX_BATCH_PAGES, MAX_STATE_BLOB,
 };

@@ -9,7 +9,7 @@ use slat_addr::Hva;
 use slat_dirty::DirtyLogSource;
 use slat_dirty::Harvester;
 use slat_machine::{Machine, PacedParams, Pacer, Workload};
-use slat_migrate::guest::{GuestHarvester, GuestLog, GuestRegion};
+use slat_migrate::{GuestHarvester, GuestLog, GuestRegion};
 use slat_migrate::{Guest, GuestError, StateBlob};
 use slat_workload::PassParams;
 use slat_workload::TestMachine;
