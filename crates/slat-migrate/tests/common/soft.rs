@@ -6,9 +6,9 @@
 use slat_addr::Hva;
 use slat_addr::PageIndex;
 use slat_dirty::{DirtyLogSource, Harvester, LogMode, SlotInfo};
-use slat_migrate::{GuestHarvester, GuestLog};
-use slat_migrate::{Guest, GuestError, GuestRegion, StateBlob};
 use slat_migrate::stream::Region;
+use slat_migrate::{Guest, GuestError, GuestRegion, StateBlob};
+use slat_migrate::{GuestHarvester, GuestLog};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
