@@ -201,8 +201,8 @@ impl<S: DirtyLogSource> Harvester<S> {
     }
 
     /// Gives the source back (e.g. to measure its dirty rate with
-    /// [`crate::dirty_rate::DirtyRate`]). Pages still owed are dropped: the next reader of the log sees
-    /// only what was dirtied since the last take.
+    /// [`crate::dirty_rate::DirtyRate`]). Pages still owed are dropped: the next reader of the log
+    /// sees only what was dirtied since the last take.
     pub fn into_source(self) -> S {
         self.source
     }

@@ -5,8 +5,8 @@
 //!   `KVM_GET_DIRTY_LOG` into a caller's buffer, `KVM_CLEAR_DIRTY_LOG` (manual protect) in any
 //!   chunk KVM accepts, [`log::enable_manual_protect`] (with or without `INITIALLY_SET`), and the
 //!   per-vCPU dirty ring ([`log::RingSize`], [`log::enable_dirty_ring`], [`log::DirtyRing`],
-//!   [`log::reset_dirty_rings`]) with KVM's rules checked: size a power of two in KVM's bounds, given
-//!   in bytes to the capability, mapped only if the vCPU's ring really is that size.
+//!   [`log::reset_dirty_rings`]) with KVM's rules checked: size a power of two in KVM's bounds,
+//!   given in bytes to the capability, mapped only if the vCPU's ring really is that size.
 //! - [`Memslot`]: a slot handle that knows its page count, so every bitmap KVM reads or writes
 //!   is sized from the slot, never from a length the caller claims. A slot is created through
 //!   [`Memslot::register`] or, if the caller already registered it, described with
@@ -21,8 +21,8 @@
 //!   [`Harvester::mark_words`] / [`Harvester::mark_pages`], or, with the `vm-memory` feature,
 //!   straight from the `AtomicBitmap` (`Harvester::mark_atomic_bitmap`).
 //! - [`dirty_rate`]: how fast the guest dirties memory, without migrating (QEMU's
-//!   `calc-dirty-rate`): [`dirty_rate::DirtyRate`] samples any [`DirtyLogSource`] for distinct pages per
-//!   second, overall and per vCPU (ring entries name their vCPU; bitmaps need per-vCPU
+//!   `calc-dirty-rate`): [`dirty_rate::DirtyRate`] samples any [`DirtyLogSource`] for distinct
+//!   pages per second, overall and per vCPU (ring entries name their vCPU; bitmaps need per-vCPU
 //!   regions).
 //! - [`Snapshot`]: snapshot and reset of guest memory for fuzzers and sandboxes — copy back
 //!   only the dirty pages ([`Snapshot`], [`DirtyPages`]), incremental snapshots
@@ -115,10 +115,10 @@
 
 #![deny(missing_docs)]
 
-// One public path per item (checked by slat-harness's `tests/public_paths.rs`): the types a user names
-// live in private modules and are re-exported here; the public modules (dirty-rate
-// measurement, the raw KVM dirty-log calls) are cohesive groups whose items are not
-// re-exported here.
+// One public path per item (checked by slat-harness's `tests/public_paths.rs`): the types a user
+// names live in private modules and are re-exported here; the public modules (dirty-rate
+// measurement, the raw KVM dirty-log calls) are cohesive groups whose items are not re-exported
+// here.
 pub mod dirty_rate;
 pub mod log;
 

@@ -23,9 +23,9 @@
 //!
 //! ```no_run
 //! # fn main() -> Result<(), slat_dirty::Error> {
-//! use slat_dirty::{self as dirty, DirtyRing};
+//! use slat_dirty::log::{self as dirty, DirtyRing};
 //! let vm = kvm_ioctls::Kvm::new().unwrap().create_vm().unwrap();
-//! let size = slat_dirty::log::RingSize::from_entries(4096)?; // 64 KiB: the cap is given bytes
+//! let size = dirty::RingSize::from_entries(4096)?; // 64 KiB: the cap is given bytes
 //! dirty::enable_dirty_ring(&vm, size, false)?;
 //! let vcpu = vm.create_vcpu(0).unwrap();
 //! let mut ring = DirtyRing::map(&vcpu, size)?; // checks KVM's ring is 4096 entries

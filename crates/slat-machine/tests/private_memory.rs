@@ -7,8 +7,7 @@
 mod common;
 
 use slat::{HostRange, MemoryAttributes, MemslotFlags, PteFormat, Vm, VmConfig};
-use slat_addr::{Gfn, Gpa, Hva};
-use slat_addr::{PAGE_SHIFT, PAGE_SIZE};
+use slat_addr::{Gfn, Gpa, Hva, PAGE_SHIFT, PAGE_SIZE};
 use slat_machine::sched::PcpuPool;
 use slat_machine::{Cpu, Exit};
 use slat_workload::{Backing, GuestRam};

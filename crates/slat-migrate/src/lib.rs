@@ -133,10 +133,10 @@
 
 #![deny(missing_docs)]
 
-// One public path per item (checked by slat-harness's `tests/public_paths.rs`): the two ends, the guest
-// they move and the errors live in private modules re-exported here; the public modules
-// (wire format, transports, dirty-rate limiter, auto-converge, verification, host limits)
-// are cohesive groups whose items are not re-exported here.
+// One public path per item (checked by slat-harness's `tests/public_paths.rs`): the two ends, the
+// guest they move and the errors live in private modules re-exported here; the public modules (wire
+// format, transports, dirty-rate limiter, auto-converge, verification, host limits) are cohesive
+// groups whose items are not re-exported here.
 pub mod dirty_limit;
 pub mod limits;
 pub mod stream;

@@ -66,8 +66,8 @@
 
 #![deny(missing_docs)]
 
-// One public path per item (checked by slat-harness's `tests/public_paths.rs`): the types a user names
-// live in private modules and are re-exported here; the public modules are cohesive groups
+// One public path per item (checked by slat-harness's `tests/public_paths.rs`): the types a user
+// names live in private modules and are re-exported here; the public modules are cohesive groups
 // whose items are not re-exported here.
 pub mod cmo;
 pub mod direct_map;

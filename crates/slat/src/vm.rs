@@ -8,10 +8,9 @@ use crate::config::VmConfig;
 use crate::direct_map::PrivateMemory;
 use crate::dirty::{disable_logging, mark_page_dirty, DirtyLog, DirtyLogError, DirtyRing};
 use crate::format::{Level, PteFormat};
-use crate::host_memory::HostRange;
 use crate::memslot::{
-    MemoryAttributeError, MemoryAttributes, MemslotError, MemslotFlags, MemslotSet, Memslots,
-    SlotId,
+    HostRange, MemoryAttributeError, MemoryAttributes, MemslotError, MemslotFlags, MemslotSet,
+    Memslots, SlotId,
 };
 use crate::mmu::flush::PendingFlush;
 use crate::mmu::inspect::Audit;
@@ -313,8 +312,8 @@ impl<F: PteFormat> Vm<F> {
     /// every leaf the pass aged while it was dirty (all of a huge leaf's pages, also those
     /// outside the range, since they share its W bit; adjacent leaves in one call), so the
     /// dirty state that clearing W takes out of the tree is handed to the caller. Runs
-    /// concurrently with faults; see [`AgeFlush`](crate::AgeFlush) for what TLB entries cached before the
-    /// pass mean.
+    /// concurrently with faults; see [`AgeFlush`](crate::AgeFlush) for what TLB entries cached
+    /// before the pass mean.
     pub fn clear_young(
         &self,
         start_gfn: Gfn,

@@ -10,13 +10,11 @@ mod common;
 use common::*;
 use slat::hw::TablePage;
 use slat::hw::{pages_per_entry, table_index};
-use slat::PteFormat;
 use slat::{
-    Access, AgeFlush, Fault, FaultOutcome, IdleBitmap, IdleError, Level, MemslotFlags, Vcpu, Vm,
-    VmConfig,
+    Access, AgeFlush, Fault, FaultOutcome, IdleBitmap, IdleError, Level, MemslotFlags, PteFormat,
+    Vcpu, Vm, VmConfig,
 };
-use slat_addr::{Gfn, Gpa, Hva};
-use slat_addr::{PAGE_SHIFT, PAGE_SIZE};
+use slat_addr::{Gfn, Gpa, Hva, PAGE_SHIFT, PAGE_SIZE};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

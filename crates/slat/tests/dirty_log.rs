@@ -12,8 +12,7 @@ use slat::dirty::{INITIALLY_SET, MANUAL_PROTECT_ENABLE};
 use slat::{
     Access, FaultOutcome, Level, MemslotFlags, PteFormat, Vcpu, Vm, VmConfig, WrprotVariant,
 };
-use slat_addr::{Gfn, Gpa, PageIndex};
-use slat_addr::{PAGE_SHIFT, PAGE_SIZE};
+use slat_addr::{Gfn, Gpa, PageIndex, PAGE_SHIFT, PAGE_SIZE};
 use std::sync::Arc;
 
 const LOG: MemslotFlags = MemslotFlags::LOG_DIRTY_PAGES;

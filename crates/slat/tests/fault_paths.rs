@@ -14,13 +14,11 @@ mod common;
 use common::*;
 use slat::hw::pages_per_entry;
 use slat::hw::REQ_TLB_FLUSH;
-use slat::PteFormat;
 use slat::{
-    Access, FaultOutcome, Level, MemslotError, MemslotFlags, MmuLockKind, Vcpu, Vm, VmConfig,
+    Access, FaultOutcome, Level, MemslotError, MemslotFlags, MmuLockKind, PteFormat, Vcpu, Vm,
+    VmConfig,
 };
-use slat_addr::Hva;
-use slat_addr::{Gfn, Gpa};
-use slat_addr::{PAGE_SHIFT, PAGE_SIZE};
+use slat_addr::{Gfn, Gpa, Hva, PAGE_SHIFT, PAGE_SIZE};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -10,8 +10,7 @@
 
 use loom::thread;
 use slat::direct_map::{Acceptance, DirectMap, DirectMapConfig};
-use slat::DirectMapPolicy;
-use slat::{HostBuffer, HostRange};
+use slat::{DirectMapPolicy, HostBuffer, HostRange};
 use std::sync::Arc;
 
 const MIB2: u64 = 2 << 20;

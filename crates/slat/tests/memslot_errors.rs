@@ -11,8 +11,7 @@ use slat::{
     Access, Fault, FaultOutcome, HostRange, MemslotError, MemslotFlags, PteFormat, Vcpu, Vm,
     VmConfig,
 };
-use slat_addr::{Gfn, Gpa, Hva};
-use slat_addr::{PAGE_SHIFT, PAGE_SIZE};
+use slat_addr::{Gfn, Gpa, Hva, PAGE_SHIFT, PAGE_SIZE};
 use std::sync::Arc;
 
 const LOG: MemslotFlags = MemslotFlags::LOG_DIRTY_PAGES;

@@ -28,13 +28,11 @@ mod common;
 
 use common::*;
 use slat::hw::{bytes_per_entry, pages_per_entry};
-use slat::PteFormat;
 use slat::{
     Access, Fault, FaultOutcome, GetLogVariant, HostRange, MemslotError, MemslotFlags, MmuLockKind,
-    RecoverVariant, Vcpu, Vm, VmConfig, WrprotVariant,
+    PteFormat, RecoverVariant, Vcpu, Vm, VmConfig, WrprotVariant,
 };
-use slat_addr::{Gfn, Gpa};
-use slat_addr::{PAGE_SHIFT, PAGE_SIZE};
+use slat_addr::{Gfn, Gpa, PAGE_SHIFT, PAGE_SIZE};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -17,8 +17,7 @@ use slat::{
     Access, Fault, FaultOutcome, MemslotError, MemslotFlags, PteFormat, RecoverVariant, Vm,
     VmConfig,
 };
-use slat_addr::{Gfn, Gpa, PageIndex};
-use slat_addr::{PAGE_SHIFT, PAGE_SIZE};
+use slat_addr::{Gfn, Gpa, PageIndex, PAGE_SHIFT, PAGE_SIZE};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -3,12 +3,10 @@
 //! semantics, a "vCPU" thread writing pages, and device state. What `Guest` asks of a VMM, in
 //! about a hundred lines.
 
-use slat_addr::Hva;
-use slat_addr::PageIndex;
+use slat_addr::{Hva, PageIndex};
 use slat_dirty::{DirtyLogSource, Harvester, LogMode, SlotInfo};
 use slat_migrate::stream::Region;
-use slat_migrate::{Guest, GuestError, GuestRegion, StateBlob};
-use slat_migrate::{GuestHarvester, GuestLog};
+use slat_migrate::{Guest, GuestError, GuestHarvester, GuestLog, GuestRegion, StateBlob};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;

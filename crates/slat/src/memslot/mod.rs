@@ -13,7 +13,7 @@
 use crate::direct_map::{Acceptance, PoolLease};
 use crate::dirty::bitmap::SlotBitmap;
 use crate::format::{bytes_per_entry, pages_per_entry, Level, PteFormat};
-use crate::host_memory::HostRange;
+pub(crate) use crate::host_memory::HostRange;
 use crate::sync::Arc;
 use bitflags::bitflags;
 use slat_addr::{Gfn, Gpa, Hva, PageIndex, PAGE_SHIFT};

@@ -7,10 +7,8 @@
 
 use slat::hw::pages_per_entry;
 use slat::hw::TableAlloc;
-use slat::{Access, Ept, Fault, FaultOutcome, HostRange, Vcpu, Vm};
-use slat::{Level, PteFormat};
-use slat_addr::{Gpa, Hva};
-use slat_addr::{PAGE_SHIFT, PAGE_SIZE};
+use slat::{Access, Ept, Fault, FaultOutcome, HostRange, Level, PteFormat, Vcpu, Vm};
+use slat_addr::{Gpa, Hva, PAGE_SHIFT, PAGE_SIZE};
 use std::alloc::Layout;
 use std::any::TypeId;
 use std::sync::Arc;
