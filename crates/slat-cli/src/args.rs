@@ -41,9 +41,9 @@ pub fn tlb_entries(s: &str) -> Result<usize, String> {
     Ok(v)
 }
 
-/// An engine variant enum as a flag value: its spellings (`slat::config`) are the possible
-/// values clap lists and checks, and the enum's own `FromStr` parses them, so the choices are
-/// declared once, in the engine.
+/// An engine variant enum as a flag value: its spellings (the engine's `config.rs`) are the
+/// possible values clap lists and checks, and the enum's own `FromStr` parses them, so the choices
+/// are declared once, in the engine.
 pub trait Variant: Copy + Send + Sync + std::str::FromStr + 'static {
     /// Every variant.
     const ALL: &'static [Self];

@@ -34,7 +34,7 @@ use clap::{Args, ValueEnum};
 use counters::{Deltas, DirectMap, DirectMapDelta, Snapshot};
 use mem::{Fill, Kind, Region, Sample};
 use serde::Serialize;
-use slat::direct_map::DirectMapPolicy;
+use slat::DirectMapPolicy;
 use slat_workload::format_size;
 use std::time::{Duration, Instant};
 

@@ -12,7 +12,8 @@ use crate::output::{print_json, print_table};
 use crate::report::{quiet, Phase};
 use clap::Args;
 use serde::Serialize;
-use slat::direct_map::{DirectMapConfig, DirectMapPolicy};
+use slat::direct_map::DirectMapConfig;
+use slat::DirectMapPolicy;
 use slat_machine::conversion::{run_conversion_test, ConversionParams, ConversionReport};
 use slat_workload::{format_size, Backing};
 

@@ -46,7 +46,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let vm = Arc::new(kvm.create_vm()?);
     // Manual protect with INITIALLY_SET: no write-protect storm when logging starts; the first
     // take reports every page (the initial full copy).
-    slat_dirty::enable_manual_protect(&vm, true)?;
+    slat_dirty::log::enable_manual_protect(&vm, true)?;
 
     // Low memory: page tables, GDT, the writer and its control page (not logged).
     let layout = LowLayout::new(RAM_GPA + (2 << 20))?;

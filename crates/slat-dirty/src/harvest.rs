@@ -1,53 +1,4 @@
 //! Transactional harvests: one API over the three ways KVM logs dirty pages.
-//!
-//! A [`Harvester`] owns the source of the log it harvests — a [`DirtyLogSource`]: by default
-//! [`KvmLog`], the [`Memslot`]s of a VMM's own VM (and, for the ring, the vCPUs'
-//! [`DirtyRing`]s); slat's benchmark machines bring their own — and a bitmap per slot of pages
-//! it *owes*: pages reported dirty that no committed harvest has covered yet. The
-//! transactional part below is the same for every source; the guarantees hold for any source
-//! that keeps the [`DirtyLogSource`] contract (KVM's semantics). [`Harvester::take`] pulls
-//! everything KVM has logged into
-//! those bitmaps, re-arms the log, and hands the whole owed set over as a [`DirtySet`]. The
-//! caller copies the pages of the set (to a migration stream, a snapshot, a reset source) and
-//! then either [`DirtySet::commit`]s — the pages are no longer owed — or aborts
-//! ([`DirtySet::abort`], or just drops the set, e.g. on `?`): every page of the set is owed
-//! again and the next take reports it, merged with whatever was dirtied since.
-//!
-//! # Why nothing is lost
-//!
-//! A page's contents must be copied *after* the log was re-armed for it, otherwise a write
-//! that lands after the copy but before the re-arm is neither in the copy nor in the next
-//! harvest. So every take re-arms before it returns, and the set is returned only then:
-//!
-//! - [`LogMode::Get`]: `KVM_GET_DIRTY_LOG` atomically takes the bitmap and write-protects the
-//!   pages it reported (flushing TLBs) before it returns. A write after that faults and sets
-//!   the bit again; the next take sees it.
-//! - [`LogMode::ManualProtect`]: GET only copies the bitmap. The take then issues
-//!   `KVM_CLEAR_DIRTY_LOG`, in the caller's chunk size, for exactly the bits GET returned —
-//!   clearing and write-protecting those pages — before returning. If CLEAR waited for
-//!   `commit` instead (after the copy), a write between the copy and the CLEAR would be wiped
-//!   by the CLEAR and be in no copy: lost. Clearing first, a write after the CLEAR sets the bit
-//!   again (next take), and a write between GET and CLEAR to a reported page lands before the
-//!   copy starts, so the copy has it. A page first dirtied between GET and CLEAR has its bit
-//!   set but not in the mask, so the CLEAR leaves it for the next take.
-//! - [`LogMode::Ring`]: each entry is collected (flagged RESET) into the owed bitmaps, then
-//!   `KVM_RESET_DIRTY_RINGS` write-protects the collected pages again, all before the take
-//!   returns. A write between collection and reset hits a still-writable page and is seen by
-//!   the copy, which starts after the reset; a write after the reset faults and pushes a new
-//!   entry.
-//!
-//! Since the log is re-armed at take time, what is at stake on failure is only the set
-//! itself: its bits exist nowhere else (KVM has cleared them). Abort puts them back into the
-//! owed bitmaps, so the next take reports them again — the same remedy Firecracker adopted for
-//! failed snapshots (merging the bits back). Commit drops them. A failure inside `take`
-//! itself (an ioctl error on the second slot, say) is covered the same way: bits are moved
-//! into the owed bitmaps as soon as KVM hands them over, before anything else can fail, and the
-//! error leaves them owed.
-//!
-//! Writes KVM does not see — by the VMM itself or its devices (`vm-memory` records them in an
-//! `AtomicBitmap`; `get_and_reset()` gives its words) — are merged with
-//! [`Harvester::mark_words`] or [`Harvester::mark_pages`] before a take, or
-//! [`DirtySet::mark_words`] into a set being copied.
 
 use crate::error::Error;
 use crate::log::DirtyRing;
@@ -61,7 +12,7 @@ use slat_addr::PageIndex;
 pub enum LogMode {
     /// `KVM_GET_DIRTY_LOG` clears as it reads (the VM has no manual protect).
     Get,
-    /// Manual protect ([`crate::enable_manual_protect`], with or without `INITIALLY_SET`): GET
+    /// Manual protect ([`crate::log::enable_manual_protect`], with or without `INITIALLY_SET`): GET
     /// copies, then `KVM_CLEAR_DIRTY_LOG` in chunks of `chunk_pages` pages (a non-zero
     /// multiple of 64; the last chunk of a slot may be shorter) re-protects. Chunks without a
     /// dirty page are not cleared at all. With `INITIALLY_SET` the first take reports every
@@ -70,11 +21,61 @@ pub enum LogMode {
         /// Pages per `KVM_CLEAR_DIRTY_LOG` call.
         chunk_pages: u64,
     },
-    /// The per-vCPU dirty ring ([`crate::enable_dirty_ring`]); the harvester owns the rings.
+    /// The per-vCPU dirty ring ([`crate::log::enable_dirty_ring`]); the harvester owns the rings.
     Ring,
 }
 
-/// Tracks the dirty pages of some memslots of one VM; see the [module](self) documentation.
+/// Tracks the dirty pages of some memslots of one VM.
+///
+/// A [`Harvester`] owns the source of the log it harvests — a [`DirtyLogSource`]: by default
+/// [`KvmLog`], the [`Memslot`]s of a VMM's own VM (and, for the ring, the vCPUs'
+/// [`DirtyRing`]s); slat's benchmark machines bring their own — and a bitmap per slot of pages
+/// it *owes*: pages reported dirty that no committed harvest has covered yet. The
+/// transactional part below is the same for every source; the guarantees hold for any source
+/// that keeps the [`DirtyLogSource`] contract (KVM's semantics). [`Harvester::take`] pulls
+/// everything KVM has logged into
+/// those bitmaps, re-arms the log, and hands the whole owed set over as a [`DirtySet`]. The
+/// caller copies the pages of the set (to a migration stream, a snapshot, a reset source) and
+/// then either [`DirtySet::commit`]s — the pages are no longer owed — or aborts
+/// ([`DirtySet::abort`], or just drops the set, e.g. on `?`): every page of the set is owed
+/// again and the next take reports it, merged with whatever was dirtied since.
+///
+/// # Why nothing is lost
+///
+/// A page's contents must be copied *after* the log was re-armed for it, otherwise a write
+/// that lands after the copy but before the re-arm is neither in the copy nor in the next
+/// harvest. So every take re-arms before it returns, and the set is returned only then:
+///
+/// - [`LogMode::Get`]: `KVM_GET_DIRTY_LOG` atomically takes the bitmap and write-protects the
+///   pages it reported (flushing TLBs) before it returns. A write after that faults and sets
+///   the bit again; the next take sees it.
+/// - [`LogMode::ManualProtect`]: GET only copies the bitmap. The take then issues
+///   `KVM_CLEAR_DIRTY_LOG`, in the caller's chunk size, for exactly the bits GET returned —
+///   clearing and write-protecting those pages — before returning. If CLEAR waited for
+///   `commit` instead (after the copy), a write between the copy and the CLEAR would be wiped
+///   by the CLEAR and be in no copy: lost. Clearing first, a write after the CLEAR sets the bit
+///   again (next take), and a write between GET and CLEAR to a reported page lands before the
+///   copy starts, so the copy has it. A page first dirtied between GET and CLEAR has its bit
+///   set but not in the mask, so the CLEAR leaves it for the next take.
+/// - [`LogMode::Ring`]: each entry is collected (flagged RESET) into the owed bitmaps, then
+///   `KVM_RESET_DIRTY_RINGS` write-protects the collected pages again, all before the take
+///   returns. A write between collection and reset hits a still-writable page and is seen by
+///   the copy, which starts after the reset; a write after the reset faults and pushes a new
+///   entry.
+///
+/// Since the log is re-armed at take time, what is at stake on failure is only the set
+/// itself: its bits exist nowhere else (KVM has cleared them). Abort puts them back into the
+/// owed bitmaps, so the next take reports them again — the same remedy Firecracker adopted for
+/// failed snapshots (merging the bits back). Commit drops them. A failure inside `take`
+/// itself (an ioctl error on the second slot, say) is covered the same way: bits are moved
+/// into the owed bitmaps as soon as KVM hands them over, before anything else can fail, and the
+/// error leaves them owed.
+///
+/// Writes KVM does not see — by the VMM itself or its devices (`vm-memory` records them in an
+/// `AtomicBitmap`; `get_and_reset()` gives its words) — are merged with
+/// [`Harvester::mark_words`] or [`Harvester::mark_pages`] before a take, or
+/// [`DirtySet::mark_words`] into a set being copied.
+///
 ///
 /// `S` is where the log comes from: by default a VMM's own KVM VM ([`KvmLog`], built by
 /// [`Harvester::new`] and [`Harvester::with_rings`]); any [`DirtyLogSource`] through
@@ -200,8 +201,8 @@ impl<S: DirtyLogSource> Harvester<S> {
     }
 
     /// Gives the source back (e.g. to measure its dirty rate with
-    /// [`crate::DirtyRate`]). Pages still owed are dropped: the next reader of the log sees
-    /// only what was dirtied since the last take.
+    /// [`crate::dirty_rate::DirtyRate`]). Pages still owed are dropped: the next reader of the log
+    /// sees only what was dirtied since the last take.
     pub fn into_source(self) -> S {
         self.source
     }

@@ -3,16 +3,16 @@
 //!
 //! - [`log`]: the dirty-log ioctls `kvm-ioctls` lacks or wraps with an allocation per call —
 //!   `KVM_GET_DIRTY_LOG` into a caller's buffer, `KVM_CLEAR_DIRTY_LOG` (manual protect) in any
-//!   chunk KVM accepts, [`enable_manual_protect`] (with or without `INITIALLY_SET`), and the
-//!   per-vCPU dirty ring ([`RingSize`], [`enable_dirty_ring`], [`DirtyRing`],
-//!   [`reset_dirty_rings`]) with KVM's rules checked: size a power of two in KVM's bounds, given
-//!   in bytes to the capability, mapped only if the vCPU's ring really is that size.
+//!   chunk KVM accepts, [`log::enable_manual_protect`] (with or without `INITIALLY_SET`), and the
+//!   per-vCPU dirty ring ([`log::RingSize`], [`log::enable_dirty_ring`], [`log::DirtyRing`],
+//!   [`log::reset_dirty_rings`]) with KVM's rules checked: size a power of two in KVM's bounds,
+//!   given in bytes to the capability, mapped only if the vCPU's ring really is that size.
 //! - [`Memslot`]: a slot handle that knows its page count, so every bitmap KVM reads or writes
 //!   is sized from the slot, never from a length the caller claims. A slot is created through
 //!   [`Memslot::register`] or, if the caller already registered it, described with
 //!   [`Memslot::adopt`]; both are `unsafe` and state what the caller promises.
-//! - [`ranges`](mod@ranges): bitmap → `(first_page, pages)` runs, a word at a time, skipping zero words.
-//! - [`harvest`]: one transactional harvest over the three log modes, generic over where the
+//! - [`ranges()`]: bitmap → `(first_page, pages)` runs, a word at a time, skipping zero words.
+//! - [`Harvester`]: one transactional harvest over the three log modes, generic over where the
 //!   log comes from ([`DirtyLogSource`]: a VMM's own VM through [`KvmLog`], the default, or
 //!   any other source, e.g. slat's benchmark machines): [`Harvester::take`]
 //!   returns a [`DirtySet`] to copy; [`DirtySet::commit`] when the copy succeeded; abort (or
@@ -21,10 +21,10 @@
 //!   [`Harvester::mark_words`] / [`Harvester::mark_pages`], or, with the `vm-memory` feature,
 //!   straight from the `AtomicBitmap` (`Harvester::mark_atomic_bitmap`).
 //! - [`dirty_rate`]: how fast the guest dirties memory, without migrating (QEMU's
-//!   `calc-dirty-rate`): [`DirtyRate`] samples any [`DirtyLogSource`] for distinct pages per
-//!   second, overall and per vCPU (ring entries name their vCPU; bitmaps need per-vCPU
+//!   `calc-dirty-rate`): [`dirty_rate::DirtyRate`] samples any [`DirtyLogSource`] for distinct
+//!   pages per second, overall and per vCPU (ring entries name their vCPU; bitmaps need per-vCPU
 //!   regions).
-//! - [`snapshot`]: snapshot and reset of guest memory for fuzzers and sandboxes — copy back
+//! - [`Snapshot`]: snapshot and reset of guest memory for fuzzers and sandboxes — copy back
 //!   only the dirty pages ([`Snapshot`], [`DirtyPages`]), incremental snapshots
 //!   ([`ChildSnapshot`]), byte-exact verification; re-arm the log before the copy.
 //!
@@ -52,7 +52,7 @@
 //!     return Ok(());
 //! };
 //! let vm = std::sync::Arc::new(kvm.create_vm()?);
-//! slat_dirty::enable_manual_protect(&vm, true)?;
+//! slat_dirty::log::enable_manual_protect(&vm, true)?;
 //!
 //! // Guest RAM: 64 pages at guest-physical 0, the VMM's own (page-aligned, never freed).
 //! const PAGES: u64 = 64;
@@ -115,27 +115,28 @@
 
 #![deny(missing_docs)]
 
+// One public path per item (checked by slat-harness's `tests/public_paths.rs`): the types a user
+// names live in private modules and are re-exported here; the public modules (dirty-rate
+// measurement, the raw KVM dirty-log calls) are cohesive groups whose items are not re-exported
+// here.
 pub mod dirty_rate;
-pub mod error;
-pub mod harvest;
 pub mod log;
-pub mod memslot;
-pub mod ranges;
-pub mod snapshot;
-pub mod source;
 
-pub use dirty_rate::{Attribution, DirtyRate, Measurement, Sample, SampleWindow, WindowError};
+mod error;
+mod harvest;
+mod memslot;
+mod ranges;
+mod snapshot;
+mod source;
+
 pub use error::Error;
 pub use harvest::{DirtySet, Harvester, LogMode};
-pub use log::{
-    clear_dirty_log, enable_dirty_ring, enable_manual_protect, get_dirty_log,
-    get_dirty_log_unchecked, reset_dirty_rings, DirtyRing, RingSize, KVM_DIRTY_GFN_F_DIRTY,
-    KVM_DIRTY_GFN_F_RESET,
-};
 pub use memslot::{bitmap_words, Memslot};
 pub use ranges::{ranges, Ranges};
 pub use snapshot::{ChildSnapshot, DirtyPages, GuestRegion, ResetStats, Snapshot, SnapshotError};
-pub use source::{DirtyLogSource, KvmLog, SlotInfo};
+pub use source::{DirtyLogSource, KvmLog, MapErr, SlotInfo};
 /// The `vm-memory` this crate was built with (feature `vm-memory`), for its `AtomicBitmap`.
+// A re-export of a whole dependency, so a VMM can match its `vm-memory` version to ours; it
+// is not a second path to one of this crate's items.
 #[cfg(feature = "vm-memory")]
 pub use vm_memory;

@@ -23,9 +23,9 @@
 //!
 //! ```no_run
 //! # fn main() -> Result<(), slat_dirty::Error> {
-//! use slat_dirty::{self as dirty, DirtyRing};
+//! use slat_dirty::log::{self as dirty, DirtyRing};
 //! let vm = kvm_ioctls::Kvm::new().unwrap().create_vm().unwrap();
-//! let size = slat_dirty::RingSize::from_entries(4096)?; // 64 KiB: the cap is given bytes
+//! let size = dirty::RingSize::from_entries(4096)?; // 64 KiB: the cap is given bytes
 //! dirty::enable_dirty_ring(&vm, size, false)?;
 //! let vcpu = vm.create_vcpu(0).unwrap();
 //! let mut ring = DirtyRing::map(&vcpu, size)?; // checks KVM's ring is 4096 entries
@@ -39,8 +39,8 @@
 //! ```compile_fail,E0308
 //! # fn main() -> Result<(), slat_dirty::Error> {
 //! let f = std::fs::File::open("/dev/zero").unwrap();
-//! let size = slat_dirty::RingSize::from_entries(4096)?;
-//! let _ring = slat_dirty::DirtyRing::map(&f, size)?;
+//! let size = slat_dirty::log::RingSize::from_entries(4096)?;
+//! let _ring = slat_dirty::log::DirtyRing::map(&f, size)?;
 //! # Ok(()) }
 //! ```
 //!
@@ -48,7 +48,7 @@
 //!
 //! ```compile_fail,E0308
 //! let f = std::fs::File::open("/dev/zero").unwrap();
-//! slat_dirty::reset_dirty_rings(&f).unwrap();
+//! slat_dirty::log::reset_dirty_rings(&f).unwrap();
 //! ```
 //!
 //! and GET takes a [`Memslot`], not a VM fd with a slot number whose size nobody checked:
@@ -56,7 +56,7 @@
 //! ```compile_fail,E0308
 //! let vm = kvm_ioctls::Kvm::new().unwrap().create_vm().unwrap();
 //! let mut bitmap = [0u64; 1];
-//! slat_dirty::get_dirty_log(&vm, &mut bitmap).unwrap();
+//! slat_dirty::log::get_dirty_log(&vm, &mut bitmap).unwrap();
 //! ```
 
 use crate::error::Error;

@@ -1,44 +1,4 @@
 //! Snapshot and reset of guest memory, as snapshot fuzzers (Nyx, snapchange, wtf) and
-//! sandboxes (Hyperlight) do it: copy guest memory once while the vCPUs are stopped, run the
-//! guest, then copy back **only the pages it dirtied**, so a reset costs O(dirty pages), not
-//! O(RAM).
-//!
-//! No KVM ioctl here: a [`Snapshot`] is host memory plus page sets, so it works for any VMM
-//! and for slat's simulated machine alike. The pieces:
-//!
-//! - [`GuestRegion`]: host memory the caller vouches for (`unsafe fn` [`GuestRegion::new`],
-//!   like [`crate::Memslot::register`]), in 4 KiB pages.
-//! - [`Snapshot::take`]: one owned copy per region.
-//! - [`DirtyPages`]: the pages to copy back, deduplicated — a bitmap per region for the
-//!   dedup and a list of page indices for the work, so adding, resetting and clearing cost
-//!   O(dirty pages) (adding a whole bitmap costs its words). Fed from GET_DIRTY_LOG bitmaps
-//!   ([`DirtyPages::add_bitmap`]), a [`crate::DirtySet`] ([`DirtyPages::add_dirty_set`]),
-//!   ring entries or page lists ([`DirtyPages::add_page`]); every index is bounds-checked.
-//! - [`Snapshot::reset`]: copies the listed pages back and empties the set.
-//! - [`ChildSnapshot`] (incremental, [`Snapshot::child`]): only the pages dirtied since the
-//!   base, the base for every other page; reset to the child or back to the base.
-//! - [`Snapshot::verify`] / [`ChildSnapshot::verify`]: guest memory against the snapshot,
-//!   byte for byte.
-//!
-//! # Ordering: re-arm, then copy
-//!
-//! A reset is a harvest followed by a copy, and the harvest must **re-arm the log before the
-//! copy** — GET_DIRTY_LOG without manual protect (which clears and write-protects),
-//! CLEAR_DIRTY_LOG with it, RESET_DIRTY_RINGS for rings, [`crate::Harvester::take`] — exactly
-//! as a [`crate::DirtySet`] is copied only after `take` re-armed the log:
-//!
-//! - re-arm, then copy: a guest (or DMA, vhost) write that lands after the re-arm is logged,
-//!   so the next reset restores it; one that lands between the re-arm and the copy of its page
-//!   is overwritten by the copy and logged as well, so the next reset merely copies that page
-//!   again. Nothing can stay different from the snapshot without being listed.
-//! - copy, then re-arm: a write that lands after the copy of its page and before the re-arm is
-//!   erased from the log by the re-arm. The page now differs from the snapshot and no later
-//!   harvest lists it: every later reset leaves it wrong, silently.
-//!
-//! With the vCPUs stopped for the reset (as the callers here do) no guest write can race it;
-//! the order still matters for writes the VMM's own threads make, and it costs nothing.
-//! A reset's host writes are not logged (KVM logs guest writes only), which is what a reset
-//! wants: the restored page equals the snapshot.
 
 use slat_addr::PAGE_SIZE;
 use slat_addr::{Hva, PageIndex};
@@ -372,7 +332,49 @@ impl DirtyPages {
     }
 }
 
-/// A full copy of guest memory regions (see the [module docs](self)).
+/// A full copy of guest memory regions.
+///
+/// sandboxes (Hyperlight) do it: copy guest memory once while the vCPUs are stopped, run the
+/// guest, then copy back **only the pages it dirtied**, so a reset costs O(dirty pages), not
+/// O(RAM).
+///
+/// No KVM ioctl here: a [`Snapshot`] is host memory plus page sets, so it works for any VMM
+/// and for slat's simulated machine alike. The pieces:
+///
+/// - [`GuestRegion`]: host memory the caller vouches for (`unsafe fn` [`GuestRegion::new`],
+///   like [`crate::Memslot::register`]), in 4 KiB pages.
+/// - [`Snapshot::take`]: one owned copy per region.
+/// - [`DirtyPages`]: the pages to copy back, deduplicated — a bitmap per region for the
+///   dedup and a list of page indices for the work, so adding, resetting and clearing cost
+///   O(dirty pages) (adding a whole bitmap costs its words). Fed from GET_DIRTY_LOG bitmaps
+///   ([`DirtyPages::add_bitmap`]), a [`crate::DirtySet`] ([`DirtyPages::add_dirty_set`]),
+///   ring entries or page lists ([`DirtyPages::add_page`]); every index is bounds-checked.
+/// - [`Snapshot::reset`]: copies the listed pages back and empties the set.
+/// - [`ChildSnapshot`] (incremental, [`Snapshot::child`]): only the pages dirtied since the
+///   base, the base for every other page; reset to the child or back to the base.
+/// - [`Snapshot::verify`] / [`ChildSnapshot::verify`]: guest memory against the snapshot,
+///   byte for byte.
+///
+/// # Ordering: re-arm, then copy
+///
+/// A reset is a harvest followed by a copy, and the harvest must **re-arm the log before the
+/// copy** — GET_DIRTY_LOG without manual protect (which clears and write-protects),
+/// CLEAR_DIRTY_LOG with it, RESET_DIRTY_RINGS for rings, [`crate::Harvester::take`] — exactly
+/// as a [`crate::DirtySet`] is copied only after `take` re-armed the log:
+///
+/// - re-arm, then copy: a guest (or DMA, vhost) write that lands after the re-arm is logged,
+///   so the next reset restores it; one that lands between the re-arm and the copy of its page
+///   is overwritten by the copy and logged as well, so the next reset merely copies that page
+///   again. Nothing can stay different from the snapshot without being listed.
+/// - copy, then re-arm: a write that lands after the copy of its page and before the re-arm is
+///   erased from the log by the re-arm. The page now differs from the snapshot and no later
+///   harvest lists it: every later reset leaves it wrong, silently.
+///
+/// With the vCPUs stopped for the reset (as the callers here do) no guest write can race it;
+/// the order still matters for writes the VMM's own threads make, and it costs nothing.
+/// A reset's host writes are not logged (KVM logs guest writes only), which is what a reset
+/// wants: the restored page equals the snapshot.
+///
 ///
 /// Not `Sync`: a reset writes guest memory through `&self`, so one thread at a time.
 #[derive(Debug)]

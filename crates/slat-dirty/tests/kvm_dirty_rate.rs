@@ -7,7 +7,8 @@ mod common;
 use common::long_mode::LowLayout;
 use common::{pass_with, Mapping, Setup, TinyVm, SLOT_PAGES};
 use kvm_ioctls::{VcpuFd, VmFd};
-use slat_dirty::{Attribution, DirtyRate, KvmLog};
+use slat_dirty::dirty_rate::{Attribution, DirtyRate};
+use slat_dirty::KvmLog;
 use std::sync::Arc;
 
 /// The tiny VM with its log handed to a sampler. Field order is drop order: the sampler (slot

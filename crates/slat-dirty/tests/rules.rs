@@ -8,10 +8,8 @@ use common::{kvm_unavailable, Mapping, Setup, TinyVm};
 use kvm_bindings::kvm_userspace_memory_region;
 use kvm_ioctls::Kvm;
 use slat_addr::PageIndex;
-use slat_dirty::{
-    enable_dirty_ring, get_dirty_log, reset_dirty_rings, DirtyRing, Error, Harvester, LogMode,
-    Memslot, RingSize,
-};
+use slat_dirty::log::{enable_dirty_ring, get_dirty_log, reset_dirty_rings, DirtyRing, RingSize};
+use slat_dirty::{Error, Harvester, LogMode, Memslot};
 use std::collections::BTreeSet;
 use std::sync::Arc;
 

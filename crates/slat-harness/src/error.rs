@@ -3,7 +3,8 @@
 //! library's `GuestError::Machine`, so `slat-migrate`'s error types name no benchmark.
 
 use crate::migrate::{MAX_SLOTS, MAX_VCPUS};
-use slat_migrate::stream::{MAX_GUEST_BYTES, PAGE_SIZE};
+use slat_addr::PAGE_SIZE;
+use slat_migrate::stream::MAX_GUEST_BYTES;
 use slat_migrate::GuestError;
 
 /// Why a guest shape cannot be built: the checks every shape passes before a machine is

@@ -9,7 +9,7 @@
 //! - [`MachineSnapshot`]: snapshot and reset of either machine's test region over
 //!   `slat_dirty`'s [`slat_dirty::Snapshot`]; [`MachineSnapshot::reset`] takes a dirty set from the
 //!   harvester (re-armed before the take returns: the ordering argument is in
-//!   [`slat_dirty::snapshot`]), copies its pages back and commits it (or aborts it if the copy
+//!   [`slat_dirty::Snapshot`]), copies its pages back and commits it (or aborts it if the copy
 //!   fails). [`MachineSnapshot::take_child`] takes an incremental snapshot over it
 //!   ([`MachineChild`]).
 //! - [`migrate`]: the benchmark guests `slat migrate` moves — a [`migrate::BenchGuest`] is a

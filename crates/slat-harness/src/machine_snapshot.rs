@@ -2,9 +2,7 @@
 
 use crate::machine_log::{LogTimes, MachineHarvester, MachineLog};
 use slat_addr::PAGE_SIZE;
-use slat_dirty::snapshot::{
-    ChildSnapshot, DirtyPages, GuestRegion, ResetStats, Snapshot, SnapshotError,
-};
+use slat_dirty::{ChildSnapshot, DirtyPages, GuestRegion, ResetStats, Snapshot, SnapshotError};
 use slat_workload::{GuestRam, TestMachine};
 use std::time::{Duration, Instant};
 
@@ -118,7 +116,7 @@ impl<'m, M: TestMachine + ?Sized> MachineSnapshot<'m, M> {
             .set_dirty_logging(true)
             .map_err(ResetError::Machine)?;
         let mut log = MachineLog::harvester(machine).map_err(ResetError::Harvest)?;
-        // Re-arm, then copy (`slat_dirty::snapshot`'s module docs): what the log held is
+        // Re-arm, then copy (`slat-dirty`'s `snapshot.rs` module docs): what the log held is
         // discarded, as guest memory is about to equal the snapshot.
         log.take().map_err(ResetError::Machine)?.commit();
         let snap = Snapshot::take(regions)?;

@@ -9,10 +9,9 @@ mod common;
 
 use common::*;
 use slat_harness::migrate::{BackendKind, BenchGuest, LogMode};
-use slat_migrate::guest::splitmix;
 use slat_migrate::stream::{self, FrameReader, Msg};
 use slat_migrate::verify::VerifyMode;
-use slat_migrate::{DestConfig, Destination, Faults, MigrateError, Source, StreamError};
+use slat_migrate::{splitmix, DestConfig, Destination, Faults, MigrateError, Source, StreamError};
 use std::io::Read;
 use std::net::TcpListener;
 use std::sync::Arc;

@@ -31,12 +31,11 @@ use common::wire::{self, ty, Payload, ValidStream};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
 use slat_harness::migrate::{self, GuestSpec, LogMode, Shape};
-use slat_migrate::guest::splitmix;
 use slat_migrate::stream::{
     check_regions, Compression, FrameReader, Msg, Region, MAX_BATCH_PAGES, MAX_STATE_BLOB,
 };
 use slat_migrate::{
-    DestConfig, Destination, Guest, Memory, MigrateError, SourceConfig, StreamError,
+    splitmix, DestConfig, Destination, Guest, Memory, MigrateError, SourceConfig, StreamError,
 };
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};

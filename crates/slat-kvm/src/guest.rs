@@ -96,7 +96,7 @@ pub struct LowLayout {
     pub size: u64,
 }
 
-const PAGE: u64 = 4096;
+use slat_addr::PAGE_SIZE as PAGE;
 const HUGE_2M: u64 = 2 << 20;
 const CODE_LEN: u64 = 2 * PAGE;
 

@@ -24,7 +24,7 @@ pub const MAX: u64 = COUNTS + BUCKETS as u64 * 8;
 /// Bytes of the page the host zeroes before a timed workload (counters and max).
 pub const USED: u64 = MAX + 8;
 /// Bytes per vCPU histogram page.
-pub const PAGE: u64 = 4096;
+pub const PAGE: u64 = slat_addr::PAGE_SIZE;
 
 const _: () = assert!(USED <= PAGE);
 

@@ -15,9 +15,9 @@ use kvm_bindings::{
 };
 use kvm_ioctls::{Kvm, VmFd};
 use slat_addr::PageIndex;
+use slat_dirty::log::RingSize;
 use slat_dirty::log::{self, DirtyRing};
-use slat_dirty::DirtyLogSource;
-use slat_dirty::{Error, Memslot, RingSize};
+use slat_dirty::{DirtyLogSource, Error, Memslot};
 use slat_kvm::{KvmConfig, KvmError};
 use slat_workload::TestMachine;
 use slat_workload::{Backing, GuestRam, Layout, PassParams, RegionSpec};

@@ -18,10 +18,9 @@
 use crate::cpu::{Cpu, Exit};
 use crate::machine::MachineError;
 use crate::sched::PcpuPool;
-use slat::direct_map::{DirectMap, DirectMapConfig, DirectMapPolicy};
-use slat::format::{PAGE_SHIFT, PAGE_SIZE};
-use slat::{Ept, HostRange, MemoryAttributes, MemslotFlags, Vm, VmConfig};
-use slat_addr::{Gfn, Gpa, Hva};
+use slat::direct_map::{DirectMap, DirectMapConfig};
+use slat::{DirectMapPolicy, Ept, HostRange, MemoryAttributes, MemslotFlags, Vm, VmConfig};
+use slat_addr::{Gfn, Gpa, Hva, PAGE_SHIFT, PAGE_SIZE};
 use slat_workload::{Backing, GuestRam};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

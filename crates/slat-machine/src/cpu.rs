@@ -13,10 +13,9 @@
 use crate::sched::PcpuPool;
 use crate::tlb::Tlb;
 use slat::direct_map::{HostCpu, Online};
-use slat::hw::{self, bytes_per_entry, table_index, PteFormat, TablePage};
-use slat::{Access, Fault, FaultOutcome, GuestMode, Vcpu, Vm};
-use slat_addr::Hva;
-use slat_addr::{Gfn, Gpa};
+use slat::hw::{self, bytes_per_entry, table_index, TablePage};
+use slat::{Access, Fault, FaultOutcome, GuestMode, PteFormat, Vcpu, Vm};
+use slat_addr::{Gfn, Gpa, Hva};
 use slat_workload::latency::{latency_histogram, record_latency, LatencyHistogram};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -8,13 +8,12 @@ use crate::sched::PcpuPool;
 use crate::tlb::DEFAULT_TLB_ENTRIES;
 use parking_lot::Mutex;
 use slat::direct_map::{DirectMap, DirectMapConfig, DirectMapError};
-use slat::format::{PteFormat, PAGE_SHIFT, PAGE_SIZE};
-use slat::memslot::MemslotFlags;
+use slat::dirty::DirtyLogError;
 use slat::{
-    DirtyLogError, Ept, HostRange, HostRangeError, MemoryAttributeError, MemoryAttributes,
-    MemslotError, SlotId, Vm, VmConfig,
+    Ept, HostRange, HostRangeError, MemoryAttributeError, MemoryAttributes, MemslotError,
+    MemslotFlags, PteFormat, SlotId, Vm, VmConfig,
 };
-use slat_addr::{Gpa, PageIndex};
+use slat_addr::{Gpa, PageIndex, PAGE_SHIFT, PAGE_SIZE};
 use slat_dirty::{DirtyLogSource, LogMode, SlotInfo};
 use slat_workload::cpus::VcpuTids;
 use slat_workload::latency::LatencyHistogram;

@@ -7,7 +7,8 @@
 //! them. The host waits until every vCPU has finished the pass (KVM's GUEST_SYNC).
 
 use crate::cpu::{Cpu, Exit};
-use slat::format::{PteFormat, PAGE_SIZE};
+use slat::PteFormat;
+use slat_addr::PAGE_SIZE;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 pub(crate) use slat_workload::pattern::{

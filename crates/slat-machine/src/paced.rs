@@ -23,7 +23,8 @@
 
 use crate::cpu::{Cpu, Exit};
 use crate::memstress::{ParkMiller, PassParams};
-use slat::format::{PteFormat, PAGE_SIZE};
+use slat::PteFormat;
+use slat_addr::PAGE_SIZE;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

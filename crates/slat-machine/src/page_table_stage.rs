@@ -17,7 +17,8 @@
 
 use crate::cpu::{Cpu, Exit};
 use crate::memstress::MEMSTRESS_PATTERN;
-use slat::format::{PteFormat, PAGE_SIZE};
+use slat::PteFormat;
+use slat_addr::PAGE_SIZE;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A stage of the test.

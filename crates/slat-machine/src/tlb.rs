@@ -10,7 +10,8 @@
 //! permission an access needs is treated as a miss (hardware re-walks before it reports a
 //! fault), so a stale read-only entry never causes a spurious exit.
 
-use slat::hw::{pages_per_entry, Level};
+use slat::hw::pages_per_entry;
+use slat::Level;
 
 /// Default 4 KiB entries: the order of a modern x86 second-level TLB (1536–2048 entries).
 pub const DEFAULT_TLB_ENTRIES: usize = 2048;

@@ -7,9 +7,8 @@
 #[macro_use]
 mod common;
 
-use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::{AgeFlush, DirtyTrack, IdleBitmap, PteFormat, VmConfig};
-use slat_addr::{Gfn, Gpa};
+use slat_addr::{Gfn, Gpa, PAGE_SHIFT, PAGE_SIZE};
 use slat_machine::{Machine, MachineConfig};
 use slat_workload::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
 use slat_workload::Pattern;

@@ -52,13 +52,12 @@
 mod common;
 
 use slat::dirty::{inject, INITIALLY_SET, MANUAL_PROTECT_ENABLE};
-use slat::format::{PAGE_SHIFT, PAGE_SIZE};
-use slat::memslot::MemslotFlags;
 use slat::{
     AgeFlush, AgeReport, CmoPolicy, DirtyTrack, GetLogVariant, HostRange, IdleBitmap, MemslotError,
-    MmuLockKind, PteFormat, RebuildOrder, RecoverVariant, SlotId, Vm, VmConfig, WrprotVariant,
+    MemslotFlags, MmuLockKind, PteFormat, RebuildOrder, RecoverVariant, SlotId, Vm, VmConfig,
+    WrprotVariant,
 };
-use slat_addr::{Gfn, Gpa, PageIndex};
+use slat_addr::{Gfn, Gpa, PageIndex, PAGE_SHIFT, PAGE_SIZE};
 use slat_machine::sched::PcpuPool;
 use slat_machine::{Cpu, CpuCounters, Exit, RingFullHandler};
 use slat_workload::{Backing, GuestRam};

@@ -2,7 +2,8 @@
 //! the rules it checks are real (a broken engine is caught: conversions that skip their zap,
 //! `inject::SKIP_CONVERSION_ZAP`), and bad sizes are refused.
 
-use slat::direct_map::{DirectMapConfig, DirectMapPolicy};
+use slat::direct_map::DirectMapConfig;
+use slat::DirectMapPolicy;
 use slat_machine::conversion::{run_conversion_test, ConversionParams};
 
 fn params(policy: DirectMapPolicy, kernel_flush: bool, collapse: bool) -> ConversionParams {

@@ -7,10 +7,9 @@
 mod common;
 
 use slat::dirty::inject;
-use slat::memslot::MemslotFlags;
 use slat::{
-    Access, DirtyTrack, Fault, GetLogVariant, HostRange, PteFormat, RecoverVariant, VmConfig,
-    WrprotVariant,
+    Access, DirtyTrack, Fault, GetLogVariant, HostRange, MemslotFlags, PteFormat, RecoverVariant,
+    VmConfig, WrprotVariant,
 };
 use slat_addr::{Gfn, Gpa};
 use slat_machine::{Machine, MachineConfig};

@@ -6,9 +6,8 @@
 #[macro_use]
 mod common;
 
-use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::{HostRange, MemoryAttributes, MemslotFlags, PteFormat, Vm, VmConfig};
-use slat_addr::{Gfn, Gpa, Hva};
+use slat_addr::{Gfn, Gpa, Hva, PAGE_SHIFT, PAGE_SIZE};
 use slat_machine::sched::PcpuPool;
 use slat_machine::{Cpu, Exit};
 use slat_workload::{Backing, GuestRam};
@@ -73,7 +72,8 @@ fn a_shared_access_to_a_private_page_exits_to_the_vmm<F: PteFormat>() {
 /// with `kernel_flush` the other vCPU acknowledges kernel TLB flushes.
 #[test]
 fn a_confidential_guest_accepts_every_page_it_touches() {
-    use slat::direct_map::{DirectMapConfig, DirectMapPolicy};
+    use slat::direct_map::DirectMapConfig;
+    use slat::DirectMapPolicy;
     use slat_machine::{Machine, MachineConfig};
     use slat_workload::{PassParams, RegionSpec};
     for policy in DirectMapPolicy::ALL.iter().copied() {

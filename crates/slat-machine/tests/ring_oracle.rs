@@ -27,9 +27,9 @@
 #[macro_use]
 mod common;
 
-use slat::format::PAGE_SIZE;
-use slat::memslot::MemslotFlags;
+use slat::MemslotFlags;
 use slat::{HostRange, MmuLockKind, PteFormat, SlotId, Vm, VmConfig, WrprotVariant};
+use slat_addr::PAGE_SIZE;
 use slat_addr::{Gpa, PageIndex};
 use slat_machine::sched::PcpuPool;
 use slat_machine::{Cpu, RingFullHandler};

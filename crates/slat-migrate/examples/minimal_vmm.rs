@@ -20,11 +20,11 @@ use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs, kvm_userspace_memory_region
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
 use slat_addr::Gpa;
 use slat_dirty::{LogMode, Memslot};
-use slat_migrate::guest::{kvm_dirty_log, GuestHarvester};
+use slat_migrate::stream::Region;
 use slat_migrate::transport::{Endpoint, Listener};
 use slat_migrate::{
-    DestConfig, Destination, Factory, Guest, GuestError, GuestRegion, HelloError, Memory, Region,
-    Source, SourceConfig, StateBlob,
+    kvm_dirty_log, DestConfig, Destination, Factory, Guest, GuestError, GuestHarvester,
+    GuestRegion, HelloError, Memory, Source, SourceConfig, StateBlob,
 };
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};

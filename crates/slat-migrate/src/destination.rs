@@ -1,38 +1,11 @@
-//! The receiving end: checks the stream, builds (or reuses) a guest with the source's memory
-//! map, writes pages into its memory, acknowledges every batch, restores the device state,
-//! verifies all memory against the source's hashes, and on the source's commit takes the
-//! guest over. Over a one-way channel (a file) it acknowledges nothing and checks all the
-//! same.
-//!
-//! A [`Destination`] outlives a connection: if a stream breaks, it keeps the session (the
-//! source's id, the machine and the pages written so far), and a source reconnecting with the
-//! same session id resumes instead of resending all memory. Pages of a batch that was not
-//! acknowledged may or may not have been written; the source still owes them and sends them
-//! again, so either is fine.
-//!
-//! Nothing the source sends can make this side panic, abort, allocate without bound, write
-//! outside guest memory or report success falsely:
-//!
-//! - every frame is checksummed and bounds-checked ([`crate::stream`]);
-//! - the hello's memory map is checked with checked arithmetic
-//!   ([`crate::stream::check_regions`]) and bounded by [`DestConfig::max_memory`] and the
-//!   host's RAM and swap before a guest is built, and the guest must then have that map;
-//! - every page index is checked against the pages the guest really has before anything of
-//!   its batch is written, and [`Memory`] checks again;
-//! - device state is bounded in size and count, each id arrives once, and the end of it must
-//!   count what arrived;
-//! - the frames must come in the protocol's order: batches in sequence and labelled with the
-//!   round in progress, each round's end naming its number and the pages its batches carried,
-//!   then the device state, then hashes (each range at most once, inside the guest), the verification request for
-//!   this guest's ranges, and the commit; anything else is a [`ProtocolError`];
-//! - success needs a hash match on every range of guest memory followed by an explicit commit.
+//! The receiving end; documented on [`Destination`].
 
 use crate::error::{Cause, HelloError, MigrateError, PageError, ProtocolError, StreamError};
 use crate::guest::{Guest, Memory, MemoryMap};
 use crate::state::StateBlob;
 use crate::stream::{
     self, check_regions, Batch, FrameReader, Hello, Msg, Region, MAX_STATE_BLOBS, MAX_STATE_BYTES,
-    PAGE_SIZE,
+    PAGE_BYTES,
 };
 use crate::transport::Channel;
 use crate::verify::{self, Digests, VerifyMode, VerifyReport, NEVER_RECEIVED, RANGE_PAGES};
@@ -120,7 +93,34 @@ struct Session {
     digests: Digests,
 }
 
-/// The receiving end.
+/// The receiving end: checks the stream, builds (or reuses) a guest with the source's memory
+/// map, writes pages into its memory, acknowledges every batch, restores the device state,
+/// verifies all memory against the source's hashes, and on the source's commit takes the
+/// guest over. Over a one-way channel (a file) it acknowledges nothing and checks all the
+/// same.
+///
+/// A [`Destination`] outlives a connection: if a stream breaks, it keeps the session (the
+/// source's id, the machine and the pages written so far), and a source reconnecting with the
+/// same session id resumes instead of resending all memory. Pages of a batch that was not
+/// acknowledged may or may not have been written; the source still owes them and sends them
+/// again, so either is fine.
+///
+/// Nothing the source sends can make this side panic, abort, allocate without bound, write
+/// outside guest memory or report success falsely:
+///
+/// - every frame is checksummed and bounds-checked ([`crate::stream`]);
+/// - the hello's memory map is checked with checked arithmetic
+///   ([`crate::stream::check_regions`]) and bounded by [`DestConfig::max_memory`] and the
+///   host's RAM and swap before a guest is built, and the guest must then have that map;
+/// - every page index is checked against the pages the guest really has before anything of
+///   its batch is written, and [`Memory`] checks again;
+/// - device state is bounded in size and count, each id arrives once, and the end of it must
+///   count what arrived;
+/// - the frames must come in the protocol's order: batches in sequence and labelled with the
+///   round in progress, each round's end naming its number and the pages its batches carried,
+///   then the device state, then hashes (each range at most once, inside the guest), the verification request for
+///   this guest's ranges, and the commit; anything else is a [`ProtocolError`];
+/// - success needs a hash match on every range of guest memory followed by an explicit commit.
 pub struct Destination {
     factory: Option<Factory>,
     cfg: DestConfig,
@@ -323,7 +323,7 @@ impl Destination {
             .into());
         }
         // `check_regions` bounded the memory by 2^48 bytes: no overflow.
-        let bytes = pages * PAGE_SIZE as u64;
+        let bytes = pages * PAGE_BYTES as u64;
         if let Some((limit, why)) = crate::limits::memory_limit(self.cfg.max_memory) {
             if bytes > limit {
                 return Err(HelloError::TooBig { bytes, limit, why }.into());
@@ -518,8 +518,8 @@ impl<'g> Incoming<'g> {
             state: State::Rounds,
             seq: 0,
             round_pages: 0,
-            buf: vec![0u8; PAGE_SIZE],
-            range: vec![0u8; RANGE_PAGES as usize * PAGE_SIZE],
+            buf: vec![0u8; PAGE_BYTES],
+            range: vec![0u8; RANGE_PAGES as usize * PAGE_BYTES],
             blobs: Vec::new(),
             blob_bytes: 0,
             report,
@@ -577,7 +577,7 @@ impl<'g> Incoming<'g> {
             if !self.digests.is_empty() {
                 // Hash what guest memory now holds, read back (cache-hot), not the buffer:
                 // a write that went astray shows.
-                let back = &mut self.range[..PAGE_SIZE];
+                let back = &mut self.range[..PAGE_BYTES];
                 self.mem.stopped_read(p, p + 1, back)?;
                 self.digests.set(p, verify::page_digest(back));
             }
@@ -720,7 +720,7 @@ impl<'g> Incoming<'g> {
                 self.digests.range(i).unwrap_or([0; 32])
             } else {
                 // `b - a <= RANGE_PAGES`: the range fits the buffer.
-                let bytes = &mut self.range[..(b - a) as usize * PAGE_SIZE];
+                let bytes = &mut self.range[..(b - a) as usize * PAGE_BYTES];
                 self.mem.stopped_read(a, b, bytes)?;
                 verify::hash_range(i, bytes)
             };

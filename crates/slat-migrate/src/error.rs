@@ -2,7 +2,7 @@
 
 use crate::stream::{
     Region, GPA_BITS, MAX_BATCH_PAGES, MAX_GUEST_BYTES, MAX_HASHES, MAX_MACHINE, MAX_REGIONS,
-    MAX_STATE_BLOB, MAX_STATE_BLOBS, MAX_STATE_BYTES, MAX_STATE_ID, PAGE_SIZE,
+    MAX_STATE_BLOB, MAX_STATE_BLOBS, MAX_STATE_BYTES, MAX_STATE_ID, PAGE_BYTES,
 };
 use slat_addr::{Gpa, Hva};
 use std::sync::Arc;
@@ -344,7 +344,7 @@ pub enum PageError {
         why: &'static str,
     },
     /// The LZ4 block decompresses to something other than one page.
-    #[error("page {page} decompresses to {len} bytes, not {PAGE_SIZE}")]
+    #[error("page {page} decompresses to {len} bytes, not {PAGE_BYTES}")]
     Size {
         /// The page.
         page: u64,
@@ -362,7 +362,7 @@ pub enum PageError {
         len: usize,
     },
     /// The output buffer is not one page.
-    #[error("a page buffer of {len} bytes (a page is {PAGE_SIZE})")]
+    #[error("a page buffer of {len} bytes (a page is {PAGE_BYTES})")]
     Buffer {
         /// Its length.
         len: usize,
@@ -554,7 +554,7 @@ pub enum MemoryError {
         pages: u64,
     },
     /// A buffer that is not one page.
-    #[error("a page buffer of {len} bytes (a page is {PAGE_SIZE})")]
+    #[error("a page buffer of {len} bytes (a page is {PAGE_BYTES})")]
     Buffer {
         /// Its length.
         len: usize,

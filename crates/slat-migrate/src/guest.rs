@@ -1,60 +1,8 @@
-//! The guest a migration moves, as any VMM can offer it: a memory map of guest-physical
-//! regions, pause and resume, a dirty log, and device state.
-//!
-//! [`Guest`] is what the two ends need and nothing more. Memory is a list of regions
-//! ([`GuestRegion`]: guest-physical address, pages, host address, read-only flag), with holes
-//! between them where the guest has none; the writable ones are dirty-logged through
-//! `slat_dirty`'s transactional [`Harvester`] over any [`DirtyLogSource`] (a KVM VM's
-//! `KvmLog`, slat's machines, a VMM's own software log); read-only regions (ROM) are copied
-//! once and never logged. Device and vCPU state leave as opaque, versioned blobs
-//! ([`StateBlob`]) once the vCPUs are paused and come back through
-//! [`Guest::restore_state`] on the destination. Nothing here knows a workload: slat's own
-//! benchmark guests and their synthetic writer live in the `slat-harness` crate, which
-//! depends on this one.
-//!
-//! A minimal KVM VMM implements it in a few lines per method: `regions` lists its memslots'
-//! (gpa, size, mmap address), `dirty_log` wraps its memslots in `Harvester::new`, `pause` and
-//! `resume` stop and start its vCPU threads, and `save_state`/`restore_state` carry its
-//! registers (`KVM_GET_REGS` & co.) and device models. A sketch, for a VM with two RAM slots
-//! around a hole (the VMM's own `Vcpus` thread handling elided; `tests/common/soft.rs` is a
-//! complete guest without KVM; `examples/minimal_vmm.rs` a complete one on KVM):
-//!
-//! ```ignore
-//! struct MyVm { vm: Arc<VmFd>, ram: [(slat_addr::Gpa, &'static mut [u8]); 2], vcpus: Vcpus }
-//!
-//! // SAFETY: both RAM mappings are mmap'd for the VM's life and touched only by the vCPUs.
-//! unsafe impl Guest for MyVm {
-//!     fn kind(&self) -> &str { "my-vmm" }
-//!     fn regions(&self) -> Vec<GuestRegion> {
-//!         self.ram.iter().map(|(gpa, m)| GuestRegion {
-//!             region: Region { gpa: *gpa, pages: m.len() as u64 / 4096, read_only: false },
-//!             host: slat_addr::Hva::from_ptr(m.as_ptr()),
-//!         }).collect()
-//!     }
-//!     fn pause(&self) -> Result<(), GuestError> { self.vcpus.stop(); Ok(()) }
-//!     fn resume(&self) -> Result<(), GuestError> { self.vcpus.run(); Ok(()) }
-//!     fn running(&self) -> bool { self.vcpus.running() }
-//!     fn set_dirty_logging(&self, on: bool) -> Result<(), GuestError> {
-//!         for s in self.memslots() { s.set_dirty_logging(on).map_err(GuestError::machine)? }
-//!         Ok(())
-//!     }
-//!     fn dirty_log(&self) -> Result<GuestHarvester, GuestError> {
-//!         kvm_dirty_log(self.memslots(), LogMode::Get)
-//!     }
-//!     fn save_state(&self) -> Result<Vec<StateBlob>, GuestError> {
-//!         let regs = self.vcpus.regs(); // KVM_GET_REGS, SREGS, ...: the VMM's encoding
-//!         Ok(vec![StateBlob { id: "vcpu0".into(), version: 1, data: regs }])
-//!     }
-//!     fn restore_state(&self, blobs: Vec<StateBlob>) -> Result<(), GuestError> {
-//!         for b in blobs { self.vcpus.set_regs(&b.id, b.version, &b.data)?; }
-//!         Ok(())
-//!     }
-//! }
-//! ```
+//! What a migration needs from a VMM; documented on [`Guest`].
 
 use crate::error::{GuestError, MapError, MemoryError};
 use crate::state::StateBlob;
-use crate::stream::{check_regions, Region, PAGE_SIZE};
+use crate::stream::{check_regions, Region, PAGE_BYTES};
 use slat_addr::Hva;
 use slat_dirty::{DirtyLogSource, Harvester, KvmLog, LogMode, Memslot, SlotInfo};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -69,7 +17,60 @@ pub struct GuestRegion {
     pub host: Hva,
 }
 
-/// What a migration needs from a guest. Object safe: the ends hold an `Arc<dyn Guest>`.
+/// The guest a migration moves, as any VMM can offer it: a memory map of guest-physical
+/// regions, pause and resume, a dirty log, and device state. Object safe: the ends hold an
+/// `Arc<dyn Guest>`.
+///
+/// [`Guest`] is what the two ends need and nothing more. Memory is a list of regions
+/// ([`GuestRegion`]: guest-physical address, pages, host address, read-only flag), with holes
+/// between them where the guest has none; the writable ones are dirty-logged through
+/// `slat_dirty`'s transactional [`Harvester`] over any [`DirtyLogSource`] (a KVM VM's
+/// `KvmLog`, slat's machines, a VMM's own software log); read-only regions (ROM) are copied
+/// once and never logged. Device and vCPU state leave as opaque, versioned blobs
+/// ([`StateBlob`]) once the vCPUs are paused and come back through
+/// [`Guest::restore_state`] on the destination. Nothing here knows a workload: slat's own
+/// benchmark guests and their synthetic writer live in the `slat-harness` crate, which
+/// depends on this one.
+///
+/// A minimal KVM VMM implements it in a few lines per method: `regions` lists its memslots'
+/// (gpa, size, mmap address), `dirty_log` wraps its memslots in `Harvester::new`, `pause` and
+/// `resume` stop and start its vCPU threads, and `save_state`/`restore_state` carry its
+/// registers (`KVM_GET_REGS` & co.) and device models. A sketch, for a VM with two RAM slots
+/// around a hole (the VMM's own `Vcpus` thread handling elided; `tests/common/soft.rs` is a
+/// complete guest without KVM; `examples/minimal_vmm.rs` a complete one on KVM):
+///
+/// ```ignore
+/// struct MyVm { vm: Arc<VmFd>, ram: [(slat_addr::Gpa, &'static mut [u8]); 2], vcpus: Vcpus }
+///
+/// // SAFETY: both RAM mappings are mmap'd for the VM's life and touched only by the vCPUs.
+/// unsafe impl Guest for MyVm {
+///     fn kind(&self) -> &str { "my-vmm" }
+///     fn regions(&self) -> Vec<GuestRegion> {
+///         self.ram.iter().map(|(gpa, m)| GuestRegion {
+///             region: Region { gpa: *gpa, pages: m.len() as u64 / 4096, read_only: false },
+///             host: slat_addr::Hva::from_ptr(m.as_ptr()),
+///         }).collect()
+///     }
+///     fn pause(&self) -> Result<(), GuestError> { self.vcpus.stop(); Ok(()) }
+///     fn resume(&self) -> Result<(), GuestError> { self.vcpus.run(); Ok(()) }
+///     fn running(&self) -> bool { self.vcpus.running() }
+///     fn set_dirty_logging(&self, on: bool) -> Result<(), GuestError> {
+///         for s in self.memslots() { s.set_dirty_logging(on).map_err(GuestError::machine)? }
+///         Ok(())
+///     }
+///     fn dirty_log(&self) -> Result<GuestHarvester, GuestError> {
+///         kvm_dirty_log(self.memslots(), LogMode::Get)
+///     }
+///     fn save_state(&self) -> Result<Vec<StateBlob>, GuestError> {
+///         let regs = self.vcpus.regs(); // KVM_GET_REGS, SREGS, ...: the VMM's encoding
+///         Ok(vec![StateBlob { id: "vcpu0".into(), version: 1, data: regs }])
+///     }
+///     fn restore_state(&self, blobs: Vec<StateBlob>) -> Result<(), GuestError> {
+///         for b in blobs { self.vcpus.set_regs(&b.id, b.version, &b.data)?; }
+///         Ok(())
+///     }
+/// }
+/// ```
 ///
 /// # Safety
 ///
@@ -192,7 +193,7 @@ impl MemoryMap {
             // `check_regions` bounded every region by 2^52 bytes.
             let ok = r.host.is_aligned(8)
                 && r.host
-                    .checked_add(r.region.pages * PAGE_SIZE as u64)
+                    .checked_add(r.region.pages * PAGE_BYTES as u64)
                     .is_some();
             if !ok {
                 return Err(MapError::Host {
@@ -341,9 +342,9 @@ impl<'g> Memory<'g> {
             let n = (r.region.pages - off).min(end - p);
             // `off < pages` of a region whose host range fits 64 bits (`MemoryMap::new`).
             f(
-                r.host.raw() + off * PAGE_SIZE as u64,
+                r.host.raw() + off * PAGE_BYTES as u64,
                 n,
-                ((p - first) * PAGE_SIZE as u64) as usize,
+                ((p - first) * PAGE_BYTES as u64) as usize,
             );
             p += n;
         }
@@ -354,7 +355,7 @@ impl<'g> Memory<'g> {
     /// vCPUs run.
     fn load_pages(&self, first: u64, end: u64, out: &mut [u8]) -> Result<(), MemoryError> {
         self.check(first, end)?;
-        let want = (end - first) * PAGE_SIZE as u64;
+        let want = (end - first) * PAGE_BYTES as u64;
         if out.len() as u64 != want {
             return Err(MemoryError::RangeBuffer {
                 len: out.len(),
@@ -363,7 +364,7 @@ impl<'g> Memory<'g> {
         }
         self.pieces(first, end, |addr, n, at| {
             let src = addr as *const u64;
-            let dst = &mut out[at..at + n as usize * PAGE_SIZE];
+            let dst = &mut out[at..at + n as usize * PAGE_BYTES];
             for (i, chunk) in dst.chunks_exact_mut(8).enumerate() {
                 // SAFETY: `[addr, addr + n pages)` lies in one region of the map (checked
                 // against the map's pages), which stays mapped while the guest (borrowed by
@@ -380,7 +381,7 @@ impl<'g> Memory<'g> {
 
     /// Copies page `p` into `out` (one page) while vCPUs may be writing it.
     pub fn read_page(&self, p: u64, out: &mut [u8]) -> Result<(), MemoryError> {
-        if out.len() != PAGE_SIZE {
+        if out.len() != PAGE_BYTES {
             return Err(MemoryError::Buffer { len: out.len() });
         }
         self.load_pages(p, p.saturating_add(1), out)
@@ -397,7 +398,7 @@ impl<'g> Memory<'g> {
     /// Pages `first..end`, copied out while the vCPUs are stopped.
     pub fn stopped_range(&self, first: u64, end: u64) -> Result<Vec<u8>, MemoryError> {
         self.check(first, end)?;
-        let want = (end - first) * PAGE_SIZE as u64;
+        let want = (end - first) * PAGE_BYTES as u64;
         let len = usize::try_from(want).map_err(|_| MemoryError::RangeBuffer { len: 0, want })?;
         let mut out = vec![0u8; len];
         self.stopped_read(first, end, &mut out)?;
@@ -409,7 +410,7 @@ impl<'g> Memory<'g> {
         if self.guest.running() {
             return Err(MemoryError::Running("written"));
         }
-        if data.len() != PAGE_SIZE {
+        if data.len() != PAGE_BYTES {
             return Err(MemoryError::Buffer { len: data.len() });
         }
         self.pieces(p, p.saturating_add(1), |addr, _, _| {
@@ -433,7 +434,7 @@ impl<'g> Memory<'g> {
     /// the 8-byte stamps of its workload, so pages cost their real size on the wire and a
     /// wrong byte anywhere shows in the hashes.
     pub fn stopped_fill(&self, percent: u32, seed: u64) -> Result<(), MemoryError> {
-        let mut page = vec![0u8; PAGE_SIZE];
+        let mut page = vec![0u8; PAGE_BYTES];
         for p in 0..self.map.pages {
             let mut x = splitmix(seed ^ p.wrapping_mul(0x9e37_79b9_7f4a_7c15));
             if x % 100 < percent as u64 {

@@ -1,55 +1,4 @@
-//! The sending end: pre-copy rounds driven by the dirty log, auto-converge, stop-and-copy,
-//! verification and switch-over; and what survives a failed attempt.
-//!
-//! # What the source remembers between attempts
-//!
-//! [`Source`] owns the guest's dirty log as a transactional harvester
-//! ([`crate::GuestHarvester`], `slat_dirty`'s — the one a VMM uses on its own KVM VM) whose
-//! *owed* pages are the pages the destination does not provably hold in their current
-//! contents. A page is owed when a take reports it dirty (or, for a destination that starts
-//! empty, all pages at once: `mark_all`). Each round takes the owed pages as a set; a page
-//! leaves the set ([`slat_dirty::DirtySet::commit_pages`]) only when the destination
-//! acknowledges the batch that carried it, and the round commits the (then empty) set. Dirty
-//! logging stays on from the first attempt to the end, so a write at any time is either in the
-//! log or after the read that sent the page.
-//!
-//! A take *consumes* the log: once it returns, the engine (or KVM) no longer remembers those
-//! pages. If the connection breaks after a take and before the destination acknowledged the
-//! pages, the set is dropped on the error path — aborted — and its pages are owed again, so
-//! the next attempt sends them first. A source that forgot them would resume into a
-//! destination with stale pages, which is the bug of Firecracker issue #4545 (a failed
-//! snapshot write lost the dirty bits KVM had already cleared);
-//! [`crate::Faults::skip_merge_back`] reproduces it (pages leave the set when queued, not when
-//! acknowledged) so a test can watch verification catch it.
-//!
-//! # Rounds
-//!
-//! Round 0 sends everything owed (all memory for a fresh destination). Each later round
-//! first harvests; if the owed pages could then be sent within `max_downtime` at the
-//! bandwidth measured so far — or `max_rounds` are done — pre-copy ends. Otherwise the round
-//! sends them. The destination acknowledges every batch; a round ends when all its batches
-//! are acknowledged, and only then does the next harvest run (an acknowledgement arriving
-//! after a later harvest re-added the page would wrongly clear it).
-//!
-//! # Switch-over
-//!
-//! Pause the vCPUs → final harvest → send what is owed → send the device state
-//! ([`Guest::save_state`]) → verification → the destination compares and answers → on a
-//! match, send `Commit`. Downtime is measured from the pause to the moment `Commit` is
-//! written. On any failure before `Commit` the vCPUs run again on the source
-//! ([`Guest::resume`]).
-//!
-//! # Read-only regions
-//!
-//! A read-only region has no dirty log: its pages are owed until the first round of an
-//! attempt that carries them completes (acknowledged), and are sent again only to a
-//! destination that starts over.
-//!
-//! # One-way channels
-//!
-//! Into a file nothing is acknowledged: a page leaves the owed set once its batch is
-//! written, the destination is taken to start empty, and the reader checks the hashes when
-//! it reads the stream back.
+//! The sending end; documented on [`Source`].
 
 use crate::dirty_limit::{DirtyLimitConfig, DirtyLimiter, RingCounts, RingMeter};
 use crate::error::GuestError;
@@ -58,7 +7,7 @@ use crate::guest::{splitmix, Guest, GuestHarvester, GuestLog, Memory};
 use crate::link::{Faults, Link};
 use crate::stream::{
     self, BatchBuilder, Compression, FrameReader, Hello, Msg, MAX_BATCH_PAGES, MAX_HASHES,
-    PAGE_SIZE, VERSION,
+    PAGE_BYTES, VERSION,
 };
 use crate::throttle::AutoConverge;
 use crate::transport::{self, Channel, Endpoint};
@@ -326,7 +275,58 @@ pub struct Progress {
     pub elapsed: Duration,
 }
 
-/// The sending end, owning a running guest; it survives failed attempts.
+/// The sending end: pre-copy rounds driven by the dirty log, auto-converge, stop-and-copy,
+/// verification and switch-over; and what survives a failed attempt.
+///
+/// # What the source remembers between attempts
+///
+/// [`Source`] owns the guest's dirty log as a transactional harvester
+/// ([`crate::GuestHarvester`], `slat_dirty`'s — the one a VMM uses on its own KVM VM) whose
+/// *owed* pages are the pages the destination does not provably hold in their current
+/// contents. A page is owed when a take reports it dirty (or, for a destination that starts
+/// empty, all pages at once: `mark_all`). Each round takes the owed pages as a set; a page
+/// leaves the set ([`slat_dirty::DirtySet::commit_pages`]) only when the destination
+/// acknowledges the batch that carried it, and the round commits the (then empty) set. Dirty
+/// logging stays on from the first attempt to the end, so a write at any time is either in the
+/// log or after the read that sent the page.
+///
+/// A take *consumes* the log: once it returns, the engine (or KVM) no longer remembers those
+/// pages. If the connection breaks after a take and before the destination acknowledged the
+/// pages, the set is dropped on the error path — aborted — and its pages are owed again, so
+/// the next attempt sends them first. A source that forgot them would resume into a
+/// destination with stale pages, which is the bug of Firecracker issue #4545 (a failed
+/// snapshot write lost the dirty bits KVM had already cleared);
+/// [`crate::Faults::skip_merge_back`] reproduces it (pages leave the set when queued, not when
+/// acknowledged) so a test can watch verification catch it.
+///
+/// # Rounds
+///
+/// Round 0 sends everything owed (all memory for a fresh destination). Each later round
+/// first harvests; if the owed pages could then be sent within `max_downtime` at the
+/// bandwidth measured so far — or `max_rounds` are done — pre-copy ends. Otherwise the round
+/// sends them. The destination acknowledges every batch; a round ends when all its batches
+/// are acknowledged, and only then does the next harvest run (an acknowledgement arriving
+/// after a later harvest re-added the page would wrongly clear it).
+///
+/// # Switch-over
+///
+/// Pause the vCPUs → final harvest → send what is owed → send the device state
+/// ([`Guest::save_state`]) → verification → the destination compares and answers → on a
+/// match, send `Commit`. Downtime is measured from the pause to the moment `Commit` is
+/// written. On any failure before `Commit` the vCPUs run again on the source
+/// ([`Guest::resume`]).
+///
+/// # Read-only regions
+///
+/// A read-only region has no dirty log: its pages are owed until the first round of an
+/// attempt that carries them completes (acknowledged), and are sent again only to a
+/// destination that starts over.
+///
+/// # One-way channels
+///
+/// Into a file nothing is acknowledged: a page leaves the owed set once its batch is
+/// written, the destination is taken to start empty, and the reader checks the hashes when
+/// it reads the stream back.
 pub struct Source {
     guest: Arc<dyn Guest>,
     cfg: SourceConfig,
@@ -891,7 +891,7 @@ impl Source {
         let pages = mem.pages();
         let nranges = verify::ranges(pages, RANGE_PAGES);
         let mut hashes = Vec::with_capacity(HASHES_PER_FRAME);
-        let mut buf = vec![0u8; RANGE_PAGES as usize * PAGE_SIZE];
+        let mut buf = vec![0u8; RANGE_PAGES as usize * PAGE_BYTES];
         let mut first = 0u64;
         for i in 0..nranges {
             if self.cfg.verify == VerifyMode::Sent {
@@ -901,7 +901,7 @@ impl Source {
             } else {
                 let (a, b) = verify::range_pages(i, RANGE_PAGES, pages);
                 // `b - a <= RANGE_PAGES`: the range fits the buffer.
-                let bytes = &mut buf[..(b - a) as usize * PAGE_SIZE];
+                let bytes = &mut buf[..(b - a) as usize * PAGE_BYTES];
                 mem.stopped_read(a, b, bytes)?;
                 hashes.push(verify::hash_range(i, bytes));
             }
@@ -1220,7 +1220,7 @@ impl Sender {
             todo.extend((first..first + n).map(|p| (NO_SLOT, 0, p)));
         }
         let mut inflight: VecDeque<(u64, Vec<Page>)> = VecDeque::new();
-        let mut page = vec![0u8; PAGE_SIZE];
+        let mut page = vec![0u8; PAGE_BYTES];
         let mut zero = 0u64;
         for chunk in todo.chunks(self.batch) {
             // A window of batches in flight: the destination's acknowledgements (and so the

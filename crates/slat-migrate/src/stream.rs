@@ -38,9 +38,8 @@ use std::time::Duration;
 pub const MAGIC: [u8; 8] = *b"SLATMIGR";
 /// The protocol version this build speaks.
 pub const VERSION: u32 = 2;
-/// Guest page size, as the stream's preamble carries it: `slat_addr`'s page, as a `usize`
-/// for buffer lengths.
-pub const PAGE_SIZE: usize = slat_addr::PAGE_SIZE as usize;
+/// `slat_addr::PAGE_SIZE` (the page the stream carries) as a `usize`, for buffer lengths.
+pub(crate) const PAGE_BYTES: usize = slat_addr::PAGE_SIZE as usize;
 /// Largest frame payload (a batch of [`MAX_BATCH_PAGES`] raw pages fits with room to spare).
 pub const MAX_FRAME: u32 = 4 << 20;
 /// Most pages in one [`Msg::Pages`] batch.
@@ -66,7 +65,7 @@ pub const MAX_STATE_BYTES: u64 = 256 << 20;
 pub const MAX_STATE_ID: usize = 256;
 /// Most guest memory: a 48-bit guest physical address space, less the page above the test
 /// region (the simulated machine places it one page below the top, as KVM's selftests do).
-pub const MAX_GUEST_BYTES: u64 = (1 << 48) - PAGE_SIZE as u64;
+pub const MAX_GUEST_BYTES: u64 = (1 << 48) - PAGE_BYTES as u64;
 
 const PREAMBLE_LEN: usize = 16;
 const HEADER_LEN: usize = 13;
@@ -120,7 +119,7 @@ impl Region {
     /// Guest-physical address one past its last byte (`None`: past 64 bits).
     pub fn end(&self) -> Option<Gpa> {
         self.pages
-            .checked_mul(PAGE_SIZE as u64)
+            .checked_mul(PAGE_BYTES as u64)
             .and_then(|b| self.gpa.checked_add(b))
     }
 }
@@ -156,9 +155,9 @@ pub fn check_regions(regions: &[Region]) -> Result<u64, MapError> {
         // Each region is below 2^52 bytes: the sum of a few thousand cannot overflow, and is
         // checked against the limit as it grows.
         total += r.pages;
-        if total > MAX_GUEST_BYTES / PAGE_SIZE as u64 {
+        if total > MAX_GUEST_BYTES / PAGE_BYTES as u64 {
             return Err(MapError::TooBig {
-                bytes: total.saturating_mul(PAGE_SIZE as u64),
+                bytes: total.saturating_mul(PAGE_BYTES as u64),
             });
         }
     }
@@ -286,12 +285,12 @@ impl Batch {
         };
         let (page, enc, r) = self.entries.get(i).ok_or(entry.clone())?;
         let bytes = self.data.get(r.clone()).ok_or(entry)?;
-        if out.len() != PAGE_SIZE {
+        if out.len() != PAGE_BYTES {
             return Err(PageError::Buffer { len: out.len() });
         }
         match enc {
             Encoding::Zero => out.fill(0),
-            Encoding::Raw if bytes.len() == PAGE_SIZE => out.copy_from_slice(bytes),
+            Encoding::Raw if bytes.len() == PAGE_BYTES => out.copy_from_slice(bytes),
             Encoding::Raw => {
                 return Err(PageError::Size {
                     page: *page,
@@ -305,7 +304,7 @@ impl Batch {
                         why: lz4_reason(&e),
                     }
                 })?;
-                if n != PAGE_SIZE {
+                if n != PAGE_BYTES {
                     return Err(PageError::Size {
                         page: *page,
                         len: n,
@@ -599,10 +598,10 @@ impl Dec<'_> {
             let page = d.u64()?;
             let (enc, len) = match d.u8()? {
                 0 => (Encoding::Zero, 0),
-                1 => (Encoding::Raw, PAGE_SIZE),
+                1 => (Encoding::Raw, PAGE_BYTES),
                 2 => {
                     let len = d.u32()? as usize;
-                    if len == 0 || len > PAGE_SIZE + PAGE_SIZE / 255 + 16 {
+                    if len == 0 || len > PAGE_BYTES + PAGE_BYTES / 255 + 16 {
                         return Err(d.bad(Corruption::CompressedLen(len)));
                     }
                     (Encoding::Lz4, len)
@@ -675,9 +674,9 @@ impl BatchBuilder {
     /// A builder using `compression` for non-zero pages.
     pub fn new(compression: Compression) -> BatchBuilder {
         BatchBuilder {
-            buf: Vec::with_capacity(HEADER_LEN + 16 + MAX_BATCH_PAGES as usize * (PAGE_SIZE + 9)),
+            buf: Vec::with_capacity(HEADER_LEN + 16 + MAX_BATCH_PAGES as usize * (PAGE_BYTES + 9)),
             count: 0,
-            scratch: vec![0; lz4_flex::block::get_maximum_output_size(PAGE_SIZE)],
+            scratch: vec![0; lz4_flex::block::get_maximum_output_size(PAGE_BYTES)],
             compression,
             zero: 0,
         }
@@ -707,7 +706,7 @@ impl BatchBuilder {
 
     /// Adds page `page` with contents `data` (one page).
     pub fn push(&mut self, page: u64, data: &[u8]) {
-        debug_assert_eq!(data.len(), PAGE_SIZE);
+        debug_assert_eq!(data.len(), PAGE_BYTES);
         put_u64(&mut self.buf, page);
         // OR-reduce instead of an early-exit scan: it vectorises, and 4 KiB is cheap.
         if data.iter().fold(0u8, |a, &b| a | b) == 0 {
@@ -718,7 +717,7 @@ impl BatchBuilder {
                 Compression::None => None,
                 Compression::Lz4 => lz4_flex::block::compress_into(data, &mut self.scratch)
                     .ok()
-                    .filter(|&n| n < PAGE_SIZE),
+                    .filter(|&n| n < PAGE_BYTES),
             };
             match packed {
                 Some(n) => {
@@ -760,7 +759,7 @@ pub fn preamble(version: u32) -> [u8; PREAMBLE_LEN] {
     let mut p = [0u8; PREAMBLE_LEN];
     p[..8].copy_from_slice(&MAGIC);
     p[8..12].copy_from_slice(&version.to_le_bytes());
-    p[12..16].copy_from_slice(&(PAGE_SIZE as u32).to_le_bytes());
+    p[12..16].copy_from_slice(&(PAGE_BYTES as u32).to_le_bytes());
     p
 }
 
@@ -823,10 +822,10 @@ impl<R: Read> FrameReader<R> {
             });
         }
         let page = u32::from_le_bytes([p[12], p[13], p[14], p[15]]);
-        if page != PAGE_SIZE as u32 {
+        if page != PAGE_BYTES as u32 {
             return Err(StreamError::PageSize {
                 found: page,
-                expected: PAGE_SIZE as u32,
+                expected: PAGE_BYTES as u32,
             });
         }
         Ok(())
@@ -1098,10 +1097,10 @@ mod tests {
     fn batches_roundtrip_every_encoding() {
         let mut b = BatchBuilder::new(Compression::Lz4);
         b.start(5, 1);
-        let zero = vec![0u8; PAGE_SIZE];
-        let mut sparse = vec![0u8; PAGE_SIZE];
+        let zero = vec![0u8; PAGE_BYTES];
+        let mut sparse = vec![0u8; PAGE_BYTES];
         sparse[0] = 42;
-        let noise: Vec<u8> = (0..PAGE_SIZE as u64)
+        let noise: Vec<u8> = (0..PAGE_BYTES as u64)
             .map(|i| crate::guest::splitmix(i) as u8)
             .collect();
         b.push(1, &zero);
@@ -1117,7 +1116,7 @@ mod tests {
         assert_eq!((batch.seq, batch.round), (5, 1));
         let encs: Vec<Encoding> = batch.entries.iter().map(|e| e.1).collect();
         assert_eq!(encs, [Encoding::Zero, Encoding::Lz4, Encoding::Raw]);
-        let mut out = vec![1u8; PAGE_SIZE];
+        let mut out = vec![1u8; PAGE_BYTES];
         for (i, want) in [&zero, &sparse, &noise].into_iter().enumerate() {
             batch.page_into(i, &mut out).unwrap();
             assert_eq!(&out, want);

@@ -71,8 +71,8 @@ pub fn page_digest(bytes: &[u8]) -> PageDigest {
     static ZERO: std::sync::OnceLock<PageDigest> = std::sync::OnceLock::new();
     let hash = |b: &[u8]| xxhash_rust::xxh3::xxh3_128(b).to_le_bytes();
     // OR-reduce rather than an early-exit scan: it vectorises.
-    if bytes.len() == crate::stream::PAGE_SIZE && bytes.iter().fold(0u8, |a, &b| a | b) == 0 {
-        return *ZERO.get_or_init(|| hash(&[0u8; crate::stream::PAGE_SIZE]));
+    if bytes.len() == crate::stream::PAGE_BYTES && bytes.iter().fold(0u8, |a, &b| a | b) == 0 {
+        return *ZERO.get_or_init(|| hash(&[0u8; crate::stream::PAGE_BYTES]));
     }
     hash(bytes)
 }

@@ -9,9 +9,10 @@
 mod soft;
 
 use slat_addr::Gpa;
+use slat_migrate::stream::Region;
 use slat_migrate::transport::{Channel, Endpoint, Listener};
 use slat_migrate::{
-    DestConfig, DestReport, Destination, Guest, Memory, MigrateError, Region, Source, SourceConfig,
+    DestConfig, DestReport, Destination, Guest, Memory, MigrateError, Source, SourceConfig,
     StateBlob,
 };
 use soft::SoftGuest;

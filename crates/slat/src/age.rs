@@ -1,66 +1,14 @@
-//! Aging: which guest pages were accessed since they were last aged, for memory overcommit,
-//! swap and working-set estimation (KVM's `kvm_age_gfn` / `kvm_test_age_gfn`, and the idle page
-//! tracking that `access_tracking_perf_test` drives through them).
-//!
-//! A leaf is *young* when it was accessed since it was last aged ([`PteFormat::is_accessed`]).
-//! Aging makes it old with [`PteFormat::mark_access_tracked`], in one of two hardware modes,
-//! chosen per leaf by [`crate::VmConfig::ad_bits`]:
-//!
-//! - **A/D bits enabled**: aging clears the Accessed bit; the hardware walker sets it again (and
-//!   Dirty on a write) with an atomic update the next time it fills a TLB entry from the leaf.
-//!   Nothing faults.
-//! - **A/D bits disabled**: aging *access-tracks* the leaf: R and X are saved in software bits
-//!   and R, W, X cleared, so the next access faults, and the lock-free fast path
-//!   ([`crate::Vcpu::fast_page_fault`]) restores the saved permissions (and W as well for a write to an
-//!   MMU-writable leaf, logging the page first in a dirty-logged slot). W is not saved: it comes
-//!   back through the same fast path as dirty-log write protection.
-//!
-//! **Dirty state is never lost.** A leaf is dirty when its Dirty bit is set (A/D enabled) or it
-//! is writable (A/D disabled, KVM's `is_dirty_spte`). Clearing A keeps D; access-tracking clears
-//! W, so every pass that ages a dirty leaf hands its pages to the caller's `on_dirty` first (as
-//! KVM calls `kvm_set_pfn_dirty`). The dirty *log* needs nothing from aging: a writable leaf in
-//! a logged slot always has its log mark pending (set before W, invariant 3), and every harvest
-//! that consumes a mark completes a remote flush, so a stale writable TLB entry left by aging
-//! is flushed before that harvest returns (invariant 4 holds).
-//!
-//! **Flushing.** [`crate::Vm::clear_young`] does not flush TLBs, like Linux's `clear_young` notifier
-//! (page_idle, MGLRU) and KVM's x86 `clear_flush_young` (which elides the flush): a vCPU keeps
-//! using translations it cached before the pass, so
-//! - with A/D bits, accesses through a cached entry do not set A again: those pages look idle
-//!   although they were used (an underestimate of the working set, bounded by TLB reach);
-//! - without A/D bits, accesses through a cached entry do not fault, with the same effect, and a
-//!   cached *writable* entry keeps allowing writes after W was cleared. Those writes are
-//!   invisible to later aging passes (the leaf is already old and not writable), so a caller
-//!   that tracks host dirtiness must treat pages passed to `on_dirty` as dirty until it unmaps
-//!   them ([`crate::Vm::zap_gfn_range`], which flushes) before cleaning them, as Linux's writeback does
-//!   through the invalidate notifier.
-//!
-//! [`crate::Vm::clear_flush_young`] completes a remote flush whenever the range maps anything (also
-//! when every leaf was already old: translations cached since an earlier `clear_young` would
-//! otherwise survive it), so every access made after it returns is seen by the next test or
-//! aging pass.
-//!
-//! **Concurrency.** A pass holds the MMU lock in read mode, one chunk of [`CHUNK_PAGES`] pages
-//! at a time, and changes each leaf with a compare-and-swap against the value it read (through
-//! the VM's one SPTE-update function), so faults — which share the lock — run alongside it, and
-//! so do the lock-free fast path and the hardware walker. Not lock-free like KVM 6.14's aging:
-//! holders of the exclusive lock (zaps, harvest re-arms) update entries only hardware and the
-//! fast path may touch with plain stores (`PteFormat::needs_atomic_update`), which a lock-free
-//! ager would race with. Between chunks the lock is released, so a waiting exclusive holder
-//! gets in and a pass never holds the lock for long; each chunk is finished before the next,
-//! so the pass always makes progress. A lost race re-reads the entry: a fault or the hardware
-//! walker made it young again (age it again), a zap removed it (skip it), a split made it a
-//! table (walk into it). After a few lost races in a row on one leaf the pass leaves it
-//! young, as KVM does: it is evidently in use.
+//! Aging: which guest pages were accessed since they were last aged; documented on
+//! [`AgeFlush`].
 
-use crate::format::{pages_per_entry, table_index, Level, PteFormat, PAGE_SHIFT};
+use crate::format::{pages_per_entry, table_index, Level, PteFormat};
 use crate::mmu::flush::PendingFlush;
 use crate::mmu::lock::Shared;
 use crate::mmu::table::TablePage;
 use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
 use crate::sync::{pin, AtomicU64, Ordering};
-use slat_addr::Gfn;
+use slat_addr::{Gfn, PAGE_SHIFT};
 
 /// Guest pages (64 MiB) an aging pass covers per acquisition of the MMU lock (read mode).
 pub const CHUNK_PAGES: u64 = 1 << 14;
@@ -69,10 +17,67 @@ pub const CHUNK_PAGES: u64 = 1 << 14;
 const AGE_RETRIES: u32 = 4;
 
 /// Whether clearing young state also flushes the vCPUs' TLBs.
+///
+/// # Aging
+///
+/// Aging: which guest pages were accessed since they were last aged, for memory overcommit,
+/// swap and working-set estimation (KVM's `kvm_age_gfn` / `kvm_test_age_gfn`, and the idle page
+/// tracking that `access_tracking_perf_test` drives through them).
+///
+/// A leaf is *young* when it was accessed since it was last aged ([`PteFormat::is_accessed`]).
+/// Aging makes it old with [`PteFormat::mark_access_tracked`], in one of two hardware modes,
+/// chosen per leaf by [`crate::VmConfig::ad_bits`]:
+///
+/// - **A/D bits enabled**: aging clears the Accessed bit; the hardware walker sets it again (and
+///   Dirty on a write) with an atomic update the next time it fills a TLB entry from the leaf.
+///   Nothing faults.
+/// - **A/D bits disabled**: aging *access-tracks* the leaf: R and X are saved in software bits
+///   and R, W, X cleared, so the next access faults, and the lock-free fast path
+///   ([`crate::Vcpu::fast_page_fault`]) restores the saved permissions (and W as well for a write to an
+///   MMU-writable leaf, logging the page first in a dirty-logged slot). W is not saved: it comes
+///   back through the same fast path as dirty-log write protection.
+///
+/// **Dirty state is never lost.** A leaf is dirty when its Dirty bit is set (A/D enabled) or it
+/// is writable (A/D disabled, KVM's `is_dirty_spte`). Clearing A keeps D; access-tracking clears
+/// W, so every pass that ages a dirty leaf hands its pages to the caller's `on_dirty` first (as
+/// KVM calls `kvm_set_pfn_dirty`). The dirty *log* needs nothing from aging: a writable leaf in
+/// a logged slot always has its log mark pending (set before W, invariant 3), and every harvest
+/// that consumes a mark completes a remote flush, so a stale writable TLB entry left by aging
+/// is flushed before that harvest returns (invariant 4 holds).
+///
+/// **Flushing.** [`crate::Vm::clear_young`] does not flush TLBs, like Linux's `clear_young` notifier
+/// (page_idle, MGLRU) and KVM's x86 `clear_flush_young` (which elides the flush): a vCPU keeps
+/// using translations it cached before the pass, so
+/// - with A/D bits, accesses through a cached entry do not set A again: those pages look idle
+///   although they were used (an underestimate of the working set, bounded by TLB reach);
+/// - without A/D bits, accesses through a cached entry do not fault, with the same effect, and a
+///   cached *writable* entry keeps allowing writes after W was cleared. Those writes are
+///   invisible to later aging passes (the leaf is already old and not writable), so a caller
+///   that tracks host dirtiness must treat pages passed to `on_dirty` as dirty until it unmaps
+///   them ([`crate::Vm::zap_gfn_range`], which flushes) before cleaning them, as Linux's writeback does
+///   through the invalidate notifier.
+///
+/// [`crate::Vm::clear_flush_young`] completes a remote flush whenever the range maps anything (also
+/// when every leaf was already old: translations cached since an earlier `clear_young` would
+/// otherwise survive it), so every access made after it returns is seen by the next test or
+/// aging pass.
+///
+/// **Concurrency.** A pass holds the MMU lock in read mode, one chunk of [`CHUNK_PAGES`] pages
+/// at a time, and changes each leaf with a compare-and-swap against the value it read (through
+/// the VM's one SPTE-update function), so faults — which share the lock — run alongside it, and
+/// so do the lock-free fast path and the hardware walker. Not lock-free like KVM 6.14's aging:
+/// holders of the exclusive lock (zaps, harvest re-arms) update entries only hardware and the
+/// fast path may touch with plain stores (`PteFormat::needs_atomic_update`), which a lock-free
+/// ager would race with. Between chunks the lock is released, so a waiting exclusive holder
+/// gets in and a pass never holds the lock for long; each chunk is finished before the next,
+/// so the pass always makes progress. A lost race re-reads the entry: a fault or the hardware
+/// walker made it young again (age it again), a zap removed it (skip it), a split made it a
+/// table (walk into it). After a few lost races in a row on one leaf the pass leaves it
+/// young, as KVM does: it is evidently in use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AgeFlush {
     /// `clear_young`: no flush (page_idle, MGLRU; what KVM does on x86). Cheap; accesses
-    /// through translations cached before the pass go unseen (see the module documentation).
+    /// through translations cached before the pass go unseen (see [`AgeFlush`]).
     #[default]
     NoFlush,
     /// `clear_flush_young`: complete a remote flush if the range maps anything, so every later

@@ -19,7 +19,6 @@
 /// Cache-line size the passes step by (64 bytes on every host this runs on).
 pub const CACHE_LINE: u64 = 64;
 
-pub use crate::config::CmoPolicy;
 use crate::stats::{Sink, Stat};
 
 /// Cache maintenance for a mapping about to be published: clean the data cache over it,

@@ -15,8 +15,7 @@
 //! Guest memory is shared with guest vCPUs that write it at any time, so it is never exposed
 //! as `&[u8]` or `&mut [u8]`: readers and writers use raw pointers or atomics.
 
-use crate::format::PAGE_SIZE;
-use slat_addr::Hva;
+use slat_addr::{Hva, PAGE_SIZE};
 use std::alloc::Layout;
 use std::fmt;
 use std::sync::Arc;

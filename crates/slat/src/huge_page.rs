@@ -12,7 +12,6 @@ use crate::stats::Stat;
 use crate::sync::{pin, Ordering};
 use slat_addr::Hva;
 
-pub use crate::config::RebuildOrder;
 /// The split is a table operation (`mmu::split`): the direct map uses it too.
 pub(crate) use crate::mmu::split::split_huge_pages;
 
@@ -23,7 +22,7 @@ pub(crate) use crate::mmu::split::split_huge_pages;
 /// tracking carry over and the fast path fixes them as usual). Tables nobody mapped
 /// anything in are left alone. The unlinked tables go to `pending`; the caller flushes once.
 /// With break-before-make each table is rebuilt as a block in the configured
-/// [`RebuildOrder`] instead, with its own flush. Returns the number of tables replaced.
+/// [`RebuildOrder`](crate::RebuildOrder) instead, with its own flush. Returns the number of tables replaced.
 pub(crate) fn recover_huge_pages<F: PteFormat>(
     mmu: &Mmu<F>,
     w: Shared<'_>,

@@ -8,7 +8,7 @@
 //!   walked (as EPT and FEAT_HAFDBS do); the engine's own changes go through its one SPTE
 //!   update path, whose compare-and-swaps fail and retry against such an update. A D 0→1 is
 //!   reported with [`crate::Vcpu::log_hardware_dirty`] in guest mode;
-//! - **guest mode**: a [`GuestMode`] token from [`crate::Vcpu::enter_guest`] while the
+//! - **guest mode**: a [`GuestMode`](crate::GuestMode) token from [`crate::Vcpu::enter_guest`] while the
 //!   walker may hold translations, and [`REQ_TLB_FLUSH`] serviced between accesses with
 //!   [`crate::Vcpu::service_requests`];
 //! - **leak accounting** for tests of the walker: [`table_alloc`].
@@ -18,8 +18,11 @@
 //! next access boundary, and a paging-structure cache must be emptied when it services a
 //! flush.
 
-pub use crate::format::{bytes_per_entry, pages_per_entry, table_index, Level, PteFormat};
-pub use crate::mmu::flush::{GuestMode, REQ_TLB_FLUSH};
+use crate::format::PteFormat;
+pub use crate::format::{
+    bytes_per_entry, pages_per_entry, table_index, ENTRIES_PER_TABLE, LEVEL_BITS, MAX_LEVELS,
+};
+pub use crate::mmu::flush::REQ_TLB_FLUSH;
 pub use crate::mmu::table::{TableAlloc, TablePage};
 use crate::sync::Arc;
 use crate::vm::Vm;

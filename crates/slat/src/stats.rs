@@ -190,7 +190,7 @@ impl Stats {
             leaves_2m: g(Stat::Leaves2M),
             leaves_1g: g(Stat::Leaves1G),
             table_pages: g(Stat::TablePages),
-            table_bytes: g(Stat::TablePages) * crate::format::PAGE_SIZE,
+            table_bytes: g(Stat::TablePages) * slat_addr::PAGE_SIZE,
             table_pages_live: live,
             remote_tlb_flush_requests: g(Stat::FlushRequests),
             remote_tlb_flush: g(Stat::Flushes),

@@ -110,7 +110,7 @@ impl<F: PteFormat> Vm<F> {
     // Memslots (`memslot`).
 
     /// Adds a memslot mapping `[gpa, gpa + size)` onto the first `size` bytes of `host`,
-    /// which the slot keeps alive (see [`crate::host_memory`]).
+    /// which the slot keeps alive (see [`HostMemory`](crate::HostMemory)).
     pub fn add_memslot(
         &self,
         id: SlotId,
@@ -312,8 +312,8 @@ impl<F: PteFormat> Vm<F> {
     /// every leaf the pass aged while it was dirty (all of a huge leaf's pages, also those
     /// outside the range, since they share its W bit; adjacent leaves in one call), so the
     /// dirty state that clearing W takes out of the tree is handed to the caller. Runs
-    /// concurrently with faults; see [`crate::age`] for what TLB entries cached before the
-    /// pass mean.
+    /// concurrently with faults; see [`AgeFlush`](crate::AgeFlush) for what TLB entries cached
+    /// before the pass mean.
     pub fn clear_young(
         &self,
         start_gfn: Gfn,
@@ -354,7 +354,7 @@ impl<F: PteFormat> Vm<F> {
 
     /// Reports which leaves in `[start_gfn, end_gfn)` are young, changing nothing (KVM's
     /// `kvm_test_age_gfn`). A page accessed through a TLB entry cached before the last aging
-    /// pass may still look old (see [`crate::age`]).
+    /// pass may still look old (see [`AgeFlush`](crate::AgeFlush)).
     pub fn test_young(&self, start_gfn: Gfn, end_gfn: Gfn) -> AgeReport {
         age::test_young(&self.mmu, start_gfn.raw(), end_gfn.raw())
     }

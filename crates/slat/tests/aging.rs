@@ -8,13 +8,13 @@
 mod common;
 
 use common::*;
-use slat::format::{pages_per_entry, table_index, PteFormat, PAGE_SHIFT, PAGE_SIZE};
 use slat::hw::TablePage;
+use slat::hw::{pages_per_entry, table_index};
 use slat::{
-    Access, AgeFlush, Fault, FaultOutcome, IdleBitmap, IdleError, Level, MemslotFlags, Vcpu, Vm,
-    VmConfig,
+    Access, AgeFlush, Fault, FaultOutcome, IdleBitmap, IdleError, Level, MemslotFlags, PteFormat,
+    Vcpu, Vm, VmConfig,
 };
-use slat_addr::{Gfn, Gpa, Hva};
+use slat_addr::{Gfn, Gpa, Hva, PAGE_SHIFT, PAGE_SIZE};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -418,7 +418,7 @@ fn huge_leaf_straddling_the_range_counts_only_pages_inside<F: PteFormat>() {
         // A range across chunk edges and beyond the slot still sees the leaf once.
         cpu.access(gpa, Access::Read);
         let r = vm.test_young(
-            Gfn::new(g.saturating_sub(5 * slat::age::CHUNK_PAGES)),
+            Gfn::new(g.saturating_sub(5 * slat::AGE_CHUNK_PAGES)),
             Gfn::new(g + 1024),
         );
         assert_eq!((r.young_leaves, r.young_pages), (1, 512), "ad {ad}");

@@ -10,15 +10,12 @@
 mod common;
 
 use common::*;
-use slat::direct_map::{
-    Acceptance, DirectMap, DirectMapConfig, DirectMapError, DirectMapPolicy, PrivateMemory,
-};
-use slat::format::{PAGE_SHIFT, PAGE_SIZE};
+use slat::direct_map::{Acceptance, DirectMap, DirectMapConfig, DirectMapError, PrivateMemory};
 use slat::{
-    Access, Ept, Fault, FaultOutcome, HostRange, MemoryAttributes, MemslotError, MemslotFlags,
-    PteFormat, Vm, VmConfig,
+    Access, DirectMapPolicy, Ept, Fault, FaultOutcome, HostRange, MemoryAttributes, MemslotError,
+    MemslotFlags, PteFormat, Vm, VmConfig,
 };
-use slat_addr::{Gfn, Gpa, Hva};
+use slat_addr::{Gfn, Gpa, Hva, PAGE_SHIFT, PAGE_SIZE};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 

@@ -7,13 +7,12 @@
 mod common;
 
 use common::*;
+use slat::dirty::DirtyLogError;
 use slat::dirty::{INITIALLY_SET, MANUAL_PROTECT_ENABLE};
-use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::{
-    Access, DirtyLogError, FaultOutcome, Level, MemslotFlags, PteFormat, Vcpu, Vm, VmConfig,
-    WrprotVariant,
+    Access, FaultOutcome, Level, MemslotFlags, PteFormat, Vcpu, Vm, VmConfig, WrprotVariant,
 };
-use slat_addr::{Gfn, Gpa, PageIndex};
+use slat_addr::{Gfn, Gpa, PageIndex, PAGE_SHIFT, PAGE_SIZE};
 use std::sync::Arc;
 
 const LOG: MemslotFlags = MemslotFlags::LOG_DIRTY_PAGES;

@@ -12,13 +12,13 @@
 mod common;
 
 use common::*;
-use slat::flush::REQ_TLB_FLUSH;
-use slat::format::{pages_per_entry, PteFormat, PAGE_SHIFT, PAGE_SIZE};
+use slat::hw::pages_per_entry;
+use slat::hw::REQ_TLB_FLUSH;
 use slat::{
-    Access, FaultOutcome, Level, MemslotError, MemslotFlags, MmuLockKind, Vcpu, Vm, VmConfig,
+    Access, FaultOutcome, Level, MemslotError, MemslotFlags, MmuLockKind, PteFormat, Vcpu, Vm,
+    VmConfig,
 };
-use slat_addr::Hva;
-use slat_addr::{Gfn, Gpa};
+use slat_addr::{Gfn, Gpa, Hva, PAGE_SHIFT, PAGE_SIZE};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -803,7 +803,7 @@ fn disabling_dirty_logging_brings_huge_leaves_back<F: PteFormat>() {
     assert_eq!(vm.stats().bbm_breaks - before.bbm_breaks, breaks);
     assert!(matches!(
         vm.get_dirty_log(1, &mut [0; 16]),
-        Err(slat::DirtyLogError::NotLogging { id: 1 })
+        Err(slat::dirty::DirtyLogError::NotLogging { id: 1 })
     ));
     for off in [PAGE_SIZE, (2 << 20) + 9 * PAGE_SIZE] {
         let o = fault(&vm, &mut v, gpa + off, Access::Write, false);

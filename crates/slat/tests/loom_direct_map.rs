@@ -9,8 +9,8 @@
 #![cfg(loom)]
 
 use loom::thread;
-use slat::direct_map::{Acceptance, DirectMap, DirectMapConfig, DirectMapPolicy};
-use slat::{HostBuffer, HostRange};
+use slat::direct_map::{Acceptance, DirectMap, DirectMapConfig};
+use slat::{DirectMapPolicy, HostBuffer, HostRange};
 use std::sync::Arc;
 
 const MIB2: u64 = 2 << 20;

@@ -6,12 +6,12 @@
 mod common;
 
 use common::*;
-use slat::format::{PAGE_SHIFT, PAGE_SIZE};
+use slat::dirty::DirtyLogError;
 use slat::{
-    Access, DirtyLogError, Fault, FaultOutcome, HostRange, MemslotError, MemslotFlags, PteFormat,
-    Vcpu, Vm, VmConfig,
+    Access, Fault, FaultOutcome, HostRange, MemslotError, MemslotFlags, PteFormat, Vcpu, Vm,
+    VmConfig,
 };
-use slat_addr::{Gfn, Gpa, Hva};
+use slat_addr::{Gfn, Gpa, Hva, PAGE_SHIFT, PAGE_SIZE};
 use std::sync::Arc;
 
 const LOG: MemslotFlags = MemslotFlags::LOG_DIRTY_PAGES;

@@ -27,12 +27,12 @@
 mod common;
 
 use common::*;
-use slat::format::{bytes_per_entry, pages_per_entry, PteFormat, PAGE_SHIFT, PAGE_SIZE};
+use slat::hw::{bytes_per_entry, pages_per_entry};
 use slat::{
     Access, Fault, FaultOutcome, GetLogVariant, HostRange, MemslotError, MemslotFlags, MmuLockKind,
-    RecoverVariant, Vcpu, Vm, VmConfig, WrprotVariant,
+    PteFormat, RecoverVariant, Vcpu, Vm, VmConfig, WrprotVariant,
 };
-use slat_addr::{Gfn, Gpa};
+use slat_addr::{Gfn, Gpa, PAGE_SHIFT, PAGE_SIZE};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -841,7 +841,7 @@ impl<F: PteFormat> Run<'_, F> {
         let after = self.vm.stats();
         if !logging {
             assert!(
-                matches!(r, Err(slat::DirtyLogError::NotLogging { id: i }) if i == id),
+                matches!(r, Err(slat::dirty::DirtyLogError::NotLogging { id: i }) if i == id),
                 "{}: {r:?}",
                 self.ctx()
             );

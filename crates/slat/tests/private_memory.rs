@@ -12,12 +12,11 @@
 mod common;
 
 use common::*;
-use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::{
     Access, Fault, FaultOutcome, HostBuffer, HostMemory, HostRange, MemoryAttributeError,
     MemoryAttributes, MemslotError, MemslotFlags, PteFormat, Vcpu, Vm, VmConfig, WrprotVariant,
 };
-use slat_addr::{Gfn, Gpa};
+use slat_addr::{Gfn, Gpa, PAGE_SHIFT, PAGE_SIZE};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

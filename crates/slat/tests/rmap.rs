@@ -8,9 +8,8 @@
 mod common;
 
 use common::*;
-use slat::format::PAGE_SIZE;
 use slat::{Access, FaultOutcome, MemslotFlags, PteFormat, Vm, VmConfig, WrprotVariant};
-use slat_addr::{Gfn, Gpa};
+use slat_addr::{Gfn, Gpa, PAGE_SIZE};
 
 const MIB: u64 = 1 << 20;
 const LOG: MemslotFlags = MemslotFlags::LOG_DIRTY_PAGES;

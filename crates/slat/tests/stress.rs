@@ -9,7 +9,7 @@
 mod common;
 
 use common::HostMem;
-use slat::format::{bytes_per_entry, pages_per_entry};
+use slat::hw::{bytes_per_entry, pages_per_entry};
 use slat::{Access, Fault, FaultOutcome, MemslotFlags, PteFormat, Vm, VmConfig};
 use slat_addr::{Gfn, Gpa, Hva};
 use std::sync::atomic::{AtomicBool, Ordering};

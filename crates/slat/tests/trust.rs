@@ -13,12 +13,11 @@ mod common;
 
 use common::*;
 use slat::dirty::{INITIALLY_SET, MANUAL_PROTECT_ENABLE};
-use slat::format::{PAGE_SHIFT, PAGE_SIZE};
 use slat::{
     Access, Fault, FaultOutcome, MemslotError, MemslotFlags, PteFormat, RecoverVariant, Vm,
     VmConfig,
 };
-use slat_addr::{Gfn, Gpa, PageIndex};
+use slat_addr::{Gfn, Gpa, PageIndex, PAGE_SHIFT, PAGE_SIZE};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -1,7 +1,7 @@
 //! `slat dirty-rate`: how fast a running guest dirties its memory, measured from the dirty log
 //! alone and without migrating anything (QEMU's `calc-dirty-rate` / `query-dirty-rate`).
 //!
-//! The measurement is `slat_dirty::DirtyRate` over the machine's log
+//! The measurement is `slat_dirty::dirty_rate::DirtyRate` over the machine's log
 //! (`slat_harness::MachineLog`); this file builds the machine, runs a guest whose dirty rate
 //! is known where the machine can pace one, and renders the typed report (text, or `--json`
 //! through `output.rs`).
@@ -38,7 +38,7 @@ use clap::{Args, ValueEnum};
 use serde::Serialize;
 use slat::{Ept, PteFormat, Stage2};
 use slat_addr::PAGE_SIZE;
-use slat_dirty::{Attribution, DirtyRate, Measurement, Sample, SampleWindow};
+use slat_dirty::dirty_rate::{Attribution, DirtyRate, Measurement, Sample, SampleWindow};
 use slat_harness::MachineLog;
 use slat_machine::{Machine, MachineConfig, PacedParams, Pacer, Workload};
 use slat_workload::{format_size, Backing};

@@ -34,12 +34,13 @@ use serde::Serialize;
 use slat_harness::migrate::{
     self as bench, BackendKind, BenchGuest, GuestSpec, LogMode, Shape, WorkSpec,
 };
+use slat_migrate::dirty_limit::DirtyLimitConfig;
 use slat_migrate::stream::Compression;
 use slat_migrate::transport::{self, Channel, Endpoint, Listener};
 use slat_migrate::verify::VerifyMode;
 use slat_migrate::{
-    DestConfig, DestReport, Destination, DirtyLimitConfig, Event, Faults, GuestError, MapError,
-    Memory, MemoryError, MigrateError, MigrationReport, Source, SourceConfig,
+    DestConfig, DestReport, Destination, Event, Faults, GuestError, MapError, Memory, MemoryError,
+    MigrateError, MigrationReport, Source, SourceConfig,
 };
 use slat_workload::{format_size, parse_size, Backing};
 use std::sync::Arc;

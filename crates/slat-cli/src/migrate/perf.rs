@@ -343,7 +343,7 @@ fn print_sweep(a: &MigratePerfArgs, sweep: &Sweep<Migrated>) {
 pub fn convergence(r: &MigrationReport) -> Vec<Lines<Migrated>> {
     fn per_round(
         name: &str,
-        f: fn(&slat_migrate::source::RoundReport) -> f64,
+        f: fn(&slat_migrate::RoundReport) -> f64,
     ) -> (String, SeriesOf<Migrated>) {
         let points = move |m: &Migrated| {
             m.r.rounds

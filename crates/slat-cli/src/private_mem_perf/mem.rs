@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 
 /// The page the fill writes once each (and the only page size memfd_secret has).
-pub const PAGE: usize = 4096;
+pub const PAGE: usize = slat_addr::PAGE_SIZE as usize;
 
 /// Pages a thread writes between two updates of the shared progress counter: often enough for
 /// 100 ms samples, rare enough that the counter's cache line does not slow the fill.

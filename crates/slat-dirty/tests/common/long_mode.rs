@@ -20,7 +20,7 @@
 
 use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs};
 
-const PAGE: u64 = 4096;
+use slat_addr::PAGE_SIZE as PAGE;
 const HUGE_2M: u64 = 2 << 20;
 const GIB: u64 = 1 << 30;
 const PTE_P: u64 = 1;

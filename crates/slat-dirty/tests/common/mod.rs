@@ -7,7 +7,8 @@
 
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
-use slat_dirty::{DirtyRing, Harvester, LogMode, Memslot, RingSize};
+use slat_dirty::log::{DirtyRing, RingSize};
+use slat_dirty::{Harvester, LogMode, Memslot};
 pub mod long_mode;
 
 use long_mode::LowLayout;
@@ -182,11 +183,11 @@ impl TinyVm {
         unsafe { vm.set_user_memory_region(region(0, 0, &low, 0)) }.unwrap();
         match setup {
             Setup::Manual { initially_set, .. } => {
-                slat_dirty::enable_manual_protect(&vm, initially_set).unwrap()
+                slat_dirty::log::enable_manual_protect(&vm, initially_set).unwrap()
             }
             Setup::Ring { entries } => {
                 let size = RingSize::from_entries(entries).unwrap();
-                slat_dirty::enable_dirty_ring(&vm, size, false).unwrap();
+                slat_dirty::log::enable_dirty_ring(&vm, size, false).unwrap();
             }
             Setup::Get => {}
         }

@@ -22,9 +22,9 @@ mod driver;
 use crate::error::{BenchError, ShapeError};
 use driver::{BurstDriver, MachineGuest, PacedDriver};
 use slat::{Ept, PteFormat, Stage2, VmConfig};
-use slat_addr::Gpa;
+use slat_addr::{Gpa, PAGE_SIZE};
 use slat_machine::{Machine, MachineConfig, Pacer};
-use slat_migrate::stream::{Region, MAX_GUEST_BYTES, MAX_REGIONS, PAGE_SIZE};
+use slat_migrate::stream::{Region, MAX_GUEST_BYTES, MAX_REGIONS};
 use slat_migrate::{Guest, GuestError, HelloError, StateBlob};
 use slat_workload::Backing;
 use slat_workload::{DirtyConfig, RegionSpec, TestMachine, INITIALLY_SET, MANUAL_PROTECT_ENABLE};
@@ -58,7 +58,7 @@ impl Shape {
         if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
             return Err(ShapeError::Vcpus { vcpus: self.vcpus });
         }
-        if self.bytes_per_vcpu == 0 || self.bytes_per_vcpu % PAGE_SIZE as u64 != 0 {
+        if self.bytes_per_vcpu == 0 || self.bytes_per_vcpu % PAGE_SIZE != 0 {
             return Err(ShapeError::BytesPerVcpu {
                 bytes: self.bytes_per_vcpu,
             });
@@ -76,7 +76,7 @@ impl Shape {
         if self.slots == 0 || self.slots > MAX_SLOTS {
             return Err(ShapeError::Slots { slots: self.slots });
         }
-        let pages = bytes / PAGE_SIZE as u64;
+        let pages = bytes / PAGE_SIZE;
         if pages % self.slots as u64 != 0 {
             return Err(ShapeError::UnevenSlots {
                 slots: self.slots,
@@ -87,7 +87,7 @@ impl Shape {
     }
     /// Bytes in the test region (0 for a shape that fails [`Shape::check`]).
     pub fn total_bytes(&self) -> u64 {
-        self.total_pages() * PAGE_SIZE as u64
+        self.total_pages() * PAGE_SIZE
     }
     /// Pages in the test region (0 for a shape that fails [`Shape::check`]).
     pub fn total_pages(&self) -> u64 {
@@ -102,7 +102,7 @@ impl Shape {
         let pps = pages / self.slots as u64;
         (0..self.slots as u64)
             .map(|s| Region {
-                gpa: Gpa::new(s * pps * PAGE_SIZE as u64),
+                gpa: Gpa::new(s * pps * PAGE_SIZE),
                 pages: pps,
                 read_only: false,
             })
@@ -375,7 +375,7 @@ pub fn build(spec: &GuestSpec) -> Result<Arc<dyn BenchGuest>, GuestError> {
             .map_err(GuestError::machine)?;
             let l = m.layout();
             let mapped = l.bytes_per_vcpu.checked_mul(l.vcpus as u64);
-            if mapped != Some(pages * PAGE_SIZE as u64) {
+            if mapped != Some(pages * PAGE_SIZE) {
                 return Err(BenchError::Mapped { pages, mapped }.into());
             }
             Ok(Arc::new(MachineGuest {
@@ -408,7 +408,7 @@ fn sim_guest<F: PteFormat>(
     }
     let m = Machine::<F>::new(config).map_err(GuestError::machine)?;
     // Every index is checked against `pages`; make sure the mapping really holds them.
-    if m.ram().len() < pages * PAGE_SIZE as u64 {
+    if m.ram().len() < pages * PAGE_SIZE {
         return Err(BenchError::Mapped {
             pages,
             mapped: Some(m.ram().len()),

@@ -276,10 +276,10 @@ pub fn replies(raw: &[u8]) -> Vec<Msg> {
 pub fn image(pages: u64, fill: u64, seed: u64) -> Vec<u8> {
     let mut v = vec![0u8; (pages * 4096) as usize];
     for p in 0..pages {
-        let mut x = slat_migrate::guest::splitmix(seed ^ p);
+        let mut x = slat_migrate::splitmix(seed ^ p);
         if x % 100 < fill {
             for c in v[(p * 4096) as usize..((p + 1) * 4096) as usize].chunks_exact_mut(8) {
-                x = slat_migrate::guest::splitmix(x);
+                x = slat_migrate::splitmix(x);
                 // Some runs of equal bytes, so LZ4 has something to find.
                 c.copy_from_slice(&(if x % 3 == 0 { 0 } else { x }).to_le_bytes());
             }

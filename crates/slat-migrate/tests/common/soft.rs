@@ -3,11 +3,10 @@
 //! semantics, a "vCPU" thread writing pages, and device state. What `Guest` asks of a VMM, in
 //! about a hundred lines.
 
-use slat_addr::Hva;
-use slat_addr::PageIndex;
+use slat_addr::{Hva, PageIndex};
 use slat_dirty::{DirtyLogSource, Harvester, LogMode, SlotInfo};
-use slat_migrate::guest::{GuestHarvester, GuestLog};
-use slat_migrate::{Guest, GuestError, GuestRegion, Region, StateBlob};
+use slat_migrate::stream::Region;
+use slat_migrate::{Guest, GuestError, GuestHarvester, GuestLog, GuestRegion, StateBlob};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -70,7 +69,7 @@ impl SoftGuest {
         for (i, m) in self.inner.mem.iter().enumerate() {
             for (j, w) in m.iter().enumerate() {
                 w.store(
-                    slat_migrate::guest::splitmix(seed ^ ((i as u64) << 40) ^ j as u64),
+                    slat_migrate::splitmix(seed ^ ((i as u64) << 40) ^ j as u64),
                     Ordering::Relaxed,
                 );
             }
@@ -102,7 +101,7 @@ fn vcpu(inner: Arc<Inner>, stop: Arc<AtomicBool>) {
         .collect();
     let mut x = inner.writes.load(Ordering::Relaxed) ^ 0x5eed;
     while !stop.load(Ordering::Relaxed) {
-        x = slat_migrate::guest::splitmix(x);
+        x = slat_migrate::splitmix(x);
         let r = writable[(x % writable.len() as u64) as usize];
         let page = (x >> 8) % inner.map[r].pages;
         inner.mem[r][(page * 512 + (x >> 40) % 512) as usize].store(x, Ordering::Relaxed);

@@ -34,13 +34,12 @@ mod frames;
 mod host_cpu;
 mod private;
 
-pub use crate::config::DirectMapPolicy;
+use crate::config::DirectMapPolicy;
 pub use host_cpu::{HostCpu, Online};
 pub use private::{PoolLease, PrivateMemory};
 
 use crate::config::VmConfig;
 use crate::format::{pages_per_entry, Ept, LeafPerms, Level, PteFormat};
-use crate::format::{PAGE_SHIFT, PAGE_SIZE};
 use crate::host_memory::HostRange;
 use crate::mmu::flush::PendingFlush;
 use crate::mmu::lock::Shared;
@@ -51,8 +50,8 @@ use crate::mmu::Mmu;
 use crate::stats::{Stat, Stats};
 use crate::sync::{self, pin, AtomicBool, AtomicU64, Mutex, Ordering};
 use frames::FrameStates;
-use slat_addr::Gfn;
 use slat_addr::Hva;
+use slat_addr::{Gfn, PAGE_SHIFT, PAGE_SIZE};
 use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;

@@ -2,9 +2,9 @@
 //! which case private faults accept pages lazily and conversions back to shared release them.
 
 use super::{Acceptance, DirectMap, DirectMapError};
-use crate::format::PAGE_SHIFT;
 use crate::host_memory::HostRange;
 use crate::sync::{self, AtomicU64, Ordering};
+use slat_addr::PAGE_SHIFT;
 use std::sync::Arc;
 
 /// What backs a memslot's `PRIVATE` pages (`Vm::add_memslot_with_private`).

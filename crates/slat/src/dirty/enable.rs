@@ -4,11 +4,12 @@
 use super::rearm::rearm_range;
 use super::DirtyLog;
 use crate::config::RecoverVariant;
-use crate::format::{PteFormat, PAGE_SIZE};
+use crate::format::PteFormat;
 use crate::huge_page::{recover_huge_pages, split_huge_pages};
 use crate::memslot::Memslot;
 use crate::mmu::flush::PendingFlush;
 use crate::mmu::Mmu;
+use slat_addr::PAGE_SIZE;
 
 impl DirtyLog {
     /// Called with the slots lock held after a slot with logging on was published.

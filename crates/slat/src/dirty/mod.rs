@@ -56,7 +56,7 @@ pub const INITIALLY_SET: u32 = 1 << 1;
 #[doc(hidden)]
 pub use crate::test_hooks::inject;
 
-pub use crate::config::{DirtyTrack, GetLogVariant, RecoverVariant};
+use crate::config::{DirtyTrack, GetLogVariant};
 
 /// Why a dirty-log request was refused. Nothing changes when an error is returned: no bit is
 /// consumed, no page protected.

@@ -50,7 +50,7 @@ pub enum FaultOutcome {
     NoSlot,
     /// A write to a read-only memslot: an MMIO exit.
     ReadOnly,
-    /// The slow path was called while this vCPU is in guest mode (a [`crate::flush::GuestMode`] token of
+    /// The slow path was called while this vCPU is in guest mode (a [`crate::GuestMode`] token of
     /// it is alive). Nothing was done: the slow path may block on the MMU lock, whose holder
     /// may be waiting for this vCPU to acknowledge a flush. Drop the token and call again.
     InGuestMode,

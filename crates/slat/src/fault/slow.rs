@@ -8,7 +8,7 @@ use crate::cmo::{clean_new_mapping, invalidate_icache_for};
 use crate::config::{CmoPolicy, RecoverVariant, VmConfig};
 use crate::direct_map::Acceptance;
 use crate::dirty::{commit_mark, mark_for, prepare_mark, DirtyRing, Pushed};
-use crate::format::{bytes_per_entry, Access, LeafPerms, Level, PteFormat, PAGE_SIZE};
+use crate::format::{bytes_per_entry, Access, LeafPerms, Level, PteFormat};
 use crate::memslot::{Memslot, MemslotSet, Memslots};
 use crate::mmu::flush::PendingFlush;
 use crate::mmu::lock::Shared;
@@ -17,7 +17,7 @@ use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
 use crate::stats::{Sink, Stat};
 use crate::sync::{pin, Ordering};
-use slat_addr::{Gfn, Hva};
+use slat_addr::{Gfn, Hva, PAGE_SIZE};
 
 /// What the slow path decided before taking the MMU lock.
 struct Plan<'s> {

@@ -11,7 +11,7 @@
 pub mod ept;
 pub mod stage2;
 
-use slat_addr::{Gfn, Hva};
+use slat_addr::{Gfn, Hva, PAGE_SIZE};
 
 pub use ept::Ept;
 pub use stage2::Stage2;
@@ -19,10 +19,6 @@ pub use stage2::Stage2;
 /// A page-table level, 1 (4 KiB entries) up to the format's root level.
 pub type Level = u8;
 
-/// The base page shift (4 KiB guest pages).
-pub const PAGE_SHIFT: u32 = 12;
-/// The base page size in bytes.
-pub const PAGE_SIZE: u64 = 1 << PAGE_SHIFT;
 /// Entries per table page.
 pub const ENTRIES_PER_TABLE: usize = 512;
 /// Index bits per level.

@@ -12,11 +12,11 @@
 
 use crate::direct_map::{Acceptance, PoolLease};
 use crate::dirty::bitmap::SlotBitmap;
-use crate::format::{bytes_per_entry, pages_per_entry, Level, PteFormat, PAGE_SHIFT};
-pub use crate::host_memory::HostRange;
+use crate::format::{bytes_per_entry, pages_per_entry, Level, PteFormat};
+pub(crate) use crate::host_memory::HostRange;
 use crate::sync::Arc;
 use bitflags::bitflags;
-use slat_addr::{Gfn, Gpa, Hva, PageIndex};
+use slat_addr::{Gfn, Gpa, Hva, PageIndex, PAGE_SHIFT};
 
 mod attributes;
 mod ops;

@@ -9,10 +9,10 @@ use super::{
 };
 use crate::direct_map::PrivateMemory;
 use crate::dirty::bitmap::SlotBitmap;
-use crate::format::{PteFormat, PAGE_SHIFT};
+use crate::format::PteFormat;
 use crate::mmu::Mmu;
 use crate::sync::{Arc, MutexGuard};
-use slat_addr::Gpa;
+use slat_addr::{Gpa, PAGE_SHIFT};
 
 /// The slots lock, held.
 pub(crate) type SlotsHeld<'a> = MutexGuard<'a, ()>;

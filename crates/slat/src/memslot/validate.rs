@@ -1,8 +1,8 @@
 //! Checks of a memslot request before anything changes: range, flags, host memory.
 
 use super::{HostRange, MemslotError, MemslotFlags, MemslotSet, SlotId};
-use crate::format::{PteFormat, PAGE_SIZE};
-use slat_addr::{Gpa, Hva};
+use crate::format::PteFormat;
+use slat_addr::{Gpa, Hva, PAGE_SIZE};
 
 /// Validates a new slot placement; `ignore` is the slot being moved.
 pub(crate) fn validate_range<F: PteFormat>(

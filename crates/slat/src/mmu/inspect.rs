@@ -2,9 +2,9 @@
 
 use super::walk::Walk;
 use super::Mmu;
-use crate::format::{Level, PteFormat, PAGE_SHIFT};
+use crate::format::{Level, PteFormat};
 use crate::sync::pin;
-use slat_addr::Gfn;
+use slat_addr::{Gfn, PAGE_SHIFT};
 
 impl<F: PteFormat> Mmu<F> {
     /// Walks the whole table and counts leaves per level and linked tables (tests and

@@ -482,7 +482,7 @@ impl<F: PteFormat> Mmu<F> {
 /// Host address of the table page holding `sptep` (pages are 4 KiB-aligned arrays of entries).
 #[inline(always)]
 fn table_of(sptep: &AtomicU64) -> Hva {
-    Hva::new(sptep as *const AtomicU64 as u64 & !(crate::format::PAGE_SIZE - 1))
+    Hva::new(sptep as *const AtomicU64 as u64 & !(slat_addr::PAGE_SIZE - 1))
 }
 
 /// Freezes an entry of a table being unlinked, under break-before-make. A locked entry (the

@@ -231,5 +231,5 @@ pub(crate) const fn round_down(v: Gfn, align: u64) -> Gfn {
 /// One past the last frame the format translates: walks never go beyond it.
 #[inline]
 const fn max_gfn<F: PteFormat>() -> Gfn {
-    Gfn::new(1u64 << (F::MAX_PHYS_BITS - crate::format::PAGE_SHIFT))
+    Gfn::new(1u64 << (F::MAX_PHYS_BITS - slat_addr::PAGE_SHIFT))
 }

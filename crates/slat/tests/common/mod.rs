@@ -5,10 +5,10 @@
 //! part of it; [`both_formats!`] runs each test on every page-table format.
 #![allow(dead_code)]
 
-use slat::format::{pages_per_entry, Level, PteFormat, PAGE_SHIFT, PAGE_SIZE};
+use slat::hw::pages_per_entry;
 use slat::hw::TableAlloc;
-use slat::{Access, Ept, Fault, FaultOutcome, HostRange, Vcpu, Vm};
-use slat_addr::{Gpa, Hva};
+use slat::{Access, Ept, Fault, FaultOutcome, HostRange, Level, PteFormat, Vcpu, Vm};
+use slat_addr::{Gpa, Hva, PAGE_SHIFT, PAGE_SIZE};
 use std::alloc::Layout;
 use std::any::TypeId;
 use std::sync::Arc;
