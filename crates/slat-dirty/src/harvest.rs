@@ -49,7 +49,7 @@
 //! [`Harvester::mark_words`] or [`Harvester::mark_pages`] before a take, or
 //! [`DirtySet::mark_words`] into a set being copied.
 
-use crate::error::Error;
+use crate::error::{try_filled, Error};
 use crate::log::DirtyRing;
 use crate::memslot::Memslot;
 use crate::ranges::{ranges, Ranges};
@@ -102,17 +102,13 @@ fn words_of(slot: &SlotInfo) -> Result<usize, Error> {
 }
 
 /// A zeroed bitmap for `slot`. A source is safe code and may claim any page count: an
-/// allocation this host cannot make is a typed error, not an abort.
+/// allocation this host cannot make is a typed error ([`Error::Alloc`]), not an abort. (A
+/// reservation that is dropped proves nothing about the next allocation: the bitmap itself
+/// is the fallible one.)
 fn bitmap_for(slot: &SlotInfo) -> Result<Vec<u64>, Error> {
-    let words = words_of(slot)?;
-    Vec::<u64>::new().try_reserve_exact(words).map_err(|_| {
-        Error::Harvest(format!(
-            "slot {} ({} pages): its bitmap cannot be allocated on this host",
-            slot.id, slot.pages
-        ))
-    })?;
-    // Zeroed pages come from the allocator lazily; the reservation above proved it can.
-    Ok(vec![0u64; words])
+    try_filled(words_of(slot)?, 0u64, || {
+        format!("the dirty bitmap of slot {} ({} pages)", slot.id, slot.pages)
+    })
 }
 
 /// Refuses what no harvest can work with: no slot, a slot twice, a bad CLEAR chunk.
@@ -179,7 +175,9 @@ impl<S: DirtyLogSource> Harvester<S> {
             .collect::<Result<Vec<_>, Error>>()?;
         let largest = owed.iter().map(Vec::len).max().unwrap_or(0);
         let scratch = match mode {
-            LogMode::Get | LogMode::ManualProtect { .. } => vec![0u64; largest],
+            LogMode::Get | LogMode::ManualProtect { .. } => {
+                try_filled(largest, 0u64, || "the GET scratch bitmap".into())?
+            }
             LogMode::Ring => Vec::new(),
         };
         Ok(Harvester {

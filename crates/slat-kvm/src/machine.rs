@@ -532,7 +532,7 @@ impl KvmMachine {
         let tsc_khz = tsc_khz_of(&vcpus);
         let m = KvmMachine {
             threads: Vec::new(),
-            ctl: Arc::new(Control::new(config.region.vcpus)),
+            ctl: Arc::new(Control::new(config.region.vcpus)?),
             rings: Arc::new(Mutex::new(Rings {
                 rings,
                 reaped: Vec::new(),
@@ -940,7 +940,8 @@ fn vcpu_thread(mut ctx: VcpuContext) {
             ctx.run()
         };
         broken = r.is_err();
-        ctx.ctl.report(ctx.idx, r);
+        // `idx` is this thread's own index, below the count the rendezvous was built for.
+        let _ = ctx.ctl.report(ctx.idx, r);
     }
 }
 

@@ -23,6 +23,6 @@ pub use machine::{
     DirtyConfig, Layout, Machine, MachineConfig, MachineError, PassReport, VcpuPass, Workload,
 };
 pub use memstress::PassParams;
-pub use paced::{PacedParams, Pacer};
+pub use paced::{PacedParams, Pacer, PacerError, MAX_PACED_VCPUS};
 pub use ram::{Backing, GuestRam, RamError};
 pub use slat_workload::{native_baseline, RegionSpec, TestMachine, FIRST_SLOT};

@@ -1545,7 +1545,7 @@ fn start_vcpus<F: PteFormat>(
     let pool = Arc::new(PcpuPool::new(pcpus));
     let mut handles = Vec::new();
     for v in 0..cfg.vcpus {
-        let mut cpu = Cpu::new(vm.clone(), v as u32, cfg.tlb_entries, pool.clone());
+        let mut cpu = Cpu::new(vm.clone(), v as u32, cfg.tlb_entries, pool.clone()).expect("TLB size");
         if let LogMode::Ring { .. } = cfg.log {
             cpu.set_ring_full_handler(ring_full_handler(vm, sh));
         }

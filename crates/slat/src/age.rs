@@ -157,6 +157,12 @@ pub enum IdleError {
         /// Guest frames the format translates.
         max_gfn: u64,
     },
+    /// The bitmap could not be allocated (one bit per page: 2^40 pages take 128 GiB).
+    #[error("cannot allocate an idle bitmap of {npages} pages")]
+    Alloc {
+        /// Pages asked for.
+        npages: u64,
+    },
 }
 
 /// Idle page tracking for a range of guest pages (Linux's `/sys/kernel/mm/page_idle/bitmap`,
@@ -189,10 +195,17 @@ impl IdleBitmap {
                 max_gfn,
             });
         }
+        // Fallible: the size is the caller's, and an infallible allocation aborts on failure.
+        let n = usize::try_from(npages.div_ceil(64)).map_err(|_| IdleError::Alloc { npages })?;
+        let mut words = Vec::new();
+        words
+            .try_reserve_exact(n)
+            .map_err(|_| IdleError::Alloc { npages })?;
+        words.resize(n, 0);
         Ok(IdleBitmap {
             start_gfn,
             npages,
-            words: vec![0; npages.div_ceil(64) as usize],
+            words,
         })
     }
 
