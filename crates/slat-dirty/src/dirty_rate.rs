@@ -221,7 +221,10 @@ fn bitmap(slot: &SlotInfo) -> Result<Vec<u64>, Error> {
     let words = usize::try_from(slot.pages.div_ceil(64))
         .map_err(|_| Error::Harvest(format!("slot {} is too large for this host", slot.id)))?;
     try_filled(words, 0, || {
-        format!("the dirty bitmap of slot {} ({} pages)", slot.id, slot.pages)
+        format!(
+            "the dirty bitmap of slot {} ({} pages)",
+            slot.id, slot.pages
+        )
     })
 }
 

@@ -107,7 +107,10 @@ fn words_of(slot: &SlotInfo) -> Result<usize, Error> {
 /// is the fallible one.)
 fn bitmap_for(slot: &SlotInfo) -> Result<Vec<u64>, Error> {
     try_filled(words_of(slot)?, 0u64, || {
-        format!("the dirty bitmap of slot {} ({} pages)", slot.id, slot.pages)
+        format!(
+            "the dirty bitmap of slot {} ({} pages)",
+            slot.id, slot.pages
+        )
     })
 }
 

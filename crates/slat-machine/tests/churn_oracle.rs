@@ -922,11 +922,15 @@ impl<F: PteFormat> Churner<F> {
             }
         };
         let g = self.checked_gfn(s) + first;
-        self.vm.zap_gfn_range(g, g + len);
+        self.vm
+            .zap_gfn_range(g, g + len)
+            .expect("not refused: no CPU of this thread in guest mode");
         if self.rng.chance(20) {
             let a = self.sh.aux_gpa.load(Ordering::SeqCst) >> PAGE_SHIFT;
             let p = self.rng.below(AUX_BYTES / PAGE_SIZE - 8);
-            self.vm.zap_gfn_range(a + p, a + p + 1 + self.rng.below(8));
+            self.vm
+                .zap_gfn_range(a + p, a + p + 1 + self.rng.below(8))
+                .expect("not refused: no CPU of this thread in guest mode");
         }
         self.out.zaps += 1;
     }
@@ -938,16 +942,26 @@ impl<F: PteFormat> Churner<F> {
         let on_dirty = |_: u64, _: u64| {};
         let r: AgeReport = match self.rng.below(7) {
             0 | 1 => self.vm.clear_young(start, end, on_dirty),
-            2 => self.vm.clear_flush_young(start, end, on_dirty),
+            2 => self
+                .vm
+                .clear_flush_young(start, end, on_dirty)
+                .map_err(|e| e.to_string())?,
             3 => self
                 .vm
-                .age_gfn_range(start, end, AgeFlush::NoFlush, on_dirty),
-            4 => self.vm.age_gfn_range(start, end, AgeFlush::Flush, on_dirty),
+                .age_gfn_range(start, end, AgeFlush::NoFlush, on_dirty)
+                .map_err(|e| e.to_string())?,
+            4 => self
+                .vm
+                .age_gfn_range(start, end, AgeFlush::Flush, on_dirty)
+                .map_err(|e| e.to_string())?,
             5 => self.vm.test_young(start, end),
             _ => {
                 let mut idle = IdleBitmap::new::<F>(start, PAGES).map_err(|e| e.to_string())?;
                 let flush = self.rng.pick(&[AgeFlush::NoFlush, AgeFlush::Flush]);
-                let r = self.vm.mark_idle(&mut idle, flush, on_dirty);
+                let r = self
+                    .vm
+                    .mark_idle(&mut idle, flush, on_dirty)
+                    .map_err(|e| e.to_string())?;
                 self.vm.read_idle(&mut idle);
                 r
             }
@@ -1545,7 +1559,8 @@ fn start_vcpus<F: PteFormat>(
     let pool = Arc::new(PcpuPool::new(pcpus));
     let mut handles = Vec::new();
     for v in 0..cfg.vcpus {
-        let mut cpu = Cpu::new(vm.clone(), v as u32, cfg.tlb_entries, pool.clone()).expect("TLB size");
+        let mut cpu =
+            Cpu::new(vm.clone(), v as u32, cfg.tlb_entries, pool.clone()).expect("TLB size");
         if let LogMode::Ring { .. } = cfg.log {
             cpu.set_ring_full_handler(ring_full_handler(vm, sh));
         }

@@ -306,17 +306,6 @@ pub(crate) fn clear_young<F: PteFormat>(
     age_gfn_range(mmu, start_gfn, end_gfn, AgeFlush::NoFlush, on_dirty)
 }
 
-/// [`clear_young`], then a remote TLB flush if the range maps anything, so every
-/// access made after this returns is seen (Linux's `clear_flush_young`).
-pub(crate) fn clear_flush_young<F: PteFormat>(
-    mmu: &Mmu<F>,
-    start_gfn: u64,
-    end_gfn: u64,
-    on_dirty: impl FnMut(u64, u64),
-) -> AgeReport {
-    age_gfn_range(mmu, start_gfn, end_gfn, AgeFlush::Flush, on_dirty)
-}
-
 /// Ages `[start_gfn, end_gfn)`, flushing or not as `flush` says.
 pub(crate) fn age_gfn_range<F: PteFormat>(
     mmu: &Mmu<F>,

@@ -856,7 +856,8 @@ fn zap_flushes_remote_tlbs_frees_tables_and_an_empty_zap_flushes_nothing<F: PteF
     let live0 = alloc.live_pages();
 
     // Zap the whole first frame: its leaf table leaves the tree and is eventually freed.
-    vm.zap_gfn_range(gpa >> PAGE_SHIFT, (gpa + HUGE_2M) >> PAGE_SHIFT);
+    vm.zap_gfn_range(gpa >> PAGE_SHIFT, (gpa + HUGE_2M) >> PAGE_SHIFT)
+        .expect("not refused: no CPU of this thread in guest mode");
     let s1 = vm.stats();
     assert!(s1.remote_tlb_flush_requests > s0.remote_tlb_flush_requests);
     assert!(
@@ -876,14 +877,16 @@ fn zap_flushes_remote_tlbs_frees_tables_and_an_empty_zap_flushes_nothing<F: PteF
     check_audit(&vm, "after zap");
 
     // Nothing mapped there any more: no flush owed.
-    vm.zap_gfn_range(gpa >> PAGE_SHIFT, (gpa + HUGE_2M) >> PAGE_SHIFT);
+    vm.zap_gfn_range(gpa >> PAGE_SHIFT, (gpa + HUGE_2M) >> PAGE_SHIFT)
+        .expect("not refused: no CPU of this thread in guest mode");
     let s2 = vm.stats();
     assert_eq!(s2.remote_tlb_flush_requests, s1.remote_tlb_flush_requests);
     assert_eq!(s2.remote_tlb_flush, s1.remote_tlb_flush);
     assert_eq!(v.pending_requests(), 0);
 
     // A partial zap of a 4 KiB-mapped frame removes exactly the range.
-    vm.zap_gfn_range((gpa >> PAGE_SHIFT) + 600, (gpa >> PAGE_SHIFT) + 601);
+    vm.zap_gfn_range((gpa >> PAGE_SHIFT) + 600, (gpa >> PAGE_SHIFT) + 601)
+        .expect("not refused: no CPU of this thread in guest mode");
     assert_eq!(vm.stats().leaves_4k, 0);
     assert!(vm.stats().remote_tlb_flush > s2.remote_tlb_flush);
     check_audit(&vm, "after the last zap");
@@ -905,7 +908,8 @@ fn zap_of_a_straddling_huge_leaf_removes_the_whole_leaf<F: PteFormat>() {
     }
     let g = gpa >> PAGE_SHIFT;
     // One page in the middle of the first leaf.
-    vm.zap_gfn_range(g + 100, g + 101);
+    vm.zap_gfn_range(g + 100, g + 101)
+        .expect("not refused: no CPU of this thread in guest mode");
     assert_eq!(vm.lookup(g), None);
     assert_eq!(vm.lookup(g + 511), None);
     assert_eq!(vm.lookup(g + 512).map(|(_, l)| l), Some(2));
@@ -954,7 +958,8 @@ fn lookup_beyond_the_guest_physical_width_finds_nothing<F: PteFormat>() {
 
 fn zap_beyond_the_guest_physical_width_touches_nothing<F: PteFormat>() {
     let (vm, v, mem) = low_pages_mapped::<F>();
-    vm.zap_gfn_range(GFN_LIMIT, GFN_LIMIT + 4);
+    vm.zap_gfn_range(GFN_LIMIT, GFN_LIMIT + 4)
+        .expect("not refused: no CPU of this thread in guest mode");
     for p in 0..4 {
         assert!(
             vm.lookup(p).is_some(),
@@ -991,7 +996,8 @@ fn remote_flush_waits_for_an_in_guest_vcpu_to_acknowledge<F: PteFormat>() {
     let done = AtomicBool::new(false);
     std::thread::scope(|s| {
         let zapper = s.spawn(|| {
-            vm.zap_gfn_range(gpa >> PAGE_SHIFT, (gpa >> PAGE_SHIFT) + 1);
+            vm.zap_gfn_range(gpa >> PAGE_SHIFT, (gpa >> PAGE_SHIFT) + 1)
+                .expect("not refused: no CPU of this thread in guest mode");
             done.store(true, Ordering::SeqCst);
         });
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -1071,7 +1077,8 @@ fn mutex_variant_faults_zaps_and_logs<F: PteFormat>() {
         FaultOutcome::FixedFast
     );
     assert_eq!(dirty_gfns(&vm, 1), vec![(gpa + 0x5000) >> PAGE_SHIFT]);
-    vm.zap_gfn_range(gpa >> PAGE_SHIFT, (gpa >> PAGE_SHIFT) + pages_per_entry(2));
+    vm.zap_gfn_range(gpa >> PAGE_SHIFT, (gpa >> PAGE_SHIFT) + pages_per_entry(2))
+        .expect("not refused: no CPU of this thread in guest mode");
     assert_eq!(vm.lookup((gpa + 0x5000) >> PAGE_SHIFT), None);
     check_audit(&vm, "mutex variant");
     teardown(vm, [v]);

@@ -530,7 +530,9 @@ impl<F: PteFormat> Run<'_, F> {
         };
         self.what = format!("zap [{s:#x}, {e:#x})");
         let before = self.vm.stats();
-        self.vm.zap_gfn_range(s, e);
+        self.vm
+            .zap_gfn_range(s, e)
+            .expect("not refused: no CPU of this thread in guest mode");
         let after = self.vm.stats();
         self.maybe.remove(s, e);
         let removed = (
