@@ -69,7 +69,7 @@ pub use config::{
 };
 pub use dirty::DirtyLogError;
 pub use fault::{Fault, FaultOutcome};
-pub use flush::GuestMode;
+pub use flush::{FlushError, GuestMode};
 pub use format::{Access, Ept, Level, PteFormat, Stage2};
 pub use host_memory::{HostBuffer, HostBufferError, HostMemory, HostRangeError};
 pub use memslot::{
