@@ -528,7 +528,7 @@ impl KvmMachine {
         let slots = unsafe { register_slots(&vm, &low, &ram, gpa, &size) }?;
         let layout = size.layout(gpa, ram.addr(), config.region.overlap);
         let (vcpus, rings, stats) = create_vcpus(&vm, &cpuid, &low_layout, &config, ring_size)?;
-        let tids = Arc::new(VcpuTids::new(config.region.vcpus));
+        let tids = Arc::new(VcpuTids::new(config.region.vcpus)?);
         let tsc_khz = tsc_khz_of(&vcpus);
         let m = KvmMachine {
             threads: Vec::new(),

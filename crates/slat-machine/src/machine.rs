@@ -285,7 +285,7 @@ impl<F: PteFormat> Machine<F> {
             pool,
             reaped: Arc::new(Mutex::new(Vec::new())),
             writer_value: Arc::new(AtomicU64::new(0)),
-            tids: Arc::new(VcpuTids::new(config.region.vcpus)),
+            tids: Arc::new(VcpuTids::new(config.region.vcpus)?),
             direct_map,
         };
         for i in 0..config.region.vcpus {

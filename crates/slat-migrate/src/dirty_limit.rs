@@ -174,6 +174,9 @@ impl DirtyLogSource for RingMeter {
         let (per, none) = &mut *c;
         self.inner.collect_ring_by_vcpu(&mut |v, s, o| {
             match v {
+                // An index no guest of this crate can have (a source's bug) is not trusted
+                // with an allocation: its entry counts without a vCPU.
+                Some(i) if i >= crate::stream::MAX_VCPUS as usize => *none += 1,
                 Some(i) => {
                     if per.len() <= i {
                         per.resize(i + 1, 0);
@@ -206,10 +209,12 @@ pub struct DirtyLimiter {
 }
 
 impl DirtyLimiter {
-    /// A limiter for `vcpus` vCPUs, all unthrottled, whose first period starts at `now` with
-    /// the ring counts `counts`.
+    /// A limiter for `vcpus` vCPUs (at most [`crate::stream::MAX_VCPUS`]: vCPUs past it are never
+    /// limited), all unthrottled, whose first period starts at `now` with the ring counts
+    /// `counts`.
     pub fn new(cfg: DirtyLimitConfig, vcpus: usize, counts: &[u64], now: Instant) -> Self {
-        let mut last_counts = counts.to_vec();
+        let vcpus = vcpus.min(crate::stream::MAX_VCPUS as usize);
+        let mut last_counts = counts.iter().copied().take(vcpus).collect::<Vec<_>>();
         last_counts.resize(vcpus, 0);
         DirtyLimiter {
             cfg,
