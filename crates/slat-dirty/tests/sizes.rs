@@ -94,7 +94,10 @@ fn claims(pages: &[u64], mode: LogMode) -> Claims {
         slots: pages
             .iter()
             .enumerate()
-            .map(|(i, &pages)| SlotInfo { id: i as u32, pages })
+            .map(|(i, &pages)| SlotInfo {
+                id: i as u32,
+                pages,
+            })
             .collect(),
         mode,
     }
