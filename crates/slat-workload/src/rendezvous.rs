@@ -134,15 +134,16 @@ impl<J: Clone, R: Clone + Default, E: Clone> Rendezvous<J, R, E> {
     /// vCPU count is refused ([`RendezvousError::NoSuchVcpu`], the result dropped) after the
     /// sync, so the host is not left waiting for this thread.
     pub fn report(&self, idx: usize, r: Result<R, E>) -> Result<(), RendezvousError> {
-        let stored = match lock(&self.results).get_mut(idx) {
-            Some(slot) => {
-                *slot = r;
-                Ok(())
+        let stored = {
+            let mut results = lock(&self.results);
+            let vcpus = results.len();
+            match results.get_mut(idx) {
+                Some(slot) => {
+                    *slot = r;
+                    Ok(())
+                }
+                None => Err(RendezvousError::NoSuchVcpu { idx, vcpus }),
             }
-            None => Err(RendezvousError::NoSuchVcpu {
-                idx,
-                vcpus: self.vcpus(),
-            }),
         };
         self.done.wait();
         stored
