@@ -14,8 +14,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use slat_workload::cpus::VcpuTids;
 use slat_workload::{
-    Backing, GuestRam, PassParams, Pattern, RegionSize, Rendezvous, RendezvousError,
-    WriterPattern,
+    Backing, GuestRam, PassParams, Pattern, RegionSize, Rendezvous, RendezvousError, WriterPattern,
 };
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -133,7 +132,9 @@ fn constructors_of_any_size() {
                 write_percent: (c % 101) as u32,
                 ..PassParams::default()
             };
-            prop_assert!(Pattern::new(params, a as u32, b).take(3).all(|(p, _)| p < b));
+            prop_assert!(Pattern::new(params, a as u32, b)
+                .take(3)
+                .all(|(p, _)| p < b));
             prop_assert!(WriterPattern::new(c as u32, a as u32, b)
                 .take(3)
                 .all(|p| p < b));

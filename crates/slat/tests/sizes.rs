@@ -18,8 +18,8 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use slat::direct_map::{DirectMap, DirectMapConfig};
 use slat::{
-    Ept, HostBuffer, HostRange, IdleBitmap, IdleError, MemoryAttributes, MemslotFlags, Stage2,
-    Vm, VmConfig,
+    Ept, HostBuffer, HostRange, IdleBitmap, IdleError, MemoryAttributes, MemslotFlags, Stage2, Vm,
+    VmConfig,
 };
 use std::sync::Arc;
 
@@ -65,14 +65,14 @@ fn size() -> impl Strategy<Value = u64> {
     ]
 }
 
-/// An idle bitmap over the whole guest physical space of EPT (2^40 pages, 128 GiB of bits)
+/// An idle bitmap over the whole guest physical space of EPT (2^36 pages, 8 GiB of bits)
 /// aborted the process when the allocation failed; it is a typed error.
 #[test]
 fn an_idle_bitmap_too_large_to_allocate_is_refused() {
     if rerun_under_as_limit("an_idle_bitmap_too_large_to_allocate_is_refused", AS_LIMIT) {
         return;
     }
-    let pages = 1u64 << 40;
+    let pages = 1u64 << 36;
     assert_eq!(
         IdleBitmap::new::<Ept>(0, pages),
         Err(IdleError::Alloc { npages: pages })
@@ -112,7 +112,10 @@ fn engine_calls_of_any_size() {
                 let slot = HostRange::slice(buf.clone(), a % (4 << 20), b);
                 if let Ok(range) = slot {
                     let range = range.with_page_size(c);
-                    if vm.add_memslot(1, d, b, range, MemslotFlags::from_bits_truncate(e)).is_ok() {
+                    if vm
+                        .add_memslot(1, d, b, range, MemslotFlags::from_bits_truncate(e))
+                        .is_ok()
+                    {
                         let _ = vm.move_memslot(1, a);
                         vm.delete_memslot(1).unwrap();
                     }
