@@ -183,7 +183,10 @@ fn harvesters_and_samplers_of_any_size() {
             }
             if let Ok(r) = DirtyRate::new(claims(&pages, mode)) {
                 let r = r.with_vcpus(vcpus as usize);
-                let _ = r.with_regions(vec![region.0..region.1]);
+                // One region per vCPU: a one-element list of ranges.
+                #[allow(clippy::single_range_in_vec_init)]
+                let regions = vec![region.0..region.1];
+                let _ = r.with_regions(regions);
             }
             Ok(())
         })
