@@ -467,17 +467,19 @@ fn repeat_and_plot_refuse_what_they_cannot_do() {
     }
 }
 
+/// Checked before the run (it used to fail with status 1 after the whole benchmark).
 #[test]
-fn an_unwritable_plot_is_a_runtime_failure() {
-    let (code, _, err) = slat(&[
+fn an_unwritable_plot_is_refused_before_the_run() {
+    let (code, out, err) = slat(&[
         "dirty-log-perf",
         "-b",
         "4M",
         "--plot",
         "/nonexistent-dir/x.svg",
     ]);
-    assert_eq!(code, 1, "{err}");
-    assert!(err.contains("plot"), "{err}");
+    assert_eq!(code, 2, "{err}");
+    assert!(out.is_empty(), "the benchmark ran: {out}");
+    assert!(err.contains("--plot"), "{err}");
 }
 
 #[test]

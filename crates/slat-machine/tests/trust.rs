@@ -69,7 +69,10 @@ fn unaligned_accesses_exit_instead_of_crossing_a_page<F: PteFormat>() {
         "wrote into the next slot's page"
     );
     let mut bitmap = [0u64; 1];
+    // A harvest may flush: not from the thread of a vCPU in guest mode.
+    cpu.exit();
     vm.get_dirty_log(2, &mut bitmap).unwrap();
+    cpu.enter();
     assert_eq!(bitmap[0], 0, "the logged slot was not written");
     // Aligned accesses still work, at both ends of the page.
     cpu.write_u64(GPA + 4096 - 8, 0xabcd).unwrap();
