@@ -91,6 +91,10 @@ pub struct Harvester<S: DirtyLogSource = KvmLog> {
     owed: Vec<Vec<u64>>,
     /// Scratch bitmap for GET (the largest slot's length).
     scratch: Vec<u64>,
+    /// Zeroed bitmaps shaped as `owed`, allocated (fallibly) with it: a take swaps them in
+    /// for the owed ones and the set gives them back, zeroed, when it is settled, so a take
+    /// allocates nothing.
+    spare: Vec<Vec<u64>>,
     /// Ring entries for a slot this harvester does not track, or past its end.
     foreign: u64,
 }
@@ -176,6 +180,10 @@ impl<S: DirtyLogSource> Harvester<S> {
             .iter()
             .map(bitmap_for)
             .collect::<Result<Vec<_>, Error>>()?;
+        let spare = slots
+            .iter()
+            .map(bitmap_for)
+            .collect::<Result<Vec<_>, Error>>()?;
         let largest = owed.iter().map(Vec::len).max().unwrap_or(0);
         let scratch = match mode {
             LogMode::Get | LogMode::ManualProtect { .. } => {
@@ -189,6 +197,7 @@ impl<S: DirtyLogSource> Harvester<S> {
             mode,
             owed,
             scratch,
+            spare,
             foreign: 0,
         })
     }
@@ -385,13 +394,19 @@ impl<S: DirtyLogSource> Harvester<S> {
         self.hand_over(0)
     }
 
-    /// Moves every owed page into a new set.
+    /// Moves every owed page into a new set: the spare bitmaps become the owed ones.
     fn hand_over(&mut self, collected: u64) -> DirtySet<'_, S> {
-        let bitmaps = self
-            .owed
-            .iter_mut()
-            .map(|o| std::mem::replace(o, vec![0u64; o.len()]))
-            .collect();
+        if self.spare.len() != self.owed.len() {
+            // A set was leaked (`mem::forget`) and its bitmaps never came back: allocate again
+            // (fallibly first; only a leak followed by exhausted memory reaches the fallback).
+            self.spare = self
+                .slots
+                .iter()
+                .map(bitmap_for)
+                .collect::<Result<_, _>>()
+                .unwrap_or_else(|_| self.owed.iter().map(|o| vec![0; o.len()]).collect());
+        }
+        let bitmaps = std::mem::replace(&mut self.owed, std::mem::take(&mut self.spare));
         DirtySet {
             h: self,
             bitmaps,
@@ -608,13 +623,17 @@ impl<S: DirtyLogSource> DirtySet<'_, S> {
 
 impl<S: DirtyLogSource> Drop for DirtySet<'_, S> {
     fn drop(&mut self) {
-        if self.settled {
-            return;
-        }
-        for (o, b) in self.h.owed.iter_mut().zip(&self.bitmaps) {
-            for (x, y) in o.iter_mut().zip(b) {
-                *x |= y;
+        if !self.settled {
+            for (o, b) in self.h.owed.iter_mut().zip(&self.bitmaps) {
+                for (x, y) in o.iter_mut().zip(b) {
+                    *x |= y;
+                }
             }
         }
+        // The bitmaps go back as the next take's spare.
+        for b in &mut self.bitmaps {
+            b.fill(0);
+        }
+        self.h.spare = std::mem::take(&mut self.bitmaps);
     }
 }
