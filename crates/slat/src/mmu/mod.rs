@@ -44,7 +44,11 @@ pub(crate) struct Mmu<F: PteFormat> {
     pub(crate) rmap: Arc<Rmap>,
     /// Flushes refused because the calling thread held a vCPU in guest mode
     /// ([`FlushError::OwnGuestMode`]): owed still, their pages kept until a flush completes.
-    deferred: crate::sync::Mutex<PendingFlush>,
+    /// `std` types even under loom: the models never flush from a thread in guest mode, so
+    /// nothing is ever deferred there, and the common path only loads the flag.
+    deferred: std::sync::Mutex<PendingFlush>,
+    /// `deferred` may hold pages (set under its lock).
+    has_deferred: std::sync::atomic::AtomicBool,
     _format: PhantomData<F>,
 }
 
@@ -65,7 +69,8 @@ impl<F: PteFormat> Mmu<F> {
             flush: FlushDomain::new(),
             hooks: Hooks::new(),
             rmap: Arc::new(Rmap::new(config.wrprot.keeps_rmap())),
-            deferred: crate::sync::Mutex::new(PendingFlush::none()),
+            deferred: std::sync::Mutex::new(PendingFlush::none()),
+            has_deferred: std::sync::atomic::AtomicBool::new(false),
             _format: PhantomData,
         }
     }
@@ -98,22 +103,26 @@ impl<F: PteFormat> Mmu<F> {
     /// of flushes deferred before) to epoch reclamation. The only way to free table pages.
     /// Refused if the calling thread holds a vCPU in guest mode: then the flush is deferred,
     /// its pages kept until a later flush completes.
-    pub fn try_complete_flush(&self, pending: PendingFlush) -> Result<(), FlushError> {
+    pub fn try_complete_flush(&self, mut pending: PendingFlush) -> Result<(), FlushError> {
         if !pending.is_needed() {
             return Ok(());
         }
+        // Deferred pages are taken *before* this flush: they were unlinked before they were
+        // deferred, so this flush, which starts after, covers them.
+        if self.has_deferred.load(std::sync::atomic::Ordering::Acquire) {
+            let mut d = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
+            pending.merge(std::mem::take(&mut *d));
+            self.has_deferred
+                .store(false, std::sync::atomic::Ordering::Relaxed);
+        }
         if let Err(e) = self.flush_remote_tlbs() {
-            crate::sync::lock(&self.deferred).merge(pending);
+            let mut d = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
+            d.merge(pending);
+            self.has_deferred
+                .store(true, std::sync::atomic::Ordering::Release);
             return Err(e);
         }
-        let mut graveyard = pending.graveyard;
-        {
-            let mut deferred = crate::sync::lock(&self.deferred);
-            if deferred.is_needed() {
-                graveyard.append(&mut std::mem::take(&mut *deferred).graveyard);
-            }
-        }
-        Rmap::retire(&self.rmap, &self.alloc, graveyard);
+        Rmap::retire(&self.rmap, &self.alloc, pending.graveyard);
         Ok(())
     }
 
@@ -154,7 +163,8 @@ impl<F: PteFormat> Drop for Mmu<F> {
     fn drop(&mut self) {
         self.free_all();
         // Deferred flushes: no vCPU is left to flush, and their pages are unreachable.
-        for t in std::mem::take(&mut crate::sync::lock(&self.deferred).graveyard) {
+        let deferred = self.deferred.get_mut().unwrap_or_else(|e| e.into_inner());
+        for t in std::mem::take(&mut deferred.graveyard) {
             self.alloc.free_now(t);
         }
         // SAFETY: the root was allocated by `alloc` in `new` and is reachable from nothing else.
