@@ -447,6 +447,41 @@ pub struct OutputArgs {
     pub plot: Option<std::path::PathBuf>,
 }
 
+impl OutputArgs {
+    /// Refuses a `--plot` file this process cannot write, before the benchmark runs (the
+    /// plot is drawn at the end: a bad path would throw the whole run away).
+    pub fn check_paths(&self) -> crate::error::CliResult {
+        match &self.plot {
+            Some(p) => check_writable("--plot", p),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Refuses (exit status 2) an output file `flag` names that cannot be opened for writing.
+/// Opens it without truncating, and removes it again if this check created it, so a run
+/// refused later leaves no empty file behind and an existing one keeps its contents.
+pub fn check_writable(flag: &str, path: &std::path::Path) -> crate::error::CliResult {
+    let existed = std::fs::symlink_metadata(path).is_ok();
+    let opened = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path);
+    match opened {
+        Ok(_) => {
+            if !existed {
+                let _ = std::fs::remove_file(path);
+            }
+            Ok(())
+        }
+        Err(e) => Err(crate::error::CliError::bad(format!(
+            "{flag}: cannot write {}: {e}",
+            path.display()
+        ))),
+    }
+}
+
 /// The guest and its memory: flags shared by every benchmark that runs vCPUs over a
 /// partitioned guest memory (page-table-test has its own: there all vCPUs share one region).
 #[derive(Debug, Clone, Args)]

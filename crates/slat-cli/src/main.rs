@@ -97,6 +97,31 @@ fn one_line(text: &str) -> String {
     }
 }
 
+/// Every file the command will write, checked before any work (exit status 2): `--plot`, and
+/// a migration into a snapshot file (`--to file:PATH`). `--json` prints to stdout.
+fn check_outputs(command: &Command) -> error::CliResult {
+    let out = match command {
+        Command::DemandPaging(a) => &a.out,
+        Command::DirtyLogPerf(a) => &a.out,
+        Command::DirtyLogTest(a) => &a.out,
+        Command::AccessTrackingPerf(a) => &a.out,
+        Command::PageTableTest(a) => &a.out,
+        Command::Migrate(a) => {
+            if let slat_migrate::transport::Endpoint::File(p) = &a.to {
+                args::check_writable("--to", p)?;
+            }
+            &a.out
+        }
+        Command::MigrateListen(a) => &a.out,
+        Command::MigratePerf(a) => &a.out,
+        Command::SnapshotPerf(a) => &a.out,
+        Command::DirtyRate(a) => &a.out,
+        Command::PrivateMemPerf(a) => &a.out,
+        Command::PrivateMemTest(_) => return Ok(()),
+    };
+    out.check_paths()
+}
+
 fn main() {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
@@ -131,7 +156,7 @@ fn main() {
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         }
     }
-    let r = match &cli.command {
+    let r = check_outputs(&cli.command).and_then(|()| match &cli.command {
         Command::DemandPaging(a) => driver::run(a),
         Command::DirtyLogPerf(a) => driver::run(a),
         Command::DirtyLogTest(a) => driver::run(a),
@@ -144,7 +169,7 @@ fn main() {
         Command::DirtyRate(a) => driver::run(a),
         Command::PrivateMemPerf(a) => private_mem_perf::run(a),
         Command::PrivateMemTest(a) => private_mem_test::run(a),
-    };
+    });
     if let Err(e) = r {
         // The one place an error becomes an exit status: 2 for refused input, 1 for a failed
         // run.

@@ -486,3 +486,42 @@ fn harvest_flags_that_cannot_apply_are_refused() {
         &["--vary", "simulated engine"],
     );
 }
+
+/// An output file that cannot be written is refused before the benchmark runs (the plot was
+/// drawn at the end, so a bad `--plot` threw a whole run away and exited 1 after it), and a
+/// migration into a snapshot file that cannot be created is refused before the guest is built.
+#[test]
+fn unwritable_output_files_are_refused_before_any_work() {
+    let missing = "/nonexistent-slat-dir/plot.svg";
+    refused(
+        &["dirty-log-perf", "-b", "4M", "-i", "2", "--plot", missing],
+        &["--plot", missing, "cannot write"],
+    );
+    refused(
+        &["migrate-perf", "-b", "4M", "--plot", missing],
+        &["--plot", "cannot write"],
+    );
+    // A directory is not a file either.
+    refused(
+        &["dirty-log-perf", "-b", "4M", "-i", "2", "--plot", "/"],
+        &["--plot", "cannot write"],
+    );
+    refused(
+        &[
+            "migrate",
+            "--to",
+            "file:/nonexistent-slat-dir/snap",
+            "-b",
+            "4M",
+        ],
+        &["--to", "/nonexistent-slat-dir/snap", "cannot write"],
+    );
+    // A writable path is only checked: nothing is left behind by a refusal that follows.
+    let dir = std::env::temp_dir().join(format!("slat-plot-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let svg = dir.join("p.svg");
+    let svg_s = svg.to_str().unwrap();
+    refused(&["demand-paging", "-b", "4M", "--plot", svg_s], &["--plot"]);
+    assert!(!svg.exists(), "the check left {svg_s} behind");
+    let _ = std::fs::remove_dir(&dir);
+}

@@ -39,7 +39,7 @@
 //! reader would take bits it never sees) — QEMU likewise refuses `calc-dirty-rate` in its
 //! bitmap mode while a migration owns the log.
 
-use crate::error::Error;
+use crate::error::{try_filled, Error};
 use crate::harvest::LogMode;
 use crate::source::{DirtyLogSource, SlotInfo};
 use slat_addr::PageIndex;
@@ -145,15 +145,18 @@ pub struct Measurement {
 }
 
 impl Measurement {
-    /// The time measured: the windows' sum.
+    /// The time measured: the windows' sum, saturated at [`Duration::MAX`] (the fields are
+    /// public, so a caller's windows may add up to more).
     pub fn time(&self) -> Duration {
-        self.samples.iter().map(|s| s.window).sum()
+        self.samples
+            .iter()
+            .fold(Duration::ZERO, |t, s| t.saturating_add(s.window))
     }
 
     /// Distinct pages, summed over the windows (a page dirtied in two windows counts twice,
-    /// as a migration would send it twice).
+    /// as a migration would send it twice); saturated at `u64::MAX`.
     pub fn pages(&self) -> u64 {
-        self.samples.iter().map(|s| s.pages).sum()
+        saturating_sum(self.samples.iter().map(|s| s.pages))
     }
 
     /// The dirty rate over the whole measurement: [`Self::pages`] over [`Self::time`].
@@ -172,20 +175,25 @@ impl Measurement {
         let t = self.time();
         (0..n)
             .map(|i| {
-                let p: u64 = self
-                    .samples
-                    .iter()
-                    .map(|s| s.per_vcpu.get(i).copied().unwrap_or(0))
-                    .sum();
+                let p = saturating_sum(
+                    self.samples
+                        .iter()
+                        .map(|s| s.per_vcpu.get(i).copied().unwrap_or(0)),
+                );
                 per_second(p, t)
             })
             .collect()
     }
 
-    /// Pages no vCPU was credited with, summed over the windows.
+    /// Pages no vCPU was credited with, summed over the windows (saturated at `u64::MAX`).
     pub fn unattributed(&self) -> u64 {
-        self.samples.iter().map(|s| s.unattributed).sum()
+        saturating_sum(self.samples.iter().map(|s| s.unattributed))
     }
+}
+
+/// The sum of `v`, saturated at `u64::MAX`: the figures may be a caller's.
+fn saturating_sum(v: impl Iterator<Item = u64>) -> u64 {
+    v.fold(0, u64::saturating_add)
 }
 
 /// Samples the dirty rate of everything a [`DirtyLogSource`] tracks; see the
@@ -213,15 +221,12 @@ pub struct DirtyRate<S: DirtyLogSource> {
 fn bitmap(slot: &SlotInfo) -> Result<Vec<u64>, Error> {
     let words = usize::try_from(slot.pages.div_ceil(64))
         .map_err(|_| Error::Harvest(format!("slot {} is too large for this host", slot.id)))?;
-    let mut v = Vec::new();
-    v.try_reserve_exact(words).map_err(|_| {
-        Error::Harvest(format!(
-            "slot {} ({} pages): its bitmap cannot be allocated on this host",
+    try_filled(words, 0, || {
+        format!(
+            "the dirty bitmap of slot {} ({} pages)",
             slot.id, slot.pages
-        ))
-    })?;
-    v.resize(words, 0);
-    Ok(v)
+        )
+    })
 }
 
 /// Set bits of `words` among bits `from..to`.
@@ -337,8 +342,8 @@ impl<S: DirtyLogSource> DirtyRate<S> {
 
     /// Pages tracked (all slots).
     pub fn total_pages(&self) -> u64 {
-        // Checked in `new`: the sum does not overflow.
-        self.slots.iter().map(|s| s.pages).sum()
+        // Checked in `new`: the sum does not overflow (saturating all the same).
+        saturating_sum(self.slots.iter().map(|s| s.pages))
     }
 
     /// The source (for what it reports about itself).
@@ -387,7 +392,9 @@ impl<S: DirtyLogSource> DirtyRate<S> {
         mut on_sample: impl FnMut(usize, &Sample),
     ) -> Result<Measurement, S::Error> {
         self.start()?;
-        let mut out = Vec::with_capacity(samples.get() as usize);
+        // Grown as windows complete: the count is the caller's, and each window takes real
+        // time, so only a bounded start is reserved.
+        let mut out = Vec::with_capacity(samples.get().min(1024) as usize);
         for _ in 0..samples.get() {
             let opened = self.last.unwrap_or_else(Instant::now);
             let now = Instant::now();
@@ -445,7 +452,7 @@ impl<S: DirtyLogSource> DirtyRate<S> {
             }
             per_vcpu.push(n);
         }
-        let credited: u64 = per_vcpu.iter().sum();
+        let credited = saturating_sum(per_vcpu.iter().copied());
         Ok(Sample {
             window: Duration::ZERO,
             pages,

@@ -98,6 +98,35 @@ pub enum Error {
     /// A harvest request that does not fit the harvester (unknown slot, wrong mode, bad chunk).
     #[error("harvest: {0}")]
     Harvest(String),
+    /// Memory sized by the caller (a bitmap for a slot's pages, a snapshot's copy) could not
+    /// be allocated: a typed error rather than an abort.
+    #[error("cannot allocate {bytes} bytes for {what}")]
+    Alloc {
+        /// What it was for.
+        what: String,
+        /// Bytes asked for (saturated at `u64::MAX`).
+        bytes: u64,
+    },
+}
+
+/// `n` copies of `v` in a vector allocated fallibly: the count comes from a caller (a slot's
+/// page count, a region's length), and an infallible allocation aborts the process when it
+/// fails. `what` names the allocation in the error.
+pub(crate) fn try_filled<T: Clone>(
+    n: usize,
+    v: T,
+    what: impl FnOnce() -> String,
+) -> Result<Vec<T>, Error> {
+    let mut out = Vec::new();
+    if out.try_reserve_exact(n).is_err() {
+        let bytes = (n as u128 * std::mem::size_of::<T>() as u128).min(u64::MAX as u128) as u64;
+        return Err(Error::Alloc {
+            what: what(),
+            bytes,
+        });
+    }
+    out.resize(n, v);
+    Ok(out)
 }
 
 impl Error {

@@ -1,6 +1,6 @@
 //! Transactional harvests: one API over the three ways KVM logs dirty pages.
 
-use crate::error::Error;
+use crate::error::{try_filled, Error};
 use crate::log::DirtyRing;
 use crate::memslot::Memslot;
 use crate::ranges::{ranges, Ranges};
@@ -93,6 +93,10 @@ pub struct Harvester<S: DirtyLogSource = KvmLog> {
     owed: Vec<Vec<u64>>,
     /// Scratch bitmap for GET (the largest slot's length).
     scratch: Vec<u64>,
+    /// Zeroed bitmaps shaped as `owed`, allocated (fallibly) with it: a take swaps them in
+    /// for the owed ones and the set gives them back, zeroed, when it is settled, so a take
+    /// allocates nothing.
+    spare: Vec<Vec<u64>>,
     /// Ring entries for a slot this harvester does not track, or past its end.
     foreign: u64,
 }
@@ -104,17 +108,16 @@ fn words_of(slot: &SlotInfo) -> Result<usize, Error> {
 }
 
 /// A zeroed bitmap for `slot`. A source is safe code and may claim any page count: an
-/// allocation this host cannot make is a typed error, not an abort.
+/// allocation this host cannot make is a typed error ([`Error::Alloc`]), not an abort. (A
+/// reservation that is dropped proves nothing about the next allocation: the bitmap itself
+/// is the fallible one.)
 fn bitmap_for(slot: &SlotInfo) -> Result<Vec<u64>, Error> {
-    let words = words_of(slot)?;
-    Vec::<u64>::new().try_reserve_exact(words).map_err(|_| {
-        Error::Harvest(format!(
-            "slot {} ({} pages): its bitmap cannot be allocated on this host",
+    try_filled(words_of(slot)?, 0u64, || {
+        format!(
+            "the dirty bitmap of slot {} ({} pages)",
             slot.id, slot.pages
-        ))
-    })?;
-    // Zeroed pages come from the allocator lazily; the reservation above proved it can.
-    Ok(vec![0u64; words])
+        )
+    })
 }
 
 /// Refuses what no harvest can work with: no slot, a slot twice, a bad CLEAR chunk.
@@ -179,9 +182,15 @@ impl<S: DirtyLogSource> Harvester<S> {
             .iter()
             .map(bitmap_for)
             .collect::<Result<Vec<_>, Error>>()?;
+        let spare = slots
+            .iter()
+            .map(bitmap_for)
+            .collect::<Result<Vec<_>, Error>>()?;
         let largest = owed.iter().map(Vec::len).max().unwrap_or(0);
         let scratch = match mode {
-            LogMode::Get | LogMode::ManualProtect { .. } => vec![0u64; largest],
+            LogMode::Get | LogMode::ManualProtect { .. } => {
+                try_filled(largest, 0u64, || "the GET scratch bitmap".into())?
+            }
             LogMode::Ring => Vec::new(),
         };
         Ok(Harvester {
@@ -190,6 +199,7 @@ impl<S: DirtyLogSource> Harvester<S> {
             mode,
             owed,
             scratch,
+            spare,
             foreign: 0,
         })
     }
@@ -388,13 +398,19 @@ impl<S: DirtyLogSource> Harvester<S> {
         self.hand_over(0)
     }
 
-    /// Moves every owed page into a new set.
+    /// Moves every owed page into a new set: the spare bitmaps become the owed ones.
     fn hand_over(&mut self, collected: u64) -> DirtySet<'_, S> {
-        let bitmaps = self
-            .owed
-            .iter_mut()
-            .map(|o| std::mem::replace(o, vec![0u64; o.len()]))
-            .collect();
+        if self.spare.len() != self.owed.len() {
+            // A set was leaked (`mem::forget`) and its bitmaps never came back: allocate again
+            // (fallibly first; only a leak followed by exhausted memory reaches the fallback).
+            self.spare = self
+                .slots
+                .iter()
+                .map(bitmap_for)
+                .collect::<Result<_, _>>()
+                .unwrap_or_else(|_| self.owed.iter().map(|o| vec![0; o.len()]).collect());
+        }
+        let bitmaps = std::mem::replace(&mut self.owed, std::mem::take(&mut self.spare));
         DirtySet {
             h: self,
             bitmaps,
@@ -611,13 +627,17 @@ impl<S: DirtyLogSource> DirtySet<'_, S> {
 
 impl<S: DirtyLogSource> Drop for DirtySet<'_, S> {
     fn drop(&mut self) {
-        if self.settled {
-            return;
-        }
-        for (o, b) in self.h.owed.iter_mut().zip(&self.bitmaps) {
-            for (x, y) in o.iter_mut().zip(b) {
-                *x |= y;
+        if !self.settled {
+            for (o, b) in self.h.owed.iter_mut().zip(&self.bitmaps) {
+                for (x, y) in o.iter_mut().zip(b) {
+                    *x |= y;
+                }
             }
         }
+        // The bitmaps go back as the next take's spare.
+        for b in &mut self.bitmaps {
+            b.fill(0);
+        }
+        self.h.spare = std::mem::take(&mut self.bitmaps);
     }
 }

@@ -53,6 +53,12 @@ pub enum SnapshotError {
     /// A page set or child built for regions of other sizes than this snapshot's.
     #[error("{0}")]
     Shape(String),
+    /// A copy of guest memory could not be allocated (a typed error, not an abort).
+    #[error("cannot allocate {bytes} bytes for a snapshot's copy of guest memory")]
+    Alloc {
+        /// Bytes asked for.
+        bytes: u64,
+    },
     /// Guest memory differs from the snapshot.
     #[error("guest memory differs from the snapshot: region {region}, page {page}, byte {byte}")]
     Mismatch {
@@ -401,7 +407,10 @@ impl Snapshot {
                 "a snapshot needs at least one region".into(),
             ));
         }
-        let copies = regions.iter().map(|r| r.bytes().into()).collect();
+        let copies = regions
+            .iter()
+            .map(|r| copy_of(r.bytes()).map(Vec::into_boxed_slice))
+            .collect::<Result<_, _>>()?;
         Ok(Snapshot {
             regions,
             copies,
@@ -502,9 +511,20 @@ impl Snapshot {
             .iter()
             .enumerate()
             .map(|(i, marks)| ChildRegion::copy(&self.regions[i], marks))
-            .collect();
+            .collect::<Result<_, _>>()?;
         Ok(ChildSnapshot { base: self, layers })
     }
+}
+
+/// A copy of `bytes`, allocated fallibly (the region's size is the caller's).
+fn copy_of(bytes: &[u8]) -> Result<Vec<u8>, SnapshotError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(bytes.len())
+        .map_err(|_| SnapshotError::Alloc {
+            bytes: bytes.len() as u64,
+        })?;
+    v.extend_from_slice(bytes);
+    Ok(v)
 }
 
 /// A [`SnapshotError::Mismatch`] at byte `byte` of region `region`.
@@ -540,9 +560,13 @@ struct ChildRegion {
 }
 
 impl ChildRegion {
-    fn copy(region: &GuestRegion, marks: &RegionMarks) -> Self {
+    fn copy(region: &GuestRegion, marks: &RegionMarks) -> Result<Self, SnapshotError> {
         let bytes = region.bytes();
-        let mut data = Vec::with_capacity(marks.list.len() * PAGE_SIZE as usize);
+        // At most the region's size, which exists: the product cannot overflow.
+        let len = marks.list.len() * PAGE_SIZE as usize;
+        let mut data = Vec::new();
+        data.try_reserve_exact(len)
+            .map_err(|_| SnapshotError::Alloc { bytes: len as u64 })?;
         for &p in &marks.list {
             data.extend_from_slice(&bytes[page_range(p)]);
         }
@@ -553,11 +577,11 @@ impl ChildRegion {
             .map(|(j, &p)| (p, j))
             .collect();
         sorted.sort_unstable();
-        ChildRegion {
+        Ok(ChildRegion {
             marks: marks.clone(),
             data: data.into(),
             sorted,
-        }
+        })
     }
 
     /// The child's copy of `page`, if the child has one.

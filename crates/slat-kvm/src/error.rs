@@ -72,6 +72,9 @@ pub enum KvmError {
     /// Guest memory could not be mapped (or the hugetlb pool is short).
     #[error(transparent)]
     Ram(#[from] slat_workload::RamError),
+    /// The host's rendezvous with the vCPU threads refused the vCPU count.
+    #[error(transparent)]
+    Rendezvous(#[from] slat_workload::RendezvousError),
 }
 
 impl From<slat_workload::WorkloadError> for KvmError {

@@ -531,11 +531,11 @@ impl KvmMachine {
         let slots = unsafe { register_slots(&vm, &low, &ram, gpa, &size) }?;
         let layout = size.layout(gpa, ram.addr(), config.region.overlap);
         let (vcpus, rings, stats) = create_vcpus(&vm, &cpuid, &low_layout, &config, ring_size)?;
-        let tids = Arc::new(VcpuTids::new(config.region.vcpus));
+        let tids = Arc::new(VcpuTids::new(config.region.vcpus)?);
         let tsc_khz = tsc_khz_of(&vcpus);
         let m = KvmMachine {
             threads: Vec::new(),
-            ctl: Arc::new(Control::new(config.region.vcpus)),
+            ctl: Arc::new(Control::new(config.region.vcpus)?),
             rings: Arc::new(Mutex::new(Rings {
                 rings,
                 reaped: Vec::new(),
@@ -943,7 +943,8 @@ fn vcpu_thread(mut ctx: VcpuContext) {
             ctx.run()
         };
         broken = r.is_err();
-        ctx.ctl.report(ctx.idx, r);
+        // `idx` is this thread's own index, below the count the rendezvous was built for.
+        let _ = ctx.ctl.report(ctx.idx, r);
     }
 }
 

@@ -167,7 +167,7 @@ pub fn run_conversion_test(p: ConversionParams) -> Result<ConversionReport, Mach
     let pcpus = Arc::new(PcpuPool::new(p.vcpus));
     let workers: Vec<_> = (0..p.vcpus)
         .map(|i| {
-            let mut cpu = Cpu::new(vm.clone(), i as u32, 512, pcpus.clone());
+            let mut cpu = Cpu::new(vm.clone(), i as u32, 512, pcpus.clone())?;
             cpu.set_private_pool(pool.addr(), pool.addr() + pool_len);
             cpu.attach_host_cpu(map.host_cpu());
             let w = Worker {
@@ -182,9 +182,9 @@ pub fn run_conversion_test(p: ConversionParams) -> Result<ConversionReport, Mach
             std::thread::Builder::new()
                 .name(format!("vcpu{i}"))
                 .spawn(move || w.run(cpu))
+                .map_err(MachineError::Thread)
         })
-        .collect::<Result<_, _>>()
-        .map_err(MachineError::Thread)?;
+        .collect::<Result<_, MachineError>>()?;
     for w in workers {
         if w.join().is_err() {
             tally

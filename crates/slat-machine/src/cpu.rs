@@ -11,7 +11,7 @@
 //! branch per fault and never reads the clock.
 
 use crate::sched::PcpuPool;
-use crate::tlb::Tlb;
+use crate::tlb::{Tlb, TlbError};
 use slat::direct_map::{HostCpu, Online};
 use slat::hw::{self, bytes_per_entry, table_index, TablePage};
 use slat::{Access, Fault, FaultOutcome, GuestMode, PteFormat, Vcpu, Vm};
@@ -124,13 +124,21 @@ pub struct Cpu<F: PteFormat> {
 }
 
 impl<F: PteFormat> Cpu<F> {
-    /// A vCPU of `vm` with a TLB of `tlb_entries` entries, scheduled on `pool`.
-    pub fn new(vm: Arc<Vm<F>>, id: u32, tlb_entries: usize, pool: Arc<PcpuPool>) -> Self {
+    /// A vCPU of `vm` with a TLB of `tlb_entries` entries (see [`Tlb::new`]), scheduled on
+    /// `pool`.
+    pub fn new(
+        vm: Arc<Vm<F>>,
+        id: u32,
+        tlb_entries: usize,
+        pool: Arc<PcpuPool>,
+    ) -> Result<Self, TlbError> {
+        // The TLB first: a refused count leaves no vCPU behind in the VM.
+        let tlb = Tlb::new(tlb_entries)?;
         let vcpu = vm.create_vcpu(id);
         let root = hw::root_addr(&vm);
-        Cpu {
+        Ok(Cpu {
             vcpu,
-            tlb: Tlb::new(tlb_entries),
+            tlb,
             pool,
             root: root.raw(),
             guest: None,
@@ -142,7 +150,7 @@ impl<F: PteFormat> Cpu<F> {
             rmp: None,
             host: None,
             counters: CpuCounters::default(),
-        }
+        })
     }
 
     /// Makes ordinary accesses private (or shared again), as a confidential guest does.

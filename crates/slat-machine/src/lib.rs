@@ -15,4 +15,4 @@ pub mod tlb;
 
 pub use cpu::{Cpu, CpuCounters, Exit, RingFullHandler};
 pub use machine::{Machine, MachineConfig, MachineError, PassReport, VcpuPass, Workload};
-pub use paced::{PacedParams, Pacer};
+pub use paced::{PacedParams, Pacer, PacerError, MAX_PACED_VCPUS};

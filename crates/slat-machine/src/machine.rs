@@ -5,7 +5,7 @@ use crate::cpu::{Cpu, CpuCounters, Exit, RingFullHandler};
 use crate::memstress::{guest_pass, PassParams, WriterPattern};
 use crate::page_table_stage::{guest_stage, StageParams};
 use crate::sched::PcpuPool;
-use crate::tlb::DEFAULT_TLB_ENTRIES;
+use crate::tlb::{Tlb, TlbError, DEFAULT_TLB_ENTRIES};
 use parking_lot::Mutex;
 use slat::direct_map::{DirectMap, DirectMapConfig, DirectMapError};
 use slat::dirty::DirtyLogError;
@@ -94,6 +94,12 @@ pub enum MachineError {
     /// The engine refused a memory-attribute change.
     #[error(transparent)]
     MemoryAttributes(#[from] MemoryAttributeError),
+    /// The TLB size was refused or could not be allocated.
+    #[error(transparent)]
+    Tlb(#[from] TlbError),
+    /// The host's rendezvous with the vCPU threads refused the vCPU count.
+    #[error(transparent)]
+    Rendezvous(#[from] slat_workload::RendezvousError),
     /// A workload is already running (or none is, for a halt).
     #[error("{0}")]
     Busy(&'static str),
@@ -187,12 +193,7 @@ pub struct Machine<F: PteFormat = Ept> {
 impl<F: PteFormat> Machine<F> {
     /// Maps guest RAM, creates the VM and its memslots, and starts idle vCPU threads.
     pub fn new(config: MachineConfig) -> Result<Self, MachineError> {
-        if !config.tlb_entries.is_power_of_two() {
-            return Err(MachineError::Config(format!(
-                "TLB entries ({}) must be a power of two",
-                config.tlb_entries
-            )));
-        }
+        Tlb::check_entries(config.tlb_entries)?;
         let size = RegionSize::new(
             config.region.vcpus,
             config.region.bytes_per_vcpu,
@@ -282,7 +283,7 @@ impl<F: PteFormat> Machine<F> {
             config.pcpus
         };
         let pool = Arc::new(PcpuPool::new(pcpus));
-        let ctl = Arc::new(Control::new(config.region.vcpus));
+        let ctl = Arc::new(Control::new(config.region.vcpus)?);
         let mut m = Machine {
             vm,
             ram,
@@ -298,11 +299,20 @@ impl<F: PteFormat> Machine<F> {
             pool,
             reaped: Arc::new(Mutex::new(Vec::new())),
             writer_value: Arc::new(AtomicU64::new(0)),
-            tids: Arc::new(VcpuTids::new(config.region.vcpus)),
+            tids: Arc::new(VcpuTids::new(config.region.vcpus)?),
             direct_map,
         };
         for i in 0..config.region.vcpus {
-            let mut cpu = Cpu::new(m.vm.clone(), i as u32, config.tlb_entries, m.pool.clone());
+            let mut cpu = match Cpu::new(m.vm.clone(), i as u32, config.tlb_entries, m.pool.clone())
+            {
+                Ok(cpu) => cpu,
+                Err(e) => {
+                    // As for a thread that cannot start, below.
+                    m.ctl.abandon();
+                    m.threads.clear();
+                    return Err(e.into());
+                }
+            };
             if let Some(map) = &m.direct_map {
                 let pool = map.pool();
                 cpu.set_private(true);
@@ -518,7 +528,8 @@ fn vcpu_thread<F: PteFormat>(
             pass: pass_of(time, touched, passes, before, c),
             latency,
         });
-        ctl.report(idx, r);
+        // `idx` is this thread's own index, below the count the rendezvous was built for.
+        let _ = ctl.report(idx, r);
     }
     cpu.destroy();
 }

@@ -44,6 +44,20 @@ pub const MAX_THROTTLE_PERCENT: u32 = 99;
 /// Highest per-vCPU throttle, per mille (the same 99%).
 pub const MAX_VCPU_THROTTLE_PERMILLE: u32 = 990;
 
+/// Most vCPUs a [`Pacer`] gives controls of their own (KVM's `KVM_MAX_VCPUS` on x86).
+pub const MAX_PACED_VCPUS: usize = 4096;
+
+/// Why a [`Pacer`] could not be built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum PacerError {
+    /// More vCPUs than [`MAX_PACED_VCPUS`].
+    #[error("a pacer has per-vCPU controls for at most {MAX_PACED_VCPUS} vCPUs, not {0}")]
+    TooManyVcpus(usize),
+    /// The per-vCPU controls could not be allocated.
+    #[error("cannot allocate pacer controls for {0} vCPUs")]
+    Alloc(usize),
+}
+
 /// One vCPU's own controls and counters (see [`Pacer::for_vcpus`]).
 #[derive(Debug, Default)]
 struct VcpuPace {
@@ -80,14 +94,23 @@ impl Pacer {
         p.rate.store(rate, Ordering::Relaxed);
         Arc::new(p)
     }
-    /// A pacer like [`Pacer::new`] with per-vCPU controls for `vcpus` vCPUs.
-    pub fn for_vcpus(rate: u64, vcpus: usize) -> Arc<Pacer> {
+    /// A pacer like [`Pacer::new`] with per-vCPU controls for `vcpus` vCPUs (at most
+    /// [`MAX_PACED_VCPUS`]).
+    pub fn for_vcpus(rate: u64, vcpus: usize) -> Result<Arc<Pacer>, PacerError> {
+        if vcpus > MAX_PACED_VCPUS {
+            return Err(PacerError::TooManyVcpus(vcpus));
+        }
+        let mut controls = Vec::new();
+        controls
+            .try_reserve_exact(vcpus)
+            .map_err(|_| PacerError::Alloc(vcpus))?;
+        controls.resize_with(vcpus, VcpuPace::default);
         let p = Pacer {
-            vcpus: (0..vcpus).map(|_| VcpuPace::default()).collect(),
+            vcpus: controls.into_boxed_slice(),
             ..Pacer::default()
         };
         p.rate.store(rate, Ordering::Relaxed);
-        Arc::new(p)
+        Ok(Arc::new(p))
     }
     /// vCPUs with controls of their own.
     pub fn vcpus(&self) -> usize {
@@ -378,7 +401,7 @@ mod tests {
         let p = Pacer::new(0);
         p.set_throttle(150);
         assert_eq!(p.throttle(), MAX_THROTTLE_PERCENT);
-        let v = Pacer::for_vcpus(0, 2);
+        let v = Pacer::for_vcpus(0, 2).unwrap();
         v.set_vcpu_throttle(1, 5000);
         v.set_vcpu_throttle(7, 100);
         assert_eq!(v.vcpu_throttles(), vec![0, MAX_VCPU_THROTTLE_PERMILLE]);

@@ -51,10 +51,11 @@ impl PcpuPool {
         *free -= 1;
     }
 
-    /// Returns a token.
+    /// Returns a token. A release without an acquire gives none: the pool never holds more
+    /// than its tokens.
     pub fn release(&self) {
         let mut free = self.free.lock();
-        *free += 1;
+        *free = free.saturating_add(1).min(self.total);
         drop(free);
         self.cv.notify_one();
     }

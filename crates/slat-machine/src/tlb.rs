@@ -15,6 +15,9 @@ use slat::Level;
 
 /// Default 4 KiB entries: the order of a modern x86 second-level TLB (1536–2048 entries).
 pub const DEFAULT_TLB_ENTRIES: usize = 2048;
+/// Most 4 KiB entries a TLB may have: 2^20 (16 MiB of entries per vCPU), far beyond any
+/// hardware TLB, small enough that a vCPU per thread cannot exhaust memory by accident.
+pub const MAX_TLB_ENTRIES: usize = 1 << 20;
 const HUGE_2M_ENTRIES: usize = 32;
 const HUGE_1G_ENTRIES: usize = 4;
 
@@ -45,6 +48,18 @@ const EMPTY_ENTRY: Entry = Entry {
     host: 0,
 };
 
+/// Why a TLB could not be built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum TlbError {
+    /// The entry count is not a power of two from 1 to [`MAX_TLB_ENTRIES`]: the index is the
+    /// GFN masked by `entries - 1`.
+    #[error("a TLB needs a power of two of 4 KiB entries from 1 to {MAX_TLB_ENTRIES}, not {0}")]
+    Entries(usize),
+    /// The entries could not be allocated.
+    #[error("cannot allocate a TLB of {0} entries")]
+    Alloc(usize),
+}
+
 /// The TLB.
 pub struct Tlb {
     small: Box<[Entry]>,
@@ -62,11 +77,16 @@ pub struct Tlb {
 }
 
 impl Tlb {
-    /// A TLB with `entries` 4 KiB entries (a power of two, at least 1).
-    pub fn new(entries: usize) -> Tlb {
-        debug_assert!(entries.is_power_of_two());
-        Tlb {
-            small: vec![EMPTY_ENTRY; entries].into_boxed_slice(),
+    /// A TLB with `entries` 4 KiB entries (a power of two from 1 to [`MAX_TLB_ENTRIES`]).
+    pub fn new(entries: usize) -> Result<Tlb, TlbError> {
+        Self::check_entries(entries)?;
+        let mut small = Vec::new();
+        small
+            .try_reserve_exact(entries)
+            .map_err(|_| TlbError::Alloc(entries))?;
+        small.resize(entries, EMPTY_ENTRY);
+        Ok(Tlb {
+            small: small.into_boxed_slice(),
             mid: [EMPTY_ENTRY; HUGE_2M_ENTRIES],
             large: [EMPTY_ENTRY; HUGE_1G_ENTRIES],
             mask: entries - 1,
@@ -74,7 +94,15 @@ impl Tlb {
             leaf_table: None,
             misses: 0,
             flushes: 0,
+        })
+    }
+
+    /// Whether [`Tlb::new`] accepts `entries` (before anything is allocated for it).
+    pub fn check_entries(entries: usize) -> Result<(), TlbError> {
+        if !entries.is_power_of_two() || entries > MAX_TLB_ENTRIES {
+            return Err(TlbError::Entries(entries));
         }
+        Ok(())
     }
 
     /// Host address for `gfn` if cached with the needed permission, for an access of this
@@ -181,8 +209,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn entry_counts_are_checked() {
+        for bad in [0, 3, MAX_TLB_ENTRIES * 2, usize::MAX] {
+            assert_eq!(Tlb::new(bad).err(), Some(TlbError::Entries(bad)));
+        }
+        let mut t = Tlb::new(1).unwrap();
+        t.insert(5, 1, 0x1000_0000, false, false);
+        assert_eq!(t.lookup(5, false, false), Some(0x1000_0000));
+    }
+
+    #[test]
     fn hit_miss_permissions_and_flush() {
-        let mut t = Tlb::new(16);
+        let mut t = Tlb::new(16).unwrap();
         assert_eq!(t.lookup(5, false, false), None);
         t.insert(5, 1, 0x1000_0000, false, false);
         assert_eq!(t.lookup(5, false, false), Some(0x1000_0000));
@@ -205,7 +243,7 @@ mod tests {
 
     #[test]
     fn a_translation_serves_only_accesses_of_its_kind() {
-        let mut t = Tlb::new(16);
+        let mut t = Tlb::new(16).unwrap();
         t.insert(5, 1, 0x1000_0000, true, true);
         assert_eq!(t.lookup(5, true, true), Some(0x1000_0000));
         assert_eq!(t.lookup(5, false, true), Some(0x1000_0000));
@@ -233,7 +271,7 @@ mod tests {
 
     #[test]
     fn conflicts_are_entries_of_another_size_for_the_same_page() {
-        let mut t = Tlb::new(16);
+        let mut t = Tlb::new(16).unwrap();
         t.insert(512 + 7, 2, 0x4000_0000, false, false);
         assert!(
             t.conflicts(512 + 9, 1),
@@ -250,7 +288,7 @@ mod tests {
 
     #[test]
     fn structure_cache_covers_one_leaf_table_until_flush_or_drop() {
-        let mut t = Tlb::new(16);
+        let mut t = Tlb::new(16).unwrap();
         t.insert_leaf_table(1024 + 3, 0x5000);
         assert_eq!(t.leaf_table(1024 + 511), Some(0x5000));
         assert_eq!(

@@ -85,11 +85,14 @@ fn oracle_with_aging<F: PteFormat>(
             let mut idle = IdleBitmap::new::<F>(Gfn::new(g0), npages).expect("bitmap");
             while !stop.load(Ordering::Relaxed) {
                 let r = match a.passes % 8 {
-                    3 => vm.clear_flush_young(Gfn::new(g0), Gfn::new(g0 + npages), |_, _| {}),
+                    3 => vm
+                        .clear_flush_young(Gfn::new(g0), Gfn::new(g0 + npages), |_, _| {})
+                        .expect("host thread"),
                     5 => vm.test_young(Gfn::new(g0), Gfn::new(g0 + npages)),
                     7 => {
                         vm.read_idle(&mut idle);
                         vm.mark_idle(&mut idle, AgeFlush::NoFlush, |_, _| {})
+                            .expect("host thread")
                     }
                     _ => vm.clear_young(Gfn::new(g0), Gfn::new(g0 + npages), |_, _| {}),
                 };
@@ -276,7 +279,9 @@ fn idle_tracking_sees_exactly_the_pages_a_pass_touched<F: PteFormat>() {
             })
             .collect();
         for b in bitmaps.iter_mut() {
-            let r = vm.mark_idle(b, AgeFlush::Flush, |_, _| {});
+            let r = vm
+                .mark_idle(b, AgeFlush::Flush, |_, _| {})
+                .expect("host thread");
             assert_eq!(r.aged_leaves, b.npages(), "ad_bits {ad_bits}");
             assert_eq!(vm.read_idle(b), b.npages());
         }
@@ -337,7 +342,7 @@ fn clear_young_misses_accesses_through_cached_translations<F: PteFormat>() {
         };
         for flush in [AgeFlush::Flush, AgeFlush::NoFlush, AgeFlush::Flush] {
             m.run_pass(read).expect("fill the TLB");
-            vm.mark_idle(&mut b, flush, |_, _| {});
+            vm.mark_idle(&mut b, flush, |_, _| {}).expect("host thread");
             let pass = m.run_pass(read).expect("pass");
             let faults: u64 = pass.vcpus.iter().map(|v| v.counters.faults).sum();
             let idle = vm.read_idle(&mut b);

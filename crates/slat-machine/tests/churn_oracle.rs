@@ -923,12 +923,15 @@ impl<F: PteFormat> Churner<F> {
             }
         };
         let g = self.checked_gfn(s) + first;
-        self.vm.zap_gfn_range(Gfn::new(g), Gfn::new(g + len));
+        self.vm
+            .zap_gfn_range(Gfn::new(g), Gfn::new(g + len))
+            .expect("not refused: no CPU of this thread in guest mode");
         if self.rng.chance(20) {
             let a = self.sh.aux_gpa.load(Ordering::SeqCst) >> PAGE_SHIFT;
             let p = self.rng.below(AUX_BYTES / PAGE_SIZE - 8);
             self.vm
-                .zap_gfn_range(Gfn::new(a + p), Gfn::new(a + p + 1 + self.rng.below(8)));
+                .zap_gfn_range(Gfn::new(a + p), Gfn::new(a + p + 1 + self.rng.below(8)))
+                .expect("not refused: no CPU of this thread in guest mode");
         }
         self.out.zaps += 1;
     }
@@ -944,19 +947,25 @@ impl<F: PteFormat> Churner<F> {
                 .clear_young(Gfn::new(start), Gfn::new(end), on_dirty),
             2 => self
                 .vm
-                .clear_flush_young(Gfn::new(start), Gfn::new(end), on_dirty),
+                .clear_flush_young(Gfn::new(start), Gfn::new(end), on_dirty)
+                .expect("not refused: no CPU of this thread in guest mode"),
             3 => self
                 .vm
-                .age_gfn_range(Gfn::new(start), Gfn::new(end), AgeFlush::NoFlush, on_dirty),
+                .age_gfn_range(Gfn::new(start), Gfn::new(end), AgeFlush::NoFlush, on_dirty)
+                .expect("not refused: no CPU of this thread in guest mode"),
             4 => self
                 .vm
-                .age_gfn_range(Gfn::new(start), Gfn::new(end), AgeFlush::Flush, on_dirty),
+                .age_gfn_range(Gfn::new(start), Gfn::new(end), AgeFlush::Flush, on_dirty)
+                .expect("not refused: no CPU of this thread in guest mode"),
             5 => self.vm.test_young(Gfn::new(start), Gfn::new(end)),
             _ => {
                 let mut idle =
                     IdleBitmap::new::<F>(Gfn::new(start), PAGES).map_err(|e| e.to_string())?;
                 let flush = self.rng.pick(&[AgeFlush::NoFlush, AgeFlush::Flush]);
-                let r = self.vm.mark_idle(&mut idle, flush, on_dirty);
+                let r = self
+                    .vm
+                    .mark_idle(&mut idle, flush, on_dirty)
+                    .map_err(|e| e.to_string())?;
                 self.vm.read_idle(&mut idle);
                 r
             }
@@ -1566,7 +1575,8 @@ fn start_vcpus<F: PteFormat>(
     let pool = Arc::new(PcpuPool::new(pcpus));
     let mut handles = Vec::new();
     for v in 0..cfg.vcpus {
-        let mut cpu = Cpu::new(vm.clone(), v as u32, cfg.tlb_entries, pool.clone());
+        let mut cpu =
+            Cpu::new(vm.clone(), v as u32, cfg.tlb_entries, pool.clone()).expect("TLB size");
         if let LogMode::Ring { .. } = cfg.log {
             cpu.set_ring_full_handler(ring_full_handler(vm, sh));
         }

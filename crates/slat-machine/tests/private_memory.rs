@@ -35,7 +35,7 @@ fn a_shared_access_to_a_private_page_exits_to_the_vmm<F: PteFormat>() {
         MemslotFlags::empty(),
     )
     .unwrap();
-    let mut cpu = Cpu::new(vm.clone(), 0, 64, Arc::new(PcpuPool::new(1)));
+    let mut cpu = Cpu::new(vm.clone(), 0, 64, Arc::new(PcpuPool::new(1))).unwrap();
     cpu.enter();
     let gpa = GPA + 3 * PAGE_SIZE + 16;
     cpu.write_u64(gpa, 0x1234).unwrap();
@@ -165,7 +165,7 @@ fn a_shared_access_never_uses_a_private_translation<F: PteFormat>() {
     .unwrap();
     vm.set_memory_attributes(Gpa::new(GPA).gfn(), 1, MemoryAttributes::PRIVATE)
         .unwrap();
-    let mut cpu = Cpu::new(vm.clone(), 0, 64, Arc::new(PcpuPool::new(1)));
+    let mut cpu = Cpu::new(vm.clone(), 0, 64, Arc::new(PcpuPool::new(1))).unwrap();
     cpu.set_private_pool(ram.addr() + 2 * MIB, ram.addr() + 4 * MIB);
     cpu.enter();
     cpu.write_u64_as(GPA, 0x5ec2e7, true).unwrap();

@@ -312,7 +312,8 @@ fn start_vcpus<F: PteFormat>(
     let pool = Arc::new(PcpuPool::new(pcpus));
     (0..cfg.vcpus)
         .map(|v| {
-            let mut cpu = Cpu::new(vm.clone(), v as u32, cfg.tlb_entries, pool.clone());
+            let mut cpu = Cpu::new(vm.clone(), v as u32, cfg.tlb_entries, pool.clone())
+                .expect("a power-of-two TLB size");
             cpu.set_ring_full_handler(ring_full_handler(vm, sh));
             let (sh, exits) = (sh.clone(), exits.clone());
             let (span, seed) = (cfg.span, cfg.seed ^ mix(v as u64 + 1));

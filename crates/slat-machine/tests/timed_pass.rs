@@ -153,7 +153,7 @@ fn a_read_fault_or_an_exit_does_not_time_the_next_write<F: PteFormat>() {
     let host = HostRange::slice(ram.clone(), 0, 2 * 4096).unwrap();
     vm.add_memslot(1, Gpa::new(GPA), 2 * 4096, host, MemslotFlags::empty())
         .unwrap();
-    let mut cpu = Cpu::new(vm.clone(), 0, 64, Arc::new(PcpuPool::new(1)));
+    let mut cpu = Cpu::new(vm.clone(), 0, 64, Arc::new(PcpuPool::new(1))).unwrap();
     cpu.start_timing();
     cpu.enter();
     // A missing page: faults once, recorded once.

@@ -59,6 +59,9 @@ pub const MAX_LIMIT: u64 = 1_000_000_000;
 pub const DEADBAND: f64 = 0.05;
 /// Smallest run share (a 99% throttle, as auto-converge's highest).
 pub const MIN_RUN: f64 = 0.01;
+/// The most vCPUs a limiter tracks (KVM's `KVM_MAX_VCPUS` on x86 is 4096): a ring entry naming
+/// a vCPU past it counts as unattributed, so a guest cannot make the limiter grow unbounded.
+pub const MAX_LIMITED_VCPUS: usize = 4096;
 
 /// The limit and period.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -175,6 +178,9 @@ impl DirtyLogSource for RingMeter {
         let (per, none) = &mut *c;
         self.inner.collect_ring_by_vcpu(&mut |v, s, o| {
             match v {
+                // An index no guest of this crate can have (a source's bug) is not trusted
+                // with an allocation: its entry counts without a vCPU.
+                Some(i) if i >= MAX_LIMITED_VCPUS => *none += 1,
                 Some(i) => {
                     if per.len() <= i {
                         per.resize(i + 1, 0);
@@ -207,10 +213,12 @@ pub struct DirtyLimiter {
 }
 
 impl DirtyLimiter {
-    /// A limiter for `vcpus` vCPUs, all unthrottled, whose first period starts at `now` with
-    /// the ring counts `counts`.
+    /// A limiter for `vcpus` vCPUs (at most [`MAX_LIMITED_VCPUS`]: vCPUs past it are never
+    /// limited), all unthrottled, whose first period starts at `now` with the ring counts
+    /// `counts`.
     pub fn new(cfg: DirtyLimitConfig, vcpus: usize, counts: &[u64], now: Instant) -> Self {
-        let mut last_counts = counts.to_vec();
+        let vcpus = vcpus.min(MAX_LIMITED_VCPUS);
+        let mut last_counts = counts.iter().copied().take(vcpus).collect::<Vec<_>>();
         last_counts.resize(vcpus, 0);
         DirtyLimiter {
             cfg,

@@ -110,8 +110,10 @@ pub struct Digests {
 }
 
 impl Digests {
-    /// `pages` digests of `fill`, every range to be hashed.
-    pub fn new(pages: usize, fill: PageDigest) -> Digests {
+    /// `pages` digests of `fill`, every range to be hashed. Crate-only: sized from guest
+    /// memory that exists (the source's map, or the destination's, checked against the
+    /// host's memory before), never from a bare count.
+    pub(crate) fn new(pages: usize, fill: PageDigest) -> Digests {
         let n = pages.div_ceil(RANGE_PAGES as usize);
         Digests {
             pages: vec![fill; pages],

@@ -270,9 +270,16 @@ pub fn thread_affinity(tid: i32) -> io::Result<Vec<usize>> {
 pub struct VcpuTids(Vec<AtomicI32>);
 
 impl VcpuTids {
-    /// Room for `n` vCPUs, none started.
-    pub fn new(n: usize) -> VcpuTids {
-        VcpuTids((0..n).map(|_| AtomicI32::new(0)).collect())
+    /// Room for `n` vCPUs (at most [`crate::MAX_RENDEZVOUS_VCPUS`]), none started.
+    pub fn new(n: usize) -> Result<VcpuTids, crate::RendezvousError> {
+        if n > crate::MAX_RENDEZVOUS_VCPUS {
+            return Err(crate::RendezvousError::Vcpus(n));
+        }
+        let mut v = Vec::new();
+        v.try_reserve_exact(n)
+            .map_err(|_| crate::RendezvousError::Alloc(n))?;
+        v.resize_with(n, || AtomicI32::new(0));
+        Ok(VcpuTids(v))
     }
 
     /// Called by vCPU `idx`'s thread first thing.
@@ -356,7 +363,7 @@ mod tests {
     fn pins_a_thread() {
         let allowed = allowed_cpus().unwrap();
         let cpu = *allowed.last().unwrap();
-        let tids = std::sync::Arc::new(VcpuTids::new(1));
+        let tids = std::sync::Arc::new(VcpuTids::new(1).unwrap());
         let (t2, stop) = (
             tids.clone(),
             std::sync::Arc::new(std::sync::Barrier::new(2)),

@@ -116,6 +116,7 @@ impl Iterator for Pattern {
 
 /// The page sequence of the dirty-log writer of vCPU `vcpu_idx` over `pages` pages: each page
 /// index takes two draws (`(a << 31 | b) % pages`, so pages beyond 2^31 stay reachable).
+/// Endless, except over zero pages: then empty.
 #[derive(Debug, Clone, Copy)]
 pub struct WriterPattern {
     rng: ParkMiller,
@@ -136,6 +137,10 @@ impl Iterator for WriterPattern {
     type Item = u64;
     #[inline]
     fn next(&mut self) -> Option<u64> {
+        // No page to pick from zero pages (the modulo would divide by zero).
+        if self.pages == 0 {
+            return None;
+        }
         let hi = self.rng.next_u32() as u64;
         let lo = self.rng.next_u32() as u64;
         Some(((hi << 31) | lo) % self.pages)

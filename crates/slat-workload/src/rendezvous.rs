@@ -7,6 +7,28 @@ use std::sync::{Barrier, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// Most vCPU threads a [`Rendezvous`] serves (KVM's `KVM_MAX_VCPUS` on x86).
+pub const MAX_RENDEZVOUS_VCPUS: usize = 4096;
+
+/// Why a rendezvous could not be built or a report was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum RendezvousError {
+    /// No vCPU, or more than [`MAX_RENDEZVOUS_VCPUS`].
+    #[error("a rendezvous needs 1 to {MAX_RENDEZVOUS_VCPUS} vCPU threads, not {0}")]
+    Vcpus(usize),
+    /// The result slots could not be allocated.
+    #[error("cannot allocate results for {0} vCPU threads")]
+    Alloc(usize),
+    /// A report from a vCPU index the rendezvous does not have.
+    #[error("vCPU {idx} reported to a rendezvous of {vcpus} vCPUs")]
+    NoSuchVcpu {
+        /// The index reported.
+        idx: usize,
+        /// vCPUs of the rendezvous.
+        vcpus: usize,
+    },
+}
+
 /// The host side and the vCPU-thread side of one machine's passes. `J` is the job every vCPU
 /// runs, `R` a vCPU's result and `E` why a vCPU failed.
 pub struct Rendezvous<J, R, E> {
@@ -25,15 +47,23 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl<J: Clone, R: Clone + Default, E: Clone> Rendezvous<J, R, E> {
-    /// The rendezvous of `vcpus` vCPU threads with the host.
-    pub fn new(vcpus: usize) -> Self {
-        Rendezvous {
+    /// The rendezvous of `vcpus` vCPU threads (1 to [`MAX_RENDEZVOUS_VCPUS`]) with the host.
+    pub fn new(vcpus: usize) -> Result<Self, RendezvousError> {
+        if vcpus == 0 || vcpus > MAX_RENDEZVOUS_VCPUS {
+            return Err(RendezvousError::Vcpus(vcpus));
+        }
+        let mut results = Vec::new();
+        results
+            .try_reserve_exact(vcpus)
+            .map_err(|_| RendezvousError::Alloc(vcpus))?;
+        results.resize(vcpus, Ok(R::default()));
+        Ok(Rendezvous {
             start: Barrier::new(vcpus + 1),
             done: Barrier::new(vcpus + 1),
             job: Mutex::new(None),
-            results: Mutex::new(vec![Ok(R::default()); vcpus]),
+            results: Mutex::new(results),
             running: AtomicBool::new(false),
-        }
+        })
     }
 
     /// Host: claims the vCPUs for a job; `false` if one is running and not yet collected.
@@ -100,9 +130,27 @@ impl<J: Clone, R: Clone + Default, E: Clone> Rendezvous<J, R, E> {
         lock(&self.job).clone()
     }
 
-    /// vCPU thread `idx`: reports the job's result and syncs with the host.
-    pub fn report(&self, idx: usize, r: Result<R, E>) {
-        lock(&self.results)[idx] = r;
+    /// vCPU thread `idx`: reports the job's result and syncs with the host. An index past the
+    /// vCPU count is refused ([`RendezvousError::NoSuchVcpu`], the result dropped) after the
+    /// sync, so the host is not left waiting for this thread.
+    pub fn report(&self, idx: usize, r: Result<R, E>) -> Result<(), RendezvousError> {
+        let stored = {
+            let mut results = lock(&self.results);
+            let vcpus = results.len();
+            match results.get_mut(idx) {
+                Some(slot) => {
+                    *slot = r;
+                    Ok(())
+                }
+                None => Err(RendezvousError::NoSuchVcpu { idx, vcpus }),
+            }
+        };
         self.done.wait();
+        stored
+    }
+
+    /// vCPU threads of this rendezvous.
+    pub fn vcpus(&self) -> usize {
+        lock(&self.results).len()
     }
 }

@@ -163,6 +163,12 @@ pub enum IdleError {
         /// Guest frames the format translates (one past the last).
         max_gfn: Gfn,
     },
+    /// The bitmap could not be allocated (one bit per page: 2^40 pages take 128 GiB).
+    #[error("cannot allocate an idle bitmap of {npages} pages")]
+    Alloc {
+        /// Pages asked for.
+        npages: u64,
+    },
 }
 
 /// Idle page tracking for a range of guest pages (Linux's `/sys/kernel/mm/page_idle/bitmap`,
@@ -196,10 +202,17 @@ impl IdleBitmap {
                 max_gfn: Gfn::new(max_gfn),
             });
         }
+        // Fallible: the size is the caller's, and an infallible allocation aborts on failure.
+        let n = usize::try_from(npages.div_ceil(64)).map_err(|_| IdleError::Alloc { npages })?;
+        let mut words = Vec::new();
+        words
+            .try_reserve_exact(n)
+            .map_err(|_| IdleError::Alloc { npages })?;
+        words.resize(n, 0);
         Ok(IdleBitmap {
             start_gfn,
             npages,
-            words: vec![0; npages.div_ceil(64) as usize],
+            words,
         })
     }
 
@@ -300,17 +313,6 @@ pub(crate) fn clear_young<F: PteFormat>(
     on_dirty: impl FnMut(u64, u64),
 ) -> AgeReport {
     age_gfn_range(mmu, start_gfn, end_gfn, AgeFlush::NoFlush, on_dirty)
-}
-
-/// [`clear_young`], then a remote TLB flush if the range maps anything, so every
-/// access made after this returns is seen (Linux's `clear_flush_young`).
-pub(crate) fn clear_flush_young<F: PteFormat>(
-    mmu: &Mmu<F>,
-    start_gfn: u64,
-    end_gfn: u64,
-    on_dirty: impl FnMut(u64, u64),
-) -> AgeReport {
-    age_gfn_range(mmu, start_gfn, end_gfn, AgeFlush::Flush, on_dirty)
 }
 
 /// Ages `[start_gfn, end_gfn)`, flushing or not as `flush` says.

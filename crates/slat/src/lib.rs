@@ -101,7 +101,7 @@ pub use host_memory::{HostBuffer, HostBufferError, HostMemory, HostRange, HostRa
 pub use memslot::{
     MemoryAttributeError, MemoryAttributes, Memslot, MemslotError, MemslotFlags, MemslotSet, SlotId,
 };
-pub use mmu::flush::{GuestMode, PendingFlush};
+pub use mmu::flush::{FlushError, GuestMode, PendingFlush};
 pub use mmu::inspect::Audit;
 pub use stats::Stats;
 pub use vcpu::Vcpu;

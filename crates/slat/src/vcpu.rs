@@ -111,10 +111,13 @@ impl<F: PteFormat> Vcpu<F> {
     }
 
     /// The slow path, under the MMU lock in read mode (exclusive with the mutex variant).
-    /// Outside guest mode only: with a [`GuestMode`] token of this vCPU alive it returns
-    /// [`FaultOutcome::InGuestMode`] and does nothing.
+    /// Outside guest mode only: with a [`GuestMode`] token of this vCPU alive, or when the
+    /// calling thread holds another vCPU of the VM in guest mode (or is an online host CPU of
+    /// the slot's direct map, for a private fault), it returns [`FaultOutcome::InGuestMode`]
+    /// and does nothing: the lock's holder or the fault's own flush could wait for this
+    /// thread.
     pub fn slow_page_fault(&mut self, fault: Fault) -> FaultOutcome {
-        if self.state.link.in_guest() {
+        if self.state.link.in_guest() || self.vm.mmu.flush.check_own().is_err() {
             return FaultOutcome::InGuestMode;
         }
         slow_page_fault(&self.vm.mmu, &self.vm.slots, &mut self.state, fault)

@@ -12,7 +12,7 @@ use crate::memslot::{
     HostRange, MemoryAttributeError, MemoryAttributes, MemslotError, MemslotFlags, MemslotSet,
     Memslots, SlotId,
 };
-use crate::mmu::flush::PendingFlush;
+use crate::mmu::flush::{FlushError, PendingFlush};
 use crate::mmu::inspect::Audit;
 use crate::mmu::Mmu;
 use crate::stats::{Counters, Stats};
@@ -64,15 +64,33 @@ impl<F: PteFormat> Vm<F> {
     // -----------------------------------------------------------------------------------------
     // The page table (`mmu`).
 
-    /// Flushes every vCPU's TLB and waits for the acknowledgements.
-    pub fn flush_remote_tlbs(&self) {
+    /// Refuses a call that may flush from a thread the flush would wait for: one that holds
+    /// a vCPU of this VM in guest mode ([`crate::GuestMode`]), or is an online host CPU of a
+    /// direct map one of the slots binds. Every public operation that may flush checks this
+    /// first and returns [`FlushError::OwnGuestMode`] (in its own error type) with nothing
+    /// changed; see [`crate::Vcpu::slow_page_fault`] for the fault path.
+    fn check_flush(&self) -> Result<(), FlushError> {
+        self.mmu.flush.check_own()?;
+        for slot in self.slots.load().slots() {
+            if let Some(lease) = slot.private.as_ref().and_then(|p| p.lease.as_ref()) {
+                lease.direct_map().check_flush()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Flushes every vCPU's TLB and waits for the acknowledgements. Refused
+    /// ([`FlushError::OwnGuestMode`]) from a thread holding a vCPU of this VM in guest mode:
+    /// the wait would never end.
+    pub fn flush_remote_tlbs(&self) -> Result<(), FlushError> {
         self.mmu.flush_remote_tlbs()
     }
 
     /// Performs the flush an operation owes, then hands its unlinked table pages to epoch
-    /// reclamation. The only way to free table pages.
-    pub fn complete_flush(&self, pending: PendingFlush) {
-        self.mmu.complete_flush(pending)
+    /// reclamation. The only way to free table pages. Refused as [`Self::flush_remote_tlbs`]
+    /// is; the flush is then still owed, and done by the next one that completes.
+    pub fn complete_flush(&self, pending: PendingFlush) -> Result<(), FlushError> {
+        self.mmu.try_complete_flush(pending)
     }
 
     /// Unmaps `[start_gfn, end_gfn)` under the exclusive MMU lock with one batched flush.
@@ -83,8 +101,13 @@ impl<F: PteFormat> Vm<F> {
     /// zapped entry is empty, and a fault that fills an empty entry owes no flush, so with the
     /// lock released first a fault could install a mapping of another size over the range
     /// while some vCPU still caches the old one (a TLB conflict abort on arm64).
-    pub fn zap_gfn_range(&self, start_gfn: Gfn, end_gfn: Gfn) {
-        self.mmu.zap_gfn_range(start_gfn, end_gfn)
+    ///
+    /// Refused, with nothing zapped, from a thread the flush would wait for
+    /// ([`FlushError::OwnGuestMode`]).
+    pub fn zap_gfn_range(&self, start_gfn: Gfn, end_gfn: Gfn) -> Result<(), FlushError> {
+        self.check_flush()?;
+        self.mmu.zap_gfn_range(start_gfn, end_gfn);
+        Ok(())
     }
 
     /// Walks the whole table and counts leaves per level and linked tables (tests and
@@ -119,6 +142,7 @@ impl<F: PteFormat> Vm<F> {
         host: HostRange,
         flags: MemslotFlags,
     ) -> Result<(), MemslotError> {
+        self.check_flush()?;
         self.add_slot(id, gpa, size, host, None, flags)
     }
 
@@ -144,6 +168,7 @@ impl<F: PteFormat> Vm<F> {
         private: impl Into<PrivateMemory>,
         flags: MemslotFlags,
     ) -> Result<(), MemslotError> {
+        self.check_flush()?;
         self.add_slot(id, gpa, size, host, Some(private.into()), flags)
     }
 
@@ -184,6 +209,7 @@ impl<F: PteFormat> Vm<F> {
         npages: u64,
         attrs: MemoryAttributes,
     ) -> Result<(), MemoryAttributeError> {
+        self.check_flush()?;
         let held = self.slots.lock();
         self.slots
             .set_attributes(&held, &self.mmu, first_gfn.raw(), npages, attrs)
@@ -192,6 +218,7 @@ impl<F: PteFormat> Vm<F> {
     /// Deletes a memslot; its mappings are zapped and flushed before this returns, so the host
     /// memory may be released afterwards.
     pub fn delete_memslot(&self, id: SlotId) -> Result<(), MemslotError> {
+        self.check_flush()?;
         let held = self.slots.lock();
         self.slots.delete(&held, &self.mmu, id)
     }
@@ -200,6 +227,7 @@ impl<F: PteFormat> Vm<F> {
     /// flushed before this returns; while the move runs, neither range maps (faults on the old
     /// one retry, on the new one exit as MMIO, as in KVM).
     pub fn move_memslot(&self, id: SlotId, new_gpa: Gpa) -> Result<(), MemslotError> {
+        self.check_flush()?;
         let held = self.slots.lock();
         self.slots.relocate(&held, &self.mmu, id, new_gpa)
     }
@@ -211,6 +239,7 @@ impl<F: PteFormat> Vm<F> {
     /// does not log, so the toggle would silently end and restart the log, losing the pages
     /// written before it. Delete and re-add the slot instead.
     pub fn set_memslot_flags(&self, id: SlotId, flags: MemslotFlags) -> Result<(), MemslotError> {
+        self.check_flush()?;
         let held = self.slots.lock();
         let get_log = self.mmu.config.get_log;
         let change = self
@@ -238,6 +267,7 @@ impl<F: PteFormat> Vm<F> {
     /// [`crate::dirty::INITIALLY_SET`], or 0 to turn it off. Refused while a slot logs,
     /// because it changes what GET and enabling logging mean.
     pub fn set_manual_dirty_log_protect(&self, flags: u32) -> Result<(), DirtyLogError> {
+        self.check_flush()?;
         self.dirty.set_manual_protect(&self.slots, flags)
     }
 
@@ -246,6 +276,7 @@ impl<F: PteFormat> Vm<F> {
     /// bitmap and GET/CLEAR are refused; with it (`KVM_CAP_DIRTY_LOG_RING_WITH_BITMAP`) the
     /// bitmap collects marks made without a vCPU ([`Vm::mark_page_dirty`]).
     pub fn enable_dirty_ring(&self, entries: u32, with_bitmap: bool) -> Result<(), DirtyLogError> {
+        self.check_flush()?;
         self.dirty
             .enable_ring(&self.mmu, &self.slots, entries, with_bitmap)
     }
@@ -276,6 +307,7 @@ impl<F: PteFormat> Vm<F> {
     /// the bitmap switch ([`crate::GetLogVariant`]). With manual protection the bitmap is only
     /// copied; [`Self::clear_dirty_log`] does the rest.
     pub fn get_dirty_log(&self, id: SlotId, out: &mut [u64]) -> Result<u64, DirtyLogError> {
+        self.check_flush()?;
         self.dirty.get_dirty_log(&self.mmu, &self.slots, id, out)
     }
 
@@ -291,6 +323,7 @@ impl<F: PteFormat> Vm<F> {
         num_pages: u64,
         bitmap: &[u64],
     ) -> Result<u64, DirtyLogError> {
+        self.check_flush()?;
         self.dirty
             .clear_dirty_log(&self.mmu, &self.slots, id, first_page, num_pages, bitmap)
     }
@@ -300,6 +333,7 @@ impl<F: PteFormat> Vm<F> {
     /// Entries of slots deleted or no longer logging since they were pushed are dropped.
     /// Returns the number of entries reset.
     pub fn reset_dirty_rings(&self) -> Result<u64, DirtyLogError> {
+        self.check_flush()?;
         self.dirty.reset_rings(&self.mmu, &self.slots)
     }
 
@@ -326,30 +360,50 @@ impl<F: PteFormat> Vm<F> {
     }
 
     /// [`Self::clear_young`], then a remote TLB flush if the range maps anything, so every
-    /// access made after this returns is seen (Linux's `clear_flush_young`).
+    /// access made after this returns is seen (Linux's `clear_flush_young`). Refused as
+    /// [`Self::age_gfn_range`] is.
     pub fn clear_flush_young(
         &self,
         start_gfn: Gfn,
         end_gfn: Gfn,
-        mut on_dirty: impl FnMut(Gfn, u64),
-    ) -> AgeReport {
-        age::clear_flush_young(&self.mmu, start_gfn.raw(), end_gfn.raw(), |g, n| {
-            on_dirty(Gfn::new(g), n)
-        })
+        on_dirty: impl FnMut(Gfn, u64),
+    ) -> Result<AgeReport, FlushError> {
+        self.age_gfn_range(start_gfn, end_gfn, AgeFlush::Flush, on_dirty)
     }
 
-    /// Ages `[start_gfn, end_gfn)`, flushing or not as `flush` says.
+    /// Ages `[start_gfn, end_gfn)`, flushing or not as `flush` says. With
+    /// [`AgeFlush::Flush`], refused with nothing aged from a thread the flush would wait for
+    /// ([`FlushError::OwnGuestMode`]); if `on_dirty` itself enters guest mode and keeps the
+    /// token, the pass stands but its flush is deferred to the next one, and the same error
+    /// says so.
     pub fn age_gfn_range(
         &self,
         start_gfn: Gfn,
         end_gfn: Gfn,
         flush: AgeFlush,
         mut on_dirty: impl FnMut(Gfn, u64),
-    ) -> AgeReport {
+    ) -> Result<AgeReport, FlushError> {
         let (start, end) = (start_gfn.raw(), end_gfn.raw());
-        age::age_gfn_range(&self.mmu, start, end, flush, |g, n| {
-            on_dirty(Gfn::new(g), n)
+        self.aged(flush, |mmu| {
+            age::age_gfn_range(mmu, start, end, flush, |g, n| on_dirty(Gfn::new(g), n))
         })
+    }
+
+    /// Runs an aging pass that flushes as `flush` says, checked before and after (see
+    /// [`Self::age_gfn_range`]).
+    fn aged(
+        &self,
+        flush: AgeFlush,
+        pass: impl FnOnce(&Mmu<F>) -> AgeReport,
+    ) -> Result<AgeReport, FlushError> {
+        if flush == AgeFlush::NoFlush {
+            return Ok(pass(&self.mmu));
+        }
+        self.check_flush()?;
+        let r = pass(&self.mmu);
+        // Still holding a token now means holding it at the flush: it was deferred.
+        self.check_flush()?;
+        Ok(r)
     }
 
     /// Reports which leaves in `[start_gfn, end_gfn)` are young, changing nothing (KVM's
@@ -361,13 +415,16 @@ impl<F: PteFormat> Vm<F> {
 
     /// Marks every page of `bitmap` idle and ages its range, flushing or not as `flush` says
     /// (page_idle writes use [`AgeFlush::NoFlush`]). `on_dirty` as in [`Self::clear_young`].
+    /// Refused as [`Self::age_gfn_range`] is.
     pub fn mark_idle(
         &self,
         bitmap: &mut IdleBitmap,
         flush: AgeFlush,
         mut on_dirty: impl FnMut(Gfn, u64),
-    ) -> AgeReport {
-        age::mark_idle(&self.mmu, bitmap, flush, |g, n| on_dirty(Gfn::new(g), n))
+    ) -> Result<AgeReport, FlushError> {
+        self.aged(flush, |mmu| {
+            age::mark_idle(mmu, bitmap, flush, |g, n| on_dirty(Gfn::new(g), n))
+        })
     }
 
     /// Clears the idle bit of every page whose leaf is young, i.e. was accessed since the

@@ -454,7 +454,9 @@ fn clear_flush_young_flushes_and_clear_young_does_not<F: PteFormat>() {
         for p in 0..16 {
             cpu.access(gpa + p * PAGE_SIZE, Access::Read);
         }
-        let r = vm.clear_flush_young(Gfn::new(g), Gfn::new(g + 16), |_, _| {});
+        let r = vm
+            .clear_flush_young(Gfn::new(g), Gfn::new(g + 16), |_, _| {})
+            .unwrap();
         assert!(r.flushed && r.aged_leaves == 16);
         assert_eq!(
             req(&vm),
@@ -463,11 +465,15 @@ fn clear_flush_young_flushes_and_clear_young_does_not<F: PteFormat>() {
         );
         // Nothing young but something mapped: still one flush (translations cached since
         // the clear_young above must not survive).
-        let r = vm.clear_flush_young(Gfn::new(g), Gfn::new(g + 16), |_, _| {});
+        let r = vm
+            .clear_flush_young(Gfn::new(g), Gfn::new(g + 16), |_, _| {})
+            .unwrap();
         assert!(r.flushed && r.aged_leaves == 0);
         assert_eq!(req(&vm), r0 + 2);
         // Nothing mapped: nothing to flush.
-        let r = vm.clear_flush_young(Gfn::new(g + 16), Gfn::new(g + 1024), |_, _| {});
+        let r = vm
+            .clear_flush_young(Gfn::new(g + 16), Gfn::new(g + 1024), |_, _| {})
+            .unwrap();
         assert!(!r.flushed && r.mapped_pages == 0);
         assert_eq!(req(&vm), r0 + 2);
         teardown(vm, [cpu.finish()]);
@@ -569,7 +575,9 @@ fn idle_bitmap_tracks_exactly_the_pages_touched_since_marking<F: PteFormat>() {
         let mut b = IdleBitmap::new::<F>(Gfn::new(g), npages).unwrap();
         assert_eq!(b.idle_pages(), 0);
         // Flush, so the test's TLB-less vCPU and a real one would agree.
-        let r = vm.mark_idle(&mut b, AgeFlush::Flush, |_, _| {});
+        let r = vm
+            .mark_idle(&mut b, AgeFlush::Flush, |_, _| {})
+            .expect("host thread");
         assert_eq!(r.aged_leaves, 180);
         assert_eq!(b.idle_pages(), npages);
         assert_eq!(
@@ -606,7 +614,8 @@ fn idle_bitmap_tracks_exactly_the_pages_touched_since_marking<F: PteFormat>() {
         assert_eq!(ws.touched_pages, touched.len() as u64);
         assert!((ws.fraction() - touched.len() as f64 / npages as f64).abs() < 1e-12);
         // Marking again makes everything idle again.
-        vm.mark_idle(&mut b, AgeFlush::NoFlush, |_, _| {});
+        vm.mark_idle(&mut b, AgeFlush::NoFlush, |_, _| {})
+            .expect("host thread");
         assert_eq!(vm.read_idle(&mut b), npages);
         teardown(vm, [cpu.finish()]);
     }
@@ -634,6 +643,7 @@ fn idle_bitmap_rejects_bad_ranges<F: PteFormat>() {
     assert_eq!(vm.test_young(Gfn::new(10), Gfn::new(5)).mapped_pages, 0);
     assert_eq!(
         vm.clear_flush_young(Gfn::new(0), Gfn::new(max), |_, _| {})
+            .unwrap()
             .aged_leaves,
         0
     );
@@ -681,7 +691,9 @@ fn aging_races_with_faults_fast_path_restores_and_hardware_ad_updates<F: PteForm
                                 reported.lock().unwrap().extend(f..f + n);
                             };
                             let r = match rng.below(4) {
-                                0 => vm.clear_flush_young(Gfn::new(lo), Gfn::new(hi), &mut rep),
+                                0 => vm
+                                    .clear_flush_young(Gfn::new(lo), Gfn::new(hi), &mut rep)
+                                    .unwrap(),
                                 1 => vm.test_young(Gfn::new(lo), Gfn::new(hi)),
                                 _ => vm.clear_young(Gfn::new(lo), Gfn::new(hi), &mut rep),
                             };

@@ -916,7 +916,8 @@ fn zap_flushes_remote_tlbs_frees_tables_and_an_empty_zap_flushes_nothing<F: PteF
     let live0 = alloc.live_pages();
 
     // Zap the whole first frame: its leaf table leaves the tree and is eventually freed.
-    vm.zap_gfn_range(Gpa::new(gpa).gfn(), Gfn::new((gpa + HUGE_2M) >> PAGE_SHIFT));
+    vm.zap_gfn_range(Gpa::new(gpa).gfn(), Gfn::new((gpa + HUGE_2M) >> PAGE_SHIFT))
+        .expect("not refused: no CPU of this thread in guest mode");
     let s1 = vm.stats();
     assert!(s1.remote_tlb_flush_requests > s0.remote_tlb_flush_requests);
     assert!(
@@ -936,7 +937,8 @@ fn zap_flushes_remote_tlbs_frees_tables_and_an_empty_zap_flushes_nothing<F: PteF
     check_audit(&vm, "after zap");
 
     // Nothing mapped there any more: no flush owed.
-    vm.zap_gfn_range(Gpa::new(gpa).gfn(), Gfn::new((gpa + HUGE_2M) >> PAGE_SHIFT));
+    vm.zap_gfn_range(Gpa::new(gpa).gfn(), Gfn::new((gpa + HUGE_2M) >> PAGE_SHIFT))
+        .expect("not refused: no CPU of this thread in guest mode");
     let s2 = vm.stats();
     assert_eq!(s2.remote_tlb_flush_requests, s1.remote_tlb_flush_requests);
     assert_eq!(s2.remote_tlb_flush, s1.remote_tlb_flush);
@@ -946,7 +948,8 @@ fn zap_flushes_remote_tlbs_frees_tables_and_an_empty_zap_flushes_nothing<F: PteF
     vm.zap_gfn_range(
         Gfn::new((gpa >> PAGE_SHIFT) + 600),
         Gfn::new((gpa >> PAGE_SHIFT) + 601),
-    );
+    )
+    .expect("not refused: no CPU of this thread in guest mode");
     assert_eq!(vm.stats().leaves_4k, 0);
     assert!(vm.stats().remote_tlb_flush > s2.remote_tlb_flush);
     check_audit(&vm, "after the last zap");
@@ -974,7 +977,8 @@ fn zap_of_a_straddling_huge_leaf_removes_the_whole_leaf<F: PteFormat>() {
     }
     let g = gpa >> PAGE_SHIFT;
     // One page in the middle of the first leaf.
-    vm.zap_gfn_range(Gfn::new(g + 100), Gfn::new(g + 101));
+    vm.zap_gfn_range(Gfn::new(g + 100), Gfn::new(g + 101))
+        .expect("not refused: no CPU of this thread in guest mode");
     assert_eq!(vm.lookup(Gfn::new(g)), None);
     assert_eq!(vm.lookup(Gfn::new(g + 511)), None);
     assert_eq!(vm.lookup(Gfn::new(g + 512)).map(|(_, l)| l), Some(2));
@@ -1023,7 +1027,8 @@ fn lookup_beyond_the_guest_physical_width_finds_nothing<F: PteFormat>() {
 
 fn zap_beyond_the_guest_physical_width_touches_nothing<F: PteFormat>() {
     let (vm, v, mem) = low_pages_mapped::<F>();
-    vm.zap_gfn_range(Gfn::new(GFN_LIMIT), Gfn::new(GFN_LIMIT + 4));
+    vm.zap_gfn_range(Gfn::new(GFN_LIMIT), Gfn::new(GFN_LIMIT + 4))
+        .expect("not refused: no CPU of this thread in guest mode");
     for p in 0..4 {
         assert!(
             vm.lookup(Gfn::new(p)).is_some(),
@@ -1060,7 +1065,8 @@ fn remote_flush_waits_for_an_in_guest_vcpu_to_acknowledge<F: PteFormat>() {
     let done = AtomicBool::new(false);
     std::thread::scope(|s| {
         let zapper = s.spawn(|| {
-            vm.zap_gfn_range(Gpa::new(gpa).gfn(), Gfn::new((gpa >> PAGE_SHIFT) + 1));
+            vm.zap_gfn_range(Gpa::new(gpa).gfn(), Gfn::new((gpa >> PAGE_SHIFT) + 1))
+                .expect("not refused: no CPU of this thread in guest mode");
             done.store(true, Ordering::SeqCst);
         });
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -1155,7 +1161,8 @@ fn mutex_variant_faults_zaps_and_logs<F: PteFormat>() {
     vm.zap_gfn_range(
         Gpa::new(gpa).gfn(),
         Gfn::new((gpa >> PAGE_SHIFT) + pages_per_entry(2)),
-    );
+    )
+    .expect("not refused: no CPU of this thread in guest mode");
     assert_eq!(vm.lookup(Gfn::new((gpa + 0x5000) >> PAGE_SHIFT)), None);
     check_audit(&vm, "mutex variant");
     teardown(vm, [v]);

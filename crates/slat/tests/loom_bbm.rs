@@ -106,7 +106,10 @@ fn zap_and_fault_never_show_a_second_size_to_a_vcpu_caching_the_block() {
                 _ => thread::yield_now(),
             }
         }
-        zapper.join().unwrap();
+        zapper
+            .join()
+            .unwrap()
+            .expect("not refused: the zapper holds no vCPU in guest mode");
         let conflict = vcpu_a.join().unwrap();
         assert_eq!(
             conflict, None,

@@ -252,7 +252,8 @@ fn lockless_wrprot_vs_a_zap_freeing_the_leaf_table() {
                 (r, log[0])
             })
         };
-        vm.zap_gfn_range(Gfn::new(REGION.0), Gfn::new(REGION.1));
+        vm.zap_gfn_range(Gfn::new(REGION.0), Gfn::new(REGION.1))
+            .expect("not refused: no CPU of this thread in guest mode");
         let (r, first) = harvester.join().unwrap();
         no_use_after_free();
         assert_eq!((r, first), (Ok(1), 1), "the setup write was not reported");
@@ -279,7 +280,8 @@ fn a_pinned_lockless_clear_holds_the_zapped_table_until_it_unpins() {
             let vm = vm.clone();
             thread::spawn(move || vm.clear_dirty_log(1, PageIndex::new(0), 2, &[0b11]))
         };
-        vm.zap_gfn_range(Gfn::new(REGION.0), Gfn::new(REGION.1));
+        vm.zap_gfn_range(Gfn::new(REGION.0), Gfn::new(REGION.1))
+            .expect("not refused: no CPU of this thread in guest mode");
         let r = harvester.join().unwrap();
         no_use_after_free();
         assert_eq!(r, Ok(2), "CLEAR did not clear both bits");
@@ -312,7 +314,8 @@ fn a_pinned_lockless_clear_holds_the_zapped_table_until_it_unpins() {
 fn a_fault_and_a_lockless_harvest_vs_the_zap_of_their_leaf_table() {
     model(|| {
         let (vm, mut v, _) = dirty_pages(2, false);
-        vm.zap_gfn_range(Gfn::new(GPA >> 12), Gfn::new((GPA >> 12) + 1));
+        vm.zap_gfn_range(Gfn::new(GPA >> 12), Gfn::new((GPA >> 12) + 1))
+            .expect("not refused: no CPU of this thread in guest mode");
         let mut log = [0u64; 1];
         vm.get_dirty_log(1, &mut log).unwrap();
         // Page 0's bit is set, so the harvest looks page 0 up in the rmap.
@@ -321,7 +324,8 @@ fn a_fault_and_a_lockless_harvest_vs_the_zap_of_their_leaf_table() {
             let o = v.handle_fault(write_at(GPA));
             (o, v)
         });
-        vm.zap_gfn_range(Gfn::new(REGION.0), Gfn::new(REGION.1));
+        vm.zap_gfn_range(Gfn::new(REGION.0), Gfn::new(REGION.1))
+            .expect("not refused: no CPU of this thread in guest mode");
         let first = vm.get_dirty_log(1, &mut log).map(|_| log[0]);
         let (mut o, mut v) = vcpu.join().unwrap();
         no_use_after_free();

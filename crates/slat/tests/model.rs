@@ -531,7 +531,9 @@ impl<F: PteFormat> Run<'_, F> {
         };
         self.what = format!("zap [{s:#x}, {e:#x})");
         let before = self.vm.stats();
-        self.vm.zap_gfn_range(Gfn::new(s), Gfn::new(e));
+        self.vm
+            .zap_gfn_range(Gfn::new(s), Gfn::new(e))
+            .expect("not refused: no CPU of this thread in guest mode");
         let after = self.vm.stats();
         self.maybe.remove(s, e);
         let removed = (

@@ -176,7 +176,8 @@ fn fault_under_a_leftover_table_rebuilds_the_block_with_on_fault_recovery<F: Pte
     vm.set_memslot_flags(1, LOG).unwrap(); // eager split: a table of 4 KiB leaves
     vm.set_memslot_flags(1, MemslotFlags::empty()).unwrap(); // tables stay
     let target = GPA + 17 * PAGE_SIZE;
-    vm.zap_gfn_range(Gpa::new(target).gfn(), Gfn::new((target >> PAGE_SHIFT) + 1));
+    vm.zap_gfn_range(Gpa::new(target).gfn(), Gfn::new((target >> PAGE_SHIFT) + 1))
+        .expect("not refused: no CPU of this thread in guest mode");
     assert!(vm.lookup(Gpa::new(target).gfn()).is_none());
     // A vCPU retries a `Retry` or `Spurious` fault; bound the retries.
     let mut outcomes = Vec::new();
@@ -243,7 +244,8 @@ fn zap_flushes_before_a_fault_can_install_another_size<F: PteFormat>() {
     std::thread::scope(|s| {
         let (vm2, zd) = (vm.clone(), zap_done.clone());
         s.spawn(move || {
-            vm2.zap_gfn_range(Gfn::new(base + 5), Gfn::new(base + 6));
+            vm2.zap_gfn_range(Gfn::new(base + 5), Gfn::new(base + 6))
+                .expect("not refused: no CPU of this thread in guest mode");
             zd.store(true, Ordering::SeqCst);
         });
         // Wait for the zap's flush request to reach A.

@@ -597,11 +597,12 @@ fn run_format<F: PteFormat>(
     let vm = m.vm().clone();
     let flush = flush_mode(a);
     let mark = |bitmaps: &mut [IdleBitmap], r: &mut RunResult| {
-        let m = mark_idle(&vm, bitmaps, flush);
+        let m = mark_idle(&vm, bitmaps, flush)?;
         if text {
             println!("{:<30}: {}", "Mark memory idle", ts(m.time));
         }
         r.marks.push(m);
+        Ok::<(), String>(())
     };
     let check = |name: &'static str, bitmaps: &mut [IdleBitmap], r: &mut RunResult| {
         let still_idle: u64 = bitmaps.iter_mut().map(|b| vm.read_idle(b)).sum();
@@ -628,10 +629,10 @@ fn run_format<F: PteFormat>(
     access("Populating memory", write, &mut r)?;
     access("Writing to populated memory", write, &mut r)?;
     access("Reading from populated memory", read, &mut r)?;
-    mark(&mut bitmaps, &mut r);
+    mark(&mut bitmaps, &mut r)?;
     access("Writing to idle memory", write, &mut r)?;
     check("Writing to idle memory", &mut bitmaps, &mut r)?;
-    mark(&mut bitmaps, &mut r);
+    mark(&mut bitmaps, &mut r)?;
     access("Reading from idle memory", read, &mut r)?;
     check("Reading from idle memory", &mut bitmaps, &mut r)?;
     r.stats = vm.stats();
@@ -659,15 +660,21 @@ fn pin<F: PteFormat>(
 }
 
 /// Marks every bitmap idle, one host thread per bitmap (the selftest's vCPU threads each mark
-/// their own memory), and times the whole marking.
-fn mark_idle<F: PteFormat>(vm: &Vm<F>, bitmaps: &mut [IdleBitmap], flush: AgeFlush) -> Mark {
+/// their own memory), and times the whole marking. (These host threads hold no vCPU in
+/// guest mode, so the engine does not refuse the flush; its error is passed on all the same.)
+fn mark_idle<F: PteFormat>(
+    vm: &Vm<F>,
+    bitmaps: &mut [IdleBitmap],
+    flush: AgeFlush,
+) -> Result<Mark, String> {
     let pages = bitmaps.iter().map(|b| b.npages()).sum();
     let t0 = Instant::now();
     let reports: Vec<AgeReport> = if bitmaps.len() == 1 {
         bitmaps
             .iter_mut()
             .map(|b| vm.mark_idle(b, flush, |_, _| {}))
-            .collect()
+            .collect::<Result<_, _>>()
+            .map_err(|e| e.to_string())?
     } else {
         std::thread::scope(|s| {
             let hs: Vec<_> = bitmaps
@@ -675,9 +682,10 @@ fn mark_idle<F: PteFormat>(vm: &Vm<F>, bitmaps: &mut [IdleBitmap], flush: AgeFlu
                 .map(|b| s.spawn(move || vm.mark_idle(b, flush, |_, _| {})))
                 .collect();
             hs.into_iter()
-                .map(|h| h.join().unwrap_or_default())
-                .collect()
+                .map(|h| h.join().unwrap_or(Ok(AgeReport::default())))
+                .collect::<Result<_, _>>()
         })
+        .map_err(|e| e.to_string())?
     };
     let time = t0.elapsed();
     let mut report = AgeReport::default();
@@ -688,11 +696,11 @@ fn mark_idle<F: PteFormat>(vm: &Vm<F>, bitmaps: &mut [IdleBitmap], flush: AgeFlu
         report.contended_leaves += x.contended_leaves;
         report.flushed |= x.flushed;
     }
-    Mark {
+    Ok(Mark {
         time,
         report,
         pages,
-    }
+    })
 }
 
 /// The run's settings, as the report records them.

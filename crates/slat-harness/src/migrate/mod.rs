@@ -420,7 +420,7 @@ fn sim_guest<F: PteFormat>(
         shape,
         log,
         driver: PacedDriver {
-            pacer: Pacer::for_vcpus(0, shape.vcpus as usize),
+            pacer: Pacer::for_vcpus(0, shape.vcpus as usize).map_err(GuestError::machine)?,
             running: AtomicBool::new(false),
         },
         work: Mutex::new(None),

@@ -77,6 +77,10 @@ pub struct DirectMapConfig {
 /// Why a direct map could not be built or an address was refused. Nothing changes on error.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DirectMapError {
+    /// The call may flush the host CPUs' kernel TLBs, and the calling thread is one of them,
+    /// online: it would wait for itself. Nothing changed.
+    #[error(transparent)]
+    Flush(#[from] crate::mmu::flush::FlushError),
     /// The pool is empty.
     #[error("the private pool is empty")]
     EmptyPool,
@@ -333,8 +337,17 @@ impl DirectMap {
 
     /// Lazy acceptance of the pool page at `hva` (any address in it), for a page no memslot
     /// binds (bound pages are the engine's): see the module comment.
+    /// Refused ([`DirectMapError::Flush`]) from an online host CPU of this map: acceptance
+    /// may flush, and the flush would wait for the caller.
     pub fn accept(&self, hva: Hva) -> Result<Acceptance, DirectMapError> {
+        self.check_flush()?;
         Ok(self.accept_frame(self.unbound_frame(hva)?))
+    }
+
+    /// [`crate::mmu::flush::FlushError::OwnGuestMode`] if the calling thread is an online
+    /// [`HostCpu`] of this map: a kernel TLB flush would wait for it.
+    pub(crate) fn check_flush(&self) -> Result<(), crate::mmu::flush::FlushError> {
+        self.mmu.flush.check_own()
     }
 
     /// The frame of `hva` if it is a pool page outside every bound range.
@@ -351,7 +364,7 @@ impl DirectMap {
     }
 
     pub(crate) fn accept_frame(&self, f: u64) -> Acceptance {
-        self.release_orphans();
+        self.release_orphans_unchecked();
         if self.states.is_assigned(f) {
             return Acceptance::Already;
         }
@@ -383,14 +396,25 @@ impl DirectMap {
     /// Gives the page at `hva` back to the host: waits for an acceptance in flight, scrubs it,
     /// maps it again. Returns whether it was assigned. Only for pages no memslot binds (the
     /// engine releases bound pages on conversions to shared and slot deletion).
+    /// Refused as [`Self::accept`] is.
     pub fn release(&self, hva: Hva) -> Result<bool, DirectMapError> {
-        self.release_orphans();
+        self.check_flush()?;
+        // Orphans first: releasing them may unbind the range `hva` is in.
+        self.release_orphans_unchecked();
         Ok(self.release_frame(self.unbound_frame(hva)?, true))
     }
 
-    /// Releases what dropped leases left assigned. Call from a thread that is not an online
-    /// [`HostCpu`] (acceptance and release call it too).
-    pub fn release_orphans(&self) {
+    /// Releases what dropped leases left assigned (acceptance and release do it too).
+    /// Refused ([`DirectMapError::Flush`]) from an online [`HostCpu`] of this map.
+    pub fn release_orphans(&self) -> Result<(), DirectMapError> {
+        self.check_flush()?;
+        self.release_orphans_unchecked();
+        Ok(())
+    }
+
+    /// [`Self::release_orphans`] for callers that checked, or run where no host CPU of this
+    /// thread can be online (the engine's slow path and memslot operations).
+    fn release_orphans_unchecked(&self) {
         // Cleared before the list is taken: a lease dropped meanwhile sets it again after
         // pushing, so its range is never left behind unflagged.
         if !self.has_orphans.swap(false, Ordering::AcqRel) {
@@ -653,16 +677,18 @@ impl DirectMap {
     }
 
     /// Walks the whole table (taking the lock, so no change is in flight): leaves per level,
-    /// linked tables, and whether the live table pages are exactly the linked ones.
-    pub fn audit(&self) -> DirectMapAudit {
-        self.release_orphans();
+    /// linked tables, and whether the live table pages are exactly the linked ones. Refused
+    /// as [`Self::accept`] is: it releases orphans (which may flush) and waits for the lock,
+    /// whose holder may be waiting for the caller's acknowledgement.
+    pub fn audit(&self) -> Result<DirectMapAudit, DirectMapError> {
+        self.release_orphans()?;
         let _lock = sync::lock(&self.cpa_lock);
         let a = self.mmu.audit();
-        DirectMapAudit {
+        Ok(DirectMapAudit {
             leaves: a.leaves,
             tables: a.tables,
             live_table_pages: self.mmu.alloc.live_pages(),
-        }
+        })
     }
 
     /// The table-page allocator, to check for leaks (live pages settle to the linked ones

@@ -11,8 +11,9 @@ pub struct DirtyBitmap {
 }
 
 impl DirtyBitmap {
-    /// A bitmap for `npages` pages, all clear or (INITIALLY_SET) all set.
-    pub fn new(npages: u64, all_set: bool) -> Self {
+    /// A bitmap for `npages` pages, all clear or (INITIALLY_SET) all set. Crate-only: the
+    /// engine sizes it from a memslot (host memory that exists), never from a bare count.
+    pub(crate) fn new(npages: u64, all_set: bool) -> Self {
         let nwords = npages.div_ceil(64) as usize;
         let words: Box<[AtomicU64]> = (0..nwords)
             .map(|i| {
@@ -34,6 +35,13 @@ impl DirtyBitmap {
         self.npages
     }
 
+    /// Word `i`, or a word of no pages past the end: every public accessor takes a caller's
+    /// index, and one past the end reads as clean and marks nothing rather than panicking.
+    #[inline]
+    fn at(&self, i: usize) -> Option<&AtomicU64> {
+        self.words.get(i)
+    }
+
     /// 64-bit words.
     pub fn nwords(&self) -> usize {
         self.words.len()
@@ -44,7 +52,9 @@ impl DirtyBitmap {
     #[inline]
     pub fn set(&self, rel: PageIndex) {
         let rel = rel.raw();
-        let w = &self.words[(rel / 64) as usize];
+        let Some(w) = self.at((rel / 64) as usize) else {
+            return;
+        };
         let bit = 1u64 << (rel % 64);
         if w.load(Ordering::Relaxed) & bit == 0 {
             // Release: the mark is ordered before the SPTE update that makes the page writable
@@ -65,37 +75,46 @@ impl DirtyBitmap {
     pub fn set_after_update(&self, rel: PageIndex) {
         let rel = rel.raw();
         let bit = 1u64 << (rel % 64);
-        self.words[(rel / 64) as usize].fetch_or(bit, Ordering::AcqRel);
+        if let Some(w) = self.at((rel / 64) as usize) {
+            w.fetch_or(bit, Ordering::AcqRel);
+        }
     }
 
     /// Page `rel` is marked.
     pub fn test(&self, rel: PageIndex) -> bool {
         let rel = rel.raw();
-        self.words[(rel / 64) as usize].load(Ordering::Acquire) & (1u64 << (rel % 64)) != 0
+        self.at((rel / 64) as usize)
+            .is_some_and(|w| w.load(Ordering::Acquire) & (1u64 << (rel % 64)) != 0)
     }
 
     /// Reads word `i` without clearing it.
     #[inline]
     pub fn word(&self, i: usize) -> u64 {
-        self.words[i].load(Ordering::Acquire)
+        self.at(i).map_or(0, |w| w.load(Ordering::Acquire))
     }
 
     /// Atomically reads and clears word `i` (GET_DIRTY_LOG's per-word exchange).
     #[inline]
     pub fn take_word(&self, i: usize) -> u64 {
-        if self.words[i].load(Ordering::Relaxed) == 0 {
+        let Some(w) = self.at(i) else {
+            return 0;
+        };
+        if w.load(Ordering::Relaxed) == 0 {
             return 0;
         }
-        self.words[i].swap(0, Ordering::AcqRel)
+        w.swap(0, Ordering::AcqRel)
     }
 
     /// Reads and clears word `i` with a plain load and store: only for a bitmap no marker can
     /// reach any more (the inactive side of a [`SlotBitmap`] after a switch and a drain).
     #[inline]
     pub fn take_word_unshared(&self, i: usize) -> u64 {
-        let v = self.words[i].load(Ordering::Relaxed);
+        let Some(w) = self.at(i) else {
+            return 0;
+        };
+        let v = w.load(Ordering::Relaxed);
         if v != 0 {
-            self.words[i].store(0, Ordering::Relaxed);
+            w.store(0, Ordering::Relaxed);
         }
         v
     }
@@ -103,7 +122,8 @@ impl DirtyBitmap {
     /// Clears the bits of `mask` in word `i`; returns the bits that were actually set.
     #[inline]
     pub fn clear_bits(&self, i: usize, mask: u64) -> u64 {
-        self.words[i].fetch_and(!mask, Ordering::AcqRel) & mask
+        self.at(i)
+            .map_or(0, |w| w.fetch_and(!mask, Ordering::AcqRel) & mask)
     }
 
     /// Number of set bits.
@@ -130,7 +150,7 @@ pub struct SlotBitmap {
 impl SlotBitmap {
     /// A log for `npages` pages; `initially_set` starts every bit set (manual protect with
     /// INITIALLY_SET); `switch` allocates the second bitmap.
-    pub fn new(npages: u64, initially_set: bool, switch: bool) -> Self {
+    pub(crate) fn new(npages: u64, initially_set: bool, switch: bool) -> Self {
         SlotBitmap {
             maps: [
                 DirtyBitmap::new(npages, initially_set),

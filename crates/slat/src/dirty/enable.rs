@@ -24,8 +24,9 @@ impl DirtyLog {
         // Drain fast-path fixes that read the memslots before this slot logged: they would not
         // mark, and their W 0→1 could land after the write-protect walk below found the leaf
         // already protected (left so by an earlier logging round). They run in guest mode, so a
-        // completed flush means they are done; later ones see the logging slot.
-        mmu.flush_remote_tlbs();
+        // completed flush means they are done; later ones see the logging slot. (Refused only
+        // from a thread in guest mode, which the public entry refused before.)
+        let _checked_at_entry = mmu.flush_remote_tlbs();
         let mut pending = PendingFlush::none();
         {
             let lock = mmu.lock.read();

@@ -64,7 +64,8 @@ impl DirtyLog {
                 if lock.is_none() {
                     drop(mmu.lock.write());
                 }
-                mmu.flush_remote_tlbs();
+                // Refused only from a thread in guest mode, which the public entry refused.
+                let _checked_at_entry = mmu.flush_remote_tlbs();
                 Some(old)
             } else {
                 None

@@ -62,6 +62,10 @@ use crate::config::{DirtyTrack, GetLogVariant};
 /// consumed, no page protected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DirtyLogError {
+    /// The call may flush, and the calling thread holds a CPU the flush would wait for in
+    /// guest mode (or online): it would wait for itself. Nothing changed.
+    #[error(transparent)]
+    Flush(#[from] crate::mmu::flush::FlushError),
     /// No slot with this id.
     #[error("memslot {id} does not exist")]
     UnknownSlot {

@@ -51,8 +51,10 @@ pub enum FaultOutcome {
     /// A write to a read-only memslot: an MMIO exit.
     ReadOnly,
     /// The slow path was called while this vCPU is in guest mode (a [`crate::GuestMode`] token of
-    /// it is alive). Nothing was done: the slow path may block on the MMU lock, whose holder
-    /// may be waiting for this vCPU to acknowledge a flush. Drop the token and call again.
+    /// it is alive), or from a thread that holds another vCPU of the VM in guest mode (or, for
+    /// a private fault, is an online host CPU of the slot's direct map). Nothing was done: the
+    /// slow path may block on the MMU lock, whose holder may be waiting for this thread to
+    /// acknowledge a flush, or flush itself. Drop the token and call again.
     InGuestMode,
     /// The vCPU's dirty ring has no room for the entry this write fix needs: exit to the
     /// VMM, which harvests and resets the rings, then re-execute the access.

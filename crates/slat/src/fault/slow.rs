@@ -63,6 +63,11 @@ pub(crate) fn slow_page_fault<F: PteFormat>(
         clean_new_mapping(hva, len, fault.access == Access::Exec, sink);
     }
 
+    // Acceptance may flush the direct map's host CPUs: not from one of them (the vCPU's own
+    // host CPU goes offline with guest mode; this refuses another one kept online).
+    if plan.private && plan.slot.check_accept_flush().is_err() {
+        return FaultOutcome::InGuestMode;
+    }
     let lock = mmu.lock.read();
     // A memslot change published after our lookup: what we computed may be stale.
     if slots.generation() != gen {

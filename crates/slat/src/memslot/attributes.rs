@@ -68,6 +68,10 @@ bitflags! {
 /// Why `set_memory_attributes` was refused. Nothing changes when an error is returned.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum MemoryAttributeError {
+    /// The call may flush, and the calling thread holds a CPU the flush would wait for in
+    /// guest mode (or online): it would wait for itself. Nothing changed.
+    #[error(transparent)]
+    Flush(#[from] crate::mmu::flush::FlushError),
     /// Attribute bits this engine does not know.
     #[error("unknown memory attribute bits {bits:#x} (known: PRIVATE=0x8)")]
     UnknownAttributes {

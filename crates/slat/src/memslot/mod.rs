@@ -45,6 +45,10 @@ bitflags! {
 /// Why a memslot request was refused. Nothing changes when an error is returned.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum MemslotError {
+    /// The call may flush, and the calling thread holds a CPU the flush would wait for in
+    /// guest mode (or online): it would wait for itself. Nothing changed.
+    #[error(transparent)]
+    Flush(#[from] crate::mmu::flush::FlushError),
     /// The new range overlaps an existing slot.
     #[error("memslot {id}: guest range [{gpa:#x}, {end:#x}) overlaps memslot {other} [{other_gpa:#x}, {other_end:#x})")]
     Overlap {
@@ -274,6 +278,15 @@ impl Memslot {
             _ => self.hva_raw(gfn),
         }
     }
+    /// Whether acceptance through this slot's direct map would wait for the calling thread
+    /// (an online host CPU of it: acceptance may flush the kernel TLBs).
+    pub(crate) fn check_accept_flush(&self) -> Result<(), crate::mmu::flush::FlushError> {
+        match self.private.as_ref().and_then(|p| p.lease.as_ref()) {
+            Some(lease) => lease.direct_map().check_flush(),
+            None => Ok(()),
+        }
+    }
+
     /// Lazy acceptance of `gfn`'s private page (in the slot, private) before it is mapped:
     /// `Already` when the backing has no direct map.
     pub(crate) fn accept_private(&self, gfn: u64) -> Acceptance {

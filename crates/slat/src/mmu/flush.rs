@@ -40,6 +40,33 @@ pub(crate) struct VcpuLink {
     /// vCPU's owner changes it (entering needs `&mut Vcpu`); atomic because a token may be
     /// dropped on another thread.
     tokens: AtomicU32,
+    /// The thread that put the vCPU in guest mode ([`current_thread`]), 0 outside it: a flush
+    /// from that thread would wait for itself. A `std` atomic even under loom: it is not part
+    /// of the protocol (each thread compares it only with its own id), and the models never
+    /// flush from a thread in guest mode.
+    holder: std::sync::atomic::AtomicU64,
+}
+
+/// A flush refused because it would wait for the calling thread itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum FlushError {
+    /// The calling thread holds a [`GuestMode`] token of a vCPU the flush waits for (or is an
+    /// online [`crate::direct_map::HostCpu`] of the direct map being flushed): that vCPU
+    /// acknowledges only between its accesses, on this thread, so the wait would never end.
+    /// Drop the token (leave guest mode, go offline) and call again.
+    #[error("the calling thread is in guest mode on a CPU this flush waits for: it would wait for itself")]
+    OwnGuestMode,
+}
+
+/// A number for the calling thread, never 0 and never reused (thread ids of `std` have no
+/// stable integer form).
+fn current_thread() -> u64 {
+    use std::sync::atomic::{AtomicU64 as StdU64, Ordering as StdOrdering};
+    static NEXT: StdU64 = StdU64::new(1);
+    std::thread_local! {
+        static ID: u64 = NEXT.fetch_add(1, StdOrdering::Relaxed);
+    }
+    ID.with(|id| *id)
 }
 
 /// Proof that a vCPU is in guest mode, returned only by [`crate::Vcpu::enter_guest`]; the vCPU
@@ -68,6 +95,9 @@ impl GuestMode {
 impl Drop for GuestMode {
     fn drop(&mut self) {
         if self.link.tokens.fetch_sub(1, Ordering::Relaxed) == 1 {
+            self.link
+                .holder
+                .store(0, std::sync::atomic::Ordering::Relaxed);
             self.link.exit_guest();
         }
     }
@@ -80,6 +110,7 @@ impl VcpuLink {
             requests: AtomicU32::new(0),
             acked: AtomicU64::new(0),
             tokens: AtomicU32::new(0),
+            holder: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -88,6 +119,9 @@ impl VcpuLink {
     #[inline]
     pub(crate) fn enter_guest(link: &Arc<Self>) -> GuestMode {
         if link.tokens.fetch_add(1, Ordering::Relaxed) == 0 {
+            #[cfg(not(loom))]
+            link.holder
+                .store(current_thread(), std::sync::atomic::Ordering::Relaxed);
             link.mode.store(IN_GUEST, Ordering::Relaxed);
             fence(Ordering::SeqCst);
         }
@@ -197,13 +231,21 @@ impl FlushDomain {
         link.service_requests(&self.gen, flush_tlb)
     }
 
+    /// Whether the calling thread put one of these vCPUs in guest mode (a flush would wait
+    /// for itself): [`FlushError::OwnGuestMode`] if so.
+    pub(crate) fn check_own(&self) -> Result<(), FlushError> {
+        held_here(&sync::read(&self.vcpus))
+    }
+
     /// Requests a flush on every vCPU and waits for the acknowledgements; returns whether any
-    /// vCPU had to be asked.
-    pub(crate) fn flush_all(&self) -> bool {
+    /// vCPU had to be asked. Refused, before anything is requested, if the calling thread
+    /// holds one of them in guest mode.
+    pub(crate) fn flush_all(&self) -> Result<bool, FlushError> {
         let vcpus = sync::read(&self.vcpus);
+        held_here(&vcpus)?;
         let gen = self.gen.fetch_add(1, Ordering::SeqCst) + 1;
         if vcpus.is_empty() {
-            return false;
+            return Ok(false);
         }
         for v in vcpus.iter() {
             v.request(REQ_TLB_FLUSH);
@@ -213,8 +255,23 @@ impl FlushDomain {
         for v in vcpus.iter() {
             v.wait_ack(gen);
         }
-        true
+        Ok(true)
     }
+}
+
+/// [`FlushError::OwnGuestMode`] if the calling thread put one of `links` in guest mode.
+fn held_here(links: &[Arc<VcpuLink>]) -> Result<(), FlushError> {
+    if cfg!(loom) || links.is_empty() {
+        return Ok(());
+    }
+    let me = current_thread();
+    let held = links
+        .iter()
+        .any(|l| l.holder.load(std::sync::atomic::Ordering::Relaxed) == me);
+    if held {
+        return Err(FlushError::OwnGuestMode);
+    }
+    Ok(())
 }
 
 /// A TLB flush an operation still owes, and the table pages it unlinked (freed only once the

@@ -21,7 +21,7 @@ use crate::format::{Level, PteFormat};
 use crate::stats::{Counters, Sink, Stat};
 use crate::sync::{Arc, Ordering};
 use crate::test_hooks::Hooks;
-use flush::{FlushDomain, PendingFlush};
+use flush::{FlushDomain, FlushError, PendingFlush};
 use lock::MmuLock;
 use rmap::Rmap;
 use slat_addr::Gfn;
@@ -44,6 +44,13 @@ pub(crate) struct Mmu<F: PteFormat> {
     pub(crate) hooks: Hooks,
     /// The reverse map (kept only with `VmConfig::wrprot` `rmap` / `rmap-lockless`).
     pub(crate) rmap: Arc<Rmap>,
+    /// Flushes refused because the calling thread held a vCPU in guest mode
+    /// ([`FlushError::OwnGuestMode`]): owed still, their pages kept until a flush completes.
+    /// `std` types even under loom: the models never flush from a thread in guest mode, so
+    /// nothing is ever deferred there, and the common path only loads the flag.
+    deferred: std::sync::Mutex<PendingFlush>,
+    /// `deferred` may hold pages (set under its lock).
+    has_deferred: std::sync::atomic::AtomicBool,
     _format: PhantomData<F>,
 }
 
@@ -67,6 +74,8 @@ impl<F: PteFormat> Mmu<F> {
             flush: FlushDomain::new(),
             hooks: Hooks::new(),
             rmap: Arc::new(Rmap::new(config.wrprot.keeps_rmap())),
+            deferred: std::sync::Mutex::new(PendingFlush::none()),
+            has_deferred: std::sync::atomic::AtomicBool::new(false),
             _format: PhantomData,
         }
     }
@@ -85,22 +94,49 @@ impl<F: PteFormat> Mmu<F> {
         Sink::Shared(&self.counters)
     }
 
-    /// Flushes every vCPU's TLB and waits for the acknowledgements.
-    pub fn flush_remote_tlbs(&self) {
+    /// Flushes every vCPU's TLB and waits for the acknowledgements; refused if the calling
+    /// thread holds a vCPU in guest mode (it would wait for itself).
+    pub fn flush_remote_tlbs(&self) -> Result<(), FlushError> {
         self.counters.add_shared(Stat::FlushRequests, 1);
-        if self.flush.flush_all() {
+        if self.flush.flush_all()? {
             self.counters.add_shared(Stat::Flushes, 1);
         }
+        Ok(())
     }
 
-    /// Performs the flush an operation owes, then hands its unlinked table pages to epoch
-    /// reclamation. The only way to free table pages.
-    pub fn complete_flush(&self, pending: PendingFlush) {
+    /// Performs the flush an operation owes, then hands its unlinked table pages (and those
+    /// of flushes deferred before) to epoch reclamation. The only way to free table pages.
+    /// Refused if the calling thread holds a vCPU in guest mode: then the flush is deferred,
+    /// its pages kept until a later flush completes.
+    pub fn try_complete_flush(&self, mut pending: PendingFlush) -> Result<(), FlushError> {
         if !pending.is_needed() {
-            return;
+            return Ok(());
         }
-        self.flush_remote_tlbs();
+        // Deferred pages are taken *before* this flush: they were unlinked before they were
+        // deferred, so this flush, which starts after, covers them.
+        if self.has_deferred.load(std::sync::atomic::Ordering::Acquire) {
+            let mut d = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
+            pending.merge(std::mem::take(&mut *d));
+            self.has_deferred
+                .store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+        if let Err(e) = self.flush_remote_tlbs() {
+            let mut d = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
+            d.merge(pending);
+            self.has_deferred
+                .store(true, std::sync::atomic::Ordering::Release);
+            return Err(e);
+        }
         Rmap::retire(&self.rmap, &self.alloc, pending.graveyard);
+        Ok(())
+    }
+
+    /// [`Self::try_complete_flush`] for an operation whose public entry checked that the
+    /// calling thread holds no vCPU in guest mode ([`FlushDomain::check_own`]). Should it hold
+    /// one anyway (a caller's callback entered guest mode and kept the token), the flush is
+    /// deferred rather than waited for: no page is freed before a flush, nothing deadlocks.
+    pub fn complete_flush(&self, pending: PendingFlush) {
+        let _deferred_if_refused = self.try_complete_flush(pending);
     }
 
     /// Frees every table under the root. Exclusive access: no vCPU can run.
@@ -131,6 +167,11 @@ impl<F: PteFormat> Mmu<F> {
 impl<F: PteFormat> Drop for Mmu<F> {
     fn drop(&mut self) {
         self.free_all();
+        // Deferred flushes: no vCPU is left to flush, and their pages are unreachable.
+        let deferred = self.deferred.get_mut().unwrap_or_else(|e| e.into_inner());
+        for t in std::mem::take(&mut deferred.graveyard) {
+            self.alloc.free_now(t);
+        }
         // SAFETY: the root was allocated by `alloc` in `new` and is reachable from nothing else.
         self.alloc
             .free_now(unsafe { OwnedTable::from_unlinked(self.root) });

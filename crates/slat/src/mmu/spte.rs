@@ -292,8 +292,9 @@ impl<F: PteFormat> Mmu<F> {
         if old_valid {
             sink.inc(Stat::Breaks);
             let skip = self.hooks.active(crate::test_hooks::inject::SKIP_BBM_FLUSH);
-            if !skip {
-                self.flush_remote_tlbs();
+            // A flush refused (the calling thread holds a vCPU in guest mode: public entries
+            // refuse that first) leaves the teardown to the caller's flush, as a skipped one.
+            if !skip && self.flush_remote_tlbs().is_ok() {
                 flushed = true;
             }
         }
