@@ -14,6 +14,9 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// Pages as (first, count) runs.
+type Runs = Vec<(u64, u64)>;
+
 /// The guest's activity counters when an attempt begins; the report gets what they grew by.
 struct Counters {
     writes: u64,
@@ -114,7 +117,7 @@ impl Source {
         &mut self,
         mem: &Memory<'_>,
         resumed: bool,
-    ) -> Result<(Vec<u64>, Vec<(u64, u64)>), MigrateError> {
+    ) -> Result<(Vec<u64>, Runs), MigrateError> {
         let log = harvester(&mut self.log, &*self.guest, &self.ring_counts)?;
         if self.cfg.dirty_limit.is_some() && log.mode() != slat_dirty::LogMode::Ring {
             return Err(MigrateError::DirtyLimitNeedsRing(match log.mode() {
@@ -148,7 +151,7 @@ impl Source {
     }
 
     /// The round sender of this attempt; it holds the digests until the rounds are over.
-    fn sender(&mut self, starts: Vec<u64>, ro: Vec<(u64, u64)>, t0: Instant) -> Sender {
+    fn sender(&mut self, starts: Vec<u64>, ro: Runs, t0: Instant) -> Sender {
         let limit = self.cfg.dirty_limit.map(|cfg| Limit {
             l: DirtyLimiter::new(
                 cfg,
