@@ -205,8 +205,9 @@ impl Source {
         }
         Ok(())
     }
+
     /// Sends the preamble and the hello; records the destination's welcome in `report`.
-    pub(super) fn handshake(
+    fn handshake(
         &mut self,
         conn: &mut Conn,
         mem: &Memory<'_>,
@@ -244,8 +245,9 @@ impl Source {
             m => Err(unexpected(phase, &m)),
         }
     }
+
     /// The device state, saved with the vCPUs paused, sent blob by blob and counted.
-    pub(super) fn send_state(
+    fn send_state(
         &self,
         conn: &mut Conn,
         report: &mut MigrationReport,
@@ -269,11 +271,7 @@ impl Source {
     /// Verification: sends the hashes of memory as it is now (the vCPUs stopped) and the
     /// request; returns the ranges the destination found all matching (over a one-way
     /// channel, the ranges the reader will check).
-    pub(super) fn verify(
-        &mut self,
-        conn: &mut Conn,
-        mem: &Memory<'_>,
-    ) -> Result<u64, MigrateError> {
+    fn verify(&mut self, conn: &mut Conn, mem: &Memory<'_>) -> Result<u64, MigrateError> {
         let phase = "verification";
         let pages = mem.pages();
         let nranges = verify::ranges(pages, RANGE_PAGES);

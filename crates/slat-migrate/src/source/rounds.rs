@@ -12,6 +12,10 @@ use std::time::{Duration, Instant};
 
 impl Source {
     /// Pre-copy, the pause and the stop-and-copy round; returns when the guest paused.
+    ///
+    /// Pre-copy: round 0 sends everything owed; each later round first harvests, and
+    /// pre-copy ends when the rest fits `max_downtime` (or after `max_rounds`); the round
+    /// that comes next is the stop-and-copy round.
     pub(super) fn rounds(
         &mut self,
         conn: &mut Conn,
@@ -21,30 +25,9 @@ impl Source {
         report: &mut MigrationReport,
         progress: &mut dyn FnMut(Event<'_>),
     ) -> Result<Instant, MigrateError> {
-        let round = self.precopy(conn, mem, sender, ac, report, progress)?;
-        if let Some(d) = self.cfg.faults.pause_delay {
-            std::thread::sleep(d);
-        }
-        let t_pause = Instant::now();
-        self.guest.pause()?;
-        self.stop_and_copy(conn, mem, sender, round, report, progress)?;
-        Ok(t_pause)
-    }
-    /// Pre-copy: round 0 sends everything owed; each later round first harvests, and ends
-    /// pre-copy when the rest fits `max_downtime` (or after `max_rounds`). Returns the number
-    /// of the round that comes next (the stop-and-copy round).
-    pub(super) fn precopy(
-        &mut self,
-        conn: &mut Conn,
-        mem: &Memory<'_>,
-        sender: &mut Sender,
-        ac: &mut AutoConverge,
-        report: &mut MigrationReport,
-        progress: &mut dyn FnMut(Event<'_>),
-    ) -> Result<u32, MigrateError> {
         let log = harvester(&mut self.log, &*self.guest, &self.ring_counts)?;
         let mut round = 0u32;
-        loop {
+        let round = loop {
             // Re-armed before it returns; dropped on an error below, it is owed again.
             let mut set = log.take()?;
             let dirtied = set.collected() + std::mem::take(&mut sender.collected);
@@ -72,7 +55,7 @@ impl Source {
             if round > 0 && precopy_done(&self.cfg, owed, round, report) {
                 // Not sent: owed again, for the take after the pause.
                 set.abort();
-                return Ok(round);
+                break round;
             }
             let r = sender.round(
                 conn,
@@ -91,11 +74,18 @@ impl Source {
             progress(Event::Round(&r));
             report.rounds.push(r);
             round += 1;
+        };
+        if let Some(d) = self.cfg.faults.pause_delay {
+            std::thread::sleep(d);
         }
+        let t_pause = Instant::now();
+        self.guest.pause()?;
+        self.stop_and_copy(conn, mem, sender, round, report, progress)?;
+        Ok(t_pause)
     }
 
     /// With the vCPUs paused: the final harvest, then the stop-and-copy round `round`.
-    pub(super) fn stop_and_copy(
+    fn stop_and_copy(
         &mut self,
         conn: &mut Conn,
         mem: &Memory<'_>,
