@@ -397,11 +397,12 @@ fn counter(g: &dyn Guest, gpa: u64) -> Result<u32, Error> {
     Ok(u32::from_le_bytes(page[at..at + 4].try_into()?))
 }
 
+/// What the destination ends with: its report and the guest it took.
+type Migrated = (DestReport, Arc<dyn Guest>);
+
 /// The destination: a thread that serves one migration from `listener`; its VM is built from
 /// the map the source announces, and left paused.
-fn spawn_destination(
-    mut listener: Listener,
-) -> JoinHandle<Result<(DestReport, Arc<dyn Guest>), Error>> {
+fn spawn_destination(mut listener: Listener) -> JoinHandle<Result<Migrated, Error>> {
     std::thread::spawn(move || -> Result<_, Error> {
         let factory: Factory = Box::new(|map: &[Region], _machine: &[u8]| {
             Ok(Arc::new(Vm::new(map).map_err(HelloError::Build)?) as Arc<dyn Guest>)
