@@ -1,7 +1,14 @@
 //! Decoding: a checksummed frame's payload back into a message, every read bounds-checked.
 
-use super::*;
+use super::{
+    Batch, Compression, Encoding, Hello, Msg, Region, MAX_BATCH_PAGES, MAX_HASHES, MAX_MACHINE,
+    MAX_REGIONS, MAX_STATE_BLOB, MAX_STATE_ID, MAX_TEXT, PAGE_BYTES, T_ACK, T_COMMIT, T_HASHES,
+    T_HELLO, T_PAGES, T_REFUSE, T_RESUMED, T_ROUND_END, T_STATE, T_STATE_END, T_VERIFIED, T_VERIFY,
+    T_WELCOME,
+};
 use crate::error::{Corruption, StreamError};
+use crate::state::StateBlob;
+use slat_addr::Gpa;
 
 impl Msg {
     /// Parses a frame whose checksum passed.

@@ -1,7 +1,7 @@
 //! Reading: the preamble and then frames off a byte stream, each checked before it is
 //! decoded.
 
-use super::*;
+use super::{Msg, HEADER_LEN, MAGIC, MAX_FRAME, PAGE_BYTES, PREAMBLE_LEN, VERSION};
 use crate::error::{Corruption, StreamError};
 use std::io::Read;
 use std::time::Duration;
