@@ -23,8 +23,8 @@ use slat_dirty::{LogMode, Memslot};
 use slat_migrate::stream::Region;
 use slat_migrate::transport::{Endpoint, Listener};
 use slat_migrate::{
-    kvm_dirty_log, DestConfig, Destination, Factory, Guest, GuestError, GuestHarvester,
-    GuestRegion, HelloError, Memory, Source, SourceConfig, StateBlob,
+    kvm_dirty_log, DestConfig, DestReport, Destination, Factory, Guest, GuestError, GuestHarvester,
+    GuestRegion, HelloError, Memory, MigrationReport, Source, SourceConfig, StateBlob,
 };
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -397,33 +397,13 @@ fn counter(g: &dyn Guest, gpa: u64) -> Result<u32, Error> {
     Ok(u32::from_le_bytes(page[at..at + 4].try_into()?))
 }
 
-/// `pub`: `tests/example_vmm.rs` runs it.
-pub fn main() -> Result<(), Error> {
-    let map: Vec<Region> = RAM
-        .iter()
-        .map(|&(gpa, len)| Region {
-            gpa: Gpa::new(gpa),
-            pages: len / 4096,
-            read_only: false,
-        })
-        .collect();
+/// What the destination ends with: its report and the guest it took.
+type Migrated = (DestReport, Arc<dyn Guest>);
 
-    // The source: boot the guest and let it run.
-    let src = Arc::new(Vm::new(&map)?);
-    src.boot()?;
-    src.resume()?;
-    std::thread::sleep(Duration::from_millis(200));
-    println!(
-        "source: guest counting, count {} after 200 ms",
-        counter(&*src, COUNTERS[3])?
-    );
-
-    // The destination: a thread listening on a UNIX socket; its VM is built from the map
-    // the source announces.
-    let path = std::env::temp_dir().join(format!("minimal-vmm-{}.sock", std::process::id()));
-    let _ = std::fs::remove_file(&path);
-    let mut listener = Listener::bind(&Endpoint::Unix(path.clone()))?;
-    let dest = std::thread::spawn(move || -> Result<_, Error> {
+/// The destination: a thread that serves one migration from `listener`; its VM is built from
+/// the map the source announces, and left paused.
+fn spawn_destination(mut listener: Listener) -> JoinHandle<Result<Migrated, Error>> {
+    std::thread::spawn(move || -> Result<_, Error> {
         let factory: Factory = Box::new(|map: &[Region], _machine: &[u8]| {
             Ok(Arc::new(Vm::new(map).map_err(HelloError::Build)?) as Arc<dyn Guest>)
         });
@@ -436,20 +416,11 @@ pub fn main() -> Result<(), Error> {
         let report = d.serve_channel(listener.accept(TIMEOUT)?)?;
         let guest = d.guest().ok_or("no guest after a migration")?.clone();
         Ok((report, guest))
-    });
+    })
+}
 
-    // Migrate (verification on: `VerifyMode::Sent` is the default).
-    let cfg = SourceConfig {
-        max_downtime: Duration::from_millis(50),
-        timeout: TIMEOUT,
-        ..SourceConfig::default()
-    };
-    let mut source = Source::new(src.clone(), cfg);
-    let report = source.migrate(&format!("unix:{}", path.display()), &mut |_| {});
-    let dest = dest.join().map_err(|_| "the destination thread panicked")?;
-    let _ = std::fs::remove_file(&path);
-    let (report, (dreport, dst)) = (report?, dest?);
-
+/// The rounds and the totals of a migration.
+fn print_report(report: &MigrationReport, dreport: &DestReport) {
     for r in &report.rounds {
         let last = if r.stop_and_copy {
             " (stop-and-copy)"
@@ -472,13 +443,15 @@ pub fn main() -> Result<(), Error> {
         dreport.verify.ranges,
         report.verify_mode,
     );
+}
 
-    // At the switch-over: the source is paused for good, the destination not yet running,
-    // and their memories, count and device state are the same.
+/// At the switch-over: the source is paused for good, the destination not yet running, and
+/// their memories, count and device state are the same. Returns the count.
+fn check_switch_over(src: &dyn Guest, dst: &dyn Guest) -> Result<u32, Error> {
     if src.running() || dst.running() {
         return Err("a guest runs after the switch-over".into());
     }
-    let (a, b) = (Memory::new(&*src)?, Memory::new(&*dst)?);
+    let (a, b) = (Memory::new(src)?, Memory::new(dst)?);
     if a.map().wire() != b.map().wire()
         || a.stopped_range(0, a.pages())? != b.stopped_range(0, b.pages())?
     {
@@ -487,11 +460,56 @@ pub fn main() -> Result<(), Error> {
     if src.save_state()? != dst.save_state()? {
         return Err("the device state was not handed back".into());
     }
-    let at_switch = counter(&*dst, COUNTERS[3])?;
+    let at_switch = counter(dst, COUNTERS[3])?;
     println!(
         "switch-over: memory ({} pages) and device state equal; count {at_switch}",
         a.pages()
     );
+    Ok(at_switch)
+}
+
+/// `pub`: `tests/example_vmm.rs` runs it.
+pub fn main() -> Result<(), Error> {
+    let map: Vec<Region> = RAM
+        .iter()
+        .map(|&(gpa, len)| Region {
+            gpa: Gpa::new(gpa),
+            pages: len / 4096,
+            read_only: false,
+        })
+        .collect();
+
+    // The source: boot the guest and let it run.
+    let src = Arc::new(Vm::new(&map)?);
+    src.boot()?;
+    src.resume()?;
+    std::thread::sleep(Duration::from_millis(200));
+    println!(
+        "source: guest counting, count {} after 200 ms",
+        counter(&*src, COUNTERS[3])?
+    );
+
+    // The destination listens on a UNIX socket.
+    let path = std::env::temp_dir().join(format!("minimal-vmm-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let listener = Listener::bind(&Endpoint::Unix(path.clone()))?;
+    let dest = spawn_destination(listener);
+
+    // Migrate (verification on: `VerifyMode::Sent` is the default).
+    let cfg = SourceConfig {
+        max_downtime: Duration::from_millis(50),
+        timeout: TIMEOUT,
+        ..SourceConfig::default()
+    };
+    let mut source = Source::new(src.clone(), cfg);
+    let report = source.migrate(&format!("unix:{}", path.display()), &mut |_| {});
+    let dest = dest.join().map_err(|_| "the destination thread panicked")?;
+    let _ = std::fs::remove_file(&path);
+    let (report, (dreport, dst)) = (report?, dest?);
+
+    print_report(&report, &dreport);
+
+    let at_switch = check_switch_over(&*src, &*dst)?;
 
     // The guest runs on at the destination, from where it stopped.
     dst.resume()?;

@@ -18,7 +18,7 @@
 //! Everything that arrives from the network is untrusted: every count, size, index and
 //! offset in it is checked (with checked arithmetic) against what this side has before it is
 //! used, and a bad stream is a typed error — never a panic, an abort, a huge allocation or a
-//! write outside guest memory. `slat-harness`'s `tests/migrate_fuzz.rs` holds the decoder and a live destination to
+//! write outside guest memory. `slat-harness`'s `tests/migrate_fuzz/` holds the decoder and a live destination to
 //! that with random and mutated streams.
 //!
 //! # Example: a VMM migrates its guest

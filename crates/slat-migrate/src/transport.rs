@@ -168,16 +168,7 @@ impl Channel {
         let peer = s
             .peer_addr()
             .map_or_else(|_| "tcp".to_string(), |a| format!("tcp:{a}"));
-        let r = s.try_clone()?;
-        let c = s.try_clone()?;
-        Ok(Channel::duplex(
-            Box::new(r),
-            Box::new(s),
-            Arc::new(move || {
-                let _ = c.shutdown(Shutdown::Both);
-            }),
-            peer,
-        ))
+        Channel::socket(s, peer)
     }
 
     /// A connected UNIX stream socket (or any stream socket: its calls are the same), with
@@ -185,14 +176,18 @@ impl Channel {
     pub fn unix(s: UnixStream, timeout: Duration, peer: String) -> std::io::Result<Channel> {
         s.set_read_timeout(Some(timeout))?;
         s.set_write_timeout(Some(timeout))?;
-        let r = s.try_clone()?;
-        let c = s.try_clone()?;
+        Channel::socket(s, peer)
+    }
+
+    /// A two-way channel over a stream socket: one clone reads, another shuts the socket
+    /// down to close the channel.
+    fn socket<S: Socket>(s: S, peer: String) -> std::io::Result<Channel> {
+        let r = s.try_clone_socket()?;
+        let c = s.try_clone_socket()?;
         Ok(Channel::duplex(
             Box::new(r),
             Box::new(s),
-            Arc::new(move || {
-                let _ = c.shutdown(Shutdown::Both);
-            }),
+            Arc::new(move || c.shutdown_both()),
             peer,
         ))
     }
@@ -217,6 +212,31 @@ impl Channel {
             }
             Err(e) => Err(e),
         }
+    }
+}
+
+/// The stream sockets a channel is made of (TCP and UNIX): the same two calls on each.
+trait Socket: Read + Write + Send + Sync + Sized + 'static {
+    fn try_clone_socket(&self) -> std::io::Result<Self>;
+    /// Shuts both directions down; a socket already shut is fine.
+    fn shutdown_both(&self);
+}
+
+impl Socket for TcpStream {
+    fn try_clone_socket(&self) -> std::io::Result<Self> {
+        self.try_clone()
+    }
+    fn shutdown_both(&self) {
+        let _ = self.shutdown(Shutdown::Both);
+    }
+}
+
+impl Socket for UnixStream {
+    fn try_clone_socket(&self) -> std::io::Result<Self> {
+        self.try_clone()
+    }
+    fn shutdown_both(&self) {
+        let _ = self.shutdown(Shutdown::Both);
     }
 }
 

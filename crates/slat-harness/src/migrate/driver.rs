@@ -353,29 +353,9 @@ impl BurstDriver {
         let mut allowance: f64 = 0.0;
         let mut last = Instant::now();
         let mut r = || -> Result<(), slat_kvm::KvmError> {
-            let mut run = |on: Duration| -> Result<(u64, Duration), slat_kvm::KvmError> {
+            let mut run = |on: Duration| {
                 burst += 1;
-                // Each burst stamps a value no burst wrote before, so rewriting a page
-                // changes it.
-                let t0 = Instant::now();
-                m.start(slat_kvm::Workload::Writer {
-                    seed: seed.wrapping_add((burst as u32).wrapping_mul(0x9e37_79b9)),
-                    iteration: (0x4b << 56) | burst,
-                })?;
-                if on.is_zero() {
-                    // Unpaced: run until something changes.
-                    while !ctl.stop.load(Ordering::Relaxed)
-                        && ctl.rate.load(Ordering::Relaxed) == 0
-                        && ctl.throttle.load(Ordering::Relaxed) == 0
-                    {
-                        std::thread::sleep(Duration::from_millis(2));
-                    }
-                } else {
-                    std::thread::sleep(on.saturating_sub(t0.elapsed()));
-                }
-                let w: u64 = m.halt()?.vcpus.iter().map(|v| v.pages).sum();
-                ctl.writes.fetch_add(w, Ordering::Relaxed);
-                Ok((w, t0.elapsed()))
+                run_burst(&m, &ctl, seed, burst, on)
             };
             while !ctl.stop.load(Ordering::Relaxed) {
                 let rate = ctl.rate.load(Ordering::Relaxed);
@@ -437,6 +417,37 @@ impl BurstDriver {
             *lock(&ctl.error) = Some(e);
         }
     }
+}
+
+/// Runs burst number `burst` of the writer for `on` (zero: until the pacing changes or the
+/// driver stops); returns the pages written and how long the burst took.
+fn run_burst(
+    m: &slat_kvm::KvmMachine,
+    ctl: &BurstControl,
+    seed: u32,
+    burst: u64,
+    on: Duration,
+) -> Result<(u64, Duration), slat_kvm::KvmError> {
+    // Each burst stamps a value no burst wrote before, so rewriting a page changes it.
+    let t0 = Instant::now();
+    m.start(slat_kvm::Workload::Writer {
+        seed: seed.wrapping_add((burst as u32).wrapping_mul(0x9e37_79b9)),
+        iteration: (0x4b << 56) | burst,
+    })?;
+    if on.is_zero() {
+        // Unpaced: run until something changes.
+        while !ctl.stop.load(Ordering::Relaxed)
+            && ctl.rate.load(Ordering::Relaxed) == 0
+            && ctl.throttle.load(Ordering::Relaxed) == 0
+        {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    } else {
+        std::thread::sleep(on.saturating_sub(t0.elapsed()));
+    }
+    let w: u64 = m.halt()?.vcpus.iter().map(|v| v.pages).sum();
+    ctl.writes.fetch_add(w, Ordering::Relaxed);
+    Ok((w, t0.elapsed()))
 }
 
 /// Sleeps `d` in short steps, ending early when the driver is told to stop.

@@ -2,7 +2,7 @@
 //! payload, payloads written field by field with any values, valid streams produced by the
 //! library's own encoder (to mutate), and a loopback exchange with a live destination.
 //!
-//! Written from the format's description in `stream.rs`, not from its code: a frame is
+//! Written from the format's description in `stream/mod.rs`, not from its code: a frame is
 //! `type u8 | length u32 | payload crc32 u32 | header crc32 u32 | payload`, little-endian.
 
 use slat_harness::migrate::Shape;

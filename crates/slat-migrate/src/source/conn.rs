@@ -1,0 +1,164 @@
+//! The connection of an attempt: frames out through the link, the destination's replies in
+//! through a reader thread of their own.
+
+use crate::error::{Cause, MigrateError, ProtocolError, StreamError};
+use crate::link::Link;
+use crate::stream::{self, FrameReader, Msg};
+use std::io::{Read, Write};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Frames the reader thread received, or why it stopped.
+type Inbox = Receiver<Result<Msg, StreamError>>;
+
+/// The connection of one attempt.
+pub(super) struct Conn {
+    pub(super) link: Link,
+    /// The destination's frames (none over a one-way channel).
+    pub(super) inbox: Option<Inbox>,
+    pub(super) timeout: Duration,
+    /// Where the channel leads.
+    pub(super) peer: String,
+}
+
+impl Conn {
+    pub(super) fn send_raw(&mut self, bytes: &[u8], phase: &str) -> Result<(), MigrateError> {
+        match self.link.write_all(bytes) {
+            Ok(()) => Ok(()),
+            // The destination may have said why it stopped reading.
+            Err(e) => Err(self
+                .refusal()
+                .unwrap_or_else(|| MigrateError::stream(phase, StreamError::io(e, self.timeout)))),
+        }
+    }
+
+    pub(super) fn send(&mut self, m: &Msg, phase: &str) -> Result<(), MigrateError> {
+        self.send_raw(&stream::frame(m), phase)
+    }
+
+    /// Nothing comes back.
+    pub(super) fn one_way(&self) -> bool {
+        self.inbox.is_none()
+    }
+
+    /// A refusal the destination sent, if one is waiting.
+    pub(super) fn refusal(&self) -> Option<MigrateError> {
+        let inbox = self.inbox.as_ref()?;
+        let deadline = Instant::now() + Duration::from_millis(200);
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match inbox.recv_timeout(left) {
+                Ok(Ok(Msg::Refuse(reason))) => {
+                    return Some(MigrateError::Refused {
+                        who: "destination",
+                        reason,
+                    })
+                }
+                Ok(Ok(_)) => continue,
+                _ => return None,
+            }
+        }
+        None
+    }
+
+    /// The next message, waiting at most the timeout.
+    pub(super) fn recv(&mut self, phase: &str) -> Result<Msg, MigrateError> {
+        let Some(inbox) = &self.inbox else {
+            return Err(MigrateError::stream(
+                phase,
+                StreamError::Closed {
+                    what: "a reply (the channel is one-way)",
+                },
+            ));
+        };
+        match inbox.recv_timeout(self.timeout) {
+            Ok(Ok(Msg::Refuse(reason))) => Err(MigrateError::Refused {
+                who: "destination",
+                reason,
+            }),
+            Ok(Ok(m)) => Ok(m),
+            Ok(Err(e)) => Err(MigrateError::stream(phase, e)),
+            Err(RecvTimeoutError::Timeout) => Err(MigrateError::stream(
+                phase,
+                StreamError::Timeout(self.timeout),
+            )),
+            Err(RecvTimeoutError::Disconnected) => Err(MigrateError::stream(
+                phase,
+                StreamError::Closed { what: "the reply" },
+            )),
+        }
+    }
+
+    /// Like `recv`, without waiting.
+    pub(super) fn try_recv(&mut self, phase: &str) -> Result<Option<Msg>, MigrateError> {
+        let Some(inbox) = &self.inbox else {
+            return Ok(None);
+        };
+        match inbox.try_recv() {
+            Ok(Ok(Msg::Refuse(reason))) => Err(MigrateError::Refused {
+                who: "destination",
+                reason,
+            }),
+            Ok(Ok(m)) => Ok(Some(m)),
+            Ok(Err(e)) => Err(MigrateError::stream(phase, e)),
+            Err(mpsc::TryRecvError::Empty) => Ok(None),
+            Err(mpsc::TryRecvError::Disconnected) => Err(MigrateError::stream(
+                phase,
+                StreamError::Closed {
+                    what: "the acknowledgements",
+                },
+            )),
+        }
+    }
+}
+
+pub(super) fn unexpected(phase: &str, m: &Msg) -> MigrateError {
+    MigrateError::stream(
+        phase,
+        StreamError::Protocol(ProtocolError::Unexpected { msg: m.name() }),
+    )
+}
+
+/// Batches sent and not yet acknowledged, at most.
+pub(super) const MAX_INFLIGHT: usize = 1024;
+
+/// Frames the reader thread holds for the source, at most: the acknowledgements of a full
+/// window and the few other replies. A destination that sends more is not read from until
+/// the source catches up (its socket fills; it cannot make this side buffer without bound).
+const INBOX: usize = MAX_INFLIGHT + 16;
+
+/// Reads the destination's frames on a thread of their own, so acknowledgements drain while
+/// the source is busy writing. Only the frames a destination sends are passed on (all of
+/// them small); any other ends the connection.
+pub(super) fn spawn_reader(
+    s: Box<dyn Read + Send>,
+    timeout: Duration,
+) -> Result<(Inbox, JoinHandle<()>), MigrateError> {
+    let (tx, rx): (SyncSender<_>, _) = mpsc::sync_channel(INBOX);
+    let h = std::thread::Builder::new()
+        .name("migrate-acks".into())
+        .spawn(move || {
+            let mut r = FrameReader::new(s, timeout);
+            loop {
+                let m = match r.read_msg("the destination's reply") {
+                    Ok(
+                        m @ (Msg::Welcome { .. }
+                        | Msg::Refuse(_)
+                        | Msg::Ack { .. }
+                        | Msg::Verified { .. }
+                        | Msg::Resumed { .. }),
+                    ) => Ok(m),
+                    Ok(m) => Err(StreamError::Protocol(ProtocolError::Unexpected {
+                        msg: m.name(),
+                    })),
+                    Err(e) => Err(e),
+                };
+                let stop = m.is_err();
+                if tx.send(m).is_err() || stop {
+                    break;
+                }
+            }
+        })
+        .map_err(|e| MigrateError::Thread(Cause::new(e)))?;
+    Ok((rx, h))
+}

@@ -1,0 +1,189 @@
+//! The rounds: pre-copy until the rest fits the downtime allowed, the pause, and the
+//! stop-and-copy round.
+
+use super::attempt::harvester;
+use super::conn::Conn;
+use super::sender::Sender;
+use super::{rate, Event, MigrationReport, Progress, Source, SourceConfig};
+use crate::error::MigrateError;
+use crate::guest::Memory;
+use crate::throttle::AutoConverge;
+use std::time::{Duration, Instant};
+
+impl Source {
+    /// Pre-copy, the pause and the stop-and-copy round; returns when the guest paused.
+    ///
+    /// Pre-copy: round 0 sends everything owed; each later round first harvests, and
+    /// pre-copy ends when the rest fits `max_downtime` (or after `max_rounds`); the round
+    /// that comes next is the stop-and-copy round.
+    pub(super) fn rounds(
+        &mut self,
+        conn: &mut Conn,
+        mem: &Memory<'_>,
+        sender: &mut Sender,
+        ac: &mut AutoConverge,
+        report: &mut MigrationReport,
+        progress: &mut dyn FnMut(Event<'_>),
+    ) -> Result<Instant, MigrateError> {
+        let log = harvester(&mut self.log, &*self.guest, &self.ring_counts)?;
+        let mut round = 0u32;
+        let round = loop {
+            // Re-armed before it returns; dropped on an error below, it is owed again.
+            let mut set = log.take()?;
+            let dirtied = set.collected() + std::mem::take(&mut sender.collected);
+            if let Some(prev) = report.rounds.last_mut() {
+                prev.dirtied = dirtied;
+                report.dirtied += dirtied;
+                if let Some(t) = ac.after_round(prev.round, dirtied, prev.pages) {
+                    self.guest.set_throttle(t);
+                    progress(Event::Throttle(t));
+                }
+            }
+            // The take just counted the ring: no second collect needed.
+            sender.tick_limit(None, progress)?;
+            let owed = set.pages() + sender.ro_pages();
+            progress(Event::Progress(progress_of(
+                report,
+                round,
+                owed,
+                dirtied,
+                self.guest.throttle(),
+                sender.vcpu_throttles(),
+                false,
+                sender.t0,
+            )));
+            if round > 0 && precopy_done(&self.cfg, owed, round, report) {
+                // Not sent: owed again, for the take after the pause.
+                set.abort();
+                break round;
+            }
+            let r = sender.round(
+                conn,
+                mem,
+                self.guest.throttle(),
+                &mut set,
+                round,
+                false,
+                &format!("round {round}"),
+                progress,
+            )?;
+            // Every page was acknowledged (and left the set) before the round returned.
+            set.commit();
+            // Range hashes of what this round sent, while the guest runs.
+            sender.digests.refresh();
+            progress(Event::Round(&r));
+            report.rounds.push(r);
+            round += 1;
+        };
+        if let Some(d) = self.cfg.faults.pause_delay {
+            std::thread::sleep(d);
+        }
+        let t_pause = Instant::now();
+        self.guest.pause()?;
+        self.stop_and_copy(conn, mem, sender, round, report, progress)?;
+        Ok(t_pause)
+    }
+
+    /// With the vCPUs paused: the final harvest, then the stop-and-copy round `round`.
+    fn stop_and_copy(
+        &mut self,
+        conn: &mut Conn,
+        mem: &Memory<'_>,
+        sender: &mut Sender,
+        round: u32,
+        report: &mut MigrationReport,
+        progress: &mut dyn FnMut(Event<'_>),
+    ) -> Result<(), MigrateError> {
+        let log = harvester(&mut self.log, &*self.guest, &self.ring_counts)?;
+        let t = Instant::now();
+        let mut set = if self.cfg.faults.skip_final_harvest {
+            log.take_owed()
+        } else {
+            log.take()?
+        };
+        // The last pre-copy round's writes reach up to the pause.
+        if let Some(prev) = report.rounds.last_mut() {
+            prev.dirtied += set.collected();
+            report.dirtied += set.collected();
+        }
+        report.final_harvest = t.elapsed();
+        progress(Event::Paused(set.pages() + sender.ro_pages()));
+        if let Some(n) = self.cfg.faults.cut_in_final_round {
+            conn.link.cut_in(n);
+        }
+        let t = Instant::now();
+        let last = sender.round(
+            conn,
+            mem,
+            self.guest.throttle(),
+            &mut set,
+            round,
+            true,
+            "stop-and-copy",
+            progress,
+        )?;
+        set.commit();
+        report.final_send = t.elapsed();
+        progress(Event::Round(&last));
+        report.rounds.push(last);
+        progress(Event::Progress(progress_of(
+            report,
+            round,
+            0,
+            0,
+            self.guest.throttle(),
+            sender.vcpu_throttles(),
+            true,
+            sender.t0,
+        )));
+        Ok(())
+    }
+}
+
+/// Whether pre-copy ends before round `round` (> 0): the `owed` pages could be sent within
+/// `max_downtime` at the bandwidth measured so far (recorded in `report`), or the rounds are
+/// used up.
+fn precopy_done(cfg: &SourceConfig, owed: u64, round: u32, report: &mut MigrationReport) -> bool {
+    let expect = expected_transfer(report, owed);
+    report.expected_final = expect;
+    if expect <= cfg.max_downtime {
+        report.converged = true;
+        return true;
+    }
+    round > cfg.max_rounds || round == u32::MAX
+}
+
+/// How long `owed` pages would take at the bandwidth and bytes per page measured so far.
+fn expected_transfer(report: &MigrationReport, owed: u64) -> Duration {
+    let sent: u64 = report.rounds.iter().map(|r| r.bytes).sum();
+    let spent: Duration = report.rounds.iter().map(|r| r.time).sum();
+    let per_page = sent as f64 / report.pages().max(1) as f64;
+    let bw = rate(sent as f64, spent).max(1.0);
+    Duration::from_secs_f64(owed as f64 * per_page / bw)
+}
+
+/// The progress after the rounds in `report`, with `owed` pages left.
+#[allow(clippy::too_many_arguments)]
+fn progress_of(
+    report: &MigrationReport,
+    round: u32,
+    owed: u64,
+    dirtied: u64,
+    throttle: u32,
+    vcpu_throttle_permille: Vec<u32>,
+    paused: bool,
+    t0: Instant,
+) -> Progress {
+    Progress {
+        round,
+        pages_sent: report.pages(),
+        pages_remaining: owed,
+        dirtied,
+        bandwidth: report.bandwidth(),
+        expected_downtime: expected_transfer(report, owed),
+        throttle,
+        vcpu_throttle_permille,
+        paused,
+        elapsed: t0.elapsed(),
+    }
+}

@@ -1,0 +1,244 @@
+//! A round's pages, sent in batches inside a window of unacknowledged ones; the owed-page
+//! bookkeeping that acknowledgements settle; dirty-limit's periodic tick.
+
+use super::conn::{unexpected, Conn, MAX_INFLIGHT};
+use super::{DirtyLimitReport, Event, RoundReport, RoundSet};
+use crate::dirty_limit::{DirtyLimiter, RingCounts};
+use crate::error::{GuestError, MigrateError, ProtocolError, StreamError};
+use crate::guest::{Guest, Memory};
+use crate::link::Faults;
+use crate::stream::{BatchBuilder, Msg, PAGE_BYTES};
+use crate::verify::{self, Digests};
+use slat_addr::PageIndex;
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Sends rounds of pages in batches and settles their acknowledgements.
+pub(super) struct Sender {
+    pub(super) builder: BatchBuilder,
+    pub(super) seq: u64,
+    pub(super) batch: usize,
+    pub(super) faults: Faults,
+    /// Memory index of each dirty-log slot's first page.
+    pub(super) starts: Vec<u64>,
+    /// Read-only pages still owed, as (first, count) runs: sent with the next round.
+    pub(super) ro: Vec<(u64, u64)>,
+    /// Per page, the digest of what was last sent (empty: verification reads memory).
+    pub(super) digests: Digests,
+    /// When the attempt connected.
+    pub(super) t0: Instant,
+    /// Dirty-limit, when on.
+    pub(super) limit: Option<Limit>,
+    /// Pages dirty-limit's collects moved to the pages owed during the last round: dirtied
+    /// while it ran, so counted with the next take's.
+    pub(super) collected: u64,
+}
+
+/// Dirty-limit's controller and what it reads and drives.
+pub(super) struct Limit {
+    pub(super) l: DirtyLimiter,
+    pub(super) counts: Arc<RingCounts>,
+    pub(super) guest: Arc<dyn Guest>,
+}
+
+impl Limit {
+    /// What dirty-limit did in this attempt.
+    pub(super) fn report(&self) -> DirtyLimitReport {
+        DirtyLimitReport {
+            limit: self.l.config().limit,
+            period: self.l.config().period,
+            periods: self.l.periods,
+            max_permille: self.l.max_permille.clone(),
+            last_permille: self.l.throttles(),
+            last_rates: self.l.rates.clone(),
+        }
+    }
+}
+
+impl Sender {
+    /// Read-only pages still owed.
+    pub(super) fn ro_pages(&self) -> u64 {
+        self.ro.iter().map(|r| r.1).sum()
+    }
+
+    /// Dirty-limit's per-vCPU throttles now (empty when it is off).
+    pub(super) fn vcpu_throttles(&self) -> Vec<u32> {
+        self.limit.as_ref().map_or(Vec::new(), |x| x.l.throttles())
+    }
+
+    /// Once a period: brings the ring counts up to date (collecting into the pages owed for
+    /// the next round, when a round's `set` is out: nothing is lost to the migration), then
+    /// lets the limiter set each vCPU's throttle.
+    pub(super) fn tick_limit(
+        &mut self,
+        set: Option<&mut RoundSet<'_>>,
+        progress: &mut dyn FnMut(Event<'_>),
+    ) -> Result<(), MigrateError> {
+        let Some(x) = &mut self.limit else {
+            return Ok(());
+        };
+        if !x.l.due(Instant::now()) {
+            return Ok(());
+        }
+        if let Some(set) = set {
+            self.collected += set.collect()?;
+        }
+        let counts = x.counts.per_vcpu();
+        if let Some(th) = x.l.update(&counts, Instant::now()) {
+            for (i, &t) in th.iter().enumerate() {
+                x.guest.set_vcpu_throttle(i, t);
+            }
+            progress(Event::DirtyLimit {
+                limit: x.l.config().limit,
+                rates: &x.l.rates,
+                throttles: &th,
+            });
+        }
+        Ok(())
+    }
+
+    /// Builds the batch of `chunk`'s pages (read into `page` one by one), recording each
+    /// page's digest; returns the batch's zero pages. Over a one-way channel (or with the
+    /// merge-back fault) a page leaves `owed` here, as no acknowledgement will come.
+    fn fill_batch(
+        &mut self,
+        mem: &Memory<'_>,
+        owed: &mut RoundSet<'_>,
+        chunk: &[Page],
+        round: u32,
+        page: &mut [u8],
+        one_way: bool,
+    ) -> Result<u64, MigrateError> {
+        self.builder.start(self.seq, round);
+        for &(slot, off, p) in chunk {
+            mem.read_page(p, page)?;
+            self.builder.push(p, page);
+            if !self.digests.is_empty() {
+                self.digests.set(p, verify::page_digest(page));
+            }
+            if slot == NO_SLOT {
+                continue;
+            }
+            if self.faults.skip_merge_back || one_way {
+                // The bug under test: the page counts as delivered once it is queued.
+                owed.commit_pages(slot, PageIndex::new(off), 1)
+                    .map_err(GuestError::harvest)?;
+            }
+        }
+        Ok(self.builder.zero as u64)
+    }
+
+    /// Sends every page of `owed`; returns when the destination acknowledged all of them
+    /// (each acknowledged page has left the set).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn round(
+        &mut self,
+        conn: &mut Conn,
+        mem: &Memory<'_>,
+        throttle: u32,
+        owed: &mut RoundSet<'_>,
+        round: u32,
+        stop_and_copy: bool,
+        phase: &str,
+        progress: &mut dyn FnMut(Event<'_>),
+    ) -> Result<RoundReport, MigrateError> {
+        let t0 = Instant::now();
+        let bytes0 = conn.link.written();
+        let mut todo = pages_of(owed, &self.starts);
+        for &(first, n) in &self.ro {
+            todo.extend((first..first + n).map(|p| (NO_SLOT, 0, p)));
+        }
+        let mut inflight: VecDeque<(u64, Vec<Page>)> = VecDeque::new();
+        let mut page = vec![0u8; PAGE_BYTES];
+        let mut zero = 0u64;
+        for chunk in todo.chunks(self.batch) {
+            // A window of batches in flight: the destination's acknowledgements (and so the
+            // reader's bounded inbox) never run more than this far behind.
+            while inflight.len() >= MAX_INFLIGHT {
+                let m = conn.recv(phase)?;
+                settle(m, &mut inflight, owed, phase)?;
+            }
+            zero += self.fill_batch(mem, owed, chunk, round, &mut page, conn.one_way())?;
+            conn.send_raw(self.builder.frame(), phase)?;
+            if !conn.one_way() {
+                inflight.push_back((self.seq, chunk.to_vec()));
+            }
+            self.seq += 1;
+            while let Some(m) = conn.try_recv(phase)? {
+                settle(m, &mut inflight, owed, phase)?;
+            }
+            if !stop_and_copy {
+                self.tick_limit(Some(owed), progress)?;
+            }
+        }
+        conn.send(
+            &Msg::RoundEnd {
+                round,
+                pages: todo.len() as u64,
+            },
+            phase,
+        )?;
+        while !inflight.is_empty() {
+            let m = conn.recv(phase)?;
+            settle(m, &mut inflight, owed, phase)?;
+        }
+        // Every read-only page went out with this round and is acknowledged (or written).
+        self.ro.clear();
+        Ok(RoundReport {
+            round,
+            pages: todo.len() as u64,
+            zero_pages: zero,
+            bytes: conn.link.written() - bytes0,
+            time: t0.elapsed(),
+            dirtied: 0,
+            throttle,
+            stop_and_copy,
+        })
+    }
+}
+
+/// A page of a round: (slot index in the harvester, page in the slot, memory index); a
+/// read-only page has the slot [`NO_SLOT`].
+type Page = (usize, u64, u64);
+
+/// The slot of a page without a dirty log (a read-only region's).
+const NO_SLOT: usize = usize::MAX;
+
+/// The pages of `set`, in memory-index order (`starts`: each slot's first memory index,
+/// checked against the map by [`crate::MemoryMap::log_starts`]).
+fn pages_of(set: &RoundSet<'_>, starts: &[u64]) -> Vec<Page> {
+    let mut out = Vec::with_capacity(usize::try_from(set.pages()).unwrap_or(0));
+    for (i, &start) in starts.iter().enumerate().take(set.slot_info().len()) {
+        for (first, n) in set.ranges(i) {
+            out.extend((first..first + n).map(|p| (i, p, start + p)));
+        }
+    }
+    out
+}
+
+/// Applies an acknowledgement: the pages of the oldest batch in flight have landed, and leave
+/// the set (a later abort does not owe them again).
+fn settle(
+    m: Msg,
+    inflight: &mut VecDeque<(u64, Vec<Page>)>,
+    owed: &mut RoundSet<'_>,
+    phase: &str,
+) -> Result<(), MigrateError> {
+    let Msg::Ack { seq } = m else {
+        return Err(unexpected(phase, &m));
+    };
+    match inflight.pop_front() {
+        Some((s, pages)) if s == seq => {
+            for (slot, off, _) in pages.into_iter().filter(|p| p.0 != NO_SLOT) {
+                owed.commit_pages(slot, PageIndex::new(off), 1)
+                    .map_err(GuestError::harvest)?;
+            }
+            Ok(())
+        }
+        _ => Err(MigrateError::stream(
+            phase,
+            StreamError::Protocol(ProtocolError::AckOrder { seq }),
+        )),
+    }
+}
