@@ -63,10 +63,37 @@ pub enum FlushError {
 fn current_thread() -> u64 {
     use std::sync::atomic::{AtomicU64 as StdU64, Ordering as StdOrdering};
     static NEXT: StdU64 = StdU64::new(1);
-    std::thread_local! {
-        static ID: u64 = NEXT.fetch_add(1, StdOrdering::Relaxed);
-    }
-    ID.with(|id| *id)
+    THREAD.with(|t| match t.id.get() {
+        0 => {
+            let id = NEXT.fetch_add(1, StdOrdering::Relaxed);
+            t.id.set(id);
+            id
+        }
+        id => id,
+    })
+}
+
+/// The calling thread's part in the own-flush check: its id (0 until first asked) and how
+/// many vCPU links it put in guest mode and has not taken out again. The count lets every
+/// thread that holds none — every fault and flush of a well-behaved caller — skip the scan of
+/// the VM's vCPUs (a lock and a pass over the list) with one thread-local read; it only errs
+/// high (a token moved to another thread and dropped there leaves it counted), which costs
+/// that thread the scan, never a missed refusal.
+struct ThreadFlushState {
+    id: std::cell::Cell<u64>,
+    held: std::cell::Cell<u32>,
+}
+
+std::thread_local! {
+    static THREAD: ThreadFlushState = const {
+        ThreadFlushState { id: std::cell::Cell::new(0), held: std::cell::Cell::new(0) }
+    };
+}
+
+/// Whether the calling thread may hold a vCPU link in guest mode (see [`ThreadFlushState`]).
+#[inline]
+fn may_hold_links() -> bool {
+    THREAD.with(|t| t.held.get() != 0)
 }
 
 /// Proof that a vCPU is in guest mode, returned only by [`crate::Vcpu::enter_guest`]; the vCPU
@@ -95,9 +122,16 @@ impl GuestMode {
 impl Drop for GuestMode {
     fn drop(&mut self) {
         if self.link.tokens.fetch_sub(1, Ordering::Relaxed) == 1 {
-            self.link
+            let holder = self
+                .link
                 .holder
-                .store(0, std::sync::atomic::Ordering::Relaxed);
+                .swap(0, std::sync::atomic::Ordering::Relaxed);
+            #[cfg(not(loom))]
+            if holder != 0 && holder == current_thread() {
+                THREAD.with(|t| t.held.set(t.held.get().saturating_sub(1)));
+            }
+            #[cfg(loom)]
+            let _ = holder;
             self.link.exit_guest();
         }
     }
@@ -120,8 +154,11 @@ impl VcpuLink {
     pub(crate) fn enter_guest(link: &Arc<Self>) -> GuestMode {
         if link.tokens.fetch_add(1, Ordering::Relaxed) == 0 {
             #[cfg(not(loom))]
-            link.holder
-                .store(current_thread(), std::sync::atomic::Ordering::Relaxed);
+            {
+                link.holder
+                    .store(current_thread(), std::sync::atomic::Ordering::Relaxed);
+                THREAD.with(|t| t.held.set(t.held.get().saturating_add(1)));
+            }
             link.mode.store(IN_GUEST, Ordering::Relaxed);
             fence(Ordering::SeqCst);
         }
@@ -233,7 +270,11 @@ impl FlushDomain {
 
     /// Whether the calling thread put one of these vCPUs in guest mode (a flush would wait
     /// for itself): [`FlushError::OwnGuestMode`] if so.
+    #[inline]
     pub(crate) fn check_own(&self) -> Result<(), FlushError> {
+        if cfg!(loom) || !may_hold_links() {
+            return Ok(());
+        }
         held_here(&sync::read(&self.vcpus))
     }
 
@@ -261,7 +302,7 @@ impl FlushDomain {
 
 /// [`FlushError::OwnGuestMode`] if the calling thread put one of `links` in guest mode.
 fn held_here(links: &[Arc<VcpuLink>]) -> Result<(), FlushError> {
-    if cfg!(loom) || links.is_empty() {
+    if cfg!(loom) || links.is_empty() || !may_hold_links() {
         return Ok(());
     }
     let me = current_thread();

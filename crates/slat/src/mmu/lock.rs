@@ -87,6 +87,7 @@ impl MmuLock {
         }
     }
 
+    #[inline]
     pub(crate) fn read(&self) -> ReadGuard<'_> {
         let held = match &self.inner {
             Inner::Rw(l) => ReadHeld::Rw(sync::read(l)),
@@ -98,6 +99,7 @@ impl MmuLock {
         }
     }
 
+    #[inline]
     pub(crate) fn write(&self) -> WriteGuard<'_> {
         let held = match &self.inner {
             Inner::Rw(l) => WriteHeld::Rw(sync::write(l)),

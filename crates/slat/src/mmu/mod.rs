@@ -135,8 +135,12 @@ impl<F: PteFormat> Mmu<F> {
     /// calling thread holds no vCPU in guest mode ([`FlushDomain::check_own`]). Should it hold
     /// one anyway (a caller's callback entered guest mode and kept the token), the flush is
     /// deferred rather than waited for: no page is freed before a flush, nothing deadlocks.
+    #[inline(always)]
     pub fn complete_flush(&self, pending: PendingFlush) {
-        let _deferred_if_refused = self.try_complete_flush(pending);
+        // Most operations owe nothing (a fault that filled an empty entry): no call at all.
+        if pending.is_needed() {
+            let _deferred_if_refused = self.try_complete_flush(pending);
+        }
     }
 
     /// Frees every table under the root. Exclusive access: no vCPU can run.
