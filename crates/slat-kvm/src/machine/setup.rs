@@ -54,7 +54,10 @@ pub(super) fn check_config(config: &KvmConfig) -> Result<RegionSize, KvmError> {
 }
 
 /// The checks of `config` against what the host's KVM offers; the dirty ring's size, if any.
-pub(super) fn check_host(config: &KvmConfig, caps: &HostCaps) -> Result<Option<RingSize>, KvmError> {
+pub(super) fn check_host(
+    config: &KvmConfig,
+    caps: &HostCaps,
+) -> Result<Option<RingSize>, KvmError> {
     let (ring, mp) = (
         config.region.dirty.ring_entries,
         config.region.dirty.manual_protect,
