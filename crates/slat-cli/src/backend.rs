@@ -9,6 +9,7 @@
 //! only the CLI needs ([`CliMachine`]: statistics as JSON and the simulated engine's extras).
 
 use crate::args::{BackendArg, FormatArg};
+use crate::output::VmSettings;
 use serde_json::{json, Value};
 use slat::{Ept, PteFormat, Stage2, VmConfig};
 use slat_addr::PAGE_SIZE;
@@ -44,6 +45,18 @@ impl Spec {
     /// Manual dirty-log protect (GET copies, CLEAR re-protects).
     pub fn manual_protect(&self) -> bool {
         self.region.dirty.manual_protect != 0
+    }
+
+    /// The settings a run of this spec on `kind` reports; `pcpus` is the simulated machine's.
+    pub fn vm_settings(&self, kind: BackendArg, pcpus: Option<usize>) -> VmSettings {
+        VmSettings::new(
+            kind,
+            self.format,
+            &self.vm,
+            self.tlb_entries,
+            pcpus,
+            self.region.prefault,
+        )
     }
 }
 

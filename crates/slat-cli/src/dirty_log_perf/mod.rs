@@ -601,14 +601,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         .iter()
         .map(|i| i.harvest.clear.or(i.harvest.reset))
         .sum();
-    let vm = VmSettings::new(
-        kind,
-        a.machine.format,
-        &cfg.vm,
-        cfg.tlb_entries,
-        pcpus,
-        cfg.region.prefault,
-    );
+    let vm = cfg.vm_settings(kind, pcpus);
     Ok(Report {
         head: RunHead {
             benchmark: NAME,
