@@ -321,8 +321,7 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
         q,
     );
     let m = backend::create(kind, &cfg)?;
-    let plan = a.pin.plan(a.work.vcpus).map_err(CliError::bad)?;
-    let pinned_cpus = backend::apply_pinning(m.as_ref(), plan.as_ref())?;
+    let pinned_cpus = backend::pin(m.as_ref(), &a.pin, a.work.vcpus)?;
     p.done();
     let layout = m.layout();
     let params = PassParams::default();

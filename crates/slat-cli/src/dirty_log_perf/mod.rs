@@ -610,8 +610,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
     check(a).map_err(CliError::bad)?;
     let cfg = spec(a);
     let (m, native) = build(a, kind, &cfg)?;
-    let plan = a.pin.plan(a.work.vcpus).map_err(CliError::bad)?;
-    let pinned_cpus = backend::apply_pinning(m.as_ref(), plan.as_ref())?;
+    let pinned_cpus = backend::pin(m.as_ref(), &a.pin, a.work.vcpus)?;
     let (populate, populate_native) = populate(a, m.as_ref(), &native)?;
     let t0 = Instant::now();
     m.set_dirty_logging(true)?;
