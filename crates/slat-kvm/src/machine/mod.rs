@@ -5,28 +5,28 @@ mod log;
 mod setup;
 mod vcpu;
 pub use log::KvmMachineLog;
-use setup::*;
-use vcpu::*;
+use setup::{
+    caps_of, check_config, check_host, create_vcpus, create_vm, map_memory, open, place_region,
+    register_slots, tsc_khz_of,
+};
+use vcpu::{vcpu_thread, VcpuContext};
 
 use crate::error::KvmError;
-use crate::guest::{self, control, param, GuestMode, LowLayout, SYNC_PORT};
+use crate::guest::{self, control, param, GuestMode, LowLayout};
 use crate::histogram;
 use crate::stats::{Stat, StatsFd};
 use kvm_bindings::{
-    kvm_enable_cap, kvm_userspace_memory_region, CpuId, KVM_CAP_DIRTY_LOG_RING,
-    KVM_CAP_DIRTY_LOG_RING_ACQ_REL, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_INITIALLY_SET,
-    KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_EXIT_DIRTY_RING_FULL, KVM_MAX_CPUID_ENTRIES,
+    KVM_DIRTY_LOG_INITIALLY_SET, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_MAX_CPUID_ENTRIES,
 };
-use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
-use slat_addr::{PageIndex, PAGE_SHIFT, PAGE_SIZE};
-use slat_dirty::log::{self as dirty, DirtyRing, RingSize};
+use kvm_ioctls::{VcpuFd, VmFd};
+use slat_addr::{PageIndex, PAGE_SIZE};
+use slat_dirty::log::DirtyRing;
 use slat_dirty::Memslot;
 use slat_workload::cpus::VcpuTids;
 use slat_workload::{
-    Backing, GuestRam, LatencyHistogram, ParkMiller, PassParams, RegionSize, RegionSpec,
-    Rendezvous, TestMachine, TestRegion, FIRST_SLOT, INITIALLY_SET, MANUAL_PROTECT_ENABLE,
+    GuestRam, LatencyHistogram, ParkMiller, PassParams, RegionSpec, Rendezvous, TestMachine,
+    TestRegion, FIRST_SLOT, INITIALLY_SET, MANUAL_PROTECT_ENABLE,
 };
-use std::ffi::CString;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};

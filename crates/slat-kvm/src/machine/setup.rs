@@ -1,7 +1,24 @@
 //! Building a VM: checks of the configuration against the host, the memory mappings and
 //! memslots, and the vCPUs.
 
-use super::*;
+use super::{HostCaps, KvmConfig, LOW_SLOT, MAX_GPA_BITS};
+use crate::error::KvmError;
+use crate::guest::{self, LowLayout};
+use crate::stats::StatsFd;
+use kvm_bindings::{
+    kvm_enable_cap, kvm_userspace_memory_region, CpuId, KVM_CAP_DIRTY_LOG_RING,
+    KVM_CAP_DIRTY_LOG_RING_ACQ_REL, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
+};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use slat_addr::{PAGE_SHIFT, PAGE_SIZE};
+use slat_dirty::log::{self as dirty, DirtyRing, RingSize};
+use slat_dirty::Memslot;
+use slat_workload::{
+    Backing, GuestRam, RegionSize, FIRST_SLOT, INITIALLY_SET, MANUAL_PROTECT_ENABLE,
+};
+use std::ffi::CString;
+use std::num::NonZeroU32;
+use std::sync::Arc;
 
 /// The checks of `config` that need no host: the region's size, and a dirty-log
 /// configuration KVM could accept.
@@ -249,7 +266,7 @@ pub(super) unsafe fn register_slots(
 }
 
 /// The vCPU fds, their dirty rings, and the statistics fds of the VM and each vCPU.
-pub(super) type VcpuParts = (Vec<VcpuFd>, Vec<DirtyRing>, Option<(StatsFd, Vec<StatsFd>)>);
+type VcpuParts = (Vec<VcpuFd>, Vec<DirtyRing>, Option<(StatsFd, Vec<StatsFd>)>);
 
 /// Creates the vCPUs in long mode at the guest's entry point, maps their dirty rings, and
 /// opens the statistics fds (`None` if the kernel lacks them).

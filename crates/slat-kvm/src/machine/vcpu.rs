@@ -1,6 +1,13 @@
 //! The vCPU threads: each runs its vCPU once per job and reports the pass.
 
-use super::*;
+use super::{lock, Control, Rings, VcpuPass};
+use crate::guest::{param, SYNC_PORT};
+use kvm_bindings::KVM_EXIT_DIRTY_RING_FULL;
+use kvm_ioctls::{VcpuExit, VcpuFd, VmFd};
+use slat_dirty::log as dirty;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 pub(super) struct VcpuContext {
     pub(super) idx: usize,
