@@ -8,7 +8,9 @@
 //! `Box<dyn Backend>` (machine errors become the one-line messages the CLI prints) plus what
 //! only the CLI needs ([`CliMachine`]: statistics as JSON and the simulated engine's extras).
 
-use crate::args::{BackendArg, FormatArg};
+use crate::args::{BackendArg, FormatArg, PinArgs};
+use crate::error::{CliError, CliResult};
+use crate::output::VmSettings;
 use serde_json::{json, Value};
 use slat::{Ept, PteFormat, Stage2, VmConfig};
 use slat_addr::PAGE_SIZE;
@@ -44,6 +46,18 @@ impl Spec {
     /// Manual dirty-log protect (GET copies, CLEAR re-protects).
     pub fn manual_protect(&self) -> bool {
         self.region.dirty.manual_protect != 0
+    }
+
+    /// The settings a run of this spec on `kind` reports; `pcpus` is the simulated machine's.
+    pub fn vm_settings(&self, kind: BackendArg, pcpus: Option<usize>) -> VmSettings {
+        VmSettings::new(
+            kind,
+            self.format,
+            &self.vm,
+            self.tlb_entries,
+            pcpus,
+            self.region.prefault,
+        )
     }
 }
 
@@ -222,6 +236,13 @@ impl<M: TestMachine + CliMachine> Backend for M {
     fn guest_ram(&self) -> &GuestRam {
         CliMachine::guest_ram(self)
     }
+}
+
+/// `-c`: checks the list for `vcpus` vCPUs (refused as bad input) and pins `m`'s threads;
+/// returns the vCPUs' CPUs, `None` without `-c`.
+pub fn pin(m: &dyn Backend, pin: &PinArgs, vcpus: u32) -> CliResult<Option<Vec<usize>>> {
+    let plan = pin.plan(vcpus).map_err(CliError::bad)?;
+    Ok(apply_pinning(m, plan.as_ref())?)
 }
 
 /// Applies a `-c` plan to a machine's vCPU threads (and the calling thread, if the plan has

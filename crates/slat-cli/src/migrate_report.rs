@@ -4,7 +4,7 @@
 use crate::migrate::{CompressArg, ConvergeArg, GuestArgs, MigrationArgs};
 use crate::output::secs;
 use serde::Serialize;
-use slat_migrate::{DestReport, MigrationReport};
+use slat_migrate::{DestReport, MigrationReport, RoundReport};
 use std::time::Duration;
 
 /// The source's settings.
@@ -313,32 +313,7 @@ impl Migration {
     ) -> Migration {
         Migration {
             benchmark,
-            config: Config {
-                backend: g.backend.name(),
-                vcpus: g.work.vcpus,
-                bytes_per_vcpu: g.work.bytes,
-                backing: g.work.backing.name(),
-                slots: g.slots,
-                overlap: g.work.overlap,
-                random: g.random,
-                write_percent: g.write_percent,
-                seed: g.seed,
-                dirty_rate_per_vcpu: g.dirty_rate,
-                dirty_rate_vcpu0: g.dirty_rate_vcpu0,
-                fill_percent: g.fill,
-                log: g.log.mode().name(),
-                fast_pf: g.machine.fast_pf.on(),
-                max_downtime_ms: m.max_downtime,
-                max_rounds: m.max_rounds,
-                bandwidth_mib_per_s: m.bandwidth,
-                compress: m.compress == CompressArg::Lz4,
-                auto_converge: m.auto_converge.on(),
-                converge: m.converge.name(),
-                dirty_limit_pages_per_s: (m.converge == ConvergeArg::DirtyLimit)
-                    .then_some(m.dirty_limit),
-                dirty_limit_period_ms: (m.converge == ConvergeArg::DirtyLimit)
-                    .then_some(m.dirty_limit_period),
-            },
+            config: Config::new(g, m),
             failed_attempts: failures.to_vec(),
             attempt: r.attempt,
             resumed: r.resumed,
@@ -351,20 +326,7 @@ impl Migration {
             verify: r.verify,
             converged: r.converged,
             expected_final: r.expected_final,
-            rounds: r
-                .rounds
-                .iter()
-                .map(|x| Round {
-                    round: x.round,
-                    pages: x.pages,
-                    zero_pages: x.zero_pages,
-                    bytes: x.bytes,
-                    time: x.time,
-                    dirtied: x.dirtied,
-                    throttle_percent: x.throttle,
-                    stop_and_copy: x.stop_and_copy,
-                })
-                .collect(),
+            rounds: r.rounds.iter().map(Round::new).collect(),
             pages: r.pages(),
             bytes: r.bytes(),
             bandwidth_bytes_per_s: r.bandwidth(),
@@ -395,18 +357,7 @@ impl Migration {
                 vcpu_last_throttle_permille: d.last_permille.clone(),
                 vcpu_last_dirty_pages_per_s: d.last_rates.clone(),
             }),
-            throttle: Throttle {
-                max_percent: r.throttle_max,
-                changes: r
-                    .throttle_changes
-                    .iter()
-                    .map(|&(after_round, percent)| ThrottleChange {
-                        after_round,
-                        percent,
-                    })
-                    .collect(),
-                vcpu_time: r.throttled,
-            },
+            throttle: Throttle::new(r),
             verification: Verification {
                 ok: true,
                 ranges: r.verify_ranges,
@@ -423,6 +374,72 @@ impl Migration {
                 time: d,
             }),
             destination: None,
+        }
+    }
+}
+
+impl Config {
+    /// The flags of the guest and of the migration.
+    fn new(g: &GuestArgs, m: &MigrationArgs) -> Config {
+        Config {
+            backend: g.backend.name(),
+            vcpus: g.work.vcpus,
+            bytes_per_vcpu: g.work.bytes,
+            backing: g.work.backing.name(),
+            slots: g.slots,
+            overlap: g.work.overlap,
+            random: g.random,
+            write_percent: g.write_percent,
+            seed: g.seed,
+            dirty_rate_per_vcpu: g.dirty_rate,
+            dirty_rate_vcpu0: g.dirty_rate_vcpu0,
+            fill_percent: g.fill,
+            log: g.log.mode().name(),
+            fast_pf: g.machine.fast_pf.on(),
+            max_downtime_ms: m.max_downtime,
+            max_rounds: m.max_rounds,
+            bandwidth_mib_per_s: m.bandwidth,
+            compress: m.compress == CompressArg::Lz4,
+            auto_converge: m.auto_converge.on(),
+            converge: m.converge.name(),
+            dirty_limit_pages_per_s: (m.converge == ConvergeArg::DirtyLimit)
+                .then_some(m.dirty_limit),
+            dirty_limit_period_ms: (m.converge == ConvergeArg::DirtyLimit)
+                .then_some(m.dirty_limit_period),
+        }
+    }
+}
+
+impl Round {
+    /// One pre-copy round of the source's report.
+    fn new(x: &RoundReport) -> Round {
+        Round {
+            round: x.round,
+            pages: x.pages,
+            zero_pages: x.zero_pages,
+            bytes: x.bytes,
+            time: x.time,
+            dirtied: x.dirtied,
+            throttle_percent: x.throttle,
+            stop_and_copy: x.stop_and_copy,
+        }
+    }
+}
+
+impl Throttle {
+    /// Auto-converge's throttling in the source's report.
+    fn new(r: &MigrationReport) -> Throttle {
+        Throttle {
+            max_percent: r.throttle_max,
+            changes: r
+                .throttle_changes
+                .iter()
+                .map(|&(after_round, percent)| ThrottleChange {
+                    after_round,
+                    percent,
+                })
+                .collect(),
+            vcpu_time: r.throttled,
         }
     }
 }

@@ -7,7 +7,7 @@
 //! back out of JSON: each benchmark lists its [`Metric`]s, each a name, a unit, which way is
 //! better and a function from the report to the figure.
 
-use crate::args::{BackendArg, FormatArg};
+use crate::args::{BackendArg, FormatArg, MachineArgs};
 use crate::error::{CliError, CliResult};
 use crate::host::HostFacts;
 use serde::{Serialize, Serializer};
@@ -118,6 +118,24 @@ impl VmSettings {
             pcpus,
             prefault,
         }
+    }
+
+    /// The settings of a run on `kind` with engine switches `vm` and the rest of `machine`'s
+    /// flags; the simulated machine's CPUs default to every host CPU.
+    pub fn of_machine(kind: BackendArg, machine: &MachineArgs, vm: &slat::VmConfig) -> VmSettings {
+        let sim_only = |x| (kind == BackendArg::Sim).then_some(x);
+        VmSettings::new(
+            kind,
+            machine.format,
+            vm,
+            machine.tlb_entries,
+            sim_only(
+                machine
+                    .pcpus
+                    .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from)),
+            ),
+            !machine.no_prefault,
+        )
     }
 }
 

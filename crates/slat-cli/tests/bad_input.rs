@@ -248,6 +248,10 @@ fn combinations_that_can_never_run_are_refused_before_running() {
         ],
         &["-w"],
     );
+}
+
+#[test]
+fn vary_rows_that_can_never_run_are_refused_before_running() {
     refused(
         &[
             "migrate-perf",
@@ -272,6 +276,10 @@ fn combinations_that_can_never_run_are_refused_before_running() {
         ],
         &["--vary", "log"],
     );
+}
+
+#[test]
+fn kvm_dirty_rings_below_a_page_of_entries_are_refused() {
     // KVM's ring is at least a page of entries; the selftest's clamp to 1 MiB's pages gives 256.
     refused(
         &[
@@ -372,6 +380,10 @@ fn durations_and_counts_of_the_migrate_commands_are_bounded() {
     refused(&with(&["--max-downtime", "3600001"]), &["--max-downtime"]);
     refused(&with(&["--dirty-rate", "1001m"]), &["--dirty-rate"]);
     refused(&with(&["--inject", "version=4294967296"]), &["--inject"]);
+}
+
+#[test]
+fn durations_and_counts_of_migrate_listen_and_migrate_perf_are_bounded() {
     refused(
         &[
             "migrate-listen",
@@ -427,6 +439,10 @@ fn durations_and_counts_of_the_migrate_commands_are_bounded() {
         ],
         &["--plot"],
     );
+}
+
+#[test]
+fn the_help_of_the_migrate_commands_names_each_bound() {
     // The help says where each bound is.
     for (cmd, flags) in [
         ("migrate", &["--warmup", "--retry-delay", "--retries"][..]),

@@ -151,99 +151,102 @@ fn vary_format_runs_both_in_one_table() {
     assert!(err.contains("ept, stage2"), "{err}");
 }
 
+/// Combinations no machine can run, and a word the one-line refusal must hold. A data
+/// table (one row per case), longer than a function may be.
+const IMPOSSIBLE: &[(&[&str], &str)] = &[
+    (
+        &[
+            "dirty-log-perf",
+            "--format",
+            "stage2",
+            "--dirty-tracking",
+            "d-bit",
+        ],
+        "hardware dirty bit",
+    ),
+    (
+        &[
+            "dirty-log-test",
+            "--format",
+            "stage2",
+            "--dirty-tracking",
+            "d-bit",
+        ],
+        "hardware dirty bit",
+    ),
+    (
+        &[
+            "dirty-log-perf",
+            "--dirty-tracking",
+            "d-bit",
+            "--vary",
+            "format=ept,stage2",
+        ],
+        "format=stage2",
+    ),
+    (
+        &["demand-paging", "--format", "stage2", "--backend", "kvm"],
+        "--format stage2",
+    ),
+    (
+        &["dirty-log-perf", "--format", "stage2", "--backend", "kvm"],
+        "--format stage2",
+    ),
+    (
+        &[
+            "dirty-log-perf",
+            "--format",
+            "stage2",
+            "--backend",
+            "sim,kvm",
+        ],
+        "--format stage2",
+    ),
+    (
+        &["dirty-log-test", "--format", "stage2", "--backend", "kvm"],
+        "--format stage2",
+    ),
+    (
+        &[
+            "access-tracking-perf",
+            "--format",
+            "stage2",
+            "--backend",
+            "kvm",
+        ],
+        "--format stage2",
+    ),
+    (
+        &["demand-paging", "--cmo", "always", "--backend", "kvm"],
+        "--cmo",
+    ),
+    (
+        &[
+            "dirty-log-perf",
+            "--rebuild",
+            "break-first",
+            "--backend",
+            "kvm",
+        ],
+        "--rebuild",
+    ),
+    (
+        &[
+            "dirty-log-perf",
+            "--recover",
+            "on-fault",
+            "--backend",
+            "kvm",
+        ],
+        "--recover",
+    ),
+    (&["demand-paging", "--format", "arm"], "--format"),
+    (&["demand-paging", "--rebuild", "break-first"], "--rebuild"),
+];
+
 #[test]
 fn impossible_combinations_are_refused_with_one_line_and_exit_2() {
-    let cases: &[(&[&str], &str)] = &[
-        (
-            &[
-                "dirty-log-perf",
-                "--format",
-                "stage2",
-                "--dirty-tracking",
-                "d-bit",
-            ],
-            "hardware dirty bit",
-        ),
-        (
-            &[
-                "dirty-log-test",
-                "--format",
-                "stage2",
-                "--dirty-tracking",
-                "d-bit",
-            ],
-            "hardware dirty bit",
-        ),
-        (
-            &[
-                "dirty-log-perf",
-                "--dirty-tracking",
-                "d-bit",
-                "--vary",
-                "format=ept,stage2",
-            ],
-            "format=stage2",
-        ),
-        (
-            &["demand-paging", "--format", "stage2", "--backend", "kvm"],
-            "--format stage2",
-        ),
-        (
-            &["dirty-log-perf", "--format", "stage2", "--backend", "kvm"],
-            "--format stage2",
-        ),
-        (
-            &[
-                "dirty-log-perf",
-                "--format",
-                "stage2",
-                "--backend",
-                "sim,kvm",
-            ],
-            "--format stage2",
-        ),
-        (
-            &["dirty-log-test", "--format", "stage2", "--backend", "kvm"],
-            "--format stage2",
-        ),
-        (
-            &[
-                "access-tracking-perf",
-                "--format",
-                "stage2",
-                "--backend",
-                "kvm",
-            ],
-            "--format stage2",
-        ),
-        (
-            &["demand-paging", "--cmo", "always", "--backend", "kvm"],
-            "--cmo",
-        ),
-        (
-            &[
-                "dirty-log-perf",
-                "--rebuild",
-                "break-first",
-                "--backend",
-                "kvm",
-            ],
-            "--rebuild",
-        ),
-        (
-            &[
-                "dirty-log-perf",
-                "--recover",
-                "on-fault",
-                "--backend",
-                "kvm",
-            ],
-            "--recover",
-        ),
-        (&["demand-paging", "--format", "arm"], "--format"),
-        (&["demand-paging", "--rebuild", "break-first"], "--rebuild"),
-    ];
-    for (args, needle) in cases {
+    for (args, needle) in IMPOSSIBLE {
         let (code, out, err) = slat(args);
         let cmd = args.join(" ");
         assert_eq!(code, 2, "slat {cmd}: {err}");

@@ -445,7 +445,10 @@ fn dirty_limit_and_auto_converge_side_by_side() {
     assert!(out.contains("dirty-limit"), "{out}");
     assert!(out.contains("dl "), "{out}");
     assert_eq!(out.matches(" ok").count(), 2, "{out}");
+}
 
+#[test]
+fn dirty_limit_throttles_the_vcpus_that_outrun_it_and_reports_live() {
     let mut args = vec![
         "migrate-perf",
         "--json",

@@ -190,106 +190,107 @@ fn the_text_says_whose_cost_it_is() {
     }
 }
 
+/// Refused command lines, and a word the one-line refusal must name. A data table (one row
+/// per case), longer than a function may be.
+const BAD_INPUT: &[(&[&str], &str)] = &[
+    (&["private-mem-perf", "--direct-map", "4k"], "--backend sim"),
+    (
+        &["private-mem-perf", "--kernel-flush", "on"],
+        "--backend sim",
+    ),
+    (&["private-mem-perf", "--collapse"], "--backend sim"),
+    (
+        &["private-mem-perf", "--vary", "direct-map=4k"],
+        "--backend sim",
+    ),
+    (
+        &["private-mem-perf", "--backend", "sim", "--direct-map", "3m"],
+        "2m-split",
+    ),
+    (
+        &[
+            "private-mem-perf",
+            "--backend",
+            "sim",
+            "--kernel-flush",
+            "maybe",
+        ],
+        "--kernel-flush",
+    ),
+    (
+        &["private-mem-perf", "--backend", "sim", "--vary", "tlb=1"],
+        "unknown key",
+    ),
+    (
+        &[
+            "private-mem-perf",
+            "--backend",
+            "sim",
+            "--vary",
+            "direct-map",
+        ],
+        "KEY=V1,V2",
+    ),
+    (
+        &[
+            "private-mem-perf",
+            "--backend",
+            "sim",
+            "--vary",
+            "kernel-flush=on,sometimes",
+        ],
+        "sometimes",
+    ),
+    (
+        &[
+            "private-mem-perf",
+            "--backend",
+            "sim",
+            "--vary",
+            "direct-map=4k,5k",
+        ],
+        "5k",
+    ),
+    (
+        &[
+            "private-mem-perf",
+            "--backend",
+            "sim",
+            "-v",
+            "512",
+            "-b",
+            "64T",
+        ],
+        "more than this host",
+    ),
+    (&["private-mem-perf", "--backend", "kvm"], "kvm"),
+    (&["private-mem-perf", "-b", "0"], "greater than zero"),
+    (&["private-mem-perf", "-b", "5000"], "4 KiB"),
+    (&["private-mem-perf", "-b", "12Q"], "12Q"),
+    (&["private-mem-perf", "-v", "0"], "-v"),
+    (&["private-mem-perf", "-v", "513"], "-v"),
+    (&["private-mem-perf", "--samples-ms", "50"], "--samples-ms"),
+    (
+        &["private-mem-perf", "--samples-ms", "1001"],
+        "--samples-ms",
+    ),
+    (&["private-mem-perf", "--repeat", "0"], "--repeat"),
+    (&["private-mem-perf", "--plot", "x.svg"], "--plot"),
+    // 4 x (2^62 - 16 KiB) wraps to 16 KiB in 64 bits.
+    (
+        &["private-mem-perf", "-v", "4", "-b", "4611686018427392000"],
+        "overflows",
+    ),
+    // 32 PiB: more than the host holds.
+    (
+        &["private-mem-perf", "-v", "512", "-b", "64T"],
+        "more than this host",
+    ),
+];
+
 #[test]
 fn bad_input_exits_2_with_one_line() {
-    for (args, needle) in [
-        (
-            &["private-mem-perf", "--direct-map", "4k"][..],
-            "--backend sim",
-        ),
-        (
-            &["private-mem-perf", "--kernel-flush", "on"],
-            "--backend sim",
-        ),
-        (&["private-mem-perf", "--collapse"], "--backend sim"),
-        (
-            &["private-mem-perf", "--vary", "direct-map=4k"],
-            "--backend sim",
-        ),
-        (
-            &["private-mem-perf", "--backend", "sim", "--direct-map", "3m"],
-            "2m-split",
-        ),
-        (
-            &[
-                "private-mem-perf",
-                "--backend",
-                "sim",
-                "--kernel-flush",
-                "maybe",
-            ],
-            "--kernel-flush",
-        ),
-        (
-            &["private-mem-perf", "--backend", "sim", "--vary", "tlb=1"],
-            "unknown key",
-        ),
-        (
-            &[
-                "private-mem-perf",
-                "--backend",
-                "sim",
-                "--vary",
-                "direct-map",
-            ],
-            "KEY=V1,V2",
-        ),
-        (
-            &[
-                "private-mem-perf",
-                "--backend",
-                "sim",
-                "--vary",
-                "kernel-flush=on,sometimes",
-            ],
-            "sometimes",
-        ),
-        (
-            &[
-                "private-mem-perf",
-                "--backend",
-                "sim",
-                "--vary",
-                "direct-map=4k,5k",
-            ],
-            "5k",
-        ),
-        (
-            &[
-                "private-mem-perf",
-                "--backend",
-                "sim",
-                "-v",
-                "512",
-                "-b",
-                "64T",
-            ],
-            "more than this host",
-        ),
-        (&["private-mem-perf", "--backend", "kvm"], "kvm"),
-        (&["private-mem-perf", "-b", "0"], "greater than zero"),
-        (&["private-mem-perf", "-b", "5000"], "4 KiB"),
-        (&["private-mem-perf", "-b", "12Q"], "12Q"),
-        (&["private-mem-perf", "-v", "0"], "-v"),
-        (&["private-mem-perf", "-v", "513"], "-v"),
-        (&["private-mem-perf", "--samples-ms", "50"], "--samples-ms"),
-        (
-            &["private-mem-perf", "--samples-ms", "1001"],
-            "--samples-ms",
-        ),
-        (&["private-mem-perf", "--repeat", "0"], "--repeat"),
-        (&["private-mem-perf", "--plot", "x.svg"], "--plot"),
-        // 4 x (2^62 - 16 KiB) wraps to 16 KiB in 64 bits.
-        (
-            &["private-mem-perf", "-v", "4", "-b", "4611686018427392000"],
-            "overflows",
-        ),
-        // 32 PiB: more than the host holds.
-        (
-            &["private-mem-perf", "-v", "512", "-b", "64T"],
-            "more than this host",
-        ),
-    ] {
+    for (args, needle) in BAD_INPUT {
         let (code, out, err) = slat(args);
         assert_eq!(code, 2, "{args:?}: {out}{err}");
         assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");

@@ -8,7 +8,42 @@ use slat_workload::TestMachine;
 use slat_workload::{Backing, PassParams, RegionSpec};
 use std::time::Instant;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// The command line: what every machine of the run is built with.
+#[derive(Clone, Copy)]
+struct Opts {
+    vcpus: usize,
+    mib: u64,
+    backing: Backing,
+    guest_mode: slat_kvm::GuestMode,
+}
+
+impl Opts {
+    /// A machine with these options and the dirty-log configuration `dirty`.
+    fn machine(&self, dirty: slat_workload::DirtyConfig) -> Res<KvmMachine> {
+        Ok(KvmMachine::new(KvmConfig {
+            region: RegionSpec {
+                vcpus: self.vcpus,
+                bytes_per_vcpu: self.mib << 20,
+                backing: self.backing,
+                dirty,
+                ..RegionSpec::default()
+            },
+            guest_mode: self.guest_mode,
+            ..KvmConfig::default()
+        })?)
+    }
+}
+
+fn main() -> Res<()> {
+    let o = parse_args()?;
+    let buf = time_bitmap(&o)?;
+    time_clear_log(&o, buf)?;
+    time_ring(&o)
+}
+
+fn parse_args() -> Res<Opts> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let vcpus: usize = args.first().map_or(Ok(1), |s| s.parse())?;
     let mib: u64 = args.get(1).map_or(Ok(256), |s| s.parse())?;
@@ -23,17 +58,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Some("kernel") => slat_kvm::GuestMode::Kernel,
         Some(other) => return Err(format!("unknown guest mode {other}").into()),
     };
-    let t = Instant::now();
-    let m = KvmMachine::new(KvmConfig {
-        region: RegionSpec {
-            vcpus,
-            bytes_per_vcpu: mib << 20,
-            backing,
-            ..RegionSpec::default()
-        },
+    Ok(Opts {
+        vcpus,
+        mib,
+        backing,
         guest_mode,
-        ..KvmConfig::default()
-    })?;
+    })
+}
+
+/// The populate, write, read passes, and dirty logging with the bitmap; returns the bitmap
+/// buffer for the clear-log timings.
+fn time_bitmap(o: &Opts) -> Res<Vec<u64>> {
+    let Opts {
+        vcpus,
+        mib,
+        backing,
+        guest_mode,
+    } = *o;
+    let t = Instant::now();
+    let m = o.machine(RegionSpec::default().dirty)?;
     println!(
         "{vcpus} vCPU(s) x {mib} MiB ({}, {guest_mode:?} mode), test region at {:#x}",
         backing.name(),
@@ -99,23 +142,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("write pass after disabling:    {:?}", r.wall);
     let r = m.run_pass(seq)?;
     println!("and again:                     {:?}", r.wall);
-    drop(m);
+    Ok(buf)
+}
 
-    // Manual protect: GET copies, CLEAR re-protects.
-    let m = KvmMachine::new(KvmConfig {
-        region: RegionSpec {
-            vcpus,
-            bytes_per_vcpu: mib << 20,
-            backing,
-            dirty: slat_workload::DirtyConfig {
-                manual_protect: slat_workload::MANUAL_PROTECT_ENABLE | slat_workload::INITIALLY_SET,
-                ring_entries: 0,
-                ..slat_workload::DirtyConfig::default()
-            },
-            ..RegionSpec::default()
-        },
-        guest_mode,
-        ..KvmConfig::default()
+/// Manual protect: GET copies, CLEAR re-protects.
+fn time_clear_log(o: &Opts, mut buf: Vec<u64>) -> Res<()> {
+    let seq = PassParams::default();
+    let m = o.machine(slat_workload::DirtyConfig {
+        manual_protect: slat_workload::MANUAL_PROTECT_ENABLE | slat_workload::INITIALLY_SET,
+        ring_entries: 0,
+        ..slat_workload::DirtyConfig::default()
     })?;
     m.run_pass(seq)?;
     m.set_dirty_logging(true)?;
@@ -134,29 +170,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             t.elapsed()
         );
     }
-    drop(m);
+    Ok(())
+}
 
-    // Dirty ring.
+/// The dirty ring: collect and reset.
+fn time_ring(o: &Opts) -> Res<()> {
+    let seq = PassParams::default();
     let caps = slat_kvm::host_caps(slat_kvm::DEFAULT_DEVICE)?;
     let entries = (caps.dirty_ring_max_bytes / 16).min(65536);
     if entries == 0 {
         println!("dirty ring: not supported by this host");
         return Ok(());
     }
-    let m = KvmMachine::new(KvmConfig {
-        region: RegionSpec {
-            vcpus,
-            bytes_per_vcpu: mib << 20,
-            backing,
-            dirty: slat_workload::DirtyConfig {
-                manual_protect: 0,
-                ring_entries: entries,
-                ..slat_workload::DirtyConfig::default()
-            },
-            ..RegionSpec::default()
-        },
-        guest_mode,
-        ..KvmConfig::default()
+    let m = o.machine(slat_workload::DirtyConfig {
+        manual_protect: 0,
+        ring_entries: entries,
+        ..slat_workload::DirtyConfig::default()
     })?;
     m.run_pass(seq)?;
     m.set_dirty_logging(true)?;

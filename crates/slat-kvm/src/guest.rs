@@ -476,6 +476,99 @@ fn emit_timed_write(
     Ok(())
 }
 
+/// The entry prologue: loads the pass's parameters into the registers `assemble` names and
+/// zeroes the counters.
+fn emit_load_params(a: &mut CodeAssembler) -> Result<(), IcedError> {
+    a.mov(rsi, qword_ptr(rdi + param::BASE))?;
+    a.mov(r9, qword_ptr(rdi + param::PAGES))?;
+    a.mov(r10, qword_ptr(rdi + param::WRITE_PERCENT))?;
+    a.mov(r11, qword_ptr(rdi + param::RANDOM))?;
+    a.mov(r12, qword_ptr(rdi + param::MODE))?;
+    a.mov(r13, qword_ptr(rdi + param::CONTROL))?;
+    a.xor(r15d, r15d)?;
+    a.xor(ebx, ebx)?;
+    a.mov(rbp, MEMSTRESS_PATTERN)?;
+    Ok(())
+}
+
+/// MODE_LOOP: every 1024 pages (at page n with n % 1024 == 1023) check the halt flag, and
+/// jump to `halted` if it is set.
+fn emit_halt_check(a: &mut CodeAssembler, halted: CodeLabel) -> Result<(), IcedError> {
+    let mut no_check = a.create_label();
+    a.cmp(r12, MODE_LOOP as i32)?;
+    a.jne(no_check)?;
+    a.mov(eax, r14d)?;
+    a.and(eax, 1023)?;
+    a.cmp(eax, 1023)?;
+    a.jne(no_check)?;
+    a.cmp(qword_ptr(r13 + control::HALT), 0)?;
+    a.jne(halted)?;
+    a.set_label(&mut no_check)?;
+    Ok(())
+}
+
+/// Leaves in `rcx` the address of the pass's next page: page index `r14`, or PRNG % pages.
+fn emit_page_address(a: &mut CodeAssembler) -> Result<(), IcedError> {
+    let mut sequential = a.create_label();
+    let mut have_page = a.create_label();
+    a.test(r11, r11)?;
+    a.jz(sequential)?;
+    emit_next(a)?;
+    a.xor(edx, edx)?;
+    a.div(r9)?;
+    a.mov(rcx, rdx)?;
+    a.jmp(have_page)?;
+    a.set_label(&mut sequential)?;
+    a.mov(rcx, r14)?;
+    a.set_label(&mut have_page)?;
+    a.shl(rcx, 12)?;
+    a.add(rcx, rsi)?;
+    Ok(())
+}
+
+/// The dirty-log writer at `entry`: until halted (checked every 64 writes), store the
+/// iteration value at page ((next << 31) | next) % pages; then jump to `sync`.
+fn emit_writer(
+    a: &mut CodeAssembler,
+    entry: &mut CodeLabel,
+    sync: CodeLabel,
+) -> Result<(), IcedError> {
+    let mut writer_loop = a.create_label();
+    let mut writer_go = a.create_label();
+    a.set_label(entry)?;
+    a.mov(r8, qword_ptr(rdi + param::SEED))?;
+    a.set_label(&mut writer_loop)?;
+    a.test(r15, 63)?;
+    a.jnz(writer_go)?;
+    a.cmp(qword_ptr(r13 + control::HALT), 0)?;
+    a.jne(sync)?;
+    a.set_label(&mut writer_go)?;
+    emit_next(a)?;
+    a.mov(rcx, rax)?;
+    a.shl(rcx, 31)?;
+    emit_next(a)?;
+    a.or(rax, rcx)?;
+    a.xor(edx, edx)?;
+    a.div(r9)?;
+    a.shl(rdx, 12)?;
+    a.add(rdx, rsi)?;
+    a.mov(rax, qword_ptr(r13 + control::ITERATION))?;
+    a.mov(qword_ptr(rdx), rax)?;
+    a.inc(r15)?;
+    a.jmp(writer_loop)?;
+    Ok(())
+}
+
+/// GUEST_SYNC at `at`: report, exit to the host, start over at `entry` when re-entered.
+fn emit_sync(a: &mut CodeAssembler, at: &mut CodeLabel, entry: CodeLabel) -> Result<(), IcedError> {
+    a.set_label(at)?;
+    a.mov(qword_ptr(rdi + param::TOUCHED), r15)?;
+    a.mov(qword_ptr(rdi + param::PASSES), rbx)?;
+    a.out(SYNC_PORT as u32, al)?;
+    a.jmp(entry)?;
+    Ok(())
+}
+
 /// Assembles the guest program for address `ip`.
 ///
 /// Registers: `rdi` parameter block, `rsi` region base, `r9` pages, `r8` PRNG state, `r10`
@@ -486,38 +579,25 @@ pub fn assemble(ip: u64) -> Result<Vec<u8>, KvmError> {
     build(ip).map_err(asm_err)
 }
 
-// Over 120 lines on purpose: this is the guest program's listing, read top to bottom like
-// its assembly source; its three sections (memstress, writer, GUEST_SYNC) jump to each
-// other's labels, which one function keeps in one place.
+// The guest program's listing, read top to bottom like its assembly source; the sections
+// that jump only to their own labels (and to labels passed in) are emitted by helpers.
 fn build(ip: u64) -> Result<Vec<u8>, IcedError> {
     let mut a = CodeAssembler::new(64)?;
     let mut entry = a.create_label();
     let mut pass_start = a.create_label();
     let mut pass_loop = a.create_label();
     let mut no_halt_check = a.create_label();
-    let mut sequential = a.create_label();
-    let mut have_page = a.create_label();
     let mut do_read = a.create_label();
     let mut do_write = a.create_label();
     let mut next_page = a.create_label();
     let mut pass_done = a.create_label();
     let mut halted_mid_pass = a.create_label();
     let mut writer = a.create_label();
-    let mut writer_loop = a.create_label();
-    let mut writer_go = a.create_label();
     let mut sync = a.create_label();
     let mut timed_write = a.create_label();
 
     a.set_label(&mut entry)?;
-    a.mov(rsi, qword_ptr(rdi + param::BASE))?;
-    a.mov(r9, qword_ptr(rdi + param::PAGES))?;
-    a.mov(r10, qword_ptr(rdi + param::WRITE_PERCENT))?;
-    a.mov(r11, qword_ptr(rdi + param::RANDOM))?;
-    a.mov(r12, qword_ptr(rdi + param::MODE))?;
-    a.mov(r13, qword_ptr(rdi + param::CONTROL))?;
-    a.xor(r15d, r15d)?;
-    a.xor(ebx, ebx)?;
-    a.mov(rbp, MEMSTRESS_PATTERN)?;
+    emit_load_params(&mut a)?;
     a.cmp(r12, MODE_WRITER as i32)?;
     a.je(writer)?;
 
@@ -534,30 +614,8 @@ fn build(ip: u64) -> Result<Vec<u8>, IcedError> {
     a.set_label(&mut pass_loop)?;
     a.cmp(r14, r9)?;
     a.jae(pass_done)?;
-    // MODE_LOOP: every 1024 pages (at page n with n % 1024 == 1023) check the halt flag.
-    let mut no_check = a.create_label();
-    a.cmp(r12, MODE_LOOP as i32)?;
-    a.jne(no_check)?;
-    a.mov(eax, r14d)?;
-    a.and(eax, 1023)?;
-    a.cmp(eax, 1023)?;
-    a.jne(no_check)?;
-    a.cmp(qword_ptr(r13 + control::HALT), 0)?;
-    a.jne(halted_mid_pass)?;
-    a.set_label(&mut no_check)?;
-    // Page index: r14, or PRNG % pages.
-    a.test(r11, r11)?;
-    a.jz(sequential)?;
-    emit_next(&mut a)?;
-    a.xor(edx, edx)?;
-    a.div(r9)?;
-    a.mov(rcx, rdx)?;
-    a.jmp(have_page)?;
-    a.set_label(&mut sequential)?;
-    a.mov(rcx, r14)?;
-    a.set_label(&mut have_page)?;
-    a.shl(rcx, 12)?;
-    a.add(rcx, rsi)?;
+    emit_halt_check(&mut a, halted_mid_pass)?;
+    emit_page_address(&mut a)?;
     // Write with probability write_percent: 100 always, 0 never, else PRNG % 100 < percent.
     a.cmp(r10, 100)?;
     a.je(do_write)?;
@@ -593,36 +651,9 @@ fn build(ip: u64) -> Result<Vec<u8>, IcedError> {
 
     emit_timed_write(&mut a, &mut timed_write, next_page)?;
 
-    // ---- dirty-log writer: until halted (checked every 64 writes), store the iteration value
-    // at page ((next << 31) | next) % pages.
-    a.set_label(&mut writer)?;
-    a.mov(r8, qword_ptr(rdi + param::SEED))?;
-    a.set_label(&mut writer_loop)?;
-    a.test(r15, 63)?;
-    a.jnz(writer_go)?;
-    a.cmp(qword_ptr(r13 + control::HALT), 0)?;
-    a.jne(sync)?;
-    a.set_label(&mut writer_go)?;
-    emit_next(&mut a)?;
-    a.mov(rcx, rax)?;
-    a.shl(rcx, 31)?;
-    emit_next(&mut a)?;
-    a.or(rax, rcx)?;
-    a.xor(edx, edx)?;
-    a.div(r9)?;
-    a.shl(rdx, 12)?;
-    a.add(rdx, rsi)?;
-    a.mov(rax, qword_ptr(r13 + control::ITERATION))?;
-    a.mov(qword_ptr(rdx), rax)?;
-    a.inc(r15)?;
-    a.jmp(writer_loop)?;
+    emit_writer(&mut a, &mut writer, sync)?;
 
-    // ---- GUEST_SYNC: report, exit to the host, start over when re-entered.
-    a.set_label(&mut sync)?;
-    a.mov(qword_ptr(rdi + param::TOUCHED), r15)?;
-    a.mov(qword_ptr(rdi + param::PASSES), rbx)?;
-    a.out(SYNC_PORT as u32, al)?;
-    a.jmp(entry)?;
+    emit_sync(&mut a, &mut sync, entry)?;
 
     a.assemble(ip)
 }

@@ -24,21 +24,7 @@ pub fn native_baseline<C: Default + Send>(
     params: PassParams,
 ) -> Result<PassReport<C>, WorkloadError> {
     let bytes = layout.bytes_per_vcpu;
-    if bytes == 0 || bytes % PAGE_SIZE != 0 {
-        return Err(WorkloadError::Config(format!(
-            "native baseline: memory per vCPU ({bytes} bytes) must be a non-zero multiple of 4 KiB"
-        )));
-    }
-    let total = u64::try_from(layout.vcpus)
-        .ok()
-        .and_then(|v| bytes.checked_mul(v))
-        .ok_or_else(|| WorkloadError::Config("native baseline: region size overflows".into()))?;
-    if mem.len() < total {
-        return Err(WorkloadError::Config(format!(
-            "native baseline needs {total} bytes of host memory, got {}",
-            mem.len()
-        )));
-    }
+    let total = checked_total(layout, mem)?;
     // (offset in `mem`, pages) of vCPU `i`: inside `[0, total)`, page aligned.
     let region = |i: usize| {
         if layout.overlap {
@@ -101,4 +87,25 @@ pub fn native_baseline<C: Default + Send>(
         vcpus,
         latency: Vec::new(),
     })
+}
+
+/// The region's size in bytes, after the checks `native_baseline` documents.
+fn checked_total(layout: Layout, mem: &GuestRam) -> Result<u64, WorkloadError> {
+    let bytes = layout.bytes_per_vcpu;
+    if bytes == 0 || bytes % PAGE_SIZE != 0 {
+        return Err(WorkloadError::Config(format!(
+            "native baseline: memory per vCPU ({bytes} bytes) must be a non-zero multiple of 4 KiB"
+        )));
+    }
+    let total = u64::try_from(layout.vcpus)
+        .ok()
+        .and_then(|v| bytes.checked_mul(v))
+        .ok_or_else(|| WorkloadError::Config("native baseline: region size overflows".into()))?;
+    if mem.len() < total {
+        return Err(WorkloadError::Config(format!(
+            "native baseline needs {total} bytes of host memory, got {}",
+            mem.len()
+        )));
+    }
+    Ok(total)
 }

@@ -274,6 +274,35 @@ struct Handler {
     src: Arc<Vec<u8>>,
 }
 
+/// Refuses a region that is empty, not page-aligned, or not inside guest RAM of `ram_len`
+/// bytes.
+fn check_regions(regions: &[(u64, u64)], psize: u64, ram_len: u64) -> io::Result<()> {
+    for &(off, len) in regions {
+        let end = off.checked_add(len);
+        if len == 0 || off % psize != 0 || len % psize != 0 || end.is_none_or(|e| e > ram_len) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "userfaultfd region {off:#x}+{len:#x} is not page-aligned inside guest RAM"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The eventfd that tells the handler threads to stop.
+fn stop_eventfd() -> io::Result<OwnedFd> {
+    // SAFETY: eventfd takes two integers and returns a new fd or -1.
+    let stop = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if stop < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `stop` is a new descriptor owned by nobody else.
+    let stop = unsafe { OwnedFd::from_raw_fd(stop) };
+    Ok(stop)
+}
+
 impl<'a> UffdServer<'a> {
     /// Registers `ram` (whole, or as `regions` — `(offset, len)` pairs within it, each a
     /// multiple of the backing's page size) with one userfaultfd each and starts `readers`
@@ -301,30 +330,13 @@ impl<'a> UffdServer<'a> {
         } else {
             regions
         };
-        for &(off, len) in regions {
-            let end = off.checked_add(len);
-            if len == 0 || off % psize != 0 || len % psize != 0 || end.is_none_or(|e| e > ram.len())
-            {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    format!(
-                        "userfaultfd region {off:#x}+{len:#x} is not page-aligned inside guest RAM"
-                    ),
-                ));
-            }
-        }
+        check_regions(regions, psize, ram.len())?;
         if mode == UffdMode::Minor {
             prepare_minor(ram)?;
         }
         let plen = usize::try_from(psize).map_err(io::Error::other)?;
         let src = Arc::new(vec![UFFD_PATTERN; plen]);
-        // SAFETY: eventfd takes two integers and returns a new fd or -1.
-        let stop = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if stop < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `stop` is a new descriptor owned by nobody else.
-        let stop = unsafe { OwnedFd::from_raw_fd(stop) };
+        let stop = stop_eventfd()?;
         let mut server = UffdServer {
             mode,
             uffds: regions.len(),

@@ -575,10 +575,54 @@ fn run_format<F: PteFormat>(
         write_percent: 0,
         ..PassParams::default()
     };
-    let access = |name: &'static str, params: PassParams, r: &mut RunResult| {
-        let guest = m.run_pass(params).map_err(|e| e.to_string())?;
-        let native = native_baseline(layout, &native_ram, params).map_err(|e| e.to_string())?;
-        if text {
+    let vm = m.vm().clone();
+    let steps = Steps {
+        a,
+        m: &m,
+        native_ram: &native_ram,
+        layout,
+        vm: &vm,
+        flush: flush_mode(a),
+        text,
+    };
+    steps.access("Populating memory", write, &mut r)?;
+    steps.access("Writing to populated memory", write, &mut r)?;
+    steps.access("Reading from populated memory", read, &mut r)?;
+    steps.mark(&mut bitmaps, &mut r)?;
+    steps.access("Writing to idle memory", write, &mut r)?;
+    steps.check("Writing to idle memory", &mut bitmaps, &mut r)?;
+    steps.mark(&mut bitmaps, &mut r)?;
+    steps.access("Reading from idle memory", read, &mut r)?;
+    steps.check("Reading from idle memory", &mut bitmaps, &mut r)?;
+    r.stats = vm.stats();
+    drop(m);
+    drop(native_ram);
+    Ok(r)
+}
+
+/// The three steps of a run: an access pass (with its native baseline), marking the region
+/// idle, and counting what stayed idle.
+struct Steps<'a, F: PteFormat> {
+    a: &'a AccessTrackingPerfArgs,
+    m: &'a Machine<F>,
+    native_ram: &'a GuestRam,
+    layout: Layout,
+    vm: &'a Vm<F>,
+    flush: AgeFlush,
+    text: bool,
+}
+
+impl<F: PteFormat> Steps<'_, F> {
+    fn access(
+        &self,
+        name: &'static str,
+        params: PassParams,
+        r: &mut RunResult,
+    ) -> Result<(), String> {
+        let guest = self.m.run_pass(params).map_err(|e| e.to_string())?;
+        let native =
+            native_baseline(self.layout, self.native_ram, params).map_err(|e| e.to_string())?;
+        if self.text {
             println!("{:<30}: {}", name, ts(guest.wall));
             println!(
                 "{:<30}: {} (guest/native {:.2}x)",
@@ -592,27 +636,32 @@ fn run_format<F: PteFormat>(
             guest,
             native,
         });
-        Ok::<(), String>(())
-    };
-    let vm = m.vm().clone();
-    let flush = flush_mode(a);
-    let mark = |bitmaps: &mut [IdleBitmap], r: &mut RunResult| {
-        let m = mark_idle(&vm, bitmaps, flush)?;
-        if text {
+        Ok(())
+    }
+
+    fn mark(&self, bitmaps: &mut [IdleBitmap], r: &mut RunResult) -> Result<(), String> {
+        let m = mark_idle(self.vm, bitmaps, self.flush)?;
+        if self.text {
             println!("{:<30}: {}", "Mark memory idle", ts(m.time));
         }
         r.marks.push(m);
-        Ok::<(), String>(())
-    };
-    let check = |name: &'static str, bitmaps: &mut [IdleBitmap], r: &mut RunResult| {
-        let still_idle: u64 = bitmaps.iter_mut().map(|b| vm.read_idle(b)).sum();
+        Ok(())
+    }
+
+    fn check(
+        &self,
+        name: &'static str,
+        bitmaps: &mut [IdleBitmap],
+        r: &mut RunResult,
+    ) -> Result<(), String> {
+        let still_idle: u64 = bitmaps.iter_mut().map(|b| self.vm.read_idle(b)).sum();
         let pages: u64 = bitmaps.iter().map(|b| b.npages()).sum();
         let idle = IdleAfter {
             pass: name,
             still_idle,
             pages,
         };
-        if text {
+        if self.text {
             println!(
                 "{:<30}: {} of {} pages ({:.2}%)",
                 "  still idle",
@@ -621,24 +670,10 @@ fn run_format<F: PteFormat>(
                 100.0 * idle.fraction()
             );
         }
-        let verdict = idle_verdict(a, q, &idle, r);
+        let verdict = idle_verdict(self.a, quiet(self.a.out.json), &idle, r);
         r.idle.push(idle);
         verdict
-    };
-
-    access("Populating memory", write, &mut r)?;
-    access("Writing to populated memory", write, &mut r)?;
-    access("Reading from populated memory", read, &mut r)?;
-    mark(&mut bitmaps, &mut r)?;
-    access("Writing to idle memory", write, &mut r)?;
-    check("Writing to idle memory", &mut bitmaps, &mut r)?;
-    mark(&mut bitmaps, &mut r)?;
-    access("Reading from idle memory", read, &mut r)?;
-    check("Reading from idle memory", &mut bitmaps, &mut r)?;
-    r.stats = vm.stats();
-    drop(m);
-    drop(native_ram);
-    Ok(r)
+    }
 }
 
 /// `-c`: pins the vCPU threads (and the main thread if the list names one more CPU).

@@ -4,7 +4,7 @@
 //! the same run, the same pattern on host memory as the native baseline.
 
 use crate::args::{check_backends, BackendArg, MachineArgs, OutputArgs, PinArgs, Workload};
-use crate::backend::{self, kvm_stats_line, Native, Spec};
+use crate::backend::{self, kvm_stats_line, Backend, Native, Pass, Spec};
 use crate::driver::{Benchmark, Common};
 use crate::error::{CliError, CliResult};
 use crate::limits::{check_backing, GuestMemory};
@@ -321,31 +321,12 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
         q,
     );
     let m = backend::create(kind, &cfg)?;
-    let plan = a.pin.plan(a.work.vcpus).map_err(CliError::bad)?;
-    let pinned_cpus = backend::apply_pinning(m.as_ref(), plan.as_ref())?;
+    let pinned_cpus = backend::pin(m.as_ref(), &a.pin, a.work.vcpus)?;
     p.done();
     let layout = m.layout();
     let params = PassParams::default();
     let p = Phase::start(format!("first-touch pass on {} vCPU(s)", a.work.vcpus), q);
-    let (guest, uffd) = match a.uffd {
-        None => (m.run_pass(params)?, None),
-        Some(u) => {
-            let ram = m.guest_ram();
-            let regions = uffd_regions(a, ram.len(), ram.page_size());
-            let delay = Duration::from_micros(a.delay_us.unwrap_or(0));
-            let readers = a.readers.unwrap_or(1) as usize;
-            // SAFETY: the vCPU threads are idle until `run_pass` (nothing else accesses guest
-            // RAM while the server starts), and the server borrows `ram`, so it is stopped
-            // (its threads joined) before the machine can unmap it.
-            let server = unsafe { UffdServer::start(ram, &regions, u.mode(), readers, delay) }
-                .map_err(|e| format!("-u {}: {e}", u.mode().name()))?;
-            let pass = m.run_pass(params);
-            let report = server.stop();
-            let pass = pass?;
-            let figures = uffd_figures(a, &report, ram)?;
-            (pass, Some(figures))
-        }
-    };
+    let (guest, uffd) = first_touch(a, m.as_ref(), params)?;
     p.done();
     let stats = m.stats();
     let sim = m.sim().map(|s| (s.engine_stats(), s.pcpus()));
@@ -365,23 +346,10 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
     let ns_per_page = guest.wall.as_nanos() as f64 / (touched as f64 / a.work.vcpus as f64);
     let mut machine_lines = match &sim {
         Some((s, pcpus)) => engine_lines(a, &cfg, s, *pcpus, ns_per_page),
-        None => vec![
-            kvm_stats_line(&stats),
-            format!(
-                "Machine: {} vCPU(s) on the host's /dev/kvm, {:.1} ns per page per vCPU",
-                a.work.vcpus, ns_per_page
-            ),
-        ],
+        None => kvm_lines(a, &stats, ns_per_page),
     };
     machine_lines.extend(pinned_line(pinned_cpus.as_deref()));
-    let vm = VmSettings::new(
-        kind,
-        a.machine.format,
-        &cfg.vm,
-        cfg.tlb_entries,
-        sim.as_ref().map(|(_, p)| *p),
-        cfg.region.prefault,
-    );
+    let vm = cfg.vm_settings(kind, sim.as_ref().map(|(_, p)| *p));
     Ok(Report {
         head: RunHead {
             benchmark: NAME,
@@ -412,6 +380,42 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
         format_header: format_header(kind, a.machine.format, &cfg.vm),
         gpa: layout.gpa,
     })
+}
+
+/// The first-touch pass, served by a userfaultfd server under `-u`.
+fn first_touch(
+    a: &DemandPagingArgs,
+    m: &dyn Backend,
+    params: PassParams,
+) -> CliResult<(Pass, Option<UffdFigures>)> {
+    let Some(u) = a.uffd else {
+        return Ok((m.run_pass(params)?, None));
+    };
+    let ram = m.guest_ram();
+    let regions = uffd_regions(a, ram.len(), ram.page_size());
+    let delay = Duration::from_micros(a.delay_us.unwrap_or(0));
+    let readers = a.readers.unwrap_or(1) as usize;
+    // SAFETY: the vCPU threads are idle until `run_pass` (nothing else accesses guest
+    // RAM while the server starts), and the server borrows `ram`, so it is stopped
+    // (its threads joined) before the machine can unmap it.
+    let server = unsafe { UffdServer::start(ram, &regions, u.mode(), readers, delay) }
+        .map_err(|e| format!("-u {}: {e}", u.mode().name()))?;
+    let pass = m.run_pass(params);
+    let report = server.stop();
+    let pass = pass?;
+    let figures = uffd_figures(a, &report, ram)?;
+    Ok((pass, Some(figures)))
+}
+
+/// The machine lines on KVM: its counters and the per-page time.
+fn kvm_lines(a: &DemandPagingArgs, stats: &serde_json::Value, ns_per_page: f64) -> Vec<String> {
+    vec![
+        kvm_stats_line(stats),
+        format!(
+            "Machine: {} vCPU(s) on the host's /dev/kvm, {:.1} ns per page per vCPU",
+            a.work.vcpus, ns_per_page
+        ),
+    ]
 }
 
 fn engine_lines(

@@ -533,14 +533,8 @@ fn disable(m: &dyn Backend, evil: bool, params: PassParams) -> CliResult<Duratio
     Ok(d)
 }
 
-/// One run on `kind`: populate, enable logging, the iterations, disable logging.
-fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
-    check(a).map_err(CliError::bad)?;
-    let cfg = spec(a);
-    let (m, native) = build(a, kind, &cfg)?;
-    let plan = a.pin.plan(a.work.vcpus).map_err(CliError::bad)?;
-    let pinned_cpus = backend::apply_pinning(m.as_ref(), plan.as_ref())?;
-    // Populate: every vCPU writes its memory once, sequentially.
+/// Populate: every vCPU writes its memory once, sequentially, on the machine and natively.
+fn populate(a: &DirtyLogPerfArgs, m: &dyn Backend, native: &Native) -> CliResult<(Pass, Pass)> {
     let populate_params = PassParams {
         write_percent: 100,
         random: false,
@@ -549,6 +543,75 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
     };
     let populate = m.run_pass(populate_params)?;
     let populate_native = native.run(populate_params)?;
+    Ok((populate, populate_native))
+}
+
+/// `--concurrent`: the harvests while the vCPUs write, after the quiet iterations.
+fn concurrent(
+    a: &DirtyLogPerfArgs,
+    m: &dyn Backend,
+    cfg: &Spec,
+    harvest: &mut Harvest,
+    params: PassParams,
+    interval: Duration,
+    quiet_passes: &QuietPasses,
+) -> CliResult<ConcurrentReport> {
+    let p = Phase::start(
+        format!(
+            "concurrent harvest: {} harvests while the vCPUs write",
+            a.iterations
+        ),
+        quiet(a.out.json),
+    );
+    let r = concurrent_harvest::run(
+        m,
+        cfg,
+        harvest,
+        params,
+        a.iterations,
+        interval,
+        quiet_passes,
+    )?;
+    p.done();
+    Ok(r)
+}
+
+impl Config {
+    /// The configuration a run reports: the flags, as `cfg` applied them.
+    fn new(
+        a: &DirtyLogPerfArgs,
+        cfg: &Spec,
+        vm: VmSettings,
+        pinned_cpus: Option<Vec<usize>>,
+    ) -> Config {
+        Config {
+            vm,
+            vcpus: a.work.vcpus,
+            bytes_per_vcpu: a.work.bytes,
+            backing: a.work.backing.name(),
+            iterations: a.iterations,
+            random: a.random,
+            overlap: a.work.overlap,
+            evil: a.evil,
+            write_percent: a.write_percent,
+            slots: a.slots,
+            seed: a.seed,
+            manual_protect: cfg.manual_protect(),
+            dirty_ring: a.log.dirty_ring,
+            clear_chunk: a.log.clear_chunk.name(),
+            concurrent: a.concurrent,
+            pinned_cpus,
+        }
+    }
+}
+
+/// One run on `kind`: populate, enable logging, the iterations, disable logging.
+fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
+    check(a).map_err(CliError::bad)?;
+    let cfg = spec(a);
+    let (m, native) = build(a, kind, &cfg)?;
+    let pinned_cpus = backend::pin(m.as_ref(), &a.pin, a.work.vcpus)?;
+    let (populate, populate_native) = populate(a, m.as_ref(), &native)?;
     let t0 = Instant::now();
     m.set_dirty_logging(true)?;
     let enable = t0.elapsed();
@@ -567,23 +630,16 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         iterations.push(it);
     }
     let concurrent = if a.concurrent {
-        let p = Phase::start(
-            format!(
-                "concurrent harvest: {} harvests while the vCPUs write",
-                a.iterations
-            ),
-            quiet(a.out.json),
-        );
-        let r = concurrent_harvest::run(
+        let interval = interval(a, &iterations);
+        let r = concurrent(
+            a,
             m.as_ref(),
             &cfg,
             &mut harvest,
             params,
-            a.iterations,
-            interval(a, &iterations),
+            interval,
             &quiet_passes,
         )?;
-        p.done();
         Some(r)
     } else {
         None
@@ -601,38 +657,14 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         .iter()
         .map(|i| i.harvest.clear.or(i.harvest.reset))
         .sum();
-    let vm = VmSettings::new(
-        kind,
-        a.machine.format,
-        &cfg.vm,
-        cfg.tlb_entries,
-        pcpus,
-        cfg.region.prefault,
-    );
+    let vm = cfg.vm_settings(kind, pcpus);
     Ok(Report {
         head: RunHead {
             benchmark: NAME,
             backend: kind.name(),
             format: vm.format,
         },
-        config: Config {
-            vm,
-            vcpus: a.work.vcpus,
-            bytes_per_vcpu: a.work.bytes,
-            backing: a.work.backing.name(),
-            iterations: a.iterations,
-            random: a.random,
-            overlap: a.work.overlap,
-            evil: a.evil,
-            write_percent: a.write_percent,
-            slots: a.slots,
-            seed: a.seed,
-            manual_protect: cfg.manual_protect(),
-            dirty_ring: a.log.dirty_ring,
-            clear_chunk: a.log.clear_chunk.name(),
-            concurrent: a.concurrent,
-            pinned_cpus,
-        },
+        config: Config::new(a, &cfg, vm, pinned_cpus),
         populate: populate.wall,
         populate_native: populate_native.wall,
         enable,

@@ -560,16 +560,7 @@ impl<M: TestMachine> Bench<'_, M> {
         let a = self.a;
         let m = self.m;
         let l = m.layout();
-        // First touch outside the measurement: windows then see write-protection faults of
-        // mapped pages, the steady state of a running guest.
-        m.run_pass(PassParams {
-            write_percent: 100,
-            random: false,
-            seed: 1,
-            timed: false,
-        })
-        .map_err(runtime)?;
-        m.set_dirty_logging(true).map_err(runtime)?;
+        self.populate_and_log()?;
         if !a.out.json {
             print_head(a, self.kind, &workload);
         }
@@ -611,35 +602,10 @@ impl<M: TestMachine> Bench<'_, M> {
                 ratio: ratio(p, vcpu_expected),
             })
             .collect();
-        let vm = a.dirty.apply(a.machine.vm_config());
-        let sim_only = |x| (self.kind == BackendArg::Sim).then_some(x);
         Ok(Run {
             backend: self.kind.name(),
             format: format_name(self.kind, a.machine.format),
-            config: Config {
-                vm: VmSettings::new(
-                    self.kind,
-                    a.machine.format,
-                    &vm,
-                    a.machine.tlb_entries,
-                    sim_only(a.machine.pcpus.unwrap_or_else(|| {
-                        std::thread::available_parallelism().map_or(1, usize::from)
-                    })),
-                    !a.machine.no_prefault,
-                ),
-                vcpus: a.vcpus,
-                bytes_per_vcpu: a.bytes,
-                backing: a.backing.name(),
-                mode: a.mode.name(),
-                log: match a.mode {
-                    RateMode::Bitmap => "get+clear",
-                    RateMode::Ring => "ring",
-                },
-                ring_entries: (a.mode == RateMode::Ring).then(|| a.ring_entries()),
-                sample_ms: a.sample.duration().as_millis() as u64,
-                samples: a.samples,
-                write_rate_per_vcpu: rate,
-            },
+            config: self.config(rate),
             workload,
             per_vcpu_by,
             samples: measurement
@@ -664,6 +630,41 @@ impl<M: TestMachine> Bench<'_, M> {
                     .all(|s| s.pages >= l.total_pages()),
             per_vcpu,
         })
+    }
+
+    /// First touch outside the measurement: windows then see write-protection faults of
+    /// mapped pages, the steady state of a running guest. Then dirty logging goes on.
+    fn populate_and_log(&self) -> CliResult {
+        self.m
+            .run_pass(PassParams {
+                write_percent: 100,
+                random: false,
+                seed: 1,
+                timed: false,
+            })
+            .map_err(runtime)?;
+        self.m.set_dirty_logging(true).map_err(runtime)
+    }
+
+    /// The configuration a run reports; `rate` is the guest's paced writes per vCPU.
+    fn config(&self, rate: Option<u64>) -> Config {
+        let a = self.a;
+        let vm = a.dirty.apply(a.machine.vm_config());
+        Config {
+            vm: VmSettings::of_machine(self.kind, &a.machine, &vm),
+            vcpus: a.vcpus,
+            bytes_per_vcpu: a.bytes,
+            backing: a.backing.name(),
+            mode: a.mode.name(),
+            log: match a.mode {
+                RateMode::Bitmap => "get+clear",
+                RateMode::Ring => "ring",
+            },
+            ring_entries: (a.mode == RateMode::Ring).then(|| a.ring_entries()),
+            sample_ms: a.sample.duration().as_millis() as u64,
+            samples: a.samples,
+            write_rate_per_vcpu: rate,
+        }
     }
 
     /// The windows, each printed as it completes (text: on stdout, part of the report; JSON:

@@ -28,7 +28,7 @@ use slat_addr::PAGE_SIZE;
 use slat_machine::page_table_stage::{native_stage_baseline, Stage, StageParams};
 use slat_machine::{Machine, MachineConfig, Workload};
 use slat_workload::RegionSpec;
-use slat_workload::{format_size, Backing, GuestRam};
+use slat_workload::{format_size, Backing, GuestRam, Layout};
 use std::time::Duration;
 
 /// Guest modes the model implements, as `-m` numbers them.
@@ -423,54 +423,11 @@ fn run_on<F: PteFormat>(a: &PageTableTestArgs, vm: VmConfig, text: bool) -> Resu
     p.done();
     let layout = m.layout();
     if text {
-        println!("Testing guest mode: {}", GUEST_MODES[a.mode]);
-        println!("Testing memory backing src type: {}", a.backing.name());
-        println!("Testing memory backing src granularity: {large:#x}");
-        println!("Testing memory size(aligned): {bytes:#x}");
-        println!("Guest physical test memory offset: {:#x}", layout.gpa);
-        println!("Host  virtual  test memory offset: {:#x}", layout.host);
-        println!("Number of testing vCPUs: {vcpus}");
-        println!("{}", format_header(BackendArg::Sim, a.machine.format, &vm));
-        println!(
-            "Dirty logging: eager split {}, blocks recovered {}",
-            if vm.eager_split { "on" } else { "off" },
-            vm.recover.name()
-        );
-        println!("Started all vCPUs successfully");
+        print_header(a, &vm, bytes, &layout);
     }
     let mut figures = Vec::new();
     for stage in Stage::ALL {
-        // Counted from before the logging switch: recovering blocks when logging stops is
-        // part of what the adjust stage measures.
-        let before = m.vm().stats();
-        let logging_switch = match stage {
-            Stage::CreateMappings => None,
-            Stage::UpdateMappings | Stage::AdjustMappings => {
-                let on = stage == Stage::UpdateMappings;
-                let t0 = std::time::Instant::now();
-                m.set_dirty_logging(on).map_err(|e| e.to_string())?;
-                Some(t0.elapsed())
-            }
-        };
-        let params = StageParams {
-            stage,
-            large_page: large,
-            bytes,
-        };
-        let p = Phase::start(format!("{} on {vcpus} vCPU(s)", stage.name()), q);
-        let run = m.run(Workload::Stage(params)).map_err(|e| e.to_string())?;
-        let after = m.vm().stats();
-        p.done();
-        let native = native_stage_baseline(&native_ram, params, vcpus)
-            .ok_or("the native baseline's memory is smaller than the test region")?;
-        let f = StageFigures {
-            stage,
-            time: run.wall,
-            native,
-            faults: run.vcpus.iter().map(|v| v.counters.faults).sum(),
-            stats: delta(&before, &after),
-            logging_switch,
-        };
+        let f = run_stage(&m, &native_ram, stage, large, bytes, a)?;
         if text {
             print_stage(&f, a.machine.format);
         }
@@ -481,6 +438,71 @@ fn run_on<F: PteFormat>(a: &PageTableTestArgs, vm: VmConfig, text: bool) -> Resu
         large,
         gpa: layout.gpa,
         stages: figures,
+    })
+}
+
+/// The text header, in the kernel selftest's words.
+fn print_header(a: &PageTableTestArgs, vm: &VmConfig, bytes: u64, layout: &Layout) {
+    let large = a.backing.page_size().max(PAGE_SIZE);
+    let vcpus = a.vcpus as usize;
+    println!("Testing guest mode: {}", GUEST_MODES[a.mode]);
+    println!("Testing memory backing src type: {}", a.backing.name());
+    println!("Testing memory backing src granularity: {large:#x}");
+    println!("Testing memory size(aligned): {bytes:#x}");
+    println!("Guest physical test memory offset: {:#x}", layout.gpa);
+    println!("Host  virtual  test memory offset: {:#x}", layout.host);
+    println!("Number of testing vCPUs: {vcpus}");
+    println!("{}", format_header(BackendArg::Sim, a.machine.format, vm));
+    println!(
+        "Dirty logging: eager split {}, blocks recovered {}",
+        if vm.eager_split { "on" } else { "off" },
+        vm.recover.name()
+    );
+    println!("Started all vCPUs successfully");
+}
+
+/// Runs one stage on `m` (switching dirty logging first where the stage needs it) and the
+/// native baseline of the same stage on `native_ram`.
+fn run_stage<F: PteFormat>(
+    m: &Machine<F>,
+    native_ram: &GuestRam,
+    stage: Stage,
+    large: u64,
+    bytes: u64,
+    a: &PageTableTestArgs,
+) -> Result<StageFigures, String> {
+    let q = quiet(a.out.json);
+    let vcpus = a.vcpus as usize;
+    // Counted from before the logging switch: recovering blocks when logging stops is
+    // part of what the adjust stage measures.
+    let before = m.vm().stats();
+    let logging_switch = match stage {
+        Stage::CreateMappings => None,
+        Stage::UpdateMappings | Stage::AdjustMappings => {
+            let on = stage == Stage::UpdateMappings;
+            let t0 = std::time::Instant::now();
+            m.set_dirty_logging(on).map_err(|e| e.to_string())?;
+            Some(t0.elapsed())
+        }
+    };
+    let params = StageParams {
+        stage,
+        large_page: large,
+        bytes,
+    };
+    let p = Phase::start(format!("{} on {vcpus} vCPU(s)", stage.name()), q);
+    let run = m.run(Workload::Stage(params)).map_err(|e| e.to_string())?;
+    let after = m.vm().stats();
+    p.done();
+    let native = native_stage_baseline(native_ram, params, vcpus)
+        .ok_or("the native baseline's memory is smaller than the test region")?;
+    Ok(StageFigures {
+        stage,
+        time: run.wall,
+        native,
+        faults: run.vcpus.iter().map(|v| v.counters.faults).sum(),
+        stats: delta(&before, &after),
+        logging_switch,
     })
 }
 

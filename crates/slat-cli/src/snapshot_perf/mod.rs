@@ -414,22 +414,11 @@ fn measure(a: &SnapshotPerfArgs, kind: BackendArg, ks: &[u64]) -> CliResult<Run>
         r.ratio_full_over_reset = ratio(full.p50_us, r.reset_p50_us);
     }
     let vm = a.machine.vm_config();
-    let sim_only = |x| (kind == BackendArg::Sim).then_some(x);
     Ok(Run {
         backend: kind.name(),
         format: format_name(kind, a.machine.format),
         config: Config {
-            vm: VmSettings::new(
-                kind,
-                a.machine.format,
-                &vm,
-                a.machine.tlb_entries,
-                sim_only(a.machine.pcpus.unwrap_or_else(|| {
-                    // The simulated machine's default: every host CPU.
-                    std::thread::available_parallelism().map_or(1, usize::from)
-                })),
-                !a.machine.no_prefault,
-            ),
+            vm: VmSettings::of_machine(kind, &a.machine, &vm),
             vcpus: a.work.vcpus,
             bytes_per_vcpu: a.work.bytes,
             backing: a.work.backing.name(),

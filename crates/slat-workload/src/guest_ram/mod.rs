@@ -11,14 +11,10 @@ use crate::size::{format_size, KIB};
 use std::fs;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::path::Path;
 use std::ptr::{self, NonNull};
 
-/// Where the kernel describes each supported huge page size.
-const HUGEPAGES_SYSFS: &str = "/sys/kernel/mm/hugepages";
-
-/// The knob that reserves pages of the *default* huge page size.
-const DEFAULT_NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
+mod hugepool;
+use hugepool::{check_hugetlb, HugePool};
 
 /// Errors from choosing a backing or mapping guest RAM.
 #[derive(Debug, thiserror::Error)]
@@ -174,50 +170,9 @@ impl GuestRam {
                 let ptr = mmap_rw(len, private_anon | populate, -1).map_err(mmap_err)?;
                 Ok(GuestRam { ptr, len, backing })
             }
-            Backing::AnonymousThp => {
-                let align = usize::try_from(page_size).map_err(|_| {
-                    mmap_err(io::Error::new(
-                        io::ErrorKind::InvalidInput,
-                        "page size exceeds the host address space",
-                    ))
-                })?;
-                let ptr = mmap_aligned(len, align).map_err(mmap_err)?;
-                // From here on, dropping `ram` unmaps the region on error.
-                let ram = GuestRam { ptr, len, backing };
-                // SAFETY: `ptr..ptr+len` is a mapping we own; MADV_HUGEPAGE
-                // only changes the kernel's page-size policy for it and does
-                // not alter its contents or validity.
-                let rc = unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) };
-                if rc != 0 {
-                    return Err(RamError::Madvise {
-                        source: io::Error::last_os_error(),
-                    });
-                }
-                if prefault {
-                    ram.touch_pages(SMALL_PAGE as usize);
-                }
-                Ok(ram)
-            }
+            Backing::AnonymousThp => Self::new_thp(len, page_size, prefault, &mmap_err),
             Backing::AnonymousHugetlb2M | Backing::AnonymousHugetlb1G => {
-                let needed = size / page_size;
-                check_hugetlb(backing, needed)?;
-                let flags = private_anon
-                    | libc::MAP_HUGETLB
-                    | backing.hugetlb_flag().unwrap_or(0)
-                    | populate;
-                match mmap_rw(len, flags, -1) {
-                    Ok(ptr) => Ok(GuestRam { ptr, len, backing }),
-                    Err(e) if e.raw_os_error() == Some(libc::ENOMEM) => {
-                        let pool = HugePool::probe(backing);
-                        Err(RamError::HugetlbNotReserved {
-                            backing: backing.name(),
-                            needed,
-                            free: pool.available.unwrap_or(0),
-                            sysfs: pool.hint,
-                        })
-                    }
-                    Err(e) => Err(mmap_err(e)),
-                }
+                Self::new_hugetlb(backing, size, len, populate, &mmap_err)
             }
             Backing::Shmem => {
                 let ptr = mmap_shmem(size, len).map_err(mmap_err)?;
@@ -227,6 +182,67 @@ impl GuestRam {
                 }
                 Ok(ram)
             }
+        }
+    }
+
+    /// [`Backing::AnonymousThp`]: an aligned anonymous mapping advised for huge pages.
+    fn new_thp(
+        len: usize,
+        page_size: u64,
+        prefault: bool,
+        mmap_err: &dyn Fn(io::Error) -> RamError,
+    ) -> Result<GuestRam, RamError> {
+        let backing = Backing::AnonymousThp;
+        let align = usize::try_from(page_size).map_err(|_| {
+            mmap_err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "page size exceeds the host address space",
+            ))
+        })?;
+        let ptr = mmap_aligned(len, align).map_err(mmap_err)?;
+        // From here on, dropping `ram` unmaps the region on error.
+        let ram = GuestRam { ptr, len, backing };
+        // SAFETY: `ptr..ptr+len` is a mapping we own; MADV_HUGEPAGE
+        // only changes the kernel's page-size policy for it and does
+        // not alter its contents or validity.
+        let rc = unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) };
+        if rc != 0 {
+            return Err(RamError::Madvise {
+                source: io::Error::last_os_error(),
+            });
+        }
+        if prefault {
+            ram.touch_pages(SMALL_PAGE as usize);
+        }
+        Ok(ram)
+    }
+
+    /// The hugetlb backings: refused with the pool's state when it has too few pages.
+    fn new_hugetlb(
+        backing: Backing,
+        size: u64,
+        len: usize,
+        populate: i32,
+        mmap_err: &dyn Fn(io::Error) -> RamError,
+    ) -> Result<GuestRam, RamError> {
+        let page_size = backing.page_size();
+        let private_anon = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+        let needed = size / page_size;
+        check_hugetlb(backing, needed)?;
+        let flags =
+            private_anon | libc::MAP_HUGETLB | backing.hugetlb_flag().unwrap_or(0) | populate;
+        match mmap_rw(len, flags, -1) {
+            Ok(ptr) => Ok(GuestRam { ptr, len, backing }),
+            Err(e) if e.raw_os_error() == Some(libc::ENOMEM) => {
+                let pool = HugePool::probe(backing);
+                Err(RamError::HugetlbNotReserved {
+                    backing: backing.name(),
+                    needed,
+                    free: pool.available.unwrap_or(0),
+                    sysfs: pool.hint,
+                })
+            }
+            Err(e) => Err(mmap_err(e)),
         }
     }
 
@@ -402,85 +418,6 @@ fn mmap_shmem(size: u64, len: usize) -> io::Result<NonNull<u8>> {
     mmap_rw(len, libc::MAP_SHARED, fd.as_raw_fd())
 }
 
-/// What sysfs says about the hugetlb pool of one page size.
-struct HugePool {
-    /// Free pages not already promised to other mappings, if readable.
-    available: Option<u64>,
-    /// Whether `/sys/kernel/mm/hugepages/hugepages-<kB>kB` exists.
-    dir_exists: bool,
-    /// The `nr_hugepages` file to write, or the missing directory.
-    hint: String,
-}
-
-impl HugePool {
-    fn probe(backing: Backing) -> HugePool {
-        let kb = backing.page_size() / KIB;
-        let dir = format!("{HUGEPAGES_SYSFS}/hugepages-{kb}kB");
-        let dir_exists = Path::new(&dir).is_dir();
-        if !dir_exists {
-            return HugePool {
-                available: None,
-                dir_exists,
-                hint: dir,
-            };
-        }
-        let read = |file: &str| -> Option<u64> {
-            fs::read_to_string(format!("{dir}/{file}"))
-                .ok()?
-                .trim()
-                .parse()
-                .ok()
-        };
-        let available = read("free_hugepages")
-            .map(|free| free.saturating_sub(read("resv_hugepages").unwrap_or(0)));
-        // /proc/sys/vm/nr_hugepages controls the default huge page size only.
-        let hint = if default_hugepage_kb() == Some(kb) {
-            DEFAULT_NR_HUGEPAGES.to_owned()
-        } else {
-            format!("{dir}/nr_hugepages")
-        };
-        HugePool {
-            available,
-            dir_exists,
-            hint,
-        }
-    }
-}
-
-/// `Hugepagesize` from /proc/meminfo, in kB.
-fn default_hugepage_kb() -> Option<u64> {
-    let meminfo = fs::read_to_string("/proc/meminfo").ok()?;
-    meminfo.lines().find_map(|line| {
-        let rest = line.strip_prefix("Hugepagesize:")?;
-        rest.trim().strip_suffix("kB")?.trim().parse().ok()
-    })
-}
-
-/// Fails with [`RamError::HugetlbNotReserved`] if fewer than `needed` huge
-/// pages of the backing's size are free. If sysfs is not mounted at all the
-/// check is skipped and `mmap` decides.
-fn check_hugetlb(backing: Backing, needed: u64) -> Result<(), RamError> {
-    if !Path::new(HUGEPAGES_SYSFS).is_dir() {
-        return Ok(());
-    }
-    let pool = HugePool::probe(backing);
-    let free = match (pool.dir_exists, pool.available) {
-        (false, _) => 0,
-        (true, Some(free)) => free,
-        // Unreadable counters: let mmap decide.
-        (true, None) => return Ok(()),
-    };
-    if !pool.dir_exists || free < needed {
-        return Err(RamError::HugetlbNotReserved {
-            backing: backing.name(),
-            needed,
-            free,
-            sysfs: pool.hint,
-        });
-    }
-    Ok(())
-}
-
 /// Parses a `/proc/<pid>/smaps` text and sums `AnonHugePages` (in bytes) over
 /// the VMAs overlapping `[start, end)`. `None` if no such VMA reports it.
 fn anon_huge_bytes(smaps: &str, start: u64, end: u64) -> Option<u64> {
@@ -513,8 +450,10 @@ fn vma_header_range(line: &str) -> Option<(u64, u64)> {
 
 #[cfg(test)]
 mod tests {
+    use super::hugepool::HUGEPAGES_SYSFS;
     use super::*;
     use crate::size::{GIB, MIB};
+    use std::path::Path;
 
     /// Writes a distinct value to the first and last byte of every 4 KiB page,
     /// then reads them all back.
