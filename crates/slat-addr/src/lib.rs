@@ -102,7 +102,9 @@ unit!(
 );
 unit!(
     /// A page's index within one memslot (0 is the slot's first page): the bit number in the
-    /// slot's dirty bitmap, the page a ring entry's offset names.
+    /// slot's dirty bitmap, the page a ring entry's offset names. Also a page's index in a
+    /// guest's memory map laid end to end (migration's memory index), which is one slot's
+    /// index for a guest of one slot.
     PageIndex,
     "PageIndex"
 );

@@ -7,6 +7,7 @@ mod common;
 
 use common::wire::{self, ty, Payload};
 use common::{dest_config, spawn_dest};
+use slat_addr::PageIndex;
 use slat_harness::migrate::{self, GuestSpec, LogMode, Shape};
 use slat_migrate::stream::{self, BatchBuilder, Compression, FrameReader, Msg, Region};
 use slat_migrate::{DestConfig, Destination, Memory, MigrateError};
@@ -177,8 +178,8 @@ fn a_page_beyond_the_guest_is_refused() {
     let mut frames = vec![v.frames[0].clone()];
     let mut b = BatchBuilder::new(Compression::None);
     b.start(0, 0);
-    b.push(1, &[7u8; 4096]);
-    b.push(32, &[7u8; 4096]);
+    b.push(PageIndex::new(1), &[7u8; 4096]);
+    b.push(PageIndex::new(32), &[7u8; 4096]);
     frames.push(b.frame().to_vec());
     let (r, replies, _) = against_destination(&frames, dest_config());
     let e = refused(&r, &replies);
@@ -213,7 +214,7 @@ fn pages_after_the_verification_are_refused() {
     let v = wire::valid_stream(small(), &wire::image(32, 50, 2), Compression::Lz4, 8, &[]);
     let mut b = BatchBuilder::new(Compression::None);
     b.start(4, 0);
-    b.push(3, &[0xee; 4096]);
+    b.push(PageIndex::new(3), &[0xee; 4096]);
     // Just before the commit, after Verify.
     let e = with_frame(v.frames.len() - 1, b.frame().to_vec(), true);
     assert!(e.contains("after the verification hashes"), "{e}");
@@ -259,11 +260,16 @@ fn guest_memory_out_of_range_is_an_error() {
     let page = vec![1u8; 4096];
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         (
-            mem.stopped_write_page(pages, &page).is_err(),
-            mem.stopped_write_page(u64::MAX, &page).is_err(),
-            mem.stopped_write_page(0, &page[..100]).is_err(),
-            mem.stopped_range(0, pages + 1).is_err(),
-            mem.stopped_range(3, 2).is_err(),
+            mem.stopped_write_page(PageIndex::new(pages), &page)
+                .is_err(),
+            mem.stopped_write_page(PageIndex::new(u64::MAX), &page)
+                .is_err(),
+            mem.stopped_write_page(PageIndex::new(0), &page[..100])
+                .is_err(),
+            mem.stopped_range(PageIndex::new(0), PageIndex::new(pages + 1))
+                .is_err(),
+            mem.stopped_range(PageIndex::new(3), PageIndex::new(2))
+                .is_err(),
         )
     }));
     assert_eq!(r.ok(), Some((true, true, true, true, true)));
@@ -274,7 +280,7 @@ fn guest_memory_out_of_range_is_an_error() {
 fn batch_entries_are_checked() {
     let mut b = BatchBuilder::new(Compression::Lz4);
     b.start(0, 0);
-    b.push(1, &[5u8; 4096]);
+    b.push(PageIndex::new(1), &[5u8; 4096]);
     let f = b.frame().to_vec();
     let Ok(Msg::Pages(batch)) = FrameReader::new(&f[..], TIMEOUT).read_msg("test") else {
         panic!("not a batch")
@@ -379,16 +385,22 @@ fn a_trickling_source_times_out_within_the_frame_deadline() {
 fn whole_range_reads_are_copies_and_need_stopped_vcpus() {
     let g = migrate::build(&GuestSpec::sim(small(), LogMode::Get)).unwrap();
     let mem = Memory::new(g.as_dyn()).unwrap();
-    mem.stopped_write_page(0, &[7u8; 4096]).unwrap();
-    let before = mem.stopped_range(0, 2).unwrap();
-    mem.stopped_write_page(0, &[9u8; 4096]).unwrap();
+    mem.stopped_write_page(PageIndex::new(0), &[7u8; 4096])
+        .unwrap();
+    let before = mem
+        .stopped_range(PageIndex::new(0), PageIndex::new(2))
+        .unwrap();
+    mem.stopped_write_page(PageIndex::new(0), &[9u8; 4096])
+        .unwrap();
     assert!(before[..4096].iter().all(|&b| b == 7));
     let mut buf = vec![0u8; 4096];
     assert!(
-        mem.stopped_read(0, 2, &mut buf).is_err(),
+        mem.stopped_read(PageIndex::new(0), PageIndex::new(2), &mut buf)
+            .is_err(),
         "a buffer of the wrong size"
     );
-    mem.stopped_read(0, 1, &mut buf).unwrap();
+    mem.stopped_read(PageIndex::new(0), PageIndex::new(1), &mut buf)
+        .unwrap();
     assert!(buf.iter().all(|&b| b == 9));
     let work = migrate::WorkSpec {
         write_percent: 100,
@@ -397,11 +409,17 @@ fn whole_range_reads_are_copies_and_need_stopped_vcpus() {
         rate: 1000,
     };
     g.start(work).unwrap();
-    assert!(mem.stopped_read(0, 1, &mut buf).is_err());
-    assert!(mem.stopped_range(0, 1).is_err());
-    assert!(mem.stopped_write_page(1, &[1u8; 4096]).is_err());
+    assert!(mem
+        .stopped_read(PageIndex::new(0), PageIndex::new(1), &mut buf)
+        .is_err());
+    assert!(mem
+        .stopped_range(PageIndex::new(0), PageIndex::new(1))
+        .is_err());
+    assert!(mem
+        .stopped_write_page(PageIndex::new(1), &[1u8; 4096])
+        .is_err());
     // Reading page by page beside running vCPUs is what pre-copy does.
-    mem.read_page(0, &mut buf).unwrap();
+    mem.read_page(PageIndex::new(0), &mut buf).unwrap();
     g.pause().unwrap();
     assert!(before[..4096].iter().all(|&b| b == 7));
 }

@@ -18,7 +18,7 @@
 
 use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs, kvm_userspace_memory_region};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
-use slat_addr::Gpa;
+use slat_addr::{Gpa, PageIndex};
 use slat_dirty::{LogMode, Memslot};
 use slat_migrate::stream::Region;
 use slat_migrate::transport::{Endpoint, Listener};
@@ -157,7 +157,7 @@ impl Vm {
         // stores, vCPU stopped), never through a `&mut [u8]` a vCPU could race with.
         let mut page = vec![0u8; 4096];
         page[..CODE.len()].copy_from_slice(&CODE);
-        Memory::new(self)?.stopped_write_page(0, &page)?;
+        Memory::new(self)?.stopped_write_page(PageIndex::new(0), &page)?;
         let guard = self.vcpu();
         let Vcpu::Paused(vcpu) = &*guard else {
             return Err("boot: the vCPU is not paused".into());
@@ -392,7 +392,10 @@ fn counter(g: &dyn Guest, gpa: u64) -> Result<u32, Error> {
         })
         .ok_or("address in a hole")?;
     let mut page = vec![0u8; 4096];
-    mem.read_page(map.start(i) + (gpa - r.region.gpa.raw()) / 4096, &mut page)?;
+    mem.read_page(
+        PageIndex::new(map.start(i) + (gpa - r.region.gpa.raw()) / 4096),
+        &mut page,
+    )?;
     let at = (gpa % 4096) as usize;
     Ok(u32::from_le_bytes(page[at..at + 4].try_into()?))
 }
@@ -453,7 +456,8 @@ fn check_switch_over(src: &dyn Guest, dst: &dyn Guest) -> Result<u32, Error> {
     }
     let (a, b) = (Memory::new(src)?, Memory::new(dst)?);
     if a.map().wire() != b.map().wire()
-        || a.stopped_range(0, a.pages())? != b.stopped_range(0, b.pages())?
+        || a.stopped_range(PageIndex::new(0), PageIndex::new(a.pages()))?
+            != b.stopped_range(PageIndex::new(0), PageIndex::new(b.pages()))?
     {
         return Err("destination memory differs from the source's".into());
     }

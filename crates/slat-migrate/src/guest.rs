@@ -3,7 +3,7 @@
 use crate::error::{GuestError, MapError, MemoryError};
 use crate::state::StateBlob;
 use crate::stream::{check_regions, Region, PAGE_BYTES};
-use slat_addr::Hva;
+use slat_addr::{Hva, PageIndex};
 use slat_dirty::{DirtyLogSource, Harvester, KvmLog, LogMode, Memslot, SlotInfo};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -379,8 +379,9 @@ impl<'g> Memory<'g> {
         })
     }
 
-    /// Copies page `p` into `out` (one page) while vCPUs may be writing it.
-    pub fn read_page(&self, p: u64, out: &mut [u8]) -> Result<(), MemoryError> {
+    /// Copies page `p` (a memory index) into `out` (one page) while vCPUs may be writing it.
+    pub fn read_page(&self, p: PageIndex, out: &mut [u8]) -> Result<(), MemoryError> {
+        let p = p.raw();
         if out.len() != PAGE_BYTES {
             return Err(MemoryError::Buffer { len: out.len() });
         }
@@ -388,7 +389,13 @@ impl<'g> Memory<'g> {
     }
 
     /// Copies pages `first..end` into `out` (exactly their size), while the vCPUs are stopped.
-    pub fn stopped_read(&self, first: u64, end: u64, out: &mut [u8]) -> Result<(), MemoryError> {
+    pub fn stopped_read(
+        &self,
+        first: PageIndex,
+        end: PageIndex,
+        out: &mut [u8],
+    ) -> Result<(), MemoryError> {
+        let (first, end) = (first.raw(), end.raw());
         if self.guest.running() {
             return Err(MemoryError::Running("read as a whole"));
         }
@@ -396,9 +403,9 @@ impl<'g> Memory<'g> {
     }
 
     /// Pages `first..end`, copied out while the vCPUs are stopped.
-    pub fn stopped_range(&self, first: u64, end: u64) -> Result<Vec<u8>, MemoryError> {
-        self.check(first, end)?;
-        let want = (end - first) * PAGE_BYTES as u64;
+    pub fn stopped_range(&self, first: PageIndex, end: PageIndex) -> Result<Vec<u8>, MemoryError> {
+        self.check(first.raw(), end.raw())?;
+        let want = (end.raw() - first.raw()) * PAGE_BYTES as u64;
         let len = usize::try_from(want).map_err(|_| MemoryError::RangeBuffer { len: 0, want })?;
         let mut out = vec![0u8; len];
         self.stopped_read(first, end, &mut out)?;
@@ -406,7 +413,8 @@ impl<'g> Memory<'g> {
     }
 
     /// Writes page `p` while the vCPUs are stopped (the destination, before switch-over).
-    pub fn stopped_write_page(&self, p: u64, data: &[u8]) -> Result<(), MemoryError> {
+    pub fn stopped_write_page(&self, p: PageIndex, data: &[u8]) -> Result<(), MemoryError> {
+        let p = p.raw();
         if self.guest.running() {
             return Err(MemoryError::Running("written"));
         }
@@ -445,7 +453,7 @@ impl<'g> Memory<'g> {
             } else {
                 page.fill(0);
             }
-            self.stopped_write_page(p, &page)?;
+            self.stopped_write_page(PageIndex::new(p), &page)?;
         }
         Ok(())
     }

@@ -8,7 +8,7 @@
 #[path = "common/soft.rs"]
 mod soft;
 
-use slat_addr::Gpa;
+use slat_addr::{Gpa, PageIndex};
 use slat_migrate::stream::Region;
 use slat_migrate::transport::{Channel, Endpoint, Listener};
 use slat_migrate::{
@@ -87,7 +87,10 @@ fn assert_same(src: &SoftGuest, dst: &SoftGuest) {
     assert_eq!(a.pages(), 184);
     assert_eq!(a.map().wire(), b.map().wire());
     assert!(
-        a.stopped_range(0, a.pages()).unwrap() == b.stopped_range(0, b.pages()).unwrap(),
+        a.stopped_range(PageIndex::new(0), PageIndex::new(a.pages()))
+            .unwrap()
+            == b.stopped_range(PageIndex::new(0), PageIndex::new(b.pages()))
+                .unwrap(),
         "memory differs"
     );
     assert_eq!(src.state(), dst.state(), "device state differs");

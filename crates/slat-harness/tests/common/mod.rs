@@ -4,6 +4,7 @@
 
 pub mod wire;
 
+use slat_addr::PageIndex;
 use slat_harness::migrate::{self, BackendKind, BenchGuest, GuestSpec, LogMode, Shape, WorkSpec};
 use slat_migrate::{
     DestConfig, DestReport, Destination, Guest, Memory, MigrateError, Source, SourceConfig,
@@ -109,8 +110,12 @@ pub fn spawn_dest(mut d: Destination, max_conns: usize) -> (String, JoinHandle<S
 pub fn assert_same_memory(a: &dyn Guest, b: &dyn Guest) {
     let (ma, mb) = (Memory::new(a).unwrap(), Memory::new(b).unwrap());
     assert_eq!(ma.pages(), mb.pages());
-    let x = ma.stopped_range(0, ma.pages()).expect("source memory");
-    let y = mb.stopped_range(0, mb.pages()).expect("destination memory");
+    let x = ma
+        .stopped_range(PageIndex::new(0), PageIndex::new(ma.pages()))
+        .expect("source memory");
+    let y = mb
+        .stopped_range(PageIndex::new(0), PageIndex::new(mb.pages()))
+        .expect("destination memory");
     if x != y {
         let p = x
             .chunks(4096)

@@ -199,7 +199,7 @@ pub fn valid_stream(
             b.start(seq, round as u32);
             for &p in chunk {
                 let at = (p * 4096) as usize;
-                b.push(p, &image[at..at + 4096]);
+                b.push(slat_addr::PageIndex::new(p), &image[at..at + 4096]);
             }
             frames.push(b.frame().to_vec());
             seq += 1;

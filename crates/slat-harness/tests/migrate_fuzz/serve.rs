@@ -1,6 +1,7 @@
 //! The destination side: a live destination served mutated streams, and the checks on it.
 
 use super::*;
+use slat_addr::PageIndex;
 
 /// A factory that fails the case if asked for a machine the destination should have refused.
 pub(crate) fn guarded_factory(asked: Arc<Mutex<Vec<Vec<Region>>>>) -> slat_migrate::Factory {
@@ -110,7 +111,8 @@ pub(crate) fn spawn_destination(
         }
         let image = d.guest().map(|g: &Arc<dyn Guest>| {
             let m = Memory::new(&**g).expect("memory map");
-            m.stopped_range(0, m.pages()).unwrap_or_default()
+            m.stopped_range(PageIndex::new(0), PageIndex::new(m.pages()))
+                .unwrap_or_default()
         });
         let _ = tx.send((results, image));
     });

@@ -1,6 +1,7 @@
 //! Valid streams to start from: synthetic ones, and one recorded from a real source.
 
 use super::*;
+use slat_addr::PageIndex;
 
 /// A small guest for a synthetic stream.
 #[derive(Debug, Clone)]
@@ -139,7 +140,7 @@ pub(crate) fn record() -> ValidStream {
     let _ = p.join();
     let mem = Memory::new(g.as_dyn()).expect("memory map");
     let image = mem
-        .stopped_range(0, mem.pages())
+        .stopped_range(PageIndex::new(0), PageIndex::new(mem.pages()))
         .expect("source memory")
         .to_vec();
     let bytes = tape.lock().unwrap().clone();

@@ -6,6 +6,7 @@ use crate::guest::{Guest, Memory};
 use crate::state::StateBlob;
 use crate::stream::{self, Batch, Msg, MAX_STATE_BLOBS, MAX_STATE_BYTES, PAGE_BYTES};
 use crate::verify::{self, Digests, VerifyMode, VerifyReport, NEVER_RECEIVED, RANGE_PAGES};
+use slat_addr::PageIndex;
 use std::io::Write;
 use std::time::Instant;
 
@@ -127,12 +128,13 @@ impl<'g> Incoming<'g> {
         }
         for (i, &(p, enc, _)) in b.entries.iter().enumerate() {
             b.page_into(i, &mut self.buf).map_err(page_error)?;
-            self.mem.stopped_write_page(p, &self.buf)?;
+            self.mem.stopped_write_page(PageIndex::new(p), &self.buf)?;
             if !self.digests.is_empty() {
                 // Hash what guest memory now holds, read back (cache-hot), not the buffer:
                 // a write that went astray shows.
                 let back = &mut self.range[..PAGE_BYTES];
-                self.mem.stopped_read(p, p + 1, back)?;
+                self.mem
+                    .stopped_read(PageIndex::new(p), PageIndex::new(p + 1), back)?;
                 self.digests.set(p, verify::page_digest(back));
             }
             self.report.pages += 1;
@@ -290,7 +292,8 @@ impl<'g> Incoming<'g> {
             } else {
                 // `b - a <= RANGE_PAGES`: the range fits the buffer.
                 let bytes = &mut self.range[..(b - a) as usize * PAGE_BYTES];
-                self.mem.stopped_read(a, b, bytes)?;
+                self.mem
+                    .stopped_read(PageIndex::new(a), PageIndex::new(b), bytes)?;
                 verify::hash_range(i, bytes)
             };
             if &ours != h {

@@ -10,6 +10,7 @@ use crate::guest::{Guest, GuestHarvester, GuestLog, Memory};
 use crate::stream::{self, BatchBuilder, Hello, Msg, MAX_HASHES, PAGE_BYTES, VERSION};
 use crate::throttle::AutoConverge;
 use crate::verify::{self, Digests, VerifyMode, NEVER_SENT, RANGE_PAGES};
+use slat_addr::PageIndex;
 use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -287,7 +288,7 @@ impl Source {
                 let (a, b) = verify::range_pages(i, RANGE_PAGES, pages);
                 // `b - a <= RANGE_PAGES`: the range fits the buffer.
                 let bytes = &mut buf[..(b - a) as usize * PAGE_BYTES];
-                mem.stopped_read(a, b, bytes)?;
+                mem.stopped_read(PageIndex::new(a), PageIndex::new(b), bytes)?;
                 hashes.push(verify::hash_range(i, bytes));
             }
             // Frames of 256 hashes (64 MiB of guest memory): the destination hashes one

@@ -112,8 +112,8 @@ impl Sender {
     ) -> Result<u64, MigrateError> {
         self.builder.start(self.seq, round);
         for &(slot, off, p) in chunk {
-            mem.read_page(p, page)?;
-            self.builder.push(p, page);
+            mem.read_page(PageIndex::new(p), page)?;
+            self.builder.push(PageIndex::new(p), page);
             if !self.digests.is_empty() {
                 self.digests.set(p, verify::page_digest(page));
             }

@@ -6,6 +6,7 @@ use super::{
     PREAMBLE_LEN, T_ACK, T_COMMIT, T_HASHES, T_HELLO, T_PAGES, T_REFUSE, T_RESUMED, T_ROUND_END,
     T_STATE, T_STATE_END, T_VERIFIED, T_VERIFY, T_WELCOME,
 };
+use slat_addr::PageIndex;
 use std::io::Write;
 
 impl Msg {
@@ -159,10 +160,10 @@ impl BatchBuilder {
         self.count == 0
     }
 
-    /// Adds page `page` with contents `data` (one page).
-    pub fn push(&mut self, page: u64, data: &[u8]) {
+    /// Adds page `page` (a memory index) with contents `data` (one page).
+    pub fn push(&mut self, page: PageIndex, data: &[u8]) {
         debug_assert_eq!(data.len(), PAGE_BYTES);
-        put_u64(&mut self.buf, page);
+        put_u64(&mut self.buf, page.raw());
         // OR-reduce instead of an early-exit scan: it vectorises, and 4 KiB is cheap.
         if data.iter().fold(0u8, |a, &b| a | b) == 0 {
             self.buf.push(Encoding::Zero as u8);

@@ -1,6 +1,7 @@
 use super::encode::seal;
 use super::*;
 use crate::error::StreamError;
+use slat_addr::PageIndex;
 use std::time::Duration;
 
 fn hello() -> Hello {
@@ -88,9 +89,9 @@ fn batches_roundtrip_every_encoding() {
     let noise: Vec<u8> = (0..PAGE_BYTES as u64)
         .map(|i| crate::guest::splitmix(i) as u8)
         .collect();
-    b.push(1, &zero);
-    b.push(2, &sparse);
-    b.push(3, &noise);
+    b.push(PageIndex::new(1), &zero);
+    b.push(PageIndex::new(2), &sparse);
+    b.push(PageIndex::new(3), &noise);
     let bytes = b.frame().to_vec();
     let Msg::Pages(batch) = FrameReader::new(&bytes[..], Duration::from_secs(1))
         .read_msg("test")
