@@ -289,7 +289,7 @@ impl MemoryMap {
 /// behaviour); a guard blocking `Guest::start` would put a lock into every machine and a
 /// deadlock into any caller that forgot to drop it; an `unsafe fn` would move the problem to
 /// every caller. A copy of one verification range (256 KiB, reused) costs a cache-resident
-/// memcpy beside the BLAKE3 hash of the same bytes, and misuse is then impossible.
+/// memcpy beside the hash of the same bytes, and misuse is then impossible.
 pub struct Memory<'g> {
     guest: &'g dyn Guest,
     map: MemoryMap,

@@ -44,8 +44,9 @@ pub use reader::FrameReader;
 
 /// The first eight bytes of every stream.
 pub const MAGIC: [u8; 8] = *b"SLATMIGR";
-/// The protocol version this build speaks.
-pub const VERSION: u32 = 2;
+/// The protocol version this build speaks. 3: range hashes are XXH3-based (2 used BLAKE3;
+/// a version-2 peer would fail verification, so it is refused at the preamble instead).
+pub const VERSION: u32 = 3;
 /// `slat_addr::PAGE_SIZE` (the page the stream carries) as a `usize`, for buffer lengths.
 pub(crate) const PAGE_BYTES: usize = slat_addr::PAGE_SIZE as usize;
 /// Largest frame payload (a batch of [`MAX_BATCH_PAGES`] raw pages fits with room to spare).
@@ -231,7 +232,7 @@ pub enum Msg {
     Hashes {
         /// First range index.
         first: u64,
-        /// One BLAKE3 hash per range.
+        /// One 256-bit hash per range ([`crate::verify::hash_range`] or `hash_digests`).
         hashes: Vec<[u8; 32]>,
     },
     /// Source: one device-state blob (vCPU registers, device models), after the last round.

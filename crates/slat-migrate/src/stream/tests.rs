@@ -138,7 +138,7 @@ fn preamble_checks_magic_version_and_page_size() {
     let v = preamble(VERSION + 1);
     assert!(matches!(
         FrameReader::new(&v[..], Duration::ZERO).read_preamble(),
-        Err(StreamError::Version { found: 3, .. })
+        Err(StreamError::Version { found: 4, .. })
     ));
     let mut m = ok;
     m[0] = b'X';
