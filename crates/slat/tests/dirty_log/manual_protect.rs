@@ -2,6 +2,7 @@
 //! it cleared, and INITIALLY_SET protects nothing until the first CLEAR.
 
 use super::*;
+use slat::Stats;
 
 /// (what, slot, first_page, num_pages, bitmap, expected error) of a refused CLEAR.
 pub(crate) type ClearCase = (&'static str, u32, u64, u64, Vec<u64>, DirtyLogError);
@@ -11,30 +12,7 @@ pub(crate) fn clear_errors_consume_nothing<F: PteFormat>() {
 }
 
 pub(crate) fn clear_errors_consume_nothing_one<F: PteFormat>() {
-    // Without manual protection CLEAR is refused and GET still returns (and consumes) the bits.
-    {
-        let vm = Vm::<F>::new(config());
-        let mut v = vm.create_vcpu(0);
-        let m = HostMem::new(130 * PAGE_SIZE);
-        vm.add_memslot(1, Gpa::new(MIB), 130 * PAGE_SIZE, m.range(PAGE_SIZE), LOG)
-            .unwrap();
-        write_new(&vm, &mut v, MIB + 3 * PAGE_SIZE);
-        let e = vm
-            .clear_dirty_log(1, PageIndex::new(0), 130, &[!0, !0, !0])
-            .unwrap_err();
-        assert_eq!(e, DirtyLogError::ManualProtectOff, "CLEAR without manual");
-        assert!(
-            writable(&vm, MIB + 3 * PAGE_SIZE),
-            "refused CLEAR protected a page"
-        );
-        assert_eq!(dirty_pages(&vm, 1), vec![3], "refused CLEAR consumed a bit");
-        assert!(
-            !writable(&vm, MIB + 3 * PAGE_SIZE),
-            "GET without manual protection did not re-protect"
-        );
-        check_audit(&vm, "not manual");
-        teardown(vm, [v]);
-    }
+    clear_without_manual_protection_is_refused::<F>();
 
     let vm = Vm::<F>::new(config());
     vm.set_manual_dirty_log_protect(MANUAL_PROTECT_ENABLE)
@@ -58,8 +36,43 @@ pub(crate) fn clear_errors_consume_nothing_one<F: PteFormat>() {
         write_new(&vm, &mut v, base + p * PAGE_SIZE);
     }
     assert_eq!(dirty_pages(&vm, 1), dirty.to_vec(), "initial GET");
+    for case in refused_clear_cases() {
+        check_refused_clear(&vm, case, base, &dirty);
+    }
+    clears_after_refusals(&vm, base, &dirty);
+    teardown(vm, [v]);
+    drop((m1, m2));
+}
 
-    let cases: Vec<ClearCase> = vec![
+/// Without manual protection CLEAR is refused and GET still returns (and consumes) the bits.
+fn clear_without_manual_protection_is_refused<F: PteFormat>() {
+    let vm = Vm::<F>::new(config());
+    let mut v = vm.create_vcpu(0);
+    let m = HostMem::new(130 * PAGE_SIZE);
+    vm.add_memslot(1, Gpa::new(MIB), 130 * PAGE_SIZE, m.range(PAGE_SIZE), LOG)
+        .unwrap();
+    write_new(&vm, &mut v, MIB + 3 * PAGE_SIZE);
+    let e = vm
+        .clear_dirty_log(1, PageIndex::new(0), 130, &[!0, !0, !0])
+        .unwrap_err();
+    assert_eq!(e, DirtyLogError::ManualProtectOff, "CLEAR without manual");
+    assert!(
+        writable(&vm, MIB + 3 * PAGE_SIZE),
+        "refused CLEAR protected a page"
+    );
+    assert_eq!(dirty_pages(&vm, 1), vec![3], "refused CLEAR consumed a bit");
+    assert!(
+        !writable(&vm, MIB + 3 * PAGE_SIZE),
+        "GET without manual protection did not re-protect"
+    );
+    check_audit(&vm, "not manual");
+    teardown(vm, [v]);
+}
+
+/// The refused CLEARs, against slot 1 (130 pages, logging) and slot 2 (64 pages, not logging).
+/// A data table, one case per refusal reason and edge, so longer than a function should be.
+fn refused_clear_cases() -> Vec<ClearCase> {
+    vec![
         (
             "unknown slot",
             9,
@@ -212,38 +225,44 @@ pub(crate) fn clear_errors_consume_nothing_one<F: PteFormat>() {
                 have: 0,
             },
         ),
-    ];
-    for (what, id, first, num, bitmap, want) in cases {
-        let flushes = vm.stats().remote_tlb_flush_requests;
-        let e = vm
-            .clear_dirty_log(id, PageIndex::new(first), num, &bitmap)
-            .expect_err(what);
-        assert_eq!(e, want, "{what}: wrong error");
-        let msg = e.to_string();
+    ]
+}
+
+/// One refused CLEAR: the right error with a one-line message, and no bit consumed, no page
+/// protected, no flush.
+fn check_refused_clear<F: PteFormat>(vm: &Vm<F>, case: ClearCase, base: u64, dirty: &[u64]) {
+    let (what, id, first, num, bitmap, want) = case;
+    let flushes = vm.stats().remote_tlb_flush_requests;
+    let e = vm
+        .clear_dirty_log(id, PageIndex::new(first), num, &bitmap)
+        .expect_err(what);
+    assert_eq!(e, want, "{what}: wrong error");
+    let msg = e.to_string();
+    assert!(
+        !msg.is_empty() && !msg.contains('\n'),
+        "{what}: message {msg:?}"
+    );
+    assert_eq!(
+        dirty_pages(vm, 1),
+        dirty.to_vec(),
+        "{what}: refused CLEAR consumed bits"
+    );
+    for &p in dirty {
         assert!(
-            !msg.is_empty() && !msg.contains('\n'),
-            "{what}: message {msg:?}"
-        );
-        assert_eq!(
-            dirty_pages(&vm, 1),
-            dirty.to_vec(),
-            "{what}: refused CLEAR consumed bits"
-        );
-        for p in dirty {
-            assert!(
-                writable(&vm, base + p * PAGE_SIZE),
-                "{what}: refused CLEAR protected page {p}"
-            );
-        }
-        assert_eq!(
-            vm.stats().remote_tlb_flush_requests,
-            flushes,
-            "{what}: refused CLEAR flushed"
+            writable(vm, base + p * PAGE_SIZE),
+            "{what}: refused CLEAR protected page {p}"
         );
     }
+    assert_eq!(
+        vm.stats().remote_tlb_flush_requests,
+        flushes,
+        "{what}: refused CLEAR flushed"
+    );
+}
 
-    // Valid requests after all that: an empty range, then the tail (bits past num_pages are
-    // ignored), then the rest.
+/// Valid requests after all the refusals: an empty range, then the tail (bits past num_pages
+/// are ignored), then the rest; clearing again clears nothing.
+fn clears_after_refusals<F: PteFormat>(vm: &Vm<F>, base: u64, dirty: &[u64]) {
     assert_eq!(
         vm.clear_dirty_log(1, PageIndex::new(0), 0, &[]),
         Ok(0),
@@ -254,18 +273,18 @@ pub(crate) fn clear_errors_consume_nothing_one<F: PteFormat>() {
         Ok(2),
         "CLEAR of the last two pages (ends the slot)"
     );
-    assert_eq!(dirty_pages(&vm, 1), vec![3, 70], "after clearing the tail");
-    assert!(!writable(&vm, base + 128 * PAGE_SIZE), "page 128 still W");
-    assert!(!writable(&vm, base + 129 * PAGE_SIZE), "page 129 still W");
+    assert_eq!(dirty_pages(vm, 1), vec![3, 70], "after clearing the tail");
+    assert!(!writable(vm, base + 128 * PAGE_SIZE), "page 128 still W");
+    assert!(!writable(vm, base + 129 * PAGE_SIZE), "page 129 still W");
     assert_eq!(
         vm.clear_dirty_log(1, PageIndex::new(0), 128, &[!0, !0]),
         Ok(2),
         "CLEAR of the first 128 pages"
     );
-    assert_eq!(dirty_pages(&vm, 1), Vec::<u64>::new(), "after clearing all");
-    for p in dirty {
+    assert_eq!(dirty_pages(vm, 1), Vec::<u64>::new(), "after clearing all");
+    for &p in dirty {
         assert!(
-            !writable(&vm, base + p * PAGE_SIZE),
+            !writable(vm, base + p * PAGE_SIZE),
             "page {p} still writable after CLEAR"
         );
     }
@@ -275,9 +294,7 @@ pub(crate) fn clear_errors_consume_nothing_one<F: PteFormat>() {
         Ok(0),
         "second CLEAR"
     );
-    check_audit(&vm, "clear errors");
-    teardown(vm, [v]);
-    drop((m1, m2));
+    check_audit(vm, "clear errors");
 }
 
 pub(crate) fn clear_reprotects_exactly_the_bits_cleared<F: PteFormat>() {
@@ -422,7 +439,35 @@ pub(crate) fn initially_set_protects_nothing_until_clear_one<F: PteFormat>() {
         "slot 2 log not initially all set (or tail bits past npages set)"
     );
 
-    // CLEAR everything of slot 1: the huge leaf is split and every mapped page protected.
+    clear_splits_and_protects_the_huge_leaf(&vm, &mut v, base1, &m1, &before);
+
+    // Slot 2: CLEAR only the first 64 pages; page 7 gets protected, the tail stays dirty.
+    assert_eq!(vm.clear_dirty_log(2, PageIndex::new(0), 64, &[!0]), Ok(64));
+    assert!(!writable(&vm, base2 + 7 * PAGE_SIZE), "page 7 still W");
+    assert_eq!(dirty_pages(&vm, 2), (64..100).collect::<Vec<_>>());
+    // Writes are logged again.
+    write_protected(&vm, &mut v, base2 + 7 * PAGE_SIZE);
+    if vm.lookup(Gfn::new((base1 >> PAGE_SHIFT) + 5)).is_some() {
+        write_protected(&vm, &mut v, base1 + 5 * PAGE_SIZE);
+    } else {
+        write_new(&vm, &mut v, base1 + 5 * PAGE_SIZE);
+    }
+    assert_eq!(dirty_pages(&vm, 1), vec![5]);
+    assert_eq!(dirty_pages(&vm, 2)[0], 7);
+    check_audit(&vm, "initially set");
+    teardown(vm, [v]);
+    drop((m1, m2));
+}
+
+/// CLEAR everything of slot 1 (one 2 MiB leaf, every bit initially set): the huge leaf is
+/// split and every mapped page protected, its translation unchanged.
+fn clear_splits_and_protects_the_huge_leaf<F: PteFormat>(
+    vm: &Vm<F>,
+    v: &mut Vcpu<F>,
+    base1: u64,
+    m1: &HostMem,
+    before: &Stats,
+) {
     assert_eq!(
         vm.clear_dirty_log(1, PageIndex::new(0), 512, &[!0; 8]),
         Ok(512),
@@ -434,11 +479,11 @@ pub(crate) fn initially_set_protects_nothing_until_clear_one<F: PteFormat>() {
         // 002): the first write to it faults and the slow path splits it.
         assert_eq!(after.splits, before.splits, "a lock-free CLEAR split");
         assert_eq!(after.leaves_2m, 1, "the huge leaf went away");
-        let (l, lvl) = leaf(&vm, base1);
+        let (l, lvl) = leaf(vm, base1);
         assert!(lvl > 1 && !F::is_writable(l), "huge leaf still writable");
-        write_new(&vm, &mut v, base1 + 3 * PAGE_SIZE);
+        write_new(vm, v, base1 + 3 * PAGE_SIZE);
         assert!(vm.stats().splits > before.splits, "the write did not split");
-        assert_eq!(dirty_pages(&vm, 1), vec![3], "the write was not logged");
+        assert_eq!(dirty_pages(vm, 1), vec![3], "the write was not logged");
         assert_eq!(
             vm.clear_dirty_log(1, PageIndex::new(0), 64, &[1 << 3]),
             Ok(1)
@@ -459,7 +504,7 @@ pub(crate) fn initially_set_protects_nothing_until_clear_one<F: PteFormat>() {
             // mapped (EPT's lazy split prefills, read-only).
             continue;
         }
-        let (l, lvl) = leaf(&vm, base1 + p * PAGE_SIZE);
+        let (l, lvl) = leaf(vm, base1 + p * PAGE_SIZE);
         assert_eq!(lvl, 1, "page {p} of slot 1 not mapped at 4 KiB after CLEAR");
         assert!(
             !F::is_writable(l),
@@ -472,22 +517,5 @@ pub(crate) fn initially_set_protects_nothing_until_clear_one<F: PteFormat>() {
             "split changed the translation of page {p}"
         );
     }
-    assert_eq!(dirty_pages(&vm, 1), Vec::<u64>::new(), "slot 1 after CLEAR");
-
-    // Slot 2: CLEAR only the first 64 pages; page 7 gets protected, the tail stays dirty.
-    assert_eq!(vm.clear_dirty_log(2, PageIndex::new(0), 64, &[!0]), Ok(64));
-    assert!(!writable(&vm, base2 + 7 * PAGE_SIZE), "page 7 still W");
-    assert_eq!(dirty_pages(&vm, 2), (64..100).collect::<Vec<_>>());
-    // Writes are logged again.
-    write_protected(&vm, &mut v, base2 + 7 * PAGE_SIZE);
-    if vm.lookup(Gfn::new((base1 >> PAGE_SHIFT) + 5)).is_some() {
-        write_protected(&vm, &mut v, base1 + 5 * PAGE_SIZE);
-    } else {
-        write_new(&vm, &mut v, base1 + 5 * PAGE_SIZE);
-    }
-    assert_eq!(dirty_pages(&vm, 1), vec![5]);
-    assert_eq!(dirty_pages(&vm, 2)[0], 7);
-    check_audit(&vm, "initially set");
-    teardown(vm, [v]);
-    drop((m1, m2));
+    assert_eq!(dirty_pages(vm, 1), Vec::<u64>::new(), "slot 1 after CLEAR");
 }
