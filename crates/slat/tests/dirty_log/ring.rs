@@ -78,7 +78,13 @@ pub(crate) fn capability_errors_one<F: PteFormat>() {
     assert_eq!(vm.dirty_rings().len(), 1);
     teardown(vm, [v]);
 
-    // Ring after a vCPU exists.
+    ring_after_a_vcpu_exists_is_refused::<F>();
+    ring_with_a_bitmap_keeps_get::<F>(&m);
+    drop(m);
+}
+
+/// Ring after a vCPU exists: refused, and the vCPU has no ring.
+fn ring_after_a_vcpu_exists_is_refused<F: PteFormat>() {
     let vm = Vm::<F>::new(config());
     let v = vm.create_vcpu(0);
     assert!(v.dirty_ring().is_none());
@@ -88,8 +94,10 @@ pub(crate) fn capability_errors_one<F: PteFormat>() {
     );
     assert!(!v.dirty_ring_full());
     teardown(vm, [v]);
+}
 
-    // Ring with a bitmap: GET works next to the ring.
+/// Ring with a bitmap: GET works next to the ring.
+fn ring_with_a_bitmap_keeps_get<F: PteFormat>(m: &HostMem) {
     let vm = Vm::<F>::new(config());
     assert_eq!(vm.enable_dirty_ring(65536, true), Ok(()));
     vm.add_memslot(3, Gpa::new(MIB), 64 * PAGE_SIZE, m.range(PAGE_SIZE), LOG)
@@ -97,7 +105,6 @@ pub(crate) fn capability_errors_one<F: PteFormat>() {
     assert_eq!(vm.mark_page_dirty(Gpa::new(MIB + 2 * PAGE_SIZE)), Ok(true));
     assert_eq!(dirty_pages(&vm, 3), vec![2], "ring-with-bitmap GET");
     teardown(vm, std::iter::empty());
-    drop(m);
 }
 
 pub(crate) fn ring_push_harvest_reset<F: PteFormat>() {
