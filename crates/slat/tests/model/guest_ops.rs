@@ -1,6 +1,7 @@
 //! Guest-side operations of a run: faults on random GFNs and zaps of random ranges.
 
 use super::*;
+use slat::Level;
 
 impl<F: PteFormat> Run<'_, F> {
     pub(crate) fn random_gfn(&mut self) -> u64 {
@@ -55,20 +56,9 @@ impl<F: PteFormat> Run<'_, F> {
             "{}: outcome {o:?}, pre {pre:x?}, post {post:x?}",
             self.ctx()
         );
-        let counter = |s: &slat::Stats| match o {
-            FaultOutcome::Fixed => s.pf_fixed,
-            FaultOutcome::FixedFast => s.pf_fast,
-            FaultOutcome::Spurious => s.pf_spurious,
-            FaultOutcome::Retry => s.pf_retry,
-            FaultOutcome::NoSlot => s.pf_no_slot,
-            FaultOutcome::ReadOnly => s.pf_read_only,
-            FaultOutcome::DirtyRingFull => s.pf_ring_full,
-            FaultOutcome::InGuestMode => unreachable!("checked above"),
-            FaultOutcome::MemoryFault { .. } => unreachable!("the model has no private memory"),
-        };
         assert_eq!(
-            counter(&after),
-            counter(&before) + 1,
+            outcome_counter(o, &after),
+            outcome_counter(o, &before) + 1,
             "{ctx}: its counter did not move by one"
         );
         let slot = self.slot_of(g).map(|s| (s.id, s.ro(), s.logging()));
@@ -82,25 +72,7 @@ impl<F: PteFormat> Run<'_, F> {
                 assert_eq!(post, pre, "{ctx}: a refused write changed the tree");
             }
             Some((id, _, logging)) => {
-                let permitted = pre.is_some_and(|(l, _)| F::permits(l, access));
-                // With lazy splitting a stale-TLB fault on a huge leaf in a logged slot splits
-                // it on the way: same translation, different shape.
-                let splits = !self.cfg.eager_split && logging && pre.is_some_and(|(_, l)| l > 1);
-                if permitted && splits && F::BREAK_BEFORE_MAKE {
-                    // Format difference: under break-before-make the lazy split leaves an
-                    // empty table (KVM arm64), so this fault maps its page anew.
-                    assert_eq!(o, FaultOutcome::Fixed, "{ctx}: lazy split under BBM");
-                } else if permitted {
-                    assert_eq!(o, FaultOutcome::Spurious, "{ctx}");
-                    if !splits {
-                        assert_eq!(post, pre, "{ctx}: a spurious fault changed the leaf");
-                    }
-                } else {
-                    assert!(
-                        matches!(o, FaultOutcome::Fixed | FaultOutcome::FixedFast),
-                        "{ctx}: single-threaded faults never retry"
-                    );
-                }
+                self.check_in_slot_outcome(o, pre, post, access, logging, &ctx);
                 if o == FaultOutcome::FixedFast {
                     let eligible = self.cfg.fast_pf
                         && pre.is_some()
@@ -112,31 +84,75 @@ impl<F: PteFormat> Run<'_, F> {
                 if logging && pre.is_none() {
                     assert_eq!(level, 1, "{ctx}: new huge leaf in a logged slot");
                 }
-                let pages = pages_per_entry(level);
-                self.maybe
-                    .insert(g & !(pages - 1), (g & !(pages - 1)) + pages);
-                let s = self.slots.get_mut(&id).unwrap();
-                if logging {
-                    if access == Access::Write {
-                        s.written.insert(g);
-                    } else {
-                        s.accessed.insert(g);
-                    }
-                }
+                self.record_mapped(g, id, level, logging, access);
             }
         }
-        if slot.is_none() {
-            // Not worth revisiting.
-        } else if self.recent.len() < 64 {
-            self.recent.push(g);
-        } else {
-            let i = self.rng.below(64) as usize;
-            self.recent[i] = g;
+        if slot.is_some() {
+            self.remember(g);
         }
         self.check_gfn(g);
         for d in [1u64, 511, 512] {
             self.check_gfn(g + d);
             self.check_gfn(g.saturating_sub(d));
+        }
+    }
+
+    /// The expected outcome of a fault inside a slot, given what was mapped before: spurious
+    /// if the leaf already permitted the access (bar a lazy split under break-before-make), else
+    /// fixed, never retried.
+    fn check_in_slot_outcome(
+        &self,
+        o: FaultOutcome,
+        pre: Option<(u64, Level)>,
+        post: Option<(u64, Level)>,
+        access: Access,
+        logging: bool,
+        ctx: &str,
+    ) {
+        let permitted = pre.is_some_and(|(l, _)| F::permits(l, access));
+        // With lazy splitting a stale-TLB fault on a huge leaf in a logged slot splits
+        // it on the way: same translation, different shape.
+        let splits = !self.cfg.eager_split && logging && pre.is_some_and(|(_, l)| l > 1);
+        if permitted && splits && F::BREAK_BEFORE_MAKE {
+            // Format difference: under break-before-make the lazy split leaves an
+            // empty table (KVM arm64), so this fault maps its page anew.
+            assert_eq!(o, FaultOutcome::Fixed, "{ctx}: lazy split under BBM");
+        } else if permitted {
+            assert_eq!(o, FaultOutcome::Spurious, "{ctx}");
+            if !splits {
+                assert_eq!(post, pre, "{ctx}: a spurious fault changed the leaf");
+            }
+        } else {
+            assert!(
+                matches!(o, FaultOutcome::Fixed | FaultOutcome::FixedFast),
+                "{ctx}: single-threaded faults never retry"
+            );
+        }
+    }
+
+    /// Model bookkeeping for a GFN mapped by a fault: the leaf's range may be mapped, and in a
+    /// logged slot the page counts as written or accessed.
+    fn record_mapped(&mut self, g: u64, id: u32, level: Level, logging: bool, access: Access) {
+        let pages = pages_per_entry(level);
+        self.maybe
+            .insert(g & !(pages - 1), (g & !(pages - 1)) + pages);
+        let s = self.slots.get_mut(&id).unwrap();
+        if logging {
+            if access == Access::Write {
+                s.written.insert(g);
+            } else {
+                s.accessed.insert(g);
+            }
+        }
+    }
+
+    /// Keeps a faulted GFN among the recent ones (at most 64) for later faults to revisit.
+    fn remember(&mut self, g: u64) {
+        if self.recent.len() < 64 {
+            self.recent.push(g);
+        } else {
+            let i = self.rng.below(64) as usize;
+            self.recent[i] = g;
         }
     }
 
@@ -196,5 +212,20 @@ impl<F: PteFormat> Run<'_, F> {
         self.check_gfn(s.saturating_sub(1));
         self.check_gfn(e);
         self.audit();
+    }
+}
+
+/// The statistics counter a fault outcome increments.
+fn outcome_counter(o: FaultOutcome, s: &slat::Stats) -> u64 {
+    match o {
+        FaultOutcome::Fixed => s.pf_fixed,
+        FaultOutcome::FixedFast => s.pf_fast,
+        FaultOutcome::Spurious => s.pf_spurious,
+        FaultOutcome::Retry => s.pf_retry,
+        FaultOutcome::NoSlot => s.pf_no_slot,
+        FaultOutcome::ReadOnly => s.pf_read_only,
+        FaultOutcome::DirtyRingFull => s.pf_ring_full,
+        FaultOutcome::InGuestMode => unreachable!("checked above"),
+        FaultOutcome::MemoryFault { .. } => unreachable!("the model has no private memory"),
     }
 }

@@ -251,6 +251,8 @@ struct Backing {
     tpls: Vec<Template>,
 }
 
+/// The memslot templates: a data table, one entry per host-memory shape the model exercises,
+/// so longer than a function should be.
 fn templates() -> Backing {
     let huge = HostMem::new(8 * MIB);
     let small = HostMem::new(6 * MIB);

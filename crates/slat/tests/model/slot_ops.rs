@@ -182,31 +182,7 @@ impl<F: PteFormat> Run<'_, F> {
         let (base, end) = (s.base, s.end());
         if flags != old {
             if logs(old) && !logs(flags) && self.cfg.recover == RecoverVariant::InPlace {
-                // Documented: in-place recovery maps the whole huge range of any table that
-                // held a leaf (the memslot backs all of it).
-                let hit: Vec<(u64, u64)> = self
-                    .maybe
-                    .0
-                    .range(..end)
-                    .filter(|(_, &e)| e > base)
-                    .map(|(&a, &b)| (a.max(base), b.min(end)))
-                    .collect();
-                let slot = &self.slots[&id];
-                let mut grow = Vec::new();
-                for (a, b) in hit {
-                    let mut g = a;
-                    while g < b {
-                        let p = pages_per_entry(slot.max_level(g));
-                        let first = g & !(p - 1);
-                        if p > 1 {
-                            grow.push((first, first + p));
-                        }
-                        g = first + p;
-                    }
-                }
-                for (a, b) in grow {
-                    self.maybe.insert(a, b);
-                }
+                self.grow_maybe_for_in_place_recovery(id, base, end);
             }
             let s = self.slots.get_mut(&id).unwrap();
             if logs(flags) != logs(old) {
@@ -231,6 +207,34 @@ impl<F: PteFormat> Run<'_, F> {
         }
         self.check_slot(id, flags != old);
         self.audit();
+    }
+
+    /// Documented: in-place recovery maps the whole huge range of any table that
+    /// held a leaf (the memslot backs all of it).
+    fn grow_maybe_for_in_place_recovery(&mut self, id: u32, base: u64, end: u64) {
+        let hit: Vec<(u64, u64)> = self
+            .maybe
+            .0
+            .range(..end)
+            .filter(|(_, &e)| e > base)
+            .map(|(&a, &b)| (a.max(base), b.min(end)))
+            .collect();
+        let slot = &self.slots[&id];
+        let mut grow = Vec::new();
+        for (a, b) in hit {
+            let mut g = a;
+            while g < b {
+                let p = pages_per_entry(slot.max_level(g));
+                let first = g & !(p - 1);
+                if p > 1 {
+                    grow.push((first, first + p));
+                }
+                g = first + p;
+            }
+        }
+        for (a, b) in grow {
+            self.maybe.insert(a, b);
+        }
     }
 
     /// Deletes slot `id` and adds it back at the same place with `flags` (a fresh slot: no
