@@ -173,6 +173,29 @@ pub(crate) fn get_dirty_log_reprotects_exactly_the_returned_pages<F: PteFormat>(
         "harvest returned without a remote flush"
     );
     let after = snapshot(&vm);
+    check_exactly_written_reprotected::<F>(&before, &after, &written);
+    // A second harvest finds nothing and changes nothing.
+    let flushes = vm.stats().remote_tlb_flush;
+    let mut words = vec![u64::MAX; 4];
+    assert_eq!(vm.get_dirty_log(1, &mut words).unwrap(), 0);
+    assert_eq!(words, vec![0; 4]);
+    assert_eq!(snapshot(&vm), after);
+    assert_eq!(
+        vm.stats().remote_tlb_flush,
+        flushes,
+        "an empty harvest owes no flush"
+    );
+    check_audit(&vm, "harvest");
+    teardown(vm, [v]);
+}
+
+/// The harvest write-protected exactly the written pages (same level, W cleared, MMU-writable
+/// kept) and changed no other leaf.
+fn check_exactly_written_reprotected<F: PteFormat>(
+    before: &[Option<(u64, Level)>],
+    after: &[Option<(u64, Level)>],
+    written: &[u64],
+) {
     for (i, (b, a)) in before.iter().zip(after.iter()).enumerate() {
         if written.contains(&(i as u64)) {
             let (bl, blevel) = b.unwrap();
@@ -188,19 +211,6 @@ pub(crate) fn get_dirty_log_reprotects_exactly_the_returned_pages<F: PteFormat>(
             assert_eq!(a, b, "page {i} was not returned but changed");
         }
     }
-    // A second harvest finds nothing and changes nothing.
-    let flushes = vm.stats().remote_tlb_flush;
-    let mut words = vec![u64::MAX; 4];
-    assert_eq!(vm.get_dirty_log(1, &mut words).unwrap(), 0);
-    assert_eq!(words, vec![0; 4]);
-    assert_eq!(snapshot(&vm), after);
-    assert_eq!(
-        vm.stats().remote_tlb_flush,
-        flushes,
-        "an empty harvest owes no flush"
-    );
-    check_audit(&vm, "harvest");
-    teardown(vm, [v]);
 }
 
 pub(crate) fn read_fault_in_logged_slot_leaves_the_first_write_to_the_fast_path<F: PteFormat>() {

@@ -165,6 +165,20 @@ pub(crate) fn readonly_slot_maps_reads_without_write_permission_and_refuses_writ
         FaultOutcome::ReadOnly
     );
 
+    readonly_changes_take_a_delete_and_readd(&vm, &mut v, &mem, base, gpa);
+    check_audit(&vm, "read-only slot");
+    teardown(vm, [v]);
+}
+
+/// READONLY changes on slot 7 (`base`, read-only, `gpa` mapped): a delete and re-add without
+/// it lets writes through; setting it is refused; a delete and re-add with it protects again.
+fn readonly_changes_take_a_delete_and_readd<F: PteFormat>(
+    vm: &Vm<F>,
+    v: &mut Vcpu<F>,
+    mem: &HostMem,
+    base: u64,
+    gpa: u64,
+) {
     // Deleting the slot and re-adding it without READONLY lets the write through, with the
     // full W ⇒ MMU-W ⇒ host-W chain.
     vm.delete_memslot(7).unwrap();
@@ -177,11 +191,8 @@ pub(crate) fn readonly_slot_maps_reads_without_write_permission_and_refuses_writ
         MemslotFlags::empty(),
     )
     .unwrap();
-    assert_eq!(
-        fault(&vm, &mut v, gpa, Access::Write, false),
-        FaultOutcome::Fixed
-    );
-    let (leaf, level) = expect_mapped(&vm, gpa, mem.addr() + 0x3000);
+    assert_eq!(fault(vm, v, gpa, Access::Write, false), FaultOutcome::Fixed);
+    let (leaf, level) = expect_mapped(vm, gpa, mem.addr() + 0x3000);
     assert!(F::is_writable(leaf) && F::is_host_writable(leaf));
 
     // Nor can READONLY be set on it: refused, and the writable mapping stays.
@@ -200,11 +211,9 @@ pub(crate) fn readonly_slot_maps_reads_without_write_permission_and_refuses_writ
     assert_eq!(vm.lookup(Gpa::new(gpa).gfn()), None);
     assert!(vm.stats().remote_tlb_flush > before.remote_tlb_flush);
     assert_eq!(
-        fault(&vm, &mut v, gpa, Access::Write, false),
+        fault(vm, v, gpa, Access::Write, false),
         FaultOutcome::ReadOnly
     );
-    check_audit(&vm, "read-only slot");
-    teardown(vm, [v]);
 }
 
 pub(crate) fn two_mib_leaves_need_2m_host_pages_and_congruent_addresses<F: PteFormat>() {
