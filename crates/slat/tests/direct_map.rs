@@ -371,31 +371,7 @@ fn private_faults_accept_and_conversions_release() {
         ),
         Err(MemslotError::PrivateAlreadyBound { id: 2 })
     );
-    // Bound pages are the engine's: a caller cannot release one from under the guest.
-    assert_eq!(
-        map.release(Hva::new(page(6))),
-        Err(DirectMapError::Bound {
-            hva: Hva::new(page(6))
-        })
-    );
-    assert_eq!(
-        map.accept(Hva::new(page(7))),
-        Err(DirectMapError::Bound {
-            hva: Hva::new(page(7))
-        })
-    );
-    assert_eq!(
-        map.translate(Hva::new(page(6))),
-        Ok(None),
-        "still the guest's"
-    );
-    assert_eq!(
-        map.bind(3 * MIB, MIB).err(),
-        Some(DirectMapError::AlreadyBound {
-            offset: 3 * MIB,
-            len: MIB
-        })
-    );
+    bound_pages_refuse_the_caller(&map, page(6), page(7));
     // Deleting the slot gives every accepted page back (and the 2 MiB leaf, collapsed).
     vm.delete_memslot(1).unwrap();
     assert_eq!(map.stats().assigned, 0);
@@ -406,6 +382,35 @@ fn private_faults_accept_and_conversions_release() {
     // The lease is gone with the slot: the range binds again.
     assert!(map.bind(2 * MIB, 2 * MIB).is_ok());
     check_no_leak(&map, "engine");
+}
+
+/// Bound pages are the engine's: a caller cannot release one from under the guest. The pool range of a
+/// bound slot binds no second time either.
+fn bound_pages_refuse_the_caller(map: &Arc<DirectMap>, page6: u64, page7: u64) {
+    assert_eq!(
+        map.release(Hva::new(page6)),
+        Err(DirectMapError::Bound {
+            hva: Hva::new(page6)
+        })
+    );
+    assert_eq!(
+        map.accept(Hva::new(page7)),
+        Err(DirectMapError::Bound {
+            hva: Hva::new(page7)
+        })
+    );
+    assert_eq!(
+        map.translate(Hva::new(page6)),
+        Ok(None),
+        "still the guest's"
+    );
+    assert_eq!(
+        map.bind(3 * MIB, MIB).err(),
+        Some(DirectMapError::AlreadyBound {
+            offset: 3 * MIB,
+            len: MIB
+        })
+    );
 }
 
 #[test]
@@ -526,22 +531,7 @@ fn random_conversions_keep_the_direct_map_exact() {
         let mut touched = vec![false; pages];
         for step in 0..400 {
             if rng.chance(1, 3) {
-                let first = rng.below(pages as u64);
-                let n = 1 + rng.below((pages as u64 - first).min(600));
-                let to = rng.chance(1, 2);
-                let attrs = if to {
-                    MemoryAttributes::PRIVATE
-                } else {
-                    MemoryAttributes::empty()
-                };
-                vm.set_memory_attributes(Gfn::new(gfn0 + first), n, attrs)
-                    .unwrap();
-                for p in first..first + n {
-                    if is_private[p as usize] != to {
-                        touched[p as usize] = false;
-                    }
-                    is_private[p as usize] = to;
-                }
+                convert_random_range(&vm, &mut rng, gfn0, &mut is_private, &mut touched);
             } else {
                 let p = rng.below(pages as u64);
                 let f = Fault {
@@ -559,15 +549,13 @@ fn random_conversions_keep_the_direct_map_exact() {
                 );
                 touched[p as usize] = true;
             }
-            for p in 0..pages {
-                let hva = mem.addr() + p as u64 * PAGE_SIZE;
-                let want = is_private[p] && touched[p];
-                assert_eq!(
-                    map.is_assigned(Hva::new(hva)).unwrap(),
-                    want,
-                    "{ctx} step {step} page {p}"
-                );
-            }
+            check_assigned_exactly(
+                &map,
+                mem.addr(),
+                &is_private,
+                &touched,
+                &format!("{ctx} step {step}"),
+            );
             if step % 40 == 0 {
                 check_invariant(&mem, &map, &format!("{ctx} step {step}"));
             }
@@ -583,5 +571,52 @@ fn random_conversions_keep_the_direct_map_exact() {
             );
         }
         check_no_leak(&map, &ctx);
+    }
+}
+
+/// Converts a random range of up to 600 pages to private or shared, tracking the model:
+/// a page whose attribute changes is untouched since.
+fn convert_random_range(
+    vm: &Vm<Ept>,
+    rng: &mut Rng,
+    gfn0: u64,
+    is_private: &mut [bool],
+    touched: &mut [bool],
+) {
+    let pages = is_private.len();
+    let first = rng.below(pages as u64);
+    let n = 1 + rng.below((pages as u64 - first).min(600));
+    let to = rng.chance(1, 2);
+    let attrs = if to {
+        MemoryAttributes::PRIVATE
+    } else {
+        MemoryAttributes::empty()
+    };
+    vm.set_memory_attributes(Gfn::new(gfn0 + first), n, attrs)
+        .unwrap();
+    for p in first..first + n {
+        if is_private[p as usize] != to {
+            touched[p as usize] = false;
+        }
+        is_private[p as usize] = to;
+    }
+}
+
+/// The direct map assigns exactly the frames of pages that are private and touched since.
+fn check_assigned_exactly(
+    map: &DirectMap,
+    base: u64,
+    is_private: &[bool],
+    touched: &[bool],
+    ctx: &str,
+) {
+    for p in 0..is_private.len() {
+        let hva = base + p as u64 * PAGE_SIZE;
+        let want = is_private[p] && touched[p];
+        assert_eq!(
+            map.is_assigned(Hva::new(hva)).unwrap(),
+            want,
+            "{ctx} page {p}"
+        );
     }
 }

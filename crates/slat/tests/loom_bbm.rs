@@ -17,7 +17,8 @@
 
 use loom::thread;
 use slat::{
-    Access, Fault, FaultOutcome, HostBuffer, HostRange, MemslotFlags, Stage2, Vm, VmConfig,
+    Access, Fault, FaultOutcome, GuestMode, HostBuffer, HostRange, MemslotFlags, Stage2, Vcpu, Vm,
+    VmConfig,
 };
 use slat_addr::Gfn;
 use slat_addr::Gpa;
@@ -63,32 +64,7 @@ fn zap_and_fault_never_show_a_second_size_to_a_vcpu_caching_the_block() {
         a.service_requests(|| {});
         let vcpu_a = {
             let vm = vm.clone();
-            thread::spawn(move || -> Option<u8> {
-                // A few access boundaries, then a VM exit (leaving guest mode also releases
-                // a flusher still waiting for this vCPU). Bounded, so every execution is short.
-                for _ in 0..3 {
-                    let mut tlb_block = true;
-                    if a.pending_requests() != 0 {
-                        a.service_requests(|| tlb_block = false);
-                    }
-                    if !tlb_block {
-                        break;
-                    }
-                    // The hardware walker, for another page of the cached block. A second size
-                    // is reported after the execution (a panic inside a model thread would
-                    // leave the others spinning).
-                    if let Some((_, level)) = vm.lookup(Gfn::new(base + 7)) {
-                        if level != 2 {
-                            drop(guest);
-                            return Some(level);
-                        }
-                    }
-                    thread::yield_now();
-                }
-                drop(guest);
-                drop(a);
-                None
-            })
+            thread::spawn(move || vcpu_caching_the_block(&vm, a, guest, base))
         };
         let zapper = {
             let vm = vm.clone();
@@ -118,4 +94,39 @@ fn zap_and_fault_never_show_a_second_size_to_a_vcpu_caching_the_block() {
         );
         drop(b);
     });
+}
+
+/// vCPU A in guest mode with the 2 MiB block in its TLB: a few access boundaries (servicing a
+/// flush request drops the cached block), then a VM exit. Returns the level of a leaf of another
+/// size seen for the cached block's page while the block was still cached.
+fn vcpu_caching_the_block(
+    vm: &Vm<Stage2>,
+    a: Vcpu<Stage2>,
+    guest: GuestMode,
+    base: u64,
+) -> Option<u8> {
+    // A few access boundaries, then a VM exit (leaving guest mode also releases
+    // a flusher still waiting for this vCPU). Bounded, so every execution is short.
+    for _ in 0..3 {
+        let mut tlb_block = true;
+        if a.pending_requests() != 0 {
+            a.service_requests(|| tlb_block = false);
+        }
+        if !tlb_block {
+            break;
+        }
+        // The hardware walker, for another page of the cached block. A second size
+        // is reported after the execution (a panic inside a model thread would
+        // leave the others spinning).
+        if let Some((_, level)) = vm.lookup(Gfn::new(base + 7)) {
+            if level != 2 {
+                drop(guest);
+                return Some(level);
+            }
+        }
+        thread::yield_now();
+    }
+    drop(guest);
+    drop(a);
+    None
 }

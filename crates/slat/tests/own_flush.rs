@@ -68,26 +68,7 @@ fn engine_calls_that_flush_refuse_a_thread_holding_a_guest_mode_token() {
         assert_eq!(vm.zap_gfn_range(Gfn::new(0), Gfn::new(1024)), Err(OWN));
         assert!(vm.lookup(Gfn::new(0)).is_some(), "a refused zap zapped");
         assert_eq!(vm.flush_remote_tlbs(), Err(OWN));
-        let mut words = vec![0u64; 16];
-        assert_eq!(
-            vm.get_dirty_log(1, &mut words),
-            Err(DirtyLogError::Flush(OWN))
-        );
-        assert_eq!(
-            vm.clear_dirty_log(1, PageIndex::new(0), 64, &[0]),
-            Err(DirtyLogError::Flush(OWN))
-        );
-        assert_eq!(vm.reset_dirty_rings(), Err(DirtyLogError::Flush(OWN)));
-        let logging = MemslotFlags::LOG_DIRTY_PAGES;
-        assert_eq!(
-            vm.set_memslot_flags(1, logging),
-            Err(MemslotError::Flush(OWN))
-        );
-        assert_eq!(
-            vm.move_memslot(1, Gpa::new(1 << 30)),
-            Err(MemslotError::Flush(OWN))
-        );
-        assert_eq!(vm.delete_memslot(1), Err(MemslotError::Flush(OWN)));
+        dirty_log_and_memslot_calls_refuse(&vm);
         assert_eq!(
             vm.set_memory_attributes(Gfn::new(0), 1, MemoryAttributes::empty()),
             Err(MemoryAttributeError::Flush(OWN))
@@ -120,13 +101,39 @@ fn engine_calls_that_flush_refuse_a_thread_holding_a_guest_mode_token() {
 
         drop(guest);
         assert_eq!(w.slow_page_fault(f), FaultOutcome::Fixed);
-        vm.set_memslot_flags(1, logging).unwrap();
-        vm.get_dirty_log(1, &mut words).unwrap();
+        vm.set_memslot_flags(1, MemslotFlags::LOG_DIRTY_PAGES)
+            .unwrap();
+        vm.get_dirty_log(1, &mut [0u64; 16]).unwrap();
         vm.zap_gfn_range(Gfn::new(0), Gfn::new(1024)).unwrap();
         assert!(vm.lookup(Gfn::new(0)).is_none());
         vm.flush_remote_tlbs().unwrap();
         teardown(vm, [v, w]);
     });
+}
+
+/// The dirty-log and memslot calls that flush, from a thread whose own vCPU is in guest mode:
+/// each refused with the own-thread error.
+fn dirty_log_and_memslot_calls_refuse(vm: &Vm<Ept>) {
+    let mut words = vec![0u64; 16];
+    assert_eq!(
+        vm.get_dirty_log(1, &mut words),
+        Err(DirtyLogError::Flush(OWN))
+    );
+    assert_eq!(
+        vm.clear_dirty_log(1, PageIndex::new(0), 64, &[0]),
+        Err(DirtyLogError::Flush(OWN))
+    );
+    assert_eq!(vm.reset_dirty_rings(), Err(DirtyLogError::Flush(OWN)));
+    let logging = MemslotFlags::LOG_DIRTY_PAGES;
+    assert_eq!(
+        vm.set_memslot_flags(1, logging),
+        Err(MemslotError::Flush(OWN))
+    );
+    assert_eq!(
+        vm.move_memslot(1, Gpa::new(1 << 30)),
+        Err(MemslotError::Flush(OWN))
+    );
+    assert_eq!(vm.delete_memslot(1), Err(MemslotError::Flush(OWN)));
 }
 
 /// A direct map's acceptance, release and audit from a thread that is one of its online host

@@ -219,29 +219,13 @@ fn snapshot<F: PteFormat>(vm: &Vm<F>) -> (Vec<bool>, Vec<Option<u64>>, u64) {
     (attrs, maps, set.generation())
 }
 
-fn bad_input_is_refused_and_changes_nothing<F: PteFormat>() {
-    let (shared, private) = (HostMem::new(SIZE), HostMem::new(SIZE));
-    let vm = vm_with_private_slot::<F>(shared.range(PAGE_SIZE), private.range(PAGE_SIZE));
-    // A shared-only slot right after it, and a hole after that.
-    let plain = HostMem::new(SIZE);
-    vm.add_memslot(
-        1,
-        Gpa::new(GPA + SIZE),
-        SIZE,
-        plain.range(PAGE_SIZE),
-        MemslotFlags::empty(),
-    )
-    .unwrap();
-    let plain_gfn = BASE_GFN + (SIZE >> PAGE_SHIFT);
-    let hole_gfn = plain_gfn + (SIZE >> PAGE_SHIFT);
-    let mut v = vm.create_vcpu(0);
-    for i in [0, 100, 511] {
-        assert_eq!(fault_kind(&mut v, BASE_GFN + i, false), FaultOutcome::Fixed);
-    }
-    vm.set_memory_attributes(Gfn::new(BASE_GFN + 100), 1, PRIVATE)
-        .unwrap();
-    let before = snapshot(&vm);
-    let cases: [(u64, u64, MemoryAttributes, MemoryAttributeError); 6] = [
+/// (first gfn, pages, attributes, expected error) of a refused `set_memory_attributes`.
+type AttrCase = (u64, u64, MemoryAttributes, MemoryAttributeError);
+
+/// The refused attribute changes around the private slot, the shared-only slot after it and the
+/// hole at `hole_gfn`: a data table, one case per refusal, so longer than a function should be.
+fn refused_attribute_cases(hole_gfn: u64) -> [AttrCase; 6] {
+    [
         (
             BASE_GFN,
             0,
@@ -289,8 +273,32 @@ fn bad_input_is_refused_and_changes_nothing<F: PteFormat>() {
             MemoryAttributes::from_bits_retain(1),
             MemoryAttributeError::UnknownAttributes { bits: 1 },
         ),
-    ];
-    for (first, n, attrs, want) in cases {
+    ]
+}
+
+fn bad_input_is_refused_and_changes_nothing<F: PteFormat>() {
+    let (shared, private) = (HostMem::new(SIZE), HostMem::new(SIZE));
+    let vm = vm_with_private_slot::<F>(shared.range(PAGE_SIZE), private.range(PAGE_SIZE));
+    // A shared-only slot right after it, and a hole after that.
+    let plain = HostMem::new(SIZE);
+    vm.add_memslot(
+        1,
+        Gpa::new(GPA + SIZE),
+        SIZE,
+        plain.range(PAGE_SIZE),
+        MemslotFlags::empty(),
+    )
+    .unwrap();
+    let plain_gfn = BASE_GFN + (SIZE >> PAGE_SHIFT);
+    let hole_gfn = plain_gfn + (SIZE >> PAGE_SHIFT);
+    let mut v = vm.create_vcpu(0);
+    for i in [0, 100, 511] {
+        assert_eq!(fault_kind(&mut v, BASE_GFN + i, false), FaultOutcome::Fixed);
+    }
+    vm.set_memory_attributes(Gfn::new(BASE_GFN + 100), 1, PRIVATE)
+        .unwrap();
+    let before = snapshot(&vm);
+    for (first, n, attrs, want) in refused_attribute_cases(hole_gfn) {
         assert_eq!(
             vm.set_memory_attributes(Gfn::new(first), n, attrs),
             Err(want.clone()),

@@ -66,56 +66,82 @@ fn run<F: PteFormat>(config: VmConfig, seed: u64) {
     let stop = Arc::new(AtomicBool::new(false));
     let deadline = Instant::now() + Duration::from_millis(1500);
 
-    let mut workers = Vec::new();
-    for t in 0..3u32 {
-        let vm = vm.clone();
-        let stop = stop.clone();
-        workers.push(std::thread::spawn(move || {
-            let mut rng = Rng(seed ^ (t as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            let mut vcpu = vm.create_vcpu(t);
-            let npages = SLOT_BYTES / 4096;
-            while !stop.load(Ordering::Relaxed) {
-                let mut guest = vcpu.enter_guest();
+    let workers: Vec<_> = (0..3u32)
+        .map(|t| {
+            let vm = vm.clone();
+            let stop = stop.clone();
+            std::thread::spawn(move || vcpu_worker(&vm, &stop, seed, t))
+        })
+        .collect();
+    mutate_until(&vm, seed, deadline);
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.join().unwrap();
+    }
+
+    let ctx = format!("{} seed {seed} config {config:?}", F::NAME);
+    check_final_state(&vm, &ctx);
+    drop(vm);
+    let t0 = Instant::now();
+    while alloc.live_pages() != 0 && t0.elapsed() < Duration::from_secs(5) {
+        // Deferred frees run when the epoch advances; short-lived pinned threads help it along.
+        std::thread::spawn(|| ()).join().unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(alloc.live_pages(), 0, "{ctx}: table pages leaked");
+    drop(mem);
+}
+
+/// One vCPU thread: random reads and writes over the three slot positions until `stop`, taking
+/// the fast path in guest mode and leaving guest mode for the slow path.
+fn vcpu_worker<F: PteFormat>(vm: &Arc<Vm<F>>, stop: &AtomicBool, seed: u64, t: u32) {
+    let mut rng = Rng(seed ^ (t as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let mut vcpu = vm.create_vcpu(t);
+    let npages = SLOT_BYTES / 4096;
+    while !stop.load(Ordering::Relaxed) {
+        let mut guest = vcpu.enter_guest();
+        if guest.requests_at_entry() != 0 {
+            vcpu.service_requests(|| {});
+        }
+        for _ in 0..64 {
+            if vcpu.pending_requests() != 0 {
+                vcpu.service_requests(|| {});
+            }
+            let base = [A, B, C][(rng.next() % 3) as usize];
+            let gpa = base + (rng.next() % npages) * 4096;
+            let access = if rng.next() % 3 == 0 {
+                Access::Read
+            } else {
+                Access::Write
+            };
+            let present = vm
+                .lookup(Gfn::new(gpa >> 12))
+                .is_some_and(|(e, _)| F::permits(e, Access::Read));
+            let f = Fault {
+                private: false,
+                gpa: Gpa::new(gpa),
+                access,
+                present,
+            };
+            if vcpu.fast_page_fault(&guest, f).is_none() {
+                // Leave guest mode for the slow path (it may block on the MMU lock).
+                drop(guest);
+                let o = vcpu.slow_page_fault(f);
+                assert_ne!(o, FaultOutcome::InGuestMode, "slow path in guest mode");
+                guest = vcpu.enter_guest();
                 if guest.requests_at_entry() != 0 {
                     vcpu.service_requests(|| {});
                 }
-                for _ in 0..64 {
-                    if vcpu.pending_requests() != 0 {
-                        vcpu.service_requests(|| {});
-                    }
-                    let base = [A, B, C][(rng.next() % 3) as usize];
-                    let gpa = base + (rng.next() % npages) * 4096;
-                    let access = if rng.next() % 3 == 0 {
-                        Access::Read
-                    } else {
-                        Access::Write
-                    };
-                    let present = vm
-                        .lookup(Gfn::new(gpa >> 12))
-                        .is_some_and(|(e, _)| F::permits(e, Access::Read));
-                    let f = Fault {
-                        private: false,
-                        gpa: Gpa::new(gpa),
-                        access,
-                        present,
-                    };
-                    if vcpu.fast_page_fault(&guest, f).is_none() {
-                        // Leave guest mode for the slow path (it may block on the MMU lock).
-                        drop(guest);
-                        let o = vcpu.slow_page_fault(f);
-                        assert_ne!(o, FaultOutcome::InGuestMode, "slow path in guest mode");
-                        guest = vcpu.enter_guest();
-                        if guest.requests_at_entry() != 0 {
-                            vcpu.service_requests(|| {});
-                        }
-                    }
-                }
-                drop(guest);
             }
-            drop(vcpu);
-        }));
+        }
+        drop(guest);
     }
+    drop(vcpu);
+}
 
+/// The host thread until `deadline`: random zaps, moves of slot 1, logging toggles on slot 2 and
+/// harvests.
+fn mutate_until<F: PteFormat>(vm: &Vm<F>, seed: u64, deadline: Instant) {
     let mut rng = Rng(seed);
     let mut at_a = true;
     let mut logging = false;
@@ -149,12 +175,11 @@ fn run<F: PteFormat>(config: VmConfig, seed: u64) {
             }
         }
     }
-    stop.store(true, Ordering::Relaxed);
-    for w in workers {
-        w.join().unwrap();
-    }
+}
 
-    let ctx = format!("{} seed {seed} config {config:?}", F::NAME);
+/// After the run: the audit matches the statistics, every leaf translates to its slot's host
+/// page, invariant 6 holds, and logged slots hold only 4 KiB leaves.
+fn check_final_state<F: PteFormat>(vm: &Vm<F>, ctx: &str) {
     let audit = vm.audit();
     let stats = vm.stats();
     assert_eq!(audit.frozen, 0, "{ctx}");
@@ -193,15 +218,6 @@ fn run<F: PteFormat>(config: VmConfig, seed: u64) {
             gfn += (bytes_per_entry(level) >> 12) - (gfn & (pages_per_entry(level) - 1));
         }
     }
-    drop(vm);
-    let t0 = Instant::now();
-    while alloc.live_pages() != 0 && t0.elapsed() < Duration::from_secs(5) {
-        // Deferred frees run when the epoch advances; short-lived pinned threads help it along.
-        std::thread::spawn(|| ()).join().unwrap();
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    assert_eq!(alloc.live_pages(), 0, "{ctx}: table pages leaked");
-    drop(mem);
 }
 
 fn rwlock_fast_pf<F: PteFormat>() {

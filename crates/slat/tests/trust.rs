@@ -257,18 +257,7 @@ fn zap_flushes_before_a_fault_can_install_another_size<F: PteFormat>() {
         let fd = fault_done.clone();
         let b = &mut b;
         s.spawn(move || {
-            let deadline = Instant::now() + Duration::from_secs(20);
-            loop {
-                let o = b.handle_fault(Fault {
-                    private: false,
-                    gpa: Gpa::new(GPA + 7 * PAGE_SIZE),
-                    access: Access::Write,
-                    present: false,
-                });
-                if o == FaultOutcome::Fixed || Instant::now() > deadline {
-                    break;
-                }
-            }
+            write_fault_until_fixed(b, GPA + 7 * PAGE_SIZE);
             fd.store(true, Ordering::SeqCst);
         });
         // Give B every chance to install while A has not acknowledged the zap's flush.
@@ -295,6 +284,22 @@ fn zap_flushes_before_a_fault_can_install_another_size<F: PteFormat>() {
     assert_eq!(vm.lookup(Gfn::new(base + 7)).map(|(_, l)| l), Some(1));
     check_audit(&vm, "after the zap and the fault");
     teardown(vm, [a, b]);
+}
+
+/// Write-faults `gpa` on `b` until the fault is fixed (or 20 s pass).
+fn write_fault_until_fixed<F: PteFormat>(b: &mut slat::Vcpu<F>, gpa: u64) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let o = b.handle_fault(Fault {
+            private: false,
+            gpa: Gpa::new(gpa),
+            access: Access::Write,
+            present: false,
+        });
+        if o == FaultOutcome::Fixed || Instant::now() > deadline {
+            break;
+        }
+    }
 }
 
 /// The fast path trusts the token to prove guest mode: a token of another vCPU proves nothing
