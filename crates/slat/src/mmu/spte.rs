@@ -272,22 +272,7 @@ impl<F: PteFormat> Mmu<F> {
         if break_first {
             self.handle_changed_spte(gfn, table, old, F::FROZEN, level, sink, &mut teardown);
         }
-        if level > 1
-            && F::is_present(new)
-            && !F::is_leaf(new, level)
-            && !(old_table && F::output_addr(old) == F::output_addr(new))
-        {
-            // The entry is locked: the make below is the publication.
-            self.before_publishing_table(gfn, level, old, new, false);
-        }
-        if self.rmap.enabled()
-            && F::is_present(new)
-            && F::is_leaf(new, level)
-            && !(old_valid && F::is_leaf(old, level))
-        {
-            // Before the make, as in `update_spte`.
-            self.rmap_insert_leaf(gfn, level, table);
-        }
+        self.before_make(gfn, level, table, old, new);
         let mut flushed = false;
         if old_valid {
             sink.inc(Stat::Breaks);
@@ -328,6 +313,31 @@ impl<F: PteFormat> Mmu<F> {
         Ok(())
     }
 
+    /// The bookkeeping [`Self::replace_spte`] does while its entry is locked, before the make:
+    /// a new table is prepared for publication, a new leaf enters the rmap.
+    #[inline(always)]
+    fn before_make(&self, gfn: Gfn, level: Level, table: Hva, old: u64, new: u64) {
+        let old_valid = F::is_present(old);
+        let old_table = old_valid && !F::is_leaf(old, level);
+        if level > 1
+            && F::is_present(new)
+            && !F::is_leaf(new, level)
+            && !(old_table && F::output_addr(old) == F::output_addr(new))
+        {
+            // The entry is locked: the make below is the publication.
+            self.before_publishing_table(gfn, level, old, new, false);
+        }
+        if self.rmap.enabled()
+            && F::is_present(new)
+            && F::is_leaf(new, level)
+            && !(old_valid && F::is_leaf(old, level))
+        {
+            // Before the make, as in `update_spte`.
+            self.rmap_insert_leaf(gfn, level, table);
+        }
+    }
+
+    /// Frees the page-table pages in `p`'s graveyard: pages
     /// that were unreachable before a remote flush that has completed (a break-before-make
     /// break). Everything else frees through [`Self::complete_flush`].
     fn retire_flushed(&self, p: PendingFlush) {
