@@ -337,9 +337,9 @@ impl<F: PteFormat> Mmu<F> {
         }
     }
 
-    /// Frees the page-table pages in `p`'s graveyard: pages
-    /// that were unreachable before a remote flush that has completed (a break-before-make
-    /// break). Everything else frees through [`Self::complete_flush`].
+    /// Frees the pages of `p`'s graveyard, which were unreachable before a remote flush that
+    /// has completed (a break-before-make break). Everything else frees through
+    /// [`Self::complete_flush`].
     fn retire_flushed(&self, p: PendingFlush) {
         if p.graveyard.is_empty() {
             return;
