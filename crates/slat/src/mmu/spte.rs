@@ -272,25 +272,23 @@ impl<F: PteFormat> Mmu<F> {
         if break_first {
             self.handle_changed_spte(gfn, table, old, F::FROZEN, level, sink, &mut teardown);
         }
-        self.before_make(gfn, level, table, old, new);
-        let mut flushed = false;
-        if old_valid {
-            sink.inc(Stat::Breaks);
-            let skip = self.hooks.active(crate::test_hooks::inject::SKIP_BBM_FLUSH);
-            // A flush refused (the calling thread holds a vCPU in guest mode: public entries
-            // refuse that first) leaves the teardown to the caller's flush, as a skipped one.
-            if !skip && self.flush_remote_tlbs().is_ok() {
-                flushed = true;
-            }
+        if level > 1
+            && F::is_present(new)
+            && !F::is_leaf(new, level)
+            && !(old_table && F::output_addr(old) == F::output_addr(new))
+        {
+            // The entry is locked: the make below is the publication.
+            self.before_publishing_table(gfn, level, old, new, false);
         }
-        if cmo && F::is_present(new) && F::is_leaf(new, level) {
-            clean_new_mapping(
-                F::output_addr(new).raw(),
-                bytes_per_entry(level),
-                F::permits(new, Access::Exec),
-                sink,
-            );
+        if self.rmap.enabled()
+            && F::is_present(new)
+            && F::is_leaf(new, level)
+            && !(old_valid && F::is_leaf(old, level))
+        {
+            // Before the make, as in `update_spte`.
+            self.rmap_insert_leaf(gfn, level, table);
         }
+        let flushed = self.flush_broken_and_clean(old_valid, new, level, cmo, sink);
         if !old_table {
             // Before publishing: a new table's leaves (a split's) are ours alone to count until
             // then; once it is visible, faults may add leaves of their own and count them.
@@ -313,28 +311,37 @@ impl<F: PteFormat> Mmu<F> {
         Ok(())
     }
 
-    /// The bookkeeping [`Self::replace_spte`] does while its entry is locked, before the make:
-    /// a new table is prepared for publication, a new leaf enters the rmap.
+    /// Steps 2 and 3 of [`Self::replace_spte`], with its entry locked: the remote flush if the
+    /// old value was valid (returns whether one completed), then a new leaf's cache
+    /// maintenance with `cmo`.
     #[inline(always)]
-    fn before_make(&self, gfn: Gfn, level: Level, table: Hva, old: u64, new: u64) {
-        let old_valid = F::is_present(old);
-        let old_table = old_valid && !F::is_leaf(old, level);
-        if level > 1
-            && F::is_present(new)
-            && !F::is_leaf(new, level)
-            && !(old_table && F::output_addr(old) == F::output_addr(new))
-        {
-            // The entry is locked: the make below is the publication.
-            self.before_publishing_table(gfn, level, old, new, false);
+    fn flush_broken_and_clean(
+        &self,
+        old_valid: bool,
+        new: u64,
+        level: Level,
+        cmo: bool,
+        sink: Sink<'_>,
+    ) -> bool {
+        let mut flushed = false;
+        if old_valid {
+            sink.inc(Stat::Breaks);
+            let skip = self.hooks.active(crate::test_hooks::inject::SKIP_BBM_FLUSH);
+            // A flush refused (the calling thread holds a vCPU in guest mode: public entries
+            // refuse that first) leaves the teardown to the caller's flush, as a skipped one.
+            if !skip && self.flush_remote_tlbs().is_ok() {
+                flushed = true;
+            }
         }
-        if self.rmap.enabled()
-            && F::is_present(new)
-            && F::is_leaf(new, level)
-            && !(old_valid && F::is_leaf(old, level))
-        {
-            // Before the make, as in `update_spte`.
-            self.rmap_insert_leaf(gfn, level, table);
+        if cmo && F::is_present(new) && F::is_leaf(new, level) {
+            clean_new_mapping(
+                F::output_addr(new).raw(),
+                bytes_per_entry(level),
+                F::permits(new, Access::Exec),
+                sink,
+            );
         }
+        flushed
     }
 
     /// Frees the pages of `p`'s graveyard, which were unreachable before a remote flush that
