@@ -6,7 +6,7 @@
 //! user mode with the tests' small page-table and GDT setup (`tests/common/long_mode.rs`); any VMM's own setup works.
 
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
-use kvm_ioctls::{Kvm, VcpuExit};
+use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
 use slat_dirty::{GuestRegion, Harvester, LogMode, Memslot, Snapshot};
 #[path = "../tests/common/long_mode.rs"]
 mod long_mode;
@@ -41,14 +41,38 @@ fn map(len: usize) -> &'static mut [u8] {
     }
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// Any error of the example: it only reports them.
+type AnyError = Box<dyn std::error::Error>;
+
+fn main() -> Result<(), AnyError> {
     let kvm = Kvm::new()?;
     let vm = Arc::new(kvm.create_vm()?);
     // Manual protect with INITIALLY_SET: no write-protect storm when logging starts; the first
     // take reports every page (the initial full copy).
     slat_dirty::log::enable_manual_protect(&vm, true)?;
+    let (layout, low) = map_low(&vm)?;
+    let (ram, slot) = map_ram(&vm)?;
+    let mut harvester = Harvester::new(vec![slot], LogMode::ManualProtect { chunk_pages: 64 })?;
 
-    // Low memory: page tables, GDT, the writer and its control page (not logged).
+    let vcpu = vm.create_vcpu(0)?;
+    let mut sregs = vcpu.get_sregs()?;
+    layout.setup_long_mode(&mut sregs);
+    vcpu.set_sregs(&sregs)?;
+    let mut regs = layout.initial_regs();
+    regs.r13 = layout.control;
+    vcpu.set_regs(&regs)?;
+    let mut guest = Guest {
+        vcpu,
+        low,
+        control: layout.control as usize,
+    };
+
+    transactional_harvests(&mut harvester, &mut guest, ram)?;
+    snapshot_and_reset(&mut harvester, &mut guest, ram)
+}
+
+/// Low memory: page tables, GDT, the writer and its control page (not logged).
+fn map_low(vm: &VmFd) -> Result<(LowLayout, &'static mut [u8]), AnyError> {
     let layout = LowLayout::new(RAM_GPA + (2 << 20))?;
     let low = map(layout.size as usize);
     layout.build(low)?;
@@ -63,14 +87,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             userspace_addr: low.as_ptr() as u64,
         })?
     };
+    Ok((layout, low))
+}
 
-    // Guest RAM, dirty-logged, registered through the library so its handle knows its size.
+/// Guest RAM, dirty-logged, registered through the library so its handle knows its size.
+fn map_ram(vm: &Arc<VmFd>) -> Result<(&'static mut [u8], Memslot), AnyError> {
     let ram = map((RAM_PAGES * 4096) as usize);
     // SAFETY: `ram` is mapped for the rest of the program and holds only guest memory; the
     // slot is never deleted.
     let slot = unsafe {
         Memslot::register(
-            &vm,
+            vm,
             kvm_userspace_memory_region {
                 slot: 1,
                 flags: KVM_MEM_LOG_DIRTY_PAGES,
@@ -80,43 +107,52 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             },
         )?
     };
-    let mut harvester = Harvester::new(vec![slot], LogMode::ManualProtect { chunk_pages: 64 })?;
+    Ok((ram, slot))
+}
 
-    let mut vcpu = vm.create_vcpu(0)?;
-    let mut sregs = vcpu.get_sregs()?;
-    layout.setup_long_mode(&mut sregs);
-    vcpu.set_sregs(&sregs)?;
-    let mut regs = layout.initial_regs();
-    regs.r13 = layout.control;
-    vcpu.set_regs(&regs)?;
+/// The vCPU running the writer, and where in low memory its control page is.
+struct Guest {
+    vcpu: VcpuFd,
+    low: &'static mut [u8],
+    control: usize,
+}
 
-    let control = layout.control as usize;
-    let mut run_guest = |pages: &[u64]| -> Result<(), Box<dyn std::error::Error>> {
-        let list = &mut low[control..control + 8 * (pages.len() + 1)];
+impl Guest {
+    /// Lists `pages` in the control page and runs one pass of the writer over them.
+    fn run(&mut self, pages: &[u64]) -> Result<(), AnyError> {
+        let list = &mut self.low[self.control..self.control + 8 * (pages.len() + 1)];
         list[..8].copy_from_slice(&(pages.len() as u64).to_le_bytes());
         for (k, p) in pages.iter().enumerate() {
             list[8 + 8 * k..16 + 8 * k].copy_from_slice(&(RAM_GPA + p * 4096).to_le_bytes());
         }
         // One pass: the writer exits once, at its `out`.
-        match vcpu.run()? {
+        match self.vcpu.run()? {
             VcpuExit::IoOut(0x88, _) => Ok(()),
             e => Err(format!("unexpected exit {e:?}").into()),
         }
-    };
-    let print = |what: &str, set: &slat_dirty::DirtySet<'_>| {
-        let runs: Vec<String> = set
-            .ranges(0)
-            .map(|(first, n)| format!("{first}..{}", first + n))
-            .collect();
-        println!("{what}: {} pages: [{}]", set.pages(), runs.join(", "));
-    };
+    }
+}
 
+fn print(what: &str, set: &slat_dirty::DirtySet<'_>) {
+    let runs: Vec<String> = set
+        .ranges(0)
+        .map(|(first, n)| format!("{first}..{}", first + n))
+        .collect();
+    println!("{what}: {} pages: [{}]", set.pages(), runs.join(", "));
+}
+
+/// Takes, an aborted copy and a committed one.
+fn transactional_harvests(
+    harvester: &mut Harvester,
+    guest: &mut Guest,
+    ram: &[u8],
+) -> Result<(), AnyError> {
     // The initial copy: every page (INITIALLY_SET).
     let set = harvester.take()?;
     print("initial take", &set);
     set.commit();
 
-    run_guest(&[3, 4, 5, 64, 200])?;
+    guest.run(&[3, 4, 5, 64, 200])?;
     // A device model wrote page 10 through the VMM (e.g. vm-memory's AtomicBitmap).
     harvester.mark_pages(0, slat_addr::PageIndex::new(10), 1)?;
     let set = harvester.take()?;
@@ -125,7 +161,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     drop(set);
     println!("copy failed: set aborted");
 
-    run_guest(&[5, 6, 255])?;
+    guest.run(&[5, 6, 255])?;
     let set = harvester.take()?;
     print(
         "retake (the aborted pages are back, with the new ones)",
@@ -142,14 +178,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let set = harvester.take()?;
     print("after commit", &set);
     set.commit();
+    Ok(())
+}
 
-    // Snapshot and reset, as a fuzzer loops: re-arm the log (take + commit), copy the RAM
-    // once, then after each run copy back only what the guest dirtied — taken (and so
-    // re-armed) before the copy, committed after it; a failed copy (`?`) drops the set, which
-    // owes its pages to the next take.
+/// Snapshot and reset, as a fuzzer loops: re-arm the log (take + commit), copy the RAM
+/// once, then after each run copy back only what the guest dirtied — taken (and so
+/// re-armed) before the copy, committed after it; a failed copy (`?`) drops the set, which
+/// owes its pages to the next take.
+fn snapshot_and_reset(
+    harvester: &mut Harvester,
+    guest: &mut Guest,
+    ram: &'static mut [u8],
+) -> Result<(), AnyError> {
     harvester.take()?.commit();
     // SAFETY: `ram` stays mapped for the rest of the program; only the vCPU writes it, and
-    // never while the snapshot is taken, reset or verified (it runs only inside `run_guest`);
+    // never while the snapshot is taken, reset or verified (it runs only inside `Guest::run`);
     // this program no longer touches `ram` itself.
     let region = unsafe { GuestRegion::new(ram.as_mut_ptr(), ram.len() as u64)? };
     let snap = Snapshot::take(vec![region])?;
@@ -158,7 +201,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .into_iter()
         .enumerate()
     {
-        run_guest(pages)?;
+        guest.run(pages)?;
         let changed = snap.verify().is_err();
         let set = harvester.take()?;
         dirty.add_dirty_set(&set)?;

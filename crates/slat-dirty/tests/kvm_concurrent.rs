@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{read_word, set_halt, Setup, TinyVm, MAX_LOOP_LIST, SLOT_PAGES};
+use common::{read_word, set_halt, Mapping, Setup, TinyVm, MAX_LOOP_LIST, SLOT_PAGES};
 use kvm_ioctls::VcpuExit;
 use std::time::{Duration, Instant};
 
@@ -36,14 +36,7 @@ fn concurrent(setup: Setup, takes: u32) {
             e => panic!("unexpected exit {e:?}"),
         });
         // Harvest only once the guest is writing, and for a while.
-        let start = Instant::now();
-        while read_word(&slots[0], 0) == 0 {
-            assert!(
-                start.elapsed() < Duration::from_secs(10),
-                "the guest never wrote"
-            );
-            std::thread::yield_now();
-        }
+        wait_for_first_write(&slots[0]);
         let start = Instant::now();
         let mut busy = 0u32;
         let mut seen = 0u64;
@@ -64,13 +57,7 @@ fn concurrent(setup: Setup, takes: u32) {
             busy += u32::from(!set.is_empty());
             seen += set.pages();
             let mut staged = replica.clone();
-            for (i, m) in slots.iter().enumerate() {
-                for (first, n) in set.ranges(i) {
-                    for p in first..first + n {
-                        staged[i][p as usize] = read_word(m, p);
-                    }
-                }
-            }
+            copy_set(&set, slots, &mut staged);
             // A slow copy (a network send, say): the guest keeps writing meanwhile, also to
             // pages already copied.
             std::thread::sleep(Duration::from_micros(50));
@@ -88,16 +75,43 @@ fn concurrent(setup: Setup, takes: u32) {
     });
     // The guest is stopped: one last harvest covers everything still owed.
     let set = vm.harvester.take().unwrap();
-    for (i, m) in vm.slots.iter().enumerate() {
+    copy_set(&set, &vm.slots, &mut replica);
+    set.commit();
+    let written = check_replica(setup, &replica, &vm.slots);
+    assert_eq!(written, pages.len() as u64, "every listed page was written");
+    eprintln!(
+        "{setup:?}: the guest made {} passes",
+        read_word(&vm.slots[0], 0)
+    );
+}
+
+/// Waits until the guest has written page 0 of `slot` (its pass counter): it is running.
+fn wait_for_first_write(slot: &Mapping) {
+    let start = Instant::now();
+    while read_word(slot, 0) == 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the guest never wrote"
+        );
+        std::thread::yield_now();
+    }
+}
+
+/// Copies the first word of every page `set` reports from `slots` into `replica`.
+fn copy_set(set: &slat_dirty::DirtySet<'_>, slots: &[Mapping], replica: &mut [Vec<u64>]) {
+    for (i, m) in slots.iter().enumerate() {
         for (first, n) in set.ranges(i) {
             for p in first..first + n {
                 replica[i][p as usize] = read_word(m, p);
             }
         }
     }
-    set.commit();
+}
+
+/// Checks that `replica` equals guest memory; returns how many pages were ever written.
+fn check_replica(setup: Setup, replica: &[Vec<u64>], slots: &[Mapping]) -> u64 {
     let mut written = 0;
-    for (i, m) in vm.slots.iter().enumerate() {
+    for (i, m) in slots.iter().enumerate() {
         for p in 0..SLOT_PAGES[i] {
             let now = read_word(m, p);
             written += u64::from(now != 0);
@@ -107,11 +121,7 @@ fn concurrent(setup: Setup, takes: u32) {
             );
         }
     }
-    assert_eq!(written, pages.len() as u64, "every listed page was written");
-    eprintln!(
-        "{setup:?}: the guest made {} passes",
-        read_word(&vm.slots[0], 0)
-    );
+    written
 }
 
 #[test]

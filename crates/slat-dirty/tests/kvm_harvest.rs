@@ -81,17 +81,8 @@ fn oracle(setup: Setup, rounds: u32, seed: u64) {
     };
     let mut rng = Rng(seed);
     let control = vm.layout.control;
-    let all: BTreeSet<Page> = (0..2)
-        .flat_map(|s| (0..SLOT_PAGES[s]).map(move |p| (s, p)))
-        .collect();
     // Pages written since the last committed take, plus the pages of aborted sets.
-    let mut owed: BTreeSet<Page> = match setup {
-        Setup::Manual {
-            initially_set: true,
-            ..
-        } => all.clone(),
-        _ => BTreeSet::new(),
-    };
+    let mut owed = initially_owed(setup);
     // Byte 0 of each page as copied by committed harvests (memory starts zeroed).
     let mut replica: Vec<Vec<u8>> = SLOT_PAGES.iter().map(|&n| vec![0; n as usize]).collect();
     let fates = [Fate::Commit, Fate::AbortAfterTake, Fate::AbortMidCopy];
@@ -159,6 +150,26 @@ fn oracle(setup: Setup, rounds: u32, seed: u64) {
         }
     }
     // The last take was committed with no write after it: the replica is guest memory.
+    assert_replica_is_guest_memory(setup, &replica, &vm);
+    assert_eq!(vm.harvester.owed_pages(), 0);
+}
+
+/// What the first take owes: every page with INITIALLY_SET, else none.
+fn initially_owed(setup: Setup) -> BTreeSet<Page> {
+    let all: BTreeSet<Page> = (0..2)
+        .flat_map(|s| (0..SLOT_PAGES[s]).map(move |p| (s, p)))
+        .collect();
+    match setup {
+        Setup::Manual {
+            initially_set: true,
+            ..
+        } => all,
+        _ => BTreeSet::new(),
+    }
+}
+
+/// Byte 0 of every page of `replica` equals guest memory's.
+fn assert_replica_is_guest_memory(setup: Setup, replica: &[Vec<u8>], vm: &TinyVm) {
     for s in 0..2 {
         for p in 0..SLOT_PAGES[s] {
             assert_eq!(
@@ -168,7 +179,6 @@ fn oracle(setup: Setup, rounds: u32, seed: u64) {
             );
         }
     }
-    assert_eq!(vm.harvester.owed_pages(), 0);
 }
 
 #[test]

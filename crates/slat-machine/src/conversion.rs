@@ -18,7 +18,7 @@
 use crate::cpu::{Cpu, Exit};
 use crate::machine::MachineError;
 use crate::sched::PcpuPool;
-use slat::direct_map::{DirectMap, DirectMapConfig};
+use slat::direct_map::{DirectMap, DirectMapConfig, DirectMapStats};
 use slat::{DirectMapPolicy, Ept, HostRange, MemoryAttributes, MemslotFlags, Vm, VmConfig};
 use slat_addr::{Gfn, Gpa, Hva, PAGE_SHIFT, PAGE_SIZE};
 use slat_workload::{Backing, GuestRam};
@@ -120,19 +120,23 @@ fn private_stamp(seed: u64, vcpu: usize, round: u32, page: u64) -> u64 {
     splitmix(!seed ^ (vcpu as u64) << 48 ^ u64::from(round) << 32 ^ page) | PRIVATE_MARK
 }
 
-/// Runs the test; `Err` only if the machine could not be built.
-pub fn run_conversion_test(p: ConversionParams) -> Result<ConversionReport, MachineError> {
+/// The guest's memory size, or why `p` cannot be run.
+fn checked_total(p: &ConversionParams) -> Result<u64, MachineError> {
     if !(1..=512).contains(&p.vcpus) || p.bytes_per_vcpu == 0 || p.bytes_per_vcpu % PAGE_SIZE != 0 {
         return Err(MachineError::Config(format!(
             "{} vCPUs x {} bytes: need 1-512 vCPUs (a thread each) and a non-zero multiple of 4 KiB each",
             p.vcpus, p.bytes_per_vcpu
         )));
     }
-    let total = p
-        .bytes_per_vcpu
+    p.bytes_per_vcpu
         .checked_mul(p.vcpus as u64)
         .filter(|t| t.checked_add(2 << 20).is_some())
-        .ok_or_else(|| MachineError::Config("the memory size overflows 64 bits".into()))?;
+        .ok_or_else(|| MachineError::Config("the memory size overflows 64 bits".into()))
+}
+
+/// Runs the test; `Err` only if the machine could not be built.
+pub fn run_conversion_test(p: ConversionParams) -> Result<ConversionReport, MachineError> {
+    let total = checked_total(&p)?;
     let shared = Arc::new(GuestRam::new(Backing::Anonymous, total, true)?);
     let pool_len = total.div_ceil(2 << 20) * (2 << 20);
     let pool = Arc::new(GuestRam::new(Backing::AnonymousThp, pool_len, true)?);
@@ -195,13 +199,41 @@ pub fn run_conversion_test(p: ConversionParams) -> Result<ConversionReport, Mach
     }
     stop.store(true, Ordering::Relaxed);
     let (reads, mapped, stale) = scanner.join().unwrap_or((0, 0, 0));
-    let s = map.stats();
-    let mut t = std::mem::take(&mut tally.lock().unwrap().report);
+    let report = std::mem::take(&mut tally.lock().unwrap().report);
+    let host = HostScan {
+        reads,
+        mapped,
+        stale,
+        checked: check_host,
+    };
+    Ok(complete_report(report, &p, t0, host, &before, &map.stats()))
+}
+
+/// What the host thread saw: its reads, those that found a mapping, those that read private
+/// data, and whether isolation was checked at all.
+struct HostScan {
+    reads: u64,
+    mapped: u64,
+    stale: u64,
+    checked: bool,
+}
+
+/// Completes the vCPUs' report with the wall time, the host's reads and the direct map's
+/// counters since `before`, and counts stale host reads as violations where the kernel flush
+/// promised none.
+fn complete_report(
+    mut t: ConversionReport,
+    p: &ConversionParams,
+    t0: Instant,
+    host: HostScan,
+    before: &DirectMapStats,
+    s: &DirectMapStats,
+) -> ConversionReport {
     t.wall_s = t0.elapsed().as_secs_f64();
-    t.host_reads = reads;
-    t.host_reads_mapped = mapped;
-    t.stale_host_reads = stale;
-    t.host_isolation_checked = check_host;
+    t.host_reads = host.reads;
+    t.host_reads_mapped = host.mapped;
+    t.stale_host_reads = host.stale;
+    t.host_isolation_checked = host.checked;
     t.convert_gib_per_s = if t.convert_s > 0.0 {
         t.bytes_converted as f64 / t.convert_s / (1u64 << 30) as f64
     } else {
@@ -210,13 +242,14 @@ pub fn run_conversion_test(p: ConversionParams) -> Result<ConversionReport, Mach
     t.accepted = s.accepted - before.accepted;
     t.splits = s.splits - before.splits;
     t.collapses = s.collapses - before.collapses;
-    if check_host && p.direct_map.kernel_flush && stale != 0 {
-        t.violations += stale;
+    if host.checked && p.direct_map.kernel_flush && host.stale != 0 {
+        t.violations += host.stale;
         t.first_violations.push(format!(
-            "the host read private data through the direct map {stale} times despite the kernel TLB flush"
+            "the host read private data through the direct map {} times despite the kernel TLB flush",
+            host.stale
         ));
     }
-    Ok(t)
+    t
 }
 
 /// The host thread: reads every pool page's first word through the direct map, round and

@@ -214,26 +214,7 @@ impl<F: PteFormat> Machine<F> {
         )?);
         // KVM's memstress puts the test region at the top of the guest physical address space,
         // aligned down to the backing page size.
-        let max_gfn = (1u64 << (F::MAX_PHYS_BITS - PAGE_SHIFT)) - 1;
-        let align = psize.max(PAGE_SIZE);
-        let gpa = match config.gpa {
-            None => ((max_gfn + 1 - pages - 1) << PAGE_SHIFT) & !(align - 1),
-            Some(g) if g % align != 0 => {
-                return Err(MachineError::Config(format!(
-                    "guest physical offset {g:#x} is not aligned to the backing page size \
-                     ({align:#x})"
-                )))
-            }
-            Some(g) if (g >> PAGE_SHIFT).saturating_add(pages) > max_gfn + 1 => {
-                return Err(MachineError::Config(format!(
-                    "guest physical offset {g:#x} + {total:#x} bytes exceeds the {}-bit guest \
-                     physical address space of {}",
-                    F::MAX_PHYS_BITS,
-                    F::NAME
-                )))
-            }
-            Some(g) => g,
-        };
+        let gpa = region_gpa::<F>(config.gpa, psize, pages, total)?;
         let vm = Vm::<F>::new(config.vm);
         vm.set_manual_dirty_log_protect(config.region.dirty.manual_protect)?;
         if config.region.dirty.ring_entries != 0 {
@@ -246,32 +227,14 @@ impl<F: PteFormat> Machine<F> {
             Some(dm) => Some(private_pool(dm, ram_len, config.region.prefault)?),
             None => None,
         };
-        for s in 0..config.region.slots as u64 {
-            let offset = s * per_slot;
-            let host = HostRange::slice(ram.clone(), offset, ram.len() - offset)?;
-            let id = FIRST_SLOT + s as u32;
-            match &direct_map {
-                Some(map) => {
-                    let private = map.bind(offset, per_slot)?;
-                    let flags = MemslotFlags::empty();
-                    vm.add_memslot_with_private(
-                        id,
-                        Gpa::new(gpa + offset),
-                        per_slot,
-                        host,
-                        private,
-                        flags,
-                    )?
-                }
-                None => vm.add_memslot(
-                    id,
-                    Gpa::new(gpa + offset),
-                    per_slot,
-                    host,
-                    MemslotFlags::empty(),
-                )?,
-            }
-        }
+        add_slots(
+            &vm,
+            &ram,
+            direct_map.as_ref(),
+            gpa,
+            config.region.slots,
+            per_slot,
+        )?;
         if direct_map.is_some() {
             // A confidential guest starts with all of its memory private and unaccepted.
             vm.set_memory_attributes(Gpa::new(gpa).gfn(), pages, MemoryAttributes::PRIVATE)?;
@@ -302,27 +265,40 @@ impl<F: PteFormat> Machine<F> {
             tids: Arc::new(VcpuTids::new(config.region.vcpus)?),
             direct_map,
         };
+        m.start_vcpus()?;
+        Ok(m)
+    }
+
+    /// Starts one thread per vCPU; they wait at the start barrier. On an error the threads
+    /// already started are abandoned with the error.
+    fn start_vcpus(&mut self) -> Result<(), MachineError> {
+        let config = self.config;
+        let layout = self.region.layout;
         for i in 0..config.region.vcpus {
-            let mut cpu = match Cpu::new(m.vm.clone(), i as u32, config.tlb_entries, m.pool.clone())
-            {
+            let mut cpu = match Cpu::new(
+                self.vm.clone(),
+                i as u32,
+                config.tlb_entries,
+                self.pool.clone(),
+            ) {
                 Ok(cpu) => cpu,
                 Err(e) => {
                     // As for a thread that cannot start, below.
-                    m.ctl.abandon();
-                    m.threads.clear();
+                    self.ctl.abandon();
+                    self.threads.clear();
                     return Err(e.into());
                 }
             };
-            if let Some(map) = &m.direct_map {
+            if let Some(map) = &self.direct_map {
                 let pool = map.pool();
                 cpu.set_private(true);
                 cpu.set_private_pool(pool.addr().raw(), pool.addr().raw() + pool.len());
                 cpu.attach_host_cpu(map.host_cpu());
             }
             if config.region.dirty.ring_entries != 0 {
-                cpu.set_ring_full_handler(m.ring_full_handler());
+                cpu.set_ring_full_handler(self.ring_full_handler());
             }
-            let (ctl, halt, tids) = (m.ctl.clone(), m.halt.clone(), m.tids.clone());
+            let (ctl, halt, tids) = (self.ctl.clone(), self.halt.clone(), self.tids.clone());
             let t = std::thread::Builder::new()
                 .name(format!("vcpu{i}"))
                 .spawn(move || {
@@ -330,17 +306,17 @@ impl<F: PteFormat> Machine<F> {
                     vcpu_thread(cpu, i, layout, &ctl, &halt)
                 });
             match t {
-                Ok(h) => m.threads.push(h),
+                Ok(h) => self.threads.push(h),
                 Err(e) => {
                     // The threads already started wait at the start barrier, which now can never
                     // fill; they are leaked with the error, which the caller reports and exits on.
-                    m.ctl.abandon();
-                    m.threads.clear();
+                    self.ctl.abandon();
+                    self.threads.clear();
                     return Err(MachineError::Thread(e));
                 }
             }
         }
-        Ok(m)
+        Ok(())
     }
 
     /// The engine.
@@ -732,4 +708,74 @@ fn private_pool(
         prefault,
     )?);
     Ok(DirectMap::new(HostRange::new(pool)?, config)?)
+}
+
+/// Where the test region starts in guest physical memory: `gpa` if given (checked), else as
+/// KVM's memstress puts it.
+fn region_gpa<F: PteFormat>(
+    gpa: Option<u64>,
+    psize: u64,
+    pages: u64,
+    total: u64,
+) -> Result<u64, MachineError> {
+    let max_gfn = (1u64 << (F::MAX_PHYS_BITS - PAGE_SHIFT)) - 1;
+    let align = psize.max(PAGE_SIZE);
+    let gpa = match gpa {
+        None => ((max_gfn + 1 - pages - 1) << PAGE_SHIFT) & !(align - 1),
+        Some(g) if g % align != 0 => {
+            return Err(MachineError::Config(format!(
+                "guest physical offset {g:#x} is not aligned to the backing page size \
+                 ({align:#x})"
+            )))
+        }
+        Some(g) if (g >> PAGE_SHIFT).saturating_add(pages) > max_gfn + 1 => {
+            return Err(MachineError::Config(format!(
+                "guest physical offset {g:#x} + {total:#x} bytes exceeds the {}-bit guest \
+                 physical address space of {}",
+                F::MAX_PHYS_BITS,
+                F::NAME
+            )))
+        }
+        Some(g) => g,
+    };
+    Ok(gpa)
+}
+
+/// Adds the region's memslots, each over its share of `ram` (and of the private pool of a
+/// confidential guest).
+fn add_slots<F: PteFormat>(
+    vm: &Vm<F>,
+    ram: &Arc<GuestRam>,
+    direct_map: Option<&Arc<DirectMap>>,
+    gpa: u64,
+    slots: usize,
+    per_slot: u64,
+) -> Result<(), MachineError> {
+    for s in 0..slots as u64 {
+        let offset = s * per_slot;
+        let host = HostRange::slice(ram.clone(), offset, ram.len() - offset)?;
+        let id = FIRST_SLOT + s as u32;
+        match direct_map {
+            Some(map) => {
+                let private = map.bind(offset, per_slot)?;
+                let flags = MemslotFlags::empty();
+                vm.add_memslot_with_private(
+                    id,
+                    Gpa::new(gpa + offset),
+                    per_slot,
+                    host,
+                    private,
+                    flags,
+                )?
+            }
+            None => vm.add_memslot(
+                id,
+                Gpa::new(gpa + offset),
+                per_slot,
+                host,
+                MemslotFlags::empty(),
+            )?,
+        }
+    }
+    Ok(())
 }

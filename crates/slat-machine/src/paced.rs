@@ -238,52 +238,9 @@ fn run_paced<F: PteFormat, const TIMED: bool>(
                 if halt.load(Ordering::Relaxed) {
                     return Ok((touched, passes));
                 }
-                let now = Instant::now();
-                // Throttle, per mille: the global one (auto-converge) or this vCPU's own
-                // (dirty-limit), whichever is larger. After running (1000 - t)‰ of a slice,
-                // sleep t‰ of it.
-                let global = pacer
-                    .throttle
-                    .load(Ordering::Relaxed)
-                    .min(MAX_THROTTLE_PERCENT)
-                    * 10;
-                let t = own
-                    .map_or(0, |v| v.throttle.load(Ordering::Relaxed))
-                    .min(MAX_VCPU_THROTTLE_PERMILLE)
-                    .max(global);
-                until_check = if t != 0 {
-                    THROTTLED_CHECK_EVERY
-                } else {
-                    CHECK_EVERY
-                };
-                if t != 0 && now.duration_since(slice_start) >= SLICE * (1000 - t) / 1000 {
-                    let nap = SLICE * t / 1000;
-                    nap_outside_guest(cpu, nap, halt);
-                    pacer
-                        .throttled_ns
-                        .fetch_add(nap.as_nanos() as u64, Ordering::Relaxed);
-                    slice_start = Instant::now();
-                    // A throttled vCPU is a slower vCPU: the nap earns no writes, so the
-                    // throttle cuts a rate-limited guest's rate by the same share.
-                    bucket.last = slice_start;
-                } else if t == 0 {
-                    slice_start = now;
-                }
-                // Rate limit: wait until the bucket holds a token for the next write.
-                let rate = match own.map_or(0, |v| v.rate.load(Ordering::Relaxed)) {
-                    0 => pacer.rate.load(Ordering::Relaxed),
-                    r => r,
-                };
-                while let Some(wait) = bucket.wait(rate, Instant::now()) {
-                    if halt.load(Ordering::Relaxed) {
-                        return Ok((touched, passes));
-                    }
-                    let nap = wait.min(MAX_NAP);
-                    let t0 = Instant::now();
-                    nap_outside_guest(cpu, nap, halt);
-                    pacer
-                        .paced_ns
-                        .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                match throttle_and_pace(cpu, pacer, own, halt, &mut bucket, &mut slice_start) {
+                    Some(n) => until_check = n,
+                    None => return Ok((touched, passes)),
                 }
             }
             let page = if p.random {
@@ -316,6 +273,67 @@ fn run_paced<F: PteFormat, const TIMED: bool>(
         passes += 1;
     }
     Ok((touched, passes))
+}
+
+/// The throttle and the rate limit, applied at a check: naps outside guest mode for this
+/// vCPU's share of the slice, then waits for a token. Returns the accesses until the next
+/// check, or `None` once `halt` is set.
+fn throttle_and_pace<F: PteFormat>(
+    cpu: &mut Cpu<F>,
+    pacer: &Pacer,
+    own: Option<&VcpuPace>,
+    halt: &AtomicBool,
+    bucket: &mut Bucket,
+    slice_start: &mut Instant,
+) -> Option<u64> {
+    let now = Instant::now();
+    // Throttle, per mille: the global one (auto-converge) or this vCPU's own
+    // (dirty-limit), whichever is larger. After running (1000 - t)‰ of a slice,
+    // sleep t‰ of it.
+    let global = pacer
+        .throttle
+        .load(Ordering::Relaxed)
+        .min(MAX_THROTTLE_PERCENT)
+        * 10;
+    let t = own
+        .map_or(0, |v| v.throttle.load(Ordering::Relaxed))
+        .min(MAX_VCPU_THROTTLE_PERMILLE)
+        .max(global);
+    let until_check = if t != 0 {
+        THROTTLED_CHECK_EVERY
+    } else {
+        CHECK_EVERY
+    };
+    if t != 0 && now.duration_since(*slice_start) >= SLICE * (1000 - t) / 1000 {
+        let nap = SLICE * t / 1000;
+        nap_outside_guest(cpu, nap, halt);
+        pacer
+            .throttled_ns
+            .fetch_add(nap.as_nanos() as u64, Ordering::Relaxed);
+        *slice_start = Instant::now();
+        // A throttled vCPU is a slower vCPU: the nap earns no writes, so the
+        // throttle cuts a rate-limited guest's rate by the same share.
+        bucket.last = *slice_start;
+    } else if t == 0 {
+        *slice_start = now;
+    }
+    // Rate limit: wait until the bucket holds a token for the next write.
+    let rate = match own.map_or(0, |v| v.rate.load(Ordering::Relaxed)) {
+        0 => pacer.rate.load(Ordering::Relaxed),
+        r => r,
+    };
+    while let Some(wait) = bucket.wait(rate, Instant::now()) {
+        if halt.load(Ordering::Relaxed) {
+            return None;
+        }
+        let nap = wait.min(MAX_NAP);
+        let t0 = Instant::now();
+        nap_outside_guest(cpu, nap, halt);
+        pacer
+            .paced_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+    Some(until_check)
 }
 
 /// Leaves guest mode (giving the physical CPU back), sleeps, comes back; the sleep ends early

@@ -487,15 +487,7 @@ fn age_walk<F: PteFormat>(
                 // even if unlinked meanwhile (then its entries are frozen, and every
                 // compare-and-swap on them fails).
                 let t = unsafe { TablePage::at(F::output_addr(old)) };
-                for gfn in lo..hi {
-                    let sptep = &t.entries[table_index(Gfn::new(gfn), 1)];
-                    let mut cur = sptep.load(Ordering::Acquire);
-                    // A 4 KiB entry that is present is a leaf; one that went away under a
-                    // lost race (zapped, frozen) has nothing left to age.
-                    if F::is_present(cur) {
-                        p.leaf(w, sptep, 1, gfn, &mut cur);
-                    }
-                }
+                p.sweep_table(w, t, lo, hi);
                 it.next();
             } else {
                 it.next();
@@ -527,6 +519,21 @@ struct AgePass<'a, F: PteFormat, Y: FnMut(u64, u64), D: FnMut(u64, u64)> {
 }
 
 impl<F: PteFormat, Y: FnMut(u64, u64), D: FnMut(u64, u64)> AgePass<'_, F, Y, D> {
+    /// Ages the 4 KiB leaves for GFNs `[lo, hi)` of the level-1 table `t`, in a plain loop
+    /// over the table page.
+    #[inline(always)]
+    fn sweep_table(&mut self, w: Shared<'_>, t: &TablePage, lo: u64, hi: u64) {
+        for gfn in lo..hi {
+            let sptep = &t.entries[table_index(Gfn::new(gfn), 1)];
+            let mut cur = sptep.load(Ordering::Acquire);
+            // A 4 KiB entry that is present is a leaf; one that went away under a
+            // lost race (zapped, frozen) has nothing left to age.
+            if F::is_present(cur) {
+                self.leaf(w, sptep, 1, gfn, &mut cur);
+            }
+        }
+    }
+
     /// Deals with the entry at `sptep` (level `level`, first GFN `gfn`), whose value the caller
     /// read into `old`: if it is a leaf, counts it, and for an aging pass makes it old.
     /// Returns false if a compare-and-swap lost a race and the refreshed `old` is no longer a

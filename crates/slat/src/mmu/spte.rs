@@ -288,24 +288,7 @@ impl<F: PteFormat> Mmu<F> {
             // Before the make, as in `update_spte`.
             self.rmap_insert_leaf(gfn, level, table);
         }
-        let mut flushed = false;
-        if old_valid {
-            sink.inc(Stat::Breaks);
-            let skip = self.hooks.active(crate::test_hooks::inject::SKIP_BBM_FLUSH);
-            // A flush refused (the calling thread holds a vCPU in guest mode: public entries
-            // refuse that first) leaves the teardown to the caller's flush, as a skipped one.
-            if !skip && self.flush_remote_tlbs().is_ok() {
-                flushed = true;
-            }
-        }
-        if cmo && F::is_present(new) && F::is_leaf(new, level) {
-            clean_new_mapping(
-                F::output_addr(new).raw(),
-                bytes_per_entry(level),
-                F::permits(new, Access::Exec),
-                sink,
-            );
-        }
+        let flushed = self.flush_broken_and_clean(old_valid, new, level, cmo, sink);
         if !old_table {
             // Before publishing: a new table's leaves (a split's) are ours alone to count until
             // then; once it is visible, faults may add leaves of their own and count them.
@@ -328,8 +311,42 @@ impl<F: PteFormat> Mmu<F> {
         Ok(())
     }
 
-    /// that were unreachable before a remote flush that has completed (a break-before-make
-    /// break). Everything else frees through [`Self::complete_flush`].
+    /// Steps 2 and 3 of [`Self::replace_spte`], with its entry locked: the remote flush if the
+    /// old value was valid (returns whether one completed), then a new leaf's cache
+    /// maintenance with `cmo`.
+    #[inline(always)]
+    fn flush_broken_and_clean(
+        &self,
+        old_valid: bool,
+        new: u64,
+        level: Level,
+        cmo: bool,
+        sink: Sink<'_>,
+    ) -> bool {
+        let mut flushed = false;
+        if old_valid {
+            sink.inc(Stat::Breaks);
+            let skip = self.hooks.active(crate::test_hooks::inject::SKIP_BBM_FLUSH);
+            // A flush refused (the calling thread holds a vCPU in guest mode: public entries
+            // refuse that first) leaves the teardown to the caller's flush, as a skipped one.
+            if !skip && self.flush_remote_tlbs().is_ok() {
+                flushed = true;
+            }
+        }
+        if cmo && F::is_present(new) && F::is_leaf(new, level) {
+            clean_new_mapping(
+                F::output_addr(new).raw(),
+                bytes_per_entry(level),
+                F::permits(new, Access::Exec),
+                sink,
+            );
+        }
+        flushed
+    }
+
+    /// Frees the pages of `p`'s graveyard, which were unreachable before a remote flush that
+    /// has completed (a break-before-make break). Everything else frees through
+    /// [`Self::complete_flush`].
     fn retire_flushed(&self, p: PendingFlush) {
         if p.graveyard.is_empty() {
             return;
