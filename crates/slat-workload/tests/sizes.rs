@@ -19,47 +19,11 @@ use slat_workload::{
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-const CHILD: &str = "SLAT_WORKLOAD_SIZES_CHILD";
+#[path = "../../test-support/as_limit.rs"]
+mod as_limit;
+use as_limit::{rerun_under_as_limit, size};
+
 const AS_LIMIT: u64 = 1 << 30;
-
-/// In the parent: runs test `name` again in a child limited to `limit` bytes of address space
-/// and fails unless it passes (a signal, such as the SIGABRT of a failed infallible
-/// allocation, is a failure); returns true. In the child: returns false (run the body).
-fn rerun_under_as_limit(name: &str, limit: u64) -> bool {
-    if std::env::var_os(CHILD).is_some() {
-        return false;
-    }
-    let exe = std::env::current_exe().expect("test binary");
-    let out = std::process::Command::new("prlimit")
-        .arg(format!("--as={limit}"))
-        .arg("--")
-        .arg(exe)
-        .args([name, "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD, "1")
-        .output()
-        .expect("prlimit (util-linux) runs the child");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "{name} under RLIMIT_AS={limit}: {} (a signal is an abort)\n{stdout}\n{stderr}",
-        out.status
-    );
-    assert!(stdout.contains("1 passed"), "{name}: no test ran\n{stdout}");
-    true
-}
-
-/// 0, 1, the largest values, powers of two and their neighbours, and anything.
-fn size() -> impl Strategy<Value = u64> {
-    prop_oneof![
-        Just(0u64),
-        Just(1),
-        Just(u64::MAX),
-        Just(isize::MAX as u64),
-        (0u32..64, -1i64..=1).prop_map(|(k, d)| (1u64 << k).wrapping_add(d as u64)),
-        any::<u64>(),
-    ]
-}
 
 type Rdv = Rendezvous<u32, u64, String>;
 

@@ -1,0 +1,50 @@
+//! Shared by the `tests/sizes.rs` property tests of slat, slat-dirty, slat-machine and
+//! slat-workload (included with `#[path]`; not a crate, so no library depends on it): re-running
+//! a test in a child process under an address-space limit, so an aborting allocation is a
+//! failure instead of the end of the test binary, and the sizes every constructor is fed.
+
+#![allow(dead_code)] // each test file uses what it needs
+
+use proptest::prelude::*;
+
+/// Set in the child a test re-runs itself in.
+const CHILD: &str = "SLAT_SIZES_CHILD";
+
+/// In the parent: runs test `name` again in a child limited to `limit` bytes of address space
+/// and fails unless it passes (a signal, such as the SIGABRT of a failed infallible
+/// allocation, is a failure); returns true. In the child: returns false (run the body).
+pub fn rerun_under_as_limit(name: &str, limit: u64) -> bool {
+    if std::env::var_os(CHILD).is_some() {
+        return false;
+    }
+    let exe = std::env::current_exe().expect("test binary");
+    let out = std::process::Command::new("prlimit")
+        .arg(format!("--as={limit}"))
+        .arg("--")
+        .arg(exe)
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1")
+        .output()
+        .expect("prlimit (util-linux) runs the child");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "{name} under RLIMIT_AS={limit}: {} (a signal is an abort)\n{stdout}\n{stderr}",
+        out.status
+    );
+    assert!(stdout.contains("1 passed"), "{name}: no test ran\n{stdout}");
+    true
+}
+
+/// 0, 1, the largest values, powers of two and their neighbours, and anything.
+pub fn size() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        Just(0u64),
+        Just(1),
+        Just(u64::MAX),
+        Just(isize::MAX as u64),
+        (0u32..64, -1i64..=1).prop_map(|(k, d)| (1u64 << k).wrapping_add(d as u64)),
+        any::<u64>(),
+    ]
+}
