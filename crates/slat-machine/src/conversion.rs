@@ -1,4 +1,4 @@
-//! The private-memory conversion test (KVM's `private_mem_conversions_test`, seed 003): each
+//! The private-memory conversion test (KVM's `private_mem_conversions_test`): each
 //! vCPU converts chunks of its own memory between shared and private, over and over, while
 //! the others do the same and a host thread reads the private pool through the host direct
 //! map; every access is checked against what the rules allow:

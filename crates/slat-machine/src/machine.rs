@@ -40,7 +40,7 @@ pub struct MachineConfig {
     /// Guest physical address of the test region (`None`: the top of the guest physical
     /// address space, as KVM's selftests place it). Must be aligned to the backing page size.
     pub gpa: Option<u64>,
-    /// A confidential guest (seed 003): the test region is private memory from a pool under a
+    /// A confidential guest (SNP-like): the test region is private memory from a pool under a
     /// host direct map of this configuration. Every page starts `PRIVATE` and unaccepted, the
     /// vCPUs' accesses are private, and each first touch accepts its page lazily.
     pub private: Option<DirectMapConfig>,

@@ -1,6 +1,7 @@
 //! The guest of KVM's `kvm_page_table_test`: every vCPU walks the *same* region in three
 //! stages, so concurrent faults on one address (and on one block) are the norm, which is what
-//! that test measures (seed 001).
+//! that test measures (and what KVM arm64's stage-2 page-table efficiency series measured with
+//! it).
 //!
 //! - `KVM_CREATE_MAPPINGS`: touch the first 8 bytes of every large page (backing page size), so
 //!   the MMU creates one mapping per large page: 4 KiB pages on small backings, blocks on huge

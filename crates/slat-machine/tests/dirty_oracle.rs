@@ -102,8 +102,8 @@ fn assert_exact(r: &OracleReport, what: &str, seed: u32) {
 fn every_mode_with_four_vcpus_is_exact<F: PteFormat>() {
     let s = seed();
     for (i, mode) in LogMode::ALL.into_iter().enumerate() {
-        // Every mode with every write-protect variant (seed 002), one variant per mode and
-        // seed, rotating: over three seeds each pair is covered.
+        // Every mode with every write-protect variant, one variant per mode and seed, rotating:
+        // over three seeds each pair is covered.
         let wrprot = WrprotVariant::ALL[(s as usize + i) % WrprotVariant::ALL.len()];
         let vm = VmConfig {
             wrprot,
@@ -342,7 +342,7 @@ fn a_harvest_without_its_flush_is_caught<F: PteFormat>() {
     }
 }
 
-/// Seed 002, the oracle sees a broken lock-free write-protect: with `rmap-lockless` finding
+/// The oracle sees a broken lock-free write-protect: with `rmap-lockless` finding
 /// each harvested page's leaf in the rmap and then skipping the compare-and-swap, pages stay
 /// writable after their bit was consumed and later writes go unreported.
 fn a_lockless_wrprot_without_its_cas_is_caught<F: PteFormat>() {
@@ -363,10 +363,11 @@ fn a_lockless_wrprot_without_its_cas_is_caught<F: PteFormat>() {
     }
 }
 
-/// Seed 002's ordering, the other way round: if new leaves never enter the rmap (what an
-/// insert after the dirty bit amounts to for a harvest that runs in between), the rmap
-/// variants find nothing to protect and the oracle sees pages lost. This also shows the rmap
-/// is load-bearing: a miss is trusted, there is no fallback walk.
+/// The lockless write-protect series' ordering (writable → rmap → dirty bit), the other way
+/// round: if new leaves never enter the rmap (what an insert after the dirty bit amounts to for a
+/// harvest that runs in between), the rmap variants find nothing to protect and the oracle sees
+/// pages lost. This also shows the rmap is load-bearing: a miss is trusted, there is no fallback
+/// walk.
 fn an_rmap_missing_new_leaves_is_caught<F: PteFormat>() {
     let s = seed().wrapping_add(7);
     for wrprot in [WrprotVariant::Rmap, WrprotVariant::RmapLockless] {

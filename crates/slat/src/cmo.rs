@@ -6,7 +6,8 @@
 //! reads what the host wrote, and invalidates the instruction cache to the point of unification
 //! for executable mappings (`icache_inval_pou`). Both walk the range a cache line at a time, so
 //! their cost grows with the mapping: a 1 GiB block costs 16 Mi line operations. That cost is
-//! what seed 001 patch 1 avoids repeating on every concurrent fault.
+//! what KVM arm64's "Move CMOs from user_mem_abort to the fault handlers" avoids repeating on
+//! every concurrent fault.
 //!
 //! On this x86 host the model does the same work for real: the data-cache clean is `clflushopt`
 //! over every line of the range (write back and invalidate, like `DC CIVAC`), and the

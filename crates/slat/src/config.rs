@@ -78,7 +78,8 @@ pub enum GetLogVariant {
     #[default]
     Xchg,
     /// Two bitmaps per slot: switch marks to the other one, wait for in-flight markers, then
-    /// read and clear the old one without atomics (seed `004`).
+    /// read and clear the old one without atomics (proposed upstream as "Use a new spinlock to
+    /// avoid atomic operations in kvm_get_dirty_log_protect").
     Switch,
 }
 
@@ -128,12 +129,13 @@ spelled!(DirtyTrack, "dirty tracking", {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CmoPolicy {
     /// Every translation fault cleans the range it is about to map before doing anything
-    /// else, even when another vCPU has already mapped it (KVM arm64 before seed 001 patch 1:
-    /// CMOs in `user_mem_abort`).
+    /// else, even when another vCPU has already mapped it (KVM arm64 before its CMOs moved
+    /// into the fault handlers: CMOs in `user_mem_abort`).
     Always,
     /// Only the fault that actually installs a new leaf cleans it, after locking the entry and
     /// before publishing it; concurrent faults on the same address find the entry locked or
-    /// mapped and skip it (seed 001 patch 1: CMOs in the map path).
+    /// mapped and skip it (KVM arm64's "Move CMOs from user_mem_abort to the fault handlers":
+    /// CMOs in the map path).
     #[default]
     OnInstall,
 }
@@ -144,7 +146,8 @@ spelled!(CmoPolicy, "cache-maintenance policy", {
 });
 
 /// In which order a table is replaced by a block when break-before-make applies (arm64): the
-/// window in which other vCPUs fault on the locked entry is the difference (seed 001 patch 2).
+/// window in which other vCPUs fault on the locked entry is the difference (KVM arm64's "Install
+/// the block entry before unmapping the page mappings").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum RebuildOrder {
     /// Invalidate the table entry, flush, unmap and free the old sub-tables, then install the
@@ -161,7 +164,8 @@ spelled!(RebuildOrder, "rebuild order", {
     InstallFirst => "install-first",
 });
 
-/// How harvests and enable-logging find the leaves they write-protect (seed 002).
+/// How harvests and enable-logging find the leaves they write-protect (the reverse-map variants
+/// follow the lockless write-protect series).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum WrprotVariant {
     /// The one walker from the root, under the MMU lock (exclusive for harvests, shared for
@@ -269,11 +273,11 @@ mod tests {
 }
 
 /// What the host kernel's direct map does when a pool page is given to a guest as private
-/// memory (seed 003; see `direct_map`).
+/// memory (SNP; see `direct_map`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DirectMapPolicy {
     /// Start with the largest leaves (1 GiB / 2 MiB) and split on demand under the global
-    /// lock, then remove the 4 KiB leaf (the seed's baseline, SNP today).
+    /// lock, then remove the 4 KiB leaf (SNP today, the baseline upstream measured against).
     #[default]
     Split2M,
     /// Pre-split to 4 KiB at start; acceptance removes one 4 KiB leaf under the lock.

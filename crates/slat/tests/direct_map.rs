@@ -1,4 +1,4 @@
-//! The host direct map over a private pool (`slat::direct_map`, seed 003): its shape per
+//! The host direct map over a private pool (`slat::direct_map`, SNP's): its shape per
 //! policy, lazy acceptance through private faults, release on conversion and deletion, the
 //! invariant "maps exactly the unassigned frames" after random sequences (with table-page
 //! leak accounting), a split that concurrent readers never see half done, the kernel TLB

@@ -128,8 +128,8 @@ fn fast_path_write_is_never_lost_to_a_harvest() {
     model(|| fast_path_write_vs_harvest(VmConfig::default()));
 }
 
-/// The bitmap-switch harvest (seed `004`): flip bitmaps, drain markers, read the old one
-/// without atomics.
+/// The bitmap-switch harvest (`GetLogVariant::Switch`): flip bitmaps, drain markers, read the old
+/// one without atomics.
 #[test]
 fn fast_path_write_is_never_lost_to_a_switch_harvest() {
     model(|| {

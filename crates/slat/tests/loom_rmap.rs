@@ -1,4 +1,4 @@
-//! Loom models of seed 002's lock-free write-protect through the reverse map
+//! Loom models of the lock-free write-protect through the reverse map
 //! (`VmConfig::wrprot = rmap-lockless`), on the real engine code:
 //! `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p slat --test loom_rmap --release`.
 //!
@@ -54,9 +54,9 @@ fn write(present: bool) -> Fault {
     }
 }
 
-/// After the writer is done and a last harvest ran, the page must have been reported by one
-/// of the two harvests, and the last harvest must have left it write-protected (otherwise a
-/// later write would go unreported: the lost dirty page the seed's ordering prevents).
+/// After the writer is done and a last harvest ran, the page must have been reported by one of
+/// the two harvests, and the last harvest must have left it write-protected (otherwise a later
+/// write would go unreported: the lost dirty page the write-protect series' ordering prevents).
 fn check(vm: &Vm<Ept>, first: u64, o: FaultOutcome) {
     assert!(
         matches!(o, FaultOutcome::FixedFast | FaultOutcome::Fixed),

@@ -1,4 +1,4 @@
-//! The reverse map (seed 002, `VmConfig::wrprot`), audited against the tree after every step
+//! The reverse map (`VmConfig::wrprot`), audited against the tree after every step
 //! of a life cycle that moves gfns between levels and tables: huge faults, eager and lazy
 //! splits, harvests, recovery, zaps, a slot move and a delete; then no table page or rmap slot
 //! is left behind (`teardown` waits for the two-grace-period retire of every unlinked page).

@@ -207,8 +207,9 @@ pub(crate) fn random_vm(r: &mut Rng, dirty_track: DirtyTrack, get_log: GetLogVar
         dirty_track,
         cmo: r.pick(&[CmoPolicy::Always, CmoPolicy::OnInstall]),
         rebuild: r.pick(&[RebuildOrder::BreakFirst, RebuildOrder::InstallFirst]),
-        // Seed 002: harvests walk, look pages up in the rmap, or do so without the MMU lock.
-        // `SLAT_TEST_WRPROT=walk|rmap|rmap-lockless` pins it (to compare a failing round).
+        // Write-protect variant: harvests walk, look pages up in the rmap, or do so without the
+        // MMU lock. `SLAT_TEST_WRPROT=walk|rmap|rmap-lockless` pins it (to compare a failing
+        // round).
         wrprot: {
             let w = r.pick(WrprotVariant::ALL);
             match std::env::var("SLAT_TEST_WRPROT") {

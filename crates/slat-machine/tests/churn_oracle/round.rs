@@ -209,7 +209,7 @@ pub(crate) fn check_quiet<F: PteFormat>(vm: &Vm<F>, out: &RoundOut) -> Result<()
     if a.frozen != 0 {
         return Err(other(format!("locked entries left in the tree: {a:?}")));
     }
-    // The reverse map (seed 002) against the tree: every leaf in it, nothing else.
+    // The reverse map (`VmConfig::wrprot`) against the tree: every leaf in it, nothing else.
     vm.audit_rmap()
         .map_err(|e| other(format!("rmap audit ({}): {e}", vm.config().wrprot)))?;
     Ok(())

@@ -1,16 +1,18 @@
-//! The host kernel's direct map over a pool of private memory (seed 003), and lazy acceptance.
+//! The host kernel's direct map over a pool of private memory, and lazy acceptance.
 //!
 //! A confidential guest's private pages must not stay in the host kernel's *direct map* (the
-//! kernel's own linear mapping of all RAM): on SNP each page the guest accepts is removed from
-//! it, and where a 1 GiB or 2 MiB leaf covers the page that leaf is first split, under the
-//! one global `cpa_lock`, with a kernel TLB flush to every CPU in question.
+//! kernel's own linear mapping of all RAM): on SNP each page the guest accepts is removed from it,
+//! and where a 1 GiB or 2 MiB leaf covers the page that leaf is first split, under the one global
+//! `cpa_lock`, with a kernel TLB flush to every CPU in question. What that costs, and pre-splitting
+//! the direct map instead, is the upstream SNP discussion "x86/sev: Invalidate pages from the
+//! direct map when adding them to the RMP table".
 //!
 //! [`DirectMap`] is that kernel page table, over one pool of host memory (a guest_memfd-like
 //! [`HostRange`]), built from the engine's own parts: an `Mmu` of the x86 format, the one
 //! walker, the one SPTE-update path, `split_huge_pages`' atomic split, and the remote flush
 //! protocol, which every [`HostCpu`] acknowledges. It maps each pool page at its own host
 //! address (virtual = physical, as if `PAGE_OFFSET` were 0), with the largest leaf the
-//! alignment allows (x86 only: the kernel's direct map is an x86 structure in the seed).
+//! alignment allows (x86 only: the kernel's direct map is an x86 structure in that discussion).
 //!
 //! **Acceptance** ([`DirectMap::accept`]): the first private fault on a page claims its frame
 //! (`frames.rs`), clears it through the direct map (the page allocator zeroing a new page),
@@ -67,7 +69,7 @@ pub struct DirectMapConfig {
     /// What acceptance does to the direct map.
     pub policy: DirectMapPolicy,
     /// After removing a page, flush every host CPU's kernel TLB and wait for each to
-    /// acknowledge (what "completely cratered performance" in the seed).
+    /// acknowledge (what "completely cratered performance" when SNP tried it).
     pub kernel_flush: bool,
     /// On release, put a 2 MiB leaf back once no page of its block is claimed (only with
     /// [`DirectMapPolicy::Split2M`]; always flushed, since it frees a table page).
@@ -526,7 +528,7 @@ impl DirectMap {
             self.mmu.complete_flush(pending);
         } else {
             // Without the flush other CPUs may keep a stale translation of the page (the
-            // risk the seed's option takes). A removal frees no table page.
+            // risk SNP upstream accepts by not flushing). A removal frees no table page.
             debug_assert!(pending.graveyard.is_empty());
         }
         split

@@ -69,8 +69,9 @@ impl DirtyBitmap {
     /// load); skipping the RMW then leaves the page writable with its bit clear. With the RMW,
     /// either the harvest's exchange comes later in this word's modification order and
     /// acquires our release, so it sees the writable entry and its rmap slot and protects it,
-    /// or it came earlier and the bit is set again for the next harvest (seed 002's order,
-    /// writable → rmap → dirty bit, needs the last step to be a real write).
+    /// or it came earlier and the bit is set again for the next harvest (the lockless
+    /// write-protect series' order, writable → rmap → dirty bit, needs the last step to be a
+    /// real write).
     #[inline]
     pub fn set_after_update(&self, rel: PageIndex) {
         let rel = rel.raw();
@@ -136,7 +137,8 @@ impl DirtyBitmap {
 }
 
 /// A memslot's dirty log as the fault path sees it: the bitmap marks go to, and for the
-/// bitmap-switch harvest (seed `004`) a second bitmap that harvests swap with it.
+/// bitmap-switch harvest ([`crate::GetLogVariant::Switch`]) a second bitmap that harvests
+/// swap with it.
 ///
 /// The switch harvest flips `active`, waits until no marker can still be writing to the old
 /// side (see `Vm::get_dirty_log`), and then reads and clears the old side with plain loads and

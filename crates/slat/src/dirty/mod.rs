@@ -8,7 +8,7 @@
 //! A harvest follows invariant 4: snapshot-and-clear → write-protect exactly the pages it
 //! returned → complete a remote flush → return. Its three forms, as in KVM:
 //! - [`crate::Vm::get_dirty_log`] without manual protection: per-word exchange, or the two-bitmap
-//!   switch of seed `004` ([`GetLogVariant`]);
+//!   switch proposed upstream to avoid the atomics ([`GetLogVariant`]);
 //! - with manual protection (`KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2`), `get_dirty_log` only copies
 //!   and [`crate::Vm::clear_dirty_log`] clears and re-protects what the VMM has dealt with;
 //! - the dirty ring: [`DirtyRing::harvest`], then [`crate::Vm::reset_dirty_rings`].

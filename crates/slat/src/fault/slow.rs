@@ -55,8 +55,8 @@ pub(crate) fn slow_page_fault<F: PteFormat>(
         Err(exit) => return exit,
     };
     // `Always` cleans the range this fault would map before anything else, whether or not
-    // another vCPU already mapped it (KVM arm64 before seed 001 patch 1, in `user_mem_abort`;
-    // permission faults skip it there too).
+    // another vCPU already mapped it (KVM arm64 in `user_mem_abort`, before its CMOs moved into
+    // the fault handlers; permission faults skip it there too).
     if F::CACHE_MAINTENANCE && mmu.config.cmo == CmoPolicy::Always && !fault.present {
         let len = bytes_per_entry(plan.goal);
         let hva = plan.hva() & !(len - 1);

@@ -1,9 +1,11 @@
-//! The reverse map (seed 002): per memslot and level, gfn → the table page whose entry maps it.
+//! The reverse map: per memslot and level, gfn → the table page whose entry maps it.
 //!
 //! One slot per (memslot, level, gfn aligned to the level): this engine has one table per VM and
 //! no aliases, so a gfn has at most one leaf per level (see ARCHITECTURE.md, "The reverse map").
 //! A slot holds the host address of the table page, or 0; the entry is
 //! `page.entries[table_index(gfn, level)]`. Only the SPTE-update path (`spte.rs`) writes slots.
+//! Harvests look pages up here instead of walking the tree, with or without the MMU lock (the
+//! lockless write-protect series, "KVM: MMU: locklessly write-protect").
 //!
 //! Readers without the MMU lock are pinned in the epoch and check the table's header
 //! ([`super::table::TableMeta`]) before they trust the entry. Table pages the rmap may name are

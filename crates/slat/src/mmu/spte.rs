@@ -80,11 +80,11 @@ impl<F: PteFormat> Mmu<F> {
         if links_table {
             self.before_publishing_table(gfn, level, *old, new, !W::EXCLUSIVE);
         }
-        // A leaf appears here: into the rmap *before* it is published, so whoever can see the
-        // leaf (a vCPU that then makes it writable and marks the page, a harvest that consumed
-        // that mark) can also see the rmap entry — a stronger form of the seed's order "make
-        // writable → entry in the rmap → dirty bit". (A permission change of a leaf keeps its
-        // entry: this is false for every harvest and fast-path update.)
+        // A leaf appears here: into the rmap *before* it is published, so whoever can see the leaf
+        // (a vCPU that then makes it writable and marks the page, a harvest that consumed that
+        // mark) can also see the rmap entry — a stronger form of the lockless write-protect series'
+        // order "make writable → entry in the rmap → dirty bit". (A permission change of a leaf
+        // keeps its entry: this is false for every harvest and fast-path update.)
         let adds_leaf = F::is_present(new)
             && F::is_leaf(new, level)
             && !(F::is_present(*old) && F::is_leaf(*old, level));
@@ -118,11 +118,11 @@ impl<F: PteFormat> Mmu<F> {
         Ok(())
     }
 
-    /// A table is about to be published at (`gfn`, `level`): record in its header what it
-    /// maps, and if it replaces a leaf (a split, prefilled with the leaf's pages), put its
-    /// leaves in the rmap now. Those leaves inherit W with no dirty mark after them, so they
-    /// must be findable before anyone can write through them (the seed's order). The page is
-    /// still ours alone: nothing else writes its header or its entries yet.
+    /// A table is about to be published at (`gfn`, `level`): record in its header what it maps, and
+    /// if it replaces a leaf (a split, prefilled with the leaf's pages), put its leaves in the rmap
+    /// now. Those leaves inherit W with no dirty mark after them, so they must be findable before
+    /// anyone can write through them (the lockless write-protect series' order). The page is still
+    /// ours alone: nothing else writes its header or its entries yet.
     ///
     /// `racing`: other splits of the same leaf may be doing the same with their own tables
     /// (a compare-and-swap publishes one of them). Then a slot is only *claimed* if empty
@@ -227,14 +227,15 @@ impl<F: PteFormat> Mmu<F> {
     /// 2. if the old value was valid, a completed remote TLB flush: no vCPU still translates
     ///    through it, so the old and new translations never coexist (a TLB conflict);
     /// 3. with `cmo`, cache maintenance over a new leaf's range: only the fault that owns the
-    ///    entry does it (seed 001 patch 1);
+    ///    entry does it (KVM arm64's CMOs moved into the fault handlers);
     /// 4. *make*: publish `new` with a release store (a prefilled table's entries before it).
     ///
-    /// An old table is torn down (entries frozen and accounted, pages queued for freeing)
-    /// during the break with [`RebuildOrder::BreakFirst`], so other vCPUs fault on the locked
-    /// entry for the whole teardown; after the make with [`RebuildOrder::InstallFirst`] (seed
-    /// 001 patch 2). Either way the pages were unreachable before the flush of step 2, so they
-    /// go to epoch reclamation without another flush, and `pending` is left untouched.
+    /// An old table is torn down (entries frozen and accounted, pages queued for freeing) during
+    /// the break with [`RebuildOrder::BreakFirst`], so other vCPUs fault on the locked entry for
+    /// the whole teardown; after the make with [`RebuildOrder::InstallFirst`] (KVM arm64's
+    /// "Install the block entry before unmapping the page mappings"). Either way the pages were
+    /// unreachable before the flush of step 2, so they go to epoch reclamation without another
+    /// flush, and `pending` is left untouched.
     ///
     /// The break and the make are the only entry writes outside [`Self::update_spte`]: the
     /// transient locked value is not a change of mapping, so the bookkeeping is done once for

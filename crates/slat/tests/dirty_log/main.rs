@@ -41,7 +41,7 @@ thread_local! {
     static WRPROT: std::cell::Cell<WrprotVariant> = const { std::cell::Cell::new(WrprotVariant::Walk) };
 }
 
-/// Runs a test once per write-protect variant (seed 002): every protocol here must hold
+/// Runs a test once per write-protect variant (`WrprotVariant`): every protocol here must hold
 /// whether harvests walk, look pages up in the rmap, or do so without the MMU lock.
 fn each_wrprot(test: fn()) {
     for &w in WrprotVariant::ALL {

@@ -475,8 +475,8 @@ fn clear_splits_and_protects_the_huge_leaf<F: PteFormat>(
     );
     let after = vm.stats();
     if config().wrprot == WrprotVariant::RmapLockless {
-        // Without the MMU lock a huge leaf is made read-only, never split or zapped (seed
-        // 002): the first write to it faults and the slow path splits it.
+        // Without the MMU lock a huge leaf is made read-only, never split or zapped (as in the
+        // lockless write-protect series): the first write to it faults and the slow path splits it.
         assert_eq!(after.splits, before.splits, "a lock-free CLEAR split");
         assert_eq!(after.leaves_2m, 1, "the huge leaf went away");
         let (l, lvl) = leaf(vm, base1);
