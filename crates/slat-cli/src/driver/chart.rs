@@ -143,11 +143,10 @@ fn median_min_max<R>(m: &Metric<R>, runs: &[R], scale: f64) -> Option<(f64, f64,
 pub fn bars<B: Benchmark>(
     b: &B,
     groups: &[(String, &[B::Report])],
-    metrics: &[Metric<B::Report>],
     x_desc: &str,
     path: &Path,
 ) -> CliResult {
-    let heads = b.headline();
+    let (heads, metrics) = (b.headline(), b.metrics());
     let reps = groups.iter().map(|g| g.1.len()).max().unwrap_or(1);
     let of = match reps {
         1 => String::from("one run each"),
