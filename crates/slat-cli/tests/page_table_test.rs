@@ -227,6 +227,50 @@ fn compare_json_carries_every_configuration_report() {
     );
 }
 
+/// `--compare --repeat 3 --plot`: a panel per stage, a bar per configuration, each with its
+/// min-max error bar (a path of six points); one run draws the bars without error bars.
+#[test]
+fn compare_plots_bars_with_error_bars() {
+    let p = std::env::temp_dir().join(format!("slat-ptt-{}.svg", std::process::id()));
+    let plot = p.to_str().expect("utf-8 path");
+    let whiskers = |repeat: &str| {
+        let args = [
+            "-b",
+            "4M",
+            "--format",
+            "stage2",
+            "--compare",
+            "--repeat",
+            repeat,
+        ];
+        let (code, out, err) = slat(&[&args[..], &["--plot", plot]].concat());
+        assert_eq!(code, 0, "{out}\n{err}");
+        let svg = std::fs::read_to_string(&p).expect("svg");
+        for label in [
+            "create mappings",
+            "adjust mappings",
+            "rebuild=install-first cmo=on-install",
+        ] {
+            assert!(svg.contains(label), "{label} missing:\n{svg}");
+        }
+        let polylines = svg.split("<polyline ").skip(1);
+        polylines
+            .filter(|l| {
+                l.split("points=\"").nth(1).map_or(0, |pts| {
+                    pts.split('"')
+                        .next()
+                        .unwrap_or("")
+                        .split_whitespace()
+                        .count()
+                }) == 6
+            })
+            .count()
+    };
+    assert_eq!(whiskers("3"), 12);
+    assert_eq!(whiskers("1"), 0);
+    let _ = std::fs::remove_file(&p);
+}
+
 /// A report inside a sweep, given the sweep's envelope so it validates on its own.
 fn with_envelope(doc: &Value, inner: &Value) -> Value {
     let mut v = inner.clone();
