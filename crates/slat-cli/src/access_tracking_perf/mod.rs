@@ -122,23 +122,12 @@ pub struct AccessTrackingPerfArgs {
 }
 
 /// `--compare`: fast page fault on and off, each with one and two vCPUs.
+#[rustfmt::skip]
 const COMPARE: &[Preset<AccessTrackingPerfArgs>] = &[
-    Preset {
-        settings: &["vcpus=1", "fast-pf=on"],
-        apply: |a| (a.work.vcpus, a.machine.fast_pf) = (1, Switch::On),
-    },
-    Preset {
-        settings: &["vcpus=1", "fast-pf=off"],
-        apply: |a| (a.work.vcpus, a.machine.fast_pf) = (1, Switch::Off),
-    },
-    Preset {
-        settings: &["vcpus=2", "fast-pf=on"],
-        apply: |a| (a.work.vcpus, a.machine.fast_pf) = (2, Switch::On),
-    },
-    Preset {
-        settings: &["vcpus=2", "fast-pf=off"],
-        apply: |a| (a.work.vcpus, a.machine.fast_pf) = (2, Switch::Off),
-    },
+    Preset { settings: &["vcpus=1", "fast-pf=on"], apply: |a| (a.work.vcpus, a.machine.fast_pf) = (1, Switch::On) },
+    Preset { settings: &["vcpus=1", "fast-pf=off"], apply: |a| (a.work.vcpus, a.machine.fast_pf) = (1, Switch::Off) },
+    Preset { settings: &["vcpus=2", "fast-pf=on"], apply: |a| (a.work.vcpus, a.machine.fast_pf) = (2, Switch::On) },
+    Preset { settings: &["vcpus=2", "fast-pf=off"], apply: |a| (a.work.vcpus, a.machine.fast_pf) = (2, Switch::Off) },
 ];
 
 /// One guest pass and the same pass by host threads on host memory.
@@ -306,31 +295,16 @@ const WRITE: &str = "Writing to idle memory";
 const READ: &str = "Reading from idle memory";
 
 /// The headline figures, in the order of the `--compare` table.
+#[rustfmt::skip]
 const METRICS: &[Metric<Report>] = &[
-    lower("mark memory idle (first)", "s", |r| {
-        r.mark_memory_idle.first().map(|m| m.time.as_secs_f64())
-    }),
-    lower("writing to idle memory", "s", |r| {
-        pass_time(r, WRITE, false)
-    }),
-    lower("writing to idle memory native", "s", |r| {
-        pass_time(r, WRITE, true)
-    }),
-    lower("writing to idle memory guest/native", "x", |r| {
-        r.pass(WRITE).map(|p| p.ratio_guest_over_native)
-    }),
-    lower("reading from idle memory", "s", |r| {
-        pass_time(r, READ, false)
-    }),
-    lower("reading from idle memory guest/native", "x", |r| {
-        r.pass(READ).map(|p| p.ratio_guest_over_native)
-    }),
-    lower("writing to idle memory faults", "count", |r| {
-        r.pass(WRITE).map(|p| p.faults as f64)
-    }),
-    lower("populating memory", "s", |r| {
-        pass_time(r, "Populating memory", false)
-    }),
+    lower("mark memory idle (first)", "s", |r| r.mark_memory_idle.first().map(|m| m.time.as_secs_f64())),
+    lower("writing to idle memory", "s", |r| pass_time(r, WRITE, false)),
+    lower("writing to idle memory native", "s", |r| pass_time(r, WRITE, true)),
+    lower("writing to idle memory guest/native", "x", |r| r.pass(WRITE).map(|p| p.ratio_guest_over_native)),
+    lower("reading from idle memory", "s", |r| pass_time(r, READ, false)),
+    lower("reading from idle memory guest/native", "x", |r| r.pass(READ).map(|p| p.ratio_guest_over_native)),
+    lower("writing to idle memory faults", "count", |r| r.pass(WRITE).map(|p| p.faults as f64)),
+    lower("populating memory", "s", |r| pass_time(r, "Populating memory", false)),
 ];
 
 fn flush_mode(a: &AccessTrackingPerfArgs) -> AgeFlush {

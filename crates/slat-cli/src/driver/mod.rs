@@ -78,7 +78,7 @@ pub trait Benchmark: Clone + Sized + 'static {
     /// Refuses flags that cannot run, before anything is measured (exit status 2). Called
     /// for the flags as given, or for every `--vary` or `--compare` row instead.
     fn check(&self) -> CliResult;
-    /// One run on `kind`, silent but for progress on stderr.
+    /// One run on `kind`.
     fn measure(&self, kind: BackendArg) -> CliResult<Self::Report>;
     /// The headline figures (tables, summaries, bar charts).
     fn metrics(&self) -> Vec<Metric<Self::Report>>;

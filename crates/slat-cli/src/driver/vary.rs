@@ -5,32 +5,26 @@
 
 use clap::ValueEnum;
 
-/// The values a key takes.
+/// The values a key takes: one of a list (the list is the help text and the check), or
+/// free-form values described in words and checked by a function.
 pub enum Values {
-    /// One of a list (the list is the help text and the check).
     OneOf(fn() -> Vec<String>),
-    /// Free-form values, described in words and checked by a function.
     Text(&'static str, fn(&str) -> Result<(), String>),
 }
 
-/// One row of a benchmark's `--vary` table.
+/// One row of a benchmark's `--vary` table: the key, its values, how a (checked) value is
+/// set on a copy of the benchmark's flags, and which flag it sets (`-v`, `--fast-pf`).
 pub struct Key<A> {
-    /// The key, as written in `--vary`.
     pub name: &'static str,
-    /// The values it takes.
     pub values: Values,
-    /// Sets the value on a copy of the benchmark's flags (the value was checked already).
     pub apply: fn(&mut A, &str) -> Result<(), String>,
-    /// What it sets, for the help text (`-v`, `--fast-pf`).
     pub sets: &'static str,
 }
 
 /// One `--vary` flag as given: a key of the table and its values, checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Vary {
-    /// The key's name.
     pub key: &'static str,
-    /// The values, in order.
     pub values: Vec<String>,
 }
 
@@ -141,9 +135,7 @@ pub fn cross<S: Clone>(axes: &[&[S]]) -> Vec<Vec<S>> {
 
 /// One row of a sweep: `key=value` labels and the flags with those values applied.
 pub struct Row<A> {
-    /// `key=value` of every varied key.
     pub settings: Vec<String>,
-    /// The flags of the row.
     pub args: A,
 }
 

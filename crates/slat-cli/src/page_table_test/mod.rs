@@ -96,23 +96,12 @@ fn address(s: &str) -> Result<u64, String> {
 }
 
 /// `--compare`: cache maintenance policy × block rebuild order, rebuild order slowest.
+#[rustfmt::skip]
 const COMPARE: &[Preset<PageTableTestArgs>] = &[
-    Preset {
-        settings: &["rebuild=break-first", "cmo=always"],
-        apply: |a| (a.rebuild, a.machine.cmo) = (RebuildOrder::BreakFirst, CmoPolicy::Always),
-    },
-    Preset {
-        settings: &["rebuild=break-first", "cmo=on-install"],
-        apply: |a| (a.rebuild, a.machine.cmo) = (RebuildOrder::BreakFirst, CmoPolicy::OnInstall),
-    },
-    Preset {
-        settings: &["rebuild=install-first", "cmo=always"],
-        apply: |a| (a.rebuild, a.machine.cmo) = (RebuildOrder::InstallFirst, CmoPolicy::Always),
-    },
-    Preset {
-        settings: &["rebuild=install-first", "cmo=on-install"],
-        apply: |a| (a.rebuild, a.machine.cmo) = (RebuildOrder::InstallFirst, CmoPolicy::OnInstall),
-    },
+    Preset { settings: &["rebuild=break-first", "cmo=always"], apply: |a| (a.rebuild, a.machine.cmo) = (RebuildOrder::BreakFirst, CmoPolicy::Always) },
+    Preset { settings: &["rebuild=break-first", "cmo=on-install"], apply: |a| (a.rebuild, a.machine.cmo) = (RebuildOrder::BreakFirst, CmoPolicy::OnInstall) },
+    Preset { settings: &["rebuild=install-first", "cmo=always"], apply: |a| (a.rebuild, a.machine.cmo) = (RebuildOrder::InstallFirst, CmoPolicy::Always) },
+    Preset { settings: &["rebuild=install-first", "cmo=on-install"], apply: |a| (a.rebuild, a.machine.cmo) = (RebuildOrder::InstallFirst, CmoPolicy::OnInstall) },
 ];
 
 /// One stage's figures.
@@ -231,19 +220,12 @@ fn stage_time(r: &Report, stage: Stage) -> Option<f64> {
 
 /// The headline figures: each stage's time, and the faults the adjust stage took (fewer with
 /// an install-first rebuild).
+#[rustfmt::skip]
 const METRICS: &[Metric<Report>] = &[
-    lower("create mappings", "s", |r| {
-        stage_time(r, Stage::CreateMappings)
-    }),
-    lower("update mappings", "s", |r| {
-        stage_time(r, Stage::UpdateMappings)
-    }),
-    lower("adjust mappings", "s", |r| {
-        stage_time(r, Stage::AdjustMappings)
-    }),
-    lower("adjust mappings faults", "count", |r| {
-        r.stages.get(2).map(|f| f.faults as f64)
-    }),
+    lower("create mappings", "s", |r| stage_time(r, Stage::CreateMappings)),
+    lower("update mappings", "s", |r| stage_time(r, Stage::UpdateMappings)),
+    lower("adjust mappings", "s", |r| stage_time(r, Stage::AdjustMappings)),
+    lower("adjust mappings faults", "count", |r| r.stages.get(2).map(|f| f.faults as f64)),
 ];
 
 /// The test memory (`-b` aligned up to the backing page size) and what the machine maps for
