@@ -217,12 +217,10 @@ impl Benchmark for AccessTrackingPerfArgs {
     type Report = Report;
     const NAME: &'static str = "access-tracking-perf";
 
-    fn compare(&self) -> &'static [Preset<Self>] {
-        if self.compare {
-            COMPARE
-        } else {
-            &[]
-        }
+    const PRESETS: &'static [Preset<Self>] = COMPARE;
+
+    fn compare(&self) -> bool {
+        self.compare
     }
 
     fn common(&self) -> Common<'_> {

@@ -69,10 +69,14 @@ pub trait Benchmark: Clone + Sized + 'static {
     fn vary_table() -> &'static [vary::Key<Self>] {
         &[]
     }
-    /// `--compare`'s fixed rows when the flags ask for them (empty: no comparison). The driver
-    /// runs them as a `--vary` sweep: each row checked first, `--repeat`, JSON, bars.
-    fn compare(&self) -> &'static [Preset<Self>] {
-        &[]
+    /// `--compare`'s fixed rows, which the driver runs as a `--vary` sweep when [`compare`]
+    /// says so: each row checked first, `--repeat`, JSON, bars.
+    ///
+    /// [`compare`]: Benchmark::compare
+    const PRESETS: &'static [Preset<Self>] = &[];
+    /// `--compare` was given.
+    fn compare(&self) -> bool {
+        false
     }
     fn common(&self) -> Common<'_>;
     /// Refuses flags that cannot run, before anything is measured (exit status 2). Called
@@ -129,14 +133,14 @@ pub fn run<B: Benchmark>(b: &B) -> CliResult {
     if let Some(why) = b.refuse() {
         return Err(CliError::bad(why));
     }
-    if !b.compare().is_empty() && !c.vary.is_empty() {
+    if b.compare() && !c.vary.is_empty() {
         return Err(CliError::bad("--compare runs its own rows: drop --vary"));
     }
     let kinds = match c.backends {
         [] => &[BackendArg::Sim][..],
         k => k,
     };
-    let swept = !c.vary.is_empty() || !b.compare().is_empty();
+    let swept = !c.vary.is_empty() || b.compare();
     if let (Some(finish), false) = (b.own_output(), swept) {
         b.check()?;
         let mut all = Vec::new();
@@ -238,7 +242,7 @@ fn side_by_side<B: Benchmark>(b: &B, kinds: [BackendArg; 2]) -> CliResult {
 /// The varied keys and the rows of `--compare` (if asked) or `--vary`.
 fn sweep_rows<B: Benchmark>(b: &B) -> CliResult<(Vec<&'static str>, Vec<vary::Row<B>>)> {
     let vary = b.common().vary;
-    let Some(first) = b.compare().first() else {
+    let Some(first) = B::PRESETS.first().filter(|_| b.compare()) else {
         let rows = vary::rows(b, vary, B::vary_table()).map_err(CliError::bad)?;
         return Ok((vary.iter().map(|v| v.key).collect(), rows));
     };
@@ -246,7 +250,7 @@ fn sweep_rows<B: Benchmark>(b: &B) -> CliResult<(Vec<&'static str>, Vec<vary::Ro
     let keys = keys
         .map(|s| s.split_once('=').map_or(*s, |kv| kv.0))
         .collect();
-    let rows = b.compare().iter().map(|p| {
+    let rows = B::PRESETS.iter().map(|p| {
         let mut args = b.clone();
         (p.apply)(&mut args);
         let settings = p.settings.iter().map(|s| s.to_string()).collect();
@@ -258,7 +262,7 @@ fn sweep_rows<B: Benchmark>(b: &B) -> CliResult<(Vec<&'static str>, Vec<vary::Ro
 fn sweep<B: Benchmark>(b: &B, kind: BackendArg) -> CliResult {
     let c = b.common();
     let (varied, rows) = sweep_rows(b)?;
-    let flag = ["--compare", "--vary"][b.compare().is_empty() as usize];
+    let flag = if b.compare() { "--compare" } else { "--vary" };
     // Every row is checked before the first runs: a refusal at row 5 after minutes of
     // measuring would waste them.
     for row in &rows {

@@ -153,12 +153,10 @@ impl Benchmark for PageTableTestArgs {
     type Report = Report;
     const NAME: &'static str = "page-table-test";
 
-    fn compare(&self) -> &'static [Preset<Self>] {
-        if self.compare {
-            COMPARE
-        } else {
-            &[]
-        }
+    const PRESETS: &'static [Preset<Self>] = COMPARE;
+
+    fn compare(&self) -> bool {
+        self.compare
     }
 
     fn common(&self) -> Common<'_> {
