@@ -115,62 +115,40 @@ pub fn parser<A: 'static>(
     move |s| parse(s, table)
 }
 
-/// Every combination of one value from each axis, first axis slowest.
-pub fn cross<S: Clone>(axes: &[&[S]]) -> Vec<Vec<S>> {
-    let mut out: Vec<Vec<S>> = vec![Vec::new()];
-    for axis in axes {
-        out = out
-            .into_iter()
-            .flat_map(|prefix| {
-                axis.iter().map(move |val| {
-                    let mut p = prefix.clone();
-                    p.push(val.clone());
-                    p
-                })
-            })
-            .collect();
-    }
-    out
-}
-
 /// One row of a sweep: `key=value` labels and the flags with those values applied.
 pub struct Row<A> {
     pub settings: Vec<String>,
     pub args: A,
 }
 
-/// The rows of `vary` over `base`: refuses a key given twice, applies each combination.
+/// The rows of `vary` over `base`, every combination with the first key slowest; refuses a
+/// key given twice.
 pub fn rows<A: Clone>(base: &A, vary: &[Vary], table: &[Key<A>]) -> Result<Vec<Row<A>>, String> {
+    let mut rows = vec![Row {
+        settings: Vec::new(),
+        args: base.clone(),
+    }];
     for (i, v) in vary.iter().enumerate() {
-        if vary[..i].iter().any(|w| w.key == v.key) {
+        let k = v.key;
+        if vary[..i].iter().any(|w| w.key == k) {
             return Err(format!(
-                "--vary {} given twice: list all its values in one flag",
-                v.key
+                "--vary {k} given twice: list all its values in one flag"
             ));
         }
-    }
-    let axes: Vec<Vec<(&'static str, &str)>> = vary
-        .iter()
-        .map(|v| v.values.iter().map(|x| (v.key, x.as_str())).collect())
-        .collect();
-    let axes: Vec<&[(&'static str, &str)]> = axes.iter().map(Vec::as_slice).collect();
-    cross(&axes)
-        .into_iter()
-        .map(|combo| {
-            let mut args = base.clone();
-            for (k, v) in &combo {
-                let key = table
-                    .iter()
-                    .find(|t| t.name == *k)
-                    .ok_or_else(|| format!("--vary: unknown key `{k}`"))?;
-                (key.apply)(&mut args, v).map_err(|e| format!("--vary {k}: {e}"))?;
+        let key = table.iter().find(|t| t.name == k);
+        let key = key.ok_or_else(|| format!("--vary: unknown key `{k}`"))?;
+        let mut next = Vec::new();
+        for row in &rows {
+            for x in &v.values {
+                let mut args = row.args.clone();
+                (key.apply)(&mut args, x).map_err(|e| format!("--vary {k}: {e}"))?;
+                let settings = [&row.settings[..], &[format!("{k}={x}")]].concat();
+                next.push(Row { settings, args });
             }
-            Ok(Row {
-                settings: combo.iter().map(|(k, v)| format!("{k}={v}")).collect(),
-                args,
-            })
-        })
-        .collect()
+        }
+        rows = next;
+    }
+    Ok(rows)
 }
 
 /// A value of a clap value enum, as `--vary` wrote it.
@@ -253,24 +231,18 @@ mod tests {
     struct A(u64, String);
 
     const T: &[Key<A>] = &[
-        Key {
-            name: "n",
-            sets: "-n",
-            values: Values::Text("1-4", |v| count_in(v, 1, 4).map(|_| ())),
-            apply: |a, v| {
-                a.0 = count_in(v, 1, 4)?;
-                Ok(())
-            },
-        },
-        Key {
-            name: "c",
-            sets: "-c",
-            values: Values::OneOf(|| vec!["x".into(), "y".into()]),
-            apply: |a, v| {
-                a.1 = v.into();
-                Ok(())
-            },
-        },
+        crate::vary_key!(
+            "n",
+            "-n",
+            Values::Text("1-4", |v| count_in(v, 1, 4).map(|_| ())),
+            |a, v| a.0 = count_in(v, 1, 4)?
+        ),
+        crate::vary_key!(
+            "c",
+            "-c",
+            Values::OneOf(|| vec!["x".into(), "y".into()]),
+            |a, v| a.1 = v.into()
+        ),
     ];
 
     #[test]
