@@ -235,7 +235,8 @@ impl BarPanel {
         });
         chart.draw_series(bars).map_err(|e| plot_err(path, e))?;
         let whiskers = self.values.iter().enumerate().filter_map(|(g, v)| {
-            let (_, lo, hi) = (*v)?;
+            // One run (or identical runs) has no spread to show: no flat whisker on the bar.
+            let (_, lo, hi) = (*v).filter(|v| v.2 > v.1)?;
             let (x, cap) = (g as f64, 0.08);
             Some(PathElement::new(
                 vec![

@@ -2,6 +2,9 @@
 //! that show what each stage did (blocks created, split, rebuilt; break-before-make and cache
 //! maintenance on stage2), `--compare`, JSON, and one-line refusals of bad input.
 
+mod common;
+
+use common::schema::validate;
 use serde_json::Value;
 use std::process::Command;
 
@@ -128,7 +131,7 @@ fn ept_needs_no_break_before_make_or_cache_maintenance() {
 
 #[test]
 fn compare_runs_four_configurations_in_one_table() {
-    let (code, out, err) = slat(&[
+    let args = [
         "-b",
         "4M",
         "-v",
@@ -138,14 +141,143 @@ fn compare_runs_four_configurations_in_one_table() {
         "--format",
         "stage2",
         "--compare",
-    ]);
+    ];
+    let (code, out, err) = slat(&args);
     assert_eq!(code, 0, "{out}\n{err}");
+    for row in [
+        "|   break-first |     always |",
+        "|   break-first | on-install |",
+        "| install-first |     always |",
+        "| install-first | on-install |",
+    ] {
+        assert!(out.contains(row), "{row}: {out}");
+    }
     assert!(
         out.contains("Patch 1 (CMOs only by the installing fault)"),
         "{out}"
     );
     assert!(out.contains("Patch 2 (install the block first)"), "{out}");
-    assert_eq!(out.matches("KVM_ADJUST_MAPPINGS").count(), 4, "{out}");
+    // Patch 1's three stages, patch 2's adjust stage and its faults line.
+    assert_eq!(out.matches("KVM_ADJUST_MAPPINGS").count(), 3, "{out}");
+    assert_eq!(out.matches(": before 0.").count(), 4, "{out}");
+}
+
+/// `--compare --json` is the driver's sweep document: a row per configuration, each row's
+/// result the full one-configuration report (with `--repeat`, its summary and runs).
+#[test]
+fn compare_json_carries_every_configuration_report() {
+    let d = json(&[
+        "-b",
+        "4M",
+        "--format",
+        "stage2",
+        "--compare",
+        "--repeat",
+        "2",
+    ]);
+    validate("sweep.json", &d);
+    assert_eq!(d["varied"], serde_json::json!(["rebuild", "cmo"]));
+    let rows = d["sweep"].as_array().expect("rows");
+    let configs: Vec<(String, String)> = rows
+        .iter()
+        .map(|r| {
+            let run = &r["result"]["runs"][1];
+            validate("page-table-test.json", &with_envelope(&d, run));
+            assert_eq!(r["result"]["repeat"], 2, "{r}");
+            (run["rebuild"].to_string(), run["cmo"].to_string())
+        })
+        .collect();
+    let want = [
+        ("break-first", "always"),
+        ("break-first", "on-install"),
+        ("install-first", "always"),
+        ("install-first", "on-install"),
+    ];
+    let want: Vec<(String, String)> = want
+        .iter()
+        .map(|(r, c)| (format!("{r:?}"), format!("{c:?}")))
+        .collect();
+    assert_eq!(configs, want);
+    let at = common::json(&[
+        "access-tracking-perf",
+        "-b",
+        "1M",
+        "--idle-check",
+        "warn",
+        "--compare",
+    ]);
+    validate("sweep.json", &at);
+    let settings: Vec<_> = at["sweep"]
+        .as_array()
+        .expect("rows")
+        .iter()
+        .map(|r| {
+            validate(
+                "access-tracking-perf.json",
+                &with_envelope(&at, &r["result"]),
+            );
+            let c = &r["result"]["config"];
+            format!("{} {}", c["vcpus"], c["fast_pf"])
+        })
+        .collect();
+    assert_eq!(settings, ["1 true", "1 false", "2 true", "2 false"]);
+    assert_eq!(
+        at["sweep"][3]["settings"],
+        serde_json::json!(["vcpus=2", "fast-pf=off"])
+    );
+}
+
+/// `--compare --repeat 3 --plot`: a panel per stage, a bar per configuration, each with its
+/// min-max error bar (a path of six points); one run draws the bars without error bars.
+#[test]
+fn compare_plots_bars_with_error_bars() {
+    let p = std::env::temp_dir().join(format!("slat-ptt-{}.svg", std::process::id()));
+    let plot = p.to_str().expect("utf-8 path");
+    let whiskers = |repeat: &str| {
+        let args = [
+            "-b",
+            "4M",
+            "--format",
+            "stage2",
+            "--compare",
+            "--repeat",
+            repeat,
+        ];
+        let (code, out, err) = slat(&[&args[..], &["--plot", plot]].concat());
+        assert_eq!(code, 0, "{out}\n{err}");
+        let svg = std::fs::read_to_string(&p).expect("svg");
+        for label in [
+            "create mappings",
+            "adjust mappings",
+            "rebuild=install-first cmo=on-install",
+        ] {
+            assert!(svg.contains(label), "{label} missing:\n{svg}");
+        }
+        let polylines = svg.split("<polyline ").skip(1);
+        polylines
+            .filter(|l| {
+                l.split("points=\"").nth(1).map_or(0, |pts| {
+                    pts.split('"')
+                        .next()
+                        .unwrap_or("")
+                        .split_whitespace()
+                        .count()
+                }) == 6
+            })
+            .count()
+    };
+    assert_eq!(whiskers("3"), 12);
+    assert_eq!(whiskers("1"), 0);
+    let _ = std::fs::remove_file(&p);
+}
+
+/// A report inside a sweep, given the sweep's envelope so it validates on its own.
+fn with_envelope(doc: &Value, inner: &Value) -> Value {
+    let mut v = inner.clone();
+    for k in ["schema_version", "slat_version", "host"] {
+        v[k] = doc[k].clone();
+    }
+    v
 }
 
 #[test]
@@ -153,6 +285,10 @@ fn bad_input_is_refused_with_one_line() {
     for (args, needle) in [
         (vec!["-m", "7"], "guest mode 7 is not implemented"),
         (vec!["--compare"], "--compare"),
+        (
+            vec!["--compare", "--format", "stage2", "-m", "3"],
+            "--compare row",
+        ),
         (vec!["-b", "3x"], "-b"),
         (vec!["-p", "0x1001", "-b", "8M"], "not aligned"),
         (vec!["-p", "0xffffffffffff0000", "-b", "8M"], "exceeds"),

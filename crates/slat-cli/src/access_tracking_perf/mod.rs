@@ -9,32 +9,28 @@
 //! vCPU threads write page_idle for their own memory.
 
 mod text;
-use text::{compare, print_header, run_json, summary};
 
 use crate::args::{BackendArg, FormatArg, MachineArgs, OutputArgs, PinArgs, Switch, Workload};
-use crate::demand_paging::stats_json;
-use crate::driver::{Benchmark, Common};
-use crate::error::CliError;
-use crate::error::CliResult;
+use crate::driver::{lower, Benchmark, Common, Preset};
+use crate::error::{CliError, CliResult};
 use crate::limits::GuestMemory;
-use crate::output::{Better, Metric, VmSettings};
-use crate::report::{bbm_cmo_line, pinned_line, quiet, ratio, ts, Phase};
+use crate::output::{secs, Metric, RunHead, VmSettings};
+use crate::report::{quiet, ratio, ts, Phase};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
-use serde_json::Value;
-use slat::{AgeFlush, AgeReport, Ept, IdleBitmap, PteFormat, Stage2, Vm, VmConfig};
+use slat::{AgeFlush, AgeReport, Ept, IdleBitmap, PteFormat, Stage2, Vm};
 use slat_addr::{Gpa, PAGE_SHIFT, PAGE_SIZE};
 use slat_machine::{Machine, MachineConfig, PassReport};
 use slat_workload::TestMachine;
-use slat_workload::{format_size, GuestRam};
-use slat_workload::{native_baseline, Layout, PassParams, RegionSpec};
+use slat_workload::{format_size, native_baseline, GuestRam, Layout, PassParams, RegionSpec};
 use std::time::{Duration, Instant};
 
 /// The selftest's limit: at least 90% of the pages must be seen accessed after an access pass.
 const MAX_STILL_IDLE: f64 = 0.10;
 
 /// What to do when too many pages are still idle after an access pass.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum IdleCheck {
     /// Exit with an error (the selftest's `-w 0`).
     Fail,
@@ -44,34 +40,6 @@ pub enum IdleCheck {
     /// (the `hypervisor` CPU flag) or NUMA balancing is on, where the selftest cannot trust
     /// the host's idle bits; fail otherwise.
     Auto,
-}
-
-/// What `--idle-check auto` decided, and why.
-fn auto_idle_check() -> (IdleCheck, String) {
-    let vm = std::fs::read_to_string("/proc/cpuinfo")
-        .map(|c| {
-            c.lines()
-                .filter(|l| l.starts_with("flags"))
-                .any(|l| l.split_whitespace().any(|f| f == "hypervisor"))
-        })
-        .unwrap_or(false);
-    let numa = std::fs::read_to_string("/proc/sys/kernel/numa_balancing")
-        .map(|v| v.trim() != "0")
-        .unwrap_or(false);
-    match (vm, numa) {
-        (true, _) => (
-            IdleCheck::Warn,
-            "auto: this host is a virtual machine (hypervisor CPU flag), so too many idle pages only warn".into(),
-        ),
-        (false, true) => (
-            IdleCheck::Warn,
-            "auto: NUMA balancing is on (/proc/sys/kernel/numa_balancing), so too many idle pages only warn".into(),
-        ),
-        (false, false) => (
-            IdleCheck::Fail,
-            "auto: not a virtual machine and no NUMA balancing, so too many idle pages fail".into(),
-        ),
-    }
 }
 
 impl AccessTrackingPerfArgs {
@@ -84,21 +52,20 @@ impl AccessTrackingPerfArgs {
             Some(_) => IdleCheck::Auto,
             None => self.idle_check,
         };
-        match asked {
-            IdleCheck::Auto => {
-                let (c, why) = auto_idle_check();
-                (c, Some(why))
-            }
-            c => (c, None),
+        if asked != IdleCheck::Auto {
+            return (asked, None);
         }
-    }
-}
-
-fn idle_check_name(c: IdleCheck) -> &'static str {
-    match c {
-        IdleCheck::Fail => "fail",
-        IdleCheck::Warn => "warn",
-        IdleCheck::Auto => "auto",
+        let read = |p| std::fs::read_to_string(p).unwrap_or_default();
+        let vm = read("/proc/cpuinfo")
+            .lines()
+            .any(|l| l.starts_with("flags") && l.split_whitespace().any(|f| f == "hypervisor"));
+        let numa = !matches!(read("/proc/sys/kernel/numa_balancing").trim(), "" | "0");
+        let (c, why) = match (vm, numa) {
+            (true, _) => (IdleCheck::Warn, "this host is a virtual machine (hypervisor CPU flag), so too many idle pages only warn"),
+            (false, true) => (IdleCheck::Warn, "NUMA balancing is on (/proc/sys/kernel/numa_balancing), so too many idle pages only warn"),
+            (false, false) => (IdleCheck::Fail, "not a virtual machine and no NUMA balancing, so too many idle pages fail"),
+        };
+        (c, Some(format!("auto: {why}")))
     }
 }
 
@@ -136,8 +103,9 @@ pub struct AccessTrackingPerfArgs {
         conflicts_with = "idle_check"
     )]
     pub idle_warn: Option<i64>,
-    /// Run a comparison instead of one configuration: fast page fault on and off,
-    /// each with -v 1 and -v 2 (the given -b, -s, -o and --ad-bits), one table at the end.
+    /// Run a comparison instead of one configuration: fast page fault on and off, each with
+    /// -v 1 and -v 2 (the given -b, -s, -o and --ad-bits), one table at the end (with --repeat
+    /// each row N times; with --plot bars per row).
     #[arg(long)]
     pub compare: bool,
     /// The machine: `sim` (the engine), or `kvm`, which needs the host's idle page tracking
@@ -153,63 +121,39 @@ pub struct AccessTrackingPerfArgs {
     pub machine: MachineArgs,
 }
 
-/// One guest pass and its native twin.
+/// `--compare`: fast page fault on and off, each with one and two vCPUs.
+#[rustfmt::skip]
+const COMPARE: &[Preset<AccessTrackingPerfArgs>] = &[
+    Preset { settings: &["vcpus=1", "fast-pf=on"], apply: |a| (a.work.vcpus, a.machine.fast_pf) = (1, Switch::On) },
+    Preset { settings: &["vcpus=1", "fast-pf=off"], apply: |a| (a.work.vcpus, a.machine.fast_pf) = (1, Switch::Off) },
+    Preset { settings: &["vcpus=2", "fast-pf=on"], apply: |a| (a.work.vcpus, a.machine.fast_pf) = (2, Switch::On) },
+    Preset { settings: &["vcpus=2", "fast-pf=off"], apply: |a| (a.work.vcpus, a.machine.fast_pf) = (2, Switch::Off) },
+];
+
+/// One guest pass and the same pass by host threads on host memory.
+#[derive(Serialize)]
 struct Pass {
     name: &'static str,
-    guest: PassReport,
-    native: PassReport,
-}
-
-impl Pass {
-    fn faults(&self) -> u64 {
-        self.guest.vcpus.iter().map(|v| v.counters.faults).sum()
-    }
-    fn json(&self) -> PassJson {
-        PassJson {
-            name: self.name,
-            time_s: self.guest.wall.as_secs_f64(),
-            native_time_s: self.native.wall.as_secs_f64(),
-            ratio_guest_over_native: ratio(self.guest.wall, self.native.wall),
-            faults: self.faults(),
-            walks: self.guest.vcpus.iter().map(|v| v.counters.walks).sum(),
-            ad_updates: self.guest.vcpus.iter().map(|v| v.counters.ad_updates).sum(),
-        }
-    }
-}
-
-/// One guest pass in the JSON report.
-#[derive(Serialize)]
-struct PassJson {
-    /// The selftest's line.
-    name: &'static str,
-    /// The guest pass.
-    time_s: f64,
-    /// The same pass on host memory.
-    native_time_s: f64,
-    /// time_s / native_time_s.
+    #[serde(rename = "time_s", serialize_with = "secs")]
+    time: Duration,
+    #[serde(rename = "native_time_s", serialize_with = "secs")]
+    native: Duration,
     ratio_guest_over_native: f64,
-    /// Faults the vCPUs took.
     faults: u64,
-    /// Page-table walks.
     walks: u64,
     /// Accessed/Dirty bit updates by the walker.
     ad_updates: u64,
 }
 
-/// One marking in the JSON report.
+/// One marking of all guest memory as idle.
 #[derive(Serialize)]
-struct MarkJson {
-    /// The marking.
-    time_s: f64,
-    /// Its cost per GiB marked.
+struct Mark {
+    #[serde(rename = "time_s", serialize_with = "secs")]
+    time: Duration,
     ms_per_gib: f64,
-    /// Pages marked.
     pages: u64,
-    /// Pages found young.
     young_pages: u64,
-    /// Leaves aged.
     aged_leaves: u64,
-    /// Pages reported dirty.
     dirty_pages: u64,
     /// Leaves another thread was changing.
     contended_leaves: u64,
@@ -217,119 +161,81 @@ struct MarkJson {
     flushed: bool,
 }
 
-/// Pages still idle after an access pass, in the JSON report.
+/// Pages aging did not see accessed after an access pass.
 #[derive(Serialize)]
-struct IdleJson {
-    /// The access pass.
+struct IdleAfter {
     after: &'static str,
-    /// Pages checked.
     pages: u64,
-    /// Pages aging did not see accessed.
     still_idle: u64,
-    /// still_idle / pages.
     fraction: f64,
 }
 
-/// One marking of all guest memory as idle.
-struct Mark {
-    time: Duration,
-    report: AgeReport,
-    pages: u64,
-}
-
-impl Mark {
-    fn ms_per_gib(&self) -> f64 {
-        let gib = (self.pages << PAGE_SHIFT) as f64 / (1u64 << 30) as f64;
-        self.time.as_secs_f64() * 1e3 / gib
-    }
-    fn json(&self) -> MarkJson {
-        MarkJson {
-            time_s: self.time.as_secs_f64(),
-            ms_per_gib: self.ms_per_gib(),
-            pages: self.pages,
-            young_pages: self.report.young_pages,
-            aged_leaves: self.report.aged_leaves,
-            dirty_pages: self.report.dirty_pages,
-            contended_leaves: self.report.contended_leaves,
-            flushed: self.report.flushed,
-        }
-    }
-}
-
-/// Pages still idle after an access pass.
-struct IdleAfter {
-    pass: &'static str,
-    still_idle: u64,
-    pages: u64,
-}
-
-impl IdleAfter {
-    fn fraction(&self) -> f64 {
-        self.still_idle as f64 / self.pages.max(1) as f64
-    }
-}
-
-/// Everything one configuration measured.
-struct RunResult {
+/// The run's settings, as the report records them.
+#[derive(Serialize)]
+struct Config {
+    #[serde(flatten)]
+    vm: VmSettings,
     vcpus: u32,
-    fast_pf: bool,
-    passes: Vec<Pass>,
-    marks: Vec<Mark>,
-    idle: Vec<IdleAfter>,
-    stats: slat::Stats,
-    pcpus: usize,
-    warnings: Vec<String>,
-    pinned: Option<Vec<usize>>,
+    bytes_per_vcpu: u64,
+    backing: &'static str,
+    overlap: bool,
+    age_flush: bool,
+    /// `fail` or `warn` (`auto` resolved).
+    idle_check: IdleCheck,
+    /// Why, when `auto` chose it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    idle_check_reason: Option<String>,
+    /// `-c`: vCPU i's thread was pinned to `pinned_cpus[i]` (read back from the kernel).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pinned_cpus: Option<Vec<usize>>,
 }
 
-impl RunResult {
+/// One run: its JSON, the engine's counters and the selftest's lines for the text report.
+#[derive(Serialize)]
+pub struct Report {
+    #[serde(flatten)]
+    head: RunHead,
+    config: Config,
+    passes: Vec<Pass>,
+    mark_memory_idle: Vec<Mark>,
+    still_idle: Vec<IdleAfter>,
+    warnings: Vec<String>,
+    stats: serde_json::Value,
+    #[serde(skip)]
+    engine: slat::Stats,
+    #[serde(skip)]
+    lines: Vec<String>,
+}
+
+impl Report {
     fn pass(&self, name: &str) -> Option<&Pass> {
         self.passes.iter().find(|p| p.name == name)
     }
 }
 
-/// Runs the benchmark: `--compare`'s four configurations, or the driver's runs.
-pub fn run(a: &AccessTrackingPerfArgs) -> CliResult {
-    if !a.compare {
-        return crate::driver::run(a);
-    }
-    crate::driver::check_output(a.out.plot.as_deref())?;
-    a.check()?;
-    if a.pin.cpus.is_some() {
-        return Err(CliError::bad(
-            "-c: --compare runs -v 1 and -v 2, which need different CPU lists; drop -c or --compare",
-        ));
-    }
-    compare(a)
-}
-
-/// One run: the selftest's lines (printed as it goes) and its JSON.
-pub struct Run {
-    result: RunResult,
-    json: RunJson,
-}
-
-impl serde::Serialize for Run {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.json.serialize(s)
-    }
-}
-
 impl Benchmark for AccessTrackingPerfArgs {
-    type Report = Run;
+    type Report = Report;
     const NAME: &'static str = "access-tracking-perf";
 
+    const PRESETS: &'static [Preset<Self>] = COMPARE;
+
+    fn compare(&self) -> bool {
+        self.compare
+    }
+
     fn common(&self) -> Common<'_> {
-        Common {
-            backends: &self.backend,
-            vary: &[],
-            out: &self.out,
-        }
+        Common::of(&self.backend, &self.out)
+    }
+
+    fn refuse(&self) -> Option<String> {
+        (self.compare && self.pin.cpus.is_some()).then(|| {
+            "-c: --compare runs -v 1 and -v 2, which need different CPU lists; drop -c or --compare".into()
+        })
     }
 
     fn check(&self) -> CliResult {
-        self.machine
-            .format
+        let format = self.machine.format;
+        format
             .check_backends(&self.backend)
             .map_err(CliError::bad)?;
         if self.backend.contains(&BackendArg::Kvm) {
@@ -337,92 +243,67 @@ impl Benchmark for AccessTrackingPerfArgs {
             // selftest's route), which slat does not drive: no host can run this, so it is
             // bad input.
             const PAGE_IDLE: &str = "/sys/kernel/mm/page_idle/bitmap";
-            if !std::path::Path::new(PAGE_IDLE).exists() {
-                return Err(CliError::bad(format!(
-                    "access-tracking-perf --backend kvm needs {PAGE_IDLE} (a kernel built with CONFIG_IDLE_PAGE_TRACKING), which this host lacks; use --backend sim"
-                )));
-            }
-            return Err(CliError::bad(format!(
-                "access-tracking-perf --backend kvm is not built yet (this host has {PAGE_IDLE}, but slat does not drive it); use --backend sim"
-            )));
+            return Err(CliError::bad(if std::path::Path::new(PAGE_IDLE).exists() {
+                format!("access-tracking-perf --backend kvm is not built yet (this host has {PAGE_IDLE}, but slat does not drive it); use --backend sim")
+            } else {
+                format!("access-tracking-perf --backend kvm needs {PAGE_IDLE} (a kernel built with CONFIG_IDLE_PAGE_TRACKING), which this host lacks; use --backend sim")
+            }));
         }
-        check(self).map_err(CliError::bad)
+        // Sizes the machine can hold, with the native baseline mapped beside it.
+        let check = || {
+            let vcpus = self.work.vcpus;
+            self.pin.plan(vcpus)?;
+            let mem = GuestMemory::per_vcpu(vcpus, self.work.bytes)?;
+            mem.fits_gpa(&[BackendArg::Sim], format, None)?;
+            mem.fits_host(self.work.backing, 2, self.machine.tlb_bytes(vcpus))
+        };
+        check().map_err(CliError::bad)
     }
 
-    fn measure(&self, _kind: BackendArg) -> CliResult<Run> {
-        let result = run_one(
-            self,
-            self.work.vcpus,
-            self.machine.fast_pf.on(),
-            !self.out.json,
-        )?;
-        let json = run_json(self, &result);
-        Ok(Run { result, json })
+    fn measure(&self, _kind: BackendArg) -> CliResult<Report> {
+        Ok(match self.machine.format {
+            FormatArg::Ept => run_format::<Ept>(self)?,
+            FormatArg::Stage2 => run_format::<Stage2>(self)?,
+        })
     }
 
-    fn metrics(&self) -> Vec<Metric<Run>> {
+    fn metrics(&self) -> Vec<Metric<Report>> {
         METRICS.to_vec()
     }
 
-    fn print(&self, r: &Run) {
-        summary(self, &r.result)
+    fn headline(&self) -> Vec<&'static str> {
+        vec![METRICS[0].name, METRICS[1].name]
+    }
+
+    fn print(&self, r: &Report) {
+        text::print_run(self, r)
+    }
+
+    fn sweep_title(&self, _kind: BackendArg) -> String {
+        text::compare_title(self)
     }
 }
 
-fn pass_time(r: &RunResult, name: &str) -> Option<f64> {
-    r.pass(name).map(|p| p.guest.wall.as_secs_f64())
+fn pass_time(r: &Report, name: &str, native: bool) -> Option<f64> {
+    let p = r.pass(name)?;
+    Some(if native { p.native } else { p.time }.as_secs_f64())
 }
 
-fn pass_ratio(r: &RunResult, name: &str) -> Option<f64> {
-    r.pass(name).map(|p| ratio(p.guest.wall, p.native.wall))
-}
+const WRITE: &str = "Writing to idle memory";
+const READ: &str = "Reading from idle memory";
 
-/// The headline figures `--repeat` summarizes.
-const METRICS: &[Metric<Run>] = &[
-    Metric {
-        name: "populating memory",
-        unit: "s",
-        better: Better::Lower,
-        get: |r| pass_time(&r.result, "Populating memory"),
-    },
-    Metric {
-        name: "writing to idle memory",
-        unit: "s",
-        better: Better::Lower,
-        get: |r| pass_time(&r.result, "Writing to idle memory"),
-    },
-    Metric {
-        name: "writing to idle memory guest/native",
-        unit: "x",
-        better: Better::Lower,
-        get: |r| pass_ratio(&r.result, "Writing to idle memory"),
-    },
-    Metric {
-        name: "reading from idle memory",
-        unit: "s",
-        better: Better::Lower,
-        get: |r| pass_time(&r.result, "Reading from idle memory"),
-    },
-    Metric {
-        name: "mark memory idle (first)",
-        unit: "s",
-        better: Better::Lower,
-        get: |r| r.result.marks.first().map(|m| m.time.as_secs_f64()),
-    },
+/// The headline figures, in the order of the `--compare` table.
+#[rustfmt::skip]
+const METRICS: &[Metric<Report>] = &[
+    lower("mark memory idle (first)", "s", |r| r.mark_memory_idle.first().map(|m| m.time.as_secs_f64())),
+    lower("writing to idle memory", "s", |r| pass_time(r, WRITE, false)),
+    lower("writing to idle memory native", "s", |r| pass_time(r, WRITE, true)),
+    lower("writing to idle memory guest/native", "x", |r| r.pass(WRITE).map(|p| p.ratio_guest_over_native)),
+    lower("reading from idle memory", "s", |r| pass_time(r, READ, false)),
+    lower("reading from idle memory guest/native", "x", |r| r.pass(READ).map(|p| p.ratio_guest_over_native)),
+    lower("writing to idle memory faults", "count", |r| r.pass(WRITE).map(|p| p.faults as f64)),
+    lower("populating memory", "s", |r| pass_time(r, "Populating memory", false)),
 ];
-
-/// Sizes the machine can hold: `-v` × `-b` without overflow (`--compare` runs up to 2 vCPUs),
-/// in the format's guest physical address space, on this host together with the native
-/// baseline (both are mapped at once).
-fn check(a: &AccessTrackingPerfArgs) -> Result<(), String> {
-    let vcpus = if a.compare { 2 } else { a.work.vcpus };
-    if !a.compare {
-        a.pin.plan(vcpus)?;
-    }
-    let mem = GuestMemory::per_vcpu(vcpus, a.work.bytes)?;
-    mem.fits_gpa(&[BackendArg::Sim], a.machine.format, None)?;
-    mem.fits_host(a.work.backing, 2, a.machine.tlb_bytes(vcpus))
-}
 
 fn flush_mode(a: &AccessTrackingPerfArgs) -> AgeFlush {
     if a.age_flush.on() {
@@ -432,29 +313,12 @@ fn flush_mode(a: &AccessTrackingPerfArgs) -> AgeFlush {
     }
 }
 
-/// One configuration, start to end, on the format `--format` selects. Prints the selftest's
-/// lines as it goes when `text`.
-fn run_one(
-    a: &AccessTrackingPerfArgs,
-    vcpus: u32,
-    fast_pf: bool,
-    text: bool,
-) -> Result<RunResult, String> {
-    match a.machine.format {
-        FormatArg::Ept => run_format::<Ept>(a, vcpus, fast_pf, text),
-        FormatArg::Stage2 => run_format::<Stage2>(a, vcpus, fast_pf, text),
-    }
-}
-
-/// The simulated machine for one configuration.
-fn machine_config(a: &AccessTrackingPerfArgs, vcpus: u32, fast_pf: bool) -> MachineConfig {
-    let mut vm = a.machine.vm_config();
-    vm.fast_pf = fast_pf;
+fn machine_config(a: &AccessTrackingPerfArgs) -> MachineConfig {
     MachineConfig {
-        vm,
+        vm: a.machine.vm_config(),
         region: RegionSpec {
             backing: a.work.backing,
-            vcpus: vcpus as usize,
+            vcpus: a.work.vcpus as usize,
             bytes_per_vcpu: a.work.bytes,
             slots: 1,
             overlap: a.work.overlap,
@@ -468,16 +332,14 @@ fn machine_config(a: &AccessTrackingPerfArgs, vcpus: u32, fast_pf: bool) -> Mach
     }
 }
 
-/// Whether too many pages stayed idle after an access pass: an error under `--idle-check
-/// fail`, a warning recorded in `r` under `warn`.
+/// Records too many pages still idle after an access pass: an error under `--idle-check
+/// fail`, a warning under `warn`.
 fn idle_verdict(
     a: &AccessTrackingPerfArgs,
-    quiet: bool,
     idle: &IdleAfter,
-    r: &mut RunResult,
+    r: &mut Report,
 ) -> Result<(), String> {
-    let f = idle.fraction();
-    if f < MAX_STILL_IDLE {
+    if idle.fraction < MAX_STILL_IDLE {
         return Ok(());
     }
     let tlb = a.machine.tlb_entries;
@@ -488,61 +350,24 @@ fn idle_verdict(
          translations: use more memory (-b), --age-flush on, or --idle-check warn",
         idle.still_idle,
         idle.pages,
-        100.0 * f,
-        idle.pass,
+        100.0 * idle.fraction,
+        idle.after,
         100.0 * MAX_STILL_IDLE,
     );
-    match a.idle_check().0 {
-        IdleCheck::Fail | IdleCheck::Auto => Err(msg),
-        IdleCheck::Warn => {
-            if !quiet {
-                eprintln!("slat: warning: {msg}");
-            }
-            r.warnings.push(msg);
-            Ok(())
-        }
+    if r.config.idle_check != IdleCheck::Warn {
+        return Err(msg);
     }
-}
-
-/// One bitmap per marking thread: each vCPU's partition, or everything for vCPU 0 (-o).
-fn idle_bitmaps<F: PteFormat>(
-    a: &AccessTrackingPerfArgs,
-    vcpus: u32,
-    layout: &slat_workload::Layout,
-) -> Result<Vec<IdleBitmap>, String> {
-    let regions = if a.work.overlap { 1 } else { vcpus as usize };
-    (0..regions)
-        .map(|i| {
-            let (gpa, _, pages) = layout.region(i);
-            IdleBitmap::new::<F>(Gpa::new(gpa).gfn(), pages).map_err(|e| e.to_string())
-        })
-        .collect()
-}
-
-impl RunResult {
-    fn new(vcpus: u32, fast_pf: bool, pcpus: usize) -> RunResult {
-        RunResult {
-            vcpus,
-            fast_pf,
-            passes: Vec::new(),
-            marks: Vec::new(),
-            idle: Vec::new(),
-            stats: slat::Stats::default(),
-            pcpus,
-            warnings: Vec::new(),
-            pinned: None,
-        }
+    if !quiet(a.out.json) {
+        eprintln!("slat: warning: {msg}");
     }
+    r.warnings.push(msg);
+    Ok(())
 }
 
-fn run_format<F: PteFormat>(
-    a: &AccessTrackingPerfArgs,
-    vcpus: u32,
-    fast_pf: bool,
-    text: bool,
-) -> Result<RunResult, String> {
-    let q = quiet(a.out.json);
-    let cfg = machine_config(a, vcpus, fast_pf);
+/// The run on the simulated machine with format `F`, its text lines recorded in the report.
+fn run_format<F: PteFormat>(a: &AccessTrackingPerfArgs) -> Result<Report, String> {
+    let vcpus = a.work.vcpus;
+    let cfg = machine_config(a);
     let (vm_cfg, prefault) = (cfg.vm, cfg.region.prefault);
     let total = a.work.bytes * vcpus as u64;
     let p = Phase::start(
@@ -552,21 +377,58 @@ fn run_format<F: PteFormat>(
             a.work.backing,
             a.machine.format.name()
         ),
-        q,
+        quiet(a.out.json),
     );
     let m = Machine::<F>::new(cfg).map_err(|e| e.to_string())?;
-    let pinned = pin(a, &m, vcpus)?;
+    let pinned = pin(a, &m)?;
     let psize = a.work.backing.page_size().max(PAGE_SIZE);
     let native_ram = GuestRam::new(a.work.backing, total.div_ceil(psize) * psize, prefault)
         .map_err(|e| e.to_string())?;
     p.done();
     let layout = m.layout();
-    if text {
-        print_header(a, &vm_cfg, &layout, total);
-    }
-    let mut bitmaps = idle_bitmaps::<F>(a, vcpus, &layout)?;
-    let mut r = RunResult::new(vcpus, fast_pf, m.pcpus());
-    r.pinned = pinned;
+    // One bitmap per marking thread: each vCPU's partition, or everything for vCPU 0 (-o).
+    let regions = if a.work.overlap { 1 } else { vcpus as usize };
+    let mut bitmaps = (0..regions)
+        .map(|i| {
+            let (gpa, _, pages) = layout.region(i);
+            IdleBitmap::new::<F>(Gpa::new(gpa).gfn(), pages).map_err(|e| e.to_string())
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let (idle_check, idle_check_reason) = a.idle_check();
+    let format = a.machine.format;
+    let mut r = Report {
+        head: RunHead {
+            benchmark: "access-tracking-perf",
+            backend: "sim",
+            format: Some(format.name()),
+        },
+        config: Config {
+            vm: VmSettings::new(
+                BackendArg::Sim,
+                format,
+                &vm_cfg,
+                a.machine.tlb_entries,
+                Some(m.pcpus()),
+                prefault,
+            ),
+            vcpus,
+            bytes_per_vcpu: a.work.bytes,
+            backing: a.work.backing.name(),
+            overlap: a.work.overlap,
+            age_flush: a.age_flush.on(),
+            idle_check,
+            idle_check_reason,
+            pinned_cpus: pinned,
+        },
+        passes: Vec::new(),
+        mark_memory_idle: Vec::new(),
+        still_idle: Vec::new(),
+        warnings: Vec::new(),
+        stats: serde_json::Value::Null,
+        engine: slat::Stats::default(),
+        lines: text::header(a, &vm_cfg, &layout, total),
+    };
+    let vm = m.vm().clone();
     let write = PassParams {
         write_percent: 100,
         ..PassParams::default()
@@ -575,114 +437,76 @@ fn run_format<F: PteFormat>(
         write_percent: 0,
         ..PassParams::default()
     };
-    let vm = m.vm().clone();
-    let steps = Steps {
-        a,
-        m: &m,
-        native_ram: &native_ram,
-        layout,
-        vm: &vm,
-        flush: flush_mode(a),
-        text,
-    };
-    steps.access("Populating memory", write, &mut r)?;
-    steps.access("Writing to populated memory", write, &mut r)?;
-    steps.access("Reading from populated memory", read, &mut r)?;
-    steps.mark(&mut bitmaps, &mut r)?;
-    steps.access("Writing to idle memory", write, &mut r)?;
-    steps.check("Writing to idle memory", &mut bitmaps, &mut r)?;
-    steps.mark(&mut bitmaps, &mut r)?;
-    steps.access("Reading from idle memory", read, &mut r)?;
-    steps.check("Reading from idle memory", &mut bitmaps, &mut r)?;
-    r.stats = vm.stats();
-    drop(m);
-    drop(native_ram);
-    Ok(r)
-}
-
-/// The three steps of a run: an access pass (with its native baseline), marking the region
-/// idle, and counting what stayed idle.
-struct Steps<'a, F: PteFormat> {
-    a: &'a AccessTrackingPerfArgs,
-    m: &'a Machine<F>,
-    native_ram: &'a GuestRam,
-    layout: Layout,
-    vm: &'a Vm<F>,
-    flush: AgeFlush,
-    text: bool,
-}
-
-impl<F: PteFormat> Steps<'_, F> {
-    fn access(
-        &self,
-        name: &'static str,
-        params: PassParams,
-        r: &mut RunResult,
-    ) -> Result<(), String> {
-        let guest = self.m.run_pass(params).map_err(|e| e.to_string())?;
-        let native =
-            native_baseline(self.layout, self.native_ram, params).map_err(|e| e.to_string())?;
-        if self.text {
-            println!("{:<30}: {}", name, ts(guest.wall));
-            println!(
-                "{:<30}: {} (guest/native {:.2}x)",
-                "  native baseline",
-                ts(native.wall),
-                ratio(guest.wall, native.wall)
-            );
-        }
-        r.passes.push(Pass {
+    let access = |name, params, r: &mut Report| -> Result<(), String> {
+        let guest = m.run_pass(params).map_err(|e| e.to_string())?;
+        let native: PassReport =
+            native_baseline(layout, &native_ram, params).map_err(|e| e.to_string())?;
+        let c = guest.vcpus.iter().map(|v| &v.counters);
+        let pass = Pass {
             name,
-            guest,
-            native,
-        });
-        Ok(())
-    }
-
-    fn mark(&self, bitmaps: &mut [IdleBitmap], r: &mut RunResult) -> Result<(), String> {
-        let m = mark_idle(self.vm, bitmaps, self.flush)?;
-        if self.text {
-            println!("{:<30}: {}", "Mark memory idle", ts(m.time));
-        }
-        r.marks.push(m);
-        Ok(())
-    }
-
-    fn check(
-        &self,
-        name: &'static str,
-        bitmaps: &mut [IdleBitmap],
-        r: &mut RunResult,
-    ) -> Result<(), String> {
-        let still_idle: u64 = bitmaps.iter_mut().map(|b| self.vm.read_idle(b)).sum();
-        let pages: u64 = bitmaps.iter().map(|b| b.npages()).sum();
-        let idle = IdleAfter {
-            pass: name,
-            still_idle,
-            pages,
+            time: guest.wall,
+            native: native.wall,
+            ratio_guest_over_native: ratio(guest.wall, native.wall),
+            faults: c.clone().map(|c| c.faults).sum(),
+            walks: c.clone().map(|c| c.walks).sum(),
+            ad_updates: c.map(|c| c.ad_updates).sum(),
         };
-        if self.text {
-            println!(
-                "{:<30}: {} of {} pages ({:.2}%)",
-                "  still idle",
-                idle.still_idle,
-                idle.pages,
-                100.0 * idle.fraction()
-            );
-        }
-        let verdict = idle_verdict(self.a, quiet(self.a.out.json), &idle, r);
-        r.idle.push(idle);
+        r.lines.push(format!("{name:<30}: {}", ts(pass.time)));
+        r.lines.push(format!(
+            "{:<30}: {} (guest/native {:.2}x)",
+            "  native baseline",
+            ts(pass.native),
+            pass.ratio_guest_over_native
+        ));
+        r.passes.push(pass);
+        Ok(())
+    };
+    let mark = |bitmaps: &mut [IdleBitmap], r: &mut Report| -> Result<(), String> {
+        let m = mark_idle(&vm, bitmaps, flush_mode(a))?;
+        r.lines
+            .push(format!("{:<30}: {}", "Mark memory idle", ts(m.time)));
+        r.mark_memory_idle.push(m);
+        Ok(())
+    };
+    let still_idle = |after, bitmaps: &mut [IdleBitmap], r: &mut Report| {
+        let still_idle: u64 = bitmaps.iter_mut().map(|b| vm.read_idle(b)).sum();
+        let pages: u64 = bitmaps.iter().map(|b| b.npages()).sum();
+        let fraction = still_idle as f64 / pages.max(1) as f64;
+        r.lines.push(format!(
+            "{:<30}: {still_idle} of {pages} pages ({:.2}%)",
+            "  still idle",
+            100.0 * fraction
+        ));
+        let idle = IdleAfter {
+            after,
+            pages,
+            still_idle,
+            fraction,
+        };
+        let verdict = idle_verdict(a, &idle, r);
+        r.still_idle.push(idle);
         verdict
-    }
+    };
+    access("Populating memory", write, &mut r)?;
+    access("Writing to populated memory", write, &mut r)?;
+    access("Reading from populated memory", read, &mut r)?;
+    mark(&mut bitmaps, &mut r)?;
+    access(WRITE, write, &mut r)?;
+    still_idle(WRITE, &mut bitmaps, &mut r)?;
+    mark(&mut bitmaps, &mut r)?;
+    access(READ, read, &mut r)?;
+    still_idle(READ, &mut bitmaps, &mut r)?;
+    r.engine = vm.stats();
+    r.stats = crate::demand_paging::stats_json(&r.engine);
+    Ok(r)
 }
 
 /// `-c`: pins the vCPU threads (and the main thread if the list names one more CPU).
 fn pin<F: PteFormat>(
     a: &AccessTrackingPerfArgs,
     m: &Machine<F>,
-    vcpus: u32,
 ) -> Result<Option<Vec<usize>>, String> {
-    let Some(plan) = a.pin.plan(vcpus)? else {
+    let Some(plan) = a.pin.plan(a.work.vcpus)? else {
         return Ok(None);
     };
     let got = m.pin_vcpus(&plan.vcpus).map_err(|e| format!("-c: {e}"))?;
@@ -702,79 +526,40 @@ fn mark_idle<F: PteFormat>(
     bitmaps: &mut [IdleBitmap],
     flush: AgeFlush,
 ) -> Result<Mark, String> {
-    let pages = bitmaps.iter().map(|b| b.npages()).sum();
+    let pages: u64 = bitmaps.iter().map(|b| b.npages()).sum();
     let t0 = Instant::now();
-    let reports: Vec<AgeReport> = if bitmaps.len() == 1 {
-        bitmaps
-            .iter_mut()
-            .map(|b| vm.mark_idle(b, flush, |_, _| {}))
-            .collect::<Result<_, _>>()
-            .map_err(|e| e.to_string())?
-    } else {
-        std::thread::scope(|s| {
-            let hs: Vec<_> = bitmaps
+    let reports: Vec<_> = match bitmaps {
+        [one] => vec![vm.mark_idle(one, flush, |_, _| {})],
+        many => std::thread::scope(|s| {
+            let hs: Vec<_> = many
                 .iter_mut()
                 .map(|b| s.spawn(move || vm.mark_idle(b, flush, |_, _| {})))
                 .collect();
-            hs.into_iter()
-                .map(|h| h.join().unwrap_or(Ok(AgeReport::default())))
-                .collect::<Result<_, _>>()
-        })
-        .map_err(|e| e.to_string())?
+            let joined = hs
+                .into_iter()
+                .map(|h| h.join().unwrap_or(Ok(AgeReport::default())));
+            joined.collect()
+        }),
     };
     let time = t0.elapsed();
-    let mut report = AgeReport::default();
-    for x in reports {
-        report.young_pages += x.young_pages;
-        report.aged_leaves += x.aged_leaves;
-        report.dirty_pages += x.dirty_pages;
-        report.contended_leaves += x.contended_leaves;
-        report.flushed |= x.flushed;
-    }
-    Ok(Mark {
+    let gib = (pages << PAGE_SHIFT) as f64 / (1u64 << 30) as f64;
+    let mut m = Mark {
         time,
-        report,
+        ms_per_gib: time.as_secs_f64() * 1e3 / gib,
         pages,
-    })
-}
-
-/// The run's settings, as the report records them.
-#[derive(Serialize)]
-struct Config {
-    #[serde(flatten)]
-    vm: VmSettings,
-    vcpus: u32,
-    bytes_per_vcpu: u64,
-    backing: &'static str,
-    overlap: bool,
-    age_flush: bool,
-    /// The idle-page check in force: `fail` or `warn` (`auto` resolved).
-    idle_check: &'static str,
-    /// Why, when `auto` chose it.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    idle_check_reason: Option<String>,
-    /// `-c`: vCPU i's thread was pinned to `pinned_cpus[i]` (read back from the kernel).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pinned_cpus: Option<Vec<usize>>,
-}
-
-/// One configuration's JSON report.
-#[derive(Serialize)]
-struct RunJson {
-    benchmark: &'static str,
-    backend: &'static str,
-    format: &'static str,
-    config: Config,
-    passes: Vec<PassJson>,
-    mark_memory_idle: Vec<MarkJson>,
-    still_idle: Vec<IdleJson>,
-    warnings: Vec<String>,
-    stats: Value,
-}
-
-/// `--compare --json`.
-#[derive(Serialize)]
-struct CompareJson {
-    benchmark: &'static str,
-    compare: Vec<RunJson>,
+        young_pages: 0,
+        aged_leaves: 0,
+        dirty_pages: 0,
+        contended_leaves: 0,
+        flushed: false,
+    };
+    for x in reports {
+        let x = x.map_err(|e| e.to_string())?;
+        m.young_pages += x.young_pages;
+        m.aged_leaves += x.aged_leaves;
+        m.dirty_pages += x.dirty_pages;
+        m.contended_leaves += x.contended_leaves;
+        m.flushed |= x.flushed;
+    }
+    Ok(m)
 }

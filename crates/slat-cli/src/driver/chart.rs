@@ -5,39 +5,25 @@
 
 use super::Benchmark;
 use crate::error::CliResult;
-use crate::output::{summarize, Better, Metric};
+use crate::output::{summarize, Metric};
 use crate::plot::{draw_bars, draw_stacked, BarPanel, Chart, Series};
 use std::path::Path;
 
-/// A benchmark's line chart of one run: its title and axes, and for each line a function
-/// from a run's report to its points.
+/// A benchmark's line chart of one run: its title and axes, the names of x = 0, 1, 2, ...
+/// (iterations, rounds) if any, and for each line its legend and its points in a report.
 pub struct Lines<R> {
-    /// Caption.
     pub title: String,
-    /// What x is.
     pub x_desc: &'static str,
-    /// What y is.
     pub y_desc: &'static str,
-    /// Names of x = 0, 1, 2, ... (a run's iterations or rounds).
     pub x_names: Option<Vec<String>>,
-    /// (legend, points of a run).
     pub series: Vec<(String, SeriesOf<R>)>,
 }
 
 /// A line's points in one run's report.
 pub type SeriesOf<R> = Box<dyn Fn(&R) -> Vec<(f64, Option<f64>)>>;
 
-/// Median, minimum and maximum.
-pub fn spread(mut xs: Vec<f64>) -> Option<(f64, f64, f64)> {
-    xs.sort_by(f64::total_cmp);
-    let n = xs.len();
-    let median = match n {
-        0 => return None,
-        _ if n % 2 == 1 => xs[n / 2],
-        _ => (xs[n / 2 - 1] + xs[n / 2]) / 2.0,
-    };
-    Some((median, xs[0], xs[n - 1]))
-}
+/// A metric of plain numbers, to summarize a line's points like a report's figures.
+const UNIT: Metric<f64> = super::lower("", "", |y| Some(*y));
 
 /// One line over `runs`: the median at every x the runs share, and its min-max band.
 fn series<R>(name: &str, f: &SeriesOf<R>, runs: &[R]) -> Series {
@@ -53,7 +39,7 @@ fn series<R>(name: &str, f: &SeriesOf<R>, runs: &[R]) -> Series {
             .iter()
             .filter_map(|pts| pts.iter().find(|p| p.0 == x).and_then(|p| p.1))
             .collect();
-        let s = spread(ys);
+        let s = median_min_max(&UNIT, &ys, 1.0);
         points.push((x, s.map(|s| s.0)));
         if runs.len() > 1 {
             band.extend(s.map(|(_, lo, hi)| (x, lo, hi)));
@@ -143,11 +129,10 @@ fn median_min_max<R>(m: &Metric<R>, runs: &[R], scale: f64) -> Option<(f64, f64,
 pub fn bars<B: Benchmark>(
     b: &B,
     groups: &[(String, &[B::Report])],
-    metrics: &[Metric<B::Report>],
     x_desc: &str,
     path: &Path,
 ) -> CliResult {
-    let heads = b.headline();
+    let (heads, metrics) = (b.headline(), b.metrics());
     let reps = groups.iter().map(|g| g.1.len()).max().unwrap_or(1);
     let of = match reps {
         1 => String::from("one run each"),
@@ -158,10 +143,7 @@ pub fn bars<B: Benchmark>(
         .filter(|m| heads.contains(&m.name))
         .map(|m| {
             let (scale, unit) = scale(m.unit);
-            let better = match m.better {
-                Better::Lower => "lower",
-                Better::Higher => "higher",
-            };
+            let better = format!("{:?}", m.better).to_lowercase();
             BarPanel {
                 title: format!("{}: {} ({of})", B::NAME, m.name),
                 x_desc: x_desc.to_string(),

@@ -1,8 +1,8 @@
 //! The one benchmark driver. A benchmark is one type implementing [`Benchmark`]: its flags
-//! (the clap `Args` it is), its `--vary` table, how to run once on a machine, its metrics and
-//! how to print a run. [`run`] does the rest the same way for every benchmark: `--backend
-//! sim|kvm|sim,kvm`, `--vary`, `--repeat`, `--json`, `--plot`, progress lines, and the checks
-//! of every output path before any work starts.
+//! (the clap `Args` it is), its `--vary` table or `--compare` rows, how to run once on a
+//! machine, its metrics and how to print a run. [`run`] does the rest the same way for every
+//! benchmark: `--backend sim|kvm|sim,kvm`, `--vary`, `--compare`, `--repeat`, `--json`,
+//! `--plot` and progress lines, with every output path checked before any work starts.
 
 pub mod chart;
 pub mod vary;
@@ -19,12 +19,43 @@ pub use chart::Lines;
 
 /// The flags every benchmark shares, as the driver reads them.
 pub struct Common<'a> {
-    /// `--backend` (one or two machines; `[sim]` for a benchmark without the flag).
+    /// `--backend` (one or two machines; empty: the simulated machine).
     pub backends: &'a [BackendArg],
     /// `--vary` (empty for a benchmark without the flag).
     pub vary: &'a [vary::Vary],
-    /// `--json`, `--repeat`, `--plot`.
     pub out: &'a OutputArgs,
+}
+
+impl<'a> Common<'a> {
+    /// The flags of a benchmark without `--vary`.
+    pub fn of(backends: &'a [BackendArg], out: &'a OutputArgs) -> Self {
+        Common {
+            backends,
+            vary: &[],
+            out,
+        }
+    }
+}
+
+/// A row of `--compare`: its `key=value` settings, and what they set on a copy of the flags.
+pub struct Preset<A> {
+    pub settings: &'static [&'static str],
+    pub apply: fn(&mut A),
+}
+
+/// A metric where lower is better (a time, a ratio over native, a count of faults).
+pub const fn lower<R>(
+    name: &'static str,
+    unit: &'static str,
+    get: fn(&R) -> Option<f64>,
+) -> Metric<R> {
+    let better = crate::output::Better::Lower;
+    Metric {
+        name,
+        unit,
+        better,
+        get,
+    }
 }
 
 /// A benchmark subcommand.
@@ -38,10 +69,18 @@ pub trait Benchmark: Clone + Sized + 'static {
     fn vary_table() -> &'static [vary::Key<Self>] {
         &[]
     }
-    /// The shared flags.
+    /// `--compare`'s fixed rows, which the driver runs as a `--vary` sweep when [`compare`]
+    /// says so: each row checked first, `--repeat`, JSON, bars.
+    ///
+    /// [`compare`]: Benchmark::compare
+    const PRESETS: &'static [Preset<Self>] = &[];
+    /// `--compare` was given.
+    fn compare(&self) -> bool {
+        false
+    }
     fn common(&self) -> Common<'_>;
     /// Refuses flags that cannot run, before anything is measured (exit status 2). Called
-    /// for the flags as given and for every `--vary` row.
+    /// for the flags as given, or for every `--vary` or `--compare` row instead.
     fn check(&self) -> CliResult;
     /// One run on `kind`.
     fn measure(&self, kind: BackendArg) -> CliResult<Self::Report>;
@@ -60,21 +99,14 @@ pub trait Benchmark: Clone + Sized + 'static {
         self.metrics().first().map(|m| m.name).into_iter().collect()
     }
     /// The line above the `--backend A,B` table.
-    fn comparison_title(&self, kinds: [BackendArg; 2]) -> String {
-        format!(
-            "{} on {} and {}, in this process",
-            Self::NAME,
-            kinds[0].name(),
-            kinds[1].name()
-        )
+    fn comparison_title(&self, [k0, k1]: [BackendArg; 2]) -> String {
+        let (n, a, b) = (Self::NAME, k0.name(), k1.name());
+        format!("{n} on {a} and {b}, in this process")
     }
-    /// The line above the `--vary` table.
+    /// The line above the `--vary` or `--compare` table.
     fn sweep_title(&self, kind: BackendArg) -> String {
-        format!(
-            "{} sweep on {}, one row per combination, all in this process",
-            Self::NAME,
-            kind.name()
-        )
+        let (n, k) = (Self::NAME, kind.name());
+        format!("{n} sweep on {k}, one row per combination, all in this process")
     }
     /// A benchmark whose JSON document predates the driver (its schema is kept) prints it
     /// itself: given every machine's runs (each printed as it ran), it prints the text
@@ -87,68 +119,47 @@ pub trait Benchmark: Clone + Sized + 'static {
     fn print_sweep(&self, _sweep: &Sweep<Self::Report>) -> bool {
         false
     }
-    /// Whether `--repeat` with several backends or `--vary` can run (a benchmark whose runs
-    /// are not comparable across repeats says why not).
+    /// Refuses a combination of flags before anything runs (why, as one line).
     fn refuse(&self) -> Option<String> {
         None
     }
 }
 
-/// Checks that `--plot` can be written before anything runs: a path that cannot be created
-/// is bad input, found now rather than after minutes of measuring.
-pub fn check_output(path: Option<&std::path::Path>) -> CliResult {
-    let Some(p) = path else { return Ok(()) };
-    let existed = p.exists();
-    std::fs::OpenOptions::new()
-        .append(true)
-        .create(true)
-        .open(p)
-        .map_err(|e| CliError::bad(format!("--plot {}: cannot write it: {e}", p.display())))?;
-    if !existed {
-        // Leave no empty file behind if the run fails before drawing.
-        let _ = std::fs::remove_file(p);
-    }
-    Ok(())
-}
-
 /// Runs benchmark `b` as its flags ask.
 pub fn run<B: Benchmark>(b: &B) -> CliResult {
     let c = b.common();
-    check_output(c.out.plot.as_deref())?;
+    c.out.check_paths()?;
     crate::args::check_backends(c.backends, &[]).map_err(CliError::bad)?;
     if let Some(why) = b.refuse() {
         return Err(CliError::bad(why));
     }
-    // A benchmark without --backend runs on the simulated machine.
+    if b.compare() && !c.vary.is_empty() {
+        return Err(CliError::bad("--compare runs its own rows: drop --vary"));
+    }
     let kinds = match c.backends {
         [] => &[BackendArg::Sim][..],
         k => k,
     };
-    if let (Some(finish), true) = (b.own_output(), c.vary.is_empty()) {
+    let swept = !c.vary.is_empty() || b.compare();
+    if let (Some(finish), false) = (b.own_output(), swept) {
         b.check()?;
         let mut all = Vec::new();
         for &kind in kinds {
             all.push((kind, runs(b, kind, !c.out.json)?));
         }
         if let Some(path) = &c.out.plot {
-            let groups: Vec<(String, &[B::Report])> = all
-                .iter()
-                .map(|(k, r)| (k.name().to_string(), &r[..]))
-                .collect();
-            chart::bars(b, &groups, &b.metrics(), "backend", path)?;
+            let groups = all.iter().map(|(k, r)| (k.name().to_string(), &r[..]));
+            chart::bars(b, &groups.collect::<Vec<_>>(), "backend", path)?;
         }
         return finish(b, all);
     }
-    match (kinds, c.vary.is_empty()) {
-        ([kind], true) => {
-            b.check()?;
-            single(b, *kind)
-        }
-        ([k0, k1], true) => {
-            b.check()?;
-            compare(b, [*k0, *k1])
-        }
-        ([kind], false) => sweep(b, *kind),
+    match (kinds, swept) {
+        ([kind], false) => b.check().and_then(|()| single(b, *kind)),
+        ([k0, k1], false) => b.check().and_then(|()| side_by_side(b, [*k0, *k1])),
+        ([kind], true) => sweep(b, *kind),
+        _ if c.vary.is_empty() => Err(CliError::bad(
+            "--compare runs one machine: give one --backend, or drop --compare",
+        )),
         _ => Err(CliError::bad(
             "--vary runs one machine: give one --backend, or drop --vary",
         )),
@@ -159,7 +170,7 @@ fn repeat(b: &impl Benchmark) -> usize {
     b.common().out.repeat as usize
 }
 
-/// `--repeat` runs of one configuration on `kind`, each printed unless `text` is off.
+/// `--repeat` runs of one configuration on `kind`, each printed if `text`.
 fn runs<B: Benchmark>(b: &B, kind: BackendArg, text: bool) -> CliResult<Vec<B::Report>> {
     let (n, q) = (repeat(b), quiet(b.common().out.json));
     let mut out = Vec::with_capacity(n);
@@ -198,7 +209,7 @@ fn single<B: Benchmark>(b: &B, kind: BackendArg) -> CliResult {
     }
 }
 
-fn compare<B: Benchmark>(b: &B, kinds: [BackendArg; 2]) -> CliResult {
+fn side_by_side<B: Benchmark>(b: &B, kinds: [BackendArg; 2]) -> CliResult {
     let out = b.common().out;
     let metrics = b.metrics();
     let mut both = Vec::new();
@@ -208,15 +219,14 @@ fn compare<B: Benchmark>(b: &B, kinds: [BackendArg; 2]) -> CliResult {
         }
         both.push(Runs::new(B::NAME, &metrics, runs(b, kind, false)?));
     }
-    let names = [kinds[0].name(), kinds[1].name()];
+    let names = kinds.map(BackendArg::name);
     let cmp = Comparison::new(B::NAME, names, &metrics, [&both[0], &both[1]]);
     if let Some(path) = &out.plot {
-        let groups: Vec<(String, &[B::Report])> = names
+        let groups = names
             .iter()
             .zip(&both)
-            .map(|(n, r)| (n.to_string(), r.all()))
-            .collect();
-        chart::bars(b, &groups, &metrics, "backend", path)?;
+            .map(|(n, r)| (n.to_string(), r.all()));
+        chart::bars(b, &groups.collect::<Vec<_>>(), "backend", path)?;
     }
     if out.json {
         return print_json(&cmp, b.common().backends);
@@ -229,15 +239,37 @@ fn compare<B: Benchmark>(b: &B, kinds: [BackendArg; 2]) -> CliResult {
     Ok(())
 }
 
+/// The varied keys and the rows of `--compare` (if asked) or `--vary`.
+fn sweep_rows<B: Benchmark>(b: &B) -> CliResult<(Vec<&'static str>, Vec<vary::Row<B>>)> {
+    let vary = b.common().vary;
+    let Some(first) = B::PRESETS.first().filter(|_| b.compare()) else {
+        let rows = vary::rows(b, vary, B::vary_table()).map_err(CliError::bad)?;
+        return Ok((vary.iter().map(|v| v.key).collect(), rows));
+    };
+    let keys = first.settings.iter();
+    let keys = keys
+        .map(|s| s.split_once('=').map_or(*s, |kv| kv.0))
+        .collect();
+    let rows = B::PRESETS.iter().map(|p| {
+        let mut args = b.clone();
+        (p.apply)(&mut args);
+        let settings = p.settings.iter().map(|s| s.to_string()).collect();
+        vary::Row { settings, args }
+    });
+    Ok((keys, rows.collect()))
+}
+
 fn sweep<B: Benchmark>(b: &B, kind: BackendArg) -> CliResult {
     let c = b.common();
-    let rows = vary::rows(b, c.vary, B::vary_table()).map_err(CliError::bad)?;
+    let (varied, rows) = sweep_rows(b)?;
+    let flag = if b.compare() { "--compare" } else { "--vary" };
     // Every row is checked before the first runs: a refusal at row 5 after minutes of
     // measuring would waste them.
     for row in &rows {
+        let label = row.settings.join(" ");
         row.args
             .check()
-            .map_err(|e| CliError::bad(format!("--vary row {}: {e}", row.settings.join(" "))))?;
+            .map_err(|e| CliError::bad(format!("{flag} row {label}: {e}")))?;
     }
     let (metrics, q) = (b.metrics(), quiet(c.out.json));
     let mut done = Vec::new();
@@ -261,26 +293,20 @@ fn sweep<B: Benchmark>(b: &B, kind: BackendArg) -> CliResult {
                 RowOutcome::Failed(e.to_string())
             }
         };
-        done.push(FallibleRow {
-            settings: row.settings.clone(),
-            outcome,
-        });
+        let settings = row.settings.clone();
+        done.push(FallibleRow { settings, outcome });
     }
     let sweep = Sweep {
         benchmark: B::NAME,
-        varied: c.vary.iter().map(|v| v.key).collect(),
+        varied,
         sweep: done,
     };
     if let Some(path) = &c.out.plot {
-        let groups: Vec<(String, &[B::Report])> = sweep
-            .sweep
-            .iter()
-            .map(|r| match &r.outcome {
-                RowOutcome::Done(runs) => (r.settings.join(" "), runs.all()),
-                RowOutcome::Failed(_) => (r.settings.join(" "), &[][..]),
-            })
-            .collect();
-        chart::bars(b, &groups, &metrics, "settings", path)?;
+        let groups = sweep.sweep.iter().map(|r| match &r.outcome {
+            RowOutcome::Done(runs) => (r.settings.join(" "), runs.all()),
+            RowOutcome::Failed(_) => (r.settings.join(" "), &[][..]),
+        });
+        chart::bars(b, &groups.collect::<Vec<_>>(), "settings", path)?;
     }
     if c.out.json {
         print_json(&sweep, &machines)?;
@@ -291,16 +317,13 @@ fn sweep<B: Benchmark>(b: &B, kind: BackendArg) -> CliResult {
         }
         sweep.print(&metrics);
     }
-    let failed = sweep
-        .sweep
-        .iter()
-        .filter(|r| matches!(r.outcome, RowOutcome::Failed(_)))
-        .count();
-    if failed > 0 {
-        return Err(CliError::Runtime(format!(
-            "--vary: {failed} of {} rows failed",
+    let failed = sweep.sweep.iter();
+    let failed = failed.filter(|r| matches!(r.outcome, RowOutcome::Failed(_)));
+    match failed.count() {
+        0 => Ok(()),
+        n => Err(CliError::Runtime(format!(
+            "{flag}: {n} of {} rows failed",
             sweep.sweep.len()
-        )));
+        ))),
     }
-    Ok(())
 }

@@ -5,32 +5,26 @@
 
 use clap::ValueEnum;
 
-/// The values a key takes.
+/// The values a key takes: one of a list (the list is the help text and the check), or
+/// free-form values described in words and checked by a function.
 pub enum Values {
-    /// One of a list (the list is the help text and the check).
     OneOf(fn() -> Vec<String>),
-    /// Free-form values, described in words and checked by a function.
     Text(&'static str, fn(&str) -> Result<(), String>),
 }
 
-/// One row of a benchmark's `--vary` table.
+/// One row of a benchmark's `--vary` table: the key, its values, how a (checked) value is
+/// set on a copy of the benchmark's flags, and which flag it sets (`-v`, `--fast-pf`).
 pub struct Key<A> {
-    /// The key, as written in `--vary`.
     pub name: &'static str,
-    /// The values it takes.
     pub values: Values,
-    /// Sets the value on a copy of the benchmark's flags (the value was checked already).
     pub apply: fn(&mut A, &str) -> Result<(), String>,
-    /// What it sets, for the help text (`-v`, `--fast-pf`).
     pub sets: &'static str,
 }
 
 /// One `--vary` flag as given: a key of the table and its values, checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Vary {
-    /// The key's name.
     pub key: &'static str,
-    /// The values, in order.
     pub values: Vec<String>,
 }
 
@@ -121,64 +115,40 @@ pub fn parser<A: 'static>(
     move |s| parse(s, table)
 }
 
-/// Every combination of one value from each axis, first axis slowest.
-pub fn cross<S: Clone>(axes: &[&[S]]) -> Vec<Vec<S>> {
-    let mut out: Vec<Vec<S>> = vec![Vec::new()];
-    for axis in axes {
-        out = out
-            .into_iter()
-            .flat_map(|prefix| {
-                axis.iter().map(move |val| {
-                    let mut p = prefix.clone();
-                    p.push(val.clone());
-                    p
-                })
-            })
-            .collect();
-    }
-    out
-}
-
 /// One row of a sweep: `key=value` labels and the flags with those values applied.
 pub struct Row<A> {
-    /// `key=value` of every varied key.
     pub settings: Vec<String>,
-    /// The flags of the row.
     pub args: A,
 }
 
-/// The rows of `vary` over `base`: refuses a key given twice, applies each combination.
+/// The rows of `vary` over `base`, every combination with the first key slowest; refuses a
+/// key given twice.
 pub fn rows<A: Clone>(base: &A, vary: &[Vary], table: &[Key<A>]) -> Result<Vec<Row<A>>, String> {
+    let mut rows = vec![Row {
+        settings: Vec::new(),
+        args: base.clone(),
+    }];
     for (i, v) in vary.iter().enumerate() {
-        if vary[..i].iter().any(|w| w.key == v.key) {
+        let k = v.key;
+        if vary[..i].iter().any(|w| w.key == k) {
             return Err(format!(
-                "--vary {} given twice: list all its values in one flag",
-                v.key
+                "--vary {k} given twice: list all its values in one flag"
             ));
         }
-    }
-    let axes: Vec<Vec<(&'static str, &str)>> = vary
-        .iter()
-        .map(|v| v.values.iter().map(|x| (v.key, x.as_str())).collect())
-        .collect();
-    let axes: Vec<&[(&'static str, &str)]> = axes.iter().map(Vec::as_slice).collect();
-    cross(&axes)
-        .into_iter()
-        .map(|combo| {
-            let mut args = base.clone();
-            for (k, v) in &combo {
-                let key = table
-                    .iter()
-                    .find(|t| t.name == *k)
-                    .ok_or_else(|| format!("--vary: unknown key `{k}`"))?;
-                (key.apply)(&mut args, v).map_err(|e| format!("--vary {k}: {e}"))?;
+        let key = table.iter().find(|t| t.name == k);
+        let key = key.ok_or_else(|| format!("--vary: unknown key `{k}`"))?;
+        let mut next = Vec::new();
+        for row in &rows {
+            for x in &v.values {
+                let mut args = row.args.clone();
+                (key.apply)(&mut args, x).map_err(|e| format!("--vary {k}: {e}"))?;
+                let settings = [&row.settings[..], &[format!("{k}={x}")]].concat();
+                next.push(Row { settings, args });
             }
-            Ok(Row {
-                settings: combo.iter().map(|(k, v)| format!("{k}={v}")).collect(),
-                args,
-            })
-        })
-        .collect()
+        }
+        rows = next;
+    }
+    Ok(rows)
 }
 
 /// A value of a clap value enum, as `--vary` wrote it.
@@ -261,24 +231,18 @@ mod tests {
     struct A(u64, String);
 
     const T: &[Key<A>] = &[
-        Key {
-            name: "n",
-            sets: "-n",
-            values: Values::Text("1-4", |v| count_in(v, 1, 4).map(|_| ())),
-            apply: |a, v| {
-                a.0 = count_in(v, 1, 4)?;
-                Ok(())
-            },
-        },
-        Key {
-            name: "c",
-            sets: "-c",
-            values: Values::OneOf(|| vec!["x".into(), "y".into()]),
-            apply: |a, v| {
-                a.1 = v.into();
-                Ok(())
-            },
-        },
+        crate::vary_key!(
+            "n",
+            "-n",
+            Values::Text("1-4", |v| count_in(v, 1, 4).map(|_| ())),
+            |a, v| a.0 = count_in(v, 1, 4)?
+        ),
+        crate::vary_key!(
+            "c",
+            "-c",
+            Values::OneOf(|| vec!["x".into(), "y".into()]),
+            |a, v| a.1 = v.into()
+        ),
     ];
 
     #[test]

@@ -1,8 +1,9 @@
-//! `slat page-table-test`: KVM's `kvm_page_table_test` (the arm64 stage-2 patches: cache maintenance only by the installing fault, install-first block rebuild). Every vCPU walks the same
-//! region in three timed stages — create mappings, update them with dirty logging on (block
-//! splits, read-only → read-write), adjust them with logging off (blocks rebuilt) — so the
-//! figures are dominated by concurrent faults on the same addresses: what cache maintenance
-//! "only by the installing fault" and the "install first" block rebuild improve on arm64.
+//! `slat page-table-test`: KVM's `kvm_page_table_test` (the arm64 stage-2 patches: cache
+//! maintenance only by the installing fault, install-first block rebuild). Every vCPU walks the
+//! same region in three timed stages — create mappings, update them with dirty logging on
+//! (block splits, read-only → read-write), adjust them with logging off (blocks rebuilt) — so
+//! the figures are dominated by concurrent faults on the same addresses, which is what those
+//! two patches improve on arm64.
 //!
 //! Departures from the selftest, on purpose:
 //! - `-m` accepts only the guest modes the model implements (one: 48-bit IPA, 4 KiB granule);
@@ -16,20 +17,19 @@
 
 use crate::args::{backing, guest_size, variant, MachineArgs, OutputArgs, Switch};
 use crate::args::{BackendArg, FormatArg};
-use crate::driver::{Benchmark, Common};
+use crate::driver::{lower, Benchmark, Common, Preset};
 use crate::error::{CliError, CliResult};
 use crate::limits::GuestMemory;
-use crate::output::{Better, Metric};
+use crate::output::{opt_secs, secs, Metric, RowOutcome, Sweep, VmSettings};
 use crate::report::{format_header, quiet, ratio, ts, Phase};
 use clap::Args;
-use serde_json::json;
+use serde::Serialize;
 use slat::{CmoPolicy, PteFormat, RebuildOrder, RecoverVariant, Stats, VmConfig};
 use slat_addr::PAGE_SIZE;
 use slat_machine::page_table_stage::{native_stage_baseline, Stage, StageParams};
 use slat_machine::{Machine, MachineConfig, Workload};
-use slat_workload::RegionSpec;
-use slat_workload::{format_size, Backing, GuestRam, Layout};
-use std::time::Duration;
+use slat_workload::{format_size, Backing, GuestRam, RegionSpec};
+use std::time::{Duration, Instant};
 
 /// Guest modes the model implements, as `-m` numbers them.
 const GUEST_MODES: [&str; 1] = ["PA-bits:48,  VA-bits:48,  4K pages"];
@@ -75,9 +75,10 @@ pub struct PageTableTestArgs {
     #[arg(long = "rebuild", value_parser = variant::<RebuildOrder>(), default_value = "install-first")]
     pub rebuild: RebuildOrder,
     /// Run a comparison in one process: the three stages for each of `--cmo
-    /// always|on-install` × `--rebuild break-first|install-first` (other flags as given), then
-    /// one table with the relative improvement of `--cmo on-install` and of `--rebuild
-    /// install-first`. Needs --format stage2.
+    /// always|on-install` × `--rebuild break-first|install-first` (other flags as given; with
+    /// --repeat each row N times, with --plot bars per row), then one table with the relative
+    /// improvement of `--cmo on-install` and of `--rebuild install-first`. Needs --format
+    /// stage2.
     #[arg(long)]
     pub compare: bool,
     #[command(flatten)]
@@ -94,139 +95,147 @@ fn address(s: &str) -> Result<u64, String> {
     }
 }
 
+/// `--compare`: cache maintenance policy × block rebuild order, rebuild order slowest.
+#[rustfmt::skip]
+const COMPARE: &[Preset<PageTableTestArgs>] = &[
+    Preset { settings: &["rebuild=break-first", "cmo=always"], apply: |a| (a.rebuild, a.machine.cmo) = (RebuildOrder::BreakFirst, CmoPolicy::Always) },
+    Preset { settings: &["rebuild=break-first", "cmo=on-install"], apply: |a| (a.rebuild, a.machine.cmo) = (RebuildOrder::BreakFirst, CmoPolicy::OnInstall) },
+    Preset { settings: &["rebuild=install-first", "cmo=always"], apply: |a| (a.rebuild, a.machine.cmo) = (RebuildOrder::InstallFirst, CmoPolicy::Always) },
+    Preset { settings: &["rebuild=install-first", "cmo=on-install"], apply: |a| (a.rebuild, a.machine.cmo) = (RebuildOrder::InstallFirst, CmoPolicy::OnInstall) },
+];
+
 /// One stage's figures.
-#[derive(Clone)]
-struct StageFigures {
-    stage: Stage,
+#[derive(Serialize)]
+struct StageRow {
+    stage: &'static str,
+    #[serde(rename = "time_s", serialize_with = "secs")]
     time: Duration,
+    #[serde(rename = "native_time_s", serialize_with = "secs")]
     native: Duration,
-    faults: u64,
-    stats: Stats,
-    /// Time to switch logging before the stage (enable before update, disable before adjust).
+    ratio: f64,
+    /// Switching logging before the stage (enable before update, disable before adjust).
+    #[serde(rename = "logging_switch_time_s", serialize_with = "opt_secs")]
     logging_switch: Option<Duration>,
+    faults: u64,
+    pf_fixed: u64,
+    pf_fast: u64,
+    pf_spurious: u64,
+    pf_retry: u64,
+    splits: u64,
+    rebuilds: u64,
+    remote_tlb_flushes: u64,
+    bbm_breaks: u64,
+    cache_cleans: u64,
+    cache_clean_bytes: u64,
 }
 
-/// Refuses a guest mode the model does not implement.
-fn check_mode(a: &PageTableTestArgs) -> CliResult {
-    if a.mode < GUEST_MODES.len() {
-        return Ok(());
-    }
-    Err(CliError::bad(format!(
-        "guest mode {} is not implemented; -m takes {}",
-        a.mode,
-        GUEST_MODES
-            .iter()
-            .enumerate()
-            .map(|(i, m)| format!(
-                "{i} ({})",
-                m.split_whitespace().collect::<Vec<_>>().join(" ")
-            ))
-            .collect::<Vec<_>>()
-            .join(", ")
-    )))
-}
-
-/// Runs the benchmark: `--compare`'s four configurations, or the driver's runs.
-pub fn run(a: &PageTableTestArgs) -> CliResult {
-    if !a.compare {
-        return crate::driver::run(a);
-    }
-    crate::driver::check_output(a.out.plot.as_deref())?;
-    a.check()?;
-    if a.machine.format != FormatArg::Stage2 {
-        return Err(CliError::bad("--compare varies cache maintenance and the rebuild order, which only --format stage2 has"));
-    }
-    if a.out.repeat > 1 {
-        return Err(CliError::bad(
-            "--repeat with --compare: the comparison already runs every configuration; drop one of them",
-        ));
-    }
-    let base = vm_config(a);
-    let mut runs = Vec::new();
-    for rebuild in [RebuildOrder::BreakFirst, RebuildOrder::InstallFirst] {
-        for cmo in [CmoPolicy::Always, CmoPolicy::OnInstall] {
-            let vm = VmConfig {
-                cmo,
-                rebuild,
-                ..base
-            };
-            runs.push((vm, run_format(a, vm, false)?));
-        }
-    }
-    if !a.out.json {
-        print_comparison(a, &runs);
-        return Ok(());
-    }
-    let docs: Vec<_> = runs.iter().map(|(vm, r)| to_json(a, vm, r)).collect();
-    let doc = json!({ "benchmark": "page-table-test", "compare": docs });
-    crate::output::print_json(&doc, &[])
-}
-
-fn run_format(a: &PageTableTestArgs, vm: VmConfig, text: bool) -> CliResult<Run> {
-    Ok(match a.machine.format {
-        FormatArg::Ept => run_on::<slat::Ept>(a, vm, text)?,
-        FormatArg::Stage2 => run_on::<slat::Stage2>(a, vm, text)?,
-    })
-}
-
-/// One run: its figures and its JSON.
-pub struct Ran {
-    run: Run,
-    json: Report,
-}
-
-impl serde::Serialize for Ran {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.json.serialize(s)
-    }
+/// One run (the engine settings at the top level of its JSON, as they always were).
+#[derive(Serialize)]
+pub struct Report {
+    benchmark: &'static str,
+    backend: &'static str,
+    #[serde(flatten)]
+    vm: VmSettings,
+    guest_mode: &'static str,
+    backing: &'static str,
+    granularity: u64,
+    bytes: u64,
+    gpa: u64,
+    vcpus: u32,
+    stages: Vec<StageRow>,
+    #[serde(skip)]
+    host: u64,
+    #[serde(skip)]
+    cfg: VmConfig,
 }
 
 impl Benchmark for PageTableTestArgs {
-    type Report = Ran;
+    type Report = Report;
     const NAME: &'static str = "page-table-test";
 
+    const PRESETS: &'static [Preset<Self>] = COMPARE;
+
+    fn compare(&self) -> bool {
+        self.compare
+    }
+
     fn common(&self) -> Common<'_> {
-        Common {
-            backends: &[],
-            vary: &[],
-            out: &self.out,
-        }
+        Common::of(&[], &self.out)
+    }
+
+    fn refuse(&self) -> Option<String> {
+        (self.compare && self.machine.format != FormatArg::Stage2).then(|| {
+            "--compare varies cache maintenance and the rebuild order, which only --format stage2 has".into()
+        })
     }
 
     fn check(&self) -> CliResult {
-        check_mode(self)?;
+        if self.mode >= GUEST_MODES.len() {
+            let modes = GUEST_MODES.iter().enumerate().map(|(i, m)| {
+                format!(
+                    "{i} ({})",
+                    m.split_whitespace().collect::<Vec<_>>().join(" ")
+                )
+            });
+            let modes = modes.collect::<Vec<_>>().join(", ");
+            let m = self.mode;
+            return Err(CliError::bad(format!(
+                "guest mode {m} is not implemented; -m takes {modes}"
+            )));
+        }
         check(self).map_err(CliError::bad)
     }
 
-    fn measure(&self, _kind: BackendArg) -> CliResult<Ran> {
-        let vm = vm_config(self);
-        let run = run_format(self, vm, !self.out.json)?;
-        let json = to_json(self, &vm, &run);
-        Ok(Ran { run, json })
+    fn measure(&self, _kind: BackendArg) -> CliResult<Report> {
+        Ok(match self.machine.format {
+            FormatArg::Ept => run_on::<slat::Ept>(self)?,
+            FormatArg::Stage2 => run_on::<slat::Stage2>(self)?,
+        })
     }
 
-    fn metrics(&self) -> Vec<Metric<Ran>> {
+    fn metrics(&self) -> Vec<Metric<Report>> {
         METRICS.to_vec()
     }
 
-    fn print(&self, _r: &Ran) {}
+    fn headline(&self) -> Vec<&'static str> {
+        METRICS[..3].iter().map(|m| m.name).collect()
+    }
+
+    fn print(&self, r: &Report) {
+        print_run(self, r)
+    }
+
+    fn print_sweep(&self, sweep: &Sweep<Report>) -> bool {
+        print_comparison(self, sweep);
+        true
+    }
 }
+
+fn stage_time(r: &Report, stage: Stage) -> Option<f64> {
+    let f = r.stages.iter().find(|f| f.stage == stage.name());
+    f.map(|f| f.time.as_secs_f64())
+}
+
+/// The headline figures: each stage's time, and the faults the adjust stage took (fewer with
+/// an install-first rebuild).
+#[rustfmt::skip]
+const METRICS: &[Metric<Report>] = &[
+    lower("create mappings", "s", |r| stage_time(r, Stage::CreateMappings)),
+    lower("update mappings", "s", |r| stage_time(r, Stage::UpdateMappings)),
+    lower("adjust mappings", "s", |r| stage_time(r, Stage::AdjustMappings)),
+    lower("adjust mappings faults", "count", |r| r.stages.get(2).map(|f| f.faults as f64)),
+];
 
 /// The test memory (`-b` aligned up to the backing page size) and what the machine maps for
 /// it: one partition per vCPU, each rounded up to whole pages. Checked arithmetic.
 fn sizes(a: &PageTableTestArgs) -> Result<(u64, u64, u64), String> {
     let large = a.backing.page_size().max(PAGE_SIZE);
     let overflow = || {
-        format!(
-            "-b {} -v {}: the test memory overflows 64 bits",
-            a.bytes, a.vcpus
-        )
+        let (b, v) = (a.bytes, a.vcpus);
+        format!("-b {b} -v {v}: the test memory overflows 64 bits")
     };
-    let bytes = a
-        .bytes
-        .div_ceil(large)
-        .checked_mul(large)
-        .ok_or_else(overflow)?;
+    let bytes = a.bytes.div_ceil(large).checked_mul(large);
+    let bytes = bytes.ok_or_else(overflow)?;
     let per_vcpu = (bytes / a.vcpus as u64).div_ceil(PAGE_SIZE) * PAGE_SIZE;
     let total = per_vcpu.checked_mul(a.vcpus as u64).ok_or_else(overflow)?;
     Ok((bytes, per_vcpu, total))
@@ -238,13 +247,11 @@ fn sizes(a: &PageTableTestArgs) -> Result<(u64, u64, u64), String> {
 fn check(a: &PageTableTestArgs) -> Result<(), String> {
     let (_, _, total) = sizes(a)?;
     let align = a.backing.page_size().max(PAGE_SIZE);
-    if let Some(g) = a.gpa {
-        if g % align != 0 {
-            return Err(format!(
-                "-p {g:#x}: the guest physical offset is not aligned to the backing page size ({align:#x}, -s {})",
-                a.backing.name()
-            ));
-        }
+    if let Some(g) = a.gpa.filter(|g| g % align != 0) {
+        return Err(format!(
+            "-p {g:#x}: the guest physical offset is not aligned to the backing page size ({align:#x}, -s {})",
+            a.backing.name()
+        ));
     }
     let mem = GuestMemory {
         flags: format!("-b {} -v {}", a.bytes, a.vcpus),
@@ -252,120 +259,6 @@ fn check(a: &PageTableTestArgs) -> Result<(), String> {
     };
     mem.fits_gpa(&[BackendArg::Sim], a.machine.format, a.gpa)?;
     mem.fits_host(a.backing, 2, a.machine.tlb_bytes(a.vcpus))
-}
-
-/// One configuration's run.
-#[derive(Clone)]
-struct Run {
-    bytes: u64,
-    large: u64,
-    gpa: u64,
-    stages: Vec<StageFigures>,
-}
-
-/// The `--compare` table: stage times per configuration (cache maintenance policy × block
-/// rebuild order), and each patch's improvement.
-fn print_comparison(a: &PageTableTestArgs, runs: &[(VmConfig, Run)]) {
-    let time = |cmo, rebuild, stage| stage_of(runs, cmo, rebuild, stage);
-    println!(
-        "page-table-test --compare: -s {} -b {} -v {} --format stage2, eager split {}, recover {}",
-        a.backing.name(),
-        format_size(runs[0].1.bytes),
-        a.vcpus,
-        if a.eager_split.on() { "on" } else { "off" },
-        runs[0].0.recover.name()
-    );
-    println!(
-        "{:<22} {:>14} {:>14} {:>14} {:>14}",
-        "stage", "always+brk1st", "oninst+brk1st", "always+inst1st", "oninst+inst1st"
-    );
-    for stage in Stage::ALL {
-        println!(
-            "{:<22} {:>13.6}s {:>13.6}s {:>13.6}s {:>13.6}s",
-            stage.name(),
-            time(CmoPolicy::Always, RebuildOrder::BreakFirst, stage).as_secs_f64(),
-            time(CmoPolicy::OnInstall, RebuildOrder::BreakFirst, stage).as_secs_f64(),
-            time(CmoPolicy::Always, RebuildOrder::InstallFirst, stage).as_secs_f64(),
-            time(CmoPolicy::OnInstall, RebuildOrder::InstallFirst, stage).as_secs_f64(),
-        );
-    }
-    println!();
-    print_patches(runs);
-}
-
-/// A stage's time in the configuration `cmo` × `rebuild` (zero if it did not run).
-fn stage_of(
-    runs: &[(VmConfig, Run)],
-    cmo: CmoPolicy,
-    rebuild: RebuildOrder,
-    stage: Stage,
-) -> Duration {
-    runs.iter()
-        .find(|(vm, _)| vm.cmo == cmo && vm.rebuild == rebuild)
-        .and_then(|(_, r)| r.stages.iter().find(|f| f.stage == stage))
-        .map_or(Duration::ZERO, |f| f.time)
-}
-
-/// How much shorter `after` is than `before`, in percent.
-fn gain(before: Duration, after: Duration) -> f64 {
-    if before.is_zero() {
-        0.0
-    } else {
-        100.0 * (before.as_secs_f64() - after.as_secs_f64()) / before.as_secs_f64()
-    }
-}
-
-/// Each patch's improvement, stage by stage.
-fn print_patches(runs: &[(VmConfig, Run)]) {
-    let time = |cmo, rebuild, stage| stage_of(runs, cmo, rebuild, stage);
-    println!(
-        "Patch 1 (CMOs only by the installing fault), always -> on-install, rebuild break-first:"
-    );
-    for stage in Stage::ALL {
-        let (b, af) = (
-            time(CmoPolicy::Always, RebuildOrder::BreakFirst, stage),
-            time(CmoPolicy::OnInstall, RebuildOrder::BreakFirst, stage),
-        );
-        println!(
-            "  {}: before {} -> after {}  {:+.2}%",
-            stage.name(),
-            ts(b),
-            ts(af),
-            gain(b, af)
-        );
-    }
-    println!("Patch 2 (install the block first), break-first -> install-first, cmo on-install:");
-    let (b, af) = (
-        time(
-            CmoPolicy::OnInstall,
-            RebuildOrder::BreakFirst,
-            Stage::AdjustMappings,
-        ),
-        time(
-            CmoPolicy::OnInstall,
-            RebuildOrder::InstallFirst,
-            Stage::AdjustMappings,
-        ),
-    );
-    println!(
-        "  {}: before {} -> after {}  {:+.2}%",
-        Stage::AdjustMappings.name(),
-        ts(b),
-        ts(af),
-        gain(b, af)
-    );
-    let faults = |rebuild: RebuildOrder| {
-        runs.iter()
-            .find(|(vm, _)| vm.cmo == CmoPolicy::OnInstall && vm.rebuild == rebuild)
-            .and_then(|(_, r)| r.stages.iter().find(|f| f.stage == Stage::AdjustMappings))
-            .map_or(0, |f| f.faults)
-    };
-    println!(
-        "  faults taken during {}: break-first {}, install-first {}",
-        Stage::AdjustMappings.name(),
-        faults(RebuildOrder::BreakFirst),
-        faults(RebuildOrder::InstallFirst)
-    );
 }
 
 fn vm_config(a: &PageTableTestArgs) -> VmConfig {
@@ -384,10 +277,9 @@ fn vm_config(a: &PageTableTestArgs) -> VmConfig {
     }
 }
 
-fn run_on<F: PteFormat>(a: &PageTableTestArgs, vm: VmConfig, text: bool) -> Result<Run, String> {
-    let q = quiet(a.out.json);
+fn run_on<F: PteFormat>(a: &PageTableTestArgs) -> Result<Report, String> {
+    let cfg = vm_config(a);
     let large = a.backing.page_size().max(PAGE_SIZE);
-    let vcpus = a.vcpus as usize;
     // The machine gives each vCPU a partition; the test shares one region, so the partitions
     // only size it (rounded up to whole pages) and the stages run over its first `bytes`.
     let (bytes, per_vcpu, _) = sizes(a)?;
@@ -396,18 +288,18 @@ fn run_on<F: PteFormat>(a: &PageTableTestArgs, vm: VmConfig, text: bool) -> Resu
         format!(
             "sim ({}, cmo {}, rebuild {}): mapping {} of {} guest RAM and as much host memory for the native baseline",
             a.machine.format.name(),
-            vm.cmo.name(),
-            vm.rebuild.name(),
+            cfg.cmo.name(),
+            cfg.rebuild.name(),
             format_size(bytes),
             a.backing.name()
         ),
-        q,
+        quiet(a.out.json),
     );
     let m = Machine::<F>::new(MachineConfig {
-        vm,
+        vm: cfg,
         region: RegionSpec {
             backing: a.backing,
-            vcpus,
+            vcpus: a.vcpus as usize,
             bytes_per_vcpu: per_vcpu,
             overlap: true,
             prefault,
@@ -421,44 +313,34 @@ fn run_on<F: PteFormat>(a: &PageTableTestArgs, vm: VmConfig, text: bool) -> Resu
     .map_err(|e| e.to_string())?;
     let native_ram = GuestRam::new(a.backing, bytes, prefault).map_err(|e| e.to_string())?;
     p.done();
-    let layout = m.layout();
-    if text {
-        print_header(a, &vm, bytes, &layout);
-    }
-    let mut figures = Vec::new();
-    for stage in Stage::ALL {
-        let f = run_stage(&m, &native_ram, stage, large, bytes, a)?;
-        if text {
-            print_stage(&f, a.machine.format);
-        }
-        figures.push(f);
-    }
-    Ok(Run {
+    let params = |stage| StageParams {
+        stage,
+        large_page: large,
         bytes,
-        large,
+    };
+    let stages = Stage::ALL.map(|s| run_stage(&m, &native_ram, params(s), a));
+    let layout = m.layout();
+    Ok(Report {
+        benchmark: "page-table-test",
+        backend: "sim",
+        vm: VmSettings::new(
+            BackendArg::Sim,
+            a.machine.format,
+            &cfg,
+            a.machine.tlb_entries,
+            a.machine.pcpus,
+            prefault,
+        ),
+        guest_mode: GUEST_MODES[a.mode],
+        backing: a.backing.name(),
+        granularity: large,
+        bytes,
         gpa: layout.gpa,
-        stages: figures,
+        vcpus: a.vcpus,
+        stages: stages.into_iter().collect::<Result<_, _>>()?,
+        host: layout.host,
+        cfg,
     })
-}
-
-/// The text header, in the kernel selftest's words.
-fn print_header(a: &PageTableTestArgs, vm: &VmConfig, bytes: u64, layout: &Layout) {
-    let large = a.backing.page_size().max(PAGE_SIZE);
-    let vcpus = a.vcpus as usize;
-    println!("Testing guest mode: {}", GUEST_MODES[a.mode]);
-    println!("Testing memory backing src type: {}", a.backing.name());
-    println!("Testing memory backing src granularity: {large:#x}");
-    println!("Testing memory size(aligned): {bytes:#x}");
-    println!("Guest physical test memory offset: {:#x}", layout.gpa);
-    println!("Host  virtual  test memory offset: {:#x}", layout.host);
-    println!("Number of testing vCPUs: {vcpus}");
-    println!("{}", format_header(BackendArg::Sim, a.machine.format, vm));
-    println!(
-        "Dirty logging: eager split {}, blocks recovered {}",
-        if vm.eager_split { "on" } else { "off" },
-        vm.recover.name()
-    );
-    println!("Started all vCPUs successfully");
 }
 
 /// Runs one stage on `m` (switching dirty logging first where the stage needs it) and the
@@ -466,210 +348,155 @@ fn print_header(a: &PageTableTestArgs, vm: &VmConfig, bytes: u64, layout: &Layou
 fn run_stage<F: PteFormat>(
     m: &Machine<F>,
     native_ram: &GuestRam,
-    stage: Stage,
-    large: u64,
-    bytes: u64,
+    params: StageParams,
     a: &PageTableTestArgs,
-) -> Result<StageFigures, String> {
-    let q = quiet(a.out.json);
-    let vcpus = a.vcpus as usize;
+) -> Result<StageRow, String> {
+    let (stage, vcpus) = (params.stage, a.vcpus as usize);
     // Counted from before the logging switch: recovering blocks when logging stops is
     // part of what the adjust stage measures.
     let before = m.vm().stats();
     let logging_switch = match stage {
         Stage::CreateMappings => None,
         Stage::UpdateMappings | Stage::AdjustMappings => {
+            let t0 = Instant::now();
             let on = stage == Stage::UpdateMappings;
-            let t0 = std::time::Instant::now();
             m.set_dirty_logging(on).map_err(|e| e.to_string())?;
             Some(t0.elapsed())
         }
     };
-    let params = StageParams {
-        stage,
-        large_page: large,
-        bytes,
-    };
-    let p = Phase::start(format!("{} on {vcpus} vCPU(s)", stage.name()), q);
+    let p = Phase::start(
+        format!("{} on {vcpus} vCPU(s)", stage.name()),
+        quiet(a.out.json),
+    );
     let run = m.run(Workload::Stage(params)).map_err(|e| e.to_string())?;
     let after = m.vm().stats();
     p.done();
     let native = native_stage_baseline(native_ram, params, vcpus)
         .ok_or("the native baseline's memory is smaller than the test region")?;
-    Ok(StageFigures {
-        stage,
+    let d = |f: fn(&Stats) -> u64| f(&after).saturating_sub(f(&before));
+    Ok(StageRow {
+        stage: stage.name(),
         time: run.wall,
         native,
-        faults: run.vcpus.iter().map(|v| v.counters.faults).sum(),
-        stats: delta(&before, &after),
+        ratio: ratio(run.wall, native),
         logging_switch,
+        faults: run.vcpus.iter().map(|v| v.counters.faults).sum(),
+        pf_fixed: d(|s| s.pf_fixed),
+        pf_fast: d(|s| s.pf_fast),
+        pf_spurious: d(|s| s.pf_spurious),
+        pf_retry: d(|s| s.pf_retry),
+        splits: d(|s| s.splits),
+        rebuilds: d(|s| s.recoveries),
+        remote_tlb_flushes: d(|s| s.remote_tlb_flush),
+        bbm_breaks: d(|s| s.bbm_breaks),
+        cache_cleans: d(|s| s.cache_cleans),
+        cache_clean_bytes: d(|s| s.cache_clean_bytes),
     })
 }
 
-/// Counters that moved during a stage.
-fn delta(b: &Stats, a: &Stats) -> Stats {
-    Stats {
-        pf_fixed: a.pf_fixed - b.pf_fixed,
-        pf_fast: a.pf_fast - b.pf_fast,
-        pf_spurious: a.pf_spurious - b.pf_spurious,
-        pf_retry: a.pf_retry - b.pf_retry,
-        remote_tlb_flush: a.remote_tlb_flush - b.remote_tlb_flush,
-        splits: a.splits - b.splits,
-        recoveries: a.recoveries - b.recoveries,
-        bbm_breaks: a.bbm_breaks - b.bbm_breaks,
-        cache_cleans: a.cache_cleans - b.cache_cleans,
-        cache_clean_bytes: a.cache_clean_bytes - b.cache_clean_bytes,
-        ..*a
-    }
-}
-
-fn print_stage(f: &StageFigures, format: FormatArg) {
-    if let Some(d) = f.logging_switch {
-        let what = if f.stage == Stage::UpdateMappings {
-            "Enabling"
-        } else {
-            "Disabling"
-        };
-        println!("{what} dirty logging time: {}", ts(d));
-    }
-    println!("{}: total execution time: {}", f.stage.name(), ts(f.time));
-    let s = &f.stats;
+/// The selftest's lines, then each stage's figures.
+fn print_run(a: &PageTableTestArgs, r: &Report) {
+    let on_off = |b: bool| if b { "on" } else { "off" };
+    println!("Testing guest mode: {}", r.guest_mode);
+    println!("Testing memory backing src type: {}", r.backing);
     println!(
-        "  faults taken: {} (slow path fixed {}, fast path {}, spurious {}, retried {})",
-        f.faults, s.pf_fixed, s.pf_fast, s.pf_spurious, s.pf_retry
+        "Testing memory backing src granularity: {:#x}",
+        r.granularity
+    );
+    println!("Testing memory size(aligned): {:#x}", r.bytes);
+    println!("Guest physical test memory offset: {:#x}", r.gpa);
+    println!("Host  virtual  test memory offset: {:#x}", r.host);
+    println!("Number of testing vCPUs: {}", r.vcpus);
+    println!(
+        "{}",
+        format_header(BackendArg::Sim, a.machine.format, &r.cfg)
     );
     println!(
-        "  blocks split: {}, rebuilt: {}; remote TLB flushes: {}",
-        s.splits, s.recoveries, s.remote_tlb_flush
+        "Dirty logging: eager split {}, blocks recovered {}",
+        on_off(r.cfg.eager_split),
+        r.cfg.recover.name()
     );
-    let i = format.info();
-    if i.break_before_make || i.cache_maintenance {
+    println!("Started all vCPUs successfully");
+    let i = a.machine.format.info();
+    for f in &r.stages {
+        if let Some(d) = f.logging_switch {
+            let on = f.stage == Stage::UpdateMappings.name();
+            let what = if on { "Enabling" } else { "Disabling" };
+            println!("{what} dirty logging time: {}", ts(d));
+        }
+        println!("{}: total execution time: {}", f.stage, ts(f.time));
         println!(
-            "  break-before-make: {} entries broken; cache maintenance: {} passes over {}",
-            s.bbm_breaks,
-            s.cache_cleans,
-            format_size(s.cache_clean_bytes)
+            "  faults taken: {} (slow path fixed {}, fast path {}, spurious {}, retried {})",
+            f.faults, f.pf_fixed, f.pf_fast, f.pf_spurious, f.pf_retry
         );
+        println!(
+            "  blocks split: {}, rebuilt: {}; remote TLB flushes: {}",
+            f.splits, f.rebuilds, f.remote_tlb_flushes
+        );
+        if i.break_before_make || i.cache_maintenance {
+            println!(
+                "  break-before-make: {} entries broken; cache maintenance: {} passes over {}",
+                f.bbm_breaks,
+                f.cache_cleans,
+                format_size(f.cache_clean_bytes)
+            );
+        }
+        println!("  native: {} (guest/native {:.2}x)", ts(f.native), f.ratio);
+        println!();
     }
+}
+
+/// `--compare`'s table (a row per configuration), then each patch's improvement: patch 1
+/// is rows 0 → 1 (cmo always → on-install), patch 2 rows 1 → 3 (break-first → install-first).
+fn print_comparison(a: &PageTableTestArgs, sweep: &Sweep<Report>) {
+    let cfg = vm_config(a);
+    let bytes = sizes(a).map_or(a.bytes, |s| s.0);
     println!(
-        "  native: {} (guest/native {:.2}x)",
-        ts(f.native),
-        ratio(f.time, f.native)
+        "page-table-test --compare: -s {} -b {} -v {} --format stage2, eager split {}, recover {}{}",
+        a.backing.name(),
+        format_size(bytes),
+        a.vcpus,
+        if cfg.eager_split { "on" } else { "off" },
+        cfg.recover.name(),
+        match a.out.repeat {
+            1 => String::new(),
+            n => format!(" (medians of {n} runs per row)"),
+        }
     );
+    sweep.print(METRICS);
+    let t = |row: usize, m: usize| match sweep.sweep.get(row).map(|r| &r.outcome) {
+        Some(RowOutcome::Done(r)) => r.median(&METRICS[m]),
+        _ => None,
+    };
+    let gain = |stage: Stage, before: usize, after: usize| {
+        let m = stage as usize;
+        let (b, af) = (t(before, m), t(after, m));
+        let pct = match (b, af) {
+            (Some(b), Some(af)) if b > 0.0 => format!("{:+.2}%", 100.0 * (b - af) / b),
+            _ => "-".into(),
+        };
+        let s = |x: Option<f64>| x.map_or("-".into(), |x| format!("{x:.9}s"));
+        println!(
+            "  {}: before {} -> after {}  {pct}",
+            stage.name(),
+            s(b),
+            s(af)
+        );
+    };
     println!();
-}
-
-/// One stage's figures, as the report records them.
-#[derive(serde::Serialize)]
-struct StageRow {
-    stage: &'static str,
-    time_s: f64,
-    native_time_s: f64,
-    ratio: f64,
-    logging_switch_time_s: Option<f64>,
-    faults: u64,
-    pf_fixed: u64,
-    pf_fast: u64,
-    pf_spurious: u64,
-    pf_retry: u64,
-    splits: u64,
-    rebuilds: u64,
-    remote_tlb_flushes: u64,
-    bbm_breaks: u64,
-    cache_cleans: u64,
-    cache_clean_bytes: u64,
-}
-
-/// One configuration's run, as its JSON document carries it (the settings at the top level,
-/// as the page-table test always had them).
-#[derive(serde::Serialize)]
-struct Report {
-    benchmark: &'static str,
-    backend: &'static str,
-    #[serde(flatten)]
-    vm: crate::output::VmSettings,
-    guest_mode: &'static str,
-    backing: &'static str,
-    granularity: u64,
-    bytes: u64,
-    gpa: u64,
-    vcpus: u32,
-    stages: Vec<StageRow>,
-}
-
-/// The report of one run, for JSON.
-fn to_json(a: &PageTableTestArgs, vm: &VmConfig, r: &Run) -> Report {
-    let stages = r
-        .stages
-        .iter()
-        .map(|f| {
-            let s = &f.stats;
-            StageRow {
-                stage: f.stage.name(),
-                time_s: f.time.as_secs_f64(),
-                native_time_s: f.native.as_secs_f64(),
-                ratio: ratio(f.time, f.native),
-                logging_switch_time_s: f.logging_switch.map(|d| d.as_secs_f64()),
-                faults: f.faults,
-                pf_fixed: s.pf_fixed,
-                pf_fast: s.pf_fast,
-                pf_spurious: s.pf_spurious,
-                pf_retry: s.pf_retry,
-                splits: s.splits,
-                rebuilds: s.recoveries,
-                remote_tlb_flushes: s.remote_tlb_flush,
-                bbm_breaks: s.bbm_breaks,
-                cache_cleans: s.cache_cleans,
-                cache_clean_bytes: s.cache_clean_bytes,
-            }
-        })
-        .collect();
-    Report {
-        benchmark: "page-table-test",
-        backend: "sim",
-        vm: crate::output::VmSettings::new(
-            crate::args::BackendArg::Sim,
-            a.machine.format,
-            vm,
-            a.machine.tlb_entries,
-            a.machine.pcpus,
-            !a.machine.no_prefault,
-        ),
-        guest_mode: GUEST_MODES[a.mode],
-        backing: a.backing.name(),
-        granularity: r.large,
-        bytes: r.bytes,
-        gpa: r.gpa,
-        vcpus: a.vcpus,
-        stages,
+    println!(
+        "Patch 1 (CMOs only by the installing fault), always -> on-install, rebuild break-first:"
+    );
+    for stage in Stage::ALL {
+        gain(stage, 0, 1);
     }
+    println!("Patch 2 (install the block first), break-first -> install-first, cmo on-install:");
+    gain(Stage::AdjustMappings, 1, 3);
+    let faults = |row| t(row, 3).map_or("-".into(), |f| format!("{f:.0}"));
+    println!(
+        "  faults taken during {}: break-first {}, install-first {}",
+        Stage::AdjustMappings.name(),
+        faults(1),
+        faults(3)
+    );
 }
-
-fn stage_time(r: &Run, stage: Stage) -> Option<f64> {
-    r.stages
-        .iter()
-        .find(|f| f.stage == stage)
-        .map(|f| f.time.as_secs_f64())
-}
-
-/// The figures `--repeat` summarizes: each stage's time.
-const METRICS: &[Metric<Ran>] = &[
-    Metric {
-        name: "create mappings",
-        unit: "s",
-        better: Better::Lower,
-        get: |r| stage_time(&r.run, Stage::CreateMappings),
-    },
-    Metric {
-        name: "update mappings",
-        unit: "s",
-        better: Better::Lower,
-        get: |r| stage_time(&r.run, Stage::UpdateMappings),
-    },
-    Metric {
-        name: "adjust mappings",
-        unit: "s",
-        better: Better::Lower,
-        get: |r| stage_time(&r.run, Stage::AdjustMappings),
-    },
-];
