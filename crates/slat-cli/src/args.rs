@@ -1,12 +1,14 @@
 //! Flags shared by the benchmark subcommands and their value parsers.
 
+use crate::driver::{vary::Vary, Common};
+use crate::limits::{check_backing, GuestMemory};
 use clap::{Args, ValueEnum};
 use slat::{
     CmoPolicy, DirectMapPolicy, DirtyTrack, Ept, GetLogVariant, MmuLockKind, PteFormat,
     RebuildOrder, RecoverVariant, Stage2, VmConfig, WrprotVariant,
 };
 use slat_machine::tlb::DEFAULT_TLB_ENTRIES;
-use slat_workload::{parse_size, Backing};
+use slat_workload::{parse_size, Backing, DirtyConfig, RegionSpec};
 
 /// Parses a KVM-selftest size (`1G`, `512M`, `4096`) that must be a multiple of 4 KiB.
 pub fn guest_size(s: &str) -> Result<u64, String> {
@@ -349,6 +351,15 @@ pub fn check_backends(list: &[BackendArg], engine_only: &[&str]) -> Result<(), S
 }
 
 impl MachineArgs {
+    /// Refuses a `--backend` list these flags cannot run on: a machine twice, `--format
+    /// stage2` with kvm, or kvm with any engine-only flag of this group or of `more`.
+    pub fn check_backends(&self, list: &[BackendArg], more: &[&'static str]) -> Result<(), String> {
+        self.format.check_backends(list)?;
+        let mut engine_only = self.engine_only();
+        engine_only.extend(more);
+        check_backends(list, &engine_only)
+    }
+
     /// The engine-only flags of this group set to a non-default value.
     pub fn engine_only(&self) -> Vec<&'static str> {
         let mut v = Vec::new();
@@ -448,6 +459,15 @@ pub struct OutputArgs {
 }
 
 impl OutputArgs {
+    /// The flags the driver reads, with a benchmark's `--backend` and `--vary`.
+    pub fn common<'a>(&'a self, backends: &'a [BackendArg], vary: &'a [Vary]) -> Common<'a> {
+        Common {
+            backends,
+            vary,
+            out: self,
+        }
+    }
+
     /// Refuses a `--plot` file this process cannot write, before the benchmark runs (the
     /// plot is drawn at the end: a bad path would throw the whole run away).
     pub fn check_paths(&self) -> crate::error::CliResult {
@@ -500,6 +520,38 @@ pub struct Workload {
     /// Overlap: every vCPU works on all of guest memory instead of its own partition.
     #[arg(short = 'o')]
     pub overlap: bool,
+}
+
+impl Workload {
+    /// Sizes the machines on `backends` can hold: `-v` × (`-b` + `extra` bytes) without
+    /// overflow, in the guest physical address space of each machine, and `copies` mappings
+    /// of it at once on this host (the guest, a baseline, a snapshot); `-s` on each machine.
+    pub fn check_fits(
+        &self,
+        backends: &[BackendArg],
+        machine: &MachineArgs,
+        extra: u64,
+        copies: u64,
+    ) -> Result<GuestMemory, String> {
+        check_backing(backends, self.backing)?;
+        let mem = GuestMemory::per_vcpu_plus(self.vcpus, self.bytes, extra)?;
+        mem.fits_gpa(backends, machine.format, None)?;
+        mem.fits_host(self.backing, copies, machine.tlb_bytes(self.vcpus))?;
+        Ok(mem)
+    }
+
+    /// The test region of these flags: one memslot, pre-faulted unless `--no-prefault`.
+    pub fn region(&self, machine: &MachineArgs, dirty: DirtyConfig) -> RegionSpec {
+        RegionSpec {
+            backing: self.backing,
+            vcpus: self.vcpus as usize,
+            bytes_per_vcpu: self.bytes,
+            slots: 1,
+            overlap: self.overlap,
+            prefault: !machine.no_prefault,
+            dirty,
+        }
+    }
 }
 
 /// A `-c` CPU list as given (`0,1,3-5`).

@@ -179,6 +179,33 @@ pub struct Metric<R> {
     pub get: fn(&R) -> Option<f64>,
 }
 
+impl<R> Metric<R> {
+    /// A figure that improves downwards (times, guest/native ratios).
+    pub const fn lower(name: &'static str, unit: &'static str, get: fn(&R) -> Option<f64>) -> Self {
+        let better = Better::Lower;
+        Metric {
+            name,
+            unit,
+            better,
+            get,
+        }
+    }
+    /// A figure that improves upwards (rates).
+    pub const fn higher(
+        name: &'static str,
+        unit: &'static str,
+        get: fn(&R) -> Option<f64>,
+    ) -> Self {
+        let better = Better::Higher;
+        Metric {
+            name,
+            unit,
+            better,
+            get,
+        }
+    }
+}
+
 impl<R> Clone for Metric<R> {
     fn clone(&self) -> Self {
         *self
@@ -203,6 +230,15 @@ pub fn ratio_cell(r: Option<f64>) -> String {
         Some(r) if r < 0.01 => format!("{r:.5}x"),
         Some(r) => format!("{r:.2}x"),
         None => "-".into(),
+    }
+}
+
+/// A figure in a table cell, as its unit wants it (`x`: a ratio).
+pub fn unit_cell(unit: &str, x: Option<f64>) -> String {
+    if unit == "x" {
+        ratio_cell(x)
+    } else {
+        cell(x)
     }
 }
 
@@ -283,13 +319,9 @@ impl<'a, R: Serialize> Comparison<'a, R> {
             .comparison
             .iter()
             .map(|r| {
-                let f = if r.unit == "x" { ratio_cell } else { cell };
-                vec![
-                    r.metric.to_string(),
-                    f(r.first),
-                    f(r.second),
-                    ratio_cell(r.ratio_first_over_second),
-                ]
+                let f = |x| unit_cell(r.unit, x);
+                let ratio = ratio_cell(r.ratio_first_over_second);
+                vec![r.metric.to_string(), f(r.first), f(r.second), ratio]
             })
             .collect();
         print_table(&head, &body);
@@ -357,16 +389,9 @@ impl<R: Serialize> Sweep<R> {
                     .iter()
                     .map(|s| s.split_once('=').map_or(s.as_str(), |(_, v)| v).to_string())
                     .collect();
-                cells.extend(metrics.iter().map(|m| {
-                    let v = match &row.outcome {
-                        RowOutcome::Done(r) => r.median(m),
-                        RowOutcome::Failed(_) => None,
-                    };
-                    if m.unit == "x" {
-                        ratio_cell(v)
-                    } else {
-                        cell(v)
-                    }
+                cells.extend(metrics.iter().map(|m| match &row.outcome {
+                    RowOutcome::Done(r) => unit_cell(m.unit, r.median(m)),
+                    RowOutcome::Failed(_) => unit_cell(m.unit, None),
                 }));
                 cells
             })
@@ -462,30 +487,15 @@ impl<R: Serialize> Repeated<R> {
             "Summary over {} runs (spread = (max - min) / median; the better column says which way each figure improves):",
             self.repeat
         );
-        let head: Vec<String> = ["metric", "median", "min", "max", "spread", "better"]
-            .map(String::from)
-            .to_vec();
+        let head = ["metric", "median", "min", "max", "spread", "better"];
         let rows: Vec<Vec<String>> = self
             .summary
             .iter()
             .map(|s| {
-                let f = |x: Option<f64>| {
-                    if s.unit == "x" {
-                        ratio_cell(x)
-                    } else {
-                        cell(x)
-                    }
-                };
-                vec![
-                    unit_head(s.metric, s.unit),
-                    f(s.median),
-                    f(s.min),
-                    f(s.max),
-                    s.spread
-                        .map(|p| format!("{:.1}%", p * 100.0))
-                        .unwrap_or_else(|| "-".into()),
-                    s.better.word().to_string(),
-                ]
+                let f = |x| unit_cell(s.unit, x);
+                let (md, lo, hi, sp) = (f(s.median), f(s.min), f(s.max), spread_cell(s.spread));
+                let better = s.better.word().to_string();
+                vec![unit_head(s.metric, s.unit), md, lo, hi, sp, better]
             })
             .collect();
         print_table(&head, &rows);
@@ -495,8 +505,14 @@ impl<R: Serialize> Repeated<R> {
     }
 }
 
+/// A spread in a table cell, as a percentage of the median.
+pub fn spread_cell(spread: Option<f64>) -> String {
+    spread.map_or_else(|| "-".into(), |p| format!("{:.1}%", p * 100.0))
+}
+
 /// Prints a Markdown table: `head` columns, then `rows`.
-pub fn print_table(head: &[String], rows: &[Vec<String>]) {
+pub fn print_table<S: AsRef<str>>(head: &[S], rows: &[Vec<String>]) {
+    let head: Vec<String> = head.iter().map(|h| h.as_ref().to_string()).collect();
     let widths: Vec<usize> = (0..head.len())
         .map(|c| {
             rows.iter()
@@ -514,7 +530,7 @@ pub fn print_table(head: &[String], rows: &[Vec<String>]) {
             .collect();
         println!("| {} |", padded.join(" | "));
     };
-    line(head);
+    line(&head);
     let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
     println!("|-{}-|", rule.join("-|-"));
     for r in rows {
@@ -590,4 +606,16 @@ pub struct RunHead {
     pub backend: &'static str,
     /// The page-table format (`null` on kvm).
     pub format: Option<&'static str>,
+}
+
+impl RunHead {
+    /// `benchmark` on `kind`, with the simulated machine's `format`.
+    pub fn new(benchmark: &'static str, kind: BackendArg, format: FormatArg) -> RunHead {
+        let (backend, format) = (kind.name(), format_name(kind, format));
+        RunHead {
+            benchmark,
+            backend,
+            format,
+        }
+    }
 }
