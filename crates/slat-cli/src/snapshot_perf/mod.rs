@@ -18,34 +18,25 @@
 //! order and machine, in this process, and one table.
 
 mod text;
-use text::{f1, print_comparison, print_run, print_summary, rx};
-
 mod vary;
 
 use self::vary::VARY;
-use crate::driver::{self, Benchmark, Common};
-use crate::output::Sweep;
-
 use crate::args::{
-    check_backends, check_kvm_ring, BackendArg, ClearChunk, FormatArg, LogArgs, MachineArgs,
-    OutputArgs, Workload,
+    check_kvm_ring, BackendArg, ClearChunk, LogArgs, MachineArgs, OutputArgs, Workload,
 };
-use crate::backend::dirty_config;
+use crate::backend::{self, dirty_config, CliMachine, OnMachine, Spec};
+use crate::driver::{self, Benchmark, Common};
 use crate::error::{CliError, CliResult};
-use crate::limits::{check_backing, GuestMemory};
-use crate::output::{
-    format_name, print_json, print_table, summarize, Better, Metric, MetricSummary, VmSettings,
-};
+use crate::output::{format_name, print_json, summarize, Metric, MetricSummary, Sweep, VmSettings};
 use crate::report::{quiet, Phase};
 use clap::Args;
 use hdrhistogram::Histogram;
 use serde::Serialize;
-use slat::{Ept, PteFormat, Stage2};
 use slat_addr::PAGE_SIZE;
 use slat_harness::{MachineSnapshot, ResetReport};
-use slat_machine::{Machine, MachineConfig};
-use slat_workload::{GuestRam, PassParams, Pattern, RegionSpec, TestMachine};
+use slat_workload::{GuestRam, PassParams, Pattern, TestMachine};
 use std::time::{Duration, Instant};
+use text::{print_comparison, print_run, print_summary};
 
 /// Flags of `slat snapshot-perf`.
 #[derive(Debug, Clone, Args)]
@@ -115,21 +106,14 @@ pub struct Config {
     /// Engine and machine settings.
     #[serde(flatten)]
     pub vm: VmSettings,
-    /// `-v`.
     pub vcpus: u32,
-    /// `-b`.
     pub bytes_per_vcpu: u64,
-    /// `-s`.
     pub backing: &'static str,
-    /// `-o`.
     pub overlap: bool,
-    /// `-a`.
     pub random: bool,
-    /// `-i`.
     pub iterations: u32,
     /// `get` (GET clears), `clear` (GET + CLEAR) or `ring`.
     pub log: &'static str,
-    /// `--verify`.
     pub verify: bool,
 }
 
@@ -238,11 +222,7 @@ impl Benchmark for SnapshotPerfArgs {
     }
 
     fn common(&self) -> Common<'_> {
-        Common {
-            backends: &self.backend,
-            vary: &self.vary,
-            out: &self.out,
-        }
+        self.out.common(&self.backend, &self.vary)
     }
 
     fn check(&self) -> CliResult {
@@ -266,7 +246,7 @@ impl Benchmark for SnapshotPerfArgs {
     }
 
     fn print_sweep(&self, sweep: &Sweep<Run>) -> bool {
-        vary::print_sweep(self, sweep);
+        text::print_sweep(self, sweep);
         true
     }
 
@@ -289,24 +269,13 @@ impl Benchmark for SnapshotPerfArgs {
 /// The headline figures (the bars of `--plot`): the reset at the smallest and largest k, and
 /// the full copy.
 const METRICS: &[Metric<Run>] = &[
-    Metric {
-        name: "reset p50, smallest k",
-        unit: "us",
-        better: Better::Lower,
-        get: |r| r.rows.first().map(|k| k.reset_p50_us),
-    },
-    Metric {
-        name: "reset p50, largest k",
-        unit: "us",
-        better: Better::Lower,
-        get: |r| r.rows.last().map(|k| k.reset_p50_us),
-    },
-    Metric {
-        name: "full-copy reset p50",
-        unit: "us",
-        better: Better::Lower,
-        get: |r| Some(r.full_copy.p50_us),
-    },
+    Metric::lower("reset p50, smallest k", "us", |r| {
+        r.rows.first().map(|k| k.reset_p50_us)
+    }),
+    Metric::lower("reset p50, largest k", "us", |r| {
+        r.rows.last().map(|k| k.reset_p50_us)
+    }),
+    Metric::lower("full-copy reset p50", "us", |r| Some(r.full_copy.p50_us)),
 ];
 
 /// The one document of every machine's runs, or the summaries under the runs' text.
@@ -333,8 +302,7 @@ fn finish(a: &SnapshotPerfArgs, all: Vec<(BackendArg, Vec<Run>)>) -> CliResult {
 
 /// Refuses what cannot run, with the flag to change (exit status 2).
 fn check(a: &SnapshotPerfArgs) -> Result<(), String> {
-    a.machine.format.check_backends(&a.backend)?;
-    check_backends(&a.backend, &a.machine.engine_only())?;
+    a.machine.check_backends(&a.backend, &[])?;
     if a.log.clear_chunk != ClearChunk::Slot {
         return Err(
             "--clear-chunk: snapshot-perf re-arms a whole memslot per CLEAR; drop --clear-chunk"
@@ -344,14 +312,11 @@ fn check(a: &SnapshotPerfArgs) -> Result<(), String> {
     if a.log.dirty_ring.is_some() && a.log.no_manual {
         return Err("-g selects GET that clears, --dirty-ring the rings: give one".into());
     }
-    check_backing(&a.backend, a.work.backing)?;
     if let Some(ring) = a.log.dirty_ring {
         check_kvm_ring(&a.backend, ring, "--dirty-ring")?;
     }
-    let mem = GuestMemory::per_vcpu(a.work.vcpus, a.work.bytes)?;
-    mem.fits_gpa(&a.backend, a.machine.format, None)?;
     // The machine, the snapshot and the floor's two buffers.
-    mem.fits_host(a.work.backing, 4, a.machine.tlb_bytes(a.work.vcpus))?;
+    a.work.check_fits(&a.backend, &a.machine, 0, 4)?;
     let all = a.work.bytes / PAGE_SIZE;
     if let Some(KValue::Pages(k)) =
         a.k.iter()
@@ -440,46 +405,29 @@ fn on_machine(
     k: u64,
     full: bool,
 ) -> CliResult<(KRow, Option<FullCopy>)> {
-    let region = RegionSpec {
-        backing: a.work.backing,
-        vcpus: a.work.vcpus as usize,
-        bytes_per_vcpu: k * PAGE_SIZE,
-        slots: 1,
-        overlap: a.work.overlap,
-        prefault: !a.machine.no_prefault,
-        dirty: dirty_config(
-            a.log.dirty_ring.is_none() && !a.log.no_manual,
-            a.log.dirty_ring.unwrap_or(0),
-        ),
-    };
-    match (kind, a.machine.format) {
-        (BackendArg::Sim, FormatArg::Ept) => sim::<Ept>(a, region, full),
-        (BackendArg::Sim, FormatArg::Stage2) => sim::<Stage2>(a, region, full),
-        (BackendArg::Kvm, _) => {
-            let m = slat_kvm::KvmMachine::new(slat_kvm::KvmConfig {
-                region,
-                ..slat_kvm::KvmConfig::default()
-            })
-            .map_err(|e| CliError::Runtime(e.to_string()))?;
-            Bench::new(a, &m, m.ram()).run(full)
-        }
-    }
+    let l = &a.log;
+    let dirty = dirty_config(
+        l.dirty_ring.is_none() && !l.no_manual,
+        l.dirty_ring.unwrap_or(0),
+    );
+    let mut region = a.work.region(&a.machine, dirty);
+    region.bytes_per_vcpu = k * PAGE_SIZE;
+    let spec = Spec::new(&a.machine, region, a.machine.vm_config());
+    backend::visit(kind, &spec, OnK { a, full })
 }
 
-fn sim<F: PteFormat>(
-    a: &SnapshotPerfArgs,
-    region: RegionSpec,
+/// One machine's measurement, on a machine of any type.
+struct OnK<'a> {
+    a: &'a SnapshotPerfArgs,
     full: bool,
-) -> CliResult<(KRow, Option<FullCopy>)> {
-    let m = Machine::<F>::new(MachineConfig {
-        vm: a.machine.vm_config(),
-        region,
-        tlb_entries: a.machine.tlb_entries,
-        pcpus: a.machine.pcpus.unwrap_or(0),
-        ..MachineConfig::default()
-    })
-    .map_err(|e| CliError::Runtime(e.to_string()))?;
-    Bench::new(a, &m, m.ram()).run(full)
+}
+
+impl OnMachine for OnK<'_> {
+    type Out = (KRow, Option<FullCopy>);
+    fn run<M: TestMachine + CliMachine>(self, m: &M) -> CliResult<Self::Out> {
+        let ram = m.guest_ram();
+        Bench { a: self.a, m, ram }.run(self.full)
+    }
 }
 
 /// One machine's measurement.
@@ -525,10 +473,6 @@ impl Split {
 }
 
 impl<'a, M: TestMachine> Bench<'a, M> {
-    fn new(a: &'a SnapshotPerfArgs, m: &'a M, ram: &'a GuestRam) -> Self {
-        Bench { a, m, ram }
-    }
-
     /// Iteration `i`'s pass: a new seed each time, so random passes dirty other pages.
     fn params(&self, i: u32) -> PassParams {
         PassParams {
@@ -700,12 +644,7 @@ impl Floor {
 
 /// Per backend and k, the reset p50 over the repeats.
 fn summary(runs: &[Run], repeat: usize) -> Vec<KSummary> {
-    const P50: Metric<f64> = Metric {
-        name: "reset p50",
-        unit: "us",
-        better: Better::Lower,
-        get: |x| Some(*x),
-    };
+    const P50: Metric<f64> = Metric::lower("reset p50", "us", |x| Some(*x));
     let mut out = Vec::new();
     for group in runs.chunks(repeat.max(1)) {
         for (j, row) in group[0].rows.iter().enumerate() {
