@@ -20,21 +20,17 @@ pub const STALL_NS: u64 = 1_000;
 /// One side of the contrast: the vCPUs writing with or without harvests running.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct PhaseFigures {
-    /// Harvests in the phase.
     pub harvests: usize,
     /// Mean harvest time (get plus clear or ring reset).
     #[serde(rename = "harvest_avg_s", serialize_with = "secs")]
     pub harvest_avg: Duration,
-    /// Slowest harvest.
     #[serde(rename = "harvest_max_s", serialize_with = "secs")]
     pub harvest_max: Duration,
-    /// Pages the vCPUs touched in the phase.
     pub pages_touched: u64,
     /// Pages touched per second of guest time: `pages_touched` over the vCPUs' wall time.
     pub guest_pages_per_s: f64,
     /// Every vCPU's recorded write latencies (what is recorded: `latency_recorded`).
     pub write_latency: LatencySummary,
-    /// Per vCPU.
     pub write_latency_per_vcpu: Vec<LatencySummary>,
     /// Recorded writes of at least [`STALL_NS`] (a real guest's exits); `null` on a machine
     /// that records only faulting writes.

@@ -20,13 +20,9 @@ pub const SCHEMA_VERSION: u32 = 1;
 /// The document printed by `--json`: the envelope, then the body's fields at the top level.
 #[derive(Serialize)]
 pub struct Document<'a, B: Serialize> {
-    /// [`SCHEMA_VERSION`].
     pub schema_version: u32,
-    /// The slat version that produced it.
     pub slat_version: &'static str,
-    /// The host the numbers were measured on.
     pub host: HostFacts,
-    /// The report.
     #[serde(flatten)]
     pub body: &'a B,
 }
@@ -64,27 +60,17 @@ pub fn opt_secs<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::E
 pub struct VmSettings {
     /// `--format` on the simulated machine; `null` on kvm (the host's own page tables).
     pub format: Option<&'static str>,
-    /// `--mmu-lock`.
     pub mmu_lock: &'static str,
-    /// `--fast-pf`.
     pub fast_pf: bool,
-    /// `--ad-bits`.
     pub ad_bits: bool,
-    /// `--get-dirty-log`.
     pub get_dirty_log: &'static str,
-    /// `--dirty-tracking`.
     pub dirty_tracking: &'static str,
-    /// `--eager-split`.
     pub eager_split: bool,
-    /// `--recover`.
     pub recover: &'static str,
-    /// `--cmo`.
     pub cmo: &'static str,
-    /// `--rebuild`.
     pub rebuild: &'static str,
     /// `--wrprot` (lockless write-protect through the reverse map).
     pub wrprot: &'static str,
-    /// `--tlb-entries`.
     pub tlb_entries: usize,
     /// Physical CPUs the simulated vCPUs ran on (`null` on kvm).
     pub pcpus: Option<usize>,
@@ -252,17 +238,12 @@ fn quotient(p: Option<f64>, q: Option<f64>) -> Option<f64> {
 /// One row of a two-machine comparison.
 #[derive(Debug, Clone, Serialize)]
 pub struct CompareRow {
-    /// The metric's name.
     pub metric: &'static str,
-    /// Its unit.
     pub unit: &'static str,
     /// Which way is better.
     pub better: Better,
-    /// On the first machine.
     pub first: Option<f64>,
-    /// On the second machine.
     pub second: Option<f64>,
-    /// first / second.
     pub ratio_first_over_second: Option<f64>,
 }
 
@@ -270,11 +251,9 @@ pub struct CompareRow {
 /// medians, with `--repeat`).
 #[derive(Serialize)]
 pub struct Comparison<'a, R: Serialize> {
-    /// The benchmark's name.
     pub benchmark: &'static str,
     /// The two machines, in the order run.
     pub backends: [&'static str; 2],
-    /// One row per metric.
     pub comparison: Vec<CompareRow>,
     /// The two machines' runs, in the order of `backends`: a report each, or with
     /// `--repeat` each machine's summary and runs.
@@ -333,9 +312,7 @@ impl<'a, R: Serialize> Comparison<'a, R> {
 #[derive(Serialize)]
 #[serde(untagged)]
 pub enum Runs<R: Serialize> {
-    /// `--repeat 1`.
     One(R),
-    /// `--repeat N`.
     Many(Repeated<R>),
 }
 
@@ -366,7 +343,6 @@ impl<R: Serialize> Runs<R> {
 /// sweep).
 #[derive(Serialize)]
 pub struct Sweep<R: Serialize> {
-    /// The benchmark's name.
     pub benchmark: &'static str,
     /// The varied keys, in the order given (the first varies slowest).
     pub varied: Vec<&'static str>,
@@ -411,19 +387,14 @@ fn unit_head(name: &str, unit: &str) -> String {
 /// Median, minimum, maximum and spread of one metric over `--repeat` runs.
 #[derive(Debug, Clone, Serialize)]
 pub struct MetricSummary {
-    /// The metric's name.
     pub metric: &'static str,
-    /// Its unit.
     pub unit: &'static str,
     /// Which way is better.
     pub better: Better,
-    /// Runs that had the figure.
     pub runs: usize,
     /// The median (the mean of the middle two for an even count).
     pub median: Option<f64>,
-    /// The smallest.
     pub min: Option<f64>,
-    /// The largest.
     pub max: Option<f64>,
     /// (max - min) / median: how far apart the runs were, relative to the median.
     pub spread: Option<f64>,
@@ -459,11 +430,8 @@ pub fn summarize<R>(m: &Metric<R>, runs: &[R]) -> MetricSummary {
 /// `--repeat N`: every run's report and the summary of each metric.
 #[derive(Serialize)]
 pub struct Repeated<R: Serialize> {
-    /// The benchmark's name.
     pub benchmark: &'static str,
-    /// Times the benchmark ran.
     pub repeat: usize,
-    /// One per metric.
     pub summary: Vec<MetricSummary>,
     /// The runs, in order.
     pub runs: Vec<R>,
@@ -542,9 +510,7 @@ pub fn print_table<S: AsRef<str>>(head: &[S], rows: &[Vec<String>]) {
 /// key, and the row's report or why it failed (a failed row does not stop the sweep).
 #[derive(Serialize)]
 pub struct FallibleRow<T> {
-    /// `key=value` of every varied key.
     pub settings: Vec<String>,
-    /// The report, or the error.
     #[serde(flatten)]
     pub outcome: RowOutcome<T>,
 }
@@ -552,10 +518,8 @@ pub struct FallibleRow<T> {
 /// A [`FallibleRow`]'s result.
 #[derive(Serialize)]
 pub enum RowOutcome<T> {
-    /// The row's report.
     #[serde(rename = "result")]
     Done(Box<T>),
-    /// Why it failed.
     #[serde(rename = "error")]
     Failed(String),
 }
@@ -600,9 +564,7 @@ mod tests {
 /// its JSON, so the document keeps `benchmark`, `backend` and `format` at the top).
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct RunHead {
-    /// The subcommand, e.g. `dirty-log-perf`.
     pub benchmark: &'static str,
-    /// `sim` or `kvm`.
     pub backend: &'static str,
     /// The page-table format (`null` on kvm).
     pub format: Option<&'static str>,

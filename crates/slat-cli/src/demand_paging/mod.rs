@@ -102,16 +102,13 @@ pub struct NativeFigures {
 /// What the userfaultfd handlers did (`-u`).
 #[derive(Debug, Clone, Serialize)]
 pub struct UffdFigures {
-    /// `MISSING` or `MINOR`.
     pub mode: &'static str,
-    /// `UFFDIO_COPY` or `UFFDIO_CONTINUE`.
     pub ioctl: &'static str,
     pub uffds: usize,
     pub readers_per_uffd: usize,
     /// Bytes each fault paged in (the backing's page size).
     pub page_size: u64,
     pub delay_us: u64,
-    /// Faults the handlers resolved.
     pub pages_served: u64,
     /// Faults on pages already served (woken, `EEXIST`).
     pub already_present: u64,
@@ -127,7 +124,6 @@ pub struct Report {
     #[serde(flatten)]
     pub head: RunHead,
     pub config: Config,
-    /// The first-touch pass, all vCPUs.
     #[serde(rename = "total_guest_execution_time_s", serialize_with = "secs")]
     pub total: Duration,
     #[serde(rename = "per_vcpu_demand_paging_rate_pgs_per_s")]
@@ -138,7 +134,6 @@ pub struct Report {
     pub per_vcpu_time_s: Vec<f64>,
     pub native: NativeFigures,
     pub ratio_guest_over_native: f64,
-    /// The machine's counters.
     pub stats: serde_json::Value,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub uffd: Option<UffdFigures>,
@@ -147,7 +142,6 @@ pub struct Report {
     pub machine_lines: Vec<String>,
     #[serde(skip)]
     pub format_header: String,
-    /// Start of guest test memory.
     #[serde(skip)]
     pub gpa: u64,
 }

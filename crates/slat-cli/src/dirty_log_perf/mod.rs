@@ -83,7 +83,6 @@ const NAME: &str = "dirty-log-perf";
 /// The run's settings, as the report records them.
 #[derive(Debug, Clone, Serialize)]
 pub struct Config {
-    /// Engine and machine settings.
     #[serde(flatten)]
     pub vm: VmSettings,
     pub vcpus: u32,
@@ -98,7 +97,6 @@ pub struct Config {
     pub seed: u32,
     /// Manual dirty-log protection (GET then CLEAR; off with `-g` or a dirty ring).
     pub manual_protect: bool,
-    /// `--dirty-ring` entries.
     pub dirty_ring: Option<u32>,
     /// `--clear-chunk`: pages per CLEAR_DIRTY_LOG call (`slot`: one per memslot).
     pub clear_chunk: String,
@@ -111,46 +109,34 @@ pub struct Config {
 /// One iteration of dirtying memory and harvesting the log.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Iteration {
-    /// 1-based.
     pub iteration: u32,
-    /// The guest's dirty pass.
     #[serde(rename = "dirty_memory_time_s", serialize_with = "secs")]
     pub dirty: Duration,
     /// The same pass by host threads on host memory.
     #[serde(rename = "native_memory_time_s", serialize_with = "secs")]
     pub native: Duration,
-    /// dirty / native.
     pub ratio_guest_over_native: f64,
-    /// The harvest after the pass.
     #[serde(flatten)]
     pub harvest: HarvestTimes,
-    /// Exits because a vCPU's ring was full.
     pub ring_full_exits: u64,
 }
 
 /// Everything one run of dirty-log-perf measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
-    /// Which benchmark ran on which machine.
     #[serde(flatten)]
     pub head: RunHead,
-    /// The settings.
     pub config: Config,
-    /// First write of all memory.
     #[serde(rename = "populate_memory_time_s", serialize_with = "secs")]
     pub populate: Duration,
-    /// The same on host memory.
     #[serde(rename = "populate_native_time_s", serialize_with = "secs")]
     pub populate_native: Duration,
-    /// Enabling dirty logging on every slot.
     #[serde(rename = "enabling_dirty_logging_time_s", serialize_with = "secs")]
     pub enable: Duration,
-    /// The iterations.
     pub iterations: Vec<Iteration>,
     /// Disabling dirty logging (huge pages recovered).
     #[serde(rename = "disabling_dirty_logging_time_s", serialize_with = "secs")]
     pub disable: Duration,
-    /// Sum of the get times.
     #[serde(rename = "get_dirty_log_total_s", serialize_with = "secs")]
     pub get_total: Duration,
     /// Sum of the clear (or ring reset) times; `null` when there is no such step.
@@ -167,7 +153,6 @@ pub struct Report {
     /// The header line naming the page-table format.
     #[serde(skip)]
     pub format_header: String,
-    /// Start of guest test memory.
     #[serde(skip)]
     pub gpa: u64,
 }

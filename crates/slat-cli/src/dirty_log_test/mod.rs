@@ -251,7 +251,6 @@ const NAME: &str = "dirty-log-test";
 /// The run's settings, as the report records them.
 #[derive(Debug, Clone, Serialize)]
 pub struct Config {
-    /// Engine and machine settings.
     #[serde(flatten)]
     pub vm: VmSettings,
     pub iterations: u32,
@@ -263,7 +262,6 @@ pub struct Config {
     pub seed: u32,
     /// Ring entries per vCPU (dirty-ring mode), after lowering to the test's pages.
     pub ring_entries: u32,
-    /// `--break` was given.
     pub broken: bool,
     pub toggle_every: u32,
 }
@@ -271,17 +269,11 @@ pub struct Config {
 /// One iteration of the oracle.
 #[derive(Debug, Clone, Serialize)]
 pub struct IterationRow {
-    /// 1-based.
     pub iteration: u32,
-    /// Pages reported dirty.
     pub dirty: u64,
-    /// Pages reported clean.
     pub clean: u64,
-    /// Writes the guest made.
     pub writes: u64,
-    /// Written pages not reported.
     pub lost: u64,
-    /// Reported pages not written.
     pub spurious: u64,
     /// Logging was switched off and on in this iteration.
     pub toggled: bool,
@@ -292,23 +284,15 @@ pub struct IterationRow {
 pub struct ModeReport {
     /// `dirty-log`, `clear-log` or `dirty-ring`.
     pub mode: &'static str,
-    /// The iterations.
     pub iterations: Vec<IterationRow>,
     /// Pages checked dirty over every iteration.
     pub total_dirty: u64,
-    /// Pages checked clean.
     pub total_clean: u64,
-    /// Written pages not reported.
     pub lost: u64,
-    /// Reported pages not written.
     pub spurious: u64,
-    /// Exits because a ring was full.
     pub ring_full_exits: u64,
-    /// Every mismatch, in words.
     pub errors: Vec<String>,
-    /// No mismatch.
     pub pass: bool,
-    /// Start of guest test memory.
     #[serde(skip)]
     pub gpa: u64,
 }
@@ -316,14 +300,10 @@ pub struct ModeReport {
 /// Everything one run on one machine checked.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
-    /// Which benchmark ran on which machine.
     #[serde(flatten)]
     pub head: RunHead,
-    /// The settings.
     pub config: Config,
-    /// One per log mode checked.
     pub modes: Vec<ModeReport>,
-    /// Every mode passed.
     pub pass: bool,
     /// The header line naming the page-table format.
     #[serde(skip)]

@@ -197,13 +197,11 @@ impl DirtyRateArgs {
 /// The run's settings, as the report records them.
 #[derive(Debug, Clone, Serialize)]
 pub struct Config {
-    /// Engine and machine settings.
     #[serde(flatten)]
     pub vm: VmSettings,
     pub vcpus: u32,
     pub bytes_per_vcpu: u64,
     pub backing: &'static str,
-    /// `--mode`: `bitmap` or `ring`.
     pub mode: &'static str,
     /// How the log was read: `get+clear` (manual protect) or `ring`.
     pub log: &'static str,
@@ -220,7 +218,6 @@ pub struct Config {
 pub struct GuestWorkload {
     /// `paced-sequential` (sim) or `memstress-loop` (kvm).
     pub kind: &'static str,
-    /// The expected column is filled.
     pub known_rate: bool,
     /// Why the rate is or is not known, in words.
     pub note: String,
@@ -229,45 +226,33 @@ pub struct GuestWorkload {
 /// One window.
 #[derive(Debug, Clone, Serialize)]
 pub struct SampleRow {
-    /// 1-based.
     pub index: usize,
-    /// The window, seconds.
     pub window_s: f64,
-    /// Distinct pages dirtied in it.
     pub pages: u64,
-    /// Pages per second.
     pub pages_per_s: f64,
-    /// MiB per second (4 KiB pages).
     pub mib_per_s: f64,
     /// Each vCPU's pages per second (empty without per-vCPU figures).
     pub vcpu_pages_per_s: Vec<f64>,
-    /// Pages credited to no vCPU.
     pub unattributed_pages: u64,
 }
 
 /// One vCPU's rate over the measurement.
 #[derive(Debug, Clone, Serialize)]
 pub struct VcpuRate {
-    /// The vCPU.
     pub vcpu: usize,
-    /// Distinct pages per second.
     pub pages_per_s: f64,
     /// What the workload should show (`null`: not known).
     pub expected_pages_per_s: Option<f64>,
-    /// measured / expected.
     pub ratio: Option<f64>,
 }
 
 /// One run on one machine.
 #[derive(Debug, Clone, Serialize)]
 pub struct Run {
-    /// `sim` or `kvm`.
     pub backend: &'static str,
     /// The page-table format (`null` on kvm).
     pub format: Option<&'static str>,
-    /// Settings.
     pub config: Config,
-    /// The guest.
     pub workload: GuestWorkload,
     /// Where the per-vCPU figures come from: `ring` (entries name their vCPU) or `region`
     /// (bitmap mode: each vCPU writes only its own region).
@@ -276,15 +261,11 @@ pub struct Run {
     pub samples: Vec<SampleRow>,
     /// Distinct pages per second over all windows (their pages over their time).
     pub pages_per_s: f64,
-    /// The same in MiB per second.
     pub mib_per_s: f64,
-    /// The slowest window's rate.
     pub min_sample_pages_per_s: f64,
-    /// The fastest window's rate.
     pub max_sample_pages_per_s: f64,
     /// What the workload should show, all vCPUs (`null`: not known).
     pub expected_pages_per_s: Option<f64>,
-    /// measured / expected.
     pub ratio_measured_over_expected: Option<f64>,
     /// The expectation is capped: the region is smaller than a window's writes.
     pub expected_capped: bool,
@@ -296,33 +277,26 @@ pub struct Run {
     /// Every window saw every page of guest memory dirty: the guest dirties memory at least
     /// this fast, perhaps faster (a larger -b or a shorter --sample-ms tells).
     pub saturated: bool,
-    /// Per vCPU.
     pub per_vcpu: Vec<VcpuRate>,
 }
 
 /// The headline over `--repeat` runs, per machine.
 #[derive(Debug, Clone, Serialize)]
 pub struct Summary {
-    /// The machine.
     pub backend: &'static str,
-    /// Distinct pages per second.
     pub pages_per_s: MetricSummary,
-    /// measured / expected.
     pub ratio_measured_over_expected: MetricSummary,
 }
 
 /// The document: every run (backends × repeats) and the summary.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
-    /// `dirty-rate`.
     pub benchmark: &'static str,
-    /// `--repeat`.
     pub repeat: u32,
     /// The machines, in the order run.
     pub backends: Vec<&'static str>,
     /// Backend-major, then repeat.
     pub runs: Vec<Run>,
-    /// Per backend.
     pub summary: Vec<Summary>,
 }
 

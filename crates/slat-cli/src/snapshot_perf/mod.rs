@@ -103,7 +103,6 @@ const NAME: &str = "snapshot-perf";
 /// The run's settings, as the report records them.
 #[derive(Debug, Clone, Serialize)]
 pub struct Config {
-    /// Engine and machine settings.
     #[serde(flatten)]
     pub vm: VmSettings,
     pub vcpus: u32,
@@ -126,30 +125,22 @@ pub struct KRow {
     pub ram_pages: u64,
     /// Mean pages copied back per reset (each dirty page once).
     pub dirty_pages: f64,
-    /// Resets measured.
     pub resets: u64,
     /// Resets per second of reset time (harvest + re-arm + copy).
     pub resets_per_s: f64,
-    /// Median reset, µs.
     pub reset_p50_us: f64,
-    /// 99th percentile reset, µs.
     pub reset_p99_us: f64,
-    /// Mean reset, µs.
     pub reset_mean_us: f64,
-    /// Mean reset over mean dirty pages, µs.
     pub us_per_dirty_page: f64,
     /// Mean time reading the log (GET_DIRTY_LOG, or collecting ring entries), µs.
     pub harvest_mean_us: f64,
     /// Mean time re-arming it separately (CLEAR_DIRTY_LOG, RESET_DIRTY_RINGS), µs; 0 when GET
     /// re-armed.
     pub rearm_mean_us: f64,
-    /// Mean time copying pages back, µs.
     pub copy_mean_us: f64,
     /// Median memcpy of as many pages between two host buffers (the floor), µs.
     pub floor_p50_us: f64,
-    /// 99th percentile of the floor, µs.
     pub floor_p99_us: f64,
-    /// reset p50 / floor p50.
     pub ratio_reset_over_floor: Option<f64>,
     /// full-copy reset p50 / this reset p50: how much the dirty log saves.
     pub ratio_full_over_reset: Option<f64>,
@@ -160,50 +151,37 @@ pub struct KRow {
 /// The full-copy reset: all of the `-b` machine's RAM copied back.
 #[derive(Debug, Clone, Serialize)]
 pub struct FullCopy {
-    /// Pages copied per reset.
     pub pages: u64,
-    /// Resets measured.
     pub resets: u64,
-    /// Median, µs.
     pub p50_us: f64,
-    /// 99th percentile, µs.
     pub p99_us: f64,
-    /// Mean, µs.
     pub mean_us: f64,
 }
 
 /// One run on one machine.
 #[derive(Debug, Clone, Serialize)]
 pub struct Run {
-    /// `sim` or `kvm`.
     pub backend: &'static str,
     /// The page-table format (`null` on kvm).
     pub format: Option<&'static str>,
-    /// Settings.
     pub config: Config,
     /// One per k, in `-k` order.
     pub rows: Vec<KRow>,
-    /// The full-copy reset.
     pub full_copy: FullCopy,
 }
 
 /// One reset-p50 summary over `--repeat` runs.
 #[derive(Debug, Clone, Serialize)]
 pub struct KSummary {
-    /// The machine.
     pub backend: &'static str,
-    /// The row.
     pub k_per_vcpu: u64,
-    /// Reset p50 over the runs.
     pub reset_p50_us: MetricSummary,
 }
 
 /// The document: every run (backends × repeats) and the per-k summary.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
-    /// `snapshot-perf`.
     pub benchmark: &'static str,
-    /// `--repeat`.
     pub repeat: u32,
     /// The machines, in the order run.
     pub backends: Vec<&'static str>,
