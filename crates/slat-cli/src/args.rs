@@ -1,5 +1,7 @@
 //! Flags shared by the benchmark subcommands and their value parsers.
 
+pub mod keys;
+
 use crate::driver::{vary::Vary, Common};
 use crate::limits::{check_backing, GuestMemory};
 use clap::{Args, ValueEnum};

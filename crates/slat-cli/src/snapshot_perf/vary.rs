@@ -2,36 +2,22 @@
 //! whose rows are combination × k).
 
 use super::SnapshotPerfArgs;
-use crate::args::{BackendArg, LogKind};
-use crate::driver::vary::{count_in, names, pick, Key, Values};
+use crate::args::keys::{backend, log, vcpus};
+use crate::driver::vary::{Key, Values};
 use crate::vary_key;
 
-/// The table.
+crate::vary_flags!(SnapshotPerfArgs);
+
 pub const VARY: &[Key<SnapshotPerfArgs>] = &[
-    vary_key!(
-        "vcpus",
-        "-v",
-        Values::Text("1-512", |v| count_in(v, 1, 512).map(drop)),
-        |a, v| { a.work.vcpus = count_in(v, 1, 512)? as u32 }
-    ),
-    vary_key!(
-        "log",
-        "-g, --dirty-ring, manual protect",
-        Values::OneOf(names::<LogKind>),
-        |a, v| { a.log.set_kind(pick(v)?) }
-    ),
+    vcpus(),
+    log(),
     vary_key!(
         "order",
         "-a",
         Values::OneOf(|| vec!["seq".into(), "random".into()]),
         |a, v| { a.random = v == "random" }
     ),
-    vary_key!(
-        "backend",
-        "--backend",
-        Values::OneOf(names::<BackendArg>),
-        |a, v| { a.backend = vec![pick(v)?] }
-    ),
+    backend(),
 ];
 
 /// Examples under the keys in `--help`.
