@@ -364,53 +364,41 @@ impl MachineArgs {
 
     /// The engine-only flags of this group set to a non-default value.
     pub fn engine_only(&self) -> Vec<&'static str> {
-        let mut v = Vec::new();
-        if self.mmu_lock != MmuLockKind::RwLock {
-            v.push("--mmu-lock");
-        }
-        if !self.fast_pf.on() {
-            v.push("--fast-pf");
-        }
-        if !self.ad_bits.on() {
-            v.push("--ad-bits");
-        }
-        if self.tlb_entries != DEFAULT_TLB_ENTRIES {
-            v.push("--tlb-entries");
-        }
-        if self.pcpus.is_some() {
-            v.push("--pcpus");
-        }
-        if self.cmo != CmoPolicy::OnInstall {
-            v.push("--cmo");
-        }
-        v
+        given(&[
+            (self.mmu_lock != MmuLockKind::RwLock, "--mmu-lock"),
+            (!self.fast_pf.on(), "--fast-pf"),
+            (!self.ad_bits.on(), "--ad-bits"),
+            (self.tlb_entries != DEFAULT_TLB_ENTRIES, "--tlb-entries"),
+            (self.pcpus.is_some(), "--pcpus"),
+            (self.cmo != CmoPolicy::OnInstall, "--cmo"),
+        ])
     }
 }
 
 impl DirtyArgs {
     /// The engine-only flags of this group set to a non-default value.
     pub fn engine_only(&self) -> Vec<&'static str> {
-        let mut v = Vec::new();
-        if self.get_log != GetLogVariant::Xchg {
-            v.push("--get-dirty-log");
-        }
-        if !self.eager_split.on() {
-            v.push("--eager-split");
-        }
-        if self.recover != RecoverVariant::InPlace {
-            v.push("--recover");
-        }
-        if self.tracking != DirtyTrack::WriteProtect {
-            v.push("--dirty-tracking");
-        }
-        if self.rebuild != RebuildOrder::InstallFirst {
-            v.push("--rebuild");
-        }
-        if self.wrprot != WrprotVariant::Walk {
-            v.push("--wrprot");
-        }
-        v
+        given(&[
+            (self.get_log != GetLogVariant::Xchg, "--get-dirty-log"),
+            (!self.eager_split.on(), "--eager-split"),
+            (self.recover != RecoverVariant::InPlace, "--recover"),
+            (
+                self.tracking != DirtyTrack::WriteProtect,
+                "--dirty-tracking",
+            ),
+            (self.rebuild != RebuildOrder::InstallFirst, "--rebuild"),
+            (self.wrprot != WrprotVariant::Walk, "--wrprot"),
+        ])
     }
+}
+
+/// The flags of `flags` that were given.
+fn given(flags: &[(bool, &'static str)]) -> Vec<&'static str> {
+    flags
+        .iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, f)| *f)
+        .collect()
 }
 
 /// Refuses a dirty ring the KVM machine cannot have: KVM's ring is at least one page of

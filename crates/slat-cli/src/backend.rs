@@ -89,7 +89,7 @@ pub fn dirty_config(manual_protect: bool, ring_entries: u32) -> DirtyConfig {
 
 /// What benchmarks drive: [`TestMachine`] behind a `dyn`, with its errors as one-line
 /// messages, plus [`CliMachine`]. Every [`TestMachine`] that is a [`CliMachine`] is one.
-pub trait Backend {
+pub trait Backend: CliMachine {
     /// Where the test region is.
     fn layout(&self) -> Layout;
     /// The test region's memslot ids.
@@ -108,8 +108,6 @@ pub trait Backend {
     fn set_dirty_logging(&self, on: bool) -> Result<(), String>;
     /// The test region's dirty log (GET, CLEAR, the rings), as every harvest drives it.
     fn dirty_log(&self) -> Box<dyn DirtyLogSource<Error = String> + '_>;
-    /// The machine's counters as JSON (engine statistics, or KVM's binary VM stats).
-    fn stats(&self) -> Value;
     /// The dirty-log oracle in `mode` (the machine must have been built for it).
     fn dirty_oracle(
         &self,
@@ -117,12 +115,8 @@ pub trait Backend {
         cfg: OracleConfig,
         progress: &mut dyn FnMut(&dirty_oracle::IterationReport),
     ) -> Result<OracleReport, String>;
-    /// The simulated machine, for its engine-only reports and switches.
-    fn sim(&self) -> Option<&dyn Sim>;
     /// Pins vCPU i's thread to `cpus[i]`; returns each thread's affinity read back.
     fn pin_vcpus(&self, cpus: &[usize]) -> Result<Vec<Vec<usize>>, String>;
-    /// The test region's guest RAM.
-    fn guest_ram(&self) -> &GuestRam;
 }
 
 /// What only the CLI asks of a machine, beside [`TestMachine`].
@@ -241,9 +235,6 @@ impl<M: TestMachine + CliMachine> Backend for M {
     fn dirty_log(&self) -> Box<dyn DirtyLogSource<Error = String> + '_> {
         Box::new(TestMachine::dirty_log(self).map_err(text::<M::Error>))
     }
-    fn stats(&self) -> Value {
-        CliMachine::stats(self)
-    }
     fn dirty_oracle(
         &self,
         _mode: LogMode,
@@ -252,14 +243,8 @@ impl<M: TestMachine + CliMachine> Backend for M {
     ) -> Result<OracleReport, String> {
         dirty_oracle::run(self, cfg, progress).map_err(text)
     }
-    fn sim(&self) -> Option<&dyn Sim> {
-        CliMachine::sim(self)
-    }
     fn pin_vcpus(&self, cpus: &[usize]) -> Result<Vec<Vec<usize>>, String> {
         TestMachine::pin_vcpus(self, cpus).map_err(text)
-    }
-    fn guest_ram(&self) -> &GuestRam {
-        CliMachine::guest_ram(self)
     }
 }
 
