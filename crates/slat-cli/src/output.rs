@@ -581,3 +581,26 @@ impl RunHead {
         }
     }
 }
+
+/// The [`Benchmark`](crate::driver::Benchmark) methods a benchmark forwards: its flags
+/// (`--backend`, with `vary` its `--vary`, and `out`), `check` (refusals as bad input),
+/// `measure` and `print` as functions of its module.
+#[macro_export]
+macro_rules! forward_benchmark {
+    (vary: $vary:tt, check: $check:path, measure: $measure:path, print: $print:path) => {
+        fn common(&self) -> $crate::driver::Common<'_> {
+            self.out.common(&self.backend, $crate::forward_benchmark!(@vary self $vary))
+        }
+        fn check(&self) -> $crate::error::CliResult {
+            $check(self).map_err($crate::error::CliError::bad)
+        }
+        fn measure(&self, kind: $crate::args::BackendArg) -> $crate::error::CliResult<Self::Report> {
+            $measure(self, kind)
+        }
+        fn print(&self, r: &Self::Report) {
+            $print(r)
+        }
+    };
+    (@vary $s:ident yes) => { &$s.vary };
+    (@vary $s:ident no) => { &[] };
+}

@@ -6,8 +6,8 @@
 use crate::args::{BackendArg, MachineArgs, OutputArgs, PinArgs, Workload};
 pub use crate::backend::stats_json;
 use crate::backend::{self, Backend, Native, Pass, Spec};
-use crate::driver::{Benchmark, Common};
-use crate::error::{CliError, CliResult};
+use crate::driver::Benchmark;
+use crate::error::CliResult;
 use crate::output::{secs, Metric, RunHead, VmSettings};
 use crate::report::{format_header, quiet, ratio, ts, Phase};
 use clap::{Args, ValueEnum};
@@ -165,25 +165,10 @@ const METRICS: &[Metric<Report>] = &[
 impl Benchmark for DemandPagingArgs {
     type Report = Report;
     const NAME: &'static str = NAME;
-
-    fn common(&self) -> Common<'_> {
-        self.out.common(&self.backend, &[])
-    }
-
-    fn check(&self) -> CliResult {
-        check(self).map_err(CliError::bad)
-    }
-
-    fn measure(&self, kind: BackendArg) -> CliResult<Report> {
-        measure(self, kind)
-    }
+    crate::forward_benchmark! { vary: no, check: check, measure: measure, print: print_text }
 
     fn metrics(&self) -> Vec<Metric<Report>> {
         METRICS.to_vec()
-    }
-
-    fn print(&self, r: &Report) {
-        print_text(r)
     }
 
     fn comparison_title(&self, [k0, k1]: [BackendArg; 2]) -> String {

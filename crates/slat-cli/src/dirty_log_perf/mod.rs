@@ -12,7 +12,7 @@ use crate::args::{
 use crate::backend::{self, dirty_config, Backend, Native, Pass, Spec};
 use crate::concurrent_harvest::{self, ConcurrentReport, QuietPasses};
 use crate::driver::chart::SeriesOf;
-use crate::driver::{self, Benchmark, Common, Lines};
+use crate::driver::{self, Benchmark, Lines};
 use crate::error::{CliError, CliResult};
 use crate::harvest::{Harvest, HarvestTimes};
 use crate::output::{opt_secs, secs, Metric, RunHead, VmSettings};
@@ -250,29 +250,14 @@ fn metrics(a: &DirtyLogPerfArgs) -> Vec<Metric<Report>> {
 impl Benchmark for DirtyLogPerfArgs {
     type Report = Report;
     const NAME: &'static str = NAME;
+    crate::forward_benchmark! { vary: yes, check: check, measure: measure, print: print_text }
 
     fn vary_table() -> &'static [driver::vary::Key<Self>] {
         VARY
     }
 
-    fn common(&self) -> Common<'_> {
-        self.out.common(&self.backend, &self.vary)
-    }
-
-    fn check(&self) -> CliResult {
-        check(self).map_err(CliError::bad)
-    }
-
-    fn measure(&self, kind: BackendArg) -> CliResult<Report> {
-        measure(self, kind)
-    }
-
     fn metrics(&self) -> Vec<Metric<Report>> {
         metrics(self)
-    }
-
-    fn print(&self, r: &Report) {
-        print_text(r)
     }
 
     fn headline(&self) -> Vec<&'static str> {

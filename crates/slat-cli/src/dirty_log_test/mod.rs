@@ -7,7 +7,7 @@ use crate::args::{
     check_kvm_ring, ring_size, BackendArg, DirtyArgs, MachineArgs, OutputArgs, Workload,
 };
 use crate::backend::{self, dirty_config, Spec};
-use crate::driver::{Benchmark, Common};
+use crate::driver::Benchmark;
 use crate::error::{CliError, CliResult};
 use crate::output::{print_json, Metric, Repeated, RunHead, VmSettings};
 use crate::report::{format_header, quiet};
@@ -83,25 +83,10 @@ pub struct DirtyLogTestArgs {
 impl Benchmark for DirtyLogTestArgs {
     type Report = Report;
     const NAME: &'static str = NAME;
-
-    fn common(&self) -> Common<'_> {
-        self.out.common(&self.backend, &[])
-    }
-
-    fn check(&self) -> CliResult {
-        check(self).map_err(CliError::bad)
-    }
-
-    fn measure(&self, kind: BackendArg) -> CliResult<Report> {
-        run_on(self, kind)
-    }
+    crate::forward_benchmark! { vary: no, check: check, measure: run_on, print: print_text }
 
     fn metrics(&self) -> Vec<Metric<Report>> {
         METRICS.to_vec()
-    }
-
-    fn print(&self, r: &Report) {
-        print_text(r)
     }
 
     fn own_output(&self) -> Option<fn(&Self, Vec<(BackendArg, Vec<Report>)>) -> CliResult> {

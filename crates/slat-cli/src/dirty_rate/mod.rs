@@ -26,7 +26,7 @@ use crate::args::{
     Workload as WorkArgs, DEFAULT_RING_ENTRIES,
 };
 use crate::backend::{self, dirty_config, CliMachine, OnMachine, Spec};
-use crate::driver::{Benchmark, Common};
+use crate::driver::Benchmark;
 use crate::error::{CliError, CliResult};
 use crate::output::{format_name, print_json, summarize, Metric, MetricSummary, VmSettings};
 use crate::report::quiet;
@@ -307,25 +307,10 @@ const RATIO: Metric<Run> =
 impl Benchmark for DirtyRateArgs {
     type Report = Run;
     const NAME: &'static str = NAME;
-
-    fn common(&self) -> Common<'_> {
-        self.out.common(&self.backend, &[])
-    }
-
-    fn check(&self) -> CliResult {
-        check(self).map_err(CliError::bad)
-    }
-
-    fn measure(&self, kind: BackendArg) -> CliResult<Run> {
-        on_machine(self, kind)
-    }
+    crate::forward_benchmark! { vary: no, check: check, measure: on_machine, print: print_run }
 
     fn metrics(&self) -> Vec<Metric<Run>> {
         vec![RATE, RATIO]
-    }
-
-    fn print(&self, r: &Run) {
-        print_run(r)
     }
 
     fn own_output(&self) -> Option<fn(&Self, Vec<(BackendArg, Vec<Run>)>) -> CliResult> {

@@ -25,7 +25,7 @@ use crate::args::{
     check_kvm_ring, BackendArg, ClearChunk, LogArgs, MachineArgs, OutputArgs, Workload,
 };
 use crate::backend::{self, dirty_config, CliMachine, OnMachine, Spec};
-use crate::driver::{self, Benchmark, Common};
+use crate::driver::{self, Benchmark};
 use crate::error::{CliError, CliResult};
 use crate::output::{format_name, print_json, summarize, Metric, MetricSummary, Sweep, VmSettings};
 use crate::report::{quiet, Phase};
@@ -194,29 +194,14 @@ pub struct Report {
 impl Benchmark for SnapshotPerfArgs {
     type Report = Run;
     const NAME: &'static str = NAME;
+    crate::forward_benchmark! { vary: yes, check: check, measure: measure, print: print_run }
 
     fn vary_table() -> &'static [driver::vary::Key<Self>] {
         VARY
     }
 
-    fn common(&self) -> Common<'_> {
-        self.out.common(&self.backend, &self.vary)
-    }
-
-    fn check(&self) -> CliResult {
-        check(self).map_err(CliError::bad)
-    }
-
-    fn measure(&self, kind: BackendArg) -> CliResult<Run> {
-        measure(self, kind, &k_list(self))
-    }
-
     fn metrics(&self) -> Vec<Metric<Run>> {
         METRICS.to_vec()
-    }
-
-    fn print(&self, r: &Run) {
-        print_run(r)
     }
 
     fn own_output(&self) -> Option<fn(&Self, Vec<(BackendArg, Vec<Run>)>) -> CliResult> {
@@ -334,10 +319,10 @@ fn log_name(a: &SnapshotPerfArgs) -> &'static str {
 }
 
 /// Every k on machine `kind`, then the full-copy reset on the machine of all of -b.
-fn measure(a: &SnapshotPerfArgs, kind: BackendArg, ks: &[u64]) -> CliResult<Run> {
+fn measure(a: &SnapshotPerfArgs, kind: BackendArg) -> CliResult<Run> {
     let all = a.work.bytes / PAGE_SIZE;
     let mut rows = Vec::new();
-    for &k in ks {
+    for k in k_list(a) {
         let phase = Phase::start(
             format!("{}: k = {k} pages per vCPU", kind.name()),
             quiet(a.out.json),
