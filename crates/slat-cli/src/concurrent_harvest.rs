@@ -8,6 +8,7 @@ use crate::error::CliResult;
 use crate::harvest::{Harvest, HarvestTimes};
 use crate::latency::LatencySummary;
 use crate::output::secs;
+use crate::report::per;
 use serde::Serialize;
 use slat_workload::latency::{latency_histogram, merged, record_latency_n};
 use slat_workload::{LatencyHistogram, PassParams, WriteLatency};
@@ -109,7 +110,7 @@ fn figures(
         harvest_avg: mean(&totals),
         harvest_max: totals.iter().copied().max().unwrap_or_default(),
         pages_touched: pages,
-        guest_pages_per_s: per_second(pages, wall),
+        guest_pages_per_s: per(pages as f64, wall.as_secs_f64()).unwrap_or(0.0),
         write_latency: LatencySummary::of(&all),
         write_latency_per_vcpu: per_vcpu.iter().map(LatencySummary::of).collect(),
         stalls: (kind == WriteLatency::AllWrites).then(|| stalls(&all)),
@@ -132,15 +133,6 @@ fn mean(xs: &[Duration]) -> Duration {
     match xs.len() {
         0 => Duration::ZERO,
         n => xs.iter().sum::<Duration>() / n as u32,
-    }
-}
-
-fn per_second(n: u64, d: Duration) -> f64 {
-    let s = d.as_secs_f64();
-    if s > 0.0 {
-        n as f64 / s
-    } else {
-        0.0
     }
 }
 
@@ -211,7 +203,7 @@ impl ConcurrentReport {
                 c.harvest_max.as_secs_f64(),
                 q.harvest_avg.as_secs_f64(),
                 q.harvest_max.as_secs_f64(),
-                ratio(c.harvest_avg.as_secs_f64(), q.harvest_avg.as_secs_f64()),
+                per(c.harvest_avg.as_secs_f64(), q.harvest_avg.as_secs_f64()).unwrap_or(0.0),
             ),
             format!(
                 "Guest writes: {:.0} pages/s during harvests, {:.0} pages/s in the passes between stopped harvests",
@@ -241,13 +233,5 @@ impl ConcurrentReport {
             ));
         }
         v
-    }
-}
-
-fn ratio(a: f64, b: f64) -> f64 {
-    if b > 0.0 {
-        a / b
-    } else {
-        0.0
     }
 }

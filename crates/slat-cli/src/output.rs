@@ -228,13 +228,6 @@ pub fn unit_cell(unit: &str, x: Option<f64>) -> String {
     }
 }
 
-fn quotient(p: Option<f64>, q: Option<f64>) -> Option<f64> {
-    match (p, q) {
-        (Some(p), Some(q)) if q > 0.0 => Some(p / q),
-        _ => None,
-    }
-}
-
 /// One row of a two-machine comparison.
 #[derive(Debug, Clone, Serialize)]
 pub struct CompareRow {
@@ -278,7 +271,7 @@ impl<'a, R: Serialize> Comparison<'a, R> {
                     better: m.better,
                     first: p,
                     second: q,
-                    ratio_first_over_second: quotient(p, q),
+                    ratio_first_over_second: p.zip(q).and_then(|(p, q)| crate::report::per(p, q)),
                 }
             })
             .collect();

@@ -393,49 +393,6 @@ fn disable(m: &dyn Backend, evil: bool, params: PassParams) -> CliResult<Duratio
     Ok(d)
 }
 
-/// Populate: every vCPU writes its memory once, sequentially, on the machine and natively.
-fn populate(a: &DirtyLogPerfArgs, m: &dyn Backend, native: &Native) -> CliResult<(Pass, Pass)> {
-    let populate_params = PassParams {
-        write_percent: 100,
-        random: false,
-        seed: a.seed,
-        timed: false,
-    };
-    let populate = m.run_pass(populate_params)?;
-    let populate_native = native.run(populate_params)?;
-    Ok((populate, populate_native))
-}
-
-/// `--concurrent`: the harvests while the vCPUs write, after the quiet iterations.
-fn concurrent(
-    a: &DirtyLogPerfArgs,
-    m: &dyn Backend,
-    cfg: &Spec,
-    harvest: &mut Harvest,
-    params: PassParams,
-    interval: Duration,
-    quiet_passes: &QuietPasses,
-) -> CliResult<ConcurrentReport> {
-    let p = Phase::start(
-        format!(
-            "concurrent harvest: {} harvests while the vCPUs write",
-            a.iterations
-        ),
-        quiet(a.out.json),
-    );
-    let r = concurrent_harvest::run(
-        m,
-        cfg,
-        harvest,
-        params,
-        a.iterations,
-        interval,
-        quiet_passes,
-    )?;
-    p.done();
-    Ok(r)
-}
-
 impl Config {
     /// The configuration a run reports: the flags, as `cfg` applied them.
     fn new(
@@ -474,7 +431,15 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
     let native = Native::new(kind, m.layout(), a.work.backing, cfg.region.prefault)?;
     p.done();
     let pinned_cpus = backend::pin(m.as_ref(), &a.pin, a.work.vcpus)?;
-    let (populate, populate_native) = populate(a, m.as_ref(), &native)?;
+    // Populate: every vCPU writes its memory once, sequentially, on the machine and natively.
+    let populate_params = PassParams {
+        write_percent: 100,
+        random: false,
+        seed: a.seed,
+        timed: false,
+    };
+    let populate = m.run_pass(populate_params)?;
+    let populate_native = native.run(populate_params)?;
     let t0 = Instant::now();
     m.set_dirty_logging(true)?;
     let enable = t0.elapsed();
@@ -493,16 +458,22 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         iterations.push(it);
     }
     let concurrent = if a.concurrent {
-        let interval = interval(a, &iterations);
-        let r = concurrent(
-            a,
-            m.as_ref(),
+        let what = format!(
+            "concurrent harvest: {} harvests while the vCPUs write",
+            a.iterations
+        );
+        let p = Phase::start(what, quiet(a.out.json));
+        let (mr, interval) = (m.as_ref(), interval(a, &iterations));
+        let r = concurrent_harvest::run(
+            mr,
             &cfg,
             &mut harvest,
             params,
+            a.iterations,
             interval,
             &quiet_passes,
         )?;
+        p.done();
         Some(r)
     } else {
         None

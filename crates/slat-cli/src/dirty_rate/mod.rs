@@ -6,17 +6,10 @@
 //! is known where the machine can pace one, and renders the typed report (text, or `--json`
 //! through `output.rs`).
 //!
-//! **The known rate.** On the simulated machine the guest is the paced memstress
-//! (`slat_machine::paced`): each vCPU writes its own region sequentially, one write per page
-//! per pass, at `--write-rate` writes per second. While a pass does not wrap within a sample
-//! window, every write in the window hits a page not written before in it, so the distinct
-//! pages per second the log should show are exactly the write rate; if the region is smaller
-//! than a window's writes, every page of it is dirtied once per window, and the expectation
-//! is capped at pages / window (the report says so). The KVM guest's code has no rate
-//! control (migration's burst driver only gets the *write* count right on average, and writes
-//! pseudo-random pages, so its distinct-page rate is not known either): on KVM the guest runs
-//! memstress passes back to back as fast as it can, the dirty rate is measured all the same,
-//! and the report has no expectation, saying why.
+//! **The known rate** (the flags' long help says how it is known): the simulated machine paces
+//! its guest (`slat_machine::paced`). The KVM guest's code has no rate control (migration's
+//! burst driver only gets the *write* count right on average, and writes pseudo-random pages,
+//! so its distinct-page rate is not known either): there the report has no expectation.
 
 mod text;
 use text::{print_head, print_run, print_summary, sample_line};
@@ -29,7 +22,7 @@ use crate::backend::{self, dirty_config, CliMachine, OnMachine, Spec};
 use crate::driver::Benchmark;
 use crate::error::{CliError, CliResult};
 use crate::output::{format_name, print_json, summarize, Metric, MetricSummary, VmSettings};
-use crate::report::quiet;
+use crate::report::{per, quiet, runtime};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use slat_addr::PAGE_SIZE;
@@ -416,17 +409,9 @@ fn on_machine(a: &DirtyRateArgs, kind: BackendArg) -> CliResult<Run> {
     )
 }
 
-fn runtime<E: std::fmt::Display>(e: E) -> CliError {
-    CliError::Runtime(e.to_string())
-}
-
 /// Pages per second as MiB per second.
 fn mib(pages_per_s: f64) -> f64 {
     pages_per_s * PAGE_SIZE as f64 / (1u64 << 20) as f64
-}
-
-fn ratio(p: f64, q: Option<f64>) -> Option<f64> {
-    q.filter(|&q| q > 0.0).map(|q| p / q)
 }
 
 /// One machine's measurement: the guest `workload`, paced at `rate` writes per second per
@@ -496,7 +481,7 @@ impl OnMachine for Bench<'_> {
                 vcpu,
                 pages_per_s: p,
                 expected_pages_per_s: vcpu_expected,
-                ratio: ratio(p, vcpu_expected),
+                ratio: vcpu_expected.and_then(|e| per(p, e)),
             })
             .collect();
         Ok(Run {
@@ -516,7 +501,7 @@ impl OnMachine for Bench<'_> {
             min_sample_pages_per_s: rates.iter().copied().fold(f64::INFINITY, f64::min),
             max_sample_pages_per_s: rates.iter().copied().fold(0.0, f64::max),
             expected_pages_per_s: expected,
-            ratio_measured_over_expected: ratio(pages_per_s, expected),
+            ratio_measured_over_expected: expected.and_then(|e| per(pages_per_s, e)),
             expected_capped: capped,
             guest_writes_per_s: writes_per_s,
             unattributed_pages: measurement.unattributed(),

@@ -28,7 +28,7 @@ use crate::backend::{self, dirty_config, CliMachine, OnMachine, Spec};
 use crate::driver::{self, Benchmark};
 use crate::error::{CliError, CliResult};
 use crate::output::{format_name, print_json, summarize, Metric, MetricSummary, Sweep, VmSettings};
-use crate::report::{quiet, Phase};
+use crate::report::{per, quiet, runtime, Phase};
 use clap::Args;
 use hdrhistogram::Histogram;
 use serde::Serialize;
@@ -339,7 +339,7 @@ fn measure(a: &SnapshotPerfArgs, kind: BackendArg) -> CliResult<Run> {
     phase.done();
     let full = full.ok_or("the full-copy reset did not run")?;
     for r in &mut rows {
-        r.ratio_full_over_reset = ratio(full.p50_us, r.reset_p50_us);
+        r.ratio_full_over_reset = per(full.p50_us, r.reset_p50_us);
     }
     let vm = a.machine.vm_config();
     Ok(Run {
@@ -400,10 +400,6 @@ struct Bench<'a, M: TestMachine> {
     ram: &'a GuestRam,
 }
 
-fn runtime<E: std::fmt::Display>(e: E) -> CliError {
-    CliError::Runtime(e.to_string())
-}
-
 /// Nanoseconds from 1 ns to an hour, 3 significant digits.
 fn hist() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 3_600_000_000_000, 3).expect("valid bounds and precision")
@@ -411,10 +407,6 @@ fn hist() -> Histogram<u64> {
 
 fn us(h: &Histogram<u64>, q: f64) -> f64 {
     h.value_at_quantile(q) as f64 / 1000.0
-}
-
-fn ratio(p: f64, q: f64) -> Option<f64> {
-    (q > 0.0).then(|| p / q)
 }
 
 /// Sums of a reset's parts.
@@ -552,13 +544,13 @@ impl<'a, M: TestMachine> Bench<'a, M> {
             reset_p50_us: us(h, 0.5),
             reset_p99_us: us(h, 0.99),
             reset_mean_us: mean_us,
-            us_per_dirty_page: ratio(mean_us, dirty).unwrap_or(0.0),
+            us_per_dirty_page: per(mean_us, dirty).unwrap_or(0.0),
             harvest_mean_us: mean(s.harvest),
             rearm_mean_us: mean(s.rearm),
             copy_mean_us: mean(s.copy),
             floor_p50_us: us(fh, 0.5),
             floor_p99_us: us(fh, 0.99),
-            ratio_reset_over_floor: ratio(us(h, 0.5), us(fh, 0.5)),
+            ratio_reset_over_floor: per(us(h, 0.5), us(fh, 0.5)),
             ratio_full_over_reset: None,
             verified,
         }

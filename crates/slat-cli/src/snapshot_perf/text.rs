@@ -133,7 +133,7 @@ pub(super) fn print_comparison(rep: &Report) {
                 x.k_per_vcpu.to_string(),
                 f1(x.reset_p50_us),
                 f1(y.reset_p50_us),
-                rx(ratio(x.reset_p50_us, y.reset_p50_us)),
+                rx(per(x.reset_p50_us, y.reset_p50_us)),
             ]
         })
         .collect();
