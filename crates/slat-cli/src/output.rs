@@ -134,6 +134,37 @@ pub fn format_name(kind: BackendArg, format: FormatArg) -> Option<&'static str> 
     }
 }
 
+/// The one document of a benchmark that keeps its own (`own_output`): every run,
+/// backend-major then repeat, and the benchmark's summary of them.
+#[derive(Debug, Clone, Serialize)]
+pub struct AllRuns<R, S> {
+    pub benchmark: &'static str,
+    pub repeat: u32,
+    /// The machines, in the order run.
+    pub backends: Vec<&'static str>,
+    /// Backend-major, then repeat.
+    pub runs: Vec<R>,
+    pub summary: Vec<S>,
+}
+
+impl<R, S> AllRuns<R, S> {
+    /// The runs of `all` and `summary` of them, with `--repeat` from `out`.
+    pub fn new(
+        benchmark: &'static str,
+        out: &crate::args::OutputArgs,
+        all: Vec<(BackendArg, Vec<R>)>,
+        summary: impl FnOnce(&[(BackendArg, Vec<R>)]) -> Vec<S>,
+    ) -> Self {
+        AllRuns {
+            benchmark,
+            repeat: out.repeat,
+            backends: all.iter().map(|(b, _)| b.name()).collect(),
+            summary: summary(&all),
+            runs: all.into_iter().flat_map(|(_, r)| r).collect(),
+        }
+    }
+}
+
 /// Which way a metric improves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]

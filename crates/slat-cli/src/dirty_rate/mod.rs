@@ -21,7 +21,9 @@ use crate::args::{
 use crate::backend::{self, dirty_config, CliMachine, OnMachine, Spec};
 use crate::driver::Benchmark;
 use crate::error::{CliError, CliResult};
-use crate::output::{format_name, print_json, summarize, Metric, MetricSummary, VmSettings};
+use crate::output::{
+    format_name, print_json, summarize, AllRuns, Metric, MetricSummary, VmSettings,
+};
 use crate::report::{per, quiet, runtime};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
@@ -282,16 +284,7 @@ pub struct Summary {
 }
 
 /// The document: every run (backends × repeats) and the summary.
-#[derive(Debug, Clone, Serialize)]
-pub struct Report {
-    pub benchmark: &'static str,
-    pub repeat: u32,
-    /// The machines, in the order run.
-    pub backends: Vec<&'static str>,
-    /// Backend-major, then repeat.
-    pub runs: Vec<Run>,
-    pub summary: Vec<Summary>,
-}
+pub type Report = AllRuns<Run, Summary>;
 
 const RATE: Metric<Run> = Metric::higher("dirty rate", "pages/s", |r| Some(r.pages_per_s));
 const RATIO: Metric<Run> =
@@ -313,21 +306,15 @@ impl Benchmark for DirtyRateArgs {
 
 /// The one document of every machine's runs, or the summary under the runs' text.
 fn finish(a: &DirtyRateArgs, all: Vec<(BackendArg, Vec<Run>)>) -> CliResult {
-    let summary = all
-        .iter()
-        .map(|(b, mine)| Summary {
+    let summarize_each = |all: &[(BackendArg, Vec<Run>)]| {
+        let each = all.iter().map(|(b, mine)| Summary {
             backend: b.name(),
             pages_per_s: summarize(&RATE, mine),
             ratio_measured_over_expected: summarize(&RATIO, mine),
-        })
-        .collect();
-    let report = Report {
-        benchmark: NAME,
-        repeat: a.out.repeat,
-        backends: a.backend.iter().map(|b| b.name()).collect(),
-        runs: all.into_iter().flat_map(|(_, r)| r).collect(),
-        summary,
+        });
+        each.collect()
     };
+    let report = Report::new(NAME, &a.out, all, summarize_each);
     if a.out.json {
         return print_json(&report, &a.backend);
     }

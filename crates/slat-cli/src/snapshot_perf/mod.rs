@@ -27,7 +27,9 @@ use crate::args::{
 use crate::backend::{self, dirty_config, CliMachine, OnMachine, Spec};
 use crate::driver::{self, Benchmark};
 use crate::error::{CliError, CliResult};
-use crate::output::{format_name, print_json, summarize, Metric, MetricSummary, Sweep, VmSettings};
+use crate::output::{
+    format_name, print_json, summarize, AllRuns, Metric, MetricSummary, Sweep, VmSettings,
+};
 use crate::report::{per, quiet, runtime, Phase};
 use clap::Args;
 use hdrhistogram::Histogram;
@@ -178,18 +180,9 @@ pub struct KSummary {
     pub reset_p50_us: MetricSummary,
 }
 
-/// The document: every run (backends × repeats) and the per-k summary.
-#[derive(Debug, Clone, Serialize)]
-pub struct Report {
-    pub benchmark: &'static str,
-    pub repeat: u32,
-    /// The machines, in the order run.
-    pub backends: Vec<&'static str>,
-    /// Backend-major, then repeat.
-    pub runs: Vec<Run>,
-    /// Per backend and k: the reset p50 over the repeats.
-    pub summary: Vec<KSummary>,
-}
+/// The document: every run (backends × repeats) and, per backend and k, the reset p50 over
+/// the repeats.
+pub type Report = AllRuns<Run, KSummary>;
 
 impl Benchmark for SnapshotPerfArgs {
     type Report = Run;
@@ -243,14 +236,7 @@ const METRICS: &[Metric<Run>] = &[
 
 /// The one document of every machine's runs, or the summaries under the runs' text.
 fn finish(a: &SnapshotPerfArgs, all: Vec<(BackendArg, Vec<Run>)>) -> CliResult {
-    let runs: Vec<Run> = all.into_iter().flat_map(|(_, r)| r).collect();
-    let report = Report {
-        benchmark: NAME,
-        repeat: a.out.repeat,
-        backends: a.backend.iter().map(|b| b.name()).collect(),
-        summary: summary(&runs, a.out.repeat as usize),
-        runs,
-    };
+    let report = Report::new(NAME, &a.out, all, |all| summary(all));
     if a.out.json {
         return print_json(&report, &a.backend);
     }
@@ -598,14 +584,15 @@ impl Floor {
 }
 
 /// Per backend and k, the reset p50 over the repeats.
-fn summary(runs: &[Run], repeat: usize) -> Vec<KSummary> {
+fn summary(all: &[(BackendArg, Vec<Run>)]) -> Vec<KSummary> {
     const P50: Metric<f64> = Metric::lower("reset p50", "us", |x| Some(*x));
     let mut out = Vec::new();
-    for group in runs.chunks(repeat.max(1)) {
-        for (j, row) in group[0].rows.iter().enumerate() {
+    for (_, group) in all {
+        let Some(first) = group.first() else { continue };
+        for (j, row) in first.rows.iter().enumerate() {
             let xs: Vec<f64> = group.iter().map(|r| r.rows[j].reset_p50_us).collect();
             out.push(KSummary {
-                backend: group[0].backend,
+                backend: first.backend,
                 k_per_vcpu: row.k_per_vcpu,
                 reset_p50_us: summarize(&P50, &xs),
             });
