@@ -382,7 +382,7 @@ pub fn machine_lines(
             l.extend(bbm_cmo_line(spec.format, &s));
             let fast = if spec.vm.fast_pf { "on" } else { "off" };
             l.push(format!(
-                "Machine: {vcpus} vCPU(s) on {} physical CPU(s); format {}, mmu lock {}, fast page fault {fast}{sim_settings}{extra}",
+                "Machine: {vcpus} vCPU(s) on {} physical CPU(s); format {}, mmu lock {}, fast page fault {fast}{extra}{sim_settings}",
                 sim.pcpus(),
                 spec.format.name(),
                 spec.vm.mmu_lock.name(),
