@@ -236,7 +236,7 @@ const METRICS: &[Metric<Run>] = &[
 
 /// The one document of every machine's runs, or the summaries under the runs' text.
 fn finish(a: &SnapshotPerfArgs, all: Vec<(BackendArg, Vec<Run>)>) -> CliResult {
-    let report = Report::new(NAME, &a.out, all, |all| summary(all));
+    let report = Report::new(NAME, &a.out, all, summary);
     if a.out.json {
         return print_json(&report, &a.backend);
     }
