@@ -530,6 +530,16 @@ impl Workload {
         Ok(mem)
     }
 
+    /// These flags as a report's `config` records them.
+    pub fn settings(&self) -> crate::output::WorkSettings {
+        crate::output::WorkSettings {
+            vcpus: self.vcpus,
+            bytes_per_vcpu: self.bytes,
+            backing: self.backing.name(),
+            overlap: Some(self.overlap),
+        }
+    }
+
     /// The test region of these flags: one memslot, pre-faulted unless `--no-prefault`.
     pub fn region(&self, machine: &MachineArgs, dirty: DirtyConfig) -> RegionSpec {
         RegionSpec {

@@ -125,6 +125,16 @@ impl VmSettings {
     }
 }
 
+/// The guest a run's `config` describes: `-v`, `-b`, `-s` and (where the run has it) `-o`.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkSettings {
+    pub vcpus: u32,
+    pub bytes_per_vcpu: u64,
+    pub backing: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub overlap: Option<bool>,
+}
+
 /// The format a run used: the `--format` name on the simulated machine; `None` on KVM, whose
 /// page tables are the host's own, not slat's.
 pub fn format_name(kind: BackendArg, format: FormatArg) -> Option<&'static str> {

@@ -8,7 +8,7 @@ pub use crate::backend::stats_json;
 use crate::backend::{self, Backend, Native, Pass, Spec};
 use crate::driver::Benchmark;
 use crate::error::CliResult;
-use crate::output::{secs, Metric, RunHead, VmSettings};
+use crate::output::{secs, Metric, RunHead, VmSettings, WorkSettings};
 use crate::report::{format_header, quiet, ratio, ts, Phase};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
@@ -81,10 +81,8 @@ const NAME: &str = "demand-paging";
 pub struct Config {
     #[serde(flatten)]
     pub vm: VmSettings,
-    pub vcpus: u32,
-    pub bytes_per_vcpu: u64,
-    pub backing: &'static str,
-    pub overlap: bool,
+    #[serde(flatten)]
+    pub work: WorkSettings,
     /// `-c`: vCPU i's thread was pinned to `pinned_cpus[i]` (read back from the kernel).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pinned_cpus: Option<Vec<usize>>,
@@ -246,10 +244,7 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
         head: RunHead::new(NAME, kind, a.machine.format),
         config: Config {
             vm,
-            vcpus: a.work.vcpus,
-            bytes_per_vcpu: a.work.bytes,
-            backing: a.work.backing.name(),
-            overlap: a.work.overlap,
+            work: a.work.settings(),
             pinned_cpus,
         },
         total: guest.wall,
@@ -298,7 +293,7 @@ fn first_touch(
 /// The selftest's text report, then slat's native baseline and machine lines.
 fn print_text(r: &Report) {
     let c = &r.config;
-    let end = r.gpa + c.bytes_per_vcpu * c.vcpus as u64;
+    let end = r.gpa + c.work.bytes_per_vcpu * c.work.vcpus as u64;
     println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
     println!("{}", r.format_header);
     println!("guest physical test memory: [0x{:x}, 0x{end:x})", r.gpa);
@@ -338,7 +333,7 @@ fn print_text(r: &Report) {
     };
     println!(
         "\nNative baseline ({}, same pattern on host memory, {faults}):",
-        c.backing
+        c.work.backing
     );
     println!("Total native execution time:\t{}", ts(r.native.total));
     println!("Overall native rate:\t{:.6} pgs/sec", r.native.overall_rate);

@@ -15,7 +15,7 @@ use crate::driver::chart::SeriesOf;
 use crate::driver::{self, Benchmark, Lines};
 use crate::error::{CliError, CliResult};
 use crate::harvest::{Harvest, HarvestTimes};
-use crate::output::{opt_secs, secs, Metric, RunHead, VmSettings};
+use crate::output::{opt_secs, secs, Metric, RunHead, VmSettings, WorkSettings};
 use crate::report::{format_header, quiet, ratio, Phase};
 use clap::Args;
 use serde::Serialize;
@@ -85,12 +85,10 @@ const NAME: &str = "dirty-log-perf";
 pub struct Config {
     #[serde(flatten)]
     pub vm: VmSettings,
-    pub vcpus: u32,
-    pub bytes_per_vcpu: u64,
-    pub backing: &'static str,
+    #[serde(flatten)]
+    pub work: WorkSettings,
     pub iterations: u32,
     pub random: bool,
-    pub overlap: bool,
     pub evil: bool,
     pub write_percent: u32,
     pub slots: u32,
@@ -403,12 +401,9 @@ impl Config {
     ) -> Config {
         Config {
             vm,
-            vcpus: a.work.vcpus,
-            bytes_per_vcpu: a.work.bytes,
-            backing: a.work.backing.name(),
+            work: a.work.settings(),
             iterations: a.iterations,
             random: a.random,
-            overlap: a.work.overlap,
             evil: a.evil,
             write_percent: a.write_percent,
             slots: a.slots,
@@ -536,8 +531,8 @@ fn lines(r: &Report) -> Lines<Report> {
         title: format!(
             "dirty-log-perf on {}: -v {} -b {}",
             r.head.backend,
-            r.config.vcpus,
-            format_size(r.config.bytes_per_vcpu)
+            r.config.work.vcpus,
+            format_size(r.config.work.bytes_per_vcpu)
         ),
         x_desc: "iteration",
         y_desc: "time (ms, lower is better)",

@@ -7,7 +7,7 @@ use crate::report::ts;
 /// The selftest's text report of one run, then slat's machine lines.
 pub(super) fn print_text(r: &Report) {
     let c = &r.config;
-    let total = c.bytes_per_vcpu * c.vcpus as u64;
+    let total = c.work.bytes_per_vcpu * c.work.vcpus as u64;
     println!("Test iterations: {}", c.iterations);
     println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
     println!("{}", r.format_header);

@@ -9,7 +9,7 @@ use crate::args::{
 use crate::backend::{self, dirty_config, Spec};
 use crate::driver::Benchmark;
 use crate::error::{CliError, CliResult};
-use crate::output::{print_json, Metric, Repeated, RunHead, VmSettings};
+use crate::output::{print_json, Metric, Repeated, RunHead, VmSettings, WorkSettings};
 use crate::report::{format_header, quiet};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
@@ -238,12 +238,10 @@ const NAME: &str = "dirty-log-test";
 pub struct Config {
     #[serde(flatten)]
     pub vm: VmSettings,
+    #[serde(flatten)]
+    pub work: WorkSettings,
     pub iterations: u32,
     pub interval_ms: u64,
-    pub vcpus: u32,
-    /// `-b` plus the selftest's 3 pages.
-    pub bytes_per_vcpu: u64,
-    pub backing: &'static str,
     pub seed: u32,
     /// Ring entries per vCPU (dirty-ring mode), after lowering to the test's pages.
     pub ring_entries: u32,
@@ -423,9 +421,12 @@ fn run_on(a: &DirtyLogTestArgs, kind: BackendArg) -> CliResult<Report> {
             vm,
             iterations: a.iterations,
             interval_ms: a.interval_ms,
-            vcpus: a.work.vcpus,
-            bytes_per_vcpu: a.work.bytes + EXTRA_BYTES,
-            backing: a.work.backing.name(),
+            // -b plus the selftest's 3 pages.
+            work: WorkSettings {
+                bytes_per_vcpu: a.work.bytes + EXTRA_BYTES,
+                overlap: None,
+                ..a.work.settings()
+            },
             seed: a.seed,
             ring_entries: ring,
             broken: a.broken.is_some(),

@@ -22,7 +22,7 @@ use crate::backend::{self, dirty_config, CliMachine, OnMachine, Spec};
 use crate::driver::Benchmark;
 use crate::error::{CliError, CliResult};
 use crate::output::{
-    format_name, print_json, summarize, AllRuns, Metric, MetricSummary, VmSettings,
+    format_name, print_json, summarize, AllRuns, Metric, MetricSummary, VmSettings, WorkSettings,
 };
 use crate::report::{per, quiet, runtime};
 use clap::{Args, ValueEnum};
@@ -194,9 +194,8 @@ impl DirtyRateArgs {
 pub struct Config {
     #[serde(flatten)]
     pub vm: VmSettings,
-    pub vcpus: u32,
-    pub bytes_per_vcpu: u64,
-    pub backing: &'static str,
+    #[serde(flatten)]
+    pub work: WorkSettings,
     pub mode: &'static str,
     /// How the log was read: `get+clear` (manual protect) or `ring`.
     pub log: &'static str,
@@ -517,9 +516,10 @@ fn config(a: &DirtyRateArgs, kind: BackendArg, rate: Option<u64>) -> Config {
     let vm = a.dirty.apply(a.machine.vm_config());
     Config {
         vm: VmSettings::of_machine(kind, &a.machine, &vm),
-        vcpus: a.vcpus,
-        bytes_per_vcpu: a.bytes,
-        backing: a.backing.name(),
+        work: WorkSettings {
+            overlap: None,
+            ..a.work().settings()
+        },
         mode: a.mode.name(),
         log: match a.mode {
             RateMode::Bitmap => "get+clear",

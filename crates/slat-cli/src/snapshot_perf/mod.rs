@@ -29,6 +29,7 @@ use crate::driver::{self, Benchmark};
 use crate::error::{CliError, CliResult};
 use crate::output::{
     format_name, print_json, summarize, AllRuns, Metric, MetricSummary, Sweep, VmSettings,
+    WorkSettings,
 };
 use crate::report::{per, quiet, runtime, Phase};
 use clap::Args;
@@ -107,10 +108,8 @@ const NAME: &str = "snapshot-perf";
 pub struct Config {
     #[serde(flatten)]
     pub vm: VmSettings,
-    pub vcpus: u32,
-    pub bytes_per_vcpu: u64,
-    pub backing: &'static str,
-    pub overlap: bool,
+    #[serde(flatten)]
+    pub work: WorkSettings,
     pub random: bool,
     pub iterations: u32,
     /// `get` (GET clears), `clear` (GET + CLEAR) or `ring`.
@@ -333,10 +332,7 @@ fn measure(a: &SnapshotPerfArgs, kind: BackendArg) -> CliResult<Run> {
         format: format_name(kind, a.machine.format),
         config: Config {
             vm: VmSettings::of_machine(kind, &a.machine, &vm),
-            vcpus: a.work.vcpus,
-            bytes_per_vcpu: a.work.bytes,
-            backing: a.work.backing.name(),
-            overlap: a.work.overlap,
+            work: a.work.settings(),
             random: a.random,
             iterations: a.iterations,
             log: log_name(a),

@@ -21,7 +21,7 @@ pub(super) fn print_run(r: &Run) {
         "snapshot-perf on {}{}: {} vCPUs, log {}, {} order, {} iterations per k{}",
         r.backend,
         r.format.map_or(String::new(), |f| format!(" ({f})")),
-        c.vcpus,
+        c.work.vcpus,
         c.log,
         if c.random { "random" } else { "sequential" },
         c.iterations,
