@@ -14,7 +14,7 @@
 //! harvest column of small k is a lower bound for a large guest (dirty rings do not have this
 //! term). Each row's RAM is in its `ram_pages`.
 //!
-//! `--vary KEY=V1,V2` (`sweep.rs`): one such run per combination of vCPU count, harvest,
+//! `--vary KEY=V1,V2` (`vary.rs`): one such run per combination of vCPU count, harvest,
 //! order and machine, in this process, and one table.
 
 mod text;
