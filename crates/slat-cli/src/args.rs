@@ -1,12 +1,16 @@
 //! Flags shared by the benchmark subcommands and their value parsers.
 
+pub mod keys;
+
+use crate::driver::{vary::Vary, Common};
+use crate::limits::{check_backing, GuestMemory};
 use clap::{Args, ValueEnum};
 use slat::{
     CmoPolicy, DirectMapPolicy, DirtyTrack, Ept, GetLogVariant, MmuLockKind, PteFormat,
     RebuildOrder, RecoverVariant, Stage2, VmConfig, WrprotVariant,
 };
 use slat_machine::tlb::DEFAULT_TLB_ENTRIES;
-use slat_workload::{parse_size, Backing};
+use slat_workload::{parse_size, Backing, DirtyConfig, RegionSpec};
 
 /// Parses a KVM-selftest size (`1G`, `512M`, `4096`) that must be a multiple of 4 KiB.
 pub fn guest_size(s: &str) -> Result<u64, String> {
@@ -349,55 +353,52 @@ pub fn check_backends(list: &[BackendArg], engine_only: &[&str]) -> Result<(), S
 }
 
 impl MachineArgs {
+    /// Refuses a `--backend` list these flags cannot run on: a machine twice, `--format
+    /// stage2` with kvm, or kvm with any engine-only flag of this group or of `more`.
+    pub fn check_backends(&self, list: &[BackendArg], more: &[&'static str]) -> Result<(), String> {
+        self.format.check_backends(list)?;
+        let mut engine_only = self.engine_only();
+        engine_only.extend(more);
+        check_backends(list, &engine_only)
+    }
+
     /// The engine-only flags of this group set to a non-default value.
     pub fn engine_only(&self) -> Vec<&'static str> {
-        let mut v = Vec::new();
-        if self.mmu_lock != MmuLockKind::RwLock {
-            v.push("--mmu-lock");
-        }
-        if !self.fast_pf.on() {
-            v.push("--fast-pf");
-        }
-        if !self.ad_bits.on() {
-            v.push("--ad-bits");
-        }
-        if self.tlb_entries != DEFAULT_TLB_ENTRIES {
-            v.push("--tlb-entries");
-        }
-        if self.pcpus.is_some() {
-            v.push("--pcpus");
-        }
-        if self.cmo != CmoPolicy::OnInstall {
-            v.push("--cmo");
-        }
-        v
+        given(&[
+            (self.mmu_lock != MmuLockKind::RwLock, "--mmu-lock"),
+            (!self.fast_pf.on(), "--fast-pf"),
+            (!self.ad_bits.on(), "--ad-bits"),
+            (self.tlb_entries != DEFAULT_TLB_ENTRIES, "--tlb-entries"),
+            (self.pcpus.is_some(), "--pcpus"),
+            (self.cmo != CmoPolicy::OnInstall, "--cmo"),
+        ])
     }
 }
 
 impl DirtyArgs {
     /// The engine-only flags of this group set to a non-default value.
     pub fn engine_only(&self) -> Vec<&'static str> {
-        let mut v = Vec::new();
-        if self.get_log != GetLogVariant::Xchg {
-            v.push("--get-dirty-log");
-        }
-        if !self.eager_split.on() {
-            v.push("--eager-split");
-        }
-        if self.recover != RecoverVariant::InPlace {
-            v.push("--recover");
-        }
-        if self.tracking != DirtyTrack::WriteProtect {
-            v.push("--dirty-tracking");
-        }
-        if self.rebuild != RebuildOrder::InstallFirst {
-            v.push("--rebuild");
-        }
-        if self.wrprot != WrprotVariant::Walk {
-            v.push("--wrprot");
-        }
-        v
+        given(&[
+            (self.get_log != GetLogVariant::Xchg, "--get-dirty-log"),
+            (!self.eager_split.on(), "--eager-split"),
+            (self.recover != RecoverVariant::InPlace, "--recover"),
+            (
+                self.tracking != DirtyTrack::WriteProtect,
+                "--dirty-tracking",
+            ),
+            (self.rebuild != RebuildOrder::InstallFirst, "--rebuild"),
+            (self.wrprot != WrprotVariant::Walk, "--wrprot"),
+        ])
     }
+}
+
+/// The flags of `flags` that were given.
+fn given(flags: &[(bool, &'static str)]) -> Vec<&'static str> {
+    flags
+        .iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, f)| *f)
+        .collect()
 }
 
 /// Refuses a dirty ring the KVM machine cannot have: KVM's ring is at least one page of
@@ -448,6 +449,15 @@ pub struct OutputArgs {
 }
 
 impl OutputArgs {
+    /// The flags the driver reads, with a benchmark's `--backend` and `--vary`.
+    pub fn common<'a>(&'a self, backends: &'a [BackendArg], vary: &'a [Vary]) -> Common<'a> {
+        Common {
+            backends,
+            vary,
+            out: self,
+        }
+    }
+
     /// Refuses a `--plot` file this process cannot write, before the benchmark runs (the
     /// plot is drawn at the end: a bad path would throw the whole run away).
     pub fn check_paths(&self) -> crate::error::CliResult {
@@ -500,6 +510,48 @@ pub struct Workload {
     /// Overlap: every vCPU works on all of guest memory instead of its own partition.
     #[arg(short = 'o')]
     pub overlap: bool,
+}
+
+impl Workload {
+    /// Sizes the machines on `backends` can hold: `-v` × (`-b` + `extra` bytes) without
+    /// overflow, in the guest physical address space of each machine, and `copies` mappings
+    /// of it at once on this host (the guest, a baseline, a snapshot); `-s` on each machine.
+    pub fn check_fits(
+        &self,
+        backends: &[BackendArg],
+        machine: &MachineArgs,
+        extra: u64,
+        copies: u64,
+    ) -> Result<GuestMemory, String> {
+        check_backing(backends, self.backing)?;
+        let mem = GuestMemory::per_vcpu_plus(self.vcpus, self.bytes, extra)?;
+        mem.fits_gpa(backends, machine.format, None)?;
+        mem.fits_host(self.backing, copies, machine.tlb_bytes(self.vcpus))?;
+        Ok(mem)
+    }
+
+    /// These flags as a report's `config` records them.
+    pub fn settings(&self) -> crate::output::WorkSettings {
+        crate::output::WorkSettings {
+            vcpus: self.vcpus,
+            bytes_per_vcpu: self.bytes,
+            backing: self.backing.name(),
+            overlap: Some(self.overlap),
+        }
+    }
+
+    /// The test region of these flags: one memslot, pre-faulted unless `--no-prefault`.
+    pub fn region(&self, machine: &MachineArgs, dirty: DirtyConfig) -> RegionSpec {
+        RegionSpec {
+            backing: self.backing,
+            vcpus: self.vcpus as usize,
+            bytes_per_vcpu: self.bytes,
+            slots: 1,
+            overlap: self.overlap,
+            prefault: !machine.no_prefault,
+            dirty,
+        }
+    }
 }
 
 /// A `-c` CPU list as given (`0,1,3-5`).

@@ -8,9 +8,10 @@
 //! `Box<dyn Backend>` (machine errors become the one-line messages the CLI prints) plus what
 //! only the CLI needs ([`CliMachine`]: statistics as JSON and the simulated engine's extras).
 
-use crate::args::{BackendArg, FormatArg, PinArgs};
+use crate::args::{BackendArg, FormatArg, MachineArgs, PinArgs};
 use crate::error::{CliError, CliResult};
 use crate::output::VmSettings;
+use crate::report::{bbm_cmo_line, pinned_line, sim_format, Phase};
 use serde_json::{json, Value};
 use slat::{Ept, PteFormat, Stage2, VmConfig};
 use slat_addr::PAGE_SIZE;
@@ -43,6 +44,17 @@ pub struct Spec {
 }
 
 impl Spec {
+    /// The machine `machine`'s flags describe, around `region`, with engine switches `vm`.
+    pub fn new(machine: &MachineArgs, region: RegionSpec, vm: VmConfig) -> Spec {
+        Spec {
+            region,
+            format: machine.format,
+            vm,
+            tlb_entries: machine.tlb_entries,
+            pcpus: machine.pcpus.unwrap_or(0),
+        }
+    }
+
     /// Manual dirty-log protect (GET copies, CLEAR re-protects).
     pub fn manual_protect(&self) -> bool {
         self.region.dirty.manual_protect != 0
@@ -77,7 +89,7 @@ pub fn dirty_config(manual_protect: bool, ring_entries: u32) -> DirtyConfig {
 
 /// What benchmarks drive: [`TestMachine`] behind a `dyn`, with its errors as one-line
 /// messages, plus [`CliMachine`]. Every [`TestMachine`] that is a [`CliMachine`] is one.
-pub trait Backend {
+pub trait Backend: CliMachine {
     /// Where the test region is.
     fn layout(&self) -> Layout;
     /// The test region's memslot ids.
@@ -96,8 +108,6 @@ pub trait Backend {
     fn set_dirty_logging(&self, on: bool) -> Result<(), String>;
     /// The test region's dirty log (GET, CLEAR, the rings), as every harvest drives it.
     fn dirty_log(&self) -> Box<dyn DirtyLogSource<Error = String> + '_>;
-    /// The machine's counters as JSON (engine statistics, or KVM's binary VM stats).
-    fn stats(&self) -> Value;
     /// The dirty-log oracle in `mode` (the machine must have been built for it).
     fn dirty_oracle(
         &self,
@@ -105,12 +115,8 @@ pub trait Backend {
         cfg: OracleConfig,
         progress: &mut dyn FnMut(&dirty_oracle::IterationReport),
     ) -> Result<OracleReport, String>;
-    /// The simulated machine, for its engine-only reports and switches.
-    fn sim(&self) -> Option<&dyn Sim>;
     /// Pins vCPU i's thread to `cpus[i]`; returns each thread's affinity read back.
     fn pin_vcpus(&self, cpus: &[usize]) -> Result<Vec<Vec<usize>>, String>;
-    /// The test region's guest RAM.
-    fn guest_ram(&self) -> &GuestRam;
 }
 
 /// What only the CLI asks of a machine, beside [`TestMachine`].
@@ -121,6 +127,10 @@ pub trait CliMachine {
     fn sim(&self) -> Option<&dyn Sim>;
     /// The test region's guest RAM.
     fn guest_ram(&self) -> &GuestRam;
+    /// Starts every vCPU writing its region sequentially in a loop until `halt`: paced at
+    /// `rate` writes per second per vCPU where the machine can pace a guest (the simulated
+    /// one), as fast as it can otherwise.
+    fn start_writer(&self, pass: PassParams, rate: Option<u64>) -> Result<(), String>;
 }
 
 /// The simulated machine's engine-only reports and switches, whatever its page-table format.
@@ -149,13 +159,19 @@ impl<F: PteFormat> Sim for Machine<F> {
 
 impl<F: PteFormat> CliMachine for Machine<F> {
     fn stats(&self) -> Value {
-        crate::demand_paging::stats_json(&self.vm().stats())
+        stats_json(&self.vm().stats())
     }
     fn sim(&self) -> Option<&dyn Sim> {
         Some(self)
     }
     fn guest_ram(&self) -> &GuestRam {
         self.ram()
+    }
+    fn start_writer(&self, pass: PassParams, rate: Option<u64>) -> Result<(), String> {
+        let pacer = slat_machine::Pacer::new(rate.unwrap_or(0));
+        let paced = slat_machine::PacedParams { pass, pacer };
+        self.start(slat_machine::Workload::Paced(paced))
+            .map_err(text)
     }
 }
 
@@ -176,6 +192,9 @@ impl CliMachine for slat_kvm::KvmMachine {
     }
     fn guest_ram(&self) -> &GuestRam {
         self.ram()
+    }
+    fn start_writer(&self, pass: PassParams, _rate: Option<u64>) -> Result<(), String> {
+        TestMachine::start_loop(self, pass).map_err(text)
     }
 }
 
@@ -216,9 +235,6 @@ impl<M: TestMachine + CliMachine> Backend for M {
     fn dirty_log(&self) -> Box<dyn DirtyLogSource<Error = String> + '_> {
         Box::new(TestMachine::dirty_log(self).map_err(text::<M::Error>))
     }
-    fn stats(&self) -> Value {
-        CliMachine::stats(self)
-    }
     fn dirty_oracle(
         &self,
         _mode: LogMode,
@@ -227,14 +243,8 @@ impl<M: TestMachine + CliMachine> Backend for M {
     ) -> Result<OracleReport, String> {
         dirty_oracle::run(self, cfg, progress).map_err(text)
     }
-    fn sim(&self) -> Option<&dyn Sim> {
-        CliMachine::sim(self)
-    }
     fn pin_vcpus(&self, cpus: &[usize]) -> Result<Vec<Vec<usize>>, String> {
         TestMachine::pin_vcpus(self, cpus).map_err(text)
-    }
-    fn guest_ram(&self) -> &GuestRam {
-        CliMachine::guest_ram(self)
     }
 }
 
@@ -277,35 +287,148 @@ pub fn check_pinned(want: &[usize], got: &[Vec<usize>]) -> Result<(), String> {
     Ok(())
 }
 
-/// The simulated machine with page-table format `F`.
-fn sim_machine<F: PteFormat>(spec: &Spec) -> Result<Box<dyn Backend>, String> {
-    let m = Machine::<F>::new(MachineConfig {
+fn machine_config(spec: &Spec) -> MachineConfig {
+    MachineConfig {
         vm: spec.vm,
         region: spec.region,
         tlb_entries: spec.tlb_entries,
         pcpus: spec.pcpus,
         ..MachineConfig::default()
+    }
+}
+
+fn kvm_machine(spec: &Spec) -> Result<slat_kvm::KvmMachine, slat_kvm::KvmError> {
+    let region = spec.region;
+    slat_kvm::KvmMachine::new(slat_kvm::KvmConfig {
+        region,
+        ..slat_kvm::KvmConfig::default()
     })
-    .map_err(text)?;
-    Ok(Box::new(m))
+}
+
+/// Work on a machine of its own type, for benchmarks that need more than [`Backend`] (a
+/// snapshot, a paced writer): [`visit`] builds the machine and hands it over.
+pub trait OnMachine {
+    /// What the work returns.
+    type Out;
+    /// The work.
+    fn run<M: TestMachine + CliMachine>(self, m: &M) -> CliResult<Self::Out>;
+    /// The error of a KVM machine that could not be built.
+    fn kvm_error(&self, e: slat_kvm::KvmError) -> CliError {
+        CliError::Runtime(e.to_string())
+    }
+}
+
+/// Builds machine `kind` from `spec` and runs `work` on it.
+pub fn visit<V: OnMachine>(kind: BackendArg, spec: &Spec, work: V) -> CliResult<V::Out> {
+    fn sim<F: PteFormat, V: OnMachine>(spec: &Spec, work: V) -> CliResult<V::Out> {
+        work.run(&Machine::<F>::new(machine_config(spec)).map_err(text)?)
+    }
+    match (kind, spec.format) {
+        (BackendArg::Sim, FormatArg::Ept) => sim::<Ept, V>(spec, work),
+        (BackendArg::Sim, FormatArg::Stage2) => sim::<Stage2, V>(spec, work),
+        (BackendArg::Kvm, _) => match kvm_machine(spec) {
+            Ok(m) => work.run(&m),
+            Err(e) => Err(work.kvm_error(e)),
+        },
+    }
+}
+
+/// Builds machine `kind` as a progress phase (`mapping ... guest RAM{what}`), which the
+/// caller ends once the rest of its set-up (pinning, a baseline) is done.
+pub fn start(
+    kind: BackendArg,
+    spec: &Spec,
+    what: &str,
+    quiet: bool,
+) -> CliResult<(Box<dyn Backend>, Phase)> {
+    let r = &spec.region;
+    let size = slat_workload::format_size(r.bytes_per_vcpu * r.vcpus as u64);
+    let format = sim_format(kind, spec.format);
+    let name = format!(
+        "{}{format}: mapping {size} of {} guest RAM{what}",
+        kind.name(),
+        r.backing
+    );
+    let p = Phase::start(name, quiet);
+    Ok((create(kind, spec)?, p))
+}
+
+/// The lines after a selftest's report: the machine's counters, then a `Machine:` line of
+/// what it was (`sim_settings`: the engine's switches beyond the format, MMU lock and fast
+/// page fault) and how the run went (`extra`), then where `-c` pinned the vCPUs.
+pub fn machine_lines(
+    m: &dyn Backend,
+    spec: &Spec,
+    sim_settings: &str,
+    extra: &str,
+    pinned: Option<&[usize]>,
+) -> Vec<String> {
+    let vcpus = spec.region.vcpus;
+    let mut lines = match m.sim() {
+        Some(sim) => {
+            let s = sim.engine_stats();
+            let mut l = vec![
+                format!(
+                    "Engine: {} slow faults, {} fast faults, {} spurious, {} retried; {} splits, {} recoveries; remote flushes {}/{} requested",
+                    s.pf_fixed, s.pf_fast, s.pf_spurious, s.pf_retry, s.splits, s.recoveries,
+                    s.remote_tlb_flush, s.remote_tlb_flush_requests
+                ),
+                format!(
+                    "Leaves now: {} x 4K, {} x 2M, {} x 1G; page tables: {} pages ({})",
+                    s.leaves_4k, s.leaves_2m, s.leaves_1g, s.table_pages,
+                    slat_workload::format_size(s.table_bytes)
+                ),
+            ];
+            l.extend(bbm_cmo_line(spec.format, &s));
+            let fast = if spec.vm.fast_pf { "on" } else { "off" };
+            l.push(format!(
+                "Machine: {vcpus} vCPU(s) on {} physical CPU(s); format {}, mmu lock {}, fast page fault {fast}{extra}{sim_settings}",
+                sim.pcpus(),
+                spec.format.name(),
+                spec.vm.mmu_lock.name(),
+            ));
+            l
+        }
+        None => vec![
+            kvm_stats_line(&m.stats()),
+            format!("Machine: {vcpus} vCPU(s) on the host's /dev/kvm{extra}"),
+        ],
+    };
+    lines.extend(pinned_line(pinned));
+    lines
+}
+
+/// Every engine statistic as JSON.
+pub fn stats_json(s: &slat::Stats) -> Value {
+    json!({
+        "pf_fixed": s.pf_fixed, "pf_fast": s.pf_fast, "pf_spurious": s.pf_spurious,
+        "pf_retry": s.pf_retry, "pf_no_slot": s.pf_no_slot, "pf_read_only": s.pf_read_only,
+        "leaves_4k": s.leaves_4k, "leaves_2m": s.leaves_2m, "leaves_1g": s.leaves_1g,
+        "table_pages": s.table_pages, "table_bytes": s.table_bytes,
+        "table_pages_live": s.table_pages_live,
+        "remote_tlb_flush_requests": s.remote_tlb_flush_requests,
+        "remote_tlb_flush": s.remote_tlb_flush, "splits": s.splits,
+        "recoveries": s.recoveries, "dirty_marked": s.dirty_marked,
+        "pf_ring_full": s.pf_ring_full, "bbm_breaks": s.bbm_breaks,
+        "cache_cleans": s.cache_cleans, "cache_clean_bytes": s.cache_clean_bytes,
+    })
 }
 
 /// Builds the machine `kind` selects (on the simulated machine, with `spec.format`).
 pub fn create(kind: BackendArg, spec: &Spec) -> Result<Box<dyn Backend>, String> {
     match kind {
         BackendArg::Sim => match spec.format {
-            FormatArg::Ept => sim_machine::<Ept>(spec),
-            FormatArg::Stage2 => sim_machine::<Stage2>(spec),
+            FormatArg::Ept => Ok(Box::new(
+                Machine::<Ept>::new(machine_config(spec)).map_err(text)?,
+            )),
+            FormatArg::Stage2 => Ok(Box::new(
+                Machine::<Stage2>::new(machine_config(spec)).map_err(text)?,
+            )),
         },
         BackendArg::Kvm => {
             // Checked with the other flags; a backstop for a caller that forgot.
             spec.format.check_backends(&[kind])?;
-            let m = slat_kvm::KvmMachine::new(slat_kvm::KvmConfig {
-                region: spec.region,
-                ..slat_kvm::KvmConfig::default()
-            })
-            .map_err(text)?;
-            Ok(Box::new(m))
+            Ok(Box::new(kvm_machine(spec).map_err(text)?))
         }
     }
 }

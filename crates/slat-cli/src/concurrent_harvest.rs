@@ -8,6 +8,7 @@ use crate::error::CliResult;
 use crate::harvest::{Harvest, HarvestTimes};
 use crate::latency::LatencySummary;
 use crate::output::secs;
+use crate::report::per;
 use serde::Serialize;
 use slat_workload::latency::{latency_histogram, merged, record_latency_n};
 use slat_workload::{LatencyHistogram, PassParams, WriteLatency};
@@ -20,21 +21,17 @@ pub const STALL_NS: u64 = 1_000;
 /// One side of the contrast: the vCPUs writing with or without harvests running.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct PhaseFigures {
-    /// Harvests in the phase.
     pub harvests: usize,
     /// Mean harvest time (get plus clear or ring reset).
     #[serde(rename = "harvest_avg_s", serialize_with = "secs")]
     pub harvest_avg: Duration,
-    /// Slowest harvest.
     #[serde(rename = "harvest_max_s", serialize_with = "secs")]
     pub harvest_max: Duration,
-    /// Pages the vCPUs touched in the phase.
     pub pages_touched: u64,
     /// Pages touched per second of guest time: `pages_touched` over the vCPUs' wall time.
     pub guest_pages_per_s: f64,
     /// Every vCPU's recorded write latencies (what is recorded: `latency_recorded`).
     pub write_latency: LatencySummary,
-    /// Per vCPU.
     pub write_latency_per_vcpu: Vec<LatencySummary>,
     /// Recorded writes of at least [`STALL_NS`] (a real guest's exits); `null` on a machine
     /// that records only faulting writes.
@@ -113,7 +110,7 @@ fn figures(
         harvest_avg: mean(&totals),
         harvest_max: totals.iter().copied().max().unwrap_or_default(),
         pages_touched: pages,
-        guest_pages_per_s: per_second(pages, wall),
+        guest_pages_per_s: per(pages as f64, wall.as_secs_f64()).unwrap_or(0.0),
         write_latency: LatencySummary::of(&all),
         write_latency_per_vcpu: per_vcpu.iter().map(LatencySummary::of).collect(),
         stalls: (kind == WriteLatency::AllWrites).then(|| stalls(&all)),
@@ -136,15 +133,6 @@ fn mean(xs: &[Duration]) -> Duration {
     match xs.len() {
         0 => Duration::ZERO,
         n => xs.iter().sum::<Duration>() / n as u32,
-    }
-}
-
-fn per_second(n: u64, d: Duration) -> f64 {
-    let s = d.as_secs_f64();
-    if s > 0.0 {
-        n as f64 / s
-    } else {
-        0.0
     }
 }
 
@@ -215,7 +203,7 @@ impl ConcurrentReport {
                 c.harvest_max.as_secs_f64(),
                 q.harvest_avg.as_secs_f64(),
                 q.harvest_max.as_secs_f64(),
-                ratio(c.harvest_avg.as_secs_f64(), q.harvest_avg.as_secs_f64()),
+                per(c.harvest_avg.as_secs_f64(), q.harvest_avg.as_secs_f64()).unwrap_or(0.0),
             ),
             format!(
                 "Guest writes: {:.0} pages/s during harvests, {:.0} pages/s in the passes between stopped harvests",
@@ -245,13 +233,5 @@ impl ConcurrentReport {
             ));
         }
         v
-    }
-}
-
-fn ratio(a: f64, b: f64) -> f64 {
-    if b > 0.0 {
-        a / b
-    } else {
-        0.0
     }
 }

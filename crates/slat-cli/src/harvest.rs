@@ -24,7 +24,6 @@ pub struct HarvestTimes {
     /// Resetting the dirty rings (with `--dirty-ring`).
     #[serde(rename = "reset_dirty_rings_time_s", serialize_with = "opt_secs")]
     pub reset: Option<Duration>,
-    /// Pages the harvest reported.
     pub dirty_pages: u64,
 }
 

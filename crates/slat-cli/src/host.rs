@@ -8,7 +8,6 @@ use serde::Serialize;
 /// What the host was when the run was made.
 #[derive(Debug, Clone, Serialize)]
 pub struct HostFacts {
-    /// CPUs this process may run on.
     pub cores: usize,
     /// `uname -r` (from `/proc/sys/kernel/osrelease`).
     pub kernel_release: Option<String>,

@@ -7,17 +7,11 @@ use slat_workload::LatencyHistogram;
 /// Percentiles of one histogram of write latencies, in nanoseconds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct LatencySummary {
-    /// Writes recorded.
     pub count: u64,
-    /// Median.
     pub p50_ns: u64,
-    /// 99th percentile.
     pub p99_ns: u64,
-    /// 99.9th percentile.
     pub p999_ns: u64,
-    /// Slowest.
     pub max_ns: u64,
-    /// Mean.
     pub mean_ns: f64,
 }
 

@@ -24,14 +24,7 @@ pub struct GuestMemory {
 impl GuestMemory {
     /// `vcpus` × `bytes` (`-v` × `-b`), checked.
     pub fn per_vcpu(vcpus: u32, bytes: u64) -> Result<GuestMemory, String> {
-        let flags = format!("-v {vcpus} x -b {bytes}");
-        let total = bytes
-            .checked_mul(vcpus as u64)
-            .ok_or_else(|| format!("{flags}: the guest memory overflows 64 bits"))?;
-        Ok(GuestMemory {
-            flags,
-            bytes: total,
-        })
+        GuestMemory::per_vcpu_plus(vcpus, bytes, 0)
     }
 
     /// `vcpus` × (`bytes` + `extra`): a run that adds `extra` bytes to each vCPU's memory.

@@ -20,13 +20,9 @@ pub const SCHEMA_VERSION: u32 = 1;
 /// The document printed by `--json`: the envelope, then the body's fields at the top level.
 #[derive(Serialize)]
 pub struct Document<'a, B: Serialize> {
-    /// [`SCHEMA_VERSION`].
     pub schema_version: u32,
-    /// The slat version that produced it.
     pub slat_version: &'static str,
-    /// The host the numbers were measured on.
     pub host: HostFacts,
-    /// The report.
     #[serde(flatten)]
     pub body: &'a B,
 }
@@ -64,27 +60,17 @@ pub fn opt_secs<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::E
 pub struct VmSettings {
     /// `--format` on the simulated machine; `null` on kvm (the host's own page tables).
     pub format: Option<&'static str>,
-    /// `--mmu-lock`.
     pub mmu_lock: &'static str,
-    /// `--fast-pf`.
     pub fast_pf: bool,
-    /// `--ad-bits`.
     pub ad_bits: bool,
-    /// `--get-dirty-log`.
     pub get_dirty_log: &'static str,
-    /// `--dirty-tracking`.
     pub dirty_tracking: &'static str,
-    /// `--eager-split`.
     pub eager_split: bool,
-    /// `--recover`.
     pub recover: &'static str,
-    /// `--cmo`.
     pub cmo: &'static str,
-    /// `--rebuild`.
     pub rebuild: &'static str,
     /// `--wrprot` (lockless write-protect through the reverse map).
     pub wrprot: &'static str,
-    /// `--tlb-entries`.
     pub tlb_entries: usize,
     /// Physical CPUs the simulated vCPUs ran on (`null` on kvm).
     pub pcpus: Option<usize>,
@@ -139,12 +125,53 @@ impl VmSettings {
     }
 }
 
+/// The guest a run's `config` describes: `-v`, `-b`, `-s` and (where the run has it) `-o`.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkSettings {
+    pub vcpus: u32,
+    pub bytes_per_vcpu: u64,
+    pub backing: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub overlap: Option<bool>,
+}
+
 /// The format a run used: the `--format` name on the simulated machine; `None` on KVM, whose
 /// page tables are the host's own, not slat's.
 pub fn format_name(kind: BackendArg, format: FormatArg) -> Option<&'static str> {
     match kind {
         BackendArg::Sim => Some(format.name()),
         BackendArg::Kvm => None,
+    }
+}
+
+/// The one document of a benchmark that keeps its own (`own_output`): every run,
+/// backend-major then repeat, and the benchmark's summary of them.
+#[derive(Debug, Clone, Serialize)]
+pub struct AllRuns<R, S> {
+    pub benchmark: &'static str,
+    pub repeat: u32,
+    /// The machines, in the order run.
+    pub backends: Vec<&'static str>,
+    /// Backend-major, then repeat.
+    pub runs: Vec<R>,
+    pub summary: Vec<S>,
+}
+
+impl<R, S> AllRuns<R, S> {
+    /// The runs of `all` and `summary` of them, with `--repeat` from `out`.
+    pub fn new(
+        benchmark: &'static str,
+        out: &crate::args::OutputArgs,
+        all: Vec<(BackendArg, Vec<R>)>,
+        summary: impl FnOnce(&[(BackendArg, Vec<R>)]) -> Vec<S>,
+    ) -> Self {
+        AllRuns {
+            benchmark,
+            repeat: out.repeat,
+            backends: all.iter().map(|(b, _)| b.name()).collect(),
+            summary: summary(&all),
+            runs: all.into_iter().flat_map(|(_, r)| r).collect(),
+        }
     }
 }
 
@@ -179,6 +206,33 @@ pub struct Metric<R> {
     pub get: fn(&R) -> Option<f64>,
 }
 
+impl<R> Metric<R> {
+    /// A figure that improves downwards (times, guest/native ratios).
+    pub const fn lower(name: &'static str, unit: &'static str, get: fn(&R) -> Option<f64>) -> Self {
+        let better = Better::Lower;
+        Metric {
+            name,
+            unit,
+            better,
+            get,
+        }
+    }
+    /// A figure that improves upwards (rates).
+    pub const fn higher(
+        name: &'static str,
+        unit: &'static str,
+        get: fn(&R) -> Option<f64>,
+    ) -> Self {
+        let better = Better::Higher;
+        Metric {
+            name,
+            unit,
+            better,
+            get,
+        }
+    }
+}
+
 impl<R> Clone for Metric<R> {
     fn clone(&self) -> Self {
         *self
@@ -206,27 +260,24 @@ pub fn ratio_cell(r: Option<f64>) -> String {
     }
 }
 
-fn quotient(p: Option<f64>, q: Option<f64>) -> Option<f64> {
-    match (p, q) {
-        (Some(p), Some(q)) if q > 0.0 => Some(p / q),
-        _ => None,
+/// A figure in a table cell, as its unit wants it (`x`: a ratio).
+pub fn unit_cell(unit: &str, x: Option<f64>) -> String {
+    if unit == "x" {
+        ratio_cell(x)
+    } else {
+        cell(x)
     }
 }
 
 /// One row of a two-machine comparison.
 #[derive(Debug, Clone, Serialize)]
 pub struct CompareRow {
-    /// The metric's name.
     pub metric: &'static str,
-    /// Its unit.
     pub unit: &'static str,
     /// Which way is better.
     pub better: Better,
-    /// On the first machine.
     pub first: Option<f64>,
-    /// On the second machine.
     pub second: Option<f64>,
-    /// first / second.
     pub ratio_first_over_second: Option<f64>,
 }
 
@@ -234,11 +285,9 @@ pub struct CompareRow {
 /// medians, with `--repeat`).
 #[derive(Serialize)]
 pub struct Comparison<'a, R: Serialize> {
-    /// The benchmark's name.
     pub benchmark: &'static str,
     /// The two machines, in the order run.
     pub backends: [&'static str; 2],
-    /// One row per metric.
     pub comparison: Vec<CompareRow>,
     /// The two machines' runs, in the order of `backends`: a report each, or with
     /// `--repeat` each machine's summary and runs.
@@ -263,7 +312,7 @@ impl<'a, R: Serialize> Comparison<'a, R> {
                     better: m.better,
                     first: p,
                     second: q,
-                    ratio_first_over_second: quotient(p, q),
+                    ratio_first_over_second: p.zip(q).and_then(|(p, q)| crate::report::per(p, q)),
                 }
             })
             .collect();
@@ -283,13 +332,9 @@ impl<'a, R: Serialize> Comparison<'a, R> {
             .comparison
             .iter()
             .map(|r| {
-                let f = if r.unit == "x" { ratio_cell } else { cell };
-                vec![
-                    r.metric.to_string(),
-                    f(r.first),
-                    f(r.second),
-                    ratio_cell(r.ratio_first_over_second),
-                ]
+                let f = |x| unit_cell(r.unit, x);
+                let ratio = ratio_cell(r.ratio_first_over_second);
+                vec![r.metric.to_string(), f(r.first), f(r.second), ratio]
             })
             .collect();
         print_table(&head, &body);
@@ -301,9 +346,7 @@ impl<'a, R: Serialize> Comparison<'a, R> {
 #[derive(Serialize)]
 #[serde(untagged)]
 pub enum Runs<R: Serialize> {
-    /// `--repeat 1`.
     One(R),
-    /// `--repeat N`.
     Many(Repeated<R>),
 }
 
@@ -334,7 +377,6 @@ impl<R: Serialize> Runs<R> {
 /// sweep).
 #[derive(Serialize)]
 pub struct Sweep<R: Serialize> {
-    /// The benchmark's name.
     pub benchmark: &'static str,
     /// The varied keys, in the order given (the first varies slowest).
     pub varied: Vec<&'static str>,
@@ -357,16 +399,9 @@ impl<R: Serialize> Sweep<R> {
                     .iter()
                     .map(|s| s.split_once('=').map_or(s.as_str(), |(_, v)| v).to_string())
                     .collect();
-                cells.extend(metrics.iter().map(|m| {
-                    let v = match &row.outcome {
-                        RowOutcome::Done(r) => r.median(m),
-                        RowOutcome::Failed(_) => None,
-                    };
-                    if m.unit == "x" {
-                        ratio_cell(v)
-                    } else {
-                        cell(v)
-                    }
+                cells.extend(metrics.iter().map(|m| match &row.outcome {
+                    RowOutcome::Done(r) => unit_cell(m.unit, r.median(m)),
+                    RowOutcome::Failed(_) => unit_cell(m.unit, None),
                 }));
                 cells
             })
@@ -386,19 +421,14 @@ fn unit_head(name: &str, unit: &str) -> String {
 /// Median, minimum, maximum and spread of one metric over `--repeat` runs.
 #[derive(Debug, Clone, Serialize)]
 pub struct MetricSummary {
-    /// The metric's name.
     pub metric: &'static str,
-    /// Its unit.
     pub unit: &'static str,
     /// Which way is better.
     pub better: Better,
-    /// Runs that had the figure.
     pub runs: usize,
     /// The median (the mean of the middle two for an even count).
     pub median: Option<f64>,
-    /// The smallest.
     pub min: Option<f64>,
-    /// The largest.
     pub max: Option<f64>,
     /// (max - min) / median: how far apart the runs were, relative to the median.
     pub spread: Option<f64>,
@@ -434,11 +464,8 @@ pub fn summarize<R>(m: &Metric<R>, runs: &[R]) -> MetricSummary {
 /// `--repeat N`: every run's report and the summary of each metric.
 #[derive(Serialize)]
 pub struct Repeated<R: Serialize> {
-    /// The benchmark's name.
     pub benchmark: &'static str,
-    /// Times the benchmark ran.
     pub repeat: usize,
-    /// One per metric.
     pub summary: Vec<MetricSummary>,
     /// The runs, in order.
     pub runs: Vec<R>,
@@ -462,30 +489,15 @@ impl<R: Serialize> Repeated<R> {
             "Summary over {} runs (spread = (max - min) / median; the better column says which way each figure improves):",
             self.repeat
         );
-        let head: Vec<String> = ["metric", "median", "min", "max", "spread", "better"]
-            .map(String::from)
-            .to_vec();
+        let head = ["metric", "median", "min", "max", "spread", "better"];
         let rows: Vec<Vec<String>> = self
             .summary
             .iter()
             .map(|s| {
-                let f = |x: Option<f64>| {
-                    if s.unit == "x" {
-                        ratio_cell(x)
-                    } else {
-                        cell(x)
-                    }
-                };
-                vec![
-                    unit_head(s.metric, s.unit),
-                    f(s.median),
-                    f(s.min),
-                    f(s.max),
-                    s.spread
-                        .map(|p| format!("{:.1}%", p * 100.0))
-                        .unwrap_or_else(|| "-".into()),
-                    s.better.word().to_string(),
-                ]
+                let f = |x| unit_cell(s.unit, x);
+                let (md, lo, hi, sp) = (f(s.median), f(s.min), f(s.max), spread_cell(s.spread));
+                let better = s.better.word().to_string();
+                vec![unit_head(s.metric, s.unit), md, lo, hi, sp, better]
             })
             .collect();
         print_table(&head, &rows);
@@ -495,8 +507,14 @@ impl<R: Serialize> Repeated<R> {
     }
 }
 
+/// A spread in a table cell, as a percentage of the median.
+pub fn spread_cell(spread: Option<f64>) -> String {
+    spread.map_or_else(|| "-".into(), |p| format!("{:.1}%", p * 100.0))
+}
+
 /// Prints a Markdown table: `head` columns, then `rows`.
-pub fn print_table(head: &[String], rows: &[Vec<String>]) {
+pub fn print_table<S: AsRef<str>>(head: &[S], rows: &[Vec<String>]) {
+    let head: Vec<String> = head.iter().map(|h| h.as_ref().to_string()).collect();
     let widths: Vec<usize> = (0..head.len())
         .map(|c| {
             rows.iter()
@@ -514,7 +532,7 @@ pub fn print_table(head: &[String], rows: &[Vec<String>]) {
             .collect();
         println!("| {} |", padded.join(" | "));
     };
-    line(head);
+    line(&head);
     let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
     println!("|-{}-|", rule.join("-|-"));
     for r in rows {
@@ -526,9 +544,7 @@ pub fn print_table(head: &[String], rows: &[Vec<String>]) {
 /// key, and the row's report or why it failed (a failed row does not stop the sweep).
 #[derive(Serialize)]
 pub struct FallibleRow<T> {
-    /// `key=value` of every varied key.
     pub settings: Vec<String>,
-    /// The report, or the error.
     #[serde(flatten)]
     pub outcome: RowOutcome<T>,
 }
@@ -536,10 +552,8 @@ pub struct FallibleRow<T> {
 /// A [`FallibleRow`]'s result.
 #[derive(Serialize)]
 pub enum RowOutcome<T> {
-    /// The row's report.
     #[serde(rename = "result")]
     Done(Box<T>),
-    /// Why it failed.
     #[serde(rename = "error")]
     Failed(String),
 }
@@ -584,10 +598,43 @@ mod tests {
 /// its JSON, so the document keeps `benchmark`, `backend` and `format` at the top).
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct RunHead {
-    /// The subcommand, e.g. `dirty-log-perf`.
     pub benchmark: &'static str,
-    /// `sim` or `kvm`.
     pub backend: &'static str,
     /// The page-table format (`null` on kvm).
     pub format: Option<&'static str>,
+}
+
+impl RunHead {
+    /// `benchmark` on `kind`, with the simulated machine's `format`.
+    pub fn new(benchmark: &'static str, kind: BackendArg, format: FormatArg) -> RunHead {
+        let (backend, format) = (kind.name(), format_name(kind, format));
+        RunHead {
+            benchmark,
+            backend,
+            format,
+        }
+    }
+}
+
+/// The [`Benchmark`](crate::driver::Benchmark) methods a benchmark forwards: its flags
+/// (`--backend`, with `vary` its `--vary`, and `out`), `check` (refusals as bad input),
+/// `measure` and `print` as functions of its module.
+#[macro_export]
+macro_rules! forward_benchmark {
+    (vary: $vary:tt, check: $check:path, measure: $measure:path, print: $print:path) => {
+        fn common(&self) -> $crate::driver::Common<'_> {
+            self.out.common(&self.backend, $crate::forward_benchmark!(@vary self $vary))
+        }
+        fn check(&self) -> $crate::error::CliResult {
+            $check(self).map_err($crate::error::CliError::bad)
+        }
+        fn measure(&self, kind: $crate::args::BackendArg) -> $crate::error::CliResult<Self::Report> {
+            $measure(self, kind)
+        }
+        fn print(&self, r: &Self::Report) {
+            $print(r)
+        }
+    };
+    (@vary $s:ident yes) => { &$s.vary };
+    (@vary $s:ident no) => { &[] };
 }

@@ -61,6 +61,15 @@ fn span(xs: impl Iterator<Item = f64>) -> (f64, f64) {
     }
 }
 
+/// The label of x: the name of its group at whole x, nothing between groups.
+fn name_at(names: &[String], x: f64) -> String {
+    let i = x.round();
+    match (x - i).abs() < 1e-6 && i >= 0.0 {
+        true => names.get(i as usize).cloned().unwrap_or_default(),
+        false => String::new(),
+    }
+}
+
 /// Draws `charts` one above the other into `path`.
 pub fn draw_stacked(charts: &[Chart], path: &Path) -> CliResult {
     let height = 420 * charts.len().max(1) as u32;
@@ -102,14 +111,7 @@ impl Chart<'_> {
             .map_err(|e| plot_err(path, e))?;
         let names = self.x_names.clone();
         let x_fmt = move |x: &f64| match &names {
-            Some(n) => {
-                let i = x.round();
-                if (x - i).abs() < 1e-6 && i >= 0.0 {
-                    n.get(i as usize).cloned().unwrap_or_default()
-                } else {
-                    String::new()
-                }
-            }
+            Some(n) => name_at(n, *x),
             None => format!("{x}"),
         };
         let n_ticks = self.x_names.as_ref().map_or(10, |n| n.len() * 2 + 1);
@@ -208,14 +210,7 @@ impl BarPanel {
             .build_cartesian_2d(-0.5..n as f64 - 0.5, 0.0..top)
             .map_err(|e| plot_err(path, e))?;
         let names = self.groups.clone();
-        let x_fmt = move |x: &f64| {
-            let i = x.round();
-            if (x - i).abs() < 1e-6 && i >= 0.0 {
-                names.get(i as usize).cloned().unwrap_or_default()
-            } else {
-                String::new()
-            }
-        };
+        let x_fmt = move |x: &f64| name_at(&names, *x);
         chart
             .configure_mesh()
             .disable_x_mesh()

@@ -20,6 +20,16 @@ pub fn ratio(a: Duration, b: Duration) -> f64 {
     }
 }
 
+/// `p / q`, or `None` unless `q` is positive.
+pub fn per(p: f64, q: f64) -> Option<f64> {
+    (q > 0.0).then(|| p / q)
+}
+
+/// A machine's error as a failure while running (exit status 1).
+pub fn runtime<E: std::fmt::Display>(e: E) -> crate::error::CliError {
+    crate::error::CliError::Runtime(e.to_string())
+}
+
 /// A phase announced on stderr; its duration is printed when it took over a second.
 pub struct Phase {
     name: String,

@@ -3,32 +3,26 @@
 //! with, for every guest pass, the same pass on host memory in the same run and the ratio.
 
 mod text;
-use text::{engine_lines, kvm_lines, print_text, run_flags};
-
 mod vary;
 
 use self::vary::{BOTH_MACHINES, EXAMPLES, VARY};
 use crate::args::{
-    check_backends, check_kvm_ring, BackendArg, ClearChunk, DirtyArgs, LogArgs, MachineArgs,
-    OutputArgs, PinArgs, Workload,
+    check_kvm_ring, BackendArg, DirtyArgs, LogArgs, MachineArgs, OutputArgs, PinArgs, Workload,
 };
-use crate::backend::{self, dirty_config, kvm_stats_line, Backend, Native, Pass, Sim, Spec};
+use crate::backend::{self, dirty_config, Backend, Native, Pass, Spec};
 use crate::concurrent_harvest::{self, ConcurrentReport, QuietPasses};
 use crate::driver::chart::SeriesOf;
-use crate::driver::{self, Benchmark, Common, Lines};
+use crate::driver::{self, Benchmark, Lines};
 use crate::error::{CliError, CliResult};
 use crate::harvest::{Harvest, HarvestTimes};
-use crate::limits::{check_backing, GuestMemory};
-use crate::output::{opt_secs, secs, Better, Metric, RunHead, VmSettings};
-use crate::report::{
-    bbm_cmo_line, format_header, pinned_line, quiet, ratio, sim_format, ts, Phase,
-};
+use crate::output::{opt_secs, secs, Metric, RunHead, VmSettings, WorkSettings};
+use crate::report::{format_header, quiet, ratio, Phase};
 use clap::Args;
 use serde::Serialize;
 use slat_workload::format_size;
 use slat_workload::PassParams;
-use slat_workload::RegionSpec;
 use std::time::{Duration, Instant};
+use text::{print_text, run_flags};
 
 /// Flags of `slat dirty-log-perf` (the selftest's, plus slat's variant switches).
 #[derive(Debug, Clone, Args)]
@@ -89,36 +83,21 @@ const NAME: &str = "dirty-log-perf";
 /// The run's settings, as the report records them.
 #[derive(Debug, Clone, Serialize)]
 pub struct Config {
-    /// Engine and machine settings.
     #[serde(flatten)]
     pub vm: VmSettings,
-    /// `-v`.
-    pub vcpus: u32,
-    /// `-b`.
-    pub bytes_per_vcpu: u64,
-    /// `-s`.
-    pub backing: &'static str,
-    /// `-i`.
+    #[serde(flatten)]
+    pub work: WorkSettings,
     pub iterations: u32,
-    /// `-a`.
     pub random: bool,
-    /// `-o`.
-    pub overlap: bool,
-    /// `-e`.
     pub evil: bool,
-    /// `-w`.
     pub write_percent: u32,
-    /// `-x`.
     pub slots: u32,
-    /// `-r`.
     pub seed: u32,
     /// Manual dirty-log protection (GET then CLEAR; off with `-g` or a dirty ring).
     pub manual_protect: bool,
-    /// `--dirty-ring` entries.
     pub dirty_ring: Option<u32>,
     /// `--clear-chunk`: pages per CLEAR_DIRTY_LOG call (`slot`: one per memslot).
     pub clear_chunk: String,
-    /// `--concurrent`.
     pub concurrent: bool,
     /// `-c`: vCPU i's thread was pinned to `pinned_cpus[i]` (read back from the kernel).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -128,46 +107,34 @@ pub struct Config {
 /// One iteration of dirtying memory and harvesting the log.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Iteration {
-    /// 1-based.
     pub iteration: u32,
-    /// The guest's dirty pass.
     #[serde(rename = "dirty_memory_time_s", serialize_with = "secs")]
     pub dirty: Duration,
     /// The same pass by host threads on host memory.
     #[serde(rename = "native_memory_time_s", serialize_with = "secs")]
     pub native: Duration,
-    /// dirty / native.
     pub ratio_guest_over_native: f64,
-    /// The harvest after the pass.
     #[serde(flatten)]
     pub harvest: HarvestTimes,
-    /// Exits because a vCPU's ring was full.
     pub ring_full_exits: u64,
 }
 
 /// Everything one run of dirty-log-perf measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
-    /// Which benchmark ran on which machine.
     #[serde(flatten)]
     pub head: RunHead,
-    /// The settings.
     pub config: Config,
-    /// First write of all memory.
     #[serde(rename = "populate_memory_time_s", serialize_with = "secs")]
     pub populate: Duration,
-    /// The same on host memory.
     #[serde(rename = "populate_native_time_s", serialize_with = "secs")]
     pub populate_native: Duration,
-    /// Enabling dirty logging on every slot.
     #[serde(rename = "enabling_dirty_logging_time_s", serialize_with = "secs")]
     pub enable: Duration,
-    /// The iterations.
     pub iterations: Vec<Iteration>,
     /// Disabling dirty logging (huge pages recovered).
     #[serde(rename = "disabling_dirty_logging_time_s", serialize_with = "secs")]
     pub disable: Duration,
-    /// Sum of the get times.
     #[serde(rename = "get_dirty_log_total_s", serialize_with = "secs")]
     pub get_total: Duration,
     /// Sum of the clear (or ring reset) times; `null` when there is no such step.
@@ -184,7 +151,6 @@ pub struct Report {
     /// The header line naming the page-table format.
     #[serde(skip)]
     pub format_header: String,
-    /// Start of guest test memory.
     #[serde(skip)]
     pub gpa: u64,
 }
@@ -216,101 +182,49 @@ impl Report {
 
 /// The headline figures, for the comparison, sweep and repeat tables.
 pub const METRICS: &[Metric<Report>] = &[
-    Metric {
-        name: "populate memory",
-        unit: "s",
-        better: Better::Lower,
-        get: |r| Some(r.populate.as_secs_f64()),
-    },
-    Metric {
-        name: "enable dirty logging",
-        unit: "s",
-        better: Better::Lower,
-        get: |r| Some(r.enable.as_secs_f64()),
-    },
-    Metric {
-        name: "iteration 2 dirty memory",
-        unit: "s",
-        better: Better::Lower,
-        get: |r| r.steady().map(|i| i.dirty.as_secs_f64()),
-    },
-    Metric {
-        name: "iteration 2 native memory",
-        unit: "s",
-        better: Better::Lower,
-        get: |r| r.steady().map(|i| i.native.as_secs_f64()),
-    },
-    Metric {
-        name: "iteration 2 guest/native",
-        unit: "x",
-        better: Better::Lower,
-        get: |r| r.steady().map(|i| i.ratio_guest_over_native),
-    },
-    Metric {
-        name: "get dirty log avg",
-        unit: "s",
-        better: Better::Lower,
-        get: |r| r.avg(|i| Some(i.harvest.get)),
-    },
-    Metric {
-        name: "clear dirty log avg",
-        unit: "s",
-        better: Better::Lower,
-        get: |r| r.avg(|i| i.harvest.clear),
-    },
-    Metric {
-        name: "reset dirty rings avg",
-        unit: "s",
-        better: Better::Lower,
-        get: |r| r.avg(|i| i.harvest.reset),
-    },
-    Metric {
-        name: "disable dirty logging",
-        unit: "s",
-        better: Better::Lower,
-        get: |r| Some(r.disable.as_secs_f64()),
-    },
+    Metric::lower("populate memory", "s", |r| Some(r.populate.as_secs_f64())),
+    Metric::lower("enable dirty logging", "s", |r| {
+        Some(r.enable.as_secs_f64())
+    }),
+    Metric::lower("iteration 2 dirty memory", "s", |r| {
+        r.steady().map(|i| i.dirty.as_secs_f64())
+    }),
+    Metric::lower("iteration 2 native memory", "s", |r| {
+        r.steady().map(|i| i.native.as_secs_f64())
+    }),
+    Metric::lower("iteration 2 guest/native", "x", |r| {
+        r.steady().map(|i| i.ratio_guest_over_native)
+    }),
+    Metric::lower("get dirty log avg", "s", |r| r.avg(|i| Some(i.harvest.get))),
+    Metric::lower("clear dirty log avg", "s", |r| r.avg(|i| i.harvest.clear)),
+    Metric::lower("reset dirty rings avg", "s", |r| r.avg(|i| i.harvest.reset)),
+    Metric::lower("disable dirty logging", "s", |r| {
+        Some(r.disable.as_secs_f64())
+    }),
 ];
 
-/// The headline figures of `--concurrent`: the reverse-map write-protect series' table (harvest time under concurrent
-/// writers against stopped ones, guest write throughput, vCPU write latency).
+/// The headline figures of `--concurrent`: the reverse-map write-protect series' table
+/// (harvest time under concurrent writers against stopped ones, guest write throughput, vCPU
+/// write latency).
 pub const CONCURRENT_METRICS: &[Metric<Report>] = &[
-    Metric {
-        name: "harvest avg, vCPUs stopped",
-        unit: "s",
-        better: Better::Lower,
-        get: |r| r.contrast().map(|c| c.quiet.harvest_avg.as_secs_f64()),
-    },
-    Metric {
-        name: "harvest avg, vCPUs writing",
-        unit: "s",
-        better: Better::Lower,
-        get: |r| r.contrast().map(|c| c.concurrent.harvest_avg.as_secs_f64()),
-    },
-    Metric {
-        name: "guest writes during harvests",
-        unit: "pages/s",
-        better: Better::Higher,
-        get: |r| r.contrast().map(|c| c.concurrent.guest_pages_per_s),
-    },
-    Metric {
-        name: "write p99, no harvest",
-        unit: "us",
-        better: Better::Lower,
-        get: |r| r.contrast().map(|c| us(c.quiet.write_latency.p99_ns)),
-    },
-    Metric {
-        name: "write p99, during harvests",
-        unit: "us",
-        better: Better::Lower,
-        get: |r| r.contrast().map(|c| us(c.concurrent.write_latency.p99_ns)),
-    },
-    Metric {
-        name: "write max, during harvests",
-        unit: "us",
-        better: Better::Lower,
-        get: |r| r.contrast().map(|c| us(c.concurrent.write_latency.max_ns)),
-    },
+    Metric::lower("harvest avg, vCPUs stopped", "s", |r| {
+        r.contrast().map(|c| c.quiet.harvest_avg.as_secs_f64())
+    }),
+    Metric::lower("harvest avg, vCPUs writing", "s", |r| {
+        r.contrast().map(|c| c.concurrent.harvest_avg.as_secs_f64())
+    }),
+    Metric::higher("guest writes during harvests", "pages/s", |r| {
+        r.contrast().map(|c| c.concurrent.guest_pages_per_s)
+    }),
+    Metric::lower("write p99, no harvest", "us", |r| {
+        r.contrast().map(|c| us(c.quiet.write_latency.p99_ns))
+    }),
+    Metric::lower("write p99, during harvests", "us", |r| {
+        r.contrast().map(|c| us(c.concurrent.write_latency.p99_ns))
+    }),
+    Metric::lower("write max, during harvests", "us", |r| {
+        r.contrast().map(|c| us(c.concurrent.write_latency.max_ns))
+    }),
 ];
 
 fn us(ns: u64) -> f64 {
@@ -334,43 +248,14 @@ fn metrics(a: &DirtyLogPerfArgs) -> Vec<Metric<Report>> {
 impl Benchmark for DirtyLogPerfArgs {
     type Report = Report;
     const NAME: &'static str = NAME;
+    crate::forward_benchmark! { vary: yes, check: check, measure: measure, print: print_text }
 
     fn vary_table() -> &'static [driver::vary::Key<Self>] {
         VARY
     }
 
-    fn common(&self) -> Common<'_> {
-        Common {
-            backends: &self.backend,
-            vary: &self.vary,
-            out: &self.out,
-        }
-    }
-
-    fn check(&self) -> CliResult {
-        let mut engine_only = self.machine.engine_only();
-        engine_only.extend(self.dirty.engine_only());
-        if self.vary.iter().any(|v| !BOTH_MACHINES.contains(&v.key)) {
-            engine_only.push("--vary (of an engine setting)");
-        }
-        self.machine
-            .format
-            .check_backends(&self.backend)
-            .map_err(CliError::bad)?;
-        check_backends(&self.backend, &engine_only).map_err(CliError::bad)?;
-        check(self).map_err(CliError::bad)
-    }
-
-    fn measure(&self, kind: BackendArg) -> CliResult<Report> {
-        measure(self, kind)
-    }
-
     fn metrics(&self) -> Vec<Metric<Report>> {
         metrics(self)
-    }
-
-    fn print(&self, r: &Report) {
-        print_text(r)
     }
 
     fn headline(&self) -> Vec<&'static str> {
@@ -414,67 +299,40 @@ impl Benchmark for DirtyLogPerfArgs {
 }
 
 /// Refuses settings the engine cannot run together (before anything is built), and sizes the
-/// machines cannot hold: `-v` × `-b` without overflow, split evenly by `-x`, in the guest
-/// physical address space of each machine, on this host together with the native baseline
-/// (both are mapped at once).
+/// machines cannot hold, split evenly by `-x`, together with the native baseline (both are
+/// mapped at once).
 fn check(a: &DirtyLogPerfArgs) -> Result<(), String> {
+    let mut engine_only = a.dirty.engine_only();
+    if a.vary.iter().any(|v| !BOTH_MACHINES.contains(&v.key)) {
+        engine_only.push("--vary (of an engine setting)");
+    }
+    a.machine.check_backends(&a.backend, &engine_only)?;
     a.log.check()?;
     let vm_config = a.dirty.apply(a.machine.vm_config());
     a.dirty
         .check(&vm_config, a.machine.format, a.log.dirty_ring.is_some())?;
-    check_backing(&a.backend, a.work.backing)?;
     if let Some(ring) = a.log.dirty_ring {
         check_kvm_ring(&a.backend, ring, "--dirty-ring")?;
     }
     a.pin.plan(a.work.vcpus)?;
-    let mem = GuestMemory::per_vcpu(a.work.vcpus, a.work.bytes)?;
-    mem.slots_divide(a.slots)?;
-    mem.fits_gpa(&a.backend, a.machine.format, None)?;
-    mem.fits_host(a.work.backing, 2, a.machine.tlb_bytes(a.work.vcpus))
+    a.work
+        .check_fits(&a.backend, &a.machine, 0, 2)?
+        .slots_divide(a.slots)
 }
 
 /// The machine spec the flags describe.
 fn spec(a: &DirtyLogPerfArgs) -> Spec {
-    Spec {
-        region: RegionSpec {
-            backing: a.work.backing,
-            vcpus: a.work.vcpus as usize,
-            bytes_per_vcpu: a.work.bytes,
-            slots: a.slots as usize,
-            overlap: a.work.overlap,
-            prefault: !a.machine.no_prefault,
-            dirty: dirty_config(
-                a.log.dirty_ring.is_none() && !a.log.no_manual,
-                a.log.dirty_ring.unwrap_or(0),
-            ),
-        },
-        format: a.machine.format,
-        vm: a.dirty.apply(a.machine.vm_config()),
-        tlb_entries: a.machine.tlb_entries,
-        pcpus: a.machine.pcpus.unwrap_or(0),
-    }
-}
-
-/// The guest machine and the host memory of the native baseline, mapped.
-fn build(
-    a: &DirtyLogPerfArgs,
-    kind: BackendArg,
-    cfg: &Spec,
-) -> CliResult<(Box<dyn Backend>, Native)> {
-    let p = Phase::start(
-        format!(
-            "{}{}: mapping {} of {} guest RAM and as much host memory for the native baseline",
-            kind.name(),
-            sim_format(kind, a.machine.format),
-            format_size(a.work.bytes * a.work.vcpus as u64),
-            a.work.backing
-        ),
-        quiet(a.out.json),
+    let l = &a.log;
+    let dirty = dirty_config(
+        l.dirty_ring.is_none() && !l.no_manual,
+        l.dirty_ring.unwrap_or(0),
     );
-    let m = backend::create(kind, cfg)?;
-    let native = Native::new(kind, m.layout(), a.work.backing, cfg.region.prefault)?;
-    p.done();
-    Ok((m, native))
+    let slots = a.slots as usize;
+    let region = slat_workload::RegionSpec {
+        slots,
+        ..a.work.region(&a.machine, dirty)
+    };
+    Spec::new(&a.machine, region, a.dirty.apply(a.machine.vm_config()))
 }
 
 /// One iteration: the guest dirties memory, the host harvests the log, then the same pass runs
@@ -533,49 +391,6 @@ fn disable(m: &dyn Backend, evil: bool, params: PassParams) -> CliResult<Duratio
     Ok(d)
 }
 
-/// Populate: every vCPU writes its memory once, sequentially, on the machine and natively.
-fn populate(a: &DirtyLogPerfArgs, m: &dyn Backend, native: &Native) -> CliResult<(Pass, Pass)> {
-    let populate_params = PassParams {
-        write_percent: 100,
-        random: false,
-        seed: a.seed,
-        timed: false,
-    };
-    let populate = m.run_pass(populate_params)?;
-    let populate_native = native.run(populate_params)?;
-    Ok((populate, populate_native))
-}
-
-/// `--concurrent`: the harvests while the vCPUs write, after the quiet iterations.
-fn concurrent(
-    a: &DirtyLogPerfArgs,
-    m: &dyn Backend,
-    cfg: &Spec,
-    harvest: &mut Harvest,
-    params: PassParams,
-    interval: Duration,
-    quiet_passes: &QuietPasses,
-) -> CliResult<ConcurrentReport> {
-    let p = Phase::start(
-        format!(
-            "concurrent harvest: {} harvests while the vCPUs write",
-            a.iterations
-        ),
-        quiet(a.out.json),
-    );
-    let r = concurrent_harvest::run(
-        m,
-        cfg,
-        harvest,
-        params,
-        a.iterations,
-        interval,
-        quiet_passes,
-    )?;
-    p.done();
-    Ok(r)
-}
-
 impl Config {
     /// The configuration a run reports: the flags, as `cfg` applied them.
     fn new(
@@ -586,12 +401,9 @@ impl Config {
     ) -> Config {
         Config {
             vm,
-            vcpus: a.work.vcpus,
-            bytes_per_vcpu: a.work.bytes,
-            backing: a.work.backing.name(),
+            work: a.work.settings(),
             iterations: a.iterations,
             random: a.random,
-            overlap: a.work.overlap,
             evil: a.evil,
             write_percent: a.write_percent,
             slots: a.slots,
@@ -609,9 +421,20 @@ impl Config {
 fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
     check(a).map_err(CliError::bad)?;
     let cfg = spec(a);
-    let (m, native) = build(a, kind, &cfg)?;
+    let what = " and as much host memory for the native baseline";
+    let (m, p) = backend::start(kind, &cfg, what, quiet(a.out.json))?;
+    let native = Native::new(kind, m.layout(), a.work.backing, cfg.region.prefault)?;
+    p.done();
     let pinned_cpus = backend::pin(m.as_ref(), &a.pin, a.work.vcpus)?;
-    let (populate, populate_native) = populate(a, m.as_ref(), &native)?;
+    // Populate: every vCPU writes its memory once, sequentially, on the machine and natively.
+    let populate_params = PassParams {
+        write_percent: 100,
+        random: false,
+        seed: a.seed,
+        timed: false,
+    };
+    let populate = m.run_pass(populate_params)?;
+    let populate_native = native.run(populate_params)?;
     let t0 = Instant::now();
     m.set_dirty_logging(true)?;
     let enable = t0.elapsed();
@@ -630,28 +453,31 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         iterations.push(it);
     }
     let concurrent = if a.concurrent {
-        let interval = interval(a, &iterations);
-        let r = concurrent(
-            a,
-            m.as_ref(),
+        let what = format!(
+            "concurrent harvest: {} harvests while the vCPUs write",
+            a.iterations
+        );
+        let p = Phase::start(what, quiet(a.out.json));
+        let (mr, interval) = (m.as_ref(), interval(a, &iterations));
+        let r = concurrent_harvest::run(
+            mr,
             &cfg,
             &mut harvest,
             params,
+            a.iterations,
             interval,
             &quiet_passes,
         )?;
+        p.done();
         Some(r)
     } else {
         None
     };
     let disable = disable(m.as_ref(), a.evil, params)?;
-    let stats = m.stats();
     let pcpus = m.sim().map(|s| s.pcpus());
-    let mut machine_lines = match m.sim() {
-        Some(sim) => engine_lines(a, sim, &cfg),
-        None => kvm_lines(a, &stats, cfg.manual_protect()),
-    };
-    machine_lines.extend(pinned_line(pinned_cpus.as_deref()));
+    let (settings, log) = text::settings(a, &cfg);
+    let machine_lines =
+        backend::machine_lines(m.as_ref(), &cfg, &settings, &log, pinned_cpus.as_deref());
     let get_total = iterations.iter().map(|i| i.harvest.get).sum();
     let clear_total = iterations
         .iter()
@@ -659,11 +485,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         .sum();
     let vm = cfg.vm_settings(kind, pcpus);
     Ok(Report {
-        head: RunHead {
-            benchmark: NAME,
-            backend: kind.name(),
-            format: vm.format,
-        },
+        head: RunHead::new(NAME, kind, a.machine.format),
         config: Config::new(a, &cfg, vm, pinned_cpus),
         populate: populate.wall,
         populate_native: populate_native.wall,
@@ -673,7 +495,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         get_total,
         clear_total,
         concurrent,
-        stats,
+        stats: m.stats(),
         machine_lines,
         format_header: format_header(kind, a.machine.format, &cfg.vm),
         gpa: m.layout().gpa,
@@ -709,8 +531,8 @@ fn lines(r: &Report) -> Lines<Report> {
         title: format!(
             "dirty-log-perf on {}: -v {} -b {}",
             r.head.backend,
-            r.config.vcpus,
-            format_size(r.config.bytes_per_vcpu)
+            r.config.work.vcpus,
+            format_size(r.config.work.bytes_per_vcpu)
         ),
         x_desc: "iteration",
         y_desc: "time (ms, lower is better)",

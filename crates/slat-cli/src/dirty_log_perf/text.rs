@@ -1,11 +1,13 @@
 //! dirty-log-perf's text report: the selftest's lines, then slat's.
 
 use super::*;
+use crate::args::ClearChunk;
+use crate::report::ts;
 
 /// The selftest's text report of one run, then slat's machine lines.
 pub(super) fn print_text(r: &Report) {
     let c = &r.config;
-    let total = c.bytes_per_vcpu * c.vcpus as u64;
+    let total = c.work.bytes_per_vcpu * c.work.vcpus as u64;
     println!("Test iterations: {}", c.iterations);
     println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
     println!("{}", r.format_header);
@@ -92,80 +94,26 @@ pub(super) fn print_totals(r: &Report) {
     }
 }
 
-pub(super) fn log_kind(a: &DirtyLogPerfArgs, manual: bool) -> &'static str {
-    if a.log.dirty_ring.is_some() {
+/// The `Machine:` line's engine settings beyond the common ones, and the log both machines
+/// keep.
+pub(super) fn settings(a: &DirtyLogPerfArgs, cfg: &Spec) -> (String, String) {
+    let log = if a.log.dirty_ring.is_some() {
         "dirty ring"
-    } else if manual {
+    } else if cfg.manual_protect() {
         "manual protect (get + clear)"
     } else {
         "get clears"
-    }
-}
-
-/// The simulated engine's counters and settings, after the selftest's lines.
-pub(super) fn engine_lines(a: &DirtyLogPerfArgs, m: &dyn Sim, cfg: &Spec) -> Vec<String> {
-    let stats = m.engine_stats();
-    let mut lines = vec![
-        format!(
-            "Engine: {} slow faults, {} fast faults, {} spurious, {} retried; {} splits, {} recoveries; remote flushes {}/{} requested",
-            stats.pf_fixed,
-            stats.pf_fast,
-            stats.pf_spurious,
-            stats.pf_retry,
-            stats.splits,
-            stats.recoveries,
-            stats.remote_tlb_flush,
-            stats.remote_tlb_flush_requests
-        ),
-        format!(
-            "Leaves now: {} x 4K, {} x 2M, {} x 1G; page tables: {} pages ({})",
-            stats.leaves_4k,
-            stats.leaves_2m,
-            stats.leaves_1g,
-            stats.table_pages,
-            format_size(stats.table_bytes)
-        ),
-    ];
-    lines.extend(bbm_cmo_line(cfg.format, &stats));
-    lines.push(format!(
-        "Machine: {} vCPU(s) on {} physical CPU(s); format {}, mmu lock {}, fast page fault {}, log {}, get-dirty-log {}, dirty tracking {}, eager split {}, recover {}, wrprot {}",
-        a.work.vcpus,
-        m.pcpus(),
-        cfg.format.name(),
-        cfg.vm.mmu_lock.name(),
-        on_off(cfg.vm.fast_pf),
-        log_kind(a, cfg.manual_protect()),
-        cfg.vm.get_log.name(),
-        cfg.vm.dirty_track.name(),
-        on_off(cfg.vm.eager_split),
-        cfg.vm.recover.name(),
-        cfg.vm.wrprot.name()
-    ));
-    lines
-}
-
-/// KVM's counters and the run's settings, after the selftest's lines.
-pub(super) fn kvm_lines(
-    a: &DirtyLogPerfArgs,
-    stats: &serde_json::Value,
-    manual: bool,
-) -> Vec<String> {
-    vec![
-        kvm_stats_line(stats),
-        format!(
-            "Machine: {} vCPU(s) on the host's /dev/kvm; log {}",
-            a.work.vcpus,
-            log_kind(a, manual)
-        ),
-    ]
-}
-
-pub(super) fn on_off(b: bool) -> &'static str {
-    if b {
-        "on"
-    } else {
-        "off"
-    }
+    };
+    let vm = &cfg.vm;
+    let settings = format!(
+        ", get-dirty-log {}, dirty tracking {}, eager split {}, recover {}, wrprot {}",
+        vm.get_log.name(),
+        vm.dirty_track.name(),
+        if vm.eager_split { "on" } else { "off" },
+        vm.recover.name(),
+        vm.wrprot.name()
+    );
+    (settings, format!(", log {log}"))
 }
 
 /// The flags beside -v/-b/-i that shape what a table shows, as the user typed them.

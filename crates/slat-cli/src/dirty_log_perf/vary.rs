@@ -2,12 +2,9 @@
 //! switches and the harvest.
 
 use super::DirtyLogPerfArgs;
-use crate::args::{clear_chunk, ClearChunk, FormatArg, LogKind, Switch};
-use crate::driver::vary::{count_in, engine, names, pick, variants, Key, Values};
+use crate::args::{clear_chunk, keys, ClearChunk, LogKind};
+use crate::driver::vary::{pick, Key, Values};
 use crate::vary_key;
-use slat::{
-    CmoPolicy, DirtyTrack, GetLogVariant, MmuLockKind, RebuildOrder, RecoverVariant, WrprotVariant,
-};
 
 /// The keys that apply on `--backend kvm` too (the others set the engine, which kvm does not
 /// run).
@@ -38,80 +35,22 @@ fn set_log(a: &mut DirtyLogPerfArgs, v: &str) -> Result<(), String> {
     Ok(())
 }
 
+crate::vary_flags!(DirtyLogPerfArgs, dirty);
+
 /// The table.
 pub const VARY: &[Key<DirtyLogPerfArgs>] = &[
-    vary_key!(
-        "vcpus",
-        "-v",
-        Values::Text("1-512", |v| count_in(v, 1, 512).map(drop)),
-        |a, v| { a.work.vcpus = count_in(v, 1, 512)? as u32 }
-    ),
-    vary_key!(
-        "format",
-        "--format",
-        Values::OneOf(names::<FormatArg>),
-        |a, v| { a.machine.format = pick(v)? }
-    ),
-    vary_key!(
-        "fast-pf",
-        "--fast-pf",
-        Values::OneOf(names::<Switch>),
-        |a, v| { a.machine.fast_pf = pick(v)? }
-    ),
-    vary_key!(
-        "mmu-lock",
-        "--mmu-lock",
-        Values::OneOf(variants::<MmuLockKind>),
-        |a, v| { a.machine.mmu_lock = engine(v)? }
-    ),
-    vary_key!(
-        "ad-bits",
-        "--ad-bits",
-        Values::OneOf(names::<Switch>),
-        |a, v| { a.machine.ad_bits = pick(v)? }
-    ),
-    vary_key!(
-        "cmo",
-        "--cmo",
-        Values::OneOf(variants::<CmoPolicy>),
-        |a, v| { a.machine.cmo = engine(v)? }
-    ),
-    vary_key!(
-        "get-dirty-log",
-        "--get-dirty-log",
-        Values::OneOf(variants::<GetLogVariant>),
-        |a, v| { a.dirty.get_log = engine(v)? }
-    ),
-    vary_key!(
-        "dirty-tracking",
-        "--dirty-tracking",
-        Values::OneOf(variants::<DirtyTrack>),
-        |a, v| { a.dirty.tracking = engine(v)? }
-    ),
-    vary_key!(
-        "eager-split",
-        "--eager-split",
-        Values::OneOf(names::<Switch>),
-        |a, v| { a.dirty.eager_split = pick(v)? }
-    ),
-    vary_key!(
-        "recover",
-        "--recover",
-        Values::OneOf(variants::<RecoverVariant>),
-        |a, v| { a.dirty.recover = engine(v)? }
-    ),
-    vary_key!(
-        "rebuild",
-        "--rebuild",
-        Values::OneOf(variants::<RebuildOrder>),
-        |a, v| { a.dirty.rebuild = engine(v)? }
-    ),
-    vary_key!(
-        "wrprot",
-        "--wrprot",
-        Values::OneOf(variants::<WrprotVariant>),
-        |a, v| { a.dirty.wrprot = engine(v)? }
-    ),
+    keys::vcpus(),
+    keys::format(),
+    keys::fast_pf(),
+    keys::mmu_lock(),
+    keys::ad_bits(),
+    keys::cmo(),
+    keys::get_log(),
+    keys::tracking(),
+    keys::eager_split(),
+    keys::recover(),
+    keys::rebuild(),
+    keys::wrprot(),
     vary_key!(
         "log",
         "-g, --dirty-ring, manual protect",

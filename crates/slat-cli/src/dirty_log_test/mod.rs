@@ -4,23 +4,19 @@
 //! failure (exit status 1).
 
 use crate::args::{
-    check_backends, check_kvm_ring, ring_size, BackendArg, DirtyArgs, MachineArgs, OutputArgs,
-    Workload,
+    check_kvm_ring, ring_size, BackendArg, DirtyArgs, MachineArgs, OutputArgs, Workload,
 };
 use crate::backend::{self, dirty_config, Spec};
-use crate::driver::{Benchmark, Common};
+use crate::driver::Benchmark;
 use crate::error::{CliError, CliResult};
-use crate::limits::{check_backing, GuestMemory};
-use crate::output::{print_json, Better, Metric, Repeated, RunHead, VmSettings};
-use crate::report::{format_header, quiet, sim_format, Phase};
+use crate::output::{print_json, Metric, Repeated, RunHead, VmSettings, WorkSettings};
+use crate::report::{format_header, quiet};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 #[cfg(feature = "broken-engine")]
 use slat::dirty::inject;
 use slat::DirtyTrack;
 use slat_workload::dirty_oracle::{LogMode, OracleConfig};
-use slat_workload::format_size;
-use slat_workload::RegionSpec;
 use std::time::Duration;
 
 /// `-M`: which harvest protocols to check.
@@ -87,57 +83,10 @@ pub struct DirtyLogTestArgs {
 impl Benchmark for DirtyLogTestArgs {
     type Report = Report;
     const NAME: &'static str = NAME;
-
-    fn common(&self) -> Common<'_> {
-        Common {
-            backends: &self.backend,
-            vary: &[],
-            out: &self.out,
-        }
-    }
-
-    fn check(&self) -> CliResult {
-        let mut engine_only = self.machine.engine_only();
-        engine_only.extend(self.dirty.engine_only());
-        if self.broken.is_some() {
-            if !cfg!(feature = "broken-engine") {
-                return Err(CliError::bad(
-                    "--break needs an engine built with its deliberate bugs: \
-                 cargo build --release -p slat-cli --features broken-engine",
-                ));
-            }
-            engine_only.push("--break");
-        }
-        if self.toggle_every != 0 {
-            engine_only.push("--toggle-every");
-        }
-        self.machine
-            .format
-            .check_backends(&self.backend)
-            .map_err(CliError::bad)?;
-        check_backends(&self.backend, &engine_only).map_err(CliError::bad)?;
-        let vm_config = self.dirty.apply(self.machine.vm_config());
-        self.dirty
-            .check(
-                &vm_config,
-                self.machine.format,
-                modes(self).contains(&LogMode::DirtyRing),
-            )
-            .map_err(CliError::bad)?;
-        check(self).map_err(CliError::bad)?;
-        Ok(())
-    }
-
-    fn measure(&self, kind: BackendArg) -> CliResult<Report> {
-        run_on(self, kind)
-    }
+    crate::forward_benchmark! { vary: no, check: check, measure: run_on, print: print_text }
 
     fn metrics(&self) -> Vec<Metric<Report>> {
         METRICS.to_vec()
-    }
-
-    fn print(&self, r: &Report) {
-        print_text(r)
     }
 
     fn own_output(&self) -> Option<fn(&Self, Vec<(BackendArg, Vec<Report>)>) -> CliResult> {
@@ -233,19 +182,29 @@ struct BothRepeated {
 /// pages.
 const EXTRA_BYTES: u64 = 3 * 4096;
 
-/// Sizes the machines can hold: `-v` × (`-b` + 3 pages) without overflow, in the guest physical
-/// address space of each machine, on this host; and a ring KVM can have.
+/// Refuses flags that cannot run together, sizes the machines cannot hold (each vCPU's memory
+/// with the selftest's 3 pages), and a ring KVM cannot have.
 fn check(a: &DirtyLogTestArgs) -> Result<(), String> {
-    check_backing(&a.backend, a.work.backing)?;
-    let mem = GuestMemory::per_vcpu_plus(a.work.vcpus, a.work.bytes, EXTRA_BYTES)?;
-    mem.fits_gpa(&a.backend, a.machine.format, None)?;
-    mem.fits_host(a.work.backing, 1, a.machine.tlb_bytes(a.work.vcpus))?;
-    if modes(a).contains(&LogMode::DirtyRing) {
-        check_kvm_ring(
-            &a.backend,
-            ring(a, mem.pages()),
-            "-c (lowered to the test's pages)",
-        )?;
+    let mut engine_only = a.dirty.engine_only();
+    if a.broken.is_some() {
+        if !cfg!(feature = "broken-engine") {
+            return Err("--break needs an engine built with its deliberate bugs: \
+                 cargo build --release -p slat-cli --features broken-engine"
+                .into());
+        }
+        engine_only.push("--break");
+    }
+    if a.toggle_every != 0 {
+        engine_only.push("--toggle-every");
+    }
+    a.machine.check_backends(&a.backend, &engine_only)?;
+    let ring_mode = modes(a).contains(&LogMode::DirtyRing);
+    let vm_config = a.dirty.apply(a.machine.vm_config());
+    a.dirty.check(&vm_config, a.machine.format, ring_mode)?;
+    let mem = a.work.check_fits(&a.backend, &a.machine, EXTRA_BYTES, 1)?;
+    if ring_mode {
+        let lowered = "-c (lowered to the test's pages)";
+        check_kvm_ring(&a.backend, ring(a, mem.pages()), lowered)?;
     }
     Ok(())
 }
@@ -277,43 +236,27 @@ const NAME: &str = "dirty-log-test";
 /// The run's settings, as the report records them.
 #[derive(Debug, Clone, Serialize)]
 pub struct Config {
-    /// Engine and machine settings.
     #[serde(flatten)]
     pub vm: VmSettings,
-    /// `-i`.
+    #[serde(flatten)]
+    pub work: WorkSettings,
     pub iterations: u32,
-    /// `-I`.
     pub interval_ms: u64,
-    /// `-v`.
-    pub vcpus: u32,
-    /// `-b` plus the selftest's 3 pages.
-    pub bytes_per_vcpu: u64,
-    /// `-s`.
-    pub backing: &'static str,
-    /// `-r`.
     pub seed: u32,
     /// Ring entries per vCPU (dirty-ring mode), after lowering to the test's pages.
     pub ring_entries: u32,
-    /// `--break` was given.
     pub broken: bool,
-    /// `--toggle-every`.
     pub toggle_every: u32,
 }
 
 /// One iteration of the oracle.
 #[derive(Debug, Clone, Serialize)]
 pub struct IterationRow {
-    /// 1-based.
     pub iteration: u32,
-    /// Pages reported dirty.
     pub dirty: u64,
-    /// Pages reported clean.
     pub clean: u64,
-    /// Writes the guest made.
     pub writes: u64,
-    /// Written pages not reported.
     pub lost: u64,
-    /// Reported pages not written.
     pub spurious: u64,
     /// Logging was switched off and on in this iteration.
     pub toggled: bool,
@@ -324,23 +267,15 @@ pub struct IterationRow {
 pub struct ModeReport {
     /// `dirty-log`, `clear-log` or `dirty-ring`.
     pub mode: &'static str,
-    /// The iterations.
     pub iterations: Vec<IterationRow>,
     /// Pages checked dirty over every iteration.
     pub total_dirty: u64,
-    /// Pages checked clean.
     pub total_clean: u64,
-    /// Written pages not reported.
     pub lost: u64,
-    /// Reported pages not written.
     pub spurious: u64,
-    /// Exits because a ring was full.
     pub ring_full_exits: u64,
-    /// Every mismatch, in words.
     pub errors: Vec<String>,
-    /// No mismatch.
     pub pass: bool,
-    /// Start of guest test memory.
     #[serde(skip)]
     pub gpa: u64,
 }
@@ -348,14 +283,10 @@ pub struct ModeReport {
 /// Everything one run on one machine checked.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
-    /// Which benchmark ran on which machine.
     #[serde(flatten)]
     pub head: RunHead,
-    /// The settings.
     pub config: Config,
-    /// One per log mode checked.
     pub modes: Vec<ModeReport>,
-    /// Every mode passed.
     pub pass: bool,
     /// The header line naming the page-table format.
     #[serde(skip)]
@@ -388,70 +319,34 @@ impl Report {
 
 /// The figures `--repeat` summarizes.
 const METRICS: &[Metric<Report>] = &[
-    Metric {
-        name: "dirty pages checked",
-        unit: "pages",
-        better: Better::Higher,
-        get: |r| r.sum(|m| m.total_dirty),
-    },
-    Metric {
-        name: "lost pages",
-        unit: "pages",
-        better: Better::Lower,
-        get: |r| r.sum(|m| m.lost),
-    },
-    Metric {
-        name: "spurious pages",
-        unit: "pages",
-        better: Better::Lower,
-        get: |r| r.sum(|m| m.spurious),
-    },
-    Metric {
-        name: "dirty ring full exits",
-        unit: "exits",
-        better: Better::Lower,
-        get: |r| r.sum(|m| m.ring_full_exits),
-    },
+    Metric::higher("dirty pages checked", "pages", |r| r.sum(|m| m.total_dirty)),
+    Metric::lower("lost pages", "pages", |r| r.sum(|m| m.lost)),
+    Metric::lower("spurious pages", "pages", |r| r.sum(|m| m.spurious)),
+    Metric::lower("dirty ring full exits", "exits", |r| {
+        r.sum(|m| m.ring_full_exits)
+    }),
 ];
-
-/// The machine spec for one log mode.
-fn spec(a: &DirtyLogTestArgs, vm: slat::VmConfig, mode: LogMode, ring: u32) -> Spec {
-    let dirty = mode.dirty_config(ring);
-    Spec {
-        region: RegionSpec {
-            backing: a.work.backing,
-            vcpus: a.work.vcpus as usize,
-            bytes_per_vcpu: a.work.bytes + EXTRA_BYTES,
-            slots: 1,
-            overlap: a.work.overlap,
-            prefault: !a.machine.no_prefault,
-            dirty: dirty_config(dirty.manual_protect != 0, dirty.ring_entries),
-        },
-        format: a.machine.format,
-        vm,
-        tlb_entries: a.machine.tlb_entries,
-        pcpus: a.machine.pcpus.unwrap_or(0),
-    }
-}
 
 /// Checks one log mode on a fresh machine.
 fn check_mode(
     a: &DirtyLogTestArgs,
     kind: BackendArg,
-    cfg: &Spec,
+    vm: slat::VmConfig,
     mode: LogMode,
+    ring: u32,
 ) -> CliResult<ModeReport> {
-    let p = Phase::start(
-        format!(
-            "{}{}: mapping {} of {} guest RAM",
-            kind.name(),
-            sim_format(kind, a.machine.format),
-            format_size(cfg.region.bytes_per_vcpu * a.work.vcpus as u64),
-            a.work.backing
-        ),
-        quiet(a.out.json),
+    let dirty = mode.dirty_config(ring);
+    let mut region = a.work.region(
+        &a.machine,
+        dirty_config(dirty.manual_protect != 0, dirty.ring_entries),
     );
-    let m = backend::create(kind, cfg)?;
+    region.bytes_per_vcpu += EXTRA_BYTES;
+    let (m, p) = backend::start(
+        kind,
+        &Spec::new(&a.machine, region, vm),
+        "",
+        quiet(a.out.json),
+    )?;
     p.done();
     #[cfg(feature = "broken-engine")]
     if let (Some(BreakArg::SkipHarvestFlush), Some(sim)) = (a.broken, m.sim()) {
@@ -503,20 +398,14 @@ fn run_on(a: &DirtyLogTestArgs, kind: BackendArg) -> CliResult<Report> {
         // The ring is not a log d-bit tracking can fill; say so rather than skip silently.
         eprintln!("[slat] -M all with --dirty-tracking d-bit: checking dirty-log and clear-log (d-bit tracking logs into bitmaps, not rings)");
     }
-    a.dirty
-        .check(
-            &vm_config,
-            a.machine.format,
-            modes.contains(&LogMode::DirtyRing),
-        )
-        .map_err(CliError::bad)?;
-    // Checked by `check`: no overflow.
-    let mem = GuestMemory::per_vcpu_plus(a.work.vcpus, a.work.bytes, EXTRA_BYTES)
+    let mem = a
+        .work
+        .check_fits(&a.backend, &a.machine, EXTRA_BYTES, 1)
         .map_err(CliError::bad)?;
     let ring = ring(a, mem.pages());
     let reports = modes
         .iter()
-        .map(|&mode| check_mode(a, kind, &spec(a, vm_config, mode, ring), mode))
+        .map(|&mode| check_mode(a, kind, vm_config, mode, ring))
         .collect::<CliResult<Vec<_>>>()?;
     let vm = VmSettings::new(
         kind,
@@ -527,18 +416,17 @@ fn run_on(a: &DirtyLogTestArgs, kind: BackendArg) -> CliResult<Report> {
         !a.machine.no_prefault,
     );
     Ok(Report {
-        head: RunHead {
-            benchmark: NAME,
-            backend: kind.name(),
-            format: vm.format,
-        },
+        head: RunHead::new(NAME, kind, a.machine.format),
         config: Config {
             vm,
             iterations: a.iterations,
             interval_ms: a.interval_ms,
-            vcpus: a.work.vcpus,
-            bytes_per_vcpu: a.work.bytes + EXTRA_BYTES,
-            backing: a.work.backing.name(),
+            // -b plus the selftest's 3 pages.
+            work: WorkSettings {
+                bytes_per_vcpu: a.work.bytes + EXTRA_BYTES,
+                overlap: None,
+                ..a.work.settings()
+            },
             seed: a.seed,
             ring_entries: ring,
             broken: a.broken.is_some(),

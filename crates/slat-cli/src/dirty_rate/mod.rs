@@ -6,43 +6,31 @@
 //! is known where the machine can pace one, and renders the typed report (text, or `--json`
 //! through `output.rs`).
 //!
-//! **The known rate.** On the simulated machine the guest is the paced memstress
-//! (`slat_machine::paced`): each vCPU writes its own region sequentially, one write per page
-//! per pass, at `--write-rate` writes per second. While a pass does not wrap within a sample
-//! window, every write in the window hits a page not written before in it, so the distinct
-//! pages per second the log should show are exactly the write rate; if the region is smaller
-//! than a window's writes, every page of it is dirtied once per window, and the expectation
-//! is capped at pages / window (the report says so). The KVM guest's code has no rate
-//! control (migration's burst driver only gets the *write* count right on average, and writes
-//! pseudo-random pages, so its distinct-page rate is not known either): on KVM the guest runs
-//! memstress passes back to back as fast as it can, the dirty rate is measured all the same,
-//! and the report has no expectation, saying why.
+//! **The known rate** (the flags' long help says how it is known): the simulated machine paces
+//! its guest (`slat_machine::paced`). The KVM guest's code has no rate control (migration's
+//! burst driver only gets the *write* count right on average, and writes pseudo-random pages,
+//! so its distinct-page rate is not known either): there the report has no expectation.
 
 mod text;
 use text::{print_head, print_run, print_summary, sample_line};
 
 use crate::args::{
-    backing, check_backends, check_kvm_ring, guest_size, ring_size, BackendArg, DirtyArgs,
-    FormatArg, MachineArgs, OutputArgs, DEFAULT_RING_ENTRIES,
+    backing, check_kvm_ring, guest_size, ring_size, BackendArg, DirtyArgs, MachineArgs, OutputArgs,
+    Workload as WorkArgs, DEFAULT_RING_ENTRIES,
 };
-use crate::backend::dirty_config;
-use crate::driver::{Benchmark, Common};
+use crate::backend::{self, dirty_config, CliMachine, OnMachine, Spec};
+use crate::driver::Benchmark;
 use crate::error::{CliError, CliResult};
-use crate::limits::{check_backing, GuestMemory};
 use crate::output::{
-    cell, format_name, print_json, print_table, ratio_cell, summarize, Better, Metric,
-    MetricSummary, VmSettings,
+    format_name, print_json, summarize, AllRuns, Metric, MetricSummary, VmSettings, WorkSettings,
 };
-use crate::report::quiet;
+use crate::report::{per, quiet, runtime};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
-use slat::{Ept, PteFormat, Stage2};
 use slat_addr::PAGE_SIZE;
 use slat_dirty::dirty_rate::{Attribution, DirtyRate, Measurement, Sample, SampleWindow};
 use slat_harness::MachineLog;
-use slat_machine::{Machine, MachineConfig, PacedParams, Pacer, Workload};
-use slat_workload::{format_size, Backing};
-use slat_workload::{PassParams, RegionSpec, TestMachine};
+use slat_workload::{format_size, Backing, PassParams, TestMachine};
 use std::io::Write;
 use std::num::NonZeroU32;
 use std::time::{Duration, Instant};
@@ -204,24 +192,16 @@ impl DirtyRateArgs {
 /// The run's settings, as the report records them.
 #[derive(Debug, Clone, Serialize)]
 pub struct Config {
-    /// Engine and machine settings.
     #[serde(flatten)]
     pub vm: VmSettings,
-    /// `-v`.
-    pub vcpus: u32,
-    /// `-b`.
-    pub bytes_per_vcpu: u64,
-    /// `-s`.
-    pub backing: &'static str,
-    /// `--mode`: `bitmap` or `ring`.
+    #[serde(flatten)]
+    pub work: WorkSettings,
     pub mode: &'static str,
     /// How the log was read: `get+clear` (manual protect) or `ring`.
     pub log: &'static str,
     /// Ring entries per vCPU (`null` in bitmap mode).
     pub ring_entries: Option<u32>,
-    /// `--sample-ms`.
     pub sample_ms: u64,
-    /// `--samples`.
     pub samples: u32,
     /// The writer's rate per vCPU (`null`: unlimited).
     pub write_rate_per_vcpu: Option<u64>,
@@ -232,7 +212,6 @@ pub struct Config {
 pub struct GuestWorkload {
     /// `paced-sequential` (sim) or `memstress-loop` (kvm).
     pub kind: &'static str,
-    /// The expected column is filled.
     pub known_rate: bool,
     /// Why the rate is or is not known, in words.
     pub note: String,
@@ -241,45 +220,33 @@ pub struct GuestWorkload {
 /// One window.
 #[derive(Debug, Clone, Serialize)]
 pub struct SampleRow {
-    /// 1-based.
     pub index: usize,
-    /// The window, seconds.
     pub window_s: f64,
-    /// Distinct pages dirtied in it.
     pub pages: u64,
-    /// Pages per second.
     pub pages_per_s: f64,
-    /// MiB per second (4 KiB pages).
     pub mib_per_s: f64,
     /// Each vCPU's pages per second (empty without per-vCPU figures).
     pub vcpu_pages_per_s: Vec<f64>,
-    /// Pages credited to no vCPU.
     pub unattributed_pages: u64,
 }
 
 /// One vCPU's rate over the measurement.
 #[derive(Debug, Clone, Serialize)]
 pub struct VcpuRate {
-    /// The vCPU.
     pub vcpu: usize,
-    /// Distinct pages per second.
     pub pages_per_s: f64,
     /// What the workload should show (`null`: not known).
     pub expected_pages_per_s: Option<f64>,
-    /// measured / expected.
     pub ratio: Option<f64>,
 }
 
 /// One run on one machine.
 #[derive(Debug, Clone, Serialize)]
 pub struct Run {
-    /// `sim` or `kvm`.
     pub backend: &'static str,
     /// The page-table format (`null` on kvm).
     pub format: Option<&'static str>,
-    /// Settings.
     pub config: Config,
-    /// The guest.
     pub workload: GuestWorkload,
     /// Where the per-vCPU figures come from: `ring` (entries name their vCPU) or `region`
     /// (bitmap mode: each vCPU writes only its own region).
@@ -288,15 +255,11 @@ pub struct Run {
     pub samples: Vec<SampleRow>,
     /// Distinct pages per second over all windows (their pages over their time).
     pub pages_per_s: f64,
-    /// The same in MiB per second.
     pub mib_per_s: f64,
-    /// The slowest window's rate.
     pub min_sample_pages_per_s: f64,
-    /// The fastest window's rate.
     pub max_sample_pages_per_s: f64,
     /// What the workload should show, all vCPUs (`null`: not known).
     pub expected_pages_per_s: Option<f64>,
-    /// measured / expected.
     pub ratio_measured_over_expected: Option<f64>,
     /// The expectation is capped: the region is smaller than a window's writes.
     pub expected_capped: bool,
@@ -308,76 +271,31 @@ pub struct Run {
     /// Every window saw every page of guest memory dirty: the guest dirties memory at least
     /// this fast, perhaps faster (a larger -b or a shorter --sample-ms tells).
     pub saturated: bool,
-    /// Per vCPU.
     pub per_vcpu: Vec<VcpuRate>,
 }
 
 /// The headline over `--repeat` runs, per machine.
 #[derive(Debug, Clone, Serialize)]
 pub struct Summary {
-    /// The machine.
     pub backend: &'static str,
-    /// Distinct pages per second.
     pub pages_per_s: MetricSummary,
-    /// measured / expected.
     pub ratio_measured_over_expected: MetricSummary,
 }
 
 /// The document: every run (backends × repeats) and the summary.
-#[derive(Debug, Clone, Serialize)]
-pub struct Report {
-    /// `dirty-rate`.
-    pub benchmark: &'static str,
-    /// `--repeat`.
-    pub repeat: u32,
-    /// The machines, in the order run.
-    pub backends: Vec<&'static str>,
-    /// Backend-major, then repeat.
-    pub runs: Vec<Run>,
-    /// Per backend.
-    pub summary: Vec<Summary>,
-}
+pub type Report = AllRuns<Run, Summary>;
 
-const RATE: Metric<Run> = Metric {
-    name: "dirty rate",
-    unit: "pages/s",
-    better: Better::Higher,
-    get: |r| Some(r.pages_per_s),
-};
-
-const RATIO: Metric<Run> = Metric {
-    name: "measured/expected",
-    unit: "x",
-    better: Better::Higher,
-    get: |r| r.ratio_measured_over_expected,
-};
+const RATE: Metric<Run> = Metric::higher("dirty rate", "pages/s", |r| Some(r.pages_per_s));
+const RATIO: Metric<Run> =
+    Metric::higher("measured/expected", "x", |r| r.ratio_measured_over_expected);
 
 impl Benchmark for DirtyRateArgs {
     type Report = Run;
     const NAME: &'static str = NAME;
-
-    fn common(&self) -> Common<'_> {
-        Common {
-            backends: &self.backend,
-            vary: &[],
-            out: &self.out,
-        }
-    }
-
-    fn check(&self) -> CliResult {
-        check(self).map_err(CliError::bad)
-    }
-
-    fn measure(&self, kind: BackendArg) -> CliResult<Run> {
-        on_machine(self, kind)
-    }
+    crate::forward_benchmark! { vary: no, check: check, measure: on_machine, print: print_run }
 
     fn metrics(&self) -> Vec<Metric<Run>> {
         vec![RATE, RATIO]
-    }
-
-    fn print(&self, r: &Run) {
-        print_run(r)
     }
 
     fn own_output(&self) -> Option<fn(&Self, Vec<(BackendArg, Vec<Run>)>) -> CliResult> {
@@ -387,21 +305,15 @@ impl Benchmark for DirtyRateArgs {
 
 /// The one document of every machine's runs, or the summary under the runs' text.
 fn finish(a: &DirtyRateArgs, all: Vec<(BackendArg, Vec<Run>)>) -> CliResult {
-    let summary = all
-        .iter()
-        .map(|(b, mine)| Summary {
+    let summarize_each = |all: &[(BackendArg, Vec<Run>)]| {
+        let each = all.iter().map(|(b, mine)| Summary {
             backend: b.name(),
             pages_per_s: summarize(&RATE, mine),
             ratio_measured_over_expected: summarize(&RATIO, mine),
-        })
-        .collect();
-    let report = Report {
-        benchmark: NAME,
-        repeat: a.out.repeat,
-        backends: a.backend.iter().map(|b| b.name()).collect(),
-        runs: all.into_iter().flat_map(|(_, r)| r).collect(),
-        summary,
+        });
+        each.collect()
     };
+    let report = Report::new(NAME, &a.out, all, summarize_each);
     if a.out.json {
         return print_json(&report, &a.backend);
     }
@@ -413,10 +325,8 @@ fn finish(a: &DirtyRateArgs, all: Vec<(BackendArg, Vec<Run>)>) -> CliResult {
 
 /// Refuses what cannot run, with the flag to change (exit status 2).
 fn check(a: &DirtyRateArgs) -> Result<(), String> {
-    a.machine.format.check_backends(&a.backend)?;
-    let mut engine_only = a.machine.engine_only();
-    engine_only.extend(a.dirty.engine_only());
-    check_backends(&a.backend, &engine_only)?;
+    a.machine
+        .check_backends(&a.backend, &a.dirty.engine_only())?;
     let vm = a.dirty.apply(a.machine.vm_config());
     a.dirty
         .check(&vm, a.machine.format, a.mode == RateMode::Ring)
@@ -434,102 +344,55 @@ fn check(a: &DirtyRateArgs) -> Result<(), String> {
             return Err("--write-rate: the kvm guest has no write-rate control (it runs memstress passes as fast as it can); drop --write-rate to measure it anyway, with no expected rate".into());
         }
     }
-    check_backing(&a.backend, a.backing)?;
-    let mem = GuestMemory::per_vcpu(a.vcpus, a.bytes)?;
-    mem.fits_gpa(&a.backend, a.machine.format, None)?;
-    mem.fits_host(a.backing, 1, a.machine.tlb_bytes(a.vcpus))?;
-    Ok(())
+    a.work().check_fits(&a.backend, &a.machine, 0, 1).map(drop)
 }
 
-/// Builds machine `kind` and measures it.
-fn on_machine(a: &DirtyRateArgs, kind: BackendArg) -> CliResult<Run> {
-    let region = RegionSpec {
-        backing: a.backing,
-        vcpus: a.vcpus as usize,
-        bytes_per_vcpu: a.bytes,
-        slots: 1,
-        overlap: false,
-        prefault: !a.machine.no_prefault,
-        dirty: dirty_config(a.mode == RateMode::Bitmap, a.ring_entries()),
-    };
-    let rate = a.rate_on(kind);
-    match (kind, a.machine.format) {
-        (BackendArg::Sim, FormatArg::Ept) => sim::<Ept>(a, region, rate),
-        (BackendArg::Sim, FormatArg::Stage2) => sim::<Stage2>(a, region, rate),
-        (BackendArg::Kvm, _) => {
-            let m = slat_kvm::KvmMachine::new(slat_kvm::KvmConfig {
-                region,
-                ..slat_kvm::KvmConfig::default()
-            })
-            .map_err(|e| match e {
-                // The host cannot log this way: the flags cannot run here (exit 2).
-                slat_kvm::KvmError::Unsupported { .. } => {
-                    CliError::BadInput(format!("--mode {} on kvm: {e}", a.mode.name()))
-                }
-                e => CliError::Runtime(e.to_string()),
-            })?;
-            let guest = GuestWorkload {
-                kind: "memstress-loop",
-                known_rate: false,
-                note: "the kvm guest has no write-rate control: it runs memstress passes back to back as fast as it can, so no expected rate".into(),
-            };
-            let start = |m: &slat_kvm::KvmMachine| {
-                m.start_loop(PassParams {
-                    write_percent: 100,
-                    random: false,
-                    seed: 1,
-                    timed: false,
-                })
-                .map_err(runtime)
-            };
-            Bench { a, kind, m: &m }.run(guest, None, start)
+impl DirtyRateArgs {
+    /// `-v`, `-b` and `-s` as the shared flags: each vCPU writes its own region.
+    fn work(&self) -> WorkArgs {
+        let (vcpus, bytes, backing) = (self.vcpus, self.bytes, self.backing);
+        WorkArgs {
+            vcpus,
+            bytes,
+            backing,
+            overlap: false,
         }
     }
 }
 
-fn sim<F: PteFormat>(a: &DirtyRateArgs, region: RegionSpec, rate: Option<u64>) -> CliResult<Run> {
-    let m = Machine::<F>::new(MachineConfig {
-        vm: a.dirty.apply(a.machine.vm_config()),
-        region,
-        tlb_entries: a.machine.tlb_entries,
-        pcpus: a.machine.pcpus.unwrap_or(0),
-        ..MachineConfig::default()
-    })
-    .map_err(runtime)?;
-    let note = match rate {
-        Some(r) => format!(
-            "paced sequential writer, {r} writes/s per vCPU, one write per page per pass: distinct pages/s = the write rate while a pass does not wrap within a window"
-        ),
-        None => "paced sequential writer, unlimited: as fast as the simulated vCPUs write, so no expected rate".into(),
+/// Builds machine `kind` and measures it.
+fn on_machine(a: &DirtyRateArgs, kind: BackendArg) -> CliResult<Run> {
+    let dirty = dirty_config(a.mode == RateMode::Bitmap, a.ring_entries());
+    let region = a.work().region(&a.machine, dirty);
+    let spec = Spec::new(&a.machine, region, a.dirty.apply(a.machine.vm_config()));
+    let rate = a.rate_on(kind);
+    let workload = match (kind, rate) {
+        (BackendArg::Kvm, _) => GuestWorkload {
+            kind: "memstress-loop",
+            known_rate: false,
+            note: "the kvm guest has no write-rate control: it runs memstress passes back to back as fast as it can, so no expected rate".into(),
+        },
+        (BackendArg::Sim, Some(r)) => GuestWorkload {
+            kind: "paced-sequential",
+            known_rate: true,
+            note: format!("paced sequential writer, {r} writes/s per vCPU, one write per page per pass: distinct pages/s = the write rate while a pass does not wrap within a window"),
+        },
+        (BackendArg::Sim, None) => GuestWorkload {
+            kind: "paced-sequential",
+            known_rate: false,
+            note: "paced sequential writer, unlimited: as fast as the simulated vCPUs write, so no expected rate".into(),
+        },
     };
-    let guest = GuestWorkload {
-        kind: "paced-sequential",
-        known_rate: rate.is_some(),
-        note,
-    };
-    let pacer = Pacer::new(rate.unwrap_or(0));
-    let start = |m: &Machine<F>| {
-        m.start(Workload::Paced(PacedParams {
-            pass: PassParams {
-                write_percent: 100,
-                random: false,
-                seed: 1,
-                timed: false,
-            },
-            pacer: pacer.clone(),
-        }))
-        .map_err(runtime)
-    };
-    Bench {
-        a,
-        kind: BackendArg::Sim,
-        m: &m,
-    }
-    .run(guest, rate, start)
-}
-
-fn runtime<E: std::fmt::Display>(e: E) -> CliError {
-    CliError::Runtime(e.to_string())
+    backend::visit(
+        kind,
+        &spec,
+        Bench {
+            a,
+            kind,
+            workload,
+            rate,
+        },
+    )
 }
 
 /// Pages per second as MiB per second.
@@ -537,36 +400,41 @@ fn mib(pages_per_s: f64) -> f64 {
     pages_per_s * PAGE_SIZE as f64 / (1u64 << 20) as f64
 }
 
-fn ratio(p: f64, q: Option<f64>) -> Option<f64> {
-    q.filter(|&q| q > 0.0).map(|q| p / q)
-}
-
-/// One machine's measurement.
-struct Bench<'a, M: TestMachine> {
+/// One machine's measurement: the guest `workload`, paced at `rate` writes per second per
+/// vCPU where it is paced.
+struct Bench<'a> {
     a: &'a DirtyRateArgs,
     kind: BackendArg,
-    m: &'a M,
+    workload: GuestWorkload,
+    rate: Option<u64>,
 }
 
-impl<M: TestMachine> Bench<'_, M> {
-    /// Populates the region, turns logging on, starts the guest with `start`, measures, stops
-    /// the guest (also when the measurement failed) and builds the report.
-    fn run(
-        &self,
-        workload: GuestWorkload,
-        rate: Option<u64>,
-        start: impl FnOnce(&M) -> CliResult,
-    ) -> CliResult<Run> {
-        let a = self.a;
-        let m = self.m;
+/// The guest's passes: every page written once, in order.
+const WRITE_ALL: PassParams = PassParams {
+    write_percent: 100,
+    random: false,
+    seed: 1,
+    timed: false,
+};
+
+impl OnMachine for Bench<'_> {
+    type Out = Run;
+
+    /// Populates the region, turns logging on, starts the guest, measures, stops the guest
+    /// (also when the measurement failed) and builds the report.
+    fn run<M: TestMachine + CliMachine>(self, m: &M) -> CliResult<Run> {
+        let (a, rate, workload) = (self.a, self.rate, &self.workload);
         let l = m.layout();
-        self.populate_and_log()?;
+        // First touch outside the measurement: windows then see write-protection faults of
+        // mapped pages, the steady state of a running guest. Then dirty logging goes on.
+        m.run_pass(WRITE_ALL).map_err(runtime)?;
+        m.set_dirty_logging(true).map_err(runtime)?;
         if !a.out.json {
-            print_head(a, self.kind, &workload);
+            print_head(a, self.kind, workload);
         }
         let t0 = Instant::now();
-        start(m)?;
-        let measured = self.measure();
+        CliMachine::start_writer(m, WRITE_ALL, rate)?;
+        let measured = measure(a, m);
         // Stop the guest whatever happened; its report counts the guest's own writes.
         let halted = m.halt().map_err(runtime);
         let ran = t0.elapsed().as_secs_f64();
@@ -599,14 +467,14 @@ impl<M: TestMachine> Bench<'_, M> {
                 vcpu,
                 pages_per_s: p,
                 expected_pages_per_s: vcpu_expected,
-                ratio: ratio(p, vcpu_expected),
+                ratio: vcpu_expected.and_then(|e| per(p, e)),
             })
             .collect();
         Ok(Run {
             backend: self.kind.name(),
             format: format_name(self.kind, a.machine.format),
-            config: self.config(rate),
-            workload,
+            config: config(a, self.kind, rate),
+            workload: self.workload,
             per_vcpu_by,
             samples: measurement
                 .samples
@@ -619,7 +487,7 @@ impl<M: TestMachine> Bench<'_, M> {
             min_sample_pages_per_s: rates.iter().copied().fold(f64::INFINITY, f64::min),
             max_sample_pages_per_s: rates.iter().copied().fold(0.0, f64::max),
             expected_pages_per_s: expected,
-            ratio_measured_over_expected: ratio(pages_per_s, expected),
+            ratio_measured_over_expected: expected.and_then(|e| per(pages_per_s, e)),
             expected_capped: capped,
             guest_writes_per_s: writes_per_s,
             unattributed_pages: measurement.unattributed(),
@@ -632,76 +500,70 @@ impl<M: TestMachine> Bench<'_, M> {
         })
     }
 
-    /// First touch outside the measurement: windows then see write-protection faults of
-    /// mapped pages, the steady state of a running guest. Then dirty logging goes on.
-    fn populate_and_log(&self) -> CliResult {
-        self.m
-            .run_pass(PassParams {
-                write_percent: 100,
-                random: false,
-                seed: 1,
-                timed: false,
-            })
-            .map_err(runtime)?;
-        self.m.set_dirty_logging(true).map_err(runtime)
-    }
-
-    /// The configuration a run reports; `rate` is the guest's paced writes per vCPU.
-    fn config(&self, rate: Option<u64>) -> Config {
-        let a = self.a;
-        let vm = a.dirty.apply(a.machine.vm_config());
-        Config {
-            vm: VmSettings::of_machine(self.kind, &a.machine, &vm),
-            vcpus: a.vcpus,
-            bytes_per_vcpu: a.bytes,
-            backing: a.backing.name(),
-            mode: a.mode.name(),
-            log: match a.mode {
-                RateMode::Bitmap => "get+clear",
-                RateMode::Ring => "ring",
-            },
-            ring_entries: (a.mode == RateMode::Ring).then(|| a.ring_entries()),
-            sample_ms: a.sample.duration().as_millis() as u64,
-            samples: a.samples,
-            write_rate_per_vcpu: rate,
+    fn kvm_error(&self, e: slat_kvm::KvmError) -> CliError {
+        match e {
+            // The host cannot log this way: the flags cannot run here (exit 2).
+            slat_kvm::KvmError::Unsupported { .. } => {
+                CliError::BadInput(format!("--mode {} on kvm: {e}", self.a.mode.name()))
+            }
+            e => CliError::Runtime(e.to_string()),
         }
     }
+}
 
-    /// The windows, each printed as it completes (text: on stdout, part of the report; JSON:
-    /// progress on stderr).
-    fn measure(&self) -> CliResult<Measurement> {
-        let a = self.a;
-        let m = self.m;
-        std::thread::sleep(WARMUP);
-        let mut rate = DirtyRate::new(MachineLog::new(m)).map_err(runtime)?;
-        rate = match a.mode {
-            RateMode::Ring => rate.with_vcpus(a.vcpus as usize),
-            RateMode::Bitmap => {
-                // Each vCPU writes only its own region: its pages are its own.
-                let l = m.layout();
-                let regions = (0..l.vcpus)
-                    .map(|i| {
-                        let (gpa, _, pages) = l.region(i);
-                        let first = (gpa - l.gpa) / PAGE_SIZE;
-                        first..first + pages
-                    })
-                    .collect();
-                rate.with_regions(regions).map_err(runtime)?
-            }
-        };
-        let samples = NonZeroU32::new(a.samples).ok_or("--samples is at least 1")?;
-        let (json, silent) = (a.out.json, quiet(a.out.json));
-        rate.measure(a.sample, samples, |i, s| {
-            let line = sample_line(i, a.samples, s);
-            if !json {
-                println!("{line}");
-                let _ = std::io::stdout().flush();
-            } else if !silent {
-                eprintln!("[slat] {line}");
-            }
-        })
-        .map_err(runtime)
+/// The configuration a run reports; `rate` is the guest's paced writes per vCPU.
+fn config(a: &DirtyRateArgs, kind: BackendArg, rate: Option<u64>) -> Config {
+    let vm = a.dirty.apply(a.machine.vm_config());
+    Config {
+        vm: VmSettings::of_machine(kind, &a.machine, &vm),
+        work: WorkSettings {
+            overlap: None,
+            ..a.work().settings()
+        },
+        mode: a.mode.name(),
+        log: match a.mode {
+            RateMode::Bitmap => "get+clear",
+            RateMode::Ring => "ring",
+        },
+        ring_entries: (a.mode == RateMode::Ring).then(|| a.ring_entries()),
+        sample_ms: a.sample.duration().as_millis() as u64,
+        samples: a.samples,
+        write_rate_per_vcpu: rate,
     }
+}
+
+/// The windows, each printed as it completes (text: on stdout, part of the report; JSON:
+/// progress on stderr).
+fn measure<M: TestMachine>(a: &DirtyRateArgs, m: &M) -> CliResult<Measurement> {
+    std::thread::sleep(WARMUP);
+    let mut rate = DirtyRate::new(MachineLog::new(m)).map_err(runtime)?;
+    rate = match a.mode {
+        RateMode::Ring => rate.with_vcpus(a.vcpus as usize),
+        RateMode::Bitmap => {
+            // Each vCPU writes only its own region: its pages are its own.
+            let l = m.layout();
+            let regions = (0..l.vcpus)
+                .map(|i| {
+                    let (gpa, _, pages) = l.region(i);
+                    let first = (gpa - l.gpa) / PAGE_SIZE;
+                    first..first + pages
+                })
+                .collect();
+            rate.with_regions(regions).map_err(runtime)?
+        }
+    };
+    let samples = NonZeroU32::new(a.samples).ok_or("--samples is at least 1")?;
+    let (json, silent) = (a.out.json, quiet(a.out.json));
+    rate.measure(a.sample, samples, |i, s| {
+        let line = sample_line(i, a.samples, s);
+        if !json {
+            println!("{line}");
+            let _ = std::io::stdout().flush();
+        } else if !silent {
+            eprintln!("[slat] {line}");
+        }
+    })
+    .map_err(runtime)
 }
 
 fn sample_row(i: usize, s: &Sample) -> SampleRow {

@@ -1,6 +1,7 @@
 //! dirty-rate's text report.
 
 use super::*;
+use crate::output::{print_table, ratio_cell, spread_cell, unit_cell};
 
 /// `Sample 2/3: 1.000412 s, 10004 pages, 9999.9 pages/s (39.06 MiB/s); vCPU 0 5000, vCPU 1 5000`
 pub(super) fn sample_line(i: usize, of: u32, s: &Sample) -> String {
@@ -87,9 +88,7 @@ pub(super) fn print_run(r: &Run) {
         _ => "none",
     };
     println!("Per vCPU ({by}):");
-    let head: Vec<String> = ["vCPU", "pages/s", "expected", "measured/expected"]
-        .map(String::from)
-        .to_vec();
+    let head = ["vCPU", "pages/s", "expected", "measured/expected"];
     let rows: Vec<Vec<String>> = r
         .per_vcpu
         .iter()
@@ -118,28 +117,20 @@ pub(super) fn print_summary(r: &Report) {
         r.runs.len(),
         if r.runs.len() == 1 { "" } else { "s" }
     );
-    let head: Vec<String> = ["backend", "metric", "median", "min", "max", "spread"]
-        .map(String::from)
-        .to_vec();
+    let head = ["backend", "metric", "median", "min", "max", "spread"];
     let mut rows = Vec::new();
     for s in &r.summary {
         for m in [&s.pages_per_s, &s.ratio_measured_over_expected] {
-            let f = |x: Option<f64>| {
-                if m.unit == "x" {
-                    ratio_cell(x)
-                } else {
-                    cell(x)
-                }
-            };
+            let f = |x| unit_cell(m.unit, x);
+            let metric = format!("{} ({})", m.metric, m.unit);
+            let (md, lo, hi) = (f(m.median), f(m.min), f(m.max));
             rows.push(vec![
                 s.backend.to_string(),
-                format!("{} ({})", m.metric, m.unit),
-                f(m.median),
-                f(m.min),
-                f(m.max),
-                m.spread
-                    .map(|p| format!("{:.1}%", p * 100.0))
-                    .unwrap_or_else(|| "-".into()),
+                metric,
+                md,
+                lo,
+                hi,
+                spread_cell(m.spread),
             ]);
         }
     }

@@ -14,38 +14,32 @@
 //! harvest column of small k is a lower bound for a large guest (dirty rings do not have this
 //! term). Each row's RAM is in its `ram_pages`.
 //!
-//! `--vary KEY=V1,V2` (`sweep.rs`): one such run per combination of vCPU count, harvest,
+//! `--vary KEY=V1,V2` (`vary.rs`): one such run per combination of vCPU count, harvest,
 //! order and machine, in this process, and one table.
 
 mod text;
-use text::{f1, print_comparison, print_run, print_summary, rx};
-
 mod vary;
 
 use self::vary::VARY;
-use crate::driver::{self, Benchmark, Common};
-use crate::output::Sweep;
-
 use crate::args::{
-    check_backends, check_kvm_ring, BackendArg, ClearChunk, FormatArg, LogArgs, MachineArgs,
-    OutputArgs, Workload,
+    check_kvm_ring, BackendArg, ClearChunk, LogArgs, MachineArgs, OutputArgs, Workload,
 };
-use crate::backend::dirty_config;
+use crate::backend::{self, dirty_config, CliMachine, OnMachine, Spec};
+use crate::driver::{self, Benchmark};
 use crate::error::{CliError, CliResult};
-use crate::limits::{check_backing, GuestMemory};
 use crate::output::{
-    format_name, print_json, print_table, summarize, Better, Metric, MetricSummary, VmSettings,
+    format_name, print_json, summarize, AllRuns, Metric, MetricSummary, Sweep, VmSettings,
+    WorkSettings,
 };
-use crate::report::{quiet, Phase};
+use crate::report::{per, quiet, runtime, Phase};
 use clap::Args;
 use hdrhistogram::Histogram;
 use serde::Serialize;
-use slat::{Ept, PteFormat, Stage2};
 use slat_addr::PAGE_SIZE;
 use slat_harness::{MachineSnapshot, ResetReport};
-use slat_machine::{Machine, MachineConfig};
-use slat_workload::{GuestRam, PassParams, Pattern, RegionSpec, TestMachine};
+use slat_workload::{GuestRam, PassParams, Pattern, TestMachine};
 use std::time::{Duration, Instant};
+use text::{print_comparison, print_run, print_summary};
 
 /// Flags of `slat snapshot-perf`.
 #[derive(Debug, Clone, Args)]
@@ -112,24 +106,14 @@ const NAME: &str = "snapshot-perf";
 /// The run's settings, as the report records them.
 #[derive(Debug, Clone, Serialize)]
 pub struct Config {
-    /// Engine and machine settings.
     #[serde(flatten)]
     pub vm: VmSettings,
-    /// `-v`.
-    pub vcpus: u32,
-    /// `-b`.
-    pub bytes_per_vcpu: u64,
-    /// `-s`.
-    pub backing: &'static str,
-    /// `-o`.
-    pub overlap: bool,
-    /// `-a`.
+    #[serde(flatten)]
+    pub work: WorkSettings,
     pub random: bool,
-    /// `-i`.
     pub iterations: u32,
     /// `get` (GET clears), `clear` (GET + CLEAR) or `ring`.
     pub log: &'static str,
-    /// `--verify`.
     pub verify: bool,
 }
 
@@ -142,30 +126,22 @@ pub struct KRow {
     pub ram_pages: u64,
     /// Mean pages copied back per reset (each dirty page once).
     pub dirty_pages: f64,
-    /// Resets measured.
     pub resets: u64,
     /// Resets per second of reset time (harvest + re-arm + copy).
     pub resets_per_s: f64,
-    /// Median reset, µs.
     pub reset_p50_us: f64,
-    /// 99th percentile reset, µs.
     pub reset_p99_us: f64,
-    /// Mean reset, µs.
     pub reset_mean_us: f64,
-    /// Mean reset over mean dirty pages, µs.
     pub us_per_dirty_page: f64,
     /// Mean time reading the log (GET_DIRTY_LOG, or collecting ring entries), µs.
     pub harvest_mean_us: f64,
     /// Mean time re-arming it separately (CLEAR_DIRTY_LOG, RESET_DIRTY_RINGS), µs; 0 when GET
     /// re-armed.
     pub rearm_mean_us: f64,
-    /// Mean time copying pages back, µs.
     pub copy_mean_us: f64,
     /// Median memcpy of as many pages between two host buffers (the floor), µs.
     pub floor_p50_us: f64,
-    /// 99th percentile of the floor, µs.
     pub floor_p99_us: f64,
-    /// reset p50 / floor p50.
     pub ratio_reset_over_floor: Option<f64>,
     /// full-copy reset p50 / this reset p50: how much the dirty log saves.
     pub ratio_full_over_reset: Option<f64>,
@@ -176,89 +152,48 @@ pub struct KRow {
 /// The full-copy reset: all of the `-b` machine's RAM copied back.
 #[derive(Debug, Clone, Serialize)]
 pub struct FullCopy {
-    /// Pages copied per reset.
     pub pages: u64,
-    /// Resets measured.
     pub resets: u64,
-    /// Median, µs.
     pub p50_us: f64,
-    /// 99th percentile, µs.
     pub p99_us: f64,
-    /// Mean, µs.
     pub mean_us: f64,
 }
 
 /// One run on one machine.
 #[derive(Debug, Clone, Serialize)]
 pub struct Run {
-    /// `sim` or `kvm`.
     pub backend: &'static str,
     /// The page-table format (`null` on kvm).
     pub format: Option<&'static str>,
-    /// Settings.
     pub config: Config,
     /// One per k, in `-k` order.
     pub rows: Vec<KRow>,
-    /// The full-copy reset.
     pub full_copy: FullCopy,
 }
 
 /// One reset-p50 summary over `--repeat` runs.
 #[derive(Debug, Clone, Serialize)]
 pub struct KSummary {
-    /// The machine.
     pub backend: &'static str,
-    /// The row.
     pub k_per_vcpu: u64,
-    /// Reset p50 over the runs.
     pub reset_p50_us: MetricSummary,
 }
 
-/// The document: every run (backends × repeats) and the per-k summary.
-#[derive(Debug, Clone, Serialize)]
-pub struct Report {
-    /// `snapshot-perf`.
-    pub benchmark: &'static str,
-    /// `--repeat`.
-    pub repeat: u32,
-    /// The machines, in the order run.
-    pub backends: Vec<&'static str>,
-    /// Backend-major, then repeat.
-    pub runs: Vec<Run>,
-    /// Per backend and k: the reset p50 over the repeats.
-    pub summary: Vec<KSummary>,
-}
+/// The document: every run (backends × repeats) and, per backend and k, the reset p50 over
+/// the repeats.
+pub type Report = AllRuns<Run, KSummary>;
 
 impl Benchmark for SnapshotPerfArgs {
     type Report = Run;
     const NAME: &'static str = NAME;
+    crate::forward_benchmark! { vary: yes, check: check, measure: measure, print: print_run }
 
     fn vary_table() -> &'static [driver::vary::Key<Self>] {
         VARY
     }
 
-    fn common(&self) -> Common<'_> {
-        Common {
-            backends: &self.backend,
-            vary: &self.vary,
-            out: &self.out,
-        }
-    }
-
-    fn check(&self) -> CliResult {
-        check(self).map_err(CliError::bad)
-    }
-
-    fn measure(&self, kind: BackendArg) -> CliResult<Run> {
-        measure(self, kind, &k_list(self))
-    }
-
     fn metrics(&self) -> Vec<Metric<Run>> {
         METRICS.to_vec()
-    }
-
-    fn print(&self, r: &Run) {
-        print_run(r)
     }
 
     fn own_output(&self) -> Option<fn(&Self, Vec<(BackendArg, Vec<Run>)>) -> CliResult> {
@@ -266,7 +201,7 @@ impl Benchmark for SnapshotPerfArgs {
     }
 
     fn print_sweep(&self, sweep: &Sweep<Run>) -> bool {
-        vary::print_sweep(self, sweep);
+        text::print_sweep(self, sweep);
         true
     }
 
@@ -289,36 +224,18 @@ impl Benchmark for SnapshotPerfArgs {
 /// The headline figures (the bars of `--plot`): the reset at the smallest and largest k, and
 /// the full copy.
 const METRICS: &[Metric<Run>] = &[
-    Metric {
-        name: "reset p50, smallest k",
-        unit: "us",
-        better: Better::Lower,
-        get: |r| r.rows.first().map(|k| k.reset_p50_us),
-    },
-    Metric {
-        name: "reset p50, largest k",
-        unit: "us",
-        better: Better::Lower,
-        get: |r| r.rows.last().map(|k| k.reset_p50_us),
-    },
-    Metric {
-        name: "full-copy reset p50",
-        unit: "us",
-        better: Better::Lower,
-        get: |r| Some(r.full_copy.p50_us),
-    },
+    Metric::lower("reset p50, smallest k", "us", |r| {
+        r.rows.first().map(|k| k.reset_p50_us)
+    }),
+    Metric::lower("reset p50, largest k", "us", |r| {
+        r.rows.last().map(|k| k.reset_p50_us)
+    }),
+    Metric::lower("full-copy reset p50", "us", |r| Some(r.full_copy.p50_us)),
 ];
 
 /// The one document of every machine's runs, or the summaries under the runs' text.
 fn finish(a: &SnapshotPerfArgs, all: Vec<(BackendArg, Vec<Run>)>) -> CliResult {
-    let runs: Vec<Run> = all.into_iter().flat_map(|(_, r)| r).collect();
-    let report = Report {
-        benchmark: NAME,
-        repeat: a.out.repeat,
-        backends: a.backend.iter().map(|b| b.name()).collect(),
-        summary: summary(&runs, a.out.repeat as usize),
-        runs,
-    };
+    let report = Report::new(NAME, &a.out, all, summary);
     if a.out.json {
         return print_json(&report, &a.backend);
     }
@@ -333,8 +250,7 @@ fn finish(a: &SnapshotPerfArgs, all: Vec<(BackendArg, Vec<Run>)>) -> CliResult {
 
 /// Refuses what cannot run, with the flag to change (exit status 2).
 fn check(a: &SnapshotPerfArgs) -> Result<(), String> {
-    a.machine.format.check_backends(&a.backend)?;
-    check_backends(&a.backend, &a.machine.engine_only())?;
+    a.machine.check_backends(&a.backend, &[])?;
     if a.log.clear_chunk != ClearChunk::Slot {
         return Err(
             "--clear-chunk: snapshot-perf re-arms a whole memslot per CLEAR; drop --clear-chunk"
@@ -344,14 +260,11 @@ fn check(a: &SnapshotPerfArgs) -> Result<(), String> {
     if a.log.dirty_ring.is_some() && a.log.no_manual {
         return Err("-g selects GET that clears, --dirty-ring the rings: give one".into());
     }
-    check_backing(&a.backend, a.work.backing)?;
     if let Some(ring) = a.log.dirty_ring {
         check_kvm_ring(&a.backend, ring, "--dirty-ring")?;
     }
-    let mem = GuestMemory::per_vcpu(a.work.vcpus, a.work.bytes)?;
-    mem.fits_gpa(&a.backend, a.machine.format, None)?;
     // The machine, the snapshot and the floor's two buffers.
-    mem.fits_host(a.work.backing, 4, a.machine.tlb_bytes(a.work.vcpus))?;
+    a.work.check_fits(&a.backend, &a.machine, 0, 4)?;
     let all = a.work.bytes / PAGE_SIZE;
     if let Some(KValue::Pages(k)) =
         a.k.iter()
@@ -391,10 +304,10 @@ fn log_name(a: &SnapshotPerfArgs) -> &'static str {
 }
 
 /// Every k on machine `kind`, then the full-copy reset on the machine of all of -b.
-fn measure(a: &SnapshotPerfArgs, kind: BackendArg, ks: &[u64]) -> CliResult<Run> {
+fn measure(a: &SnapshotPerfArgs, kind: BackendArg) -> CliResult<Run> {
     let all = a.work.bytes / PAGE_SIZE;
     let mut rows = Vec::new();
-    for &k in ks {
+    for k in k_list(a) {
         let phase = Phase::start(
             format!("{}: k = {k} pages per vCPU", kind.name()),
             quiet(a.out.json),
@@ -411,7 +324,7 @@ fn measure(a: &SnapshotPerfArgs, kind: BackendArg, ks: &[u64]) -> CliResult<Run>
     phase.done();
     let full = full.ok_or("the full-copy reset did not run")?;
     for r in &mut rows {
-        r.ratio_full_over_reset = ratio(full.p50_us, r.reset_p50_us);
+        r.ratio_full_over_reset = per(full.p50_us, r.reset_p50_us);
     }
     let vm = a.machine.vm_config();
     Ok(Run {
@@ -419,10 +332,7 @@ fn measure(a: &SnapshotPerfArgs, kind: BackendArg, ks: &[u64]) -> CliResult<Run>
         format: format_name(kind, a.machine.format),
         config: Config {
             vm: VmSettings::of_machine(kind, &a.machine, &vm),
-            vcpus: a.work.vcpus,
-            bytes_per_vcpu: a.work.bytes,
-            backing: a.work.backing.name(),
-            overlap: a.work.overlap,
+            work: a.work.settings(),
             random: a.random,
             iterations: a.iterations,
             log: log_name(a),
@@ -440,46 +350,29 @@ fn on_machine(
     k: u64,
     full: bool,
 ) -> CliResult<(KRow, Option<FullCopy>)> {
-    let region = RegionSpec {
-        backing: a.work.backing,
-        vcpus: a.work.vcpus as usize,
-        bytes_per_vcpu: k * PAGE_SIZE,
-        slots: 1,
-        overlap: a.work.overlap,
-        prefault: !a.machine.no_prefault,
-        dirty: dirty_config(
-            a.log.dirty_ring.is_none() && !a.log.no_manual,
-            a.log.dirty_ring.unwrap_or(0),
-        ),
-    };
-    match (kind, a.machine.format) {
-        (BackendArg::Sim, FormatArg::Ept) => sim::<Ept>(a, region, full),
-        (BackendArg::Sim, FormatArg::Stage2) => sim::<Stage2>(a, region, full),
-        (BackendArg::Kvm, _) => {
-            let m = slat_kvm::KvmMachine::new(slat_kvm::KvmConfig {
-                region,
-                ..slat_kvm::KvmConfig::default()
-            })
-            .map_err(|e| CliError::Runtime(e.to_string()))?;
-            Bench::new(a, &m, m.ram()).run(full)
-        }
-    }
+    let l = &a.log;
+    let dirty = dirty_config(
+        l.dirty_ring.is_none() && !l.no_manual,
+        l.dirty_ring.unwrap_or(0),
+    );
+    let mut region = a.work.region(&a.machine, dirty);
+    region.bytes_per_vcpu = k * PAGE_SIZE;
+    let spec = Spec::new(&a.machine, region, a.machine.vm_config());
+    backend::visit(kind, &spec, OnK { a, full })
 }
 
-fn sim<F: PteFormat>(
-    a: &SnapshotPerfArgs,
-    region: RegionSpec,
+/// One machine's measurement, on a machine of any type.
+struct OnK<'a> {
+    a: &'a SnapshotPerfArgs,
     full: bool,
-) -> CliResult<(KRow, Option<FullCopy>)> {
-    let m = Machine::<F>::new(MachineConfig {
-        vm: a.machine.vm_config(),
-        region,
-        tlb_entries: a.machine.tlb_entries,
-        pcpus: a.machine.pcpus.unwrap_or(0),
-        ..MachineConfig::default()
-    })
-    .map_err(|e| CliError::Runtime(e.to_string()))?;
-    Bench::new(a, &m, m.ram()).run(full)
+}
+
+impl OnMachine for OnK<'_> {
+    type Out = (KRow, Option<FullCopy>);
+    fn run<M: TestMachine + CliMachine>(self, m: &M) -> CliResult<Self::Out> {
+        let ram = m.guest_ram();
+        Bench { a: self.a, m, ram }.run(self.full)
+    }
 }
 
 /// One machine's measurement.
@@ -489,10 +382,6 @@ struct Bench<'a, M: TestMachine> {
     ram: &'a GuestRam,
 }
 
-fn runtime<E: std::fmt::Display>(e: E) -> CliError {
-    CliError::Runtime(e.to_string())
-}
-
 /// Nanoseconds from 1 ns to an hour, 3 significant digits.
 fn hist() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 3_600_000_000_000, 3).expect("valid bounds and precision")
@@ -500,10 +389,6 @@ fn hist() -> Histogram<u64> {
 
 fn us(h: &Histogram<u64>, q: f64) -> f64 {
     h.value_at_quantile(q) as f64 / 1000.0
-}
-
-fn ratio(p: f64, q: f64) -> Option<f64> {
-    (q > 0.0).then(|| p / q)
 }
 
 /// Sums of a reset's parts.
@@ -525,10 +410,6 @@ impl Split {
 }
 
 impl<'a, M: TestMachine> Bench<'a, M> {
-    fn new(a: &'a SnapshotPerfArgs, m: &'a M, ram: &'a GuestRam) -> Self {
-        Bench { a, m, ram }
-    }
-
     /// Iteration `i`'s pass: a new seed each time, so random passes dirty other pages.
     fn params(&self, i: u32) -> PassParams {
         PassParams {
@@ -645,13 +526,13 @@ impl<'a, M: TestMachine> Bench<'a, M> {
             reset_p50_us: us(h, 0.5),
             reset_p99_us: us(h, 0.99),
             reset_mean_us: mean_us,
-            us_per_dirty_page: ratio(mean_us, dirty).unwrap_or(0.0),
+            us_per_dirty_page: per(mean_us, dirty).unwrap_or(0.0),
             harvest_mean_us: mean(s.harvest),
             rearm_mean_us: mean(s.rearm),
             copy_mean_us: mean(s.copy),
             floor_p50_us: us(fh, 0.5),
             floor_p99_us: us(fh, 0.99),
-            ratio_reset_over_floor: ratio(us(h, 0.5), us(fh, 0.5)),
+            ratio_reset_over_floor: per(us(h, 0.5), us(fh, 0.5)),
             ratio_full_over_reset: None,
             verified,
         }
@@ -699,19 +580,15 @@ impl Floor {
 }
 
 /// Per backend and k, the reset p50 over the repeats.
-fn summary(runs: &[Run], repeat: usize) -> Vec<KSummary> {
-    const P50: Metric<f64> = Metric {
-        name: "reset p50",
-        unit: "us",
-        better: Better::Lower,
-        get: |x| Some(*x),
-    };
+fn summary(all: &[(BackendArg, Vec<Run>)]) -> Vec<KSummary> {
+    const P50: Metric<f64> = Metric::lower("reset p50", "us", |x| Some(*x));
     let mut out = Vec::new();
-    for group in runs.chunks(repeat.max(1)) {
-        for (j, row) in group[0].rows.iter().enumerate() {
+    for (_, group) in all {
+        let Some(first) = group.first() else { continue };
+        for (j, row) in first.rows.iter().enumerate() {
             let xs: Vec<f64> = group.iter().map(|r| r.rows[j].reset_p50_us).collect();
             out.push(KSummary {
-                backend: group[0].backend,
+                backend: first.backend,
                 k_per_vcpu: row.k_per_vcpu,
                 reset_p50_us: summarize(&P50, &xs),
             });

@@ -1,6 +1,7 @@
 //! snapshot-perf's text report.
 
 use super::*;
+use crate::output::{print_table, spread_cell, RowOutcome};
 
 pub(super) fn f1(x: f64) -> String {
     format!("{x:.1}")
@@ -20,7 +21,7 @@ pub(super) fn print_run(r: &Run) {
         "snapshot-perf on {}{}: {} vCPUs, log {}, {} order, {} iterations per k{}",
         r.backend,
         r.format.map_or(String::new(), |f| format!(" ({f})")),
-        c.vcpus,
+        c.work.vcpus,
         c.log,
         if c.random { "random" } else { "sequential" },
         c.iterations,
@@ -30,7 +31,7 @@ pub(super) fn print_run(r: &Run) {
             ""
         }
     );
-    let head: Vec<String> = [
+    let head = [
         "k/vCPU",
         "dirty pages",
         "resets/s",
@@ -44,9 +45,7 @@ pub(super) fn print_run(r: &Run) {
         "floor p99 us",
         "reset/floor",
         "full/reset",
-    ]
-    .map(String::from)
-    .to_vec();
+    ];
     let rows: Vec<Vec<String>> = r
         .rows
         .iter()
@@ -87,16 +86,14 @@ pub(super) fn print_summary(rep: &Report) {
         "Reset p50 over {} runs (spread = (max - min) / median):",
         rep.repeat
     );
-    let head: Vec<String> = [
+    let head = [
         "backend",
         "k/vCPU",
         "median us",
         "min us",
         "max us",
         "spread",
-    ]
-    .map(String::from)
-    .to_vec();
+    ];
     let opt = |x: Option<f64>| x.map_or_else(|| "-".into(), f1);
     let rows: Vec<Vec<String>> = rep
         .summary
@@ -109,8 +106,7 @@ pub(super) fn print_summary(rep: &Report) {
                 opt(m.median),
                 opt(m.min),
                 opt(m.max),
-                m.spread
-                    .map_or_else(|| "-".into(), |p| format!("{:.1}%", p * 100.0)),
+                spread_cell(m.spread),
             ]
         })
         .collect();
@@ -137,9 +133,72 @@ pub(super) fn print_comparison(rep: &Report) {
                 x.k_per_vcpu.to_string(),
                 f1(x.reset_p50_us),
                 f1(y.reset_p50_us),
-                rx(ratio(x.reset_p50_us, y.reset_p50_us)),
+                rx(per(x.reset_p50_us, y.reset_p50_us)),
             ]
         })
         .collect();
     print_table(&head, &rows);
+}
+
+/// Cells of every combination × k; a failed combination is one row of `-` and FAILED.
+fn table(sweep: &Sweep<Run>) -> Vec<Vec<String>> {
+    let mut table = Vec::new();
+    for row in &sweep.sweep {
+        let settings: Vec<String> = row
+            .settings
+            .iter()
+            .map(|s| s.split_once('=').map_or(s.as_str(), |(_, v)| v).to_string())
+            .collect();
+        match &row.outcome {
+            RowOutcome::Done(runs) => {
+                for r in runs.all() {
+                    for k in &r.rows {
+                        let mut cells = settings.clone();
+                        cells.extend([
+                            k.k_per_vcpu.to_string(),
+                            f1(k.dirty_pages),
+                            f1(k.reset_p50_us),
+                            f1(k.reset_p99_us),
+                            rx(k.ratio_reset_over_floor),
+                            rx(k.ratio_full_over_reset),
+                        ]);
+                        table.push(cells);
+                    }
+                }
+            }
+            RowOutcome::Failed(_) => {
+                let mut cells = settings.clone();
+                cells.extend(std::iter::repeat_n("-".to_string(), 5));
+                cells.push("FAILED".into());
+                table.push(cells);
+            }
+        }
+    }
+    table
+}
+
+/// The sweep's table: one row per combination and k.
+pub(super) fn print_sweep(a: &SnapshotPerfArgs, sweep: &Sweep<Run>) {
+    let varied = &sweep.varied;
+    let rows = table(sweep);
+    println!(
+        "snapshot-perf sweep: {} per vCPU, {} iterations per k; varied: {}; one run per combination, all in this process",
+        slat_workload::format_size(a.work.bytes),
+        a.iterations,
+        varied.join(", ")
+    );
+    let mut head: Vec<String> = varied.iter().map(|k| k.to_string()).collect();
+    head.extend(
+        [
+            "k/vCPU",
+            "dirty pages",
+            "reset p50 us",
+            "p99 us",
+            "reset/floor",
+            "full/reset",
+        ]
+        .map(String::from),
+    );
+    print_table(&head, &rows);
+    println!("Each k runs on a machine of k pages per vCPU; floor = memcpy of as many pages between two host buffers; full/reset = full-copy reset p50 over this reset's p50.");
 }
