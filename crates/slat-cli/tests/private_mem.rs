@@ -490,8 +490,8 @@ fn sim_plot_draws_each_variant_with_its_spread() {
         "{svg}"
     );
     for text in [
-        "fault-in rate",
-        "to-shared rate",
+        "fault-in GB/s",
+        "to-shared GiB/s",
         "2m-split flush=off",
         "4k flush=off",
         "none flush=off",

@@ -53,8 +53,7 @@ impl Snapshot {
             read("/proc/meminfo"),
             read("/proc/interrupts"),
         );
-        let vm = |name| vmstat_field(&vm, name);
-        let kib = |name| meminfo_kib(&mi, name);
+        let (vm, kib) = (|name| field(&vm, name), |name| field(&mi, name));
         Snapshot {
             counts: Counts {
                 level2_splits: vm("direct_map_level2_splits"),
@@ -108,27 +107,13 @@ fn signed(a: Option<u64>, b: Option<u64>) -> Option<i64> {
     b.checked_sub(a)
 }
 
-/// A `name value` line of `/proc/vmstat`.
-fn vmstat_field(text: &str, name: &str) -> Option<u64> {
+/// A `name value` line of `/proc/vmstat`, or a `Name:   123 kB` line of `/proc/meminfo`.
+fn field(text: &str, name: &str) -> Option<u64> {
     text.lines().find_map(|l| {
-        let mut it = l.split_whitespace();
-        (it.next()? == name).then(|| it.next()?.parse().ok())?
-    })
-}
-
-/// A `Name:   123 kB` line of `/proc/meminfo`, in KiB.
-fn meminfo_kib(text: &str, name: &str) -> Option<u64> {
-    text.lines().find_map(|l| {
-        let (k, rest) = l.split_once(':')?;
-        if k.trim() != name {
-            return None;
-        }
-        let mut it = rest.split_whitespace();
-        let v: u64 = it.next()?.parse().ok()?;
-        match it.next() {
-            None | Some("kB") => Some(v),
-            Some(_) => None,
-        }
+        let rest = l.strip_prefix(name)?;
+        let mut it = rest.strip_prefix(':').unwrap_or(rest).split_whitespace();
+        let v = it.next()?.parse().ok()?;
+        matches!(it.next(), None | Some("kB")).then_some(v)
     })
 }
 
@@ -156,14 +141,14 @@ mod tests {
     #[test]
     fn parses_the_three_files_and_tolerates_missing_fields() {
         let vm = "nr_free_pages 5\ndirect_map_level2_splits 3\ndirect_map_level3_splits x\n";
-        assert_eq!(vmstat_field(vm, "direct_map_level2_splits"), Some(3));
-        assert_eq!(vmstat_field(vm, "direct_map_level3_splits"), None);
-        assert_eq!(vmstat_field(vm, "direct_map_level2_collapses"), None);
-        assert_eq!(vmstat_field("", "nr_free_pages"), None);
+        assert_eq!(field(vm, "direct_map_level2_splits"), Some(3));
+        assert_eq!(field(vm, "direct_map_level3_splits"), None);
+        assert_eq!(field(vm, "direct_map_level2_collapses"), None);
+        assert_eq!(field("", "nr_free_pages"), None);
         let mi = "DirectMap4k:       26624 kB\nDirectMap2M:     2070528 kB\nDirectMap1G: bad\n";
-        assert_eq!(meminfo_kib(mi, "DirectMap4k"), Some(26624));
-        assert_eq!(meminfo_kib(mi, "DirectMap2M"), Some(2070528));
-        assert_eq!(meminfo_kib(mi, "DirectMap1G"), None);
+        assert_eq!(field(mi, "DirectMap4k"), Some(26624));
+        assert_eq!(field(mi, "DirectMap2M"), Some(2070528));
+        assert_eq!(field(mi, "DirectMap1G"), None);
         let irq = "           CPU0       CPU1\n NMI:  0 0 Non-maskable\n TLB:    1478074    1432175   TLB shootdowns\n";
         assert_eq!(irq_row(irq, "TLB:"), Some(2_910_249));
         assert_eq!(irq_row(irq, "CAL:"), None);

@@ -13,6 +13,7 @@ use serde::Serialize;
 use slat_workload::format_size;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
+use Better::{Higher as HI, Lower as LO};
 
 type AnyRun = super::Run;
 
@@ -88,7 +89,8 @@ struct Config {
     pattern: &'static str,
 }
 
-fn row<'a>(r: &'a AnyRun, v: &str) -> Option<&'a Row> {
+/// Fill `v` of a run.
+pub fn row<'a>(r: &'a AnyRun, v: &str) -> Option<&'a Row> {
     match r {
         AnyRun::Host(r) => r.rows.iter().find(|x| x.variant == v),
         AnyRun::Sim(_) => None,
@@ -97,45 +99,34 @@ fn row<'a>(r: &'a AnyRun, v: &str) -> Option<&'a Row> {
 
 /// The headline figures, summarized over `--repeat`.
 pub const METRICS: &[Metric<AnyRun>] = &[
-    metric("memfd GB/s", "GB/s", Better::Higher, |r| {
-        row(r, "memfd").map(|x| x.gb_per_s)
+    metric("memfd GB/s", "GB/s", HI, |r| {
+        Some(row(r, "memfd")?.gb_per_s)
     }),
-    metric(
-        "memfd_secret first fill GB/s",
-        "GB/s",
-        Better::Higher,
-        |r| row(r, "secret-first").map(|x| x.gb_per_s),
-    ),
-    metric(
-        "memfd_secret second fill GB/s",
-        "GB/s",
-        Better::Higher,
-        |r| row(r, "secret-second").map(|x| x.gb_per_s),
-    ),
-    metric("first fill / memfd", "x", Better::Lower, |r| {
+    metric("memfd_secret first fill GB/s", "GB/s", HI, |r| {
+        Some(row(r, "secret-first")?.gb_per_s)
+    }),
+    metric("memfd_secret second fill GB/s", "GB/s", HI, |r| {
+        Some(row(r, "secret-second")?.gb_per_s)
+    }),
+    metric("first fill / memfd", "x", LO, |r| {
         row(r, "secret-first")?.ratio_over_memfd
     }),
-    metric("second fill / memfd", "x", Better::Lower, |r| {
+    metric("second fill / memfd", "x", LO, |r| {
         row(r, "secret-second")?.ratio_over_memfd
     }),
-    metric("memfd after / memfd", "x", Better::Lower, |r| {
+    metric("memfd after / memfd", "x", LO, |r| {
         row(r, "memfd-after")?.ratio_over_memfd
     }),
-    metric("first fill 2M splits", "splits", Better::Lower, |r| {
+    metric("first fill 2M splits", "splits", LO, |r| {
         Some(row(r, "secret-first")?.counters.level2_splits? as f64)
     }),
-    metric(
-        "first fill function-call irqs",
-        "irqs",
-        Better::Lower,
-        |r| Some(row(r, "secret-first")?.counters.function_call_irqs? as f64),
-    ),
+    metric("first fill function-call irqs", "irqs", LO, |r| {
+        Some(row(r, "secret-first")?.counters.function_call_irqs? as f64)
+    }),
 ];
 
-/// Fill `v`'s rate, for the plot.
-pub fn gb_per_s(r: &AnyRun, v: &str) -> Option<f64> {
-    row(r, v).map(|x| x.gb_per_s)
-}
+/// A fill's rate, drawn by `--plot`.
+pub const RATE: Metric<Row> = metric("fill rate", "GB/s", Better::Higher, |x| Some(x.gb_per_s));
 
 /// The probes, made by the first run, which also prints the text's heading.
 fn probes(a: &PrivateMemPerfArgs, total: u64) -> CliResult<&'static Probes> {
@@ -162,12 +153,8 @@ pub fn measure(a: &PrivateMemPerfArgs) -> CliResult<Run> {
     let mut rows = Vec::new();
     for (variant, kind, description) in FILLS {
         let phase = Phase::start(format!("{variant} fill"), quiet(a.out.json));
-        let mut r = fill(
-            kind,
-            len,
-            a.threads as usize,
-            Duration::from_millis(a.samples_ms),
-        )?;
+        let every = Duration::from_millis(a.samples_ms);
+        let mut r = fill(kind, len, a.threads as usize, every)?;
         (r.variant, r.description) = (variant, description);
         rows.push(r);
         phase.done();
@@ -304,11 +291,7 @@ pub fn print_run(run: &Run, samples_ms: u64) {
     table(COLUMNS, &run.rows, None);
     println!("Samples every {samples_ms} ms (GB/s, new 2M splits):");
     for x in &run.rows {
-        let s: Vec<String> = x
-            .samples
-            .iter()
-            .map(|s| format!("{:.2}/{}", s.gb_per_s, opt(s.level2_splits)))
-            .collect();
-        println!("  {:>13}: {}", x.variant, s.join(" "));
+        let s = (x.samples.iter()).map(|s| format!("{:.2}/{}", s.gb_per_s, opt(s.level2_splits)));
+        println!("  {:>13}: {}", x.variant, s.collect::<Vec<_>>().join(" "));
     }
 }

@@ -103,16 +103,35 @@ pub enum Run {
     Sim(sim::Run),
 }
 
-/// A figure of a run's row (a fill, a variant), by the row's name.
-type Figure = fn(&Run, &str) -> Option<f64>;
-
 impl Run {
-    /// Its rows' names.
-    fn names(&self) -> Vec<String> {
+    fn as_sim(&self) -> Option<&sim::Run> {
         match self {
-            Run::Host(r) => r.rows.iter().map(|x| x.variant.into()).collect(),
-            Run::Sim(r) => r.rows.iter().map(sim::SimRow::label).collect(),
+            Run::Sim(r) => Some(r),
+            Run::Host(_) => None,
         }
+    }
+}
+
+/// A bar per row of `first` (a fill, a variant) of figure `m`, for `--plot`.
+fn bars<T: 'static>(
+    x_desc: &'static str,
+    first: &Run,
+    m: Metric<T>,
+    row: for<'a> fn(&'a Run, &str) -> Option<&'a T>,
+) -> Bars<Run> {
+    let names: Vec<String> = match first {
+        Run::Host(r) => r.rows.iter().map(|x| x.variant.into()).collect(),
+        Run::Sim(r) => r.rows.iter().map(sim::SimRow::label).collect(),
+    };
+    let bar = |n: String| -> (String, FigureOf<Run>) {
+        let k = n.clone();
+        (n, Box::new(move |r| row(r, &k).and_then(m.get)))
+    };
+    Bars {
+        title: format!("{NAME}: {}", m.name),
+        x_desc,
+        y_desc: m.unit,
+        bars: names.into_iter().map(bar).collect(),
     }
 }
 
@@ -160,7 +179,7 @@ impl Benchmark for PrivateMemPerfArgs {
     fn metrics(&self) -> Vec<Metric<Run>> {
         match self.backend {
             PrivBackend::Host => host::METRICS.to_vec(),
-            // Its headline figures are per variant: `sim::summaries`.
+            // Its headline figures are per variant: `sim::finish` summarizes them.
             PrivBackend::Sim => Vec::new(),
         }
     }
@@ -173,22 +192,12 @@ impl Benchmark for PrivateMemPerfArgs {
     }
 
     fn bars(&self, first: &Run) -> Vec<Bars<Run>> {
-        let (x_desc, panels): (_, &[(&str, &str, Figure)]) = match first {
-            Run::Host(_) => ("fill", &[("fill rate", "GB/s", host::gb_per_s)]),
-            Run::Sim(_) => ("variant", &sim::FIGURES),
-        };
-        let bar = |n: &String, get: Figure| -> (String, FigureOf<Run>) {
-            let name = n.clone();
-            (n.clone(), Box::new(move |r| get(r, &name)))
-        };
-        let names = first.names();
-        let panel = |&(title, y_desc, get): &(&str, &'static str, Figure)| Bars {
-            title: format!("{NAME}: {title}"),
-            x_desc,
-            y_desc,
-            bars: names.iter().map(|n| bar(n, get)).collect(),
-        };
-        panels.iter().map(panel).collect()
+        match first {
+            Run::Host(_) => vec![bars("fill", first, host::RATE, host::row)],
+            Run::Sim(_) => (sim::ROW_METRICS.iter())
+                .map(|m| bars("variant", first, *m, sim::row))
+                .collect(),
+        }
     }
 
     fn own_output(&self) -> Option<fn(&Self, Vec<(BackendArg, Vec<Run>)>) -> CliResult> {

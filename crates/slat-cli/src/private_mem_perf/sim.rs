@@ -10,7 +10,7 @@ use super::{
     NAME,
 };
 use crate::error::{CliError, CliResult};
-use crate::output::{summarize, Better, Metric, MetricSummary};
+use crate::output::{ratio_cell, summarize, Better, Metric, MetricSummary};
 use crate::report::{quiet, Phase};
 use serde::Serialize;
 use slat::direct_map::{DirectMap, DirectMapConfig, DirectMapStats};
@@ -35,9 +35,7 @@ const NOTE: &str = "x native: time per page over the native floor's (the same wr
 /// One variant: a direct-map policy and whether each removal flushes every host CPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Variant {
-    /// `--direct-map`.
     pub policy: DirectMapPolicy,
-    /// `--kernel-flush`.
     pub kernel_flush: bool,
 }
 
@@ -89,18 +87,15 @@ pub struct SimRow {
     samples: Vec<SimSample>,
 }
 
-impl std::fmt::Display for Variant {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let flush = if self.kernel_flush { "on" } else { "off" };
-        write!(f, "{} flush={flush}", self.policy)
-    }
+/// `POLICY flush=on|off`.
+fn label(policy: impl std::fmt::Display, flush: bool) -> String {
+    format!("{policy} flush={}", if flush { "on" } else { "off" })
 }
 
 impl SimRow {
     /// `POLICY flush=on|off`.
     pub fn label(&self) -> String {
-        let flush = if self.kernel_flush { "on" } else { "off" };
-        format!("{} flush={flush}", self.direct_map)
+        label(self.direct_map, self.kernel_flush)
     }
 }
 
@@ -118,7 +113,6 @@ pub struct NativeRow {
 #[derive(Debug, Clone, Serialize)]
 pub struct Run {
     native: NativeRow,
-    /// One per variant.
     pub rows: Vec<SimRow>,
 }
 
@@ -135,28 +129,18 @@ struct Config {
 /// A headline figure of one variant over the runs.
 #[derive(Serialize)]
 struct VariantSummary {
-    /// `POLICY flush=on|off`.
     variant: String,
     #[serde(flatten)]
     summary: MetricSummary,
 }
 
-fn row<'a>(r: &'a AnyRun, v: &str) -> Option<&'a SimRow> {
+/// Variant `v` of a run.
+pub fn row<'a>(r: &'a AnyRun, v: &str) -> Option<&'a SimRow> {
     match r {
         AnyRun::Sim(r) => r.rows.iter().find(|x| x.label() == v),
         AnyRun::Host(_) => None,
     }
 }
-
-/// The plot's panels: each variant's fault-in and to-shared rates.
-pub const FIGURES: [(&str, &str, super::Figure); 2] = [
-    ("fault-in rate", "GB/s", |r, v| {
-        row(r, v).map(|x| x.gb_per_s)
-    }),
-    ("to-shared rate", "GiB/s", |r, v| {
-        row(r, v).map(|x| x.to_shared_gib_per_s)
-    }),
-];
 
 /// A configuration the machine refuses is the flags' fault (exit 2); the rest is a failure.
 pub(crate) fn machine_error(e: MachineError) -> CliError {
@@ -175,7 +159,8 @@ pub fn measure(a: &PrivateMemPerfArgs) -> CliResult<Run> {
     }
     let mut rows = Vec::new();
     for v in sim_variants(a).map_err(CliError::bad)? {
-        let phase = Phase::start(format!("{v} fault-in"), quiet(a.out.json));
+        let name = label(v.policy, v.kernel_flush);
+        let phase = Phase::start(format!("{name} fault-in"), quiet(a.out.json));
         rows.push(one_variant(a, v)?);
         phase.done();
     }
@@ -192,12 +177,8 @@ pub fn measure(a: &PrivateMemPerfArgs) -> CliResult<Run> {
 /// The floor: each vCPU's share written once per page on fresh memory of the pool's kind.
 fn native(a: &PrivateMemPerfArgs) -> CliResult<NativeRow> {
     let total = a.total();
-    let mem = GuestRam::new(
-        Backing::AnonymousThp,
-        total.div_ceil(2 << 20) * (2 << 20),
-        false,
-    )
-    .map_err(runtime)?;
+    let len = total.div_ceil(2 << 20) * (2 << 20);
+    let mem = GuestRam::new(Backing::AnonymousThp, len, false).map_err(runtime)?;
     let layout = slat_workload::Layout {
         gpa: 0,
         host: mem.addr(),
@@ -319,7 +300,7 @@ fn to_shared(m: &Machine<Ept>, map: &DirectMap) -> CliResult<(Duration, u64)> {
 }
 
 /// The headline figures of a row, summarized per variant over `--repeat`.
-const ROW_METRICS: [Metric<SimRow>; 2] = [
+pub const ROW_METRICS: [Metric<SimRow>; 2] = [
     metric("fault-in GB/s", "GB/s", Better::Higher, |r| {
         Some(r.gb_per_s)
     }),
@@ -330,22 +311,14 @@ const ROW_METRICS: [Metric<SimRow>; 2] = [
 
 /// The document of every run, or the note and summary under the runs' text.
 pub fn finish(a: &PrivateMemPerfArgs, runs: Vec<AnyRun>) -> CliResult {
-    let sims: Vec<&Run> = runs
-        .iter()
-        .filter_map(|r| match r {
-            AnyRun::Sim(r) => Some(r),
-            AnyRun::Host(_) => None,
-        })
-        .collect();
+    let sims: Vec<&Run> = runs.iter().filter_map(|r| r.as_sim()).collect();
     let mut summary = Vec::new();
     for (i, v) in sims.first().map_or(&[][..], |r| &r.rows).iter().enumerate() {
         let rows: Vec<SimRow> = sims.iter().filter_map(|r| r.rows.get(i).cloned()).collect();
-        for m in &ROW_METRICS {
-            summary.push(VariantSummary {
-                variant: v.label(),
-                summary: summarize(m, &rows),
-            });
-        }
+        summary.extend(ROW_METRICS.iter().map(|m| VariantSummary {
+            variant: v.label(),
+            summary: summarize(m, &rows),
+        }));
     }
     Document {
         benchmark: NAME,
@@ -382,9 +355,7 @@ const COLUMNS: &[Column<SimRow>] = &[
     ("variant", SimRow::label),
     ("GB/s", |x| format!("{:.3}", x.gb_per_s)),
     ("ns/page", |x| format!("{:.0}", x.ns_per_page)),
-    ("x native", |x| {
-        crate::output::ratio_cell(x.ratio_over_native)
-    }),
+    ("x native", |x| ratio_cell(x.ratio_over_native)),
     ("splits", |x| x.splits.to_string()),
     ("lock wait ms", |x| format!("{:.1}", x.lock_wait_ms)),
     ("flushes", |x| x.kernel_flushes.to_string()),
@@ -408,11 +379,10 @@ pub fn print_run(run: &Run, samples_ms: u64) {
     table(COLUMNS, &run.rows, Some(native));
     println!("Samples every {samples_ms} ms (fault-in GB/s, splits):");
     for x in &run.rows {
-        let s: Vec<String> = x
+        let s = x
             .samples
             .iter()
-            .map(|s| format!("{:.2}/{}", s.gb_per_s, s.splits))
-            .collect();
-        println!("  {:>22}: {}", x.label(), s.join(" "));
+            .map(|s| format!("{:.2}/{}", s.gb_per_s, s.splits));
+        println!("  {:>22}: {}", x.label(), s.collect::<Vec<_>>().join(" "));
     }
 }
