@@ -26,7 +26,7 @@ pub(crate) use sim::machine_error;
 
 use crate::args::{guest_size, variant, BackendArg, OutputArgs, Switch};
 use crate::driver::chart::FigureOf;
-use crate::driver::vary::{engine, names, pick, variants, Key, Values};
+use crate::driver::vary::{engine, names, pick, variants, Key, Values, Vary};
 use crate::driver::{self, Bars, Benchmark, Common};
 use crate::error::{CliError, CliResult};
 use crate::output::{cell, print_table, ratio_cell, Better, Metric, MetricSummary};
@@ -284,38 +284,35 @@ fn check(a: &PrivateMemPerfArgs) -> Result<u64, String> {
     }
 }
 
-/// The sim rows of each run, from the flags and `--vary`, each once: without either, every
-/// policy with the kernel flush off and on; a flag given fixes its half.
+/// The sim rows of each run, each once: `--vary`'s combinations, or without it every value
+/// of the flags not given (all policies, the kernel flush off and on).
 fn sim_variants(a: &PrivateMemPerfArgs) -> Result<Vec<sim::Variant>, String> {
-    let policies = a
-        .direct_map
-        .map_or(DirectMapPolicy::ALL.to_vec(), |p| vec![p]);
-    let flushes = a.kernel_flush.map_or(vec![false, true], |f| vec![f.on()]);
-    let rows: Vec<sim::Variant> = if a.vary.is_empty() {
-        let flushes = &flushes;
-        policies
-            .iter()
-            .flat_map(|&policy| {
-                flushes.iter().map(move |&kernel_flush| sim::Variant {
-                    policy,
-                    kernel_flush,
-                })
-            })
-            .collect()
-    } else {
-        let base = sim::Variant {
-            policy: a.direct_map.unwrap_or_default(),
-            kernel_flush: a.kernel_flush.is_some_and(Switch::on),
-        };
-        driver::vary::rows(&base, &a.vary, VARY)?
-            .into_iter()
-            .map(|r| r.args)
-            .collect()
+    let base = sim::Variant {
+        policy: a.direct_map.unwrap_or_default(),
+        kernel_flush: a.kernel_flush.is_some_and(Switch::on),
     };
-    let mut out: Vec<sim::Variant> = Vec::new();
-    for v in rows {
-        if !out.contains(&v) {
-            out.push(v);
+    let flushes = vec!["off".into(), "on".into()];
+    let every = [
+        (
+            a.direct_map.is_none(),
+            "direct-map",
+            variants::<DirectMapPolicy>(),
+        ),
+        (a.kernel_flush.is_none(), "kernel-flush", flushes),
+    ];
+    let implicit: Vec<Vary> = (every.into_iter())
+        .filter(|x| x.0)
+        .map(|(_, key, values)| Vary { key, values })
+        .collect();
+    let vary = if a.vary.is_empty() {
+        &implicit
+    } else {
+        &a.vary
+    };
+    let mut out = Vec::new();
+    for r in driver::vary::rows(&base, vary, VARY)? {
+        if !out.contains(&r.args) {
+            out.push(r.args);
         }
     }
     Ok(out)
