@@ -52,22 +52,20 @@ pub struct GmemTiming {
 /// Probes `/dev/kvm`; if guest_memfd works, times `bytes` of it against anonymous memory.
 pub fn probe(bytes: u64) -> GmemProbe {
     let mut p = GmemProbe::default();
-    let kvm = match Kvm::new() {
-        Ok(k) => k,
-        Err(e) => {
-            p.detail = format!("/dev/kvm cannot be opened ({e}): not supported here");
-            return p;
-        }
+    p.detail = match probe_into(&mut p, bytes) {
+        Ok(d) | Err(d) => d,
     };
+    p
+}
+
+/// Fills in what it finds; what happened, in words, either way.
+fn probe_into(p: &mut GmemProbe, bytes: u64) -> Result<String, String> {
+    let kvm =
+        Kvm::new().map_err(|e| format!("/dev/kvm cannot be opened ({e}): not supported here"))?;
     p.kvm_available = true;
     p.cap_guest_memfd_system = Some(kvm.check_extension_raw(KVM_CAP_GUEST_MEMFD.into()));
-    let vm = match kvm.create_vm_with_type(KVM_X86_DEFAULT_VM.into()) {
-        Ok(v) => v,
-        Err(e) => {
-            p.detail = format!("KVM_CREATE_VM failed ({e}): guest_memfd not probed");
-            return p;
-        }
-    };
+    let vm = (kvm.create_vm_with_type(KVM_X86_DEFAULT_VM.into()))
+        .map_err(|e| format!("KVM_CREATE_VM failed ({e}): guest_memfd not probed"))?;
     let cap = vm.check_extension_raw(KVM_CAP_GUEST_MEMFD.into());
     p.cap_guest_memfd_vm = Some(cap);
     let gmem = kvm_create_guest_memfd {
@@ -75,25 +73,16 @@ pub fn probe(bytes: u64) -> GmemProbe {
         flags: 0,
         reserved: [0; 6],
     };
-    let fd = match vm.create_guest_memfd(gmem) {
-        Ok(fd) => fd,
-        Err(e) => {
-            p.detail = format!("KVM_CAP_GUEST_MEMFD = {cap}; KVM_CREATE_GUEST_MEMFD on a default VM failed ({e}): not supported here");
-            return p;
-        }
-    };
+    let fd = vm.create_guest_memfd(gmem).map_err(|e| {
+        format!("KVM_CAP_GUEST_MEMFD = {cap}; KVM_CREATE_GUEST_MEMFD on a default VM failed ({e}): not supported here")
+    })?;
     // SAFETY: the ioctl just returned this descriptor, owned by nothing else; the File closes
     // it on every path (before the VM, which it keeps a reference to anyway).
     let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
     p.supported = true;
-    match time(file, bytes) {
-        Ok(t) => {
-            p.detail = format!("KVM_CAP_GUEST_MEMFD = {cap}; KVM_CREATE_GUEST_MEMFD works on a default VM; populated by fallocate");
-            p.timing = Some(t);
-        }
-        Err(e) => p.detail = format!("KVM_CREATE_GUEST_MEMFD works, but {e}"),
-    }
-    p
+    let t = time(file, bytes).map_err(|e| format!("KVM_CREATE_GUEST_MEMFD works, but {e}"))?;
+    p.timing = Some(t);
+    Ok(format!("KVM_CAP_GUEST_MEMFD = {cap}; KVM_CREATE_GUEST_MEMFD works on a default VM; populated by fallocate"))
 }
 
 /// Times fallocate of the guest_memfd, closes it (so that only one of the two is held at a

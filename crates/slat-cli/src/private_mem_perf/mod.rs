@@ -103,15 +103,6 @@ pub enum Run {
     Sim(sim::Run),
 }
 
-impl Run {
-    fn as_sim(&self) -> Option<&sim::Run> {
-        match self {
-            Run::Sim(r) => Some(r),
-            Run::Host(_) => None,
-        }
-    }
-}
-
 /// A bar per row of `first` (a fill, a variant) of figure `m`, for `--plot`.
 fn bars<T: 'static>(
     x_desc: &'static str,
@@ -166,7 +157,7 @@ impl Benchmark for PrivateMemPerfArgs {
     }
 
     fn check(&self) -> CliResult {
-        check(self).map(drop).map_err(CliError::bad)
+        check(self).map_err(CliError::bad)
     }
 
     fn measure(&self, _: BackendArg) -> CliResult<Run> {
@@ -251,8 +242,8 @@ impl<C: Serialize, R: Serialize, S: Serialize> Document<C, R, S> {
     }
 }
 
-/// Refuses what cannot run; returns the total bytes.
-fn check(a: &PrivateMemPerfArgs) -> Result<u64, String> {
+/// Refuses what cannot run.
+fn check(a: &PrivateMemPerfArgs) -> Result<(), String> {
     if a.backend == PrivBackend::Host {
         let sim_only = [
             ("--direct-map", a.direct_map.is_some()),
@@ -280,7 +271,7 @@ fn check(a: &PrivateMemPerfArgs) -> Result<u64, String> {
             format_size(total),
             format_size(host)
         )),
-        _ => Ok(total),
+        _ => Ok(()),
     }
 }
 

@@ -311,7 +311,12 @@ pub const ROW_METRICS: [Metric<SimRow>; 2] = [
 
 /// The document of every run, or the note and summary under the runs' text.
 pub fn finish(a: &PrivateMemPerfArgs, runs: Vec<AnyRun>) -> CliResult {
-    let sims: Vec<&Run> = runs.iter().filter_map(|r| r.as_sim()).collect();
+    let sims: Vec<&Run> = (runs.iter())
+        .filter_map(|r| match r {
+            AnyRun::Sim(r) => Some(r),
+            AnyRun::Host(_) => None,
+        })
+        .collect();
     let mut summary = Vec::new();
     for (i, v) in sims.first().map_or(&[][..], |r| &r.rows).iter().enumerate() {
         let rows: Vec<SimRow> = sims.iter().filter_map(|r| r.rows.get(i).cloned()).collect();
