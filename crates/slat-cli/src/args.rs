@@ -441,9 +441,10 @@ pub struct OutputArgs {
     /// configuration: its lines (dirty-log-perf: the dirty, harvest and native time of every
     /// iteration; migrate and migrate-perf: pages sent and still owed, and the throttle, per
     /// round), with --repeat the median and a band from the minimum to the maximum; a benchmark
-    /// without lines draws bars of its headline figures. --vary and --backend sim,kvm: bars of
-    /// the headline figures per row or machine, with min-max error bars over the --repeat runs.
-    /// dirty-log-test (a correctness check), private-mem-perf and migrate-listen refuse it.
+    /// without lines draws bars of its headline figures (private-mem-perf: per fill or
+    /// variant). --vary and --backend sim,kvm: bars of the headline figures per row or machine,
+    /// with min-max error bars over the --repeat runs. dirty-log-test (a correctness check) and
+    /// migrate-listen refuse it.
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<std::path::PathBuf>,
 }

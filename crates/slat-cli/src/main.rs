@@ -167,7 +167,7 @@ fn main() {
         Command::MigratePerf(a) => driver::run(a),
         Command::SnapshotPerf(a) => driver::run(a),
         Command::DirtyRate(a) => driver::run(a),
-        Command::PrivateMemPerf(a) => private_mem_perf::run(a),
+        Command::PrivateMemPerf(a) => driver::run(a),
         Command::PrivateMemTest(a) => private_mem_test::run(a),
     });
     if let Err(e) = r {

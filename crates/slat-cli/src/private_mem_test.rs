@@ -4,11 +4,11 @@
 //! the private pool through the host direct map; every access is checked against the rules
 //! (`slat_machine::conversion`). Exits 1 if any rule was broken.
 
-use crate::args::BackendArg;
-use crate::args::{guest_size, Switch};
+use crate::args::{guest_size, variant, BackendArg, Switch};
 use crate::error::{CliError, CliResult};
 use crate::limits::GuestMemory;
-use crate::output::{print_json, print_table};
+use crate::output::print_json;
+use crate::private_mem_perf::{table, Column};
 use crate::report::{quiet, Phase};
 use clap::Args;
 use serde::Serialize;
@@ -36,7 +36,7 @@ pub struct PrivateMemTestArgs {
     /// The host direct map: `2m-split` (huge leaves split on demand under one lock), `4k`
     /// (pre-split), `none` (left alone, TDX-style: the host can then read private pages, so
     /// that rule is not checked).
-    #[arg(long = "direct-map", value_name = "POLICY", value_parser = parse_policy, default_value = "2m-split")]
+    #[arg(long = "direct-map", value_name = "POLICY", value_parser = variant::<DirectMapPolicy>(), default_value = "2m-split")]
     pub direct_map: DirectMapPolicy,
     /// Flush every host CPU's kernel TLB after a page leaves the direct map. With `off`, a host
     /// CPU may read a page through a stale translation after it became private: counted as
@@ -56,11 +56,7 @@ pub struct PrivateMemTestArgs {
     pub json: bool,
 }
 
-fn parse_policy(s: &str) -> Result<DirectMapPolicy, String> {
-    s.parse()
-        .map_err(|e: slat::ParseVariantError| e.to_string())
-}
-
+/// The document: the settings and the result.
 #[derive(Serialize)]
 struct Report<'a> {
     benchmark: &'static str,
@@ -100,10 +96,7 @@ pub fn run(a: &PrivateMemTestArgs) -> CliResult {
         seed: a.seed,
     };
     let phase = Phase::start("conversions", quiet(a.json));
-    let r = run_conversion_test(p).map_err(|e| match e {
-        slat_machine::MachineError::Config(m) => CliError::bad(m),
-        e => CliError::Runtime(e.to_string()),
-    })?;
+    let r = run_conversion_test(p).map_err(crate::private_mem_perf::machine_error)?;
     phase.done();
     let passed = r.violations == 0;
     let report = Report {
@@ -136,58 +129,45 @@ pub fn run(a: &PrivateMemTestArgs) -> CliResult {
     }
 }
 
+const COLUMNS: &[Column<ConversionReport>] = &[
+    ("conversions", |r| (r.to_private + r.to_shared).to_string()),
+    ("GiB converted", |r| {
+        format!("{:.3}", r.bytes_converted as f64 / (1u64 << 30) as f64)
+    }),
+    ("convert GiB/s", |r| format!("{:.2}", r.convert_gib_per_s)),
+    ("accesses checked", |r| r.accesses_checked.to_string()),
+    ("memory-fault exits", |r| r.memory_fault_exits.to_string()),
+    ("host reads (mapped)", |r| {
+        format!("{} ({})", r.host_reads, r.host_reads_mapped)
+    }),
+    ("stale host reads", |r| r.stale_host_reads.to_string()),
+    ("accepted", |r| r.accepted.to_string()),
+    ("splits", |r| r.splits.to_string()),
+    ("collapses", |r| r.collapses.to_string()),
+    ("violations", |r| r.violations.to_string()),
+];
+
 fn print_text(a: &PrivateMemTestArgs, r: &ConversionReport) {
+    let on = |b: bool| if b { "on" } else { "off" };
     println!(
         "private-mem-test on the simulated machine: {} vCPUs x {}, {} rounds, direct map {} (kernel flush {}, collapse {}), seed {:#x}",
         a.vcpus,
         format_size(a.bytes),
         a.rounds,
         a.direct_map,
-        if a.kernel_flush.on() { "on" } else { "off" },
-        if a.collapse { "on" } else { "off" },
+        on(a.kernel_flush.on()),
+        on(a.collapse),
         a.seed
     );
-    let head: Vec<String> = [
-        "conversions",
-        "GiB converted",
-        "convert GiB/s",
-        "accesses checked",
-        "memory-fault exits",
-        "host reads (mapped)",
-        "stale host reads",
-        "accepted",
-        "splits",
-        "collapses",
-        "violations",
-    ]
-    .map(String::from)
-    .to_vec();
-    let row = vec![
-        (r.to_private + r.to_shared).to_string(),
-        format!("{:.3}", r.bytes_converted as f64 / (1u64 << 30) as f64),
-        format!("{:.2}", r.convert_gib_per_s),
-        r.accesses_checked.to_string(),
-        r.memory_fault_exits.to_string(),
-        format!("{} ({})", r.host_reads, r.host_reads_mapped),
-        r.stale_host_reads.to_string(),
-        r.accepted.to_string(),
-        r.splits.to_string(),
-        r.collapses.to_string(),
-        r.violations.to_string(),
-    ];
-    print_table(&head, &[row]);
+    table(COLUMNS, std::slice::from_ref(r), None);
     if !r.host_isolation_checked {
         println!("The host's isolation from private pages was not checked: with --direct-map none the direct map keeps them, as TDX's does.");
     }
     for v in &r.first_violations {
         println!("VIOLATION: {v}");
     }
-    println!(
-        "{}",
-        if r.violations == 0 {
-            "PASS: every access saw what the rules allow"
-        } else {
-            "FAIL"
-        }
-    );
+    match r.violations {
+        0 => println!("PASS: every access saw what the rules allow"),
+        _ => println!("FAIL"),
+    }
 }

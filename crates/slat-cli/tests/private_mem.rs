@@ -275,7 +275,10 @@ const BAD_INPUT: &[(&[&str], &str)] = &[
         "--samples-ms",
     ),
     (&["private-mem-perf", "--repeat", "0"], "--repeat"),
-    (&["private-mem-perf", "--plot", "x.svg"], "--plot"),
+    (
+        &["private-mem-perf", "--plot", "/nonexistent-dir/x.svg"],
+        "--plot",
+    ),
     // 4 x (2^62 - 16 KiB) wraps to 16 KiB in 64 bits.
     (
         &["private-mem-perf", "-v", "4", "-b", "4611686018427392000"],
@@ -459,4 +462,40 @@ fn sim_vary_collapse_repeat_and_text() {
         "{out}"
     );
     assert!(!out.contains("2m-split flush"), "one row only: {out}");
+}
+
+/// `--plot` (from the driver): a bar per variant of its fault-in and to-shared rates, with
+/// `--repeat` the median and error bars from the minimum to the maximum.
+#[test]
+fn sim_plot_draws_each_variant_with_its_spread() {
+    let p = std::env::temp_dir().join(format!("slat-pmp-plot-{}.svg", std::process::id()));
+    let (code, out, err) = slat(&[
+        "private-mem-perf",
+        "--backend",
+        "sim",
+        "-b",
+        "4M",
+        "--kernel-flush",
+        "off",
+        "--repeat",
+        "2",
+        "--plot",
+        p.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let svg = std::fs::read_to_string(&p).unwrap();
+    let _ = std::fs::remove_file(&p);
+    assert!(
+        svg.contains("median of 2 runs, error bars min to max"),
+        "{svg}"
+    );
+    for text in [
+        "fault-in GB/s",
+        "to-shared GiB/s",
+        "2m-split flush=off",
+        "4k flush=off",
+        "none flush=off",
+    ] {
+        assert!(svg.contains(text), "{text}: {svg}");
+    }
 }

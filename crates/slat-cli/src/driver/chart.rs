@@ -25,6 +25,22 @@ pub type SeriesOf<R> = Box<dyn Fn(&R) -> Vec<(f64, Option<f64>)>>;
 /// A metric of plain numbers, to summarize a line's points like a report's figures.
 const UNIT: Metric<f64> = super::lower("", "", |y| Some(*y));
 
+/// Bars of figures a benchmark names at run time (a bar per variant a run covers), one panel:
+/// with `--repeat`, each bar is the median with error bars from the minimum to the maximum.
+pub struct Bars<R> {
+    /// Caption.
+    pub title: String,
+    /// What the bars are.
+    pub x_desc: &'static str,
+    /// What y is.
+    pub y_desc: &'static str,
+    /// (bar, its figure in a run).
+    pub bars: Vec<(String, FigureOf<R>)>,
+}
+
+/// A figure in one run's report.
+pub type FigureOf<R> = Box<dyn Fn(&R) -> Option<f64>>;
+
 /// One line over `runs`: the median at every x the runs share, and its min-max band.
 fn series<R>(name: &str, f: &SeriesOf<R>, runs: &[R]) -> Series {
     let all: Vec<Vec<(f64, Option<f64>)>> = runs.iter().map(f).collect();
@@ -62,6 +78,27 @@ pub fn runs<B: Benchmark>(
     let Some(first) = runs.first() else {
         return Ok(());
     };
+    let bars = b.bars(first);
+    if !bars.is_empty() {
+        let panels: Vec<BarPanel> = bars
+            .iter()
+            .map(|p| BarPanel {
+                title: format!("{} ({})", p.title, of_runs(runs.len())),
+                x_desc: p.x_desc.into(),
+                y_desc: p.y_desc.into(),
+                groups: p.bars.iter().map(|x| x.0.clone()).collect(),
+                values: p
+                    .bars
+                    .iter()
+                    .map(|(_, f)| {
+                        let ys: Vec<f64> = runs.iter().filter_map(f).collect();
+                        median_min_max(&UNIT, &ys, 1.0)
+                    })
+                    .collect(),
+            })
+            .collect();
+        return draw_bars(&panels, path);
+    }
     let lines = b.lines(first);
     if lines.is_empty() {
         return figures::<B>(runs, metrics, path);
@@ -93,12 +130,8 @@ fn figures<B: Benchmark>(
     };
     let same: Vec<&Metric<B::Report>> = metrics.iter().filter(|m| m.unit == unit).collect();
     let (scale, shown) = scale(unit);
-    let of = match runs.len() {
-        1 => String::from("one run"),
-        n => format!("median of {n} runs, error bars min to max"),
-    };
     let panel = BarPanel {
-        title: format!("{} ({of})", B::NAME),
+        title: format!("{} ({})", B::NAME, of_runs(runs.len())),
         x_desc: "figure".into(),
         y_desc: shown.to_string(),
         groups: same.iter().map(|m| m.name.to_string()).collect(),
@@ -108,6 +141,13 @@ fn figures<B: Benchmark>(
             .collect(),
     };
     draw_bars(&[panel], path)
+}
+
+fn of_runs(n: usize) -> String {
+    match n {
+        1 => String::from("one run"),
+        n => format!("median of {n} runs, error bars min to max"),
+    }
 }
 
 /// How a unit is drawn: seconds as milliseconds.

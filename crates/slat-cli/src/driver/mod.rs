@@ -15,7 +15,7 @@ use crate::output::{
 use crate::report::quiet;
 use serde::Serialize;
 
-pub use chart::Lines;
+pub use chart::{Bars, Lines};
 
 /// The flags every benchmark shares, as the driver reads them.
 pub struct Common<'a> {
@@ -93,6 +93,12 @@ pub trait Benchmark: Clone + Sized + 'static {
     fn lines(&self, _first: &Self::Report) -> Vec<Lines<Self::Report>> {
         Vec::new()
     }
+    /// The bar panels `--plot` draws of a configuration's runs when the figures are named at
+    /// run time (a bar per variant a run covers), laid out from the first run (none: the lines,
+    /// or bars of the metrics).
+    fn bars(&self, _first: &Self::Report) -> Vec<Bars<Self::Report>> {
+        Vec::new()
+    }
     /// The metrics `--plot` draws as bars (a panel each) for a sweep or a comparison: the
     /// first metric unless the benchmark names others.
     fn headline(&self) -> Vec<&'static str> {
@@ -147,9 +153,23 @@ pub fn run<B: Benchmark>(b: &B) -> CliResult {
         for &kind in kinds {
             all.push((kind, runs(b, kind, !c.out.json)?));
         }
-        if let Some(path) = &c.out.plot {
-            let groups = all.iter().map(|(k, r)| (k.name().to_string(), &r[..]));
-            chart::bars(b, &groups.collect::<Vec<_>>(), "backend", path)?;
+        match (&c.out.plot, &all[..]) {
+            (None, _) => {}
+            // One machine with lines or bars of its own: those, as for a run the driver prints.
+            (Some(path), [(_, one)])
+                if one
+                    .first()
+                    .is_some_and(|f| !b.lines(f).is_empty() || !b.bars(f).is_empty()) =>
+            {
+                chart::runs(b, one, &b.metrics(), path)?
+            }
+            (Some(path), _) => {
+                let groups: Vec<(String, &[B::Report])> = all
+                    .iter()
+                    .map(|(k, r)| (k.name().to_string(), &r[..]))
+                    .collect();
+                chart::bars(b, &groups, "backend", path)?;
+            }
         }
         return finish(b, all);
     }

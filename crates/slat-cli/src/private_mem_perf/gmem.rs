@@ -2,8 +2,9 @@
 //! backing for confidential guests), probed rather than assumed, and if it does, the time to
 //! populate one with fallocate against the same size of anonymous memory faulted in.
 
-use super::counters::{Deltas, Snapshot};
+use super::counters::{Counts, Snapshot};
 use super::mem::{fill, Kind, Region};
+use super::per_s;
 use kvm_bindings::{kvm_create_guest_memfd, KVM_CAP_GUEST_MEMFD, KVM_X86_DEFAULT_VM};
 use kvm_ioctls::Kvm;
 use serde::Serialize;
@@ -12,19 +13,19 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 /// What the probe found.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct GmemProbe {
     /// `/dev/kvm` opened (`false`: no KVM here, or no permission).
-    pub kvm_available: bool,
+    kvm_available: bool,
     /// `KVM_CHECK_EXTENSION(KVM_CAP_GUEST_MEMFD)` (234) on the `/dev/kvm` descriptor.
     pub cap_guest_memfd_system: Option<i32>,
     /// The same on a default (`KVM_X86_DEFAULT_VM`) VM, where the answer depends on the VM type.
     pub cap_guest_memfd_vm: Option<i32>,
     /// `KVM_CAP_GUEST_MEMFD_FLAGS` is not defined in the kvm-bindings this build uses, so it is
-    /// not probed (`null`); a number if a later build probes it.
-    pub cap_guest_memfd_flags: Option<i32>,
+    /// not probed (`null`).
+    cap_guest_memfd_flags: Option<i32>,
     /// `KVM_CREATE_GUEST_MEMFD` on that VM succeeded.
-    pub supported: bool,
+    supported: bool,
     /// What happened, in words.
     pub detail: String,
     /// The populate timing, when supported and it ran.
@@ -39,51 +40,32 @@ pub struct GmemTiming {
     /// `fallocate(guest_memfd, FALLOC_FL_KEEP_SIZE, 0, bytes)` (the only allocating mode
     /// guest_memfd accepts).
     pub guest_memfd_fallocate_s: f64,
-    /// Its rate, 10^9 bytes per second.
     pub guest_memfd_gb_per_s: f64,
     /// Direct-map counters across the fallocate: non-zero splits would mean this kernel's
     /// guest_memfd removes its pages from the direct map.
-    pub guest_memfd_counters: Deltas,
+    pub guest_memfd_counters: Counts,
     /// One thread writing one byte per page of anonymous memory.
     pub anonymous_fill_s: f64,
-    /// Its rate.
     pub anonymous_gb_per_s: f64,
-}
-
-fn rate(bytes: u64, d: Duration) -> f64 {
-    match d.as_secs_f64() {
-        s if s > 0.0 => bytes as f64 / s / 1e9,
-        _ => 0.0,
-    }
 }
 
 /// Probes `/dev/kvm`; if guest_memfd works, times `bytes` of it against anonymous memory.
 pub fn probe(bytes: u64) -> GmemProbe {
-    let mut p = GmemProbe {
-        kvm_available: false,
-        cap_guest_memfd_system: None,
-        cap_guest_memfd_vm: None,
-        cap_guest_memfd_flags: None,
-        supported: false,
-        detail: String::new(),
-        timing: None,
+    let mut p = GmemProbe::default();
+    p.detail = match probe_into(&mut p, bytes) {
+        Ok(d) | Err(d) => d,
     };
-    let kvm = match Kvm::new() {
-        Ok(k) => k,
-        Err(e) => {
-            p.detail = format!("/dev/kvm cannot be opened ({e}): not supported here");
-            return p;
-        }
-    };
+    p
+}
+
+/// Fills in what it finds; what happened, in words, either way.
+fn probe_into(p: &mut GmemProbe, bytes: u64) -> Result<String, String> {
+    let kvm =
+        Kvm::new().map_err(|e| format!("/dev/kvm cannot be opened ({e}): not supported here"))?;
     p.kvm_available = true;
     p.cap_guest_memfd_system = Some(kvm.check_extension_raw(KVM_CAP_GUEST_MEMFD.into()));
-    let vm = match kvm.create_vm_with_type(KVM_X86_DEFAULT_VM.into()) {
-        Ok(v) => v,
-        Err(e) => {
-            p.detail = format!("KVM_CREATE_VM failed ({e}): guest_memfd not probed");
-            return p;
-        }
-    };
+    let vm = (kvm.create_vm_with_type(KVM_X86_DEFAULT_VM.into()))
+        .map_err(|e| format!("KVM_CREATE_VM failed ({e}): guest_memfd not probed"))?;
     let cap = vm.check_extension_raw(KVM_CAP_GUEST_MEMFD.into());
     p.cap_guest_memfd_vm = Some(cap);
     let gmem = kvm_create_guest_memfd {
@@ -91,27 +73,16 @@ pub fn probe(bytes: u64) -> GmemProbe {
         flags: 0,
         reserved: [0; 6],
     };
-    match vm.create_guest_memfd(gmem) {
-        Ok(fd) => {
-            // SAFETY: the ioctl just returned this descriptor, owned by nothing else; the File
-            // closes it on every path (before the VM, which it keeps a reference to anyway).
-            let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
-            p.supported = true;
-            match time(file, bytes) {
-                Ok(t) => {
-                    p.detail = format!("KVM_CAP_GUEST_MEMFD = {cap}; KVM_CREATE_GUEST_MEMFD works on a default VM; populated by fallocate");
-                    p.timing = Some(t);
-                }
-                Err(e) => p.detail = format!("KVM_CREATE_GUEST_MEMFD works, but {e}"),
-            }
-        }
-        Err(e) => {
-            p.detail = format!(
-                "KVM_CAP_GUEST_MEMFD = {cap}; KVM_CREATE_GUEST_MEMFD on a default VM failed ({e}): not supported here"
-            );
-        }
-    }
-    p
+    let fd = vm.create_guest_memfd(gmem).map_err(|e| {
+        format!("KVM_CAP_GUEST_MEMFD = {cap}; KVM_CREATE_GUEST_MEMFD on a default VM failed ({e}): not supported here")
+    })?;
+    // SAFETY: the ioctl just returned this descriptor, owned by nothing else; the File closes
+    // it on every path (before the VM, which it keeps a reference to anyway).
+    let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    p.supported = true;
+    let t = time(file, bytes).map_err(|e| format!("KVM_CREATE_GUEST_MEMFD works, but {e}"))?;
+    p.timing = Some(t);
+    Ok(format!("KVM_CAP_GUEST_MEMFD = {cap}; KVM_CREATE_GUEST_MEMFD works on a default VM; populated by fallocate"))
 }
 
 /// Times fallocate of the guest_memfd, closes it (so that only one of the two is held at a
@@ -125,10 +96,8 @@ fn time(file: File, bytes: u64) -> Result<GmemTiming, String> {
     let r = unsafe { libc::fallocate(file.as_raw_fd(), libc::FALLOC_FL_KEEP_SIZE, 0, len) };
     let gmem = t0.elapsed();
     if r != 0 {
-        return Err(format!(
-            "fallocate of it failed: {}",
-            std::io::Error::last_os_error()
-        ));
+        let e = std::io::Error::last_os_error();
+        return Err(format!("fallocate of it failed: {e}"));
     }
     let counters = before.until(&Snapshot::read());
     drop(file);
@@ -138,9 +107,9 @@ fn time(file: File, bytes: u64) -> Result<GmemTiming, String> {
     Ok(GmemTiming {
         bytes,
         guest_memfd_fallocate_s: gmem.as_secs_f64(),
-        guest_memfd_gb_per_s: rate(bytes, gmem),
+        guest_memfd_gb_per_s: per_s(bytes, gmem, 1e9),
         guest_memfd_counters: counters,
         anonymous_fill_s: f.elapsed.as_secs_f64(),
-        anonymous_gb_per_s: rate(bytes, f.elapsed),
+        anonymous_gb_per_s: per_s(bytes, f.elapsed, 1e9),
     })
 }

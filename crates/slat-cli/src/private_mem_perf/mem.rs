@@ -1,16 +1,16 @@
-//! The memory a fill faults in — a `memfd_secret(2)` file (each page the kernel allocates for
-//! it is removed from the kernel's direct map, splitting a 2 MiB or 1 GiB leaf first), a plain
-//! `memfd_create(2)` file (the same shared-file fault path without the direct-map work) or
-//! anonymous memory — and the timed, sampled fill of it by N threads.
+//! The memory a host fill faults in — a `memfd_secret(2)` file (each page the kernel allocates
+//! for it is removed from the kernel's direct map, splitting a 2 MiB or 1 GiB leaf first), a
+//! plain `memfd_create(2)` file (the same shared-file fault path without the direct-map work)
+//! or anonymous memory — and the timed, sampled fill of it by N threads.
 
 use super::counters::Snapshot;
+use super::{per_s, readings};
 use serde::Serialize;
 use std::fs::File;
 use std::io;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, RecvTimeoutError};
-use std::sync::Barrier;
+use std::sync::{mpsc, Barrier};
 use std::time::{Duration, Instant};
 use thiserror::Error;
 
@@ -38,35 +38,13 @@ pub enum MemError {
     /// The kernel has no memfd_secret, or refuses it to this process.
     #[error("memfd_secret(2) is unavailable here: {0}")]
     SecretUnavailable(String),
-    /// Creating the file failed.
-    #[error("{what} failed: {err}")]
-    Create { what: &'static str, err: io::Error },
-    /// Sizing the file failed.
-    #[error("ftruncate of the {what} file to {len} bytes failed: {err}")]
-    Truncate {
-        what: &'static str,
-        len: usize,
-        err: io::Error,
-    },
-    /// Mapping failed.
-    #[error("mmap of {len} bytes of {what} failed: {err}{hint}")]
-    Map {
-        what: &'static str,
-        len: usize,
+    /// Creating, sizing or mapping the memory failed.
+    #[error("{what} failed: {err}{hint}")]
+    Failed {
+        what: String,
         err: io::Error,
         hint: &'static str,
     },
-}
-
-impl Kind {
-    /// The name reports use.
-    pub fn name(self) -> &'static str {
-        match self {
-            Kind::Memfd => "memfd",
-            Kind::Secret => "memfd_secret",
-            Kind::Anon => "anonymous",
-        }
-    }
 }
 
 /// Opens a memfd_secret file: the probe and every secret region use this.
@@ -76,37 +54,15 @@ pub fn secret_fd() -> Result<File, MemError> {
     let fd = unsafe { libc::syscall(libc::SYS_memfd_secret, libc::O_CLOEXEC) };
     if fd < 0 {
         let err = io::Error::last_os_error();
-        return Err(MemError::SecretUnavailable(secret_why(&err)));
+        return Err(MemError::SecretUnavailable(match err.raw_os_error() {
+            Some(libc::ENOSYS) => format!("{err} (ENOSYS: the kernel is built without CONFIG_SECRETMEM, or it is disabled — boot with secretmem.enable=1 — or it cannot change its direct map)"),
+            Some(libc::EPERM) => format!("{err} (EPERM: a seccomp filter or security module forbids the syscall)"),
+            _ => err.to_string(),
+        }));
     }
     // SAFETY: the syscall just returned this descriptor, which nothing else owns; the File
     // closes it on every path.
     Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd as i32) }))
-}
-
-/// Why memfd_secret failed, in the terms of what to change.
-fn secret_why(err: &io::Error) -> String {
-    match err.raw_os_error() {
-        Some(libc::ENOSYS) => format!(
-            "{err} (ENOSYS: the kernel is built without CONFIG_SECRETMEM, or it is disabled — boot with secretmem.enable=1 — or it cannot change its direct map)"
-        ),
-        Some(libc::EPERM) => {
-            format!("{err} (EPERM: a seccomp filter or security module forbids the syscall)")
-        }
-        _ => err.to_string(),
-    }
-}
-
-fn memfd() -> Result<File, MemError> {
-    // SAFETY: the name is a NUL-terminated literal; memfd_create returns a new descriptor or -1.
-    let fd = unsafe { libc::memfd_create(c"slat-private-mem".as_ptr(), libc::MFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(MemError::Create {
-            what: "memfd_create",
-            err: io::Error::last_os_error(),
-        });
-    }
-    // SAFETY: a descriptor just returned by memfd_create, owned by nothing else.
-    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
 }
 
 /// A mapped region: unmapped, and its file closed, when dropped.
@@ -120,34 +76,47 @@ pub struct Region {
 impl Region {
     /// Creates and maps `len` bytes (a non-zero multiple of [`PAGE`]) of `kind`, unpopulated.
     pub fn new(kind: Kind, len: usize) -> Result<Region, MemError> {
+        let name = match kind {
+            Kind::Memfd => "memfd",
+            Kind::Secret => "memfd_secret",
+            Kind::Anon => "anonymous",
+        };
         let file = match kind {
-            Kind::Memfd => Some(memfd()?),
             Kind::Secret => Some(secret_fd()?),
             Kind::Anon => None,
+            Kind::Memfd => {
+                // SAFETY: the name is a NUL-terminated literal; memfd_create returns a new
+                // descriptor or -1.
+                let fd =
+                    unsafe { libc::memfd_create(c"slat-private-mem".as_ptr(), libc::MFD_CLOEXEC) };
+                if fd < 0 {
+                    let err = io::Error::last_os_error();
+                    let what = "memfd_create".into();
+                    return Err(MemError::Failed {
+                        what,
+                        err,
+                        hint: "",
+                    });
+                }
+                // SAFETY: a descriptor just returned by memfd_create, owned by nothing else.
+                Some(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+            }
         };
         if let Some(f) = &file {
-            f.set_len(len as u64).map_err(|err| MemError::Truncate {
-                what: kind.name(),
-                len,
+            f.set_len(len as u64).map_err(|err| MemError::Failed {
+                what: format!("ftruncate of the {name} file to {len} bytes"),
                 err,
+                hint: "",
             })?;
         }
         let (flags, fd) = match &file {
-            Some(f) => (libc::MAP_SHARED, std::os::fd::AsRawFd::as_raw_fd(f)),
+            Some(f) => (libc::MAP_SHARED, f.as_raw_fd()),
             None => (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1),
         };
+        let prot = libc::PROT_READ | libc::PROT_WRITE;
         // SAFETY: a fresh mapping at an address the kernel chooses, of a file this function
         // owns (or anonymous memory); nothing else in the process refers to it.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                flags,
-                fd,
-                0,
-            )
-        };
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, fd, 0) };
         if p == libc::MAP_FAILED {
             let err = io::Error::last_os_error();
             let hint = match (kind, err.raw_os_error()) {
@@ -156,12 +125,8 @@ impl Region {
                 }
                 _ => "",
             };
-            return Err(MemError::Map {
-                what: kind.name(),
-                len,
-                err,
-                hint,
-            });
+            let what = format!("mmap of {len} bytes of {name}");
+            return Err(MemError::Failed { what, err, hint });
         }
         Ok(Region {
             ptr: p.cast(),
@@ -188,66 +153,66 @@ impl Drop for Region {
     }
 }
 
-/// One sampling interval of a fill.
+/// One sampling interval of a fill: its counters are the increments within it.
 #[derive(Debug, Clone, Serialize)]
 pub struct Sample {
     /// End of the interval, seconds from the start of the fill.
-    pub t_s: f64,
+    t_s: f64,
     /// Length of the interval (the last one is usually shorter).
-    pub interval_s: f64,
+    interval_s: f64,
     /// Bytes faulted in during the interval.
     pub bytes: u64,
-    /// Their rate, 10^9 bytes per second.
     pub gb_per_s: f64,
-    /// New 2 MiB → 4 KiB direct-map splits in the interval.
+    /// 2 MiB → 4 KiB direct-map splits.
     pub level2_splits: Option<u64>,
-    /// New 1 GiB → 2 MiB direct-map splits in the interval.
-    pub level3_splits: Option<u64>,
-    /// TLB shootdown interrupts in the interval.
-    pub tlb_shootdowns: Option<u64>,
-    /// Function-call interrupts in the interval (kernel-range TLB flushes).
-    pub function_call_irqs: Option<u64>,
+    /// 1 GiB → 2 MiB direct-map splits.
+    level3_splits: Option<u64>,
+    tlb_shootdowns: Option<u64>,
+    /// Kernel-range TLB flushes reach other CPUs as these.
+    function_call_irqs: Option<u64>,
 }
 
 /// A timed fill.
-#[derive(Debug, Clone)]
 pub struct Fill {
     /// From the start barrier to the last thread's last page.
     pub elapsed: Duration,
     /// Each thread's time over its share.
     pub per_thread: Vec<Duration>,
-    /// The sampler's intervals.
     pub samples: Vec<Sample>,
 }
 
 /// Writes one byte in every page of `region`, split evenly over `threads` threads, while a
 /// sampler records the progress and the direct-map counters every `every`.
 pub fn fill(region: &mut Region, threads: usize, every: Duration) -> Fill {
-    let share = region.len / threads;
+    let share = (region.len / threads.max(1)).max(PAGE);
     let done = AtomicU64::new(0);
-    let start = Barrier::new(threads + 2);
+    // Every worker and this thread; a deadlock if it did not count the chunks exactly.
+    let start = Barrier::new(region.len.div_ceil(share) + 1);
     let (stop, stopped) = mpsc::channel::<()>();
     std::thread::scope(|s| {
-        let (done_ref, start_ref) = (&done, &start);
-        let sampler = s.spawn(move || sample(done_ref, start_ref, stopped, every));
         let workers: Vec<_> = region
             .bytes()
             .chunks_mut(share)
             .map(|part| s.spawn(|| touch(part, &done, &start)))
             .collect();
+        // The first reading is the counters before the fill, timed when the threads start.
+        let counters = Snapshot::read();
+        let read = || (done.load(Ordering::Relaxed), Snapshot::read());
         start.wait();
         let t0 = Instant::now();
+        let sampler = s.spawn(move || readings(every, stopped, (t0, (0, counters)), read));
         let per_thread: Vec<Duration> = workers
             .into_iter()
             .map(|w| w.join().expect("a fill thread panicked"))
             .collect();
         let elapsed = t0.elapsed();
         drop(stop);
-        let samples = sampler.join().expect("the sampler panicked");
+        let r = sampler.join().expect("the sampler panicked");
+        let samples = r.windows(2).map(|w| interval(r[0].0, &w[0], &w[1]));
         Fill {
             elapsed,
             per_thread,
-            samples,
+            samples: samples.collect(),
         }
     })
 }
@@ -267,53 +232,20 @@ fn touch(part: &mut [u8], done: &AtomicU64, start: &Barrier) -> Duration {
     t0.elapsed()
 }
 
-/// The sampler: every `every` until the fill ends (the channel closes), then a last, shorter
-/// interval so that even a fill shorter than one interval has a sample.
-fn sample(
-    done: &AtomicU64,
-    start: &Barrier,
-    stopped: mpsc::Receiver<()>,
-    every: Duration,
-) -> Vec<Sample> {
-    start.wait();
-    let t0 = Instant::now();
-    let mut prev = (t0, 0u64, Snapshot::read());
-    let mut out = Vec::new();
-    loop {
-        let next = prev.0 + every;
-        let end = match stopped.recv_timeout(next.saturating_duration_since(Instant::now())) {
-            Err(RecvTimeoutError::Timeout) => false,
-            Ok(()) | Err(RecvTimeoutError::Disconnected) => true,
-        };
-        let now = (
-            Instant::now(),
-            done.load(Ordering::Relaxed),
-            Snapshot::read(),
-        );
-        out.push(interval(t0, &prev, &now));
-        prev = now;
-        if end {
-            return out;
-        }
-    }
-}
+type Reading = (Instant, (u64, Snapshot));
 
-fn interval(t0: Instant, a: &(Instant, u64, Snapshot), b: &(Instant, u64, Snapshot)) -> Sample {
-    let secs = b.0.duration_since(a.0).as_secs_f64();
-    let bytes = b.1.saturating_sub(a.1);
-    let d = a.2.until(&b.2);
+fn interval(t0: Instant, a: &Reading, b: &Reading) -> Sample {
+    let d = b.0.duration_since(a.0);
+    let bytes = b.1 .0.saturating_sub(a.1 .0);
+    let c = a.1 .1.until(&b.1 .1);
     Sample {
         t_s: b.0.duration_since(t0).as_secs_f64(),
-        interval_s: secs,
+        interval_s: d.as_secs_f64(),
         bytes,
-        gb_per_s: if secs > 0.0 {
-            bytes as f64 / secs / 1e9
-        } else {
-            0.0
-        },
-        level2_splits: d.level2_splits,
-        level3_splits: d.level3_splits,
-        tlb_shootdowns: d.tlb_shootdowns,
-        function_call_irqs: d.function_call_irqs,
+        gb_per_s: per_s(bytes, d, 1e9),
+        level2_splits: c.level2_splits,
+        level3_splits: c.level3_splits,
+        tlb_shootdowns: c.tlb_shootdowns,
+        function_call_irqs: c.function_call_irqs,
     }
 }

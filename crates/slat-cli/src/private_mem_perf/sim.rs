@@ -1,267 +1,231 @@
-//! `slat private-mem-perf --backend sim`: the host-direct-map-for-private-memory benchmark on the simulated machine. N
-//! vCPUs of a confidential guest fault in all of their private memory (one write per page,
-//! the patch series' `stress --vm N --vm-bytes .. --vm-keep`); each first touch accepts its page
+//! `--backend sim`: the host-direct-map benchmark on the simulated machine. N vCPUs of a
+//! confidential guest fault in all of their private memory (one write per page, the patch
+//! series' `stress --vm N --vm-bytes .. --vm-keep`); each first touch accepts its page
 //! lazily, removing it from the simulated host direct map (`slat::direct_map`) under the
-//! chosen policy. One table over the variants, a native floor (the same writes on fresh
-//! host memory) from the same run, per-second-style samples of the fault-in rate, and the
-//! conversion throughput (the whole region back to shared, then private again).
+//! chosen policy. One row per variant, a native floor (the same writes on fresh host memory)
+//! from the same run, samples of the fault-in rate, and the conversion back to shared.
 
-use super::NAME;
+use super::{
+    metric, per_s, readings, runtime, sim_variants, table, Column, Document, PrivateMemPerfArgs,
+    NAME,
+};
 use crate::error::{CliError, CliResult};
-use crate::output::{cell, print_table, ratio_cell, summarize, Better, Metric};
+use crate::output::{ratio_cell, summarize, Better, Metric, MetricSummary};
 use crate::report::{quiet, Phase};
 use serde::Serialize;
 use slat::direct_map::{DirectMap, DirectMapConfig, DirectMapStats};
 use slat::{DirectMapPolicy, Ept, MemoryAttributes};
 use slat_addr::{Gfn, PAGE_SHIFT, PAGE_SIZE};
-use slat_machine::{Machine, MachineConfig};
-use slat_workload::format_size;
-use slat_workload::{Backing, GuestRam, PassParams, RegionSpec};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use slat_machine::{Machine, MachineConfig, MachineError};
+use slat_workload::{format_size, Backing, GuestRam, PassParams, RegionSpec};
+use std::sync::{mpsc, Once};
 use std::time::{Duration, Instant};
+
+type AnyRun = super::Run;
+
+const GIB: f64 = (1u64 << 30) as f64;
 
 /// Whose cost the figures are.
 const WHOSE: &str = "a simulated confidential guest's fault-in of its private memory through slat's engine: lazy acceptance of each page, which removes it from a simulated host direct map (slat's x86 page table) under the chosen policy; not this host kernel's cost (see --backend host)";
 
+const PATTERN: &str = "one write per 4 KiB page, in order, each vCPU its own share; every page private and unaccepted at the start";
+
+const NOTE: &str = "x native: time per page over the native floor's (the same writes on fresh host memory, no engine). splits: huge direct-map leaves split (each flushes every host CPU under the global lock, as Linux does). lock wait: time vCPUs waited for the global lock, summed. flushes: kernel TLB flushes requested (splits, plus one per page with flush=on); acks: acknowledgements by online vCPU threads. to-shared: the whole faulted-in region converted back to shared (guest mappings zapped, every page scrubbed and mapped into the direct map again, with --collapse 2 MiB leaves rebuilt); the way back to private is not timed, as it only zaps (acceptance is lazy).";
+
 /// One variant: a direct-map policy and whether each removal flushes every host CPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Variant {
-    /// `--direct-map`.
     pub policy: DirectMapPolicy,
-    /// `--kernel-flush`.
     pub kernel_flush: bool,
-}
-
-/// What the sim backend runs.
-#[derive(Debug, Clone)]
-pub struct SimPlan {
-    /// vCPUs.
-    pub vcpus: u32,
-    /// Private memory per vCPU.
-    pub bytes: u64,
-    /// Sample interval.
-    pub samples: Duration,
-    /// The rows, in order.
-    pub variants: Vec<Variant>,
-    /// `--collapse`.
-    pub collapse: bool,
-    /// `--repeat`.
-    pub repeat: u32,
-    /// `--json`.
-    pub json: bool,
 }
 
 /// One sample of a fault-in.
 #[derive(Debug, Clone, Serialize)]
 pub struct SimSample {
     /// End of the interval, seconds from the start of the fault-in.
-    pub t_s: f64,
+    t_s: f64,
     /// Pages accepted in the interval, as 10^9 bytes per second.
-    pub gb_per_s: f64,
-    /// Direct-map splits in the interval.
-    pub splits: u64,
-    /// Global-lock wait in the interval, milliseconds summed over vCPUs.
-    pub lock_wait_ms: f64,
+    gb_per_s: f64,
+    splits: u64,
+    /// Global-lock wait, summed over vCPUs.
+    lock_wait_ms: f64,
 }
 
-/// One variant's fault-in and conversions.
+/// One variant's fault-in and conversion back to shared.
 #[derive(Debug, Clone, Serialize)]
 pub struct SimRow {
-    /// `--direct-map`.
-    pub direct_map: &'static str,
-    /// `--kernel-flush`.
-    pub kernel_flush: bool,
+    direct_map: &'static str,
+    kernel_flush: bool,
     /// Private bytes faulted in (all vCPUs).
-    pub bytes: u64,
+    bytes: u64,
     /// From the pass's start to the last vCPU's last page.
-    pub fault_in_s: f64,
-    /// Fault-in rate, 10^9 bytes per second.
-    pub gb_per_s: f64,
+    fault_in_s: f64,
+    gb_per_s: f64,
     /// Time per page per vCPU.
-    pub ns_per_page: f64,
+    ns_per_page: f64,
     /// Time per page over the native floor's (higher is slower).
-    pub ratio_over_native: Option<f64>,
+    ratio_over_native: Option<f64>,
     /// Pages accepted (every page, once).
-    pub accepted: u64,
+    accepted: u64,
     /// Huge direct-map leaves split.
-    pub splits: u64,
-    /// Global-lock acquisitions.
-    pub lock_acquisitions: u64,
-    /// Global-lock wait, milliseconds summed over vCPUs.
-    pub lock_wait_ms: f64,
+    splits: u64,
+    lock_acquisitions: u64,
+    /// Global-lock wait, summed over vCPUs.
+    lock_wait_ms: f64,
     /// Kernel TLB flushes requested (splits, and each removal with `--kernel-flush on`).
-    pub kernel_flushes: u64,
+    kernel_flushes: u64,
     /// Acknowledgements of those flushes by the vCPU threads (the host CPUs).
-    pub kernel_flush_acks: u64,
+    kernel_flush_acks: u64,
     /// Direct-map leaves after the fault-in: 4 KiB, 2 MiB, 1 GiB.
-    pub leaves_after: [u64; 3],
+    leaves_after: [u64; 3],
     /// Converting the whole region to shared (releases every page: scrub, map again, and
-    /// with --collapse rebuild 2 MiB leaves), seconds.
-    pub to_shared_s: f64,
-    /// Bytes converted to shared per second, GiB/s.
-    pub to_shared_gib_per_s: f64,
+    /// with --collapse rebuild 2 MiB leaves).
+    to_shared_s: f64,
+    to_shared_gib_per_s: f64,
     /// 2 MiB leaves rebuilt by that conversion.
-    pub collapses: u64,
-    /// The sampler's intervals.
-    pub samples: Vec<SimSample>,
+    collapses: u64,
+    samples: Vec<SimSample>,
+}
+
+/// `POLICY flush=on|off`.
+fn label(policy: impl std::fmt::Display, flush: bool) -> String {
+    format!("{policy} flush={}", if flush { "on" } else { "off" })
+}
+
+impl SimRow {
+    /// `POLICY flush=on|off`.
+    pub fn label(&self) -> String {
+        label(self.direct_map, self.kernel_flush)
+    }
 }
 
 /// The native floor: the same writes on fresh host memory, no engine, no direct map.
 #[derive(Debug, Clone, Serialize)]
 pub struct NativeRow {
-    /// Bytes written.
-    pub bytes: u64,
-    /// Wall time.
-    pub fill_s: f64,
-    /// 10^9 bytes per second.
-    pub gb_per_s: f64,
+    bytes: u64,
+    fill_s: f64,
+    gb_per_s: f64,
     /// Time per page per vCPU.
-    pub ns_per_page: f64,
+    ns_per_page: f64,
 }
 
 /// One run over every variant.
 #[derive(Debug, Clone, Serialize)]
-pub struct SimRun {
-    /// The floor.
-    pub native: NativeRow,
-    /// One per variant.
+pub struct Run {
+    native: NativeRow,
     pub rows: Vec<SimRow>,
 }
 
-/// The settings.
-#[derive(Debug, Clone, Serialize)]
-pub struct SimConfig {
-    /// vCPUs.
-    pub vcpus: u32,
-    /// Bytes per vCPU.
-    pub bytes_per_vcpu: u64,
-    /// All vCPUs.
-    pub total_bytes: u64,
-    /// Sample interval.
-    pub samples_ms: u64,
-    /// `--collapse`.
-    pub collapse: bool,
-    /// The access pattern.
-    pub pattern: &'static str,
+#[derive(Serialize)]
+struct Config {
+    vcpus: u32,
+    bytes_per_vcpu: u64,
+    total_bytes: u64,
+    samples_ms: u64,
+    collapse: bool,
+    pattern: &'static str,
 }
 
 /// A headline figure of one variant over the runs.
-#[derive(Debug, Clone, Serialize)]
-pub struct VariantSummary {
-    /// `POLICY flush=on|off`.
-    pub variant: String,
-    /// The figure's summary.
-    #[serde(flatten)]
-    pub summary: crate::output::MetricSummary,
-}
-
-/// The document.
 #[derive(Serialize)]
-pub struct SimReport {
-    /// `private-mem-perf`.
-    pub benchmark: &'static str,
-    /// `sim`.
-    pub backend: &'static str,
-    /// Whose cost this is.
-    pub measures: &'static str,
-    /// The settings.
-    pub config: SimConfig,
-    /// `--repeat`.
-    pub repeat: usize,
-    /// The runs.
-    pub runs: Vec<SimRun>,
-    /// Median, min, max and spread of each variant's headline figures over the runs.
-    pub summary: Vec<VariantSummary>,
+struct VariantSummary {
+    variant: String,
+    #[serde(flatten)]
+    summary: MetricSummary,
 }
 
-fn label(v: &Variant) -> String {
-    format!(
-        "{} flush={}",
-        v.policy,
-        if v.kernel_flush { "on" } else { "off" }
-    )
-}
-
-/// Runs the sim backend.
-pub fn run(p: &SimPlan) -> CliResult {
-    let mut runs = Vec::new();
-    for n in 0..p.repeat {
-        if p.repeat > 1 && !quiet(p.json) {
-            eprintln!("[slat] run {}/{}", n + 1, p.repeat);
-        }
-        runs.push(measure(p)?);
-    }
-    let summary = summaries(p, &runs);
-    let report = SimReport {
-        benchmark: NAME,
-        backend: "sim",
-        measures: WHOSE,
-        config: SimConfig {
-            vcpus: p.vcpus,
-            bytes_per_vcpu: p.bytes,
-            total_bytes: p.bytes * u64::from(p.vcpus),
-            samples_ms: p.samples.as_millis() as u64,
-            collapse: p.collapse,
-            pattern: "one write per 4 KiB page, in order, each vCPU its own share; every page private and unaccepted at the start",
-        },
-        repeat: runs.len(),
-        runs,
-        summary,
-    };
-    if p.json {
-        crate::output::print_json(&report, &[])
-    } else {
-        print_text(&report);
-        Ok(())
+/// Variant `v` of a run.
+pub fn row<'a>(r: &'a AnyRun, v: &str) -> Option<&'a SimRow> {
+    match r {
+        AnyRun::Sim(r) => r.rows.iter().find(|x| x.label() == v),
+        AnyRun::Host(_) => None,
     }
 }
 
-fn measure(p: &SimPlan) -> CliResult<SimRun> {
+/// A configuration the machine refuses is the flags' fault (exit 2); the rest is a failure.
+pub(crate) fn machine_error(e: MachineError) -> CliError {
+    match e {
+        MachineError::Config(m) => CliError::bad(m),
+        e => runtime(e),
+    }
+}
+
+/// Every variant, then the native floor (last, so that it runs on a host whose allocator is
+/// as warm as for the variants).
+pub fn measure(a: &PrivateMemPerfArgs) -> CliResult<Run> {
+    static HEAD: Once = Once::new();
+    if !a.out.json {
+        HEAD.call_once(|| print_head(a));
+    }
     let mut rows = Vec::new();
-    for v in &p.variants {
-        let phase = Phase::start(format!("{} fault-in", label(v)), quiet(p.json));
-        rows.push(one_variant(p, *v)?);
+    for v in sim_variants(a).map_err(CliError::bad)? {
+        let name = label(v.policy, v.kernel_flush);
+        let phase = Phase::start(format!("{name} fault-in"), quiet(a.out.json));
+        rows.push(one_variant(a, v)?);
         phase.done();
     }
-    // Last, so it runs on a host whose allocator is as warm as for the variants.
-    let phase = Phase::start("native fill", quiet(p.json));
-    let native = native(p)?;
+    let phase = Phase::start("native fill", quiet(a.out.json));
+    let native = native(a)?;
     phase.done();
     for row in &mut rows {
         row.ratio_over_native =
             (native.ns_per_page > 0.0).then(|| row.ns_per_page / native.ns_per_page);
     }
-    Ok(SimRun { native, rows })
+    Ok(Run { native, rows })
 }
 
-/// A configuration the machine refuses is the flags' fault (exit 2); the rest is a failure.
-fn machine_error(e: slat_machine::MachineError) -> CliError {
-    match e {
-        slat_machine::MachineError::Config(m) => CliError::bad(m),
-        e => CliError::Runtime(e.to_string()),
+/// The floor: each vCPU's share written once per page on fresh memory of the pool's kind.
+fn native(a: &PrivateMemPerfArgs) -> CliResult<NativeRow> {
+    let total = a.total();
+    let len = total.div_ceil(2 << 20) * (2 << 20);
+    let mem = GuestRam::new(Backing::AnonymousThp, len, false).map_err(runtime)?;
+    let layout = slat_workload::Layout {
+        gpa: 0,
+        host: mem.addr(),
+        bytes_per_vcpu: a.bytes,
+        vcpus: a.threads as usize,
+        overlap: false,
+    };
+    let r = slat_workload::native_baseline::<slat_machine::CpuCounters>(
+        layout,
+        &mem,
+        PassParams::default(),
+    )
+    .map_err(runtime)?;
+    Ok(NativeRow {
+        bytes: total,
+        fill_s: r.wall.as_secs_f64(),
+        gb_per_s: per_s(total, r.wall, 1e9),
+        ns_per_page: r.wall.as_nanos() as f64 / (a.bytes >> PAGE_SHIFT).max(1) as f64,
+    })
+}
+
+/// The samples of a fault-in from the direct map's counters; a last interval that accepted
+/// nothing (the pass ended just after a sample) is left out.
+fn samples(r: &[(Instant, DirectMapStats)]) -> Vec<SimSample> {
+    let mut out: Vec<SimSample> = r
+        .windows(2)
+        .map(|w| {
+            let ((t, a), (u, b)) = (&w[0], &w[1]);
+            SimSample {
+                t_s: u.duration_since(r[0].0).as_secs_f64(),
+                gb_per_s: per_s((b.accepted - a.accepted) * PAGE_SIZE, *u - *t, 1e9),
+                splits: b.splits - a.splits,
+                lock_wait_ms: (b.lock_wait_ns - a.lock_wait_ns) as f64 / 1e6,
+            }
+        })
+        .collect();
+    if out.len() > 1 && out.last().is_some_and(|s| s.gb_per_s == 0.0) {
+        out.pop();
     }
+    out
 }
 
-fn gbps(bytes: u64, d: Duration) -> f64 {
-    match d.as_secs_f64() {
-        s if s > 0.0 => bytes as f64 / s / 1e9,
-        _ => 0.0,
-    }
-}
-
-fn gibps(bytes: u64, d: Duration) -> f64 {
-    match d.as_secs_f64() {
-        s if s > 0.0 => bytes as f64 / s / (1u64 << 30) as f64,
-        _ => 0.0,
-    }
-}
-
-fn machine_config(p: &SimPlan, v: Variant) -> MachineConfig {
-    MachineConfig {
+fn one_variant(a: &PrivateMemPerfArgs, v: Variant) -> CliResult<SimRow> {
+    let m = Machine::<Ept>::new(MachineConfig {
         region: RegionSpec {
-            vcpus: p.vcpus as usize,
-            bytes_per_vcpu: p.bytes,
+            vcpus: a.threads as usize,
+            bytes_per_vcpu: a.bytes,
             // The pool's host pages are populated up front (and the native floor's): what is
             // measured is acceptance through the engine and the direct map, not this host's
             // page allocator, whose cost on a fresh process varies tenfold run to run here.
@@ -271,111 +235,27 @@ fn machine_config(p: &SimPlan, v: Variant) -> MachineConfig {
         private: Some(DirectMapConfig {
             policy: v.policy,
             kernel_flush: v.kernel_flush,
-            collapse: p.collapse,
+            collapse: a.collapse,
         }),
         ..MachineConfig::default()
-    }
-}
-
-/// The floor: each vCPU's share written once per page on fresh memory of the pool's kind.
-fn native(p: &SimPlan) -> CliResult<NativeRow> {
-    let total = p.bytes * u64::from(p.vcpus);
-    let mem = GuestRam::new(
-        Backing::AnonymousThp,
-        total.div_ceil(2 << 20) * (2 << 20),
-        false,
-    )
-    .map_err(|e| CliError::Runtime(e.to_string()))?;
-    let layout = slat_workload::Layout {
-        gpa: 0,
-        host: mem.addr(),
-        bytes_per_vcpu: p.bytes,
-        vcpus: p.vcpus as usize,
-        overlap: false,
-    };
-    let r = slat_workload::native_baseline::<slat_machine::CpuCounters>(
-        layout,
-        &mem,
-        PassParams::default(),
-    )
-    .map_err(|e| CliError::Runtime(e.to_string()))?;
-    let pages = (p.bytes >> PAGE_SHIFT).max(1);
-    Ok(NativeRow {
-        bytes: total,
-        fill_s: r.wall.as_secs_f64(),
-        gb_per_s: gbps(total, r.wall),
-        ns_per_page: r.wall.as_nanos() as f64 / pages as f64,
     })
-}
-
-/// Samples the direct map's counters every `every` until `stop`.
-/// `start` is read before the pass begins, so a pass that ends before the thread runs is
-/// still one sample.
-fn sampler(
-    map: Arc<DirectMap>,
-    every: Duration,
-    stop: Arc<AtomicBool>,
-    start: (Instant, DirectMapStats),
-) -> std::thread::JoinHandle<Vec<SimSample>> {
-    std::thread::spawn(move || {
-        let t0 = start.0;
-        let mut last = start;
-        let mut out = Vec::new();
-        loop {
-            let done = stop.load(Ordering::Acquire);
-            if !done {
-                std::thread::sleep(every.min(Duration::from_millis(20)));
-                if last.0.elapsed() < every {
-                    continue;
-                }
-            }
-            let (now, s) = (Instant::now(), map.stats());
-            if s.accepted > last.1.accepted || !done {
-                out.push(sample(t0, &last, now, &s));
-            }
-            last = (now, s);
-            if done {
-                return out;
-            }
-        }
-    })
-}
-
-fn sample(
-    t0: Instant,
-    last: &(Instant, DirectMapStats),
-    now: Instant,
-    s: &DirectMapStats,
-) -> SimSample {
-    let pages = s.accepted - last.1.accepted;
-    SimSample {
-        t_s: (now - t0).as_secs_f64(),
-        gb_per_s: gbps(pages * PAGE_SIZE, now - last.0),
-        splits: s.splits - last.1.splits,
-        lock_wait_ms: (s.lock_wait_ns - last.1.lock_wait_ns) as f64 / 1e6,
-    }
-}
-
-fn one_variant(p: &SimPlan, v: Variant) -> CliResult<SimRow> {
-    let m = Machine::<Ept>::new(machine_config(p, v)).map_err(machine_error)?;
+    .map_err(machine_error)?;
     let map = m
         .direct_map()
-        .ok_or_else(|| CliError::Runtime("the machine has no direct map".into()))?
+        .ok_or_else(|| runtime("the machine has no direct map"))?
         .clone();
     let total = m.layout().total_pages() * PAGE_SIZE;
     let before = map.stats();
-    let stop = Arc::new(AtomicBool::new(false));
-    let samples = sampler(
-        map.clone(),
-        p.samples,
-        stop.clone(),
-        (Instant::now(), before),
-    );
-    let pass = m.run_pass(PassParams::default());
-    stop.store(true, Ordering::Release);
-    let samples = samples
-        .join()
-        .map_err(|_| CliError::Runtime("the sampler thread panicked".into()))?;
+    let (stop, stopped) = mpsc::channel::<()>();
+    let every = Duration::from_millis(a.samples_ms);
+    let (pass, stats) = std::thread::scope(|s| {
+        let (first, map) = ((Instant::now(), before), &map);
+        let sampler = s.spawn(move || readings(every, stopped, first, || map.stats()));
+        let pass = m.run_pass(PassParams::default());
+        drop(stop);
+        (pass, sampler.join())
+    });
+    let stats = stats.map_err(|_| runtime("the sampler thread panicked"))?;
     let pass = pass.map_err(machine_error)?;
     let after = map.stats();
     let acks = pass
@@ -384,14 +264,13 @@ fn one_variant(p: &SimPlan, v: Variant) -> CliResult<SimRow> {
         .map(|c| c.counters.kernel_tlb_flushes)
         .sum();
     let (to_shared, collapses) = to_shared(&m, &map)?;
-    let pages = (p.bytes >> PAGE_SHIFT).max(1);
     Ok(SimRow {
         direct_map: v.policy.name(),
         kernel_flush: v.kernel_flush,
         bytes: total,
         fault_in_s: pass.wall.as_secs_f64(),
-        gb_per_s: gbps(total, pass.wall),
-        ns_per_page: pass.wall.as_nanos() as f64 / pages as f64,
+        gb_per_s: per_s(total, pass.wall, 1e9),
+        ns_per_page: pass.wall.as_nanos() as f64 / (a.bytes >> PAGE_SHIFT).max(1) as f64,
         ratio_over_native: None,
         accepted: after.accepted - before.accepted,
         splits: after.splits - before.splits,
@@ -401,9 +280,9 @@ fn one_variant(p: &SimPlan, v: Variant) -> CliResult<SimRow> {
         kernel_flush_acks: acks,
         leaves_after: after.leaves,
         to_shared_s: to_shared.as_secs_f64(),
-        to_shared_gib_per_s: gibps(total, to_shared),
+        to_shared_gib_per_s: per_s(total, to_shared, GIB),
         collapses,
-        samples,
+        samples: samples(&stats),
     })
 }
 
@@ -411,157 +290,104 @@ fn one_variant(p: &SimPlan, v: Variant) -> CliResult<SimRow> {
 /// the direct map (every page released). The way back to private is only a zap of nothing
 /// mapped (acceptance is lazy), so it is not measured.
 fn to_shared(m: &Machine<Ept>, map: &DirectMap) -> CliResult<(Duration, u64)> {
-    let gfn = m.layout().gpa >> PAGE_SHIFT;
-    let pages = m.layout().total_pages();
+    let gfn = Gfn::new(m.layout().gpa >> PAGE_SHIFT);
     let c0 = map.stats().collapses;
     let t0 = Instant::now();
     m.vm()
-        .set_memory_attributes(Gfn::new(gfn), pages, MemoryAttributes::empty())
-        .map_err(|e| CliError::Runtime(e.to_string()))?;
+        .set_memory_attributes(gfn, m.layout().total_pages(), MemoryAttributes::empty())
+        .map_err(runtime)?;
     Ok((t0.elapsed(), map.stats().collapses - c0))
 }
 
-/// A headline figure of a row: name, unit, which way is better, and how to read it.
-type RowMetric = (&'static str, &'static str, Better, fn(&SimRow) -> f64);
-
-const ROW_METRICS: [RowMetric; 2] = [
-    ("fault-in GB/s", "GB/s", Better::Higher, |r| r.gb_per_s),
-    ("to-shared GiB/s", "GiB/s", Better::Higher, |r| {
-        r.to_shared_gib_per_s
+/// The headline figures of a row, summarized per variant over `--repeat`.
+pub const ROW_METRICS: [Metric<SimRow>; 2] = [
+    metric("fault-in GB/s", "GB/s", Better::Higher, |r| {
+        Some(r.gb_per_s)
+    }),
+    metric("to-shared GiB/s", "GiB/s", Better::Higher, |r| {
+        Some(r.to_shared_gib_per_s)
     }),
 ];
 
-fn summaries(p: &SimPlan, runs: &[SimRun]) -> Vec<VariantSummary> {
-    let mut out = Vec::new();
-    for (i, v) in p.variants.iter().enumerate() {
-        for (name, unit, better, get) in ROW_METRICS {
-            let values: Vec<f64> = runs.iter().filter_map(|r| r.rows.get(i).map(get)).collect();
-            let m = Metric::<f64> {
-                name,
-                unit,
-                better,
-                get: |x| Some(*x),
-            };
-            out.push(VariantSummary {
-                variant: label(v),
-                summary: summarize(&m, &values),
-            });
-        }
+/// The document of every run, or the note and summary under the runs' text.
+pub fn finish(a: &PrivateMemPerfArgs, runs: Vec<AnyRun>) -> CliResult {
+    let sims: Vec<&Run> = (runs.iter())
+        .filter_map(|r| match r {
+            AnyRun::Sim(r) => Some(r),
+            AnyRun::Host(_) => None,
+        })
+        .collect();
+    let mut summary = Vec::new();
+    for (i, v) in sims.first().map_or(&[][..], |r| &r.rows).iter().enumerate() {
+        let rows: Vec<SimRow> = sims.iter().filter_map(|r| r.rows.get(i).cloned()).collect();
+        summary.extend(ROW_METRICS.iter().map(|m| VariantSummary {
+            variant: v.label(),
+            summary: summarize(m, &rows),
+        }));
     }
-    out
+    Document {
+        benchmark: NAME,
+        backend: "sim",
+        measures: WHOSE,
+        config: Config {
+            vcpus: a.threads,
+            bytes_per_vcpu: a.bytes,
+            total_bytes: a.total(),
+            samples_ms: a.samples_ms,
+            collapse: a.collapse,
+            pattern: PATTERN,
+        },
+        probes: None,
+        repeat: runs.len(),
+        summary,
+        runs,
+    }
+    .print(a.out.json, NOTE, |s| (Some(s.variant.clone()), &s.summary))
 }
 
-fn print_text(r: &SimReport) {
+fn print_head(a: &PrivateMemPerfArgs) {
     println!("Backend: sim. This is {WHOSE}.");
     println!(
-        "vCPUs: {}, {} per vCPU ({} total), {}; direct-map collapse {}",
-        r.config.vcpus,
-        format_size(r.config.bytes_per_vcpu),
-        format_size(r.config.total_bytes),
-        r.config.pattern,
-        if r.config.collapse { "on" } else { "off" }
+        "vCPUs: {}, {} per vCPU ({} total), {PATTERN}; direct-map collapse {}",
+        a.threads,
+        format_size(a.bytes),
+        format_size(a.total()),
+        if a.collapse { "on" } else { "off" }
     );
-    for (i, run) in r.runs.iter().enumerate() {
-        if r.repeat > 1 {
-            println!("\nRun {}/{}:", i + 1, r.repeat);
-        }
-        print_run(run, r.config.samples_ms);
-    }
-    println!("\nx native: time per page over the native floor's (the same writes on fresh host memory, no engine). splits: huge direct-map leaves split (each flushes every host CPU under the global lock, as Linux does). lock wait: time vCPUs waited for the global lock, summed. flushes: kernel TLB flushes requested (splits, plus one per page with flush=on); acks: acknowledgements by online vCPU threads. to-shared: the whole faulted-in region converted back to shared (guest mappings zapped, every page scrubbed and mapped into the direct map again, with --collapse 2 MiB leaves rebuilt); the way back to private is not timed, as it only zaps (acceptance is lazy).");
-    if r.repeat > 1 {
-        println!(
-            "\nSummary over {} runs (spread = (max - min) / median):",
-            r.repeat
-        );
-        let head: Vec<String> = ["variant", "metric", "median", "min", "max", "spread"]
-            .map(String::from)
-            .to_vec();
-        let rows: Vec<Vec<String>> = r
-            .summary
-            .iter()
-            .map(|s| {
-                let m = &s.summary;
-                vec![
-                    s.variant.clone(),
-                    m.metric.to_string(),
-                    cell(m.median),
-                    cell(m.min),
-                    cell(m.max),
-                    ratio_cell(m.spread),
-                ]
-            })
-            .collect();
-        print_table(&head, &rows);
-    }
 }
 
-fn print_run(run: &SimRun, samples_ms: u64) {
-    let head: Vec<String> = [
-        "variant",
-        "GB/s",
-        "ns/page",
-        "x native",
-        "splits",
-        "lock wait ms",
-        "flushes",
-        "acks",
-        "4K/2M/1G leaves",
-        "to-shared GiB/s",
-        "collapses",
-    ]
-    .map(String::from)
-    .to_vec();
-    let mut rows = vec![vec![
-        "native".to_string(),
-        format!("{:.3}", run.native.gb_per_s),
-        format!("{:.0}", run.native.ns_per_page),
-        "1.00x".into(),
-        "-".into(),
-        "-".into(),
-        "-".into(),
-        "-".into(),
-        "-".into(),
-        "-".into(),
-        "-".into(),
-    ]];
-    for x in &run.rows {
-        rows.push(vec![
-            format!(
-                "{} flush={}",
-                x.direct_map,
-                if x.kernel_flush { "on" } else { "off" }
-            ),
-            format!("{:.3}", x.gb_per_s),
-            format!("{:.0}", x.ns_per_page),
-            ratio_cell(x.ratio_over_native),
-            x.splits.to_string(),
-            format!("{:.1}", x.lock_wait_ms),
-            x.kernel_flushes.to_string(),
-            x.kernel_flush_acks.to_string(),
-            format!(
-                "{}/{}/{}",
-                x.leaves_after[0], x.leaves_after[1], x.leaves_after[2]
-            ),
-            format!("{:.2}", x.to_shared_gib_per_s),
-            x.collapses.to_string(),
-        ]);
-    }
-    print_table(&head, &rows);
+const COLUMNS: &[Column<SimRow>] = &[
+    ("variant", SimRow::label),
+    ("GB/s", |x| format!("{:.3}", x.gb_per_s)),
+    ("ns/page", |x| format!("{:.0}", x.ns_per_page)),
+    ("x native", |x| ratio_cell(x.ratio_over_native)),
+    ("splits", |x| x.splits.to_string()),
+    ("lock wait ms", |x| format!("{:.1}", x.lock_wait_ms)),
+    ("flushes", |x| x.kernel_flushes.to_string()),
+    ("acks", |x| x.kernel_flush_acks.to_string()),
+    ("4K/2M/1G leaves", |x| {
+        let [k, m, g] = x.leaves_after;
+        format!("{k}/{m}/{g}")
+    }),
+    ("to-shared GiB/s", |x| {
+        format!("{:.2}", x.to_shared_gib_per_s)
+    }),
+    ("collapses", |x| x.collapses.to_string()),
+];
+
+/// One run's table (the native floor first) and samples.
+pub fn print_run(run: &Run, samples_ms: u64) {
+    let n = &run.native;
+    let mut native = vec!["native".into(), format!("{:.3}", n.gb_per_s)];
+    native.extend([format!("{:.0}", n.ns_per_page), "1.00x".into()]);
+    native.resize(COLUMNS.len(), "-".into());
+    table(COLUMNS, &run.rows, Some(native));
     println!("Samples every {samples_ms} ms (fault-in GB/s, splits):");
     for x in &run.rows {
-        let s: Vec<String> = x
+        let s = x
             .samples
             .iter()
-            .map(|s| format!("{:.2}/{}", s.gb_per_s, s.splits))
-            .collect();
-        println!(
-            "  {:>22}: {}",
-            format!(
-                "{} flush={}",
-                x.direct_map,
-                if x.kernel_flush { "on" } else { "off" }
-            ),
-            s.join(" ")
-        );
+            .map(|s| format!("{:.2}/{}", s.gb_per_s, s.splits));
+        println!("  {:>22}: {}", x.label(), s.collect::<Vec<_>>().join(" "));
     }
 }
