@@ -1,5 +1,8 @@
-//! The typed reports of `slat migrate`, `migrate-listen` and `migrate-perf`, serialized into
-//! their JSON documents (the field names are the ones the documents always had).
+//! The reports of `slat migrate`, `migrate-perf` ([`Migration`], the source's view) and
+//! `migrate-listen` ([`DestinationDoc`]). Each is the one type its command's JSON document,
+//! text report, metrics and plots are drawn from; the field names are the ones the documents
+//! always had. slat-migrate's own reports are not serializable (the library does not depend
+//! on serde), so these are built from them once, when a migration ends.
 
 use crate::migrate::{CompressArg, ConvergeArg, GuestArgs, MigrationArgs};
 use crate::output::secs;
@@ -7,95 +10,74 @@ use serde::Serialize;
 use slat_migrate::{DestReport, MigrationReport, RoundReport};
 use std::time::Duration;
 
-/// The source's settings.
+/// The source's flags.
 #[derive(Debug, Clone, Serialize)]
 pub struct Config {
-    /// `--backend`.
     pub backend: &'static str,
-    /// `-v`.
     pub vcpus: u32,
-    /// `-b`.
     pub bytes_per_vcpu: u64,
-    /// `-s`.
     pub backing: &'static str,
-    /// `-x`.
     pub slots: u32,
-    /// `-o`.
     pub overlap: bool,
-    /// `-a`.
     pub random: bool,
-    /// `-w`.
     pub write_percent: u32,
-    /// `-r`.
     pub seed: u32,
-    /// `--dirty-rate`.
     pub dirty_rate_per_vcpu: u64,
-    /// `--dirty-rate-vcpu0`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dirty_rate_vcpu0: Option<u64>,
-    /// `--fill`.
     pub fill_percent: u32,
-    /// `--log`.
     pub log: &'static str,
-    /// `--fast-pf`.
     pub fast_pf: bool,
-    /// `--max-downtime`.
     pub max_downtime_ms: u64,
-    /// `--max-rounds`.
     pub max_rounds: u32,
-    /// `--bandwidth`.
     pub bandwidth_mib_per_s: Option<u64>,
     /// `--compress lz4`.
     pub compress: bool,
-    /// `--auto-converge`.
     pub auto_converge: bool,
-    /// `--converge`: auto, dirty-limit or none.
     pub converge: &'static str,
-    /// `--dirty-limit` (with `--converge dirty-limit`).
+    /// Only with `--converge dirty-limit` (as is the period).
     pub dirty_limit_pages_per_s: Option<u64>,
-    /// `--dirty-limit-period` (with `--converge dirty-limit`).
     pub dirty_limit_period_ms: Option<u64>,
 }
 
-/// One pre-copy round (the last is the stop-and-copy).
+/// One round (the last is the stop-and-copy).
 #[derive(Debug, Clone, Serialize)]
 pub struct Round {
     /// 0: the full copy.
     pub round: u32,
-    /// Pages sent.
     pub pages: u64,
-    /// Of which zero pages.
     pub zero_pages: u64,
-    /// Bytes written to the socket.
+    /// Written to the socket.
     pub bytes: u64,
     /// From the first byte to the last acknowledgement.
     #[serde(rename = "time_s", serialize_with = "secs")]
     pub time: Duration,
     /// Pages the guest dirtied while the round ran: owed to the next round.
     pub dirtied: u64,
-    /// Throttle while the round ran.
     pub throttle_percent: u32,
-    /// The vCPUs were stopped.
     pub stop_and_copy: bool,
 }
 
-/// A throttle change.
+impl Round {
+    /// Bytes per second.
+    pub fn bandwidth(&self) -> f64 {
+        per_s(self.bytes as f64, self.time)
+    }
+}
+
+/// A change of auto-converge's throttle.
 #[derive(Debug, Clone, Serialize)]
 pub struct ThrottleChange {
-    /// The round after which it changed.
     pub after_round: u32,
-    /// The new throttle.
     pub percent: u32,
 }
 
 /// Auto-converge.
 #[derive(Debug, Clone, Serialize)]
 pub struct Throttle {
-    /// The highest throttle.
     pub max_percent: u32,
-    /// Every change.
     pub changes: Vec<ThrottleChange>,
-    /// vCPU time spent throttled.
+    /// vCPU time kept out of the guest, summed over the vCPUs.
     #[serde(rename = "vcpu_time_s", serialize_with = "secs")]
     pub vcpu_time: Duration,
 }
@@ -103,37 +85,31 @@ pub struct Throttle {
 /// Dirty-limit, when it was on.
 #[derive(Debug, Clone, Serialize)]
 pub struct DirtyLimit {
-    /// Dirty pages per second per vCPU allowed.
     pub limit_pages_per_s: u64,
-    /// The measurement period.
     #[serde(rename = "period_s", serialize_with = "secs")]
     pub period: Duration,
-    /// Periods measured.
     pub periods: u32,
     /// Highest throttle per vCPU, per mille of its time kept out of the guest.
     pub vcpu_max_throttle_permille: Vec<u32>,
-    /// Throttle per vCPU at the pause, per mille.
+    /// At the pause.
     pub vcpu_last_throttle_permille: Vec<u32>,
-    /// Dirty pages per second per vCPU over the last period.
+    /// Over the last period.
     pub vcpu_last_dirty_pages_per_s: Vec<f64>,
 }
 
 /// The verification at switch-over.
 #[derive(Debug, Clone, Serialize)]
 pub struct Verification {
-    /// Every range matched.
     pub ok: bool,
-    /// Ranges compared.
     pub ranges: u64,
-    /// Pages per range.
     pub range_pages: u32,
-    /// Ranges that did not match (destination side only).
+    /// Destination side only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mismatched: Option<u64>,
-    /// `--verify`: `sent` or `full` (source side only).
+    /// `--verify` (source side only, as is the next).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mode: Option<&'static str>,
-    /// Pages hashed with the vCPUs paused (source side only).
+    /// Pages hashed with the vCPUs paused.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub paused_hashed_pages: Option<u64>,
 }
@@ -141,51 +117,43 @@ pub struct Verification {
 /// The guest's run on the destination after the switch-over.
 #[derive(Debug, Clone, Serialize)]
 pub struct Resumed {
-    /// Pages it touched.
     pub pages_touched: u64,
-    /// How long it ran.
     #[serde(rename = "time_s", serialize_with = "secs")]
     pub time: Duration,
 }
 
-/// What the destination reports.
+/// What the destination reports: `migrate-listen`'s report, and part of `migrate-perf`'s.
 #[derive(Debug, Clone, Serialize)]
 pub struct DestinationDoc {
     /// The migration session's id.
     pub session: u64,
-    /// Which attempt of the source.
+    /// The source's attempt.
     pub attempt: u32,
     /// The session resumed an earlier, interrupted one.
     pub resumed: bool,
-    /// The source's machine.
     pub source_backend: String,
-    /// This machine.
     pub backend: String,
-    /// Pages received.
+    /// The guest's memory.
+    pub memory_bytes: u64,
+    /// Received, zero pages included.
     pub pages: u64,
-    /// Of which zero pages.
     pub zero_pages: u64,
-    /// Bytes received.
+    /// Of stream.
     pub bytes: u64,
-    /// Rounds received.
     pub rounds: u32,
     /// Connection to first page.
     #[serde(rename = "setup_s", serialize_with = "secs")]
     pub setup: Duration,
-    /// The whole session.
     #[serde(rename = "total_s", serialize_with = "secs")]
     pub total: Duration,
-    /// The verification.
     pub verification: Verification,
-    /// Time verifying.
+    /// Hashing this side's memory.
     #[serde(rename = "verify_time_s", serialize_with = "secs")]
     pub verify_time: Duration,
-    /// The guest's run after the switch-over.
     pub run: Resumed,
 }
 
 impl DestinationDoc {
-    /// From the destination's report.
     pub fn new(r: &DestReport) -> DestinationDoc {
         DestinationDoc {
             session: r.session,
@@ -193,6 +161,7 @@ impl DestinationDoc {
             resumed: r.resumed,
             source_backend: r.source_backend.clone(),
             backend: r.backend.clone(),
+            memory_bytes: r.regions.iter().map(|x| x.pages).sum::<u64>() * 4096,
             pages: r.pages,
             zero_pages: r.zero_pages,
             bytes: r.bytes,
@@ -221,7 +190,6 @@ impl DestinationDoc {
 pub struct Migration {
     /// `migrate` or `migrate-perf`.
     pub benchmark: &'static str,
-    /// The settings.
     pub config: Config,
     /// Why earlier attempts failed.
     pub failed_attempts: Vec<String>,
@@ -229,72 +197,57 @@ pub struct Migration {
     pub attempt: u32,
     /// It resumed an interrupted session.
     pub resumed: bool,
-    /// The destination's machine.
     pub destination_backend: String,
     /// Connection and handshake.
     #[serde(rename = "setup_s", serialize_with = "secs")]
     pub setup: Duration,
-    /// The whole migration.
     #[serde(rename = "total_s", serialize_with = "secs")]
     pub total: Duration,
-    /// vCPUs stopped.
+    /// vCPUs stopped, of which the final harvest, the final send and the verification.
     #[serde(rename = "downtime_s", serialize_with = "secs")]
     pub downtime: Duration,
-    /// The last harvest, vCPUs stopped.
     #[serde(rename = "final_harvest_s", serialize_with = "secs")]
     pub final_harvest: Duration,
-    /// The last send, vCPUs stopped.
     #[serde(rename = "final_send_s", serialize_with = "secs")]
     pub final_send: Duration,
-    /// The verification at switch-over.
     #[serde(rename = "verify_s", serialize_with = "secs")]
     pub verify: Duration,
-    /// Device-state blobs sent.
     pub device_state_blobs: u32,
-    /// Saving and sending them, vCPUs stopped.
+    pub device_state_bytes: u64,
+    /// Saving and sending the device state, vCPUs stopped.
     #[serde(rename = "device_state_s", serialize_with = "secs")]
     pub device_state: Duration,
     /// Into a file (nothing acknowledged).
     pub one_way: bool,
-    /// Pre-copy converged below --max-downtime.
+    /// Pre-copy ended below --max-downtime (not at --max-rounds).
     pub converged: bool,
     /// The stop-and-copy time pre-copy expected.
     #[serde(rename = "expected_final_transfer_s", serialize_with = "secs")]
     pub expected_final: Duration,
-    /// Every round.
     pub rounds: Vec<Round>,
-    /// Pages sent.
     pub pages: u64,
-    /// Bytes sent.
     pub bytes: u64,
-    /// Bytes per second.
     pub bandwidth_bytes_per_s: f64,
-    /// Pages the guest dirtied per second during pre-copy.
+    /// As the harvests saw them during pre-copy.
     pub dirty_pages_per_s: f64,
-    /// The guest's writes per second before the migration.
+    /// During the warm-up.
     pub guest_writes_per_s_before: f64,
-    /// And during it.
+    /// During pre-copy.
     pub guest_writes_per_s_during: f64,
-    /// The share of the guest's writes per second the migration cost (before vs during
-    /// pre-copy), percent; `None` without a rate before.
+    /// The share of the guest's writes per second the migration cost, percent; `None`
+    /// without a rate before.
     pub guest_throughput_lost_percent: Option<f64>,
-    /// Guest writes lost to the migration: the rate before times the pre-copy time, less the
-    /// writes made (0 if none were lost). A short migration that throttles hard can lose fewer
-    /// writes than a long one that throttles less.
+    /// The rate before times the pre-copy time, less the writes made (at least 0). A short
+    /// migration that throttles hard can lose fewer writes than a long one that throttles less.
     pub guest_writes_lost: f64,
-    /// Per vCPU, writes per second before the migration (empty if not counted per vCPU).
+    /// Empty where the guest's writes are not counted per vCPU (as in the next two).
     pub vcpu_writes_per_s_before: Vec<f64>,
-    /// Per vCPU, during pre-copy.
     pub vcpu_writes_per_s_during: Vec<f64>,
-    /// Per vCPU, the share lost, percent (empty without both).
     pub vcpu_throughput_lost_percent: Vec<f64>,
-    /// Dirty-limit (`--converge dirty-limit`).
     pub dirty_limit: Option<DirtyLimit>,
-    /// Auto-converge.
     pub throttle: Throttle,
-    /// The verification.
     pub verification: Verification,
-    /// The guest's run on the destination, as reported back.
+    /// As the destination reported it back.
     pub destination_resumed: Option<Resumed>,
     /// The destination's own report (migrate-perf, both ends in this process).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -302,19 +255,24 @@ pub struct Migration {
 }
 
 impl Migration {
-    /// From the source's report.
+    /// From the source's report, the guest's write rate during the warm-up (in all and per
+    /// vCPU, where counted) and why earlier attempts failed.
     pub fn new(
         benchmark: &'static str,
-        g: &GuestArgs,
-        m: &MigrationArgs,
+        (g, m): (&GuestArgs, &MigrationArgs),
         r: &MigrationReport,
-        baseline: f64,
-        failures: &[String],
+        (before, vcpu_before): (f64, Vec<f64>),
+        failed_attempts: Vec<String>,
     ) -> Migration {
+        let during: Vec<f64> = r
+            .vcpu_writes
+            .iter()
+            .map(|&w| per_s(w as f64, r.precopy))
+            .collect();
         Migration {
             benchmark,
             config: Config::new(g, m),
-            failed_attempts: failures.to_vec(),
+            failed_attempts,
             attempt: r.attempt,
             resumed: r.resumed,
             destination_backend: r.dest_backend.clone(),
@@ -324,6 +282,10 @@ impl Migration {
             final_harvest: r.final_harvest,
             final_send: r.final_send,
             verify: r.verify,
+            device_state_blobs: r.state_blobs,
+            device_state_bytes: r.state_bytes,
+            device_state: r.state,
+            one_way: r.one_way,
             converged: r.converged,
             expected_final: r.expected_final,
             rounds: r.rounds.iter().map(Round::new).collect(),
@@ -331,24 +293,15 @@ impl Migration {
             bytes: r.bytes(),
             bandwidth_bytes_per_s: r.bandwidth(),
             dirty_pages_per_s: r.dirty_rate(),
-            guest_writes_per_s_before: baseline,
+            guest_writes_per_s_before: before,
             guest_writes_per_s_during: r.write_rate(),
-            guest_throughput_lost_percent: lost(baseline, r.write_rate()),
-            guest_writes_lost: (baseline * r.precopy.as_secs_f64() - r.guest_writes as f64)
-                .max(0.0),
-            vcpu_writes_per_s_before: Vec::new(),
-            vcpu_writes_per_s_during: r
-                .vcpu_writes
-                .iter()
-                .map(|&w| {
-                    if r.precopy.is_zero() {
-                        0.0
-                    } else {
-                        w as f64 / r.precopy.as_secs_f64()
-                    }
-                })
+            guest_throughput_lost_percent: lost(before, r.write_rate()),
+            guest_writes_lost: (before * r.precopy.as_secs_f64() - r.guest_writes as f64).max(0.0),
+            vcpu_throughput_lost_percent: (vcpu_before.iter().zip(&during))
+                .filter_map(|(&b, &d)| lost(b, d))
                 .collect(),
-            vcpu_throughput_lost_percent: Vec::new(),
+            vcpu_writes_per_s_before: vcpu_before,
+            vcpu_writes_per_s_during: during,
             dirty_limit: r.dirty_limit.as_ref().map(|d| DirtyLimit {
                 limit_pages_per_s: d.limit,
                 period: d.period,
@@ -357,7 +310,16 @@ impl Migration {
                 vcpu_last_throttle_permille: d.last_permille.clone(),
                 vcpu_last_dirty_pages_per_s: d.last_rates.clone(),
             }),
-            throttle: Throttle::new(r),
+            throttle: Throttle {
+                max_percent: r.throttle_max,
+                changes: (r.throttle_changes.iter())
+                    .map(|&(after_round, percent)| ThrottleChange {
+                        after_round,
+                        percent,
+                    })
+                    .collect(),
+                vcpu_time: r.throttled,
+            },
             verification: Verification {
                 ok: true,
                 ranges: r.verify_ranges,
@@ -366,12 +328,9 @@ impl Migration {
                 mode: Some(r.verify_mode.name()),
                 paused_hashed_pages: Some(r.paused_hashed_pages),
             },
-            device_state_blobs: r.state_blobs,
-            device_state: r.state,
-            one_way: r.one_way,
-            destination_resumed: r.dest_resumed.map(|(n, d)| Resumed {
-                pages_touched: n,
-                time: d,
+            destination_resumed: (r.dest_resumed).map(|(pages_touched, time)| Resumed {
+                pages_touched,
+                time,
             }),
             destination: None,
         }
@@ -379,8 +338,8 @@ impl Migration {
 }
 
 impl Config {
-    /// The flags of the guest and of the migration.
     fn new(g: &GuestArgs, m: &MigrationArgs) -> Config {
+        let dirty_limit = m.converge == ConvergeArg::DirtyLimit;
         Config {
             backend: g.backend.name(),
             vcpus: g.work.vcpus,
@@ -402,16 +361,13 @@ impl Config {
             compress: m.compress == CompressArg::Lz4,
             auto_converge: m.auto_converge.on(),
             converge: m.converge.name(),
-            dirty_limit_pages_per_s: (m.converge == ConvergeArg::DirtyLimit)
-                .then_some(m.dirty_limit),
-            dirty_limit_period_ms: (m.converge == ConvergeArg::DirtyLimit)
-                .then_some(m.dirty_limit_period),
+            dirty_limit_pages_per_s: dirty_limit.then_some(m.dirty_limit),
+            dirty_limit_period_ms: dirty_limit.then_some(m.dirty_limit_period),
         }
     }
 }
 
 impl Round {
-    /// One pre-copy round of the source's report.
     fn new(x: &RoundReport) -> Round {
         Round {
             round: x.round,
@@ -426,38 +382,16 @@ impl Round {
     }
 }
 
-impl Throttle {
-    /// Auto-converge's throttling in the source's report.
-    fn new(r: &MigrationReport) -> Throttle {
-        Throttle {
-            max_percent: r.throttle_max,
-            changes: r
-                .throttle_changes
-                .iter()
-                .map(|&(after_round, percent)| ThrottleChange {
-                    after_round,
-                    percent,
-                })
-                .collect(),
-            vcpu_time: r.throttled,
-        }
+/// `x` per second of `t` (0 over no time).
+fn per_s(x: f64, t: Duration) -> f64 {
+    if t.is_zero() {
+        0.0
+    } else {
+        x / t.as_secs_f64()
     }
 }
 
 /// The share of `before` lost in `during`, percent (`None` without a rate before).
 fn lost(before: f64, during: f64) -> Option<f64> {
     (before > 0.0).then(|| 100.0 * (1.0 - during / before))
-}
-
-impl Migration {
-    /// Records the per-vCPU write rates before the migration (measured by the caller during
-    /// the warm-up) and the share each vCPU lost.
-    pub fn set_vcpu_before(&mut self, before: Vec<f64>) {
-        self.vcpu_throughput_lost_percent = before
-            .iter()
-            .zip(&self.vcpu_writes_per_s_during)
-            .filter_map(|(&b, &d)| lost(b, d))
-            .collect();
-        self.vcpu_writes_per_s_before = before;
-    }
 }

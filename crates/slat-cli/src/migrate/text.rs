@@ -1,39 +1,33 @@
 //! The text reports of `migrate`, `migrate-perf` and `migrate-listen`.
 
 use super::{CompressArg, GuestArgs, MigrationArgs};
+use crate::migrate_report::{DestinationDoc, Migration};
 use crate::report::ts;
-use slat_migrate::{DestReport, MigrationReport};
 use slat_workload::format_size;
 
+const MIB: f64 = (1 << 20) as f64;
+
+/// `s` when `on`, else nothing.
+fn when(on: bool, s: &str) -> &str {
+    if on {
+        s
+    } else {
+        ""
+    }
+}
+
 /// The text report of one migration (source side).
-pub fn print_report(g: &GuestArgs, m: &MigrationArgs, r: &MigrationReport, baseline: f64) {
+pub fn print_report(g: &GuestArgs, m: &MigrationArgs, r: &Migration) {
     println!("Guest: {}", g.describe());
     println!(
         "Migration: attempt {}{}, to a {} destination; max downtime {} ms{}{}",
         r.attempt,
-        if r.resumed {
-            " (resumed the destination's kept memory)"
-        } else {
-            ""
-        },
-        r.dest_backend,
+        when(r.resumed, " (resumed the destination's kept memory)"),
+        r.destination_backend,
         m.max_downtime,
-        m.bandwidth
-            .map(|b| format!(", bandwidth cap {b} MiB/s"))
-            .unwrap_or_default(),
-        if m.compress == CompressArg::Lz4 {
-            ", lz4"
-        } else {
-            ""
-        },
+        (m.bandwidth.map(|b| format!(", bandwidth cap {b} MiB/s"))).unwrap_or_default(),
+        when(m.compress == CompressArg::Lz4, ", lz4"),
     );
-    print_rounds(r);
-    print_totals(r, baseline);
-    print_checks(r);
-}
-
-/// One line per round.
-fn print_rounds(r: &MigrationReport) {
     for x in &r.rounds {
         println!(
             "{} {}: {} pages ({} zero), {} in {} ({:.0} MiB/s); dirtied meanwhile: {}{}",
@@ -47,30 +41,22 @@ fn print_rounds(r: &MigrationReport) {
             x.zero_pages,
             format_size(x.bytes),
             ts(x.time),
-            x.bandwidth() / (1 << 20) as f64,
+            x.bandwidth() / MIB,
             if x.stop_and_copy {
                 "-".to_string()
             } else {
                 x.dirtied.to_string()
             },
-            if x.throttle != 0 {
-                format!(", throttle {}%", x.throttle)
-            } else {
-                String::new()
+            match x.throttle_percent {
+                0 => String::new(),
+                t => format!(", throttle {t}%"),
             },
         );
     }
-}
-
-/// Times, rounds, rates and throttling of the whole migration.
-fn print_totals(r: &MigrationReport, baseline: f64) {
     println!("Total migration time: {}", ts(r.total));
     println!(
         "Downtime: {} (vCPUs paused to verified switch-over: final harvest {}, final pages {}, verification {})",
-        ts(r.downtime),
-        ts(r.final_harvest),
-        ts(r.final_send),
-        ts(r.verify)
+        ts(r.downtime), ts(r.final_harvest), ts(r.final_send), ts(r.verify)
     );
     println!(
         "Rounds: {} ({}; expected stop-and-copy transfer {})",
@@ -84,90 +70,86 @@ fn print_totals(r: &MigrationReport, baseline: f64) {
     );
     println!(
         "Dirty rate: {:.0} pages/s harvested during pre-copy; guest writes {:.0}/s before migration, {:.0}/s during pre-copy",
-        r.dirty_rate(),
-        baseline,
-        r.write_rate()
+        r.dirty_pages_per_s, r.guest_writes_per_s_before, r.guest_writes_per_s_during
     );
     println!(
         "Bandwidth: {:.0} MiB/s average ({} pages, {} sent)",
-        r.bandwidth() / (1 << 20) as f64,
-        r.pages(),
-        format_size(r.bytes())
+        r.bandwidth_bytes_per_s / MIB,
+        r.pages,
+        format_size(r.bytes)
     );
+    print_checks(r);
+}
+
+/// Throttling, verification, device state and the destination's resume.
+fn print_checks(r: &Migration) {
     if let Some(d) = &r.dirty_limit {
-        let v: Vec<String> = d
-            .max_permille
-            .iter()
-            .zip(&d.last_rates)
+        let v: Vec<String> = (d.vcpu_max_throttle_permille.iter())
+            .zip(&d.vcpu_last_dirty_pages_per_s)
             .map(|(t, x)| format!("max {:.1}% (last {x:.0} pages/s)", *t as f64 / 10.0))
             .collect();
         println!(
             "Dirty-limit: {} pages/s per vCPU, every {} ms, {} periods; per vCPU: {}",
-            d.limit,
+            d.limit_pages_per_s,
             d.period.as_millis(),
             d.periods,
             v.join(", ")
         );
     }
-    if r.throttle_max == 0 {
+    let t = &r.throttle;
+    if t.max_percent == 0 {
         println!("Throttling: none");
     } else {
-        let steps: Vec<String> = r
-            .throttle_changes
-            .iter()
-            .map(|(round, t)| format!("{t}% after round {round}"))
+        let steps: Vec<String> = (t.changes.iter())
+            .map(|c| format!("{}% after round {}", c.percent, c.after_round))
             .collect();
         println!(
             "Throttling: up to {}% ({}); vCPUs kept out of the guest {:.3}s in total",
-            r.throttle_max,
+            t.max_percent,
             steps.join(", "),
-            r.throttled.as_secs_f64()
+            t.vcpu_time.as_secs_f64()
         );
     }
-}
-
-/// Verification, device state and the destination's resume.
-fn print_checks(r: &MigrationReport) {
+    let v = &r.verification;
+    let ranges = format!(
+        "{} ranges of {} pages ({})",
+        v.ranges,
+        v.range_pages,
+        format_size(v.ranges * v.range_pages as u64 * 4096)
+    );
     if r.one_way {
-        println!(
-            "Verification: sent, {} ranges of {} pages ({}), for the reader to check",
-            r.verify_ranges,
-            r.range_pages,
-            format_size(r.verify_ranges * r.range_pages as u64 * 4096)
-        );
+        println!("Verification: sent, {ranges}, for the reader to check");
     } else {
         println!(
-            "Verification: OK, {} ranges of {} pages ({}) match the source ({}: {} pages hashed with the vCPUs paused)",
-            r.verify_ranges,
-            r.range_pages,
-            format_size(r.verify_ranges * r.range_pages as u64 * 4096),
-            r.verify_mode.name(),
-            r.paused_hashed_pages
+            "Verification: OK, {ranges} match the source ({}: {} pages hashed with the vCPUs paused)",
+            v.mode.unwrap_or_default(),
+            v.paused_hashed_pages.unwrap_or_default()
         );
     }
-    if r.state_blobs > 0 {
+    if r.device_state_blobs > 0 {
         println!(
             "Device state: {} blobs, {} bytes",
-            r.state_blobs, r.state_bytes
+            r.device_state_blobs, r.device_state_bytes
         );
     }
-    match r.dest_resumed {
-        Some((n, d)) => println!(
-            "Destination resumed the guest: {n} pages touched in {}",
-            ts(d)
+    match &r.destination_resumed {
+        Some(d) => println!(
+            "Destination resumed the guest: {} pages touched in {}",
+            d.pages_touched,
+            ts(d.time)
         ),
         None => println!("Destination resumed the guest: not reported"),
     }
 }
 
 /// The text report of one received migration.
-pub fn print_dest(r: &DestReport) {
-    let size = format_size(r.regions.iter().map(|x| x.pages).sum::<u64>() * 4096);
+pub fn print_dest(r: &DestinationDoc) {
     println!(
-        "Incoming migration: {size} guest from a {} source (attempt {}{}), onto {}",
+        "Incoming migration: {} guest from a {} source (attempt {}{}), onto {}",
+        format_size(r.memory_bytes),
         r.source_backend,
         r.attempt,
-        if r.resumed { ", resumed" } else { "" },
+        when(r.resumed, ", resumed"),
         r.backend
     );
     println!(
@@ -180,13 +162,14 @@ pub fn print_dest(r: &DestReport) {
     );
     println!(
         "Verification: OK, {} ranges of {} pages match the source (hashing here took {})",
-        r.verify.ranges,
-        r.verify.range_pages,
+        r.verification.ranges,
+        r.verification.range_pages,
         ts(r.verify_time)
     );
+    let run = &r.run;
     println!(
         "Guest resumed here: {} pages touched in {}",
-        r.run.0,
-        ts(r.run.1)
+        run.pages_touched,
+        ts(run.time)
     );
 }
