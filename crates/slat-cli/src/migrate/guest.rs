@@ -3,9 +3,9 @@
 
 use super::parse::{dirty_limit, dirty_rate, inject};
 use super::*;
-use crate::args::{check_backends, check_kvm_ring, ring_size, FormatArg, MachineArgs};
+use crate::args::{check_kvm_ring, ring_size, FormatArg};
 use crate::args::{Switch, Workload};
-use crate::limits::{check_backing, GuestMemory};
+use crate::limits::GuestMemory;
 use slat_harness::migrate::{BackendKind, GuestSpec, Shape, WorkSpec};
 use slat_migrate::dirty_limit::DirtyLimitConfig;
 use slat_migrate::stream::Compression;
@@ -160,14 +160,10 @@ impl GuestArgs {
     /// and `copies` guests of it at once on this host (the source, and for `migrate-perf` the
     /// destination in the same process).
     pub(super) fn check(&self, copies: u64) -> CliResult {
+        let wrprot = self.wrprot != slat::WrprotVariant::Walk;
+        let extra: &[&str] = if wrprot { &["--wrprot"] } else { &[] };
+        check_machine(&self.machine, self.backend, self.work.backing, extra)?;
         let backends = [self.backend];
-        self.machine.format.check_backends(&backends).map_err(bad)?;
-        let mut engine_only = self.machine.engine_only();
-        if self.wrprot != slat::WrprotVariant::Walk {
-            engine_only.push("--wrprot");
-        }
-        check_backends(&backends, &engine_only).map_err(bad)?;
-        check_backing(&backends, self.work.backing).map_err(bad)?;
         let sim = self.backend == BackendArg::Sim;
         if !sim && self.write_percent != 100 {
             return Err(bad(

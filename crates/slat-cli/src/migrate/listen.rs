@@ -6,13 +6,12 @@
 
 use super::guest::machine_spec;
 use super::*;
-use crate::args::{backing, check_backends, MachineArgs};
-use crate::limits::check_backing;
+use crate::args::backing;
 use crate::migrate_report::DestinationDoc;
 use crate::output::Better;
 use slat_migrate::transport::Listener;
 use slat_migrate::{DestConfig, Destination};
-use slat_workload::{parse_size, Backing};
+use slat_workload::parse_size;
 use std::cell::RefCell;
 use std::rc::Rc;
 
@@ -91,9 +90,7 @@ impl Benchmark for Listen {
 
     fn check(&self) -> CliResult {
         let a = &self.a;
-        a.machine.format.check_backends(&[a.backend]).map_err(bad)?;
-        check_backends(&[a.backend], &a.machine.engine_only()).map_err(bad)?;
-        check_backing(&[a.backend], a.backing).map_err(bad)?;
+        check_machine(&a.machine, a.backend, a.backing, &[])?;
         if matches!(a.listen, Endpoint::Fd(_)) && (a.out.repeat > 1 || a.retries > 0) {
             return Err(bad(
                 "--listen fd:N carries one migration: --repeat and --retries need tcp: or unix:",
@@ -101,7 +98,7 @@ impl Benchmark for Listen {
         }
         let listener = match &a.listen {
             Endpoint::Fd(n) => Listener::Fd(Some(claim_fd(&a.listen, *n)?)),
-            at => Listener::bind(at).map_err(|e| RunError::Listen(at.to_string(), e))?,
+            at => Listener::bind(at).map_err(|e| failed(format!("cannot listen on {at}: {e}")))?,
         };
         let local = listener.describe();
         let what = format!("{} machine", a.backend.name());
@@ -149,7 +146,7 @@ fn receive_one(
     a: &ListenArgs,
     listener: &mut Listener,
     local: &str,
-) -> Result<slat_migrate::DestReport, RunError> {
+) -> CliResult<slat_migrate::DestReport> {
     let q = quiet(a.out.json);
     let cfg = DestConfig {
         resume_for: Duration::from_millis(a.resume_ms),
@@ -162,7 +159,7 @@ fn receive_one(
     let mut failures = 0;
     loop {
         let c = (listener.accept(Duration::from_secs(a.timeout)))
-            .map_err(|e| RunError::Accept(local.to_string(), e))?;
+            .map_err(|e| failed(format!("accepting on {local}: {e}")))?;
         let peer = c.peer.clone();
         progress(q, &format!("incoming migration from {peer}"));
         let err = match dest.serve_channel(c) {
@@ -171,11 +168,13 @@ fn receive_one(
         };
         failures += 1;
         if failures > a.retries {
-            return Err(RunError::Incoming(peer, err));
+            return Err(failed(format!(
+                "incoming migration from {peer} failed: {err}"
+            )));
         }
         progress(q, &format!(
             "incoming migration from {peer} failed: {err}; {} waiting for the source to retry ({failures} of {})",
-            if dest.holds_session() { "keeping the guest's memory and" } else { "" },
+            when(dest.holds_session(), "keeping the guest's memory and"),
             a.retries
         ));
     }

@@ -14,9 +14,10 @@ pub use guest::{GuestArgs, MigrationArgs};
 pub use listen::{Listen, ListenArgs};
 pub use perf::MigratePerfArgs;
 
-use crate::args::{BackendArg, OutputArgs};
+use crate::args::{check_backends, BackendArg, MachineArgs, OutputArgs};
 use crate::driver::{Benchmark, Common, Lines};
 use crate::error::{CliError, CliResult};
+use crate::limits::check_backing;
 use crate::migrate_report::Migration;
 use crate::output::Metric;
 use crate::report::quiet;
@@ -25,7 +26,8 @@ use parse::{claim_fd, endpoint};
 use progress::{on_event, progress};
 use slat_harness::migrate::{self as bench, BenchGuest, LogMode};
 use slat_migrate::transport::{Channel, Endpoint};
-use slat_migrate::{Faults, Memory, MigrateError, MigrationReport, Source};
+use slat_migrate::{Faults, Memory, MigrationReport, Source};
+use slat_workload::Backing;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -163,7 +165,7 @@ pub type Before = (f64, Vec<f64>);
 type Prepared = (Arc<dyn BenchGuest>, Source, Before);
 
 /// Builds, populates and fills the source guest; starts its workload and lets it warm up.
-fn prepare_source(g: &GuestArgs, m: &MigrationArgs, q: bool) -> Result<Prepared, RunError> {
+fn prepare_source(g: &GuestArgs, m: &MigrationArgs, q: bool) -> CliResult<Prepared> {
     progress(
         q,
         &format!(
@@ -174,10 +176,11 @@ fn prepare_source(g: &GuestArgs, m: &MigrationArgs, q: bool) -> Result<Prepared,
             g.fill
         ),
     );
-    let guest = bench::build(&g.spec())?;
-    guest.populate()?;
-    Memory::new(guest.as_dyn())?.stopped_fill(g.fill, g.seed as u64)?;
-    guest.start(g.work())?;
+    let guest = bench::build(&g.spec()).map_err(failed)?;
+    guest.populate().map_err(failed)?;
+    let mem = Memory::new(guest.as_dyn()).map_err(failed)?;
+    mem.stopped_fill(g.fill, g.seed as u64).map_err(failed)?;
+    guest.start(g.work()).map_err(failed)?;
     if let Some(r) = g.dirty_rate_vcpu0 {
         guest.set_vcpu_rate(0, r);
     }
@@ -193,51 +196,27 @@ fn prepare_source(g: &GuestArgs, m: &MigrationArgs, q: bool) -> Result<Prepared,
     Ok((guest, src, (all, per_vcpu)))
 }
 
-/// Why a migrate command failed while it ran: exit status 1 (flags it refuses are
-/// [`CliError::BadInput`], exit status 2, before anything runs).
-#[derive(Debug, thiserror::Error)]
-pub enum RunError {
-    #[error(transparent)]
-    Migrate(#[from] MigrateError),
-    #[error(transparent)]
-    Guest(#[from] slat_migrate::GuestError),
-    #[error(transparent)]
-    Memory(#[from] slat_migrate::MemoryError),
-    #[error(transparent)]
-    Map(#[from] slat_migrate::MapError),
-    /// The listening socket (or file) could not be opened.
-    #[error("cannot listen on {0}: {1}")]
-    Listen(String, #[source] std::io::Error),
-    /// A connection could not be accepted on the listening address.
-    #[error("accepting on {0}: {1}")]
-    Accept(String, #[source] MigrateError),
-    /// An inherited descriptor cannot be used.
-    #[error("{0}: {1}")]
-    Fd(Endpoint, std::io::Error),
-    /// migrate-perf's destination thread panicked.
-    #[error("the destination thread panicked")]
-    DestinationPanicked,
-    /// Both ends of migrate-perf failed: the source's error, then the destination's.
-    #[error("{0} (destination: {1})")]
-    BothEnds(Box<MigrateError>, Box<MigrateError>),
-    /// migrate-perf's destination failed after the source succeeded.
-    #[error("destination: {0}")]
-    Destination(MigrateError),
-    /// `slat migrate` used up its attempts; the guest keeps running on the source.
-    #[error(
-        "migration to {to} failed{}: {err}; the guest keeps running on the source ({writes} writes so far, {owed} pages still owed)",
-        if *attempts > 1 { format!(" after {attempts} attempts") } else { String::new() }
-    )]
-    GaveUp {
-        to: String,
-        attempts: usize,
-        err: Box<MigrateError>,
-        writes: u64,
-        owed: u64,
-    },
-    /// `slat migrate-listen` used up its retries.
-    #[error("incoming migration from {0} failed: {1}")]
-    Incoming(String, MigrateError),
+/// `s` when `on`, else nothing.
+fn when(on: bool, s: &str) -> &str {
+    if on {
+        s
+    } else {
+        ""
+    }
+}
+
+/// Refuses a machine the flags cannot run on: its page-table format, engine-only flags (the
+/// machine's and `extra`) and the host memory behind guest RAM.
+fn check_machine(
+    m: &MachineArgs,
+    b: BackendArg,
+    backing: Backing,
+    extra: &[&'static str],
+) -> CliResult {
+    m.format.check_backends(&[b]).map_err(bad)?;
+    let engine_only = [m.engine_only(), extra.to_vec()].concat();
+    check_backends(&[b], &engine_only).map_err(bad)?;
+    check_backing(&[b], backing).map_err(bad)
 }
 
 /// A refusal of the flags (exit status 2).
@@ -245,11 +224,9 @@ fn bad(why: impl std::fmt::Display) -> CliError {
     CliError::bad(why)
 }
 
-/// A failed run is a runtime failure: exit status 1.
-impl From<RunError> for CliError {
-    fn from(e: RunError) -> CliError {
-        CliError::Runtime(e.to_string())
-    }
+/// A failure while running (exit status 1).
+fn failed(why: impl std::fmt::Display) -> CliError {
+    CliError::Runtime(why.to_string())
 }
 
 impl Benchmark for MigrateArgs {
@@ -296,10 +273,7 @@ impl Benchmark for MigrateArgs {
 
 /// Builds a source guest and migrates it to `--to`, retrying as `--retries` allows. Returns
 /// the report, the guest's write rates before the migration and why earlier attempts failed.
-fn migrate_once(
-    a: &MigrateArgs,
-    q: bool,
-) -> Result<(MigrationReport, Before, Vec<String>), RunError> {
+fn migrate_once(a: &MigrateArgs, q: bool) -> CliResult<(MigrationReport, Before, Vec<String>)> {
     let mut fd = match &a.to {
         Endpoint::Fd(n) => Some(claim_fd(&a.to, *n)?),
         _ => None,
@@ -313,12 +287,12 @@ fn migrate_once(
         let r = match (&a.to, fd.take()) {
             (Endpoint::Fd(_), Some(fd)) => {
                 let c = Channel::fd(fd, Duration::from_secs(a.migration.timeout), true)
-                    .map_err(|e| RunError::Fd(a.to.clone(), e))?;
+                    .map_err(|e| failed(format!("{}: {e}", a.to)))?;
                 src.migrate_over(c, &mut events)
             }
             (Endpoint::Fd(_), None) => {
                 let why = "the descriptor carried the first attempt";
-                return Err(RunError::Fd(a.to.clone(), std::io::Error::other(why)));
+                return Err(failed(format!("{}: {why}", a.to)));
             }
             (to, _) => src.migrate_to(to, &mut events),
         };
@@ -335,13 +309,14 @@ fn migrate_once(
             ..Faults::default()
         };
         if failures.len() as u32 > a.retries {
-            return Err(RunError::GaveUp {
-                to: a.to.to_string(),
-                attempts: failures.len(),
-                err: Box::new(err),
-                writes: guest.writes(),
-                owed: src.owed(),
-            });
+            let after = match failures.len() {
+                1 => String::new(),
+                n => format!(" after {n} attempts"),
+            };
+            return Err(failed(format!(
+                "migration to {} failed{after}: {err}; the guest keeps running on the source ({} writes so far, {} pages still owed)",
+                a.to, guest.writes(), src.owed()
+            )));
         }
         progress(
             q,

@@ -1,7 +1,8 @@
 //! Parsers of the migration commands' flag values (clap prints a refusal on one line and
 //! exits with status 2).
 
-use super::{Inject, RunError, MAX_DIRTY_RATE, MAX_DOWNTIME_MS};
+use super::{failed, Inject, MAX_DIRTY_RATE, MAX_DOWNTIME_MS};
+use crate::error::CliResult;
 use slat_migrate::transport::{self, Endpoint};
 
 /// Parses `--to` and `--listen` (QEMU's URI forms; a bare HOST:PORT is TCP).
@@ -10,10 +11,10 @@ pub(super) fn endpoint(s: &str) -> Result<Endpoint, transport::EndpointError> {
 }
 
 /// Takes inherited descriptor `n` of `ep` (`fd:N`).
-pub(super) fn claim_fd(ep: &Endpoint, n: i32) -> Result<std::os::fd::OwnedFd, RunError> {
+pub(super) fn claim_fd(ep: &Endpoint, n: i32) -> CliResult<std::os::fd::OwnedFd> {
     // SAFETY: `fd:N` names a descriptor this process inherited for the migration (N > 2, so
     // not stdin, stdout or stderr); nothing else in the process opens, uses or closes it.
-    unsafe { transport::inherited_fd(n) }.map_err(|e| RunError::Fd(ep.clone(), e))
+    unsafe { transport::inherited_fd(n) }.map_err(|e| failed(format!("{ep}: {e}")))
 }
 
 /// Parses `--inject KEY=N`.

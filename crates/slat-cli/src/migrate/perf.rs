@@ -48,39 +48,23 @@ macro_rules! key {
 }
 
 /// migrate-perf's `--vary` table.
+#[rustfmt::skip]
 pub const VARY: &[Key<MigratePerfArgs>] = &[
     key!("log", "--log", LogArg, |a| a.guest.log),
-    vary_key!(
-        "dirty-rate",
-        "--dirty-rate",
-        Values::Text("pages/s per vCPU (k/m suffixes)", |v| dirty_rate(v)
-            .map(drop)),
-        |a, v| a.guest.dirty_rate = dirty_rate(v)?
-    ),
+    vary_key!("dirty-rate", "--dirty-rate",
+        Values::Text("pages/s per vCPU (k/m suffixes)", |v| dirty_rate(v).map(drop)),
+        |a, v| a.guest.dirty_rate = dirty_rate(v)?),
     key!("fast-pf", "--fast-pf", Switch, |a| a.guest.machine.fast_pf),
     key!("backend", "--backend", BackendArg, |a| a.guest.backend),
-    vary_key!(
-        "max-downtime",
-        "--max-downtime",
+    vary_key!("max-downtime", "--max-downtime",
         Values::Text("milliseconds", |v| max_downtime(v).map(drop)),
-        |a, v| a.migration.max_downtime = max_downtime(v)?
-    ),
-    key!("compress", "--compress", CompressArg, |a| a
-        .migration
-        .compress),
-    key!("auto-converge", "--auto-converge", Switch, |a| a
-        .migration
-        .auto_converge),
-    vary_key!(
-        "wrprot",
-        "--wrprot",
-        Values::OneOf(variants::<slat::WrprotVariant>),
-        |a, v| a.guest.wrprot = engine(v)?
-    ),
+        |a, v| a.migration.max_downtime = max_downtime(v)?),
+    key!("compress", "--compress", CompressArg, |a| a.migration.compress),
+    key!("auto-converge", "--auto-converge", Switch, |a| a.migration.auto_converge),
+    vary_key!("wrprot", "--wrprot", Values::OneOf(variants::<slat::WrprotVariant>),
+        |a, v| a.guest.wrprot = engine(v)?),
     key!("verify", "--verify", VerifyArg, |a| a.migration.verify),
-    key!("converge", "--converge", ConvergeArg, |a| a
-        .migration
-        .converge),
+    key!("converge", "--converge", ConvergeArg, |a| a.migration.converge),
 ];
 
 impl Benchmark for MigratePerfArgs {
@@ -138,14 +122,14 @@ impl Benchmark for MigratePerfArgs {
 /// destination's reports and the guest's write rates before the migration.
 fn perf_once(
     a: &MigratePerfArgs,
-) -> Result<(MigrationReport, slat_migrate::DestReport, Before), RunError> {
+) -> CliResult<(MigrationReport, slat_migrate::DestReport, Before)> {
     let q = quiet(a.out.json);
     let (_guest, mut src, before) = prepare_source(&a.guest, &a.migration, q)?;
     progress(q, "destination: mapping the same guest memory");
     let mut dspec = a.guest.spec();
     dspec.log = LogMode::Get;
-    let dguest = bench::build(&dspec)?.as_guest();
-    let loopback = |e| RunError::Listen("loopback".into(), e);
+    let dguest = bench::build(&dspec).map_err(failed)?.as_guest();
+    let loopback = |e| failed(format!("cannot listen on loopback: {e}"));
     let listener = TcpListener::bind("127.0.0.1:0").map_err(loopback)?;
     let addr = listener.local_addr().map_err(loopback)?.to_string();
     let cfg = DestConfig {
@@ -155,60 +139,42 @@ fn perf_once(
     };
     let dest = std::thread::spawn(move || Destination::with_guest(dguest, cfg).accept(&listener));
     let r = src.migrate(&addr, &mut on_event(q, a.migration.progress));
-    let d = dest.join().map_err(|_| RunError::DestinationPanicked)?;
+    let d = (dest.join()).map_err(|_| failed("the destination thread panicked"))?;
     match (r, d) {
         (Ok(r), Ok(d)) => Ok((r, d, before)),
-        (Err(s), Err(d)) => Err(RunError::BothEnds(Box::new(s), Box::new(d))),
-        (Err(e), Ok(_)) => Err(e.into()),
-        (Ok(_), Err(d)) => Err(RunError::Destination(d)),
-    }
-}
-
-const fn metric(
-    name: &'static str,
-    unit: &'static str,
-    better: Better,
-    get: fn(&Migration) -> Option<f64>,
-) -> Metric<Migration> {
-    Metric {
-        name,
-        unit,
-        better,
-        get,
+        (Err(s), Err(d)) => Err(failed(format!("{s} (destination: {d})"))),
+        (Err(s), Ok(_)) => Err(failed(s)),
+        (Ok(_), Err(d)) => Err(failed(format!("destination: {d}"))),
     }
 }
 
 /// The figures `--repeat` summarizes.
+#[rustfmt::skip]
 pub const METRICS: &[Metric<Migration>] = &[
-    metric("total migration time", "s", Better::Lower, |m| {
-        Some(m.total.as_secs_f64())
-    }),
-    metric("downtime", "s", Better::Lower, |m| {
-        Some(m.downtime.as_secs_f64())
-    }),
-    metric("rounds", "rounds", Better::Lower, |m| {
-        Some(m.rounds.len() as f64)
-    }),
-    metric("bandwidth", "bytes/s", Better::Higher, |m| {
-        Some(m.bandwidth_bytes_per_s)
-    }),
-    metric(
-        "guest writes during migration",
-        "writes/s",
-        Better::Higher,
-        |m| Some(m.guest_writes_per_s_during),
-    ),
+    Metric { name: "total migration time", unit: "s", better: Better::Lower, get: |m| Some(m.total.as_secs_f64()) },
+    Metric { name: "downtime", unit: "s", better: Better::Lower, get: |m| Some(m.downtime.as_secs_f64()) },
+    Metric { name: "rounds", unit: "rounds", better: Better::Lower, get: |m| Some(m.rounds.len() as f64) },
+    Metric { name: "bandwidth", unit: "bytes/s", better: Better::Higher, get: |m| Some(m.bandwidth_bytes_per_s) },
+    Metric {
+        name: "guest writes during migration", unit: "writes/s", better: Better::Higher,
+        get: |m| Some(m.guest_writes_per_s_during),
+    },
 ];
 
-/// A column of the sweep table: its head, a run's cell, and for `--repeat`'s mean row the
-/// figure averaged and how it is shown.
-type Column = (&'static str, fn(&Migration) -> String, Option<Mean>);
-type Mean = (fn(&Migration) -> f64, fn(f64) -> String);
+/// A cell of the sweep table: a figure with its decimals (and whether `--repeat`'s row shows
+/// its mean), a percentage (`-` without one; the mean counts none as 0), or text.
+enum Cell {
+    Num(fn(&Migration) -> f64, usize, bool),
+    Pct(fn(&Migration) -> Option<f64>),
+    Text(fn(&Migration) -> String),
+}
+use Cell::{Num, Pct, Text};
 
 fn pct(x: f64) -> String {
     format!("{x:.0}%")
 }
 
+/// `xs` shown by `f`, joined by `/` (`-` for none).
 fn joined<T>(xs: &[T], f: impl Fn(&T) -> String) -> String {
     match xs {
         [] => "-".into(),
@@ -216,91 +182,66 @@ fn joined<T>(xs: &[T], f: impl Fn(&T) -> String) -> String {
     }
 }
 
-const COLUMNS: &[Column] = &[
-    (
-        "total (s)",
-        |m| format!("{:.3}", m.total.as_secs_f64()),
-        Some((|m| m.total.as_secs_f64(), |x| format!("{x:.3}"))),
-    ),
-    (
-        "downtime (ms)",
-        |m| format!("{:.1}", m.downtime.as_secs_f64() * 1e3),
-        Some((|m| m.downtime.as_secs_f64() * 1e3, |x| format!("{x:.1}"))),
-    ),
-    (
-        "of which copy (ms)",
-        |m| {
-            format!(
-                "{:.1}",
-                (m.final_harvest + m.final_send).as_secs_f64() * 1e3
-            )
-        },
-        None,
-    ),
-    ("rounds", |m| m.rounds.len().to_string(), None),
-    (
-        "pages per round",
-        |m| joined(&m.rounds, |x| x.pages.to_string()),
-        None,
-    ),
-    (
-        "dirty pages/s",
-        |m| format!("{:.0}", m.dirty_pages_per_s),
-        None,
-    ),
-    (
-        "MiB/s",
-        |m| format!("{:.0}", m.bandwidth_bytes_per_s / (1 << 20) as f64),
-        None,
-    ),
-    (
-        "throttle (max)",
-        |m| match &m.dirty_limit {
-            Some(d) => format!(
-                "dl {}",
-                joined(&d.vcpu_max_throttle_permille, |t| pct(*t as f64 / 10.0))
-            ),
-            None => format!("{}%", m.throttle.max_percent),
-        },
-        None,
-    ),
-    (
-        "guest writes/s before/during",
-        |m| {
-            format!(
-                "{:.0}/{:.0}",
-                m.guest_writes_per_s_before, m.guest_writes_per_s_during
-            )
-        },
-        None,
-    ),
-    (
-        "throughput lost",
-        |m| m.guest_throughput_lost_percent.map_or("-".into(), pct),
-        Some((|m| m.guest_throughput_lost_percent.unwrap_or(0.0), pct)),
-    ),
-    (
-        "writes lost (M)",
-        |m| format!("{:.2}", m.guest_writes_lost / 1e6),
-        Some((|m| m.guest_writes_lost / 1e6, |x| format!("{x:.2}"))),
-    ),
-    (
-        "lost per vCPU",
-        |m| joined(&m.vcpu_throughput_lost_percent, |v| pct(*v)),
-        None,
-    ),
-    ("verified", |_| "ok".into(), None),
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn throttle(m: &Migration) -> String {
+    match &m.dirty_limit {
+        Some(d) => format!(
+            "dl {}",
+            joined(&d.vcpu_max_throttle_permille, |t| pct(*t as f64 / 10.0))
+        ),
+        None => format!("{}%", m.throttle.max_percent),
+    }
+}
+
+#[rustfmt::skip]
+const COLUMNS: &[(&str, Cell)] = &[
+    ("total (s)", Num(|m| m.total.as_secs_f64(), 3, true)),
+    ("downtime (ms)", Num(|m| ms(m.downtime), 1, true)),
+    ("of which copy (ms)", Num(|m| ms(m.final_harvest + m.final_send), 1, false)),
+    ("rounds", Num(|m| m.rounds.len() as f64, 0, false)),
+    ("pages per round", Text(|m| joined(&m.rounds, |x| x.pages.to_string()))),
+    ("dirty pages/s", Num(|m| m.dirty_pages_per_s, 0, false)),
+    ("MiB/s", Num(|m| m.bandwidth_bytes_per_s / (1 << 20) as f64, 0, false)),
+    ("throttle (max)", Text(throttle)),
+    ("guest writes/s before/during", Text(|m| {
+        format!("{:.0}/{:.0}", m.guest_writes_per_s_before, m.guest_writes_per_s_during)
+    })),
+    ("throughput lost", Pct(|m| m.guest_throughput_lost_percent)),
+    ("writes lost (M)", Num(|m| m.guest_writes_lost / 1e6, 2, true)),
+    ("lost per vCPU", Text(|m| joined(&m.vcpu_throughput_lost_percent, |v| pct(*v)))),
+    ("verified", Text(|_| "ok".into())),
 ];
+
+impl Cell {
+    fn of(&self, m: &Migration) -> String {
+        match self {
+            Num(f, d, _) => format!("{:.*}", d, f(m)),
+            Pct(f) => f(m).map_or("-".into(), pct),
+            Text(f) => f(m),
+        }
+    }
+
+    /// The mean row's cell (empty where a mean says nothing).
+    fn mean(&self, runs: &[Migration]) -> String {
+        let mean =
+            |f: &dyn Fn(&Migration) -> f64| runs.iter().map(f).sum::<f64>() / runs.len() as f64;
+        match self {
+            Num(f, d, true) => format!("{:.*}", d, mean(f)),
+            Pct(f) => pct(mean(&|m| f(m).unwrap_or(0.0))),
+            _ => String::new(),
+        }
+    }
+}
 
 /// The sweep's title and table: each run's row (with `--repeat`, a row per run, then their
 /// mean); a failed combination is one row of `-` and FAILED.
 fn print_sweep(a: &MigratePerfArgs, sweep: &Sweep<Migration>) {
     let (g, repeated) = (&a.guest, a.out.repeat > 1);
     println!(
-        "migrate-perf sweep: {} vCPU(s), {} guest memory, {}% filled; base settings {}, max downtime {} ms; varied: {}; {} per combination, all in this process",
-        g.work.vcpus,
-        slat_workload::format_size(g.work.bytes * g.work.vcpus as u64),
-        g.fill,
+        "migrate-perf sweep: base settings {}, max downtime {} ms; varied: {}; {} per combination, all in this process",
         g.describe(),
         a.migration.max_downtime,
         sweep.varied.join(", "),
@@ -334,18 +275,13 @@ fn print_sweep(a: &MigratePerfArgs, sweep: &Sweep<Migration>) {
         for (k, m) in runs.iter().enumerate() {
             rows.push(row_of(
                 (k + 1).to_string(),
-                COLUMNS.iter().map(|c| (c.1)(m)).collect(),
+                COLUMNS.iter().map(|c| c.1.of(m)).collect(),
             ));
         }
         if repeated && !runs.is_empty() {
-            let mean =
-                |(fig, show): Mean| show(runs.iter().map(fig).sum::<f64>() / runs.len() as f64);
             rows.push(row_of(
                 "mean".into(),
-                COLUMNS
-                    .iter()
-                    .map(|c| c.2.map(mean).unwrap_or_default())
-                    .collect(),
+                COLUMNS.iter().map(|c| c.1.mean(runs)).collect(),
             ));
         }
     }

@@ -1,7 +1,7 @@
 //! Progress of a migration on stderr: `[slat]` text lines, or with `--progress json` one JSON
 //! object per event (its `event` field names it).
 
-use super::ProgressArg;
+use super::{when, ProgressArg};
 use serde_json::{json, Value};
 use slat_migrate::Event;
 use slat_workload::format_size;
@@ -34,11 +34,7 @@ fn describe(e: &Event<'_>) -> (&'static str, Option<String>, Value) {
             "connected",
             Some(format!(
                 "connected to a {backend} destination{}",
-                if *resume {
-                    " that kept this guest's memory: resuming"
-                } else {
-                    ""
-                }
+                when(*resume, " that kept this guest's memory: resuming")
             )),
             json!({ "resume": resume, "backend": backend }),
         ),

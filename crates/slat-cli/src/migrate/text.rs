@@ -1,20 +1,11 @@
 //! The text reports of `migrate`, `migrate-perf` and `migrate-listen`.
 
-use super::{CompressArg, GuestArgs, MigrationArgs};
+use super::{when, CompressArg, GuestArgs, MigrationArgs};
 use crate::migrate_report::{DestinationDoc, Migration};
 use crate::report::ts;
 use slat_workload::format_size;
 
 const MIB: f64 = (1 << 20) as f64;
-
-/// `s` when `on`, else nothing.
-fn when(on: bool, s: &str) -> &str {
-    if on {
-        s
-    } else {
-        ""
-    }
-}
 
 /// The text report of one migration (source side).
 pub fn print_report(g: &GuestArgs, m: &MigrationArgs, r: &Migration) {
