@@ -271,8 +271,14 @@ impl MigrationArgs {
             max_rounds: self.max_rounds,
             // At most MAX_BANDWIDTH_MIB: the bytes per second fit.
             bandwidth: self.bandwidth.unwrap_or(0) << 20,
-            verify: [VerifyMode::Sent, VerifyMode::Full][self.verify as usize],
-            compression: [Compression::None, Compression::Lz4][self.compress as usize],
+            verify: match self.verify {
+                VerifyArg::Sent => VerifyMode::Sent,
+                VerifyArg::Full => VerifyMode::Full,
+            },
+            compression: match self.compress {
+                CompressArg::None => Compression::None,
+                CompressArg::Lz4 => Compression::Lz4,
+            },
             auto_converge: self.auto_converge.on() && self.converge == ConvergeArg::Auto,
             dirty_limit: dirty_limit.then(|| DirtyLimitConfig {
                 limit: self.dirty_limit,

@@ -44,7 +44,11 @@ pub enum LogArg {
 
 impl LogArg {
     pub fn mode(self) -> LogMode {
-        [LogMode::Get, LogMode::Clear, LogMode::Ring][self as usize]
+        match self {
+            LogArg::Get => LogMode::Get,
+            LogArg::Clear => LogMode::Clear,
+            LogArg::Ring => LogMode::Ring,
+        }
     }
 }
 
@@ -92,7 +96,11 @@ pub enum ConvergeArg {
 impl ConvergeArg {
     /// The name the command line uses.
     pub fn name(self) -> &'static str {
-        ["auto", "dirty-limit", "none"][self as usize]
+        match self {
+            ConvergeArg::Auto => "auto",
+            ConvergeArg::DirtyLimit => "dirty-limit",
+            ConvergeArg::None => "none",
+        }
     }
 }
 
