@@ -7,8 +7,8 @@
 use super::guest::machine_spec;
 use super::*;
 use crate::args::backing;
-use crate::migrate_report::DestinationDoc;
-use crate::output::Better;
+use crate::migrate_report::Dest;
+use crate::output::Better::Lower;
 use slat_migrate::transport::Listener;
 use slat_migrate::{DestConfig, Destination};
 use slat_workload::parse_size;
@@ -72,7 +72,7 @@ impl Listen {
 }
 
 impl Benchmark for Listen {
-    type Report = DestinationDoc;
+    type Report = Dest;
     const NAME: &'static str = "migrate-listen";
 
     fn common(&self) -> Common<'_> {
@@ -110,35 +110,31 @@ impl Benchmark for Listen {
         Ok(())
     }
 
-    fn measure(&self, _kind: BackendArg) -> CliResult<DestinationDoc> {
+    fn measure(&self, _kind: BackendArg) -> CliResult<Dest> {
         let mut at = self.at.borrow_mut();
         let (listener, local) = at
             .as_mut()
             .ok_or("migrate-listen: the endpoint is not open")?;
-        Ok(DestinationDoc::new(&receive_one(&self.a, listener, local)?))
+        Ok(Dest(receive_one(&self.a, listener, local)?))
     }
 
-    fn metrics(&self) -> Vec<Metric<DestinationDoc>> {
-        let metric = |name, unit, get: fn(&DestinationDoc) -> Option<f64>| Metric {
-            name,
-            unit,
-            better: Better::Lower,
-            get,
-        };
-        vec![
-            metric("total migration time", "s", |d| Some(d.total.as_secs_f64())),
-            metric("setup", "s", |d| Some(d.setup.as_secs_f64())),
-            metric("verification hashing", "s", |d| {
-                Some(d.verify_time.as_secs_f64())
-            }),
-            metric("stream received", "bytes", |d| Some(d.bytes as f64)),
-        ]
+    fn metrics(&self) -> Vec<Metric<Dest>> {
+        METRICS.to_vec()
     }
 
-    fn print(&self, r: &DestinationDoc) {
+    fn print(&self, r: &Dest) {
         text::print_dest(r)
     }
 }
+
+/// The figures `migrate-listen --repeat` summarizes.
+#[rustfmt::skip]
+const METRICS: &[Metric<Dest>] = &[
+    Metric { name: "total migration time", unit: "s", better: Lower, get: |d| Some(d.0.total.as_secs_f64()) },
+    Metric { name: "setup", unit: "s", better: Lower, get: |d| Some(d.0.setup.as_secs_f64()) },
+    Metric { name: "verification hashing", unit: "s", better: Lower, get: |d| Some(d.0.verify_time.as_secs_f64()) },
+    Metric { name: "stream received", unit: "bytes", better: Lower, get: |d| Some(d.0.bytes as f64) },
+];
 
 /// Serves connections on `listener` until one migration completes, into a destination of its
 /// own, surviving `--retries` failed ones.

@@ -261,9 +261,17 @@ impl Benchmark for MigrateArgs {
     }
 
     fn measure(&self, _kind: BackendArg) -> CliResult<Migration> {
-        let (r, before, failures) = migrate_once(self, quiet(self.out.json))?;
-        let flags = (&self.guest, &self.migration);
-        Ok(Migration::new(Self::NAME, flags, &r, before, failures))
+        let (r, before, failed_attempts) = migrate_once(self, quiet(self.out.json))?;
+        let (guest, migration) = (self.guest.clone(), self.migration.clone());
+        Ok(Migration {
+            benchmark: Self::NAME,
+            guest,
+            migration,
+            failed_attempts,
+            r,
+            before,
+            destination: None,
+        })
     }
 
     fn metrics(&self) -> Vec<Metric<Migration>> {
@@ -271,7 +279,7 @@ impl Benchmark for MigrateArgs {
     }
 
     fn print(&self, m: &Migration) {
-        text::print_report(&self.guest, &self.migration, m)
+        text::print_report(m)
     }
 
     fn lines(&self, first: &Migration) -> Vec<Lines<Migration>> {

@@ -8,9 +8,10 @@ use crate::args::Switch;
 use crate::driver::chart::SeriesOf;
 use crate::driver::vary::{engine, names, pick, variants, Key, Values};
 use crate::driver::{self, Lines};
-use crate::migrate_report::{DestinationDoc, Round};
+use crate::migrate_report::Dest;
 use crate::output::{print_table, Better, RowOutcome, Sweep};
 use crate::vary_key;
+use slat_migrate::RoundReport;
 use slat_migrate::{DestConfig, Destination};
 use std::net::TcpListener;
 
@@ -90,10 +91,16 @@ impl Benchmark for MigratePerfArgs {
 
     fn measure(&self, _kind: BackendArg) -> CliResult<Migration> {
         let (r, d, before) = perf_once(self)?;
-        let flags = (&self.guest, &self.migration);
-        let mut m = Migration::new(Self::NAME, flags, &r, before, Vec::new());
-        m.destination = Some(DestinationDoc::new(&d));
-        Ok(m)
+        let (guest, migration) = (self.guest.clone(), self.migration.clone());
+        Ok(Migration {
+            benchmark: Self::NAME,
+            guest,
+            migration,
+            failed_attempts: Vec::new(),
+            r,
+            before,
+            destination: Some(Dest(d)),
+        })
     }
 
     fn metrics(&self) -> Vec<Metric<Migration>> {
@@ -105,7 +112,7 @@ impl Benchmark for MigratePerfArgs {
     }
 
     fn print(&self, m: &Migration) {
-        text::print_report(&self.guest, &self.migration, m)
+        text::print_report(m)
     }
 
     fn lines(&self, first: &Migration) -> Vec<Lines<Migration>> {
@@ -151,13 +158,13 @@ fn perf_once(
 /// The figures `--repeat` summarizes.
 #[rustfmt::skip]
 pub const METRICS: &[Metric<Migration>] = &[
-    Metric { name: "total migration time", unit: "s", better: Better::Lower, get: |m| Some(m.total.as_secs_f64()) },
-    Metric { name: "downtime", unit: "s", better: Better::Lower, get: |m| Some(m.downtime.as_secs_f64()) },
-    Metric { name: "rounds", unit: "rounds", better: Better::Lower, get: |m| Some(m.rounds.len() as f64) },
-    Metric { name: "bandwidth", unit: "bytes/s", better: Better::Higher, get: |m| Some(m.bandwidth_bytes_per_s) },
+    Metric { name: "total migration time", unit: "s", better: Better::Lower, get: |m| Some(m.r.total.as_secs_f64()) },
+    Metric { name: "downtime", unit: "s", better: Better::Lower, get: |m| Some(m.r.downtime.as_secs_f64()) },
+    Metric { name: "rounds", unit: "rounds", better: Better::Lower, get: |m| Some(m.r.rounds.len() as f64) },
+    Metric { name: "bandwidth", unit: "bytes/s", better: Better::Higher, get: |m| Some(m.r.bandwidth()) },
     Metric {
         name: "guest writes during migration", unit: "writes/s", better: Better::Higher,
-        get: |m| Some(m.guest_writes_per_s_during),
+        get: |m| Some(m.r.write_rate()),
     },
 ];
 
@@ -187,31 +194,26 @@ fn ms(d: Duration) -> f64 {
 }
 
 fn throttle(m: &Migration) -> String {
-    match &m.dirty_limit {
-        Some(d) => format!(
-            "dl {}",
-            joined(&d.vcpu_max_throttle_permille, |t| pct(*t as f64 / 10.0))
-        ),
-        None => format!("{}%", m.throttle.max_percent),
+    match &m.r.dirty_limit {
+        Some(d) => format!("dl {}", joined(&d.max_permille, |t| pct(*t as f64 / 10.0))),
+        None => format!("{}%", m.r.throttle_max),
     }
 }
 
 #[rustfmt::skip]
 const COLUMNS: &[(&str, Cell)] = &[
-    ("total (s)", Num(|m| m.total.as_secs_f64(), 3, true)),
-    ("downtime (ms)", Num(|m| ms(m.downtime), 1, true)),
-    ("of which copy (ms)", Num(|m| ms(m.final_harvest + m.final_send), 1, false)),
-    ("rounds", Num(|m| m.rounds.len() as f64, 0, false)),
-    ("pages per round", Text(|m| joined(&m.rounds, |x| x.pages.to_string()))),
-    ("dirty pages/s", Num(|m| m.dirty_pages_per_s, 0, false)),
-    ("MiB/s", Num(|m| m.bandwidth_bytes_per_s / (1 << 20) as f64, 0, false)),
+    ("total (s)", Num(|m| m.r.total.as_secs_f64(), 3, true)),
+    ("downtime (ms)", Num(|m| ms(m.r.downtime), 1, true)),
+    ("of which copy (ms)", Num(|m| ms(m.r.final_harvest + m.r.final_send), 1, false)),
+    ("rounds", Num(|m| m.r.rounds.len() as f64, 0, false)),
+    ("pages per round", Text(|m| joined(&m.r.rounds, |x| x.pages.to_string()))),
+    ("dirty pages/s", Num(|m| m.r.dirty_rate(), 0, false)),
+    ("MiB/s", Num(|m| m.r.bandwidth() / (1 << 20) as f64, 0, false)),
     ("throttle (max)", Text(throttle)),
-    ("guest writes/s before/during", Text(|m| {
-        format!("{:.0}/{:.0}", m.guest_writes_per_s_before, m.guest_writes_per_s_during)
-    })),
-    ("throughput lost", Pct(|m| m.guest_throughput_lost_percent)),
-    ("writes lost (M)", Num(|m| m.guest_writes_lost / 1e6, 2, true)),
-    ("lost per vCPU", Text(|m| joined(&m.vcpu_throughput_lost_percent, |v| pct(*v)))),
+    ("guest writes/s before/during", Text(|m| format!("{:.0}/{:.0}", m.before.0, m.r.write_rate()))),
+    ("throughput lost", Pct(Migration::throughput_lost)),
+    ("writes lost (M)", Num(|m| m.writes_lost() / 1e6, 2, true)),
+    ("lost per vCPU", Text(|m| joined(&m.vcpu_lost(), |v| pct(*v)))),
     ("verified", Text(|_| "ok".into())),
 ];
 
@@ -291,16 +293,16 @@ fn print_sweep(a: &MigratePerfArgs, sweep: &Sweep<Migration>) {
 /// `--plot` of a migration: pages sent and pages dirtied meanwhile (owed to the next round)
 /// per round, and the throttle per round.
 pub fn convergence(r: &Migration) -> Vec<Lines<Migration>> {
-    fn per_round(name: &str, f: fn(&Round) -> f64) -> (String, SeriesOf<Migration>) {
+    fn per_round(name: &str, f: fn(&RoundReport) -> f64) -> (String, SeriesOf<Migration>) {
         let points = move |m: &Migration| {
-            m.rounds
+            m.r.rounds
                 .iter()
                 .map(|p| (p.round as f64, Some(f(p))))
                 .collect()
         };
         (name.to_string(), Box::new(points))
     }
-    let rounds: Vec<String> = r.rounds.iter().map(|p| p.round.to_string()).collect();
+    let rounds: Vec<String> = r.r.rounds.iter().map(|p| p.round.to_string()).collect();
     vec![
         Lines {
             title: "migration convergence".to_string(),
@@ -319,7 +321,7 @@ pub fn convergence(r: &Migration) -> Vec<Lines<Migration>> {
             x_desc: "round",
             y_desc: "vCPU throttle (%)",
             series: vec![per_round("throttle while the round ran (%)", |p| {
-                p.throttle_percent as f64
+                p.throttle as f64
             })],
             x_names: Some(rounds),
         },

@@ -1,44 +1,38 @@
 //! The text reports of `migrate`, `migrate-perf` and `migrate-listen`.
 
-use super::{when, CompressArg, GuestArgs, MigrationArgs};
-use crate::migrate_report::{DestinationDoc, Migration};
+use super::{when, CompressArg};
+use crate::migrate_report::{Dest, Migration};
 use crate::report::ts;
 use slat_workload::format_size;
 
 const MIB: f64 = (1 << 20) as f64;
 
 /// The text report of one migration (source side).
-pub fn print_report(g: &GuestArgs, m: &MigrationArgs, r: &Migration) {
-    println!("Guest: {}", g.describe());
+pub fn print_report(mig: &Migration) {
+    let (r, m) = (&mig.r, &mig.migration);
+    println!("Guest: {}", mig.guest.describe());
     println!(
         "Migration: attempt {}{}, to a {} destination; max downtime {} ms{}{}",
         r.attempt,
         when(r.resumed, " (resumed the destination's kept memory)"),
-        r.destination_backend,
+        r.dest_backend,
         m.max_downtime,
         (m.bandwidth.map(|b| format!(", bandwidth cap {b} MiB/s"))).unwrap_or_default(),
         when(m.compress == CompressArg::Lz4, ", lz4"),
     );
     for x in &r.rounds {
+        let (last, dirtied) = (x.stop_and_copy, x.dirtied.to_string());
         println!(
             "{} {}: {} pages ({} zero), {} in {} ({:.0} MiB/s); dirtied meanwhile: {}{}",
-            if x.stop_and_copy {
-                "Stop-and-copy round"
-            } else {
-                "Round"
-            },
+            if last { "Stop-and-copy round" } else { "Round" },
             x.round,
             x.pages,
             x.zero_pages,
             format_size(x.bytes),
             ts(x.time),
             x.bandwidth() / MIB,
-            if x.stop_and_copy {
-                "-".to_string()
-            } else {
-                x.dirtied.to_string()
-            },
-            match x.throttle_percent {
+            if last { "-" } else { &dirtied },
+            match x.throttle {
                 0 => String::new(),
                 t => format!(", throttle {t}%"),
             },
@@ -61,83 +55,81 @@ pub fn print_report(g: &GuestArgs, m: &MigrationArgs, r: &Migration) {
     );
     println!(
         "Dirty rate: {:.0} pages/s harvested during pre-copy; guest writes {:.0}/s before migration, {:.0}/s during pre-copy",
-        r.dirty_pages_per_s, r.guest_writes_per_s_before, r.guest_writes_per_s_during
+        r.dirty_rate(), mig.before.0, r.write_rate()
     );
     println!(
         "Bandwidth: {:.0} MiB/s average ({} pages, {} sent)",
-        r.bandwidth_bytes_per_s / MIB,
-        r.pages,
-        format_size(r.bytes)
+        r.bandwidth() / MIB,
+        r.pages(),
+        format_size(r.bytes())
     );
-    print_checks(r);
+    print_checks(mig);
 }
 
 /// Throttling, verification, device state and the destination's resume.
-fn print_checks(r: &Migration) {
+fn print_checks(mig: &Migration) {
+    let r = &mig.r;
     if let Some(d) = &r.dirty_limit {
-        let v: Vec<String> = (d.vcpu_max_throttle_permille.iter())
-            .zip(&d.vcpu_last_dirty_pages_per_s)
+        let v: Vec<String> = (d.max_permille.iter().zip(&d.last_rates))
             .map(|(t, x)| format!("max {:.1}% (last {x:.0} pages/s)", *t as f64 / 10.0))
             .collect();
         println!(
             "Dirty-limit: {} pages/s per vCPU, every {} ms, {} periods; per vCPU: {}",
-            d.limit_pages_per_s,
+            d.limit,
             d.period.as_millis(),
             d.periods,
             v.join(", ")
         );
     }
-    let t = &r.throttle;
-    if t.max_percent == 0 {
+    if r.throttle_max == 0 {
         println!("Throttling: none");
     } else {
-        let steps: Vec<String> = (t.changes.iter())
-            .map(|c| format!("{}% after round {}", c.percent, c.after_round))
+        let steps: Vec<String> = (r.throttle_changes.iter())
+            .map(|(round, t)| format!("{t}% after round {round}"))
             .collect();
         println!(
             "Throttling: up to {}% ({}); vCPUs kept out of the guest {:.3}s in total",
-            t.max_percent,
+            r.throttle_max,
             steps.join(", "),
-            t.vcpu_time.as_secs_f64()
+            r.throttled.as_secs_f64()
         );
     }
-    let v = &r.verification;
     let ranges = format!(
         "{} ranges of {} pages ({})",
-        v.ranges,
-        v.range_pages,
-        format_size(v.ranges * v.range_pages as u64 * 4096)
+        r.verify_ranges,
+        r.range_pages,
+        format_size(r.verify_ranges * r.range_pages as u64 * 4096)
     );
     if r.one_way {
         println!("Verification: sent, {ranges}, for the reader to check");
     } else {
         println!(
             "Verification: OK, {ranges} match the source ({}: {} pages hashed with the vCPUs paused)",
-            v.mode.unwrap_or_default(),
-            v.paused_hashed_pages.unwrap_or_default()
+            r.verify_mode.name(),
+            r.paused_hashed_pages
         );
     }
-    if r.device_state_blobs > 0 {
+    if r.state_blobs > 0 {
         println!(
             "Device state: {} blobs, {} bytes",
-            r.device_state_blobs, r.device_state_bytes
+            r.state_blobs, r.state_bytes
         );
     }
-    match &r.destination_resumed {
-        Some(d) => println!(
-            "Destination resumed the guest: {} pages touched in {}",
-            d.pages_touched,
-            ts(d.time)
+    match r.dest_resumed {
+        Some((n, d)) => println!(
+            "Destination resumed the guest: {n} pages touched in {}",
+            ts(d)
         ),
         None => println!("Destination resumed the guest: not reported"),
     }
 }
 
 /// The text report of one received migration.
-pub fn print_dest(r: &DestinationDoc) {
+pub fn print_dest(d: &Dest) {
+    let r = &d.0;
     println!(
         "Incoming migration: {} guest from a {} source (attempt {}{}), onto {}",
-        format_size(r.memory_bytes),
+        format_size(d.memory_bytes()),
         r.source_backend,
         r.attempt,
         when(r.resumed, ", resumed"),
@@ -153,14 +145,10 @@ pub fn print_dest(r: &DestinationDoc) {
     );
     println!(
         "Verification: OK, {} ranges of {} pages match the source (hashing here took {})",
-        r.verification.ranges,
-        r.verification.range_pages,
+        r.verify.ranges,
+        r.verify.range_pages,
         ts(r.verify_time)
     );
-    let run = &r.run;
-    println!(
-        "Guest resumed here: {} pages touched in {}",
-        run.pages_touched,
-        ts(run.time)
-    );
+    let (pages, time) = r.run;
+    println!("Guest resumed here: {pages} pages touched in {}", ts(time));
 }
