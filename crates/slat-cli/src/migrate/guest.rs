@@ -13,18 +13,13 @@ use slat_migrate::verify::VerifyMode;
 use slat_migrate::SourceConfig;
 use slat_workload::format_size;
 
-/// The harness's name of a machine.
-pub(super) fn kind(b: BackendArg) -> BackendKind {
-    match b {
-        BackendArg::Sim => BackendKind::Sim,
-        BackendArg::Kvm => BackendKind::Kvm,
-    }
-}
-
 /// The machine settings both ends share.
 pub(super) fn machine_spec(m: &MachineArgs, backend: BackendArg) -> GuestSpec {
     GuestSpec {
-        backend: kind(backend),
+        backend: match backend {
+            BackendArg::Sim => BackendKind::Sim,
+            BackendArg::Kvm => BackendKind::Kvm,
+        },
         // The destination takes the shape from the source's hello; the source sets its own.
         shape: Shape {
             vcpus: 1,
