@@ -22,7 +22,7 @@ pub struct ListenArgs {
     /// printed), unix:PATH (created; must not exist), fd:N (an inherited connected socket,
     /// pipe or file: one migration) or file:PATH (restore a snapshot `slat migrate --to
     /// file:PATH` wrote).
-    #[arg(long, value_parser = endpoint)]
+    #[arg(long)]
     pub listen: Endpoint,
     /// The machine incoming guests run on.
     #[arg(long, value_enum, default_value = "sim")]

@@ -22,7 +22,7 @@ use crate::migrate_report::Migration;
 use crate::output::Metric;
 use crate::report::quiet;
 use clap::{Args, ValueEnum};
-use parse::{claim_fd, endpoint};
+use parse::claim_fd;
 use progress::{on_event, progress};
 use slat_harness::migrate::{self as bench, BenchGuest, LogMode};
 use slat_migrate::transport::{Channel, Endpoint};
@@ -146,7 +146,7 @@ pub struct MigrateArgs {
     /// (where `slat migrate-listen` runs), fd:N (an inherited socket, pipe or file: one
     /// attempt), or file:PATH (a snapshot: the whole migration into a file, which
     /// `migrate-listen --listen file:PATH` restores).
-    #[arg(long, value_parser = endpoint)]
+    #[arg(long)]
     pub to: Endpoint,
     /// Attempts after a failed one (the guest keeps running on the source meanwhile; 0-1000).
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=MAX_RETRIES as i64), default_value_t = 0)]

@@ -5,11 +5,6 @@ use super::{failed, Inject, MAX_DIRTY_RATE, MAX_DOWNTIME_MS};
 use crate::error::CliResult;
 use slat_migrate::transport::{self, Endpoint};
 
-/// Parses `--to` and `--listen` (QEMU's URI forms; a bare HOST:PORT is TCP).
-pub(super) fn endpoint(s: &str) -> Result<Endpoint, transport::EndpointError> {
-    s.parse()
-}
-
 /// Takes inherited descriptor `n` of `ep` (`fd:N`).
 pub(super) fn claim_fd(ep: &Endpoint, n: i32) -> CliResult<std::os::fd::OwnedFd> {
     // SAFETY: `fd:N` names a descriptor this process inherited for the migration (N > 2, so
