@@ -163,7 +163,7 @@ fn main() {
         Command::AccessTrackingPerf(a) => driver::run(a),
         Command::PageTableTest(a) => driver::run(a),
         Command::Migrate(a) => driver::run(a),
-        Command::MigrateListen(a) => migrate::run_listen(a),
+        Command::MigrateListen(a) => driver::run(&migrate::Listen::new(a.clone())),
         Command::MigratePerf(a) => driver::run(a),
         Command::SnapshotPerf(a) => driver::run(a),
         Command::DirtyRate(a) => driver::run(a),

@@ -52,11 +52,15 @@ fn finish(mut c: Child, mut err: BufReader<std::process::ChildStderr>) -> (i32, 
 
 const SMALL: [&str; 6] = ["-v", "2", "-b", "8M", "--warmup", "30"];
 
+/// Runs `slat` with the words of `cmd`, then [`SMALL`]'s.
+fn small(cmd: &str) -> (i32, String, String) {
+    let args: Vec<&str> = cmd.split_whitespace().chain(SMALL).collect();
+    slat(&args)
+}
+
 #[test]
 fn migrate_perf_reports_every_figure() {
-    let mut args = vec!["migrate-perf", "--resume-ms", "20", "--log", "ring"];
-    args.extend(SMALL);
-    let (code, out, err) = slat(&args);
+    let (code, out, err) = small("migrate-perf --resume-ms 20 --log ring");
     assert_eq!(code, 0, "{out}\n{err}");
     for line in [
         "Total migration time:",
@@ -71,9 +75,7 @@ fn migrate_perf_reports_every_figure() {
     ] {
         assert!(out.contains(line), "{line}\n{out}");
     }
-    let mut args = vec!["migrate-perf", "--json", "--compress", "lz4"];
-    args.extend(SMALL);
-    let (code, out, err) = slat(&args);
+    let (code, out, err) = small("migrate-perf --json --compress lz4");
     assert_eq!(code, 0, "{err}");
     let doc: serde_json::Value = serde_json::from_str(&out).expect("JSON");
     assert_eq!(doc["verification"]["ok"], true);
@@ -84,17 +86,8 @@ fn migrate_perf_reports_every_figure() {
 
 #[test]
 fn migrate_perf_vary_prints_one_table() {
-    let mut args = vec![
-        "migrate-perf",
-        "--resume-ms",
-        "0",
-        "--vary",
-        "log=get,clear",
-        "--vary",
-        "fast-pf=on,off",
-    ];
-    args.extend(SMALL);
-    let (code, out, err) = slat(&args);
+    let (code, out, err) =
+        small("migrate-perf --resume-ms 0 --vary log=get,clear --vary fast-pf=on,off");
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(out.contains("downtime (ms)"), "{out}");
     assert_eq!(out.matches(" ok").count(), 4, "{out}");
@@ -102,49 +95,24 @@ fn migrate_perf_vary_prints_one_table() {
 
 #[test]
 fn bad_flags_exit_2_with_one_line() {
-    for args in [
-        vec!["migrate", "--to", "127.0.0.1:1", "-b", "12Q"],
-        vec!["migrate", "--to", "127.0.0.1:1", "--log", "sometimes"],
-        vec!["migrate-perf", "--vary", "log=foo"],
-        vec!["migrate-perf", "--dirty-rate", "fast"],
-        vec!["migrate-perf", "--converge", "dirty-limit"],
-        vec![
-            "migrate-perf",
-            "--converge",
-            "dirty-limit",
-            "--log",
-            "clear",
-        ],
-        vec![
-            "migrate",
-            "--to",
-            "127.0.0.1:1",
-            "--converge",
-            "dirty-limit",
-        ],
-        vec![
-            "migrate-perf",
-            "--log",
-            "ring",
-            "--converge",
-            "dirty-limit",
-            "--dirty-limit",
-            "0",
-        ],
-        vec!["migrate-perf", "--dirty-limit", "2000m"],
-        vec!["migrate-perf", "--dirty-limit", "99999999999999999999"],
-        vec!["migrate-perf", "--dirty-limit-period", "5"],
-        vec!["migrate-perf", "--converge", "sometimes"],
-        vec!["migrate-perf", "--vary", "converge=auto,dirty-limit"],
-        vec!["migrate-perf", "--dirty-rate-vcpu0", "0"],
-        vec![
-            "migrate-perf",
-            "--backend",
-            "kvm",
-            "--dirty-rate-vcpu0",
-            "5k",
-        ],
+    for cmd in [
+        "migrate --to 127.0.0.1:1 -b 12Q",
+        "migrate --to 127.0.0.1:1 --log sometimes",
+        "migrate-perf --vary log=foo",
+        "migrate-perf --dirty-rate fast",
+        "migrate-perf --converge dirty-limit",
+        "migrate-perf --converge dirty-limit --log clear",
+        "migrate --to 127.0.0.1:1 --converge dirty-limit",
+        "migrate-perf --log ring --converge dirty-limit --dirty-limit 0",
+        "migrate-perf --dirty-limit 2000m",
+        "migrate-perf --dirty-limit 99999999999999999999",
+        "migrate-perf --dirty-limit-period 5",
+        "migrate-perf --converge sometimes",
+        "migrate-perf --vary converge=auto,dirty-limit",
+        "migrate-perf --dirty-rate-vcpu0 0",
+        "migrate-perf --backend kvm --dirty-rate-vcpu0 5k",
     ] {
+        let args: Vec<&str> = cmd.split_whitespace().collect();
         let (code, out, err) = slat(&args);
         assert_eq!(code, 2, "{args:?}: {err}");
         assert!(out.is_empty());
@@ -154,9 +122,7 @@ fn bad_flags_exit_2_with_one_line() {
 
 #[test]
 fn unreachable_destination_fails_with_one_line_and_the_guest_running() {
-    let mut args = vec!["migrate", "--to", "127.0.0.1:1"];
-    args.extend(SMALL);
-    let (code, _, err) = slat(&args);
+    let (code, _, err) = small("migrate --to 127.0.0.1:1");
     assert_eq!(code, 1, "{err}");
     let e = errors(&err);
     assert_eq!(e.len(), 1, "{err}");
@@ -169,9 +135,7 @@ fn unreachable_destination_fails_with_one_line_and_the_guest_running() {
 #[test]
 fn wrong_version_fails_both_ends_with_one_line() {
     let (dest, addr, derr) = listen(&[]);
-    let mut args = vec!["migrate", "--to", &addr, "--inject", "version=9"];
-    args.extend(SMALL);
-    let (code, _, err) = slat(&args);
+    let (code, _, err) = small(&format!("migrate --to {addr} --inject version=9"));
     assert_eq!(code, 1, "{err}");
     assert_eq!(errors(&err).len(), 1, "{err}");
     assert!(err.contains("version 9"), "{err}");
@@ -186,19 +150,9 @@ fn wrong_version_fails_both_ends_with_one_line() {
 #[test]
 fn a_cut_connection_is_resumed_across_processes() {
     let (dest, addr, derr) = listen(&["--retries", "1"]);
-    let mut args = vec![
-        "migrate",
-        "--to",
-        &addr,
-        "--inject",
-        "cut-after=1000000",
-        "--retries",
-        "1",
-        "--retry-delay",
-        "100",
-    ];
-    args.extend(SMALL);
-    let (code, out, err) = slat(&args);
+    let (code, out, err) = small(&format!(
+        "migrate --to {addr} --inject cut-after=1000000 --retries 1 --retry-delay 100"
+    ));
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(err.contains("attempt 1 failed"), "{err}");
     assert!(out.contains("attempt 2 (resumed"), "{out}");
@@ -212,15 +166,7 @@ fn a_cut_connection_is_resumed_across_processes() {
 #[test]
 fn a_broken_source_is_caught_by_verification() {
     // A dirty log that misses writes: only the full check is independent of it.
-    let mut args = vec![
-        "migrate-perf",
-        "--break",
-        "skip-final-harvest",
-        "--verify",
-        "full",
-    ];
-    args.extend(SMALL);
-    let (code, out, err) = slat(&args);
+    let (code, out, err) = small("migrate-perf --break skip-final-harvest --verify full");
     assert_eq!(code, 1, "{out}\n{err}");
     assert!(!out.contains("Verification: OK"), "{out}");
     let e = errors(&err);
@@ -239,9 +185,7 @@ fn migrate_perf_on_kvm() {
         eprintln!("skipping: /dev/kvm cannot be opened on this host");
         return;
     }
-    let mut args = vec!["migrate-perf", "--backend", "kvm", "--resume-ms", "20"];
-    args.extend(SMALL);
-    let (code, out, err) = slat(&args);
+    let (code, out, err) = small("migrate-perf --backend kvm --resume-ms 20");
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(out.contains("Verification: OK"), "{out}");
     assert!(out.contains("to a kvm destination"), "{out}");
@@ -250,9 +194,7 @@ fn migrate_perf_on_kvm() {
 #[test]
 fn migrate_repeat_moves_n_guests_to_a_listen_repeat() {
     let (dest, addr, derr) = listen(&["--repeat", "2"]);
-    let mut args = vec!["migrate", "--to", &addr, "--repeat", "2", "--json"];
-    args.extend(SMALL);
-    let (code, out, err) = slat(&args);
+    let (code, out, err) = small(&format!("migrate --to {addr} --repeat 2 --json"));
     assert_eq!(code, 0, "{out}\n{err}");
     let doc: serde_json::Value = serde_json::from_str(&out).expect("one JSON document");
     assert_eq!(doc["benchmark"], "migrate");
@@ -277,15 +219,16 @@ fn migrate_repeat_moves_n_guests_to_a_listen_repeat() {
 
 #[test]
 fn bad_uris_exit_2_with_one_line() {
-    for args in [
-        vec!["migrate", "--to", "exec:cat"],
-        vec!["migrate", "--to", "fd:1"],
-        vec!["migrate", "--to", "unix:"],
-        vec!["migrate", "--to", "tcp:nohost"],
-        vec!["migrate-listen", "--listen", "file:"],
-        vec!["migrate-listen", "--listen", "fd:x"],
-        vec!["migrate", "--to", "fd:9", "--repeat", "2"],
+    for cmd in [
+        "migrate --to exec:cat",
+        "migrate --to fd:1",
+        "migrate --to unix:",
+        "migrate --to tcp:nohost",
+        "migrate-listen --listen file:",
+        "migrate-listen --listen fd:x",
+        "migrate --to fd:9 --repeat 2",
     ] {
+        let args: Vec<&str> = cmd.split_whitespace().collect();
         let (code, out, err) = slat(&args);
         assert_eq!(code, 2, "{args:?}: {err}");
         assert!(out.is_empty());
@@ -331,6 +274,11 @@ fn a_snapshot_to_a_file_restores_with_migrate_listen() {
     let (code, out, err) = slat(&["migrate-listen", "--listen", &uri, "--resume-ms", "20"]);
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(out.contains("Verification: OK"), "{out}");
+    let (code, out, err) = slat(&["migrate-listen", "--listen", &uri, "--json"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let doc: serde_json::Value = serde_json::from_str(&out).expect("one JSON document");
+    let errs = common::schema::def_errors("migrate.json", "destination", &doc);
+    assert!(errs.is_empty(), "{}\n{doc:#}", errs.join("\n"));
     let (code, _, err) = slat(&["migrate-listen", "--listen", "file:/nonexistent/snap"]);
     assert_eq!(code, 1, "{err}");
     assert_eq!(errors(&err).len(), 1, "{err}");
@@ -386,16 +334,7 @@ fn migrate_over_inherited_descriptors() {
 
 #[test]
 fn progress_json_is_one_object_per_line() {
-    let mut args = vec![
-        "migrate-perf",
-        "--progress",
-        "json",
-        "--json",
-        "--resume-ms",
-        "10",
-    ];
-    args.extend(SMALL);
-    let (code, out, err) = slat(&args);
+    let (code, out, err) = small("migrate-perf --progress json --json --resume-ms 10");
     assert_eq!(code, 0, "{out}\n{err}");
     serde_json::from_str::<serde_json::Value>(&out).expect("the report is still one document");
     let lines: Vec<serde_json::Value> = err
@@ -423,23 +362,10 @@ fn progress_json_is_one_object_per_line() {
 
 #[test]
 fn dirty_limit_and_auto_converge_side_by_side() {
-    let mut args = vec![
-        "migrate-perf",
-        "--resume-ms",
-        "0",
-        "--log",
-        "ring",
-        "--dirty-rate",
-        "40k",
-        "--dirty-limit",
-        "2k",
-        "--dirty-limit-period",
-        "200",
-        "--vary",
-        "converge=auto,dirty-limit",
-    ];
-    args.extend(SMALL);
-    let (code, out, err) = slat(&args);
+    let (code, out, err) = small(
+        "migrate-perf --resume-ms 0 --log ring --dirty-rate 40k --dirty-limit 2k \
+         --dirty-limit-period 200 --vary converge=auto,dirty-limit",
+    );
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(out.contains("throughput lost"), "{out}");
     assert!(out.contains("dirty-limit"), "{out}");
@@ -449,32 +375,13 @@ fn dirty_limit_and_auto_converge_side_by_side() {
 
 #[test]
 fn dirty_limit_throttles_the_vcpus_that_outrun_it_and_reports_live() {
-    let mut args = vec![
-        "migrate-perf",
-        "--json",
-        "--progress",
-        "json",
-        "--resume-ms",
-        "0",
-        "--log",
-        "ring",
-        "--dirty-rate",
-        "200k",
-        "--converge",
-        "dirty-limit",
-        "--dirty-limit",
-        "8k",
-        "--dirty-limit-period",
-        "100",
-        // 128 MiB/s carries 32k pages/s: the guest rewrites all of its 4096 pages faster
-        // than a round sends them until it is limited (to 16k pages/s in all).
-        "--bandwidth",
-        "128",
-        "--max-downtime",
-        "50",
-    ];
-    args.extend(SMALL);
-    let (code, out, err) = slat(&args);
+    // 128 MiB/s carries 32k pages/s: the guest rewrites all of its 4096 pages faster than a
+    // round sends them until it is limited (to 16k pages/s in all).
+    let (code, out, err) = small(
+        "migrate-perf --json --progress json --resume-ms 0 --log ring --dirty-rate 200k \
+         --converge dirty-limit --dirty-limit 8k --dirty-limit-period 100 --bandwidth 128 \
+         --max-downtime 50",
+    );
     assert_eq!(code, 0, "{out}\n{err}");
     let doc: serde_json::Value = serde_json::from_str(&out).expect("JSON");
     assert_eq!(doc["config"]["converge"], "dirty-limit");

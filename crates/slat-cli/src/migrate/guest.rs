@@ -1,11 +1,40 @@
-//! The guest and migration settings of the migration commands, checked and turned into specs.
+//! The guest and migration flags of the migration commands, checked and turned into the
+//! library's settings.
 
+use super::parse::{dirty_limit, dirty_rate, inject};
 use super::*;
+use crate::args::{check_kvm_ring, ring_size, FormatArg};
+use crate::args::{Switch, Workload};
+use crate::limits::GuestMemory;
+use slat_harness::migrate::{BackendKind, GuestSpec, Shape, WorkSpec};
+use slat_migrate::dirty_limit::DirtyLimitConfig;
+use slat_migrate::stream::Compression;
+use slat_migrate::verify::VerifyMode;
+use slat_migrate::SourceConfig;
+use slat_workload::format_size;
 
-pub(super) fn kind(b: BackendArg) -> BackendKind {
-    match b {
-        BackendArg::Sim => BackendKind::Sim,
-        BackendArg::Kvm => BackendKind::Kvm,
+/// The machine settings both ends share.
+pub(super) fn machine_spec(m: &MachineArgs, backend: BackendArg) -> GuestSpec {
+    GuestSpec {
+        backend: match backend {
+            BackendArg::Sim => BackendKind::Sim,
+            BackendArg::Kvm => BackendKind::Kvm,
+        },
+        // The destination takes the shape from the source's hello; the source sets its own.
+        shape: Shape {
+            vcpus: 1,
+            bytes_per_vcpu: 4096,
+            slots: 1,
+            overlap: false,
+        },
+        backing: slat_workload::Backing::Anonymous,
+        log: LogMode::Get,
+        ring_entries: 65536,
+        vm: m.vm_config(),
+        stage2: m.format == FormatArg::Stage2,
+        tlb_entries: m.tlb_entries,
+        pcpus: m.pcpus.unwrap_or(0),
+        prefault: !m.no_prefault,
     }
 }
 
@@ -118,4 +147,141 @@ pub struct MigrationArgs {
     /// Faults for tests: cut-after=BYTES, corrupt-at=BYTES, version=N (first attempt only).
     #[arg(long, hide = true, value_parser = inject)]
     pub inject: Vec<Inject>,
+}
+
+impl GuestArgs {
+    /// Refuses flags that cannot run together and sizes that cannot be held: `-v` × `-b`
+    /// without overflow, split evenly by `-x`, in the machine's guest physical address space,
+    /// and `copies` guests of it at once on this host (the source, and for `migrate-perf` the
+    /// destination in the same process).
+    pub(super) fn check(&self, copies: u64) -> CliResult {
+        let wrprot = self.wrprot != slat::WrprotVariant::Walk;
+        let extra: &[&str] = if wrprot { &["--wrprot"] } else { &[] };
+        check_machine(&self.machine, self.backend, self.work.backing, extra)?;
+        let backends = [self.backend];
+        let sim = self.backend == BackendArg::Sim;
+        if !sim && self.write_percent != 100 {
+            return Err(bad(
+                "-w applies to --backend sim only: the kvm guest's writer writes on every access",
+            ));
+        }
+        if self.dirty_rate_vcpu0.is_some() && !sim {
+            return Err(bad("--dirty-rate-vcpu0 applies to --backend sim only: the kvm guest's writer paces all vCPUs together"));
+        }
+        if self.dirty_rate_vcpu0 == Some(0) {
+            return Err(bad(
+                "--dirty-rate-vcpu0 0: give vCPU 0 a rate (omit the flag for --dirty-rate's)",
+            ));
+        }
+        if self.log == LogArg::Ring {
+            check_kvm_ring(&backends, self.ring_entries, "--dirty-ring").map_err(bad)?;
+        }
+        let mem = GuestMemory::per_vcpu(self.work.vcpus, self.work.bytes).map_err(bad)?;
+        mem.slots_divide(self.slots).map_err(bad)?;
+        (mem.fits_gpa(&backends, self.machine.format, None)).map_err(bad)?;
+        let tlb = self
+            .machine
+            .tlb_bytes(self.work.vcpus)
+            .saturating_mul(copies);
+        (mem.fits_host(self.work.backing, copies, tlb)).map_err(bad)?;
+        // The library's own check of the shape it will send (and a destination will check).
+        self.spec().shape.check().map_err(bad)?;
+        Ok(())
+    }
+
+    pub(super) fn spec(&self) -> GuestSpec {
+        let mut spec = machine_spec(&self.machine, self.backend);
+        spec.shape = Shape {
+            vcpus: self.work.vcpus,
+            bytes_per_vcpu: self.work.bytes,
+            slots: self.slots,
+            overlap: self.work.overlap,
+        };
+        spec.backing = self.work.backing;
+        spec.log = self.log.mode();
+        spec.ring_entries = self.ring_entries;
+        spec.vm.wrprot = self.wrprot;
+        spec
+    }
+
+    pub(super) fn work(&self) -> WorkSpec {
+        WorkSpec {
+            write_percent: self.write_percent,
+            random: self.random,
+            seed: self.seed,
+            rate: self.dirty_rate,
+        }
+    }
+
+    pub(super) fn describe(&self) -> String {
+        format!(
+            "{}, {} vCPU(s), {} guest memory, log {}, dirty rate {}, {}% filled",
+            self.backend.name(),
+            self.work.vcpus,
+            format_size(self.work.bytes * self.work.vcpus as u64),
+            self.log.mode().name(),
+            match (self.dirty_rate, self.dirty_rate_vcpu0) {
+                (0, None) => "unlimited".to_string(),
+                (r, None) => format!("{r} writes/s per vCPU"),
+                (r, Some(v0)) => format!("{v0} writes/s on vCPU 0, {r} on the others"),
+            },
+            self.fill
+        )
+    }
+}
+
+impl MigrationArgs {
+    /// Refuses settings that cannot run with the guest `g`.
+    pub(super) fn check(&self, g: &GuestArgs) -> CliResult {
+        if self.converge != ConvergeArg::DirtyLimit {
+            Ok(())
+        } else if g.log != LogArg::Ring {
+            Err(bad("--converge dirty-limit needs --log ring: it measures each vCPU's dirty rate from its dirty ring"))
+        } else if g.backend != BackendArg::Sim {
+            Err(bad("--converge dirty-limit needs --backend sim: the kvm guest's driver runs all vCPUs in one burst and cannot slow one alone"))
+        } else {
+            Ok(())
+        }
+    }
+
+    pub(super) fn config(&self) -> SourceConfig {
+        let mut faults = Faults {
+            skip_final_harvest: self.break_ == Some(BreakArg::SkipFinalHarvest),
+            skip_merge_back: self.break_ == Some(BreakArg::SkipMergeBack),
+            ..Faults::default()
+        };
+        if faults.skip_final_harvest {
+            faults.pause_delay = Some(Duration::from_millis(100));
+        }
+        for i in &self.inject {
+            match *i {
+                Inject::CutAfter(n) => faults.cut_after = Some(n),
+                Inject::CorruptAt(n) => faults.corrupt_at = Some(n),
+                Inject::Version(v) => faults.version = Some(v),
+            }
+        }
+        let dirty_limit = self.converge == ConvergeArg::DirtyLimit;
+        SourceConfig {
+            max_downtime: Duration::from_millis(self.max_downtime),
+            max_rounds: self.max_rounds,
+            // At most MAX_BANDWIDTH_MIB: the bytes per second fit.
+            bandwidth: self.bandwidth.unwrap_or(0) << 20,
+            verify: match self.verify {
+                VerifyArg::Sent => VerifyMode::Sent,
+                VerifyArg::Full => VerifyMode::Full,
+            },
+            compression: match self.compress {
+                CompressArg::None => Compression::None,
+                CompressArg::Lz4 => Compression::Lz4,
+            },
+            auto_converge: self.auto_converge.on() && self.converge == ConvergeArg::Auto,
+            dirty_limit: dirty_limit.then(|| DirtyLimitConfig {
+                limit: self.dirty_limit,
+                period: Duration::from_millis(self.dirty_limit_period),
+            }),
+            timeout: Duration::from_secs(self.timeout),
+            faults,
+            ..SourceConfig::default()
+        }
+    }
 }

@@ -1,88 +1,161 @@
-//! `slat migrate-listen`: receive migrations, verify them and run the guests.
+//! `slat migrate-listen`: receive migrations, verify them and run the guests, on the driver.
+//! One run is one incoming migration, received into a machine of its own; `--repeat N`
+//! receives N one after the other on the same endpoint. The endpoint is opened by `check`,
+//! which the driver calls once before the first run: its address is printed before any
+//! run's progress, and a source can connect from then on.
 
+use super::guest::machine_spec;
 use super::*;
+use crate::args::backing;
+use crate::migrate_report::Dest;
+use crate::output::Better::Lower;
+use slat_migrate::transport::Listener;
+use slat_migrate::{DestConfig, Destination};
+use slat_workload::parse_size;
+use std::cell::RefCell;
+use std::rc::Rc;
 
-/// `slat migrate-listen`: receives one migration, or `--repeat N` one after the other.
-pub fn run_listen(a: &ListenArgs) -> CliResult {
-    a.machine
-        .format
-        .check_backends(&[a.backend])
-        .map_err(CliError::bad)?;
-    check_backends(&[a.backend], &a.machine.engine_only()).map_err(CliError::bad)?;
-    check_backing(&[a.backend], a.backing).map_err(CliError::bad)?;
-    if a.out.plot.is_some() {
-        return Err(CliError::bad(
-            "--plot: migrate-listen has nothing to draw (the source's `slat migrate --plot` draws the migration)",
-        ));
-    }
-    if matches!(a.listen, Endpoint::Fd(_)) && (a.out.repeat > 1 || a.retries > 0) {
-        return Err(CliError::bad(
-            "--listen fd:N carries one migration: --repeat and --retries need tcp: or unix:",
-        ));
-    }
-    let q = quiet(a.out.json);
-    let mut listener = match &a.listen {
-        Endpoint::Fd(n) => Listener::Fd(Some(claim_fd(&a.listen, *n)?)),
-        at => Listener::bind(at).map_err(|err| RunError::Listen {
-            addr: a.listen.to_string(),
-            err,
-        })?,
-    };
-    let local = listener.describe();
-    progress(
-        q,
-        &format!(
-            "listening on {local} for a migration ({} machine)",
-            a.backend.name()
-        ),
-    );
-    let mut docs = Vec::new();
-    for n in 0..a.out.repeat {
-        if a.out.repeat > 1 {
-            progress(q, &format!("migration {}/{}", n + 1, a.out.repeat));
-        }
-        let r = receive_one(a, &mut listener, &local, q)?;
-        if !a.out.json {
-            print_dest(&r);
-        }
-        docs.push(DestinationDoc::new(&r));
-    }
-    if docs.len() > 1 {
-        let rep = Repeated::new("migrate-listen", DEST_METRICS, docs);
-        if a.out.json {
-            return print_json(&rep, &[a.backend]);
-        }
-        rep.print();
-        return Ok(());
-    }
-    if a.out.json {
-        print_json(&docs[0], &[a.backend])?;
-    }
-    Ok(())
+/// Flags of `slat migrate-listen`.
+#[derive(Debug, Clone, Args)]
+pub struct ListenArgs {
+    /// Where migrations come from: tcp:HOST:PORT or HOST:PORT (port 0: any free port,
+    /// printed), unix:PATH (created; must not exist), fd:N (an inherited connected socket,
+    /// pipe or file: one migration) or file:PATH (restore a snapshot `slat migrate --to
+    /// file:PATH` wrote).
+    #[arg(long)]
+    pub listen: Endpoint,
+    /// The machine incoming guests run on.
+    #[arg(long, value_enum, default_value = "sim")]
+    pub backend: BackendArg,
+    /// Host memory behind guest RAM (as for the source).
+    #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
+    pub backing: Backing,
+    /// Milliseconds the guest runs here after the switch-over (0: leave it stopped;
+    /// at most 600000).
+    #[arg(long = "resume-ms", value_parser = clap::value_parser!(u64).range(0..=MAX_WAIT_MS), default_value_t = 200)]
+    pub resume_ms: u64,
+    /// Failed incoming migrations to survive, keeping the guest's memory so the source can
+    /// reconnect and resume (0-1000; with --repeat, per migration).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=MAX_RETRIES as i64), default_value_t = 0)]
+    pub retries: u32,
+    /// Seconds without data from a connected source before the incoming migration fails
+    /// (1-86400; there is no "never": 0 is refused, so a silent source cannot hold the
+    /// destination forever). Waiting for a source to connect has no time limit.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=MAX_TIMEOUT_S), default_value_t = 30)]
+    pub timeout: u64,
+    /// Largest guest accepted (k/m/g/t suffixes; default: the host's RAM and swap, which
+    /// bound a larger value too).
+    #[arg(long = "max-memory", value_parser = parse_size)]
+    pub max_memory: Option<u64>,
+    // `--json`; `--repeat N` receives N migrations one after the other (from `slat migrate
+    // --repeat N`), each into a machine of its own; `--plot` is refused (the source draws the
+    // migration).
+    #[command(flatten)]
+    pub out: OutputArgs,
+    #[command(flatten)]
+    pub machine: MachineArgs,
 }
+
+/// `migrate-listen` as a benchmark: its flags and the endpoint, once `check` opened it (with
+/// the address it describes itself by).
+#[derive(Clone)]
+pub struct Listen {
+    a: ListenArgs,
+    at: Rc<RefCell<Option<(Listener, String)>>>,
+}
+
+impl Listen {
+    pub fn new(a: ListenArgs) -> Listen {
+        let at = Rc::default();
+        Listen { a, at }
+    }
+}
+
+impl Benchmark for Listen {
+    type Report = Dest;
+    const NAME: &'static str = "migrate-listen";
+
+    fn common(&self) -> Common<'_> {
+        Common {
+            backends: std::slice::from_ref(&self.a.backend),
+            vary: &[],
+            out: &self.a.out,
+        }
+    }
+
+    fn refuse(&self) -> Option<String> {
+        let why = "--plot: migrate-listen has nothing to draw (the source's `slat migrate --plot` draws the migration)";
+        self.a.out.plot.is_some().then(|| why.to_string())
+    }
+
+    fn check(&self) -> CliResult {
+        let a = &self.a;
+        check_machine(&a.machine, a.backend, a.backing, &[])?;
+        if matches!(a.listen, Endpoint::Fd(_)) && (a.out.repeat > 1 || a.retries > 0) {
+            return Err(bad(
+                "--listen fd:N carries one migration: --repeat and --retries need tcp: or unix:",
+            ));
+        }
+        let listener = match &a.listen {
+            Endpoint::Fd(n) => Listener::Fd(Some(claim_fd(&a.listen, *n)?)),
+            at => Listener::bind(at).map_err(|e| failed(format!("cannot listen on {at}: {e}")))?,
+        };
+        let local = listener.describe();
+        let what = format!("{} machine", a.backend.name());
+        progress(
+            quiet(a.out.json),
+            &format!("listening on {local} for a migration ({what})"),
+        );
+        *self.at.borrow_mut() = Some((listener, local));
+        Ok(())
+    }
+
+    fn measure(&self, _kind: BackendArg) -> CliResult<Dest> {
+        let mut at = self.at.borrow_mut();
+        let (listener, local) = at
+            .as_mut()
+            .ok_or("migrate-listen: the endpoint is not open")?;
+        Ok(Dest(receive_one(&self.a, listener, local)?))
+    }
+
+    fn metrics(&self) -> Vec<Metric<Dest>> {
+        METRICS.to_vec()
+    }
+
+    fn print(&self, r: &Dest) {
+        text::print_dest(r)
+    }
+}
+
+/// The figures `migrate-listen --repeat` summarizes.
+#[rustfmt::skip]
+const METRICS: &[Metric<Dest>] = &[
+    Metric { name: "total migration time", unit: "s", better: Lower, get: |d| Some(d.0.total.as_secs_f64()) },
+    Metric { name: "setup", unit: "s", better: Lower, get: |d| Some(d.0.setup.as_secs_f64()) },
+    Metric { name: "verification hashing", unit: "s", better: Lower, get: |d| Some(d.0.verify_time.as_secs_f64()) },
+    Metric { name: "stream received", unit: "bytes", better: Lower, get: |d| Some(d.0.bytes as f64) },
+];
 
 /// Serves connections on `listener` until one migration completes, into a destination of its
 /// own, surviving `--retries` failed ones.
-pub(super) fn receive_one(
+fn receive_one(
     a: &ListenArgs,
     listener: &mut Listener,
     local: &str,
-    q: bool,
-) -> Result<DestReport, RunError> {
+) -> CliResult<slat_migrate::DestReport> {
+    let q = quiet(a.out.json);
     let cfg = DestConfig {
         resume_for: Duration::from_millis(a.resume_ms),
         timeout: Duration::from_secs(a.timeout),
         max_memory: a.max_memory.unwrap_or(0),
     };
-    let mut dest = Destination::new(factory(a), cfg);
+    let mut spec = machine_spec(&a.machine, a.backend);
+    spec.backing = a.backing;
+    let mut dest = Destination::new(bench::factory(spec), cfg);
     let mut failures = 0;
     loop {
-        let c = listener
-            .accept(Duration::from_secs(a.timeout))
-            .map_err(|err| RunError::Accept {
-                addr: local.to_string(),
-                err,
-            })?;
+        let c = (listener.accept(Duration::from_secs(a.timeout)))
+            .map_err(|e| failed(format!("accepting on {local}: {e}")))?;
         let peer = c.peer.clone();
         progress(q, &format!("incoming migration from {peer}"));
         let err = match dest.serve_channel(c) {
@@ -91,62 +164,14 @@ pub(super) fn receive_one(
         };
         failures += 1;
         if failures > a.retries {
-            return Err(RunError::Incoming { peer, err });
+            return Err(failed(format!(
+                "incoming migration from {peer} failed: {err}"
+            )));
         }
         progress(q, &format!(
             "incoming migration from {peer} failed: {err}; {} waiting for the source to retry ({failures} of {})",
-            if dest.holds_session() { "keeping the guest's memory and" } else { "" },
+            when(dest.holds_session(), "keeping the guest's memory and"),
             a.retries
         ));
     }
 }
-
-/// Builds a machine of each incoming guest's shape with migrate-listen's settings.
-pub(super) fn factory(a: &ListenArgs) -> slat_migrate::Factory {
-    // The shape is the source's (from the hello's machine description); the rest is ours.
-    bench::factory(GuestSpec {
-        backend: kind(a.backend),
-        shape: Shape {
-            vcpus: 1,
-            bytes_per_vcpu: 4096,
-            slots: 1,
-            overlap: false,
-        },
-        backing: a.backing,
-        log: LogMode::Get,
-        ring_entries: 65536,
-        vm: a.machine.vm_config(),
-        stage2: a.machine.format == FormatArg::Stage2,
-        tlb_entries: a.machine.tlb_entries,
-        pcpus: a.machine.pcpus.unwrap_or(0),
-        prefault: !a.machine.no_prefault,
-    })
-}
-
-/// The figures `migrate-listen --repeat` summarizes, from the destination's report.
-pub(super) const DEST_METRICS: &[Metric<DestinationDoc>] = &[
-    Metric {
-        name: "total migration time",
-        unit: "s",
-        better: Better::Lower,
-        get: |d| Some(d.total.as_secs_f64()),
-    },
-    Metric {
-        name: "setup",
-        unit: "s",
-        better: Better::Lower,
-        get: |d| Some(d.setup.as_secs_f64()),
-    },
-    Metric {
-        name: "verification hashing",
-        unit: "s",
-        better: Better::Lower,
-        get: |d| Some(d.verify_time.as_secs_f64()),
-    },
-    Metric {
-        name: "stream received",
-        unit: "bytes",
-        better: Better::Lower,
-        get: |d| Some(d.bytes as f64),
-    },
-];

@@ -1,71 +1,66 @@
-//! Parsers of the migration commands' flag values.
+//! Parsers of the migration commands' flag values (clap prints a refusal on one line and
+//! exits with status 2).
 
-use super::*;
-
-/// Parses `--to` and `--listen` (QEMU's URI forms; a bare HOST:PORT is TCP).
-pub(super) fn endpoint(s: &str) -> Result<Endpoint, transport::EndpointError> {
-    s.parse()
-}
+use super::{failed, Inject, MAX_DIRTY_RATE, MAX_DOWNTIME_MS};
+use crate::error::CliResult;
+use slat_migrate::transport::{self, Endpoint};
 
 /// Takes inherited descriptor `n` of `ep` (`fd:N`).
-pub(super) fn claim_fd(ep: &Endpoint, n: i32) -> Result<std::os::fd::OwnedFd, RunError> {
+pub(super) fn claim_fd(ep: &Endpoint, n: i32) -> CliResult<std::os::fd::OwnedFd> {
     // SAFETY: `fd:N` names a descriptor this process inherited for the migration (N > 2, so
     // not stdin, stdout or stderr); nothing else in the process opens, uses or closes it.
-    unsafe { transport::inherited_fd(n) }.map_err(|e| RunError::Fd(ep.clone(), e))
+    unsafe { transport::inherited_fd(n) }.map_err(|e| failed(format!("{ep}: {e}")))
 }
 
-pub(super) fn inject(s: &str) -> Result<Inject, FlagError> {
-    let (k, v) = s
-        .split_once('=')
-        .ok_or_else(|| FlagError::NotKeyValue(s.into()))?;
-    let n: u64 = v.parse().map_err(|_| FlagError::NotNumber(v.into()))?;
+/// Parses `--inject KEY=N`.
+pub(super) fn inject(s: &str) -> Result<Inject, String> {
+    let (k, v) = (s.split_once('=')).ok_or_else(|| format!("`{s}`: expected KEY=VALUE"))?;
+    let n: u64 = v.parse().map_err(|_| format!("`{v}` is not a number"))?;
     match k {
         "cut-after" => Ok(Inject::CutAfter(n)),
         "corrupt-at" => Ok(Inject::CorruptAt(n)),
-        "version" => u32::try_from(n)
-            .map(Inject::Version)
-            .map_err(|_| FlagError::Version(v.into())),
-        _ => Err(FlagError::InjectKey(k.into())),
+        "version" => (u32::try_from(n).map(Inject::Version))
+            .map_err(|_| format!("`{v}` is not a 32-bit version")),
+        _ => Err(format!("`{k}`: one of cut-after, corrupt-at, version")),
     }
 }
 
-/// A count with an optional k/m suffix (powers of 1000).
-pub(super) fn count(s: &str) -> Result<u64, FlagError> {
+/// A count with an optional k/m suffix (powers of 1000), from `lo` to `hi`; `range` says
+/// which in the refusal.
+fn count(s: &str, lo: u64, hi: u64, range: &str) -> Result<u64, String> {
     let t = s.trim().to_ascii_lowercase();
     let (num, mul) = match t.chars().last() {
         Some('k') => (&t[..t.len() - 1], 1_000),
         Some('m') => (&t[..t.len() - 1], 1_000_000),
         _ => (&t[..], 1),
     };
-    num.parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(mul))
-        .ok_or_else(|| FlagError::NotCount(s.into()))
-}
-
-/// Parses `--dirty-rate` (a count, at most [`MAX_DIRTY_RATE`]).
-pub(super) fn dirty_rate(s: &str) -> Result<u64, FlagError> {
-    let n = count(s)?;
-    if n > MAX_DIRTY_RATE {
-        return Err(FlagError::DirtyRate(s.into()));
-    }
-    Ok(n)
-}
-
-/// Parses `--dirty-limit` (a count, 1 to the library's maximum).
-pub(super) fn dirty_limit(s: &str) -> Result<u64, FlagError> {
-    match count(s)? {
-        n if n == 0 || n > slat_migrate::dirty_limit::MAX_LIMIT => {
-            Err(FlagError::DirtyLimit(s.into()))
-        }
-        n => Ok(n),
+    let n = (num.parse::<u64>().ok().and_then(|n| n.checked_mul(mul)))
+        .ok_or_else(|| format!("`{s}` is not a count (e.g. 5000, 20k, 1m)"))?;
+    match (lo..=hi).contains(&n) {
+        true => Ok(n),
+        false => Err(format!("`{s}`: {range}")),
     }
 }
 
-/// Parses a `--max-downtime` of `--vary` (milliseconds, at most [`MAX_DOWNTIME_MS`]).
-pub(super) fn max_downtime(s: &str) -> Result<u64, FlagError> {
+/// Parses `--dirty-rate` (0 is unlimited).
+pub(super) fn dirty_rate(s: &str) -> Result<u64, String> {
+    let range = format!("at most {MAX_DIRTY_RATE} writes per second per vCPU (1000m)");
+    count(s, 0, MAX_DIRTY_RATE, &range)
+}
+
+/// Parses `--dirty-limit` (1 to the library's maximum).
+pub(super) fn dirty_limit(s: &str) -> Result<u64, String> {
+    let hi = slat_migrate::dirty_limit::MAX_LIMIT;
+    let range = format!("a dirty limit is 1 to {hi} pages per second per vCPU (1000m)");
+    count(s, 1, hi, &range)
+}
+
+/// Parses a `--max-downtime` of `--vary` (milliseconds).
+pub(super) fn max_downtime(s: &str) -> Result<u64, String> {
     match s.parse::<u64>() {
         Ok(n) if n <= MAX_DOWNTIME_MS => Ok(n),
-        _ => Err(FlagError::MaxDowntime(s.into())),
+        _ => Err(format!(
+            "`{s}` is not a number of milliseconds from 0 to {MAX_DOWNTIME_MS}"
+        )),
     }
 }

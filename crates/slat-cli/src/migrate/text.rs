@@ -1,76 +1,47 @@
 //! The text reports of `migrate`, `migrate-perf` and `migrate-listen`.
 
-use super::{CompressArg, GuestArgs, MigrationArgs};
+use super::{when, CompressArg};
+use crate::migrate_report::{Dest, Migration};
 use crate::report::ts;
-use slat_migrate::{DestReport, MigrationReport};
 use slat_workload::format_size;
 
+const MIB: f64 = (1 << 20) as f64;
+
 /// The text report of one migration (source side).
-pub fn print_report(g: &GuestArgs, m: &MigrationArgs, r: &MigrationReport, baseline: f64) {
-    println!("Guest: {}", g.describe());
+pub fn print_report(mig: &Migration) {
+    let (r, m) = (&mig.r, &mig.migration);
+    println!("Guest: {}", mig.guest.describe());
     println!(
         "Migration: attempt {}{}, to a {} destination; max downtime {} ms{}{}",
         r.attempt,
-        if r.resumed {
-            " (resumed the destination's kept memory)"
-        } else {
-            ""
-        },
+        when(r.resumed, " (resumed the destination's kept memory)"),
         r.dest_backend,
         m.max_downtime,
-        m.bandwidth
-            .map(|b| format!(", bandwidth cap {b} MiB/s"))
-            .unwrap_or_default(),
-        if m.compress == CompressArg::Lz4 {
-            ", lz4"
-        } else {
-            ""
-        },
+        (m.bandwidth.map(|b| format!(", bandwidth cap {b} MiB/s"))).unwrap_or_default(),
+        when(m.compress == CompressArg::Lz4, ", lz4"),
     );
-    print_rounds(r);
-    print_totals(r, baseline);
-    print_checks(r);
-}
-
-/// One line per round.
-fn print_rounds(r: &MigrationReport) {
     for x in &r.rounds {
+        let (last, dirtied) = (x.stop_and_copy, x.dirtied.to_string());
         println!(
             "{} {}: {} pages ({} zero), {} in {} ({:.0} MiB/s); dirtied meanwhile: {}{}",
-            if x.stop_and_copy {
-                "Stop-and-copy round"
-            } else {
-                "Round"
-            },
+            if last { "Stop-and-copy round" } else { "Round" },
             x.round,
             x.pages,
             x.zero_pages,
             format_size(x.bytes),
             ts(x.time),
-            x.bandwidth() / (1 << 20) as f64,
-            if x.stop_and_copy {
-                "-".to_string()
-            } else {
-                x.dirtied.to_string()
-            },
-            if x.throttle != 0 {
-                format!(", throttle {}%", x.throttle)
-            } else {
-                String::new()
+            x.bandwidth() / MIB,
+            if last { "-" } else { &dirtied },
+            match x.throttle {
+                0 => String::new(),
+                t => format!(", throttle {t}%"),
             },
         );
     }
-}
-
-/// Times, rounds, rates and throttling of the whole migration.
-fn print_totals(r: &MigrationReport, baseline: f64) {
     println!("Total migration time: {}", ts(r.total));
     println!(
         "Downtime: {} (vCPUs paused to verified switch-over: final harvest {}, final pages {}, verification {})",
-        ts(r.downtime),
-        ts(r.final_harvest),
-        ts(r.final_send),
-        ts(r.verify)
+        ts(r.downtime), ts(r.final_harvest), ts(r.final_send), ts(r.verify)
     );
     println!(
         "Rounds: {} ({}; expected stop-and-copy transfer {})",
@@ -84,21 +55,22 @@ fn print_totals(r: &MigrationReport, baseline: f64) {
     );
     println!(
         "Dirty rate: {:.0} pages/s harvested during pre-copy; guest writes {:.0}/s before migration, {:.0}/s during pre-copy",
-        r.dirty_rate(),
-        baseline,
-        r.write_rate()
+        r.dirty_rate(), mig.before.0, r.write_rate()
     );
     println!(
         "Bandwidth: {:.0} MiB/s average ({} pages, {} sent)",
-        r.bandwidth() / (1 << 20) as f64,
+        r.bandwidth() / MIB,
         r.pages(),
         format_size(r.bytes())
     );
+    print_checks(mig);
+}
+
+/// Throttling, verification, device state and the destination's resume.
+fn print_checks(mig: &Migration) {
+    let r = &mig.r;
     if let Some(d) = &r.dirty_limit {
-        let v: Vec<String> = d
-            .max_permille
-            .iter()
-            .zip(&d.last_rates)
+        let v: Vec<String> = (d.max_permille.iter().zip(&d.last_rates))
             .map(|(t, x)| format!("max {:.1}% (last {x:.0} pages/s)", *t as f64 / 10.0))
             .collect();
         println!(
@@ -112,9 +84,7 @@ fn print_totals(r: &MigrationReport, baseline: f64) {
     if r.throttle_max == 0 {
         println!("Throttling: none");
     } else {
-        let steps: Vec<String> = r
-            .throttle_changes
-            .iter()
+        let steps: Vec<String> = (r.throttle_changes.iter())
             .map(|(round, t)| format!("{t}% after round {round}"))
             .collect();
         println!(
@@ -124,23 +94,17 @@ fn print_totals(r: &MigrationReport, baseline: f64) {
             r.throttled.as_secs_f64()
         );
     }
-}
-
-/// Verification, device state and the destination's resume.
-fn print_checks(r: &MigrationReport) {
+    let ranges = format!(
+        "{} ranges of {} pages ({})",
+        r.verify_ranges,
+        r.range_pages,
+        format_size(r.verify_ranges * r.range_pages as u64 * 4096)
+    );
     if r.one_way {
-        println!(
-            "Verification: sent, {} ranges of {} pages ({}), for the reader to check",
-            r.verify_ranges,
-            r.range_pages,
-            format_size(r.verify_ranges * r.range_pages as u64 * 4096)
-        );
+        println!("Verification: sent, {ranges}, for the reader to check");
     } else {
         println!(
-            "Verification: OK, {} ranges of {} pages ({}) match the source ({}: {} pages hashed with the vCPUs paused)",
-            r.verify_ranges,
-            r.range_pages,
-            format_size(r.verify_ranges * r.range_pages as u64 * 4096),
+            "Verification: OK, {ranges} match the source ({}: {} pages hashed with the vCPUs paused)",
             r.verify_mode.name(),
             r.paused_hashed_pages
         );
@@ -161,13 +125,14 @@ fn print_checks(r: &MigrationReport) {
 }
 
 /// The text report of one received migration.
-pub fn print_dest(r: &DestReport) {
-    let size = format_size(r.regions.iter().map(|x| x.pages).sum::<u64>() * 4096);
+pub fn print_dest(d: &Dest) {
+    let r = &d.0;
     println!(
-        "Incoming migration: {size} guest from a {} source (attempt {}{}), onto {}",
+        "Incoming migration: {} guest from a {} source (attempt {}{}), onto {}",
+        format_size(d.memory_bytes()),
         r.source_backend,
         r.attempt,
-        if r.resumed { ", resumed" } else { "" },
+        when(r.resumed, ", resumed"),
         r.backend
     );
     println!(
@@ -184,9 +149,6 @@ pub fn print_dest(r: &DestReport) {
         r.verify.range_pages,
         ts(r.verify_time)
     );
-    println!(
-        "Guest resumed here: {} pages touched in {}",
-        r.run.0,
-        ts(r.run.1)
-    );
+    let (pages, time) = r.run;
+    println!("Guest resumed here: {pages} pages touched in {}", ts(time));
 }
