@@ -292,7 +292,9 @@ impl<S: DirtyLogSource> Harvester<S> {
     /// Pages owed now (reported or marked, not yet committed), without asking the source.
     pub fn owed_pages(&self) -> u64 {
         let per_slot = self.owed.iter().zip(&self.touched);
-        per_slot.map(|(o, t)| count(t.nonzero(o).map(|i| &o[i]))).sum()
+        per_slot
+            .map(|(o, t)| count(t.nonzero(o).map(|i| &o[i])))
+            .sum()
     }
 
     fn index(&self, slot_index: usize) -> Result<usize, Error> {
@@ -654,7 +656,8 @@ impl<S: DirtyLogSource> DirtySet<'_, S> {
     pub fn words(&self, i: usize) -> impl Iterator<Item = (usize, u64)> + '_ {
         let bits = self.bitmaps.get(i).map_or(&[][..], Vec::as_slice);
         let t = self.touched.get(i);
-        t.into_iter().flat_map(move |t| t.nonzero(bits).map(move |w| (w, bits[w])))
+        t.into_iter()
+            .flat_map(move |t| t.nonzero(bits).map(move |w| (w, bits[w])))
     }
 
     /// Dirty pages in the set.

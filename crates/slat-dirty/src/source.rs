@@ -196,7 +196,9 @@ impl<S: DirtyLogSource, E, F: FnMut(S::Error) -> E> DirtyLogSource for MapErr<S,
         words: &[(usize, u64)],
         scratch: &mut [u64],
     ) -> Result<(), E> {
-        let r = self.source.clear_log_words(slot, first, pages, words, scratch);
+        let r = self
+            .source
+            .clear_log_words(slot, first, pages, words, scratch);
         r.map_err(&mut self.f)
     }
     fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, E> {

@@ -123,9 +123,7 @@ where
         words: &mut Vec<(usize, u64)>,
     ) -> Result<(), Self::Error> {
         timed(&self.read, || {
-            self.machine
-                .dirty_log()
-                .get_log_words(slot, scratch, words)
+            self.machine.dirty_log().get_log_words(slot, scratch, words)
         })
     }
     fn clear_log_words(

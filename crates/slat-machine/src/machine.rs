@@ -686,12 +686,19 @@ impl<F: PteFormat> DirtyLogSource for SimLog<'_, F> {
         _scratch: &mut [u64],
     ) -> Result<(), MachineError> {
         let id = self.id(slot)?;
-        let (w0, w1) = (first.raw() / 64, first.raw().saturating_add(pages).div_ceil(64));
+        let (w0, w1) = (
+            first.raw() / 64,
+            first.raw().saturating_add(pages).div_ceil(64),
+        );
         if words.iter().all(|&(i, _)| (w0..w1).contains(&(i as u64))) {
             self.m.vm.clear_dirty_log_sparse(id, words)?;
         } else {
-            let inside = words.iter().filter(|&&(i, _)| (w0..w1).contains(&(i as u64)));
-            self.m.vm.clear_dirty_log_sparse(id, &inside.copied().collect::<Vec<_>>())?;
+            let inside = words
+                .iter()
+                .filter(|&&(i, _)| (w0..w1).contains(&(i as u64)));
+            self.m
+                .vm
+                .clear_dirty_log_sparse(id, &inside.copied().collect::<Vec<_>>())?;
         }
         Ok(())
     }
