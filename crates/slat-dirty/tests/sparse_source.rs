@@ -11,12 +11,15 @@ use std::cell::RefCell;
 use std::collections::BTreeSet;
 use std::rc::Rc;
 
+/// A CLEAR as the source received it: first page, pages, words.
+type Clear = (u64, u64, Vec<(usize, u64)>);
+
 /// What the test and the source share: pages written since the last GET, CLEARs received,
 /// calls of the whole-slot forms.
 #[derive(Default)]
 struct State {
     dirty: BTreeSet<u64>,
-    clears: Vec<(u64, u64, Vec<(usize, u64)>)>,
+    clears: Vec<Clear>,
     dense_calls: u64,
 }
 
