@@ -83,6 +83,17 @@ pub enum LogMode {
 ///
 /// It must be the only reader of those slots' logs (no other GET, CLEAR or ring harvest of
 /// them): another reader would take bits this harvester then never sees.
+///
+/// # Cost
+///
+/// A take reads the log through [`DirtyLogSource::get_log_words`] and re-arms it through
+/// [`DirtyLogSource::clear_log_words`], and keeps, per slot, the list of the bitmap words it
+/// has set: neither the owed bitmaps nor a set's are scanned or zeroed whole. Over a source
+/// that lists its dirty words (slat's simulated machine), a take of k pages costs O(k)
+/// whatever the slots' size; over KVM, GET itself costs the slot's size. [`DirtySet::words`]
+/// and [`DirtySet::pages`] follow the set; [`DirtySet::bitmap`] and [`DirtySet::ranges`] are
+/// the whole-slot views. A whole-bitmap mark ([`Harvester::mark_words`], `mark_all`, …) makes
+/// the next take scan its slot once.
 #[derive(Debug)]
 pub struct Harvester<S: DirtyLogSource = KvmLog> {
     source: S,

@@ -666,39 +666,35 @@ impl<F: PteFormat> DirtyLogSource for SimLog<'_, F> {
         self.m.vm.clear_dirty_log(id, first, pages, bitmap)?;
         Ok(())
     }
-    /// The engine's sparse GET: reads only the words its summary names.
     fn get_log_words(
         &mut self,
         slot: usize,
-        _scratch: &mut [u64],
+        _: &mut [u64],
         words: &mut Vec<(usize, u64)>,
     ) -> Result<(), MachineError> {
+        // The engine's sparse GET reads only the words its summary names.
         self.m.vm.get_dirty_log_sparse(self.id(slot)?, words)?;
         Ok(())
     }
-    /// The engine's sparse CLEAR (one flush), of the words inside the range.
     fn clear_log_words(
         &mut self,
         slot: usize,
         first: PageIndex,
         pages: u64,
         words: &[(usize, u64)],
-        _scratch: &mut [u64],
+        _: &mut [u64],
     ) -> Result<(), MachineError> {
         let id = self.id(slot)?;
-        let (w0, w1) = (
-            first.raw() / 64,
-            first.raw().saturating_add(pages).div_ceil(64),
-        );
-        if words.iter().all(|&(i, _)| (w0..w1).contains(&(i as u64))) {
+        let range = first.raw() / 64..first.raw().saturating_add(pages).div_ceil(64);
+        let inside = |w: &&(usize, u64)| range.contains(&(w.0 as u64));
+        // One engine CLEAR, one flush, for the chunk; words outside it are not this call's
+        // (the harvester passes none).
+        if words.iter().all(|w| inside(&w)) {
             self.m.vm.clear_dirty_log_sparse(id, words)?;
         } else {
-            let inside = words
-                .iter()
-                .filter(|&&(i, _)| (w0..w1).contains(&(i as u64)));
-            self.m
-                .vm
-                .clear_dirty_log_sparse(id, &inside.copied().collect::<Vec<_>>())?;
+            for &w in words.iter().filter(inside) {
+                self.m.vm.clear_dirty_log_sparse(id, &[w])?;
+            }
         }
         Ok(())
     }
