@@ -11,7 +11,7 @@ use slat_addr::{Gpa, PAGE_SIZE};
 use slat_harness::{MachineLog, MachineSnapshot};
 use slat_machine::{Machine, MachineConfig};
 use slat_workload::dirty_oracle::LogMode;
-use slat_workload::{RegionSpec, TestMachine};
+use slat_workload::RegionSpec;
 use std::time::{Duration, Instant};
 
 const MIB: u64 = 1 << 20;
