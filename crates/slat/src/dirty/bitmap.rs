@@ -25,13 +25,16 @@
 //! `l` of the summary bit, and the last clear `c` of that bit. The harvest or CLEAR that did
 //! `c` then did an RMW `r` on the word (rule 2's swap, rule 3's re-read). If `r` follows `m`
 //! in the word's modification order, `r` saw the mark: the harvest returned it, or CLEAR set
-//! the summary bit back. If `r` precedes `m`, `m` reads from `r` (or from an RMW after it),
-//! (every write to a shared word is an RMW), so `m` acquires `r`'s release and `c` happens before `l`: `l` sees `c` or a later set, so
-//! the marker sets the bit itself or sees one set after `c`, which stays. Both operations on
-//! the word must be RMWs for this: with a plain load in either place, `m`/`l` against `c`/`r`
-//! is the store-buffering pattern, and both sides may read the old values (the marker sees
-//! the stale summary bit, CLEAR sees the word still zero), which `tests/loom_summary.rs`
-//! would report. The same argument holds level by level up to the top.
+//! the summary bit back. If `r` precedes `m`, `m` reads from `r` or from an RMW after it
+//! (every write to a shared word is an RMW), so `m` acquires `r`'s release and `c` happens
+//! before `l`: `l` sees `c` or a later set, so the marker sets the bit itself or sees one set
+//! after `c`, which stays. Both operations on the word must be RMWs for this: with a plain
+//! load in either place, `m`/`l` against `c`/`r` is the store-buffering pattern, and both
+//! sides may read the old values (the marker sees the stale summary bit, the harvest or CLEAR
+//! sees the word still zero). `tests/loom_summary.rs` reports the lost mark when CLEAR's
+//! re-read is a load; GET's case needs a summary bit left set over an emptied word by an
+//! earlier race first, more preemptions than the models explore, so it rests on this
+//! argument. The same argument holds level by level up to the top.
 //!
 //! The marker's skip (a word whose bit a load finds set takes no RMW and no summary step) is
 //! the pre-update mark's (invariant 3): that bit was set by an RMW whose marker summarises
