@@ -83,6 +83,17 @@ pub enum LogMode {
 ///
 /// It must be the only reader of those slots' logs (no other GET, CLEAR or ring harvest of
 /// them): another reader would take bits this harvester then never sees.
+///
+/// # Cost
+///
+/// A take reads the log through [`DirtyLogSource::get_log_words`] and re-arms it through
+/// [`DirtyLogSource::clear_log_words`], and keeps, per slot, the list of the bitmap words it
+/// has set: neither the owed bitmaps nor a set's are scanned or zeroed whole. Over a source
+/// that lists its dirty words (slat's simulated machine), a take of k pages costs O(k)
+/// whatever the slots' size; over KVM, GET itself costs the slot's size. [`DirtySet::words`]
+/// and [`DirtySet::pages`] follow the set; [`DirtySet::bitmap`] and [`DirtySet::ranges`] are
+/// the whole-slot views. A whole-bitmap mark ([`Harvester::mark_words`], `mark_all`, …) makes
+/// the next take scan its slot once.
 #[derive(Debug)]
 pub struct Harvester<S: DirtyLogSource = KvmLog> {
     source: S,
@@ -91,14 +102,68 @@ pub struct Harvester<S: DirtyLogSource = KvmLog> {
     mode: LogMode,
     /// Per slot: pages owed (reported, not yet committed). Exactly `ceil(pages / 64)` long.
     owed: Vec<Vec<u64>>,
-    /// Scratch bitmap for GET (the largest slot's length).
+    /// Per slot: the words of `owed` that may be non-zero, so a take of k pages neither scans
+    /// nor zeroes a slot-sized bitmap.
+    touched: Vec<Touched>,
+    /// Scratch bitmap for a source's whole-slot GET and CLEAR (the largest slot's length).
     scratch: Vec<u64>,
+    /// The non-zero words of one GET.
+    words: Vec<(usize, u64)>,
     /// Zeroed bitmaps shaped as `owed`, allocated (fallibly) with it: a take swaps them in
     /// for the owed ones and the set gives them back, zeroed, when it is settled, so a take
     /// allocates nothing.
     spare: Vec<Vec<u64>>,
     /// Ring entries for a slot this harvester does not track, or past its end.
     foreign: u64,
+}
+
+/// The words of a whole-slot bitmap that may be non-zero: a list (no index twice: an index
+/// is listed when its word leaves zero), or every word once a whole-bitmap operation (or a
+/// list longer than an eighth of the bitmap) made listing pointless.
+#[derive(Debug, Default, Clone)]
+struct Touched {
+    list: Vec<usize>,
+    all: bool,
+}
+
+impl Touched {
+    /// ORs `bits` into word `i` of `into` (inside it), listing the word if it left zero.
+    #[inline]
+    fn or(&mut self, into: &mut [u64], i: usize, bits: u64) {
+        let len = into.len();
+        let Some(w) = into.get_mut(i) else { return };
+        if *w == 0 && bits != 0 && !self.all {
+            if self.list.len() >= len / 8 {
+                self.all = true;
+                self.list.clear();
+            } else {
+                self.list.push(i);
+            }
+        }
+        *w |= bits;
+    }
+
+    /// The indices of `bits`' non-zero words, in order.
+    fn nonzero<'a>(&'a self, bits: &'a [u64]) -> Box<dyn Iterator<Item = usize> + 'a> {
+        if self.all {
+            Box::new((0..bits.len()).filter(move |&i| bits[i] != 0))
+        } else {
+            Box::new(self.list.iter().copied().filter(move |&i| bits[i] != 0))
+        }
+    }
+
+    /// Zeroes `bits` (only the listed words) and empties the list.
+    fn clear(&mut self, bits: &mut [u64]) {
+        if self.all {
+            bits.fill(0);
+        } else {
+            for &i in &self.list {
+                bits[i] = 0;
+            }
+        }
+        self.list.clear();
+        self.all = false;
+    }
 }
 
 /// Words of `slot`'s bitmaps, if this host can hold them.
@@ -195,10 +260,12 @@ impl<S: DirtyLogSource> Harvester<S> {
         };
         Ok(Harvester {
             source,
+            touched: vec![Touched::default(); slots.len()],
             slots,
             mode,
             owed,
             scratch,
+            words: Vec::new(),
             spare,
             foreign: 0,
         })
@@ -235,7 +302,10 @@ impl<S: DirtyLogSource> Harvester<S> {
 
     /// Pages owed now (reported or marked, not yet committed), without asking the source.
     pub fn owed_pages(&self) -> u64 {
-        count(self.owed.iter().flatten())
+        let per_slot = self.owed.iter().zip(&self.touched);
+        per_slot
+            .map(|(o, t)| count(t.nonzero(o).map(|i| &o[i])))
+            .sum()
     }
 
     fn index(&self, slot_index: usize) -> Result<usize, Error> {
@@ -261,7 +331,9 @@ impl<S: DirtyLogSource> Harvester<S> {
             &mut self.owed[i],
             words,
             "Harvester::mark_words",
-        )
+        )?;
+        self.touched[i].all = true;
+        Ok(())
     }
 
     /// Merges the VMM-side writes `vm-memory` recorded for the region behind slot
@@ -293,6 +365,7 @@ impl<S: DirtyLogSource> Harvester<S> {
             });
         }
         let words = bitmap.get_and_reset();
+        self.touched[i].all = true;
         or_into(
             s,
             &mut self.owed[i],
@@ -310,15 +383,18 @@ impl<S: DirtyLogSource> Harvester<S> {
     ) -> Result<(), Error> {
         let i = self.index(slot_index)?;
         let first = first_page.raw();
-        set_range(&self.slots[i], &mut self.owed[i], first, pages, true)
+        set_range(&self.slots[i], &mut self.owed[i], first, pages, true)?;
+        self.touched[i].all = true;
+        Ok(())
     }
 
     /// Marks every page of every tracked slot as owed: the next take hands over all memory
     /// (e.g. a migration to a destination that starts empty).
     pub fn mark_all(&mut self) {
-        for (s, o) in self.slots.iter().zip(&mut self.owed) {
+        for ((s, o), t) in self.slots.iter().zip(&mut self.owed).zip(&mut self.touched) {
             o.fill(u64::MAX);
             trim(s, o);
+            t.all = true;
         }
     }
 
@@ -336,23 +412,22 @@ impl<S: DirtyLogSource> Harvester<S> {
     }
 
     /// GET of every slot, each followed by CLEAR of what it returned in chunks of `clear`
-    /// pages with manual protect.
+    /// pages with manual protect. Through the source's word lists, so with a source that
+    /// lists its dirty words without a pass over the slot, nothing here costs the slot's size.
     fn collect_bitmaps(&mut self, clear: Option<u64>) -> Result<u64, S::Error> {
         let mut n = 0;
-        for (i, (s, owed)) in self.slots.iter().zip(&mut self.owed).enumerate() {
-            // GET overwrites its buffer: read into the scratch, then OR, so nothing owed is
-            // replaced.
-            let got = &mut self.scratch[..owed.len()];
-            got.fill(0);
-            let r = self.source.get_log(i, got);
+        for (i, s) in self.slots.iter().enumerate() {
+            let (owed, touched) = (&mut self.owed[i], &mut self.touched[i]);
+            let scratch = &mut self.scratch[..owed.len()];
+            let r = self.source.get_log_words(i, scratch, &mut self.words);
             // From here the log may have let go of these bits: owe them before anything else
             // can fail — even if the source failed after handing some over. (With manual
             // protect, owe before re-protecting: a CLEAR failing midway leaves bits the next
             // GET reports again, harmlessly.)
-            n += or_counted(s, owed, got);
+            n += or_words(s, owed, touched, &mut self.words);
             r?;
             if let Some(chunk) = clear {
-                clear_chunks(&mut self.source, i, s.pages, got, chunk)?;
+                clear_chunks(&mut self.source, i, s.pages, &self.words, chunk, scratch)?;
             }
         }
         Ok(n)
@@ -362,6 +437,7 @@ impl<S: DirtyLogSource> Harvester<S> {
     fn collect_rings(&mut self) -> Result<u64, S::Error> {
         let mut n = 0u64;
         let (slots, owed, foreign) = (&self.slots, &mut self.owed, &mut self.foreign);
+        let touched = &mut self.touched;
         // Each entry is owed the moment it is handed over, so a failure after some entries
         // (here or in the reset) loses none of them.
         self.source.collect_ring(&mut |slot, offset| {
@@ -369,7 +445,7 @@ impl<S: DirtyLogSource> Harvester<S> {
             match slots.iter().position(|s| s.id == slot) {
                 Some(i) if offset < slots[i].pages => {
                     // offset < pages, so the word index is in the bitmap.
-                    owed[i][(offset / 64) as usize] |= 1 << (offset % 64);
+                    touched[i].or(&mut owed[i], (offset / 64) as usize, 1 << (offset % 64));
                     n += 1;
                 }
                 _ => *foreign += 1,
@@ -411,9 +487,15 @@ impl<S: DirtyLogSource> Harvester<S> {
                 .unwrap_or_else(|_| self.owed.iter().map(|o| vec![0; o.len()]).collect());
         }
         let bitmaps = std::mem::replace(&mut self.owed, std::mem::take(&mut self.spare));
+        let fresh = vec![Touched::default(); self.touched.len()];
+        let mut touched = std::mem::replace(&mut self.touched, fresh);
+        for t in &mut touched {
+            t.list.sort_unstable();
+        }
         DirtySet {
             h: self,
             bitmaps,
+            touched,
             collected,
             settled: false,
         }
@@ -425,37 +507,53 @@ fn count<'a>(words: impl IntoIterator<Item = &'a u64>) -> u64 {
     words.into_iter().map(|w| u64::from(w.count_ones())).sum()
 }
 
-/// ORs the whole-slot bitmap `got` into `owed` (the same length), dropping bits past the
-/// slot's end; returns how many bits it held inside the slot.
-fn or_counted(s: &SlotInfo, owed: &mut [u64], got: &mut [u64]) -> u64 {
-    trim(s, got);
-    for (o, g) in owed.iter_mut().zip(got.iter()) {
-        *o |= g;
+/// ORs the words `(index, bits)` of one GET into `owed`, listing them in `touched`; drops
+/// indices past the slot and bits past its end from `words` (a source is safe code and may
+/// report them), so what is cleared next is what is owed. Returns the bits inside the slot.
+fn or_words(
+    s: &SlotInfo,
+    owed: &mut [u64],
+    touched: &mut Touched,
+    words: &mut Vec<(usize, u64)>,
+) -> u64 {
+    let tail = s.pages % 64;
+    let last = owed.len().checked_sub(1);
+    words.retain_mut(|(i, bits)| {
+        if Some(*i) == last && tail != 0 {
+            *bits &= (1u64 << tail) - 1;
+        }
+        *i < owed.len() && *bits != 0
+    });
+    // A source may list words in any order; chunked CLEARs want them in order.
+    if !words.is_sorted_by_key(|&(i, _)| i) {
+        words.sort_unstable_by_key(|&(i, _)| i);
     }
-    count(got.iter())
+    for &(i, bits) in words.iter() {
+        touched.or(owed, i, bits);
+    }
+    words.iter().map(|&(_, b)| u64::from(b.count_ones())).sum()
 }
 
-/// Clears (re-protects) the pages of `bits` (a whole-slot bitmap of slot `i`, `pages` pages)
-/// in chunks of `chunk` pages, skipping chunks with no bit set.
+/// Clears (re-protects) the pages of `words` (the non-zero words of slot `i`, `pages` pages,
+/// in index order) in chunks of `chunk` pages, skipping chunks with no bit set: one CLEAR per
+/// chunk that holds a dirty word, found from the list, not by scanning the chunks.
 fn clear_chunks<S: DirtyLogSource>(
     source: &mut S,
     i: usize,
     pages: u64,
-    bits: &[u64],
+    words: &[(usize, u64)],
     chunk: u64,
+    scratch: &mut [u64],
 ) -> Result<(), S::Error> {
-    let mut first = 0u64;
-    while first < pages {
+    let mut rest = words;
+    while let Some(&(w, _)) = rest.first() {
+        // chunk is a multiple of 64: the chunk holding word w starts on a word.
+        let first = (w as u64 * 64) / chunk * chunk;
         let n = chunk.min(pages - first);
-        // first and chunk are multiples of 64, so the chunk starts on a word; `bits` covers
-        // the slot, so the chunk's words are inside it.
-        let w0 = (first / 64) as usize;
-        let w1 = w0 + n.div_ceil(64) as usize;
-        let words = &bits[w0..w1];
-        if words.iter().any(|&w| w != 0) {
-            source.clear_log(i, PageIndex::new(first), n, words)?;
-        }
-        first += n;
+        let end_word = (first + n).div_ceil(64);
+        let k = rest.partition_point(|&(x, _)| (x as u64) < end_word);
+        source.clear_log_words(i, PageIndex::new(first), n, &rest[..k], scratch)?;
+        rest = &rest[k..];
     }
     Ok(())
 }
@@ -532,6 +630,8 @@ fn set_range(
 pub struct DirtySet<'h, S: DirtyLogSource = KvmLog> {
     h: &'h mut Harvester<S>,
     bitmaps: Vec<Vec<u64>>,
+    /// Per slot: the words of `bitmaps` that may be non-zero, in order.
+    touched: Vec<Touched>,
     /// What the take's collect reported.
     collected: u64,
     settled: bool,
@@ -561,9 +661,22 @@ impl<S: DirtyLogSource> DirtySet<'_, S> {
         ranges(self.bitmap(i).unwrap_or(&[]), pages)
     }
 
+    /// The non-zero words `(index, bits)` of slot `i`'s bitmap, in index order (empty past
+    /// the last slot): bit `b` of word `w` is page `64 w + b`. Costs the set's words, not the
+    /// slot's size (unless a whole-bitmap mark made the set's words unknown).
+    pub fn words(&self, i: usize) -> impl Iterator<Item = (usize, u64)> + '_ {
+        let bits = self.bitmaps.get(i).map_or(&[][..], Vec::as_slice);
+        let t = self.touched.get(i);
+        t.into_iter()
+            .flat_map(move |t| t.nonzero(bits).map(move |w| (w, bits[w])))
+    }
+
     /// Dirty pages in the set.
     pub fn pages(&self) -> u64 {
-        count(self.bitmaps.iter().flatten())
+        (0..self.bitmaps.len())
+            .flat_map(|i| self.words(i))
+            .map(|(_, b)| u64::from(b.count_ones()))
+            .sum()
     }
 
     /// Pages the log reported in the take that made this set (ring: entries of tracked
@@ -575,7 +688,7 @@ impl<S: DirtyLogSource> DirtySet<'_, S> {
 
     /// True if no page is dirty.
     pub fn is_empty(&self) -> bool {
-        self.bitmaps.iter().flatten().all(|&w| w == 0)
+        (0..self.bitmaps.len()).all(|i| self.words(i).next().is_none())
     }
 
     /// Merges VMM-side writes into this set (see [`Harvester::mark_words`]).
@@ -586,7 +699,9 @@ impl<S: DirtyLogSource> DirtySet<'_, S> {
             &mut self.bitmaps[i],
             words,
             "DirtySet::mark_words",
-        )
+        )?;
+        self.touched[i].all = true;
+        Ok(())
     }
 
     /// A partial commit: `pages` pages of slot `slot_index` from `first_page` are copied (a
@@ -627,17 +742,21 @@ impl<S: DirtyLogSource> DirtySet<'_, S> {
 
 impl<S: DirtyLogSource> Drop for DirtySet<'_, S> {
     fn drop(&mut self) {
-        if !self.settled {
-            for (o, b) in self.h.owed.iter_mut().zip(&self.bitmaps) {
-                for (x, y) in o.iter_mut().zip(b) {
-                    *x |= y;
+        let h = &mut *self.h;
+        for ((b, t), (o, ot)) in self
+            .bitmaps
+            .iter_mut()
+            .zip(&mut self.touched)
+            .zip(h.owed.iter_mut().zip(&mut h.touched))
+        {
+            if !self.settled {
+                for w in t.nonzero(b) {
+                    ot.or(o, w, b[w]);
                 }
             }
+            // The bitmaps go back, zeroed word by listed word, as the next take's spare.
+            t.clear(b);
         }
-        // The bitmaps go back as the next take's spare.
-        for b in &mut self.bitmaps {
-            b.fill(0);
-        }
-        self.h.spare = std::mem::take(&mut self.bitmaps);
+        h.spare = std::mem::take(&mut self.bitmaps);
     }
 }

@@ -293,14 +293,34 @@ impl DirtyPages {
         (beyond != 0).then(|| base + u64::from(beyond.trailing_zeros()))
     }
 
-    /// Adds every page of a [`crate::DirtySet`], its slot `i` taken as region `i`.
+    /// Adds every page of a [`crate::DirtySet`], its slot `i` taken as region `i`, reading
+    /// only the set's non-zero words ([`crate::DirtySet::words`]): O(dirty pages). A page past
+    /// its region refuses that region's pages before any of them is added.
     pub fn add_dirty_set<S: crate::DirtyLogSource>(
         &mut self,
         set: &crate::DirtySet<'_, S>,
     ) -> Result<(), SnapshotError> {
         let mut i = 0;
-        while let Some(bitmap) = set.bitmap(i) {
-            self.add_bitmap(i, PageIndex::ZERO, bitmap)?;
+        while set.bitmap(i).is_some() {
+            let r = self.region_mut(i)?;
+            let pages = r.pages;
+            for (w, bits) in set.words(i) {
+                let top = w as u64 * 64 + 63 - u64::from(bits.leading_zeros());
+                if top >= pages {
+                    let page = PageIndex::new(top);
+                    return Err(SnapshotError::PageOutOfRange {
+                        region: i,
+                        page,
+                        pages,
+                    });
+                }
+            }
+            for (w, mut bits) in set.words(i) {
+                while bits != 0 {
+                    r.mark(w as u64 * 64 + u64::from(bits.trailing_zeros()));
+                    bits &= bits - 1;
+                }
+            }
             i += 1;
         }
         Ok(())

@@ -38,6 +38,10 @@ pub struct SlotInfo {
 ///   fails (KVM's GET clears before it copies out) loses nothing.
 /// - [`clear_log`](Self::clear_log) (manual protect) clears and re-protects the pages of
 ///   `first..first + pages` whose bits are set in `bitmap` (bit 0 = `first`).
+/// - [`get_log_words`](Self::get_log_words) and [`clear_log_words`](Self::clear_log_words)
+///   are the same two operations over the non-zero words only; their defaults go through the
+///   whole-slot forms, and a source that can list its dirty words without a pass over the
+///   slot (slat's simulated machine) overrides them, so a harvest of k pages costs O(k).
 /// - [`collect_ring`](Self::collect_ring) hands every ring entry not handed over before to
 ///   `f(slot id, offset)`; entries given to `f` are the harvester's even if the call then
 ///   fails. [`reset_rings`](Self::reset_rings) re-protects the pages of every collected entry.
@@ -62,6 +66,57 @@ pub trait DirtyLogSource {
         pages: u64,
         bitmap: &[u64],
     ) -> Result<(), Self::Error>;
+    /// [`get_log`](Self::get_log) as the list of the slot's non-zero words `(index, bits)`,
+    /// in index order (bit `b` of word `i` is page `64 i + b`), replacing `words`' contents;
+    /// words listed before a failure are the harvester's, as with `get_log`. `scratch` holds
+    /// `ceil(pages / 64)` words: the default GETs into it and lists its non-zero words (KVM's
+    /// GET costs the slot's size anyway); an override leaves it alone.
+    fn get_log_words(
+        &mut self,
+        slot: usize,
+        scratch: &mut [u64],
+        words: &mut Vec<(usize, u64)>,
+    ) -> Result<(), Self::Error> {
+        scratch.fill(0);
+        let r = self.get_log(slot, scratch);
+        words.clear();
+        let nonzero = scratch.iter().enumerate().filter(|(_, &w)| w != 0);
+        words.extend(nonzero.map(|(i, &w)| (i, w)));
+        r
+    }
+    /// [`clear_log`](Self::clear_log) over `first..first + pages` of the bits of `words`
+    /// `(index, bits)`, slot-relative word indices inside that range (others are ignored).
+    /// The default builds the range's bitmap in `scratch` (or, if it is shorter than the
+    /// range, clears word by word) and calls `clear_log`.
+    fn clear_log_words(
+        &mut self,
+        slot: usize,
+        first: PageIndex,
+        pages: u64,
+        words: &[(usize, u64)],
+        scratch: &mut [u64],
+    ) -> Result<(), Self::Error> {
+        let (w0, end) = (first.raw() / 64, first.raw().saturating_add(pages));
+        let inside = |&&(i, _): &&(usize, u64)| {
+            (i as u64) >= w0 && (i as u64).checked_mul(64).is_some_and(|p| p < end)
+        };
+        let n = usize::try_from(pages.div_ceil(64)).unwrap_or(usize::MAX);
+        if let Some(buf) = scratch.get_mut(..n) {
+            buf.fill(0);
+            for &(i, bits) in words.iter().filter(inside) {
+                if let Some(b) = buf.get_mut((i as u64 - w0) as usize) {
+                    *b |= bits;
+                }
+            }
+            return self.clear_log(slot, first, pages, buf);
+        }
+        for &(i, bits) in words.iter().filter(inside) {
+            let start = i as u64 * 64;
+            let here = (end - start).min(64);
+            self.clear_log(slot, PageIndex::new(start), here, &[bits])?;
+        }
+        Ok(())
+    }
     /// Hands every uncollected ring entry to `f(slot id, offset)`; returns how many.
     fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, Self::Error>;
     /// [`collect_ring`](Self::collect_ring) that also names the vCPU whose ring held each
@@ -124,6 +179,28 @@ impl<S: DirtyLogSource, E, F: FnMut(S::Error) -> E> DirtyLogSource for MapErr<S,
         let r = self.source.clear_log(slot, first, pages, bitmap);
         r.map_err(&mut self.f)
     }
+    fn get_log_words(
+        &mut self,
+        slot: usize,
+        scratch: &mut [u64],
+        words: &mut Vec<(usize, u64)>,
+    ) -> Result<(), E> {
+        let r = self.source.get_log_words(slot, scratch, words);
+        r.map_err(&mut self.f)
+    }
+    fn clear_log_words(
+        &mut self,
+        slot: usize,
+        first: PageIndex,
+        pages: u64,
+        words: &[(usize, u64)],
+        scratch: &mut [u64],
+    ) -> Result<(), E> {
+        let r = self
+            .source
+            .clear_log_words(slot, first, pages, words, scratch);
+        r.map_err(&mut self.f)
+    }
     fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, E> {
         self.source.collect_ring(f).map_err(&mut self.f)
     }
@@ -158,6 +235,24 @@ impl<S: DirtyLogSource + ?Sized> DirtyLogSource for Box<S> {
         bitmap: &[u64],
     ) -> Result<(), Self::Error> {
         (**self).clear_log(slot, first, pages, bitmap)
+    }
+    fn get_log_words(
+        &mut self,
+        slot: usize,
+        scratch: &mut [u64],
+        words: &mut Vec<(usize, u64)>,
+    ) -> Result<(), Self::Error> {
+        (**self).get_log_words(slot, scratch, words)
+    }
+    fn clear_log_words(
+        &mut self,
+        slot: usize,
+        first: PageIndex,
+        pages: u64,
+        words: &[(usize, u64)],
+        scratch: &mut [u64],
+    ) -> Result<(), Self::Error> {
+        (**self).clear_log_words(slot, first, pages, words, scratch)
     }
     fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, Self::Error> {
         (**self).collect_ring(f)

@@ -116,6 +116,30 @@ where
                 .clear_log(slot, first, pages, bitmap)
         })
     }
+    fn get_log_words(
+        &mut self,
+        slot: usize,
+        scratch: &mut [u64],
+        words: &mut Vec<(usize, u64)>,
+    ) -> Result<(), Self::Error> {
+        timed(&self.read, || {
+            self.machine.dirty_log().get_log_words(slot, scratch, words)
+        })
+    }
+    fn clear_log_words(
+        &mut self,
+        slot: usize,
+        first: PageIndex,
+        pages: u64,
+        words: &[(usize, u64)],
+        scratch: &mut [u64],
+    ) -> Result<(), Self::Error> {
+        timed(&self.rearm, || {
+            self.machine
+                .dirty_log()
+                .clear_log_words(slot, first, pages, words, scratch)
+        })
+    }
     fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, Self::Error> {
         timed(&self.read, || self.machine.dirty_log().collect_ring(f))
     }

@@ -666,6 +666,38 @@ impl<F: PteFormat> DirtyLogSource for SimLog<'_, F> {
         self.m.vm.clear_dirty_log(id, first, pages, bitmap)?;
         Ok(())
     }
+    fn get_log_words(
+        &mut self,
+        slot: usize,
+        _: &mut [u64],
+        words: &mut Vec<(usize, u64)>,
+    ) -> Result<(), MachineError> {
+        // The engine's sparse GET reads only the words its summary names.
+        self.m.vm.get_dirty_log_sparse(self.id(slot)?, words)?;
+        Ok(())
+    }
+    fn clear_log_words(
+        &mut self,
+        slot: usize,
+        first: PageIndex,
+        pages: u64,
+        words: &[(usize, u64)],
+        _: &mut [u64],
+    ) -> Result<(), MachineError> {
+        let id = self.id(slot)?;
+        let range = first.raw() / 64..first.raw().saturating_add(pages).div_ceil(64);
+        let inside = |w: &&(usize, u64)| range.contains(&(w.0 as u64));
+        // One engine CLEAR, one flush, for the chunk; words outside it are not this call's
+        // (the harvester passes none).
+        if words.iter().all(|w| inside(&w)) {
+            self.m.vm.clear_dirty_log_sparse(id, words)?;
+        } else {
+            for &w in words.iter().filter(inside) {
+                self.m.vm.clear_dirty_log_sparse(id, &[w])?;
+            }
+        }
+        Ok(())
+    }
     fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, MachineError> {
         Ok(self.m.collect_dirty_rings(|s, o| f(s, PageIndex::new(o))))
     }

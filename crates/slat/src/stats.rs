@@ -52,9 +52,11 @@ pub enum Stat {
     CacheCleans,
     /// Bytes those passes covered.
     CacheCleanBytes,
+    /// Dirty-bitmap words (summary levels included) that harvests loaded or exchanged.
+    DirtyWordsRead,
 }
 
-const NSTATS: usize = Stat::CacheCleanBytes as usize + 1;
+const NSTATS: usize = Stat::DirtyWordsRead as usize + 1;
 
 /// A block of counters, padded so two blocks never share a cache line.
 #[repr(align(128))]
@@ -168,6 +170,9 @@ pub struct Stats {
     pub cache_cleans: u64,
     /// Bytes those passes covered.
     pub cache_clean_bytes: u64,
+    /// Dirty-bitmap words (summary levels included) that GET and CLEAR loaded or exchanged:
+    /// what a harvest's cost in the bitmap follows (the dirty words, not the slot's size).
+    pub dirty_words_read: u64,
 }
 
 impl Stats {
@@ -201,6 +206,7 @@ impl Stats {
             bbm_breaks: g(Stat::Breaks),
             cache_cleans: g(Stat::CacheCleans),
             cache_clean_bytes: g(Stat::CacheCleanBytes),
+            dirty_words_read: g(Stat::DirtyWordsRead),
         }
     }
 }

@@ -6,7 +6,7 @@
 use crate::age::{self, AgeFlush, AgeReport, IdleBitmap, WorkingSet};
 use crate::config::VmConfig;
 use crate::direct_map::PrivateMemory;
-use crate::dirty::{disable_logging, mark_page_dirty, DirtyLog, DirtyLogError, DirtyRing};
+use crate::dirty::{disable_logging, mark_page_dirty, DirtyLog, DirtyLogError, DirtyRing, LogOut};
 use crate::format::{Level, PteFormat};
 use crate::memslot::{
     HostRange, MemoryAttributeError, MemoryAttributes, MemslotError, MemslotFlags, MemslotSet,
@@ -308,6 +308,21 @@ impl<F: PteFormat> Vm<F> {
     /// copied; [`Self::clear_dirty_log`] does the rest.
     pub fn get_dirty_log(&self, id: SlotId, out: &mut [u64]) -> Result<u64, DirtyLogError> {
         self.check_flush()?;
+        let out = LogOut::Dense(out);
+        self.dirty.get_dirty_log(&self.mmu, &self.slots, id, out)
+    }
+
+    /// [`Self::get_dirty_log`] that gives only the non-zero words, as `(word index, bits)` in
+    /// index order (bit `b` of word `i` is page `64 i + b` of the slot), replacing `out`'s
+    /// contents: the caller's memory follows the dirty pages, not the slot's size. The same
+    /// harvest otherwise (clears and re-protects without manual protection, copies with it).
+    pub fn get_dirty_log_sparse(
+        &self,
+        id: SlotId,
+        out: &mut Vec<(usize, u64)>,
+    ) -> Result<u64, DirtyLogError> {
+        self.check_flush()?;
+        let out = LogOut::Sparse(out);
         self.dirty.get_dirty_log(&self.mmu, &self.slots, id, out)
     }
 
@@ -326,6 +341,21 @@ impl<F: PteFormat> Vm<F> {
         self.check_flush()?;
         self.dirty
             .clear_dirty_log(&self.mmu, &self.slots, id, first_page, num_pages, bitmap)
+    }
+
+    /// [`Self::clear_dirty_log`] of the words `(word index, bits)` (bit `b` of word `i` is page
+    /// `64 i + b` of the slot), in any order, with one remote flush for the whole list. An
+    /// index past the slot's bitmap is refused ([`DirtyLogError::WordOutOfRange`]) before
+    /// anything is cleared; bits past the slot's last page are ignored. Returns the number of
+    /// bits cleared.
+    pub fn clear_dirty_log_sparse(
+        &self,
+        id: SlotId,
+        words: &[(usize, u64)],
+    ) -> Result<u64, DirtyLogError> {
+        self.check_flush()?;
+        self.dirty
+            .clear_dirty_log_words(&self.mmu, &self.slots, id, words)
     }
 
     /// KVM_RESET_DIRTY_RINGS: frees every harvested ring entry and write-protects its page

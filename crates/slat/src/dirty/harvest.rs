@@ -1,6 +1,7 @@
 //! Harvests (invariant 4: snapshot-and-clear, re-arm exactly what was returned, flush,
 //! return): GET_DIRTY_LOG, CLEAR_DIRTY_LOG, RESET_DIRTY_RINGS.
 
+use super::bitmap::{DirtyBitmap, Read, SlotBitmap};
 use super::rearm::{rearm_masked, LeafCursor};
 use super::ring::Coalesce;
 use super::{DirtyLog, DirtyLogError};
@@ -9,6 +10,7 @@ use crate::format::{FrameStep, PteFormat};
 use crate::memslot::{Memslot, Memslots, SlotId};
 use crate::mmu::flush::PendingFlush;
 use crate::mmu::Mmu;
+use crate::stats::Stat;
 use crate::sync::{fence, Arc, Ordering};
 use slat_addr::PageIndex;
 
@@ -16,40 +18,35 @@ impl DirtyLog {
     // -----------------------------------------------------------------------------------------
     // Harvests.
 
-    /// KVM_GET_DIRTY_LOG: fills `out` with the slot's dirty bitmap (one bit per page,
-    /// `ceil(npages / 64)` words) and returns the number of dirty pages.
+    /// KVM_GET_DIRTY_LOG into `out`: the slot's bitmap (one bit per page, `ceil(npages / 64)`
+    /// words, clean words written as zeros), or its non-zero words as `(index, bits)`. Returns
+    /// the number of dirty pages.
     ///
     /// Without manual protection the bits are cleared, the pages they name write-protected and
     /// a remote flush completed before this returns (invariant 4), by per-word exchange or by
     /// the bitmap switch ([`GetLogVariant`]). With manual protection the bitmap is only copied;
-    /// [`crate::Vm::clear_dirty_log`] does the rest.
+    /// [`crate::Vm::clear_dirty_log`] does the rest. Either way only the words the summary
+    /// names are read (`dirty/bitmap.rs`).
     pub(crate) fn get_dirty_log<F: PteFormat>(
         &self,
         mmu: &Mmu<F>,
         slots: &Memslots,
         id: SlotId,
-        out: &mut [u64],
+        mut out: LogOut<'_>,
     ) -> Result<u64, DirtyLogError> {
         let _s = slots.lock();
         let slot = logged_slot(slots, id)?;
         let Some(bitmap) = slot.dirty.as_deref() else {
             return Err(DirtyLogError::NoBitmap { id });
         };
-        let need = bitmap.nwords();
-        if out.len() < need {
-            return Err(DirtyLogError::BitmapTooSmall {
-                id,
-                need,
-                have: out.len(),
-            });
-        }
+        out.begin(id, bitmap.nwords())?;
         let mut dirty = 0u64;
         if self.mode().manual() {
-            let active = bitmap.active();
-            for (i, o) in out.iter_mut().enumerate().take(need) {
-                *o = active.word(i);
-                dirty += o.count_ones() as u64;
-            }
+            let reads = bitmap.active().harvest(Read::Copy, &mut |i, mask| {
+                dirty += mask.count_ones() as u64;
+                out.word(i, mask);
+            });
+            mmu.counters.add_shared(Stat::DirtyWordsRead, reads);
             return Ok(dirty);
         }
         let mut pending = PendingFlush::none();
@@ -70,19 +67,18 @@ impl DirtyLog {
             } else {
                 None
             };
+            let (map, how) = match old {
+                Some(b) => (b, Read::TakeUnshared),
+                None => (bitmap.active(), Read::Take),
+            };
             let mut cursor = LeafCursor::default();
-            for (i, o) in out.iter_mut().enumerate().take(need) {
-                let mask = match old {
-                    Some(b) => b.take_word_unshared(i),
-                    None => bitmap.active().take_word(i),
-                };
-                *o = mask;
-                if mask != 0 {
-                    dirty += mask.count_ones() as u64;
-                    let base = slot.base_gfn.plus(64 * i as u64);
-                    rearm_masked(mmu, lock.as_ref(), &mut cursor, base, mask, &mut pending);
-                }
-            }
+            let reads = map.harvest(how, &mut |i, mask| {
+                out.word(i, mask);
+                dirty += mask.count_ones() as u64;
+                let base = slot.base_gfn.plus(64 * i as u64);
+                rearm_masked(mmu, lock.as_ref(), &mut cursor, base, mask, &mut pending);
+            });
+            mmu.counters.add_shared(Stat::DirtyWordsRead, reads);
         }
         if dirty > 0 {
             pending.require();
@@ -107,13 +103,7 @@ impl DirtyLog {
     ) -> Result<u64, DirtyLogError> {
         let first_page = first.raw();
         let _s = slots.lock();
-        if !self.mode().manual() {
-            return Err(DirtyLogError::ManualProtectOff);
-        }
-        let slot = logged_slot(slots, id)?;
-        let Some(log) = slot.dirty.as_deref() else {
-            return Err(DirtyLogError::NoBitmap { id });
-        };
+        let (slot, log) = manual_slot(self, slots, id)?;
         if first_page % 64 != 0 {
             return Err(DirtyLogError::ClearUnaligned {
                 id,
@@ -140,36 +130,46 @@ impl DirtyLog {
                 have: bitmap.len(),
             });
         }
-        let active = log.active();
         let first_word = (first_page / 64) as usize;
-        let mut cleared = 0;
-        let mut pending = PendingFlush::none();
-        let mut cursor = LeafCursor::default();
-        {
-            let lock = harvest_lock(mmu);
-            for (k, &want) in bitmap.iter().enumerate().take(words) {
-                let left = num_pages - 64 * k as u64;
-                let want = if left < 64 {
-                    want & ((1u64 << left) - 1)
-                } else {
-                    want
-                };
-                if want == 0 {
-                    continue;
-                }
-                let mask = active.clear_bits(first_word + k, want);
-                if mask != 0 {
-                    cleared += mask.count_ones() as u64;
-                    let base = slot.base_gfn.plus(first_page + 64 * k as u64);
-                    rearm_masked(mmu, lock.as_ref(), &mut cursor, base, mask, &mut pending);
-                }
-            }
+        let wanted = bitmap.iter().enumerate().take(words).map(|(k, &want)| {
+            let left = num_pages - 64 * k as u64;
+            let want = if left < 64 {
+                want & ((1u64 << left) - 1)
+            } else {
+                want
+            };
+            (first_word + k, want)
+        });
+        Ok(clear_words(mmu, &slot, log.active(), wanted))
+    }
+
+    /// CLEAR of the words `(index, bits)` of the slot's bitmap: every index is checked first
+    /// (one past the slot's words is refused, nothing cleared), bits past the slot's last page
+    /// are ignored, then as [`Self::clear_dirty_log`] with one flush for the whole list.
+    pub(crate) fn clear_dirty_log_words<F: PteFormat>(
+        &self,
+        mmu: &Mmu<F>,
+        slots: &Memslots,
+        id: SlotId,
+        words: &[(usize, u64)],
+    ) -> Result<u64, DirtyLogError> {
+        let _s = slots.lock();
+        let (slot, log) = manual_slot(self, slots, id)?;
+        let nwords = log.nwords();
+        if let Some(&(word, _)) = words.iter().find(|&&(i, _)| i >= nwords) {
+            return Err(DirtyLogError::WordOutOfRange { id, word, nwords });
         }
-        if cleared > 0 {
-            pending.require();
-        }
-        complete_harvest(mmu, pending);
-        Ok(cleared)
+        let npages = slot.npages;
+        let wanted = words.iter().map(|&(i, want)| {
+            let left = npages - 64 * i as u64;
+            let want = if left < 64 {
+                want & ((1u64 << left) - 1)
+            } else {
+                want
+            };
+            (i, want)
+        });
+        Ok(clear_words(mmu, &slot, log.active(), wanted))
     }
 
     /// KVM_RESET_DIRTY_RINGS: frees every harvested ring entry and write-protects its page
@@ -221,6 +221,95 @@ impl DirtyLog {
         complete_harvest(mmu, pending);
         Ok(total)
     }
+}
+
+/// Where GET writes what it read: the caller's whole bitmap, or a list of non-zero words.
+pub(crate) enum LogOut<'a> {
+    /// One word per 64 pages; clean words are written as zeros.
+    Dense(&'a mut [u64]),
+    /// `(word index, bits)` of each non-zero word, in index order; emptied first.
+    Sparse(&'a mut Vec<(usize, u64)>),
+}
+
+impl LogOut<'_> {
+    /// Checks the buffer against the slot's `nwords` and clears it, before anything is read.
+    fn begin(&mut self, id: SlotId, nwords: usize) -> Result<(), DirtyLogError> {
+        match self {
+            LogOut::Dense(out) => {
+                let Some(head) = out.get_mut(..nwords) else {
+                    return Err(DirtyLogError::BitmapTooSmall {
+                        id,
+                        need: nwords,
+                        have: out.len(),
+                    });
+                };
+                // A fill, not a scan of the bitmap: the caller's memory, written once.
+                head.fill(0);
+            }
+            LogOut::Sparse(v) => v.clear(),
+        }
+        Ok(())
+    }
+
+    #[inline]
+    fn word(&mut self, i: usize, mask: u64) {
+        match self {
+            LogOut::Dense(out) => {
+                if let Some(o) = out.get_mut(i) {
+                    *o = mask;
+                }
+            }
+            LogOut::Sparse(v) => v.push((i, mask)),
+        }
+    }
+}
+
+/// The slot `id` for a CLEAR: manual protection on, the slot logging into a bitmap.
+fn manual_slot(
+    log: &DirtyLog,
+    slots: &Memslots,
+    id: SlotId,
+) -> Result<(Arc<Memslot>, Arc<SlotBitmap>), DirtyLogError> {
+    if !log.mode().manual() {
+        return Err(DirtyLogError::ManualProtectOff);
+    }
+    let slot = logged_slot(slots, id)?;
+    let bitmap = slot.dirty.clone().ok_or(DirtyLogError::NoBitmap { id })?;
+    Ok((slot, bitmap))
+}
+
+/// Clears `(word, bits)` of `bitmap` (the active side of `slot`'s log), write-protects the
+/// pages whose bits were set, completes one flush. Returns the bits cleared.
+fn clear_words<F: PteFormat>(
+    mmu: &Mmu<F>,
+    slot: &Memslot,
+    bitmap: &DirtyBitmap,
+    words: impl Iterator<Item = (usize, u64)>,
+) -> u64 {
+    let mut cleared = 0;
+    let mut reads = 0;
+    let mut pending = PendingFlush::none();
+    let mut cursor = LeafCursor::default();
+    {
+        let lock = harvest_lock(mmu);
+        for (i, want) in words {
+            if want == 0 {
+                continue;
+            }
+            let mask = bitmap.clear_bits(i, want, &mut reads);
+            if mask != 0 {
+                cleared += mask.count_ones() as u64;
+                let base = slot.base_gfn.plus(64 * i as u64);
+                rearm_masked(mmu, lock.as_ref(), &mut cursor, base, mask, &mut pending);
+            }
+        }
+    }
+    mmu.counters.add_shared(Stat::DirtyWordsRead, reads);
+    if cleared > 0 {
+        pending.require();
+    }
+    complete_harvest(mmu, pending);
+    cleared
 }
 
 /// The MMU lock a harvest holds while it re-arms pages: exclusive, except with `rmap-lockless`,

@@ -13,8 +13,10 @@
 //!   and [`crate::Vm::clear_dirty_log`] clears and re-protects what the VMM has dealt with;
 //! - the dirty ring: [`DirtyRing::harvest`], then [`crate::Vm::reset_dirty_rings`].
 //!
-//! Each costs in proportion to the dirty pages: zero words cost one load, and re-protection
-//! walks only the leaf tables that hold set bits.
+//! Each costs in proportion to the dirty pages: a bitmap harvest reads only the words its
+//! summary levels name (`bitmap.rs`), and re-protection walks only the leaf tables that hold
+//! set bits. [`crate::Vm::get_dirty_log_sparse`] and [`crate::Vm::clear_dirty_log_sparse`]
+//! take and give the non-zero words only, so the caller need not hold a slot-sized buffer.
 //!
 //! Files: `bitmap.rs` and `ring.rs` (the logs), `mark.rs` (marking, invariant 3),
 //! `capability.rs` (manual protect, rings), `enable.rs` (logging on and off), `rearm.rs`
@@ -37,6 +39,7 @@ pub use ring::{
 };
 
 pub(crate) use enable::disable_logging;
+pub(crate) use harvest::LogOut;
 pub(crate) use mark::{
     commit_mark, log_hardware_dirty, mark_for, mark_page_dirty, prepare_mark, Pushed,
 };
@@ -93,6 +96,16 @@ pub enum DirtyLogError {
         need: usize,
         /// Words given.
         have: usize,
+    },
+    /// A word index past the slot's bitmap in a sparse CLEAR.
+    #[error("memslot {id}: bitmap word {word} is past its {nwords} words")]
+    WordOutOfRange {
+        /// The slot.
+        id: SlotId,
+        /// The index given.
+        word: usize,
+        /// The slot's bitmap words.
+        nwords: usize,
     },
     /// CLEAR_DIRTY_LOG without manual protection.
     #[error("clearing the dirty log needs manual dirty-log protection (MANUAL_PROTECT_ENABLE)")]

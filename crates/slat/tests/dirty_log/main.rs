@@ -19,9 +19,11 @@ use std::sync::Arc;
 mod manual_protect;
 mod ring;
 mod slots;
+mod sparse;
 use manual_protect::*;
 use ring::*;
 use slots::*;
+use sparse::*;
 
 const LOG: MemslotFlags = MemslotFlags::LOG_DIRTY_PAGES;
 const MIB: u64 = 1 << 20;
@@ -35,6 +37,9 @@ both_formats! {
     ring_full_refuses_the_write_until_reset,
     slots_deleted_or_moved_while_logging,
     huge_pages_recovered_in_place_or_zapped,
+    #[ept_only] get_reads_only_dirty_words,
+    #[ept_only] manual_get_and_clear_read_only_dirty_words,
+    #[ept_only] sparse_get_and_clear_read_only_dirty_words,
 }
 
 thread_local! {
