@@ -394,40 +394,7 @@ fn run_format<F: PteFormat>(a: &AccessTrackingPerfArgs) -> Result<Report, String
             IdleBitmap::new::<F>(Gpa::new(gpa).gfn(), pages).map_err(|e| e.to_string())
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let (idle_check, idle_check_reason) = a.idle_check();
-    let format = a.machine.format;
-    let mut r = Report {
-        head: RunHead {
-            benchmark: "access-tracking-perf",
-            backend: "sim",
-            format: Some(format.name()),
-        },
-        config: Config {
-            vm: VmSettings::new(
-                BackendArg::Sim,
-                format,
-                &vm_cfg,
-                a.machine.tlb_entries,
-                Some(m.pcpus()),
-                prefault,
-            ),
-            vcpus,
-            bytes_per_vcpu: a.work.bytes,
-            backing: a.work.backing.name(),
-            overlap: a.work.overlap,
-            age_flush: a.age_flush.on(),
-            idle_check,
-            idle_check_reason,
-            pinned_cpus: pinned,
-        },
-        passes: Vec::new(),
-        mark_memory_idle: Vec::new(),
-        still_idle: Vec::new(),
-        warnings: Vec::new(),
-        stats: serde_json::Value::Null,
-        engine: slat::Stats::default(),
-        lines: text::header(a, &vm_cfg, &layout, total),
-    };
+    let mut r = empty_report(a, &vm_cfg, prefault, m.pcpus(), pinned, &layout, total);
     let vm = m.vm().clone();
     let write = PassParams {
         write_percent: 100,
@@ -437,30 +404,8 @@ fn run_format<F: PteFormat>(a: &AccessTrackingPerfArgs) -> Result<Report, String
         write_percent: 0,
         ..PassParams::default()
     };
-    let access = |name, params, r: &mut Report| -> Result<(), String> {
-        let guest = m.run_pass(params).map_err(|e| e.to_string())?;
-        let native: PassReport =
-            native_baseline(layout, &native_ram, params).map_err(|e| e.to_string())?;
-        let c = guest.vcpus.iter().map(|v| &v.counters);
-        let pass = Pass {
-            name,
-            time: guest.wall,
-            native: native.wall,
-            ratio_guest_over_native: ratio(guest.wall, native.wall),
-            faults: c.clone().map(|c| c.faults).sum(),
-            walks: c.clone().map(|c| c.walks).sum(),
-            ad_updates: c.map(|c| c.ad_updates).sum(),
-        };
-        r.lines.push(format!("{name:<30}: {}", ts(pass.time)));
-        r.lines.push(format!(
-            "{:<30}: {} (guest/native {:.2}x)",
-            "  native baseline",
-            ts(pass.native),
-            pass.ratio_guest_over_native
-        ));
-        r.passes.push(pass);
-        Ok(())
-    };
+    let access =
+        |name, params, r: &mut Report| access_pass(&m, layout, &native_ram, name, params, r);
     let mark = |bitmaps: &mut [IdleBitmap], r: &mut Report| -> Result<(), String> {
         let m = mark_idle(&vm, bitmaps, flush_mode(a))?;
         r.lines
@@ -499,6 +444,85 @@ fn run_format<F: PteFormat>(a: &AccessTrackingPerfArgs) -> Result<Report, String
     r.engine = vm.stats();
     r.stats = crate::demand_paging::stats_json(&r.engine);
     Ok(r)
+}
+
+/// The report before any pass: settings and the selftest's header lines.
+fn empty_report(
+    a: &AccessTrackingPerfArgs,
+    vm_cfg: &slat::VmConfig,
+    prefault: bool,
+    pcpus: usize,
+    pinned: Option<Vec<usize>>,
+    layout: &Layout,
+    total: u64,
+) -> Report {
+    let (idle_check, idle_check_reason) = a.idle_check();
+    let format = a.machine.format;
+    Report {
+        head: RunHead {
+            benchmark: "access-tracking-perf",
+            backend: "sim",
+            format: Some(format.name()),
+        },
+        config: Config {
+            vm: VmSettings::new(
+                BackendArg::Sim,
+                format,
+                vm_cfg,
+                a.machine.tlb_entries,
+                Some(pcpus),
+                prefault,
+            ),
+            vcpus: a.work.vcpus,
+            bytes_per_vcpu: a.work.bytes,
+            backing: a.work.backing.name(),
+            overlap: a.work.overlap,
+            age_flush: a.age_flush.on(),
+            idle_check,
+            idle_check_reason,
+            pinned_cpus: pinned,
+        },
+        passes: Vec::new(),
+        mark_memory_idle: Vec::new(),
+        still_idle: Vec::new(),
+        warnings: Vec::new(),
+        stats: serde_json::Value::Null,
+        engine: slat::Stats::default(),
+        lines: text::header(a, vm_cfg, layout, total),
+    }
+}
+
+/// One guest pass and its native baseline, recorded in `r`.
+fn access_pass<F: PteFormat>(
+    m: &Machine<F>,
+    layout: Layout,
+    native_ram: &GuestRam,
+    name: &'static str,
+    params: PassParams,
+    r: &mut Report,
+) -> Result<(), String> {
+    let guest = m.run_pass(params).map_err(|e| e.to_string())?;
+    let native: PassReport =
+        native_baseline(layout, native_ram, params).map_err(|e| e.to_string())?;
+    let c = guest.vcpus.iter().map(|v| &v.counters);
+    let pass = Pass {
+        name,
+        time: guest.wall,
+        native: native.wall,
+        ratio_guest_over_native: ratio(guest.wall, native.wall),
+        faults: c.clone().map(|c| c.faults).sum(),
+        walks: c.clone().map(|c| c.walks).sum(),
+        ad_updates: c.map(|c| c.ad_updates).sum(),
+    };
+    r.lines.push(format!("{name:<30}: {}", ts(pass.time)));
+    r.lines.push(format!(
+        "{:<30}: {} (guest/native {:.2}x)",
+        "  native baseline",
+        ts(pass.native),
+        pass.ratio_guest_over_native
+    ));
+    r.passes.push(pass);
+    Ok(())
 }
 
 /// `-c`: pins the vCPU threads (and the main thread if the list names one more CPU).
