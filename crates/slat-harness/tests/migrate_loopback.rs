@@ -1,6 +1,6 @@
 //! Loopback migrations of a guest under write load, in each log mode, verified and resumed.
 
-use crate::common;
+mod common;
 
 use common::*;
 use slat_harness::migrate::{BackendKind, LogMode};

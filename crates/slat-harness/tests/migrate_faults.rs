@@ -5,7 +5,7 @@
 //! The random cut and corruption points come from a seed printed at the start and in every
 //! failure message; set `SLAT_MIGRATE_SEED` to replay one.
 
-use crate::common;
+mod common;
 
 use common::*;
 use slat_harness::migrate::{BackendKind, BenchGuest, LogMode};
