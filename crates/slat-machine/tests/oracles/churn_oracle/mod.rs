@@ -45,7 +45,7 @@
 //! has the host to itself:
 //!
 //! ```text
-//! SLAT_CHURN_SECS=300 cargo test --release -p slat-machine --test machine churn_oracle:: -- --nocapture
+//! SLAT_CHURN_SECS=300 cargo test --release -p slat-machine --test oracles churn_oracle:: -- --nocapture
 //! ```
 
 // One module per part of a round; each reaches the others and the imports below through
@@ -115,9 +115,8 @@ fn churn_secs() -> f64 {
         .unwrap_or(6.0)
 }
 
-/// The tests of this file run one at a time: each wants every core for its vCPUs, and a long
-/// run's figures are per format.
-static SERIAL: Mutex<()> = Mutex::new(());
+// One test at a time across both oracles (`crate::SERIAL`).
+use crate::SERIAL;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)

@@ -21,7 +21,7 @@
 //! format and fast-path setting, default 8).
 //!
 //! ```text
-//! SLAT_RING_ORACLE_SECS=120 cargo test --profile ci -p slat-machine --test machine ring_oracle:: -- --nocapture
+//! SLAT_RING_ORACLE_SECS=120 cargo test --profile ci -p slat-machine --test oracles ring_oracle:: -- --nocapture
 //! ```
 
 use slat::MemslotFlags;
@@ -69,8 +69,8 @@ fn run_secs() -> f64 {
         .unwrap_or(8.0)
 }
 
-/// The tests of this file run one at a time: each wants every core for its vCPUs.
-static SERIAL: Mutex<()> = Mutex::new(());
+// One test at a time across both oracles (`crate::SERIAL`).
+use crate::SERIAL;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
