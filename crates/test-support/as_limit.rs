@@ -1,4 +1,4 @@
-//! Shared by the `tests/sizes.rs` property tests of slat, slat-dirty, slat-machine and
+//! Shared by the `sizes` property tests of slat, slat-dirty, slat-machine and
 //! slat-workload (included with `#[path]`; not a crate, so no library depends on it): re-running
 //! a test in a child process under an address-space limit, so an aborting allocation is a
 //! failure instead of the end of the test binary, and the sizes every constructor is fed.
@@ -10,13 +10,20 @@ use proptest::prelude::*;
 /// Set in the child a test re-runs itself in.
 const CHILD: &str = "SLAT_SIZES_CHILD";
 
-/// In the parent: runs test `name` again in a child limited to `limit` bytes of address space
-/// and fails unless it passes (a signal, such as the SIGABRT of a failed infallible
-/// allocation, is a failure); returns true. In the child: returns false (run the body).
-pub fn rerun_under_as_limit(name: &str, limit: u64) -> bool {
+/// In the parent: runs test `name` of module `module` (the caller's `module_path!()`) again in
+/// a child limited to `limit` bytes of address space and fails unless it passes (a signal, such
+/// as the SIGABRT of a failed infallible allocation, is a failure); returns true. In the
+/// child: returns false (run the body).
+pub fn rerun_under_as_limit(module: &str, name: &str, limit: u64) -> bool {
     if std::env::var_os(CHILD).is_some() {
         return false;
     }
+    // libtest names a test by its module path without the crate (the test binary's) root.
+    let name = match module.split_once("::") {
+        Some((_, path)) => format!("{path}::{name}"),
+        None => name.to_string(),
+    };
+    let name = name.as_str();
     let exe = std::env::current_exe().expect("test binary");
     let out = std::process::Command::new("prlimit")
         .arg(format!("--as={limit}"))

@@ -115,7 +115,7 @@
 
 #![deny(missing_docs)]
 
-// One public path per item (checked by slat-harness's `tests/public_paths.rs`): the types a user
+// One public path per item (checked by slat-harness's `tests/harness/public_paths.rs`): the types a user
 // names live in private modules and are re-exported here; the public modules (dirty-rate
 // measurement, the raw KVM dirty-log calls) are cohesive groups whose items are not re-exported
 // here.

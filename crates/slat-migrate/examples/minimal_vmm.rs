@@ -14,7 +14,7 @@
 //!   destination.
 //!
 //! `cargo run -p slat-migrate --example minimal_vmm --release` (needs /dev/kvm);
-//! `tests/example_vmm.rs` runs it.
+//! `tests/migrate/example_vmm.rs` runs it.
 
 use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs, kvm_userspace_memory_region};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
@@ -472,7 +472,7 @@ fn check_switch_over(src: &dyn Guest, dst: &dyn Guest) -> Result<u32, Error> {
     Ok(at_switch)
 }
 
-/// `pub`: `tests/example_vmm.rs` runs it.
+/// `pub`: `tests/migrate/example_vmm.rs` runs it.
 pub fn main() -> Result<(), Error> {
     let map: Vec<Region> = RAM
         .iter()

@@ -36,7 +36,7 @@ pub struct GuestRegion {
 /// (gpa, size, mmap address), `dirty_log` wraps its memslots in `Harvester::new`, `pause` and
 /// `resume` stop and start its vCPU threads, and `save_state`/`restore_state` carry its
 /// registers (`KVM_GET_REGS` & co.) and device models. A sketch, for a VM with two RAM slots
-/// around a hole (the VMM's own `Vcpus` thread handling elided; `tests/common/soft.rs` is a
+/// around a hole (the VMM's own `Vcpus` thread handling elided; `tests/migrate/common/soft.rs` is a
 /// complete guest without KVM; `examples/minimal_vmm.rs` a complete one on KVM):
 ///
 /// ```ignore

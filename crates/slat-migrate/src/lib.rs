@@ -18,7 +18,7 @@
 //! Everything that arrives from the network is untrusted: every count, size, index and
 //! offset in it is checked (with checked arithmetic) against what this side has before it is
 //! used, and a bad stream is a typed error — never a panic, an abort, a huge allocation or a
-//! write outside guest memory. `slat-harness`'s `tests/migrate_fuzz/` holds the decoder and a live destination to
+//! write outside guest memory. `slat-harness`'s `tests/harness/migrate_fuzz/` holds the decoder and a live destination to
 //! that with random and mutated streams.
 //!
 //! # Example: a VMM migrates its guest
@@ -133,7 +133,7 @@
 
 #![deny(missing_docs)]
 
-// One public path per item (checked by slat-harness's `tests/public_paths.rs`): the two ends, the
+// One public path per item (checked by slat-harness's `tests/harness/public_paths.rs`): the two ends, the
 // guest they move and the errors live in private modules re-exported here; the public modules (wire
 // format, transports, dirty-rate limiter, auto-converge, verification, host limits) are cohesive
 // groups whose items are not re-exported here.

@@ -75,7 +75,7 @@ fn vcpu_counts_out_of_range_are_refused() {
 /// Every constructor with any size (in a child, under the address-space limit).
 #[test]
 fn constructors_of_any_size() {
-    if rerun_under_as_limit("constructors_of_any_size", AS_LIMIT) {
+    if rerun_under_as_limit(module_path!(), "constructors_of_any_size", AS_LIMIT) {
         return;
     }
     let cfg = Config {

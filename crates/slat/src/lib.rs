@@ -52,7 +52,7 @@
 //! # Layout
 //!
 //! One concept per module, in layers; a module uses only modules below it (the allowed graph
-//! is spelled out and checked by `tests/layering.rs`):
+//! is spelled out and checked by `tests/engine/layering.rs`):
 //!
 //! | layer | modules |
 //! |---|---|
@@ -66,7 +66,7 @@
 
 #![deny(missing_docs)]
 
-// One public path per item (checked by slat-harness's `tests/public_paths.rs`): the types a user
+// One public path per item (checked by slat-harness's `tests/harness/public_paths.rs`): the types a user
 // names live in private modules and are re-exported here; the public modules are cohesive groups
 // whose items are not re-exported here.
 pub mod cmo;

@@ -22,7 +22,7 @@
 //! the binding) scrubs the page, so no guest secret is ever readable through the direct map,
 //! maps it again and, with `collapse`, puts a 2 MiB leaf back once no page of its block is
 //! claimed. Invariant, whenever no acceptance or release is in flight: the direct map maps
-//! exactly the pool frames that are not assigned (`tests/direct_map.rs` checks it after
+//! exactly the pool frames that are not assigned (`tests/engine/direct_map.rs` checks it after
 //! random sequences, with leak accounting of the table pages).
 //!
 //! **Concurrency.** Writers of the table (acceptance, release, collapse) hold the global

@@ -1,6 +1,0 @@
-//! Shared by the integration tests (`#[macro_use] mod common;`): [`both_formats!`] runs each
-//! test on every page-table format. (Test crates cannot share modules, so the
-//! macro's one definition is included from `crates/slat/tests/common/formats.rs`.)
-#![allow(unused_macros)]
-
-include!("../../../slat/tests/common/formats.rs");

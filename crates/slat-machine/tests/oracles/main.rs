@@ -1,0 +1,15 @@
+//! The ring and churn oracles, one binary without other tests: each runs its rounds for a fixed
+//! time and wants every core for its vCPUs, so its tests run one at a time (`SERIAL`) and no
+//! test of another file shares the process's CPUs with them.
+
+use std::sync::Mutex;
+
+#[macro_use]
+#[path = "../machine/common/mod.rs"]
+mod common;
+
+mod churn_oracle;
+mod ring_oracle;
+
+/// Held by every test of both oracles for its whole run.
+static SERIAL: Mutex<()> = Mutex::new(());

@@ -1,0 +1,4 @@
+//! slat-migrate's integration tests as one binary (one link instead of one per file).
+
+mod example_vmm;
+mod vmm;
