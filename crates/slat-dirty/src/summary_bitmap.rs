@@ -118,6 +118,22 @@ fn full_word(i: usize, pages: usize) -> u64 {
     }
 }
 
+/// How many words of a level the harvest prefetches the children of ahead of its swaps.
+const AHEAD: usize = 4;
+
+/// Asks the CPU to bring `w`'s cache line in (a hint; a no-op off x86-64 and under loom).
+#[inline(always)]
+fn prefetch(w: Option<&AtomicU64>) {
+    #[cfg(all(target_arch = "x86_64", not(loom)))]
+    if let Some(w) = w {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        // SAFETY: a prefetch only hints: it cannot fault, and reads nothing the program sees.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(w).cast()) };
+    }
+    #[cfg(not(all(target_arch = "x86_64", not(loom))))]
+    let _ = w;
+}
+
 impl SummaryBitmap {
     /// A clean bitmap for `byte_size` bytes of `page_size` pages (as vm-memory's
     /// `AtomicBitmap::new`). Fails only if the host cannot allocate it.
@@ -291,18 +307,73 @@ impl SummaryBitmap {
         // Unconditional: a load that finds the word zero could be the stale half of a
         // store-buffering pair with a marker that saw our summary bit still set.
         let v = w.swap(0, Ordering::AcqRel);
-        if level == 0 {
-            if v != 0 {
-                f(i, v);
+        match level {
+            0 if v != 0 => f(i, v),
+            0 => {}
+            1 => self.take_pages(i, v, reads, f),
+            _ => {
+                // Sparse marks put each page word on its own cache line: while one child is
+                // taken, the page words of the child AHEAD places on are fetched, so the
+                // misses overlap instead of each waiting behind the previous swap.
+                let mut ahead = v;
+                for _ in 0..AHEAD {
+                    ahead = self.prefetch_grandchildren(level, i, ahead);
+                }
+                let mut m = v;
+                while m != 0 {
+                    let b = m.trailing_zeros() as usize;
+                    m &= m - 1;
+                    ahead = self.prefetch_grandchildren(level, i, ahead);
+                    self.descend(level - 1, i * 64 + b, reads, f);
+                }
             }
+        }
+    }
+
+    /// Rule 2 at level 1 (the bits `v` just swapped out of level-1 word `i`): swaps each page
+    /// word below them and hands on the non-zero ones.
+    #[inline]
+    fn take_pages(&self, i: usize, v: u64, reads: &mut u64, f: &mut impl FnMut(usize, u64)) {
+        let Some(words) = self.levels.first() else {
             return;
+        };
+        // Already fetched when a level above looked ahead; not when level 1 is the top.
+        let mut m = v;
+        while m != 0 {
+            prefetch(words.get(i * 64 + m.trailing_zeros() as usize));
+            m &= m - 1;
         }
         let mut m = v;
         while m != 0 {
-            let b = m.trailing_zeros() as usize;
+            let j = i * 64 + m.trailing_zeros() as usize;
             m &= m - 1;
-            self.descend(level - 1, i * 64 + b, reads, f);
+            if let Some(w) = words.get(j) {
+                *reads += 1;
+                let bits = w.swap(0, Ordering::AcqRel);
+                if bits != 0 {
+                    f(j, bits);
+                }
+            }
         }
+    }
+
+    /// Prefetches the words below the child of word `i` of `level` named by the lowest set bit
+    /// of `ahead` (a relaxed peek: a hint, not a read of the harvest); returns `ahead` without
+    /// that bit.
+    #[inline]
+    fn prefetch_grandchildren(&self, level: usize, i: usize, ahead: u64) -> u64 {
+        if ahead == 0 {
+            return 0;
+        }
+        let c = i * 64 + ahead.trailing_zeros() as usize;
+        if let Some(w) = self.at(level - 1, c) {
+            let mut m = w.load(Ordering::Relaxed);
+            while m != 0 {
+                prefetch(self.at(level - 2, c * 64 + m.trailing_zeros() as usize));
+                m &= m - 1;
+            }
+        }
+        ahead & (ahead - 1)
     }
 
     /// Clears every mark (a harvest whose pages are dropped).
