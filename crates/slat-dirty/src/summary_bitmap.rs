@@ -27,8 +27,9 @@
 //! happens before `l`: the marker sees the bit cleared and sets it, or sees a later set, which
 //! stays; the next harvest reaches the mark. The same holds level by level to the top. With a
 //! load in place of either RMW the pair is the store-buffering pattern and both sides may read
-//! stale values. `tests/loom_bitmap.rs` checks this under loom, data race included: the
-//! harvester reads each page it took, and loom reports the read if nothing orders the write.
+//! stale values. `tests/loom_bitmap.rs` checks this under loom, with the harvest reading each
+//! page it took (loom checks that read against the page's write); it fails if the take's swap
+//! of a page word is relaxed, or a load and a store.
 //!
 //! A marker cannot skip the word's RMW when a load finds its bits set (as the engine's
 //! pre-update mark does): vm-memory marks *after* the write, and a load that sees the bits
