@@ -65,6 +65,57 @@ pub const SUMMARY_BITMAP_PAGE: NonZeroUsize = match NonZeroUsize::new(4096) {
 /// A dirty bitmap over `byte_size` bytes of guest memory, one bit per page, with summary
 /// levels: [`mark_pages`](Self::mark_pages) costs one atomic per word,
 /// [`take_words`](Self::take_words) reads only the words that hold marks.
+///
+/// # Example: in place of `AtomicBitmap` (feature `vm-memory`)
+///
+/// Guest memory whose writes through vm-memory (devices, the VMM) are tracked by this
+/// bitmap, one per region; a harvest moves each region's marks into a [`crate::Harvester`]
+/// (which also owes the pages KVM logged), reading only the dirty words.
+///
+/// ```
+/// # #[cfg(feature = "vm-memory")]
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use slat_dirty::{Harvester, SummaryBitmap};
+/// use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+/// # use slat_dirty::{DirtyLogSource, Error, LogMode, SlotInfo};
+/// # use slat_addr::PageIndex;
+/// # /// A log with nothing in it (a real VMM uses `Harvester::new` over its KVM slots).
+/// # struct NoLog;
+/// # impl DirtyLogSource for NoLog {
+/// #     type Error = Error;
+/// #     fn slots(&self) -> Vec<SlotInfo> { vec![SlotInfo { id: 0, pages: 256 }] }
+/// #     fn mode(&self) -> LogMode { LogMode::Get }
+/// #     fn get_log(&mut self, _: usize, _: &mut [u64]) -> Result<(), Error> { Ok(()) }
+/// #     fn clear_log(&mut self, _: usize, _: PageIndex, _: u64, _: &[u64]) -> Result<(), Error> {
+/// #         Ok(())
+/// #     }
+/// #     fn collect_ring(&mut self, _: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, Error> {
+/// #         Ok(0)
+/// #     }
+/// #     fn reset_rings(&mut self) -> Result<u64, Error> { Ok(0) }
+/// # }
+///
+/// // Was `GuestMemoryMmap<AtomicBitmap>`: 1 MiB of guest RAM at 0 (memslot 0).
+/// let mem: GuestMemoryMmap<SummaryBitmap> =
+///     GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)])?;
+/// # let mut harvester = Harvester::from_source(NoLog)?;
+/// // A device writes 2 bytes across pages 4 and 5: both are marked.
+/// mem.write_slice(&[1, 2], GuestAddress(0x4fff))?;
+///
+/// // Harvest: each region's bitmap (the `MmapRegion`'s) into the slot it backs.
+/// for (slot, region) in mem.iter().enumerate() {
+///     let bitmap: &SummaryBitmap = (**region).bitmap();
+///     harvester.mark_summary_bitmap(slot, bitmap)?;
+/// }
+/// let set = harvester.take()?;
+/// assert_eq!(set.ranges(0).collect::<Vec<_>>(), [(4, 2)]); // pages 4 and 5
+/// // ... copy them, then:
+/// set.commit();
+/// # Ok(())
+/// # }
+/// # #[cfg(not(feature = "vm-memory"))]
+/// # fn main() {}
+/// ```
 pub struct SummaryBitmap {
     /// `levels[0]`: one bit per page; `levels[n + 1]`: one bit per word of `levels[n]`.
     levels: Box<[Box<[AtomicU64]>]>,
