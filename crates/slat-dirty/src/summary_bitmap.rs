@@ -188,13 +188,18 @@ fn prefetch(w: Option<&AtomicU64>) {
 
 impl SummaryBitmap {
     /// A clean bitmap for `byte_size` bytes of `page_size` pages (as vm-memory's
-    /// `AtomicBitmap::new`). Fails only if the host cannot allocate it.
+    /// `AtomicBitmap::new`). Fails ([`Error::Alloc`]) only if the host cannot allocate it.
     pub fn new(byte_size: usize, page_size: NonZeroUsize) -> Result<Self, Error> {
         let pages = byte_size.div_ceil(page_size.get());
-        let refused = || Error::Harvest(format!("a bitmap of {pages} pages cannot be allocated"));
-        let mut levels = vec![level(pages.div_ceil(64)).ok_or_else(refused)?];
+        let refused = |words: usize| Error::Alloc {
+            what: format!("the dirty bitmap of {pages} pages"),
+            bytes: (words as u64).saturating_mul(8),
+        };
+        let words = pages.div_ceil(64);
+        let mut levels = vec![level(words).ok_or_else(|| refused(words))?];
         while let Some(below) = levels.last().map(|l| l.len()).filter(|&n| n > 1) {
-            levels.push(level(below.div_ceil(64)).ok_or_else(refused)?);
+            let words = below.div_ceil(64);
+            levels.push(level(words).ok_or_else(|| refused(words))?);
         }
         Ok(SummaryBitmap {
             levels: levels.into_boxed_slice(),
