@@ -332,6 +332,7 @@ impl SummaryBitmap {
     /// index order, and clears it, reading only the words the summary names. Returns the words
     /// read, summary words included (the harvest's cost). Page `64 × index + b` is dirty for
     /// each set bit `b`. Copy the pages after the call: each mark's write is visible by then.
+    /// A [saturated](Self::is_saturated) bitmap hands over every page, every time (O(size)).
     pub fn take_words(&self, mut f: impl FnMut(usize, u64)) -> u64 {
         if self.saturated {
             let words = self.pages.div_ceil(64);
