@@ -5,6 +5,7 @@ use crate::log::DirtyRing;
 use crate::memslot::Memslot;
 use crate::ranges::{ranges, Ranges};
 use crate::source::{DirtyLogSource, KvmLog, SlotInfo};
+use crate::summary_bitmap::SummaryBitmap;
 use slat_addr::PageIndex;
 
 /// How the VM logs dirty pages (it must have been set up so: see each variant).
@@ -372,6 +373,40 @@ impl<S: DirtyLogSource> Harvester<S> {
             &words,
             "Harvester::mark_atomic_bitmap",
         )
+    }
+
+    /// Takes the VMM-side writes a [`SummaryBitmap`] recorded for the memory behind slot
+    /// `slot_index` (e.g. the region's bitmap of a `GuestMemoryMmap<SummaryBitmap>`) and owes
+    /// them: only the bitmap's dirty words are read and cleared, straight into the owed set
+    /// (no whole-bitmap copy), and they are owed from then on, so a later failed take loses
+    /// nothing. Returns the pages taken. `bitmap` must cover exactly the slot with 4 KiB pages
+    /// ([`Error::BitmapLength`] otherwise; the bitmap is then left untouched).
+    pub fn mark_summary_bitmap(
+        &mut self,
+        slot_index: usize,
+        bitmap: &SummaryBitmap,
+    ) -> Result<u64, Error> {
+        let i = self.index(slot_index)?;
+        let s = &self.slots[i];
+        if u64::try_from(bitmap.page_size().get()) != Ok(slat_addr::PAGE_SIZE) {
+            let size = bitmap.page_size();
+            return Err(Error::Harvest(format!(
+                "a bitmap of {size}-byte pages, not 4 KiB"
+            )));
+        }
+        if u64::try_from(bitmap.len()) != Ok(s.pages) {
+            return Err(Error::BitmapLength {
+                op: "Harvester::mark_summary_bitmap",
+                slot: s.id,
+                pages: s.pages,
+                expected: s.pages.div_ceil(64),
+                got: bitmap.len().div_ceil(64),
+            });
+        }
+        let words = &mut self.words;
+        words.clear();
+        bitmap.take_words(|w, bits| words.push((w, bits)));
+        Ok(or_words(s, &mut self.owed[i], &mut self.touched[i], words))
     }
 
     /// Marks `pages` pages of slot `slot_index` from `first_page` as owed (VMM writes).

@@ -20,6 +20,10 @@
 //!   itself (devices, `vm-memory`'s `AtomicBitmap::get_and_reset`) are merged with
 //!   [`Harvester::mark_words`] / [`Harvester::mark_pages`], or, with the `vm-memory` feature,
 //!   straight from the `AtomicBitmap` (`Harvester::mark_atomic_bitmap`).
+//! - [`SummaryBitmap`]: a drop-in for that `AtomicBitmap` (with the `vm-memory` feature, a
+//!   `vm-memory` `Bitmap` backend: `GuestMemoryMmap<SummaryBitmap>`) that marks a range with one
+//!   atomic per word and is taken in O(dirty pages) through summary levels, straight into the
+//!   harvester ([`Harvester::mark_summary_bitmap`]).
 //! - [`dirty_rate`]: how fast the guest dirties memory, without migrating (QEMU's
 //!   `calc-dirty-rate`): [`dirty_rate::DirtyRate`] samples any [`DirtyLogSource`] for distinct
 //!   pages per second, overall and per vCPU (ring entries name their vCPU; bitmaps need per-vCPU
@@ -128,6 +132,7 @@ mod memslot;
 mod ranges;
 mod snapshot;
 mod source;
+mod summary_bitmap;
 
 pub use error::Error;
 pub use harvest::{DirtySet, Harvester, LogMode};
@@ -135,6 +140,7 @@ pub use memslot::{bitmap_words, Memslot};
 pub use ranges::{ranges, Ranges};
 pub use snapshot::{ChildSnapshot, DirtyPages, GuestRegion, ResetStats, Snapshot, SnapshotError};
 pub use source::{DirtyLogSource, KvmLog, MapErr, SlotInfo};
+pub use summary_bitmap::{SummaryBitmap, SUMMARY_BITMAP_PAGE};
 /// The `vm-memory` this crate was built with (feature `vm-memory`), for its `AtomicBitmap`.
 // A re-export of a whole dependency, so a VMM can match its `vm-memory` version to ours; it
 // is not a second path to one of this crate's items.

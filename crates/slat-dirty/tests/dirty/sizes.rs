@@ -9,6 +9,8 @@
 //! - `DirtyRate::new` (slot page counts), `DirtyRate::with_vcpus`, `DirtyRate::with_regions`
 //! - `SampleWindow::from_millis`
 //! - `RingSize::from_entries`, `RingSize::from_bytes`
+//! - `SummaryBitmap::new`, `SummaryBitmap::new_or_saturated` (bytes and page size), and its
+//!   marks and takes over any range
 //! - `Measurement` built by the caller: `time`, `pages`, `pages_per_s`, `vcpu_pages_per_s`,
 //!   `unattributed` over any windows and counts
 
@@ -16,7 +18,8 @@ use proptest::prelude::*;
 use slat_addr::PageIndex;
 use slat_dirty::dirty_rate::{Attribution, DirtyRate, Measurement, Sample, SampleWindow};
 use slat_dirty::log::RingSize;
-use slat_dirty::{DirtyLogSource, Error, Harvester, LogMode, SlotInfo};
+use slat_dirty::{DirtyLogSource, Error, Harvester, LogMode, SlotInfo, SummaryBitmap};
+use std::num::NonZeroUsize;
 use std::time::Duration;
 
 #[path = "../../../test-support/as_limit.rs"]
@@ -149,6 +152,23 @@ fn harvesters_and_samplers_of_any_size() {
                 if let Ok(set) = h.take() {
                     set.commit();
                 }
+            }
+            let bytes = pages.first().map_or(0, |&p| p as usize);
+            let page_size = NonZeroUsize::new(vcpus as usize).unwrap_or(NonZeroUsize::MIN);
+            for b in [
+                SummaryBitmap::new(bytes, page_size).ok(),
+                Some(SummaryBitmap::new_or_saturated(bytes, page_size)).filter(|b| {
+                    // A saturated bitmap's take lists every word: only small ones here.
+                    !b.is_saturated() || b.len() < 1 << 20
+                }),
+            ]
+            .into_iter()
+            .flatten()
+            {
+                b.mark_pages(region.0 as usize, region.1 as usize);
+                b.set_addr_range(region.1 as usize, region.0 as usize);
+                let _ = b.is_bit_set(region.0 as usize);
+                b.take_words(|_, _| {});
             }
             if let Ok(r) = DirtyRate::new(claims(&pages, mode)) {
                 let r = r.with_vcpus(vcpus as usize);
