@@ -7,7 +7,7 @@ use crate::dirty_limit::{DirtyLimiter, RingCounts};
 use crate::error::{GuestError, MigrateError, ProtocolError, StreamError};
 use crate::guest::{Guest, Memory};
 use crate::link::Faults;
-use crate::stream::{BatchBuilder, Msg, PAGE_BYTES};
+use crate::stream::{BatchBuilder, Msg};
 use crate::verify::{self, Digests};
 use slat_addr::PageIndex;
 use std::collections::VecDeque;
@@ -40,7 +40,15 @@ pub(super) struct Limit {
     pub(super) l: DirtyLimiter,
     pub(super) counts: Arc<RingCounts>,
     pub(super) guest: Arc<dyn Guest>,
+    /// When the rings were last collected for the meter.
+    pub(super) last_collect: Instant,
 }
+
+/// How often dirty-limit's meter collects the rings during a round. A page counts once per
+/// window between two collects; a guest sweeping its memory faster than once a window would
+/// be under-counted, and at 10 ms the window is short against the 1 s period (and against the
+/// sweep of a guest held near its limit), so the count is what the guest writes.
+pub(super) const METER_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
 
 impl Limit {
     /// What dirty-limit did in this attempt.
@@ -67,9 +75,10 @@ impl Sender {
         self.limit.as_ref().map_or(Vec::new(), |x| x.l.throttles())
     }
 
-    /// Once a period: brings the ring counts up to date (collecting into the pages owed for
-    /// the next round, when a round's `set` is out: nothing is lost to the migration), then
-    /// lets the limiter set each vCPU's throttle.
+    /// Every [`METER_INTERVAL`] while a round's `set` is out: collects the rings into the
+    /// pages owed for the next round (nothing is lost to the migration), so the meter counts
+    /// what the guest dirties, not distinct pages per period. Once a period: lets the limiter
+    /// set each vCPU's throttle from the counts.
     pub(super) fn tick_limit(
         &mut self,
         set: Option<&mut RoundSet<'_>>,
@@ -78,11 +87,16 @@ impl Sender {
         let Some(x) = &mut self.limit else {
             return Ok(());
         };
-        if !x.l.due(Instant::now()) {
-            return Ok(());
-        }
+        let now = Instant::now();
+        let due = x.l.due(now);
         if let Some(set) = set {
-            self.collected += set.collect()?;
+            if due || now.duration_since(x.last_collect) >= METER_INTERVAL {
+                self.collected += set.collect()?;
+                x.last_collect = now;
+            }
+        }
+        if !due {
+            return Ok(());
         }
         let counts = x.counts.per_vcpu();
         if let Some(th) = x.l.update(&counts, Instant::now()) {
@@ -98,25 +112,30 @@ impl Sender {
         Ok(())
     }
 
-    /// Builds the batch of `chunk`'s pages (read into `page` one by one), recording each
-    /// page's digest; returns the batch's zero pages. Over a one-way channel (or with the
-    /// merge-back fault) a page leaves `owed` here, as no acknowledgement will come.
+    /// Builds the batch of `chunk`'s pages (each read from guest memory straight into the
+    /// frame), recording each page's digest; returns the batch's zero pages. Over a one-way
+    /// channel (or with the merge-back fault) a page leaves `owed` here, as no
+    /// acknowledgement will come.
     fn fill_batch(
         &mut self,
         mem: &Memory<'_>,
         owed: &mut RoundSet<'_>,
         chunk: &[Page],
         round: u32,
-        page: &mut [u8],
         one_way: bool,
     ) -> Result<u64, MigrateError> {
         self.builder.start(self.seq, round);
         for &(slot, off, p) in chunk {
-            mem.read_page(PageIndex::new(p), page)?;
-            self.builder.push(PageIndex::new(p), page);
-            if !self.digests.is_empty() {
-                self.digests.set(p, verify::page_digest(page));
-            }
+            let digests = &mut self.digests;
+            self.builder.push_with(
+                PageIndex::new(p),
+                |out| mem.read_page(PageIndex::new(p), out),
+                |page| {
+                    if !digests.is_empty() {
+                        digests.set(p, verify::page_digest(page));
+                    }
+                },
+            )?;
             if slot == NO_SLOT {
                 continue;
             }
@@ -150,7 +169,6 @@ impl Sender {
             todo.extend((first..first + n).map(|p| (NO_SLOT, 0, p)));
         }
         let mut inflight: VecDeque<(u64, Vec<Page>)> = VecDeque::new();
-        let mut page = vec![0u8; PAGE_BYTES];
         let mut zero = 0u64;
         for chunk in todo.chunks(self.batch) {
             // A window of batches in flight: the destination's acknowledgements (and so the
@@ -159,7 +177,7 @@ impl Sender {
                 let m = conn.recv(phase)?;
                 settle(m, &mut inflight, owed, phase)?;
             }
-            zero += self.fill_batch(mem, owed, chunk, round, &mut page, conn.one_way())?;
+            zero += self.fill_batch(mem, owed, chunk, round, conn.one_way())?;
             conn.send_raw(self.builder.frame(), phase)?;
             if !conn.one_way() {
                 inflight.push_back((self.seq, chunk.to_vec()));
