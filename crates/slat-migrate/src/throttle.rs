@@ -170,7 +170,13 @@ mod tests {
         // Dirtied 52: 70% · 50 / 52 = 67.3%, a step of 3 (rounded up).
         a.after_round(5, 52, 100);
         assert_eq!(a.after_round(6, 52, 100), Some(33));
-        let mut plain = AutoConverge::with_schedule(true, Schedule { tailslow: false, ..sched });
+        let mut plain = AutoConverge::with_schedule(
+            true,
+            Schedule {
+                tailslow: false,
+                ..sched
+            },
+        );
         for r in 1..=6 {
             plain.after_round(r, [200, 200, 60, 60, 52, 52][r as usize - 1], 100);
         }

@@ -15,7 +15,9 @@ impl Source {
     ///
     /// Pre-copy: round 0 sends everything owed; each later round first harvests, and
     /// pre-copy ends when the rest fits `max_downtime` (or after `max_rounds`); the round
-    /// that comes next is the stop-and-copy round.
+    /// that comes next is the stop-and-copy round. A later round ends early once what it has
+    /// left fits `max_downtime` at its own rate (QEMU syncs the bitmap then), so the harvest
+    /// and the decision come while the rest is still small.
     pub(super) fn rounds(
         &mut self,
         conn: &mut Conn,
@@ -64,11 +66,17 @@ impl Source {
                 &mut set,
                 round,
                 false,
+                (round > 0).then_some(self.cfg.max_downtime),
                 &format!("round {round}"),
                 progress,
             )?;
-            // Every page was acknowledged (and left the set) before the round returned.
-            set.commit();
+            // Every page sent was acknowledged (and left the set) before the round returned;
+            // a round that ended early leaves the rest in the set, owed again.
+            if r.pages < owed {
+                set.abort();
+            } else {
+                set.commit();
+            }
             // Range hashes of what this round sent, while the guest runs.
             sender.digests.refresh();
             progress(Event::Round(&r));
@@ -119,6 +127,7 @@ impl Source {
             &mut set,
             round,
             true,
+            None,
             "stop-and-copy",
             progress,
         )?;

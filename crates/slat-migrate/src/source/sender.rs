@@ -148,8 +148,14 @@ impl Sender {
         Ok(self.builder.zero as u64)
     }
 
-    /// Sends every page of `owed`; returns when the destination acknowledged all of them
+    /// Sends the pages of `owed`; returns when the destination acknowledged all it sent
     /// (each acknowledged page has left the set).
+    ///
+    /// With `resync` (a pre-copy round after the first, no read-only pages owed) the round
+    /// ends early, as QEMU's iteration does, once the pages it has still to send could go
+    /// within `resync` at the rate this round measures: the rest stay in the set (the caller
+    /// aborts it, so they are owed again) and the next harvest and switch-over decision come
+    /// now rather than after pages that the guest will have re-dirtied by then.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn round(
         &mut self,
@@ -159,6 +165,7 @@ impl Sender {
         owed: &mut RoundSet<'_>,
         round: u32,
         stop_and_copy: bool,
+        resync: Option<std::time::Duration>,
         phase: &str,
         progress: &mut dyn FnMut(Event<'_>),
     ) -> Result<RoundReport, MigrateError> {
@@ -170,7 +177,15 @@ impl Sender {
         }
         let mut inflight: VecDeque<(u64, Vec<Page>)> = VecDeque::new();
         let mut zero = 0u64;
+        let resync = resync.filter(|_| self.ro.is_empty() && !stop_and_copy);
+        let mut sent = 0usize;
         for chunk in todo.chunks(self.batch) {
+            if let Some(d) = resync {
+                if resync_now(t0, sent, todo.len() - sent, d) {
+                    break;
+                }
+            }
+            sent += chunk.len();
             // A window of batches in flight: the destination's acknowledgements (and so the
             // reader's bounded inbox) never run more than this far behind.
             while inflight.len() >= MAX_INFLIGHT {
@@ -193,7 +208,7 @@ impl Sender {
         conn.send(
             &Msg::RoundEnd {
                 round,
-                pages: todo.len() as u64,
+                pages: sent as u64,
             },
             phase,
         )?;
@@ -205,7 +220,7 @@ impl Sender {
         self.ro.clear();
         Ok(RoundReport {
             round,
-            pages: todo.len() as u64,
+            pages: sent as u64,
             zero_pages: zero,
             bytes: conn.link.written() - bytes0,
             time: t0.elapsed(),
@@ -215,6 +230,23 @@ impl Sender {
         })
     }
 }
+
+/// Whether a round that began at `t0` and has sent `sent` pages ends now, `left` pages
+/// before its end: they could be sent within `limit` at the round's rate so far. Only after
+/// [`RESYNC_MIN_TIME`], so the rate is the link's and not the socket buffer's.
+fn resync_now(t0: Instant, sent: usize, left: usize, limit: std::time::Duration) -> bool {
+    let spent = t0.elapsed();
+    if spent < RESYNC_MIN_TIME {
+        return false;
+    }
+    let rate = sent as f64 / spent.as_secs_f64();
+    (left as f64) < rate * limit.as_secs_f64()
+}
+
+/// How long a round sends before it may end early: QEMU's bandwidth period
+/// (`BUFFER_DELAY`, 100 ms). Over a few milliseconds the rate is what the socket buffers
+/// swallowed, well above what the link sustains.
+const RESYNC_MIN_TIME: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// A page of a round: (slot index in the harvester, page in the slot, memory index); a
 /// read-only page has the slot [`NO_SLOT`].
