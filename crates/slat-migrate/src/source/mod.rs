@@ -309,10 +309,12 @@ pub struct Progress {
 ///
 /// Round 0 sends everything owed (all memory for a fresh destination). Each later round
 /// first harvests; if the owed pages could then be sent within `max_downtime` at the
-/// bandwidth measured so far — or `max_rounds` are done — pre-copy ends. Otherwise the round
-/// sends them. The destination acknowledges every batch; a round ends when all its batches
-/// are acknowledged, and only then does the next harvest run (an acknowledgement arriving
-/// after a later harvest re-added the page would wrongly clear it).
+/// bandwidth of the last round (QEMU's rule) — or `max_rounds` are done — pre-copy ends.
+/// Otherwise the round sends them, ending early once the rest fits `max_downtime` at its own
+/// rate (QEMU's sync point; the rest stays owed). The destination acknowledges every batch;
+/// a round ends when all the batches it sent are acknowledged, and only then does the next
+/// harvest run (an acknowledgement arriving after a later harvest re-added the page would
+/// wrongly clear it).
 ///
 /// # Switch-over
 ///
