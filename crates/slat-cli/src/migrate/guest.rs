@@ -127,7 +127,12 @@ pub struct MigrationArgs {
     pub throttle_increment: u32,
     /// Auto-converge's later steps only as large as the measured dirty rate asks for, at most
     /// --cpu-throttle-increment (QEMU's cpu-throttle-tailslow).
-    #[arg(long = "cpu-throttle-tailslow", value_name = "CPU_THROTTLE_TAILSLOW", value_enum, default_value = "off")]
+    #[arg(
+        long = "cpu-throttle-tailslow",
+        value_name = "CPU_THROTTLE_TAILSLOW",
+        value_enum,
+        default_value = "off"
+    )]
     pub throttle_tailslow: Switch,
     /// How pre-copy is made to converge when the guest outruns the link: `auto`
     /// (auto-converge, as --auto-converge says: every vCPU loses the same time slice),
