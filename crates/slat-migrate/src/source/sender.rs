@@ -47,7 +47,9 @@ pub(super) struct Limit {
 /// How often dirty-limit's meter collects the rings during a round. A page counts once per
 /// window between two collects; a guest sweeping its memory faster than once a window would
 /// be under-counted, and at 10 ms the window is short against the 1 s period (and against the
-/// sweep of a guest held near its limit), so the count is what the guest writes.
+/// sweep of a guest held near its limit), so the count is what the guest writes. The check
+/// runs between batches, so over a link slower than a batch (1 MiB) per 10 ms the windows
+/// are a batch's time instead.
 pub(super) const METER_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
 
 impl Limit {
