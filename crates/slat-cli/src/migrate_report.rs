@@ -179,6 +179,9 @@ impl Serialize for Config<'_> {
         m.serialize_entry("bandwidth_mib_per_s", &a.bandwidth)?;
         m.serialize_entry("compress", &(a.compress == CompressArg::Lz4))?;
         m.serialize_entry("auto_converge", &a.auto_converge.on())?;
+        m.serialize_entry("cpu_throttle_initial", &a.throttle_initial)?;
+        m.serialize_entry("cpu_throttle_increment", &a.throttle_increment)?;
+        m.serialize_entry("cpu_throttle_tailslow", &a.throttle_tailslow.on())?;
         m.serialize_entry("converge", a.converge.name())?;
         let dirty_limit = a.converge == ConvergeArg::DirtyLimit;
         m.serialize_entry(

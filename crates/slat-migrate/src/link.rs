@@ -45,6 +45,9 @@ pub(crate) struct Link {
     faults: Faults,
 }
 
+/// Idle time after which the cap's window starts again.
+const IDLE: Duration = Duration::from_millis(10);
+
 /// The cap is enforced per chunk of this size, so a big frame does not go out in one burst.
 const CHUNK: usize = 64 << 10;
 
@@ -78,6 +81,14 @@ impl Link {
     fn pace(&mut self, n: usize) {
         if self.cap == 0 {
             return;
+        }
+        // A window whose bytes were all due a while ago (the link sat idle: the setup before
+        // round 0, the wait for a round's last acknowledgements) starts again here, so the
+        // idle time is not banked as a burst above the cap.
+        let (t0, sent) = self.window;
+        let caught_up = Duration::from_secs_f64(sent as f64 / self.cap as f64);
+        if t0.elapsed() > caught_up + IDLE {
+            self.window = (Instant::now(), 0);
         }
         let (t0, sent) = self.window;
         let due = Duration::from_secs_f64((sent + n as u64) as f64 / self.cap as f64);

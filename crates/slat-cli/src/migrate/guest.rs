@@ -113,10 +113,27 @@ pub struct MigrationArgs {
     /// sent and remaining, bandwidth, expected downtime, throttle), also with --json.
     #[arg(long, value_enum, default_value = "text")]
     pub progress: ProgressArg,
-    /// Throttle the vCPUs (QEMU-style, 20% then +10% steps) when the guest dirties memory
-    /// faster than the link sends it.
+    /// Throttle the vCPUs (QEMU's schedule: --cpu-throttle-initial, then
+    /// --cpu-throttle-increment steps) when the guest dirties memory faster than the link
+    /// sends it.
     #[arg(long = "auto-converge", value_enum, default_value = "on")]
     pub auto_converge: Switch,
+    /// Auto-converge's first throttle, percent of each vCPU's time (1-99; QEMU's
+    /// cpu-throttle-initial).
+    #[arg(long = "cpu-throttle-initial", value_name = "PERCENT", value_parser = clap::value_parser!(u32).range(1..=99), default_value_t = 20)]
+    pub throttle_initial: u32,
+    /// Auto-converge's later steps, percent (1-99; QEMU's cpu-throttle-increment).
+    #[arg(long = "cpu-throttle-increment", value_name = "PERCENT", value_parser = clap::value_parser!(u32).range(1..=99), default_value_t = 10)]
+    pub throttle_increment: u32,
+    /// Auto-converge's later steps only as large as the measured dirty rate asks for, at most
+    /// --cpu-throttle-increment (QEMU's cpu-throttle-tailslow).
+    #[arg(
+        long = "cpu-throttle-tailslow",
+        value_name = "CPU_THROTTLE_TAILSLOW",
+        value_enum,
+        default_value = "off"
+    )]
+    pub throttle_tailslow: Switch,
     /// How pre-copy is made to converge when the guest outruns the link: `auto`
     /// (auto-converge, as --auto-converge says: every vCPU loses the same time slice),
     /// `dirty-limit` (QEMU's dirty-limit: each vCPU's dirty rate is measured from its dirty
@@ -275,6 +292,9 @@ impl MigrationArgs {
                 CompressArg::Lz4 => Compression::Lz4,
             },
             auto_converge: self.auto_converge.on() && self.converge == ConvergeArg::Auto,
+            throttle_initial: self.throttle_initial,
+            throttle_step: self.throttle_increment,
+            throttle_tailslow: self.throttle_tailslow.on(),
             dirty_limit: dirty_limit.then(|| DirtyLimitConfig {
                 limit: self.dirty_limit,
                 period: Duration::from_millis(self.dirty_limit_period),

@@ -64,3 +64,11 @@ pub(super) fn max_downtime(s: &str) -> Result<u64, String> {
         )),
     }
 }
+
+/// Parses an auto-converge throttle percentage of `--vary` (1-99).
+pub(super) fn throttle_percent(s: &str) -> Result<u32, String> {
+    match s.parse::<u32>() {
+        Ok(n) if (1..=99).contains(&n) => Ok(n),
+        _ => Err(format!("`{s}` is not a throttle percentage from 1 to 99")),
+    }
+}

@@ -2,7 +2,7 @@
 //! driver; its `--vary` table and sweep table, and the convergence plot `migrate` shares.
 
 use super::guest::GuestArgs;
-use super::parse::{dirty_rate, max_downtime};
+use super::parse::{dirty_limit, dirty_rate, max_downtime, throttle_percent};
 use super::*;
 use crate::args::Switch;
 use crate::driver::chart::SeriesOf;
@@ -62,6 +62,17 @@ pub const VARY: &[Key<MigratePerfArgs>] = &[
         |a, v| a.migration.max_downtime = max_downtime(v)?),
     key!("compress", "--compress", CompressArg, |a| a.migration.compress),
     key!("auto-converge", "--auto-converge", Switch, |a| a.migration.auto_converge),
+    vary_key!("cpu-throttle-initial", "--cpu-throttle-initial",
+        Values::Text("percent (1-99)", |v| throttle_percent(v).map(drop)),
+        |a, v| a.migration.throttle_initial = throttle_percent(v)?),
+    vary_key!("cpu-throttle-increment", "--cpu-throttle-increment",
+        Values::Text("percent (1-99)", |v| throttle_percent(v).map(drop)),
+        |a, v| a.migration.throttle_increment = throttle_percent(v)?),
+    key!("cpu-throttle-tailslow", "--cpu-throttle-tailslow", Switch,
+        |a| a.migration.throttle_tailslow),
+    vary_key!("dirty-limit", "--dirty-limit",
+        Values::Text("pages/s per vCPU (k/m suffixes)", |v| dirty_limit(v).map(drop)),
+        |a, v| a.migration.dirty_limit = dirty_limit(v)?),
     vary_key!("wrprot", "--wrprot", Values::OneOf(variants::<slat::WrprotVariant>),
         |a, v| a.guest.wrprot = engine(v)?),
     key!("verify", "--verify", VerifyArg, |a| a.migration.verify),

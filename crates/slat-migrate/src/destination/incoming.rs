@@ -127,8 +127,15 @@ impl<'g> Incoming<'g> {
             return Err(page_error(PageError::OutOfRange { page, pages }));
         }
         for (i, &(p, enc, _)) in b.entries.iter().enumerate() {
-            b.page_into(i, &mut self.buf).map_err(page_error)?;
-            self.mem.stopped_write_page(PageIndex::new(p), &self.buf)?;
+            // A raw page goes from the frame to guest memory; the others are decoded first.
+            let data = match b.raw_page(i) {
+                Some(d) => d,
+                None => {
+                    b.page_into(i, &mut self.buf).map_err(page_error)?;
+                    &self.buf
+                }
+            };
+            self.mem.stopped_write_page(PageIndex::new(p), data)?;
             if !self.digests.is_empty() {
                 // Hash what guest memory now holds, read back (cache-hot), not the buffer:
                 // a write that went astray shows.

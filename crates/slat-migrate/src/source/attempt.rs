@@ -8,7 +8,7 @@ use crate::dirty_limit::{DirtyLimiter, RingCounts, RingMeter};
 use crate::error::{GuestError, MigrateError, StreamError};
 use crate::guest::{Guest, GuestHarvester, GuestLog, Memory};
 use crate::stream::{self, BatchBuilder, Hello, Msg, MAX_HASHES, PAGE_BYTES, VERSION};
-use crate::throttle::AutoConverge;
+use crate::throttle::{AutoConverge, Schedule};
 use crate::verify::{self, Digests, VerifyMode, NEVER_SENT, RANGE_PAGES};
 use slat_addr::PageIndex;
 use std::io::Write;
@@ -77,10 +77,13 @@ impl Source {
             self.logging = true;
         }
         let before = Counters::read(&*self.guest);
-        let mut ac = AutoConverge::new(
+        let mut ac = AutoConverge::with_schedule(
             self.cfg.auto_converge && self.cfg.dirty_limit.is_none(),
-            self.cfg.throttle_initial,
-            self.cfg.throttle_step,
+            Schedule {
+                initial: self.cfg.throttle_initial,
+                increment: self.cfg.throttle_step,
+                tailslow: self.cfg.throttle_tailslow,
+            },
         );
         let mut sender = self.sender(starts, ro, t_connect);
         let r = self.rounds(conn, &mem, &mut sender, &mut ac, &mut report, progress);
@@ -162,6 +165,7 @@ impl Source {
             ),
             counts: self.ring_counts.clone(),
             guest: self.guest.clone(),
+            last_collect: Instant::now(),
         });
         Sender {
             builder: BatchBuilder::new(self.cfg.compression),

@@ -28,7 +28,7 @@ type RoundSet<'h> = slat_dirty::DirtySet<'h, GuestLog>;
 #[derive(Debug, Clone)]
 pub struct SourceConfig {
     /// Longest acceptable stop-and-copy transfer: pre-copy ends once the owed pages could be
-    /// sent in this time at the measured bandwidth.
+    /// sent in this time at the bandwidth of the last round (QEMU's rule).
     pub max_downtime: Duration,
     /// Pre-copy rounds after the full copy before stopping regardless.
     pub max_rounds: u32,
@@ -45,6 +45,9 @@ pub struct SourceConfig {
     pub throttle_initial: u32,
     /// Later throttle steps, percent.
     pub throttle_step: u32,
+    /// Later throttle steps only as large as the measured dirty rate asks for (QEMU's
+    /// `cpu-throttle-tailslow`; [`crate::throttle`]).
+    pub throttle_tailslow: bool,
     /// Converge by QEMU's dirty-limit instead of auto-converge: each vCPU's dirty rate is
     /// measured from its dirty ring and only the vCPUs above the limit are slowed
     /// ([`crate::dirty_limit`]). Needs the ring log and a guest with per-vCPU throttles;
@@ -70,6 +73,7 @@ impl Default for SourceConfig {
             auto_converge: true,
             throttle_initial: 20,
             throttle_step: 10,
+            throttle_tailslow: false,
             dirty_limit: None,
             batch_pages: 256,
             timeout: Duration::from_secs(30),
@@ -264,7 +268,8 @@ pub struct Progress {
     pub dirtied: u64,
     /// Bytes per second measured over the rounds so far.
     pub bandwidth: f64,
-    /// The stop-and-copy transfer time the owed pages would take at that bandwidth.
+    /// The stop-and-copy transfer time the owed pages would take at the last round's
+    /// bandwidth (what the switch-over decision uses).
     pub expected_downtime: Duration,
     /// The auto-converge throttle, percent.
     pub throttle: u32,
@@ -304,10 +309,12 @@ pub struct Progress {
 ///
 /// Round 0 sends everything owed (all memory for a fresh destination). Each later round
 /// first harvests; if the owed pages could then be sent within `max_downtime` at the
-/// bandwidth measured so far — or `max_rounds` are done — pre-copy ends. Otherwise the round
-/// sends them. The destination acknowledges every batch; a round ends when all its batches
-/// are acknowledged, and only then does the next harvest run (an acknowledgement arriving
-/// after a later harvest re-added the page would wrongly clear it).
+/// bandwidth of the last round (QEMU's rule) — or `max_rounds` are done — pre-copy ends.
+/// Otherwise the round sends them, ending early once the rest fits `max_downtime` at its own
+/// rate (QEMU's sync point; the rest stays owed). The destination acknowledges every batch;
+/// a round ends when all the batches it sent are acknowledged, and only then does the next
+/// harvest run (an acknowledgement arriving after a later harvest re-added the page would
+/// wrongly clear it).
 ///
 /// # Switch-over
 ///

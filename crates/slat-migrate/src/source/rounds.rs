@@ -15,7 +15,9 @@ impl Source {
     ///
     /// Pre-copy: round 0 sends everything owed; each later round first harvests, and
     /// pre-copy ends when the rest fits `max_downtime` (or after `max_rounds`); the round
-    /// that comes next is the stop-and-copy round.
+    /// that comes next is the stop-and-copy round. A later round ends early once what it has
+    /// left fits `max_downtime` at its own rate (QEMU syncs the bitmap then), so the harvest
+    /// and the decision come while the rest is still small.
     pub(super) fn rounds(
         &mut self,
         conn: &mut Conn,
@@ -64,11 +66,17 @@ impl Source {
                 &mut set,
                 round,
                 false,
+                (round > 0).then_some(self.cfg.max_downtime),
                 &format!("round {round}"),
                 progress,
             )?;
-            // Every page was acknowledged (and left the set) before the round returned.
-            set.commit();
+            // Every page sent was acknowledged (and left the set) before the round returned;
+            // a round that ended early leaves the rest in the set, owed again.
+            if r.pages < owed {
+                set.abort();
+            } else {
+                set.commit();
+            }
             // Range hashes of what this round sent, while the guest runs.
             sender.digests.refresh();
             progress(Event::Round(&r));
@@ -119,6 +127,7 @@ impl Source {
             &mut set,
             round,
             true,
+            None,
             "stop-and-copy",
             progress,
         )?;
@@ -140,9 +149,9 @@ impl Source {
     }
 }
 
-/// Whether pre-copy ends before round `round` (> 0): the `owed` pages could be sent within
-/// `max_downtime` at the bandwidth measured so far (recorded in `report`), or the rounds are
-/// used up.
+/// Whether pre-copy ends before round `round` (> 0): the `owed` pages (harvested just now)
+/// could be sent within `max_downtime` at the bandwidth of the round that just ended
+/// (recorded in `report`), or the rounds are used up.
 fn precopy_done(cfg: &SourceConfig, owed: u64, round: u32, report: &mut MigrationReport) -> bool {
     let expect = expected_transfer(report, owed);
     report.expected_final = expect;
@@ -153,13 +162,20 @@ fn precopy_done(cfg: &SourceConfig, owed: u64, round: u32, report: &mut Migratio
     round > cfg.max_rounds || round == u32::MAX
 }
 
-/// How long `owed` pages would take at the bandwidth and bytes per page measured so far.
+/// How long `owed` pages would take at the bandwidth and bytes per page of the last round
+/// that sent any.
+///
+/// QEMU's rule: the threshold is the bandwidth measured over the recent period times the
+/// downtime allowed. An average over all rounds would let round 0 (which ran while the guest
+/// was quiet, or while the link warmed up) hide what the link carries now.
 fn expected_transfer(report: &MigrationReport, owed: u64) -> Duration {
-    let sent: u64 = report.rounds.iter().map(|r| r.bytes).sum();
-    let spent: Duration = report.rounds.iter().map(|r| r.time).sum();
-    let per_page = sent as f64 / report.pages().max(1) as f64;
-    let bw = rate(sent as f64, spent).max(1.0);
-    Duration::from_secs_f64(owed as f64 * per_page / bw)
+    // Nothing measured yet (or nothing owed): nothing to wait for, as before any round.
+    let Some(last) = report.rounds.iter().rev().find(|r| r.pages > 0) else {
+        return Duration::ZERO;
+    };
+    let per_page = last.bytes as f64 / last.pages as f64;
+    let bw = rate(last.bytes as f64, last.time).max(1.0);
+    Duration::try_from_secs_f64(owed as f64 * per_page / bw).unwrap_or(Duration::MAX)
 }
 
 /// The progress after the rounds in `report`, with `owed` pages left.

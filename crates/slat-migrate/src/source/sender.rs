@@ -7,7 +7,7 @@ use crate::dirty_limit::{DirtyLimiter, RingCounts};
 use crate::error::{GuestError, MigrateError, ProtocolError, StreamError};
 use crate::guest::{Guest, Memory};
 use crate::link::Faults;
-use crate::stream::{BatchBuilder, Msg, PAGE_BYTES};
+use crate::stream::{BatchBuilder, Msg};
 use crate::verify::{self, Digests};
 use slat_addr::PageIndex;
 use std::collections::VecDeque;
@@ -40,7 +40,17 @@ pub(super) struct Limit {
     pub(super) l: DirtyLimiter,
     pub(super) counts: Arc<RingCounts>,
     pub(super) guest: Arc<dyn Guest>,
+    /// When the rings were last collected for the meter.
+    pub(super) last_collect: Instant,
 }
+
+/// How often dirty-limit's meter collects the rings during a round. A page counts once per
+/// window between two collects; a guest sweeping its memory faster than once a window would
+/// be under-counted, and at 10 ms the window is short against the 1 s period (and against the
+/// sweep of a guest held near its limit), so the count is what the guest writes. The check
+/// runs between batches, so over a link slower than a batch (1 MiB) per 10 ms the windows
+/// are a batch's time instead.
+pub(super) const METER_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
 
 impl Limit {
     /// What dirty-limit did in this attempt.
@@ -67,9 +77,10 @@ impl Sender {
         self.limit.as_ref().map_or(Vec::new(), |x| x.l.throttles())
     }
 
-    /// Once a period: brings the ring counts up to date (collecting into the pages owed for
-    /// the next round, when a round's `set` is out: nothing is lost to the migration), then
-    /// lets the limiter set each vCPU's throttle.
+    /// Every [`METER_INTERVAL`] while a round's `set` is out: collects the rings into the
+    /// pages owed for the next round (nothing is lost to the migration), so the meter counts
+    /// what the guest dirties, not distinct pages per period. Once a period: lets the limiter
+    /// set each vCPU's throttle from the counts.
     pub(super) fn tick_limit(
         &mut self,
         set: Option<&mut RoundSet<'_>>,
@@ -78,11 +89,16 @@ impl Sender {
         let Some(x) = &mut self.limit else {
             return Ok(());
         };
-        if !x.l.due(Instant::now()) {
-            return Ok(());
-        }
+        let now = Instant::now();
+        let due = x.l.due(now);
         if let Some(set) = set {
-            self.collected += set.collect()?;
+            if due || now.duration_since(x.last_collect) >= METER_INTERVAL {
+                self.collected += set.collect()?;
+                x.last_collect = now;
+            }
+        }
+        if !due {
+            return Ok(());
         }
         let counts = x.counts.per_vcpu();
         if let Some(th) = x.l.update(&counts, Instant::now()) {
@@ -98,25 +114,30 @@ impl Sender {
         Ok(())
     }
 
-    /// Builds the batch of `chunk`'s pages (read into `page` one by one), recording each
-    /// page's digest; returns the batch's zero pages. Over a one-way channel (or with the
-    /// merge-back fault) a page leaves `owed` here, as no acknowledgement will come.
+    /// Builds the batch of `chunk`'s pages (each read from guest memory straight into the
+    /// frame), recording each page's digest; returns the batch's zero pages. Over a one-way
+    /// channel (or with the merge-back fault) a page leaves `owed` here, as no
+    /// acknowledgement will come.
     fn fill_batch(
         &mut self,
         mem: &Memory<'_>,
         owed: &mut RoundSet<'_>,
         chunk: &[Page],
         round: u32,
-        page: &mut [u8],
         one_way: bool,
     ) -> Result<u64, MigrateError> {
         self.builder.start(self.seq, round);
         for &(slot, off, p) in chunk {
-            mem.read_page(PageIndex::new(p), page)?;
-            self.builder.push(PageIndex::new(p), page);
-            if !self.digests.is_empty() {
-                self.digests.set(p, verify::page_digest(page));
-            }
+            let digests = &mut self.digests;
+            self.builder.push_with(
+                PageIndex::new(p),
+                |out| mem.read_page(PageIndex::new(p), out),
+                |page| {
+                    if !digests.is_empty() {
+                        digests.set(p, verify::page_digest(page));
+                    }
+                },
+            )?;
             if slot == NO_SLOT {
                 continue;
             }
@@ -129,8 +150,14 @@ impl Sender {
         Ok(self.builder.zero as u64)
     }
 
-    /// Sends every page of `owed`; returns when the destination acknowledged all of them
+    /// Sends the pages of `owed`; returns when the destination acknowledged all it sent
     /// (each acknowledged page has left the set).
+    ///
+    /// With `resync` (a pre-copy round after the first, no read-only pages owed) the round
+    /// ends early, as QEMU's iteration does, once the pages it has still to send could go
+    /// within `resync` at the rate this round measures: the rest stay in the set (the caller
+    /// aborts it, so they are owed again) and the next harvest and switch-over decision come
+    /// now rather than after pages that the guest will have re-dirtied by then.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn round(
         &mut self,
@@ -140,6 +167,7 @@ impl Sender {
         owed: &mut RoundSet<'_>,
         round: u32,
         stop_and_copy: bool,
+        resync: Option<std::time::Duration>,
         phase: &str,
         progress: &mut dyn FnMut(Event<'_>),
     ) -> Result<RoundReport, MigrateError> {
@@ -150,16 +178,23 @@ impl Sender {
             todo.extend((first..first + n).map(|p| (NO_SLOT, 0, p)));
         }
         let mut inflight: VecDeque<(u64, Vec<Page>)> = VecDeque::new();
-        let mut page = vec![0u8; PAGE_BYTES];
         let mut zero = 0u64;
+        let resync = resync.filter(|_| self.ro.is_empty() && !stop_and_copy);
+        let mut sent = 0usize;
         for chunk in todo.chunks(self.batch) {
+            if let Some(d) = resync {
+                if resync_now(t0, sent, todo.len() - sent, d) {
+                    break;
+                }
+            }
+            sent += chunk.len();
             // A window of batches in flight: the destination's acknowledgements (and so the
             // reader's bounded inbox) never run more than this far behind.
             while inflight.len() >= MAX_INFLIGHT {
                 let m = conn.recv(phase)?;
                 settle(m, &mut inflight, owed, phase)?;
             }
-            zero += self.fill_batch(mem, owed, chunk, round, &mut page, conn.one_way())?;
+            zero += self.fill_batch(mem, owed, chunk, round, conn.one_way())?;
             conn.send_raw(self.builder.frame(), phase)?;
             if !conn.one_way() {
                 inflight.push_back((self.seq, chunk.to_vec()));
@@ -175,7 +210,7 @@ impl Sender {
         conn.send(
             &Msg::RoundEnd {
                 round,
-                pages: todo.len() as u64,
+                pages: sent as u64,
             },
             phase,
         )?;
@@ -187,7 +222,7 @@ impl Sender {
         self.ro.clear();
         Ok(RoundReport {
             round,
-            pages: todo.len() as u64,
+            pages: sent as u64,
             zero_pages: zero,
             bytes: conn.link.written() - bytes0,
             time: t0.elapsed(),
@@ -197,6 +232,23 @@ impl Sender {
         })
     }
 }
+
+/// Whether a round that began at `t0` and has sent `sent` pages ends now, `left` pages
+/// before its end: they could be sent within `limit` at the round's rate so far. Only after
+/// [`RESYNC_MIN_TIME`], so the rate is the link's and not the socket buffer's.
+fn resync_now(t0: Instant, sent: usize, left: usize, limit: std::time::Duration) -> bool {
+    let spent = t0.elapsed();
+    if spent < RESYNC_MIN_TIME {
+        return false;
+    }
+    let rate = sent as f64 / spent.as_secs_f64();
+    (left as f64) < rate * limit.as_secs_f64()
+}
+
+/// How long a round sends before it may end early: QEMU's bandwidth period
+/// (`BUFFER_DELAY`, 100 ms). Over a few milliseconds the rate is what the socket buffers
+/// swallowed, well above what the link sustains.
+const RESYNC_MIN_TIME: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// A page of a round: (slot index in the harvester, page in the slot, memory index); a
 /// read-only page has the slot [`NO_SLOT`].

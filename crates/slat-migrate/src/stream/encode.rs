@@ -116,9 +116,15 @@ fn put_hello(out: &mut Vec<u8>, h: &Hello) {
 }
 
 /// Builds the payload of a [`Msg::Pages`] frame, choosing each page's encoding.
+///
+/// A page is copied once on this side: from guest memory straight into the frame
+/// ([`BatchBuilder::push_with`]), where it is checked for zeroes and hashed in place. The
+/// frame buffer keeps its length (zeroed once) and `len` marks its end, so making room for a
+/// page costs no memset.
 #[derive(Debug)]
 pub struct BatchBuilder {
     buf: Vec<u8>,
+    len: usize,
     count: u32,
     scratch: Vec<u8>,
     compression: Compression,
@@ -126,11 +132,15 @@ pub struct BatchBuilder {
     pub zero: u32,
 }
 
+/// Bytes of an entry before its data: the page index and the encoding.
+const ENTRY_HEAD: usize = 9;
+
 impl BatchBuilder {
     /// A builder using `compression` for non-zero pages.
     pub fn new(compression: Compression) -> BatchBuilder {
         BatchBuilder {
-            buf: Vec::with_capacity(HEADER_LEN + 16 + MAX_BATCH_PAGES as usize * (PAGE_BYTES + 9)),
+            buf: vec![0; HEADER_LEN + 16 + MAX_BATCH_PAGES as usize * (PAGE_BYTES + ENTRY_HEAD)],
+            len: 0,
             count: 0,
             scratch: vec![0; lz4_flex::block::get_maximum_output_size(PAGE_BYTES)],
             compression,
@@ -140,12 +150,11 @@ impl BatchBuilder {
 
     /// Starts batch `seq` of round `round`.
     pub fn start(&mut self, seq: u64, round: u32) {
-        self.buf.clear();
         // Room for the frame header, filled in by `frame`.
-        self.buf.resize(HEADER_LEN, 0);
-        put_u64(&mut self.buf, seq);
-        put_u32(&mut self.buf, round);
-        put_u32(&mut self.buf, 0);
+        self.len = HEADER_LEN;
+        self.put(&seq.to_le_bytes());
+        self.put(&round.to_le_bytes());
+        self.put(&0u32.to_le_bytes());
         self.count = 0;
         self.zero = 0;
     }
@@ -160,42 +169,83 @@ impl BatchBuilder {
         self.count == 0
     }
 
+    /// Room for `n` more bytes (the buffer grows only past [`MAX_BATCH_PAGES`] raw pages).
+    fn room(&mut self, n: usize) -> std::ops::Range<usize> {
+        let end = self.len + n;
+        if self.buf.len() < end {
+            self.buf.resize(end, 0);
+        }
+        let r = self.len..end;
+        self.len = end;
+        r
+    }
+
+    fn put(&mut self, bytes: &[u8]) {
+        let r = self.room(bytes.len());
+        self.buf[r].copy_from_slice(bytes);
+    }
+
     /// Adds page `page` (a memory index) with contents `data` (one page).
     pub fn push(&mut self, page: PageIndex, data: &[u8]) {
         debug_assert_eq!(data.len(), PAGE_BYTES);
-        put_u64(&mut self.buf, page.raw());
+        let _ = self.push_with(
+            page,
+            |out| {
+                let n = data.len().min(PAGE_BYTES);
+                out[..n].copy_from_slice(&data[..n]);
+                out[n..].fill(0);
+                Ok::<(), ()>(())
+            },
+            |_| {},
+        );
+    }
+
+    /// Adds page `page` (a memory index) whose contents `fill` writes into the frame (one
+    /// page; `fill` writes all of it, the space holds an earlier batch's bytes); `seen` then gets the page as it will arrive (before
+    /// compression), e.g. to hash it. On an error from `fill` the batch is as before.
+    pub fn push_with<E>(
+        &mut self,
+        page: PageIndex,
+        fill: impl FnOnce(&mut [u8]) -> Result<(), E>,
+        seen: impl FnOnce(&[u8]),
+    ) -> Result<(), E> {
+        let at = self.len;
+        self.put(&page.raw().to_le_bytes());
+        self.put(&[Encoding::Raw as u8]);
+        let data = self.room(PAGE_BYTES);
+        if let Err(e) = fill(&mut self.buf[data.clone()]) {
+            self.len = at;
+            return Err(e);
+        }
+        let bytes = &self.buf[data.clone()];
+        seen(bytes);
         // OR-reduce instead of an early-exit scan: it vectorises, and 4 KiB is cheap.
-        if data.iter().fold(0u8, |a, &b| a | b) == 0 {
-            self.buf.push(Encoding::Zero as u8);
+        if bytes.iter().fold(0u8, |a, &b| a | b) == 0 {
+            self.buf[at + 8] = Encoding::Zero as u8;
+            self.len = data.start;
             self.zero += 1;
-        } else {
-            let packed = match self.compression {
-                Compression::None => None,
-                Compression::Lz4 => lz4_flex::block::compress_into(data, &mut self.scratch)
-                    .ok()
-                    .filter(|&n| n < PAGE_BYTES),
-            };
-            match packed {
-                Some(n) => {
-                    self.buf.push(Encoding::Lz4 as u8);
-                    put_u32(&mut self.buf, n as u32);
-                    self.buf.extend_from_slice(&self.scratch[..n]);
-                }
-                None => {
-                    self.buf.push(Encoding::Raw as u8);
-                    self.buf.extend_from_slice(data);
-                }
+        } else if self.compression == Compression::Lz4 {
+            let packed = lz4_flex::block::compress_into(bytes, &mut self.scratch)
+                .ok()
+                .filter(|&n| n < PAGE_BYTES);
+            if let Some(n) = packed {
+                self.buf[at + 8] = Encoding::Lz4 as u8;
+                self.len = data.start;
+                self.put(&(n as u32).to_le_bytes());
+                let r = self.room(n);
+                self.buf[r].copy_from_slice(&self.scratch[..n]);
             }
         }
         self.count += 1;
+        Ok(())
     }
 
     /// The finished frame (header included), ready to write.
     pub fn frame(&mut self) -> &[u8] {
         let n = self.count.to_le_bytes();
         self.buf[HEADER_LEN + 12..HEADER_LEN + 16].copy_from_slice(&n);
-        seal(&mut self.buf, T_PAGES);
-        &self.buf
+        seal(&mut self.buf[..self.len], T_PAGES);
+        &self.buf[..self.len]
     }
 }
 

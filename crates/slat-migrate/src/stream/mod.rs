@@ -285,6 +285,15 @@ pub struct Batch {
 }
 
 impl Batch {
+    /// The bytes of entry `i` when they are the page itself (a raw page of exactly one page),
+    /// so the destination writes them to guest memory without a staging copy.
+    pub fn raw_page(&self, i: usize) -> Option<&[u8]> {
+        match self.entries.get(i)? {
+            (_, Encoding::Raw, r) if r.len() == PAGE_BYTES => self.data.get(r.clone()),
+            _ => None,
+        }
+    }
+
     /// Writes the page of entry `i` into `out` (exactly one page). A `Batch` from the decoder
     /// has every entry's bytes inside `data`; one built otherwise is checked all the same.
     pub fn page_into(&self, i: usize, out: &mut [u8]) -> Result<(), PageError> {
