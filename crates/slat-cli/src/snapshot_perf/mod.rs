@@ -417,6 +417,7 @@ impl<'a, M: TestMachine> Bench<'a, M> {
             random: self.a.random,
             seed: i.wrapping_add(2),
             timed: false,
+            touches: None,
         }
     }
 
