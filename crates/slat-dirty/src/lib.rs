@@ -127,6 +127,7 @@ mod harvest;
 mod memslot;
 mod ranges;
 mod snapshot;
+mod snapshot_copy;
 mod source;
 
 pub use error::Error;
@@ -134,6 +135,7 @@ pub use harvest::{DirtySet, Harvester, LogMode};
 pub use memslot::{bitmap_words, Memslot};
 pub use ranges::{ranges, Ranges};
 pub use snapshot::{ChildSnapshot, DirtyPages, GuestRegion, ResetStats, Snapshot, SnapshotError};
+pub use snapshot_copy::crossover_fraction;
 pub use source::{DirtyLogSource, KvmLog, MapErr, SlotInfo};
 /// The `vm-memory` this crate was built with (feature `vm-memory`), for its `AtomicBitmap`.
 // A re-export of a whole dependency, so a VMM can match its `vm-memory` version to ours; it
