@@ -30,8 +30,11 @@ fn is_zero(page: &[u8]) -> bool {
 pub(crate) struct RegionCopy {
     /// Per page, its index in `data` (in pages), or [`ZERO`].
     index: Vec<u32>,
-    /// The non-zero pages, back to back, in page order.
-    data: Box<[u8]>,
+    /// The non-zero pages, back to back, in page order, from `data[start]`: a page boundary
+    /// (a heap buffer starts 16 bytes past one, and a copy whose source straddles pages is
+    /// measurably slower than an aligned one).
+    data: Vec<u8>,
+    start: usize,
 }
 
 impl RegionCopy {
@@ -60,31 +63,31 @@ impl RegionCopy {
                 held += 1;
             }
         }
-        let len = held as usize * PS;
-        let mut data = Vec::new();
+        // At most the region's size plus a page, which exists: no overflow.
+        let len = held as usize * PS + PS;
+        let mut data: Vec<u8> = Vec::new();
         data.try_reserve_exact(len)
             .map_err(|_| SnapshotError::Alloc { bytes: len as u64 })?;
+        let start = data.as_ptr().align_offset(PS).min(PS);
+        data.resize(start, 0);
         for (page, &i) in bytes.chunks_exact(PS).zip(&index) {
             if i != ZERO {
                 data.extend_from_slice(page);
             }
         }
-        Ok(RegionCopy {
-            index,
-            data: data.into_boxed_slice(),
-        })
+        Ok(RegionCopy { index, data, start })
     }
 
     /// Pages whose contents the copy holds (the non-zero ones).
     pub(crate) fn held_pages(&self) -> u64 {
-        (self.data.len() / PS) as u64
+        ((self.data.len() - self.start) / PS) as u64
     }
 
     /// Page `page` (in bounds) as snapshotted, and whether it was all zero.
     pub(crate) fn page(&self, page: u64) -> (&[u8], bool) {
         match self.index.get(page as usize) {
             Some(&i) if i != ZERO => {
-                let start = i as usize * PS;
+                let start = self.start + i as usize * PS;
                 (&self.data[start..start + PS], false)
             }
             _ => (&ZERO_PAGE, true),
@@ -114,7 +117,7 @@ impl RegionCopy {
             }
             let len = (p - first) as u64;
             let bytes = (start != ZERO).then(|| {
-                let s = start as usize * PS;
+                let s = self.start + start as usize * PS;
                 &self.data[s..s + len as usize * PS]
             });
             Some((first as u64, len, bytes))
