@@ -130,7 +130,9 @@ mod error;
 mod harvest;
 mod memslot;
 mod ranges;
+mod rearm;
 mod snapshot;
+mod snapshot_copy;
 mod source;
 mod summary_bitmap;
 
@@ -138,7 +140,9 @@ pub use error::Error;
 pub use harvest::{DirtySet, Harvester, LogMode};
 pub use memslot::{bitmap_words, Memslot};
 pub use ranges::{ranges, Ranges};
+pub use rearm::{clear_harvested_chunks, CLEAR_GAP_WORDS};
 pub use snapshot::{ChildSnapshot, DirtyPages, GuestRegion, ResetStats, Snapshot, SnapshotError};
+pub use snapshot_copy::crossover_fraction;
 pub use source::{DirtyLogSource, KvmLog, MapErr, SlotInfo};
 pub use summary_bitmap::{SummaryBitmap, SUMMARY_BITMAP_PAGE};
 /// The `vm-memory` this crate was built with (feature `vm-memory`), for its `AtomicBitmap`.

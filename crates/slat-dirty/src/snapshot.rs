@@ -1,5 +1,6 @@
 //! Snapshot and reset of guest memory, as snapshot fuzzers (Nyx, snapchange, wtf) and
 
+use crate::snapshot_copy::{crossover_fraction, RegionCopy};
 use slat_addr::PAGE_SIZE;
 use slat_addr::{Hva, PageIndex};
 use std::ptr::NonNull;
@@ -138,6 +139,37 @@ impl GuestRegion {
         // SAFETY: mapped and readable for `len` bytes (≤ isize::MAX, checked in `new`), and
         // not written while a snapshot reads it, by `new`'s contract.
         unsafe { std::slice::from_raw_parts(self.addr.as_ptr(), self.len() as usize) }
+    }
+
+    /// Zeroes page `page`, which the caller has bounds-checked.
+    fn zero_page(&self, page: u64) {
+        debug_assert!(page < self.pages);
+        // SAFETY: `page < pages`, so the page lies inside the mapped, writable region
+        // (`new`'s contract), and nobody else writes it during a reset (same contract).
+        unsafe {
+            std::ptr::write_bytes(
+                self.addr.as_ptr().add((page * PAGE_SIZE) as usize),
+                0,
+                PAGE_SIZE as usize,
+            )
+        }
+    }
+
+    /// Writes pages `first..first + pages` (bounds-checked by the caller) from `src` (that
+    /// many pages), or zeroes them when `src` is `None`.
+    fn write_run(&self, first: u64, pages: u64, src: Option<&[u8]>) {
+        debug_assert!(first + pages <= self.pages);
+        let len = (pages * PAGE_SIZE) as usize;
+        // SAFETY: the run lies inside the mapped, writable region (`new`'s contract, bounds
+        // checked by the caller), nobody else writes it during a reset (same contract), and
+        // `src` is a snapshot's own buffer of `len` bytes, so the two do not overlap.
+        unsafe {
+            let dst = self.addr.as_ptr().add((first * PAGE_SIZE) as usize);
+            match src {
+                Some(s) => std::ptr::copy_nonoverlapping(s.as_ptr(), dst, len.min(s.len())),
+                None => std::ptr::write_bytes(dst, 0, len),
+            }
+        }
     }
 
     /// Copies `src` (one page) over page `page`, which the caller has bounds-checked.
@@ -369,13 +401,17 @@ impl DirtyPages {
 ///
 /// - [`GuestRegion`]: host memory the caller vouches for (`unsafe fn` [`GuestRegion::new`],
 ///   like [`crate::Memslot::register`]), in 4 KiB pages.
-/// - [`Snapshot::take`]: one owned copy per region.
+/// - [`Snapshot::take`]: one owned copy per region, of its non-zero pages only (a page that
+///   was all zero is restored by zeroing it), so a large, mostly untouched guest costs about
+///   the memory it has touched, not its size.
 /// - [`DirtyPages`]: the pages to copy back, deduplicated — a bitmap per region for the
 ///   dedup and a list of page indices for the work, so adding, resetting and clearing cost
 ///   O(dirty pages) (adding a whole bitmap costs its words). Fed from GET_DIRTY_LOG bitmaps
 ///   ([`DirtyPages::add_bitmap`]), a [`crate::DirtySet`] ([`DirtyPages::add_dirty_set`]),
 ///   ring entries or page lists ([`DirtyPages::add_page`]); every index is bounds-checked.
-/// - [`Snapshot::reset`]: copies the listed pages back and empties the set.
+/// - [`Snapshot::reset`]: copies the listed pages back and empties the set — or, when they
+///   are more than [`Snapshot::crossover_pages`], copies everything back, which is cheaper
+///   there (the crossover is measured once per process: [`crate::crossover_fraction`]).
 /// - [`ChildSnapshot`] (incremental, [`Snapshot::child`]): only the pages dirtied since the
 ///   base, the base for every other page; reset to the child or back to the base.
 /// - [`Snapshot::verify`] / [`ChildSnapshot::verify`]: guest memory against the snapshot,
@@ -406,7 +442,9 @@ impl DirtyPages {
 #[derive(Debug)]
 pub struct Snapshot {
     regions: Vec<GuestRegion>,
-    copies: Vec<Box<[u8]>>,
+    copies: Vec<RegionCopy>,
+    /// A reset of at least this many pages copies everything back instead.
+    crossover: u64,
     _not_sync: std::marker::PhantomData<std::cell::Cell<()>>,
 }
 
@@ -417,6 +455,12 @@ pub struct ResetStats {
     pub pages: u64,
     /// Pages copied from a child snapshot's own pages (0 for a base snapshot).
     pub from_child: u64,
+    /// Of `pages`, those written back by zeroing (all zero in the snapshot).
+    pub zeroed: u64,
+    /// Whether the reset copied the whole snapshot back (the dirty pages were at least
+    /// [`Snapshot::crossover_pages`], or [`Snapshot::reset_all`]): every page was written,
+    /// `pages` still counts the listed ones (all of them for `reset_all`).
+    pub full: bool,
 }
 
 impl Snapshot {
@@ -429,11 +473,19 @@ impl Snapshot {
         }
         let copies = regions
             .iter()
-            .map(|r| copy_of(r.bytes()).map(Vec::into_boxed_slice))
+            .map(|r| RegionCopy::take(r.bytes(), r.addr()))
             .collect::<Result<_, _>>()?;
+        let pages: u64 = regions.iter().map(GuestRegion::pages).sum();
+        // Rounded up, so a fraction of 1 (the full copy never cheaper) never switches.
+        let crossover = ((pages as f64 * crossover_fraction()).ceil() as u64).max(1);
         Ok(Snapshot {
             regions,
             copies,
+            crossover: if crossover_fraction() >= 1.0 {
+                u64::MAX
+            } else {
+                crossover
+            },
             _not_sync: std::marker::PhantomData,
         })
     }
@@ -446,6 +498,25 @@ impl Snapshot {
     /// Pages in all regions.
     pub fn pages(&self) -> u64 {
         self.regions.iter().map(GuestRegion::pages).sum()
+    }
+
+    /// Pages whose contents the snapshot holds: those that were not all zero when it was
+    /// taken (its memory is about this many pages, plus 4 bytes per page of index).
+    pub fn held_pages(&self) -> u64 {
+        self.copies.iter().map(RegionCopy::held_pages).sum()
+    }
+
+    /// A [`Self::reset`] of at least this many pages copies the whole snapshot back instead
+    /// of page by page: [`crate::crossover_fraction`] of [`Self::pages`], measured on this
+    /// machine; `u64::MAX` when the full copy never wins.
+    pub fn crossover_pages(&self) -> u64 {
+        self.crossover
+    }
+
+    /// Sets the crossover ([`Self::crossover_pages`]): `u64::MAX` always copies page by page,
+    /// 0 always copies everything.
+    pub fn set_crossover_pages(&mut self, pages: u64) {
+        self.crossover = pages;
     }
 
     /// An empty page set sized for this snapshot's regions.
@@ -475,18 +546,35 @@ impl Snapshot {
 
     /// Page `page` of region `region` as snapshotted (both in bounds).
     fn page(&self, region: usize, page: u64) -> &[u8] {
-        &self.copies[region][page_range(page)]
+        self.copies[region].page(page).0
     }
 
     /// Copies every page of `dirty` back from the snapshot and empties `dirty`. `dirty` must
     /// list every page written since guest memory last equalled this snapshot (harvested
-    /// after re-arming the log: module docs). O(pages in `dirty`).
+    /// after re-arming the log: module docs). O(pages in `dirty`) — unless they are at least
+    /// [`Self::crossover_pages`], where copying everything back ([`Self::reset_all`]) costs
+    /// less, and is done instead (`full` in the stats).
     pub fn reset(&self, dirty: &mut DirtyPages) -> Result<ResetStats, SnapshotError> {
         self.check_shape(dirty)?;
+        if dirty.len() >= self.crossover {
+            let listed = dirty.len();
+            dirty.clear();
+            return Ok(ResetStats {
+                pages: listed,
+                ..self.reset_all()
+            });
+        }
         let mut stats = ResetStats::default();
         for (i, marks) in dirty.regions.iter().enumerate() {
+            let (region, copy) = (&self.regions[i], &self.copies[i]);
             for &p in &marks.list {
-                self.regions[i].write_page(p, self.page(i, p));
+                match copy.page(p) {
+                    (_, true) => {
+                        region.zero_page(p);
+                        stats.zeroed += 1;
+                    }
+                    (src, false) => region.write_page(p, src),
+                }
             }
             stats.pages += marks.list.len() as u64;
         }
@@ -494,28 +582,33 @@ impl Snapshot {
         Ok(stats)
     }
 
-    /// Copies all of guest memory back (what a reset without dirty tracking costs).
+    /// Copies all of guest memory back (what a reset without dirty tracking costs): runs of
+    /// held pages by one copy each, runs of zero pages by one zeroing each. Zeroing faults
+    /// in pages the guest never touched: on a large, mostly untouched guest this costs host
+    /// memory a per-page [`Self::reset`] does not.
     pub fn reset_all(&self) -> ResetStats {
+        let mut stats = ResetStats {
+            full: true,
+            ..ResetStats::default()
+        };
         for (r, copy) in self.regions.iter().zip(&self.copies) {
-            // SAFETY: the whole region is mapped and writable, nobody else writes it during a
-            // reset (`GuestRegion::new`'s contract), and `copy` is our own buffer of the same
-            // length, so they do not overlap.
-            unsafe {
-                std::ptr::copy_nonoverlapping(copy.as_ptr(), r.addr.as_ptr(), copy.len());
+            for (first, pages, src) in copy.runs() {
+                r.write_run(first, pages, src);
+                stats.zeroed += if src.is_none() { pages } else { 0 };
             }
         }
-        ResetStats {
-            pages: self.pages(),
-            from_child: 0,
-        }
+        stats.pages = self.pages();
+        stats
     }
 
     /// Compares guest memory with the snapshot byte for byte; the first difference is
     /// [`SnapshotError::Mismatch`].
     pub fn verify(&self) -> Result<(), SnapshotError> {
         for (i, (r, copy)) in self.regions.iter().zip(&self.copies).enumerate() {
-            if let Some(byte) = first_difference(r.bytes(), copy) {
-                return Err(mismatch(i, byte));
+            for (p, page) in r.bytes().chunks_exact(PAGE_SIZE as usize).enumerate() {
+                if let Some(byte) = first_difference(page, copy.page(p as u64).0) {
+                    return Err(mismatch(i, p as u64 * PAGE_SIZE + byte));
+                }
             }
         }
         Ok(())
@@ -534,17 +627,6 @@ impl Snapshot {
             .collect::<Result<_, _>>()?;
         Ok(ChildSnapshot { base: self, layers })
     }
-}
-
-/// A copy of `bytes`, allocated fallibly (the region's size is the caller's).
-fn copy_of(bytes: &[u8]) -> Result<Vec<u8>, SnapshotError> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(bytes.len())
-        .map_err(|_| SnapshotError::Alloc {
-            bytes: bytes.len() as u64,
-        })?;
-    v.extend_from_slice(bytes);
-    Ok(v)
 }
 
 /// A [`SnapshotError::Mismatch`] at byte `byte` of region `region`.

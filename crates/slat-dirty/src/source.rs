@@ -354,6 +354,22 @@ impl DirtyLogSource for KvmLog {
     ) -> Result<(), Error> {
         clear_dirty_log(self.slot(slot)?, first, pages, bitmap)
     }
+    /// One CLEAR per run of the harvested chunks ([`crate::clear_harvested_chunks`]), not
+    /// one over the whole range: the kernel walks only what it is given.
+    fn clear_log_words(
+        &mut self,
+        slot: usize,
+        first: PageIndex,
+        pages: u64,
+        words: &[(usize, u64)],
+        scratch: &mut [u64],
+    ) -> Result<(), Error> {
+        let s = self.slot(slot)?;
+        crate::clear_harvested_chunks(first, pages, words, scratch, |f, n, b| {
+            clear_dirty_log(s, f, n, b)
+        })
+        .map(drop)
+    }
     fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, Error> {
         Ok(self
             .rings

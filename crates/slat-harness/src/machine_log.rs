@@ -28,6 +28,8 @@ pub struct MachineLog<R> {
     read: Cell<Duration>,
     /// Time in CLEAR and ring reset since the last [`MachineLog::take_times`].
     rearm: Cell<Duration>,
+    /// 64-page chunks CLEAR was given with a bit set, and ring entries reset, since then.
+    rearmed: Cell<u64>,
 }
 
 /// Time spent reading the log and, separately, re-arming it (CLEAR or RESET; zero when GET
@@ -38,6 +40,9 @@ pub struct LogTimes {
     pub read: Duration,
     /// CLEAR_DIRTY_LOG or RESET_DIRTY_RINGS.
     pub rearm: Duration,
+    /// What the re-arm covered: 64-page chunks with a bit set given to CLEAR (only the
+    /// harvested ones, when the harvest passes exactly those), or ring entries reset.
+    pub rearmed: u64,
 }
 
 impl<R: Deref> MachineLog<R>
@@ -56,6 +61,7 @@ where
             mode,
             read: Cell::new(Duration::ZERO),
             rearm: Cell::new(Duration::ZERO),
+            rearmed: Cell::new(0),
         }
     }
 
@@ -74,6 +80,7 @@ where
         LogTimes {
             read: self.read.take(),
             rearm: self.rearm.take(),
+            rearmed: self.rearmed.take(),
         }
     }
 }
@@ -110,6 +117,8 @@ where
         pages: u64,
         bitmap: &[u64],
     ) -> Result<(), Self::Error> {
+        let chunks = bitmap.iter().filter(|&&w| w != 0).count() as u64;
+        self.rearmed.set(self.rearmed.get() + chunks);
         timed(&self.rearm, || {
             self.machine
                 .dirty_log()
@@ -134,6 +143,8 @@ where
         words: &[(usize, u64)],
         scratch: &mut [u64],
     ) -> Result<(), Self::Error> {
+        let chunks = words.iter().filter(|&&(_, w)| w != 0).count() as u64;
+        self.rearmed.set(self.rearmed.get() + chunks);
         timed(&self.rearm, || {
             self.machine
                 .dirty_log()
@@ -152,6 +163,10 @@ where
         })
     }
     fn reset_rings(&mut self) -> Result<u64, Self::Error> {
-        timed(&self.rearm, || self.machine.dirty_log().reset_rings())
+        let n = timed(&self.rearm, || self.machine.dirty_log().reset_rings());
+        if let Ok(n) = n {
+            self.rearmed.set(self.rearmed.get() + n);
+        }
+        n
     }
 }

@@ -45,6 +45,13 @@ pub struct ResetReport {
     pub rearm: Duration,
     /// Copying the pages back.
     pub copy: Duration,
+    /// Of `pages`, those written back by zeroing (all zero in the snapshot).
+    pub zeroed: u64,
+    /// Whether the reset copied the whole snapshot back: the dirty pages were at least the
+    /// snapshot's crossover ([`Snapshot::crossover_pages`]), or [`MachineSnapshot::reset_all`].
+    pub full: bool,
+    /// 64-page chunks the log re-armed (CLEAR) or ring entries it reset; 0 when GET re-armed.
+    pub rearmed: u64,
 }
 
 impl ResetReport {
@@ -160,7 +167,12 @@ impl<'m, M: TestMachine + ?Sized> MachineSnapshot<'m, M> {
     pub fn reset_all(&mut self) -> Res<ResetReport, M> {
         let set = self.log.take().map_err(ResetError::Machine)?;
         let t = Instant::now();
-        let ResetStats { pages, .. } = self.snap.reset_all();
+        let ResetStats {
+            pages,
+            zeroed,
+            full,
+            ..
+        } = self.snap.reset_all();
         let copy = t.elapsed();
         // Every page, the set's and the owed ones included, is the snapshot's again.
         self.owed.clear();
@@ -168,6 +180,8 @@ impl<'m, M: TestMachine + ?Sized> MachineSnapshot<'m, M> {
         Ok(ResetReport {
             pages,
             copy,
+            zeroed,
+            full,
             ..ResetReport::default()
         })
     }
@@ -180,6 +194,11 @@ impl<'m, M: TestMachine + ?Sized> MachineSnapshot<'m, M> {
     /// The snapshot.
     pub fn snapshot(&self) -> &Snapshot {
         &self.snap
+    }
+
+    /// The snapshot, to set its crossover ([`Snapshot::set_crossover_pages`]).
+    pub fn snapshot_mut(&mut self) -> &mut Snapshot {
+        &mut self.snap
     }
 
     /// The machine.
@@ -260,12 +279,19 @@ fn reset_with<M: TestMachine + ?Sized>(
     let stats = copy(dirty)?;
     let copy = t.elapsed();
     set.commit();
-    let LogTimes { read, rearm } = log.source().take_times();
+    let LogTimes {
+        read,
+        rearm,
+        rearmed,
+    } = log.source().take_times();
     let report = ResetReport {
         pages: stats.pages,
         harvest: read,
         rearm,
         copy,
+        zeroed: stats.zeroed,
+        full: stats.full,
+        rearmed,
     };
     Ok((report, stats))
 }

@@ -51,11 +51,13 @@ pub mod param {
     /// Guest address of the vCPU's histogram page ([`crate::histogram`]); only this vCPU
     /// writes it.
     pub const HIST: u64 = 88;
+    /// Accesses per memstress pass (`PassParams::touches`, at most `PAGES`).
+    pub const COUNT: u64 = 96;
     /// Bytes per block.
     pub const SIZE: u64 = 128;
 }
 
-const _: () = assert!(param::HIST + 8 <= param::SIZE);
+const _: () = assert!(param::COUNT + 8 <= param::SIZE);
 
 /// Control page fields (byte offsets).
 pub mod control {
@@ -612,7 +614,7 @@ fn build(ip: u64) -> Result<Vec<u8>, IcedError> {
     a.xor(r14d, r14d)?;
 
     a.set_label(&mut pass_loop)?;
-    a.cmp(r14, r9)?;
+    a.cmp(r14, qword_ptr(rdi + param::COUNT))?;
     a.jae(pass_done)?;
     emit_halt_check(&mut a, halted_mid_pass)?;
     emit_page_address(&mut a)?;
@@ -639,7 +641,7 @@ fn build(ip: u64) -> Result<Vec<u8>, IcedError> {
     a.jmp(pass_loop)?;
 
     a.set_label(&mut pass_done)?;
-    a.add(r15, r9)?;
+    a.add(r15, qword_ptr(rdi + param::COUNT))?;
     a.inc(rbx)?;
     a.cmp(r12, MODE_LOOP as i32)?;
     a.je(pass_start)?;

@@ -2,7 +2,8 @@
 //!
 //! The guest code `slat-kvm` assembles (`slat_kvm::guest`) implements exactly this model, and
 //! `slat-machine`'s simulated vCPUs walk these iterators: per pass each vCPU touches each page of its region once —
-//! in order, or at pages drawn from a Park–Miller generator seeded with `seed + vcpu index`,
+//! or only its first [`PassParams::touches`] accesses, so a large region can take a small
+//! pass — in order, or at pages drawn from a Park–Miller generator seeded with `seed + vcpu index`,
 //! restarted at every pass — writing [`MEMSTRESS_PATTERN`] to the first 8 bytes with
 //! probability `write_percent` (one more draw per access when it is strictly between 0 and
 //! 100), else reading them. The tests run the guest and compare memory with this model.
@@ -22,6 +23,10 @@ pub struct PassParams {
     /// Record each vCPU's write latencies into [`crate::PassReport::latency`] (what a machine
     /// can time: [`crate::WriteLatency`]). Costs a clock read per write (or per fault).
     pub timed: bool,
+    /// Accesses per vCPU per pass: `None` is one per page of the vCPU's region; `Some(n)`
+    /// stops after `min(n, pages)` (the first n pages in order, or n draws over the whole
+    /// region), so a pass can dirty k pages of a large guest.
+    pub touches: Option<u64>,
 }
 
 impl Default for PassParams {
@@ -31,6 +36,7 @@ impl Default for PassParams {
             random: false,
             seed: 1,
             timed: false,
+            touches: None,
         }
     }
 }
@@ -75,6 +81,8 @@ impl ParkMiller {
 pub struct Pattern {
     rng: ParkMiller,
     pages: u64,
+    /// Accesses in the pass (at most `pages`).
+    count: u64,
     params: PassParams,
     i: u64,
 }
@@ -85,6 +93,7 @@ impl Pattern {
         Pattern {
             rng: ParkMiller::new(params.seed.wrapping_add(vcpu_idx)),
             pages,
+            count: params.touches.map_or(pages, |n| n.min(pages)),
             params,
             i: 0,
         }
@@ -96,7 +105,7 @@ impl Iterator for Pattern {
     type Item = (u64, bool);
     #[inline]
     fn next(&mut self) -> Option<(u64, bool)> {
-        if self.i >= self.pages {
+        if self.i >= self.count {
             return None;
         }
         let page = if self.params.random {
@@ -206,6 +215,7 @@ mod tests {
             random: true,
             seed: 7,
             timed: false,
+            touches: None,
         };
         let n = 100_000;
         let writes = Pattern::new(params, 3, n).filter(|&(_, w)| w).count() as f64;

@@ -432,6 +432,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         random: false,
         seed: a.seed,
         timed: false,
+        touches: None,
     };
     let populate = m.run_pass(populate_params)?;
     let populate_native = native.run(populate_params)?;
@@ -443,6 +444,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         random: a.random,
         seed: a.seed,
         timed: a.concurrent,
+        touches: None,
     };
     let mut harvest = Harvest::new(m.as_ref(), a.log.clear_chunk);
     let mut quiet_passes = QuietPasses::default();

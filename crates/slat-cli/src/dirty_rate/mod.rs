@@ -415,6 +415,7 @@ const WRITE_ALL: PassParams = PassParams {
     random: false,
     seed: 1,
     timed: false,
+    touches: None,
 };
 
 impl OnMachine for Bench<'_> {

@@ -1,22 +1,27 @@
 //! `slat snapshot-perf`: what a snapshot fuzzer's or sandbox's reset costs when it copies back
 //! only the dirty pages (`slat_harness::MachineSnapshot` over `slat_dirty::Snapshot`), against
-//! the floor for the same work (memcpy of as many pages between two host buffers, measured in
-//! the same run) and against a full-copy reset of all guest RAM.
+//! the floor for the same work (the same page copies between two warm host buffers, measured
+//! in the same run) and against a full-copy reset of all guest RAM.
 //!
-//! **How the guest dirties exactly k pages.** Each machine's memstress pass touches every page
-//! of each vCPU's region once. So for each k the benchmark builds the machine with a region of
-//! **k pages per vCPU**: a sequential pass then writes exactly `k × vCPUs` pages (a random
-//! pass, `-a`, the distinct pages its draws hit), and every reset's page count is checked
-//! against the shared memstress model (a mismatch fails the run). The full-copy reset is
-//! measured on the machine of the full `-b` per vCPU (the `all` row), so it copies all the
-//! RAM `-v` × `-b` describes. What this choice costs: a harvest on a k-page machine reads a
-//! k-page bitmap, where a guest of `-b` per vCPU with k dirty pages reads a `-b` bitmap — the
-//! harvest column of small k is a lower bound for a large guest (dirty rings do not have this
-//! term). Each row's RAM is in its `ram_pages`.
+//! **k dirty pages of a `-b` guest.** The machine has `-b` bytes per vCPU, not pre-faulted;
+//! each pass makes k accesses per vCPU (`PassParams::touches`): the first k pages of its
+//! region in order (exactly k dirty pages), or k draws over all of it with `-a` (the distinct
+//! pages they hit). Every reset's page count is checked against the shared memstress model (a
+//! mismatch fails the run). So the parts of a reset that grow with the guest — the harvest's
+//! bitmap, CLEAR, the snapshot's size — are measured at the guest's size. The snapshot holds
+//! only the pages that are not all zero, so a 16 GiB guest that touched little costs little
+//! host memory (each row reports the process's RSS).
+//!
+//! One **execution** is what a snapshot fuzzer does per input: a guest run dirtying k pages
+//! and a reset; executions per second count both. Every reset copies page by page or, when
+//! the dirty pages reach the snapshot's measured crossover, copies everything back (counted
+//! in `full_resets`). The full-copy reset row (`full_copy`) copies all guest RAM back, which
+//! faults in every page: it runs only on guests of at most [`FULL_COPY_MAX`] bytes.
 //!
 //! `--vary KEY=V1,V2` (`vary.rs`): one such run per combination of vCPU count, harvest,
-//! order and machine, in this process, and one table.
+//! order, machine, k and guest size, in this process, and one table.
 
+mod floor;
 mod text;
 mod vary;
 
@@ -33,6 +38,7 @@ use crate::output::{
 };
 use crate::report::{per, quiet, runtime, Phase};
 use clap::Args;
+use floor::Floor;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 use slat_addr::PAGE_SIZE;
@@ -41,16 +47,19 @@ use slat_workload::{GuestRam, PassParams, Pattern, TestMachine};
 use std::time::{Duration, Instant};
 use text::{print_comparison, print_run, print_summary};
 
+/// Largest guest (all vCPUs) the full-copy reset runs on: it writes every page, so it faults
+/// in all guest RAM, which a per-page reset never does.
+pub const FULL_COPY_MAX: u64 = 4 << 30;
+
 /// Flags of `slat snapshot-perf`.
 #[derive(Debug, Clone, Args)]
 pub struct SnapshotPerfArgs {
     #[command(flatten)]
     pub work: Workload,
     /// Pages each vCPU dirties per iteration: a comma-separated list of page counts and `all`
-    /// (every page of -b). Each k runs on a machine whose region is k pages per vCPU (a pass
-    /// covers each page of a vCPU's region once, so it dirties exactly k pages; the full-copy
-    /// reset runs on the machine of all of -b). Default: 1, 4, 16, 64, ...
-    /// up to -b, and all.
+    /// (every page of -b). Every k runs on the one machine of -b per vCPU: a pass writes the
+    /// first k pages of each vCPU's region (k random draws over all of it with -a). Default:
+    /// 1, 4, 16, 64, ... up to -b, and all.
     #[arg(short = 'k', value_name = "PAGES,...", value_delimiter = ',', value_parser = k_value)]
     pub k: Vec<KValue>,
     /// Dirty pages in pseudo-random order (each vCPU draws k pages with repetition, so fewer
@@ -114,15 +123,22 @@ pub struct Config {
     pub iterations: u32,
     /// `get` (GET clears), `clear` (GET + CLEAR) or `ring`.
     pub log: &'static str,
+    /// How the log is re-armed after a harvest: `get` (GET_DIRTY_LOG re-arms as it reads),
+    /// `clear-chunks` (CLEAR_DIRTY_LOG of exactly the harvested 64-page chunks, coalesced
+    /// into runs where one call costs less than several) or `ring-reset`.
+    pub rearm: &'static str,
+    /// Full copy over per-page copy, per page, measured once in this process: a reset of at
+    /// least this fraction of the guest copies everything back.
+    pub crossover_fraction: f64,
     pub verify: bool,
 }
 
 /// Figures of one k.
 #[derive(Debug, Clone, Serialize)]
 pub struct KRow {
-    /// Pages per vCPU the machine's region has (each vCPU's pass covers them).
+    /// Pages each vCPU's pass writes (accesses, with -a).
     pub k_per_vcpu: u64,
-    /// Pages of the machine's test region (`k × vCPUs`).
+    /// Pages of the machine's test region (`-b × vCPUs` / 4 KiB).
     pub ram_pages: u64,
     /// Mean pages copied back per reset (each dirty page once).
     pub dirty_pages: f64,
@@ -147,6 +163,22 @@ pub struct KRow {
     pub ratio_full_over_reset: Option<f64>,
     /// Resets checked byte for byte (`--verify`).
     pub verified: u64,
+    /// Executions per second: one guest pass dirtying the k pages plus its reset.
+    pub execs_per_s: f64,
+    /// Mean guest pass (the run that dirties the pages), µs.
+    pub pass_mean_us: f64,
+    /// Mean pages a reset wrote back by zeroing (all zero in the snapshot).
+    pub zeroed_pages: f64,
+    /// Resets that copied the whole snapshot back (dirty pages at or over the crossover).
+    pub full_resets: u64,
+    /// The snapshot's crossover: a reset of at least this many pages copies everything.
+    pub crossover_pages: u64,
+    /// Mean 64-page chunks CLEAR re-armed, or ring entries reset, per reset (0 for GET).
+    pub rearmed_mean: f64,
+    /// Pages the snapshot holds (the non-zero ones).
+    pub snapshot_held_pages: u64,
+    /// This process's resident memory after the row, MiB (`null` where unreadable).
+    pub rss_mib: Option<f64>,
 }
 
 /// The full-copy reset: all of the `-b` machine's RAM copied back.
@@ -168,7 +200,8 @@ pub struct Run {
     pub config: Config,
     /// One per k, in `-k` order.
     pub rows: Vec<KRow>,
-    pub full_copy: FullCopy,
+    /// `null` on guests over [`FULL_COPY_MAX`] bytes (it would fault in all their RAM).
+    pub full_copy: Option<FullCopy>,
 }
 
 /// One reset-p50 summary over `--repeat` runs.
@@ -230,7 +263,9 @@ const METRICS: &[Metric<Run>] = &[
     Metric::lower("reset p50, largest k", "us", |r| {
         r.rows.last().map(|k| k.reset_p50_us)
     }),
-    Metric::lower("full-copy reset p50", "us", |r| Some(r.full_copy.p50_us)),
+    Metric::lower("full-copy reset p50", "us", |r| {
+        r.full_copy.as_ref().map(|f| f.p50_us)
+    }),
 ];
 
 /// The one document of every machine's runs, or the summaries under the runs' text.
@@ -263,8 +298,9 @@ fn check(a: &SnapshotPerfArgs) -> Result<(), String> {
     if let Some(ring) = a.log.dirty_ring {
         check_kvm_ring(&a.backend, ring, "--dirty-ring")?;
     }
-    // The machine, the snapshot and the floor's two buffers.
-    a.work.check_fits(&a.backend, &a.machine, 0, 4)?;
+    // The machine; the snapshot holds its non-zero pages and the floor's buffers the dirty
+    // ones, both at most the guest's touched memory.
+    a.work.check_fits(&a.backend, &a.machine, 0, 1)?;
     let all = a.work.bytes / PAGE_SIZE;
     if let Some(KValue::Pages(k)) =
         a.k.iter()
@@ -303,29 +339,26 @@ fn log_name(a: &SnapshotPerfArgs) -> &'static str {
     }
 }
 
-/// Every k on machine `kind`, then the full-copy reset on the machine of all of -b.
+fn rearm_name(a: &SnapshotPerfArgs) -> &'static str {
+    match log_name(a) {
+        "ring" => "ring-reset",
+        "get" => "get",
+        _ => "clear-chunks",
+    }
+}
+
+/// Every k on the machine `kind` of -b per vCPU, then the full-copy reset.
 fn measure(a: &SnapshotPerfArgs, kind: BackendArg) -> CliResult<Run> {
-    let all = a.work.bytes / PAGE_SIZE;
-    let mut rows = Vec::new();
-    for k in k_list(a) {
-        let phase = Phase::start(
-            format!("{}: k = {k} pages per vCPU", kind.name()),
-            quiet(a.out.json),
-        );
-        let (row, _) = on_machine(a, kind, k, false)?;
-        rows.push(row);
-        phase.done();
-    }
-    let phase = Phase::start(
-        format!("{}: full-copy reset of {all} pages per vCPU", kind.name()),
-        quiet(a.out.json),
+    let l = &a.log;
+    let dirty = dirty_config(
+        l.dirty_ring.is_none() && !l.no_manual,
+        l.dirty_ring.unwrap_or(0),
     );
-    let (_, full) = on_machine(a, kind, all, true)?;
-    phase.done();
-    let full = full.ok_or("the full-copy reset did not run")?;
-    for r in &mut rows {
-        r.ratio_full_over_reset = per(full.p50_us, r.reset_p50_us);
-    }
+    let mut region = a.work.region(&a.machine, dirty);
+    // A fuzzer's guest is mostly untouched: fault in only what the passes write.
+    region.prefault = false;
+    let spec = Spec::new(&a.machine, region, a.machine.vm_config());
+    let (rows, full) = backend::visit(kind, &spec, OnK { a, kind })?;
     let vm = a.machine.vm_config();
     Ok(Run {
         backend: kind.name(),
@@ -336,6 +369,8 @@ fn measure(a: &SnapshotPerfArgs, kind: BackendArg) -> CliResult<Run> {
             random: a.random,
             iterations: a.iterations,
             log: log_name(a),
+            rearm: rearm_name(a),
+            crossover_fraction: slat_dirty::crossover_fraction(),
             verify: a.verify,
         },
         rows,
@@ -343,41 +378,30 @@ fn measure(a: &SnapshotPerfArgs, kind: BackendArg) -> CliResult<Run> {
     })
 }
 
-/// Builds machine `kind` with `k` pages per vCPU and measures it.
-fn on_machine(
-    a: &SnapshotPerfArgs,
-    kind: BackendArg,
-    k: u64,
-    full: bool,
-) -> CliResult<(KRow, Option<FullCopy>)> {
-    let l = &a.log;
-    let dirty = dirty_config(
-        l.dirty_ring.is_none() && !l.no_manual,
-        l.dirty_ring.unwrap_or(0),
-    );
-    let mut region = a.work.region(&a.machine, dirty);
-    region.bytes_per_vcpu = k * PAGE_SIZE;
-    let spec = Spec::new(&a.machine, region, a.machine.vm_config());
-    backend::visit(kind, &spec, OnK { a, full })
-}
-
 /// One machine's measurement, on a machine of any type.
 struct OnK<'a> {
     a: &'a SnapshotPerfArgs,
-    full: bool,
+    kind: BackendArg,
 }
 
 impl OnMachine for OnK<'_> {
-    type Out = (KRow, Option<FullCopy>);
+    type Out = (Vec<KRow>, Option<FullCopy>);
     fn run<M: TestMachine + CliMachine>(self, m: &M) -> CliResult<Self::Out> {
         let ram = m.guest_ram();
-        Bench { a: self.a, m, ram }.run(self.full)
+        Bench {
+            a: self.a,
+            kind: self.kind,
+            m,
+            ram,
+        }
+        .run()
     }
 }
 
 /// One machine's measurement.
 struct Bench<'a, M: TestMachine> {
     a: &'a SnapshotPerfArgs,
+    kind: BackendArg,
     m: &'a M,
     ram: &'a GuestRam,
 }
@@ -395,49 +419,66 @@ fn us(h: &Histogram<u64>, q: f64) -> f64 {
 #[derive(Default)]
 struct Split {
     pages: u64,
+    zeroed: u64,
+    full: u64,
+    rearmed: u64,
     harvest: Duration,
     rearm: Duration,
     copy: Duration,
+    pass: Duration,
 }
 
 impl Split {
-    fn add(&mut self, r: &ResetReport) {
+    fn add(&mut self, r: &ResetReport, pass: Duration) {
         self.pages += r.pages;
+        self.zeroed += r.zeroed;
+        self.full += u64::from(r.full);
+        self.rearmed += r.rearmed;
         self.harvest += r.harvest;
         self.rearm += r.rearm;
         self.copy += r.copy;
+        self.pass += pass;
     }
 }
 
 impl<'a, M: TestMachine> Bench<'a, M> {
-    /// Iteration `i`'s pass: a new seed each time, so random passes dirty other pages.
-    fn params(&self, i: u32) -> PassParams {
+    /// Iteration `i`'s pass of `k` accesses per vCPU: a new seed each time, so random passes
+    /// dirty other pages.
+    fn params(&self, i: u32, k: u64) -> PassParams {
         PassParams {
             write_percent: 100,
             random: self.a.random,
             seed: i.wrapping_add(2),
             timed: false,
+            touches: Some(k),
         }
     }
 
-    /// Distinct pages the memstress model writes in a pass with `p`.
+    /// Distinct pages the memstress model writes in a pass with `p`: O(accesses), not
+    /// O(guest).
     fn model_pages(&self, p: PassParams) -> u64 {
         let l = self.m.layout();
-        let mut hit = vec![false; l.total_pages() as usize];
+        let mut hit = Vec::new();
         for i in 0..l.vcpus {
             let (gpa, _, pages) = l.region(i);
             let first = (gpa - l.gpa) / PAGE_SIZE;
-            for (page, write) in Pattern::new(p, i as u32, pages) {
-                hit[(first + page) as usize] |= write;
-            }
+            hit.extend(
+                Pattern::new(p, i as u32, pages)
+                    .filter(|&(_, write)| write)
+                    .map(|(page, _)| first + page),
+            );
         }
-        hit.iter().filter(|&&h| h).count() as u64
+        hit.sort_unstable();
+        hit.dedup();
+        hit.len() as u64
     }
 
-    fn pass(&self, i: u32) -> CliResult<PassParams> {
-        let p = self.params(i);
+    /// Runs a pass; returns its parameters and how long it took.
+    fn pass(&self, i: u32, k: u64) -> CliResult<(PassParams, Duration)> {
+        let p = self.params(i, k);
+        let t = Instant::now();
         self.m.run_pass(p).map_err(runtime)?;
-        Ok(p)
+        Ok((p, t.elapsed()))
     }
 
     fn verify(&self, snap: &MachineSnapshot<'_, M>, what: &str, i: u32) -> CliResult<bool> {
@@ -449,22 +490,52 @@ impl<'a, M: TestMachine> Bench<'a, M> {
         Ok(true)
     }
 
-    /// A pass to populate the mappings, the snapshot, then the iterations (and the full-copy
-    /// resets when `full`).
-    fn run(&self, full: bool) -> CliResult<(KRow, Option<FullCopy>)> {
+    /// A pass over the largest k's pages (first touch, outside the measurement: resets then
+    /// meet steady-state mappings), the snapshot, every k's iterations, then the full-copy
+    /// resets on a guest small enough.
+    fn run(&self) -> CliResult<(Vec<KRow>, Option<FullCopy>)> {
         let l = self.m.layout();
         let ram_pages = l.total_pages();
-        // First touch outside the measurement: resets then meet steady-state mappings.
-        self.pass(u32::MAX - 2)?;
-        // SAFETY: `ram` is `m`'s guest RAM (both from the same machine, in `on_machine`), and
+        let ks = k_list(self.a);
+        let most = ks.iter().copied().max().unwrap_or(1);
+        self.pass(u32::MAX - 2, most)?;
+        // SAFETY: `ram` is `m`'s guest RAM (both from the same machine, in `OnK::run`), and
         // the guest runs only through `run_pass`, which returns with every vCPU stopped, so
         // nothing writes the RAM during take, reset or verify.
         let mut snap = unsafe { MachineSnapshot::take(self.m, self.ram) }.map_err(runtime)?;
-        let mut floor = Floor::new(ram_pages);
+        let mut rows = Vec::new();
+        for &k in &ks {
+            let phase = Phase::start(
+                format!("{}: k = {k} pages per vCPU", self.kind.name()),
+                quiet(self.a.out.json),
+            );
+            rows.push(self.k_row(&mut snap, k, ram_pages)?);
+            phase.done();
+        }
+        let guest = ram_pages * PAGE_SIZE;
+        if guest > FULL_COPY_MAX {
+            return Ok((rows, None));
+        }
+        let phase = Phase::start(
+            format!("{}: full-copy reset of {ram_pages} pages", self.kind.name()),
+            quiet(self.a.out.json),
+        );
+        let full = self.full_copy(&mut snap, ram_pages, most)?;
+        phase.done();
+        for r in &mut rows {
+            r.ratio_full_over_reset = per(full.p50_us, r.reset_p50_us);
+        }
+        Ok((rows, Some(full)))
+    }
+
+    /// `-i` executions dirtying `k` pages per vCPU, each reset timed beside its floor.
+    fn k_row(&self, snap: &mut MachineSnapshot<'_, M>, k: u64, ram_pages: u64) -> CliResult<KRow> {
+        let vcpus = self.m.layout().vcpus as u64;
+        let mut floor = Floor::new(k.saturating_mul(vcpus).min(ram_pages)).map_err(runtime)?;
         let (mut h, mut fh, mut split) = (hist(), hist(), Split::default());
         let mut verified = 0;
         for i in 0..self.a.iterations {
-            let p = self.pass(i)?;
+            let (p, pass) = self.pass(i, k)?;
             let r = snap.reset().map_err(runtime)?;
             let want = self.model_pages(p);
             if r.pages != want {
@@ -474,23 +545,27 @@ impl<'a, M: TestMachine> Bench<'a, M> {
                 )));
             }
             record(&mut h, r.total());
-            split.add(&r);
-            record(&mut fh, floor.copy(r.pages));
-            verified += u64::from(self.verify(&snap, "reset", i)?);
+            split.add(&r, pass);
+            record(&mut fh, floor.copy(r.pages - r.zeroed, r.zeroed));
+            verified += u64::from(self.verify(snap, "reset", i)?);
         }
-        let full = if full {
-            Some(self.full_copy(&mut snap, ram_pages)?)
-        } else {
-            None
-        };
-        Ok((self.row(&h, &fh, &split, ram_pages, verified), full))
+        let mut row = self.row(&h, &fh, &split, ram_pages, verified);
+        row.k_per_vcpu = k;
+        row.crossover_pages = snap.snapshot().crossover_pages();
+        row.snapshot_held_pages = snap.snapshot().held_pages();
+        Ok(row)
     }
 
-    /// `-i` full-copy resets, each after a pass.
-    fn full_copy(&self, snap: &mut MachineSnapshot<'_, M>, pages: u64) -> CliResult<FullCopy> {
+    /// `-i` full-copy resets, each after a pass of `k` pages per vCPU.
+    fn full_copy(
+        &self,
+        snap: &mut MachineSnapshot<'_, M>,
+        pages: u64,
+        k: u64,
+    ) -> CliResult<FullCopy> {
         let mut h = hist();
         for i in 0..self.a.iterations {
-            self.pass(i)?;
+            self.pass(i, k)?;
             let r = snap.reset_all().map_err(runtime)?;
             record(&mut h, r.copy);
             self.verify(snap, "full-copy reset", i)?;
@@ -514,11 +589,12 @@ impl<'a, M: TestMachine> Bench<'a, M> {
     ) -> KRow {
         let n = h.len().max(1) as f64;
         let total = (s.harvest + s.rearm + s.copy).as_secs_f64();
+        let execs = total + s.pass.as_secs_f64();
         let mean_us = h.mean() / 1000.0;
         let dirty = s.pages as f64 / n;
         let mean = |d: Duration| d.as_secs_f64() * 1e6 / n;
         KRow {
-            k_per_vcpu: ram_pages / self.m.layout().vcpus as u64,
+            k_per_vcpu: 0,
             ram_pages,
             dirty_pages: dirty,
             resets: h.len(),
@@ -535,48 +611,36 @@ impl<'a, M: TestMachine> Bench<'a, M> {
             ratio_reset_over_floor: per(us(h, 0.5), us(fh, 0.5)),
             ratio_full_over_reset: None,
             verified,
+            execs_per_s: if execs > 0.0 { n / execs } else { 0.0 },
+            pass_mean_us: mean(s.pass),
+            zeroed_pages: s.zeroed as f64 / n,
+            full_resets: s.full,
+            crossover_pages: 0,
+            rearmed_mean: s.rearmed as f64 / n,
+            snapshot_held_pages: 0,
+            rss_mib: rss_mib(),
         }
     }
+}
+
+/// This process's resident memory (VmRSS), MiB.
+fn rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kb / 1024.0)
 }
 
 fn record(h: &mut Histogram<u64>, d: Duration) {
     // A duration past the histogram's range (an hour) is clamped, never dropped; 0 ns counts
     // as the lowest bucket.
     h.saturating_record(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX).max(1));
-}
-
-/// The floor: the same number of 4 KiB copies between two host buffers of the machine's RAM
-/// size, page by page (a reset copies pages, not one contiguous run).
-struct Floor {
-    src: Vec<u8>,
-    dst: Vec<u8>,
-}
-
-impl Floor {
-    fn new(pages: u64) -> Self {
-        let n = (pages * PAGE_SIZE) as usize;
-        // Non-zero, so neither buffer is the shared zero page.
-        Floor {
-            src: vec![0xa5; n],
-            dst: vec![0x5a; n],
-        }
-    }
-
-    /// Copies `pages` pages (at most the buffers'), timed.
-    fn copy(&mut self, pages: u64) -> Duration {
-        let ps = PAGE_SIZE as usize;
-        let t = Instant::now();
-        for (d, s) in self
-            .dst
-            .chunks_exact_mut(ps)
-            .zip(self.src.chunks_exact(ps))
-            .take(pages as usize)
-        {
-            d.copy_from_slice(s);
-        }
-        std::hint::black_box(&mut self.dst);
-        t.elapsed()
-    }
 }
 
 /// Per backend and k, the reset p50 over the repeats.

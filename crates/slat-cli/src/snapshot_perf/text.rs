@@ -18,11 +18,13 @@ pub(super) fn rx(x: Option<f64>) -> String {
 pub(super) fn print_run(r: &Run) {
     let c = &r.config;
     println!(
-        "snapshot-perf on {}{}: {} vCPUs, log {}, {} order, {} iterations per k{}",
+        "snapshot-perf on {}{}: {} vCPUs of {} each, log {} (re-arm: {}), {} order, {} iterations per k{}",
         r.backend,
         r.format.map_or(String::new(), |f| format!(" ({f})")),
         c.work.vcpus,
+        slat_workload::format_size(c.work.bytes_per_vcpu),
         c.log,
+        c.rearm,
         if c.random { "random" } else { "sequential" },
         c.iterations,
         if c.verify {
@@ -45,6 +47,12 @@ pub(super) fn print_run(r: &Run) {
         "floor p99 us",
         "reset/floor",
         "full/reset",
+        "execs/s",
+        "pass us",
+        "zeroed",
+        "full resets",
+        "re-armed",
+        "RSS MiB",
     ];
     let rows: Vec<Vec<String>> = r
         .rows
@@ -64,22 +72,44 @@ pub(super) fn print_run(r: &Run) {
                 f1(k.floor_p99_us),
                 rx(k.ratio_reset_over_floor),
                 rx(k.ratio_full_over_reset),
+                format!("{:.0}", k.execs_per_s),
+                f1(k.pass_mean_us),
+                f1(k.zeroed_pages),
+                k.full_resets.to_string(),
+                f1(k.rearmed_mean),
+                k.rss_mib.map_or_else(|| "-".into(), |m| format!("{m:.0}")),
             ]
         })
         .collect();
     print_table(&head, &rows);
-    let f = &r.full_copy;
+    match &r.full_copy {
+        Some(f) => println!(
+            "Full-copy reset of all {} pages: p50 {} us, p99 {} us, mean {} us ({} resets).",
+            f.pages,
+            f1(f.p50_us),
+            f1(f.p99_us),
+            f1(f.mean_us),
+            f.resets
+        ),
+        None => println!(
+            "Full-copy reset skipped: the guest is over {} and a full copy would fault in all of it.",
+            slat_workload::format_size(FULL_COPY_MAX)
+        ),
+    }
+    let cross = r.rows.first().map_or(0, |k| k.crossover_pages);
     println!(
-        "Full-copy reset of all {} pages: p50 {} us, p99 {} us, mean {} us ({} resets).",
-        f.pages,
-        f1(f.p50_us),
-        f1(f.p99_us),
-        f1(f.mean_us),
-        f.resets
+        "Snapshot: {} of {} pages held (the rest were zero); a reset of at least {} pages copies everything back (crossover {:.2} of the guest, measured in this process).",
+        r.rows.first().map_or(0, |k| k.snapshot_held_pages),
+        r.rows.first().map_or(0, |k| k.ram_pages),
+        if cross == u64::MAX { "-".to_string() } else { cross.to_string() },
+        c.crossover_fraction
     );
-    println!("Each k runs on a machine of k pages per vCPU (so a pass dirties exactly k); floor = memcpy of as many pages between two host buffers; full/reset = full-copy reset p50 over this reset's p50.");
+    println!("{FOOTNOTE}");
     println!();
 }
+
+/// What the columns mean, under each table.
+const FOOTNOTE: &str = "Every k runs on the one machine of -b per vCPU (a pass writes k pages of each vCPU's region); floor = the same page copies and zeroings between two warm host buffers, the destination written first as the guest writes it; execs/s = one pass plus its reset; full/reset = full-copy reset p50 over this reset's p50; re-armed = 64-page chunks CLEAR re-armed (or ring entries reset) per reset.";
 
 pub(super) fn print_summary(rep: &Report) {
     println!(
@@ -161,6 +191,10 @@ fn table(sweep: &Sweep<Run>) -> Vec<Vec<String>> {
                             f1(k.reset_p99_us),
                             rx(k.ratio_reset_over_floor),
                             rx(k.ratio_full_over_reset),
+                            format!("{:.0}", k.execs_per_s),
+                            f2(k.harvest_mean_us),
+                            f2(k.rearm_mean_us),
+                            f2(k.copy_mean_us),
                         ]);
                         table.push(cells);
                     }
@@ -168,7 +202,7 @@ fn table(sweep: &Sweep<Run>) -> Vec<Vec<String>> {
             }
             RowOutcome::Failed(_) => {
                 let mut cells = settings.clone();
-                cells.extend(std::iter::repeat_n("-".to_string(), 5));
+                cells.extend(std::iter::repeat_n("-".to_string(), 9));
                 cells.push("FAILED".into());
                 table.push(cells);
             }
@@ -196,9 +230,13 @@ pub(super) fn print_sweep(a: &SnapshotPerfArgs, sweep: &Sweep<Run>) {
             "p99 us",
             "reset/floor",
             "full/reset",
+            "execs/s",
+            "harvest us",
+            "re-arm us",
+            "copy us",
         ]
         .map(String::from),
     );
     print_table(&head, &rows);
-    println!("Each k runs on a machine of k pages per vCPU; floor = memcpy of as many pages between two host buffers; full/reset = full-copy reset p50 over this reset's p50.");
+    println!("{FOOTNOTE}");
 }

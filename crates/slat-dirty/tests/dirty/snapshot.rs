@@ -334,3 +334,37 @@ fn random_resets_match_the_reference_model() {
         }
     }
 }
+
+/// Zero pages are not held, and come back as zeros from a per-page reset and a full one; a
+/// reset of at least the crossover copies everything back and says so.
+#[test]
+fn zero_pages_are_not_held_and_crossover_switches_to_a_full_copy() {
+    let mut mem = Mem::new(8, 3);
+    for p in [1, 3, 6] {
+        for off in 0..PAGE {
+            mem.write(p, off, 0);
+        }
+    }
+    let mut snap = Snapshot::take(vec![mem.region(0, 8)]).unwrap();
+    assert_eq!(snap.held_pages(), 5);
+    let want = mem.bytes();
+    snap.set_crossover_pages(u64::MAX);
+    let mut dirty = snap.dirty_pages();
+    for p in [1usize, 2] {
+        mem.write(p, 9, 0x77);
+        dirty.add_page(0, PageIndex::new(p as u64)).unwrap();
+    }
+    let s = snap.reset(&mut dirty).unwrap();
+    assert_eq!((s.pages, s.zeroed, s.full), (2, 1, false));
+    assert_eq!(mem.bytes(), want);
+    snap.set_crossover_pages(2);
+    for p in [3usize, 4] {
+        mem.write(p, 0, 0x11);
+        dirty.add_page(0, PageIndex::new(p as u64)).unwrap();
+    }
+    let s = snap.reset(&mut dirty).unwrap();
+    assert_eq!((s.pages, s.zeroed, s.full), (2, 3, true));
+    assert_eq!(mem.bytes(), want);
+    snap.verify().unwrap();
+    assert!(snap.crossover_pages() == 2 && dirty.is_empty());
+}

@@ -273,6 +273,7 @@ impl<F: PteFormat> Driver<Machine<F>> for PacedDriver {
                 random: work.random,
                 seed: work.seed,
                 timed: false,
+                touches: None,
             },
             pacer: self.pacer.clone(),
         }))

@@ -132,6 +132,7 @@ fn pass(seed: u32) -> PassParams {
         random: seed % 2 == 1,
         seed,
         timed: false,
+        touches: None,
     }
 }
 

@@ -78,6 +78,7 @@ fn reset_is_exact<M: TestMachine>(m: &M, ram: &GuestRam) {
             random: it % 2 == 1,
             seed: 1 + it,
             timed: false,
+            touches: None,
         };
         let pass = m.run_pass(params).expect("pass");
         assert!(pass.vcpus.iter().all(|v| v.pages > 0));
@@ -198,6 +199,7 @@ fn child_is_exact<M: TestMachine>(m: &M, ram: &GuestRam) {
             random,
             seed,
             timed: false,
+            touches: None,
         };
         m.run_pass(params).expect("pass");
         params

@@ -43,6 +43,22 @@ impl DirtyLogSource for KvmMachineLog<'_> {
     ) -> Result<(), KvmError> {
         self.m.clear_dirty_log(self.id(slot)?, first, pages, bitmap)
     }
+    /// One CLEAR per run of the harvested chunks ([`slat_dirty::clear_harvested_chunks`]),
+    /// not one over the whole slot: the kernel walks only what it is given.
+    fn clear_log_words(
+        &mut self,
+        slot: usize,
+        first: PageIndex,
+        pages: u64,
+        words: &[(usize, u64)],
+        scratch: &mut [u64],
+    ) -> Result<(), KvmError> {
+        let id = self.id(slot)?;
+        slat_dirty::clear_harvested_chunks(first, pages, words, scratch, |f, n, b| {
+            self.m.clear_dirty_log(id, f, n, b)
+        })
+        .map(drop)
+    }
     fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, KvmError> {
         Ok(self.m.collect_dirty_rings(f))
     }

@@ -455,9 +455,13 @@ impl KvmMachine {
     }
 
     /// The parameter block fields of one workload, on every vCPU.
-    fn write_params_job(&self, mode: u64, seed: u32, wp: u32, random: bool, timed: bool) {
+    fn write_params_job(&self, mode: u64, p: PassParams) {
         for i in 0..self.config.region.vcpus {
             let b = self.low_layout.param_block(i);
+            let pages = self.region.layout.region(i).2;
+            self.low_u64(b + param::COUNT)
+                .store(p.touches.map_or(pages, |n| n.min(pages)), Ordering::Relaxed);
+            let (seed, wp, random, timed) = (p.seed, p.write_percent, p.random, p.timed);
             let s = ParkMiller::normalize(seed.wrapping_add(i as u32));
             self.low_u64(b + param::SEED)
                 .store(s as u64, Ordering::Relaxed);
@@ -482,16 +486,23 @@ impl KvmMachine {
         if timed {
             self.clear_histograms();
         }
-        let (mode, seed, wp, random) = match w {
-            Workload::Pass(p) => (guest::MODE_PASS, p.seed, p.write_percent, p.random),
-            Workload::Loop(p) => (guest::MODE_LOOP, p.seed, p.write_percent, p.random),
+        let (mode, p) = match w {
+            Workload::Pass(p) => (guest::MODE_PASS, p),
+            Workload::Loop(p) => (guest::MODE_LOOP, p),
             Workload::Writer { seed, iteration } => {
                 self.low_u64(self.low_layout.control + control::ITERATION)
                     .store(iteration, Ordering::Relaxed);
-                (guest::MODE_WRITER, seed, 100, true)
+                let p = PassParams {
+                    write_percent: 100,
+                    random: true,
+                    seed,
+                    timed: false,
+                    touches: None,
+                };
+                (guest::MODE_WRITER, p)
             }
         };
-        self.write_params_job(mode, seed, wp, random, timed);
+        self.write_params_job(mode, PassParams { timed, ..p });
         self.low_u64(self.low_layout.control + control::HALT)
             .store(0, Ordering::SeqCst);
         // The release orders the stores above before the vCPU threads' KVM_RUN.

@@ -18,6 +18,7 @@ const HALF_RANDOM: PassParams = PassParams {
     random: true,
     seed: 11,
     timed: false,
+    touches: None,
 };
 
 fn config(dirty: DirtyConfig) -> KvmConfig {
@@ -142,6 +143,7 @@ fn manual_protect_get_copies_and_clear_clears_only_its_range() {
         random: false,
         seed: 1,
         timed: false,
+        touches: None,
     };
     m.run_pass(seq).unwrap();
     let all = to_bitmap(&expected_writes(&m.layout(), seq));

@@ -16,6 +16,7 @@ const TIMED: PassParams = PassParams {
     random: false,
     seed: 1,
     timed: true,
+    touches: None,
 };
 
 fn machine(vcpus: usize, bytes_per_vcpu: u64, guest_mode: GuestMode) -> Option<KvmMachine> {
@@ -92,6 +93,7 @@ fn timed_random_partial_pass_counts_only_writes() {
         random: true,
         seed: 17,
         timed: true,
+        touches: None,
     };
     let r = m.run_pass(params).unwrap();
     // Writes per vCPU from the model (reads are not timed). A page written twice in one pass

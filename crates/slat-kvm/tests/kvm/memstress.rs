@@ -82,6 +82,7 @@ fn random_all_writes_partitioned() {
             random: true,
             seed: 7,
             timed: false,
+            touches: None,
         },
     );
 }
@@ -95,6 +96,7 @@ fn sequential_half_writes_partitioned() {
             random: false,
             seed: 3,
             timed: false,
+            touches: None,
         },
     );
 }
@@ -108,6 +110,7 @@ fn random_thirty_percent_writes_partitioned() {
             random: true,
             seed: 12345,
             timed: false,
+            touches: None,
         },
     );
 }
@@ -121,6 +124,7 @@ fn random_half_writes_overlapped() {
             random: true,
             seed: 99,
             timed: false,
+            touches: None,
         },
     );
 }
@@ -135,6 +139,7 @@ fn seed_zero_and_wrapping_seed_match_the_model() {
             random: true,
             seed: u32::MAX,
             timed: false,
+            touches: None,
         },
     );
 }
@@ -150,6 +155,7 @@ fn kernel_mode_guest_matches_the_model() {
             random: true,
             seed: 8,
             timed: false,
+            touches: None,
         },
     );
     check_pass_in(GuestMode::Kernel, true, PassParams::default());
@@ -173,6 +179,7 @@ fn read_only_pass_writes_nothing() {
             random: true,
             seed: 5,
             timed: false,
+            touches: None,
         })
         .unwrap();
     assert_eq!(r.vcpus.len(), 2);
@@ -201,6 +208,7 @@ fn passes_repeat_with_fresh_parameters() {
                 random: false,
                 seed: 1,
                 timed: false,
+                touches: None,
             })
             .unwrap();
         assert_eq!(r.vcpus[0].pages, total);
@@ -301,6 +309,7 @@ fn native_baseline_writes_the_same_pages_as_the_guest() {
         random: true,
         seed: 21,
         timed: false,
+        touches: None,
     };
     m.run_pass(params).unwrap();
     let layout = m.layout();

@@ -287,6 +287,7 @@ fn idle_tracking_sees_exactly_the_pages_a_pass_touched<F: PteFormat>() {
             random: true,
             seed: s,
             timed: false,
+            touches: None,
         };
         m.run_pass(params).expect("random pass");
         for (i, b) in bitmaps.iter_mut().enumerate() {

@@ -139,6 +139,7 @@ fn churn(vm: VmConfig, rounds: u32, seed: u32) -> Result<(), String> {
         random: true,
         seed,
         timed: false,
+        touches: None,
     };
     for _ in 0..rounds {
         m.start(Workload::Loop(params)).map_err(|e| e.to_string())?;
@@ -169,6 +170,7 @@ fn churn(vm: VmConfig, rounds: u32, seed: u32) -> Result<(), String> {
             random: true,
             seed,
             timed: false,
+            touches: None,
         })
         .map_err(|e| e.to_string())?;
     }
