@@ -33,9 +33,10 @@
 //! # Where it applies
 //!
 //! Through [`crate::Guest::set_vcpu_throttle`]: slat's simulated machine keeps each vCPU out
-//! of the guest for that share of every 10 ms slice (`slat_machine::Pacer`); it looks at the
-//! throttle every 8 accesses while throttled, so a 99% throttle holds a vCPU near 800
-//! writes/s at the least. The KVM benchmark guest runs all vCPUs in one burst and has no
+//! of the guest for that share of every 10 ms slice (`slat_machine::Pacer`), up to
+//! [`MAX_PERMILLE`]: the lowest rate it can hold a vCPU to is a thousandth of the vCPU's
+//! unthrottled rate (~7.5k writes/s for a flat-out simulated vCPU, which writes ~7.5 M/s; at
+//! the former 99% ceiling that floor was ~75k writes/s, ten times an 8k limit). The KVM benchmark guest runs all vCPUs in one burst and has no
 //! per-vCPU throttle (`limitable_vcpus() == 0`), so the source refuses dirty-limit there.
 
 use crate::error::GuestError;
@@ -60,8 +61,11 @@ pub const DEFAULT_LIMIT: u64 = 8000;
 pub const MAX_LIMIT: u64 = 1_000_000_000;
 /// Relative distance from the limit inside which a vCPU's throttle is left alone.
 pub const DEADBAND: f64 = 0.05;
-/// Smallest run share (a 99% throttle, as auto-converge's highest).
-pub const MIN_RUN: f64 = 0.01;
+/// Highest throttle, per mille of a vCPU's time kept out of the guest.
+pub const MAX_PERMILLE: u32 = 999;
+/// Smallest run share (a [`MAX_PERMILLE`] throttle): a flat-out vCPU writes a thousand times
+/// a limit near its floor, so the share must reach 0.1% (auto-converge stops at QEMU's 99%).
+pub const MIN_RUN: f64 = 1.0 - MAX_PERMILLE as f64 / 1000.0;
 /// The most vCPUs a limiter tracks (KVM's `KVM_MAX_VCPUS` on x86 is 4096): a ring entry naming
 /// a vCPU past it counts as unattributed, so a guest cannot make the limiter grow unbounded.
 pub const MAX_LIMITED_VCPUS: usize = 4096;
@@ -280,7 +284,9 @@ impl DirtyLimiter {
 
 /// A run share as a throttle, per mille.
 fn permille(run: f64) -> u32 {
-    ((1.0 - run) * 1000.0).round().clamp(0.0, 990.0) as u32
+    ((1.0 - run) * 1000.0)
+        .round()
+        .clamp(0.0, MAX_PERMILLE as f64) as u32
 }
 
 #[cfg(test)]

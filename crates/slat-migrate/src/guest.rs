@@ -144,7 +144,7 @@ pub unsafe trait Guest: Send + Sync {
         0
     }
     /// Sets vCPU `vcpu`'s own throttle (dirty-limit): per mille of its time kept out of the
-    /// guest, at most 990.
+    /// guest, at most [`crate::dirty_limit::MAX_PERMILLE`].
     fn set_vcpu_throttle(&self, _vcpu: usize, _permille: u32) {}
     /// [`Guest::activity`] per vCPU (empty if the guest does not count it so).
     fn vcpu_activity(&self) -> Vec<u64> {
