@@ -45,7 +45,7 @@ fn the_limiter_brings_a_heavy_vcpu_to_the_limit_and_leaves_a_light_one_alone() {
                 h.collect().unwrap();
                 if let Some(th) = l.update(&counts.per_vcpu(), Instant::now()) {
                     for (i, t) in th.iter().enumerate() {
-                        g.set_vcpu_throttle(i, *t);
+                        g.set_vcpu_throttle_ppm(i, *t);
                     }
                 }
             }
@@ -102,7 +102,7 @@ fn the_limiter_holds_a_flat_out_guest_near_the_limit() {
             h.collect().unwrap();
             if let Some(th) = l.update(&counts.per_vcpu(), Instant::now()) {
                 for (i, t) in th.iter().enumerate() {
-                    g.set_vcpu_throttle(i, *t);
+                    g.set_vcpu_throttle_ppm(i, *t);
                 }
             }
         }
