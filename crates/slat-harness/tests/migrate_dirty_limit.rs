@@ -45,7 +45,7 @@ fn the_limiter_brings_a_heavy_vcpu_to_the_limit_and_leaves_a_light_one_alone() {
                 h.collect().unwrap();
                 if let Some(th) = l.update(&counts.per_vcpu(), Instant::now()) {
                     for (i, t) in th.iter().enumerate() {
-                        g.set_vcpu_throttle(i, *t);
+                        g.set_vcpu_throttle_ppm(i, *t);
                     }
                 }
             }
@@ -73,6 +73,55 @@ fn the_limiter_brings_a_heavy_vcpu_to_the_limit_and_leaves_a_light_one_alone() {
         rate(1)
     );
     assert!(th[0] > 500, "vCPU 0 throttled hard: {th:?}");
+}
+
+/// A flat-out guest (no rate limit: millions of writes/s per vCPU) is held near the limit: the
+/// per-vCPU throttle reaches 99.9%, so its floor is a thousandth of the vCPU's own rate. At
+/// the former 99% ceiling these vCPUs still wrote ~75k/s, nine times the limit. The bound is
+/// generous (3x) so that a loaded machine does not fail it; the meter collects every 10 ms, as
+/// the source does during a round, so it counts each write of the held guest.
+#[test]
+fn the_limiter_holds_a_flat_out_guest_near_the_limit() {
+    const LIMIT: u64 = 8_000;
+    let g = source_guest(BackendKind::Sim, shape(64), LogMode::Ring);
+    g.start(sequential(0)).unwrap();
+    g.set_dirty_logging(true).unwrap();
+    let counts = Arc::new(RingCounts::default());
+    let log = g.dirty_log().unwrap().into_source();
+    let mut h =
+        Harvester::from_source(Box::new(RingMeter::new(log, counts.clone())) as GuestLog).unwrap();
+    let cfg = DirtyLimitConfig {
+        limit: LIMIT,
+        period: Duration::from_millis(250),
+    };
+    let mut l = DirtyLimiter::new(cfg, g.limitable_vcpus(), &counts.per_vcpu(), Instant::now());
+    let mut run = |for_: Duration| {
+        let end = Instant::now() + for_;
+        while Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(10));
+            h.collect().unwrap();
+            if let Some(th) = l.update(&counts.per_vcpu(), Instant::now()) {
+                for (i, t) in th.iter().enumerate() {
+                    g.set_vcpu_throttle_ppm(i, *t);
+                }
+            }
+        }
+    };
+    run(Duration::from_millis(2500));
+    let (w0, t0) = (g.vcpu_activity(), Instant::now());
+    run(Duration::from_millis(1500));
+    let (w1, dt) = (g.vcpu_activity(), t0.elapsed().as_secs_f64());
+    g.pause().unwrap();
+    let th = l.throttles();
+    for (i, (a, b)) in w0.iter().zip(&w1).enumerate() {
+        let rate = (b - a) as f64 / dt;
+        assert!(
+            rate <= 3.0 * LIMIT as f64 && rate >= LIMIT as f64 / 8.0,
+            "vCPU {i} wrote {rate:.0}/s against a limit of {LIMIT} (throttles {th:?}, rates {:?})",
+            l.rates
+        );
+    }
+    assert_eq!(w1.len(), 2);
 }
 
 /// A heavy-dirty guest (2 x 8 MiB, 40k writes/s per vCPU) over a 128 MiB/s link and 20 ms

@@ -10,7 +10,7 @@
 //! - a **throttle**, the fraction of each 10 ms slice the vCPU spends outside guest mode,
 //!   as QEMU's auto-converge puts vCPU threads to sleep when the guest dirties memory faster
 //!   than the link sends it;
-//! - a **per-vCPU throttle** in per mille of the same slice, and a per-vCPU rate override,
+//! - a **per-vCPU throttle** in parts per million of the same slice, and a per-vCPU rate override,
 //!   for QEMU's dirty-limit: only the vCPUs that dirty too fast are slowed (the larger of the
 //!   two throttles applies), and a test can give one vCPU a heavier rate than another.
 //!
@@ -31,9 +31,9 @@ use std::time::{Duration, Instant};
 
 /// Accesses between looks at the clock, the halt flag and the pacer.
 const CHECK_EVERY: u64 = 64;
-/// The same while throttled: a 99% throttle leaves 0.1 ms of a slice, which at 200k writes/s
-/// is 20 writes; at 64 a batch would overrun it and a limited vCPU could not go below
-/// ~6400 writes/s.
+/// The same while throttled: a 999 per mille throttle leaves 10 µs of a slice, about 70
+/// writes of a flat-out simulated vCPU (~7 M writes/s); checking every 8 overruns it by at
+/// most ~1 µs, where every 64 would nearly double the run and the floor with it.
 const THROTTLED_CHECK_EVERY: u64 = 8;
 /// The throttle's time slice (QEMU's CPU throttle uses 10 ms too).
 const SLICE: Duration = Duration::from_millis(10);
@@ -41,8 +41,17 @@ const SLICE: Duration = Duration::from_millis(10);
 const MAX_NAP: Duration = Duration::from_millis(2);
 /// Highest throttle accepted: a vCPU that never runs would never finish a pass.
 pub const MAX_THROTTLE_PERCENT: u32 = 99;
-/// Highest per-vCPU throttle, per mille (the same 99%).
-pub const MAX_VCPU_THROTTLE_PERMILLE: u32 = 990;
+/// Highest per-vCPU throttle, parts per million: 10 µs of each 10 ms slice in the guest. Its
+/// floor is about a thousandth of the vCPU's unthrottled rate (a flat-out simulated vCPU
+/// writes ~7.5 M/s and is held at ~4k/s, the naps overshooting), so dirty-limit can hold even
+/// that vCPU near a limit of 8k pages/s; at the former 99% the floor was ~75k writes/s.
+/// Parts per million, not per mille: near the floor one per mille is a factor of two in the
+/// rate, and a controller on that grid swings between the two sides of its limit.
+/// Auto-converge keeps QEMU's 99% ([`MAX_THROTTLE_PERCENT`]).
+pub const MAX_VCPU_THROTTLE_PPM: u32 = 999_000;
+
+/// A throttle's whole slice, in its parts per million.
+const PPM: u32 = 1_000_000;
 
 /// Most vCPUs a [`Pacer`] gives controls of their own (KVM's `KVM_MAX_VCPUS` on x86).
 pub const MAX_PACED_VCPUS: usize = 4096;
@@ -61,7 +70,7 @@ pub enum PacerError {
 /// One vCPU's own controls and counters (see [`Pacer::for_vcpus`]).
 #[derive(Debug, Default)]
 struct VcpuPace {
-    /// Per mille of each slice this vCPU spends outside guest mode (dirty-limit).
+    /// Parts per million of each slice this vCPU spends outside guest mode (dirty-limit).
     throttle: AtomicU32,
     /// Writes per second of this vCPU (0: the pacer's rate).
     rate: AtomicU64,
@@ -116,16 +125,16 @@ impl Pacer {
     pub fn vcpus(&self) -> usize {
         self.vcpus.len()
     }
-    /// Sets vCPU `i`'s own throttle in per mille, clamped to [`MAX_VCPU_THROTTLE_PERMILLE`]
-    /// (ignored for a vCPU without controls).
-    pub fn set_vcpu_throttle(&self, i: usize, permille: u32) {
+    /// Sets vCPU `i`'s own throttle in parts per million, clamped to
+    /// [`MAX_VCPU_THROTTLE_PPM`] (ignored for a vCPU without controls).
+    pub fn set_vcpu_throttle_ppm(&self, i: usize, ppm: u32) {
         if let Some(v) = self.vcpus.get(i) {
             v.throttle
-                .store(permille.min(MAX_VCPU_THROTTLE_PERMILLE), Ordering::Relaxed);
+                .store(ppm.min(MAX_VCPU_THROTTLE_PPM), Ordering::Relaxed);
         }
     }
-    /// Every vCPU's own throttle, per mille.
-    pub fn vcpu_throttles(&self) -> Vec<u32> {
+    /// Every vCPU's own throttle, parts per million.
+    pub fn vcpu_throttles_ppm(&self) -> Vec<u32> {
         self.vcpus
             .iter()
             .map(|v| v.throttle.load(Ordering::Relaxed))
@@ -287,25 +296,25 @@ fn throttle_and_pace<F: PteFormat>(
     slice_start: &mut Instant,
 ) -> Option<u64> {
     let now = Instant::now();
-    // Throttle, per mille: the global one (auto-converge) or this vCPU's own
-    // (dirty-limit), whichever is larger. After running (1000 - t)‰ of a slice,
-    // sleep t‰ of it.
+    // Throttle, parts per million: the global one (auto-converge) or this vCPU's own
+    // (dirty-limit), whichever is larger. After running (1e6 - t) ppm of a slice,
+    // sleep t ppm of it.
     let global = pacer
         .throttle
         .load(Ordering::Relaxed)
         .min(MAX_THROTTLE_PERCENT)
-        * 10;
+        * 10_000;
     let t = own
         .map_or(0, |v| v.throttle.load(Ordering::Relaxed))
-        .min(MAX_VCPU_THROTTLE_PERMILLE)
+        .min(MAX_VCPU_THROTTLE_PPM)
         .max(global);
     let until_check = if t != 0 {
         THROTTLED_CHECK_EVERY
     } else {
         CHECK_EVERY
     };
-    if t != 0 && now.duration_since(*slice_start) >= SLICE * (1000 - t) / 1000 {
-        let nap = SLICE * t / 1000;
+    if t != 0 && now.duration_since(*slice_start) >= SLICE * (PPM - t) / PPM {
+        let nap = SLICE * t / PPM;
         nap_outside_guest(cpu, nap, halt);
         pacer
             .throttled_ns
@@ -420,8 +429,8 @@ mod tests {
         p.set_throttle(150);
         assert_eq!(p.throttle(), MAX_THROTTLE_PERCENT);
         let v = Pacer::for_vcpus(0, 2).unwrap();
-        v.set_vcpu_throttle(1, 5000);
-        v.set_vcpu_throttle(7, 100);
-        assert_eq!(v.vcpu_throttles(), vec![0, MAX_VCPU_THROTTLE_PERMILLE]);
+        v.set_vcpu_throttle_ppm(1, 5_000_000);
+        v.set_vcpu_throttle_ppm(7, 100);
+        assert_eq!(v.vcpu_throttles_ppm(), vec![0, MAX_VCPU_THROTTLE_PPM]);
     }
 }

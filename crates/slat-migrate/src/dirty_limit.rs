@@ -22,20 +22,27 @@
 //! for each vCPU `i`: measure `d_i` = its ring entries over the period / the period. Keep a
 //! run share `r_i` (1 = unthrottled; the vCPU sleeps `1 - r_i` of each 10 ms slice). If
 //! `d_i` is more than [`DEADBAND`] away from the limit `L`, set
-//! `r_i ← clamp(r_i · L / d_i, MIN_RUN, 1)`, raising `r_i` by at most 2× per period. A
+//! `r_i ← clamp(r_i · s, MIN_RUN, 1)` with `s = L / d_i` when the rate is more than 2× off
+//! (raising `r_i` by at most 2× per period) and `s = √(L / d_i)` within 2×. Far off, a
 //! vCPU's dirty rate grows with its run share at most linearly (pages it dirties twice in a
-//! window count once), so the multiplicative step lands on or short of the limit and never
-//! overshoots into oscillation; a vCPU under the limit with `r_i = 1` is never touched. QEMU
+//! window count once), so the full step lands on or short of the limit. Near the floor it
+//! grows faster: each slice's nap overshoots and its exit and entry cost a fixed time, so a
+//! share of 0.1% holds a flat-out simulated vCPU at ~4k writes/s and 0.2% at ~14k; full steps
+//! there swung 4k ↔ 14k around an 8k limit, and the half step (in logarithm) settles in one
+//! or two periods. A vCPU under the limit with `r_i = 1` is never touched. QEMU
 //! instead adjusts a sleep per ring-full exit (`throttle_us_per_full`) by a percentage of
 //! the gap; the sleep here sits in the vCPU thread between guest entries, which is the same
 //! effect without needing a ring-full exit per adjustment.
 //!
 //! # Where it applies
 //!
-//! Through [`crate::Guest::set_vcpu_throttle`]: slat's simulated machine keeps each vCPU out
-//! of the guest for that share of every 10 ms slice (`slat_machine::Pacer`); it looks at the
-//! throttle every 8 accesses while throttled, so a 99% throttle holds a vCPU near 800
-//! writes/s at the least. The KVM benchmark guest runs all vCPUs in one burst and has no
+//! Through [`crate::Guest::set_vcpu_throttle_ppm`]: slat's simulated machine keeps each vCPU
+//! out of the guest for that share of every 10 ms slice (`slat_machine::Pacer`), up to
+//! [`MAX_PPM`] (99.9%): the lowest rate it can hold a vCPU to is about a thousandth of the
+//! vCPU's unthrottled rate (a flat-out simulated vCPU writes ~7.5 M/s and is held at ~4k/s;
+//! at the former 99% ceiling that floor was ~75k writes/s, ten times an 8k limit). The
+//! throttle is set in parts per million: near the floor one per mille halves or doubles the
+//! rate, and on that grid the law swung between ~4k and ~14k around an 8k limit. The KVM benchmark guest runs all vCPUs in one burst and has no
 //! per-vCPU throttle (`limitable_vcpus() == 0`), so the source refuses dirty-limit there.
 
 use crate::error::GuestError;
@@ -60,8 +67,11 @@ pub const DEFAULT_LIMIT: u64 = 8000;
 pub const MAX_LIMIT: u64 = 1_000_000_000;
 /// Relative distance from the limit inside which a vCPU's throttle is left alone.
 pub const DEADBAND: f64 = 0.05;
-/// Smallest run share (a 99% throttle, as auto-converge's highest).
-pub const MIN_RUN: f64 = 0.01;
+/// Highest throttle, parts per million of a vCPU's time kept out of the guest (99.9%).
+pub const MAX_PPM: u32 = 999_000;
+/// Smallest run share (a [`MAX_PPM`] throttle): a flat-out vCPU writes a thousand times an 8k
+/// limit, so the share must reach 0.1% (auto-converge stops at QEMU's 99%).
+pub const MIN_RUN: f64 = 1.0 - MAX_PPM as f64 / 1e6;
 /// The most vCPUs a limiter tracks (KVM's `KVM_MAX_VCPUS` on x86 is 4096): a ring entry naming
 /// a vCPU past it counts as unattributed, so a guest cannot make the limiter grow unbounded.
 pub const MAX_LIMITED_VCPUS: usize = 4096;
@@ -244,13 +254,19 @@ impl DirtyLimiter {
         now.duration_since(self.last) >= self.cfg.period
     }
 
-    /// Each vCPU's throttle now, per mille of its time kept out of the guest.
+    /// Each vCPU's throttle now, per mille of its time kept out of the guest (for reports).
     pub fn throttles(&self) -> Vec<u32> {
         self.run.iter().map(|&r| permille(r)).collect()
     }
 
+    /// Each vCPU's throttle now, parts per million (what the guest is told).
+    pub fn throttles_ppm(&self) -> Vec<u32> {
+        self.run.iter().map(|&r| ppm(r)).collect()
+    }
+
     /// If a period has passed: measures each vCPU's rate from the cumulative ring `counts`
-    /// and applies the control law; returns the new throttles (per mille), else `None`.
+    /// and applies the control law; returns the new throttles (parts per million), else
+    /// `None`.
     pub fn update(&mut self, counts: &[u64], now: Instant) -> Option<Vec<u32>> {
         if !self.due(now) {
             return None;
@@ -270,17 +286,29 @@ impl DirtyLimiter {
             if over || under {
                 // d == 0 with r < 1: the vCPU idled; open up by the largest step.
                 let ratio = if d > 0.0 { limit / d } else { 2.0 };
-                self.run[i] = (r * ratio.min(2.0)).clamp(MIN_RUN, 1.0);
+                let step = if (0.5..=2.0).contains(&ratio) {
+                    ratio.sqrt()
+                } else {
+                    ratio.min(2.0)
+                };
+                self.run[i] = (r * step).clamp(MIN_RUN, 1.0);
             }
             self.max_permille[i] = self.max_permille[i].max(permille(self.run[i]));
         }
-        Some(self.throttles())
+        Some(self.throttles_ppm())
     }
 }
 
 /// A run share as a throttle, per mille.
 fn permille(run: f64) -> u32 {
-    ((1.0 - run) * 1000.0).round().clamp(0.0, 990.0) as u32
+    ((1.0 - run) * 1000.0)
+        .round()
+        .clamp(0.0, (MAX_PPM / 1000) as f64) as u32
+}
+
+/// A run share as a throttle, parts per million.
+fn ppm(run: f64) -> u32 {
+    ((1.0 - run) * 1e6).round().clamp(0.0, MAX_PPM as f64) as u32
 }
 
 #[cfg(test)]
@@ -288,8 +316,8 @@ mod tests {
     use super::*;
 
     /// A vCPU whose dirty rate is its run share times `full` (capped at `cap` distinct pages).
-    fn model(full: f64, cap: f64, permille: u32) -> f64 {
-        (full * (1000 - permille) as f64 / 1000.0).min(cap)
+    fn model(full: f64, cap: f64, ppm: u32) -> f64 {
+        (full * (1_000_000 - ppm) as f64 / 1e6).min(cap)
     }
 
     #[test]

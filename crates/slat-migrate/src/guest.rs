@@ -138,14 +138,14 @@ pub unsafe trait Guest: Send + Sync {
     fn activity(&self) -> Option<u64> {
         None
     }
-    /// vCPUs a per-vCPU dirty limit can slow one by one ([`Guest::set_vcpu_throttle`]);
+    /// vCPUs a per-vCPU dirty limit can slow one by one ([`Guest::set_vcpu_throttle_ppm`]);
     /// 0 (the default): none, and the source refuses `Converge::DirtyLimit`.
     fn limitable_vcpus(&self) -> usize {
         0
     }
-    /// Sets vCPU `vcpu`'s own throttle (dirty-limit): per mille of its time kept out of the
-    /// guest, at most 990.
-    fn set_vcpu_throttle(&self, _vcpu: usize, _permille: u32) {}
+    /// Sets vCPU `vcpu`'s own throttle (dirty-limit): parts per million of its time kept out
+    /// of the guest, at most [`crate::dirty_limit::MAX_PPM`].
+    fn set_vcpu_throttle_ppm(&self, _vcpu: usize, _ppm: u32) {}
     /// [`Guest::activity`] per vCPU (empty if the guest does not count it so).
     fn vcpu_activity(&self) -> Vec<u64> {
         Vec::new()

@@ -57,8 +57,8 @@ pub(super) trait Pacing: Send + Sync {
     fn limitable_vcpus(&self) -> usize {
         0
     }
-    /// Sets vCPU `i`'s own throttle, per mille.
-    fn set_vcpu_throttle(&self, _i: usize, _permille: u32) {}
+    /// Sets vCPU `i`'s own throttle, parts per million.
+    fn set_vcpu_throttle_ppm(&self, _i: usize, _ppm: u32) {}
     /// Writes per vCPU (empty: not counted so).
     fn vcpu_writes(&self) -> Vec<u64> {
         Vec::new()
@@ -83,8 +83,8 @@ impl Pacing for Pacer {
     fn limitable_vcpus(&self) -> usize {
         Pacer::vcpus(self)
     }
-    fn set_vcpu_throttle(&self, i: usize, permille: u32) {
-        Pacer::set_vcpu_throttle(self, i, permille)
+    fn set_vcpu_throttle_ppm(&self, i: usize, ppm: u32) {
+        Pacer::set_vcpu_throttle_ppm(self, i, ppm)
     }
     fn vcpu_writes(&self) -> Vec<u64> {
         Pacer::vcpu_writes(self)
@@ -203,8 +203,8 @@ where
     fn limitable_vcpus(&self) -> usize {
         self.driver.pacing().limitable_vcpus()
     }
-    fn set_vcpu_throttle(&self, vcpu: usize, permille: u32) {
-        self.driver.pacing().set_vcpu_throttle(vcpu, permille)
+    fn set_vcpu_throttle_ppm(&self, vcpu: usize, ppm: u32) {
+        self.driver.pacing().set_vcpu_throttle_ppm(vcpu, ppm)
     }
     fn vcpu_activity(&self) -> Vec<u64> {
         self.driver.pacing().vcpu_writes()

@@ -90,7 +90,7 @@ fn cpus_tlbs_pacers_and_pools_of_any_size() {
                 cpu.exit();
             }
             if let Ok(p) = Pacer::for_vcpus(rate, n) {
-                p.set_vcpu_throttle(n, 5);
+                p.set_vcpu_throttle_ppm(n, 5_000);
                 p.set_vcpu_rate(n.wrapping_sub(1), rate);
                 prop_assert_eq!(p.vcpus(), n);
             }

@@ -479,7 +479,7 @@ impl Source {
     ) -> Result<MigrationReport, MigrateError> {
         self.guest.set_throttle(0);
         for i in 0..self.guest.limitable_vcpus() {
-            self.guest.set_vcpu_throttle(i, 0);
+            self.guest.set_vcpu_throttle_ppm(i, 0);
         }
         if r.is_err() && !self.migrated && !self.guest.running() && self.was_running {
             if let (Err(restart), Err(first)) = (self.guest.resume(), &r) {

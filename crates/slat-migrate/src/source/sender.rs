@@ -103,12 +103,12 @@ impl Sender {
         let counts = x.counts.per_vcpu();
         if let Some(th) = x.l.update(&counts, Instant::now()) {
             for (i, &t) in th.iter().enumerate() {
-                x.guest.set_vcpu_throttle(i, t);
+                x.guest.set_vcpu_throttle_ppm(i, t);
             }
             progress(Event::DirtyLimit {
                 limit: x.l.config().limit,
                 rates: &x.l.rates,
-                throttles: &th,
+                throttles: &x.l.throttles(),
             });
         }
         Ok(())
