@@ -58,6 +58,8 @@ pub const DEFAULT_PERIOD: Duration = Duration::from_secs(1);
 pub const MIN_PERIOD: Duration = Duration::from_millis(100);
 /// Longest period.
 pub const MAX_PERIOD: Duration = Duration::from_secs(60);
+/// The first measurement's window (later ones use the configured period).
+pub const FIRST_PERIOD: Duration = Duration::from_millis(100);
 /// Default limit, dirty pages per second per vCPU: 8000 pages (31 MiB/s). QEMU's usual
 /// 1 MB/s (256 pages/s) would stall a benchmark guest for minutes; 8k is a fifth of what
 /// the heavy-dirty benchmark's vCPUs dirty and a small share of a loopback link, so a
@@ -249,9 +251,17 @@ impl DirtyLimiter {
         self.cfg
     }
 
-    /// A period has passed since the last update.
+    /// A period has passed since the last update. The first measurement comes after
+    /// [`FIRST_PERIOD`] (or the period, if shorter): the meter collects every 10 ms, so a
+    /// short window is already a rate, and a guest left unthrottled for a whole first period
+    /// re-dirties all its memory while a 512 MiB migration is nearly over.
     pub fn due(&self, now: Instant) -> bool {
-        now.duration_since(self.last) >= self.cfg.period
+        let period = if self.periods == 0 {
+            self.cfg.period.min(FIRST_PERIOD)
+        } else {
+            self.cfg.period
+        };
+        now.duration_since(self.last) >= period
     }
 
     /// Each vCPU's throttle now, per mille of its time kept out of the guest (for reports).
