@@ -454,26 +454,17 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         quiet_passes.keep(i, pass, it.harvest);
         iterations.push(it);
     }
-    let concurrent = if a.concurrent {
-        let what = format!(
-            "concurrent harvest: {} harvests while the vCPUs write",
-            a.iterations
-        );
-        let p = Phase::start(what, quiet(a.out.json));
-        let (mr, interval) = (m.as_ref(), interval(a, &iterations));
-        let r = concurrent_harvest::run(
-            mr,
+    let concurrent = match a.concurrent {
+        true => Some(run_concurrent(
+            a,
+            m.as_ref(),
             &cfg,
             &mut harvest,
             params,
-            a.iterations,
-            interval,
+            &iterations,
             &quiet_passes,
-        )?;
-        p.done();
-        Some(r)
-    } else {
-        None
+        )?),
+        false => None,
     };
     let disable = disable(m.as_ref(), a.evil, params)?;
     let pcpus = m.sim().map(|s| s.pcpus());
@@ -502,6 +493,34 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         format_header: format_header(kind, a.machine.format, &cfg.vm),
         gpa: m.layout().gpa,
     })
+}
+
+/// `--concurrent`: the harvests while the vCPUs write, after the iterations.
+fn run_concurrent(
+    a: &DirtyLogPerfArgs,
+    m: &dyn Backend,
+    cfg: &Spec,
+    harvest: &mut Harvest,
+    params: PassParams,
+    iterations: &[Iteration],
+    quiet_passes: &QuietPasses,
+) -> CliResult<concurrent_harvest::ConcurrentReport> {
+    let what = format!(
+        "concurrent harvest: {} harvests while the vCPUs write",
+        a.iterations
+    );
+    let p = Phase::start(what, quiet(a.out.json));
+    let r = concurrent_harvest::run(
+        m,
+        cfg,
+        harvest,
+        params,
+        a.iterations,
+        interval(a, iterations),
+        quiet_passes,
+    )?;
+    p.done();
+    Ok(r)
 }
 
 /// `--plot`: the dirty, harvest and native times of every iteration.

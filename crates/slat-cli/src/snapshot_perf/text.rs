@@ -33,55 +33,64 @@ pub(super) fn print_run(r: &Run) {
             ""
         }
     );
-    let head = [
-        "k/vCPU",
-        "dirty pages",
-        "resets/s",
-        "reset p50 us",
-        "p99 us",
-        "us/page",
-        "harvest us",
-        "re-arm us",
-        "copy us",
-        "floor p50 us",
-        "floor p99 us",
-        "reset/floor",
-        "full/reset",
-        "execs/s",
-        "pass us",
-        "zeroed",
-        "full resets",
-        "re-armed",
-        "RSS MiB",
-    ];
-    let rows: Vec<Vec<String>> = r
-        .rows
-        .iter()
-        .map(|k| {
-            vec![
-                k.k_per_vcpu.to_string(),
-                f1(k.dirty_pages),
-                format!("{:.0}", k.resets_per_s),
-                f1(k.reset_p50_us),
-                f1(k.reset_p99_us),
-                format!("{:.3}", k.us_per_dirty_page),
-                f2(k.harvest_mean_us),
-                f2(k.rearm_mean_us),
-                f2(k.copy_mean_us),
-                f1(k.floor_p50_us),
-                f1(k.floor_p99_us),
-                rx(k.ratio_reset_over_floor),
-                rx(k.ratio_full_over_reset),
-                format!("{:.0}", k.execs_per_s),
-                f1(k.pass_mean_us),
-                f1(k.zeroed_pages),
-                k.full_resets.to_string(),
-                f1(k.rearmed_mean),
-                k.rss_mib.map_or_else(|| "-".into(), |m| format!("{m:.0}")),
-            ]
-        })
-        .collect();
-    print_table(&head, &rows);
+    let rows: Vec<Vec<String>> = r.rows.iter().map(cells).collect();
+    print_table(COLUMNS, &rows);
+    print_snapshot_lines(r);
+    println!("{FOOTNOTE}");
+    println!();
+}
+
+/// The per-k table's columns.
+const COLUMNS: &[&str] = &[
+    "k/vCPU",
+    "dirty pages",
+    "resets/s",
+    "reset p50 us",
+    "p99 us",
+    "us/page",
+    "harvest us",
+    "re-arm us",
+    "copy us",
+    "floor p50 us",
+    "floor p99 us",
+    "reset/floor",
+    "full/reset",
+    "execs/s",
+    "pass us",
+    "zeroed",
+    "full resets",
+    "re-armed",
+    "RSS MiB",
+];
+
+/// One k's cells, in [`COLUMNS`]' order.
+fn cells(k: &KRow) -> Vec<String> {
+    vec![
+        k.k_per_vcpu.to_string(),
+        f1(k.dirty_pages),
+        format!("{:.0}", k.resets_per_s),
+        f1(k.reset_p50_us),
+        f1(k.reset_p99_us),
+        format!("{:.3}", k.us_per_dirty_page),
+        f2(k.harvest_mean_us),
+        f2(k.rearm_mean_us),
+        f2(k.copy_mean_us),
+        f1(k.floor_p50_us),
+        f1(k.floor_p99_us),
+        rx(k.ratio_reset_over_floor),
+        rx(k.ratio_full_over_reset),
+        format!("{:.0}", k.execs_per_s),
+        f1(k.pass_mean_us),
+        f1(k.zeroed_pages),
+        k.full_resets.to_string(),
+        f1(k.rearmed_mean),
+        k.rss_mib.map_or_else(|| "-".into(), |m| format!("{m:.0}")),
+    ]
+}
+
+/// The full-copy reset and the snapshot's size, under the table.
+fn print_snapshot_lines(r: &Run) {
+    let c = &r.config;
     match &r.full_copy {
         Some(f) => println!(
             "Full-copy reset of all {} pages: p50 {} us, p99 {} us, mean {} us ({} resets).",
@@ -104,8 +113,6 @@ pub(super) fn print_run(r: &Run) {
         if cross == u64::MAX { "-".to_string() } else { cross.to_string() },
         c.crossover_fraction
     );
-    println!("{FOOTNOTE}");
-    println!();
 }
 
 /// What the columns mean, under each table.
