@@ -69,6 +69,7 @@
 // One public path per item (checked by slat-harness's `tests/harness/public_paths.rs`): the types a user
 // names live in private modules and are re-exported here; the public modules are cohesive groups
 // whose items are not re-exported here.
+pub mod clock;
 pub mod cmo;
 pub mod direct_map;
 pub mod dirty;
@@ -96,7 +97,7 @@ pub use config::{
     RebuildOrder, RecoverVariant, VmConfig, WrprotVariant,
 };
 pub use fault::{Fault, FaultOutcome};
-pub use format::{Access, Ept, LeafPerms, Level, PteFormat, Stage2};
+pub use format::{Access, Ept, LeafPerms, Level, PteFormat, Stage2, Timed};
 pub use host_memory::{HostBuffer, HostBufferError, HostMemory, HostRange, HostRangeError};
 pub use memslot::{
     MemoryAttributeError, MemoryAttributes, Memslot, MemslotError, MemslotFlags, MemslotSet, SlotId,

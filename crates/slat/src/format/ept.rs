@@ -72,6 +72,8 @@ unsafe impl PteFormat for Ept {
     const BREAK_BEFORE_MAKE: bool = false;
     const CACHE_MAINTENANCE: bool = false;
     const HARDWARE_DIRTY: bool = true;
+    type Clock = crate::clock::RealTime;
+    type Inner = Self;
 
     #[inline]
     fn is_present(pte: u64) -> bool {

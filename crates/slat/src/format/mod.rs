@@ -10,11 +10,13 @@
 
 pub mod ept;
 pub mod stage2;
+mod timed;
 
 use slat_addr::{Gfn, Hva, PAGE_SIZE};
 
 pub use ept::Ept;
 pub use stage2::Stage2;
+pub use timed::Timed;
 
 /// A page-table level, 1 (4 KiB entries) up to the format's root level.
 pub type Level = u8;
@@ -132,6 +134,14 @@ pub unsafe trait PteFormat: Send + Sync + 'static + Sized {
     /// writable and clear D instead of W. Without it, hardware-dirty tracking falls back to
     /// write protection.
     const HARDWARE_DIRTY: bool;
+
+    /// The clock the engine reports synchronisation and work to when it runs with this
+    /// format: [`RealTime`](crate::clock::RealTime) for the architecture formats (every hook
+    /// compiles away), a simulated clock through the [`Timed`] adapter.
+    type Clock: crate::clock::Clock;
+    /// The architecture format under any adapters (`Self` for [`Ept`] and [`Stage2`]): for
+    /// code that asks which encoding it runs, whatever the clock.
+    type Inner: PteFormat;
 
     /// Software view: the entry maps something (a table or a leaf), even if hardware
     /// permissions are currently removed for access tracking.

@@ -88,6 +88,8 @@ unsafe impl PteFormat for Stage2 {
     const BREAK_BEFORE_MAKE: bool = true;
     const CACHE_MAINTENANCE: bool = true;
     const HARDWARE_DIRTY: bool = false;
+    type Clock = crate::clock::RealTime;
+    type Inner = Self;
 
     #[inline]
     fn is_present(pte: u64) -> bool {
