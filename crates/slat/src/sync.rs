@@ -21,24 +21,6 @@ pub(crate) fn atomic_u64(v: u64) -> AtomicU64 {
     AtomicU64::new(v)
 }
 
-/// Busy-wait hint used while waiting for flush acknowledgements.
-#[inline]
-pub(crate) fn spin_hint() {
-    #[cfg(not(loom))]
-    std::hint::spin_loop();
-    #[cfg(loom)]
-    loom::thread::yield_now();
-}
-
-/// Gives the CPU away after spinning has not helped (a vCPU we wait for may need it).
-#[inline]
-pub(crate) fn yield_now() {
-    #[cfg(not(loom))]
-    std::thread::yield_now();
-    #[cfg(loom)]
-    loom::thread::yield_now();
-}
-
 // ---------------------------------------------------------------------------------------------
 // Locks.
 
