@@ -1,0 +1,329 @@
+//! `slat reproduce`: each seed thread's experiment as slat's own benchmarks, before and after
+//! the thread's change, beside the numbers the thread published, with a verdict per row.
+//!
+//! The published numbers live in [`published`] with their file and line; the experiments
+//! (benchmark, flags of the change, figure, and the size at the seed's scale, this host's and
+//! `--quick`'s) in [`experiments`]; [`runner`] runs each command through the driver and
+//! [`table`] prints, plots and serialises the result. Only real time exists so far: the
+//! seed-scale flags are kept for `--clock virtual`, which is refused until it is built.
+
+mod experiments;
+pub mod published;
+mod runner;
+mod table;
+
+use crate::args::{BackendArg, OutputArgs};
+use crate::error::{CliError, CliResult};
+use crate::output::print_json;
+use crate::report::quiet;
+use clap::{Args, ValueEnum};
+use experiments::{Experiment, Size, GET_SWEEP};
+use published::{Seed, SEEDS};
+use runner::{Reading, Runner};
+use serde::Serialize;
+use std::time::Instant;
+use table::{Cell, Row, SeedReport, Verdict};
+
+/// Which seeds to reproduce.
+#[derive(Debug, Clone)]
+pub struct Which(pub Vec<&'static Seed>);
+
+fn which(s: &str) -> Result<Which, String> {
+    if s == "all" {
+        return Ok(Which(SEEDS.iter().collect()));
+    }
+    published::seed(s)
+        .map(|x| Which(vec![x]))
+        .ok_or_else(|| format!("`{s}` is not a seed: give 000, 001, 002, 003, 004 or all"))
+}
+
+/// The clock the experiments run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ClockArg {
+    /// Wall-clock time on this host, at this host's scale (1-2 vCPUs, sizes that fit).
+    Real,
+    /// Simulated time at each seed's own scale (not built yet: refused).
+    Virtual,
+}
+
+/// Flags of `slat reproduce`.
+#[derive(Debug, Clone, Args)]
+#[command(after_long_help = "\
+Each row runs one of slat's benchmarks twice, before and after the seed's change, and prints \
+both commands so they can be run by hand. after/before is each side's ratio (below 1: the \
+figure went down). direction: slat's ratio is on the same side of 1 as the published one. \
+within 2x: slat's ratio is between half and twice the published one (n/a where the thread gives \
+no figure). Rows with the same command share one run. Exit status 1 if any run failed (its row \
+says why); the other rows are still printed.")]
+pub struct ReproduceArgs {
+    /// The seed thread: 000 (fast page fault for the TDP MMU), 001 (arm64 stage-2 cache
+    /// maintenance and block rebuild), 002 (lock-free write-protect through the reverse map),
+    /// 003 (private memory and the host direct map), 004 (two dirty bitmaps), or all.
+    #[arg(value_name = "SEED", value_parser = which)]
+    pub seed: Which,
+    /// `real`: wall-clock time at this host's scale. `virtual` (the seeds' own scale in
+    /// simulated time) is not built yet and is refused.
+    #[arg(long, value_enum, default_value = "real")]
+    pub clock: ClockArg,
+    /// The same experiments scaled down to seconds per seed (for CI).
+    #[arg(long)]
+    pub quick: bool,
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+/// The JSON document.
+#[derive(Serialize)]
+struct Report<'a> {
+    benchmark: &'static str,
+    clock: &'static str,
+    /// `host` or `quick`.
+    scale: Size,
+    /// Runs per command (medians).
+    repeat: u32,
+    seeds: &'a [SeedReport],
+}
+
+impl ReproduceArgs {
+    fn size(&self) -> Size {
+        if self.quick {
+            Size::Quick
+        } else {
+            Size::Host
+        }
+    }
+}
+
+/// Runs `slat reproduce`.
+pub fn run(a: &ReproduceArgs) -> CliResult {
+    a.out.check_paths()?;
+    if a.clock == ClockArg::Virtual {
+        return Err(CliError::bad(
+            "--clock virtual: virtual time is not built yet; use --clock real (this host's scale)",
+        ));
+    }
+    let size = a.size();
+    let mut runner = Runner::new(a.out.repeat);
+    // Every command is checked before the first runs, as a sweep's rows are.
+    for seed in &a.seed.0 {
+        for (bench, args) in commands(seed.id, size) {
+            runner.check(bench, &args)?;
+        }
+    }
+    let q = quiet(a.out.json);
+    let mut seeds = Vec::new();
+    for seed in &a.seed.0 {
+        let t0 = Instant::now();
+        let mut s = SeedReport {
+            seed: **seed,
+            rows: Vec::new(),
+            sweep: Vec::new(),
+            implied: None,
+            wall_s: 0.0,
+        };
+        if seed.id == GET_SWEEP.row.seed {
+            get_sweep(&mut runner, size, q, &mut s);
+        }
+        for e in experiments::of(seed.id) {
+            s.rows.push(row(
+                &mut runner,
+                e,
+                Commands::of(e, size),
+                q,
+                e.row.to_string(),
+            ));
+        }
+        s.wall_s = t0.elapsed().as_secs_f64();
+        if !a.out.json {
+            table::print(&s, "real", size_name(size));
+        }
+        seeds.push(s);
+    }
+    if let Some(path) = &a.out.plot {
+        table::plot(&seeds, path)?;
+    }
+    if a.out.json {
+        let doc = Report {
+            benchmark: "reproduce",
+            clock: "real",
+            scale: size,
+            repeat: a.out.repeat,
+            seeds: &seeds,
+        };
+        print_json(&doc, &[BackendArg::Sim])?;
+    }
+    let failed = seeds.iter().flat_map(|s| &s.rows);
+    match failed.filter(|r| r.slat.error.is_some()).count() {
+        0 => Ok(()),
+        n => Err(CliError::Runtime(format!("reproduce: {n} rows failed"))),
+    }
+}
+
+fn size_name(s: Size) -> &'static str {
+    match s {
+        Size::Seed => "the seed's",
+        Size::Host => "this host's",
+        Size::Quick => "--quick",
+    }
+}
+
+/// Every command seed `id` runs at `size`.
+fn commands(id: &str, size: Size) -> Vec<(experiments::Bench, String)> {
+    let mut out = Vec::new();
+    for e in experiments::of(id) {
+        out.push((e.bench, e.args(size, false)));
+        out.push((e.bench, e.args(size, true)));
+    }
+    if id == GET_SWEEP.row.seed {
+        for (s, d) in sweep_cells() {
+            for after in [false, true] {
+                out.push((GET_SWEEP.row.bench, sweep_args(s.flags(size), d, after)));
+            }
+        }
+    }
+    out
+}
+
+/// The words of `slat BENCH ARGS`.
+fn command(bench: experiments::Bench, args: &str) -> String {
+    format!("slat {} {args}", bench.name())
+}
+
+/// A row's commands (arguments after the subcommand) here and at the seed's scale.
+struct Commands {
+    here: [String; 2],
+    seed: [String; 2],
+    /// The size flags used here.
+    scale: String,
+}
+
+impl Commands {
+    fn of(e: &Experiment, size: Size) -> Commands {
+        Commands {
+            here: [false, true].map(|after| e.args(size, after)),
+            seed: [false, true].map(|after| e.args(Size::Seed, after)),
+            scale: e.scale.flags(size).to_string(),
+        }
+    }
+}
+
+/// One row: both commands run (or taken from an earlier row's run), and the verdict.
+fn row(runner: &mut Runner, e: &Experiment, c: Commands, quiet: bool, label: String) -> Row {
+    let mut read = |args: &str| {
+        if !quiet {
+            eprintln!("[slat] reproduce {}: {}", e.seed, command(e.bench, args));
+        }
+        runner.read(e.bench, args, e.figure)
+    };
+    let before = read(&c.here[0]);
+    let after = read(&c.here[1]);
+    let (unit, error) = match (&before, &after) {
+        (Ok(b), Ok(_)) => (Some(b.unit), None),
+        (Err(x), _) | (_, Err(x)) => (None, Some(x.to_string())),
+    };
+    let (b, a) = (value(&before), value(&after));
+    let ratio = b.zip(a).map(|(b, a)| a / b);
+    let metric = match e.figure.per_page {
+        true => format!("{}, per page per vCPU", e.figure.metric),
+        false => e.figure.metric.to_string(),
+    };
+    Row {
+        row: label,
+        benchmark: e.bench.name(),
+        published: table::Published {
+            claim: e.published,
+            ratio: e.published.ratio(),
+            file: published::seed(e.seed).map_or("", |s| s.file),
+        },
+        slat: table::Measured {
+            metric,
+            unit,
+            before: b,
+            after: a,
+            ratio,
+            commands: c.here.map(|x| command(e.bench, &x)),
+            error,
+        },
+        scale: c.scale,
+        scale_note: e.scale.note,
+        seed_scale: c.seed.map(|x| command(e.bench, &x)),
+        verdict: Verdict::of(e.published, ratio),
+    }
+}
+
+fn value(r: &CliResult<Reading>) -> Option<f64> {
+    r.as_ref().ok().map(|r| r.value)
+}
+
+/// 004's grid: each size with each density.
+fn sweep_cells() -> impl Iterator<Item = (&'static experiments::Scale, &'static str)> {
+    let sizes = GET_SWEEP.sizes.iter();
+    sizes.flat_map(|s| GET_SWEEP.densities.iter().map(move |d| (s, *d)))
+}
+
+fn sweep_args(size: &str, density: &str, after: bool) -> String {
+    let e = &GET_SWEEP.row;
+    let change = if after { e.after } else { e.before };
+    format!("{size} {} {density} {change}", e.fixed)
+}
+
+/// 004's GET over the grid; its rows are the cells where the two paths differ most and least.
+fn get_sweep(runner: &mut Runner, size: Size, quiet: bool, s: &mut SeedReport) {
+    let e = GET_SWEEP.row;
+    for (sz, d) in sweep_cells() {
+        let mut read = |after| {
+            let args = sweep_args(sz.flags(size), d, after);
+            if !quiet {
+                eprintln!("[slat] reproduce 004: {}", command(e.bench, &args));
+            }
+            runner.read(e.bench, &args, e.figure).ok().map(|r| r.value)
+        };
+        let (x, sw) = (read(false), read(true));
+        s.sweep.push(Cell {
+            size: sz.flags(size),
+            density: d,
+            xchg_s: x,
+            switch_s: sw,
+            ratio: x.zip(sw).map(|(x, s)| s / x),
+        });
+    }
+    // The difference between the two paths, whichever way: |ln(switch / xchg)|.
+    let gap = |c: &Cell| c.ratio.filter(|r| *r > 0.0).map(|r| r.ln().abs());
+    let cells: Vec<(usize, f64)> = (s.sweep.iter().enumerate())
+        .filter_map(|(i, c)| Some((i, gap(c)?)))
+        .collect();
+    let most = cells.iter().max_by(|a, b| a.1.total_cmp(&b.1));
+    let least = cells.iter().min_by(|a, b| a.1.total_cmp(&b.1));
+    let picks = [("largest", most), ("smallest", least)];
+    for (what, pick) in picks {
+        // A failed grid still gets both rows (with the error), at its first cell.
+        let i = pick.map_or(0, |p| p.0);
+        let (sz, d) = sweep_cells()
+            .nth(i)
+            .unwrap_or((&GET_SWEEP.sizes[0], "-w 1"));
+        let c = Commands {
+            here: [false, true].map(|after| sweep_args(sz.flags(size), d, after)),
+            seed: [false, true].map(|after| sweep_args(sz.seed, d, after)),
+            scale: format!("{} {d}", sz.flags(size)),
+        };
+        let label = format!("GET_DIRTY_LOG, {what} difference ({})", c.scale);
+        s.rows.push(row(runner, &e, c, quiet, label));
+    }
+    s.implied = Some(implied(s, size));
+}
+
+/// What the thread's −50% implies, and the grid's cell closest to it.
+fn implied(s: &SeedReport, size: Size) -> String {
+    let big = GET_SWEEP.sizes[GET_SWEEP.sizes.len() - 1].flags(size);
+    let sparse = GET_SWEEP.densities[0];
+    let at = (s.sweep.iter())
+        .find(|c| c.size == big && c.density == sparse)
+        .and_then(|c| c.ratio);
+    format!(
+        "The thread's figure (-50%, a 16 GB guest with 32 vCPUs dirtying 8 Gbps) implies the sparse end of the grid: \
+         the memset and the per-word exchange it removed were half of GET, which holds when the slot is large and few \
+         of its pages are dirty per GET (per-word work over the whole slot, per-page work over only the dirty pages). \
+         slat's closest cell ({big} {sparse}): switch/xchg {}.",
+        at.map_or("-".into(), |r| format!("{r:.3}x"))
+    )
+}
