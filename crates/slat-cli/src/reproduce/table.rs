@@ -113,12 +113,21 @@ pub struct SeedReport {
 fn num(x: Option<f64>) -> String {
     match x {
         None => "-".into(),
-        Some(v) if v == 0.0 => "0".into(),
+        Some(v) if v == 0.0 || !v.is_finite() => format!("{v}"),
         Some(v) if v.abs() >= 1e5 => format!("{v:.0}"),
         Some(v) => {
             let digits = (3 - v.abs().log10().floor() as i32).clamp(0, 9) as usize;
             format!("{v:.digits$}")
         }
+    }
+}
+
+/// Seconds in ms or µs when they are small: the unit to show and the factor to it.
+fn readable(unit: &'static str, largest: Option<f64>) -> (&'static str, f64) {
+    match (unit, largest) {
+        ("s", Some(x)) if x < 1e-3 => ("us", 1e6),
+        ("s", Some(x)) if x < 1.0 => ("ms", 1e3),
+        _ => (unit, 1.0),
     }
 }
 
@@ -149,7 +158,11 @@ fn cells(n: usize, r: &Row) -> Vec<String> {
     let [pub_fig, pub_ratio] = published_cells(&r.published);
     let s = &r.slat;
     let ours = match s.unit {
-        Some(u) => format!("{} -> {} {u}", num(s.before), num(s.after)),
+        Some(u) => {
+            let (u, k) = readable(u, s.before.into_iter().chain(s.after).reduce(f64::max));
+            let at = |x: Option<f64>| num(x.map(|v| v * k));
+            format!("{} -> {} {u}", at(s.before), at(s.after))
+        }
         None => "failed".into(),
     };
     let within = if r.published.ratio.is_none() {
@@ -181,7 +194,8 @@ fn print_table(head: &[&str], rows: &[Vec<String>]) {
         println!("{}", padded.join(" | ").trim_end());
     };
     line(head.to_vec());
-    line(w.iter().map(|_| "").collect());
+    let rule: Vec<String> = w.iter().map(|w| "-".repeat(*w)).collect();
+    line(rule.iter().map(String::as_str).collect());
     for r in rows {
         line(r.iter().map(String::as_str).collect());
     }
@@ -216,7 +230,10 @@ pub fn print(s: &SeedReport, clock: &str, scale: &str) {
         println!("[{}] {}: {}{note}", i + 1, r.benchmark, r.slat.metric);
         println!("    before: {}", r.slat.commands[0]);
         println!("    after:  {}", r.slat.commands[1]);
-        println!("    seed's scale: {}", r.seed_scale[1]);
+        println!(
+            "    seed's scale (--clock virtual), before: {}",
+            r.seed_scale[0]
+        );
         if let Some(e) = &r.slat.error {
             println!("    failed: {e}");
         }
