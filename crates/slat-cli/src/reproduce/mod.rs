@@ -103,14 +103,18 @@ pub fn run(a: &ReproduceArgs) -> CliResult {
         ));
     }
     let size = a.size();
-    let mut runner = Runner::new(a.out.repeat);
+    let mut runner = Runner::default();
+    let ctx = Ctx {
+        size,
+        repeat: a.out.repeat as usize,
+        quiet: quiet(a.out.json),
+    };
     // Every command is checked before the first runs, as a sweep's rows are.
     for seed in &a.seed.0 {
         for (bench, args) in commands(seed.id, size) {
             runner.check(bench, &args)?;
         }
     }
-    let q = quiet(a.out.json);
     let mut seeds = Vec::new();
     for seed in &a.seed.0 {
         let t0 = Instant::now();
@@ -122,16 +126,11 @@ pub fn run(a: &ReproduceArgs) -> CliResult {
             wall_s: 0.0,
         };
         if seed.id == GET_SWEEP.row.seed {
-            get_sweep(&mut runner, size, q, &mut s);
+            get_sweep(&mut runner, &ctx, &mut s);
         }
         for e in experiments::of(seed.id) {
-            s.rows.push(row(
-                &mut runner,
-                e,
-                Commands::of(e, size),
-                q,
-                e.row.to_string(),
-            ));
+            let c = Commands::of(e, size);
+            s.rows.push(row(&mut runner, e, c, &ctx, e.row.to_string()));
         }
         s.wall_s = t0.elapsed().as_secs_f64();
         if !a.out.json {
@@ -207,16 +206,49 @@ impl Commands {
     }
 }
 
-/// One row: both commands run (or taken from an earlier row's run), and the verdict.
-fn row(runner: &mut Runner, e: &Experiment, c: Commands, quiet: bool, label: String) -> Row {
-    let mut read = |args: &str| {
-        if !quiet {
-            eprintln!("[slat] reproduce {}: {}", e.seed, command(e.bench, args));
+/// How the experiments run.
+struct Ctx {
+    size: Size,
+    /// Rounds of before and after.
+    repeat: usize,
+    quiet: bool,
+}
+
+/// `before` and `after` run alternately, `ctx.repeat` rounds (so that a change in the host's
+/// load falls on both sides), and their figures' medians.
+fn pair(
+    runner: &mut Runner,
+    e: &Experiment,
+    here: &[String; 2],
+    ctx: &Ctx,
+) -> [CliResult<Reading>; 2] {
+    let mut ran = Ok(());
+    for round in 1..=ctx.repeat {
+        for args in here {
+            if !ctx.quiet {
+                let of = if ctx.repeat > 1 {
+                    format!(" (run {round}/{})", ctx.repeat)
+                } else {
+                    String::new()
+                };
+                eprintln!(
+                    "[slat] reproduce {}: {}{of}",
+                    e.seed,
+                    command(e.bench, args)
+                );
+            }
+            ran = ran.and_then(|()| runner.run(e.bench, args, round));
         }
-        runner.read(e.bench, args, e.figure)
-    };
-    let before = read(&c.here[0]);
-    let after = read(&c.here[1]);
+    }
+    here.each_ref().map(|args| match &ran {
+        Ok(()) => runner.read(e.bench, args, e.figure),
+        Err(x) => Err(CliError::Runtime(x.to_string())),
+    })
+}
+
+/// One row: both commands run (or taken from an earlier row's runs), and the verdict.
+fn row(runner: &mut Runner, e: &Experiment, c: Commands, ctx: &Ctx, label: String) -> Row {
+    let [before, after] = pair(runner, e, &c.here, ctx);
     let (unit, error) = match (&before, &after) {
         (Ok(b), Ok(_)) => (Some(b.unit), None),
         (Err(x), _) | (_, Err(x)) => (None, Some(x.to_string())),
@@ -268,19 +300,13 @@ fn sweep_args(size: &str, density: &str, after: bool) -> String {
 }
 
 /// 004's GET over the grid; its rows are the cells where the two paths differ most and least.
-fn get_sweep(runner: &mut Runner, size: Size, quiet: bool, s: &mut SeedReport) {
+fn get_sweep(runner: &mut Runner, ctx: &Ctx, s: &mut SeedReport) {
     let e = GET_SWEEP.row;
     for (sz, d) in sweep_cells() {
-        let mut read = |after| {
-            let args = sweep_args(sz.flags(size), d, after);
-            if !quiet {
-                eprintln!("[slat] reproduce 004: {}", command(e.bench, &args));
-            }
-            runner.read(e.bench, &args, e.figure).ok().map(|r| r.value)
-        };
-        let (x, sw) = (read(false), read(true));
+        let here = [false, true].map(|after| sweep_args(sz.flags(ctx.size), d, after));
+        let [x, sw] = pair(runner, &e, &here, ctx).map(|r| r.ok().map(|r| r.value));
         s.sweep.push(Cell {
-            size: sz.flags(size),
+            size: sz.flags(ctx.size),
             density: d,
             xchg_s: x,
             switch_s: sw,
@@ -302,14 +328,14 @@ fn get_sweep(runner: &mut Runner, size: Size, quiet: bool, s: &mut SeedReport) {
             .nth(i)
             .unwrap_or((&GET_SWEEP.sizes[0], "-w 1"));
         let c = Commands {
-            here: [false, true].map(|after| sweep_args(sz.flags(size), d, after)),
+            here: [false, true].map(|after| sweep_args(sz.flags(ctx.size), d, after)),
             seed: [false, true].map(|after| sweep_args(sz.seed, d, after)),
-            scale: format!("{} {d}", sz.flags(size)),
+            scale: format!("{} {d}", sz.flags(ctx.size)),
         };
         let label = format!("GET_DIRTY_LOG, {what} difference ({})", c.scale);
-        s.rows.push(row(runner, &e, c, quiet, label));
+        s.rows.push(row(runner, &e, c, ctx, label));
     }
-    s.implied = Some(implied(s, size));
+    s.implied = Some(implied(s, ctx.size));
 }
 
 /// What the thread's −50% implies, and the grid's cell closest to it.

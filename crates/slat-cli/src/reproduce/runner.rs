@@ -1,7 +1,7 @@
 //! Runs an experiment's command through the driver: the flags are parsed by the benchmark's
 //! own clap definition (so the command printed is one the user can run), checked, measured
-//! `--repeat` times by [`driver::runs`], and the medians of its metrics kept. Rows that share a
-//! command (a page-table-test run gives three stages) share its run.
+//! once per round by [`driver::runs`], and the median of its figures read. Rows that share a
+//! command (a page-table-test run gives three stages) share its runs.
 
 use super::experiments::{Bench, Figure};
 use crate::access_tracking_perf::AccessTrackingPerfArgs;
@@ -13,18 +13,18 @@ use crate::page_table_test::PageTableTestArgs;
 use crate::private_mem_perf::{self, PrivateMemPerfArgs};
 use std::collections::HashMap;
 
-/// One metric's median over the runs.
+/// One metric of one run.
 #[derive(Debug, Clone)]
 struct Value {
     name: &'static str,
     unit: &'static str,
-    median: Option<f64>,
+    value: Option<f64>,
 }
 
-/// A command's figures, and the guest pages per vCPU when the benchmark has them.
-#[derive(Debug, Clone)]
+/// A command's runs so far, and the guest pages per vCPU when the benchmark has them.
+#[derive(Debug, Clone, Default)]
 struct Measured {
-    values: Vec<Value>,
+    runs: Vec<Vec<Value>>,
     pages_per_vcpu: Option<u64>,
 }
 
@@ -71,13 +71,11 @@ impl Source for PrivateMemPerfArgs {
     }
 }
 
-/// The flags `args` (words, without the subcommand) as benchmark `B` parses them, quiet and
-/// repeated `repeat` times.
-fn parse<B: Source>(args: &str, repeat: u32) -> CliResult<B> {
-    let rep = repeat.to_string();
+/// The flags `args` (words, without the subcommand) as benchmark `B` parses them, quiet.
+fn parse<B: Source>(args: &str) -> CliResult<B> {
     let mut argv: Vec<&str> = args.split_whitespace().collect();
     // JSON only silences the benchmark's own text: the report is read, not printed.
-    argv.extend(["--json", "--repeat", &rep]);
+    argv.push("--json");
     let cmd = B::augment_args(clap::Command::new(B::NAME).no_binary_name(true));
     let bad = |e: String| CliError::bad(format!("slat {} {args}: {e}", B::NAME));
     let m = cmd
@@ -101,69 +99,59 @@ fn median(mut xs: Vec<f64>) -> Option<f64> {
     }
 }
 
-fn measure<B: Source>(args: &str, repeat: u32) -> CliResult<Measured> {
-    let b = parse::<B>(args, repeat)?;
-    let runs = driver::runs(&b, BackendArg::Sim, false)?;
-    let per_run: Vec<_> = runs.iter().map(|r| b.values(r)).collect();
-    let names = per_run.first().cloned().unwrap_or_default();
-    let values = names
-        .iter()
-        .enumerate()
-        .map(|(i, &(name, unit, _))| {
-            let xs = per_run.iter().filter_map(|v| v.get(i).and_then(|x| x.2));
-            let median = median(xs.collect());
-            Value { name, unit, median }
-        })
-        .collect();
-    Ok(Measured {
-        values,
-        pages_per_vcpu: b.pages_per_vcpu(),
-    })
+/// One more run of `args` through the driver, its figures added to `m`.
+fn measure<B: Source>(args: &str, m: &mut Measured) -> CliResult {
+    let b = parse::<B>(args)?;
+    for r in driver::runs(&b, BackendArg::Sim, false)? {
+        let values = b.values(&r).into_iter();
+        let values = values.map(|(name, unit, value)| Value { name, unit, value });
+        m.runs.push(values.collect());
+    }
+    m.pages_per_vcpu = b.pages_per_vcpu();
+    Ok(())
 }
 
-/// Runs commands, each once per distinct command line.
+/// Runs commands, each as many times as asked and no more: rows that share a command share
+/// its runs.
+#[derive(Default)]
 pub struct Runner {
-    repeat: u32,
     memo: HashMap<String, Measured>,
 }
 
 impl Runner {
-    pub fn new(repeat: u32) -> Self {
-        Runner {
-            repeat,
-            memo: HashMap::new(),
-        }
-    }
-
     /// Refuses flags benchmark `bench` would refuse, without running anything.
     pub fn check(&self, bench: Bench, args: &str) -> CliResult {
         match bench {
-            Bench::DirtyLogPerf => parse::<DirtyLogPerfArgs>(args, 1).map(drop),
-            Bench::AccessTrackingPerf => parse::<AccessTrackingPerfArgs>(args, 1).map(drop),
-            Bench::PageTableTest => parse::<PageTableTestArgs>(args, 1).map(drop),
-            Bench::PrivateMemPerf => parse::<PrivateMemPerfArgs>(args, 1).map(drop),
+            Bench::DirtyLogPerf => parse::<DirtyLogPerfArgs>(args).map(drop),
+            Bench::AccessTrackingPerf => parse::<AccessTrackingPerfArgs>(args).map(drop),
+            Bench::PageTableTest => parse::<PageTableTestArgs>(args).map(drop),
+            Bench::PrivateMemPerf => parse::<PrivateMemPerfArgs>(args).map(drop),
         }
     }
 
-    /// `fig` of `slat BENCH ARGS`, run now unless the same command already ran.
-    pub fn read(&mut self, bench: Bench, args: &str, fig: Figure) -> CliResult<Reading> {
-        let key = format!("{} {args}", bench.name());
-        if !self.memo.contains_key(&key) {
-            let r = self.repeat;
-            let m = match bench {
-                Bench::DirtyLogPerf => measure::<DirtyLogPerfArgs>(args, r),
-                Bench::AccessTrackingPerf => measure::<AccessTrackingPerfArgs>(args, r),
-                Bench::PageTableTest => measure::<PageTableTestArgs>(args, r),
-                Bench::PrivateMemPerf => measure::<PrivateMemPerfArgs>(args, r),
+    /// Makes sure `slat BENCH ARGS` has run at least `runs` times.
+    pub fn run(&mut self, bench: Bench, args: &str, runs: usize) -> CliResult {
+        let m = self.memo.entry(key(bench, args)).or_default();
+        while m.runs.len() < runs {
+            match bench {
+                Bench::DirtyLogPerf => measure::<DirtyLogPerfArgs>(args, m),
+                Bench::AccessTrackingPerf => measure::<AccessTrackingPerfArgs>(args, m),
+                Bench::PageTableTest => measure::<PageTableTestArgs>(args, m),
+                Bench::PrivateMemPerf => measure::<PrivateMemPerfArgs>(args, m),
             }?;
-            self.memo.insert(key.clone(), m);
         }
-        let m = &self.memo[&key];
+        Ok(())
+    }
+
+    /// The median of `fig` over the runs of `slat BENCH ARGS` so far.
+    pub fn read(&self, bench: Bench, args: &str, fig: Figure) -> CliResult<Reading> {
+        let key = key(bench, args);
         let missing = || CliError::Runtime(format!("slat {key}: no `{}` figure", fig.metric));
-        let v = m.values.iter().find(|v| v.name == fig.metric);
-        let (value, unit) = v
-            .and_then(|v| Some((v.median?, v.unit)))
-            .ok_or_else(missing)?;
+        let m = self.memo.get(&key).ok_or_else(missing)?;
+        let of = |run: &Vec<Value>| run.iter().find(|v| v.name == fig.metric).cloned();
+        let unit = m.runs.first().and_then(of).ok_or_else(missing)?.unit;
+        let value = median(m.runs.iter().filter_map(|r| of(r)?.value).collect());
+        let value = value.ok_or_else(missing)?;
         match (fig.per_page, m.pages_per_vcpu) {
             (false, _) => Ok(Reading { value, unit }),
             (true, Some(pages)) if pages > 0 && unit == "s" => Ok(Reading {
@@ -173,4 +161,8 @@ impl Runner {
             (true, _) => Err(missing()),
         }
     }
+}
+
+fn key(bench: Bench, args: &str) -> String {
+    format!("{} {args}", bench.name())
 }
