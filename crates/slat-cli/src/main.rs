@@ -123,7 +123,12 @@ fn check_outputs(command: &Command) -> error::CliResult {
         Command::DirtyRate(a) => &a.out,
         Command::PrivateMemPerf(a) => &a.out,
         Command::PrivateMemTest(_) => return Ok(()),
-        Command::Reproduce(a) => &a.out,
+        Command::Reproduce(a) => {
+            return match &a.plot {
+                Some(p) => args::check_writable("--plot", p),
+                None => Ok(()),
+            }
+        }
     };
     out.check_paths()
 }

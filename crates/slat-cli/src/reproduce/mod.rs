@@ -12,7 +12,7 @@ pub mod published;
 mod runner;
 mod table;
 
-use crate::args::{BackendArg, OutputArgs};
+use crate::args::{check_writable, BackendArg};
 use crate::error::{CliError, CliResult};
 use crate::output::print_json;
 use crate::report::quiet;
@@ -21,6 +21,7 @@ use experiments::{Experiment, Size, GET_SWEEP};
 use published::{Seed, SEEDS};
 use runner::{Reading, Runner};
 use serde::Serialize;
+use std::path::PathBuf;
 use std::time::Instant;
 use table::{Cell, Row, SeedReport, Verdict};
 
@@ -53,7 +54,7 @@ Each row runs one of slat's benchmarks twice, before and after the seed's change
 both commands so they can be run by hand. after/before is each side's ratio (below 1: the \
 figure went down). direction: slat's ratio is on the same side of 1 as the published one. \
 within 2x: slat's ratio is between half and twice the published one (n/a where the thread gives \
-no figure). Rows with the same command share one run. Exit status 1 if any run failed (its row \
+no figure). Rows with the same command share their runs. Exit status 1 if any run failed (its row \
 says why); the other rows are still printed.")]
 pub struct ReproduceArgs {
     /// The seed thread: 000 (fast page fault for the TDP MMU), 001 (arm64 stage-2 cache
@@ -68,8 +69,18 @@ pub struct ReproduceArgs {
     /// The same experiments scaled down to seconds per seed (for CI).
     #[arg(long)]
     pub quick: bool,
-    #[command(flatten)]
-    pub out: OutputArgs,
+    /// Print one JSON document (schema: crates/slat-cli/schema/reproduce.json) instead of the
+    /// tables.
+    #[arg(long)]
+    pub json: bool,
+    /// Run every command N times, before and after alternately, and compare the medians
+    /// (1-1000).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000), default_value_t = 1)]
+    pub repeat: u32,
+    /// Also draw each seed's after/before ratios, the thread's bar beside slat's for every row,
+    /// into an SVG file (checked writable before anything runs).
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
 }
 
 /// The JSON document.
@@ -96,7 +107,9 @@ impl ReproduceArgs {
 
 /// Runs `slat reproduce`.
 pub fn run(a: &ReproduceArgs) -> CliResult {
-    a.out.check_paths()?;
+    if let Some(p) = &a.plot {
+        check_writable("--plot", p)?;
+    }
     if a.clock == ClockArg::Virtual {
         return Err(CliError::bad(
             "--clock virtual: virtual time is not built yet; use --clock real (this host's scale)",
@@ -106,8 +119,8 @@ pub fn run(a: &ReproduceArgs) -> CliResult {
     let mut runner = Runner::default();
     let ctx = Ctx {
         size,
-        repeat: a.out.repeat as usize,
-        quiet: quiet(a.out.json),
+        repeat: a.repeat as usize,
+        quiet: quiet(a.json),
     };
     // Every command is checked before the first runs, as a sweep's rows are.
     for seed in &a.seed.0 {
@@ -133,20 +146,20 @@ pub fn run(a: &ReproduceArgs) -> CliResult {
             s.rows.push(row(&mut runner, e, c, &ctx, e.row.to_string()));
         }
         s.wall_s = t0.elapsed().as_secs_f64();
-        if !a.out.json {
+        if !a.json {
             table::print(&s, "real", size_name(size));
         }
         seeds.push(s);
     }
-    if let Some(path) = &a.out.plot {
+    if let Some(path) = &a.plot {
         table::plot(&seeds, path)?;
     }
-    if a.out.json {
+    if a.json {
         let doc = Report {
             benchmark: "reproduce",
             clock: "real",
             scale: size,
-            repeat: a.out.repeat,
+            repeat: a.repeat,
             seeds: &seeds,
         };
         print_json(&doc, &[BackendArg::Sim])?;
