@@ -122,10 +122,14 @@ pub fn run(a: &ReproduceArgs) -> CliResult {
         repeat: a.repeat as usize,
         quiet: quiet(a.json),
     };
-    // Every command is checked before the first runs, as a sweep's rows are.
+    // Every command is checked before the first runs, as a sweep's rows are; the seed-scale
+    // ones the table prints (for --clock virtual) at least parse.
     for seed in &a.seed.0 {
         for (bench, args) in commands(seed.id, size) {
             runner.check(bench, &args)?;
+        }
+        for (bench, args) in commands(seed.id, Size::Seed) {
+            Runner::parses(bench, &args)?;
         }
     }
     let mut seeds = Vec::new();
@@ -365,4 +369,53 @@ fn implied(s: &SeedReport, size: Size) -> String {
          slat's closest cell ({big} {sparse}): switch/xchg {}.",
         at.map_or("-".into(), |r| format!("{r:.3}x"))
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every command parses at every scale, and those this host runs pass the benchmarks'
+    /// checks: a typo in the table would otherwise surface only when a row runs.
+    #[test]
+    fn every_command_parses_and_the_host_commands_pass_their_checks() {
+        let runner = Runner::default();
+        for seed in SEEDS {
+            for size in [Size::Host, Size::Quick] {
+                for (bench, args) in commands(seed.id, size) {
+                    runner.check(bench, &args).unwrap();
+                }
+            }
+            for (bench, args) in commands(seed.id, Size::Seed) {
+                Runner::parses(bench, &args).unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn the_verdict_judges_direction_and_magnitude() {
+        let claim = experiments::EXPERIMENTS[0].published; // 3.545 -> 0.315 s: 0.0889x
+        let v = |r| {
+            let v = Verdict::of(claim, Some(r));
+            (v.direction, v.within_2x)
+        };
+        assert_eq!(v(0.09), (Some(true), Some(true)));
+        assert_eq!(v(0.5), (Some(true), Some(false)));
+        assert_eq!(v(0.05), (Some(true), Some(true)));
+        assert_eq!(v(1.2), (Some(false), Some(false)));
+        assert_eq!(Verdict::of(claim, None).direction, None);
+        let worse = published::KERNEL_FLUSH;
+        assert_eq!(Verdict::of(worse, Some(0.5)).direction, Some(true));
+        assert_eq!(Verdict::of(worse, Some(1.1)).direction, Some(false));
+        assert_eq!(Verdict::of(worse, Some(0.5)).within_2x, None);
+    }
+
+    #[test]
+    fn bad_seeds_are_refused_and_all_is_every_seed() {
+        assert_eq!(which("all").unwrap().0.len(), 5);
+        assert_eq!(which("002").unwrap().0[0].id, "002");
+        for s in ["005", "", "2", "ALL", "000,001"] {
+            assert!(which(s).unwrap_err().contains("is not a seed"), "{s}");
+        }
+    }
 }
