@@ -278,17 +278,17 @@ pub fn plot(seeds: &[SeedReport], path: &Path) -> CliResult {
             let mut values = Vec::new();
             for (i, r) in s.rows.iter().enumerate() {
                 let one = |x: Option<f64>| x.map(|v| (v, v, v));
-                groups.push(format!("[{}] published", i + 1));
+                groups.push(format!("{} pub", i + 1));
                 values.push(one(r.published.ratio));
-                groups.push(format!("[{}] slat", i + 1));
+                groups.push(format!("{} slat", i + 1));
                 values.push(one(r.slat.ratio));
             }
             BarPanel {
                 title: format!(
-                    "seed {}: after / before (below 1: after is lower)",
+                    "seed {}: after / before per row, the thread's (pub) beside slat's",
                     s.seed.id
                 ),
-                x_desc: "row".into(),
+                x_desc: "row (numbered as in the table)".into(),
                 y_desc: "after / before".into(),
                 groups,
                 values,

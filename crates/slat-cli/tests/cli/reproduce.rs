@@ -97,7 +97,7 @@ fn plot_draws_the_published_bars_beside_slats() {
         svg_s,
     ]);
     let text = std::fs::read_to_string(&svg).expect("svg written");
-    assert!(text.contains("[1] published") && text.contains("[2] slat"));
+    assert!(text.contains("1 pub") && text.contains("2 slat"), "{text}");
     std::fs::remove_dir_all(&dir).ok();
 }
 
