@@ -112,6 +112,11 @@ fn bad_input_is_refused_with_one_line() {
         (&["reproduce", "000", "--clock", "wall"], "--clock"),
         (&["reproduce"], "SEED"),
         (&["reproduce", "000", "--repeat", "0"], "--repeat"),
+        // Checked before anything runs, not after minutes of runs.
+        (
+            &["reproduce", "all", "--plot", "/nonexistent-slat-dir/r.svg"],
+            "cannot write",
+        ),
     ] {
         let (code, out, err) = slat(args);
         assert_eq!(code, 2, "{args:?}: {out}{err}");
