@@ -5,7 +5,7 @@
 
 use crate::common;
 
-use common::schema::validate;
+use common::schema::{errors, validate};
 use common::{json, ok, slat};
 
 /// Rows per seed: 000's two selftests; 001's eight patch-1 and five patch-2 rows; 002's harvest
@@ -44,6 +44,14 @@ fn every_seed_has_all_its_rows_and_a_verdict_in_json() {
         }
         assert!(s["wall_s"].as_f64().is_some_and(|t| t >= 0.0));
     }
+    // The schema holds every row to its verdict and its commands.
+    let mut bad = d.clone();
+    bad["seeds"][0]["rows"][0]
+        .as_object_mut()
+        .unwrap()
+        .remove("verdict");
+    let errs = errors("reproduce.json", &bad);
+    assert!(errs.iter().any(|e| e.contains("verdict")), "{errs:?}");
     let sweep = seeds[4]["sweep"].as_array().expect("004's sweep");
     assert_eq!(sweep.len(), 6, "two sizes x three densities");
     assert!(seeds[4]["implied"]
