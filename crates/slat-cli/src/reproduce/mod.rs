@@ -240,7 +240,7 @@ fn pair(
     ctx: &Ctx,
 ) -> [CliResult<Reading>; 2] {
     let mut ran = Ok(());
-    for round in 1..=ctx.repeat {
+    'rounds: for round in 1..=ctx.repeat {
         for args in here {
             if !ctx.quiet {
                 let of = if ctx.repeat > 1 {
@@ -254,7 +254,10 @@ fn pair(
                     command(e.bench, args)
                 );
             }
-            ran = ran.and_then(|()| runner.run(e.bench, args, round));
+            ran = runner.run(e.bench, args, round);
+            if ran.is_err() {
+                break 'rounds;
+            }
         }
     }
     here.each_ref().map(|args| match &ran {
