@@ -54,7 +54,8 @@ Each row runs one of slat's benchmarks twice, before and after the seed's change
 both commands so they can be run by hand. after/before is each side's ratio (below 1: the \
 figure went down). direction: slat's ratio is on the same side of 1 as the published one. \
 within 2x: slat's ratio is between half and twice the published one (n/a where the thread gives \
-no figure). Rows with the same command share their runs. Exit status 1 if any run failed (its row \
+no figure). With --repeat, \"(in noise)\" after the direction: the before and after runs' ranges \
+overlap. Rows with the same command share their runs. Exit status 1 if any run failed (its row \
 says why); the other rows are still printed.")]
 pub struct ReproduceArgs {
     /// The seed thread: 000 (fast page fault for the TDP MMU), 001 (arm64 stage-2 cache
@@ -275,6 +276,12 @@ fn row(runner: &mut Runner, e: &Experiment, c: Commands, ctx: &Ctx, label: Strin
     };
     let (b, a) = (value(&before), value(&after));
     let ratio = b.zip(a).map(|(b, a)| a / b);
+    let range = |r: &CliResult<Reading>| r.as_ref().ok().map(|r| r.range);
+    let (br, ar) = (range(&before), range(&after));
+    let mut verdict = Verdict::of(e.published, ratio);
+    if ctx.repeat > 1 {
+        verdict.overlap = br.zip(ar).map(|(b, a)| b[0] <= a[1] && a[0] <= b[1]);
+    }
     let metric = match e.figure.per_page {
         true => format!("{}, per page per vCPU", e.figure.metric),
         false => e.figure.metric.to_string(),
@@ -293,13 +300,15 @@ fn row(runner: &mut Runner, e: &Experiment, c: Commands, ctx: &Ctx, label: Strin
             before: b,
             after: a,
             ratio,
+            before_range: br,
+            after_range: ar,
             commands: c.here.map(|x| command(e.bench, &x)),
             error,
         },
         scale: c.scale,
         scale_note: e.scale.note,
         seed_scale: c.seed.map(|x| command(e.bench, &x)),
-        verdict: Verdict::of(e.published, ratio),
+        verdict,
     }
 }
 

@@ -31,7 +31,10 @@ struct Measured {
 /// A figure read from a run, in its unit.
 #[derive(Debug, Clone, Copy)]
 pub struct Reading {
+    /// The median over the runs.
     pub value: f64,
+    /// The smallest and largest run.
+    pub range: [f64; 2],
     pub unit: &'static str,
 }
 
@@ -171,14 +174,23 @@ impl Runner {
         let m = self.memo.get(&key).ok_or_else(missing)?;
         let of = |run: &Vec<Value>| run.iter().find(|v| v.name == fig.metric).cloned();
         let unit = m.runs.first().and_then(of).ok_or_else(missing)?.unit;
-        let value = median(m.runs.iter().filter_map(|r| of(r)?.value).collect());
-        let value = value.ok_or_else(missing)?;
+        let xs: Vec<f64> = m.runs.iter().filter_map(|r| of(r)?.value).collect();
+        let range = [
+            xs.iter().copied().reduce(f64::min),
+            xs.iter().copied().reduce(f64::max),
+        ];
+        let value = median(xs).ok_or_else(missing)?;
+        let range = range.map(|x| x.unwrap_or(value));
         match (fig.per_page, m.pages_per_vcpu) {
-            (false, _) => Ok(Reading { value, unit }),
-            (true, Some(pages)) if pages > 0 && unit == "s" => Ok(Reading {
-                value: value * 1e9 / pages as f64,
-                unit: "ns/page",
-            }),
+            (false, _) => Ok(Reading { value, range, unit }),
+            (true, Some(pages)) if pages > 0 && unit == "s" => {
+                let per = |x: f64| x * 1e9 / pages as f64;
+                Ok(Reading {
+                    value: per(value),
+                    range: range.map(per),
+                    unit: "ns/page",
+                })
+            }
             (true, _) => Err(missing()),
         }
     }

@@ -15,6 +15,9 @@ pub struct Verdict {
     /// slat's after/before is within a factor of 2 of the thread's (`null`: the thread gives
     /// no figure, or a run failed).
     pub within_2x: Option<bool>,
+    /// With `--repeat`: the before and after runs' ranges overlap, so the direction is within
+    /// this host's noise (`null`: one run each).
+    pub overlap: Option<bool>,
 }
 
 impl Verdict {
@@ -24,18 +27,21 @@ impl Verdict {
             return Verdict {
                 direction: None,
                 within_2x: None,
+                overlap: None,
             };
         };
         match claim.ratio() {
             Some(theirs) => Verdict {
                 direction: Some((theirs < 1.0 && ours < 1.0) || (theirs > 1.0 && ours > 1.0)),
                 within_2x: Some((0.5..=2.0).contains(&(ours / theirs))),
+                overlap: None,
             },
             // The claim is "after is worse"; for a rate (higher is better) that is a ratio
             // under 1. Only rates carry such a claim here.
             None => Verdict {
                 direction: Some(ours < 1.0),
                 within_2x: None,
+                overlap: None,
             },
         }
     }
@@ -59,6 +65,9 @@ pub struct Measured {
     pub after: Option<f64>,
     /// after / before.
     pub ratio: Option<f64>,
+    /// The smallest and largest of the `--repeat` runs, before and after.
+    pub before_range: Option<[f64; 2]>,
+    pub after_range: Option<[f64; 2]>,
     /// The commands, as the user can run them.
     pub commands: [String; 2],
     /// Why a run failed.
@@ -176,7 +185,10 @@ fn cells(n: usize, r: &Row) -> Vec<String> {
         pub_ratio,
         ours,
         format!("{}x", num(s.ratio)),
-        yes(r.verdict.direction, "-"),
+        match (yes(r.verdict.direction, "-"), r.verdict.overlap) {
+            (d, Some(true)) => format!("{d} (in noise)"),
+            (d, _) => d,
+        },
         yes(r.verdict.within_2x, within),
     ]
 }

@@ -59,6 +59,25 @@ fn every_seed_has_all_its_rows_and_a_verdict_in_json() {
         .is_some_and(|s| s.contains("sparse")));
 }
 
+/// With `--repeat` every figure is a median inside its runs' range, and the verdict says
+/// whether the before and after ranges overlap.
+#[test]
+fn repeat_gives_medians_ranges_and_whether_they_overlap() {
+    let d = json(&["reproduce", "003", "--quick", "--repeat", "3"]);
+    validate("reproduce.json", &d);
+    for r in d["seeds"][0]["rows"].as_array().unwrap() {
+        for side in ["before", "after"] {
+            let m = r["slat"][side].as_f64().unwrap();
+            let range = &r["slat"][format!("{side}_range")];
+            let (lo, hi) = (range[0].as_f64().unwrap(), range[1].as_f64().unwrap());
+            assert!(lo <= m && m <= hi, "{r:#}");
+        }
+        assert!(r["verdict"]["overlap"].is_boolean(), "{r:#}");
+    }
+    let one = json(&["reproduce", "003", "--quick"]);
+    assert!(one["seeds"][0]["rows"][0]["verdict"]["overlap"].is_null());
+}
+
 #[test]
 fn the_text_prints_each_table_its_commands_and_its_wall_time() {
     let out = ok(&["reproduce", "003", "--quick"]);
