@@ -16,4 +16,5 @@ mod parity;
 mod private_mem;
 mod private_mem_test;
 mod reports;
+mod reproduce;
 mod snapshot;
