@@ -5,7 +5,24 @@
 //! dereferences guest memory on EPT.
 #![cfg(loom)]
 
-use loom::thread;
+/// Model threads with room for the engine's clocked wrappers (`sync.rs`): loom's default
+/// coroutine stack (32 KiB) is too small for a fault's frames.
+mod thread {
+    pub use loom::thread::{yield_now, JoinHandle};
+
+    pub fn spawn<F, T>(f: F) -> JoinHandle<T>
+    where
+        F: FnOnce() -> T + Send + 'static,
+        T: Send + 'static,
+    {
+        loom::thread::Builder::new()
+            .stack_size(super::MODEL_STACK)
+            .spawn(f)
+            .expect("spawn a model thread")
+    }
+}
+
+const MODEL_STACK: usize = 1 << 20;
 use slat::{Access, Ept, Fault, FaultOutcome, HostBuffer, HostRange, MemslotFlags, Vm, VmConfig};
 use slat_addr::Gfn;
 use slat_addr::Gpa;
@@ -24,7 +41,12 @@ fn model(f: impl Fn() + Sync + Send + 'static) {
     b.preemption_bound = Some(2);
     // Linking a table scans its 512 entries and the checks walk the tree: many loads.
     b.max_branches = 1_000_000;
-    b.check(f);
+    // The model's own thread has loom's default stack: run the body on one with more room.
+    let f = std::sync::Arc::new(f);
+    b.check(move || {
+        let f = std::sync::Arc::clone(&f);
+        thread::spawn(move || f()).join().expect("model body");
+    });
 }
 
 fn vm_with_page(config: VmConfig) -> Arc<Vm<Ept>> {

@@ -8,7 +8,24 @@
 //! period: the loom build poisons freed table pages, so a reader using one is reported).
 #![cfg(loom)]
 
-use loom::thread;
+/// Model threads with room for the engine's clocked wrappers (`sync.rs`): loom's default
+/// coroutine stack (32 KiB) is too small for a fault's frames.
+mod thread {
+    pub use loom::thread::{yield_now, JoinHandle};
+
+    pub fn spawn<F, T>(f: F) -> JoinHandle<T>
+    where
+        F: FnOnce() -> T + Send + 'static,
+        T: Send + 'static,
+    {
+        loom::thread::Builder::new()
+            .stack_size(super::MODEL_STACK)
+            .spawn(f)
+            .expect("spawn a model thread")
+    }
+}
+
+const MODEL_STACK: usize = 1 << 20;
 use slat::direct_map::{Acceptance, DirectMap, DirectMapConfig};
 use slat::{DirectMapPolicy, HostBuffer, HostRange};
 use std::sync::Arc;
@@ -19,7 +36,12 @@ fn model(f: impl Fn() + Sync + Send + 'static) {
     let mut b = loom::model::Builder::new();
     b.preemption_bound = Some(2);
     b.max_branches = 500_000;
-    b.check(f);
+    // The model's own thread has loom's default stack: run the body on one with more room.
+    let f = std::sync::Arc::new(f);
+    b.check(move || {
+        let f = std::sync::Arc::clone(&f);
+        thread::spawn(move || f()).join().expect("model body");
+    });
 }
 
 #[test]

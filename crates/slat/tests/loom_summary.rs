@@ -8,7 +8,24 @@
 //! `RUSTFLAGS="--cfg loom" cargo test -p slat --test loom_summary --release`.
 #![cfg(loom)]
 
-use loom::thread;
+/// Model threads with room for the engine's clocked wrappers (`sync.rs`): loom's default
+/// coroutine stack (32 KiB) is too small for a fault's frames.
+mod thread {
+    pub use loom::thread::{yield_now, JoinHandle};
+
+    pub fn spawn<F, T>(f: F) -> JoinHandle<T>
+    where
+        F: FnOnce() -> T + Send + 'static,
+        T: Send + 'static,
+    {
+        loom::thread::Builder::new()
+            .stack_size(super::MODEL_STACK)
+            .spawn(f)
+            .expect("spawn a model thread")
+    }
+}
+
+const MODEL_STACK: usize = 1 << 20;
 use slat::dirty::MANUAL_PROTECT_ENABLE;
 use slat::{Access, Ept, Fault, FaultOutcome, HostBuffer, HostRange, MemslotFlags, Vm, VmConfig};
 use slat_addr::Gpa;
@@ -29,7 +46,12 @@ fn model(f: impl Fn() + Sync + Send + 'static) {
     b.preemption_bound = Some(2);
     // Enabling logging walks the slot's leaf tables: many loads before the race.
     b.max_branches = 1_000_000;
-    b.check(f);
+    // The model's own thread has loom's default stack: run the body on one with more room.
+    let f = std::sync::Arc::new(f);
+    b.check(move || {
+        let f = std::sync::Arc::clone(&f);
+        thread::spawn(move || f()).join().expect("model body");
+    });
 }
 
 fn write(gfn_off: u64, present: bool) -> Fault {
