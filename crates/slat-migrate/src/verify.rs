@@ -68,10 +68,19 @@ pub const NEVER_RECEIVED: PageDigest = [0xff; 16];
 /// the digests are XXH3 too ([`hash_digests`]). A zero page — half of a typical guest —
 /// costs an OR-reduce instead of a hash.
 pub fn page_digest(bytes: &[u8]) -> PageDigest {
+    // OR-reduce rather than an early-exit scan: it vectorises.
+    let zero =
+        bytes.len() == crate::stream::PAGE_BYTES && bytes.iter().fold(0u8, |a, &b| a | b) == 0;
+    page_digest_known(bytes, zero)
+}
+
+/// [`page_digest`] of a page whose zeroness the caller found while copying it (`zero`: one
+/// page of zero bytes), so the send and receive paths do not scan it again. A wrong `zero`
+/// gives a wrong digest, which verification reports as a mismatch.
+pub fn page_digest_known(bytes: &[u8], zero: bool) -> PageDigest {
     static ZERO: std::sync::OnceLock<PageDigest> = std::sync::OnceLock::new();
     let hash = |b: &[u8]| xxhash_rust::xxh3::xxh3_128(b).to_le_bytes();
-    // OR-reduce rather than an early-exit scan: it vectorises.
-    if bytes.len() == crate::stream::PAGE_BYTES && bytes.iter().fold(0u8, |a, &b| a | b) == 0 {
+    if zero {
         return *ZERO.get_or_init(|| hash(&[0u8; crate::stream::PAGE_BYTES]));
     }
     hash(bytes)

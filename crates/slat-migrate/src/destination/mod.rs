@@ -393,7 +393,10 @@ fn frames(
             .read_msg("the switch-over")
             .map_err(|e| MigrateError::stream(phase.clone(), e))?;
         match (inc.state, m) {
-            (State::Rounds, Msg::Pages(b)) => inc.pages(&b, &phase, reader.offset(), out)?,
+            (State::Rounds, Msg::Pages(b)) => {
+                inc.pages(&b, &phase, reader.offset(), out)?;
+                reader.recycle(b.data);
+            }
             (State::Rounds, Msg::RoundEnd { round, pages }) => {
                 inc.round_end(round, pages, &phase)?
             }

@@ -131,10 +131,10 @@ impl Sender {
             let digests = &mut self.digests;
             self.builder.push_with(
                 PageIndex::new(p),
-                |out| mem.read_page(PageIndex::new(p), out),
-                |page| {
+                |out| mem.read_page_zero(PageIndex::new(p), out),
+                |page, zero| {
                     if !digests.is_empty() {
-                        digests.set(p, verify::page_digest(page));
+                        digests.set(p, verify::page_digest_known(page, zero));
                     }
                 },
             )?;
@@ -282,8 +282,21 @@ fn settle(
     };
     match inflight.pop_front() {
         Some((s, pages)) if s == seq => {
+            // In runs of consecutive pages of one slot: one bitmap update per run.
+            let mut run: Option<(usize, u64, u64)> = None;
             for (slot, off, _) in pages.into_iter().filter(|p| p.0 != NO_SLOT) {
-                owed.commit_pages(slot, PageIndex::new(off), 1)
+                match &mut run {
+                    Some((s, first, n)) if *s == slot && *first + *n == off => *n += 1,
+                    _ => {
+                        if let Some((s, first, n)) = run.replace((slot, off, 1)) {
+                            owed.commit_pages(s, PageIndex::new(first), n)
+                                .map_err(GuestError::harvest)?;
+                        }
+                    }
+                }
+            }
+            if let Some((s, first, n)) = run {
+                owed.commit_pages(s, PageIndex::new(first), n)
                     .map_err(GuestError::harvest)?;
             }
             Ok(())
