@@ -30,6 +30,8 @@ pub struct Faults {
     pub cut_in_state: Option<u64>,
     /// Cut the connection this many bytes into the stop-and-copy round.
     pub cut_in_final_round: Option<u64>,
+    /// Cut page stream `.0` once this many of its bytes were written.
+    pub cut_stream: Option<(u32, u64)>,
 }
 
 /// Writes to the destination with an optional bandwidth cap.

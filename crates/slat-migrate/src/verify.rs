@@ -3,8 +3,8 @@
 //!
 //! **`Sent` (the default): off the paused path.** Each side keeps a digest per page of what
 //! crossed the wire: the source of the bytes it put into a batch (copied out of guest memory,
-//! hashed as they are sent), the destination of the bytes it wrote into guest memory (read
-//! back and hashed as they arrive). Pre-copy does this hashing while the guest runs, and both
+//! hashed as they are sent), the destination of the bytes it wrote into guest memory
+//! (hashed as they arrive). Pre-copy does this hashing while the guest runs, and both
 //! sides fold the digests into range hashes ([`hash_digests`]) at the end of every round
 //! ([`Digests`] caches them); at the switch-over only the final round's pages and the ranges
 //! they touched are hashed, then all range hashes are compared. A page never sent

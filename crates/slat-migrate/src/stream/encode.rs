@@ -4,7 +4,7 @@
 use super::{
     Compression, Encoding, Hello, Msg, HEADER_LEN, MAGIC, MAX_BATCH_PAGES, MAX_TEXT, PAGE_BYTES,
     PREAMBLE_LEN, T_ACK, T_COMMIT, T_HASHES, T_HELLO, T_PAGES, T_REFUSE, T_RESUMED, T_ROUND_END,
-    T_STATE, T_STATE_END, T_VERIFIED, T_VERIFY, T_WELCOME,
+    T_STATE, T_STATE_END, T_STREAMS, T_STREAM_HELLO, T_VERIFIED, T_VERIFY, T_WELCOME,
 };
 use slat_addr::PageIndex;
 use std::io::Write;
@@ -79,6 +79,20 @@ impl Msg {
                 put_u32(out, *blobs);
                 put_u64(out, *bytes);
                 T_STATE_END
+            }
+            Msg::Streams { count } => {
+                put_u32(out, *count);
+                T_STREAMS
+            }
+            Msg::StreamHello {
+                session,
+                attempt,
+                index,
+            } => {
+                put_u64(out, *session);
+                put_u32(out, *attempt);
+                put_u32(out, *index);
+                T_STREAM_HELLO
             }
             Msg::Commit => T_COMMIT,
             Msg::Resumed { touched, micros } => {

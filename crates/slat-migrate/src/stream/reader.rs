@@ -120,6 +120,24 @@ impl<R: Read> FrameReader<R> {
         Msg::decode(ty, payload, start)
     }
 
+    /// [`FrameReader::read_msg`] on a connection that may sit idle for longer than the
+    /// timeout between frames (a page stream between rounds, a control connection during
+    /// one): a timeout before the first byte of a frame reads on while `keep_waiting()` says
+    /// so. Whoever owns the connection bounds the wait by its own clock and closes it.
+    pub fn read_msg_waiting(
+        &mut self,
+        expecting: &'static str,
+        keep_waiting: &dyn Fn() -> bool,
+    ) -> Result<Msg, StreamError> {
+        loop {
+            let start = self.offset;
+            match self.read_msg(expecting) {
+                Err(StreamError::Timeout(_)) if self.offset == start && keep_waiting() => {}
+                r => return r,
+            }
+        }
+    }
+
     /// Fills `buf`. `Ok(false)`: the stream ended cleanly before its first byte.
     fn fill(&mut self, buf: &mut [u8], what: &'static str) -> Result<bool, StreamError> {
         let mut got = 0;
