@@ -30,13 +30,21 @@ pub(super) fn on_event(q: bool, mode: ProgressArg) -> impl FnMut(Event<'_>) {
 /// An event's name, its text line (none where the text lines already say it) and its fields.
 fn describe(e: &Event<'_>) -> (&'static str, Option<String>, Value) {
     match e {
-        Event::Connected { resume, backend } => (
+        Event::Connected {
+            resume,
+            backend,
+            connections,
+        } => (
             "connected",
             Some(format!(
-                "connected to a {backend} destination{}",
+                "connected to a {backend} destination{}{}",
+                when(
+                    *connections > 1,
+                    &format!(" over {connections} page streams")
+                ),
                 when(*resume, " that kept this guest's memory: resuming")
             )),
-            json!({ "resume": resume, "backend": backend }),
+            json!({ "resume": resume, "backend": backend, "connections": connections }),
         ),
         Event::Round(r) => (
             "round",

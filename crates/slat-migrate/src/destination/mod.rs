@@ -34,6 +34,9 @@ pub struct DestConfig {
     /// Largest guest accepted, bytes (0: no limit of its own). The host's RAM and swap bound
     /// it in any case ([`crate::limits::memory_limit`]).
     pub max_memory: u64,
+    /// Most page streams a source may open beside the control connection (at most
+    /// [`stream::MAX_STREAMS`]; 0 or 1: none, the pages come over the one connection).
+    pub max_streams: u32,
 }
 
 impl Default for DestConfig {
@@ -42,6 +45,7 @@ impl Default for DestConfig {
             resume_for: Duration::from_millis(100),
             timeout: Duration::from_secs(30),
             max_memory: 0,
+            max_streams: stream::MAX_STREAMS,
         }
     }
 }
@@ -271,6 +275,7 @@ impl Destination {
             close: closer.clone(),
             accept,
             timeout: self.cfg.timeout,
+            max_streams: self.cfg.max_streams.min(stream::MAX_STREAMS),
         };
         let r = self.receive(&mut link);
         if let (Err(e), Some(w)) = (&r, &mut out) {
@@ -440,6 +445,8 @@ struct Control<'r, 'a> {
     /// Where page streams come from, if this destination takes them.
     accept: Option<Accept<'a>>,
     timeout: Duration,
+    /// Most page streams taken.
+    max_streams: u32,
 }
 
 /// What a control frame did.

@@ -16,7 +16,7 @@ use super::incoming::Incoming;
 use super::{control, protocol, Control, Step};
 use crate::error::{Cause, MigrateError, PageError, ProtocolError, StreamError};
 use crate::guest::{Guest, Memory};
-use crate::stream::{Batch, FrameReader, Msg, MAX_STREAMS};
+use crate::stream::{Batch, FrameReader, Msg};
 use crate::transport::{Channel, Closer};
 use crate::verify::{self, PageDigest};
 use slat_addr::PageIndex;
@@ -63,14 +63,9 @@ pub(super) fn receive(
     count: u32,
     phase: &str,
 ) -> Result<u64, MigrateError> {
-    if !(2..=MAX_STREAMS).contains(&count) {
-        return Err(protocol(
-            phase,
-            ProtocolError::StreamCount {
-                count,
-                max: MAX_STREAMS,
-            },
-        ));
+    let max = link.max_streams;
+    if !(2..=max).contains(&count) {
+        return Err(protocol(phase, ProtocolError::StreamCount { count, max }));
     }
     let Some(accept) = link.accept.as_mut() else {
         return Err(protocol(phase, ProtocolError::NoStreams));

@@ -73,6 +73,7 @@ impl Source {
         progress(Event::Connected {
             resume: report.resumed,
             backend: &report.dest_backend,
+            connections: report.connections,
         });
         if !self.logging {
             self.guest.set_dirty_logging(true)?;

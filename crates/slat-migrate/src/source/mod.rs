@@ -243,6 +243,8 @@ pub enum Event<'a> {
         resume: bool,
         /// Its machine.
         backend: &'a str,
+        /// Page streams open to it (1: the pages go over the one connection).
+        connections: u32,
     },
     /// A round finished (its `dirtied` is filled in by the next harvest, so still 0 here).
     Round(&'a RoundReport),

@@ -77,6 +77,7 @@ fn dest_config() -> DestConfig {
         resume_for: Duration::ZERO,
         timeout: TIMEOUT,
         max_memory: 0,
+        max_streams: 16,
     }
 }
 
