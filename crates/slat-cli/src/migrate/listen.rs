@@ -164,7 +164,7 @@ fn receive_one(
         let peer = c.peer.clone();
         progress(q, &format!("incoming migration from {peer}"));
         let timeout = Duration::from_secs(a.timeout);
-        let err = match dest.serve_streams(c, &mut || listener.accept(timeout)) {
+        let err = match dest.serve_streams(c, &mut || listener.accept_within(timeout, timeout)) {
             Ok(r) => return Ok(r),
             Err(err) => err,
         };

@@ -179,17 +179,15 @@ impl Destination {
     /// opens, from the same listener).
     pub fn accept(&mut self, listener: &TcpListener) -> Result<DestReport, MigrateError> {
         let timeout = self.cfg.timeout;
-        let mut next = || {
-            let (s, _) = listener.accept().map_err(|e| {
-                MigrateError::stream("accepting a connection", StreamError::Io(Cause::new(e)))
-            })?;
-            Channel::tcp(s, timeout)
-                .map_err(|e| MigrateError::stream("accepting", StreamError::Io(Cause::new(e))))
-        };
         if timeout.is_zero() {
             return Err(MigrateError::ZeroTimeout);
         }
-        let c = next()?;
+        let (s, _) = listener.accept().map_err(|e| {
+            MigrateError::stream("accepting a connection", StreamError::Io(Cause::new(e)))
+        })?;
+        let c = Channel::tcp(s, timeout)
+            .map_err(|e| MigrateError::stream("accepting", StreamError::Io(Cause::new(e))))?;
+        let mut next = || crate::transport::accept_tcp_within(listener, timeout, timeout);
         self.serve_streams(c, &mut next)
     }
 
@@ -201,7 +199,7 @@ impl Destination {
     ) -> Result<DestReport, MigrateError> {
         let t = self.cfg.timeout;
         let c = l.accept(t)?;
-        self.serve_streams(c, &mut || l.accept(t))
+        self.serve_streams(c, &mut || l.accept_within(t, t))
     }
 
     /// Receives one migration over TCP stream `s`.
