@@ -136,7 +136,10 @@ fn pages_arriving_out_of_order_across_streams_still_verify() {
 fn refused(count: u32, headers: &[Vec<u8>], cfg: DestConfig) -> MigrateError {
     let (addr, h) = spawn_dest(destination(cfg), 1);
     let ctl = control(&addr, count);
-    let conns: Vec<TcpStream> = headers.iter().map(|f| open(&addr, &[f.clone()])).collect();
+    let conns: Vec<TcpStream> = headers
+        .iter()
+        .map(|f| open(&addr, std::slice::from_ref(f)))
+        .collect();
     let (mut results, _) = h.join().expect("the destination thread panicked");
     drop((ctl, conns));
     let e = results.remove(0).expect_err("accepted");
