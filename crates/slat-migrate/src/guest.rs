@@ -367,24 +367,17 @@ impl<'g> Memory<'g> {
         self.pieces(first, end, |addr, n, at| {
             let src = addr as *const u64;
             let dst = &mut out[at..at + n as usize * PAGE_BYTES];
-            // Four words a step (a page is 128 steps): the atomic loads cannot be vectorised,
-            // so the loop's own instructions are a good part of the copy.
-            for (i, chunk) in dst.chunks_exact_mut(32).enumerate() {
-                let mut w = [0u64; 4];
-                for (k, x) in w.iter_mut().enumerate() {
-                    // SAFETY: `[addr, addr + n pages)` lies in one region of the map (checked
-                    // against the map's pages), which stays mapped while the guest (borrowed
-                    // by `self`) lives, by `Guest`'s contract; `addr` is 8-byte aligned and
-                    // `(4i + k) * 8 < n pages`, so the word is aligned and inside it. Every
-                    // other access to guest memory is atomic (the vCPUs', by `Guest`'s
-                    // contract, and this type's stores), so an atomic load races with nothing.
-                    *x = unsafe { AtomicU64::from_ptr(src.add(4 * i + k) as *mut u64) }
-                        .load(Ordering::Relaxed);
-                }
-                any |= w[0] | w[1] | w[2] | w[3];
-                for (c, x) in chunk.chunks_exact_mut(8).zip(w) {
-                    c.copy_from_slice(&x.to_ne_bytes());
-                }
+            for (i, chunk) in dst.chunks_exact_mut(8).enumerate() {
+                // SAFETY: `[addr, addr + n pages)` lies in one region of the map (checked
+                // against the map's pages), which stays mapped while the guest (borrowed by
+                // `self`) lives, by `Guest`'s contract; `addr` is 8-byte aligned and
+                // `i * 8 < n pages`, so the word is aligned and inside it. Every other access
+                // to guest memory is atomic (the vCPUs', by `Guest`'s contract, and this
+                // type's stores), so an atomic load races with nothing.
+                let v =
+                    unsafe { AtomicU64::from_ptr(src.add(i) as *mut u64) }.load(Ordering::Relaxed);
+                any |= v;
+                chunk.copy_from_slice(&v.to_ne_bytes());
             }
         })?;
         Ok(any)
@@ -447,24 +440,17 @@ impl<'g> Memory<'g> {
         let mut any = 0u64;
         self.pieces(p, p.saturating_add(1), |addr, _, _| {
             let dst = addr as *const u64;
-            for (i, chunk) in data.chunks_exact(32).enumerate() {
-                let mut w = [0u64; 4];
-                for (x, c) in w.iter_mut().zip(chunk.chunks_exact(8)) {
-                    let mut b = [0u8; 8];
-                    b.copy_from_slice(c);
-                    *x = u64::from_ne_bytes(b);
-                }
-                any |= w[0] | w[1] | w[2] | w[3];
-                for (k, x) in w.into_iter().enumerate() {
-                    // SAFETY: page `p` lies in one region of the map (checked against the
-                    // map's pages), which stays mapped while the guest (borrowed by `self`)
-                    // lives, by `Guest`'s contract; `4i + k < 512`, so the word is inside the
-                    // page, 8-byte aligned. The store is atomic, like every other access to
-                    // guest memory, so a vCPU started meanwhile or another writer races with
-                    // nothing.
-                    unsafe { AtomicU64::from_ptr(dst.add(4 * i + k) as *mut u64) }
-                        .store(x, Ordering::Relaxed);
-                }
+            for (i, chunk) in data.chunks_exact(8).enumerate() {
+                let mut w = [0u8; 8];
+                w.copy_from_slice(chunk);
+                let v = u64::from_ne_bytes(w);
+                any |= v;
+                // SAFETY: page `p` lies in one region of the map (checked against the map's
+                // pages), which stays mapped while the guest (borrowed by `self`) lives, by
+                // `Guest`'s contract; `i < 512`, so the word is inside the page, 8-byte
+                // aligned. The store is atomic, like every other access to guest memory, so
+                // a vCPU started meanwhile or another writer races with nothing.
+                unsafe { AtomicU64::from_ptr(dst.add(i) as *mut u64) }.store(v, Ordering::Relaxed);
             }
         })?;
         Ok(any == 0)
