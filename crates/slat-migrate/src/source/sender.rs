@@ -66,7 +66,24 @@ impl Limit {
     }
 }
 
+/// What a round is, for [`Sender::round_striped`].
+pub(super) struct RoundSpec {
+    pub(super) throttle: u32,
+    pub(super) round: u32,
+    pub(super) stop_and_copy: bool,
+    pub(super) resync: Option<std::time::Duration>,
+}
+
 impl Sender {
+    /// The pages of a round: those of `owed`, then the read-only pages still owed.
+    pub(super) fn todo(&self, owed: &RoundSet<'_>) -> Vec<Page> {
+        let mut todo = pages_of(owed, &self.starts);
+        for &(first, n) in &self.ro {
+            todo.extend((first..first + n).map(|p| (NO_SLOT, 0, p)));
+        }
+        todo
+    }
+
     /// Read-only pages still owed.
     pub(super) fn ro_pages(&self) -> u64 {
         self.ro.iter().map(|r| r.1).sum()
@@ -173,23 +190,16 @@ impl Sender {
     ) -> Result<RoundReport, MigrateError> {
         let t0 = Instant::now();
         if !conn.streams.is_empty() {
-            return self.round_striped(
-                conn,
-                mem,
+            let spec = RoundSpec {
                 throttle,
-                owed,
                 round,
                 stop_and_copy,
                 resync,
-                phase,
-                progress,
-            );
+            };
+            return self.round_striped(conn, mem, owed, spec, phase, progress);
         }
         let bytes0 = conn.link.written();
-        let mut todo = pages_of(owed, &self.starts);
-        for &(first, n) in &self.ro {
-            todo.extend((first..first + n).map(|p| (NO_SLOT, 0, p)));
-        }
+        let todo = self.todo(owed);
         let mut inflight: VecDeque<(u64, Vec<Page>)> = VecDeque::new();
         let mut zero = 0u64;
         let resync = resync.filter(|_| self.ro.is_empty() && !stop_and_copy);

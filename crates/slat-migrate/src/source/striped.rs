@@ -9,7 +9,7 @@
 //! (`destination/striped.rs`).
 
 use super::conn::{spawn_reader_idle, unexpected, Conn, Inbox, MAX_INFLIGHT};
-use super::sender::{commit_acked, pages_of, resync_now, Page, Sender, NO_SLOT};
+use super::sender::{commit_acked, resync_now, Page, RoundSpec, Sender};
 use super::{Event, RoundReport, RoundSet, Source};
 use crate::error::{MigrateError, StreamError};
 use crate::guest::Memory;
@@ -117,70 +117,34 @@ impl Source {
 
 impl Sender {
     /// [`Sender::round`] over the page streams.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn round_striped(
         &mut self,
         conn: &mut Conn,
         mem: &Memory<'_>,
-        throttle: u32,
         owed: &mut RoundSet<'_>,
-        round: u32,
-        stop_and_copy: bool,
-        resync: Option<Duration>,
+        spec: RoundSpec,
         phase: &str,
         progress: &mut dyn FnMut(Event<'_>),
     ) -> Result<RoundReport, MigrateError> {
+        let RoundSpec {
+            throttle,
+            round,
+            stop_and_copy,
+            resync,
+        } = spec;
         let t0 = Instant::now();
         let bytes0 = conn.written();
-        let mut todo = pages_of(owed, &self.starts);
-        for &(first, n) in &self.ro {
-            todo.extend((first..first + n).map(|p| (NO_SLOT, 0, p)));
-        }
+        let todo = self.todo(owed);
         let resync = resync.filter(|_| self.ro.is_empty() && !stop_and_copy);
-        let closers: Vec<Closer> = conn
-            .streams
-            .iter()
-            .filter_map(|s| s.close.clone())
-            .collect();
+        let plan = Plan {
+            todo: &todo,
+            t0,
+            resync,
+            stop_and_copy,
+            timeout: conn.timeout,
+        };
         let digests = Mutex::new(std::mem::take(&mut self.digests));
-        let timeout = conn.timeout;
-        let (done_tx, done_rx) = mpsc::channel();
-        let r = std::thread::scope(|s| {
-            let mut work = Vec::with_capacity(conn.streams.len());
-            for (i, st) in conn.streams.iter_mut().enumerate() {
-                let (tx, rx) = mpsc::sync_channel(STREAM_QUEUE);
-                work.push(tx);
-                let (done, digests) = (done_tx.clone(), &digests);
-                s.spawn(move || {
-                    let w = Worker {
-                        mem,
-                        round,
-                        digests,
-                        timeout,
-                        phase,
-                    };
-                    if let Err(e) = w.run(st, &rx, &done) {
-                        let _ = done.send(Done::Failed(i as u32, e));
-                    }
-                });
-            }
-            drop(done_tx);
-            let plan = Plan {
-                todo: &todo,
-                t0,
-                resync,
-                stop_and_copy,
-                timeout,
-            };
-            let r = self.dispatch(work, &done_rx, &plan, owed, progress);
-            if r.is_err() {
-                // The stream threads may wait on their connections: closing them ends them.
-                for c in &closers {
-                    c();
-                }
-            }
-            r
-        });
+        let r = self.stripe(conn, mem, &digests, owed, &plan, (round, phase), progress);
         self.digests = digests.into_inner().unwrap_or_else(PoisonError::into_inner);
         let (sent, zero) = r?;
         // Every batch of the round is acknowledged: its end may go now.
@@ -201,6 +165,57 @@ impl Sender {
             dirtied: 0,
             throttle,
             stop_and_copy,
+        })
+    }
+
+    /// Runs a thread per stream for the round and hands them its batches
+    /// ([`Sender::dispatch`]); returns the pages sent and the zero pages among them.
+    #[allow(clippy::too_many_arguments)]
+    fn stripe(
+        &mut self,
+        conn: &mut Conn,
+        mem: &Memory<'_>,
+        digests: &Mutex<Digests>,
+        owed: &mut RoundSet<'_>,
+        plan: &Plan<'_>,
+        (round, phase): (u32, &str),
+        progress: &mut dyn FnMut(Event<'_>),
+    ) -> Result<(usize, u64), MigrateError> {
+        let closers: Vec<Closer> = conn
+            .streams
+            .iter()
+            .filter_map(|s| s.close.clone())
+            .collect();
+        let timeout = plan.timeout;
+        let (done_tx, done_rx) = mpsc::channel();
+        std::thread::scope(|s| {
+            let mut work = Vec::with_capacity(conn.streams.len());
+            for (i, st) in conn.streams.iter_mut().enumerate() {
+                let (tx, rx) = mpsc::sync_channel(STREAM_QUEUE);
+                work.push(tx);
+                let done = done_tx.clone();
+                s.spawn(move || {
+                    let w = Worker {
+                        mem,
+                        round,
+                        digests,
+                        timeout,
+                        phase,
+                    };
+                    if let Err(e) = w.run(st, &rx, &done) {
+                        let _ = done.send(Done::Failed(i as u32, e));
+                    }
+                });
+            }
+            drop(done_tx);
+            let r = self.dispatch(work, &done_rx, plan, owed, progress);
+            if r.is_err() {
+                // The stream threads may wait on their connections: closing them ends them.
+                for c in &closers {
+                    c();
+                }
+            }
+            r
         })
     }
 

@@ -80,20 +80,7 @@ impl Msg {
                 put_u64(out, *bytes);
                 T_STATE_END
             }
-            Msg::Streams { count } => {
-                put_u32(out, *count);
-                T_STREAMS
-            }
-            Msg::StreamHello {
-                session,
-                attempt,
-                index,
-            } => {
-                put_u64(out, *session);
-                put_u32(out, *attempt);
-                put_u32(out, *index);
-                T_STREAM_HELLO
-            }
+            Msg::Streams { .. } | Msg::StreamHello { .. } => put_streams(out, self),
             Msg::Commit => T_COMMIT,
             Msg::Resumed { touched, micros } => {
                 put_u64(out, *touched);
@@ -101,6 +88,28 @@ impl Msg {
                 T_RESUMED
             }
         }
+    }
+}
+
+/// The page streams' frames: the count announced, and a stream's header.
+fn put_streams(out: &mut Vec<u8>, m: &Msg) -> u8 {
+    match *m {
+        Msg::Streams { count } => {
+            put_u32(out, count);
+            T_STREAMS
+        }
+        Msg::StreamHello {
+            session,
+            attempt,
+            index,
+        } => {
+            put_u64(out, session);
+            put_u32(out, attempt);
+            put_u32(out, index);
+            T_STREAM_HELLO
+        }
+        // Only the two above are passed here.
+        _ => 0,
     }
 }
 

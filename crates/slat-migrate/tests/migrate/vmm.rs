@@ -224,10 +224,8 @@ fn a_page_stream_cut_mid_migration_fails_cleanly_and_a_retry_completes() {
         cfg.faults.cut_stream = Some((1, at));
         let mut s = Source::new(src.clone(), cfg);
         let e = s.migrate(&addr, &mut |_| {}).unwrap_err();
-        assert!(
-            matches!(e, MigrateError::PageStream { index: 1, .. }),
-            "{at}: {e}"
-        );
+        // The cut stream, or another one the destination closed when it saw the cut.
+        assert!(matches!(e, MigrateError::PageStream { .. }), "{at}: {e}");
         assert_eq!(e.to_string().lines().count(), 1, "{e}");
         assert!(!s.migrated() && src.running(), "the source runs on");
         s.config_mut().faults = Default::default();
