@@ -140,11 +140,12 @@ pub fn print_dest(d: &Dest) {
         r.backend
     );
     println!(
-        "Received: {} pages ({} zero) in {} rounds, {} of stream, in {}",
+        "Received: {} pages ({} zero) in {} rounds, {} of stream{}, in {}",
         r.pages,
         r.zero_pages,
         r.rounds,
         format_size(r.bytes),
+        when(r.streams > 1, &format!(" over {} page streams", r.streams)),
         ts(r.total)
     );
     println!(
