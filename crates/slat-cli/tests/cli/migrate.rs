@@ -105,6 +105,7 @@ fn migrate_perf_varies_the_page_streams() {
     assert_eq!(doc["connections"], 3);
     assert_eq!(doc["config"]["connections"], 3);
     assert_eq!(doc["destination"]["streams"], 3);
+    assert!(doc["destination_resumed"].is_object(), "{out}");
     assert_eq!(doc["verification"]["ok"], true);
 }
 

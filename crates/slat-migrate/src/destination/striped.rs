@@ -107,9 +107,12 @@ pub(super) fn receive(
             // Before the connections close: the source learns why.
             let _ = crate::stream::write_msg(w, &Msg::Refuse(e.to_string()));
         }
-        // Every thread here blocks in a read of its connection: closing them ends them.
+        // The stream threads block in reads of their connections: closing them ends them.
+        // The control reader stopped at the commit; after a failure it may be reading, and
+        // its connection is closed too (on success it stays open for the resume report).
         stop.store(true, Ordering::Relaxed);
-        for c in closers.iter().chain(control_close.as_ref()) {
+        let control = control_close.as_ref().filter(|_| r.is_err());
+        for c in closers.iter().chain(control) {
             c();
         }
         r

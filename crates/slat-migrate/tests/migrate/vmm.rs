@@ -147,6 +147,10 @@ fn migrate_with(to: Endpoint, listen: Endpoint, connections: u32) {
     let r = s.migrate_to(&to, &mut |_| {}).unwrap();
     let d = h.join().unwrap().pop().unwrap().unwrap();
     assert_eq!(r.connections, connections);
+    assert!(
+        r.dest_resumed.is_some(),
+        "the destination's resume report arrived"
+    );
     assert_eq!(d.streams, if connections > 1 { connections } else { 0 });
     assert_eq!(r.state_blobs, 4);
     assert_eq!(d.state_blobs, 4);
