@@ -81,6 +81,7 @@ impl Serialize for Migration {
         m.serialize_entry("device_state_bytes", &r.state_bytes)?;
         m.serialize_entry("device_state_s", &r.state.as_secs_f64())?;
         m.serialize_entry("one_way", &r.one_way)?;
+        m.serialize_entry("connections", &r.connections)?;
         m.serialize_entry("converged", &r.converged)?;
         m.serialize_entry("expected_final_transfer_s", &r.expected_final.as_secs_f64())?;
         let rounds: Vec<Round> = r.rounds.iter().map(Round).collect();
@@ -128,6 +129,7 @@ impl Serialize for Dest {
         m.serialize_entry("zero_pages", &r.zero_pages)?;
         m.serialize_entry("bytes", &r.bytes)?;
         m.serialize_entry("rounds", &r.rounds)?;
+        m.serialize_entry("streams", &r.streams)?;
         m.serialize_entry("setup_s", &r.setup.as_secs_f64())?;
         m.serialize_entry("total_s", &r.total.as_secs_f64())?;
         let verification = Verification {
@@ -178,6 +180,7 @@ impl Serialize for Config<'_> {
         m.serialize_entry("max_rounds", &a.max_rounds)?;
         m.serialize_entry("bandwidth_mib_per_s", &a.bandwidth)?;
         m.serialize_entry("compress", &(a.compress == CompressArg::Lz4))?;
+        m.serialize_entry("connections", &a.connections)?;
         m.serialize_entry("auto_converge", &a.auto_converge.on())?;
         m.serialize_entry("cpu_throttle_initial", &a.throttle_initial)?;
         m.serialize_entry("cpu_throttle_increment", &a.throttle_increment)?;

@@ -209,6 +209,7 @@ fn destination_that_refuses_leaves_the_source_running() {
     let (g, mut src) = small_source(LogMode::Ring);
     let cfg = DestConfig {
         max_memory: 1 << 20,
+        max_streams: 16,
         ..dest_config()
     };
     let (addr, h) = spawn_dest(Destination::new(factory(BackendKind::Sim), cfg), 1);

@@ -2,7 +2,7 @@
 
 use crate::stream::{
     Region, GPA_BITS, MAX_BATCH_PAGES, MAX_GUEST_BYTES, MAX_HASHES, MAX_MACHINE, MAX_REGIONS,
-    MAX_STATE_BLOB, MAX_STATE_BLOBS, MAX_STATE_BYTES, MAX_STATE_ID, PAGE_BYTES,
+    MAX_STATE_BLOB, MAX_STATE_BLOBS, MAX_STATE_BYTES, MAX_STATE_ID, MAX_STREAMS, PAGE_BYTES,
 };
 use slat_addr::{Gpa, Hva};
 use std::sync::Arc;
@@ -322,6 +322,41 @@ pub enum ProtocolError {
         /// The batch acknowledged.
         seq: u64,
     },
+    /// Page streams asked for in a number this side does not take, or after pages began.
+    #[error("{count} page streams asked for (this side takes 1 to {max}, before the first page)")]
+    StreamCount {
+        /// Streams asked for.
+        count: u32,
+        /// Most this side takes.
+        max: u32,
+    },
+    /// A page stream's header that does not belong to this migration.
+    #[error("page stream header for session {session:#x} attempt {attempt} stream {index}; expected session {want_session:#x} attempt {want_attempt}, streams 0 to {count} once each")]
+    StreamHeader {
+        /// The session it names.
+        session: u64,
+        /// The attempt it names.
+        attempt: u32,
+        /// Its index.
+        index: u32,
+        /// This migration's session.
+        want_session: u64,
+        /// This migration's attempt.
+        want_attempt: u32,
+        /// Streams announced (indexes below it).
+        count: u32,
+    },
+    /// A page batch of a round that is neither the round in progress nor the next.
+    #[error("page stream batch of round {got} while round {want} is in progress")]
+    StreamRound {
+        /// The batch's round.
+        got: u32,
+        /// The round in progress.
+        want: u32,
+    },
+    /// Page streams were asked for, but this destination was given no way to accept them.
+    #[error("page streams asked for, but this destination serves one connection")]
+    NoStreams,
 }
 
 /// Why one page entry of a batch cannot be written to guest memory.
@@ -701,6 +736,21 @@ pub enum MigrateError {
     /// A batch size the stream cannot carry.
     #[error("batch of {0} pages: between 1 and {MAX_BATCH_PAGES}")]
     BatchPages(u32),
+    /// A number of page streams the protocol does not carry.
+    #[error("{0} connections: between 1 and {MAX_STREAMS}")]
+    Connections(u32),
+    /// Page streams over a channel that cannot open more connections (an inherited
+    /// descriptor, a file, a caller's stream).
+    #[error("{0} page streams need an endpoint to connect to (tcp: or unix:)")]
+    StreamsNeedEndpoint(u32),
+    /// A page stream failed (the others and the control connection are closed with it).
+    #[error("page stream {index}: {why}")]
+    PageStream {
+        /// The stream's index.
+        index: u32,
+        /// What went wrong on it.
+        why: Box<MigrateError>,
+    },
     /// A thread of the migration could not be started.
     #[error("cannot start a thread: {0}")]
     Thread(Cause),

@@ -352,8 +352,9 @@ impl<'g> Memory<'g> {
     }
 
     /// Copies pages `first..end` into `out` (exactly their size) word by word, whether or not
-    /// vCPUs run.
-    fn load_pages(&self, first: u64, end: u64, out: &mut [u8]) -> Result<(), MemoryError> {
+    /// vCPUs run; returns the OR of all words copied (zero: every byte was zero), folded into
+    /// the copy so that the send path does not scan the page a second time.
+    fn load_pages(&self, first: u64, end: u64, out: &mut [u8]) -> Result<u64, MemoryError> {
         self.check(first, end)?;
         let want = (end - first) * PAGE_BYTES as u64;
         if out.len() as u64 != want {
@@ -362,6 +363,7 @@ impl<'g> Memory<'g> {
                 want,
             });
         }
+        let mut any = 0u64;
         self.pieces(first, end, |addr, n, at| {
             let src = addr as *const u64;
             let dst = &mut out[at..at + n as usize * PAGE_BYTES];
@@ -374,18 +376,26 @@ impl<'g> Memory<'g> {
                 // type's stores), so an atomic load races with nothing.
                 let v =
                     unsafe { AtomicU64::from_ptr(src.add(i) as *mut u64) }.load(Ordering::Relaxed);
+                any |= v;
                 chunk.copy_from_slice(&v.to_ne_bytes());
             }
-        })
+        })?;
+        Ok(any)
     }
 
     /// Copies page `p` (a memory index) into `out` (one page) while vCPUs may be writing it.
     pub fn read_page(&self, p: PageIndex, out: &mut [u8]) -> Result<(), MemoryError> {
+        self.read_page_zero(p, out).map(drop)
+    }
+
+    /// [`Memory::read_page`], also saying whether the copy is all zero bytes (found during
+    /// the copy, not by a second pass).
+    pub fn read_page_zero(&self, p: PageIndex, out: &mut [u8]) -> Result<bool, MemoryError> {
         let p = p.raw();
         if out.len() != PAGE_BYTES {
             return Err(MemoryError::Buffer { len: out.len() });
         }
-        self.load_pages(p, p.saturating_add(1), out)
+        Ok(self.load_pages(p, p.saturating_add(1), out)? == 0)
     }
 
     /// Copies pages `first..end` into `out` (exactly their size), while the vCPUs are stopped.
@@ -399,7 +409,7 @@ impl<'g> Memory<'g> {
         if self.guest.running() {
             return Err(MemoryError::Running("read as a whole"));
         }
-        self.load_pages(first, end, out)
+        self.load_pages(first, end, out).map(drop)
     }
 
     /// Pages `first..end`, copied out while the vCPUs are stopped.
@@ -414,6 +424,12 @@ impl<'g> Memory<'g> {
 
     /// Writes page `p` while the vCPUs are stopped (the destination, before switch-over).
     pub fn stopped_write_page(&self, p: PageIndex, data: &[u8]) -> Result<(), MemoryError> {
+        self.stopped_write_page_zero(p, data).map(drop)
+    }
+
+    /// [`Memory::stopped_write_page`], also saying whether the page written is all zero bytes
+    /// (found during the write, not by a second pass).
+    pub fn stopped_write_page_zero(&self, p: PageIndex, data: &[u8]) -> Result<bool, MemoryError> {
         let p = p.raw();
         if self.guest.running() {
             return Err(MemoryError::Running("written"));
@@ -421,20 +437,23 @@ impl<'g> Memory<'g> {
         if data.len() != PAGE_BYTES {
             return Err(MemoryError::Buffer { len: data.len() });
         }
+        let mut any = 0u64;
         self.pieces(p, p.saturating_add(1), |addr, _, _| {
             let dst = addr as *const u64;
             for (i, chunk) in data.chunks_exact(8).enumerate() {
                 let mut w = [0u8; 8];
                 w.copy_from_slice(chunk);
+                let v = u64::from_ne_bytes(w);
+                any |= v;
                 // SAFETY: page `p` lies in one region of the map (checked against the map's
                 // pages), which stays mapped while the guest (borrowed by `self`) lives, by
                 // `Guest`'s contract; `i < 512`, so the word is inside the page, 8-byte
                 // aligned. The store is atomic, like every other access to guest memory, so
                 // a vCPU started meanwhile or another writer races with nothing.
-                unsafe { AtomicU64::from_ptr(dst.add(i) as *mut u64) }
-                    .store(u64::from_ne_bytes(w), Ordering::Relaxed);
+                unsafe { AtomicU64::from_ptr(dst.add(i) as *mut u64) }.store(v, Ordering::Relaxed);
             }
-        })
+        })?;
+        Ok(any == 0)
     }
 
     /// Fills `percent` of the pages (chosen by `seed`) with pseudo-random bytes and zeroes

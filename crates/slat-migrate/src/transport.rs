@@ -381,6 +381,95 @@ impl Listener {
     }
 }
 
+impl Listener {
+    /// [`Listener::accept`] for a connection due now (a page stream its source announced):
+    /// one that does not come within `within` fails, so a source that announces streams and
+    /// never opens them cannot hold the destination. Polls a non-blocking socket; the
+    /// listener is blocking again afterwards.
+    pub fn accept_within(
+        &mut self,
+        timeout: Duration,
+        within: Duration,
+    ) -> Result<Channel, MigrateError> {
+        let io = |e: std::io::Error| {
+            MigrateError::stream("accepting a page stream", StreamError::Io(Cause::new(e)))
+        };
+        match self {
+            Listener::Tcp(l) => {
+                let s =
+                    poll_accept(|nb| l.set_nonblocking(nb), || l.accept(), within).map_err(io)?;
+                Channel::tcp(s, timeout).map_err(io)
+            }
+            Listener::Unix(l, p) => {
+                let s =
+                    poll_accept(|nb| l.set_nonblocking(nb), || l.accept(), within).map_err(io)?;
+                Channel::unix(s, timeout, format!("unix:{}", p.display())).map_err(io)
+            }
+            _ => self.accept(timeout),
+        }
+    }
+}
+
+/// A TCP connection accepted on `l` within `within` (see [`Listener::accept_within`]).
+pub fn accept_tcp_within(
+    l: &TcpListener,
+    timeout: Duration,
+    within: Duration,
+) -> Result<Channel, MigrateError> {
+    let io = |e: std::io::Error| {
+        MigrateError::stream("accepting a page stream", StreamError::Io(Cause::new(e)))
+    };
+    let s = poll_accept(|nb| l.set_nonblocking(nb), || l.accept(), within).map_err(io)?;
+    Channel::tcp(s, timeout).map_err(io)
+}
+
+/// A socket that can go back to blocking mode.
+trait Blocking {
+    fn set_blocking(&self) -> std::io::Result<()>;
+}
+
+impl Blocking for TcpStream {
+    fn set_blocking(&self) -> std::io::Result<()> {
+        self.set_nonblocking(false)
+    }
+}
+
+impl Blocking for UnixStream {
+    fn set_blocking(&self) -> std::io::Result<()> {
+        self.set_nonblocking(false)
+    }
+}
+
+/// Polls `accept` on a listener made non-blocking by `set_nb` until a connection comes or
+/// `within` passes; the listener and the connection are blocking afterwards.
+fn poll_accept<S: Blocking, A>(
+    set_nb: impl Fn(bool) -> std::io::Result<()>,
+    accept: impl Fn() -> std::io::Result<(S, A)>,
+    within: Duration,
+) -> std::io::Result<S> {
+    let deadline = std::time::Instant::now() + within;
+    set_nb(true)?;
+    let r = loop {
+        match accept() {
+            Ok((s, _)) => break s.set_blocking().map(|()| s),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if std::time::Instant::now() >= deadline {
+                    break Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("no connection within {within:?}"),
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => break Err(e),
+        }
+    };
+    let back = set_nb(false);
+    let s = r?;
+    back.map(|()| s)
+}
+
 impl Drop for Listener {
     fn drop(&mut self) {
         if let Listener::Unix(_, p) = self {

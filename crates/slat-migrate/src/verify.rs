@@ -3,8 +3,8 @@
 //!
 //! **`Sent` (the default): off the paused path.** Each side keeps a digest per page of what
 //! crossed the wire: the source of the bytes it put into a batch (copied out of guest memory,
-//! hashed as they are sent), the destination of the bytes it wrote into guest memory (read
-//! back and hashed as they arrive). Pre-copy does this hashing while the guest runs, and both
+//! hashed as they are sent), the destination of the bytes it wrote into guest memory
+//! (hashed as they arrive). Pre-copy does this hashing while the guest runs, and both
 //! sides fold the digests into range hashes ([`hash_digests`]) at the end of every round
 //! ([`Digests`] caches them); at the switch-over only the final round's pages and the ranges
 //! they touched are hashed, then all range hashes are compared. A page never sent
@@ -68,10 +68,19 @@ pub const NEVER_RECEIVED: PageDigest = [0xff; 16];
 /// the digests are XXH3 too ([`hash_digests`]). A zero page — half of a typical guest —
 /// costs an OR-reduce instead of a hash.
 pub fn page_digest(bytes: &[u8]) -> PageDigest {
+    // OR-reduce rather than an early-exit scan: it vectorises.
+    let zero =
+        bytes.len() == crate::stream::PAGE_BYTES && bytes.iter().fold(0u8, |a, &b| a | b) == 0;
+    page_digest_known(bytes, zero)
+}
+
+/// [`page_digest`] of a page whose zeroness the caller found while copying it (`zero`: one
+/// page of zero bytes), so the send and receive paths do not scan it again. A wrong `zero`
+/// gives a wrong digest, which verification reports as a mismatch.
+pub fn page_digest_known(bytes: &[u8], zero: bool) -> PageDigest {
     static ZERO: std::sync::OnceLock<PageDigest> = std::sync::OnceLock::new();
     let hash = |b: &[u8]| xxhash_rust::xxh3::xxh3_128(b).to_le_bytes();
-    // OR-reduce rather than an early-exit scan: it vectorises.
-    if bytes.len() == crate::stream::PAGE_BYTES && bytes.iter().fold(0u8, |a, &b| a | b) == 0 {
+    if zero {
         return *ZERO.get_or_init(|| hash(&[0u8; crate::stream::PAGE_BYTES]));
     }
     hash(bytes)

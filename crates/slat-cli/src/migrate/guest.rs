@@ -1,7 +1,7 @@
 //! The guest and migration flags of the migration commands, checked and turned into the
 //! library's settings.
 
-use super::parse::{dirty_limit, dirty_rate, inject};
+use super::parse::{connections, dirty_limit, dirty_rate, inject};
 use super::*;
 use crate::args::{check_kvm_ring, ring_size, FormatArg};
 use crate::args::{Switch, Workload};
@@ -104,6 +104,11 @@ pub struct MigrationArgs {
     /// Page compression: none, or lz4 where it makes a page smaller.
     #[arg(long, value_enum, default_value = "none")]
     pub compress: CompressArg,
+    /// Page streams (1-16): 1 sends the pages over the one connection; N opens N more
+    /// connections to the same tcp: or unix: endpoint beside it and stripes the pages across
+    /// them, each read, hashed and compressed on a thread of its own (QEMU's multifd).
+    #[arg(long, value_name = "N", value_parser = connections, default_value_t = 1)]
+    pub connections: u32,
     /// Verification at the switch-over: `sent` (every page's digest kept as it is sent and
     /// received, so only the final round is hashed while the guest is paused) or `full` (all
     /// memory hashed on both sides while paused, independent of the dirty log). Always on.
@@ -300,6 +305,7 @@ impl MigrationArgs {
                 period: Duration::from_millis(self.dirty_limit_period),
             }),
             timeout: Duration::from_secs(self.timeout),
+            connections: self.connections,
             faults,
             ..SourceConfig::default()
         }

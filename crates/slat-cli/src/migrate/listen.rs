@@ -47,6 +47,10 @@ pub struct ListenArgs {
     /// bound a larger value too).
     #[arg(long = "max-memory", value_parser = parse_size)]
     pub max_memory: Option<u64>,
+    /// Most page streams a source may open beside its connection (1-16; 1 refuses page
+    /// streams: the source's `--connections N` needs N here or more).
+    #[arg(long, value_name = "N", value_parser = super::parse::connections, default_value_t = slat_migrate::stream::MAX_STREAMS)]
+    pub connections: u32,
     // `--json`; `--repeat N` receives N migrations one after the other (from `slat migrate
     // --repeat N`), each into a machine of its own; `--plot` is refused (the source draws the
     // migration).
@@ -148,6 +152,7 @@ fn receive_one(
         resume_for: Duration::from_millis(a.resume_ms),
         timeout: Duration::from_secs(a.timeout),
         max_memory: a.max_memory.unwrap_or(0),
+        max_streams: a.connections,
     };
     let mut spec = machine_spec(&a.machine, a.backend);
     spec.backing = a.backing;
@@ -158,7 +163,8 @@ fn receive_one(
             .map_err(|e| failed(format!("accepting on {local}: {e}")))?;
         let peer = c.peer.clone();
         progress(q, &format!("incoming migration from {peer}"));
-        let err = match dest.serve_channel(c) {
+        let timeout = Duration::from_secs(a.timeout);
+        let err = match dest.serve_streams(c, &mut || listener.accept_within(timeout, timeout)) {
             Ok(r) => return Ok(r),
             Err(err) => err,
         };

@@ -257,6 +257,12 @@ impl Benchmark for MigrateArgs {
                 "--to fd:N carries one migration: --repeat and --retries need tcp: or unix:",
             ));
         }
+        let streams = matches!(self.to, Endpoint::Tcp(_) | Endpoint::Unix(_));
+        if self.migration.connections > 1 && !streams {
+            return Err(bad(
+                "--connections N opens more connections to the endpoint: it needs --to tcp: or unix:",
+            ));
+        }
         Ok(())
     }
 

@@ -72,3 +72,12 @@ pub(super) fn throttle_percent(s: &str) -> Result<u32, String> {
         _ => Err(format!("`{s}` is not a throttle percentage from 1 to 99")),
     }
 }
+
+/// `--connections`: 1 to [`slat_migrate::stream::MAX_STREAMS`] page streams.
+pub fn connections(v: &str) -> Result<u32, String> {
+    let max = slat_migrate::stream::MAX_STREAMS;
+    match v.parse::<u32>() {
+        Ok(n) if (1..=max).contains(&n) => Ok(n),
+        _ => Err(format!("`{v}`: page streams, 1 to {max}")),
+    }
+}

@@ -61,6 +61,9 @@ pub const VARY: &[Key<MigratePerfArgs>] = &[
         Values::Text("milliseconds", |v| max_downtime(v).map(drop)),
         |a, v| a.migration.max_downtime = max_downtime(v)?),
     key!("compress", "--compress", CompressArg, |a| a.migration.compress),
+    vary_key!("connections", "--connections",
+        Values::Text("page streams (1-16)", |v| super::parse::connections(v).map(drop)),
+        |a, v| a.migration.connections = super::parse::connections(v)?),
     key!("auto-converge", "--auto-converge", Switch, |a| a.migration.auto_converge),
     vary_key!("cpu-throttle-initial", "--cpu-throttle-initial",
         Values::Text("percent (1-99)", |v| throttle_percent(v).map(drop)),
@@ -154,6 +157,7 @@ fn perf_once(
         resume_for: Duration::from_millis(a.resume_ms),
         timeout: Duration::from_secs(a.migration.timeout),
         max_memory: 0,
+        max_streams: a.migration.connections,
     };
     let dest = std::thread::spawn(move || Destination::with_guest(dguest, cfg).accept(&listener));
     let r = src.migrate(&addr, &mut on_event(q, a.migration.progress));

@@ -27,17 +27,32 @@ pub(super) fn on_event(q: bool, mode: ProgressArg) -> impl FnMut(Event<'_>) {
     }
 }
 
+/// The connected event: the destination answered (over `connections` page streams).
+fn connected(
+    resume: bool,
+    backend: &str,
+    connections: u32,
+) -> (&'static str, Option<String>, Value) {
+    let text = format!(
+        "connected to a {backend} destination{}{}",
+        when(
+            connections > 1,
+            &format!(" over {connections} page streams")
+        ),
+        when(resume, " that kept this guest's memory: resuming")
+    );
+    let fields = json!({ "resume": resume, "backend": backend, "connections": connections });
+    ("connected", Some(text), fields)
+}
+
 /// An event's name, its text line (none where the text lines already say it) and its fields.
 fn describe(e: &Event<'_>) -> (&'static str, Option<String>, Value) {
     match e {
-        Event::Connected { resume, backend } => (
-            "connected",
-            Some(format!(
-                "connected to a {backend} destination{}",
-                when(*resume, " that kept this guest's memory: resuming")
-            )),
-            json!({ "resume": resume, "backend": backend }),
-        ),
+        Event::Connected {
+            resume,
+            backend,
+            connections,
+        } => connected(*resume, backend, *connections),
         Event::Round(r) => (
             "round",
             Some(format!(

@@ -12,13 +12,17 @@ pub fn print_report(mig: &Migration) {
     let (r, m) = (&mig.r, &mig.migration);
     println!("Guest: {}", mig.guest.describe());
     println!(
-        "Migration: attempt {}{}, to a {} destination; max downtime {} ms{}{}",
+        "Migration: attempt {}{}, to a {} destination; max downtime {} ms{}{}{}",
         r.attempt,
         when(r.resumed, " (resumed the destination's kept memory)"),
         r.dest_backend,
         m.max_downtime,
         (m.bandwidth.map(|b| format!(", bandwidth cap {b} MiB/s"))).unwrap_or_default(),
         when(m.compress == CompressArg::Lz4, ", lz4"),
+        when(
+            r.connections > 1,
+            &format!(", {} page streams", r.connections)
+        ),
     );
     for x in &r.rounds {
         let (last, dirtied) = (x.stop_and_copy, x.dirtied.to_string());
@@ -136,11 +140,12 @@ pub fn print_dest(d: &Dest) {
         r.backend
     );
     println!(
-        "Received: {} pages ({} zero) in {} rounds, {} of stream, in {}",
+        "Received: {} pages ({} zero) in {} rounds, {} of stream{}, in {}",
         r.pages,
         r.zero_pages,
         r.rounds,
         format_size(r.bytes),
+        when(r.streams > 1, &format!(" over {} page streams", r.streams)),
         ts(r.total)
     );
     println!(

@@ -94,6 +94,35 @@ fn migrate_perf_vary_prints_one_table() {
 }
 
 #[test]
+fn migrate_perf_varies_the_page_streams() {
+    let (code, out, err) = small("migrate-perf --resume-ms 0 --vary connections=1,2");
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("| connections |"), "{out}");
+    assert_eq!(out.matches(" ok").count(), 2, "{out}");
+    let (code, out, err) = small("migrate-perf --resume-ms 0 --connections 3 --json");
+    assert_eq!(code, 0, "{err}");
+    let doc: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(doc["connections"], 3);
+    assert_eq!(doc["config"]["connections"], 3);
+    assert_eq!(doc["destination"]["streams"], 3);
+    assert!(doc["destination_resumed"].is_object(), "{out}");
+    assert_eq!(doc["verification"]["ok"], true);
+}
+
+#[test]
+fn page_streams_migrate_across_processes() {
+    let (dest, addr, derr) = listen(&[]);
+    let (code, out, err) = small(&format!("migrate --to {addr} --connections 2"));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("2 page streams"), "{out}");
+    assert!(out.contains("Verification: OK"), "{out}");
+    let (dcode, dout, derr) = finish(dest, derr);
+    assert_eq!(dcode, 0, "{derr}");
+    assert!(dout.contains("over 2 page streams"), "{dout}");
+    assert!(dout.contains("Verification: OK"), "{dout}");
+}
+
+#[test]
 fn bad_flags_exit_2_with_one_line() {
     for cmd in [
         "migrate --to 127.0.0.1:1 -b 12Q",
@@ -111,6 +140,12 @@ fn bad_flags_exit_2_with_one_line() {
         "migrate-perf --vary converge=auto,dirty-limit",
         "migrate-perf --dirty-rate-vcpu0 0",
         "migrate-perf --backend kvm --dirty-rate-vcpu0 5k",
+        "migrate-perf --connections 0",
+        "migrate-perf --connections 17",
+        "migrate-perf --vary connections=1,99",
+        "migrate --to fd:5 --connections 2",
+        "migrate --to file:/tmp/x --connections 2",
+        "migrate-listen --listen 127.0.0.1:0 --connections 0",
     ] {
         let args: Vec<&str> = cmd.split_whitespace().collect();
         let (code, out, err) = slat(&args);

@@ -79,6 +79,7 @@ pub fn dest_config() -> DestConfig {
         resume_for: Duration::ZERO,
         timeout: Duration::from_secs(10),
         max_memory: 0,
+        max_streams: 16,
     }
 }
 

@@ -27,6 +27,8 @@ pub mod ty {
     pub const RESUMED: u8 = 11;
     pub const STATE: u8 = 12;
     pub const STATE_END: u8 = 13;
+    pub const STREAMS: u8 = 20;
+    pub const STREAM_HELLO: u8 = 21;
 }
 
 /// Bytes of a frame header.

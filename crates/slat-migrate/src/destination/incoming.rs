@@ -1,5 +1,6 @@
 //! One connection's receive state and its steps, a frame kind each.
 
+use super::striped::StripedBatch;
 use super::{protocol, send, DestReport};
 use crate::error::{HelloError, MigrateError, PageError, ProtocolError, StreamError};
 use crate::guest::{Guest, Memory};
@@ -33,6 +34,9 @@ pub(super) struct Incoming<'g> {
     buf: Vec<u8>,
     /// One verification range, copied out of guest memory.
     range: Vec<u8>,
+    /// Page streams' batches of a round after the one in progress (their stream ran ahead of
+    /// the control connection's round end), applied when it ends.
+    early: Vec<StripedBatch>,
     /// Device state so far.
     blobs: Vec<StateBlob>,
     /// Its bytes.
@@ -75,6 +79,7 @@ impl<'g> Incoming<'g> {
             round_pages: 0,
             buf: vec![0u8; PAGE_BYTES],
             range: vec![0u8; RANGE_PAGES as usize * PAGE_BYTES],
+            early: Vec::new(),
             blobs: Vec::new(),
             blob_bytes: 0,
             report,
@@ -135,14 +140,12 @@ impl<'g> Incoming<'g> {
                     &self.buf
                 }
             };
-            self.mem.stopped_write_page(PageIndex::new(p), data)?;
+            let zero = self.mem.stopped_write_page_zero(PageIndex::new(p), data)?;
             if !self.digests.is_empty() {
-                // Hash what guest memory now holds, read back (cache-hot), not the buffer:
-                // a write that went astray shows.
-                let back = &mut self.range[..PAGE_BYTES];
-                self.mem
-                    .stopped_read(PageIndex::new(p), PageIndex::new(p + 1), back)?;
-                self.digests.set(p, verify::page_digest(back));
+                // The digest of the bytes written, not of a read-back: reading the page back
+                // through the same address straight after the store could only show a broken
+                // store loop, and cost a third of this path (docs/design/migration.md).
+                self.digests.set(p, verify::page_digest_known(data, zero));
             }
             self.report.pages += 1;
             self.report.zero_pages += (enc == stream::Encoding::Zero) as u64;
@@ -155,6 +158,73 @@ impl<'g> Incoming<'g> {
             .checked_add(1)
             .ok_or_else(|| protocol(phase, ProtocolError::Overflow { what: "batch" }))?;
         Ok(())
+    }
+
+    /// Nothing of this connection's rounds has arrived: page streams may still be set up.
+    pub(super) fn fresh(&self) -> bool {
+        self.state == State::Rounds
+            && self.seq == 0
+            && self.report.rounds == 0
+            && self.round_pages == 0
+            && self.early.is_empty()
+    }
+
+    /// The guest received into.
+    pub(super) fn guest(&self) -> &'g dyn Guest {
+        self.guest
+    }
+
+    /// Page digests are kept ([`VerifyMode::Sent`]).
+    pub(super) fn wants_digests(&self) -> bool {
+        !self.digests.is_empty()
+    }
+
+    /// The source's session and attempt.
+    pub(super) fn session(&self) -> (u64, u32) {
+        (self.report.session, self.report.attempt)
+    }
+
+    /// Page streams in use (their pages arrive through [`Incoming::striped`]).
+    pub(super) fn set_streams(&mut self, n: u32) {
+        self.report.streams = n;
+    }
+
+    /// Most batches held for a later round: a window of batches per stream, and no more.
+    const MAX_EARLY: usize = 16 * 1024;
+
+    /// A page stream's batch, already checked, written and hashed on its thread: counted in
+    /// its round and its digests kept. A batch of a later round waits for that round.
+    pub(super) fn striped(&mut self, b: StripedBatch, phase: &str) -> Result<(), MigrateError> {
+        let want = self.report.rounds;
+        if self.state != State::Rounds || b.round < want {
+            return Err(protocol(
+                phase,
+                ProtocolError::StreamRound { got: b.round, want },
+            ));
+        }
+        if b.round > want {
+            if self.early.len() >= Self::MAX_EARLY {
+                return Err(protocol(
+                    phase,
+                    ProtocolError::StreamRound { got: b.round, want },
+                ));
+            }
+            self.early.push(b);
+            return Ok(());
+        }
+        for &(p, d) in &b.digests {
+            self.digests.set(p, d);
+        }
+        self.report.pages += b.pages;
+        self.report.zero_pages += b.zero;
+        self.round_pages += b.pages;
+        Ok(())
+    }
+
+    /// Whether page-stream batches of a later round are held (nothing but that round's end
+    /// may come on the control connection then).
+    pub(super) fn holds_early(&self) -> bool {
+        !self.early.is_empty()
     }
 
     /// The end of a round: it must be the round in progress and count the pages its batches
@@ -192,6 +262,10 @@ impl<'g> Incoming<'g> {
         self.round_pages = 0;
         // Range hashes of what this round wrote; the source paused only for the last one.
         self.digests.refresh();
+        // Page streams' batches of the round now in progress.
+        for b in std::mem::take(&mut self.early) {
+            self.striped(b, phase)?;
+        }
         Ok(())
     }
 

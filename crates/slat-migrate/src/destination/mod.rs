@@ -2,6 +2,7 @@
 //! connection after the handshake.
 
 mod incoming;
+mod striped;
 
 use crate::error::{Cause, HelloError, MigrateError, ProtocolError, StreamError};
 use crate::guest::{Guest, MemoryMap};
@@ -13,6 +14,9 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// Accepts the next connection of a migration in progress (its page streams).
+pub type Accept<'a> = &'a mut dyn FnMut() -> Result<Channel, MigrateError>;
 
 /// Builds a guest for the memory map (checked) and machine description the source
 /// announces; a map it cannot build is [`HelloError::Mismatch`], a description it cannot
@@ -30,6 +34,9 @@ pub struct DestConfig {
     /// Largest guest accepted, bytes (0: no limit of its own). The host's RAM and swap bound
     /// it in any case ([`crate::limits::memory_limit`]).
     pub max_memory: u64,
+    /// Most page streams a source may open beside the control connection (at most
+    /// [`stream::MAX_STREAMS`]; 0 or 1: none, the pages come over the one connection).
+    pub max_streams: u32,
 }
 
 impl Default for DestConfig {
@@ -38,6 +45,7 @@ impl Default for DestConfig {
             resume_for: Duration::from_millis(100),
             timeout: Duration::from_secs(30),
             max_memory: 0,
+            max_streams: stream::MAX_STREAMS,
         }
     }
 }
@@ -71,6 +79,8 @@ pub struct DestReport {
     pub bytes: u64,
     /// Rounds received.
     pub rounds: u32,
+    /// Page streams beside the control connection (0: the pages came over it).
+    pub streams: u32,
     /// Hello to welcome (building the machine).
     pub setup: Duration,
     /// Preamble to commit.
@@ -165,12 +175,31 @@ impl Destination {
         self.session.is_some()
     }
 
-    /// Accepts one connection on `listener` and serves it.
+    /// Accepts one connection on `listener` and serves it (and the page streams its source
+    /// opens, from the same listener).
     pub fn accept(&mut self, listener: &TcpListener) -> Result<DestReport, MigrateError> {
+        let timeout = self.cfg.timeout;
+        if timeout.is_zero() {
+            return Err(MigrateError::ZeroTimeout);
+        }
         let (s, _) = listener.accept().map_err(|e| {
             MigrateError::stream("accepting a connection", StreamError::Io(Cause::new(e)))
         })?;
-        self.serve(s)
+        let c = Channel::tcp(s, timeout)
+            .map_err(|e| MigrateError::stream("accepting", StreamError::Io(Cause::new(e))))?;
+        let mut next = || crate::transport::accept_tcp_within(listener, timeout, timeout);
+        self.serve_streams(c, &mut next)
+    }
+
+    /// Accepts one migration on `l` and serves it, with the page streams its source opens
+    /// (accepted from `l` too).
+    pub fn accept_from(
+        &mut self,
+        l: &mut crate::transport::Listener,
+    ) -> Result<DestReport, MigrateError> {
+        let t = self.cfg.timeout;
+        let c = l.accept(t)?;
+        self.serve_streams(c, &mut || l.accept_within(t, t))
     }
 
     /// Receives one migration over TCP stream `s`.
@@ -185,8 +214,28 @@ impl Destination {
 
     /// Receives one migration over `c` (see [`crate::transport`]). On success the guest is
     /// this side's (and has run for [`DestConfig::resume_for`]); on failure the session is
-    /// kept for a source that reconnects.
+    /// kept for a source that reconnects. A source asking for page streams is refused
+    /// ([`Destination::serve_streams`] takes them).
     pub fn serve_channel(&mut self, c: Channel) -> Result<DestReport, MigrateError> {
+        self.serve_inner(c, None)
+    }
+
+    /// [`Destination::serve_channel`], taking the page streams a source asks for
+    /// ([`crate::SourceConfig::connections`]) from `accept`: each must open with its header
+    /// naming this migration's session and attempt and a stream index, each index once.
+    pub fn serve_streams(
+        &mut self,
+        c: Channel,
+        accept: Accept<'_>,
+    ) -> Result<DestReport, MigrateError> {
+        self.serve_inner(c, Some(accept))
+    }
+
+    fn serve_inner(
+        &mut self,
+        c: Channel,
+        accept: Option<Accept<'_>>,
+    ) -> Result<DestReport, MigrateError> {
         let Channel {
             reader,
             writer: mut out,
@@ -218,7 +267,15 @@ impl Destination {
             ));
         };
         let mut reader = FrameReader::new(reader, self.cfg.timeout);
-        let r = self.receive(&mut reader, &mut out);
+        let mut link = Control {
+            reader: &mut reader,
+            out: &mut out,
+            close: closer.clone(),
+            accept,
+            timeout: self.cfg.timeout,
+            max_streams: self.cfg.max_streams.min(stream::MAX_STREAMS),
+        };
+        let r = self.receive(&mut link);
         if let (Err(e), Some(w)) = (&r, &mut out) {
             // Tell the source why, if it still listens; it may already be gone.
             let why = match e {
@@ -237,11 +294,8 @@ impl Destination {
 
     /// Receives one migration: the handshake, then the protocol's frames in order (each kind
     /// handled by a step of [`Incoming`]), until the commit hands the guest over.
-    fn receive(
-        &mut self,
-        reader: &mut FrameReader<Box<dyn Read + Send>>,
-        out: &mut Option<Box<dyn Write + Send>>,
-    ) -> Result<DestReport, MigrateError> {
+    fn receive(&mut self, link: &mut Control<'_, '_>) -> Result<DestReport, MigrateError> {
+        let (reader, out) = (&mut *link.reader, &mut *link.out);
         let t0 = Instant::now();
         let hello = read_hello(reader)?;
         if hello.one_way != out.is_none() {
@@ -272,14 +326,14 @@ impl Destination {
             None => Digests::default(),
         };
         let mut inc = Incoming::new(&*guest, report, hello.verify, digests)?;
-        let r = frames(&mut inc, reader, out);
+        let r = frames(&mut inc, link);
         // The digests describe the memory kept for a resume.
         if let Some(s) = &mut self.session {
             s.digests = std::mem::take(&mut inc.digests);
         }
-        r?;
-        let mut report = inc.finish(t0, reader.offset());
-        self.commit(&guest, &mut report, out)?;
+        let bytes = r?;
+        let mut report = inc.finish(t0, link.reader.offset() + bytes);
+        self.commit(&guest, &mut report, link.out)?;
         Ok(report)
     }
 
@@ -380,62 +434,107 @@ impl Destination {
     }
 }
 
+/// The control connection of one migration and what goes with it.
+struct Control<'r, 'a> {
+    reader: &'r mut FrameReader<Box<dyn Read + Send>>,
+    out: &'r mut Option<Box<dyn Write + Send>>,
+    /// Breaks the connection off (unblocks a reader thread).
+    close: Option<crate::transport::Closer>,
+    /// Where page streams come from, if this destination takes them.
+    accept: Option<Accept<'a>>,
+    timeout: Duration,
+    /// Most page streams taken.
+    max_streams: u32,
+}
+
+/// What a control frame did.
+enum Step {
+    /// Go on.
+    More,
+    /// The commit: the guest is this side's.
+    Commit,
+}
+
 /// The protocol's frames in order, each kind handled by a step of [`Incoming`], until the
-/// verified stream's commit.
-fn frames(
-    inc: &mut Incoming<'_>,
-    reader: &mut FrameReader<Box<dyn Read + Send>>,
-    out: &mut Option<Box<dyn Write + Send>>,
-) -> Result<(), MigrateError> {
+/// verified stream's commit; a source's page streams switch to [`striped::receive`]. Returns
+/// the bytes the page streams read (0 without them).
+fn frames(inc: &mut Incoming<'_>, link: &mut Control<'_, '_>) -> Result<u64, MigrateError> {
     loop {
         let phase = inc.phase();
-        let m = reader
+        let m = link
+            .reader
             .read_msg("the switch-over")
             .map_err(|e| MigrateError::stream(phase.clone(), e))?;
         match (inc.state, m) {
-            (State::Rounds, Msg::Pages(b)) => inc.pages(&b, &phase, reader.offset(), out)?,
-            (State::Rounds, Msg::RoundEnd { round, pages }) => {
-                inc.round_end(round, pages, &phase)?
+            (State::Rounds, Msg::Pages(b)) => {
+                inc.pages(&b, &phase, link.reader.offset(), link.out)?;
+                link.reader.recycle(b.data);
             }
-            (State::Rounds | State::Device, Msg::State(b)) => inc.state_blob(b, &phase)?,
-            (State::Rounds | State::Device, Msg::StateEnd { blobs, bytes }) => {
-                inc.state_end(blobs, bytes, &phase)?
+            (_, Msg::Streams { count }) if inc.fresh() => {
+                return striped::receive(inc, link, count, &phase);
             }
-            (State::Rounds | State::Device, Msg::Hashes { .. } | Msg::Verify { .. }) => {
-                return Err(protocol(&phase, ProtocolError::NoState))
-            }
-            (State::Restored | State::Hashes, Msg::Hashes { first, hashes }) => {
-                inc.hashes(first, &hashes, &phase)?
-            }
-            (
-                State::Restored | State::Hashes,
-                Msg::Verify {
-                    ranges,
-                    range_pages,
-                },
-            ) => inc.verify(ranges, range_pages, &phase, out)?,
-            (State::Verified, Msg::Commit) => return Ok(()),
-            (_, Msg::Commit) => return Err(protocol(&phase, ProtocolError::EarlyCommit)),
-            (_, Msg::Refuse(reason)) => {
-                return Err(MigrateError::Refused {
-                    who: "source",
-                    reason,
-                })
-            }
-            (State::Hashes | State::Verified, m @ (Msg::Pages(_) | Msg::RoundEnd { .. })) => {
-                return Err(protocol(
-                    &phase,
-                    ProtocolError::AfterHashes { msg: m.name() },
-                ))
-            }
-            (_, m) => {
-                return Err(protocol(
-                    &phase,
-                    ProtocolError::Unexpected { msg: m.name() },
-                ))
+            (state, m) => {
+                if let Step::Commit = control(inc, state, m, &phase, link.out)? {
+                    return Ok(0);
+                }
             }
         }
     }
+}
+
+/// One control frame (anything but a batch of pages) in protocol state `state`.
+fn control(
+    inc: &mut Incoming<'_>,
+    state: State,
+    m: Msg,
+    phase: &str,
+    out: &mut Option<Box<dyn Write + Send>>,
+) -> Result<Step, MigrateError> {
+    match (state, m) {
+        (State::Rounds, Msg::RoundEnd { round, pages }) => inc.round_end(round, pages, phase)?,
+        (State::Rounds | State::Device, Msg::State(b)) => inc.state_blob(b, phase)?,
+        (State::Rounds | State::Device, Msg::StateEnd { blobs, bytes }) => {
+            inc.state_end(blobs, bytes, phase)?
+        }
+        (State::Rounds | State::Device, Msg::Hashes { .. } | Msg::Verify { .. }) => {
+            return Err(protocol(phase, ProtocolError::NoState))
+        }
+        (State::Restored | State::Hashes, Msg::Hashes { first, hashes }) => {
+            inc.hashes(first, &hashes, phase)?
+        }
+        (
+            State::Restored | State::Hashes,
+            Msg::Verify {
+                ranges,
+                range_pages,
+            },
+        ) => inc.verify(ranges, range_pages, phase, out)?,
+        (State::Verified, Msg::Commit) => return Ok(Step::Commit),
+        (_, Msg::Commit) => return Err(protocol(phase, ProtocolError::EarlyCommit)),
+        (_, Msg::Refuse(reason)) => {
+            return Err(MigrateError::Refused {
+                who: "source",
+                reason,
+            })
+        }
+        (_, Msg::Streams { count }) => {
+            return Err(protocol(
+                phase,
+                ProtocolError::StreamCount {
+                    count,
+                    max: stream::MAX_STREAMS,
+                },
+            ))
+        }
+        (State::Hashes | State::Verified, m @ (Msg::Pages(_) | Msg::RoundEnd { .. })) => {
+            return Err(protocol(
+                phase,
+                ProtocolError::AfterHashes { msg: m.name() },
+            ))
+        }
+        (_, m) => return Err(protocol(phase, ProtocolError::Unexpected { msg: m.name() })),
+    }
+    Ok(Step::More)
 }
 
 /// Reads the preamble and the hello that must follow it.

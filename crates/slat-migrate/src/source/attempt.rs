@@ -66,11 +66,14 @@ impl Source {
         let guest = self.guest.clone();
         let mem = Memory::new(&*guest).map_err(GuestError::from)?;
         self.handshake(conn, &mem, &mut report)?;
+        self.open_streams(conn)?;
+        report.connections = self.cfg.connections;
         report.setup = t_connect.elapsed();
         let (starts, ro) = self.prepare_log(&mem, report.resumed)?;
         progress(Event::Connected {
             resume: report.resumed,
             backend: &report.dest_backend,
+            connections: report.connections,
         });
         if !self.logging {
             self.guest.set_dirty_logging(true)?;

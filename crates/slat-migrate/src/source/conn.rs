@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Frames the reader thread received, or why it stopped.
-type Inbox = Receiver<Result<Msg, StreamError>>;
+pub(super) type Inbox = Receiver<Result<Msg, StreamError>>;
 
 /// The connection of one attempt.
 pub(super) struct Conn {
@@ -20,9 +20,29 @@ pub(super) struct Conn {
     pub(super) timeout: Duration,
     /// Where the channel leads.
     pub(super) peer: String,
+    /// Page streams beside this connection (empty: the pages go over it).
+    pub(super) streams: Vec<super::striped::PageStream>,
 }
 
 impl Conn {
+    /// Bytes written over this connection and its page streams.
+    pub(super) fn written(&self) -> u64 {
+        self.link.written() + self.streams.iter().map(|s| s.link.written()).sum::<u64>()
+    }
+
+    /// Closes the page streams and waits for their reader threads.
+    pub(super) fn close_streams(&mut self) {
+        for s in &self.streams {
+            if let Some(c) = &s.close {
+                c();
+            }
+        }
+        for s in self.streams.drain(..) {
+            drop(s.inbox);
+            let _ = s.thread.join();
+        }
+    }
+
     pub(super) fn send_raw(&mut self, bytes: &[u8], phase: &str) -> Result<(), MigrateError> {
         match self.link.write_all(bytes) {
             Ok(()) => Ok(()),
@@ -134,13 +154,23 @@ pub(super) fn spawn_reader(
     s: Box<dyn Read + Send>,
     timeout: Duration,
 ) -> Result<(Inbox, JoinHandle<()>), MigrateError> {
+    spawn_reader_idle(s, timeout, false)
+}
+
+/// [`spawn_reader`]; with `idle`, the connection may sit silent for longer than the timeout
+/// between frames (a page stream between rounds): its owner watches the time and closes it.
+pub(super) fn spawn_reader_idle(
+    s: Box<dyn Read + Send>,
+    timeout: Duration,
+    idle: bool,
+) -> Result<(Inbox, JoinHandle<()>), MigrateError> {
     let (tx, rx): (SyncSender<_>, _) = mpsc::sync_channel(INBOX);
     let h = std::thread::Builder::new()
         .name("migrate-acks".into())
         .spawn(move || {
             let mut r = FrameReader::new(s, timeout);
             loop {
-                let m = match r.read_msg("the destination's reply") {
+                let m = match r.read_msg_waiting("the destination's reply", &|| idle) {
                     Ok(
                         m @ (Msg::Welcome { .. }
                         | Msg::Refuse(_)

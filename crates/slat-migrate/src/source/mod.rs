@@ -9,12 +9,13 @@ mod attempt;
 mod conn;
 mod rounds;
 mod sender;
+mod striped;
 
 use crate::dirty_limit::{DirtyLimitConfig, RingCounts};
 use crate::error::{Cause, MigrateError};
 use crate::guest::{splitmix, Guest, GuestHarvester, GuestLog, Memory};
 use crate::link::{Faults, Link};
-use crate::stream::{Compression, MAX_BATCH_PAGES};
+use crate::stream::{Compression, MAX_BATCH_PAGES, MAX_STREAMS};
 use crate::transport::{self, Channel, Endpoint};
 use crate::verify::{Digests, VerifyMode};
 use conn::{spawn_reader, Conn};
@@ -55,6 +56,11 @@ pub struct SourceConfig {
     pub dirty_limit: Option<DirtyLimitConfig>,
     /// Pages per batch (one acknowledgement each).
     pub batch_pages: u32,
+    /// Page streams: 1 sends the pages over the one connection; N > 1 (at most
+    /// [`crate::stream::MAX_STREAMS`]) opens N connections of their own beside it, stripes
+    /// the batches across them and reads, hashes and compresses each stream's pages on a
+    /// thread of its own. Needs an endpoint to connect to (`tcp:` or `unix:`).
+    pub connections: u32,
     /// Connect, write and acknowledgement timeout.
     pub timeout: Duration,
     /// Deliberate faults (tests).
@@ -76,6 +82,7 @@ impl Default for SourceConfig {
             throttle_tailslow: false,
             dirty_limit: None,
             batch_pages: 256,
+            connections: 1,
             timeout: Duration::from_secs(30),
             faults: Faults::default(),
         }
@@ -119,7 +126,9 @@ pub struct MigrationReport {
     pub resumed: bool,
     /// The destination's machine.
     pub dest_backend: String,
-    /// Connect to the destination's welcome.
+    /// Page streams (1: the pages went over the one connection).
+    pub connections: u32,
+    /// Connect to the destination's welcome (and the page streams open).
     pub setup: Duration,
     /// Connect to switch-over.
     pub total: Duration,
@@ -234,6 +243,8 @@ pub enum Event<'a> {
         resume: bool,
         /// Its machine.
         backend: &'a str,
+        /// Page streams open to it (1: the pages go over the one connection).
+        connections: u32,
     },
     /// A round finished (its `dirtied` is filled in by the next harvest, so still 0 here).
     Round(&'a RoundReport),
@@ -354,6 +365,8 @@ pub struct Source {
     digests: Digests,
     /// Ring entries per vCPU, counted by the harvester's log in the ring mode (dirty-limit).
     ring_counts: Arc<RingCounts>,
+    /// Where the attempt in progress connected (page streams connect there too).
+    endpoint: Option<Endpoint>,
 }
 
 impl Source {
@@ -376,6 +389,7 @@ impl Source {
             was_running: false,
             digests: Digests::default(),
             ring_counts: Arc::default(),
+            endpoint: None,
         }
     }
 
@@ -432,8 +446,13 @@ impl Source {
         progress: &mut dyn FnMut(Event<'_>),
     ) -> Result<MigrationReport, MigrateError> {
         self.check()?;
+        if self.cfg.connections > 1 && !matches!(to, Endpoint::Tcp(_) | Endpoint::Unix(_)) {
+            return Err(MigrateError::StreamsNeedEndpoint(self.cfg.connections));
+        }
         self.attempts += 1;
+        self.endpoint = Some(to.clone());
         let r = transport::connect(to, self.cfg.timeout).and_then(|c| self.attempt(c, progress));
+        self.endpoint = None;
         self.settle_attempt(r)
     }
 
@@ -445,6 +464,9 @@ impl Source {
         progress: &mut dyn FnMut(Event<'_>),
     ) -> Result<MigrationReport, MigrateError> {
         self.check()?;
+        if self.cfg.connections > 1 {
+            return Err(MigrateError::StreamsNeedEndpoint(self.cfg.connections));
+        }
         self.attempts += 1;
         let r = self.attempt(channel, progress);
         self.settle_attempt(r)
@@ -459,6 +481,9 @@ impl Source {
         }
         if self.cfg.batch_pages == 0 || self.cfg.batch_pages > MAX_BATCH_PAGES {
             return Err(MigrateError::BatchPages(self.cfg.batch_pages));
+        }
+        if self.cfg.connections == 0 || self.cfg.connections > MAX_STREAMS {
+            return Err(MigrateError::Connections(self.cfg.connections));
         }
         if let Some(dl) = self.cfg.dirty_limit {
             dl.check()?;
@@ -524,8 +549,10 @@ impl Source {
             inbox,
             timeout: self.cfg.timeout,
             peer,
+            streams: Vec::new(),
         };
         let r = self.run(&mut conn, t_connect, progress);
+        conn.close_streams();
         // Ends the reader thread whatever happened: its read fails, and with the inbox gone a
         // send it is blocked in (the channel is bounded) fails too.
         if let Some(c) = close {

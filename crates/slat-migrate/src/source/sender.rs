@@ -66,7 +66,24 @@ impl Limit {
     }
 }
 
+/// What a round is, for [`Sender::round_striped`].
+pub(super) struct RoundSpec {
+    pub(super) throttle: u32,
+    pub(super) round: u32,
+    pub(super) stop_and_copy: bool,
+    pub(super) resync: Option<std::time::Duration>,
+}
+
 impl Sender {
+    /// The pages of a round: those of `owed`, then the read-only pages still owed.
+    pub(super) fn todo(&self, owed: &RoundSet<'_>) -> Vec<Page> {
+        let mut todo = pages_of(owed, &self.starts);
+        for &(first, n) in &self.ro {
+            todo.extend((first..first + n).map(|p| (NO_SLOT, 0, p)));
+        }
+        todo
+    }
+
     /// Read-only pages still owed.
     pub(super) fn ro_pages(&self) -> u64 {
         self.ro.iter().map(|r| r.1).sum()
@@ -131,10 +148,10 @@ impl Sender {
             let digests = &mut self.digests;
             self.builder.push_with(
                 PageIndex::new(p),
-                |out| mem.read_page(PageIndex::new(p), out),
-                |page| {
+                |out| mem.read_page_zero(PageIndex::new(p), out),
+                |page, zero| {
                     if !digests.is_empty() {
-                        digests.set(p, verify::page_digest(page));
+                        digests.set(p, verify::page_digest_known(page, zero));
                     }
                 },
             )?;
@@ -172,11 +189,17 @@ impl Sender {
         progress: &mut dyn FnMut(Event<'_>),
     ) -> Result<RoundReport, MigrateError> {
         let t0 = Instant::now();
-        let bytes0 = conn.link.written();
-        let mut todo = pages_of(owed, &self.starts);
-        for &(first, n) in &self.ro {
-            todo.extend((first..first + n).map(|p| (NO_SLOT, 0, p)));
+        if !conn.streams.is_empty() {
+            let spec = RoundSpec {
+                throttle,
+                round,
+                stop_and_copy,
+                resync,
+            };
+            return self.round_striped(conn, mem, owed, spec, phase, progress);
         }
+        let bytes0 = conn.link.written();
+        let todo = self.todo(owed);
         let mut inflight: VecDeque<(u64, Vec<Page>)> = VecDeque::new();
         let mut zero = 0u64;
         let resync = resync.filter(|_| self.ro.is_empty() && !stop_and_copy);
@@ -236,7 +259,12 @@ impl Sender {
 /// Whether a round that began at `t0` and has sent `sent` pages ends now, `left` pages
 /// before its end: they could be sent within `limit` at the round's rate so far. Only after
 /// [`RESYNC_MIN_TIME`], so the rate is the link's and not the socket buffer's.
-fn resync_now(t0: Instant, sent: usize, left: usize, limit: std::time::Duration) -> bool {
+pub(super) fn resync_now(
+    t0: Instant,
+    sent: usize,
+    left: usize,
+    limit: std::time::Duration,
+) -> bool {
     let spent = t0.elapsed();
     if spent < RESYNC_MIN_TIME {
         return false;
@@ -252,14 +280,14 @@ const RESYNC_MIN_TIME: std::time::Duration = std::time::Duration::from_millis(10
 
 /// A page of a round: (slot index in the harvester, page in the slot, memory index); a
 /// read-only page has the slot [`NO_SLOT`].
-type Page = (usize, u64, u64);
+pub(super) type Page = (usize, u64, u64);
 
 /// The slot of a page without a dirty log (a read-only region's).
-const NO_SLOT: usize = usize::MAX;
+pub(super) const NO_SLOT: usize = usize::MAX;
 
 /// The pages of `set`, in memory-index order (`starts`: each slot's first memory index,
 /// checked against the map by [`crate::MemoryMap::log_starts`]).
-fn pages_of(set: &RoundSet<'_>, starts: &[u64]) -> Vec<Page> {
+pub(super) fn pages_of(set: &RoundSet<'_>, starts: &[u64]) -> Vec<Page> {
     let mut out = Vec::with_capacity(usize::try_from(set.pages()).unwrap_or(0));
     for (i, &start) in starts.iter().enumerate().take(set.slot_info().len()) {
         for (first, n) in set.ranges(i) {
@@ -271,7 +299,7 @@ fn pages_of(set: &RoundSet<'_>, starts: &[u64]) -> Vec<Page> {
 
 /// Applies an acknowledgement: the pages of the oldest batch in flight have landed, and leave
 /// the set (a later abort does not owe them again).
-fn settle(
+pub(super) fn settle(
     m: Msg,
     inflight: &mut VecDeque<(u64, Vec<Page>)>,
     owed: &mut RoundSet<'_>,
@@ -281,16 +309,32 @@ fn settle(
         return Err(unexpected(phase, &m));
     };
     match inflight.pop_front() {
-        Some((s, pages)) if s == seq => {
-            for (slot, off, _) in pages.into_iter().filter(|p| p.0 != NO_SLOT) {
-                owed.commit_pages(slot, PageIndex::new(off), 1)
-                    .map_err(GuestError::harvest)?;
-            }
-            Ok(())
-        }
+        Some((s, pages)) if s == seq => commit_acked(&pages, owed),
         _ => Err(MigrateError::stream(
             phase,
             StreamError::Protocol(ProtocolError::AckOrder { seq }),
         )),
     }
+}
+
+/// The pages of an acknowledged batch leave the set (a later abort does not owe them again),
+/// in runs of consecutive pages of one slot: one bitmap update per run.
+pub(super) fn commit_acked(pages: &[Page], owed: &mut RoundSet<'_>) -> Result<(), MigrateError> {
+    let mut run: Option<(usize, u64, u64)> = None;
+    for &(slot, off, _) in pages.iter().filter(|p| p.0 != NO_SLOT) {
+        match &mut run {
+            Some((s, first, n)) if *s == slot && *first + *n == off => *n += 1,
+            _ => {
+                if let Some((s, first, n)) = run.replace((slot, off, 1)) {
+                    owed.commit_pages(s, PageIndex::new(first), n)
+                        .map_err(GuestError::harvest)?;
+                }
+            }
+        }
+    }
+    if let Some((s, first, n)) = run {
+        owed.commit_pages(s, PageIndex::new(first), n)
+            .map_err(GuestError::harvest)?;
+    }
+    Ok(())
 }

@@ -3,8 +3,8 @@
 use super::{
     Batch, Compression, Encoding, Hello, Msg, Region, MAX_BATCH_PAGES, MAX_HASHES, MAX_MACHINE,
     MAX_REGIONS, MAX_STATE_BLOB, MAX_STATE_ID, MAX_TEXT, PAGE_BYTES, T_ACK, T_COMMIT, T_HASHES,
-    T_HELLO, T_PAGES, T_REFUSE, T_RESUMED, T_ROUND_END, T_STATE, T_STATE_END, T_VERIFIED, T_VERIFY,
-    T_WELCOME,
+    T_HELLO, T_PAGES, T_REFUSE, T_RESUMED, T_ROUND_END, T_STATE, T_STATE_END, T_STREAMS,
+    T_STREAM_HELLO, T_VERIFIED, T_VERIFY, T_WELCOME,
 };
 use crate::error::{Corruption, StreamError};
 use crate::state::StateBlob;
@@ -44,6 +44,12 @@ impl Msg {
             T_STATE_END => Msg::StateEnd {
                 blobs: d.u32()?,
                 bytes: d.u64()?,
+            },
+            T_STREAMS => Msg::Streams { count: d.u32()? },
+            T_STREAM_HELLO => Msg::StreamHello {
+                session: d.u64()?,
+                attempt: d.u32()?,
+                index: d.u32()?,
             },
             T_COMMIT => Msg::Commit,
             T_RESUMED => Msg::Resumed {

@@ -4,7 +4,7 @@
 use super::{
     Compression, Encoding, Hello, Msg, HEADER_LEN, MAGIC, MAX_BATCH_PAGES, MAX_TEXT, PAGE_BYTES,
     PREAMBLE_LEN, T_ACK, T_COMMIT, T_HASHES, T_HELLO, T_PAGES, T_REFUSE, T_RESUMED, T_ROUND_END,
-    T_STATE, T_STATE_END, T_VERIFIED, T_VERIFY, T_WELCOME,
+    T_STATE, T_STATE_END, T_STREAMS, T_STREAM_HELLO, T_VERIFIED, T_VERIFY, T_WELCOME,
 };
 use slat_addr::PageIndex;
 use std::io::Write;
@@ -80,6 +80,7 @@ impl Msg {
                 put_u64(out, *bytes);
                 T_STATE_END
             }
+            Msg::Streams { .. } | Msg::StreamHello { .. } => put_streams(out, self),
             Msg::Commit => T_COMMIT,
             Msg::Resumed { touched, micros } => {
                 put_u64(out, *touched);
@@ -87,6 +88,28 @@ impl Msg {
                 T_RESUMED
             }
         }
+    }
+}
+
+/// The page streams' frames: the count announced, and a stream's header.
+fn put_streams(out: &mut Vec<u8>, m: &Msg) -> u8 {
+    match *m {
+        Msg::Streams { count } => {
+            put_u32(out, count);
+            T_STREAMS
+        }
+        Msg::StreamHello {
+            session,
+            attempt,
+            index,
+        } => {
+            put_u64(out, session);
+            put_u32(out, attempt);
+            put_u32(out, index);
+            T_STREAM_HELLO
+        }
+        // Only the two above are passed here.
+        _ => 0,
     }
 }
 
@@ -194,33 +217,38 @@ impl BatchBuilder {
                 let n = data.len().min(PAGE_BYTES);
                 out[..n].copy_from_slice(&data[..n]);
                 out[n..].fill(0);
-                Ok::<(), ()>(())
+                Ok::<bool, ()>(out.iter().fold(0u8, |a, &b| a | b) == 0)
             },
-            |_| {},
+            |_, _| {},
         );
     }
 
     /// Adds page `page` (a memory index) whose contents `fill` writes into the frame (one
-    /// page; `fill` writes all of it, the space holds an earlier batch's bytes); `seen` then gets the page as it will arrive (before
-    /// compression), e.g. to hash it. On an error from `fill` the batch is as before.
+    /// page; `fill` writes all of it, the space holds an earlier batch's bytes) and says
+    /// whether they are all zero (found while copying, so nothing scans the page again; a
+    /// wrong answer sends a wrong page, which verification reports). `seen` then gets the page
+    /// as it will arrive (before compression) and that answer, e.g. to hash it. On an error
+    /// from `fill` the batch is as before.
     pub fn push_with<E>(
         &mut self,
         page: PageIndex,
-        fill: impl FnOnce(&mut [u8]) -> Result<(), E>,
-        seen: impl FnOnce(&[u8]),
+        fill: impl FnOnce(&mut [u8]) -> Result<bool, E>,
+        seen: impl FnOnce(&[u8], bool),
     ) -> Result<(), E> {
         let at = self.len;
         self.put(&page.raw().to_le_bytes());
         self.put(&[Encoding::Raw as u8]);
         let data = self.room(PAGE_BYTES);
-        if let Err(e) = fill(&mut self.buf[data.clone()]) {
-            self.len = at;
-            return Err(e);
-        }
+        let zero = match fill(&mut self.buf[data.clone()]) {
+            Ok(z) => z,
+            Err(e) => {
+                self.len = at;
+                return Err(e);
+            }
+        };
         let bytes = &self.buf[data.clone()];
-        seen(bytes);
-        // OR-reduce instead of an early-exit scan: it vectorises, and 4 KiB is cheap.
-        if bytes.iter().fold(0u8, |a, &b| a | b) == 0 {
+        seen(bytes, zero);
+        if zero {
             self.buf[at + 8] = Encoding::Zero as u8;
             self.len = data.start;
             self.zero += 1;

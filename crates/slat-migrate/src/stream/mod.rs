@@ -51,6 +51,8 @@ pub const VERSION: u32 = 3;
 pub(crate) const PAGE_BYTES: usize = slat_addr::PAGE_SIZE as usize;
 /// Largest frame payload (a batch of [`MAX_BATCH_PAGES`] raw pages fits with room to spare).
 pub const MAX_FRAME: u32 = 4 << 20;
+/// Most page streams of one migration beside its control connection ([`Msg::Streams`]).
+pub const MAX_STREAMS: u32 = 16;
 /// Most pages in one [`Msg::Pages`] batch.
 pub const MAX_BATCH_PAGES: u32 = 512;
 /// Most hashes in one [`Msg::Hashes`] frame.
@@ -262,6 +264,22 @@ pub enum Msg {
     },
     /// Source: switch over; the guest now runs on the destination.
     Commit,
+    /// Source, on the control connection right after the welcome: `count` page streams
+    /// follow, each a connection of its own opening with [`Msg::StreamHello`]; the pages go
+    /// over them and only the control frames over this one.
+    Streams {
+        /// Page streams (2 to [`MAX_STREAMS`]).
+        count: u32,
+    },
+    /// Source, first frame of a page stream: whose it is.
+    StreamHello {
+        /// The session of the control connection's hello.
+        session: u64,
+        /// Its attempt.
+        attempt: u32,
+        /// This stream's index (below the count announced).
+        index: u32,
+    },
     /// Destination: the guest ran on the destination.
     Resumed {
         /// Pages its vCPUs touched.
@@ -360,6 +378,8 @@ const T_COMMIT: u8 = 10;
 const T_RESUMED: u8 = 11;
 const T_STATE: u8 = 12;
 const T_STATE_END: u8 = 13;
+const T_STREAMS: u8 = 20;
+const T_STREAM_HELLO: u8 = 21;
 
 impl Msg {
     /// A short name for messages and errors.
@@ -378,6 +398,8 @@ impl Msg {
             Msg::Resumed { .. } => "resumed",
             Msg::State(_) => "device state",
             Msg::StateEnd { .. } => "device state end",
+            Msg::Streams { .. } => "streams",
+            Msg::StreamHello { .. } => "stream hello",
         }
     }
 }

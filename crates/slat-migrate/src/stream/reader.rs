@@ -1,7 +1,7 @@
 //! Reading: the preamble and then frames off a byte stream, each checked before it is
 //! decoded.
 
-use super::{Msg, HEADER_LEN, MAGIC, MAX_FRAME, PAGE_BYTES, PREAMBLE_LEN, VERSION};
+use super::{Msg, HEADER_LEN, MAGIC, MAX_FRAME, PAGE_BYTES, PREAMBLE_LEN, T_PAGES, VERSION};
 use crate::error::{Corruption, StreamError};
 use std::io::Read;
 use std::time::Duration;
@@ -11,6 +11,9 @@ pub struct FrameReader<R> {
     r: R,
     offset: u64,
     timeout: Duration,
+    /// A page batch's payload handed back ([`FrameReader::recycle`]) for the next batch: a
+    /// 2 MiB buffer allocated and zeroed per batch cost the destination more than the CRC.
+    spare: Vec<u8>,
 }
 
 impl<R: Read> FrameReader<R> {
@@ -23,7 +26,14 @@ impl<R: Read> FrameReader<R> {
             r,
             offset: 0,
             timeout,
+            spare: Vec::new(),
         }
+    }
+
+    /// Gives back a batch's payload ([`crate::stream::Batch::data`]) once its pages are
+    /// written, so the next batch reuses it.
+    pub fn recycle(&mut self, payload: Vec<u8>) {
+        self.spare = payload;
     }
 
     /// Bytes consumed so far.
@@ -87,7 +97,14 @@ impl<R: Read> FrameReader<R> {
                 },
             });
         }
-        let mut payload = vec![0u8; len as usize];
+        let mut payload = if ty == T_PAGES {
+            // Only what the last batch did not reach is zeroed (batches are the same size).
+            let mut p = std::mem::take(&mut self.spare);
+            p.resize(len as usize, 0);
+            p
+        } else {
+            vec![0u8; len as usize]
+        };
         if !self.fill(&mut payload, "a frame")? && len != 0 {
             return Err(StreamError::Truncated {
                 what: "a frame",
@@ -101,6 +118,24 @@ impl<R: Read> FrameReader<R> {
             });
         }
         Msg::decode(ty, payload, start)
+    }
+
+    /// [`FrameReader::read_msg`] on a connection that may sit idle for longer than the
+    /// timeout between frames (a page stream between rounds, a control connection during
+    /// one): a timeout before the first byte of a frame reads on while `keep_waiting()` says
+    /// so. Whoever owns the connection bounds the wait by its own clock and closes it.
+    pub fn read_msg_waiting(
+        &mut self,
+        expecting: &'static str,
+        keep_waiting: &dyn Fn() -> bool,
+    ) -> Result<Msg, StreamError> {
+        loop {
+            let start = self.offset;
+            match self.read_msg(expecting) {
+                Err(StreamError::Timeout(_)) if self.offset == start && keep_waiting() => {}
+                r => return r,
+            }
+        }
     }
 
     /// Fills `buf`. `Ok(false)`: the stream ended cleanly before its first byte.

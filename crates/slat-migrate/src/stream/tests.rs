@@ -74,6 +74,12 @@ fn messages_roundtrip() {
             blobs: 1,
             bytes: 100,
         },
+        Msg::Streams { count: 2 },
+        Msg::StreamHello {
+            session: 7,
+            attempt: 2,
+            index: 1,
+        },
     ] {
         assert_eq!(roundtrip(&m), m);
     }

@@ -77,6 +77,7 @@ fn dest_config() -> DestConfig {
         resume_for: Duration::ZERO,
         timeout: TIMEOUT,
         max_memory: 0,
+        max_streams: 16,
     }
 }
 
@@ -106,7 +107,7 @@ fn serve(
         let mut d = Destination::with_guest(dst, dest_config());
         let mut out = Vec::new();
         for _ in 0..conns {
-            let r = l.accept(TIMEOUT).and_then(|c| d.serve_channel(c));
+            let r = d.accept_from(&mut l);
             let ok = r.is_ok();
             out.push(r);
             if ok {
@@ -122,6 +123,11 @@ fn unix_path(name: &str) -> std::path::PathBuf {
 }
 
 fn migrate_over(to: Endpoint, listen: Endpoint) {
+    migrate_with(to, listen, 1);
+}
+
+/// A migration to `listen` over `connections` page streams (1: the one connection).
+fn migrate_with(to: Endpoint, listen: Endpoint, connections: u32) {
     let src = source();
     let dst = SoftGuest::new(&map());
     let l = Listener::bind(&listen).unwrap();
@@ -131,9 +137,21 @@ fn migrate_over(to: Endpoint, listen: Endpoint) {
     };
     let h = serve(l, dst.clone(), 1);
     std::thread::sleep(Duration::from_millis(20));
-    let mut s = Source::new(src.clone(), config());
+    let mut s = Source::new(
+        src.clone(),
+        SourceConfig {
+            connections,
+            ..config()
+        },
+    );
     let r = s.migrate_to(&to, &mut |_| {}).unwrap();
     let d = h.join().unwrap().pop().unwrap().unwrap();
+    assert_eq!(r.connections, connections);
+    assert!(
+        r.dest_resumed.is_some(),
+        "the destination's resume report arrived"
+    );
+    assert_eq!(d.streams, if connections > 1 { connections } else { 0 });
     assert_eq!(r.state_blobs, 4);
     assert_eq!(d.state_blobs, 4);
     assert_eq!(d.regions, map());
@@ -155,6 +173,74 @@ fn a_guest_with_holes_and_rom_migrates_over_a_unix_socket() {
     let p = unix_path("sock");
     let _ = std::fs::remove_file(&p);
     migrate_over(Endpoint::Unix(p.clone()), Endpoint::Unix(p));
+}
+
+#[test]
+fn a_guest_migrates_over_three_tcp_page_streams() {
+    migrate_with(
+        Endpoint::Tcp(String::new()),
+        Endpoint::Tcp("127.0.0.1:0".into()),
+        3,
+    );
+}
+
+#[test]
+fn a_guest_migrates_over_two_unix_page_streams() {
+    let p = unix_path("streams");
+    let _ = std::fs::remove_file(&p);
+    migrate_with(Endpoint::Unix(p.clone()), Endpoint::Unix(p), 2);
+}
+
+#[test]
+fn page_streams_need_an_endpoint_to_connect_to() {
+    let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+    let c = Channel::unix(a, TIMEOUT, "pair".into()).unwrap();
+    let src = source();
+    let cfg = SourceConfig {
+        connections: 2,
+        ..config()
+    };
+    let e = Source::new(src.clone(), cfg)
+        .migrate_over(c, &mut |_| {})
+        .unwrap_err();
+    assert!(matches!(e, MigrateError::StreamsNeedEndpoint(2)), "{e}");
+    let cfg = SourceConfig {
+        connections: 17,
+        ..config()
+    };
+    let e = Source::new(src.clone(), cfg)
+        .migrate("127.0.0.1:1", &mut |_| {})
+        .unwrap_err();
+    assert!(matches!(e, MigrateError::Connections(17)), "{e}");
+    assert!(src.running());
+}
+
+#[test]
+fn a_page_stream_cut_mid_migration_fails_cleanly_and_a_retry_completes() {
+    for at in [100, 40_000, 200_000] {
+        let src = source();
+        let dst = SoftGuest::new(&map());
+        let l = Listener::bind(&Endpoint::Tcp("127.0.0.1:0".into())).unwrap();
+        let addr = l.describe();
+        let h = serve(l, dst.clone(), 2);
+        let mut cfg = config();
+        cfg.connections = 2;
+        cfg.faults.cut_stream = Some((1, at));
+        let mut s = Source::new(src.clone(), cfg);
+        let e = s.migrate(&addr, &mut |_| {}).unwrap_err();
+        // The cut stream, or another one the destination closed when it saw the cut.
+        assert!(matches!(e, MigrateError::PageStream { .. }), "{at}: {e}");
+        assert_eq!(e.to_string().lines().count(), 1, "{e}");
+        assert!(!s.migrated() && src.running(), "the source runs on");
+        s.config_mut().faults = Default::default();
+        let r = s.migrate(&addr, &mut |_| {}).unwrap();
+        assert_eq!(r.connections, 2);
+        let results = h.join().unwrap();
+        let first = results[0].as_ref().unwrap_err().to_string();
+        assert_eq!(first.lines().count(), 1, "{first}");
+        assert!(results[1].is_ok());
+        assert_same(&src, &dst);
+    }
 }
 
 #[test]

@@ -114,6 +114,16 @@ pub(crate) enum Hostile {
         range_pages: u32,
     },
     Commit,
+    /// Page streams announced (a count at the edges, the destination's bound around 2..16).
+    Streams {
+        count: u32,
+    },
+    /// A page stream's header where only the control frames belong.
+    StreamHello {
+        session: u64,
+        attempt: u32,
+        index: u32,
+    },
     /// Any type byte (known or not) around any payload.
     Raw {
         ty: u8,
@@ -188,8 +198,11 @@ pub(crate) fn hostile() -> impl Strategy<Value = Hostile> {
         1 => (edge_u64(), prop_oneof![2 => Just(64u32), 1 => edge_u32()])
             .prop_map(|(ranges, range_pages)| Hostile::Verify { ranges, range_pages }),
         1 => Just(Hostile::Commit),
+        1 => prop_oneof![2 => 0u32..=18, 1 => edge_u32()].prop_map(|count| Hostile::Streams { count }),
+        1 => (edge_u64(), edge_u32(), edge_u32())
+            .prop_map(|(session, attempt, index)| Hostile::StreamHello { session, attempt, index }),
         2 => (any::<u8>(), small_bytes(80)).prop_map(|(ty, payload)| Hostile::Raw { ty, payload }),
-        1 => (1u8..=13, small_bytes(40), edge_u32())
+        1 => (prop_oneof![1u8..=13, 20u8..=21], small_bytes(40), edge_u32())
             .prop_map(|(ty, payload, len)| Hostile::Lying { ty, payload, len }),
     ]
 }
@@ -262,6 +275,16 @@ impl Hostile {
                 .u32(*range_pages)
                 .frame(ty::VERIFY),
             Hostile::Commit => Payload::default().frame(ty::COMMIT),
+            Hostile::Streams { count } => Payload::default().u32(*count).frame(ty::STREAMS),
+            Hostile::StreamHello {
+                session,
+                attempt,
+                index,
+            } => Payload::default()
+                .u64(*session)
+                .u32(*attempt)
+                .u32(*index)
+                .frame(ty::STREAM_HELLO),
             Hostile::Raw { ty, payload } => wire::seal(*ty, payload),
             Hostile::Lying { ty, payload, len } => wire::seal_len(*ty, payload, *len),
         }

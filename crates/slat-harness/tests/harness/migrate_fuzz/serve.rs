@@ -40,6 +40,7 @@ pub(crate) fn serve(
         resume_for: Duration::ZERO,
         timeout: Duration::from_secs(5),
         max_memory: MAX_MEMORY,
+        max_streams: 16,
     };
     let (h, rx) = spawn_destination(
         Destination::new(guarded_factory(asked.clone()), cfg),
