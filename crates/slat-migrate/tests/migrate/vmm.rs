@@ -311,9 +311,13 @@ fn cut_then_retry(fault: impl Fn(&mut SourceConfig), phase: &str) {
     assert_eq!(e.to_string().lines().count(), 1, "{e}");
     assert!(!s.migrated());
     assert!(src.running(), "the source runs on after a failed attempt");
+    // The guest writes on: wait (up to 10 s, so a loaded host cannot fail it) for a write.
     let w = src.writes();
-    std::thread::sleep(Duration::from_millis(20));
-    assert!(src.writes() > w);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while src.writes() == w && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(src.writes() > w, "the source guest stopped writing after a failed attempt");
     s.config_mut().faults = Default::default();
     let r = s.migrate(&addr, &mut |_| {}).unwrap();
     assert!(r.resumed, "the destination kept the session");
