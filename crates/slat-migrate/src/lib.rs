@@ -139,6 +139,7 @@
 // groups whose items are not re-exported here.
 pub mod dirty_limit;
 pub mod limits;
+pub mod postcopy;
 pub mod stream;
 pub mod throttle;
 pub mod transport;

@@ -69,6 +69,13 @@ fn describe(e: &Event<'_>) -> (&'static str, Option<String>, Value) {
             Some(format!("vCPUs paused; {n} pages to send")),
             json!({ "pages_to_send": n }),
         ),
+        Event::Postcopy { discarded } => (
+            "postcopy",
+            Some(format!(
+                "post-copy: the guest runs on the destination; {discarded} pages follow on demand"
+            )),
+            json!({ "pages_to_send": discarded }),
+        ),
         Event::DirtyLimit {
             limit,
             rates,

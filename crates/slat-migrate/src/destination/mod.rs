@@ -2,10 +2,15 @@
 //! connection after the handshake.
 
 mod incoming;
+mod postcopy;
+
+pub use postcopy::Acceptor;
 
 use crate::error::{Cause, HelloError, MigrateError, ProtocolError, StreamError};
 use crate::guest::{Guest, MemoryMap};
-use crate::stream::{self, check_regions, FrameReader, Hello, Msg, Region, PAGE_BYTES};
+use crate::stream::{
+    self, check_regions, FrameReader, Hello, Msg, PostcopyMsg, Region, PAGE_BYTES,
+};
 use crate::transport::Channel;
 use crate::verify::{Digests, VerifyMode, VerifyReport, RANGE_PAGES};
 use incoming::{Incoming, State};
@@ -81,6 +86,8 @@ pub struct DestReport {
     pub verify_time: Duration,
     /// The guest's run after the switch-over: pages touched and for how long.
     pub run: (u64, Duration),
+    /// Post-copy's figures, when the guest switched over in post-copy.
+    pub postcopy: Option<crate::postcopy::PostcopyDestReport>,
 }
 
 struct Session {
@@ -91,6 +98,8 @@ struct Session {
     verify: VerifyMode,
     /// Per page, the digest of the bytes written into it ([`VerifyMode::Sent`]).
     digests: Digests,
+    /// Post-copy's demand pager, once the guest runs here in post-copy.
+    post: Option<Arc<crate::postcopy::demand::Demand>>,
 }
 
 /// The receiving end: checks the stream, builds (or reuses) a guest with the source's memory
@@ -129,6 +138,8 @@ pub struct Destination {
     session: Option<Session>,
     /// The guest after a completed migration.
     done: Option<Arc<dyn Guest>>,
+    /// Opens the source's extra connections (post-copy's preempt channel).
+    acceptor: Option<Acceptor>,
 }
 
 impl Destination {
@@ -140,6 +151,7 @@ impl Destination {
             prebuilt: None,
             session: None,
             done: None,
+            acceptor: None,
         }
     }
 
@@ -152,6 +164,7 @@ impl Destination {
             prebuilt: Some(guest),
             session: None,
             done: None,
+            acceptor: None,
         }
     }
 
@@ -170,6 +183,22 @@ impl Destination {
         let (s, _) = listener.accept().map_err(|e| {
             MigrateError::stream("accepting a connection", StreamError::Io(Cause::new(e)))
         })?;
+        if self.acceptor.is_none() {
+            if let Ok(l) = listener.try_clone() {
+                let timeout = self.cfg.timeout;
+                self.acceptor = Some(Box::new(move || {
+                    let (s, _) = l.accept().map_err(|e| {
+                        MigrateError::stream(
+                            "accepting a connection",
+                            StreamError::Io(Cause::new(e)),
+                        )
+                    })?;
+                    Channel::tcp(s, timeout).map_err(|e| {
+                        MigrateError::stream("accepting", StreamError::Io(Cause::new(e)))
+                    })
+                }));
+            }
+        }
         self.serve(s)
     }
 
@@ -272,14 +301,44 @@ impl Destination {
             None => Digests::default(),
         };
         let mut inc = Incoming::new(&*guest, report, hello.verify, digests)?;
-        let r = frames(&mut inc, reader, out);
+        let post = self.session.as_ref().and_then(|s| s.post.clone());
+        let r = match post {
+            Some(d) if resumed => self.postcopy_recover(&d, &mut inc, reader, out),
+            _ => match frames(&mut inc, reader, out) {
+                Ok(Some(pages)) => self.postcopy_run(&guest, &mut inc, pages, reader, out),
+                Ok(None) => Ok(()),
+                Err(e) => Err(e),
+            },
+        };
+        let r = r.and_then(|()| match inc.state {
+            State::Verified => Ok(()),
+            // Post-copy's pages are all here: the verification and the commit follow.
+            _ => match frames(&mut inc, reader, out)? {
+                None => Ok(()),
+                Some(_) => Err(protocol(
+                    "post-copy",
+                    ProtocolError::Unexpected {
+                        msg: "a second post-copy run",
+                    },
+                )),
+            },
+        });
         // The digests describe the memory kept for a resume.
         if let Some(s) = &mut self.session {
             s.digests = std::mem::take(&mut inc.digests);
         }
         r?;
         let mut report = inc.finish(t0, reader.offset());
+        if let Some(d) = self.session.as_mut().and_then(|s| s.post.take()) {
+            d.stop();
+            report.postcopy = Some(d.report());
+        }
+        let postcopy = report.postcopy.is_some();
         self.commit(&guest, &mut report, out)?;
+        if postcopy && self.cfg.resume_for.is_zero() {
+            // It has run since post-copy's run; left stopped as `resume_for` zero asks.
+            guest.pause()?;
+        }
         Ok(report)
     }
 
@@ -333,6 +392,13 @@ impl Destination {
             if s.id == hello.session && s.regions == hello.regions && s.verify == hello.verify {
                 return Ok((s.guest.clone(), true));
             }
+            if s.post.is_some() {
+                // Its guest runs here on memory still partly at its source.
+                return Err(crate::postcopy::PostcopyError::Recover(
+                    "this destination runs another session's guest in post-copy".into(),
+                )
+                .into());
+            }
         }
         // A new session: the pages of any earlier one are overwritten by its full copy.
         let guest = match (&self.prebuilt, &mut self.factory) {
@@ -360,6 +426,7 @@ impl Destination {
             guest: guest.clone(),
             verify: hello.verify,
             digests: Digests::default(),
+            post: None,
         });
         Ok((guest, false))
     }
@@ -382,11 +449,14 @@ impl Destination {
 
 /// The protocol's frames in order, each kind handled by a step of [`Incoming`], until the
 /// verified stream's commit.
+///
+/// Returns `Some(pages)` at post-copy's run (the guest is to start with `pages` pages still
+/// missing), `None` at the commit.
 fn frames(
     inc: &mut Incoming<'_>,
     reader: &mut FrameReader<Box<dyn Read + Send>>,
     out: &mut Option<Box<dyn Write + Send>>,
-) -> Result<(), MigrateError> {
+) -> Result<Option<u64>, MigrateError> {
     loop {
         let phase = inc.phase();
         let m = reader
@@ -414,7 +484,24 @@ fn frames(
                     range_pages,
                 },
             ) => inc.verify(ranges, range_pages, &phase, out)?,
-            (State::Verified, Msg::Commit) => return Ok(()),
+            (State::Verified, Msg::Commit) => return Ok(None),
+            (State::Rounds | State::Device, Msg::Postcopy(PostcopyMsg::Discard(runs))) => {
+                inc.discard(runs, &phase)?
+            }
+            (State::Restored, Msg::Postcopy(PostcopyMsg::Run { pages }))
+                if !inc.discards.is_empty() || pages == 0 =>
+            {
+                return Ok(Some(pages))
+            }
+            (State::Rounds | State::Device, Msg::Postcopy(PostcopyMsg::Recover)) => {
+                // A source that believes it is in post-copy; this side never ran the guest:
+                // it lacks the switch-over, which the source sends again.
+                let end = PostcopyMsg::LackingEnd {
+                    pages: 0,
+                    running: false,
+                };
+                send(out, &Msg::Postcopy(end), &phase)?
+            }
             (_, Msg::Commit) => return Err(protocol(&phase, ProtocolError::EarlyCommit)),
             (_, Msg::Refuse(reason)) => {
                 return Err(MigrateError::Refused {

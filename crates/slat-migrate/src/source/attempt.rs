@@ -67,6 +67,10 @@ impl Source {
         let mem = Memory::new(&*guest).map_err(GuestError::from)?;
         self.handshake(conn, &mem, &mut report)?;
         report.setup = t_connect.elapsed();
+        if self.post.is_some() {
+            self.postcopy_recover(conn, &mem, &mut report, t_connect)?;
+            return Ok(report);
+        }
         let (starts, ro) = self.prepare_log(&mem, report.resumed)?;
         progress(Event::Connected {
             resume: report.resumed,
@@ -93,6 +97,23 @@ impl Source {
         let t_pause = r?;
         before.since(&*self.guest, &mut report);
         report.precopy = t_pause - t_connect;
+        if let Some(trigger) = self.switch.take() {
+            let round = report.rounds.len() as u32;
+            let times = (t_pause, t_connect);
+            self.postcopy_switch(
+                conn,
+                &mem,
+                &mut sender,
+                round,
+                trigger,
+                &mut report,
+                times,
+                progress,
+            )?;
+            report.throttle_max = ac.max();
+            report.throttle_changes = ac.changes.clone();
+            return Ok(report);
+        }
         self.ro_owed = false;
 
         let t = Instant::now();
@@ -182,7 +203,7 @@ impl Source {
     }
 
     /// Switch-over: from the written `Commit` on, the guest is the destination's.
-    fn switch_over(
+    pub(super) fn switch_over(
         &mut self,
         conn: &mut Conn,
         report: &mut MigrationReport,
@@ -252,7 +273,7 @@ impl Source {
     }
 
     /// The device state, saved with the vCPUs paused, sent blob by blob and counted.
-    fn send_state(
+    pub(super) fn send_state(
         &self,
         conn: &mut Conn,
         report: &mut MigrationReport,
@@ -276,7 +297,11 @@ impl Source {
     /// Verification: sends the hashes of memory as it is now (the vCPUs stopped) and the
     /// request; returns the ranges the destination found all matching (over a one-way
     /// channel, the ranges the reader will check).
-    fn verify(&mut self, conn: &mut Conn, mem: &Memory<'_>) -> Result<u64, MigrateError> {
+    pub(super) fn verify(
+        &mut self,
+        conn: &mut Conn,
+        mem: &Memory<'_>,
+    ) -> Result<u64, MigrateError> {
         let phase = "verification";
         let pages = mem.pages();
         let nranges = verify::ranges(pages, RANGE_PAGES);

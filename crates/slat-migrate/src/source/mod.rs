@@ -7,6 +7,7 @@
 
 mod attempt;
 mod conn;
+mod postcopy;
 mod rounds;
 mod sender;
 
@@ -18,6 +19,7 @@ use crate::stream::{Compression, MAX_BATCH_PAGES};
 use crate::transport::{self, Channel, Endpoint};
 use crate::verify::{Digests, VerifyMode};
 use conn::{spawn_reader, Conn};
+pub use postcopy::Connector;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -57,6 +59,9 @@ pub struct SourceConfig {
     pub batch_pages: u32,
     /// Connect, write and acknowledgement timeout.
     pub timeout: Duration,
+    /// Switch to post-copy ([`crate::postcopy`]) after some pre-copy rounds or when
+    /// pre-copy stalls (`None`: pre-copy only).
+    pub postcopy: Option<crate::postcopy::PostcopyTrigger>,
     /// Deliberate faults (tests).
     #[doc(hidden)]
     pub faults: Faults,
@@ -77,6 +82,7 @@ impl Default for SourceConfig {
             dirty_limit: None,
             batch_pages: 256,
             timeout: Duration::from_secs(30),
+            postcopy: None,
             faults: Faults::default(),
         }
     }
@@ -172,6 +178,9 @@ pub struct MigrationReport {
     pub vcpu_writes: Vec<u64>,
     /// What dirty-limit did, when it was on.
     pub dirty_limit: Option<DirtyLimitReport>,
+    /// Post-copy's figures, when the migration switched over in post-copy (its downtime is
+    /// then the pause to the run, and `total` runs to the last page and the commit).
+    pub postcopy: Option<crate::postcopy::PostcopyReport>,
 }
 
 /// Dirty-limit over one attempt.
@@ -241,6 +250,11 @@ pub enum Event<'a> {
     Throttle(u32),
     /// The vCPUs stopped; this many pages are owed.
     Paused(u64),
+    /// The guest runs on the destination in post-copy; this many pages are still here.
+    Postcopy {
+        /// Pages the destination lacked at the switch.
+        discarded: u64,
+    },
     /// Where the migration stands: after every harvest and after the stop-and-copy round.
     Progress(Progress),
     /// Dirty-limit measured the vCPUs and set their throttles (once per period).
@@ -354,6 +368,12 @@ pub struct Source {
     digests: Digests,
     /// Ring entries per vCPU, counted by the harvester's log in the ring mode (dirty-limit).
     ring_counts: Arc<RingCounts>,
+    /// Post-copy's state once the guest switched over in post-copy.
+    post: Option<postcopy::PostState>,
+    /// Why the rounds just ended in post-copy (its trigger), for the attempt.
+    switch: Option<&'static str>,
+    /// Opens post-copy's preempt channel.
+    connector: Option<Connector>,
 }
 
 impl Source {
@@ -376,6 +396,9 @@ impl Source {
             was_running: false,
             digests: Digests::default(),
             ring_counts: Arc::default(),
+            post: None,
+            switch: None,
+            connector: None,
         }
     }
 
@@ -433,6 +456,10 @@ impl Source {
     ) -> Result<MigrationReport, MigrateError> {
         self.check()?;
         self.attempts += 1;
+        if self.cfg.postcopy.is_some() || self.post.is_some() {
+            let (to, timeout) = (to.clone(), self.cfg.timeout);
+            self.connector = Some(Box::new(move || transport::connect(&to, timeout)));
+        }
         let r = transport::connect(to, self.cfg.timeout).and_then(|c| self.attempt(c, progress));
         self.settle_attempt(r)
     }
@@ -460,6 +487,9 @@ impl Source {
         if self.cfg.batch_pages == 0 || self.cfg.batch_pages > MAX_BATCH_PAGES {
             return Err(MigrateError::BatchPages(self.cfg.batch_pages));
         }
+        if self.cfg.postcopy.is_some() && self.cfg.verify != VerifyMode::Sent {
+            return Err(crate::postcopy::PostcopyError::NeedsSentVerify.into());
+        }
         if let Some(dl) = self.cfg.dirty_limit {
             dl.check()?;
             if self.guest.limitable_vcpus() == 0 {
@@ -481,7 +511,9 @@ impl Source {
         for i in 0..self.guest.limitable_vcpus() {
             self.guest.set_vcpu_throttle_ppm(i, 0);
         }
-        if r.is_err() && !self.migrated && !self.guest.running() && self.was_running {
+        // In post-copy the guest runs on the destination: it never runs here again.
+        let here = !self.migrated && self.post.is_none();
+        if r.is_err() && here && !self.guest.running() && self.was_running {
             if let (Err(restart), Err(first)) = (self.guest.resume(), &r) {
                 return Err(MigrateError::Restart {
                     first: Box::new(first.clone()),

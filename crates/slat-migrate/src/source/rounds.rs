@@ -29,6 +29,8 @@ impl Source {
     ) -> Result<Instant, MigrateError> {
         let log = harvester(&mut self.log, &*self.guest, &self.ring_counts)?;
         let mut round = 0u32;
+        let mut last_owed = u64::MAX;
+        self.switch = None;
         let round = loop {
             // Re-armed before it returns; dropped on an error below, it is owed again.
             let mut set = log.take()?;
@@ -57,6 +59,14 @@ impl Source {
             if round > 0 && precopy_done(&self.cfg, owed, round, report) {
                 // Not sent: owed again, for the take after the pause.
                 set.abort();
+                if self.cfg.postcopy.is_some() && !report.converged {
+                    self.switch = Some("max-rounds");
+                }
+                break round;
+            }
+            if let Some(t) = postcopy_due(&self.cfg, round, owed, &mut last_owed) {
+                set.abort();
+                self.switch = Some(t);
                 break round;
             }
             let r = sender.round(
@@ -88,6 +98,9 @@ impl Source {
         }
         let t_pause = Instant::now();
         self.guest.pause()?;
+        if self.switch.is_some() {
+            return Ok(t_pause);
+        }
         self.stop_and_copy(conn, mem, sender, round, report, progress)?;
         Ok(t_pause)
     }
@@ -160,6 +173,21 @@ fn precopy_done(cfg: &SourceConfig, owed: u64, round: u32, report: &mut Migratio
         return true;
     }
     round > cfg.max_rounds || round == u32::MAX
+}
+
+/// Whether pre-copy switches to post-copy before round `round`, with `owed` pages just
+/// harvested (`last`: those harvested before the previous round, updated): after the rounds
+/// asked for, or when the last round did not shrink the remaining set below
+/// [`STALL_SHRINK`](crate::postcopy::STALL_SHRINK) of what it was.
+fn postcopy_due(cfg: &SourceConfig, round: u32, owed: u64, last: &mut u64) -> Option<&'static str> {
+    use crate::postcopy::{PostcopyTrigger, STALL_SHRINK};
+    let before = std::mem::replace(last, owed);
+    match cfg.postcopy? {
+        PostcopyTrigger::After(n) => (round >= n).then_some("rounds"),
+        PostcopyTrigger::Stalled => {
+            (round >= 1 && owed as f64 > before as f64 * STALL_SHRINK).then_some("stalled")
+        }
+    }
 }
 
 /// How long `owed` pages would take at the bandwidth and bytes per page of the last round

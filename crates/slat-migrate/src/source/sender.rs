@@ -259,7 +259,7 @@ const NO_SLOT: usize = usize::MAX;
 
 /// The pages of `set`, in memory-index order (`starts`: each slot's first memory index,
 /// checked against the map by [`crate::MemoryMap::log_starts`]).
-fn pages_of(set: &RoundSet<'_>, starts: &[u64]) -> Vec<Page> {
+pub(super) fn pages_of(set: &RoundSet<'_>, starts: &[u64]) -> Vec<Page> {
     let mut out = Vec::with_capacity(usize::try_from(set.pages()).unwrap_or(0));
     for (i, &start) in starts.iter().enumerate().take(set.slot_info().len()) {
         for (first, n) in set.ranges(i) {

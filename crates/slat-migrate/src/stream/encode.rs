@@ -81,6 +81,7 @@ impl Msg {
                 T_STATE_END
             }
             Msg::Commit => T_COMMIT,
+            Msg::Postcopy(m) => m.encode(out),
             Msg::Resumed { touched, micros } => {
                 put_u64(out, *touched);
                 put_u64(out, *micros);

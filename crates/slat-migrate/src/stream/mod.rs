@@ -31,6 +31,7 @@
 
 mod decode;
 mod encode;
+mod postcopy;
 mod reader;
 #[cfg(test)]
 mod tests;
@@ -40,6 +41,7 @@ use crate::state::StateBlob;
 use slat_addr::Gpa;
 
 pub use encode::{frame, preamble, write_msg, BatchBuilder};
+pub use postcopy::{PostcopyMsg, MAX_REQUEST, MAX_RUNS};
 pub use reader::FrameReader;
 
 /// The first eight bytes of every stream.
@@ -269,6 +271,8 @@ pub enum Msg {
         /// For how long, in microseconds.
         micros: u64,
     },
+    /// Post-copy's frames (either side).
+    Postcopy(PostcopyMsg),
 }
 
 /// A batch of pages, validated: every entry's page, encoding and bytes lie inside `data`.
@@ -378,6 +382,7 @@ impl Msg {
             Msg::Resumed { .. } => "resumed",
             Msg::State(_) => "device state",
             Msg::StateEnd { .. } => "device state end",
+            Msg::Postcopy(m) => m.name(),
         }
     }
 }
