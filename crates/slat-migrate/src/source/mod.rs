@@ -201,19 +201,26 @@ pub struct DirtyLimitReport {
 }
 
 impl MigrationReport {
-    /// Pages sent over all rounds.
+    /// Pages sent over all rounds and post-copy.
     pub fn pages(&self) -> u64 {
-        self.rounds.iter().map(|r| r.pages).sum()
+        let post = self.postcopy.as_ref();
+        self.rounds.iter().map(|r| r.pages).sum::<u64>()
+            + post.map_or(0, |p| p.background_pages + p.preempt_pages)
     }
-    /// Bytes sent over all rounds (page batches only).
+    /// Bytes sent over all rounds and post-copy (page batches only).
     pub fn bytes(&self) -> u64 {
-        self.rounds.iter().map(|r| r.bytes).sum()
+        self.rounds.iter().map(|r| r.bytes).sum::<u64>()
+            + self.postcopy.as_ref().map_or(0, |p| p.bytes)
     }
-    /// Average bandwidth over all rounds, bytes per second.
+    /// Average bandwidth over all rounds and post-copy, bytes per second.
     pub fn bandwidth(&self) -> f64 {
+        let post = self
+            .postcopy
+            .as_ref()
+            .map_or(Duration::ZERO, |p| p.time_to_last_page);
         rate(
             self.bytes() as f64,
-            self.rounds.iter().map(|r| r.time).sum(),
+            self.rounds.iter().map(|r| r.time).sum::<Duration>() + post,
         )
     }
     /// Pages dirtied per second during pre-copy (as the harvests saw them).
