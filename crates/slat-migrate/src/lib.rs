@@ -152,7 +152,7 @@ mod link;
 mod source;
 mod state;
 
-pub use destination::{DestConfig, DestReport, Destination, Factory};
+pub use destination::{Acceptor, DestConfig, DestReport, Destination, Factory};
 pub use error::{
     describe_map, Cause, Corruption, GuestError, HelloError, MapError, MemoryError, MigrateError,
     PageError, ProtocolError, StateError, StreamError,
@@ -162,6 +162,7 @@ pub use guest::{
 };
 pub use link::Faults;
 pub use source::{
-    DirtyLimitReport, Event, MigrationReport, Progress, RoundReport, Source, SourceConfig,
+    Connector, DirtyLimitReport, Event, MigrationReport, Progress, RoundReport, Source,
+    SourceConfig,
 };
 pub use state::{check_blobs, StateBlob};

@@ -46,10 +46,10 @@ pub fn print_report(mig: &Migration) {
     println!(
         "Rounds: {} ({}; expected stop-and-copy transfer {})",
         r.rounds.len(),
-        if r.converged {
-            "converged"
-        } else {
-            "did not converge: stopped at --max-rounds"
+        match (&r.postcopy, r.converged) {
+            (Some(_), _) => "then post-copy",
+            (None, true) => "converged",
+            (None, false) => "did not converge: stopped at --max-rounds",
         },
         ts(r.expected_final)
     );
