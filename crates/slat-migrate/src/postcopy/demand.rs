@@ -304,3 +304,96 @@ fn pieces(map: &MemoryMap, a: u64, n: u64) -> Vec<(u64, u64)> {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::guest::GuestRegion;
+    use crate::stream::Region;
+    use slat_addr::{Gpa, Hva};
+    use std::sync::atomic::AtomicU64;
+
+    /// Four pages of private anonymous memory, unmapped on drop.
+    struct Anon(*mut u8);
+
+    impl Anon {
+        fn new() -> Anon {
+            // SAFETY: a fresh private anonymous mapping; checked below.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    4 * PAGE_BYTES,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            assert_ne!(p, libc::MAP_FAILED);
+            Anon(p.cast())
+        }
+        fn word(&self, page: usize) -> &AtomicU64 {
+            // SAFETY: page < 4 of a live mapping, 8-byte aligned, accessed only atomically.
+            unsafe { AtomicU64::from_ptr(self.0.add(page * PAGE_BYTES).cast()) }
+        }
+    }
+
+    // SAFETY: the mapping is only accessed atomically (`word`).
+    unsafe impl Sync for Anon {}
+
+    impl Drop for Anon {
+        fn drop(&mut self) {
+            // SAFETY: the mapping made in `new`, no longer used.
+            unsafe { libc::munmap(self.0.cast(), 4 * PAGE_BYTES) };
+        }
+    }
+
+    fn page(v: u64) -> Vec<u8> {
+        (0..PAGE_BYTES / 8).flat_map(|_| v.to_ne_bytes()).collect()
+    }
+
+    /// A late copy of a page (the background stream's, after the preempt channel placed it)
+    /// must not overwrite what the guest wrote since; a touch of a missing page waits for it
+    /// and becomes a request.
+    #[test]
+    fn a_late_page_never_overwrites_the_guests_write() {
+        let mem = Anon::new();
+        let region = Region {
+            gpa: Gpa::new(0),
+            pages: 4,
+            read_only: false,
+        };
+        let map = MemoryMap::new(vec![GuestRegion {
+            region,
+            host: Hva::from_ptr(mem.0),
+        }])
+        .unwrap();
+        mem.word(0).store(7, Ordering::Relaxed);
+        // SAFETY: nothing touches pages 1 and 2 but this test, through the pager.
+        let d = unsafe { Demand::arm(map, &[(1, 2)]) }.unwrap();
+        d.start().unwrap();
+        assert_eq!(d.missing(), 2);
+        assert!(d.place(1, &page(0xaaaa), true).unwrap());
+        mem.word(1).store(0xbbbb, Ordering::Relaxed);
+        assert!(!d.place(1, &page(0xcccc), false).unwrap(), "a late page");
+        assert_eq!(mem.word(1).load(Ordering::Relaxed), 0xbbbb, "the guest's write stays");
+        assert!(!d.place(0, &page(0xcccc), false).unwrap(), "a page never missing");
+        assert_eq!(mem.word(0).load(Ordering::Relaxed), 7);
+        std::thread::scope(|s| {
+            let r = s.spawn(|| mem.word(2).load(Ordering::Relaxed));
+            let reqs = loop {
+                let r = d.requests(8, Duration::from_millis(50));
+                if !r.is_empty() {
+                    break r;
+                }
+            };
+            assert_eq!(reqs, vec![2]);
+            assert!(d.place(2, &page(0xdddd), false).unwrap());
+            assert_eq!(r.join().unwrap(), 0xdddd, "the touch waited for the page");
+        });
+        assert!(d.wait_all(Duration::from_secs(1)));
+        let rep = d.report();
+        assert_eq!((rep.duplicates, rep.requested, rep.blocktime.faults), (2, 1, 1));
+        d.stop();
+    }
+}
