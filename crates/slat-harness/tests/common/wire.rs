@@ -27,6 +27,10 @@ pub mod ty {
     pub const RESUMED: u8 = 11;
     pub const STATE: u8 = 12;
     pub const STATE_END: u8 = 13;
+    /// Post-copy's frames: discard, run, request, end, recover, lacking, lacking end,
+    /// preempt.
+    pub const POSTCOPY_FIRST: u8 = 32;
+    pub const POSTCOPY_LAST: u8 = 39;
 }
 
 /// Bytes of a frame header.

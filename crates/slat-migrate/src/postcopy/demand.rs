@@ -376,8 +376,15 @@ mod tests {
         assert!(d.place(1, &page(0xaaaa), true).unwrap());
         mem.word(1).store(0xbbbb, Ordering::Relaxed);
         assert!(!d.place(1, &page(0xcccc), false).unwrap(), "a late page");
-        assert_eq!(mem.word(1).load(Ordering::Relaxed), 0xbbbb, "the guest's write stays");
-        assert!(!d.place(0, &page(0xcccc), false).unwrap(), "a page never missing");
+        assert_eq!(
+            mem.word(1).load(Ordering::Relaxed),
+            0xbbbb,
+            "the guest's write stays"
+        );
+        assert!(
+            !d.place(0, &page(0xcccc), false).unwrap(),
+            "a page never missing"
+        );
         assert_eq!(mem.word(0).load(Ordering::Relaxed), 7);
         std::thread::scope(|s| {
             let r = s.spawn(|| mem.word(2).load(Ordering::Relaxed));
@@ -393,7 +400,10 @@ mod tests {
         });
         assert!(d.wait_all(Duration::from_secs(1)));
         let rep = d.report();
-        assert_eq!((rep.duplicates, rep.requested, rep.blocktime.faults), (2, 1, 1));
+        assert_eq!(
+            (rep.duplicates, rep.requested, rep.blocktime.faults),
+            (2, 1, 1)
+        );
         d.stop();
     }
 }

@@ -114,6 +114,13 @@ pub(crate) enum Hostile {
         range_pages: u32,
     },
     Commit,
+    /// A post-copy frame (`ty` 32-39) with hostile runs, counts and values.
+    Postcopy {
+        ty: u8,
+        claimed: Option<u32>,
+        runs: Vec<(u64, u64)>,
+        value: u64,
+    },
     /// Any type byte (known or not) around any payload.
     Raw {
         ty: u8,
@@ -188,8 +195,18 @@ pub(crate) fn hostile() -> impl Strategy<Value = Hostile> {
         1 => (edge_u64(), prop_oneof![2 => Just(64u32), 1 => edge_u32()])
             .prop_map(|(ranges, range_pages)| Hostile::Verify { ranges, range_pages }),
         1 => Just(Hostile::Commit),
+        3 => (
+            wire::ty::POSTCOPY_FIRST..=wire::ty::POSTCOPY_LAST,
+            prop_oneof![4 => Just(None), 1 => edge_u32().prop_map(Some)],
+            proptest::collection::vec(
+                (prop_oneof![3 => 0u64..80, 1 => edge_u64()], prop_oneof![3 => 0u64..80, 1 => edge_u64()]),
+                0..6,
+            ),
+            prop_oneof![3 => 0u64..300, 1 => edge_u64()],
+        )
+            .prop_map(|(ty, claimed, runs, value)| Hostile::Postcopy { ty, claimed, runs, value }),
         2 => (any::<u8>(), small_bytes(80)).prop_map(|(ty, payload)| Hostile::Raw { ty, payload }),
-        1 => (1u8..=13, small_bytes(40), edge_u32())
+        1 => (prop_oneof![1u8..=13, wire::ty::POSTCOPY_FIRST..=wire::ty::POSTCOPY_LAST], small_bytes(40), edge_u32())
             .prop_map(|(ty, payload, len)| Hostile::Lying { ty, payload, len }),
     ]
 }
@@ -262,6 +279,12 @@ impl Hostile {
                 .u32(*range_pages)
                 .frame(ty::VERIFY),
             Hostile::Commit => Payload::default().frame(ty::COMMIT),
+            Hostile::Postcopy {
+                ty,
+                claimed,
+                runs,
+                value,
+            } => postcopy_frame(*ty, *claimed, runs, *value),
             Hostile::Raw { ty, payload } => wire::seal(*ty, payload),
             Hostile::Lying { ty, payload, len } => wire::seal_len(*ty, payload, *len),
         }
@@ -345,4 +368,28 @@ pub(crate) fn pages_frame(
         };
     }
     p.frame(ty::PAGES)
+}
+
+/// A post-copy frame of type `t`: runs (discard, lacking), pages (request), or one value
+/// (run, end, lacking end with a flag, preempt with an attempt); `claimed` lies about the
+/// count.
+pub(crate) fn postcopy_frame(
+    t: u8,
+    claimed: Option<u32>,
+    runs: &[(u64, u64)],
+    value: u64,
+) -> Vec<u8> {
+    let n = claimed.unwrap_or(runs.len() as u32);
+    let p = Payload::default();
+    match t {
+        32 | 37 => runs
+            .iter()
+            .fold(p.u32(n), |p, &(a, len)| p.u64(a).u64(len))
+            .frame(t),
+        34 => runs.iter().fold(p.u32(n), |p, &(a, _)| p.u64(a)).frame(t),
+        36 => p.frame(t),
+        38 => p.u64(value).u8((value % 3) as u8).frame(t),
+        39 => p.u64(value).u32(n).frame(t),
+        _ => p.u64(value).frame(t),
+    }
 }
