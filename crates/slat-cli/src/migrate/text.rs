@@ -39,10 +39,17 @@ pub fn print_report(mig: &Migration) {
         );
     }
     println!("Total migration time: {}", ts(r.total));
-    println!(
-        "Downtime: {} (vCPUs paused to verified switch-over: final harvest {}, final pages {}, verification {})",
-        ts(r.downtime), ts(r.final_harvest), ts(r.final_send), ts(r.verify)
-    );
+    if r.postcopy.is_some() {
+        println!(
+            "Downtime: {} (vCPUs paused to the guest's run on the destination, post-copy)",
+            ts(r.downtime)
+        );
+    } else {
+        println!(
+            "Downtime: {} (vCPUs paused to verified switch-over: final harvest {}, final pages {}, verification {})",
+            ts(r.downtime), ts(r.final_harvest), ts(r.final_send), ts(r.verify)
+        );
+    }
     println!(
         "Rounds: {} ({}; expected stop-and-copy transfer {})",
         r.rounds.len(),
