@@ -70,6 +70,10 @@ impl Destination {
         if out.is_none() {
             return Err(PostcopyError::OneWay.into());
         }
+        if self.acceptor.is_none() {
+            // Checked before the guest runs here: without its preempt channel it would wait.
+            return Err(PostcopyError::NoPreempt("this destination has no acceptor".into()).into());
+        }
         let runs = std::mem::take(&mut inc.discards);
         let map = MemoryMap::new(guest.regions()).map_err(crate::error::GuestError::from)?;
         // SAFETY: the guest has not run here yet (a destination runs it only from here on),

@@ -461,12 +461,12 @@ impl Source {
         to: &Endpoint,
         progress: &mut dyn FnMut(Event<'_>),
     ) -> Result<MigrationReport, MigrateError> {
-        self.check()?;
-        self.attempts += 1;
         if self.cfg.postcopy.is_some() || self.post.is_some() {
             let (to, timeout) = (to.clone(), self.cfg.timeout);
             self.connector = Some(Box::new(move || transport::connect(&to, timeout)));
         }
+        self.check()?;
+        self.attempts += 1;
         let r = transport::connect(to, self.cfg.timeout).and_then(|c| self.attempt(c, progress));
         self.settle_attempt(r)
     }
@@ -496,6 +496,13 @@ impl Source {
         }
         if self.cfg.postcopy.is_some() && self.cfg.verify != VerifyMode::Sent {
             return Err(crate::postcopy::PostcopyError::NeedsSentVerify.into());
+        }
+        if (self.cfg.postcopy.is_some() || self.post.is_some()) && self.connector.is_none() {
+            // Refused before the switch: without its preempt channel the guest would wait.
+            return Err(crate::postcopy::PostcopyError::NoPreempt(
+                "no connector for this channel (Source::set_connector)".into(),
+            )
+            .into());
         }
         if let Some(dl) = self.cfg.dirty_limit {
             dl.check()?;
