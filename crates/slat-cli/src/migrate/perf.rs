@@ -2,7 +2,7 @@
 //! driver; its `--vary` table and sweep table, and the convergence plot `migrate` shares.
 
 use super::guest::GuestArgs;
-use super::parse::{dirty_limit, dirty_rate, max_downtime, throttle_percent};
+use super::parse::{dirty_limit, dirty_rate, max_downtime, postcopy_after, throttle_percent};
 use super::*;
 use crate::args::Switch;
 use crate::driver::chart::SeriesOf;
@@ -77,6 +77,9 @@ pub const VARY: &[Key<MigratePerfArgs>] = &[
         |a, v| a.guest.wrprot = engine(v)?),
     key!("verify", "--verify", VerifyArg, |a| a.migration.verify),
     key!("converge", "--converge", ConvergeArg, |a| a.migration.converge),
+    vary_key!("postcopy-after", "--postcopy-after",
+        Values::Text("pre-copy rounds before post-copy (0-1000), or off", |v| postcopy_after(v).map(drop)),
+        |a, v| a.migration.postcopy_after = postcopy_after(v)?),
 ];
 
 impl Benchmark for MigratePerfArgs {
