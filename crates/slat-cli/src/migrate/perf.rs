@@ -228,6 +228,11 @@ const COLUMNS: &[(&str, Cell)] = &[
     ("throughput lost", Pct(Migration::throughput_lost)),
     ("writes lost (M)", Num(|m| m.writes_lost() / 1e6, 2, true)),
     ("lost per vCPU", Text(|m| joined(&m.vcpu_lost(), |v| pct(*v)))),
+    ("sent (GiB)", Num(|m| m.r.bytes() as f64 / (1u64 << 30) as f64, 2, true)),
+    ("post-copy pages bg/preempt", Text(|m| m.r.postcopy.as_ref()
+        .map_or("-".into(), |p| format!("{}/{}", p.background_pages, p.preempt_pages)))),
+    ("fault p50/p99/max (ms)", Text(|m| m.destination.as_ref().and_then(|d| d.0.postcopy.as_ref())
+        .map_or("-".into(), |p| format!("{:.2}/{:.2}/{:.1}", ms(p.blocktime.p50), ms(p.blocktime.p99), ms(p.blocktime.max))))),
     ("verified", Text(|_| "ok".into())),
 ];
 
