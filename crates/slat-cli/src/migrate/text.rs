@@ -76,31 +76,7 @@ pub fn print_report(mig: &Migration) {
 /// Throttling, verification, device state and the destination's resume.
 fn print_checks(mig: &Migration) {
     let r = &mig.r;
-    if let Some(p) = &r.postcopy {
-        println!(
-            "Post-copy ({}, after {} rounds): {} pages on demand, {} in the background and {} on the preempt channel ({} requested, {} already sent); last page {:.3}s after the run; {} recoveries",
-            p.trigger,
-            p.after_rounds,
-            p.discarded,
-            p.background_pages,
-            p.preempt_pages,
-            p.requested,
-            p.requests_already_sent,
-            p.time_to_last_page.as_secs_f64(),
-            p.recoveries
-        );
-    }
-    if let Some(p) = mig.destination.as_ref().and_then(|d| d.0.postcopy.as_ref()) {
-        let b = &p.blocktime;
-        println!(
-            "Post-copy faults (destination): {} faults, blocktime p50 {:.3} ms, p99 {:.3} ms, max {:.3} ms; {} pages requested",
-            b.faults,
-            b.p50.as_secs_f64() * 1e3,
-            b.p99.as_secs_f64() * 1e3,
-            b.max.as_secs_f64() * 1e3,
-            p.requested
-        );
-    }
+    print_postcopy(mig);
     if let Some(d) = &r.dirty_limit {
         let v: Vec<String> = (d.max_permille.iter().zip(&d.last_rates))
             .map(|(t, x)| format!("max {:.1}% (last {x:.0} pages/s)", *t as f64 / 10.0))
@@ -183,4 +159,34 @@ pub fn print_dest(d: &Dest) {
     );
     let (pages, time) = r.run;
     println!("Guest resumed here: {pages} pages touched in {}", ts(time));
+}
+
+/// Post-copy's figures on both sides.
+fn print_postcopy(mig: &Migration) {
+    let r = &mig.r;
+    if let Some(p) = &r.postcopy {
+        println!(
+            "Post-copy ({}, after {} rounds): {} pages on demand, {} in the background and {} on the preempt channel ({} requested, {} already sent); last page {:.3}s after the run; {} recoveries",
+            p.trigger,
+            p.after_rounds,
+            p.discarded,
+            p.background_pages,
+            p.preempt_pages,
+            p.requested,
+            p.requests_already_sent,
+            p.time_to_last_page.as_secs_f64(),
+            p.recoveries
+        );
+    }
+    if let Some(p) = mig.destination.as_ref().and_then(|d| d.0.postcopy.as_ref()) {
+        let b = &p.blocktime;
+        println!(
+            "Post-copy faults (destination): {} faults, blocktime p50 {:.3} ms, p99 {:.3} ms, max {:.3} ms; {} pages requested",
+            b.faults,
+            b.p50.as_secs_f64() * 1e3,
+            b.p99.as_secs_f64() * 1e3,
+            b.max.as_secs_f64() * 1e3,
+            p.requested
+        );
+    }
 }

@@ -98,21 +98,17 @@ impl Source {
         before.since(&*self.guest, &mut report);
         report.precopy = t_pause - t_connect;
         if let Some(trigger) = self.switch.take() {
-            let round = report.rounds.len() as u32;
             let times = (t_pause, t_connect);
             self.postcopy_switch(
                 conn,
                 &mem,
                 &mut sender,
-                round,
                 trigger,
                 &mut report,
                 times,
                 progress,
             )?;
-            report.throttle_max = ac.max();
-            report.throttle_changes = ac.changes.clone();
-            return Ok(report);
+            return Ok(with_throttle(report, &ac));
         }
         self.ro_owed = false;
 
@@ -130,9 +126,7 @@ impl Source {
         };
 
         self.switch_over(conn, &mut report, t_pause, t_connect)?;
-        report.throttle_max = ac.max();
-        report.throttle_changes = ac.changes.clone();
-        Ok(report)
+        Ok(with_throttle(report, &ac))
     }
 
     /// Readies the dirty log and the digests for this attempt's rounds: everything owed
@@ -364,6 +358,13 @@ impl Source {
             m => Err(unexpected(phase, &m)),
         }
     }
+}
+
+/// `report` with what auto-converge did.
+fn with_throttle(mut report: MigrationReport, ac: &AutoConverge) -> MigrationReport {
+    report.throttle_max = ac.max();
+    report.throttle_changes = ac.changes.clone();
+    report
 }
 
 /// The guest's harvester, made on first use with every page owed.

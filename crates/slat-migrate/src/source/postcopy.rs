@@ -64,12 +64,12 @@ impl Source {
         conn: &mut Conn,
         mem: &Memory<'_>,
         sender: &mut Sender,
-        round: u32,
         trigger: &'static str,
         report: &mut MigrationReport,
         (t_pause, t_connect): (Instant, Instant),
         progress: &mut dyn FnMut(Event<'_>),
     ) -> Result<(), MigrateError> {
+        let round = report.rounds.len() as u32;
         let log = harvester(&mut self.log, &*self.guest, &self.ring_counts)?;
         let set = log.take()?;
         let pending = PageBits::new(mem.pages());

@@ -30,7 +30,6 @@ impl Source {
         let log = harvester(&mut self.log, &*self.guest, &self.ring_counts)?;
         let mut round = 0u32;
         let mut last_owed = u64::MAX;
-        self.switch = None;
         let round = loop {
             // Re-armed before it returns; dropped on an error below, it is owed again.
             let mut set = log.take()?;
@@ -56,17 +55,10 @@ impl Source {
                 false,
                 sender.t0,
             )));
-            if round > 0 && precopy_done(&self.cfg, owed, round, report) {
+            let switch = &mut self.switch;
+            if precopy_ends(&self.cfg, switch, (round, owed), &mut last_owed, report) {
                 // Not sent: owed again, for the take after the pause.
                 set.abort();
-                if self.cfg.postcopy.is_some() && !report.converged {
-                    self.switch = Some("max-rounds");
-                }
-                break round;
-            }
-            if let Some(t) = postcopy_due(&self.cfg, round, owed, &mut last_owed) {
-                set.abort();
-                self.switch = Some(t);
                 break round;
             }
             let r = sender.round(
@@ -160,6 +152,26 @@ impl Source {
         )));
         Ok(())
     }
+}
+
+/// Whether pre-copy ends before round `round` with `owed` pages just harvested: in
+/// stop-and-copy ([`precopy_done`]) or, when post-copy is on, in post-copy (its trigger then
+/// in `switch`).
+fn precopy_ends(
+    cfg: &SourceConfig,
+    switch: &mut Option<&'static str>,
+    (round, owed): (u32, u64),
+    last_owed: &mut u64,
+    report: &mut MigrationReport,
+) -> bool {
+    if round > 0 && precopy_done(cfg, owed, round, report) {
+        if cfg.postcopy.is_some() && !report.converged {
+            *switch = Some("max-rounds");
+        }
+        return true;
+    }
+    *switch = postcopy_due(cfg, round, owed, last_owed);
+    switch.is_some()
 }
 
 /// Whether pre-copy ends before round `round` (> 0): the `owed` pages (harvested just now)
