@@ -111,6 +111,9 @@ fn bad_flags_exit_2_with_one_line() {
         "migrate-perf --vary converge=auto,dirty-limit",
         "migrate-perf --dirty-rate-vcpu0 0",
         "migrate-perf --backend kvm --dirty-rate-vcpu0 5k",
+        "migrate-perf --postcopy --verify full",
+        "migrate-perf --postcopy-after 1001",
+        "migrate-perf --vary postcopy-after=x",
     ] {
         let args: Vec<&str> = cmd.split_whitespace().collect();
         let (code, out, err) = slat(&args);
