@@ -166,6 +166,23 @@ fn a_cut_connection_is_resumed_across_processes() {
     assert!(dout.contains("Verification: OK"), "{dout}");
 }
 
+/// Pure post-copy between two processes, its link cut in the middle: both ends pause, the
+/// retry recovers (the destination says which pages it lacks) and the guest verifies.
+#[test]
+fn a_cut_postcopy_recovers_across_processes() {
+    let (dest, addr, derr) = listen(&["--retries", "1"]);
+    let (code, out, err) = small(&format!(
+        "migrate --to {addr} --postcopy-after 0 --inject cut-after=4000000 --retries 1 --retry-delay 100"
+    ));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(err.contains("post-copy paused"), "{err}");
+    assert!(out.contains("1 recoveries"), "{out}");
+    assert!(out.contains("Verification: OK"), "{out}");
+    let (dcode, dout, derr) = finish(dest, derr);
+    assert_eq!(dcode, 0, "{derr}");
+    assert!(dout.contains("Verification: OK"), "{dout}");
+}
+
 #[test]
 fn a_broken_source_is_caught_by_verification() {
     // A dirty log that misses writes: only the full check is independent of it.
