@@ -1,5 +1,6 @@
 //! Live migration of any guest whose VMM implements [`Guest`]: pre-copy with the dirty log,
-//! auto-converge, device state, verification, and retries that lose nothing.
+//! auto-converge, device state, verification, and retries that lose nothing; and post-copy
+//! ([`postcopy`]) for a guest that dirties memory faster than the link carries it.
 //!
 //! - [`Guest`]: what a migration needs from a VMM — a memory map of guest-physical regions
 //!   (holes and read-only regions allowed), pause/resume, the dirty log as `slat_dirty`'s
@@ -8,6 +9,8 @@
 //!   it travels over.
 //! - [`Source`]: rounds, convergence, stop-and-copy, and the pages owed across attempts.
 //! - [`Destination`]: receive, acknowledge, verify, restore device state.
+//! - [`postcopy`]: the switch to running the guest on the destination before its memory has
+//!   arrived (pages on demand through a userfaultfd, a preempt channel, recovery after a cut).
 //! - [`throttle`]: auto-converge; [`dirty_limit`]: the per-vCPU dirty-rate limiter;
 //!   [`verify`]: range hashes; [`Faults`]: test faults on the sending side's bandwidth-capped
 //!   link; [`limits`]: how much guest memory this host can hold.

@@ -157,6 +157,9 @@ pub fn print_dest(d: &Dest) {
         r.verify.range_pages,
         ts(r.verify_time)
     );
+    if let Some(p) = &r.postcopy {
+        print_faults(p);
+    }
     let (pages, time) = r.run;
     println!("Guest resumed here: {pages} pages touched in {}", ts(time));
 }
@@ -179,14 +182,23 @@ fn print_postcopy(mig: &Migration) {
         );
     }
     if let Some(p) = mig.destination.as_ref().and_then(|d| d.0.postcopy.as_ref()) {
-        let b = &p.blocktime;
-        println!(
-            "Post-copy faults (destination): {} faults, blocktime p50 {:.3} ms, p99 {:.3} ms, max {:.3} ms; {} pages requested",
-            b.faults,
-            b.p50.as_secs_f64() * 1e3,
-            b.p99.as_secs_f64() * 1e3,
-            b.max.as_secs_f64() * 1e3,
-            p.requested
-        );
+        print_faults(p);
     }
+}
+
+/// The destination's post-copy: faults and their latency (QEMU's blocktime).
+fn print_faults(p: &slat_migrate::postcopy::PostcopyDestReport) {
+    let b = &p.blocktime;
+    println!(
+        "Post-copy faults (destination): {} faults, blocktime p50 {:.3} ms, p99 {:.3} ms, max {:.3} ms; {} pages requested, {} placed from the background and {} from the preempt channel, last {:.3}s after the run; {} recoveries",
+        b.faults,
+        b.p50.as_secs_f64() * 1e3,
+        b.p99.as_secs_f64() * 1e3,
+        b.max.as_secs_f64() * 1e3,
+        p.requested,
+        p.background_pages,
+        p.preempt_pages,
+        p.time_to_last_page.as_secs_f64(),
+        p.recoveries
+    );
 }

@@ -331,7 +331,9 @@ impl Destination {
         let mut report = inc.finish(t0, reader.offset());
         if let Some(d) = self.session.as_mut().and_then(|s| s.post.take()) {
             d.stop();
-            report.postcopy = Some(d.report());
+            let p = d.report();
+            report.pages += p.background_pages + p.preempt_pages;
+            report.postcopy = Some(p);
         }
         let postcopy = report.postcopy.is_some();
         self.commit(&guest, &mut report, out)?;
