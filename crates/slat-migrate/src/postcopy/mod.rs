@@ -4,11 +4,11 @@
 //! At the switch the source pauses the guest, takes the last harvest and sends the set of
 //! pages the destination does not hold (or holds stale) as discard runs, then the device
 //! state and the run. The destination discards those pages, registers guest memory with a
-//! userfaultfd ([`uffd`]) and runs the guest: a vCPU that touches a missing page waits in the
-//! kernel while [`demand::Demand`] asks the source for it on the return path. The source
+//! userfaultfd (`uffd.rs`) and runs the guest: a vCPU that touches a missing page waits in the
+//! kernel while the demand pager (`demand.rs`) asks the source for it on the return path. The source
 //! sends requested pages on a second connection (the preempt channel) ahead of the
 //! background stream, which sends the rest in memory order; a page goes out once, claimed
-//! in [`PageBits`] by whichever channel takes it first. Failure semantics:
+//! in a page bitmap by whichever channel takes it first. Failure semantics:
 //! `docs/design/migration.md`.
 
 pub(crate) mod demand;
