@@ -30,6 +30,8 @@ pub struct Faults {
     pub cut_in_state: Option<u64>,
     /// Cut the connection this many bytes into the stop-and-copy round.
     pub cut_in_final_round: Option<u64>,
+    /// Cut post-copy's preempt channel once this many bytes were written on it.
+    pub cut_preempt_after: Option<u64>,
 }
 
 /// Writes to the destination with an optional bandwidth cap.

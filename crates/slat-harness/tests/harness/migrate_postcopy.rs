@@ -215,3 +215,45 @@ fn source_lost_in_postcopy_is_a_clear_error_at_the_destination() {
     assert!(text.contains("cannot run on partial memory"), "{text}");
     assert!(dest.guest().is_none(), "no guest is handed out");
 }
+
+/// The preempt channel cut while it carries a random-access guest's faulted pages: the
+/// requested pages in flight are lacking at the destination and come again after recovery.
+#[test]
+fn preempt_channel_cut_pauses_and_recovers() {
+    let g = source_guest(BackendKind::Sim, shape(8), LogMode::Get);
+    let random_reads = WorkSpec {
+        random: true,
+        ..reads()
+    };
+    let mut cfg = postcopy_config(PostcopyTrigger::After(0));
+    // The background stream capped (16 MiB take 0.5 s), so faults go ahead of it on the
+    // preempt channel, which is cut a few pages in.
+    cfg.bandwidth = 32 << 20;
+    cfg.faults.cut_preempt_after = Some(2_000 + slat_migrate::splitmix(seed()) % 40_000);
+    let mut src = start_source(&g, random_reads, cfg);
+    let (addr, h) = spawn_dest(
+        Destination::new(factory(BackendKind::Sim), dest_config()),
+        2,
+    );
+    let first = src.migrate(&addr, &mut |_| {});
+    let Err(e) = first else {
+        // The guest needed fewer pages on demand than the cut point: nothing to recover.
+        eprintln!("the preempt channel carried less than the cut point");
+        let (results, _) = h.join().unwrap();
+        assert!(results.last().unwrap().is_ok());
+        return;
+    };
+    assert!(
+        matches!(e, MigrateError::Postcopy(PostcopyError::Paused { .. })),
+        "{e}"
+    );
+    src.config_mut().faults.cut_preempt_after = None;
+    let r = src
+        .migrate(&addr, &mut |_| {})
+        .unwrap_or_else(|e| panic!("recovery: {e}"));
+    let (results, dest) = h.join().unwrap();
+    let d = results.last().unwrap().as_ref().unwrap();
+    assert!(d.verify.ok());
+    assert_eq!(r.postcopy.unwrap().recoveries, 1);
+    assert_same_memory(g.as_dyn(), &**dest.guest().unwrap());
+}

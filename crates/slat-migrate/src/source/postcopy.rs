@@ -283,7 +283,11 @@ impl Source {
         let Some(w) = c.writer else {
             return Err(PostcopyError::OneWay.into());
         };
-        let mut link = Link::new(w, c.closer.clone(), 0, Faults::default());
+        let faults = Faults {
+            cut_after: self.cfg.faults.cut_preempt_after,
+            ..Faults::default()
+        };
+        let mut link = Link::new(w, c.closer.clone(), 0, faults);
         let phase = "opening the preempt channel";
         let io = |e| MigrateError::stream(phase, StreamError::io(e, self.cfg.timeout));
         link.write_all(&stream::preamble(VERSION)).map_err(io)?;
