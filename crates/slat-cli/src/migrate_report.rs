@@ -6,6 +6,7 @@
 use crate::migrate::{Before, CompressArg, ConvergeArg, GuestArgs, MigrationArgs};
 use serde::ser::{SerializeMap, Serializer};
 use serde::Serialize;
+use slat_migrate::postcopy::{PostcopyDestReport, PostcopyReport};
 use slat_migrate::{DestReport, DirtyLimitReport, MigrationReport, RoundReport};
 use std::time::Duration;
 
@@ -109,6 +110,7 @@ impl Serialize for Migration {
         };
         m.serialize_entry("verification", &verification)?;
         m.serialize_entry("destination_resumed", &r.dest_resumed.map(Resumed))?;
+        m.serialize_entry("postcopy", &r.postcopy.as_ref().map(Postcopy))?;
         if let Some(d) = &self.destination {
             m.serialize_entry("destination", d)?;
         }
@@ -143,6 +145,7 @@ impl Serialize for Dest {
         m.serialize_entry("verification", &verification)?;
         m.serialize_entry("verify_time_s", &r.verify_time.as_secs_f64())?;
         m.serialize_entry("run", &Resumed(r.run))?;
+        m.serialize_entry("postcopy", &r.postcopy.as_ref().map(PostcopyDest))?;
         m.end()
     }
 }
@@ -193,6 +196,8 @@ impl Serialize for Config<'_> {
         )?;
         let period = dirty_limit.then_some(a.dirty_limit_period);
         m.serialize_entry("dirty_limit_period_ms", &period)?;
+        m.serialize_entry("postcopy", &a.postcopy_trigger().is_some())?;
+        m.serialize_entry("postcopy_after", &a.postcopy_after)?;
         m.end()
     }
 }
@@ -298,4 +303,45 @@ fn per_s(x: f64, t: Duration) -> f64 {
 /// The share of `before` lost in `during`, percent (`None` without a rate before).
 fn lost(before: f64, during: f64) -> Option<f64> {
     (before > 0.0).then(|| 100.0 * (1.0 - during / before))
+}
+
+/// Post-copy on the source.
+struct Postcopy<'a>(&'a PostcopyReport);
+
+impl Serialize for Postcopy<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let (p, mut m) = (self.0, s.serialize_map(None)?);
+        m.serialize_entry("after_rounds", &p.after_rounds)?;
+        m.serialize_entry("trigger", p.trigger)?;
+        m.serialize_entry("discarded_pages", &p.discarded)?;
+        m.serialize_entry("background_pages", &p.background_pages)?;
+        m.serialize_entry("preempt_pages", &p.preempt_pages)?;
+        m.serialize_entry("requested_pages", &p.requested)?;
+        m.serialize_entry("requests_already_sent", &p.requests_already_sent)?;
+        m.serialize_entry("bytes", &p.bytes)?;
+        m.serialize_entry("time_to_last_page_s", &p.time_to_last_page.as_secs_f64())?;
+        m.serialize_entry("recoveries", &p.recoveries)?;
+        m.end()
+    }
+}
+
+/// Post-copy on the destination: QEMU's figures (pages requested, blocktime).
+struct PostcopyDest<'a>(&'a PostcopyDestReport);
+
+impl Serialize for PostcopyDest<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let (p, mut m) = (self.0, s.serialize_map(None)?);
+        m.serialize_entry("discarded_pages", &p.discarded)?;
+        m.serialize_entry("requested_pages", &p.requested)?;
+        m.serialize_entry("background_pages", &p.background_pages)?;
+        m.serialize_entry("preempt_pages", &p.preempt_pages)?;
+        m.serialize_entry("duplicate_pages", &p.duplicates)?;
+        m.serialize_entry("faults", &p.blocktime.faults)?;
+        m.serialize_entry("blocktime_p50_s", &p.blocktime.p50.as_secs_f64())?;
+        m.serialize_entry("blocktime_p99_s", &p.blocktime.p99.as_secs_f64())?;
+        m.serialize_entry("blocktime_max_s", &p.blocktime.max.as_secs_f64())?;
+        m.serialize_entry("time_to_last_page_s", &p.time_to_last_page.as_secs_f64())?;
+        m.serialize_entry("recoveries", &p.recoveries)?;
+        m.end()
+    }
 }

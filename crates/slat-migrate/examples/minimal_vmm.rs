@@ -20,11 +20,13 @@ use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs, kvm_userspace_memory_region
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
 use slat_addr::{Gpa, PageIndex};
 use slat_dirty::{LogMode, Memslot};
+use slat_migrate::postcopy::PostcopyTrigger;
 use slat_migrate::stream::Region;
-use slat_migrate::transport::{Endpoint, Listener};
+use slat_migrate::transport::{Channel, Endpoint, Listener};
 use slat_migrate::{
-    kvm_dirty_log, DestConfig, DestReport, Destination, Factory, Guest, GuestError, GuestHarvester,
-    GuestRegion, HelloError, Memory, MigrationReport, Source, SourceConfig, StateBlob,
+    kvm_dirty_log, Acceptor, DestConfig, DestReport, Destination, Factory, Guest, GuestError,
+    GuestHarvester, GuestRegion, HelloError, Memory, MigrateError, MigrationReport, Source,
+    SourceConfig, StateBlob,
 };
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -247,6 +249,8 @@ const REGS: usize = size_of::<kvm_regs>();
 // life (never unmapped), page aligned, and `regions` always lists the same slots. Only the
 // vCPU writes it, by hardware; this program reads and writes it only through `Memory`
 // (atomically) once the guest exists. `running` is true while the run thread exists.
+// `demand_paged`: the ranges are `MAP_PRIVATE | MAP_ANONYMOUS` with 4 KiB pages and no
+// userfaultfd of this program's; only the vCPU (through KVM) touches them while it runs.
 unsafe impl Guest for Vm {
     fn kind(&self) -> &str {
         "minimal-vmm"
@@ -374,6 +378,9 @@ unsafe impl Guest for Vm {
     fn activity(&self) -> Option<u64> {
         Some(self.serial.sent.load(Ordering::Relaxed))
     }
+    fn demand_paged(&self) -> bool {
+        true
+    }
 }
 
 impl Drop for Vm {
@@ -406,6 +413,22 @@ type Migrated = (DestReport, Arc<dyn Guest>);
 /// The destination: a thread that serves one migration from `listener`; its VM is built from
 /// the map the source announces, and left paused.
 fn spawn_destination(mut listener: Listener) -> JoinHandle<Result<Migrated, Error>> {
+    // Post-copy's second connection (the preempt channel) comes to the same socket.
+    let acceptor: Option<Acceptor> = match &listener {
+        Listener::Unix(l, _) => l.try_clone().ok().map(|l| {
+            Box::new(move || {
+                let (s, _) = l.accept().map_err(|e| MigrateError::Connect {
+                    addr: "the preempt channel".into(),
+                    why: slat_migrate::Cause::new(e),
+                })?;
+                Channel::unix(s, TIMEOUT, "preempt".into()).map_err(|e| MigrateError::Connect {
+                    addr: "the preempt channel".into(),
+                    why: slat_migrate::Cause::new(e),
+                })
+            }) as Acceptor
+        }),
+        _ => None,
+    };
     std::thread::spawn(move || -> Result<_, Error> {
         let factory: Factory = Box::new(|map: &[Region], _machine: &[u8]| {
             Ok(Arc::new(Vm::new(map).map_err(HelloError::Build)?) as Arc<dyn Guest>)
@@ -416,6 +439,9 @@ fn spawn_destination(mut listener: Listener) -> JoinHandle<Result<Migrated, Erro
             ..DestConfig::default()
         };
         let mut d = Destination::new(factory, cfg);
+        if let Some(a) = acceptor {
+            d.set_acceptor(a);
+        }
         let report = d.serve_channel(listener.accept(TIMEOUT)?)?;
         let guest = d.guest().ok_or("no guest after a migration")?.clone();
         Ok((report, guest))
@@ -527,5 +553,46 @@ pub fn main() -> Result<(), Error> {
         return Err(format!("the destination guest did not count on: {counts:?}").into());
     }
     println!("destination: guest counting on, count {now} in both regions");
+    postcopy_onward(dst, now)
+}
+
+/// Moves the guest on from `dst` to a third VM in pure post-copy: the new VM runs it at once
+/// and pulls every page it touches from `dst` (`count`: where the guest stopped on `dst`).
+fn postcopy_onward(dst: Arc<dyn Guest>, count: u32) -> Result<(), Error> {
+    let path = std::env::temp_dir().join(format!("minimal-vmm-pc-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let third = spawn_destination(Listener::bind(&Endpoint::Unix(path.clone()))?);
+    let cfg = SourceConfig {
+        postcopy: Some(PostcopyTrigger::After(0)),
+        timeout: TIMEOUT,
+        ..SourceConfig::default()
+    };
+    dst.resume()?;
+    let report =
+        Source::new(dst.clone(), cfg).migrate(&format!("unix:{}", path.display()), &mut |_| {});
+    let third = third
+        .join()
+        .map_err(|_| "the destination thread panicked")?;
+    let _ = std::fs::remove_file(&path);
+    let (report, (dreport, guest)) = (report?, third?);
+    let (p, dp) = (
+        report.postcopy.ok_or("no post-copy figures")?,
+        dreport
+            .postcopy
+            .ok_or("no post-copy figures at the destination")?,
+    );
+    let counts = (COUNTERS.iter())
+        .map(|&gpa| counter(&*guest, gpa))
+        .collect::<Result<Vec<_>, _>>()?;
+    if counts[0] <= count || counts.iter().any(|&c| c != counts[0]) {
+        return Err(format!("the post-copy guest did not count on: {counts:?}").into());
+    }
+    println!(
+        "post-copy: {} pages ({} requested by faults, blocktime p99 {:.1?}), all verified; the guest counted on to {}",
+        p.background_pages + p.preempt_pages,
+        dp.requested,
+        dp.blocktime.p99,
+        counts[0]
+    );
     Ok(())
 }

@@ -168,6 +168,9 @@ pub enum Corruption {
         /// Bytes left.
         left: usize,
     },
+    /// More post-copy runs or requested pages in one frame than a frame may carry.
+    #[error("{0} runs or pages in one post-copy frame")]
+    TooManyRuns(u32),
     /// A boolean that is neither 0 nor 1.
     #[error("flag byte {0}")]
     Flag(u8),
@@ -781,6 +784,9 @@ pub enum MigrateError {
     /// The guest cannot slow one vCPU without the others.
     #[error("dirty-limit: this {0} guest has no per-vCPU throttle")]
     DirtyLimitUnsupported(String),
+    /// Post-copy could not go on, or stopped (paused for a recovery, or lost).
+    #[error(transparent)]
+    Postcopy(#[from] crate::postcopy::PostcopyError),
 }
 
 impl MigrateError {

@@ -82,6 +82,13 @@ pub struct GuestRegion {
 /// only atomically (or, for a KVM vCPU, by hardware outside the program) and never lends
 /// them out as references, so [`Memory`]'s atomic accesses race with nothing; and
 /// [`Guest::running`] is true whenever any vCPU may write that memory.
+///
+/// A guest whose [`Guest::demand_paged`] is true also guarantees, as a post-copy destination,
+/// that every region's host range is private anonymous memory of 4 KiB pages (what
+/// `mmap(MAP_PRIVATE | MAP_ANONYMOUS)` gives) with no userfaultfd of its own, which the
+/// migration may discard (`MADV_DONTNEED`) and register with a userfaultfd while the guest is
+/// paused; and that whatever touches guest memory while the guest runs (its vCPUs, its
+/// devices) may wait for a page that has not arrived.
 pub unsafe trait Guest: Send + Sync {
     /// A short name of the machine or VMM, for reports and the peer ("sim", "kvm", ...).
     fn kind(&self) -> &str;
@@ -149,6 +156,12 @@ pub unsafe trait Guest: Send + Sync {
     /// [`Guest::activity`] per vCPU (empty if the guest does not count it so).
     fn vcpu_activity(&self) -> Vec<u64> {
         Vec::new()
+    }
+    /// Whether this guest, as a post-copy destination, can run before all its memory has
+    /// arrived: its memory is filled on demand through a userfaultfd (the contract is in the
+    /// trait's safety section). False by default: a destination then refuses post-copy.
+    fn demand_paged(&self) -> bool {
+        false
     }
 }
 
@@ -232,7 +245,7 @@ impl MemoryMap {
     }
 
     /// (region, page in it) of memory index `p < pages`.
-    fn locate(&self, p: u64) -> (usize, u64) {
+    pub(crate) fn locate(&self, p: u64) -> (usize, u64) {
         let i = self.starts.partition_point(|&s| s <= p) - 1;
         (i, p - self.starts[i])
     }

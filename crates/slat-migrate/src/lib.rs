@@ -1,5 +1,6 @@
 //! Live migration of any guest whose VMM implements [`Guest`]: pre-copy with the dirty log,
-//! auto-converge, device state, verification, and retries that lose nothing.
+//! auto-converge, device state, verification, and retries that lose nothing; and post-copy
+//! ([`postcopy`]) for a guest that dirties memory faster than the link carries it.
 //!
 //! - [`Guest`]: what a migration needs from a VMM — a memory map of guest-physical regions
 //!   (holes and read-only regions allowed), pause/resume, the dirty log as `slat_dirty`'s
@@ -8,6 +9,8 @@
 //!   it travels over.
 //! - [`Source`]: rounds, convergence, stop-and-copy, and the pages owed across attempts.
 //! - [`Destination`]: receive, acknowledge, verify, restore device state.
+//! - [`postcopy`]: the switch to running the guest on the destination before its memory has
+//!   arrived (pages on demand through a userfaultfd, a preempt channel, recovery after a cut).
 //! - [`throttle`]: auto-converge; [`dirty_limit`]: the per-vCPU dirty-rate limiter;
 //!   [`verify`]: range hashes; [`Faults`]: test faults on the sending side's bandwidth-capped
 //!   link; [`limits`]: how much guest memory this host can hold.
@@ -139,6 +142,7 @@
 // groups whose items are not re-exported here.
 pub mod dirty_limit;
 pub mod limits;
+pub mod postcopy;
 pub mod stream;
 pub mod throttle;
 pub mod transport;
@@ -151,7 +155,7 @@ mod link;
 mod source;
 mod state;
 
-pub use destination::{DestConfig, DestReport, Destination, Factory};
+pub use destination::{Acceptor, DestConfig, DestReport, Destination, Factory};
 pub use error::{
     describe_map, Cause, Corruption, GuestError, HelloError, MapError, MemoryError, MigrateError,
     PageError, ProtocolError, StateError, StreamError,
@@ -161,6 +165,7 @@ pub use guest::{
 };
 pub use link::Faults;
 pub use source::{
-    DirtyLimitReport, Event, MigrationReport, Progress, RoundReport, Source, SourceConfig,
+    Connector, DirtyLimitReport, Event, MigrationReport, Progress, RoundReport, Source,
+    SourceConfig,
 };
 pub use state::{check_blobs, StateBlob};

@@ -32,6 +32,8 @@ pub struct Faults {
     pub cut_in_final_round: Option<u64>,
     /// Cut page stream `.0` once this many of its bytes were written.
     pub cut_stream: Option<(u32, u64)>,
+    /// Cut post-copy's preempt channel once this many bytes were written on it.
+    pub cut_preempt_after: Option<u64>,
 }
 
 /// Writes to the destination with an optional bandwidth cap.

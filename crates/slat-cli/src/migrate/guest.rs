@@ -8,6 +8,7 @@ use crate::args::{Switch, Workload};
 use crate::limits::GuestMemory;
 use slat_harness::migrate::{BackendKind, GuestSpec, Shape, WorkSpec};
 use slat_migrate::dirty_limit::DirtyLimitConfig;
+use slat_migrate::postcopy::PostcopyTrigger;
 use slat_migrate::stream::Compression;
 use slat_migrate::verify::VerifyMode;
 use slat_migrate::SourceConfig;
@@ -155,6 +156,15 @@ pub struct MigrationArgs {
     /// (100-60000; QEMU's default is 1000).
     #[arg(long = "dirty-limit-period", value_name = "MS", value_parser = clap::value_parser!(u64).range(100..=60_000), default_value_t = 1000)]
     pub dirty_limit_period: u64,
+    /// Switch to post-copy when pre-copy stops converging: a round that leaves more than 80%
+    /// of the pages the round before it left (or the last of --max-rounds). The guest then
+    /// runs on the destination at once and its missing pages follow on demand.
+    #[arg(long)]
+    pub postcopy: bool,
+    /// Switch to post-copy after this many pre-copy rounds instead (0: pure post-copy, no
+    /// pre-copy at all; 0-1000; implies --postcopy).
+    #[arg(long = "postcopy-after", value_name = "ROUNDS", value_parser = clap::value_parser!(u32).range(0..=1000))]
+    pub postcopy_after: Option<u32>,
     /// How long the guest runs before migration starts, in milliseconds (its write rate then
     /// is the baseline the migration is compared with; 0-600000).
     #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(0..=MAX_WAIT_MS), default_value_t = 500)]
@@ -255,6 +265,9 @@ impl GuestArgs {
 impl MigrationArgs {
     /// Refuses settings that cannot run with the guest `g`.
     pub(super) fn check(&self, g: &GuestArgs) -> CliResult {
+        if self.postcopy_trigger().is_some() && self.verify == VerifyArg::Full {
+            return Err(bad("--postcopy needs --verify sent: full verification reads memory the destination may still lack"));
+        }
         if self.converge != ConvergeArg::DirtyLimit {
             Ok(())
         } else if g.log != LogArg::Ring {
@@ -306,8 +319,18 @@ impl MigrationArgs {
             }),
             timeout: Duration::from_secs(self.timeout),
             connections: self.connections,
+            postcopy: self.postcopy_trigger(),
             faults,
             ..SourceConfig::default()
+        }
+    }
+
+    /// When to switch to post-copy (`None`: pre-copy only).
+    pub(crate) fn postcopy_trigger(&self) -> Option<PostcopyTrigger> {
+        match (self.postcopy, self.postcopy_after) {
+            (_, Some(n)) => Some(PostcopyTrigger::After(n)),
+            (true, None) => Some(PostcopyTrigger::Stalled),
+            (false, None) => None,
         }
     }
 }

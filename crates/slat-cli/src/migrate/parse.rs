@@ -25,6 +25,15 @@ pub(super) fn inject(s: &str) -> Result<Inject, String> {
     }
 }
 
+/// Parses `--vary postcopy-after=N`: pre-copy rounds before post-copy (0-1000), or `off`.
+pub(super) fn postcopy_after(s: &str) -> Result<Option<u32>, String> {
+    match s {
+        "off" => Ok(None),
+        _ => (s.parse::<u32>().ok().filter(|&n| n <= 1000).map(Some))
+            .ok_or_else(|| format!("`{s}`: rounds from 0 to 1000, or off")),
+    }
+}
+
 /// A count with an optional k/m suffix (powers of 1000), from `lo` to `hi`; `range` says
 /// which in the refusal.
 fn count(s: &str, lo: u64, hi: u64, range: &str) -> Result<u64, String> {

@@ -2,7 +2,7 @@
 //! driver; its `--vary` table and sweep table, and the convergence plot `migrate` shares.
 
 use super::guest::GuestArgs;
-use super::parse::{dirty_limit, dirty_rate, max_downtime, throttle_percent};
+use super::parse::{dirty_limit, dirty_rate, max_downtime, postcopy_after, throttle_percent};
 use super::*;
 use crate::args::Switch;
 use crate::driver::chart::SeriesOf;
@@ -80,6 +80,9 @@ pub const VARY: &[Key<MigratePerfArgs>] = &[
         |a, v| a.guest.wrprot = engine(v)?),
     key!("verify", "--verify", VerifyArg, |a| a.migration.verify),
     key!("converge", "--converge", ConvergeArg, |a| a.migration.converge),
+    vary_key!("postcopy-after", "--postcopy-after",
+        Values::Text("pre-copy rounds before post-copy (0-1000), or off", |v| postcopy_after(v).map(drop)),
+        |a, v| a.migration.postcopy_after = postcopy_after(v)?),
 ];
 
 impl Benchmark for MigratePerfArgs {
@@ -229,6 +232,11 @@ const COLUMNS: &[(&str, Cell)] = &[
     ("throughput lost", Pct(Migration::throughput_lost)),
     ("writes lost (M)", Num(|m| m.writes_lost() / 1e6, 2, true)),
     ("lost per vCPU", Text(|m| joined(&m.vcpu_lost(), |v| pct(*v)))),
+    ("sent (GiB)", Num(|m| m.r.bytes() as f64 / (1u64 << 30) as f64, 2, true)),
+    ("post-copy pages bg/preempt", Text(|m| m.r.postcopy.as_ref()
+        .map_or("-".into(), |p| format!("{}/{}", p.background_pages, p.preempt_pages)))),
+    ("fault p50/p99/max (ms)", Text(|m| m.destination.as_ref().and_then(|d| d.0.postcopy.as_ref())
+        .map_or("-".into(), |p| format!("{:.2}/{:.2}/{:.1}", ms(p.blocktime.p50), ms(p.blocktime.p99), ms(p.blocktime.max))))),
     ("verified", Text(|_| "ok".into())),
 ];
 

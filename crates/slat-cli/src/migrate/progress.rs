@@ -84,6 +84,7 @@ fn describe(e: &Event<'_>) -> (&'static str, Option<String>, Value) {
             Some(format!("vCPUs paused; {n} pages to send")),
             json!({ "pages_to_send": n }),
         ),
+        Event::Postcopy { discarded } => postcopy(*discarded),
         Event::DirtyLimit {
             limit,
             rates,
@@ -117,4 +118,15 @@ fn describe(e: &Event<'_>) -> (&'static str, Option<String>, Value) {
             ("progress", None, f)
         }
     }
+}
+
+/// The switch to post-copy.
+fn postcopy(discarded: u64) -> (&'static str, Option<String>, Value) {
+    let text =
+        format!("post-copy: the guest runs on the destination; {discarded} pages follow on demand");
+    (
+        "postcopy",
+        Some(text),
+        json!({ "pages_to_send": discarded }),
+    )
 }

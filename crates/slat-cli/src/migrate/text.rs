@@ -43,17 +43,24 @@ pub fn print_report(mig: &Migration) {
         );
     }
     println!("Total migration time: {}", ts(r.total));
-    println!(
-        "Downtime: {} (vCPUs paused to verified switch-over: final harvest {}, final pages {}, verification {})",
-        ts(r.downtime), ts(r.final_harvest), ts(r.final_send), ts(r.verify)
-    );
+    if r.postcopy.is_some() {
+        println!(
+            "Downtime: {} (vCPUs paused to the guest's run on the destination, post-copy)",
+            ts(r.downtime)
+        );
+    } else {
+        println!(
+            "Downtime: {} (vCPUs paused to verified switch-over: final harvest {}, final pages {}, verification {})",
+            ts(r.downtime), ts(r.final_harvest), ts(r.final_send), ts(r.verify)
+        );
+    }
     println!(
         "Rounds: {} ({}; expected stop-and-copy transfer {})",
         r.rounds.len(),
-        if r.converged {
-            "converged"
-        } else {
-            "did not converge: stopped at --max-rounds"
+        match (&r.postcopy, r.converged) {
+            (Some(_), _) => "then post-copy",
+            (None, true) => "converged",
+            (None, false) => "did not converge: stopped at --max-rounds",
         },
         ts(r.expected_final)
     );
@@ -73,6 +80,7 @@ pub fn print_report(mig: &Migration) {
 /// Throttling, verification, device state and the destination's resume.
 fn print_checks(mig: &Migration) {
     let r = &mig.r;
+    print_postcopy(mig);
     if let Some(d) = &r.dirty_limit {
         let v: Vec<String> = (d.max_permille.iter().zip(&d.last_rates))
             .map(|(t, x)| format!("max {:.1}% (last {x:.0} pages/s)", *t as f64 / 10.0))
@@ -154,6 +162,48 @@ pub fn print_dest(d: &Dest) {
         r.verify.range_pages,
         ts(r.verify_time)
     );
+    if let Some(p) = &r.postcopy {
+        print_faults(p);
+    }
     let (pages, time) = r.run;
     println!("Guest resumed here: {pages} pages touched in {}", ts(time));
+}
+
+/// Post-copy's figures on both sides.
+fn print_postcopy(mig: &Migration) {
+    let r = &mig.r;
+    if let Some(p) = &r.postcopy {
+        println!(
+            "Post-copy ({}, after {} rounds): {} pages on demand, {} in the background and {} on the preempt channel ({} requested, {} already sent); last page {:.3}s after the run; {} recoveries",
+            p.trigger,
+            p.after_rounds,
+            p.discarded,
+            p.background_pages,
+            p.preempt_pages,
+            p.requested,
+            p.requests_already_sent,
+            p.time_to_last_page.as_secs_f64(),
+            p.recoveries
+        );
+    }
+    if let Some(p) = mig.destination.as_ref().and_then(|d| d.0.postcopy.as_ref()) {
+        print_faults(p);
+    }
+}
+
+/// The destination's post-copy: faults and their latency (QEMU's blocktime).
+fn print_faults(p: &slat_migrate::postcopy::PostcopyDestReport) {
+    let b = &p.blocktime;
+    println!(
+        "Post-copy faults (destination): {} faults, blocktime p50 {:.3} ms, p99 {:.3} ms, max {:.3} ms; {} pages requested, {} placed from the background and {} from the preempt channel, last {:.3}s after the run; {} recoveries",
+        b.faults,
+        b.p50.as_secs_f64() * 1e3,
+        b.p99.as_secs_f64() * 1e3,
+        b.max.as_secs_f64() * 1e3,
+        p.requested,
+        p.background_pages,
+        p.preempt_pages,
+        p.time_to_last_page.as_secs_f64(),
+        p.recoveries
+    );
 }

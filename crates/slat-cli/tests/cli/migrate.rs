@@ -146,6 +146,9 @@ fn bad_flags_exit_2_with_one_line() {
         "migrate --to fd:5 --connections 2",
         "migrate --to file:/tmp/x --connections 2",
         "migrate-listen --listen 127.0.0.1:0 --connections 0",
+        "migrate-perf --postcopy --verify full",
+        "migrate-perf --postcopy-after 1001",
+        "migrate-perf --vary postcopy-after=x",
     ] {
         let args: Vec<&str> = cmd.split_whitespace().collect();
         let (code, out, err) = slat(&args);
@@ -195,6 +198,23 @@ fn a_cut_connection_is_resumed_across_processes() {
     let (dcode, dout, derr) = finish(dest, derr);
     assert_eq!(dcode, 0, "{derr}");
     assert!(dout.contains("resumed"), "{dout}");
+    assert!(dout.contains("Verification: OK"), "{dout}");
+}
+
+/// Pure post-copy between two processes, its link cut in the middle: both ends pause, the
+/// retry recovers (the destination says which pages it lacks) and the guest verifies.
+#[test]
+fn a_cut_postcopy_recovers_across_processes() {
+    let (dest, addr, derr) = listen(&["--retries", "1"]);
+    let (code, out, err) = small(&format!(
+        "migrate --to {addr} --postcopy-after 0 --inject cut-after=4000000 --retries 1 --retry-delay 100"
+    ));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(err.contains("post-copy paused"), "{err}");
+    assert!(out.contains("1 recoveries"), "{out}");
+    assert!(out.contains("Verification: OK"), "{out}");
+    let (dcode, dout, derr) = finish(dest, derr);
+    assert_eq!(dcode, 0, "{derr}");
     assert!(dout.contains("Verification: OK"), "{dout}");
 }
 

@@ -229,6 +229,27 @@ fn the_other_benchmarks_json_match_their_schemas() {
     validate("migrate.json", &d);
     assert_eq!(d["benchmark"], "migrate-perf");
     assert!(d["destination"]["verification"]["ok"].as_bool().unwrap());
+    // Pure post-copy: both sides' post-copy figures, every page sent once.
+    let d = json(&[
+        "migrate-perf",
+        "-v",
+        "1",
+        "-b",
+        "4M",
+        "--warmup",
+        "20",
+        "--resume-ms",
+        "0",
+        "--postcopy-after",
+        "0",
+    ]);
+    validate("migrate.json", &d);
+    let (p, dp) = (&d["postcopy"], &d["destination"]["postcopy"]);
+    assert_eq!(p["discarded_pages"], 1024, "{d:#}");
+    let sent = p["background_pages"].as_u64().unwrap() + p["preempt_pages"].as_u64().unwrap();
+    assert_eq!(sent, 1024);
+    assert!(dp["blocktime_p99_s"].as_f64().is_some());
+    assert!(d["destination"]["verification"]["ok"].as_bool().unwrap());
 }
 
 fn summary<'a>(d: &'a Value, metric: &str) -> &'a Value {

@@ -25,6 +25,9 @@ pub(super) struct MachineGuest<M, D: Driver<M>> {
     pub(super) driver: D,
     /// The workload `resume` runs: the last started, or the one restored from the source.
     pub(super) work: Mutex<Option<WorkSpec>>,
+    /// Guest memory is private anonymous memory (`Backing::Anonymous`): a post-copy
+    /// destination may fill it on demand.
+    pub(super) demand_paged: bool,
 }
 
 /// How a guest's workload runs on machine `M`: the part of [`Guest`] the two machines do
@@ -117,7 +120,11 @@ unsafe impl OwnsTestRegion for slat_kvm::KvmMachine {}
 // SAFETY: `regions` describes the machine's own test region (`OwnsTestRegion`; `build`
 // checked that the mapping holds `pages` pages), which lives as long as this guest holds the
 // machine, split at memslot boundaries; `running` is true whenever the driver has a workload
-// running.
+// running. With `demand_paged` (set only for `Backing::Anonymous`, a `MAP_PRIVATE |
+// MAP_ANONYMOUS` mapping of 4 KiB pages with no userfaultfd of the machine's own), the test
+// region may be discarded and registered by a post-copy destination: the only accesses while
+// the guest runs are its vCPU threads' (simulated) or KVM's on their behalf, which wait for a
+// missing page in the kernel.
 unsafe impl<M, D> Guest for MachineGuest<M, D>
 where
     M: OwnsTestRegion + Send + Sync + 'static,
@@ -208,6 +215,9 @@ where
     }
     fn vcpu_activity(&self) -> Vec<u64> {
         self.driver.pacing().vcpu_writes()
+    }
+    fn demand_paged(&self) -> bool {
+        self.demand_paged
     }
 }
 

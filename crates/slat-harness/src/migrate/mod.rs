@@ -362,9 +362,9 @@ pub fn build(spec: &GuestSpec) -> Result<Arc<dyn BenchGuest>, GuestError> {
                 ..MachineConfig::default()
             };
             if spec.stage2 {
-                sim_guest::<Stage2>(config, s, pages, spec.log)
+                sim_guest::<Stage2>(config, s, pages, spec)
             } else {
-                sim_guest::<Ept>(config, s, pages, spec.log)
+                sim_guest::<Ept>(config, s, pages, spec)
             }
         }
         BackendKind::Kvm => {
@@ -384,6 +384,7 @@ pub fn build(spec: &GuestSpec) -> Result<Arc<dyn BenchGuest>, GuestError> {
                 log: spec.log,
                 driver: BurstDriver::default(),
                 work: Mutex::new(None),
+                demand_paged: spec.backing == Backing::Anonymous,
             }))
         }
     }
@@ -393,8 +394,9 @@ fn sim_guest<F: PteFormat>(
     config: MachineConfig,
     shape: Shape,
     pages: u64,
-    log: LogMode,
+    spec: &GuestSpec,
 ) -> Result<Arc<dyn BenchGuest>, GuestError> {
+    let log = spec.log;
     // `Shape::check` bounded the memory by a 48-bit space; a format with fewer bits would
     // place the region below address 0.
     let fits = pages < 1u64 << (F::MAX_PHYS_BITS - PAGE_SIZE.trailing_zeros());
@@ -424,5 +426,6 @@ fn sim_guest<F: PteFormat>(
             running: AtomicBool::new(false),
         },
         work: Mutex::new(None),
+        demand_paged: spec.backing == Backing::Anonymous,
     }))
 }

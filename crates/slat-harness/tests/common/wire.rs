@@ -29,6 +29,10 @@ pub mod ty {
     pub const STATE_END: u8 = 13;
     pub const STREAMS: u8 = 20;
     pub const STREAM_HELLO: u8 = 21;
+    /// Post-copy's frames: discard, run, request, end, recover, lacking, lacking end,
+    /// preempt.
+    pub const POSTCOPY_FIRST: u8 = 32;
+    pub const POSTCOPY_LAST: u8 = 39;
 }
 
 /// Bytes of a frame header.

@@ -11,6 +11,7 @@ mod harvest_abort;
 mod migrate_fuzz;
 mod migrate_hostile;
 mod migrate_kvm;
+mod migrate_postcopy;
 mod migrate_streams;
 mod migrate_transports;
 mod public_paths;

@@ -42,6 +42,8 @@ pub(super) struct Incoming<'g> {
     /// Its bytes.
     blob_bytes: u64,
     report: DestReport,
+    /// Post-copy's discard runs so far.
+    pub(super) discards: Vec<(u64, u64)>,
 }
 
 impl<'g> Incoming<'g> {
@@ -83,7 +85,61 @@ impl<'g> Incoming<'g> {
             blobs: Vec::new(),
             blob_bytes: 0,
             report,
+            discards: Vec::new(),
         })
+    }
+
+    /// How the source verifies.
+    pub(super) fn verify_mode(&self) -> VerifyMode {
+        self.verify_mode
+    }
+
+    /// The source's session.
+    pub(super) fn session_id(&self) -> u64 {
+        self.report.session
+    }
+
+    /// The source's attempt.
+    pub(super) fn attempt(&self) -> u32 {
+        self.report.attempt
+    }
+
+    /// Pages of this guest.
+    pub(super) fn guest_pages(&self) -> u64 {
+        self.mem.pages()
+    }
+
+    /// Post-copy's discard runs: after the rounds, before the run, bounded by the guest.
+    pub(super) fn discard(
+        &mut self,
+        runs: Vec<(u64, u64)>,
+        phase: &str,
+    ) -> Result<(), MigrateError> {
+        let pages = self.mem.pages();
+        let bad = runs
+            .iter()
+            .find(|&&(a, n)| n == 0 || a.checked_add(n).is_none_or(|e| e > pages));
+        if let Some(&(page, _)) = bad {
+            return Err(MigrateError::stream(
+                phase,
+                StreamError::Page {
+                    offset: 0,
+                    err: PageError::OutOfRange { page, pages },
+                },
+            ));
+        }
+        // More runs than pages cannot be a real discard set: bounds what a source makes this
+        // side hold.
+        if self.discards.len() + runs.len() > pages as usize {
+            return Err(protocol(
+                phase,
+                ProtocolError::Overflow {
+                    what: "discard run",
+                },
+            ));
+        }
+        self.discards.extend(runs);
+        Ok(())
     }
 
     /// Where the protocol is, for error messages.

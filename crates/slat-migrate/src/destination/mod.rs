@@ -2,11 +2,16 @@
 //! connection after the handshake.
 
 mod incoming;
+mod postcopy;
 mod striped;
+
+pub use postcopy::Acceptor;
 
 use crate::error::{Cause, HelloError, MigrateError, ProtocolError, StreamError};
 use crate::guest::{Guest, MemoryMap};
-use crate::stream::{self, check_regions, FrameReader, Hello, Msg, Region, PAGE_BYTES};
+use crate::stream::{
+    self, check_regions, FrameReader, Hello, Msg, PostcopyMsg, Region, PAGE_BYTES,
+};
 use crate::transport::Channel;
 use crate::verify::{Digests, VerifyMode, VerifyReport, RANGE_PAGES};
 use incoming::{Incoming, State};
@@ -91,6 +96,8 @@ pub struct DestReport {
     pub verify_time: Duration,
     /// The guest's run after the switch-over: pages touched and for how long.
     pub run: (u64, Duration),
+    /// Post-copy's figures, when the guest switched over in post-copy.
+    pub postcopy: Option<crate::postcopy::PostcopyDestReport>,
 }
 
 struct Session {
@@ -101,6 +108,8 @@ struct Session {
     verify: VerifyMode,
     /// Per page, the digest of the bytes written into it ([`VerifyMode::Sent`]).
     digests: Digests,
+    /// Post-copy's demand pager, once the guest runs here in post-copy.
+    post: Option<Arc<crate::postcopy::demand::Demand>>,
 }
 
 /// The receiving end: checks the stream, builds (or reuses) a guest with the source's memory
@@ -139,6 +148,8 @@ pub struct Destination {
     session: Option<Session>,
     /// The guest after a completed migration.
     done: Option<Arc<dyn Guest>>,
+    /// Opens the source's extra connections (post-copy's preempt channel).
+    acceptor: Option<Acceptor>,
 }
 
 impl Destination {
@@ -150,6 +161,7 @@ impl Destination {
             prebuilt: None,
             session: None,
             done: None,
+            acceptor: None,
         }
     }
 
@@ -162,6 +174,7 @@ impl Destination {
             prebuilt: Some(guest),
             session: None,
             done: None,
+            acceptor: None,
         }
     }
 
@@ -185,6 +198,22 @@ impl Destination {
         let (s, _) = listener.accept().map_err(|e| {
             MigrateError::stream("accepting a connection", StreamError::Io(Cause::new(e)))
         })?;
+        if self.acceptor.is_none() {
+            if let Ok(l) = listener.try_clone() {
+                let timeout = self.cfg.timeout;
+                self.acceptor = Some(Box::new(move || {
+                    let (s, _) = l.accept().map_err(|e| {
+                        MigrateError::stream(
+                            "accepting a connection",
+                            StreamError::Io(Cause::new(e)),
+                        )
+                    })?;
+                    Channel::tcp(s, timeout).map_err(|e| {
+                        MigrateError::stream("accepting", StreamError::Io(Cause::new(e)))
+                    })
+                }));
+            }
+        }
         let c = Channel::tcp(s, timeout)
             .map_err(|e| MigrateError::stream("accepting", StreamError::Io(Cause::new(e))))?;
         let mut next = || crate::transport::accept_tcp_within(listener, timeout, timeout);
@@ -326,14 +355,50 @@ impl Destination {
             None => Digests::default(),
         };
         let mut inc = Incoming::new(&*guest, report, hello.verify, digests)?;
-        let r = frames(&mut inc, link);
+        let post = self.session.as_ref().and_then(|s| s.post.clone());
+        let r = match post {
+            Some(d) if resumed => self
+                .postcopy_recover(&d, &mut inc, link.reader, link.out)
+                .map(|()| 0),
+            _ => match frames(&mut inc, link) {
+                Ok(End::PostcopyRun(pages)) => self
+                    .postcopy_run(&guest, &mut inc, pages, link.reader, link.out)
+                    .map(|()| 0),
+                Ok(End::Commit(bytes)) => Ok(bytes),
+                Err(e) => Err(e),
+            },
+        };
+        let r = r.and_then(|bytes| match inc.state {
+            State::Verified => Ok(bytes),
+            // Post-copy's pages are all here: the verification and the commit follow.
+            _ => match frames(&mut inc, link)? {
+                End::Commit(more) => Ok(bytes + more),
+                End::PostcopyRun(_) => Err(protocol(
+                    "post-copy",
+                    ProtocolError::Unexpected {
+                        msg: "a second post-copy run",
+                    },
+                )),
+            },
+        });
         // The digests describe the memory kept for a resume.
         if let Some(s) = &mut self.session {
             s.digests = std::mem::take(&mut inc.digests);
         }
         let bytes = r?;
         let mut report = inc.finish(t0, link.reader.offset() + bytes);
+        if let Some(d) = self.session.as_mut().and_then(|s| s.post.take()) {
+            d.stop();
+            let p = d.report();
+            report.pages += p.background_pages + p.preempt_pages;
+            report.postcopy = Some(p);
+        }
+        let postcopy = report.postcopy.is_some();
         self.commit(&guest, &mut report, link.out)?;
+        if postcopy && self.cfg.resume_for.is_zero() {
+            // It has run since post-copy's run; left stopped as `resume_for` zero asks.
+            guest.pause()?;
+        }
         Ok(report)
     }
 
@@ -387,6 +452,13 @@ impl Destination {
             if s.id == hello.session && s.regions == hello.regions && s.verify == hello.verify {
                 return Ok((s.guest.clone(), true));
             }
+            if s.post.is_some() {
+                // Its guest runs here on memory still partly at its source.
+                return Err(crate::postcopy::PostcopyError::Recover(
+                    "this destination runs another session's guest in post-copy".into(),
+                )
+                .into());
+            }
         }
         // A new session: the pages of any earlier one are overwritten by its full copy.
         let guest = match (&self.prebuilt, &mut self.factory) {
@@ -414,6 +486,7 @@ impl Destination {
             guest: guest.clone(),
             verify: hello.verify,
             digests: Digests::default(),
+            post: None,
         });
         Ok((guest, false))
     }
@@ -453,12 +526,23 @@ enum Step {
     More,
     /// The commit: the guest is this side's.
     Commit,
+    /// Post-copy's run: the guest starts here with this many pages still missing.
+    PostcopyRun(u64),
+}
+
+/// Where the frames of [`frames`] ended.
+enum End {
+    /// The commit, with the bytes the page streams read.
+    Commit(u64),
+    /// Post-copy's run, with the pages still missing.
+    PostcopyRun(u64),
 }
 
 /// The protocol's frames in order, each kind handled by a step of [`Incoming`], until the
-/// verified stream's commit; a source's page streams switch to [`striped::receive`]. Returns
-/// the bytes the page streams read (0 without them).
-fn frames(inc: &mut Incoming<'_>, link: &mut Control<'_, '_>) -> Result<u64, MigrateError> {
+/// verified stream's commit (with the bytes the page streams read, 0 without them) or
+/// post-copy's run (the guest is to start with that many pages still missing); a source's
+/// page streams switch to [`striped::receive`].
+fn frames(inc: &mut Incoming<'_>, link: &mut Control<'_, '_>) -> Result<End, MigrateError> {
     loop {
         let phase = inc.phase();
         let m = link
@@ -471,13 +555,13 @@ fn frames(inc: &mut Incoming<'_>, link: &mut Control<'_, '_>) -> Result<u64, Mig
                 link.reader.recycle(b.data);
             }
             (_, Msg::Streams { count }) if inc.fresh() => {
-                return striped::receive(inc, link, count, &phase);
+                return striped::receive(inc, link, count, &phase).map(End::Commit);
             }
-            (state, m) => {
-                if let Step::Commit = control(inc, state, m, &phase, link.out)? {
-                    return Ok(0);
-                }
-            }
+            (state, m) => match control(inc, state, m, &phase, link.out)? {
+                Step::More => {}
+                Step::Commit => return Ok(End::Commit(0)),
+                Step::PostcopyRun(pages) => return Ok(End::PostcopyRun(pages)),
+            },
         }
     }
 }
@@ -510,6 +594,23 @@ fn control(
             },
         ) => inc.verify(ranges, range_pages, phase, out)?,
         (State::Verified, Msg::Commit) => return Ok(Step::Commit),
+        (State::Rounds | State::Device, Msg::Postcopy(PostcopyMsg::Discard(runs))) => {
+            inc.discard(runs, phase)?
+        }
+        (State::Restored, Msg::Postcopy(PostcopyMsg::Run { pages }))
+            if !inc.discards.is_empty() || pages == 0 =>
+        {
+            return Ok(Step::PostcopyRun(pages))
+        }
+        (State::Rounds | State::Device, Msg::Postcopy(PostcopyMsg::Recover)) => {
+            // A source that believes it is in post-copy; this side never ran the guest: it
+            // lacks the switch-over, which the source sends again.
+            let end = PostcopyMsg::LackingEnd {
+                pages: 0,
+                running: false,
+            };
+            send(out, &Msg::Postcopy(end), phase)?
+        }
         (_, Msg::Commit) => return Err(protocol(phase, ProtocolError::EarlyCommit)),
         (_, Msg::Refuse(reason)) => {
             return Err(MigrateError::Refused {

@@ -161,8 +161,19 @@ fn control_loop(
                     }
                     _ => {}
                 }
-                if let Step::Commit = control(inc, inc.state, m, &phase, out)? {
-                    return Ok(());
+                match control(inc, inc.state, m, &phase, out)? {
+                    Step::More => {}
+                    Step::Commit => return Ok(()),
+                    // Post-copy runs over the control connection only (the source refuses
+                    // both at once); a run here is a hostile or broken source.
+                    Step::PostcopyRun(_) => {
+                        return Err(protocol(
+                            &phase,
+                            ProtocolError::Unexpected {
+                                msg: "post-copy's run beside page streams",
+                            },
+                        ))
+                    }
                 }
             }
         }

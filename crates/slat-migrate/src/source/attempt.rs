@@ -69,6 +69,10 @@ impl Source {
         self.open_streams(conn)?;
         report.connections = self.cfg.connections;
         report.setup = t_connect.elapsed();
+        if self.post.is_some() {
+            self.postcopy_recover(conn, &mem, &mut report, t_connect)?;
+            return Ok(report);
+        }
         let (starts, ro) = self.prepare_log(&mem, report.resumed)?;
         progress(Event::Connected {
             resume: report.resumed,
@@ -96,6 +100,19 @@ impl Source {
         let t_pause = r?;
         before.since(&*self.guest, &mut report);
         report.precopy = t_pause - t_connect;
+        if let Some(trigger) = self.switch.take() {
+            let times = (t_pause, t_connect);
+            self.postcopy_switch(
+                conn,
+                &mem,
+                &mut sender,
+                trigger,
+                &mut report,
+                times,
+                progress,
+            )?;
+            return Ok(with_throttle(report, &ac));
+        }
         self.ro_owed = false;
 
         let t = Instant::now();
@@ -112,9 +129,7 @@ impl Source {
         };
 
         self.switch_over(conn, &mut report, t_pause, t_connect)?;
-        report.throttle_max = ac.max();
-        report.throttle_changes = ac.changes.clone();
-        Ok(report)
+        Ok(with_throttle(report, &ac))
     }
 
     /// Readies the dirty log and the digests for this attempt's rounds: everything owed
@@ -185,7 +200,7 @@ impl Source {
     }
 
     /// Switch-over: from the written `Commit` on, the guest is the destination's.
-    fn switch_over(
+    pub(super) fn switch_over(
         &mut self,
         conn: &mut Conn,
         report: &mut MigrationReport,
@@ -255,7 +270,7 @@ impl Source {
     }
 
     /// The device state, saved with the vCPUs paused, sent blob by blob and counted.
-    fn send_state(
+    pub(super) fn send_state(
         &self,
         conn: &mut Conn,
         report: &mut MigrationReport,
@@ -279,7 +294,11 @@ impl Source {
     /// Verification: sends the hashes of memory as it is now (the vCPUs stopped) and the
     /// request; returns the ranges the destination found all matching (over a one-way
     /// channel, the ranges the reader will check).
-    fn verify(&mut self, conn: &mut Conn, mem: &Memory<'_>) -> Result<u64, MigrateError> {
+    pub(super) fn verify(
+        &mut self,
+        conn: &mut Conn,
+        mem: &Memory<'_>,
+    ) -> Result<u64, MigrateError> {
         let phase = "verification";
         let pages = mem.pages();
         let nranges = verify::ranges(pages, RANGE_PAGES);
@@ -342,6 +361,13 @@ impl Source {
             m => Err(unexpected(phase, &m)),
         }
     }
+}
+
+/// `report` with what auto-converge did.
+fn with_throttle(mut report: MigrationReport, ac: &AutoConverge) -> MigrationReport {
+    report.throttle_max = ac.max();
+    report.throttle_changes = ac.changes.clone();
+    report
 }
 
 /// The guest's harvester, made on first use with every page owed.

@@ -3,7 +3,7 @@
 
 use crate::error::{Cause, MigrateError, ProtocolError, StreamError};
 use crate::link::Link;
-use crate::stream::{self, FrameReader, Msg};
+use crate::stream::{self, FrameReader, Msg, PostcopyMsg};
 use std::io::{Read, Write};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::thread::JoinHandle;
@@ -91,7 +91,12 @@ impl Conn {
                 },
             ));
         };
-        match inbox.recv_timeout(self.timeout) {
+        let mut m = inbox.recv_timeout(self.timeout);
+        // A post-copy page request that arrived after its page went out needs nothing.
+        while let Ok(Ok(Msg::Postcopy(PostcopyMsg::Request(_)))) = m {
+            m = inbox.recv_timeout(self.timeout);
+        }
+        match m {
             Ok(Ok(Msg::Refuse(reason))) => Err(MigrateError::Refused {
                 who: "destination",
                 reason,
@@ -176,7 +181,12 @@ pub(super) fn spawn_reader_idle(
                         | Msg::Refuse(_)
                         | Msg::Ack { .. }
                         | Msg::Verified { .. }
-                        | Msg::Resumed { .. }),
+                        | Msg::Resumed { .. }
+                        | Msg::Postcopy(
+                            PostcopyMsg::Request(_)
+                            | PostcopyMsg::Lacking(_)
+                            | PostcopyMsg::LackingEnd { .. },
+                        )),
                     ) => Ok(m),
                     Ok(m) => Err(StreamError::Protocol(ProtocolError::Unexpected {
                         msg: m.name(),

@@ -7,6 +7,7 @@
 
 mod attempt;
 mod conn;
+mod postcopy;
 mod rounds;
 mod sender;
 mod striped;
@@ -19,6 +20,7 @@ use crate::stream::{Compression, MAX_BATCH_PAGES, MAX_STREAMS};
 use crate::transport::{self, Channel, Endpoint};
 use crate::verify::{Digests, VerifyMode};
 use conn::{spawn_reader, Conn};
+pub use postcopy::Connector;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -63,6 +65,9 @@ pub struct SourceConfig {
     pub connections: u32,
     /// Connect, write and acknowledgement timeout.
     pub timeout: Duration,
+    /// Switch to post-copy ([`crate::postcopy`]) after some pre-copy rounds or when
+    /// pre-copy stalls (`None`: pre-copy only).
+    pub postcopy: Option<crate::postcopy::PostcopyTrigger>,
     /// Deliberate faults (tests).
     #[doc(hidden)]
     pub faults: Faults,
@@ -84,6 +89,7 @@ impl Default for SourceConfig {
             batch_pages: 256,
             connections: 1,
             timeout: Duration::from_secs(30),
+            postcopy: None,
             faults: Faults::default(),
         }
     }
@@ -181,6 +187,9 @@ pub struct MigrationReport {
     pub vcpu_writes: Vec<u64>,
     /// What dirty-limit did, when it was on.
     pub dirty_limit: Option<DirtyLimitReport>,
+    /// Post-copy's figures, when the migration switched over in post-copy (its downtime is
+    /// then the pause to the run, and `total` runs to the last page and the commit).
+    pub postcopy: Option<crate::postcopy::PostcopyReport>,
 }
 
 /// Dirty-limit over one attempt.
@@ -201,19 +210,26 @@ pub struct DirtyLimitReport {
 }
 
 impl MigrationReport {
-    /// Pages sent over all rounds.
+    /// Pages sent over all rounds and post-copy.
     pub fn pages(&self) -> u64 {
-        self.rounds.iter().map(|r| r.pages).sum()
+        let post = self.postcopy.as_ref();
+        self.rounds.iter().map(|r| r.pages).sum::<u64>()
+            + post.map_or(0, |p| p.background_pages + p.preempt_pages)
     }
-    /// Bytes sent over all rounds (page batches only).
+    /// Bytes sent over all rounds and post-copy (page batches only).
     pub fn bytes(&self) -> u64 {
-        self.rounds.iter().map(|r| r.bytes).sum()
+        self.rounds.iter().map(|r| r.bytes).sum::<u64>()
+            + self.postcopy.as_ref().map_or(0, |p| p.bytes)
     }
-    /// Average bandwidth over all rounds, bytes per second.
+    /// Average bandwidth over all rounds and post-copy, bytes per second.
     pub fn bandwidth(&self) -> f64 {
+        let post = self
+            .postcopy
+            .as_ref()
+            .map_or(Duration::ZERO, |p| p.time_to_last_page);
         rate(
             self.bytes() as f64,
-            self.rounds.iter().map(|r| r.time).sum(),
+            self.rounds.iter().map(|r| r.time).sum::<Duration>() + post,
         )
     }
     /// Pages dirtied per second during pre-copy (as the harvests saw them).
@@ -252,6 +268,11 @@ pub enum Event<'a> {
     Throttle(u32),
     /// The vCPUs stopped; this many pages are owed.
     Paused(u64),
+    /// The guest runs on the destination in post-copy; this many pages are still here.
+    Postcopy {
+        /// Pages the destination lacked at the switch.
+        discarded: u64,
+    },
     /// Where the migration stands: after every harvest and after the stop-and-copy round.
     Progress(Progress),
     /// Dirty-limit measured the vCPUs and set their throttles (once per period).
@@ -367,6 +388,12 @@ pub struct Source {
     ring_counts: Arc<RingCounts>,
     /// Where the attempt in progress connected (page streams connect there too).
     endpoint: Option<Endpoint>,
+    /// Post-copy's state once the guest switched over in post-copy.
+    post: Option<postcopy::PostState>,
+    /// Why the rounds just ended in post-copy (its trigger), for the attempt.
+    switch: Option<&'static str>,
+    /// Opens post-copy's preempt channel.
+    connector: Option<Connector>,
 }
 
 impl Source {
@@ -390,6 +417,9 @@ impl Source {
             digests: Digests::default(),
             ring_counts: Arc::default(),
             endpoint: None,
+            post: None,
+            switch: None,
+            connector: None,
         }
     }
 
@@ -445,6 +475,10 @@ impl Source {
         to: &Endpoint,
         progress: &mut dyn FnMut(Event<'_>),
     ) -> Result<MigrationReport, MigrateError> {
+        if self.cfg.postcopy.is_some() || self.post.is_some() {
+            let (to, timeout) = (to.clone(), self.cfg.timeout);
+            self.connector = Some(Box::new(move || transport::connect(&to, timeout)));
+        }
         self.check()?;
         if self.cfg.connections > 1 && !matches!(to, Endpoint::Tcp(_) | Endpoint::Unix(_)) {
             return Err(MigrateError::StreamsNeedEndpoint(self.cfg.connections));
@@ -485,6 +519,21 @@ impl Source {
         if self.cfg.connections == 0 || self.cfg.connections > MAX_STREAMS {
             return Err(MigrateError::Connections(self.cfg.connections));
         }
+        if self.cfg.postcopy.is_some() && self.cfg.connections > 1 {
+            // Post-copy's requests and pages run on the control connection and one preempt
+            // channel; striping them over page streams too is not built.
+            return Err(crate::postcopy::PostcopyError::WithStreams(self.cfg.connections).into());
+        }
+        if self.cfg.postcopy.is_some() && self.cfg.verify != VerifyMode::Sent {
+            return Err(crate::postcopy::PostcopyError::NeedsSentVerify.into());
+        }
+        if (self.cfg.postcopy.is_some() || self.post.is_some()) && self.connector.is_none() {
+            // Refused before the switch: without its preempt channel the guest would wait.
+            return Err(crate::postcopy::PostcopyError::NoPreempt(
+                "no connector for this channel (Source::set_connector)".into(),
+            )
+            .into());
+        }
         if let Some(dl) = self.cfg.dirty_limit {
             dl.check()?;
             if self.guest.limitable_vcpus() == 0 {
@@ -506,7 +555,9 @@ impl Source {
         for i in 0..self.guest.limitable_vcpus() {
             self.guest.set_vcpu_throttle_ppm(i, 0);
         }
-        if r.is_err() && !self.migrated && !self.guest.running() && self.was_running {
+        // In post-copy the guest runs on the destination: it never runs here again.
+        let here = !self.migrated && self.post.is_none();
+        if r.is_err() && here && !self.guest.running() && self.was_running {
             if let (Err(restart), Err(first)) = (self.guest.resume(), &r) {
                 return Err(MigrateError::Restart {
                     first: Box::new(first.clone()),

@@ -29,6 +29,7 @@ impl Source {
     ) -> Result<Instant, MigrateError> {
         let log = harvester(&mut self.log, &*self.guest, &self.ring_counts)?;
         let mut round = 0u32;
+        let mut last_owed = u64::MAX;
         let round = loop {
             // Re-armed before it returns; dropped on an error below, it is owed again.
             let mut set = log.take()?;
@@ -54,7 +55,8 @@ impl Source {
                 false,
                 sender.t0,
             )));
-            if round > 0 && precopy_done(&self.cfg, owed, round, report) {
+            let switch = &mut self.switch;
+            if precopy_ends(&self.cfg, switch, (round, owed), &mut last_owed, report) {
                 // Not sent: owed again, for the take after the pause.
                 set.abort();
                 break round;
@@ -88,6 +90,9 @@ impl Source {
         }
         let t_pause = Instant::now();
         self.guest.pause()?;
+        if self.switch.is_some() {
+            return Ok(t_pause);
+        }
         self.stop_and_copy(conn, mem, sender, round, report, progress)?;
         Ok(t_pause)
     }
@@ -149,6 +154,26 @@ impl Source {
     }
 }
 
+/// Whether pre-copy ends before round `round` with `owed` pages just harvested: in
+/// stop-and-copy ([`precopy_done`]) or, when post-copy is on, in post-copy (its trigger then
+/// in `switch`).
+fn precopy_ends(
+    cfg: &SourceConfig,
+    switch: &mut Option<&'static str>,
+    (round, owed): (u32, u64),
+    last_owed: &mut u64,
+    report: &mut MigrationReport,
+) -> bool {
+    if round > 0 && precopy_done(cfg, owed, round, report) {
+        if cfg.postcopy.is_some() && !report.converged {
+            *switch = Some("max-rounds");
+        }
+        return true;
+    }
+    *switch = postcopy_due(cfg, round, owed, last_owed);
+    switch.is_some()
+}
+
 /// Whether pre-copy ends before round `round` (> 0): the `owed` pages (harvested just now)
 /// could be sent within `max_downtime` at the bandwidth of the round that just ended
 /// (recorded in `report`), or the rounds are used up.
@@ -160,6 +185,21 @@ fn precopy_done(cfg: &SourceConfig, owed: u64, round: u32, report: &mut Migratio
         return true;
     }
     round > cfg.max_rounds || round == u32::MAX
+}
+
+/// Whether pre-copy switches to post-copy before round `round`, with `owed` pages just
+/// harvested (`last`: those harvested before the previous round, updated): after the rounds
+/// asked for, or when the last round did not shrink the remaining set below
+/// [`STALL_SHRINK`](crate::postcopy::STALL_SHRINK) of what it was.
+fn postcopy_due(cfg: &SourceConfig, round: u32, owed: u64, last: &mut u64) -> Option<&'static str> {
+    use crate::postcopy::{PostcopyTrigger, STALL_SHRINK};
+    let before = std::mem::replace(last, owed);
+    match cfg.postcopy? {
+        PostcopyTrigger::After(n) => (round >= n).then_some("rounds"),
+        PostcopyTrigger::Stalled => {
+            (round >= 1 && owed as f64 > before as f64 * STALL_SHRINK).then_some("stalled")
+        }
+    }
 }
 
 /// How long `owed` pages would take at the bandwidth and bytes per page of the last round

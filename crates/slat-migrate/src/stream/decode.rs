@@ -17,6 +17,9 @@ impl Msg {
             // The batch keeps the payload: its pages are decoded where they are written.
             return Dec::pages(payload, offset);
         }
+        if super::PostcopyMsg::is_type(ty) {
+            return super::PostcopyMsg::decode(ty, &payload, offset);
+        }
         let mut d = Dec {
             b: &payload,
             at: 0,

@@ -82,6 +82,7 @@ impl Msg {
             }
             Msg::Streams { .. } | Msg::StreamHello { .. } => put_streams(out, self),
             Msg::Commit => T_COMMIT,
+            Msg::Postcopy(m) => m.encode(out),
             Msg::Resumed { touched, micros } => {
                 put_u64(out, *touched);
                 put_u64(out, *micros);

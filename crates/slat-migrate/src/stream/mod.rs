@@ -31,6 +31,7 @@
 
 mod decode;
 mod encode;
+mod postcopy;
 mod reader;
 #[cfg(test)]
 mod tests;
@@ -40,6 +41,7 @@ use crate::state::StateBlob;
 use slat_addr::Gpa;
 
 pub use encode::{frame, preamble, write_msg, BatchBuilder};
+pub use postcopy::{PostcopyMsg, MAX_REQUEST, MAX_RUNS};
 pub use reader::FrameReader;
 
 /// The first eight bytes of every stream.
@@ -287,6 +289,8 @@ pub enum Msg {
         /// For how long, in microseconds.
         micros: u64,
     },
+    /// Post-copy's frames (either side).
+    Postcopy(PostcopyMsg),
 }
 
 /// A batch of pages, validated: every entry's page, encoding and bytes lie inside `data`.
@@ -400,6 +404,7 @@ impl Msg {
             Msg::StateEnd { .. } => "device state end",
             Msg::Streams { .. } => "streams",
             Msg::StreamHello { .. } => "stream hello",
+            Msg::Postcopy(m) => m.name(),
         }
     }
 }

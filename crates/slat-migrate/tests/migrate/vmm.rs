@@ -317,7 +317,10 @@ fn cut_then_retry(fault: impl Fn(&mut SourceConfig), phase: &str) {
     while src.writes() == w && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(5));
     }
-    assert!(src.writes() > w, "the source guest stopped writing after a failed attempt");
+    assert!(
+        src.writes() > w,
+        "the source guest stopped writing after a failed attempt"
+    );
     s.config_mut().faults = Default::default();
     let r = s.migrate(&addr, &mut |_| {}).unwrap();
     assert!(r.resumed, "the destination kept the session");

@@ -124,6 +124,13 @@ pub(crate) enum Hostile {
         attempt: u32,
         index: u32,
     },
+    /// A post-copy frame (`ty` 32-39) with hostile runs, counts and values.
+    Postcopy {
+        ty: u8,
+        claimed: Option<u32>,
+        runs: Vec<(u64, u64)>,
+        value: u64,
+    },
     /// Any type byte (known or not) around any payload.
     Raw {
         ty: u8,
@@ -201,8 +208,18 @@ pub(crate) fn hostile() -> impl Strategy<Value = Hostile> {
         1 => prop_oneof![2 => 0u32..=18, 1 => edge_u32()].prop_map(|count| Hostile::Streams { count }),
         1 => (edge_u64(), edge_u32(), edge_u32())
             .prop_map(|(session, attempt, index)| Hostile::StreamHello { session, attempt, index }),
+        3 => (
+            wire::ty::POSTCOPY_FIRST..=wire::ty::POSTCOPY_LAST,
+            prop_oneof![4 => Just(None), 1 => edge_u32().prop_map(Some)],
+            proptest::collection::vec(
+                (prop_oneof![3 => 0u64..80, 1 => edge_u64()], prop_oneof![3 => 0u64..80, 1 => edge_u64()]),
+                0..6,
+            ),
+            prop_oneof![3 => 0u64..300, 1 => edge_u64()],
+        )
+            .prop_map(|(ty, claimed, runs, value)| Hostile::Postcopy { ty, claimed, runs, value }),
         2 => (any::<u8>(), small_bytes(80)).prop_map(|(ty, payload)| Hostile::Raw { ty, payload }),
-        1 => (prop_oneof![1u8..=13, 20u8..=21], small_bytes(40), edge_u32())
+        1 => (prop_oneof![1u8..=13, 20u8..=21, wire::ty::POSTCOPY_FIRST..=wire::ty::POSTCOPY_LAST], small_bytes(40), edge_u32())
             .prop_map(|(ty, payload, len)| Hostile::Lying { ty, payload, len }),
     ]
 }
@@ -285,6 +302,12 @@ impl Hostile {
                 .u32(*attempt)
                 .u32(*index)
                 .frame(ty::STREAM_HELLO),
+            Hostile::Postcopy {
+                ty,
+                claimed,
+                runs,
+                value,
+            } => postcopy_frame(*ty, *claimed, runs, *value),
             Hostile::Raw { ty, payload } => wire::seal(*ty, payload),
             Hostile::Lying { ty, payload, len } => wire::seal_len(*ty, payload, *len),
         }
@@ -368,4 +391,28 @@ pub(crate) fn pages_frame(
         };
     }
     p.frame(ty::PAGES)
+}
+
+/// A post-copy frame of type `t`: runs (discard, lacking), pages (request), or one value
+/// (run, end, lacking end with a flag, preempt with an attempt); `claimed` lies about the
+/// count.
+pub(crate) fn postcopy_frame(
+    t: u8,
+    claimed: Option<u32>,
+    runs: &[(u64, u64)],
+    value: u64,
+) -> Vec<u8> {
+    let n = claimed.unwrap_or(runs.len() as u32);
+    let p = Payload::default();
+    match t {
+        32 | 37 => runs
+            .iter()
+            .fold(p.u32(n), |p, &(a, len)| p.u64(a).u64(len))
+            .frame(t),
+        34 => runs.iter().fold(p.u32(n), |p, &(a, _)| p.u64(a)).frame(t),
+        36 => p.frame(t),
+        38 => p.u64(value).u8((value % 3) as u8).frame(t),
+        39 => p.u64(value).u32(n).frame(t),
+        _ => p.u64(value).frame(t),
+    }
 }
