@@ -4,7 +4,7 @@
 //! [`split_in_the_way`] where a huge leaf is above the goal, [`install_at_goal`] at it.
 
 use super::{Fault, FaultOutcome, VcpuState};
-use crate::cmo::{clean_new_mapping, invalidate_icache_for};
+use crate::cmo::{clean_new_mapping, invalidate_icache_for, skip_for_phantom};
 use crate::config::{CmoPolicy, RecoverVariant, VmConfig};
 use crate::direct_map::Acceptance;
 use crate::dirty::{commit_mark, mark_for, prepare_mark, DirtyRing, Pushed};
@@ -35,6 +35,8 @@ struct Plan<'s> {
     map_read_only_logged: bool,
     /// Cache maintenance happens in the install's break-before-make window.
     cmo_on_install: bool,
+    /// The backing is phantom memory: cache maintenance is counted, not performed.
+    phantom: bool,
 }
 
 /// The slow path (see [`crate::Vcpu::slow_page_fault`]); the caller checked that `vcpu` is
@@ -60,7 +62,12 @@ pub(crate) fn slow_page_fault<F: PteFormat>(
     if F::CACHE_MAINTENANCE && mmu.config.cmo == CmoPolicy::Always && !fault.present {
         let len = bytes_per_entry(plan.goal);
         let hva = plan.hva() & !(len - 1);
-        clean_new_mapping(hva, len, fault.access == Access::Exec, sink);
+        let exec = fault.access == Access::Exec;
+        if plan.phantom {
+            skip_for_phantom(len, exec, false, sink);
+        } else {
+            clean_new_mapping(hva, len, exec, sink);
+        }
     }
 
     // Acceptance may flush the direct map's host CPUs: not from one of them (the vCPU's own
@@ -161,6 +168,7 @@ fn plan<'s, F: PteFormat>(
         // `OnInstall` leaves cache maintenance to the fault that installs the leaf, inside
         // the break-before-make window.
         cmo_on_install: F::CACHE_MAINTENANCE && config.cmo == CmoPolicy::OnInstall,
+        phantom: slot.is_phantom(private),
     })
 }
 
@@ -277,11 +285,25 @@ fn install_at_goal<F: PteFormat>(
         if F::CACHE_MAINTENANCE && F::permits(new, Access::Exec) && !F::permits(old, Access::Exec) {
             // Adding X to a live leaf: invalidate the instruction cache first (KVM's
             // stage2_attr_walker), no data-cache clean needed.
-            invalidate_icache_for(hva, bytes_per_entry(goal), sink);
+            if plan.phantom {
+                skip_for_phantom(bytes_per_entry(goal), true, true, sink);
+            } else {
+                invalidate_icache_for(hva, bytes_per_entry(goal), sink);
+            }
         }
         mmu.set_spte(it, new, w, sink, pending)
     } else {
-        mmu.replace_spte(it, new, plan.cmo_on_install, w, sink, pending)
+        let cmo = plan.cmo_on_install && !plan.phantom;
+        let r = mmu.replace_spte(it, new, cmo, w, sink, pending);
+        if r.is_ok() && plan.cmo_on_install && plan.phantom {
+            skip_for_phantom(
+                bytes_per_entry(goal),
+                F::permits(new, Access::Exec),
+                false,
+                sink,
+            );
+        }
+        r
     };
     if r.is_err() {
         return Some(FaultOutcome::Retry);
