@@ -16,6 +16,13 @@ pub const POOL_FRAMES: u64 = 64;
 #[cfg(feature = "engine")]
 const _: () = assert!(POOL_FRAMES == slat::PHANTOM_POOL_FRAMES);
 
+/// Where the data of `hva`, an address of a phantom mapping whose pool is at `pool`, lives
+/// (the engine's `slat::phantom_addr`, for code that does not link the engine).
+#[inline(always)]
+pub fn data_addr(pool: u64, hva: u64) -> u64 {
+    pool + (((hva >> 12) % POOL_FRAMES) << 12) + (hva & 0xfff)
+}
+
 /// Bytes of the pool.
 pub(super) const POOL_BYTES: usize = (POOL_FRAMES * 4096) as usize;
 
@@ -65,6 +72,17 @@ pub(super) fn pool() -> io::Result<NonNull<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[cfg(feature = "engine")]
+    #[test]
+    fn data_addr_is_the_engines() {
+        use slat_addr::Hva;
+        let pool = 0x7f00_0000_0000;
+        for hva in (0..200u64).map(|i| i * 0x1238 + (1 << 40)) {
+            let engine = slat::phantom_addr(Hva::new(pool), Hva::new(hva)).raw();
+            assert_eq!(data_addr(pool, hva), engine);
+        }
+    }
 
     #[test]
     fn a_terabyte_reserves_without_memory() {
