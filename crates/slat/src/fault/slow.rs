@@ -35,7 +35,8 @@ struct Plan<'s> {
     map_read_only_logged: bool,
     /// Cache maintenance happens in the install's break-before-make window.
     cmo_on_install: bool,
-    /// The backing is phantom memory: cache maintenance is counted, not performed.
+    /// The backing is phantom memory: cache maintenance is counted, not performed (always
+    /// false for formats without cache maintenance).
     phantom: bool,
 }
 
@@ -168,7 +169,8 @@ fn plan<'s, F: PteFormat>(
         // `OnInstall` leaves cache maintenance to the fault that installs the leaf, inside
         // the break-before-make window.
         cmo_on_install: F::CACHE_MAINTENANCE && config.cmo == CmoPolicy::OnInstall,
-        phantom: slot.is_phantom(private),
+        // Only cache maintenance asks, so formats without it never look.
+        phantom: F::CACHE_MAINTENANCE && slot.is_phantom(private),
     })
 }
 
