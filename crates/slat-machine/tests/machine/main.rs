@@ -11,6 +11,7 @@ mod aging_oracle;
 mod conversion;
 mod dirty_oracle;
 mod overcommit;
+mod phantom;
 mod private_memory;
 mod sizes;
 mod stage2;
