@@ -182,14 +182,21 @@ impl<F: PteFormat> Cpu<F> {
         }
     }
 
-    /// Where the data of `hva` lives: itself, or its frame in the phantom pool.
+    /// Where the data of `hva` lives: itself, or its frame in the phantom pool. A compare and
+    /// a branch for real memory: the redirect is out of line, so the compiler does not compute
+    /// it on every access to select it afterwards (6 instructions per access instead).
     #[inline(always)]
     fn data_addr(&self, hva: u64) -> u64 {
         if self.phantom_pool != 0 {
-            slat::phantom_addr(Hva::new(self.phantom_pool), Hva::new(hva)).raw()
-        } else {
-            hva
+            return self.phantom_data_addr(hva);
         }
+        hva
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn phantom_data_addr(&self, hva: u64) -> u64 {
+        slat::phantom_addr(Hva::new(self.phantom_pool), Hva::new(hva)).raw()
     }
 
     /// Runs this thread as `host`, a host CPU of a direct map: online (waited for by kernel
