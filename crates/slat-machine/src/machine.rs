@@ -225,15 +225,9 @@ impl<F: PteFormat> Machine<F> {
                 config.region.dirty.ring_with_bitmap,
             )?;
         }
-        let direct_map = match config.private {
-            Some(dm) => Some(private_pool(
-                dm,
-                ram_len,
-                config.region.prefault,
-                config.region.backing.is_phantom(),
-            )?),
-            None => None,
-        };
+        let phantom = config.region.backing.is_phantom();
+        let private = |dm| private_pool(dm, ram_len, config.region.prefault, phantom);
+        let direct_map = config.private.map(private).transpose()?;
         add_slots(
             &vm,
             &ram,

@@ -273,42 +273,6 @@ impl GuestRam {
         }
     }
 
-    /// A phantom backing: the reservation, aligned to the twin's page size, and its pool.
-    /// `prefault` does not apply: there is nothing to populate.
-    fn new_phantom(
-        backing: Backing,
-        len: usize,
-        mmap_err: &dyn Fn(io::Error) -> RamError,
-    ) -> Result<GuestRam, RamError> {
-        let align = usize::try_from(backing.page_size()).map_err(|_| {
-            mmap_err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "page size exceeds the host address space",
-            ))
-        })?;
-        let ptr = phantom::reserve(len, align).map_err(mmap_err)?;
-        // From here on, dropping `ram` unmaps the reservation (and the pool, once set).
-        let mut ram = GuestRam {
-            ptr,
-            len,
-            backing,
-            pool: None,
-        };
-        ram.pool = Some(phantom::pool().map_err(mmap_err)?);
-        Ok(ram)
-    }
-
-    /// For a phantom backing, the address of the pool its data accesses go to
-    /// ([`phantom::redirect`]); `None` for memory that keeps its data.
-    pub fn phantom_pool(&self) -> Option<u64> {
-        self.pool.map(|p| p.as_ptr() as usize as u64)
-    }
-
-    /// Whether guest data is not kept (a phantom backing).
-    pub fn is_phantom(&self) -> bool {
-        self.pool.is_some()
-    }
-
     /// Start of the mapping as a raw pointer.
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()

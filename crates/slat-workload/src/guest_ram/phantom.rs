@@ -6,6 +6,8 @@
 //! MMU owns stays real. A stray access to the reservation itself raises SIGSEGV, so a run that
 //! completes touched only the pool.
 
+use super::{GuestRam, RamError};
+use crate::backing::Backing;
 use std::io;
 use std::ptr::{self, NonNull};
 
@@ -67,6 +69,44 @@ pub(super) fn pool() -> io::Result<NonNull<u8>> {
         return Err(io::Error::last_os_error());
     }
     NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("pool mapping is null"))
+}
+
+impl GuestRam {
+    /// A phantom backing: the reservation, aligned to the twin's page size, and its pool.
+    /// `prefault` does not apply: there is nothing to populate.
+    pub(super) fn new_phantom(
+        backing: Backing,
+        len: usize,
+        mmap_err: &dyn Fn(io::Error) -> RamError,
+    ) -> Result<GuestRam, RamError> {
+        let align = usize::try_from(backing.page_size()).map_err(|_| {
+            mmap_err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "page size exceeds the host address space",
+            ))
+        })?;
+        let ptr = reserve(len, align).map_err(mmap_err)?;
+        // From here on, dropping `ram` unmaps the reservation (and the pool, once set).
+        let mut ram = GuestRam {
+            ptr,
+            len,
+            backing,
+            pool: None,
+        };
+        ram.pool = Some(pool().map_err(mmap_err)?);
+        Ok(ram)
+    }
+
+    /// For a phantom backing, the address of the pool its data accesses go to
+    /// (`slat::phantom_addr`); `None` for memory that keeps its data.
+    pub fn phantom_pool(&self) -> Option<u64> {
+        self.pool.map(|p| p.as_ptr() as usize as u64)
+    }
+
+    /// Whether guest data is not kept (a phantom backing).
+    pub fn is_phantom(&self) -> bool {
+        self.pool.is_some()
+    }
 }
 
 #[cfg(test)]

@@ -280,34 +280,7 @@ fn install_at_goal<F: PteFormat>(
             return Some(FaultOutcome::DirtyRingFull);
         }
     }
-    // A new leaf where there was none, or a block rebuilt over a table, changes what the
-    // entry maps (break-before-make where the format needs it); an existing leaf only gains
-    // permissions.
-    let r = if F::is_present(old) && !rebuild {
-        if F::CACHE_MAINTENANCE && F::permits(new, Access::Exec) && !F::permits(old, Access::Exec) {
-            // Adding X to a live leaf: invalidate the instruction cache first (KVM's
-            // stage2_attr_walker), no data-cache clean needed.
-            if plan.phantom {
-                skip_for_phantom(bytes_per_entry(goal), true, true, sink);
-            } else {
-                invalidate_icache_for(hva, bytes_per_entry(goal), sink);
-            }
-        }
-        mmu.set_spte(it, new, w, sink, pending)
-    } else {
-        let cmo = plan.cmo_on_install && !plan.phantom;
-        let r = mmu.replace_spte(it, new, cmo, w, sink, pending);
-        if r.is_ok() && plan.cmo_on_install && plan.phantom {
-            skip_for_phantom(
-                bytes_per_entry(goal),
-                F::permits(new, Access::Exec),
-                false,
-                sink,
-            );
-        }
-        r
-    };
-    if r.is_err() {
+    if !update_leaf(mmu, w, plan, it, new, rebuild, hva, sink, pending) {
         return Some(FaultOutcome::Retry);
     }
     if let Some(m) = mark {
@@ -317,6 +290,44 @@ fn install_at_goal<F: PteFormat>(
         sink.inc(Stat::Recoveries);
     }
     Some(FaultOutcome::Fixed)
+}
+
+/// Writes the goal's new entry: a new leaf where there was none, or a block rebuilt over a
+/// table, changes what the entry maps (break-before-make where the format needs it); an
+/// existing leaf only gains permissions. False on a lost race. Cache maintenance of phantom
+/// memory is counted, not performed.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn update_leaf<F: PteFormat>(
+    mmu: &Mmu<F>,
+    w: Shared<'_>,
+    plan: &Plan<'_>,
+    it: &mut Walk<'_, F>,
+    new: u64,
+    rebuild: bool,
+    hva: u64,
+    sink: Sink<'_>,
+    pending: &mut PendingFlush,
+) -> bool {
+    let (old, len) = (it.old, bytes_per_entry(plan.goal));
+    if F::is_present(old) && !rebuild {
+        if F::CACHE_MAINTENANCE && F::permits(new, Access::Exec) && !F::permits(old, Access::Exec) {
+            // Adding X to a live leaf: invalidate the instruction cache first (KVM's
+            // stage2_attr_walker), no data-cache clean needed.
+            if plan.phantom {
+                skip_for_phantom(len, true, true, sink);
+            } else {
+                invalidate_icache_for(hva, len, sink);
+            }
+        }
+        return mmu.set_spte(it, new, w, sink, pending).is_ok();
+    }
+    let cmo = plan.cmo_on_install && !plan.phantom;
+    let ok = mmu.replace_spte(it, new, cmo, w, sink, pending).is_ok();
+    if ok && plan.cmo_on_install && plan.phantom {
+        skip_for_phantom(len, F::permits(new, Access::Exec), false, sink);
+    }
+    ok
 }
 
 /// An empty entry above the goal gets a table from the vCPU's cache: nothing to break,
