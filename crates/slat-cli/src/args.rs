@@ -553,7 +553,8 @@ impl Workload {
             bytes_per_vcpu: self.bytes,
             slots: 1,
             overlap: self.overlap,
-            prefault: !machine.no_prefault,
+            // Phantom memory has nothing to populate.
+            prefault: !machine.no_prefault && !self.backing.is_phantom(),
             dirty,
         }
     }

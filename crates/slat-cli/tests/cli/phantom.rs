@@ -112,3 +112,31 @@ fn the_rmap_is_allocated_only_for_the_write_protect_variants_that_use_it() {
         assert!(rmap >= (64 << 20) / 4096 * 8, "{v}: {rmap}");
     }
 }
+
+#[test]
+fn private_mem_perf_faults_in_a_phantom_confidential_guest() {
+    let d = report(
+        "private-mem-perf.json",
+        &[
+            "private-mem-perf",
+            "--backend",
+            "sim",
+            "--phantom",
+            "-v",
+            "2",
+            "-b",
+            "64M",
+            "--direct-map",
+            "4k",
+            "--kernel-flush",
+            "off",
+        ],
+    );
+    assert_eq!(d["config"]["phantom"], true, "{d:#}");
+    let (code, _, err) = slat(&["private-mem-perf", "--phantom", "-b", "1T"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--phantom configures the simulated direct map"),
+        "{err}"
+    );
+}
