@@ -505,7 +505,11 @@ pub struct Workload {
     #[arg(short = 'b', value_parser = guest_size, default_value = "1G")]
     pub bytes: u64,
     /// Host memory behind guest RAM: anonymous, anonymous_thp, anonymous_hugetlb (2 MiB pages),
-    /// anonymous_hugetlb_1gb, shmem.
+    /// anonymous_hugetlb_1gb, shmem;
+    /// phantom, phantom_thp, phantom_hugetlb_1gb (sim only: an address range with no memory
+    /// behind it, leaves as anonymous, anonymous_thp, anonymous_hugetlb_1gb; data goes to 64
+    /// shared frames and is not kept, so guests beyond the host's memory fit; commands that
+    /// read data back refuse it).
     #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
     pub backing: Backing,
     /// Overlap: every vCPU works on all of guest memory instead of its own partition.
@@ -549,7 +553,8 @@ impl Workload {
             bytes_per_vcpu: self.bytes,
             slots: 1,
             overlap: self.overlap,
-            prefault: !machine.no_prefault,
+            // Phantom memory has nothing to populate.
+            prefault: !machine.no_prefault && !self.backing.is_phantom(),
             dirty,
         }
     }

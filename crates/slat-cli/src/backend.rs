@@ -139,6 +139,8 @@ pub trait Sim {
     fn engine_stats(&self) -> slat::Stats;
     /// Physical CPUs the vCPU threads are scheduled on.
     fn pcpus(&self) -> usize;
+    /// The memory the engine's MMU holds for itself now.
+    fn mmu_memory(&self) -> slat::MmuMemory;
     /// Deliberately breaks the engine (`slat::dirty::inject`), to see the oracle fail.
     #[cfg(feature = "broken-engine")]
     fn inject_bugs(&self, bits: u32);
@@ -150,6 +152,9 @@ impl<F: PteFormat> Sim for Machine<F> {
     }
     fn pcpus(&self) -> usize {
         Machine::pcpus(self)
+    }
+    fn mmu_memory(&self) -> slat::MmuMemory {
+        self.vm().mmu_memory()
     }
     #[cfg(feature = "broken-engine")]
     fn inject_bugs(&self, bits: u32) {
@@ -241,6 +246,12 @@ impl<M: TestMachine + CliMachine> Backend for M {
         cfg: OracleConfig,
         progress: &mut dyn FnMut(&dirty_oracle::IterationReport),
     ) -> Result<OracleReport, String> {
+        if self.guest_ram().is_phantom() {
+            return Err(
+                "the dirty-log oracle reads guest data back, which phantom memory does not keep"
+                    .into(),
+            );
+        }
         dirty_oracle::run(self, cfg, progress).map_err(text)
     }
     fn pin_vcpus(&self, cpus: &[usize]) -> Result<Vec<Vec<usize>>, String> {

@@ -56,11 +56,15 @@ impl GuestMemory {
 
     /// Checks that the host can hold `copies` mappings of this memory at once (the guest and,
     /// for benchmarks with one, its native baseline), each rounded up to `backing`'s page size,
-    /// plus `extra` bytes the machine allocates beside it (the vCPUs' TLBs).
+    /// plus `extra` bytes the machine allocates beside it (the vCPUs' TLBs). Phantom memory
+    /// holds no data: what must fit is the MMU's own structures ([`phantom_mmu_bytes`]).
     pub fn fits_host(&self, backing: Backing, copies: u64, extra: u64) -> Result<(), String> {
         let Some(host) = slat_migrate::limits::host_memory() else {
             return Ok(());
         };
+        if backing.is_phantom() {
+            return self.phantom_fits(backing, host, extra);
+        }
         let psize = backing.page_size().max(PAGE);
         let mapped = self
             .bytes
@@ -89,6 +93,22 @@ impl GuestMemory {
                 format_size(host)
             )),
         }
+    }
+
+    /// [`Self::fits_host`] for phantom memory: its MMU structures and `extra` within `host`.
+    fn phantom_fits(&self, backing: Backing, host: u64, extra: u64) -> Result<(), String> {
+        let need = phantom_mmu_bytes(self.bytes).saturating_add(extra);
+        if need <= host {
+            return Ok(());
+        }
+        Err(format!(
+            "{}: -s {} keeps no guest data, but the MMU's own structures for {} of guest memory take up to {} (4 KiB leaves everywhere, dirty bitmaps, a reverse map), more than this host's {} of RAM and swap",
+            self.flags,
+            backing.name(),
+            format_size(self.bytes),
+            format_size(need),
+            format_size(host)
+        ))
     }
 
     /// Checks that the memory fits the guest physical address space of every machine in
@@ -141,8 +161,51 @@ impl GuestMemory {
     }
 }
 
-/// Refuses `-s shmem` with a KVM machine (slat-kvm maps only anonymous memory).
+/// Bytes the MMU's own structures take at most for `bytes` of phantom guest memory: every
+/// page mapped at 4 KiB (a table page per 512 pages, and the levels above), two dirty bitmaps
+/// with their summaries, and a reverse-map slot per page (kept by `--wrprot rmap*` only), plus
+/// the data pool. A bound, not a forecast: what a run allocates grows with what it touches
+/// (its report gives the figure).
+pub fn phantom_mmu_bytes(bytes: u64) -> u64 {
+    // A table page and its header are 8 KiB aligned to 4 KiB, which the allocator serves from
+    // 12 KiB of resident memory (measured: 525,318 tables of a 1 TiB guest, 6.0 GiB RSS).
+    const TABLE_FRAME: u64 = 12 << 10;
+    let pages = bytes.div_ceil(PAGE);
+    let leaf_tables = pages.div_ceil(512);
+    // Each level above has 512 times fewer tables, and at least the root.
+    let upper = leaf_tables.div_ceil(511) + 4;
+    let tables = (leaf_tables + upper).saturating_mul(TABLE_FRAME);
+    let bitmaps = pages.div_ceil(8).saturating_mul(2).saturating_mul(2);
+    let rmap = pages
+        .saturating_mul(8)
+        .saturating_add(pages.div_ceil(512) * 16);
+    let pool = slat::PHANTOM_POOL_FRAMES * PAGE;
+    tables
+        .saturating_add(bitmaps)
+        .saturating_add(rmap)
+        .saturating_add(pool)
+}
+
+/// Refuses phantom memory where `what` reads guest data back: it is not kept.
+pub fn refuse_phantom(backing: Backing, what: &str) -> Result<(), String> {
+    if backing.is_phantom() {
+        return Err(format!(
+            "-s {}: {what} reads guest data back, which phantom memory does not keep; use -s anonymous (or another backing that keeps data)",
+            backing.name()
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses `-s shmem` with a KVM machine (slat-kvm maps only anonymous memory), and phantom
+/// memory (the simulated machine's only).
 pub fn check_backing(backends: &[BackendArg], backing: Backing) -> Result<(), String> {
+    if backing.is_phantom() && backends.contains(&BackendArg::Kvm) {
+        return Err(format!(
+            "-s {} runs only on the simulated machine (--backend sim): a kvm guest needs memory behind its addresses",
+            backing.name()
+        ));
+    }
     if backing == Backing::Shmem && backends.contains(&BackendArg::Kvm) {
         return Err(
             "-s shmem is not supported by the kvm backend (use anonymous, anonymous_thp or anonymous_hugetlb)"
@@ -189,6 +252,29 @@ mod tests {
             .is_err());
         at.fits_gpa(&[BackendArg::Sim], FormatArg::Ept, Some(1 << 30))
             .unwrap();
+    }
+
+    #[test]
+    fn phantom_needs_only_the_mmus_memory() {
+        let tib = GuestMemory::per_vcpu(1, 1 << 40).unwrap();
+        let need = phantom_mmu_bytes(1 << 40);
+        // Tables (6 GiB resident), the rmap (2 GiB), bitmaps (128 MiB): about 8.1 GiB.
+        assert!(need > 8 << 30 && need < (8 << 30) + (256 << 20), "{need}");
+        match slat_migrate::limits::host_memory() {
+            Some(h) if h >= need => tib.fits_host(Backing::Phantom, 2, 0).unwrap(),
+            _ => {}
+        }
+        let huge = GuestMemory::per_vcpu(512, 1 << 40).unwrap();
+        let e = huge.fits_host(Backing::PhantomThp, 1, 0).unwrap_err();
+        assert!(e.contains("-s phantom_thp keeps no guest data"), "{e}");
+        assert!(check_backing(&[BackendArg::Kvm], Backing::Phantom).is_err());
+        check_backing(&[BackendArg::Sim], Backing::Phantom).unwrap();
+        let e = refuse_phantom(Backing::PhantomHugetlb1G, "the oracle").unwrap_err();
+        assert!(
+            e.starts_with("-s phantom_hugetlb_1gb: the oracle reads"),
+            "{e}"
+        );
+        refuse_phantom(Backing::Anonymous, "the oracle").unwrap();
     }
 
     #[test]

@@ -16,6 +16,7 @@ mod latency;
 mod limits;
 mod migrate;
 mod migrate_report;
+mod mmu_memory;
 mod output;
 mod page_table_test;
 mod plot;

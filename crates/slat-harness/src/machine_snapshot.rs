@@ -30,6 +30,9 @@ pub enum ResetError<E: std::error::Error + 'static> {
         /// Its bytes.
         ram_len: u64,
     },
+    /// The RAM given is phantom memory (`Backing::Phantom*`): it keeps no data to copy.
+    #[error("the guest RAM is phantom memory, which keeps no data to snapshot")]
+    Phantom,
 }
 
 /// What one reset did, and where its time went.
@@ -94,6 +97,9 @@ impl<'m, M: TestMachine + ?Sized> MachineSnapshot<'m, M> {
     /// run passes with [`TestMachine::run_pass`] (which returns with the vCPUs stopped), or
     /// [`TestMachine::halt`] a loop first.
     pub unsafe fn take(machine: &'m M, ram: &'m GuestRam) -> Res<Self, M> {
+        if ram.is_phantom() {
+            return Err(ResetError::Phantom);
+        }
         let layout = machine.layout();
         let len = layout.total_pages() * PAGE_SIZE;
         let inside = layout.host >= ram.addr()

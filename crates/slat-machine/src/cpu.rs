@@ -19,7 +19,7 @@ use crate::tlb::{Tlb, TlbError};
 use slat::clock::{addr_of, Clock, Cost};
 use slat::direct_map::{HostCpu, Online};
 use slat::hw::{self, bytes_per_entry, table_index, TablePage};
-use slat::{Access, Fault, FaultOutcome, GuestMode, PteFormat, Vcpu, Vm};
+use slat::{Access, Fault, FaultOutcome, GuestMode, HostRange, PteFormat, Vcpu, Vm};
 use slat_addr::{Gfn, Gpa, Hva};
 use slat_workload::latency::{latency_histogram, record_latency, LatencyHistogram};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -123,6 +123,11 @@ pub struct Cpu<F: PteFormat> {
     rmp: Option<(u64, u64)>,
     /// This thread as a host CPU of the direct map, online exactly while in guest mode.
     host: Option<(HostCpu, Option<Online>)>,
+    /// The pool guest data accesses go to when guest memory is phantom
+    /// ([`Cpu::set_phantom`]), 0 otherwise: one predictable test per access.
+    phantom_pool: u64,
+    /// Keeps that pool mapped.
+    phantom: Option<HostRange>,
     /// Counters.
     pub counters: CpuCounters,
 }
@@ -153,6 +158,8 @@ impl<F: PteFormat> Cpu<F> {
             private: false,
             rmp: None,
             host: None,
+            phantom_pool: 0,
+            phantom: None,
             counters: CpuCounters::default(),
         })
     }
@@ -166,6 +173,34 @@ impl<F: PteFormat> Cpu<F> {
     /// private accesses, any other leaf only shared ones (the hardware's RMP check).
     pub fn set_private_pool(&mut self, start: u64, end: u64) {
         self.rmp = Some((start, end));
+    }
+
+    /// Guest memory is phantom ([`slat::HostMemory::phantom_pool`]): every data access goes
+    /// to [`slat::phantom_addr`] in `range`'s pool, which this CPU keeps mapped. A vCPU of a
+    /// VM with phantom memslots needs this before its first access (the reservation itself
+    /// is inaccessible); a range that is not phantom changes nothing.
+    pub fn set_phantom(&mut self, range: HostRange) {
+        if let Some(pool) = range.phantom_pool() {
+            self.phantom_pool = pool.raw();
+            self.phantom = Some(range);
+        }
+    }
+
+    /// Where the data of `hva` lives: itself, or its frame in the phantom pool. A compare and
+    /// a branch for real memory: the redirect is out of line, so the compiler does not compute
+    /// it on every access to select it afterwards (6 instructions per access instead).
+    #[inline(always)]
+    fn data_addr(&self, hva: u64) -> u64 {
+        if self.phantom_pool != 0 {
+            return self.phantom_data_addr(hva);
+        }
+        hva
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn phantom_data_addr(&self, hva: u64) -> u64 {
+        slat::phantom_addr(Hva::new(self.phantom_pool), Hva::new(hva)).raw()
     }
 
     /// Runs this thread as `host`, a host CPU of a direct map: online (waited for by kernel
@@ -329,6 +364,8 @@ impl<F: PteFormat> Cpu<F> {
     /// The store of a write whose translation `hva` the walk or the TLB just gave.
     #[inline]
     fn store(&mut self, hva: u64, val: u64) {
+        F::Clock::charge(Cost::GuestAccess, 1);
+        let hva = self.data_addr(hva);
         // SAFETY: `hva` is what `translate` just returned (both callers store right after it),
         // so it is inside the host page of a leaf the engine installed for a memslot
         // (`translate` adds only the offset of an 8-byte-aligned `gpa` within its 4 KiB page,
@@ -336,8 +373,8 @@ impl<F: PteFormat> Cpu<F> {
         // for as long as any leaf or cached translation of it can be used: a slot is removed
         // only after its leaves are zapped and a flush this vCPU acknowledged (we do, between
         // accesses, in guest mode). Atomic because other vCPUs and the host may touch the same
-        // page concurrently.
-        F::Clock::charge(Cost::GuestAccess, 1);
+        // page concurrently. Phantom memory keeps none of that mapped: the access goes to the
+        // same offset of a pool frame, which `self.phantom` keeps mapped.
         unsafe { AtomicU64::from_ptr(hva as *mut u64) }.store(val, Ordering::Relaxed);
         self.counters.accesses += 1;
     }
@@ -386,6 +423,7 @@ impl<F: PteFormat> Cpu<F> {
     #[inline]
     fn load(&mut self, hva: u64) -> u64 {
         F::Clock::charge(Cost::GuestAccess, 1);
+        let hva = self.data_addr(hva);
         // SAFETY: as in `store`.
         let v = unsafe { AtomicU64::from_ptr(hva as *mut u64) }.load(Ordering::Relaxed);
         self.counters.accesses += 1;

@@ -225,10 +225,9 @@ impl<F: PteFormat> Machine<F> {
                 config.region.dirty.ring_with_bitmap,
             )?;
         }
-        let direct_map = match config.private {
-            Some(dm) => Some(private_pool(dm, ram_len, config.region.prefault)?),
-            None => None,
-        };
+        let phantom = config.region.backing.is_phantom();
+        let private = |dm| private_pool(dm, ram_len, config.region.prefault, phantom);
+        let direct_map = config.private.map(private).transpose()?;
         add_slots(
             &vm,
             &ram,
@@ -291,6 +290,9 @@ impl<F: PteFormat> Machine<F> {
                     return Err(e.into());
                 }
             };
+            if self.ram.is_phantom() {
+                cpu.set_phantom(HostRange::new(self.ram.clone())?);
+            }
             if let Some(map) = &self.direct_map {
                 let pool = map.pool();
                 cpu.set_private(true);
@@ -348,10 +350,12 @@ impl<F: PteFormat> Machine<F> {
     }
 
     /// The first 8 bytes of page `page` of the test region (atomically; vCPUs may be
-    /// writing). `None` past the end.
+    /// writing). `None` past the end, and for phantom memory, which keeps no data (whatever
+    /// checks data refuses it first: [`GuestRam::is_phantom`]).
     pub fn page_value(&self, page: u64) -> Option<u64> {
         let off = page.checked_mul(PAGE_SIZE)?;
-        (page < self.region.layout.total_pages() && off < self.ram.len()).then(|| {
+        let real = !self.ram.is_phantom();
+        (real && page < self.region.layout.total_pages() && off < self.ram.len()).then(|| {
             // SAFETY: `off` lies inside guest RAM (checked above), which `self` keeps mapped;
             // the address is page aligned, and the word is accessed atomically because vCPUs
             // may write it.
@@ -633,21 +637,24 @@ impl<F: PteFormat> TestMachine for Machine<F> {
 }
 
 /// The private pool of a confidential guest (as big as its RAM, 2 MiB aligned so the direct
-/// map can start with huge leaves) and the direct map over it.
+/// map can start with huge leaves; phantom too when the guest's RAM is) and the direct map
+/// over it.
 fn private_pool(
     config: DirectMapConfig,
     len: u64,
     prefault: bool,
+    phantom: bool,
 ) -> Result<Arc<DirectMap>, MachineError> {
     const HUGE: u64 = 2 << 20;
     let len = len.div_ceil(HUGE).checked_mul(HUGE).ok_or_else(|| {
         MachineError::Config(format!("a {len:#x}-byte private pool overflows 64 bits"))
     })?;
-    let pool = Arc::new(GuestRam::new(
-        slat_workload::Backing::AnonymousThp,
-        len,
-        prefault,
-    )?);
+    let backing = if phantom {
+        slat_workload::Backing::PhantomThp
+    } else {
+        slat_workload::Backing::AnonymousThp
+    };
+    let pool = Arc::new(GuestRam::new(backing, len, prefault)?);
     Ok(DirectMap::new(HostRange::new(pool)?, config)?)
 }
 

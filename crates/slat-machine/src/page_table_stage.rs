@@ -19,7 +19,7 @@
 use crate::cpu::{Cpu, Exit};
 use crate::memstress::MEMSTRESS_PATTERN;
 use slat::PteFormat;
-use slat_addr::PAGE_SIZE;
+use slat_addr::{Hva, PAGE_SIZE};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A stage of the test.
@@ -147,17 +147,22 @@ pub fn guest_stage<F: PteFormat>(
 /// # Safety
 ///
 /// `[host, host + p.bytes)` must be mapped readable and writable for the whole call, `host`
-/// 8-byte aligned, and no `&`/`&mut` references to those bytes may exist meanwhile.
-unsafe fn native_stage(host: u64, p: StageParams, vcpu_idx: u32) -> u64 {
+/// 8-byte aligned, and no `&`/`&mut` references to those bytes may exist meanwhile; or, with
+/// `pool`, the range is phantom memory whose pool at `pool` is so.
+unsafe fn native_stage(host: u64, pool: Option<u64>, p: StageParams, vcpu_idx: u32) -> u64 {
     let mut n = 0;
     for (off, write) in StageAccesses::new(p, vcpu_idx) {
         if off % 8 != 0 || off.saturating_add(8) > p.bytes {
             break; // never happens: the stage's offsets are aligned and inside `p.bytes`
         }
+        let addr = match pool {
+            Some(pool) => slat::phantom_addr(Hva::new(pool), Hva::new(host + off)).raw(),
+            None => host + off,
+        };
         // SAFETY: `off + 8 <= p.bytes` and `off` is 8-byte aligned (checked above), so the word
-        // is inside the range the caller vouched for. Atomic because every thread touches the
-        // same region.
-        let a = unsafe { AtomicU64::from_ptr((host + off) as *mut u64) };
+        // is inside the range the caller vouched for, or in its phantom pool. Atomic because
+        // every thread touches the same region.
+        let a = unsafe { AtomicU64::from_ptr(addr as *mut u64) };
         if write {
             a.store(MEMSTRESS_PATTERN, Ordering::Relaxed);
         } else {
@@ -180,6 +185,7 @@ pub fn native_stage_baseline(
         return None;
     }
     let host = ram.addr();
+    let pool = ram.phantom_pool();
     let start = std::sync::Barrier::new(vcpus + 1);
     Some(std::thread::scope(|s| {
         let handles: Vec<_> = (0..vcpus)
@@ -187,10 +193,10 @@ pub fn native_stage_baseline(
                 let start = &start;
                 s.spawn(move || {
                     start.wait();
-                    // SAFETY: `p.bytes <= ram.len()` (checked above) and `ram` is borrowed, so
-                    // mapped, until the scope's threads are joined; `GuestRam` hands out no
-                    // references to its bytes.
-                    unsafe { native_stage(host, p, i as u32) }
+                    // SAFETY: `p.bytes <= ram.len()` (checked above) and `ram` (with its phantom
+                    // pool) is borrowed, so mapped, until the scope's threads are joined;
+                    // `GuestRam` hands out no references to its bytes.
+                    unsafe { native_stage(host, pool, p, i as u32) }
                 })
             })
             .collect();

@@ -1,6 +1,9 @@
 //! Kinds of host memory behind guest RAM, named as the `-s` backing source flag of the Linux
 //! KVM selftests (`anonymous`, `anonymous_thp`, `anonymous_hugetlb`, `anonymous_hugetlb_1gb`,
-//! `shmem`). Both machines map every kind through [`crate::GuestRam`].
+//! `shmem`), plus the simulated machine's phantom kinds (`phantom`, `phantom_thp`,
+//! `phantom_hugetlb_1gb`): a reservation with no memory behind it whose guest data lives in a
+//! small pool of shared frames, so a guest far larger than the host can be mapped (issue 27).
+//! Both machines map every kind through [`crate::GuestRam`].
 
 use crate::guest_ram::RamError;
 use crate::size::{GIB, MIB};
@@ -13,7 +16,8 @@ pub(crate) const SMALL_PAGE: u64 = 4096;
 /// Valid backing names, quoted in [`RamError::UnknownBacking`] messages.
 /// Kept in sync with [`Backing::ALL`] by a unit test.
 pub(crate) const BACKING_NAMES: &str =
-    "anonymous, anonymous_thp, anonymous_hugetlb, anonymous_hugetlb_1gb, shmem";
+    "anonymous, anonymous_thp, anonymous_hugetlb, anonymous_hugetlb_1gb, shmem, phantom, \
+     phantom_thp, phantom_hugetlb_1gb";
 
 /// Kinds of host memory that can back guest RAM (KVM selftests' `-s`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -30,16 +34,27 @@ pub enum Backing {
     AnonymousHugetlb1G,
     /// Shared memory (a `memfd`) with normal (4 KiB) pages.
     Shmem,
+    /// Phantom memory mapped like [`Backing::Anonymous`] (4 KiB leaves): an inaccessible
+    /// reservation whose data accesses go to a pool of a few shared frames (the data is not
+    /// kept). Only the simulated machine runs it.
+    Phantom,
+    /// Phantom memory mapped like [`Backing::AnonymousThp`] (2 MiB leaves).
+    PhantomThp,
+    /// Phantom memory mapped like [`Backing::AnonymousHugetlb1G`] (1 GiB leaves).
+    PhantomHugetlb1G,
 }
 
 impl Backing {
     /// All kinds, in the order `--help` lists them.
-    pub const ALL: [Backing; 5] = [
+    pub const ALL: [Backing; 8] = [
         Backing::Anonymous,
         Backing::AnonymousThp,
         Backing::AnonymousHugetlb2M,
         Backing::AnonymousHugetlb1G,
         Backing::Shmem,
+        Backing::Phantom,
+        Backing::PhantomThp,
+        Backing::PhantomHugetlb1G,
     ];
 
     /// The selftest name: "anonymous", "anonymous_thp", "anonymous_hugetlb"
@@ -51,7 +66,19 @@ impl Backing {
             Backing::AnonymousHugetlb2M => "anonymous_hugetlb",
             Backing::AnonymousHugetlb1G => "anonymous_hugetlb_1gb",
             Backing::Shmem => "shmem",
+            Backing::Phantom => "phantom",
+            Backing::PhantomThp => "phantom_thp",
+            Backing::PhantomHugetlb1G => "phantom_hugetlb_1gb",
         }
+    }
+
+    /// Whether guest data is not kept ([`Backing::Phantom`] and its twins): whatever reads
+    /// guest data back (oracles, migration, snapshots) must refuse it.
+    pub fn is_phantom(self) -> bool {
+        matches!(
+            self,
+            Backing::Phantom | Backing::PhantomThp | Backing::PhantomHugetlb1G
+        )
     }
 
     /// Parse a selftest name; also accepts "anonymous_hugetlb_2mb" as an
@@ -71,12 +98,13 @@ impl Backing {
     }
 
     /// The host page size this backing maps with: 4096, 2 MiB for THP and
-    /// hugetlb 2M, 1 GiB for hugetlb_1gb, 4096 for shmem.
+    /// hugetlb 2M, 1 GiB for hugetlb_1gb, 4096 for shmem; a phantom kind reports its twin's,
+    /// so the engine installs the same leaf levels.
     pub fn page_size(self) -> u64 {
         match self {
-            Backing::Anonymous | Backing::Shmem => SMALL_PAGE,
-            Backing::AnonymousThp | Backing::AnonymousHugetlb2M => 2 * MIB,
-            Backing::AnonymousHugetlb1G => GIB,
+            Backing::Anonymous | Backing::Shmem | Backing::Phantom => SMALL_PAGE,
+            Backing::AnonymousThp | Backing::AnonymousHugetlb2M | Backing::PhantomThp => 2 * MIB,
+            Backing::AnonymousHugetlb1G | Backing::PhantomHugetlb1G => GIB,
         }
     }
 
@@ -145,5 +173,14 @@ mod tests {
         assert_eq!(Backing::AnonymousHugetlb2M.page_size(), 2 * MIB);
         assert_eq!(Backing::AnonymousHugetlb1G.page_size(), GIB);
         assert_eq!(Backing::Shmem.page_size(), 4096);
+        assert_eq!(Backing::Phantom.page_size(), 4096);
+        assert_eq!(Backing::PhantomThp.page_size(), 2 * MIB);
+        assert_eq!(Backing::PhantomHugetlb1G.page_size(), GIB);
+        let phantom: Vec<_> = Backing::ALL
+            .into_iter()
+            .filter(|b| b.is_phantom())
+            .collect();
+        assert_eq!(phantom.len(), 3);
+        assert!(phantom.iter().all(|b| b.name().starts_with("phantom")));
     }
 }

@@ -5,13 +5,14 @@ use crate::error::WorkloadError;
 use crate::guest_ram::GuestRam;
 use crate::layout::Layout;
 use crate::pass::{PassReport, VcpuPass};
-use crate::pattern::{native_pass, PassParams};
+use crate::pattern::{native_pass, native_phantom_pass, PassParams};
 use slat_addr::{PAGE_SHIFT, PAGE_SIZE};
 use std::sync::RwLock;
 use std::time::Instant;
 
 /// Runs the memstress pattern of `layout` natively on `mem` (at least as large as the test
-/// region) with one thread per vCPU: the native baseline of a pass. The wall time is the
+/// region) with one thread per vCPU: the native baseline of a pass. On phantom memory each
+/// access goes to its pool frame, as a phantom guest's does. The wall time is the
 /// slowest thread's own time (the spawning thread may not run again until the workers finish).
 ///
 /// Only `bytes_per_vcpu`, `vcpus` and `overlap` of `layout` matter (vCPU `i` works on
@@ -34,6 +35,7 @@ pub fn native_baseline<C: Default + Send>(
         }
     };
     let base = mem.addr();
+    let pool = mem.phantom_pool();
     // The workers start together when the gate opens (the write lock is released); if a
     // thread cannot be started, the gate opens with `true` and the started ones return.
     let gate = RwLock::new(false);
@@ -53,7 +55,15 @@ pub fn native_baseline<C: Default + Send>(
                 // pages * 4 KiB <= total <= mem.len()` (checked above), and `mem` is borrowed
                 // for the scope. `base` and `off` are page aligned. Other workers access the
                 // range only atomically, and `GuestRam` lends out no references to its bytes.
-                unsafe { native_pass(base + off, pages, params, i as u32) };
+                // Phantom memory's data lives in its pool, which `mem` keeps mapped.
+                unsafe {
+                    match pool {
+                        None => native_pass(base + off, pages, params, i as u32),
+                        Some(pool) => {
+                            native_phantom_pass(pool, base + off, pages, params, i as u32)
+                        }
+                    }
+                }
                 Some(VcpuPass {
                     time: t0.elapsed(),
                     pages,

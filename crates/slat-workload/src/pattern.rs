@@ -165,12 +165,44 @@ impl Iterator for WriterPattern {
 /// mapped, writable range of at least `pages` 4 KiB pages that stays mapped for the call;
 /// other threads may access it only atomically.
 pub unsafe fn native_pass(host: u64, pages: u64, params: PassParams, vcpu_idx: u32) {
+    // SAFETY: the caller's contract.
+    unsafe { pass_at(|off| host + off, pages, params, vcpu_idx) }
+}
+
+/// [`native_pass`] over phantom memory at `host` whose data lives in the pool at `pool`
+/// ([`crate::guest_ram::phantom`]): the same accesses, each at its pool address.
+///
+/// # Safety
+///
+/// `pool` must be the start of a mapped, writable pool of
+/// [`crate::guest_ram::phantom::POOL_FRAMES`] frames that stays mapped for the call, and
+/// `host` 4 KiB aligned; other threads may access the pool only atomically.
+pub unsafe fn native_phantom_pass(
+    pool: u64,
+    host: u64,
+    pages: u64,
+    params: PassParams,
+    vcpu_idx: u32,
+) {
+    use crate::guest_ram::phantom::data_addr;
+    // SAFETY: every address is inside the pool, page aligned plus a multiple of 8 below
+    // 4096, by the caller's contract.
+    unsafe { pass_at(|off| data_addr(pool, host + off), pages, params, vcpu_idx) }
+}
+
+/// The pattern's accesses at `addr(page offset)`.
+///
+/// # Safety
+///
+/// `addr(page * 4096)` for every `page < pages` must be 8-byte aligned, mapped and writable
+/// for the call, and accessed by other threads only atomically.
+#[inline(always)]
+unsafe fn pass_at(addr: impl Fn(u64) -> u64, pages: u64, params: PassParams, vcpu_idx: u32) {
     use std::sync::atomic::{AtomicU64, Ordering};
     for (page, write) in Pattern::new(params, vcpu_idx, pages) {
-        // SAFETY: `page < pages`, so in bounds, and 8-byte aligned (`host` is, and 4096 is a
-        // multiple of 8), by the caller's contract; atomic because other
+        // SAFETY: `page < pages`, so valid by the caller's contract; atomic because other
         // threads may touch the same page (overlap).
-        let a = unsafe { AtomicU64::from_ptr((host + page * slat_addr::PAGE_SIZE) as *mut u64) };
+        let a = unsafe { AtomicU64::from_ptr(addr(page * slat_addr::PAGE_SIZE) as *mut u64) };
         if write {
             a.store(MEMSTRESS_PATTERN, Ordering::Relaxed);
         } else {

@@ -111,6 +111,7 @@ impl UffdMode {
     /// The kernel feature bits the backing needs in this mode, or why it cannot be used.
     fn features(self, backing: Backing) -> Result<u64, UffdError> {
         match (self, backing) {
+            (_, b) if b.is_phantom() => Err(UffdError::Phantom { backing: b.name() }),
             (UffdMode::Missing, Backing::Anonymous | Backing::AnonymousThp) => Ok(0),
             (UffdMode::Missing, Backing::AnonymousHugetlb2M | Backing::AnonymousHugetlb1G) => {
                 Ok(UFFD_FEATURE_MISSING_HUGETLBFS)
@@ -118,6 +119,7 @@ impl UffdMode {
             (UffdMode::Missing, Backing::Shmem) => Ok(UFFD_FEATURE_MISSING_SHMEM),
             (UffdMode::Minor, Backing::Shmem) => Ok(UFFD_FEATURE_MINOR_SHMEM),
             (UffdMode::Minor, b) => Err(UffdError::MinorNeedsShmem { backing: b.name() }),
+            (UffdMode::Missing, b) => Err(UffdError::Phantom { backing: b.name() }),
         }
     }
 }
@@ -183,6 +185,14 @@ pub enum UffdError {
     /// MINOR faults need page-cache pages.
     #[error("-u MINOR needs shared memory already in the page cache, which -s {backing} is not: use -s shmem")]
     MinorNeedsShmem {
+        /// The backing asked for.
+        backing: &'static str,
+    },
+    /// Phantom memory keeps no data, so there is nothing for a handler to copy in.
+    #[error(
+        "-u needs guest memory that keeps its data, which -s {backing} does not: use -s anonymous"
+    )]
+    Phantom {
         /// The backing asked for.
         backing: &'static str,
     },

@@ -14,11 +14,28 @@
 //!
 //! Guest memory is shared with guest vCPUs that write it at any time, so it is never exposed
 //! as `&[u8]` or `&mut [u8]`: readers and writers use raw pointers or atomics.
+//!
+//! **Phantom memory** ([`HostMemory::phantom_pool`]) is a reservation with no memory behind
+//! it, for guests larger than the host: its addresses are real and stable, so leaves and
+//! tables are as usual, but its bytes are inaccessible. Whatever touches its data goes to
+//! [`phantom_addr`] in a small pool instead, and cache maintenance skips it.
 
 use slat_addr::{Hva, PAGE_SIZE};
 use std::alloc::Layout;
 use std::fmt;
 use std::sync::Arc;
+
+/// Real 4 KiB frames in a phantom memory's pool ([`HostMemory::phantom_pool`]).
+pub const PHANTOM_POOL_FRAMES: u64 = 64;
+
+/// Where the data of `hva`, an address of phantom memory whose pool is at `pool`, lives:
+/// `pool + (hva / 4 KiB % PHANTOM_POOL_FRAMES) * 4 KiB + hva % 4 KiB`. The same offset
+/// within a page, so an 8-byte-aligned access stays inside one pool frame.
+#[inline(always)]
+pub fn phantom_addr(pool: Hva, hva: Hva) -> Hva {
+    let (pool, hva) = (pool.raw(), hva.raw());
+    Hva::new(pool + (((hva >> 12) % PHANTOM_POOL_FRAMES) << 12) + (hva & 0xfff))
+}
 
 /// Host memory that can back memslots.
 ///
@@ -27,7 +44,9 @@ use std::sync::Arc;
 /// An implementor guarantees, for as long as the value lives (it is held in an `Arc` and
 /// never moved out of it by the engine):
 /// - `[host_addr(), host_addr() + len())` is mapped readable and writable in this process,
-///   and does not move;
+///   and does not move; or, if [`Self::phantom_pool`] returns a pool, it is reserved (nothing
+///   else is mapped there) and the pool's [`PHANTOM_POOL_FRAMES`] frames are mapped readable
+///   and writable and do not move;
 /// - it may be read and written at any time by other threads (guest vCPUs) through raw
 ///   pointers and atomics, so the implementor never hands out `&`/`&mut` references to its
 ///   bytes while it may back a memslot;
@@ -47,6 +66,12 @@ pub unsafe trait HostMemory: Send + Sync + 'static {
     /// True if the memory holds no bytes.
     fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+    /// Phantom memory: the 4 KiB-aligned address of the pool its data lives in
+    /// ([`phantom_addr`]), the range itself being inaccessible. `None` (the default) for
+    /// memory that is mapped and keeps its data.
+    fn phantom_pool(&self) -> Option<Hva> {
+        None
     }
 }
 
@@ -89,6 +114,8 @@ pub struct HostRange {
     addr: Hva,
     len: u64,
     page_size: u64,
+    /// The pool of phantom memory ([`HostMemory::phantom_pool`]).
+    phantom: Option<Hva>,
 }
 
 impl fmt::Debug for HostRange {
@@ -98,6 +125,7 @@ impl fmt::Debug for HostRange {
             .field("len", &format_args!("{:#x}", self.len))
             .field("page_size", &format_args!("{:#x}", self.page_size))
             .field("owned", &self.owner.is_some())
+            .field("phantom", &self.phantom.is_some())
             .finish()
     }
 }
@@ -126,7 +154,15 @@ impl HostRange {
             Some(end) if end <= size => {}
             _ => return Err(HostRangeError::OutOfBounds { offset, len, size }),
         }
+        let phantom = mem.phantom_pool();
+        if phantom.is_some_and(|p| !p.is_aligned(PAGE_SIZE)) {
+            return Err(HostRangeError::BadMemory {
+                addr: base,
+                len: size,
+            });
+        }
         Ok(HostRange {
+            phantom,
             page_size: mem.page_size(),
             // In bounds: `base + size` does not overflow and `offset + len <= size`.
             addr: Hva::new(base.raw() + offset),
@@ -152,6 +188,7 @@ impl HostRange {
             addr,
             len,
             page_size,
+            phantom: None,
         }
     }
 
@@ -177,6 +214,7 @@ impl HostRange {
             addr: Hva::new(self.addr.raw() + offset),
             len,
             page_size: self.page_size,
+            phantom: self.phantom,
         })
     }
 
@@ -195,6 +233,15 @@ impl HostRange {
     /// The page size the host maps the range with.
     pub fn page_size(&self) -> u64 {
         self.page_size
+    }
+    /// The pool of phantom memory ([`HostMemory::phantom_pool`]): its bytes are not
+    /// accessible, only [`phantom_addr`]s in the pool are.
+    pub fn phantom_pool(&self) -> Option<Hva> {
+        self.phantom
+    }
+    /// Whether the range is phantom memory.
+    pub fn is_phantom(&self) -> bool {
+        self.phantom.is_some()
     }
     /// The same range, declared as mapped with `page_size` pages (e.g. an allocation aligned
     /// to 2 MiB that the host backs with huge pages). Only leaf sizes depend on it.
@@ -328,5 +375,25 @@ impl fmt::Debug for HostBuffer {
             .field("addr", &format_args!("{:#x}", self.host_addr()))
             .field("len", &format_args!("{:#x}", self.layout.size()))
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phantom_addresses_stay_in_the_pool_and_keep_the_offset() {
+        let pool = Hva::new(0x7000_0000_0000);
+        let end = pool.raw() + PHANTOM_POOL_FRAMES * PAGE_SIZE;
+        for hva in [0u64, 0xff8, 0x1000, 63 << 12, 64 << 12, (1 << 40) + 0x1238] {
+            let r = phantom_addr(pool, Hva::new(hva)).raw();
+            assert!(r >= pool.raw() && r < end, "{hva:#x}");
+            assert_eq!(r & 0xfff, hva & 0xfff);
+        }
+        assert_eq!(
+            phantom_addr(pool, Hva::new(65 << 12)).raw(),
+            pool.raw() + 0x1000
+        );
     }
 }

@@ -98,12 +98,15 @@ pub use config::{
 };
 pub use fault::{Fault, FaultOutcome};
 pub use format::{Access, Ept, LeafPerms, Level, PteFormat, Stage2, Timed};
-pub use host_memory::{HostBuffer, HostBufferError, HostMemory, HostRange, HostRangeError};
+pub use host_memory::{
+    phantom_addr, HostBuffer, HostBufferError, HostMemory, HostRange, HostRangeError,
+    PHANTOM_POOL_FRAMES,
+};
 pub use memslot::{
     MemoryAttributeError, MemoryAttributes, Memslot, MemslotError, MemslotFlags, MemslotSet, SlotId,
 };
 pub use mmu::flush::{FlushError, GuestMode, PendingFlush};
 pub use mmu::inspect::Audit;
-pub use stats::Stats;
+pub use stats::{MmuMemory, Stats};
 pub use vcpu::Vcpu;
 pub use vm::Vm;

@@ -134,6 +134,30 @@ pub(crate) fn leaf_stat(level: crate::format::Level) -> Stat {
     }
 }
 
+/// The memory a VM's MMU holds for itself (not guest data), which grows with the guest's size
+/// and with what it touched: what a phantom guest ([`crate::HostMemory::phantom_pool`]) still
+/// costs the host.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MmuMemory {
+    /// Table pages allocated and not freed (linked, cached per vCPU, awaiting reclamation), at
+    /// their allocation size: the page and its header.
+    pub table_bytes: u64,
+    /// Per-page bitmaps of the memslots: dirty logs (both sides of a switch, and their summary
+    /// levels) and private-memory attributes.
+    pub bitmap_bytes: u64,
+    /// The reverse map, allocated only when the write-protect variant uses it.
+    pub rmap_bytes: u64,
+}
+
+impl MmuMemory {
+    /// All of it.
+    pub fn total(&self) -> u64 {
+        self.table_bytes
+            .saturating_add(self.bitmap_bytes)
+            .saturating_add(self.rmap_bytes)
+    }
+}
+
 /// A snapshot of a VM's statistics.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Stats {

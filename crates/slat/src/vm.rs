@@ -15,7 +15,7 @@ use crate::memslot::{
 use crate::mmu::flush::{FlushError, PendingFlush};
 use crate::mmu::inspect::Audit;
 use crate::mmu::Mmu;
-use crate::stats::{Counters, Stats};
+use crate::stats::{Counters, MmuMemory, Stats};
 use crate::sync::{self, Arc, Mutex};
 use slat_addr::{Gfn, Gpa, PageIndex};
 
@@ -54,6 +54,24 @@ impl<F: PteFormat> Vm<F> {
             std::iter::once(&self.mmu.counters).chain(blocks.iter().map(|c| &**c)),
             self.mmu.alloc.live_pages(),
         )
+    }
+
+    /// The memory the MMU holds for itself now: table pages, per-page bitmaps, the rmap.
+    pub fn mmu_memory(&self) -> MmuMemory {
+        let slots = self.slots.load();
+        let bitmap_bytes = slots
+            .slots()
+            .iter()
+            .map(|s| {
+                let dirty = s.dirty.as_ref().map_or(0, |d| d.heap_bytes());
+                dirty + s.private.as_ref().map_or(0, |p| p.attrs.heap_bytes())
+            })
+            .sum();
+        MmuMemory {
+            table_bytes: self.mmu.alloc.live_pages() * crate::mmu::table::FRAME_BYTES,
+            bitmap_bytes,
+            rmap_bytes: self.mmu.rmap.heap_bytes(),
+        }
     }
 
     /// The current memslot set.

@@ -8,6 +8,7 @@ pub use crate::backend::stats_json;
 use crate::backend::{self, Backend, Native, Pass, Spec};
 use crate::driver::Benchmark;
 use crate::error::CliResult;
+use crate::mmu_memory::MmuMemoryFigures;
 use crate::output::{secs, Metric, RunHead, VmSettings, WorkSettings};
 use crate::report::{format_header, quiet, ratio, ts, Phase};
 use clap::{Args, ValueEnum};
@@ -133,6 +134,8 @@ pub struct Report {
     pub native: NativeFigures,
     pub ratio_guest_over_native: f64,
     pub stats: serde_json::Value,
+    /// The engine's own memory after the pass (sim; `null` on kvm).
+    pub mmu_memory: Option<MmuMemoryFigures>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub uffd: Option<UffdFigures>,
     /// The lines describing the machine after the selftest's.
@@ -231,6 +234,8 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
     let machine_lines =
         backend::machine_lines(m.as_ref(), &cfg, "", &extra, pinned_cpus.as_deref());
     let (stats, pcpus) = (m.stats(), m.sim().map(|s| s.pcpus()));
+    let guest_bytes = a.work.bytes.saturating_mul(a.work.vcpus as u64);
+    let mmu_memory = MmuMemoryFigures::of(m.as_ref(), guest_bytes);
     drop(m);
 
     let p = Phase::start("native baseline: same pattern on host memory", q);
@@ -258,6 +263,7 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
         },
         ratio_guest_over_native: ratio(guest.wall, native.wall),
         stats,
+        mmu_memory,
         uffd,
         machine_lines,
         format_header: format_header(kind, a.machine.format, &cfg.vm),
@@ -326,7 +332,9 @@ fn print_text(r: &Report) {
         let n = u.pages_verified;
         println!("userfaultfd: all {n} guest pages verified to hold the served 0xAB pattern");
     }
-    let faults = if c.vm.prefault {
+    let faults = if c.work.backing.starts_with("phantom") {
+        "its data in the 64-frame phantom pool, as the guest's"
+    } else if c.vm.prefault {
         "pre-faulted"
     } else {
         "with host faults"
@@ -343,6 +351,9 @@ fn print_text(r: &Report) {
     );
     for l in &r.machine_lines {
         println!("{l}");
+    }
+    if let Some(mm) = &r.mmu_memory {
+        println!("{}", mm.line("after the pass"));
     }
 }
 

@@ -15,6 +15,7 @@ use crate::driver::chart::SeriesOf;
 use crate::driver::{self, Benchmark, Lines};
 use crate::error::{CliError, CliResult};
 use crate::harvest::{Harvest, HarvestTimes};
+use crate::mmu_memory::MmuMemoryFigures;
 use crate::output::{opt_secs, secs, Metric, RunHead, VmSettings, WorkSettings};
 use crate::report::{format_header, quiet, ratio, Phase};
 use clap::Args;
@@ -145,6 +146,9 @@ pub struct Report {
     pub concurrent: Option<ConcurrentReport>,
     /// The machine's counters (the engine's on sim, KVM's VM statistics on kvm).
     pub stats: serde_json::Value,
+    /// The engine's own memory after the last iteration, logging still on (sim; `null` on
+    /// kvm).
+    pub mmu_memory: Option<MmuMemoryFigures>,
     /// The lines describing the machine after the selftest's (engine counters, settings).
     #[serde(skip)]
     pub machine_lines: Vec<String>,
@@ -466,6 +470,8 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         )?),
         false => None,
     };
+    let guest_bytes = a.work.bytes.saturating_mul(a.work.vcpus as u64);
+    let mmu_memory = MmuMemoryFigures::of(m.as_ref(), guest_bytes);
     let disable = disable(m.as_ref(), a.evil, params)?;
     let pcpus = m.sim().map(|s| s.pcpus());
     let (settings, log) = text::settings(a, &cfg);
@@ -489,6 +495,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         clear_total,
         concurrent,
         stats: m.stats(),
+        mmu_memory,
         machine_lines,
         format_header: format_header(kind, a.machine.format, &cfg.vm),
         gpa: m.layout().gpa,

@@ -40,6 +40,9 @@ pub(super) fn print_text(r: &Report) {
     for l in &r.machine_lines {
         println!("{l}");
     }
+    if let Some(mm) = &r.mmu_memory {
+        println!("{}", mm.line("after the last iteration"));
+    }
 }
 
 pub(super) fn print_iteration(it: &Iteration) {

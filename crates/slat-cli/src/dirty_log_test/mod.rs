@@ -185,6 +185,7 @@ const EXTRA_BYTES: u64 = 3 * 4096;
 /// Refuses flags that cannot run together, sizes the machines cannot hold (each vCPU's memory
 /// with the selftest's 3 pages), and a ring KVM cannot have.
 fn check(a: &DirtyLogTestArgs) -> Result<(), String> {
+    crate::limits::refuse_phantom(a.work.backing, "dirty-log-test's oracle")?;
     let mut engine_only = a.dirty.engine_only();
     if a.broken.is_some() {
         if !cfg!(feature = "broken-engine") {

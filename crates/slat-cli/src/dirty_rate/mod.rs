@@ -92,7 +92,11 @@ pub struct DirtyRateArgs {
     #[arg(short = 'b', value_parser = guest_size, default_value = "256M")]
     pub bytes: u64,
     /// Host memory behind guest RAM: anonymous, anonymous_thp, anonymous_hugetlb,
-    /// anonymous_hugetlb_1gb, shmem.
+    /// anonymous_hugetlb_1gb, shmem;
+    /// phantom, phantom_thp, phantom_hugetlb_1gb (sim only: an address range with no memory
+    /// behind it, leaves as anonymous, anonymous_thp, anonymous_hugetlb_1gb; data goes to 64
+    /// shared frames and is not kept, so guests beyond the host's memory fit; commands that
+    /// read data back refuse it).
     #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
     pub backing: Backing,
     /// The guest's writes per second per vCPU (k/m suffixes, at most 10^9) or `unlimited`.

@@ -221,6 +221,7 @@ fn check_machine(
     backing: Backing,
     extra: &[&'static str],
 ) -> CliResult {
+    crate::limits::refuse_phantom(backing, "migration").map_err(bad)?;
     m.format.check_backends(&[b]).map_err(bad)?;
     let engine_only = [m.engine_only(), extra.to_vec()].concat();
     check_backends(&[b], &engine_only).map_err(bad)?;

@@ -54,7 +54,12 @@ pub struct PageTableTestArgs {
     #[arg(short = 'v', value_parser = clap::value_parser!(u32).range(1..=512), default_value_t = 1)]
     pub vcpus: u32,
     /// Host memory behind guest RAM: anonymous, anonymous_thp, anonymous_hugetlb (2 MiB),
-    /// anonymous_hugetlb_1gb, shmem. Hugetlb needs pages reserved first, e.g.
+    /// anonymous_hugetlb_1gb, shmem;
+    /// phantom, phantom_thp, phantom_hugetlb_1gb (sim only: an address range with no memory
+    /// behind it, leaves as anonymous, anonymous_thp, anonymous_hugetlb_1gb; data goes to 64
+    /// shared frames and is not kept, so guests beyond the host's memory fit; commands that
+    /// read data back refuse it).
+    /// Hugetlb needs pages reserved first, e.g.
     /// `echo 600 > /proc/sys/vm/nr_hugepages` for 1 GiB of 2 MiB pages plus the baseline's.
     #[arg(short = 's', value_parser = backing, default_value = "anonymous")]
     pub backing: Backing,

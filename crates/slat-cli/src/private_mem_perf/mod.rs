@@ -86,6 +86,11 @@ pub struct PrivateMemPerfArgs {
     /// the 2 MiB leaf back (2m-split only).
     #[arg(long)]
     pub collapse: bool,
+    /// sim: the guest's memory and its private pool are phantom (`-s phantom` of the other
+    /// benchmarks: address ranges with no memory behind them, data in 64 shared frames), so a
+    /// guest far beyond this host's memory fits; the page tables and the direct map are real.
+    #[arg(long)]
+    pub phantom: bool,
     /// sim: one row per combination; a key given here overrides its flag (the keys: --help).
     #[arg(long, value_name = "KEY=V1,V2,...", value_parser = driver::vary::parser(VARY), long_help = driver::vary::help(VARY, "sim only: every combination is a row of each run (--repeat runs them all N times)."))]
     pub vary: Vec<driver::vary::Vary>,
@@ -250,6 +255,7 @@ fn check(a: &PrivateMemPerfArgs) -> Result<(), String> {
             ("--kernel-flush", a.kernel_flush.is_some()),
             ("--collapse", a.collapse),
             ("--vary", !a.vary.is_empty()),
+            ("--phantom", a.phantom),
         ];
         if let Some((flag, _)) = sim_only.iter().find(|(_, given)| *given) {
             return Err(format!(
@@ -264,6 +270,19 @@ fn check(a: &PrivateMemPerfArgs) -> Result<(), String> {
         .bytes
         .checked_mul(u64::from(a.threads))
         .ok_or_else(|| format!("{flags}: the memory overflows 64 bits"))?;
+    if a.phantom {
+        // The guest's MMU and the direct map over the pool, each at 4 KiB everywhere at most.
+        let need = crate::limits::phantom_mmu_bytes(total).saturating_mul(2);
+        return match slat_migrate::limits::host_memory() {
+            Some(host) if need > host => Err(format!(
+                "{flags} --phantom: the page tables and direct map of {} of guest memory take up to {}, more than this host's {} of RAM and swap",
+                format_size(total),
+                format_size(need),
+                format_size(host)
+            )),
+            _ => Ok(()),
+        };
+    }
     // One fill's memory is mapped at a time (each is unmapped before the next).
     match slat_migrate::limits::host_memory() {
         Some(host) if total > host => Err(format!(

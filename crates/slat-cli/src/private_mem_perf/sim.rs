@@ -123,6 +123,8 @@ struct Config {
     total_bytes: u64,
     samples_ms: u64,
     collapse: bool,
+    /// `--phantom`: guest memory and the private pool keep no data.
+    phantom: bool,
     pattern: &'static str,
 }
 
@@ -178,7 +180,11 @@ pub fn measure(a: &PrivateMemPerfArgs) -> CliResult<Run> {
 fn native(a: &PrivateMemPerfArgs) -> CliResult<NativeRow> {
     let total = a.total();
     let len = total.div_ceil(2 << 20) * (2 << 20);
-    let mem = GuestRam::new(Backing::AnonymousThp, len, false).map_err(runtime)?;
+    let backing = match a.phantom {
+        true => Backing::PhantomThp,
+        false => Backing::AnonymousThp,
+    };
+    let mem = GuestRam::new(backing, len, false).map_err(runtime)?;
     let layout = slat_workload::Layout {
         gpa: 0,
         host: mem.addr(),
@@ -229,7 +235,12 @@ fn one_variant(a: &PrivateMemPerfArgs, v: Variant) -> CliResult<SimRow> {
             // The pool's host pages are populated up front (and the native floor's): what is
             // measured is acceptance through the engine and the direct map, not this host's
             // page allocator, whose cost on a fresh process varies tenfold run to run here.
-            prefault: true,
+            // Phantom memory has none to populate.
+            prefault: !a.phantom,
+            backing: match a.phantom {
+                true => Backing::Phantom,
+                false => Backing::Anonymous,
+            },
             ..RegionSpec::default()
         },
         private: Some(DirectMapConfig {
@@ -335,6 +346,7 @@ pub fn finish(a: &PrivateMemPerfArgs, runs: Vec<AnyRun>) -> CliResult {
             total_bytes: a.total(),
             samples_ms: a.samples_ms,
             collapse: a.collapse,
+            phantom: a.phantom,
             pattern: PATTERN,
         },
         probes: None,

@@ -285,6 +285,10 @@ fn finish(a: &SnapshotPerfArgs, all: Vec<(BackendArg, Vec<Run>)>) -> CliResult {
 
 /// Refuses what cannot run, with the flag to change (exit status 2).
 fn check(a: &SnapshotPerfArgs) -> Result<(), String> {
+    crate::limits::refuse_phantom(
+        a.work.backing,
+        "snapshot-perf (its snapshots copy guest memory)",
+    )?;
     a.machine.check_backends(&a.backend, &[])?;
     if a.log.clear_chunk != ClearChunk::Slot {
         return Err(

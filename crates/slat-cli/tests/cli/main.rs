@@ -13,6 +13,7 @@ mod help;
 mod migrate;
 mod page_table_test;
 mod parity;
+mod phantom;
 mod private_mem;
 mod private_mem_test;
 mod reports;

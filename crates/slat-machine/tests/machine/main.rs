@@ -12,6 +12,7 @@ mod clock_hooks;
 mod conversion;
 mod dirty_oracle;
 mod overcommit;
+mod phantom;
 mod private_memory;
 mod sizes;
 mod stage2;

@@ -14,6 +14,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::{self, NonNull};
 
 mod hugepool;
+pub mod phantom;
 use hugepool::{check_hugetlb, HugePool};
 
 /// Errors from choosing a backing or mapping guest RAM.
@@ -105,6 +106,9 @@ pub struct GuestRam {
     ptr: NonNull<u8>,
     len: usize,
     backing: Backing,
+    /// A phantom backing's pool of data frames ([`phantom`]); `ptr..ptr+len` is then an
+    /// inaccessible reservation.
+    pool: Option<NonNull<u8>>,
 }
 
 // SAFETY: `GuestRam` exclusively owns its mapping; the pointer is never
@@ -168,15 +172,28 @@ impl GuestRam {
         match backing {
             Backing::Anonymous => {
                 let ptr = mmap_rw(len, private_anon | populate, -1).map_err(mmap_err)?;
-                Ok(GuestRam { ptr, len, backing })
+                Ok(GuestRam {
+                    ptr,
+                    len,
+                    backing,
+                    pool: None,
+                })
             }
             Backing::AnonymousThp => Self::new_thp(len, page_size, prefault, &mmap_err),
             Backing::AnonymousHugetlb2M | Backing::AnonymousHugetlb1G => {
                 Self::new_hugetlb(backing, size, len, populate, &mmap_err)
             }
+            Backing::Phantom | Backing::PhantomThp | Backing::PhantomHugetlb1G => {
+                Self::new_phantom(backing, len, &mmap_err)
+            }
             Backing::Shmem => {
                 let ptr = mmap_shmem(size, len).map_err(mmap_err)?;
-                let ram = GuestRam { ptr, len, backing };
+                let ram = GuestRam {
+                    ptr,
+                    len,
+                    backing,
+                    pool: None,
+                };
                 if prefault {
                     ram.touch_pages(SMALL_PAGE as usize);
                 }
@@ -201,7 +218,12 @@ impl GuestRam {
         })?;
         let ptr = mmap_aligned(len, align).map_err(mmap_err)?;
         // From here on, dropping `ram` unmaps the region on error.
-        let ram = GuestRam { ptr, len, backing };
+        let ram = GuestRam {
+            ptr,
+            len,
+            backing,
+            pool: None,
+        };
         // SAFETY: `ptr..ptr+len` is a mapping we own; MADV_HUGEPAGE
         // only changes the kernel's page-size policy for it and does
         // not alter its contents or validity.
@@ -232,7 +254,12 @@ impl GuestRam {
         let flags =
             private_anon | libc::MAP_HUGETLB | backing.hugetlb_flag().unwrap_or(0) | populate;
         match mmap_rw(len, flags, -1) {
-            Ok(ptr) => Ok(GuestRam { ptr, len, backing }),
+            Ok(ptr) => Ok(GuestRam {
+                ptr,
+                len,
+                backing,
+                pool: None,
+            }),
             Err(e) if e.raw_os_error() == Some(libc::ENOMEM) => {
                 let pool = HugePool::probe(backing);
                 Err(RamError::HugetlbNotReserved {
@@ -307,7 +334,9 @@ impl GuestRam {
 
 // SAFETY: the mapping is read/write, page aligned (its address and length are multiples of
 // the backing's page size, at least 4 KiB) and stays mapped at a fixed address until `Drop`;
-// `GuestRam` hands out only its address, never references to its bytes.
+// `GuestRam` hands out only its address, never references to its bytes. A phantom backing's
+// range is a reservation that stays reserved (nothing else can be mapped there) until `Drop`,
+// and its pool, named by `phantom_pool`, is read/write and lives as long.
 #[cfg(feature = "engine")]
 unsafe impl slat::HostMemory for GuestRam {
     fn host_addr(&self) -> slat_addr::Hva {
@@ -319,15 +348,21 @@ unsafe impl slat::HostMemory for GuestRam {
     fn page_size(&self) -> u64 {
         self.backing.page_size()
     }
+    fn phantom_pool(&self) -> Option<slat_addr::Hva> {
+        GuestRam::phantom_pool(self).map(slat_addr::Hva::new)
+    }
 }
 
 impl Drop for GuestRam {
     fn drop(&mut self) {
         // SAFETY: `ptr..ptr+len` is exactly the mapping created in `new` and
-        // owned by `self`; no references into it can outlive `self`.
+        // owned by `self`, as is the pool; no references into them can outlive `self`.
         // Failure would only leak the mapping, so the result is ignored.
         unsafe {
             libc::munmap(self.ptr.as_ptr().cast(), self.len);
+            if let Some(pool) = self.pool {
+                libc::munmap(pool.as_ptr().cast(), phantom::POOL_BYTES);
+            }
         }
     }
 }

@@ -342,10 +342,11 @@ impl DirectMap {
         let Some((host, _)) = self.translate(page)? else {
             return Ok(None);
         };
-        let addr = host.raw() + ((hva.raw() & (PAGE_SIZE - 1)) & !7);
+        let addr = self.data_addr(host.raw() + ((hva.raw() & (PAGE_SIZE - 1)) & !7));
         // SAFETY: `addr` is inside the pool (the leaf maps pool pages onto themselves and
-        // `frame_of` checked `hva`), which `self.pool` keeps mapped read/write; 8-byte aligned
-        // and atomic, since guests and other CPUs may write the page concurrently.
+        // `frame_of` checked `hva`), or its phantom frame, which `self.pool` keeps mapped
+        // read/write; 8-byte aligned and atomic, since guests and other CPUs may write the
+        // page concurrently.
         Ok(Some(
             unsafe { std::sync::atomic::AtomicU64::from_ptr(addr as *mut u64) }
                 .load(std::sync::atomic::Ordering::Relaxed),
@@ -520,11 +521,23 @@ impl DirectMap {
     /// reader of the direct map may look at it concurrently.
     fn clear_page<C: Clock>(&self, hva: u64) {
         C::charge(Cost::ZeroPage, 1);
+        let hva = self.data_addr(hva);
         for off in (0..PAGE_SIZE).step_by(8) {
             // SAFETY: `hva` is the start of a pool page (callers derive it from a frame
-            // number below `frames`), which `self.pool` keeps mapped read/write; aligned.
+            // number below `frames`) or of its phantom frame, which `self.pool` keeps mapped
+            // read/write; aligned.
             unsafe { std::sync::atomic::AtomicU64::from_ptr((hva + off) as *mut u64) }
                 .store(0, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Where the data of pool address `hva` lives: itself, or its frame in the phantom pool
+    /// of a phantom pool ([`crate::phantom_addr`]), whose own addresses are inaccessible.
+    #[inline]
+    fn data_addr(&self, hva: u64) -> u64 {
+        match self.pool.phantom_pool() {
+            Some(p) => crate::host_memory::phantom_addr(p, Hva::new(hva)).raw(),
+            None => hva,
         }
     }
 

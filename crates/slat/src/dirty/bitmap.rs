@@ -329,6 +329,12 @@ pub struct SlotBitmap {
 }
 
 impl SlotBitmap {
+    /// Bytes of both bitmaps and their summary levels.
+    pub(crate) fn heap_bytes(&self) -> u64 {
+        let words = self.maps.iter().flat_map(|m| m.levels.iter());
+        words.map(|l| l.len() as u64 * 8).sum()
+    }
+
     /// A log for `npages` pages; `initially_set` starts every bit set (manual protect with
     /// INITIALLY_SET); `switch` allocates the second bitmap.
     pub(crate) fn new(npages: u64, initially_set: bool, switch: bool) -> Self {

@@ -4,7 +4,7 @@
 //! [`split_in_the_way`] where a huge leaf is above the goal, [`install_at_goal`] at it.
 
 use super::{Fault, FaultOutcome, VcpuState};
-use crate::cmo::{clean_new_mapping, invalidate_icache_for};
+use crate::cmo::{clean_new_mapping, invalidate_icache_for, skip_for_phantom};
 use crate::config::{CmoPolicy, RecoverVariant, VmConfig};
 use crate::direct_map::Acceptance;
 use crate::dirty::{commit_mark, mark_for, prepare_mark, DirtyRing, Pushed};
@@ -35,6 +35,9 @@ struct Plan<'s> {
     map_read_only_logged: bool,
     /// Cache maintenance happens in the install's break-before-make window.
     cmo_on_install: bool,
+    /// The backing is phantom memory: cache maintenance is counted, not performed (always
+    /// false for formats without cache maintenance).
+    phantom: bool,
 }
 
 /// The slow path (see [`crate::Vcpu::slow_page_fault`]); the caller checked that `vcpu` is
@@ -61,7 +64,12 @@ pub(crate) fn slow_page_fault<F: PteFormat>(
     if F::CACHE_MAINTENANCE && mmu.config.cmo == CmoPolicy::Always && !fault.present {
         let len = bytes_per_entry(plan.goal);
         let hva = plan.hva() & !(len - 1);
-        clean_new_mapping::<F::Clock>(hva, len, fault.access == Access::Exec, sink);
+        let exec = fault.access == Access::Exec;
+        if plan.phantom {
+            skip_for_phantom::<F::Clock>(len, exec, false, sink);
+        } else {
+            clean_new_mapping::<F::Clock>(hva, len, exec, sink);
+        }
     }
 
     // Acceptance may flush the direct map's host CPUs: not from one of them (the vCPU's own
@@ -164,6 +172,8 @@ fn plan<'s, F: PteFormat>(
         // `OnInstall` leaves cache maintenance to the fault that installs the leaf, inside
         // the break-before-make window.
         cmo_on_install: F::CACHE_MAINTENANCE && config.cmo == CmoPolicy::OnInstall,
+        // Only cache maintenance asks, so formats without it never look.
+        phantom: F::CACHE_MAINTENANCE && slot.is_phantom(private),
     })
 }
 
@@ -273,20 +283,7 @@ fn install_at_goal<F: PteFormat>(
             return Some(FaultOutcome::DirtyRingFull);
         }
     }
-    // A new leaf where there was none, or a block rebuilt over a table, changes what the
-    // entry maps (break-before-make where the format needs it); an existing leaf only gains
-    // permissions.
-    let r = if F::is_present(old) && !rebuild {
-        if F::CACHE_MAINTENANCE && F::permits(new, Access::Exec) && !F::permits(old, Access::Exec) {
-            // Adding X to a live leaf: invalidate the instruction cache first (KVM's
-            // stage2_attr_walker), no data-cache clean needed.
-            invalidate_icache_for::<F::Clock>(hva, bytes_per_entry(goal), sink);
-        }
-        mmu.set_spte(it, new, w, sink, pending)
-    } else {
-        mmu.replace_spte(it, new, plan.cmo_on_install, w, sink, pending)
-    };
-    if r.is_err() {
+    if !update_leaf(mmu, w, plan, it, new, rebuild, hva, sink, pending) {
         return Some(FaultOutcome::Retry);
     }
     if let Some(m) = mark {
@@ -296,6 +293,44 @@ fn install_at_goal<F: PteFormat>(
         sink.inc::<F::Clock>(Stat::Recoveries);
     }
     Some(FaultOutcome::Fixed)
+}
+
+/// Writes the goal's new entry: a new leaf where there was none, or a block rebuilt over a
+/// table, changes what the entry maps (break-before-make where the format needs it); an
+/// existing leaf only gains permissions. False on a lost race. Cache maintenance of phantom
+/// memory is counted, not performed.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn update_leaf<F: PteFormat>(
+    mmu: &Mmu<F>,
+    w: Shared<'_>,
+    plan: &Plan<'_>,
+    it: &mut Walk<'_, F>,
+    new: u64,
+    rebuild: bool,
+    hva: u64,
+    sink: Sink<'_>,
+    pending: &mut PendingFlush,
+) -> bool {
+    let (old, len) = (it.old, bytes_per_entry(plan.goal));
+    if F::is_present(old) && !rebuild {
+        if F::CACHE_MAINTENANCE && F::permits(new, Access::Exec) && !F::permits(old, Access::Exec) {
+            // Adding X to a live leaf: invalidate the instruction cache first (KVM's
+            // stage2_attr_walker), no data-cache clean needed.
+            if plan.phantom {
+                skip_for_phantom::<F::Clock>(len, true, true, sink);
+            } else {
+                invalidate_icache_for::<F::Clock>(hva, len, sink);
+            }
+        }
+        return mmu.set_spte(it, new, w, sink, pending).is_ok();
+    }
+    let cmo = plan.cmo_on_install && !plan.phantom;
+    let ok = mmu.replace_spte(it, new, cmo, w, sink, pending).is_ok();
+    if ok && plan.cmo_on_install && plan.phantom {
+        skip_for_phantom::<F::Clock>(len, F::permits(new, Access::Exec), false, sink);
+    }
+    ok
 }
 
 /// An empty entry above the goal gets a table from the vCPU's cache: nothing to break,

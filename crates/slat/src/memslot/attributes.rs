@@ -113,6 +113,11 @@ pub(crate) struct AttributeBitmap {
 }
 
 impl AttributeBitmap {
+    /// Bytes of the bitmap.
+    pub(crate) fn heap_bytes(&self) -> u64 {
+        self.words.len() as u64 * 8
+    }
+
     /// All pages shared.
     pub(crate) fn new(npages: u64) -> Self {
         let words = (0..npages.div_ceil(64))

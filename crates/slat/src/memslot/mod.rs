@@ -278,6 +278,14 @@ impl Memslot {
             _ => self.hva_raw(gfn),
         }
     }
+    /// Whether the backing `hva_for(_, private)` maps is phantom memory
+    /// ([`crate::HostMemory::phantom_pool`]).
+    pub(crate) fn is_phantom(&self, private: bool) -> bool {
+        match &self.private {
+            Some(p) if private => p.host.is_phantom(),
+            _ => self.host.is_phantom(),
+        }
+    }
     /// Whether acceptance through this slot's direct map would wait for the calling thread
     /// (an online host CPU of it: acceptance may flush the kernel TLBs).
     pub(crate) fn check_accept_flush(&self) -> Result<(), crate::mmu::flush::FlushError> {

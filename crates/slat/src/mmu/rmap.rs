@@ -102,6 +102,14 @@ impl Rmap {
         }
     }
 
+    /// Bytes of the slots of every registered range (0 when the rmap is not kept: nothing is
+    /// allocated for it).
+    pub(crate) fn heap_bytes(&self) -> u64 {
+        let set = self.set.load_full();
+        let levels = set.iter().flat_map(|s| s.levels.iter());
+        levels.map(|l| l.len() as u64 * 8).sum()
+    }
+
     /// The rmap is kept (`wrprot` is `rmap` or `rmap-lockless`).
     #[inline]
     pub(crate) fn enabled(&self) -> bool {

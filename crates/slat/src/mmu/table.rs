@@ -162,6 +162,9 @@ impl Default for TableAlloc {
     }
 }
 
+/// Bytes one table page takes from the allocator (the page, its header and the alignment).
+pub(crate) const FRAME_BYTES: u64 = std::mem::size_of::<TableFrame>() as u64;
+
 impl TableAlloc {
     /// A new allocator with no pages.
     pub fn new() -> Self {
