@@ -1,0 +1,409 @@
+//! The lock model: one queue per lock address, readers–writer rules, and the hand-off policy.
+//!
+//! The head writer gets a lock alone; consecutive readers at the head enter together; a
+//! waiting writer stops later readers. The model grants a lock only when its holders allow it,
+//! so the real acquire that follows a grant never blocks. Times are virtual (ps).
+
+use std::collections::{HashMap, VecDeque};
+
+use slat::clock::LockMode;
+
+use super::FastHash;
+use crate::profile::LockPolicy;
+
+#[derive(Debug, Clone, Copy)]
+struct Waiter {
+    cpu: usize,
+    mode: LockMode,
+    /// Under `barging`: woken by a release, runnable at this time, not yet holding the lock.
+    woken_at: Option<u64>,
+}
+
+#[derive(Debug, Default)]
+struct Lock {
+    writer: Option<usize>,
+    /// Holders in shared mode (a CPU may appear more than once: recursive read locks).
+    readers: Vec<usize>,
+    queue: VecDeque<Waiter>,
+    /// The latest release: a CPU that arrives at a free lock earlier than this (it ran late
+    /// within the lookahead) was, in virtual time, a waiter the release handed over to.
+    released_at: u64,
+    /// The last fair hand-off (`barging` only).
+    last_fair: u64,
+}
+
+impl Lock {
+    fn free(&self) -> bool {
+        self.writer.is_none() && self.readers.is_empty()
+    }
+
+    fn compatible(&self, mode: LockMode) -> bool {
+        match mode {
+            LockMode::Exclusive => self.free(),
+            LockMode::Shared => self.writer.is_none(),
+        }
+    }
+
+    fn hold(&mut self, cpu: usize, mode: LockMode) {
+        match mode {
+            LockMode::Exclusive => self.writer = Some(cpu),
+            LockMode::Shared => self.readers.push(cpu),
+        }
+    }
+
+    /// How many waiters at the head enter together: a writer alone, or consecutive readers.
+    fn head_group(&self) -> usize {
+        match self.queue.front() {
+            None => 0,
+            Some(w) if w.mode == LockMode::Exclusive => 1,
+            Some(_) => self
+                .queue
+                .iter()
+                .take_while(|w| w.mode == LockMode::Shared)
+                .count(),
+        }
+    }
+
+    fn writer_waits(&self) -> bool {
+        self.queue.iter().any(|w| w.mode == LockMode::Exclusive)
+    }
+}
+
+/// What an acquire gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Acquire {
+    /// The lock, now.
+    Now,
+    /// The lock, at this later time (the caller arrived before the last release).
+    At(u64),
+    /// Nothing yet: the caller is queued and must wait for a [`Handover`].
+    Queued,
+}
+
+/// A waiter a release lets go: runnable at `at`, holding the lock if `granted` (a direct
+/// hand-off), else to retry (woken under `barging`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Handover {
+    pub cpu: usize,
+    pub at: u64,
+    pub granted: bool,
+}
+
+/// Counters of the lock model.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LockStats {
+    /// Acquires granted.
+    pub acquires: u64,
+    /// Acquires that had to queue.
+    pub queued: u64,
+    /// Acquires that took a free lock ahead of a woken waiter (`barging`).
+    pub barged: u64,
+    /// Releases of a lock the CPU did not hold in the model (ignored).
+    pub stray_releases: u64,
+}
+
+/// Every lock the simulated CPUs took.
+#[derive(Debug)]
+pub(crate) struct Locks {
+    map: HashMap<usize, Lock, FastHash>,
+    policy: LockPolicy,
+    handoff: u64,
+    fair_every: u64,
+    retention: u64,
+    next_sweep: u64,
+    stats: LockStats,
+}
+
+impl Locks {
+    /// `handoff` is the policy's: the line transfer for `fifo`, the wake-up for `barging`.
+    pub(crate) fn new(policy: LockPolicy, handoff: u64, fair_every: u64, retention: u64) -> Locks {
+        Locks {
+            map: HashMap::default(),
+            policy,
+            handoff,
+            fair_every,
+            retention,
+            next_sweep: retention,
+            stats: LockStats::default(),
+        }
+    }
+
+    /// `cpu` asks for the lock at `addr` at `t` (a first request or, under `barging`, a woken
+    /// waiter's retry).
+    pub(crate) fn acquire(&mut self, cpu: usize, addr: usize, mode: LockMode, t: u64) -> Acquire {
+        self.sweep(t);
+        let policy = self.policy;
+        let handoff = self.handoff;
+        let l = self.map.entry(addr).or_default();
+        if let Some(p) = l.queue.iter().position(|w| w.cpu == cpu) {
+            // A woken waiter retries; readers still yield to a writer ahead of them.
+            let writer_ahead = l
+                .queue
+                .iter()
+                .take(p)
+                .any(|w| w.mode == LockMode::Exclusive);
+            if l.compatible(mode) && !(mode == LockMode::Shared && writer_ahead) {
+                l.queue.remove(p);
+                l.hold(cpu, mode);
+                self.stats.acquires += 1;
+                return Acquire::Now;
+            }
+            if let Some(w) = l.queue.get_mut(p) {
+                w.woken_at = None;
+            }
+            return Acquire::Queued;
+        }
+        let may_enter = match (policy, l.queue.front()) {
+            (_, None) => true,
+            (LockPolicy::Fifo, Some(_)) => false,
+            // parking_lot: a running CPU takes a free lock before the woken head wakes, but a
+            // reader never passes a waiting writer (task-fair readers).
+            (LockPolicy::Barging, Some(head)) => {
+                head.woken_at.is_some_and(|w| t < w)
+                    && t >= l.released_at
+                    && (mode == LockMode::Exclusive || !l.writer_waits())
+            }
+        };
+        if !(may_enter && l.compatible(mode)) {
+            l.queue.push_back(Waiter {
+                cpu,
+                mode,
+                woken_at: None,
+            });
+            self.stats.queued += 1;
+            return Acquire::Queued;
+        }
+        self.stats.acquires += 1;
+        if !l.queue.is_empty() {
+            self.stats.barged += 1;
+        }
+        let late = l.free() && t < l.released_at;
+        l.hold(cpu, mode);
+        if late {
+            Acquire::At(l.released_at.saturating_add(handoff))
+        } else {
+            Acquire::Now
+        }
+    }
+
+    /// `cpu` released the lock at `t`; the waiters it lets go are appended to `out`.
+    pub(crate) fn release(
+        &mut self,
+        cpu: usize,
+        addr: usize,
+        mode: LockMode,
+        t: u64,
+        out: &mut Vec<Handover>,
+    ) {
+        let Some(l) = self.map.get_mut(&addr) else {
+            self.stats.stray_releases += 1;
+            return;
+        };
+        let held = match mode {
+            LockMode::Exclusive if l.writer == Some(cpu) => {
+                l.writer = None;
+                true
+            }
+            LockMode::Exclusive => false,
+            LockMode::Shared => match l.readers.iter().position(|&r| r == cpu) {
+                Some(i) => {
+                    l.readers.swap_remove(i);
+                    true
+                }
+                None => false,
+            },
+        };
+        if !held {
+            self.stats.stray_releases += 1;
+            return;
+        }
+        l.released_at = l.released_at.max(t);
+        if !l.free() || l.queue.is_empty() {
+            return;
+        }
+        let fair = match self.policy {
+            LockPolicy::Fifo => true,
+            LockPolicy::Barging => t >= l.last_fair.saturating_add(self.fair_every),
+        };
+        let at = t.saturating_add(self.handoff);
+        let n = l.head_group();
+        if fair {
+            if self.policy == LockPolicy::Barging {
+                l.last_fair = t;
+            }
+            for _ in 0..n {
+                if let Some(w) = l.queue.pop_front() {
+                    l.hold(w.cpu, w.mode);
+                    self.stats.acquires += 1;
+                    out.push(Handover {
+                        cpu: w.cpu,
+                        at,
+                        granted: true,
+                    });
+                }
+            }
+        } else {
+            for w in l.queue.iter_mut().take(n) {
+                if w.woken_at.is_none() {
+                    w.woken_at = Some(at);
+                    out.push(Handover {
+                        cpu: w.cpu,
+                        at,
+                        granted: false,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Removes an exited CPU from every queue (it will never take those locks).
+    pub(crate) fn forget_cpu(&mut self, cpu: usize) {
+        for l in self.map.values_mut() {
+            l.queue.retain(|w| w.cpu != cpu);
+        }
+    }
+
+    /// Who holds the lock at `addr` and how many wait, for deadlock reports.
+    pub(crate) fn describe(&self, addr: usize) -> String {
+        match self.map.get(&addr) {
+            None => "not held".to_string(),
+            Some(l) => format!(
+                "writer {:?}, readers {:?}, {} queued",
+                l.writer,
+                l.readers,
+                l.queue.len()
+            ),
+        }
+    }
+
+    pub(crate) fn stats(&self) -> LockStats {
+        self.stats
+    }
+
+    /// Forgets free, unqueued locks released more than `retention` ago (bounded memory for
+    /// code that takes many short-lived locks).
+    fn sweep(&mut self, now: u64) {
+        if now < self.next_sweep {
+            return;
+        }
+        let keep_after = now.saturating_sub(self.retention);
+        self.map
+            .retain(|_, l| !(l.free() && l.queue.is_empty() && l.released_at < keep_after));
+        self.next_sweep = now.saturating_add(self.retention);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use LockMode::{Exclusive as X, Shared as S};
+
+    fn fifo() -> Locks {
+        Locks::new(LockPolicy::Fifo, 50, 500_000, 1_000_000_000)
+    }
+
+    #[test]
+    fn fifo_hands_over_in_order() {
+        let mut m = fifo();
+        let mut out = Vec::new();
+        assert_eq!(m.acquire(0, 8, X, 0), Acquire::Now);
+        assert_eq!(m.acquire(1, 8, X, 1), Acquire::Queued);
+        assert_eq!(m.acquire(2, 8, X, 2), Acquire::Queued);
+        m.release(0, 8, X, 100, &mut out);
+        assert_eq!(
+            out,
+            [Handover {
+                cpu: 1,
+                at: 150,
+                granted: true
+            }]
+        );
+        out.clear();
+        m.release(1, 8, X, 200, &mut out);
+        assert_eq!(
+            out,
+            [Handover {
+                cpu: 2,
+                at: 250,
+                granted: true
+            }]
+        );
+    }
+
+    #[test]
+    fn readers_enter_together_and_a_waiting_writer_blocks_later_readers() {
+        let mut m = fifo();
+        let mut out = Vec::new();
+        assert_eq!(m.acquire(0, 8, S, 0), Acquire::Now);
+        assert_eq!(m.acquire(1, 8, S, 1), Acquire::Now);
+        assert_eq!(m.acquire(2, 8, X, 2), Acquire::Queued);
+        assert_eq!(m.acquire(3, 8, S, 3), Acquire::Queued);
+        assert_eq!(m.acquire(4, 8, S, 4), Acquire::Queued);
+        m.release(0, 8, S, 10, &mut out);
+        assert!(out.is_empty());
+        m.release(1, 8, S, 20, &mut out);
+        assert_eq!(
+            out,
+            [Handover {
+                cpu: 2,
+                at: 70,
+                granted: true
+            }]
+        );
+        out.clear();
+        m.release(2, 8, X, 100, &mut out);
+        let cpus: Vec<_> = out.iter().map(|h| h.cpu).collect();
+        assert_eq!(cpus, [3, 4]);
+    }
+
+    #[test]
+    fn a_late_arrival_waits_for_the_release_it_preceded() {
+        let mut m = fifo();
+        let mut out = Vec::new();
+        assert_eq!(m.acquire(0, 8, X, 0), Acquire::Now);
+        m.release(0, 8, X, 100, &mut out);
+        assert_eq!(m.acquire(1, 8, X, 40), Acquire::At(150));
+    }
+
+    #[test]
+    fn barging_lets_a_running_cpu_overtake_a_woken_waiter() {
+        let mut m = Locks::new(LockPolicy::Barging, 1000, 500_000, 1_000_000_000);
+        let mut out = Vec::new();
+        assert_eq!(m.acquire(0, 8, X, 0), Acquire::Now);
+        assert_eq!(m.acquire(1, 8, X, 10), Acquire::Queued);
+        // The first release after start is fair only once fair_every has passed.
+        m.release(0, 8, X, 100, &mut out);
+        assert_eq!(
+            out,
+            [Handover {
+                cpu: 1,
+                at: 1100,
+                granted: false
+            }]
+        );
+        assert_eq!(m.acquire(0, 8, X, 200), Acquire::Now); // barges
+        assert_eq!(m.acquire(1, 8, X, 1100), Acquire::Queued); // retry fails
+        out.clear();
+        m.release(0, 8, X, 600_000, &mut out); // fair: direct hand-off
+        assert_eq!(
+            out,
+            [Handover {
+                cpu: 1,
+                at: 601_000,
+                granted: true
+            }]
+        );
+        assert_eq!(m.stats().barged, 1);
+    }
+
+    #[test]
+    fn stray_releases_are_counted_not_fatal() {
+        let mut m = fifo();
+        let mut out = Vec::new();
+        m.release(3, 8, X, 0, &mut out);
+        assert_eq!(m.acquire(0, 8, S, 0), Acquire::Now);
+        m.release(1, 8, S, 0, &mut out);
+        assert_eq!(m.stats().stray_releases, 2);
+        assert!(out.is_empty());
+    }
+}
