@@ -67,10 +67,7 @@ impl Shared {
         };
         let me = b.idx;
         let line = Lines::line_of(addr);
-        loop {
-            let Some(t) = g.cpus.get(me).map(|c| c.clock) else {
-                break;
-            };
+        while let Some(t) = g.cpus.get(me).map(|c| c.clock) {
             match g.locks.acquire(me, addr, mode, t) {
                 Acquire::Now => {
                     let end = g.lines.rmw(me, t, line);
