@@ -311,6 +311,19 @@ mod tests {
     }
 
     #[test]
+    fn save_and_load_a_file() {
+        let path =
+            std::env::temp_dir().join(format!("slat-vt-profile-{}.toml", std::process::id()));
+        let mut p = Profile::host_default();
+        p.name = "saved".into();
+        p.save(&path).unwrap();
+        let q = Profile::load(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(p, q);
+        assert!(matches!(Profile::load(&path), Err(ProfileError::Io { .. })));
+    }
+
+    #[test]
     fn hash_covers_values_not_sources() {
         let p = Profile::host_default();
         let mut q = p.clone();

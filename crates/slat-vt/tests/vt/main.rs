@@ -9,4 +9,5 @@ mod deadlock;
 mod determinism;
 mod queueing;
 mod spin;
+mod stress;
 mod waits;
