@@ -5,8 +5,8 @@
 use slat::clock::LockMode;
 
 use crate::model::line::Lines;
-use crate::model::lock::Acquire;
-use crate::scheduler::{Bound, Shared, State, Wait};
+use crate::model::lock::{Acquire, Handover};
+use crate::scheduler::{Bound, Inner, Shared, State, Wait};
 
 impl Shared {
     /// An atomic RMW on `addr`'s line; wakes the spinners watching it.
@@ -68,7 +68,11 @@ impl Shared {
         let me = b.idx;
         let line = Lines::line_of(addr);
         while let Some(t) = g.cpus.get(me).map(|c| c.clock) {
-            match g.locks.acquire(me, addr, mode, t) {
+            let mut out = std::mem::take(&mut g.handovers);
+            let got = g.locks.acquire(me, addr, mode, t, &mut out);
+            self.hand_over(&mut g, addr, &mut out);
+            g.handovers = out;
+            match got {
                 Acquire::Now => {
                     let end = g.lines.rmw(me, t, line);
                     g.cpus[me].clock = end;
@@ -111,23 +115,33 @@ impl Shared {
         g.cpus[me].clock = end;
         let mut out = std::mem::take(&mut g.handovers);
         g.locks.release(me, addr, mode, end, &mut out);
+        self.hand_over(&mut g, addr, &mut out);
+        g.handovers = out;
+        g.wake_watchers(line, end, self.transfer);
+        self.leave(g, b);
+    }
+
+    /// Lets go the waiters of the lock at `addr` the lock model released: each runnable at its
+    /// time, holding the lock if it was handed over directly. A woken waiter that has not run
+    /// yet (`barging`) may be granted the lock by a bump: it is runnable already.
+    fn hand_over(&self, g: &mut Inner, addr: usize, out: &mut Vec<Handover>) {
+        let line = Lines::line_of(addr);
         for h in out.drain(..) {
-            let waiting = matches!(
-                g.cpus.get(h.cpu).map(|c| &c.state),
-                Some(State::Blocked(Wait::Lock { addr: a, .. })) if *a == addr
-            );
-            if !waiting {
+            let state = g.cpus.get(h.cpu).map(|c| &c.state);
+            let blocked =
+                matches!(state, Some(State::Blocked(Wait::Lock { addr: a, .. })) if *a == addr);
+            let granted_early = h.granted && state == Some(&State::Runnable);
+            if !(blocked || granted_early) {
                 continue;
             }
             if h.granted {
                 g.cpus[h.cpu].granted = true;
                 g.lines.take(h.cpu, h.at, line);
             }
-            g.make_ready(h.cpu, h.at);
+            if blocked {
+                g.make_ready(h.cpu, h.at);
+            }
         }
-        g.handovers = out;
-        g.wake_watchers(line, end, self.transfer);
-        self.leave(g, b);
     }
 
     /// Waits until `cond()`: evaluated now and after every RMW on a watched line, at the

@@ -30,6 +30,8 @@ struct Lock {
     released_at: u64,
     /// The last fair hand-off (`barging` only).
     last_fair: u64,
+    /// Who released at `released_at`.
+    last_releaser: Option<usize>,
 }
 
 impl Lock {
@@ -129,9 +131,17 @@ impl Locks {
     }
 
     /// `cpu` asks for the lock at `addr` at `t` (a first request or, under `barging`, a woken
-    /// waiter's retry).
-    pub(crate) fn acquire(&mut self, cpu: usize, addr: usize, mode: LockMode, t: u64) -> Acquire {
+    /// waiter's retry). Waiters it hands the lock to (a bump, below) are appended to `out`.
+    pub(crate) fn acquire(
+        &mut self,
+        cpu: usize,
+        addr: usize,
+        mode: LockMode,
+        t: u64,
+        out: &mut Vec<Handover>,
+    ) -> Acquire {
         self.sweep(t);
+        self.bump(cpu, addr, t, out);
         let policy = self.policy;
         let handoff = self.handoff;
         let l = self.map.entry(addr).or_default();
@@ -186,6 +196,44 @@ impl Locks {
         }
     }
 
+    /// A re-acquire by the CPU that released at this very time, under `barging`, is
+    /// `parking_lot`'s `bump` (an `unlock_fair` and a lock, the only way the engine releases
+    /// and re-takes with nothing in between): the woken head gets the lock at its wake-up, and
+    /// the bumping CPU queues behind it instead of barging.
+    fn bump(&mut self, cpu: usize, addr: usize, t: u64, out: &mut Vec<Handover>) {
+        let Some(l) = self.map.get_mut(&addr) else {
+            return;
+        };
+        let woken_head = l.queue.front().is_some_and(|w| w.woken_at.is_some());
+        if self.policy != LockPolicy::Barging
+            || l.last_releaser != Some(cpu)
+            || t != l.released_at
+            || !l.free()
+            || !woken_head
+        {
+            return;
+        }
+        l.last_releaser = None;
+        while let Some(&Waiter {
+            cpu: w,
+            mode,
+            woken_at: Some(at),
+        }) = l.queue.front()
+        {
+            if !l.compatible(mode) {
+                break;
+            }
+            l.queue.pop_front();
+            l.hold(w, mode);
+            self.stats.acquires += 1;
+            out.push(Handover {
+                cpu: w,
+                at,
+                granted: true,
+            });
+        }
+    }
+
     /// `cpu` released the lock at `t`; the waiters it lets go are appended to `out`.
     pub(crate) fn release(
         &mut self,
@@ -218,6 +266,7 @@ impl Locks {
             return;
         }
         l.released_at = l.released_at.max(t);
+        l.last_releaser = Some(cpu);
         if !l.free() || l.queue.is_empty() {
             return;
         }
@@ -306,9 +355,9 @@ mod tests {
     fn fifo_hands_over_in_order() {
         let mut m = fifo();
         let mut out = Vec::new();
-        assert_eq!(m.acquire(0, 8, X, 0), Acquire::Now);
-        assert_eq!(m.acquire(1, 8, X, 1), Acquire::Queued);
-        assert_eq!(m.acquire(2, 8, X, 2), Acquire::Queued);
+        assert_eq!(m.acquire(0, 8, X, 0, &mut out), Acquire::Now);
+        assert_eq!(m.acquire(1, 8, X, 1, &mut out), Acquire::Queued);
+        assert_eq!(m.acquire(2, 8, X, 2, &mut out), Acquire::Queued);
         m.release(0, 8, X, 100, &mut out);
         assert_eq!(
             out,
@@ -334,11 +383,11 @@ mod tests {
     fn readers_enter_together_and_a_waiting_writer_blocks_later_readers() {
         let mut m = fifo();
         let mut out = Vec::new();
-        assert_eq!(m.acquire(0, 8, S, 0), Acquire::Now);
-        assert_eq!(m.acquire(1, 8, S, 1), Acquire::Now);
-        assert_eq!(m.acquire(2, 8, X, 2), Acquire::Queued);
-        assert_eq!(m.acquire(3, 8, S, 3), Acquire::Queued);
-        assert_eq!(m.acquire(4, 8, S, 4), Acquire::Queued);
+        assert_eq!(m.acquire(0, 8, S, 0, &mut out), Acquire::Now);
+        assert_eq!(m.acquire(1, 8, S, 1, &mut out), Acquire::Now);
+        assert_eq!(m.acquire(2, 8, X, 2, &mut out), Acquire::Queued);
+        assert_eq!(m.acquire(3, 8, S, 3, &mut out), Acquire::Queued);
+        assert_eq!(m.acquire(4, 8, S, 4, &mut out), Acquire::Queued);
         m.release(0, 8, S, 10, &mut out);
         assert!(out.is_empty());
         m.release(1, 8, S, 20, &mut out);
@@ -360,17 +409,17 @@ mod tests {
     fn a_late_arrival_waits_for_the_release_it_preceded() {
         let mut m = fifo();
         let mut out = Vec::new();
-        assert_eq!(m.acquire(0, 8, X, 0), Acquire::Now);
+        assert_eq!(m.acquire(0, 8, X, 0, &mut out), Acquire::Now);
         m.release(0, 8, X, 100, &mut out);
-        assert_eq!(m.acquire(1, 8, X, 40), Acquire::At(150));
+        assert_eq!(m.acquire(1, 8, X, 40, &mut out), Acquire::At(150));
     }
 
     #[test]
     fn barging_lets_a_running_cpu_overtake_a_woken_waiter() {
         let mut m = Locks::new(LockPolicy::Barging, 1000, 500_000, 1_000_000_000);
         let mut out = Vec::new();
-        assert_eq!(m.acquire(0, 8, X, 0), Acquire::Now);
-        assert_eq!(m.acquire(1, 8, X, 10), Acquire::Queued);
+        assert_eq!(m.acquire(0, 8, X, 0, &mut out), Acquire::Now);
+        assert_eq!(m.acquire(1, 8, X, 10, &mut out), Acquire::Queued);
         // The first release after start is fair only once fair_every has passed.
         m.release(0, 8, X, 100, &mut out);
         assert_eq!(
@@ -381,8 +430,8 @@ mod tests {
                 granted: false
             }]
         );
-        assert_eq!(m.acquire(0, 8, X, 200), Acquire::Now); // barges
-        assert_eq!(m.acquire(1, 8, X, 1100), Acquire::Queued); // retry fails
+        assert_eq!(m.acquire(0, 8, X, 200, &mut out), Acquire::Now); // barges
+        assert_eq!(m.acquire(1, 8, X, 1100, &mut out), Acquire::Queued); // retry fails
         out.clear();
         m.release(0, 8, X, 600_000, &mut out); // fair: direct hand-off
         assert_eq!(
@@ -397,11 +446,41 @@ mod tests {
     }
 
     #[test]
+    fn a_bump_under_barging_hands_over_fairly() {
+        let mut m = Locks::new(LockPolicy::Barging, 1000, 500_000, 1_000_000_000);
+        let mut out = Vec::new();
+        assert_eq!(m.acquire(0, 8, X, 0, &mut out), Acquire::Now);
+        assert_eq!(m.acquire(1, 8, X, 10, &mut out), Acquire::Queued);
+        m.release(0, 8, X, 100, &mut out);
+        out.clear();
+        // Re-taken at the release's own time: a bump, not a barge.
+        assert_eq!(m.acquire(0, 8, X, 100, &mut out), Acquire::Queued);
+        assert_eq!(
+            out,
+            [Handover {
+                cpu: 1,
+                at: 1100,
+                granted: true
+            }]
+        );
+        out.clear();
+        m.release(1, 8, X, 2000, &mut out);
+        assert_eq!(
+            out,
+            [Handover {
+                cpu: 0,
+                at: 3000,
+                granted: false
+            }]
+        );
+    }
+
+    #[test]
     fn stray_releases_are_counted_not_fatal() {
         let mut m = fifo();
         let mut out = Vec::new();
         m.release(3, 8, X, 0, &mut out);
-        assert_eq!(m.acquire(0, 8, S, 0), Acquire::Now);
+        assert_eq!(m.acquire(0, 8, S, 0, &mut out), Acquire::Now);
         m.release(1, 8, S, 0, &mut out);
         assert_eq!(m.stats().stray_releases, 2);
         assert!(out.is_empty());
