@@ -48,7 +48,10 @@ struct Line {
     owner: usize,
     /// CPUs holding a copy (the owner included).
     sharers: CpuSet,
-    /// When the last read-modify-write on it completes: the next one starts no earlier.
+    /// When the last read-modify-write on it was asked for and when it completes: one asked
+    /// for in between starts at `free_at` (RMWs on a line serialise); one asked for earlier
+    /// ran late within the lookahead and, in virtual time, went first: it does not wait.
+    busy_from: u64,
     free_at: u64,
     /// The latest virtual time anyone touched it.
     last_touch: u64,
@@ -111,10 +114,10 @@ impl Lines {
         self.sweep(t);
         self.stats.rmws += 1;
         let c = self.costs;
-        let (start, cost) = match self.map.get(&line) {
+        let (start, cost, window) = match self.map.get(&line) {
             None => {
                 self.stats.misses += 1;
-                (t, c.rmw_local.saturating_add(c.dram_miss))
+                (t, c.rmw_local.saturating_add(c.dram_miss), (t, 0))
             }
             Some(l) => {
                 let mut others = l.sharers;
@@ -126,17 +129,29 @@ impl Lines {
                     cost = cost.saturating_add(c.transfer);
                 }
                 let inval = c.invalidate.saturating_mul(others.len());
-                (t.max(l.free_at), cost.saturating_add(inval))
+                let start = if t >= l.busy_from && t < l.free_at {
+                    l.free_at
+                } else {
+                    t
+                };
+                (start, cost.saturating_add(inval), (l.busy_from, l.free_at))
             }
         };
         let end = start.saturating_add(cost);
+        // An RMW that went first in virtual time leaves the later one's window in place.
+        let (busy_from, free_at) = if t < window.0 {
+            (window.0, window.1.max(end))
+        } else {
+            (t, end)
+        };
         self.map.insert(
             line,
             Line {
                 owner: cpu,
                 sharers: CpuSet::only(cpu),
-                free_at: end,
-                last_touch: end,
+                busy_from,
+                free_at,
+                last_touch: end.max(free_at),
             },
         );
         end
@@ -158,6 +173,7 @@ impl Lines {
                     Line {
                         owner: NO_OWNER,
                         sharers: CpuSet::only(cpu),
+                        busy_from: 0,
                         free_at: 0,
                         last_touch: end,
                     },
@@ -188,6 +204,7 @@ impl Lines {
             Line {
                 owner: cpu,
                 sharers: CpuSet::only(cpu),
+                busy_from: at,
                 free_at,
                 last_touch: free_at,
             },
@@ -236,7 +253,9 @@ mod tests {
         let mut l = Lines::new(C);
         assert_eq!(l.rmw(0, 0, 1), 1010); // miss
         assert_eq!(l.rmw(0, 2000, 1), 2010); // owned: local
-        assert_eq!(l.rmw(1, 0, 1), 2010 + 110); // waits for free_at, transfers
+        assert_eq!(l.rmw(1, 2005, 1), 2010 + 110); // waits for free_at, transfers
+        assert_eq!(l.rmw(0, 1000, 1), 1000 + 110); // asked before that: went first
+        assert_eq!(l.rmw(1, 2100, 1), 2120 + 110); // the later window still holds
         assert_eq!(l.load(2, 3000, 1), 3100); // written by 1: transfer
         assert_eq!(l.load(2, 4000, 1), 4000); // already a sharer
         assert_eq!(l.load(3, 4000, 1), 4100);

@@ -17,6 +17,8 @@ struct Waiter {
     mode: LockMode,
     /// Under `barging`: woken by a release, runnable at this time, not yet holding the lock.
     woken_at: Option<u64>,
+    /// When it asked.
+    arrived: u64,
 }
 
 #[derive(Debug, Default)]
@@ -25,9 +27,12 @@ struct Lock {
     /// Holders in shared mode (a CPU may appear more than once: recursive read locks).
     readers: Vec<usize>,
     queue: VecDeque<Waiter>,
-    /// The latest release: a CPU that arrives at a free lock earlier than this (it ran late
-    /// within the lookahead) was, in virtual time, a waiter the release handed over to.
+    /// The latest release: a CPU that arrives at a free lock earlier than this but after
+    /// `busy_from` (it ran late within the lookahead) was, in virtual time, a waiter the release
+    /// handed over to; one that arrives before `busy_from` went first and does not wait.
     released_at: u64,
+    /// When the first holder of the latest busy period asked for the lock.
+    busy_from: u64,
     /// The last fair hand-off (`barging` only).
     last_fair: u64,
     /// Who released at `released_at`.
@@ -46,7 +51,12 @@ impl Lock {
         }
     }
 
-    fn hold(&mut self, cpu: usize, mode: LockMode) {
+    fn hold(&mut self, cpu: usize, mode: LockMode, asked: u64) {
+        self.busy_from = if self.free() {
+            asked
+        } else {
+            self.busy_from.min(asked)
+        };
         match mode {
             LockMode::Exclusive => self.writer = Some(cpu),
             LockMode::Shared => self.readers.push(cpu),
@@ -153,8 +163,9 @@ impl Locks {
                 .take(p)
                 .any(|w| w.mode == LockMode::Exclusive);
             if l.compatible(mode) && !(mode == LockMode::Shared && writer_ahead) {
+                let arrived = l.queue.get(p).map_or(t, |w| w.arrived);
                 l.queue.remove(p);
-                l.hold(cpu, mode);
+                l.hold(cpu, mode, arrived);
                 self.stats.acquires += 1;
                 return Acquire::Now;
             }
@@ -179,6 +190,7 @@ impl Locks {
                 cpu,
                 mode,
                 woken_at: None,
+                arrived: t,
             });
             self.stats.queued += 1;
             return Acquire::Queued;
@@ -187,8 +199,8 @@ impl Locks {
         if !l.queue.is_empty() {
             self.stats.barged += 1;
         }
-        let late = l.free() && t < l.released_at;
-        l.hold(cpu, mode);
+        let late = l.free() && t < l.released_at && t >= l.busy_from;
+        l.hold(cpu, mode, t);
         if late {
             Acquire::At(l.released_at.saturating_add(handoff))
         } else {
@@ -218,13 +230,14 @@ impl Locks {
             cpu: w,
             mode,
             woken_at: Some(at),
+            arrived,
         }) = l.queue.front()
         {
             if !l.compatible(mode) {
                 break;
             }
             l.queue.pop_front();
-            l.hold(w, mode);
+            l.hold(w, mode, arrived);
             self.stats.acquires += 1;
             out.push(Handover {
                 cpu: w,
@@ -282,7 +295,7 @@ impl Locks {
             }
             for _ in 0..n {
                 if let Some(w) = l.queue.pop_front() {
-                    l.hold(w.cpu, w.mode);
+                    l.hold(w.cpu, w.mode, w.arrived);
                     self.stats.acquires += 1;
                     out.push(Handover {
                         cpu: w.cpu,
@@ -412,6 +425,15 @@ mod tests {
         assert_eq!(m.acquire(0, 8, X, 0, &mut out), Acquire::Now);
         m.release(0, 8, X, 100, &mut out);
         assert_eq!(m.acquire(1, 8, X, 40, &mut out), Acquire::At(150));
+    }
+
+    #[test]
+    fn an_arrival_before_the_busy_period_went_first() {
+        let mut m = fifo();
+        let mut out = Vec::new();
+        assert_eq!(m.acquire(0, 8, X, 1000, &mut out), Acquire::Now);
+        m.release(0, 8, X, 1100, &mut out);
+        assert_eq!(m.acquire(1, 8, X, 10, &mut out), Acquire::Now);
     }
 
     #[test]
