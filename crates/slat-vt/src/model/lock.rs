@@ -33,6 +33,9 @@ struct Lock {
     released_at: u64,
     /// When the first holder of the latest busy period asked for the lock.
     busy_from: u64,
+    /// A writer held the lock in the latest busy period (a reader that arrived during a
+    /// readers-only one would not have waited).
+    busy_writer: bool,
     /// The last fair hand-off (`barging` only).
     last_fair: u64,
     /// Who released at `released_at`.
@@ -52,11 +55,14 @@ impl Lock {
     }
 
     fn hold(&mut self, cpu: usize, mode: LockMode, asked: u64) {
-        self.busy_from = if self.free() {
-            asked
+        let exclusive = mode == LockMode::Exclusive;
+        if self.free() {
+            self.busy_from = asked;
+            self.busy_writer = exclusive;
         } else {
-            self.busy_from.min(asked)
-        };
+            self.busy_from = self.busy_from.min(asked);
+            self.busy_writer |= exclusive;
+        }
         match mode {
             LockMode::Exclusive => self.writer = Some(cpu),
             LockMode::Shared => self.readers.push(cpu),
@@ -199,7 +205,8 @@ impl Locks {
         if !l.queue.is_empty() {
             self.stats.barged += 1;
         }
-        let late = l.free() && t < l.released_at && t >= l.busy_from;
+        let conflicted = mode == LockMode::Exclusive || l.busy_writer;
+        let late = l.free() && t < l.released_at && t >= l.busy_from && conflicted;
         l.hold(cpu, mode, t);
         if late {
             Acquire::At(l.released_at.saturating_add(handoff))
@@ -434,6 +441,17 @@ mod tests {
         assert_eq!(m.acquire(0, 8, X, 1000, &mut out), Acquire::Now);
         m.release(0, 8, X, 1100, &mut out);
         assert_eq!(m.acquire(1, 8, X, 10, &mut out), Acquire::Now);
+    }
+
+    #[test]
+    fn a_late_reader_after_readers_did_not_wait() {
+        let mut m = fifo();
+        let mut out = Vec::new();
+        assert_eq!(m.acquire(0, 8, S, 0, &mut out), Acquire::Now);
+        m.release(0, 8, S, 100, &mut out);
+        assert_eq!(m.acquire(1, 8, S, 40, &mut out), Acquire::Now);
+        m.release(1, 8, S, 140, &mut out);
+        assert_eq!(m.acquire(2, 8, X, 40, &mut out), Acquire::At(190));
     }
 
     #[test]
