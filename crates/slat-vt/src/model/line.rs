@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 
+use super::calendar::Calendar;
 use super::FastHash;
 
 /// The most simulated CPUs a sharer set holds.
@@ -48,11 +49,9 @@ struct Line {
     owner: usize,
     /// CPUs holding a copy (the owner included).
     sharers: CpuSet,
-    /// When the last read-modify-write on it was asked for and when it completes: one asked
-    /// for in between starts at `free_at` (RMWs on a line serialise); one asked for earlier
-    /// ran late within the lookahead and, in virtual time, went first: it does not wait.
-    busy_from: u64,
-    free_at: u64,
+    /// Its recent read-modify-writes: a new one takes the first gap at or after its request
+    /// (RMWs on a line serialise).
+    busy: Calendar,
     /// The latest virtual time anyone touched it.
     last_touch: u64,
 }
@@ -114,10 +113,10 @@ impl Lines {
         self.sweep(t);
         self.stats.rmws += 1;
         let c = self.costs;
-        let (start, cost, window) = match self.map.get(&line) {
+        let (cost, mut busy) = match self.map.get(&line) {
             None => {
                 self.stats.misses += 1;
-                (t, c.rmw_local.saturating_add(c.dram_miss), (t, 0))
+                (c.rmw_local.saturating_add(c.dram_miss), Calendar::default())
             }
             Some(l) => {
                 let mut others = l.sharers;
@@ -129,29 +128,19 @@ impl Lines {
                     cost = cost.saturating_add(c.transfer);
                 }
                 let inval = c.invalidate.saturating_mul(others.len());
-                let start = if t >= l.busy_from && t < l.free_at {
-                    l.free_at
-                } else {
-                    t
-                };
-                (start, cost.saturating_add(inval), (l.busy_from, l.free_at))
+                (cost.saturating_add(inval), l.busy)
             }
         };
+        let start = busy.fit(t, cost, true, 0);
         let end = start.saturating_add(cost);
-        // An RMW that went first in virtual time leaves the later one's window in place.
-        let (busy_from, free_at) = if t < window.0 {
-            (window.0, window.1.max(end))
-        } else {
-            (t, end)
-        };
+        busy.insert(start, end, true);
         self.map.insert(
             line,
             Line {
                 owner: cpu,
                 sharers: CpuSet::only(cpu),
-                busy_from,
-                free_at,
-                last_touch: end.max(free_at),
+                last_touch: busy.last_end().max(end),
+                busy,
             },
         );
         end
@@ -173,8 +162,7 @@ impl Lines {
                     Line {
                         owner: NO_OWNER,
                         sharers: CpuSet::only(cpu),
-                        busy_from: 0,
-                        free_at: 0,
+                        busy: Calendar::default(),
                         last_touch: end,
                     },
                 );
@@ -198,15 +186,14 @@ impl Lines {
     /// Gives the line to `cpu` at `at` at no cost (a lock handed over: the hand-off cost
     /// includes the waiter's transfer of the lock word).
     pub(crate) fn take(&mut self, cpu: usize, at: u64, line: u64) {
-        let free_at = self.map.get(&line).map_or(at, |l| l.free_at.max(at));
+        let busy = self.map.get(&line).map(|l| l.busy).unwrap_or_default();
         self.map.insert(
             line,
             Line {
                 owner: cpu,
                 sharers: CpuSet::only(cpu),
-                busy_from: at,
-                free_at,
-                last_touch: free_at,
+                last_touch: busy.last_end().max(at),
+                busy,
             },
         );
     }
@@ -254,8 +241,9 @@ mod tests {
         assert_eq!(l.rmw(0, 0, 1), 1010); // miss
         assert_eq!(l.rmw(0, 2000, 1), 2010); // owned: local
         assert_eq!(l.rmw(1, 2005, 1), 2010 + 110); // waits for free_at, transfers
-        assert_eq!(l.rmw(0, 1000, 1), 1000 + 110); // asked before that: went first
-        assert_eq!(l.rmw(1, 2100, 1), 2120 + 110); // the later window still holds
+        assert_eq!(l.rmw(1, 1500, 1), 1510); // asked in a gap, ran late: it went first
+        assert_eq!(l.rmw(1, 1505, 1), 1520); // behind the one that went first
+        assert_eq!(l.rmw(1, 2100, 1), 2130); // the later interval still holds
         assert_eq!(l.load(2, 3000, 1), 3100); // written by 1: transfer
         assert_eq!(l.load(2, 4000, 1), 4000); // already a sharer
         assert_eq!(l.load(3, 4000, 1), 4100);

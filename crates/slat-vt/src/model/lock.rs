@@ -8,6 +8,7 @@ use std::collections::{HashMap, VecDeque};
 
 use slat::clock::LockMode;
 
+use super::calendar::Calendar;
 use super::FastHash;
 use crate::profile::LockPolicy;
 
@@ -27,15 +28,16 @@ struct Lock {
     /// Holders in shared mode (a CPU may appear more than once: recursive read locks).
     readers: Vec<usize>,
     queue: VecDeque<Waiter>,
-    /// The latest release: a CPU that arrives at a free lock earlier than this but after
-    /// `busy_from` (it ran late within the lookahead) was, in virtual time, a waiter the release
-    /// handed over to; one that arrives before `busy_from` went first and does not wait.
+    /// The latest release.
     released_at: u64,
-    /// When the first holder of the latest busy period asked for the lock.
+    /// When the first holder of the current busy period asked for the lock.
     busy_from: u64,
-    /// A writer held the lock in the latest busy period (a reader that arrived during a
-    /// readers-only one would not have waited).
+    /// A writer held the lock in the current busy period.
     busy_writer: bool,
+    /// Recent busy periods: a CPU that arrives at a free lock at a time inside one (it ran
+    /// late within the lookahead) was, in virtual time, a waiter that period's release handed
+    /// over to, unless both were readers; one that arrives in a gap went first.
+    past: Calendar,
     /// The last fair hand-off (`barging` only).
     last_fair: u64,
     /// Who released at `released_at`.
@@ -205,11 +207,14 @@ impl Locks {
         if !l.queue.is_empty() {
             self.stats.barged += 1;
         }
-        let conflicted = mode == LockMode::Exclusive || l.busy_writer;
-        let late = l.free() && t < l.released_at && t >= l.busy_from && conflicted;
+        let at = if l.free() {
+            l.past.fit(t, 0, mode == LockMode::Exclusive, handoff)
+        } else {
+            t
+        };
         l.hold(cpu, mode, t);
-        if late {
-            Acquire::At(l.released_at.saturating_add(handoff))
+        if at > t {
+            Acquire::At(at)
         } else {
             Acquire::Now
         }
@@ -287,6 +292,9 @@ impl Locks {
         }
         l.released_at = l.released_at.max(t);
         l.last_releaser = Some(cpu);
+        if l.free() {
+            l.past.insert(l.busy_from, t, l.busy_writer);
+        }
         if !l.free() || l.queue.is_empty() {
             return;
         }

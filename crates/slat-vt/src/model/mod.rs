@@ -3,6 +3,7 @@
 //! Pure bookkeeping over virtual times: no threads, no waiting. The scheduler asks it when an
 //! access completes or who gets a lock, and makes CPUs wait accordingly.
 
+pub(crate) mod calendar;
 pub(crate) mod line;
 pub(crate) mod lock;
 
