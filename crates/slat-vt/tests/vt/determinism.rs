@@ -12,7 +12,13 @@ use crate::common;
 /// A mixed program: per-CPU work, a contended lock, a shared counter, a flag to wait for.
 /// Returns every CPU's final clock and the order in which they took the lock.
 fn program(seed: u64, n: usize, rounds: u64) -> (Vec<u64>, Vec<usize>) {
-    let sim = common::sim(common::profile(), seed);
+    program_l(seed, n, rounds, 1_000.0)
+}
+
+fn program_l(seed: u64, n: usize, rounds: u64, lookahead_ns: f64) -> (Vec<u64>, Vec<usize>) {
+    let mut p = common::profile();
+    p.model.lookahead.ns = lookahead_ns;
+    let sim = common::sim(p, seed);
     let lock = Mutex::new(());
     let order = Mutex::new(Vec::new());
     let counter = AtomicU64::new(0);
@@ -68,4 +74,18 @@ fn a_seed_permutes_ties_deterministically() {
         differs |= first_round(&a.1) != first_round(&base.1);
     }
     assert!(differs, "some seed changes the order of ties");
+}
+
+#[test]
+fn the_lookahead_changes_results_little() {
+    // Lookahead 0 runs every event in virtual-time order: the reference. Sections are ~7 ns
+    // between 1-3 µs of work, so 1 µs (the default) and 10 µs let CPUs run one to several
+    // sections ahead; the calendars of recent busy intervals keep the error small (measured
+    // here: +6.4% and -7.8%).
+    let end = |l: f64| *program_l(0, 6, 40, l).0.iter().max().unwrap() as f64;
+    let exact = end(0.0);
+    for l in [1_000.0, 10_000.0] {
+        let e = end(l) / exact - 1.0;
+        assert!(e.abs() < 0.10, "lookahead {l} ns: {:+.1}%", e * 100.0);
+    }
 }
