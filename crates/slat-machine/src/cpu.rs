@@ -9,9 +9,14 @@
 //! A timed pass ([`Cpu::start_timing`]) writes with [`Cpu::write_u64_timed`], which times each
 //! write that faults from the fault to its completion; an untimed pass pays one predictable
 //! branch per fault and never reads the clock.
+//!
+//! Everything the simulated hardware does is reported to the format's clock (`F::Clock`):
+//! TLB hits, misses and flushes, walk steps and the A/D compare-and-swap, data accesses, VM
+//! exits and entries, request polls. With `RealTime` each report compiles to nothing.
 
 use crate::sched::PcpuPool;
 use crate::tlb::{Tlb, TlbError};
+use slat::clock::{addr_of, Clock, Cost};
 use slat::direct_map::{HostCpu, Online};
 use slat::hw::{self, bytes_per_entry, table_index, TablePage};
 use slat::{Access, Fault, FaultOutcome, GuestMode, PteFormat, Vcpu, Vm};
@@ -19,7 +24,6 @@ use slat_addr::{Gfn, Gpa, Hva};
 use slat_workload::latency::{latency_histogram, record_latency, LatencyHistogram};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 /// Accesses between checks whether another vCPU waits for a physical CPU.
 const QUANTUM: u32 = 4096;
@@ -103,14 +107,14 @@ pub struct Cpu<F: PteFormat> {
     pool: Arc<PcpuPool>,
     root: u64,
     /// Present while in guest mode (and holding a physical CPU).
-    guest: Option<GuestMode>,
+    guest: Option<GuestMode<F::Clock>>,
     quantum: u32,
     ring_full: Option<RingFullHandler>,
     /// The latencies of faulting writes, during a timed pass.
     latency: Option<LatencyHistogram>,
-    /// When the timed write in progress found it had to fault (moved later by the time spent
-    /// in ring-full exits, which is the VMM's harvest, not the fault's).
-    fault_start: Option<Instant>,
+    /// When (`F::Clock::now_ns`) the timed write in progress found it had to fault (moved
+    /// later by the time spent in ring-full exits, which is the VMM's harvest, not the fault's).
+    fault_start: Option<u64>,
     /// Ordinary accesses are private (a confidential guest mapping its memory with the
     /// C-bit set); [`Cpu::write_u64_as`] picks the kind per access.
     private: bool,
@@ -214,6 +218,7 @@ impl<F: PteFormat> Cpu<F> {
 
     #[inline]
     fn enter_guest_mode(&mut self) {
+        F::Clock::charge(Cost::VmEntry, 1);
         let guest = self.vcpu.enter_guest();
         if guest.requests_at_entry() != 0 {
             self.service();
@@ -227,6 +232,7 @@ impl<F: PteFormat> Cpu<F> {
     /// Leaves guest mode (keeping the physical CPU): the slow path may block.
     #[inline]
     fn leave_guest_mode(&mut self) {
+        F::Clock::charge(Cost::VmExit, 1);
         self.guest = None;
         if let Some((_, online)) = &mut self.host {
             *online = None;
@@ -239,7 +245,7 @@ impl<F: PteFormat> Cpu<F> {
             let token = cpu.online();
             if token.requests_at_entry() != 0 {
                 self.counters.kernel_tlb_flushes += 1;
-                cpu.service(|| {});
+                cpu.service_with::<F::Clock>(|| {});
             }
             *online = Some(token);
         }
@@ -251,11 +257,15 @@ impl<F: PteFormat> Cpu<F> {
             let counters = &mut self.counters;
             // This CPU caches no direct-map translation, but the flush reached it as an
             // interrupt while it ran a guest: a VM exit, the handler and the re-entry, which
-            // the flusher waits for. Charged like a retried fault's round trip.
-            cpu.service(|| {
+            // the flusher waits for. Charged like a retried fault's round trip (a simulated
+            // clock charges the handler instead of spinning).
+            cpu.service_with::<F::Clock>(|| {
                 counters.kernel_tlb_flushes += 1;
-                for _ in 0..RETRY_ROUND_TRIP_PAUSES {
-                    std::hint::spin_loop();
+                F::Clock::charge(Cost::IpiHandler, 1);
+                if !F::Clock::VIRTUAL {
+                    for _ in 0..RETRY_ROUND_TRIP_PAUSES {
+                        std::hint::spin_loop();
+                    }
                 }
             });
         }
@@ -266,6 +276,7 @@ impl<F: PteFormat> Cpu<F> {
         let tlb = &mut self.tlb;
         let counters = &mut self.counters;
         self.vcpu.service_requests(|| {
+            F::Clock::charge(Cost::TlbFlush, 1);
             tlb.flush();
             counters.tlb_flushes += 1;
         });
@@ -278,7 +289,7 @@ impl<F: PteFormat> Cpu<F> {
             self.service();
         }
         if let Some((cpu, _)) = &self.host {
-            if cpu.pending() != 0 {
+            if cpu.pending_with::<F::Clock>() != 0 {
                 self.host_service();
             }
         }
@@ -326,6 +337,7 @@ impl<F: PteFormat> Cpu<F> {
         // only after its leaves are zapped and a flush this vCPU acknowledged (we do, between
         // accesses, in guest mode). Atomic because other vCPUs and the host may touch the same
         // page concurrently.
+        F::Clock::charge(Cost::GuestAccess, 1);
         unsafe { AtomicU64::from_ptr(hva as *mut u64) }.store(val, Ordering::Relaxed);
         self.counters.accesses += 1;
     }
@@ -350,14 +362,14 @@ impl<F: PteFormat> Cpu<F> {
     #[inline(never)]
     fn start_fault_timer(&mut self, write: bool) {
         if write && self.fault_start.is_none() {
-            self.fault_start = Some(Instant::now());
+            self.fault_start = Some(F::Clock::now_ns());
         }
     }
 
     /// Records the latency of a faulting write that just completed, its fault found at `t0`.
     #[cold]
-    fn record_fault_latency(&mut self, t0: Instant) {
-        let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    fn record_fault_latency(&mut self, t0: u64) {
+        let ns = F::Clock::now_ns().saturating_sub(t0);
         if let Some(h) = &mut self.latency {
             record_latency(h, ns);
         }
@@ -373,6 +385,7 @@ impl<F: PteFormat> Cpu<F> {
     /// The load of a read whose translation `hva` the walk or the TLB just gave.
     #[inline]
     fn load(&mut self, hva: u64) -> u64 {
+        F::Clock::charge(Cost::GuestAccess, 1);
         // SAFETY: as in `store`.
         let v = unsafe { AtomicU64::from_ptr(hva as *mut u64) }.load(Ordering::Relaxed);
         self.counters.accesses += 1;
@@ -395,8 +408,10 @@ impl<F: PteFormat> Cpu<F> {
         let write = access == Access::Write;
         loop {
             if let Some(page) = self.tlb.lookup(gfn, write, private) {
+                F::Clock::charge(Cost::TlbHit, 1);
                 return Ok(page + (gpa & 0xfff));
             }
+            F::Clock::charge(Cost::TlbMiss, 1);
             let conflicts = self.counters.tlb_conflicts;
             match self.walk(gpa, access, private) {
                 Ok(_) if self.counters.tlb_conflicts != conflicts => {
@@ -436,6 +451,8 @@ impl<F: PteFormat> Cpu<F> {
             // it is still allocated for the rest of this walk.
             let t = unsafe { TablePage::at(Hva::new(table)) };
             let ep = &t.entries[table_index(Gfn::new(gfn), level)];
+            F::Clock::charge(Cost::HwWalkStep, 1);
+            F::Clock::shared_load(addr_of(ep));
             let e = ep.load(Ordering::Acquire);
             if F::hw_is_table(e, level) {
                 table = F::output_addr(e).raw();
@@ -464,6 +481,7 @@ impl<F: PteFormat> Cpu<F> {
             if want != e {
                 // EPT sets A/D atomically; losing the race means the entry changed: re-walk.
                 self.counters.ad_updates += 1;
+                F::Clock::rmw(addr_of(ep));
                 if ep
                     .compare_exchange(e, want, Ordering::AcqRel, Ordering::Acquire)
                     .is_err()
@@ -528,9 +546,15 @@ impl<F: PteFormat> Cpu<F> {
             // trip of a microsecond or two; a retry here costs a tenth of that, and a vCPU
             // re-faulting that fast on a locked entry measurably slows the vCPU that holds it
             // (on this nested 2-core host it doubled the time of a 2 MiB cache clean). The
-            // pause loop charges the round trip instead.
-            for _ in 0..RETRY_ROUND_TRIP_PAUSES {
-                std::hint::spin_loop();
+            // pause loop charges the round trip instead (a simulated clock charges an exit
+            // and an entry).
+            if F::Clock::VIRTUAL {
+                F::Clock::charge(Cost::VmExit, 1);
+                F::Clock::charge(Cost::VmEntry, 1);
+            } else {
+                for _ in 0..RETRY_ROUND_TRIP_PAUSES {
+                    std::hint::spin_loop();
+                }
             }
         }
         check(o, f.gpa.raw())
@@ -544,12 +568,12 @@ impl<F: PteFormat> Cpu<F> {
             return Err(Exit::DirtyRingFull);
         };
         self.counters.ring_full_exits += 1;
-        let t0 = self.fault_start.is_some().then(Instant::now);
+        let t0 = self.fault_start.is_some().then(F::Clock::now_ns);
         self.exit();
         h();
         self.enter();
         if let (Some(t0), Some(start)) = (t0, &mut self.fault_start) {
-            *start += t0.elapsed();
+            *start += F::Clock::now_ns().saturating_sub(t0);
         }
         Ok(())
     }

@@ -7,7 +7,7 @@ use crate::mmu::lock::Shared;
 use crate::mmu::table::TablePage;
 use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
-use crate::sync::{pin, AtomicU64, Ordering};
+use crate::sync::{AtomicU64, Ordering};
 use slat_addr::{Gfn, PAGE_SHIFT};
 
 /// Guest pages (64 MiB) an aging pass covers per acquisition of the MMU lock (read mode).
@@ -457,9 +457,9 @@ fn age_walk<F: PteFormat>(
         // fast path racing with them (their plain stores, `needs_atomic_update`). Dropped
         // between chunks so a waiting exclusive holder gets in; each chunk is finished
         // before the next, so the pass always progresses.
-        let lock = mmu.lock.read();
+        let lock = mmu.lock.read::<F::Clock>();
         let w = mmu.lock.shared(&lock);
-        let guard = pin();
+        let guard = crate::sync::pin_c::<F::Clock>();
         let mut it = Walk::<F>::new(
             &guard,
             mmu.root(),

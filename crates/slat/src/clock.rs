@@ -152,9 +152,9 @@ unsafe impl Clock for RealTime {
         while !cond() {
             if spins < 64 {
                 spins += 1;
-                crate::sync::spin_hint();
+                spin_hint();
             } else {
-                crate::sync::yield_now();
+                yield_now();
             }
         }
     }
@@ -164,6 +164,24 @@ unsafe impl Clock for RealTime {
     fn now_ns() -> u64 {
         real_now_ns()
     }
+}
+
+/// Busy-wait hint used while waiting (a flush acknowledgement, another CPU's store).
+#[inline]
+pub(crate) fn spin_hint() {
+    #[cfg(not(loom))]
+    std::hint::spin_loop();
+    #[cfg(loom)]
+    loom::thread::yield_now();
+}
+
+/// Gives the CPU away after spinning has not helped (a vCPU we wait for may need it).
+#[inline]
+pub(crate) fn yield_now() {
+    #[cfg(not(loom))]
+    std::thread::yield_now();
+    #[cfg(loom)]
+    loom::thread::yield_now();
 }
 
 /// Nanoseconds of the host's monotonic clock since the first call in this process.

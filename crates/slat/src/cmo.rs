@@ -20,24 +20,33 @@
 /// Cache-line size the passes step by (64 bytes on every host this runs on).
 pub const CACHE_LINE: u64 = 64;
 
+use crate::clock::{Clock, Cost};
 use crate::stats::{Sink, Stat};
 
+/// Cache lines a pass over `[addr, addr + len)` touches.
+#[inline(always)]
+fn lines(addr: u64, len: u64) -> u64 {
+    (addr + len - (addr & !(CACHE_LINE - 1))).div_ceil(CACHE_LINE)
+}
+
 /// Cache maintenance for a mapping about to be published: clean the data cache over it,
-/// and invalidate the instruction cache too if it is executable.
-pub(crate) fn clean_new_mapping(addr: u64, len: u64, exec: bool, sink: Sink<'_>) {
+/// and invalidate the instruction cache too if it is executable. Charged to `C` per line.
+pub(crate) fn clean_new_mapping<C: Clock>(addr: u64, len: u64, exec: bool, sink: Sink<'_>) {
+    C::charge(Cost::CmoLine, lines(addr, len));
     clean_dcache_to_poc(addr, len);
-    sink.inc(Stat::CacheCleans);
-    sink.add(Stat::CacheCleanBytes, len);
+    sink.inc::<C>(Stat::CacheCleans);
+    sink.add::<C>(Stat::CacheCleanBytes, len);
     if exec {
-        invalidate_icache_for(addr, len, sink);
+        invalidate_icache_for::<C>(addr, len, sink);
     }
 }
 
 /// Instruction-cache invalidation for a live mapping that becomes executable.
-pub(crate) fn invalidate_icache_for(addr: u64, len: u64, sink: Sink<'_>) {
+pub(crate) fn invalidate_icache_for<C: Clock>(addr: u64, len: u64, sink: Sink<'_>) {
+    C::charge(Cost::CmoLine, lines(addr, len));
     invalidate_icache_to_pou(addr, len);
-    sink.inc(Stat::CacheCleans);
-    sink.add(Stat::CacheCleanBytes, len);
+    sink.inc::<C>(Stat::CacheCleans);
+    sink.add::<C>(Stat::CacheCleanBytes, len);
 }
 
 /// Cleans and invalidates the data cache over `[addr, addr + len)` to the point of coherency.

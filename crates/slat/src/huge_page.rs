@@ -9,7 +9,7 @@ use crate::mmu::table::TablePage;
 use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
 use crate::stats::Stat;
-use crate::sync::{pin, Ordering};
+use crate::sync::Ordering;
 use slat_addr::Hva;
 
 /// The split is a table operation (`mmu::split`): the direct map uses it too.
@@ -30,7 +30,7 @@ pub(crate) fn recover_huge_pages<F: PteFormat>(
     pending: &mut PendingFlush,
 ) -> u64 {
     debug_assert!(!slot.is_logging());
-    let guard = pin();
+    let guard = crate::sync::pin_c::<F::Clock>();
     let sink = mmu.sink();
     let mut recovered = 0;
     let mut it = Walk::<F>::new(&guard, mmu.root(), 2, slot.base_gfn, slot.end_gfn());
@@ -50,7 +50,7 @@ pub(crate) fn recover_huge_pages<F: PteFormat>(
                 {
                     continue; // re-examine the entry that won
                 }
-                sink.inc(Stat::Recoveries);
+                sink.inc::<F::Clock>(Stat::Recoveries);
                 recovered += 1;
             }
         }

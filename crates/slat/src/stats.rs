@@ -6,6 +6,7 @@
 //! "leaves mapped" are kept as wrapping deltas in every block, so a zap on the host that removes
 //! leaves a vCPU installed still sums to the right value.
 
+use crate::clock::Clock;
 use crate::sync::{AtomicU64, Ordering};
 
 /// Every counter the engine keeps.
@@ -77,7 +78,13 @@ impl Counters {
     /// Adds `delta` (two's complement for decrements) from any thread.
     #[inline]
     pub fn add_shared(&self, s: Stat, delta: u64) {
-        self.v[s as usize].fetch_add(delta, Ordering::Relaxed);
+        self.add_shared_c::<crate::clock::RealTime>(s, delta)
+    }
+
+    /// [`Self::add_shared`], reported to clock `C` (a read-modify-write of a shared line).
+    #[inline(always)]
+    pub(crate) fn add_shared_c<C: Clock>(&self, s: Stat, delta: u64) {
+        crate::sync::fetch_add::<C, _>(&self.v[s as usize], delta, Ordering::Relaxed);
     }
 
     /// Adds `delta` from the block's only writer: no locked instruction.
@@ -99,20 +106,22 @@ pub(crate) enum Sink<'a> {
 }
 
 impl Sink<'_> {
+    /// Adds `delta`; a shared block's add is reported to clock `C` (an owned block's is a
+    /// plain store to the vCPU's own line).
     #[inline]
-    pub(crate) fn add(self, s: Stat, delta: u64) {
+    pub(crate) fn add<C: Clock>(self, s: Stat, delta: u64) {
         match self {
             Sink::Owned(c) => c.add_owned(s, delta),
-            Sink::Shared(c) => c.add_shared(s, delta),
+            Sink::Shared(c) => c.add_shared_c::<C>(s, delta),
         }
     }
     #[inline]
-    pub(crate) fn inc(self, s: Stat) {
-        self.add(s, 1)
+    pub(crate) fn inc<C: Clock>(self, s: Stat) {
+        self.add::<C>(s, 1)
     }
     #[inline]
-    pub(crate) fn dec(self, s: Stat) {
-        self.add(s, u64::MAX)
+    pub(crate) fn dec<C: Clock>(self, s: Stat) {
+        self.add::<C>(s, u64::MAX)
     }
 }
 

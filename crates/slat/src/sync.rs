@@ -21,24 +21,6 @@ pub(crate) fn atomic_u64(v: u64) -> AtomicU64 {
     AtomicU64::new(v)
 }
 
-/// Busy-wait hint used while waiting for flush acknowledgements.
-#[inline]
-pub(crate) fn spin_hint() {
-    #[cfg(not(loom))]
-    std::hint::spin_loop();
-    #[cfg(loom)]
-    loom::thread::yield_now();
-}
-
-/// Gives the CPU away after spinning has not helped (a vCPU we wait for may need it).
-#[inline]
-pub(crate) fn yield_now() {
-    #[cfg(not(loom))]
-    std::thread::yield_now();
-    #[cfg(loom)]
-    loom::thread::yield_now();
-}
-
 // ---------------------------------------------------------------------------------------------
 // Locks.
 
@@ -67,6 +49,14 @@ mod locks {
     pub(crate) fn bump_mutex<T>(g: &mut MutexGuard<'_, T>) {
         MutexGuard::bump(g)
     }
+    /// Runs `f` with the lock released (fairly: a waiter takes it first), then re-takes it.
+    pub(crate) fn unlocked_write<T>(g: &mut RwLockWriteGuard<'_, T>, f: impl FnOnce()) {
+        RwLockWriteGuard::unlocked_fair(g, f)
+    }
+    /// See [`unlocked_write`].
+    pub(crate) fn unlocked_mutex<T>(g: &mut MutexGuard<'_, T>, f: impl FnOnce()) {
+        MutexGuard::unlocked_fair(g, f)
+    }
 }
 
 #[cfg(loom)]
@@ -88,9 +78,272 @@ mod locks {
     }
     pub(crate) fn bump_write<T>(_g: &mut RwLockWriteGuard<'_, T>) {}
     pub(crate) fn bump_mutex<T>(_g: &mut MutexGuard<'_, T>) {}
+    // Loom runs `RealTime` only, whose bumps never release (as `bump_*` here).
+    pub(crate) fn unlocked_write<T>(_g: &mut RwLockWriteGuard<'_, T>, f: impl FnOnce()) {
+        f()
+    }
+    pub(crate) fn unlocked_mutex<T>(_g: &mut MutexGuard<'_, T>, f: impl FnOnce()) {
+        f()
+    }
 }
 
 pub(crate) use locks::*;
+
+// ---------------------------------------------------------------------------------------------
+// The same operations, reported to a clock (docs/design/virtual-time.md §1).
+//
+// Every engine site that synchronises with another CPU goes through one of these with its
+// format's clock (`F::Clock`), so a simulated clock sees it; with `RealTime` each hook is empty
+// and inlined, and these compile to the bare operation. Loom builds use `RealTime` only.
+
+use crate::clock::{addr_of, Clock, LockMode};
+
+/// The atomics the clocked operations take: `std`'s (or loom's) `AtomicU64` and `AtomicU32`.
+pub(crate) trait Atom {
+    /// The value type.
+    type V: Copy;
+    fn cas(&self, old: Self::V, new: Self::V, s: Ordering, f: Ordering)
+        -> Result<Self::V, Self::V>;
+    fn swap(&self, v: Self::V, o: Ordering) -> Self::V;
+    fn store(&self, v: Self::V, o: Ordering);
+    fn load(&self, o: Ordering) -> Self::V;
+    fn fetch_add(&self, v: Self::V, o: Ordering) -> Self::V;
+    fn fetch_sub(&self, v: Self::V, o: Ordering) -> Self::V;
+    fn fetch_or(&self, v: Self::V, o: Ordering) -> Self::V;
+    fn fetch_and(&self, v: Self::V, o: Ordering) -> Self::V;
+    fn fetch_max(&self, v: Self::V, o: Ordering) -> Self::V;
+}
+
+macro_rules! atom {
+    ($a:ty, $v:ty) => {
+        impl Atom for $a {
+            type V = $v;
+            #[inline(always)]
+            fn cas(&self, old: $v, new: $v, s: Ordering, f: Ordering) -> Result<$v, $v> {
+                self.compare_exchange(old, new, s, f)
+            }
+            #[inline(always)]
+            fn swap(&self, v: $v, o: Ordering) -> $v {
+                <$a>::swap(self, v, o)
+            }
+            #[inline(always)]
+            fn store(&self, v: $v, o: Ordering) {
+                <$a>::store(self, v, o)
+            }
+            #[inline(always)]
+            fn load(&self, o: Ordering) -> $v {
+                <$a>::load(self, o)
+            }
+            #[inline(always)]
+            fn fetch_add(&self, v: $v, o: Ordering) -> $v {
+                <$a>::fetch_add(self, v, o)
+            }
+            #[inline(always)]
+            fn fetch_sub(&self, v: $v, o: Ordering) -> $v {
+                <$a>::fetch_sub(self, v, o)
+            }
+            #[inline(always)]
+            fn fetch_or(&self, v: $v, o: Ordering) -> $v {
+                <$a>::fetch_or(self, v, o)
+            }
+            #[inline(always)]
+            fn fetch_and(&self, v: $v, o: Ordering) -> $v {
+                <$a>::fetch_and(self, v, o)
+            }
+            #[inline(always)]
+            fn fetch_max(&self, v: $v, o: Ordering) -> $v {
+                <$a>::fetch_max(self, v, o)
+            }
+        }
+    };
+}
+atom!(AtomicU64, u64);
+atom!(AtomicU32, u32);
+
+/// Compare-and-swap, reported as a read-modify-write of `a`'s line.
+#[inline(always)]
+pub(crate) fn cas<C: Clock, A: Atom>(
+    a: &A,
+    old: A::V,
+    new: A::V,
+    s: Ordering,
+    f: Ordering,
+) -> Result<A::V, A::V> {
+    C::rmw(addr_of(a));
+    a.cas(old, new, s, f)
+}
+
+/// Exchange, reported as a read-modify-write.
+#[inline(always)]
+pub(crate) fn swap<C: Clock, A: Atom>(a: &A, v: A::V, o: Ordering) -> A::V {
+    C::rmw(addr_of(a));
+    a.swap(v, o)
+}
+
+/// A store to a line other CPUs read: it makes the line exclusive, as a read-modify-write.
+#[inline(always)]
+pub(crate) fn store<C: Clock, A: Atom>(a: &A, v: A::V, o: Ordering) {
+    C::rmw(addr_of(a));
+    a.store(v, o)
+}
+
+/// A load of a line other CPUs write (an entry, a request word).
+#[inline(always)]
+pub(crate) fn load<C: Clock, A: Atom>(a: &A, o: Ordering) -> A::V {
+    C::shared_load(addr_of(a));
+    a.load(o)
+}
+
+/// `fetch_add`, reported as a read-modify-write.
+#[inline(always)]
+pub(crate) fn fetch_add<C: Clock, A: Atom>(a: &A, v: A::V, o: Ordering) -> A::V {
+    C::rmw(addr_of(a));
+    a.fetch_add(v, o)
+}
+
+/// `fetch_sub`, reported as a read-modify-write.
+#[inline(always)]
+pub(crate) fn fetch_sub<C: Clock, A: Atom>(a: &A, v: A::V, o: Ordering) -> A::V {
+    C::rmw(addr_of(a));
+    a.fetch_sub(v, o)
+}
+
+/// `fetch_or`, reported as a read-modify-write.
+#[inline(always)]
+pub(crate) fn fetch_or<C: Clock, A: Atom>(a: &A, v: A::V, o: Ordering) -> A::V {
+    C::rmw(addr_of(a));
+    a.fetch_or(v, o)
+}
+
+/// `fetch_and`, reported as a read-modify-write.
+#[inline(always)]
+pub(crate) fn fetch_and<C: Clock, A: Atom>(a: &A, v: A::V, o: Ordering) -> A::V {
+    C::rmw(addr_of(a));
+    a.fetch_and(v, o)
+}
+
+/// `fetch_max`, reported as a read-modify-write.
+#[inline(always)]
+pub(crate) fn fetch_max<C: Clock, A: Atom>(a: &A, v: A::V, o: Ordering) -> A::V {
+    C::rmw(addr_of(a));
+    a.fetch_max(v, o)
+}
+
+/// A fence, reported to the clock.
+#[inline(always)]
+pub(crate) fn fence_c<C: Clock>(o: Ordering) {
+    C::fence();
+    fence(o)
+}
+
+/// Waits until `cond()` holds; `watch` lists the addresses whose writes can make it true.
+#[inline(always)]
+pub(crate) fn spin_until<C: Clock>(watch: &[usize], mut cond: impl FnMut() -> bool) {
+    // The first test inline: most waits are already satisfied.
+    if !cond() {
+        C::spin_until(watch, &mut cond);
+    }
+}
+
+/// A lock guard that reports its release to the clock after the real release.
+pub(crate) struct Held<G, C: Clock> {
+    g: core::mem::ManuallyDrop<G>,
+    addr: usize,
+    mode: LockMode,
+    _clock: core::marker::PhantomData<C>,
+}
+
+impl<G, C: Clock> Held<G, C> {
+    /// Takes the lock at `addr` in `mode` with `acquire`, the clock's wait first.
+    #[inline(always)]
+    fn take(addr: usize, mode: LockMode, acquire: impl FnOnce() -> G) -> Self {
+        C::lock(addr, mode);
+        Held {
+            g: core::mem::ManuallyDrop::new(acquire()),
+            addr,
+            mode,
+            _clock: core::marker::PhantomData,
+        }
+    }
+}
+
+impl<G, C: Clock> Drop for Held<G, C> {
+    #[inline(always)]
+    fn drop(&mut self) {
+        // SAFETY: dropped once, here, and never used again.
+        unsafe { core::mem::ManuallyDrop::drop(&mut self.g) };
+        C::unlock(self.addr, self.mode);
+    }
+}
+
+impl<G: core::ops::Deref, C: Clock> core::ops::Deref for Held<G, C> {
+    type Target = G::Target;
+    #[inline(always)]
+    fn deref(&self) -> &G::Target {
+        &self.g
+    }
+}
+
+impl<G: core::ops::DerefMut, C: Clock> core::ops::DerefMut for Held<G, C> {
+    #[inline(always)]
+    fn deref_mut(&mut self) -> &mut G::Target {
+        &mut self.g
+    }
+}
+
+/// A read guard reported to clock `C`.
+pub(crate) type ReadHeld<'a, T, C> = Held<RwLockReadGuard<'a, T>, C>;
+/// A write guard reported to clock `C`.
+pub(crate) type WriteHeld<'a, T, C> = Held<RwLockWriteGuard<'a, T>, C>;
+/// A mutex guard reported to clock `C`.
+pub(crate) type MutexHeld<'a, T, C> = Held<MutexGuard<'a, T>, C>;
+
+/// [`read`], reported to `C`.
+#[inline(always)]
+pub(crate) fn read_c<C: Clock, T>(l: &RwLock<T>) -> ReadHeld<'_, T, C> {
+    Held::take(addr_of(l), LockMode::Shared, || read(l))
+}
+
+/// [`write`], reported to `C`.
+#[inline(always)]
+pub(crate) fn write_c<C: Clock, T>(l: &RwLock<T>) -> WriteHeld<'_, T, C> {
+    Held::take(addr_of(l), LockMode::Exclusive, || write(l))
+}
+
+/// [`lock`], reported to `C`.
+#[inline(always)]
+pub(crate) fn lock_c<C: Clock, T>(l: &Mutex<T>) -> MutexHeld<'_, T, C> {
+    Held::take(addr_of(l), LockMode::Exclusive, || lock(l))
+}
+
+/// [`bump_write`], reported to `C`: in virtual time a release and an acquire at the tail of
+/// the lock's queue, made while the real lock is released (the model may hand it over).
+#[inline(always)]
+pub(crate) fn bump_write_c<T, C: Clock>(g: &mut WriteHeld<'_, T, C>) {
+    let addr = g.addr;
+    if C::VIRTUAL {
+        unlocked_write(&mut g.g, || {
+            C::unlock(addr, LockMode::Exclusive);
+            C::lock(addr, LockMode::Exclusive);
+        });
+    } else {
+        bump_write(&mut g.g)
+    }
+}
+
+/// [`bump_mutex`], reported to `C` (see [`bump_write_c`]).
+#[inline(always)]
+pub(crate) fn bump_mutex_c<T, C: Clock>(g: &mut MutexHeld<'_, T, C>) {
+    let addr = g.addr;
+    if C::VIRTUAL {
+        unlocked_mutex(&mut g.g, || {
+            C::unlock(addr, LockMode::Exclusive);
+            C::lock(addr, LockMode::Exclusive);
+        });
+    } else {
+        bump_mutex(&mut g.g)
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Publication of read-mostly snapshots (the memslot set).
@@ -133,6 +386,40 @@ impl<T> Published<T> {
     }
     pub(crate) fn with<R>(&self, f: impl FnOnce(&T) -> R) -> R {
         f(&self.0.lock().expect("loom lock poisoned"))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fixed costs of the reclamation and publication libraries, whose atomics are their own.
+
+/// [`pin`], charged to `C` as [`Cost::EpochPin`](crate::clock::Cost::EpochPin).
+#[inline(always)]
+pub(crate) fn pin_c<C: Clock>() -> Guard {
+    C::charge(crate::clock::Cost::EpochPin, 1);
+    pin()
+}
+
+impl Guard {
+    /// [`Guard::defer`], charged to `C` as [`Cost::Defer`](crate::clock::Cost::Defer).
+    #[inline(always)]
+    pub(crate) fn defer_c<C: Clock, F: FnOnce() + Send + 'static>(&self, f: F) {
+        C::charge(crate::clock::Cost::Defer, 1);
+        self.defer(f)
+    }
+}
+
+impl<T> Published<T> {
+    /// [`Published::with`], charged to `C` as a published load.
+    #[inline(always)]
+    pub(crate) fn with_c<C: Clock, R>(&self, f: impl FnOnce(&T) -> R) -> R {
+        C::charge(crate::clock::Cost::PublishedLoad, 1);
+        self.with(f)
+    }
+    /// [`Published::load_full`], charged to `C` as a published load.
+    #[inline(always)]
+    pub(crate) fn load_full_c<C: Clock>(&self) -> Arc<T> {
+        C::charge(crate::clock::Cost::PublishedLoad, 1);
+        self.load_full()
     }
 }
 

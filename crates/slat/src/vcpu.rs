@@ -26,8 +26,8 @@ impl<F: PteFormat> Vm<F> {
         let ring = self.dirty.new_vcpu_ring();
         let link = Arc::new(VcpuLink::new());
         let counters = Arc::new(Counters::default());
-        self.mmu.flush.join(link.clone());
-        sync::lock(&self.vcpu_counters).push(counters.clone());
+        self.mmu.flush.join::<F::Clock>(link.clone());
+        sync::lock_c::<F::Clock, _>(&self.vcpu_counters).push(counters.clone());
         Vcpu {
             vm: self.clone(),
             state: VcpuState {
@@ -58,7 +58,7 @@ impl<F: PteFormat> Vcpu<F> {
     /// does in [`Self::service_requests`] between accesses. Service
     /// [`GuestMode::requests_at_entry`] before the first access.
     #[inline]
-    pub fn enter_guest(&mut self) -> GuestMode {
+    pub fn enter_guest(&mut self) -> GuestMode<F::Clock> {
         VcpuLink::enter_guest(&self.state.link)
     }
 
@@ -71,13 +71,16 @@ impl<F: PteFormat> Vcpu<F> {
     /// Requests pending now; check at every access boundary in guest mode.
     #[inline]
     pub fn pending_requests(&self) -> u32 {
-        self.state.link.pending()
+        self.state.link.pending::<F::Clock>()
     }
 
     /// Services pending requests: calls `flush_tlb` for a TLB flush, then acknowledges.
     #[inline]
     pub fn service_requests(&self, flush_tlb: impl FnOnce()) -> u32 {
-        self.vm.mmu.flush.service(&self.state.link, flush_tlb)
+        self.vm
+            .mmu
+            .flush
+            .service::<F::Clock>(&self.state.link, flush_tlb)
     }
 
     /// Resolves a fault from a context outside guest mode (a vCPU without a TLB of its own:
@@ -103,7 +106,11 @@ impl<F: PteFormat> Vcpu<F> {
     /// the table pages it walks allocated without an epoch pin, and makes the dirty mark
     /// visible to any harvest that could have missed it (see the comment at the CAS). It never
     /// blocks.
-    pub fn fast_page_fault(&mut self, guest: &GuestMode, fault: Fault) -> Option<FaultOutcome> {
+    pub fn fast_page_fault(
+        &mut self,
+        guest: &GuestMode<F::Clock>,
+        fault: Fault,
+    ) -> Option<FaultOutcome> {
         if !Arc::ptr_eq(&guest.link, &self.state.link) {
             return None;
         }
@@ -117,7 +124,7 @@ impl<F: PteFormat> Vcpu<F> {
     /// and does nothing: the lock's holder or the fault's own flush could wait for this
     /// thread.
     pub fn slow_page_fault(&mut self, fault: Fault) -> FaultOutcome {
-        if self.state.link.in_guest() || self.vm.mmu.flush.check_own().is_err() {
+        if self.state.link.in_guest() || self.vm.mmu.flush.check_own::<F::Clock>().is_err() {
             return FaultOutcome::InGuestMode;
         }
         slow_page_fault(&self.vm.mmu, &self.vm.slots, &mut self.state, fault)
@@ -140,12 +147,12 @@ impl<F: PteFormat> Vcpu<F> {
     /// does, done at once (see `ARCHITECTURE.md`). Call it in guest mode (`guest`), before the
     /// write the walk allows: a harvest's flush then waits for the mark.
     #[inline]
-    pub fn log_hardware_dirty(&mut self, guest: &GuestMode, gfn: Gfn) {
+    pub fn log_hardware_dirty(&mut self, guest: &GuestMode<F::Clock>, gfn: Gfn) {
         // A token of another vCPU proves nothing about this one's mode; marking is still
         // harmless (a spurious dirty page), so mark either way.
         let _ = guest;
         let s = &mut self.state;
-        log_hardware_dirty(
+        log_hardware_dirty::<F::Clock>(
             &self.vm.mmu.config,
             &self.vm.slots,
             &mut s.slot_hint,
@@ -157,7 +164,7 @@ impl<F: PteFormat> Vcpu<F> {
 
 impl<F: PteFormat> Drop for Vcpu<F> {
     fn drop(&mut self) {
-        self.vm.mmu.flush.leave(&self.state.link);
+        self.vm.mmu.flush.leave::<F::Clock>(&self.state.link);
         self.state.cache.drain(&self.vm.mmu.alloc);
     }
 }

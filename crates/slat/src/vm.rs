@@ -70,7 +70,7 @@ impl<F: PteFormat> Vm<F> {
     /// first and returns [`FlushError::OwnGuestMode`] (in its own error type) with nothing
     /// changed; see [`crate::Vcpu::slow_page_fault`] for the fault path.
     fn check_flush(&self) -> Result<(), FlushError> {
-        self.mmu.flush.check_own()?;
+        self.mmu.flush.check_own::<F::Clock>()?;
         for slot in self.slots.load().slots() {
             if let Some(lease) = slot.private.as_ref().and_then(|p| p.lease.as_ref()) {
                 lease.direct_map().check_flush()?;
@@ -181,7 +181,7 @@ impl<F: PteFormat> Vm<F> {
         private: Option<PrivateMemory>,
         flags: MemslotFlags,
     ) -> Result<(), MemslotError> {
-        let held = self.slots.lock();
+        let held = self.slots.lock::<F::Clock>();
         let get_log = self.mmu.config.get_log;
         self.slots.add(
             &held,
@@ -210,7 +210,7 @@ impl<F: PteFormat> Vm<F> {
         attrs: MemoryAttributes,
     ) -> Result<(), MemoryAttributeError> {
         self.check_flush()?;
-        let held = self.slots.lock();
+        let held = self.slots.lock::<F::Clock>();
         self.slots
             .set_attributes(&held, &self.mmu, first_gfn.raw(), npages, attrs)
     }
@@ -219,7 +219,7 @@ impl<F: PteFormat> Vm<F> {
     /// memory may be released afterwards.
     pub fn delete_memslot(&self, id: SlotId) -> Result<(), MemslotError> {
         self.check_flush()?;
-        let held = self.slots.lock();
+        let held = self.slots.lock::<F::Clock>();
         self.slots.delete(&held, &self.mmu, id)
     }
 
@@ -228,7 +228,7 @@ impl<F: PteFormat> Vm<F> {
     /// one retry, on the new one exit as MMIO, as in KVM).
     pub fn move_memslot(&self, id: SlotId, new_gpa: Gpa) -> Result<(), MemslotError> {
         self.check_flush()?;
-        let held = self.slots.lock();
+        let held = self.slots.lock::<F::Clock>();
         self.slots.relocate(&held, &self.mmu, id, new_gpa)
     }
 
@@ -240,7 +240,7 @@ impl<F: PteFormat> Vm<F> {
     /// written before it. Delete and re-add the slot instead.
     pub fn set_memslot_flags(&self, id: SlotId, flags: MemslotFlags) -> Result<(), MemslotError> {
         self.check_flush()?;
-        let held = self.slots.lock();
+        let held = self.slots.lock::<F::Clock>();
         let get_log = self.mmu.config.get_log;
         let change = self
             .slots
@@ -268,7 +268,8 @@ impl<F: PteFormat> Vm<F> {
     /// because it changes what GET and enabling logging mean.
     pub fn set_manual_dirty_log_protect(&self, flags: u32) -> Result<(), DirtyLogError> {
         self.check_flush()?;
-        self.dirty.set_manual_protect(&self.slots, flags)
+        self.dirty
+            .set_manual_protect::<F::Clock>(&self.slots, flags)
     }
 
     /// Enables per-vCPU dirty rings of `entries` entries (`KVM_CAP_DIRTY_LOG_RING`). Must come
@@ -283,7 +284,7 @@ impl<F: PteFormat> Vm<F> {
 
     /// Every vCPU's dirty ring, in vCPU creation order (empty without the ring).
     pub fn dirty_rings(&self) -> Vec<Arc<DirtyRing>> {
-        self.dirty.rings()
+        self.dirty.rings::<F::Clock>()
     }
 
     /// Turns on the bugs in `bits` (see `slat::dirty::inject`). For oracle tests only.

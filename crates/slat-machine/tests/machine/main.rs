@@ -8,6 +8,7 @@
 mod common;
 
 mod aging_oracle;
+mod clock_hooks;
 mod conversion;
 mod dirty_oracle;
 mod overcommit;

@@ -6,6 +6,8 @@
 //! set once the frame is out of the direct map and may be mapped into the guest. A frame
 //! that is claimed but not yet assigned is *in flight*: faults retry, and a release waits.
 
+use crate::clock::{addr_of, Clock};
+use crate::sync;
 use crate::sync::{AtomicU64, Ordering};
 
 /// Per-frame claim and assignment bits.
@@ -38,36 +40,42 @@ impl FrameStates {
     /// The frame is out of the direct map and the guest's. `Acquire`: pairs with
     /// [`Self::assign`], so whoever sees the bit sees the removal.
     #[inline]
-    pub(crate) fn is_assigned(&self, f: u64) -> bool {
+    pub(crate) fn is_assigned<C: Clock>(&self, f: u64) -> bool {
         let (w, m) = bit(f);
-        self.assigned[w].load(Ordering::Acquire) & m != 0
+        sync::load::<C, _>(&self.assigned[w], Ordering::Acquire) & m != 0
     }
 
     /// Someone claimed the frame (it is assigned, or being accepted).
     #[inline]
-    pub(crate) fn is_claimed(&self, f: u64) -> bool {
+    pub(crate) fn is_claimed<C: Clock>(&self, f: u64) -> bool {
         let (w, m) = bit(f);
-        self.claimed[w].load(Ordering::Acquire) & m != 0
+        sync::load::<C, _>(&self.claimed[w], Ordering::Acquire) & m != 0
+    }
+
+    /// The words whose writes change `f`'s state (for a clock's wait on it).
+    pub(crate) fn watch(&self, f: u64) -> [usize; 2] {
+        let (w, _) = bit(f);
+        [addr_of(&self.claimed[w]), addr_of(&self.assigned[w])]
     }
 
     /// Takes the right to accept `f`; false if another CPU has it.
-    pub(crate) fn claim(&self, f: u64) -> bool {
+    pub(crate) fn claim<C: Clock>(&self, f: u64) -> bool {
         let (w, m) = bit(f);
-        self.claimed[w].fetch_or(m, Ordering::AcqRel) & m == 0
+        sync::fetch_or::<C, _>(&self.claimed[w], m, Ordering::AcqRel) & m == 0
     }
 
     /// The claimer finished removing `f` from the direct map. `Release`: the removal (and the
     /// cleared page) happen-before any fault that then maps the frame.
-    pub(crate) fn assign(&self, f: u64) {
+    pub(crate) fn assign<C: Clock>(&self, f: u64) {
         let (w, m) = bit(f);
-        self.assigned[w].fetch_or(m, Ordering::Release);
+        sync::fetch_or::<C, _>(&self.assigned[w], m, Ordering::Release);
     }
 
     /// `f` is back in the direct map: neither assigned nor claimed.
-    pub(crate) fn unassign(&self, f: u64) {
+    pub(crate) fn unassign<C: Clock>(&self, f: u64) {
         let (w, m) = bit(f);
-        self.assigned[w].fetch_and(!m, Ordering::Release);
-        self.claimed[w].fetch_and(!m, Ordering::Release);
+        sync::fetch_and::<C, _>(&self.assigned[w], !m, Ordering::Release);
+        sync::fetch_and::<C, _>(&self.claimed[w], !m, Ordering::Release);
     }
 
     /// No frame of `[first, first + n)` is claimed (`first` and `n` multiples of 64).
@@ -95,16 +103,25 @@ mod tests {
     #[test]
     fn one_claim_wins_and_release_clears_both_bits() {
         let s = FrameStates::new(130);
-        assert!(s.claim(129));
-        assert!(!s.claim(129), "a second claim loses");
-        assert!(s.is_claimed(129) && !s.is_assigned(129));
-        s.assign(129);
-        assert!(s.is_assigned(129));
+        assert!(s.claim::<crate::clock::RealTime>(129));
+        assert!(
+            !s.claim::<crate::clock::RealTime>(129),
+            "a second claim loses"
+        );
+        assert!(
+            s.is_claimed::<crate::clock::RealTime>(129)
+                && !s.is_assigned::<crate::clock::RealTime>(129)
+        );
+        s.assign::<crate::clock::RealTime>(129);
+        assert!(s.is_assigned::<crate::clock::RealTime>(129));
         assert_eq!(s.count_assigned(), 1);
         assert!(!s.none_claimed(128, 64));
-        s.unassign(129);
-        assert!(!s.is_claimed(129) && !s.is_assigned(129));
+        s.unassign::<crate::clock::RealTime>(129);
+        assert!(
+            !s.is_claimed::<crate::clock::RealTime>(129)
+                && !s.is_assigned::<crate::clock::RealTime>(129)
+        );
         assert!(s.none_claimed(128, 64));
-        assert!(s.claim(129), "free again");
+        assert!(s.claim::<crate::clock::RealTime>(129), "free again");
     }
 }

@@ -3,6 +3,7 @@
 //! is by every vCPU in guest mode — the same request/acknowledge protocol (`mmu::flush`).
 
 use super::DirectMap;
+use crate::clock::{Clock, RealTime};
 use crate::mmu::flush::{GuestMode, VcpuLink};
 use crate::sync::Arc;
 
@@ -35,7 +36,7 @@ impl Online {
 impl HostCpu {
     pub(super) fn join(map: MapHandle) -> HostCpu {
         let link = Arc::new(VcpuLink::new());
-        map.mmu.flush.join(link.clone());
+        map.mmu.flush.join::<RealTime>(link.clone());
         HostCpu { map, link }
     }
 
@@ -47,12 +48,23 @@ impl HostCpu {
     /// Requests pending now (one relaxed load: cheap enough for every access boundary).
     #[inline]
     pub fn pending(&self) -> u32 {
-        self.link.pending()
+        self.pending_with::<RealTime>()
+    }
+
+    /// [`Self::pending`], reported to clock `C` (a load of a line flushers write).
+    #[inline]
+    pub fn pending_with<C: Clock>(&self) -> u32 {
+        self.link.pending::<C>()
     }
 
     /// Services pending requests: on a kernel TLB flush, runs `flush_tlb`, then acknowledges.
     pub fn service(&self, flush_tlb: impl FnOnce()) -> u32 {
-        self.map.mmu.flush.service(&self.link, flush_tlb)
+        self.service_with::<RealTime>(flush_tlb)
+    }
+
+    /// [`Self::service`], reported to clock `C`.
+    pub fn service_with<C: Clock>(&self, flush_tlb: impl FnOnce()) -> u32 {
+        self.map.mmu.flush.service::<C>(&self.link, flush_tlb)
     }
 
     /// The direct map this CPU caches.
@@ -63,6 +75,6 @@ impl HostCpu {
 
 impl Drop for HostCpu {
     fn drop(&mut self) {
-        self.map.mmu.flush.leave(&self.link);
+        self.map.mmu.flush.leave::<RealTime>(&self.link);
     }
 }

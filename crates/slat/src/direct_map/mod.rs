@@ -36,6 +36,7 @@ mod frames;
 mod host_cpu;
 mod private;
 
+use crate::clock::{addr_of, Clock, Cost, RealTime};
 use crate::config::DirectMapPolicy;
 pub use host_cpu::{HostCpu, Online};
 pub use private::{PoolLease, PrivateMemory};
@@ -56,7 +57,6 @@ use slat_addr::Hva;
 use slat_addr::{Gfn, PAGE_SHIFT, PAGE_SIZE};
 use std::fmt;
 use std::sync::Arc;
-use std::time::Instant;
 
 /// The kernel's direct map is an x86 page table.
 type Kf = Ept;
@@ -270,7 +270,7 @@ impl DirectMap {
                 .rev()
                 .find(|&l| gfn % pages_per_entry(l) == 0 && gfn + pages_per_entry(l) <= end)
                 .unwrap_or(1);
-            self.map_leaf(gfn, level, &mut pending);
+            self.map_leaf::<RealTime>(gfn, level, &mut pending);
             gfn += pages_per_entry(level);
         }
         // Nothing was mapped before, so nothing is cached and nothing was unlinked.
@@ -293,7 +293,7 @@ impl DirectMap {
     pub fn translate(&self, hva: Hva) -> Result<Option<(Hva, Level)>, DirectMapError> {
         self.frame_of(hva)?;
         let frame = hva.raw() >> PAGE_SHIFT;
-        Ok(self.lookup(frame).map(|(e, level)| {
+        Ok(self.lookup::<RealTime>(frame).map(|(e, level)| {
             let off = (frame & (pages_per_entry(level) - 1)) << PAGE_SHIFT;
             (Hva::new(Kf::output_addr(e).raw() + off), level)
         }))
@@ -302,16 +302,36 @@ impl DirectMap {
     /// The leaf mapping `gfn`, lock-free. A walk that reaches a frozen entry went through a
     /// table a collapse just unlinked (its entries are frozen as it leaves the tree): the
     /// mapping is not gone, it moved up a level, so walk again from the root.
-    fn lookup(&self, gfn: u64) -> Option<(u64, Level)> {
-        loop {
-            let guard = pin();
+    fn lookup<C: Clock>(&self, gfn: u64) -> Option<(u64, Level)> {
+        let walk = || {
+            let guard = sync::pin_c::<C>();
             let it = Walk::<Kf>::to_leaf(&guard, self.mmu.root(), Gfn::new(gfn));
-            if it.old == Kf::FROZEN {
-                sync::spin_hint();
-                continue;
-            }
-            return (Kf::is_present(it.old) && Kf::is_leaf(it.old, it.level))
-                .then_some((it.old, it.level));
+            (it.old, it.level)
+        };
+        let (mut old, mut level) = walk();
+        if old == Kf::FROZEN {
+            // Only the collapse's store to the 2 MiB entry above ends the wait.
+            let parent = self.block_entry_addr(gfn);
+            sync::spin_until::<C>(&[parent], || {
+                (old, level) = walk();
+                old != Kf::FROZEN
+            });
+        }
+        (Kf::is_present(old) && Kf::is_leaf(old, level)).then_some((old, level))
+    }
+
+    /// Address of the level-2 entry above `gfn` (what a collapse writes), for a clock's wait;
+    /// 0 if there is none.
+    fn block_entry_addr(&self, gfn: u64) -> usize {
+        let guard = pin();
+        let mut it = Walk::<Kf>::new(&guard, self.mmu.root(), 2, Gfn::new(gfn), Gfn::new(gfn + 1));
+        while it.valid() && it.level > 2 {
+            it.next();
+        }
+        if it.valid() {
+            addr_of(it.sptep())
+        } else {
+            0
         }
     }
 
@@ -334,7 +354,7 @@ impl DirectMap {
 
     /// Whether the frame at `hva` is assigned to a guest.
     pub fn is_assigned(&self, hva: Hva) -> Result<bool, DirectMapError> {
-        Ok(self.states.is_assigned(self.frame_of(hva)?))
+        Ok(self.states.is_assigned::<RealTime>(self.frame_of(hva)?))
     }
 
     /// Lazy acceptance of the pool page at `hva` (any address in it), for a page no memslot
@@ -342,20 +362,25 @@ impl DirectMap {
     /// Refused ([`DirectMapError::Flush`]) from an online host CPU of this map: acceptance
     /// may flush, and the flush would wait for the caller.
     pub fn accept(&self, hva: Hva) -> Result<Acceptance, DirectMapError> {
+        self.accept_with::<RealTime>(hva)
+    }
+
+    /// [`Self::accept`] on the simulated CPU of clock `C`.
+    pub fn accept_with<C: Clock>(&self, hva: Hva) -> Result<Acceptance, DirectMapError> {
         self.check_flush()?;
-        Ok(self.accept_frame(self.unbound_frame(hva)?))
+        Ok(self.accept_frame::<C>(self.unbound_frame::<C>(hva)?))
     }
 
     /// [`crate::mmu::flush::FlushError::OwnGuestMode`] if the calling thread is an online
     /// [`HostCpu`] of this map: a kernel TLB flush would wait for it.
     pub(crate) fn check_flush(&self) -> Result<(), crate::mmu::flush::FlushError> {
-        self.mmu.flush.check_own()
+        self.mmu.flush.check_own::<crate::clock::RealTime>()
     }
 
     /// The frame of `hva` if it is a pool page outside every bound range.
-    fn unbound_frame(&self, hva: Hva) -> Result<u64, DirectMapError> {
+    fn unbound_frame<C: Clock>(&self, hva: Hva) -> Result<u64, DirectMapError> {
         let f = self.frame_of(hva)?;
-        let bound = sync::lock(&self.bound);
+        let bound = sync::lock_c::<C, _>(&self.bound);
         if bound
             .iter()
             .any(|&(first, n)| (first..first + n).contains(&f))
@@ -365,13 +390,13 @@ impl DirectMap {
         Ok(f)
     }
 
-    pub(crate) fn accept_frame(&self, f: u64) -> Acceptance {
-        self.release_orphans_unchecked();
-        if self.states.is_assigned(f) {
+    pub(crate) fn accept_frame<C: Clock>(&self, f: u64) -> Acceptance {
+        self.release_orphans_unchecked::<C>();
+        if self.states.is_assigned::<C>(f) {
             return Acceptance::Already;
         }
-        if !self.states.claim(f) {
-            return if self.states.is_assigned(f) {
+        if !self.states.claim::<C>(f) {
+            return if self.states.is_assigned::<C>(f) {
                 Acceptance::Already
             } else {
                 Acceptance::InProgress
@@ -380,18 +405,18 @@ impl DirectMap {
         let hva = (self.first_frame + f) << PAGE_SHIFT;
         // The page allocator clears a new page through the direct map, before the page leaves
         // it (a claimed frame is still mapped: only its claimer removes it).
-        let mapped = self.lookup(hva >> PAGE_SHIFT).is_some();
+        let mapped = self.lookup::<C>(hva >> PAGE_SHIFT).is_some();
         debug_assert!(
             mapped || self.config.policy == DirectMapPolicy::Untouched,
             "claimed frame {f} is not in the direct map"
         );
-        self.clear_page(hva);
+        self.clear_page::<C>(hva);
         let split = match self.config.policy {
             DirectMapPolicy::Untouched => false,
-            _ => self.unmap_frame(hva >> PAGE_SHIFT),
+            _ => self.unmap_frame::<C>(hva >> PAGE_SHIFT),
         };
-        self.states.assign(f);
-        self.accepted.fetch_add(1, Ordering::Relaxed);
+        self.states.assign::<C>(f);
+        sync::fetch_add::<C, _>(&self.accepted, 1, Ordering::Relaxed);
         Acceptance::Accepted { split }
     }
 
@@ -400,30 +425,41 @@ impl DirectMap {
     /// engine releases bound pages on conversions to shared and slot deletion).
     /// Refused as [`Self::accept`] is.
     pub fn release(&self, hva: Hva) -> Result<bool, DirectMapError> {
+        self.release_with::<RealTime>(hva)
+    }
+
+    /// [`Self::release`] on the simulated CPU of clock `C`.
+    pub fn release_with<C: Clock>(&self, hva: Hva) -> Result<bool, DirectMapError> {
         self.check_flush()?;
         // Orphans first: releasing them may unbind the range `hva` is in.
-        self.release_orphans_unchecked();
-        Ok(self.release_frame(self.unbound_frame(hva)?, true))
+        self.release_orphans_unchecked::<C>();
+        Ok(self.release_frame::<C>(self.unbound_frame::<C>(hva)?, true))
     }
 
     /// Releases what dropped leases left assigned (acceptance and release do it too).
     /// Refused ([`DirectMapError::Flush`]) from an online [`HostCpu`] of this map.
     pub fn release_orphans(&self) -> Result<(), DirectMapError> {
+        self.release_orphans_with::<RealTime>()
+    }
+
+    /// [`Self::release_orphans`] on the simulated CPU of clock `C`.
+    pub fn release_orphans_with<C: Clock>(&self) -> Result<(), DirectMapError> {
         self.check_flush()?;
-        self.release_orphans_unchecked();
+        self.release_orphans_unchecked::<C>();
         Ok(())
     }
 
     /// [`Self::release_orphans`] for callers that checked, or run where no host CPU of this
     /// thread can be online (the engine's slow path and memslot operations).
-    fn release_orphans_unchecked(&self) {
+    fn release_orphans_unchecked<C: Clock>(&self) {
         // Cleared before the list is taken: a lease dropped meanwhile sets it again after
         // pushing, so its range is never left behind unflagged.
+        C::rmw(addr_of(&self.has_orphans));
         if !self.has_orphans.swap(false, Ordering::AcqRel) {
             return;
         }
         let ranges = {
-            let mut o = sync::lock(&self.orphans);
+            let mut o = sync::lock_c::<C, _>(&self.orphans);
             if o.is_empty() {
                 return;
             }
@@ -431,51 +467,59 @@ impl DirectMap {
         };
         for (first, frames) in ranges {
             for f in first..first + frames {
-                if self.states.is_claimed(f) {
-                    self.release_frame(f, true);
+                if self.states.is_claimed::<C>(f) {
+                    self.release_frame::<C>(f, true);
                 }
             }
             // Bindable again only now that nothing of it is assigned.
-            sync::lock(&self.bound).retain(|&r| r != (first, frames));
+            sync::lock_c::<C, _>(&self.bound).retain(|&r| r != (first, frames));
         }
     }
 
     /// Releases frame `f`; `may_collapse` is false where the caller cannot wait for a flush
     /// (a lease dropped on whatever thread held its last copy).
-    pub(crate) fn release_frame(&self, f: u64, may_collapse: bool) -> bool {
-        while !self.states.is_assigned(f) {
-            if !self.states.is_claimed(f) {
+    pub(crate) fn release_frame<C: Clock>(&self, f: u64, may_collapse: bool) -> bool {
+        if !self.states.is_assigned::<C>(f) {
+            if !self.states.is_claimed::<C>(f) {
                 return false;
             }
             // An acceptance is between its claim and its assignment (bounded: a page clear,
-            // one locked update and maybe a flush).
-            sync::yield_now();
+            // one locked update and maybe a flush): its assignment, or an unclaim, ends it.
+            let mut claimed = true;
+            sync::spin_until::<C>(&self.states.watch(f), || {
+                claimed = self.states.is_claimed::<RealTime>(f);
+                self.states.is_assigned::<RealTime>(f) || !claimed
+            });
+            if !self.states.is_assigned::<RealTime>(f) && !claimed {
+                return false;
+            }
         }
         let gfn = self.first_frame + f;
         // No guest maps the page any more (the caller zapped and flushed): nothing races.
-        self.clear_page(gfn << PAGE_SHIFT);
+        self.clear_page::<C>(gfn << PAGE_SHIFT);
         let mut pending = PendingFlush::none();
         if self.config.policy != DirectMapPolicy::Untouched {
-            let _lock = self.lock_cpa();
-            self.map_leaf(gfn, 1, &mut pending);
+            let _lock = self.lock_cpa::<C>();
+            self.map_leaf::<C>(gfn, 1, &mut pending);
             debug_assert!(!pending.is_needed(), "mapping an empty entry owes no flush");
-            self.states.unassign(f);
+            self.states.unassign::<C>(f);
             let collapse = self.config.collapse && self.config.policy == DirectMapPolicy::Split2M;
             if collapse && may_collapse {
-                self.try_collapse(gfn, &mut pending);
+                self.try_collapse::<C>(gfn, &mut pending);
             }
         } else {
-            self.states.unassign(f);
+            self.states.unassign::<C>(f);
         }
         // After the lock: a flusher never holds it, so CPUs blocked on it cannot stall a flush.
-        self.mmu.complete_flush(pending);
-        self.released.fetch_add(1, Ordering::Relaxed);
+        self.mmu.complete_flush_with::<C>(pending);
+        sync::fetch_add::<C, _>(&self.released, 1, Ordering::Relaxed);
         true
     }
 
     /// Zeroes the page at `hva` (a pool page) with atomic stores: the host, a guest or a
     /// reader of the direct map may look at it concurrently.
-    fn clear_page(&self, hva: u64) {
+    fn clear_page<C: Clock>(&self, hva: u64) {
+        C::charge(Cost::ZeroPage, 1);
         for off in (0..PAGE_SIZE).step_by(8) {
             // SAFETY: `hva` is the start of a pool page (callers derive it from a frame
             // number below `frames`), which `self.pool` keeps mapped read/write; aligned.
@@ -485,12 +529,12 @@ impl DirectMap {
     }
 
     /// Takes the global lock, timing the wait.
-    fn lock_cpa(&self) -> sync::MutexGuard<'_, ()> {
-        let t0 = Instant::now();
-        let g = sync::lock(&self.cpa_lock);
-        let waited = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.lock_wait_ns.fetch_add(waited, Ordering::Relaxed);
-        self.lock_acquisitions.fetch_add(1, Ordering::Relaxed);
+    fn lock_cpa<C: Clock>(&self) -> sync::MutexHeld<'_, (), C> {
+        let t0 = C::now_ns();
+        let g = sync::lock_c::<C, _>(&self.cpa_lock);
+        let waited = C::now_ns().saturating_sub(t0);
+        sync::fetch_add::<C, _>(&self.lock_wait_ns, waited, Ordering::Relaxed);
+        sync::fetch_add::<C, _>(&self.lock_acquisitions, 1, Ordering::Relaxed);
         g
     }
 
@@ -500,15 +544,15 @@ impl DirectMap {
     /// A split flushes every host CPU *under the lock*, as Linux's `__split_large_page` does
     /// (`flush_tlb_all`): the leaf changed size, and x86 must not keep a 2 MiB and a 4 KiB
     /// translation of one address. That flush is the cost a pre-split direct map avoids.
-    fn unmap_frame(&self, gfn: u64) -> bool {
+    fn unmap_frame<C: Clock>(&self, gfn: u64) -> bool {
         let mut pending = PendingFlush::none();
         let split = {
-            let _lock = self.lock_cpa();
+            let _lock = self.lock_cpa::<C>();
             let block = gfn & !(BLOCK_PAGES - 1);
             let mut split = PendingFlush::none();
             // Under `cpa_lock`, not the MMU lock: every writer serialises on it and writes by
             // compare-and-swap, so the split is a lock-free writer as far as the MMU knows.
-            let guard = pin();
+            let guard = sync::pin_c::<C>();
             let w = Shared::lockless(&guard);
             let splits = split_huge_pages(
                 &self.mmu,
@@ -519,13 +563,13 @@ impl DirectMap {
             );
             if splits != 0 {
                 split.require();
-                self.mmu.complete_flush(split);
+                self.mmu.complete_flush_with::<C>(split);
             }
-            self.clear_leaf(gfn, &mut pending);
+            self.clear_leaf::<C>(gfn, &mut pending);
             splits != 0
         };
         if self.config.kernel_flush {
-            self.mmu.complete_flush(pending);
+            self.mmu.complete_flush_with::<C>(pending);
         } else {
             // Without the flush other CPUs may keep a stale translation of the page (the
             // risk SNP upstream accepts by not flushing). A removal frees no table page.
@@ -535,8 +579,8 @@ impl DirectMap {
     }
 
     /// Sets the 4 KiB leaf of `gfn` non-present (under the lock: no other writer).
-    fn clear_leaf(&self, gfn: u64, pending: &mut PendingFlush) {
-        let guard = pin();
+    fn clear_leaf<C: Clock>(&self, gfn: u64, pending: &mut PendingFlush) {
+        let guard = sync::pin_c::<C>();
         let mut it = Walk::<Kf>::to_leaf(&guard, self.mmu.root(), Gfn::new(gfn));
         debug_assert!(it.level == 1 && Kf::is_present(it.old), "no 4 KiB leaf");
         while it.level == 1 && Kf::is_present(it.old) {
@@ -559,8 +603,8 @@ impl DirectMap {
 
     /// Maps `gfn` with a leaf of `level` (aligned), linking tables on the way; the entry
     /// there must be empty. Callers hold the lock or own the map exclusively.
-    fn map_leaf(&self, gfn: u64, level: Level, pending: &mut PendingFlush) {
-        let guard = pin();
+    fn map_leaf<C: Clock>(&self, gfn: u64, level: Level, pending: &mut PendingFlush) {
+        let guard = sync::pin_c::<C>();
         let sink = self.mmu.sink();
         let mut it = Walk::<Kf>::new(
             &guard,
@@ -581,7 +625,7 @@ impl DirectMap {
                 return;
             }
             if !Kf::is_present(it.old) {
-                let child = self.mmu.alloc.alloc();
+                let child = self.mmu.alloc.alloc_with::<C>();
                 let table = Kf::make_table(child.addr());
                 if self
                     .mmu
@@ -600,7 +644,7 @@ impl DirectMap {
 
     /// Replaces the table mapping `gfn`'s 2 MiB block with one 2 MiB leaf if every page of the
     /// block is mapped and none is claimed (under the lock). The table goes to `pending`.
-    fn try_collapse(&self, gfn: u64, pending: &mut PendingFlush) {
+    fn try_collapse<C: Clock>(&self, gfn: u64, pending: &mut PendingFlush) {
         let block = gfn & !(BLOCK_PAGES - 1);
         let first = self.first_frame;
         if block < first || block + BLOCK_PAGES > first + self.frames {
@@ -609,7 +653,7 @@ impl DirectMap {
         if !self.states.none_claimed(block - first, BLOCK_PAGES) {
             return;
         }
-        let guard = pin();
+        let guard = sync::pin_c::<C>();
         let mut it = Walk::<Kf>::new(
             &guard,
             self.mmu.root(),
@@ -640,8 +684,8 @@ impl DirectMap {
             .set_spte(&mut it, huge, Shared::lockless(&guard), sink, pending)
             .is_ok()
         {
-            sink.inc(Stat::Recoveries);
-            self.collapses.fetch_add(1, Ordering::Relaxed);
+            sink.inc::<C>(Stat::Recoveries);
+            sync::fetch_add::<C, _>(&self.collapses, 1, Ordering::Relaxed);
         }
     }
 
@@ -684,7 +728,7 @@ impl DirectMap {
     /// whose holder may be waiting for the caller's acknowledgement.
     pub fn audit(&self) -> Result<DirectMapAudit, DirectMapError> {
         self.release_orphans()?;
-        let _lock = sync::lock(&self.cpa_lock);
+        let _lock = sync::lock_c::<RealTime, _>(&self.cpa_lock);
         let a = self.mmu.audit();
         Ok(DirectMapAudit {
             leaves: a.leaves,

@@ -2,6 +2,7 @@
 //! which case private faults accept pages lazily and conversions back to shared release them.
 
 use super::{Acceptance, DirectMap, DirectMapError};
+use crate::clock::{Clock, RealTime};
 use crate::host_memory::HostRange;
 use crate::sync::{self, AtomicU64, Ordering};
 use slat_addr::PAGE_SHIFT;
@@ -102,18 +103,18 @@ impl PoolLease {
     }
 
     /// Lazy acceptance of page `rel` of the range.
-    pub(crate) fn accept(&self, rel: u64) -> Acceptance {
+    pub(crate) fn accept<C: Clock>(&self, rel: u64) -> Acceptance {
         debug_assert!(rel < self.frames);
-        self.map.accept_frame(self.first + rel)
+        self.map.accept_frame::<C>(self.first + rel)
     }
 
     /// Releases the claimed pages of `[lo, hi)` (range-relative); returns how many. From a
     /// thread that is not an online host CPU (the VMM's, converting or deleting).
-    pub(crate) fn release_range(&self, lo: u64, hi: u64) -> u64 {
+    pub(crate) fn release_range<C: Clock>(&self, lo: u64, hi: u64) -> u64 {
         let mut n = 0;
         for rel in lo..hi.min(self.frames) {
             let f = self.first + rel;
-            if self.map.states.is_claimed(f) && self.map.release_frame(f, true) {
+            if self.map.states.is_claimed::<C>(f) && self.map.release_frame::<C>(f, true) {
                 n += 1;
             }
         }
@@ -128,7 +129,7 @@ impl Drop for PoolLease {
         // still assigned at its next operation and only then lets it be bound again.
         // (`Vm::delete_memslot` released everything already, so usually nothing is left.)
         let (first, frames) = (self.first, self.frames);
-        let assigned = (first..first + frames).any(|f| self.map.states.is_claimed(f));
+        let assigned = (first..first + frames).any(|f| self.map.states.is_claimed::<RealTime>(f));
         if assigned {
             sync::lock(&self.map.orphans).push((first, frames));
             self.map.has_orphans.store(true, Ordering::Release);

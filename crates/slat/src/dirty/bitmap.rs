@@ -42,7 +42,8 @@
 //! what invariant 4 relies on. A harvest that loads a summary word as zero and skips its swap
 //! clears nothing, so it can only miss marks concurrent with it, which stay for the next.
 
-use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use crate::clock::{Clock, RealTime};
+use crate::sync::{self, AtomicU32, AtomicU64, Ordering};
 use slat_addr::PageIndex;
 
 /// One bit per page of a memslot, and the summary levels above them.
@@ -128,17 +129,23 @@ impl DirtyBitmap {
     /// module documentation says why the summary may be skipped with it).
     #[inline]
     pub fn set(&self, rel: PageIndex) {
+        self.set_c::<RealTime>(rel)
+    }
+
+    /// [`Self::set`], reported to clock `C`.
+    #[inline]
+    pub(crate) fn set_c<C: Clock>(&self, rel: PageIndex) {
         let rel = rel.raw();
         let i = (rel / 64) as usize;
         let Some(w) = self.at(0, i) else {
             return;
         };
         let bit = 1u64 << (rel % 64);
-        if w.load(Ordering::Relaxed) & bit == 0 {
+        if sync::load::<C, _>(w, Ordering::Relaxed) & bit == 0 {
             // Release: the mark is ordered before the SPTE update that makes the page writable
             // (the CAS that follows is AcqRel anyway; this keeps the bitmap self-consistent).
-            w.fetch_or(bit, Ordering::AcqRel);
-            self.summarise(0, i);
+            sync::fetch_or::<C, _>(w, bit, Ordering::AcqRel);
+            self.summarise::<C>(0, i);
         }
     }
 
@@ -153,26 +160,32 @@ impl DirtyBitmap {
     /// be a real write).
     #[inline]
     pub fn set_after_update(&self, rel: PageIndex) {
+        self.set_after_update_c::<RealTime>(rel)
+    }
+
+    /// [`Self::set_after_update`], reported to clock `C`.
+    #[inline]
+    pub(crate) fn set_after_update_c<C: Clock>(&self, rel: PageIndex) {
         let rel = rel.raw();
         let i = (rel / 64) as usize;
         if let Some(w) = self.at(0, i) {
-            w.fetch_or(1u64 << (rel % 64), Ordering::AcqRel);
-            self.summarise(0, i);
+            sync::fetch_or::<C, _>(w, 1u64 << (rel % 64), Ordering::AcqRel);
+            self.summarise::<C>(0, i);
         }
     }
 
     /// Rule 1 of the module documentation: an RMW just set a bit of word `i` of `level`; set
     /// the summary bits above it, stopping at one already set.
     #[inline]
-    fn summarise(&self, mut level: usize, mut i: usize) {
+    fn summarise<C: Clock>(&self, mut level: usize, mut i: usize) {
         while let Some(s) = self.at(level + 1, i / 64) {
             let bit = 1u64 << (i % 64);
             // Relaxed is enough: the RMW before this load, in program order, already acquired
             // any harvest or CLEAR whose RMW on the word below preceded ours.
-            if s.load(Ordering::Relaxed) & bit != 0 {
+            if sync::load::<C, _>(s, Ordering::Relaxed) & bit != 0 {
                 return;
             }
-            s.fetch_or(bit, Ordering::AcqRel);
+            sync::fetch_or::<C, _>(s, bit, Ordering::AcqRel);
             level += 1;
             i /= 64;
         }
@@ -194,7 +207,7 @@ impl DirtyBitmap {
     /// Hands every non-zero word of page bits to `f(index, bits)`, in index order, reading
     /// only the words the summary names (`how` says whether they are cleared). Returns the
     /// words read, summary words included.
-    pub(crate) fn harvest(&self, how: Read, f: &mut dyn FnMut(usize, u64)) -> u64 {
+    pub(crate) fn harvest<C: Clock>(&self, how: Read, f: &mut dyn FnMut(usize, u64)) -> u64 {
         let mut reads = 0;
         let top = self.levels.len().saturating_sub(1);
         for i in 0..self.levels.get(top).map_or(0, |l| l.len()) {
@@ -203,18 +216,18 @@ impl DirtyBitmap {
             if how == Read::Take
                 && self
                     .at(top, i)
-                    .is_some_and(|w| w.load(Ordering::Relaxed) == 0)
+                    .is_some_and(|w| sync::load::<C, _>(w, Ordering::Relaxed) == 0)
             {
                 reads += 1;
                 continue;
             }
-            self.descend(how, top, i, &mut reads, f);
+            self.descend::<C>(how, top, i, &mut reads, f);
         }
         reads
     }
 
     /// Reads word `i` of `level` as `how` says, then the words below its set bits.
-    fn descend(
+    fn descend<C: Clock>(
         &self,
         how: Read,
         level: usize,
@@ -227,14 +240,14 @@ impl DirtyBitmap {
         };
         *reads += 1;
         let v = match how {
-            Read::Copy => w.load(Ordering::Acquire),
+            Read::Copy => sync::load::<C, _>(w, Ordering::Acquire),
             // Unconditional (rule 2): a load that finds the word zero could be the stale half
             // of a store-buffering pair with a marker that found our summary bit still set.
-            Read::Take => w.swap(0, Ordering::AcqRel),
+            Read::Take => sync::swap::<C, _>(w, 0, Ordering::AcqRel),
             Read::TakeUnshared => {
-                let v = w.load(Ordering::Relaxed);
+                let v = sync::load::<C, _>(w, Ordering::Relaxed);
                 if v != 0 {
-                    w.store(0, Ordering::Relaxed);
+                    sync::store::<C, _>(w, 0, Ordering::Relaxed);
                 }
                 v
             }
@@ -249,7 +262,7 @@ impl DirtyBitmap {
         while m != 0 {
             let b = m.trailing_zeros() as usize;
             m &= m - 1;
-            self.descend(how, level - 1, i * 64 + b, reads, f);
+            self.descend::<C>(how, level - 1, i * 64 + b, reads, f);
         }
     }
 
@@ -257,14 +270,14 @@ impl DirtyBitmap {
     /// set. If the word is now zero its summary bits are cleared too (rule 3). `reads` counts
     /// the words read.
     #[inline]
-    pub(crate) fn clear_bits(&self, i: usize, mask: u64, reads: &mut u64) -> u64 {
+    pub(crate) fn clear_bits<C: Clock>(&self, i: usize, mask: u64, reads: &mut u64) -> u64 {
         let Some(w) = self.at(0, i) else {
             return 0;
         };
         *reads += 1;
-        let prev = w.fetch_and(!mask, Ordering::AcqRel);
+        let prev = sync::fetch_and::<C, _>(w, !mask, Ordering::AcqRel);
         if prev & !mask == 0 {
-            self.unsummarise(0, i, reads);
+            self.unsummarise::<C>(0, i, reads);
         }
         prev & mask
     }
@@ -272,18 +285,18 @@ impl DirtyBitmap {
     /// Rule 3: our RMW left word `i` of `level` zero. Clears the summary bit above it, re-reads
     /// the word with an RMW and sets the bit back if a marker got in; climbs while the summary
     /// word it cleared is zero.
-    fn unsummarise(&self, mut level: usize, mut i: usize, reads: &mut u64) {
+    fn unsummarise<C: Clock>(&self, mut level: usize, mut i: usize, reads: &mut u64) {
         while let (Some(s), Some(w)) = (self.at(level + 1, i / 64), self.at(level, i)) {
             let bit = 1u64 << (i % 64);
             *reads += 1;
-            if s.load(Ordering::Relaxed) & bit == 0 {
+            if sync::load::<C, _>(s, Ordering::Relaxed) & bit == 0 {
                 return;
             }
-            let prev = s.fetch_and(!bit, Ordering::AcqRel);
+            let prev = sync::fetch_and::<C, _>(s, !bit, Ordering::AcqRel);
             *reads += 1;
-            if w.fetch_or(0, Ordering::AcqRel) != 0 {
-                s.fetch_or(bit, Ordering::AcqRel);
-                self.summarise(level + 1, i / 64);
+            if sync::fetch_or::<C, _>(w, 0, Ordering::AcqRel) != 0 {
+                sync::fetch_or::<C, _>(s, bit, Ordering::AcqRel);
+                self.summarise::<C>(level + 1, i / 64);
                 return;
             }
             if prev & !bit != 0 {
@@ -297,7 +310,7 @@ impl DirtyBitmap {
     /// Number of set bits (read through the summary).
     pub fn count(&self) -> u64 {
         let mut n = 0;
-        self.harvest(Read::Copy, &mut |_, w| n += w.count_ones() as u64);
+        self.harvest::<RealTime>(Read::Copy, &mut |_, w| n += w.count_ones() as u64);
         n
     }
 }
@@ -331,19 +344,37 @@ impl SlotBitmap {
     /// The bitmap marks go to now.
     #[inline]
     pub fn active(&self) -> &DirtyBitmap {
-        &self.maps[self.active.load(Ordering::Acquire) as usize]
+        self.active_c::<RealTime>()
+    }
+
+    /// [`Self::active`], reported to clock `C` (a load of the word a switch writes).
+    #[inline]
+    pub(crate) fn active_c<C: Clock>(&self) -> &DirtyBitmap {
+        &self.maps[sync::load::<C, _>(&self.active, Ordering::Acquire) as usize]
     }
 
     /// Marks page `rel` (slot-relative) in the active bitmap.
     #[inline]
     pub fn set(&self, rel: PageIndex) {
-        self.active().set(rel)
+        self.set_c::<RealTime>(rel)
+    }
+
+    /// [`Self::set`], reported to clock `C`.
+    #[inline]
+    pub(crate) fn set_c<C: Clock>(&self, rel: PageIndex) {
+        self.active_c::<C>().set_c::<C>(rel)
     }
 
     /// [`DirtyBitmap::set_after_update`] on the active bitmap.
     #[inline]
     pub fn set_after_update(&self, rel: PageIndex) {
-        self.active().set_after_update(rel)
+        self.set_after_update_c::<RealTime>(rel)
+    }
+
+    /// [`Self::set_after_update`], reported to clock `C`.
+    #[inline]
+    pub(crate) fn set_after_update_c<C: Clock>(&self, rel: PageIndex) {
+        self.active_c::<C>().set_after_update_c::<C>(rel)
     }
 
     /// Pages covered.
@@ -363,10 +394,10 @@ impl SlotBitmap {
 
     /// Makes the other bitmap active; returns the one marks went to until now. The caller
     /// serialises switches (the slots lock) and must drain markers before reading the result.
-    pub(crate) fn switch(&self) -> &DirtyBitmap {
+    pub(crate) fn switch<C: Clock>(&self) -> &DirtyBitmap {
         debug_assert!(self.can_switch());
         let old = self.active.load(Ordering::Relaxed);
-        self.active.store(1 - old, Ordering::SeqCst);
+        sync::store::<C, _>(&self.active, 1 - old, Ordering::SeqCst);
         &self.maps[old as usize]
     }
 
@@ -382,7 +413,7 @@ mod tests {
 
     fn taken(b: &DirtyBitmap, how: Read) -> (Vec<(usize, u64)>, u64) {
         let mut v = Vec::new();
-        let reads = b.harvest(how, &mut |i, w| v.push((i, w)));
+        let reads = b.harvest::<RealTime>(how, &mut |i, w| v.push((i, w)));
         (v, reads)
     }
 
@@ -434,13 +465,25 @@ mod tests {
         b.set(PageIndex::new(64 * 100));
         b.set(PageIndex::new(64 * 100 + 1));
         let mut reads = 0;
-        assert_eq!(b.clear_bits(100, 0b1, &mut reads), 0b1);
+        assert_eq!(
+            b.clear_bits::<crate::clock::RealTime>(100, 0b1, &mut reads),
+            0b1
+        );
         assert_eq!(taken(&b, Read::Copy).0, vec![(100, 0b10)]);
-        assert_eq!(b.clear_bits(100, 0b111, &mut reads), 0b10);
-        assert_eq!(b.clear_bits(7, 0b1, &mut reads), 0);
+        assert_eq!(
+            b.clear_bits::<crate::clock::RealTime>(100, 0b111, &mut reads),
+            0b10
+        );
+        assert_eq!(
+            b.clear_bits::<crate::clock::RealTime>(7, 0b1, &mut reads),
+            0
+        );
         assert_eq!(taken(&b, Read::Copy), (vec![], 1), "summary left set");
         // Past the end: nothing, no panic.
-        assert_eq!(b.clear_bits(usize::MAX, !0, &mut reads), 0);
+        assert_eq!(
+            b.clear_bits::<crate::clock::RealTime>(usize::MAX, !0, &mut reads),
+            0
+        );
         b.set(PageIndex::new(u64::MAX));
         assert_eq!(b.count(), 0);
     }

@@ -12,12 +12,12 @@ impl DirtyLog {
     /// Sets manual dirty-log protection (`KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2`): `flags` is a
     /// combination of [`MANUAL_PROTECT_ENABLE`] and [`INITIALLY_SET`], or 0 to turn it off.
     /// Refused while a slot logs, because it changes what GET and enabling logging mean.
-    pub(crate) fn set_manual_protect(
+    pub(crate) fn set_manual_protect<C: crate::clock::Clock>(
         &self,
         slots: &Memslots,
         flags: u32,
     ) -> Result<(), DirtyLogError> {
-        let _s = slots.lock();
+        let _s = slots.lock::<C>();
         let unknown = flags & !(MANUAL_PROTECT_ENABLE | INITIALLY_SET);
         if unknown != 0 {
             return Err(DirtyLogError::UnknownFlags { bits: unknown });
@@ -41,7 +41,7 @@ impl DirtyLog {
         entries: u32,
         with_bitmap: bool,
     ) -> Result<(), DirtyLogError> {
-        let _s = slots.lock();
+        let _s = slots.lock::<F::Clock>();
         if !entries.is_power_of_two() || !(RING_MIN_ENTRIES..=RING_MAX_ENTRIES).contains(&entries) {
             return Err(DirtyLogError::RingSize { entries });
         }

@@ -29,7 +29,7 @@ impl DirtyLog {
         let _checked_at_entry = mmu.flush_remote_tlbs();
         let mut pending = PendingFlush::none();
         {
-            let lock = mmu.lock.read();
+            let lock = mmu.lock.read::<F::Clock>();
             let w = mmu.lock.shared(&lock);
             if mmu.config.eager_split {
                 split_huge_pages(mmu, w, start, end, &mut pending);
@@ -55,7 +55,7 @@ pub(crate) fn disable_logging<F: PteFormat>(mmu: &Mmu<F>, slot: &Memslot) {
         RecoverVariant::InPlace => {
             let mut pending = PendingFlush::none();
             {
-                let lock = mmu.lock.read();
+                let lock = mmu.lock.read::<F::Clock>();
                 recover_huge_pages(mmu, mmu.lock.shared(&lock), slot, &mut pending);
             }
             mmu.complete_flush(pending);

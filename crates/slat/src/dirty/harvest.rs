@@ -11,7 +11,7 @@ use crate::memslot::{Memslot, Memslots, SlotId};
 use crate::mmu::flush::PendingFlush;
 use crate::mmu::Mmu;
 use crate::stats::Stat;
-use crate::sync::{fence, Arc, Ordering};
+use crate::sync::{self, Arc, Ordering};
 use slat_addr::PageIndex;
 
 impl DirtyLog {
@@ -34,7 +34,7 @@ impl DirtyLog {
         id: SlotId,
         mut out: LogOut<'_>,
     ) -> Result<u64, DirtyLogError> {
-        let _s = slots.lock();
+        let _s = slots.lock::<F::Clock>();
         let slot = logged_slot(slots, id)?;
         let Some(bitmap) = slot.dirty.as_deref() else {
             return Err(DirtyLogError::NoBitmap { id });
@@ -42,24 +42,27 @@ impl DirtyLog {
         out.begin(id, bitmap.nwords())?;
         let mut dirty = 0u64;
         if self.mode().manual() {
-            let reads = bitmap.active().harvest(Read::Copy, &mut |i, mask| {
-                dirty += mask.count_ones() as u64;
-                out.word(i, mask);
-            });
-            mmu.counters.add_shared(Stat::DirtyWordsRead, reads);
+            let reads = bitmap
+                .active()
+                .harvest::<F::Clock>(Read::Copy, &mut |i, mask| {
+                    dirty += mask.count_ones() as u64;
+                    out.word(i, mask);
+                });
+            mmu.counters
+                .add_shared_c::<F::Clock>(Stat::DirtyWordsRead, reads);
             return Ok(dirty);
         }
         let mut pending = PendingFlush::none();
         {
             let lock = harvest_lock(mmu);
             let old = if mmu.config.get_log == GetLogVariant::Switch && bitmap.can_switch() {
-                let old = bitmap.switch();
+                let old = bitmap.switch::<F::Clock>();
                 // Markers that loaded the old side are either slow-path faults, which hold the
                 // MMU lock we own exclusively, or fast-path fixes, which run in guest mode: a
                 // completed flush waits them out, and afterwards nobody writes the old side.
                 // Without the lock (`rmap-lockless`), taking it once waits the slow paths out.
                 if lock.is_none() {
-                    drop(mmu.lock.write());
+                    drop(mmu.lock.write::<F::Clock>());
                 }
                 // Refused only from a thread in guest mode, which the public entry refused.
                 let _checked_at_entry = mmu.flush_remote_tlbs();
@@ -72,13 +75,14 @@ impl DirtyLog {
                 None => (bitmap.active(), Read::Take),
             };
             let mut cursor = LeafCursor::default();
-            let reads = map.harvest(how, &mut |i, mask| {
+            let reads = map.harvest::<F::Clock>(how, &mut |i, mask| {
                 out.word(i, mask);
                 dirty += mask.count_ones() as u64;
                 let base = slot.base_gfn.plus(64 * i as u64);
                 rearm_masked(mmu, lock.as_ref(), &mut cursor, base, mask, &mut pending);
             });
-            mmu.counters.add_shared(Stat::DirtyWordsRead, reads);
+            mmu.counters
+                .add_shared_c::<F::Clock>(Stat::DirtyWordsRead, reads);
         }
         if dirty > 0 {
             pending.require();
@@ -102,7 +106,7 @@ impl DirtyLog {
         bitmap: &[u64],
     ) -> Result<u64, DirtyLogError> {
         let first_page = first.raw();
-        let _s = slots.lock();
+        let _s = slots.lock::<F::Clock>();
         let (slot, log) = manual_slot(self, slots, id)?;
         if first_page % 64 != 0 {
             return Err(DirtyLogError::ClearUnaligned {
@@ -153,7 +157,7 @@ impl DirtyLog {
         id: SlotId,
         words: &[(usize, u64)],
     ) -> Result<u64, DirtyLogError> {
-        let _s = slots.lock();
+        let _s = slots.lock::<F::Clock>();
         let (slot, log) = manual_slot(self, slots, id)?;
         let nwords = log.nwords();
         if let Some(&(word, _)) = words.iter().find(|&&(i, _)| i >= nwords) {
@@ -181,11 +185,11 @@ impl DirtyLog {
         mmu: &Mmu<F>,
         slots: &Memslots,
     ) -> Result<u64, DirtyLogError> {
-        let _s = slots.lock();
+        let _s = slots.lock::<F::Clock>();
         if self.mode().ring_entries == 0 {
             return Err(DirtyLogError::RingOff);
         }
-        let rings = self.rings();
+        let rings = self.rings::<F::Clock>();
         let set = slots.load();
         let mut total = 0u64;
         let mut pending = PendingFlush::none();
@@ -204,14 +208,15 @@ impl DirtyLog {
                 // Between reading the entries' RESET flags and reading their SPTEs: pairs
                 // with the write fix's fence in `commit_mark`, so a fix whose update this
                 // re-arm misses sees its entry harvested and pushes another (`ring.rs`).
-                fence(Ordering::SeqCst);
+                sync::fence_c::<F::Clock>(Ordering::SeqCst);
                 let base = slot.base_gfn.plus(offset);
                 rearm_masked(mmu, lock.as_ref(), &mut cursor, base, mask, pending);
             };
             for ring in &rings {
                 let mut runs = Coalesce::default();
-                total +=
-                    ring.reset(|slot, offset| protect(runs.add(slot, offset), &mut pending)) as u64;
+                total += ring
+                    .reset::<F::Clock>(|slot, offset| protect(runs.add(slot, offset), &mut pending))
+                    as u64;
                 protect(runs.finish(), &mut pending);
             }
         }
@@ -296,7 +301,7 @@ fn clear_words<F: PteFormat>(
             if want == 0 {
                 continue;
             }
-            let mask = bitmap.clear_bits(i, want, &mut reads);
+            let mask = bitmap.clear_bits::<F::Clock>(i, want, &mut reads);
             if mask != 0 {
                 cleared += mask.count_ones() as u64;
                 let base = slot.base_gfn.plus(64 * i as u64);
@@ -304,7 +309,8 @@ fn clear_words<F: PteFormat>(
             }
         }
     }
-    mmu.counters.add_shared(Stat::DirtyWordsRead, reads);
+    mmu.counters
+        .add_shared_c::<F::Clock>(Stat::DirtyWordsRead, reads);
     if cleared > 0 {
         pending.require();
     }
@@ -314,8 +320,8 @@ fn clear_words<F: PteFormat>(
 
 /// The MMU lock a harvest holds while it re-arms pages: exclusive, except with `rmap-lockless`,
 /// which takes none (it re-arms with compare-and-swaps, pinned in the epoch).
-fn harvest_lock<F: PteFormat>(mmu: &Mmu<F>) -> Option<crate::mmu::lock::WriteGuard<'_>> {
-    (mmu.config.wrprot != WrprotVariant::RmapLockless).then(|| mmu.lock.write())
+fn harvest_lock<F: PteFormat>(mmu: &Mmu<F>) -> Option<crate::mmu::lock::WriteGuard<'_, F::Clock>> {
+    (mmu.config.wrprot != WrprotVariant::RmapLockless).then(|| mmu.lock.write::<F::Clock>())
 }
 
 /// What ends a harvest (invariant 4): with `rmap-lockless`, which re-armed without the MMU
@@ -326,7 +332,7 @@ fn harvest_lock<F: PteFormat>(mmu: &Mmu<F>) -> Option<crate::mmu::lock::WriteGua
 /// omission.
 fn complete_harvest<F: PteFormat>(mmu: &Mmu<F>, pending: PendingFlush) {
     if mmu.config.wrprot == WrprotVariant::RmapLockless {
-        drop(mmu.lock.write());
+        drop(mmu.lock.write::<F::Clock>());
     }
     let skip = mmu
         .hooks

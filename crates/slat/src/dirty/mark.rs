@@ -2,12 +2,13 @@
 //! from outside any vCPU, and hardware-dirty (PML-like) marks.
 
 use super::{DirtyLogError, DirtyRing, DirtyTrack};
+use crate::clock::Clock;
 use crate::config::VmConfig;
 use crate::format::PteFormat;
 use crate::memslot::{Memslot, Memslots, SlotHint, SlotId};
 use crate::mmu::Mmu;
 use crate::stats::{Counters, Sink, Stat};
-use crate::sync::{fence, Ordering};
+use crate::sync::{self, Ordering};
 
 /// A write fix in a logged slot in two steps around the SPTE update that sets W
 /// ([`prepare_mark`], then [`commit_mark`]).
@@ -44,7 +45,7 @@ pub(crate) struct Pushed(Option<(u32, SlotId, u64)>);
 /// if the ring has room for it and for the second entry [`commit_mark`] may push: `false`
 /// means it has not and W must not be set.
 #[inline]
-pub(crate) fn prepare_mark(
+pub(crate) fn prepare_mark<C: Clock>(
     mark: Mark<'_>,
     ring: Option<&DirtyRing>,
     gfn: u64,
@@ -53,12 +54,14 @@ pub(crate) fn prepare_mark(
 ) -> bool {
     match mark {
         Mark::Bitmap(slot) => {
-            if slot.mark_dirty(gfn) {
-                sink.inc(Stat::DirtyMarked);
+            if slot.mark_dirty::<C>(gfn) {
+                sink.inc::<C>(Stat::DirtyMarked);
             }
             true
         }
-        Mark::Ring(slot) => ring.is_some_and(|r| push_before_update(r, slot, gfn, sink, pushed)),
+        Mark::Ring(slot) => {
+            ring.is_some_and(|r| push_before_update::<C>(r, slot, gfn, sink, pushed))
+        }
     }
 }
 
@@ -66,7 +69,7 @@ pub(crate) fn prepare_mark(
 /// inlined into every fault path otherwise, and the bitmap and unlogged paths paid for
 /// their size (measured with callgrind on demand paging, which logs nothing).
 #[inline(never)]
-fn push_before_update(
+fn push_before_update<C: Clock>(
     r: &DirtyRing,
     slot: &Memslot,
     gfn: u64,
@@ -76,25 +79,31 @@ fn push_before_update(
     let offset = gfn - slot.base_gfn.raw();
     if pushed
         .0
-        .is_some_and(|(i, s, o)| (s, o) == (slot.id, offset) && r.unharvested(i))
+        .is_some_and(|(i, s, o)| (s, o) == (slot.id, offset) && r.unharvested::<C>(i))
     {
         return true;
     }
     if !r.has_room_for(2) {
         return false;
     }
-    pushed.0 = Some((r.push(slot.id, offset), slot.id, offset));
-    sink.inc(Stat::DirtyMarked);
+    pushed.0 = Some((r.push::<C>(slot.id, offset), slot.id, offset));
+    sink.inc::<C>(Stat::DirtyMarked);
     true
 }
 
 /// [`commit_mark`] for a ring: the fence pairs with the one in `reset_rings`.
 #[inline(never)]
-fn push_again_if_harvested(r: &DirtyRing, slot: &Memslot, gfn: u64, sink: Sink<'_>, i: u32) {
-    fence(Ordering::SeqCst);
-    if !r.unharvested(i) {
-        r.push(slot.id, gfn - slot.base_gfn.raw());
-        sink.inc(Stat::DirtyMarked);
+fn push_again_if_harvested<C: Clock>(
+    r: &DirtyRing,
+    slot: &Memslot,
+    gfn: u64,
+    sink: Sink<'_>,
+    i: u32,
+) {
+    sync::fence_c::<C>(Ordering::SeqCst);
+    if !r.unharvested::<C>(i) {
+        r.push::<C>(slot.id, gfn - slot.base_gfn.raw());
+        sink.inc::<C>(Stat::DirtyMarked);
     }
 }
 
@@ -106,7 +115,7 @@ fn push_again_if_harvested(r: &DirtyRing, slot: &Memslot, gfn: u64, sink: Sink<'
 /// the ring); the fence pairs with the one in `reset_rings`, so a reset that read the SPTE
 /// before the update is seen here as the entry's RESET flag (or its freeing).
 #[inline]
-pub(crate) fn commit_mark(
+pub(crate) fn commit_mark<C: Clock>(
     mark: Mark<'_>,
     ring: Option<&DirtyRing>,
     gfn: u64,
@@ -115,11 +124,11 @@ pub(crate) fn commit_mark(
 ) {
     match mark {
         Mark::Bitmap(slot) => {
-            slot.mark_dirty_after_update(gfn);
+            slot.mark_dirty_after_update::<C>(gfn);
         }
         Mark::Ring(slot) => {
             if let (Some(r), Some((i, _, _))) = (ring, pushed.0) {
-                push_again_if_harvested(r, slot, gfn, sink, i);
+                push_again_if_harvested::<C>(r, slot, gfn, sink, i);
             }
         }
     }
@@ -135,7 +144,7 @@ pub(crate) fn mark_page_dirty<F: PteFormat>(
     // Shared MMU lock: a bitmap-switch harvest holds it exclusively from the switch to the
     // read of the old bitmap, so this mark lands in a bitmap that harvest, or a later one,
     // reads (vCPU marks are ordered by guest mode instead).
-    let _lock = mmu.lock.read();
+    let _lock = mmu.lock.read::<F::Clock>();
     let set = slots.load();
     let gfn = gpa.gfn().raw();
     let Some((_, slot)) = set.find_raw(gfn, 0) else {
@@ -144,10 +153,10 @@ pub(crate) fn mark_page_dirty<F: PteFormat>(
     if !slot.is_logging() {
         return Ok(false);
     }
-    if !slot.mark_dirty(gfn) {
+    if !slot.mark_dirty::<F::Clock>(gfn) {
         return Err(DirtyLogError::NoBitmap { id: slot.id });
     }
-    mmu.counters.add_shared(Stat::DirtyMarked, 1);
+    mmu.counters.add_shared_c::<F::Clock>(Stat::DirtyMarked, 1);
     Ok(true)
 }
 
@@ -157,7 +166,7 @@ pub(crate) fn mark_page_dirty<F: PteFormat>(
 /// harvest that missed the mark waits for it in its flush and the page is in the next
 /// harvest; any other mode ignores it. `hint` and `counters` are the vCPU's.
 #[inline]
-pub(crate) fn log_hardware_dirty(
+pub(crate) fn log_hardware_dirty<C: Clock>(
     config: &VmConfig,
     slots: &Memslots,
     hint: &mut SlotHint,
@@ -167,12 +176,12 @@ pub(crate) fn log_hardware_dirty(
     if config.dirty_track != DirtyTrack::HardwareDirty {
         return;
     }
-    let (set, hint) = slots.refresh(hint);
+    let (set, hint) = slots.refresh::<C>(hint);
     let Some((i, slot)) = set.find_raw(gfn, *hint) else {
         return;
     };
     *hint = i;
-    if slot.is_logging() && slot.mark_dirty(gfn) {
-        Sink::Owned(counters).inc(Stat::DirtyMarked);
+    if slot.is_logging() && slot.mark_dirty::<C>(gfn) {
+        Sink::Owned(counters).inc::<C>(Stat::DirtyMarked);
     }
 }

@@ -214,8 +214,8 @@ impl DirtyLog {
     }
 
     /// Every vCPU's dirty ring, in vCPU creation order (empty without the ring).
-    pub(crate) fn rings(&self) -> Vec<Arc<DirtyRing>> {
-        sync::lock(&self.rings).clone()
+    pub(crate) fn rings<C: crate::clock::Clock>(&self) -> Vec<Arc<DirtyRing>> {
+        sync::lock_c::<C, _>(&self.rings).clone()
     }
 
     /// Creates the ring of a new vCPU, if the VM logs into rings.

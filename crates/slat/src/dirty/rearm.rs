@@ -11,7 +11,7 @@ use crate::mmu::rmap::{validated, SlotRmap, RMAP_LEVELS};
 use crate::mmu::table::TablePage;
 use crate::mmu::walk::{round_down, Walk};
 use crate::mmu::Mmu;
-use crate::sync::{pin, Guard, Ordering};
+use crate::sync::{Guard, Ordering};
 use slat_addr::{Gfn, Hva};
 
 /// The value that re-arms logging on the 4 KiB leaf `old` (so its next write is seen), or
@@ -40,7 +40,7 @@ pub(super) fn rearm_range<F: PteFormat>(
     end: Gfn,
     pending: &mut PendingFlush,
 ) {
-    let guard = pin();
+    let guard = crate::sync::pin_c::<F::Clock>();
     let sink = mmu.sink();
     let mut it = Walk::<F>::new(&guard, mmu.root(), 1, start, end);
     while it.valid() {
@@ -74,7 +74,7 @@ pub(super) fn rearm_range<F: PteFormat>(
 /// until CLEAR) takes the general walk.
 pub(super) fn rearm_masked<F: PteFormat>(
     mmu: &Mmu<F>,
-    lock: Option<&WriteGuard<'_>>,
+    lock: Option<&WriteGuard<'_, F::Clock>>,
     cursor: &mut LeafCursor,
     base_gfn: Gfn,
     mask: u64,
@@ -86,7 +86,7 @@ pub(super) fn rearm_masked<F: PteFormat>(
     };
     let w = mmu.lock.exclusive(lock);
     // The exclusive lock already keeps every table alive; the guard is what `Walk` asks for.
-    let guard = pin();
+    let guard = crate::sync::pin_c::<F::Clock>();
     let sink = mmu.sink();
     let mut m = mask;
     while m != 0 {
@@ -144,7 +144,7 @@ pub(super) fn rearm_masked<F: PteFormat>(
 /// re-arm the page, or write-protect the huge leaf whole.
 #[cold]
 fn rearm_huge<F: PteFormat>(mmu: &Mmu<F>, w: Exclusive<'_>, gfn: Gfn, pending: &mut PendingFlush) {
-    let guard = pin();
+    let guard = crate::sync::pin_c::<F::Clock>();
     let sink = mmu.sink();
     let mut it = Walk::<F>::new(&guard, mmu.root(), 1, gfn, Gfn::new(gfn.raw() + 1));
     while it.valid() {
@@ -188,7 +188,7 @@ enum RmapHit {
 }
 
 fn rmap_lookup<F: PteFormat>(mmu: &Mmu<F>, gfn: Gfn) -> RmapHit {
-    let Some(s) = mmu.rmap.find(gfn) else {
+    let Some(s) = mmu.rmap.find::<F::Clock>(gfn) else {
         return RmapHit::None;
     };
     for level in 1..=RMAP_LEVELS as Level {
@@ -232,10 +232,10 @@ fn rearm_masked_lockless<F: PteFormat>(
     mask: u64,
     pending: &mut PendingFlush,
 ) {
-    let Some(s) = mmu.rmap.find(base_gfn) else {
+    let Some(s) = mmu.rmap.find::<F::Clock>(base_gfn) else {
         return;
     };
-    let guard = pin();
+    let guard = crate::sync::pin_c::<F::Clock>();
     let mut m = mask;
     while m != 0 {
         let gfn = base_gfn.plus(m.trailing_zeros() as u64);

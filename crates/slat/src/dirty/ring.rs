@@ -28,6 +28,7 @@
 //! The host must copy a harvested page only after the reset that re-protects it has
 //! returned.
 
+use crate::clock::{Clock, RealTime};
 use crate::memslot::SlotId;
 use crate::sync::{self, AtomicU32, AtomicU64, Mutex, Ordering};
 use slat_addr::PageIndex;
@@ -123,7 +124,7 @@ impl DirtyRing {
     /// Pushes `{slot, offset}` and returns the entry's index. Only the owning vCPU calls this
     /// (it holds `&mut Vcpu`), after checking [`Self::has_room`]: nobody else frees entries
     /// faster than it could fill them.
-    pub(crate) fn push(&self, slot: SlotId, offset: u64) -> u32 {
+    pub(crate) fn push<C: Clock>(&self, slot: SlotId, offset: u64) -> u32 {
         let i = self.dirty_index.load(Ordering::Relaxed);
         debug_assert!(self.has_room(), "dirty ring overflow");
         let e = self.entry(i);
@@ -131,28 +132,33 @@ impl DirtyRing {
         e.slot.store(slot, Ordering::Relaxed);
         e.offset.store(offset, Ordering::Relaxed);
         // Release: a harvester that sees DIRTY sees the slot and offset.
-        e.flags.store(DIRTY_GFN_DIRTY, Ordering::Release);
-        self.dirty_index.store(i.wrapping_add(1), Ordering::Release);
+        sync::store::<C, _>(&e.flags, DIRTY_GFN_DIRTY, Ordering::Release);
+        sync::store::<C, _>(&self.dirty_index, i.wrapping_add(1), Ordering::Release);
         i
     }
 
     /// The entry pushed at `index` is still waiting for a harvest. Asked by the owning vCPU
     /// within the fault that pushed it, so the entry cannot have been freed and pushed again.
     #[inline]
-    pub(crate) fn unharvested(&self, index: u32) -> bool {
-        self.entry(index).flags.load(Ordering::Acquire) == DIRTY_GFN_DIRTY
+    pub(crate) fn unharvested<C: Clock>(&self, index: u32) -> bool {
+        sync::load::<C, _>(&self.entry(index).flags, Ordering::Acquire) == DIRTY_GFN_DIRTY
     }
 
     /// Harvests, in order, every entry pushed since the last harvest: calls `f(slot, offset)`
     /// and flags the entry for reset. Returns how many were harvested. Entries are freed (and
     /// their pages re-protected) only by the next [`crate::Vm::reset_dirty_rings`].
-    pub fn harvest(&self, mut f: impl FnMut(SlotId, PageIndex)) -> u32 {
-        let mut fetch = sync::lock(&self.fetch_index);
+    pub fn harvest(&self, f: impl FnMut(SlotId, PageIndex)) -> u32 {
+        self.harvest_c::<RealTime>(f)
+    }
+
+    /// [`Self::harvest`], reported to clock `C`.
+    pub(crate) fn harvest_c<C: Clock>(&self, mut f: impl FnMut(SlotId, PageIndex)) -> u32 {
+        let mut fetch = sync::lock_c::<C, _>(&self.fetch_index);
         let mut n = 0;
         loop {
             let e = self.entry(*fetch);
             // Acquire: pairs with the push's release of DIRTY.
-            if e.flags.load(Ordering::Acquire) != DIRTY_GFN_DIRTY {
+            if sync::load::<C, _>(&e.flags, Ordering::Acquire) != DIRTY_GFN_DIRTY {
                 break;
             }
             f(
@@ -160,8 +166,11 @@ impl DirtyRing {
                 PageIndex::new(e.offset.load(Ordering::Relaxed)),
             );
             // Release: the reset that sees RESET sees the entry as we read it.
-            e.flags
-                .store(DIRTY_GFN_DIRTY | DIRTY_GFN_RESET, Ordering::Release);
+            sync::store::<C, _>(
+                &e.flags,
+                DIRTY_GFN_DIRTY | DIRTY_GFN_RESET,
+                Ordering::Release,
+            );
             *fetch = fetch.wrapping_add(1);
             n += 1;
         }
@@ -170,7 +179,7 @@ impl DirtyRing {
 
     /// Frees the harvested entries, in order, calling `f(slot, offset)` for each; stops at the
     /// first entry not yet harvested. Called under the slots lock (one resetter at a time).
-    pub(crate) fn reset(&self, mut f: impl FnMut(SlotId, u64)) -> u32 {
+    pub(crate) fn reset<C: Clock>(&self, mut f: impl FnMut(SlotId, u64)) -> u32 {
         let mut i = self.reset_index.load(Ordering::Relaxed);
         let mut n = 0;
         // Follow the flags only: a harvester that saw an entry DIRTY may not yet see the
@@ -178,17 +187,17 @@ impl DirtyRing {
         // entry it flagged for reset must be re-protected now, not at some later reset.
         while n < self.size() {
             let e = self.entry(i);
-            if e.flags.load(Ordering::Acquire) & DIRTY_GFN_RESET == 0 {
+            if sync::load::<C, _>(&e.flags, Ordering::Acquire) & DIRTY_GFN_RESET == 0 {
                 break;
             }
             f(
                 e.slot.load(Ordering::Relaxed),
                 e.offset.load(Ordering::Relaxed),
             );
-            e.flags.store(0, Ordering::Release);
+            sync::store::<C, _>(&e.flags, 0, Ordering::Release);
             i = i.wrapping_add(1);
             // Release: the vCPU that sees the new index sees the entry free.
-            self.reset_index.store(i, Ordering::Release);
+            sync::store::<C, _>(&self.reset_index, i, Ordering::Release);
             n += 1;
         }
         n
@@ -239,17 +248,20 @@ mod tests {
         let r = DirtyRing::new(RING_MIN_ENTRIES);
         for i in 0..10 {
             assert!(r.has_room());
-            r.push(1, i);
+            r.push::<crate::clock::RealTime>(1, i);
         }
         assert_eq!(r.used(), 10);
         // Nothing harvested: a reset frees nothing.
-        assert_eq!(r.reset(|_, _| panic!("reset an unharvested entry")), 0);
+        assert_eq!(
+            r.reset::<crate::clock::RealTime>(|_, _| panic!("reset an unharvested entry")),
+            0
+        );
         let mut got = Vec::new();
         assert_eq!(r.harvest(|s, o| got.push((s, o.raw()))), 10);
         assert_eq!(got, (0..10).map(|i| (1, i)).collect::<Vec<_>>());
         assert_eq!(r.harvest(|_, _| panic!("harvested twice")), 0);
         let mut freed = 0;
-        assert_eq!(r.reset(|_, _| freed += 1), 10);
+        assert_eq!(r.reset::<crate::clock::RealTime>(|_, _| freed += 1), 10);
         assert_eq!((freed, r.used()), (10, 0));
     }
 
@@ -259,19 +271,19 @@ mod tests {
         let soft = RING_MIN_ENTRIES - RING_RESERVED_ENTRIES;
         for i in 0..soft {
             assert!(!r.soft_full(), "soft full after {i}");
-            r.push(2, i as u64);
+            r.push::<crate::clock::RealTime>(2, i as u64);
         }
         assert!(r.soft_full());
         for i in soft..RING_MIN_ENTRIES {
             assert!(r.has_room());
-            r.push(2, i as u64);
+            r.push::<crate::clock::RealTime>(2, i as u64);
         }
         assert!(!r.has_room());
         r.harvest(|_, _| {});
-        r.reset(|_, _| {});
+        r.reset::<crate::clock::RealTime>(|_, _| {});
         assert!(r.has_room() && !r.soft_full());
         // Indices wrap around the ring.
-        r.push(2, 7);
+        r.push::<crate::clock::RealTime>(2, 7);
         let mut got = Vec::new();
         r.harvest(|s, o| got.push((s, o.raw())));
         assert_eq!(got, vec![(2, 7)]);

@@ -101,7 +101,7 @@ pub(crate) fn fast_page_fault<F: PteFormat>(
         return None;
     }
     let gfn = fault.gpa.gfn().raw();
-    if in_private_capable_slot(slots, vcpu, gfn, fault) {
+    if in_private_capable_slot::<F::Clock>(slots, vcpu, gfn, fault) {
         return None;
     }
     let sink = Sink::Owned(&vcpu.counters);
@@ -117,7 +117,7 @@ pub(crate) fn fast_page_fault<F: PteFormat>(
         }
         let old = it.old;
         if F::permits(old, fault.access) {
-            sink.inc(Stat::PfSpurious);
+            sink.inc::<F::Clock>(Stat::PfSpurious);
             return Some(FaultOutcome::Spurious);
         }
         let mut new = old;
@@ -132,7 +132,7 @@ pub(crate) fn fast_page_fault<F: PteFormat>(
             // Read the memslots only after the entry: enabling logging publishes the
             // bitmap before write-protecting, so seeing the protection implies seeing the
             // bitmap.
-            let (set, hint) = slots.refresh(&mut vcpu.slot_hint);
+            let (set, hint) = slots.refresh::<F::Clock>(&mut vcpu.slot_hint);
             let (i, slot) = set.find_raw(gfn, *hint)?;
             *hint = i;
             if slot.is_invalid() {
@@ -151,7 +151,7 @@ pub(crate) fn fast_page_fault<F: PteFormat>(
         // Invariant 3 (see `prepare_mark` / `commit_mark` for the bitmap and ring orders).
         let ring = vcpu.ring.as_deref();
         if let Some(m) = mark {
-            if !prepare_mark(m, ring, gfn, sink, &mut pushed) {
+            if !prepare_mark::<F::Clock>(m, ring, gfn, sink, &mut pushed) {
                 return None; // ring full: the slow path reports it
             }
         }
@@ -160,9 +160,9 @@ pub(crate) fn fast_page_fault<F: PteFormat>(
         mmu.complete_flush(pending);
         if r.is_ok() {
             if let Some(m) = mark {
-                commit_mark(m, ring, gfn, sink, pushed);
+                commit_mark::<F::Clock>(m, ring, gfn, sink, pushed);
             }
-            sink.inc(Stat::PfFast);
+            sink.inc::<F::Clock>(Stat::PfFast);
             return Some(FaultOutcome::FixedFast);
         }
     }
@@ -174,11 +174,16 @@ pub(crate) fn fast_page_fault<F: PteFormat>(
 /// access-tracked leaf here would let an access of the wrong kind through without that check.
 /// Such slots never log dirty pages, so only access-tracking fixes are given up.
 #[inline]
-fn in_private_capable_slot(slots: &Memslots, vcpu: &mut VcpuState, gfn: u64, fault: Fault) -> bool {
+fn in_private_capable_slot<C: crate::clock::Clock>(
+    slots: &Memslots,
+    vcpu: &mut VcpuState,
+    gfn: u64,
+    fault: Fault,
+) -> bool {
     if fault.private {
         return true;
     }
-    let (set, hint) = slots.refresh(&mut vcpu.slot_hint);
+    let (set, hint) = slots.refresh::<C>(&mut vcpu.slot_hint);
     match set.find_raw(gfn, *hint) {
         Some((i, slot)) => {
             *hint = i;

@@ -16,7 +16,7 @@ use crate::mmu::table::PageCache;
 use crate::mmu::walk::Walk;
 use crate::mmu::Mmu;
 use crate::stats::{Sink, Stat};
-use crate::sync::{pin, Ordering};
+use crate::sync::Ordering;
 use slat_addr::{Gfn, Hva, PAGE_SIZE};
 
 /// What the slow path decided before taking the MMU lock.
@@ -46,8 +46,9 @@ pub(crate) fn slow_page_fault<F: PteFormat>(
     fault: Fault,
 ) -> FaultOutcome {
     // Allocate before any lock (a fault needs at most one page per level below the root).
-    vcpu.cache.top_up(&mmu.alloc, F::ROOT_LEVEL as usize);
-    let (set, hint) = slots.refresh(&mut vcpu.slot_hint);
+    vcpu.cache
+        .top_up::<F::Clock>(&mmu.alloc, F::ROOT_LEVEL as usize);
+    let (set, hint) = slots.refresh::<F::Clock>(&mut vcpu.slot_hint);
     let gen = set.generation();
     let sink = Sink::Owned(&vcpu.counters);
     let mut plan = match plan::<F>(&mmu.config, set, hint, fault, sink) {
@@ -60,7 +61,7 @@ pub(crate) fn slow_page_fault<F: PteFormat>(
     if F::CACHE_MAINTENANCE && mmu.config.cmo == CmoPolicy::Always && !fault.present {
         let len = bytes_per_entry(plan.goal);
         let hva = plan.hva() & !(len - 1);
-        clean_new_mapping(hva, len, fault.access == Access::Exec, sink);
+        clean_new_mapping::<F::Clock>(hva, len, fault.access == Access::Exec, sink);
     }
 
     // Acceptance may flush the direct map's host CPUs: not from one of them (the vCPU's own
@@ -68,19 +69,21 @@ pub(crate) fn slow_page_fault<F: PteFormat>(
     if plan.private && plan.slot.check_accept_flush().is_err() {
         return FaultOutcome::InGuestMode;
     }
-    let lock = mmu.lock.read();
+    let lock = mmu.lock.read::<F::Clock>();
     // A memslot change published after our lookup: what we computed may be stale.
     if slots.generation() != gen {
         drop(lock);
-        sink.inc(Stat::PfRetry);
+        sink.inc::<F::Clock>(Stat::PfRetry);
         return FaultOutcome::Retry;
     }
     // Lazy acceptance, under the lock after the re-check: a conversion back to shared waits
     // out lock holders before it releases pages, so it never misses one accepted here, and
     // no fault accepts after it looked (`memslot/attributes.rs`, step 4).
-    if plan.private && plan.slot.accept_private(plan.gfn.raw()) == Acceptance::InProgress {
+    if plan.private
+        && plan.slot.accept_private::<F::Clock>(plan.gfn.raw()) == Acceptance::InProgress
+    {
         drop(lock);
-        sink.inc(Stat::PfRetry);
+        sink.inc::<F::Clock>(Stat::PfRetry);
         return FaultOutcome::Retry;
     }
     let mut pending = PendingFlush::none();
@@ -89,7 +92,7 @@ pub(crate) fn slow_page_fault<F: PteFormat>(
     let outcome = walk_to_goal(mmu, w, &mut plan, &mut vcpu.cache, ring, sink, &mut pending);
     drop(lock);
     mmu.complete_flush(pending);
-    sink.inc(match outcome {
+    sink.inc::<F::Clock>(match outcome {
         FaultOutcome::Fixed => Stat::PfFixed,
         FaultOutcome::Spurious => Stat::PfSpurious,
         FaultOutcome::DirtyRingFull => Stat::PfRingFull,
@@ -116,17 +119,17 @@ fn plan<'s, F: PteFormat>(
 ) -> Result<Plan<'s>, FaultOutcome> {
     let gfn = fault.gpa.gfn().raw();
     let Some((i, slot)) = set.find_raw(gfn, *hint) else {
-        sink.inc(Stat::PfNoSlot);
+        sink.inc::<F::Clock>(Stat::PfNoSlot);
         return Err(FaultOutcome::NoSlot);
     };
     *hint = i;
     if slot.is_invalid() {
         // Moving away (see `Vm::move_memslot`): re-execute until the move completes.
-        sink.inc(Stat::PfRetry);
+        sink.inc::<F::Clock>(Stat::PfRetry);
         return Err(FaultOutcome::Retry);
     }
     if fault.access == Access::Write && slot.is_readonly() {
-        sink.inc(Stat::PfReadOnly);
+        sink.inc::<F::Clock>(Stat::PfReadOnly);
         return Err(FaultOutcome::ReadOnly);
     }
     // Read after the generation (`refresh`), re-checked under the MMU lock: see
@@ -175,7 +178,7 @@ fn walk_to_goal<F: PteFormat>(
     sink: Sink<'_>,
     pending: &mut PendingFlush,
 ) -> FaultOutcome {
-    let guard = pin();
+    let guard = crate::sync::pin_c::<F::Clock>();
     let mut it = Walk::<F>::new(
         &guard,
         mmu.root(),
@@ -266,7 +269,7 @@ fn install_at_goal<F: PteFormat>(
     };
     let mut pushed = Pushed::default();
     if let Some(m) = mark {
-        if !prepare_mark(m, ring, plan.gfn.raw(), sink, &mut pushed) {
+        if !prepare_mark::<F::Clock>(m, ring, plan.gfn.raw(), sink, &mut pushed) {
             return Some(FaultOutcome::DirtyRingFull);
         }
     }
@@ -277,7 +280,7 @@ fn install_at_goal<F: PteFormat>(
         if F::CACHE_MAINTENANCE && F::permits(new, Access::Exec) && !F::permits(old, Access::Exec) {
             // Adding X to a live leaf: invalidate the instruction cache first (KVM's
             // stage2_attr_walker), no data-cache clean needed.
-            invalidate_icache_for(hva, bytes_per_entry(goal), sink);
+            invalidate_icache_for::<F::Clock>(hva, bytes_per_entry(goal), sink);
         }
         mmu.set_spte(it, new, w, sink, pending)
     } else {
@@ -287,10 +290,10 @@ fn install_at_goal<F: PteFormat>(
         return Some(FaultOutcome::Retry);
     }
     if let Some(m) = mark {
-        commit_mark(m, ring, plan.gfn.raw(), sink, pushed);
+        commit_mark::<F::Clock>(m, ring, plan.gfn.raw(), sink, pushed);
     }
     if rebuild {
-        sink.inc(Stat::Recoveries);
+        sink.inc::<F::Clock>(Stat::Recoveries);
     }
     Some(FaultOutcome::Fixed)
 }
@@ -344,7 +347,7 @@ fn split_in_the_way<F: PteFormat>(
     match mmu.replace_spte(it, new, false, w, sink, pending) {
         Ok(()) => {
             child.into_linked();
-            sink.inc(Stat::Splits);
+            sink.inc::<F::Clock>(Stat::Splits);
             true
         }
         Err(_) => {

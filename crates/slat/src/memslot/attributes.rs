@@ -138,12 +138,12 @@ impl AttributeBitmap {
 
     /// Sets `[lo, hi)` to `private`, a word at a time. Only the slots-lock holder writes;
     /// `Relaxed` because the generation store that follows publishes them.
-    fn set_range(&self, lo: u64, hi: u64, private: bool) {
+    fn set_range<C: crate::clock::Clock>(&self, lo: u64, hi: u64, private: bool) {
         for (w, mask) in word_masks(lo, hi) {
             if private {
-                self.words[w].fetch_or(mask, Ordering::Relaxed);
+                crate::sync::fetch_or::<C, _>(&self.words[w], mask, Ordering::Relaxed);
             } else {
-                self.words[w].fetch_and(!mask, Ordering::Relaxed);
+                crate::sync::fetch_and::<C, _>(&self.words[w], !mask, Ordering::Relaxed);
             }
         }
     }
@@ -173,7 +173,7 @@ impl Memslots {
     /// range, flushed before returning (see the module comment for the order).
     pub(crate) fn set_attributes<F: PteFormat>(
         &self,
-        _held: &SlotsHeld<'_>,
+        _held: &SlotsHeld<'_, F::Clock>,
         mmu: &Mmu<F>,
         first_gfn: u64,
         npages: u64,
@@ -195,7 +195,7 @@ impl Memslots {
         }
         for p in &pieces {
             if let Some(a) = p.slot.attrs() {
-                a.set_range(p.lo, p.hi, private);
+                a.set_range::<F::Clock>(p.lo, p.hi, private);
             }
         }
         // (2): same slots, new generation; faults that looked at the old bits retry.
@@ -213,7 +213,7 @@ impl Memslots {
         if !private {
             for p in &pieces {
                 if let Some(lease) = p.slot.private.as_ref().and_then(|b| b.lease.as_ref()) {
-                    lease.release_range(p.lo, p.hi);
+                    lease.release_range::<F::Clock>(p.lo, p.hi);
                 }
             }
         }
@@ -274,8 +274,8 @@ mod tests {
         for lo in 0..n {
             for hi in lo + 1..=n {
                 let b = AttributeBitmap::new(n);
-                b.set_range(0, n, true);
-                b.set_range(lo, hi, false);
+                b.set_range::<crate::clock::RealTime>(0, n, true);
+                b.set_range::<crate::clock::RealTime>(lo, hi, false);
                 for rel in 0..n {
                     assert_eq!(
                         b.is_private(rel),

@@ -289,9 +289,9 @@ impl Memslot {
 
     /// Lazy acceptance of `gfn`'s private page (in the slot, private) before it is mapped:
     /// `Already` when the backing has no direct map.
-    pub(crate) fn accept_private(&self, gfn: u64) -> Acceptance {
+    pub(crate) fn accept_private<C: crate::clock::Clock>(&self, gfn: u64) -> Acceptance {
         match self.private.as_ref().and_then(|p| p.lease.as_ref()) {
-            Some(lease) => lease.accept(gfn - self.base_gfn.raw()),
+            Some(lease) => lease.accept::<C>(gfn - self.base_gfn.raw()),
             None => Acceptance::Already,
         }
     }
@@ -350,10 +350,10 @@ impl Memslot {
 
     /// Sets `gfn`'s bit in the slot's bitmap; false if the slot has none.
     #[inline]
-    pub(crate) fn mark_dirty(&self, gfn: u64) -> bool {
+    pub(crate) fn mark_dirty<C: crate::clock::Clock>(&self, gfn: u64) -> bool {
         match &self.dirty {
             Some(b) => {
-                b.set(PageIndex::new(gfn - self.base_gfn.raw()));
+                b.set_c::<C>(PageIndex::new(gfn - self.base_gfn.raw()));
                 true
             }
             None => false,
@@ -362,9 +362,9 @@ impl Memslot {
 
     /// Marks `gfn` again after the update that made it writable (see
     /// [`crate::dirty::bitmap::SlotBitmap::set_after_update`]).
-    pub(crate) fn mark_dirty_after_update(&self, gfn: u64) {
+    pub(crate) fn mark_dirty_after_update<C: crate::clock::Clock>(&self, gfn: u64) {
         if let Some(b) = &self.dirty {
-            b.set_after_update(PageIndex::new(gfn - self.base_gfn.raw()));
+            b.set_after_update_c::<C>(PageIndex::new(gfn - self.base_gfn.raw()));
         }
     }
 }

@@ -11,11 +11,11 @@ use crate::direct_map::PrivateMemory;
 use crate::dirty::bitmap::SlotBitmap;
 use crate::format::PteFormat;
 use crate::mmu::Mmu;
-use crate::sync::{Arc, MutexGuard};
+use crate::sync::Arc;
 use slat_addr::{Gpa, PAGE_SHIFT};
 
 /// The slots lock, held.
-pub(crate) type SlotsHeld<'a> = MutexGuard<'a, ()>;
+pub(crate) type SlotsHeld<'a, C> = crate::sync::MutexHeld<'a, (), C>;
 
 /// A flag change that was published: the new slot, and whether the old one logged.
 pub(crate) struct FlagChange {
@@ -34,7 +34,7 @@ impl Memslots {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn add<F: PteFormat>(
         &self,
-        _held: &SlotsHeld<'_>,
+        _held: &SlotsHeld<'_, F::Clock>,
         mmu: &Mmu<F>,
         id: SlotId,
         gpa: Gpa,
@@ -94,7 +94,7 @@ impl Memslots {
     /// Deletes a slot, then zaps its range (flushed before this returns).
     pub(crate) fn delete<F: PteFormat>(
         &self,
-        _held: &SlotsHeld<'_>,
+        _held: &SlotsHeld<'_, F::Clock>,
         mmu: &Mmu<F>,
         id: SlotId,
     ) -> Result<(), MemslotError> {
@@ -105,7 +105,7 @@ impl Memslots {
         // No guest maps the private pages any more: give them back to the host's direct map
         // now, on the VMM's thread (the lease's own drop may come later, anywhere).
         if let Some(lease) = slot.private.as_ref().and_then(|p| p.lease.as_ref()) {
-            lease.release_range(0, slot.npages);
+            lease.release_range::<F::Clock>(0, slot.npages);
         }
         Ok(())
     }
@@ -113,7 +113,7 @@ impl Memslots {
     /// Moves a slot in three steps (see the comments).
     pub(crate) fn relocate<F: PteFormat>(
         &self,
-        _held: &SlotsHeld<'_>,
+        _held: &SlotsHeld<'_, F::Clock>,
         mmu: &Mmu<F>,
         id: SlotId,
         new_gpa: Gpa,
@@ -158,7 +158,7 @@ impl Memslots {
     /// or off is the caller's next step.
     pub(crate) fn change_flags<F: PteFormat>(
         &self,
-        _held: &SlotsHeld<'_>,
+        _held: &SlotsHeld<'_, F::Clock>,
         mmu: &Mmu<F>,
         id: SlotId,
         flags: MemslotFlags,

@@ -2,9 +2,10 @@
 //! without a lock) and its generation, and each vCPU's cached snapshot of it.
 
 use super::{Memslot, MemslotSet};
+use crate::clock::Clock;
 use crate::format::PteFormat;
 use crate::mmu::Mmu;
-use crate::sync::{self, Arc, AtomicU64, Mutex, MutexGuard, Ordering, Published};
+use crate::sync::{self, Arc, AtomicU64, Mutex, Ordering, Published};
 
 /// The VM's memslots as faults and harvests see them.
 pub(crate) struct Memslots {
@@ -26,8 +27,8 @@ impl Memslots {
     }
 
     /// Takes the slots lock.
-    pub(crate) fn lock(&self) -> MutexGuard<'_, ()> {
-        sync::lock(&self.lock)
+    pub(crate) fn lock<C: Clock>(&self) -> sync::MutexHeld<'_, (), C> {
+        sync::lock_c::<C, _>(&self.lock)
     }
 
     /// The current set.
@@ -52,12 +53,12 @@ impl Memslots {
         self.set.store(Arc::new(cur.with(gen, change)));
         // After the new set: a fault that reads this generation finds the new set; a fault that
         // read an older one fails its re-check under the MMU lock.
-        self.generation.store(gen, Ordering::SeqCst);
+        sync::store::<F::Clock, _>(&self.generation, gen, Ordering::SeqCst);
         // Wait out faults that passed their generation check against the old set and still
         // hold the MMU lock: after this, every fault that installs anything saw the new set
         // (KVM's synchronize_srcu after a memslot swap). Without it, a fault could install a
         // huge writable leaf behind the split/write-protect walk of enabling dirty logging.
-        drop(mmu.lock.write());
+        drop(mmu.lock.write::<F::Clock>());
     }
 
     /// A snapshot for a new vCPU.
@@ -70,10 +71,13 @@ impl Memslots {
 
     /// The vCPU's memslot snapshot, refreshed if a newer set was published, and its slot hint.
     #[inline]
-    pub(crate) fn refresh<'v>(&self, h: &'v mut SlotHint) -> (&'v MemslotSet, &'v mut usize) {
-        let gen = self.generation.load(Ordering::Acquire);
+    pub(crate) fn refresh<'v, C: Clock>(
+        &self,
+        h: &'v mut SlotHint,
+    ) -> (&'v MemslotSet, &'v mut usize) {
+        let gen = sync::load::<C, _>(&self.generation, Ordering::Acquire);
         if h.set.generation() != gen {
-            h.set = self.set.load_full();
+            h.set = self.set.load_full_c::<C>();
         }
         (&h.set, &mut h.index)
     }

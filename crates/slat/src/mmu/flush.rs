@@ -20,8 +20,10 @@
 //! `#[must_use]` and owns the table pages the operation unlinked. The only way to free those
 //! pages is [`crate::Vm::complete_flush`], which flushes first (invariant 2).
 
+use crate::clock::{addr_of, Clock, Cost, RealTime};
 use crate::mmu::table::OwnedTable;
-use crate::sync::{self, fence, spin_hint, yield_now, Arc, AtomicU32, AtomicU64, Ordering, RwLock};
+use crate::sync::{self, Arc, AtomicU32, AtomicU64, Ordering, RwLock};
+use core::marker::PhantomData;
 
 /// Request bit: empty the TLB.
 pub const REQ_TLB_FLUSH: u32 = 1 << 0;
@@ -104,14 +106,17 @@ fn may_hold_links() -> bool {
 /// fast path ([`crate::Vcpu::fast_page_fault`]) read table pages without an epoch pin and
 /// makes its dirty marks visible to any harvest that could miss them, so the fast path takes
 /// the token and refuses one of another vCPU.
+///
+/// `C` is the clock of the vCPU's format, which its exit from guest mode is reported to.
 #[must_use = "dropping the token leaves guest mode"]
 #[derive(Debug)]
-pub struct GuestMode {
+pub struct GuestMode<C: Clock = RealTime> {
     pub(crate) link: Arc<VcpuLink>,
     requests: u32,
+    _clock: PhantomData<C>,
 }
 
-impl GuestMode {
+impl<C: Clock> GuestMode<C> {
     /// Requests that were pending when guest mode was entered: service them (with
     /// [`crate::Vcpu::service_requests`]) before the first access.
     pub fn requests_at_entry(&self) -> u32 {
@@ -119,9 +124,9 @@ impl GuestMode {
     }
 }
 
-impl Drop for GuestMode {
+impl<C: Clock> Drop for GuestMode<C> {
     fn drop(&mut self) {
-        if self.link.tokens.fetch_sub(1, Ordering::Relaxed) == 1 {
+        if sync::fetch_sub::<C, _>(&self.link.tokens, 1, Ordering::Relaxed) == 1 {
             let holder = self
                 .link
                 .holder
@@ -132,7 +137,7 @@ impl Drop for GuestMode {
             }
             #[cfg(loom)]
             let _ = holder;
-            self.link.exit_guest();
+            self.link.exit_guest::<C>();
         }
     }
 }
@@ -151,23 +156,24 @@ impl VcpuLink {
     /// Enters guest mode (or stays in it, with one more token); the token reports the
     /// requests pending at entry, which the caller services before its first access.
     #[inline]
-    pub(crate) fn enter_guest(link: &Arc<Self>) -> GuestMode {
-        if link.tokens.fetch_add(1, Ordering::Relaxed) == 0 {
+    pub(crate) fn enter_guest<C: Clock>(link: &Arc<Self>) -> GuestMode<C> {
+        if sync::fetch_add::<C, _>(&link.tokens, 1, Ordering::Relaxed) == 0 {
             #[cfg(not(loom))]
             {
                 link.holder
                     .store(current_thread(), std::sync::atomic::Ordering::Relaxed);
                 THREAD.with(|t| t.held.set(t.held.get().saturating_add(1)));
             }
-            link.mode.store(IN_GUEST, Ordering::Relaxed);
-            fence(Ordering::SeqCst);
+            sync::store::<C, _>(&link.mode, IN_GUEST, Ordering::Relaxed);
+            sync::fence_c::<C>(Ordering::SeqCst);
         }
         // Acquire: a request we see comes with everything its flusher did before asking (the
         // bitmap switch, the write-protection).
-        let requests = link.requests.load(Ordering::Acquire);
+        let requests = sync::load::<C, _>(&link.requests, Ordering::Acquire);
         GuestMode {
             link: link.clone(),
             requests,
+            _clock: PhantomData,
         }
     }
 
@@ -180,55 +186,57 @@ impl VcpuLink {
     /// Leaves guest mode (a VM exit: fault, sync, end of a scheduling quantum). Every access
     /// made before this is visible to a flusher that sees the vCPU outside.
     #[inline]
-    fn exit_guest(&self) {
-        self.mode.store(OUTSIDE_GUEST, Ordering::Release);
+    fn exit_guest<C: Clock>(&self) {
+        sync::store::<C, _>(&self.mode, OUTSIDE_GUEST, Ordering::Release);
     }
 
     /// Requests pending now (cheap; checked at every access boundary).
     #[inline]
-    pub(crate) fn pending(&self) -> u32 {
-        self.requests.load(Ordering::Relaxed)
+    pub(crate) fn pending<C: Clock>(&self) -> u32 {
+        sync::load::<C, _>(&self.requests, Ordering::Relaxed)
     }
 
     /// Services pending requests: for a TLB flush, calls `flush_tlb` and then acknowledges.
     /// Returns the requests that were taken.
     #[inline]
-    pub(crate) fn service_requests(&self, flush_gen: &AtomicU64, flush_tlb: impl FnOnce()) -> u32 {
+    pub(crate) fn service_requests<C: Clock>(
+        &self,
+        flush_gen: &AtomicU64,
+        flush_tlb: impl FnOnce(),
+    ) -> u32 {
         // Take the bits before reading the generation: any flusher whose bit we consumed bumped
         // the generation before setting the bit, so the generation we read covers it.
-        let reqs = self.requests.swap(0, Ordering::AcqRel);
+        let reqs = sync::swap::<C, _>(&self.requests, 0, Ordering::AcqRel);
         if reqs & REQ_TLB_FLUSH != 0 {
-            let gen = flush_gen.load(Ordering::SeqCst);
+            let gen = sync::load::<C, _>(flush_gen, Ordering::SeqCst);
             flush_tlb();
             // Release: the TLB flush and every earlier guest access happen-before the
             // flusher's return.
-            self.acked.fetch_max(gen, Ordering::Release);
+            sync::fetch_max::<C, _>(&self.acked, gen, Ordering::Release);
         }
         reqs
     }
 
-    fn request(&self, bits: u32) {
-        self.requests.fetch_or(bits, Ordering::Release);
+    fn request<C: Clock>(&self, bits: u32) {
+        sync::fetch_or::<C, _>(&self.requests, bits, Ordering::Release);
     }
 
     /// Waits until this vCPU acknowledged `gen` or is outside guest mode.
-    fn wait_ack(&self, gen: u64) {
-        let mut spins = 0u32;
-        loop {
-            if self.acked.load(Ordering::Acquire) >= gen
-                || self.mode.load(Ordering::Acquire) != IN_GUEST
-            {
-                return;
-            }
-            // A vCPU in guest mode acknowledges within one access, so spin first; if it does
-            // not, its thread is probably not running, and giving up our CPU lets it.
-            spins += 1;
-            if spins < 256 {
-                spin_hint();
-            } else {
-                yield_now();
-            }
+    fn wait_ack<C: Clock>(&self, gen: u64) {
+        if sync::load::<C, _>(&self.acked, Ordering::Acquire) >= gen
+            || sync::load::<C, _>(&self.mode, Ordering::Acquire) != IN_GUEST
+        {
+            return;
         }
+        // In guest mode and not acknowledged yet: the interrupt that makes it exit. It
+        // acknowledges within one access, so spin first, then give our CPU away (the clock's
+        // wait): its thread is probably not running. Only its acknowledgement or its exit
+        // (the two words watched) ends the wait.
+        C::charge(Cost::IpiSend, 1);
+        sync::spin_until::<C>(&[addr_of(&self.acked), addr_of(&self.mode)], || {
+            self.acked.load(Ordering::Acquire) >= gen
+                || self.mode.load(Ordering::Acquire) != IN_GUEST
+        });
     }
 }
 
@@ -248,13 +256,13 @@ impl FlushDomain {
     }
 
     /// From now on, flushes wait for `link` whenever its vCPU is in guest mode.
-    pub(crate) fn join(&self, link: Arc<VcpuLink>) {
-        sync::write(&self.vcpus).push(link);
+    pub(crate) fn join<C: Clock>(&self, link: Arc<VcpuLink>) {
+        sync::write_c::<C, _>(&self.vcpus).push(link);
     }
 
     /// Flushes stop waiting for `link` (its vCPU is going away).
-    pub(crate) fn leave(&self, link: &Arc<VcpuLink>) {
-        sync::write(&self.vcpus).retain(|l| !Arc::ptr_eq(l, link));
+    pub(crate) fn leave<C: Clock>(&self, link: &Arc<VcpuLink>) {
+        sync::write_c::<C, _>(&self.vcpus).retain(|l| !Arc::ptr_eq(l, link));
     }
 
     /// vCPUs that joined and have not left.
@@ -264,37 +272,37 @@ impl FlushDomain {
 
     /// Services `link`'s pending requests (see [`VcpuLink::service_requests`]).
     #[inline]
-    pub(crate) fn service(&self, link: &VcpuLink, flush_tlb: impl FnOnce()) -> u32 {
-        link.service_requests(&self.gen, flush_tlb)
+    pub(crate) fn service<C: Clock>(&self, link: &VcpuLink, flush_tlb: impl FnOnce()) -> u32 {
+        link.service_requests::<C>(&self.gen, flush_tlb)
     }
 
     /// Whether the calling thread put one of these vCPUs in guest mode (a flush would wait
     /// for itself): [`FlushError::OwnGuestMode`] if so.
     #[inline]
-    pub(crate) fn check_own(&self) -> Result<(), FlushError> {
+    pub(crate) fn check_own<C: Clock>(&self) -> Result<(), FlushError> {
         if cfg!(loom) || !may_hold_links() {
             return Ok(());
         }
-        held_here(&sync::read(&self.vcpus))
+        held_here(&sync::read_c::<C, _>(&self.vcpus))
     }
 
     /// Requests a flush on every vCPU and waits for the acknowledgements; returns whether any
     /// vCPU had to be asked. Refused, before anything is requested, if the calling thread
     /// holds one of them in guest mode.
-    pub(crate) fn flush_all(&self) -> Result<bool, FlushError> {
-        let vcpus = sync::read(&self.vcpus);
+    pub(crate) fn flush_all<C: Clock>(&self) -> Result<bool, FlushError> {
+        let vcpus = sync::read_c::<C, _>(&self.vcpus);
         held_here(&vcpus)?;
-        let gen = self.gen.fetch_add(1, Ordering::SeqCst) + 1;
+        let gen = sync::fetch_add::<C, _>(&self.gen, 1, Ordering::SeqCst) + 1;
         if vcpus.is_empty() {
             return Ok(false);
         }
         for v in vcpus.iter() {
-            v.request(REQ_TLB_FLUSH);
+            v.request::<C>(REQ_TLB_FLUSH);
         }
         // The flusher's half of the Dekker pair: requests stored, then modes loaded.
-        fence(Ordering::SeqCst);
+        sync::fence_c::<C>(Ordering::SeqCst);
         for v in vcpus.iter() {
-            v.wait_ack(gen);
+            v.wait_ack::<C>(gen);
         }
         Ok(true)
     }

@@ -3,15 +3,14 @@
 use super::walk::Walk;
 use super::Mmu;
 use crate::format::{Level, PteFormat};
-use crate::sync::pin;
 use slat_addr::{Gfn, PAGE_SHIFT};
 
 impl<F: PteFormat> Mmu<F> {
     /// Walks the whole table and counts leaves per level and linked tables (tests and
     /// debugging: compare with [`crate::Vm::stats`]). Takes the MMU lock exclusively.
     pub fn audit(&self) -> Audit {
-        let _lock = self.lock.write();
-        let guard = pin();
+        let _lock = self.lock.write::<F::Clock>();
+        let guard = crate::sync::pin_c::<F::Clock>();
         let mut a = Audit {
             tables: 1,
             ..Audit::default()
@@ -41,7 +40,7 @@ impl<F: PteFormat> Mmu<F> {
 
     /// The leaf mapping `gfn`, if any: (entry value, level). Lock-free read for tests and tools.
     pub fn lookup(&self, gfn: Gfn) -> Option<(u64, Level)> {
-        let guard = pin();
+        let guard = crate::sync::pin_c::<F::Clock>();
         let mut it = Walk::<F>::new(&guard, self.root(), 1, gfn, Gfn::new(gfn.raw() + 1));
         while it.valid() {
             let v = it.old;
@@ -75,8 +74,8 @@ impl<F: PteFormat> Mmu<F> {
     /// exclusively; call it when no operation is in flight. With `wrprot` `walk` the rmap must
     /// be empty. Returns the leaves checked, or what disagreed.
     pub fn audit_rmap(&self) -> Result<u64, String> {
-        let _lock = self.lock.write();
-        let guard = pin();
+        let _lock = self.lock.write::<F::Clock>();
+        let guard = crate::sync::pin_c::<F::Clock>();
         let mut leaves = std::collections::HashSet::new();
         let mut it = Walk::<F>::new(
             &guard,
@@ -89,7 +88,7 @@ impl<F: PteFormat> Mmu<F> {
             let v = it.old;
             if F::is_present(v) && F::is_leaf(v, it.level) {
                 if self.rmap.enabled() {
-                    let Some(s) = self.rmap.find(it.gfn) else {
+                    let Some(s) = self.rmap.find::<F::Clock>(it.gfn) else {
                         return Err(format!(
                             "leaf at gfn {:#x} level {} outside every registered range",
                             it.gfn, it.level

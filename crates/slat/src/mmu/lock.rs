@@ -25,6 +25,7 @@
 //! `MmuLock::exclusive(&read_guard)`, is a type error.) Debug builds also check that the
 //! guard belongs to the lock it is presented to, as lockdep checks the lock, not just a lock.
 
+use crate::clock::Clock;
 use crate::config::MmuLockKind;
 use crate::format::{Level, PteFormat};
 use crate::sync::{self, AtomicU64, Guard, Mutex, Ordering, RwLock};
@@ -42,35 +43,36 @@ enum Inner {
     Mutex(Mutex<()>),
 }
 
-/// Held for a "read" (shared) MMU operation; exclusive under the mutex variant.
-pub(crate) struct ReadGuard<'a> {
-    _held: ReadHeld<'a>,
+/// Held for a "read" (shared) MMU operation; exclusive under the mutex variant. Reports its
+/// release to clock `C`.
+pub(crate) struct ReadGuard<'a, C: Clock> {
+    _held: ReadHeld<'a, C>,
     owner: &'a MmuLock,
 }
 
 #[allow(dead_code)] // held for its drop
-enum ReadHeld<'a> {
-    Rw(sync::RwLockReadGuard<'a, ()>),
-    Mutex(sync::MutexGuard<'a, ()>),
+enum ReadHeld<'a, C: Clock> {
+    Rw(sync::ReadHeld<'a, (), C>),
+    Mutex(sync::MutexHeld<'a, (), C>),
 }
 
-/// Held for an exclusive MMU operation.
-pub(crate) struct WriteGuard<'a> {
-    held: WriteHeld<'a>,
+/// Held for an exclusive MMU operation. Reports its release to clock `C`.
+pub(crate) struct WriteGuard<'a, C: Clock> {
+    held: WriteHeld<'a, C>,
     owner: &'a MmuLock,
 }
 
-enum WriteHeld<'a> {
-    Rw(sync::RwLockWriteGuard<'a, ()>),
-    Mutex(sync::MutexGuard<'a, ()>),
+enum WriteHeld<'a, C: Clock> {
+    Rw(sync::WriteHeld<'a, (), C>),
+    Mutex(sync::MutexHeld<'a, (), C>),
 }
 
-impl WriteGuard<'_> {
+impl<C: Clock> WriteGuard<'_, C> {
     /// Lets waiting faults run, then re-takes the lock.
     pub(crate) fn bump(&mut self) {
         match &mut self.held {
-            WriteHeld::Rw(g) => sync::bump_write(g),
-            WriteHeld::Mutex(g) => sync::bump_mutex(g),
+            WriteHeld::Rw(g) => sync::bump_write_c(g),
+            WriteHeld::Mutex(g) => sync::bump_mutex_c(g),
         }
     }
 }
@@ -88,10 +90,10 @@ impl MmuLock {
     }
 
     #[inline]
-    pub(crate) fn read(&self) -> ReadGuard<'_> {
+    pub(crate) fn read<C: Clock>(&self) -> ReadGuard<'_, C> {
         let held = match &self.inner {
-            Inner::Rw(l) => ReadHeld::Rw(sync::read(l)),
-            Inner::Mutex(m) => ReadHeld::Mutex(sync::lock(m)),
+            Inner::Rw(l) => ReadHeld::Rw(sync::read_c(l)),
+            Inner::Mutex(m) => ReadHeld::Mutex(sync::lock_c(m)),
         };
         ReadGuard {
             _held: held,
@@ -100,17 +102,17 @@ impl MmuLock {
     }
 
     #[inline]
-    pub(crate) fn write(&self) -> WriteGuard<'_> {
+    pub(crate) fn write<C: Clock>(&self) -> WriteGuard<'_, C> {
         let held = match &self.inner {
-            Inner::Rw(l) => WriteHeld::Rw(sync::write(l)),
-            Inner::Mutex(m) => WriteHeld::Mutex(sync::lock(m)),
+            Inner::Rw(l) => WriteHeld::Rw(sync::write_c(l)),
+            Inner::Mutex(m) => WriteHeld::Mutex(sync::lock_c(m)),
         };
         WriteGuard { held, owner: self }
     }
 
     /// The compare-and-swap writer of a holder of this lock in read mode.
     #[inline(always)]
-    pub(crate) fn shared<'g>(&self, guard: &'g ReadGuard<'_>) -> Shared<'g> {
+    pub(crate) fn shared<'g, C: Clock>(&self, guard: &'g ReadGuard<'_, C>) -> Shared<'g> {
         debug_assert!(
             std::ptr::eq(guard.owner, self),
             "a guard of another MMU lock"
@@ -120,7 +122,7 @@ impl MmuLock {
 
     /// The exclusive writer of the holder of this lock in write mode.
     #[inline(always)]
-    pub(crate) fn exclusive<'g>(&self, guard: &'g WriteGuard<'_>) -> Exclusive<'g> {
+    pub(crate) fn exclusive<'g, C: Clock>(&self, guard: &'g WriteGuard<'_, C>) -> Exclusive<'g> {
         debug_assert!(
             std::ptr::eq(guard.owner, self),
             "a guard of another MMU lock"
@@ -196,7 +198,7 @@ impl SpteWriter for Shared<'_> {
         new: u64,
         _level: Level,
     ) -> Result<u64, u64> {
-        sptep.compare_exchange(old, new, Ordering::AcqRel, Ordering::Acquire)
+        sync::cas::<F::Clock, _>(sptep, old, new, Ordering::AcqRel, Ordering::Acquire)
     }
 }
 
@@ -215,12 +217,12 @@ impl SpteWriter for Exclusive<'_> {
         // clearing W) may change some entries under us: exchange those, never lost, never
         // retried, and account for the value that was really there.
         if F::needs_atomic_update(old, level) || self.lockless_wrprot {
-            return Ok(sptep.swap(new, Ordering::AcqRel));
+            return Ok(sync::swap::<F::Clock, _>(sptep, new, Ordering::AcqRel));
         }
         // Nobody else may write this entry while we hold the lock exclusively, so `old` is
         // still its value and a plain store suffices (no locked read-modify-write).
         debug_assert_eq!(sptep.load(Ordering::Relaxed), old);
-        sptep.store(new, Ordering::Release);
+        sync::store::<F::Clock, _>(sptep, new, Ordering::Release);
         Ok(old)
     }
 }

@@ -16,6 +16,7 @@ pub mod table;
 pub(crate) mod walk;
 pub(crate) mod zap;
 
+use crate::clock::Clock;
 use crate::config::VmConfig;
 use crate::format::{Level, PteFormat};
 use crate::stats::{Counters, Sink, Stat};
@@ -57,7 +58,7 @@ pub(crate) struct Mmu<F: PteFormat> {
 impl<F: PteFormat> Mmu<F> {
     pub(crate) fn new(config: VmConfig) -> Self {
         let alloc = Arc::new(TableAlloc::new());
-        let root_page = alloc.alloc();
+        let root_page = alloc.alloc_with::<F::Clock>();
         root_page.page().meta().set(Gfn::new(0), F::ROOT_LEVEL);
         let root = root_page.into_linked();
         let counters = Counters::default();
@@ -96,10 +97,17 @@ impl<F: PteFormat> Mmu<F> {
 
     /// Flushes every vCPU's TLB and waits for the acknowledgements; refused if the calling
     /// thread holds a vCPU in guest mode (it would wait for itself).
+    #[inline(always)]
     pub fn flush_remote_tlbs(&self) -> Result<(), FlushError> {
-        self.counters.add_shared(Stat::FlushRequests, 1);
-        if self.flush.flush_all()? {
-            self.counters.add_shared(Stat::Flushes, 1);
+        self.flush_remote_tlbs_with::<F::Clock>()
+    }
+
+    /// [`Self::flush_remote_tlbs`] reported to clock `C` (the direct map's host CPUs run on
+    /// the caller's clock, not on its table's format's).
+    pub(crate) fn flush_remote_tlbs_with<C: Clock>(&self) -> Result<(), FlushError> {
+        self.counters.add_shared_c::<C>(Stat::FlushRequests, 1);
+        if self.flush.flush_all::<C>()? {
+            self.counters.add_shared_c::<C>(Stat::Flushes, 1);
         }
         Ok(())
     }
@@ -108,7 +116,16 @@ impl<F: PteFormat> Mmu<F> {
     /// of flushes deferred before) to epoch reclamation. The only way to free table pages.
     /// Refused if the calling thread holds a vCPU in guest mode: then the flush is deferred,
     /// its pages kept until a later flush completes.
-    pub fn try_complete_flush(&self, mut pending: PendingFlush) -> Result<(), FlushError> {
+    #[inline(always)]
+    pub fn try_complete_flush(&self, pending: PendingFlush) -> Result<(), FlushError> {
+        self.try_complete_flush_with::<F::Clock>(pending)
+    }
+
+    /// [`Self::try_complete_flush`] reported to clock `C`.
+    pub(crate) fn try_complete_flush_with<C: Clock>(
+        &self,
+        mut pending: PendingFlush,
+    ) -> Result<(), FlushError> {
         if !pending.is_needed() {
             return Ok(());
         }
@@ -120,14 +137,14 @@ impl<F: PteFormat> Mmu<F> {
             self.has_deferred
                 .store(false, std::sync::atomic::Ordering::Relaxed);
         }
-        if let Err(e) = self.flush_remote_tlbs() {
+        if let Err(e) = self.flush_remote_tlbs_with::<C>() {
             let mut d = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
             d.merge(pending);
             self.has_deferred
                 .store(true, std::sync::atomic::Ordering::Release);
             return Err(e);
         }
-        Rmap::retire(&self.rmap, &self.alloc, pending.graveyard);
+        Rmap::retire::<C>(&self.rmap, &self.alloc, pending.graveyard);
         Ok(())
     }
 
@@ -137,9 +154,15 @@ impl<F: PteFormat> Mmu<F> {
     /// deferred rather than waited for: no page is freed before a flush, nothing deadlocks.
     #[inline(always)]
     pub fn complete_flush(&self, pending: PendingFlush) {
+        self.complete_flush_with::<F::Clock>(pending)
+    }
+
+    /// [`Self::complete_flush`] reported to clock `C`.
+    #[inline(always)]
+    pub(crate) fn complete_flush_with<C: Clock>(&self, pending: PendingFlush) {
         // Most operations owe nothing (a fault that filled an empty entry): no call at all.
         if pending.is_needed() {
-            let _deferred_if_refused = self.try_complete_flush(pending);
+            let _deferred_if_refused = self.try_complete_flush_with::<C>(pending);
         }
     }
 

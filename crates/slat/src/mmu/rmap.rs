@@ -12,8 +12,9 @@
 //! retired in two grace periods ([`Rmap::retire`]) so a slot never names freed memory.
 
 use super::table::{OwnedTable, TableAlloc, TableMeta, TablePage};
+use crate::clock::Clock;
 use crate::format::{pages_per_entry, FrameStep, Level};
-use crate::sync::{pin, Arc, AtomicU64, Ordering, Published};
+use crate::sync::{self, pin, Arc, AtomicU64, Ordering, Published};
 use slat_addr::{Gfn, Hva};
 
 /// Levels that can hold leaves (4 KiB, 2 MiB, 1 GiB).
@@ -145,11 +146,11 @@ impl Rmap {
     /// Runs `f` on the slot of (`gfn`, `level`), if a registered range holds it. No reference
     /// count is touched: every fault that installs a leaf comes through here.
     #[inline]
-    fn with_slot(&self, gfn: Gfn, level: Level, f: impl FnOnce(&AtomicU64)) {
+    fn with_slot<C: Clock>(&self, gfn: Gfn, level: Level, f: impl FnOnce(&AtomicU64)) {
         if !self.enabled {
             return;
         }
-        self.set.with(|v| {
+        self.set.with_c::<C, _>(|v| {
             if let Some(slot) = v
                 .iter()
                 .find(|s| s.covers(gfn))
@@ -162,11 +163,15 @@ impl Rmap {
 
     /// The rmap of the range holding `gfn`.
     #[inline]
-    pub(crate) fn find(&self, gfn: Gfn) -> Option<Arc<SlotRmap>> {
+    pub(crate) fn find<C: Clock>(&self, gfn: Gfn) -> Option<Arc<SlotRmap>> {
         if !self.enabled {
             return None;
         }
-        self.set.load_full().iter().find(|s| s.covers(gfn)).cloned()
+        self.set
+            .load_full_c::<C>()
+            .iter()
+            .find(|s| s.covers(gfn))
+            .cloned()
     }
 
     /// Every registered range.
@@ -177,29 +182,29 @@ impl Rmap {
     /// A leaf appeared at `level` for `gfn` in `table`. Release: a reader that sees the table
     /// address sees the table's header and the leaf that was published before this.
     #[inline]
-    pub(crate) fn insert(&self, gfn: Gfn, level: Level, table: Hva) {
-        self.with_slot(gfn, level, |slot| {
-            slot.store(table.raw(), Ordering::Release)
+    pub(crate) fn insert<C: Clock>(&self, gfn: Gfn, level: Level, table: Hva) {
+        self.with_slot::<C>(gfn, level, |slot| {
+            sync::store::<C, _>(slot, table.raw(), Ordering::Release)
         });
     }
 
     /// Like [`Self::insert`], but only into an empty slot (a split racing other splits of the
     /// same leaf, before its compare-and-swap).
     #[inline]
-    pub(crate) fn claim(&self, gfn: Gfn, level: Level, table: Hva) {
-        self.with_slot(gfn, level, |slot| {
+    pub(crate) fn claim<C: Clock>(&self, gfn: Gfn, level: Level, table: Hva) {
+        self.with_slot::<C>(gfn, level, |slot| {
             let t = table.raw();
-            let _ = slot.compare_exchange(0, t, Ordering::AcqRel, Ordering::Relaxed);
+            let _ = sync::cas::<C, _>(slot, 0, t, Ordering::AcqRel, Ordering::Relaxed);
         });
     }
 
     /// The leaf at `level` for `gfn` in `table` went away. Only clears a slot that still names
     /// `table`: another table may already have taken over the gfn (a split's new leaves).
     #[inline]
-    pub(crate) fn remove(&self, gfn: Gfn, level: Level, table: Hva) {
-        self.with_slot(gfn, level, |slot| {
+    pub(crate) fn remove<C: Clock>(&self, gfn: Gfn, level: Level, table: Hva) {
+        self.with_slot::<C>(gfn, level, |slot| {
             let t = table.raw();
-            let _ = slot.compare_exchange(t, 0, Ordering::AcqRel, Ordering::Relaxed);
+            let _ = sync::cas::<C, _>(slot, t, 0, Ordering::AcqRel, Ordering::Relaxed);
         });
     }
 
@@ -208,20 +213,24 @@ impl Rmap {
     /// pages into a slot (inserters are pinned while they hold a table) is gone — clear every
     /// slot still naming a page, then free after a second grace period, which waits for readers
     /// that took the address before the clearing.
-    pub(crate) fn retire(this: &Arc<Self>, alloc: &Arc<TableAlloc>, pages: Vec<OwnedTable>) {
+    pub(crate) fn retire<C: Clock>(
+        this: &Arc<Self>,
+        alloc: &Arc<TableAlloc>,
+        pages: Vec<OwnedTable>,
+    ) {
         if pages.is_empty() {
             return;
         }
-        let guard = pin();
+        let guard = sync::pin_c::<C>();
         if !this.enabled {
-            TableAlloc::free_deferred(alloc, &guard, pages);
+            TableAlloc::free_deferred::<C>(alloc, &guard, pages);
             guard.flush();
             return;
         }
         let addrs: Vec<Hva> = pages.into_iter().map(OwnedTable::into_linked).collect();
         let rmap = this.clone();
         let alloc = alloc.clone();
-        guard.defer(move || {
+        guard.defer_c::<C, _>(move || {
             for &a in &addrs {
                 // SAFETY: the page is unlinked and flushed but not freed: only the closure
                 // deferred below frees it.
@@ -232,8 +241,9 @@ impl Rmap {
                 .into_iter()
                 .map(|a| unsafe { OwnedTable::from_unlinked(a) })
                 .collect();
+            // Runs wherever the epoch collector runs: not charged to a simulated CPU.
             let g = pin();
-            TableAlloc::free_deferred(&alloc, &g, pages);
+            TableAlloc::free_deferred::<crate::clock::RealTime>(&alloc, &g, pages);
             g.flush();
         });
         guard.flush();
@@ -250,7 +260,7 @@ impl Rmap {
         let step = pages_per_entry(level);
         let addr = page.addr();
         for i in 0..crate::format::ENTRIES_PER_TABLE as u64 {
-            self.remove(Gfn::new(first + i * step), level, addr);
+            self.remove::<crate::clock::RealTime>(Gfn::new(first + i * step), level, addr);
         }
     }
 }

@@ -8,7 +8,7 @@ use super::walk::Walk;
 use super::Mmu;
 use crate::format::PteFormat;
 use crate::stats::Stat;
-use crate::sync::{pin, Ordering};
+use crate::sync::Ordering;
 use slat_addr::Gfn;
 
 /// Replaces every huge leaf in `[start, end)` with a table of equivalent smaller leaves,
@@ -26,7 +26,7 @@ pub(crate) fn split_huge_pages<F: PteFormat>(
     end: Gfn,
     pending: &mut PendingFlush,
 ) -> u64 {
-    let guard = pin();
+    let guard = crate::sync::pin_c::<F::Clock>();
     let sink = mmu.sink();
     let mut splits = 0;
     let mut it = Walk::<F>::new(&guard, mmu.root(), 2, start, end);
@@ -34,7 +34,7 @@ pub(crate) fn split_huge_pages<F: PteFormat>(
         let old = it.old;
         if F::is_present(old) && it.level > 1 && F::is_leaf(old, it.level) {
             // Filled before it is reachable, so plain stores suffice.
-            let child = mmu.alloc.alloc();
+            let child = mmu.alloc.alloc_with::<F::Clock>();
             for (i, e) in child.page().entries.iter().enumerate() {
                 e.store(F::split_child(old, it.level, i), Ordering::Relaxed);
             }
@@ -42,7 +42,7 @@ pub(crate) fn split_huge_pages<F: PteFormat>(
             match mmu.replace_spte(&mut it, table, false, w, sink, pending) {
                 Ok(()) => {
                     child.into_linked();
-                    sink.inc(Stat::Splits);
+                    sink.inc::<F::Clock>(Stat::Splits);
                     splits += 1;
                 }
                 Err(_) => {

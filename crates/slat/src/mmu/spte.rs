@@ -9,6 +9,7 @@ use super::lock::{Shared, SpteWriter};
 use super::table::{OwnedTable, TablePage};
 use super::walk::Walk;
 use super::Mmu;
+use crate::clock::addr_of;
 use crate::cmo::clean_new_mapping;
 use crate::config::RebuildOrder;
 use crate::format::{bytes_per_entry, pages_per_entry, Access, FrameStep, Level, PteFormat};
@@ -104,7 +105,7 @@ impl<F: PteFormat> Mmu<F> {
                     // Undo, unless a leaf won the race here: its installer inserted the same
                     // table first. Anyone else racing to install a leaf expected the same old
                     // value and fails too.
-                    self.rmap.remove(gfn, level, table);
+                    self.rmap.remove::<F::Clock>(gfn, level, table);
                 }
                 *old = cur;
                 return Err(Busy);
@@ -153,9 +154,9 @@ impl<F: PteFormat> Mmu<F> {
             if F::is_present(v) && F::is_leaf(v, level) {
                 let g = gfn.plus(i as u64 * step);
                 if claim {
-                    self.rmap.claim(g, level, child.addr());
+                    self.rmap.claim::<F::Clock>(g, level, child.addr());
                 } else {
-                    self.rmap.insert(g, level, child.addr());
+                    self.rmap.insert::<F::Clock>(g, level, child.addr());
                 }
             }
         }
@@ -184,7 +185,7 @@ impl<F: PteFormat> Mmu<F> {
         {
             return;
         }
-        self.rmap.insert(gfn, level, table);
+        self.rmap.insert::<F::Clock>(gfn, level, table);
     }
 
     /// Puts a leaf the caller found linked back in the rmap if its slot does not name its
@@ -192,10 +193,10 @@ impl<F: PteFormat> Mmu<F> {
     /// shared-lock restructuring races it). Repairs what a race between two shared-lock
     /// restructurings may have left while the slot was not logged (ARCHITECTURE.md).
     pub(crate) fn rmap_reassert(&self, gfn: Gfn, level: Level, table: Hva) {
-        if let Some(s) = self.rmap.find(gfn) {
+        if let Some(s) = self.rmap.find::<F::Clock>(gfn) {
             if let Some(slot) = s.slot(gfn, level) {
                 if slot.load(Ordering::Relaxed) != table.raw() {
-                    slot.store(table.raw(), Ordering::Release);
+                    sync::store::<F::Clock, _>(slot, table.raw(), Ordering::Release);
                 }
             }
         }
@@ -211,7 +212,8 @@ impl<F: PteFormat> Mmu<F> {
         let step = pages_per_entry(level - 1);
         let child = F::output_addr(new);
         for i in 0..crate::format::ENTRIES_PER_TABLE as u64 {
-            self.rmap.remove(gfn.plus(i * step), level - 1, child);
+            self.rmap
+                .remove::<F::Clock>(gfn.plus(i * step), level - 1, child);
         }
     }
 
@@ -261,7 +263,7 @@ impl<F: PteFormat> Mmu<F> {
         let sptep = it.sptep();
         let table = table_of(sptep);
         if let Err(cur) =
-            sptep.compare_exchange(old, F::FROZEN, Ordering::AcqRel, Ordering::Acquire)
+            sync::cas::<F::Clock, _>(sptep, old, F::FROZEN, Ordering::AcqRel, Ordering::Acquire)
         {
             it.old = cur;
             return Err(Busy);
@@ -295,7 +297,7 @@ impl<F: PteFormat> Mmu<F> {
             // then; once it is visible, faults may add leaves of their own and count them.
             self.handle_changed_spte(gfn, table, old, new, level, sink, &mut teardown);
         }
-        sptep.store(new, Ordering::Release);
+        sync::store::<F::Clock, _>(sptep, new, Ordering::Release);
         it.old = new;
         if break_first {
             self.handle_changed_spte(gfn, table, F::FROZEN, new, level, sink, &mut teardown);
@@ -326,7 +328,7 @@ impl<F: PteFormat> Mmu<F> {
     ) -> bool {
         let mut flushed = false;
         if old_valid {
-            sink.inc(Stat::Breaks);
+            sink.inc::<F::Clock>(Stat::Breaks);
             let skip = self.hooks.active(crate::test_hooks::inject::SKIP_BBM_FLUSH);
             // A flush refused (the calling thread holds a vCPU in guest mode: public entries
             // refuse that first) leaves the teardown to the caller's flush, as a skipped one.
@@ -335,7 +337,7 @@ impl<F: PteFormat> Mmu<F> {
             }
         }
         if cmo && F::is_present(new) && F::is_leaf(new, level) {
-            clean_new_mapping(
+            clean_new_mapping::<F::Clock>(
                 F::output_addr(new).raw(),
                 bytes_per_entry(level),
                 F::permits(new, Access::Exec),
@@ -352,7 +354,7 @@ impl<F: PteFormat> Mmu<F> {
         if p.graveyard.is_empty() {
             return;
         }
-        super::rmap::Rmap::retire(&self.rmap, &self.alloc, p.graveyard);
+        super::rmap::Rmap::retire::<F::Clock>(&self.rmap, &self.alloc, p.graveyard);
     }
 
     #[inline(always)]
@@ -404,10 +406,10 @@ impl<F: PteFormat> Mmu<F> {
         let new_leaf = new_present && F::is_leaf(new, level);
         if old_leaf != new_leaf || (old_present != new_present) {
             if old_leaf {
-                sink.dec(leaf_stat(level));
+                sink.dec::<F::Clock>(leaf_stat(level));
             }
             if new_leaf {
-                sink.inc(leaf_stat(level));
+                sink.inc::<F::Clock>(leaf_stat(level));
             }
         }
         if self.rmap.enabled() {
@@ -416,7 +418,7 @@ impl<F: PteFormat> Mmu<F> {
             // of the same level never gets here (`handle_changed_spte` returns first), and a
             // leaf replaced by another leaf of the same level keeps its slot.
             if old_leaf && !new_leaf {
-                self.rmap.remove(gfn, level, table);
+                self.rmap.remove::<F::Clock>(gfn, level, table);
             }
             // Insertion happened before publication (`update_spte`, `replace_spte`).
         }
@@ -428,7 +430,7 @@ impl<F: PteFormat> Mmu<F> {
             self.unlink_table(F::output_addr(old), gfn, level - 1, sink, pending);
         }
         if new_table && !(old_table && F::output_addr(new) == F::output_addr(old)) {
-            sink.inc(Stat::TablePages);
+            sink.inc::<F::Clock>(Stat::TablePages);
             // A prefilled table (split) brings its leaves into the tree with it.
             // SAFETY: the table was just linked by us and cannot have been freed: freeing needs
             // a flush and a grace period that our caller's guard spans.
@@ -444,7 +446,7 @@ impl<F: PteFormat> Mmu<F> {
                     .count() as u64
             };
             if n > 0 {
-                sink.add(leaf_stat(level - 1), n);
+                sink.add::<F::Clock>(leaf_stat(level - 1), n);
             }
         }
         if old_present
@@ -473,23 +475,23 @@ impl<F: PteFormat> Mmu<F> {
             let v = if F::BREAK_BEFORE_MAKE {
                 freeze_after_make::<F>(e)
             } else {
-                e.swap(F::FROZEN, Ordering::AcqRel)
+                sync::swap::<F::Clock, _>(e, F::FROZEN, Ordering::AcqRel)
             };
             if !F::is_present(v) {
                 continue;
             }
             if F::is_leaf(v, level) {
-                sink.dec(leaf_stat(level));
+                sink.dec::<F::Clock>(leaf_stat(level));
                 if self.rmap.enabled() {
                     // After the freeze: a racing inserter of this leaf either already inserted
                     // (removed here) or is still pinned (cleared by `Rmap::retire`'s sweep).
-                    self.rmap.remove(egfn, level, addr);
+                    self.rmap.remove::<F::Clock>(egfn, level, addr);
                 }
             } else {
                 self.unlink_table(F::output_addr(v), egfn, level - 1, sink, pending);
             }
         }
-        sink.dec(Stat::TablePages);
+        sink.dec::<F::Clock>(Stat::TablePages);
         // SAFETY: unlinked above, and nobody else unlinks it (our update removed its only
         // parent entry).
         pending
@@ -512,14 +514,15 @@ fn table_of(sptep: &AtomicU64) -> Hva {
 /// we are outside guest mode) and its cache maintenance left before it stores.
 fn freeze_after_make<F: PteFormat>(e: &AtomicU64) -> u64 {
     loop {
-        let v = e.load(Ordering::Acquire);
+        let mut v = e.load(Ordering::Acquire);
         if v == F::FROZEN {
-            sync::spin_hint();
-            continue;
+            // The breaker's make is the only write that ends the wait.
+            sync::spin_until::<F::Clock>(&[addr_of(e)], || {
+                v = e.load(Ordering::Acquire);
+                v != F::FROZEN
+            });
         }
-        if e.compare_exchange(v, F::FROZEN, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
-        {
+        if sync::cas::<F::Clock, _>(e, v, F::FROZEN, Ordering::AcqRel, Ordering::Acquire).is_ok() {
             return v;
         }
     }

@@ -6,8 +6,9 @@
 //! which the flush path calls after the remote TLB flush completed (invariant 2), and which then
 //! waits for an epoch grace period so lock-free software walkers are done too.
 
+use crate::clock::{Clock, Cost, RealTime};
 use crate::format::ENTRIES_PER_TABLE;
-use crate::sync::{AtomicU64, Guard, Ordering};
+use crate::sync::{self, AtomicU64, Guard, Ordering};
 use slat_addr::{Gfn, Hva};
 use std::ptr::NonNull;
 
@@ -177,8 +178,16 @@ impl TableAlloc {
 
     /// A zeroed (all non-present) page.
     pub fn alloc(&self) -> OwnedTable {
-        self.live.fetch_add(1, Ordering::Relaxed);
-        self.allocated.fetch_add(1, Ordering::Relaxed);
+        self.alloc_with::<RealTime>()
+    }
+
+    /// [`Self::alloc`], charged to clock `C`: the allocation, the zeroing and the counters.
+    #[inline]
+    pub fn alloc_with<C: Clock>(&self) -> OwnedTable {
+        sync::fetch_add::<C, _>(&self.live, 1, Ordering::Relaxed);
+        sync::fetch_add::<C, _>(&self.allocated, 1, Ordering::Relaxed);
+        C::charge(Cost::TableAlloc, 1);
+        C::charge(Cost::ZeroPage, 1);
         OwnedTable(alloc_zeroed_page())
     }
 
@@ -192,7 +201,7 @@ impl TableAlloc {
 
     /// Frees unlinked pages after every thread now pinned has unpinned. The caller has already
     /// completed the remote TLB flush that made the unlink visible to hardware walkers.
-    pub(crate) fn free_deferred(
+    pub(crate) fn free_deferred<C: Clock>(
         this: &crate::sync::Arc<Self>,
         guard: &Guard,
         pages: Vec<OwnedTable>,
@@ -206,7 +215,7 @@ impl TableAlloc {
             loom_life::advance(t.page(), loom_life::FREE_PENDING);
         }
         let addrs: Vec<Hva> = pages.into_iter().map(OwnedTable::into_linked).collect();
-        guard.defer(move || {
+        guard.defer_c::<C, _>(move || {
             for a in addrs {
                 // SAFETY: the page was unlinked, flushed from every TLB and the grace period has
                 // passed, so we are its only owner.
@@ -417,9 +426,11 @@ pub struct PageCache {
 
 impl PageCache {
     /// Ensures at least `min` pages are cached (called before taking the MMU lock).
-    pub fn top_up(&mut self, alloc: &TableAlloc, min: usize) {
+    /// Charged to clock `C`.
+    #[inline]
+    pub fn top_up<C: Clock>(&mut self, alloc: &TableAlloc, min: usize) {
         while self.pages.len() < min {
-            self.pages.push(alloc.alloc());
+            self.pages.push(alloc.alloc_with::<C>());
         }
     }
     /// Takes a zeroed page.

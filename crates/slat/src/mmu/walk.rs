@@ -8,9 +8,10 @@
 //! from the root at the first GFN not yet visited, because the tables on the saved path may have
 //! been freed while the lock was dropped.
 
+use crate::clock::{Clock, Cost};
 use crate::format::{pages_per_entry, table_index, Level, PteFormat, MAX_LEVELS};
 use crate::mmu::table::TablePage;
-use crate::sync::{AtomicU64, Guard, Ordering};
+use crate::sync::{self, AtomicU64, Guard, Ordering};
 use slat_addr::{Gfn, Hva};
 use std::marker::PhantomData;
 
@@ -126,7 +127,9 @@ impl<'g, F: PteFormat> Walk<'g, F> {
     /// Re-reads the current entry into [`Self::old`].
     #[inline]
     pub fn refresh(&mut self) -> u64 {
-        self.old = self.sptep().load(Ordering::Acquire);
+        // Every step of the walk reads its entry here: one walk step for the clock.
+        F::Clock::charge(Cost::WalkStep, 1);
+        self.old = sync::load::<F::Clock, _>(self.sptep(), Ordering::Acquire);
         self.old
     }
 
@@ -188,7 +191,7 @@ impl<'g, F: PteFormat> Walk<'g, F> {
             return false;
         }
         // Re-read: the visitor may have just linked a table here (walk into it) or removed one.
-        let e = self.sptep().load(Ordering::Acquire);
+        let e = sync::load::<F::Clock, _>(self.sptep(), Ordering::Acquire);
         if !F::is_present(e) || F::is_leaf(e, self.level) {
             return false;
         }

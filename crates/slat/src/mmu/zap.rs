@@ -7,7 +7,6 @@ use super::table::TablePage;
 use super::walk::Walk;
 use super::Mmu;
 use crate::format::PteFormat;
-use crate::sync::pin;
 use slat_addr::Gfn;
 
 impl<F: PteFormat> Mmu<F> {
@@ -24,7 +23,7 @@ impl<F: PteFormat> Mmu<F> {
     /// do not wait for vCPUs in guest mode, and vCPUs do not need the lock to acknowledge,
     /// so flushing under the lock cannot deadlock.
     pub fn zap_gfn_range(&self, start_gfn: Gfn, end_gfn: Gfn) {
-        let mut lock = self.lock.write();
+        let mut lock = self.lock.write::<F::Clock>();
         let pending = self.zap_locked(&mut lock, start_gfn, end_gfn);
         self.complete_flush(pending);
         drop(lock);
@@ -32,13 +31,13 @@ impl<F: PteFormat> Mmu<F> {
 
     pub(crate) fn zap_locked(
         &self,
-        lock: &mut WriteGuard<'_>,
+        lock: &mut WriteGuard<'_, F::Clock>,
         start: Gfn,
         end: Gfn,
     ) -> PendingFlush {
         const YIELD_EVERY: u32 = 4096;
         let mut pending = PendingFlush::none();
-        let guard = pin();
+        let guard = crate::sync::pin_c::<F::Clock>();
         let root = self.root;
         // SAFETY: the root lives as long as the VM.
         let mut it = Walk::<F>::new(&guard, unsafe { TablePage::at(root) }, 1, start, end);

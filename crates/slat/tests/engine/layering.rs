@@ -12,6 +12,7 @@
 //! The layers, lowest first:
 //!
 //! ```text
+//! clock                                                  (the hooks time is charged through)
 //! sync, config, format, stats, host_memory, test_hooks   (no engine state)
 //! cmo                                                    (cache maintenance)
 //! mmu        table, walk, lock, spte (the one update path), rmap, flush, zap, inspect
@@ -33,25 +34,43 @@ use std::path::{Path, PathBuf};
 
 /// Each node and the nodes it may use (besides itself).
 const ALLOWED: &[(&str, &[&str])] = &[
-    ("sync", &[]),
+    ("clock", &[]),
+    ("sync", &["clock"]),
     ("config", &[]),
-    ("format", &["sync"]),
-    ("stats", &["sync", "format"]),
+    ("format", &["clock", "sync"]),
+    ("stats", &["clock", "sync", "format"]),
     ("host_memory", &["format"]),
     ("test_hooks", &["sync"]),
-    ("cmo", &["config", "stats"]),
+    ("cmo", &["clock", "config", "stats"]),
     (
         "mmu",
-        &["sync", "config", "format", "stats", "test_hooks", "cmo"],
+        &[
+            "clock",
+            "sync",
+            "config",
+            "format",
+            "stats",
+            "test_hooks",
+            "cmo",
+        ],
     ),
-    ("dirty::bitmap", &["sync"]),
+    ("dirty::bitmap", &["clock", "sync"]),
     (
         "direct_map",
-        &["sync", "config", "format", "stats", "host_memory", "mmu"],
+        &[
+            "clock",
+            "sync",
+            "config",
+            "format",
+            "stats",
+            "host_memory",
+            "mmu",
+        ],
     ),
     (
         "memslot",
         &[
+            "clock",
             "sync",
             "format",
             "host_memory",
@@ -61,7 +80,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "dirty::bitmap",
         ],
     ),
-    ("dirty::ring", &["sync", "memslot"]),
+    ("dirty::ring", &["clock", "sync", "memslot"]),
     (
         "huge_page",
         &["sync", "config", "format", "stats", "mmu", "memslot"],
@@ -69,6 +88,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "dirty",
         &[
+            "clock",
             "sync",
             "config",
             "format",
@@ -85,6 +105,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "fault",
         &[
+            "clock",
             "sync",
             "config",
             "format",
@@ -121,6 +142,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "lib",
         &[
+            "clock",
             "sync",
             "config",
             "format",

@@ -340,10 +340,10 @@ pub fn fault<F: PteFormat>(
     })
 }
 
-/// `F` is x86 EPT. For the few expectations that differ by format for reasons the format
+/// `F` is x86 EPT (whatever its clock). For the few expectations that differ by format for reasons the format
 /// constants do not name (each use says why).
 pub fn is_ept<F: PteFormat>() -> bool {
-    TypeId::of::<F>() == TypeId::of::<Ept>()
+    TypeId::of::<F::Inner>() == TypeId::of::<Ept>()
 }
 
 include!("formats.rs");
