@@ -23,6 +23,7 @@ mod private_mem_perf;
 mod private_mem_test;
 mod report;
 mod snapshot_perf;
+mod virtual_time;
 
 use clap::{Parser, Subcommand};
 

@@ -12,7 +12,7 @@ use crate::model::line::{LineStats, MAX_CPUS};
 use crate::model::lock::LockStats;
 use crate::profile::Profile;
 use crate::scheduler::{Bound, Mode, Shared, State, Unpark};
-use crate::virtual_clock::{bind, bound_to, foreign_ops, unbind};
+use crate::virtual_clock::{bind, bound_to, current, foreign_ops, unbind};
 use crate::watchdog::Watchdog;
 
 /// The watchdog's default period: no scheduler call for this long while a CPU holds the
@@ -367,4 +367,48 @@ impl Drop for CpuHandle {
     fn drop(&mut self) {
         self.do_exit();
     }
+}
+
+/// Detaches the calling thread's running simulated CPU (as [`CpuHandle::detach`], for code
+/// that does not hold the handle). `Ok` without effect on a thread that runs none.
+pub fn detach_current() -> Result<(), SimError> {
+    let Some(b) = current() else { return Ok(()) };
+    if b.mode.get() != Mode::Running {
+        return Ok(());
+    }
+    let shared = Arc::clone(&b.shared);
+    let Some(mut g) = shared.enter(&b) else {
+        return Ok(());
+    };
+    if let Some(c) = g.cpus.get_mut(b.idx) {
+        c.state = State::Detached;
+    }
+    b.mode.set(Mode::Detached);
+    let u = g.dispatch();
+    drop(g);
+    u.run();
+    Ok(())
+}
+
+/// Rejoins the simulation after [`detach_current`], at the CPU's own clock.
+pub fn attach_current() -> Result<(), SimError> {
+    let Some(b) = current() else { return Ok(()) };
+    if b.mode.get() != Mode::Detached {
+        return Ok(());
+    }
+    let shared = Arc::clone(&b.shared);
+    let mut g = shared.inner.lock();
+    if g.failed.is_some() {
+        b.mode.set(Mode::Failed);
+        return Ok(());
+    }
+    g.make_ready(b.idx, 0);
+    b.mode.set(Mode::Running);
+    let u = g.kick();
+    drop(g);
+    u.run();
+    if let Some(g) = shared.wait_baton(&b) {
+        shared.leave(g, &b);
+    }
+    Ok(())
 }

@@ -114,6 +114,22 @@ pub(crate) fn unbind(shared: &Arc<Shared>, idx: usize) {
     });
 }
 
+/// The calling thread's virtual time, ns, if it runs a simulated CPU (`None` otherwise; never
+/// counted as a foreign call): for timers that serve both clocks.
+pub fn simulated_now_ns() -> Option<u64> {
+    current()
+        .filter(|b| b.mode.get() == Mode::Running)
+        .map(|b| b.clock.get() / 1000)
+}
+
+/// The calling thread's binding, whatever its mode and simulation.
+pub(crate) fn current() -> Option<Rc<Bound>> {
+    BOUND
+        .try_with(|c| c.try_borrow().ok().and_then(|b| b.clone()))
+        .ok()
+        .flatten()
+}
+
 /// The calling thread's binding, whatever its mode, if it belongs to `shared`.
 pub(crate) fn bound_to(shared: &Arc<Shared>) -> Option<Rc<Bound>> {
     BOUND

@@ -10,6 +10,7 @@ use crate::driver::Benchmark;
 use crate::error::CliResult;
 use crate::output::{secs, Metric, RunHead, VmSettings, WorkSettings};
 use crate::report::{format_header, quiet, ratio, ts, Phase};
+use crate::virtual_time::{ClockArgs, ClockReport, VirtualRun};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use slat_workload::format_size;
@@ -70,6 +71,8 @@ pub struct DemandPagingArgs {
     pub pin: PinArgs,
     #[command(flatten)]
     pub machine: MachineArgs,
+    #[command(flatten)]
+    pub clock: ClockArgs,
     #[command(flatten)]
     pub out: OutputArgs,
 }
@@ -135,6 +138,9 @@ pub struct Report {
     pub stats: serde_json::Value,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub uffd: Option<UffdFigures>,
+    /// Whose time the report's times are.
+    #[serde(flatten)]
+    pub clock: ClockReport,
     /// The lines describing the machine after the selftest's.
     #[serde(skip)]
     pub machine_lines: Vec<String>,
@@ -185,6 +191,16 @@ impl Benchmark for DemandPagingArgs {
 /// the native baseline, one at a time).
 fn check(a: &DemandPagingArgs) -> Result<(), String> {
     a.machine.check_backends(&a.backend, &[])?;
+    if a.clock.is_virtual() {
+        if a.uffd.is_some() {
+            return Err("--clock virtual cannot simulate -u: its handler threads wait in the kernel, outside the simulation".into());
+        }
+        if a.backend.contains(&BackendArg::Kvm) {
+            return Err(
+                "--clock virtual runs only on the simulated machine (--backend sim)".into(),
+            );
+        }
+    }
     a.pin.plan(a.work.vcpus)?;
     match a.uffd {
         None => {
@@ -216,7 +232,12 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
     } else {
         ""
     };
-    let (m, p) = backend::start(kind, &cfg, what, q)?;
+    let vt = if a.clock.is_virtual() {
+        Some(VirtualRun::start()?)
+    } else {
+        None
+    };
+    let (m, p) = backend::start_with(kind, &cfg, what, q, vt.as_ref().map(VirtualRun::threads))?;
     let pinned_cpus = backend::pin(m.as_ref(), &a.pin, a.work.vcpus)?;
     p.done();
     let layout = m.layout();
@@ -232,6 +253,11 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
         backend::machine_lines(m.as_ref(), &cfg, "", &extra, pinned_cpus.as_deref());
     let (stats, pcpus) = (m.stats(), m.sim().map(|s| s.pcpus()));
     drop(m);
+    // The simulation ends with the machine: the native baseline runs in real time.
+    let clock = match vt {
+        Some(vt) => vt.finish()?,
+        None => ClockReport::real(),
+    };
 
     let p = Phase::start("native baseline: same pattern on host memory", q);
     // With -u the guest RAM was not pre-faulted, nor is the baseline's: both pay first touch.
@@ -259,6 +285,7 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
         ratio_guest_over_native: ratio(guest.wall, native.wall),
         stats,
         uffd,
+        clock,
         machine_lines,
         format_header: format_header(kind, a.machine.format, &cfg.vm),
         gpa: layout.gpa,
@@ -342,6 +369,9 @@ fn print_text(r: &Report) {
         r.ratio_guest_over_native
     );
     for l in &r.machine_lines {
+        println!("{l}");
+    }
+    if let Some(l) = r.clock.line() {
         println!("{l}");
     }
 }

@@ -17,11 +17,12 @@ use crate::error::{CliError, CliResult};
 use crate::harvest::{Harvest, HarvestTimes};
 use crate::output::{opt_secs, secs, Metric, RunHead, VmSettings, WorkSettings};
 use crate::report::{format_header, quiet, ratio, Phase};
+use crate::virtual_time::{ClockArgs, ClockReport, Stopwatch, VirtualRun};
 use clap::Args;
 use serde::Serialize;
 use slat_workload::format_size;
 use slat_workload::PassParams;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use text::{print_text, run_flags};
 
 /// Flags of `slat dirty-log-perf` (the selftest's, plus slat's variant switches).
@@ -73,6 +74,8 @@ pub struct DirtyLogPerfArgs {
     pub dirty: DirtyArgs,
     #[command(flatten)]
     pub machine: MachineArgs,
+    #[command(flatten)]
+    pub clock: ClockArgs,
     #[command(flatten)]
     pub out: OutputArgs,
 }
@@ -145,6 +148,9 @@ pub struct Report {
     pub concurrent: Option<ConcurrentReport>,
     /// The machine's counters (the engine's on sim, KVM's VM statistics on kvm).
     pub stats: serde_json::Value,
+    /// Whose time the report's times are.
+    #[serde(flatten)]
+    pub clock: ClockReport,
     /// The lines describing the machine after the selftest's (engine counters, settings).
     #[serde(skip)]
     pub machine_lines: Vec<String>,
@@ -315,6 +321,16 @@ fn check(a: &DirtyLogPerfArgs) -> Result<(), String> {
         check_kvm_ring(&a.backend, ring, "--dirty-ring")?;
     }
     a.pin.plan(a.work.vcpus)?;
+    if a.clock.is_virtual() {
+        if a.backend.contains(&BackendArg::Kvm) {
+            return Err(
+                "--clock virtual runs only on the simulated machine (--backend sim)".into(),
+            );
+        }
+        if a.concurrent {
+            return Err("--clock virtual cannot simulate --concurrent yet: its harvester thread is not a simulated CPU".into());
+        }
+    }
     a.work
         .check_fits(&a.backend, &a.machine, 0, 2)?
         .slots_divide(a.slots)
@@ -382,7 +398,7 @@ fn disable(m: &dyn Backend, evil: bool, params: PassParams) -> CliResult<Duratio
     if evil {
         m.start_loop(params)?;
     }
-    let t0 = Instant::now();
+    let t0 = Stopwatch::start();
     m.set_dirty_logging(false)?;
     let d = t0.elapsed();
     if evil {
@@ -422,7 +438,13 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
     check(a).map_err(CliError::bad)?;
     let cfg = spec(a);
     let what = " and as much host memory for the native baseline";
-    let (m, p) = backend::start(kind, &cfg, what, quiet(a.out.json))?;
+    let vt = if a.clock.is_virtual() {
+        Some(VirtualRun::start()?)
+    } else {
+        None
+    };
+    let sim = vt.as_ref().map(VirtualRun::threads);
+    let (m, p) = backend::start_with(kind, &cfg, what, quiet(a.out.json), sim)?;
     let native = Native::new(kind, m.layout(), a.work.backing, cfg.region.prefault)?;
     p.done();
     let pinned_cpus = backend::pin(m.as_ref(), &a.pin, a.work.vcpus)?;
@@ -436,7 +458,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
     };
     let populate = m.run_pass(populate_params)?;
     let populate_native = native.run(populate_params)?;
-    let t0 = Instant::now();
+    let t0 = Stopwatch::start();
     m.set_dirty_logging(true)?;
     let enable = t0.elapsed();
     let params = PassParams {
@@ -477,6 +499,12 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         .map(|i| i.harvest.clear.or(i.harvest.reset))
         .sum();
     let vm = cfg.vm_settings(kind, pcpus);
+    let (stats, gpa) = (m.stats(), m.layout().gpa);
+    drop(m);
+    let clock = match vt {
+        Some(vt) => vt.finish()?,
+        None => ClockReport::real(),
+    };
     Ok(Report {
         head: RunHead::new(NAME, kind, a.machine.format),
         config: Config::new(a, &cfg, vm, pinned_cpus),
@@ -488,10 +516,11 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         get_total,
         clear_total,
         concurrent,
-        stats: m.stats(),
+        stats,
+        clock,
         machine_lines,
         format_header: format_header(kind, a.machine.format, &cfg.vm),
-        gpa: m.layout().gpa,
+        gpa,
     })
 }
 

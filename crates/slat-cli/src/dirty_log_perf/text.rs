@@ -40,6 +40,9 @@ pub(super) fn print_text(r: &Report) {
     for l in &r.machine_lines {
         println!("{l}");
     }
+    if let Some(l) = r.clock.line() {
+        println!("{l}");
+    }
 }
 
 pub(super) fn print_iteration(it: &Iteration) {
