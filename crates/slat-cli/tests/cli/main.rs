@@ -17,3 +17,4 @@ mod private_mem;
 mod private_mem_test;
 mod reports;
 mod snapshot;
+mod virtual_time;
