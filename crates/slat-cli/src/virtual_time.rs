@@ -125,6 +125,19 @@ impl ClockReport {
     }
 }
 
+impl ClockArgs {
+    /// The simulation of a `--clock virtual` run (started, the calling thread its host CPU),
+    /// `None` in real time.
+    pub fn start(&self) -> CliResult<Option<VirtualRun>> {
+        self.is_virtual().then(VirtualRun::start).transpose()
+    }
+}
+
+/// Ends `vt` (a run's simulation, if virtual) once its machine is gone: the report's clock.
+pub fn finish(vt: Option<VirtualRun>) -> CliResult<ClockReport> {
+    vt.map_or_else(|| Ok(ClockReport::real()), VirtualRun::finish)
+}
+
 impl VirtualRun {
     /// Starts a simulation with the built-in profile and makes the calling thread host CPU 0.
     pub fn start() -> CliResult<VirtualRun> {

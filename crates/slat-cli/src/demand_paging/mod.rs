@@ -10,7 +10,7 @@ use crate::driver::Benchmark;
 use crate::error::CliResult;
 use crate::output::{secs, Metric, RunHead, VmSettings, WorkSettings};
 use crate::report::{format_header, quiet, ratio, ts, Phase};
-use crate::virtual_time::{ClockArgs, ClockReport, VirtualRun};
+use crate::virtual_time::{self, ClockArgs, ClockReport, VirtualRun};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use slat_workload::format_size;
@@ -232,11 +232,7 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
     } else {
         ""
     };
-    let vt = if a.clock.is_virtual() {
-        Some(VirtualRun::start()?)
-    } else {
-        None
-    };
+    let vt = a.clock.start()?;
     let (m, p) = backend::start_with(kind, &cfg, what, q, vt.as_ref().map(VirtualRun::threads))?;
     let pinned_cpus = backend::pin(m.as_ref(), &a.pin, a.work.vcpus)?;
     p.done();
@@ -254,10 +250,7 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
     let (stats, pcpus) = (m.stats(), m.sim().map(|s| s.pcpus()));
     drop(m);
     // The simulation ends with the machine: the native baseline runs in real time.
-    let clock = match vt {
-        Some(vt) => vt.finish()?,
-        None => ClockReport::real(),
-    };
+    let clock = virtual_time::finish(vt)?;
 
     let p = Phase::start("native baseline: same pattern on host memory", q);
     // With -u the guest RAM was not pre-faulted, nor is the baseline's: both pay first touch.

@@ -17,7 +17,7 @@ use crate::error::{CliError, CliResult};
 use crate::harvest::{Harvest, HarvestTimes};
 use crate::output::{opt_secs, secs, Metric, RunHead, VmSettings, WorkSettings};
 use crate::report::{format_header, quiet, ratio, Phase};
-use crate::virtual_time::{ClockArgs, ClockReport, Stopwatch, VirtualRun};
+use crate::virtual_time::{self, ClockArgs, ClockReport, Stopwatch, VirtualRun};
 use clap::Args;
 use serde::Serialize;
 use slat_workload::format_size;
@@ -438,11 +438,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
     check(a).map_err(CliError::bad)?;
     let cfg = spec(a);
     let what = " and as much host memory for the native baseline";
-    let vt = if a.clock.is_virtual() {
-        Some(VirtualRun::start()?)
-    } else {
-        None
-    };
+    let vt = a.clock.start()?;
     let sim = vt.as_ref().map(VirtualRun::threads);
     let (m, p) = backend::start_with(kind, &cfg, what, quiet(a.out.json), sim)?;
     let native = Native::new(kind, m.layout(), a.work.backing, cfg.region.prefault)?;
@@ -499,12 +495,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         .map(|i| i.harvest.clear.or(i.harvest.reset))
         .sum();
     let vm = cfg.vm_settings(kind, pcpus);
-    let (stats, gpa) = (m.stats(), m.layout().gpa);
-    drop(m);
-    let clock = match vt {
-        Some(vt) => vt.finish()?,
-        None => ClockReport::real(),
-    };
+    let (stats, gpa, clock) = end_run(m, vt)?;
     Ok(Report {
         head: RunHead::new(NAME, kind, a.machine.format),
         config: Config::new(a, &cfg, vm, pinned_cpus),
@@ -522,6 +513,17 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         format_header: format_header(kind, a.machine.format, &cfg.vm),
         gpa,
     })
+}
+
+/// The machine's counters and test-region address, then the machine gone and, in virtual
+/// time, the simulation ended (its clock report; a failed simulation fails the run).
+fn end_run(
+    m: Box<dyn Backend>,
+    vt: Option<VirtualRun>,
+) -> CliResult<(serde_json::Value, u64, ClockReport)> {
+    let (stats, gpa) = (m.stats(), m.layout().gpa);
+    drop(m);
+    Ok((stats, gpa, virtual_time::finish(vt)?))
 }
 
 /// `--concurrent`: the harvests while the vCPUs write, after the iterations.
