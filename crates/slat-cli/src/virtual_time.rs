@@ -72,6 +72,20 @@ impl Stopwatch {
     }
 }
 
+/// Runs `f` outside the simulation when the calling thread is a simulated CPU (real-time work
+/// of its own threads, as the native baseline: it blocks in joins and must not hold the
+/// baton meanwhile); just runs it otherwise.
+pub fn outside<R>(f: impl FnOnce() -> R) -> R {
+    if slat_vt::simulated_now_ns().is_none() {
+        return f();
+    }
+    // Only a thread that runs no CPU fails these, and it was ruled out above.
+    let _ = slat_vt::detach_current();
+    let r = f();
+    let _ = slat_vt::attach_current();
+    r
+}
+
 /// A run in virtual time: the simulation and the main thread's place in it (host CPU 0).
 pub struct VirtualRun {
     sim: Arc<Sim>,

@@ -366,10 +366,12 @@ fn iterate(
     // The native pass runs after the harvest, not between the guest pass and it: it touches
     // every page of another gigabyte and would evict the page tables and bitmap the harvest
     // reads, which a VMM's harvest right after the guest ran finds warm.
-    let nat: Pass = native.run(PassParams {
+    let native_params = PassParams {
         timed: false,
         ..params
-    })?;
+    };
+    // Real time on host threads: outside the simulation under --clock virtual.
+    let nat: Pass = virtual_time::outside(|| native.run(native_params))?;
     let it = Iteration {
         iteration: i,
         dirty: pass.wall,
@@ -453,7 +455,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         touches: None,
     };
     let populate = m.run_pass(populate_params)?;
-    let populate_native = native.run(populate_params)?;
+    let populate_native = virtual_time::outside(|| native.run(populate_params))?;
     let t0 = Stopwatch::start();
     m.set_dirty_logging(true)?;
     let enable = t0.elapsed();
