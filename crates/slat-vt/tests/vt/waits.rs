@@ -87,3 +87,21 @@ fn host_misuse_is_an_error(sim: &slat_vt::Sim) -> bool {
     // Not attached on this thread: detach and attach_at refuse.
     h.detach().is_err() && h.attach_at(0).is_err()
 }
+
+#[test]
+fn the_current_thread_steps_out_and_back_without_its_handle() {
+    let sim = common::sim(common::profile(), 0);
+    let host = sim.register("host").unwrap();
+    host.attach().unwrap();
+    Virtual::charge(Cost::VmExit, 3);
+    assert_eq!(slat_vt::simulated_now_ns(), Some(3 * STEP));
+    slat_vt::detach_current().unwrap();
+    // Outside: not a simulated CPU (and no hook is called here).
+    assert_eq!(slat_vt::simulated_now_ns(), None);
+    slat_vt::attach_current().unwrap();
+    assert_eq!(slat_vt::simulated_now_ns(), Some(3 * STEP));
+    drop(host);
+    sim.finish().expect("clean run");
+    // A thread that runs no CPU: nothing to do, no error.
+    assert!(slat_vt::detach_current().is_ok() && slat_vt::attach_current().is_ok());
+}
