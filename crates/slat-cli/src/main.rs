@@ -22,6 +22,7 @@ mod plot;
 mod private_mem_perf;
 mod private_mem_test;
 mod report;
+mod reproduce;
 mod snapshot_perf;
 mod virtual_time;
 
@@ -81,6 +82,10 @@ enum Command {
     /// machine: vCPUs convert their memory between shared and private while a host CPU reads
     /// it through the host direct map; every access is checked. Exits 1 on a violation.
     PrivateMemTest(private_mem_test::PrivateMemTestArgs),
+    /// A seed thread's experiment (000-004, or all) as slat's own benchmarks, before and after
+    /// its change, beside the numbers the thread published: both after/before ratios and
+    /// whether the direction and the magnitude (within 2x) are reproduced.
+    Reproduce(reproduce::ReproduceArgs),
 }
 
 /// Clap's error as one line: the problem and what it lists under it (the missing flags, the
@@ -119,6 +124,12 @@ fn check_outputs(command: &Command) -> error::CliResult {
         Command::DirtyRate(a) => &a.out,
         Command::PrivateMemPerf(a) => &a.out,
         Command::PrivateMemTest(_) => return Ok(()),
+        Command::Reproduce(a) => {
+            return match &a.plot {
+                Some(p) => args::check_writable("--plot", p),
+                None => Ok(()),
+            }
+        }
     };
     out.check_paths()
 }
@@ -170,6 +181,7 @@ fn main() {
         Command::DirtyRate(a) => driver::run(a),
         Command::PrivateMemPerf(a) => driver::run(a),
         Command::PrivateMemTest(a) => private_mem_test::run(a),
+        Command::Reproduce(a) => reproduce::run(a),
     });
     if let Err(e) = r {
         // The one place an error becomes an exit status: 2 for refused input, 1 for a failed

@@ -191,7 +191,7 @@ fn repeat(b: &impl Benchmark) -> usize {
 }
 
 /// `--repeat` runs of one configuration on `kind`, each printed if `text`.
-fn runs<B: Benchmark>(b: &B, kind: BackendArg, text: bool) -> CliResult<Vec<B::Report>> {
+pub(crate) fn runs<B: Benchmark>(b: &B, kind: BackendArg, text: bool) -> CliResult<Vec<B::Report>> {
     let (n, q) = (repeat(b), quiet(b.common().out.json));
     let mut out = Vec::with_capacity(n);
     for i in 0..n {

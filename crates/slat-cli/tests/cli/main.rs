@@ -16,5 +16,6 @@ mod parity;
 mod private_mem;
 mod private_mem_test;
 mod reports;
+mod reproduce;
 mod snapshot;
 mod virtual_time;

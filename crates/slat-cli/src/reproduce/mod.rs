@@ -1,0 +1,433 @@
+//! `slat reproduce`: each seed thread's experiment as slat's own benchmarks, before and after
+//! the thread's change, beside the numbers the thread published, with a verdict per row.
+//!
+//! The published numbers live in [`published`] with their file and line; the experiments
+//! (benchmark, flags of the change, figure, and the size at the seed's scale, this host's and
+//! `--quick`'s) in [`experiments`]; [`runner`] runs each command through the driver and
+//! [`table`] prints, plots and serialises the result. Only real time exists so far: the
+//! seed-scale flags are kept for `--clock virtual`, which is refused until it is built.
+
+mod experiments;
+pub mod published;
+mod runner;
+mod table;
+
+use crate::args::{check_writable, BackendArg};
+use crate::error::{CliError, CliResult};
+use crate::output::print_json;
+use crate::report::quiet;
+use clap::{Args, ValueEnum};
+use experiments::{Experiment, Size, GET_SWEEP};
+use published::{Seed, SEEDS};
+use runner::{Reading, Runner};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::time::Instant;
+use table::{Cell, Row, SeedReport, Verdict};
+
+/// Which seeds to reproduce.
+#[derive(Debug, Clone)]
+pub struct Which(pub Vec<&'static Seed>);
+
+fn which(s: &str) -> Result<Which, String> {
+    if s == "all" {
+        return Ok(Which(SEEDS.iter().collect()));
+    }
+    published::seed(s)
+        .map(|x| Which(vec![x]))
+        .ok_or_else(|| format!("`{s}` is not a seed: give 000, 001, 002, 003, 004 or all"))
+}
+
+/// The clock the experiments run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ClockArg {
+    /// Wall-clock time on this host, at this host's scale (1-2 vCPUs, sizes that fit).
+    Real,
+    /// Simulated time at each seed's own scale (not built yet: refused).
+    Virtual,
+}
+
+/// Flags of `slat reproduce`.
+#[derive(Debug, Clone, Args)]
+#[command(after_long_help = "\
+Each row runs one of slat's benchmarks twice, before and after the seed's change, and prints \
+both commands so they can be run by hand. after/before is each side's ratio (below 1: the \
+figure went down). direction: slat's ratio is on the same side of 1 as the published one. \
+within 2x: slat's ratio is between half and twice the published one (n/a where the thread gives \
+no figure). With --repeat, \"(in noise)\" after the direction: the before and after runs' ranges \
+overlap. Rows with the same command share their runs. Exit status 1 if any run failed (its row \
+says why); the other rows are still printed.")]
+pub struct ReproduceArgs {
+    /// The seed thread: 000 (fast page fault for the TDP MMU), 001 (arm64 stage-2 cache
+    /// maintenance and block rebuild), 002 (lock-free write-protect through the reverse map),
+    /// 003 (private memory and the host direct map), 004 (two dirty bitmaps), or all.
+    #[arg(value_name = "SEED", value_parser = which)]
+    pub seed: Which,
+    /// `real`: wall-clock time at this host's scale. `virtual` (the seeds' own scale in
+    /// simulated time) is not built yet and is refused.
+    #[arg(long, value_enum, default_value = "real")]
+    pub clock: ClockArg,
+    /// The same experiments scaled down to seconds per seed (for CI).
+    #[arg(long)]
+    pub quick: bool,
+    /// Print one JSON document (schema: crates/slat-cli/schema/reproduce.json) instead of the
+    /// tables.
+    #[arg(long)]
+    pub json: bool,
+    /// Run every command N times, before and after alternately, and compare the medians
+    /// (1-1000).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000), default_value_t = 1)]
+    pub repeat: u32,
+    /// Also draw each seed's after/before ratios, the thread's bar beside slat's for every row,
+    /// into an SVG file (checked writable before anything runs).
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+}
+
+/// The JSON document.
+#[derive(Serialize)]
+struct Report<'a> {
+    benchmark: &'static str,
+    clock: &'static str,
+    /// `host` or `quick`.
+    scale: Size,
+    /// Runs per command (medians).
+    repeat: u32,
+    seeds: &'a [SeedReport],
+}
+
+impl ReproduceArgs {
+    fn size(&self) -> Size {
+        if self.quick {
+            Size::Quick
+        } else {
+            Size::Host
+        }
+    }
+}
+
+/// Runs `slat reproduce`.
+pub fn run(a: &ReproduceArgs) -> CliResult {
+    if let Some(p) = &a.plot {
+        check_writable("--plot", p)?;
+    }
+    if a.clock == ClockArg::Virtual {
+        return Err(CliError::bad(
+            "--clock virtual: virtual time is not built yet; use --clock real (this host's scale)",
+        ));
+    }
+    let size = a.size();
+    let mut runner = Runner::default();
+    let ctx = Ctx {
+        size,
+        repeat: a.repeat as usize,
+        quiet: quiet(a.json),
+    };
+    // Every command is checked before the first runs, as a sweep's rows are; the seed-scale
+    // ones the table prints (for --clock virtual) at least parse.
+    for seed in &a.seed.0 {
+        for (bench, args) in commands(seed.id, size) {
+            runner.check(bench, &args)?;
+        }
+        for (bench, args) in commands(seed.id, Size::Seed) {
+            Runner::parses(bench, &args)?;
+        }
+    }
+    let mut seeds = Vec::new();
+    for seed in &a.seed.0 {
+        let t0 = Instant::now();
+        let mut s = SeedReport {
+            seed: **seed,
+            rows: Vec::new(),
+            sweep: Vec::new(),
+            implied: None,
+            wall_s: 0.0,
+        };
+        if seed.id == GET_SWEEP.row.seed {
+            get_sweep(&mut runner, &ctx, &mut s);
+        }
+        for e in experiments::of(seed.id) {
+            let c = Commands::of(e, size);
+            s.rows.push(row(&mut runner, e, c, &ctx, e.row.to_string()));
+        }
+        s.wall_s = t0.elapsed().as_secs_f64();
+        if !a.json {
+            table::print(&s, "real", size_name(size));
+        }
+        seeds.push(s);
+    }
+    if let Some(path) = &a.plot {
+        table::plot(&seeds, path)?;
+    }
+    if a.json {
+        let doc = Report {
+            benchmark: "reproduce",
+            clock: "real",
+            scale: size,
+            repeat: a.repeat,
+            seeds: &seeds,
+        };
+        print_json(&doc, &[BackendArg::Sim])?;
+    }
+    let failed = seeds.iter().flat_map(|s| &s.rows);
+    match failed.filter(|r| r.slat.error.is_some()).count() {
+        0 => Ok(()),
+        n => Err(CliError::Runtime(format!("reproduce: {n} rows failed"))),
+    }
+}
+
+fn size_name(s: Size) -> &'static str {
+    match s {
+        Size::Seed => "the seed's",
+        Size::Host => "this host's",
+        Size::Quick => "--quick",
+    }
+}
+
+/// Every command seed `id` runs at `size`.
+fn commands(id: &str, size: Size) -> Vec<(experiments::Bench, String)> {
+    let mut out = Vec::new();
+    for e in experiments::of(id) {
+        out.push((e.bench, e.args(size, false)));
+        out.push((e.bench, e.args(size, true)));
+    }
+    if id == GET_SWEEP.row.seed {
+        for (s, d) in sweep_cells() {
+            for after in [false, true] {
+                out.push((GET_SWEEP.row.bench, sweep_args(s.flags(size), d, after)));
+            }
+        }
+    }
+    out
+}
+
+/// The words of `slat BENCH ARGS`.
+fn command(bench: experiments::Bench, args: &str) -> String {
+    format!("slat {} {args}", bench.name())
+}
+
+/// A row's commands (arguments after the subcommand) here and at the seed's scale.
+struct Commands {
+    here: [String; 2],
+    seed: [String; 2],
+    /// The size flags used here.
+    scale: String,
+}
+
+impl Commands {
+    fn of(e: &Experiment, size: Size) -> Commands {
+        Commands {
+            here: [false, true].map(|after| e.args(size, after)),
+            seed: [false, true].map(|after| e.args(Size::Seed, after)),
+            scale: e.scale.flags(size).to_string(),
+        }
+    }
+}
+
+/// How the experiments run.
+struct Ctx {
+    size: Size,
+    /// Rounds of before and after.
+    repeat: usize,
+    quiet: bool,
+}
+
+/// `before` and `after` run alternately, `ctx.repeat` rounds (so that a change in the host's
+/// load falls on both sides), and their figures' medians.
+fn pair(
+    runner: &mut Runner,
+    e: &Experiment,
+    here: &[String; 2],
+    ctx: &Ctx,
+) -> [CliResult<Reading>; 2] {
+    let mut ran = Ok(());
+    'rounds: for round in 1..=ctx.repeat {
+        for args in here {
+            if !ctx.quiet {
+                let of = if ctx.repeat > 1 {
+                    format!(" (run {round}/{})", ctx.repeat)
+                } else {
+                    String::new()
+                };
+                eprintln!(
+                    "[slat] reproduce {}: {}{of}",
+                    e.seed,
+                    command(e.bench, args)
+                );
+            }
+            ran = runner.run(e.bench, args, round);
+            if ran.is_err() {
+                break 'rounds;
+            }
+        }
+    }
+    here.each_ref().map(|args| match &ran {
+        Ok(()) => runner.read(e.bench, args, e.figure),
+        Err(x) => Err(CliError::Runtime(x.to_string())),
+    })
+}
+
+/// One row: both commands run (or taken from an earlier row's runs), and the verdict.
+fn row(runner: &mut Runner, e: &Experiment, c: Commands, ctx: &Ctx, label: String) -> Row {
+    let [before, after] = pair(runner, e, &c.here, ctx);
+    let (unit, error) = match (&before, &after) {
+        (Ok(b), Ok(_)) => (Some(b.unit), None),
+        (Err(x), _) | (_, Err(x)) => (None, Some(x.to_string())),
+    };
+    let (b, a) = (value(&before), value(&after));
+    let ratio = b.zip(a).map(|(b, a)| a / b);
+    let range = |r: &CliResult<Reading>| r.as_ref().ok().map(|r| r.range);
+    let (br, ar) = (range(&before), range(&after));
+    let mut verdict = Verdict::of(e.published, ratio);
+    if ctx.repeat > 1 {
+        verdict.overlap = br.zip(ar).map(|(b, a)| b[0] <= a[1] && a[0] <= b[1]);
+    }
+    let metric = match e.figure.per_page {
+        true => format!("{}, per page per vCPU", e.figure.metric),
+        false => e.figure.metric.to_string(),
+    };
+    Row {
+        row: label,
+        benchmark: e.bench.name(),
+        published: table::Published {
+            claim: e.published,
+            ratio: e.published.ratio(),
+            file: published::seed(e.seed).map_or("", |s| s.file),
+        },
+        slat: table::Measured {
+            metric,
+            unit,
+            before: b,
+            after: a,
+            ratio,
+            before_range: br,
+            after_range: ar,
+            commands: c.here.map(|x| command(e.bench, &x)),
+            error,
+        },
+        scale: c.scale,
+        scale_note: e.scale.note,
+        seed_scale: c.seed.map(|x| command(e.bench, &x)),
+        verdict,
+    }
+}
+
+fn value(r: &CliResult<Reading>) -> Option<f64> {
+    r.as_ref().ok().map(|r| r.value)
+}
+
+/// 004's grid: each size with each density.
+fn sweep_cells() -> impl Iterator<Item = (&'static experiments::Scale, &'static str)> {
+    let sizes = GET_SWEEP.sizes.iter();
+    sizes.flat_map(|s| GET_SWEEP.densities.iter().map(move |d| (s, *d)))
+}
+
+fn sweep_args(size: &str, density: &str, after: bool) -> String {
+    let e = &GET_SWEEP.row;
+    let change = if after { e.after } else { e.before };
+    format!("{size} {} {density} {change}", e.fixed)
+}
+
+/// 004's GET over the grid; its rows are the cells where the two paths differ most and least.
+fn get_sweep(runner: &mut Runner, ctx: &Ctx, s: &mut SeedReport) {
+    let e = GET_SWEEP.row;
+    for (sz, d) in sweep_cells() {
+        let here = [false, true].map(|after| sweep_args(sz.flags(ctx.size), d, after));
+        let [x, sw] = pair(runner, &e, &here, ctx).map(|r| r.ok().map(|r| r.value));
+        s.sweep.push(Cell {
+            size: sz.flags(ctx.size),
+            density: d,
+            xchg_s: x,
+            switch_s: sw,
+            ratio: x.zip(sw).map(|(x, s)| s / x),
+        });
+    }
+    // The difference between the two paths, whichever way: |ln(switch / xchg)|.
+    let gap = |c: &Cell| c.ratio.filter(|r| *r > 0.0).map(|r| r.ln().abs());
+    let cells: Vec<(usize, f64)> = (s.sweep.iter().enumerate())
+        .filter_map(|(i, c)| Some((i, gap(c)?)))
+        .collect();
+    let most = cells.iter().max_by(|a, b| a.1.total_cmp(&b.1));
+    let least = cells.iter().min_by(|a, b| a.1.total_cmp(&b.1));
+    let picks = [("largest", most), ("smallest", least)];
+    for (what, pick) in picks {
+        // A failed grid still gets both rows (with the error), at its first cell.
+        let i = pick.map_or(0, |p| p.0);
+        let (sz, d) = sweep_cells()
+            .nth(i)
+            .unwrap_or((&GET_SWEEP.sizes[0], "-w 1"));
+        let c = Commands {
+            here: [false, true].map(|after| sweep_args(sz.flags(ctx.size), d, after)),
+            seed: [false, true].map(|after| sweep_args(sz.seed, d, after)),
+            scale: format!("{} {d}", sz.flags(ctx.size)),
+        };
+        let label = format!("GET_DIRTY_LOG, {what} difference ({})", c.scale);
+        s.rows.push(row(runner, &e, c, ctx, label));
+    }
+    s.implied = Some(implied(s, ctx.size));
+}
+
+/// What the thread's −50% implies, and the grid's cell closest to it.
+fn implied(s: &SeedReport, size: Size) -> String {
+    let big = GET_SWEEP.sizes[GET_SWEEP.sizes.len() - 1].flags(size);
+    let sparse = GET_SWEEP.densities[0];
+    let at = (s.sweep.iter())
+        .find(|c| c.size == big && c.density == sparse)
+        .and_then(|c| c.ratio);
+    format!(
+        "The thread's figure (-50%, a 16 GB guest with 32 vCPUs dirtying 8 Gbps) implies the sparse end of the grid: \
+         the memset and the per-word exchange it removed were half of GET, which holds when the slot is large and few \
+         of its pages are dirty per GET (per-word work over the whole slot, per-page work over only the dirty pages). \
+         slat's closest cell ({big} {sparse}): switch/xchg {}.",
+        at.map_or("-".into(), |r| format!("{r:.3}x"))
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every command parses at every scale, and those this host runs pass the benchmarks'
+    /// checks: a typo in the table would otherwise surface only when a row runs.
+    #[test]
+    fn every_command_parses_and_the_host_commands_pass_their_checks() {
+        let runner = Runner::default();
+        for seed in SEEDS {
+            for size in [Size::Host, Size::Quick] {
+                for (bench, args) in commands(seed.id, size) {
+                    runner.check(bench, &args).unwrap();
+                }
+            }
+            for (bench, args) in commands(seed.id, Size::Seed) {
+                Runner::parses(bench, &args).unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn the_verdict_judges_direction_and_magnitude() {
+        let claim = experiments::EXPERIMENTS[0].published; // 3.545 -> 0.315 s: 0.0889x
+        let v = |r| {
+            let v = Verdict::of(claim, Some(r));
+            (v.direction, v.within_2x)
+        };
+        assert_eq!(v(0.09), (Some(true), Some(true)));
+        assert_eq!(v(0.5), (Some(true), Some(false)));
+        assert_eq!(v(0.05), (Some(true), Some(true)));
+        assert_eq!(v(1.2), (Some(false), Some(false)));
+        assert_eq!(Verdict::of(claim, None).direction, None);
+        let worse = published::KERNEL_FLUSH;
+        assert_eq!(Verdict::of(worse, Some(0.5)).direction, Some(true));
+        assert_eq!(Verdict::of(worse, Some(1.1)).direction, Some(false));
+        assert_eq!(Verdict::of(worse, Some(0.5)).within_2x, None);
+    }
+
+    #[test]
+    fn bad_seeds_are_refused_and_all_is_every_seed() {
+        assert_eq!(which("all").unwrap().0.len(), 5);
+        assert_eq!(which("002").unwrap().0[0].id, "002");
+        for s in ["005", "", "2", "ALL", "000,001"] {
+            assert!(which(s).unwrap_err().contains("is not a seed"), "{s}");
+        }
+    }
+}

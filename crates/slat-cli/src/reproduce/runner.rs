@@ -1,0 +1,201 @@
+//! Runs an experiment's command through the driver: the flags are parsed by the benchmark's
+//! own clap definition (so the command printed is one the user can run), checked, measured
+//! once per round by [`driver::runs`], and the median of its figures read. Rows that share a
+//! command (a page-table-test run gives three stages) share its runs.
+
+use super::experiments::{Bench, Figure};
+use crate::access_tracking_perf::AccessTrackingPerfArgs;
+use crate::args::BackendArg;
+use crate::dirty_log_perf::DirtyLogPerfArgs;
+use crate::driver::{self, Benchmark};
+use crate::error::{CliError, CliResult};
+use crate::page_table_test::PageTableTestArgs;
+use crate::private_mem_perf::{self, PrivateMemPerfArgs};
+use std::collections::HashMap;
+
+/// One metric of one run.
+#[derive(Debug, Clone)]
+struct Value {
+    name: &'static str,
+    unit: &'static str,
+    value: Option<f64>,
+}
+
+/// A command's runs so far, and the guest pages per vCPU when the benchmark has them.
+#[derive(Debug, Clone, Default)]
+struct Measured {
+    runs: Vec<Vec<Value>>,
+    pages_per_vcpu: Option<u64>,
+}
+
+/// A figure read from a run, in its unit.
+#[derive(Debug, Clone, Copy)]
+pub struct Reading {
+    /// The median over the runs.
+    pub value: f64,
+    /// The smallest and largest run.
+    pub range: [f64; 2],
+    pub unit: &'static str,
+}
+
+/// A benchmark an experiment can run: its flags parse from words, and its report gives the
+/// figures by name.
+trait Source: Benchmark + clap::Args + clap::FromArgMatches {
+    /// Every figure of one run, by name.
+    fn values(&self, r: &Self::Report) -> Vec<(&'static str, &'static str, Option<f64>)> {
+        let ms = self.metrics();
+        ms.iter().map(|m| (m.name, m.unit, (m.get)(r))).collect()
+    }
+    /// Guest pages each vCPU works on (for figures per page).
+    fn pages_per_vcpu(&self) -> Option<u64> {
+        None
+    }
+}
+
+impl Source for DirtyLogPerfArgs {
+    fn pages_per_vcpu(&self) -> Option<u64> {
+        Some(self.work.bytes / slat_addr::PAGE_SIZE)
+    }
+}
+impl Source for AccessTrackingPerfArgs {}
+impl Source for PageTableTestArgs {}
+impl Source for PrivateMemPerfArgs {
+    /// The simulated machine's figures are per direct-map variant; an experiment names one
+    /// variant, so its run has one row.
+    fn values(&self, r: &Self::Report) -> Vec<(&'static str, &'static str, Option<f64>)> {
+        let row = match r {
+            private_mem_perf::Run::Sim(s) => s.rows.first(),
+            private_mem_perf::Run::Host(_) => None,
+        };
+        let ms = private_mem_perf::sim::ROW_METRICS;
+        ms.iter()
+            .map(|m| (m.name, m.unit, row.and_then(|x| (m.get)(x))))
+            .collect()
+    }
+}
+
+fn bad<B: Benchmark>(args: &str, e: impl std::fmt::Display) -> CliError {
+    CliError::bad(format!("slat {} {args}: {e}", B::NAME))
+}
+
+/// The flags `args` (words, without the subcommand) as benchmark `B`'s clap definition parses
+/// them, quiet.
+fn flags<B: Source>(args: &str) -> CliResult<B> {
+    let mut argv: Vec<&str> = args.split_whitespace().collect();
+    // JSON only silences the benchmark's own text: the report is read, not printed.
+    argv.push("--json");
+    let cmd = B::augment_args(clap::Command::new(B::NAME).no_binary_name(true));
+    let m = cmd
+        .try_get_matches_from(argv)
+        .map_err(|e| bad::<B>(args, crate::one_line(&e.render().to_string())))?;
+    B::from_arg_matches(&m).map_err(|e| bad::<B>(args, crate::one_line(&e.to_string())))
+}
+
+/// [`flags`], refused as the benchmark refuses them (sizes this host cannot hold, say).
+fn parse<B: Source>(args: &str) -> CliResult<B> {
+    let b = flags::<B>(args)?;
+    let bad = |e: String| bad::<B>(args, e);
+    if let Some(why) = b.refuse() {
+        return Err(bad(why));
+    }
+    b.check().map_err(|e| bad(e.to_string()))?;
+    Ok(b)
+}
+
+fn median(mut xs: Vec<f64>) -> Option<f64> {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(xs[n / 2]),
+        _ => Some((xs[n / 2 - 1] + xs[n / 2]) / 2.0),
+    }
+}
+
+/// One more run of `args` through the driver, its figures added to `m`.
+fn measure<B: Source>(args: &str, m: &mut Measured) -> CliResult {
+    let b = parse::<B>(args)?;
+    for r in driver::runs(&b, BackendArg::Sim, false)? {
+        let values = b.values(&r).into_iter();
+        let values = values.map(|(name, unit, value)| Value { name, unit, value });
+        m.runs.push(values.collect());
+    }
+    m.pages_per_vcpu = b.pages_per_vcpu();
+    Ok(())
+}
+
+/// Runs commands, each as many times as asked and no more: rows that share a command share
+/// its runs.
+#[derive(Default)]
+pub struct Runner {
+    memo: HashMap<String, Measured>,
+}
+
+impl Runner {
+    /// Refuses flags benchmark `bench` would refuse, without running anything.
+    pub fn check(&self, bench: Bench, args: &str) -> CliResult {
+        match bench {
+            Bench::DirtyLogPerf => parse::<DirtyLogPerfArgs>(args).map(drop),
+            Bench::AccessTrackingPerf => parse::<AccessTrackingPerfArgs>(args).map(drop),
+            Bench::PageTableTest => parse::<PageTableTestArgs>(args).map(drop),
+            Bench::PrivateMemPerf => parse::<PrivateMemPerfArgs>(args).map(drop),
+        }
+    }
+
+    /// Refuses flags benchmark `bench`'s parser refuses (for commands at a scale this host
+    /// cannot run, which only the parser can check).
+    pub fn parses(bench: Bench, args: &str) -> CliResult {
+        match bench {
+            Bench::DirtyLogPerf => flags::<DirtyLogPerfArgs>(args).map(drop),
+            Bench::AccessTrackingPerf => flags::<AccessTrackingPerfArgs>(args).map(drop),
+            Bench::PageTableTest => flags::<PageTableTestArgs>(args).map(drop),
+            Bench::PrivateMemPerf => flags::<PrivateMemPerfArgs>(args).map(drop),
+        }
+    }
+
+    /// Makes sure `slat BENCH ARGS` has run at least `runs` times.
+    pub fn run(&mut self, bench: Bench, args: &str, runs: usize) -> CliResult {
+        let m = self.memo.entry(key(bench, args)).or_default();
+        while m.runs.len() < runs {
+            match bench {
+                Bench::DirtyLogPerf => measure::<DirtyLogPerfArgs>(args, m),
+                Bench::AccessTrackingPerf => measure::<AccessTrackingPerfArgs>(args, m),
+                Bench::PageTableTest => measure::<PageTableTestArgs>(args, m),
+                Bench::PrivateMemPerf => measure::<PrivateMemPerfArgs>(args, m),
+            }?;
+        }
+        Ok(())
+    }
+
+    /// The median of `fig` over the runs of `slat BENCH ARGS` so far.
+    pub fn read(&self, bench: Bench, args: &str, fig: Figure) -> CliResult<Reading> {
+        let key = key(bench, args);
+        let missing = || CliError::Runtime(format!("slat {key}: no `{}` figure", fig.metric));
+        let m = self.memo.get(&key).ok_or_else(missing)?;
+        let of = |run: &Vec<Value>| run.iter().find(|v| v.name == fig.metric).cloned();
+        let unit = m.runs.first().and_then(of).ok_or_else(missing)?.unit;
+        let xs: Vec<f64> = m.runs.iter().filter_map(|r| of(r)?.value).collect();
+        let range = [
+            xs.iter().copied().reduce(f64::min),
+            xs.iter().copied().reduce(f64::max),
+        ];
+        let value = median(xs).ok_or_else(missing)?;
+        let range = range.map(|x| x.unwrap_or(value));
+        match (fig.per_page, m.pages_per_vcpu) {
+            (false, _) => Ok(Reading { value, range, unit }),
+            (true, Some(pages)) if pages > 0 && unit == "s" => {
+                let per = |x: f64| x * 1e9 / pages as f64;
+                Ok(Reading {
+                    value: per(value),
+                    range: range.map(per),
+                    unit: "ns/page",
+                })
+            }
+            (true, _) => Err(missing()),
+        }
+    }
+}
+
+fn key(bench: Bench, args: &str) -> String {
+    format!("{} {args}", bench.name())
+}

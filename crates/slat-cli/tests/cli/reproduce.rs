@@ -1,0 +1,154 @@
+//! `slat reproduce`: every seed's table has all its rows, each with both sides' figures and a
+//! verdict (not that the verdict is yes), in text and in JSON (checked against its schema);
+//! `--plot` draws it; bad input is refused with one line. The published numbers are checked
+//! against the seed threads by the unit tests of `src/reproduce/published.rs`.
+
+use crate::common;
+
+use common::schema::{errors, validate};
+use common::{json, ok, slat};
+
+/// Rows per seed: 000's two selftests; 001's eight patch-1 and five patch-2 rows; 002's harvest
+/// and guest benchmark; 003's fault-in and kernel flush; 004's two GET cells and the mark.
+const ROWS: [(&str, usize); 5] = [("000", 2), ("001", 13), ("002", 2), ("003", 2), ("004", 3)];
+
+#[test]
+fn every_seed_has_all_its_rows_and_a_verdict_in_json() {
+    let d = json(&["reproduce", "all", "--quick"]);
+    validate("reproduce.json", &d);
+    assert_eq!(d["clock"], "real");
+    assert_eq!(d["scale"], "quick");
+    let seeds = d["seeds"].as_array().expect("seeds");
+    assert_eq!(seeds.len(), ROWS.len(), "{d:#}");
+    for (s, (id, n)) in seeds.iter().zip(ROWS) {
+        assert_eq!(s["seed"]["id"], id);
+        let rows = s["rows"].as_array().expect("rows");
+        assert_eq!(rows.len(), n, "seed {id}: {rows:#?}");
+        for r in rows {
+            let what = format!("seed {id}, {}", r["row"]);
+            assert!(
+                r["slat"]["before"].as_f64().is_some_and(|x| x > 0.0),
+                "{what}: {r:#}"
+            );
+            assert!(
+                r["slat"]["after"].as_f64().is_some_and(|x| x > 0.0),
+                "{what}: {r:#}"
+            );
+            assert!(r["verdict"]["direction"].is_boolean(), "{what}: {r:#}");
+            // A magnitude verdict wherever the thread gives figures.
+            let figures = r["published"]["ratio"].is_number();
+            assert_eq!(r["verdict"]["within_2x"].is_boolean(), figures, "{what}");
+            for c in r["slat"]["commands"].as_array().unwrap() {
+                assert!(c.as_str().unwrap().starts_with("slat "), "{what}");
+            }
+        }
+        assert!(s["wall_s"].as_f64().is_some_and(|t| t >= 0.0));
+    }
+    // The schema holds every row to its verdict and its commands.
+    let mut bad = d.clone();
+    bad["seeds"][0]["rows"][0]
+        .as_object_mut()
+        .unwrap()
+        .remove("verdict");
+    let errs = errors("reproduce.json", &bad);
+    assert!(errs.iter().any(|e| e.contains("verdict")), "{errs:?}");
+    let sweep = seeds[4]["sweep"].as_array().expect("004's sweep");
+    assert_eq!(sweep.len(), 6, "two sizes x three densities");
+    assert!(seeds[4]["implied"]
+        .as_str()
+        .is_some_and(|s| s.contains("sparse")));
+}
+
+/// With `--repeat` every figure is a median inside its runs' range, and the verdict says
+/// whether the before and after ranges overlap.
+#[test]
+fn repeat_gives_medians_ranges_and_whether_they_overlap() {
+    let d = json(&["reproduce", "003", "--quick", "--repeat", "3"]);
+    validate("reproduce.json", &d);
+    for r in d["seeds"][0]["rows"].as_array().unwrap() {
+        for side in ["before", "after"] {
+            let m = r["slat"][side].as_f64().unwrap();
+            let range = &r["slat"][format!("{side}_range")];
+            let (lo, hi) = (range[0].as_f64().unwrap(), range[1].as_f64().unwrap());
+            assert!(lo <= m && m <= hi, "{r:#}");
+        }
+        assert!(r["verdict"]["overlap"].is_boolean(), "{r:#}");
+    }
+    let one = json(&["reproduce", "003", "--quick"]);
+    assert!(one["seeds"][0]["rows"][0]["verdict"]["overlap"].is_null());
+}
+
+#[test]
+fn the_text_prints_each_table_its_commands_and_its_wall_time() {
+    let out = ok(&["reproduce", "003", "--quick"]);
+    for needle in [
+        "seed 003:",
+        "../shared/seeds/003_",
+        "published before -> after",
+        "direction",
+        "within 2x",
+        "8.0 -> 12.9 GB/s",
+        "\"completely cratered performance\"",
+        "n/a (no figure)",
+        "before: slat private-mem-perf",
+        "after:  slat private-mem-perf",
+        "seed's scale",
+        "seed 003 took",
+    ] {
+        assert!(out.contains(needle), "{needle}:\n{out}");
+    }
+    // One row line per row, each ending in the two verdicts.
+    let rows = out
+        .lines()
+        .filter(|l| l.starts_with('[') && l.contains(" | "));
+    for l in rows.clone() {
+        let v: Vec<&str> = l.rsplit(" | ").take(2).collect();
+        assert!(["yes", "no"].contains(&v[1].trim()), "{l}");
+    }
+    assert_eq!(rows.count(), 2, "{out}");
+}
+
+#[test]
+fn plot_draws_the_published_bars_beside_slats() {
+    let dir = std::env::temp_dir().join(format!("slat-reproduce-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let svg = dir.join("r.svg");
+    let svg_s = svg.to_str().unwrap();
+    ok(&[
+        "reproduce",
+        "000",
+        "--quick",
+        "--repeat",
+        "2",
+        "--plot",
+        svg_s,
+    ]);
+    let text = std::fs::read_to_string(&svg).expect("svg written");
+    assert!(text.contains("1 pub") && text.contains("2 slat"), "{text}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn bad_input_is_refused_with_one_line() {
+    for (args, needle) in [
+        (&["reproduce", "005"][..], "`005` is not a seed"),
+        (
+            &["reproduce", "000", "--clock", "virtual"],
+            "virtual time is not built yet",
+        ),
+        (&["reproduce", "000", "--clock", "wall"], "--clock"),
+        (&["reproduce"], "SEED"),
+        (&["reproduce", "000", "--repeat", "0"], "--repeat"),
+        // Checked before anything runs, not after minutes of runs.
+        (
+            &["reproduce", "all", "--plot", "/nonexistent-slat-dir/r.svg"],
+            "cannot write",
+        ),
+    ] {
+        let (code, out, err) = slat(args);
+        assert_eq!(code, 2, "{args:?}: {out}{err}");
+        assert!(out.is_empty(), "{args:?}: {out}");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}
