@@ -72,18 +72,11 @@ impl Stopwatch {
     }
 }
 
-/// Runs `f` outside the simulation when the calling thread is a simulated CPU (real-time work
-/// of its own threads, as the native baseline: it blocks in joins and must not hold the
-/// baton meanwhile); just runs it otherwise.
+/// Runs `f`, real-time work on host threads of the calling thread's own (the native baseline),
+/// without letting the simulation move meanwhile: under `--clock virtual` the host CPU keeps
+/// the baton (so the run stays deterministic) and the watchdog lets it be.
 pub fn outside<R>(f: impl FnOnce() -> R) -> R {
-    if slat_vt::simulated_now_ns().is_none() {
-        return f();
-    }
-    // Only a thread that runs no CPU fails these, and it was ruled out above.
-    let _ = slat_vt::detach_current();
-    let r = f();
-    let _ = slat_vt::attach_current();
-    r
+    slat_vt::hold_while(f)
 }
 
 /// A run in virtual time: the simulation and the main thread's place in it (host CPU 0).

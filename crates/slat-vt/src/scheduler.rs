@@ -92,6 +92,9 @@ pub(crate) struct Inner {
     pub(crate) switches: u64,
     pub(crate) lookahead: u64,
     pub(crate) handovers: Vec<Handover>,
+    /// The baton holder is blocked outside the simulation on purpose ([`crate::hold_while`]):
+    /// the watchdog lets it be.
+    pub(crate) holding_outside: bool,
 }
 
 /// One simulation's state, shared by its CPUs' threads, the `Sim` and the watchdog.
@@ -177,6 +180,7 @@ impl Shared {
             switches: 0,
             lookahead: m.lookahead.ps(),
             handovers: Vec::new(),
+            holding_outside: false,
         };
         Shared {
             inner: Mutex::new(inner),

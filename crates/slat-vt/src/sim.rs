@@ -412,3 +412,20 @@ pub fn attach_current() -> Result<(), SimError> {
     }
     Ok(())
 }
+
+/// Runs `f` while the calling thread's simulated CPU keeps the baton: no other simulated CPU
+/// runs meanwhile, so the simulation stays deterministic, and the watchdog does not count the
+/// time (for real-time work of the thread's own that touches no hook, such as a native
+/// baseline that spawns and joins host threads). On a thread that runs no CPU, just runs `f`.
+pub fn hold_while<R>(f: impl FnOnce() -> R) -> R {
+    let b = current().filter(|b| b.mode.get() == Mode::Running);
+    let set = |on: bool| {
+        if let Some(b) = &b {
+            b.shared.inner.lock().holding_outside = on;
+        }
+    };
+    set(true);
+    let r = f();
+    set(false);
+    r
+}

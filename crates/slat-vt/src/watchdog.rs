@@ -60,7 +60,7 @@ impl Watchdog {
                 return;
             }
             // Idle (nobody holds the baton: all wait outside or have exited) or progressing.
-            if g.baton.is_none() || g.calls != last_calls {
+            if g.baton.is_none() || g.holding_outside || g.calls != last_calls {
                 last_calls = g.calls;
                 since = Instant::now();
                 continue;

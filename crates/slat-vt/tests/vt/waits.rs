@@ -105,3 +105,34 @@ fn the_current_thread_steps_out_and_back_without_its_handle() {
     // A thread that runs no CPU: nothing to do, no error.
     assert!(slat_vt::detach_current().is_ok() && slat_vt::attach_current().is_ok());
 }
+
+#[test]
+fn hold_while_keeps_the_others_still() {
+    let sim = slat_vt::Sim::with_watchdog(
+        common::profile(),
+        0,
+        Some(std::time::Duration::from_millis(100)),
+    )
+    .unwrap();
+    let host = sim.register("host").unwrap();
+    host.attach().unwrap();
+    let ran = std::sync::atomic::AtomicBool::new(false);
+    let worker = sim.register("worker").unwrap();
+    std::thread::scope(|s| {
+        let ran = &ran;
+        s.spawn(move || {
+            worker.attach().unwrap();
+            ran.store(true, std::sync::atomic::Ordering::SeqCst);
+        });
+        // Longer than the watchdog's period: held on purpose, so no failure.
+        slat_vt::hold_while(|| std::thread::sleep(std::time::Duration::from_millis(400)));
+        assert!(
+            !ran.load(std::sync::atomic::Ordering::SeqCst),
+            "nobody ran meanwhile"
+        );
+        slat_vt::detach_current().unwrap();
+    });
+    slat_vt::attach_current().unwrap();
+    drop(host);
+    sim.finish().expect("no watchdog failure");
+}
