@@ -13,10 +13,12 @@ use crate::error::{CliError, CliResult};
 use crate::output::VmSettings;
 use crate::report::{bbm_cmo_line, pinned_line, sim_format, Phase};
 use serde_json::{json, Value};
-use slat::{Ept, PteFormat, Stage2, VmConfig};
+use slat::{Ept, PteFormat, Stage2, Timed, VmConfig};
 use slat_addr::PAGE_SIZE;
 use slat_dirty::DirtyLogSource;
+use slat_machine::vtime::SimThreads;
 use slat_machine::{Machine, MachineConfig};
+use slat_vt::Virtual;
 use slat_workload::dirty_oracle::{self, LogMode, OracleConfig, OracleReport};
 use slat_workload::{
     native_baseline, DirtyConfig, Layout, PassParams, RegionSpec, TestMachine, WriteLatency,
@@ -24,6 +26,7 @@ use slat_workload::{
 };
 use slat_workload::{Backing, GuestRam};
 use std::ops::Range;
+use std::sync::Arc;
 
 /// A completed pass, without either machine's own counters.
 pub type Pass = slat_workload::PassReport;
@@ -352,6 +355,18 @@ pub fn start(
     what: &str,
     quiet: bool,
 ) -> CliResult<(Box<dyn Backend>, Phase)> {
+    start_with(kind, spec, what, quiet, None)
+}
+
+/// [`start`], in virtual time when `sim` is given (`--clock virtual`: the simulated machine's
+/// threads are registered with it; the calling thread must be its host CPU).
+pub fn start_with(
+    kind: BackendArg,
+    spec: &Spec,
+    what: &str,
+    quiet: bool,
+    sim: Option<Arc<dyn SimThreads>>,
+) -> CliResult<(Box<dyn Backend>, Phase)> {
     let r = &spec.region;
     let size = slat_workload::format_size(r.bytes_per_vcpu * r.vcpus as u64);
     let format = sim_format(kind, spec.format);
@@ -361,7 +376,34 @@ pub fn start(
         r.backing
     );
     let p = Phase::start(name, quiet);
-    Ok((create(kind, spec)?, p))
+    let m = match sim {
+        Some(sim) => create_virtual(kind, spec, sim)?,
+        None => create(kind, spec)?,
+    };
+    Ok((m, p))
+}
+
+/// The simulated machine in virtual time: format `Timed<F, Virtual>`, one physical CPU per
+/// vCPU (the simulation schedules them; the token pool must never block a simulated thread).
+fn create_virtual(
+    kind: BackendArg,
+    spec: &Spec,
+    sim: Arc<dyn SimThreads>,
+) -> Result<Box<dyn Backend>, String> {
+    let config = MachineConfig {
+        pcpus: spec.region.vcpus,
+        ..machine_config(spec)
+    };
+    match (kind, spec.format) {
+        (BackendArg::Sim, FormatArg::Ept) => Ok(Box::new(
+            Machine::<Timed<Ept, Virtual>>::with_sim(config, Some(sim)).map_err(text)?,
+        )),
+        (BackendArg::Sim, FormatArg::Stage2) => Ok(Box::new(
+            Machine::<Timed<Stage2, Virtual>>::with_sim(config, Some(sim)).map_err(text)?,
+        )),
+        // Refused with the other flags; a backstop for a caller that forgot.
+        (BackendArg::Kvm, _) => Err("--clock virtual runs only on the simulated machine".into()),
+    }
 }
 
 /// The lines after a selftest's report: the machine's counters, then a `Machine:` line of

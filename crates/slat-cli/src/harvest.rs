@@ -7,10 +7,11 @@ use crate::args::ClearChunk;
 use crate::backend::{Backend, Spec};
 use crate::error::CliResult;
 use crate::output::{opt_secs, secs};
+use crate::virtual_time::Stopwatch;
 use serde::Serialize;
 use slat_addr::PageIndex;
 use slat_dirty::DirtyLogSource;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// What one harvest took.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
@@ -62,22 +63,22 @@ impl Harvest {
         let mut h = HarvestTimes::default();
         let mut log = m.dirty_log();
         if spec.region.dirty.ring_entries != 0 {
-            let t0 = Instant::now();
+            let t0 = Stopwatch::start();
             h.dirty_pages = log.collect_ring(&mut |_, _| {})?;
             h.get = t0.elapsed();
-            let t0 = Instant::now();
+            let t0 = Stopwatch::start();
             log.reset_rings()?;
             h.reset = Some(t0.elapsed());
             return Ok(h);
         }
-        let t0 = Instant::now();
+        let t0 = Stopwatch::start();
         for (i, b) in self.bitmaps.iter_mut().enumerate() {
             log.get_log(i, b)?;
             h.dirty_pages += b.iter().map(|w| w.count_ones() as u64).sum::<u64>();
         }
         h.get = t0.elapsed();
         if spec.manual_protect() {
-            let t0 = Instant::now();
+            let t0 = Stopwatch::start();
             for (i, b) in self.bitmaps.iter().enumerate() {
                 self.clear_slot(&mut *log, i, b)?;
             }

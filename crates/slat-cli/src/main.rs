@@ -25,6 +25,7 @@ mod private_mem_test;
 mod report;
 mod reproduce;
 mod snapshot_perf;
+mod virtual_time;
 
 use clap::{Parser, Subcommand};
 

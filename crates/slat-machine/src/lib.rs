@@ -12,6 +12,7 @@ pub mod paced;
 pub mod page_table_stage;
 pub mod sched;
 pub mod tlb;
+pub mod vtime;
 
 pub use cpu::{Cpu, CpuCounters, Exit, RingFullHandler};
 pub use machine::{Machine, MachineConfig, MachineError, PassReport, VcpuPass, Workload};

@@ -6,6 +6,8 @@ use crate::memstress::{guest_pass, PassParams, WriterPattern};
 use crate::page_table_stage::{guest_stage, StageParams};
 use crate::sched::PcpuPool;
 use crate::tlb::{Tlb, TlbError, DEFAULT_TLB_ENTRIES};
+use crate::vtime::{ClockGate, SimThreads};
+use slat::clock::Clock;
 
 mod sim_log;
 use parking_lot::Mutex;
@@ -25,7 +27,7 @@ use slat_workload::{RegionSize, RegionSpec, Rendezvous, TestMachine, TestRegion,
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// What to build.
 #[derive(Debug, Clone, Copy)]
@@ -168,7 +170,7 @@ struct VcpuResult {
 }
 
 /// The host's rendezvous with the vCPU threads: every vCPU runs the same workload.
-type Control = Rendezvous<Workload, VcpuResult, Exit>;
+type Control<C> = Rendezvous<Workload, VcpuResult, Exit, ClockGate<C>>;
 
 /// The simulated machine.
 pub struct Machine<F: PteFormat = Ept> {
@@ -176,7 +178,9 @@ pub struct Machine<F: PteFormat = Ept> {
     ram: Arc<GuestRam>,
     region: TestRegion,
     config: MachineConfig,
-    ctl: Arc<Control>,
+    ctl: Arc<Control<F::Clock>>,
+    /// The simulation the machine's threads run in (virtual time), if any.
+    sim: Option<Arc<dyn SimThreads>>,
     /// Asks running vCPUs to finish at their next check.
     halt: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
@@ -195,6 +199,16 @@ pub struct Machine<F: PteFormat = Ept> {
 impl<F: PteFormat> Machine<F> {
     /// Maps guest RAM, creates the VM and its memslots, and starts idle vCPU threads.
     pub fn new(config: MachineConfig) -> Result<Self, MachineError> {
+        Machine::with_sim(config, None)
+    }
+
+    /// [`Machine::new`] whose vCPU threads run in a simulation (`F::Clock` virtual): each is
+    /// registered with `sim` before it starts. Call it on a thread that is itself registered
+    /// (the host CPU).
+    pub fn with_sim(
+        config: MachineConfig,
+        sim: Option<Arc<dyn SimThreads>>,
+    ) -> Result<Self, MachineError> {
         Tlb::check_entries(config.tlb_entries)?;
         let size = RegionSize::new(
             config.region.vcpus,
@@ -247,7 +261,7 @@ impl<F: PteFormat> Machine<F> {
             config.pcpus
         };
         let pool = Arc::new(PcpuPool::new(pcpus));
-        let ctl = Arc::new(Control::new(config.region.vcpus)?);
+        let ctl = Arc::new(Control::<F::Clock>::new(config.region.vcpus)?);
         let mut m = Machine {
             vm,
             ram,
@@ -265,6 +279,7 @@ impl<F: PteFormat> Machine<F> {
             writer_value: Arc::new(AtomicU64::new(0)),
             tids: Arc::new(VcpuTids::new(config.region.vcpus)?),
             direct_map,
+            sim,
         };
         m.start_vcpus()?;
         Ok(m)
@@ -303,11 +318,27 @@ impl<F: PteFormat> Machine<F> {
                 cpu.set_ring_full_handler(self.ring_full_handler());
             }
             let (ctl, halt, tids) = (self.ctl.clone(), self.halt.clone(), self.tids.clone());
+            // Registered right before the spawn, in vCPU order (the simulation's tie order).
+            let mut token = match &self.sim {
+                Some(sim) => match sim.register(&format!("vcpu{i}")) {
+                    Ok(t) => Some(t),
+                    Err(e) => {
+                        self.ctl.abandon();
+                        self.threads.clear();
+                        return Err(MachineError::Config(e));
+                    }
+                },
+                None => None,
+            };
             let t = std::thread::Builder::new()
                 .name(format!("vcpu{i}"))
                 .spawn(move || {
+                    if let Some(t) = token.as_mut() {
+                        t.attach();
+                    }
                     tids.publish(i);
-                    vcpu_thread(cpu, i, layout, &ctl, &halt)
+                    vcpu_thread(cpu, i, layout, &ctl, &halt);
+                    drop(token);
                 });
             match t {
                 Ok(h) => self.threads.push(h),
@@ -377,7 +408,7 @@ impl<F: PteFormat> Machine<F> {
     /// Runs a workload that ends by itself (a pass, a page-table-test stage) on every vCPU and
     /// waits for all of them.
     pub fn run(&self, w: Workload) -> Result<PassReport, MachineError> {
-        let t0 = Instant::now();
+        let t0 = F::Clock::now_ns();
         self.start(w)?;
         self.wait(t0)
     }
@@ -399,13 +430,17 @@ impl<F: PteFormat> Machine<F> {
         if !self.ctl.running() {
             return Err(MachineError::Busy("no workload is running"));
         }
-        let t0 = Instant::now();
+        let t0 = F::Clock::now_ns();
         self.halt.store(true, Ordering::SeqCst);
         self.wait(t0)
     }
 
-    fn wait(&self, t0: Instant) -> Result<PassReport, MachineError> {
-        let (wall, results) = self.ctl.collect(t0);
+    /// Collects the running workload; its time runs from `t0` (`F::Clock::now_ns`: the host's
+    /// clock in real time, the host CPU's in virtual time).
+    fn wait(&self, t0: u64) -> Result<PassReport, MachineError> {
+        let (results, wall) = self
+            .ctl
+            .collect_with(|| Duration::from_nanos(F::Clock::now_ns().saturating_sub(t0)));
         let mut results =
             results.map_err(|(vcpu, exit)| MachineError::UnexpectedExit { vcpu, exit })?;
         // Every vCPU ran the same workload: all timed (one histogram each, in vCPU order) or
@@ -481,7 +516,20 @@ impl<F: PteFormat> Machine<F> {
 impl<F: PteFormat> Drop for Machine<F> {
     fn drop(&mut self) {
         let threads = std::mem::take(&mut self.threads);
-        self.ctl.shut_down(threads, || drop(self.halt()));
+        if threads.is_empty() {
+            return;
+        }
+        self.ctl.stop(|| drop(self.halt()));
+        // A simulated host steps out while it joins: the vCPU threads need turns to exit.
+        if let Some(sim) = &self.sim {
+            sim.step_out();
+        }
+        for t in threads {
+            let _ = t.join();
+        }
+        if let Some(sim) = &self.sim {
+            sim.step_in();
+        }
     }
 }
 
@@ -489,7 +537,7 @@ fn vcpu_thread<F: PteFormat>(
     mut cpu: Cpu<F>,
     idx: usize,
     layout: Layout,
-    ctl: &Control,
+    ctl: &Control<F::Clock>,
     halt: &AtomicBool,
 ) {
     while let Some(w) = ctl.next_job() {
@@ -499,11 +547,11 @@ fn vcpu_thread<F: PteFormat>(
             // Allocated here, on the vCPU thread that fills it, before the clock starts.
             cpu.start_timing();
         }
-        let t0 = Instant::now();
+        let t0 = F::Clock::now_ns();
         cpu.enter();
         let r = run_workload(&mut cpu, &w, gpa, pages, idx as u32, halt);
         cpu.exit();
-        let time = t0.elapsed();
+        let time = Duration::from_nanos(F::Clock::now_ns().saturating_sub(t0));
         let latency = cpu.take_latency();
         let c = cpu.counters;
         let r = r.map(|(touched, passes)| VcpuResult {

@@ -64,6 +64,6 @@ pub use layout::{Layout, RegionSize, RegionSpec, TestRegion, FIRST_SLOT};
 pub use native::native_baseline;
 pub use pass::{PassReport, VcpuPass};
 pub use pattern::{native_pass, ParkMiller, PassParams, Pattern, WriterPattern, MEMSTRESS_PATTERN};
-pub use rendezvous::{Rendezvous, RendezvousError, MAX_RENDEZVOUS_VCPUS};
+pub use rendezvous::{Gate, Rendezvous, RendezvousError, MAX_RENDEZVOUS_VCPUS};
 pub use size::{format_size, parse_size, SizeError};
 pub use test_machine::{log_mode, log_slot_id, log_slots, TestMachine};

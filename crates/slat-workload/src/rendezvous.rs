@@ -29,11 +29,29 @@ pub enum RendezvousError {
     },
 }
 
+/// A barrier a [`Rendezvous`] syncs its parties with: `std`'s, or one that waits in a
+/// machine's virtual time (the simulated machine's `--clock virtual`).
+pub trait Gate: Send + Sync {
+    /// A barrier for `parties` threads.
+    fn with_parties(parties: usize) -> Self;
+    /// Waits until every party has called `wait`.
+    fn wait(&self);
+}
+
+impl Gate for Barrier {
+    fn with_parties(parties: usize) -> Self {
+        Barrier::new(parties)
+    }
+    fn wait(&self) {
+        Barrier::wait(self);
+    }
+}
+
 /// The host side and the vCPU-thread side of one machine's passes. `J` is the job every vCPU
-/// runs, `R` a vCPU's result and `E` why a vCPU failed.
-pub struct Rendezvous<J, R, E> {
-    start: Barrier,
-    done: Barrier,
+/// runs, `R` a vCPU's result, `E` why a vCPU failed and `G` the barrier they sync with.
+pub struct Rendezvous<J, R, E, G: Gate = Barrier> {
+    start: G,
+    done: G,
     /// `None` tells the vCPU threads to exit.
     job: Mutex<Option<J>>,
     results: Mutex<Vec<Result<R, E>>>,
@@ -46,7 +64,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-impl<J: Clone, R: Clone + Default, E: Clone> Rendezvous<J, R, E> {
+impl<J: Clone, R: Clone + Default, E: Clone, G: Gate> Rendezvous<J, R, E, G> {
     /// The rendezvous of `vcpus` vCPU threads (1 to [`MAX_RENDEZVOUS_VCPUS`]) with the host.
     pub fn new(vcpus: usize) -> Result<Self, RendezvousError> {
         if vcpus == 0 || vcpus > MAX_RENDEZVOUS_VCPUS {
@@ -58,8 +76,8 @@ impl<J: Clone, R: Clone + Default, E: Clone> Rendezvous<J, R, E> {
             .map_err(|_| RendezvousError::Alloc(vcpus))?;
         results.resize(vcpus, Ok(R::default()));
         Ok(Rendezvous {
-            start: Barrier::new(vcpus + 1),
-            done: Barrier::new(vcpus + 1),
+            start: G::with_parties(vcpus + 1),
+            done: G::with_parties(vcpus + 1),
             job: Mutex::new(None),
             results: Mutex::new(results),
             running: AtomicBool::new(false),
@@ -86,18 +104,25 @@ impl<J: Clone, R: Clone + Default, E: Clone> Rendezvous<J, R, E> {
     /// Host: waits for every vCPU thread to report; returns the time from `t0` to the last
     /// one's sync and every result, or the first failed vCPU and why.
     pub fn collect(&self, t0: Instant) -> (Duration, Result<Vec<R>, (usize, E)>) {
+        let (r, wall) = self.collect_with(|| t0.elapsed());
+        (wall, r)
+    }
+
+    /// Host: as [`Rendezvous::collect`], timed by `elapsed` (called at the last sync; a
+    /// machine in virtual time reads its own clock).
+    pub fn collect_with<T>(&self, elapsed: impl FnOnce() -> T) -> (Result<Vec<R>, (usize, E)>, T) {
         self.done.wait();
-        let wall = t0.elapsed();
+        let wall = elapsed();
         self.running.store(false, Ordering::SeqCst);
         let results = lock(&self.results).clone();
         let mut out = Vec::with_capacity(results.len());
         for (i, r) in results.into_iter().enumerate() {
             match r {
                 Ok(v) => out.push(v),
-                Err(e) => return (wall, Err((i, e))),
+                Err(e) => return (Err((i, e)), wall),
             }
         }
-        (wall, Ok(out))
+        (Ok(out), wall)
     }
 
     /// Host, when the machine goes away: stops a running job with `halt` (which collects
@@ -107,14 +132,20 @@ impl<J: Clone, R: Clone + Default, E: Clone> Rendezvous<J, R, E> {
         if threads.is_empty() {
             return;
         }
+        self.stop(halt);
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+
+    /// Host: [`Rendezvous::shut_down`] without the joins (for a host that must step out of a
+    /// simulation before it blocks in a join): the vCPU threads are released to exit.
+    pub fn stop(&self, halt: impl FnOnce()) {
         if self.running() {
             halt();
         }
         *lock(&self.job) = None;
         self.start.wait();
-        for t in threads {
-            let _ = t.join();
-        }
     }
 
     /// Host, when a vCPU thread could not be started: the threads already started wait for

@@ -11,6 +11,7 @@ use crate::error::CliResult;
 use crate::mmu_memory::MmuMemoryFigures;
 use crate::output::{secs, Metric, RunHead, VmSettings, WorkSettings};
 use crate::report::{format_header, quiet, ratio, ts, Phase};
+use crate::virtual_time::{self, ClockArgs, ClockReport, VirtualRun};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use slat_workload::format_size;
@@ -71,6 +72,8 @@ pub struct DemandPagingArgs {
     pub pin: PinArgs,
     #[command(flatten)]
     pub machine: MachineArgs,
+    #[command(flatten)]
+    pub clock: ClockArgs,
     #[command(flatten)]
     pub out: OutputArgs,
 }
@@ -138,6 +141,9 @@ pub struct Report {
     pub mmu_memory: Option<MmuMemoryFigures>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub uffd: Option<UffdFigures>,
+    /// Whose time the report's times are.
+    #[serde(flatten)]
+    pub clock: ClockReport,
     /// The lines describing the machine after the selftest's.
     #[serde(skip)]
     pub machine_lines: Vec<String>,
@@ -188,6 +194,16 @@ impl Benchmark for DemandPagingArgs {
 /// the native baseline, one at a time).
 fn check(a: &DemandPagingArgs) -> Result<(), String> {
     a.machine.check_backends(&a.backend, &[])?;
+    if a.clock.is_virtual() {
+        if a.uffd.is_some() {
+            return Err("--clock virtual cannot simulate -u: its handler threads wait in the kernel, outside the simulation".into());
+        }
+        if a.backend.contains(&BackendArg::Kvm) {
+            return Err(
+                "--clock virtual runs only on the simulated machine (--backend sim)".into(),
+            );
+        }
+    }
     a.pin.plan(a.work.vcpus)?;
     match a.uffd {
         None => {
@@ -219,7 +235,8 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
     } else {
         ""
     };
-    let (m, p) = backend::start(kind, &cfg, what, q)?;
+    let vt = a.clock.start()?;
+    let (m, p) = backend::start_with(kind, &cfg, what, q, vt.as_ref().map(VirtualRun::threads))?;
     let pinned_cpus = backend::pin(m.as_ref(), &a.pin, a.work.vcpus)?;
     p.done();
     let layout = m.layout();
@@ -237,6 +254,8 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
     let guest_bytes = a.work.bytes.saturating_mul(a.work.vcpus as u64);
     let mmu_memory = MmuMemoryFigures::of(m.as_ref(), guest_bytes);
     drop(m);
+    // The simulation ends with the machine: the native baseline runs in real time.
+    let clock = virtual_time::finish(vt)?;
 
     let p = Phase::start("native baseline: same pattern on host memory", q);
     // With -u the guest RAM was not pre-faulted, nor is the baseline's: both pay first touch.
@@ -265,6 +284,7 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
         stats,
         mmu_memory,
         uffd,
+        clock,
         machine_lines,
         format_header: format_header(kind, a.machine.format, &cfg.vm),
         gpa: layout.gpa,
@@ -354,6 +374,9 @@ fn print_text(r: &Report) {
     }
     if let Some(mm) = &r.mmu_memory {
         println!("{}", mm.line("after the pass"));
+    }
+    if let Some(l) = r.clock.line() {
+        println!("{l}");
     }
 }
 

@@ -18,11 +18,12 @@ use crate::harvest::{Harvest, HarvestTimes};
 use crate::mmu_memory::MmuMemoryFigures;
 use crate::output::{opt_secs, secs, Metric, RunHead, VmSettings, WorkSettings};
 use crate::report::{format_header, quiet, ratio, Phase};
+use crate::virtual_time::{self, ClockArgs, ClockReport, Stopwatch, VirtualRun};
 use clap::Args;
 use serde::Serialize;
 use slat_workload::format_size;
 use slat_workload::PassParams;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use text::{print_text, run_flags};
 
 /// Flags of `slat dirty-log-perf` (the selftest's, plus slat's variant switches).
@@ -74,6 +75,8 @@ pub struct DirtyLogPerfArgs {
     pub dirty: DirtyArgs,
     #[command(flatten)]
     pub machine: MachineArgs,
+    #[command(flatten)]
+    pub clock: ClockArgs,
     #[command(flatten)]
     pub out: OutputArgs,
 }
@@ -149,6 +152,9 @@ pub struct Report {
     /// The engine's own memory after the last iteration, logging still on (sim; `null` on
     /// kvm).
     pub mmu_memory: Option<MmuMemoryFigures>,
+    /// Whose time the report's times are.
+    #[serde(flatten)]
+    pub clock: ClockReport,
     /// The lines describing the machine after the selftest's (engine counters, settings).
     #[serde(skip)]
     pub machine_lines: Vec<String>,
@@ -319,6 +325,16 @@ fn check(a: &DirtyLogPerfArgs) -> Result<(), String> {
         check_kvm_ring(&a.backend, ring, "--dirty-ring")?;
     }
     a.pin.plan(a.work.vcpus)?;
+    if a.clock.is_virtual() {
+        if a.backend.contains(&BackendArg::Kvm) {
+            return Err(
+                "--clock virtual runs only on the simulated machine (--backend sim)".into(),
+            );
+        }
+        if a.concurrent {
+            return Err("--clock virtual cannot simulate --concurrent yet: its harvester thread is not a simulated CPU".into());
+        }
+    }
     a.work
         .check_fits(&a.backend, &a.machine, 0, 2)?
         .slots_divide(a.slots)
@@ -354,10 +370,12 @@ fn iterate(
     // The native pass runs after the harvest, not between the guest pass and it: it touches
     // every page of another gigabyte and would evict the page tables and bitmap the harvest
     // reads, which a VMM's harvest right after the guest ran finds warm.
-    let nat: Pass = native.run(PassParams {
+    let native_params = PassParams {
         timed: false,
         ..params
-    })?;
+    };
+    // Real time on host threads: outside the simulation under --clock virtual.
+    let nat: Pass = virtual_time::outside(|| native.run(native_params))?;
     let it = Iteration {
         iteration: i,
         dirty: pass.wall,
@@ -386,7 +404,7 @@ fn disable(m: &dyn Backend, evil: bool, params: PassParams) -> CliResult<Duratio
     if evil {
         m.start_loop(params)?;
     }
-    let t0 = Instant::now();
+    let t0 = Stopwatch::start();
     m.set_dirty_logging(false)?;
     let d = t0.elapsed();
     if evil {
@@ -426,7 +444,9 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
     check(a).map_err(CliError::bad)?;
     let cfg = spec(a);
     let what = " and as much host memory for the native baseline";
-    let (m, p) = backend::start(kind, &cfg, what, quiet(a.out.json))?;
+    let vt = a.clock.start()?;
+    let sim = vt.as_ref().map(VirtualRun::threads);
+    let (m, p) = backend::start_with(kind, &cfg, what, quiet(a.out.json), sim)?;
     let native = Native::new(kind, m.layout(), a.work.backing, cfg.region.prefault)?;
     p.done();
     let pinned_cpus = backend::pin(m.as_ref(), &a.pin, a.work.vcpus)?;
@@ -439,8 +459,8 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         touches: None,
     };
     let populate = m.run_pass(populate_params)?;
-    let populate_native = native.run(populate_params)?;
-    let t0 = Instant::now();
+    let populate_native = virtual_time::outside(|| native.run(populate_params))?;
+    let t0 = Stopwatch::start();
     m.set_dirty_logging(true)?;
     let enable = t0.elapsed();
     let params = PassParams {
@@ -483,6 +503,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         .map(|i| i.harvest.clear.or(i.harvest.reset))
         .sum();
     let vm = cfg.vm_settings(kind, pcpus);
+    let (stats, gpa, clock) = end_run(m, vt)?;
     Ok(Report {
         head: RunHead::new(NAME, kind, a.machine.format),
         config: Config::new(a, &cfg, vm, pinned_cpus),
@@ -494,12 +515,24 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         get_total,
         clear_total,
         concurrent,
-        stats: m.stats(),
+        stats,
         mmu_memory,
+        clock,
         machine_lines,
         format_header: format_header(kind, a.machine.format, &cfg.vm),
-        gpa: m.layout().gpa,
+        gpa,
     })
+}
+
+/// The machine's counters and test-region address, then the machine gone and, in virtual
+/// time, the simulation ended (its clock report; a failed simulation fails the run).
+fn end_run(
+    m: Box<dyn Backend>,
+    vt: Option<VirtualRun>,
+) -> CliResult<(serde_json::Value, u64, ClockReport)> {
+    let (stats, gpa) = (m.stats(), m.layout().gpa);
+    drop(m);
+    Ok((stats, gpa, virtual_time::finish(vt)?))
 }
 
 /// `--concurrent`: the harvests while the vCPUs write, after the iterations.

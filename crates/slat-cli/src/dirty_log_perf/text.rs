@@ -43,6 +43,9 @@ pub(super) fn print_text(r: &Report) {
     if let Some(mm) = &r.mmu_memory {
         println!("{}", mm.line("after the last iteration"));
     }
+    if let Some(l) = r.clock.line() {
+        println!("{l}");
+    }
 }
 
 pub(super) fn print_iteration(it: &Iteration) {

@@ -19,3 +19,4 @@ mod private_mem_test;
 mod reports;
 mod reproduce;
 mod snapshot;
+mod virtual_time;

@@ -1,0 +1,212 @@
+//! `--clock virtual`: the simulated machine's threads as simulated CPUs with their own clocks,
+//! one running at a time (docs/design/virtual-time.md), through `slat-vt`.
+//!
+//! The main thread is host CPU 0 for the whole run: it builds the machine (which registers
+//! each vCPU thread before spawning it), drives the passes, and steps out of the simulation
+//! only to join the vCPU threads. The run's times are then virtual; its wall time and the
+//! simulation's counters are reported beside them.
+
+use crate::error::{CliError, CliResult};
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+use slat_machine::vtime::{SimThreads, ThreadToken};
+use slat_vt::{CpuHandle, Profile, Sim};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Whose time a benchmark measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum ClockArg {
+    /// The host's: real threads on the host's cores.
+    #[default]
+    Real,
+    /// Simulated: every vCPU and the host thread have their own clock, one runs at a time,
+    /// costs come from a cost profile and contention from a model (deterministic).
+    Virtual,
+}
+
+/// The `--clock` flag.
+#[derive(Debug, Clone, Args)]
+pub struct ClockArgs {
+    /// Whose time to measure: `real` (the host's) or `virtual` (simulated CPUs with their own
+    /// clocks, one running at a time, costs from the built-in cost profile: deterministic;
+    /// simulated machine only, not with -u).
+    #[arg(long = "clock", value_enum, default_value = "real")]
+    pub clock: ClockArg,
+}
+
+impl ClockArgs {
+    /// Whether the run is in virtual time.
+    pub fn is_virtual(&self) -> bool {
+        self.clock == ClockArg::Virtual
+    }
+}
+
+/// A timer of host-side phases: the calling thread's virtual clock when it is a simulated CPU
+/// (`--clock virtual`), the host's otherwise.
+#[derive(Debug, Clone, Copy)]
+pub enum Stopwatch {
+    /// Started at this virtual time, ns.
+    Virtual(u64),
+    /// Started at this instant.
+    Real(Instant),
+}
+
+impl Stopwatch {
+    /// Starts now.
+    pub fn start() -> Stopwatch {
+        match slat_vt::simulated_now_ns() {
+            Some(ns) => Stopwatch::Virtual(ns),
+            None => Stopwatch::Real(Instant::now()),
+        }
+    }
+
+    /// Time since the start, on the clock it started on.
+    pub fn elapsed(&self) -> Duration {
+        match *self {
+            Stopwatch::Virtual(t0) => Duration::from_nanos(
+                slat_vt::simulated_now_ns().map_or(0, |t| t.saturating_sub(t0)),
+            ),
+            Stopwatch::Real(t0) => t0.elapsed(),
+        }
+    }
+}
+
+/// Runs `f`, real-time work on host threads of the calling thread's own (the native baseline),
+/// without letting the simulation move meanwhile: under `--clock virtual` the host CPU keeps
+/// the baton (so the run stays deterministic) and the watchdog lets it be.
+pub fn outside<R>(f: impl FnOnce() -> R) -> R {
+    slat_vt::hold_while(f)
+}
+
+/// A run in virtual time: the simulation and the main thread's place in it (host CPU 0).
+pub struct VirtualRun {
+    sim: Arc<Sim>,
+    host: Option<CpuHandle>,
+    wall: Instant,
+}
+
+/// What a report says about its clock.
+#[derive(Debug, Clone, Serialize)]
+pub struct ClockReport {
+    /// `real` or `virtual`.
+    pub clock: &'static str,
+    /// The cost profile's name and hash (virtual only).
+    #[serde(rename = "clock_profile", skip_serializing_if = "Option::is_none")]
+    pub profile: Option<String>,
+    #[serde(rename = "clock_profile_hash", skip_serializing_if = "Option::is_none")]
+    pub profile_hash: Option<String>,
+    /// Wall time of the simulated part, s (virtual only).
+    #[serde(rename = "sim_wall_s", skip_serializing_if = "Option::is_none")]
+    pub wall_s: Option<f64>,
+    /// Scheduler calls and baton switches (virtual only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_hooks: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_switches: Option<u64>,
+}
+
+impl ClockReport {
+    /// A real-time run.
+    pub fn real() -> ClockReport {
+        ClockReport {
+            clock: "real",
+            profile: None,
+            profile_hash: None,
+            wall_s: None,
+            sim_hooks: None,
+            sim_switches: None,
+        }
+    }
+
+    /// The text line of a virtual run (none for a real one: its output is unchanged).
+    pub fn line(&self) -> Option<String> {
+        Some(format!(
+            "Clock: virtual, cost profile {} ({}); simulated in {:.3} s of wall time, {} scheduler calls, {} baton switches",
+            self.profile.as_deref()?,
+            self.profile_hash.as_deref()?,
+            self.wall_s?,
+            self.sim_hooks?,
+            self.sim_switches?
+        ))
+    }
+}
+
+impl ClockArgs {
+    /// The simulation of a `--clock virtual` run (started, the calling thread its host CPU),
+    /// `None` in real time.
+    pub fn start(&self) -> CliResult<Option<VirtualRun>> {
+        self.is_virtual().then(VirtualRun::start).transpose()
+    }
+}
+
+/// Ends `vt` (a run's simulation, if virtual) once its machine is gone: the report's clock.
+pub fn finish(vt: Option<VirtualRun>) -> CliResult<ClockReport> {
+    vt.map_or_else(|| Ok(ClockReport::real()), VirtualRun::finish)
+}
+
+impl VirtualRun {
+    /// Starts a simulation with the built-in profile and makes the calling thread host CPU 0.
+    pub fn start() -> CliResult<VirtualRun> {
+        let sim = Sim::new(Profile::host_default(), 0).map_err(runtime)?;
+        let host = sim.register("host").map_err(runtime)?;
+        host.attach().map_err(runtime)?;
+        Ok(VirtualRun {
+            sim: Arc::new(sim),
+            host: Some(host),
+            wall: Instant::now(),
+        })
+    }
+
+    /// What the machine registers its threads with.
+    pub fn threads(&self) -> Arc<dyn SimThreads> {
+        Arc::new(Threads(Arc::clone(&self.sim)))
+    }
+
+    /// Ends the host's part (after the machine is gone) and the simulation: its report, or
+    /// why the run failed (a deadlock, the watchdog, hooks from unregistered threads).
+    pub fn finish(mut self) -> CliResult<ClockReport> {
+        drop(self.host.take());
+        let stats = self.sim.finish().map_err(runtime)?;
+        let p = self.sim.profile();
+        Ok(ClockReport {
+            clock: "virtual",
+            profile: Some(p.name.clone()),
+            profile_hash: Some(p.hash()),
+            wall_s: Some(self.wall.elapsed().as_secs_f64()),
+            sim_hooks: Some(stats.hooks),
+            sim_switches: Some(stats.switches),
+        })
+    }
+}
+
+fn runtime(e: slat_vt::SimError) -> CliError {
+    CliError::Runtime(e.to_string())
+}
+
+struct Threads(Arc<Sim>);
+
+impl SimThreads for Threads {
+    fn register(&self, name: &str) -> Result<Box<dyn ThreadToken>, String> {
+        let h = self.0.register(name).map_err(|e| e.to_string())?;
+        Ok(Box::new(Token(h)))
+    }
+
+    fn step_out(&self) {
+        // Only misuse (a thread that runs no CPU) fails, and then there is nothing to leave.
+        let _ = slat_vt::detach_current();
+    }
+
+    fn step_in(&self) {
+        let _ = slat_vt::attach_current();
+    }
+}
+
+struct Token(CpuHandle);
+
+impl ThreadToken for Token {
+    fn attach(&mut self) {
+        // A failed simulation lets the thread run in real time; `finish` reports it.
+        let _ = self.0.attach();
+    }
+}

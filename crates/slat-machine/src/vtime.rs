@@ -1,0 +1,73 @@
+//! What the machine needs to run in virtual time (docs/design/virtual-time.md §2), without
+//! depending on the simulation that provides it: a way to register its threads
+//! ([`SimThreads`], implemented by the caller that owns the simulation) and a barrier that
+//! waits in the format's clock ([`ClockGate`]).
+
+use slat::clock::{addr_of, Clock};
+use slat_workload::Gate;
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Barrier;
+
+/// How the machine's threads join a simulation. The machine calls [`register`] on the
+/// spawning thread right before spawning each of its threads, in a fixed order (the vCPUs by
+/// index); the new thread calls [`ThreadToken::attach`] first and drops the token when it ends.
+///
+/// [`register`]: SimThreads::register
+pub trait SimThreads: Send + Sync {
+    /// Registers the thread about to be spawned as `name`.
+    fn register(&self, name: &str) -> Result<Box<dyn ThreadToken>, String>;
+    /// The calling (registered) thread leaves the simulation to block on something outside
+    /// it: a join.
+    fn step_out(&self);
+    /// ... and rejoins it.
+    fn step_in(&self);
+}
+
+/// A registered thread's ticket into the simulation; dropping it ends the thread's part.
+pub trait ThreadToken: Send {
+    /// Binds the calling (new) thread to its simulated CPU and waits for its turn.
+    fn attach(&mut self);
+}
+
+/// A barrier in clock `C`: `std`'s in real time; in virtual time arrivals are
+/// read-modify-writes and the waiters wait in [`Clock::spin_until`] for the last one's, so
+/// they leave at its clock and no thread blocks in the operating system.
+pub struct ClockGate<C: Clock> {
+    parties: usize,
+    real: Barrier,
+    arrived: AtomicUsize,
+    generation: AtomicU64,
+    _clock: PhantomData<C>,
+}
+
+impl<C: Clock> Gate for ClockGate<C> {
+    fn with_parties(parties: usize) -> Self {
+        ClockGate {
+            parties: parties.max(1),
+            real: Barrier::new(if C::VIRTUAL { 1 } else { parties }),
+            arrived: AtomicUsize::new(0),
+            generation: AtomicU64::new(0),
+            _clock: PhantomData,
+        }
+    }
+
+    fn wait(&self) {
+        if !C::VIRTUAL {
+            self.real.wait();
+            return;
+        }
+        C::shared_load(addr_of(&self.generation));
+        let generation = self.generation.load(Ordering::Acquire);
+        C::rmw(addr_of(&self.arrived));
+        if self.arrived.fetch_add(1, Ordering::AcqRel) + 1 >= self.parties {
+            self.arrived.store(0, Ordering::Relaxed);
+            C::rmw(addr_of(&self.generation));
+            self.generation.fetch_add(1, Ordering::Release);
+        } else {
+            C::spin_until(&[addr_of(&self.generation)], &mut || {
+                self.generation.load(Ordering::Acquire) != generation
+            });
+        }
+    }
+}

@@ -1,0 +1,87 @@
+//! The built-in profile: this host's rough costs, until `slat calibrate` measures them.
+//!
+//! "Measured" numbers come from `examples/host_costs.rs` on the development host (a 2-vCPU
+//! VM shared with builds: load average 11–22 during the runs, so they are rough); the rest are
+//! estimates for a recent x86 server core, labelled as such.
+
+use slat::clock::Cost;
+
+use crate::profile::{Entry, LockPolicy, Model, PolicyEntry, Profile};
+
+const CAS: &str =
+    "measured: uncontended compare-and-swap loop, 6.8-10.6 ns (examples/host_costs.rs, load 11-22)";
+const EST: &str = "estimate for a recent x86 core, not measured (slat calibrate will measure it)";
+const EST_NESTED: &str = "estimate: this host is a nested VM where exits and IPIs cannot be measured in isolation; typical KVM figures";
+
+impl Profile {
+    /// This host's rough costs; each entry's `source` says whether it was measured (and how)
+    /// or estimated.
+    pub fn host_default() -> Profile {
+        let mut p = Profile {
+            name: "host-default".into(),
+            costs: Default::default(),
+            model: Model {
+                rmw_local: Entry::new(8.0, CAS),
+                line_transfer: Entry::new(
+                    70.0,
+                    "estimate: same-socket core-to-core latency; the two-thread ping-pong of examples/host_costs.rs measured 5-17 us here, which is descheduling on the loaded 2-vCPU VM, not the line",
+                ),
+                invalidate: Entry::new(30.0, EST),
+                dram_miss: Entry::new(90.0, EST),
+                handoff: Entry::new(
+                    6_000.0,
+                    "measured: half a thread park/unpark round trip, 12.5-21 us (examples/host_costs.rs, load 11-22): a parking_lot waiter's futex wake-up",
+                ),
+                fair_every: Entry::new(
+                    500_000.0,
+                    "parking_lot's eventual fairness: a fair unlock about every 0.5 ms",
+                ),
+                retention: Entry::new(
+                    1_000_000.0,
+                    "design choice (docs/design/virtual-time.md section 3): 1 ms of virtual time",
+                ),
+                ipi_latency: Entry::new(2_000.0, EST_NESTED),
+                lookahead: Entry::new(
+                    1_000.0,
+                    "design choice (docs/design/virtual-time.md section 2): 1 us, about one fault",
+                ),
+                lock_policy: PolicyEntry {
+                    policy: LockPolicy::Barging,
+                    source: "slat's MMU lock is parking_lot's (unfair unlock, eventual fairness)"
+                        .into(),
+                },
+            },
+        };
+        for (cost, ns, source) in COSTS {
+            p.set_cost(cost, Entry::new(ns, source));
+        }
+        p
+    }
+}
+
+const COSTS: [(Cost, f64, &str); 16] = [
+    (Cost::WalkStep, 2.0, EST),
+    (Cost::HwWalkStep, 2.0, EST),
+    (Cost::TlbHit, 1.0, EST),
+    (Cost::TlbMiss, 2.0, EST),
+    (Cost::TlbFlush, 30.0, EST),
+    (Cost::TableAlloc, 40.0, EST),
+    (
+        Cost::ZeroPage,
+        150.0,
+        "measured: write_bytes over 4 KiB pages in cache, 122-168 ns (examples/host_costs.rs, load 11-22)",
+    ),
+    (Cost::EpochPin, 8.0, CAS),
+    (Cost::Defer, 20.0, EST),
+    (Cost::PublishedLoad, 3.0, EST),
+    (Cost::CmoLine, 15.0, EST),
+    (
+        Cost::GuestAccess,
+        90.0,
+        "estimate: a DRAM miss (memstress touches a new page each time)",
+    ),
+    (Cost::VmExit, 1_500.0, EST_NESTED),
+    (Cost::VmEntry, 1_500.0, EST_NESTED),
+    (Cost::IpiHandler, 1_000.0, EST_NESTED),
+    (Cost::IpiSend, 500.0, EST_NESTED),
+];

@@ -1,0 +1,273 @@
+//! The cache-line model: who owns each line, who shares it, and when it is free again.
+//!
+//! Keyed by `addr >> 6`. Only identity of addresses matters: costs depend on which CPU touched
+//! a line last and when, and entries leave the table by virtual time (untouched for
+//! `retention`), never by address, so ASLR cannot change a result and the table stays bounded.
+
+use std::collections::HashMap;
+
+use super::calendar::Calendar;
+use super::FastHash;
+
+/// The most simulated CPUs a sharer set holds.
+pub const MAX_CPUS: usize = 256;
+
+/// A set of CPU indices below [`MAX_CPUS`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct CpuSet([u64; MAX_CPUS / 64]);
+
+impl CpuSet {
+    fn only(cpu: usize) -> CpuSet {
+        let mut s = CpuSet::default();
+        s.insert(cpu);
+        s
+    }
+
+    fn insert(&mut self, cpu: usize) {
+        if let Some(w) = self.0.get_mut(cpu / 64) {
+            *w |= 1 << (cpu % 64);
+        }
+    }
+
+    fn contains(&self, cpu: usize) -> bool {
+        self.0
+            .get(cpu / 64)
+            .is_some_and(|w| w & (1 << (cpu % 64)) != 0)
+    }
+
+    fn len(&self) -> u64 {
+        self.0.iter().map(|w| u64::from(w.count_ones())).sum()
+    }
+}
+
+/// No owner: the line was never written since it entered the table.
+const NO_OWNER: usize = usize::MAX;
+
+#[derive(Debug, Clone)]
+struct Line {
+    /// The CPU that wrote it last, or [`NO_OWNER`].
+    owner: usize,
+    /// CPUs holding a copy (the owner included).
+    sharers: CpuSet,
+    /// Its recent read-modify-writes: a new one takes the first gap at or after its request
+    /// (RMWs on a line serialise).
+    busy: Calendar,
+    /// The latest virtual time anyone touched it.
+    last_touch: u64,
+}
+
+/// Costs of the line model, in ps.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LineCosts {
+    pub rmw_local: u64,
+    pub transfer: u64,
+    pub invalidate: u64,
+    pub dram_miss: u64,
+    pub retention: u64,
+}
+
+/// Counters of the line model.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LineStats {
+    /// Read-modify-writes modelled.
+    pub rmws: u64,
+    /// Shared loads modelled.
+    pub loads: u64,
+    /// Accesses that paid a line transfer.
+    pub transfers: u64,
+    /// Accesses to a line in no cache.
+    pub misses: u64,
+    /// Lines in the table now.
+    pub lines: u64,
+}
+
+/// Every line touched within the last `retention`.
+#[derive(Debug)]
+pub(crate) struct Lines {
+    map: HashMap<u64, Line, FastHash>,
+    costs: LineCosts,
+    next_sweep: u64,
+    stats: LineStats,
+}
+
+impl Lines {
+    pub(crate) fn new(costs: LineCosts) -> Lines {
+        Lines {
+            map: HashMap::default(),
+            costs,
+            next_sweep: costs.retention,
+            stats: LineStats::default(),
+        }
+    }
+
+    /// The line of `addr`.
+    #[inline]
+    pub(crate) fn line_of(addr: usize) -> u64 {
+        (addr >> 6) as u64
+    }
+
+    /// A read-modify-write by `cpu`, ready at `t`: returns when it completes. It starts when
+    /// the line's previous RMW has completed (RMWs on a line serialise) and costs `rmw_local`,
+    /// plus a transfer if another CPU owns the line, plus an invalidation per other sharer.
+    pub(crate) fn rmw(&mut self, cpu: usize, t: u64, line: u64) -> u64 {
+        self.sweep(t);
+        self.stats.rmws += 1;
+        let c = self.costs;
+        let (cost, mut busy) = match self.map.get(&line) {
+            None => {
+                self.stats.misses += 1;
+                (c.rmw_local.saturating_add(c.dram_miss), Calendar::default())
+            }
+            Some(l) => {
+                let mut others = l.sharers;
+                clear(&mut others, cpu);
+                let mut cost = c.rmw_local;
+                if l.owner != cpu && l.owner != NO_OWNER {
+                    self.stats.transfers += 1;
+                    clear(&mut others, l.owner);
+                    cost = cost.saturating_add(c.transfer);
+                }
+                let inval = c.invalidate.saturating_mul(others.len());
+                (cost.saturating_add(inval), l.busy)
+            }
+        };
+        let start = busy.fit(t, cost, true, 0);
+        let end = start.saturating_add(cost);
+        busy.insert(start, end, true);
+        self.map.insert(
+            line,
+            Line {
+                owner: cpu,
+                sharers: CpuSet::only(cpu),
+                last_touch: busy.last_end().max(end),
+                busy,
+            },
+        );
+        end
+    }
+
+    /// A load by `cpu` at `t` of a line other CPUs write: returns when the data is there. A
+    /// CPU holding a copy pays nothing; one that does not pays a transfer if the line was
+    /// written, a DRAM miss if no cache has it.
+    pub(crate) fn load(&mut self, cpu: usize, t: u64, line: u64) -> u64 {
+        self.sweep(t);
+        self.stats.loads += 1;
+        let c = self.costs;
+        match self.map.get_mut(&line) {
+            None => {
+                self.stats.misses += 1;
+                let end = t.saturating_add(c.dram_miss);
+                self.map.insert(
+                    line,
+                    Line {
+                        owner: NO_OWNER,
+                        sharers: CpuSet::only(cpu),
+                        busy: Calendar::default(),
+                        last_touch: end,
+                    },
+                );
+                end
+            }
+            Some(l) => {
+                let mut end = t;
+                if !l.sharers.contains(cpu) {
+                    if l.owner != NO_OWNER {
+                        self.stats.transfers += 1;
+                        end = t.saturating_add(c.transfer);
+                    }
+                    l.sharers.insert(cpu);
+                }
+                l.last_touch = l.last_touch.max(end);
+                end
+            }
+        }
+    }
+
+    /// Gives the line to `cpu` at `at` at no cost (a lock handed over: the hand-off cost
+    /// includes the waiter's transfer of the lock word).
+    pub(crate) fn take(&mut self, cpu: usize, at: u64, line: u64) {
+        let busy = self.map.get(&line).map(|l| l.busy).unwrap_or_default();
+        self.map.insert(
+            line,
+            Line {
+                owner: cpu,
+                sharers: CpuSet::only(cpu),
+                last_touch: busy.last_end().max(at),
+                busy,
+            },
+        );
+    }
+
+    /// Forgets lines untouched for `retention` before `now`; runs once per `retention` of
+    /// virtual time, so its cost is amortised over the accesses of that time.
+    fn sweep(&mut self, now: u64) {
+        if now < self.next_sweep {
+            return;
+        }
+        let keep_after = now.saturating_sub(self.costs.retention);
+        self.map.retain(|_, l| l.last_touch >= keep_after);
+        self.next_sweep = now.saturating_add(self.costs.retention);
+    }
+
+    pub(crate) fn stats(&self) -> LineStats {
+        LineStats {
+            lines: self.map.len() as u64,
+            ..self.stats
+        }
+    }
+}
+
+fn clear(s: &mut CpuSet, cpu: usize) {
+    if let Some(w) = s.0.get_mut(cpu / 64) {
+        *w &= !(1 << (cpu % 64));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const C: LineCosts = LineCosts {
+        rmw_local: 10,
+        transfer: 100,
+        invalidate: 7,
+        dram_miss: 1000,
+        retention: 1_000_000,
+    };
+
+    #[test]
+    fn rmws_serialise_and_transfer() {
+        let mut l = Lines::new(C);
+        assert_eq!(l.rmw(0, 0, 1), 1010); // miss
+        assert_eq!(l.rmw(0, 2000, 1), 2010); // owned: local
+        assert_eq!(l.rmw(1, 2005, 1), 2010 + 110); // waits for free_at, transfers
+        assert_eq!(l.rmw(1, 1500, 1), 1510); // asked in a gap, ran late: it went first
+        assert_eq!(l.rmw(1, 1505, 1), 1520); // behind the one that went first
+        assert_eq!(l.rmw(1, 2100, 1), 2130); // the later interval still holds
+        assert_eq!(l.load(2, 3000, 1), 3100); // written by 1: transfer
+        assert_eq!(l.load(2, 4000, 1), 4000); // already a sharer
+        assert_eq!(l.load(3, 4000, 1), 4100);
+        // 1 owns, 2 and 3 share: 1's RMW invalidates two copies.
+        assert_eq!(l.rmw(1, 5000, 1), 5000 + 10 + 14);
+    }
+
+    #[test]
+    fn retention_forgets_untouched_lines() {
+        let mut l = Lines::new(C);
+        l.rmw(0, 0, 1);
+        l.rmw(0, 0, 2);
+        l.rmw(0, 1_500_000, 2); // sweep at 1.5 ms keeps lines touched after 0.5 ms: none
+        assert_eq!(l.stats().lines, 1);
+        assert_eq!(l.rmw(0, 1_600_000, 1), 1_600_000 + 1010); // a miss again
+    }
+
+    #[test]
+    fn sets_ignore_out_of_range_cpus() {
+        let mut s = CpuSet::default();
+        s.insert(MAX_CPUS);
+        assert_eq!(s.len(), 0);
+        assert!(!s.contains(MAX_CPUS));
+        s.insert(255);
+        assert!(s.contains(255));
+    }
+}

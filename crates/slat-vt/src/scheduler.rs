@@ -1,0 +1,464 @@
+//! The baton (docs/design/virtual-time.md §2): every simulated CPU is an OS thread with its own
+//! clock, exactly one holds the baton and runs, and the next to run is the lowest
+//! `(clock, rank)` runnable CPU.
+//!
+//! The state sits behind one mutex that the simulation does not model. A CPU gives the baton
+//! away only inside a hook: when it is more than the lookahead ahead of the lowest runnable
+//! clock (checked before the hook's event, so the event happens in virtual-time order up to
+//! the lookahead), when it blocks, detaches or exits. It then unparks the next holder and
+//! parks until it holds the baton again.
+
+use std::cell::Cell;
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::thread::Thread;
+
+use parking_lot::{Mutex, MutexGuard};
+use slat::clock::{Cost, LockMode};
+
+use crate::error::SimError;
+use crate::model::line::{LineCosts, Lines};
+use crate::model::lock::{Handover, Locks};
+use crate::model::FastHash;
+use crate::profile::{LockPolicy, Profile};
+
+/// What a blocked CPU waits for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Wait {
+    /// The lock model to grant the lock at `addr`.
+    Lock { addr: usize, mode: LockMode },
+    /// A read-modify-write on one of these lines (none listed: on any line).
+    Spin { lines: Vec<u64> },
+    /// A signal on a condition variable or barrier.
+    Event { key: usize, what: &'static str },
+}
+
+/// A simulated CPU's scheduling state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum State {
+    Runnable,
+    Blocked(Wait),
+    Detached,
+    Exited,
+}
+
+#[derive(Debug)]
+pub(crate) struct Cpu {
+    pub(crate) name: String,
+    pub(crate) rank: u64,
+    /// Virtual time in ps. While the CPU runs, its thread's [`Bound::clock`] is newer.
+    pub(crate) clock: u64,
+    pub(crate) state: State,
+    pub(crate) thread: Option<Thread>,
+    /// A lock was handed to it directly while it waited.
+    pub(crate) granted: bool,
+}
+
+/// Whom to unpark once the state's mutex is released.
+#[must_use]
+pub(crate) enum Unpark {
+    None,
+    One(Thread),
+    All(Vec<Thread>),
+}
+
+impl Unpark {
+    pub(crate) fn run(self) {
+        match self {
+            Unpark::None => {}
+            Unpark::One(t) => t.unpark(),
+            Unpark::All(ts) => ts.iter().for_each(Thread::unpark),
+        }
+    }
+}
+
+/// The scheduler's and models' state.
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pub(crate) cpus: Vec<Cpu>,
+    /// Runnable CPUs other than the baton holder, by `(clock, rank, index)`.
+    ready: BTreeSet<(u64, u64, usize)>,
+    pub(crate) baton: Option<usize>,
+    pub(crate) lines: Lines,
+    pub(crate) locks: Locks,
+    watchers: HashMap<u64, Vec<usize>, FastHash>,
+    /// Spinners that listed no line: any RMW wakes them.
+    any_watchers: Vec<usize>,
+    pub(crate) events: HashMap<usize, VecDeque<usize>, FastHash>,
+    pub(crate) failed: Option<SimError>,
+    /// Scheduler calls so far (the watchdog's heartbeat).
+    pub(crate) calls: u64,
+    pub(crate) switches: u64,
+    pub(crate) lookahead: u64,
+    pub(crate) handovers: Vec<Handover>,
+    /// The baton holder is blocked outside the simulation on purpose ([`crate::hold_while`]):
+    /// the watchdog lets it be.
+    pub(crate) holding_outside: bool,
+}
+
+/// One simulation's state, shared by its CPUs' threads, the `Sim` and the watchdog.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) inner: Mutex<Inner>,
+    /// Every [`Cost`] in ps, indexed like [`Cost::ALL`].
+    pub(crate) costs: [u64; Cost::ALL.len()],
+    pub(crate) profile: Profile,
+    pub(crate) seed: u64,
+    pub(crate) transfer: u64,
+    pub(crate) rmw_local: u64,
+}
+
+/// How a thread bound to a CPU behaves in hooks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// It holds the baton: hooks are simulated.
+    Running,
+    /// Outside the simulation (`detach`): hooks are foreign calls.
+    Detached,
+    /// The simulation failed: hooks behave as real time.
+    Failed,
+}
+
+/// A thread's binding to its simulated CPU (thread-local, see `virtual_clock`).
+#[derive(Debug)]
+pub(crate) struct Bound {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) idx: usize,
+    /// The CPU's clock while it runs: `charge` adds here without taking the mutex.
+    pub(crate) clock: Cell<u64>,
+    pub(crate) mode: Cell<Mode>,
+}
+
+/// A bijective mix of 64 bits (xor-shift-multiply rounds): distinct indices get distinct
+/// ranks under any seed.
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 31;
+    x = x.wrapping_mul(0x7fb5_d329_728e_a185);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x81da_def4_bc2d_d44d);
+    x ^ (x >> 33)
+}
+
+/// The tie-break rank of the CPU registered `idx`-th: registration order for seed 0, a
+/// seed-determined permutation of it otherwise.
+pub(crate) fn rank(seed: u64, idx: usize) -> u64 {
+    if seed == 0 {
+        idx as u64
+    } else {
+        mix(idx as u64 ^ mix(seed))
+    }
+}
+
+impl Shared {
+    pub(crate) fn new(profile: Profile, seed: u64) -> Shared {
+        let m = &profile.model;
+        let policy = m.lock_policy.policy;
+        let handoff = match policy {
+            LockPolicy::Fifo => m.line_transfer.ps(),
+            LockPolicy::Barging => m.handoff.ps(),
+        };
+        let lines = Lines::new(LineCosts {
+            rmw_local: m.rmw_local.ps(),
+            transfer: m.line_transfer.ps(),
+            invalidate: m.invalidate.ps(),
+            dram_miss: m.dram_miss.ps(),
+            retention: m.retention.ps(),
+        });
+        let locks = Locks::new(policy, handoff, m.fair_every.ps(), m.retention.ps());
+        let inner = Inner {
+            cpus: Vec::new(),
+            ready: BTreeSet::new(),
+            baton: None,
+            lines,
+            locks,
+            watchers: HashMap::default(),
+            any_watchers: Vec::new(),
+            events: HashMap::default(),
+            failed: None,
+            calls: 0,
+            switches: 0,
+            lookahead: m.lookahead.ps(),
+            handovers: Vec::new(),
+            holding_outside: false,
+        };
+        Shared {
+            inner: Mutex::new(inner),
+            costs: profile.cost_table(),
+            transfer: m.line_transfer.ps(),
+            rmw_local: m.rmw_local.ps(),
+            profile,
+            seed,
+        }
+    }
+
+    /// Takes the state for a hook of the running CPU `b`, its clock written back; `None` if
+    /// the simulation failed (the thread then behaves as real time).
+    pub(crate) fn enter(&self, b: &Bound) -> Option<MutexGuard<'_, Inner>> {
+        let mut g = self.inner.lock();
+        if g.failed.is_some() {
+            b.mode.set(Mode::Failed);
+            return None;
+        }
+        g.calls += 1;
+        if let Some(c) = g.cpus.get_mut(b.idx) {
+            c.clock = b.clock.get();
+        }
+        Some(g)
+    }
+
+    /// Ends a hook: the thread's clock takes the state's (a wait may have moved it).
+    pub(crate) fn leave(&self, g: MutexGuard<'_, Inner>, b: &Bound) {
+        if let Some(c) = g.cpus.get(b.idx) {
+            b.clock.set(c.clock);
+        }
+    }
+
+    /// Parks until `b`'s CPU holds the baton; `None` if the simulation failed meanwhile.
+    pub(crate) fn wait_baton(&self, b: &Bound) -> Option<MutexGuard<'_, Inner>> {
+        loop {
+            let g = self.inner.lock();
+            if g.failed.is_some() {
+                b.mode.set(Mode::Failed);
+                return None;
+            }
+            if g.baton == Some(b.idx) {
+                if let Some(c) = g.cpus.get(b.idx) {
+                    b.clock.set(c.clock);
+                }
+                return Some(g);
+            }
+            drop(g);
+            std::thread::park();
+        }
+    }
+
+    /// The scheduling point of every synchronising hook: gives the baton away if this CPU is
+    /// more than the lookahead ahead of the lowest runnable clock.
+    pub(crate) fn yield_if_ahead<'a>(
+        &'a self,
+        mut g: MutexGuard<'a, Inner>,
+        b: &Bound,
+    ) -> Option<MutexGuard<'a, Inner>> {
+        let me = b.idx;
+        let Some(cpu) = g.cpus.get(me) else {
+            return Some(g);
+        };
+        let (t, rank) = (cpu.clock, cpu.rank);
+        match g.ready.first() {
+            Some(&(low, _, _)) if t > low.saturating_add(g.lookahead) => {}
+            _ => return Some(g),
+        }
+        g.ready.insert((t, rank, me));
+        let next = g.dispatch();
+        drop(g);
+        next.run();
+        self.wait_baton(b)
+    }
+
+    /// Blocks `b`'s CPU on `wait`, passes the baton, and returns once it holds it again.
+    pub(crate) fn block<'a>(
+        &'a self,
+        mut g: MutexGuard<'a, Inner>,
+        b: &Bound,
+        wait: Wait,
+    ) -> Option<MutexGuard<'a, Inner>> {
+        if let Wait::Spin { lines } = &wait {
+            g.watch(b.idx, lines);
+        }
+        if let Some(c) = g.cpus.get_mut(b.idx) {
+            c.state = State::Blocked(wait);
+        }
+        let next = g.dispatch();
+        drop(g);
+        next.run();
+        self.wait_baton(b)
+    }
+}
+
+impl Inner {
+    /// Makes CPU `i` runnable no earlier than `at`.
+    pub(crate) fn make_ready(&mut self, i: usize, at: u64) {
+        let baton = self.baton;
+        let Some(c) = self.cpus.get_mut(i) else {
+            return;
+        };
+        if matches!(c.state, State::Exited) {
+            return;
+        }
+        if c.state == State::Runnable && baton != Some(i) {
+            self.ready.remove(&(c.clock, c.rank, i));
+        }
+        c.clock = c.clock.max(at);
+        c.state = State::Runnable;
+        if baton != Some(i) {
+            self.ready.insert((c.clock, c.rank, i));
+        }
+    }
+
+    /// Adds a CPU registered at `clock` (runnable from the start: a fixed order, whenever its
+    /// thread attaches).
+    pub(crate) fn add_cpu(&mut self, name: String, seed: u64, clock: u64) -> usize {
+        let idx = self.cpus.len();
+        let rank = rank(seed, idx);
+        self.cpus.push(Cpu {
+            name,
+            rank,
+            clock,
+            state: State::Runnable,
+            thread: None,
+            granted: false,
+        });
+        self.ready.insert((clock, rank, idx));
+        idx
+    }
+
+    /// The baton holder gives it up (it already is in `ready`, blocked, detached or exited):
+    /// the lowest runnable CPU gets it. With none runnable, some blocked and none outside
+    /// the simulation, nothing can ever run again: the simulation fails.
+    pub(crate) fn dispatch(&mut self) -> Unpark {
+        self.baton = None;
+        if let Some((_, _, j)) = self.ready.pop_first() {
+            self.baton = Some(j);
+            self.switches += 1;
+            return match self.cpus.get(j).and_then(|c| c.thread.clone()) {
+                Some(t) => Unpark::One(t),
+                None => Unpark::None, // not attached yet: `attach` finds the baton
+            };
+        }
+        let blocked = self
+            .cpus
+            .iter()
+            .any(|c| matches!(c.state, State::Blocked(_)));
+        let outside = self.cpus.iter().any(|c| c.state == State::Detached);
+        if blocked && !outside {
+            let report = self.report();
+            return self.fail(SimError::Deadlock { report });
+        }
+        Unpark::None
+    }
+
+    /// Dispatches if nobody holds the baton (a CPU became runnable from outside a hook).
+    pub(crate) fn kick(&mut self) -> Unpark {
+        if self.baton.is_none() && self.failed.is_none() {
+            self.dispatch()
+        } else {
+            Unpark::None
+        }
+    }
+
+    /// Records the failure (the first one stays) and wakes every thread: their hooks then see
+    /// it and behave as real time.
+    pub(crate) fn fail(&mut self, e: SimError) -> Unpark {
+        if self.failed.is_none() {
+            self.failed = Some(e);
+        }
+        self.baton = None;
+        Unpark::All(self.cpus.iter().filter_map(|c| c.thread.clone()).collect())
+    }
+
+    /// CPU `i` leaves the simulation for good.
+    pub(crate) fn exit(&mut self, i: usize) -> Unpark {
+        let Some(c) = self.cpus.get_mut(i) else {
+            return Unpark::None;
+        };
+        let old = std::mem::replace(&mut c.state, State::Exited);
+        c.thread = None;
+        let key = (c.clock, c.rank, i);
+        match old {
+            State::Exited => return Unpark::None,
+            State::Runnable => {
+                self.ready.remove(&key);
+            }
+            State::Blocked(Wait::Spin { lines }) => self.unwatch(i, &lines),
+            State::Blocked(Wait::Event { key, .. }) => {
+                if let Some(q) = self.events.get_mut(&key) {
+                    q.retain(|&w| w != i);
+                }
+            }
+            State::Blocked(Wait::Lock { .. }) | State::Detached => {}
+        }
+        self.locks.forget_cpu(i);
+        if self.baton == Some(i) {
+            self.dispatch()
+        } else {
+            self.kick()
+        }
+    }
+
+    fn watch(&mut self, i: usize, lines: &[u64]) {
+        if lines.is_empty() {
+            self.any_watchers.push(i);
+        }
+        for &l in lines {
+            self.watchers.entry(l).or_default().push(i);
+        }
+    }
+
+    fn unwatch(&mut self, i: usize, lines: &[u64]) {
+        self.any_watchers.retain(|&w| w != i);
+        for l in lines {
+            if let Some(v) = self.watchers.get_mut(l) {
+                v.retain(|&w| w != i);
+                if v.is_empty() {
+                    self.watchers.remove(l);
+                }
+            }
+        }
+    }
+
+    /// A read-modify-write on `line` completed at `at`: spinners watching it re-evaluate
+    /// their condition once the line has reached them.
+    pub(crate) fn wake_watchers(&mut self, line: u64, at: u64, transfer: u64) {
+        if self.any_watchers.is_empty() && !self.watchers.contains_key(&line) {
+            return;
+        }
+        let mut woken = self.watchers.remove(&line).unwrap_or_default();
+        woken.append(&mut self.any_watchers);
+        for w in woken {
+            let lines = match self.cpus.get_mut(w).map(|c| &mut c.state) {
+                Some(State::Blocked(Wait::Spin { lines })) => std::mem::take(lines),
+                _ => continue,
+            };
+            self.unwatch(w, &lines);
+            self.make_ready(w, at.saturating_add(transfer));
+        }
+    }
+
+    /// Every CPU's clock and state, one line each (deadlock and watchdog reports).
+    pub(crate) fn report(&self) -> String {
+        let mut s = String::new();
+        for (i, c) in self.cpus.iter().enumerate() {
+            let what = match &c.state {
+                State::Runnable if self.baton == Some(i) => "running (holds the baton)".into(),
+                State::Runnable => "runnable".into(),
+                State::Detached => "detached (waiting outside the simulation)".into(),
+                State::Exited => "exited".into(),
+                State::Blocked(Wait::Lock { addr, mode }) => format!(
+                    "blocked on lock {addr:#x} ({mode:?}; {})",
+                    self.locks.describe(*addr)
+                ),
+                State::Blocked(Wait::Spin { lines }) if lines.is_empty() => {
+                    "spinning until any line is written".into()
+                }
+                State::Blocked(Wait::Spin { lines }) => {
+                    let addrs: Vec<String> =
+                        lines.iter().map(|l| format!("{:#x}", l << 6)).collect();
+                    format!(
+                        "spinning until a line nobody has written since is written: {}",
+                        addrs.join(", ")
+                    )
+                }
+                State::Blocked(Wait::Event { key, what }) => format!("waiting on {what} #{key}"),
+            };
+            let _ = writeln!(
+                s,
+                "  cpu {i} `{}` at {}.{:03} ns: {what}",
+                c.name,
+                c.clock / 1000,
+                c.clock % 1000
+            );
+        }
+        s
+    }
+}

@@ -1,0 +1,105 @@
+//! Failures: a deadlock and a CPU blocked outside the simulation end the run with a readable
+//! reason, and every thread gets back to its caller.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use slat::clock::{addr_of, Clock};
+use slat_vt::{Sim, SimError, Virtual};
+
+use crate::common;
+
+/// Polls until the simulation has failed (at most 20 s).
+fn wait_failure(sim: &Sim) -> SimError {
+    let start = Instant::now();
+    loop {
+        if let Some(e) = sim.failure() {
+            return e;
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "no failure");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn two_cpus_spinning_on_lines_nobody_writes_deadlock() {
+    let sim = common::sim(common::profile(), 0);
+    let lines = [AtomicU64::new(0), AtomicU64::new(0)];
+    let stop = AtomicBool::new(false);
+    let handles: Vec<_> = (0..2)
+        .map(|i| sim.register(&format!("cpu{i}")).unwrap())
+        .collect();
+    std::thread::scope(|s| {
+        for (i, h) in handles.into_iter().enumerate() {
+            let (lines, stop) = (&lines, &stop);
+            s.spawn(move || {
+                h.attach().unwrap();
+                // After the failure this spins in real time until the test stops it.
+                Virtual::spin_until(&[addr_of(&lines[i])], &mut || stop.load(Ordering::Acquire));
+            });
+        }
+        let e = wait_failure(&sim);
+        let msg = e.to_string();
+        assert!(matches!(e, SimError::Deadlock { .. }), "{msg}");
+        assert!(msg.contains("deadlock"), "{msg}");
+        for name in ["`cpu0`", "`cpu1`"] {
+            assert!(msg.contains(name), "{msg}");
+        }
+        assert_eq!(msg.matches("spinning until").count(), 2, "{msg}");
+        stop.store(true, Ordering::Release);
+    });
+    assert!(matches!(sim.finish(), Err(SimError::Deadlock { .. })));
+}
+
+#[test]
+fn a_lock_never_released_is_a_deadlock() {
+    let sim = common::sim(common::profile(), 0);
+    let word = AtomicU64::new(0);
+    common::run(&sim, 2, |i| {
+        let addr = addr_of(&word);
+        if i == 0 {
+            // Takes the lock and waits for cpu1, which waits for the lock.
+            Virtual::lock(addr, slat::clock::LockMode::Exclusive);
+            Virtual::spin_until(&[addr_of(&sim)], &mut || word.load(Ordering::Acquire) == 1);
+        } else {
+            Virtual::lock(addr, slat::clock::LockMode::Exclusive);
+            word.store(1, Ordering::Release);
+            Virtual::rmw(addr_of(&sim));
+        }
+    });
+    let e = sim.finish().unwrap_err();
+    let msg = e.to_string();
+    assert!(msg.contains("blocked on lock"), "{msg}");
+    assert!(msg.contains("writer Some(0)"), "{msg}");
+}
+
+#[test]
+fn the_watchdog_catches_a_cpu_blocked_in_the_os() {
+    let sim = Sim::with_watchdog(common::profile(), 0, Some(Duration::from_millis(200))).unwrap();
+    common::run(&sim, 2, |i| {
+        Virtual::fence();
+        if i == 0 {
+            // Holding the baton, blocked outside the simulation.
+            std::thread::sleep(Duration::from_millis(1200));
+        }
+        Virtual::fence();
+    });
+    let e = sim.finish().unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, SimError::Watchdog { .. }), "{msg}");
+    assert!(msg.contains("holds the baton"), "{msg}");
+}
+
+#[test]
+fn registering_more_than_the_limit_is_an_error() {
+    let sim = common::sim(common::profile(), 0);
+    let handles: Vec<_> = (0..slat_vt::MAX_CPUS)
+        .map(|i| sim.register(&i.to_string()).unwrap())
+        .collect();
+    assert!(matches!(
+        sim.register("one too many"),
+        Err(SimError::TooManyCpus { max: 256 })
+    ));
+    drop(handles);
+    sim.finish().expect("registered and exited without running");
+}

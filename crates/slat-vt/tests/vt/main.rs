@@ -1,0 +1,13 @@
+//! slat-vt's integration tests: real threads through the real hooks.
+//!
+//! No test here calls a hook from a thread that is not a simulated CPU: foreign calls are
+//! counted process-wide and would fail the other tests' `finish` (the one test of them is a
+//! unit test of the library).
+
+mod common;
+mod deadlock;
+mod determinism;
+mod queueing;
+mod spin;
+mod stress;
+mod waits;
