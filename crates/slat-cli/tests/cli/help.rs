@@ -6,7 +6,7 @@
 use snapbox::cmd::Command;
 use std::path::Path;
 
-const SUBCOMMANDS: [&str; 12] = [
+const SUBCOMMANDS: [&str; 13] = [
     "demand-paging",
     "dirty-log-perf",
     "dirty-log-test",
@@ -19,6 +19,7 @@ const SUBCOMMANDS: [&str; 12] = [
     "dirty-rate",
     "private-mem-perf",
     "private-mem-test",
+    "calibrate",
 ];
 
 fn check(args: &[&str], snapshot: &str) {
