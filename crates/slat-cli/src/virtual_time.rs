@@ -34,7 +34,7 @@ pub struct ClockArgs {
     #[arg(long = "clock", value_enum, default_value = "real")]
     pub clock: ClockArg,
     /// With --clock virtual: the cost profile to simulate with (TOML, as `slat calibrate`
-    /// writes; crates/slat-vt/profiles/ has this host's and others) instead of the built-in
+    /// writes, as crates/slat-vt/profiles/host-2core-nested.toml) instead of the built-in
     /// profile of this host.
     #[arg(long = "cost-profile", value_name = "FILE")]
     pub cost_profile: Option<std::path::PathBuf>,
