@@ -149,6 +149,17 @@ fn what_the_simulation_cannot_run_is_refused() {
             "--clock",
             "virtual",
         ],
+        &["snapshot-perf", "-b", "4M", "--clock", "virtual"],
+        &[
+            "private-mem-perf",
+            "--backend",
+            "sim",
+            "-b",
+            "4M",
+            "--clock",
+            "virtual",
+        ],
+        &["private-mem-perf", "-b", "4M", "--clock", "virtual"],
     ] {
         let (code, out, err) = common::slat(args);
         assert_eq!(code, 2, "slat {}: {out}{err}", args.join(" "));
