@@ -16,14 +16,19 @@ use crate::error::{CliError, CliResult};
 use crate::limits::GuestMemory;
 use crate::output::{secs, Metric, RunHead, VmSettings};
 use crate::report::{quiet, ratio, ts, Phase};
+use crate::virtual_time::{self, ClockArgs, ClockReport, Stopwatch, VirtualRun};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
-use slat::{AgeFlush, AgeReport, Ept, IdleBitmap, PteFormat, Stage2, Vm};
+use slat::clock::Clock;
+use slat::{AgeFlush, AgeReport, Ept, IdleBitmap, PteFormat, Stage2, Timed, Vm};
 use slat_addr::{Gpa, PAGE_SHIFT, PAGE_SIZE};
+use slat_machine::vtime::{ClockGate, SimThreads, ThreadToken};
 use slat_machine::{Machine, MachineConfig, PassReport};
-use slat_workload::TestMachine;
+use slat_vt::Virtual;
 use slat_workload::{format_size, native_baseline, GuestRam, Layout, PassParams, RegionSpec};
-use std::time::{Duration, Instant};
+use slat_workload::{Gate, TestMachine};
+use std::sync::Arc;
+use std::time::Duration;
 
 /// The selftest's limit: at least 90% of the pages must be seen accessed after an access pass.
 const MAX_STILL_IDLE: f64 = 0.10;
@@ -119,6 +124,8 @@ pub struct AccessTrackingPerfArgs {
     pub out: OutputArgs,
     #[command(flatten)]
     pub machine: MachineArgs,
+    #[command(flatten)]
+    pub clock: ClockArgs,
 }
 
 /// `--compare`: fast page fault on and off, each with one and two vCPUs.
@@ -201,6 +208,9 @@ pub struct Report {
     still_idle: Vec<IdleAfter>,
     warnings: Vec<String>,
     stats: serde_json::Value,
+    /// Whose time the report's times are.
+    #[serde(flatten)]
+    clock: ClockReport,
     #[serde(skip)]
     engine: slat::Stats,
     #[serde(skip)]
@@ -261,10 +271,17 @@ impl Benchmark for AccessTrackingPerfArgs {
     }
 
     fn measure(&self, _kind: BackendArg) -> CliResult<Report> {
-        Ok(match self.machine.format {
-            FormatArg::Ept => run_format::<Ept>(self)?,
-            FormatArg::Stage2 => run_format::<Stage2>(self)?,
-        })
+        let vt = self.clock.start()?;
+        let sim = vt.as_ref().map(VirtualRun::threads);
+        // The machine is gone when `run_format` returns, so the simulation can end.
+        let mut r = match (self.machine.format, sim) {
+            (FormatArg::Ept, None) => run_format::<Ept>(self, None)?,
+            (FormatArg::Stage2, None) => run_format::<Stage2>(self, None)?,
+            (FormatArg::Ept, sim) => run_format::<Timed<Ept, Virtual>>(self, sim)?,
+            (FormatArg::Stage2, sim) => run_format::<Timed<Stage2, Virtual>>(self, sim)?,
+        };
+        r.clock = virtual_time::finish(vt)?;
+        Ok(r)
     }
 
     fn metrics(&self) -> Vec<Metric<Report>> {
@@ -365,9 +382,18 @@ fn idle_verdict(
 }
 
 /// The run on the simulated machine with format `F`, its text lines recorded in the report.
-fn run_format<F: PteFormat>(a: &AccessTrackingPerfArgs) -> Result<Report, String> {
+/// In virtual time (`sim` given, `F` timed) the vCPUs and the marking threads are simulated
+/// CPUs.
+fn run_format<F: PteFormat>(
+    a: &AccessTrackingPerfArgs,
+    sim: Option<Arc<dyn SimThreads>>,
+) -> Result<Report, String> {
     let vcpus = a.work.vcpus;
-    let cfg = machine_config(a);
+    let mut cfg = machine_config(a);
+    if sim.is_some() {
+        // One physical CPU per vCPU: the token pool must never block a simulated thread.
+        cfg.pcpus = vcpus as usize;
+    }
     let (vm_cfg, prefault) = (cfg.vm, cfg.region.prefault);
     let total = a.work.bytes * vcpus as u64;
     let p = Phase::start(
@@ -379,7 +405,7 @@ fn run_format<F: PteFormat>(a: &AccessTrackingPerfArgs) -> Result<Report, String
         ),
         quiet(a.out.json),
     );
-    let m = Machine::<F>::new(cfg).map_err(|e| e.to_string())?;
+    let m = Machine::<F>::with_sim(cfg, sim.clone()).map_err(|e| e.to_string())?;
     let pinned = pin(a, &m)?;
     let psize = a.work.backing.page_size().max(PAGE_SIZE);
     let native_ram = GuestRam::new(a.work.backing, total.div_ceil(psize) * psize, prefault)
@@ -407,7 +433,7 @@ fn run_format<F: PteFormat>(a: &AccessTrackingPerfArgs) -> Result<Report, String
     let access =
         |name, params, r: &mut Report| access_pass(&m, layout, &native_ram, name, params, r);
     let mark = |bitmaps: &mut [IdleBitmap], r: &mut Report| -> Result<(), String> {
-        let m = mark_idle(&vm, bitmaps, flush_mode(a))?;
+        let m = mark_idle(&vm, bitmaps, flush_mode(a), sim.as_ref())?;
         r.lines
             .push(format!("{:<30}: {}", "Mark memory idle", ts(m.time)));
         r.mark_memory_idle.push(m);
@@ -487,6 +513,7 @@ fn empty_report(
         still_idle: Vec::new(),
         warnings: Vec::new(),
         stats: serde_json::Value::Null,
+        clock: ClockReport::real(),
         engine: slat::Stats::default(),
         lines: text::header(a, vm_cfg, layout, total),
     }
@@ -502,8 +529,9 @@ fn access_pass<F: PteFormat>(
     r: &mut Report,
 ) -> Result<(), String> {
     let guest = m.run_pass(params).map_err(|e| e.to_string())?;
-    let native: PassReport =
-        native_baseline(layout, native_ram, params).map_err(|e| e.to_string())?;
+    // Real time on host threads: outside the simulation under --clock virtual.
+    let native: PassReport = virtual_time::outside(|| native_baseline(layout, native_ram, params))
+        .map_err(|e| e.to_string())?;
     let c = guest.vcpus.iter().map(|v| &v.counters);
     let pass = Pass {
         name,
@@ -545,25 +573,18 @@ fn pin<F: PteFormat>(
 /// Marks every bitmap idle, one host thread per bitmap (the selftest's vCPU threads each mark
 /// their own memory), and times the whole marking. (These host threads hold no vCPU in
 /// guest mode, so the engine does not refuse the flush; its error is passed on all the same.)
+/// In virtual time (`sim`) each marking thread is a simulated CPU, registered in bitmap order.
 fn mark_idle<F: PteFormat>(
     vm: &Vm<F>,
     bitmaps: &mut [IdleBitmap],
     flush: AgeFlush,
+    sim: Option<&Arc<dyn SimThreads>>,
 ) -> Result<Mark, String> {
     let pages: u64 = bitmaps.iter().map(|b| b.npages()).sum();
-    let t0 = Instant::now();
+    let t0 = Stopwatch::start();
     let reports: Vec<_> = match bitmaps {
         [one] => vec![vm.mark_idle(one, flush, |_, _| {})],
-        many => std::thread::scope(|s| {
-            let hs: Vec<_> = many
-                .iter_mut()
-                .map(|b| s.spawn(move || vm.mark_idle(b, flush, |_, _| {})))
-                .collect();
-            let joined = hs
-                .into_iter()
-                .map(|h| h.join().unwrap_or(Ok(AgeReport::default())));
-            joined.collect()
-        }),
+        many => mark_in_parallel(vm, many, flush, sim)?,
     };
     let time = t0.elapsed();
     let gib = (pages << PAGE_SHIFT) as f64 / (1u64 << 30) as f64;
@@ -586,4 +607,59 @@ fn mark_idle<F: PteFormat>(
         m.flushed |= x.flushed;
     }
     Ok(m)
+}
+
+type AgeResult = Result<AgeReport, slat::FlushError>;
+
+/// One thread per bitmap. In virtual time the threads and the host meet at a gate in the
+/// format's clock when they are done, so the host leaves it at the last one's clock (the
+/// marking's time); then it steps out of the simulation while it joins them.
+fn mark_in_parallel<F: PteFormat>(
+    vm: &Vm<F>,
+    bitmaps: &mut [IdleBitmap],
+    flush: AgeFlush,
+    sim: Option<&Arc<dyn SimThreads>>,
+) -> Result<Vec<AgeResult>, String> {
+    let done = ClockGate::<F::Clock>::with_parties(bitmaps.len() + 1);
+    let done = &done;
+    // Registered before any thread starts, in bitmap order (the simulation's tie order), so
+    // a failed registration leaves no thread waiting at the gate.
+    let tokens = (0..bitmaps.len())
+        .map(|i| match sim {
+            Some(sim) => sim.register(&format!("mark{i}")).map(Some),
+            None => Ok(None),
+        })
+        .collect::<Result<Vec<Option<Box<dyn ThreadToken>>>, String>>()?;
+    let reports = std::thread::scope(|s| {
+        let mut hs = Vec::with_capacity(bitmaps.len());
+        for (b, token) in bitmaps.iter_mut().zip(tokens) {
+            hs.push(s.spawn(move || {
+                let mut token = token;
+                if let Some(t) = token.as_mut() {
+                    t.attach();
+                }
+                let r = vm.mark_idle(b, flush, |_, _| {});
+                if F::Clock::VIRTUAL {
+                    done.wait();
+                }
+                drop(token);
+                r
+            }));
+        }
+        if F::Clock::VIRTUAL {
+            done.wait();
+        }
+        if let Some(sim) = sim {
+            sim.step_out();
+        }
+        let joined: Vec<_> = hs
+            .into_iter()
+            .map(|h| h.join().unwrap_or(Ok(AgeReport::default())))
+            .collect();
+        if let Some(sim) = sim {
+            sim.step_in();
+        }
+        joined
+    });
+    Ok(reports)
 }

@@ -79,6 +79,9 @@ pub(super) fn print_run(a: &AccessTrackingPerfArgs, r: &Report) {
         on_off(r.config.vm.fast_pf),
         flush_mode(a).name()
     );
+    if let Some(l) = r.clock.line() {
+        println!("{l}");
+    }
 }
 
 /// The line above the `--compare` table.

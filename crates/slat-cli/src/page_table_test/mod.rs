@@ -22,14 +22,18 @@ use crate::error::{CliError, CliResult};
 use crate::limits::GuestMemory;
 use crate::output::{opt_secs, secs, Metric, RowOutcome, Sweep, VmSettings};
 use crate::report::{format_header, quiet, ratio, ts, Phase};
+use crate::virtual_time::{self, ClockArgs, ClockReport, Stopwatch, VirtualRun};
 use clap::Args;
 use serde::Serialize;
-use slat::{CmoPolicy, PteFormat, RebuildOrder, RecoverVariant, Stats, VmConfig};
+use slat::{CmoPolicy, PteFormat, RebuildOrder, RecoverVariant, Stats, Timed, VmConfig};
 use slat_addr::PAGE_SIZE;
 use slat_machine::page_table_stage::{native_stage_baseline, Stage, StageParams};
+use slat_machine::vtime::SimThreads;
 use slat_machine::{Machine, MachineConfig, Workload};
+use slat_vt::Virtual;
 use slat_workload::{format_size, Backing, GuestRam, RegionSpec};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 /// Guest modes the model implements, as `-m` numbers them.
 const GUEST_MODES: [&str; 1] = ["PA-bits:48,  VA-bits:48,  4K pages"];
@@ -86,6 +90,8 @@ pub struct PageTableTestArgs {
     /// stage2.
     #[arg(long)]
     pub compare: bool,
+    #[command(flatten)]
+    pub clock: ClockArgs,
     #[command(flatten)]
     pub out: OutputArgs,
     #[command(flatten)]
@@ -148,6 +154,9 @@ pub struct Report {
     gpa: u64,
     vcpus: u32,
     stages: Vec<StageRow>,
+    /// Whose time the stages' times are.
+    #[serde(flatten)]
+    clock: ClockReport,
     #[serde(skip)]
     host: u64,
     #[serde(skip)]
@@ -192,10 +201,17 @@ impl Benchmark for PageTableTestArgs {
     }
 
     fn measure(&self, _kind: BackendArg) -> CliResult<Report> {
-        Ok(match self.machine.format {
-            FormatArg::Ept => run_on::<slat::Ept>(self)?,
-            FormatArg::Stage2 => run_on::<slat::Stage2>(self)?,
-        })
+        let vt = self.clock.start()?;
+        let sim = vt.as_ref().map(VirtualRun::threads);
+        // The machine is gone when `run_on` returns, so the simulation can end.
+        let mut r = match (self.machine.format, sim) {
+            (FormatArg::Ept, None) => run_on::<slat::Ept>(self, None)?,
+            (FormatArg::Stage2, None) => run_on::<slat::Stage2>(self, None)?,
+            (FormatArg::Ept, sim) => run_on::<Timed<slat::Ept, Virtual>>(self, sim)?,
+            (FormatArg::Stage2, sim) => run_on::<Timed<slat::Stage2, Virtual>>(self, sim)?,
+        };
+        r.clock = virtual_time::finish(vt)?;
+        Ok(r)
     }
 
     fn metrics(&self) -> Vec<Metric<Report>> {
@@ -282,7 +298,11 @@ fn vm_config(a: &PageTableTestArgs) -> VmConfig {
     }
 }
 
-fn run_on<F: PteFormat>(a: &PageTableTestArgs) -> Result<Report, String> {
+/// One run on format `F`, its vCPUs registered with `sim` in virtual time (`F` timed).
+fn run_on<F: PteFormat>(
+    a: &PageTableTestArgs,
+    sim: Option<Arc<dyn SimThreads>>,
+) -> Result<Report, String> {
     let cfg = vm_config(a);
     let large = a.backing.page_size().max(PAGE_SIZE);
     // The machine gives each vCPU a partition; the test shares one region, so the partitions
@@ -300,21 +320,30 @@ fn run_on<F: PteFormat>(a: &PageTableTestArgs) -> Result<Report, String> {
         ),
         quiet(a.out.json),
     );
-    let m = Machine::<F>::new(MachineConfig {
-        vm: cfg,
-        region: RegionSpec {
-            backing: a.backing,
-            vcpus: a.vcpus as usize,
-            bytes_per_vcpu: per_vcpu,
-            overlap: true,
-            prefault,
-            ..RegionSpec::default()
+    // In virtual time one physical CPU per vCPU: the simulation schedules them, and the
+    // token pool must never block a simulated thread.
+    let pcpus = match sim {
+        Some(_) => a.vcpus as usize,
+        None => a.machine.pcpus.unwrap_or(0),
+    };
+    let m = Machine::<F>::with_sim(
+        MachineConfig {
+            vm: cfg,
+            region: RegionSpec {
+                backing: a.backing,
+                vcpus: a.vcpus as usize,
+                bytes_per_vcpu: per_vcpu,
+                overlap: true,
+                prefault,
+                ..RegionSpec::default()
+            },
+            tlb_entries: a.machine.tlb_entries,
+            pcpus,
+            gpa: a.gpa,
+            private: None,
         },
-        tlb_entries: a.machine.tlb_entries,
-        pcpus: a.machine.pcpus.unwrap_or(0),
-        gpa: a.gpa,
-        private: None,
-    })
+        sim,
+    )
     .map_err(|e| e.to_string())?;
     let native_ram = GuestRam::new(a.backing, bytes, prefault).map_err(|e| e.to_string())?;
     p.done();
@@ -343,6 +372,7 @@ fn run_on<F: PteFormat>(a: &PageTableTestArgs) -> Result<Report, String> {
         gpa: layout.gpa,
         vcpus: a.vcpus,
         stages: stages.into_iter().collect::<Result<_, _>>()?,
+        clock: ClockReport::real(),
         host: layout.host,
         cfg,
     })
@@ -363,7 +393,7 @@ fn run_stage<F: PteFormat>(
     let logging_switch = match stage {
         Stage::CreateMappings => None,
         Stage::UpdateMappings | Stage::AdjustMappings => {
-            let t0 = Instant::now();
+            let t0 = Stopwatch::start();
             let on = stage == Stage::UpdateMappings;
             m.set_dirty_logging(on).map_err(|e| e.to_string())?;
             Some(t0.elapsed())
@@ -376,7 +406,8 @@ fn run_stage<F: PteFormat>(
     let run = m.run(Workload::Stage(params)).map_err(|e| e.to_string())?;
     let after = m.vm().stats();
     p.done();
-    let native = native_stage_baseline(native_ram, params, vcpus)
+    // Real time on host threads: outside the simulation under --clock virtual.
+    let native = virtual_time::outside(|| native_stage_baseline(native_ram, params, vcpus))
         .ok_or("the native baseline's memory is smaller than the test region")?;
     let d = |f: fn(&Stats) -> u64| f(&after).saturating_sub(f(&before));
     Ok(StageRow {
@@ -448,6 +479,9 @@ fn print_run(a: &PageTableTestArgs, r: &Report) {
         }
         println!("  native: {} (guest/native {:.2}x)", ts(f.native), f.ratio);
         println!();
+    }
+    if let Some(l) = r.clock.line() {
+        println!("{l}");
     }
 }
 

@@ -31,6 +31,7 @@ use crate::driver::{self, Bars, Benchmark, Common};
 use crate::error::{CliError, CliResult};
 use crate::output::{cell, print_table, ratio_cell, Better, Metric, MetricSummary};
 use crate::vary_key;
+use crate::virtual_time::ClockArgs;
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use slat::DirectMapPolicy;
@@ -94,6 +95,8 @@ pub struct PrivateMemPerfArgs {
     /// sim: one row per combination; a key given here overrides its flag (the keys: --help).
     #[arg(long, value_name = "KEY=V1,V2,...", value_parser = driver::vary::parser(VARY), long_help = driver::vary::help(VARY, "sim only: every combination is a row of each run (--repeat runs them all N times)."))]
     pub vary: Vec<driver::vary::Vary>,
+    #[command(flatten)]
+    pub clock: ClockArgs,
     #[command(flatten)]
     pub out: OutputArgs,
 }
@@ -249,6 +252,13 @@ impl<C: Serialize, R: Serialize, S: Serialize> Document<C, R, S> {
 
 /// Refuses what cannot run.
 fn check(a: &PrivateMemPerfArgs) -> Result<(), String> {
+    if a.clock.is_virtual() {
+        return Err(match a.backend {
+            PrivBackend::Host => "--clock virtual runs only on the simulated machine (--backend sim)",
+            PrivBackend::Sim => "--clock virtual cannot simulate private-mem-perf yet: its conversion and acceptance threads and its sampler are not simulated CPUs",
+        }
+        .into());
+    }
     if a.backend == PrivBackend::Host {
         let sim_only = [
             ("--direct-map", a.direct_map.is_some()),

@@ -37,6 +37,7 @@ use crate::output::{
     WorkSettings,
 };
 use crate::report::{per, quiet, runtime, Phase};
+use crate::virtual_time::ClockArgs;
 use clap::Args;
 use floor::Floor;
 use hdrhistogram::Histogram;
@@ -81,6 +82,8 @@ pub struct SnapshotPerfArgs {
     pub backend: Vec<BackendArg>,
     #[command(flatten)]
     pub machine: MachineArgs,
+    #[command(flatten)]
+    pub clock: ClockArgs,
     /// Run once per combination of settings, one table of combination x k (the keys: --help).
     #[arg(long = "vary", value_parser = driver::vary::parser(VARY), value_name = "KEY=V1,V2", long_help = driver::vary::help(VARY, vary::EXAMPLES))]
     pub vary: Vec<driver::vary::Vary>,
@@ -285,6 +288,9 @@ fn finish(a: &SnapshotPerfArgs, all: Vec<(BackendArg, Vec<Run>)>) -> CliResult {
 
 /// Refuses what cannot run, with the flag to change (exit status 2).
 fn check(a: &SnapshotPerfArgs) -> Result<(), String> {
+    if a.clock.is_virtual() {
+        return Err("--clock virtual cannot simulate snapshot-perf yet: a reset's page copies and zeroing are host memory work that no cost is charged for".into());
+    }
     crate::limits::refuse_phantom(
         a.work.backing,
         "snapshot-perf (its snapshots copy guest memory)",

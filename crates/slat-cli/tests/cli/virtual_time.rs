@@ -18,11 +18,20 @@ fn deterministic(mut r: Value) -> Value {
     ] {
         o.remove(k);
     }
-    if let Some(its) = o.get_mut("iterations").and_then(Value::as_array_mut) {
-        for it in its {
-            if let Some(it) = it.as_object_mut() {
-                it.remove("native_memory_time_s");
-                it.remove("ratio_guest_over_native");
+    // Per-pass and per-stage native baselines (real time on host threads).
+    for list in ["iterations", "passes", "stages"] {
+        if let Some(its) = o.get_mut(list).and_then(Value::as_array_mut) {
+            for it in its {
+                if let Some(it) = it.as_object_mut() {
+                    for k in [
+                        "native_memory_time_s",
+                        "native_time_s",
+                        "ratio_guest_over_native",
+                        "ratio",
+                    ] {
+                        it.remove(k);
+                    }
+                }
             }
         }
     }
@@ -66,6 +75,45 @@ fn dirty_log_perf_in_virtual_time_is_deterministic() {
 }
 
 #[test]
+fn page_table_test_in_virtual_time_is_deterministic() {
+    for format in ["ept", "stage2"] {
+        let args = [
+            "page-table-test",
+            "-v",
+            "2",
+            "-b",
+            "8M",
+            "--format",
+            format,
+            "--clock",
+            "virtual",
+        ];
+        let r = twice(&args);
+        assert_eq!(r["clock"], "virtual");
+        assert!(r["stages"][0]["time_s"].as_f64().unwrap() > 0.0);
+        common::schema::validate("page-table-test.json", &common::json(&args));
+    }
+}
+
+#[test]
+fn access_tracking_perf_in_virtual_time_is_deterministic() {
+    // Two vCPUs without -o: two marking threads, simulated CPUs of their own.
+    let args = [
+        "access-tracking-perf",
+        "-v",
+        "2",
+        "-b",
+        "4M",
+        "--clock",
+        "virtual",
+    ];
+    let r = twice(&args);
+    assert_eq!(r["clock"], "virtual");
+    assert!(r["mark_memory_idle"][0]["time_s"].as_f64().unwrap() > 0.0);
+    common::schema::validate("access-tracking-perf.json", &common::json(&args));
+}
+
+#[test]
 fn real_time_reports_say_so() {
     let r = common::json(&["demand-paging", "-v", "1", "-b", "4M"]);
     assert_eq!(r["clock"], "real");
@@ -101,6 +149,17 @@ fn what_the_simulation_cannot_run_is_refused() {
             "--clock",
             "virtual",
         ],
+        &["snapshot-perf", "-b", "4M", "--clock", "virtual"],
+        &[
+            "private-mem-perf",
+            "--backend",
+            "sim",
+            "-b",
+            "4M",
+            "--clock",
+            "virtual",
+        ],
+        &["private-mem-perf", "-b", "4M", "--clock", "virtual"],
     ] {
         let (code, out, err) = common::slat(args);
         assert_eq!(code, 2, "slat {}: {out}{err}", args.join(" "));
