@@ -9,7 +9,7 @@ use super::*;
 use crate::args::backing;
 use crate::migrate_report::Dest;
 use crate::output::Better::Lower;
-use slat_migrate::transport::{Channel, Listener};
+use slat_migrate::transport::Listener;
 use slat_migrate::{DestConfig, Destination};
 use slat_workload::parse_size;
 use std::cell::RefCell;
