@@ -5,7 +5,7 @@ mod incoming;
 mod postcopy;
 mod striped;
 
-pub use crate::transport::Acceptor;
+use crate::transport::Acceptor;
 
 use crate::error::{Cause, HelloError, MigrateError, ProtocolError, StreamError};
 use crate::guest::{Guest, MemoryMap};

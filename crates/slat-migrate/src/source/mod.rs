@@ -17,7 +17,7 @@ use crate::error::{Cause, MigrateError};
 use crate::guest::{splitmix, Guest, GuestHarvester, GuestLog, Memory};
 use crate::link::{Faults, Link};
 use crate::stream::{Compression, MAX_BATCH_PAGES, MAX_STREAMS};
-pub use crate::transport::Connector;
+use crate::transport::Connector;
 use crate::transport::{self, Channel, Endpoint};
 use crate::verify::{Digests, VerifyMode};
 use conn::{spawn_reader, Conn};
