@@ -22,11 +22,10 @@ use slat_addr::{Gpa, PageIndex};
 use slat_dirty::{LogMode, Memslot};
 use slat_migrate::postcopy::PostcopyTrigger;
 use slat_migrate::stream::Region;
-use slat_migrate::transport::{Channel, Endpoint, Listener};
+use slat_migrate::transport::{Endpoint, Listener};
 use slat_migrate::{
-    kvm_dirty_log, Acceptor, DestConfig, DestReport, Destination, Factory, Guest, GuestError,
-    GuestHarvester, GuestRegion, HelloError, Memory, MigrateError, MigrationReport, Source,
-    SourceConfig, StateBlob,
+    kvm_dirty_log, DestConfig, DestReport, Destination, Factory, Guest, GuestError, GuestHarvester,
+    GuestRegion, HelloError, Memory, MigrationReport, Source, SourceConfig, StateBlob,
 };
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -413,22 +412,6 @@ type Migrated = (DestReport, Arc<dyn Guest>);
 /// The destination: a thread that serves one migration from `listener`; its VM is built from
 /// the map the source announces, and left paused.
 fn spawn_destination(mut listener: Listener) -> JoinHandle<Result<Migrated, Error>> {
-    // Post-copy's second connection (the preempt channel) comes to the same socket.
-    let acceptor: Option<Acceptor> = match &listener {
-        Listener::Unix(l, _) => l.try_clone().ok().map(|l| {
-            Box::new(move || {
-                let (s, _) = l.accept().map_err(|e| MigrateError::Connect {
-                    addr: "the preempt channel".into(),
-                    why: slat_migrate::Cause::new(e),
-                })?;
-                Channel::unix(s, TIMEOUT, "preempt".into()).map_err(|e| MigrateError::Connect {
-                    addr: "the preempt channel".into(),
-                    why: slat_migrate::Cause::new(e),
-                })
-            }) as Acceptor
-        }),
-        _ => None,
-    };
     std::thread::spawn(move || -> Result<_, Error> {
         let factory: Factory = Box::new(|map: &[Region], _machine: &[u8]| {
             Ok(Arc::new(Vm::new(map).map_err(HelloError::Build)?) as Arc<dyn Guest>)
@@ -439,10 +422,9 @@ fn spawn_destination(mut listener: Listener) -> JoinHandle<Result<Migrated, Erro
             ..DestConfig::default()
         };
         let mut d = Destination::new(factory, cfg);
-        if let Some(a) = acceptor {
-            d.set_acceptor(a);
-        }
-        let report = d.serve_channel(listener.accept(TIMEOUT)?)?;
+        // Post-copy's second connection (the preempt channel) comes to the same socket:
+        // `accept_from` takes it (and any page streams) from `listener` too.
+        let report = d.accept_from(&mut listener)?;
         let guest = d.guest().ok_or("no guest after a migration")?.clone();
         Ok((report, guest))
     })

@@ -744,7 +744,7 @@ pub enum MigrateError {
     Connections(u32),
     /// Page streams over a channel that cannot open more connections (an inherited
     /// descriptor, a file, a caller's stream).
-    #[error("{0} page streams need an endpoint to connect to (tcp: or unix:)")]
+    #[error("{0} page streams need an endpoint to connect to (tcp: or unix:) or a connector (Source::set_connector)")]
     StreamsNeedEndpoint(u32),
     /// A page stream failed (the others and the control connection are closed with it).
     #[error("page stream {index}: {why}")]

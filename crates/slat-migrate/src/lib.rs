@@ -155,7 +155,7 @@ mod link;
 mod source;
 mod state;
 
-pub use destination::{Acceptor, DestConfig, DestReport, Destination, Factory};
+pub use destination::{DestConfig, DestReport, Destination, Factory};
 pub use error::{
     describe_map, Cause, Corruption, GuestError, HelloError, MapError, MemoryError, MigrateError,
     PageError, ProtocolError, StateError, StreamError,
@@ -165,7 +165,6 @@ pub use guest::{
 };
 pub use link::Faults;
 pub use source::{
-    Connector, DirtyLimitReport, Event, MigrationReport, Progress, RoundReport, Source,
-    SourceConfig,
+    DirtyLimitReport, Event, MigrationReport, Progress, RoundReport, Source, SourceConfig,
 };
 pub use state::{check_blobs, StateBlob};

@@ -305,6 +305,14 @@ impl Write for SyncOnFlush {
     }
 }
 
+/// Accepts a destination's extra connections of one migration (its page streams, post-copy's
+/// preempt channel): the next connection from the source.
+pub type Acceptor = Box<dyn FnMut() -> Result<Channel, MigrateError> + Send>;
+
+/// Opens a source's extra connections of one migration (its page streams, post-copy's
+/// preempt channel): a new connection to the same destination.
+pub type Connector = Box<dyn FnMut() -> Result<Channel, MigrateError> + Send>;
+
 /// Where a destination takes incoming migrations from.
 pub enum Listener {
     /// A TCP listening socket.
@@ -382,6 +390,33 @@ impl Listener {
 }
 
 impl Listener {
+    /// The acceptor of the extra connections that come to this listener (a clone of its
+    /// socket, taking each within `timeout`); `None` for a descriptor or a file, which carry
+    /// one stream, or a socket that cannot be cloned.
+    pub fn acceptor(&self, timeout: Duration) -> Option<Acceptor> {
+        match self {
+            Listener::Tcp(l) => {
+                let l = l.try_clone().ok()?;
+                Some(Box::new(move || accept_tcp_within(&l, timeout, timeout)))
+            }
+            Listener::Unix(l, p) => {
+                let (l, peer) = (l.try_clone().ok()?, format!("unix:{}", p.display()));
+                Some(Box::new(move || {
+                    let io = |e: std::io::Error| {
+                        MigrateError::stream(
+                            "accepting a connection",
+                            StreamError::Io(Cause::new(e)),
+                        )
+                    };
+                    let s = poll_accept(|nb| l.set_nonblocking(nb), || l.accept(), timeout)
+                        .map_err(io)?;
+                    Channel::unix(s, timeout, peer.clone()).map_err(io)
+                }))
+            }
+            Listener::Fd(_) | Listener::File(_) => None,
+        }
+    }
+
     /// [`Listener::accept`] for a connection due now (a page stream its source announced):
     /// one that does not come within `within` fails, so a source that announces streams and
     /// never opens them cannot hold the destination. Polls a non-blocking socket; the

@@ -9,7 +9,7 @@ use super::*;
 use crate::args::backing;
 use crate::migrate_report::Dest;
 use crate::output::Better::Lower;
-use slat_migrate::transport::{Channel, Listener};
+use slat_migrate::transport::Listener;
 use slat_migrate::{DestConfig, Destination};
 use slat_workload::parse_size;
 use std::cell::RefCell;
@@ -157,7 +157,8 @@ fn receive_one(
     let mut spec = machine_spec(&a.machine, a.backend);
     spec.backing = a.backing;
     let mut dest = Destination::new(bench::factory(spec), cfg);
-    if let Some(a) = acceptor(listener, Duration::from_secs(a.timeout)) {
+    // The source's page streams and post-copy's preempt channel come to the same socket.
+    if let Some(a) = listener.acceptor(Duration::from_secs(a.timeout)) {
         dest.set_acceptor(a);
     }
     let mut failures = 0;
@@ -166,8 +167,7 @@ fn receive_one(
             .map_err(|e| failed(format!("accepting on {local}: {e}")))?;
         let peer = c.peer.clone();
         progress(q, &format!("incoming migration from {peer}"));
-        let timeout = Duration::from_secs(a.timeout);
-        let err = match dest.serve_streams(c, &mut || listener.accept_within(timeout, timeout)) {
+        let err = match dest.serve_channel(c) {
             Ok(r) => return Ok(r),
             Err(err) => err,
         };
@@ -185,31 +185,5 @@ fn receive_one(
             when(dest.holds_session(), "keeping the guest's memory and"),
             a.retries
         ));
-    }
-}
-
-/// Post-copy's second connection (the preempt channel) comes to the same socket: a clone of
-/// the listening socket accepts it (none for a descriptor or a file, which carry one stream).
-fn acceptor(listener: &Listener, timeout: Duration) -> Option<slat_migrate::Acceptor> {
-    let io = |e: std::io::Error| slat_migrate::MigrateError::Connect {
-        addr: "the preempt channel".into(),
-        why: slat_migrate::Cause::new(e),
-    };
-    match listener {
-        Listener::Tcp(l) => {
-            let l = l.try_clone().ok()?;
-            Some(Box::new(move || {
-                let (s, _) = l.accept().map_err(io)?;
-                Channel::tcp(s, timeout).map_err(io)
-            }))
-        }
-        Listener::Unix(l, p) => {
-            let (l, p) = (l.try_clone().ok()?, p.display().to_string());
-            Some(Box::new(move || {
-                let (s, _) = l.accept().map_err(io)?;
-                Channel::unix(s, timeout, format!("unix:{p}")).map_err(io)
-            }))
-        }
-        Listener::Fd(_) | Listener::File(_) => None,
     }
 }

@@ -5,7 +5,7 @@ mod incoming;
 mod postcopy;
 mod striped;
 
-pub use postcopy::Acceptor;
+use crate::transport::Acceptor;
 
 use crate::error::{Cause, HelloError, MigrateError, ProtocolError, StreamError};
 use crate::guest::{Guest, MemoryMap};
@@ -19,9 +19,6 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// Accepts the next connection of a migration in progress (its page streams).
-pub type Accept<'a> = &'a mut dyn FnMut() -> Result<Channel, MigrateError>;
 
 /// Builds a guest for the memory map (checked) and machine description the source
 /// announces; a map it cannot build is [`HelloError::Mismatch`], a description it cannot
@@ -188,50 +185,39 @@ impl Destination {
         self.session.is_some()
     }
 
-    /// Accepts one connection on `listener` and serves it (and the page streams its source
-    /// opens, from the same listener).
+    /// Accepts one connection on `listener` and serves it; the source's extra connections
+    /// (its page streams, post-copy's preempt channel) are accepted from the same listener
+    /// (it becomes this destination's acceptor, see [`Destination::set_acceptor`]).
     pub fn accept(&mut self, listener: &TcpListener) -> Result<DestReport, MigrateError> {
         let timeout = self.cfg.timeout;
         if timeout.is_zero() {
             return Err(MigrateError::ZeroTimeout);
         }
-        let (s, _) = listener.accept().map_err(|e| {
-            MigrateError::stream("accepting a connection", StreamError::Io(Cause::new(e)))
-        })?;
-        if self.acceptor.is_none() {
-            if let Ok(l) = listener.try_clone() {
-                let timeout = self.cfg.timeout;
-                self.acceptor = Some(Box::new(move || {
-                    let (s, _) = l.accept().map_err(|e| {
-                        MigrateError::stream(
-                            "accepting a connection",
-                            StreamError::Io(Cause::new(e)),
-                        )
-                    })?;
-                    Channel::tcp(s, timeout).map_err(|e| {
-                        MigrateError::stream("accepting", StreamError::Io(Cause::new(e)))
-                    })
-                }));
-            }
-        }
-        let c = Channel::tcp(s, timeout)
-            .map_err(|e| MigrateError::stream("accepting", StreamError::Io(Cause::new(e))))?;
-        let mut next = || crate::transport::accept_tcp_within(listener, timeout, timeout);
-        self.serve_streams(c, &mut next)
+        let io = |e| MigrateError::stream("accepting a connection", StreamError::Io(Cause::new(e)));
+        let (s, _) = listener.accept().map_err(io)?;
+        let l = listener.try_clone().map_err(io)?;
+        self.acceptor = Some(Box::new(move || {
+            crate::transport::accept_tcp_within(&l, timeout, timeout)
+        }));
+        self.serve(s)
     }
 
-    /// Accepts one migration on `l` and serves it, with the page streams its source opens
-    /// (accepted from `l` too).
+    /// Accepts one migration on `l` and serves it; the source's extra connections are
+    /// accepted from `l` too (it becomes this destination's acceptor; a descriptor or a file,
+    /// which carry one stream, leave the acceptor as it was).
     pub fn accept_from(
         &mut self,
         l: &mut crate::transport::Listener,
     ) -> Result<DestReport, MigrateError> {
         let t = self.cfg.timeout;
+        if let Some(a) = l.acceptor(t) {
+            self.acceptor = Some(a);
+        }
         let c = l.accept(t)?;
-        self.serve_streams(c, &mut || l.accept_within(t, t))
+        self.serve_channel(c)
     }
 
-    /// Receives one migration over TCP stream `s`.
+    /// Receives one migration over TCP stream `s` (extra connections from the acceptor).
     pub fn serve(&mut self, s: TcpStream) -> Result<DestReport, MigrateError> {
         if self.cfg.timeout.is_zero() {
             return Err(MigrateError::ZeroTimeout);
@@ -243,28 +229,17 @@ impl Destination {
 
     /// Receives one migration over `c` (see [`crate::transport`]). On success the guest is
     /// this side's (and has run for [`DestConfig::resume_for`]); on failure the session is
-    /// kept for a source that reconnects. A source asking for page streams is refused
-    /// ([`Destination::serve_streams`] takes them).
+    /// kept for a source that reconnects. The source's extra connections — the page streams
+    /// it asks for ([`crate::SourceConfig::connections`]), each opening with its header naming
+    /// this migration's session and attempt and a stream index, and post-copy's preempt
+    /// channel — come from this destination's acceptor ([`Destination::set_acceptor`]; set by
+    /// [`Destination::accept`] and [`Destination::accept_from`]); without one, a source
+    /// asking for them is refused.
     pub fn serve_channel(&mut self, c: Channel) -> Result<DestReport, MigrateError> {
-        self.serve_inner(c, None)
+        self.serve_inner(c)
     }
 
-    /// [`Destination::serve_channel`], taking the page streams a source asks for
-    /// ([`crate::SourceConfig::connections`]) from `accept`: each must open with its header
-    /// naming this migration's session and attempt and a stream index, each index once.
-    pub fn serve_streams(
-        &mut self,
-        c: Channel,
-        accept: Accept<'_>,
-    ) -> Result<DestReport, MigrateError> {
-        self.serve_inner(c, Some(accept))
-    }
-
-    fn serve_inner(
-        &mut self,
-        c: Channel,
-        accept: Option<Accept<'_>>,
-    ) -> Result<DestReport, MigrateError> {
+    fn serve_inner(&mut self, c: Channel) -> Result<DestReport, MigrateError> {
         let Channel {
             reader,
             writer: mut out,
@@ -300,7 +275,6 @@ impl Destination {
             reader: &mut reader,
             out: &mut out,
             close: closer.clone(),
-            accept,
             timeout: self.cfg.timeout,
             max_streams: self.cfg.max_streams.min(stream::MAX_STREAMS),
         };
@@ -323,7 +297,7 @@ impl Destination {
 
     /// Receives one migration: the handshake, then the protocol's frames in order (each kind
     /// handled by a step of [`Incoming`]), until the commit hands the guest over.
-    fn receive(&mut self, link: &mut Control<'_, '_>) -> Result<DestReport, MigrateError> {
+    fn receive(&mut self, link: &mut Control<'_>) -> Result<DestReport, MigrateError> {
         let (reader, out) = (&mut *link.reader, &mut *link.out);
         let t0 = Instant::now();
         let hello = read_hello(reader)?;
@@ -360,7 +334,7 @@ impl Destination {
             Some(d) if resumed => self
                 .postcopy_recover(&d, &mut inc, link.reader, link.out)
                 .map(|()| 0),
-            _ => match frames(&mut inc, link) {
+            _ => match frames(&mut inc, link, self.acceptor.as_mut()) {
                 Ok(End::PostcopyRun(pages)) => self
                     .postcopy_run(&guest, &mut inc, pages, link.reader, link.out)
                     .map(|()| 0),
@@ -371,7 +345,7 @@ impl Destination {
         let r = r.and_then(|bytes| match inc.state {
             State::Verified => Ok(bytes),
             // Post-copy's pages are all here: the verification and the commit follow.
-            _ => match frames(&mut inc, link)? {
+            _ => match frames(&mut inc, link, self.acceptor.as_mut())? {
                 End::Commit(more) => Ok(bytes + more),
                 End::PostcopyRun(_) => Err(protocol(
                     "post-copy",
@@ -508,13 +482,11 @@ impl Destination {
 }
 
 /// The control connection of one migration and what goes with it.
-struct Control<'r, 'a> {
+struct Control<'r> {
     reader: &'r mut FrameReader<Box<dyn Read + Send>>,
     out: &'r mut Option<Box<dyn Write + Send>>,
     /// Breaks the connection off (unblocks a reader thread).
     close: Option<crate::transport::Closer>,
-    /// Where page streams come from, if this destination takes them.
-    accept: Option<Accept<'a>>,
     timeout: Duration,
     /// Most page streams taken.
     max_streams: u32,
@@ -542,7 +514,11 @@ enum End {
 /// verified stream's commit (with the bytes the page streams read, 0 without them) or
 /// post-copy's run (the guest is to start with that many pages still missing); a source's
 /// page streams switch to [`striped::receive`].
-fn frames(inc: &mut Incoming<'_>, link: &mut Control<'_, '_>) -> Result<End, MigrateError> {
+fn frames(
+    inc: &mut Incoming<'_>,
+    link: &mut Control<'_>,
+    mut accept: Option<&mut Acceptor>,
+) -> Result<End, MigrateError> {
     loop {
         let phase = inc.phase();
         let m = link
@@ -555,7 +531,7 @@ fn frames(inc: &mut Incoming<'_>, link: &mut Control<'_, '_>) -> Result<End, Mig
                 link.reader.recycle(b.data);
             }
             (_, Msg::Streams { count }) if inc.fresh() => {
-                return striped::receive(inc, link, count, &phase).map(End::Commit);
+                return striped::receive(inc, link, accept.take(), count, &phase).map(End::Commit);
             }
             (state, m) => match control(inc, state, m, &phase, link.out)? {
                 Step::More => {}

@@ -9,23 +9,21 @@ use crate::guest::{Guest, MemoryMap};
 use crate::postcopy::demand::Demand;
 use crate::postcopy::{PostcopyError, POSTCOPY_ROUND};
 use crate::stream::{self, Batch, FrameReader, Msg, PostcopyMsg, MAX_REQUEST, MAX_RUNS};
-use crate::transport::Channel;
+use crate::transport::Acceptor;
 use crate::verify::{self, Digests, VerifyMode};
 use std::io::{Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// Opens the extra connections of a session (post-copy's preempt channel) on a destination:
-/// the next connection from the source.
-pub type Acceptor = Box<dyn FnMut() -> Result<Channel, MigrateError> + Send>;
-
 type Out = Option<Box<dyn Write + Send>>;
 type Reader = FrameReader<Box<dyn Read + Send>>;
 
 impl Destination {
-    /// Sets how this destination accepts the source's extra connections (post-copy's
-    /// preempt channel). [`Destination::accept`] sets one from its listener.
+    /// Sets how this destination accepts the source's extra connections (its page streams,
+    /// post-copy's preempt channel) for migrations served with
+    /// [`Destination::serve_channel`] or [`Destination::serve`]; [`Destination::accept`] and
+    /// [`Destination::accept_from`] set one from their listener.
     pub fn set_acceptor(&mut self, a: Acceptor) {
         self.acceptor = Some(a);
     }

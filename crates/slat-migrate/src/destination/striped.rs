@@ -17,7 +17,7 @@ use super::{control, protocol, Control, Step};
 use crate::error::{Cause, MigrateError, PageError, ProtocolError, StreamError};
 use crate::guest::{Guest, Memory};
 use crate::stream::{Batch, FrameReader, Msg};
-use crate::transport::{Channel, Closer};
+use crate::transport::{Acceptor, Channel, Closer};
 use crate::verify::{self, PageDigest};
 use slat_addr::PageIndex;
 use std::io::{Read, Write};
@@ -59,7 +59,8 @@ struct PageStream {
 /// streams read.
 pub(super) fn receive(
     inc: &mut Incoming<'_>,
-    link: &mut Control<'_, '_>,
+    link: &mut Control<'_>,
+    accept: Option<&mut Acceptor>,
     count: u32,
     phase: &str,
 ) -> Result<u64, MigrateError> {
@@ -67,7 +68,7 @@ pub(super) fn receive(
     if !(2..=max).contains(&count) {
         return Err(protocol(phase, ProtocolError::StreamCount { count, max }));
     }
-    let Some(accept) = link.accept.as_mut() else {
+    let Some(accept) = accept else {
         return Err(protocol(phase, ProtocolError::NoStreams));
     };
     let (streams, closers) = accept_streams(&mut **accept, count, inc.session(), link.timeout)?;

@@ -17,10 +17,10 @@ use crate::error::{Cause, MigrateError};
 use crate::guest::{splitmix, Guest, GuestHarvester, GuestLog, Memory};
 use crate::link::{Faults, Link};
 use crate::stream::{Compression, MAX_BATCH_PAGES, MAX_STREAMS};
+use crate::transport::Connector;
 use crate::transport::{self, Channel, Endpoint};
 use crate::verify::{Digests, VerifyMode};
 use conn::{spawn_reader, Conn};
-pub use postcopy::Connector;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -386,13 +386,11 @@ pub struct Source {
     digests: Digests,
     /// Ring entries per vCPU, counted by the harvester's log in the ring mode (dirty-limit).
     ring_counts: Arc<RingCounts>,
-    /// Where the attempt in progress connected (page streams connect there too).
-    endpoint: Option<Endpoint>,
     /// Post-copy's state once the guest switched over in post-copy.
     post: Option<postcopy::PostState>,
     /// Why the rounds just ended in post-copy (its trigger), for the attempt.
     switch: Option<&'static str>,
-    /// Opens post-copy's preempt channel.
+    /// Opens the extra connections: page streams, post-copy's preempt channel.
     connector: Option<Connector>,
 }
 
@@ -416,7 +414,6 @@ impl Source {
             was_running: false,
             digests: Digests::default(),
             ring_counts: Arc::default(),
-            endpoint: None,
             post: None,
             switch: None,
             connector: None,
@@ -475,30 +472,34 @@ impl Source {
         to: &Endpoint,
         progress: &mut dyn FnMut(Event<'_>),
     ) -> Result<MigrationReport, MigrateError> {
-        if self.cfg.postcopy.is_some() || self.post.is_some() {
-            let (to, timeout) = (to.clone(), self.cfg.timeout);
-            self.connector = Some(Box::new(move || transport::connect(&to, timeout)));
-        }
+        // The extra connections (page streams, post-copy's preempt channel) go where the
+        // control connection goes; a file carries one stream.
+        self.connector = match to {
+            Endpoint::Tcp(_) | Endpoint::Unix(_) => {
+                let (to, timeout) = (to.clone(), self.cfg.timeout);
+                Some(Box::new(move || transport::connect(&to, timeout)))
+            }
+            _ => None,
+        };
         self.check()?;
-        if self.cfg.connections > 1 && !matches!(to, Endpoint::Tcp(_) | Endpoint::Unix(_)) {
+        if self.cfg.connections > 1 && self.connector.is_none() {
             return Err(MigrateError::StreamsNeedEndpoint(self.cfg.connections));
         }
         self.attempts += 1;
-        self.endpoint = Some(to.clone());
         let r = transport::connect(to, self.cfg.timeout).and_then(|c| self.attempt(c, progress));
-        self.endpoint = None;
         self.settle_attempt(r)
     }
 
     /// Migrates the guest over a channel of the caller's (any `Read + Write` stream, an
-    /// inherited descriptor, a file).
+    /// inherited descriptor, a file); page streams and post-copy's preempt channel are opened
+    /// with the connector ([`Source::set_connector`]).
     pub fn migrate_over(
         &mut self,
         channel: Channel,
         progress: &mut dyn FnMut(Event<'_>),
     ) -> Result<MigrationReport, MigrateError> {
         self.check()?;
-        if self.cfg.connections > 1 {
+        if self.cfg.connections > 1 && self.connector.is_none() {
             return Err(MigrateError::StreamsNeedEndpoint(self.cfg.connections));
         }
         self.attempts += 1;

@@ -10,7 +10,7 @@ use crate::guest::Memory;
 use crate::link::{Faults, Link};
 use crate::postcopy::{PageBits, PostcopyError, PostcopyReport, POSTCOPY_ROUND};
 use crate::stream::{self, BatchBuilder, Compression, Msg, PostcopyMsg, MAX_RUNS, VERSION};
-use crate::transport::Channel;
+use crate::transport::Connector;
 use crate::verify::{self, PageDigest};
 use slat_addr::PageIndex;
 use std::io::Write;
@@ -18,10 +18,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::RecvTimeoutError;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// Opens the extra connections of a session (post-copy's preempt channel) from a source: a
-/// new connection to the same destination.
-pub type Connector = Box<dyn FnMut() -> Result<Channel, MigrateError> + Send>;
 
 /// What a source in post-copy keeps across connections.
 pub(super) struct PostState {
@@ -44,8 +40,9 @@ struct Sent {
 }
 
 impl Source {
-    /// Sets how this source opens the extra connections of post-copy (its preempt channel);
-    /// [`Source::migrate_to`] sets one for its endpoint.
+    /// Sets how this source opens its extra connections (page streams, post-copy's preempt
+    /// channel) for migrations over a channel of the caller's ([`Source::migrate_over`]);
+    /// [`Source::migrate_to`] replaces it with one for its endpoint.
     pub fn set_connector(&mut self, c: Connector) {
         self.connector = Some(c);
     }

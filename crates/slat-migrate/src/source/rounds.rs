@@ -32,7 +32,10 @@ impl Source {
         let mut last_owed = u64::MAX;
         let round = loop {
             // Re-armed before it returns; dropped on an error below, it is owed again.
+            let t_take = Instant::now();
             let mut set = log.take()?;
+            // The final harvest after the pause walks the same log: as long again.
+            let harvest = t_take.elapsed();
             let dirtied = set.collected() + std::mem::take(&mut sender.collected);
             if let Some(prev) = report.rounds.last_mut() {
                 prev.dirtied = dirtied;
@@ -56,7 +59,8 @@ impl Source {
                 sender.t0,
             )));
             let switch = &mut self.switch;
-            if precopy_ends(&self.cfg, switch, (round, owed), &mut last_owed, report) {
+            let at = (round, owed, harvest);
+            if precopy_ends(&self.cfg, switch, at, &mut last_owed, report) {
                 // Not sent: owed again, for the take after the pause.
                 set.abort();
                 break round;
@@ -160,11 +164,11 @@ impl Source {
 fn precopy_ends(
     cfg: &SourceConfig,
     switch: &mut Option<&'static str>,
-    (round, owed): (u32, u64),
+    (round, owed, harvest): (u32, u64, Duration),
     last_owed: &mut u64,
     report: &mut MigrationReport,
 ) -> bool {
-    if round > 0 && precopy_done(cfg, owed, round, report) {
+    if round > 0 && precopy_done(cfg, (owed, harvest), round, report) {
         if cfg.postcopy.is_some() && !report.converged {
             *switch = Some("max-rounds");
         }
@@ -174,13 +178,19 @@ fn precopy_ends(
     switch.is_some()
 }
 
-/// Whether pre-copy ends before round `round` (> 0): the `owed` pages (harvested just now)
-/// could be sent within `max_downtime` at the bandwidth of the round that just ended
-/// (recorded in `report`), or the rounds are used up.
-fn precopy_done(cfg: &SourceConfig, owed: u64, round: u32, report: &mut MigrationReport) -> bool {
+/// Whether pre-copy ends before round `round` (> 0): the final harvest (as long as the
+/// harvest just done, `harvest`) and the `owed` pages (harvested just now) at the bandwidth
+/// of the round that just ended (recorded in `report`) fit `max_downtime`, or the rounds are
+/// used up.
+fn precopy_done(
+    cfg: &SourceConfig,
+    (owed, harvest): (u64, Duration),
+    round: u32,
+    report: &mut MigrationReport,
+) -> bool {
     let expect = expected_transfer(report, owed);
     report.expected_final = expect;
-    if expect <= cfg.max_downtime {
+    if expect.saturating_add(harvest) <= cfg.max_downtime {
         report.converged = true;
         return true;
     }

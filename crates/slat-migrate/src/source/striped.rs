@@ -15,7 +15,7 @@ use crate::error::{MigrateError, StreamError};
 use crate::guest::Memory;
 use crate::link::{Faults, Link};
 use crate::stream::{self, BatchBuilder, Msg, VERSION};
-use crate::transport::{self, Channel, Closer, Endpoint};
+use crate::transport::{Channel, Closer, Connector};
 use crate::verify::{self, Digests};
 use slat_addr::PageIndex;
 use std::collections::VecDeque;
@@ -53,19 +53,31 @@ enum Done {
 
 impl Source {
     /// With more than one connection configured: announces the page streams on `conn` and
-    /// opens them to this attempt's endpoint, each with its header.
-    pub(super) fn open_streams(&self, conn: &mut Conn) -> Result<(), MigrateError> {
+    /// opens them with this source's connector (the one [`Source::migrate_to`] derives from
+    /// its endpoint, or [`Source::set_connector`]'s), each with its header.
+    pub(super) fn open_streams(&mut self, conn: &mut Conn) -> Result<(), MigrateError> {
         let n = self.cfg.connections;
         if n <= 1 {
             return Ok(());
         }
-        let ep = self
-            .endpoint
-            .clone()
-            .filter(|e| matches!(e, Endpoint::Tcp(_) | Endpoint::Unix(_)));
-        let Some(ep) = ep.filter(|_| !conn.one_way()) else {
+        let Some(mut connect) = self.connector.take() else {
             return Err(MigrateError::StreamsNeedEndpoint(n));
         };
+        let r = self.open_each(conn, &mut connect, n);
+        self.connector = Some(connect);
+        r
+    }
+
+    /// [`Source::open_streams`]'s `n` streams, each opened with `connect`.
+    fn open_each(
+        &self,
+        conn: &mut Conn,
+        connect: &mut Connector,
+        n: u32,
+    ) -> Result<(), MigrateError> {
+        if conn.one_way() {
+            return Err(MigrateError::StreamsNeedEndpoint(n));
+        }
         const PHASE: &str = "opening the page streams";
         conn.send(&Msg::Streams { count: n }, PHASE)?;
         let cap = match self.cfg.bandwidth {
@@ -78,7 +90,7 @@ impl Source {
                 writer,
                 closer,
                 ..
-            } = transport::connect(&ep, self.cfg.timeout)?;
+            } = connect()?;
             let (Some(reader), Some(writer)) = (reader, writer) else {
                 return Err(MigrateError::StreamsNeedEndpoint(n));
             };
