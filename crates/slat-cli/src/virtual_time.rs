@@ -9,8 +9,9 @@
 use crate::error::{CliError, CliResult};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
+use slat::clock::Cost;
 use slat_machine::vtime::{SimThreads, ThreadToken};
-use slat_vt::{CpuHandle, Profile, Sim};
+use slat_vt::{CpuHandle, Entry, Profile, Sim};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -33,12 +34,28 @@ pub struct ClockArgs {
     /// simulated machine only, not with -u).
     #[arg(long = "clock", value_enum, default_value = "real")]
     pub clock: ClockArg,
+    /// With --clock virtual: how far, in ns of virtual time, the running simulated CPU may
+    /// run ahead of the lowest runnable clock before it passes the baton (default: the cost
+    /// profile's). Larger runs faster; smaller keeps events closer to virtual-time order.
+    #[arg(long = "lookahead", value_name = "NS")]
+    pub lookahead_ns: Option<f64>,
 }
 
 impl ClockArgs {
     /// Whether the run is in virtual time.
     pub fn is_virtual(&self) -> bool {
         self.clock == ClockArg::Virtual
+    }
+
+    /// The cost profile of a virtual run: the built-in one, with `--lookahead` if given.
+    fn profile(&self) -> CliResult<Profile> {
+        let mut p = Profile::host_default();
+        if let Some(ns) = self.lookahead_ns {
+            p.model.lookahead = Entry::new(ns, "--lookahead");
+            p.validate()
+                .map_err(|e| CliError::bad(format!("--lookahead {ns}: {e}")))?;
+        }
+        Ok(p)
     }
 }
 
@@ -104,6 +121,20 @@ pub struct ClockReport {
     pub sim_hooks: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sim_switches: Option<u64>,
+    /// The lookahead the simulation ran with, ns (virtual only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_lookahead_ns: Option<f64>,
+    /// Guest data accesses simulated (virtual only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_accesses: Option<u64>,
+    /// Page faults simulated, fast and slow ([`count_faults`](Self::count_faults)).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_faults: Option<u64>,
+    /// The simulation's speed: those per second of wall time (virtual only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_accesses_per_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_faults_per_s: Option<f64>,
 }
 
 impl ClockReport {
@@ -116,19 +147,42 @@ impl ClockReport {
             wall_s: None,
             sim_hooks: None,
             sim_switches: None,
+            sim_lookahead_ns: None,
+            sim_accesses: None,
+            sim_faults: None,
+            sim_accesses_per_s: None,
+            sim_faults_per_s: None,
         }
     }
 
     /// The text line of a virtual run (none for a real one: its output is unchanged).
     pub fn line(&self) -> Option<String> {
-        Some(format!(
-            "Clock: virtual, cost profile {} ({}); simulated in {:.3} s of wall time, {} scheduler calls, {} baton switches",
+        let mut l = format!(
+            "Clock: virtual, cost profile {} ({}), lookahead {} ns; simulated in {:.3} s of wall time, {} scheduler calls, {} baton switches; {:.0} accesses/s",
             self.profile.as_deref()?,
             self.profile_hash.as_deref()?,
+            self.sim_lookahead_ns?,
             self.wall_s?,
             self.sim_hooks?,
-            self.sim_switches?
-        ))
+            self.sim_switches?,
+            self.sim_accesses_per_s?,
+        );
+        if let Some(f) = self.sim_faults_per_s {
+            l.push_str(&format!(", {f:.0} faults/s"));
+        }
+        Some(l)
+    }
+
+    /// Adds the faults of a virtual run to its speed figures, from the simulated machine's
+    /// engine counters (`stats`: the backend's; the fast, fixed, spurious and retried faults).
+    pub fn count_faults(&mut self, stats: &serde_json::Value) {
+        let Some(wall) = self.wall_s else { return };
+        let faults: u64 = ["pf_fast", "pf_fixed", "pf_spurious", "pf_retry"]
+            .iter()
+            .filter_map(|k| stats.get(*k).and_then(serde_json::Value::as_u64))
+            .fold(0, u64::saturating_add);
+        self.sim_faults = Some(faults);
+        self.sim_faults_per_s = Some(per_second(faults, wall));
     }
 }
 
@@ -136,7 +190,13 @@ impl ClockArgs {
     /// The simulation of a `--clock virtual` run (started, the calling thread its host CPU),
     /// `None` in real time.
     pub fn start(&self) -> CliResult<Option<VirtualRun>> {
-        self.is_virtual().then(VirtualRun::start).transpose()
+        if !self.is_virtual() {
+            if self.lookahead_ns.is_some() {
+                return Err(CliError::bad("--lookahead needs --clock virtual"));
+            }
+            return Ok(None);
+        }
+        VirtualRun::start(self.profile()?).map(Some)
     }
 }
 
@@ -146,9 +206,9 @@ pub fn finish(vt: Option<VirtualRun>) -> CliResult<ClockReport> {
 }
 
 impl VirtualRun {
-    /// Starts a simulation with the built-in profile and makes the calling thread host CPU 0.
-    pub fn start() -> CliResult<VirtualRun> {
-        let sim = Sim::new(Profile::host_default(), 0).map_err(runtime)?;
+    /// Starts a simulation with `profile` and makes the calling thread host CPU 0.
+    pub fn start(profile: Profile) -> CliResult<VirtualRun> {
+        let sim = Sim::new(profile, 0).map_err(runtime)?;
         let host = sim.register("host").map_err(runtime)?;
         host.attach().map_err(runtime)?;
         Ok(VirtualRun {
@@ -169,14 +229,30 @@ impl VirtualRun {
         drop(self.host.take());
         let stats = self.sim.finish().map_err(runtime)?;
         let p = self.sim.profile();
+        let wall = self.wall.elapsed().as_secs_f64();
+        let accesses = stats.charged(Cost::GuestAccess);
         Ok(ClockReport {
             clock: "virtual",
             profile: Some(p.name.clone()),
             profile_hash: Some(p.hash()),
-            wall_s: Some(self.wall.elapsed().as_secs_f64()),
+            wall_s: Some(wall),
             sim_hooks: Some(stats.hooks),
             sim_switches: Some(stats.switches),
+            sim_lookahead_ns: Some(p.model.lookahead.ns),
+            sim_accesses: Some(accesses),
+            sim_faults: None,
+            sim_accesses_per_s: Some(per_second(accesses, wall)),
+            sim_faults_per_s: None,
         })
+    }
+}
+
+/// `n` per second of `wall` seconds (0 for no time).
+fn per_second(n: u64, wall: f64) -> f64 {
+    if wall > 0.0 {
+        n as f64 / wall
+    } else {
+        0.0
     }
 }
 
