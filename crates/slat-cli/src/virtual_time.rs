@@ -9,8 +9,9 @@
 use crate::error::{CliError, CliResult};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
+use slat::clock::Cost;
 use slat_machine::vtime::{SimThreads, ThreadToken};
-use slat_vt::{CpuHandle, Profile, Sim};
+use slat_vt::{CpuHandle, Entry, Profile, Sim};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -38,6 +39,11 @@ pub struct ClockArgs {
     /// profile of this host.
     #[arg(long = "cost-profile", value_name = "FILE")]
     pub cost_profile: Option<std::path::PathBuf>,
+    /// With --clock virtual: how far, in ns of virtual time, the running simulated CPU may
+    /// run ahead of the lowest runnable clock before it passes the baton (default: the cost
+    /// profile's). Larger runs faster; smaller keeps events closer to virtual-time order.
+    #[arg(long = "lookahead", value_name = "NS")]
+    pub lookahead_ns: Option<f64>,
 }
 
 impl ClockArgs {
@@ -109,6 +115,20 @@ pub struct ClockReport {
     pub sim_hooks: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sim_switches: Option<u64>,
+    /// The lookahead the simulation ran with, ns (virtual only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_lookahead_ns: Option<f64>,
+    /// Guest data accesses simulated (virtual only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_accesses: Option<u64>,
+    /// Page faults simulated, fast and slow ([`count_faults`](Self::count_faults)).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_faults: Option<u64>,
+    /// The simulation's speed: those per second of wall time (virtual only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_accesses_per_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_faults_per_s: Option<f64>,
 }
 
 impl ClockReport {
@@ -121,19 +141,42 @@ impl ClockReport {
             wall_s: None,
             sim_hooks: None,
             sim_switches: None,
+            sim_lookahead_ns: None,
+            sim_accesses: None,
+            sim_faults: None,
+            sim_accesses_per_s: None,
+            sim_faults_per_s: None,
         }
     }
 
     /// The text line of a virtual run (none for a real one: its output is unchanged).
     pub fn line(&self) -> Option<String> {
-        Some(format!(
-            "Clock: virtual, cost profile {} ({}); simulated in {:.3} s of wall time, {} scheduler calls, {} baton switches",
+        let mut l = format!(
+            "Clock: virtual, cost profile {} ({}), lookahead {} ns; simulated in {:.3} s of wall time, {} scheduler calls, {} baton switches; {:.0} accesses/s",
             self.profile.as_deref()?,
             self.profile_hash.as_deref()?,
+            self.sim_lookahead_ns?,
             self.wall_s?,
             self.sim_hooks?,
-            self.sim_switches?
-        ))
+            self.sim_switches?,
+            self.sim_accesses_per_s?,
+        );
+        if let Some(f) = self.sim_faults_per_s {
+            l.push_str(&format!(", {f:.0} faults/s"));
+        }
+        Some(l)
+    }
+
+    /// Adds the faults of a virtual run to its speed figures, from the simulated machine's
+    /// engine counters (`stats`: the backend's; the fast, fixed, spurious and retried faults).
+    pub fn count_faults(&mut self, stats: &serde_json::Value) {
+        let Some(wall) = self.wall_s else { return };
+        let faults: u64 = ["pf_fast", "pf_fixed", "pf_spurious", "pf_retry"]
+            .iter()
+            .filter_map(|k| stats.get(*k).and_then(serde_json::Value::as_u64))
+            .fold(0, u64::saturating_add);
+        self.sim_faults = Some(faults);
+        self.sim_faults_per_s = Some(per_second(faults, wall));
     }
 }
 
@@ -141,6 +184,9 @@ impl ClockArgs {
     /// The simulation of a `--clock virtual` run (started, the calling thread its host CPU),
     /// `None` in real time.
     pub fn start(&self) -> CliResult<Option<VirtualRun>> {
+        if !self.is_virtual() && self.lookahead_ns.is_some() {
+            return Err(CliError::bad("--lookahead needs --clock virtual"));
+        }
         let profile = self.profile()?;
         profile.map(VirtualRun::start_with).transpose()
     }
@@ -154,15 +200,28 @@ impl ClockArgs {
                 "--cost-profile needs --clock virtual (a real-time run has no cost profile)",
             )),
             (None, false) => Ok(None),
-            (None, true) => Ok(Some(Profile::host_default())),
-            (Some(path), true) => Profile::load(path).map(Some).map_err(|e| {
-                CliError::bad(format!(
-                    "--cost-profile {}: {}",
-                    path.display(),
-                    one_line(&e.to_string())
-                ))
-            }),
+            (None, true) => self.with_lookahead(Profile::host_default()).map(Some),
+            (Some(path), true) => {
+                let p = Profile::load(path).map_err(|e| {
+                    CliError::bad(format!(
+                        "--cost-profile {}: {}",
+                        path.display(),
+                        one_line(&e.to_string())
+                    ))
+                })?;
+                self.with_lookahead(p).map(Some)
+            }
         }
+    }
+
+    /// `p` with `--lookahead` applied, if given (checked against the profile's bounds).
+    fn with_lookahead(&self, mut p: Profile) -> CliResult<Profile> {
+        if let Some(ns) = self.lookahead_ns {
+            p.model.lookahead = Entry::new(ns, "--lookahead");
+            p.validate()
+                .map_err(|e| CliError::bad(format!("--lookahead {ns}: {e}")))?;
+        }
+        Ok(p)
     }
 }
 
@@ -195,13 +254,20 @@ impl VirtualRun {
         drop(self.host.take());
         let stats = self.sim.finish().map_err(runtime)?;
         let p = self.sim.profile();
+        let wall = self.wall.elapsed().as_secs_f64();
+        let accesses = stats.charged(Cost::GuestAccess);
         Ok(ClockReport {
             clock: "virtual",
             profile: Some(p.name.clone()),
             profile_hash: Some(p.hash()),
-            wall_s: Some(self.wall.elapsed().as_secs_f64()),
+            wall_s: Some(wall),
             sim_hooks: Some(stats.hooks),
             sim_switches: Some(stats.switches),
+            sim_lookahead_ns: Some(p.model.lookahead.ns),
+            sim_accesses: Some(accesses),
+            sim_faults: None,
+            sim_accesses_per_s: Some(per_second(accesses, wall)),
+            sim_faults_per_s: None,
         })
     }
 }
@@ -218,6 +284,15 @@ fn one_line(msg: &str) -> String {
         [] => String::new(),
         [only] => (*only).to_string(),
         [first, .., last] => format!("{first}: {last}"),
+    }
+}
+
+/// `n` per second of `wall` seconds (0 for no time).
+fn per_second(n: u64, wall: f64) -> f64 {
+    if wall > 0.0 {
+        n as f64 / wall
+    } else {
+        0.0
     }
 }
 

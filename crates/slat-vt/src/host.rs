@@ -55,8 +55,8 @@ impl Profile {
                 ),
                 ipi_latency: Entry::new(2_000.0, EST_NESTED),
                 lookahead: Entry::new(
-                    1_000.0,
-                    "design choice (docs/design/virtual-time.md section 2): 1 us, about one fault",
+                    10_000.0,
+                    "design choice (docs/design/virtual-time.md section 2; docs/benchmarks.md, virtual time at scale): 10 us, a few faults; 1 us moved dirty-log-perf -v 64's virtual times by under 8% and ran up to 7x more baton switches",
                 ),
                 lock_policy: PolicyEntry {
                     policy: LockPolicy::Barging,

@@ -90,6 +90,9 @@ pub(crate) struct Inner {
     /// Scheduler calls so far (the watchdog's heartbeat).
     pub(crate) calls: u64,
     pub(crate) switches: u64,
+    /// [`Cost`] charges so far, by [`Cost::ALL`] index, of CPUs that stopped running (each
+    /// running CPU counts its own in [`Bound::charges`] and adds them here when it stops).
+    pub(crate) charges: [u64; Cost::ALL.len()],
     pub(crate) lookahead: u64,
     pub(crate) handovers: Vec<Handover>,
     /// The baton holder is blocked outside the simulation on purpose ([`crate::hold_while`]):
@@ -128,6 +131,29 @@ pub(crate) struct Bound {
     /// The CPU's clock while it runs: `charge` adds here without taking the mutex.
     pub(crate) clock: Cell<u64>,
     pub(crate) mode: Cell<Mode>,
+    /// Charges since the CPU last stopped running, by [`Cost::ALL`] index (no lock taken).
+    pub(crate) charges: [Cell<u64>; Cost::ALL.len()],
+}
+
+impl Bound {
+    /// A binding of CPU `idx` of `shared`, running.
+    pub(crate) fn new(shared: Arc<Shared>, idx: usize) -> Bound {
+        Bound {
+            shared,
+            idx,
+            clock: Cell::new(0),
+            mode: Cell::new(Mode::Running),
+            charges: Default::default(),
+        }
+    }
+
+    /// Moves this CPU's charge counts into the simulation's (it stops running: exits,
+    /// detaches).
+    pub(crate) fn flush_charges(&self, g: &mut Inner) {
+        for (total, c) in g.charges.iter_mut().zip(&self.charges) {
+            *total = total.saturating_add(c.take());
+        }
+    }
 }
 
 /// A bijective mix of 64 bits (xor-shift-multiply rounds): distinct indices get distinct
@@ -178,6 +204,7 @@ impl Shared {
             failed: None,
             calls: 0,
             switches: 0,
+            charges: [0; Cost::ALL.len()],
             lookahead: m.lookahead.ps(),
             handovers: Vec::new(),
             holding_outside: false,

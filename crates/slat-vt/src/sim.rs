@@ -10,10 +10,11 @@ use std::time::Duration;
 use crate::error::SimError;
 use crate::model::line::{LineStats, MAX_CPUS};
 use crate::model::lock::LockStats;
-use crate::profile::Profile;
+use crate::profile::{cost_index, Profile};
 use crate::scheduler::{Bound, Mode, Shared, State, Unpark};
 use crate::virtual_clock::{bind, bound_to, current, foreign_ops, unbind};
 use crate::watchdog::Watchdog;
+use slat::clock::Cost;
 
 /// The watchdog's default period: no scheduler call for this long while a CPU holds the
 /// baton fails the run.
@@ -76,6 +77,18 @@ pub struct SimStats {
     pub lines: LineStats,
     /// The lock model.
     pub locks: LockStats,
+    /// Charges of each [`Cost`], by [`Cost::ALL`] index, of CPUs that have exited or
+    /// detached (a running CPU adds its own when it stops).
+    pub charges: [u64; Cost::ALL.len()],
+}
+
+impl SimStats {
+    /// How many times `cost` was charged (a charge of `n` units counts `n`).
+    pub fn charged(&self, cost: Cost) -> u64 {
+        cost_index(cost)
+            .and_then(|i| self.charges.get(i).copied())
+            .unwrap_or(0)
+    }
 }
 
 impl Sim {
@@ -170,6 +183,7 @@ impl Sim {
             switches: g.switches,
             lines: g.lines.stats(),
             locks: g.locks.stats(),
+            charges: g.charges,
         }
     }
 
@@ -235,12 +249,7 @@ impl CpuHandle {
     /// Binds the calling thread to this CPU and waits until it holds the baton. If the
     /// simulation has failed, returns at once and the thread runs in real time.
     pub fn attach(&self) -> Result<(), SimError> {
-        let b = Rc::new(Bound {
-            shared: Arc::clone(&self.shared),
-            idx: self.idx,
-            clock: Cell::new(0),
-            mode: Cell::new(Mode::Running),
-        });
+        let b = Rc::new(Bound::new(Arc::clone(&self.shared), self.idx));
         {
             let mut g = self.shared.inner.lock();
             let fresh = g
@@ -281,6 +290,7 @@ impl CpuHandle {
         let Some(mut g) = self.shared.enter(&b) else {
             return Ok(());
         };
+        b.flush_charges(&mut g);
         if let Some(c) = g.cpus.get_mut(self.idx) {
             c.state = State::Detached;
         }
@@ -336,6 +346,7 @@ impl CpuHandle {
         }
         let mut g = self.shared.inner.lock();
         if let Some(b) = bound_to(&self.shared).filter(|b| b.idx == self.idx) {
+            b.flush_charges(&mut g);
             if let Some(c) = g.cpus.get_mut(self.idx) {
                 if b.mode.get() == Mode::Running {
                     c.clock = b.clock.get();
@@ -380,6 +391,7 @@ pub fn detach_current() -> Result<(), SimError> {
     let Some(mut g) = shared.enter(&b) else {
         return Ok(());
     };
+    b.flush_charges(&mut g);
     if let Some(c) = g.cpus.get_mut(b.idx) {
         c.state = State::Detached;
     }

@@ -200,9 +200,14 @@ unsafe impl Clock for Virtual {
                 let Ok(c) = c.try_borrow() else { return false };
                 match c.as_ref() {
                     Some(b) if b.mode.get() == Mode::Running => {
-                        let ps = cost_index(cost).map_or(0, |i| b.shared.costs[i]);
-                        b.clock
-                            .set(b.clock.get().saturating_add(ps.saturating_mul(n)));
+                        if let Some(i) = cost_index(cost) {
+                            let ps = b.shared.costs[i];
+                            b.clock
+                                .set(b.clock.get().saturating_add(ps.saturating_mul(n)));
+                            if let Some(k) = b.charges.get(i) {
+                                k.set(k.get().wrapping_add(n));
+                            }
+                        }
                         true
                     }
                     Some(b) => b.mode.get() == Mode::Failed,

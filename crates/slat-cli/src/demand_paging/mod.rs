@@ -255,7 +255,8 @@ fn measure(a: &DemandPagingArgs, kind: BackendArg) -> CliResult<Report> {
     let mmu_memory = MmuMemoryFigures::of(m.as_ref(), guest_bytes);
     drop(m);
     // The simulation ends with the machine: the native baseline runs in real time.
-    let clock = virtual_time::finish(vt)?;
+    let mut clock = virtual_time::finish(vt)?;
+    clock.count_faults(&stats);
 
     let p = Phase::start("native baseline: same pattern on host memory", q);
     // With -u the guest RAM was not pre-faulted, nor is the baseline's: both pay first touch.

@@ -532,7 +532,9 @@ fn end_run(
 ) -> CliResult<(serde_json::Value, u64, ClockReport)> {
     let (stats, gpa) = (m.stats(), m.layout().gpa);
     drop(m);
-    Ok((stats, gpa, virtual_time::finish(vt)?))
+    let mut clock = virtual_time::finish(vt)?;
+    clock.count_faults(&stats);
+    Ok((stats, gpa, clock))
 }
 
 /// `--concurrent`: the harvests while the vCPUs write, after the iterations.

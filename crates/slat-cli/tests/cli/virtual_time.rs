@@ -11,6 +11,8 @@ fn deterministic(mut r: Value) -> Value {
     let o = r.as_object_mut().expect("a report object");
     for k in [
         "sim_wall_s",
+        "sim_accesses_per_s",
+        "sim_faults_per_s",
         "host",
         "native",
         "ratio_guest_over_native",
@@ -52,6 +54,10 @@ fn demand_paging_in_virtual_time_is_deterministic() {
     assert_eq!(r["clock"], "virtual");
     assert_eq!(r["clock_profile"], "host-2core-nested");
     assert!(r["total_guest_execution_time_s"].as_f64().unwrap() > 0.0);
+    // The speed figures: every page touched once, each a fault.
+    assert_eq!(r["sim_accesses"], 4 * 2048);
+    assert_eq!(r["sim_faults"], 4 * 2048);
+    assert!(r["sim_lookahead_ns"].as_f64().unwrap() > 0.0);
     common::schema::validate("demand-paging.json", &common::json(&args));
 }
 
@@ -165,5 +171,34 @@ fn what_the_simulation_cannot_run_is_refused() {
         assert_eq!(code, 2, "slat {}: {out}{err}", args.join(" "));
         assert_eq!(err.trim().lines().count(), 1, "{err}");
         assert!(err.contains("--clock virtual"), "{err}");
+    }
+}
+
+#[test]
+fn the_lookahead_is_a_flag_of_virtual_runs() {
+    let base = ["demand-paging", "-v", "4", "-b", "4M", "--clock", "virtual"];
+    let with = |l: &str| {
+        let mut a = base.to_vec();
+        a.extend(["--lookahead", l]);
+        common::json(&a)
+    };
+    let (a, b) = (with("0"), with("50000"));
+    assert_eq!(a["sim_lookahead_ns"], 0.0);
+    assert_eq!(b["sim_lookahead_ns"], 50000.0);
+    assert_ne!(a["clock_profile_hash"], b["clock_profile_hash"]);
+    // A longer lookahead passes the baton less often.
+    assert!(b["sim_switches"].as_u64() < a["sim_switches"].as_u64());
+    for args in [
+        &["demand-paging", "-b", "4M", "--lookahead", "1000"][..],
+        &base
+            .iter()
+            .copied()
+            .chain(["--lookahead=-1"])
+            .collect::<Vec<_>>(),
+    ] {
+        let (code, out, err) = common::slat(args);
+        assert_eq!(code, 2, "slat {}: {out}{err}", args.join(" "));
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(err.contains("--lookahead"), "{err}");
     }
 }

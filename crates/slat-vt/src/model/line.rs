@@ -4,6 +4,7 @@
 //! a line last and when, and entries leave the table by virtual time (untouched for
 //! `retention`), never by address, so ASLR cannot change a result and the table stays bounded.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
 use super::calendar::Calendar;
@@ -113,12 +114,21 @@ impl Lines {
         self.sweep(t);
         self.stats.rmws += 1;
         let c = self.costs;
-        let (cost, mut busy) = match self.map.get(&line) {
-            None => {
+        // In place: the entry (its calendar) is large, and copying it out and back cost
+        // more than the rest of the model.
+        let (l, cost) = match self.map.entry(line) {
+            Entry::Vacant(v) => {
                 self.stats.misses += 1;
-                (c.rmw_local.saturating_add(c.dram_miss), Calendar::default())
+                let l = v.insert(Line {
+                    owner: cpu,
+                    sharers: CpuSet::only(cpu),
+                    busy: Calendar::default(),
+                    last_touch: t,
+                });
+                (l, c.rmw_local.saturating_add(c.dram_miss))
             }
-            Some(l) => {
+            Entry::Occupied(o) => {
+                let l = o.into_mut();
                 let mut others = l.sharers;
                 clear(&mut others, cpu);
                 let mut cost = c.rmw_local;
@@ -128,21 +138,15 @@ impl Lines {
                     cost = cost.saturating_add(c.transfer);
                 }
                 let inval = c.invalidate.saturating_mul(others.len());
-                (cost.saturating_add(inval), l.busy)
+                (l, cost.saturating_add(inval))
             }
         };
-        let start = busy.fit(t, cost, true, 0);
+        let start = l.busy.fit(t, cost, true, 0);
         let end = start.saturating_add(cost);
-        busy.insert(start, end, true);
-        self.map.insert(
-            line,
-            Line {
-                owner: cpu,
-                sharers: CpuSet::only(cpu),
-                last_touch: busy.last_end().max(end),
-                busy,
-            },
-        );
+        l.busy.insert(start, end, true);
+        l.owner = cpu;
+        l.sharers = CpuSet::only(cpu);
+        l.last_touch = l.busy.last_end().max(end);
         end
     }
 
@@ -186,16 +190,15 @@ impl Lines {
     /// Gives the line to `cpu` at `at` at no cost (a lock handed over: the hand-off cost
     /// includes the waiter's transfer of the lock word).
     pub(crate) fn take(&mut self, cpu: usize, at: u64, line: u64) {
-        let busy = self.map.get(&line).map(|l| l.busy).unwrap_or_default();
-        self.map.insert(
-            line,
-            Line {
-                owner: cpu,
-                sharers: CpuSet::only(cpu),
-                last_touch: busy.last_end().max(at),
-                busy,
-            },
-        );
+        let l = self.map.entry(line).or_insert_with(|| Line {
+            owner: cpu,
+            sharers: CpuSet::only(cpu),
+            busy: Calendar::default(),
+            last_touch: at,
+        });
+        l.owner = cpu;
+        l.sharers = CpuSet::only(cpu);
+        l.last_touch = l.busy.last_end().max(at);
     }
 
     /// Forgets lines untouched for `retention` before `now`; runs once per `retention` of
