@@ -94,12 +94,76 @@ fn flags<B: Source>(args: &str) -> CliResult<B> {
 /// [`flags`], refused as the benchmark refuses them (sizes this host cannot hold, say).
 fn parse<B: Source>(args: &str) -> CliResult<B> {
     let b = flags::<B>(args)?;
-    let bad = |e: String| bad::<B>(args, e);
-    if let Some(why) = b.refuse() {
-        return Err(bad(why));
-    }
-    b.check().map_err(|e| bad(e.to_string()))?;
+    refusal(&b).map_err(|why| bad::<B>(args, why))?;
     Ok(b)
+}
+
+/// Why the benchmark refuses parsed flags `b`, in its own words.
+fn refusal<B: Source>(b: &B) -> Result<(), String> {
+    if let Some(why) = b.refuse() {
+        return Err(why);
+    }
+    b.check().map_err(|e| e.to_string())
+}
+
+/// Whether benchmark `B` has a `--clock` flag: asked of its own flag definitions, so a
+/// benchmark that gains virtual time is run in it without a change here.
+fn has_clock<B: Source>() -> bool {
+    let cmd = B::augment_args(clap::Command::new(B::NAME));
+    let mut longs = cmd.get_arguments().filter_map(|a| a.get_long());
+    longs.any(|l| l == "clock")
+}
+
+/// How a command runs in virtual time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Virtual {
+    /// These arguments run (`--clock virtual`, and phantom memory where the host is too small).
+    Runs(String),
+    /// The benchmark cannot run these arguments in virtual time yet: the arguments it would
+    /// run, and why not.
+    Needs(String, String),
+}
+
+/// The guest-memory backing `-s` with the same page size and no host memory behind it.
+fn phantom(args: &str) -> String {
+    let mut words: Vec<&str> = args.split_whitespace().collect();
+    match words.iter().position(|w| *w == "-s") {
+        Some(i) if i + 1 < words.len() => {
+            words[i + 1] = match words[i + 1] {
+                "anonymous_thp" => "phantom_thp",
+                "anonymous_hugetlb_1gb" => "phantom_hugetlb_1gb",
+                _ => "phantom",
+            };
+        }
+        _ => words.extend(["-s", "phantom"]),
+    }
+    words.join(" ")
+}
+
+/// `args` in virtual time as benchmark `B` takes them: with `--clock virtual`, with phantom
+/// memory when the benchmark refuses the real memory, or what it needs first.
+fn virtualise_as<B: Source>(args: &str) -> CliResult<Virtual> {
+    let v = format!("{args} --clock virtual");
+    if !has_clock::<B>() {
+        return Ok(Virtual::Needs(
+            v,
+            format!("needs virtual time on {}", B::NAME),
+        ));
+    }
+    let why = match refusal(&flags::<B>(&v)?) {
+        Ok(()) => return Ok(Virtual::Runs(v)),
+        Err(why) => why,
+    };
+    // The benchmark's refusal names its own flag when it is virtual time that it lacks.
+    if why.contains("--clock virtual") {
+        let needs = format!("needs virtual time on {} ({why})", B::NAME);
+        return Ok(Virtual::Needs(v, needs));
+    }
+    let p = phantom(&v);
+    match flags::<B>(&p).map(|b| refusal(&b)) {
+        Ok(Ok(())) => Ok(Virtual::Runs(p)),
+        _ => Err(bad::<B>(&v, why)),
+    }
 }
 
 fn median(mut xs: Vec<f64>) -> Option<f64> {
@@ -150,6 +214,16 @@ impl Runner {
             Bench::AccessTrackingPerf => flags::<AccessTrackingPerfArgs>(args).map(drop),
             Bench::PageTableTest => flags::<PageTableTestArgs>(args).map(drop),
             Bench::PrivateMemPerf => flags::<PrivateMemPerfArgs>(args).map(drop),
+        }
+    }
+
+    /// `slat BENCH ARGS` in virtual time: what runs, or what the benchmark needs first.
+    pub fn virtualise(bench: Bench, args: &str) -> CliResult<Virtual> {
+        match bench {
+            Bench::DirtyLogPerf => virtualise_as::<DirtyLogPerfArgs>(args),
+            Bench::AccessTrackingPerf => virtualise_as::<AccessTrackingPerfArgs>(args),
+            Bench::PageTableTest => virtualise_as::<PageTableTestArgs>(args),
+            Bench::PrivateMemPerf => virtualise_as::<PrivateMemPerfArgs>(args),
         }
     }
 
