@@ -60,8 +60,8 @@ no figure). With --repeat, \"(in noise)\" after the direction: the before and af
 overlap. Rows with the same command share their runs. Exit status 1 if any run failed (its row \
 says why); the other rows are still printed. With --clock virtual every command gains --clock \
 virtual (and -s phantom where this host's memory is too small); a row whose benchmark has no \
-virtual clock yet, or refuses these flags in virtual time, is not run and says "needs virtual \
-time on BENCHMARK" (not a failure).")]
+virtual clock yet, or refuses these flags in virtual time, is not run and says \"needs virtual \
+time on BENCHMARK\" (not a failure).")]
 pub struct ReproduceArgs {
     /// The seed thread: 000 (fast page fault for the TDP MMU), 001 (arm64 stage-2 cache
     /// maintenance and block rebuild), 002 (lock-free write-protect through the reverse map),

@@ -273,3 +273,39 @@ impl Runner {
 fn key(bench: Bench, args: &str) -> String {
     format!("{} {args}", bench.name())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phantom_memory_keeps_the_page_size() {
+        assert_eq!(phantom("-v 64 -b 1G"), "-v 64 -b 1G -s phantom");
+        assert_eq!(phantom("-s anonymous -b 1G"), "-s phantom -b 1G");
+        assert_eq!(phantom("-s anonymous_thp -v 2"), "-s phantom_thp -v 2");
+        let g = "-s anonymous_hugetlb_1gb -b 20G";
+        assert_eq!(phantom(g), "-s phantom_hugetlb_1gb -b 20G");
+    }
+
+    /// A benchmark with a virtual clock runs in it (with phantom memory when the seed's guest
+    /// does not fit here); one that refuses the flags in virtual time is noted, not failed.
+    #[test]
+    fn virtual_time_is_asked_of_the_benchmark() {
+        assert!(has_clock::<DirtyLogPerfArgs>());
+        let dlp = |a| Runner::virtualise(Bench::DirtyLogPerf, a).unwrap();
+        let v = "-v 1 -b 16M --clock virtual".to_string();
+        assert_eq!(dlp("-v 1 -b 16M"), Virtual::Runs(v));
+        let big = "-v 64 -b 1G --clock virtual -s phantom".to_string();
+        assert_eq!(dlp("-v 64 -b 1G"), Virtual::Runs(big));
+        match dlp("-v 2 -b 16M -g --concurrent") {
+            Virtual::Needs(a, why) => {
+                assert!(a.ends_with("--concurrent --clock virtual"), "{a}");
+                assert!(
+                    why.starts_with("needs virtual time on dirty-log-perf"),
+                    "{why}"
+                );
+            }
+            r => panic!("{r:?}"),
+        }
+    }
+}
