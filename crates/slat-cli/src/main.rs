@@ -3,6 +3,7 @@
 mod access_tracking_perf;
 mod args;
 mod backend;
+mod calibrate;
 mod concurrent_harvest;
 mod demand_paging;
 mod dirty_log_perf;
@@ -87,6 +88,10 @@ enum Command {
     /// its change, beside the numbers the thread published: both after/before ratios and
     /// whether the direction and the magnitude (within 2x) are reproduced.
     Reproduce(reproduce::ReproduceArgs),
+    /// Measure this host's costs with micro-benchmarks (atomics, a line transfer between the
+    /// cores, a lock hand-off, a page zeroed, the simulated TLB and walks, ...) and write a
+    /// cost profile for --clock virtual, each number with how it was measured.
+    Calibrate(calibrate::CalibrateArgs),
 }
 
 /// Clap's error as one line: the problem and what it lists under it (the missing flags, the
@@ -124,7 +129,7 @@ fn check_outputs(command: &Command) -> error::CliResult {
         Command::SnapshotPerf(a) => &a.out,
         Command::DirtyRate(a) => &a.out,
         Command::PrivateMemPerf(a) => &a.out,
-        Command::PrivateMemTest(_) => return Ok(()),
+        Command::PrivateMemTest(_) | Command::Calibrate(_) => return Ok(()),
         Command::Reproduce(a) => {
             return match &a.plot {
                 Some(p) => args::check_writable("--plot", p),
@@ -183,6 +188,7 @@ fn main() {
         Command::PrivateMemPerf(a) => driver::run(a),
         Command::PrivateMemTest(a) => private_mem_test::run(a),
         Command::Reproduce(a) => reproduce::run(a),
+        Command::Calibrate(a) => calibrate::run(a),
     });
     if let Err(e) = r {
         // The one place an error becomes an exit status: 2 for refused input, 1 for a failed

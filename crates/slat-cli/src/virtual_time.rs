@@ -33,6 +33,11 @@ pub struct ClockArgs {
     /// simulated machine only, not with -u).
     #[arg(long = "clock", value_enum, default_value = "real")]
     pub clock: ClockArg,
+    /// With --clock virtual: the cost profile to simulate with (TOML, as `slat calibrate`
+    /// writes, as crates/slat-vt/profiles/host-2core-nested.toml) instead of the built-in
+    /// profile of this host.
+    #[arg(long = "cost-profile", value_name = "FILE")]
+    pub cost_profile: Option<std::path::PathBuf>,
 }
 
 impl ClockArgs {
@@ -136,7 +141,28 @@ impl ClockArgs {
     /// The simulation of a `--clock virtual` run (started, the calling thread its host CPU),
     /// `None` in real time.
     pub fn start(&self) -> CliResult<Option<VirtualRun>> {
-        self.is_virtual().then(VirtualRun::start).transpose()
+        let profile = self.profile()?;
+        profile.map(VirtualRun::start_with).transpose()
+    }
+
+    /// The profile of a `--clock virtual` run (`--cost-profile` or the built-in one), `None`
+    /// in real time; a profile given without `--clock virtual`, or a file that is not a valid
+    /// profile, is refused (exit status 2) with one line naming the file.
+    pub fn profile(&self) -> CliResult<Option<Profile>> {
+        match (&self.cost_profile, self.is_virtual()) {
+            (Some(_), false) => Err(CliError::bad(
+                "--cost-profile needs --clock virtual (a real-time run has no cost profile)",
+            )),
+            (None, false) => Ok(None),
+            (None, true) => Ok(Some(Profile::host_default())),
+            (Some(path), true) => Profile::load(path).map(Some).map_err(|e| {
+                CliError::bad(format!(
+                    "--cost-profile {}: {}",
+                    path.display(),
+                    one_line(&e.to_string())
+                ))
+            }),
+        }
     }
 }
 
@@ -146,9 +172,9 @@ pub fn finish(vt: Option<VirtualRun>) -> CliResult<ClockReport> {
 }
 
 impl VirtualRun {
-    /// Starts a simulation with the built-in profile and makes the calling thread host CPU 0.
-    pub fn start() -> CliResult<VirtualRun> {
-        let sim = Sim::new(Profile::host_default(), 0).map_err(runtime)?;
+    /// Starts a simulation with `profile` and makes the calling thread host CPU 0.
+    pub fn start_with(profile: Profile) -> CliResult<VirtualRun> {
+        let sim = Sim::new(profile, 0).map_err(runtime)?;
         let host = sim.register("host").map_err(runtime)?;
         host.attach().map_err(runtime)?;
         Ok(VirtualRun {
@@ -177,6 +203,21 @@ impl VirtualRun {
             sim_hooks: Some(stats.hooks),
             sim_switches: Some(stats.switches),
         })
+    }
+}
+
+/// A (TOML parser's) multi-line message as one line: its first line, and its last when that
+/// says what is wrong (the lines between quote the file).
+fn one_line(msg: &str) -> String {
+    let lines: Vec<&str> = msg
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    match lines.as_slice() {
+        [] => String::new(),
+        [only] => (*only).to_string(),
+        [first, .., last] => format!("{first}: {last}"),
     }
 }
 

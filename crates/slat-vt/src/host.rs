@@ -1,4 +1,7 @@
-//! The built-in profile: this host's rough costs, until `slat calibrate` measures them.
+//! The built-in profile: this host's costs as `slat calibrate` measured them
+//! (`profiles/host-2core-nested.toml`, each number with how it was measured), and the rough
+//! estimates that came before it (`host_estimates`, which calibration starts from for the
+//! model's design choices: lookahead, retention, fairness, lock policy).
 //!
 //! "Measured" numbers come from `examples/host_costs.rs` on the development host (a 2-vCPU
 //! VM shared with builds: load average 11–22 during the runs, so they are rough); the rest are
@@ -13,10 +16,20 @@ const CAS: &str =
 const EST: &str = "estimate for a recent x86 core, not measured (slat calibrate will measure it)";
 const EST_NESTED: &str = "estimate: this host is a nested VM where exits and IPIs cannot be measured in isolation; typical KVM figures";
 
+/// This host's calibrated profile, as `slat calibrate` wrote it.
+const CALIBRATED: &str = include_str!("../profiles/host-2core-nested.toml");
+
 impl Profile {
-    /// This host's rough costs; each entry's `source` says whether it was measured (and how)
-    /// or estimated.
+    /// This host's calibrated costs (`profiles/host-2core-nested.toml`); each entry's
+    /// `source` says how it was measured. The shipped file is checked by a test, so the
+    /// fallback to [`Profile::host_estimates`] is never taken in a tested build.
     pub fn host_default() -> Profile {
+        Profile::from_toml(CALIBRATED).unwrap_or_else(|_| Profile::host_estimates())
+    }
+
+    /// This host's rough costs before calibration; each entry's `source` says whether it was
+    /// measured (and how) or estimated.
+    pub fn host_estimates() -> Profile {
         let mut p = Profile {
             name: "host-default".into(),
             costs: Default::default(),

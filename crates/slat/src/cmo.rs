@@ -61,6 +61,14 @@ pub(crate) fn skip_for_phantom<C: Clock>(len: u64, exec: bool, invalidate: bool,
     sink.add::<C>(Stat::CacheCleanBytes, len * passes);
 }
 
+/// Cleans and invalidates the data cache over `buf`, one line at a time, as a new mapping's
+/// clean does: the pass `slat calibrate` times to price a line of cache maintenance.
+pub fn clean_dcache_over(buf: &[u8]) {
+    if !buf.is_empty() {
+        clean_dcache_to_poc(buf.as_ptr() as u64, buf.len() as u64);
+    }
+}
+
 /// Cleans and invalidates the data cache over `[addr, addr + len)` to the point of coherency.
 /// `addr` must be the start of host memory the caller maps (guest RAM): every line of the range
 /// must be mapped in this process.

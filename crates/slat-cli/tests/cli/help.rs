@@ -6,7 +6,7 @@
 use snapbox::cmd::Command;
 use std::path::Path;
 
-const SUBCOMMANDS: [&str; 13] = [
+const SUBCOMMANDS: [&str; 14] = [
     "demand-paging",
     "dirty-log-perf",
     "dirty-log-test",
@@ -20,6 +20,7 @@ const SUBCOMMANDS: [&str; 13] = [
     "private-mem-perf",
     "private-mem-test",
     "reproduce",
+    "calibrate",
 ];
 
 fn check(args: &[&str], snapshot: &str) {

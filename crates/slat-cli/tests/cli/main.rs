@@ -6,6 +6,7 @@ mod common;
 
 mod backend_kvm;
 mod bad_input;
+mod calibrate;
 mod dirty_rate;
 mod docs;
 mod format;

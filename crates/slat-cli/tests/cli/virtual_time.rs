@@ -41,7 +41,7 @@ fn demand_paging_in_virtual_time_is_deterministic() {
     let args = ["demand-paging", "-v", "4", "-b", "8M", "--clock", "virtual"];
     let r = twice(&args);
     assert_eq!(r["clock"], "virtual");
-    assert_eq!(r["clock_profile"], "host-default");
+    assert_eq!(r["clock_profile"], "host-2core-nested");
     assert!(r["total_guest_execution_time_s"].as_f64().unwrap() > 0.0);
     common::schema::validate("demand-paging.json", &common::json(&args));
 }

@@ -1,0 +1,397 @@
+//! Micro-benchmarks of the host itself: atomics on one line and between the two cores, a
+//! DRAM miss, a lock hand-off, zeroing a page, crossbeam's epoch pin and defer, a line of
+//! cache maintenance. None of them runs the engine's fault path or a benchmark: calibration
+//! never looks at a benchmark's result.
+
+use super::timing::{keep, per_op, pin_to, Line};
+use super::{Measured, Plan};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+/// An uncontended compare-and-swap on a line the thread owns.
+pub fn rmw_local(p: &Plan) -> Measured {
+    let line = Line::default();
+    let iters = p.iters(2_000_000);
+    let ns = per_op(p.repeat, iters, |n| {
+        for _ in 0..n {
+            let v = line.0.load(Ordering::Relaxed);
+            keep(
+                line.0
+                    .compare_exchange(v, v + 1, Ordering::AcqRel, Ordering::Relaxed),
+            )
+            .ok();
+        }
+    });
+    p.measured(
+        "rmw_local",
+        ns,
+        format!("compare_exchange loop on one cache line, one thread ({iters} CASes per batch)"),
+    )
+}
+
+/// Waits until `cond` holds, spinning briefly and then yielding (the other thread may need
+/// this CPU), or until `deadline`. Returns whether `cond` held.
+fn wait_for(deadline: Instant, mut cond: impl FnMut() -> bool) -> bool {
+    let mut spins = 0u32;
+    while !cond() {
+        spins += 1;
+        if spins % 256 == 0 {
+            if Instant::now() > deadline {
+                return false;
+            }
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+    true
+}
+
+/// Runs `partner` on host CPU 1 until `a` (on CPU 0, timed by [`per_op`]) is done; both
+/// pinned where the host allows. Timing starts once the partner runs; a partner must poll
+/// `stop`.
+fn on_two_cores(
+    p: &Plan,
+    iters: u64,
+    a: impl FnMut(u64) + Send,
+    partner: impl FnOnce(&AtomicBool) + Send,
+) -> (f64, bool) {
+    let stop = AtomicBool::new(false);
+    let ready = AtomicBool::new(false);
+    let mut pinned = true;
+    let ns = std::thread::scope(|s| {
+        let (stop, ready) = (&stop, &ready);
+        let h = s.spawn(move || {
+            let ok = pin_to(1);
+            ready.store(true, Ordering::Release);
+            partner(stop);
+            ok
+        });
+        pinned &= pin_to(0);
+        wait_for(Instant::now() + p.limit(), || ready.load(Ordering::Acquire));
+        let ns = per_op(p.repeat, iters, a);
+        stop.store(true, Ordering::Release);
+        pinned &= h.join().unwrap_or(false);
+        ns
+    });
+    // The main thread goes back to every CPU.
+    unpin(p.cpus);
+    (ns, pinned)
+}
+
+/// Lets the calling thread run on every host CPU again.
+fn unpin(cpus: usize) {
+    // SAFETY: as in `pin_to`: a bitmask initialised by the libc macros, read by the call.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_ZERO(&mut set);
+        for cpu in 0..cpus {
+            libc::CPU_SET(cpu, &mut set);
+        }
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+/// A line bounced between the two cores: each side waits for the other's increment and
+/// increments with a CAS; half a round trip is one transfer.
+pub fn line_transfer(p: &Plan) -> Measured {
+    let line = Line::default();
+    // Short batches: on a shared host, a batch the scheduler interrupts is an outlier the
+    // median drops, and a short one is interrupted less often.
+    let iters = p.iters(2_000);
+    let limit = Instant::now() + p.limit();
+    let (rt, pinned) = on_two_cores(
+        p,
+        iters,
+        |n| {
+            for _ in 0..n {
+                if !wait_for(limit, || line.0.load(Ordering::Acquire) % 2 == 0) {
+                    return;
+                }
+                let v = line.0.load(Ordering::Relaxed);
+                keep(
+                    line.0
+                        .compare_exchange(v, v + 1, Ordering::AcqRel, Ordering::Relaxed),
+                )
+                .ok();
+            }
+        },
+        |stop| {
+            while wait_for(limit, || {
+                line.0.load(Ordering::Acquire) % 2 == 1 || stop.load(Ordering::Acquire)
+            }) && !stop.load(Ordering::Acquire)
+            {
+                let v = line.0.load(Ordering::Relaxed);
+                keep(
+                    line.0
+                        .compare_exchange(v, v + 1, Ordering::AcqRel, Ordering::Relaxed),
+                )
+                .ok();
+            }
+        },
+    );
+    p.measured(
+        "line_transfer",
+        rt / 2.0,
+        format!(
+            "half the round trip of a CAS ping-pong on one line between two threads{} ({iters} round trips per batch)",
+            pinned_note(pinned)
+        ),
+    )
+}
+
+fn pinned_note(pinned: bool) -> &'static str {
+    if pinned {
+        " pinned to host CPUs 0 and 1"
+    } else {
+        " (pinning refused: wherever the scheduler put them)"
+    }
+}
+
+/// An RMW by the line's last writer while the other core keeps reading it: what
+/// invalidating one sharer's copy adds to a local RMW.
+pub fn invalidate(p: &Plan, rmw_local: f64) -> Measured {
+    let line = Line::default();
+    let iters = p.iters(20_000);
+    let (ns, pinned) = on_two_cores(
+        p,
+        iters,
+        |n| {
+            for _ in 0..n {
+                keep(line.0.fetch_add(1, Ordering::AcqRel));
+            }
+        },
+        |stop| {
+            while !stop.load(Ordering::Relaxed) {
+                keep(line.0.load(Ordering::Acquire));
+            }
+        },
+    );
+    p.measured(
+        "invalidate",
+        (ns - rmw_local).max(0.0),
+        format!(
+            "fetch_add on a line another thread keeps reading{} ({ns:.1} ns/RMW), minus rmw_local ({iters} RMWs per batch)",
+            pinned_note(pinned)
+        ),
+    )
+}
+
+/// Sattolo's shuffle of `0..n` into one cycle, from a fixed linear congruential sequence
+/// (the same chain every run).
+fn one_cycle(n: usize) -> Vec<u32> {
+    let mut perm: Vec<u32> = (0..n as u32).collect();
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    for i in (1..n).rev() {
+        x = x
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        let j = ((x >> 33) as usize) % i;
+        perm.swap(i, j);
+    }
+    perm
+}
+
+/// A dependent load chain through a buffer much larger than the caches: one miss per load.
+pub fn dram_miss(p: &Plan) -> Measured {
+    let lines = p.big_bytes() / 64;
+    let order = one_cycle(lines);
+    // One u64 per line, 8 words a line: next[line * 8] = the following line's index.
+    let mut next = vec![0u64; lines * 8];
+    for w in 0..lines {
+        let (from, to) = (order[w] as usize, order[(w + 1) % lines] as usize);
+        next[from * 8] = to as u64;
+    }
+    drop(order);
+    let iters = p.iters(2_000_000).min(lines as u64);
+    let mut at = 0usize;
+    let ns = per_op(p.repeat, iters, |n| {
+        for _ in 0..n {
+            at = keep(next[at * 8]) as usize;
+        }
+    });
+    p.measured(
+        "dram_miss",
+        ns,
+        format!(
+            "dependent loads along a random cycle through {} MiB, one line each (host TLB misses included, as a guest's first touch of a page has them; {iters} loads per batch)",
+            p.big_bytes() >> 20
+        ),
+    )
+}
+
+/// Stores to lines not in any cache, one per new 4 KiB page (as memstress touches memory).
+pub fn guest_access(p: &Plan) -> Measured {
+    const STRIDE: usize = 4096 + 64;
+    let mut buf = vec![0u8; p.big_bytes()];
+    let per_pass = buf.len() / STRIDE;
+    let mut batch = 0usize;
+    let iters = per_pass as u64;
+    let ns = per_op(p.repeat, iters, |n| {
+        // A different line offset per batch: the lines of the last batch may still be cached.
+        batch += 1;
+        let off = (batch * 64 * 7) % 4096;
+        for i in 0..(n as usize).min(per_pass) {
+            let at = i * STRIDE + off;
+            if let Some(b) = buf.get_mut(at) {
+                *b = keep(b.wrapping_add(1));
+            }
+        }
+    });
+    p.measured(
+        "guest_access",
+        ns,
+        format!(
+            "a store to a line in a new 4 KiB page of a {} MiB buffer, a different line offset per batch so no line is cached ({iters} stores per batch)",
+            p.big_bytes() >> 20
+        ),
+    )
+}
+
+/// Half the round trip of two threads handing a `parking_lot` mutex back and forth through a
+/// condition variable: each hand-off wakes a parked waiter. Untimed waits (a timed one would
+/// add a timer's cost, which is large in a nested VM); `DONE` ends the partner.
+pub fn handoff(p: &Plan) -> Measured {
+    const DONE: u64 = u64::MAX;
+    let turn = parking_lot::Mutex::new(0u64);
+    let cv = parking_lot::Condvar::new();
+    let iters = p.iters(5_000);
+    let mut pinned = true;
+    let rt = std::thread::scope(|s| {
+        let (turn, cv) = (&turn, &cv);
+        let h = s.spawn(move || {
+            let ok = pin_to(1);
+            let mut t = turn.lock();
+            while *t != DONE {
+                if *t % 2 == 1 {
+                    *t += 1;
+                    cv.notify_one();
+                }
+                cv.wait(&mut t);
+            }
+            ok
+        });
+        pinned &= pin_to(0);
+        let rt = per_op(p.repeat, iters, |n| {
+            for _ in 0..n {
+                let mut t = turn.lock();
+                while *t % 2 == 1 {
+                    cv.wait(&mut t);
+                }
+                *t += 1;
+                cv.notify_one();
+            }
+        });
+        // The partner answers every odd turn, so it is waiting now; DONE wakes it for good.
+        let mut t = turn.lock();
+        while *t % 2 == 1 {
+            cv.wait(&mut t);
+        }
+        *t = DONE;
+        cv.notify_all();
+        drop(t);
+        pinned &= h.join().unwrap_or(false);
+        rt
+    });
+    unpin(p.cpus);
+    p.measured(
+        "handoff",
+        rt / 2.0,
+        format!(
+            "half the round trip of a parking_lot Mutex + Condvar ping-pong between two threads{} (a release waking a parked waiter; {iters} round trips per batch)",
+            pinned_note(pinned)
+        ),
+    )
+}
+
+/// Zeroing one 4 KiB page in cache.
+pub fn zero_page(p: &Plan) -> Measured {
+    let mut page = vec![0u8; 4096];
+    let iters = p.iters(200_000);
+    let ns = per_op(p.repeat, iters, |n| {
+        for _ in 0..n {
+            page.fill(0);
+            keep(&mut page);
+        }
+    });
+    p.measured(
+        "zero_page",
+        ns,
+        format!("filling a cached 4 KiB page with zeros ({iters} pages per batch)"),
+    )
+}
+
+/// crossbeam-epoch's pin and unpin (no guard held around it, so every pin is a full one).
+pub fn epoch_pin(p: &Plan) -> Measured {
+    let iters = p.iters(2_000_000);
+    let ns = per_op(p.repeat, iters, |n| {
+        for _ in 0..n {
+            drop(keep(crossbeam_epoch::pin()));
+        }
+    });
+    p.measured(
+        "epoch_pin",
+        ns,
+        format!("crossbeam_epoch::pin() and drop in a loop ({iters} pins per batch)"),
+    )
+}
+
+/// Queueing a no-op deferred function on a pinned guard (its bag moves to the global queue
+/// every 64).
+pub fn defer(p: &Plan) -> Measured {
+    let iters = p.iters(1_000_000);
+    let ns = per_op(p.repeat, iters, |n| {
+        let guard = crossbeam_epoch::pin();
+        for _ in 0..n {
+            guard.defer(|| ());
+        }
+        drop(guard);
+    });
+    p.measured(
+        "defer",
+        ns,
+        format!("Guard::defer of a no-op under one pin ({iters} defers per batch)"),
+    )
+}
+
+/// One line of `slat::cmo`'s data-cache clean (`clflushopt` here), over a buffer larger than
+/// the caches.
+pub fn cmo_line(p: &Plan) -> Measured {
+    let bytes = if p.quick { 8 << 20 } else { 64 << 20 };
+    let mut buf = vec![0u8; bytes];
+    // Touch every page so the pass flushes resident lines, not zero-page mappings.
+    for i in (0..bytes).step_by(4096) {
+        buf[i] = 1;
+    }
+    let lines = (bytes / 64) as u64;
+    let ns = per_op(p.repeat, lines, |_| {
+        slat::cmo::clean_dcache_over(keep(&buf))
+    });
+    p.measured(
+        "cmo_line",
+        ns,
+        format!(
+            "slat::cmo::clean_dcache_over, one pass over {} MiB, per 64-byte line",
+            bytes >> 20
+        ),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_cycle_visits_every_element() {
+        let n = 1000;
+        let p = one_cycle(n);
+        let (mut at, mut seen) = (0usize, vec![false; n]);
+        for _ in 0..n {
+            assert!(!seen[at]);
+            seen[at] = true;
+            at = p[at] as usize;
+        }
+        assert_eq!(at, 0);
+        assert!(seen.iter().all(|s| *s));
+    }
+}
