@@ -72,6 +72,10 @@ pub struct ReproduceArgs {
     /// own scale; a row whose benchmark has no virtual clock yet says so instead of running.
     #[arg(long, value_enum, default_value = "real")]
     pub clock: ClockArg,
+    /// With --clock virtual: the cost profile every command simulates with (passed to each
+    /// benchmark's --cost-profile; without it, their built-in profile). No spaces in the path.
+    #[arg(long = "cost-profile", value_name = "FILE")]
+    pub cost_profile: Option<PathBuf>,
     /// The same experiments scaled down to seconds per seed (for CI), on either clock.
     #[arg(long)]
     pub quick: bool,
@@ -126,6 +130,7 @@ pub fn run(a: &ReproduceArgs) -> CliResult {
     if let Some(p) = &a.plot {
         check_writable("--plot", p)?;
     }
+    let profile = cost_profile(a)?;
     let size = a.size();
     let mut runner = Runner::default();
     let ctx = Ctx {
@@ -133,13 +138,14 @@ pub fn run(a: &ReproduceArgs) -> CliResult {
         repeat: a.repeat as usize,
         quiet: quiet(a.json),
         virtual_time: a.clock == ClockArg::Virtual,
+        profile,
     };
     // Every command is checked before the first runs, as a sweep's rows are; the seed-scale
     // ones the table prints (for --clock virtual) at least parse.
     for seed in &a.seed.0 {
         for (bench, args) in commands(seed.id, size) {
             match ctx.virtual_time {
-                true => Runner::virtualise(bench, &args).map(drop)?,
+                true => Runner::virtualise(bench, &ctx.with_profile(args)).map(drop)?,
                 false => runner.check(bench, &args)?,
             }
         }
@@ -248,7 +254,7 @@ impl Commands {
         let here = here.map(|args| match ctx.virtual_time {
             false => args,
             // Checked before the first run: an error here is one a run would give.
-            true => match Runner::virtualise(bench, &args) {
+            true => match Runner::virtualise(bench, &ctx.with_profile(args.clone())) {
                 Ok(Virtual::Runs(a)) => a,
                 Ok(Virtual::Needs(a, why)) => {
                     needs = Some(why);
@@ -277,6 +283,38 @@ struct Ctx {
     quiet: bool,
     /// `--clock virtual`: the commands run with the benchmarks' virtual clock.
     virtual_time: bool,
+    /// `--cost-profile`'s file.
+    profile: Option<String>,
+}
+
+impl Ctx {
+    /// `args` with the cost profile, if one was given.
+    fn with_profile(&self, args: String) -> String {
+        match &self.profile {
+            Some(p) => format!("{args} --cost-profile {p}"),
+            None => args,
+        }
+    }
+}
+
+/// `--cost-profile`, refused where the commands could not carry it.
+fn cost_profile(a: &ReproduceArgs) -> CliResult<Option<String>> {
+    let Some(p) = &a.cost_profile else {
+        return Ok(None);
+    };
+    if a.clock != ClockArg::Virtual {
+        return Err(CliError::bad(
+            "--cost-profile needs --clock virtual (a real-time run has no cost profile)",
+        ));
+    }
+    // The printed commands are words a user can copy; a path with spaces would split.
+    match p.to_str() {
+        Some(s) if !s.is_empty() && !s.contains(char::is_whitespace) => Ok(Some(s.to_string())),
+        _ => Err(CliError::bad(format!(
+            "--cost-profile {}: give a path without spaces",
+            p.display()
+        ))),
+    }
 }
 
 /// `before` and `after` run alternately, `ctx.repeat` rounds (so that a change in the host's

@@ -102,6 +102,36 @@ fn virtual_time_gives_every_row_a_verdict_or_says_what_it_needs() {
     assert!(out.contains("--fast-pf on --clock virtual"), "{out}");
 }
 
+/// `--cost-profile` reaches every virtual-time command, and the user can copy it.
+#[test]
+fn the_cost_profile_is_passed_to_every_command() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../slat-vt/profiles");
+    let profile = root.join("host-2core-nested.toml");
+    let p = profile.to_str().unwrap();
+    let d = json(&[
+        "reproduce",
+        "000",
+        "--quick",
+        "--clock",
+        "virtual",
+        "--cost-profile",
+        p,
+    ]);
+    validate("reproduce.json", &d);
+    for r in d["seeds"][0]["rows"].as_array().unwrap() {
+        for c in r["slat"]["commands"].as_array().unwrap() {
+            assert!(
+                c.as_str().unwrap().contains(&format!("--cost-profile {p}")),
+                "{r:#}"
+            );
+        }
+    }
+    assert!(
+        d["seeds"][0]["rows"][0]["verdict"]["direction"].is_boolean(),
+        "{d:#}"
+    );
+}
+
 /// With `--repeat` every figure is a median inside its runs' range, and the verdict says
 /// whether the before and after ranges overlap.
 #[test]
@@ -176,6 +206,10 @@ fn bad_input_is_refused_with_one_line() {
     for (args, needle) in [
         (&["reproduce", "005"][..], "`005` is not a seed"),
         (&["reproduce", "000", "--clock", "wall"], "--clock"),
+        (
+            &["reproduce", "000", "--cost-profile", "p.toml"],
+            "--cost-profile needs --clock virtual",
+        ),
         (&["reproduce"], "SEED"),
         (&["reproduce", "000", "--repeat", "0"], "--repeat"),
         // Checked before anything runs, not after minutes of runs.
