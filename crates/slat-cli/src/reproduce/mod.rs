@@ -4,8 +4,9 @@
 //! The published numbers live in [`published`] with their file and line; the experiments
 //! (benchmark, flags of the change, figure, and the size at the seed's scale, this host's and
 //! `--quick`'s) in [`experiments`]; [`runner`] runs each command through the driver and
-//! [`table`] prints, plots and serialises the result. Only real time exists so far: the
-//! seed-scale flags are kept for `--clock virtual`, which is refused until it is built.
+//! [`table`] prints, plots and serialises the result. `--clock real` runs at this host's
+//! scale; `--clock virtual` runs the seed-scale commands on the benchmarks' virtual clock,
+//! the rows whose benchmark has none yet noted as needing it.
 
 mod experiments;
 pub mod published;
@@ -17,9 +18,9 @@ use crate::error::{CliError, CliResult};
 use crate::output::print_json;
 use crate::report::quiet;
 use clap::{Args, ValueEnum};
-use experiments::{Experiment, Size, GET_SWEEP};
+use experiments::{Bench, Experiment, Size, GET_SWEEP};
 use published::{Seed, SEEDS};
-use runner::{Reading, Runner};
+use runner::{Reading, Runner, Virtual};
 use serde::Serialize;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -43,7 +44,8 @@ fn which(s: &str) -> Result<Which, String> {
 pub enum ClockArg {
     /// Wall-clock time on this host, at this host's scale (1-2 vCPUs, sizes that fit).
     Real,
-    /// Simulated time at each seed's own scale (not built yet: refused).
+    /// Simulated time at each seed's own scale (the benchmarks' `--clock virtual`, phantom
+    /// memory where this host is too small).
     Virtual,
 }
 
@@ -56,18 +58,25 @@ figure went down). direction: slat's ratio is on the same side of 1 as the publi
 within 2x: slat's ratio is between half and twice the published one (n/a where the thread gives \
 no figure). With --repeat, \"(in noise)\" after the direction: the before and after runs' ranges \
 overlap. Rows with the same command share their runs. Exit status 1 if any run failed (its row \
-says why); the other rows are still printed.")]
+says why); the other rows are still printed. With --clock virtual every command gains --clock \
+virtual (and -s phantom where this host's memory is too small); a row whose benchmark has no \
+virtual clock yet, or refuses these flags in virtual time, is not run and says \"needs virtual \
+time on BENCHMARK\" (not a failure).")]
 pub struct ReproduceArgs {
     /// The seed thread: 000 (fast page fault for the TDP MMU), 001 (arm64 stage-2 cache
     /// maintenance and block rebuild), 002 (lock-free write-protect through the reverse map),
     /// 003 (private memory and the host direct map), 004 (two dirty bitmaps), or all.
     #[arg(value_name = "SEED", value_parser = which)]
     pub seed: Which,
-    /// `real`: wall-clock time at this host's scale. `virtual` (the seeds' own scale in
-    /// simulated time) is not built yet and is refused.
+    /// `real`: wall-clock time at this host's scale. `virtual`: simulated time at the seeds'
+    /// own scale; a row whose benchmark has no virtual clock yet says so instead of running.
     #[arg(long, value_enum, default_value = "real")]
     pub clock: ClockArg,
-    /// The same experiments scaled down to seconds per seed (for CI).
+    /// With --clock virtual: the cost profile every command simulates with (passed to each
+    /// benchmark's --cost-profile; without it, their built-in profile). No spaces in the path.
+    #[arg(long = "cost-profile", value_name = "FILE")]
+    pub cost_profile: Option<PathBuf>,
+    /// The same experiments scaled down to seconds per seed (for CI), on either clock.
     #[arg(long)]
     pub quick: bool,
     /// Print one JSON document (schema: crates/slat-cli/schema/reproduce.json) instead of the
@@ -88,8 +97,9 @@ pub struct ReproduceArgs {
 #[derive(Serialize)]
 struct Report<'a> {
     benchmark: &'static str,
+    /// `real` or `virtual`.
     clock: &'static str,
-    /// `host` or `quick`.
+    /// `host`, `seed` (virtual time) or `quick`.
     scale: Size,
     /// Runs per command (medians).
     repeat: u32,
@@ -98,10 +108,19 @@ struct Report<'a> {
 
 impl ReproduceArgs {
     fn size(&self) -> Size {
-        if self.quick {
-            Size::Quick
-        } else {
-            Size::Host
+        match (self.quick, self.clock) {
+            (true, _) => Size::Quick,
+            (false, ClockArg::Real) => Size::Host,
+            (false, ClockArg::Virtual) => Size::Seed,
+        }
+    }
+}
+
+impl ClockArg {
+    fn name(self) -> &'static str {
+        match self {
+            ClockArg::Real => "real",
+            ClockArg::Virtual => "virtual",
         }
     }
 }
@@ -111,23 +130,24 @@ pub fn run(a: &ReproduceArgs) -> CliResult {
     if let Some(p) = &a.plot {
         check_writable("--plot", p)?;
     }
-    if a.clock == ClockArg::Virtual {
-        return Err(CliError::bad(
-            "--clock virtual: virtual time is not built yet; use --clock real (this host's scale)",
-        ));
-    }
+    let profile = cost_profile(a)?;
     let size = a.size();
     let mut runner = Runner::default();
     let ctx = Ctx {
         size,
         repeat: a.repeat as usize,
         quiet: quiet(a.json),
+        virtual_time: a.clock == ClockArg::Virtual,
+        profile,
     };
     // Every command is checked before the first runs, as a sweep's rows are; the seed-scale
     // ones the table prints (for --clock virtual) at least parse.
     for seed in &a.seed.0 {
         for (bench, args) in commands(seed.id, size) {
-            runner.check(bench, &args)?;
+            match ctx.virtual_time {
+                true => Runner::virtualise(bench, &ctx.with_profile(args)).map(drop)?,
+                false => runner.check(bench, &args)?,
+            }
         }
         for (bench, args) in commands(seed.id, Size::Seed) {
             Runner::parses(bench, &args)?;
@@ -147,12 +167,12 @@ pub fn run(a: &ReproduceArgs) -> CliResult {
             get_sweep(&mut runner, &ctx, &mut s);
         }
         for e in experiments::of(seed.id) {
-            let c = Commands::of(e, size);
+            let c = Commands::of(e, &ctx);
             s.rows.push(row(&mut runner, e, c, &ctx, e.row.to_string()));
         }
         s.wall_s = t0.elapsed().as_secs_f64();
         if !a.json {
-            table::print(&s, "real", size_name(size));
+            table::print(&s, a.clock.name(), size_name(size));
         }
         seeds.push(s);
     }
@@ -162,7 +182,7 @@ pub fn run(a: &ReproduceArgs) -> CliResult {
     if a.json {
         let doc = Report {
             benchmark: "reproduce",
-            clock: "real",
+            clock: a.clock.name(),
             scale: size,
             repeat: a.repeat,
             seeds: &seeds,
@@ -206,20 +226,51 @@ fn command(bench: experiments::Bench, args: &str) -> String {
     format!("slat {} {args}", bench.name())
 }
 
-/// A row's commands (arguments after the subcommand) here and at the seed's scale.
+/// A row's commands (arguments after the subcommand) on the run's clock, and at the seed's
+/// scale in virtual time.
 struct Commands {
     here: [String; 2],
     seed: [String; 2],
     /// The size flags used here.
     scale: String,
+    /// What the benchmark needs before these commands can run in virtual time.
+    needs: Option<String>,
 }
 
 impl Commands {
-    fn of(e: &Experiment, size: Size) -> Commands {
+    fn of(e: &Experiment, ctx: &Ctx) -> Commands {
+        let args = |size| [false, true].map(|after| e.args(size, after));
+        Commands::new(
+            e.bench,
+            args(ctx.size),
+            args(Size::Seed),
+            e.scale.flags(ctx.size),
+            ctx,
+        )
+    }
+
+    fn new(bench: Bench, here: [String; 2], seed: [String; 2], scale: &str, ctx: &Ctx) -> Commands {
+        let mut needs = None;
+        let here = here.map(|args| match ctx.virtual_time {
+            false => args,
+            // Checked before the first run: an error here is one a run would give.
+            true => match Runner::virtualise(bench, &ctx.with_profile(args.clone())) {
+                Ok(Virtual::Runs(a)) => a,
+                Ok(Virtual::Needs(a, why)) => {
+                    needs = Some(why);
+                    a
+                }
+                Err(_) => args,
+            },
+        });
         Commands {
-            here: [false, true].map(|after| e.args(size, after)),
-            seed: [false, true].map(|after| e.args(Size::Seed, after)),
-            scale: e.scale.flags(size).to_string(),
+            here,
+            seed: seed.map(|args| match Runner::virtualise(bench, &args) {
+                Ok(Virtual::Runs(a) | Virtual::Needs(a, _)) => a,
+                Err(_) => format!("{args} --clock virtual"),
+            }),
+            scale: scale.to_string(),
+            needs,
         }
     }
 }
@@ -230,6 +281,40 @@ struct Ctx {
     /// Rounds of before and after.
     repeat: usize,
     quiet: bool,
+    /// `--clock virtual`: the commands run with the benchmarks' virtual clock.
+    virtual_time: bool,
+    /// `--cost-profile`'s file.
+    profile: Option<String>,
+}
+
+impl Ctx {
+    /// `args` with the cost profile, if one was given.
+    fn with_profile(&self, args: String) -> String {
+        match &self.profile {
+            Some(p) => format!("{args} --cost-profile {p}"),
+            None => args,
+        }
+    }
+}
+
+/// `--cost-profile`, refused where the commands could not carry it.
+fn cost_profile(a: &ReproduceArgs) -> CliResult<Option<String>> {
+    let Some(p) = &a.cost_profile else {
+        return Ok(None);
+    };
+    if a.clock != ClockArg::Virtual {
+        return Err(CliError::bad(
+            "--cost-profile needs --clock virtual (a real-time run has no cost profile)",
+        ));
+    }
+    // The printed commands are words a user can copy; a path with spaces would split.
+    match p.to_str() {
+        Some(s) if !s.is_empty() && !s.contains(char::is_whitespace) => Ok(Some(s.to_string())),
+        _ => Err(CliError::bad(format!(
+            "--cost-profile {}: give a path without spaces",
+            p.display()
+        ))),
+    }
 }
 
 /// `before` and `after` run alternately, `ctx.repeat` rounds (so that a change in the host's
@@ -269,9 +354,14 @@ fn pair(
 
 /// One row: both commands run (or taken from an earlier row's runs), and the verdict.
 fn row(runner: &mut Runner, e: &Experiment, c: Commands, ctx: &Ctx, label: String) -> Row {
-    let [before, after] = pair(runner, e, &c.here, ctx);
+    let [before, after] = match &c.needs {
+        None => pair(runner, e, &c.here, ctx),
+        Some(why) => [0, 1].map(|_| Err(CliError::Runtime(why.clone()))),
+    };
     let (unit, error) = match (&before, &after) {
         (Ok(b), Ok(_)) => (Some(b.unit), None),
+        // Not a failure: the row says what the benchmark needs.
+        _ if c.needs.is_some() => (None, None),
         (Err(x), _) | (_, Err(x)) => (None, Some(x.to_string())),
     };
     let (b, a) = (value(&before), value(&after));
@@ -308,6 +398,7 @@ fn row(runner: &mut Runner, e: &Experiment, c: Commands, ctx: &Ctx, label: Strin
         scale: c.scale,
         scale_note: e.scale.note,
         seed_scale: c.seed.map(|x| command(e.bench, &x)),
+        needs_virtual_time: c.needs,
         verdict,
     }
 }
@@ -332,8 +423,12 @@ fn sweep_args(size: &str, density: &str, after: bool) -> String {
 fn get_sweep(runner: &mut Runner, ctx: &Ctx, s: &mut SeedReport) {
     let e = GET_SWEEP.row;
     for (sz, d) in sweep_cells() {
-        let here = [false, true].map(|after| sweep_args(sz.flags(ctx.size), d, after));
-        let [x, sw] = pair(runner, &e, &here, ctx).map(|r| r.ok().map(|r| r.value));
+        let args = |size| [false, true].map(|after| sweep_args(size, d, after));
+        let c = Commands::new(e.bench, args(sz.flags(ctx.size)), args(sz.seed), "", ctx);
+        let [x, sw] = match c.needs {
+            None => pair(runner, &e, &c.here, ctx).map(|r| r.ok().map(|r| r.value)),
+            Some(_) => [None, None],
+        };
         s.sweep.push(Cell {
             size: sz.flags(ctx.size),
             density: d,
@@ -356,11 +451,15 @@ fn get_sweep(runner: &mut Runner, ctx: &Ctx, s: &mut SeedReport) {
         let (sz, d) = sweep_cells()
             .nth(i)
             .unwrap_or((&GET_SWEEP.sizes[0], "-w 1"));
-        let c = Commands {
-            here: [false, true].map(|after| sweep_args(sz.flags(ctx.size), d, after)),
-            seed: [false, true].map(|after| sweep_args(sz.seed, d, after)),
-            scale: format!("{} {d}", sz.flags(ctx.size)),
-        };
+        let args = |size| [false, true].map(|after| sweep_args(size, d, after));
+        let scale = format!("{} {d}", sz.flags(ctx.size));
+        let c = Commands::new(
+            e.bench,
+            args(sz.flags(ctx.size)),
+            args(sz.seed),
+            &scale,
+            ctx,
+        );
         let label = format!("GET_DIRTY_LOG, {what} difference ({})", c.scale);
         s.rows.push(row(runner, &e, c, ctx, label));
     }

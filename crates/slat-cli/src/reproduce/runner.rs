@@ -94,12 +94,76 @@ fn flags<B: Source>(args: &str) -> CliResult<B> {
 /// [`flags`], refused as the benchmark refuses them (sizes this host cannot hold, say).
 fn parse<B: Source>(args: &str) -> CliResult<B> {
     let b = flags::<B>(args)?;
-    let bad = |e: String| bad::<B>(args, e);
-    if let Some(why) = b.refuse() {
-        return Err(bad(why));
-    }
-    b.check().map_err(|e| bad(e.to_string()))?;
+    refusal(&b).map_err(|why| bad::<B>(args, why))?;
     Ok(b)
+}
+
+/// Why the benchmark refuses parsed flags `b`, in its own words.
+fn refusal<B: Source>(b: &B) -> Result<(), String> {
+    if let Some(why) = b.refuse() {
+        return Err(why);
+    }
+    b.check().map_err(|e| e.to_string())
+}
+
+/// Whether benchmark `B` has a `--clock` flag: asked of its own flag definitions, so a
+/// benchmark that gains virtual time is run in it without a change here.
+fn has_clock<B: Source>() -> bool {
+    let cmd = B::augment_args(clap::Command::new(B::NAME));
+    let mut longs = cmd.get_arguments().filter_map(|a| a.get_long());
+    longs.any(|l| l == "clock")
+}
+
+/// How a command runs in virtual time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Virtual {
+    /// These arguments run (`--clock virtual`, and phantom memory where the host is too small).
+    Runs(String),
+    /// The benchmark cannot run these arguments in virtual time yet: the arguments it would
+    /// run, and why not.
+    Needs(String, String),
+}
+
+/// The guest-memory backing `-s` with the same page size and no host memory behind it.
+fn phantom(args: &str) -> String {
+    let mut words: Vec<&str> = args.split_whitespace().collect();
+    match words.iter().position(|w| *w == "-s") {
+        Some(i) if i + 1 < words.len() => {
+            words[i + 1] = match words[i + 1] {
+                "anonymous_thp" => "phantom_thp",
+                "anonymous_hugetlb_1gb" => "phantom_hugetlb_1gb",
+                _ => "phantom",
+            };
+        }
+        _ => words.extend(["-s", "phantom"]),
+    }
+    words.join(" ")
+}
+
+/// `args` in virtual time as benchmark `B` takes them: with `--clock virtual`, with phantom
+/// memory when the benchmark refuses the real memory, or what it needs first.
+fn virtualise_as<B: Source>(args: &str) -> CliResult<Virtual> {
+    let v = format!("{args} --clock virtual");
+    if !has_clock::<B>() {
+        return Ok(Virtual::Needs(
+            v,
+            format!("needs virtual time on {}", B::NAME),
+        ));
+    }
+    let why = match refusal(&flags::<B>(&v)?) {
+        Ok(()) => return Ok(Virtual::Runs(v)),
+        Err(why) => why,
+    };
+    // The benchmark's refusal names its own flag when it is virtual time that it lacks.
+    if why.contains("--clock virtual") {
+        let needs = format!("needs virtual time on {} ({why})", B::NAME);
+        return Ok(Virtual::Needs(v, needs));
+    }
+    let p = phantom(&v);
+    match flags::<B>(&p).map(|b| refusal(&b)) {
+        Ok(Ok(())) => Ok(Virtual::Runs(p)),
+        _ => Err(bad::<B>(&v, why)),
+    }
 }
 
 fn median(mut xs: Vec<f64>) -> Option<f64> {
@@ -153,6 +217,16 @@ impl Runner {
         }
     }
 
+    /// `slat BENCH ARGS` in virtual time: what runs, or what the benchmark needs first.
+    pub fn virtualise(bench: Bench, args: &str) -> CliResult<Virtual> {
+        match bench {
+            Bench::DirtyLogPerf => virtualise_as::<DirtyLogPerfArgs>(args),
+            Bench::AccessTrackingPerf => virtualise_as::<AccessTrackingPerfArgs>(args),
+            Bench::PageTableTest => virtualise_as::<PageTableTestArgs>(args),
+            Bench::PrivateMemPerf => virtualise_as::<PrivateMemPerfArgs>(args),
+        }
+    }
+
     /// Makes sure `slat BENCH ARGS` has run at least `runs` times.
     pub fn run(&mut self, bench: Bench, args: &str, runs: usize) -> CliResult {
         let m = self.memo.entry(key(bench, args)).or_default();
@@ -198,4 +272,40 @@ impl Runner {
 
 fn key(bench: Bench, args: &str) -> String {
     format!("{} {args}", bench.name())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phantom_memory_keeps_the_page_size() {
+        assert_eq!(phantom("-v 64 -b 1G"), "-v 64 -b 1G -s phantom");
+        assert_eq!(phantom("-s anonymous -b 1G"), "-s phantom -b 1G");
+        assert_eq!(phantom("-s anonymous_thp -v 2"), "-s phantom_thp -v 2");
+        let g = "-s anonymous_hugetlb_1gb -b 20G";
+        assert_eq!(phantom(g), "-s phantom_hugetlb_1gb -b 20G");
+    }
+
+    /// A benchmark with a virtual clock runs in it (with phantom memory when the seed's guest
+    /// does not fit here); one that refuses the flags in virtual time is noted, not failed.
+    #[test]
+    fn virtual_time_is_asked_of_the_benchmark() {
+        assert!(has_clock::<DirtyLogPerfArgs>());
+        let dlp = |a| Runner::virtualise(Bench::DirtyLogPerf, a).unwrap();
+        let v = "-v 1 -b 16M --clock virtual".to_string();
+        assert_eq!(dlp("-v 1 -b 16M"), Virtual::Runs(v));
+        let big = "-v 64 -b 1G --clock virtual -s phantom".to_string();
+        assert_eq!(dlp("-v 64 -b 1G"), Virtual::Runs(big));
+        match dlp("-v 2 -b 16M -g --concurrent") {
+            Virtual::Needs(a, why) => {
+                assert!(a.ends_with("--concurrent --clock virtual"), "{a}");
+                assert!(
+                    why.starts_with("needs virtual time on dirty-log-perf"),
+                    "{why}"
+                );
+            }
+            r => panic!("{r:?}"),
+        }
+    }
 }

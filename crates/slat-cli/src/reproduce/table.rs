@@ -86,8 +86,12 @@ pub struct Row {
     pub scale: String,
     #[serde(skip_serializing_if = "str::is_empty")]
     pub scale_note: &'static str,
-    /// The commands at the seed's own scale (what `--clock virtual` will run).
+    /// The commands at the seed's own scale in virtual time (what `--clock virtual` runs).
     pub seed_scale: [String; 2],
+    /// Under `--clock virtual`: the row did not run, because its benchmark cannot run these
+    /// commands in virtual time yet (which benchmark, and why).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub needs_virtual_time: Option<String>,
     pub verdict: Verdict,
 }
 
@@ -167,6 +171,7 @@ fn cells(n: usize, r: &Row) -> Vec<String> {
     let [pub_fig, pub_ratio] = published_cells(&r.published);
     let s = &r.slat;
     let ours = match s.unit {
+        None if r.needs_virtual_time.is_some() => format!("needs virtual time on {}", r.benchmark),
         Some(u) => {
             let (u, k) = readable(u, s.before.into_iter().chain(s.after).reduce(f64::max));
             let at = |x: Option<f64>| num(x.map(|v| v * k));
@@ -184,7 +189,7 @@ fn cells(n: usize, r: &Row) -> Vec<String> {
         pub_fig,
         pub_ratio,
         ours,
-        format!("{}x", num(s.ratio)),
+        s.ratio.map_or("-".into(), |r| format!("{}x", num(Some(r)))),
         match (yes(r.verdict.direction, "-"), r.verdict.overlap) {
             (d, Some(true)) => format!("{d} (in noise)"),
             (d, _) => d,
@@ -242,10 +247,15 @@ pub fn print(s: &SeedReport, clock: &str, scale: &str) {
         println!("[{}] {}: {}{note}", i + 1, r.benchmark, r.slat.metric);
         println!("    before: {}", r.slat.commands[0]);
         println!("    after:  {}", r.slat.commands[1]);
-        println!(
-            "    seed's scale (--clock virtual), before: {}",
-            r.seed_scale[0]
-        );
+        if r.seed_scale[0] != r.slat.commands[0] {
+            println!(
+                "    seed's scale (--clock virtual), before: {}",
+                r.seed_scale[0]
+            );
+        }
+        if let Some(n) = &r.needs_virtual_time {
+            println!("    not run: {n}");
+        }
         if let Some(e) = &r.slat.error {
             println!("    failed: {e}");
         }

@@ -59,6 +59,79 @@ fn every_seed_has_all_its_rows_and_a_verdict_in_json() {
         .is_some_and(|s| s.contains("sparse")));
 }
 
+/// In virtual time every table has all its rows, each with a verdict or, where its benchmark
+/// has no virtual clock yet, a note saying so; the commands carry `--clock virtual`.
+#[test]
+fn virtual_time_gives_every_row_a_verdict_or_says_what_it_needs() {
+    let d = json(&["reproduce", "all", "--quick", "--clock", "virtual"]);
+    validate("reproduce.json", &d);
+    assert_eq!(d["clock"], "virtual");
+    assert_eq!(d["scale"], "quick");
+    let seeds = d["seeds"].as_array().expect("seeds");
+    assert_eq!(seeds.len(), ROWS.len(), "{d:#}");
+    let mut ran = 0;
+    for (s, (id, n)) in seeds.iter().zip(ROWS) {
+        let rows = s["rows"].as_array().expect("rows");
+        assert_eq!(rows.len(), n, "seed {id}: {rows:#?}");
+        for r in rows {
+            let what = format!("seed {id}, {}: {r:#}", r["row"]);
+            assert!(
+                r.get("error").is_none() && r["slat"].get("error").is_none(),
+                "{what}"
+            );
+            for c in r["slat"]["commands"].as_array().unwrap() {
+                assert!(c.as_str().unwrap().contains("--clock virtual"), "{what}");
+            }
+            match r["needs_virtual_time"].as_str() {
+                Some(n) => assert!(n.contains(r["benchmark"].as_str().unwrap()), "{what}"),
+                None => {
+                    ran += 1;
+                    assert!(r["verdict"]["direction"].is_boolean(), "{what}");
+                    assert!(
+                        r["slat"]["after"].as_f64().is_some_and(|x| x > 0.0),
+                        "{what}"
+                    );
+                }
+            }
+        }
+    }
+    // dirty-log-perf has a virtual clock: 000's dirty pass and 004's rows run.
+    assert!(ran >= 4, "{d:#}");
+    let out = ok(&["reproduce", "000", "--quick", "--clock", "virtual"]);
+    assert!(out.contains("--clock virtual, --quick scale"), "{out}");
+    assert!(out.contains("--fast-pf on --clock virtual"), "{out}");
+}
+
+/// `--cost-profile` reaches every virtual-time command, and the user can copy it.
+#[test]
+fn the_cost_profile_is_passed_to_every_command() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../slat-vt/profiles");
+    let profile = root.join("host-2core-nested.toml");
+    let p = profile.to_str().unwrap();
+    let d = json(&[
+        "reproduce",
+        "000",
+        "--quick",
+        "--clock",
+        "virtual",
+        "--cost-profile",
+        p,
+    ]);
+    validate("reproduce.json", &d);
+    for r in d["seeds"][0]["rows"].as_array().unwrap() {
+        for c in r["slat"]["commands"].as_array().unwrap() {
+            assert!(
+                c.as_str().unwrap().contains(&format!("--cost-profile {p}")),
+                "{r:#}"
+            );
+        }
+    }
+    assert!(
+        d["seeds"][0]["rows"][0]["verdict"]["direction"].is_boolean(),
+        "{d:#}"
+    );
+}
+
 /// With `--repeat` every figure is a median inside its runs' range, and the verdict says
 /// whether the before and after ranges overlap.
 #[test]
@@ -132,11 +205,11 @@ fn plot_draws_the_published_bars_beside_slats() {
 fn bad_input_is_refused_with_one_line() {
     for (args, needle) in [
         (&["reproduce", "005"][..], "`005` is not a seed"),
-        (
-            &["reproduce", "000", "--clock", "virtual"],
-            "virtual time is not built yet",
-        ),
         (&["reproduce", "000", "--clock", "wall"], "--clock"),
+        (
+            &["reproduce", "000", "--cost-profile", "p.toml"],
+            "--cost-profile needs --clock virtual",
+        ),
         (&["reproduce"], "SEED"),
         (&["reproduce", "000", "--repeat", "0"], "--repeat"),
         // Checked before anything runs, not after minutes of runs.
