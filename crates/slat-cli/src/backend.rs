@@ -78,6 +78,16 @@ impl Spec {
 
 /// How the CLI's benchmarks log: manual protect with INITIALLY_SET (GET copies, CLEAR
 /// re-protects), or `ring_entries` per vCPU (0: bitmaps).
+/// What the native baseline maps beside guest RAM, for a set-up progress line: as much host
+/// memory again, or nothing more for phantom memory (its baseline runs in the frame pool).
+pub fn native_note(backing: Backing) -> &'static str {
+    if backing.is_phantom() {
+        " (the native baseline runs in phantom memory's frame pool)"
+    } else {
+        " and as much host memory for the native baseline"
+    }
+}
+
 pub fn dirty_config(manual_protect: bool, ring_entries: u32) -> DirtyConfig {
     DirtyConfig {
         manual_protect: if manual_protect {

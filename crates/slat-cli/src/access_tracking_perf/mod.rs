@@ -398,10 +398,11 @@ fn run_format<F: PteFormat>(
     let total = a.work.bytes * vcpus as u64;
     let p = Phase::start(
         format!(
-            "mapping {} of {} guest RAM ({}) and as much host memory for the native baseline",
+            "mapping {} of {} guest RAM ({}){}",
             format_size(total),
             a.work.backing,
-            a.machine.format.name()
+            a.machine.format.name(),
+            crate::backend::native_note(a.work.backing)
         ),
         quiet(a.out.json),
     );

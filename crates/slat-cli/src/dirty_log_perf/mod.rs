@@ -443,7 +443,7 @@ impl Config {
 fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
     check(a).map_err(CliError::bad)?;
     let cfg = spec(a);
-    let what = " and as much host memory for the native baseline";
+    let what = backend::native_note(a.work.backing);
     let vt = a.clock.start()?;
     let sim = vt.as_ref().map(VirtualRun::threads);
     let (m, p) = backend::start_with(kind, &cfg, what, quiet(a.out.json), sim)?;

@@ -311,12 +311,13 @@ fn run_on<F: PteFormat>(
     let prefault = !a.machine.no_prefault;
     let p = Phase::start(
         format!(
-            "sim ({}, cmo {}, rebuild {}): mapping {} of {} guest RAM and as much host memory for the native baseline",
+            "sim ({}, cmo {}, rebuild {}): mapping {} of {} guest RAM{}",
             a.machine.format.name(),
             cfg.cmo.name(),
             cfg.rebuild.name(),
             format_size(bytes),
-            a.backing.name()
+            a.backing.name(),
+            crate::backend::native_note(a.backing)
         ),
         quiet(a.out.json),
     );
