@@ -8,7 +8,7 @@
 /// Model threads with room for the engine's clocked wrappers (`sync.rs`): loom's default
 /// coroutine stack (32 KiB) is too small for a fault's frames.
 mod thread {
-    pub use loom::thread::{yield_now, JoinHandle};
+    pub use loom::thread::JoinHandle;
 
     pub fn spawn<F, T>(f: F) -> JoinHandle<T>
     where
