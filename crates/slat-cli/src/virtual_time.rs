@@ -36,8 +36,9 @@ pub struct ClockArgs {
     pub clock: ClockArg,
     /// With --clock virtual: the cost profile to simulate with (TOML, as `slat calibrate`
     /// writes, as crates/slat-vt/profiles/host-2core-nested.toml) instead of the built-in
-    /// profile of this host.
-    #[arg(long = "cost-profile", value_name = "FILE")]
+    /// profile of this host; or a built-in one by name when no such file exists: host (this
+    /// host's, host-2core-nested), x86-server or arm64-server (the seed threads' machines).
+    #[arg(long = "cost-profile", value_name = "FILE|NAME")]
     pub cost_profile: Option<std::path::PathBuf>,
     /// With --clock virtual: how far, in ns of virtual time, the running simulated CPU may
     /// run ahead of the lowest runnable clock before it passes the baton (default: the cost
@@ -202,9 +203,19 @@ impl ClockArgs {
             (None, false) => Ok(None),
             (None, true) => self.with_lookahead(Profile::host_default()).map(Some),
             (Some(path), true) => {
+                if let Some(p) = builtin(path) {
+                    return self.with_lookahead(p).map(Some);
+                }
                 let p = Profile::load(path).map_err(|e| {
+                    let names = match path.exists() {
+                        true => String::new(),
+                        false => format!(
+                            " (nor a built-in profile: {})",
+                            slat_vt::BUILTIN_PROFILES.join(", ")
+                        ),
+                    };
                     CliError::bad(format!(
-                        "--cost-profile {}: {}",
+                        "--cost-profile {}: {}{names}",
                         path.display(),
                         one_line(&e.to_string())
                     ))
@@ -223,6 +234,15 @@ impl ClockArgs {
         }
         Ok(p)
     }
+}
+
+/// The built-in profile `path` names, when no file of that name exists (a file wins, so a
+/// profile saved as `x86-server` in the working directory is the one loaded).
+fn builtin(path: &std::path::Path) -> Option<Profile> {
+    if path.exists() {
+        return None;
+    }
+    path.to_str().and_then(Profile::builtin)
 }
 
 /// Ends `vt` (a run's simulation, if virtual) once its machine is gone: the report's clock.

@@ -39,6 +39,7 @@
 mod error;
 mod hooks;
 mod host;
+mod machines;
 mod model;
 mod profile;
 mod scheduler;
@@ -48,6 +49,7 @@ mod wait;
 mod watchdog;
 
 pub use error::{ProfileError, SimError};
+pub use machines::BUILTIN_PROFILES;
 pub use model::line::{LineStats, MAX_CPUS};
 pub use model::lock::LockStats;
 pub use profile::{cost_name, Entry, LockPolicy, Model, PolicyEntry, Profile};
