@@ -11,6 +11,7 @@
 mod experiments;
 pub mod published;
 mod runner;
+mod sensitivity;
 mod table;
 
 use crate::args::{check_writable, BackendArg};
@@ -73,8 +74,10 @@ pub struct ReproduceArgs {
     #[arg(long, value_enum, default_value = "real")]
     pub clock: ClockArg,
     /// With --clock virtual: the cost profile every command simulates with (passed to each
-    /// benchmark's --cost-profile; without it, their built-in profile). No spaces in the path.
-    #[arg(long = "cost-profile", value_name = "FILE")]
+    /// benchmark's --cost-profile): a file, or a built-in name (host for this host's,
+    /// x86-server, arm64-server). Without it, each seed's machine class: arm64-server for 001,
+    /// x86-server for the others. No spaces in the path.
+    #[arg(long = "cost-profile", value_name = "FILE|NAME")]
     pub cost_profile: Option<PathBuf>,
     /// The same experiments scaled down to seconds per seed (for CI), on either clock.
     #[arg(long)]
@@ -87,6 +90,11 @@ pub struct ReproduceArgs {
     /// (1-1000).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000), default_value_t = 1)]
     pub repeat: u32,
+    /// With --clock virtual: run every row again with each cost of its profile halved and
+    /// doubled, one at a time, at --quick's scale, and print whether the direction verdict
+    /// holds under all of them or which changes flip it.
+    #[arg(long)]
+    pub sensitivity: bool,
     /// Also draw each seed's after/before ratios, the thread's bar beside slat's for every row,
     /// into an SVG file (checked writable before anything runs).
     #[arg(long, value_name = "FILE.svg")]
@@ -108,7 +116,7 @@ struct Report<'a> {
 
 impl ReproduceArgs {
     fn size(&self) -> Size {
-        match (self.quick, self.clock) {
+        match (self.quick || self.sensitivity, self.clock) {
             (true, _) => Size::Quick,
             (false, ClockArg::Real) => Size::Host,
             (false, ClockArg::Virtual) => Size::Seed,
@@ -131,6 +139,11 @@ pub fn run(a: &ReproduceArgs) -> CliResult {
         check_writable("--plot", p)?;
     }
     let profile = cost_profile(a)?;
+    if a.sensitivity && a.clock != ClockArg::Virtual {
+        return Err(CliError::bad(
+            "--sensitivity needs --clock virtual (it varies the cost profile's numbers)",
+        ));
+    }
     let size = a.size();
     let mut runner = Runner::default();
     let ctx = Ctx {
@@ -138,19 +151,19 @@ pub fn run(a: &ReproduceArgs) -> CliResult {
         repeat: a.repeat as usize,
         quiet: quiet(a.json),
         virtual_time: a.clock == ClockArg::Virtual,
-        profile,
+        explicit: profile,
     };
     // Every command is checked before the first runs, as a sweep's rows are; the seed-scale
     // ones the table prints (for --clock virtual) at least parse.
     for seed in &a.seed.0 {
         for (bench, args) in commands(seed.id, size) {
             match ctx.virtual_time {
-                true => Runner::virtualise(bench, &ctx.with_profile(args)).map(drop)?,
+                true => Runner::virtualise(bench, &ctx.with_profile(seed.id, args)).map(drop)?,
                 false => runner.check(bench, &args)?,
             }
         }
         for (bench, args) in commands(seed.id, Size::Seed) {
-            Runner::parses(bench, &args)?;
+            Runner::parses(bench, &ctx.seed_profile(seed.id, args))?;
         }
     }
     let mut seeds = Vec::new();
@@ -158,17 +171,23 @@ pub fn run(a: &ReproduceArgs) -> CliResult {
         let t0 = Instant::now();
         let mut s = SeedReport {
             seed: **seed,
+            cost_profile: ctx.used_profile(seed),
             rows: Vec::new(),
             sweep: Vec::new(),
             implied: None,
+            sensitivity: None,
             wall_s: 0.0,
+            pairs: Vec::new(),
         };
         if seed.id == GET_SWEEP.row.seed {
             get_sweep(&mut runner, &ctx, &mut s);
         }
         for e in experiments::of(seed.id) {
             let c = Commands::of(e, &ctx);
-            s.rows.push(row(&mut runner, e, c, &ctx, e.row.to_string()));
+            row(&mut s, &mut runner, e, c, &ctx, e.row.to_string());
+        }
+        if a.sensitivity {
+            s.sensitivity = Some(sensitivity::run(&mut runner, &s, ctx.quiet)?);
         }
         s.wall_s = t0.elapsed().as_secs_f64();
         if !a.json {
@@ -241,7 +260,7 @@ impl Commands {
     fn of(e: &Experiment, ctx: &Ctx) -> Commands {
         let args = |size| [false, true].map(|after| e.args(size, after));
         Commands::new(
-            e.bench,
+            (e.seed, e.bench),
             args(ctx.size),
             args(Size::Seed),
             e.scale.flags(ctx.size),
@@ -249,12 +268,18 @@ impl Commands {
         )
     }
 
-    fn new(bench: Bench, here: [String; 2], seed: [String; 2], scale: &str, ctx: &Ctx) -> Commands {
+    fn new(
+        (id, bench): (&str, Bench),
+        here: [String; 2],
+        seed: [String; 2],
+        scale: &str,
+        ctx: &Ctx,
+    ) -> Commands {
         let mut needs = None;
         let here = here.map(|args| match ctx.virtual_time {
             false => args,
             // Checked before the first run: an error here is one a run would give.
-            true => match Runner::virtualise(bench, &ctx.with_profile(args.clone())) {
+            true => match Runner::virtualise(bench, &ctx.with_profile(id, args.clone())) {
                 Ok(Virtual::Runs(a)) => a,
                 Ok(Virtual::Needs(a, why)) => {
                     needs = Some(why);
@@ -265,9 +290,11 @@ impl Commands {
         });
         Commands {
             here,
-            seed: seed.map(|args| match Runner::virtualise(bench, &args) {
-                Ok(Virtual::Runs(a) | Virtual::Needs(a, _)) => a,
-                Err(_) => format!("{args} --clock virtual"),
+            seed: seed.map(|args| {
+                match Runner::virtualise(bench, &ctx.seed_profile(id, args.clone())) {
+                    Ok(Virtual::Runs(a) | Virtual::Needs(a, _)) => a,
+                    Err(_) => format!("{args} --clock virtual"),
+                }
             }),
             scale: scale.to_string(),
             needs,
@@ -283,17 +310,49 @@ struct Ctx {
     quiet: bool,
     /// `--clock virtual`: the commands run with the benchmarks' virtual clock.
     virtual_time: bool,
-    /// `--cost-profile`'s file.
-    profile: Option<String>,
+    /// `--cost-profile`'s file or name.
+    explicit: Option<String>,
 }
 
 impl Ctx {
-    /// `args` with the cost profile, if one was given.
-    fn with_profile(&self, args: String) -> String {
-        match &self.profile {
-            Some(p) => format!("{args} --cost-profile {p}"),
-            None => args,
+    /// The profile seed `id`'s commands simulate with: `--cost-profile`, else the seed's
+    /// machine class.
+    fn profile_of(&self, id: &str) -> String {
+        let class = published::seed(id).map_or("host", |s| s.cost_profile);
+        self.explicit.clone().unwrap_or_else(|| class.to_string())
+    }
+
+    /// `args` with seed `id`'s cost profile when the run is in virtual time.
+    fn with_profile(&self, id: &str, args: String) -> String {
+        match self.virtual_time {
+            true => self.seed_profile(id, args),
+            false => args,
         }
+    }
+
+    /// `args` with seed `id`'s cost profile (for the seed-scale commands, virtual on any
+    /// clock).
+    fn seed_profile(&self, id: &str, args: String) -> String {
+        format!("{args} --cost-profile {}", self.profile_of(id))
+    }
+
+    /// The profile seed `seed`'s virtual-time runs use, as reports name it.
+    fn used_profile(&self, seed: &Seed) -> Option<table::UsedProfile> {
+        if !self.virtual_time {
+            return None;
+        }
+        let given = self.explicit.is_some();
+        let name = self.profile_of(seed.id);
+        let p = runner::load_profile(&name).ok()?;
+        Some(table::UsedProfile {
+            hash: p.hash(),
+            name: p.name,
+            given: name,
+            why: match given {
+                true => "--cost-profile",
+                false => "the seed's machine class",
+            },
+        })
     }
 }
 
@@ -308,13 +367,18 @@ fn cost_profile(a: &ReproduceArgs) -> CliResult<Option<String>> {
         ));
     }
     // The printed commands are words a user can copy; a path with spaces would split.
-    match p.to_str() {
-        Some(s) if !s.is_empty() && !s.contains(char::is_whitespace) => Ok(Some(s.to_string())),
-        _ => Err(CliError::bad(format!(
-            "--cost-profile {}: give a path without spaces",
-            p.display()
-        ))),
-    }
+    let s = match p.to_str() {
+        Some(s) if !s.is_empty() && !s.contains(char::is_whitespace) => s.to_string(),
+        _ => {
+            return Err(CliError::bad(format!(
+                "--cost-profile {}: give a path without spaces",
+                p.display()
+            )))
+        }
+    };
+    // Refused before anything runs, not by the first command minutes later.
+    runner::load_profile(&s).map_err(|e| CliError::bad(format!("--cost-profile {s}: {e}")))?;
+    Ok(Some(s))
 }
 
 /// `before` and `after` run alternately, `ctx.repeat` rounds (so that a change in the host's
@@ -352,8 +416,23 @@ fn pair(
     })
 }
 
-/// One row: both commands run (or taken from an earlier row's runs), and the verdict.
-fn row(runner: &mut Runner, e: &Experiment, c: Commands, ctx: &Ctx, label: String) -> Row {
+/// One row: both commands run (or taken from an earlier row's runs), and the verdict; added
+/// to `s` with what it ran.
+fn row(
+    s: &mut SeedReport,
+    runner: &mut Runner,
+    e: &Experiment,
+    c: Commands,
+    ctx: &Ctx,
+    label: String,
+) {
+    let ran = c.needs.is_none().then(|| sensitivity::Pair {
+        bench: e.bench,
+        figure: e.figure,
+        args: c.here.clone(),
+        claim: e.published,
+    });
+    s.pairs.push(ran);
     let [before, after] = match &c.needs {
         None => pair(runner, e, &c.here, ctx),
         Some(why) => [0, 1].map(|_| Err(CliError::Runtime(why.clone()))),
@@ -376,7 +455,7 @@ fn row(runner: &mut Runner, e: &Experiment, c: Commands, ctx: &Ctx, label: Strin
         true => format!("{}, per page per vCPU", e.figure.metric),
         false => e.figure.metric.to_string(),
     };
-    Row {
+    s.rows.push(Row {
         row: label,
         benchmark: e.bench.name(),
         published: table::Published {
@@ -400,7 +479,7 @@ fn row(runner: &mut Runner, e: &Experiment, c: Commands, ctx: &Ctx, label: Strin
         seed_scale: c.seed.map(|x| command(e.bench, &x)),
         needs_virtual_time: c.needs,
         verdict,
-    }
+    });
 }
 
 fn value(r: &CliResult<Reading>) -> Option<f64> {
@@ -424,7 +503,13 @@ fn get_sweep(runner: &mut Runner, ctx: &Ctx, s: &mut SeedReport) {
     let e = GET_SWEEP.row;
     for (sz, d) in sweep_cells() {
         let args = |size| [false, true].map(|after| sweep_args(size, d, after));
-        let c = Commands::new(e.bench, args(sz.flags(ctx.size)), args(sz.seed), "", ctx);
+        let c = Commands::new(
+            (e.seed, e.bench),
+            args(sz.flags(ctx.size)),
+            args(sz.seed),
+            "",
+            ctx,
+        );
         let [x, sw] = match c.needs {
             None => pair(runner, &e, &c.here, ctx).map(|r| r.ok().map(|r| r.value)),
             Some(_) => [None, None],
@@ -454,14 +539,14 @@ fn get_sweep(runner: &mut Runner, ctx: &Ctx, s: &mut SeedReport) {
         let args = |size| [false, true].map(|after| sweep_args(size, d, after));
         let scale = format!("{} {d}", sz.flags(ctx.size));
         let c = Commands::new(
-            e.bench,
+            (e.seed, e.bench),
             args(sz.flags(ctx.size)),
             args(sz.seed),
             &scale,
             ctx,
         );
         let label = format!("GET_DIRTY_LOG, {what} difference ({})", c.scale);
-        s.rows.push(row(runner, &e, c, ctx, label));
+        row(s, runner, &e, c, ctx, label);
     }
     s.implied = Some(implied(s, ctx.size));
 }

@@ -15,6 +15,8 @@ pub struct Seed {
     pub file: &'static str,
     /// The machine the thread measured on.
     pub machine: &'static str,
+    /// The built-in cost profile of that machine's class (`--clock virtual`'s default).
+    pub cost_profile: &'static str,
 }
 
 /// One published number: its text exactly as the thread writes it, and its line (1-based).
@@ -83,30 +85,35 @@ pub const SEEDS: [Seed; 5] = [
         title: "fast page fault for the TDP MMU (x86 EPT): write-protection and access-tracking faults fixed without the MMU lock",
         file: "000_15ab5c5901639a85.txt",
         machine: "x86 host, 64 vCPUs, 1 GiB per vCPU (selftest defaults)",
+        cost_profile: "x86-server",
     },
     Seed {
         id: "001",
         title: "arm64 stage-2: cache maintenance moved into the fault handlers (patch 1); the block installed before the old tables are unmapped (patch 2)",
         file: "001_e7449def3cea68c6.txt",
         machine: "HiSilicon Kunpeng920, Linux v5.12-rc2, 20-80 vCPUs, 1-20 GiB",
+        cost_profile: "arm64-server",
     },
     Seed {
         id: "002",
         title: "lock-free write-protect through the reverse map: harvests without the MMU lock",
         file: "002_6858392bcb074408.txt",
         machine: "Xeon X5690 x 12, 36 GB, EPT",
+        cost_profile: "x86-server",
     },
     Seed {
         id: "003",
         title: "private memory and the host direct map: pre-split to 4K against 2M + split on acceptance",
         file: "003_2466dece929b0812.txt",
         machine: "one 1 TB SNP guest, 128 vCPUs",
+        cost_profile: "x86-server",
     },
     Seed {
         id: "004",
         title: "two dirty bitmaps: GET_DIRTY_LOG by bitmap switch instead of a per-word exchange",
         file: "004_3ecfd554e0753192.txt",
         machine: "x86_64 VM, 32 vCPUs, 16 GB, dirtying 8 Gbps",
+        cost_profile: "x86-server",
     },
 ];
 

@@ -270,6 +270,20 @@ impl Runner {
     }
 }
 
+/// The cost profile `--cost-profile NAME_OR_FILE` loads in a benchmark: the file when it
+/// exists, else the built-in profile of that name.
+pub fn load_profile(name_or_file: &str) -> Result<slat_vt::Profile, String> {
+    let path = std::path::Path::new(name_or_file);
+    match (path.exists(), slat_vt::Profile::builtin(name_or_file)) {
+        (false, Some(p)) => Ok(p),
+        (false, None) => Err(format!(
+            "no such file, nor a built-in profile ({})",
+            slat_vt::BUILTIN_PROFILES.join(", ")
+        )),
+        (true, _) => slat_vt::Profile::load(path).map_err(|e| crate::one_line(&e.to_string())),
+    }
+}
+
 fn key(bench: Bench, args: &str) -> String {
     format!("{} {args}", bench.name())
 }

@@ -2,6 +2,7 @@
 //! and the verdict; its text, and the bars `--plot` draws.
 
 use super::published::{Claim, Seed};
+use super::sensitivity::{Pair, Sensitivity};
 use crate::error::CliResult;
 use crate::plot::{draw_bars, BarPanel};
 use serde::Serialize;
@@ -107,10 +108,25 @@ pub struct Cell {
     pub ratio: Option<f64>,
 }
 
+/// The cost profile a seed's virtual-time runs used.
+#[derive(Debug, Clone, Serialize)]
+pub struct UsedProfile {
+    /// Its `name`, and the hash of its values.
+    pub name: String,
+    pub hash: String,
+    /// As given to the benchmarks' `--cost-profile` (a built-in name or a file).
+    pub given: String,
+    /// `the seed's machine class` (the default) or `--cost-profile`.
+    pub why: &'static str,
+}
+
 /// One seed's reproduction.
 #[derive(Debug, Clone, Serialize)]
 pub struct SeedReport {
     pub seed: Seed,
+    /// Under `--clock virtual`: the cost profile its commands simulated with.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cost_profile: Option<UsedProfile>,
     pub rows: Vec<Row>,
     /// 004: GET over sizes and dirty densities.
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -118,8 +134,14 @@ pub struct SeedReport {
     /// 004: what the thread's figure implies about its guest.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub implied: Option<String>,
+    /// `--sensitivity`: whether each row's direction survives each cost halved and doubled.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sensitivity: Option<Sensitivity>,
     /// Wall time of this seed's runs.
     pub wall_s: f64,
+    /// What each row ran, for `--sensitivity` to run again (parallel to `rows`).
+    #[serde(skip)]
+    pub pairs: Vec<Option<Pair>>,
 }
 
 /// A figure in 4 significant digits, or `-`.
@@ -199,7 +221,7 @@ fn cells(n: usize, r: &Row) -> Vec<String> {
 }
 
 /// Prints rows as a table with aligned columns.
-fn print_table(head: &[&str], rows: &[Vec<String>]) {
+pub(super) fn print_table(head: &[&str], rows: &[Vec<String>]) {
     let mut w: Vec<usize> = head.iter().map(|h| h.chars().count()).collect();
     for r in rows {
         for (i, c) in r.iter().enumerate() {
@@ -226,6 +248,12 @@ pub fn print(s: &SeedReport, clock: &str, scale: &str) {
         "published: ../shared/seeds/{} ({}); slat: --clock {clock}, {scale} scale",
         seed.file, seed.machine
     );
+    if let Some(p) = &s.cost_profile {
+        println!(
+            "cost profile: {} ({}; {}, --cost-profile {}; --cost-profile host for this host's)",
+            p.name, p.hash, p.why, p.given
+        );
+    }
     let head = [
         "row",
         "published before -> after",
@@ -261,6 +289,9 @@ pub fn print(s: &SeedReport, clock: &str, scale: &str) {
         }
     }
     print_sweep(s);
+    if let Some(x) = &s.sensitivity {
+        super::sensitivity::print(x);
+    }
     println!("seed {} took {:.1} s", seed.id, s.wall_s);
     println!();
 }
