@@ -95,11 +95,15 @@ fn virtual_time_gives_every_row_a_verdict_or_says_what_it_needs() {
             }
         }
     }
-    // dirty-log-perf has a virtual clock: 000's dirty pass and 004's rows run.
-    assert!(ran >= 4, "{d:#}");
+    // dirty-log-perf, access-tracking-perf and page-table-test have a virtual clock: 000's,
+    // 001's and 004's rows run.
+    assert!(ran >= 18, "{d:#}");
     let out = ok(&["reproduce", "000", "--quick", "--clock", "virtual"]);
     assert!(out.contains("--clock virtual, --quick scale"), "{out}");
-    assert!(out.contains("--fast-pf on --clock virtual"), "{out}");
+    assert!(
+        out.contains("--fast-pf on --cost-profile x86-server --clock virtual"),
+        "{out}"
+    );
 }
 
 /// `--cost-profile` reaches every virtual-time command, and the user can copy it.
@@ -130,6 +134,71 @@ fn the_cost_profile_is_passed_to_every_command() {
         d["seeds"][0]["rows"][0]["verdict"]["direction"].is_boolean(),
         "{d:#}"
     );
+}
+
+/// In virtual time each seed simulates its own machine class by default (x86-server, and
+/// arm64-server for 001), says so, and every command carries it; `host` picks this host's.
+#[test]
+fn virtual_time_uses_the_seeds_machine_profile_unless_told() {
+    let d = json(&["reproduce", "all", "--quick", "--clock", "virtual"]);
+    for s in d["seeds"].as_array().unwrap() {
+        let class = s["seed"]["cost_profile"].as_str().unwrap();
+        let want = if s["seed"]["id"] == "001" {
+            "arm64-server"
+        } else {
+            "x86-server"
+        };
+        assert_eq!(class, want);
+        assert_eq!(s["cost_profile"]["name"], want, "{s:#}");
+        assert_eq!(s["cost_profile"]["why"], "the seed's machine class");
+        for r in s["rows"].as_array().unwrap() {
+            let all = r["slat"]["commands"].as_array().unwrap().iter();
+            for c in all.chain(r["seed_scale"].as_array().unwrap()) {
+                let c = c.as_str().unwrap();
+                assert!(c.contains(&format!("--cost-profile {want}")), "{c}");
+            }
+        }
+    }
+    let d = json(&[
+        "reproduce",
+        "000",
+        "--quick",
+        "--clock",
+        "virtual",
+        "--cost-profile",
+        "host",
+    ]);
+    validate("reproduce.json", &d);
+    assert_eq!(d["seeds"][0]["cost_profile"]["name"], "host-2core-nested");
+    assert_eq!(d["seeds"][0]["cost_profile"]["why"], "--cost-profile");
+    let out = ok(&["reproduce", "001", "--quick", "--clock", "virtual"]);
+    assert!(out.contains("cost profile: arm64-server ("), "{out}");
+}
+
+/// `--sensitivity` runs every row again with each cost halved and doubled and says, per row,
+/// whether the direction held or which changes flipped it.
+#[test]
+fn sensitivity_says_per_row_whether_the_direction_holds() {
+    let d = json(&["reproduce", "000", "--clock", "virtual", "--sensitivity"]);
+    validate("reproduce.json", &d);
+    assert_eq!(d["scale"], "quick");
+    let x = &d["seeds"][0]["sensitivity"];
+    assert_eq!(x["profile"], "x86-server");
+    assert_eq!(x["costs"].as_array().unwrap().len(), 22, "{x:#}");
+    let rows = x["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for r in rows {
+        let holds = r["holds"].as_bool().expect("ran");
+        assert_eq!(holds, r["flips"].as_array().unwrap().is_empty(), "{r:#}");
+        let [lo, hi] = [0, 1].map(|i| r["ratio_range"][i].as_f64().unwrap());
+        assert!(lo <= hi, "{r:#}");
+    }
+    let out = ok(&["reproduce", "000", "--clock", "virtual", "--sensitivity"]);
+    assert!(
+        out.contains("sensitivity: each of 22 costs of x86-server"),
+        "{out}"
+    );
+    assert!(out.contains("direction under the changes"), "{out}");
 }
 
 /// With `--repeat` every figure is a median inside its runs' range, and the verdict says
@@ -211,6 +280,21 @@ fn bad_input_is_refused_with_one_line() {
             "--cost-profile needs --clock virtual",
         ),
         (&["reproduce"], "SEED"),
+        (
+            &["reproduce", "000", "--sensitivity"],
+            "--sensitivity needs --clock virtual",
+        ),
+        (
+            &[
+                "reproduce",
+                "000",
+                "--clock",
+                "virtual",
+                "--cost-profile",
+                "nope",
+            ],
+            "nor a built-in profile",
+        ),
         (&["reproduce", "000", "--repeat", "0"], "--repeat"),
         // Checked before anything runs, not after minutes of runs.
         (
