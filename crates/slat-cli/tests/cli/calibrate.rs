@@ -78,6 +78,16 @@ fn cost_profile_loads_a_file_and_refuses_a_bad_one() {
         g,
     ]);
     assert_eq!(r["clock_profile"], "host-2core-nested");
+    // A built-in profile by name, when no file of that name exists.
+    for (name, loaded) in [
+        ("x86-server", "x86-server"),
+        ("arm64-server", "arm64-server"),
+        ("host", "host-2core-nested"),
+    ] {
+        let args = ["demand-paging", "-b", "4M", "--clock", "virtual"];
+        let r = common::json(&[&args[..], &["--cost-profile", name]].concat());
+        assert_eq!(r["clock_profile"], loaded, "{name}");
+    }
     let bad = temp("bad.toml");
     std::fs::write(&bad, "name = 3\n").unwrap();
     let missing = temp("missing.toml");
