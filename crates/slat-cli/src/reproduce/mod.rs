@@ -60,7 +60,8 @@ within 2x: slat's ratio is between half and twice the published one (n/a where t
 no figure). With --repeat, \"(in noise)\" after the direction: the before and after runs' ranges \
 overlap. Rows with the same command share their runs. Exit status 1 if any run failed (its row \
 says why); the other rows are still printed. With --clock virtual every command gains --clock \
-virtual (and -s phantom where this host's memory is too small); a row whose benchmark has no \
+virtual, --cost-profile of the seed's machine class (x86-server, or arm64-server for 001; printed \
+with each table) and -s phantom where this host's memory is too small; a row whose benchmark has no \
 virtual clock yet, or refuses these flags in virtual time, is not run and says \"needs virtual \
 time on BENCHMARK\" (not a failure).")]
 pub struct ReproduceArgs {
