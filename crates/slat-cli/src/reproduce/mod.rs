@@ -476,7 +476,11 @@ fn row(
             error,
         },
         scale: c.scale,
-        scale_note: e.scale.note,
+        // The notes say how this host's runs differ from the seed's; the seed's scale has none.
+        scale_note: match ctx.size {
+            Size::Seed => "",
+            _ => e.scale.note,
+        },
         seed_scale: c.seed.map(|x| command(e.bench, &x)),
         needs_virtual_time: c.needs,
         verdict,
