@@ -1,7 +1,7 @@
 //! What can go wrong, as one readable line each.
 
 use crate::stream::{
-    Region, GPA_BITS, MAX_BATCH_PAGES, MAX_GUEST_BYTES, MAX_HASHES, MAX_MACHINE, MAX_REGIONS,
+    Region, DELTA_MAX, GPA_BITS, MAX_BATCH_PAGES, MAX_GUEST_BYTES, MAX_HASHES, MAX_MACHINE, MAX_REGIONS,
     MAX_STATE_BLOB, MAX_STATE_BLOBS, MAX_STATE_BYTES, MAX_STATE_ID, MAX_STREAMS, PAGE_BYTES,
 };
 use slat_addr::{Gpa, Hva};
@@ -139,6 +139,9 @@ pub enum Corruption {
     /// A compressed page of a length no page compresses to.
     #[error("compressed page of {0} bytes")]
     CompressedLen(usize),
+    /// A delta page of a length no delta the source sends has.
+    #[error("delta page of {0} bytes (1 to {DELTA_MAX})")]
+    DeltaLen(usize),
     /// A page encoding this side does not know.
     #[error("unknown page encoding {0}")]
     UnknownEncoding(u8),
@@ -398,6 +401,14 @@ pub enum PageError {
         index: usize,
         /// Entries in the batch.
         len: usize,
+    },
+    /// A delta page that does not apply.
+    #[error("page {page}: {err}")]
+    Delta {
+        /// The page.
+        page: u64,
+        /// Why.
+        err: crate::stream::delta::DeltaError,
     },
     /// The output buffer is not one page.
     #[error("a page buffer of {len} bytes (a page is {PAGE_BYTES})")]

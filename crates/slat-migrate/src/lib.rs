@@ -165,6 +165,7 @@ pub use guest::{
 };
 pub use link::Faults;
 pub use source::{
+    DeltaReport, DEFAULT_DELTA_CACHE,
     DirtyLimitReport, Event, MigrationReport, Progress, RoundReport, Source, SourceConfig,
 };
 pub use state::{check_blobs, StateBlob};

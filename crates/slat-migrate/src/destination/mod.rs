@@ -39,6 +39,9 @@ pub struct DestConfig {
     /// Most page streams a source may open beside the control connection (at most
     /// [`stream::MAX_STREAMS`]; 0 or 1: none, the pages come over the one connection).
     pub max_streams: u32,
+    /// Accept a source's offer of delta pages ([`stream::delta`]): each is patched into the
+    /// copy of the page this side holds and hashed as patched.
+    pub delta: bool,
 }
 
 impl Default for DestConfig {
@@ -48,6 +51,7 @@ impl Default for DestConfig {
             timeout: Duration::from_secs(30),
             max_memory: 0,
             max_streams: stream::MAX_STREAMS,
+            delta: true,
         }
     }
 }
@@ -316,11 +320,14 @@ impl Destination {
             setup: t0.elapsed(),
             ..DestReport::default()
         };
+        // Deltas only where an answer tells the source so (a file's reader answers nobody).
+        let delta = self.cfg.delta && hello.delta && !hello.one_way;
         send(
             out,
             &Msg::Welcome {
                 resume: resumed,
                 backend: report.backend.clone(),
+                delta,
             },
             "handshake",
         )?;
@@ -329,6 +336,7 @@ impl Destination {
             None => Digests::default(),
         };
         let mut inc = Incoming::new(&*guest, report, hello.verify, digests)?;
+        inc.delta = delta;
         let post = self.session.as_ref().and_then(|s| s.post.clone());
         let r = match post {
             Some(d) if resumed => self

@@ -78,6 +78,7 @@ fn dest_config() -> DestConfig {
         timeout: TIMEOUT,
         max_memory: 0,
         max_streams: 16,
+        delta: true,
     }
 }
 
