@@ -29,25 +29,28 @@ pub(crate) enum Base<'a> {
     Page(&'a [u8]),
 }
 
-/// Sent pages by slot, with what became of the lookups.
+/// Sent pages by slot, with what became of the lookups ([`BatchBuilder::push_cached`]
+/// encodes against it).
+///
+/// [`BatchBuilder::push_cached`]: crate::stream::BatchBuilder::push_cached
 #[derive(Debug, Default)]
-pub(crate) struct DeltaCache {
+pub struct DeltaCache {
     /// Per slot: the page it holds (`EMPTY`, or the index with `ZERO` for a zero page).
     tags: Vec<u64>,
     /// Per chunk of slots: their bytes, once allocated.
     chunks: Vec<Vec<u8>>,
     /// Chunks the host refused.
-    pub(crate) refused: u64,
+    pub refused: u64,
     /// Pages sent as deltas.
-    pub(crate) hits: u64,
+    pub hits: u64,
     /// Non-zero pages sent whole (not cached, evicted, or a delta no smaller).
-    pub(crate) misses: u64,
+    pub misses: u64,
 }
 
 impl DeltaCache {
     /// A cache of at most `bytes` of page copies for a guest of `pages` pages (no slots if
     /// either is too small for one page, or the host cannot give the slot table).
-    pub(crate) fn new(bytes: u64, pages: u64) -> DeltaCache {
+    pub fn new(bytes: u64, pages: u64) -> DeltaCache {
         let slots = (bytes / PAGE_BYTES as u64).min(pages);
         let slots = usize::try_from(slots).unwrap_or(0);
         let mut tags = Vec::new();
@@ -75,7 +78,7 @@ impl DeltaCache {
     }
 
     /// Bytes of page copies allocated so far.
-    pub(crate) fn allocated(&self) -> u64 {
+    pub fn allocated(&self) -> u64 {
         self.chunks.iter().map(|c| c.len() as u64).sum()
     }
 

@@ -259,7 +259,7 @@ impl BatchBuilder {
     /// [`BatchBuilder::push_with`], sending the page as a delta against `cache`'s copy of it
     /// where that copy exists and the delta is at most [`DELTA_MAX`] bytes; `cache` then
     /// holds the page as sent.
-    pub(crate) fn push_cached<E>(
+    pub fn push_cached<E>(
         &mut self,
         page: PageIndex,
         fill: impl FnOnce(&mut [u8]) -> Result<bool, E>,

@@ -43,6 +43,7 @@ use crate::state::StateBlob;
 use delta::DeltaError;
 use slat_addr::Gpa;
 
+pub use crate::source::cache::DeltaCache;
 pub use encode::{frame, preamble, write_msg, BatchBuilder, DELTA_MAX};
 pub use postcopy::{PostcopyMsg, MAX_REQUEST, MAX_RUNS};
 pub use reader::FrameReader;
