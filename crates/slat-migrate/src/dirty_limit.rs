@@ -63,6 +63,14 @@ pub const MAX_PERIOD: Duration = Duration::from_secs(60);
 /// is what it re-dirties before the limit holds: 100 ms was all of a 512 MiB guest (its
 /// second pass another full copy, 1 GiB sent against QEMU's ~600 MiB), 20 ms about a third.
 pub const FIRST_PERIOD: Duration = Duration::from_millis(20);
+/// The windows after the first, [`SETTLE_PERIODS`] of them (or the period, if shorter): the
+/// first step, set from an unthrottled rate a thousand times the limit, lands within a few
+/// times of it (near the floor the rate grows faster than the run share), and at the 1 s
+/// period the next correction would come after a 512 MiB migration sent with deltas is over.
+/// 100 ms of a guest near an 8k limit is ~800 ring entries, a rate to ±15%.
+pub const SETTLE_PERIOD: Duration = Duration::from_millis(100);
+/// Windows of [`SETTLE_PERIOD`] after the first.
+pub const SETTLE_PERIODS: u32 = 4;
 /// Default limit, dirty pages per second per vCPU: 8000 pages (31 MiB/s). QEMU's usual
 /// 1 MB/s (256 pages/s) would stall a benchmark guest for minutes; 8k is a fifth of what
 /// the heavy-dirty benchmark's vCPUs dirty and a small share of a loopback link, so a
@@ -257,12 +265,14 @@ impl DirtyLimiter {
     /// A period has passed since the last update. The first measurement comes after
     /// [`FIRST_PERIOD`] (or the period, if shorter): the meter collects every 10 ms, so a
     /// short window is already a rate, and a guest left unthrottled for a whole first period
-    /// re-dirties all its memory while a 512 MiB migration is nearly over.
+    /// re-dirties all its memory while a 512 MiB migration is nearly over. The next
+    /// [`SETTLE_PERIODS`] come after [`SETTLE_PERIOD`] each, so the law's first steps settle
+    /// while the rounds run.
     pub fn due(&self, now: Instant) -> bool {
-        let period = if self.periods == 0 {
-            self.cfg.period.min(FIRST_PERIOD)
-        } else {
-            self.cfg.period
+        let period = match self.periods {
+            0 => self.cfg.period.min(FIRST_PERIOD),
+            n if n <= SETTLE_PERIODS => self.cfg.period.min(SETTLE_PERIOD),
+            _ => self.cfg.period,
         };
         now.duration_since(self.last) >= period
     }

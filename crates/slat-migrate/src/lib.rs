@@ -165,7 +165,7 @@ pub use guest::{
 };
 pub use link::Faults;
 pub use source::{
-    DeltaReport, DEFAULT_DELTA_CACHE,
-    DirtyLimitReport, Event, MigrationReport, Progress, RoundReport, Source, SourceConfig,
+    DeltaReport, DirtyLimitReport, Event, MigrationReport, Progress, RoundReport, Source,
+    SourceConfig, DEFAULT_DELTA_CACHE,
 };
 pub use state::{check_blobs, StateBlob};

@@ -82,7 +82,10 @@ pub fn print_report(mig: &Migration) {
             d.misses,
             format_size(d.allocated),
             format_size(d.cache_bytes),
-            when(d.refused > 0, &format!(", {} chunks refused by the host", d.refused)),
+            when(
+                d.refused > 0,
+                &format!(", {} chunks refused by the host", d.refused)
+            ),
         );
     }
     print_checks(mig);

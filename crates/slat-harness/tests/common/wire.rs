@@ -122,6 +122,8 @@ pub fn hello_payload(
     p.u32(machine.len() as u32)
         .bytes(machine)
         .u8(compression)
+        // Offers delta pages.
+        .u8(1)
         .u32(range_pages)
         .u8(verify)
         .text(backend)

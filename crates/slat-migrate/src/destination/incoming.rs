@@ -190,22 +190,30 @@ impl<'g> Incoming<'g> {
         if let Some(&(page, _, _)) = b.entries.iter().find(|e| e.0 >= pages) {
             return Err(page_error(PageError::OutOfRange { page, pages }));
         }
-        for (i, &(p, enc, _)) in b.entries.iter().enumerate() {
+        for (i, &(p, enc, ref r)) in b.entries.iter().enumerate() {
             // A raw page goes from the frame to guest memory; the others are decoded first, a
-            // delta into the copy this side holds.
-            let data = match b.raw_page(i) {
-                Some(d) => d,
+            // delta into the copy this side holds, whose changed words alone are stored back.
+            let (data, zero) = match b.raw_page(i) {
+                Some(d) => (d, self.mem.stopped_write_page_zero(PageIndex::new(p), d)?),
                 None if enc == stream::Encoding::Delta => {
                     self.base(p, page_error)?;
                     b.patch_into(i, &mut self.buf).map_err(page_error)?;
-                    &self.buf
+                    let delta = b.data.get(r.clone()).unwrap_or_default();
+                    for run in stream::delta::runs(delta) {
+                        let words = run.start / 8..run.end.div_ceil(8);
+                        self.mem
+                            .stopped_write_words(PageIndex::new(p), &self.buf, words)?;
+                    }
+                    (&self.buf[..], self.buf.iter().all(|&x| x == 0))
                 }
                 None => {
                     b.page_into(i, &mut self.buf).map_err(page_error)?;
-                    &self.buf
+                    let z = self
+                        .mem
+                        .stopped_write_page_zero(PageIndex::new(p), &self.buf)?;
+                    (&self.buf[..], z)
                 }
             };
-            let zero = self.mem.stopped_write_page_zero(PageIndex::new(p), data)?;
             if !self.digests.is_empty() {
                 // The digest of the bytes written, not of a read-back: reading the page back
                 // through the same address straight after the store could only show a broken

@@ -1,9 +1,9 @@
 //! One attempt: the handshake, the log set up for the rounds, the device state,
 //! verification and the switch-over.
 
+use super::cache::DeltaCache;
 use super::conn::{unexpected, Conn};
 use super::sender::{Limit, Sender};
-use super::cache::DeltaCache;
 use super::{DeltaReport, Event, MigrationReport, Source};
 use crate::dirty_limit::{DirtyLimiter, RingCounts, RingMeter};
 use crate::error::{GuestError, MigrateError, StreamError};

@@ -1,9 +1,9 @@
 //! Decoding: a checksummed frame's payload back into a message, every read bounds-checked.
 
 use super::{
-    Batch, Compression, Encoding, DELTA_MAX, Hello, Msg, Region, MAX_BATCH_PAGES, MAX_HASHES, MAX_MACHINE,
-    MAX_REGIONS, MAX_STATE_BLOB, MAX_STATE_ID, MAX_TEXT, PAGE_BYTES, T_ACK, T_COMMIT, T_HASHES,
-    T_HELLO, T_PAGES, T_REFUSE, T_RESUMED, T_ROUND_END, T_STATE, T_STATE_END, T_STREAMS,
+    Batch, Compression, Encoding, Hello, Msg, Region, DELTA_MAX, MAX_BATCH_PAGES, MAX_HASHES,
+    MAX_MACHINE, MAX_REGIONS, MAX_STATE_BLOB, MAX_STATE_ID, MAX_TEXT, PAGE_BYTES, T_ACK, T_COMMIT,
+    T_HASHES, T_HELLO, T_PAGES, T_REFUSE, T_RESUMED, T_ROUND_END, T_STATE, T_STATE_END, T_STREAMS,
     T_STREAM_HELLO, T_VERIFIED, T_VERIFY, T_WELCOME,
 };
 use crate::error::{Corruption, StreamError};

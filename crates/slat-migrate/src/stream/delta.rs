@@ -98,6 +98,24 @@ pub fn apply(delta: &[u8], page: &mut [u8]) -> Result<(), DeltaError> {
     Ok(())
 }
 
+/// The page byte ranges of a delta's runs, up to the first malformed one (all of them, for a
+/// delta [`apply`] accepted): what a patch wrote.
+pub fn runs(delta: &[u8]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+    let (mut at, mut pos) = (0usize, 0usize);
+    std::iter::from_fn(move || {
+        let h = delta.get(at..at + RUN_HEAD)?;
+        let skip = u16::from_le_bytes([h[0], h[1]]) as usize;
+        let len = u16::from_le_bytes([h[2], h[3]]) as usize;
+        let offset = pos + skip;
+        if len == 0 || offset + len > PAGE_BYTES || at + RUN_HEAD + len > delta.len() {
+            return None;
+        }
+        pos = offset + len;
+        at += RUN_HEAD + len;
+        Some(offset..pos)
+    })
+}
+
 /// Encodes `page` against `base` (both one page) into `out`; returns the bytes written, or
 /// `None` when the delta would not fit `out` (the page is then worth sending whole). An
 /// unchanged page (the harvest said it was written, so it is sent) is one run rewriting its
@@ -110,7 +128,11 @@ pub fn encode(base: &[u8], page: &[u8], out: &mut [u8]) -> Option<usize> {
     // End of the last run written (page offset), and the run being grown: (start, end).
     let mut last_end = 0usize;
     let mut run: Option<(usize, usize)> = None;
-    for (bi, (b, p)) in base.chunks_exact(BLOCK).zip(page.chunks_exact(BLOCK)).enumerate() {
+    for (bi, (b, p)) in base
+        .chunks_exact(BLOCK)
+        .zip(page.chunks_exact(BLOCK))
+        .enumerate()
+    {
         if b == p {
             continue;
         }
@@ -173,6 +195,12 @@ mod tests {
         let mut got = base.to_vec();
         apply(&out[..n], &mut got).unwrap();
         assert_eq!(got, page, "the delta rebuilds the page");
+        // The runs name every changed byte: storing only them rebuilds the page too.
+        let mut stored = base.to_vec();
+        for r in runs(&out[..n]) {
+            stored[r.clone()].copy_from_slice(&page[r]);
+        }
+        assert_eq!(stored, page, "the runs cover the changes");
         Some(n)
     }
 
@@ -231,7 +259,10 @@ mod tests {
             apply(&run(0, 8, 3), &mut page),
             Err(DeltaError::PastPage { offset: 0, len: 8 })
         );
-        assert_eq!(apply(&[1, 0, 1], &mut page), Err(DeltaError::Truncated { at: 0 }));
+        assert_eq!(
+            apply(&[1, 0, 1], &mut page),
+            Err(DeltaError::Truncated { at: 0 })
+        );
         assert_eq!(apply(&[], &mut page), Err(DeltaError::Empty));
         assert_eq!(
             apply(&run(0, 1, 1), &mut [0u8; 8]),
@@ -251,7 +282,11 @@ mod tests {
         // Two slots for four pages: pages 0 and 2 share one.
         let mut cache = DeltaCache::new(2 * PAGE_BYTES as u64, 4);
         let mut b = BatchBuilder::new(Compression::None);
-        let mut dest = [vec![0u8; PAGE_BYTES], vec![0u8; PAGE_BYTES], vec![0u8; PAGE_BYTES]];
+        let mut dest = [
+            vec![0u8; PAGE_BYTES],
+            vec![0u8; PAGE_BYTES],
+            vec![0u8; PAGE_BYTES],
+        ];
         let mut send = |b: &mut BatchBuilder, pages: &[(u64, Vec<u8>)], want: &[Encoding]| {
             b.start(0, 0);
             for (p, data) in pages {

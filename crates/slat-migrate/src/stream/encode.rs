@@ -1,12 +1,12 @@
 //! Encoding: each message's payload, the page batches, and the frame header sealed over
 //! them.
 
+use super::delta;
 use super::{
     Compression, Encoding, Hello, Msg, HEADER_LEN, MAGIC, MAX_BATCH_PAGES, MAX_TEXT, PAGE_BYTES,
     PREAMBLE_LEN, T_ACK, T_COMMIT, T_HASHES, T_HELLO, T_PAGES, T_REFUSE, T_RESUMED, T_ROUND_END,
     T_STATE, T_STATE_END, T_STREAMS, T_STREAM_HELLO, T_VERIFIED, T_VERIFY, T_WELCOME,
 };
-use super::delta;
 use crate::source::cache::{Base, DeltaCache};
 use slat_addr::PageIndex;
 use std::io::Write;
