@@ -18,8 +18,9 @@
 //!
 //! # Control law
 //!
-//! Every period (default [`DEFAULT_PERIOD`], 1 s like QEMU's `x-vcpu-dirty-limit-period`),
-//! for each vCPU `i`: measure `d_i` = its ring entries over the period / the period. Keep a
+//! Every period (default [`DEFAULT_PERIOD`], 1 s like QEMU's `x-vcpu-dirty-limit-period`;
+//! the first after [`FIRST_PERIOD`], the [`SETTLE_PERIODS`] after it every [`SETTLE_PERIOD`],
+//! so the first steps settle within the first rounds), for each vCPU `i`: measure `d_i` = its ring entries over the period / the period. Keep a
 //! run share `r_i` (1 = unthrottled; the vCPU sleeps `1 - r_i` of each 10 ms slice). If
 //! `d_i` is more than [`DEADBAND`] away from the limit `L`, set
 //! `r_i ← clamp(r_i · s, MIN_RUN, 1)` with `s = L / d_i` when the rate is more than 2× off

@@ -75,6 +75,12 @@ pub fn print_report(mig: &Migration) {
         r.pages(),
         format_size(r.bytes())
     );
+    print_delta(r);
+    print_checks(mig);
+}
+
+/// What the delta cache did.
+fn print_delta(r: &slat_migrate::MigrationReport) {
     if let Some(d) = &r.delta {
         println!(
             "Delta pages: {} sent as deltas, {} whole; cache {} of {} allocated{}",
@@ -88,7 +94,6 @@ pub fn print_report(mig: &Migration) {
             ),
         );
     }
-    print_checks(mig);
 }
 
 /// Throttling, verification, device state and the destination's resume.

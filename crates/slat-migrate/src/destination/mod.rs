@@ -299,6 +299,24 @@ impl Destination {
         r
     }
 
+    /// Answers `hello` with the welcome; returns whether it accepted delta pages (only where
+    /// an answer tells the source so: a file's reader answers nobody).
+    fn welcome(
+        &self,
+        out: &mut Option<Box<dyn Write + Send>>,
+        hello: &stream::Hello,
+        report: &DestReport,
+    ) -> Result<bool, MigrateError> {
+        let delta = self.cfg.delta && hello.delta && !hello.one_way;
+        let welcome = Msg::Welcome {
+            resume: report.resumed,
+            backend: report.backend.clone(),
+            delta,
+        };
+        send(out, &welcome, "handshake")?;
+        Ok(delta)
+    }
+
     /// Receives one migration: the handshake, then the protocol's frames in order (each kind
     /// handled by a step of [`Incoming`]), until the commit hands the guest over.
     fn receive(&mut self, link: &mut Control<'_>) -> Result<DestReport, MigrateError> {
@@ -320,17 +338,7 @@ impl Destination {
             setup: t0.elapsed(),
             ..DestReport::default()
         };
-        // Deltas only where an answer tells the source so (a file's reader answers nobody).
-        let delta = self.cfg.delta && hello.delta && !hello.one_way;
-        send(
-            out,
-            &Msg::Welcome {
-                resume: resumed,
-                backend: report.backend.clone(),
-                delta,
-            },
-            "handshake",
-        )?;
+        let delta = self.welcome(out, &hello, &report)?;
         let digests = match &mut self.session {
             Some(s) => std::mem::take(&mut s.digests),
             None => Digests::default(),

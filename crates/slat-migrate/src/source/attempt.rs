@@ -94,18 +94,11 @@ impl Source {
             },
         );
         let mut sender = self.sender(starts, ro, t_connect);
-        sender.cache = report
-            .delta
-            .as_ref()
-            .map(|d| DeltaCache::new(d.cache_bytes, mem.pages()));
+        sender.cache = (report.delta.as_ref()).map(|d| DeltaCache::new(d.cache_bytes, mem.pages()));
         let r = self.rounds(conn, &mem, &mut sender, &mut ac, &mut report, progress);
         // The digests outlive the attempt: a resumed destination holds what they describe.
         self.digests = std::mem::take(&mut sender.digests);
-        if let (Some(d), Some(c)) = (&mut report.delta, &sender.cache) {
-            (d.allocated, d.hits, d.misses, d.refused) =
-                (c.allocated(), c.hits, c.misses, c.refused);
-        }
-        report.dirty_limit = sender.limit.as_ref().map(Limit::report);
+        sender_report(&mut report, &sender);
         let t_pause = r?;
         before.since(&*self.guest, &mut report);
         report.precopy = t_pause - t_connect;
@@ -389,6 +382,14 @@ impl Source {
             }
             m => Err(unexpected(phase, &m)),
         }
+    }
+}
+
+/// What the delta cache and dirty-limit did, into `report`.
+fn sender_report(report: &mut MigrationReport, sender: &Sender) {
+    report.dirty_limit = sender.limit.as_ref().map(Limit::report);
+    if let (Some(d), Some(c)) = (&mut report.delta, &sender.cache) {
+        (d.allocated, d.hits, d.misses, d.refused) = (c.allocated(), c.hits, c.misses, c.refused);
     }
 }
 

@@ -19,16 +19,7 @@ impl Msg {
                 put_hello(out, h);
                 T_HELLO
             }
-            Msg::Welcome {
-                resume,
-                backend,
-                delta,
-            } => {
-                out.push(*resume as u8);
-                put_text(out, backend);
-                out.push(*delta as u8);
-                T_WELCOME
-            }
+            Msg::Welcome { .. } => put_welcome(out, self),
             Msg::Refuse(r) => {
                 put_text(out, r);
                 T_REFUSE
@@ -97,6 +88,22 @@ impl Msg {
             }
         }
     }
+}
+
+/// The welcome: whether the session resumes, the destination's machine, and whether it
+/// accepts delta pages.
+fn put_welcome(out: &mut Vec<u8>, m: &Msg) -> u8 {
+    if let Msg::Welcome {
+        resume,
+        backend,
+        delta,
+    } = m
+    {
+        out.push(*resume as u8);
+        put_text(out, backend);
+        out.push(*delta as u8);
+    }
+    T_WELCOME
 }
 
 /// The page streams' frames: the count announced, and a stream's header.
