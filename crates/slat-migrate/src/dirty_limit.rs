@@ -71,7 +71,14 @@ pub const FIRST_PERIOD: Duration = Duration::from_millis(20);
 /// 100 ms of a guest near an 8k limit is ~800 ring entries, a rate to ±15%.
 pub const SETTLE_PERIOD: Duration = Duration::from_millis(100);
 /// Windows of [`SETTLE_PERIOD`] after the first.
-pub const SETTLE_PERIODS: u32 = 4;
+pub const SETTLE_PERIODS: u32 = 5;
+/// A step that cuts a run share below this fraction of what it was is followed by a window
+/// that only re-bases the meter: the vCPU takes a new throttle at its next 10 ms slice and
+/// the meter collects every 10 ms, so the window right after such a step still holds up to
+/// ~20 ms of the old rate — after the first step from an unthrottled flat-out guest, 400k
+/// pages/s read at a share that holds it near 15k — and stepping on it drove the guest to
+/// the floor (2–4k pages/s) for the next window.
+pub const REBASE_BELOW: f64 = 0.1;
 /// Default limit, dirty pages per second per vCPU: 8000 pages (31 MiB/s). QEMU's usual
 /// 1 MB/s (256 pages/s) would stall a benchmark guest for minutes; 8k is a fifth of what
 /// the heavy-dirty benchmark's vCPUs dirty and a small share of a loopback link, so a
@@ -237,6 +244,8 @@ pub struct DirtyLimiter {
     pub periods: u32,
     /// Highest throttle each vCPU reached, per mille.
     pub max_permille: Vec<u32>,
+    /// The next window only re-bases the meter ([`REBASE_BELOW`]).
+    rebase: bool,
 }
 
 impl DirtyLimiter {
@@ -255,6 +264,7 @@ impl DirtyLimiter {
             rates: vec![0.0; vcpus],
             periods: 0,
             max_permille: vec![0; vcpus],
+            rebase: false,
         }
     }
 
@@ -299,12 +309,16 @@ impl DirtyLimiter {
         self.last = now;
         self.periods = self.periods.saturating_add(1);
         let limit = self.cfg.limit as f64;
+        let rebase = std::mem::take(&mut self.rebase);
         for i in 0..self.run.len() {
             let c = counts.get(i).copied().unwrap_or(0);
             let d = c.saturating_sub(self.last_counts[i]) as f64 / dt;
             self.last_counts[i] = c;
             self.rates[i] = d;
             let r = self.run[i];
+            if rebase {
+                continue;
+            }
             let over = d > limit * (1.0 + DEADBAND);
             let under = d < limit * (1.0 - DEADBAND) && r < 1.0;
             if over || under {
@@ -316,6 +330,7 @@ impl DirtyLimiter {
                     ratio.min(2.0)
                 };
                 self.run[i] = (r * step).clamp(MIN_RUN, 1.0);
+                self.rebase |= step < REBASE_BELOW;
             }
             self.max_permille[i] = self.max_permille[i].max(permille(self.run[i]));
         }
@@ -365,6 +380,25 @@ mod tests {
         assert!(l
             .update(&counts, t0 + Duration::from_millis(8500))
             .is_none());
+    }
+
+    #[test]
+    fn the_window_after_a_deep_cut_only_rebases() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut l = DirtyLimiter::new(DirtyLimitConfig::default(), 1, &[0], t0);
+        // 20 ms unthrottled at 3 M pages/s: a deep cut.
+        l.update(&[60_000], t0 + ms(20)).unwrap();
+        let cut = l.throttles_ppm()[0];
+        assert!(cut > 990_000, "{cut}");
+        // The next 100 ms still hold ~15 ms of the old rate: read, not acted on.
+        l.update(&[60_000 + 46_000], t0 + ms(120)).unwrap();
+        assert_eq!(l.throttles_ppm()[0], cut);
+        assert!(l.rates[0] > 400_000.0);
+        // Then a clean window at twice the limit: a step, and no re-base after it.
+        l.update(&[106_000 + 1_600], t0 + ms(220)).unwrap();
+        assert!(l.throttles_ppm()[0] > cut);
+        assert!(!l.rebase);
     }
 
     #[test]
