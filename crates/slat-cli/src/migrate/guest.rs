@@ -116,8 +116,8 @@ pub struct MigrationArgs {
     #[arg(long, value_enum, default_value = "on")]
     pub delta: Switch,
     /// Most memory the source's cache of sent pages takes (k/m/g suffixes; at least 4 KiB, at
-    /// most 1 TiB; never more than the guest). A smaller cache than the guest evicts: a page
-    /// whose copy was evicted goes whole.
+    /// most 1 TiB; never more than the guest). In a cache smaller than the guest the pages
+    /// sent first in a round keep their slots, and a page without a copy goes whole.
     #[arg(long = "delta-cache", value_name = "SIZE", value_parser = delta_cache, default_value = "1G")]
     pub delta_cache: u64,
     /// Verification at the switch-over: `sent` (every page's digest kept as it is sent and

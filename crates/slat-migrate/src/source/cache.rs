@@ -1,8 +1,11 @@
 //! The source's cache of sent pages, the base of each delta ([`crate::stream::delta`]).
 //!
 //! Direct-mapped: page `p` lives in slot `p % slots`, so a cache as large as the guest never
-//! evicts, and a smaller one keeps the page sent last in each slot (a page whose copy was
-//! evicted goes whole and takes the slot back). Its memory is bounded by the configured size
+//! evicts. In a smaller one a page sent whole takes its slot unless the page there was
+//! already sent in the same round: a guest sweeping more memory than the cache then keeps
+//! the pages it reaches first as deltas round after round, where replacing on every miss
+//! (QEMU's XBZRLE cache) would evict each copy before it is used and send every page whole.
+//! A page whose copy was evicted goes whole. Its memory is bounded by the configured size
 //! and allocated a chunk at a time as pages first arrive, fallibly: where the host cannot give
 //! a chunk, its pages are not cached and go whole. A zero page is remembered by its tag alone.
 //!
@@ -37,6 +40,8 @@ pub(crate) enum Base<'a> {
 pub struct DeltaCache {
     /// Per slot: the page it holds (`EMPTY`, or the index with `ZERO` for a zero page).
     tags: Vec<u64>,
+    /// Per slot: the round its page was last sent in.
+    used: Vec<u32>,
     /// Per chunk of slots: their bytes, once allocated.
     chunks: Vec<Vec<u8>>,
     /// Chunks the host refused.
@@ -58,6 +63,11 @@ impl DeltaCache {
             return DeltaCache::default();
         }
         tags.resize(slots, EMPTY);
+        let mut used = Vec::new();
+        if used.try_reserve_exact(slots).is_err() {
+            return DeltaCache::default();
+        }
+        used.resize(slots, 0);
         let mut chunks = Vec::new();
         let n = slots.div_ceil(CHUNK_PAGES);
         if chunks.try_reserve_exact(n).is_err() {
@@ -66,6 +76,7 @@ impl DeltaCache {
         chunks.resize_with(n, Vec::new);
         DeltaCache {
             tags,
+            used,
             chunks,
             ..DeltaCache::default()
         }
@@ -124,12 +135,18 @@ impl DeltaCache {
         }
     }
 
-    /// `page` was sent as `data` (one page; `zero`: all zero bytes): it becomes the base of
-    /// its next delta, evicting whatever held its slot.
-    pub(crate) fn put(&mut self, page: u64, data: &[u8], zero: bool) {
+    /// `page` was sent whole as `data` in `round` (one page; `zero`: all zero bytes): it
+    /// becomes the base of its next delta, evicting whatever held its slot unless that is
+    /// another page sent in this round (then the slot is left as it is).
+    pub(crate) fn put(&mut self, page: u64, data: &[u8], zero: bool, round: u32) {
         let Some(s) = self.slot(page) else {
             return;
         };
+        let t = self.tags[s];
+        if t != EMPTY && t & !ZERO != page && self.used[s] == round {
+            return;
+        }
+        self.used[s] = round;
         if zero {
             self.tags[s] = page | ZERO;
             return;
@@ -143,12 +160,13 @@ impl DeltaCache {
         }
     }
 
-    /// `page` was sent as `delta` against its cached copy: the copy is patched to match
-    /// (only the changed runs are written). A zero base is materialised first.
-    pub(crate) fn patch(&mut self, page: u64, delta: &[u8]) {
+    /// `page` was sent in `round` as `delta` against its cached copy: the copy is patched to
+    /// match (only the changed runs are written). A zero base is materialised first.
+    pub(crate) fn patch(&mut self, page: u64, delta: &[u8], round: u32) {
         let Some(s) = self.slot(page) else {
             return;
         };
+        self.used[s] = round;
         let was_zero = self.tags[s] == page | ZERO;
         self.tags[s] = EMPTY;
         let Some(b) = self.bytes_mut(s) else {
@@ -173,11 +191,22 @@ mod tests {
         let mut c = DeltaCache::new(2 * PAGE_BYTES as u64, 10);
         assert_eq!(c.slots(), 2);
         let a = vec![1u8; PAGE_BYTES];
-        c.put(0, &a, false);
+        c.put(0, &a, false, 0);
         assert!(matches!(c.base(0), Base::Page(p) if p == &a[..]));
-        c.put(2, &a, false);
+        c.put(2, &a, false, 0);
+        assert!(
+            matches!(c.base(0), Base::Page(_)),
+            "page 0 was sent in this round"
+        );
+        assert!(matches!(c.base(2), Base::Miss));
+        c.put(2, &a, false, 1);
         assert!(matches!(c.base(0), Base::Miss), "page 2 took page 0's slot");
-        c.put(3, &a, true);
+        assert!(matches!(c.base(2), Base::Page(_)));
+        // The same page sent whole again always replaces its copy.
+        let b = vec![2u8; PAGE_BYTES];
+        c.put(2, &b, false, 1);
+        assert!(matches!(c.base(2), Base::Page(p) if p == &b[..]));
+        c.put(3, &a, true, 1);
         assert!(matches!(c.base(3), Base::Zero));
         assert!(matches!(c.base(1), Base::Miss));
     }
@@ -185,12 +214,12 @@ mod tests {
     #[test]
     fn patch_of_a_zero_base_materialises_it() {
         let mut c = DeltaCache::new(PAGE_BYTES as u64 * 4, 4);
-        c.put(1, &[0u8; PAGE_BYTES], true);
+        c.put(1, &[0u8; PAGE_BYTES], true, 0);
         let mut page = vec![0u8; PAGE_BYTES];
         page[100] = 7;
         let mut d = vec![0u8; 64];
         let n = crate::stream::delta::encode(&[0u8; PAGE_BYTES], &page, &mut d).unwrap();
-        c.patch(1, &d[..n]);
+        c.patch(1, &d[..n], 1);
         assert!(matches!(c.base(1), Base::Page(p) if p == &page[..]));
         assert_eq!(c.allocated(), 4 * PAGE_BYTES as u64);
     }
@@ -200,7 +229,7 @@ mod tests {
         assert_eq!(DeltaCache::new(PAGE_BYTES as u64 - 1, 10).slots(), 0);
         assert_eq!(DeltaCache::new(1 << 30, 0).slots(), 0);
         let mut c = DeltaCache::new(0, 10);
-        c.put(3, &[1u8; PAGE_BYTES], false);
+        c.put(3, &[1u8; PAGE_BYTES], false, 0);
         assert!(matches!(c.base(3), Base::Miss));
     }
 }

@@ -171,6 +171,8 @@ pub struct BatchBuilder {
     pub zero: u32,
     /// Pages of this batch sent as deltas.
     pub delta: u32,
+    /// The round of this batch (a cache slot is not taken from a page sent in the same one).
+    round: u32,
 }
 
 /// Bytes of an entry before its data: the page index and the encoding.
@@ -192,6 +194,7 @@ impl BatchBuilder {
             compression,
             zero: 0,
             delta: 0,
+            round: 0,
         }
     }
 
@@ -205,6 +208,7 @@ impl BatchBuilder {
         self.count = 0;
         self.zero = 0;
         self.delta = 0;
+        self.round = round;
     }
 
     /// Pages in the batch.
@@ -301,7 +305,7 @@ impl BatchBuilder {
             if !zero && self.delta(at, page.raw(), cache) {
                 return Ok(());
             }
-            cache.put(page.raw(), &self.buf[data.clone()], zero);
+            cache.put(page.raw(), &self.buf[data.clone()], zero, self.round);
         }
         if zero {
             self.buf[at + 8] = Encoding::Zero as u8;
@@ -341,7 +345,7 @@ impl BatchBuilder {
         };
         cache.hits += 1;
         self.delta += 1;
-        cache.patch(page, &self.scratch[..n]);
+        cache.patch(page, &self.scratch[..n], self.round);
         self.buf[at + 8] = Encoding::Delta as u8;
         self.len = data.start;
         self.put(&(n as u32).to_le_bytes());

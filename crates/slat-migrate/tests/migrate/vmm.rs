@@ -471,8 +471,9 @@ fn a_cache_smaller_than_the_guest_evicts_and_evicted_pages_go_whole() {
     });
     let d = r.delta.unwrap();
     assert_eq!((d.cache_bytes, d.allocated), (64 * 4096, 64 * 4096));
-    // 184 pages share 64 slots: round 0 alone evicts 120 copies; pages sent again after
-    // their copy was evicted went whole, and memory still matched.
+    // 184 pages share 64 slots: in round 0 the first 64 keep them and the other 120 go
+    // whole uncached; later a page whose slot another page of the same round holds, or
+    // whose copy was evicted, goes whole too, and memory still matched.
     let nonzero_sent: u64 = r.rounds.iter().map(|x| x.pages - x.zero_pages).sum();
     assert_eq!(d.hits + d.misses, nonzero_sent);
     assert!(d.misses > 184 - 64, "{d:?}");
