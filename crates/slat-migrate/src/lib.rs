@@ -152,6 +152,7 @@ mod destination;
 mod error;
 mod guest;
 mod link;
+mod page_error;
 mod source;
 mod state;
 
