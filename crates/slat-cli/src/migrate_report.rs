@@ -111,6 +111,7 @@ impl Serialize for Migration {
         m.serialize_entry("verification", &verification)?;
         m.serialize_entry("destination_resumed", &r.dest_resumed.map(Resumed))?;
         m.serialize_entry("postcopy", &r.postcopy.as_ref().map(Postcopy))?;
+        m.serialize_entry("delta", &r.delta.as_ref().map(Delta))?;
         if let Some(d) = &self.destination {
             m.serialize_entry("destination", d)?;
         }
@@ -184,6 +185,8 @@ impl Serialize for Config<'_> {
         m.serialize_entry("bandwidth_mib_per_s", &a.bandwidth)?;
         m.serialize_entry("compress", &(a.compress == CompressArg::Lz4))?;
         m.serialize_entry("connections", &a.connections)?;
+        m.serialize_entry("delta", &a.delta.on())?;
+        m.serialize_entry("delta_cache_bytes", &a.delta_cache)?;
         m.serialize_entry("auto_converge", &a.auto_converge.on())?;
         m.serialize_entry("cpu_throttle_initial", &a.throttle_initial)?;
         m.serialize_entry("cpu_throttle_increment", &a.throttle_increment)?;
@@ -202,6 +205,21 @@ impl Serialize for Config<'_> {
     }
 }
 
+/// The delta cache of the attempt that succeeded.
+struct Delta<'a>(&'a slat_migrate::DeltaReport);
+
+impl Serialize for Delta<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let (d, mut m) = (self.0, s.serialize_map(None)?);
+        m.serialize_entry("cache_bytes", &d.cache_bytes)?;
+        m.serialize_entry("allocated_bytes", &d.allocated)?;
+        m.serialize_entry("delta_pages", &d.hits)?;
+        m.serialize_entry("whole_pages", &d.misses)?;
+        m.serialize_entry("refused_chunks", &d.refused)?;
+        m.end()
+    }
+}
+
 /// One round (0: the full copy; the last: the stop-and-copy).
 struct Round<'a>(&'a RoundReport);
 
@@ -211,6 +229,7 @@ impl Serialize for Round<'_> {
         m.serialize_entry("round", &x.round)?;
         m.serialize_entry("pages", &x.pages)?;
         m.serialize_entry("zero_pages", &x.zero_pages)?;
+        m.serialize_entry("delta_pages", &x.delta_pages)?;
         m.serialize_entry("bytes", &x.bytes)?;
         m.serialize_entry("time_s", &x.time.as_secs_f64())?;
         // Owed to the next round.

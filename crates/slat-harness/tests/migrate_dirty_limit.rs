@@ -132,6 +132,9 @@ fn heavy(dirty_limit: Option<DirtyLimitConfig>, rounds: u32) -> slat_migrate::Mi
     cfg.max_downtime = Duration::from_millis(20);
     cfg.max_rounds = rounds;
     cfg.bandwidth = 128 << 20;
+    // Whole pages: sent as deltas, the guest's re-dirtied pages take a few bytes each and
+    // fit the link without any mechanism; this is about a guest that outruns it.
+    cfg.delta_cache = 0;
     cfg.auto_converge = false;
     cfg.dirty_limit = dirty_limit;
     let mut src = start_source(&g, work(40_000), cfg);

@@ -185,6 +185,7 @@ fn destination_killed_mid_stream_then_a_new_one_succeeds() {
             &Msg::Welcome {
                 resume: false,
                 backend: "sim".into(),
+                delta: false,
             },
         )
         .unwrap();

@@ -18,8 +18,9 @@
 //!
 //! # Control law
 //!
-//! Every period (default [`DEFAULT_PERIOD`], 1 s like QEMU's `x-vcpu-dirty-limit-period`),
-//! for each vCPU `i`: measure `d_i` = its ring entries over the period / the period. Keep a
+//! Every period (default [`DEFAULT_PERIOD`], 1 s like QEMU's `x-vcpu-dirty-limit-period`;
+//! the first after [`FIRST_PERIOD`], the [`SETTLE_PERIODS`] after it every [`SETTLE_PERIOD`],
+//! so the first steps settle within the first rounds), for each vCPU `i`: measure `d_i` = its ring entries over the period / the period. Keep a
 //! run share `r_i` (1 = unthrottled; the vCPU sleeps `1 - r_i` of each 10 ms slice). If
 //! `d_i` is more than [`DEADBAND`] away from the limit `L`, set
 //! `r_i ← clamp(r_i · s, MIN_RUN, 1)` with `s = L / d_i` when the rate is more than 2× off
@@ -63,6 +64,21 @@ pub const MAX_PERIOD: Duration = Duration::from_secs(60);
 /// is what it re-dirties before the limit holds: 100 ms was all of a 512 MiB guest (its
 /// second pass another full copy, 1 GiB sent against QEMU's ~600 MiB), 20 ms about a third.
 pub const FIRST_PERIOD: Duration = Duration::from_millis(20);
+/// The windows after the first, [`SETTLE_PERIODS`] of them (or the period, if shorter): the
+/// first step, set from an unthrottled rate a thousand times the limit, lands within a few
+/// times of it (near the floor the rate grows faster than the run share), and at the 1 s
+/// period the next correction would come after a 512 MiB migration sent with deltas is over.
+/// 100 ms of a guest near an 8k limit is ~800 ring entries, a rate to ±15%.
+pub const SETTLE_PERIOD: Duration = Duration::from_millis(100);
+/// Windows of [`SETTLE_PERIOD`] after the first.
+pub const SETTLE_PERIODS: u32 = 5;
+/// A step that cuts a run share below this fraction of what it was is followed by a window
+/// that only re-bases the meter: the vCPU takes a new throttle at its next 10 ms slice and
+/// the meter collects every 10 ms, so the window right after such a step still holds up to
+/// ~20 ms of the old rate — after the first step from an unthrottled flat-out guest, 400k
+/// pages/s read at a share that holds it near 15k — and stepping on it drove the guest to
+/// the floor (2–4k pages/s) for the next window.
+pub const REBASE_BELOW: f64 = 0.1;
 /// Default limit, dirty pages per second per vCPU: 8000 pages (31 MiB/s). QEMU's usual
 /// 1 MB/s (256 pages/s) would stall a benchmark guest for minutes; 8k is a fifth of what
 /// the heavy-dirty benchmark's vCPUs dirty and a small share of a loopback link, so a
@@ -228,6 +244,8 @@ pub struct DirtyLimiter {
     pub periods: u32,
     /// Highest throttle each vCPU reached, per mille.
     pub max_permille: Vec<u32>,
+    /// The next window only re-bases the meter ([`REBASE_BELOW`]).
+    rebase: bool,
 }
 
 impl DirtyLimiter {
@@ -246,6 +264,7 @@ impl DirtyLimiter {
             rates: vec![0.0; vcpus],
             periods: 0,
             max_permille: vec![0; vcpus],
+            rebase: false,
         }
     }
 
@@ -257,12 +276,14 @@ impl DirtyLimiter {
     /// A period has passed since the last update. The first measurement comes after
     /// [`FIRST_PERIOD`] (or the period, if shorter): the meter collects every 10 ms, so a
     /// short window is already a rate, and a guest left unthrottled for a whole first period
-    /// re-dirties all its memory while a 512 MiB migration is nearly over.
+    /// re-dirties all its memory while a 512 MiB migration is nearly over. The next
+    /// [`SETTLE_PERIODS`] come after [`SETTLE_PERIOD`] each, so the law's first steps settle
+    /// while the rounds run.
     pub fn due(&self, now: Instant) -> bool {
-        let period = if self.periods == 0 {
-            self.cfg.period.min(FIRST_PERIOD)
-        } else {
-            self.cfg.period
+        let period = match self.periods {
+            0 => self.cfg.period.min(FIRST_PERIOD),
+            n if n <= SETTLE_PERIODS => self.cfg.period.min(SETTLE_PERIOD),
+            _ => self.cfg.period,
         };
         now.duration_since(self.last) >= period
     }
@@ -288,12 +309,16 @@ impl DirtyLimiter {
         self.last = now;
         self.periods = self.periods.saturating_add(1);
         let limit = self.cfg.limit as f64;
+        let rebase = std::mem::take(&mut self.rebase);
         for i in 0..self.run.len() {
             let c = counts.get(i).copied().unwrap_or(0);
             let d = c.saturating_sub(self.last_counts[i]) as f64 / dt;
             self.last_counts[i] = c;
             self.rates[i] = d;
             let r = self.run[i];
+            if rebase {
+                continue;
+            }
             let over = d > limit * (1.0 + DEADBAND);
             let under = d < limit * (1.0 - DEADBAND) && r < 1.0;
             if over || under {
@@ -305,6 +330,7 @@ impl DirtyLimiter {
                     ratio.min(2.0)
                 };
                 self.run[i] = (r * step).clamp(MIN_RUN, 1.0);
+                self.rebase |= step < REBASE_BELOW;
             }
             self.max_permille[i] = self.max_permille[i].max(permille(self.run[i]));
         }
@@ -354,6 +380,25 @@ mod tests {
         assert!(l
             .update(&counts, t0 + Duration::from_millis(8500))
             .is_none());
+    }
+
+    #[test]
+    fn the_window_after_a_deep_cut_only_rebases() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut l = DirtyLimiter::new(DirtyLimitConfig::default(), 1, &[0], t0);
+        // 20 ms unthrottled at 3 M pages/s: a deep cut.
+        l.update(&[60_000], t0 + ms(20)).unwrap();
+        let cut = l.throttles_ppm()[0];
+        assert!(cut > 990_000, "{cut}");
+        // The next 100 ms still hold ~15 ms of the old rate: read, not acted on.
+        l.update(&[60_000 + 46_000], t0 + ms(120)).unwrap();
+        assert_eq!(l.throttles_ppm()[0], cut);
+        assert!(l.rates[0] > 400_000.0);
+        // Then a clean window at twice the limit: a step, and no re-base after it.
+        l.update(&[106_000 + 1_600], t0 + ms(220)).unwrap();
+        assert!(l.throttles_ppm()[0] > cut);
+        assert!(!l.rebase);
     }
 
     #[test]

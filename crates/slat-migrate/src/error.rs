@@ -1,8 +1,10 @@
 //! What can go wrong, as one readable line each.
 
+pub use crate::page_error::PageError;
 use crate::stream::{
-    Region, GPA_BITS, MAX_BATCH_PAGES, MAX_GUEST_BYTES, MAX_HASHES, MAX_MACHINE, MAX_REGIONS,
-    MAX_STATE_BLOB, MAX_STATE_BLOBS, MAX_STATE_BYTES, MAX_STATE_ID, MAX_STREAMS, PAGE_BYTES,
+    Region, DELTA_MAX, GPA_BITS, MAX_BATCH_PAGES, MAX_GUEST_BYTES, MAX_HASHES, MAX_MACHINE,
+    MAX_REGIONS, MAX_STATE_BLOB, MAX_STATE_BLOBS, MAX_STATE_BYTES, MAX_STATE_ID, MAX_STREAMS,
+    PAGE_BYTES,
 };
 use slat_addr::{Gpa, Hva};
 use std::sync::Arc;
@@ -139,6 +141,9 @@ pub enum Corruption {
     /// A compressed page of a length no page compresses to.
     #[error("compressed page of {0} bytes")]
     CompressedLen(usize),
+    /// A delta page of a length no delta the source sends has.
+    #[error("delta page of {0} bytes (1 to {DELTA_MAX})")]
+    DeltaLen(usize),
     /// A page encoding this side does not know.
     #[error("unknown page encoding {0}")]
     UnknownEncoding(u8),
@@ -360,51 +365,6 @@ pub enum ProtocolError {
     /// Page streams were asked for, but this destination was given no way to accept them.
     #[error("page streams asked for, but this destination serves one connection")]
     NoStreams,
-}
-
-/// Why one page entry of a batch cannot be written to guest memory.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PageError {
-    /// The page index is past the end of the destination's guest memory.
-    #[error("page {page} is outside the guest's {pages} pages")]
-    OutOfRange {
-        /// The index.
-        page: u64,
-        /// Pages of guest memory here.
-        pages: u64,
-    },
-    /// The LZ4 block is malformed.
-    #[error("page {page} does not decompress ({why})")]
-    Decompress {
-        /// The page.
-        page: u64,
-        /// What the decoder found.
-        why: &'static str,
-    },
-    /// The LZ4 block decompresses to something other than one page.
-    #[error("page {page} decompresses to {len} bytes, not {PAGE_BYTES}")]
-    Size {
-        /// The page.
-        page: u64,
-        /// Bytes it gave.
-        len: usize,
-    },
-    /// An entry index past the batch, or an entry whose bytes lie outside the payload.
-    #[error(
-        "entry {index} of a batch of {len} entries does not exist or lies outside the payload"
-    )]
-    Entry {
-        /// The entry.
-        index: usize,
-        /// Entries in the batch.
-        len: usize,
-    },
-    /// The output buffer is not one page.
-    #[error("a page buffer of {len} bytes (a page is {PAGE_BYTES})")]
-    Buffer {
-        /// Its length.
-        len: usize,
-    },
 }
 
 /// Why a memory map cannot be used: the checks every map passes before memory is built for

@@ -443,6 +443,18 @@ impl<'g> Memory<'g> {
     /// [`Memory::stopped_write_page`], also saying whether the page written is all zero bytes
     /// (found during the write, not by a second pass).
     pub fn stopped_write_page_zero(&self, p: PageIndex, data: &[u8]) -> Result<bool, MemoryError> {
+        Ok(self.stopped_write_words(p, data, 0..PAGE_BYTES / 8)? == 0)
+    }
+
+    /// Stores the words `words` (8-byte word indexes, clipped to the page) of `data` (one
+    /// page) into page `p` while the vCPUs are stopped: a delta's runs are written back
+    /// without the rest of the page. Returns the OR of the words stored.
+    pub fn stopped_write_words(
+        &self,
+        p: PageIndex,
+        data: &[u8],
+        words: std::ops::Range<usize>,
+    ) -> Result<u64, MemoryError> {
         let p = p.raw();
         if self.guest.running() {
             return Err(MemoryError::Running("written"));
@@ -450,10 +462,12 @@ impl<'g> Memory<'g> {
         if data.len() != PAGE_BYTES {
             return Err(MemoryError::Buffer { len: data.len() });
         }
+        let words = words.start.min(PAGE_BYTES / 8)..words.end.min(PAGE_BYTES / 8);
         let mut any = 0u64;
         self.pieces(p, p.saturating_add(1), |addr, _, _| {
             let dst = addr as *const u64;
-            for (i, chunk) in data.chunks_exact(8).enumerate() {
+            let chunks = data.chunks_exact(8).enumerate();
+            for (i, chunk) in chunks.skip(words.start).take(words.len()) {
                 let mut w = [0u8; 8];
                 w.copy_from_slice(chunk);
                 let v = u64::from_ne_bytes(w);
@@ -466,7 +480,7 @@ impl<'g> Memory<'g> {
                 unsafe { AtomicU64::from_ptr(dst.add(i) as *mut u64) }.store(v, Ordering::Relaxed);
             }
         })?;
-        Ok(any == 0)
+        Ok(any)
     }
 
     /// Fills `percent` of the pages (chosen by `seed`) with pseudo-random bytes and zeroes

@@ -152,6 +152,7 @@ mod destination;
 mod error;
 mod guest;
 mod link;
+mod page_error;
 mod source;
 mod state;
 
@@ -165,6 +166,7 @@ pub use guest::{
 };
 pub use link::Faults;
 pub use source::{
-    DirtyLimitReport, Event, MigrationReport, Progress, RoundReport, Source, SourceConfig,
+    DeltaReport, DirtyLimitReport, Event, MigrationReport, Progress, RoundReport, Source,
+    SourceConfig, DEFAULT_DELTA_CACHE,
 };
 pub use state::{check_blobs, StateBlob};

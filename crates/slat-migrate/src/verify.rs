@@ -158,6 +158,11 @@ impl Digests {
         self.pages.is_empty()
     }
 
+    /// Page `p`'s digest (`None` past the end).
+    pub fn get(&self, p: u64) -> Option<PageDigest> {
+        self.pages.get(usize::try_from(p).ok()?).copied()
+    }
+
     /// Sets page `p`'s digest (a page past the end is ignored: callers check indexes first).
     pub fn set(&mut self, p: u64, d: PageDigest) {
         if let Some(x) = self.pages.get_mut(p as usize) {

@@ -1,7 +1,7 @@
 //! The guest and migration flags of the migration commands, checked and turned into the
 //! library's settings.
 
-use super::parse::{connections, dirty_limit, dirty_rate, inject};
+use super::parse::{connections, delta_cache, dirty_limit, dirty_rate, inject};
 use super::*;
 use crate::args::{check_kvm_ring, ring_size, FormatArg};
 use crate::args::{Switch, Workload};
@@ -110,6 +110,16 @@ pub struct MigrationArgs {
     /// them, each read, hashed and compressed on a thread of its own (QEMU's multifd).
     #[arg(long, value_name = "N", value_parser = connections, default_value_t = 1)]
     pub connections: u32,
+    /// Send a page dirtied again as the bytes that changed since it was last sent (a delta
+    /// against the source's cache of sent pages, QEMU's XBZRLE idea), where the destination
+    /// accepts and the pages go over one stream; `off` sends every page whole.
+    #[arg(long, value_enum, default_value = "on")]
+    pub delta: Switch,
+    /// Most memory the source's cache of sent pages takes (k/m/g suffixes; at least 4 KiB, at
+    /// most 1 TiB; never more than the guest). In a cache smaller than the guest the pages
+    /// sent first in a round keep their slots, and a page without a copy goes whole.
+    #[arg(long = "delta-cache", value_name = "SIZE", value_parser = delta_cache, default_value = "1G")]
+    pub delta_cache: u64,
     /// Verification at the switch-over: `sent` (every page's digest kept as it is sent and
     /// received, so only the final round is hashed while the guest is paused) or `full` (all
     /// memory hashed on both sides while paused, independent of the dirty log). Always on.
@@ -319,6 +329,7 @@ impl MigrationArgs {
             }),
             timeout: Duration::from_secs(self.timeout),
             connections: self.connections,
+            delta_cache: if self.delta.on() { self.delta_cache } else { 0 },
             postcopy: self.postcopy_trigger(),
             faults,
             ..SourceConfig::default()

@@ -153,6 +153,7 @@ fn receive_one(
         timeout: Duration::from_secs(a.timeout),
         max_memory: a.max_memory.unwrap_or(0),
         max_streams: a.connections,
+        delta: true,
     };
     let mut spec = machine_spec(&a.machine, a.backend);
     spec.backing = a.backing;

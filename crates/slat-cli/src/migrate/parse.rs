@@ -82,6 +82,15 @@ pub(super) fn throttle_percent(s: &str) -> Result<u32, String> {
     }
 }
 
+/// `--delta-cache`: a size from one page to 1 TiB.
+pub fn delta_cache(v: &str) -> Result<u64, String> {
+    match slat_workload::parse_size(v) {
+        Ok(n) if (4096..=1 << 40).contains(&n) => Ok(n),
+        Ok(_) => Err(format!("`{v}`: a delta cache of 4K to 1T")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// `--connections`: 1 to [`slat_migrate::stream::MAX_STREAMS`] page streams.
 pub fn connections(v: &str) -> Result<u32, String> {
     let max = slat_migrate::stream::MAX_STREAMS;

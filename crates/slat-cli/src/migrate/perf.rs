@@ -64,6 +64,10 @@ pub const VARY: &[Key<MigratePerfArgs>] = &[
     vary_key!("connections", "--connections",
         Values::Text("page streams (1-16)", |v| super::parse::connections(v).map(drop)),
         |a, v| a.migration.connections = super::parse::connections(v)?),
+    key!("delta", "--delta", Switch, |a| a.migration.delta),
+    vary_key!("delta-cache", "--delta-cache",
+        Values::Text("bytes (k/m/g suffixes)", |v| super::parse::delta_cache(v).map(drop)),
+        |a, v| a.migration.delta_cache = super::parse::delta_cache(v)?),
     key!("auto-converge", "--auto-converge", Switch, |a| a.migration.auto_converge),
     vary_key!("cpu-throttle-initial", "--cpu-throttle-initial",
         Values::Text("percent (1-99)", |v| throttle_percent(v).map(drop)),
@@ -161,6 +165,7 @@ fn perf_once(
         timeout: Duration::from_secs(a.migration.timeout),
         max_memory: 0,
         max_streams: a.migration.connections,
+        delta: true,
     };
     let dest = std::thread::spawn(move || Destination::with_guest(dguest, cfg).accept(&listener));
     let r = src.migrate(&addr, &mut on_event(q, a.migration.progress));

@@ -71,7 +71,7 @@ fn describe(e: &Event<'_>) -> (&'static str, Option<String>, Value) {
                 r.throttle
             )),
             json!({ "round": r.round, "stop_and_copy": r.stop_and_copy, "pages": r.pages,
-                "zero_pages": r.zero_pages, "bytes": r.bytes, "seconds": r.time.as_secs_f64(),
+                "zero_pages": r.zero_pages, "delta_pages": r.delta_pages, "bytes": r.bytes, "seconds": r.time.as_secs_f64(),
                 "bytes_per_second": r.bandwidth(), "throttle_percent": r.throttle }),
         ),
         Event::Throttle(t) => (

@@ -27,11 +27,12 @@ pub fn print_report(mig: &Migration) {
     for x in &r.rounds {
         let (last, dirtied) = (x.stop_and_copy, x.dirtied.to_string());
         println!(
-            "{} {}: {} pages ({} zero), {} in {} ({:.0} MiB/s); dirtied meanwhile: {}{}",
+            "{} {}: {} pages ({} zero{}), {} in {} ({:.0} MiB/s); dirtied meanwhile: {}{}",
             if last { "Stop-and-copy round" } else { "Round" },
             x.round,
             x.pages,
             x.zero_pages,
+            when(x.delta_pages > 0, &format!(", {} delta", x.delta_pages)),
             format_size(x.bytes),
             ts(x.time),
             x.bandwidth() / MIB,
@@ -74,7 +75,25 @@ pub fn print_report(mig: &Migration) {
         r.pages(),
         format_size(r.bytes())
     );
+    print_delta(r);
     print_checks(mig);
+}
+
+/// What the delta cache did.
+fn print_delta(r: &slat_migrate::MigrationReport) {
+    if let Some(d) = &r.delta {
+        println!(
+            "Delta pages: {} sent as deltas, {} whole; cache {} of {} allocated{}",
+            d.hits,
+            d.misses,
+            format_size(d.allocated),
+            format_size(d.cache_bytes),
+            when(
+                d.refused > 0,
+                &format!(", {} chunks refused by the host", d.refused)
+            ),
+        );
+    }
 }
 
 /// Throttling, verification, device state and the destination's resume.

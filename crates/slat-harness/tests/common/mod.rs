@@ -80,6 +80,7 @@ pub fn dest_config() -> DestConfig {
         timeout: Duration::from_secs(10),
         max_memory: 0,
         max_streams: 16,
+        delta: true,
     }
 }
 

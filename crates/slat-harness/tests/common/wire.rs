@@ -6,7 +6,7 @@
 //! `type u8 | length u32 | payload crc32 u32 | header crc32 u32 | payload`, little-endian.
 
 use slat_harness::migrate::Shape;
-use slat_migrate::stream::{self, BatchBuilder, Compression, Hello, Msg, Region};
+use slat_migrate::stream::{self, BatchBuilder, Compression, DeltaCache, Hello, Msg, Region};
 use slat_migrate::verify::{self, RANGE_PAGES};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
@@ -122,6 +122,8 @@ pub fn hello_payload(
     p.u32(machine.len() as u32)
         .bytes(machine)
         .u8(compression)
+        // Offers delta pages.
+        .u8(1)
         .u32(range_pages)
         .u8(verify)
         .text(backend)
@@ -151,6 +153,7 @@ pub fn honest_hello(session: u64, shape: Shape, compression: Compression) -> Hel
         regions: shape_regions(&shape),
         machine: shape.encode(),
         compression,
+        delta: true,
         range_pages: RANGE_PAGES,
         verify: slat_migrate::verify::VerifyMode::Full,
         backend: "sim".into(),
@@ -196,16 +199,30 @@ pub fn valid_stream(
         compression,
     )))];
     let mut b = BatchBuilder::new(compression);
+    // Half the guest's pages: a page sent again goes as a delta unless another took its slot.
+    let mut cache = DeltaCache::new(pages.div_ceil(2) * 4096, pages);
     let mut seq = 0u64;
     let all: Vec<u64> = (0..pages).collect();
     let mut rounds: Vec<&[u64]> = vec![&all];
     rounds.extend(resend.iter().map(|r| &r[..]));
+    let resent: std::collections::HashSet<u64> = resend.iter().flatten().copied().collect();
     for (round, list) in rounds.iter().enumerate() {
         for chunk in list.chunks(batch.max(1)) {
             b.start(seq, round as u32);
             for &p in chunk {
                 let at = (p * 4096) as usize;
-                b.push(slat_addr::PageIndex::new(p), &image[at..at + 4096]);
+                let mut page = image[at..at + 4096].to_vec();
+                if round == 0 && resent.contains(&p) {
+                    // Changed in several places before it is sent again.
+                    for o in [p as usize * 37 % 4096, 1000, 1001, 2050, 4095] {
+                        page[o] ^= 0xa5;
+                    }
+                }
+                let fill = |out: &mut [u8]| {
+                    out.copy_from_slice(&page);
+                    Ok::<bool, ()>(page.iter().all(|&x| x == 0))
+                };
+                let _ = b.push_cached(slat_addr::PageIndex::new(p), fill, |_, _| {}, &mut cache);
             }
             frames.push(b.frame().to_vec());
             seq += 1;

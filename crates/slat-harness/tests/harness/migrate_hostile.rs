@@ -498,3 +498,65 @@ fn a_one_way_hello_on_a_connection_is_refused() {
     assert!(e.contains("one-way"), "{e}");
     assert!(asked.is_empty());
 }
+
+/// The hello, then batch 0 of round 0 with page 1 whole, then batch 1 with page 1 as the
+/// delta `delta` (its bytes as given, its length as written).
+fn delta_frames(delta: &[u8]) -> Vec<Vec<u8>> {
+    let v = wire::valid_stream(small(), &wire::image(32, 50, 2), Compression::None, 8, &[]);
+    let whole = Payload::default().u64(0).u32(0).u32(1).u64(1).u8(1);
+    let delta = Payload::default()
+        .u64(1)
+        .u32(0)
+        .u32(1)
+        .u64(1)
+        .u8(3)
+        .u32(delta.len() as u32)
+        .bytes(delta);
+    vec![
+        v.frames[0].clone(),
+        whole.bytes(&[9u8; 4096]).frame(ty::PAGES),
+        delta.frame(ty::PAGES),
+    ]
+}
+
+/// A run of a delta page: (skip, len) and `len` bytes.
+fn run(skip: u16, len: u16) -> Vec<u8> {
+    let mut d = skip.to_le_bytes().to_vec();
+    d.extend(len.to_le_bytes());
+    d.extend(std::iter::repeat_n(0xee, len as usize));
+    d
+}
+
+/// A delta whose runs reach past the page (one run, or the skips of two adding up) or lie
+/// about their length is refused with a typed error, never written outside the page.
+#[test]
+fn a_delta_that_runs_past_the_page_is_refused() {
+    let (r, _, _) = against_destination(&delta_frames(&run(0, 8)), dest_config());
+    assert!(r.is_ok() || !format!("{r:?}").contains("delta"), "{r:?}");
+    for d in [run(4095, 2), [run(4000, 1), run(95, 1)].concat()] {
+        let (r, replies, _) = against_destination(&delta_frames(&d), dest_config());
+        let e = refused(&r, &replies);
+        assert!(
+            e.contains("page 1: a run of") && e.contains("past the page"),
+            "{e}"
+        );
+    }
+    let (r, replies, _) = against_destination(&delta_frames(&run(0, 0)), dest_config());
+    assert!(refused(&r, &replies).contains("an empty run"));
+    let mut short = run(0, 8);
+    short.truncate(6);
+    let (r, replies, _) = against_destination(&delta_frames(&short), dest_config());
+    assert!(refused(&r, &replies).contains("past the page or the entry"));
+}
+
+/// A delta where the destination did not accept deltas is refused.
+#[test]
+fn a_delta_the_destination_did_not_accept_is_refused() {
+    let cfg = DestConfig {
+        delta: false,
+        ..dest_config()
+    };
+    let (r, replies, _) = against_destination(&delta_frames(&run(0, 8)), cfg);
+    let e = refused(&r, &replies);
+    assert!(e.contains("which this destination did not accept"), "{e}");
+}

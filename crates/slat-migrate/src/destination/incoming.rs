@@ -44,6 +44,8 @@ pub(super) struct Incoming<'g> {
     report: DestReport,
     /// Post-copy's discard runs so far.
     pub(super) discards: Vec<(u64, u64)>,
+    /// The welcome accepted delta pages.
+    pub(super) delta: bool,
 }
 
 impl<'g> Incoming<'g> {
@@ -86,6 +88,7 @@ impl<'g> Incoming<'g> {
             blob_bytes: 0,
             report,
             discards: Vec::new(),
+            delta: false,
         })
     }
 
@@ -187,16 +190,30 @@ impl<'g> Incoming<'g> {
         if let Some(&(page, _, _)) = b.entries.iter().find(|e| e.0 >= pages) {
             return Err(page_error(PageError::OutOfRange { page, pages }));
         }
-        for (i, &(p, enc, _)) in b.entries.iter().enumerate() {
-            // A raw page goes from the frame to guest memory; the others are decoded first.
-            let data = match b.raw_page(i) {
-                Some(d) => d,
+        for (i, &(p, enc, ref r)) in b.entries.iter().enumerate() {
+            // A raw page goes from the frame to guest memory; the others are decoded first, a
+            // delta into the copy this side holds, whose changed words alone are stored back.
+            let (data, zero) = match b.raw_page(i) {
+                Some(d) => (d, self.mem.stopped_write_page_zero(PageIndex::new(p), d)?),
+                None if enc == stream::Encoding::Delta => {
+                    self.base(p, page_error)?;
+                    b.patch_into(i, &mut self.buf).map_err(page_error)?;
+                    let delta = b.data.get(r.clone()).unwrap_or_default();
+                    for run in stream::delta::runs(delta) {
+                        let words = run.start / 8..run.end.div_ceil(8);
+                        self.mem
+                            .stopped_write_words(PageIndex::new(p), &self.buf, words)?;
+                    }
+                    (&self.buf[..], self.buf.iter().all(|&x| x == 0))
+                }
                 None => {
                     b.page_into(i, &mut self.buf).map_err(page_error)?;
-                    &self.buf
+                    let z = self
+                        .mem
+                        .stopped_write_page_zero(PageIndex::new(p), &self.buf)?;
+                    (&self.buf[..], z)
                 }
             };
-            let zero = self.mem.stopped_write_page_zero(PageIndex::new(p), data)?;
             if !self.digests.is_empty() {
                 // The digest of the bytes written, not of a read-back: reading the page back
                 // through the same address straight after the store could only show a broken
@@ -213,6 +230,31 @@ impl<'g> Incoming<'g> {
         self.seq = seq
             .checked_add(1)
             .ok_or_else(|| protocol(phase, ProtocolError::Overflow { what: "batch" }))?;
+        Ok(())
+    }
+
+    /// Reads page `p` as this side holds it into the page buffer, the base of a delta: only
+    /// if the welcome accepted deltas and the page arrived in this session (its digest says
+    /// so when digests are kept).
+    fn base(
+        &mut self,
+        p: u64,
+        page_error: impl Fn(PageError) -> MigrateError,
+    ) -> Result<(), MigrateError> {
+        use stream::delta::DeltaError;
+        let err = if !self.delta {
+            Some(DeltaError::NotOffered)
+        } else if !self.digests.is_empty() && self.digests.get(p) == Some(NEVER_RECEIVED) {
+            Some(DeltaError::NoBase)
+        } else {
+            None
+        };
+        if let Some(err) = err {
+            return Err(page_error(PageError::Delta { page: p, err }));
+        }
+        let at = PageIndex::new(p);
+        let end = PageIndex::new(p.saturating_add(1));
+        self.mem.stopped_read(at, end, &mut self.buf)?;
         Ok(())
     }
 

@@ -39,6 +39,9 @@ pub struct DestConfig {
     /// Most page streams a source may open beside the control connection (at most
     /// [`stream::MAX_STREAMS`]; 0 or 1: none, the pages come over the one connection).
     pub max_streams: u32,
+    /// Accept a source's offer of delta pages ([`stream::delta`]): each is patched into the
+    /// copy of the page this side holds and hashed as patched.
+    pub delta: bool,
 }
 
 impl Default for DestConfig {
@@ -48,6 +51,7 @@ impl Default for DestConfig {
             timeout: Duration::from_secs(30),
             max_memory: 0,
             max_streams: stream::MAX_STREAMS,
+            delta: true,
         }
     }
 }
@@ -295,6 +299,24 @@ impl Destination {
         r
     }
 
+    /// Answers `hello` with the welcome; returns whether it accepted delta pages (only where
+    /// an answer tells the source so: a file's reader answers nobody).
+    fn welcome(
+        &self,
+        out: &mut Option<Box<dyn Write + Send>>,
+        hello: &stream::Hello,
+        report: &DestReport,
+    ) -> Result<bool, MigrateError> {
+        let delta = self.cfg.delta && hello.delta && !hello.one_way;
+        let welcome = Msg::Welcome {
+            resume: report.resumed,
+            backend: report.backend.clone(),
+            delta,
+        };
+        send(out, &welcome, "handshake")?;
+        Ok(delta)
+    }
+
     /// Receives one migration: the handshake, then the protocol's frames in order (each kind
     /// handled by a step of [`Incoming`]), until the commit hands the guest over.
     fn receive(&mut self, link: &mut Control<'_>) -> Result<DestReport, MigrateError> {
@@ -316,19 +338,13 @@ impl Destination {
             setup: t0.elapsed(),
             ..DestReport::default()
         };
-        send(
-            out,
-            &Msg::Welcome {
-                resume: resumed,
-                backend: report.backend.clone(),
-            },
-            "handshake",
-        )?;
+        let delta = self.welcome(out, &hello, &report)?;
         let digests = match &mut self.session {
             Some(s) => std::mem::take(&mut s.digests),
             None => Digests::default(),
         };
         let mut inc = Incoming::new(&*guest, report, hello.verify, digests)?;
+        inc.delta = delta;
         let post = self.session.as_ref().and_then(|s| s.post.clone());
         let r = match post {
             Some(d) if resumed => self

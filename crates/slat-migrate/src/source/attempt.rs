@@ -1,9 +1,10 @@
 //! One attempt: the handshake, the log set up for the rounds, the device state,
 //! verification and the switch-over.
 
+use super::cache::DeltaCache;
 use super::conn::{unexpected, Conn};
 use super::sender::{Limit, Sender};
-use super::{Event, MigrationReport, Source};
+use super::{DeltaReport, Event, MigrationReport, Source};
 use crate::dirty_limit::{DirtyLimiter, RingCounts, RingMeter};
 use crate::error::{GuestError, MigrateError, StreamError};
 use crate::guest::{Guest, GuestHarvester, GuestLog, Memory};
@@ -93,10 +94,11 @@ impl Source {
             },
         );
         let mut sender = self.sender(starts, ro, t_connect);
+        sender.cache = (report.delta.as_ref()).map(|d| DeltaCache::new(d.cache_bytes, mem.pages()));
         let r = self.rounds(conn, &mem, &mut sender, &mut ac, &mut report, progress);
         // The digests outlive the attempt: a resumed destination holds what they describe.
         self.digests = std::mem::take(&mut sender.digests);
-        report.dirty_limit = sender.limit.as_ref().map(Limit::report);
+        sender_report(&mut report, &sender);
         let t_pause = r?;
         before.since(&*self.guest, &mut report);
         report.precopy = t_pause - t_connect;
@@ -196,6 +198,7 @@ impl Source {
             t0,
             limit,
             collected: 0,
+            cache: None,
         }
     }
 
@@ -247,6 +250,7 @@ impl Source {
                 regions: mem.map().wire(),
                 machine: self.guest.machine(),
                 compression: self.cfg.compression,
+                delta: self.offers_delta(conn),
                 range_pages: RANGE_PAGES,
                 verify: self.cfg.verify,
                 backend: self.guest.kind().into(),
@@ -260,13 +264,31 @@ impl Source {
             return Ok(());
         }
         match conn.recv(phase)? {
-            Msg::Welcome { resume, backend } => {
+            Msg::Welcome {
+                resume,
+                backend,
+                delta,
+            } => {
                 report.resumed = resume;
                 report.dest_backend = backend;
+                if delta && self.offers_delta(conn) {
+                    let pages = mem.pages();
+                    let cache_bytes = (self.cfg.delta_cache / PAGE_BYTES as u64).min(pages);
+                    report.delta = Some(DeltaReport {
+                        cache_bytes: cache_bytes * PAGE_BYTES as u64,
+                        ..DeltaReport::default()
+                    });
+                }
                 Ok(())
             }
             m => Err(unexpected(phase, &m)),
         }
+    }
+
+    /// Whether the hello offers delta pages: a cache of at least a page, and one page stream
+    /// answered by its reader (page streams and files carry whole pages).
+    fn offers_delta(&self, conn: &Conn) -> bool {
+        self.cfg.delta_cache >= PAGE_BYTES as u64 && self.cfg.connections <= 1 && !conn.one_way()
     }
 
     /// The device state, saved with the vCPUs paused, sent blob by blob and counted.
@@ -360,6 +382,14 @@ impl Source {
             }
             m => Err(unexpected(phase, &m)),
         }
+    }
+}
+
+/// What the delta cache and dirty-limit did, into `report`.
+fn sender_report(report: &mut MigrationReport, sender: &Sender) {
+    report.dirty_limit = sender.limit.as_ref().map(Limit::report);
+    if let (Some(d), Some(c)) = (&mut report.delta, &sender.cache) {
+        (d.allocated, d.hits, d.misses, d.refused) = (c.allocated(), c.hits, c.misses, c.refused);
     }
 }
 

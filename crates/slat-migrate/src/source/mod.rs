@@ -6,6 +6,7 @@
 //! passes on.
 
 mod attempt;
+pub(crate) mod cache;
 mod conn;
 mod postcopy;
 mod rounds;
@@ -68,6 +69,11 @@ pub struct SourceConfig {
     /// Switch to post-copy ([`crate::postcopy`]) after some pre-copy rounds or when
     /// pre-copy stalls (`None`: pre-copy only).
     pub postcopy: Option<crate::postcopy::PostcopyTrigger>,
+    /// Most bytes of sent-page copies kept to send a re-dirtied page as a delta against
+    /// ([`crate::stream::delta`]; 0: off, every page goes whole). Used when the destination
+    /// accepts, over one page stream; the cache is at most the guest's size and allocated
+    /// as pages are first sent.
+    pub delta_cache: u64,
     /// Deliberate faults (tests).
     #[doc(hidden)]
     pub faults: Faults,
@@ -90,10 +96,16 @@ impl Default for SourceConfig {
             connections: 1,
             timeout: Duration::from_secs(30),
             postcopy: None,
+            delta_cache: DEFAULT_DELTA_CACHE,
             faults: Faults::default(),
         }
     }
 }
+
+/// [`SourceConfig::delta_cache`]'s default: a guest of up to 1 GiB is cached whole (QEMU's
+/// XBZRLE cache defaults to 64 MiB, which a guest sweeping more memory than that evicts
+/// before any page is sent twice).
+pub const DEFAULT_DELTA_CACHE: u64 = 1 << 30;
 
 /// One round.
 #[derive(Debug, Clone, Default)]
@@ -104,6 +116,8 @@ pub struct RoundReport {
     pub pages: u64,
     /// Of which zero pages (sent as markers).
     pub zero_pages: u64,
+    /// Of which pages sent as deltas against the copy the destination held.
+    pub delta_pages: u64,
     /// Bytes written to the socket.
     pub bytes: u64,
     /// From the first byte to the last acknowledgement.
@@ -190,6 +204,23 @@ pub struct MigrationReport {
     /// Post-copy's figures, when the migration switched over in post-copy (its downtime is
     /// then the pause to the run, and `total` runs to the last page and the commit).
     pub postcopy: Option<crate::postcopy::PostcopyReport>,
+    /// The delta cache, when pages went as deltas.
+    pub delta: Option<DeltaReport>,
+}
+
+/// The delta cache over one attempt ([`SourceConfig::delta_cache`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeltaReport {
+    /// Bytes of page copies it may hold (at most the guest's size).
+    pub cache_bytes: u64,
+    /// Bytes of them allocated by the end.
+    pub allocated: u64,
+    /// Pages sent as deltas.
+    pub hits: u64,
+    /// Non-zero pages sent whole: first sends, evicted copies, deltas no smaller.
+    pub misses: u64,
+    /// Chunks of the cache the host could not give (their pages went whole).
+    pub refused: u64,
 }
 
 /// Dirty-limit over one attempt.

@@ -1,6 +1,7 @@
 //! A round's pages, sent in batches inside a window of unacknowledged ones; the owed-page
 //! bookkeeping that acknowledgements settle; dirty-limit's periodic tick.
 
+use super::cache::DeltaCache;
 use super::conn::{unexpected, Conn, MAX_INFLIGHT};
 use super::{DirtyLimitReport, Event, RoundReport, RoundSet};
 use crate::dirty_limit::{DirtyLimiter, RingCounts};
@@ -33,6 +34,8 @@ pub(super) struct Sender {
     /// Pages dirty-limit's collects moved to the pages owed during the last round: dirtied
     /// while it ran, so counted with the next take's.
     pub(super) collected: u64,
+    /// Copies of the pages sent, when they go as deltas.
+    pub(super) cache: Option<DeltaCache>,
 }
 
 /// Dirty-limit's controller and what it reads and drives.
@@ -146,15 +149,16 @@ impl Sender {
         self.builder.start(self.seq, round);
         for &(slot, off, p) in chunk {
             let digests = &mut self.digests;
-            self.builder.push_with(
-                PageIndex::new(p),
-                |out| mem.read_page_zero(PageIndex::new(p), out),
-                |page, zero| {
-                    if !digests.is_empty() {
-                        digests.set(p, verify::page_digest_known(page, zero));
-                    }
-                },
-            )?;
+            let fill = |out: &mut [u8]| mem.read_page_zero(PageIndex::new(p), out);
+            let seen = |page: &[u8], zero| {
+                if !digests.is_empty() {
+                    digests.set(p, verify::page_digest_known(page, zero));
+                }
+            };
+            match &mut self.cache {
+                Some(c) => self.builder.push_cached(PageIndex::new(p), fill, seen, c)?,
+                None => self.builder.push_with(PageIndex::new(p), fill, seen)?,
+            }
             if slot == NO_SLOT {
                 continue;
             }
@@ -201,7 +205,7 @@ impl Sender {
         let bytes0 = conn.link.written();
         let todo = self.todo(owed);
         let mut inflight: VecDeque<(u64, Vec<Page>)> = VecDeque::new();
-        let mut zero = 0u64;
+        let (mut zero, mut delta) = (0u64, 0u64);
         let resync = resync.filter(|_| self.ro.is_empty() && !stop_and_copy);
         let mut sent = 0usize;
         for chunk in todo.chunks(self.batch) {
@@ -218,6 +222,7 @@ impl Sender {
                 settle(m, &mut inflight, owed, phase)?;
             }
             zero += self.fill_batch(mem, owed, chunk, round, conn.one_way())?;
+            delta += self.builder.delta as u64;
             conn.send_raw(self.builder.frame(), phase)?;
             if !conn.one_way() {
                 inflight.push_back((self.seq, chunk.to_vec()));
@@ -247,6 +252,7 @@ impl Sender {
             round,
             pages: sent as u64,
             zero_pages: zero,
+            delta_pages: delta,
             bytes: conn.link.written() - bytes0,
             time: t0.elapsed(),
             dirtied: 0,

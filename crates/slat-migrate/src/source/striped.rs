@@ -172,6 +172,7 @@ impl Sender {
             round,
             pages: sent as u64,
             zero_pages: zero,
+            delta_pages: 0,
             bytes: conn.written() - bytes0,
             time: t0.elapsed(),
             dirtied: 0,

@@ -1,9 +1,9 @@
 //! Decoding: a checksummed frame's payload back into a message, every read bounds-checked.
 
 use super::{
-    Batch, Compression, Encoding, Hello, Msg, Region, MAX_BATCH_PAGES, MAX_HASHES, MAX_MACHINE,
-    MAX_REGIONS, MAX_STATE_BLOB, MAX_STATE_ID, MAX_TEXT, PAGE_BYTES, T_ACK, T_COMMIT, T_HASHES,
-    T_HELLO, T_PAGES, T_REFUSE, T_RESUMED, T_ROUND_END, T_STATE, T_STATE_END, T_STREAMS,
+    Batch, Compression, Encoding, Hello, Msg, Region, DELTA_MAX, MAX_BATCH_PAGES, MAX_HASHES,
+    MAX_MACHINE, MAX_REGIONS, MAX_STATE_BLOB, MAX_STATE_ID, MAX_TEXT, PAGE_BYTES, T_ACK, T_COMMIT,
+    T_HASHES, T_HELLO, T_PAGES, T_REFUSE, T_RESUMED, T_ROUND_END, T_STATE, T_STATE_END, T_STREAMS,
     T_STREAM_HELLO, T_VERIFIED, T_VERIFY, T_WELCOME,
 };
 use crate::error::{Corruption, StreamError};
@@ -30,6 +30,7 @@ impl Msg {
             T_WELCOME => Msg::Welcome {
                 resume: d.flag()?,
                 backend: d.text()?,
+                delta: d.flag()?,
             },
             T_REFUSE => Msg::Refuse(d.text()?),
             T_ACK => Msg::Ack { seq: d.u64()? },
@@ -102,6 +103,7 @@ impl Dec<'_> {
             1 => Compression::Lz4,
             c => return Err(d.bad(Corruption::UnknownCompression(c))),
         };
+        let delta = d.flag()?;
         let range_pages = d.u32()?;
         let verify = match d.u8()? {
             0 => crate::verify::VerifyMode::Full,
@@ -115,6 +117,7 @@ impl Dec<'_> {
             regions,
             machine,
             compression,
+            delta,
             range_pages,
             verify,
             backend: d.text()?,
@@ -163,6 +166,13 @@ impl Dec<'_> {
                         return Err(d.bad(Corruption::CompressedLen(len)));
                     }
                     (Encoding::Lz4, len)
+                }
+                3 => {
+                    let len = d.u32()? as usize;
+                    if len == 0 || len > DELTA_MAX {
+                        return Err(d.bad(Corruption::DeltaLen(len)));
+                    }
+                    (Encoding::Delta, len)
                 }
                 e => return Err(d.bad(Corruption::UnknownEncoding(e))),
             };

@@ -1,11 +1,13 @@
 //! Encoding: each message's payload, the page batches, and the frame header sealed over
 //! them.
 
+use super::delta;
 use super::{
     Compression, Encoding, Hello, Msg, HEADER_LEN, MAGIC, MAX_BATCH_PAGES, MAX_TEXT, PAGE_BYTES,
     PREAMBLE_LEN, T_ACK, T_COMMIT, T_HASHES, T_HELLO, T_PAGES, T_REFUSE, T_RESUMED, T_ROUND_END,
     T_STATE, T_STATE_END, T_STREAMS, T_STREAM_HELLO, T_VERIFIED, T_VERIFY, T_WELCOME,
 };
+use crate::source::cache::{Base, DeltaCache};
 use slat_addr::PageIndex;
 use std::io::Write;
 
@@ -17,11 +19,7 @@ impl Msg {
                 put_hello(out, h);
                 T_HELLO
             }
-            Msg::Welcome { resume, backend } => {
-                out.push(*resume as u8);
-                put_text(out, backend);
-                T_WELCOME
-            }
+            Msg::Welcome { .. } => put_welcome(out, self),
             Msg::Refuse(r) => {
                 put_text(out, r);
                 T_REFUSE
@@ -92,6 +90,22 @@ impl Msg {
     }
 }
 
+/// The welcome: whether the session resumes, the destination's machine, and whether it
+/// accepts delta pages.
+fn put_welcome(out: &mut Vec<u8>, m: &Msg) -> u8 {
+    if let Msg::Welcome {
+        resume,
+        backend,
+        delta,
+    } = m
+    {
+        out.push(*resume as u8);
+        put_text(out, backend);
+        out.push(*delta as u8);
+    }
+    T_WELCOME
+}
+
 /// The page streams' frames: the count announced, and a stream's header.
 fn put_streams(out: &mut Vec<u8>, m: &Msg) -> u8 {
     match *m {
@@ -131,6 +145,7 @@ fn put_hello(out: &mut Vec<u8>, h: &Hello) {
         Compression::None => 0,
         Compression::Lz4 => 1,
     });
+    out.push(h.delta as u8);
     put_u32(out, h.range_pages);
     out.push(match h.verify {
         crate::verify::VerifyMode::Full => 0,
@@ -154,10 +169,19 @@ pub struct BatchBuilder {
     compression: Compression,
     /// Zero pages in this batch.
     pub zero: u32,
+    /// Pages of this batch sent as deltas.
+    pub delta: u32,
+    /// The round of this batch (a cache slot is not taken from a page sent in the same one).
+    round: u32,
 }
 
 /// Bytes of an entry before its data: the page index and the encoding.
 const ENTRY_HEAD: usize = 9;
+/// Largest delta sent: past half a page, the page goes whole (the destination's patch would
+/// cost about as much as the copy, and the compare on the source was wasted anyway).
+pub const DELTA_MAX: usize = PAGE_BYTES / 2;
+/// The base of a delta against a page sent as zero.
+static ZERO_PAGE: [u8; PAGE_BYTES] = [0; PAGE_BYTES];
 
 impl BatchBuilder {
     /// A builder using `compression` for non-zero pages.
@@ -169,6 +193,8 @@ impl BatchBuilder {
             scratch: vec![0; lz4_flex::block::get_maximum_output_size(PAGE_BYTES)],
             compression,
             zero: 0,
+            delta: 0,
+            round: 0,
         }
     }
 
@@ -181,6 +207,8 @@ impl BatchBuilder {
         self.put(&0u32.to_le_bytes());
         self.count = 0;
         self.zero = 0;
+        self.delta = 0;
+        self.round = round;
     }
 
     /// Pages in the batch.
@@ -236,6 +264,29 @@ impl BatchBuilder {
         fill: impl FnOnce(&mut [u8]) -> Result<bool, E>,
         seen: impl FnOnce(&[u8], bool),
     ) -> Result<(), E> {
+        self.push_inner(page, fill, seen, None)
+    }
+
+    /// [`BatchBuilder::push_with`], sending the page as a delta against `cache`'s copy of it
+    /// where that copy exists and the delta is at most [`DELTA_MAX`] bytes; `cache` then
+    /// holds the page as sent.
+    pub fn push_cached<E>(
+        &mut self,
+        page: PageIndex,
+        fill: impl FnOnce(&mut [u8]) -> Result<bool, E>,
+        seen: impl FnOnce(&[u8], bool),
+        cache: &mut DeltaCache,
+    ) -> Result<(), E> {
+        self.push_inner(page, fill, seen, Some(cache))
+    }
+
+    fn push_inner<E>(
+        &mut self,
+        page: PageIndex,
+        fill: impl FnOnce(&mut [u8]) -> Result<bool, E>,
+        seen: impl FnOnce(&[u8], bool),
+        cache: Option<&mut DeltaCache>,
+    ) -> Result<(), E> {
         let at = self.len;
         self.put(&page.raw().to_le_bytes());
         self.put(&[Encoding::Raw as u8]);
@@ -249,11 +300,19 @@ impl BatchBuilder {
         };
         let bytes = &self.buf[data.clone()];
         seen(bytes, zero);
+        self.count += 1;
+        if let Some(cache) = cache {
+            if !zero && self.delta(at, page.raw(), cache) {
+                return Ok(());
+            }
+            cache.put(page.raw(), &self.buf[data.clone()], zero, self.round);
+        }
         if zero {
             self.buf[at + 8] = Encoding::Zero as u8;
             self.len = data.start;
             self.zero += 1;
         } else if self.compression == Compression::Lz4 {
+            let bytes = &self.buf[data.clone()];
             let packed = lz4_flex::block::compress_into(bytes, &mut self.scratch)
                 .ok()
                 .filter(|&n| n < PAGE_BYTES);
@@ -265,8 +324,34 @@ impl BatchBuilder {
                 self.buf[r].copy_from_slice(&self.scratch[..n]);
             }
         }
-        self.count += 1;
         Ok(())
+    }
+
+    /// Turns the raw entry at `at` (the last one) into a delta against `cache`'s copy of
+    /// `page`, patching the copy; `false` (the entry untouched) on a miss or a delta larger
+    /// than [`DELTA_MAX`].
+    fn delta(&mut self, at: usize, page: u64, cache: &mut DeltaCache) -> bool {
+        let data = at + ENTRY_HEAD..at + ENTRY_HEAD + PAGE_BYTES;
+        let bytes = &self.buf[data.clone()];
+        let out = &mut self.scratch[..DELTA_MAX];
+        let n = match cache.base(page) {
+            Base::Miss => None,
+            Base::Zero => delta::encode(&ZERO_PAGE, bytes, out),
+            Base::Page(b) => delta::encode(b, bytes, out),
+        };
+        let Some(n) = n else {
+            cache.misses += 1;
+            return false;
+        };
+        cache.hits += 1;
+        self.delta += 1;
+        cache.patch(page, &self.scratch[..n], self.round);
+        self.buf[at + 8] = Encoding::Delta as u8;
+        self.len = data.start;
+        self.put(&(n as u32).to_le_bytes());
+        let r = self.room(n);
+        self.buf[r].copy_from_slice(&self.scratch[..n]);
+        true
     }
 
     /// The finished frame (header included), ready to write.

@@ -12,7 +12,8 @@
 //! anywhere else before the contents are used. Pages travel in batches ([`Msg::Pages`]) of
 //! entries `page u64 | encoding u8 | [length u32 | bytes]`: a zero page is only a marker, a
 //! raw page its 4096 bytes, a compressed page its LZ4 block (which must decompress to
-//! exactly one page). Every decode is bounds-checked and returns a
+//! exactly one page), a delta page the runs that changed since the copy the destination holds
+//! ([`delta`]; only when the destination's welcome accepted the source's offer). Every decode is bounds-checked and returns a
 //! [`StreamError`](crate::StreamError); nothing in here panics on bad input. Counts are
 //! bounded before anything is allocated for them
 //! ([`MAX_BATCH_PAGES`], [`MAX_HASHES`], [`MAX_REGIONS`], [`MAX_STATE_BLOBS`]), and text
@@ -30,6 +31,7 @@
 //! version before trying to parse a frame whose layout may have changed.
 
 mod decode;
+pub mod delta;
 mod encode;
 mod postcopy;
 mod reader;
@@ -38,9 +40,11 @@ mod tests;
 
 use crate::error::{MapError, PageError};
 use crate::state::StateBlob;
+use delta::DeltaError;
 use slat_addr::Gpa;
 
-pub use encode::{frame, preamble, write_msg, BatchBuilder};
+pub use crate::source::cache::DeltaCache;
+pub use encode::{frame, preamble, write_msg, BatchBuilder, DELTA_MAX};
 pub use postcopy::{PostcopyMsg, MAX_REQUEST, MAX_RUNS};
 pub use reader::FrameReader;
 
@@ -48,7 +52,9 @@ pub use reader::FrameReader;
 pub const MAGIC: [u8; 8] = *b"SLATMIGR";
 /// The protocol version this build speaks. 3: range hashes are XXH3-based (2 used BLAKE3;
 /// a version-2 peer would fail verification, so it is refused at the preamble instead).
-pub const VERSION: u32 = 3;
+/// 4: the hello offers delta pages and the welcome answers (a version-3 peer would misread
+/// both messages).
+pub const VERSION: u32 = 4;
 /// `slat_addr::PAGE_SIZE` (the page the stream carries) as a `usize`, for buffer lengths.
 pub(crate) const PAGE_BYTES: usize = slat_addr::PAGE_SIZE as usize;
 /// Largest frame payload (a batch of [`MAX_BATCH_PAGES`] raw pages fits with room to spare).
@@ -93,6 +99,8 @@ pub enum Encoding {
     Raw = 1,
     /// An LZ4 block that decompresses to the page.
     Lz4 = 2,
+    /// The runs that differ from the copy of the page the destination holds ([`delta`]).
+    Delta = 3,
 }
 
 /// What compression the source uses for non-zero pages.
@@ -195,6 +203,9 @@ pub struct Hello {
     pub machine: Vec<u8>,
     /// Compression of page data.
     pub compression: Compression,
+    /// The source offers to send pages as deltas against the copy the destination holds
+    /// (used only if the welcome accepts).
+    pub delta: bool,
     /// Pages per verification range.
     pub range_pages: u32,
     /// How the switch-over verifies memory.
@@ -214,6 +225,8 @@ pub enum Msg {
         resume: bool,
         /// The destination's machine.
         backend: String,
+        /// The destination accepts the delta pages the hello offered.
+        delta: bool,
     },
     /// Either side: will not go on, and why.
     Refuse(String),
@@ -318,7 +331,19 @@ impl Batch {
 
     /// Writes the page of entry `i` into `out` (exactly one page). A `Batch` from the decoder
     /// has every entry's bytes inside `data`; one built otherwise is checked all the same.
+    /// A delta entry is an error here ([`DeltaError::NoBase`]): it needs the page's previous
+    /// copy ([`Batch::patch_into`]).
     pub fn page_into(&self, i: usize, out: &mut [u8]) -> Result<(), PageError> {
+        self.decode_into(i, out, false)
+    }
+
+    /// [`Batch::page_into`], where `out` holds the page as the destination has it, which a
+    /// delta entry patches.
+    pub fn patch_into(&self, i: usize, out: &mut [u8]) -> Result<(), PageError> {
+        self.decode_into(i, out, true)
+    }
+
+    fn decode_into(&self, i: usize, out: &mut [u8], based: bool) -> Result<(), PageError> {
         let entry = PageError::Entry {
             index: i,
             len: self.entries.len(),
@@ -336,6 +361,16 @@ impl Batch {
                     page: *page,
                     len: bytes.len(),
                 })
+            }
+            Encoding::Delta => {
+                let err = if based {
+                    delta::apply(bytes, out).err()
+                } else {
+                    Some(DeltaError::NoBase)
+                };
+                if let Some(err) = err {
+                    return Err(PageError::Delta { page: *page, err });
+                }
             }
             Encoding::Lz4 => {
                 let n = lz4_flex::block::decompress_into(bytes, out).map_err(|e| {

@@ -68,6 +68,10 @@ pub(crate) enum Entry {
     Lz4Bytes(Vec<u8>),
     /// A length field that lies.
     Lz4Len(u32, Vec<u8>),
+    /// A delta of runs (skip, len, bytes given), its length as written.
+    Delta(Vec<(u16, u16, u8)>),
+    /// A delta whose length field lies.
+    DeltaLen(u32, Vec<u8>),
     /// An unknown encoding byte.
     Encoding(u8),
 }
@@ -151,7 +155,14 @@ pub(crate) fn entry() -> impl Strategy<Value = Entry> {
         2 => any::<u64>().prop_map(Entry::Lz4),
         1 => small_bytes(64).prop_map(Entry::Lz4Bytes),
         1 => (edge_u32(), small_bytes(32)).prop_map(|(l, b)| Entry::Lz4Len(l, b)),
-        1 => (3u8..=255).prop_map(Entry::Encoding),
+        2 => proptest::collection::vec(
+            (prop_oneof![3 => 0u16..64, 1 => 4000u16..=4096, 1 => any::<u16>()],
+             prop_oneof![3 => 1u16..16, 1 => Just(0u16), 1 => 4000u16..=4097],
+             any::<u8>()),
+            0..5,
+        ).prop_map(Entry::Delta),
+        1 => (edge_u32(), small_bytes(32)).prop_map(|(l, b)| Entry::DeltaLen(l, b)),
+        1 => (4u8..=255).prop_map(Entry::Encoding),
     ]
 }
 
@@ -387,6 +398,17 @@ pub(crate) fn pages_frame(
             }
             Entry::Lz4Bytes(b) => p.u8(2).u32(b.len() as u32).bytes(b),
             Entry::Lz4Len(l, b) => p.u8(2).u32(*l).bytes(b),
+            Entry::Delta(runs) => {
+                let mut d = Vec::new();
+                for &(skip, len, b) in runs {
+                    d.extend(skip.to_le_bytes());
+                    d.extend(len.to_le_bytes());
+                    // At most a page of bytes: a run longer than that is cut short.
+                    d.extend(std::iter::repeat_n(b, (len as usize).min(4096)));
+                }
+                p.u8(3).u32(d.len() as u32).bytes(&d)
+            }
+            Entry::DeltaLen(l, b) => p.u8(3).u32(*l).bytes(b),
             Entry::Encoding(x) => p.u8(*x),
         };
     }

@@ -41,6 +41,7 @@ pub(crate) fn serve(
         timeout: Duration::from_secs(5),
         max_memory: MAX_MEMORY,
         max_streams: 16,
+        delta: true,
     };
     let (h, rx) = spawn_destination(
         Destination::new(guarded_factory(asked.clone()), cfg),
