@@ -331,9 +331,6 @@ fn check(a: &DirtyLogPerfArgs) -> Result<(), String> {
                 "--clock virtual runs only on the simulated machine (--backend sim)".into(),
             );
         }
-        if a.concurrent {
-            return Err("--clock virtual cannot simulate --concurrent yet: its harvester thread is not a simulated CPU".into());
-        }
     }
     a.work
         .check_fits(&a.backend, &a.machine, 0, 2)?
