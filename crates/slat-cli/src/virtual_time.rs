@@ -348,6 +348,10 @@ impl SimThreads for Threads {
     fn step_in(&self) {
         let _ = slat_vt::attach_current();
     }
+
+    fn sleep(&self, d: Duration) {
+        sleep(d);
+    }
 }
 
 struct Token(CpuHandle);

@@ -300,8 +300,12 @@ fn one_variant<F: PteFormat>(
         Some(_) => a.threads as usize,
         None => config.pcpus,
     };
-    let m = Machine::<F>::with_sim(MachineConfig { pcpus, ..config }, sim.clone())
-        .map_err(machine_error)?;
+    // Building a pre-split direct map of a large pool takes the host CPU seconds of real
+    // time with no scheduler call: the simulation's watchdog must not take it for a hang.
+    let m = virtual_time::outside(|| {
+        Machine::<F>::with_sim(MachineConfig { pcpus, ..config }, sim.clone())
+    })
+    .map_err(machine_error)?;
     let map = m
         .direct_map()
         .ok_or_else(|| runtime("the machine has no direct map"))?
