@@ -121,7 +121,7 @@ pub struct Run {
     /// Whose time the rows' times are (under `--clock virtual`, each variant is a simulation
     /// of its own; the speed figures are their sums).
     #[serde(flatten)]
-    pub clock: ClockReport,
+    pub clock: Box<ClockReport>,
 }
 
 #[derive(Serialize)]
@@ -187,7 +187,7 @@ pub fn measure(a: &PrivateMemPerfArgs) -> CliResult<Run> {
         row.ratio_over_native =
             (native.ns_per_page > 0.0).then(|| row.ns_per_page / native.ns_per_page);
     }
-    let clock = clock.unwrap_or_else(ClockReport::real);
+    let clock = Box::new(clock.unwrap_or_else(ClockReport::real));
     Ok(Run {
         native,
         rows,
