@@ -265,13 +265,13 @@ fn samples(r: &[(Duration, DirectMapStats)]) -> Vec<SimSample> {
     out
 }
 
-/// One variant's fault-in and conversion on a machine of format `F` (`sim`: the simulation
-/// its threads join, in virtual time); the row and the engine's counters.
-fn one_variant<F: PteFormat>(
+/// One variant's confidential guest, its vCPUs (the direct map's host CPUs) registered with
+/// `sim` in virtual time.
+fn machine<F: PteFormat>(
     a: &PrivateMemPerfArgs,
     v: Variant,
     sim: Option<Arc<dyn SimThreads>>,
-) -> CliResult<(SimRow, serde_json::Value)> {
+) -> CliResult<Machine<F>> {
     let config = MachineConfig {
         region: RegionSpec {
             vcpus: a.threads as usize,
@@ -302,10 +302,18 @@ fn one_variant<F: PteFormat>(
     };
     // Building a pre-split direct map of a large pool takes the host CPU seconds of real
     // time with no scheduler call: the simulation's watchdog must not take it for a hang.
-    let m = virtual_time::outside(|| {
-        Machine::<F>::with_sim(MachineConfig { pcpus, ..config }, sim.clone())
-    })
-    .map_err(machine_error)?;
+    virtual_time::outside(|| Machine::<F>::with_sim(MachineConfig { pcpus, ..config }, sim))
+        .map_err(machine_error)
+}
+
+/// One variant's fault-in and conversion on a machine of format `F` (`sim`: the simulation
+/// its threads join, in virtual time); the row and the engine's counters.
+fn one_variant<F: PteFormat>(
+    a: &PrivateMemPerfArgs,
+    v: Variant,
+    sim: Option<Arc<dyn SimThreads>>,
+) -> CliResult<(SimRow, serde_json::Value)> {
+    let m = machine::<F>(a, v, sim.clone())?;
     let map = m
         .direct_map()
         .ok_or_else(|| runtime("the machine has no direct map"))?
