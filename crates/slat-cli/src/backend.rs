@@ -358,18 +358,9 @@ pub fn visit<V: OnMachine>(kind: BackendArg, spec: &Spec, work: V) -> CliResult<
 }
 
 /// Builds machine `kind` as a progress phase (`mapping ... guest RAM{what}`), which the
-/// caller ends once the rest of its set-up (pinning, a baseline) is done.
-pub fn start(
-    kind: BackendArg,
-    spec: &Spec,
-    what: &str,
-    quiet: bool,
-) -> CliResult<(Box<dyn Backend>, Phase)> {
-    start_with(kind, spec, what, quiet, None)
-}
-
-/// [`start`], in virtual time when `sim` is given (`--clock virtual`: the simulated machine's
-/// threads are registered with it; the calling thread must be its host CPU).
+/// caller ends once the rest of its set-up (pinning, a baseline) is done; in virtual time
+/// when `sim` is given (`--clock virtual`: the simulated machine's threads are registered
+/// with it; the calling thread must be its host CPU).
 pub fn start_with(
     kind: BackendArg,
     spec: &Spec,

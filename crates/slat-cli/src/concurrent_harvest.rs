@@ -9,10 +9,11 @@ use crate::harvest::{Harvest, HarvestTimes};
 use crate::latency::LatencySummary;
 use crate::output::secs;
 use crate::report::per;
+use crate::virtual_time::{self, Stopwatch};
 use serde::Serialize;
 use slat_workload::latency::{latency_histogram, merged, record_latency_n};
 use slat_workload::{LatencyHistogram, PassParams, WriteLatency};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Writes at least this slow left the guest (an exit on this host costs microseconds, a write
 /// that stays in the guest nanoseconds): a real guest's "stalls" are the writes above it.
@@ -151,7 +152,9 @@ pub fn run(
         timed: true,
         ..params
     };
-    let t0 = Instant::now();
+    // The host's clock: a simulated CPU's under --clock virtual, where the harvests below run
+    // on host CPU 0 against the vCPUs' simulated CPUs.
+    let t0 = Stopwatch::start();
     m.start_loop(params)?;
     let harvests = harvest_loop(m, spec, harvest, iterations, interval);
     // Halt even when a harvest failed, so no vCPU is left running; the harvest's error wins.
@@ -180,7 +183,7 @@ fn harvest_loop(
     let mut out = Vec::with_capacity(iterations as usize);
     for _ in 0..iterations {
         if !interval.is_zero() {
-            std::thread::sleep(interval);
+            virtual_time::sleep(interval);
         }
         out.push(harvest.run(m, spec)?);
     }

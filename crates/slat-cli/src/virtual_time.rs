@@ -84,6 +84,15 @@ impl Stopwatch {
     }
 }
 
+/// Waits `d`: on the calling thread's virtual clock when it is a simulated CPU (the other
+/// simulated CPUs run meanwhile), in real time otherwise.
+pub fn sleep(d: Duration) {
+    let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+    if !slat_vt::sleep_current(ns) {
+        std::thread::sleep(d);
+    }
+}
+
 /// Runs `f`, real-time work on host threads of the calling thread's own (the native baseline),
 /// without letting the simulation move meanwhile: under `--clock virtual` the host CPU keeps
 /// the baton (so the run stays deterministic) and the watchdog lets it be.
@@ -166,6 +175,29 @@ impl ClockReport {
             l.push_str(&format!(", {f:.0} faults/s"));
         }
         Some(l)
+    }
+
+    /// The report of two virtual runs one after the other with the same profile (a
+    /// benchmark that runs each variant in a simulation of its own): their wall times,
+    /// calls, switches, accesses and faults added, the speeds over the sum. A real-time
+    /// report stays as it is.
+    pub fn merged(&self, other: &ClockReport) -> ClockReport {
+        let add = |a: Option<u64>, b: Option<u64>| Some(a?.saturating_add(b?));
+        let Some(wall) = self.wall_s.zip(other.wall_s).map(|(a, b)| a + b) else {
+            return self.clone();
+        };
+        let accesses = add(self.sim_accesses, other.sim_accesses);
+        let faults = add(self.sim_faults, other.sim_faults);
+        ClockReport {
+            wall_s: Some(wall),
+            sim_hooks: add(self.sim_hooks, other.sim_hooks),
+            sim_switches: add(self.sim_switches, other.sim_switches),
+            sim_accesses: accesses,
+            sim_faults: faults,
+            sim_accesses_per_s: accesses.map(|n| per_second(n, wall)),
+            sim_faults_per_s: faults.map(|n| per_second(n, wall)),
+            ..self.clone()
+        }
     }
 
     /// Adds the faults of a virtual run to its speed figures, from the simulated machine's
@@ -335,6 +367,10 @@ impl SimThreads for Threads {
 
     fn step_in(&self) {
         let _ = slat_vt::attach_current();
+    }
+
+    fn sleep(&self, d: Duration) {
+        sleep(d);
     }
 }
 

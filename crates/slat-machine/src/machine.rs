@@ -682,6 +682,15 @@ impl<F: PteFormat> TestMachine for Machine<F> {
     fn pin_vcpus(&self, cpus: &[usize]) -> Result<Vec<Vec<usize>>, MachineError> {
         self.tids.pin(cpus).map_err(MachineError::Thread)
     }
+    fn now_ns(&self) -> u64 {
+        F::Clock::now_ns()
+    }
+    fn sleep(&self, d: Duration) {
+        match &self.sim {
+            Some(sim) => sim.sleep(d),
+            None => std::thread::sleep(d),
+        }
+    }
 }
 
 /// The private pool of a confidential guest (as big as its RAM, 2 MiB aligned so the direct

@@ -22,6 +22,9 @@ pub trait SimThreads: Send + Sync {
     fn step_out(&self);
     /// ... and rejoins it.
     fn step_in(&self);
+    /// The calling (registered) thread waits `d` of its simulated time, as a timer: the
+    /// other threads run meanwhile.
+    fn sleep(&self, d: std::time::Duration);
 }
 
 /// A registered thread's ticket into the simulation; dropping it ends the thread's part.

@@ -54,7 +54,8 @@ pub use model::line::{LineStats, MAX_CPUS};
 pub use model::lock::LockStats;
 pub use profile::{cost_name, Entry, LockPolicy, Model, PolicyEntry, Profile};
 pub use sim::{
-    attach_current, detach_current, hold_while, CpuHandle, CpuReport, Sim, SimStats, WATCHDOG,
+    attach_current, detach_current, hold_while, sleep_current, CpuHandle, CpuReport, Sim, SimStats,
+    WATCHDOG,
 };
 pub use virtual_clock::{foreign_ops, simulated_now_ns, Hook, Virtual};
 pub use wait::{Barrier, Condvar};

@@ -425,6 +425,23 @@ pub fn attach_current() -> Result<(), SimError> {
     Ok(())
 }
 
+/// Lets `ns` of virtual time pass on the calling thread's running simulated CPU, as a timer
+/// does: its clock moves on by `ns`, and it passes the baton at once if that puts it more
+/// than the lookahead ahead of the lowest runnable CPU (the others run meanwhile; it runs
+/// again in its turn). `false`, with nothing done, on a thread that runs no CPU.
+pub fn sleep_current(ns: u64) -> bool {
+    let Some(b) = current().filter(|b| b.mode.get() == Mode::Running) else {
+        return false;
+    };
+    b.clock
+        .set(b.clock.get().saturating_add(ns.saturating_mul(1000)));
+    // One scheduling point, under the scheduler's lock with the new clock: which CPU runs
+    // next depends only on the clocks, never on how fast this thread gets here.
+    let shared = Arc::clone(&b.shared);
+    shared.schedule_point(&b);
+    true
+}
+
 /// Runs `f` while the calling thread's simulated CPU keeps the baton: no other simulated CPU
 /// runs meanwhile, so the simulation stays deterministic, and the watchdog does not count the
 /// time (for real-time work of the thread's own that touches no hook, such as a native

@@ -29,7 +29,7 @@ use crate::test_machine::TestMachine;
 use slat_addr::PageIndex;
 use slat_addr::PAGE_SIZE;
 use slat_dirty::DirtyLogSource;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How the log is harvested.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -202,12 +202,14 @@ fn iteration<M: TestMachine + ?Sized>(
     // Stamps: 2k while the log covers the whole iteration, 2k + 1 after a re-enable.
     let stamp = 2 * k as u64;
     let toggled = cfg.toggle_every != 0 && k % cfg.toggle_every == 0;
-    let t0 = Instant::now();
+    // The machine's clock: the host's, or its simulated CPU's in virtual time.
+    let t0 = m.now_ns();
+    let elapsed = || Duration::from_nanos(m.now_ns().saturating_sub(t0));
     m.start_writer(cfg.seed, stamp)?;
     // Harvest once at a random point in the middle of the iteration, with writers running.
     let interval_us = cfg.interval.as_micros().clamp(1, u64::MAX as u128) as u64;
     let reap = Duration::from_micros(rng.next_u32() as u64 % interval_us);
-    std::thread::sleep(reap.saturating_sub(t0.elapsed()));
+    m.sleep(reap.saturating_sub(elapsed()));
     let mid = (|| {
         collect(m, cfg.mode, dirty)?;
         if toggled {
@@ -220,7 +222,7 @@ fn iteration<M: TestMachine + ?Sized>(
     })();
     // Halt the writers even after a failed harvest, then report the harvest's error.
     if mid.is_ok() {
-        std::thread::sleep(cfg.interval.saturating_sub(t0.elapsed()));
+        m.sleep(cfg.interval.saturating_sub(elapsed()));
     }
     let run = m.halt()?;
     mid?;

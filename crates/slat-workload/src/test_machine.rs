@@ -82,6 +82,27 @@ pub trait TestMachine {
     /// The first 8 bytes of page `page` of the test region (read atomically: vCPUs may be
     /// writing). `None` past the end.
     fn page_value(&self, page: u64) -> Option<u64>;
+
+    /// Now on the clock the host's waits run on, ns since an arbitrary start: the host's
+    /// monotonic clock, or the host's simulated CPU's in virtual time.
+    fn now_ns(&self) -> u64 {
+        real_now_ns()
+    }
+
+    /// Waits `d` on that clock while the vCPUs run (in virtual time, a timer's wait: the
+    /// vCPUs' simulated CPUs run meanwhile).
+    fn sleep(&self, d: std::time::Duration) {
+        std::thread::sleep(d);
+    }
+}
+
+/// Nanoseconds of the host's monotonic clock since its first reading in this process.
+fn real_now_ns() -> u64 {
+    use std::sync::OnceLock;
+    use std::time::Instant;
+    static START: OnceLock<Instant> = OnceLock::new();
+    let start = *START.get_or_init(Instant::now);
+    u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// The log mode of a test region logged as `dirty` with `pages_per_slot` pages per slot: the

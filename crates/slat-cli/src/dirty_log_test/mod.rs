@@ -11,6 +11,7 @@ use crate::driver::Benchmark;
 use crate::error::{CliError, CliResult};
 use crate::output::{print_json, Metric, Repeated, RunHead, VmSettings, WorkSettings};
 use crate::report::{format_header, quiet};
+use crate::virtual_time::{self, ClockArgs, ClockReport, VirtualRun};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 #[cfg(feature = "broken-engine")]
@@ -76,6 +77,8 @@ pub struct DirtyLogTestArgs {
     pub dirty: DirtyArgs,
     #[command(flatten)]
     pub machine: MachineArgs,
+    #[command(flatten)]
+    pub clock: ClockArgs,
     #[command(flatten)]
     pub out: OutputArgs,
 }
@@ -199,6 +202,9 @@ fn check(a: &DirtyLogTestArgs) -> Result<(), String> {
         engine_only.push("--toggle-every");
     }
     a.machine.check_backends(&a.backend, &engine_only)?;
+    if a.clock.is_virtual() && a.backend.contains(&BackendArg::Kvm) {
+        return Err("--clock virtual runs only on the simulated machine (--backend sim)".into());
+    }
     let ring_mode = modes(a).contains(&LogMode::DirtyRing);
     let vm_config = a.dirty.apply(a.machine.vm_config());
     a.dirty.check(&vm_config, a.machine.format, ring_mode)?;
@@ -289,6 +295,10 @@ pub struct Report {
     pub config: Config,
     pub modes: Vec<ModeReport>,
     pub pass: bool,
+    /// Whose time the iterations' intervals ran on (under `--clock virtual`, each mode is a
+    /// simulation of its own; the speed figures are their sums).
+    #[serde(flatten)]
+    pub clock: ClockReport,
     /// The header line naming the page-table format.
     #[serde(skip)]
     pub format_header: String,
@@ -328,25 +338,45 @@ const METRICS: &[Metric<Report>] = &[
     }),
 ];
 
-/// Checks one log mode on a fresh machine.
+/// Checks one log mode on a fresh machine, in a simulation of its own under `--clock
+/// virtual`: the mode's report and the clock's.
 fn check_mode(
     a: &DirtyLogTestArgs,
     kind: BackendArg,
     vm: slat::VmConfig,
     mode: LogMode,
     ring: u32,
-) -> CliResult<ModeReport> {
+) -> CliResult<(ModeReport, ClockReport)> {
+    let vt = a.clock.start()?;
+    let sim = vt.as_ref().map(VirtualRun::threads);
+    let (r, stats) = check_mode_on(a, kind, vm, mode, ring, sim)?;
+    let mut clock = virtual_time::finish(vt)?;
+    clock.count_faults(&stats);
+    Ok((r, clock))
+}
+
+/// [`check_mode`] on a machine whose threads join `sim` (virtual time); the report and the
+/// machine's counters, the machine gone.
+fn check_mode_on(
+    a: &DirtyLogTestArgs,
+    kind: BackendArg,
+    vm: slat::VmConfig,
+    mode: LogMode,
+    ring: u32,
+    sim: Option<std::sync::Arc<dyn slat_machine::vtime::SimThreads>>,
+) -> CliResult<(ModeReport, serde_json::Value)> {
     let dirty = mode.dirty_config(ring);
     let mut region = a.work.region(
         &a.machine,
         dirty_config(dirty.manual_protect != 0, dirty.ring_entries),
     );
     region.bytes_per_vcpu += EXTRA_BYTES;
-    let (m, p) = backend::start(
+    let (m, p) = backend::start_with(
         kind,
         &Spec::new(&a.machine, region, vm),
         "",
         quiet(a.out.json),
+        sim,
     )?;
     p.done();
     #[cfg(feature = "broken-engine")]
@@ -365,7 +395,10 @@ fn check_mode(
         .iterations
         .iter()
         .fold((0, 0), |(l, s), i| (l + i.lost, s + i.spurious));
-    Ok(ModeReport {
+    let gpa = m.layout().gpa;
+    let stats = m.stats();
+    drop(m);
+    let report = ModeReport {
         mode: mode.name(),
         iterations: r
             .iterations
@@ -387,8 +420,9 @@ fn check_mode(
         ring_full_exits: r.ring_full_exits,
         errors: r.errors.clone(),
         pass: r.mismatches() == 0,
-        gpa: m.layout().gpa,
-    })
+        gpa,
+    };
+    Ok((report, stats))
 }
 
 /// Every log mode on `kind`.
@@ -404,10 +438,16 @@ fn run_on(a: &DirtyLogTestArgs, kind: BackendArg) -> CliResult<Report> {
         .check_fits(&a.backend, &a.machine, EXTRA_BYTES, 1)
         .map_err(CliError::bad)?;
     let ring = ring(a, mem.pages());
-    let reports = modes
-        .iter()
-        .map(|&mode| check_mode(a, kind, vm_config, mode, ring))
-        .collect::<CliResult<Vec<_>>>()?;
+    let mut reports = Vec::new();
+    let mut clock: Option<ClockReport> = None;
+    for &mode in &modes {
+        let (r, c) = check_mode(a, kind, vm_config, mode, ring)?;
+        reports.push(r);
+        clock = Some(match clock {
+            Some(prev) => prev.merged(&c),
+            None => c,
+        });
+    }
     let vm = VmSettings::new(
         kind,
         a.machine.format,
@@ -435,12 +475,20 @@ fn run_on(a: &DirtyLogTestArgs, kind: BackendArg) -> CliResult<Report> {
         },
         pass: reports.iter().all(|m| m.pass),
         modes: reports,
+        clock: clock.unwrap_or_else(ClockReport::real),
         format_header: format_header(kind, a.machine.format, &vm_config),
     })
 }
 
-/// The selftest's text report of one machine's run.
+/// The selftest's text report of one machine's run (and the clock's line, in virtual time).
 fn print_text(r: &Report) {
+    print_modes(r);
+    if let Some(l) = r.clock.line() {
+        println!("{l}");
+    }
+}
+
+fn print_modes(r: &Report) {
     for m in &r.modes {
         println!("Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages");
         println!("{}", r.format_header);

@@ -12,13 +12,17 @@ use super::{
 use crate::error::{CliError, CliResult};
 use crate::output::{ratio_cell, summarize, Better, Metric, MetricSummary};
 use crate::report::{quiet, Phase};
+use crate::virtual_time::{self, ClockReport, Stopwatch};
 use serde::Serialize;
 use slat::direct_map::{DirectMap, DirectMapConfig, DirectMapStats};
-use slat::{DirectMapPolicy, Ept, MemoryAttributes};
+use slat::{DirectMapPolicy, Ept, MemoryAttributes, PteFormat, Timed};
 use slat_addr::{Gfn, PAGE_SHIFT, PAGE_SIZE};
+use slat_machine::vtime::SimThreads;
 use slat_machine::{Machine, MachineConfig, MachineError};
+use slat_vt::Virtual;
 use slat_workload::{format_size, Backing, GuestRam, PassParams, RegionSpec};
-use std::sync::{mpsc, Once};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Once};
 use std::time::{Duration, Instant};
 
 type AnyRun = super::Run;
@@ -114,6 +118,10 @@ pub struct NativeRow {
 pub struct Run {
     native: NativeRow,
     pub rows: Vec<SimRow>,
+    /// Whose time the rows' times are (under `--clock virtual`, each variant is a simulation
+    /// of its own; the speed figures are their sums).
+    #[serde(flatten)]
+    pub clock: Box<ClockReport>,
 }
 
 #[derive(Serialize)]
@@ -160,10 +168,16 @@ pub fn measure(a: &PrivateMemPerfArgs) -> CliResult<Run> {
         HEAD.call_once(|| print_head(a));
     }
     let mut rows = Vec::new();
+    let mut clock: Option<ClockReport> = None;
     for v in sim_variants(a).map_err(CliError::bad)? {
         let name = label(v.policy, v.kernel_flush);
         let phase = Phase::start(format!("{name} fault-in"), quiet(a.out.json));
-        rows.push(one_variant(a, v)?);
+        let (row, c) = timed_variant(a, v)?;
+        rows.push(row);
+        clock = Some(match clock {
+            Some(prev) => prev.merged(&c),
+            None => c,
+        });
         phase.done();
     }
     let phase = Phase::start("native fill", quiet(a.out.json));
@@ -173,7 +187,26 @@ pub fn measure(a: &PrivateMemPerfArgs) -> CliResult<Run> {
         row.ratio_over_native =
             (native.ns_per_page > 0.0).then(|| row.ns_per_page / native.ns_per_page);
     }
-    Ok(Run { native, rows })
+    let clock = Box::new(clock.unwrap_or_else(ClockReport::real));
+    Ok(Run {
+        native,
+        rows,
+        clock,
+    })
+}
+
+/// One variant on the clock the flags ask for: in virtual time, a simulation of its own
+/// (the main thread its host CPU, the vCPUs — the direct map's host CPUs — and the sampler
+/// its other CPUs), so no variant's cache-line or lock state reaches the next.
+fn timed_variant(a: &PrivateMemPerfArgs, v: Variant) -> CliResult<(SimRow, ClockReport)> {
+    let vt = a.clock.start()?;
+    let (row, stats) = match &vt {
+        None => one_variant::<Ept>(a, v, None)?,
+        Some(run) => one_variant::<Timed<Ept, Virtual>>(a, v, Some(run.threads()))?,
+    };
+    let mut clock = virtual_time::finish(vt)?;
+    clock.count_faults(&stats);
+    Ok((row, clock))
 }
 
 /// The floor: each vCPU's share written once per page on fresh memory of the pool's kind.
@@ -206,16 +239,21 @@ fn native(a: &PrivateMemPerfArgs) -> CliResult<NativeRow> {
     })
 }
 
-/// The samples of a fault-in from the direct map's counters; a last interval that accepted
-/// nothing (the pass ended just after a sample) is left out.
-fn samples(r: &[(Instant, DirectMapStats)]) -> Vec<SimSample> {
+/// The samples of a fault-in from the direct map's counters (each read at its time since the
+/// first); a last interval that accepted nothing (the pass ended just after a sample) is left
+/// out.
+fn samples(r: &[(Duration, DirectMapStats)]) -> Vec<SimSample> {
     let mut out: Vec<SimSample> = r
         .windows(2)
         .map(|w| {
             let ((t, a), (u, b)) = (&w[0], &w[1]);
             SimSample {
-                t_s: u.duration_since(r[0].0).as_secs_f64(),
-                gb_per_s: per_s((b.accepted - a.accepted) * PAGE_SIZE, *u - *t, 1e9),
+                t_s: u.as_secs_f64(),
+                gb_per_s: per_s(
+                    (b.accepted - a.accepted) * PAGE_SIZE,
+                    u.saturating_sub(*t),
+                    1e9,
+                ),
                 splits: b.splits - a.splits,
                 lock_wait_ms: (b.lock_wait_ns - a.lock_wait_ns) as f64 / 1e6,
             }
@@ -227,8 +265,14 @@ fn samples(r: &[(Instant, DirectMapStats)]) -> Vec<SimSample> {
     out
 }
 
-fn one_variant(a: &PrivateMemPerfArgs, v: Variant) -> CliResult<SimRow> {
-    let m = Machine::<Ept>::new(MachineConfig {
+/// One variant's confidential guest, its vCPUs (the direct map's host CPUs) registered with
+/// `sim` in virtual time.
+fn machine<F: PteFormat>(
+    a: &PrivateMemPerfArgs,
+    v: Variant,
+    sim: Option<Arc<dyn SimThreads>>,
+) -> CliResult<Machine<F>> {
+    let config = MachineConfig {
         region: RegionSpec {
             vcpus: a.threads as usize,
             bytes_per_vcpu: a.bytes,
@@ -249,23 +293,38 @@ fn one_variant(a: &PrivateMemPerfArgs, v: Variant) -> CliResult<SimRow> {
             collapse: a.collapse,
         }),
         ..MachineConfig::default()
-    })
-    .map_err(machine_error)?;
+    };
+    // In virtual time every vCPU has a physical CPU: the simulation schedules them, and the
+    // machine's token pool must never block a simulated thread.
+    let pcpus = match sim {
+        Some(_) => a.threads as usize,
+        None => config.pcpus,
+    };
+    // Building a pre-split direct map of a large pool takes the host CPU seconds of real
+    // time with no scheduler call: the simulation's watchdog must not take it for a hang.
+    virtual_time::outside(|| Machine::<F>::with_sim(MachineConfig { pcpus, ..config }, sim))
+        .map_err(machine_error)
+}
+
+/// One variant's fault-in and conversion on a machine of format `F` (`sim`: the simulation
+/// its threads join, in virtual time); the row and the engine's counters.
+fn one_variant<F: PteFormat>(
+    a: &PrivateMemPerfArgs,
+    v: Variant,
+    sim: Option<Arc<dyn SimThreads>>,
+) -> CliResult<(SimRow, serde_json::Value)> {
+    let m = machine::<F>(a, v, sim.clone())?;
     let map = m
         .direct_map()
         .ok_or_else(|| runtime("the machine has no direct map"))?
         .clone();
     let total = m.layout().total_pages() * PAGE_SIZE;
     let before = map.stats();
-    let (stop, stopped) = mpsc::channel::<()>();
     let every = Duration::from_millis(a.samples_ms);
-    let (pass, stats) = std::thread::scope(|s| {
-        let (first, map) = ((Instant::now(), before), &map);
-        let sampler = s.spawn(move || readings(every, stopped, first, || map.stats()));
-        let pass = m.run_pass(PassParams::default());
-        drop(stop);
-        (pass, sampler.join())
-    });
+    let (pass, stats) = match &sim {
+        Some(sim) => sampled_virtual(&m, &map, sim.as_ref(), every)?,
+        None => sampled_real(&m, &map, every),
+    };
     let stats = stats.map_err(|_| runtime("the sampler thread panicked"))?;
     let pass = pass.map_err(machine_error)?;
     let after = map.stats();
@@ -275,7 +334,9 @@ fn one_variant(a: &PrivateMemPerfArgs, v: Variant) -> CliResult<SimRow> {
         .map(|c| c.counters.kernel_tlb_flushes)
         .sum();
     let (to_shared, collapses) = to_shared(&m, &map)?;
-    Ok(SimRow {
+    let engine = crate::backend::stats_json(&m.vm().stats());
+    drop(m);
+    let row = SimRow {
         direct_map: v.policy.name(),
         kernel_flush: v.kernel_flush,
         bytes: total,
@@ -294,16 +355,87 @@ fn one_variant(a: &PrivateMemPerfArgs, v: Variant) -> CliResult<SimRow> {
         to_shared_gib_per_s: per_s(total, to_shared, GIB),
         collapses,
         samples: samples(&stats),
+    };
+    Ok((row, engine))
+}
+
+/// What a fault-in pass and its sampler return.
+type Sampled = (
+    Result<slat_machine::PassReport, MachineError>,
+    std::thread::Result<Vec<(Duration, DirectMapStats)>>,
+);
+
+/// The fault-in pass, sampled every `every` by a host thread in real time.
+fn sampled_real<F: PteFormat>(m: &Machine<F>, map: &DirectMap, every: Duration) -> Sampled {
+    let (stop, stopped) = mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        let first = (Instant::now(), map.stats());
+        let sampler = s.spawn(move || {
+            let r = readings(every, stopped, first, || map.stats());
+            let t0 = r.first().map(|x| x.0);
+            (r.into_iter())
+                .map(|(t, x)| (t0.map_or(Duration::ZERO, |t0| t - t0), x))
+                .collect()
+        });
+        let pass = m.run_pass(PassParams::default());
+        drop(stop);
+        (pass, sampler.join())
     })
+}
+
+/// The fault-in pass in virtual time, sampled by a timer: a simulated CPU of its own that
+/// sleeps `every` of virtual time between readings (so sampling costs the vCPUs nothing and
+/// the samples are the same every run).
+fn sampled_virtual<F: PteFormat>(
+    m: &Machine<F>,
+    map: &DirectMap,
+    sim: &dyn SimThreads,
+    every: Duration,
+) -> CliResult<Sampled> {
+    let mut token = sim.register("sampler").map_err(runtime)?;
+    let stop = AtomicBool::new(false);
+    let start = Stopwatch::start();
+    let first = map.stats();
+    Ok(std::thread::scope(|s| {
+        let stop = &stop;
+        let sampler = s.spawn(move || {
+            token.attach();
+            let mut out = vec![(Duration::ZERO, first)];
+            // A tick after the pass ended reads nothing: the host reads the last sample at
+            // the end.
+            loop {
+                virtual_time::sleep(every);
+                if stop.load(Ordering::Acquire) {
+                    break;
+                }
+                out.push((start.elapsed(), map.stats()));
+            }
+            drop(token);
+            out
+        });
+        let pass = m.run_pass(PassParams::default());
+        let last = (start.elapsed(), map.stats());
+        stop.store(true, Ordering::Release);
+        // The join waits outside the simulation; the sampler runs meanwhile.
+        sim.step_out();
+        let r = sampler.join().map(|mut out| {
+            if out.last().is_some_and(|x| x.0 < last.0) {
+                out.push(last);
+            }
+            out
+        });
+        sim.step_in();
+        (pass, r)
+    }))
 }
 
 /// Converts the whole (faulted-in) region to shared, timed: the conversion that involves
 /// the direct map (every page released). The way back to private is only a zap of nothing
 /// mapped (acceptance is lazy), so it is not measured.
-fn to_shared(m: &Machine<Ept>, map: &DirectMap) -> CliResult<(Duration, u64)> {
+fn to_shared<F: PteFormat>(m: &Machine<F>, map: &DirectMap) -> CliResult<(Duration, u64)> {
     let gfn = Gfn::new(m.layout().gpa >> PAGE_SHIFT);
     let c0 = map.stats().collapses;
-    let t0 = Instant::now();
+    let t0 = Stopwatch::start();
     m.vm()
         .set_memory_attributes(gfn, m.layout().total_pages(), MemoryAttributes::empty())
         .map_err(runtime)?;
@@ -394,6 +526,9 @@ pub fn print_run(run: &Run, samples_ms: u64) {
     native.extend([format!("{:.0}", n.ns_per_page), "1.00x".into()]);
     native.resize(COLUMNS.len(), "-".into());
     table(COLUMNS, &run.rows, Some(native));
+    if let Some(l) = run.clock.line() {
+        println!("{l}");
+    }
     println!("Samples every {samples_ms} ms (fault-in GB/s, splits):");
     for x in &run.rows {
         let s = x

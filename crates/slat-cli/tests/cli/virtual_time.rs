@@ -80,6 +80,128 @@ fn dirty_log_perf_in_virtual_time_is_deterministic() {
     common::schema::validate("dirty-log-perf.json", &common::json(&args));
 }
 
+/// The concurrent harvest: the host harvests on its own simulated CPU (host CPU 0) while the
+/// vCPUs keep writing, between harvests a timer's sleep in virtual time.
+#[test]
+fn concurrent_harvest_in_virtual_time_is_deterministic() {
+    for wrprot in ["walk", "rmap-lockless"] {
+        let args = [
+            "dirty-log-perf",
+            "-v",
+            "3",
+            "-b",
+            "4M",
+            "-i",
+            "3",
+            "-g",
+            "--concurrent",
+            "--wrprot",
+            wrprot,
+            "--clock",
+            "virtual",
+        ];
+        let r = twice(&args);
+        assert_eq!(r["clock"], "virtual");
+        let c = &r["concurrent"];
+        assert_eq!(c["concurrent"]["harvests"], 3);
+        assert!(c["concurrent"]["harvest_avg_s"].as_f64().unwrap() > 0.0);
+        assert!(c["concurrent"]["write_latency"]["count"].as_u64().unwrap() > 0);
+        // The vCPUs wrote for the interval before each harvest: a harvest finds pages.
+        let h = c["concurrent_harvests"].as_array().unwrap();
+        assert!(h.iter().all(|h| h["dirty_pages"].as_u64().unwrap() > 0));
+        common::schema::validate("dirty-log-perf.json", &common::json(&args));
+    }
+}
+
+/// The simulated direct map: the vCPUs (the direct map's host CPUs) and the sampler are
+/// simulated CPUs, each variant a simulation of its own.
+#[test]
+fn private_mem_perf_in_virtual_time_is_deterministic() {
+    let args = [
+        "private-mem-perf",
+        "--backend",
+        "sim",
+        "-v",
+        "4",
+        "-b",
+        "4M",
+        "--vary",
+        "direct-map=2m-split,4k",
+        "--kernel-flush",
+        "off",
+        "--clock",
+        "virtual",
+    ];
+    // Without host facts, the native floor (real time on host threads) and the wall-time
+    // figures of each run's simulations.
+    let strip = |mut r: Value| {
+        r.as_object_mut().unwrap().remove("host");
+        for run in r["runs"].as_array_mut().unwrap() {
+            let run = run.as_object_mut().unwrap();
+            for k in [
+                "native",
+                "sim_wall_s",
+                "sim_accesses_per_s",
+                "sim_faults_per_s",
+            ] {
+                run.remove(k);
+            }
+            for row in run["rows"].as_array_mut().unwrap() {
+                row.as_object_mut().unwrap().remove("ratio_over_native");
+            }
+        }
+        r
+    };
+    let (a, b) = (strip(common::json(&args)), strip(common::json(&args)));
+    assert_eq!(a, b, "slat {} twice", args.join(" "));
+    let run = &a["runs"][0];
+    assert_eq!(run["clock"], "virtual");
+    // Two variants, each faulting in every page once.
+    assert_eq!(run["sim_faults"], 2 * 4 * 1024);
+    let rows = run["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for row in rows {
+        assert_eq!(row["accepted"], 4 * 1024);
+        assert!(row["fault_in_s"].as_f64().unwrap() > 0.0);
+        assert!(!row["samples"].as_array().unwrap().is_empty());
+    }
+    common::schema::validate("private-mem-perf.json", &common::json(&args));
+}
+
+/// The dirty-log oracle with real memory in virtual time: every mode passes, the writers
+/// run while the host's timer waits, and the same seed checks the same pages.
+#[test]
+fn dirty_log_test_passes_in_virtual_time_deterministically() {
+    let args = [
+        "dirty-log-test",
+        "-v",
+        "2",
+        "-b",
+        "16M",
+        "-i",
+        "3",
+        "-I",
+        "1",
+        "--toggle-every",
+        "2",
+        "--clock",
+        "virtual",
+    ];
+    let r = twice(&args);
+    assert_eq!(r["clock"], "virtual");
+    assert_eq!(r["pass"], true);
+    let modes = r["modes"].as_array().unwrap();
+    assert_eq!(modes.len(), 3);
+    for m in modes {
+        assert_eq!(m["pass"], true, "{m}");
+        assert_eq!(m["lost"], 0);
+        // Some pages written, some not: the oracle checks both directions.
+        assert!(m["total_dirty"].as_u64().unwrap() > 0, "{m}");
+        assert!(m["total_clean"].as_u64().unwrap() > 0, "{m}");
+    }
+    common::schema::validate("dirty-log-test.json", &common::json(&args));
+}
+
 #[test]
 fn page_table_test_in_virtual_time_is_deterministic() {
     for format in ["ept", "stage2"] {
@@ -147,21 +269,13 @@ fn what_the_simulation_cannot_run_is_refused() {
             "--clock",
             "virtual",
         ],
-        &[
-            "dirty-log-perf",
-            "-b",
-            "4M",
-            "--concurrent",
-            "--clock",
-            "virtual",
-        ],
         &["snapshot-perf", "-b", "4M", "--clock", "virtual"],
         &[
-            "private-mem-perf",
-            "--backend",
-            "sim",
+            "dirty-log-test",
             "-b",
             "4M",
+            "--backend",
+            "kvm",
             "--clock",
             "virtual",
         ],

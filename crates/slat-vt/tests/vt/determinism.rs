@@ -89,3 +89,48 @@ fn the_lookahead_changes_results_little() {
         assert!(e.abs() < 0.10, "lookahead {l} ns: {:+.1}%", e * 100.0);
     }
 }
+
+/// A timer and a worker: the worker counts in steps, the timer sleeps and reads the count.
+/// Returns the counts the timer read and its clock after each sleep.
+fn timer_program() -> Vec<(u64, u64)> {
+    let sim = common::sim(common::profile(), 0);
+    let count = AtomicU64::new(0);
+    let reads = Mutex::new(Vec::new());
+    common::run(&sim, 2, |i| {
+        if i == 0 {
+            for _ in 0..200 {
+                Virtual::charge(Cost::VmExit, 1);
+                Virtual::rmw(addr_of(&count));
+                count.fetch_add(1, Ordering::AcqRel);
+            }
+        } else {
+            for _ in 0..5 {
+                assert!(slat_vt::sleep_current(20 * common::STEP));
+                let now = slat_vt::simulated_now_ns().expect("a simulated CPU");
+                reads.lock().push((count.load(Ordering::Acquire), now));
+            }
+        }
+    });
+    sim.finish().expect("clean run");
+    reads.into_inner()
+}
+
+/// A timer's wait moves its clock by exactly the wait and lets the others run meanwhile, the
+/// same way every run (the wait is one scheduling point, not a detach and re-attach whose
+/// timing would depend on the host).
+#[test]
+fn a_timer_wait_lets_the_others_run_deterministically() {
+    let a = timer_program();
+    assert_eq!(a, timer_program());
+    for (k, &(n, now)) in a.iter().enumerate() {
+        assert_eq!(now, (k as u64 + 1) * 20 * common::STEP, "wait {k}");
+        // The worker ran meanwhile: about one increment per step, within the lookahead.
+        let expect = (k as u64 + 1) * 20;
+        assert!(
+            n + 2 >= expect && n <= expect + 2,
+            "wait {k}: {n} increments"
+        );
+    }
+    // Outside a simulation nothing happens.
+    assert!(!slat_vt::sleep_current(1));
+}
