@@ -269,6 +269,7 @@ impl CpuHandle {
             }
             if let Some(c) = g.cpus.get_mut(self.idx) {
                 c.thread = Some(std::thread::current());
+                c.cpu_clock = crate::scheduler::thread_cpu_clock();
             }
             let failed = g.failed.is_some();
             let u = g.kick();
