@@ -30,6 +30,11 @@ mod virtual_time;
 
 use clap::{Parser, Subcommand};
 
+/// Line-aligned allocations while a simulation runs, so `--clock virtual` reports do not
+/// depend on what the process allocated before (slat-vt's `LineAligned`).
+#[global_allocator]
+static ALLOC: slat_vt::LineAligned = slat_vt::LineAligned;
+
 /// slat: a concurrent user-space second-stage (EPT) MMU, benchmarked like KVM's selftests.
 #[derive(Debug, Parser)]
 #[command(name = "slat", version, propagate_version = true)]

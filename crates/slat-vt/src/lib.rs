@@ -36,6 +36,7 @@
 //! # Ok::<(), slat_vt::SimError>(())
 //! ```
 
+mod alloc;
 mod error;
 mod hooks;
 mod host;
@@ -48,6 +49,7 @@ mod virtual_clock;
 mod wait;
 mod watchdog;
 
+pub use alloc::LineAligned;
 pub use error::{ProfileError, SimError};
 pub use machines::BUILTIN_PROFILES;
 pub use model::line::{LineStats, MAX_CPUS};

@@ -51,6 +51,8 @@ pub(crate) struct Cpu {
     pub(crate) clock: u64,
     pub(crate) state: State,
     pub(crate) thread: Option<Thread>,
+    /// Its thread's CPU-time clock, once attached (the watchdog tells work from a block).
+    pub(crate) cpu_clock: Option<libc::clockid_t>,
     /// A lock was handed to it directly while it waited.
     pub(crate) granted: bool,
 }
@@ -154,6 +156,28 @@ impl Bound {
             *total = total.saturating_add(c.take());
         }
     }
+}
+
+/// The calling thread's CPU-time clock (user and system time).
+pub(crate) fn thread_cpu_clock() -> Option<libc::clockid_t> {
+    let mut id: libc::clockid_t = 0;
+    // SAFETY: `pthread_self` is always valid for the calling thread; `id` is a valid place
+    // to write.
+    let rc = unsafe { libc::pthread_getcpuclockid(libc::pthread_self(), &mut id) };
+    (rc == 0).then_some(id)
+}
+
+/// The CPU time, ns, of the thread whose clock is `id` (alive: the caller makes sure).
+pub(crate) fn cpu_time_ns(id: libc::clockid_t) -> Option<u64> {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid place to write; an invalid `id` is an error return, not UB.
+    let rc = unsafe { libc::clock_gettime(id, &mut ts) };
+    let secs = u64::try_from(ts.tv_sec).ok()?;
+    let ns = u64::try_from(ts.tv_nsec).ok()?;
+    (rc == 0).then(|| secs.saturating_mul(1_000_000_000).saturating_add(ns))
 }
 
 /// A bijective mix of 64 bits (xor-shift-multiply rounds): distinct indices get distinct
@@ -334,6 +358,7 @@ impl Inner {
             clock,
             state: State::Runnable,
             thread: None,
+            cpu_clock: None,
             granted: false,
         });
         self.ready.insert((clock, rank, idx));
@@ -391,6 +416,7 @@ impl Inner {
         };
         let old = std::mem::replace(&mut c.state, State::Exited);
         c.thread = None;
+        c.cpu_clock = None;
         let key = (c.clock, c.rank, i);
         match old {
             State::Exited => return Unpark::None,

@@ -108,6 +108,7 @@ impl Sim {
         profile.validate()?;
         let shared = Arc::new(Shared::new(profile, seed));
         let watchdog = period.and_then(|p| Watchdog::spawn(&shared, p));
+        crate::alloc::sim_started();
         Ok(Sim {
             shared,
             foreign_at_start: foreign_ops().0,
@@ -216,6 +217,7 @@ impl Sim {
 
 impl Drop for Sim {
     fn drop(&mut self) {
+        crate::alloc::sim_ended();
         if let Some((w, h)) = self.watchdog.take() {
             w.stop();
             let _ = h.join();
@@ -267,6 +269,7 @@ impl CpuHandle {
             }
             if let Some(c) = g.cpus.get_mut(self.idx) {
                 c.thread = Some(std::thread::current());
+                c.cpu_clock = crate::scheduler::thread_cpu_clock();
             }
             let failed = g.failed.is_some();
             let u = g.kick();

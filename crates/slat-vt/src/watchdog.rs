@@ -2,6 +2,11 @@
 //! blocked in the operating system on something the simulation does not route (a lock taken
 //! directly and held by a parked CPU, a join without `detach`). Nothing else would ever end
 //! such a hang, so the watchdog fails the simulation with every CPU's state.
+//!
+//! A holder that is working rather than blocked (its thread's CPU time advances: mapping and
+//! prefaulting guest memory, say) is given up to [`BUSY_PERIODS`] periods: how long real
+//! work takes depends on the host's load, and a simulation must not fail because the host
+//! was busy.
 
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
@@ -10,7 +15,21 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::SimError;
-use crate::scheduler::Shared;
+use crate::scheduler::{cpu_time_ns, Inner, Shared};
+
+/// How many periods a baton holder that keeps using CPU time may go without a scheduler call.
+pub(crate) const BUSY_PERIODS: u32 = 30;
+
+/// CPU time a holder must use in a tick to count as working, ns (a blocked thread's spurious
+/// wake-ups use microseconds).
+const BUSY_NS: u64 = 1_000_000;
+
+/// The baton holder and its thread's CPU time, ns.
+fn holder_cpu_time(g: &Inner) -> Option<(usize, u64)> {
+    let i = g.baton?;
+    let t = cpu_time_ns(g.cpus.get(i)?.cpu_clock?)?;
+    Some((i, t))
+}
 
 #[derive(Debug, Default)]
 pub(crate) struct Watchdog {
@@ -44,6 +63,9 @@ impl Watchdog {
         let tick = (period / 4).max(Duration::from_millis(10));
         let mut last_calls = u64::MAX;
         let mut since = Instant::now();
+        // The last scheduler call or idle moment (`since`: or tick in which the holder worked).
+        let mut since_call = Instant::now();
+        let mut last_cpu = None;
         loop {
             {
                 let mut stop = self.stop.lock();
@@ -62,6 +84,16 @@ impl Watchdog {
             // Idle (nobody holds the baton: all wait outside or have exited) or progressing.
             if g.baton.is_none() || g.holding_outside || g.calls != last_calls {
                 last_calls = g.calls;
+                since = Instant::now();
+                since_call = since;
+                last_cpu = holder_cpu_time(&g);
+                continue;
+            }
+            let cpu = holder_cpu_time(&g);
+            let working = matches!((last_cpu, cpu), (Some((a, t0)), Some((b, t1)))
+                if a == b && t1.saturating_sub(t0) >= BUSY_NS);
+            last_cpu = cpu;
+            if working && since_call.elapsed() < period.saturating_mul(BUSY_PERIODS) {
                 since = Instant::now();
                 continue;
             }

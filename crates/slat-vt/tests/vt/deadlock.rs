@@ -91,6 +91,25 @@ fn the_watchdog_catches_a_cpu_blocked_in_the_os() {
 }
 
 #[test]
+fn the_watchdog_lets_a_working_cpu_work() {
+    // Real work longer than the period while holding the baton (mapping guest memory on a
+    // loaded host): its thread's CPU time advances, so it is not a block.
+    let sim = Sim::with_watchdog(common::profile(), 0, Some(Duration::from_millis(300))).unwrap();
+    common::run(&sim, 2, |i| {
+        Virtual::fence();
+        if i == 0 {
+            let t0 = Instant::now();
+            let mut x = 0u64;
+            while t0.elapsed() < Duration::from_millis(1500) {
+                x = std::hint::black_box(x.wrapping_add(1));
+            }
+        }
+        Virtual::fence();
+    });
+    sim.finish().expect("working is not blocking");
+}
+
+#[test]
 fn registering_more_than_the_limit_is_an_error() {
     let sim = common::sim(common::profile(), 0);
     let handles: Vec<_> = (0..slat_vt::MAX_CPUS)
