@@ -41,6 +41,7 @@ impl Profile {
                 ),
                 invalidate: Entry::new(30.0, EST),
                 dram_miss: Entry::new(90.0, EST),
+                dram_stream: None,
                 handoff: Entry::new(
                     6_000.0,
                     "measured: half a thread park/unpark round trip, 12.5-21 us (examples/host_costs.rs, load 11-22): a parking_lot waiter's futex wake-up",

@@ -137,6 +137,12 @@ pub struct Model {
     pub invalidate: Entry,
     /// A line not in any cache (never touched, or untouched for `retention`).
     pub dram_miss: Entry,
+    /// A line not in any cache whose predecessor in the same 4 KiB page is in the model: a
+    /// sequential stream the hardware prefetcher fetches ahead (a walk over a table, a
+    /// bitmap), which costs memory bandwidth, not latency. A profile without it charges
+    /// `dram_miss` (no prefetch) and keeps the hash it had before this entry existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dram_stream: Option<Entry>,
     /// Release to a woken waiter's acquire under the `barging` policy (`fifo` uses
     /// `line_transfer`).
     pub handoff: Entry,
@@ -212,6 +218,9 @@ impl Profile {
         for (name, e) in self.model.entries() {
             check_value(name, e)?;
         }
+        if let Some(e) = &self.model.dram_stream {
+            check_value("dram_stream", e)?;
+        }
         for (name, e) in [
             ("retention", &self.model.retention),
             ("fair_every", &self.model.fair_every),
@@ -242,6 +251,10 @@ impl Profile {
         }
         for (name, e) in self.model.entries() {
             s.push_str(&format!("model.{name}={}\n", e.ps()));
+        }
+        // Only when present: profiles written before it keep their hashes.
+        if let Some(e) = &self.model.dram_stream {
+            s.push_str(&format!("model.dram_stream={}\n", e.ps()));
         }
         s.push_str(&format!(
             "model.lock_policy={}\n",

@@ -107,6 +107,13 @@ pub unsafe trait Clock: Send + Sync + 'static {
     /// An atomic read-modify-write, compare-and-swap, exchange or store on the cache line of
     /// `addr`: the line is made exclusive to the caller.
     fn rmw(addr: usize);
+    /// A plain store to the line of `addr`, which other CPUs read: the line is made exclusive
+    /// to the caller, but unlike an RMW the store is not a locked instruction (it retires
+    /// into the store buffer). A clock that does not tell them apart prices it as an RMW.
+    #[inline(always)]
+    fn store(addr: usize) {
+        Self::rmw(addr);
+    }
     /// A load of a line other CPUs write (a page-table entry, a request word).
     fn shared_load(addr: usize);
     /// A sequentially consistent fence.
@@ -136,6 +143,8 @@ unsafe impl Clock for RealTime {
     const VIRTUAL: bool = false;
     #[inline(always)]
     fn rmw(_addr: usize) {}
+    #[inline(always)]
+    fn store(_addr: usize) {}
     #[inline(always)]
     fn shared_load(_addr: usize) {}
     #[inline(always)]
