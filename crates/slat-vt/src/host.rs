@@ -73,7 +73,7 @@ impl Profile {
     }
 }
 
-const COSTS: [(Cost, f64, &str); 16] = [
+const COSTS: [(Cost, f64, &str); 18] = [
     (Cost::WalkStep, 2.0, EST),
     (Cost::HwWalkStep, 2.0, EST),
     (Cost::TlbHit, 1.0, EST),
@@ -98,4 +98,14 @@ const COSTS: [(Cost, f64, &str); 16] = [
     (Cost::VmEntry, 1_500.0, EST_NESTED),
     (Cost::IpiHandler, 1_000.0, EST_NESTED),
     (Cost::IpiSend, 500.0, EST_NESTED),
+    (
+        Cost::FastFault,
+        0.0,
+        "estimate: not charged (this profile predates the fault paths' own costs)",
+    ),
+    (
+        Cost::SlowFault,
+        0.0,
+        "estimate: not charged (this profile predates the fault paths' own costs)",
+    ),
 ];

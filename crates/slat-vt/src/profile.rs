@@ -36,6 +36,8 @@ const COST_NAMES: [&str; Cost::ALL.len()] = [
     "vm_entry",
     "ipi_handler",
     "ipi_send",
+    "fast_fault",
+    "slow_fault",
 ];
 
 /// The index of `cost` in [`Cost::ALL`]; `None` for a cost this crate does not know yet.
@@ -59,6 +61,8 @@ pub(crate) fn cost_index(cost: Cost) -> Option<usize> {
         Cost::VmEntry => 13,
         Cost::IpiHandler => 14,
         Cost::IpiSend => 15,
+        Cost::FastFault => 16,
+        Cost::SlowFault => 17,
         _ => return None,
     })
 }

@@ -63,11 +63,17 @@ pub enum Cost {
     IpiHandler,
     /// Sending one inter-processor interrupt.
     IpiSend,
+    /// A fault taken by the lock-free fast path: its own software work (decoding the fault,
+    /// the checks, the dirty mark's bookkeeping), apart from what other hooks charge.
+    FastFault,
+    /// A fault taken by the slow path: its own software work (the memslot lookup, the plan,
+    /// the install's bookkeeping), apart from what other hooks charge.
+    SlowFault,
 }
 
 impl Cost {
     /// Every cost, in declaration order (profiles list them in this order).
-    pub const ALL: [Cost; 16] = [
+    pub const ALL: [Cost; 18] = [
         Cost::WalkStep,
         Cost::HwWalkStep,
         Cost::TlbHit,
@@ -84,6 +90,8 @@ impl Cost {
         Cost::VmEntry,
         Cost::IpiHandler,
         Cost::IpiSend,
+        Cost::FastFault,
+        Cost::SlowFault,
     ];
 }
 
