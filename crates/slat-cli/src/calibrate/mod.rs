@@ -199,8 +199,7 @@ fn measure_all(p: &Plan) -> CliResult<Vec<Measured>> {
     note(host_bench::epoch_pin(p), &mut all);
     note(host_bench::defer(p), &mut all);
     note(engine_bench::published_load(p)?, &mut all);
-    let walk = engine_bench::walk_step(p, &all)?;
-    note(walk, &mut all);
+    note(engine_bench::walk_step(p)?, &mut all);
     for m in engine_bench::tlb(p)? {
         note(m, &mut all);
     }
