@@ -73,7 +73,7 @@ impl Profile {
     }
 }
 
-const COSTS: [(Cost, f64, &str); 18] = [
+const COSTS: [(Cost, f64, &str); 19] = [
     (Cost::WalkStep, 2.0, EST),
     (Cost::HwWalkStep, 2.0, EST),
     (Cost::TlbHit, 1.0, EST),
@@ -108,4 +108,5 @@ const COSTS: [(Cost, f64, &str); 18] = [
         0.0,
         "estimate: not charged (this profile predates the fault paths' own costs)",
     ),
+    (Cost::WalkSide, 2.0, EST),
 ];

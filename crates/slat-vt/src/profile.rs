@@ -38,6 +38,7 @@ const COST_NAMES: [&str; Cost::ALL.len()] = [
     "ipi_send",
     "fast_fault",
     "slow_fault",
+    "walk_side",
 ];
 
 /// The index of `cost` in [`Cost::ALL`]; `None` for a cost this crate does not know yet.
@@ -63,6 +64,7 @@ pub(crate) fn cost_index(cost: Cost) -> Option<usize> {
         Cost::IpiSend => 15,
         Cost::FastFault => 16,
         Cost::SlowFault => 17,
+        Cost::WalkSide => 18,
         _ => return None,
     })
 }

@@ -31,7 +31,7 @@ pub enum LockMode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[non_exhaustive]
 pub enum Cost {
-    /// One step of the engine's software walk (a table entry read and decoded).
+    /// One step of the engine's software walk down a level (a table entry read and decoded).
     WalkStep,
     /// One step of the simulated hardware's page walk.
     HwWalkStep,
@@ -69,11 +69,13 @@ pub enum Cost {
     /// A fault taken by the slow path: its own software work (the memslot lookup, the plan,
     /// the install's bookkeeping), apart from what other hooks charge.
     SlowFault,
+    /// One step of the engine's walk to the next entry of the same table (a range walk).
+    WalkSide,
 }
 
 impl Cost {
     /// Every cost, in declaration order (profiles list them in this order).
-    pub const ALL: [Cost; 18] = [
+    pub const ALL: [Cost; 19] = [
         Cost::WalkStep,
         Cost::HwWalkStep,
         Cost::TlbHit,
@@ -92,6 +94,7 @@ impl Cost {
         Cost::IpiSend,
         Cost::FastFault,
         Cost::SlowFault,
+        Cost::WalkSide,
     ];
 }
 

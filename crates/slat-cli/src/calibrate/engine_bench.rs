@@ -215,6 +215,46 @@ pub fn walk_step(p: &Plan) -> CliResult<Measured> {
     ))
 }
 
+/// The engine's walk to the next entry of a table: `Vm::audit` (a walk of the whole tree under
+/// the write lock, counting leaves) over a VM with every page of `big_bytes` faulted in, less
+/// its steps down (walk_step, `known`) and the other costs it charges, per sideways step.
+pub fn walk_side(p: &Plan, known: &[Measured]) -> CliResult<Measured> {
+    let bytes = p.big_bytes() as u64;
+    let gpas = pages(bytes / 4096, 4096);
+    let (vm, mut cpu) = machine::<Ept>(bytes, GUEST_TLB)?;
+    pass(&mut cpu, &gpas)?;
+    cpu.exit();
+    let ns = per_op(p.repeat, 1, |k| {
+        for _ in 0..k {
+            keep(vm.audit());
+        }
+    });
+    drop(vm);
+    let (cvm, mut counted) = machine::<Counted>(bytes, GUEST_TLB)?;
+    pass(&mut counted, &gpas)?;
+    counted.exit();
+    Counting::reset();
+    keep(cvm.audit());
+    let sides = Counting::count(Cost::WalkSide) as f64;
+    let (others, what) = charged_by_others(known, &[Cost::WalkSide]);
+    let side = if sides > 0.0 {
+        ((ns - others) / sides).max(0.0)
+    } else {
+        0.0
+    };
+    Ok(p.measured(
+        "walk_side",
+        side,
+        format!(
+            "Vm::audit of a tree mapping all {} pages of {} MiB ({:.1} us per audit) minus what it charges otherwise ({:.1} us: {what}), over its {sides} sideways steps (counted through Timed<Ept, counting clock>)",
+            gpas.len(),
+            bytes >> 20,
+            ns / 1e3,
+            others / 1e3
+        ),
+    ))
+}
+
 /// A guest data access to memory the caches do not hold, as memstress makes them: passes of
 /// the simulated `Cpu::write_u64` over every page of a region far larger than the caches and
 /// the TLB (faulted in first), per access, less what the pass charges otherwise (its TLB

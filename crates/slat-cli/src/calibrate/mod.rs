@@ -174,7 +174,7 @@ fn header(plan: &Plan) -> String {
 /// Every micro-benchmark, in an order where each finds the numbers it subtracts.
 fn measure_all(p: &Plan) -> CliResult<Vec<Measured>> {
     let mut all: Vec<Measured> = Vec::new();
-    let total = 21;
+    let total = 22;
     let note = |m: Measured, all: &mut Vec<Measured>| {
         eprintln!(
             "calibrate: [{:>2}/{total}] {:<15} {:>10.3} ns",
@@ -200,6 +200,8 @@ fn measure_all(p: &Plan) -> CliResult<Vec<Measured>> {
     note(host_bench::defer(p), &mut all);
     note(engine_bench::published_load(p)?, &mut all);
     note(engine_bench::walk_step(p)?, &mut all);
+    let side = engine_bench::walk_side(p, &all)?;
+    note(side, &mut all);
     for m in engine_bench::tlb(p)? {
         note(m, &mut all);
     }
@@ -261,6 +263,7 @@ fn assemble(name: &str, m: &[Measured]) -> CliResult<Profile> {
     );
     for (cost, key) in [
         (Cost::WalkStep, "walk_step"),
+        (Cost::WalkSide, "walk_side"),
         (Cost::HwWalkStep, "hw_walk_step"),
         (Cost::TlbHit, "tlb_hit"),
         (Cost::TlbMiss, "tlb_miss"),
