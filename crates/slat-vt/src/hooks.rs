@@ -24,6 +24,21 @@ impl Shared {
         self.leave(g, b);
     }
 
+    /// A plain store to `addr`'s line; wakes the spinners watching it.
+    pub(crate) fn store(&self, b: &Bound, addr: usize) {
+        let Some(g) = self.enter(b) else { return };
+        let Some(mut g) = self.yield_if_ahead(g, b) else {
+            return;
+        };
+        let line = Lines::line_of(addr);
+        if let Some(t) = g.cpus.get(b.idx).map(|c| c.clock) {
+            let end = g.lines.store(b.idx, t, line);
+            g.cpus[b.idx].clock = end;
+            g.wake_watchers(line, end, self.transfer);
+        }
+        self.leave(g, b);
+    }
+
     /// A scheduling point with no event (before a mutex the simulation does not model).
     pub(crate) fn schedule_point(&self, b: &Bound) {
         let Some(g) = self.enter(b) else { return };
@@ -164,6 +179,7 @@ impl Shared {
         loop {
             // No state lock is held while `cond` runs: it may call hooks itself.
             if cond() {
+                self.settle(b, &lines);
                 return true;
             }
             let Some(g) = self.enter(b) else { return false };
@@ -178,6 +194,23 @@ impl Shared {
             };
             self.leave(g, b);
         }
+    }
+
+    /// After a spin wait's condition held: the CPU cannot have seen the watched lines' latest
+    /// writes by other CPUs before they completed plus a transfer. The writer may have run
+    /// past its write before this CPU ran again (within the lookahead, in real order), so
+    /// the wake-up at an earlier write of the same line (or none, if the condition held at
+    /// once) is not when the data arrived.
+    fn settle(&self, b: &Bound, lines: &[u64]) {
+        let Some(mut g) = self.enter(b) else { return };
+        let seen = lines
+            .iter()
+            .filter_map(|&l| g.lines.written_by_other(b.idx, l))
+            .max();
+        if let (Some(w), Some(c)) = (seen, g.cpus.get_mut(b.idx)) {
+            c.clock = c.clock.max(w.saturating_add(self.transfer));
+        }
+        self.leave(g, b);
     }
 
     /// Blocks on event `key` if `still()` (evaluated under the state lock, so a signal cannot

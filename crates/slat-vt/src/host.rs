@@ -41,6 +41,7 @@ impl Profile {
                 ),
                 invalidate: Entry::new(30.0, EST),
                 dram_miss: Entry::new(90.0, EST),
+                dram_stream: None,
                 handoff: Entry::new(
                     6_000.0,
                     "measured: half a thread park/unpark round trip, 12.5-21 us (examples/host_costs.rs, load 11-22): a parking_lot waiter's futex wake-up",
@@ -72,7 +73,7 @@ impl Profile {
     }
 }
 
-const COSTS: [(Cost, f64, &str); 16] = [
+const COSTS: [(Cost, f64, &str); 19] = [
     (Cost::WalkStep, 2.0, EST),
     (Cost::HwWalkStep, 2.0, EST),
     (Cost::TlbHit, 1.0, EST),
@@ -97,4 +98,15 @@ const COSTS: [(Cost, f64, &str); 16] = [
     (Cost::VmEntry, 1_500.0, EST_NESTED),
     (Cost::IpiHandler, 1_000.0, EST_NESTED),
     (Cost::IpiSend, 500.0, EST_NESTED),
+    (
+        Cost::FastFault,
+        0.0,
+        "estimate: not charged (this profile predates the fault paths' own costs)",
+    ),
+    (
+        Cost::SlowFault,
+        0.0,
+        "estimate: not charged (this profile predates the fault paths' own costs)",
+    ),
+    (Cost::WalkSide, 2.0, EST),
 ];

@@ -36,6 +36,9 @@ const COST_NAMES: [&str; Cost::ALL.len()] = [
     "vm_entry",
     "ipi_handler",
     "ipi_send",
+    "fast_fault",
+    "slow_fault",
+    "walk_side",
 ];
 
 /// The index of `cost` in [`Cost::ALL`]; `None` for a cost this crate does not know yet.
@@ -59,6 +62,9 @@ pub(crate) fn cost_index(cost: Cost) -> Option<usize> {
         Cost::VmEntry => 13,
         Cost::IpiHandler => 14,
         Cost::IpiSend => 15,
+        Cost::FastFault => 16,
+        Cost::SlowFault => 17,
+        Cost::WalkSide => 18,
         _ => return None,
     })
 }
@@ -137,6 +143,12 @@ pub struct Model {
     pub invalidate: Entry,
     /// A line not in any cache (never touched, or untouched for `retention`).
     pub dram_miss: Entry,
+    /// A line not in any cache whose predecessor in the same 4 KiB page is in the model: a
+    /// sequential stream the hardware prefetcher fetches ahead (a walk over a table, a
+    /// bitmap), which costs memory bandwidth, not latency. A profile without it charges
+    /// `dram_miss` (no prefetch) and keeps the hash it had before this entry existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dram_stream: Option<Entry>,
     /// Release to a woken waiter's acquire under the `barging` policy (`fifo` uses
     /// `line_transfer`).
     pub handoff: Entry,
@@ -212,6 +224,9 @@ impl Profile {
         for (name, e) in self.model.entries() {
             check_value(name, e)?;
         }
+        if let Some(e) = &self.model.dram_stream {
+            check_value("dram_stream", e)?;
+        }
         for (name, e) in [
             ("retention", &self.model.retention),
             ("fair_every", &self.model.fair_every),
@@ -242,6 +257,10 @@ impl Profile {
         }
         for (name, e) in self.model.entries() {
             s.push_str(&format!("model.{name}={}\n", e.ps()));
+        }
+        // Only when present: profiles written before it keep their hashes.
+        if let Some(e) = &self.model.dram_stream {
+            s.push_str(&format!("model.dram_stream={}\n", e.ps()));
         }
         s.push_str(&format!(
             "model.lock_policy={}\n",

@@ -213,6 +213,7 @@ impl Shared {
             transfer: m.line_transfer.ps(),
             invalidate: m.invalidate.ps(),
             dram_miss: m.dram_miss.ps(),
+            dram_stream: m.dram_stream.as_ref().map_or(m.dram_miss.ps(), |e| e.ps()),
             retention: m.retention.ps(),
         });
         let locks = Locks::new(policy, handoff, m.fair_every.ps(), m.retention.ps());

@@ -27,6 +27,8 @@ thread_local! {
 pub enum Hook {
     /// [`Clock::rmw`].
     Rmw,
+    /// [`Clock::store`].
+    Store,
     /// [`Clock::shared_load`].
     SharedLoad,
     /// [`Clock::fence`].
@@ -157,6 +159,12 @@ unsafe impl Clock for Virtual {
     fn rmw(addr: usize) {
         if let Ok(Some(b)) = running(Hook::Rmw) {
             b.shared.rmw(&b, addr);
+        }
+    }
+
+    fn store(addr: usize) {
+        if let Ok(Some(b)) = running(Hook::Store) {
+            b.shared.store(&b, addr);
         }
     }
 

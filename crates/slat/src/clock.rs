@@ -31,7 +31,7 @@ pub enum LockMode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[non_exhaustive]
 pub enum Cost {
-    /// One step of the engine's software walk (a table entry read and decoded).
+    /// One step of the engine's software walk down a level (a table entry read and decoded).
     WalkStep,
     /// One step of the simulated hardware's page walk.
     HwWalkStep,
@@ -63,11 +63,19 @@ pub enum Cost {
     IpiHandler,
     /// Sending one inter-processor interrupt.
     IpiSend,
+    /// A fault taken by the lock-free fast path: its own software work (decoding the fault,
+    /// the checks, the dirty mark's bookkeeping), apart from what other hooks charge.
+    FastFault,
+    /// A fault taken by the slow path: its own software work (the memslot lookup, the plan,
+    /// the install's bookkeeping), apart from what other hooks charge.
+    SlowFault,
+    /// One step of the engine's walk to the next entry of the same table (a range walk).
+    WalkSide,
 }
 
 impl Cost {
     /// Every cost, in declaration order (profiles list them in this order).
-    pub const ALL: [Cost; 16] = [
+    pub const ALL: [Cost; 19] = [
         Cost::WalkStep,
         Cost::HwWalkStep,
         Cost::TlbHit,
@@ -84,6 +92,9 @@ impl Cost {
         Cost::VmEntry,
         Cost::IpiHandler,
         Cost::IpiSend,
+        Cost::FastFault,
+        Cost::SlowFault,
+        Cost::WalkSide,
     ];
 }
 
@@ -107,6 +118,13 @@ pub unsafe trait Clock: Send + Sync + 'static {
     /// An atomic read-modify-write, compare-and-swap, exchange or store on the cache line of
     /// `addr`: the line is made exclusive to the caller.
     fn rmw(addr: usize);
+    /// A plain store to the line of `addr`, which other CPUs read: the line is made exclusive
+    /// to the caller, but unlike an RMW the store is not a locked instruction (it retires
+    /// into the store buffer). A clock that does not tell them apart prices it as an RMW.
+    #[inline(always)]
+    fn store(addr: usize) {
+        Self::rmw(addr);
+    }
     /// A load of a line other CPUs write (a page-table entry, a request word).
     fn shared_load(addr: usize);
     /// A sequentially consistent fence.
@@ -136,6 +154,8 @@ unsafe impl Clock for RealTime {
     const VIRTUAL: bool = false;
     #[inline(always)]
     fn rmw(_addr: usize) {}
+    #[inline(always)]
+    fn store(_addr: usize) {}
     #[inline(always)]
     fn shared_load(_addr: usize) {}
     #[inline(always)]

@@ -180,10 +180,16 @@ pub(crate) fn swap<C: Clock, A: Atom>(a: &A, v: A::V, o: Ordering) -> A::V {
     a.swap(v, o)
 }
 
-/// A store to a line other CPUs read: it makes the line exclusive, as a read-modify-write.
+/// A store to a line other CPUs read: it makes the line exclusive. A plain store is not a
+/// locked instruction; a `SeqCst` one is (x86 compiles it to an exchange), so it is
+/// reported as an RMW.
 #[inline(always)]
 pub(crate) fn store<C: Clock, A: Atom>(a: &A, v: A::V, o: Ordering) {
-    C::rmw(addr_of(a));
+    if o == Ordering::SeqCst {
+        C::rmw(addr_of(a));
+    } else {
+        C::store(addr_of(a));
+    }
     a.store(v, o)
 }
 

@@ -174,7 +174,7 @@ fn header(plan: &Plan) -> String {
 /// Every micro-benchmark, in an order where each finds the numbers it subtracts.
 fn measure_all(p: &Plan) -> CliResult<Vec<Measured>> {
     let mut all: Vec<Measured> = Vec::new();
-    let total = 18;
+    let total = 22;
     let note = |m: Measured, all: &mut Vec<Measured>| {
         eprintln!(
             "calibrate: [{:>2}/{total}] {:<15} {:>10.3} ns",
@@ -190,34 +190,47 @@ fn measure_all(p: &Plan) -> CliResult<Vec<Measured>> {
     note(host_bench::line_transfer(p), &mut all);
     note(host_bench::invalidate(p, rmw_ns), &mut all);
     note(host_bench::dram_miss(p), &mut all);
+    note(host_bench::dram_stream(p), &mut all);
     note(host_bench::handoff(p), &mut all);
     let zero = host_bench::zero_page(p);
     let zero_ns = zero.ns;
     note(zero, &mut all);
     note(engine_bench::table_alloc(p, zero_ns), &mut all);
-    let pin = host_bench::epoch_pin(p);
-    let pin_ns = pin.ns;
-    note(pin, &mut all);
+    note(host_bench::epoch_pin(p), &mut all);
     note(host_bench::defer(p), &mut all);
     note(engine_bench::published_load(p)?, &mut all);
-    note(engine_bench::walk_step(p, pin_ns)?, &mut all);
+    note(engine_bench::walk_step(p)?, &mut all);
+    let side = engine_bench::walk_side(p, &all)?;
+    note(side, &mut all);
     for m in engine_bench::tlb(p)? {
         note(m, &mut all);
     }
     note(engine_bench::tlb_flush(p)?, &mut all);
     note(host_bench::cmo_line(p), &mut all);
-    note(host_bench::guest_access(p), &mut all);
-    let rt = engine_bench::guest_mode_round_trip(p)?;
+    let access = engine_bench::guest_access(p, &all)?;
+    note(access, &mut all);
+    let (rt, how) = engine_bench::guest_mode_round_trip(p, &all)?;
     note(
         p.measured(
             "vm_exit",
             rt / 2.0,
             format!(
-                "proxy: half the simulated vCPU's guest-mode exit + entry round trip (Cpu::exit + Cpu::enter, {rt:.1} ns), which is what a fault's exit costs slat in real time; a hardware VM exit cannot be measured in this nested VM"
+                "proxy: half the simulated vCPU's guest-mode exit + entry round trip ({how}), which is what a fault's exit costs slat in real time; a hardware VM exit cannot be measured in this nested VM"
             ),
         ),
         &mut all,
     );
+    // The VM exit and entry are among what a fault's pass charges otherwise.
+    let mut known = all.clone();
+    if let Some(e) = all.iter().find(|m| m.key == "vm_exit") {
+        known.push(Measured {
+            key: "vm_entry",
+            ..e.clone()
+        });
+    }
+    for m in engine_bench::faults(p, &known)? {
+        note(m, &mut all);
+    }
     Ok(all)
 }
 
@@ -241,6 +254,7 @@ fn assemble(name: &str, m: &[Measured]) -> CliResult<Profile> {
     p.model.line_transfer = entry("line_transfer")?;
     p.model.invalidate = entry("invalidate")?;
     p.model.dram_miss = entry("dram_miss")?;
+    p.model.dram_stream = Some(entry("dram_stream")?);
     p.model.handoff = entry("handoff")?;
     let lt = ns_of(m, "line_transfer");
     p.model.ipi_latency = Entry::new(
@@ -249,6 +263,7 @@ fn assemble(name: &str, m: &[Measured]) -> CliResult<Profile> {
     );
     for (cost, key) in [
         (Cost::WalkStep, "walk_step"),
+        (Cost::WalkSide, "walk_side"),
         (Cost::HwWalkStep, "hw_walk_step"),
         (Cost::TlbHit, "tlb_hit"),
         (Cost::TlbMiss, "tlb_miss"),
@@ -261,6 +276,8 @@ fn assemble(name: &str, m: &[Measured]) -> CliResult<Profile> {
         (Cost::CmoLine, "cmo_line"),
         (Cost::GuestAccess, "guest_access"),
         (Cost::VmExit, "vm_exit"),
+        (Cost::FastFault, "fast_fault"),
+        (Cost::SlowFault, "slow_fault"),
     ] {
         p.set_cost(cost, entry(key)?);
     }

@@ -72,11 +72,38 @@ pub struct Line(pub std::sync::atomic::AtomicU64);
 
 thread_local! {
     static COUNTS: Cell<[u64; Cost::ALL.len()]> = const { Cell::new([0; Cost::ALL.len()]) };
+    static HOOKS: Cell<[u64; HOOK_KINDS]> = const { Cell::new([0; HOOK_KINDS]) };
 }
 
-/// A clock that only counts the fixed costs charged on the calling thread (every other hook
-/// is real time's): run a loop through `Timed<Ept, Counting>` to learn how many walk steps or
-/// TLB misses it performed.
+/// The synchronising hooks [`Counting`] counts besides the fixed costs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncHook {
+    /// `rmw`: an atomic read-modify-write or a store to a shared line.
+    Rmw,
+    /// `fence`.
+    Fence,
+    /// `lock` (its grant is an RMW of the lock word).
+    Lock,
+    /// `unlock` (the release store).
+    Unlock,
+    /// `store`: a plain store to a shared line (free on a line the CPU owns).
+    Store,
+}
+
+const HOOK_KINDS: usize = 5;
+
+fn bump_hook(h: SyncHook) {
+    HOOKS.with(|c| {
+        let mut a = c.get();
+        a[h as usize] += 1;
+        c.set(a);
+    });
+}
+
+/// A clock that only counts, on the calling thread, the fixed costs charged and the
+/// synchronising hooks called (every hook otherwise behaves as real time's): run a loop
+/// through `Timed<Ept, Counting>` to learn how many walk steps or TLB misses it performed,
+/// and which of its time the line model already charges (its RMWs and fences).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Counting;
 
@@ -84,6 +111,26 @@ impl Counting {
     /// Clears this thread's counts.
     pub fn reset() {
         COUNTS.with(|c| c.set([0; Cost::ALL.len()]));
+        HOOKS.with(|c| c.set([0; HOOK_KINDS]));
+    }
+
+    /// How many times hook `h` ran on this thread since the last reset.
+    pub fn hooks(h: SyncHook) -> u64 {
+        HOOKS.with(|c| c.get()[h as usize])
+    }
+
+    /// The hooks since the last reset that the line model prices at `rmw_local` each when
+    /// nobody else touches the line: RMWs, fences, and a lock's grant and release.
+    pub fn local_rmws() -> u64 {
+        [
+            SyncHook::Rmw,
+            SyncHook::Fence,
+            SyncHook::Lock,
+            SyncHook::Unlock,
+        ]
+        .iter()
+        .map(|h| Counting::hooks(*h))
+        .sum()
     }
 
     /// How many times `cost` was charged on this thread since the last reset.
@@ -96,11 +143,22 @@ impl Counting {
 // SAFETY: no hook touches engine state; `spin_until` loops until `cond` holds, as real time's.
 unsafe impl Clock for Counting {
     const VIRTUAL: bool = false;
-    fn rmw(_addr: usize) {}
+    fn rmw(_addr: usize) {
+        bump_hook(SyncHook::Rmw);
+    }
+    fn store(_addr: usize) {
+        bump_hook(SyncHook::Store);
+    }
     fn shared_load(_addr: usize) {}
-    fn fence() {}
-    fn lock(_addr: usize, _mode: LockMode) {}
-    fn unlock(_addr: usize, _mode: LockMode) {}
+    fn fence() {
+        bump_hook(SyncHook::Fence);
+    }
+    fn lock(_addr: usize, _mode: LockMode) {
+        bump_hook(SyncHook::Lock);
+    }
+    fn unlock(_addr: usize, _mode: LockMode) {
+        bump_hook(SyncHook::Unlock);
+    }
     fn spin_until(watch: &[usize], cond: &mut dyn FnMut() -> bool) {
         slat::clock::RealTime::spin_until(watch, cond)
     }

@@ -55,6 +55,8 @@ struct Line {
     busy: Calendar,
     /// The latest virtual time anyone touched it.
     last_touch: u64,
+    /// When its latest write (RMW or store) completed, 0 if never written.
+    written: u64,
 }
 
 /// Costs of the line model, in ps.
@@ -64,6 +66,7 @@ pub(crate) struct LineCosts {
     pub transfer: u64,
     pub invalidate: u64,
     pub dram_miss: u64,
+    pub dram_stream: u64,
     pub retention: u64,
 }
 
@@ -72,12 +75,16 @@ pub(crate) struct LineCosts {
 pub struct LineStats {
     /// Read-modify-writes modelled.
     pub rmws: u64,
+    /// Plain stores modelled.
+    pub stores: u64,
     /// Shared loads modelled.
     pub loads: u64,
     /// Accesses that paid a line transfer.
     pub transfers: u64,
     /// Accesses to a line in no cache.
     pub misses: u64,
+    /// Of those, lines fetched as a stream (the line before them in their page was cached).
+    pub streamed: u64,
     /// Lines in the table now.
     pub lines: u64,
 }
@@ -111,27 +118,45 @@ impl Lines {
     /// the line's previous RMW has completed (RMWs on a line serialise) and costs `rmw_local`,
     /// plus a transfer if another CPU owns the line, plus an invalidation per other sharer.
     pub(crate) fn rmw(&mut self, cpu: usize, t: u64, line: u64) -> u64 {
-        self.sweep(t);
         self.stats.rmws += 1;
+        self.write(cpu, t, line, self.costs.rmw_local)
+    }
+
+    /// A plain store by `cpu` at `t`: as an RMW (it serialises with the line's RMWs and takes
+    /// the line), but not a locked instruction, so a line the CPU owns costs nothing.
+    pub(crate) fn store(&mut self, cpu: usize, t: u64, line: u64) -> u64 {
+        self.stats.stores += 1;
+        self.write(cpu, t, line, 0)
+    }
+
+    /// A write of `base` cost plus what moving the line costs.
+    fn write(&mut self, cpu: usize, t: u64, line: u64, base: u64) -> u64 {
+        self.sweep(t);
         let c = self.costs;
+        // A miss's price depends on its neighbour, which the entry below would keep borrowed.
+        let miss = if self.map.contains_key(&line) {
+            0
+        } else {
+            self.miss_cost(line)
+        };
         // In place: the entry (its calendar) is large, and copying it out and back cost
         // more than the rest of the model.
         let (l, cost) = match self.map.entry(line) {
             Entry::Vacant(v) => {
-                self.stats.misses += 1;
                 let l = v.insert(Line {
                     owner: cpu,
                     sharers: CpuSet::only(cpu),
                     busy: Calendar::default(),
                     last_touch: t,
+                    written: 0,
                 });
-                (l, c.rmw_local.saturating_add(c.dram_miss))
+                (l, base.saturating_add(miss))
             }
             Entry::Occupied(o) => {
                 let l = o.into_mut();
                 let mut others = l.sharers;
                 clear(&mut others, cpu);
-                let mut cost = c.rmw_local;
+                let mut cost = base;
                 if l.owner != cpu && l.owner != NO_OWNER {
                     self.stats.transfers += 1;
                     clear(&mut others, l.owner);
@@ -147,7 +172,18 @@ impl Lines {
         l.owner = cpu;
         l.sharers = CpuSet::only(cpu);
         l.last_touch = l.busy.last_end().max(end);
+        l.written = l.written.max(end);
         end
+    }
+
+    /// When the latest write to `line` by another CPU than `cpu` completed (its owner's, if
+    /// that is not `cpu`), if any: a CPU that sees the data of that write cannot see it
+    /// earlier, whatever order the simulation ran the two in.
+    pub(crate) fn written_by_other(&self, cpu: usize, line: u64) -> Option<u64> {
+        self.map
+            .get(&line)
+            .filter(|l| l.owner != cpu && l.owner != NO_OWNER && l.written > 0)
+            .map(|l| l.written)
     }
 
     /// A load by `cpu` at `t` of a line other CPUs write: returns when the data is there. A
@@ -159,8 +195,7 @@ impl Lines {
         let c = self.costs;
         match self.map.get_mut(&line) {
             None => {
-                self.stats.misses += 1;
-                let end = t.saturating_add(c.dram_miss);
+                let end = t.saturating_add(self.miss_cost(line));
                 self.map.insert(
                     line,
                     Line {
@@ -168,6 +203,7 @@ impl Lines {
                         sharers: CpuSet::only(cpu),
                         busy: Calendar::default(),
                         last_touch: end,
+                        written: 0,
                     },
                 );
                 end
@@ -187,6 +223,22 @@ impl Lines {
         }
     }
 
+    /// What fetching `line` from memory costs: a stream (the hardware prefetcher fetched it
+    /// while the previous line was used) if the line before it in the same 4 KiB page is
+    /// cached, as in a walk over a table or a bitmap; a full miss otherwise. Prefetchers do
+    /// not cross 4 KiB pages, and keeping to a page keeps the result independent of where
+    /// allocations land.
+    fn miss_cost(&mut self, line: u64) -> u64 {
+        self.stats.misses += 1;
+        let in_page = line % (4096 / 64) != 0;
+        if in_page && self.map.contains_key(&(line - 1)) {
+            self.stats.streamed += 1;
+            self.costs.dram_stream
+        } else {
+            self.costs.dram_miss
+        }
+    }
+
     /// Gives the line to `cpu` at `at` at no cost (a lock handed over: the hand-off cost
     /// includes the waiter's transfer of the lock word).
     pub(crate) fn take(&mut self, cpu: usize, at: u64, line: u64) {
@@ -195,6 +247,7 @@ impl Lines {
             sharers: CpuSet::only(cpu),
             busy: Calendar::default(),
             last_touch: at,
+            written: 0,
         });
         l.owner = cpu;
         l.sharers = CpuSet::only(cpu);
@@ -235,6 +288,7 @@ mod tests {
         transfer: 100,
         invalidate: 7,
         dram_miss: 1000,
+        dram_stream: 30,
         retention: 1_000_000,
     };
 
@@ -252,6 +306,30 @@ mod tests {
         assert_eq!(l.load(3, 4000, 1), 4100);
         // 1 owns, 2 and 3 share: 1's RMW invalidates two copies.
         assert_eq!(l.rmw(1, 5000, 1), 5000 + 10 + 14);
+    }
+
+    #[test]
+    fn a_store_to_an_owned_line_is_free() {
+        let mut l = Lines::new(C);
+        assert_eq!(l.rmw(0, 0, 1), 1010); // miss
+        assert_eq!(l.store(0, 2000, 1), 2000); // owned: no locked instruction
+        assert_eq!(l.store(1, 3000, 1), 3100); // another CPU's: a transfer
+        assert_eq!(l.rmw(1, 4000, 1), 4010);
+        assert_eq!(l.stats().stores, 2);
+    }
+
+    #[test]
+    fn a_line_after_a_cached_one_in_its_page_is_streamed() {
+        let mut l = Lines::new(C);
+        assert_eq!(l.load(0, 0, 64), 1000); // first line of a page: a full miss
+        assert_eq!(l.load(0, 1000, 65), 1030); // the next one: streamed
+        assert_eq!(l.rmw(0, 2000, 66), 2000 + 10 + 30); // an RMW streams too
+        assert_eq!(l.load(0, 3000, 68), 4000); // after a gap: a full miss
+        assert_eq!(l.load(0, 4000, 127), 5000); // last line of the page, 126 not cached
+        assert_eq!(l.load(0, 5000, 128), 6000); // 127 is, but prefetchers stop at pages
+        assert_eq!(l.load(0, 6000, 129), 6030);
+        let s = l.stats();
+        assert_eq!((s.misses, s.streamed), (7, 3));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 mod common;
 mod deadlock;
 mod determinism;
+mod flush;
 mod profiles;
 mod queueing;
 mod spin;

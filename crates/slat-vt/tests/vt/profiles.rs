@@ -49,6 +49,12 @@ fn every_shipped_profile_parses_validates_and_has_sources() {
                 "{file}: model.{name} has no source"
             );
         }
+        if let Some(e) = &m.dram_stream {
+            assert!(
+                !e.source.trim().is_empty(),
+                "{file}: model.dram_stream has no source"
+            );
+        }
         assert!(
             !m.lock_policy.source.trim().is_empty(),
             "{file}: lock_policy"

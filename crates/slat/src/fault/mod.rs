@@ -5,6 +5,7 @@ mod slow;
 
 pub(crate) use slow::slow_page_fault;
 
+use crate::clock::{Clock, Cost};
 use crate::dirty::{commit_mark, mark_for, prepare_mark, DirtyRing, Pushed};
 use crate::format::{Access, PteFormat};
 use crate::memslot::{Memslots, SlotHint};
@@ -100,6 +101,7 @@ pub(crate) fn fast_page_fault<F: PteFormat>(
     if !eligible {
         return None;
     }
+    F::Clock::charge(Cost::FastFault, 1);
     let gfn = fault.gpa.gfn().raw();
     if in_private_capable_slot::<F::Clock>(slots, vcpu, gfn, fault) {
         return None;

@@ -4,6 +4,7 @@
 //! [`split_in_the_way`] where a huge leaf is above the goal, [`install_at_goal`] at it.
 
 use super::{Fault, FaultOutcome, VcpuState};
+use crate::clock::{Clock, Cost};
 use crate::cmo::{clean_new_mapping, invalidate_icache_for, skip_for_phantom};
 use crate::config::{CmoPolicy, RecoverVariant, VmConfig};
 use crate::direct_map::Acceptance;
@@ -48,6 +49,7 @@ pub(crate) fn slow_page_fault<F: PteFormat>(
     vcpu: &mut VcpuState,
     fault: Fault,
 ) -> FaultOutcome {
+    F::Clock::charge(Cost::SlowFault, 1);
     // Allocate before any lock (a fault needs at most one page per level below the root).
     vcpu.cache
         .top_up::<F::Clock>(&mmu.alloc, F::ROOT_LEVEL as usize);

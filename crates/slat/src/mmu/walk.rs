@@ -127,8 +127,15 @@ impl<'g, F: PteFormat> Walk<'g, F> {
     /// Re-reads the current entry into [`Self::old`].
     #[inline]
     pub fn refresh(&mut self) -> u64 {
-        // Every step of the walk reads its entry here: one walk step for the clock.
+        // Every step of the walk reads its entry here: one walk step for the clock (a step to
+        // the next entry of the same table is charged by `try_step_side`).
         F::Clock::charge(Cost::WalkStep, 1);
+        self.read()
+    }
+
+    /// Reads the current entry into [`Self::old`], charging nothing.
+    #[inline]
+    fn read(&mut self) -> u64 {
         self.old = sync::load::<F::Clock, _>(self.sptep(), Ordering::Acquire);
         self.old
     }
@@ -212,7 +219,8 @@ impl<'g, F: PteFormat> Walk<'g, F> {
             self.valid = false;
             return true;
         }
-        self.refresh();
+        F::Clock::charge(Cost::WalkSide, 1);
+        self.read();
         true
     }
 

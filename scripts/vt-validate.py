@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Virtual time against real time (issue 27's validation target).
+
+For each benchmark command at -v 1 and -v 2, runs it once with --clock virtual (deterministic)
+and with --repeat N in real time, and prints one Markdown table: every phase whose virtual or
+real time is over the threshold (1 ms), predicted against the real median, and whether it is
+within the tolerance (30%). The host's load average before and after is printed beside it,
+since real medians on a loaded 2-core host carry the scheduler.
+
+A script, not a `slat` subcommand: it only drives the `slat` binary and compares two of its
+JSON reports, so it needs nothing from inside the driver (and keeps no second copy of any
+benchmark's phase list: phases are every `*_s` time of a report, named by the report).
+
+Usage: scripts/vt-validate.py [--slat PATH] [--repeat N] [--only SUBSTRING] [--json FILE]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+# The commands of the table: modest sizes, so each run takes seconds.
+COMMANDS = [
+    "demand-paging -b 128M",
+    "dirty-log-perf -b 128M -i 2",
+    "access-tracking-perf -b 128M",
+    "page-table-test -b 256M",
+]
+VCPUS = [1, 2]
+
+# Times that are not phases of the guest: baselines, sums of other phases, the simulation's
+# own wall time.
+SKIP_WORDS = ("native", "sim_wall", "_total_s", "per_vcpu")
+
+
+def phases(report):
+    """Every phase time of one report, {label: seconds}."""
+    out = {}
+
+    def label_of(node, key, prefix):
+        name = node.get("name") or node.get("stage")
+        what = key[:-2].replace("_time", "").replace("_", " ").strip()
+        if name:
+            return f"{prefix}{name}" if key == "time_s" else f"{prefix}{name}: {what}"
+        return f"{prefix}{what}"
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    if k.endswith("_s") and not k.endswith("_per_s") and not any(
+                        w in k for w in SKIP_WORDS
+                    ):
+                        out[label_of(node, k, prefix)] = float(v)
+                elif isinstance(v, list):
+                    for i, item in enumerate(v):
+                        sub = k.replace("_", " ")
+                        if isinstance(item, dict) and (item.get("name") or item.get("stage")):
+                            walk(item, "")
+                        else:
+                            walk(item, f"{sub} #{i + 1}: ")
+                elif isinstance(v, dict) and k not in ("config", "host", "stats", "native"):
+                    walk(v, prefix)
+
+    walk(report, "")
+    return out
+
+
+def run(slat, args):
+    cmd = [slat] + args + ["--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"{' '.join(cmd)}: exit {p.returncode}: {p.stderr.strip().splitlines()[-1:]}")
+    return json.loads(p.stdout)
+
+
+def load():
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--slat", default=os.environ.get("SLAT", "slat"), help="the slat binary")
+    ap.add_argument("--repeat", type=int, default=5, help="real-time runs per command")
+    ap.add_argument("--threshold-ms", type=float, default=1.0)
+    ap.add_argument("--tolerance", type=float, default=0.30)
+    ap.add_argument("--only", default="", help="run only commands containing this")
+    ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--extra", default="", help="extra flags for every command")
+    ap.add_argument("--virtual-extra", default="",
+                    help="extra flags for the virtual runs (--cost-profile FILE, --lookahead NS)")
+    a = ap.parse_args()
+
+    rows = []
+    profile = None
+    load_before = load()
+    for base in COMMANDS:
+        for v in VCPUS:
+            words = base.split() + ["-v", str(v)] + a.extra.split()
+            label = " ".join(words)
+            if a.only and a.only not in label:
+                continue
+            virt = run(a.slat, words + ["--clock", "virtual"] + a.virtual_extra.split())
+            profile = f"{virt.get('clock_profile')} ({virt.get('clock_profile_hash')})"
+            predicted = phases(virt)
+            real = run(a.slat, words + ["--repeat", str(a.repeat)])
+            measured = {}
+            for r in real["runs"]:
+                for k, t in phases(r).items():
+                    measured.setdefault(k, []).append(t)
+            for k, pv in predicted.items():
+                if k not in measured:
+                    continue
+                mv = statistics.median(measured[k])
+                mn = min(measured[k])
+                if max(pv, mv) * 1e3 < a.threshold_ms:
+                    continue
+                ratio = pv / mv - 1 if mv > 0 else float("inf")
+                rows.append(
+                    {
+                        "command": label,
+                        "phase": k,
+                        "virtual_ms": pv * 1e3,
+                        "real_median_ms": mv * 1e3,
+                        "real_min_ms": mn * 1e3,
+                        "ratio": ratio,
+                        "within": abs(ratio) <= a.tolerance,
+                    }
+                )
+            print(f"# done: {label}", file=sys.stderr)
+    load_after = load()
+
+    print(f"Profile {profile}; real: median of --repeat {a.repeat}; load before {load_before}, "
+          f"after {load_after}")
+    print()
+    print("| command | phase | virtual, ms | real median, ms | virtual/real | within ±30% "
+          "| real min, ms |")
+    print("|---|---|---:|---:|---:|---|---:|")
+    for r in rows:
+        sign = "+" if r["ratio"] >= 0 else "−"
+        print(f"| {r['command']} | {r['phase']} | {r['virtual_ms']:.2f} | "
+              f"{r['real_median_ms']:.2f} | {sign}{abs(r['ratio']) * 100:.0f}% | "
+              f"{'yes' if r['within'] else 'no'} | {r['real_min_ms']:.2f} |")
+    ok = sum(r["within"] for r in rows)
+    print()
+    print(f"{ok} of {len(rows)} phases within ±{a.tolerance * 100:.0f}%.")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"profile": profile, "load_before": load_before,
+                       "load_after": load_after, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
