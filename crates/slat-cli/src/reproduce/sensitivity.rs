@@ -82,6 +82,10 @@ pub struct Sensitivity {
 fn varied(p: &Profile) -> Vec<String> {
     let mut v: Vec<String> = p.costs.keys().cloned().collect();
     v.extend(MODEL_COSTS.iter().map(|s| s.to_string()));
+    // Optional in a profile (older ones charge `dram_miss` instead); varied when present.
+    if p.model.dram_stream.is_some() {
+        v.push("dram_stream".to_string());
+    }
     v
 }
 
@@ -95,6 +99,7 @@ fn entry<'a>(p: &'a mut Profile, name: &str) -> Option<&'a mut Entry> {
         "dram_miss" => &mut m.dram_miss,
         "handoff" => &mut m.handoff,
         "ipi_latency" => &mut m.ipi_latency,
+        "dram_stream" => return m.dram_stream.as_mut(),
         _ => return p.costs.get_mut(name),
     })
 }
