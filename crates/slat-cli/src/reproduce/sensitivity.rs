@@ -298,7 +298,9 @@ mod tests {
         );
         let p = Profile::builtin("x86-server").unwrap();
         let costs = varied(&p);
-        assert_eq!(costs.len(), p.costs.len() + MODEL_COSTS.len());
+        let stream = usize::from(p.model.dram_stream.is_some());
+        assert_eq!(costs.len(), p.costs.len() + MODEL_COSTS.len() + stream);
+        assert_eq!(stream, 1, "the seeds' profiles carry dram_stream");
         let mut q = p.clone();
         for c in &costs {
             assert!(entry(&mut q, c).is_some(), "{c}");
