@@ -564,7 +564,11 @@ impl<F: PteFormat> Cpu<F> {
             None => None,
         };
         let o = match fast {
-            Some(o) => o,
+            Some(o) => {
+                // On hardware this fault was an exit too (structurally free here: see the cost).
+                F::Clock::charge(Cost::FastFaultExit, 1);
+                o
+            }
             None => {
                 // The slow path may block on the MMU lock, whose holder may be waiting for our
                 // flush acknowledgement: leave guest mode (keep the physical CPU; host work).

@@ -1,20 +1,31 @@
 //! [`LineAligned`]: the global allocator that keeps the cache-line model deterministic.
 //!
-//! The line model (`model::line`) keys lines by `addr >> 6`, so which hooked words share a
-//! line depends on where the allocator put their objects. `malloc` aligns to 16 bytes only,
-//! and where an object lands modulo 64 depends on the heap's history: a second run in the same
-//! process (`--repeat`, `slat reproduce`) found its `TableAlloc` counters, lock words and
-//! gates on other line boundaries, and different line transfers changed its spurious faults.
-//! While a [`Sim`](crate::Sim) exists, this allocator starts every allocation on a line of
-//! its own, so the lines of an object are fixed by its own field offsets and no two objects
-//! share one, whatever ran before. Without a simulation it is the system allocator, at the
-//! cost of one relaxed load per call.
+//! The line model (`model::line`) keys lines by `addr >> 6`, and prices a line that no cache
+//! holds by its neighbour: a stream if the line before it in its 4 KiB page is cached, a full
+//! miss otherwise. So which hooked words share a line, and which lines count as neighbours,
+//! depend on where the allocator put their objects. `malloc` aligns to 16 bytes only, and
+//! where an object lands modulo 64 or 4096 depends on the heap's history: a second run in the
+//! same process (`--repeat`, `slat reproduce`) found its `TableAlloc` counters, lock words and
+//! gates on other line boundaries, or a four-line object across a page boundary that the
+//! first run had inside one page, and other line transfers or misses changed its faults.
+//! While a [`Sim`](crate::Sim) exists, this allocator places every allocation so that its
+//! lines depend on its own field offsets only:
+//! - it starts on a line of its own, so no two objects share a line;
+//! - one of up to 4 KiB is aligned to its size rounded up to a power of two, so it never
+//!   crosses a page; a larger one starts on a page, so it crosses pages at fixed offsets;
+//! - one spare line follows it, so the line before an object is never another object's: an
+//!   object's first line is a full miss, whatever was allocated next to it.
+//!
+//! Without a simulation it is the system allocator, at the cost of one relaxed load per call.
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// The line model's line size.
 const LINE: usize = 64;
+
+/// The page the line model's streams stay within.
+const PAGE: usize = 4096;
 
 /// What `malloc` guarantees on the 64-bit targets slat builds for (std's `MIN_ALIGN`).
 const MALLOC_ALIGN: usize = 16;
@@ -45,19 +56,49 @@ pub(crate) fn sim_ended() {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LineAligned;
 
+/// Where to put a block: `malloc` as is, or `posix_memalign` at an alignment with a size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    Malloc,
+    Aligned {
+        align: usize,
+        size: usize,
+    },
+    /// The size cannot be padded without overflowing: allocation fails.
+    TooLarge,
+}
+
 impl LineAligned {
-    /// The alignment to allocate `layout` with now; `None`: plain `malloc` will do.
+    /// Where to allocate `layout` now.
     #[inline]
-    fn align_for(layout: Layout) -> Option<usize> {
-        let want = if SIMS.load(Ordering::Relaxed) != 0 {
-            layout.align().max(LINE)
-        } else {
-            layout.align()
+    fn place(layout: Layout) -> Place {
+        let min = std::mem::size_of::<usize>();
+        if SIMS.load(Ordering::Relaxed) == 0 {
+            return if layout.align() <= MALLOC_ALIGN && layout.align() <= layout.size() {
+                Place::Malloc
+            } else {
+                Place::Aligned {
+                    align: layout.align().max(min),
+                    size: layout.size(),
+                }
+            };
+        }
+        // The object's lines, and a spare line after them (see the module's comment).
+        let Some(used) = layout.size().checked_next_multiple_of(LINE) else {
+            return Place::TooLarge;
         };
-        if want <= MALLOC_ALIGN && want <= layout.size() {
-            None
+        let Some(size) = used.checked_add(LINE) else {
+            return Place::TooLarge;
+        };
+        // `used <= PAGE` here, so its power of two cannot overflow.
+        let span = if used <= PAGE {
+            used.next_power_of_two()
         } else {
-            Some(want.max(std::mem::size_of::<usize>()))
+            PAGE
+        };
+        Place::Aligned {
+            align: layout.align().max(span).max(LINE),
+            size,
         }
     }
 }
@@ -65,8 +106,9 @@ impl LineAligned {
 /// `posix_memalign` of `size` bytes at `align` (a power of two, at least a pointer's size).
 fn aligned(align: usize, size: usize) -> *mut u8 {
     let mut out = std::ptr::null_mut();
-    // SAFETY: `align` is a power of two (a `Layout`'s, or `LINE`) and a multiple of the
-    // pointer size (`align_for` raises it to at least that); `out` is a valid place to write.
+    // SAFETY: `align` is a power of two (a `Layout`'s, `LINE`, `PAGE` or a power of two
+    // at most `PAGE`) and a multiple of the
+    // pointer size (`place` raises it to at least that); `out` is a valid place to write.
     let rc = unsafe { libc::posix_memalign(&mut out, align, size) };
     if rc == 0 {
         out.cast()
@@ -76,28 +118,30 @@ fn aligned(align: usize, size: usize) -> *mut u8 {
 }
 
 // SAFETY: every block comes from `malloc`, `calloc`, `realloc` or `posix_memalign`, each
-// aligned to at least the layout's alignment (`align_for`), and goes back through `free` or
+// aligned to at least the layout's alignment and at least its size (`place`), and goes back through `free` or
 // `realloc`, which accept any of them. `realloc` keeps the old block's first
 // `min(old, new)` bytes, as `GlobalAlloc::realloc` requires.
 unsafe impl GlobalAlloc for LineAligned {
     #[inline]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        match Self::align_for(layout) {
+        match Self::place(layout) {
             // SAFETY: `malloc` may be called with any size.
-            None => unsafe { libc::malloc(layout.size()).cast() },
-            Some(a) => aligned(a, layout.size()),
+            Place::Malloc => unsafe { libc::malloc(layout.size()).cast() },
+            Place::Aligned { align, size } => aligned(align, size),
+            Place::TooLarge => std::ptr::null_mut(),
         }
     }
 
     #[inline]
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        match Self::align_for(layout) {
+        match Self::place(layout) {
             // SAFETY: `calloc` may be called with any count and size.
-            None => unsafe { libc::calloc(layout.size(), 1).cast() },
-            Some(a) => {
-                let p = aligned(a, layout.size());
+            Place::Malloc => unsafe { libc::calloc(layout.size(), 1).cast() },
+            Place::TooLarge => std::ptr::null_mut(),
+            Place::Aligned { align, size } => {
+                let p = aligned(align, size);
                 if !p.is_null() {
-                    // SAFETY: `p` is a fresh block of `layout.size()` writable bytes.
+                    // SAFETY: `p` is a fresh block of at least `layout.size()` writable bytes.
                     unsafe { std::ptr::write_bytes(p, 0, layout.size()) };
                 }
                 p
@@ -117,7 +161,7 @@ unsafe impl GlobalAlloc for LineAligned {
         // SAFETY: the caller guarantees `layout.align()` and a non-zero `new_size` that does
         // not overflow when rounded up to it, so this layout is valid.
         let new = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
-        if Self::align_for(new).is_none() {
+        if Self::place(new) == Place::Malloc {
             // SAFETY: `ptr` came from this allocator (the `malloc` family); `realloc` keeps
             // the malloc alignment, which is all `new` needs.
             return unsafe { libc::realloc(ptr.cast(), new_size).cast() };
@@ -164,6 +208,66 @@ mod tests {
             a.dealloc(z, Layout::from_size_align(100, 4).unwrap());
             a.dealloc(plain, l);
         }
+    }
+
+    /// The lines of a block of `size` bytes at `p`.
+    fn lines(p: *mut u8, size: usize) -> std::ops::Range<usize> {
+        let first = p as usize / LINE;
+        first..(p as usize + size).div_ceil(LINE)
+    }
+
+    #[test]
+    fn blocks_stay_in_a_page_and_never_follow_another_block_s_line() {
+        let a = LineAligned;
+        // Sizes a heap's history would place across a page or next to each other.
+        let sizes: Vec<usize> = (0..400)
+            .map(|i| 1 + (i * 37) % 300 + (i % 7) * 700)
+            .collect();
+        sim_started();
+        let blocks: Vec<(*mut u8, Layout)> = sizes
+            .iter()
+            .map(|&n| {
+                let l = Layout::from_size_align(n, 8).unwrap();
+                (unsafe { a.alloc(l) }, l)
+            })
+            .collect();
+        sim_ended();
+        let used: std::collections::HashSet<usize> = blocks
+            .iter()
+            .flat_map(|&(p, l)| lines(p, l.size()))
+            .collect();
+        for &(p, l) in &blocks {
+            assert!(!p.is_null());
+            let r = lines(p, l.size());
+            if l.size() <= PAGE {
+                // Within one page, so streaming inside it does not depend on where it is.
+                assert_eq!(
+                    r.start * LINE / PAGE,
+                    (r.end - 1) * LINE / PAGE,
+                    "{l:?} at {p:?}"
+                );
+            } else {
+                assert_eq!(p as usize % PAGE, 0, "{l:?} at {p:?}");
+            }
+            // The line before it is no block's: its first line is never streamed.
+            assert!(
+                !used.contains(&(r.start - 1)),
+                "{l:?} at {p:?} follows a block"
+            );
+        }
+        for (p, l) in blocks {
+            unsafe { a.dealloc(p, l) };
+        }
+    }
+
+    #[test]
+    fn sizes_that_cannot_be_padded_fail() {
+        let a = LineAligned;
+        let l = Layout::from_size_align(isize::MAX as usize - 63, 8).unwrap();
+        sim_started();
+        let p = unsafe { a.alloc(l) };
+        sim_ended();
+        assert!(p.is_null());
     }
 
     #[test]

@@ -73,7 +73,7 @@ impl Profile {
     }
 }
 
-const COSTS: [(Cost, f64, &str); 19] = [
+const COSTS: [(Cost, f64, &str); 20] = [
     (Cost::WalkStep, 2.0, EST),
     (Cost::HwWalkStep, 2.0, EST),
     (Cost::TlbHit, 1.0, EST),
@@ -109,4 +109,5 @@ const COSTS: [(Cost, f64, &str); 19] = [
         "estimate: not charged (this profile predates the fault paths' own costs)",
     ),
     (Cost::WalkSide, 2.0, EST),
+    (Cost::FastFaultExit, 3_000.0, EST_NESTED),
 ];

@@ -39,6 +39,7 @@ const COST_NAMES: [&str; Cost::ALL.len()] = [
     "fast_fault",
     "slow_fault",
     "walk_side",
+    "fast_fault_exit",
 ];
 
 /// The index of `cost` in [`Cost::ALL`]; `None` for a cost this crate does not know yet.
@@ -65,6 +66,7 @@ pub(crate) fn cost_index(cost: Cost) -> Option<usize> {
         Cost::FastFault => 16,
         Cost::SlowFault => 17,
         Cost::WalkSide => 18,
+        Cost::FastFaultExit => 19,
         _ => return None,
     })
 }

@@ -71,11 +71,17 @@ pub enum Cost {
     SlowFault,
     /// One step of the engine's walk to the next entry of the same table (a range walk).
     WalkSide,
+    /// The exit to the hypervisor and the entry back around a fault the fast path resolves.
+    /// On hardware every stage-2 fault is a VM exit, whichever path handles it; the simulated
+    /// machine's fast path runs inside the access without leaving guest mode, so this is
+    /// charged there instead (its slow path pays `VmExit` + `VmEntry` when it leaves guest
+    /// mode). Zero for the simulated machine itself; a hardware round trip for a real one.
+    FastFaultExit,
 }
 
 impl Cost {
     /// Every cost, in declaration order (profiles list them in this order).
-    pub const ALL: [Cost; 19] = [
+    pub const ALL: [Cost; 20] = [
         Cost::WalkStep,
         Cost::HwWalkStep,
         Cost::TlbHit,
@@ -95,6 +101,7 @@ impl Cost {
         Cost::FastFault,
         Cost::SlowFault,
         Cost::WalkSide,
+        Cost::FastFaultExit,
     ];
 }
 

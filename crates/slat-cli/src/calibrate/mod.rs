@@ -286,6 +286,7 @@ fn assemble(name: &str, m: &[Measured]) -> CliResult<Profile> {
         Cost::VmEntry,
         Entry::new(exit.ns, exit.source.replace("vm_exit", "vm_entry")),
     );
+    p.set_cost(Cost::FastFaultExit, Entry::new(0.0, "slat calibrate: structural: the simulated machine's fast path resolves a fault inside the access, in guest mode, with no exit to charge (its slow path's exit and entry are vm_exit and vm_entry)"));
     p.set_cost(Cost::IpiSend, Entry::new(lt, "proxy: = line_transfer (measured here): slat's flush request is an RMW on the target's request word; a hardware IPI cannot be measured in this nested VM"));
     let rmw = ns_of(m, "rmw_local");
     p.set_cost(Cost::IpiHandler, Entry::new(rmw, "proxy: = rmw_local (measured here): servicing a flush request is the acknowledgement's RMW (the TLB flush is charged as tlb_flush); a hardware IPI handler cannot be measured in this nested VM"));
