@@ -5,24 +5,8 @@
 //! dereferences guest memory on EPT.
 #![cfg(loom)]
 
-/// Model threads with room for the engine's clocked wrappers (`sync.rs`): loom's default
-/// coroutine stack (32 KiB) is too small for a fault's frames.
-mod thread {
-    pub use loom::thread::JoinHandle;
-
-    pub fn spawn<F, T>(f: F) -> JoinHandle<T>
-    where
-        F: FnOnce() -> T + Send + 'static,
-        T: Send + 'static,
-    {
-        loom::thread::Builder::new()
-            .stack_size(super::MODEL_STACK)
-            .spawn(f)
-            .expect("spawn a model thread")
-    }
-}
-
-const MODEL_STACK: usize = 1 << 20;
+#[path = "common/loom_thread.rs"]
+mod thread;
 use slat::{Access, Ept, Fault, FaultOutcome, HostBuffer, HostRange, MemslotFlags, Vm, VmConfig};
 use slat_addr::Gfn;
 use slat_addr::Gpa;

@@ -15,24 +15,8 @@
 //! the MMU lock before its flush, and B's leaf could appear while A still cached the block.
 #![cfg(loom)]
 
-/// Model threads with room for the engine's clocked wrappers (`sync.rs`): loom's default
-/// coroutine stack (32 KiB) is too small for a fault's frames.
-mod thread {
-    pub use loom::thread::{yield_now, JoinHandle};
-
-    pub fn spawn<F, T>(f: F) -> JoinHandle<T>
-    where
-        F: FnOnce() -> T + Send + 'static,
-        T: Send + 'static,
-    {
-        loom::thread::Builder::new()
-            .stack_size(super::MODEL_STACK)
-            .spawn(f)
-            .expect("spawn a model thread")
-    }
-}
-
-const MODEL_STACK: usize = 1 << 20;
+#[path = "common/loom_thread.rs"]
+mod thread;
 use slat::{
     Access, Fault, FaultOutcome, GuestMode, HostBuffer, HostRange, MemslotFlags, Stage2, Vcpu, Vm,
     VmConfig,
