@@ -371,6 +371,7 @@ impl Inner {
     /// the simulation, nothing can ever run again: the simulation fails.
     pub(crate) fn dispatch(&mut self) -> Unpark {
         self.baton = None;
+        self.raise_floor();
         if let Some((_, _, j)) = self.ready.pop_first() {
             self.baton = Some(j);
             self.switches += 1;
@@ -389,6 +390,26 @@ impl Inner {
             return self.fail(SimError::Deadlock { report });
         }
         Unpark::None
+    }
+
+    /// Tells the models the floor: the lowest clock of the CPUs that run or will rejoin on
+    /// their own (runnable or detached). No clock goes back, a detached CPU rejoins at its own
+    /// clock or later, and a blocked CPU wakes at a time a running CPU's release or write
+    /// set, so no request can come before the floor (busy intervals that ended by then can
+    /// go). Blocked CPUs are left out because one parked for a whole phase (a thread waiting
+    /// for the vCPUs) would hold the floor back and every calendar would grow. Once per
+    /// switch: a stale floor is lower, which only keeps more.
+    fn raise_floor(&mut self) {
+        let floor = self
+            .cpus
+            .iter()
+            .filter(|c| matches!(c.state, State::Runnable | State::Detached))
+            .map(|c| c.clock)
+            .min();
+        if let Some(f) = floor {
+            self.lines.set_floor(f);
+            self.locks.set_floor(f);
+        }
     }
 
     /// Dispatches if nobody holds the baton (a CPU became runnable from outside a hook).

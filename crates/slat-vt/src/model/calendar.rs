@@ -1,25 +1,47 @@
 //! The recent busy intervals of a line or a lock, in virtual time.
 //!
 //! CPUs run in virtual-time order only up to the lookahead, so a request can arrive, in real
-//! order, after requests that are later in virtual time. Keeping the last few busy intervals
-//! lets such a request take the gap it would have found in virtual time instead of queueing
-//! behind the latest interval (which would move its clock forward by up to the lookahead) or
-//! ignoring the intervals it overlaps (which would lose contention).
+//! order, after requests that are later in virtual time. Keeping the busy intervals lets such a
+//! request take the gap it would have found in virtual time instead of queueing behind the
+//! latest interval (which would move its clock forward by up to the lookahead) or ignoring the
+//! intervals it overlaps (which would lose contention).
+//!
+//! Which intervals to keep: every one that a future request could still overlap. No CPU's
+//! clock goes back, so nothing can arrive before the lowest clock of every CPU in the
+//! simulation (the scheduler's *floor*, [`Calendar::insert`]'s `floor`): intervals that ended
+//! by then are dropped, and only those. A fixed number of kept intervals is not enough: with
+//! 64 CPUs, one CPU's run within the lookahead makes dozens of intervals on a hot lock word,
+//! and a bound of eight lost the earlier ones, so the next CPU's requests found the line free
+//! in virtual time where it had been saturated. Touching intervals of the same kind merge, so
+//! a saturated line keeps one interval however many requests it serialised.
 
-/// Intervals kept per line or lock.
-const KEPT: usize = 8;
+/// Intervals kept without a heap allocation (most lines are written once or twice).
+const INLINE: usize = 4;
 
-/// Up to [`KEPT`] busy intervals `[from, to)`, sorted by `from`, each with whether it excludes
-/// everyone (a write) or only writers (readers of a lock).
-#[derive(Debug, Clone, Copy, Default)]
+/// The most intervals kept: a defence against a floor held back (a CPU outside the simulation
+/// for long); beyond it the earliest goes, and is counted ([`Calendar::insert`]'s result).
+pub(crate) const MAX_KEPT: usize = 4096;
+
+/// `[from, to)` and whether it excludes everyone (a write) or only writers (readers of a lock).
+type Interval = (u64, u64, bool);
+
+/// The kept busy intervals, sorted by `from`.
+#[derive(Debug, Clone, Default)]
 pub(crate) struct Calendar {
-    busy: [(u64, u64, bool); KEPT],
+    inline: [Interval; INLINE],
+    /// Intervals in `inline` while `spill` is empty.
     len: u8,
+    /// All the intervals, once more than [`INLINE`] were kept at once.
+    spill: Vec<Interval>,
 }
 
 impl Calendar {
-    fn intervals(&self) -> &[(u64, u64, bool)] {
-        &self.busy[..usize::from(self.len).min(KEPT)]
+    fn intervals(&self) -> &[Interval] {
+        if self.spill.is_empty() {
+            &self.inline[..usize::from(self.len).min(INLINE)]
+        } else {
+            &self.spill
+        }
     }
 
     /// The earliest `start >= t` such that `[start, start + len)` (a point for `len` 0)
@@ -44,31 +66,68 @@ impl Calendar {
         }
     }
 
-    /// Records the busy interval `[from, to)` (empty ones are not kept); the earliest goes
-    /// when the calendar is full.
-    pub(crate) fn insert(&mut self, from: u64, to: u64, exclusive: bool) {
+    /// Records the busy interval `[from, to)` (empty ones are not kept), merged with the
+    /// intervals of its kind it touches, after dropping those that ended by `floor` (the
+    /// lowest clock any CPU can still request at). Returns how many intervals that could still
+    /// matter were dropped to stay within [`MAX_KEPT`] (0 but for a floor held back).
+    pub(crate) fn insert(&mut self, from: u64, to: u64, exclusive: bool, floor: u64) -> u64 {
         if to <= from {
-            return;
+            return 0;
         }
-        let mut n = usize::from(self.len).min(KEPT);
-        let mut at = self.busy[..n].partition_point(|w| w.0 <= from);
-        if n == KEPT {
-            if at == 0 {
-                return; // earlier than everything kept: it would be the one to go
+        let new = (from, to, exclusive);
+        if self.spill.is_empty() {
+            // Inline: worked on a stack copy with room for one more, spilled only if it grows.
+            let n = usize::from(self.len).min(INLINE);
+            let mut buf = [(0, 0, false); INLINE + 1];
+            buf[..n].copy_from_slice(&self.inline[..n]);
+            let m = merge_in(&mut buf, n, new, floor);
+            if m <= INLINE {
+                self.inline[..m].copy_from_slice(&buf[..m]);
+                self.len = m as u8;
+            } else {
+                self.len = 0;
+                self.spill = buf[..m].to_vec();
             }
-            self.busy.copy_within(1..n, 0);
-            n -= 1;
-            at -= 1;
+            return 0;
         }
-        self.busy.copy_within(at..n, at + 1);
-        self.busy[at] = (from, to, exclusive);
-        self.len = (n + 1) as u8;
+        let n = self.spill.len();
+        self.spill.push(new); // room for the merge to insert into
+        let m = merge_in(&mut self.spill, n, new, floor);
+        self.spill.truncate(m);
+        let evicted = m.saturating_sub(MAX_KEPT);
+        self.spill.drain(..evicted);
+        evicted as u64
     }
 
     /// The end of the latest interval (0 if none).
     pub(crate) fn last_end(&self) -> u64 {
         self.intervals().iter().map(|w| w.1).max().unwrap_or(0)
     }
+}
+
+/// Drops from `buf[..n]` (sorted by start) the intervals that ended by `floor`, merges `new`
+/// with the intervals of its kind it touches or overlaps, and inserts it in order; returns the
+/// new length. `buf` has room for `n + 1` intervals.
+fn merge_in(buf: &mut [Interval], n: usize, new: Interval, floor: u64) -> usize {
+    let (mut from, mut to, kind) = new;
+    let mut m = 0;
+    for i in 0..n {
+        let (f, t, e) = buf[i];
+        if t <= floor {
+            continue;
+        }
+        if e == kind && f <= to && t >= from {
+            from = from.min(f);
+            to = to.max(t);
+            continue;
+        }
+        buf[m] = buf[i];
+        m += 1;
+    }
+    let at = buf[..m].partition_point(|w| w.0 <= from);
+    buf.copy_within(at..m, at + 1);
+    buf[at] = (from, to, kind);
+    m + 1
 }
 
 #[cfg(test)]
@@ -78,27 +137,77 @@ mod tests {
     #[test]
     fn fits_in_gaps_and_after_conflicts() {
         let mut c = Calendar::default();
-        c.insert(100, 110, true);
-        c.insert(200, 210, true);
+        c.insert(100, 110, true, 0);
+        c.insert(200, 210, true, 0);
         assert_eq!(c.fit(50, 10, true, 0), 50); // before both
         assert_eq!(c.fit(95, 10, true, 0), 110); // overlaps the first
         assert_eq!(c.fit(105, 100, true, 0), 210); // does not fit the gap
         assert_eq!(c.fit(105, 0, true, 5), 115); // a point inside: after it plus the gap
-        c.insert(300, 310, false);
+        c.insert(300, 310, false, 0);
         assert_eq!(c.fit(305, 0, false, 5), 305); // readers do not conflict
         assert_eq!(c.fit(305, 0, true, 5), 315);
         assert_eq!(c.last_end(), 310);
     }
 
     #[test]
-    fn keeps_the_latest_intervals() {
+    fn keeps_every_interval_after_the_floor_and_drops_the_rest() {
         let mut c = Calendar::default();
         for i in 0..20u64 {
-            c.insert(i * 10, i * 10 + 5, true);
+            assert_eq!(c.insert(i * 10, i * 10 + 5, true, 0), 0);
         }
-        assert_eq!(c.fit(2, 1, true, 0), 2); // forgotten
+        // The earliest interval is still there: a late request in its time waits for it.
+        assert_eq!(c.fit(2, 1, true, 0), 5);
         assert_eq!(c.fit(192, 1, true, 0), 195);
-        c.insert(7, 7, true); // empty: ignored
-        assert_eq!(c.intervals().len(), KEPT);
+        c.insert(7, 7, true, 0); // empty: ignored
+        assert_eq!(c.intervals().len(), 20);
+        // Nothing can arrive before 100 any more: what ended by then goes.
+        c.insert(500, 505, true, 100);
+        assert_eq!(c.intervals().len(), 11);
+        assert_eq!(c.fit(2, 1, true, 0), 2);
+    }
+
+    /// The bug this calendar fixes: 64 CPUs' serialised RMWs arriving out of virtual-time
+    /// order (each CPU runs ahead within the lookahead) must still serialise. With eight kept
+    /// intervals most requests found the line free.
+    #[test]
+    fn out_of_order_requests_still_serialise() {
+        let mut c = Calendar::default();
+        let (cpus, per_cpu, cost) = (64u64, 16u64, 40u64);
+        let mut busy = 0;
+        // CPU k asks at times k + 100 * j (j-th request), all CPUs nearly in step, but the
+        // simulation runs each CPU's requests before the next CPU's.
+        for k in 0..cpus {
+            for j in 0..per_cpu {
+                let t = k + 100 * j;
+                let start = c.fit(t, cost, true, 0);
+                c.insert(start, start + cost, true, 0);
+                busy += cost;
+            }
+        }
+        // Serialised: the last request ends no earlier than the total busy time.
+        assert!(c.last_end() >= busy, "{} < {busy}", c.last_end());
+        // And a saturated line keeps few intervals, however many requests it served.
+        assert!(c.intervals().len() < 64, "{}", c.intervals().len());
+    }
+
+    #[test]
+    fn merges_touching_intervals_of_a_kind_only() {
+        let mut c = Calendar::default();
+        c.insert(0, 10, true, 0);
+        c.insert(10, 20, true, 0);
+        c.insert(20, 30, false, 0);
+        c.insert(25, 40, false, 0);
+        assert_eq!(c.intervals(), &[(0, 20, true), (20, 40, false)]);
+    }
+
+    #[test]
+    fn bounded_when_the_floor_is_held_back() {
+        let mut c = Calendar::default();
+        let mut evicted = 0;
+        for i in 0..(MAX_KEPT as u64 + 10) {
+            evicted += c.insert(i * 10, i * 10 + 5, true, 0);
+        }
+        assert_eq!(evicted, 10);
+        assert_eq!(c.intervals().len(), MAX_KEPT);
     }
 }

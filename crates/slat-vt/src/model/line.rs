@@ -87,6 +87,9 @@ pub struct LineStats {
     pub streamed: u64,
     /// Lines in the table now.
     pub lines: u64,
+    /// Busy intervals dropped that a late request could still have met (the floor was held
+    /// back past the calendar's bound); 0 in a faithful run.
+    pub calendar_evictions: u64,
 }
 
 /// Every line touched within the last `retention`.
@@ -96,6 +99,8 @@ pub(crate) struct Lines {
     costs: LineCosts,
     next_sweep: u64,
     stats: LineStats,
+    /// The scheduler's floor: no CPU can request before it (calendar.rs).
+    floor: u64,
 }
 
 impl Lines {
@@ -105,7 +110,13 @@ impl Lines {
             costs,
             next_sweep: costs.retention,
             stats: LineStats::default(),
+            floor: 0,
         }
+    }
+
+    /// Raises the floor: no CPU will request before `floor` (the lowest clock of every CPU).
+    pub(crate) fn set_floor(&mut self, floor: u64) {
+        self.floor = self.floor.max(floor);
     }
 
     /// The line of `addr`.
@@ -168,7 +179,7 @@ impl Lines {
         };
         let start = l.busy.fit(t, cost, true, 0);
         let end = start.saturating_add(cost);
-        l.busy.insert(start, end, true);
+        self.stats.calendar_evictions += l.busy.insert(start, end, true, self.floor);
         l.owner = cpu;
         l.sharers = CpuSet::only(cpu);
         l.last_touch = l.busy.last_end().max(end);

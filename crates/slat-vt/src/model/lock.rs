@@ -120,6 +120,9 @@ pub struct LockStats {
     pub barged: u64,
     /// Releases of a lock the CPU did not hold in the model (ignored).
     pub stray_releases: u64,
+    /// Busy periods dropped that a late request could still have met (see
+    /// [`LineStats::calendar_evictions`](super::line::LineStats)); 0 in a faithful run.
+    pub calendar_evictions: u64,
 }
 
 /// Every lock the simulated CPUs took.
@@ -132,6 +135,8 @@ pub(crate) struct Locks {
     retention: u64,
     next_sweep: u64,
     stats: LockStats,
+    /// The scheduler's floor: no CPU can request before it (calendar.rs).
+    floor: u64,
 }
 
 impl Locks {
@@ -145,7 +150,13 @@ impl Locks {
             retention,
             next_sweep: retention,
             stats: LockStats::default(),
+            floor: 0,
         }
+    }
+
+    /// Raises the floor: no CPU will request before `floor` (the lowest clock of every CPU).
+    pub(crate) fn set_floor(&mut self, floor: u64) {
+        self.floor = self.floor.max(floor);
     }
 
     /// `cpu` asks for the lock at `addr` at `t` (a first request or, under `barging`, a woken
@@ -293,7 +304,8 @@ impl Locks {
         l.released_at = l.released_at.max(t);
         l.last_releaser = Some(cpu);
         if l.free() {
-            l.past.insert(l.busy_from, t, l.busy_writer);
+            let floor = self.floor;
+            self.stats.calendar_evictions += l.past.insert(l.busy_from, t, l.busy_writer, floor);
         }
         if !l.free() || l.queue.is_empty() {
             return;
