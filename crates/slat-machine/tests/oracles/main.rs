@@ -11,5 +11,12 @@ mod common;
 mod churn_oracle;
 mod ring_oracle;
 
+/// Line-aligned allocations while a simulation exists (the churn oracle in virtual time), as in
+/// the `slat` binary: the cache-line model then sees the same layout in every run of a seed,
+/// whatever the heap's history (docs/design/virtual-time.md §5). Without a simulation it is
+/// the system allocator.
+#[global_allocator]
+static ALLOC: slat_vt::LineAligned = slat_vt::LineAligned;
+
 /// Held by every test of both oracles for its whole run.
 static SERIAL: Mutex<()> = Mutex::new(());
