@@ -1,6 +1,8 @@
 //! The ring and churn oracles, one binary without other tests: each runs its rounds for a fixed
 //! time and wants every core for its vCPUs, so its tests run one at a time (`SERIAL`) and no
-//! test of another file shares the process's CPUs with them.
+//! test of another file shares the process's CPUs with them. (The churn oracle's virtual-time
+//! rounds need no core of their own, but share `SERIAL` so no real-time round competes with
+//! them for the host either.)
 
 use std::sync::Mutex;
 

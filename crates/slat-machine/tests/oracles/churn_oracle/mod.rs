@@ -39,13 +39,23 @@
 //! moved; fixed by the engine's invalid-slot move, kept as
 //! `dbit_tracking_logs_writes_racing_a_move_of_their_slot`.
 //!
+//! The same code runs in either clock, chosen by the format type: `slat::Ept` and
+//! `slat::Stage2` in real time (`churn_oracle::ept::…`, `churn_oracle::stage2::…`), and
+//! `Timed<F, slat_vt::Virtual>` in virtual time (`churn_oracle::virtual_time::…`): each round
+//! is then a simulation of its own whose CPUs are the host (this thread), the vCPUs and the
+//! churn thread, every wait a timer wait on the waiting CPU's clock, guest memory real, and
+//! the round's times divided by [`VIRTUAL_PACE`] (see `clock.rs`). A virtual round is
+//! deterministic: its seed also permutes the simulation's tie order and picks its lookahead.
+//!
 //! Control: `SLAT_TEST_SEED` (hex; random if unset, printed at the start and in every failure;
-//! a round's own seed, given as `SLAT_TEST_SEED`, replays its configuration as round 0) and
-//! `SLAT_CHURN_SECS` (per format, default 6). The formats run one after the other, so a long run
-//! has the host to itself:
+//! a round's own seed, given as `SLAT_TEST_SEED`, replays its configuration as round 0),
+//! `SLAT_CHURN_SECS` (real time, per format, default 6) and `SLAT_CHURN_VIRTUAL_MS` (virtual
+//! time, per format, default 120). The formats run one after the other, so a long run has the
+//! host to itself:
 //!
 //! ```text
 //! SLAT_CHURN_SECS=300 cargo test --release -p slat-machine --test oracles churn_oracle:: -- --nocapture
+//! SLAT_CHURN_VIRTUAL_MS=20000 cargo test --release -p slat-machine --test oracles churn_oracle::virtual_time:: -- --nocapture
 //! ```
 
 // One module per part of a round; each reaches the others and the imports below through
