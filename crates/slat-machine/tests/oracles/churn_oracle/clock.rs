@@ -9,11 +9,10 @@ use slat::clock::{addr_of, Clock, LockMode};
 use slat_vt::{CpuHandle, Entry, Profile, Sim};
 use std::ops::{Deref, DerefMut};
 
-/// How many times faster a round runs in virtual time: its length and every pause of the host
-/// and the churn thread are divided by this. A simulated vCPU does in a virtual millisecond
-/// what a real one does here in several (no host scheduler, no second core to share), and the
-/// simulation runs about ten times slower than real time, so this keeps a virtual round's
-/// wall time near a real round's with as many harvests and churn operations per write.
+/// How many times shorter a round is in virtual time: its length and every pause of the host
+/// and the churn thread are divided by this, so the pauses stay the same fraction of a round
+/// as in real time and a round takes about a real round's wall time (a virtual millisecond of
+/// the oracle takes 20–45 ms of wall time here).
 pub(crate) const VIRTUAL_PACE: u32 = 50;
 
 /// How long a simulated vCPU waits before retrying an access to a checked slot that is moving
