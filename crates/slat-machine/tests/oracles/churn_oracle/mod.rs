@@ -44,8 +44,9 @@
 //! `Timed<F, slat_vt::Virtual>` in virtual time (`churn_oracle::virtual_time::…`): each round
 //! is then a simulation of its own whose CPUs are the host (this thread), the vCPUs and the
 //! churn thread, every wait a timer wait on the waiting CPU's clock, guest memory real, and
-//! the round's times divided by [`VIRTUAL_PACE`] (see `clock.rs`). A virtual round is
-//! deterministic: its seed also permutes the simulation's tie order and picks its lookahead.
+//! the round's times divided by [`VIRTUAL_PACE`] (see `clock.rs`). Its seed also permutes the
+//! simulation's tie order and picks its lookahead; replayed in a fresh process, a round does
+//! the same again (`virtual_time.rs`: the determinism test, and the reverse-map exception).
 //!
 //! Control: `SLAT_TEST_SEED` (hex; random if unset, printed at the start and in every failure;
 //! a round's own seed, given as `SLAT_TEST_SEED`, replays its configuration as round 0),
@@ -118,7 +119,7 @@ fn base_seed() -> u64 {
 
 /// The length of a run of random rounds per format. Real time: `SLAT_CHURN_SECS` of wall
 /// time (default 6: both formats and the injection test stay under ~20 s). Virtual time:
-/// `SLAT_CHURN_VIRTUAL_MS` of virtual time (default 120, about 1.5 s of wall time), counted
+/// `SLAT_CHURN_VIRTUAL_MS` of virtual time (default 120: 1.4–5.6 s of wall time here), counted
 /// as the rounds' own lengths, so a seed runs the same rounds on any host.
 fn run_length<F: PteFormat>() -> Duration {
     let (name, default) = match F::Clock::VIRTUAL {
