@@ -94,7 +94,7 @@ impl<F: PteFormat> Churner<F> {
                     break;
                 }
             }
-            std::thread::sleep(self.rng.upto(self.cfg.churn_gap));
+            pause::<F>(self.rng.upto(self.cfg.churn_gap));
         }
         self.out
     }

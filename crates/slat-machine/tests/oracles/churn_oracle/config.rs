@@ -68,12 +68,20 @@ pub(crate) struct RoundCfg {
     pub(crate) harvest_gap: Duration,
     /// Longest pause between two churn operations.
     pub(crate) churn_gap: Duration,
+    /// Longest pause before logging is first turned on (vCPUs map memory meanwhile).
+    pub(crate) settle: Duration,
+    /// Longest time logging stays off when the host toggles it.
+    pub(crate) toggle_gap: Duration,
+    /// Virtual time: how far a simulated CPU may run ahead of the others before it passes the
+    /// baton (zero: the cost profile's, and always in real time). Smaller interleaves finer.
+    pub(crate) lookahead: Duration,
 }
 
 impl RoundCfg {
     /// The configuration of a round seed: the log mode is `seed % modes`, so cycling the
     /// seeds cycles the modes, and a seed replays the same configuration in any round. The
-    /// round lasts 150 to 500 ms, cut to what is `left` of the run (100 ms at least).
+    /// round lasts 150 to 500 ms, cut to what is `left` of the run (100 ms at least); in
+    /// virtual time every time is divided by [`VIRTUAL_PACE`] (the rest is the same).
     pub(crate) fn random<F: PteFormat>(seed: u64, left: Duration) -> RoundCfg {
         let all = modes::<F>();
         let (log, dirty_track, get_log) = all[(seed % all.len() as u64) as usize];
@@ -93,7 +101,10 @@ impl RoundCfg {
             move_checked: r.chance(50),
             ro_slots: r.chance(80),
         };
-        let ms = (150 + r.below(351)).min(left.as_millis() as u64).max(100);
+        let pace = pace::<F>();
+        let ms = (150 + r.below(351))
+            .min(left.saturating_mul(pace).as_millis() as u64)
+            .max(100);
         RoundCfg {
             seed,
             log,
@@ -106,15 +117,23 @@ impl RoundCfg {
             vcpus: r.pick(&[2, 3, 4, 4, 4]),
             tlb_entries: r.pick(&[256, 2048]),
             churn,
-            duration: Duration::from_millis(ms),
-            harvest_gap: Duration::from_micros(r.pick(&[1000, 3000, 8000])),
-            churn_gap: Duration::from_micros(r.pick(&[100, 500, 2000])),
+            duration: Duration::from_millis(ms) / pace,
+            harvest_gap: Duration::from_micros(r.pick(&[1000, 3000, 8000])) / pace,
+            churn_gap: Duration::from_micros(r.pick(&[100, 500, 2000])) / pace,
+            settle: Duration::from_millis(20) / pace,
+            toggle_gap: Duration::from_millis(2) / pace,
+            // Drawn last, so a seed's other choices are the same in both clocks.
+            lookahead: match F::Clock::VIRTUAL {
+                true => Duration::from_nanos(r.pick(&[1_000, 10_000])),
+                false => Duration::ZERO,
+            },
         }
     }
 
     /// A quiet round for the failure-injection test: no churn (zaps and aging flush TLBs,
     /// which would hide a missing harvest flush for a while).
-    pub(crate) fn quiet(seed: u64, mode: Mode) -> RoundCfg {
+    pub(crate) fn quiet<F: PteFormat>(seed: u64, mode: Mode) -> RoundCfg {
+        let pace = pace::<F>();
         RoundCfg {
             seed,
             log: mode.0,
@@ -134,9 +153,12 @@ impl RoundCfg {
                 move_checked: false,
                 ro_slots: false,
             },
-            duration: Duration::from_millis(300),
-            harvest_gap: Duration::from_millis(3),
-            churn_gap: Duration::from_millis(1),
+            duration: Duration::from_millis(300) / pace,
+            harvest_gap: Duration::from_millis(3) / pace,
+            churn_gap: Duration::from_millis(1) / pace,
+            settle: Duration::from_millis(20) / pace,
+            toggle_gap: Duration::from_millis(2) / pace,
+            lookahead: Duration::ZERO,
         }
     }
 
@@ -232,7 +254,7 @@ impl fmt::Display for RoundCfg {
             f,
             "mode={}{ring} backing={} vcpus={} tlb={} lock={} fast_pf={} ad_bits={} \
              eager_split={} recover={} rebuild={} cmo={} wrprot={} churn=[toggle={} zap={} age={} aux={} \
-             move_checked={} ro_slots={}] duration={:?} harvest_gap={:?} churn_gap={:?}",
+             move_checked={} ro_slots={}] duration={:?} harvest_gap={:?} churn_gap={:?}{}",
             self.mode_name(),
             self.backing,
             self.vcpus,
@@ -254,6 +276,10 @@ impl fmt::Display for RoundCfg {
             self.duration,
             self.harvest_gap,
             self.churn_gap,
+            match self.lookahead.is_zero() {
+                true => String::new(),
+                false => format!(" lookahead={:?}", self.lookahead),
+            },
         )
     }
 }

@@ -78,17 +78,17 @@ impl<'a, F: PteFormat> Host<'a, F> {
 
     /// The round: let vCPUs map memory (huge where the backing allows) with logging off, so
     /// enabling it splits and protects under running writers; then harvest at random
-    /// intervals, sometimes turning logging off and on.
-    pub(crate) fn drive(&mut self, until: Instant) -> Result<(), Failure> {
-        std::thread::sleep(self.rng.upto(Duration::from_millis(20)));
+    /// intervals, sometimes turning logging off and on, until `until` (ns on `F`'s clock).
+    pub(crate) fn drive(&mut self, until: u64) -> Result<(), Failure> {
+        pause::<F>(self.rng.upto(self.cfg.settle));
         for s in 0..CHECKED {
             self.enable(s)?;
         }
-        while Instant::now() < until {
+        while now_ns::<F>() < until {
             if let Some(f) = self.sh.failure() {
                 return Err(Failure::Other(f));
             }
-            std::thread::sleep(self.rng.upto(self.cfg.harvest_gap));
+            pause::<F>(self.rng.upto(self.cfg.harvest_gap));
             if self.cfg.churn.toggle && self.rng.chance(15) {
                 let s = self.rng.below(CHECKED as u64) as usize;
                 self.toggle(s)?;
@@ -108,7 +108,7 @@ impl<'a, F: PteFormat> Host<'a, F> {
         self.vm
             .set_memslot_flags(checked_id(s), MemslotFlags::empty())
             .map_err(other)?;
-        std::thread::sleep(self.rng.upto(Duration::from_millis(2)));
+        pause::<F>(self.rng.upto(self.cfg.toggle_gap));
         self.enable(s)?;
         self.out.toggles += 1;
         Ok(())
@@ -173,7 +173,7 @@ impl<'a, F: PteFormat> Host<'a, F> {
             }
         };
         if let LogMode::Ring { .. } = self.cfg.log {
-            let mut reaped = lock(&self.sh.reaped);
+            let mut reaped = lock_clocked::<F::Clock, _>(&self.sh.reaped);
             for r in self.vm.dirty_rings() {
                 r.harvest(|s, o| add(s, o.raw()));
             }

@@ -39,31 +39,46 @@
 //! moved; fixed by the engine's invalid-slot move, kept as
 //! `dbit_tracking_logs_writes_racing_a_move_of_their_slot`.
 //!
+//! The same code runs in either clock, chosen by the format type: `slat::Ept` and
+//! `slat::Stage2` in real time (`churn_oracle::ept::…`, `churn_oracle::stage2::…`), and
+//! `Timed<F, slat_vt::Virtual>` in virtual time (`churn_oracle::virtual_time::…`): each round
+//! is then a simulation of its own whose CPUs are the host (this thread), the vCPUs and the
+//! churn thread, every wait a timer wait on the waiting CPU's clock, guest memory real, and
+//! the round's times divided by [`VIRTUAL_PACE`] (see `clock.rs`). Its seed also permutes the
+//! simulation's tie order and picks its lookahead; replayed in a fresh process, a round does
+//! the same again (`virtual_time.rs`: the determinism test, and the reverse-map exception).
+//!
 //! Control: `SLAT_TEST_SEED` (hex; random if unset, printed at the start and in every failure;
-//! a round's own seed, given as `SLAT_TEST_SEED`, replays its configuration as round 0) and
-//! `SLAT_CHURN_SECS` (per format, default 6). The formats run one after the other, so a long run
-//! has the host to itself:
+//! a round's own seed, given as `SLAT_TEST_SEED`, replays its configuration as round 0),
+//! `SLAT_CHURN_SECS` (real time, per format, default 6) and `SLAT_CHURN_VIRTUAL_MS` (virtual
+//! time, per format, default 120). The formats run one after the other, so a long run has the
+//! host to itself:
 //!
 //! ```text
 //! SLAT_CHURN_SECS=300 cargo test --release -p slat-machine --test oracles churn_oracle:: -- --nocapture
+//! SLAT_CHURN_VIRTUAL_MS=20000 cargo test --release -p slat-machine --test oracles churn_oracle::virtual_time:: -- --nocapture
 //! ```
 
 // One module per part of a round; each reaches the others and the imports below through
 // `use super::*`.
 mod churn;
+mod clock;
 mod config;
 mod host;
 mod layout;
 mod round;
 mod shared;
 mod vcpu;
+mod virtual_time;
 
 use churn::*;
+use clock::*;
 use config::*;
 use host::*;
 use layout::*;
 use round::*;
 use shared::*;
+use slat::clock::Clock;
 use slat::dirty::{inject, INITIALLY_SET, MANUAL_PROTECT_ENABLE};
 use slat::{
     AgeFlush, AgeReport, CmoPolicy, DirtyTrack, GetLogVariant, HostRange, IdleBitmap, MemslotError,
@@ -102,17 +117,27 @@ fn base_seed() -> u64 {
     mix(t ^ u64::from(std::process::id()))
 }
 
-/// `SLAT_CHURN_SECS` per format (default 6: both formats and the injection test stay under
-/// ~20 s).
-fn churn_secs() -> f64 {
-    std::env::var("SLAT_CHURN_SECS")
+/// The length of a run of random rounds per format. Real time: `SLAT_CHURN_SECS` of wall
+/// time (default 6: both formats and the injection test stay under ~20 s). Virtual time:
+/// `SLAT_CHURN_VIRTUAL_MS` of virtual time (default 120: 1.4–5.6 s of wall time here), counted
+/// as the rounds' own lengths, so a seed runs the same rounds on any host.
+fn run_length<F: PteFormat>() -> Duration {
+    let (name, default) = match F::Clock::VIRTUAL {
+        true => ("SLAT_CHURN_VIRTUAL_MS", 120.0),
+        false => ("SLAT_CHURN_SECS", 6.0),
+    };
+    let v = std::env::var(name)
         .ok()
         .map(|s| {
             s.trim()
                 .parse::<f64>()
-                .unwrap_or_else(|e| panic!("SLAT_CHURN_SECS={s:?}: {e}"))
+                .unwrap_or_else(|e| panic!("{name}={s:?}: {e}"))
         })
-        .unwrap_or(6.0)
+        .unwrap_or(default);
+    match F::Clock::VIRTUAL {
+        true => Duration::from_secs_f64(v / 1000.0),
+        false => Duration::from_secs_f64(v),
+    }
 }
 
 // One test at a time across both oracles (`crate::SERIAL`).
@@ -157,7 +182,7 @@ impl Rng {
         xs[self.below(xs.len() as u64) as usize]
     }
     fn upto(&mut self, d: Duration) -> Duration {
-        Duration::from_micros(self.below(d.as_micros() as u64 + 1))
+        Duration::from_nanos(self.below(d.as_nanos() as u64 + 1))
     }
 }
 
@@ -200,13 +225,24 @@ impl Totals {
         o.host.toggles += h.toggles;
         o.churn.add(&r.churn);
         add_vcpu(&mut o.vcpu, &r.vcpu);
+        o.sim.add(&r.sim);
     }
 
-    /// One line: what was covered and what was checked.
+    /// One line: what was covered and what was checked (`secs` of wall time).
     fn summary(&self, name: &str, seed: u64, secs: f64) -> String {
+        let sim = &self.out.sim;
+        let clock = match sim.hooks {
+            0 => String::new(),
+            _ => format!(
+                " ({:.3} ms of virtual time, {} scheduler calls, {} baton switches)",
+                sim.virtual_ns as f64 / 1e6,
+                sim.hooks,
+                sim.switches
+            ),
+        };
         format!(
-            "churn_oracle[{name}] seed={seed:#x} {secs:.1}s: {} rounds, {} distinct configs ({}); \
-             {}",
+            "churn_oracle[{name}] seed={seed:#x} {secs:.1}s{clock}: {} rounds, {} distinct \
+             configs ({}); {}",
             self.rounds,
             self.configs.len(),
             self.coverage(),
@@ -261,41 +297,47 @@ impl Totals {
     }
 }
 
-/// Random rounds for `SLAT_CHURN_SECS`; any lost or spurious page, vCPU exit that should not
-/// happen, TLB conflict or leaked table page fails with the seed and the round's
-/// configuration.
+/// `F`'s name and clock, as the test output names a run.
+fn run_name<F: PteFormat>() -> String {
+    format!("{}/{}", F::NAME, clock_name::<F>())
+}
+
+/// Random rounds for the run's length ([`run_length`]); any lost or spurious page, vCPU exit
+/// that should not happen, TLB conflict or leaked table page fails with the seed and the
+/// round's configuration.
 fn no_page_is_lost_under_random_churn<F: PteFormat>() {
     let _serial = lock(&SERIAL);
-    let (seed, secs) = (base_seed(), churn_secs());
-    let nmodes = modes::<F>().len() as u64;
-    println!(
-        "churn_oracle[{}]: SLAT_TEST_SEED={seed:#x} SLAT_CHURN_SECS={secs}",
-        F::NAME
-    );
+    let (seed, length) = (base_seed(), run_length::<F>());
+    let (name, nmodes) = (run_name::<F>(), modes::<F>().len() as u64);
+    println!("churn_oracle[{name}]: SLAT_TEST_SEED={seed:#x}, {length:?} of rounds");
     let t0 = Instant::now();
-    let until = t0 + Duration::from_secs_f64(secs);
+    // Real time: until the wall clock says so. Virtual time: the rounds' own lengths.
+    let mut spent = Duration::ZERO;
     let mut totals = Totals::default();
     for k in 0.. {
-        let left = until.saturating_duration_since(Instant::now());
+        let left = match F::Clock::VIRTUAL {
+            true => length.saturating_sub(spent),
+            false => length.saturating_sub(t0.elapsed()),
+        };
         if k > 0 && left.is_zero() {
             break;
         }
         let rs = round_seed(seed, k, nmodes);
         let cfg = RoundCfg::random::<F>(rs, left);
-        println!("churn_oracle[{}] round {k}: seed={rs:#x} {cfg}", F::NAME);
+        spent += cfg.duration;
+        println!("churn_oracle[{name}] round {k}: seed={rs:#x} {cfg}");
         match run_round::<F>(&cfg, 0) {
             Ok(r) => totals.add::<F>(&cfg, &r),
             Err(f) => panic!(
-                "churn_oracle[{}]: round {k} failed after {:.1}s: {f}\n  base SLAT_TEST_SEED={seed:#x}; \
+                "churn_oracle[{name}]: round {k} failed after {:.1}s: {f}\n  base SLAT_TEST_SEED={seed:#x}; \
                  this round: SLAT_TEST_SEED={rs:#x} (replays it as round 0)\n  config: {cfg}",
-                F::NAME,
                 t0.elapsed().as_secs_f64()
             ),
         }
     }
     println!(
         "{}",
-        totals.summary(F::NAME, seed, t0.elapsed().as_secs_f64())
+        totals.summary(&name, seed, t0.elapsed().as_secs_f64())
     );
     let o = &totals.out;
     assert!(o.vcpu.writes > 0 && o.host.harvests > 0 && o.host.obligations > 0);
@@ -304,41 +346,45 @@ fn no_page_is_lost_under_random_churn<F: PteFormat>() {
 
 /// The oracle is not vacuous: with harvests that re-protect pages but skip the TLB flush
 /// (vCPUs keep writing through stale writable translations, unlogged), it reports lost pages
-/// in every log mode within a few rounds.
+/// in every log mode within a few rounds (10 s of them in real time, [`VIRTUAL_TRIES`] in
+/// virtual time).
 fn a_harvest_without_its_flush_is_caught_under_churn<F: PteFormat>() {
     let _serial = lock(&SERIAL);
-    let seed = base_seed();
+    let (seed, name) = (base_seed(), run_name::<F>());
     for mode in modes::<F>() {
         let t0 = Instant::now();
         let mut rounds = 0u64;
         let caught = loop {
-            let cfg = RoundCfg::quiet(seed.wrapping_add(rounds), mode);
+            let cfg = RoundCfg::quiet::<F>(seed.wrapping_add(rounds), mode);
             rounds += 1;
             match run_round::<F>(&cfg, inject::SKIP_HARVEST_FLUSH) {
                 Err(Failure::Lost(msg)) => break Some((cfg, msg)),
                 Err(f) => panic!(
-                    "{}: the broken engine failed otherwise than with a lost page (SLAT_TEST_SEED={seed:#x}): {f}",
+                    "{name} {}: the broken engine failed otherwise than with a lost page (SLAT_TEST_SEED={seed:#x}): {f}",
                     cfg.mode_name()
                 ),
+                Ok(_) if F::Clock::VIRTUAL && rounds >= VIRTUAL_TRIES => break None,
                 Ok(_) if t0.elapsed() > Duration::from_secs(10) => break None,
                 Ok(_) => {}
             }
         };
         let Some((cfg, msg)) = caught else {
             panic!(
-                "{:?}: a harvest without its flush went unnoticed for {rounds} rounds (SLAT_TEST_SEED={seed:#x})",
-                mode
+                "{name} {mode:?}: a harvest without its flush went unnoticed for {rounds} rounds (SLAT_TEST_SEED={seed:#x})"
             );
         };
         println!(
-            "churn_oracle[{}] {}: caught in round {rounds} after {:.2}s: {}",
-            F::NAME,
+            "churn_oracle[{name}] {}: caught in round {rounds} after {:.2}s: {}",
             cfg.mode_name(),
             t0.elapsed().as_secs_f64(),
             msg.lines().take(2).collect::<Vec<_>>().join(" | ")
         );
     }
 }
+
+/// Quiet rounds of the broken engine a log mode may take in virtual time before the test
+/// gives up (a round is deterministic, so the budget is rounds, not time).
+const VIRTUAL_TRIES: u64 = 32;
 
 /// Regression test for an engine bug this oracle found: with hardware D-bit tracking, a write
 /// through the *old* address of a checked slot that is being moved was not logged. The walker
@@ -356,7 +402,7 @@ fn dbit_tracking_logs_writes_racing_a_move_of_their_slot() {
     let (mut rounds, mut moves) = (0u64, 0u64);
     while t0.elapsed() < MOVE_RACE_TIME {
         let mode = (LogMode::Get, DirtyTrack::HardwareDirty, GetLogVariant::Xchg);
-        let mut cfg = RoundCfg::quiet(seed.wrapping_add(rounds), mode);
+        let mut cfg = RoundCfg::quiet::<slat::Ept>(seed.wrapping_add(rounds), mode);
         cfg.vcpus = 4;
         cfg.churn.move_checked = true;
         cfg.churn_gap = Duration::from_micros(200);

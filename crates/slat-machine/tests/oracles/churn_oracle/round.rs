@@ -8,6 +8,7 @@ pub(crate) struct RoundOut {
     pub(crate) host: HostOut,
     pub(crate) churn: ChurnOut,
     pub(crate) vcpu: VcpuOut,
+    pub(crate) sim: SimOut,
 }
 
 pub(crate) fn new_vm<F: PteFormat>(cfg: &RoundCfg) -> Result<Arc<Vm<F>>, Failure> {
@@ -82,22 +83,18 @@ pub(crate) fn add_slots<F: PteFormat>(vm: &Vm<F>, cfg: &RoundCfg) -> Result<(Ram
     Ok((rams, ro))
 }
 
-pub(crate) fn spawn<T: Send + 'static>(
-    name: String,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> Result<JoinHandle<T>, Failure> {
-    std::thread::Builder::new()
-        .name(name)
-        .spawn(f)
-        .map_err(|e| other(format!("spawn: {e}")))
-}
-
 pub(crate) fn start_vcpus<F: PteFormat>(
     vm: &Arc<Vm<F>>,
     sh: &Arc<Shared>,
     cfg: &RoundCfg,
+    rsim: &RoundSim,
 ) -> Result<Vec<JoinHandle<VcpuOut>>, Failure> {
-    let pcpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // In virtual time every vCPU has a physical CPU of its own: a pool wait would block a
+    // simulated CPU in the operating system.
+    let pcpus = match F::Clock::VIRTUAL {
+        true => cfg.vcpus,
+        false => std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
     let pool = Arc::new(PcpuPool::new(pcpus));
     let mut handles = Vec::new();
     for v in 0..cfg.vcpus {
@@ -115,11 +112,14 @@ pub(crate) fn start_vcpus<F: PteFormat>(
             mine: vec![0; TOTAL],
             out: VcpuOut::default(),
         };
-        match spawn(format!("churn-vcpu{v}"), move || g.run()) {
+        let started = rsim
+            .register(&format!("vcpu{v}"))
+            .and_then(|t| spawn(format!("churn-vcpu{v}"), t, move || g.run()));
+        match started {
             Ok(h) => handles.push(h),
             Err(e) => {
                 sh.stop.store(true, Ordering::SeqCst);
-                handles.into_iter().for_each(|h| drop(h.join()));
+                rsim.outside(|| handles.into_iter().for_each(|h| drop(h.join())));
                 return Err(e);
             }
         }
@@ -132,6 +132,7 @@ pub(crate) fn start_churn<F: PteFormat>(
     sh: &Arc<Shared>,
     cfg: &RoundCfg,
     ro_rams: Vec<Arc<GuestRam>>,
+    rsim: &RoundSim,
 ) -> Result<JoinHandle<ChurnOut>, Failure> {
     let c = Churner {
         vm: vm.clone(),
@@ -145,48 +146,66 @@ pub(crate) fn start_churn<F: PteFormat>(
         checked_pos: [0; CHECKED],
         out: ChurnOut::default(),
     };
-    spawn("churn".into(), move || c.run())
+    let cpu = rsim.register("churn")?;
+    spawn("churn".into(), cpu, move || c.run())
 }
 
-/// Runs one round on a fresh VM; then checks that every table page came back.
+/// Runs one round on a fresh VM (in a simulation of its own in virtual time); then checks
+/// that every table page came back.
 pub(crate) fn run_round<F: PteFormat>(
     cfg: &RoundCfg,
     inject_bugs: u32,
 ) -> Result<RoundOut, Failure> {
+    let rsim = RoundSim::start::<F>(cfg)?;
     let vm = new_vm::<F>(cfg)?;
     vm.inject_bugs(inject_bugs);
     let alloc = slat::hw::table_alloc(&vm).clone();
-    let r = run_vm(&vm, cfg);
+    let r = run_vm(&vm, cfg, &rsim);
+    // Dropped by the host while it is still a simulated CPU: the drop runs the engine's code.
     drop(vm);
-    let out = r?;
-    wait_for_reclaim::<F>(&alloc)?;
+    // A failed simulation (a deadlock, the watchdog) explains whatever the round then saw.
+    let out = match (r, rsim.finish()) {
+        (Ok(out), Ok(sim)) => RoundOut { sim, ..out },
+        (Err(f), Ok(_)) => return Err(f),
+        (Ok(_), Err(e)) => return Err(e),
+        (Err(f), Err(e)) => return Err(other(format!("{e}; and then the round: {f}"))),
+    };
+    wait_for_reclaim(&alloc)?;
     Ok(out)
 }
 
-pub(crate) fn run_vm<F: PteFormat>(vm: &Arc<Vm<F>>, cfg: &RoundCfg) -> Result<RoundOut, Failure> {
+pub(crate) fn run_vm<F: PteFormat>(
+    vm: &Arc<Vm<F>>,
+    cfg: &RoundCfg,
+    rsim: &RoundSim,
+) -> Result<RoundOut, Failure> {
     let (rams, ro_rams) = add_slots(vm, cfg)?;
     let sh = Arc::new(Shared::new(cfg.vcpus));
-    let vcpus = start_vcpus(vm, &sh, cfg)?;
-    let churn = match start_churn(vm, &sh, cfg, ro_rams) {
+    let vcpus = start_vcpus(vm, &sh, cfg, rsim)?;
+    let churn = match start_churn(vm, &sh, cfg, ro_rams, rsim) {
         Ok(c) => c,
         Err(e) => {
             sh.stop.store(true, Ordering::SeqCst);
-            vcpus.into_iter().for_each(|h| drop(h.join()));
+            rsim.outside(|| vcpus.into_iter().for_each(|h| drop(h.join())));
             return Err(e);
         }
     };
     let mut host = Host::new(vm, &sh, cfg, &rams);
-    let driven = host.drive(Instant::now() + cfg.duration);
+    let driven = host.drive(after::<F>(cfg.duration));
     // Stop everyone before judging: a failing round must not leave threads running.
     sh.stop.store(true, Ordering::SeqCst);
+    let (vcpus, churn) = rsim.outside(|| {
+        let v: Vec<_> = vcpus.into_iter().map(JoinHandle::join).collect();
+        (v, churn.join())
+    });
     let mut out = RoundOut::default();
-    for h in vcpus {
-        let v = h.join().map_err(|_| other("a vCPU thread panicked"))?;
-        add_vcpu(&mut out.vcpu, &v);
+    for v in vcpus {
+        add_vcpu(
+            &mut out.vcpu,
+            &v.map_err(|_| other("a vCPU thread panicked"))?,
+        );
     }
-    out.churn = churn
-        .join()
-        .map_err(|_| other("the churn thread panicked"))?;
+    out.churn = churn.map_err(|_| other("the churn thread panicked"))?;
     if let Some(f) = sh.failure() {
         return Err(Failure::Other(f));
     }
@@ -235,8 +254,10 @@ pub(crate) fn add_vcpu(t: &mut VcpuOut, v: &VcpuOut) {
 /// Every table page of the dropped VM is freed: the VM frees its tree at once, pages
 /// unlinked earlier wait for an epoch grace period. Pinning (through a scratch VM's lookups:
 /// this crate does not depend on crossbeam-epoch) makes the collector advance and free them.
-pub(crate) fn wait_for_reclaim<F: PteFormat>(alloc: &slat::hw::TableAlloc) -> Result<(), Failure> {
-    let scratch = Vm::<F>::new(VmConfig::default());
+/// The scratch VM is a real-time one whatever the round's clock: the epoch is the process's,
+/// and after a virtual round's simulation has ended no hook may run.
+pub(crate) fn wait_for_reclaim(alloc: &slat::hw::TableAlloc) -> Result<(), Failure> {
+    let scratch = Vm::<slat::Ept>::new(VmConfig::default());
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let live = alloc.live_pages();

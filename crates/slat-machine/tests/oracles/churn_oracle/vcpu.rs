@@ -71,16 +71,16 @@ impl<F: PteFormat> Guest<F> {
         op: impl Fn(&mut Cpu<F>, u64) -> Result<T, Exit>,
     ) -> Result<Option<T>, String> {
         let (s, p) = (idx / PAGES as usize, idx as u64 % PAGES);
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = after::<F>(Duration::from_secs(10));
         loop {
             let gpa =
                 self.sh.checked_gpa[s].load(Ordering::SeqCst) + p * PAGE_SIZE + self.v as u64 * 8;
             match op(&mut self.cpu, gpa) {
                 Ok(t) => return Ok(Some(t)),
                 Err(Exit::Mmio { .. }) if self.sh.stopped() => return Ok(None),
-                Err(Exit::Mmio { .. }) if Instant::now() < deadline => {
+                Err(Exit::Mmio { .. }) if now_ns::<F>() < deadline => {
                     self.out.mmio_retries += 1;
-                    std::thread::yield_now();
+                    yield_now::<F>();
                 }
                 Err(e) => {
                     return Err(format!(
@@ -199,7 +199,7 @@ pub(crate) fn ring_full_handler<F: PteFormat>(
 ) -> RingFullHandler {
     let (vm, sh) = (vm.clone(), sh.clone());
     Arc::new(move || {
-        let mut out = lock(&sh.reaped);
+        let mut out = lock_clocked::<F::Clock, _>(&sh.reaped);
         for r in vm.dirty_rings() {
             r.harvest(|s, o| out.push((s, o.raw())));
         }
