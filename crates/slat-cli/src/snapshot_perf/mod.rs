@@ -18,6 +18,13 @@
 //! in `full_resets`). The full-copy reset row (`full_copy`) copies all guest RAM back, which
 //! faults in every page: it runs only on guests of at most [`FULL_COPY_MAX`] bytes.
 //!
+//! `--clock virtual` (docs/design/virtual-time.md §7): the main thread is the simulation's
+//! host CPU, so the harvest and re-arm run through the engine on its clock, with the vCPUs'
+//! faults contending as they would; the page copies and zeroings a reset (and the floor) does
+//! in host memory are charged per page (`page_copy`, `zero_page`) through
+//! `TestMachine::charge_host_pages`. The profile prices a full copy's pages as a per-page
+//! reset's, so the crossover is 1 (never).
+//!
 //! `--vary KEY=V1,V2` (`vary.rs`): one such run per combination of vCPU count, harvest,
 //! order, machine, k and guest size, in this process, and one table.
 
@@ -27,7 +34,7 @@ mod vary;
 
 use self::vary::VARY;
 use crate::args::{
-    check_kvm_ring, BackendArg, ClearChunk, LogArgs, MachineArgs, OutputArgs, Workload,
+    check_kvm_ring, BackendArg, ClearChunk, LogArgs, MachineArgs, OutputArgs, PinArgs, Workload,
 };
 use crate::backend::{self, dirty_config, CliMachine, OnMachine, Spec};
 use crate::driver::{self, Benchmark};
@@ -83,6 +90,8 @@ pub struct SnapshotPerfArgs {
     #[command(flatten)]
     pub machine: MachineArgs,
     #[command(flatten)]
+    pub pin: PinArgs,
+    #[command(flatten)]
     pub clock: ClockArgs,
     /// Run once per combination of settings, one table of combination x k (the keys: --help).
     #[arg(long = "vary", value_parser = driver::vary::parser(VARY), value_name = "KEY=V1,V2", long_help = driver::vary::help(VARY, vary::EXAMPLES))]
@@ -134,6 +143,9 @@ pub struct Config {
     /// least this fraction of the guest copies everything back.
     pub crossover_fraction: f64,
     pub verify: bool,
+    /// `-c`: vCPU i's thread was pinned to `pinned_cpus[i]` (read back from the kernel).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pinned_cpus: Option<Vec<usize>>,
 }
 
 /// Figures of one k.
@@ -299,6 +311,7 @@ fn check(a: &SnapshotPerfArgs) -> Result<(), String> {
         return Err("--clock virtual runs only on the simulated machine (--backend sim)".into());
     }
     a.machine.check_backends(&a.backend, &[])?;
+    a.pin.plan(a.work.vcpus)?;
     if a.log.clear_chunk != ClearChunk::Slot {
         return Err(
             "--clear-chunk: snapshot-perf re-arms a whole memslot per CLEAR; drop --clear-chunk"
@@ -374,7 +387,7 @@ fn measure(a: &SnapshotPerfArgs, kind: BackendArg) -> CliResult<Run> {
     // In virtual time the calling thread is the host CPU that harvests, re-arms and copies.
     let vt = a.clock.start()?;
     let sim = vt.as_ref().map(VirtualRun::threads);
-    let (rows, full, stats) = backend::visit_in(kind, &spec, sim, OnK { a, kind })?;
+    let (rows, full, stats, pinned_cpus) = backend::visit_in(kind, &spec, sim, OnK { a, kind })?;
     // The machine is gone: the simulation can end.
     let mut clock = virtual_time::finish(vt)?;
     clock.count_faults(&stats);
@@ -391,6 +404,7 @@ fn measure(a: &SnapshotPerfArgs, kind: BackendArg) -> CliResult<Run> {
             rearm: rearm_name(a),
             crossover_fraction: crossover_fraction(a),
             verify: a.verify,
+            pinned_cpus,
         },
         rows,
         full_copy: full,
@@ -416,9 +430,15 @@ struct OnK<'a> {
 }
 
 impl OnMachine for OnK<'_> {
-    /// The rows, the full copy and the machine's counters.
-    type Out = (Vec<KRow>, Option<FullCopy>, serde_json::Value);
+    /// The rows, the full copy, the machine's counters and where `-c` pinned the vCPUs.
+    type Out = (
+        Vec<KRow>,
+        Option<FullCopy>,
+        serde_json::Value,
+        Option<Vec<usize>>,
+    );
     fn run<M: TestMachine + CliMachine>(self, m: &M) -> CliResult<Self::Out> {
+        let pinned = backend::pin(m, &self.a.pin, self.a.work.vcpus)?;
         let ram = m.guest_ram();
         let (rows, full) = Bench {
             a: self.a,
@@ -427,7 +447,7 @@ impl OnMachine for OnK<'_> {
             ram,
         }
         .run()?;
-        Ok((rows, full, m.stats()))
+        Ok((rows, full, m.stats(), pinned))
     }
 }
 

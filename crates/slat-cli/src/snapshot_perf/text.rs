@@ -36,6 +36,9 @@ pub(super) fn print_run(r: &Run) {
     let rows: Vec<Vec<String>> = r.rows.iter().map(cells).collect();
     print_table(COLUMNS, &rows);
     print_snapshot_lines(r);
+    if let Some(l) = crate::report::pinned_line(c.pinned_cpus.as_deref()) {
+        println!("{l}");
+    }
     println!("{FOOTNOTE}");
     if let Some(l) = r.clock.line() {
         println!("{VIRTUAL_NOTE}");
