@@ -35,7 +35,10 @@ pub enum ResetError<E: std::error::Error + 'static> {
     Phantom,
 }
 
-/// What one reset did, and where its time went.
+/// What one reset did, and where its time went, on the machine's clock
+/// ([`TestMachine::now_ns`]: the host's, or in virtual time the host's simulated CPU's, which
+/// the reset's page copies and zeroings are charged to through
+/// [`TestMachine::charge_host_pages`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ResetReport {
     /// Pages copied back (each dirty page once).
