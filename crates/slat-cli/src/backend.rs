@@ -357,6 +357,39 @@ pub fn visit<V: OnMachine>(kind: BackendArg, spec: &Spec, work: V) -> CliResult<
     }
 }
 
+/// [`visit`], in virtual time when `sim` is given (`--clock virtual`: the machine is
+/// `Timed<F, Virtual>` with one physical CPU per vCPU, as [`start_with`] builds it; the calling
+/// thread must be the simulation's host CPU).
+pub fn visit_in<V: OnMachine>(
+    kind: BackendArg,
+    spec: &Spec,
+    sim: Option<Arc<dyn SimThreads>>,
+    work: V,
+) -> CliResult<V::Out> {
+    fn timed<F: PteFormat, V: OnMachine>(
+        spec: &Spec,
+        sim: Arc<dyn SimThreads>,
+        work: V,
+    ) -> CliResult<V::Out> {
+        let config = MachineConfig {
+            pcpus: spec.region.vcpus,
+            ..machine_config(spec)
+        };
+        work.run(&Machine::<Timed<F, Virtual>>::with_sim(config, Some(sim)).map_err(text)?)
+    }
+    let Some(sim) = sim else {
+        return visit(kind, spec, work);
+    };
+    match (kind, spec.format) {
+        (BackendArg::Sim, FormatArg::Ept) => timed::<Ept, V>(spec, sim, work),
+        (BackendArg::Sim, FormatArg::Stage2) => timed::<Stage2, V>(spec, sim, work),
+        // Refused with the other flags; a backstop for a caller that forgot.
+        (BackendArg::Kvm, _) => Err(CliError::bad(
+            "--clock virtual runs only on the simulated machine (--backend sim)",
+        )),
+    }
+}
+
 /// Builds machine `kind` as a progress phase (`mapping ... guest RAM{what}`), which the
 /// caller ends once the rest of its set-up (pinning, a baseline) is done; in virtual time
 /// when `sim` is given (`--clock virtual`: the simulated machine's threads are registered

@@ -75,7 +75,9 @@ enum Command {
     MigratePerf(migrate::MigratePerfArgs),
     /// Snapshot-fuzzer resets: the guest dirties k pages per iteration and the host copies
     /// back only the dirty pages (harvest, re-arm, copy); reset time per k against a memcpy
-    /// floor measured in the same run and against a full-copy reset of all guest RAM.
+    /// floor measured in the same run and against a full-copy reset of all guest RAM. With
+    /// --clock virtual the host's harvest and resets run on a simulated CPU, each page copied
+    /// or zeroed priced by the cost profile (page_copy, zero_page).
     SnapshotPerf(snapshot_perf::SnapshotPerfArgs),
     /// Dirty rate without migrating (QEMU's calc-dirty-rate): sample the dirty log (bitmap or
     /// rings) of a running guest for N ms windows and report distinct pages dirtied per

@@ -8,7 +8,7 @@ use slat_dirty::{DirtyLogSource, Harvester, LogMode, SlotInfo};
 use slat_workload::TestMachine;
 use std::cell::Cell;
 use std::ops::Deref;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// A [`Harvester`] of a machine's test region (`R` holds the machine: `&M`, `Arc<M>`, …).
 pub type MachineHarvester<R> = Harvester<MachineLog<R>>;
@@ -85,11 +85,17 @@ where
     }
 }
 
-/// Runs `f`, adding its time to `into`.
-fn timed<T>(into: &Cell<Duration>, f: impl FnOnce() -> T) -> T {
-    let t = Instant::now();
+/// Runs `f`, adding its time to `into`, on `machine`'s clock (the host's, or in virtual time
+/// the host's simulated CPU's).
+fn timed<M: TestMachine + ?Sized, T>(
+    machine: &M,
+    into: &Cell<Duration>,
+    f: impl FnOnce() -> T,
+) -> T {
+    let t = machine.now_ns();
     let r = f();
-    into.set(into.get() + t.elapsed());
+    let ns = machine.now_ns().saturating_sub(t);
+    into.set(into.get() + Duration::from_nanos(ns));
     r
 }
 
@@ -106,7 +112,7 @@ where
         self.mode
     }
     fn get_log(&mut self, slot: usize, bitmap: &mut [u64]) -> Result<(), Self::Error> {
-        timed(&self.read, || {
+        timed(&*self.machine, &self.read, || {
             self.machine.dirty_log().get_log(slot, bitmap)
         })
     }
@@ -119,7 +125,7 @@ where
     ) -> Result<(), Self::Error> {
         let chunks = bitmap.iter().filter(|&&w| w != 0).count() as u64;
         self.rearmed.set(self.rearmed.get() + chunks);
-        timed(&self.rearm, || {
+        timed(&*self.machine, &self.rearm, || {
             self.machine
                 .dirty_log()
                 .clear_log(slot, first, pages, bitmap)
@@ -131,7 +137,7 @@ where
         scratch: &mut [u64],
         words: &mut Vec<(usize, u64)>,
     ) -> Result<(), Self::Error> {
-        timed(&self.read, || {
+        timed(&*self.machine, &self.read, || {
             self.machine.dirty_log().get_log_words(slot, scratch, words)
         })
     }
@@ -145,25 +151,29 @@ where
     ) -> Result<(), Self::Error> {
         let chunks = words.iter().filter(|&&(_, w)| w != 0).count() as u64;
         self.rearmed.set(self.rearmed.get() + chunks);
-        timed(&self.rearm, || {
+        timed(&*self.machine, &self.rearm, || {
             self.machine
                 .dirty_log()
                 .clear_log_words(slot, first, pages, words, scratch)
         })
     }
     fn collect_ring(&mut self, f: &mut dyn FnMut(u32, PageIndex)) -> Result<u64, Self::Error> {
-        timed(&self.read, || self.machine.dirty_log().collect_ring(f))
+        timed(&*self.machine, &self.read, || {
+            self.machine.dirty_log().collect_ring(f)
+        })
     }
     fn collect_ring_by_vcpu(
         &mut self,
         f: &mut dyn FnMut(Option<usize>, u32, PageIndex),
     ) -> Result<u64, Self::Error> {
-        timed(&self.read, || {
+        timed(&*self.machine, &self.read, || {
             self.machine.dirty_log().collect_ring_by_vcpu(f)
         })
     }
     fn reset_rings(&mut self) -> Result<u64, Self::Error> {
-        let n = timed(&self.rearm, || self.machine.dirty_log().reset_rings());
+        let n = timed(&*self.machine, &self.rearm, || {
+            self.machine.dirty_log().reset_rings()
+        });
         if let Ok(n) = n {
             self.rearmed.set(self.rearmed.get() + n);
         }

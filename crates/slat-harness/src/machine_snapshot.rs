@@ -4,7 +4,7 @@ use crate::machine_log::{LogTimes, MachineHarvester, MachineLog};
 use slat_addr::PAGE_SIZE;
 use slat_dirty::{ChildSnapshot, DirtyPages, GuestRegion, ResetStats, Snapshot, SnapshotError};
 use slat_workload::{GuestRam, TestMachine};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Why a snapshot or a reset of a machine failed.
 #[derive(Debug, thiserror::Error)]
@@ -35,7 +35,10 @@ pub enum ResetError<E: std::error::Error + 'static> {
     Phantom,
 }
 
-/// What one reset did, and where its time went.
+/// What one reset did, and where its time went, on the machine's clock
+/// ([`TestMachine::now_ns`]: the host's, or in virtual time the host's simulated CPU's, which
+/// the reset's page copies and zeroings are charged to through
+/// [`TestMachine::charge_host_pages`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ResetReport {
     /// Pages copied back (each dirty page once).
@@ -150,7 +153,8 @@ impl<'m, M: TestMachine + ?Sized> MachineSnapshot<'m, M> {
     /// copies them with whatever was dirtied since. A failed take leaves what it had collected
     /// owed in the same way: no error loses a page.
     pub fn reset(&mut self) -> Res<ResetReport, M> {
-        let regions = self.machine.slot_count();
+        let (machine, regions, total) =
+            (self.machine, self.machine.slot_count(), self.snap.pages());
         let MachineSnapshot {
             log,
             dirty,
@@ -158,7 +162,7 @@ impl<'m, M: TestMachine + ?Sized> MachineSnapshot<'m, M> {
             snap,
             ..
         } = self;
-        let (report, _) = reset_with(log, dirty, |dirty| {
+        let (report, _) = reset_with(machine, log, dirty, total, |dirty| {
             add_all(dirty, owed, regions)?;
             let stats = snap.reset(dirty)?;
             owed.clear();
@@ -172,14 +176,15 @@ impl<'m, M: TestMachine + ?Sized> MachineSnapshot<'m, M> {
     /// [`Self::reset`] starts from a clean log.
     pub fn reset_all(&mut self) -> Res<ResetReport, M> {
         let set = self.log.take().map_err(ResetError::Machine)?;
-        let t = Instant::now();
+        let t = self.machine.now_ns();
         let ResetStats {
             pages,
             zeroed,
             full,
             ..
         } = self.snap.reset_all();
-        let copy = t.elapsed();
+        charge_written(self.machine, self.snap.pages(), pages, zeroed, full);
+        let copy = since(self.machine, t);
         // Every page, the set's and the owed ones included, is the snapshot's again.
         self.owed.clear();
         set.commit();
@@ -266,12 +271,36 @@ fn add_all(to: &mut DirtyPages, from: &DirtyPages, regions: usize) -> Result<(),
     Ok(())
 }
 
+/// Charges the machine's clock for the pages a reset wrote (nothing in real time): a full
+/// copy writes all `total` pages, one page by page the `pages` listed; `zeroed` of them are
+/// zeroed, the rest copied.
+fn charge_written<M: TestMachine + ?Sized>(
+    machine: &M,
+    total: u64,
+    pages: u64,
+    zeroed: u64,
+    full: bool,
+) {
+    let written = if full { total.max(pages) } else { pages };
+    machine.charge_host_pages(written.saturating_sub(zeroed), zeroed);
+}
+
+/// Time on `machine`'s clock since `t0` (its `now_ns`).
+fn since<M: TestMachine + ?Sized>(machine: &M, t0: u64) -> Duration {
+    Duration::from_nanos(machine.now_ns().saturating_sub(t0))
+}
+
 /// One reset: takes the dirty set (re-arming the log), adds its pages to `dirty`, lets `copy`
 /// copy them back (it empties `dirty`), commits the set. A failed take, add or copy leaves the
 /// set's pages owed again (the set drops uncommitted: aborted), so no error loses a page.
+///
+/// `machine` is the log's (its clock times the copy); `total` is the snapshot's pages, what a
+/// full copy writes.
 fn reset_with<M: TestMachine + ?Sized>(
+    machine: &M,
     log: &mut MachineHarvester<&M>,
     dirty: &mut DirtyPages,
+    total: u64,
     copy: impl FnOnce(&mut DirtyPages) -> Result<ResetStats, SnapshotError>,
 ) -> Res<(ResetReport, ResetStats), M> {
     // Whatever an earlier failed take spent is not this reset's.
@@ -281,9 +310,10 @@ fn reset_with<M: TestMachine + ?Sized>(
     // reset's count.
     dirty.clear();
     dirty.add_dirty_set(&set)?;
-    let t = Instant::now();
+    let t = machine.now_ns();
     let stats = copy(dirty)?;
-    let copy = t.elapsed();
+    charge_written(machine, total, stats.pages, stats.zeroed, stats.full);
+    let copy = since(machine, t);
     set.commit();
     let LogTimes {
         read,
@@ -327,7 +357,8 @@ impl<'m, M: TestMachine + ?Sized> MachineChild<'_, 'm, M> {
     /// back its pages (and the child's own pages if memory last equalled the base), commits
     /// the set. Errors leave the set's pages owed, as [`MachineSnapshot::reset`] does.
     pub fn reset(&mut self) -> Res<ResetReport, M> {
-        let regions = self.machine.slot_count();
+        let (machine, regions) = (self.machine, self.machine.slot_count());
+        let total = self.child.base().pages();
         let MachineChild {
             log,
             dirty,
@@ -337,7 +368,7 @@ impl<'m, M: TestMachine + ?Sized> MachineChild<'_, 'm, M> {
             at_child,
             ..
         } = self;
-        let (report, _) = reset_with(log, dirty, |dirty| {
+        let (report, _) = reset_with(machine, log, dirty, total, |dirty| {
             if !*at_child {
                 add_all(dirty, own, regions)?;
             }
@@ -355,7 +386,8 @@ impl<'m, M: TestMachine + ?Sized> MachineChild<'_, 'm, M> {
     /// copies back its pages and the child's own pages if memory last equalled the child,
     /// commits the set. The child stays usable: a later [`Self::reset`] returns to it.
     pub fn reset_to_base(&mut self) -> Res<ResetReport, M> {
-        let regions = self.machine.slot_count();
+        let (machine, regions) = (self.machine, self.machine.slot_count());
+        let total = self.child.base().pages();
         let MachineChild {
             log,
             dirty,
@@ -364,7 +396,7 @@ impl<'m, M: TestMachine + ?Sized> MachineChild<'_, 'm, M> {
             at_child,
             ..
         } = self;
-        let (report, _) = reset_with(log, dirty, |dirty| {
+        let (report, _) = reset_with(machine, log, dirty, total, |dirty| {
             add_all(dirty, owed, regions)?;
             let stats = child.base().reset(dirty)?;
             owed.clear();

@@ -73,7 +73,7 @@ impl Profile {
     }
 }
 
-const COSTS: [(Cost, f64, &str); 20] = [
+const COSTS: [(Cost, f64, &str); 21] = [
     (Cost::WalkStep, 2.0, EST),
     (Cost::HwWalkStep, 2.0, EST),
     (Cost::TlbHit, 1.0, EST),
@@ -110,4 +110,9 @@ const COSTS: [(Cost, f64, &str); 20] = [
     ),
     (Cost::WalkSide, 2.0, EST),
     (Cost::FastFaultExit, 3_000.0, EST_NESTED),
+    (
+        Cost::PageCopy,
+        300.0,
+        "estimate: about twice zero_page (4 KiB read and 4 KiB written), not measured",
+    ),
 ];

@@ -40,6 +40,7 @@ const COST_NAMES: [&str; Cost::ALL.len()] = [
     "slow_fault",
     "walk_side",
     "fast_fault_exit",
+    "page_copy",
 ];
 
 /// The index of `cost` in [`Cost::ALL`]; `None` for a cost this crate does not know yet.
@@ -67,6 +68,7 @@ pub(crate) fn cost_index(cost: Cost) -> Option<usize> {
         Cost::SlowFault => 17,
         Cost::WalkSide => 18,
         Cost::FastFaultExit => 19,
+        Cost::PageCopy => 20,
         _ => return None,
     })
 }

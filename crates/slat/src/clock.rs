@@ -77,11 +77,14 @@ pub enum Cost {
     /// charged there instead (its slow path pays `VmExit` + `VmEntry` when it leaves guest
     /// mode). Zero for the simulated machine itself; a hardware round trip for a real one.
     FastFaultExit,
+    /// Copying one 4 KiB page of host memory into guest memory (a snapshot reset writing a
+    /// dirty page back; its zeroing is [`Cost::ZeroPage`]).
+    PageCopy,
 }
 
 impl Cost {
     /// Every cost, in declaration order (profiles list them in this order).
-    pub const ALL: [Cost; 20] = [
+    pub const ALL: [Cost; 21] = [
         Cost::WalkStep,
         Cost::HwWalkStep,
         Cost::TlbHit,
@@ -102,6 +105,7 @@ impl Cost {
         Cost::SlowFault,
         Cost::WalkSide,
         Cost::FastFaultExit,
+        Cost::PageCopy,
     ];
 }
 

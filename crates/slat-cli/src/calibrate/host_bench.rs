@@ -318,6 +318,45 @@ pub fn zero_page(p: &Plan) -> Measured {
     )
 }
 
+/// Pages of each buffer [`page_copy`] copies between: 4 MiB, a reset's working set of a few
+/// hundred dirty pages and its snapshot pages, inside a typical L3.
+const COPY_PAGES: usize = 1024;
+
+/// Copying one 4 KiB page from one page-aligned buffer into another, as a snapshot reset
+/// writes a dirty page back: both buffers warm, the pages in a scattered order (stride 7,
+/// coprime with the page count) as a dirty set's, so the prefetcher does not stream them.
+pub fn page_copy(p: &Plan) -> Measured {
+    const PS: usize = 4096;
+    let len = COPY_PAGES * PS;
+    // One page more than needed, so each buffer can start on a page boundary as guest pages
+    // and the snapshot's held pages do (a straddling copy is measurably slower).
+    let (mut src, mut dst) = (vec![0x5au8; len + PS], vec![0xa5u8; len + PS]);
+    let (s0, d0) = (
+        src.as_ptr().align_offset(PS).min(PS),
+        dst.as_ptr().align_offset(PS).min(PS),
+    );
+    let (src, dst) = (&mut src[s0..s0 + len], &mut dst[d0..d0 + len]);
+    src[1] = 1;
+    let iters = p.iters(200_000);
+    let ns = per_op(p.repeat, iters, |n| {
+        let mut page = 0usize;
+        for _ in 0..n {
+            page = (page + 7) % COPY_PAGES;
+            let at = page * PS;
+            dst[at..at + PS].copy_from_slice(&src[at..at + PS]);
+            keep(&mut *dst);
+        }
+    });
+    p.measured(
+        "page_copy",
+        ns,
+        format!(
+            "copying a 4 KiB page between two warm, page-aligned {} MiB buffers, pages in a scattered order (stride 7) as a dirty set's ({iters} pages per batch)",
+            len >> 20
+        ),
+    )
+}
+
 /// crossbeam-epoch's pin and unpin (no guard held around it, so every pin is a full one).
 pub fn epoch_pin(p: &Plan) -> Measured {
     let iters = p.iters(2_000_000);

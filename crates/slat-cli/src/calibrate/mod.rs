@@ -174,7 +174,7 @@ fn header(plan: &Plan) -> String {
 /// Every micro-benchmark, in an order where each finds the numbers it subtracts.
 fn measure_all(p: &Plan) -> CliResult<Vec<Measured>> {
     let mut all: Vec<Measured> = Vec::new();
-    let total = 22;
+    let total = 23;
     let note = |m: Measured, all: &mut Vec<Measured>| {
         eprintln!(
             "calibrate: [{:>2}/{total}] {:<15} {:>10.3} ns",
@@ -196,6 +196,7 @@ fn measure_all(p: &Plan) -> CliResult<Vec<Measured>> {
     let zero_ns = zero.ns;
     note(zero, &mut all);
     note(engine_bench::table_alloc(p, zero_ns), &mut all);
+    note(host_bench::page_copy(p), &mut all);
     note(host_bench::epoch_pin(p), &mut all);
     note(host_bench::defer(p), &mut all);
     note(engine_bench::published_load(p)?, &mut all);
@@ -270,6 +271,7 @@ fn assemble(name: &str, m: &[Measured]) -> CliResult<Profile> {
         (Cost::TlbFlush, "tlb_flush"),
         (Cost::TableAlloc, "table_alloc"),
         (Cost::ZeroPage, "zero_page"),
+        (Cost::PageCopy, "page_copy"),
         (Cost::EpochPin, "epoch_pin"),
         (Cost::Defer, "defer"),
         (Cost::PublishedLoad, "published_load"),

@@ -13,7 +13,8 @@
 //! zero (a reset's zeroing).
 
 use slat_addr::PAGE_SIZE;
-use std::time::{Duration, Instant};
+use slat_workload::TestMachine;
+use std::time::Duration;
 
 const PS: usize = PAGE_SIZE as usize;
 
@@ -67,8 +68,10 @@ impl Floor {
     }
 
     /// Writes `copied` pages from the source and zeroes `zeroed` more (at most the buffers'
-    /// pages in all), after writing a word to each as the guest did; only the copy is timed.
-    pub(super) fn copy(&mut self, copied: u64, zeroed: u64) -> Duration {
+    /// pages in all), after writing a word to each as the guest did; only the copy is timed,
+    /// on `m`'s clock (the host's; in virtual time the host CPU's, charged as a reset's page
+    /// copies and zeroings are).
+    pub(super) fn copy<M: TestMachine>(&mut self, m: &M, copied: u64, zeroed: u64) -> Duration {
         let pages = self.dst.len / PS;
         let copied = (copied as usize).min(pages);
         let zeroed = (zeroed as usize).min(pages - copied);
@@ -77,7 +80,7 @@ impl Floor {
             page[..8].copy_from_slice(&slat_workload::MEMSTRESS_PATTERN.to_ne_bytes());
         }
         std::hint::black_box(&mut *dst);
-        let t = Instant::now();
+        let t = m.now_ns();
         let (head, tail) = dst.split_at_mut(copied * PS);
         for (d, s) in head.chunks_exact_mut(PS).zip(src.chunks_exact(PS)) {
             d.copy_from_slice(s);
@@ -86,6 +89,7 @@ impl Floor {
             d.fill(0);
         }
         std::hint::black_box(&mut *dst);
-        t.elapsed()
+        m.charge_host_pages(copied as u64, zeroed as u64);
+        Duration::from_nanos(m.now_ns().saturating_sub(t))
     }
 }

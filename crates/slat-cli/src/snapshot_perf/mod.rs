@@ -18,6 +18,13 @@
 //! in `full_resets`). The full-copy reset row (`full_copy`) copies all guest RAM back, which
 //! faults in every page: it runs only on guests of at most [`FULL_COPY_MAX`] bytes.
 //!
+//! `--clock virtual` (docs/design/virtual-time.md §7): the main thread is the simulation's
+//! host CPU, so the harvest and re-arm run through the engine on its clock, with the vCPUs'
+//! faults contending as they would; the page copies and zeroings a reset (and the floor) does
+//! in host memory are charged per page (`page_copy`, `zero_page`) through
+//! `TestMachine::charge_host_pages`. The profile prices a full copy's pages as a per-page
+//! reset's, so the crossover is 1 (never).
+//!
 //! `--vary KEY=V1,V2` (`vary.rs`): one such run per combination of vCPU count, harvest,
 //! order, machine, k and guest size, in this process, and one table.
 
@@ -27,7 +34,7 @@ mod vary;
 
 use self::vary::VARY;
 use crate::args::{
-    check_kvm_ring, BackendArg, ClearChunk, LogArgs, MachineArgs, OutputArgs, Workload,
+    check_kvm_ring, BackendArg, ClearChunk, LogArgs, MachineArgs, OutputArgs, PinArgs, Workload,
 };
 use crate::backend::{self, dirty_config, CliMachine, OnMachine, Spec};
 use crate::driver::{self, Benchmark};
@@ -37,7 +44,7 @@ use crate::output::{
     WorkSettings,
 };
 use crate::report::{per, quiet, runtime, Phase};
-use crate::virtual_time::ClockArgs;
+use crate::virtual_time::{self, ClockArgs, ClockReport, Stopwatch, VirtualRun};
 use clap::Args;
 use floor::Floor;
 use hdrhistogram::Histogram;
@@ -45,7 +52,7 @@ use serde::Serialize;
 use slat_addr::PAGE_SIZE;
 use slat_harness::{MachineSnapshot, ResetReport};
 use slat_workload::{GuestRam, PassParams, Pattern, TestMachine};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use text::{print_comparison, print_run, print_summary};
 
 /// Largest guest (all vCPUs) the full-copy reset runs on: it writes every page, so it faults
@@ -82,6 +89,8 @@ pub struct SnapshotPerfArgs {
     pub backend: Vec<BackendArg>,
     #[command(flatten)]
     pub machine: MachineArgs,
+    #[command(flatten)]
+    pub pin: PinArgs,
     #[command(flatten)]
     pub clock: ClockArgs,
     /// Run once per combination of settings, one table of combination x k (the keys: --help).
@@ -134,6 +143,9 @@ pub struct Config {
     /// least this fraction of the guest copies everything back.
     pub crossover_fraction: f64,
     pub verify: bool,
+    /// `-c`: vCPU i's thread was pinned to `pinned_cpus[i]` (read back from the kernel).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pinned_cpus: Option<Vec<usize>>,
 }
 
 /// Figures of one k.
@@ -205,6 +217,9 @@ pub struct Run {
     pub rows: Vec<KRow>,
     /// `null` on guests over [`FULL_COPY_MAX`] bytes (it would fault in all their RAM).
     pub full_copy: Option<FullCopy>,
+    /// Whose time the report's times are.
+    #[serde(flatten)]
+    pub clock: ClockReport,
 }
 
 /// One reset-p50 summary over `--repeat` runs.
@@ -288,14 +303,15 @@ fn finish(a: &SnapshotPerfArgs, all: Vec<(BackendArg, Vec<Run>)>) -> CliResult {
 
 /// Refuses what cannot run, with the flag to change (exit status 2).
 fn check(a: &SnapshotPerfArgs) -> Result<(), String> {
-    if a.clock.is_virtual() {
-        return Err("--clock virtual cannot simulate snapshot-perf yet: a reset's page copies and zeroing are host memory work that no cost is charged for".into());
-    }
     crate::limits::refuse_phantom(
         a.work.backing,
         "snapshot-perf (its snapshots copy guest memory)",
     )?;
+    if a.clock.is_virtual() && a.backend.contains(&BackendArg::Kvm) {
+        return Err("--clock virtual runs only on the simulated machine (--backend sim)".into());
+    }
     a.machine.check_backends(&a.backend, &[])?;
+    a.pin.plan(a.work.vcpus)?;
     if a.log.clear_chunk != ClearChunk::Slot {
         return Err(
             "--clear-chunk: snapshot-perf re-arms a whole memslot per CLEAR; drop --clear-chunk"
@@ -368,7 +384,13 @@ fn measure(a: &SnapshotPerfArgs, kind: BackendArg) -> CliResult<Run> {
     // A fuzzer's guest is mostly untouched: fault in only what the passes write.
     region.prefault = false;
     let spec = Spec::new(&a.machine, region, a.machine.vm_config());
-    let (rows, full) = backend::visit(kind, &spec, OnK { a, kind })?;
+    // In virtual time the calling thread is the host CPU that harvests, re-arms and copies.
+    let vt = a.clock.start()?;
+    let sim = vt.as_ref().map(VirtualRun::threads);
+    let (rows, full, stats, pinned_cpus) = backend::visit_in(kind, &spec, sim, OnK { a, kind })?;
+    // The machine is gone: the simulation can end.
+    let mut clock = virtual_time::finish(vt)?;
+    clock.count_faults(&stats);
     let vm = a.machine.vm_config();
     Ok(Run {
         backend: kind.name(),
@@ -380,12 +402,25 @@ fn measure(a: &SnapshotPerfArgs, kind: BackendArg) -> CliResult<Run> {
             iterations: a.iterations,
             log: log_name(a),
             rearm: rearm_name(a),
-            crossover_fraction: slat_dirty::crossover_fraction(),
+            crossover_fraction: crossover_fraction(a),
             verify: a.verify,
+            pinned_cpus,
         },
         rows,
         full_copy: full,
+        clock,
     })
+}
+
+/// The full copy's crossover (a fraction of the guest): measured in this process in real
+/// time; 1 (never) in virtual time, where the cost profile prices a page of a full copy as
+/// one copied or zeroed alone, so a full copy never costs less than the dirty pages' copies.
+fn crossover_fraction(a: &SnapshotPerfArgs) -> f64 {
+    if a.clock.is_virtual() {
+        1.0
+    } else {
+        slat_dirty::crossover_fraction()
+    }
 }
 
 /// One machine's measurement, on a machine of any type.
@@ -395,16 +430,24 @@ struct OnK<'a> {
 }
 
 impl OnMachine for OnK<'_> {
-    type Out = (Vec<KRow>, Option<FullCopy>);
+    /// The rows, the full copy, the machine's counters and where `-c` pinned the vCPUs.
+    type Out = (
+        Vec<KRow>,
+        Option<FullCopy>,
+        serde_json::Value,
+        Option<Vec<usize>>,
+    );
     fn run<M: TestMachine + CliMachine>(self, m: &M) -> CliResult<Self::Out> {
+        let pinned = backend::pin(m, &self.a.pin, self.a.work.vcpus)?;
         let ram = m.guest_ram();
-        Bench {
+        let (rows, full) = Bench {
             a: self.a,
             kind: self.kind,
             m,
             ram,
         }
-        .run()
+        .run()?;
+        Ok((rows, full, m.stats(), pinned))
     }
 }
 
@@ -483,10 +526,10 @@ impl<'a, M: TestMachine> Bench<'a, M> {
         hit.len() as u64
     }
 
-    /// Runs a pass; returns its parameters and how long it took.
+    /// Runs a pass; returns its parameters and how long it took (on the host CPU's clock).
     fn pass(&self, i: u32, k: u64) -> CliResult<(PassParams, Duration)> {
         let p = self.params(i, k);
-        let t = Instant::now();
+        let t = Stopwatch::start();
         self.m.run_pass(p).map_err(runtime)?;
         Ok((p, t.elapsed()))
     }
@@ -513,6 +556,9 @@ impl<'a, M: TestMachine> Bench<'a, M> {
         // the guest runs only through `run_pass`, which returns with every vCPU stopped, so
         // nothing writes the RAM during take, reset or verify.
         let mut snap = unsafe { MachineSnapshot::take(self.m, self.ram) }.map_err(runtime)?;
+        if self.a.clock.is_virtual() {
+            snap.snapshot_mut().set_crossover_pages(u64::MAX);
+        }
         let mut rows = Vec::new();
         for &k in &ks {
             let phase = Phase::start(
@@ -556,7 +602,7 @@ impl<'a, M: TestMachine> Bench<'a, M> {
             }
             record(&mut h, r.total());
             split.add(&r, pass);
-            record(&mut fh, floor.copy(r.pages - r.zeroed, r.zeroed));
+            record(&mut fh, floor.copy(self.m, r.pages - r.zeroed, r.zeroed));
             verified += u64::from(self.verify(snap, "reset", i)?);
         }
         let mut row = self.row(&h, &fh, &split, ram_pages, verified);

@@ -36,9 +36,19 @@ pub(super) fn print_run(r: &Run) {
     let rows: Vec<Vec<String>> = r.rows.iter().map(cells).collect();
     print_table(COLUMNS, &rows);
     print_snapshot_lines(r);
+    if let Some(l) = crate::report::pinned_line(c.pinned_cpus.as_deref()) {
+        println!("{l}");
+    }
     println!("{FOOTNOTE}");
+    if let Some(l) = r.clock.line() {
+        println!("{VIRTUAL_NOTE}");
+        println!("{l}");
+    }
     println!();
 }
+
+/// How a virtual-time run prices a reset, under its table.
+const VIRTUAL_NOTE: &str = "Virtual time: the host CPU harvests and re-arms through the engine (its locks, walks and write-protects charged as the vCPUs' faults are); a reset's and the floor's page copies cost the profile's page_copy each, their zeroings zero_page; pass = the vCPUs' run on the host CPU's clock.";
 
 /// The per-k table's columns.
 const COLUMNS: &[&str] = &[
@@ -106,8 +116,12 @@ fn print_snapshot_lines(r: &Run) {
         ),
     }
     let cross = r.rows.first().map_or(0, |k| k.crossover_pages);
+    let how = match r.clock.line() {
+        Some(_) => "the cost profile prices every page of a full copy as a copied or zeroed page, so it never wins",
+        None => "measured in this process",
+    };
     println!(
-        "Snapshot: {} of {} pages held (the rest were zero); a reset of at least {} pages copies everything back (crossover {:.2} of the guest, measured in this process).",
+        "Snapshot: {} of {} pages held (the rest were zero); a reset of at least {} pages copies everything back (crossover {:.2} of the guest, {how}).",
         r.rows.first().map_or(0, |k| k.snapshot_held_pages),
         r.rows.first().map_or(0, |k| k.ram_pages),
         if cross == u64::MAX { "-".to_string() } else { cross.to_string() },

@@ -20,4 +20,5 @@ mod private_mem_test;
 mod reports;
 mod reproduce;
 mod snapshot;
+mod snapshot_virtual;
 mod virtual_time;

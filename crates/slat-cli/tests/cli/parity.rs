@@ -25,7 +25,12 @@ fn cpus() -> Vec<usize> {
 
 #[test]
 fn bad_cpu_lists_exit_2() {
-    for bench in ["demand-paging", "dirty-log-perf", "access-tracking-perf"] {
+    for bench in [
+        "demand-paging",
+        "dirty-log-perf",
+        "access-tracking-perf",
+        "snapshot-perf",
+    ] {
         refused(&[bench, "-b", "1M", "-c", "abc"], "CPU list");
         refused(&[bench, "-b", "1M", "-c", "3-1"], "backwards");
         refused(&[bench, "-b", "1M", "-c", "0,"], "CPU list");
@@ -74,6 +79,28 @@ fn good_cpu_list_pins_every_vcpu() {
             "{out}"
         );
     }
+    // snapshot-perf's runs are in an envelope.
+    let args = [
+        "snapshot-perf",
+        "-b",
+        "1M",
+        "-v",
+        "2",
+        "-k",
+        "1",
+        "-i",
+        "3",
+        "-c",
+        &list,
+    ];
+    let d = json(&args);
+    let want = serde_json::json!([a, b]);
+    assert_eq!(d["runs"][0]["config"]["pinned_cpus"], want);
+    let out = ok(&args);
+    assert!(
+        out.contains(&format!("vCPU 0 on CPU {a}, vCPU 1 on CPU {b}")),
+        "{out}"
+    );
     // One more CPU pins the main thread too.
     let list = format!("{a},{b}");
     let d = json(&["access-tracking-perf", "-b", "4M", "-c", &list]);

@@ -310,7 +310,15 @@ fn what_the_simulation_cannot_run_is_refused() {
             "--clock",
             "virtual",
         ],
-        &["snapshot-perf", "-b", "4M", "--clock", "virtual"],
+        &[
+            "snapshot-perf",
+            "-b",
+            "4M",
+            "--backend",
+            "kvm",
+            "--clock",
+            "virtual",
+        ],
         &[
             "dirty-log-test",
             "-b",
