@@ -15,7 +15,8 @@
 //! - the stage figures count the logging switch before the stage (in-place recovery happens
 //!   there), and its time is printed on its own line.
 
-use crate::args::{backing, guest_size, variant, MachineArgs, OutputArgs, Switch};
+use crate::args::Switch;
+use crate::args::{backing, cpu_list, guest_size, variant, CpuList, MachineArgs, OutputArgs};
 use crate::args::{BackendArg, FormatArg};
 use crate::driver::{lower, Benchmark, Common, Preset};
 use crate::error::{CliError, CliResult};
@@ -31,7 +32,8 @@ use slat_machine::page_table_stage::{native_stage_baseline, Stage, StageParams};
 use slat_machine::vtime::SimThreads;
 use slat_machine::{Machine, MachineConfig, Workload};
 use slat_vt::Virtual;
-use slat_workload::{format_size, Backing, GuestRam, RegionSpec};
+use slat_workload::cpus::PinPlan;
+use slat_workload::{format_size, Backing, GuestRam, RegionSpec, TestMachine};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -90,6 +92,13 @@ pub struct PageTableTestArgs {
     /// stage2.
     #[arg(long)]
     pub compare: bool,
+    /// Pin vCPU i's thread to the i-th host CPU of this list with sched_setaffinity, as the
+    /// other selftests' -c: CPU numbers and inclusive ranges (`0,1,3-5`), one per vCPU; one
+    /// more entry pins the main thread too. Each CPU must be online and allowed for this
+    /// process. Pins the threads that run the simulated vCPUs (which still share --pcpus
+    /// simulated physical CPUs); the native baseline's threads are not pinned.
+    #[arg(short = 'c', value_name = "CPU_LIST", value_parser = cpu_list)]
+    pub cpus: Option<CpuList>,
     #[command(flatten)]
     pub clock: ClockArgs,
     #[command(flatten)]
@@ -153,6 +162,9 @@ pub struct Report {
     bytes: u64,
     gpa: u64,
     vcpus: u32,
+    /// `-c`: vCPU i's thread was pinned to `pinned_cpus[i]` (read back from the kernel).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pinned_cpus: Option<Vec<usize>>,
     stages: Vec<StageRow>,
     /// Whose time the stages' times are.
     #[serde(flatten)]
@@ -197,6 +209,7 @@ impl Benchmark for PageTableTestArgs {
                 "guest mode {m} is not implemented; -m takes {modes}"
             )));
         }
+        self.pin_plan().map_err(CliError::bad)?;
         check(self).map_err(CliError::bad)
     }
 
@@ -230,6 +243,33 @@ impl Benchmark for PageTableTestArgs {
         print_comparison(self, sweep);
         true
     }
+}
+
+impl PageTableTestArgs {
+    /// `-c` checked against this host and `-v`.
+    fn pin_plan(&self) -> Result<Option<PinPlan>, String> {
+        let plan = self
+            .cpus
+            .as_ref()
+            .map(|l| PinPlan::new(&l.0, self.vcpus as usize));
+        plan.transpose().map_err(|e| e.to_string())
+    }
+}
+
+/// Pins `m`'s vCPU threads (and the main thread, if the plan names a CPU for it) as `-c` says
+/// and checks the kernel's answer; the vCPUs' CPUs, `None` without `-c`.
+fn pin<F: PteFormat>(m: &Machine<F>, a: &PageTableTestArgs) -> Result<Option<Vec<usize>>, String> {
+    let Some(plan) = a.pin_plan()? else {
+        return Ok(None);
+    };
+    let got = TestMachine::pin_vcpus(m, &plan.vcpus)
+        .map_err(|e| format!("-c: cannot pin the vCPU threads: {e}"))?;
+    crate::backend::check_pinned(&plan.vcpus, &got)?;
+    if let Some(cpu) = plan.main {
+        slat_workload::cpus::pin_thread(0, cpu)
+            .map_err(|e| format!("-c: cannot pin the main thread to CPU {cpu}: {e}"))?;
+    }
+    Ok(Some(plan.vcpus))
 }
 
 fn stage_time(r: &Report, stage: Stage) -> Option<f64> {
@@ -347,6 +387,7 @@ fn run_on<F: PteFormat>(
     )
     .map_err(|e| e.to_string())?;
     let native_ram = GuestRam::new(a.backing, bytes, prefault).map_err(|e| e.to_string())?;
+    let pinned_cpus = pin(&m, a)?;
     p.done();
     let params = |stage| StageParams {
         stage,
@@ -372,6 +413,7 @@ fn run_on<F: PteFormat>(
         bytes,
         gpa: layout.gpa,
         vcpus: a.vcpus,
+        pinned_cpus,
         stages: stages.into_iter().collect::<Result<_, _>>()?,
         clock: ClockReport::real(),
         host: layout.host,
@@ -444,6 +486,9 @@ fn print_run(a: &PageTableTestArgs, r: &Report) {
     println!("Guest physical test memory offset: {:#x}", r.gpa);
     println!("Host  virtual  test memory offset: {:#x}", r.host);
     println!("Number of testing vCPUs: {}", r.vcpus);
+    if let Some(line) = crate::report::pinned_line(r.pinned_cpus.as_deref()) {
+        println!("{line}");
+    }
     println!(
         "{}",
         format_header(BackendArg::Sim, a.machine.format, &r.cfg)

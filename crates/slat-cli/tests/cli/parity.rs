@@ -30,6 +30,7 @@ fn bad_cpu_lists_exit_2() {
         "dirty-log-perf",
         "access-tracking-perf",
         "snapshot-perf",
+        "page-table-test",
     ] {
         refused(&[bench, "-b", "1M", "-c", "abc"], "CPU list");
         refused(&[bench, "-b", "1M", "-c", "3-1"], "backwards");
@@ -96,6 +97,15 @@ fn good_cpu_list_pins_every_vcpu() {
     let d = json(&args);
     let want = serde_json::json!([a, b]);
     assert_eq!(d["runs"][0]["config"]["pinned_cpus"], want);
+    let out = ok(&args);
+    assert!(
+        out.contains(&format!("vCPU 0 on CPU {a}, vCPU 1 on CPU {b}")),
+        "{out}"
+    );
+    // page-table-test's vCPUs share one region; its report has the field at the top.
+    let args = ["page-table-test", "-b", "1M", "-v", "2", "-c", &list];
+    let d = json(&args);
+    assert_eq!(d["pinned_cpus"], want);
     let out = ok(&args);
     assert!(
         out.contains(&format!("vCPU 0 on CPU {a}, vCPU 1 on CPU {b}")),
