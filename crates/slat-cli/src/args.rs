@@ -250,7 +250,10 @@ impl MachineArgs {
 #[derive(Debug, Clone, Args)]
 pub struct DirtyArgs {
     /// How GET_DIRTY_LOG snapshots the bitmap when it clears it (with `-g`): per-word `xchg`,
-    /// or `switch` (swap in a second bitmap, then read the old one without atomics).
+    /// or `switch` (swap in a second bitmap, then read the old one without atomics), both
+    /// reading only the words slat's summary levels name; `xchg-full` and `switch-full` read
+    /// every word of the slot as KVM's loops do (`xchg-full` also zeroes the second bitmap
+    /// first, KVM's memset).
     #[arg(long = "get-dirty-log", value_parser = variant::<GetLogVariant>(), default_value = "xchg")]
     pub get_log: GetLogVariant,
     /// Split huge leaves when logging is enabled (off: split lazily at the first write).

@@ -145,7 +145,17 @@ const REBUILD: (&str, &str) = (
 // mmu-lock", line 24), so the change is `rmap` (the same lookups, under the lock) to
 // `rmap-lockless`, not the page-table walk of today's TDP MMU.
 const WRPROT: (&str, &str) = ("--wrprot rmap", "--wrprot rmap-lockless");
-const GET: (&str, &str) = ("--get-dirty-log xchg", "--get-dirty-log switch");
+// 004's two kernels, as its commit message describes them: before, "Memset the
+// 'second_dirty_bitmap' with zeros - Get KVM_MMU_LOCK to scan the whole bitmap for dirty-bits
+// - If there is long with a dirty-bit, xchg() it into second_dirty_bitmap" (lines 19-21);
+// after, switch bitmaps, then "scan the bitmap copied, and both protect the page and clean
+// the dirty bits in the same loop" (lines 28-35, and its diff, lines 242-256: every word
+// loaded, a plain store for the non-zero ones). Both scan every word of the slot: slat's
+// `xchg-full` and `switch-full`. (slat's own `xchg` and `switch` read only the words its
+// summary levels name, so there is no whole-slot work for the switch to remove; the extra row
+// shows them.)
+const GET: (&str, &str) = ("--get-dirty-log xchg-full", "--get-dirty-log switch-full");
+const GET_SUMMARY: (&str, &str) = ("--get-dirty-log xchg", "--get-dirty-log switch");
 
 /// This host has no 1 GiB pages reserved (nor 2 MiB hugetlb pages): the host's runs of the
 /// seed's 1 GiB hugetlb rows map 2 MiB THP blocks.
@@ -293,6 +303,14 @@ const EPT_FAST_PF: &str = "-g --concurrent --mmu-lock mutex --fast-pf on";
 
 const DLP_GET: &str = "-g -i 3";
 
+// 004's cell the thread's figure implies (the sweep's largest size, sparsest density).
+const S004_IMPLIED: Scale = scale_note(
+    "-v 32 -b 512M -w 1",
+    "-v 1 -b 1G -w 1",
+    "-v 1 -b 64M -w 1",
+    "the sweep's largest size at its lowest density",
+);
+
 /// Every row of every seed but 004's GET rows (which come from [`GET_SWEEP`]).
 #[rustfmt::skip]
 pub const EXPERIMENTS: &[Experiment] = &[
@@ -318,6 +336,7 @@ pub const EXPERIMENTS: &[Experiment] = &[
     row("003", "fault-in rate, 4K pre-split vs 2M+split", PrivateMemPerf, "--backend sim", S003, ("--direct-map 2m-split --kernel-flush off", "--direct-map 4k --kernel-flush off"), metric("fault-in GB/s"), p::FAULT_IN),
     row("003", "kernel TLB flush after each removal", PrivateMemPerf, "--backend sim --direct-map 2m-split", S003, ("--kernel-flush off", "--kernel-flush on"), metric("fault-in GB/s"), p::KERNEL_FLUSH),
     row("004", "mark_page_dirty_in_slot", DirtyLogPerf, DLP_GET, S004_MARK, GET, Figure { metric: "iteration 2 dirty memory", per_page: true }, p::MARK_PAGE_DIRTY),
+    row("004", "GET_DIRTY_LOG, slat's summary-level paths (xchg -> switch)", DirtyLogPerf, DLP_GET, S004_IMPLIED, GET_SUMMARY, metric("get dirty log avg"), p::GET_DIRTY_LOG),
 ];
 
 /// 004's GET rows: the thread does not give the guest's size or how many pages were dirty per

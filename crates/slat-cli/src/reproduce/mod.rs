@@ -576,7 +576,7 @@ fn implied(s: &SeedReport, size: Size) -> String {
         "The thread's figure (-50%, a 16 GB guest with 32 vCPUs dirtying 8 Gbps) implies the sparse end of the grid: \
          the memset and the per-word exchange it removed were half of GET, which holds when the slot is large and few \
          of its pages are dirty per GET (per-word work over the whole slot, per-page work over only the dirty pages). \
-         slat's closest cell ({big} {sparse}): switch/xchg {}.",
+         slat's closest cell ({big} {sparse}), KVM's two loops over the whole slot (xchg-full, switch-full): switch/xchg {}.",
         at.map_or("-".into(), |r| format!("{r:.3}x"))
     )
 }

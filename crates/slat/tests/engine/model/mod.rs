@@ -343,8 +343,10 @@ fn config_for(seed: u64) -> VmConfig {
         ..VmConfig::default()
     };
     match seed % 7 {
+        // KVM's whole-slot GET loops ride along with two other variants.
         5 => VmConfig {
             recover: RecoverVariant::Zap,
+            get_log: GetLogVariant::XchgFull,
             ..d
         },
         6 => VmConfig {
@@ -358,6 +360,7 @@ fn config_for(seed: u64) -> VmConfig {
         },
         2 => VmConfig {
             eager_split: false,
+            get_log: GetLogVariant::SwitchFull,
             ..d
         },
         3 => VmConfig {
