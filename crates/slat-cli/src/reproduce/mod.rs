@@ -622,6 +622,21 @@ mod tests {
         assert_eq!(Verdict::of(worse, Some(0.5)).within_2x, None);
     }
 
+    /// 003's seed scale is reduced by default and says how; `--full-scale` runs the seed's own,
+    /// and every other seed runs at its own scale either way.
+    #[test]
+    fn a_reduced_seed_scale_says_so_and_full_scale_runs_the_seeds_own() {
+        let e = experiments::of("003").next().expect("003's rows");
+        assert_eq!(e.scale.flags(Size::Seed), "-v 128 -b 128M");
+        assert_eq!(e.scale.flags(Size::Full), "-v 128 -b 5G");
+        assert!(e.scale.note(Size::Seed).contains("--full-scale"));
+        assert_eq!(e.scale.note(Size::Full), "");
+        for e in experiments::EXPERIMENTS.iter().filter(|e| e.seed != "003") {
+            let [s, f] = [Size::Seed, Size::Full].map(|z| e.scale.flags(z));
+            assert_eq!(s, f, "{}", e.row);
+        }
+    }
+
     #[test]
     fn bad_seeds_are_refused_and_all_is_every_seed() {
         assert_eq!(which("all").unwrap().0.len(), 5);

@@ -323,6 +323,21 @@ fn bad_input_is_refused_with_one_line() {
             "nor a built-in profile",
         ),
         (&["reproduce", "000", "--repeat", "0"], "--repeat"),
+        (
+            &["reproduce", "003", "--full-scale"],
+            "--full-scale needs --clock virtual",
+        ),
+        (
+            &[
+                "reproduce",
+                "003",
+                "--full-scale",
+                "--clock",
+                "virtual",
+                "--quick",
+            ],
+            "--full-scale needs --clock virtual, without --quick",
+        ),
         // Checked before anything runs, not after minutes of runs.
         (
             &["reproduce", "all", "--plot", "/nonexistent-slat-dir/r.svg"],
