@@ -275,7 +275,8 @@ pub struct DirtyArgs {
     #[arg(long = "dirty-tracking", value_parser = variant::<DirtyTrack>(), default_value = "write-protect")]
     pub tracking: DirtyTrack,
     /// How harvests and enable-logging find the pages they write-protect (lockless write-protect through the reverse map): `walk`
-    /// (the page-table walk under the MMU lock), `rmap` (reverse-map lookups, same lock) or
+    /// (the page-table walk under the MMU lock), `rmap` (reverse-map lookups, same lock, one per
+    /// leaf table), `rmap-each` (one reverse-map lookup per page, same lock: KVM's legacy MMU) or
     /// `rmap-lockless` (reverse-map lookups and one compare-and-swap each, no MMU lock).
     #[arg(long = "wrprot", value_parser = variant::<WrprotVariant>(), default_value = "walk")]
     pub wrprot: WrprotVariant,

@@ -204,8 +204,13 @@ pub enum WrprotVariant {
     /// enable-logging); no reverse map is kept (today's behaviour).
     #[default]
     Walk,
-    /// Look each page up in the reverse map, under the same lock as `walk`.
+    /// Look pages up in the reverse map, under the same lock as `walk`: once per leaf table
+    /// that holds dirty pages, the next pages of that table reached from it.
     Rmap,
+    /// Look every dirty page up in the reverse map, under the same lock as `walk`: KVM's legacy
+    /// MMU (`kvm_mmu_write_protect_pt_masked`: one rmap lookup per set bit), the locked side of
+    /// the lock-free write-protect series, which does the same lookups without the lock.
+    RmapEach,
     /// No MMU lock: epoch-pinned reverse-map lookups, the table header validated, W cleared
     /// with one compare-and-swap (huge leaves made read-only, not zapped), then the flush.
     RmapLockless,
@@ -214,6 +219,7 @@ pub enum WrprotVariant {
 spelled!(WrprotVariant, "write-protect variant", {
     Walk => "walk",
     Rmap => "rmap",
+    RmapEach => "rmap-each",
     RmapLockless => "rmap-lockless",
 });
 

@@ -142,9 +142,10 @@ const REBUILD: (&str, &str) = (
 );
 // 002's kernel (3.11, 2013) had no TDP MMU: its GET write-protected each dirty page through
 // the reverse map under `mmu_lock` ("How to locklessly walk rmap?", line 34; "we need to hold
-// mmu-lock", line 24), so the change is `rmap` (the same lookups, under the lock) to
-// `rmap-lockless`, not the page-table walk of today's TDP MMU.
-const WRPROT: (&str, &str) = ("--wrprot rmap", "--wrprot rmap-lockless");
+// mmu-lock", line 24), one rmap lookup per dirty page (`kvm_mmu_write_protect_pt_masked`), so
+// the change is `rmap-each` (those lookups, under the lock) to `rmap-lockless` (the same
+// lookups without it), not the page-table walk of today's TDP MMU.
+const WRPROT: (&str, &str) = ("--wrprot rmap-each", "--wrprot rmap-lockless");
 // 004's two kernels, as its commit message describes them: before, "Memset the
 // 'second_dirty_bitmap' with zeros - Get KVM_MMU_LOCK to scan the whole bitmap for dirty-bits
 // - If there is long with a dirty-bit, xchg() it into second_dirty_bitmap" (lines 19-21);

@@ -92,9 +92,16 @@ pub(super) fn rearm_masked<F: PteFormat>(
     while m != 0 {
         let gfn = base_gfn.plus(m.trailing_zeros() as u64);
         m &= m - 1;
+        // `rmap-each` looks every page up, as KVM's legacy MMU does; the others reuse the
+        // leaf table found for an earlier page of it.
+        let reuse = mmu.config.wrprot != WrprotVariant::RmapEach;
         let t = match cursor.0 {
-            Some((first, t)) if gfn.raw().wrapping_sub(first.raw()) < ENTRIES_PER_TABLE as u64 => t,
-            _ if mmu.config.wrprot == WrprotVariant::Rmap => match rmap_lookup(mmu, gfn) {
+            Some((first, t))
+                if reuse && gfn.raw().wrapping_sub(first.raw()) < ENTRIES_PER_TABLE as u64 =>
+            {
+                t
+            }
+            _ if mmu.config.wrprot.keeps_rmap() => match rmap_lookup(mmu, gfn) {
                 RmapHit::Leaf4k(t) => {
                     cursor.0 = Some((round_down(gfn, ENTRIES_PER_TABLE as u64), t));
                     t
