@@ -55,7 +55,7 @@ impl SlotRmap {
         self.base_gfn.plus(self.npages)
     }
 
-    fn covers(&self, gfn: Gfn) -> bool {
+    pub(crate) fn covers(&self, gfn: Gfn) -> bool {
         gfn >= self.base_gfn && gfn < self.end_gfn()
     }
 
