@@ -627,7 +627,7 @@ mod tests {
     #[test]
     fn a_reduced_seed_scale_says_so_and_full_scale_runs_the_seeds_own() {
         let e = experiments::of("003").next().expect("003's rows");
-        assert_eq!(e.scale.flags(Size::Seed), "-v 128 -b 128M");
+        assert_eq!(e.scale.flags(Size::Seed), "-v 128 -b 128M --phantom");
         assert_eq!(e.scale.flags(Size::Full), "-v 128 -b 5G");
         assert!(e.scale.note(Size::Seed).contains("--full-scale"));
         assert_eq!(e.scale.note(Size::Full), "");
