@@ -146,16 +146,7 @@ pub fn run(a: &ReproduceArgs) -> CliResult {
         check_writable("--plot", p)?;
     }
     let profile = cost_profile(a)?;
-    if a.sensitivity && a.clock != ClockArg::Virtual {
-        return Err(CliError::bad(
-            "--sensitivity needs --clock virtual (it varies the cost profile's numbers)",
-        ));
-    }
-    if a.full_scale && (a.clock != ClockArg::Virtual || a.quick || a.sensitivity) {
-        return Err(CliError::bad(
-            "--full-scale needs --clock virtual, without --quick or --sensitivity (it runs the seeds' own scale)",
-        ));
-    }
+    refuse_combinations(a)?;
     let size = a.size();
     let mut runner = Runner::default();
     let ctx = Ctx {
@@ -225,6 +216,21 @@ pub fn run(a: &ReproduceArgs) -> CliResult {
         0 => Ok(()),
         n => Err(CliError::Runtime(format!("reproduce: {n} rows failed"))),
     }
+}
+
+/// Flags that need virtual time, and scales that exclude each other.
+fn refuse_combinations(a: &ReproduceArgs) -> CliResult {
+    if a.sensitivity && a.clock != ClockArg::Virtual {
+        return Err(CliError::bad(
+            "--sensitivity needs --clock virtual (it varies the cost profile's numbers)",
+        ));
+    }
+    if a.full_scale && (a.clock != ClockArg::Virtual || a.quick || a.sensitivity) {
+        return Err(CliError::bad(
+            "--full-scale needs --clock virtual, without --quick or --sensitivity (it runs the seeds' own scale)",
+        ));
+    }
+    Ok(())
 }
 
 fn size_name(s: Size) -> &'static str {
