@@ -98,7 +98,7 @@ pub const SEEDS: [Seed; 5] = [
         id: "002",
         title: "lock-free write-protect through the reverse map: harvests without the MMU lock",
         file: "002_6858392bcb074408.txt",
-        machine: "Xeon X5690 x 12, 36 GB, EPT",
+        machine: "Xeon X5690 x 12, 36 GB; EPT and shadow paging",
         cost_profile: "x86-server",
     },
     Seed {
