@@ -250,7 +250,10 @@ impl MachineArgs {
 #[derive(Debug, Clone, Args)]
 pub struct DirtyArgs {
     /// How GET_DIRTY_LOG snapshots the bitmap when it clears it (with `-g`): per-word `xchg`,
-    /// or `switch` (swap in a second bitmap, then read the old one without atomics).
+    /// or `switch` (swap in a second bitmap, then read the old one without atomics), both
+    /// reading only the words slat's summary levels name; `xchg-full` and `switch-full` read
+    /// every word of the slot as KVM's loops do (`xchg-full` also zeroes the second bitmap
+    /// first, KVM's memset).
     #[arg(long = "get-dirty-log", value_parser = variant::<GetLogVariant>(), default_value = "xchg")]
     pub get_log: GetLogVariant,
     /// Split huge leaves when logging is enabled (off: split lazily at the first write).
@@ -272,7 +275,8 @@ pub struct DirtyArgs {
     #[arg(long = "dirty-tracking", value_parser = variant::<DirtyTrack>(), default_value = "write-protect")]
     pub tracking: DirtyTrack,
     /// How harvests and enable-logging find the pages they write-protect (lockless write-protect through the reverse map): `walk`
-    /// (the page-table walk under the MMU lock), `rmap` (reverse-map lookups, same lock) or
+    /// (the page-table walk under the MMU lock), `rmap` (reverse-map lookups, same lock, one per
+    /// leaf table), `rmap-each` (one reverse-map lookup per page, same lock: KVM's legacy MMU) or
     /// `rmap-lockless` (reverse-map lookups and one compare-and-swap each, no MMU lock).
     #[arg(long = "wrprot", value_parser = variant::<WrprotVariant>(), default_value = "walk")]
     pub wrprot: WrprotVariant,

@@ -255,7 +255,7 @@ mod tests {
         let h = help("dirty-log-perf");
         let dropped = h.replace("wrprot (--wrprot)", "wrprot-gone (--wrprot)");
         assert!(driver::vary::help_matches(&dropped, table, &dlp).is_err());
-        let fewer = h.replace("walk, rmap, rmap-lockless", "walk, rmap");
+        let fewer = h.replace("walk, rmap, rmap-each, rmap-lockless", "walk, rmap");
         assert!(driver::vary::help_matches(&fewer, table, &dlp).is_err());
     }
 }

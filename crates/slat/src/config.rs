@@ -72,18 +72,50 @@ pub enum MmuLockKind {
 spelled!(MmuLockKind, "MMU lock", { RwLock => "rwlock", Mutex => "mutex" });
 
 /// How GET_DIRTY_LOG (without manual protection) snapshots and clears the bitmap.
+///
+/// `xchg` and `switch` read only the words the bitmap's summary levels name (slat's own:
+/// O(dirty words)); `xchg-full` and `switch-full` do what KVM's loops do, over every word of
+/// the slot's bitmap (O(slot)), so that the two KVM paths can be compared as they are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum GetLogVariant {
-    /// One atomic exchange per non-zero word (KVM today).
+    /// One atomic exchange per non-zero word, the words found through the summary levels.
     #[default]
     Xchg,
     /// Two bitmaps per slot: switch marks to the other one, wait for in-flight markers, then
     /// read and clear the old one without atomics (proposed upstream as "Use a new spinlock to
-    /// avoid atomic operations in kvm_get_dirty_log_protect").
+    /// avoid atomic operations in kvm_get_dirty_log_protect"), through the summary levels.
     Switch,
+    /// KVM's `kvm_get_dirty_log_protect`: zero the second bitmap (a memset), then load every
+    /// word of the bitmap and exchange each non-zero one with zero into the second bitmap.
+    XchgFull,
+    /// The bitmap switch as proposed upstream: switch, then load every word of the old bitmap
+    /// and clear each non-zero one with a plain store (no memset, no atomics).
+    SwitchFull,
 }
 
-spelled!(GetLogVariant, "GET_DIRTY_LOG variant", { Xchg => "xchg", Switch => "switch" });
+spelled!(GetLogVariant, "GET_DIRTY_LOG variant", {
+    Xchg => "xchg",
+    Switch => "switch",
+    XchgFull => "xchg-full",
+    SwitchFull => "switch-full",
+});
+
+impl GetLogVariant {
+    /// A slot keeps a second bitmap (the switch's other side, or the exchange's buffer).
+    pub fn two_bitmaps(self) -> bool {
+        self != GetLogVariant::Xchg
+    }
+
+    /// Marks go to the other bitmap at each GET.
+    pub fn switches(self) -> bool {
+        matches!(self, GetLogVariant::Switch | GetLogVariant::SwitchFull)
+    }
+
+    /// GET reads every word of the slot's bitmap, not only those the summary names.
+    pub fn whole_slot(self) -> bool {
+        matches!(self, GetLogVariant::XchgFull | GetLogVariant::SwitchFull)
+    }
+}
 
 /// How huge mappings come back when logging stops.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -172,8 +204,13 @@ pub enum WrprotVariant {
     /// enable-logging); no reverse map is kept (today's behaviour).
     #[default]
     Walk,
-    /// Look each page up in the reverse map, under the same lock as `walk`.
+    /// Look pages up in the reverse map, under the same lock as `walk`: once per leaf table
+    /// that holds dirty pages, the next pages of that table reached from it.
     Rmap,
+    /// Look every dirty page up in the reverse map, under the same lock as `walk`: KVM's legacy
+    /// MMU (`kvm_mmu_write_protect_pt_masked`: one rmap lookup per set bit), the locked side of
+    /// the lock-free write-protect series, which does the same lookups without the lock.
+    RmapEach,
     /// No MMU lock: epoch-pinned reverse-map lookups, the table header validated, W cleared
     /// with one compare-and-swap (huge leaves made read-only, not zapped), then the flush.
     RmapLockless,
@@ -182,6 +219,7 @@ pub enum WrprotVariant {
 spelled!(WrprotVariant, "write-protect variant", {
     Walk => "walk",
     Rmap => "rmap",
+    RmapEach => "rmap-each",
     RmapLockless => "rmap-lockless",
 });
 

@@ -38,23 +38,48 @@ pub struct Scale {
     pub quick: &'static str,
     /// Why the host's run differs from the seed's beyond size ("" if only in size).
     pub note: &'static str,
+    /// What `--clock virtual` runs instead of `seed` unless `--full-scale` is given: the
+    /// seed's own scale does not fit `reproduce all`'s time budget.
+    pub reduced: Option<Reduced>,
+}
+
+/// A smaller seed scale for `--clock virtual`, and why.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Reduced {
+    pub flags: &'static str,
+    /// What was scaled, why the ratio still means what the seed's does, and the full scale's
+    /// time (printed with the row).
+    pub note: &'static str,
 }
 
 /// Which scale a run uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Size {
+    /// The seed's scale, or its [`Reduced`] one where it has one.
     Seed,
+    /// The seed's own scale everywhere (`--full-scale`).
+    Full,
     Host,
     Quick,
 }
 
 impl Scale {
     pub fn flags(&self, s: Size) -> &'static str {
-        match s {
-            Size::Seed => self.seed,
-            Size::Host => self.host,
-            Size::Quick => self.quick,
+        match (s, self.reduced) {
+            (Size::Seed, Some(r)) => r.flags,
+            (Size::Seed | Size::Full, _) => self.seed,
+            (Size::Host, _) => self.host,
+            (Size::Quick, _) => self.quick,
+        }
+    }
+
+    /// How the runs at `s` differ from the seed's beyond size ("" if they do not).
+    pub fn note(&self, s: Size) -> &'static str {
+        match (s, self.reduced) {
+            (Size::Seed, Some(r)) => r.note,
+            (Size::Seed | Size::Full, _) => "",
+            (Size::Host | Size::Quick, _) => self.note,
         }
     }
 }
@@ -115,8 +140,23 @@ const REBUILD: (&str, &str) = (
     "--cmo on-install --rebuild break-first",
     "--cmo on-install --rebuild install-first",
 );
-const WRPROT: (&str, &str) = ("--wrprot walk", "--wrprot rmap-lockless");
-const GET: (&str, &str) = ("--get-dirty-log xchg", "--get-dirty-log switch");
+// 002's kernel (3.11, 2013) had no TDP MMU: its GET write-protected each dirty page through
+// the reverse map under `mmu_lock` ("How to locklessly walk rmap?", line 34; "we need to hold
+// mmu-lock", line 24), one rmap lookup per dirty page (`kvm_mmu_write_protect_pt_masked`), so
+// the change is `rmap-each` (those lookups, under the lock) to `rmap-lockless` (the same
+// lookups without it), not the page-table walk of today's TDP MMU.
+const WRPROT: (&str, &str) = ("--wrprot rmap-each", "--wrprot rmap-lockless");
+// 004's two kernels, as its commit message describes them: before, "Memset the
+// 'second_dirty_bitmap' with zeros - Get KVM_MMU_LOCK to scan the whole bitmap for dirty-bits
+// - If there is long with a dirty-bit, xchg() it into second_dirty_bitmap" (lines 19-21);
+// after, switch bitmaps, then "scan the bitmap copied, and both protect the page and clean
+// the dirty bits in the same loop" (lines 28-35, and its diff, lines 242-256: every word
+// loaded, a plain store for the non-zero ones). Both scan every word of the slot: slat's
+// `xchg-full` and `switch-full`. (slat's own `xchg` and `switch` read only the words its
+// summary levels name, so there is no whole-slot work for the switch to remove; the extra row
+// shows them.)
+const GET: (&str, &str) = ("--get-dirty-log xchg-full", "--get-dirty-log switch-full");
+const GET_SUMMARY: (&str, &str) = ("--get-dirty-log xchg", "--get-dirty-log switch");
 
 /// This host has no 1 GiB pages reserved (nor 2 MiB hugetlb pages): the host's runs of the
 /// seed's 1 GiB hugetlb rows map 2 MiB THP blocks.
@@ -152,6 +192,7 @@ const fn scale(seed: &'static str, host: &'static str, quick: &'static str) -> S
         host,
         quick,
         note: "",
+        reduced: None,
     }
 }
 
@@ -166,6 +207,7 @@ const fn scale_note(
         host,
         quick,
         note,
+        reduced: None,
     }
 }
 
@@ -225,8 +267,33 @@ const S002_BENCH: Scale = scale_note(
     "the guest's fault latency, not mmtest's total time",
 );
 
-// 003: stress --vm 128 --vm-bytes 5G in a 1 TB guest.
-const S003: Scale = scale("-v 128 -b 5G", "-v 2 -b 512M", "-v 1 -b 32M");
+// 002's shadow-paging guest benchmark: with every write fault under the one lock, 3.2's
+// `-v 12 -b 1250M -i 30` pair takes about 18 minutes here (2,099 s for 002's eight commands),
+// past `reproduce all`'s 45 minutes: by default it reads the harvest rows' runs (the same 12
+// vCPUs writing while the host harvests, 3 GB over 20 harvests, the seed's migrate-perf).
+const S002_BENCH_SHADOW: Scale = Scale {
+    reduced: Some(Reduced {
+        flags: "-v 12 -b 250M -i 20",
+        note: "scaled for reproduce all's 45 minutes: the harvest rows' runs, 12 vCPUs x 250 MiB over 20 harvests, instead of 3.2's 12 x 1250 MiB over 30 (every write fault under the one lock makes that pair about 18 minutes); --full-scale runs it",
+    }),
+    ..S002_BENCH
+};
+
+// 003: stress --vm 128 --vm-bytes 5G in a 1 TB guest. At 640 GB the three commands take
+// over 1.5 hours here (one 1 TiB fault-in: 34 minutes of wall time, docs/benchmarks.md), past
+// `reproduce all`'s 45 minutes: by default the 128 vCPUs each fault in 128 MiB. Each vCPU
+// still accepts its own range 2 MiB region by region, so every region pays the same split (or
+// flush) while the other 127 vCPUs do the same; only the number of regions per vCPU (64
+// against 2,560) shrinks, which changes how long the run is, not what each region costs.
+const S003: Scale = Scale {
+    reduced: Some(Reduced {
+        // Phantom memory although 16 GiB would pass the benchmark's check: that much real
+        // memory (17 GB resident) is most of this shared host's.
+        flags: "-v 128 -b 128M --phantom",
+        note: "scaled for reproduce all's 45 minutes: the seed's 128 vCPUs, each faulting in 128 MiB instead of 5 GiB (16 GiB of phantom memory instead of 640 GB); --full-scale runs -v 128 -b 5G, about 1.7 hours",
+    }),
+    ..scale("-v 128 -b 5G", "-v 2 -b 512M", "-v 1 -b 32M")
+};
 
 // 004: a 16 GB guest with 32 vCPUs.
 const S004_MARK: Scale = scale_note(
@@ -236,7 +303,28 @@ const S004_MARK: Scale = scale_note(
     "a write fault's whole cost per page, the mark inside it",
 );
 
+// 002's MMU: one `mmu_lock` that every fault fixed under it takes alone (a spinlock then, KVM's
+// legacy MMU: `--mmu-lock mutex`), "also required by vcpu to fix its page table fault"
+// (lines 24-25). Which faults take it is what decides the gain, and the thread names both
+// cases: with shadow paging every write-protection fault does (KVM's fast page fault then
+// fixed only direct, i.e. TDP, mappings); with EPT "only the first time guest writes memory
+// need take mmu-lock ... Other writes ... are fixed by fast page fault which need not take
+// mmu-lock" (lines 167-171). PML did not exist (the X5690 predates it), so every first write
+// after a harvest faulted. The thread does not say which MMU its migrate-perf ran on: the
+// first row is the case the series was written for (the faults take the lock), the second
+// the EPT case.
+const LOCKED_FAULTS: &str = "-g --concurrent --mmu-lock mutex --fast-pf off";
+const EPT_FAST_PF: &str = "-g --concurrent --mmu-lock mutex --fast-pf on";
+
 const DLP_GET: &str = "-g -i 3";
+
+// 004's cell the thread's figure implies (the sweep's largest size, sparsest density).
+const S004_IMPLIED: Scale = scale_note(
+    "-v 32 -b 512M -w 1",
+    "-v 1 -b 1G -w 1",
+    "-v 1 -b 64M -w 1",
+    "the sweep's largest size at its lowest density",
+);
 
 /// Every row of every seed but 004's GET rows (which come from [`GET_SWEEP`]).
 #[rustfmt::skip]
@@ -256,11 +344,14 @@ pub const EXPERIMENTS: &[Experiment] = &[
     row("001", "patch 2: 1G -b 1G, -v 80, REBUILD", PageTableTest, "--format stage2", G1_1G_V80, REBUILD, metric("adjust mappings"), p::P2_1G_1G_V80),
     row("001", "patch 2: 1G, -v 20, REBUILD", PageTableTest, "--format stage2", G1_V20, REBUILD, metric("adjust mappings"), p::P2_1G_V20),
     row("001", "patch 2: 1G, -v 40, REBUILD", PageTableTest, "--format stage2", G1_V40, REBUILD, metric("adjust mappings"), p::P2_1G_V40),
-    row("002", "get dirty page (avg)", DirtyLogPerf, "-g --concurrent", S002, WRPROT, metric("harvest avg, vCPUs writing"), p::GET_DIRTY_PAGE),
-    row("002", "guest benchmark during migration (3.2, EPT)", DirtyLogPerf, "-g --concurrent", S002_BENCH, WRPROT, metric("write p99, during harvests"), p::GUEST_BENCHMARK),
-    row("003", "fault-in rate, 4K pre-split vs 2M+split", PrivateMemPerf, "--backend sim --kernel-flush off", S003, ("--direct-map 2m-split", "--direct-map 4k"), metric("fault-in GB/s"), p::FAULT_IN),
+    row("002", "get dirty page (avg), write faults under mmu_lock", DirtyLogPerf, LOCKED_FAULTS, S002, WRPROT, metric("harvest avg, vCPUs writing"), p::GET_DIRTY_PAGE),
+    row("002", "get dirty page (avg), EPT: write faults fixed by fast page fault", DirtyLogPerf, EPT_FAST_PF, S002, WRPROT, metric("harvest avg, vCPUs writing"), p::GET_DIRTY_PAGE),
+    row("002", "guest benchmark during migration (3.2, EPT)", DirtyLogPerf, EPT_FAST_PF, S002_BENCH, WRPROT, metric("write p99, during harvests"), p::GUEST_BENCHMARK),
+    row("002", "guest benchmark during migration (3.2, shadow)", DirtyLogPerf, LOCKED_FAULTS, S002_BENCH_SHADOW, WRPROT, metric("write p99, during harvests"), p::GUEST_BENCHMARK_SHADOW),
+    row("003", "fault-in rate, 4K pre-split vs 2M+split", PrivateMemPerf, "--backend sim", S003, ("--direct-map 2m-split --kernel-flush off", "--direct-map 4k --kernel-flush off"), metric("fault-in GB/s"), p::FAULT_IN),
     row("003", "kernel TLB flush after each removal", PrivateMemPerf, "--backend sim --direct-map 2m-split", S003, ("--kernel-flush off", "--kernel-flush on"), metric("fault-in GB/s"), p::KERNEL_FLUSH),
     row("004", "mark_page_dirty_in_slot", DirtyLogPerf, DLP_GET, S004_MARK, GET, Figure { metric: "iteration 2 dirty memory", per_page: true }, p::MARK_PAGE_DIRTY),
+    row("004", "GET_DIRTY_LOG, slat's summary-level paths (xchg -> switch)", DirtyLogPerf, DLP_GET, S004_IMPLIED, GET_SUMMARY, metric("get dirty log avg"), p::GET_DIRTY_LOG),
 ];
 
 /// 004's GET rows: the thread does not give the guest's size or how many pages were dirty per

@@ -101,7 +101,8 @@ pub struct Row {
 pub struct Cell {
     pub size: &'static str,
     pub density: &'static str,
-    /// GET's time with the per-word exchange and with the bitmap switch (s).
+    /// GET's time with the per-word exchange and with the bitmap switch, each over the whole
+    /// slot as KVM's loops are (`xchg-full`, `switch-full`) (s).
     pub xchg_s: Option<f64>,
     pub switch_s: Option<f64>,
     /// switch / xchg.
@@ -314,7 +315,13 @@ fn print_sweep(s: &SeedReport) {
         })
         .collect();
     print_table(
-        &["size", "density", "xchg (ms)", "switch (ms)", "switch/xchg"],
+        &[
+            "size",
+            "density",
+            "xchg-full (ms)",
+            "switch-full (ms)",
+            "switch/xchg",
+        ],
         &rows,
     );
     if let Some(i) = &s.implied {

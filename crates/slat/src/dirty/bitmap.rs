@@ -226,6 +226,49 @@ impl DirtyBitmap {
         reads
     }
 
+    /// Every word of page bits in index order, as KVM's GET loops read them: each word is
+    /// loaded (the whole slot, not only what the summary names), and each non-zero one taken as
+    /// `how` says (`Take`: exchanged with zero; `TakeUnshared`: a plain store of zero) and handed
+    /// to `f(index, bits)`. Summary bits are left set: a summary may over-approximate, so the
+    /// reads through it stay exact. Returns the words read.
+    pub(crate) fn scan_all<C: Clock>(&self, how: Read, f: &mut dyn FnMut(usize, u64)) -> u64 {
+        for (i, w) in self.bits().iter().enumerate() {
+            // A word loaded as zero while a marker sets it keeps its bit for the next GET.
+            let v = sync::load::<C, _>(w, Ordering::Relaxed);
+            if v == 0 {
+                continue;
+            }
+            let v = match how {
+                Read::Copy => v,
+                Read::Take => sync::swap::<C, _>(w, 0, Ordering::AcqRel),
+                Read::TakeUnshared => {
+                    sync::store::<C, _>(w, 0, Ordering::Relaxed);
+                    v
+                }
+            };
+            if v != 0 {
+                f(i, v);
+            }
+        }
+        self.nwords() as u64
+    }
+
+    /// Stores zero to every word of page bits (KVM's memset of its second bitmap). Only for a
+    /// bitmap no marker writes to.
+    pub(crate) fn zero_all<C: Clock>(&self) {
+        for w in self.bits() {
+            sync::store::<C, _>(w, 0, Ordering::Relaxed);
+        }
+    }
+
+    /// Stores `bits` as word `i` of page bits (a buffer no marker writes to); nothing past the
+    /// end.
+    pub(crate) fn put<C: Clock>(&self, i: usize, bits: u64) {
+        if let Some(w) = self.at(0, i) {
+            sync::store::<C, _>(w, bits, Ordering::Relaxed);
+        }
+    }
+
     /// Reads word `i` of `level` as `how` says, then the words below its set bits.
     fn descend<C: Clock>(
         &self,
@@ -357,6 +400,12 @@ impl SlotBitmap {
     #[inline]
     pub(crate) fn active_c<C: Clock>(&self) -> &DirtyBitmap {
         &self.maps[sync::load::<C, _>(&self.active, Ordering::Acquire) as usize]
+    }
+
+    /// The bitmap marks do not go to now (the exchange's buffer, or the switch's other side).
+    #[inline]
+    pub(crate) fn other<C: Clock>(&self) -> &DirtyBitmap {
+        &self.maps[1 - sync::load::<C, _>(&self.active, Ordering::Acquire).min(1) as usize]
     }
 
     /// Marks page `rel` (slot-relative) in the active bitmap.

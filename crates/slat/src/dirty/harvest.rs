@@ -26,7 +26,8 @@ impl DirtyLog {
     /// a remote flush completed before this returns (invariant 4), by per-word exchange or by
     /// the bitmap switch ([`GetLogVariant`]). With manual protection the bitmap is only copied;
     /// [`crate::Vm::clear_dirty_log`] does the rest. Either way only the words the summary
-    /// names are read (`dirty/bitmap.rs`).
+    /// names are read (`dirty/bitmap.rs`), except with `xchg-full` and `switch-full`, which read
+    /// every word of the slot as KVM does.
     pub(crate) fn get_dirty_log<F: PteFormat>(
         &self,
         mmu: &Mmu<F>,
@@ -52,35 +53,39 @@ impl DirtyLog {
                 .add_shared_c::<F::Clock>(Stat::DirtyWordsRead, reads);
             return Ok(dirty);
         }
+        let variant = mmu.config.get_log;
+        let two = bitmap.can_switch();
+        if variant == GetLogVariant::XchgFull && two {
+            // KVM zeroes its second bitmap before it takes the MMU lock.
+            bitmap.other::<F::Clock>().zero_all::<F::Clock>();
+        }
         let mut pending = PendingFlush::none();
         {
             let lock = harvest_lock(mmu);
-            let old = if mmu.config.get_log == GetLogVariant::Switch && bitmap.can_switch() {
-                let old = bitmap.switch::<F::Clock>();
-                // Markers that loaded the old side are either slow-path faults, which hold the
-                // MMU lock we own exclusively, or fast-path fixes, which run in guest mode: a
-                // completed flush waits them out, and afterwards nobody writes the old side.
-                // Without the lock (`rmap-lockless`), taking it once waits the slow paths out.
-                if lock.is_none() {
-                    drop(mmu.lock.write::<F::Clock>());
-                }
-                // Refused only from a thread in guest mode, which the public entry refused.
-                let _checked_at_entry = mmu.flush_remote_tlbs();
-                Some(old)
-            } else {
-                None
-            };
-            let (map, how) = match old {
-                Some(b) => (b, Read::TakeUnshared),
-                None => (bitmap.active(), Read::Take),
-            };
+            let old = (variant.switches() && two).then(|| switch_sides(mmu, bitmap, &lock));
             let mut cursor = LeafCursor::default();
-            let reads = map.harvest::<F::Clock>(how, &mut |i, mask| {
+            let mut take = |i: usize, mask: u64| {
                 out.word(i, mask);
                 dirty += mask.count_ones() as u64;
                 let base = slot.base_gfn.plus(64 * i as u64);
                 rearm_masked(mmu, lock.as_ref(), &mut cursor, base, mask, &mut pending);
-            });
+            };
+            let reads = match (old, variant) {
+                (Some(b), GetLogVariant::SwitchFull) => {
+                    b.scan_all::<F::Clock>(Read::TakeUnshared, &mut take)
+                }
+                (Some(b), _) => b.harvest::<F::Clock>(Read::TakeUnshared, &mut take),
+                (None, GetLogVariant::XchgFull) if two => {
+                    // Each taken word goes to the second bitmap, which the copy reads.
+                    let buffer = bitmap.other::<F::Clock>();
+                    let mut keep = |i: usize, mask: u64| {
+                        buffer.put::<F::Clock>(i, mask);
+                        take(i, mask);
+                    };
+                    bitmap.active().scan_all::<F::Clock>(Read::Take, &mut keep)
+                }
+                (None, _) => bitmap.active().harvest::<F::Clock>(Read::Take, &mut take),
+            };
             mmu.counters
                 .add_shared_c::<F::Clock>(Stat::DirtyWordsRead, reads);
         }
@@ -316,6 +321,26 @@ fn clear_words<F: PteFormat>(
     }
     complete_harvest(mmu, pending);
     cleared
+}
+
+/// The bitmap switch: marks go to the other side from now on; returns the old side once no
+/// marker can still write to it.
+fn switch_sides<'a, F: PteFormat>(
+    mmu: &Mmu<F>,
+    bitmap: &'a SlotBitmap,
+    lock: &Option<crate::mmu::lock::WriteGuard<'_, F::Clock>>,
+) -> &'a DirtyBitmap {
+    let old = bitmap.switch::<F::Clock>();
+    // Markers that loaded the old side are either slow-path faults, which hold the MMU lock we
+    // own exclusively, or fast-path fixes, which run in guest mode: a completed flush waits
+    // them out, and afterwards nobody writes the old side. Without the lock
+    // (`rmap-lockless`), taking it once waits the slow paths out.
+    if lock.is_none() {
+        drop(mmu.lock.write::<F::Clock>());
+    }
+    // Refused only from a thread in guest mode, which the public entry refused.
+    let _checked_at_entry = mmu.flush_remote_tlbs();
+    old
 }
 
 /// The MMU lock a harvest holds while it re-arms pages: exclusive, except with `rmap-lockless`,

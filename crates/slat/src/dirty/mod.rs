@@ -236,7 +236,7 @@ impl DirtyLog {
         npages: u64,
     ) -> Option<Arc<SlotBitmap>> {
         let mode = self.mode();
-        let switch = get_log == GetLogVariant::Switch && !mode.manual();
+        let switch = get_log.two_bitmaps() && !mode.manual();
         (logs(flags) && mode.uses_bitmap()).then(|| {
             Arc::new(SlotBitmap::new(
                 npages,

@@ -11,7 +11,7 @@ use crate::mmu::rmap::{validated, SlotRmap, RMAP_LEVELS};
 use crate::mmu::table::TablePage;
 use crate::mmu::walk::{round_down, Walk};
 use crate::mmu::Mmu;
-use crate::sync::{Guard, Ordering};
+use crate::sync::{Arc, Guard, Ordering};
 use slat_addr::{Gfn, Hva};
 
 /// The value that re-arms logging on the 4 KiB leaf `old` (so its next write is seen), or
@@ -88,13 +88,22 @@ pub(super) fn rearm_masked<F: PteFormat>(
     // The exclusive lock already keeps every table alive; the guard is what `Walk` asks for.
     let guard = crate::sync::pin_c::<F::Clock>();
     let sink = mmu.sink();
+    // The slot's reverse map, found once per call (KVM's loop has its memslot in hand).
+    let mut slot_rmap: Option<Arc<SlotRmap>> = None;
     let mut m = mask;
     while m != 0 {
         let gfn = base_gfn.plus(m.trailing_zeros() as u64);
         m &= m - 1;
+        // `rmap-each` looks every page up, as KVM's legacy MMU does; the others reuse the
+        // leaf table found for an earlier page of it.
+        let reuse = mmu.config.wrprot != WrprotVariant::RmapEach;
         let t = match cursor.0 {
-            Some((first, t)) if gfn.raw().wrapping_sub(first.raw()) < ENTRIES_PER_TABLE as u64 => t,
-            _ if mmu.config.wrprot == WrprotVariant::Rmap => match rmap_lookup(mmu, gfn) {
+            Some((first, t))
+                if reuse && gfn.raw().wrapping_sub(first.raw()) < ENTRIES_PER_TABLE as u64 =>
+            {
+                t
+            }
+            _ if mmu.config.wrprot.keeps_rmap() => match rmap_lookup(mmu, &mut slot_rmap, gfn) {
                 RmapHit::Leaf4k(t) => {
                     cursor.0 = Some((round_down(gfn, ENTRIES_PER_TABLE as u64), t));
                     t
@@ -187,8 +196,15 @@ enum RmapHit {
     None,
 }
 
-fn rmap_lookup<F: PteFormat>(mmu: &Mmu<F>, gfn: Gfn) -> RmapHit {
-    let Some(s) = mmu.rmap.find::<F::Clock>(gfn) else {
+fn rmap_lookup<F: PteFormat>(
+    mmu: &Mmu<F>,
+    slot_rmap: &mut Option<Arc<SlotRmap>>,
+    gfn: Gfn,
+) -> RmapHit {
+    if !slot_rmap.as_ref().is_some_and(|s| s.covers(gfn)) {
+        *slot_rmap = mmu.rmap.find::<F::Clock>(gfn);
+    }
+    let Some(s) = slot_rmap.as_deref() else {
         return RmapHit::None;
     };
     for level in 1..=RMAP_LEVELS as Level {

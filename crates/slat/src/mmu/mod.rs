@@ -43,7 +43,7 @@ pub(crate) struct Mmu<F: PteFormat> {
     pub(crate) flush: FlushDomain,
     /// Deliberate protocol bugs (feature `test-hooks`), for tests of the oracles.
     pub(crate) hooks: Hooks,
-    /// The reverse map (kept only with `VmConfig::wrprot` `rmap` / `rmap-lockless`).
+    /// The reverse map (kept only with `VmConfig::wrprot` `rmap` / `rmap-each` / `rmap-lockless`).
     pub(crate) rmap: Arc<Rmap>,
     /// Flushes refused because the calling thread held a vCPU in guest mode
     /// ([`FlushError::OwnGuestMode`]): owed still, their pages kept until a flush completes.

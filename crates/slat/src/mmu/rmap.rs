@@ -55,7 +55,7 @@ impl SlotRmap {
         self.base_gfn.plus(self.npages)
     }
 
-    fn covers(&self, gfn: Gfn) -> bool {
+    pub(crate) fn covers(&self, gfn: Gfn) -> bool {
         gfn >= self.base_gfn && gfn < self.end_gfn()
     }
 
@@ -110,7 +110,7 @@ impl Rmap {
         levels.map(|l| l.len() as u64 * 8).sum()
     }
 
-    /// The rmap is kept (`wrprot` is `rmap` or `rmap-lockless`).
+    /// The rmap is kept (`wrprot` is `rmap`, `rmap-each` or `rmap-lockless`).
     #[inline]
     pub(crate) fn enabled(&self) -> bool {
         self.enabled

@@ -36,6 +36,7 @@ both_formats! {
     slots_deleted_or_moved_while_logging,
     huge_pages_recovered_in_place_or_zapped,
     #[ept_only] get_reads_only_dirty_words,
+    #[ept_only] get_full_reads_every_word_and_returns_exactly_the_marks,
     #[ept_only] manual_get_and_clear_read_only_dirty_words,
     #[ept_only] sparse_get_and_clear_read_only_dirty_words,
 }

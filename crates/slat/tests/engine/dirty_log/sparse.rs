@@ -1,7 +1,8 @@
 //! Harvest cost follows the dirty pages, not the slot's size: GET (exchange and switch), the
 //! manual GET and CLEAR, dense and sparse, load only the bitmap words that hold marks and the
 //! summary words above them (counted by `Stats::dirty_words_read`). A harvest that scans the
-//! slot's bitmap reads 16384 words here; these bounds allow a few per dirty page.
+//! slot's bitmap reads 16384 words here; these bounds allow a few per dirty page. KVM's own
+//! loops (`xchg-full`, `switch-full`) do scan it, and read exactly that.
 
 use super::*;
 use slat::GetLogVariant;
@@ -76,6 +77,49 @@ pub(crate) fn get_reads_only_dirty_words<F: PteFormat>() {
         assert!(words.iter().all(|&w| w == 0), "{get_log:?}: marks twice");
         teardown(vm, [v]);
         drop(mem);
+    }
+}
+
+/// KVM's two GET loops (`xchg-full`, `switch-full`) read every word of the slot, whatever is
+/// dirty, and still return exactly the marked pages and re-protect them; pages written again
+/// after a GET are returned by the next one (the switch's other side, whose summary bits an
+/// earlier full scan left set, included), under every write-protect variant.
+pub(crate) fn get_full_reads_every_word_and_returns_exactly_the_marks<F: PteFormat>() {
+    for get_log in [GetLogVariant::XchgFull, GetLogVariant::SwitchFull] {
+        for &wrprot in WrprotVariant::ALL {
+            let config = VmConfig {
+                get_log,
+                wrprot,
+                ..VmConfig::default()
+            };
+            let (vm, mut v, mem) = big_dirty_vm::<F>(config, false);
+            let npages = BIG / PAGE_SIZE;
+            let nwords = bitmap_words(npages) as u64;
+            let mut words = vec![0u64; nwords as usize];
+            let what = format!("{get_log} {wrprot}");
+            let get = |words: &mut Vec<u64>| {
+                let before = words_read(&vm);
+                vm.get_dirty_log(1, words).unwrap();
+                assert_eq!(words_read(&vm) - before, nwords, "{what}: the whole slot");
+            };
+            get(&mut words);
+            assert_eq!(bitmap_gfns(0, &words), spread(npages), "{what}");
+            for p in spread(npages) {
+                assert!(!writable(&vm, BIG + p * PAGE_SIZE), "{what}: page {p}");
+            }
+            let again: Vec<u64> = spread(npages).into_iter().step_by(5).collect();
+            for &p in &again {
+                let o = fault(&vm, &mut v, BIG + p * PAGE_SIZE, Access::Write, false);
+                assert_eq!(o, FaultOutcome::Fixed, "{what}: page {p}");
+            }
+            for round in 0..3 {
+                get(&mut words);
+                let want = if round == 0 { again.clone() } else { vec![] };
+                assert_eq!(bitmap_gfns(0, &words), want, "{what}: GET {}", round + 2);
+            }
+            teardown(vm, [v]);
+            drop(mem);
+        }
     }
 }
 
