@@ -412,7 +412,8 @@ fn pair(
     let mut ran = Ok(());
     'rounds: for round in 1..=ctx.repeat {
         for args in here {
-            if !ctx.quiet {
+            // A command an earlier row ran is not run again, so not announced again.
+            if !ctx.quiet && !runner.has(e.bench, args, round) {
                 let of = if ctx.repeat > 1 {
                     format!(" (run {round}/{})", ctx.repeat)
                 } else {

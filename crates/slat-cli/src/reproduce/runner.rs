@@ -257,6 +257,13 @@ impl Runner {
         Ok(())
     }
 
+    /// `slat BENCH ARGS` has run at least `runs` times (an earlier row's run is reused).
+    pub fn has(&self, bench: Bench, args: &str, runs: usize) -> bool {
+        self.memo
+            .get(&key(bench, args))
+            .is_some_and(|m| m.runs.len() >= runs)
+    }
+
     /// The median of `fig` over the runs of `slat BENCH ARGS` so far.
     pub fn read(&self, bench: Bench, args: &str, fig: Figure) -> CliResult<Reading> {
         let key = key(bench, args);
