@@ -336,10 +336,11 @@ fn templates() -> Backing {
 }
 
 fn config_for(seed: u64) -> VmConfig {
-    // The write-protect variant cycles independently of the rest (every 5 seeds against every
-    // 7), so across the 20 seeds each of the four variants meets five other configurations.
+    // The write-protect variant changes every 7 seeds, the rest cycles every 7: seed mod 28
+    // is (variant, configuration), so 28 consecutive seeds pair each of the four variants with
+    // each configuration exactly once.
     let d = VmConfig {
-        wrprot: WrprotVariant::ALL[(seed / 5) as usize % WrprotVariant::ALL.len()],
+        wrprot: WrprotVariant::ALL[(seed / 7) as usize % WrprotVariant::ALL.len()],
         ..VmConfig::default()
     };
     match seed % 7 {
@@ -438,7 +439,11 @@ fn random_operations_match_the_model<F: PteFormat>() {
     // 16 Mi cache-line operations (twice for an instruction fetch): a seed costs ~25 times
     // what it costs on EPT. Seven seeds there: each `config_for` variant once (it cycles
     // every 7 seeds).
-    let nseeds = if F::CACHE_MAINTENANCE { 7 } else { 20 };
+    let nseeds = if F::CACHE_MAINTENANCE {
+        7
+    } else {
+        7 * WrprotVariant::ALL.len() as u64
+    };
     let seeds: Vec<u64> = match std::env::var("SLAT_TEST_SEED") {
         Ok(_) => vec![seed_from_env(0)],
         Err(_) => (0..nseeds).map(|i| 0x51a7_0000 + i).collect(),
