@@ -349,18 +349,7 @@ fn run_on<F: PteFormat>(
     // only size it (rounded up to whole pages) and the stages run over its first `bytes`.
     let (bytes, per_vcpu, _) = sizes(a)?;
     let prefault = !a.machine.no_prefault;
-    let p = Phase::start(
-        format!(
-            "sim ({}, cmo {}, rebuild {}): mapping {} of {} guest RAM{}",
-            a.machine.format.name(),
-            cfg.cmo.name(),
-            cfg.rebuild.name(),
-            format_size(bytes),
-            a.backing.name(),
-            crate::backend::native_note(a.backing)
-        ),
-        quiet(a.out.json),
-    );
+    let p = mapping_phase(a, &cfg, bytes);
     // In virtual time one physical CPU per vCPU: the simulation schedules them, and the
     // token pool must never block a simulated thread.
     let pcpus = match sim {
@@ -419,6 +408,22 @@ fn run_on<F: PteFormat>(
         host: layout.host,
         cfg,
     })
+}
+
+/// The progress line of the machine's set-up.
+fn mapping_phase(a: &PageTableTestArgs, cfg: &VmConfig, bytes: u64) -> Phase {
+    Phase::start(
+        format!(
+            "sim ({}, cmo {}, rebuild {}): mapping {} of {} guest RAM{}",
+            a.machine.format.name(),
+            cfg.cmo.name(),
+            cfg.rebuild.name(),
+            format_size(bytes),
+            a.backing.name(),
+            crate::backend::native_note(a.backing)
+        ),
+        quiet(a.out.json),
+    )
 }
 
 /// Runs one stage on `m` (switching dirty logging first where the stage needs it) and the
