@@ -286,10 +286,18 @@ pub fn apply_pinning(
     m: &dyn Backend,
     plan: Option<&slat_workload::cpus::PinPlan>,
 ) -> Result<Option<Vec<usize>>, String> {
+    apply_pinning_with(|cpus| m.pin_vcpus(cpus), plan)
+}
+
+/// [`apply_pinning`] for a machine that is not a [`Backend`] (page-table-test's own machine):
+/// `pin_vcpus` pins the vCPU threads and returns their affinities.
+pub fn apply_pinning_with(
+    pin_vcpus: impl FnOnce(&[usize]) -> Result<Vec<Vec<usize>>, String>,
+    plan: Option<&slat_workload::cpus::PinPlan>,
+) -> Result<Option<Vec<usize>>, String> {
     let Some(plan) = plan else { return Ok(None) };
-    let got = m
-        .pin_vcpus(&plan.vcpus)
-        .map_err(|e| format!("-c: cannot pin the vCPU threads: {e}"))?;
+    let got =
+        pin_vcpus(&plan.vcpus).map_err(|e| format!("-c: cannot pin the vCPU threads: {e}"))?;
     check_pinned(&plan.vcpus, &got)?;
     if let Some(cpu) = plan.main {
         slat_workload::cpus::pin_thread(0, cpu)

@@ -259,17 +259,8 @@ impl PageTableTestArgs {
 /// Pins `m`'s vCPU threads (and the main thread, if the plan names a CPU for it) as `-c` says
 /// and checks the kernel's answer; the vCPUs' CPUs, `None` without `-c`.
 fn pin<F: PteFormat>(m: &Machine<F>, a: &PageTableTestArgs) -> Result<Option<Vec<usize>>, String> {
-    let Some(plan) = a.pin_plan()? else {
-        return Ok(None);
-    };
-    let got = TestMachine::pin_vcpus(m, &plan.vcpus)
-        .map_err(|e| format!("-c: cannot pin the vCPU threads: {e}"))?;
-    crate::backend::check_pinned(&plan.vcpus, &got)?;
-    if let Some(cpu) = plan.main {
-        slat_workload::cpus::pin_thread(0, cpu)
-            .map_err(|e| format!("-c: cannot pin the main thread to CPU {cpu}: {e}"))?;
-    }
-    Ok(Some(plan.vcpus))
+    let pin_vcpus = |cpus: &[usize]| TestMachine::pin_vcpus(m, cpus).map_err(|e| e.to_string());
+    crate::backend::apply_pinning_with(pin_vcpus, a.pin_plan()?.as_ref())
 }
 
 fn stage_time(r: &Report, stage: Stage) -> Option<f64> {
