@@ -19,6 +19,7 @@ impl Shared {
         if let Some(t) = g.cpus.get(b.idx).map(|c| c.clock) {
             let end = g.lines.rmw(b.idx, t, line);
             g.cpus[b.idx].clock = end;
+            g.settle_late_transfers();
             g.wake_watchers(line, end, self.transfer);
         }
         self.leave(g, b);
@@ -34,6 +35,7 @@ impl Shared {
         if let Some(t) = g.cpus.get(b.idx).map(|c| c.clock) {
             let end = g.lines.store(b.idx, t, line);
             g.cpus[b.idx].clock = end;
+            g.settle_late_transfers();
             g.wake_watchers(line, end, self.transfer);
         }
         self.leave(g, b);
@@ -89,14 +91,19 @@ impl Shared {
             g.handovers = out;
             match got {
                 Acquire::Now => {
-                    let end = g.lines.rmw(me, t, line);
+                    let end = match mode {
+                        LockMode::Exclusive => g.lines.rmw_lock_word(me, t, line),
+                        LockMode::Shared => g.lines.rmw(me, t, line),
+                    };
                     g.cpus[me].clock = end;
+                    g.settle_late_transfers();
                     g.wake_watchers(line, end, self.transfer);
                     break;
                 }
                 Acquire::At(at) => {
                     g.lines.take(me, at, line);
                     g.cpus[me].clock = at.max(t);
+                    g.settle_late_transfers();
                     break;
                 }
                 Acquire::Queued => {
@@ -126,8 +133,12 @@ impl Shared {
         let Some(t) = g.cpus.get(me).map(|c| c.clock) else {
             return;
         };
-        let end = g.lines.rmw(me, t, line);
+        let end = match mode {
+            LockMode::Exclusive => g.lines.rmw_lock_word(me, t, line),
+            LockMode::Shared => g.lines.rmw(me, t, line),
+        };
         g.cpus[me].clock = end;
+        g.settle_late_transfers();
         let mut out = std::mem::take(&mut g.handovers);
         g.locks.release(me, addr, mode, end, &mut out);
         self.hand_over(&mut g, addr, &mut out);
@@ -152,6 +163,7 @@ impl Shared {
             if h.granted {
                 g.cpus[h.cpu].granted = true;
                 g.lines.take(h.cpu, h.at, line);
+                g.settle_late_transfers();
             }
             if blocked {
                 g.make_ready(h.cpu, h.at);

@@ -392,6 +392,31 @@ impl Inner {
         Unpark::None
     }
 
+    /// Adds to each CPU the line model found owing a late transfer (a write that arrived
+    /// after that CPU's later writes to the line, `model/owners.rs`) the transfer's cost. It
+    /// has run past the write that owed it: the cost lands on its clock now, as its next
+    /// access would have paid it. A CPU that has exited owes nothing more.
+    pub(crate) fn settle_late_transfers(&mut self) {
+        let cost = self.lines.transfer_cost();
+        while let Some(i) = self.lines.pop_owed() {
+            let baton = self.baton;
+            let Some(c) = self.cpus.get_mut(i) else {
+                continue;
+            };
+            // A runnable CPU waiting for the baton is queued by its clock: re-queue it.
+            let queued = c.state == State::Runnable && baton != Some(i);
+            if queued {
+                self.ready.remove(&(c.clock, c.rank, i));
+            }
+            if !matches!(c.state, State::Exited) {
+                c.clock = c.clock.saturating_add(cost);
+            }
+            if queued {
+                self.ready.insert((c.clock, c.rank, i));
+            }
+        }
+    }
+
     /// Tells the models the floor: the lowest clock of the CPUs that run or will rejoin on
     /// their own (runnable or detached). No clock goes back, a detached CPU rejoins at its own
     /// clock or later, and a blocked CPU wakes at a time a running CPU's release or write

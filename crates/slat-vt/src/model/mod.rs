@@ -6,6 +6,7 @@
 pub(crate) mod calendar;
 pub(crate) mod line;
 pub(crate) mod lock;
+pub(crate) mod owners;
 
 use std::hash::{BuildHasherDefault, Hasher};
 
