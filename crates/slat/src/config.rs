@@ -209,7 +209,9 @@ pub enum WrprotVariant {
     Rmap,
     /// Look every dirty page up in the reverse map, under the same lock as `walk`: KVM's legacy
     /// MMU (`kvm_mmu_write_protect_pt_masked`: one rmap lookup per set bit), the locked side of
-    /// the lock-free write-protect series, which does the same lookups without the lock.
+    /// the lock-free write-protect series, which does the same lookups without the lock. As
+    /// that MMU's `mmu_spte_update`, it exchanges (a locked instruction) every writable leaf
+    /// it changes under the lock, not only those a lock-free writer may change now.
     RmapEach,
     /// No MMU lock: epoch-pinned reverse-map lookups, the table header validated, W cleared
     /// with one compare-and-swap (huge leaves made read-only, not zapped), then the flush.

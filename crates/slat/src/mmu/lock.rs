@@ -36,6 +36,8 @@ pub(crate) struct MmuLock {
     /// `rmap-lockless`: harvests write-protect leaves with compare-and-swaps and no lock, so
     /// an exclusive holder is not the only software writer of any leaf.
     lockless_wrprot: bool,
+    /// `rmap-each`: the legacy MMU's rule for which entries an exclusive holder exchanges.
+    exchange_writable: bool,
 }
 
 enum Inner {
@@ -78,7 +80,11 @@ impl<C: Clock> WriteGuard<'_, C> {
 }
 
 impl MmuLock {
-    pub(crate) fn new(kind: MmuLockKind, lockless_wrprot: bool) -> Self {
+    /// `exchange_writable`: exclusive holders exchange every writable leaf too, not only the
+    /// entries a lock-free writer can change now (the legacy MMU's `spte_has_volatile_bits`
+    /// treated every entry the fast path could ever change, writable ones included, as
+    /// volatile, for a stable W bit to decide the flush on).
+    pub(crate) fn new(kind: MmuLockKind, lockless_wrprot: bool, exchange_writable: bool) -> Self {
         let inner = match kind {
             MmuLockKind::RwLock => Inner::Rw(RwLock::new(())),
             MmuLockKind::Mutex => Inner::Mutex(Mutex::new(())),
@@ -86,6 +92,7 @@ impl MmuLock {
         MmuLock {
             inner,
             lockless_wrprot,
+            exchange_writable,
         }
     }
 
@@ -129,6 +136,7 @@ impl MmuLock {
         );
         Exclusive {
             lockless_wrprot: self.lockless_wrprot,
+            exchange_writable: self.exchange_writable,
             _held: PhantomData,
         }
     }
@@ -157,6 +165,7 @@ impl<'g> Shared<'g> {
 #[derive(Clone, Copy)]
 pub(crate) struct Exclusive<'g> {
     lockless_wrprot: bool,
+    exchange_writable: bool,
     _held: PhantomData<&'g ()>,
 }
 
@@ -216,7 +225,8 @@ impl SpteWriter for Exclusive<'_> {
         // Lock-free writers (hardware A/D, the fast path, and with `rmap-lockless` a harvest
         // clearing W) may change some entries under us: exchange those, never lost, never
         // retried, and account for the value that was really there.
-        if F::needs_atomic_update(old, level) || self.lockless_wrprot {
+        let legacy = self.exchange_writable && F::is_leaf(old, level) && F::is_writable(old);
+        if F::needs_atomic_update(old, level) || self.lockless_wrprot || legacy {
             return Ok(sync::swap::<F::Clock, _>(sptep, new, Ordering::AcqRel));
         }
         // Nobody else may write this entry while we hold the lock exclusively, so `old` is
@@ -224,5 +234,54 @@ impl SpteWriter for Exclusive<'_> {
         debug_assert_eq!(sptep.load(Ordering::Relaxed), old);
         sync::store::<F::Clock, _>(sptep, new, Ordering::Release);
         Ok(old)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::clock::RealTime;
+    use crate::format::{Ept, LeafPerms};
+    use slat_addr::Hva;
+
+    /// A writable 4 KiB leaf with hardware A/D bits, accessed and dirty: nothing a lock-free
+    /// writer sets is missing, so today's rule stores it plainly.
+    fn writable_leaf() -> u64 {
+        let perms = LeafPerms {
+            host_writable: true,
+            writable: true,
+            exec: false,
+            ad_bits: true,
+        };
+        let leaf = Ept::make_leaf(Hva::new(0x4000), 1, perms);
+        Ept::set_accessed_dirty(leaf, crate::format::Access::Write)
+    }
+
+    /// What an exclusive write of a writable leaf reports as replaced when the entry holds
+    /// `actual` but the writer read `old`: an exchange reports `actual`, a plain store `old`.
+    fn replaced(exchange_writable: bool, old: u64, actual: u64) -> u64 {
+        let lock = MmuLock::new(MmuLockKind::Mutex, false, exchange_writable);
+        let guard = lock.write::<RealTime>();
+        let w = lock.exclusive(&guard);
+        let sptep = AtomicU64::new(actual);
+        let new = Ept::write_protect(old);
+        let got = w
+            .write::<Ept>(&sptep, old, new, 1)
+            .expect("exclusive writes succeed");
+        assert_eq!(sptep.load(Ordering::Relaxed), new);
+        got
+    }
+
+    #[test]
+    fn the_legacy_rule_exchanges_writable_leaves() {
+        let leaf = writable_leaf();
+        assert!(
+            !Ept::needs_atomic_update(leaf, 1),
+            "today's rule: a plain store"
+        );
+        assert_eq!(replaced(false, leaf, leaf), leaf);
+        // An exchange returns what was really there (a bit another writer set is seen).
+        let actual = leaf | (1 << 62);
+        assert_eq!(replaced(true, leaf, actual), actual);
     }
 }

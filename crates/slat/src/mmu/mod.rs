@@ -69,6 +69,7 @@ impl<F: PteFormat> Mmu<F> {
             lock: MmuLock::new(
                 config.mmu_lock,
                 config.wrprot == crate::config::WrprotVariant::RmapLockless,
+                config.wrprot == crate::config::WrprotVariant::RmapEach,
             ),
             alloc,
             counters,
