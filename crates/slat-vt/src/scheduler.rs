@@ -55,6 +55,10 @@ pub(crate) struct Cpu {
     pub(crate) cpu_clock: Option<libc::clockid_t>,
     /// A lock was handed to it directly while it waited.
     pub(crate) granted: bool,
+    /// Late transfers it owes (ps), added to its clock at its own next hook: where it is in
+    /// simulation order then is fixed, whatever it was doing in real time when it was found
+    /// owing (a detached CPU re-attaches at a real moment).
+    pub(crate) owed: u64,
 }
 
 /// Whom to unpark once the state's mutex is released.
@@ -254,7 +258,7 @@ impl Shared {
         }
         g.calls += 1;
         if let Some(c) = g.cpus.get_mut(b.idx) {
-            c.clock = b.clock.get();
+            c.clock = b.clock.get().saturating_add(std::mem::take(&mut c.owed));
         }
         Some(g)
     }
@@ -329,8 +333,20 @@ impl Shared {
 }
 
 impl Inner {
-    /// Makes CPU `i` runnable no earlier than `at`.
+    /// Makes CPU `i` runnable no earlier than `at`, a time a simulated event set (a release,
+    /// a write it waited for): the late transfers it owes were paid before it waited, so
+    /// they delay it only past `at` if they took longer than the wait.
     pub(crate) fn make_ready(&mut self, i: usize, at: u64) {
+        if let Some(c) = self.cpus.get_mut(i) {
+            c.clock = c.clock.saturating_add(std::mem::take(&mut c.owed));
+        }
+        self.make_ready_at(i, at);
+    }
+
+    /// Makes CPU `i` runnable no earlier than `at`, a time from outside the simulation (a
+    /// re-attach, whose real moment is not in simulation order): what it owes stays owed,
+    /// added at its next hook, so the result does not depend on that moment.
+    pub(crate) fn make_ready_at(&mut self, i: usize, at: u64) {
         let baton = self.baton;
         let Some(c) = self.cpus.get_mut(i) else {
             return;
@@ -361,6 +377,7 @@ impl Inner {
             thread: None,
             cpu_clock: None,
             granted: false,
+            owed: 0,
         });
         self.ready.insert((clock, rank, idx));
         idx
@@ -392,27 +409,16 @@ impl Inner {
         Unpark::None
     }
 
-    /// Adds to each CPU the line model found owing a late transfer (a write that arrived
-    /// after that CPU's later writes to the line, `model/owners.rs`) the transfer's cost. It
-    /// has run past the write that owed it: the cost lands on its clock now, as its next
-    /// access would have paid it. A CPU that has exited owes nothing more.
+    /// Records against each CPU the line model found owing a late transfer (a write that
+    /// arrived after that CPU's later writes to the line, `model/owners.rs`) the transfer's
+    /// cost. It has run past the write that owed it: the cost is added to its clock at its own
+    /// next hook, or when a simulated event wakes it (`make_ready`), never here, where the
+    /// CPU might be re-attaching at a real moment.
     pub(crate) fn settle_late_transfers(&mut self) {
         let cost = self.lines.transfer_cost();
         while let Some(i) = self.lines.pop_owed() {
-            let baton = self.baton;
-            let Some(c) = self.cpus.get_mut(i) else {
-                continue;
-            };
-            // A runnable CPU waiting for the baton is queued by its clock: re-queue it.
-            let queued = c.state == State::Runnable && baton != Some(i);
-            if queued {
-                self.ready.remove(&(c.clock, c.rank, i));
-            }
-            if !matches!(c.state, State::Exited) {
-                c.clock = c.clock.saturating_add(cost);
-            }
-            if queued {
-                self.ready.insert((c.clock, c.rank, i));
+            if let Some(c) = self.cpus.get_mut(i) {
+                c.owed = c.owed.saturating_add(cost);
             }
         }
     }

@@ -318,7 +318,7 @@ impl CpuHandle {
             b.mode.set(Mode::Failed);
             return Ok(());
         }
-        g.make_ready(self.idx, at_ns.saturating_mul(1000));
+        g.make_ready_at(self.idx, at_ns.saturating_mul(1000));
         b.mode.set(Mode::Running);
         let u = g.kick();
         drop(g);
@@ -417,7 +417,7 @@ pub fn attach_current() -> Result<(), SimError> {
         b.mode.set(Mode::Failed);
         return Ok(());
     }
-    g.make_ready(b.idx, 0);
+    g.make_ready_at(b.idx, 0);
     b.mode.set(Mode::Running);
     let u = g.kick();
     drop(g);
