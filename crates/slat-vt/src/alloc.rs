@@ -150,7 +150,10 @@ unsafe impl GlobalAlloc for LineAligned {
     }
 
     #[inline]
-    unsafe fn dealloc(&self, ptr: *mut u8, _layout: Layout) {
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        if SIMS.load(Ordering::Relaxed) != 0 {
+            crate::freed::record(ptr as usize, layout.size());
+        }
         // SAFETY: the caller passes a block this allocator returned; all come from the
         // `malloc` family.
         unsafe { libc::free(ptr.cast()) }
@@ -173,7 +176,7 @@ unsafe impl GlobalAlloc for LineAligned {
             // (`p` is fresh); the old block is ours to free once copied.
             unsafe {
                 std::ptr::copy_nonoverlapping(ptr, p, layout.size().min(new_size));
-                libc::free(ptr.cast());
+                self.dealloc(ptr, layout);
             }
         }
         p

@@ -38,6 +38,7 @@
 
 mod alloc;
 mod error;
+mod freed;
 mod hooks;
 mod host;
 mod machines;

@@ -260,6 +260,7 @@ impl Shared {
         if let Some(c) = g.cpus.get_mut(b.idx) {
             c.clock = b.clock.get().saturating_add(std::mem::take(&mut c.owed));
         }
+        g.forget_freed();
         Some(g)
     }
 
@@ -407,6 +408,20 @@ impl Inner {
             return self.fail(SimError::Deadlock { report });
         }
         Unpark::None
+    }
+
+    /// Makes the models forget the blocks the calling thread freed since its last hook
+    /// (`freed.rs`), before any other CPU runs and can be given that memory.
+    pub(crate) fn forget_freed(&mut self) {
+        let Inner { lines, locks, .. } = self;
+        let all = crate::freed::take(|addr, size| {
+            lines.forget(addr, size);
+            locks.forget(addr, size);
+        });
+        if all.is_err() {
+            lines.forget_idle();
+            locks.forget_idle();
+        }
     }
 
     /// Records against each CPU the line model found owing a late transfer (a write that

@@ -355,6 +355,8 @@ impl CpuHandle {
                     c.clock = b.clock.get();
                 }
             }
+            // Its last frees, before another CPU can be given that memory.
+            g.forget_freed();
         }
         let u: Unpark = g.exit(self.idx);
         drop(g);

@@ -320,6 +320,27 @@ impl Lines {
         l.last_touch = l.busy.last_end().max(at);
     }
 
+    /// Forgets the lines of the freed block `[addr, addr + size)`: memory allocated there
+    /// next starts cold, as anywhere else (`freed.rs`).
+    pub(crate) fn forget(&mut self, addr: usize, size: usize) {
+        let first = Lines::line_of(addr);
+        let end = Lines::line_of(addr.saturating_add(size).saturating_add(63));
+        if end.saturating_sub(first) > self.map.len() as u64 {
+            self.map.retain(|&l, _| l < first || l >= end);
+        } else {
+            for l in first..end {
+                self.map.remove(&l);
+            }
+        }
+    }
+
+    /// Forgets every line no request can still meet a busy interval of (`freed.rs`: more
+    /// blocks freed between two hooks than were recorded).
+    pub(crate) fn forget_idle(&mut self) {
+        let floor = self.floor;
+        self.map.retain(|_, l| l.busy.last_end() > floor);
+    }
+
     /// Forgets lines untouched for `retention` before `now`; runs once per `retention` of
     /// virtual time, so its cost is amortised over the accesses of that time.
     fn sweep(&mut self, now: u64) {

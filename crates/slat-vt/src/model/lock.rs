@@ -154,6 +154,20 @@ impl Locks {
         }
     }
 
+    /// Forgets the idle locks in the freed block `[addr, addr + size)`: a lock made there
+    /// next has no past busy periods (`freed.rs`). A held or waited-for lock is kept: freeing
+    /// it would be the program's bug, and the model must still hand it over.
+    pub(crate) fn forget(&mut self, addr: usize, size: usize) {
+        let end = addr.saturating_add(size);
+        self.map
+            .retain(|&a, l| a < addr || a >= end || !(l.free() && l.queue.is_empty()));
+    }
+
+    /// Forgets every idle lock (`freed.rs`: more blocks freed than were recorded).
+    pub(crate) fn forget_idle(&mut self) {
+        self.map.retain(|_, l| !(l.free() && l.queue.is_empty()));
+    }
+
     /// Raises the floor: no CPU will request before `floor` (the lowest clock of every CPU).
     pub(crate) fn set_floor(&mut self, floor: u64) {
         self.floor = self.floor.max(floor);

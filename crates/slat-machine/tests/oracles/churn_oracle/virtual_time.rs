@@ -5,17 +5,13 @@
 use super::*;
 use std::process::Command;
 
-/// A round with every kind of churn and four vCPUs, from `seed`: what the determinism test
-/// replays. Harvests write-protect by walking the table: with the reverse map the same seed
-/// gave different rounds in some fresh processes (3 of 12 with `rmap`, three different results
-/// in 12 with `rmap-lockless`) and identical ones with address-space randomisation off
-/// (`setarch -R`, 12 of 12): something on that path depends on where memory lands
-/// (docs/design/virtual-time.md §5). `SLAT_TEST_WRPROT` still chooses (to reproduce that).
+/// A round with every kind of churn and four vCPUs, from `seed` (its write-protect variant
+/// too, or `SLAT_TEST_WRPROT`'s): what the determinism test replays. Until the models forgot
+/// freed blocks (slat-vt's `freed.rs`), the same seed gave different rounds in fresh
+/// processes: a block allocated where another had been freed inherited its lines' history,
+/// and which addresses came back depended on the heap (the thread's malloc arena).
 fn busy_round<F: PteFormat>(seed: u64) -> RoundCfg {
     let mut cfg = RoundCfg::random::<F>(seed, Duration::MAX);
-    if std::env::var_os("SLAT_TEST_WRPROT").is_none() {
-        cfg.vm.wrprot = WrprotVariant::Walk;
-    }
     cfg.vcpus = 4;
     cfg.churn = Churn {
         toggle: true,
@@ -35,11 +31,9 @@ const REPLAY_MARK: &str = "churn-replay: ";
 /// two fresh processes, does the same: every counter of the host, the churn thread and the
 /// vCPUs, the virtual time it took, and the simulation's scheduler calls and baton switches.
 ///
-/// Fresh processes, because within one process a later round starts from the heap that
-/// earlier rounds left, and where an allocation lands on a block freed during the round
-/// the line model sees that block's history (docs/design/virtual-time.md §5, "Not
-/// covered"); with such blocks never reused, in-process repeats were identical too.
-/// `test` is [`replay_one_round`]'s name for this format.
+/// Fresh processes, whose heaps and address spaces differ; each also runs the round twice
+/// in itself, the second time on the heap the first left ([`replay_one_round`]). `test` is
+/// [`replay_one_round`]'s name for this format.
 fn the_same_seed_replays_the_same_round<F: PteFormat>(test: &str) {
     let _serial = lock(&SERIAL);
     let (seed, name) = (base_seed(), run_name::<F>());
@@ -85,14 +79,24 @@ fn replay_one_round<F: PteFormat>() {
     let _serial = lock(&SERIAL);
     let seed = base_seed();
     let cfg = busy_round::<F>(seed);
-    let out = run_round::<F>(&cfg, 0).unwrap_or_else(|f| {
-        panic!(
-            "churn_oracle[{}]: {f}\n  SLAT_TEST_SEED={seed:#x}\n  config: {cfg}",
-            run_name::<F>()
-        )
-    });
-    assert!(out.sim.hooks > 0, "not a simulation");
-    println!("{REPLAY_MARK}{out:?}");
+    let round = || {
+        run_round::<F>(&cfg, 0).unwrap_or_else(|f| {
+            panic!(
+                "churn_oracle[{}]: {f}\n  SLAT_TEST_SEED={seed:#x}\n  config: {cfg}",
+                run_name::<F>()
+            )
+        })
+    };
+    let first = round();
+    assert!(first.sim.hooks > 0, "not a simulation");
+    let out = format!("{first:?}");
+    let again = format!("{:?}", round());
+    assert_eq!(
+        out, again,
+        "churn_oracle[{}]: the same round twice in one process differs (SLAT_TEST_SEED={seed:#x}; config: {cfg})",
+        run_name::<F>()
+    );
+    println!("{REPLAY_MARK}{out}");
 }
 
 macro_rules! in_virtual_time {
@@ -111,7 +115,6 @@ macro_rules! in_virtual_time {
             }
 
             #[test]
-            #[ignore = "cross-process determinism is not yet guaranteed: failed on stage2 in a clean-clone CI run (2026-11-27); run with --ignored"]
             fn the_same_seed_replays_the_same_round() {
                 // The test's name without the binary's.
                 let path = module_path!().split_once("::").map_or("", |p| p.1);
