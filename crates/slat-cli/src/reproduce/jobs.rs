@@ -327,12 +327,14 @@ fn joined(h: Option<JoinHandle<Vec<u8>>>) -> Vec<u8> {
 /// One worker process for `w`: its outcome, or why it failed (naming the command).
 fn child(s: &Shared, w: &Want) -> Result<Outcome, String> {
     let fail = |why: String| format!("slat {} {}: {why}", w.bench.name(), w.args);
-    let mut c = Command::new(exe())
-        .args(["reproduce-worker", w.bench.name(), "--"])
+    let mut cmd = Command::new(exe());
+    cmd.args(["reproduce-worker", w.bench.name(), "--"])
         .args(w.args.split_whitespace())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stderr(Stdio::piped());
+    die_with_parent(&mut cmd);
+    let mut c = cmd
         .spawn()
         .map_err(|e| fail(format!("cannot start a worker: {e}")))?;
     let pipes = drain(c.stdout.take()).and_then(|o| Ok((o, drain(c.stderr.take())?)));
@@ -351,6 +353,27 @@ fn child(s: &Shared, w: &Want) -> Result<Outcome, String> {
     }
     let text = String::from_utf8_lossy(&out);
     serde_json::from_str(text.trim()).map_err(|e| fail(format!("worker's output: {e}")))
+}
+
+/// Makes the worker `cmd` starts end with the thread that starts it (which waits for it):
+/// when `slat reproduce` is killed, its workers do not run on for minutes unseen.
+fn die_with_parent(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    let parent = std::process::id();
+    // SAFETY: the closure runs in the forked child before exec; it makes only
+    // async-signal-safe system calls (prctl, getppid) and allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The parent may have died before the prctl: then no signal would come.
+            match u32::try_from(libc::getppid()) == Ok(parent) {
+                true => Ok(()),
+                false => Err(std::io::Error::from_raw_os_error(libc::ESRCH)),
+            }
+        });
+    }
 }
 
 /// Waits for `c` to exit; kills it when the pool stops.
