@@ -95,6 +95,10 @@ enum Command {
     /// its change, beside the numbers the thread published: both after/before ratios and
     /// whether the direction and the magnitude (within 2x) are reproduced.
     Reproduce(reproduce::ReproduceArgs),
+    /// One round of one of `slat reproduce`'s commands, its figures as one JSON line (what
+    /// `reproduce --jobs` runs in each of its processes).
+    #[command(hide = true)]
+    ReproduceWorker(reproduce::WorkerArgs),
     /// Measure this host's costs with micro-benchmarks (atomics, a line transfer between the
     /// cores, a lock hand-off, a page zeroed, the simulated TLB and walks, ...) and write a
     /// cost profile for --clock virtual, each number with how it was measured.
@@ -136,7 +140,9 @@ fn check_outputs(command: &Command) -> error::CliResult {
         Command::SnapshotPerf(a) => &a.out,
         Command::DirtyRate(a) => &a.out,
         Command::PrivateMemPerf(a) => &a.out,
-        Command::PrivateMemTest(_) | Command::Calibrate(_) => return Ok(()),
+        Command::PrivateMemTest(_) | Command::Calibrate(_) | Command::ReproduceWorker(_) => {
+            return Ok(())
+        }
         Command::Reproduce(a) => {
             return match &a.plot {
                 Some(p) => args::check_writable("--plot", p),
@@ -195,6 +201,7 @@ fn main() {
         Command::PrivateMemPerf(a) => driver::run(a),
         Command::PrivateMemTest(a) => private_mem_test::run(a),
         Command::Reproduce(a) => reproduce::run(a),
+        Command::ReproduceWorker(a) => reproduce::worker(a),
         Command::Calibrate(a) => calibrate::run(a),
     });
     if let Err(e) = r {

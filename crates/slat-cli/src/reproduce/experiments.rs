@@ -16,6 +16,14 @@ pub enum Bench {
 }
 
 impl Bench {
+    /// Every benchmark an experiment can run.
+    pub const ALL: [Bench; 4] = [
+        Bench::DirtyLogPerf,
+        Bench::AccessTrackingPerf,
+        Bench::PageTableTest,
+        Bench::PrivateMemPerf,
+    ];
+
     /// Its subcommand.
     pub fn name(self) -> &'static str {
         match self {

@@ -6,9 +6,11 @@
 //! `--quick`'s) in [`experiments`]; [`runner`] runs each command through the driver and
 //! [`table`] prints, plots and serialises the result. `--clock real` runs at this host's
 //! scale; `--clock virtual` runs the seed-scale commands on the benchmarks' virtual clock,
-//! the rows whose benchmark has none yet noted as needing it.
+//! the rows whose benchmark has none yet noted as needing it; [`jobs`] runs its commands
+//! several at a time, each in a process of its own.
 
 mod experiments;
+mod jobs;
 pub mod published;
 mod runner;
 mod sensitivity;
@@ -20,6 +22,7 @@ use crate::output::print_json;
 use crate::report::quiet;
 use clap::{Args, ValueEnum};
 use experiments::{Bench, Experiment, Size, GET_SWEEP};
+pub use jobs::{worker, WorkerArgs};
 use published::{Seed, SEEDS};
 use runner::{Reading, Runner, Virtual};
 use serde::Serialize;
@@ -106,6 +109,15 @@ pub struct ReproduceArgs {
     /// into an SVG file (checked writable before anything runs).
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<PathBuf>,
+    /// With --clock virtual: run up to N commands at once (1-64), each in a `slat` process of
+    /// its own exactly as printed, so every figure is the one the command gives alone (a
+    /// virtual-time run does not depend on the host's load). Default: this host's CPUs with
+    /// --clock virtual; 1, the only value allowed, with --clock real (a real-time measurement
+    /// must not share the host). Memory adds up: 002's seed-scale runs take about 6 GiB each.
+    /// The commands start in the rows' order, across seeds, so a seed's time is how long its
+    /// table took after the previous one.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub jobs: Option<u32>,
 }
 
 /// The JSON document.
@@ -118,6 +130,8 @@ struct Report<'a> {
     scale: Size,
     /// Runs per command (medians).
     repeat: u32,
+    /// Commands run at once (`--jobs`).
+    jobs: usize,
     seeds: &'a [SeedReport],
 }
 
@@ -148,8 +162,8 @@ pub fn run(a: &ReproduceArgs) -> CliResult {
     }
     let profile = cost_profile(a)?;
     refuse_combinations(a)?;
+    let jobs = jobs(a)?;
     let size = a.size();
-    let mut runner = Runner::default();
     let ctx = Ctx {
         size,
         repeat: a.repeat as usize,
@@ -157,47 +171,23 @@ pub fn run(a: &ReproduceArgs) -> CliResult {
         virtual_time: a.clock == ClockArg::Virtual,
         explicit: profile,
     };
-    // Every command is checked before the first runs, as a sweep's rows are; the seed-scale
-    // ones the table prints (for --clock virtual) at least parse.
-    for seed in &a.seed.0 {
-        for (bench, args) in commands(seed.id, size) {
-            match ctx.virtual_time {
-                true => Runner::virtualise(bench, &ctx.with_profile(seed.id, args)).map(drop)?,
-                false => runner.check(bench, &args)?,
-            }
-        }
-        for (bench, args) in commands(seed.id, Size::Full) {
-            Runner::parses(bench, &ctx.seed_profile(seed.id, args))?;
-        }
-    }
+    let mut runner = Runner::new(jobs, ctx.quiet)?;
+    check_all(a, &ctx, &runner)?;
+    let t0 = Instant::now();
+    runner.prefetch(jobs::plan(&a.seed.0, &ctx));
     let mut seeds = Vec::new();
     for seed in &a.seed.0 {
-        let t0 = Instant::now();
-        let mut s = SeedReport {
-            seed: **seed,
-            cost_profile: ctx.used_profile(seed),
-            rows: Vec::new(),
-            sweep: Vec::new(),
-            implied: None,
-            sensitivity: None,
-            wall_s: 0.0,
-            pairs: Vec::new(),
-        };
-        if seed.id == GET_SWEEP.row.seed {
-            get_sweep(&mut runner, &ctx, &mut s);
-        }
-        for e in experiments::of(seed.id) {
-            let c = Commands::of(e, &ctx);
-            row(&mut s, &mut runner, e, c, &ctx, e.row.to_string());
-        }
-        if a.sensitivity {
-            s.sensitivity = Some(sensitivity::run(&mut runner, &s, ctx.quiet)?);
-        }
-        s.wall_s = t0.elapsed().as_secs_f64();
+        let s = reproduce_seed(seed, &mut runner, &ctx, a.sensitivity)?;
         if !a.json {
             table::print(&s, a.clock.name(), size_name(size));
         }
         seeds.push(s);
+    }
+    if !a.json && jobs > 1 {
+        println!(
+            "all took {:.1} s, up to {jobs} commands at a time (--jobs {jobs})",
+            t0.elapsed().as_secs_f64()
+        );
     }
     if let Some(path) = &a.plot {
         table::plot(&seeds, path)?;
@@ -208,6 +198,7 @@ pub fn run(a: &ReproduceArgs) -> CliResult {
             clock: a.clock.name(),
             scale: size,
             repeat: a.repeat,
+            jobs,
             seeds: &seeds,
         };
         print_json(&doc, &[BackendArg::Sim])?;
@@ -216,6 +207,71 @@ pub fn run(a: &ReproduceArgs) -> CliResult {
     match failed.filter(|r| r.slat.error.is_some()).count() {
         0 => Ok(()),
         n => Err(CliError::Runtime(format!("reproduce: {n} rows failed"))),
+    }
+}
+
+/// Every command is checked before the first runs, as a sweep's rows are; the seed-scale
+/// ones the table prints (for --clock virtual) at least parse.
+fn check_all(a: &ReproduceArgs, ctx: &Ctx, runner: &Runner) -> CliResult {
+    for seed in &a.seed.0 {
+        for (bench, args) in commands(seed.id, ctx.size) {
+            match ctx.virtual_time {
+                true => Runner::virtualise(bench, &ctx.with_profile(seed.id, args)).map(drop)?,
+                false => runner.check(bench, &args)?,
+            }
+        }
+        for (bench, args) in commands(seed.id, Size::Full) {
+            Runner::parses(bench, &ctx.seed_profile(seed.id, args))?;
+        }
+    }
+    Ok(())
+}
+
+/// Seed `seed`'s table: its rows (and 004's grid), and `--sensitivity`'s.
+fn reproduce_seed(
+    seed: &'static Seed,
+    runner: &mut Runner,
+    ctx: &Ctx,
+    sensitivity: bool,
+) -> CliResult<SeedReport> {
+    let t0 = Instant::now();
+    let mut s = SeedReport {
+        seed: *seed,
+        cost_profile: ctx.used_profile(seed),
+        rows: Vec::new(),
+        sweep: Vec::new(),
+        implied: None,
+        sensitivity: None,
+        wall_s: 0.0,
+        pairs: Vec::new(),
+    };
+    if seed.id == GET_SWEEP.row.seed {
+        get_sweep(runner, ctx, &mut s);
+    }
+    for e in experiments::of(seed.id) {
+        let c = Commands::of(e, ctx);
+        row(&mut s, runner, e, c, ctx, e.row.to_string());
+    }
+    if sensitivity {
+        s.sensitivity = Some(sensitivity::run(runner, &s, ctx.quiet)?);
+    }
+    s.wall_s = t0.elapsed().as_secs_f64();
+    Ok(s)
+}
+
+/// `--jobs`, or its default for the clock: one with real time, this host's CPUs with
+/// virtual time.
+fn jobs(a: &ReproduceArgs) -> CliResult<usize> {
+    match (a.clock, a.jobs) {
+        (ClockArg::Real, Some(n)) if n > 1 => Err(CliError::bad(format!(
+            "--jobs {n} needs --clock virtual (real-time runs must not share the host): give --jobs 1"
+        ))),
+        (ClockArg::Real, _) => Ok(1),
+        (ClockArg::Virtual, Some(n)) => Ok(n as usize),
+        (ClockArg::Virtual, None) => {
+            let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+            Ok(cpus.min(64))
+        }
     }
 }
 
@@ -258,6 +314,14 @@ fn commands(id: &str, size: Size) -> Vec<(experiments::Bench, String)> {
         }
     }
     out
+}
+
+/// Run `round` (from 1) of `slat BENCH ARGS`, as progress lines name it.
+fn what(bench: Bench, args: &str, round: usize, ctx: &Ctx) -> String {
+    match ctx.repeat {
+        1 => command(bench, args),
+        n => format!("{} (run {round}/{n})", command(bench, args)),
+    }
 }
 
 /// The words of `slat BENCH ARGS`.
@@ -412,17 +476,13 @@ fn pair(
     let mut ran = Ok(());
     'rounds: for round in 1..=ctx.repeat {
         for args in here {
-            // A command an earlier row ran is not run again, so not announced again.
-            if !ctx.quiet && !runner.has(e.bench, args, round) {
-                let of = if ctx.repeat > 1 {
-                    format!(" (run {round}/{})", ctx.repeat)
-                } else {
-                    String::new()
-                };
+            // A command an earlier row ran is not run again, so not announced again; a pool
+            // announces its runs itself.
+            if !ctx.quiet && !runner.pooled() && !runner.has(e.bench, args, round) {
                 eprintln!(
-                    "[slat] reproduce {}: {}{of}",
+                    "[slat] reproduce {}: {}",
                     e.seed,
-                    command(e.bench, args)
+                    what(e.bench, args, round, ctx)
                 );
             }
             ran = runner.run(e.bench, args, round);
@@ -514,6 +574,14 @@ fn sweep_cells() -> impl Iterator<Item = (&'static experiments::Scale, &'static 
     sizes.flat_map(|s| GET_SWEEP.densities.iter().map(move |d| (s, *d)))
 }
 
+/// 004's before and after at grid cell (`sz`, `d`); `scale` as the row names it.
+fn sweep_commands(sz: &experiments::Scale, d: &str, scale: &str, ctx: &Ctx) -> Commands {
+    let e = &GET_SWEEP.row;
+    let args = |size| [false, true].map(|after| sweep_args(size, d, after));
+    let (here, seed) = (args(sz.flags(ctx.size)), args(sz.seed));
+    Commands::new((e.seed, e.bench), here, seed, scale, ctx)
+}
+
 fn sweep_args(size: &str, density: &str, after: bool) -> String {
     let e = &GET_SWEEP.row;
     let change = if after { e.after } else { e.before };
@@ -524,14 +592,7 @@ fn sweep_args(size: &str, density: &str, after: bool) -> String {
 fn get_sweep(runner: &mut Runner, ctx: &Ctx, s: &mut SeedReport) {
     let e = GET_SWEEP.row;
     for (sz, d) in sweep_cells() {
-        let args = |size| [false, true].map(|after| sweep_args(size, d, after));
-        let c = Commands::new(
-            (e.seed, e.bench),
-            args(sz.flags(ctx.size)),
-            args(sz.seed),
-            "",
-            ctx,
-        );
+        let c = sweep_commands(sz, d, "", ctx);
         let [x, sw] = match c.needs {
             None => pair(runner, &e, &c.here, ctx).map(|r| r.ok().map(|r| r.value)),
             Some(_) => [None, None],
@@ -558,15 +619,8 @@ fn get_sweep(runner: &mut Runner, ctx: &Ctx, s: &mut SeedReport) {
         let (sz, d) = sweep_cells()
             .nth(i)
             .unwrap_or((&GET_SWEEP.sizes[0], "-w 1"));
-        let args = |size| [false, true].map(|after| sweep_args(size, d, after));
         let scale = format!("{} {d}", sz.flags(ctx.size));
-        let c = Commands::new(
-            (e.seed, e.bench),
-            args(sz.flags(ctx.size)),
-            args(sz.seed),
-            &scale,
-            ctx,
-        );
+        let c = sweep_commands(sz, d, &scale, ctx);
         let label = format!("GET_DIRTY_LOG, {what} difference ({})", c.scale);
         row(s, runner, &e, c, ctx, label);
     }

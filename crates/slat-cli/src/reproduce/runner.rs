@@ -1,9 +1,12 @@
 //! Runs an experiment's command through the driver: the flags are parsed by the benchmark's
 //! own clap definition (so the command printed is one the user can run), checked, measured
 //! once per round by [`driver::runs`], and the median of its figures read. Rows that share a
-//! command (a page-table-test run gives three stages) share its runs.
+//! command (a page-table-test run gives three stages) share its runs. With `--jobs` above 1
+//! every run is a `slat reproduce-worker` process of [`super::jobs`]'s pool instead, its
+//! figures read back here by name.
 
 use super::experiments::{Bench, Figure};
+use super::jobs::{Outcome, Pool, Want};
 use crate::access_tracking_perf::AccessTrackingPerfArgs;
 use crate::args::BackendArg;
 use crate::dirty_log_perf::DirtyLogPerfArgs;
@@ -26,6 +29,20 @@ struct Value {
 struct Measured {
     runs: Vec<Vec<Value>>,
     pages_per_vcpu: Option<u64>,
+    /// Times the driver was asked (each call is one round of `--repeat`).
+    calls: usize,
+}
+
+/// `$f::<B>($args)` for benchmark `$bench`'s flags type `B`.
+macro_rules! by_bench {
+    ($bench:expr, $f:ident($($a:expr),*)) => {
+        match $bench {
+            Bench::DirtyLogPerf => $f::<DirtyLogPerfArgs>($($a),*),
+            Bench::AccessTrackingPerf => $f::<AccessTrackingPerfArgs>($($a),*),
+            Bench::PageTableTest => $f::<PageTableTestArgs>($($a),*),
+            Bench::PrivateMemPerf => $f::<PrivateMemPerfArgs>($($a),*),
+        }
+    };
 }
 
 /// A figure read from a run, in its unit.
@@ -45,6 +62,10 @@ trait Source: Benchmark + clap::Args + clap::FromArgMatches {
     fn values(&self, r: &Self::Report) -> Vec<(&'static str, &'static str, Option<f64>)> {
         let ms = self.metrics();
         ms.iter().map(|m| (m.name, m.unit, (m.get)(r))).collect()
+    }
+    /// The name and unit of every figure [`Source::values`] gives.
+    fn names(&self) -> Vec<(&'static str, &'static str)> {
+        self.metrics().iter().map(|m| (m.name, m.unit)).collect()
     }
     /// Guest pages each vCPU works on (for figures per page).
     fn pages_per_vcpu(&self) -> Option<u64> {
@@ -76,6 +97,10 @@ impl Source for PrivateMemPerfArgs {
             .map(|m| (m.name, m.unit, row.and_then(|x| (m.get)(x))))
             .collect()
     }
+    fn names(&self) -> Vec<(&'static str, &'static str)> {
+        let ms = private_mem_perf::sim::ROW_METRICS;
+        ms.iter().map(|m| (m.name, m.unit)).collect()
+    }
     /// Its guest memory and private pool are phantom with `--phantom` (it has no `-s`).
     fn phantom(args: &str) -> String {
         format!("{args} --phantom")
@@ -104,6 +129,14 @@ fn parse<B: Source>(args: &str) -> CliResult<B> {
     let b = flags::<B>(args)?;
     refusal(&b).map_err(|why| bad::<B>(args, why))?;
     Ok(b)
+}
+
+fn checks<B: Source>(args: &str) -> CliResult {
+    parse::<B>(args).map(drop)
+}
+
+fn parses_as<B: Source>(args: &str) -> CliResult {
+    flags::<B>(args).map(drop)
 }
 
 /// Why the benchmark refuses parsed flags `b`, in its own words.
@@ -204,55 +237,113 @@ fn measure<B: Source>(args: &str, m: &mut Measured) -> CliResult {
     Ok(())
 }
 
+/// One round of `args` through the driver, in this process, as a worker reports it: each
+/// figure by name, its value's bits (exact through JSON).
+fn outcome<B: Source>(args: &str) -> CliResult<Outcome> {
+    let b = parse::<B>(args)?;
+    let runs = driver::runs(&b, BackendArg::Sim, false)?;
+    let runs = runs.iter().map(|r| {
+        let values = b.values(r).into_iter();
+        let values = values.map(|(n, u, v)| (n.to_string(), u.to_string(), v.map(f64::to_bits)));
+        values.collect()
+    });
+    Ok(Outcome {
+        runs: runs.collect(),
+        pages_per_vcpu: b.pages_per_vcpu(),
+    })
+}
+
+/// A worker's round of `args` added to `m`, its figures named by benchmark `B`'s own names.
+fn absorb<B: Source>(args: &str, o: Outcome, m: &mut Measured) -> CliResult {
+    let names = flags::<B>(args)?.names();
+    let fail = |why: String| CliError::Runtime(format!("slat {} {args}: worker: {why}", B::NAME));
+    if o.runs.is_empty() {
+        return Err(fail("no run reported".into()));
+    }
+    for run in o.runs {
+        let mut values = Vec::with_capacity(run.len());
+        for (name, unit, bits) in run {
+            let known = names.iter().find(|(n, u)| *n == name && *u == unit);
+            let &(name, unit) = known.ok_or_else(|| fail(format!("unknown figure `{name}`")))?;
+            let value = bits.map(f64::from_bits);
+            values.push(Value { name, unit, value });
+        }
+        m.runs.push(values);
+    }
+    m.pages_per_vcpu = o.pages_per_vcpu;
+    Ok(())
+}
+
 /// Runs commands, each as many times as asked and no more: rows that share a command share
-/// its runs.
+/// its runs. With a pool, each round is a worker process's, started ahead by
+/// [`Runner::prefetch`] or when first asked for.
 #[derive(Default)]
 pub struct Runner {
     memo: HashMap<String, Measured>,
+    pool: Option<Pool>,
 }
 
 impl Runner {
+    /// A runner with `jobs` workers (1: every run in this process, one at a time); the pool
+    /// prints when each run starts and ends unless `quiet`.
+    pub fn new(jobs: usize, quiet: bool) -> CliResult<Runner> {
+        let pool = match jobs {
+            0 | 1 => None,
+            n => Some(Pool::new(n, quiet)?),
+        };
+        Ok(Runner {
+            memo: HashMap::new(),
+            pool,
+        })
+    }
+
+    /// Whether runs go to worker processes (which announce them).
+    pub fn pooled(&self) -> bool {
+        self.pool.is_some()
+    }
+
+    /// Starts `wants` on the pool's workers, in order, as they come free (nothing without a
+    /// pool: each run then happens when asked for).
+    pub fn prefetch(&self, wants: Vec<Want>) {
+        if let Some(p) = &self.pool {
+            p.prefetch(wants);
+        }
+    }
+
+    /// The figures of one round of `slat BENCH ARGS`, for `slat reproduce-worker`.
+    pub fn outcome(bench: Bench, args: &str) -> CliResult<Outcome> {
+        by_bench!(bench, outcome(args))
+    }
+
     /// Refuses flags benchmark `bench` would refuse, without running anything.
     pub fn check(&self, bench: Bench, args: &str) -> CliResult {
-        match bench {
-            Bench::DirtyLogPerf => parse::<DirtyLogPerfArgs>(args).map(drop),
-            Bench::AccessTrackingPerf => parse::<AccessTrackingPerfArgs>(args).map(drop),
-            Bench::PageTableTest => parse::<PageTableTestArgs>(args).map(drop),
-            Bench::PrivateMemPerf => parse::<PrivateMemPerfArgs>(args).map(drop),
-        }
+        by_bench!(bench, checks(args))
     }
 
     /// Refuses flags benchmark `bench`'s parser refuses (for commands at a scale this host
     /// cannot run, which only the parser can check).
     pub fn parses(bench: Bench, args: &str) -> CliResult {
-        match bench {
-            Bench::DirtyLogPerf => flags::<DirtyLogPerfArgs>(args).map(drop),
-            Bench::AccessTrackingPerf => flags::<AccessTrackingPerfArgs>(args).map(drop),
-            Bench::PageTableTest => flags::<PageTableTestArgs>(args).map(drop),
-            Bench::PrivateMemPerf => flags::<PrivateMemPerfArgs>(args).map(drop),
-        }
+        by_bench!(bench, parses_as(args))
     }
 
     /// `slat BENCH ARGS` in virtual time: what runs, or what the benchmark needs first.
     pub fn virtualise(bench: Bench, args: &str) -> CliResult<Virtual> {
-        match bench {
-            Bench::DirtyLogPerf => virtualise_as::<DirtyLogPerfArgs>(args),
-            Bench::AccessTrackingPerf => virtualise_as::<AccessTrackingPerfArgs>(args),
-            Bench::PageTableTest => virtualise_as::<PageTableTestArgs>(args),
-            Bench::PrivateMemPerf => virtualise_as::<PrivateMemPerfArgs>(args),
-        }
+        by_bench!(bench, virtualise_as(args))
     }
 
-    /// Makes sure `slat BENCH ARGS` has run at least `runs` times.
+    /// Makes sure `slat BENCH ARGS` has run at least `runs` times (in order of rounds,
+    /// whichever worker finished first).
     pub fn run(&mut self, bench: Bench, args: &str, runs: usize) -> CliResult {
         let m = self.memo.entry(key(bench, args)).or_default();
         while m.runs.len() < runs {
-            match bench {
-                Bench::DirtyLogPerf => measure::<DirtyLogPerfArgs>(args, m),
-                Bench::AccessTrackingPerf => measure::<AccessTrackingPerfArgs>(args, m),
-                Bench::PageTableTest => measure::<PageTableTestArgs>(args, m),
-                Bench::PrivateMemPerf => measure::<PrivateMemPerfArgs>(args, m),
-            }?;
+            match &self.pool {
+                None => by_bench!(bench, measure(args, m))?,
+                Some(p) => {
+                    let o = p.take(bench, args, m.calls)?;
+                    by_bench!(bench, absorb(args, o, m))?;
+                }
+            }
+            m.calls += 1;
         }
         Ok(())
     }
@@ -307,7 +398,8 @@ pub fn load_profile(name_or_file: &str) -> Result<slat_vt::Profile, String> {
     }
 }
 
-fn key(bench: Bench, args: &str) -> String {
+/// The memo's (and the pool's) name of `slat BENCH ARGS`.
+pub fn key(bench: Bench, args: &str) -> String {
     format!("{} {args}", bench.name())
 }
 

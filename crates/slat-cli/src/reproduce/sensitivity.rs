@@ -7,6 +7,7 @@
 //! are not costs of a machine and are not varied.
 
 use super::experiments::{Bench, Figure};
+use super::jobs::Want;
 use super::published::Claim;
 use super::runner::{load_profile, Runner};
 use super::table::{SeedReport, Verdict};
@@ -186,22 +187,31 @@ pub fn run(runner: &mut Runner, s: &SeedReport, quiet: bool) -> CliResult<Sensit
             not_run: r.needs_virtual_time.clone().or(r.slat.error.clone()),
         })
         .collect();
+    let mut variants = Vec::new();
     for cost in &costs {
         for factor in FACTORS {
-            if !quiet {
-                eprintln!(
-                    "[slat] reproduce {} --sensitivity: {cost} x{factor}",
-                    s.seed.id
-                );
-            }
-            let path = variant(&base, cost, factor, &scratch.0)?;
-            for (row, pair) in rows.iter_mut().zip(&s.pairs) {
-                let Some(pair) = pair.as_ref().filter(|_| row.not_run.is_none()) else {
-                    continue;
-                };
-                let r = ratio(runner, pair, &path);
-                record(row, pair.claim, cost, factor, r);
-            }
+            variants.push((cost, factor, variant(&base, cost, factor, &scratch.0)?));
+        }
+    }
+    let ran = |row: &SensitivityRow| row.not_run.is_none();
+    let pairs: Vec<&Pair> = (rows.iter().zip(&s.pairs))
+        .filter_map(|(row, pair)| pair.as_ref().filter(|_| ran(row)))
+        .collect();
+    // With --jobs, every run is started ahead, the variants' files written first.
+    runner.prefetch(wants(&pairs, variants.iter().map(|v| v.2.as_str())));
+    for (cost, factor, path) in &variants {
+        if !quiet {
+            eprintln!(
+                "[slat] reproduce {} --sensitivity: {cost} x{factor}",
+                s.seed.id
+            );
+        }
+        for (row, pair) in rows.iter_mut().zip(&s.pairs) {
+            let Some(pair) = pair.as_ref().filter(|_| row.not_run.is_none()) else {
+                continue;
+            };
+            let r = ratio(runner, pair, path);
+            record(row, pair.claim, cost, *factor, r);
         }
     }
     Ok(Sensitivity {
@@ -210,6 +220,25 @@ pub fn run(runner: &mut Runner, s: &SeedReport, quiet: bool) -> CliResult<Sensit
         costs,
         rows,
     })
+}
+
+/// The runs [`ratio`] makes of every pair with every profile in `paths`, silent (the variants
+/// are announced as they are read).
+fn wants<'a>(pairs: &[&Pair], paths: impl Iterator<Item = &'a str>) -> Vec<Want> {
+    let mut out = Vec::new();
+    for path in paths {
+        for pair in pairs {
+            for args in &pair.args {
+                out.push(Want {
+                    bench: pair.bench,
+                    args: with_profile(args, path),
+                    round: 0,
+                    say: None,
+                });
+            }
+        }
+    }
+    out
 }
 
 /// Adds one change's result to `row`.

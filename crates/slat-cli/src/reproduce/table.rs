@@ -138,7 +138,8 @@ pub struct SeedReport {
     /// `--sensitivity`: whether each row's direction survives each cost halved and doubled.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sensitivity: Option<Sensitivity>,
-    /// Wall time of this seed's runs.
+    /// Wall time from the previous seed's table (or the start) to this one's: with `--jobs`
+    /// above 1 its commands may have started earlier, beside the previous seeds'.
     pub wall_s: f64,
     /// What each row ran, for `--sensitivity` to run again (parallel to `rows`).
     #[serde(skip)]

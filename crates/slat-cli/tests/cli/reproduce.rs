@@ -1,7 +1,8 @@
 //! `slat reproduce`: every seed's table has all its rows, each with both sides' figures and a
 //! verdict (not that the verdict is yes), in text and in JSON (checked against its schema);
-//! `--plot` draws it; bad input is refused with one line. The published numbers are checked
-//! against the seed threads by the unit tests of `src/reproduce/published.rs`.
+//! `--plot` draws it; `--jobs` changes no figure; bad input is refused with one line. The
+//! published numbers are checked against the seed threads by the unit tests of
+//! `src/reproduce/published.rs`.
 
 use crate::common;
 
@@ -247,6 +248,55 @@ fn repeat_gives_medians_ranges_and_whether_they_overlap() {
     assert!(one["seeds"][0]["rows"][0]["verdict"]["overlap"].is_null());
 }
 
+/// `--jobs 2` runs each command in a worker process of its own, two at a time; the document
+/// is the one `--jobs 1` gives in this process, but for the times and the host.
+#[test]
+fn jobs_give_the_figures_one_process_gives() {
+    let run = |jobs| {
+        let args = [
+            "reproduce",
+            "000",
+            "--quick",
+            "--clock",
+            "virtual",
+            "--repeat",
+            "2",
+        ];
+        let mut d = json(&[&args[..], &["--jobs", jobs]].concat());
+        validate("reproduce.json", &d);
+        let m = d.as_object_mut().unwrap();
+        assert_eq!(m.remove("jobs").and_then(|j| j.as_u64()), jobs.parse().ok());
+        m.remove("host");
+        for s in d["seeds"].as_array_mut().unwrap() {
+            assert!(s.as_object_mut().unwrap().remove("wall_s").is_some());
+        }
+        d
+    };
+    let one = run("1");
+    assert!(
+        one["seeds"][0]["rows"][0]["slat"]["before"].is_number(),
+        "{one:#}"
+    );
+    assert_eq!(run("2"), one);
+    // The worker prints one JSON line: each figure's name, unit and value bits.
+    let out = ok(&[
+        "reproduce-worker",
+        "dirty-log-perf",
+        "--",
+        "-v",
+        "1",
+        "-b",
+        "16M",
+        "--clock",
+        "virtual",
+    ]);
+    assert_eq!(out.lines().count(), 1, "{out}");
+    let w: serde_json::Value = serde_json::from_str(&out).expect("one JSON line");
+    let figure = &w["runs"][0][0];
+    assert!(figure[0].is_string() && figure[2].is_u64(), "{w:#}");
+    assert_eq!(w["pages_per_vcpu"], 4096);
+}
+
 #[test]
 fn the_text_prints_each_table_its_commands_and_its_wall_time() {
     let out = ok(&["reproduce", "003", "--quick"]);
@@ -338,6 +388,19 @@ fn bad_input_is_refused_with_one_line() {
             ],
             "--full-scale needs --clock virtual, without --quick",
         ),
+        (
+            &["reproduce", "000", "--jobs", "2"],
+            "--jobs 2 needs --clock virtual",
+        ),
+        (
+            &["reproduce", "000", "--clock", "virtual", "--jobs", "0"],
+            "--jobs",
+        ),
+        (
+            &["reproduce", "000", "--clock", "virtual", "--jobs", "65"],
+            "1..=64",
+        ),
+        (&["reproduce-worker", "migrate", "--"], "not a benchmark"),
         // Checked before anything runs, not after minutes of runs.
         (
             &["reproduce", "all", "--plot", "/nonexistent-slat-dir/r.svg"],
