@@ -152,7 +152,10 @@ const REBUILD: (&str, &str) = (
 // the reverse map under `mmu_lock` ("How to locklessly walk rmap?", line 34; "we need to hold
 // mmu-lock", line 24), one rmap lookup per dirty page (`kvm_mmu_write_protect_pt_masked`), so
 // the change is `rmap-each` (those lookups, under the lock) to `rmap-lockless` (the same
-// lookups without it), not the page-table walk of today's TDP MMU.
+// lookups without it), not the page-table walk of today's TDP MMU. Both clear W with a locked
+// instruction: `rmap-each` exchanges each writable entry, as that kernel's `mmu_spte_update`
+// did for every entry fast page fault could change ("Always atomicly update spte if it can be
+// updated out of mmu-lock", its `spte_has_volatile_bits`), `rmap-lockless` compare-and-swaps.
 const WRPROT: (&str, &str) = ("--wrprot rmap-each", "--wrprot rmap-lockless");
 // 004's two kernels, as its commit message describes them: before, "Memset the
 // 'second_dirty_bitmap' with zeros - Get KVM_MMU_LOCK to scan the whole bitmap for dirty-bits
