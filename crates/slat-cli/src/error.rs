@@ -6,7 +6,7 @@
 use thiserror::Error;
 
 /// Why a subcommand stopped.
-#[derive(Debug, Error)]
+#[derive(Debug, Clone, Error)]
 pub enum CliError {
     /// The flags cannot run: the message names the flag and what to change. Exit status 2.
     #[error("{0}")]
@@ -20,6 +20,15 @@ impl CliError {
     /// A refusal of the given flags (exit status 2).
     pub fn bad(msg: impl std::fmt::Display) -> CliError {
         CliError::BadInput(msg.to_string())
+    }
+
+    /// What went wrong, without the `error: ` a runtime failure's line starts with: for an
+    /// error reported inside another message (a table row that failed), which must not
+    /// repeat the prefix.
+    pub fn message(&self) -> &str {
+        match self {
+            CliError::BadInput(m) | CliError::Runtime(m) => m,
+        }
     }
 
     /// The exit status `main` uses for this error.
@@ -47,3 +56,16 @@ impl From<&str> for CliError {
 
 /// The result of a subcommand.
 pub type CliResult<T = ()> = Result<T, CliError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_message_has_no_prefix_and_a_line_has_one() {
+        let e = CliError::from("the worker died");
+        assert_eq!(e.to_string(), "error: the worker died");
+        assert_eq!(e.message(), "the worker died");
+        assert_eq!(CliError::bad("--jobs 0").message(), "--jobs 0");
+    }
+}

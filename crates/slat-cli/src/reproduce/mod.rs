@@ -493,7 +493,7 @@ fn pair(
     }
     here.each_ref().map(|args| match &ran {
         Ok(()) => runner.read(e.bench, args, e.figure),
-        Err(x) => Err(CliError::Runtime(x.to_string())),
+        Err(x) => Err(x.clone()),
     })
 }
 
@@ -522,7 +522,7 @@ fn row(
         (Ok(b), Ok(_)) => (Some(b.unit), None),
         // Not a failure: the row says what the benchmark needs.
         _ if c.needs.is_some() => (None, None),
-        (Err(x), _) | (_, Err(x)) => (None, Some(x.to_string())),
+        (Err(x), _) | (_, Err(x)) => (None, Some(x.message().to_string())),
     };
     let (b, a) = (value(&before), value(&after));
     let ratio = b.zip(a).map(|(b, a)| a / b);
