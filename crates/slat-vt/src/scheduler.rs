@@ -338,16 +338,19 @@ impl Inner {
     /// a write it waited for): the late transfers it owes were paid before it waited, so
     /// they delay it only past `at` if they took longer than the wait.
     pub(crate) fn make_ready(&mut self, i: usize, at: u64) {
-        if let Some(c) = self.cpus.get_mut(i) {
-            c.clock = c.clock.saturating_add(std::mem::take(&mut c.owed));
-        }
-        self.make_ready_at(i, at);
+        self.ready_cpu(i, at, true);
     }
 
     /// Makes CPU `i` runnable no earlier than `at`, a time from outside the simulation (a
     /// re-attach, whose real moment is not in simulation order): what it owes stays owed,
     /// added at its next hook, so the result does not depend on that moment.
     pub(crate) fn make_ready_at(&mut self, i: usize, at: u64) {
+        self.ready_cpu(i, at, false);
+    }
+
+    /// [`make_ready`](Self::make_ready), paying what the CPU owes first if `pay`. The CPU's
+    /// clock is its key in `ready`, so it leaves the queue before the clock moves.
+    fn ready_cpu(&mut self, i: usize, at: u64, pay: bool) {
         let baton = self.baton;
         let Some(c) = self.cpus.get_mut(i) else {
             return;
@@ -357,6 +360,9 @@ impl Inner {
         }
         if c.state == State::Runnable && baton != Some(i) {
             self.ready.remove(&(c.clock, c.rank, i));
+        }
+        if pay {
+            c.clock = c.clock.saturating_add(std::mem::take(&mut c.owed));
         }
         c.clock = c.clock.max(at);
         c.state = State::Runnable;

@@ -47,9 +47,8 @@ const NO_OWNER: usize = usize::MAX;
 
 #[derive(Debug, Clone)]
 struct Line {
-    /// The CPU of its latest write in virtual time, or [`NO_OWNER`].
-    owner: usize,
-    /// Who owned it when, for writes that arrive late (`owners.rs`).
+    /// Who owned it when, for writes that arrive late (`owners.rs`); its latest run is the
+    /// owner ([`Line::owner`]).
     owners: Owners,
     /// CPUs holding a copy (the owner included).
     sharers: CpuSet,
@@ -60,6 +59,13 @@ struct Line {
     last_touch: u64,
     /// When its latest write (RMW or store) completed, 0 if never written.
     written: u64,
+}
+
+impl Line {
+    /// The CPU of its latest write in virtual time, or [`NO_OWNER`] if it was only read.
+    fn owner(&self) -> usize {
+        self.owners.latest().unwrap_or(NO_OWNER)
+    }
 }
 
 /// Costs of the line model, in ps.
@@ -187,7 +193,6 @@ impl Lines {
         // more than the rest of the model.
         let l = match self.map.entry(line) {
             Entry::Vacant(v) => v.insert(Line {
-                owner: NO_OWNER,
                 owners: Owners::default(),
                 sharers: CpuSet::only(cpu),
                 busy: Calendar::default(),
@@ -199,7 +204,7 @@ impl Lines {
         let mut others = l.sharers;
         clear(&mut others, cpu);
         // The owner's copy goes with the transfer.
-        clear(&mut others, l.owner);
+        clear(&mut others, l.owner());
         let inval = c.invalidate.saturating_mul(others.len());
         let fixed = base.saturating_add(miss).saturating_add(inval);
         let moved = |at: u64| l.owners.at(at).is_some_and(|o| o != cpu);
@@ -215,7 +220,8 @@ impl Lines {
             }
             (transfer, start)
         } else {
-            let transfer = l.owner != cpu && l.owner != NO_OWNER;
+            let owner = l.owner();
+            let transfer = owner != cpu && owner != NO_OWNER;
             (transfer, l.busy.fit(t, cost_if(transfer), true, 0))
         };
         let cost = cost_if(transfer);
@@ -230,7 +236,6 @@ impl Lines {
             self.stats.late_transfers += 1;
             self.owed.push(owes.0);
         }
-        l.owner = l.owners.latest().unwrap_or(cpu);
         l.sharers = CpuSet::only(cpu);
         l.last_touch = l.busy.last_end().max(end);
         l.written = l.written.max(end);
@@ -243,7 +248,7 @@ impl Lines {
     pub(crate) fn written_by_other(&self, cpu: usize, line: u64) -> Option<u64> {
         self.map
             .get(&line)
-            .filter(|l| l.owner != cpu && l.owner != NO_OWNER && l.written > 0)
+            .filter(|l| l.owner() != cpu && l.owner() != NO_OWNER && l.written > 0)
             .map(|l| l.written)
     }
 
@@ -260,7 +265,6 @@ impl Lines {
                 self.map.insert(
                     line,
                     Line {
-                        owner: NO_OWNER,
                         owners: Owners::default(),
                         sharers: CpuSet::only(cpu),
                         busy: Calendar::default(),
@@ -273,7 +277,7 @@ impl Lines {
             Some(l) => {
                 let mut end = t;
                 if !l.sharers.contains(cpu) {
-                    if l.owner != NO_OWNER {
+                    if l.owner() != NO_OWNER {
                         self.stats.transfers += 1;
                         end = t.saturating_add(c.transfer);
                     }
@@ -305,7 +309,6 @@ impl Lines {
     /// includes the waiter's transfer of the lock word).
     pub(crate) fn take(&mut self, cpu: usize, at: u64, line: u64) {
         let l = self.map.entry(line).or_insert_with(|| Line {
-            owner: cpu,
             owners: Owners::default(),
             sharers: CpuSet::only(cpu),
             busy: Calendar::default(),
@@ -315,7 +318,6 @@ impl Lines {
         // The lock model prices and serialises hand-overs (its calendar), so a hand-over
         // that lands inside another CPU's run of writes to the lock word owes nothing here.
         let _ = l.owners.write(cpu, at, self.floor);
-        l.owner = l.owners.latest().unwrap_or(cpu);
         l.sharers = CpuSet::only(cpu);
         l.last_touch = l.busy.last_end().max(at);
     }
@@ -395,9 +397,10 @@ mod tests {
         let mut l = Lines::new(C);
         assert_eq!(l.rmw(0, 0, 1), 1010); // miss
         assert_eq!(l.rmw(0, 2000, 1), 2010); // owned: local
-        assert_eq!(l.rmw(1, 2005, 1), 2010 + 110); // waits for free_at, transfers
-                                                   // Asked in a gap, simulated late: it went first, taking the line from CPU 0, which
-                                                   // owned it then (its write at 1010) and so owes a transfer for its write at 2010.
+                                             // Waits for free_at, transfers.
+        assert_eq!(l.rmw(1, 2005, 1), 2010 + 110);
+        // Asked in a gap, simulated late: it went first, taking the line from CPU 0, which
+        // owned it then (its write at 1010) and so owes a transfer for its write at 2010.
         assert_eq!(l.rmw(1, 1500, 1), 1610);
         assert_eq!((l.pop_owed(), l.pop_owed()), (Some(0), None));
         assert_eq!(l.rmw(1, 1505, 1), 1620); // behind the one that went first, its own
