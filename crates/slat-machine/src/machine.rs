@@ -286,71 +286,79 @@ impl<F: PteFormat> Machine<F> {
     }
 
     /// Starts one thread per vCPU; they wait at the start barrier. On an error the threads
-    /// already started are abandoned with the error.
+    /// already started are released and joined ([`Machine::abandon_started`]).
     fn start_vcpus(&mut self) -> Result<(), MachineError> {
-        let config = self.config;
-        let layout = self.region.layout;
-        for i in 0..config.region.vcpus {
-            let mut cpu = match Cpu::new(
-                self.vm.clone(),
-                i as u32,
-                config.tlb_entries,
-                self.pool.clone(),
-            ) {
-                Ok(cpu) => cpu,
-                Err(e) => {
-                    // As for a thread that cannot start, below.
-                    self.ctl.abandon();
-                    self.threads.clear();
-                    return Err(e.into());
-                }
-            };
-            if self.ram.is_phantom() {
-                cpu.set_phantom(HostRange::new(self.ram.clone())?);
-            }
-            if let Some(map) = &self.direct_map {
-                let pool = map.pool();
-                cpu.set_private(true);
-                cpu.set_private_pool(pool.addr().raw(), pool.addr().raw() + pool.len());
-                cpu.attach_host_cpu(map.host_cpu());
-            }
-            if config.region.dirty.ring_entries != 0 {
-                cpu.set_ring_full_handler(self.ring_full_handler());
-            }
-            let (ctl, halt, tids) = (self.ctl.clone(), self.halt.clone(), self.tids.clone());
-            // Registered right before the spawn, in vCPU order (the simulation's tie order).
-            let mut token = match &self.sim {
-                Some(sim) => match sim.register(&format!("vcpu{i}")) {
-                    Ok(t) => Some(t),
-                    Err(e) => {
-                        self.ctl.abandon();
-                        self.threads.clear();
-                        return Err(MachineError::Config(e));
-                    }
-                },
-                None => None,
-            };
-            let t = std::thread::Builder::new()
-                .name(format!("vcpu{i}"))
-                .spawn(move || {
-                    if let Some(t) = token.as_mut() {
-                        t.attach();
-                    }
-                    tids.publish(i);
-                    vcpu_thread(cpu, i, layout, &ctl, &halt);
-                    drop(token);
-                });
-            match t {
-                Ok(h) => self.threads.push(h),
-                Err(e) => {
-                    // The threads already started wait at the start barrier, which now can never
-                    // fill; they are leaked with the error, which the caller reports and exits on.
-                    self.ctl.abandon();
-                    self.threads.clear();
-                    return Err(MachineError::Thread(e));
-                }
+        for i in 0..self.config.region.vcpus {
+            if let Err(e) = self.start_vcpu(i) {
+                self.abandon_started();
+                return Err(e);
             }
         }
+        Ok(())
+    }
+
+    /// The start barrier can never fill once a vCPU thread cannot be started: abandon it, so
+    /// the threads already waiting there exit, and join them. Leaving them would keep their
+    /// stacks and arenas for the life of the process (which a caller that goes on after the
+    /// error, such as a sweep, runs out of).
+    fn abandon_started(&mut self) {
+        self.ctl.abandon();
+        let threads = std::mem::take(&mut self.threads);
+        // As in `drop`: in virtual time the exiting threads need turns while the host joins.
+        if let Some(sim) = &self.sim {
+            sim.step_out();
+        }
+        for t in threads {
+            let _ = t.join();
+        }
+        if let Some(sim) = &self.sim {
+            sim.step_in();
+        }
+    }
+
+    /// Builds vCPU `i` and spawns its thread.
+    fn start_vcpu(&mut self, i: usize) -> Result<(), MachineError> {
+        let config = self.config;
+        let layout = self.region.layout;
+        let mut cpu = Cpu::new(
+            self.vm.clone(),
+            i as u32,
+            config.tlb_entries,
+            self.pool.clone(),
+        )?;
+        if self.ram.is_phantom() {
+            cpu.set_phantom(HostRange::new(self.ram.clone())?);
+        }
+        if let Some(map) = &self.direct_map {
+            let pool = map.pool();
+            cpu.set_private(true);
+            cpu.set_private_pool(pool.addr().raw(), pool.addr().raw() + pool.len());
+            cpu.attach_host_cpu(map.host_cpu());
+        }
+        if config.region.dirty.ring_entries != 0 {
+            cpu.set_ring_full_handler(self.ring_full_handler());
+        }
+        let (ctl, halt, tids) = (self.ctl.clone(), self.halt.clone(), self.tids.clone());
+        // Registered right before the spawn, in vCPU order (the simulation's tie order).
+        let mut token = match &self.sim {
+            Some(sim) => Some(
+                sim.register(&format!("vcpu{i}"))
+                    .map_err(MachineError::Config)?,
+            ),
+            None => None,
+        };
+        let h = std::thread::Builder::new()
+            .name(format!("vcpu{i}"))
+            .spawn(move || {
+                if let Some(t) = token.as_mut() {
+                    t.attach();
+                }
+                tids.publish(i);
+                vcpu_thread(cpu, i, layout, &ctl, &halt);
+                drop(token);
+            })
+            .map_err(MachineError::Thread)?;
+        self.threads.push(h);
         Ok(())
     }
 

@@ -4,10 +4,9 @@
 //! waits in the format's clock ([`ClockGate`]).
 
 use slat::clock::{addr_of, Clock};
-use slat_workload::Gate;
+use slat_workload::{Gate, ThreadBarrier};
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Barrier;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 /// How the machine's threads join a simulation. The machine calls [`register`] on the
 /// spawning thread right before spawning each of its threads, in a fixed order (the vCPUs by
@@ -33,14 +32,16 @@ pub trait ThreadToken: Send {
     fn attach(&mut self);
 }
 
-/// A barrier in clock `C`: `std`'s in real time; in virtual time arrivals are
-/// read-modify-writes and the waiters wait in [`Clock::spin_until`] for the last one's, so
-/// they leave at its clock and no thread blocks in the operating system.
+/// A barrier in clock `C`: [`ThreadBarrier`] in real time; in virtual time arrivals are
+/// read-modify-writes and the waiters wait in [`Clock::spin_until`] for the last one's (or an
+/// abandonment's) write, so they leave at its clock and no thread blocks in the operating
+/// system.
 pub struct ClockGate<C: Clock> {
     parties: usize,
-    real: Barrier,
+    real: ThreadBarrier,
     arrived: AtomicUsize,
     generation: AtomicU64,
+    abandoned: AtomicBool,
     _clock: PhantomData<C>,
 }
 
@@ -48,29 +49,45 @@ impl<C: Clock> Gate for ClockGate<C> {
     fn with_parties(parties: usize) -> Self {
         ClockGate {
             parties: parties.max(1),
-            real: Barrier::new(if C::VIRTUAL { 1 } else { parties }),
+            real: ThreadBarrier::new(if C::VIRTUAL { 1 } else { parties }),
             arrived: AtomicUsize::new(0),
             generation: AtomicU64::new(0),
+            abandoned: AtomicBool::new(false),
             _clock: PhantomData,
         }
     }
 
-    fn wait(&self) {
+    fn wait(&self) -> bool {
         if !C::VIRTUAL {
-            self.real.wait();
-            return;
+            return self.real.wait();
         }
         C::shared_load(addr_of(&self.generation));
         let generation = self.generation.load(Ordering::Acquire);
+        if self.abandoned.load(Ordering::Acquire) {
+            return false;
+        }
         C::rmw(addr_of(&self.arrived));
         if self.arrived.fetch_add(1, Ordering::AcqRel) + 1 >= self.parties {
             self.arrived.store(0, Ordering::Relaxed);
             C::rmw(addr_of(&self.generation));
             self.generation.fetch_add(1, Ordering::Release);
+            true
         } else {
             C::spin_until(&[addr_of(&self.generation)], &mut || {
                 self.generation.load(Ordering::Acquire) != generation
             });
+            !self.abandoned.load(Ordering::Acquire)
         }
+    }
+
+    fn abandon(&self) {
+        if !C::VIRTUAL {
+            self.real.abandon();
+            return;
+        }
+        // Set before the generation moves, so a waiter the move wakes sees it.
+        self.abandoned.store(true, Ordering::Release);
+        C::rmw(addr_of(&self.generation));
+        self.generation.fetch_add(1, Ordering::Release);
     }
 }

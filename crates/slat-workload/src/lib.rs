@@ -40,6 +40,7 @@
 #![deny(missing_docs)]
 
 pub mod backing;
+mod barrier;
 pub mod cpus;
 pub mod dirty_config;
 pub mod dirty_oracle;
@@ -56,6 +57,7 @@ pub mod test_machine;
 pub mod uffd;
 
 pub use backing::Backing;
+pub use barrier::{Gate, ThreadBarrier};
 pub use dirty_config::{DirtyConfig, INITIALLY_SET, MANUAL_PROTECT_ENABLE};
 pub use error::WorkloadError;
 pub use guest_ram::{GuestRam, RamError};
@@ -64,6 +66,6 @@ pub use layout::{Layout, RegionSize, RegionSpec, TestRegion, FIRST_SLOT};
 pub use native::native_baseline;
 pub use pass::{PassReport, VcpuPass};
 pub use pattern::{native_pass, ParkMiller, PassParams, Pattern, WriterPattern, MEMSTRESS_PATTERN};
-pub use rendezvous::{Gate, Rendezvous, RendezvousError, MAX_RENDEZVOUS_VCPUS};
+pub use rendezvous::{Rendezvous, RendezvousError, MAX_RENDEZVOUS_VCPUS};
 pub use size::{format_size, parse_size, SizeError};
 pub use test_machine::{log_mode, log_slot_id, log_slots, TestMachine};

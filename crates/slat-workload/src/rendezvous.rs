@@ -2,8 +2,9 @@
 //! a job and releases every vCPU thread at once, each runs it and reports, and the host waits
 //! until all of them have synced (KVM selftests' GUEST_SYNC).
 
+use crate::barrier::{Gate, ThreadBarrier};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Barrier, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -29,27 +30,9 @@ pub enum RendezvousError {
     },
 }
 
-/// A barrier a [`Rendezvous`] syncs its parties with: `std`'s, or one that waits in a
-/// machine's virtual time (the simulated machine's `--clock virtual`).
-pub trait Gate: Send + Sync {
-    /// A barrier for `parties` threads.
-    fn with_parties(parties: usize) -> Self;
-    /// Waits until every party has called `wait`.
-    fn wait(&self);
-}
-
-impl Gate for Barrier {
-    fn with_parties(parties: usize) -> Self {
-        Barrier::new(parties)
-    }
-    fn wait(&self) {
-        Barrier::wait(self);
-    }
-}
-
 /// The host side and the vCPU-thread side of one machine's passes. `J` is the job every vCPU
 /// runs, `R` a vCPU's result, `E` why a vCPU failed and `G` the barrier they sync with.
-pub struct Rendezvous<J, R, E, G: Gate = Barrier> {
+pub struct Rendezvous<J, R, E, G: Gate = ThreadBarrier> {
     start: G,
     done: G,
     /// `None` tells the vCPU threads to exit.
@@ -126,8 +109,7 @@ impl<J: Clone, R: Clone + Default, E: Clone, G: Gate> Rendezvous<J, R, E, G> {
     }
 
     /// Host, when the machine goes away: stops a running job with `halt` (which collects
-    /// it), tells the vCPU threads to exit, releases them and joins `threads`. Nothing to do
-    /// without threads (a machine whose construction failed leaked them, waiting for ever).
+    /// it), tells the vCPU threads to exit, releases them and joins `threads`.
     pub fn shut_down(&self, threads: Vec<JoinHandle<()>>, halt: impl FnOnce()) {
         if threads.is_empty() {
             return;
@@ -149,15 +131,20 @@ impl<J: Clone, R: Clone + Default, E: Clone, G: Gate> Rendezvous<J, R, E, G> {
     }
 
     /// Host, when a vCPU thread could not be started: the threads already started wait for
-    /// parties that never arrive, so they can never be released; make sure that if they were,
-    /// they would exit.
+    /// parties that never arrive. Releases them for good (both barriers are abandoned and the
+    /// job is `None`), so they exit and the host can join them; the rendezvous is unusable
+    /// afterwards.
     pub fn abandon(&self) {
         *lock(&self.job) = None;
+        self.start.abandon();
+        self.done.abandon();
     }
 
     /// vCPU thread: waits to be released; the job to run, or `None` to exit.
     pub fn next_job(&self) -> Option<J> {
-        self.start.wait();
+        if !self.start.wait() {
+            return None;
+        }
         lock(&self.job).clone()
     }
 

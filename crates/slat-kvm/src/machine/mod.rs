@@ -258,13 +258,13 @@ impl KvmMachine {
             match t {
                 Ok(h) => self.threads.push(h),
                 Err(e) => {
-                    // The threads already started wait at the start barrier for parties that
-                    // never arrive, so they cannot be stopped: leak them, and the machine with
-                    // them. Its guest memory must not be unmapped while their vCPU fds (and
-                    // so the VM and its memslots) exist, which is for ever.
+                    // The threads already started wait at the start barrier for a party that
+                    // never arrives: release them for good and join them. Each closes its vCPU
+                    // fd as it exits, so the machine (its memslots' memory last) drops after.
                     self.ctl.abandon();
-                    self.threads.clear();
-                    std::mem::forget(self);
+                    for t in std::mem::take(&mut self.threads) {
+                        let _ = t.join();
+                    }
                     return Err(KvmError::Thread(e));
                 }
             }

@@ -163,3 +163,53 @@ fn machines_of_any_shape() {
     Machine::<Ept>::new(small).expect("a 1 MiB, 1-vCPU machine");
     eprintln!("{} random shapes built", built.load(Ordering::Relaxed));
 }
+
+fn threads_of_this_process() -> usize {
+    std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
+}
+
+/// A machine whose k-th vCPU thread cannot start (its stack does not fit under the
+/// address-space limit) used to leave the k threads already started waiting at the start
+/// barrier for ever, with their stacks and arenas: a process that went on after the error (a
+/// sweep over shapes) ran out of address space. Now they are released and joined.
+#[test]
+fn a_machine_whose_threads_cannot_all_start_leaves_no_thread_behind() {
+    if rerun_under_as_limit(
+        module_path!(),
+        "a_machine_whose_threads_cannot_all_start_leaves_no_thread_behind",
+        AS_LIMIT,
+    ) {
+        return;
+    }
+    let before = threads_of_this_process();
+    // 4096 stacks of 2 MiB are 8 GiB: the spawns fail part-way under the 2 GiB limit.
+    let config = MachineConfig {
+        region: RegionSpec {
+            vcpus: 4096,
+            bytes_per_vcpu: 4096,
+            slots: 1,
+            ..RegionSpec::default()
+        },
+        tlb_entries: 16,
+        ..MachineConfig::default()
+    };
+    for round in 0..3 {
+        let e = Machine::<Ept>::new(config).err();
+        assert!(
+            matches!(e, Some(slat_machine::MachineError::Thread(_))),
+            "round {round}: {e:?}"
+        );
+        assert_eq!(threads_of_this_process(), before, "round {round}");
+    }
+    Machine::<Ept>::new(MachineConfig {
+        region: RegionSpec {
+            vcpus: 2,
+            bytes_per_vcpu: 1 << 20,
+            slots: 1,
+            ..RegionSpec::default()
+        },
+        tlb_entries: 64,
+        ..MachineConfig::default()
+    })
+    .expect("a 2-vCPU machine after the failed ones");
+}
