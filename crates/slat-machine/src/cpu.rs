@@ -128,6 +128,8 @@ pub struct Cpu<F: PteFormat> {
     phantom_pool: u64,
     /// Keeps that pool mapped.
     phantom: Option<HostRange>,
+    /// Other vCPUs access the same guest data ([`Cpu::set_shared_data`]).
+    shared_data: bool,
     /// Counters.
     pub counters: CpuCounters,
 }
@@ -160,8 +162,18 @@ impl<F: PteFormat> Cpu<F> {
             host: None,
             phantom_pool: 0,
             phantom: None,
+            shared_data: false,
             counters: CpuCounters::default(),
         })
+    }
+
+    /// Declares that other vCPUs access the data this one accesses (`kvm_page_table_test`'s
+    /// vCPUs all walk one region): in virtual time each data access then goes through
+    /// [`Clock::data_access`], so a line written by one vCPU and accessed by another costs
+    /// its transfer. Off by default: memstress's vCPUs each have their own region, and the
+    /// hook would only slow the simulation. No effect in real time.
+    pub fn set_shared_data(&mut self, shared: bool) {
+        self.shared_data = shared;
     }
 
     /// Makes ordinary accesses private (or shared again), as a confidential guest does.
@@ -365,6 +377,11 @@ impl<F: PteFormat> Cpu<F> {
     #[inline]
     fn store(&mut self, hva: u64, val: u64) {
         F::Clock::charge(Cost::GuestAccess, 1);
+        if F::Clock::VIRTUAL && self.shared_data {
+            // The guest's own address, not the phantom pool's that it may be redirected to:
+            // guest pages that share a pool frame do not share lines.
+            F::Clock::data_access(hva as usize, true);
+        }
         let hva = self.data_addr(hva);
         // SAFETY: `hva` is what `translate` just returned (both callers store right after it),
         // so it is inside the host page of a leaf the engine installed for a memslot
@@ -423,6 +440,10 @@ impl<F: PteFormat> Cpu<F> {
     #[inline]
     fn load(&mut self, hva: u64) -> u64 {
         F::Clock::charge(Cost::GuestAccess, 1);
+        if F::Clock::VIRTUAL && self.shared_data {
+            // As in `store`.
+            F::Clock::data_access(hva as usize, false);
+        }
         let hva = self.data_addr(hva);
         // SAFETY: as in `store`.
         let v = unsafe { AtomicU64::from_ptr(hva as *mut u64) }.load(Ordering::Relaxed);

@@ -627,8 +627,11 @@ fn run_workload<F: PteFormat>(
                     gpa: gpa + pages * PAGE_SIZE,
                 });
             }
-            let n = guest_stage(cpu, gpa, *p, idx)?;
-            Ok((n, 1))
+            // The one workload whose vCPUs all access the same data.
+            cpu.set_shared_data(true);
+            let r = guest_stage(cpu, gpa, *p, idx);
+            cpu.set_shared_data(false);
+            Ok((r?, 1))
         }
         Workload::Writer { seed, iteration } => {
             let mut writer = WriterPattern::new(*seed, idx, pages);

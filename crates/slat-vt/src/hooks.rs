@@ -62,6 +62,29 @@ impl Shared {
         self.leave(g, b);
     }
 
+    /// A guest data access to `addr`'s line in memory several vCPUs access: only the line's
+    /// movement between CPUs is priced (the access itself is `Cost::GuestAccess`).
+    pub(crate) fn data_access(&self, b: &Bound, addr: usize, write: bool) {
+        let Some(g) = self.enter(b) else { return };
+        let Some(mut g) = self.yield_if_ahead(g, b) else {
+            return;
+        };
+        let line = Lines::line_of(addr);
+        if let Some(t) = g.cpus.get(b.idx).map(|c| c.clock) {
+            let end = if write {
+                g.lines.data_write(b.idx, t, line)
+            } else {
+                g.lines.data_load(b.idx, t, line)
+            };
+            g.cpus[b.idx].clock = end;
+            if write {
+                g.settle_late_transfers();
+                g.wake_watchers(line, end, self.transfer);
+            }
+        }
+        self.leave(g, b);
+    }
+
     /// A sequentially consistent fence: a scheduling point costing a local RMW (a locked
     /// instruction on x86).
     pub(crate) fn fence(&self, b: &Bound) {

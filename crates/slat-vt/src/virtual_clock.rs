@@ -31,6 +31,8 @@ pub enum Hook {
     Store,
     /// [`Clock::shared_load`].
     SharedLoad,
+    /// [`Clock::data_access`].
+    DataAccess,
     /// [`Clock::fence`].
     Fence,
     /// [`Clock::lock`].
@@ -171,6 +173,12 @@ unsafe impl Clock for Virtual {
     fn shared_load(addr: usize) {
         if let Ok(Some(b)) = running(Hook::SharedLoad) {
             b.shared.shared_load(&b, addr);
+        }
+    }
+
+    fn data_access(addr: usize, write: bool) {
+        if let Ok(Some(b)) = running(Hook::DataAccess) {
+            b.shared.data_access(&b, addr, write);
         }
     }
 

@@ -138,6 +138,14 @@ pub unsafe trait Clock: Send + Sync + 'static {
     }
     /// A load of a line other CPUs write (a page-table entry, a request word).
     fn shared_load(addr: usize);
+    /// A guest data access (`write` or read) to the host line of `addr`, in memory other
+    /// vCPUs access too. Its own cost (a cache or DRAM access) is [`Cost::GuestAccess`],
+    /// charged separately; a clock that models coherence adds only what moving the line
+    /// between CPUs costs. Empty by default.
+    #[inline(always)]
+    fn data_access(addr: usize, write: bool) {
+        let _ = (addr, write);
+    }
     /// A sequentially consistent fence.
     fn fence();
     /// Before the real acquire of the lock at `addr`: waits until the lock model grants it.

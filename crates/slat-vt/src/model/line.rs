@@ -105,6 +105,29 @@ pub struct LineStats {
     pub late_transfers: u64,
 }
 
+/// How [`Lines::write`] prices a write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Write(u8);
+
+impl Write {
+    /// A write landing inside another CPU's run of writes owes that CPU a transfer
+    /// (`owners.rs`); lock words, which the lock model orders, do not.
+    const LATE: Write = Write(1);
+    /// A line no cache holds costs a DRAM miss (guest data does not: `guest_access` has it).
+    const COLD: Write = Write(2);
+
+    fn contains(self, other: Write) -> bool {
+        self.0 & other.0 == other.0
+    }
+}
+
+impl std::ops::BitOr for Write {
+    type Output = Write;
+    fn bitor(self, o: Write) -> Write {
+        Write(self.0 | o.0)
+    }
+}
+
 /// Every line touched within the last `retention`.
 #[derive(Debug)]
 pub(crate) struct Lines {
@@ -156,7 +179,13 @@ impl Lines {
     /// plus a transfer if another CPU owns the line, plus an invalidation per other sharer.
     pub(crate) fn rmw(&mut self, cpu: usize, t: u64, line: u64) -> u64 {
         self.stats.rmws += 1;
-        self.write(cpu, t, line, self.costs.rmw_local, true)
+        self.write(
+            cpu,
+            t,
+            line,
+            self.costs.rmw_local,
+            Write::LATE | Write::COLD,
+        )
     }
 
     /// [`rmw`](Self::rmw) on a lock's word, as the lock is taken at once or released in
@@ -168,23 +197,38 @@ impl Lines {
     /// on one mutex came out 17.9% over the exact order at a 10 µs lookahead, against 8.1%).
     pub(crate) fn rmw_lock_word(&mut self, cpu: usize, t: u64, line: u64) -> u64 {
         self.stats.rmws += 1;
-        self.write(cpu, t, line, self.costs.rmw_local, false)
+        self.write(cpu, t, line, self.costs.rmw_local, Write::COLD)
     }
 
     /// A plain store by `cpu` at `t`: as an RMW (it serialises with the line's RMWs and takes
     /// the line), but not a locked instruction, so a line the CPU owns costs nothing.
     pub(crate) fn store(&mut self, cpu: usize, t: u64, line: u64) -> u64 {
         self.stats.stores += 1;
-        self.write(cpu, t, line, 0, true)
+        self.write(cpu, t, line, 0, Write::LATE | Write::COLD)
+    }
+
+    /// A guest data write by `cpu` at `t` to memory several vCPUs access: as a
+    /// [`store`](Self::store), except that a line no cache holds costs nothing here (the
+    /// access's own `guest_access` charge already covers memory).
+    pub(crate) fn data_write(&mut self, cpu: usize, t: u64, line: u64) -> u64 {
+        self.stats.stores += 1;
+        self.write(cpu, t, line, 0, Write::LATE)
+    }
+
+    /// A guest data read by `cpu` at `t`: as a [`load`](Self::load), except that a line no
+    /// cache holds costs nothing here (see [`data_write`](Self::data_write)).
+    pub(crate) fn data_load(&mut self, cpu: usize, t: u64, line: u64) -> u64 {
+        self.load_priced(cpu, t, line, false)
     }
 
     /// A write of `base` cost plus what moving the line costs: a transfer if another CPU
     /// owned it when the write starts, in virtual time (`owners.rs`).
-    fn write(&mut self, cpu: usize, t: u64, line: u64, base: u64, late: bool) -> u64 {
+    fn write(&mut self, cpu: usize, t: u64, line: u64, base: u64, how: Write) -> u64 {
         self.sweep(t);
         let c = self.costs;
+        let late = how.contains(Write::LATE);
         // A miss's price depends on its neighbour, which the entry below would keep borrowed.
-        let miss = if self.map.contains_key(&line) {
+        let miss = if !how.contains(Write::COLD) || self.map.contains_key(&line) {
             0
         } else {
             self.miss_cost(line)
@@ -256,12 +300,18 @@ impl Lines {
     /// CPU holding a copy pays nothing; one that does not pays a transfer if the line was
     /// written, a DRAM miss if no cache has it.
     pub(crate) fn load(&mut self, cpu: usize, t: u64, line: u64) -> u64 {
+        self.load_priced(cpu, t, line, true)
+    }
+
+    /// [`load`](Self::load); a line no cache holds costs a miss only if `cold`.
+    fn load_priced(&mut self, cpu: usize, t: u64, line: u64, cold: bool) -> u64 {
         self.sweep(t);
         self.stats.loads += 1;
         let c = self.costs;
         match self.map.get_mut(&line) {
             None => {
-                let end = t.saturating_add(self.miss_cost(line));
+                let miss = if cold { self.miss_cost(line) } else { 0 };
+                let end = t.saturating_add(miss);
                 self.map.insert(
                     line,
                     Line {
@@ -411,6 +461,22 @@ mod tests {
         assert_eq!(l.load(3, 4000, 1), 4100);
         // 1 owns, 2 and 3 share: 1's RMW invalidates two copies.
         assert_eq!(l.rmw(1, 5000, 1), 5000 + 10 + 14);
+    }
+
+    /// Guest data lines cost only their movement between CPUs: their memory access is
+    /// `guest_access`, charged apart, so a line no cache holds adds no miss here.
+    #[test]
+    fn guest_data_lines_cost_only_their_transfers() {
+        let mut l = Lines::new(C);
+        assert_eq!(l.data_write(0, 0, 1), 0); // cold: no miss
+        assert_eq!(l.data_write(0, 100, 1), 100); // owned
+        assert_eq!(l.data_write(1, 200, 1), 300); // CPU 0's: a transfer
+        assert_eq!(l.data_load(0, 400, 1), 500); // written by 1: a transfer
+        assert_eq!(l.data_load(0, 600, 1), 600); // a sharer now
+        assert_eq!(l.data_load(2, 700, 9), 700); // cold: no miss
+        assert_eq!(l.stats().transfers, 2);
+        // Other lines still pay their misses.
+        assert_eq!(l.store(0, 800, 20), 1800);
     }
 
     #[test]

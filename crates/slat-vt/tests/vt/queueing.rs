@@ -1,6 +1,8 @@
 //! Queueing: contended locks serialise exactly as the lock model says, and the real lock
 //! that follows a grant is always free.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use parking_lot::{Mutex, RwLock};
 use slat::clock::{addr_of, Clock, Cost, LockMode};
 use slat_vt::{LockPolicy, Virtual};
@@ -121,4 +123,32 @@ fn a_waiting_writer_blocks_later_readers() {
     assert_eq!(w.1, r0.2 + LT);
     assert_eq!(r1.1, w.2 + LT);
     assert!(r1.1 > 2 * STEP + S, "not admitted beside the first reader");
+}
+
+/// Guest data in memory two vCPUs share: CPU 0 writes 8 lines at time 0, CPU 1 writes the
+/// same lines after a step. A line nobody held costs nothing here (its `guest_access` is
+/// charged apart), so CPU 0 ends at 0; each of CPU 1's writes takes a line CPU 0 owns: a
+/// transfer apiece.
+#[test]
+fn shared_guest_data_pays_for_each_line_that_moves() {
+    let sim = common::sim(common::profile(), 0);
+    let data = [0u64; 64];
+    let line = |k: usize| addr_of(&data[k * 8]);
+    let flag = AtomicU64::new(0);
+    common::run(&sim, 2, |i| {
+        if i == 0 {
+            (0..8).for_each(|k| Virtual::data_access(line(k), true));
+            Virtual::rmw(addr_of(&flag));
+            flag.store(1, Ordering::Release);
+        } else {
+            Virtual::charge(Cost::VmExit, 1);
+            Virtual::spin_until(&[addr_of(&flag)], &mut || flag.load(Ordering::Acquire) == 1);
+            (0..8).for_each(|k| Virtual::data_access(line(k), true));
+        }
+    });
+    sim.finish().expect("no deadlock, no foreign call");
+    let c = common::clocks(&sim);
+    // CPU 0: only the flag's miss. CPU 1: its step (the flag was set long before, so the
+    // spin costs nothing), then eight data transfers.
+    assert_eq!(c, [DRAM * 1000, (STEP + 8 * LT) * 1000]);
 }
