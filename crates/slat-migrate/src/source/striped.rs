@@ -11,7 +11,7 @@
 use super::conn::{spawn_reader_idle, unexpected, Conn, Inbox, MAX_INFLIGHT};
 use super::sender::{commit_acked, resync_now, Page, RoundSpec, Sender};
 use super::{Event, RoundReport, RoundSet, Source};
-use crate::error::{MigrateError, StreamError};
+use crate::error::{Cause, MigrateError, StreamError};
 use crate::guest::Memory;
 use crate::link::{Faults, Link};
 use crate::stream::{self, BatchBuilder, Msg, VERSION};
@@ -207,18 +207,25 @@ impl Sender {
                 let (tx, rx) = mpsc::sync_channel(STREAM_QUEUE);
                 work.push(tx);
                 let done = done_tx.clone();
-                s.spawn(move || {
-                    let w = Worker {
-                        mem,
-                        round,
-                        digests,
-                        timeout,
-                        phase,
-                    };
-                    if let Err(e) = w.run(st, &rx, &done) {
-                        let _ = done.send(Done::Failed(i as u32, e));
-                    }
-                });
+                let t = std::thread::Builder::new()
+                    .name(format!("migrate-send{i}"))
+                    .spawn_scoped(s, move || {
+                        let w = Worker {
+                            mem,
+                            round,
+                            digests,
+                            timeout,
+                            phase,
+                        };
+                        if let Err(e) = w.run(st, &rx, &done) {
+                            let _ = done.send(Done::Failed(i as u32, e));
+                        }
+                    });
+                if let Err(e) = t {
+                    // The threads started wait for batches with nothing in flight: dropping
+                    // `work` (their queues' senders) ends them, and the scope joins them.
+                    return Err(MigrateError::Thread(Cause::new(e)));
+                }
             }
             drop(done_tx);
             let r = self.dispatch(work, &done_rx, plan, owed, progress);
