@@ -215,8 +215,12 @@ pub fn native_stage_baseline(
             match t {
                 Ok(h) => handles.push(h),
                 Err(e) => {
-                    // The scope joins the released threads.
+                    // Joined here rather than by the scope, which only waits for them to
+                    // finish: gone when this returns.
                     start.abandon();
+                    for h in handles {
+                        let _ = h.join();
+                    }
                     return Err(MachineError::Thread(e));
                 }
             }
