@@ -6,9 +6,7 @@ use slat_machine::page_table_stage::{native_stage_baseline, Stage, StageParams};
 use slat_machine::MachineError;
 use slat_workload::{Backing, GuestRam};
 
-#[path = "../../../test-support/as_limit.rs"]
-mod as_limit;
-use as_limit::rerun_under_as_limit_within;
+use crate::sizes::as_limit::rerun_under_as_limit_within;
 
 const AS_LIMIT: u64 = 2 << 30;
 

@@ -85,6 +85,7 @@ pub(super) fn receive(
     std::thread::scope(|s| {
         let txc = tx.clone();
         let stop_ref = &stop;
+        let mut threads = Vec::with_capacity(count as usize + 1);
         let mut started = std::thread::Builder::new()
             .name("migrate-control".into())
             .spawn_scoped(s, move || loop {
@@ -95,7 +96,7 @@ pub(super) fn receive(
                     break;
                 }
             })
-            .map(drop);
+            .map(|h| threads.push(h));
         for st in streams {
             if started.is_err() {
                 break;
@@ -109,7 +110,7 @@ pub(super) fn receive(
                         let _ = tx.send(Event::Failed(index, e));
                     }
                 })
-                .map(drop);
+                .map(|h| threads.push(h));
         }
         drop(tx);
         // A thread that could not start fails the migration; the threads started are ended
@@ -129,6 +130,11 @@ pub(super) fn receive(
         let control = control_close.as_ref().filter(|_| r.is_err());
         for c in closers.iter().chain(control) {
             c();
+        }
+        // Joined here rather than by the scope, which only waits for them to finish: gone
+        // when this returns.
+        for t in threads {
+            let _ = t.join();
         }
         r
     })?;

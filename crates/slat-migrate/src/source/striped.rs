@@ -203,6 +203,7 @@ impl Sender {
         let (done_tx, done_rx) = mpsc::channel();
         std::thread::scope(|s| {
             let mut work = Vec::with_capacity(conn.streams.len());
+            let mut threads = Vec::with_capacity(conn.streams.len());
             for (i, st) in conn.streams.iter_mut().enumerate() {
                 let (tx, rx) = mpsc::sync_channel(STREAM_QUEUE);
                 work.push(tx);
@@ -221,10 +222,15 @@ impl Sender {
                             let _ = done.send(Done::Failed(i as u32, e));
                         }
                     });
-                if let Err(e) = t {
-                    // The threads started wait for batches with nothing in flight: dropping
-                    // `work` (their queues' senders) ends them, and the scope joins them.
-                    return Err(MigrateError::Thread(Cause::new(e)));
+                match t {
+                    Ok(h) => threads.push(h),
+                    Err(e) => {
+                        // The threads started wait for batches with nothing in flight:
+                        // dropping their queues' senders ends them.
+                        drop(work);
+                        join(threads);
+                        return Err(MigrateError::Thread(Cause::new(e)));
+                    }
                 }
             }
             drop(done_tx);
@@ -235,6 +241,7 @@ impl Sender {
                     c();
                 }
             }
+            join(threads);
             r
         })
     }
@@ -295,6 +302,14 @@ impl Sender {
             book(wait(done, plan.timeout)?, owed, &mut outstanding)?;
         }
         Ok((sent, zero))
+    }
+}
+
+/// Joins the stream threads here rather than in the scope, which only waits for them to
+/// finish: they are gone when the round returns.
+fn join(threads: Vec<std::thread::ScopedJoinHandle<'_, ()>>) {
+    for t in threads {
+        let _ = t.join();
     }
 }
 
