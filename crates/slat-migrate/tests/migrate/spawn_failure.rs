@@ -5,9 +5,11 @@
 //! the round's stream threads start.
 
 use crate::vmm::soft::SoftGuest;
-use crate::vmm::{assert_same, config, map, serve, source};
+use crate::vmm::{assert_same, config, dest_config, map, serve, source, TIMEOUT};
 use slat_migrate::transport::{Endpoint, Listener};
-use slat_migrate::{Event, Guest, MigrateError, Source, SourceConfig};
+use slat_migrate::{Destination, Event, Guest, MigrateError, Source, SourceConfig};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 #[path = "../../../test-support/as_limit.rs"]
@@ -31,6 +33,19 @@ fn threads_named(prefix: &str) -> usize {
 fn threads_of_this_process() -> usize {
     std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
 }
+
+/// Waits (at most 10 s) until `n` threads of this process have names starting with `prefix`.
+fn wait_for_threads(prefix: &str, n: usize) {
+    let t0 = Instant::now();
+    while threads_named(prefix) < n {
+        assert!(t0.elapsed() < TIMEOUT, "{n} threads named {prefix}*");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Left free by [`Exhausted::leaving`]: small allocations, and about two 2 MiB thread stacks
+/// (with their guard pages).
+const ROOM: usize = (1 << 20) + 2 * ((2 << 20) + (64 << 10));
 
 /// The address space left under the limit, mapped inaccessible except for `room` bytes (and
 /// less than 64 KiB more): small allocations still succeed, a 2 MiB thread stack does not.
@@ -74,6 +89,10 @@ impl Exhausted {
         Exhausted(maps)
     }
 }
+
+// SAFETY: the addresses of mappings nobody accesses (PROT_NONE); only `drop` uses them, to
+// unmap them, on whichever thread.
+unsafe impl Send for Exhausted {}
 
 impl Drop for Exhausted {
     fn drop(&mut self) {
@@ -136,6 +155,80 @@ fn a_striped_source_whose_stream_threads_cannot_start_fails_with_a_typed_error()
     assert_eq!(r.connections, STREAMS);
     let results = h.join().unwrap();
     assert!(results[0].is_err() && results[1].is_ok(), "{results:?}");
+    assert_same(&src, &dst);
+    drop((s, src, dst));
+    assert_eq!(threads_of_this_process(), before, "threads left");
+}
+
+/// The destination starts its threads (the control reader, one per stream) once every page
+/// stream is accepted: the address space is used up right after the last one (once the
+/// source's reader threads are all up; the source then waits in `Event::Connected` until the
+/// destination has answered), so they fail part-way. The old code panicked in
+/// `thread::scope`'s spawn, and the scope then waited for the threads started, blocked in
+/// reads of connections that stayed open. Now the destination fails with the typed error
+/// and closes the connections (the source's attempt fails on them), no thread is left, and a
+/// retry completes.
+#[test]
+fn a_striped_destination_whose_threads_cannot_start_fails_with_a_typed_error() {
+    if rerun_under_as_limit_within(
+        module_path!(),
+        "a_striped_destination_whose_threads_cannot_start_fails_with_a_typed_error",
+        AS_LIMIT,
+        Some(120),
+    ) {
+        return;
+    }
+    let before = threads_of_this_process();
+    let src = source();
+    let dst = SoftGuest::new(&map());
+    let mut l = Listener::bind(&Endpoint::Tcp("127.0.0.1:0".into())).unwrap();
+    let addr = l.describe();
+    let released = Arc::new(AtomicBool::new(false));
+    let mut streams = l.acceptor(TIMEOUT).unwrap();
+    let exhausted = Arc::new(Mutex::new(None));
+    let (mut accepted, held) = (0, exhausted.clone());
+    let mut d = Destination::with_guest(dst.clone(), dest_config());
+    d.set_acceptor(Box::new(move || {
+        let c = streams()?;
+        accepted += 1;
+        if accepted == STREAMS {
+            // The source's control connection and every stream have their reader thread.
+            wait_for_threads("migrate-acks", STREAMS as usize + 1);
+            *held.lock().unwrap() = Some(Exhausted::leaving(ROOM));
+        }
+        Ok(c)
+    }));
+    let done = released.clone();
+    let h = std::thread::spawn(move || {
+        let first = l.accept(TIMEOUT).and_then(|c| d.serve_channel(c));
+        drop(exhausted.lock().unwrap().take());
+        done.store(true, Ordering::Release);
+        let second = l.accept(TIMEOUT).and_then(|c| d.serve_channel(c));
+        (first, second)
+    });
+    let mut s = Source::new(
+        src.clone(),
+        SourceConfig {
+            connections: STREAMS,
+            ..config()
+        },
+    );
+    let mut on_event = |e: Event<'_>| {
+        if let Event::Connected { .. } = e {
+            let t0 = Instant::now();
+            while !released.load(Ordering::Acquire) {
+                assert!(t0.elapsed() < TIMEOUT, "the destination never answered");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    };
+    let e = s.migrate(&addr, &mut on_event).unwrap_err();
+    assert!(!s.migrated() && src.running(), "the source runs on: {e}");
+    let r = s.migrate(&addr, &mut |_| {}).unwrap();
+    assert_eq!(r.connections, STREAMS);
+    let (first, second) = h.join().unwrap();
+    assert!(matches!(first, Err(MigrateError::Thread(_))), "{first:?}");
+    assert_eq!(second.unwrap().streams, STREAMS);
     assert_same(&src, &dst);
     drop((s, src, dst));
     assert_eq!(threads_of_this_process(), before, "threads left");

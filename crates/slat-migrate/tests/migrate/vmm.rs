@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-const TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const TIMEOUT: Duration = Duration::from_secs(10);
 
 fn region(gpa: u64, pages: u64, read_only: bool) -> Region {
     Region {
@@ -72,7 +72,7 @@ pub(crate) fn config() -> SourceConfig {
     }
 }
 
-fn dest_config() -> DestConfig {
+pub(crate) fn dest_config() -> DestConfig {
     DestConfig {
         resume_for: Duration::ZERO,
         timeout: TIMEOUT,
