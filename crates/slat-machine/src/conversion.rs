@@ -267,40 +267,39 @@ fn scan(
     [stop, up]: [Arc<AtomicBool>; 2],
     tally: Arc<Mutex<Tally>>,
 ) -> std::io::Result<std::thread::JoinHandle<(u64, u64, u64)>> {
-    std::thread::Builder::new()
-        .name("host-scan".into())
-        .spawn(move || {
-            let mut cpu = map.host_cpu();
-            let online = cpu.online();
-            cpu.service(|| {});
-            up.store(true, Ordering::Release);
-            let (mut reads, mut mapped, mut stale) = (0u64, 0u64, 0u64);
-            let mut page = 0;
-            while !stop.load(Ordering::Relaxed) {
-                if cpu.pending() != 0 {
-                    cpu.service(|| {});
-                }
-                let hva = base + page * PAGE_SIZE;
-                page = (page + 1) % (len >> PAGE_SHIFT);
-                reads += 1;
-                let Ok(Some(v)) = map.read_u64(Hva::new(hva)) else {
-                    continue;
-                };
-                mapped += 1;
-                // With the `none` policy private pages stay in the direct map: nothing to check.
-                let isolated = map.config().policy != DirectMapPolicy::Untouched;
-                if isolated && v & PRIVATE_MARK != 0 {
-                    stale += 1;
-                    if !map.config().kernel_flush {
-                        continue; // the risk that option takes: counted, not a violation
-                    }
-                    let mut t = tally.lock().unwrap();
-                    t.violation(format!("host read private data {v:#x} at pool page {page}"));
-                }
+    let thread = std::thread::Builder::new().name("host-scan".into());
+    thread.spawn(move || {
+        let mut cpu = map.host_cpu();
+        let online = cpu.online();
+        cpu.service(|| {});
+        up.store(true, Ordering::Release);
+        let (mut reads, mut mapped, mut stale) = (0u64, 0u64, 0u64);
+        let mut page = 0;
+        while !stop.load(Ordering::Relaxed) {
+            if cpu.pending() != 0 {
+                cpu.service(|| {});
             }
-            drop(online);
-            (reads, mapped, stale)
-        })
+            let hva = base + page * PAGE_SIZE;
+            page = (page + 1) % (len >> PAGE_SHIFT);
+            reads += 1;
+            let Ok(Some(v)) = map.read_u64(Hva::new(hva)) else {
+                continue;
+            };
+            mapped += 1;
+            // With the `none` policy private pages stay in the direct map: nothing to check.
+            let isolated = map.config().policy != DirectMapPolicy::Untouched;
+            if isolated && v & PRIVATE_MARK != 0 {
+                stale += 1;
+                if !map.config().kernel_flush {
+                    continue; // the risk that option takes: counted, not a violation
+                }
+                let mut t = tally.lock().unwrap();
+                t.violation(format!("host read private data {v:#x} at pool page {page}"));
+            }
+        }
+        drop(online);
+        (reads, mapped, stale)
+    })
 }
 
 struct Worker {
