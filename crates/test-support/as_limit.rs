@@ -15,6 +15,17 @@ const CHILD: &str = "SLAT_SIZES_CHILD";
 /// as the SIGABRT of a failed infallible allocation, is a failure); returns true. In the
 /// child: returns false (run the body).
 pub fn rerun_under_as_limit(module: &str, name: &str, limit: u64) -> bool {
+    rerun_under_as_limit_within(module, name, limit, None)
+}
+
+/// [`rerun_under_as_limit`], and with `seconds` the child is killed after that long (a hang
+/// is a failure instead of a test binary that never ends).
+pub fn rerun_under_as_limit_within(
+    module: &str,
+    name: &str,
+    limit: u64,
+    seconds: Option<u32>,
+) -> bool {
     if std::env::var_os(CHILD).is_some() {
         return false;
     }
@@ -25,19 +36,28 @@ pub fn rerun_under_as_limit(module: &str, name: &str, limit: u64) -> bool {
     };
     let name = name.as_str();
     let exe = std::env::current_exe().expect("test binary");
-    let out = std::process::Command::new("prlimit")
+    let mut cmd = match seconds {
+        // coreutils' timeout: SIGTERM at the deadline, SIGKILL 5 s later; status 124.
+        Some(s) => {
+            let mut c = std::process::Command::new("timeout");
+            c.args(["--kill-after=5", s.to_string().as_str(), "prlimit"]);
+            c
+        }
+        None => std::process::Command::new("prlimit"),
+    };
+    let out = cmd
         .arg(format!("--as={limit}"))
         .arg("--")
         .arg(exe)
         .args([name, "--exact", "--nocapture", "--test-threads=1"])
         .env(CHILD, "1")
         .output()
-        .expect("prlimit (util-linux) runs the child");
+        .expect("prlimit (util-linux) runs the child (under coreutils' timeout if asked)");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success(),
-        "{name} under RLIMIT_AS={limit}: {} (a signal is an abort)\n{stdout}\n{stderr}",
+        "{name} under RLIMIT_AS={limit}: {} (a signal is an abort; 124 a timeout)\n{stdout}\n{stderr}",
         out.status
     );
     assert!(stdout.contains("1 passed"), "{name}: no test ran\n{stdout}");

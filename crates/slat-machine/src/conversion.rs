@@ -163,32 +163,35 @@ pub fn run_conversion_test(p: ConversionParams) -> Result<ConversionReport, Mach
         total,
         [stop.clone(), up.clone()],
         tally.clone(),
-    );
+    )
+    .map_err(MachineError::Thread)?;
     // The host reads all along: the vCPUs start once it is online.
     while !up.load(Ordering::Acquire) {
         std::thread::yield_now();
     }
     let pcpus = Arc::new(PcpuPool::new(p.vcpus));
-    let workers: Vec<_> = (0..p.vcpus)
-        .map(|i| {
-            let mut cpu = Cpu::new(vm.clone(), i as u32, 512, pcpus.clone())?;
-            cpu.set_private_pool(pool.addr(), pool.addr() + pool_len);
-            cpu.attach_host_cpu(map.host_cpu());
-            let w = Worker {
-                vm: vm.clone(),
-                map: map.clone(),
-                shared: shared.clone(),
-                p,
-                vcpu: i,
-                check_host,
-                tally: tally.clone(),
-            };
-            std::thread::Builder::new()
-                .name(format!("vcpu{i}"))
-                .spawn(move || w.run(cpu))
-                .map_err(MachineError::Thread)
-        })
-        .collect::<Result<_, MachineError>>()?;
+    let mut workers = Vec::with_capacity(p.vcpus);
+    let mut failed = None;
+    for i in 0..p.vcpus {
+        let w = Worker {
+            vm: vm.clone(),
+            map: map.clone(),
+            shared: shared.clone(),
+            p,
+            vcpu: i,
+            check_host,
+            tally: tally.clone(),
+        };
+        match w.start(pool.addr(), pool_len, &pcpus) {
+            Ok(h) => workers.push(h),
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    // On a failed start the vCPUs already running finish their rounds (they wait for nothing
+    // but the host thread's flush service, which runs until they are joined) and are joined.
     for w in workers {
         if w.join().is_err() {
             tally
@@ -199,6 +202,9 @@ pub fn run_conversion_test(p: ConversionParams) -> Result<ConversionReport, Mach
     }
     stop.store(true, Ordering::Relaxed);
     let (reads, mapped, stale) = scanner.join().unwrap_or((0, 0, 0));
+    if let Some(e) = failed {
+        return Err(e);
+    }
     let report = std::mem::take(&mut tally.lock().unwrap().report);
     let host = HostScan {
         reads,
@@ -260,8 +266,9 @@ fn scan(
     len: u64,
     [stop, up]: [Arc<AtomicBool>; 2],
     tally: Arc<Mutex<Tally>>,
-) -> std::thread::JoinHandle<(u64, u64, u64)> {
-    std::thread::spawn(move || {
+) -> std::io::Result<std::thread::JoinHandle<(u64, u64, u64)>> {
+    let thread = std::thread::Builder::new().name("host-scan".into());
+    thread.spawn(move || {
         let mut cpu = map.host_cpu();
         let online = cpu.online();
         cpu.service(|| {});
@@ -318,6 +325,23 @@ struct Local {
 }
 
 impl Worker {
+    /// Builds vCPU `self.vcpu` on the private pool `[pool, pool + pool_len)` and starts its
+    /// thread.
+    fn start(
+        self,
+        pool: u64,
+        pool_len: u64,
+        pcpus: &Arc<PcpuPool>,
+    ) -> Result<std::thread::JoinHandle<()>, MachineError> {
+        let mut cpu = Cpu::new(self.vm.clone(), self.vcpu as u32, 512, pcpus.clone())?;
+        cpu.set_private_pool(pool, pool + pool_len);
+        cpu.attach_host_cpu(self.map.host_cpu());
+        std::thread::Builder::new()
+            .name(format!("vcpu{}", self.vcpu))
+            .spawn(move || self.run(cpu))
+            .map_err(MachineError::Thread)
+    }
+
     fn run(self, mut cpu: Cpu<Ept>) {
         let mut l = Local::default();
         let pages = self.p.bytes_per_vcpu >> PAGE_SHIFT;

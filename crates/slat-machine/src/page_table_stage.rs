@@ -17,9 +17,11 @@
 //! baseline straight on host memory, so both do the same work.
 
 use crate::cpu::{Cpu, Exit};
+use crate::machine::MachineError;
 use crate::memstress::MEMSTRESS_PATTERN;
 use slat::PteFormat;
 use slat_addr::{Hva, PAGE_SIZE};
+use slat_workload::{Gate, ThreadBarrier};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A stage of the test.
@@ -175,38 +177,61 @@ unsafe fn native_stage(host: u64, pool: Option<u64>, p: StageParams, vcpu_idx: u
 
 /// The native baseline of a stage: `vcpus` threads each run the stage over the same
 /// `p.bytes` at the start of `ram`, released together; returns the time until the last one
-/// finished, or `None` if `ram` is smaller than `p.bytes`.
+/// finished. [`MachineError::Config`] if `ram` is smaller than `p.bytes`;
+/// [`MachineError::Thread`] if a thread could not be started (those already started are
+/// released without running the stage and joined).
 pub fn native_stage_baseline(
     ram: &slat_workload::GuestRam,
     p: StageParams,
     vcpus: usize,
-) -> Option<std::time::Duration> {
+) -> Result<std::time::Duration, MachineError> {
     if p.bytes > ram.len() {
-        return None;
+        return Err(MachineError::Config(format!(
+            "the native baseline's memory ({} bytes) is smaller than the test region ({} bytes)",
+            ram.len(),
+            p.bytes
+        )));
     }
     let host = ram.addr();
     let pool = ram.phantom_pool();
-    let start = std::sync::Barrier::new(vcpus + 1);
-    Some(std::thread::scope(|s| {
-        let handles: Vec<_> = (0..vcpus)
-            .map(|i| {
-                let start = &start;
-                s.spawn(move || {
-                    start.wait();
-                    // SAFETY: `p.bytes <= ram.len()` (checked above) and `ram` (with its phantom
-                    // pool) is borrowed, so mapped, until the scope's threads are joined;
-                    // `GuestRam` hands out no references to its bytes.
-                    unsafe { native_stage(host, pool, p, i as u32) }
-                })
-            })
-            .collect();
+    // Abandonable: a thread that cannot start leaves the others waiting for a party that
+    // never comes.
+    let start = ThreadBarrier::new(vcpus + 1);
+    std::thread::scope(|s| {
+        let mut handles = Vec::with_capacity(vcpus);
+        for i in 0..vcpus {
+            let start = &start;
+            let t = std::thread::Builder::new()
+                .name(format!("native{i}"))
+                .spawn_scoped(s, move || {
+                    if !start.wait() {
+                        return;
+                    }
+                    // SAFETY: `p.bytes <= ram.len()` (checked above) and `ram` (with its
+                    // phantom pool) is borrowed, so mapped, until the scope's threads are
+                    // joined; `GuestRam` hands out no references to its bytes.
+                    unsafe { native_stage(host, pool, p, i as u32) };
+                });
+            match t {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    // Joined here rather than by the scope, which only waits for them to
+                    // finish: gone when this returns.
+                    start.abandon();
+                    for h in handles {
+                        let _ = h.join();
+                    }
+                    return Err(MachineError::Thread(e));
+                }
+            }
+        }
         start.wait();
         let t0 = std::time::Instant::now();
         for h in handles {
             let _ = h.join();
         }
-        t0.elapsed()
-    }))
+        Ok(t0.elapsed())
+    })
 }
 
 #[cfg(test)]

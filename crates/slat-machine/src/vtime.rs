@@ -36,6 +36,12 @@ pub trait ThreadToken: Send {
 /// read-modify-writes and the waiters wait in [`Clock::spin_until`] for the last one's (or an
 /// abandonment's) write, so they leave at its clock and no thread blocks in the operating
 /// system.
+///
+/// Aligned to a cache line: in virtual time whether its counters share a line with each
+/// other and with their neighbours is part of the simulated cost, which must not depend on
+/// where the stack frame or the allocation holding the gate happens to land (16-byte
+/// granular under address-space randomization).
+#[repr(align(64))]
 pub struct ClockGate<C: Clock> {
     parties: usize,
     real: ThreadBarrier,

@@ -631,23 +631,36 @@ fn mark_in_parallel<F: PteFormat>(
             None => Ok(None),
         })
         .collect::<Result<Vec<Option<Box<dyn ThreadToken>>>, String>>()?;
-    let reports = std::thread::scope(|s| {
+    std::thread::scope(|s| {
         let mut hs = Vec::with_capacity(bitmaps.len());
-        for (b, token) in bitmaps.iter_mut().zip(tokens) {
-            hs.push(s.spawn(move || {
-                let mut token = token;
-                if let Some(t) = token.as_mut() {
-                    t.attach();
+        let mut failed = None;
+        for (i, (b, token)) in bitmaps.iter_mut().zip(tokens).enumerate() {
+            let t = std::thread::Builder::new()
+                .name(format!("mark{i}"))
+                .spawn_scoped(s, move || {
+                    let mut token = token;
+                    if let Some(t) = token.as_mut() {
+                        t.attach();
+                    }
+                    let r = vm.mark_idle(b, flush, |_, _| {});
+                    if F::Clock::VIRTUAL {
+                        done.wait();
+                    }
+                    drop(token);
+                    r
+                });
+            match t {
+                Ok(h) => hs.push(h),
+                Err(e) => {
+                    // The gate can never fill: abandoned, it lets the threads started leave
+                    // (the tokens of those never started are dropped with their closures).
+                    done.abandon();
+                    failed = Some(format!("cannot start a marking thread: {e}"));
+                    break;
                 }
-                let r = vm.mark_idle(b, flush, |_, _| {});
-                if F::Clock::VIRTUAL {
-                    done.wait();
-                }
-                drop(token);
-                r
-            }));
+            }
         }
-        if F::Clock::VIRTUAL {
+        if F::Clock::VIRTUAL && failed.is_none() {
             done.wait();
         }
         if let Some(sim) = sim {
@@ -660,7 +673,6 @@ fn mark_in_parallel<F: PteFormat>(
         if let Some(sim) = sim {
             sim.step_in();
         }
-        joined
-    });
-    Ok(reports)
+        failed.map_or(Ok(joined), Err)
+    })
 }

@@ -5,6 +5,7 @@
 
 use super::timing::{keep, per_op, pin_to, Line};
 use super::{Measured, Plan};
+use crate::error::{CliError, CliResult};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
@@ -55,28 +56,37 @@ fn on_two_cores(
     iters: u64,
     a: impl FnMut(u64) + Send,
     partner: impl FnOnce(&AtomicBool) + Send,
-) -> (f64, bool) {
+) -> CliResult<(f64, bool)> {
     let stop = AtomicBool::new(false);
     let ready = AtomicBool::new(false);
     let mut pinned = true;
-    let ns = std::thread::scope(|s| {
+    let ns: CliResult<f64> = std::thread::scope(|s| {
         let (stop, ready) = (&stop, &ready);
-        let h = s.spawn(move || {
-            let ok = pin_to(1);
-            ready.store(true, Ordering::Release);
-            partner(stop);
-            ok
-        });
+        // The only thread: a failed start leaves none behind (and nothing is timed).
+        let h = std::thread::Builder::new()
+            .name("partner".into())
+            .spawn_scoped(s, move || {
+                let ok = pin_to(1);
+                ready.store(true, Ordering::Release);
+                partner(stop);
+                ok
+            })
+            .map_err(no_partner)?;
         pinned &= pin_to(0);
         wait_for(Instant::now() + p.limit(), || ready.load(Ordering::Acquire));
         let ns = per_op(p.repeat, iters, a);
         stop.store(true, Ordering::Release);
         pinned &= h.join().unwrap_or(false);
-        ns
+        Ok(ns)
     });
     // The main thread goes back to every CPU.
     unpin(p.cpus);
-    (ns, pinned)
+    Ok((ns?, pinned))
+}
+
+/// A partner thread that could not be started: a failure of the run (exit 1).
+fn no_partner(e: std::io::Error) -> CliError {
+    CliError::Runtime(format!("cannot start a benchmark's partner thread: {e}"))
 }
 
 /// Lets the calling thread run on every host CPU again.
@@ -94,7 +104,7 @@ fn unpin(cpus: usize) {
 
 /// A line bounced between the two cores: each side waits for the other's increment and
 /// increments with a CAS; half a round trip is one transfer.
-pub fn line_transfer(p: &Plan) -> Measured {
+pub fn line_transfer(p: &Plan) -> CliResult<Measured> {
     let line = Line::default();
     // Short batches: on a shared host, a batch the scheduler interrupts is an outlier the
     // median drops, and a short one is interrupted less often.
@@ -129,15 +139,15 @@ pub fn line_transfer(p: &Plan) -> Measured {
                 .ok();
             }
         },
-    );
-    p.measured(
+    )?;
+    Ok(p.measured(
         "line_transfer",
         rt / 2.0,
         format!(
             "half the round trip of a CAS ping-pong on one line between two threads{} ({iters} round trips per batch)",
             pinned_note(pinned)
         ),
-    )
+    ))
 }
 
 fn pinned_note(pinned: bool) -> &'static str {
@@ -150,7 +160,7 @@ fn pinned_note(pinned: bool) -> &'static str {
 
 /// An RMW by the line's last writer while the other core keeps reading it: what
 /// invalidating one sharer's copy adds to a local RMW.
-pub fn invalidate(p: &Plan, rmw_local: f64) -> Measured {
+pub fn invalidate(p: &Plan, rmw_local: f64) -> CliResult<Measured> {
     let line = Line::default();
     let iters = p.iters(20_000);
     let (ns, pinned) = on_two_cores(
@@ -166,15 +176,15 @@ pub fn invalidate(p: &Plan, rmw_local: f64) -> Measured {
                 keep(line.0.load(Ordering::Acquire));
             }
         },
-    );
-    p.measured(
+    )?;
+    Ok(p.measured(
         "invalidate",
         (ns - rmw_local).max(0.0),
         format!(
             "fetch_add on a line another thread keeps reading{} ({ns:.1} ns/RMW), minus rmw_local ({iters} RMWs per batch)",
             pinned_note(pinned)
         ),
-    )
+    ))
 }
 
 /// Sattolo's shuffle of `0..n` into one cycle, from a fixed linear congruential sequence
@@ -248,7 +258,7 @@ pub fn dram_stream(p: &Plan) -> Measured {
 /// Half the round trip of two threads handing a `parking_lot` mutex back and forth through a
 /// condition variable: each hand-off wakes a parked waiter. Untimed waits (a timed one would
 /// add a timer's cost, which is large in a nested VM); `DONE` ends the partner.
-pub fn handoff(p: &Plan) -> Measured {
+pub fn handoff(p: &Plan) -> CliResult<Measured> {
     const DONE: u64 = u64::MAX;
     let turn = parking_lot::Mutex::new(0u64);
     let cv = parking_lot::Condvar::new();
@@ -256,18 +266,22 @@ pub fn handoff(p: &Plan) -> Measured {
     let mut pinned = true;
     let rt = std::thread::scope(|s| {
         let (turn, cv) = (&turn, &cv);
-        let h = s.spawn(move || {
-            let ok = pin_to(1);
-            let mut t = turn.lock();
-            while *t != DONE {
-                if *t % 2 == 1 {
-                    *t += 1;
-                    cv.notify_one();
+        // The only thread: a failed start leaves none behind (the ping-pong never begins).
+        let h = std::thread::Builder::new()
+            .name("partner".into())
+            .spawn_scoped(s, move || {
+                let ok = pin_to(1);
+                let mut t = turn.lock();
+                while *t != DONE {
+                    if *t % 2 == 1 {
+                        *t += 1;
+                        cv.notify_one();
+                    }
+                    cv.wait(&mut t);
                 }
-                cv.wait(&mut t);
-            }
-            ok
-        });
+                ok
+            })
+            .map_err(no_partner)?;
         pinned &= pin_to(0);
         let rt = per_op(p.repeat, iters, |n| {
             for _ in 0..n {
@@ -288,17 +302,17 @@ pub fn handoff(p: &Plan) -> Measured {
         cv.notify_all();
         drop(t);
         pinned &= h.join().unwrap_or(false);
-        rt
-    });
+        Ok::<_, CliError>(rt)
+    })?;
     unpin(p.cpus);
-    p.measured(
+    Ok(p.measured(
         "handoff",
         rt / 2.0,
         format!(
             "half the round trip of a parking_lot Mutex + Condvar ping-pong between two threads{} (a release waking a parked waiter; {iters} round trips per batch)",
             pinned_note(pinned)
         ),
-    )
+    ))
 }
 
 /// Zeroing one 4 KiB page in cache.

@@ -187,11 +187,11 @@ fn measure_all(p: &Plan) -> CliResult<Vec<Measured>> {
     let rmw = host_bench::rmw_local(p);
     let rmw_ns = rmw.ns;
     note(rmw, &mut all);
-    note(host_bench::line_transfer(p), &mut all);
-    note(host_bench::invalidate(p, rmw_ns), &mut all);
+    note(host_bench::line_transfer(p)?, &mut all);
+    note(host_bench::invalidate(p, rmw_ns)?, &mut all);
     note(host_bench::dram_miss(p), &mut all);
     note(host_bench::dram_stream(p), &mut all);
-    note(host_bench::handoff(p), &mut all);
+    note(host_bench::handoff(p)?, &mut all);
     let zero = host_bench::zero_page(p);
     let zero_ns = zero.ns;
     note(zero, &mut all);

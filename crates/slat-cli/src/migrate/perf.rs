@@ -167,7 +167,11 @@ fn perf_once(
         max_streams: a.migration.connections,
         delta: true,
     };
-    let dest = std::thread::spawn(move || Destination::with_guest(dguest, cfg).accept(&listener));
+    // Before the source starts: a destination that cannot start leaves nothing running.
+    let dest = std::thread::Builder::new()
+        .name("destination".into())
+        .spawn(move || Destination::with_guest(dguest, cfg).accept(&listener))
+        .map_err(|e| failed(format!("cannot start the destination's thread: {e}")))?;
     let r = src.migrate(&addr, &mut on_event(q, a.migration.progress));
     let d = (dest.join()).map_err(|_| failed("the destination thread panicked"))?;
     match (r, d) {

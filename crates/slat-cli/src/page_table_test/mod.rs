@@ -447,7 +447,7 @@ fn run_stage<F: PteFormat>(
     p.done();
     // Real time on host threads: outside the simulation under --clock virtual.
     let native = virtual_time::outside(|| native_stage_baseline(native_ram, params, vcpus))
-        .ok_or("the native baseline's memory is smaller than the test region")?;
+        .map_err(|e| e.to_string())?;
     let d = |f: fn(&Stats) -> u64| f(&after).saturating_sub(f(&before));
     Ok(StageRow {
         stage: stage.name(),

@@ -103,7 +103,7 @@ fn time(file: File, bytes: u64) -> Result<GmemTiming, String> {
     drop(file);
     let usize_len = usize::try_from(bytes).map_err(|_| "the size overflows usize".to_string())?;
     let mut anon = Region::new(Kind::Anon, usize_len).map_err(|e| e.to_string())?;
-    let f = fill(&mut anon, 1, Duration::from_secs(1));
+    let f = fill(&mut anon, 1, Duration::from_secs(1)).map_err(|e| e.to_string())?;
     Ok(GmemTiming {
         bytes,
         guest_memfd_fallocate_s: gmem.as_secs_f64(),

@@ -175,7 +175,7 @@ fn fill(kind: Kind, len: usize, threads: usize, every: Duration) -> CliResult<Ro
     let mut region = Region::new(kind, len).map_err(runtime)?;
     let setup = t0.elapsed();
     let before = Snapshot::read();
-    let f = mem::fill(&mut region, threads, every);
+    let f = mem::fill(&mut region, threads, every).map_err(runtime)?;
     let after = Snapshot::read();
     let t1 = Instant::now();
     drop(region);

@@ -6,11 +6,12 @@
 use super::counters::Snapshot;
 use super::{per_s, readings};
 use serde::Serialize;
+use slat_workload::{Gate, ThreadBarrier};
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Barrier};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use thiserror::Error;
 
@@ -45,6 +46,9 @@ pub enum MemError {
         err: io::Error,
         hint: &'static str,
     },
+    /// A fill thread (or the sampler) could not be started.
+    #[error("cannot start a fill thread: {0}")]
+    Thread(io::Error),
 }
 
 /// Opens a memfd_secret file: the probe and every secret region use this.
@@ -183,24 +187,43 @@ pub struct Fill {
 
 /// Writes one byte in every page of `region`, split evenly over `threads` threads, while a
 /// sampler records the progress and the direct-map counters every `every`.
-pub fn fill(region: &mut Region, threads: usize, every: Duration) -> Fill {
+/// [`MemError::Thread`] if a thread could not be started (the ones started are joined).
+pub fn fill(region: &mut Region, threads: usize, every: Duration) -> Result<Fill, MemError> {
     let share = (region.len / threads.max(1)).max(PAGE);
     let done = AtomicU64::new(0);
     // Every worker and this thread; a deadlock if it did not count the chunks exactly.
-    let start = Barrier::new(region.len.div_ceil(share) + 1);
+    // Abandonable: a worker that cannot start leaves the others waiting for a party that
+    // never comes.
+    let start = ThreadBarrier::new(region.len.div_ceil(share) + 1);
     let (stop, stopped) = mpsc::channel::<()>();
+    let (done, start) = (&done, &start);
     std::thread::scope(|s| {
-        let workers: Vec<_> = region
-            .bytes()
-            .chunks_mut(share)
-            .map(|part| s.spawn(|| touch(part, &done, &start)))
-            .collect();
+        let mut workers = Vec::new();
+        for (i, part) in region.bytes().chunks_mut(share).enumerate() {
+            let t = std::thread::Builder::new()
+                .name(format!("fill{i}"))
+                .spawn_scoped(s, move || touch(part, done, start));
+            match t {
+                Ok(h) => workers.push(h),
+                Err(e) => {
+                    // The released workers return without touching; the scope joins them.
+                    start.abandon();
+                    return Err(MemError::Thread(e));
+                }
+            }
+        }
         // The first reading is the counters before the fill, timed when the threads start.
         let counters = Snapshot::read();
         let read = || (done.load(Ordering::Relaxed), Snapshot::read());
         start.wait();
         let t0 = Instant::now();
-        let sampler = s.spawn(move || readings(every, stopped, (t0, (0, counters)), read));
+        // Should it not start, the workers (running by now) finish and the scope joins them.
+        let sampler = std::thread::Builder::new()
+            .name("fill-sampler".into())
+            .spawn_scoped(s, move || {
+                readings(every, stopped, (t0, (0, counters)), read)
+            })
+            .map_err(MemError::Thread)?;
         let per_thread: Vec<Duration> = workers
             .into_iter()
             .map(|w| w.join().expect("a fill thread panicked"))
@@ -209,17 +232,20 @@ pub fn fill(region: &mut Region, threads: usize, every: Duration) -> Fill {
         drop(stop);
         let r = sampler.join().expect("the sampler panicked");
         let samples = r.windows(2).map(|w| interval(r[0].0, &w[0], &w[1]));
-        Fill {
+        Ok(Fill {
             elapsed,
             per_thread,
             samples: samples.collect(),
-        }
+        })
     })
 }
 
-/// One thread's share: one write per page, as `stress --vm-keep` does.
-fn touch(part: &mut [u8], done: &AtomicU64, start: &Barrier) -> Duration {
-    start.wait();
+/// One thread's share: one write per page, as `stress --vm-keep` does (none if the start is
+/// abandoned).
+fn touch(part: &mut [u8], done: &AtomicU64, start: &ThreadBarrier) -> Duration {
+    if !start.wait() {
+        return Duration::ZERO;
+    }
     let t0 = Instant::now();
     for chunk in part.chunks_mut(PAGE * PROGRESS_PAGES) {
         for page in chunk.chunks_mut(PAGE) {

@@ -323,7 +323,7 @@ fn one_variant<F: PteFormat>(
     let every = Duration::from_millis(a.samples_ms);
     let (pass, stats) = match &sim {
         Some(sim) => sampled_virtual(&m, &map, sim.as_ref(), every)?,
-        None => sampled_real(&m, &map, every),
+        None => sampled_real(&m, &map, every)?,
     };
     let stats = stats.map_err(|_| runtime("the sampler thread panicked"))?;
     let pass = pass.map_err(machine_error)?;
@@ -366,20 +366,28 @@ type Sampled = (
 );
 
 /// The fault-in pass, sampled every `every` by a host thread in real time.
-fn sampled_real<F: PteFormat>(m: &Machine<F>, map: &DirectMap, every: Duration) -> Sampled {
+fn sampled_real<F: PteFormat>(
+    m: &Machine<F>,
+    map: &DirectMap,
+    every: Duration,
+) -> CliResult<Sampled> {
     let (stop, stopped) = mpsc::channel::<()>();
     std::thread::scope(|s| {
         let first = (Instant::now(), map.stats());
-        let sampler = s.spawn(move || {
-            let r = readings(every, stopped, first, || map.stats());
-            let t0 = r.first().map(|x| x.0);
-            (r.into_iter())
-                .map(|(t, x)| (t0.map_or(Duration::ZERO, |t0| t - t0), x))
-                .collect()
-        });
+        // The only thread: a failed start leaves none behind.
+        let sampler = std::thread::Builder::new()
+            .name("sampler".into())
+            .spawn_scoped(s, move || {
+                let r = readings(every, stopped, first, || map.stats());
+                let t0 = r.first().map(|x| x.0);
+                (r.into_iter())
+                    .map(|(t, x)| (t0.map_or(Duration::ZERO, |t0| t - t0), x))
+                    .collect()
+            })
+            .map_err(|e| runtime(format!("cannot start the sampler: {e}")))?;
         let pass = m.run_pass(PassParams::default());
         drop(stop);
-        (pass, sampler.join())
+        Ok((pass, sampler.join()))
     })
 }
 
@@ -396,23 +404,27 @@ fn sampled_virtual<F: PteFormat>(
     let stop = AtomicBool::new(false);
     let start = Stopwatch::start();
     let first = map.stats();
-    Ok(std::thread::scope(|s| {
+    std::thread::scope(|s| {
         let stop = &stop;
-        let sampler = s.spawn(move || {
-            token.attach();
-            let mut out = vec![(Duration::ZERO, first)];
-            // A tick after the pass ended reads nothing: the host reads the last sample at
-            // the end.
-            loop {
-                virtual_time::sleep(every);
-                if stop.load(Ordering::Acquire) {
-                    break;
+        // The only thread: a failed start leaves none behind (its token is dropped with it).
+        let sampler = std::thread::Builder::new()
+            .name("sampler".into())
+            .spawn_scoped(s, move || {
+                token.attach();
+                let mut out = vec![(Duration::ZERO, first)];
+                // A tick after the pass ended reads nothing: the host reads the last sample at
+                // the end.
+                loop {
+                    virtual_time::sleep(every);
+                    if stop.load(Ordering::Acquire) {
+                        break;
+                    }
+                    out.push((start.elapsed(), map.stats()));
                 }
-                out.push((start.elapsed(), map.stats()));
-            }
-            drop(token);
-            out
-        });
+                drop(token);
+                out
+            })
+            .map_err(|e| runtime(format!("cannot start the sampler: {e}")))?;
         let pass = m.run_pass(PassParams::default());
         let last = (start.elapsed(), map.stats());
         stop.store(true, Ordering::Release);
@@ -425,8 +437,8 @@ fn sampled_virtual<F: PteFormat>(
             out
         });
         sim.step_in();
-        (pass, r)
-    }))
+        Ok((pass, r))
+    })
 }
 
 /// Converts the whole (faulted-in) region to shared, timed: the conversion that involves

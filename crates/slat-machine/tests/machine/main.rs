@@ -15,6 +15,7 @@ mod overcommit;
 mod phantom;
 mod private_memory;
 mod sizes;
+mod spawn_failure;
 mod stage2;
 mod timed_pass;
 mod trust;

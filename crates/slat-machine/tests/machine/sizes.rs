@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 #[path = "../../../test-support/as_limit.rs"]
-mod as_limit;
+pub(crate) mod as_limit;
 use as_limit::{rerun_under_as_limit, size};
 
 const AS_LIMIT: u64 = 2 << 30;

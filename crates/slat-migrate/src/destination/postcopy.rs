@@ -4,7 +4,7 @@
 
 use super::incoming::{Incoming, State};
 use super::{protocol, send, Destination};
-use crate::error::{MigrateError, PageError, ProtocolError, StreamError};
+use crate::error::{Cause, MigrateError, PageError, ProtocolError, StreamError};
 use crate::guest::{Guest, MemoryMap};
 use crate::postcopy::demand::Demand;
 use crate::postcopy::{PostcopyError, POSTCOPY_ROUND};
@@ -195,23 +195,38 @@ fn serve_channels(
     let done = AtomicBool::new(false);
     let pages = demand_pages(inc);
     let r = std::thread::scope(|s| {
-        let writer = s.spawn(|| write_requests(demand, &out_m, &done));
-        let preempt = s.spawn(|| {
-            let mut seq = 0u64;
-            loop {
-                match pre.read_msg("preempt pages") {
-                    Ok(Msg::Pages(b)) => place_batch(demand, &b, &mut seq, true, pages, &digests)?,
-                    Ok(m) => {
-                        return Err(protocol(
-                            "preempt channel",
-                            ProtocolError::Unexpected { msg: m.name() },
-                        ))
+        let writer = std::thread::Builder::new()
+            .name("postcopy-requests".into())
+            .spawn_scoped(s, || write_requests(demand, &out_m, &done))
+            .map_err(|e| MigrateError::Thread(Cause::new(e)))?;
+        let preempt = std::thread::Builder::new()
+            .name("postcopy-preempt".into())
+            .spawn_scoped(s, || {
+                let mut seq = 0u64;
+                loop {
+                    match pre.read_msg("preempt pages") {
+                        Ok(Msg::Pages(b)) => {
+                            place_batch(demand, &b, &mut seq, true, pages, &digests)?
+                        }
+                        Ok(m) => {
+                            return Err(protocol(
+                                "preempt channel",
+                                ProtocolError::Unexpected { msg: m.name() },
+                            ))
+                        }
+                        Err(_) if done.load(Ordering::Acquire) => return Ok(()),
+                        Err(e) => return Err(MigrateError::stream("preempt channel", e)),
                     }
-                    Err(_) if done.load(Ordering::Acquire) => return Ok(()),
-                    Err(e) => return Err(MigrateError::stream("preempt channel", e)),
                 }
+            });
+        let preempt = match preempt {
+            Ok(h) => h,
+            Err(e) => {
+                // The request writer polls `done` every 20 ms: set, it ends; the scope joins it.
+                done.store(true, Ordering::Release);
+                return Err(MigrateError::Thread(Cause::new(e)));
             }
-        });
+        };
         let r = main_channel(demand, reader, pages, &digests, timeout);
         done.store(true, Ordering::Release);
         // Ends the preempt reader's wait (without a closer it ends at its read timeout).

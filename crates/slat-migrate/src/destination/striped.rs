@@ -85,25 +85,40 @@ pub(super) fn receive(
     std::thread::scope(|s| {
         let txc = tx.clone();
         let stop_ref = &stop;
-        s.spawn(move || loop {
-            let m =
-                reader.read_msg_waiting("the switch-over", &|| !stop_ref.load(Ordering::Relaxed));
-            let end = !matches!(m, Ok(ref m) if !matches!(m, Msg::Commit));
-            if txc.send(Event::Control(m)).is_err() || end {
+        let mut threads = Vec::with_capacity(count as usize + 1);
+        let mut started = std::thread::Builder::new()
+            .name("migrate-control".into())
+            .spawn_scoped(s, move || loop {
+                let m = reader
+                    .read_msg_waiting("the switch-over", &|| !stop_ref.load(Ordering::Relaxed));
+                let end = !matches!(m, Ok(ref m) if !matches!(m, Msg::Commit));
+                if txc.send(Event::Control(m)).is_err() || end {
+                    break;
+                }
+            })
+            .map(|h| threads.push(h));
+        for st in streams {
+            if started.is_err() {
                 break;
             }
-        });
-        for st in streams {
             let (tx, stop, bytes) = (tx.clone(), &stop, &bytes);
-            s.spawn(move || {
-                let index = st.index;
-                if let Err(e) = serve_stream(st, guest, digests, &tx, stop, bytes) {
-                    let _ = tx.send(Event::Failed(index, e));
-                }
-            });
+            let index = st.index;
+            started = std::thread::Builder::new()
+                .name(format!("migrate-recv{index}"))
+                .spawn_scoped(s, move || {
+                    if let Err(e) = serve_stream(st, guest, digests, &tx, stop, bytes) {
+                        let _ = tx.send(Event::Failed(index, e));
+                    }
+                })
+                .map(|h| threads.push(h));
         }
         drop(tx);
-        let r = control_loop(inc, &rx, out, timeout);
+        // A thread that could not start fails the migration; the threads started are ended
+        // below as after any failure (stopped, their connections closed) and joined.
+        let r = match started {
+            Ok(()) => control_loop(inc, &rx, out, timeout),
+            Err(e) => Err(MigrateError::Thread(Cause::new(e))),
+        };
         if let (Err(e), Some(w)) = (&r, out.as_mut()) {
             // Before the connections close: the source learns why.
             let _ = crate::stream::write_msg(w, &Msg::Refuse(e.to_string()));
@@ -115,6 +130,11 @@ pub(super) fn receive(
         let control = control_close.as_ref().filter(|_| r.is_err());
         for c in closers.iter().chain(control) {
             c();
+        }
+        // Joined here rather than by the scope, which only waits for them to finish: gone
+        // when this returns.
+        for t in threads {
+            let _ = t.join();
         }
         r
     })?;

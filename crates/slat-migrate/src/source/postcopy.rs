@@ -5,7 +5,7 @@ use super::attempt::harvester;
 use super::conn::{unexpected, Conn};
 use super::sender::{pages_of, Sender};
 use super::{Event, MigrationReport, Source};
-use crate::error::{MigrateError, StreamError};
+use crate::error::{Cause, MigrateError, StreamError};
 use crate::guest::Memory;
 use crate::link::{Faults, Link};
 use crate::postcopy::{PageBits, PostcopyError, PostcopyReport, POSTCOPY_ROUND};
@@ -216,23 +216,31 @@ impl Source {
         let bytes0 = conn.link.written();
         let (mut bg, mut fg) = (Sent::default(), Sent::default());
         let (rb, rf) = std::thread::scope(|s| {
-            let h = s.spawn(|| {
-                let r = serve_requests(
-                    inbox.as_ref(),
-                    &mut pre,
-                    mem,
-                    &pending,
-                    &done,
-                    compression,
-                    &mut fg,
-                );
-                (r, inbox)
-            });
+            let h = std::thread::Builder::new()
+                .name("postcopy-serve".into())
+                .spawn_scoped(s, || {
+                    let r = serve_requests(
+                        inbox.as_ref(),
+                        &mut pre,
+                        mem,
+                        &pending,
+                        &done,
+                        compression,
+                        &mut fg,
+                    );
+                    (r, inbox)
+                });
+            // The only thread: none to stop. The inbox went with it (its reader thread ends
+            // at its next frame; the connection is given up with this error).
+            let h = match h {
+                Ok(h) => h,
+                Err(e) => return (Ok(()), Err(MigrateError::Thread(Cause::new(e)))),
+            };
             let rb = background(conn, mem, &pending, batch, compression, &mut bg);
             done.store(true, Ordering::Release);
             let (rf, inbox) = h.join().unwrap_or_else(|_| {
                 let e = std::io::Error::other("the preempt thread panicked");
-                (Err(MigrateError::Thread(crate::error::Cause::new(e))), None)
+                (Err(MigrateError::Thread(Cause::new(e))), None)
             });
             conn.inbox = inbox;
             (rb, rf)

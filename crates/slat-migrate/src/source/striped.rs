@@ -11,7 +11,7 @@
 use super::conn::{spawn_reader_idle, unexpected, Conn, Inbox, MAX_INFLIGHT};
 use super::sender::{commit_acked, resync_now, Page, RoundSpec, Sender};
 use super::{Event, RoundReport, RoundSet, Source};
-use crate::error::{MigrateError, StreamError};
+use crate::error::{Cause, MigrateError, StreamError};
 use crate::guest::Memory;
 use crate::link::{Faults, Link};
 use crate::stream::{self, BatchBuilder, Msg, VERSION};
@@ -203,22 +203,35 @@ impl Sender {
         let (done_tx, done_rx) = mpsc::channel();
         std::thread::scope(|s| {
             let mut work = Vec::with_capacity(conn.streams.len());
+            let mut threads = Vec::with_capacity(conn.streams.len());
             for (i, st) in conn.streams.iter_mut().enumerate() {
                 let (tx, rx) = mpsc::sync_channel(STREAM_QUEUE);
                 work.push(tx);
                 let done = done_tx.clone();
-                s.spawn(move || {
-                    let w = Worker {
-                        mem,
-                        round,
-                        digests,
-                        timeout,
-                        phase,
-                    };
-                    if let Err(e) = w.run(st, &rx, &done) {
-                        let _ = done.send(Done::Failed(i as u32, e));
+                let t = std::thread::Builder::new()
+                    .name(format!("migrate-send{i}"))
+                    .spawn_scoped(s, move || {
+                        let w = Worker {
+                            mem,
+                            round,
+                            digests,
+                            timeout,
+                            phase,
+                        };
+                        if let Err(e) = w.run(st, &rx, &done) {
+                            let _ = done.send(Done::Failed(i as u32, e));
+                        }
+                    });
+                match t {
+                    Ok(h) => threads.push(h),
+                    Err(e) => {
+                        // The threads started wait for batches with nothing in flight:
+                        // dropping their queues' senders ends them.
+                        drop(work);
+                        join(threads);
+                        return Err(MigrateError::Thread(Cause::new(e)));
                     }
-                });
+                }
             }
             drop(done_tx);
             let r = self.dispatch(work, &done_rx, plan, owed, progress);
@@ -228,6 +241,7 @@ impl Sender {
                     c();
                 }
             }
+            join(threads);
             r
         })
     }
@@ -288,6 +302,14 @@ impl Sender {
             book(wait(done, plan.timeout)?, owed, &mut outstanding)?;
         }
         Ok((sent, zero))
+    }
+}
+
+/// Joins the stream threads here rather than in the scope, which only waits for them to
+/// finish: they are gone when the round returns.
+fn join(threads: Vec<std::thread::ScopedJoinHandle<'_, ()>>) {
+    for t in threads {
+        let _ = t.join();
     }
 }
 

@@ -6,7 +6,7 @@
 //! Needs no machine: runs with `--no-default-features`.
 
 #[path = "common/soft.rs"]
-mod soft;
+pub(crate) mod soft;
 
 use slat_addr::{Gpa, PageIndex};
 use slat_migrate::stream::Region;
@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-const TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const TIMEOUT: Duration = Duration::from_secs(10);
 
 fn region(gpa: u64, pages: u64, read_only: bool) -> Region {
     Region {
@@ -32,7 +32,7 @@ fn region(gpa: u64, pages: u64, read_only: bool) -> Region {
 
 /// Low RAM, a ROM after a hole, RAM above 4 GiB after a big hole, and a small region right
 /// after it with another hole between.
-fn map() -> Vec<Region> {
+pub(crate) fn map() -> Vec<Region> {
     vec![
         region(0, 64, false),
         region(1 << 20, 8, true),
@@ -50,7 +50,7 @@ fn blob(id: &str, version: u32, data: &[u8]) -> StateBlob {
 }
 
 /// A running source guest with memory and device state.
-fn source() -> Arc<SoftGuest> {
+pub(crate) fn source() -> Arc<SoftGuest> {
     let g = SoftGuest::new(&map());
     g.fill(0xfeed);
     g.set_state(vec![
@@ -63,7 +63,7 @@ fn source() -> Arc<SoftGuest> {
     g
 }
 
-fn config() -> SourceConfig {
+pub(crate) fn config() -> SourceConfig {
     SourceConfig {
         max_downtime: Duration::from_millis(20),
         timeout: TIMEOUT,
@@ -72,7 +72,7 @@ fn config() -> SourceConfig {
     }
 }
 
-fn dest_config() -> DestConfig {
+pub(crate) fn dest_config() -> DestConfig {
     DestConfig {
         resume_for: Duration::ZERO,
         timeout: TIMEOUT,
@@ -83,7 +83,7 @@ fn dest_config() -> DestConfig {
 }
 
 /// Both guests stopped: memory byte for byte, and the device state.
-fn assert_same(src: &SoftGuest, dst: &SoftGuest) {
+pub(crate) fn assert_same(src: &SoftGuest, dst: &SoftGuest) {
     assert!(!src.running() && !dst.running());
     let (a, b) = (Memory::new(src).unwrap(), Memory::new(dst).unwrap());
     assert_eq!(a.pages(), 184);
@@ -99,7 +99,7 @@ fn assert_same(src: &SoftGuest, dst: &SoftGuest) {
 }
 
 /// A destination receiving into `dst` over `l`, serving up to `conns` connections.
-fn serve(
+pub(crate) fn serve(
     mut l: Listener,
     dst: Arc<SoftGuest>,
     conns: usize,
