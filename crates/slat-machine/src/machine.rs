@@ -303,8 +303,13 @@ impl<F: PteFormat> Machine<F> {
     /// error, such as a sweep, runs out of).
     fn abandon_started(&mut self) {
         self.ctl.abandon();
+        self.join_vcpu_threads();
+    }
+
+    /// Joins the vCPU threads, told to exit. A simulated host steps out while it joins: the
+    /// exiting threads need turns.
+    fn join_vcpu_threads(&mut self) {
         let threads = std::mem::take(&mut self.threads);
-        // As in `drop`: in virtual time the exiting threads need turns while the host joins.
         if let Some(sim) = &self.sim {
             sim.step_out();
         }
@@ -523,21 +528,11 @@ impl<F: PteFormat> Machine<F> {
 
 impl<F: PteFormat> Drop for Machine<F> {
     fn drop(&mut self) {
-        let threads = std::mem::take(&mut self.threads);
-        if threads.is_empty() {
+        if self.threads.is_empty() {
             return;
         }
         self.ctl.stop(|| drop(self.halt()));
-        // A simulated host steps out while it joins: the vCPU threads need turns to exit.
-        if let Some(sim) = &self.sim {
-            sim.step_out();
-        }
-        for t in threads {
-            let _ = t.join();
-        }
-        if let Some(sim) = &self.sim {
-            sim.step_in();
-        }
+        self.join_vcpu_threads();
     }
 }
 

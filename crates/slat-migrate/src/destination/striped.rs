@@ -101,16 +101,14 @@ pub(super) fn receive(
             if started.is_err() {
                 break;
             }
-            let (tx, stop, bytes) = (tx.clone(), &stop, &bytes);
-            let index = st.index;
-            started = std::thread::Builder::new()
-                .name(format!("migrate-recv{index}"))
-                .spawn_scoped(s, move || {
-                    if let Err(e) = serve_stream(st, guest, digests, &tx, stop, bytes) {
-                        let _ = tx.send(Event::Failed(index, e));
-                    }
-                })
-                .map(|h| threads.push(h));
+            let ctx = StreamCtx {
+                guest,
+                digests,
+                tx: tx.clone(),
+                stop: &stop,
+                bytes: &bytes,
+            };
+            started = spawn_stream(s, st, ctx).map(|h| threads.push(h));
         }
         drop(tx);
         // A thread that could not start fails the migration; the threads started are ended
@@ -133,9 +131,7 @@ pub(super) fn receive(
         }
         // Joined here rather than by the scope, which only waits for them to finish: gone
         // when this returns.
-        for t in threads {
-            let _ = t.join();
-        }
+        threads.into_iter().for_each(|t| drop(t.join()));
         r
     })?;
     Ok(bytes.load(Ordering::Relaxed))
@@ -263,6 +259,33 @@ fn accept_streams(
         streams.push(PageStream { index, reader, out });
     }
     Ok((streams, closers))
+}
+
+/// What a page stream's thread shares with the others.
+struct StreamCtx<'a> {
+    guest: &'a dyn Guest,
+    digests: bool,
+    tx: mpsc::Sender<Event>,
+    stop: &'a AtomicBool,
+    bytes: &'a AtomicU64,
+}
+
+/// Starts the thread that serves page stream `st`; a failure it meets is sent as
+/// [`Event::Failed`].
+fn spawn_stream<'scope>(
+    s: &'scope std::thread::Scope<'scope, '_>,
+    st: PageStream,
+    ctx: StreamCtx<'scope>,
+) -> std::io::Result<std::thread::ScopedJoinHandle<'scope, ()>> {
+    let index = st.index;
+    std::thread::Builder::new()
+        .name(format!("migrate-recv{index}"))
+        .spawn_scoped(s, move || {
+            let c = ctx;
+            if let Err(e) = serve_stream(st, c.guest, c.digests, &c.tx, c.stop, c.bytes) {
+                let _ = c.tx.send(Event::Failed(index, e));
+            }
+        })
 }
 
 /// One page stream's thread: batches in its own sequence, every index checked before any
