@@ -391,6 +391,40 @@ fn sampled_real<F: PteFormat>(
     })
 }
 
+/// A line on stderr every ten seconds of wall time while a simulated fault-in runs (a
+/// 1 TiB one takes over half an hour).
+struct Progress {
+    pages: u64,
+    wall: Instant,
+    next: Duration,
+}
+
+impl Progress {
+    const EVERY: Duration = Duration::from_secs(10);
+
+    fn new(pages: u64) -> Progress {
+        Progress {
+            pages,
+            wall: Instant::now(),
+            next: Progress::EVERY,
+        }
+    }
+
+    fn tick(&mut self, virtual_elapsed: Duration, accepted: u64) {
+        let wall = self.wall.elapsed();
+        if wall < self.next {
+            return;
+        }
+        self.next = wall + Progress::EVERY;
+        eprintln!(
+            "[slat] fault-in: {accepted} of {} pages accepted, {:.2} s of virtual time, {:.0} s of wall time",
+            self.pages,
+            virtual_elapsed.as_secs_f64(),
+            wall.as_secs_f64()
+        );
+    }
+}
+
 /// The fault-in pass in virtual time, sampled by a timer: a simulated CPU of its own that
 /// sleeps `every` of virtual time between readings (so sampling costs the vCPUs nothing and
 /// the samples are the same every run).
@@ -404,6 +438,8 @@ fn sampled_virtual<F: PteFormat>(
     let stop = AtomicBool::new(false);
     let start = Stopwatch::start();
     let first = map.stats();
+    let l = m.layout();
+    let mut progress = Progress::new(l.bytes_per_vcpu.saturating_mul(l.vcpus as u64) / 4096);
     std::thread::scope(|s| {
         let stop = &stop;
         // The only thread: a failed start leaves none behind (its token is dropped with it).
@@ -420,6 +456,7 @@ fn sampled_virtual<F: PteFormat>(
                         break;
                     }
                     out.push((start.elapsed(), map.stats()));
+                    progress.tick(start.elapsed(), map.stats().accepted);
                 }
                 drop(token);
                 out
