@@ -15,6 +15,7 @@ use crate::driver::chart::SeriesOf;
 use crate::driver::{self, Benchmark, Lines};
 use crate::error::{CliError, CliResult};
 use crate::harvest::{Harvest, HarvestTimes};
+use crate::latency::LatencySummary;
 use crate::mmu_memory::MmuMemoryFigures;
 use crate::output::{opt_secs, secs, Metric, RunHead, VmSettings, WorkSettings};
 use crate::report::{format_header, quiet, ratio, Phase};
@@ -227,18 +228,23 @@ pub const CONCURRENT_METRICS: &[Metric<Report>] = &[
         r.contrast().map(|c| c.concurrent.guest_pages_per_s)
     }),
     Metric::lower("write p99, no harvest", "us", |r| {
-        r.contrast().map(|c| us(c.quiet.write_latency.p99_ns))
+        r.contrast()
+            .and_then(|c| us(&c.quiet.write_latency, |l| l.p99_ns))
     }),
     Metric::lower("write p99, during harvests", "us", |r| {
-        r.contrast().map(|c| us(c.concurrent.write_latency.p99_ns))
+        r.contrast()
+            .and_then(|c| us(&c.concurrent.write_latency, |l| l.p99_ns))
     }),
     Metric::lower("write max, during harvests", "us", |r| {
-        r.contrast().map(|c| us(c.concurrent.write_latency.max_ns))
+        r.contrast()
+            .and_then(|c| us(&c.concurrent.write_latency, |l| l.max_ns))
     }),
 ];
 
-fn us(ns: u64) -> f64 {
-    ns as f64 / 1e3
+/// A percentile of `l` in µs; none when no write was recorded (in real time a phase can
+/// end before any write faulted: that is no figure, not 0).
+fn us(l: &LatencySummary, f: impl Fn(&LatencySummary) -> u64) -> Option<f64> {
+    (l.count > 0).then(|| f(l) as f64 / 1e3)
 }
 
 /// The metrics of a run: the concurrent contrast with `--concurrent`; otherwise the
@@ -599,5 +605,24 @@ fn lines(r: &Report) -> Lines<Report> {
                 .map(|i| i.iteration.to_string())
                 .collect(),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A phase in which no write faulted has no latency figure; it used to report 0 µs, which
+    /// `slat reproduce` then compared as a measurement.
+    #[test]
+    fn no_recorded_write_is_no_figure() {
+        let none = LatencySummary::default();
+        assert_eq!(us(&none, |l| l.p99_ns), None);
+        let one = LatencySummary {
+            count: 1,
+            p99_ns: 1500,
+            ..LatencySummary::default()
+        };
+        assert_eq!(us(&one, |l| l.p99_ns), Some(1.5));
     }
 }

@@ -355,6 +355,16 @@ impl Runner {
             .is_some_and(|m| m.runs.len() >= runs)
     }
 
+    /// `slat BENCH ARGS` ran, and `fig` has a value in none of its runs.
+    pub fn empty(&self, bench: Bench, args: &str, fig: Figure) -> bool {
+        self.memo.get(&key(bench, args)).is_some_and(|m| {
+            !m.runs.is_empty()
+                && m.runs
+                    .iter()
+                    .all(|r| r.iter().all(|v| v.name != fig.metric || v.value.is_none()))
+        })
+    }
+
     /// The median of `fig` over the runs of `slat BENCH ARGS` so far.
     pub fn read(&self, bench: Bench, args: &str, fig: Figure) -> CliResult<Reading> {
         let key = key(bench, args);
