@@ -417,6 +417,35 @@ pub fn key(bench: Bench, args: &str) -> String {
 mod tests {
     use super::*;
 
+    /// A figure with no value in any run is empty (and measured again in real time); one
+    /// run with a value is enough.
+    #[test]
+    fn a_figure_no_run_gave_is_empty() {
+        let fig = Figure {
+            metric: "write p99, during harvests",
+            per_page: false,
+        };
+        let (bench, args) = (Bench::DirtyLogPerf, "-v 1 -b 16M -g --concurrent");
+        let value = |value| Value {
+            name: fig.metric,
+            unit: "us",
+            value,
+        };
+        let mut r = Runner::default();
+        assert!(!r.empty(bench, args, fig), "not run yet: nothing to say");
+        let m = r.memo.entry(key(bench, args)).or_default();
+        m.runs.push(vec![value(None)]);
+        assert!(r.empty(bench, args, fig));
+        assert!(r.read(bench, args, fig).is_err());
+        r.memo
+            .get_mut(&key(bench, args))
+            .unwrap()
+            .runs
+            .push(vec![value(Some(2.0))]);
+        assert!(!r.empty(bench, args, fig));
+        assert_eq!(r.read(bench, args, fig).map(|x| x.value).ok(), Some(2.0));
+    }
+
     #[test]
     fn phantom_memory_keeps_the_page_size() {
         assert_eq!(phantom("-v 64 -b 1G"), "-v 64 -b 1G -s phantom");
