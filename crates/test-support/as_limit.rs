@@ -26,6 +26,25 @@ pub fn rerun_under_as_limit_within(
     limit: u64,
     seconds: Option<u32>,
 ) -> bool {
+    rerun(module, name, limit, seconds, None)
+}
+
+/// [`rerun_under_as_limit_within`] for a test that runs out of address space by starting
+/// threads: in the child each new thread's stack is `stack` bytes (`RUST_MIN_STACK`). With
+/// the default 2 MiB stacks the room left after the last stack that fits is under 64 KiB one
+/// time in thirty or so, and then the thread that got it aborts the process when `std`
+/// cannot map its signal stack (CI saw it); with 64 MiB stacks one time in thousands.
+pub fn rerun_with_thread_stacks(
+    module: &str,
+    name: &str,
+    limit: u64,
+    seconds: Option<u32>,
+    stack: u64,
+) -> bool {
+    rerun(module, name, limit, seconds, Some(stack))
+}
+
+fn rerun(module: &str, name: &str, limit: u64, seconds: Option<u32>, stack: Option<u64>) -> bool {
     if std::env::var_os(CHILD).is_some() {
         return false;
     }
@@ -51,6 +70,7 @@ pub fn rerun_under_as_limit_within(
         .arg(exe)
         .args([name, "--exact", "--nocapture", "--test-threads=1"])
         .env(CHILD, "1")
+        .envs(stack.map(|b| ("RUST_MIN_STACK", b.to_string())))
         .output()
         .expect("prlimit (util-linux) runs the child (under coreutils' timeout if asked)");
     let stdout = String::from_utf8_lossy(&out.stdout);

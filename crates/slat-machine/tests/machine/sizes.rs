@@ -24,9 +24,12 @@ use std::sync::Arc;
 
 #[path = "../../../test-support/as_limit.rs"]
 pub(crate) mod as_limit;
-use as_limit::{rerun_under_as_limit, size};
+use as_limit::{rerun_under_as_limit, rerun_with_thread_stacks, size};
 
 const AS_LIMIT: u64 = 2 << 30;
+/// The vCPU threads' stacks in the children of the tests whose machines start threads until
+/// the address space runs out (see `rerun_with_thread_stacks`).
+pub(crate) const THREAD_STACK: u64 = 64 << 20;
 
 fn pool() -> Arc<PcpuPool> {
     Arc::new(PcpuPool::new(1))
@@ -108,7 +111,13 @@ fn cpus_tlbs_pacers_and_pools_of_any_size() {
 /// child, where guest RAM beyond the limit cannot be mapped).
 #[test]
 fn machines_of_any_shape() {
-    if rerun_under_as_limit(module_path!(), "machines_of_any_shape", AS_LIMIT) {
+    if rerun_with_thread_stacks(
+        module_path!(),
+        "machines_of_any_shape",
+        AS_LIMIT,
+        None,
+        THREAD_STACK,
+    ) {
         return;
     }
     let cfg = Config {
@@ -174,15 +183,17 @@ fn threads_of_this_process() -> usize {
 /// sweep over shapes) ran out of address space. Now they are released and joined.
 #[test]
 fn a_machine_whose_threads_cannot_all_start_leaves_no_thread_behind() {
-    if rerun_under_as_limit(
+    if rerun_with_thread_stacks(
         module_path!(),
         "a_machine_whose_threads_cannot_all_start_leaves_no_thread_behind",
         AS_LIMIT,
+        None,
+        THREAD_STACK,
     ) {
         return;
     }
     let before = threads_of_this_process();
-    // 4096 stacks of 2 MiB are 8 GiB: the spawns fail part-way under the 2 GiB limit.
+    // 4096 stacks of 64 MiB: the spawns fail part-way under the 2 GiB limit.
     let config = MachineConfig {
         region: RegionSpec {
             vcpus: 4096,

@@ -1,12 +1,13 @@
 //! A thread the operating system refuses ends the call with a typed error, and leaves no
 //! thread behind: the ones already started are released and joined. Forced in a child under
-//! an address-space limit, where thousands of 2 MiB stacks cannot all be mapped.
+//! an address-space limit, where thousands of 64 MiB stacks cannot all be mapped.
 
 use slat_machine::page_table_stage::{native_stage_baseline, Stage, StageParams};
 use slat_machine::MachineError;
 use slat_workload::{Backing, GuestRam};
 
-use crate::sizes::as_limit::rerun_under_as_limit_within;
+use crate::sizes::as_limit::rerun_with_thread_stacks;
+use crate::sizes::THREAD_STACK;
 
 const AS_LIMIT: u64 = 2 << 30;
 
@@ -20,11 +21,12 @@ fn threads_of_this_process() -> usize {
 /// the error says why.
 #[test]
 fn a_native_stage_whose_threads_cannot_all_start_fails_and_leaves_no_thread() {
-    if rerun_under_as_limit_within(
+    if rerun_with_thread_stacks(
         module_path!(),
         "a_native_stage_whose_threads_cannot_all_start_fails_and_leaves_no_thread",
         AS_LIMIT,
         Some(120),
+        THREAD_STACK,
     ) {
         return;
     }
@@ -35,7 +37,7 @@ fn a_native_stage_whose_threads_cannot_all_start_fails_and_leaves_no_thread() {
         bytes: 1 << 20,
     };
     let before = threads_of_this_process();
-    // 4096 stacks of 2 MiB are 8 GiB: the spawns fail part-way under the 2 GiB limit.
+    // 4096 stacks of 64 MiB: the spawns fail part-way under the 2 GiB limit.
     for round in 0..3 {
         let r = native_stage_baseline(&ram, p, 4096);
         assert!(
