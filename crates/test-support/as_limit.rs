@@ -84,6 +84,12 @@ fn rerun(module: &str, name: &str, limit: u64, seconds: Option<u32>, stack: Opti
     true
 }
 
+/// The threads this process has now (`/proc/self/task`): a test that makes thread starts
+/// fail checks that none is left behind.
+pub fn threads_of_this_process() -> usize {
+    std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
+}
+
 /// 0, 1, the largest values, powers of two and their neighbours, and anything.
 pub fn size() -> impl Strategy<Value = u64> {
     prop_oneof![

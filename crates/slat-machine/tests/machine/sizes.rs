@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 #[path = "../../../test-support/as_limit.rs"]
 pub(crate) mod as_limit;
-use as_limit::{rerun_under_as_limit, rerun_with_thread_stacks, size};
+use as_limit::{rerun_under_as_limit, rerun_with_thread_stacks, size, threads_of_this_process};
 
 const AS_LIMIT: u64 = 2 << 30;
 /// The vCPU threads' stacks in the children of the tests whose machines start threads until
@@ -171,10 +171,6 @@ fn machines_of_any_shape() {
     };
     Machine::<Ept>::new(small).expect("a 1 MiB, 1-vCPU machine");
     eprintln!("{} random shapes built", built.load(Ordering::Relaxed));
-}
-
-fn threads_of_this_process() -> usize {
-    std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
 }
 
 /// A machine whose k-th vCPU thread cannot start (its stack does not fit under the

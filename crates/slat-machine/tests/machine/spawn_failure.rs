@@ -6,14 +6,10 @@ use slat_machine::page_table_stage::{native_stage_baseline, Stage, StageParams};
 use slat_machine::MachineError;
 use slat_workload::{Backing, GuestRam};
 
-use crate::sizes::as_limit::rerun_with_thread_stacks;
+use crate::sizes::as_limit::{rerun_with_thread_stacks, threads_of_this_process};
 use crate::sizes::THREAD_STACK;
 
 const AS_LIMIT: u64 = 2 << 30;
-
-fn threads_of_this_process() -> usize {
-    std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
-}
 
 /// The native stage's threads waited at a start barrier of every thread and the host: when
 /// the k-th could not start, `thread::scope`'s spawn panicked and the scope then joined the k

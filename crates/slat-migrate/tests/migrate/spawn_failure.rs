@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 #[path = "../../../test-support/as_limit.rs"]
 mod as_limit;
-use as_limit::rerun_under_as_limit_within;
+use as_limit::{rerun_under_as_limit_within, threads_of_this_process};
 
 /// Room for the test process's threads and their allocator arenas.
 const AS_LIMIT: u64 = 4 << 30;
@@ -28,10 +28,6 @@ fn threads_named(prefix: &str) -> usize {
         .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
         .filter(|name| name.starts_with(prefix))
         .count()
-}
-
-fn threads_of_this_process() -> usize {
-    std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
 }
 
 /// Waits (at most 10 s) until `n` threads of this process have names starting with `prefix`.
