@@ -76,7 +76,7 @@ impl Calendar {
         let first = if self.mixed {
             0
         } else {
-            all.partition_point(|w| w.1 <= t)
+            from_back(all, |w| w.1 <= t)
         };
         for &(from, to, excl) in &all[first..] {
             if !self.mixed && from >= p.saturating_add(len.max(1)) {
@@ -137,12 +137,12 @@ impl Calendar {
     /// bisection: those that ended by `floor` are a prefix, and those the new one touches or
     /// overlaps a contiguous run that becomes one interval.
     fn insert_disjoint(&mut self, (from, to, kind): Interval, floor: u64) -> u64 {
-        self.head += self.intervals().partition_point(|w| w.1 <= floor);
+        self.head += from_front(self.intervals(), |w| w.1 <= floor);
         self.compact(false);
         let head = self.head;
         let v = &mut self.spill;
-        let lo = head + v[head..].partition_point(|w| w.1 < from);
-        let hi = (head + v[head..].partition_point(|w| w.0 <= to)).max(lo);
+        let lo = head + from_back(&v[head..], |w| w.1 < from);
+        let hi = (head + from_back(&v[head..], |w| w.0 <= to)).max(lo);
         let merged = (
             v.get(lo)
                 .filter(|_| hi > lo)
@@ -170,6 +170,40 @@ impl Calendar {
             all.last().map_or(0, |w| w.1)
         }
     }
+}
+
+/// `v.partition_point(pred)`, searched from the end in doubling steps: a request lands near
+/// the latest intervals of a hot calendar (within the lookahead of the others), so this
+/// touches a few of its thousands of intervals where a bisection over all of them missed the
+/// cache at every step.
+fn from_back<T>(v: &[T], pred: impl Fn(&T) -> bool) -> usize {
+    let mut hi = v.len(); // every index from `hi` on is known false
+    let mut step = 1;
+    while hi > 0 {
+        let probe = hi.saturating_sub(step);
+        if pred(&v[probe]) {
+            return probe + 1 + v[probe + 1..hi].partition_point(&pred);
+        }
+        hi = probe;
+        step = step.saturating_mul(2);
+    }
+    0
+}
+
+/// `v.partition_point(pred)`, searched from the start in doubling steps: the intervals that
+/// ended by the floor are few, at the front.
+fn from_front<T>(v: &[T], pred: impl Fn(&T) -> bool) -> usize {
+    let mut lo = 0; // every index below `lo` is known true
+    let mut step = 1;
+    while lo < v.len() {
+        let probe = lo.saturating_add(step - 1).min(v.len() - 1);
+        if !pred(&v[probe]) {
+            return lo + v[lo..probe].partition_point(&pred);
+        }
+        lo = probe + 1;
+        step = step.saturating_mul(2);
+    }
+    v.len()
 }
 
 /// Drops from `buf[..n]` (sorted by start) the intervals that ended by `floor`, merges `new`
@@ -276,6 +310,18 @@ mod tests {
         }
         assert_eq!(evicted, 10);
         assert_eq!(c.intervals().len(), MAX_KEPT);
+    }
+
+    #[test]
+    fn searches_from_either_end_find_the_partition_point() {
+        for n in 0..70usize {
+            let v: Vec<usize> = (0..n).collect();
+            for cut in 0..=n {
+                let pred = |x: &usize| *x < cut;
+                assert_eq!(from_back(&v, pred), cut, "from_back n={n} cut={cut}");
+                assert_eq!(from_front(&v, pred), cut, "from_front n={n} cut={cut}");
+            }
+        }
     }
 
     /// The bisection paths against a plain list that keeps and scans everything: the same
