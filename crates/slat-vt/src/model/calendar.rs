@@ -39,7 +39,7 @@ pub(crate) struct Calendar {
     head: usize,
     /// A shared (reader) interval was inserted: intervals may overlap. While false, they are
     /// disjoint, so sorted by end as well as by start, and a hot line's calendar is searched
-    /// by bisection instead of scanned.
+    /// by a doubling search from its end ([`from_back`]) instead of scanned.
     mixed: bool,
 }
 
@@ -134,7 +134,7 @@ impl Calendar {
     }
 
     /// [`insert`](Self::insert) into a spilled calendar of disjoint exclusive intervals, by
-    /// bisection: those that ended by `floor` are a prefix, and those the new one touches or
+    /// a search (`from_back`, `from_front`): those that ended by `floor` are a prefix, and those the new one touches or
     /// overlaps a contiguous run that becomes one interval.
     fn insert_disjoint(&mut self, (from, to, kind): Interval, floor: u64) -> u64 {
         self.head += from_front(self.intervals(), |w| w.1 <= floor);
