@@ -134,8 +134,8 @@ impl Calendar {
     }
 
     /// [`insert`](Self::insert) into a spilled calendar of disjoint exclusive intervals, by
-    /// a search (`from_back`, `from_front`): those that ended by `floor` are a prefix, and those the new one touches or
-    /// overlaps a contiguous run that becomes one interval.
+    /// searches ([`from_back`], [`from_front`]): those that ended by `floor` are a prefix, and
+    /// those the new one touches or overlaps a contiguous run that becomes one interval.
     fn insert_disjoint(&mut self, (from, to, kind): Interval, floor: u64) -> u64 {
         self.head += from_front(self.intervals(), |w| w.1 <= floor);
         self.compact(false);
