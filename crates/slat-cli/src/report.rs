@@ -37,6 +37,10 @@ pub struct Phase {
     quiet: bool,
 }
 
+/// The progress line of a benchmark's native baselines, which run after its last guest phase
+/// (one run between two guest phases evicts from the host's caches what the next one finds).
+pub const NATIVE_PHASE: &str = "native baselines: the same passes on host memory";
+
 impl Phase {
     /// Starts a phase (silent when `quiet`, e.g. under `--json` with stderr redirected).
     pub fn start(name: impl Into<String>, quiet: bool) -> Phase {

@@ -358,7 +358,6 @@ fn spec(a: &DirtyLogPerfArgs) -> Spec {
 /// natively. Returns the guest pass too (its latencies, when timed).
 fn iterate(
     m: &dyn Backend,
-    native: &Native,
     harvest: &mut Harvest,
     spec: &Spec,
     params: PassParams,
@@ -366,24 +365,40 @@ fn iterate(
 ) -> CliResult<(Iteration, Pass)> {
     let pass = m.run_pass(params)?;
     let h = harvest.run(m, spec)?;
-    // The native pass runs after the harvest, not between the guest pass and it: it touches
-    // every page of another gigabyte and would evict the page tables and bitmap the harvest
-    // reads, which a VMM's harvest right after the guest ran finds warm.
-    let native_params = PassParams {
-        timed: false,
-        ..params
-    };
-    // Real time on host threads: outside the simulation under --clock virtual.
-    let nat: Pass = virtual_time::outside(|| native.run(native_params))?;
     let it = Iteration {
         iteration: i,
         dirty: pass.wall,
-        native: nat.wall,
-        ratio_guest_over_native: ratio(pass.wall, nat.wall),
+        native: Duration::ZERO,
+        ratio_guest_over_native: 0.0,
         harvest: h,
         ring_full_exits: pass.ring_full_exits(),
     };
     Ok((it, pass))
+}
+
+/// The native baselines, after every guest pass and harvest: populate's (returned), then one
+/// per iteration, filled into `iterations`. One run between two guest passes went over as
+/// much other host memory and evicted from the host's caches what the next pass and harvest
+/// find there (the page tables, the bitmap, the host's own), which a VMM's vCPUs and harvest
+/// find warm; in virtual time native baselines run outside the simulation.
+fn native_passes(
+    native: &Native,
+    populate: PassParams,
+    params: PassParams,
+    iterations: &mut [Iteration],
+) -> CliResult<Pass> {
+    // Real time on host threads: outside the simulation under --clock virtual.
+    let populate = virtual_time::outside(|| native.run(populate))?;
+    let params = PassParams {
+        timed: false,
+        ..params
+    };
+    for it in iterations {
+        let nat: Pass = virtual_time::outside(|| native.run(params))?;
+        it.native = nat.wall;
+        it.ratio_guest_over_native = ratio(it.dirty, nat.wall);
+    }
+    Ok(populate)
 }
 
 /// The time the vCPUs write before each concurrent harvest: `--harvest-interval`, or the mean
@@ -458,7 +473,6 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
         touches: None,
     };
     let populate = m.run_pass(populate_params)?;
-    let populate_native = virtual_time::outside(|| native.run(populate_params))?;
     let t0 = Stopwatch::start();
     m.set_dirty_logging(true)?;
     let enable = t0.elapsed();
@@ -473,7 +487,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
     let mut quiet_passes = QuietPasses::default();
     let mut iterations = Vec::new();
     for i in 1..=a.iterations {
-        let (it, pass) = iterate(m.as_ref(), &native, &mut harvest, &cfg, params, i)?;
+        let (it, pass) = iterate(m.as_ref(), &mut harvest, &cfg, params, i)?;
         quiet_passes.keep(i, pass, it.harvest);
         iterations.push(it);
     }
@@ -492,6 +506,9 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
     let guest_bytes = a.work.bytes.saturating_mul(a.work.vcpus as u64);
     let mmu_memory = MmuMemoryFigures::of(m.as_ref(), guest_bytes);
     let disable = disable(m.as_ref(), a.evil, params)?;
+    let p = Phase::start(crate::report::NATIVE_PHASE, quiet(a.out.json));
+    let populate_native = native_passes(&native, populate_params, params, &mut iterations)?;
+    p.done();
     let pcpus = m.sim().map(|s| s.pcpus());
     let (settings, log) = text::settings(a, &cfg);
     let machine_lines =
