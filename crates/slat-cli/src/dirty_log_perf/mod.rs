@@ -386,7 +386,9 @@ fn native_passes(
     populate: PassParams,
     params: PassParams,
     iterations: &mut [Iteration],
+    a: &DirtyLogPerfArgs,
 ) -> CliResult<Pass> {
+    let phase = Phase::start(crate::report::NATIVE_PHASE, quiet(a.out.json));
     // Real time on host threads: outside the simulation under --clock virtual.
     let populate = virtual_time::outside(|| native.run(populate))?;
     let params = PassParams {
@@ -398,6 +400,7 @@ fn native_passes(
         it.native = nat.wall;
         it.ratio_guest_over_native = ratio(it.dirty, nat.wall);
     }
+    phase.done();
     Ok(populate)
 }
 
@@ -506,9 +509,7 @@ fn measure(a: &DirtyLogPerfArgs, kind: BackendArg) -> CliResult<Report> {
     let guest_bytes = a.work.bytes.saturating_mul(a.work.vcpus as u64);
     let mmu_memory = MmuMemoryFigures::of(m.as_ref(), guest_bytes);
     let disable = disable(m.as_ref(), a.evil, params)?;
-    let p = Phase::start(crate::report::NATIVE_PHASE, quiet(a.out.json));
-    let populate_native = native_passes(&native, populate_params, params, &mut iterations)?;
-    p.done();
+    let populate_native = native_passes(&native, populate_params, params, &mut iterations, a)?;
     let pcpus = m.sim().map(|s| s.pcpus());
     let (settings, log) = text::settings(a, &cfg);
     let machine_lines =

@@ -375,27 +375,7 @@ fn run_on<F: PteFormat>(
         bytes,
     };
     let guest = Stage::ALL.map(|s| run_stage(&m, params(s), a));
-    // Every native baseline after the last stage: one run between two stages passed over as
-    // much other host memory, which evicted from the host's caches what the next stage would
-    // have found there (its page tables' and the host's own), and made that stage slower in
-    // real time than in the simulation, whose native baselines run outside it
-    // (KVM_ADJUST_MAPPINGS at `-v 1`: 3.3-4.5 ms after UPDATE's baseline, 2.4-3.0 ms without).
-    let natives = Phase::start(crate::report::NATIVE_PHASE, quiet(a.out.json));
-    let stages: Vec<_> = Stage::ALL
-        .iter()
-        .zip(guest)
-        .map(|(&s, row)| {
-            let mut row = row?;
-            let native = virtual_time::outside(|| {
-                native_stage_baseline(&native_ram, params(s), a.vcpus as usize)
-            })
-            .map_err(|e| e.to_string())?;
-            row.native = native;
-            row.ratio = ratio(row.time, native);
-            Ok::<_, String>(row)
-        })
-        .collect();
-    natives.done();
+    let stages = with_natives(guest, &native_ram, params, a);
     let layout = m.layout();
     Ok(Report {
         benchmark: "page-table-test",
@@ -415,11 +395,39 @@ fn run_on<F: PteFormat>(
         gpa: layout.gpa,
         vcpus: a.vcpus,
         pinned_cpus,
-        stages: stages.into_iter().collect::<Result<_, _>>()?,
+        stages: stages?,
         clock: ClockReport::real(),
         host: layout.host,
         cfg,
     })
+}
+
+/// Every stage's native baseline, filled into its row, after the last stage: one run between
+/// two stages passed over as much other host memory, which evicted from the host's caches what
+/// the next stage would have found there (its page tables' and the host's own), and made that
+/// stage slower in real time than in the simulation, whose native baselines run outside it
+/// (KVM_ADJUST_MAPPINGS at `-v 1`: 3.3-4.5 ms after UPDATE's baseline, 2.4-3.0 ms without).
+fn with_natives(
+    guest: [Result<StageRow, String>; 3],
+    native_ram: &GuestRam,
+    params: impl Fn(Stage) -> StageParams,
+    a: &PageTableTestArgs,
+) -> Result<Vec<StageRow>, String> {
+    let natives = Phase::start(crate::report::NATIVE_PHASE, quiet(a.out.json));
+    let rows = Stage::ALL.iter().zip(guest).map(|(&s, row)| {
+        let mut row = row?;
+        // Real time on host threads: outside the simulation under --clock virtual.
+        let native = virtual_time::outside(|| {
+            native_stage_baseline(native_ram, params(s), a.vcpus as usize)
+        })
+        .map_err(|e| e.to_string())?;
+        row.native = native;
+        row.ratio = ratio(row.time, native);
+        Ok(row)
+    });
+    let rows = rows.collect();
+    natives.done();
+    rows
 }
 
 /// The progress line of the machine's set-up.
