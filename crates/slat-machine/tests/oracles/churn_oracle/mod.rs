@@ -387,6 +387,11 @@ fn a_harvest_without_its_flush_is_caught_under_churn<F: PteFormat>() {
 /// `get-switch` is caught in round 1 or 2; `get-switch` took 3 to 49 rounds from twelve base
 /// seeds on stage-2 (about 5% a round) and up to 8 on EPT. 32 rounds missed it about one run
 /// in five (CI, seed 0x7afb354370b9fe49: 35 rounds); 256 miss it about once in 500,000.
+/// Why `get-switch` is rare: its harvest switches bitmap sides and completes a flush *before*
+/// re-arming (`switch_sides` in slat's dirty/harvest.rs; the injection skips only the flush
+/// after), so a stale writable entry lives only until the next harvest begins, and a write
+/// through it is lost only if it is the page's last write of the round; with the other modes
+/// stale entries outlive every later harvest.
 const VIRTUAL_TRIES: u64 = 256;
 
 /// Regression test for an engine bug this oracle found: with hardware D-bit tracking, a write
