@@ -40,7 +40,7 @@ fn stage<'a>(doc: &'a Value, name: &str) -> &'a Value {
 
 #[test]
 fn prints_the_selftest_lines_in_order() {
-    let (code, out, err) = common::slat(&["-b", "8M", "-v", "2", "--format", "stage2"]);
+    let (code, out, err) = slat(&["-b", "8M", "-v", "2", "--format", "stage2"]);
     assert_eq!(code, 0, "{out}\n{err}");
     let expected = [
         "Testing guest mode: PA-bits:48,  VA-bits:48,  4K pages",
@@ -243,7 +243,7 @@ fn compare_plots_bars_with_error_bars() {
             "--repeat",
             repeat,
         ];
-        let (code, out, err) = common::slat(&[&args[..], &["--plot", plot]].concat());
+        let (code, out, err) = slat(&[&args[..], &["--plot", plot]].concat());
         assert_eq!(code, 0, "{out}\n{err}");
         let svg = std::fs::read_to_string(&p).expect("svg");
         for label in [
@@ -316,7 +316,7 @@ fn line_of(err: &str, what: &str) -> usize {
 #[test]
 fn native_baselines_run_after_the_last_guest_phase() {
     let native = "[slat] native baselines";
-    let (code, out, err) = common::slat(&["page-table-test", "-b", "4M", "-v", "2"]);
+    let (code, out, err) = slat(&["-b", "4M", "-v", "2"]);
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(
         line_of(&err, "KVM_ADJUST_MAPPINGS on") < line_of(&err, native),
