@@ -6,7 +6,7 @@ use crate::guest_ram::GuestRam;
 use crate::layout::Layout;
 use crate::pass::{PassReport, VcpuPass};
 use crate::pattern::{native_pass, native_phantom_pass, PassParams};
-use slat_addr::{PAGE_SHIFT, PAGE_SIZE};
+use slat_addr::PAGE_SIZE;
 use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
@@ -28,8 +28,18 @@ pub fn native_baseline<C: Default + Send>(
     mem: &GuestRam,
     params: PassParams,
 ) -> Result<PassReport<C>, WorkloadError> {
-    let total = checked_total(layout, mem)?;
-    let region = |i: usize| region_of(layout, total, i);
+    checked_total(layout, mem)?;
+    // (offset in `mem`, pages) of vCPU `i`: the layout's own regions, counted from `mem`'s
+    // start (inside `[0, total)`, as checked).
+    let from_zero = Layout {
+        gpa: 0,
+        host: 0,
+        ..layout
+    };
+    let region = |i: usize| {
+        let (_, off, pages) = from_zero.region(i);
+        (off, pages)
+    };
     let base = mem.addr();
     let pool = mem.phantom_pool();
     let oversubscribed =
@@ -96,17 +106,6 @@ pub fn native_baseline<C: Default + Send>(
         vcpus,
         latency: Vec::new(),
     })
-}
-
-/// (offset in the memory, pages) of vCPU `i`'s region: inside `[0, total)`, page aligned
-/// (`checked_total` checked the layout).
-fn region_of(layout: Layout, total: u64, i: usize) -> (u64, u64) {
-    let bytes = layout.bytes_per_vcpu;
-    if layout.overlap {
-        (0, total >> PAGE_SHIFT)
-    } else {
-        (bytes * i as u64, bytes >> PAGE_SHIFT)
-    }
 }
 
 /// The calling thread's time since `t0` (elapsed) and `cpu0` (its CPU time then): the CPU

@@ -354,8 +354,8 @@ fn spec(a: &DirtyLogPerfArgs) -> Spec {
     Spec::new(&a.machine, region, a.dirty.apply(a.machine.vm_config()))
 }
 
-/// One iteration: the guest dirties memory, the host harvests the log, then the same pass runs
-/// natively. Returns the guest pass too (its latencies, when timed).
+/// One iteration: the guest dirties memory, the host harvests the log; its native pass is
+/// filled in later ([`native_passes`]). Returns the guest pass too (its latencies, when timed).
 fn iterate(
     m: &dyn Backend,
     harvest: &mut Harvest,

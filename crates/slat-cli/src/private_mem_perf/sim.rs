@@ -442,8 +442,7 @@ fn sampled_virtual<F: PteFormat>(
     let stop = AtomicBool::new(false);
     let start = Stopwatch::start();
     let first = map.stats();
-    let l = m.layout();
-    let mut progress = Progress::new(l.bytes_per_vcpu.saturating_mul(l.vcpus as u64) / 4096);
+    let mut progress = Progress::new(m.layout().total_pages());
     std::thread::scope(|s| {
         let stop = &stop;
         // The only thread: a failed start leaves none behind (its token is dropped with it).

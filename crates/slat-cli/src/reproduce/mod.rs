@@ -465,11 +465,11 @@ fn cost_profile(a: &ReproduceArgs) -> CliResult<Option<String>> {
     Ok(Some(s))
 }
 
-/// `before` and `after` run alternately, `ctx.repeat` rounds (so that a change in the host's
-/// load falls on both sides), and their figures' medians.
 /// More runs a real-time command gets when its figure came out of every run empty.
 const EMPTY_RETRIES: usize = 3;
 
+/// `before` and `after` run alternately, `ctx.repeat` rounds (so that a change in the host's
+/// load falls on both sides), and their figures' medians.
 fn pair(
     runner: &mut Runner,
     e: &Experiment,
