@@ -29,17 +29,7 @@ pub fn native_baseline<C: Default + Send>(
     params: PassParams,
 ) -> Result<PassReport<C>, WorkloadError> {
     checked_total(layout, mem)?;
-    // (offset in `mem`, pages) of vCPU `i`: the layout's own regions, counted from `mem`'s
-    // start (inside `[0, total)`, as checked).
-    let from_zero = Layout {
-        gpa: 0,
-        host: 0,
-        ..layout
-    };
-    let region = |i: usize| {
-        let (_, off, pages) = from_zero.region(i);
-        (off, pages)
-    };
+    let region = |i: usize| region_in_mem(layout, i);
     let base = mem.addr();
     let pool = mem.phantom_pool();
     let oversubscribed =
@@ -106,6 +96,18 @@ pub fn native_baseline<C: Default + Send>(
         vcpus,
         latency: Vec::new(),
     })
+}
+
+/// (offset in the memory, pages) of vCPU `i`'s region: the layout's own region, counted from
+/// the memory's start (inside the region `checked_total` checked).
+fn region_in_mem(layout: Layout, i: usize) -> (u64, u64) {
+    let from_zero = Layout {
+        gpa: 0,
+        host: 0,
+        ..layout
+    };
+    let (_, off, pages) = from_zero.region(i);
+    (off, pages)
 }
 
 /// The calling thread's time since `t0` (elapsed) and `cpu0` (its CPU time then): the CPU
