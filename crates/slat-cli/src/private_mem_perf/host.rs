@@ -4,7 +4,8 @@
 use super::counters::{Counts, Sizes, Snapshot};
 use super::mem::{self, Kind, Region, Sample};
 use super::{
-    gmem, memlock, metric, opt, per_s, runtime, table, Column, Document, PrivateMemPerfArgs, NAME,
+    coarsened, gmem, memlock, metric, opt, per_s, runtime, table, Column, Document,
+    PrivateMemPerfArgs, NAME,
 };
 use crate::error::{CliError, CliResult};
 use crate::output::{ratio_cell, summarize, Better, Metric};
@@ -292,6 +293,12 @@ pub fn print_run(run: &Run, samples_ms: u64) {
     println!("Samples every {samples_ms} ms (GB/s, new 2M splits):");
     for x in &run.rows {
         let s = (x.samples.iter()).map(|s| format!("{:.2}/{}", s.gb_per_s, opt(s.level2_splits)));
-        println!("  {:>13}: {}", x.variant, s.collect::<Vec<_>>().join(" "));
+        let ends: Vec<f64> = x.samples.iter().take(2).map(|s| s.t_s).collect();
+        let note = coarsened(&ends, samples_ms);
+        println!(
+            "  {:>13}: {}{note}",
+            x.variant,
+            s.collect::<Vec<_>>().join(" ")
+        );
     }
 }

@@ -161,7 +161,7 @@ impl Drop for Region {
 #[derive(Debug, Clone, Serialize)]
 pub struct Sample {
     /// End of the interval, seconds from the start of the fill.
-    t_s: f64,
+    pub t_s: f64,
     /// Length of the interval (the last one is usually shorter).
     interval_s: f64,
     /// Bytes faulted in during the interval.

@@ -368,8 +368,69 @@ fn per_s(bytes: u64, d: Duration, unit: f64) -> f64 {
     }
 }
 
-/// Readings of `read` every `every`, after `first`, until `stop` closes; then a last, shorter
-/// interval's, so that even a fill shorter than one interval has one.
+/// At most this many readings of one pass are kept: past it, every other one is dropped
+/// and the interval doubles. A pass has no length bound (in virtual time a cost profile may
+/// make one fault take minutes), and readings kept at a fixed interval would grow with it
+/// until the allocation failed.
+pub(crate) const MAX_READINGS: usize = 1024;
+
+/// Readings taken every `every` from a first one at time 0, coarsened past
+/// [`MAX_READINGS`]: the kept ones stay evenly spaced, each with its own time.
+pub(crate) struct Readings<D, T> {
+    every: Duration,
+    out: Vec<(D, T)>,
+}
+
+impl<D, T> Readings<D, T> {
+    pub(crate) fn new(every: Duration, first: (D, T)) -> Self {
+        Readings {
+            every,
+            out: vec![first],
+        }
+    }
+
+    /// How long to wait before the next reading.
+    pub(crate) fn every(&self) -> Duration {
+        self.every
+    }
+
+    /// The reading due `every` after the last: past [`MAX_READINGS`] (one more, an odd
+    /// count, so the latest has an even index and is kept; the next reading, due the doubled
+    /// interval after it, falls on the doubled grid) the odd ones go and the interval doubles.
+    pub(crate) fn push(&mut self, r: (D, T)) {
+        self.out.push(r);
+        if self.out.len() > MAX_READINGS {
+            let mut i = 0;
+            self.out.retain(|_| {
+                i += 1;
+                i % 2 == 1
+            });
+            self.every = self.every.saturating_mul(2);
+        }
+    }
+
+    /// The readings, with `last` (taken off the grid, when the pass ended) after them.
+    pub(crate) fn finish(mut self, last: Option<(D, T)>) -> Vec<(D, T)> {
+        self.out.extend(last);
+        self.out
+    }
+}
+
+/// What a row's samples say after its label when they were coarsened ([`Readings`]): the
+/// interval they were kept at, from the end of the first (readings start at time 0).
+pub(crate) fn coarsened(first_two_ends: &[f64], samples_ms: u64) -> String {
+    match first_two_ends {
+        [t, _, ..] if (t * 1e3).round() as u64 > samples_ms => format!(
+            " (every {:.0} ms: at most {MAX_READINGS} readings are kept)",
+            t * 1e3
+        ),
+        _ => String::new(),
+    }
+}
+
+/// Readings of `read` every `every` (coarsened as [`Readings`] says), after `first`, until
+/// `stop` closes; then a last, shorter interval's, so that even a fill shorter than one
+/// interval has one.
 fn readings<T>(
     every: Duration,
     stop: mpsc::Receiver<()>,
@@ -377,15 +438,15 @@ fn readings<T>(
     mut read: impl FnMut() -> T,
 ) -> Vec<(Instant, T)> {
     let mut last = first.0;
-    let mut out = vec![first];
+    let mut out = Readings::new(every, first);
     loop {
-        let wait = (last + every).saturating_duration_since(Instant::now());
+        let wait = (last + out.every()).saturating_duration_since(Instant::now());
         let end = !matches!(stop.recv_timeout(wait), Err(RecvTimeoutError::Timeout));
         last = Instant::now();
-        out.push((last, read()));
         if end {
-            return out;
+            return out.finish(Some((last, read())));
         }
+        out.push((last, read()));
     }
 }
 
@@ -431,4 +492,49 @@ fn print_summary(repeat: usize, rows: &[(Option<String>, &MetricSummary)]) {
         })
         .collect();
     print_table(&head, &rows);
+}
+
+#[cfg(test)]
+mod readings_tests {
+    use super::{coarsened, Readings, MAX_READINGS};
+    use std::time::Duration;
+
+    /// A reading every `every` (its index as its time, in units of the first interval), for
+    /// any number of them: at most MAX_READINGS kept, evenly spaced on the doubled grid, the
+    /// first, the latest and the off-grid last always kept.
+    #[test]
+    fn readings_stay_bounded_and_evenly_spaced() {
+        // Each doubling takes MAX_READINGS / 2 readings, over twice the time of the last: 20
+        // doublings are 10^5 times the first run's length.
+        for n in [0u64, 1, 1023, 1024, 1025, 2048, 5000, 10_000] {
+            let mut r = Readings::new(Duration::from_millis(100), (0u64, ()));
+            let mut t = 0;
+            for _ in 0..n {
+                // The caller waits `every` before each reading.
+                t += r.every().as_millis() as u64 / 100;
+                r.push((t, ()));
+            }
+            let every = r.every().as_millis() as u64 / 100;
+            let out = r.finish(Some((t * 10 + 7, ())));
+            assert!(out.len() <= MAX_READINGS + 1, "{n}: {}", out.len());
+            assert_eq!(out[0].0, 0, "{n}");
+            assert_eq!(out.last().map(|x| x.0), Some(t * 10 + 7), "{n}");
+            let grid = &out[..out.len() - 1];
+            let step = grid.get(1).map_or(every, |x| x.0);
+            assert!(grid.windows(2).all(|w| w[1].0 - w[0].0 == step), "{n}");
+            assert_eq!(step, every, "{n}: the next reading is due on the kept grid");
+            assert_eq!(
+                grid.last().map(|x| x.0),
+                Some(t),
+                "{n}: the latest reading is kept"
+            );
+        }
+    }
+
+    #[test]
+    fn a_coarsened_row_says_its_interval() {
+        assert_eq!(coarsened(&[0.1, 0.2], 100), "");
+        assert_eq!(coarsened(&[0.05], 100), "");
+        assert!(coarsened(&[0.4, 0.8], 100).contains("every 400 ms"));
+    }
 }

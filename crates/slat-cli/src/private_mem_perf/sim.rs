@@ -6,8 +6,8 @@
 //! from the same run, samples of the fault-in rate, and the conversion back to shared.
 
 use super::{
-    metric, per_s, readings, runtime, sim_variants, table, Column, Document, PrivateMemPerfArgs,
-    NAME,
+    coarsened, metric, per_s, readings, runtime, sim_variants, table, Column, Document,
+    PrivateMemPerfArgs, Readings, NAME,
 };
 use crate::error::{CliError, CliResult};
 use crate::output::{ratio_cell, summarize, Better, Metric, MetricSummary};
@@ -450,11 +450,11 @@ fn sampled_virtual<F: PteFormat>(
             .name("sampler".into())
             .spawn_scoped(s, move || {
                 token.attach();
-                let mut out = vec![(Duration::ZERO, first)];
+                let mut out = Readings::new(every, (Duration::ZERO, first));
                 // A tick after the pass ended reads nothing: the host reads the last sample at
                 // the end.
                 loop {
-                    virtual_time::sleep(every);
+                    virtual_time::sleep(out.every());
                     if stop.load(Ordering::Acquire) {
                         break;
                     }
@@ -462,7 +462,7 @@ fn sampled_virtual<F: PteFormat>(
                     progress.tick(start.elapsed(), map.stats().accepted);
                 }
                 drop(token);
-                out
+                out.finish(None)
             })
             .map_err(|e| runtime(format!("cannot start the sampler: {e}")))?;
         let pass = m.run_pass(PassParams::default());
@@ -587,6 +587,12 @@ pub fn print_run(run: &Run, samples_ms: u64) {
             .samples
             .iter()
             .map(|s| format!("{:.2}/{}", s.gb_per_s, s.splits));
-        println!("  {:>22}: {}", x.label(), s.collect::<Vec<_>>().join(" "));
+        let ends: Vec<f64> = x.samples.iter().take(2).map(|s| s.t_s).collect();
+        let note = coarsened(&ends, samples_ms);
+        println!(
+            "  {:>22}: {}{note}",
+            x.label(),
+            s.collect::<Vec<_>>().join(" ")
+        );
     }
 }

@@ -499,3 +499,57 @@ fn sim_plot_draws_each_variant_with_its_spread() {
         assert!(svg.contains(text), "{text}: {svg}");
     }
 }
+
+/// A profile whose every cost and model time is `ns`: the built-in host profile's numbers
+/// replaced, so that every entry it needs is there.
+fn profile_with_every_cost(ns: &str, name: &str) -> std::path::PathBuf {
+    let builtin = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../slat-vt/profiles/host-2core-nested.toml"
+    );
+    let text = std::fs::read_to_string(builtin).expect("the built-in profile");
+    let out: Vec<String> = (text.lines())
+        .map(|l| match l.starts_with("ns = ") {
+            true => format!("ns = {ns}"),
+            false => l.to_string(),
+        })
+        .collect();
+    let path = std::env::temp_dir().join(format!("slat-pmp-{}-{name}.toml", std::process::id()));
+    std::fs::write(&path, out.join("\n")).expect("write the profile");
+    path
+}
+
+/// The sampler reads every 100 ms of virtual time, and a profile may make a fault-in last
+/// hours of it (every cost 1 s here): the samples must stay bounded, evenly coarsened, not
+/// grow until the allocation aborts the process (as they did, with every cost at the
+/// largest value a profile allows).
+#[test]
+fn sim_samples_stay_bounded_however_long_the_virtual_fault_in() {
+    let path = profile_with_every_cost("1e9", "slow");
+    let p = path.to_str().expect("utf-8 temp path");
+    let args = [
+        "private-mem-perf",
+        "--backend",
+        "sim",
+        "-b",
+        "1M",
+        "-v",
+        "1",
+    ];
+    let more = ["--clock", "virtual", "--cost-profile", p];
+    let doc = common::json(&[&args[..], &more[..]].concat());
+    schema::validate(FILE, &doc);
+    for row in doc["runs"][0]["rows"].as_array().expect("rows") {
+        let s = row["samples"].as_array().expect("samples");
+        assert!((2..=1024).contains(&s.len()), "{} samples", s.len());
+        let t: Vec<f64> = s.iter().map(|x| n(&x["t_s"])).collect();
+        // Coarsened (the spacing is `Readings`' unit test: with 1 s costs a reading is taken
+        // whenever the sampler next runs after its sleep, seconds late).
+        assert!(t[0] > 0.1, "first interval {} s: not coarsened", t[0]);
+        assert!(t.windows(2).all(|w| w[1] > w[0]), "{t:?}");
+    }
+    let (code, out, err) = slat(&[&args[..], &more[..]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("at most 1024 readings are kept"), "{out}");
+    let _ = std::fs::remove_file(path);
+}
