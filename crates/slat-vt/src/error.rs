@@ -37,7 +37,8 @@ pub enum ProfileError {
 
 /// Why a simulation failed, or a request to it was refused.
 ///
-/// A failure ([`Deadlock`](SimError::Deadlock), [`Watchdog`](SimError::Watchdog)) is sticky:
+/// A failure ([`Deadlock`](SimError::Deadlock), [`Watchdog`](SimError::Watchdog),
+/// [`Stalled`](SimError::Stalled)) is sticky:
 /// every later hook of the simulation sees it and behaves as real time, so the simulated
 /// threads run to their end and the caller reports the error (the CLI exits 1).
 #[derive(Debug, Clone, PartialEq, Error)]
@@ -76,6 +77,15 @@ pub enum SimError {
     Watchdog {
         /// The watchdog's period, ms.
         ms: u64,
+        /// Every CPU's clock and state, one line each.
+        report: String,
+    },
+    /// Scheduler calls kept coming without a simulated CPU's clock advancing: the profile
+    /// makes the work being simulated free, so virtual time stands still.
+    #[error("virtual time: {calls} scheduler calls in a row without the calling CPU's clock advancing (the cost profile makes the simulated work free, so a wait for virtual time would never end):\n{report}")]
+    Stalled {
+        /// The calls.
+        calls: u64,
         /// Every CPU's clock and state, one line each.
         report: String,
     },

@@ -59,6 +59,8 @@ pub(crate) struct Cpu {
     /// simulation order then is fixed, whatever it was doing in real time when it was found
     /// owing (a detached CPU re-attaches at a real moment).
     pub(crate) owed: u64,
+    /// Its clock at its previous scheduler call (whether it advanced since).
+    entered_at: u64,
 }
 
 /// Whom to unpark once the state's mutex is released.
@@ -104,7 +106,17 @@ pub(crate) struct Inner {
     /// The baton holder is blocked outside the simulation on purpose ([`crate::hold_while`]):
     /// the watchdog lets it be.
     pub(crate) holding_outside: bool,
+    /// Scheduler calls in a row at which the calling CPU's clock had not advanced since its
+    /// previous one ([`STILL_CALLS`]).
+    still: u64,
 }
+
+/// Scheduler calls in a row without the calling CPU's clock advancing after which the
+/// simulation fails ([`SimError::Stalled`]). Every cost of a real profile is charged on the
+/// way between two calls, so only a profile that makes the simulated work free gets near
+/// this (tens of millions of calls, seconds of wall time); with one, a wait for virtual
+/// time (a harvest interval, a sampler) would never end.
+pub(crate) const STILL_CALLS: u64 = 1 << 25;
 
 /// One simulation's state, shared by its CPUs' threads, the `Sim` and the watchdog.
 #[derive(Debug)]
@@ -237,6 +249,7 @@ impl Shared {
             lookahead: m.lookahead.ps(),
             handovers: Vec::new(),
             holding_outside: false,
+            still: 0,
         };
         Shared {
             inner: Mutex::new(inner),
@@ -259,6 +272,17 @@ impl Shared {
         g.calls += 1;
         if let Some(c) = g.cpus.get_mut(b.idx) {
             c.clock = b.clock.get().saturating_add(std::mem::take(&mut c.owed));
+            let advanced = c.clock > c.entered_at;
+            c.entered_at = c.clock;
+            g.still = if advanced { 0 } else { g.still + 1 };
+        }
+        if g.still >= STILL_CALLS {
+            let (calls, report) = (g.still, g.report());
+            let u = g.fail(SimError::Stalled { calls, report });
+            drop(g);
+            u.run();
+            b.mode.set(Mode::Failed);
+            return None;
         }
         g.forget_freed();
         Some(g)
@@ -385,6 +409,7 @@ impl Inner {
             cpu_clock: None,
             granted: false,
             owed: 0,
+            entered_at: clock,
         });
         self.ready.insert((clock, rank, idx));
         idx

@@ -122,3 +122,29 @@ fn registering_more_than_the_limit_is_an_error() {
     drop(handles);
     sim.finish().expect("registered and exited without running");
 }
+
+/// A profile that makes the simulated work free (here: an RMW on a line the CPU holds, with
+/// `rmw_local` 0) lets a CPU that waits for virtual time to pass (a sampler, a harvest
+/// interval) wait forever while the others run at time 0: the simulation fails instead, with
+/// every CPU's state, and the threads get back to their callers.
+#[test]
+fn virtual_time_standing_still_fails_instead_of_running_forever() {
+    let sim = common::sim(common::profile(), 0);
+    let word = AtomicU64::new(0);
+    let woke = AtomicBool::new(false);
+    common::run(&sim, 2, |i| {
+        if i == 0 {
+            assert!(slat_vt::sleep_current(1_000_000));
+            woke.store(true, Ordering::Release);
+        } else {
+            // Free work until the sleeper wakes: in virtual time it never does.
+            while !woke.load(Ordering::Acquire) {
+                Virtual::rmw(addr_of(&word));
+            }
+        }
+    });
+    let e = sim.finish().unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, SimError::Stalled { .. }), "{msg}");
+    assert!(msg.contains("`cpu0`") && msg.contains("`cpu1`"), "{msg}");
+}
