@@ -62,7 +62,9 @@ pub struct PrivateMemPerfArgs {
     #[arg(short = 'b', value_parser = guest_size, default_value = "256M")]
     pub bytes: u64,
     /// Milliseconds between two samples of the fill rate and the direct-map counters
-    /// (100-1000); the last sample of a fill is the shorter remainder.
+    /// (100-1000); the last sample of a fill is the shorter remainder. A fill longer than
+    /// 1024 samples keeps every other one and doubles the interval, as often as needed (the
+    /// text says so after the row).
     #[arg(long = "samples-ms", value_name = "MS", value_parser = clap::value_parser!(u64).range(100..=1000), default_value_t = 100)]
     pub samples_ms: u64,
     /// The machine: `host` (this host's kernel, memfd_secret; the direct-map entries it splits
