@@ -408,6 +408,12 @@ fn exit(status: ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
         (Some(c), _) => format!("exit status {c}"),
+        // SIGKILL from nobody the user knows of is most often the kernel's out-of-memory
+        // killer: each seed-scale run takes gigabytes, and `--jobs` runs several at once.
+        (None, Some(libc::SIGKILL)) => format!(
+            "killed by signal {} (SIGKILL: if no one sent it, likely the kernel's out-of-memory killer; fewer --jobs run fewer at once)",
+            libc::SIGKILL
+        ),
         (None, Some(sig)) => format!("killed by signal {sig}"),
         (None, None) => "ended".into(),
     }
@@ -416,6 +422,15 @@ fn exit(status: ExitStatus) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_killed_worker_says_how() {
+        use std::os::unix::process::ExitStatusExt;
+        // Raw wait statuses: a signal number alone, an exit code shifted left by 8.
+        assert!(exit(ExitStatus::from_raw(9)).contains("out-of-memory killer"));
+        assert_eq!(exit(ExitStatus::from_raw(15)), "killed by signal 15");
+        assert_eq!(exit(ExitStatus::from_raw(1 << 8)), "exit status 1");
+    }
 
     #[test]
     fn a_workers_error_is_its_last_line_without_the_prefix() {
