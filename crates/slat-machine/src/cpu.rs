@@ -122,7 +122,7 @@ pub struct Cpu<F: PteFormat> {
     /// private page"): the walker faults when an access's kind disagrees with its leaf's.
     rmp: Option<(u64, u64)>,
     /// This thread as a host CPU of the direct map, online exactly while in guest mode.
-    host: Option<(HostCpu, Option<Online>)>,
+    host: Option<(HostCpu, Option<Online<F::Clock>>)>,
     /// The pool guest data accesses go to when guest memory is phantom
     /// ([`Cpu::set_phantom`]), 0 otherwise: one predictable test per access.
     phantom_pool: u64,
@@ -289,7 +289,7 @@ impl<F: PteFormat> Cpu<F> {
     #[cold]
     fn host_online(&mut self) {
         if let Some((cpu, online)) = &mut self.host {
-            let token = cpu.online();
+            let token = cpu.online_with::<F::Clock>();
             if token.requests_at_entry() != 0 {
                 self.counters.kernel_tlb_flushes += 1;
                 cpu.service_with::<F::Clock>(|| {});
@@ -652,6 +652,12 @@ impl<F: PteFormat> Drop for Cpu<F> {
         // Leave guest mode and give the physical CPU back; dropping the vCPU then removes it
         // from the VM's flush protocol.
         self.exit();
+        // Offline now (the exit); out of the direct map's flush protocol on this thread's
+        // clock, whose lock a flusher may hold while it waits.
+        if let Some((host, online)) = self.host.take() {
+            drop(online);
+            host.leave_with::<F::Clock>();
+        }
     }
 }
 

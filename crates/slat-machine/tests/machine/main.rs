@@ -11,6 +11,7 @@ mod aging_oracle;
 mod clock_hooks;
 mod conversion;
 mod dirty_oracle;
+mod host_cpu_flush;
 mod overcommit;
 mod phantom;
 mod private_memory;

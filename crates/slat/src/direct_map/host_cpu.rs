@@ -16,17 +16,24 @@ type MapHandle = std::sync::Arc<DirectMap>;
 pub struct HostCpu {
     map: MapHandle,
     link: Arc<VcpuLink>,
+    /// Still in the flush protocol (until [`HostCpu::leave_with`] or the drop).
+    joined: bool,
 }
 
 /// Proof that a [`HostCpu`] is online: while one lives, every kernel TLB flush waits for the
 /// CPU to acknowledge with [`HostCpu::service`] (at its next access boundary). Take it only
 /// while the thread runs and checks for requests; drop it before the thread blocks (on a
 /// lock, a sleep, or a flush of its own), or a flusher would wait for it.
+///
+/// `C` is the clock its coming online and going offline are reported to: a flusher waiting
+/// in virtual time watches the CPU's mode word, and only a store reported to the simulation
+/// wakes it (unreported, a CPU that went offline instead of acknowledging left the flusher
+/// waiting forever).
 #[must_use = "dropping the token takes the CPU offline"]
 #[derive(Debug)]
-pub struct Online(#[allow(dead_code)] GuestMode);
+pub struct Online<C: Clock = RealTime>(#[allow(dead_code)] GuestMode<C>);
 
-impl Online {
+impl<C: Clock> Online<C> {
     /// Requests that were pending when the CPU came online: service them first.
     pub fn requests_at_entry(&self) -> u32 {
         self.0.requests_at_entry()
@@ -37,12 +44,21 @@ impl HostCpu {
     pub(super) fn join(map: MapHandle) -> HostCpu {
         let link = Arc::new(VcpuLink::new());
         map.mmu.flush.join::<RealTime>(link.clone());
-        HostCpu { map, link }
+        HostCpu {
+            map,
+            link,
+            joined: true,
+        }
     }
 
     /// Comes online (see [`Online`]).
     pub fn online(&mut self) -> Online {
-        Online(VcpuLink::enter_guest(&self.link))
+        self.online_with::<RealTime>()
+    }
+
+    /// [`Self::online`], its mode changes reported to clock `C` (the thread's own).
+    pub fn online_with<C: Clock>(&mut self) -> Online<C> {
+        Online(VcpuLink::enter_guest::<C>(&self.link))
     }
 
     /// Requests pending now (one relaxed load: cheap enough for every access boundary).
@@ -67,6 +83,15 @@ impl HostCpu {
         self.map.mmu.flush.service::<C>(&self.link, flush_tlb)
     }
 
+    /// Leaves the flush protocol now, the wait for the protocol's lock reported to clock `C`:
+    /// a thread simulated in virtual time must not block outside the simulation, and a
+    /// flusher holds that lock while it waits for acknowledgements. Dropping a `HostCpu`
+    /// leaves with the real-time clock.
+    pub fn leave_with<C: Clock>(mut self) {
+        self.map.mmu.flush.leave::<C>(&self.link);
+        self.joined = false;
+    }
+
     /// The direct map this CPU caches.
     pub fn direct_map(&self) -> &MapHandle {
         &self.map
@@ -75,6 +100,8 @@ impl HostCpu {
 
 impl Drop for HostCpu {
     fn drop(&mut self) {
-        self.map.mmu.flush.leave::<RealTime>(&self.link);
+        if self.joined {
+            self.map.mmu.flush.leave::<RealTime>(&self.link);
+        }
     }
 }
