@@ -360,6 +360,11 @@ impl SimThreads for Threads {
         Ok(Box::new(Token(h)))
     }
 
+    fn register_observer(&self, name: &str) -> Result<Box<dyn ThreadToken>, String> {
+        let h = self.0.register_observer(name).map_err(|e| e.to_string())?;
+        Ok(Box::new(Token(h)))
+    }
+
     fn step_out(&self) {
         // Only misuse (a thread that runs no CPU) fails, and then there is nothing to leave.
         let _ = slat_vt::detach_current();

@@ -16,6 +16,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 pub trait SimThreads: Send + Sync {
     /// Registers the thread about to be spawned as `name`.
     fn register(&self, name: &str) -> Result<Box<dyn ThreadToken>, String>;
+    /// Registers a thread that only reads and sleeps (a sampler): it cannot wake a blocked
+    /// thread, so it must not keep a deadlock of the others running. By default an ordinary
+    /// [`register`](Self::register).
+    fn register_observer(&self, name: &str) -> Result<Box<dyn ThreadToken>, String> {
+        self.register(name)
+    }
     /// The calling (registered) thread leaves the simulation to block on something outside
     /// it: a join.
     fn step_out(&self);

@@ -61,6 +61,9 @@ pub(crate) struct Cpu {
     pub(crate) owed: u64,
     /// Its clock at its previous scheduler call (whether it advanced since).
     entered_at: u64,
+    /// It only reads and sleeps ([`crate::Sim::register_observer`]): it can never wake a
+    /// blocked CPU, so it does not keep a deadlock from being one.
+    pub(crate) observer: bool,
 }
 
 /// Whom to unpark once the state's mutex is released.
@@ -410,6 +413,7 @@ impl Inner {
             granted: false,
             owed: 0,
             entered_at: clock,
+            observer: false,
         });
         self.ready.insert((clock, rank, idx));
         idx
@@ -422,6 +426,10 @@ impl Inner {
         self.baton = None;
         self.raise_floor();
         if let Some((_, _, j)) = self.ready.pop_first() {
+            if self.cpus.get(j).is_some_and(|c| c.observer) && self.only_observers_can_run() {
+                let report = self.report();
+                return self.fail(SimError::Deadlock { report });
+            }
             self.baton = Some(j);
             self.switches += 1;
             return match self.cpus.get(j).and_then(|c| c.thread.clone()) {
@@ -439,6 +447,21 @@ impl Inner {
             return self.fail(SimError::Deadlock { report });
         }
         Unpark::None
+    }
+
+    /// Every CPU but the observers is blocked or gone, some blocked, none outside the
+    /// simulation: the observers would run on through virtual time (a sampler ticking
+    /// forever) while nothing they do can wake the others.
+    fn only_observers_can_run(&self) -> bool {
+        let mut blocked = false;
+        for c in self.cpus.iter().filter(|c| !c.observer) {
+            match c.state {
+                State::Blocked(_) => blocked = true,
+                State::Runnable | State::Detached => return false,
+                State::Exited => {}
+            }
+        }
+        blocked
     }
 
     /// Makes the models forget the blocks the calling thread freed since its last hook

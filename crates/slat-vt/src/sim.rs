@@ -137,6 +137,20 @@ impl Sim {
         })
     }
 
+    /// [`register`](Self::register)s an observer: a CPU that only reads what the others
+    /// write and sleeps (a sampler, a progress timer). It cannot wake a blocked CPU, so when
+    /// every other CPU is blocked the simulation fails as deadlocked, where an ordinary
+    /// sleeper would keep it running through virtual time forever. An observer that writes
+    /// a line another CPU spins on, or releases a lock, breaks this contract: declare such a
+    /// CPU with `register`.
+    pub fn register_observer(&self, name: &str) -> Result<CpuHandle, SimError> {
+        let h = self.register(name)?;
+        if let Some(c) = self.shared.inner.lock().cpus.get_mut(h.idx) {
+            c.observer = true;
+        }
+        Ok(h)
+    }
+
     pub(crate) fn shared(&self) -> &Arc<Shared> {
         &self.shared
     }

@@ -438,7 +438,8 @@ fn sampled_virtual<F: PteFormat>(
     sim: &dyn SimThreads,
     every: Duration,
 ) -> CliResult<Sampled> {
-    let mut token = sim.register("sampler").map_err(runtime)?;
+    // An observer: it only reads the map's counters, so a deadlock of the vCPUs is one.
+    let mut token = sim.register_observer("sampler").map_err(runtime)?;
     let stop = AtomicBool::new(false);
     let start = Stopwatch::start();
     let first = map.stats();
