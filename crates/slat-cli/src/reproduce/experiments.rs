@@ -301,7 +301,7 @@ const S003: Scale = Scale {
         // Phantom memory although 16 GiB would pass the benchmark's check: that much real
         // memory (17 GB resident) is most of this shared host's.
         flags: "-v 128 -b 128M --phantom",
-        note: "scaled for reproduce all's 45 minutes: the seed's 128 vCPUs, each faulting in 128 MiB instead of 5 GiB (16 GiB of phantom memory instead of 640 GB); --full-scale runs -v 128 -b 5G, about 1.4 hours",
+        note: "scaled for reproduce all's 45 minutes: the seed's 128 vCPUs, each faulting in 128 MiB instead of 5 GiB (16 GiB of phantom memory instead of 640 GB); --full-scale runs -v 128 -b 5G, about 2 hours",
     }),
     ..scale("-v 128 -b 5G", "-v 2 -b 512M", "-v 1 -b 32M")
 };

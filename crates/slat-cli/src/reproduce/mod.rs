@@ -88,8 +88,8 @@ pub struct ReproduceArgs {
     pub quick: bool,
     /// With --clock virtual: every seed at its own scale, also where `reproduce` scales one
     /// down to keep `all` within 45 minutes on this host: 003's 128 vCPUs faulting in 640 GB
-    /// (about 1.4 hours; without this flag they fault in 16 GiB) and 002's shadow-paging guest
-    /// benchmark (about 18 minutes more); the scaled rows say so.
+    /// (about 2 hours with two at once; without this flag they fault in 16 GiB) and 002's
+    /// shadow-paging guest benchmark (about 18 minutes more); the scaled rows say so.
     #[arg(long)]
     pub full_scale: bool,
     /// Print one JSON document (schema: crates/slat-cli/schema/reproduce.json) instead of the
