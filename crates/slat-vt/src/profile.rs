@@ -18,6 +18,14 @@ use crate::error::ProfileError;
 /// The largest accepted number, in ns (1000 s): picoseconds of it still fit `u64` many times.
 const MAX_NS: f64 = 1e12;
 
+/// The costs that may be negative: a fault path's own cost is what the whole path measured
+/// less what its parts charge, and parts each measured in a hot loop can add up to more than
+/// the whole, whose memory accesses overlap. A negative one is an *overlap credit*: charging
+/// it sets the CPU's credit, which the charges after it (the rest of the fault) use up, so
+/// the path costs what it measured and no clock ever moves back
+/// (docs/design/virtual-time.md §5).
+const SIGNED_COSTS: [&str; 2] = ["fast_fault", "slow_fault"];
+
 /// The profile names of [`Cost::ALL`], in the same order.
 const COST_NAMES: [&str; Cost::ALL.len()] = [
     "walk_step",
@@ -97,10 +105,22 @@ impl Entry {
         }
     }
 
-    /// The value in picoseconds (valid entries only: [`Profile::validate`] ran).
+    /// The value in picoseconds (valid entries only: [`Profile::validate`] ran); 0 for a
+    /// negative one (an overlap credit: [`Entry::credit_ps`]).
     pub(crate) fn ps(&self) -> u64 {
-        // Validated to [0, MAX_NS]: the product is finite, non-negative and below 2^60.
+        // Validated to [-MAX_NS, MAX_NS]: the product is finite and below 2^60 in magnitude;
+        // `as` saturates a negative one to 0.
         (self.ns * 1000.0).round() as u64
+    }
+
+    /// A negative value's magnitude in picoseconds (0 for a non-negative one).
+    pub(crate) fn credit_ps(&self) -> u64 {
+        (-self.ns * 1000.0).round() as u64
+    }
+
+    /// The value in signed picoseconds (valid entries only).
+    fn signed_ps(&self) -> i64 {
+        (self.ns * 1000.0).round() as i64
     }
 }
 
@@ -212,11 +232,16 @@ impl Profile {
     }
 
     /// Checks that every cost is present, no unknown one is, and every number is finite and
-    /// within [0, 10^12] ns (`retention` and `fair_every` above zero).
+    /// within [0, 10^12] ns (`fast_fault` and `slow_fault` within ±10^12: overlap credits;
+    /// `retention` and `fair_every` above zero).
     pub fn validate(&self) -> Result<(), ProfileError> {
         for name in COST_NAMES {
             let e = self.costs.get(name).ok_or(ProfileError::Missing(name))?;
-            check_value(name, e)?;
+            if SIGNED_COSTS.contains(&name) {
+                check_signed(name, e)?;
+            } else {
+                check_value(name, e)?;
+            }
         }
         if let Some(unknown) = self
             .costs
@@ -251,12 +276,23 @@ impl Profile {
         t
     }
 
+    /// Every cost's overlap credit in picoseconds (non-zero only for a negative
+    /// [`SIGNED_COSTS`] entry), indexed like [`Cost::ALL`].
+    pub(crate) fn credit_table(&self) -> [u64; Cost::ALL.len()] {
+        let mut t = [0u64; Cost::ALL.len()];
+        for (slot, name) in t.iter_mut().zip(COST_NAMES) {
+            *slot = self.costs.get(name).map_or(0, Entry::credit_ps);
+        }
+        t
+    }
+
     /// The canonical form the hash covers: every value as integer picoseconds, in a fixed
-    /// order, then the policy. Names and sources are not part of it.
+    /// order, then the policy. Names and sources are not part of it. (Signed: a credit hashes
+    /// apart from a zero cost; a non-negative value prints as it always did.)
     pub fn canonical(&self) -> String {
         let mut s = String::new();
         for name in COST_NAMES {
-            let ps = self.costs.get(name).map_or(0, Entry::ps);
+            let ps = self.costs.get(name).map_or(0, Entry::signed_ps);
             s.push_str(&format!("costs.{name}={ps}\n"));
         }
         for (name, e) in self.model.entries() {
@@ -313,6 +349,14 @@ impl Profile {
 
 fn check_value(name: &'static str, e: &Entry) -> Result<(), ProfileError> {
     if e.ns.is_finite() && (0.0..=MAX_NS).contains(&e.ns) {
+        Ok(())
+    } else {
+        Err(ProfileError::BadValue { name, value: e.ns })
+    }
+}
+
+fn check_signed(name: &'static str, e: &Entry) -> Result<(), ProfileError> {
+    if e.ns.is_finite() && (-MAX_NS..=MAX_NS).contains(&e.ns) {
         Ok(())
     } else {
         Err(ProfileError::BadValue { name, value: e.ns })
@@ -381,6 +425,46 @@ mod tests {
             Profile::from_toml("name = 3"),
             Err(ProfileError::Parse(_))
         ));
+    }
+
+    #[test]
+    fn only_the_fault_paths_may_be_negative() {
+        let mut p = Profile::host_default();
+        p.set_cost(Cost::SlowFault, Entry::new(0.0, "x"));
+        let zero = p.hash();
+        p.set_cost(Cost::SlowFault, Entry::new(-31.8, "x"));
+        p.set_cost(Cost::FastFault, Entry::new(-17.8, "x"));
+        p.validate().unwrap();
+        assert_ne!(p.hash(), zero, "a credit must not hash like a zero cost");
+        assert_eq!(p.cost_table()[cost_index(Cost::SlowFault).unwrap()], 0);
+        assert_eq!(
+            p.credit_table()[cost_index(Cost::SlowFault).unwrap()],
+            31_800
+        );
+        assert_eq!(
+            p.credit_table()[cost_index(Cost::FastFault).unwrap()],
+            17_800
+        );
+        assert_eq!(p.credit_table().iter().filter(|c| **c > 0).count(), 2);
+        let q = Profile::from_toml(&p.to_toml().unwrap()).unwrap();
+        assert_eq!(p.hash(), q.hash());
+        for bad in [-1e13, f64::NEG_INFINITY, f64::NAN] {
+            let mut r = p.clone();
+            r.set_cost(Cost::SlowFault, Entry::new(bad, "x"));
+            assert!(matches!(r.validate(), Err(ProfileError::BadValue { .. })));
+        }
+        let mut r = p.clone();
+        r.set_cost(Cost::TlbHit, Entry::new(-1.0, "x"));
+        assert!(matches!(
+            r.validate(),
+            Err(ProfileError::BadValue {
+                name: "tlb_hit",
+                ..
+            })
+        ));
+        r.model.dram_miss.ns = -1.0;
+        r.set_cost(Cost::TlbHit, Entry::new(1.0, "x"));
+        assert!(matches!(r.validate(), Err(ProfileError::BadValue { .. })));
     }
 
     #[test]

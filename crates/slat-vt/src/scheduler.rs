@@ -127,6 +127,8 @@ pub(crate) struct Shared {
     pub(crate) inner: Mutex<Inner>,
     /// Every [`Cost`] in ps, indexed like [`Cost::ALL`].
     pub(crate) costs: [u64; Cost::ALL.len()],
+    /// Every [`Cost`]'s overlap credit in ps (a negative fault-path cost), indexed likewise.
+    pub(crate) credits: [u64; Cost::ALL.len()],
     pub(crate) profile: Profile,
     pub(crate) seed: u64,
     pub(crate) transfer: u64,
@@ -154,6 +156,9 @@ pub(crate) struct Bound {
     pub(crate) mode: Cell<Mode>,
     /// Charges since the CPU last stopped running, by [`Cost::ALL`] index (no lock taken).
     pub(crate) charges: [Cell<u64>; Cost::ALL.len()],
+    /// Overlap credit left, ps: set by a fault path's negative cost, used up by the charges
+    /// after it (`Virtual::charge`).
+    pub(crate) credit: Cell<u64>,
 }
 
 impl Bound {
@@ -165,6 +170,7 @@ impl Bound {
             clock: Cell::new(0),
             mode: Cell::new(Mode::Running),
             charges: Default::default(),
+            credit: Cell::new(0),
         }
     }
 
@@ -257,6 +263,7 @@ impl Shared {
         Shared {
             inner: Mutex::new(inner),
             costs: profile.cost_table(),
+            credits: profile.credit_table(),
             transfer: m.line_transfer.ps(),
             rmw_local: m.rmw_local.ps(),
             profile,

@@ -217,9 +217,8 @@ unsafe impl Clock for Virtual {
                 match c.as_ref() {
                     Some(b) if b.mode.get() == Mode::Running => {
                         if let Some(i) = cost_index(cost) {
-                            let ps = b.shared.costs[i];
-                            b.clock
-                                .set(b.clock.get().saturating_add(ps.saturating_mul(n)));
+                            let ps = b.shared.costs[i].saturating_mul(n);
+                            b.clock.set(b.clock.get().saturating_add(pay(&b, i, n, ps)));
                             if let Some(k) = b.charges.get(i) {
                                 k.set(k.get().wrapping_add(n));
                             }
@@ -242,6 +241,25 @@ unsafe impl Clock for Virtual {
             _ => RealTime::now_ns(),
         }
     }
+}
+
+/// What a charge of `ps` (cost index `i`, `n` times) advances `b`'s clock by: a fault path's
+/// negative cost sets the CPU's overlap credit (and advances nothing); any other charge first
+/// uses up what credit is left. The credit is set, not added: one fault's credit at most, so
+/// a path with too few charges after it cannot bank credit against later work.
+#[inline]
+fn pay(b: &Bound, i: usize, n: u64, ps: u64) -> u64 {
+    let credit = b.shared.credits[i];
+    if credit > 0 {
+        b.credit.set(credit.saturating_mul(n));
+        return 0;
+    }
+    let left = b.credit.get();
+    if left == 0 {
+        return ps;
+    }
+    b.credit.set(left.saturating_sub(ps));
+    ps.saturating_sub(left)
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 //! unit test of the library).
 
 mod common;
+mod credit;
 mod deadlock;
 mod determinism;
 mod flush;
