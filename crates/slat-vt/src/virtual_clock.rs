@@ -218,7 +218,7 @@ unsafe impl Clock for Virtual {
                     Some(b) if b.mode.get() == Mode::Running => {
                         if let Some(i) = cost_index(cost) {
                             let ps = b.shared.costs[i].saturating_mul(n);
-                            b.clock.set(b.clock.get().saturating_add(pay(&b, i, n, ps)));
+                            b.clock.set(b.clock.get().saturating_add(pay(b, i, n, ps)));
                             if let Some(k) = b.charges.get(i) {
                                 k.set(k.get().wrapping_add(n));
                             }
