@@ -23,7 +23,7 @@ const MAX_NS: f64 = 1e12;
 /// the whole, whose memory accesses overlap. A negative one is an *overlap credit*: charging
 /// it sets the CPU's credit, which the charges after it (the rest of the fault) use up, so
 /// the path costs what it measured and no clock ever moves back
-/// (docs/design/virtual-time.md §5).
+/// (docs/design/virtual-time.md, "Overlap credit").
 const SIGNED_COSTS: [&str; 2] = ["fast_fault", "slow_fault"];
 
 /// The profile names of [`Cost::ALL`], in the same order.

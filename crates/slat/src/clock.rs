@@ -67,7 +67,9 @@ pub enum Cost {
     /// the checks, the dirty mark's bookkeeping), apart from what other hooks charge.
     FastFault,
     /// A fault taken by the slow path: its own software work (the memslot lookup, the plan,
-    /// the install's bookkeeping), apart from what other hooks charge.
+    /// the install's bookkeeping), apart from what other hooks charge. It and
+    /// [`Cost::FastFault`] are charged first on their paths, so a profile may make them
+    /// negative: an overlap credit the path's later charges use up (`slat-vt`).
     SlowFault,
     /// One step of the engine's walk to the next entry of the same table (a range walk).
     WalkSide,

@@ -1,6 +1,7 @@
-//! A fault path's negative cost (an overlap credit, docs/design/virtual-time.md §5): charging
-//! it advances nothing and sets the CPU's credit, which the charges after it use up; a clock
-//! never moves back, and a second fault replaces the credit instead of banking more.
+//! A fault path's negative cost (an overlap credit: docs/design/virtual-time.md, "Overlap
+//! credit"): charging it advances nothing and sets the CPU's credit, which the charges after
+//! it use up; a clock never moves back, and a second fault replaces the credit instead of
+//! banking more.
 
 use slat::clock::{Clock, Cost};
 use slat_vt::{Entry, Virtual};
