@@ -408,6 +408,7 @@ fn run_format<F: PteFormat>(
     );
     let m = Machine::<F>::with_sim(cfg, sim.clone()).map_err(|e| e.to_string())?;
     let pinned = pin(a, &m)?;
+    let pinned_cpus = pinned.clone();
     let psize = a.work.backing.page_size().max(PAGE_SIZE);
     let native_ram = GuestRam::new(a.work.backing, total.div_ceil(psize) * psize, prefault)
         .map_err(|e| e.to_string())?;
@@ -439,7 +440,13 @@ fn run_format<F: PteFormat>(
         Ok::<_, String>(())
     };
     let mark = |bitmaps: &mut [IdleBitmap], r: &mut Report| -> Result<(), String> {
-        let m = mark_idle(&vm, bitmaps, flush_mode(a), sim.as_ref())?;
+        let m = mark_idle(
+            &vm,
+            bitmaps,
+            flush_mode(a),
+            sim.as_ref(),
+            pinned_cpus.as_deref(),
+        )?;
         r.lines
             .push(format!("{:<30}: {}", "Mark memory idle", ts(m.time)));
         r.mark_memory_idle.push(m);
@@ -614,6 +621,7 @@ fn mark_idle<F: PteFormat>(
     bitmaps: &mut [IdleBitmap],
     flush: AgeFlush,
     sim: Option<&Arc<dyn SimThreads>>,
+    cpus: Option<&[usize]>,
 ) -> Result<Mark, String> {
     let pages: u64 = bitmaps.iter().map(|b| b.npages()).sum();
     let (reports, time): (Vec<_>, _) = match bitmaps {
@@ -622,7 +630,7 @@ fn mark_idle<F: PteFormat>(
             let r = vm.mark_idle(one, flush, |_, _| {});
             (vec![r], t0.elapsed())
         }
-        many => mark_in_parallel(vm, many, flush, sim)?,
+        many => mark_in_parallel(vm, many, flush, sim, cpus)?,
     };
     let gib = (pages << PAGE_SHIFT) as f64 / (1u64 << 30) as f64;
     let mut m = Mark {
@@ -656,13 +664,15 @@ type AgeResult = Result<AgeReport, slat::FlushError>;
 /// spawns as well measured thread creation, which costs about half a millisecond here (a
 /// nested VM with shadow paging traps the new stacks' mappings), and made a two-thread mark
 /// of 512 MiB take 1.7-2.0 ms on one core against 0.73 ms for one thread marking it all.
-/// In virtual time the host leaves the done gate at the last thread's clock; then it steps
-/// out of the simulation while it joins them.
+/// Pinned (`-c`), marking thread i runs on vCPU i's CPU, as the selftest's vCPU threads mark
+/// on theirs. In virtual time the host leaves the done gate at the last thread's clock; then
+/// it steps out of the simulation while it joins them.
 fn mark_in_parallel<F: PteFormat>(
     vm: &Vm<F>,
     bitmaps: &mut [IdleBitmap],
     flush: AgeFlush,
     sim: Option<&Arc<dyn SimThreads>>,
+    cpus: Option<&[usize]>,
 ) -> Result<(Vec<AgeResult>, Duration), String> {
     let gate = || ClockGate::<F::Clock>::with_parties(bitmaps.len() + 1);
     let (ready, go, done) = (gate(), gate(), gate());
@@ -686,6 +696,12 @@ fn mark_in_parallel<F: PteFormat>(
                     if let Some(t) = token.as_mut() {
                         t.attach();
                     }
+                    let pinned = match cpus.and_then(|c| c.get(i)) {
+                        Some(&cpu) => slat_workload::cpus::pin_thread(0, cpu).map_err(|e| {
+                            format!("-c: cannot pin marking thread {i} to CPU {cpu}: {e}")
+                        }),
+                        None => Ok(()),
+                    };
                     // Abandoned: a later thread could not start, and the run fails.
                     let r = if ready.wait() && go.wait() {
                         vm.mark_idle(b, flush, |_, _| {})
@@ -694,7 +710,7 @@ fn mark_in_parallel<F: PteFormat>(
                     };
                     done.wait();
                     drop(token);
-                    r
+                    pinned.map(|()| r)
                 });
             match t {
                 Ok(h) => hs.push(h),
@@ -720,13 +736,13 @@ fn mark_in_parallel<F: PteFormat>(
         if let Some(sim) = sim {
             sim.step_out();
         }
-        let joined: Vec<_> = hs
+        let joined: Result<Vec<AgeResult>, String> = hs
             .into_iter()
-            .map(|h| h.join().unwrap_or(Ok(AgeReport::default())))
+            .map(|h| h.join().unwrap_or(Ok(Ok(AgeReport::default()))))
             .collect();
         if let Some(sim) = sim {
             sim.step_in();
         }
-        failed.map_or(Ok((joined, time)), Err)
+        failed.map_or_else(|| joined.map(|j| (j, time)), Err)
     })
 }
