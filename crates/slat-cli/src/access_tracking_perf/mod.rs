@@ -81,7 +81,10 @@ populated memory, Reading from populated memory, Mark memory idle, Writing to id
 Mark memory idle, Reading from idle memory. After each guest pass a `native baseline` line \
 gives the same pass on host memory and the ratio (every baseline runs after the last guest \
 pass, so that none evicts from the host's caches what the next guest pass finds there); after \
-each pass over idle memory a `still idle` line gives the pages aging did not see accessed.
+each pass over idle memory a `still idle` line gives the pages aging did not see accessed. \
+Mark memory idle is one host thread per vCPU's memory (as the selftest's vCPU threads mark \
+their own), timed from all of them ready to the last one done; with -c, marking thread i runs \
+on vCPU i's CPU.
 
 The series fast page fault for the TDP MMU was measured on `Writing to idle memory` with A/D bits \
 off, so that every access to idle memory takes an access-tracking fault:
