@@ -770,3 +770,19 @@ fn mark_in_parallel<F: PteFormat>(
         failed.map_or_else(|| joined.map(|j| (j, time)), Err)
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::MarkGates;
+    use slat::clock::RealTime;
+
+    /// The gates' lines must not meet a page boundary wherever the box lands (see
+    /// `MarkGates`): page-aligned, and all three within the page.
+    #[test]
+    fn the_mark_gates_fill_one_page_at_most() {
+        assert_eq!(std::mem::align_of::<MarkGates<RealTime>>(), 4096);
+        assert!(std::mem::size_of::<MarkGates<RealTime>>() <= 4096);
+        let g = MarkGates::<RealTime>::new(2);
+        assert_eq!(std::ptr::from_ref(&*g).addr() % 4096, 0);
+    }
+}
