@@ -348,15 +348,16 @@ impl Profile {
 }
 
 fn check_value(name: &'static str, e: &Entry) -> Result<(), ProfileError> {
-    if e.ns.is_finite() && (0.0..=MAX_NS).contains(&e.ns) {
-        Ok(())
-    } else {
-        Err(ProfileError::BadValue { name, value: e.ns })
-    }
+    check_from(name, e, 0.0)
 }
 
 fn check_signed(name: &'static str, e: &Entry) -> Result<(), ProfileError> {
-    if e.ns.is_finite() && (-MAX_NS..=MAX_NS).contains(&e.ns) {
+    check_from(name, e, -MAX_NS)
+}
+
+/// `e` is finite and within [`lowest`, `MAX_NS`].
+fn check_from(name: &'static str, e: &Entry, lowest: f64) -> Result<(), ProfileError> {
+    if e.ns.is_finite() && (lowest..=MAX_NS).contains(&e.ns) {
         Ok(())
     } else {
         Err(ProfileError::BadValue { name, value: e.ns })
