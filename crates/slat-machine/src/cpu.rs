@@ -94,6 +94,9 @@ pub struct CpuCounters {
     pub ad_updates: u64,
     /// Exits because the dirty ring was full.
     pub ring_full_exits: u64,
+    /// Walks that faulted on an entry as it was at this vCPU's virtual time, before another
+    /// CPU's write later in virtual time (always 0 in real time).
+    pub stale_walks: u64,
     /// TLB conflicts (see [`Exit::TlbConflict`]).
     pub tlb_conflicts: u64,
     /// Kernel TLB flushes of the host direct map this CPU acknowledged.
@@ -513,6 +516,10 @@ impl<F: PteFormat> Cpu<F> {
             F::Clock::charge(Cost::HwWalkStep, 1);
             F::Clock::shared_load(addr_of(ep));
             let e = ep.load(Ordering::Acquire);
+            if let Err(present) = self.seen_in_time(addr_of(ep), e, level, access) {
+                self.tlb.drop_leaf_table();
+                return Err(present);
+            }
             if F::hw_is_table(e, level) {
                 table = F::output_addr(e).raw();
                 level -= 1;
@@ -550,6 +557,7 @@ impl<F: PteFormat> Cpu<F> {
                     level = F::ROOT_LEVEL;
                     continue;
                 }
+                F::Clock::entry_replaced(addr_of(ep), e);
                 if !F::is_dirty(e) && F::is_dirty(want) {
                     // D 0->1: what PML logs. Before the write this walk allows.
                     if let Some(guest) = &self.guest {
@@ -568,6 +576,26 @@ impl<F: PteFormat> Cpu<F> {
             self.tlb.insert(gfn, level, base.raw(), writable, private);
             return Ok(base.raw() + (gpa & (size - 1)));
         }
+    }
+
+    /// `Err(present)` if the entry that holds `e` faults as this vCPU sees it at its clock
+    /// while `e` itself would not: another CPU wrote `e` later in virtual time, though earlier
+    /// in real order ([`Clock::entry_as_seen`]). The real machine faults here too (two vCPUs
+    /// faulting on one page together; the later handler finds it fixed), so the walk faults
+    /// as the older value would have. It never translates through that value: it only adds a
+    /// fault, which the engine finds spurious. Always `Ok` in real time.
+    #[inline(always)]
+    fn seen_in_time(&mut self, addr: usize, e: u64, level: u8, access: Access) -> Result<(), bool> {
+        let seen = F::Clock::entry_as_seen(addr, e);
+        if seen == e || F::hw_is_table(seen, level) || F::permits(seen, access) {
+            return Ok(());
+        }
+        if !F::hw_is_table(e, level) && !F::permits(e, access) {
+            // The walk faults on `e` anyway.
+            return Ok(());
+        }
+        self.counters.stale_walks += 1;
+        Err(F::permits(seen, Access::Read) || F::permits(seen, Access::Exec))
     }
 
     #[inline]

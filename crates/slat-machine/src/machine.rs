@@ -587,6 +587,7 @@ fn pass_of(
             tlb_flushes: c.tlb_flushes - before.tlb_flushes,
             ad_updates: c.ad_updates - before.ad_updates,
             ring_full_exits: c.ring_full_exits - before.ring_full_exits,
+            stale_walks: c.stale_walks - before.stale_walks,
             tlb_conflicts: c.tlb_conflicts - before.tlb_conflicts,
             kernel_tlb_flushes: c.kernel_tlb_flushes - before.kernel_tlb_flushes,
         },

@@ -58,8 +58,38 @@ impl Shared {
         if let Some(t) = g.cpus.get(b.idx).map(|c| c.clock) {
             let end = g.lines.load(b.idx, t, Lines::line_of(addr));
             g.cpus[b.idx].clock = end;
+            g.settle_late_transfers();
         }
         self.leave(g, b);
+    }
+
+    /// After `b`'s write replaced `old` in the entry at `addr` (its clock already counts the
+    /// write): kept for walks earlier in virtual time. Not a scheduling point.
+    pub(crate) fn entry_replaced(&self, b: &Bound, addr: usize, old: u64) {
+        let Some(mut g) = self.enter(b) else { return };
+        if let Some(t) = g.cpus.get(b.idx).map(|c| c.clock) {
+            let floor = g.floor;
+            g.versions.record(b.idx, t, addr, old, floor);
+        }
+        self.leave(g, b);
+    }
+
+    /// The value `b` sees at its clock in the entry at `addr`, which holds `current`. Not a
+    /// scheduling point: it follows the walk's [`shared_load`](Self::shared_load).
+    pub(crate) fn entry_as_seen(&self, b: &Bound, addr: usize, current: u64) -> u64 {
+        let Some(mut g) = self.enter(b) else {
+            return current;
+        };
+        let Some(t) = g.cpus.get(b.idx).map(|c| c.clock) else {
+            self.leave(g, b);
+            return current;
+        };
+        let seen = g.versions.seen(b.idx, t, addr, current);
+        if let (Some(at), Some(c)) = (seen.after, g.cpus.get_mut(b.idx)) {
+            c.clock = c.clock.max(at);
+        }
+        self.leave(g, b);
+        seen.value
     }
 
     /// A guest data access to `addr`'s line in memory several vCPUs access: only the line's
@@ -77,8 +107,8 @@ impl Shared {
                 g.lines.data_load(b.idx, t, line)
             };
             g.cpus[b.idx].clock = end;
+            g.settle_late_transfers();
             if write {
-                g.settle_late_transfers();
                 g.wake_watchers(line, end, self.transfer);
             }
         }

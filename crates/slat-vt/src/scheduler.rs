@@ -20,6 +20,7 @@ use slat::clock::{Cost, LockMode};
 use crate::error::SimError;
 use crate::model::line::{LineCosts, Lines};
 use crate::model::lock::{Handover, Locks};
+use crate::model::versions::Versions;
 use crate::model::FastHash;
 use crate::profile::{LockPolicy, Profile};
 
@@ -93,6 +94,9 @@ pub(crate) struct Inner {
     pub(crate) baton: Option<usize>,
     pub(crate) lines: Lines,
     pub(crate) locks: Locks,
+    pub(crate) versions: Versions,
+    /// The lowest clock of the CPUs that run or will rejoin ([`Inner::raise_floor`]).
+    pub(crate) floor: u64,
     watchers: HashMap<u64, Vec<usize>, FastHash>,
     /// Spinners that listed no line: any RMW wakes them.
     any_watchers: Vec<usize>,
@@ -248,6 +252,8 @@ impl Shared {
             baton: None,
             lines,
             locks,
+            versions: Versions::new(m.retention.ps()),
+            floor: 0,
             watchers: HashMap::default(),
             any_watchers: Vec::new(),
             events: HashMap::default(),
@@ -474,14 +480,22 @@ impl Inner {
     /// Makes the models forget the blocks the calling thread freed since its last hook
     /// (`freed.rs`), before any other CPU runs and can be given that memory.
     pub(crate) fn forget_freed(&mut self) {
-        let Inner { lines, locks, .. } = self;
+        let Inner {
+            lines,
+            locks,
+            versions,
+            floor,
+            ..
+        } = self;
         let all = crate::freed::take(|addr, size| {
             lines.forget(addr, size);
             locks.forget(addr, size);
+            versions.forget(addr, size);
         });
         if all.is_err() {
             lines.forget_idle();
             locks.forget_idle();
+            versions.forget_idle(*floor);
         }
     }
 
@@ -514,6 +528,7 @@ impl Inner {
             .map(|c| c.clock)
             .min();
         if let Some(f) = floor {
+            self.floor = self.floor.max(f);
             self.lines.set_floor(f);
             self.locks.set_floor(f);
         }

@@ -10,6 +10,7 @@ use std::time::Duration;
 use crate::error::SimError;
 use crate::model::line::{LineStats, MAX_CPUS};
 use crate::model::lock::LockStats;
+use crate::model::versions::VersionStats;
 use crate::profile::{cost_index, Profile};
 use crate::scheduler::{Bound, Mode, Shared, State, Unpark};
 use crate::virtual_clock::{bind, bound_to, current, foreign_ops, unbind};
@@ -77,6 +78,8 @@ pub struct SimStats {
     pub lines: LineStats,
     /// The lock model.
     pub locks: LockStats,
+    /// The entry versions walks read (`model/versions.rs`).
+    pub versions: VersionStats,
     /// Charges of each [`Cost`], by [`Cost::ALL`] index, of CPUs that have exited or
     /// detached (a running CPU adds its own when it stops).
     pub charges: [u64; Cost::ALL.len()],
@@ -198,6 +201,7 @@ impl Sim {
             switches: g.switches,
             lines: g.lines.stats(),
             locks: g.locks.stats(),
+            versions: g.versions.stats(),
             charges: g.charges,
         }
     }

@@ -33,6 +33,10 @@ pub enum Hook {
     SharedLoad,
     /// [`Clock::data_access`].
     DataAccess,
+    /// [`Clock::entry_replaced`].
+    EntryReplaced,
+    /// [`Clock::entry_as_seen`].
+    EntryAsSeen,
     /// [`Clock::fence`].
     Fence,
     /// [`Clock::lock`].
@@ -179,6 +183,19 @@ unsafe impl Clock for Virtual {
     fn data_access(addr: usize, write: bool) {
         if let Ok(Some(b)) = running(Hook::DataAccess) {
             b.shared.data_access(&b, addr, write);
+        }
+    }
+
+    fn entry_replaced(addr: usize, old: u64) {
+        if let Ok(Some(b)) = running(Hook::EntryReplaced) {
+            b.shared.entry_replaced(&b, addr, old);
+        }
+    }
+
+    fn entry_as_seen(addr: usize, current: u64) -> u64 {
+        match running(Hook::EntryAsSeen) {
+            Ok(Some(b)) => b.shared.entry_as_seen(&b, addr, current),
+            _ => current,
         }
     }
 

@@ -148,6 +148,23 @@ pub unsafe trait Clock: Send + Sync + 'static {
     fn data_access(addr: usize, write: bool) {
         let _ = (addr, write);
     }
+    /// After a write replaced `old` in the page-table entry at `addr` (the writer's clock
+    /// already counts it). A clock that runs CPUs out of virtual-time order keeps it for
+    /// [`entry_as_seen`](Self::entry_as_seen). Empty by default.
+    #[inline(always)]
+    fn entry_replaced(addr: usize, old: u64) {
+        let _ = (addr, old);
+    }
+    /// The value the calling CPU sees in the page-table entry at `addr`, which holds `current`
+    /// (a hardware walk asks, after its [`shared_load`](Self::shared_load)). A clock that lets
+    /// one CPU run ahead in virtual time answers with the value from before writes other CPUs
+    /// made later in virtual time than the caller's clock, though earlier in real order.
+    /// `current` by default.
+    #[inline(always)]
+    fn entry_as_seen(addr: usize, current: u64) -> u64 {
+        let _ = addr;
+        current
+    }
     /// A sequentially consistent fence.
     fn fence();
     /// Before the real acquire of the lock at `addr`: waits until the lock model grants it.

@@ -193,6 +193,39 @@ pub(crate) fn store<C: Clock, A: Atom>(a: &A, v: A::V, o: Ordering) {
     a.store(v, o)
 }
 
+/// [`cas`] on a page-table entry: a successful write reports the value it replaced
+/// ([`Clock::entry_replaced`]), for walks earlier in virtual time.
+#[inline(always)]
+pub(crate) fn cas_entry<C: Clock>(
+    e: &AtomicU64,
+    old: u64,
+    new: u64,
+    s: Ordering,
+    f: Ordering,
+) -> Result<u64, u64> {
+    let r = cas::<C, _>(e, old, new, s, f);
+    if let Ok(v) = r {
+        C::entry_replaced(addr_of(e), v);
+    }
+    r
+}
+
+/// [`swap`] on a page-table entry, reported as [`cas_entry`] is.
+#[inline(always)]
+pub(crate) fn swap_entry<C: Clock>(e: &AtomicU64, v: u64, o: Ordering) -> u64 {
+    let old = swap::<C, _>(e, v, o);
+    C::entry_replaced(addr_of(e), old);
+    old
+}
+
+/// [`store`] of `v` over `old` in a page-table entry nobody else writes meanwhile, reported
+/// as [`cas_entry`] is.
+#[inline(always)]
+pub(crate) fn store_entry<C: Clock>(e: &AtomicU64, old: u64, v: u64, o: Ordering) {
+    store::<C, _>(e, v, o);
+    C::entry_replaced(addr_of(e), old);
+}
+
 /// A load of a line other CPUs write (an entry, a request word).
 #[inline(always)]
 pub(crate) fn load<C: Clock, A: Atom>(a: &A, o: Ordering) -> A::V {

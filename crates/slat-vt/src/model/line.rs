@@ -325,14 +325,22 @@ impl Lines {
                 end
             }
             Some(l) => {
+                // A read landing between another CPU's writes (run earlier in simulation
+                // order) fetched the line then, and that CPU's next write took it back.
+                let late = l.owners.read(cpu, t, self.floor);
+                let fetch = !l.sharers.contains(cpu) && l.owner() != NO_OWNER;
                 let mut end = t;
-                if !l.sharers.contains(cpu) {
-                    if l.owner() != NO_OWNER {
-                        self.stats.transfers += 1;
-                        end = t.saturating_add(c.transfer);
-                    }
-                    l.sharers.insert(cpu);
+                if fetch || late.is_some() {
+                    self.stats.transfers += 1;
+                    end = t.saturating_add(c.transfer);
                 }
+                if let Some(owes) = late {
+                    self.stats.calendar_evictions += late_transfer(l, owes, c.transfer, self.floor);
+                    self.stats.transfers += 1;
+                    self.stats.late_transfers += 1;
+                    self.owed.push(owes.0);
+                }
+                l.sharers.insert(cpu);
                 l.last_touch = l.last_touch.max(end);
                 end
             }

@@ -1,4 +1,5 @@
-//! The contention model (docs/design/virtual-time.md §3): cache lines and locks.
+//! The contention model (docs/design/virtual-time.md §3): cache lines and locks; and what a
+//! page-table entry held before writes later in virtual time (§6).
 //!
 //! Pure bookkeeping over virtual times: no threads, no waiting. The scheduler asks it when an
 //! access completes or who gets a lock, and makes CPUs wait accordingly.
@@ -7,6 +8,7 @@ pub(crate) mod calendar;
 pub(crate) mod line;
 pub(crate) mod lock;
 pub(crate) mod owners;
+pub(crate) mod versions;
 
 use std::hash::{BuildHasherDefault, Hasher};
 

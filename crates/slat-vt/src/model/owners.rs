@@ -42,8 +42,8 @@ impl Run {
 /// The most runs kept: a defence against a floor held back; beyond it the earliest go.
 const MAX_RUNS: usize = 1024;
 
-/// A line's runs of writes after the floor, sorted by `from`; adjacent runs are by different
-/// CPUs.
+/// A line's runs of writes after the floor, sorted by `from`. Adjacent runs are by different
+/// CPUs, except the halves of a run a read split ([`Owners::read`]).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Owners {
     runs: SmallVec<[Run; 2]>,
@@ -104,6 +104,24 @@ impl Owners {
         self.runs[prev] = left;
         self.runs.insert(i, Run::one(cpu, at));
         self.runs.insert(i + 1, right);
+        Some((r.cpu, right.from))
+    }
+
+    /// Records a read by `cpu` at `t`. A read inside another CPU's run lands between two of
+    /// its writes in virtual time: the line went shared, and that CPU's next write, which was
+    /// charged as its own line's, took it back. Splits the run there (its halves stay that
+    /// CPU's, so a second read in the same gap charges nothing: nobody wrote between) and
+    /// returns the CPU that owes the transfer and when the write that pays it completed.
+    pub(crate) fn read(&mut self, cpu: usize, t: u64, floor: u64) -> Option<(usize, u64)> {
+        self.prune(floor);
+        let i = self.runs.partition_point(|r| r.from <= t);
+        let r = self.runs[i.checked_sub(1)?];
+        if r.cpu == cpu || t >= r.last {
+            return None;
+        }
+        let (left, right) = split(r, t);
+        self.runs[i - 1] = left;
+        self.runs.insert(i, right);
         Some((r.cpu, right.from))
     }
 
@@ -192,6 +210,30 @@ mod tests {
         assert_eq!(owed, vec![(0, 1000)]);
         assert_eq!(o.at(999), Some(1));
         assert_eq!(o.at(1000), Some(0));
+    }
+
+    #[test]
+    fn a_late_read_inside_another_cpus_run_charges_it_once_per_gap() {
+        let mut o = Owners::default();
+        for k in 0..10 {
+            o.write(0, k * 100, 0);
+        }
+        // CPU 1 reads between CPU 0's writes, later in simulation order.
+        assert_eq!(o.read(1, 150, 0), Some((0, 200)));
+        assert_eq!(
+            o.read(1, 160, 0),
+            None,
+            "same gap: no write since the last read"
+        );
+        assert_eq!(o.read(1, 450, 0), Some((0, 500)));
+        assert_eq!(o.read(0, 550, 0), None, "its own line");
+        assert_eq!(o.read(1, 950, 0), None, "after the run's last write");
+        assert_eq!(o.read(1, 50, 0), Some((0, 100)));
+        assert_eq!(o.at(460), Some(0), "a read does not take the line");
+        // A write in a gap a read made owes nothing more.
+        assert_eq!(o.write(1, 170, 0), None);
+        assert_eq!(o.at(180), Some(1));
+        assert_eq!(o.at(200), Some(0));
     }
 
     #[test]

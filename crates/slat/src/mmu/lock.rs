@@ -207,7 +207,7 @@ impl SpteWriter for Shared<'_> {
         new: u64,
         _level: Level,
     ) -> Result<u64, u64> {
-        sync::cas::<F::Clock, _>(sptep, old, new, Ordering::AcqRel, Ordering::Acquire)
+        sync::cas_entry::<F::Clock>(sptep, old, new, Ordering::AcqRel, Ordering::Acquire)
     }
 }
 
@@ -227,12 +227,12 @@ impl SpteWriter for Exclusive<'_> {
         // retried, and account for the value that was really there.
         let legacy = self.exchange_writable && F::is_leaf(old, level) && F::is_writable(old);
         if F::needs_atomic_update(old, level) || self.lockless_wrprot || legacy {
-            return Ok(sync::swap::<F::Clock, _>(sptep, new, Ordering::AcqRel));
+            return Ok(sync::swap_entry::<F::Clock>(sptep, new, Ordering::AcqRel));
         }
         // Nobody else may write this entry while we hold the lock exclusively, so `old` is
         // still its value and a plain store suffices (no locked read-modify-write).
         debug_assert_eq!(sptep.load(Ordering::Relaxed), old);
-        sync::store::<F::Clock, _>(sptep, new, Ordering::Release);
+        sync::store_entry::<F::Clock>(sptep, old, new, Ordering::Release);
         Ok(old)
     }
 }

@@ -263,7 +263,7 @@ impl<F: PteFormat> Mmu<F> {
         let sptep = it.sptep();
         let table = table_of(sptep);
         if let Err(cur) =
-            sync::cas::<F::Clock, _>(sptep, old, F::FROZEN, Ordering::AcqRel, Ordering::Acquire)
+            sync::cas_entry::<F::Clock>(sptep, old, F::FROZEN, Ordering::AcqRel, Ordering::Acquire)
         {
             it.old = cur;
             return Err(Busy);
@@ -297,7 +297,7 @@ impl<F: PteFormat> Mmu<F> {
             // then; once it is visible, faults may add leaves of their own and count them.
             self.handle_changed_spte(gfn, table, old, new, level, sink, &mut teardown);
         }
-        sync::store::<F::Clock, _>(sptep, new, Ordering::Release);
+        sync::store_entry::<F::Clock>(sptep, F::FROZEN, new, Ordering::Release);
         it.old = new;
         if break_first {
             self.handle_changed_spte(gfn, table, F::FROZEN, new, level, sink, &mut teardown);
@@ -475,7 +475,7 @@ impl<F: PteFormat> Mmu<F> {
             let v = if F::BREAK_BEFORE_MAKE {
                 freeze_after_make::<F>(e)
             } else {
-                sync::swap::<F::Clock, _>(e, F::FROZEN, Ordering::AcqRel)
+                sync::swap_entry::<F::Clock>(e, F::FROZEN, Ordering::AcqRel)
             };
             if !F::is_present(v) {
                 continue;
@@ -522,7 +522,8 @@ fn freeze_after_make<F: PteFormat>(e: &AtomicU64) -> u64 {
                 v != F::FROZEN
             });
         }
-        if sync::cas::<F::Clock, _>(e, v, F::FROZEN, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+        if sync::cas_entry::<F::Clock>(e, v, F::FROZEN, Ordering::AcqRel, Ordering::Acquire).is_ok()
+        {
             return v;
         }
     }
