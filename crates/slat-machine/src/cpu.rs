@@ -514,9 +514,8 @@ impl<F: PteFormat> Cpu<F> {
             let t = unsafe { TablePage::at(Hva::new(table)) };
             let ep = &t.entries[table_index(Gfn::new(gfn), level)];
             F::Clock::charge(Cost::HwWalkStep, 1);
-            F::Clock::shared_load(addr_of(ep));
-            let e = ep.load(Ordering::Acquire);
-            if let Err(present) = self.seen_in_time(addr_of(ep), e, level, access) {
+            let (e, seen) = F::Clock::walk_load(ep);
+            if let Err(present) = self.seen_in_time(e, seen, level, access) {
                 self.tlb.drop_leaf_table();
                 return Err(present);
             }
@@ -578,15 +577,14 @@ impl<F: PteFormat> Cpu<F> {
         }
     }
 
-    /// `Err(present)` if the entry that holds `e` faults as this vCPU sees it at its clock
-    /// while `e` itself would not: another CPU wrote `e` later in virtual time, though earlier
-    /// in real order ([`Clock::entry_as_seen`]). The real machine faults here too (two vCPUs
-    /// faulting on one page together; the later handler finds it fixed), so the walk faults
-    /// as the older value would have. It never translates through that value: it only adds a
-    /// fault, which the engine finds spurious. Always `Ok` in real time.
+    /// `Err(present)` if the entry, which holds `e`, faults as this vCPU sees it at its clock
+    /// (`seen`) while `e` itself would not: another CPU wrote `e` later in virtual time, though
+    /// earlier in real order ([`Clock::walk_load`]). The real machine faults here too (two
+    /// vCPUs faulting on one page together; the later handler finds it fixed), so the walk
+    /// faults as the older value would have. It never translates through that value: it only
+    /// adds a fault, which the engine finds spurious. Always `Ok` in real time.
     #[inline(always)]
-    fn seen_in_time(&mut self, addr: usize, e: u64, level: u8, access: Access) -> Result<(), bool> {
-        let seen = F::Clock::entry_as_seen(addr, e);
+    fn seen_in_time(&mut self, e: u64, seen: u64, level: u8, access: Access) -> Result<(), bool> {
         if seen == e || F::hw_is_table(seen, level) || F::permits(seen, access) {
             return Ok(());
         }

@@ -2,7 +2,9 @@
 //! then an event of the contention model at the CPU's clock. None yields after its event, so
 //! the real operation that follows a hook happens before any other CPU runs.
 
-use slat::clock::LockMode;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use slat::clock::{addr_of, LockMode};
 
 use crate::model::line::Lines;
 use crate::model::lock::{Acquire, Handover};
@@ -74,22 +76,29 @@ impl Shared {
         self.leave(g, b);
     }
 
-    /// The value `b` sees at its clock in the entry at `addr`, which holds `current`. Not a
-    /// scheduling point: it follows the walk's [`shared_load`](Self::shared_load).
-    pub(crate) fn entry_as_seen(&self, b: &Bound, addr: usize, current: u64) -> u64 {
-        let Some(mut g) = self.enter(b) else {
-            return current;
-        };
+    /// A hardware walk's load of the entry `e` by `b` (a [`shared_load`](Self::shared_load)
+    /// of its line, then the load): the value memory holds and the value `b` sees at its
+    /// clock. `None` if the simulation failed (the caller loads it in real time).
+    pub(crate) fn walk_load(&self, b: &Bound, e: &AtomicU64) -> Option<(u64, u64)> {
+        let g = self.enter(b)?;
+        let mut g = self.yield_if_ahead(g, b)?;
+        let addr = addr_of(e);
         let Some(t) = g.cpus.get(b.idx).map(|c| c.clock) else {
             self.leave(g, b);
-            return current;
+            return None;
         };
-        let seen = g.versions.seen(b.idx, t, addr, current);
+        let end = g.lines.load(b.idx, t, Lines::line_of(addr));
+        g.cpus[b.idx].clock = end;
+        g.settle_late_transfers();
+        // Loaded under the state lock, after any yield: no other simulated CPU runs between
+        // the line's pricing and the value.
+        let current = e.load(Ordering::Acquire);
+        let seen = g.versions.seen(b.idx, end, addr, current);
         if let (Some(at), Some(c)) = (seen.after, g.cpus.get_mut(b.idx)) {
             c.clock = c.clock.max(at);
         }
         self.leave(g, b);
-        seen.value
+        Some((current, seen.value))
     }
 
     /// A guest data access to `addr`'s line in memory several vCPUs access: only the line's

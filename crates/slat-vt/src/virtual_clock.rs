@@ -35,8 +35,8 @@ pub enum Hook {
     DataAccess,
     /// [`Clock::entry_replaced`].
     EntryReplaced,
-    /// [`Clock::entry_as_seen`].
-    EntryAsSeen,
+    /// [`Clock::walk_load`].
+    WalkLoad,
     /// [`Clock::fence`].
     Fence,
     /// [`Clock::lock`].
@@ -192,11 +192,14 @@ unsafe impl Clock for Virtual {
         }
     }
 
-    fn entry_as_seen(addr: usize, current: u64) -> u64 {
-        match running(Hook::EntryAsSeen) {
-            Ok(Some(b)) => b.shared.entry_as_seen(&b, addr, current),
-            _ => current,
+    fn walk_load(e: &AtomicU64) -> (u64, u64) {
+        if let Ok(Some(b)) = running(Hook::WalkLoad) {
+            if let Some(seen) = b.shared.walk_load(&b, e) {
+                return seen;
+            }
         }
+        let v = e.load(Ordering::Acquire);
+        (v, v)
     }
 
     fn fence() {

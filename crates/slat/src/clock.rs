@@ -150,20 +150,21 @@ pub unsafe trait Clock: Send + Sync + 'static {
     }
     /// After a write replaced `old` in the page-table entry at `addr` (the writer's clock
     /// already counts it). A clock that runs CPUs out of virtual-time order keeps it for
-    /// [`entry_as_seen`](Self::entry_as_seen). Empty by default.
+    /// [`walk_load`](Self::walk_load). Empty by default.
     #[inline(always)]
     fn entry_replaced(addr: usize, old: u64) {
         let _ = (addr, old);
     }
-    /// The value the calling CPU sees in the page-table entry at `addr`, which holds `current`
-    /// (a hardware walk asks, after its [`shared_load`](Self::shared_load)). A clock that lets
-    /// one CPU run ahead in virtual time answers with the value from before writes other CPUs
-    /// made later in virtual time than the caller's clock, though earlier in real order.
-    /// `current` by default.
+    /// A hardware walk's load of the page-table entry `e`: the value memory holds, and the
+    /// value the calling CPU sees at its clock. They differ only under a clock that lets one
+    /// CPU run ahead in virtual time: the second is then the value from before writes other
+    /// CPUs made later in virtual time than the caller's clock, though earlier in real order.
+    /// By default a [`shared_load`](Self::shared_load) of the entry and its value, twice.
     #[inline(always)]
-    fn entry_as_seen(addr: usize, current: u64) -> u64 {
-        let _ = addr;
-        current
+    fn walk_load(e: &crate::sync::AtomicU64) -> (u64, u64) {
+        Self::shared_load(addr_of(e));
+        let v = e.load(crate::sync::Ordering::Acquire);
+        (v, v)
     }
     /// A sequentially consistent fence.
     fn fence();

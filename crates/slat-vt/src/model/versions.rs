@@ -4,10 +4,11 @@
 //! The scheduler lets a CPU run up to `lookahead` past the lowest clock, so a vCPU may write an
 //! entry at virtual time 5 µs before another vCPU, at 1 µs, walks it. Real memory only holds
 //! the newest value; the walker at 1 µs must not see it, or two vCPUs touching the same pages
-//! never collide in their faults as real ones do (docs/design/virtual-time.md §6). Each write
-//! through the engine's entry-update functions reports the value it replaced; a walk asks for
-//! the value at its own clock. Keyed by address identity only, and dropped by virtual time
-//! (untouched for `retention`) or when the memory is freed, like the line model.
+//! never collide in their faults as real ones do (docs/design/virtual-time.md §3, "What a walk
+//! sees"). Each write through the engine's entry-update functions reports the value it
+//! replaced; a walk asks for the value at its own clock. Keyed by address identity only, and
+//! dropped by virtual time (untouched for `retention`) or when the memory is freed, like the
+//! line model.
 
 use std::collections::HashMap;
 
