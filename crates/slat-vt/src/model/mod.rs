@@ -1,5 +1,5 @@
 //! The contention model (docs/design/virtual-time.md §3): cache lines and locks; and what a
-//! page-table entry held before writes later in virtual time (§6).
+//! page-table entry held before writes later in virtual time (§3, "What a walk sees").
 //!
 //! Pure bookkeeping over virtual times: no threads, no waiting. The scheduler asks it when an
 //! access completes or who gets a lock, and makes CPUs wait accordingly.
