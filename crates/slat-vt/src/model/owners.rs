@@ -113,12 +113,16 @@ impl Owners {
     /// CPU's, so a second read in the same gap charges nothing: nobody wrote between) and
     /// returns the CPU that owes the transfer and when the write that pays it completed.
     pub(crate) fn read(&mut self, cpu: usize, t: u64, floor: u64) -> Option<(usize, u64)> {
+        // Most loads land after the latest run's last write: answer them without pruning.
+        let inside = |runs: &[Run]| {
+            let i = runs.partition_point(|r| r.from <= t);
+            let r = *runs.get(i.checked_sub(1)?)?;
+            (r.cpu != cpu && t < r.last).then_some((i, r))
+        };
+        inside(&self.runs)?;
+        // The reader runs, so `t` is at or after the floor: pruning keeps the run holding `t`.
         self.prune(floor);
-        let i = self.runs.partition_point(|r| r.from <= t);
-        let r = self.runs[i.checked_sub(1)?];
-        if r.cpu == cpu || t >= r.last {
-            return None;
-        }
+        let (i, r) = inside(&self.runs)?;
         let (left, right) = split(r, t);
         self.runs[i - 1] = left;
         self.runs.insert(i, right);
