@@ -134,6 +134,11 @@ impl Versions {
     /// Forgets the entries in the freed block `[addr, addr + size)`: a table allocated there
     /// next has no history.
     pub(crate) fn forget(&mut self, addr: usize, size: usize) {
+        // Entries live in table pages, allocated a page or more at a time: a smaller block
+        // holds none (most frees are small, and each is forgotten here).
+        if size < 4096 || self.map.is_empty() {
+            return;
+        }
         let end = addr.saturating_add(size);
         if size / 8 > self.map.len() {
             self.map.retain(|&a, _| a < addr || a >= end);
@@ -264,6 +269,7 @@ mod tests {
         v.record(0, 5_000, 0x1000, 0, 0);
         v.record(0, 5_000, 0x1ff8, 0, 0);
         v.record(0, 5_000, 0x2000, 0, 0);
+        v.forget(0x2000, 64);
         v.forget(0x1000, 4096);
         assert_eq!(first_read(&mut v, 0, 0x1000, 7), 7);
         assert_eq!(first_read(&mut v, 0, 0x1ff8, 7), 7);
