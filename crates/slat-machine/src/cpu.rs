@@ -514,7 +514,7 @@ impl<F: PteFormat> Cpu<F> {
             let t = unsafe { TablePage::at(Hva::new(table)) };
             let ep = &t.entries[table_index(Gfn::new(gfn), level)];
             F::Clock::charge(Cost::HwWalkStep, 1);
-            let (e, seen) = F::Clock::walk_load(ep);
+            let (e, seen) = F::Clock::walk_load(addr_of(ep), || ep.load(Ordering::Acquire));
             if let Err(present) = self.seen_in_time(e, seen, level, access) {
                 self.tlb.drop_leaf_table();
                 return Err(present);

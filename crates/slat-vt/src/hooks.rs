@@ -2,9 +2,7 @@
 //! then an event of the contention model at the CPU's clock. None yields after its event, so
 //! the real operation that follows a hook happens before any other CPU runs.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
-use slat::clock::{addr_of, LockMode};
+use slat::clock::LockMode;
 
 use crate::model::line::Lines;
 use crate::model::lock::{Acquire, Handover};
@@ -76,29 +74,34 @@ impl Shared {
         self.leave(g, b);
     }
 
-    /// A hardware walk's load of the entry `e` by `b` (a [`shared_load`](Self::shared_load)
-    /// of its line, then the load): the value memory holds and the value `b` sees at its
-    /// clock. `None` if the simulation failed (the caller loads it in real time).
-    pub(crate) fn walk_load(&self, b: &Bound, e: &AtomicU64) -> Option<(u64, u64)> {
-        let g = self.enter(b)?;
-        let mut g = self.yield_if_ahead(g, b)?;
-        let addr = addr_of(e);
-        let Some(t) = g.cpus.get(b.idx).map(|c| c.clock) else {
-            self.leave(g, b);
-            return None;
+    /// A hardware walk's load of the entry at `addr` by `b` (a
+    /// [`shared_load`](Self::shared_load) of its line, then `load`): the value memory holds
+    /// and the value `b` sees at its clock. If the simulation failed, `load`'s value twice.
+    pub(crate) fn walk_load(
+        &self,
+        b: &Bound,
+        addr: usize,
+        load: impl FnOnce() -> u64,
+    ) -> (u64, u64) {
+        let Some(mut g) = self.enter(b).and_then(|g| self.yield_if_ahead(g, b)) else {
+            let v = load();
+            return (v, v);
         };
+        let t = g.cpus.get(b.idx).map_or(0, |c| c.clock);
         let end = g.lines.load(b.idx, t, Lines::line_of(addr));
-        g.cpus[b.idx].clock = end;
+        if let Some(c) = g.cpus.get_mut(b.idx) {
+            c.clock = end;
+        }
         g.settle_late_transfers();
         // Loaded under the state lock, after any yield: no other simulated CPU runs between
-        // the line's pricing and the value.
-        let current = e.load(Ordering::Acquire);
+        // the line's pricing and the value (and `load` is a plain atomic load).
+        let current = load();
         let seen = g.versions.seen(b.idx, end, addr, current);
         if let (Some(at), Some(c)) = (seen.after, g.cpus.get_mut(b.idx)) {
             c.clock = c.clock.max(at);
         }
         self.leave(g, b);
-        Some((current, seen.value))
+        (current, seen.value)
     }
 
     /// A guest data access to `addr`'s line in memory several vCPUs access: only the line's

@@ -192,14 +192,14 @@ unsafe impl Clock for Virtual {
         }
     }
 
-    fn walk_load(e: &AtomicU64) -> (u64, u64) {
-        if let Ok(Some(b)) = running(Hook::WalkLoad) {
-            if let Some(seen) = b.shared.walk_load(&b, e) {
-                return seen;
+    fn walk_load(addr: usize, load: impl FnOnce() -> u64) -> (u64, u64) {
+        match running(Hook::WalkLoad) {
+            Ok(Some(b)) => b.shared.walk_load(&b, addr, load),
+            _ => {
+                let v = load();
+                (v, v)
             }
         }
-        let v = e.load(Ordering::Acquire);
-        (v, v)
     }
 
     fn fence() {

@@ -155,15 +155,18 @@ pub unsafe trait Clock: Send + Sync + 'static {
     fn entry_replaced(addr: usize, old: u64) {
         let _ = (addr, old);
     }
-    /// A hardware walk's load of the page-table entry `e`: the value memory holds, and the
+    /// A hardware walk's load of the page-table entry at `addr`: the value memory holds, and the
     /// value the calling CPU sees at its clock. They differ only under a clock that lets one
     /// CPU run ahead in virtual time: the second is then the value from before writes other
     /// CPUs made later in virtual time than the caller's clock, though earlier in real order.
     /// By default a [`shared_load`](Self::shared_load) of the entry and its value, twice.
+    ///
+    /// `load` reads the entry at `addr`; a clock calls it exactly once, and must not hold
+    /// anything `load` could wait for.
     #[inline(always)]
-    fn walk_load(e: &crate::sync::AtomicU64) -> (u64, u64) {
-        Self::shared_load(addr_of(e));
-        let v = e.load(crate::sync::Ordering::Acquire);
+    fn walk_load(addr: usize, load: impl FnOnce() -> u64) -> (u64, u64) {
+        Self::shared_load(addr);
+        let v = load();
         (v, v)
     }
     /// A sequentially consistent fence.
