@@ -93,15 +93,16 @@ impl Shared {
             c.clock = end;
         }
         g.settle_late_transfers();
-        // Loaded under the state lock, after any yield: no other simulated CPU runs between
-        // the line's pricing and the value (and `load` is a plain atomic load).
-        let current = load();
-        let seen = g.versions.seen(b.idx, end, addr, current);
+        let seen = g.versions.seen(b.idx, end, addr);
         if let (Some(at), Some(c)) = (seen.after, g.cpus.get_mut(b.idx)) {
             c.clock = c.clock.max(at);
         }
         self.leave(g, b);
-        (current, seen.value)
+        // Outside the state lock (`load` is the caller's: a hook inside it must not wait for
+        // this one), and still before any other simulated CPU runs: this one holds the baton
+        // until its next hook.
+        let current = load();
+        (current, seen.value_or(current))
     }
 
     /// A guest data access to `addr`'s line in memory several vCPUs access: only the line's

@@ -27,10 +27,17 @@ type History = [Option<Version>; 2];
 /// What a walk sees in an entry ([`Versions::seen`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Seen {
-    /// The value.
-    pub value: u64,
+    /// The value from before a write not seen yet; `None`: the value memory holds.
+    pub old: Option<u64>,
     /// The virtual time the reader's clock moves to, if later than its own.
     pub after: Option<u64>,
+}
+
+impl Seen {
+    /// The value seen in an entry that holds `current`.
+    pub(crate) fn value_or(self, current: u64) -> u64 {
+        self.old.unwrap_or(current)
+    }
 }
 
 /// Counters of the version model.
@@ -84,16 +91,17 @@ impl Versions {
         };
     }
 
-    /// What `cpu`, at virtual time `t`, sees in the entry at `addr`, which holds `current`:
-    /// the value before the first write (in real order) that another CPU completed after `t`,
-    /// or `current` if there is none.
+    /// What `cpu`, at virtual time `t`, sees in the entry at `addr`: the value before the
+    /// first write (in real order) that another CPU completed after `t`, or the value memory
+    /// holds if there is none. (Asked without that value, so the caller loads it outside the
+    /// simulation's lock.)
     ///
     /// A walk that faulted on such a value and walks the same entry again has had its fault
     /// handled, and the handler read the entry as memory holds it: that CPU cannot be before
-    /// the write any more. So the second read sees `current` and returns, as
+    /// the write any more. So the second read sees memory's value and returns, as
     /// [`Seen::after`], the write's completion for the caller's clock to move to. One fault
     /// per write not seen, as on a real machine, where the handler would find the entry fixed.
-    pub(crate) fn seen(&mut self, cpu: usize, t: u64, addr: usize, current: u64) -> Seen {
+    pub(crate) fn seen(&mut self, cpu: usize, t: u64, addr: usize) -> Seen {
         let unseen = self.map.get(&addr).and_then(|h| {
             h.iter()
                 .flatten()
@@ -105,7 +113,7 @@ impl Versions {
                 self.faulted_on.remove(&cpu);
             }
             return Seen {
-                value: current,
+                old: None,
                 after: None,
             };
         };
@@ -113,7 +121,7 @@ impl Versions {
             Some(&(a, at)) if a == addr => {
                 self.faulted_on.remove(&cpu);
                 Seen {
-                    value: current,
+                    old: None,
                     after: Some(at),
                 }
             }
@@ -124,7 +132,7 @@ impl Versions {
                 self.faulted_on.insert(cpu, (addr, latest));
                 self.stats.stale_reads += 1;
                 Seen {
-                    value: v.old,
+                    old: Some(v.old),
                     after: None,
                 }
             }
@@ -191,7 +199,7 @@ mod tests {
     /// A first read's value (each call from a CPU of its own, so no retry rule applies).
     fn first_read(v: &mut Versions, t: u64, addr: usize, current: u64) -> u64 {
         let cpu = 10 + v.stats.writes as usize + v.faulted_on.len();
-        v.seen(cpu, t, addr, current).value
+        v.seen(cpu, t, addr).value_or(current)
     }
 
     #[test]
@@ -201,7 +209,7 @@ mod tests {
         assert_eq!(first_read(&mut v, 1_000, 0x1000, 7), 0, "before the write");
         assert_eq!(first_read(&mut v, 5_000, 0x1000, 7), 7, "at its completion");
         assert_eq!(
-            v.seen(0, 1_000, 0x1000, 7).value,
+            v.seen(0, 1_000, 0x1000).value_or(7),
             7,
             "the writer sees its own"
         );
@@ -214,20 +222,20 @@ mod tests {
         let mut v = Versions::new(MS);
         v.record(0, 5_000, 0x1000, 0, 0);
         v.record(0, 6_000, 0x1000, 3, 0);
-        let first = v.seen(1, 1_000, 0x1000, 7);
-        assert_eq!((first.value, first.after), (0, None));
+        let first = v.seen(1, 1_000, 0x1000);
+        assert_eq!((first.value_or(7), first.after), (0, None));
         // The walk retried after its fault, still before the write in virtual time.
-        let again = v.seen(1, 2_000, 0x1000, 7);
-        assert_eq!((again.value, again.after), (7, Some(6_000)));
+        let again = v.seen(1, 2_000, 0x1000);
+        assert_eq!((again.value_or(7), again.after), (7, Some(6_000)));
         // The walk from the root reads other entries first.
-        assert_eq!(v.seen(1, 1_000, 0x1000, 7).value, 0);
-        assert_eq!(v.seen(1, 1_000, 0x2000, 9).value, 9);
-        assert_eq!(v.seen(1, 1_000, 0x1000, 7).after, Some(6_000));
+        assert_eq!(v.seen(1, 1_000, 0x1000).value_or(7), 0);
+        assert_eq!(v.seen(1, 1_000, 0x2000).value_or(9), 9);
+        assert_eq!(v.seen(1, 1_000, 0x1000).after, Some(6_000));
         // A stale read of another entry starts over.
         v.record(0, 5_000, 0x3000, 0, 0);
-        assert_eq!(v.seen(1, 1_000, 0x1000, 7).value, 0);
-        assert_eq!(v.seen(1, 1_000, 0x3000, 7).value, 0);
-        assert_eq!(v.seen(1, 1_000, 0x1000, 7).value, 0);
+        assert_eq!(v.seen(1, 1_000, 0x1000).value_or(7), 0);
+        assert_eq!(v.seen(1, 1_000, 0x3000).value_or(7), 0);
+        assert_eq!(v.seen(1, 1_000, 0x1000).value_or(7), 0);
         assert_eq!(v.stats().stale_reads, 5);
     }
 

@@ -14,3 +14,4 @@ mod queueing;
 mod spin;
 mod stress;
 mod waits;
+mod walk_load;
