@@ -68,7 +68,7 @@ impl Shared {
     pub(crate) fn entry_replaced(&self, b: &Bound, addr: usize, old: u64) {
         let Some(mut g) = self.enter(b) else { return };
         if let Some(t) = g.cpus.get(b.idx).map(|c| c.clock) {
-            let floor = g.floor;
+            let floor = g.lines.floor();
             g.versions.record(b.idx, t, addr, old, floor);
         }
         self.leave(g, b);

@@ -95,8 +95,6 @@ pub(crate) struct Inner {
     pub(crate) lines: Lines,
     pub(crate) locks: Locks,
     pub(crate) versions: Versions,
-    /// The lowest clock of the CPUs that run or will rejoin ([`Inner::raise_floor`]).
-    pub(crate) floor: u64,
     watchers: HashMap<u64, Vec<usize>, FastHash>,
     /// Spinners that listed no line: any RMW wakes them.
     any_watchers: Vec<usize>,
@@ -253,7 +251,6 @@ impl Shared {
             lines,
             locks,
             versions: Versions::new(m.retention.ps()),
-            floor: 0,
             watchers: HashMap::default(),
             any_watchers: Vec::new(),
             events: HashMap::default(),
@@ -484,7 +481,6 @@ impl Inner {
             lines,
             locks,
             versions,
-            floor,
             ..
         } = self;
         let all = crate::freed::take(|addr, size| {
@@ -495,7 +491,7 @@ impl Inner {
         if all.is_err() {
             lines.forget_idle();
             locks.forget_idle();
-            versions.forget_idle(*floor);
+            versions.forget_idle(lines.floor());
         }
     }
 
@@ -528,7 +524,6 @@ impl Inner {
             .map(|c| c.clock)
             .min();
         if let Some(f) = floor {
-            self.floor = self.floor.max(f);
             self.lines.set_floor(f);
             self.locks.set_floor(f);
         }

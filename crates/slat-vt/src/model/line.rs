@@ -168,6 +168,11 @@ impl Lines {
         self.floor = self.floor.max(floor);
     }
 
+    /// The floor ([`set_floor`](Self::set_floor)).
+    pub(crate) fn floor(&self) -> u64 {
+        self.floor
+    }
+
     /// The line of `addr`.
     #[inline]
     pub(crate) fn line_of(addr: usize) -> u64 {
