@@ -262,7 +262,7 @@ impl ClockArgs {
         if let Some(ns) = self.lookahead_ns {
             p.model.lookahead = Entry::new(ns, "--lookahead");
             p.validate()
-                .map_err(|e| CliError::bad(format!("--lookahead {ns}: {e}")))?;
+                .map_err(|e| CliError::bad(format!("--lookahead {ns:?}: {e}")))?;
         }
         Ok(p)
     }

@@ -13,6 +13,14 @@ pub enum ProfileError {
         /// The operating system's message.
         error: String,
     },
+    /// The file is larger than any profile (a device or a wrong path): refused unread.
+    #[error("cost profile {path}: larger than {limit} bytes, not a cost profile")]
+    TooLarge {
+        /// The file.
+        path: String,
+        /// The largest profile accepted, in bytes.
+        limit: u64,
+    },
     /// The text is not a profile (TOML syntax, a wrong type, an unknown field).
     #[error("cost profile: {0}")]
     Parse(String),
@@ -26,7 +34,7 @@ pub enum ProfileError {
     #[error("cost profile: unknown cost `{0}`")]
     Unknown(String),
     /// A number is negative, not finite, too large, or zero where it must not be.
-    #[error("cost profile: `{name}` = {value} is out of range")]
+    #[error("cost profile: `{name}` = {value:?} ns is out of range")]
     BadValue {
         /// The entry.
         name: &'static str,

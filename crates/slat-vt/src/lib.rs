@@ -56,7 +56,7 @@ pub use machines::BUILTIN_PROFILES;
 pub use model::line::{LineStats, MAX_CPUS};
 pub use model::lock::LockStats;
 pub use model::versions::VersionStats;
-pub use profile::{cost_name, Entry, LockPolicy, Model, PolicyEntry, Profile};
+pub use profile::{cost_name, Entry, LockPolicy, Model, PolicyEntry, Profile, MAX_PROFILE_BYTES};
 pub use sim::{
     attach_current, detach_current, hold_while, sleep_current, CpuHandle, CpuReport, Sim, SimStats,
     WATCHDOG,

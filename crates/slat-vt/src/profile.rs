@@ -17,6 +17,9 @@ use crate::error::ProfileError;
 
 /// The largest accepted number, in ns (1000 s): picoseconds of it still fit `u64` many times.
 const MAX_NS: f64 = 1e12;
+/// The largest profile file [`Profile::load`] reads: a calibrated profile with a source per
+/// entry is about 10 KiB.
+pub const MAX_PROFILE_BYTES: u64 = 1 << 20;
 
 /// The costs that may be negative: a fault path's own cost is what the whole path measured
 /// less what its parts charge, and parts each measured in a hot loop can add up to more than
@@ -329,12 +332,26 @@ impl Profile {
         toml::to_string_pretty(self).map_err(|e| ProfileError::Serialize(e.to_string()))
     }
 
-    /// Reads and validates the profile at `path`.
+    /// Reads and validates the profile at `path`. At most [`MAX_PROFILE_BYTES`] are read: a
+    /// path naming a device (`/dev/zero`) or a huge file is refused, not read into memory.
     pub fn load(path: &Path) -> Result<Profile, ProfileError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ProfileError::Io {
+        use std::io::Read;
+        let io = |e: std::io::Error| ProfileError::Io {
             path: path.display().to_string(),
             error: e.to_string(),
-        })?;
+        };
+        let mut text = String::new();
+        std::fs::File::open(path)
+            .map_err(io)?
+            .take(MAX_PROFILE_BYTES + 1)
+            .read_to_string(&mut text)
+            .map_err(io)?;
+        if text.len() as u64 > MAX_PROFILE_BYTES {
+            return Err(ProfileError::TooLarge {
+                path: path.display().to_string(),
+                limit: MAX_PROFILE_BYTES,
+            });
+        }
         Profile::from_toml(&text)
     }
 

@@ -94,7 +94,20 @@ fn cost_profile_loads_a_file_and_refuses_a_bad_one() {
     let bad = temp("bad.toml");
     std::fs::write(&bad, "name = 3\n").unwrap();
     let missing = temp("missing.toml");
-    for (file, clock) in [(&bad, "virtual"), (&missing, "virtual"), (&good, "real")] {
+    let binary = temp("binary.toml");
+    std::fs::write(&binary, [0xff, 0xfe, 0x00, 0x80]).unwrap();
+    // A device is refused after a bounded read, not read until memory runs out.
+    let zero = std::path::PathBuf::from("/dev/zero");
+    let dir = std::env::temp_dir();
+    let cases = [
+        (&bad, "virtual"),
+        (&missing, "virtual"),
+        (&binary, "virtual"),
+        (&zero, "virtual"),
+        (&dir, "virtual"),
+        (&good, "real"),
+    ];
+    for (file, clock) in cases {
         let f = file.to_str().unwrap();
         let args = [
             "demand-paging",
@@ -115,4 +128,5 @@ fn cost_profile_loads_a_file_and_refuses_a_bad_one() {
     }
     let _ = std::fs::remove_file(&good);
     let _ = std::fs::remove_file(&bad);
+    let _ = std::fs::remove_file(&binary);
 }
