@@ -288,6 +288,10 @@ impl Shared {
         if let (Some(w), Some(c)) = (seen, g.cpus.get_mut(b.idx)) {
             c.clock = c.clock.max(w.saturating_add(self.transfer));
         }
+        // Its last load of each watched line brought a copy: a write next upgrades it.
+        for &l in lines {
+            g.lines.joined(b.idx, l);
+        }
         self.leave(g, b);
     }
 

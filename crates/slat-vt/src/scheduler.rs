@@ -501,8 +501,7 @@ impl Inner {
     /// next hook, or when a simulated event wakes it (`make_ready`), never here, where the
     /// CPU might be re-attaching at a real moment.
     pub(crate) fn settle_late_transfers(&mut self) {
-        let cost = self.lines.transfer_cost();
-        while let Some(i) = self.lines.pop_owed() {
+        while let Some((i, cost)) = self.lines.pop_owed() {
             if let Some(c) = self.cpus.get_mut(i) {
                 c.owed = c.owed.saturating_add(cost);
             }

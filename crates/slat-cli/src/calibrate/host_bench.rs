@@ -102,50 +102,71 @@ fn unpin(cpus: usize) {
     }
 }
 
-/// A line bounced between the two cores: each side waits for the other's increment and
-/// increments with a CAS; half a round trip is one transfer.
-pub fn line_transfer(p: &Plan) -> CliResult<Measured> {
+/// Takes `n` turns on `line` with the thread on the other core, starting at count `from`:
+/// a turn moves the count from `from` to `from + 1`, and the other side's turn then makes it
+/// `from + 2`. With `poll_by_cas` a side polls with the compare-and-swap itself, so each poll
+/// takes the line exclusive and never holds a shared copy; otherwise it spins on loads (a
+/// shared copy of the other side's write) and then swaps. Returns early at `limit` or once
+/// `stop` is set.
+fn take_turns(
+    line: &Line,
+    from: &mut u64,
+    n: u64,
+    poll_by_cas: bool,
+    limit: Instant,
+    stop: &AtomicBool,
+) {
+    for _ in 0..n {
+        let f = *from;
+        let stopped = || stop.load(Ordering::Relaxed);
+        if !poll_by_cas && !wait_for(limit, || line.0.load(Ordering::Acquire) == f || stopped()) {
+            return;
+        }
+        let cas = || {
+            line.0
+                .compare_exchange(f, f + 1, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        };
+        if !wait_for(limit, || cas() || stopped()) || stopped() {
+            return;
+        }
+        *from += 2;
+    }
+}
+
+/// Half the round trip of two threads taking turns on one line ([`take_turns`]), and
+/// whether both were pinned.
+fn turns_half_round(p: &Plan, poll_by_cas: bool) -> CliResult<(f64, bool)> {
     let line = Line::default();
     // Short batches: on a shared host, a batch the scheduler interrupts is an outlier the
     // median drops, and a short one is interrupted less often.
     let iters = p.iters(2_000);
     let limit = Instant::now() + p.limit();
+    let never = AtomicBool::new(false);
+    let mut from = 0;
     let (rt, pinned) = on_two_cores(
         p,
         iters,
-        |n| {
-            for _ in 0..n {
-                if !wait_for(limit, || line.0.load(Ordering::Acquire) % 2 == 0) {
-                    return;
-                }
-                let v = line.0.load(Ordering::Relaxed);
-                keep(
-                    line.0
-                        .compare_exchange(v, v + 1, Ordering::AcqRel, Ordering::Relaxed),
-                )
-                .ok();
-            }
-        },
+        |n| take_turns(&line, &mut from, n, poll_by_cas, limit, &never),
         |stop| {
-            while wait_for(limit, || {
-                line.0.load(Ordering::Acquire) % 2 == 1 || stop.load(Ordering::Acquire)
-            }) && !stop.load(Ordering::Acquire)
-            {
-                let v = line.0.load(Ordering::Relaxed);
-                keep(
-                    line.0
-                        .compare_exchange(v, v + 1, Ordering::AcqRel, Ordering::Relaxed),
-                )
-                .ok();
-            }
+            let mut from = 1;
+            take_turns(&line, &mut from, u64::MAX, poll_by_cas, limit, stop);
         },
     )?;
+    Ok((rt / 2.0, pinned))
+}
+
+/// A line bounced between the two cores by compare-and-swap polls: each turn fetches the
+/// line exclusive from the other core's modified copy, one transfer per half round trip.
+pub fn line_transfer(p: &Plan) -> CliResult<Measured> {
+    let (ns, pinned) = turns_half_round(p, true)?;
     Ok(p.measured(
         "line_transfer",
-        rt / 2.0,
+        ns,
         format!(
-            "half the round trip of a CAS ping-pong on one line between two threads{} ({iters} round trips per batch)",
-            pinned_note(pinned)
+            "half the round trip of two threads{} taking turns on one line, each polling with compare_exchange (a turn fetches the other core's modified line exclusive: one transfer; {} round trips per batch)",
+            pinned_note(pinned),
+            p.iters(2_000)
         ),
     ))
 }
@@ -158,31 +179,18 @@ fn pinned_note(pinned: bool) -> &'static str {
     }
 }
 
-/// An RMW by the line's last writer while the other core keeps reading it: what
-/// invalidating one sharer's copy adds to a local RMW.
-pub fn invalidate(p: &Plan, rmw_local: f64) -> CliResult<Measured> {
-    let line = Line::default();
-    let iters = p.iters(20_000);
-    let (ns, pinned) = on_two_cores(
-        p,
-        iters,
-        |n| {
-            for _ in 0..n {
-                keep(line.0.fetch_add(1, Ordering::AcqRel));
-            }
-        },
-        |stop| {
-            while !stop.load(Ordering::Relaxed) {
-                keep(line.0.load(Ordering::Acquire));
-            }
-        },
-    )?;
+/// The same turns, each side spinning on loads before its compare-and-swap: a transfer into
+/// a shared copy, then an upgrade that invalidates the other core's copy. Minus
+/// `line_transfer`, what the upgrade costs.
+pub fn invalidate(p: &Plan, line_transfer: f64) -> CliResult<Measured> {
+    let (ns, pinned) = turns_half_round(p, false)?;
     Ok(p.measured(
         "invalidate",
-        (ns - rmw_local).max(0.0),
+        (ns - line_transfer).max(0.0),
         format!(
-            "fetch_add on a line another thread keeps reading{} ({ns:.1} ns/RMW), minus rmw_local ({iters} RMWs per batch)",
-            pinned_note(pinned)
+            "half the round trip of two threads{} taking turns on one line, each spinning on loads and then swapping with compare_exchange ({ns:.1} ns: a transfer into a shared copy and an upgrade), minus line_transfer ({} round trips per batch)",
+            pinned_note(pinned),
+            p.iters(2_000)
         ),
     ))
 }

@@ -184,11 +184,11 @@ fn measure_all(p: &Plan) -> CliResult<Vec<Measured>> {
         );
         all.push(m);
     };
-    let rmw = host_bench::rmw_local(p);
-    let rmw_ns = rmw.ns;
-    note(rmw, &mut all);
-    note(host_bench::line_transfer(p)?, &mut all);
-    note(host_bench::invalidate(p, rmw_ns)?, &mut all);
+    note(host_bench::rmw_local(p), &mut all);
+    let lt = host_bench::line_transfer(p)?;
+    let lt_ns = lt.ns;
+    note(lt, &mut all);
+    note(host_bench::invalidate(p, lt_ns)?, &mut all);
     note(host_bench::dram_miss(p), &mut all);
     note(host_bench::dram_stream(p), &mut all);
     note(host_bench::handoff(p)?, &mut all);

@@ -59,6 +59,9 @@ struct Line {
     last_touch: u64,
     /// When its latest write (RMW or store) completed, 0 if never written.
     written: u64,
+    /// The CPU of its latest write in simulation order ([`NO_OWNER`] if none): the other
+    /// sharers loaded it since.
+    last_writer: usize,
 }
 
 impl Line {
@@ -99,9 +102,12 @@ pub struct LineStats {
     /// Busy intervals dropped that a late request could still have met (the floor was held
     /// back past the calendar's bound); 0 in a faithful run.
     pub calendar_evictions: u64,
-    /// Transfers charged late: a write that arrived after another CPU's later writes to the
-    /// line, which had been charged as that CPU's own line (`owners.rs`). Included in
-    /// `transfers`.
+    /// Writes by a CPU holding a copy of a line another CPU wrote last: an upgrade (the
+    /// other copies invalidated), not a transfer.
+    pub upgrades: u64,
+    /// Charges made late: a transfer for a write that arrived after another CPU's later
+    /// writes to the line, which had been charged as that CPU's own line (`owners.rs`;
+    /// included in `transfers`), or an upgrade for a read that did (the writer's next write).
     pub late_transfers: u64,
 }
 
@@ -137,8 +143,9 @@ pub(crate) struct Lines {
     stats: LineStats,
     /// The scheduler's floor: no CPU can request before it (calendar.rs).
     floor: u64,
-    /// CPUs owed a late transfer each, for the scheduler to add to their clocks.
-    owed: Vec<usize>,
+    /// CPUs owed a late charge (a transfer, or an upgrade after a late read) and its cost,
+    /// for the scheduler to add to their clocks.
+    owed: Vec<(usize, u64)>,
 }
 
 impl Lines {
@@ -153,14 +160,9 @@ impl Lines {
         }
     }
 
-    /// A CPU that owes a late transfer (one entry per transfer), until none is left.
-    pub(crate) fn pop_owed(&mut self) -> Option<usize> {
+    /// A CPU that owes a late charge and its cost (one entry per charge), until none is left.
+    pub(crate) fn pop_owed(&mut self) -> Option<(usize, u64)> {
         self.owed.pop()
-    }
-
-    /// What a late transfer costs.
-    pub(crate) fn transfer_cost(&self) -> u64 {
-        self.costs.transfer
     }
 
     /// Raises the floor: no CPU will request before `floor` (the lowest clock of every CPU).
@@ -247,16 +249,29 @@ impl Lines {
                 busy: Calendar::default(),
                 last_touch: t,
                 written: 0,
+                last_writer: NO_OWNER,
             }),
             Entry::Occupied(o) => o.into_mut(),
         };
+        // A CPU holding a copy of another CPU's write (it loaded the line since the latest
+        // write in simulation order, and that write completed before this one asks, in
+        // virtual time) upgrades it: every other copy is invalidated, the owner's included,
+        // and no data moves. One without a copy fetches the line from its owner, whose copy
+        // goes with the transfer (docs/design/virtual-time.md §3, "Coherence").
+        let owner = l.owner();
+        let holds = owner != cpu
+            && owner != NO_OWNER
+            && l.last_writer != cpu
+            && l.sharers.contains(cpu)
+            && l.written <= t;
         let mut others = l.sharers;
         clear(&mut others, cpu);
-        // The owner's copy goes with the transfer.
-        clear(&mut others, l.owner());
+        if !holds {
+            clear(&mut others, l.owner());
+        }
         let inval = c.invalidate.saturating_mul(others.len());
         let fixed = base.saturating_add(miss).saturating_add(inval);
-        let moved = |at: u64| l.owners.at(at).is_some_and(|o| o != cpu);
+        let moved = |at: u64| !holds && l.owners.at(at).is_some_and(|o| o != cpu);
         let cost_if = |moved: bool| fixed.saturating_add(if moved { c.transfer } else { 0 });
         // Who owns the line when the write starts; the start depends on the cost, so a write
         // that had to wait asks again at its start (once: another wait is rarer still).
@@ -269,13 +284,14 @@ impl Lines {
             }
             (transfer, start)
         } else {
-            let owner = l.owner();
-            let transfer = owner != cpu && owner != NO_OWNER;
+            let transfer = !holds && owner != cpu && owner != NO_OWNER;
             (transfer, l.busy.fit(t, cost_if(transfer), true, 0))
         };
         let cost = cost_if(transfer);
         if transfer {
             self.stats.transfers += 1;
+        } else if holds {
+            self.stats.upgrades += 1;
         }
         let end = start.saturating_add(cost);
         self.stats.calendar_evictions += l.busy.insert(start, end, true, self.floor);
@@ -283,9 +299,10 @@ impl Lines {
             self.stats.calendar_evictions += late_transfer(l, owes, c.transfer, self.floor);
             self.stats.transfers += 1;
             self.stats.late_transfers += 1;
-            self.owed.push(owes.0);
+            self.owed.push((owes.0, c.transfer));
         }
         l.sharers = CpuSet::only(cpu);
+        l.last_writer = cpu;
         l.last_touch = l.busy.last_end().max(end);
         l.written = l.written.max(end);
         end
@@ -325,6 +342,7 @@ impl Lines {
                         busy: Calendar::default(),
                         last_touch: end,
                         written: 0,
+                        last_writer: NO_OWNER,
                     },
                 );
                 end
@@ -340,10 +358,12 @@ impl Lines {
                     end = t.saturating_add(c.transfer);
                 }
                 if let Some(owes) = late {
-                    self.stats.calendar_evictions += late_transfer(l, owes, c.transfer, self.floor);
-                    self.stats.transfers += 1;
+                    // The writer kept its copy through the read (both shared it), so its next
+                    // write upgraded the line: an invalidation, not a transfer.
+                    let upgrade = c.invalidate;
+                    self.stats.calendar_evictions += late_transfer(l, owes, upgrade, self.floor);
                     self.stats.late_transfers += 1;
-                    self.owed.push(owes.0);
+                    self.owed.push((owes.0, upgrade));
                 }
                 l.sharers.insert(cpu);
                 l.last_touch = l.last_touch.max(end);
@@ -368,6 +388,14 @@ impl Lines {
         }
     }
 
+    /// After a spin wait on `line` saw another CPU's write: `cpu` loaded the line and holds a
+    /// copy (its clock already counts the transfer).
+    pub(crate) fn joined(&mut self, cpu: usize, line: u64) {
+        if let Some(l) = self.map.get_mut(&line) {
+            l.sharers.insert(cpu);
+        }
+    }
+
     /// Gives the line to `cpu` at `at` at no cost (a lock handed over: the hand-off cost
     /// includes the waiter's transfer of the lock word).
     pub(crate) fn take(&mut self, cpu: usize, at: u64, line: u64) {
@@ -377,11 +405,13 @@ impl Lines {
             busy: Calendar::default(),
             last_touch: at,
             written: 0,
+            last_writer: cpu,
         });
         // The lock model prices and serialises hand-overs (its calendar), so a hand-over
         // that lands inside another CPU's run of writes to the lock word owes nothing here.
         let _ = l.owners.write(cpu, at, self.floor);
         l.sharers = CpuSet::only(cpu);
+        l.last_writer = cpu;
         l.last_touch = l.busy.last_end().max(at);
     }
 
@@ -465,7 +495,7 @@ mod tests {
         // Asked in a gap, simulated late: it went first, taking the line from CPU 0, which
         // owned it then (its write at 1010) and so owes a transfer for its write at 2010.
         assert_eq!(l.rmw(1, 1500, 1), 1610);
-        assert_eq!((l.pop_owed(), l.pop_owed()), (Some(0), None));
+        assert_eq!((l.pop_owed(), l.pop_owed()), (Some((0, 100)), None));
         assert_eq!(l.rmw(1, 1505, 1), 1620); // behind the one that went first, its own
         assert_eq!(l.rmw(1, 2100, 1), 2130); // the later interval still holds
         assert_eq!(l.stats().late_transfers, 1);
@@ -474,6 +504,36 @@ mod tests {
         assert_eq!(l.load(3, 4000, 1), 4100);
         // 1 owns, 2 and 3 share: 1's RMW invalidates two copies.
         assert_eq!(l.rmw(1, 5000, 1), 5000 + 10 + 14);
+    }
+
+    /// The calibration's ping-pong, priced as it measures: a CPU that loaded the line another
+    /// wrote (a transfer) and then writes it upgrades its copy (an invalidation); one that
+    /// writes without a copy fetches the line (a transfer) and invalidates no one else.
+    #[test]
+    fn a_write_after_a_load_upgrades_and_one_without_a_copy_transfers() {
+        let mut l = Lines::new(C);
+        assert_eq!(l.rmw(0, 0, 1), 1010); // miss
+        assert_eq!(l.load(1, 2000, 1), 2100); // written by 0: transfer
+        assert_eq!(l.rmw(1, 2100, 1), 2100 + 10 + 7); // upgrade: 0's copy invalidated
+        assert_eq!(l.stats().upgrades, 1);
+        assert_eq!(l.rmw(0, 3000, 1), 3000 + 10 + 100); // no copy: transfer, no sharer left
+        assert_eq!(l.stats().transfers, 2);
+        // A third CPU's copy is invalidated beside the owner's.
+        assert_eq!(l.load(1, 4000, 1), 4100);
+        assert_eq!(l.load(2, 4000, 1), 4100);
+        assert_eq!(l.rmw(1, 4100, 1), 4100 + 10 + 2 * 7);
+    }
+
+    /// A read that lands between another CPU's writes in virtual time (simulated after
+    /// them) owes that CPU an upgrade for its next write: it kept a shared copy.
+    #[test]
+    fn a_late_read_owes_the_writer_an_upgrade() {
+        let mut l = Lines::new(C);
+        assert_eq!(l.rmw(0, 0, 1), 1010);
+        assert_eq!(l.rmw(0, 2000, 1), 2010);
+        assert_eq!(l.load(1, 1500, 1), 1600);
+        assert_eq!((l.pop_owed(), l.pop_owed()), (Some((0, 7)), None));
+        assert_eq!(l.stats().late_transfers, 1);
     }
 
     /// Guest data lines cost only their movement between CPUs: their memory access is

@@ -4,6 +4,7 @@
 //! counted process-wide and would fail the other tests' `finish` (the one test of them is a
 //! unit test of the library).
 
+mod coherence;
 mod common;
 mod credit;
 mod deadlock;
