@@ -75,6 +75,27 @@ pub enum Exit {
 /// next (about 1.5 µs on current x86 cores).
 const RETRY_ROUND_TRIP_PAUSES: u32 = 64;
 
+/// The real-time stand-in for a guest exit and entry ([`Cost::GuestRoundTrip`]): a PAUSE loop.
+/// `slat calibrate` times this very function for the host's profile, so virtual time charges
+/// what the real-time machine spends here.
+#[inline(never)]
+pub fn guest_round_trip_stand_in() {
+    for _ in 0..RETRY_ROUND_TRIP_PAUSES {
+        std::hint::spin_loop();
+    }
+}
+
+/// A guest exit and entry around an event the guest does not see: the PAUSE loop in real time,
+/// its cost in virtual time.
+#[inline]
+fn guest_round_trip<C: Clock>() {
+    if C::VIRTUAL {
+        C::charge(Cost::GuestRoundTrip, 1);
+    } else {
+        guest_round_trip_stand_in();
+    }
+}
+
 /// Called on the vCPU thread, outside guest mode, when its dirty ring reached the soft limit
 /// (KVM_EXIT_DIRTY_RING_FULL): must harvest and reset the rings before returning.
 pub type RingFullHandler = Arc<dyn Fn() + Send + Sync>;
@@ -307,16 +328,11 @@ impl<F: PteFormat> Cpu<F> {
             let counters = &mut self.counters;
             // This CPU caches no direct-map translation, but the flush reached it as an
             // interrupt while it ran a guest: a VM exit, the handler and the re-entry, which
-            // the flusher waits for. Charged like a retried fault's round trip (a simulated
-            // clock charges the handler instead of spinning).
+            // the flusher waits for, as a retried fault's round trip.
             cpu.service_with::<F::Clock>(|| {
                 counters.kernel_tlb_flushes += 1;
                 F::Clock::charge(Cost::IpiHandler, 1);
-                if !F::Clock::VIRTUAL {
-                    for _ in 0..RETRY_ROUND_TRIP_PAUSES {
-                        std::hint::spin_loop();
-                    }
-                }
+                guest_round_trip::<F::Clock>();
             });
         }
     }
@@ -635,16 +651,8 @@ impl<F: PteFormat> Cpu<F> {
             // trip of a microsecond or two; a retry here costs a tenth of that, and a vCPU
             // re-faulting that fast on a locked entry measurably slows the vCPU that holds it
             // (on this nested 2-core host it doubled the time of a 2 MiB cache clean). The
-            // pause loop charges the round trip instead (a simulated clock charges an exit
-            // and an entry).
-            if F::Clock::VIRTUAL {
-                F::Clock::charge(Cost::VmExit, 1);
-                F::Clock::charge(Cost::VmEntry, 1);
-            } else {
-                for _ in 0..RETRY_ROUND_TRIP_PAUSES {
-                    std::hint::spin_loop();
-                }
-            }
+            // pause loop stands in for the round trip.
+            guest_round_trip::<F::Clock>();
         }
         check(o, f.gpa.raw())
     }

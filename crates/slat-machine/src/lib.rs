@@ -14,6 +14,6 @@ pub mod sched;
 pub mod tlb;
 pub mod vtime;
 
-pub use cpu::{Cpu, CpuCounters, Exit, RingFullHandler};
+pub use cpu::{guest_round_trip_stand_in, Cpu, CpuCounters, Exit, RingFullHandler};
 pub use machine::{Machine, MachineConfig, MachineError, PassReport, VcpuPass, Workload};
 pub use paced::{PacedParams, Pacer, PacerError, MAX_PACED_VCPUS};

@@ -73,7 +73,7 @@ impl Profile {
     }
 }
 
-const COSTS: [(Cost, f64, &str); 21] = [
+const COSTS: [(Cost, f64, &str); 22] = [
     (Cost::WalkStep, 2.0, EST),
     (Cost::HwWalkStep, 2.0, EST),
     (Cost::TlbHit, 1.0, EST),
@@ -114,5 +114,10 @@ const COSTS: [(Cost, f64, &str); 21] = [
         Cost::PageCopy,
         300.0,
         "estimate: about twice zero_page (4 KiB read and 4 KiB written), not measured",
+    ),
+    (
+        Cost::GuestRoundTrip,
+        1_500.0,
+        "estimate: the simulated machine's PAUSE loop, 64 PAUSEs of about 25 ns",
     ),
 ];

@@ -52,6 +52,7 @@ const COST_NAMES: [&str; Cost::ALL.len()] = [
     "walk_side",
     "fast_fault_exit",
     "page_copy",
+    "guest_round_trip",
 ];
 
 /// The index of `cost` in [`Cost::ALL`]; `None` for a cost this crate does not know yet.
@@ -80,6 +81,7 @@ pub(crate) fn cost_index(cost: Cost) -> Option<usize> {
         Cost::WalkSide => 18,
         Cost::FastFaultExit => 19,
         Cost::PageCopy => 20,
+        Cost::GuestRoundTrip => 21,
         _ => return None,
     })
 }

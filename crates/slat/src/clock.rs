@@ -82,11 +82,17 @@ pub enum Cost {
     /// Copying one 4 KiB page of host memory into guest memory (a snapshot reset writing a
     /// dirty page back; its zeroing is [`Cost::ZeroPage`]).
     PageCopy,
+    /// A VM exit and entry the guest does not see, around a retried fault or an interrupt
+    /// taken in guest mode: the vCPU leaves and re-enters before its access goes on. The
+    /// simulated machine stands in for it with a PAUSE loop in real time (so a vCPU that lost
+    /// a race does not re-fault at once on the entry another holds), which a simulated clock
+    /// charges as this instead.
+    GuestRoundTrip,
 }
 
 impl Cost {
     /// Every cost, in declaration order (profiles list them in this order).
-    pub const ALL: [Cost; 21] = [
+    pub const ALL: [Cost; 22] = [
         Cost::WalkStep,
         Cost::HwWalkStep,
         Cost::TlbHit,
@@ -108,6 +114,7 @@ impl Cost {
         Cost::WalkSide,
         Cost::FastFaultExit,
         Cost::PageCopy,
+        Cost::GuestRoundTrip,
     ];
 }
 

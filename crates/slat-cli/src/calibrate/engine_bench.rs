@@ -499,3 +499,22 @@ pub fn guest_mode_round_trip(p: &Plan, known: &[Measured]) -> CliResult<(f64, St
         ),
     ))
 }
+
+/// The simulated machine's real-time stand-in for a guest exit and entry around a retried
+/// fault or an interrupt in guest mode (its PAUSE loop), timed as the machine runs it: what
+/// `guest_round_trip` costs the real-time machine on this host.
+pub fn guest_round_trip(p: &Plan) -> Measured {
+    let iters = p.iters(20_000);
+    let ns = per_op(p.repeat, iters, |n| {
+        for _ in 0..n {
+            slat_machine::guest_round_trip_stand_in();
+        }
+    });
+    p.measured(
+        "guest_round_trip",
+        ns,
+        format!(
+            "slat_machine::guest_round_trip_stand_in, the simulated machine's PAUSE loop after a retried fault or an interrupt taken in guest mode ({iters} loops per batch)"
+        ),
+    )
+}

@@ -174,7 +174,7 @@ fn header(plan: &Plan) -> String {
 /// Every micro-benchmark, in an order where each finds the numbers it subtracts.
 fn measure_all(p: &Plan) -> CliResult<Vec<Measured>> {
     let mut all: Vec<Measured> = Vec::new();
-    let total = 23;
+    let total = 24;
     let note = |m: Measured, all: &mut Vec<Measured>| {
         eprintln!(
             "calibrate: [{:>2}/{total}] {:<15} {:>10.3} ns",
@@ -208,6 +208,7 @@ fn measure_all(p: &Plan) -> CliResult<Vec<Measured>> {
     }
     note(engine_bench::tlb_flush(p)?, &mut all);
     note(host_bench::cmo_line(p), &mut all);
+    note(engine_bench::guest_round_trip(p), &mut all);
     let access = engine_bench::guest_access(p, &all)?;
     note(access, &mut all);
     let (rt, how) = engine_bench::guest_mode_round_trip(p, &all)?;
@@ -272,6 +273,7 @@ fn assemble(name: &str, m: &[Measured]) -> CliResult<Profile> {
         (Cost::TableAlloc, "table_alloc"),
         (Cost::ZeroPage, "zero_page"),
         (Cost::PageCopy, "page_copy"),
+        (Cost::GuestRoundTrip, "guest_round_trip"),
         (Cost::EpochPin, "epoch_pin"),
         (Cost::Defer, "defer"),
         (Cost::PublishedLoad, "published_load"),
