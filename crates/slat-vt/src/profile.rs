@@ -342,18 +342,23 @@ impl Profile {
             path: path.display().to_string(),
             error: e.to_string(),
         };
-        let mut text = String::new();
+        let mut bytes = Vec::new();
         std::fs::File::open(path)
             .map_err(io)?
             .take(MAX_PROFILE_BYTES + 1)
-            .read_to_string(&mut text)
+            .read_to_end(&mut bytes)
             .map_err(io)?;
-        if text.len() as u64 > MAX_PROFILE_BYTES {
+        // The size first: a cut through a multi-byte character must not pass for bad UTF-8.
+        if bytes.len() as u64 > MAX_PROFILE_BYTES {
             return Err(ProfileError::TooLarge {
                 path: path.display().to_string(),
                 limit: MAX_PROFILE_BYTES,
             });
         }
+        let text = String::from_utf8(bytes).map_err(|e| ProfileError::Io {
+            path: path.display().to_string(),
+            error: format!("not UTF-8 text ({})", e.utf8_error()),
+        })?;
         Profile::from_toml(&text)
     }
 

@@ -125,6 +125,9 @@ fn cost_profile_loads_a_file_and_refuses_a_bad_one() {
         if clock == "virtual" {
             assert!(err.contains(f), "{err}");
         }
+        if file == &zero {
+            assert!(err.contains("larger than"), "refused unread: {err}");
+        }
     }
     let _ = std::fs::remove_file(&good);
     let _ = std::fs::remove_file(&bad);
