@@ -139,6 +139,83 @@ pub struct ClockReport {
     pub sim_accesses_per_s: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sim_faults_per_s: Option<f64>,
+    /// What the contention model did (virtual only): [`SimModel`], as JSON (two runs' merge
+    /// adds their counters).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_model: Option<serde_json::Value>,
+}
+
+/// What the contention model did in a virtual run: how many times each cost of the profile
+/// was charged, and the counters of the line, lock and entry-version models. A phase's
+/// virtual time is those charges at the profile's prices plus the waits the models made, so
+/// a researcher can see where it went (docs/design/virtual-time.md §3).
+#[derive(Debug, Clone, Serialize)]
+pub struct SimModel {
+    /// Charges by cost name (a charge of `n` units counts `n`).
+    pub charges: std::collections::BTreeMap<&'static str, u64>,
+    /// The cache-line model: RMWs, stores, loads, transfers, upgrades, misses.
+    pub lines: slat_vt::LineStats,
+    /// The lock model: acquires, queued, barged.
+    pub locks: slat_vt::LockStats,
+    /// Entry writes kept for walks behind in virtual time, and walks that saw an older value.
+    pub versions: slat_vt::VersionStats,
+}
+
+impl SimModel {
+    fn of(stats: &slat_vt::SimStats) -> SimModel {
+        let charges = Cost::ALL
+            .iter()
+            .filter_map(|&c| Some((slat_vt::cost_name(c)?, stats.charged(c))))
+            .collect();
+        SimModel {
+            charges,
+            lines: stats.lines,
+            locks: stats.locks,
+            versions: stats.versions,
+        }
+    }
+
+    /// One text line: the model's headline counters.
+    fn line(m: &serde_json::Value) -> Option<String> {
+        model_line(m)
+    }
+}
+
+/// One text line of a report's or a phase's `sim_model`: the model's headline counters.
+pub fn model_line(m: &serde_json::Value) -> Option<String> {
+    let n = |a: &str, b: &str| m.get(a)?.get(b)?.as_u64();
+    Some(format!(
+            "Model: {} line transfers ({} late), {} upgrades, {} misses; {} of {} lock acquires queued; {} walk loads saw an older entry",
+            n("lines", "transfers")?,
+            n("lines", "late_transfers")?,
+            n("lines", "upgrades")?,
+            n("lines", "misses")?,
+            n("locks", "queued")?,
+            n("locks", "acquires")?,
+            n("versions", "stale_reads")?,
+        ))
+}
+
+/// `a` and `b` with their numbers added, member by member (objects of the same shape).
+fn add_json(a: &serde_json::Value, b: &serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => Value::Object(
+            x.iter()
+                .map(|(k, v)| {
+                    (
+                        k.clone(),
+                        y.get(k).map_or_else(|| v.clone(), |w| add_json(v, w)),
+                    )
+                })
+                .collect(),
+        ),
+        (Value::Number(x), Value::Number(y)) => match (x.as_u64(), y.as_u64()) {
+            (Some(x), Some(y)) => Value::from(x.saturating_add(y)),
+            _ => a.clone(),
+        },
+        _ => a.clone(),
+    }
 }
 
 impl ClockReport {
@@ -156,6 +233,7 @@ impl ClockReport {
             sim_faults: None,
             sim_accesses_per_s: None,
             sim_faults_per_s: None,
+            sim_model: None,
         }
     }
 
@@ -173,6 +251,10 @@ impl ClockReport {
         );
         if let Some(f) = self.sim_faults_per_s {
             l.push_str(&format!(", {f:.0} faults/s"));
+        }
+        if let Some(m) = self.sim_model.as_ref().and_then(SimModel::line) {
+            l.push('\n');
+            l.push_str(&m);
         }
         Some(l)
     }
@@ -196,6 +278,10 @@ impl ClockReport {
             sim_faults: faults,
             sim_accesses_per_s: accesses.map(|n| per_second(n, wall)),
             sim_faults_per_s: faults.map(|n| per_second(n, wall)),
+            sim_model: match (&self.sim_model, &other.sim_model) {
+                (Some(a), Some(b)) => Some(add_json(a, b)),
+                (a, b) => a.clone().or_else(|| b.clone()),
+            },
             ..self.clone()
         }
     }
@@ -282,14 +368,52 @@ pub fn finish(vt: Option<VirtualRun>) -> CliResult<ClockReport> {
     vt.map_or_else(|| Ok(ClockReport::real()), VirtualRun::finish)
 }
 
+thread_local! {
+    /// The simulation the calling thread started and runs as host CPU 0, if any.
+    static CURRENT: std::cell::RefCell<Option<Arc<Sim>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The contention model's counters so far ([`SimModel`], as JSON) of the virtual run the
+/// calling thread drives, `None` in real time. Charges count once their CPU has stopped
+/// running (a vCPU thread that exited), so take them between phases whose threads are gone.
+pub fn model_now() -> Option<serde_json::Value> {
+    CURRENT.with(|c| {
+        let sim = c.borrow().clone()?;
+        serde_json::to_value(SimModel::of(&sim.stats())).ok()
+    })
+}
+
+/// `a - b`, member by member (a phase's counters from two [`model_now`]s).
+pub fn model_since(a: &serde_json::Value, b: &serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => Value::Object(
+            x.iter()
+                .map(|(k, v)| {
+                    (
+                        k.clone(),
+                        y.get(k).map_or_else(|| v.clone(), |w| model_since(v, w)),
+                    )
+                })
+                .collect(),
+        ),
+        (Value::Number(x), Value::Number(y)) => match (x.as_u64(), y.as_u64()) {
+            (Some(x), Some(y)) => Value::from(x.saturating_sub(y)),
+            _ => a.clone(),
+        },
+        _ => a.clone(),
+    }
+}
+
 impl VirtualRun {
     /// Starts a simulation with `profile` and makes the calling thread host CPU 0.
     pub fn start_with(profile: Profile) -> CliResult<VirtualRun> {
-        let sim = Sim::new(profile, 0).map_err(runtime)?;
+        let sim = Arc::new(Sim::new(profile, 0).map_err(runtime)?);
         let host = sim.register("host").map_err(runtime)?;
         host.attach().map_err(runtime)?;
+        CURRENT.with(|c| *c.borrow_mut() = Some(Arc::clone(&sim)));
         Ok(VirtualRun {
-            sim: Arc::new(sim),
+            sim,
             host: Some(host),
             wall: Instant::now(),
         })
@@ -303,6 +427,7 @@ impl VirtualRun {
     /// Ends the host's part (after the machine is gone) and the simulation: its report, or
     /// why the run failed (a deadlock, the watchdog, hooks from unregistered threads).
     pub fn finish(mut self) -> CliResult<ClockReport> {
+        CURRENT.with(|c| c.borrow_mut().take());
         drop(self.host.take());
         let stats = self.sim.finish().map_err(runtime)?;
         let p = self.sim.profile();
@@ -320,6 +445,7 @@ impl VirtualRun {
             sim_faults: None,
             sim_accesses_per_s: Some(per_second(accesses, wall)),
             sim_faults_per_s: None,
+            sim_model: serde_json::to_value(SimModel::of(&stats)).ok(),
         })
     }
 }

@@ -176,8 +176,8 @@ impl Bound {
         }
     }
 
-    /// Moves this CPU's charge counts into the simulation's (it stops running: exits,
-    /// detaches).
+    /// Moves this CPU's charge counts into the simulation's (it stops running: yields, blocks,
+    /// exits, detaches; or [`crate::Sim::stats`] asks on its thread).
     pub(crate) fn flush_charges(&self, g: &mut Inner) {
         for (total, c) in g.charges.iter_mut().zip(&self.charges) {
             *total = total.saturating_add(c.take());
@@ -344,6 +344,7 @@ impl Shared {
             _ => return Some(g),
         }
         g.ready.insert((t, rank, me));
+        b.flush_charges(&mut g);
         let next = g.dispatch();
         drop(g);
         next.run();
@@ -363,6 +364,7 @@ impl Shared {
         if let Some(c) = g.cpus.get_mut(b.idx) {
             c.state = State::Blocked(wait);
         }
+        b.flush_charges(&mut g);
         let next = g.dispatch();
         drop(g);
         next.run();

@@ -80,8 +80,8 @@ pub struct SimStats {
     pub locks: LockStats,
     /// The entry versions walks read (`model/versions.rs`).
     pub versions: VersionStats,
-    /// Charges of each [`Cost`], by [`Cost::ALL`] index, of CPUs that have exited or
-    /// detached (a running CPU adds its own when it stops).
+    /// Charges of each [`Cost`], by [`Cost::ALL`] index, up to each CPU's latest stop (a
+    /// yield, block, detach or exit; the running CPU adds its own when it stops).
     pub charges: [u64; Cost::ALL.len()],
 }
 
@@ -193,9 +193,14 @@ impl Sim {
         g.cpus.iter().map(|c| c.clock).max().unwrap_or(0) / 1000
     }
 
-    /// Counters so far.
+    /// Counters so far. Charges count once their CPU stops running (blocks, yields the
+    /// baton, detaches or exits); the calling thread's own CPU, if it runs in this
+    /// simulation, adds its charges first.
     pub fn stats(&self) -> SimStats {
-        let g = self.shared.inner.lock();
+        let mut g = self.shared.inner.lock();
+        if let Some(b) = bound_to(&self.shared).filter(|b| b.mode.get() == Mode::Running) {
+            b.flush_charges(&mut g);
+        }
         SimStats {
             hooks: g.calls,
             switches: g.switches,

@@ -147,6 +147,10 @@ struct StageRow {
     bbm_breaks: u64,
     cache_cleans: u64,
     cache_clean_bytes: u64,
+    /// Virtual time: what the contention model did in this stage (its logging switch
+    /// included), as the report's `sim_model`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    sim_model: Option<serde_json::Value>,
 }
 
 /// One run (the engine settings at the top level of its JSON, as they always were).
@@ -457,6 +461,7 @@ fn run_stage<F: PteFormat>(
     // Counted from before the logging switch: recovering blocks when logging stops is
     // part of what the adjust stage measures.
     let before = m.vm().stats();
+    let model_before = virtual_time::model_now();
     let logging_switch = match stage {
         Stage::CreateMappings => None,
         Stage::UpdateMappings | Stage::AdjustMappings => {
@@ -472,6 +477,9 @@ fn run_stage<F: PteFormat>(
     );
     let run = m.run(Workload::Stage(params)).map_err(|e| e.to_string())?;
     let after = m.vm().stats();
+    let sim_model = virtual_time::model_now()
+        .zip(model_before)
+        .map(|(a, b)| virtual_time::model_since(&a, &b));
     p.done();
     let d = |f: fn(&Stats) -> u64| f(&after).saturating_sub(f(&before));
     Ok(StageRow {
@@ -491,6 +499,7 @@ fn run_stage<F: PteFormat>(
         bbm_breaks: d(|s| s.bbm_breaks),
         cache_cleans: d(|s| s.cache_cleans),
         cache_clean_bytes: d(|s| s.cache_clean_bytes),
+        sim_model,
     })
 }
 
@@ -543,6 +552,9 @@ fn print_run(a: &PageTableTestArgs, r: &Report) {
                 f.cache_cleans,
                 format_size(f.cache_clean_bytes)
             );
+        }
+        if let Some(m) = f.sim_model.as_ref().and_then(virtual_time::model_line) {
+            println!("  {m}");
         }
         println!("  native: {} (guest/native {:.2}x)", ts(f.native), f.ratio);
         println!();

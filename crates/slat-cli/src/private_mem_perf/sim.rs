@@ -89,6 +89,10 @@ pub struct SimRow {
     /// 2 MiB leaves rebuilt by that conversion.
     collapses: u64,
     samples: Vec<SimSample>,
+    /// Virtual time: what the contention model did in this variant's simulation (the
+    /// conversion to shared included).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    sim_model: Option<serde_json::Value>,
 }
 
 /// `POLICY flush=on|off`.
@@ -203,6 +207,10 @@ fn timed_variant(a: &PrivateMemPerfArgs, v: Variant) -> CliResult<(SimRow, Clock
     };
     let mut clock = virtual_time::finish(vt)?;
     clock.count_faults(&stats);
+    let row = SimRow {
+        sim_model: clock.sim_model.clone(),
+        ..row
+    };
     Ok((row, clock))
 }
 
@@ -359,6 +367,7 @@ fn one_variant<F: PteFormat>(
         to_shared_gib_per_s: per_s(total, to_shared, GIB),
         collapses,
         samples: samples(&stats),
+        sim_model: None,
     };
     Ok((row, engine))
 }

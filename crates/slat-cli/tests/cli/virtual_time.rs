@@ -445,3 +445,64 @@ fn a_retried_fault_costs_the_profiles_guest_round_trip() {
         "{dear_retries} retries at 100 µs: {dear} s against {base} s"
     );
 }
+
+/// A virtual report says what the contention model did (`sim_model`), per stage where the
+/// benchmark has stages, and its counts are the run's: every fault is one fault-path charge,
+/// every guest access one `guest_access`, a run's counters at least its stages' sum, and a
+/// benchmark that runs each variant in a simulation of its own reports their sum.
+#[test]
+fn virtual_reports_say_what_the_model_charged() {
+    let args = [
+        "page-table-test",
+        "-v",
+        "2",
+        "-b",
+        "16M",
+        "--clock",
+        "virtual",
+    ];
+    let r = common::json(&args);
+    let n = |v: &Value, a: &str, b: &str| v[a][b].as_u64().unwrap_or(0);
+    let run = &r["sim_model"];
+    let mut transfers = 0;
+    for s in r["stages"].as_array().expect("stages") {
+        let m = &s["sim_model"];
+        assert!(m.is_object(), "stage without sim_model: {s}");
+        let faults = n(m, "charges", "fast_fault") + n(m, "charges", "slow_fault");
+        assert_eq!(faults, s["faults"].as_u64().unwrap(), "{s}");
+        assert_eq!(n(m, "charges", "guest_access"), 2 * 4096, "{s}");
+        transfers += n(m, "lines", "transfers");
+    }
+    assert!(transfers > 0, "two vCPUs on one region moved no line: {r}");
+    assert!(n(run, "lines", "transfers") >= transfers, "{run}");
+    common::schema::validate("page-table-test.json", &r);
+    let text = common::ok(&args);
+    assert!(text.contains("Model: "), "{text}");
+
+    let real = common::json(&["page-table-test", "-v", "2", "-b", "16M"]);
+    assert!(real.get("sim_model").is_none());
+    assert!(real["stages"][0].get("sim_model").is_none());
+
+    let pmp = common::json(&[
+        "private-mem-perf",
+        "--backend",
+        "sim",
+        "-v",
+        "2",
+        "-b",
+        "4M",
+        "--vary",
+        "direct-map=2m-split,4k",
+        "--clock",
+        "virtual",
+    ]);
+    let run = &pmp["runs"][0];
+    let rows = run["rows"].as_array().expect("rows");
+    let sum: u64 = rows
+        .iter()
+        .map(|row| n(&row["sim_model"], "lines", "rmws"))
+        .sum();
+    assert!(sum > 0, "{run}");
+    assert_eq!(n(&run["sim_model"], "lines", "rmws"), sum, "{run}");
+    common::schema::validate("private-mem-perf.json", &pmp);
+}

@@ -83,7 +83,7 @@ pub(crate) struct LineCosts {
 }
 
 /// Counters of the line model.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct LineStats {
     /// Read-modify-writes modelled.
     pub rmws: u64,
@@ -97,7 +97,8 @@ pub struct LineStats {
     pub misses: u64,
     /// Of those, lines fetched as a stream (the line before them in their page was cached).
     pub streamed: u64,
-    /// Lines in the table now.
+    /// Lines in the table now. (a gauge: not in reports, which give counts)
+    #[serde(skip)]
     pub lines: u64,
     /// Busy intervals dropped that a late request could still have met (the floor was held
     /// back past the calendar's bound); 0 in a faithful run.

@@ -110,7 +110,7 @@ pub(crate) struct Handover {
 }
 
 /// Counters of the lock model.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct LockStats {
     /// Acquires granted.
     pub acquires: u64,

@@ -41,13 +41,14 @@ impl Seen {
 }
 
 /// Counters of the version model.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct VersionStats {
     /// Entry writes recorded.
     pub writes: u64,
     /// Walk reads that saw an older value than memory held (a write later in virtual time).
     pub stale_reads: u64,
-    /// Entries with a recorded write now.
+    /// Entries with a recorded write now. (a gauge: not in reports, which give counts)
+    #[serde(skip)]
     pub entries: u64,
 }
 
