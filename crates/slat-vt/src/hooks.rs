@@ -9,14 +9,15 @@ use crate::model::lock::{Acquire, Handover};
 use crate::scheduler::{Bound, Inner, Shared, State, Wait};
 
 impl Shared {
-    /// An atomic RMW on `addr`'s line; wakes the spinners watching it.
+    /// An atomic RMW on `addr`'s line, once the CPU's buffered stores have completed (a
+    /// locked instruction drains the store buffer); wakes the spinners watching it.
     pub(crate) fn rmw(&self, b: &Bound, addr: usize) {
         let Some(g) = self.enter(b) else { return };
         let Some(mut g) = self.yield_if_ahead(g, b) else {
             return;
         };
         let line = Lines::line_of(addr);
-        if let Some(t) = g.cpus.get(b.idx).map(|c| c.clock) {
+        if let Some(t) = g.drain_stores(b.idx) {
             let end = g.lines.rmw(b.idx, t, line);
             g.cpus[b.idx].clock = end;
             g.settle_late_transfers();
@@ -25,16 +26,17 @@ impl Shared {
         self.leave(g, b);
     }
 
-    /// A plain store to `addr`'s line; wakes the spinners watching it.
+    /// A plain store to `addr`'s line: it retires into the CPU's store buffer, which the
+    /// CPU's next locked instruction waits for; wakes the spinners watching it.
     pub(crate) fn store(&self, b: &Bound, addr: usize) {
         let Some(g) = self.enter(b) else { return };
         let Some(mut g) = self.yield_if_ahead(g, b) else {
             return;
         };
         let line = Lines::line_of(addr);
-        if let Some(t) = g.cpus.get(b.idx).map(|c| c.clock) {
+        if let Some(t) = g.issue_store(b.idx) {
             let end = g.lines.store(b.idx, t, line);
-            g.cpus[b.idx].clock = end;
+            g.cpus[b.idx].stores.push(end);
             g.settle_late_transfers();
             g.wake_watchers(line, end, self.transfer);
         }
@@ -113,30 +115,31 @@ impl Shared {
             return;
         };
         let line = Lines::line_of(addr);
-        if let Some(t) = g.cpus.get(b.idx).map(|c| c.clock) {
-            let end = if write {
-                g.lines.data_write(b.idx, t, line)
-            } else {
-                g.lines.data_load(b.idx, t, line)
-            };
-            g.cpus[b.idx].clock = end;
-            g.settle_late_transfers();
-            if write {
+        if write {
+            // A store: into the store buffer, as `store`.
+            if let Some(t) = g.issue_store(b.idx) {
+                let end = g.lines.data_write(b.idx, t, line);
+                g.cpus[b.idx].stores.push(end);
+                g.settle_late_transfers();
                 g.wake_watchers(line, end, self.transfer);
             }
+        } else if let Some(t) = g.cpus.get(b.idx).map(|c| c.clock) {
+            let end = g.lines.data_load(b.idx, t, line);
+            g.cpus[b.idx].clock = end;
+            g.settle_late_transfers();
         }
         self.leave(g, b);
     }
 
     /// A sequentially consistent fence: a scheduling point costing a local RMW (a locked
-    /// instruction on x86).
+    /// instruction on x86), after the CPU's buffered stores have completed.
     pub(crate) fn fence(&self, b: &Bound) {
         let Some(g) = self.enter(b) else { return };
         let Some(mut g) = self.yield_if_ahead(g, b) else {
             return;
         };
-        if let Some(c) = g.cpus.get_mut(b.idx) {
-            c.clock = c.clock.saturating_add(self.rmw_local);
+        if let Some(t) = g.drain_stores(b.idx) {
+            g.cpus[b.idx].clock = t.saturating_add(self.rmw_local);
         }
         self.leave(g, b);
     }
@@ -150,6 +153,7 @@ impl Shared {
         };
         let me = b.idx;
         let line = Lines::line_of(addr);
+        g.drain_stores(me);
         while let Some(t) = g.cpus.get(me).map(|c| c.clock) {
             let mut out = std::mem::take(&mut g.handovers);
             let got = g.locks.acquire(me, addr, mode, t, &mut out);
@@ -196,7 +200,7 @@ impl Shared {
         };
         let me = b.idx;
         let line = Lines::line_of(addr);
-        let Some(t) = g.cpus.get(me).map(|c| c.clock) else {
+        let Some(t) = g.drain_stores(me) else {
             return;
         };
         let end = match mode {
@@ -307,6 +311,8 @@ impl Shared {
         let Some(mut g) = self.enter(b) else {
             return false;
         };
+        // A futex wait is a system call: the store buffer drains first.
+        g.drain_stores(b.idx);
         if still() {
             g.events.entry(key).or_default().push_back(b.idx);
             g = match self.block(g, b, Wait::Event { key, what }) {
@@ -330,7 +336,12 @@ impl Shared {
         let mut at = 0;
         if let Some(b) = b {
             g.calls += 1;
-            at = b.clock.get();
+            // A wake is a system call: the store buffer drains first.
+            at = g
+                .cpus
+                .get_mut(b.idx)
+                .map_or(b.clock.get(), |c| c.stores.drain(b.clock.get()));
+            b.clock.set(at);
         }
         let mut woken = Vec::new();
         if let Some(q) = g.events.get_mut(&key) {

@@ -20,6 +20,7 @@ use slat::clock::{Cost, LockMode};
 use crate::error::SimError;
 use crate::model::line::{LineCosts, Lines};
 use crate::model::lock::{Handover, Locks};
+use crate::model::store_buffer::StoreBuffer;
 use crate::model::versions::Versions;
 use crate::model::FastHash;
 use crate::profile::{LockPolicy, Profile};
@@ -60,6 +61,8 @@ pub(crate) struct Cpu {
     /// simulation order then is fixed, whatever it was doing in real time when it was found
     /// owing (a detached CPU re-attaches at a real moment).
     pub(crate) owed: u64,
+    /// Its plain stores still completing (`model/store_buffer.rs`).
+    pub(crate) stores: StoreBuffer,
     /// Its clock at its previous scheduler call (whether it advanced since).
     entered_at: u64,
     /// It only reads and sleeps ([`crate::Sim::register_observer`]): it can never wake a
@@ -424,6 +427,7 @@ impl Inner {
             cpu_clock: None,
             granted: false,
             owed: 0,
+            stores: StoreBuffer::default(),
             entered_at: clock,
             observer: false,
         });
@@ -495,6 +499,24 @@ impl Inner {
             locks.forget_idle();
             versions.forget_idle(lines.floor());
         }
+    }
+
+    /// A plain store of CPU `i` issues now: its clock moves only if its store buffer is full
+    /// (to when the oldest entry completes). Returns when the store's line write starts,
+    /// `None` for no such CPU.
+    pub(crate) fn issue_store(&mut self, i: usize) -> Option<u64> {
+        let c = self.cpus.get_mut(i)?;
+        let (go, start) = c.stores.issue(c.clock);
+        c.clock = go;
+        Some(start)
+    }
+
+    /// CPU `i` executes a locked instruction, fence or lock operation: its clock moves to
+    /// when its buffered stores have completed. Returns the clock, `None` for no such CPU.
+    pub(crate) fn drain_stores(&mut self, i: usize) -> Option<u64> {
+        let c = self.cpus.get_mut(i)?;
+        c.clock = c.stores.drain(c.clock);
+        Some(c.clock)
     }
 
     /// Records against each CPU the line model found owing a late transfer (a write that

@@ -1,5 +1,6 @@
-//! The contention model (docs/design/virtual-time.md §3): cache lines and locks; and what a
-//! page-table entry held before writes later in virtual time (§3, "What a walk sees").
+//! The contention model (docs/design/virtual-time.md §3): cache lines, store buffers and
+//! locks; and what a page-table entry held before writes later in virtual time (§3, "What a
+//! walk sees").
 //!
 //! Pure bookkeeping over virtual times: no threads, no waiting. The scheduler asks it when an
 //! access completes or who gets a lock, and makes CPUs wait accordingly.
@@ -8,6 +9,7 @@ pub(crate) mod calendar;
 pub(crate) mod line;
 pub(crate) mod lock;
 pub(crate) mod owners;
+pub(crate) mod store_buffer;
 pub(crate) mod versions;
 
 use std::hash::{BuildHasherDefault, Hasher};

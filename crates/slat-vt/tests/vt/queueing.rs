@@ -128,13 +128,16 @@ fn a_waiting_writer_blocks_later_readers() {
 /// Guest data in memory two vCPUs share: CPU 0 writes 8 lines at time 0, CPU 1 writes the
 /// same lines after a step. A line nobody held costs nothing here (its `guest_access` is
 /// charged apart), so CPU 0 ends at 0; each of CPU 1's writes takes a line CPU 0 owns: a
-/// transfer apiece.
+/// transfer apiece. The stores retire into CPU 1's store buffer, so CPU 1 goes on at once;
+/// its fence waits for them, and they complete one after another (the model claims no
+/// parallel transfers), so the fence ends eight transfers later.
 #[test]
 fn shared_guest_data_pays_for_each_line_that_moves() {
     let sim = common::sim(common::profile(), 0);
     let data = [0u64; 64];
     let line = |k: usize| addr_of(&data[k * 8]);
     let flag = AtomicU64::new(0);
+    let issued = AtomicU64::new(0);
     common::run(&sim, 2, |i| {
         if i == 0 {
             (0..8).for_each(|k| Virtual::data_access(line(k), true));
@@ -144,11 +147,16 @@ fn shared_guest_data_pays_for_each_line_that_moves() {
             Virtual::charge(Cost::VmExit, 1);
             Virtual::spin_until(&[addr_of(&flag)], &mut || flag.load(Ordering::Acquire) == 1);
             (0..8).for_each(|k| Virtual::data_access(line(k), true));
+            issued.store(Virtual::now_ns(), Ordering::Relaxed);
+            Virtual::fence();
         }
     });
     sim.finish().expect("no deadlock, no foreign call");
     let c = common::clocks(&sim);
-    // CPU 0: only the flag's miss. CPU 1: its step (the flag was set long before, so the
-    // spin costs nothing), then eight data transfers.
+    // CPU 0: only the flag's miss (its stores went to lines nobody held). CPU 1: its step
+    // (the flag was set long before, so the spin costs nothing), eight stores that do not
+    // stall it, then the fence's wait for their transfers.
+    assert_eq!(issued.into_inner(), STEP);
     assert_eq!(c, [DRAM * 1000, (STEP + 8 * LT) * 1000]);
+    assert_eq!(sim.stats().lines.transfers, 8);
 }
