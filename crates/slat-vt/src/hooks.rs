@@ -107,6 +107,22 @@ impl Shared {
         (current, seen.value_or(current))
     }
 
+    /// A fault handler's read of the entry at `addr` by `b`, which holds `current`: what
+    /// `b` sees at its clock (`Versions::seen_by_handler`). Not a scheduling point: the
+    /// load it follows was one, and no other CPU has run since.
+    pub(crate) fn entry_as_seen(&self, b: &Bound, addr: usize, current: u64) -> u64 {
+        let Some(mut g) = self.enter(b) else {
+            return current;
+        };
+        let t = g.cpus.get(b.idx).map_or(0, |c| c.clock);
+        let seen = g.versions.seen_by_handler(b.idx, t, addr);
+        if let (Some(at), Some(c)) = (seen.after, g.cpus.get_mut(b.idx)) {
+            c.clock = c.clock.max(at);
+        }
+        self.leave(g, b);
+        seen.value_or(current)
+    }
+
     /// A guest data access to `addr`'s line in memory several vCPUs access: only the line's
     /// movement between CPUs is priced (the access itself is `Cost::GuestAccess`).
     pub(crate) fn data_access(&self, b: &Bound, addr: usize, write: bool) {

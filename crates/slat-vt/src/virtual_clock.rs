@@ -37,6 +37,8 @@ pub enum Hook {
     EntryReplaced,
     /// [`Clock::walk_load`].
     WalkLoad,
+    /// [`Clock::entry_as_seen`].
+    EntryAsSeen,
     /// [`Clock::fence`].
     Fence,
     /// [`Clock::lock`].
@@ -189,6 +191,13 @@ unsafe impl Clock for Virtual {
     fn entry_replaced(addr: usize, old: u64) {
         if let Ok(Some(b)) = running(Hook::EntryReplaced) {
             b.shared.entry_replaced(&b, addr, old);
+        }
+    }
+
+    fn entry_as_seen(addr: usize, current: u64) -> u64 {
+        match running(Hook::EntryAsSeen) {
+            Ok(Some(b)) => b.shared.entry_as_seen(&b, addr, current),
+            _ => current,
         }
     }
 

@@ -162,6 +162,17 @@ pub unsafe trait Clock: Send + Sync + 'static {
     fn entry_replaced(addr: usize, old: u64) {
         let _ = (addr, old);
     }
+    /// A fault handler's read of the page-table entry at `addr`, which holds `current`: the
+    /// value the calling CPU sees at its clock. It differs from `current` only under a clock
+    /// that lets one CPU run ahead in virtual time ([`walk_load`](Self::walk_load)), and the
+    /// handler acts on it only through compare-and-swap, which then fails as it would have
+    /// against the write it did not see ([`crate::mmu::Walk::as_seen_by_handler`]). By
+    /// default `current`.
+    #[inline(always)]
+    fn entry_as_seen(addr: usize, current: u64) -> u64 {
+        let _ = addr;
+        current
+    }
     /// A hardware walk's load of the page-table entry at `addr`: the value memory holds, and the
     /// value the calling CPU sees at its clock. They differ only under a clock that lets one
     /// CPU run ahead in virtual time: the second is then the value from before writes other

@@ -47,6 +47,9 @@ pub struct VersionStats {
     pub writes: u64,
     /// Walk reads that saw an older value than memory held (a write later in virtual time).
     pub stale_reads: u64,
+    /// Fault handlers' reads that saw an older value than memory held: their
+    /// compare-and-swap then lost to that write.
+    pub handler_stale_reads: u64,
     /// Entries with a recorded write now. (a gauge: not in reports, which give counts)
     #[serde(skip)]
     pub entries: u64,
@@ -59,6 +62,9 @@ pub(crate) struct Versions {
     /// Per CPU, the entry its latest stale read was of and when the write it did not see
     /// completed.
     faulted_on: HashMap<usize, (usize, u64), FastHash>,
+    /// Per CPU, the entry its fault handler's latest older read was of and when the write it
+    /// did not see completed ([`Versions::seen_by_handler`]).
+    handler_saw: HashMap<usize, (usize, u64), FastHash>,
     retention: u64,
     next_sweep: u64,
     stats: VersionStats,
@@ -69,6 +75,7 @@ impl Versions {
         Versions {
             map: HashMap::default(),
             faulted_on: HashMap::default(),
+            handler_saw: HashMap::default(),
             retention,
             next_sweep: retention / 64,
             stats: VersionStats::default(),
@@ -137,6 +144,49 @@ impl Versions {
                     after: None,
                 }
             }
+        }
+    }
+
+    /// What `cpu`'s fault handler, at virtual time `t`, sees in the entry at `addr` (the same
+    /// value [`seen`](Self::seen) gives a walk). The real handler of a collision read the entry
+    /// before the other CPU's write and lost the compare-and-swap that followed: so the first
+    /// read sees the older value, and the handler's next read of the entry (after that failed
+    /// compare-and-swap brought the line) sees memory, with the write's completion as
+    /// [`Seen::after`]. Without this the handler always found the entry fixed: a collision
+    /// cost a spurious fault and no lost compare-and-swap, and the slow path never retried.
+    pub(crate) fn seen_by_handler(&mut self, cpu: usize, t: u64, addr: usize) -> Seen {
+        if let Some(&(a, at)) = self.handler_saw.get(&cpu) {
+            if a == addr {
+                self.handler_saw.remove(&cpu);
+                return Seen {
+                    old: None,
+                    after: Some(at),
+                };
+            }
+        }
+        let Some(h) = self.map.get(&addr) else {
+            return Seen {
+                old: None,
+                after: None,
+            };
+        };
+        let Some(v) = h
+            .iter()
+            .flatten()
+            .find(|v| v.at > t && v.cpu != cpu)
+            .copied()
+        else {
+            return Seen {
+                old: None,
+                after: None,
+            };
+        };
+        let latest = h.iter().flatten().map(|v| v.at).max().unwrap_or(v.at);
+        self.handler_saw.insert(cpu, (addr, latest));
+        self.stats.handler_stale_reads += 1;
+        Seen {
+            old: Some(v.old),
+            after: None,
         }
     }
 

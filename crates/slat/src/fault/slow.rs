@@ -202,6 +202,7 @@ fn walk_to_goal<F: PteFormat>(
         if !it.valid() {
             return FaultOutcome::Retry;
         }
+        it.as_seen_by_handler();
         let old = it.old;
         if old == F::FROZEN {
             return FaultOutcome::Retry;

@@ -124,6 +124,23 @@ impl<'g, F: PteFormat> Walk<'g, F> {
         &t.entries[table_index(self.gfn, self.level)]
     }
 
+    /// In a fault handler, after reading the current entry: [`Self::old`] becomes the value
+    /// the calling CPU sees at its clock ([`Clock::entry_as_seen`]), unless that is a table
+    /// pointer (a table unlinked since may be freed: the walk never steps into an older
+    /// one). Only the handlers call it, and they change an entry only by compare-and-swap
+    /// against `old`: an older value makes that fail as it would have against the write the
+    /// CPU did not see yet, and the handler retries (the fast path re-reads; the slow path
+    /// returns `Retry`). A no-op in real time. Code that acts on an entry's value without a
+    /// compare-and-swap (a harvest reading W under the lock) must not call it.
+    #[inline(always)]
+    pub fn as_seen_by_handler(&mut self) {
+        let addr = crate::clock::addr_of(self.sptep());
+        let seen = F::Clock::entry_as_seen(addr, self.old);
+        if seen != self.old && !(F::is_present(seen) && !F::is_leaf(seen, self.level)) {
+            self.old = seen;
+        }
+    }
+
     /// Re-reads the current entry into [`Self::old`].
     #[inline]
     pub fn refresh(&mut self) -> u64 {
