@@ -136,7 +136,8 @@ impl<'g, F: PteFormat> Walk<'g, F> {
     pub fn as_seen_by_handler(&mut self) {
         let addr = crate::clock::addr_of(self.sptep());
         let seen = F::Clock::entry_as_seen(addr, self.old);
-        if seen != self.old && !(F::is_present(seen) && !F::is_leaf(seen, self.level)) {
+        let table = F::is_present(seen) && !F::is_leaf(seen, self.level);
+        if seen != self.old && !table {
             self.old = seen;
         }
     }
