@@ -516,7 +516,8 @@ fn virtual_reports_say_what_the_model_charged() {
 /// and fault on the same page together, as real ones do (82–90% of pages on this host, the
 /// later handler finding the entry fixed). When each store stalled its vCPU for the
 /// transfer, the vCPU behind paid one per page that the one ahead did not, never caught up,
-/// and collided on 13% of the pages (2,158 of 16,384; 47% with the store buffer).
+/// and collided on 13% of the pages (2,158 of 16,384; 47% with the store buffer, 32% once
+/// a collision's handler could also lose its compare-and-swap).
 #[test]
 fn vcpus_writing_together_keep_pace_through_their_store_buffers() {
     let r = common::json(&[
@@ -536,7 +537,37 @@ fn vcpus_writing_together_keep_pace_through_their_store_buffers() {
     );
     assert_eq!(pages, 16384, "{update}");
     assert!(
-        together * 10 >= 3 * pages,
+        together * 4 >= pages,
         "{together} of {pages} pages faulted on together in the update stage"
+    );
+}
+
+/// Two vCPUs faulting on one page together: the handler that read the entry before the other
+/// vCPU's install completed (in virtual time) loses its compare-and-swap, and the slow path
+/// retries, as real ones do (5–8 thousand retried faults of 262,144 pages in the create stage
+/// of `-b 1G -v 2` on this host). The handler used to read the entry as memory held it, found
+/// it fixed, and no fault was ever retried (0 at `-b 16M`, 22 now).
+#[test]
+fn a_collisions_handler_that_read_first_loses_its_compare_and_swap() {
+    let r = common::json(&[
+        "page-table-test",
+        "-v",
+        "2",
+        "-b",
+        "16M",
+        "--clock",
+        "virtual",
+    ]);
+    let create = &r["stages"][0];
+    assert_eq!(create["stage"], "KVM_CREATE_MAPPINGS");
+    let retried = create["pf_retry"].as_u64().unwrap();
+    assert!(retried > 0, "no fault retried: {create}");
+    let lost = create["sim_model"]["versions"]["handler_stale_reads"]
+        .as_u64()
+        .unwrap();
+    assert!(lost >= retried, "{lost} older reads for {retried} retries");
+    assert_eq!(
+        create["pf_fixed"], 4096,
+        "every page installed once: {create}"
     );
 }
