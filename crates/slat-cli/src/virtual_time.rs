@@ -196,22 +196,27 @@ pub fn model_line(m: &serde_json::Value) -> Option<String> {
         ))
 }
 
-/// `a` and `b` with their numbers added, member by member (objects of the same shape).
-fn add_json(a: &serde_json::Value, b: &serde_json::Value) -> serde_json::Value {
+/// `a` and `b` with their counters combined by `op`, member by member (objects of one
+/// shape, as [`SimModel`] serialises): two runs' sum, or a phase's difference.
+fn zip_counters(
+    a: &serde_json::Value,
+    b: &serde_json::Value,
+    op: fn(u64, u64) -> u64,
+) -> serde_json::Value {
     use serde_json::Value;
     match (a, b) {
         (Value::Object(x), Value::Object(y)) => Value::Object(
             x.iter()
                 .map(|(k, v)| {
-                    (
-                        k.clone(),
-                        y.get(k).map_or_else(|| v.clone(), |w| add_json(v, w)),
-                    )
+                    let w = y
+                        .get(k)
+                        .map_or_else(|| v.clone(), |w| zip_counters(v, w, op));
+                    (k.clone(), w)
                 })
                 .collect(),
         ),
         (Value::Number(x), Value::Number(y)) => match (x.as_u64(), y.as_u64()) {
-            (Some(x), Some(y)) => Value::from(x.saturating_add(y)),
+            (Some(x), Some(y)) => Value::from(op(x, y)),
             _ => a.clone(),
         },
         _ => a.clone(),
@@ -279,7 +284,7 @@ impl ClockReport {
             sim_accesses_per_s: accesses.map(|n| per_second(n, wall)),
             sim_faults_per_s: faults.map(|n| per_second(n, wall)),
             sim_model: match (&self.sim_model, &other.sim_model) {
-                (Some(a), Some(b)) => Some(add_json(a, b)),
+                (Some(a), Some(b)) => Some(zip_counters(a, b, u64::saturating_add)),
                 (a, b) => a.clone().or_else(|| b.clone()),
             },
             ..self.clone()
@@ -385,24 +390,7 @@ pub fn model_now() -> Option<serde_json::Value> {
 
 /// `a - b`, member by member (a phase's counters from two [`model_now`]s).
 pub fn model_since(a: &serde_json::Value, b: &serde_json::Value) -> serde_json::Value {
-    use serde_json::Value;
-    match (a, b) {
-        (Value::Object(x), Value::Object(y)) => Value::Object(
-            x.iter()
-                .map(|(k, v)| {
-                    (
-                        k.clone(),
-                        y.get(k).map_or_else(|| v.clone(), |w| model_since(v, w)),
-                    )
-                })
-                .collect(),
-        ),
-        (Value::Number(x), Value::Number(y)) => match (x.as_u64(), y.as_u64()) {
-            (Some(x), Some(y)) => Value::from(x.saturating_sub(y)),
-            _ => a.clone(),
-        },
-        _ => a.clone(),
-    }
+    zip_counters(a, b, u64::saturating_sub)
 }
 
 impl VirtualRun {

@@ -114,11 +114,8 @@ pub(crate) fn fast_page_fault<F: PteFormat>(
     let mut pushed = Pushed::default();
     for _ in 0..FAST_PF_RETRIES {
         let mut it = Walk::<F>::to_leaf(&guard, mmu.root(), Gfn::new(gfn));
-        if !it.valid() {
-            return None;
-        }
         it.as_seen_by_handler();
-        if !F::is_present(it.old) {
+        if !it.valid() || !F::is_present(it.old) {
             return None;
         }
         let old = it.old;

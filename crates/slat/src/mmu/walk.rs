@@ -134,9 +134,9 @@ impl<'g, F: PteFormat> Walk<'g, F> {
     /// compare-and-swap (a harvest reading W under the lock) must not call it.
     #[inline(always)]
     pub fn as_seen_by_handler(&mut self) {
-        if !F::Clock::VIRTUAL {
-            // Compiled out: the entry's address alone cost real-time faults 0.7% more
-            // instructions (callgrind, demand-paging -b 64M -v 1).
+        // Compiled out of real time: the entry's address alone cost real-time faults 0.7%
+        // more instructions (callgrind, demand-paging -b 64M -v 1).
+        if !F::Clock::VIRTUAL || !self.valid {
             return;
         }
         let addr = crate::clock::addr_of(self.sptep());
