@@ -166,7 +166,7 @@ pub unsafe trait Clock: Send + Sync + 'static {
     /// value the calling CPU sees at its clock. It differs from `current` only under a clock
     /// that lets one CPU run ahead in virtual time ([`walk_load`](Self::walk_load)), and the
     /// handler acts on it only through compare-and-swap, which then fails as it would have
-    /// against the write it did not see ([`crate::mmu::Walk::as_seen_by_handler`]). By
+    /// against the write it did not see (`Walk::as_seen_by_handler` in `mmu/walk.rs`). By
     /// default `current`.
     #[inline(always)]
     fn entry_as_seen(addr: usize, current: u64) -> u64 {
