@@ -7,6 +7,19 @@ use serde_json::Value;
 
 /// The report without what may differ between two runs of one virtual command: wall time,
 /// the native baseline (real time on host threads) and host facts.
+/// `page-table-test -v 2 -b BYTES --clock virtual`: two vCPUs writing one shared region.
+fn two_vcpus_on_one_region(bytes: &str) -> [&str; 7] {
+    [
+        "page-table-test",
+        "-v",
+        "2",
+        "-b",
+        bytes,
+        "--clock",
+        "virtual",
+    ]
+}
+
 fn deterministic(mut r: Value) -> Value {
     let o = r.as_object_mut().expect("a report object");
     for k in [
@@ -235,15 +248,7 @@ fn page_table_test_in_virtual_time_is_deterministic() {
 /// they were at their own virtual time).
 #[test]
 fn vcpus_on_shared_pages_fault_together_in_virtual_time() {
-    let args = [
-        "page-table-test",
-        "-v",
-        "2",
-        "-b",
-        "16M",
-        "--clock",
-        "virtual",
-    ];
+    let args = two_vcpus_on_one_region("16M");
     let r = common::json(&args);
     let stages = r["stages"].as_array().expect("stages");
     let field = |i: usize, k: &str| stages[i][k].as_u64().unwrap_or(0);
@@ -456,15 +461,7 @@ fn a_retried_fault_costs_the_profiles_guest_round_trip() {
 /// benchmark that runs each variant in a simulation of its own reports their sum.
 #[test]
 fn virtual_reports_say_what_the_model_charged() {
-    let args = [
-        "page-table-test",
-        "-v",
-        "2",
-        "-b",
-        "16M",
-        "--clock",
-        "virtual",
-    ];
+    let args = two_vcpus_on_one_region("16M");
     let r = common::json(&args);
     let n = |v: &Value, a: &str, b: &str| v[a][b].as_u64().unwrap_or(0);
     let run = &r["sim_model"];
@@ -520,15 +517,7 @@ fn virtual_reports_say_what_the_model_charged() {
 /// a collision's handler could also lose its compare-and-swap).
 #[test]
 fn vcpus_writing_together_keep_pace_through_their_store_buffers() {
-    let r = common::json(&[
-        "page-table-test",
-        "-v",
-        "2",
-        "-b",
-        "64M",
-        "--clock",
-        "virtual",
-    ]);
+    let r = common::json(&two_vcpus_on_one_region("64M"));
     let update = &r["stages"][1];
     assert_eq!(update["stage"], "KVM_UPDATE_MAPPINGS");
     let (pages, together) = (
@@ -549,15 +538,7 @@ fn vcpus_writing_together_keep_pace_through_their_store_buffers() {
 /// it fixed, and no fault was ever retried (0 at `-b 16M`, 22 now).
 #[test]
 fn a_collisions_handler_that_read_first_loses_its_compare_and_swap() {
-    let r = common::json(&[
-        "page-table-test",
-        "-v",
-        "2",
-        "-b",
-        "16M",
-        "--clock",
-        "virtual",
-    ]);
+    let r = common::json(&two_vcpus_on_one_region("16M"));
     let create = &r["stages"][0];
     assert_eq!(create["stage"], "KVM_CREATE_MAPPINGS");
     let retried = create["pf_retry"].as_u64().unwrap();
