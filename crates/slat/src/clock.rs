@@ -130,7 +130,11 @@ impl Cost {
 /// `spin_until` must return only once `cond` has returned `true`. `lock` is called before the
 /// real acquire and `unlock` after the real release of the same lock, with the same mode, on
 /// the same thread; a clock that makes `lock` return while another thread holds the real lock
-/// in a conflicting mode only costs real waiting, never correctness.
+/// in a conflicting mode only costs real waiting, never correctness. `entry_as_seen` (and
+/// `walk_load`'s second value) must be the entry's current value or one it held before, and
+/// a CPU that reads the entry again must come to see the current one: the engine never
+/// follows such a value as a table pointer, but a handler retries for as long as it sees an
+/// older one.
 pub unsafe trait Clock: Send + Sync + 'static {
     /// `true` for a simulated clock: code that must differ in virtual time (a sampler thread,
     /// a data access redirected to phantom memory) tests this constant, which folds away.
